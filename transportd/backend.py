@@ -1,0 +1,127 @@
+"""The one small interface between the proxy and a transport backend (ib, efa, null).
+
+The proxy turns ring records into *plans*: one row per work item for one connection, already resolved
+through the region and flag tables (local address/lkey, remote address/rkey). A backend turns plan rows
+into work requests and reports completions. Backends know nothing about rings; the proxy knows nothing
+about verbs. The daemon picks a backend by name in exactly one place (:func:`transportd.backends.open`).
+
+Plan rows (``PLAN_DTYPE``), posted in row order on one connection:
+
+- ``WRITE``   length bytes laddr (lkey) -> raddr (rkey).
+- ``SIGNAL``  update the flag word at raddr (rkey): ADD ``value`` or SET ``value`` (``signal_op``).
+              It must not become visible before every earlier WRITE of this connection that it covers
+              is placed (DESIGN.md section 4). ``dst_rank``/``slot`` name the flag for backends that
+              publish flags at the receiver (efa).
+- ``FENCE``   later rows of this connection are delivered after earlier ones are placed.
+
+``token`` is the proxy's completion token: when a backend reports it complete, every row posted with
+that token (and everything before it on the connection) has completed locally.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = [
+    "PlanOp",
+    "SignalOp",
+    "PLAN_DTYPE",
+    "COMPLETION_DTYPE",
+    "MemoryKey",
+    "Backend",
+    "FlagPublisher",
+    "empty_plan",
+]
+
+
+class PlanOp(enum.IntEnum):
+    WRITE = 1
+    SIGNAL = 2
+    FENCE = 3
+
+
+class SignalOp(enum.IntEnum):
+    ADD = 0
+    SET = 1
+
+
+PLAN_DTYPE = np.dtype(
+    [
+        ("op", "u1"),
+        ("signal_op", "u1"),
+        ("dst_rank", "<u2"),
+        ("length", "<u4"),
+        ("laddr", "<u8"),
+        ("raddr", "<u8"),
+        ("lkey", "<u4"),
+        ("rkey", "<u4"),
+        ("value", "<u8"),
+        ("slot", "<u4"),
+        ("chunk_id", "<u4"),
+        ("token", "<u8"),
+    ],
+    align=True,
+)
+
+# Completions a backend reports: the token, and a status (0 = success, else the verbs wc status).
+COMPLETION_DTYPE = np.dtype([("token", "<u8"), ("status", "<u4"), ("vendor_err", "<u4")], align=True)
+
+
+def empty_plan(n: int = 0) -> np.ndarray:
+    return np.zeros(n, dtype=PLAN_DTYPE)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryKey:
+    """A registered region as this rail sees it: local key for sources, remote key for peers."""
+
+    addr: int  # the address WRs use for this region (a VA, or an iova/offset for dmabuf MRs)
+    length: int
+    lkey: int
+    rkey: int
+
+
+class FlagPublisher(Protocol):
+    """Receiver side (efa): publish a flag update once everything it covers has arrived."""
+
+    def __call__(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None: ...
+
+
+class Backend(Protocol):
+    """One rail's NIC as the proxy sees it."""
+
+    name: str
+
+    def local_address(self) -> dict[str, Any]:
+        """What a peer needs to reach this rail (msgpack-able)."""
+
+    def register_memory(self, addr: int, length: int, *, remote_write: bool, remote_atomic: bool,
+                        accessor: Any = None) -> MemoryKey:
+        """Register [addr, addr+length) on this rail."""
+
+    def deregister_memory(self, key: MemoryKey) -> None: ...
+
+    def create_endpoint(self, conn_id: int, job: str) -> dict[str, Any]:
+        """Create the local end of connection ``conn_id``; returns what the remote end must know."""
+
+    def connect(self, conn_id: int, remote: dict[str, Any]) -> None:
+        """Connect ``conn_id`` to the remote end described by ``remote`` (its create_endpoint result)."""
+
+    def close_connection(self, conn_id: int) -> None: ...
+
+    def post(self, conn_id: int, plan: np.ndarray) -> int:
+        """Post ``plan`` (PLAN_DTYPE rows, in order); returns the number of WRs it became."""
+
+    def poll(self, max_completions: int = 256) -> np.ndarray:
+        """Completed tokens since the last call (COMPLETION_DTYPE)."""
+
+    def inflight(self, conn_id: int) -> int:
+        """WRs posted on ``conn_id`` and not yet completed."""
+
+    def set_flag_publisher(self, publisher: FlagPublisher) -> None: ...
+
+    def close(self) -> None: ...
