@@ -1,0 +1,179 @@
+"""Errors raised by transportd, grouped by where the fault came from.
+
+One base class, :class:`TransportdError`, so callers can catch everything we raise. Subclasses say who is
+at fault, which decides what to do about it:
+
+==========================  ==============================================================================
+``ConfigError``             the operator's config file (fix the file; the message names file and key)
+``LocalProtocolError``      our own code tried to build or send a message the protocol forbids (a bug here)
+``RemoteProtocolError``     the other side sent bytes we cannot accept (malformed, oversized, wrong version)
+``RequestError``            a well-formed request the daemon refused; ``code`` is a stable string
+``PeerError``               a peer daemon misbehaved; ``PeerDeadError`` when it stopped answering
+``DaemonUnavailableError``  no daemon at the control endpoint, or it cannot be reached; says how to fix it
+``DaemonTimeoutError``      the daemon was reached once but stopped answering a request in time
+==========================  ==============================================================================
+
+The Local/Remote split follows h11: messages are validated on construction (a failure there is local),
+and the single receive boundary translates the same failure into ``RemoteProtocolError``.
+
+:class:`ErrorCode` is the numeric vocabulary a proxy writes into a channel's error word, readable by a GPU
+kernel through ``tpd::status(ch)``. The values are ABI: the CUDA header mirrors them (see
+:func:`error_code_c_enum`), so a value is never reused or renumbered.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = [
+    "ConfigError",
+    "DaemonTimeoutError",
+    "DaemonUnavailableError",
+    "ErrorCode",
+    "LocalProtocolError",
+    "PeerDeadError",
+    "PeerError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "RequestError",
+    "TransportdError",
+    "error_code_c_enum",
+]
+
+
+class TransportdError(Exception):
+    """Base of every error transportd raises on purpose."""
+
+
+class ConfigError(TransportdError):
+    """A config file is unreadable or holds a bad value; names the file and dotted key so it can be fixed."""
+
+    def __init__(self, file: str, key: str, reason: str) -> None:
+        self.file = file
+        self.key = key
+        self.reason = reason
+        super().__init__(f"{file}: {key}: {reason}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        return (type(self), (self.file, self.key, self.reason))
+
+
+class ProtocolError(TransportdError):
+    """A message breaks the control or peer protocol.
+
+    ``code`` is the stable reply code the control server sends back for it (see
+    :class:`transportd.protocol.ReplyCode`); ``field`` names the offending field when there is one.
+    """
+
+    def __init__(self, message: str, *, code: str = "bad_message", field: str | None = None) -> None:
+        self.code = code
+        self.field = field
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_protocol_error, (type(self), str(self), self.code, self.field))
+
+
+def _rebuild_protocol_error(cls: type[ProtocolError], message: str, code: str, field: str | None):
+    return cls(message, code=code, field=field)
+
+
+class LocalProtocolError(ProtocolError):
+    """We were about to build or send something the protocol forbids: a mistake in the calling code."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The other side sent something the protocol forbids; the connection itself may still be usable."""
+
+
+class RequestError(TransportdError):
+    """The daemon understood a request and refused it.
+
+    ``code`` is a stable machine-readable string (``"bad_state"``, ``"invalid"``, ...) so callers branch on
+    it rather than on the human ``message``.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.code, self.message))
+
+
+class PeerError(TransportdError):
+    """A peer daemon sent something wrong or could not be connected; ``peer`` names it."""
+
+    def __init__(self, peer: str, message: str) -> None:
+        self.peer = peer
+        super().__init__(f"peer {peer}: {message}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_peer_error, (type(self), self.peer, str(self)))
+
+
+def _rebuild_peer_error(cls: type[PeerError], peer: str, text: str) -> PeerError:
+    err = cls.__new__(cls)
+    err.peer = peer
+    Exception.__init__(err, text)
+    return err
+
+
+class PeerDeadError(PeerError):
+    """A peer daemon stopped answering heartbeats; its connections and the jobs using them are lost."""
+
+
+class DaemonUnavailableError(TransportdError):
+    """The local daemon cannot be reached at ``endpoint``; the message says what to check or run."""
+
+    def __init__(self, endpoint: str, message: str) -> None:
+        self.endpoint = endpoint
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.endpoint, str(self)))
+
+
+class DaemonTimeoutError(DaemonUnavailableError):
+    """A request got no reply in time from a daemon that had answered before (hung, overloaded or gone)."""
+
+
+class ErrorCode(IntEnum):
+    """Codes a proxy writes into a channel's error word; 0 means no error.
+
+    The first bad record's code is kept (later ones only raise counters), so a kernel sees the root cause.
+    Values fit in 16 bits and are mirrored by ``TPD_ERR_*`` in the CUDA header.
+    """
+
+    def __new__(cls, value: int, doc: str) -> ErrorCode:
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.__doc__ = doc
+        return member
+
+    OK = 0, "No error: every record on this channel so far was accepted."
+    BAD_OPCODE = 1, "A record's opcode is not one the proxy knows; the record was not posted."
+    BAD_PEER = 2, "A record names a destination rank outside the job's world or without a connection."
+    BAD_REGION = 3, "A record names a region id not registered by this job (regions are job-scoped)."
+    OUT_OF_BOUNDS = 4, "offset + length falls outside the source or destination region."
+    BAD_LENGTH = 5, "A transfer length of zero, or above the backend's maximum message size."
+    BAD_SLOT = 6, "A signal or flag slot index outside the channel's flag array."
+    CLIENT_GONE = 7, "A record arrived from a client that already left or was reclaimed."
+    PEER_LOST = 8, "The destination's node stopped answering heartbeats; its work was flushed."
+    REMOTE_ACCESS = 9, "The remote NIC refused the access (rkey, bounds or permission): a remote-access error."
+    TRANSPORT = 10, "Any other completion error from the NIC (retry exceeded, QP in error, flush)."
+    BAD_ALIGNMENT = 11, "An atomic signal's address or a flag's address is not 8-byte aligned."
+    BAD_RECORD = 12, "A torn or corrupt record (commit word or parity mismatch); it was skipped."
+    NO_ACCESS = 13, "The region was registered without the access the operation needs (read/write/atomic)."
+    INTERNAL = 255, "A fault inside the daemon itself; the daemon's log has the details."
+
+
+def error_code_c_enum(prefix: str = "TPD_ERR_") -> str:
+    """C enum text for :class:`ErrorCode`, so the CUDA header can be generated from (or checked against) it."""
+    lines = ["enum tpd_error_code {"]
+    for code in ErrorCode:
+        lines.append(f"    /** {code.__doc__} */")
+        lines.append(f"    {prefix}{code.name} = {int(code)},")
+    lines.append("};")
+    return "\n".join(lines) + "\n"
