@@ -1,0 +1,238 @@
+"""A client's connection to its node's daemon: the zmq shell on the client side of the control protocol.
+
+:class:`ControlConnection` owns one REQ socket (relaxed and correlated, so a timed-out request does not wedge
+it and a late reply is never taken for the next one's). Construction performs a bounded ``hello``; when
+nothing answers, the error says the daemon is not running at that endpoint and how to start it, instead of
+hanging. Requests built from :mod:`transportd.protocol` classes are checked against the session state
+machine before they are sent, so ``register`` before ``join`` fails locally with the reason.
+
+Endpoint resolution: explicit argument > ``$TRANSPORTD_SOCKET`` > the config's ``control.socket``.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from transportd import codec, protocol
+from transportd.config import DEFAULT_SOCKET, SOCKET_ENV, Config
+from transportd.curve import CurveClientKeys, configure_client
+from transportd.errors import DaemonTimeoutError, DaemonUnavailableError, TransportdError
+from transportd.protocol import Heartbeat, Hello, Request, Session
+
+__all__ = ["ControlConnection", "resolve_endpoint"]
+
+_START_HINT = (
+    "Start it with `transportd run --config /etc/transportd/transportd.toml` (or `systemctl start transportd`), "
+    f"or set {SOCKET_ENV} / pass endpoint= if it listens elsewhere."
+)
+_MAX_REPLY_BYTES = 64 << 20
+
+
+def resolve_endpoint(endpoint: str | None = None, *, config: Config | None = None,
+                     env: Mapping[str, str] | None = None) -> str:
+    """The control endpoint to use: ``endpoint`` if given, else ``$TRANSPORTD_SOCKET``, else the config's."""
+    if endpoint:
+        return endpoint
+    value = (os.environ if env is None else env).get(SOCKET_ENV)
+    if value:
+        return value
+    return config.control.socket if config is not None else DEFAULT_SOCKET
+
+
+def _close_resources(sock: zmq.Socket, context: zmq.Context | None) -> None:
+    sock.close(linger=0)
+    if context is not None:
+        context.term()
+
+
+class ControlConnection:
+    """One client session with the local daemon over its control socket."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        config: Config | None = None,
+        timeout_ms: int = 10_000,
+        handshake_timeout_ms: int = 2_000,
+        name: str = "",
+        curve: CurveClientKeys | None = None,
+        context: zmq.Context | None = None,
+        handshake: bool = True,
+    ) -> None:
+        """Connect to ``endpoint`` (see :func:`resolve_endpoint`) and, unless ``handshake`` is False, say hello.
+
+        ``timeout_ms`` bounds each request; ``handshake_timeout_ms`` bounds the hello (and sends). Raises
+        :class:`DaemonUnavailableError` when the daemon does not answer the hello in time.
+        """
+        self.endpoint = resolve_endpoint(endpoint, config=config)
+        self.timeout_ms = timeout_ms
+        self.handshake_timeout_ms = handshake_timeout_ms
+        self.session = Session()
+        self.hello_reply: dict[str, Any] = {}
+        self._name = name
+        self._suspect: str | None = None  # why the daemon may be gone (set by a timed-out request)
+        own_context = context is None
+        ctx = zmq.Context() if context is None else context
+        try:
+            sock = ctx.socket(zmq.REQ)
+        except BaseException:
+            if own_context:
+                ctx.term()
+            raise
+        # One bag: socket (and the context if we made it) are released together, even if we are leaked.
+        self._sock = sock
+        self._finalizer = weakref.finalize(self, _close_resources, sock, ctx if own_context else None)
+        try:
+            sock.linger = 0
+            sock.setsockopt(zmq.REQ_RELAXED, 1)
+            sock.setsockopt(zmq.REQ_CORRELATE, 1)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a daemon we are not connected to
+            sock.sndtimeo = handshake_timeout_ms
+            if curve is not None:
+                configure_client(sock, curve)
+            sock.connect(self.endpoint)
+            if handshake:
+                self.hello()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    def hello(self) -> dict[str, Any]:
+        """The bounded startup handshake; returns the daemon's hello reply fields."""
+        req = Hello(pid=os.getpid(), name=self._name)
+        try:
+            self.hello_reply = self.request(req, timeout_ms=self.handshake_timeout_ms)
+        except DaemonUnavailableError as exc:
+            raise DaemonUnavailableError(self.endpoint, self._not_running_message()) from exc
+        return self.hello_reply
+
+    def request(self, msg: Request | Mapping[str, Any], *, timeout_ms: int | None = None) -> dict[str, Any]:
+        """Send one request and return the reply's fields.
+
+        Raises :class:`RequestError` for an error reply, :class:`LocalProtocolError` when a :class:`Request`
+        is not allowed in the session's state, :class:`DaemonTimeoutError` when no reply comes in time.
+        A plain dict is sent as is (no state check), which is how tests send malformed messages.
+        """
+        self.ensure_alive()
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        op = msg.op if isinstance(msg, Request) else str(msg.get("op", "?"))
+        if isinstance(msg, Request):
+            self.session.check(op)
+            payload = codec.encode(msg.to_msg())
+        else:
+            payload = codec.encode(dict(msg))
+        self._exchange(payload, op, timeout)
+        reply = self._receive(op, timeout)
+        fields = protocol.parse_reply(reply)  # raises RequestError for error replies
+        if isinstance(msg, Request):
+            self.session.advance(op)
+        return fields
+
+    def _exchange(self, payload: bytes, op: str, timeout_ms: int) -> None:
+        try:
+            self._sock.send(payload)
+        except zmq.Again:
+            self._suspect = f"could not send '{op}' within {self._sock.sndtimeo / 1000:.1f} s"
+            raise DaemonTimeoutError(
+                self.endpoint, f"transportd at {self.endpoint} is not accepting requests ({self._suspect}). "
+                + _START_HINT) from None
+
+    def _receive(self, op: str, timeout_ms: int) -> dict[str, Any]:
+        if not self._sock.poll(timeout_ms, zmq.POLLIN):
+            self._suspect = f"no reply to '{op}' within {timeout_ms / 1000:.1f} s"
+            raise DaemonTimeoutError(
+                self.endpoint, f"transportd at {self.endpoint} did not answer ({self._suspect}); it may be hung "
+                "or overloaded: check its log (`journalctl -u transportd`)")
+        data = self._sock.recv()
+        self._suspect = None
+        return codec.decode(data, _MAX_REPLY_BYTES)
+
+    # --- liveness ------------------------------------------------------------------------------------
+
+    def ensure_alive(self) -> None:
+        """Raise :class:`DaemonUnavailableError` now rather than hang later when the daemon is gone.
+
+        Cheap when all is well; after a timed-out request it pings the daemon once (bounded by the
+        handshake timeout) before letting another request through.
+        """
+        if not self._finalizer.alive:
+            raise DaemonUnavailableError(self.endpoint, f"connection to transportd at {self.endpoint} is closed")
+        path = _ipc_path(self.endpoint)
+        if path is not None and self.session.state is not protocol.SessionState.NEW and not os.path.exists(path):
+            raise DaemonUnavailableError(
+                self.endpoint, f"transportd at {self.endpoint} has exited (socket file {path} is gone). "
+                + _START_HINT)
+        if self._suspect is not None:
+            suspect, self._suspect = self._suspect, None
+            try:
+                payload = codec.encode(Heartbeat().to_msg())
+                self._exchange(payload, "heartbeat", self.handshake_timeout_ms)
+                protocol.parse_reply(self._receive("heartbeat", self.handshake_timeout_ms))
+            except TransportdError as exc:
+                self._suspect = suspect
+                raise DaemonUnavailableError(
+                    self.endpoint, f"transportd at {self.endpoint} stopped answering ({suspect}, and a "
+                    f"heartbeat got no reply either). " + _START_HINT) from exc
+
+    def _not_running_message(self) -> str:
+        seconds = self.handshake_timeout_ms / 1000
+        detail = ""
+        path = _ipc_path(self.endpoint)
+        if path is not None:
+            detail = _socket_file_problem(path)
+        return (f"transportd is not running at {self.endpoint} (no reply to hello within {seconds:.1f} s"
+                f"{'; ' + detail if detail else ''}). " + _START_HINT)
+
+    # --- lifetime ------------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or the object was collected)."""
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Release the socket (and the context if this connection created it). Does not send ``leave``."""
+        self._finalizer()
+
+    def __enter__(self) -> ControlConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.session.state.value
+        return f"ControlConnection({self.endpoint!r}, {state})"
+
+
+def _ipc_path(endpoint: str) -> str | None:
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        return endpoint[len("ipc://"):]
+    return None
+
+
+def _socket_file_problem(path: str) -> str:
+    """Why a client may fail to reach an ipc socket file, in words an operator can act on."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"socket file {path} does not exist"
+    except PermissionError:
+        return f"no permission to look up {path}: check the directory's permissions"
+    if not os.access(path, os.R_OK | os.W_OK):
+        try:
+            group = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            group = str(st.st_gid)
+        return (f"no permission to use {path} (mode {oct(st.st_mode & 0o777)}, group {group}): "
+                f"add this user to group {group} or set control.group")
+    return f"socket file {path} exists but nothing answered: a stale socket from a daemon that died?"
