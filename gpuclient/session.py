@@ -1,0 +1,269 @@
+"""The host client API: connect to the node's daemon, join a job, register memory, open channels.
+
+::
+
+    client = gpuclient.connect()                       # TRANSPORTD_SOCKET or the default socket
+    session = client.join("train-42", rank=0, world=2)
+    buf = gpuclient.host_array(1 << 20)                # memory the daemon can map
+    region = session.register(buf)
+    flags = session.flags(64)                          # this rank's flag words, signalled by peers
+    session.exchange()                                 # wait until every rank's regions are known
+    ch = session.channel()
+    ch.put_signal(peer=1, dst_region=region.id, dst_off=0, src_region=region.id, src_off=0,
+                  nbytes=4096, slot=3, value=1)
+    session.wait(slot=3, at_least=1, timeout=5.0)      # on the receiving rank
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cmd_ring import RECORD_DTYPE, Flag, Opcode, RingFile, RingProducer
+from gpuclient.host_memory import resolve_host_buffer
+from transportd.connection import ControlConnection
+from transportd.errors import ErrorCode, TransportdError
+from transportd.flagfile import FlagFile
+from transportd.protocol import Channel as ChannelRequest
+from transportd.protocol import Exchange, Flags, Join, Leave, Register, Stats
+
+__all__ = ["connect", "Client", "Session", "Region", "FlagArray", "ChannelHandle", "ChannelError", "SignalOp"]
+
+
+class ChannelError(TransportdError):
+    """The daemon reported an error for this channel or session (see ``code``, an ErrorCode)."""
+
+    def __init__(self, code: int, count: int = 1, position: int = 0) -> None:
+        self.code = code
+        self.count = count
+        self.position = position
+        try:
+            name = ErrorCode(code).name
+        except ValueError:
+            name = f"code {code}"
+        super().__init__(f"{name}: {count} command(s) failed, the first at ring position {position}")
+
+
+class SignalOp:
+    ADD = "add"
+    SET = "set"
+
+
+def connect(socket: str | None = None, timeout: float = 5.0) -> Client:
+    """Connect to the node's daemon (``socket`` > ``TRANSPORTD_SOCKET`` > the default)."""
+    return Client(ControlConnection(socket, timeout_ms=int(timeout * 1000), name="gpuclient"))
+
+
+class Client:
+    """A connection to the daemon; ``join`` makes the session that does the work."""
+
+    def __init__(self, conn: ControlConnection) -> None:
+        self._conn = conn
+        self.info = conn.hello_reply
+
+    def join(self, job: str, rank: int, world: int, device: int | None = None) -> Session:
+        reply = self._conn.request(Join(job=job, rank=rank, world=world, device=-1 if device is None else device))
+        return Session(self._conn, job, rank, world, reply)
+
+    def stats(self) -> dict[str, Any]:
+        return self._conn.request(Stats())
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered buffer: commands name it by ``id`` and address it by byte offset."""
+
+    id: int
+    nbytes: int
+
+
+class FlagArray:
+    """This rank's flag words (monotonic 64-bit counters peers ADD to or SET)."""
+
+    def __init__(self, path: str, count: int) -> None:
+        self._file = FlagFile(Path(path))
+        if self._file.count != count:
+            raise ValueError(f"flag file {path} holds {self._file.count} flags, expected {count}")
+        self.values = self._file.values
+        self.count = count
+
+    @property
+    def status(self) -> int:
+        """The session-wide error code the daemon writes (ErrorCode; 0 = fine)."""
+        return self._file.status
+
+    def __getitem__(self, slot: int) -> int:
+        return int(self.values[slot])
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class ChannelHandle:
+    """A command ring with a CPU producer: the host twin of the device API's ``tpd::Channel``.
+
+    One producer per channel: use it from one thread.
+    """
+
+    def __init__(self, session: Session, channel_id: int, ring_path: str) -> None:
+        self.id = channel_id
+        self._session = session
+        self.ring = RingFile.attach(ring_path)
+        self._producer = RingProducer(self.ring)
+        self._record = np.zeros(1, dtype=RECORD_DTYPE)
+        self.timeout = 30.0
+
+    def _push(self, opcode: Opcode, *, peer: int = 0, dst_region: int = 0, dst_off: int = 0, src_region: int = 0,
+              src_off: int = 0, nbytes: int = 0, chunk_id: int = 0, slot: int = 0, value: int = 0,
+              flags: Flag = Flag.NONE) -> int:
+        rec = self._record
+        rec[0] = (0, int(opcode), int(flags), peer, src_off, dst_off, nbytes, src_region, dst_region, chunk_id,
+                  slot, value)
+        position = self._producer.position
+        self._producer.push_records(rec, timeout=self.timeout)
+        return position
+
+    def put(self, peer: int, dst_region: int, dst_off: int, src_region: int, src_off: int, nbytes: int,
+            chunk_id: int = 0) -> int:
+        """Write ``nbytes`` from our ``src_region`` to ``peer``'s ``dst_region``; returns the ring position."""
+        return self._push(Opcode.PUT, peer=peer, dst_region=dst_region, dst_off=dst_off, src_region=src_region,
+                          src_off=src_off, nbytes=nbytes, chunk_id=chunk_id)
+
+    def put_signal(self, peer: int, dst_region: int, dst_off: int, src_region: int, src_off: int, nbytes: int,
+                   slot: int, value: int = 1, op: str = SignalOp.ADD, chunk_id: int = 0) -> int:
+        """``put``, then update ``peer``'s flag ``slot`` once the payload is placed there."""
+        return self._push(Opcode.PUT_SIGNAL, peer=peer, dst_region=dst_region, dst_off=dst_off,
+                          src_region=src_region, src_off=src_off, nbytes=nbytes, chunk_id=chunk_id, slot=slot,
+                          value=value, flags=_signal_flag(op))
+
+    def signal(self, peer: int, slot: int, value: int = 1, op: str = SignalOp.ADD) -> int:
+        """Update ``peer``'s flag ``slot`` after every earlier command to that peer is placed."""
+        return self._push(Opcode.SIGNAL, peer=peer, slot=slot, value=value, flags=_signal_flag(op))
+
+    def fence(self, peer: int) -> int:
+        """Later commands to ``peer`` are delivered after earlier ones are placed."""
+        return self._push(Opcode.FENCE, peer=peer)
+
+    def quiet(self, timeout: float | None = None) -> None:
+        """Block until every command pushed so far has completed locally (raises on a channel error)."""
+        position = self._push(Opcode.QUIET)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while self.ring.completion_pos <= position:
+            self.raise_for_status()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"quiet: completion position {self.ring.completion_pos} did not pass "
+                                   f"{position} in time")
+            time.sleep(20e-6)
+        self.raise_for_status()
+
+    def status(self) -> tuple[int, int, int]:
+        """The error word: ``(first_code, count, first_position)``; code 0 means no error."""
+        return self.ring.error
+
+    def raise_for_status(self) -> None:
+        code, count, position = self.ring.error
+        if code:
+            raise ChannelError(code, count, position)
+
+
+def _signal_flag(op: str) -> Flag:
+    if op == SignalOp.ADD:
+        return Flag.NONE
+    if op == SignalOp.SET:
+        return Flag.SIGNAL_SET
+    raise ValueError(f"signal op must be 'add' or 'set', got {op!r}")
+
+
+class Session:
+    """One rank of one job on this node."""
+
+    def __init__(self, conn: ControlConnection, job: str, rank: int, world: int, info: dict[str, Any]) -> None:
+        self._conn = conn
+        self.job, self.rank, self.world = job, rank, world
+        self.info = info
+        self.flag_array: FlagArray | None = None
+        self.channels: list[ChannelHandle] = []
+        self._keep: list[object] = []  # buffers registered: keep them mapped while the daemon uses them
+
+    def register(self, buffer: object, access: tuple[str, ...] = ("read", "write")) -> Region:
+        """Register a ``gpuclient.host_array`` (or a view into one) for RDMA; returns its region."""
+        path, offset, nbytes, address = resolve_host_buffer(buffer)
+        reply = self._conn.request(Register(kind="host", handle=str(path), offset=offset, size=nbytes,
+                                            address=address, access=tuple(access)))
+        self._keep.append(buffer)
+        return Region(int(reply["region"]), nbytes)
+
+    def flags(self, count: int, where: str = "host") -> FlagArray:
+        """Allocate this rank's ``count`` flag words (once per session)."""
+        reply = self._conn.request(Flags(count=count, where=where))
+        self.flag_array = FlagArray(reply["path"], count)
+        return self.flag_array
+
+    def exchange(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Publish this rank's regions and flags; return once every rank of the job has done so."""
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._conn.request(Exchange())
+            if reply.get("complete"):
+                return reply
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"exchange: {reply.get('known', '?')} of {self.world} ranks of job "
+                                   f"{self.job!r} known after {timeout}s")
+            time.sleep(0.01)
+
+    def channel(self, capacity: int = 4096) -> ChannelHandle:
+        """Open a command ring to the daemon's proxy."""
+        reply = self._conn.request(ChannelRequest(capacity=capacity))
+        ch = ChannelHandle(self, int(reply["channel"]), reply["path"])
+        self.channels.append(ch)
+        return ch
+
+    def wait(self, slot: int, at_least: int, timeout: float = 30.0) -> int:
+        """Wait until flag ``slot`` reaches ``at_least`` (wraparound-safe); returns the value seen.
+
+        Raises :class:`ChannelError` if the daemon reports an error for this session or its channels
+        (a lost peer, say) instead of waiting forever.
+        """
+        flags = self.flag_array
+        if flags is None:
+            raise RuntimeError("call session.flags(count) before waiting on a flag")
+        if not 0 <= slot < flags.count:
+            raise IndexError(f"flag slot {slot} out of range (this session has {flags.count})")
+        target = np.uint64(at_least & 0xFFFF_FFFF_FFFF_FFFF)
+        deadline = time.monotonic() + timeout
+        pause = 0.0
+        while True:
+            value = flags.values[slot]
+            if np.int64((value - target).astype(np.uint64).view(np.int64)) >= 0:
+                return int(value)
+            if flags.status:
+                raise ChannelError(flags.status)
+            for ch in self.channels:
+                ch.raise_for_status()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"flag {slot} is {int(value)}, still below {at_least} after {timeout}s")
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-6, 1e-3)
+
+    def stats(self) -> dict[str, Any]:
+        return self._conn.request(Stats())
+
+    def leave(self) -> None:
+        """Leave the job; the daemon reclaims this session's rings, regions and flags."""
+        self._conn.request(Leave())
+        for ch in self.channels:
+            ch.ring.close()
+        self.channels.clear()

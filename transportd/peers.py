@@ -1,0 +1,250 @@
+"""The peer plane: daemons on different nodes talk over zmq TCP (CURVE-authenticated when configured).
+
+Each daemon binds one ROUTER on ``peers.listen`` and connects one DEALER to every ``peers.static``
+address. A DEALER's routing id is its node name, so the remote ROUTER knows who speaks. A node is
+*known* once it has said ``peer_hello`` on either socket; messages to it go back the way it reached us
+(our ROUTER, addressed by its name) or through our DEALER to it. Every message counts as a heartbeat;
+``tick`` sends ``peer_heartbeat`` each interval and reports a node that stayed silent past the timeout
+as down, exactly once, until it speaks again.
+
+CURVE: the ROUTER is a CURVE server with this node's keypair and admits only the public keys in
+``security.curve_authorized_keys_dir``. A DEALER must know its server's public key: it reads
+``<authorized_keys_dir>/<host>_<port>.key`` (then ``<host>.key``) for the static entry ``host:port``.
+One keypair per node serves both directions, so that directory holds every peer's public key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from transportd import codec
+from transportd.curve import CurveClientKeys, CurveServerKeys, configure_client, configure_server
+from transportd.errors import ConfigError, RemoteProtocolError
+from transportd.protocol import PeerHeartbeat, PeerHello, PeerMessage, parse_peer_message
+
+__all__ = ["PeerPlane", "PeerState"]
+
+log = logging.getLogger("transportd.peers")
+
+
+@dataclass
+class PeerState:
+    """What this node knows of one remote node."""
+
+    node: str
+    up: bool = True
+    last_heard: float = 0.0
+    rtt_s: float | None = None
+    messages_in: int = 0
+    messages_out: int = 0
+    via_router: bool = False
+    dealer: zmq.Socket | None = field(default=None, repr=False)
+    backend: str = ""
+    rails: int = 0
+
+
+class PeerPlane:
+    """Sockets, hellos, heartbeats and dispatch for the daemon-to-daemon protocol."""
+
+    def __init__(
+        self,
+        node: str,
+        backend: str,
+        rails: int,
+        listen: str,
+        static: tuple[str, ...],
+        *,
+        on_message: Callable[[str, PeerMessage], None],
+        on_peer_up: Callable[[str], None] = lambda node: None,
+        on_peer_down: Callable[[str], None] = lambda node: None,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 5.0,
+        curve: CurveServerKeys | None = None,
+        context: zmq.Context | None = None,
+        max_message_bytes: int = 16 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node = node
+        self.hello = PeerHello(node=node, backend=backend, rails=rails)  # type: ignore[arg-type]
+        self.peers: dict[str, PeerState] = {}
+        self._on_message, self._on_up, self._on_down = on_message, on_peer_up, on_peer_down
+        self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
+        self.max_message_bytes = max_message_bytes
+        self._clock = clock
+        self._ctx = context or zmq.Context.instance()
+        self._hb_seq = 0
+        self._next_heartbeat = 0.0
+        self.router = self._ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.router.router_mandatory = True
+        self.router.maxmsgsize = max_message_bytes
+        if curve is not None:
+            configure_server(self.router, curve)
+        self.router.bind(listen)
+        self.endpoint = self.router.last_endpoint.decode()
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._dealers: list[tuple[str, zmq.Socket]] = []
+        for address in static:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.linger = 0
+            dealer.routing_id = node.encode()
+            dealer.maxmsgsize = max_message_bytes
+            if curve is not None:
+                configure_client(dealer, _client_keys_for(address, curve))
+            dealer.connect(f"tcp://{address}")
+            self._dealers.append((address, dealer))
+            self._poller.register(dealer, zmq.POLLIN)
+            self._send_on(dealer, self.hello)
+        log.info("peer plane on %s, static peers %s", self.endpoint, ", ".join(static) or "none")
+
+    # --- sending ---------------------------------------------------------------------------------------
+    def _send_on(self, dealer: zmq.Socket, msg: PeerMessage) -> None:
+        try:
+            dealer.send(codec.encode(msg.to_msg()), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected yet: the hello is resent with every heartbeat until answered
+
+    def send(self, node: str, msg: PeerMessage) -> bool:
+        """Send ``msg`` to ``node``; False when the node is unknown or unreachable right now."""
+        peer = self.peers.get(node)
+        if peer is None:
+            return False
+        data = codec.encode(msg.to_msg())
+        if peer.dealer is not None:
+            try:
+                peer.dealer.send(data, zmq.NOBLOCK)
+                peer.messages_out += 1
+                return True
+            except zmq.Again:
+                pass
+        if peer.via_router:
+            try:
+                self.router.send_multipart([node.encode(), data], zmq.NOBLOCK)
+                peer.messages_out += 1
+                return True
+            except (zmq.Again, zmq.ZMQError):
+                return False
+        return False
+
+    def broadcast(self, msg: PeerMessage) -> None:
+        for node, peer in self.peers.items():
+            if peer.up:
+                self.send(node, msg)
+
+    # --- receiving -------------------------------------------------------------------------------------
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Handle what has arrived (waiting up to ``timeout_ms``); returns messages handled."""
+        handled = 0
+        for sock, _ in self._poller.poll(timeout_ms):
+            for _ in range(256):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                handled += 1
+                if sock is self.router:
+                    self._receive(frames[0].decode(errors="replace"), frames[-1], None)
+                else:
+                    self._receive(None, frames[-1], sock)
+        self.tick()
+        return handled
+
+    def _receive(self, identity: str | None, data: bytes, dealer: zmq.Socket | None) -> None:
+        try:
+            msg = parse_peer_message(codec.decode(data, max_size=self.max_message_bytes))
+        except RemoteProtocolError as exc:
+            log.warning("refused a peer message from %s: %s", identity or "a static peer", exc)
+            return
+        if isinstance(msg, PeerHello):
+            node = msg.node
+            if identity is not None and identity != node:
+                log.warning("peer says it is %r but connected as %r: refused", node, identity)
+                return
+            peer = self.peers.get(node)
+            if peer is None:
+                peer = self.peers[node] = PeerState(node=node, last_heard=self._clock())
+                log.info("peer %s joined (%s, %d rails)", node, msg.backend, msg.rails)
+                is_new = True
+            else:
+                is_new = not peer.up
+            peer.backend, peer.rails = msg.backend, msg.rails
+            if identity is not None:
+                peer.via_router = True
+                # answer on the same path so the remote DEALER learns who it reached
+                self.router.send_multipart([node.encode(), codec.encode(self.hello.to_msg())], zmq.NOBLOCK)
+            if dealer is not None:
+                peer.dealer = dealer
+            self._heard(peer)
+            if is_new:
+                peer.up = True
+                self._on_up(node)
+            return
+        node = identity if identity is not None else self._dealer_node(dealer)
+        peer = self.peers.get(node) if node else None
+        if peer is None:
+            log.warning("message %s from a node that has not said hello: dropped", msg.op)
+            return
+        was_down = not peer.up
+        self._heard(peer)
+        if was_down:
+            peer.up = True
+            self._on_up(peer.node)
+        if isinstance(msg, PeerHeartbeat):
+            if msg.seq & 1:  # odd: an echo of one of ours; its t is our send time
+                peer.rtt_s = max(0.0, self._clock() - msg.t)
+            else:
+                self.send(peer.node, PeerHeartbeat(seq=msg.seq + 1, t=msg.t))
+            return
+        self._on_message(peer.node, msg)
+
+    def _dealer_node(self, dealer: zmq.Socket | None) -> str | None:
+        for peer in self.peers.values():
+            if peer.dealer is dealer:
+                return peer.node
+        return None
+
+    def _heard(self, peer: PeerState) -> None:
+        peer.last_heard = self._clock()
+        peer.messages_in += 1
+
+    # --- liveness --------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Send heartbeats when due and declare silent peers down."""
+        now = self._clock()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.interval
+            self._hb_seq += 2
+            for _address, dealer in self._dealers:
+                if self._dealer_node(dealer) is None:
+                    self._send_on(dealer, self.hello)
+            for node in self.peers:
+                self.send(node, PeerHeartbeat(seq=self._hb_seq, t=now))
+        for peer in self.peers.values():
+            if peer.up and now - peer.last_heard > self.timeout:
+                peer.up = False
+                log.warning("peer %s silent for %.1fs: down", peer.node, now - peer.last_heard)
+                self._on_down(peer.node)
+
+    def close(self) -> None:
+        for _, dealer in self._dealers:
+            dealer.close(0)
+        self.router.close(0)
+
+
+def _client_keys_for(address: str, curve: CurveServerKeys) -> CurveClientKeys:
+    host, _, port = address.rpartition(":")
+    directory = Path(curve.authorized_keys_dir)
+    for candidate in (directory / f"{host}_{port}.key", directory / f"{host}.key"):
+        if candidate.exists():
+            from transportd.curve import load_public_key
+
+            return CurveClientKeys(curve.public, curve.secret, load_public_key(candidate))
+    raise ConfigError("<config>", "peers.static",
+                      f"no public key for peer {address}: expected {directory}/{host}_{port}.key or {host}.key")

@@ -1,0 +1,133 @@
+"""The link between the daemon's main process and one proxy worker process (one per rail).
+
+The main process owns clients, jobs and peers; a worker owns its rail's verbs resources (context, PD,
+MRs, QPs) and the proxy loop, because work requests must be posted from the process that owns them.
+The main process sends requests (msgpack maps with an ``op``) over a zmq PAIR socket and waits for the
+reply; the worker serves them between proxy iterations, so a request costs the worker one poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from transportd import codec
+from transportd.errors import TransportdError
+
+__all__ = ["WorkerHandle", "WorkerError", "WorkerEndpoint"]
+
+log = logging.getLogger("transportd.worker")
+
+
+class WorkerError(TransportdError):
+    """A proxy worker refused a request, died, or did not answer."""
+
+
+class WorkerHandle:
+    """The main process's end: start the worker process, call it, stop it."""
+
+    def __init__(self, rail: int, target: Callable[..., None], kwargs: dict[str, Any], *,
+                 start_timeout_s: float = 30.0, call_timeout_s: float = 30.0) -> None:
+        self.rail = rail
+        self.call_timeout_s = call_timeout_s
+        self._ctx = zmq.Context.instance()
+        self._dir = tempfile.mkdtemp(prefix=f"tpd-worker{rail}-")
+        self.endpoint = f"ipc://{self._dir}/link"
+        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock.linger = 0
+        self._sock.bind(self.endpoint)
+        self.process = mp.get_context("spawn").Process(
+            target=target, kwargs={**kwargs, "link_endpoint": self.endpoint, "rail": rail},
+            name=f"transportd-rail{rail}", daemon=True)
+        self.process.start()
+        ready = self._receive(start_timeout_s, "start")
+        self.info: dict[str, Any] = ready
+        log.info("rail %d worker pid %d ready", rail, self.process.pid)
+
+    def call(self, op: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Run ``op`` in the worker and return its reply fields (raises WorkerError on refusal)."""
+        if not self.process.is_alive():
+            raise WorkerError(f"rail {self.rail} worker is not running (exit code {self.process.exitcode})")
+        self._sock.send(codec.encode({"op": op, **fields}))
+        return self._receive(self.call_timeout_s if timeout_s is None else timeout_s, op)
+
+    def _receive(self, timeout_s: float, op: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._sock.poll(50):
+                reply = codec.decode(self._sock.recv(), max_size=64 << 20)
+                if not reply.get("ok", False):
+                    raise WorkerError(f"rail {self.rail} worker: {op}: {reply.get('error', 'failed')}")
+                reply.pop("ok", None)
+                return reply
+            if not self.process.is_alive():
+                raise WorkerError(f"rail {self.rail} worker died during {op} (exit code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"rail {self.rail} worker did not answer {op} within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the worker to drain and exit; kill it if it does not."""
+        if self.process.is_alive():
+            try:
+                self.call("stop", timeout_s=timeout_s)
+            except WorkerError as exc:
+                log.warning("%s", exc)
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(2)
+        self._sock.close(0)
+        try:
+            os.unlink(f"{self._dir}/link")
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+
+class WorkerEndpoint:
+    """The worker's end: serve requests from the main process by calling ``handler.op_<name>``."""
+
+    def __init__(self, endpoint: str, handler: object) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock.linger = 1000
+        self._sock.connect(endpoint)
+        self.handler = handler
+
+    def send_ready(self, **fields: Any) -> None:
+        self._sock.send(codec.encode({"ok": True, **fields}))
+
+    def serve_pending(self, timeout_ms: int = 0) -> bool:
+        """Serve every request waiting (after up to ``timeout_ms``); True if the worker should stop."""
+        stop = False
+        if not self._sock.poll(timeout_ms):
+            return False
+        while True:
+            try:
+                data = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return stop
+            request = codec.decode(data, max_size=64 << 20)
+            op = request.pop("op", "")
+            method = getattr(self.handler, f"op_{op}", None)
+            if method is None:
+                reply = {"ok": False, "error": f"unknown worker op {op!r}"}
+            else:
+                try:
+                    reply = {"ok": True, **(method(**request) or {})}
+                except Exception as exc:  # a refused request must not kill the rail
+                    log.warning("worker op %s failed: %s", op, exc)
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            stop = stop or op == "stop"
+            self._sock.send(codec.encode(reply))
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
