@@ -1,0 +1,543 @@
+"""The daemon's main process: local clients, jobs, peers, and the proxy workers that do the posting.
+
+One thread runs :meth:`Daemon.run`: it serves the control socket, the peer plane and liveness checks.
+Each rail has a proxy worker process (``transportd.rail``) that owns the rail's verbs resources and
+posts; the main process tells it what to map, connect and consume through :class:`WorkerHandle`.
+
+Wiring a job (all idempotent, re-run by :meth:`_refresh_job` whenever something new is learnt):
+
+1. a local rank joins, registers regions (mapped on every rail) and flags, and calls ``exchange``;
+2. ``exchange`` announces the rank's regions and flags to every peer node (``peer_regions``);
+3. for every node that hosts a rank of the job, each rail used by a local rank opens its own RC
+   connection to the same rail index there (rail-peer routing): ``peer_connect_request`` carries our
+   endpoint, the remote worker connects and answers ``peer_connect_accept`` with its own;
+4. once a connection is up, the worker learns which peer ranks it reaches and their regions and flags;
+5. ``exchange`` reports complete to the client when every rank is known and reachable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cmd_ring import RingFile
+from transportd import protocol
+from transportd.config import Config
+from transportd.control import ControlServer
+from transportd.curve import CurveServerKeys
+from transportd.errors import ErrorCode, RequestError
+from transportd.flagfile import FlagFile
+from transportd.peers import PeerPlane
+from transportd.protocol import (
+    Channel,
+    Exchange,
+    Flags,
+    Heartbeat,
+    Hello,
+    Join,
+    Leave,
+    PeerBye,
+    PeerConnectAccept,
+    PeerConnectRequest,
+    PeerMessage,
+    PeerRegions,
+    RegionInfo,
+    Register,
+    Stats,
+)
+from transportd.worker_link import WorkerError, WorkerHandle
+
+__all__ = ["Daemon", "FLAGS_REGION_ID"]
+
+log = logging.getLogger("transportd")
+
+FLAGS_REGION_ID = 0xFFFF_FFFF  # the id a rank's flag array carries in peer_regions
+
+
+@dataclass
+class LocalRank:
+    """One client session that joined a job on this node."""
+
+    client_id: bytes
+    job: str
+    rank: int
+    world: int
+    device: int
+    rail: int
+    pid: int = 0
+    regions: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)  # id -> rail -> key
+    region_paths: dict[int, str] = field(default_factory=dict)
+    flags: FlagFile | None = None
+    flag_keys: dict[int, dict[str, int]] = field(default_factory=dict)  # rail -> key
+    channels: dict[int, RingFile] = field(default_factory=dict)
+    announced: bool = False
+    next_region: int = 0
+
+
+@dataclass
+class RemoteRank:
+    node: str
+    regions: dict[tuple[int, int], RegionInfo]  # (id, rail) -> info
+
+
+@dataclass
+class Connection:
+    """Our outgoing connection for (job, node, rail)."""
+
+    conn_id: int
+    job: str
+    node: str
+    rail: int
+    state: str = "connecting"  # connecting | up | failed
+    bound: set[int] = field(default_factory=set)  # peer ranks bound in the worker
+
+
+@dataclass
+class JobState:
+    world: int
+    local: dict[int, LocalRank] = field(default_factory=dict)
+    remote: dict[int, RemoteRank] = field(default_factory=dict)
+    pushed: set[tuple[int, int, int]] = field(default_factory=set)  # (rail, peer rank, region id) in workers
+
+
+class Daemon:
+    """The control handler, the peer-message handler and the main loop, around one config."""
+
+    def __init__(self, config: Config, *, worker_target: Callable[..., None] | None = None) -> None:
+        self.config = config
+        self.node = config.node.name
+        self.started = time.time()
+        self.stop_event = threading.Event()
+        self._conn_ids = itertools.count(1)
+        self._channel_ids = itertools.count(1)
+        self.clients: dict[bytes, LocalRank | None] = {}
+        self.client_pids: dict[bytes, int] = {}
+        self.jobs: dict[str, JobState] = {}
+        self.connections: dict[tuple[str, str, int], Connection] = {}
+        self.accepted: dict[tuple[str, int], int] = {}  # (node, their conn id) -> our conn id
+        self._accepted_endpoints: dict[tuple[str, int], dict[str, Any]] = {}
+        self.runtime_dir = Path(os.environ.get("RUNTIME_DIRECTORY", "/dev/shm"))
+        self.workers: list[WorkerHandle] = []
+        self.control: ControlServer | None = None
+        self.peers: PeerPlane | None = None
+        self._worker_target = worker_target
+        self.events: list[str] = []
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the rail workers, the control server and the peer plane (raises on any failure)."""
+        from transportd.rail import rail_main
+
+        target = self._worker_target or rail_main
+        rails = self.config.backend.rails or ()
+        count = max(1, len(rails))
+        try:
+            for index in range(count):
+                self.workers.append(WorkerHandle(index, target, {"config": self.config}))
+            self.control = ControlServer.from_config(self.config, self)
+            curve = CurveServerKeys.from_config(self.config.security, self.config.source)
+            self.peers = PeerPlane(
+                self.node, self.config.backend.kind, count, self.config.peers.listen, self.config.peers.static,
+                on_message=self.on_peer_message, on_peer_down=self.on_peer_down, on_peer_up=self.on_peer_up,
+                heartbeat_interval_s=self.config.peers.heartbeat_interval_s,
+                heartbeat_timeout_s=self.config.peers.heartbeat_timeout_s, curve=curve)
+        except BaseException:
+            self.close()
+            raise
+        log.info("node %s up: backend %s, %d rail(s), control %s, peers %s", self.node,
+                 self.config.backend.kind, count, self.control.endpoint, self.peers.endpoint)
+
+    def run(self) -> None:
+        """Serve until :attr:`stop_event` is set (SIGTERM/SIGINT set it when run from the CLI)."""
+        assert self.control and self.peers
+        next_liveness = 0.0
+        while not self.stop_event.is_set():
+            self.control.poll(1)
+            self.peers.poll(0)
+            now = time.monotonic()
+            if now >= next_liveness:
+                next_liveness = now + 0.2
+                self._check_clients()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop_event.set())
+
+    def close(self) -> None:
+        """Say goodbye to peers, reclaim every client, stop the workers."""
+        if self.peers:
+            self.peers.broadcast(PeerBye(node=self.node, reason="shutdown"))
+            self.peers.poll(0)
+        for client_id in list(self.clients):
+            self._reclaim(client_id)
+        for worker in self.workers:
+            worker.stop()
+        self.workers.clear()
+        if self.control:
+            self.control.close()
+            self.control = None
+        if self.peers:
+            self.peers.close()
+            self.peers = None
+
+    # --- control handlers ------------------------------------------------------------------------------
+    def on_hello(self, client_id: bytes, req: Hello) -> dict[str, Any]:
+        self.clients.setdefault(client_id, None)
+        if req.pid:
+            self.client_pids[client_id] = req.pid
+        return {"node": self.node, "backend": self.config.backend.kind, "rails": len(self.workers),
+                "version": protocol.V}
+
+    def on_heartbeat(self, client_id: bytes, req: Heartbeat) -> dict[str, Any]:
+        return {"seq": req.seq}
+
+    def on_join(self, client_id: bytes, req: Join) -> dict[str, Any]:
+        if self.clients.get(client_id) is not None:
+            raise RequestError("already_joined", "this session already joined a job")
+        job = self.jobs.setdefault(req.job, JobState(world=req.world))
+        if job.world != req.world:
+            raise RequestError("bad_world", f"job {req.job!r} has world {job.world}, not {req.world}")
+        if req.rank in job.local or req.rank in job.remote:
+            raise RequestError("rank_taken", f"rank {req.rank} of job {req.job!r} is already joined")
+        rail = self._rail_for_device(req.device)
+        rank = LocalRank(client_id, req.job, req.rank, req.world, req.device, rail,
+                         pid=self.client_pids.get(client_id, 0))
+        job.local[req.rank] = rank
+        self.clients[client_id] = rank
+        log.info("job %s rank %d joined (device %d, rail %d)", req.job, req.rank, req.device, rail)
+        return {"node": self.node, "rail": rail}
+
+    def _rail_for_device(self, device: int) -> int:
+        for index, rail in enumerate(self.config.backend.rails or ()):
+            if rail.gpu == device and device >= 0:
+                return index
+        return max(device, 0) % len(self.workers)
+
+    def _joined(self, client_id: bytes) -> LocalRank:
+        rank = self.clients.get(client_id)
+        if rank is None:
+            raise RequestError("not_joined", "join a job first")
+        return rank
+
+    def on_register(self, client_id: bytes, req: Register) -> dict[str, Any]:
+        rank = self._joined(client_id)
+        if req.kind != "host":
+            raise RequestError("unsupported", f"{req.kind} memory needs the GPU client (gpuclient with CUDA)")
+        if rank.next_region > 0xFFFF:
+            raise RequestError("too_many_regions", "a rank may register at most 65536 regions")
+        region_id = rank.next_region
+        keys = {}
+        for worker in self.workers:
+            try:
+                keys[worker.rail] = worker.call(
+                    "map_region", key=f"{rank.job}/{rank.rank}/{region_id}", path=req.handle, offset=req.offset,
+                    size=req.size, remote_write="write" in req.access, remote_atomic="atomic" in req.access,
+                    remote_read="read" in req.access)
+            except WorkerError as exc:
+                for rail in keys:
+                    self.workers[rail].call("unmap_region", key=f"{rank.job}/{rank.rank}/{region_id}")
+                raise RequestError("register_failed", str(exc)) from None
+        rank.next_region += 1
+        rank.regions[region_id] = keys
+        rank.region_paths[region_id] = req.handle
+        for worker in self.workers:
+            worker.call("set_source_region", job=rank.job, rank=rank.rank, region=region_id,
+                        key=f"{rank.job}/{rank.rank}/{region_id}")
+        return {"region": region_id}
+
+    def on_flags(self, client_id: bytes, req: Flags) -> dict[str, Any]:
+        rank = self._joined(client_id)
+        if rank.flags is not None:
+            raise RequestError("flags_exist", "this rank already has its flag array")
+        if req.where == "device":
+            raise RequestError("unsupported", "device flags need the GPU client (gpuclient with CUDA)")
+        path = self.runtime_dir / f"tpd-flags-{self.node}-{rank.job}-{rank.rank}-{os.getpid()}"
+        flags = FlagFile(path, req.count, create=True, mode=self.config.control.mode)
+        for worker in self.workers:
+            rank.flag_keys[worker.rail] = worker.call(
+                "map_flags", job=rank.job, rank=rank.rank, path=str(path), count=req.count)
+        rank.flags = flags
+        return {"path": str(path), "count": req.count}
+
+    def on_exchange(self, client_id: bytes, req: Exchange) -> dict[str, Any]:
+        rank = self._joined(client_id)
+        if rank.flags is None:
+            raise RequestError("no_flags", "allocate flags (op 'flags') before exchange")
+        if not rank.announced:
+            rank.announced = True
+            assert self.peers
+            self.peers.broadcast(self._regions_message(rank))
+        job = self.jobs[rank.job]
+        self._refresh_job(rank.job)
+        known = len(job.local) + len(job.remote)
+        ready = known == job.world and all(self._rank_reachable(rank, r) for r in range(job.world))
+        return {"complete": ready, "known": known}
+
+    def _regions_message(self, rank: LocalRank) -> PeerRegions:
+        infos = []
+        for region_id, per_rail in rank.regions.items():
+            for rail, key in per_rail.items():
+                infos.append(RegionInfo(id=region_id, addr=key["addr"], length=key["length"], rkey=key["rkey"],
+                                        rail=rail))
+        for rail, key in rank.flag_keys.items():
+            infos.append(RegionInfo(id=FLAGS_REGION_ID, addr=key["addr"], length=key["length"], rkey=key["rkey"],
+                                    rail=rail))
+        return PeerRegions(job=rank.job, rank=rank.rank, regions=tuple(infos))
+
+    def _rank_reachable(self, me: LocalRank, peer_rank: int) -> bool:
+        job = self.jobs[me.job]
+        node = self.node if peer_rank in job.local else job.remote[peer_rank].node
+        conn = self.connections.get((me.job, node, me.rail))
+        return conn is not None and conn.state == "up" and peer_rank in conn.bound
+
+    def on_channel(self, client_id: bytes, req: Channel) -> dict[str, Any]:
+        rank = self._joined(client_id)
+        channel_id = next(self._channel_ids)
+        name = f"tpd-ring-{self.node}-{rank.job}-{rank.rank}-{channel_id}-{os.getpid()}"
+        ring = RingFile.create(str(self.runtime_dir / name), req.capacity, mode=self.config.control.mode)
+        try:
+            self.workers[rank.rail].call("add_channel", channel=channel_id, path=str(ring.path), job=rank.job,
+                                         rank=rank.rank, world=rank.world)
+        except WorkerError as exc:
+            ring.close()
+            ring.unlink()
+            raise RequestError("channel_failed", str(exc)) from None
+        rank.channels[channel_id] = ring
+        return {"channel": channel_id, "path": str(ring.path), "capacity": req.capacity, "rail": rank.rail}
+
+    def on_stats(self, client_id: bytes, req: Stats) -> dict[str, Any]:
+        return self.stats()
+
+    def on_leave(self, client_id: bytes, req: Leave) -> dict[str, Any]:
+        self._reclaim(client_id)
+        return {}
+
+    def on_client_gone(self, client_id: bytes) -> None:
+        self._reclaim(client_id)
+
+    # --- reclaiming -------------------------------------------------------------------------------------
+    def _check_clients(self) -> None:
+        """Reclaim sessions whose process has exited (a killed client never says leave)."""
+        for client_id, pid in list(self.client_pids.items()):
+            if not _process_alive(pid):
+                log.info("client pid %d exited: reclaiming its session", pid)
+                self._reclaim(client_id)
+
+    def _reclaim(self, client_id: bytes) -> None:
+        rank = self.clients.pop(client_id, None)
+        self.client_pids.pop(client_id, None)
+        if rank is None:
+            return
+        worker = self.workers[rank.rail] if rank.rail < len(self.workers) else None
+        for channel_id, ring in rank.channels.items():
+            if worker:
+                _quietly(worker.call, "remove_channel", channel=channel_id)
+            ring.close()
+            ring.unlink()
+        for w in self.workers:
+            _quietly(w.call, "forget_rank", job=rank.job, rank=rank.rank)
+            for region_id in rank.regions:
+                _quietly(w.call, "unmap_region", key=f"{rank.job}/{rank.rank}/{region_id}")
+        if rank.flags is not None:
+            rank.flags.unlink()
+        job = self.jobs.get(rank.job)
+        if job is not None:
+            job.local.pop(rank.rank, None)
+            if not job.local:
+                self._drop_job(rank.job)
+        log.info("job %s rank %d reclaimed", rank.job, rank.rank)
+
+    def _drop_job(self, job_name: str) -> None:
+        for key in [k for k in self.connections if k[0] == job_name]:
+            conn = self.connections.pop(key)
+            _quietly(self.workers[conn.rail].call, "close_connection", conn=conn.conn_id)
+        self.jobs.pop(job_name, None)
+
+    # --- peers ---------------------------------------------------------------------------------------------
+    def on_peer_up(self, node: str) -> None:
+        # a node that (re)appears learns every announced rank of ours
+        assert self.peers
+        for job in self.jobs.values():
+            for rank in job.local.values():
+                if rank.announced:
+                    self.peers.send(node, self._regions_message(rank))
+
+    def on_peer_down(self, node: str) -> None:
+        """Fail every connection to ``node``: clients waiting on it see PEER_LOST, not a hang."""
+        for conn in self.connections.values():
+            if conn.node == node and conn.state != "failed":
+                conn.state = "failed"
+                _quietly(self.workers[conn.rail].call, "fail_connection", conn=conn.conn_id,
+                         code=int(ErrorCode.PEER_LOST))
+        for job_name, job in self.jobs.items():
+            if any(r.node == node for r in job.remote.values()):
+                for rank in job.local.values():
+                    if rank.flags is not None:
+                        rank.flags.set_status(int(ErrorCode.PEER_LOST))
+                log.warning("job %s lost node %s", job_name, node)
+
+    def on_peer_message(self, node: str, msg: PeerMessage) -> None:
+        try:
+            if isinstance(msg, PeerRegions):
+                self._on_peer_regions(node, msg)
+            elif isinstance(msg, PeerConnectRequest):
+                self._on_connect_request(node, msg)
+            elif isinstance(msg, PeerConnectAccept):
+                self._on_connect_accept(node, msg)
+            elif isinstance(msg, PeerBye):
+                self.on_peer_down(node)
+        except (WorkerError, RequestError) as exc:
+            log.warning("peer %s: %s failed: %s", node, msg.op, exc)
+
+    def _on_peer_regions(self, node: str, msg: PeerRegions) -> None:
+        job = self.jobs.get(msg.job)
+        if job is None:
+            return  # no local rank of this job (yet): it is resent when one announces
+        if msg.rank in job.local:
+            log.warning("peer %s claims rank %d of job %s, which is local here: ignored", node, msg.rank, msg.job)
+            return
+        job.remote[msg.rank] = RemoteRank(node, {(r.id, r.rail): r for r in msg.regions})
+        job.pushed = {p for p in job.pushed if p[1] != msg.rank}
+        self._refresh_job(msg.job)
+
+    def _refresh_job(self, job_name: str) -> None:
+        """Open missing connections and push missing tables to the workers (idempotent)."""
+        job = self.jobs[job_name]
+        rails = {rank.rail for rank in job.local.values()}
+        nodes = {r.node for r in job.remote.values()}
+        if len(job.local) > 1:
+            nodes.add(self.node)
+        for node in nodes:
+            for rail in rails:
+                if (job_name, node, rail) not in self.connections:
+                    self._open_connection(job_name, node, rail)
+        for conn in self.connections.values():
+            if conn.job != job_name or conn.state != "up":
+                continue
+            peer_ranks = ([r for r in job.local] if conn.node == self.node
+                          else [r for r, info in job.remote.items() if info.node == conn.node])
+            for peer_rank in peer_ranks:
+                self._push_peer_tables(job_name, job, conn, peer_rank)
+
+    def _push_peer_tables(self, job_name: str, job: JobState, conn: Connection, peer_rank: int) -> None:
+        worker = self.workers[conn.rail]
+        if conn.node == self.node:
+            local = job.local[peer_rank]
+            if local.flags is None:
+                return
+            regions = {rid: per_rail[conn.rail] for rid, per_rail in local.regions.items()}
+            flags = local.flag_keys[conn.rail]
+        else:
+            remote = job.remote[peer_rank]
+            regions = {rid: {"addr": r.addr, "length": r.length, "rkey": r.rkey}
+                       for (rid, rail), r in remote.regions.items() if rail == conn.rail and rid != FLAGS_REGION_ID}
+            info = remote.regions.get((FLAGS_REGION_ID, conn.rail))
+            if info is None:
+                return
+            flags = {"addr": info.addr, "length": info.length, "rkey": info.rkey}
+        for region_id, key in regions.items():
+            if (conn.rail, peer_rank, region_id) not in job.pushed:
+                worker.call("set_remote_region", job=job_name, peer=peer_rank, region=region_id, addr=key["addr"],
+                            length=key["length"], rkey=key["rkey"])
+                job.pushed.add((conn.rail, peer_rank, region_id))
+        if peer_rank not in conn.bound:
+            worker.call("set_remote_flags", job=job_name, peer=peer_rank, addr=flags["addr"],
+                        count=flags["length"] // 8, rkey=flags["rkey"])
+            worker.call("bind_peer", job=job_name, peer=peer_rank, conn=conn.conn_id)
+            conn.bound.add(peer_rank)
+
+    def _open_connection(self, job_name: str, node: str, rail: int) -> None:
+        conn = Connection(next(self._conn_ids), job_name, node, rail)
+        self.connections[(job_name, node, rail)] = conn
+        worker = self.workers[rail]
+        endpoint = worker.call("create_endpoint", conn=conn.conn_id, job=job_name)["endpoint"]
+        if node == self.node:
+            # a connection to ourselves: the responder end lives in the same worker
+            peer_id = next(self._conn_ids)
+            remote = worker.call("create_endpoint", conn=peer_id, job=job_name, responder=True)["endpoint"]
+            worker.call("connect", conn=peer_id, remote=endpoint)
+            worker.call("connect", conn=conn.conn_id, remote=remote)
+            conn.state = "up"
+            return
+        assert self.peers
+        self.peers.send(node, PeerConnectRequest(job=job_name, rail=rail, conn=conn.conn_id, endpoint=endpoint))
+
+    def _on_connect_request(self, node: str, msg: PeerConnectRequest) -> None:
+        assert self.peers
+        if msg.rail >= len(self.workers):
+            log.warning("peer %s asks for rail %d; this node has %d", node, msg.rail, len(self.workers))
+            return
+        key = (node, msg.conn)
+        worker = self.workers[msg.rail]
+        if key not in self.accepted:
+            local_id = next(self._conn_ids)
+            endpoint = worker.call("create_endpoint", conn=local_id, job=msg.job, responder=True)["endpoint"]
+            worker.call("connect", conn=local_id, remote=dict(msg.endpoint))
+            self.accepted[key] = local_id
+            self._accepted_endpoints[key] = endpoint
+        self.peers.send(node, PeerConnectAccept(job=msg.job, rail=msg.rail, conn=msg.conn,
+                                                endpoint=self._accepted_endpoints[key]))
+
+    def _on_connect_accept(self, node: str, msg: PeerConnectAccept) -> None:
+        conn = self.connections.get((msg.job, node, msg.rail))
+        if conn is None or conn.conn_id != msg.conn or conn.state == "up":
+            return
+        self.workers[conn.rail].call("connect", conn=conn.conn_id, remote=dict(msg.endpoint))
+        conn.state = "up"
+        self._refresh_job(msg.job)
+
+    # --- reporting -----------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        rails = []
+        for worker in self.workers:
+            try:
+                rails.append(worker.call("stats", timeout_s=5.0))
+            except WorkerError as exc:
+                rails.append({"error": str(exc)})
+        peers = {}
+        if self.peers:
+            for node, p in self.peers.peers.items():
+                peers[node] = {"up": p.up, "rtt_us": None if p.rtt_s is None else p.rtt_s * 1e6,
+                               "messages_in": p.messages_in, "messages_out": p.messages_out}
+        return {
+            "node": self.node,
+            "backend": self.config.backend.kind,
+            "uptime_s": time.time() - self.started,
+            "clients": sum(1 for c in self.clients.values() if c is not None),
+            "jobs": {name: {"world": j.world, "local": sorted(j.local), "remote": sorted(j.remote)}
+                     for name, j in self.jobs.items()},
+            "connections": [{"conn": c.conn_id, "job": c.job, "node": c.node, "rail": c.rail, "state": c.state}
+                            for c in self.connections.values()],
+            "peers": peers,
+            "rails": rails,
+        }
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child still "exists": read its state where /proc allows
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def _quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    try:
+        fn(*args, **kwargs)
+    except WorkerError as exc:
+        log.warning("%s", exc)

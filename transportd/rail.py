@@ -1,0 +1,174 @@
+"""A proxy worker process: one rail's backend, its proxy loop, and the requests the main process sends.
+
+The main process (``transportd.daemon``) owns clients and peers; this process owns the rail's verbs
+resources, maps the memory it registers (host regions and flag files are shared-memory files), and runs
+the proxy loop. Requests arrive between proxy iterations (``WorkerEndpoint``); when the rail is idle the
+loop backs off from spinning to short sleeps so an idle daemon does not burn a core.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from cmd_ring import RingFile
+from gpuclient.host_memory import map_shared_file
+from transportd.backend import MemoryKey, SignalOp
+from transportd.backends import open_backend
+from transportd.config import Config
+from transportd.flagfile import FlagFile
+from transportd.proxy import Proxy
+from transportd.worker_link import WorkerEndpoint
+
+__all__ = ["RailService", "rail_main"]
+
+log = logging.getLogger("transportd.rail")
+
+
+class RailService:
+    """The worker's request handlers (``op_<name>``) around one backend and one proxy."""
+
+    def __init__(self, config: Config, rail: int) -> None:
+        self.config = config
+        self.rail = rail
+        rails = config.backend.rails
+        device = rails[rail].device if rails else ""
+        self.backend = open_backend(config.backend.kind, device=device, verbs=config.backend.verbs,
+                                    signal_mode=config.signal.mode, inflight_cap=config.proxy.inflight_cap,
+                                    visibility_flush=config.efa.visibility_flush)
+        self.proxy = Proxy(self.backend, batch_max=config.proxy.batch_max,
+                           poll_window_us=config.proxy.poll_window_us, inflight_cap=config.proxy.inflight_cap,
+                           decoupled=config.signal.decoupled)
+        self.regions: dict[str, tuple[MemoryKey, Any]] = {}
+        self.flags: dict[tuple[str, int], tuple[FlagFile, MemoryKey]] = {}
+        self.conn_jobs: dict[int, str] = {}
+        self.stopping = False
+        self.backend.set_flag_publisher(self._publish_flag)
+
+    # --- memory ---------------------------------------------------------------------------------------
+    def op_map_region(self, key: str, path: str, offset: int, size: int, remote_write: bool, remote_atomic: bool,
+                      remote_read: bool = True) -> dict[str, Any]:
+        shared = map_shared_file(Path(path))
+        if offset + size > shared.size:
+            raise ValueError(f"region [{offset}, {offset + size}) is outside {path} ({shared.size} bytes)")
+        mkey = self.backend.register_memory(shared.address + offset, size, remote_write=remote_write,
+                                            remote_atomic=remote_atomic)
+        self.regions[key] = (mkey, shared)
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+
+    def op_unmap_region(self, key: str) -> dict[str, Any]:
+        entry = self.regions.pop(key, None)
+        if entry is not None:
+            self.backend.deregister_memory(entry[0])
+        return {}
+
+    def op_map_flags(self, job: str, rank: int, path: str, count: int) -> dict[str, Any]:
+        flags = FlagFile(Path(path))
+        mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True)
+        self.flags[(job, rank)] = (flags, mkey)
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+
+    def _publish_flag(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None:
+        """Receiver-side flag publishing (efa): everything this flag covers has arrived."""
+        job = self.conn_jobs.get(conn_id)
+        entry = self.flags.get((job, dst_rank)) if job is not None else None
+        if entry is None:
+            log.warning("flag update for unknown rank %d on connection %d dropped", dst_rank, conn_id)
+            return
+        values = entry[0].values
+        if op == SignalOp.SET:
+            values[slot] = value
+        else:
+            values[slot] += value
+
+    # --- tables -----------------------------------------------------------------------------------------
+    def op_set_source_region(self, job: str, rank: int, region: int, key: str) -> dict[str, Any]:
+        mkey = self.regions[key][0]
+        self.proxy.set_source_region(job, rank, region, mkey.addr, mkey.length, mkey.lkey)
+        return {}
+
+    def op_add_channel(self, channel: int, path: str, job: str, rank: int, world: int) -> dict[str, Any]:
+        self.proxy.add_channel(channel, RingFile.attach(path), job, rank, world)
+        return {}
+
+    def op_remove_channel(self, channel: int) -> dict[str, Any]:
+        self.proxy.remove_channel(channel)
+        return {}
+
+    def op_forget_rank(self, job: str, rank: int) -> dict[str, Any]:
+        entry = self.flags.pop((job, rank), None)
+        if entry is not None:
+            self.backend.deregister_memory(entry[1])
+        return {}
+
+    def op_set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int,
+                             rkey: int) -> dict[str, Any]:
+        self.proxy.set_remote_region(job, peer, region, addr, length, rkey)
+        return {}
+
+    def op_set_remote_flags(self, job: str, peer: int, addr: int, count: int, rkey: int) -> dict[str, Any]:
+        self.proxy.set_remote_flags(job, peer, addr, count, rkey)
+        return {}
+
+    def op_bind_peer(self, job: str, peer: int, conn: int) -> dict[str, Any]:
+        self.proxy.bind_peer(job, peer, conn)
+        return {}
+
+    # --- connections ------------------------------------------------------------------------------------
+    def op_create_endpoint(self, conn: int, job: str, responder: bool = False) -> dict[str, Any]:
+        self.conn_jobs[conn] = job
+        return {"endpoint": self.backend.create_endpoint(conn, job)}
+
+    def op_connect(self, conn: int, remote: dict[str, Any]) -> dict[str, Any]:
+        self.backend.connect(conn, remote)
+        return {}
+
+    def op_close_connection(self, conn: int) -> dict[str, Any]:
+        self.proxy.fail_connection(conn, 0)
+        self.backend.close_connection(conn)
+        self.conn_jobs.pop(conn, None)
+        return {}
+
+    def op_fail_connection(self, conn: int, code: int) -> dict[str, Any]:
+        self.proxy.fail_connection(conn, code)
+        return {}
+
+    # --- reporting and shutdown -----------------------------------------------------------------------------
+    def op_stats(self) -> dict[str, Any]:
+        return {"rail": self.rail, "backend": self.backend.name, **self.proxy.stats()}
+
+    def op_stop(self) -> dict[str, Any]:
+        """Drain: post what the rings hold and wait (bounded) for completions, then exit."""
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and (self.proxy.run_once() or self.proxy.busy()):
+            pass
+        self.stopping = True
+        return {"drained": not self.proxy.busy()}
+
+
+def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
+    """Process entry of a proxy worker (``config`` arrives pickled from the main process)."""
+    cfg = config
+    logging.basicConfig(level=cfg.logging.level.upper(), format=f"rail{rail} %(levelname)s %(name)s: %(message)s")
+    service = RailService(cfg, rail)
+    link = WorkerEndpoint(link_endpoint, service)
+    link.send_ready(address=service.backend.local_address())
+    idle = 0
+    iterations = 0
+    while not service.stopping:
+        did_work = service.proxy.run_once()
+        iterations += 1
+        if did_work:
+            idle = 0
+            if iterations % 64 == 0:
+                link.serve_pending(0)
+            continue
+        idle += 1
+        if link.serve_pending(0 if idle < 2000 else 1):
+            break
+        if 200 <= idle < 2000:
+            time.sleep(20e-6)
+    link.close()
+    service.backend.close()
