@@ -480,15 +480,21 @@ class _Loader:
             value = self.convert(_check_hint(f, hints[name]), raw, key)
             check = f.metadata.get("check")
             if check is not None:
-                try:
-                    value = tuple(check(v) for v in value) if isinstance(value, tuple) else check(value)
-                except ValueError as exc:
-                    self.fail(key, str(exc))
+                if isinstance(value, tuple):  # list keys check each item, naming it
+                    value = tuple(self.check(check, item, f"{key}[{i}]") for i, item in enumerate(value))
+                else:
+                    value = self.check(check, value, key)
             values[name] = value
         for name, f in fields.items():
             if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 self.fail(f"{prefix}.{name}", "required key is missing")
         return cls(**values)
+
+    def check(self, check: Check, value: Any, key: str) -> Any:
+        try:
+            return check(value)
+        except ValueError as exc:
+            self.fail(key, str(exc))
 
     def path(self, key: str, value: str | None) -> str | None:
         if value is None:

@@ -1,6 +1,7 @@
 """The control server: a thin zmq ROUTER shell around :mod:`transportd.protocol`.
 
-Each received message goes decode (:mod:`transportd.codec`) → parse (:func:`parse_request`) → session state
+:class:`ControlDispatcher` is the socket-free core; :class:`ControlServer` adds the ROUTER socket. Each
+received message goes decode (:mod:`transportd.codec`) → parse (:func:`parse_request`) → session state
 check (:data:`protocol.TRANSITIONS`) → the handler's ``on_<op>(client_id, request)`` → reply. Any failure
 along the way becomes an error reply to that client and the server carries on serving everyone else (DESIGN
 section 8). :meth:`ControlServer.poll` serves what is queued and returns, so the daemon's main loop can
@@ -50,7 +51,7 @@ from transportd.protocol import (
     Stats,
 )
 
-__all__ = ["BaseHandler", "ClientInfo", "ControlHandler", "ControlServer", "ReplyToken"]
+__all__ = ["BaseHandler", "ClientInfo", "ControlDispatcher", "ControlHandler", "ControlServer", "ReplyToken"]
 
 log = logging.getLogger("transportd.control")
 
@@ -115,11 +116,136 @@ class ReplyToken:
     envelope: tuple[bytes, ...]
 
 
+class ControlDispatcher:
+    """The server's protocol core, no sockets: payload in, reply map out (tests drive it directly).
+
+    Owns the per-client table (session state, last seen, counters) and the deferred requests.
+    """
+
+    def __init__(self, handler: ControlHandler, *, max_message_bytes: int = 1 << 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.handler = handler
+        self.max_message_bytes = max_message_bytes
+        self._clock = clock
+        self._clients: dict[bytes, ClientInfo] = {}
+        self._current: tuple[bytes, str, tuple[bytes, ...]] | None = None
+        self._deferred: set[ReplyToken] = set()
+        self._deferred_now: ReplyToken | None = None
+
+    def handle(self, client_id: bytes, payload: bytes, envelope: tuple[bytes, ...] = ()) -> dict[str, Any] | None:
+        """Serve one request payload; the reply map to send, or None when the handler deferred it."""
+        op = "?"
+        info = self._clients.get(client_id)
+        try:
+            msg = codec.decode(payload, self.max_message_bytes)
+            req = protocol.parse_request(msg)
+            op = req.op
+            now = self._clock()
+            if info is None:
+                info = self._clients[client_id] = ClientInfo(first_seen=now)
+            info.last_seen = now
+            info.requests += 1
+            refusal = info.session.refuse_reason(op)
+            if refusal is not None:
+                raise RequestError(ReplyCode.BAD_STATE, refusal)
+            method = getattr(self.handler, f"on_{op}", None)
+            if method is None:
+                raise RequestError(ReplyCode.UNSUPPORTED, f"this daemon does not implement '{op}'")
+            self._current = (client_id, op, envelope or (client_id,))
+            self._deferred_now = None
+            try:
+                fields = method(client_id, req)
+            except Exception:
+                if self._deferred_now is not None:
+                    self._deferred.discard(self._deferred_now)  # it failed after all: answer now
+                raise
+            finally:
+                token, self._current, self._deferred_now = self._deferred_now, None, None
+            if token is not None:
+                return None
+            reply = protocol.ok(**(fields or {}))
+            info.session.advance(op)
+            return reply
+        except Exception as exc:  # every failure becomes an error reply; the server keeps serving
+            if info is not None:
+                info.errors += 1
+            return _error_reply(client_id, op, exc)
+
+    # --- deferred replies ----------------------------------------------------------------------------
+
+    def defer(self) -> ReplyToken:
+        """Inside ``on_<op>``: answer later through :meth:`complete` / :meth:`fail` instead of returning now."""
+        if self._current is None:
+            raise RuntimeError("defer() is only valid while a handler method is running")
+        if self._deferred_now is None:
+            self._deferred_now = ReplyToken(*self._current)
+            self._deferred.add(self._deferred_now)
+        return self._deferred_now
+
+    def complete(self, token: ReplyToken, fields: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """The success reply for a deferred request (advancing that session), or None if the client is gone."""
+        self._deferred.discard(token)
+        info = self._clients.get(token.client_id)
+        if info is None:
+            return None  # the client expired meanwhile; nobody is waiting
+        try:
+            reply = protocol.ok(**(fields or {}))
+        except ProtocolError as exc:
+            info.errors += 1
+            return _error_reply(token.client_id, token.op, exc)
+        info.session.advance(token.op)
+        return reply
+
+    def fail(self, token: ReplyToken, exc: Exception) -> dict[str, Any] | None:
+        """The error reply for a deferred request, or None if the client is gone."""
+        self._deferred.discard(token)
+        info = self._clients.get(token.client_id)
+        if info is None:
+            return None
+        info.errors += 1
+        return _error_reply(token.client_id, token.op, exc)
+
+    @property
+    def pending(self) -> frozenset[ReplyToken]:
+        """Deferred requests not yet answered."""
+        return frozenset(self._deferred)
+
+    # --- liveness ------------------------------------------------------------------------------------
+
+    @property
+    def clients(self) -> Mapping[bytes, ClientInfo]:
+        """Known clients by zmq identity (read-only view)."""
+        return MappingProxyType(self._clients)
+
+    def expire(self, timeout_s: float) -> list[bytes]:
+        """Forget clients silent for more than ``timeout_s``, calling ``handler.on_client_gone`` for each."""
+        now = self._clock()
+        gone = [cid for cid, info in self._clients.items() if now - info.last_seen > timeout_s]
+        for cid in gone:
+            del self._clients[cid]
+            self._deferred = {t for t in self._deferred if t.client_id != cid}
+            log.info("client %s silent for more than %.1f s: reclaiming", cid.hex(), timeout_s)
+            try:
+                self.handler.on_client_gone(cid)
+            except Exception:
+                log.exception("reclaiming client %s failed", cid.hex())
+        return gone
+
+
+def _error_reply(client_id: bytes, op: str, exc: Exception) -> dict[str, Any]:
+    reply = protocol.error_reply_for(exc)
+    if isinstance(exc, RequestError | ProtocolError):
+        log.info("client %s op %s refused: %s: %s", client_id.hex(), op, reply["code"], reply["message"])
+    else:
+        log.error("client %s op %s failed inside the daemon", client_id.hex(), op, exc_info=exc)
+    return reply
+
+
 _SERVE_BATCH = 64  # messages per poll() call, so one chatty client cannot starve the daemon's loop
 
 
 class ControlServer:
-    """The daemon's client socket: bind, receive, validate, dispatch, reply; never dies of bad input."""
+    """The daemon's client socket: bind, receive, dispatch, reply; never dies of bad input."""
 
     def __init__(
         self,
@@ -141,13 +267,7 @@ class ControlServer:
         server's context admits only the authorized keys; pass ``zap=False`` when the shared context already
         runs one.
         """
-        self.handler = handler
-        self.max_message_bytes = max_message_bytes
-        self._clock = clock
-        self._clients: dict[bytes, ClientInfo] = {}
-        self._current: tuple[bytes, str, tuple[bytes, ...]] | None = None
-        self._deferred: set[ReplyToken] = set()
-        self._deferred_now: ReplyToken | None = None
+        self.dispatcher = ControlDispatcher(handler, max_message_bytes=max_message_bytes, clock=clock)
         self._own_context = context is None
         self._context = zmq.Context() if context is None else context
         self._auth: ThreadAuthenticator | None = None
@@ -193,6 +313,11 @@ class ControlServer:
         except _GroupError as exc:
             raise ConfigError(config.source, "control.group", str(exc)) from None
 
+    @property
+    def handler(self) -> ControlHandler:
+        """The object whose ``on_<op>`` methods answer requests."""
+        return self.dispatcher.handler
+
     # --- serving -------------------------------------------------------------------------------------
 
     def poll(self, timeout_ms: int = 0) -> int:
@@ -216,63 +341,16 @@ class ControlServer:
             self.poll(interval_ms)
 
     def _serve_one(self, frames: list[bytes]) -> None:
-        client_id = frames[0]
-        split = _payload_index(frames)
-        envelope = tuple(frames[:split])
-        body = frames[split:]
-        if len(body) != 1:
-            self._send(envelope, protocol.error(ReplyCode.BAD_MESSAGE,
-                                                f"expected one payload frame, got {len(body)}"))
+        envelope = tuple(frames[:-1])
+        if len(envelope) > 1 and envelope[-1] != b"":
+            # Frames after the delimiter (or after the identity, for a DEALER sending none): not one payload.
+            route = _route(frames)
+            extra = len(frames) - len(route)
+            self._send(route, protocol.error(ReplyCode.BAD_MESSAGE, f"expected one payload frame, got {extra}"))
             return
-        reply = self._handle(client_id, envelope, body[0])
+        reply = self.dispatcher.handle(frames[0], frames[-1], envelope)
         if reply is not None:
             self._send(envelope, reply)
-
-    def _handle(self, client_id: bytes, envelope: tuple[bytes, ...], payload: bytes) -> dict[str, Any] | None:
-        op = "?"
-        info = self._clients.get(client_id)
-        try:
-            msg = codec.decode(payload, self.max_message_bytes)
-            req = protocol.parse_request(msg)
-            op = req.op
-            if info is None:
-                now = self._clock()
-                info = self._clients[client_id] = ClientInfo(first_seen=now, last_seen=now)
-            info.last_seen = self._clock()
-            info.requests += 1
-            refusal = info.session.refuse_reason(op)
-            if refusal is not None:
-                raise RequestError(ReplyCode.BAD_STATE, refusal)
-            method = getattr(self.handler, f"on_{op}", None)
-            if method is None:
-                raise RequestError(ReplyCode.UNSUPPORTED, f"this daemon does not implement '{op}'")
-            self._current = (client_id, op, envelope)
-            self._deferred_now = None
-            try:
-                fields = method(client_id, req)
-            except Exception:
-                if self._deferred_now is not None:
-                    self._deferred.discard(self._deferred_now)  # it failed after all: answer now
-                raise
-            finally:
-                token, self._current, self._deferred_now = self._deferred_now, None, None
-            if token is not None:
-                return None
-            reply = protocol.ok(**(fields or {}))
-            info.session.advance(op)
-            return reply
-        except Exception as exc:  # every failure becomes an error reply; the server keeps serving
-            if info is not None:
-                info.errors += 1
-            return self._error_reply(client_id, op, exc)
-
-    def _error_reply(self, client_id: bytes, op: str, exc: Exception) -> dict[str, Any]:
-        reply = protocol.error_reply_for(exc)
-        if isinstance(exc, RequestError | ProtocolError):
-            log.info("client %s op %s refused: %s: %s", client_id.hex(), op, reply["code"], reply["message"])
-        else:
-            log.exception("client %s op %s failed inside the daemon", client_id.hex(), op)
-        return reply
 
     def _send(self, envelope: tuple[bytes, ...], reply: Mapping[str, Any]) -> None:
         try:
@@ -288,64 +366,37 @@ class ControlServer:
             else:
                 raise
 
-    # --- deferred replies ----------------------------------------------------------------------------
+    # --- deferred replies and liveness (see ControlDispatcher) ---------------------------------------
 
     def defer(self) -> ReplyToken:
         """Inside ``on_<op>``: answer later with :meth:`complete` / :meth:`fail` instead of returning now."""
-        if self._current is None:
-            raise RuntimeError("defer() is only valid while a handler method is running")
-        if self._deferred_now is not None:
-            return self._deferred_now
-        token = self._deferred_now = ReplyToken(*self._current)
-        self._deferred.add(token)
-        return token
+        return self.dispatcher.defer()
 
     def complete(self, token: ReplyToken, fields: Mapping[str, Any] | None = None) -> None:
         """Send the success reply for a deferred request and advance that client's session."""
-        self._deferred.discard(token)
-        info = self._clients.get(token.client_id)
-        if info is None:
-            return  # the client expired meanwhile; nobody is waiting
-        try:
-            reply = protocol.ok(**(fields or {}))
-        except ProtocolError as exc:
-            self._send(token.envelope, self._error_reply(token.client_id, token.op, exc))
-            return
-        info.session.advance(token.op)
-        self._send(token.envelope, reply)
+        reply = self.dispatcher.complete(token, fields)
+        if reply is not None:
+            self._send(token.envelope, reply)
 
     def fail(self, token: ReplyToken, exc: Exception) -> None:
         """Send the error reply for a deferred request."""
-        self._deferred.discard(token)
-        if token.client_id in self._clients:
-            self._clients[token.client_id].errors += 1
-            self._send(token.envelope, self._error_reply(token.client_id, token.op, exc))
+        reply = self.dispatcher.fail(token, exc)
+        if reply is not None:
+            self._send(token.envelope, reply)
 
     @property
     def pending(self) -> frozenset[ReplyToken]:
         """Deferred requests not yet answered."""
-        return frozenset(self._deferred)
-
-    # --- liveness ------------------------------------------------------------------------------------
+        return self.dispatcher.pending
 
     @property
     def clients(self) -> Mapping[bytes, ClientInfo]:
-        """Known clients by zmq identity (read-only view)."""
-        return MappingProxyType(self._clients)
+        """Known clients by zmq identity (read-only view), with session state and last-seen time."""
+        return self.dispatcher.clients
 
     def expire(self, timeout_s: float) -> list[bytes]:
         """Forget clients silent for more than ``timeout_s``, calling ``handler.on_client_gone`` for each."""
-        now = self._clock()
-        gone = [cid for cid, info in self._clients.items() if now - info.last_seen > timeout_s]
-        for cid in gone:
-            del self._clients[cid]
-            self._deferred = {t for t in self._deferred if t.client_id != cid}
-            log.info("client %s silent for more than %.1f s: reclaiming", cid.hex(), timeout_s)
-            try:
-                self.handler.on_client_gone(cid)
-            except Exception:
-                log.exception("reclaiming client %s failed", cid.hex())
-        return gone
+        return self.dispatcher.expire(timeout_s)
 
     # --- lifetime ------------------------------------------------------------------------------------
 
@@ -380,12 +431,12 @@ class ControlServer:
         self.close()
 
 
-def _payload_index(frames: list[bytes]) -> int:
-    """Index of the first payload frame: after the last empty delimiter, else right after the identity."""
-    for i in range(len(frames) - 1, 0, -1):
+def _route(frames: list[bytes]) -> tuple[bytes, ...]:
+    """The reply envelope of a malformed multi-frame message: up to its first empty delimiter, else the identity."""
+    for i in range(1, len(frames)):
         if frames[i] == b"":
-            return i + 1
-    return 1
+            return tuple(frames[: i + 1])
+    return (frames[0],)
 
 
 class _GroupError(TransportdError):

@@ -28,6 +28,7 @@ __all__ = [
     "CUDA_IPC_HANDLE_BYTES",
     "MAX_FLAGS",
     "MAX_NAME_LEN",
+    "MAX_OPAQUE_KEYS",
     "MAX_RAILS",
     "MAX_REGIONS",
     "MAX_REGION_BYTES",
@@ -48,6 +49,8 @@ __all__ = [
     "Message",
     "PeerBye",
     "PeerConnect",
+    "PeerConnectAccept",
+    "PeerConnectRequest",
     "PeerHeartbeat",
     "PeerHello",
     "PeerMessage",
@@ -84,6 +87,7 @@ MAX_CHANNEL_CAPACITY = 1 << 20
 MAX_RAILS = 16  #: NICs per node
 MAX_REGIONS = 1 << 16  #: regions announced by one rank
 CUDA_IPC_HANDLE_BYTES = 64  #: sizeof(CUipcMemHandle)
+MAX_OPAQUE_KEYS = 64  #: keys in a backend-defined map (an endpoint description)
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
 _U24 = (1 << 24) - 1
@@ -161,6 +165,15 @@ def _convert(hint: Any, value: object, ctx: str, where: str) -> object:
         if isinstance(value, list | tuple):
             return tuple(_convert(item_hint, item, ctx, f"{where}[{i}]") for i, item in enumerate(value))
         raise _field_error(ctx, where, f"expected array, got {_type_name(value)}")
+    elif origin is dict:  # an opaque map (a backend's endpoint description): string keys, wire values
+        if not isinstance(value, dict):
+            raise _field_error(ctx, where, f"expected map, got {_type_name(value)}")
+        if len(value) > MAX_OPAQUE_KEYS:
+            raise _field_error(ctx, where, f"at most {MAX_OPAQUE_KEYS} keys, got {len(value)}")
+        for key in value:
+            if not isinstance(key, str):
+                raise _field_error(ctx, where, f"map key {key!r:.40} is not a string")
+        return dict(value)
     elif origin is types.UnionType:
         options = typing.get_args(hint)
         for option in options:
@@ -188,8 +201,10 @@ def _convert(hint: Any, value: object, ctx: str, where: str) -> object:
 def _to_wire(value: object) -> object:
     if isinstance(value, Record):
         return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple):
+    if isinstance(value, tuple | list):
         return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
     return value
 
 
@@ -511,6 +526,45 @@ class PeerConnect(PeerMessage):
             self._fail("rails", f"must list 1..{MAX_RAILS} rails, got {len(self.rails)}")
         if len({r.rail for r in self.rails}) != len(self.rails):
             self._fail("rails", "lists a rail twice")
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerConnectRequest(PeerMessage):
+    """Ask the peer to create its end of connection ``conn`` on ``rail`` for ``job``.
+
+    ``endpoint`` is the sender's end as its backend described it (``Backend.create_endpoint``); the
+    protocol checks only that it is a small map with string keys — its meaning belongs to the backend.
+    This is the form the daemon uses; :class:`PeerConnect` is the typed verbs-level equivalent.
+    """
+
+    op: ClassVar[str] = "peer_connect_request"
+    job: str
+    rail: int
+    conn: int
+    endpoint: dict[str, Any]
+
+    def _check(self) -> None:
+        self._name("job", allow_empty=True)
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("conn", 0, _U64)
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerConnectAccept(PeerMessage):
+    """The answer to :class:`PeerConnectRequest`: the accepting side's ``endpoint`` for the same ``conn``."""
+
+    op: ClassVar[str] = "peer_connect_accept"
+    job: str
+    rail: int
+    conn: int
+    endpoint: dict[str, Any]
+
+    def _check(self) -> None:
+        self._name("job", allow_empty=True)
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("conn", 0, _U64)
 
 
 @_peer
