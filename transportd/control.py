@@ -42,6 +42,7 @@ from transportd.protocol import (
     Flags,
     Heartbeat,
     Hello,
+    Inspect,
     Join,
     Leave,
     Register,
@@ -72,6 +73,8 @@ class ControlHandler(Protocol):
     def on_exchange(self, client_id: bytes, req: Exchange) -> Reply: ...
     def on_channel(self, client_id: bytes, req: Channel) -> Reply: ...
     def on_stats(self, client_id: bytes, req: Stats) -> Reply: ...
+    def on_inspect(self, client_id: bytes, req: Inspect) -> Reply: ...
+    def on_inspect(self, client_id: bytes, req: Inspect) -> Reply: ...
     def on_leave(self, client_id: bytes, req: Leave) -> Reply: ...
     def on_heartbeat(self, client_id: bytes, req: Heartbeat) -> Reply: ...
     def on_client_gone(self, client_id: bytes) -> None:
@@ -93,7 +96,7 @@ class BaseHandler:
     def _unsupported(self, client_id: bytes, req: Request) -> Reply:
         raise RequestError(ReplyCode.UNSUPPORTED, f"this daemon does not implement '{req.op}'")
 
-    on_join = on_register = on_flags = on_exchange = on_channel = on_stats = on_leave = _unsupported
+    on_join = on_register = on_flags = on_exchange = on_channel = on_stats = on_inspect = on_leave = _unsupported
 
 
 @dataclass

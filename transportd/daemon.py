@@ -42,6 +42,7 @@ from transportd.protocol import (
     Flags,
     Heartbeat,
     Hello,
+    Inspect,
     Join,
     Leave,
     PeerBye,
@@ -53,6 +54,7 @@ from transportd.protocol import (
     Register,
     Stats,
 )
+from transportd.sdnotify import Notifier
 from transportd.worker_link import WorkerError, WorkerHandle
 
 __all__ = ["Daemon", "FLAGS_REGION_ID"]
@@ -129,7 +131,11 @@ class Daemon:
         self.control: ControlServer | None = None
         self.peers: PeerPlane | None = None
         self._worker_target = worker_target
-        self.events: list[str] = []
+        self.notifier = Notifier()
+        self.ready = False
+        self.snapshot: dict[str, Any] = {}  # the last stats(), for readers on other threads (metrics)
+        self.metrics: Any = None
+        self.peer_wait_s = 10.0  # READY=1 waits this long for the static peers before going ahead
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -152,13 +158,19 @@ class Daemon:
         except BaseException:
             self.close()
             raise
+        if self.config.metrics.listen:
+            from transportd.metrics import MetricsServer
+
+            self.metrics = MetricsServer(self.config.metrics.listen, lambda: self.snapshot)
+            log.info("metrics on http://%s/metrics", self.metrics.address)
         log.info("node %s up: backend %s, %d rail(s), control %s, peers %s", self.node,
                  self.config.backend.kind, count, self.control.endpoint, self.peers.endpoint)
 
     def run(self) -> None:
         """Serve until :attr:`stop_event` is set (SIGTERM/SIGINT set it when run from the CLI)."""
         assert self.control and self.peers
-        next_liveness = 0.0
+        next_liveness = next_report = 0.0
+        started = time.monotonic()
         while not self.stop_event.is_set():
             self.control.poll(1)
             self.peers.poll(0)
@@ -166,6 +178,29 @@ class Daemon:
             if now >= next_liveness:
                 next_liveness = now + 0.2
                 self._check_clients()
+                if not self.ready and (self._static_peers_up() or now - started > self.peer_wait_s):
+                    self.ready = True
+                    self.notifier.ready(self._status_line())
+                    log.info("ready: %s", self._status_line())
+            if now >= next_report:
+                next_report = now + 1.0
+                self.snapshot = self.stats()
+                if self.ready:
+                    self.notifier.status(self._status_line())
+            self.notifier.tick()
+        self.notifier.stopping()
+        log.info("stopping: draining the rails")
+
+    def _static_peers_up(self) -> bool:
+        assert self.peers
+        up = sum(1 for p in self.peers.peers.values() if p.up)
+        return up >= len(self.config.peers.static)
+
+    def _status_line(self) -> str:
+        assert self.peers
+        up = sum(1 for p in self.peers.peers.values() if p.up)
+        clients = sum(1 for c in self.clients.values() if c is not None)
+        return f"{len(self.workers)} rail(s), {clients} client(s), peers {up} up / {len(self.peers.peers)} known"
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -184,6 +219,9 @@ class Daemon:
         if self.control:
             self.control.close()
             self.control = None
+        if self.metrics:
+            self.metrics.close()
+            self.metrics = None
         if self.peers:
             self.peers.close()
             self.peers = None
@@ -315,6 +353,16 @@ class Daemon:
 
     def on_stats(self, client_id: bytes, req: Stats) -> dict[str, Any]:
         return self.stats()
+
+    def on_inspect(self, client_id: bytes, req: Inspect) -> dict[str, Any]:
+        job = self.jobs.get(req.job)
+        rank = job.local.get(req.rank) if job else None
+        if rank is None:
+            raise RequestError("not_found", f"rank {req.rank} of job {req.job!r} is not joined on node {self.node}")
+        if rank.flags is None:
+            raise RequestError("not_found", f"rank {req.rank} of job {req.job!r} has no flags yet")
+        return {"job": req.job, "rank": req.rank, "values": [int(v) for v in rank.flags.values],
+                "status": rank.flags.status}
 
     def on_leave(self, client_id: bytes, req: Leave) -> dict[str, Any]:
         self._reclaim(client_id)

@@ -44,6 +44,7 @@ __all__ = [
     "Flags",
     "Heartbeat",
     "Hello",
+    "Inspect",
     "Join",
     "Leave",
     "Message",
@@ -417,6 +418,36 @@ class Stats(Request):
 
 @_request
 @dataclass(frozen=True)
+class Inspect(Request):
+    """Operator queries (``transportctl``): ``what`` is ``flags`` (one rank's flag values)."""
+
+    op: ClassVar[str] = "inspect"
+    what: Literal["flags"]
+    job: str
+    rank: int
+
+    def _check(self) -> None:
+        self._name("job")
+        self._range("rank", 0, MAX_WORLD - 1)
+
+
+@_request
+@dataclass(frozen=True)
+class Inspect(Request):
+    """Read-only look at another session's state for ``transportctl`` (``flags``: rank's flag values)."""
+
+    op: ClassVar[str] = "inspect"
+    what: Literal["flags"]
+    job: str
+    rank: int = 0
+
+    def _check(self) -> None:
+        self._name("job")
+        self._range("rank", 0, MAX_WORLD - 1)
+
+
+@_request
+@dataclass(frozen=True)
 class Leave(Request):
     """Leave the job: the daemon reclaims this session's rings, regions and flags."""
 
@@ -714,17 +745,23 @@ class SessionState(Enum):
     JOINED = "joined"  #: attached to (job, rank); may use memory, flags and channels
 
 
-_ANY = ("heartbeat",)
+_ANY = ("heartbeat", "inspect")
 #: state -> {op: next state}. An op missing from a state's row is refused with ``bad_state``.
 TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
     SessionState.NEW: {"hello": SessionState.READY},
-    SessionState.READY: {"hello": SessionState.READY, "join": SessionState.JOINED, "stats": SessionState.READY},
+    SessionState.READY: {
+        "hello": SessionState.READY,
+        "join": SessionState.JOINED,
+        "stats": SessionState.READY,
+        "inspect": SessionState.READY,
+    },
     SessionState.JOINED: {
         "register": SessionState.JOINED,
         "flags": SessionState.JOINED,
         "channel": SessionState.JOINED,
         "exchange": SessionState.JOINED,
         "stats": SessionState.JOINED,
+        "inspect": SessionState.JOINED,
         "leave": SessionState.READY,
     },
 }
