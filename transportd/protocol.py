@@ -419,27 +419,12 @@ class Stats(Request):
 @_request
 @dataclass(frozen=True)
 class Inspect(Request):
-    """Operator queries (``transportctl``): ``what`` is ``flags`` (one rank's flag values)."""
+    """Operator queries (``transportctl``), read-only: ``what`` is ``flags`` (one local rank's flag values)."""
 
     op: ClassVar[str] = "inspect"
     what: Literal["flags"]
     job: str
     rank: int
-
-    def _check(self) -> None:
-        self._name("job")
-        self._range("rank", 0, MAX_WORLD - 1)
-
-
-@_request
-@dataclass(frozen=True)
-class Inspect(Request):
-    """Read-only look at another session's state for ``transportctl`` (``flags``: rank's flag values)."""
-
-    op: ClassVar[str] = "inspect"
-    what: Literal["flags"]
-    job: str
-    rank: int = 0
 
     def _check(self) -> None:
         self._name("job")
@@ -745,7 +730,7 @@ class SessionState(Enum):
     JOINED = "joined"  #: attached to (job, rank); may use memory, flags and channels
 
 
-_ANY = ("heartbeat", "inspect")
+_ANY = ("heartbeat",)
 #: state -> {op: next state}. An op missing from a state's row is refused with ``bad_state``.
 TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
     SessionState.NEW: {"hello": SessionState.READY},

@@ -18,6 +18,7 @@ from transportd.protocol import (
     Flags,
     Heartbeat,
     Hello,
+    Inspect,
     Join,
     Leave,
     PeerBye,
@@ -54,6 +55,7 @@ REQUEST_SAMPLES = [
     Exchange(),
     Channel(4096),
     Stats(),
+    Inspect("flags", "job-1", 3),
     Leave(),
     Heartbeat(seq=9),
 ]
@@ -198,6 +200,8 @@ def test_register_validation(fields, field, match):
         (lambda: Channel(1 << 21), "capacity", "must be in"),
         (lambda: Hello(pid=-5), "pid", "must be in"),
         (lambda: Heartbeat(seq=-1), "seq", "must be in"),
+        (lambda: Inspect("queues", "j", 0), "what", "must be one of 'flags'"),
+        (lambda: Inspect("flags", "j", -1), "rank", "must be in"),
     ],
 )
 def test_local_construction_is_validated(req, field, match):
@@ -305,7 +309,8 @@ def test_full_session_walk():
     for op, state in [("hello", SessionState.READY), ("stats", SessionState.READY), ("join", SessionState.JOINED),
                       ("register", SessionState.JOINED), ("flags", SessionState.JOINED),
                       ("channel", SessionState.JOINED), ("exchange", SessionState.JOINED),
-                      ("heartbeat", SessionState.JOINED), ("leave", SessionState.READY),
+                      ("heartbeat", SessionState.JOINED), ("inspect", SessionState.JOINED),
+                      ("leave", SessionState.READY), ("inspect", SessionState.READY),
                       ("join", SessionState.JOINED)]:
         session.check(op)
         session.advance(op)
