@@ -52,7 +52,7 @@ def _close_resources(sock: zmq.Socket, context: zmq.Context | None) -> None:
 
 
 class ControlConnection:
-    """One client session with the local daemon over its control socket."""
+    """One client session with the local daemon over its control socket (one thread at a time)."""
 
     def __init__(
         self,
