@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transportd import codec, protocol
 from transportd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, RequestError
@@ -361,3 +363,31 @@ def test_client_server_pair_through_the_core():
         with pytest.raises(RequestError):
             parse_reply(codec.decode(server.receive(garbage), 4096))
     assert server.session.state is SessionState.JOINED
+
+
+# --- fuzz: whatever a decoded map holds, the boundary answers with RemoteProtocolError or a valid message ---
+
+_FIELD_NAMES = sorted({f.name for cls in [*REQUESTS.values(), *PEER_MESSAGES.values()]
+                       for f in dataclasses.fields(cls)} | {"v", "op"})
+_OPS = sorted(REQUESTS) + sorted(PEER_MESSAGES)
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**65) | st.floats() | st.text(max_size=70)
+    | st.binary(max_size=70) | st.sampled_from(_OPS) | st.just(1),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.sampled_from(_FIELD_NAMES), children,
+                                                                      max_size=4),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(_OPS), st.dictionaries(st.sampled_from(_FIELD_NAMES), _values, max_size=7))
+def test_parse_never_fails_any_other_way(op, fields):
+    msg = {"v": 1, "op": op, **fields}
+    for parse in (parse_request, parse_peer_message):
+        try:
+            parsed = parse(msg)
+        except RemoteProtocolError as exc:
+            assert exc.code and str(exc)
+        else:
+            again = codec.encode(parse(parsed.to_msg()).to_msg())  # bytes: NaN in an opaque map compares equal
+            assert again == codec.encode(parsed.to_msg())
