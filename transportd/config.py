@@ -264,6 +264,18 @@ class EfaConfig:
 
 
 @dataclass(frozen=True)
+class SoftverbsConfig:
+    """[softverbs] — the software provider's own knobs (used when the verbs provider is softverbs)."""
+
+    host: str = field(default="127.0.0.1", metadata=_meta(
+        "Address the soft device listens on and advertises to peers (its GID)."))
+    adaptive_routing: bool = field(default=False, metadata=_meta(
+        "Model adaptive routing: RC writes are split into packets placed out of order across WRs."))
+    reorder_seed: int = field(default=-1, metadata=_meta(
+        "Seed of the reordering (adaptive routing, SRD); -1: a fresh random seed.", _between(-1, 2**31 - 1)))
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     """[logging] — one line per event on stderr."""
 
@@ -291,6 +303,7 @@ _SECTIONS: dict[str, type] = {
     "signal": SignalConfig,
     "flags": FlagsConfig,
     "efa": EfaConfig,
+    "softverbs": SoftverbsConfig,
     "logging": LoggingConfig,
     "metrics": MetricsConfig,
 }
@@ -309,6 +322,7 @@ class Config:
     signal: SignalConfig = field(default_factory=SignalConfig)
     flags: FlagsConfig = field(default_factory=FlagsConfig)
     efa: EfaConfig = field(default_factory=EfaConfig)
+    softverbs: SoftverbsConfig = field(default_factory=SoftverbsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source: str = field(default="<defaults>", compare=False)
