@@ -38,6 +38,18 @@ def run(config_path: str | None) -> None:
         daemon.close()
 
 
+@main.command()
+@click.option("--mib", default=256, show_default=True, help="MiB each rank sends to the other")
+@click.option("--chunk-kib", default=1024, show_default=True, help="chunk size in KiB")
+@click.option("--backend", type=click.Choice(["ib", "efa"]), default="ib", show_default=True)
+@click.option("--signal-mode", type=click.Choice(["write", "atomic", "fence"]), default="write", show_default=True)
+def demo(mib: int, chunk_kib: int, backend: str, signal_mode: str) -> None:
+    """Two nodes on this machine over softverbs: stream data both ways, verify every byte and flag."""
+    from transportd.demo import run_demo
+
+    run_demo(total=mib << 20, chunk=chunk_kib << 10, backend=backend, signal_mode=signal_mode, echo=click.echo)
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks: each prints a table and writes JSON with --json PATH."""

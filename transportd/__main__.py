@@ -1,0 +1,3 @@
+from transportd.cli import main
+
+main()

@@ -1,0 +1,182 @@
+"""Several transportd nodes on one machine: real daemon processes, real sockets, softverbs rails.
+
+Used by ``transportd demo``, the multi-process tests and ``transportd bench e2e``. Each node gets its
+own control socket in a work directory and a peer port on 127.0.0.1; every node lists every other one
+as a static peer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transportd.connection import ControlConnection
+from transportd.curve import generate_keypair
+from transportd.errors import DaemonUnavailableError
+from transportd.protocol import Stats
+
+__all__ = ["LocalCluster", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def render_toml(sections: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(v)}" for key, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+@dataclass
+class LocalNode:
+    name: str
+    config_path: Path
+    socket: str
+    peer_port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+    log_file: Any = field(default=None, repr=False)
+
+
+class LocalCluster:
+    """Start ``nodes`` daemons with ``backend`` over softverbs; ``overrides`` are extra config sections."""
+
+    def __init__(self, nodes: int = 2, *, backend: str = "ib", workdir: str | None = None, curve: bool = False,
+                 overrides: dict[str, dict[str, Any]] | None = None, per_node: dict[str, dict[str, Any]] | None = None,
+                 ) -> None:
+        self._own_dir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="tpd-cluster-"))
+        self.nodes: dict[str, LocalNode] = {}
+        names = [f"node{chr(ord('a') + i)}" for i in range(nodes)]
+        ports = {name: free_port() for name in names}
+        keys_dir = self.workdir / "authorized"
+        if curve:
+            keys_dir.mkdir(exist_ok=True)
+            for name in names:
+                public, _secret = generate_keypair(self.workdir / "keys", name)
+                shutil.copy(public, keys_dir / f"127.0.0.1_{ports[name]}.key")
+        for name in names:
+            sections: dict[str, dict[str, Any]] = {
+                "node": {"name": name},
+                "control": {"socket": f"ipc://{self.workdir}/{name}.sock"},
+                "peers": {"listen": f"tcp://127.0.0.1:{ports[name]}",
+                          "static": [f"127.0.0.1:{ports[o]}" for o in names if o != name],
+                          "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0},
+                "backend": {"kind": backend, "verbs": "soft"},
+                "logging": {"level": "info", "format": "text"},
+            }
+            if curve:
+                sections["security"] = {
+                    "curve_secret_key_file": str(self.workdir / "keys" / f"{name}.key_secret"),
+                    "curve_public_key_file": str(self.workdir / "keys" / f"{name}.key"),
+                    "curve_authorized_keys_dir": str(keys_dir)}
+            for source in (overrides or {}, (per_node or {}).get(name, {})):
+                for section, values in source.items():
+                    sections.setdefault(section, {}).update(values)
+            path = self.workdir / f"{name}.toml"
+            path.write_text(render_toml(sections))
+            self.nodes[name] = LocalNode(name, path, sections["control"]["socket"], ports[name],
+                                         self.workdir / f"{name}.log")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.nodes)
+
+    def socket(self, name: str) -> str:
+        return self.nodes[name].socket
+
+    def start(self, timeout_s: float = 60.0) -> LocalCluster:
+        """Start every daemon and wait until each answers on its control socket and sees its peers."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("TRANSPORTD_SOCKET", None)
+        for node in self.nodes.values():
+            node.log_file = open(node.log_path, "ab")
+            node.process = subprocess.Popen([sys.executable, "-m", "transportd", "run", "--config",
+                                             str(node.config_path)], stdout=node.log_file, stderr=subprocess.STDOUT,
+                                            env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes.values():
+            self._wait_ready(node, deadline)
+        return self
+
+    def _wait_ready(self, node: LocalNode, deadline: float) -> None:
+        want = len(self.nodes) - 1
+        while True:
+            if node.process is not None and node.process.poll() is not None:
+                raise RuntimeError(f"daemon {node.name} exited with {node.process.returncode}:\n{self.log(node.name)}")
+            try:
+                with ControlConnection(node.socket, timeout_ms=2000, handshake_timeout_ms=500) as conn:
+                    stats = conn.request(Stats())
+                if sum(1 for p in stats["peers"].values() if p["up"]) >= want:
+                    return
+            except DaemonUnavailableError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"daemon {node.name} not ready in time:\n{self.log(node.name)}")
+            time.sleep(0.05)
+
+    def log(self, name: str) -> str:
+        try:
+            return self.nodes[name].log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one daemon (a node failing without goodbye)."""
+        proc = self.nodes[name].process
+        if proc and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def terminate(self, name: str, timeout_s: float = 20.0) -> int:
+        """SIGTERM one daemon and wait for it; returns its exit status."""
+        proc = self.nodes[name].process
+        assert proc is not None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        return proc.returncode
+
+    def stop(self) -> None:
+        for name in self.nodes:
+            self.terminate(name)
+        for node in self.nodes.values():
+            if node.log_file:
+                node.log_file.close()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
