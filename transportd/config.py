@@ -415,6 +415,31 @@ def describe_keys() -> str:
     return "\n".join(lines) + "\n"
 
 
+def example_config() -> str:
+    """A TOML file with every key commented out at its default, meaning above it (deploy/transportd.toml)."""
+    out = ["# transportd configuration: every key, commented out at its default.",
+           "# Uncomment and edit what you need; `transportd run --config FILE` validates the whole file.", ""]
+    current = None
+    for info in KEYS.values():
+        section, _, name = info.key.partition(".")
+        if "[]" in name:
+            continue
+        if section != current:
+            current = section
+            out += [f"[{section}]"]
+        out.append(f"# {info.meaning}")
+        if name == "rails":
+            out += ["# [[backend.rails]]", "# device = \"mlx5_0\"   # verbs device name", "# gpu = 0              "
+                    "# local GPU closest to this NIC", "# numa_node = 0        # NUMA node of the NIC", ""]
+            continue
+        shown = info.default
+        if shown.startswith("(") or shown.endswith("(off)") or not shown[:1].isascii() or " " in shown and \
+                not shown.startswith(("[", '"')):
+            shown = {"(none)": '""', '"" (off)': '""'}.get(shown, f'"{shown}"')
+        out += [f"# {name} = {shown}", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Loading.
 
