@@ -1,0 +1,10 @@
+"""softverbs: a software RDMA provider with the pyverbs subset transportd's backends use.
+
+The modules mirror pyverbs' layout (`softverbs.device`, `.pd`, `.mr`, `.cq`, `.qp`, `.wr`, `.addr`,
+`.libibverbs_enums`, `.pyverbs_error`, `.providers.efa.efadv`) with pyverbs' names and semantics, so a
+backend runs unchanged on either. Soft devices in different processes talk over TCP. The provider keeps
+the hardware's rules (ordering, EFA validation, keys and access flags, queue depths) so a backend that would
+misbehave on a ConnectX-7 or an EFA device fails here too. Soft-only knobs live in `softverbs.soft`.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,550 @@
+"""A soft device: a TCP listener, one I/O thread, its QP and MR tables, and connections to peer devices.
+
+Threading. The I/O thread owns every socket's receive side and the selector. Posting threads send frames
+themselves (non-blocking `sendmsg`, no thread hop on the fast path); whatever the kernel does not take
+stays queued on the connection and the I/O thread flushes it when the socket is writable. Nobody ever
+blocks in a send while holding a lock, so two devices (or one device talking to itself) cannot deadlock.
+Lock order: QP -> device -> connection -> CQ.
+
+Receive side. Each connection runs a small state machine (header -> descriptors -> payload per item) over
+a non-blocking socket. Payload bytes are copied from the connection's buffer or, when the rest of a large
+payload has not arrived yet, received straight into its destination (`recv_into` the registered memory),
+so a 1 MiB write costs one kernel copy on each side.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import itertools
+import logging
+import os
+import random
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _wire as w
+
+log = logging.getLogger("softverbs")
+
+_BUF_SIZE = 1 << 20
+_DIRECT_MIN = 16 << 10  # receive straight into the destination when this much of a payload is missing
+_IOV_MAX = 512
+
+
+@dataclass
+class DeviceOptions:
+    """Soft-only behaviour of one device; see `softverbs.soft` for what each knob models."""
+
+    kind: str = "ib"  # "ib" (ConnectX-like RC) or "efa" (EFA-like SRD)
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str | None = None
+    adaptive_routing: bool = False
+    reorder_seed: int | None = None
+    reorder_window: int = 64
+    packet_size: int | None = None
+    srd_packet_size: int = 8192
+    srd_rnr_timer_ms: float = 1.0
+    connect_timeout_s: float = 5.0
+    efa_device_caps: int | None = None
+    max_rdma_size: int = 1 << 30
+    max_qp_wr: int | None = None
+    max_cqe: int | None = None
+    max_inline_data: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Conn:
+    """One TCP connection between two soft devices, in one role: requester (outgoing) or responder."""
+
+    def __init__(self, device: SoftDevice, sock: socket.socket, role: str, peer: tuple[str, int]) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+            except OSError:
+                pass
+        self.device = device
+        self.sock = sock
+        self.role = role
+        self.peer = peer
+        self.handler = device.core_responder if role == "rsp" else device.core_requester
+        self.lock = threading.Lock()
+        self.outq: deque[memoryview] = deque()
+        self.closed = False
+        self.registered_write = False
+        # receive state machine
+        self.buf = bytearray(_BUF_SIZE)
+        self.mv = memoryview(self.buf)
+        self.start = 0
+        self.end = 0
+        self.state = 0  # 0 header, 1 descriptors, 2 items
+        self.kind = 0
+        self.count = 0
+        self.payload_len = 0
+        self.descs: list[tuple] = []
+        self.idx = 0
+        self.sink: memoryview | None = None
+        self.sink_pos = 0
+        self.sink_len = 0
+        self.plan: Any = None
+        # responses waiting to be framed (responder role)
+        self.rsp_descs: list[bytes] = []
+        self.rsp_payloads: list[Any] = []
+        self.peer_lid = 0
+
+    # ---------------------------------------------------------------- send side
+    def send_frame(self, kind: int, descs: list[bytes], payloads: list[Any]) -> bool:
+        """Queue one frame and push what the socket takes now; False when the connection is gone."""
+        payload_len = 0
+        for p in payloads:
+            payload_len += len(p)
+        bufs = [memoryview(w.HDR.pack(w.MAGIC, kind, 0, len(descs), payload_len)), memoryview(b"".join(descs))]
+        for p in payloads:
+            if len(p):
+                bufs.append(p if isinstance(p, memoryview) else memoryview(p))
+        with self.lock:
+            if self.closed:
+                return False
+            if self.outq:
+                self.outq.extend(bufs)
+                return True
+            self.outq.extend(bufs)
+            self._flush_locked()
+            want = bool(self.outq) and not self.closed
+        if want:
+            self.device.request_write(self)
+        return True
+
+    def flush(self) -> None:
+        """I/O thread: push queued bytes now that the socket is writable."""
+        with self.lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        outq = self.outq
+        sock = self.sock
+        while outq:
+            chunk = list(itertools.islice(outq, _IOV_MAX))
+            try:
+                n = sock.sendmsg(chunk)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._fail_locked(exc)
+                return
+            while n:
+                head = outq[0]
+                size = len(head)
+                if n >= size:
+                    outq.popleft()
+                    n -= size
+                else:
+                    outq[0] = head[n:]
+                    n = 0
+
+    def _fail_locked(self, exc: BaseException | None) -> None:
+        if not self.closed:
+            self.closed = True
+            self.outq.clear()
+            self.device.post_action(lambda: self.device.conn_lost(self, exc))
+
+    # ------------------------------------------------------------- receive side
+    def pump(self) -> None:
+        """I/O thread: consume whatever the socket has, driving the frame state machine."""
+        while not self.closed:
+            if not self._advance():
+                if not self._fill():
+                    return
+
+    def _fill(self) -> bool:
+        """Read more bytes; False when the socket has none now (or closed)."""
+        if self.state == 2 and isinstance(self.sink, memoryview) and self.start == self.end:
+            missing = self.sink_len - self.sink_pos
+            if missing >= _DIRECT_MIN:
+                try:
+                    n = self.sock.recv_into(self.sink[self.sink_pos:])
+                except (BlockingIOError, InterruptedError):
+                    return False
+                except OSError as exc:
+                    self.device.conn_lost(self, exc)
+                    return False
+                if n == 0:
+                    self.device.conn_lost(self, None)
+                    return False
+                self.sink_pos += n
+                return True
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif len(self.buf) - self.end < 65536:
+            leftover = self.end - self.start
+            self.mv[:leftover] = self.mv[self.start:self.end]
+            self.start, self.end = 0, leftover
+        try:
+            n = self.sock.recv_into(self.mv[self.end:])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            self.device.conn_lost(self, exc)
+            return False
+        if n == 0:
+            self.device.conn_lost(self, None)
+            return False
+        self.end += n
+        return True
+
+    def _advance(self) -> bool:
+        """Make progress with buffered bytes; False when more input is needed."""
+        avail = self.end - self.start
+        if self.state == 0:
+            if avail < 16:
+                return False
+            magic, kind, _flags, count, payload_len = w.HDR.unpack_from(self.buf, self.start)
+            if magic != w.MAGIC or kind not in (w.KIND_REQ, w.KIND_RSP, w.KIND_HELLO):
+                self.device.conn_lost(self, ValueError("bad frame header"))
+                return False
+            self.start += 16
+            if kind == w.KIND_HELLO:
+                self.peer_lid = count & 0xFFFF
+                return True
+            self.kind, self.count, self.payload_len = kind, count, payload_len
+            self.state = 1
+            return True
+        if self.state == 1:
+            st = w.REQ if self.kind == w.KIND_REQ else w.RSP
+            need = st.size * self.count
+            if need > len(self.buf) - self.start and need > avail:
+                grown = bytearray(max(need * 2, len(self.buf)))
+                grown[:avail] = self.mv[self.start:self.end]
+                self.buf, self.mv = grown, memoryview(grown)
+                self.start, self.end = 0, avail
+                return False
+            if avail < need:
+                return False
+            self.descs = list(st.iter_unpack(self.mv[self.start:self.start + need]))
+            self.start += need
+            self.idx = 0
+            self.sink = None
+            self.state = 2
+            self.handler.begin_frame(self, self.kind)
+            return True
+        # state 2: items
+        handler = self.handler
+        descs = self.descs
+        while self.idx < len(descs):
+            d = descs[self.idx]
+            if self.sink is None:
+                n = handler.payload_len(d)
+                self.sink_len = n
+                self.sink_pos = 0
+                self.sink = handler.sink_for(self, d, n) if n else None
+                if n and self.sink is None:
+                    self.sink = _Discard(n)
+            if self.sink_len:
+                take = min(self.end - self.start, self.sink_len - self.sink_pos)
+                if take:
+                    sink = self.sink
+                    if isinstance(sink, _Discard):
+                        sink.pos += take
+                    else:
+                        sink[self.sink_pos:self.sink_pos + take] = self.mv[self.start:self.start + take]
+                    self.start += take
+                    self.sink_pos += take
+                if self.sink_pos < self.sink_len:
+                    return False
+            sink = self.sink
+            self.sink = None
+            self.idx += 1
+            handler.on_item(self, d, None if isinstance(sink, _Discard) else sink)
+        self.state = 0
+        self.descs = []
+        handler.end_frame(self)
+        return True
+
+
+class _Discard:
+    """A payload sink that drops bytes (the request was refused)."""
+
+    __slots__ = ("n", "pos")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+
+_LISTENER = object()
+_WAKE = object()
+
+
+class SoftDevice:
+    """Process-wide state of one soft device, shared by every Context opened on it."""
+
+    def __init__(self, name: str, options: DeviceOptions) -> None:
+        self.name = name
+        self.options = options
+        self.is_efa = options.kind == "efa"
+        self.lock = threading.RLock()
+        self.refs = 0
+        self.qps: dict[int, Any] = {}
+        self.mrs_by_lkey: dict[int, Any] = {}
+        self.mrs_by_rkey: dict[int, Any] = {}
+        self._qpn = itertools.count(0x11 + (os.getpid() % 97) * 0x100)
+        self._key = itertools.count(1 + (os.getpid() % 251) * 0x1000)
+        self.out_conns: dict[tuple[str, int], Conn] = {}
+        self.in_conns: set[Conn] = set()
+        self.host = options.host
+        self.port = 0
+        self.advertise = options.advertise or (options.host if options.host not in ("", "0.0.0.0") else "127.0.0.1")
+        self.rng = random.Random(options.reorder_seed)
+        self.placement_observer: Callable[[int, int, int], None] | None = None
+        self._actions: deque[Callable[[], None]] = deque()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = itertools.count()
+        self._dirty_rsp: set[Conn] = set()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._sel: selectors.BaseSelector | None = None
+        self._listener: socket.socket | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._woken = False
+        from ._core import RequesterRx, Responder
+
+        self.core_responder = Responder(self)
+        self.core_requester = RequesterRx(self)
+
+    # --------------------------------------------------------------- lifecycle
+    def acquire(self) -> None:
+        """A Context opened on this device: start the listener and I/O thread on first use."""
+        with self.lock:
+            if self.refs == 0:
+                self._start()
+            self.refs += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.refs -= 1
+            if self.refs == 0:
+                self._stop()
+
+    def _start(self) -> None:
+        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lst.bind((self.options.host, self.options.port))
+        lst.listen(128)
+        lst.setblocking(False)
+        self._listener = lst
+        self.port = lst.getsockname()[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(lst, selectors.EVENT_READ, _LISTENER)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self.rng = random.Random(self.options.reorder_seed)
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=f"softverbs-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _stop(self) -> None:
+        self._running = False
+        self.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+        self._thread = None
+        for conn in list(self.out_conns.values()) + list(self.in_conns):
+            conn.closed = True
+            conn.sock.close()
+        self.out_conns.clear()
+        self.in_conns.clear()
+        for s in (self._listener, self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
+        if self._sel is not None:
+            self._sel.close()
+        self._listener = self._wake_r = self._wake_w = None
+        self._sel = None
+        self._actions.clear()
+        self._timers.clear()
+        self.port = 0
+
+    # ----------------------------------------------------------- identifiers
+    def new_qpn(self) -> int:
+        return next(self._qpn) & 0xFFFFFF
+
+    def new_keys(self) -> tuple[int, int]:
+        """(lkey, rkey): distinct, so a backend that mixes them up fails here as it would on hardware."""
+        k = next(self._key)
+        return ((k << 8) | 0x5A) & 0xFFFFFFFF, ((k << 8) | 0xA5) & 0xFFFFFFFF
+
+    # ------------------------------------------------------------- I/O thread
+    def wake(self) -> None:
+        if self._wake_w is not None and not self._woken:
+            self._woken = True
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
+
+    def post_action(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the I/O thread soon (state changes that must not race the receive path)."""
+        self._actions.append(fn)
+        self.wake()
+
+    def add_timer(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """I/O thread only: call `fn` after `delay_s` seconds."""
+        heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_seq), fn))
+
+    def request_write(self, conn: Conn) -> None:
+        self.post_action(lambda: self._want_write(conn))
+
+    def _want_write(self, conn: Conn) -> None:
+        if conn.closed or self._sel is None:
+            return
+        with conn.lock:
+            want = bool(conn.outq)
+        if want != conn.registered_write:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
+            try:
+                self._sel.modify(conn.sock, events, conn)
+                conn.registered_write = want
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def mark_responses(self, conn: Conn) -> None:
+        """I/O thread: `conn` has responses to frame before the thread sleeps."""
+        self._dirty_rsp.add(conn)
+
+    def flush_responses(self) -> None:
+        dirty = self._dirty_rsp
+        while dirty:
+            conn = dirty.pop()
+            if conn.rsp_descs:
+                descs, payloads = conn.rsp_descs, conn.rsp_payloads
+                conn.rsp_descs, conn.rsp_payloads = [], []
+                for i in range(0, len(descs), w.MAX_DESCS_PER_FRAME):
+                    j = i + w.MAX_DESCS_PER_FRAME
+                    conn.send_frame(w.KIND_RSP, descs[i:j], [p for p in payloads[i:j] if p is not None])
+
+    def _loop(self) -> None:
+        sel = self._sel
+        assert sel is not None
+        while self._running:
+            timeout = None
+            if self._timers:
+                timeout = max(0.0, self._timers[0][0] - time.monotonic())
+            if self._actions:
+                timeout = 0.0
+            try:
+                events = sel.select(timeout)
+            except OSError:
+                if not self._running:
+                    return
+                raise
+            try:
+                for key, mask in events:
+                    data = key.data
+                    if data is _LISTENER:
+                        self._accept()
+                    elif data is _WAKE:
+                        self._woken = False
+                        try:
+                            while self._wake_r is not None and self._wake_r.recv(4096):
+                                pass
+                        except (BlockingIOError, OSError):
+                            pass
+                    else:
+                        if mask & selectors.EVENT_WRITE:
+                            data.flush()
+                            self._want_write(data)
+                        if mask & selectors.EVENT_READ:
+                            data.pump()
+                while self._actions:
+                    self._actions.popleft()()
+                self.core_responder.on_idle()
+                now = time.monotonic()
+                while self._timers and self._timers[0][0] <= now:
+                    heapq.heappop(self._timers)[2]()
+                self.flush_responses()
+            except Exception:  # keep serving other peers; the fault is logged with its traceback
+                log.exception("softverbs device %s: I/O loop error", self.name)
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._sel is not None
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn = Conn(self, sock, "rsp", addr[:2])
+            self.in_conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    # ------------------------------------------------------------ connections
+    def connection(self, endpoint: tuple[str, int]) -> Conn | None:
+        """The requester connection to `endpoint`, connecting on first use; None if unreachable."""
+        conn = self.out_conns.get(endpoint)
+        if conn is not None and not conn.closed:
+            return conn
+        with self.lock:
+            conn = self.out_conns.get(endpoint)
+            if conn is not None and not conn.closed:
+                return conn
+            try:
+                sock = socket.create_connection(endpoint, timeout=self.options.connect_timeout_s)
+            except OSError as exc:
+                log.warning("softverbs %s: cannot reach %s:%d (%s)", self.name, endpoint[0], endpoint[1], exc)
+                return None
+            conn = Conn(self, sock, "req", endpoint)
+            self.out_conns[endpoint] = conn
+            conn.peer_lid = endpoint[1] & 0xFFFF
+            with conn.lock:
+                conn.outq.append(memoryview(w.HDR.pack(w.MAGIC, w.KIND_HELLO, 0, self.port, 0)))
+                conn._flush_locked()
+        self.post_action(lambda: self._register(conn))
+        return conn
+
+    def _register(self, conn: Conn) -> None:
+        if self._sel is None or conn.closed:
+            return
+        with conn.lock:
+            want = bool(conn.outq)
+        self._sel.register(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0), conn)
+        conn.registered_write = want
+
+    def conn_lost(self, conn: Conn, exc: BaseException | None) -> None:
+        """I/O thread: a connection closed or broke; requests in flight on it fail as on a dead link."""
+        with conn.lock:
+            conn.closed = True
+            conn.outq.clear()
+        if self._sel is not None:
+            try:
+                self._sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
+        conn.sock.close()
+        if exc is not None and not isinstance(exc, ConnectionError):
+            log.warning("softverbs %s: connection to %s dropped: %s", self.name, conn.peer, exc)
+        if conn.role == "req":
+            with self.lock:
+                if self.out_conns.get(conn.peer) is conn:
+                    del self.out_conns[conn.peer]
+            self.core_requester.conn_lost(conn)
+        else:
+            self.in_conns.discard(conn)
+            self._dirty_rsp.discard(conn)
+
+
+def errno_name(code: int) -> str:
+    return errno.errorcode.get(code, str(code))

@@ -1,0 +1,48 @@
+"""Frame layout between soft devices (TCP, little-endian).
+
+A frame is a 16-byte header, `count` fixed-size descriptors, then the payload bytes of the descriptors that
+carry data, concatenated in descriptor order. Requests (REQ) go from a requester QP's device to the
+responder's device on the requester's connection; responses (RSP: acks, NAKs, read data, atomic results)
+come back on the same connection. Many work requests share one frame, so a batch costs one syscall.
+
+    header  | magic u16 | kind u8 | flags u8 | count u32 | payload_len u64 |
+    REQ     | dst_qpn u32 | src_qpn u32 | seq u64 | op u8 | flags u8 | mtu u16 | imm u32 | rkey u32 |
+            | qkey u32 | raddr u64 | length u32 | psn u32 | add u64 | swap u64 |                 (64 B)
+    RSP     | qpn u32 | status u8 | op u8 | rsv u16 | seq u64 | length u32 | rsv u32 | value u64 |  (32 B)
+
+`seq` names the request within its requester QP; RSP echoes it. `status` is an ibv_wc_status value for
+the requester's completion. REQ `flags`: bit 0 adaptive routing (reorder packets), bits 1-3 the requester's
+rnr_retry, bit 4 the requester is an SRD QP.
+"""
+
+from __future__ import annotations
+
+import struct
+
+MAGIC = 0x5356
+HDR = struct.Struct("<HBBIQ")
+REQ = struct.Struct("<IIQBBHIIIQIIQQ")
+RSP = struct.Struct("<IBBHQIIQ")
+assert HDR.size == 16 and REQ.size == 64 and RSP.size == 32
+
+KIND_REQ = 1
+KIND_RSP = 2
+KIND_HELLO = 3  # first frame on a connection: count = the sender device's LID (its TCP port)
+
+OP_WRITE = 1
+OP_WRITE_IMM = 2
+OP_SEND = 3
+OP_SEND_IMM = 4
+OP_READ = 5
+OP_FADD = 6
+OP_CSWAP = 7
+
+DATA_OPS = frozenset((OP_WRITE, OP_WRITE_IMM, OP_SEND, OP_SEND_IMM))
+RECV_OPS = frozenset((OP_WRITE_IMM, OP_SEND, OP_SEND_IMM))  # consume a receive WR at the responder
+RD_ATOMIC_OPS = frozenset((OP_READ, OP_FADD, OP_CSWAP))
+
+F_AR = 1
+F_SRD = 1 << 4
+RNR_SHIFT = 1
+
+MAX_DESCS_PER_FRAME = 4096

@@ -1,0 +1,261 @@
+"""Devices and contexts (pyverbs.device): list the soft devices, open one, query it.
+
+Every process sees the soft devices named in its registry (by default `softib0`, ConnectX-like RC, and
+`softefa0`, EFA-like SRD; `softverbs.soft.add_device` adds more). Opening a Context on a device starts its
+TCP listener; the device's LID is that TCP port and its GID is `::PPPP:ffff:a.b.c.d` (the IPv4-mapped
+address with the port in the 16 bits before `ffff`), so a peer exchange of GID/LID/QPN is all it takes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import weakref
+import zlib
+from typing import Any
+
+from . import libibverbs_enums as e
+from ._base import SoftCM, SoftObject
+from ._device import DeviceOptions, SoftDevice
+from .addr import GID, gid_for_endpoint
+from .pyverbs_error import PyverbsRDMAError, PyverbsUserError
+
+__all__ = ["Context", "Device", "DeviceAttr", "PortAttr", "get_device_list"]
+
+_lock = threading.Lock()
+_registry: dict[str, SoftDevice] = {}
+_defaults_added = False
+
+
+def _env_listen() -> tuple[str, int]:
+    spec = os.environ.get("SOFTVERBS_LISTEN", "")
+    if not spec:
+        return "127.0.0.1", 0
+    host, _, port = spec.rpartition(":") if spec.count(":") == 1 else (spec, "", "0")
+    return host or "127.0.0.1", int(port or 0)
+
+
+def _ensure_defaults() -> None:
+    global _defaults_added
+    if _defaults_added:
+        return
+    _defaults_added = True
+    host, port = _env_listen()
+    ar = os.environ.get("SOFTVERBS_ADAPTIVE_ROUTING", "") not in ("", "0")
+    for name, kind in (("softib0", "ib"), ("softefa0", "efa")):
+        if name not in _registry:
+            _registry[name] = SoftDevice(name, DeviceOptions(kind=kind, host=host, port=port,
+                                                              adaptive_routing=ar))
+
+
+def registry() -> dict[str, SoftDevice]:
+    """The process's soft devices by name (used by softverbs.soft)."""
+    with _lock:
+        _ensure_defaults()
+        return _registry
+
+
+def _lookup(name: str) -> SoftDevice | None:
+    return registry().get(name)
+
+
+class Device(SoftObject):
+    """One entry of get_device_list(): name (bytes, as pyverbs returns it) and types."""
+
+    __slots__ = ("_name", "_guid", "_node_type", "_transport_type", "_index")
+
+    def __init__(self, name: bytes, guid: int, node_type: int, transport_type: int, index: int) -> None:
+        super().__init__()
+        self._name, self._guid = name, guid
+        self._node_type, self._transport_type, self._index = node_type, transport_type, index
+
+    @property
+    def name(self) -> bytes:
+        return self._name
+
+    @property
+    def node_type(self) -> int:
+        return self._node_type
+
+    @property
+    def transport_type(self) -> int:
+        return self._transport_type
+
+    @property
+    def guid(self) -> int:
+        return self._guid
+
+    @property
+    def index(self) -> int:
+        return self._index
+
+    def __str__(self) -> str:
+        return f"Device {self._name.decode()}, node type {self._node_type}, transport {self._transport_type}"
+
+
+def _guid(dev: SoftDevice) -> int:
+    return (0x5F0F << 48) | zlib.crc32(dev.name.encode()) << 8 | (1 if dev.is_efa else 0)
+
+
+def get_device_list() -> list[Device]:
+    """The soft devices (pyverbs raises PyverbsRDMAError instead of returning [] when there are none)."""
+    devices = []
+    for i, (name, dev) in enumerate(sorted(registry().items())):
+        if dev.is_efa:
+            node, transport = e.IBV_NODE_UNSPECIFIED, e.IBV_TRANSPORT_UNSPECIFIED
+        else:
+            node, transport = e.IBV_NODE_CA, e.IBV_TRANSPORT_IB
+        devices.append(Device(name.encode(), _guid(dev), int(node), int(transport), i))
+    if not devices:
+        raise PyverbsRDMAError("Failed to get devices list")
+    return devices
+
+
+def _make_attr_class(cls_name: str, fields: list[str], doc: str) -> type:
+    """A read-only attribute bag with one property per field, like pyverbs' struct wrappers."""
+
+    def __init__(self: Any, values: dict[str, Any]) -> None:
+        SoftObject.__init__(self)
+        self._v = values
+
+    ns: dict[str, Any] = {"__slots__": ("_v",), "__init__": __init__, "__doc__": doc,
+                          "__str__": lambda self: "\n".join(f"{k}: {self._v[k]}" for k in fields)}
+    for f in fields:
+        ns[f] = property(lambda self, _f=f: self._v[_f])
+    return type(cls_name, (SoftObject,), ns)
+
+
+_DEVICE_ATTR_FIELDS = [
+    "fw_version", "node_guid", "sys_image_guid", "max_mr_size", "page_size_cap", "vendor_id",
+    "vendor_part_id", "hw_ver", "max_qp", "max_qp_wr", "device_cap_flags", "max_sge", "max_sge_rd",
+    "max_cq", "max_cqe", "max_mr", "max_pd", "max_qp_rd_atom", "max_ee_rd_atom", "max_res_rd_atom",
+    "max_qp_init_rd_atom", "max_ee_init_rd_atom", "atomic_caps", "max_ee", "max_rdd", "max_mw",
+    "max_raw_ipv6_qps", "max_raw_ethy_qp", "max_mcast_grp", "max_mcast_qp_attach", "max_ah", "max_fmr",
+    "max_map_per_fmr", "max_srq", "max_srq_wr", "max_srq_sge", "max_pkeys", "local_ca_ack_delay",
+    "phys_port_cnt",
+]
+_PORT_ATTR_FIELDS = [
+    "state", "max_mtu", "active_mtu", "gid_tbl_len", "port_cap_flags", "max_msg_sz", "bad_pkey_cntr",
+    "qkey_viol_cntr", "pkey_tbl_len", "lid", "sm_lid", "lmc", "max_vl_num", "sm_sl", "subnet_timeout",
+    "init_type_reply", "active_width", "active_speed", "phys_state", "link_layer", "flags",
+    "port_cap_flags2", "active_speed_ex",
+]
+DeviceAttr = _make_attr_class("DeviceAttr", _DEVICE_ATTR_FIELDS, "Device limits (ibv_device_attr).")
+PortAttr = _make_attr_class("PortAttr", _PORT_ATTR_FIELDS, "Port attributes (ibv_port_attr).")
+
+IB_MAX_QP_WR = 32768
+IB_MAX_SGE = 30
+IB_MAX_CQE = 4194303
+IB_MAX_INLINE = 512
+IB_MAX_RD_ATOM = 16
+EFA_MAX_SQ_WR = 4096
+EFA_MAX_RQ_WR = 8192
+EFA_MAX_SQ_SGE = 2
+EFA_MAX_RQ_SGE = 3
+EFA_INLINE_BUF = 32
+EFA_MAX_CQE = 65536
+
+
+def device_limits(dev: SoftDevice) -> dict[str, int]:
+    """The limits soft QPs/CQs are checked against (options may override them for tests)."""
+    o = dev.options
+    if dev.is_efa:
+        return {"max_qp_wr": o.max_qp_wr or EFA_MAX_SQ_WR, "max_rq_wr": o.max_qp_wr or EFA_MAX_RQ_WR,
+                "max_sge": EFA_MAX_SQ_SGE, "max_rq_sge": EFA_MAX_RQ_SGE, "max_cqe": o.max_cqe or EFA_MAX_CQE,
+                "max_inline": o.max_inline_data if o.max_inline_data is not None else EFA_INLINE_BUF,
+                "max_rd_atom": 0}
+    return {"max_qp_wr": o.max_qp_wr or IB_MAX_QP_WR, "max_rq_wr": o.max_qp_wr or IB_MAX_QP_WR,
+            "max_sge": IB_MAX_SGE, "max_rq_sge": IB_MAX_SGE, "max_cqe": o.max_cqe or IB_MAX_CQE,
+            "max_inline": o.max_inline_data if o.max_inline_data is not None else IB_MAX_INLINE,
+            "max_rd_atom": IB_MAX_RD_ATOM}
+
+
+class Context(SoftCM):
+    """An open soft device (ibv_context). Closing it closes the PDs, CQs and QPs created on it."""
+
+    __slots__ = ("_name", "_dev", "_children", "_closed")
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        name = kwargs.get("name")
+        if kwargs.get("cmid") is not None or kwargs.get("cmd_fd") is not None:
+            raise PyverbsRDMAError("softverbs opens devices by name only", errno.EOPNOTSUPP)
+        if name is None:
+            raise PyverbsUserError("Device name must be provided")
+        if isinstance(name, bytes):
+            name = name.decode()
+        dev = _lookup(name)
+        if dev is None:
+            raise PyverbsRDMAError(f"Failed to find device {name}")
+        self._name = name
+        self._dev = dev
+        self._children: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._closed = False
+        dev.acquire()
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        for child in list(self._children):
+            child.close()
+        self._closed = True
+        self._dev.release()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def num_comp_vectors(self) -> int:
+        return 1
+
+    def query_device(self) -> Any:
+        dev = self._dev
+        lim = device_limits(dev)
+        efa = dev.is_efa
+        return DeviceAttr({
+            "fw_version": "0.0.0 (softverbs)", "node_guid": _guid(dev), "sys_image_guid": _guid(dev),
+            "max_mr_size": (1 << 64) - 1, "page_size_cap": 0xFFFFFFFFFFFFF000,
+            "vendor_id": 0x1D0F if efa else 0x02C9, "vendor_part_id": 0xEFA1 if efa else 4129, "hw_ver": 0,
+            "max_qp": 1 << 17, "max_qp_wr": lim["max_qp_wr"], "device_cap_flags": 0,
+            "max_sge": lim["max_sge"], "max_sge_rd": lim["max_sge"], "max_cq": 1 << 17,
+            "max_cqe": lim["max_cqe"], "max_mr": 1 << 20, "max_pd": 1 << 17,
+            "max_qp_rd_atom": lim["max_rd_atom"], "max_ee_rd_atom": 0, "max_res_rd_atom": 1 << 20,
+            "max_qp_init_rd_atom": lim["max_rd_atom"], "max_ee_init_rd_atom": 0,
+            "atomic_caps": int(e.IBV_ATOMIC_NONE if efa else e.IBV_ATOMIC_HCA), "max_ee": 0, "max_rdd": 0,
+            "max_mw": 0, "max_raw_ipv6_qps": 0, "max_raw_ethy_qp": 0, "max_mcast_grp": 0,
+            "max_mcast_qp_attach": 0, "max_ah": 1 << 16, "max_fmr": 0, "max_map_per_fmr": 0, "max_srq": 0,
+            "max_srq_wr": 0, "max_srq_sge": 0, "max_pkeys": 1, "local_ca_ack_delay": 16, "phys_port_cnt": 1,
+        })
+
+    def query_port(self, port_num: int) -> Any:
+        if port_num != 1:
+            raise PyverbsRDMAError(f"Failed to query port {port_num}", errno.EINVAL)
+        dev = self._dev
+        return PortAttr({
+            "state": int(e.IBV_PORT_ACTIVE), "max_mtu": int(e.IBV_MTU_4096), "active_mtu": int(e.IBV_MTU_4096),
+            "gid_tbl_len": 1, "port_cap_flags": 0,
+            "max_msg_sz": dev.options.max_rdma_size if dev.is_efa else 1 << 31,
+            "bad_pkey_cntr": 0, "qkey_viol_cntr": 0, "pkey_tbl_len": 1, "lid": dev.port & 0xFFFF, "sm_lid": 0,
+            "lmc": 0, "max_vl_num": 1, "sm_sl": 0, "subnet_timeout": 0, "init_type_reply": 0,
+            "active_width": 4, "active_speed": 0, "phys_state": 5,
+            "link_layer": e.IBV_LINK_LAYER_UNSPECIFIED if dev.is_efa else e.IBV_LINK_LAYER_INFINIBAND,
+            "flags": 0, "port_cap_flags2": 0, "active_speed_ex": 0,
+        })
+
+    def query_gid(self, port_num: int, index: int) -> GID:
+        if port_num != 1 or index != 0:
+            raise PyverbsRDMAError(f"Failed to query gid {index} of port {port_num}")
+        return GID(gid_for_endpoint(self._dev.advertise, self._dev.port))
+
+    def query_pkey(self, port_num: int, index: int) -> int:
+        if port_num != 1 or index != 0:
+            raise PyverbsRDMAError(f"Failed to query pkey {index} of port {port_num}")
+        return 0xFFFF

@@ -1,0 +1,1 @@
+"""Provider-specific extensions, laid out as pyverbs.providers."""

@@ -1,0 +1,1 @@
+"""EFA direct-verbs mirror (pyverbs.providers.efa)."""

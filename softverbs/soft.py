@@ -1,0 +1,113 @@
+"""Soft-only knobs and hooks: things real hardware sets elsewhere (fabric, firmware) or does not have.
+
+Nothing here exists in pyverbs; an API-agreement test ignores this module by name. Knobs:
+
+- `add_device(name, kind, host=..., port=..., advertise=...)`: another soft device in this process
+  ("ib" = ConnectX-like RC, "efa" = EFA-like SRD). Defaults: `softib0` and `softefa0` on 127.0.0.1,
+  ephemeral port; `SOFTVERBS_LISTEN=host[:port]` changes the listen address of the defaults.
+- `configure(device, **options)`: change a device's `DeviceOptions` (adaptive_routing, reorder_seed,
+  reorder_window, packet_size, srd_packet_size, efa_device_caps, max_rdma_size, max_qp_wr, max_cqe,
+  max_inline_data, connect_timeout_s, srd_rnr_timer_ms). Listen address options apply at next open.
+- `set_adaptive_routing(ctx_or_qp, on)`: RC adaptive routing for a whole device or one QP (the requester's
+  setting decides how its packets are placed). `SOFTVERBS_ADAPTIVE_ROUTING=1` turns it on for the defaults.
+- `set_placement_observer(ctx, fn)`: `fn(qp_num, addr, length)` runs on the device's I/O thread after
+  each placement of inbound data into memory; tests use it to see the order in which bytes land.
+- `register_memory(base, length, accessor)`: memory the CPU cannot address (GPU memory) is read and
+  written through `accessor` (a `MemoryAccessor`); MRs inside that range use it. `HostAccessor` is a
+  host-memory implementation for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+from ._device import DeviceOptions, SoftDevice
+from ._memory import ACCESSORS, HostAccessor, MemoryAccessor
+from .addr import endpoint_from_gid, gid_for_endpoint
+
+__all__ = [
+    "DeviceOptions", "HostAccessor", "MemoryAccessor", "add_device", "configure", "device_options",
+    "endpoint_from_gid", "endpoint_of", "gid_for_endpoint", "register_memory", "set_adaptive_routing",
+    "set_placement_observer", "unregister_memory",
+]
+
+_OPTION_NAMES = {f.name for f in fields(DeviceOptions)}
+
+
+def _device(target: Any) -> SoftDevice:
+    from .device import registry
+
+    if isinstance(target, str):
+        dev = registry().get(target)
+        if dev is None:
+            raise KeyError(f"no soft device named {target!r}")
+        return dev
+    dev = getattr(target, "_dev", None)
+    if dev is None:
+        core = getattr(target, "_core", None)
+        dev = getattr(core, "device", None)
+    if not isinstance(dev, SoftDevice):
+        raise TypeError(f"{type(target).__name__} is not a softverbs object")
+    return dev
+
+
+def add_device(name: str, kind: str = "ib", **options: Any) -> None:
+    """Register another soft device in this process (e.g. a second "node" for one-process tests)."""
+    from .device import registry
+
+    if kind not in ("ib", "efa"):
+        raise ValueError("kind must be 'ib' or 'efa'")
+    bad = set(options) - _OPTION_NAMES
+    if bad:
+        raise TypeError(f"unknown device options: {sorted(bad)}")
+    reg = registry()
+    if name in reg:
+        raise ValueError(f"soft device {name!r} exists")
+    reg[name] = SoftDevice(name, DeviceOptions(kind=kind, **options))
+
+
+def configure(target: Any, **options: Any) -> None:
+    """Change options of a device (by name, or of a Context/PD/QP on it)."""
+    dev = _device(target)
+    bad = set(options) - _OPTION_NAMES - {"kind"}
+    if bad or "kind" in options:
+        raise TypeError(f"unknown or fixed device options: {sorted(bad | ({'kind'} & set(options)))}")
+    for key, val in options.items():
+        setattr(dev.options, key, val)
+    if "reorder_seed" in options:
+        dev.rng.seed(options["reorder_seed"])
+
+
+def device_options(target: Any) -> DeviceOptions:
+    return _device(target).options
+
+
+def set_adaptive_routing(target: Any, enabled: bool | None) -> None:
+    """Adaptive routing for a device's QPs (Context or name) or one QP (None = follow the device)."""
+    core = getattr(target, "_core", None)
+    if core is not None and hasattr(core, "qpn"):
+        core.ar = enabled
+        return
+    _device(target).options.adaptive_routing = bool(enabled)
+
+
+def set_placement_observer(target: Any, fn: Callable[[int, int, int], None] | None) -> None:
+    """Call fn(qp_num, addr, length) after every placement of inbound bytes on this device."""
+    _device(target).placement_observer = fn
+
+
+def endpoint_of(target: Any) -> tuple[str, int]:
+    """(host, port) that peers reach this device at (the device must be open)."""
+    dev = _device(target)
+    return dev.advertise, dev.port
+
+
+def register_memory(base: int, length: int, accessor: MemoryAccessor) -> None:
+    """Serve [base, base+length) through `accessor` (call before registering MRs in the range)."""
+    ACCESSORS.register(base, length, accessor)
+
+
+def unregister_memory(base: int) -> None:
+    ACCESSORS.unregister(base)
