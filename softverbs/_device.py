@@ -353,6 +353,8 @@ class SoftDevice:
         self._sel.register(lst, selectors.EVENT_READ, _LISTENER)
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self.rng = random.Random(self.options.reorder_seed)
+        self.host = self.options.host
+        self.advertise = self.options.advertise or (self.host if self.host not in ("", "0.0.0.0") else "127.0.0.1")
         self._running = True
         self._thread = threading.Thread(target=self._loop, name=f"softverbs-{self.name}", daemon=True)
         self._thread.start()

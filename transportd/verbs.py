@@ -1,0 +1,130 @@
+"""The one place backends get verbs from: real pyverbs where an RDMA device exists, softverbs otherwise.
+
+Backends never import pyverbs or softverbs themselves; they call :func:`load` and use the namespace it
+returns, whose attributes are the pyverbs modules by their pyverbs names (``device``, ``pd``, ``mr``,
+``cq``, ``qp``, ``wr``, ``addr``, ``libibverbs_enums``, ``pyverbs_error``, ``efadv``, ``efa_enums``) plus
+short aliases (``enums``, ``error``) and ``name`` ("pyverbs" or "soft").
+
+Which provider: the explicit argument (from config ``[backend] verbs``), else ``TRANSPORTD_VERBS``
+(``soft`` | ``pyverbs`` | ``auto``), else ``auto``: pyverbs if it imports and reports at least one device.
+pyverbs' ``get_device_list()`` raises ``PyverbsRDMAError`` when there is no device rather than returning
+``[]``; both mean "no device" here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from transportd.errors import TransportdError
+
+__all__ = ["ENV", "PROVIDERS", "VerbsModules", "VerbsUnavailableError", "configure_soft", "load",
+           "pyverbs_devices"]
+
+ENV = "TRANSPORTD_VERBS"
+PROVIDERS = ("auto", "soft", "pyverbs")
+_MODULES = ("device", "pd", "mr", "cq", "qp", "wr", "addr", "libibverbs_enums", "pyverbs_error")
+
+
+class VerbsUnavailableError(TransportdError):
+    """The requested verbs provider cannot be loaded (pyverbs missing or broken)."""
+
+
+@dataclass(frozen=True)
+class VerbsModules:
+    """The verbs modules of one provider, by pyverbs' module names."""
+
+    name: str
+    device: ModuleType
+    pd: ModuleType
+    mr: ModuleType
+    cq: ModuleType
+    qp: ModuleType
+    wr: ModuleType
+    addr: ModuleType
+    libibverbs_enums: ModuleType
+    pyverbs_error: ModuleType
+    efadv: ModuleType | None
+    efa_enums: ModuleType | None
+    soft: ModuleType | None  # softverbs.soft (knobs) for the soft provider, else None
+
+    @property
+    def enums(self) -> ModuleType:
+        return self.libibverbs_enums
+
+    @property
+    def error(self) -> ModuleType:
+        return self.pyverbs_error
+
+
+def _import_provider(pkg: str) -> VerbsModules:
+    mods = {m: importlib.import_module(f"{pkg}.{m}") for m in _MODULES}
+    try:
+        efadv: ModuleType | None = importlib.import_module(f"{pkg}.providers.efa.efadv")
+        efa_enums: ModuleType | None = importlib.import_module(f"{pkg}.providers.efa.efa_enums")
+    except ImportError:
+        efadv = efa_enums = None
+    soft = importlib.import_module("softverbs.soft") if pkg == "softverbs" else None
+    return VerbsModules(name="soft" if pkg == "softverbs" else "pyverbs", efadv=efadv, efa_enums=efa_enums,
+                        soft=soft, **mods)
+
+
+def pyverbs_devices() -> list[str] | None:
+    """Names of the real RDMA devices, [] if pyverbs works but sees none, None if pyverbs is unusable."""
+    try:
+        device = importlib.import_module("pyverbs.device")
+        err = importlib.import_module("pyverbs.pyverbs_error")
+    except (ImportError, OSError):
+        return None
+    try:
+        devs = device.get_device_list()
+    except err.PyverbsError:
+        return []
+    return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devs]
+
+
+def configure_soft(options: Mapping[str, Any] | Any) -> None:
+    """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed; a mapping or the config
+    dataclass) to the default soft devices. The listen host takes effect when a device is next opened."""
+    from softverbs import soft
+
+    get = options.get if isinstance(options, Mapping) else (lambda k, d=None: getattr(options, k, d))
+    changes: dict[str, Any] = {}
+    host = get("host", None)
+    if host:
+        changes["host"] = host
+        changes["advertise"] = None if host in ("0.0.0.0", "") else host
+    if get("adaptive_routing", None) is not None:
+        changes["adaptive_routing"] = bool(get("adaptive_routing"))
+    seed = get("reorder_seed", None)
+    if seed is not None:
+        changes["reorder_seed"] = None if seed < 0 else int(seed)
+    for name in ("softib0", "softefa0"):
+        soft.configure(name, **changes)
+
+
+def load(provider: str | None = None, *, soft_options: Mapping[str, Any] | Any = None) -> VerbsModules:
+    """The verbs namespace for ``provider`` (None: ``$TRANSPORTD_VERBS``, else "auto").
+
+    ``soft_options`` (the ``[softverbs]`` config) is applied when the soft provider is chosen.
+    """
+    choice = (provider or os.environ.get(ENV) or "auto").strip().lower()
+    if choice not in PROVIDERS:
+        raise VerbsUnavailableError(f"unknown verbs provider {choice!r}; choose one of {', '.join(PROVIDERS)}")
+    if choice == "auto":
+        choice = "pyverbs" if pyverbs_devices() else "soft"
+    if choice == "pyverbs":
+        try:
+            return _import_provider("pyverbs")
+        except (ImportError, OSError) as exc:
+            raise VerbsUnavailableError(
+                f"pyverbs cannot be imported ({exc}); install rdma-core 59's pyverbs (see DESIGN.md section 10) "
+                f"or set {ENV}=soft") from exc
+    mods = _import_provider("softverbs")
+    if soft_options is not None:
+        configure_soft(soft_options)
+    return mods
