@@ -113,7 +113,7 @@ class IbBackend:
 
     def __init__(self, device: str | None = None, *, verbs: Any = None, signal_mode: str = "write",
                  inflight_cap: int = 256, batch_max: int = 8, port: int = 1, gid_index: int = 0,
-                 cq_depth: int = 1 << 16, path_mtu: int = 0, timeout: int = 14, retry_cnt: int = 7,
+                 cq_depth: int = 1 << 18, path_mtu: int = 0, timeout: int = 14, retry_cnt: int = 7,
                  rnr_retry: int = 7, min_rnr_timer: int = 12, relaxed_ordering: bool = False,
                  visibility_flush: Any = None) -> None:
         if signal_mode not in SIGNAL_MODES:
@@ -145,8 +145,9 @@ class IbBackend:
             attr = self.rail.device_attr
             self.max_rd_atomic = max(1, min(16, int(attr.max_qp_init_rd_atom)))
             self.max_dest_rd_atomic = max(1, min(16, int(attr.max_qp_rd_atom)))
-            # a plan row lowers to at most two WRs; a batch may also carry a pending FENCE's read
-            self.sq_depth = min(int(attr.max_qp_wr), inflight_cap + 2 * batch_max + 2)
+            # A plan row lowers to at most two WRs, and the proxy admits rows (not WRs) while its WR count
+            # is below the cap (or one batch when nothing is in flight): at most 2 * cap WRs outstanding.
+            self.sq_depth = min(int(attr.max_qp_wr), 2 * max(inflight_cap, batch_max) + 4)
             self.path_mtu = int(path_mtu) or int(self.rail.port_attr.active_mtu)
             self._signaled = int(e.ibv_send_flags.IBV_SEND_SIGNALED)
             self._fence_flag = int(e.ibv_send_flags.IBV_SEND_FENCE)
@@ -201,7 +202,7 @@ class IbBackend:
             raise
         key = self._free_keys.pop()
         conn = _Conn(conn_id=conn_id, job=job, key=key, qp=qp, psn=random.getrandbits(24), sq_depth=self.sq_depth,
-                     staging=staging, staging_lkey=int(mr.lkey))
+                     staging=staging, staging_lkey=int(mr.lkey), tracker=OrderedBatches(random.getrandbits(40)))
         self._conns[conn_id] = conn
         self._by_key[key] = conn
         r = self.rail
@@ -295,35 +296,62 @@ class IbBackend:
     # --- data path -----------------------------------------------------------------------------------
     def post(self, conn_id: int, plan: np.ndarray) -> int:
         """Post ``plan``'s rows as WRs on the connection's QP; returns how many WRs that was."""
-        conn = self._conn(conn_id)
+        return sum(self._post_plan(self._conn(conn_id), plan))
+
+    def post_batches(self, conn_ids: np.ndarray, plan: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        """Post several batches (``plan[bounds[i]:bounds[i+1]]`` on ``conn_ids[i]``); WRs per batch.
+
+        Consecutive batches for one connection go out in one ``wr_start``/``wr_complete`` session. Each
+        batch must carry its own token (the proxy's do).
+        """
+        ids = conn_ids.tolist()
+        starts, stops = bounds[:-1].tolist(), bounds[1:].tolist()
+        out = np.zeros(len(ids), dtype=np.int64)
+        i = 0
+        while i < len(ids):
+            j = i + 1
+            while j < len(ids) and ids[j] == ids[i]:
+                j += 1
+            counts = self._post_plan(self._conn(ids[i]), plan[starts[i]:stops[j - 1]])
+            if len(counts) == j - i:
+                out[i:j] = counts
+            i = j
+        return out
+
+    def _post_plan(self, conn: _Conn, plan: np.ndarray) -> list[int]:
+        """Post ``plan``; returns the number of WRs of each batch (run of rows with one token) in it."""
         if not conn.connected:
-            raise BackendError(f"connection {conn_id} is not connected")
+            raise BackendError(f"connection {conn.conn_id} is not connected")
         n_rows = len(plan)
         if n_rows == 0:
-            return 0
+            return []
         tracker = conn.tracker
         if tracker.error:
             # the QP is in error: it would only flush these; say so without touching it
-            toks = plan["token"]
+            toks = plan["token"].tolist()
+            counts = []
             for i in range(n_rows):
                 if i == n_rows - 1 or toks[i] != toks[i + 1]:
-                    self._carry.append((int(toks[i]), _FLUSH_ERR, 0))
-            return 0
+                    self._carry.append((toks[i], _FLUSH_ERR, 0))
+                    counts.append(0)
+            return counts
         wrs, ends, shadow, fence_next, after_read = self._lower(conn, plan)
         n = len(wrs)
         if tracker.inflight() + n > conn.sq_depth:
-            raise SendQueueFullError(f"connection {conn_id}: {tracker.inflight()} WRs outstanding, "
+            raise SendQueueFullError(f"connection {conn.conn_id}: {tracker.inflight()} WRs outstanding, "
                                      f"{n} more would overrun the {conn.sq_depth}-entry send queue")
         self._post_wrs(conn, wrs, ends)
+        counts = []
         start = 0
         for index, token in ends:
+            counts.append(index + 1 - start)
             tracker.add_batch(index + 1 - start, token)
             start = index + 1
         conn.shadow.update(shadow)
         conn.fence_next = fence_next
         conn.after_read = after_read
         self.stats["wrs"] += n
-        return n
+        return counts
 
     def _lower(self, conn: _Conn, plan: np.ndarray) -> tuple[list[tuple], list[tuple[int, int]],
                                                               dict[tuple[int, int], int], bool, bool]:
@@ -424,7 +452,8 @@ class IbBackend:
         out = self._carry
         self._carry = []
         if len(out) < max_completions:
-            wcs = self.rail.drain.poll(max(1, min(max_completions - len(out), 1024)))
+            with translate_verbs_errors("polling the CQ", self.v):
+                wcs = self.rail.drain.poll(max(1, min(max_completions - len(out), 1024)))
             if len(wcs):
                 by_key = self._by_key
                 for wr_id, status, vendor_err in zip(wcs["wr_id"].tolist(), wcs["status"].tolist(),

@@ -25,9 +25,11 @@ class OrderedBatches:
 
     __slots__ = ("posted", "completed", "batches", "error")
 
-    def __init__(self) -> None:
-        self.posted = 0  # number of the last WR posted
-        self.completed = 0  # number of the last WR known complete (any status)
+    def __init__(self, base: int = 0) -> None:
+        # WR numbers start after ``base`` (random per connection, so a stale completion of an earlier
+        # connection that had the same key never matches)
+        self.posted = base  # number of the last WR posted
+        self.completed = base  # number of the last WR known complete (any status)
         self.batches: deque[list[int]] = deque()  # [last WR number, token, reported]
         self.error = 0  # first error status seen; the QP is unusable from then on
 
