@@ -1,0 +1,29 @@
+"""The one place that picks a backend by name (DESIGN.md section 2: nothing else branches on it).
+
+Each backend registers a ``"module:Class"`` entry in :data:`BACKENDS`; the module is imported only when
+that backend is opened, so a node without pyverbs can still run the null backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from transportd.backend import Backend
+
+__all__ = ["BACKENDS", "open_backend"]
+
+BACKENDS: dict[str, str] = {
+    "null": "transportd.backends.null:NullBackend",
+}
+
+
+def open_backend(kind: str, **opts: Any) -> Backend:
+    """Open backend ``kind`` with its options (see the backend class for what each accepts)."""
+    try:
+        target = BACKENDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown backend {kind!r}; known: {', '.join(sorted(BACKENDS))}") from None
+    module_name, _, class_name = target.partition(":")
+    backend_class = getattr(importlib.import_module(module_name), class_name)
+    return backend_class(**opts)
