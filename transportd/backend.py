@@ -3,7 +3,7 @@
 The proxy turns ring records into *plans*: one row per work item for one connection, already resolved
 through the region and flag tables (local address/lkey, remote address/rkey). A backend turns plan rows
 into work requests and reports completions. Backends know nothing about rings; the proxy knows nothing
-about verbs. The daemon picks a backend by name in exactly one place (:func:`transportd.backends.open`).
+about verbs. The daemon picks a backend by name in exactly one place (:func:`transportd.backends.open_backend`).
 
 Plan rows (``PLAN_DTYPE``), posted in row order on one connection:
 
@@ -14,8 +14,15 @@ Plan rows (``PLAN_DTYPE``), posted in row order on one connection:
               publish flags at the receiver (efa).
 - ``FENCE``   later rows of this connection are delivered after earlier ones are placed.
 
-``token`` is the proxy's completion token: when a backend reports it complete, every row posted with
-that token (and everything before it on the connection) has completed locally.
+``token`` is the proxy's completion token, one per posted batch: when a backend reports it complete, every
+row posted with that token (and everything before it on the connection) has completed locally. A backend
+reports each token once, after the last WR of its batch completes (ib signals only that WR; efa signals
+every WR and counts them), with the first error status seen if any WR failed; the proxy ignores tokens it
+no longer tracks. The proxy never modifies a plan after posting it, so a backend may keep views of it.
+
+``post_batches`` is an optional fast path: many batches, each for its own connection, in one call, so a
+backend can loop in compiled code (or, for the null backend, not loop at all). The proxy uses it when a
+backend has it and falls back to one ``post`` call per batch otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ __all__ = [
     "COMPLETION_DTYPE",
     "MemoryKey",
     "Backend",
+    "BatchPoster",
     "FlagPublisher",
     "empty_plan",
 ]
@@ -125,3 +133,10 @@ class Backend(Protocol):
     def set_flag_publisher(self, publisher: FlagPublisher) -> None: ...
 
     def close(self) -> None: ...
+
+
+class BatchPoster(Protocol):
+    """The optional fast path of a Backend (see the module doc)."""
+
+    def post_batches(self, conn_ids: np.ndarray, plan: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        """Post batch ``i`` = ``plan[bounds[i]:bounds[i+1]]`` on ``conn_ids[i]``, in order; WRs per batch."""
