@@ -181,36 +181,37 @@ class CQCore:
 
 
 class SendEntry:
-    __slots__ = ("seq", "wr_id", "op", "signaled", "fence", "sges", "inline", "rkey", "raddr", "imm",
-                 "add", "swap", "status", "byte_len", "dest", "dest_qpn", "qkey", "solicited", "conn",
-                 "local")
+    """One posted send-queue WR. Class attributes are the defaults, so posting sets only what it needs."""
+
+    seq = 0
+    sges: list[tuple[int, int, int]] = []
+    inline: bytes | None = None
+    rkey = 0
+    raddr = 0
+    imm = 0
+    add = 0
+    swap = 0
+    status: int | None = None
+    byte_len = 0
+    dest: tuple[str, int] | None = None
+    dest_qpn = 0
+    qkey = 0
+    conn: Conn | None = None
+    local: list[tuple[MRCore, int, int]] = []
 
     def __init__(self, wr_id: int, op: int, flags: int, sig_all: bool) -> None:
-        self.seq = 0
         self.wr_id = wr_id
         self.op = op
         self.signaled = sig_all or bool(flags & SIGNALED)
         self.fence = bool(flags & FENCE)
-        self.solicited = bool(flags & SOLICITED)
-        self.sges: list[tuple[int, int, int]] = []
-        self.inline: bytes | None = None
-        self.rkey = 0
-        self.raddr = 0
-        self.imm = 0
-        self.add = 0
-        self.swap = 0
-        self.status: int | None = None
-        self.byte_len = 0
-        self.dest: tuple[str, int] | None = None
-        self.dest_qpn = 0
-        self.qkey = 0
-        self.conn: Conn | None = None
-        self.local: list[tuple[MRCore, int, int]] = []
 
     def length(self) -> int:
         if self.inline is not None:
             return len(self.inline)
-        return sum(s[1] for s in self.sges)
+        n = 0
+        for sge in self.sges:
+            n += sge[1]
+        return n
 
 
 class Msg:
@@ -301,6 +302,7 @@ class QPCore:
         self.rnr_wait: list[Msg] = []
         self.pool: list[tuple[Msg, int, memoryview]] = []
         self.pend: deque[Msg] = deque()
+        self.inbox: deque[list[tuple]] = deque()
         self.closed = False
 
     # ================================================================ requester
@@ -368,7 +370,9 @@ class QPCore:
                     e.dest, e.dest_qpn, e.qkey = ud
                 self._enqueue(e)
             self._kick()
-            return err, bad
+        if self.inbox:
+            self.drain_inbox()
+        return err, bad
 
     # -- extended API session (ibv_wr_start .. ibv_wr_complete)
     def session_start(self) -> None:
@@ -377,6 +381,7 @@ class QPCore:
 
     def session_op(self, op: int, wr_id: int, flags: int, rkey: int = 0, raddr: int = 0, imm: int = 0,
                    add: int = 0, swap: int = 0) -> None:
+        """One wr_* call inside a session; a refusal is remembered and reported by wr_complete()."""
         sess = self.sess
         if sess is None:
             from .pyverbs_error import PyverbsUserError
@@ -384,24 +389,44 @@ class QPCore:
             raise PyverbsUserError("wr_* called outside wr_start()/wr_complete()")
         if self.sess_err:
             return
-        if self.efa:
+        full = self.sq_posted - self.sq_retired + len(sess) >= self.max_send_wr
+        if self.efa:  # efa_post_send_validate order: state, signaled, flags, queue space
             if self.state not in (RTS, SQD) or (not (flags & SIGNALED) and not self.sq_sig_all) \
                     or flags & ~(SIGNALED | INLINE):
                 self.sess_err = errno.EINVAL
                 return
-            if self._sq_full(len(sess)):
+            if full:
                 self.sess_err = errno.ENOMEM
                 return
         else:
-            if self._sq_full(len(sess)):
+            if full:
                 self.sess_err = errno.ENOMEM
                 return
-            if self.state in (RESET, INIT, RTR):
+            if self.state < RTS:
                 self.sess_err = errno.EINVAL
                 return
         e = SendEntry(wr_id, op, flags, self.sq_sig_all)
-        e.rkey, e.raddr, e.imm, e.add, e.swap = rkey, raddr, imm, add, swap
+        if rkey:
+            e.rkey = rkey
+        if raddr:
+            e.raddr = raddr
+        if imm:
+            e.imm = imm
+        if add:
+            e.add = add
+        if swap:
+            e.swap = swap
         sess.append(e)
+
+    def session_set_sge(self, addr: int, length: int, lkey: int) -> None:
+        """wr_set_sge: the fast single-SGE form of session_set_sges."""
+        sess = self.sess
+        if sess and not self.sess_err:
+            e = sess[-1]
+            e.sges = ((addr, length, lkey),)
+            e.inline = None
+        elif sess is None:
+            self._sess_cur()
 
     def _sess_cur(self) -> SendEntry | None:
         if self.sess is None:
@@ -458,10 +483,19 @@ class QPCore:
                 raise PyverbsUserError("wr_complete() without wr_start()")
             if err:
                 return err
+            seq = self.next_seq
             for e in sess:
-                self._enqueue(e)
+                e.seq = seq
+                seq += 1
+            self.next_seq = seq
+            self.sq_posted += len(sess)
+            if not self.srd:
+                self.order.extend(sess)
+            self.txq.extend(sess)
             self._kick()
-            return 0
+        if self.inbox:
+            self.drain_inbox()
+        return 0
 
     def session_abort(self) -> None:
         self.sess = None
@@ -486,6 +520,16 @@ class QPCore:
 
     def _check_local(self, e: SendEntry) -> int:
         """Resolve the WR's local SGEs: lkey, PD, bounds, and LOCAL_WRITE where the NIC writes."""
+        sges = e.sges
+        if len(sges) == 1 and e.op in w.DATA_OPS:
+            addr, length, lkey = sges[0]
+            mr = self.device.mrs_by_lkey.get(lkey)
+            if mr is not None and mr.valid and mr.pd is self.pd and mr.addr <= addr \
+                    and addr + length <= mr.addr + mr.length:
+                e.local = ((mr, addr, length),)
+                return OK
+            if length:
+                return LOC_PROT
         lookup = self.device.mrs_by_lkey
         needs_write = e.op in w.RD_ATOMIC_OPS
         local = []
@@ -493,7 +537,8 @@ class QPCore:
             if length == 0:
                 continue
             mr = lookup.get(lkey)
-            if mr is None or not mr.valid or mr.pd is not self.pd or not mr.contains(addr, length):
+            if mr is None or not mr.valid or mr.pd is not self.pd or addr < mr.addr \
+                    or addr + length > mr.addr + mr.length:
                 return LOC_PROT
             if needs_write and not mr.access & LOCAL_WRITE:
                 return LOC_PROT
@@ -504,23 +549,59 @@ class QPCore:
         return OK
 
     def _pump_tx(self) -> None:
-        """Transmit queued WRs in order, as far as fence and outstanding-read limits allow."""
+        """Transmit queued WRs in order, as far as fence and outstanding-read limits allow (lock held)."""
         txq = self.txq
         if not txq or self.tx_halted:
             return
         frames: dict[Conn, tuple[list[bytes], list[Any]]] = {}
         dev = self.device
         srd = self.srd
-        ar_flag = 0 if srd else (w.F_AR if self._ar() else 0)
-        base_flags = (w.F_SRD if srd else 0) | ((self.rnr_retry & 7) << w.RNR_SHIFT)
+        base_flags = (w.F_SRD if srd else (w.F_AR if self._ar() else 0)) | ((self.rnr_retry & 7) << w.RNR_SHIFT)
         mtu_code = self.path_mtu
         mtu = mtu_bytes(mtu_code)
         pack = w.REQ.pack
+        qpn = self.qpn
+        inflight = self.inflight
+        data_ops = w.DATA_OPS
+        rd_ops = w.RD_ATOMIC_OPS
+        max_rdma = dev.options.max_rdma_size
         failed: list[SendEntry] = []
+        last_dest: Any = None
+        conn: Conn | None = None
+        descs: list[bytes] = []
+        payloads: list[Any] = []
         while txq:
             e = txq[0]
             op = e.op
-            is_rd = op in w.RD_ATOMIC_OPS
+            if op == 1 and not srd and not e.fence and e.status is None and conn is not None \
+                    and self.remote == last_dest:
+                # fast path: an RC write to the connection of the previous WR
+                txq.popleft()
+                if self._check_local(e):
+                    e.status = LOC_PROT
+                    self.tx_halted = True
+                    break
+                length = e.length()
+                psn = self.tx_psn
+                self.tx_psn = (psn + (-(-length // mtu) or 1)) & 0xFFFFFF
+                e.conn = conn
+                descs.append(pack(self.dest_qpn, qpn, e.seq, 1, base_flags, mtu_code, 0, e.rkey, 0, e.raddr,
+                                  length, psn, 0, 0))
+                for mr, addr, n in e.local:
+                    view = mr.view
+                    if view is not None:
+                        off = addr - mr.addr
+                        payloads.append(view[off:off + n])
+                    else:
+                        payloads.append(mr.read(addr, n))
+                inflight[e.seq] = e
+                if len(descs) >= w.MAX_DESCS_PER_FRAME:
+                    del frames[conn]
+                    if not conn.send_frame(w.KIND_REQ, descs, payloads):
+                        failed.extend(x for x in list(inflight.values()) if x.conn is conn)
+                    last_dest = None
+                continue
+            is_rd = op in rd_ops
             if not srd:
                 if e.fence and self.rd_out:
                     break
@@ -531,16 +612,16 @@ class QPCore:
                         break
             txq.popleft()
             status = e.status if e.status is not None else self._check_local(e)
-            if op in w.DATA_OPS:
+            if op in data_ops:
                 length = e.length()
             elif op == w.OP_READ:
-                length = sum(s[1] for s in e.sges)
+                length = sum(sge[1] for sge in e.sges)
             else:
                 length = 8
             if status == OK and srd:
                 if e.dest is None:
                     status = LOC_QP_OP  # no address handle: EFA's INVALID_AH
-                elif op in (w.OP_WRITE, w.OP_WRITE_IMM, w.OP_READ) and length > dev.options.max_rdma_size:
+                elif op in (w.OP_WRITE, w.OP_WRITE_IMM, w.OP_READ) and length > max_rdma:
                     status = LOC_LEN
             if status != OK:
                 e.status = status
@@ -557,38 +638,47 @@ class QPCore:
                 psn = self.tx_psn
                 npkts = 1 if op in (w.OP_FADD, w.OP_CSWAP) else max(1, -(-length // mtu))
                 self.tx_psn = (psn + npkts) & 0xFFFFFF
-            conn = dev.connection(dest) if dest is not None else None
-            if conn is None:
-                e.status = RESP_TIMEOUT if srd else RETRY_EXC
-                failed.append(e)
-                if not srd:
-                    break
-                continue
+            if dest != last_dest or conn is None:
+                conn = dev.connection(dest) if dest is not None else None
+                last_dest = dest
+                if conn is None:
+                    e.status = RESP_TIMEOUT if srd else RETRY_EXC
+                    failed.append(e)
+                    if not srd:
+                        break
+                    continue
+                frame = frames.get(conn)
+                if frame is None:
+                    frame = frames[conn] = ([], [])
+                descs, payloads = frame
             e.conn = conn
-            frame = frames.get(conn)
-            if frame is None:
-                frame = frames[conn] = ([], [])
-            descs, payloads = frame
-            descs.append(pack(dst_qpn, self.qpn, e.seq, op, base_flags | ar_flag, mtu_code, e.imm, e.rkey, e.qkey,
-                              e.raddr, length, psn, e.add, e.swap))
-            if op in w.DATA_OPS:
+            descs.append(pack(dst_qpn, qpn, e.seq, op, base_flags, mtu_code, e.imm, e.rkey, e.qkey, e.raddr,
+                              length, psn, e.add, e.swap))
+            if op in data_ops:
                 if e.inline is not None:
                     payloads.append(e.inline)
                 else:
                     for mr, addr, n in e.local:
-                        payloads.append(mr.read(addr, n))
-            self.inflight[e.seq] = e
+                        view = mr.view
+                        if view is not None:
+                            off = addr - mr.addr
+                            payloads.append(view[off:off + n])
+                        else:
+                            payloads.append(mr.read(addr, n))
+            inflight[e.seq] = e
             if is_rd:
                 self.rd_out += 1
             if len(descs) >= w.MAX_DESCS_PER_FRAME:
+                assert conn is not None
                 del frames[conn]
                 if not conn.send_frame(w.KIND_REQ, descs, payloads):
-                    failed.extend(x for x in self.inflight.values() if x.conn is conn)
-        for conn, (descs, payloads) in frames.items():
-            if not conn.send_frame(w.KIND_REQ, descs, payloads):
-                failed.extend(x for x in list(self.inflight.values()) if x.conn is conn)
+                    failed.extend(x for x in list(inflight.values()) if x.conn is conn)
+                last_dest = None
+        for fconn, (fdescs, fpayloads) in frames.items():
+            if fdescs and not fconn.send_frame(w.KIND_REQ, fdescs, fpayloads):
+                failed.extend(x for x in list(inflight.values()) if x.conn is fconn)
         for e in failed:
-            self.inflight.pop(e.seq, None)
+            inflight.pop(e.seq, None)
             if e.status is None or e.status == OK:
                 e.status = RESP_TIMEOUT if srd else RETRY_EXC
             if srd:
@@ -662,13 +752,43 @@ class QPCore:
         self.pool.clear()
         self.pend.clear()
 
-    def rx_response(self, d: tuple, data: memoryview | None, direct: bool) -> None:
-        """A response arrived for one of our requests (I/O thread)."""
-        _qpn, status, op, _r, seq, length, _p, value = d
-        with self.lock:
-            e = self.inflight.pop(seq, None)
-            if e is None:
+    def rx_responses(self, items: list[tuple]) -> None:
+        """Responses arrived for our requests (I/O thread): (descriptor, data, placed_directly) each.
+
+        They are queued and applied by whichever thread holds the QP lock: if a posting thread holds it,
+        that thread applies them before it lets go (see `drain_inbox`), so the I/O thread never waits.
+        """
+        self.inbox.append(items)
+        self.drain_inbox()
+
+    def drain_inbox(self) -> None:
+        inbox = self.inbox
+        lock = self.lock
+        while inbox:
+            if not lock.acquire(blocking=False):
                 return
+            try:
+                while inbox:
+                    self._apply_responses(inbox.popleft())
+            finally:
+                lock.release()
+
+    def _apply_responses(self, items: list[tuple]) -> None:
+        inflight = self.inflight
+        srd = self.srd
+        for d, data, direct in items:
+            _qpn, status, op, _r, seq, length, _p, value = d
+            if op == w.OP_ACK:
+                for s in range(seq, seq + length):
+                    e = inflight.pop(s, None)
+                    if e is not None:
+                        e.status = OK
+                        if srd:
+                            self._complete(e)
+                continue
+            e = inflight.pop(seq, None)
+            if e is None:
+                continue
             if status == OK:
                 if op == w.OP_READ:
                     if not direct and data is not None:
@@ -680,12 +800,12 @@ class QPCore:
             e.status = status
             if op in w.RD_ATOMIC_OPS:
                 self.rd_out -= 1
-            if self.srd:
+            if srd:
                 self._complete(e)
-            else:
-                self._rc_retire()
-                if self.txq and self.state != ERR:
-                    self._pump_tx()
+        if not srd:
+            self._rc_retire()
+            if self.txq and self.state != ERR:
+                self._pump_tx()
 
     def conn_lost(self, conn: Conn) -> None:
         with self.lock:
@@ -716,7 +836,9 @@ class QPCore:
                 self._flush_rq()
             elif self.stalled or self.rnr_wait:
                 self.device.post_action(self.rx_resume)
-            return 0, -1
+        if self.inbox:
+            self.drain_inbox()
+        return 0, -1
 
     # ================================================================ responder
     def _reserve_recv(self, m: Msg) -> bool:
@@ -1097,9 +1219,73 @@ class Responder:
         conn = m.conn
         if conn.closed:
             return
+        if status == OK and m.op in w.DATA_OPS:
+            self.ack(conn, m.src_qpn, m.seq, 1)
+            return
         conn.rsp_descs.append(w.RSP.pack(m.src_qpn, status, m.op, 0, m.seq, length, 0, value & _MASK64))
         conn.rsp_payloads.append(payload if length else None)
+        conn.last_ack = None
         self.dev.mark_responses(conn)
+
+    def ack(self, conn: Conn, qpn: int, seq: int, count: int) -> None:
+        """Acknowledge `count` requests from `seq`, extending the previous ack range when contiguous."""
+        last = conn.last_ack
+        if last is not None and last[0] == qpn and last[1] + last[2] == seq:
+            last[2] += count
+            return
+        last = [qpn, seq, count]
+        conn.rsp_descs.append(last)
+        conn.rsp_payloads.append(None)
+        conn.last_ack = last
+        self.dev.mark_responses(conn)
+
+    def fast_frame(self, conn: Conn, descs: list[tuple], mv: memoryview, pos: int) -> tuple[int, int]:
+        """Whole frame buffered: place the leading run of plain in-order RC writes in one pass.
+
+        Returns (descriptors handled, buffer position after their payloads); the rest of the frame goes
+        through the general per-request path.
+        """
+        qp = self.dev.qps.get(descs[0][0])
+        if qp is None or qp.srd or qp.closed:
+            return 0, pos
+        done = 0
+        with qp.lock:
+            if qp.state not in (RTR, RTS, SQD) or qp.backlog or qp.stalled or not qp.access_flags & REMOTE_WRITE:
+                return 0, pos
+            qpn, dest, exp, path_mtu, pd = qp.qpn, qp.dest_qpn, qp.exp_psn, qp.path_mtu, qp.pd
+            mrs = self.dev.mrs_by_rkey
+            obs = self.dev.placement_observer
+            cur_rkey = -1
+            base = limit = 0
+            view: memoryview | None = None
+            first_seq = -1
+            src = dest
+            for d in descs:
+                dst, src, seq, op, flags, mtu_code, _imm, rkey, _qk, raddr, length, psn, _a, _s = d
+                if op != w.OP_WRITE or dst != qpn or src != dest or psn != exp or flags & (w.F_AR | w.F_SRD) \
+                        or mtu_code > path_mtu or length == 0:
+                    break
+                if rkey != cur_rkey:
+                    mr = mrs.get(rkey)
+                    if mr is None or not mr.valid or mr.pd is not pd or not mr.access & REMOTE_WRITE \
+                            or mr.view is None:
+                        break
+                    cur_rkey, base, limit, view = rkey, mr.addr, mr.addr + mr.length, mr.view
+                if raddr < base or raddr + length > limit:
+                    break
+                off = raddr - base
+                view[off:off + length] = mv[pos:pos + length]
+                pos += length
+                if obs is not None:
+                    obs(qpn, raddr, length)
+                exp = (psn + max(1, -(-length // (256 << (mtu_code - 1))))) & 0xFFFFFF
+                if first_seq < 0:
+                    first_seq = seq
+                done += 1
+            qp.exp_psn = exp
+        if done:
+            self.ack(conn, dest, first_seq, done)
+        return done, pos
 
     def observe(self, qp: QPCore, addr: int, length: int) -> None:
         obs = self.dev.placement_observer
@@ -1117,6 +1303,7 @@ class RequesterRx:
         if kind != w.KIND_RSP:
             raise ValueError("request frame on a requester connection")
         conn.plan = None
+        conn.pending = []
 
     @staticmethod
     def payload_len(d: tuple) -> int:
@@ -1133,14 +1320,29 @@ class RequesterRx:
         return memoryview(bytearray(n))
 
     def on_item(self, conn: Conn, d: tuple, data: memoryview | None) -> None:
-        direct = bool(conn.plan)
+        conn.pending.append((d, data, bool(conn.plan)))
         conn.plan = None
-        qp = self.dev.qps.get(d[0])
-        if qp is not None:
-            qp.rx_response(d, data, direct)
 
     def end_frame(self, conn: Conn) -> None:
-        pass
+        """Apply the frame's responses, taking each QP's lock once."""
+        items, conn.pending = conn.pending, []
+        qps = self.dev.qps
+        if items and all(it[0][0] == items[0][0][0] for it in items):
+            qp = qps.get(items[0][0][0])
+            if qp is not None:
+                qp.rx_responses(items)
+            return
+        by_qp: dict[int, list[tuple]] = {}
+        for it in items:
+            by_qp.setdefault(it[0][0], []).append(it)
+        for qpn, group in by_qp.items():
+            qp = qps.get(qpn)
+            if qp is not None:
+                qp.rx_responses(group)
+
+    @staticmethod
+    def fast_frame(conn: Conn, descs: list[tuple], mv: memoryview, pos: int) -> tuple[int, int]:
+        return 0, pos
 
     def conn_lost(self, conn: Conn) -> None:
         for qp in list(self.dev.qps.values()):

@@ -67,11 +67,6 @@ class Conn:
     def __init__(self, device: SoftDevice, sock: socket.socket, role: str, peer: tuple[str, int]) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-            except OSError:
-                pass
         self.device = device
         self.sock = sock
         self.role = role
@@ -97,28 +92,47 @@ class Conn:
         self.sink_len = 0
         self.plan: Any = None
         # responses waiting to be framed (responder role)
-        self.rsp_descs: list[bytes] = []
+        self.rsp_descs: list[Any] = []  # packed RSP descriptors, or [qpn, first_seq, count] ack ranges
         self.rsp_payloads: list[Any] = []
+        self.last_ack: list[int] | None = None
+        self.pending: list[tuple] = []  # responses of the current frame (requester role)
+        self.read_cap = _BUF_SIZE
         self.peer_lid = 0
 
     # ---------------------------------------------------------------- send side
     def send_frame(self, kind: int, descs: list[bytes], payloads: list[Any]) -> bool:
-        """Queue one frame and push what the socket takes now; False when the connection is gone."""
+        """Send one frame with one sendmsg where the socket takes it all; queue the rest for the I/O thread.
+
+        False when the connection is gone.
+        """
         payload_len = 0
         for p in payloads:
             payload_len += len(p)
-        bufs = [memoryview(w.HDR.pack(w.MAGIC, kind, 0, len(descs), payload_len)), memoryview(b"".join(descs))]
-        for p in payloads:
-            if len(p):
-                bufs.append(p if isinstance(p, memoryview) else memoryview(p))
+        bufs = [w.HDR.pack(w.MAGIC, kind, 0, len(descs), payload_len), b"".join(descs)]
+        bufs += payloads
         with self.lock:
             if self.closed:
                 return False
-            if self.outq:
+            if self.outq or len(bufs) > _IOV_MAX:
                 self.outq.extend(bufs)
-                return True
-            self.outq.extend(bufs)
-            self._flush_locked()
+                if len(self.outq) == len(bufs):
+                    self._flush_locked()
+            else:
+                try:
+                    n = self.sock.sendmsg(bufs)
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                except OSError as exc:
+                    self._fail_locked(exc)
+                    return False
+                if n < 16 + len(bufs[1]) + payload_len:
+                    for b in bufs:
+                        size = len(b)
+                        if n >= size:
+                            n -= size
+                            continue
+                        self.outq.append(memoryview(b)[n:] if n else b)
+                        n = 0
             want = bool(self.outq) and not self.closed
         if want:
             self.device.request_write(self)
@@ -189,7 +203,7 @@ class Conn:
             self.mv[:leftover] = self.mv[self.start:self.end]
             self.start, self.end = 0, leftover
         try:
-            n = self.sock.recv_into(self.mv[self.end:])
+            n = self.sock.recv_into(self.mv[self.end:self.end + self.read_cap])
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
@@ -234,7 +248,11 @@ class Conn:
             self.idx = 0
             self.sink = None
             self.state = 2
+            # Frames with big payloads: keep buffered reads small so payload bytes go straight to memory.
+            self.read_cap = 65536 if self.payload_len > (256 << 10) else _BUF_SIZE
             self.handler.begin_frame(self, self.kind)
+            if self.kind == w.KIND_REQ and self.end - self.start >= self.payload_len:
+                self.idx, self.start = self.handler.fast_frame(self, self.descs, self.mv, self.start)
             return True
         # state 2: items
         handler = self.handler
@@ -433,8 +451,11 @@ class SoftDevice:
         while dirty:
             conn = dirty.pop()
             if conn.rsp_descs:
-                descs, payloads = conn.rsp_descs, conn.rsp_payloads
-                conn.rsp_descs, conn.rsp_payloads = [], []
+                pack = w.RSP.pack
+                descs = [pack(a[0], 0, w.OP_ACK, 0, a[1], a[2], 0, 0) if isinstance(a, list) else a
+                         for a in conn.rsp_descs]
+                payloads = conn.rsp_payloads
+                conn.rsp_descs, conn.rsp_payloads, conn.last_ack = [], [], None
                 for i in range(0, len(descs), w.MAX_DESCS_PER_FRAME):
                     j = i + w.MAX_DESCS_PER_FRAME
                     conn.send_frame(w.KIND_RSP, descs[i:j], [p for p in payloads[i:j] if p is not None])

@@ -10,8 +10,10 @@ come back on the same connection. Many work requests share one frame, so a batch
             | qkey u32 | raddr u64 | length u32 | psn u32 | add u64 | swap u64 |                 (64 B)
     RSP     | qpn u32 | status u8 | op u8 | rsv u16 | seq u64 | length u32 | rsv u32 | value u64 |  (32 B)
 
-`seq` names the request within its requester QP; RSP echoes it. `status` is an ibv_wc_status value for
-the requester's completion. REQ `flags`: bit 0 adaptive routing (reorder packets), bits 1-3 the requester's
+`seq` names the request within its requester QP; RSP echoes it (an OP_ACK response acknowledges the
+`length` consecutive requests starting at `seq`, so a batch of writes costs one response). `status` is
+an ibv_wc_status value for the requester's completion. REQ `flags`: bit 0 adaptive routing (reorder
+packets), bits 1-3 the requester's
 rnr_retry, bit 4 the requester is an SRD QP.
 """
 
@@ -29,6 +31,7 @@ KIND_REQ = 1
 KIND_RSP = 2
 KIND_HELLO = 3  # first frame on a connection: count = the sender device's LID (its TCP port)
 
+OP_ACK = 0  # RSP only: `length` consecutive requests from `seq` on completed successfully
 OP_WRITE = 1
 OP_WRITE_IMM = 2
 OP_SEND = 3

@@ -206,7 +206,14 @@ class QPAttr(SoftObject):
 
 def modify_core(core: QPCore, attr: QPAttr, mask: int) -> int:
     """Apply a modify; returns an errno (0 on success). Checks the transition and mask first."""
-    mask = int(mask)
+    try:
+        return _modify(core, attr, int(mask))
+    finally:
+        if core.inbox:
+            core.drain_inbox()
+
+
+def _modify(core: QPCore, attr: QPAttr, mask: int) -> int:
     with core.lock:
         cur = core.state
         new = int(attr.qp_state) if mask & STATE else cur
@@ -526,40 +533,47 @@ class QPEx(QP):
 
     @wr_flags.setter
     def wr_flags(self, val: int) -> None:
-        self._wr_flags = int(val)
+        self._wr_flags = val
 
-    def _op(self, op: int, **kw: int) -> None:
+    def _op(self, op: int) -> None:
+        """Refuse an operation this QP was not created for (the C call would hit a NULL pointer)."""
         if not self._ex:
             raise PyverbsUserError("qp_ex is not accessible: QP created without IBV_QP_INIT_ATTR_SEND_OPS_FLAGS")
-        send_ops = self._core.send_ops or 0
-        if not send_ops & OP_SEND_OPS_BIT[op]:
+        if not (self._core.send_ops or 0) & OP_SEND_OPS_BIT[op]:
             raise PyverbsRDMAError("QP was not created with this operation in send_ops_flags", errno.EOPNOTSUPP)
-        self._core.session_op(op, self._wr_id, self._wr_flags, **kw)
 
     def wr_rdma_write(self, rkey: int, remote_addr: int) -> None:
-        self._op(w.OP_WRITE, rkey=rkey, raddr=remote_addr)
+        if not self._ex or not self._core.send_ops & 1:
+            self._op(w.OP_WRITE)
+        self._core.session_op(w.OP_WRITE, self._wr_id, self._wr_flags, rkey, remote_addr)
 
     def wr_rdma_write_imm(self, rkey: int, remote_addr: int, data: int) -> None:
         # pyverbs converts the immediate with htobe32(); the peer's WC.imm_data shows the converted value
-        self._op(w.OP_WRITE_IMM, rkey=rkey, raddr=remote_addr, imm=_htobe32(data))
+        self._op(w.OP_WRITE_IMM)
+        self._core.session_op(w.OP_WRITE_IMM, self._wr_id, self._wr_flags, rkey, remote_addr, _htobe32(data))
 
     def wr_send(self) -> None:
         self._op(w.OP_SEND)
+        self._core.session_op(w.OP_SEND, self._wr_id, self._wr_flags)
 
     def wr_send_imm(self, data: int) -> None:
-        self._op(w.OP_SEND_IMM, imm=_htobe32(data))
+        self._op(w.OP_SEND_IMM)
+        self._core.session_op(w.OP_SEND_IMM, self._wr_id, self._wr_flags, imm=_htobe32(data))
 
     def wr_rdma_read(self, rkey: int, remote_addr: int) -> None:
-        self._op(w.OP_READ, rkey=rkey, raddr=remote_addr)
+        self._op(w.OP_READ)
+        self._core.session_op(w.OP_READ, self._wr_id, self._wr_flags, rkey, remote_addr)
 
     def wr_atomic_fetch_add(self, rkey: int, remote_addr: int, add: int) -> None:
-        self._op(w.OP_FADD, rkey=rkey, raddr=remote_addr, add=add)
+        self._op(w.OP_FADD)
+        self._core.session_op(w.OP_FADD, self._wr_id, self._wr_flags, rkey, remote_addr, add=add)
 
     def wr_atomic_cmp_swp(self, rkey: int, remote_addr: int, compare: int, swap: int) -> None:
-        self._op(w.OP_CSWAP, rkey=rkey, raddr=remote_addr, add=compare, swap=swap)
+        self._op(w.OP_CSWAP)
+        self._core.session_op(w.OP_CSWAP, self._wr_id, self._wr_flags, rkey, remote_addr, add=compare, swap=swap)
 
     def wr_set_sge(self, sge: Any) -> None:
-        self._core.session_set_sges([(sge.addr, sge.length, sge.lkey)])
+        self._core.session_set_sge(sge.addr, sge.length, sge.lkey)
 
     def wr_set_sge_list(self, num_sge: int, sg_list: Any) -> None:
         self._core.session_set_sges([(s.addr, s.length, s.lkey) for s in list(sg_list)[:num_sge]])
