@@ -270,6 +270,12 @@ class EfaBackend:
             attr.pkey_index = 0
             attr.sq_psn = random.getrandbits(24)
             self.qp.to_rts(attr)
+            if int(self.rail.efa_attr.device_caps) & int(ee.EFADV_DEVICE_ATTR_CAPS_RNR_RETRY):
+                # a peer without unsolicited write receive may briefly run out of receive WRs: wait
+                # for it (7 = retry forever) rather than fail the write with an RNR error
+                rts = v.qp.QPAttr(qp_state=e.ibv_qp_state.IBV_QPS_RTS, port_num=self.rail.port)
+                rts.rnr_retry = 7
+                self.qp.modify(rts, int(e.ibv_qp_attr_mask.IBV_QP_STATE | e.ibv_qp_attr_mask.IBV_QP_RNR_RETRY))
         if self.rq_depth:
             self._rq_missing = self.rq_depth
             self._replenish()

@@ -1,0 +1,128 @@
+"""Two efa "nodes" in one process: two soft EFA devices, an EfaBackend on each, one connection between them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from efa.backend import EfaBackend
+from transportd import verbs as tverbs
+from transportd.backend import PLAN_DTYPE, MemoryKey, PlanOp, SignalOp
+
+CONN = 3
+DATA_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def verbs() -> Any:
+    return tverbs.load("soft")
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Spin on ``cond`` (which should make progress itself, e.g. by polling); fail, never hang."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def wait_for() -> Callable[..., None]:
+    return wait_until
+
+
+@dataclass
+class Link:
+    """Sender ``a`` -> receiver ``b`` on connection ``conn``; ``b``'s publisher records flag updates."""
+
+    verbs: Any
+    a: EfaBackend
+    b: EfaBackend
+    src: np.ndarray
+    dst: np.ndarray
+    ksrc: MemoryKey
+    kdst: MemoryKey
+    conn: int = CONN
+    completions: list[tuple[int, int, int]] = field(default_factory=list)
+    published: list[tuple[int, int, int, SignalOp, int]] = field(default_factory=list)
+    on_publish: Callable[[int, int, int, SignalOp, int], None] | None = None
+
+    def publish(self, conn_id: int, rank: int, slot: int, op: SignalOp, value: int) -> None:
+        if self.on_publish is not None:
+            self.on_publish(conn_id, rank, slot, op, value)
+        self.published.append((conn_id, rank, slot, op, value))
+
+    def write(self, off: int, length: int, token: int) -> tuple:
+        return (PlanOp.WRITE, 0, 1, length, self.ksrc.addr + off, self.kdst.addr + off, self.ksrc.lkey,
+                self.kdst.rkey, 0, 0, 0, token)
+
+    def signal(self, slot: int, value: int, token: int, op: SignalOp = SignalOp.ADD, rank: int = 1) -> tuple:
+        return (PlanOp.SIGNAL, op, rank, 8, 0, 0, 0, 0, value, slot, 0, token)
+
+    def fence(self, token: int) -> tuple:
+        return (PlanOp.FENCE, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, token)
+
+    def post(self, rows: list[tuple]) -> int:
+        return self.a.post(self.conn, np.array(rows, dtype=PLAN_DTYPE))
+
+    def poll(self) -> int:
+        comps = self.a.poll()
+        self.completions.extend(zip(comps["token"].tolist(), comps["status"].tolist(),
+                                    comps["vendor_err"].tolist(), strict=True))
+        self.b.poll()
+        return len(comps)
+
+    def wait(self, tokens: int, published: int = 0, timeout: float = 10.0) -> None:
+        wait_until(lambda: self.poll() >= 0 and len(self.completions) >= tokens
+                   and len(self.published) >= published,
+                   f"{tokens} completions and {published} flags", timeout)
+
+    def reconnect(self) -> None:
+        """A fresh connection (counters from zero) on the same two backends; buffers zeroed."""
+        self.a.close_connection(self.conn)
+        self.b.close_connection(self.conn)
+        self.conn += 1
+        ea = self.a.create_endpoint(self.conn, "job")
+        eb = self.b.create_endpoint(self.conn, "job")
+        self.a.connect(self.conn, eb)
+        self.b.connect(self.conn, ea)
+        self.dst[:] = 0
+        self.completions.clear()
+        self.published.clear()
+
+
+@pytest.fixture
+def make_link(verbs: Any) -> Iterator[Callable[..., Link]]:
+    made: list[Link] = []
+
+    def make(*, seed: int | None = 1, device_opts: dict[str, Any] | None = None, **backend_opts: Any) -> Link:
+        tag = uuid.uuid4().hex[:8]
+        names = (f"efa{tag}a", f"efa{tag}b")
+        for name in names:
+            verbs.soft.add_device(name, "efa", reorder_seed=seed, **(device_opts or {}))
+        a = EfaBackend(names[0], verbs=verbs, **backend_opts)
+        b = EfaBackend(names[1], verbs=verbs, **backend_opts)
+        rng = np.random.default_rng(seed)
+        src = rng.integers(0, 256, DATA_BYTES, dtype=np.uint8)
+        dst = np.zeros(DATA_BYTES, dtype=np.uint8)
+        link = Link(verbs, a, b, src, dst,
+                    a.register_memory(src.ctypes.data, src.nbytes, remote_write=False, remote_atomic=False),
+                    b.register_memory(dst.ctypes.data, dst.nbytes, remote_write=True, remote_atomic=False))
+        b.set_flag_publisher(link.publish)
+        ea = a.create_endpoint(CONN, "job")
+        eb = b.create_endpoint(CONN, "job")
+        a.connect(CONN, eb)
+        b.connect(CONN, ea)
+        made.append(link)
+        return link
+
+    yield make
+    for link in made:
+        link.a.close()
+        link.b.close()
