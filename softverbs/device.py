@@ -103,7 +103,7 @@ def get_device_list() -> list[Device]:
     devices = []
     for i, (name, dev) in enumerate(sorted(registry().items())):
         if dev.is_efa:
-            node, transport = e.IBV_NODE_UNSPECIFIED, e.IBV_TRANSPORT_UNSPECIFIED
+            node, transport = e.IBV_NODE_UNSPECIFIED, 4  # IBV_TRANSPORT_UNSPECIFIED (not named by pyverbs)
         else:
             node, transport = e.IBV_NODE_CA, e.IBV_TRANSPORT_IB
         devices.append(Device(name.encode(), _guid(dev), int(node), int(transport), i))
@@ -115,9 +115,9 @@ def get_device_list() -> list[Device]:
 def _make_attr_class(cls_name: str, fields: list[str], doc: str) -> type:
     """A read-only attribute bag with one property per field, like pyverbs' struct wrappers."""
 
-    def __init__(self: Any, values: dict[str, Any]) -> None:
+    def __init__(self: Any) -> None:
         SoftObject.__init__(self)
-        self._v = values
+        self._v = {}
 
     ns: dict[str, Any] = {"__slots__": ("_v",), "__init__": __init__, "__doc__": doc,
                           "__str__": lambda self: "\n".join(f"{k}: {self._v[k]}" for k in fields)}
@@ -143,6 +143,12 @@ _PORT_ATTR_FIELDS = [
 ]
 DeviceAttr = _make_attr_class("DeviceAttr", _DEVICE_ATTR_FIELDS, "Device limits (ibv_device_attr).")
 PortAttr = _make_attr_class("PortAttr", _PORT_ATTR_FIELDS, "Port attributes (ibv_port_attr).")
+
+
+def _filled(cls: type, values: dict[str, Any]) -> Any:
+    obj = cls()
+    obj._v = values
+    return obj
 
 IB_MAX_QP_WR = 32768
 IB_MAX_SGE = 30
@@ -220,7 +226,7 @@ class Context(SoftCM):
         dev = self._dev
         lim = device_limits(dev)
         efa = dev.is_efa
-        return DeviceAttr({
+        return _filled(DeviceAttr, {
             "fw_version": "0.0.0 (softverbs)", "node_guid": _guid(dev), "sys_image_guid": _guid(dev),
             "max_mr_size": (1 << 64) - 1, "page_size_cap": 0xFFFFFFFFFFFFF000,
             "vendor_id": 0x1D0F if efa else 0x02C9, "vendor_part_id": 0xEFA1 if efa else 4129, "hw_ver": 0,
@@ -239,7 +245,7 @@ class Context(SoftCM):
         if port_num != 1:
             raise PyverbsRDMAError(f"Failed to query port {port_num}", errno.EINVAL)
         dev = self._dev
-        return PortAttr({
+        return _filled(PortAttr, {
             "state": int(e.IBV_PORT_ACTIVE), "max_mtu": int(e.IBV_MTU_4096), "active_mtu": int(e.IBV_MTU_4096),
             "gid_tbl_len": 1, "port_cap_flags": 0,
             "max_msg_sz": dev.options.max_rdma_size if dev.is_efa else 1 << 31,

@@ -1,25 +1,24 @@
 """The libibverbs enum values softverbs uses, with pyverbs' names and the real numeric values.
 
-pyverbs (Cython cpdef enums) exposes each enum as a class and every member at module level; this module
-does the same, so `e.IBV_WC_SUCCESS` and `ibv_wc_status.IBV_WC_SUCCESS` both work. Values are copied from
+pyverbs (Cython cpdef enums) exposes each enum as an IntFlag class and every member at module level; this
+module does the same, so `e.IBV_WC_SUCCESS` and `ibv_wc_status.IBV_WC_SUCCESS` both work. Values are copied from
 libibverbs' verbs.h (rdma-core 59) and checked against real pyverbs by the API-agreement test.
 """
 
 from __future__ import annotations
 
-from enum import IntEnum, IntFlag
+from enum import IntFlag
 
 
-class ibv_transport_type(IntEnum):
+class ibv_transport_type(IntFlag):
     IBV_TRANSPORT_UNKNOWN = -1
     IBV_TRANSPORT_IB = 0
     IBV_TRANSPORT_IWARP = 1
     IBV_TRANSPORT_USNIC = 2
     IBV_TRANSPORT_USNIC_UDP = 3
-    IBV_TRANSPORT_UNSPECIFIED = 4
 
 
-class ibv_node_type(IntEnum):
+class ibv_node_type(IntFlag):
     IBV_NODE_UNKNOWN = -1
     IBV_NODE_CA = 1
     IBV_NODE_SWITCH = 2
@@ -30,13 +29,13 @@ class ibv_node_type(IntEnum):
     IBV_NODE_UNSPECIFIED = 7
 
 
-class ibv_atomic_cap(IntEnum):
+class ibv_atomic_cap(IntFlag):
     IBV_ATOMIC_NONE = 0
     IBV_ATOMIC_HCA = 1
     IBV_ATOMIC_GLOB = 2
 
 
-class ibv_port_state(IntEnum):
+class ibv_port_state(IntFlag):
     IBV_PORT_NOP = 0
     IBV_PORT_DOWN = 1
     IBV_PORT_INIT = 2
@@ -45,7 +44,7 @@ class ibv_port_state(IntEnum):
     IBV_PORT_ACTIVE_DEFER = 5
 
 
-class ibv_mtu(IntEnum):
+class ibv_mtu(IntFlag):
     IBV_MTU_256 = 1
     IBV_MTU_512 = 2
     IBV_MTU_1024 = 3
@@ -67,7 +66,7 @@ class ibv_access_flags(IntFlag):
     IBV_ACCESS_RELAXED_ORDERING = 1 << 20
 
 
-class ibv_wr_opcode(IntEnum):
+class ibv_wr_opcode(IntFlag):
     IBV_WR_RDMA_WRITE = 0
     IBV_WR_RDMA_WRITE_WITH_IMM = 1
     IBV_WR_SEND = 2
@@ -91,7 +90,7 @@ class ibv_send_flags(IntFlag):
     IBV_SEND_IP_CSUM = 1 << 4
 
 
-class ibv_qp_type(IntEnum):
+class ibv_qp_type(IntFlag):
     IBV_QPT_RC = 2
     IBV_QPT_UC = 3
     IBV_QPT_UD = 4
@@ -101,7 +100,7 @@ class ibv_qp_type(IntEnum):
     IBV_QPT_DRIVER = 0xFF
 
 
-class ibv_qp_state(IntEnum):
+class ibv_qp_state(IntFlag):
     IBV_QPS_RESET = 0
     IBV_QPS_INIT = 1
     IBV_QPS_RTR = 2
@@ -112,13 +111,13 @@ class ibv_qp_state(IntEnum):
     IBV_QPS_UNKNOWN = 7
 
 
-class ibv_mig_state(IntEnum):
+class ibv_mig_state(IntFlag):
     IBV_MIG_MIGRATED = 0
     IBV_MIG_REARM = 1
     IBV_MIG_ARMED = 2
 
 
-class ibv_wc_status(IntEnum):
+class ibv_wc_status(IntFlag):
     IBV_WC_SUCCESS = 0
     IBV_WC_LOC_LEN_ERR = 1
     IBV_WC_LOC_QP_OP_ERR = 2
@@ -145,7 +144,7 @@ class ibv_wc_status(IntEnum):
     IBV_WC_TM_RNDV_INCOMPLETE = 23
 
 
-class ibv_wc_opcode(IntEnum):
+class ibv_wc_opcode(IntFlag):
     IBV_WC_SEND = 0
     IBV_WC_RDMA_WRITE = 1
     IBV_WC_RDMA_READ = 2
@@ -286,7 +285,6 @@ _ANONYMOUS = ["IBV_LINK_LAYER_UNSPECIFIED", "IBV_LINK_LAYER_INFINIBAND", "IBV_LI
               "IBV_WC_STANDARD_FLAGS"]
 
 for _enum in _ENUMS:
-    for _member in _enum:
-        globals()[_member.name] = _member
+    globals().update(_enum.__members__)
 
-__all__ = [_e.__name__ for _e in _ENUMS] + [_m.name for _e in _ENUMS for _m in _e] + _ANONYMOUS
+__all__ = [_e.__name__ for _e in _ENUMS] + [_n for _e in _ENUMS for _n in _e.__members__] + _ANONYMOUS

@@ -82,7 +82,7 @@ def _cap_prop(name: str) -> property:
 
 
 class _InitAttrBase(SoftObject):
-    __slots__ = ("_cap", "qp_type", "qp_context", "_scq", "_rcq", "srq", "sq_sig_all")
+    __slots__ = ("_cap", "qp_type", "_qp_context", "_scq", "_rcq", "srq", "sq_sig_all")
 
     def _init(self, qp_type: int, qp_context: Any, scq: Any, rcq: Any, srq: Any, cap: QPCap | None,
               sq_sig_all: int) -> None:
@@ -93,7 +93,7 @@ class _InitAttrBase(SoftObject):
                 raise PyverbsUserError(f"Expected CQ/CQEX, got {type(cq)}")
         # pyverbs copies nothing when cap is None: the C struct stays zeroed
         self._cap = cap._copy() if cap is not None else QPCap(0, 0, 0, 0, 0)
-        self.qp_type, self.qp_context, self._scq, self._rcq = qp_type, qp_context, scq, rcq
+        self.qp_type, self._qp_context, self._scq, self._rcq = qp_type, qp_context, scq, rcq
         self.srq, self.sq_sig_all = srq, sq_sig_all
 
     @property
@@ -142,7 +142,7 @@ class QPInitAttrEx(_InitAttrBase):
     """ibv_qp_init_attr_ex (QP created from a Context; needs pd and comp_mask with IBV_QP_INIT_ATTR_PD)."""
 
     __slots__ = ("comp_mask", "pd", "xrcd", "create_flags", "max_tso_header", "source_qpn", "ind_table",
-                 "send_ops_flags", "_hash_conf")
+                 "_send_ops_flags", "_hash_conf")
 
     def __init__(self, qp_type: int = e.IBV_QPT_UD, qp_context: Any = None, scq: Any = None, rcq: Any = None,
                  srq: Any = None, cap: QPCap | None = None, sq_sig_all: int = 0, comp_mask: int = 0,
@@ -153,7 +153,7 @@ class QPInitAttrEx(_InitAttrBase):
         self._init(qp_type, qp_context, scq, rcq, srq, cap, sq_sig_all)
         self.comp_mask, self.pd, self.xrcd, self.create_flags = comp_mask, pd, xrcd, create_flags
         self.max_tso_header, self.source_qpn, self.ind_table = max_tso_header, source_qpn, ind_table
-        self.send_ops_flags, self._hash_conf = send_ops_flags, hash_conf
+        self._send_ops_flags, self._hash_conf = send_ops_flags, hash_conf
 
 
 class QPAttr(SoftObject):
@@ -336,7 +336,7 @@ class QP(SoftCM):
             comp_mask = int(init_attr.comp_mask)
             if not comp_mask & e.IBV_QP_INIT_ATTR_PD or pd is None:
                 raise PyverbsRDMAError("Failed to create QP", errno.EINVAL)
-            send_ops = int(init_attr.send_ops_flags) if comp_mask & e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS else None
+            send_ops = int(init_attr._send_ops_flags) if comp_mask & e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS else None
             if comp_mask & ~int(e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS):
                 raise PyverbsRDMAError("Failed to create QP", errno.EOPNOTSUPP)
         elif isinstance(creator, PD):

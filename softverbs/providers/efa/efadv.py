@@ -36,9 +36,9 @@ class EfaDVDeviceAttr(SoftObject):
 
     __slots__ = ("_v",)
 
-    def __init__(self, values: dict[str, int] | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._v = values or {}
+        self._v: dict[str, int] = {}
 
     @property
     def comp_mask(self) -> int:
@@ -86,11 +86,13 @@ class EfaContext(Context):
         if not dev.is_efa:
             raise PyverbsRDMAError(f"Failed to query efa device {self.name}", errno.EOPNOTSUPP)
         lim = device_limits(dev)
-        return EfaDVDeviceAttr({
+        attr = EfaDVDeviceAttr()
+        attr._v = {
             "comp_mask": 0, "max_sq_wr": lim["max_qp_wr"], "max_rq_wr": lim["max_rq_wr"],
             "max_sq_sge": lim["max_sge"], "max_rq_sge": lim["max_rq_sge"], "inline_buf_size": lim["max_inline"],
             "device_caps": device_caps(dev), "max_rdma_size": dev.options.max_rdma_size,
-        })
+        }
+        return attr
 
 
 class EfaQPInitAttr(SoftObject):
@@ -159,7 +161,7 @@ class SRDQPEx(QPEx):
         self._wr_flags = 0
         self._comp_mask = 0
         comp_mask = int(attr_ex.comp_mask)
-        send_ops = int(attr_ex.send_ops_flags) if comp_mask & e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS else None
+        send_ops = int(attr_ex._send_ops_flags) if comp_mask & e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS else None
         _check_efa(ctx._dev, attr_ex, efa_init_attr, send_ops)
         self._create(ctx, attr_ex, efa_init_attr)
         self._ex = send_ops is not None

@@ -1,6 +1,7 @@
 """Soft-only knobs and hooks: things real hardware sets elsewhere (fabric, firmware) or does not have.
 
-Nothing here exists in pyverbs; an API-agreement test ignores this module by name. Knobs:
+Nothing here exists in pyverbs; an API-agreement test ignores this package by name (`softverbs.soft.bench`
+holds the `transportd bench softverbs` command for the same reason). Knobs:
 
 - `add_device(name, kind, host=..., port=..., advertise=...)`: another soft device in this process
   ("ib" = ConnectX-like RC, "efa" = EFA-like SRD). Defaults: `softib0` and `softefa0` on 127.0.0.1,
@@ -23,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from ._device import DeviceOptions, SoftDevice
-from ._memory import ACCESSORS, HostAccessor, MemoryAccessor
-from .addr import endpoint_from_gid, gid_for_endpoint
+from .._device import DeviceOptions, SoftDevice
+from .._memory import ACCESSORS, HostAccessor, MemoryAccessor
+from ..addr import endpoint_from_gid, gid_for_endpoint
 
 __all__ = [
     "DeviceOptions", "HostAccessor", "MemoryAccessor", "add_device", "configure", "device_options",
@@ -37,7 +38,7 @@ _OPTION_NAMES = {f.name for f in fields(DeviceOptions)}
 
 
 def _device(target: Any) -> SoftDevice:
-    from .device import registry
+    from ..device import registry
 
     if isinstance(target, str):
         dev = registry().get(target)
@@ -55,7 +56,7 @@ def _device(target: Any) -> SoftDevice:
 
 def add_device(name: str, kind: str = "ib", **options: Any) -> None:
     """Register another soft device in this process (e.g. a second "node" for one-process tests)."""
-    from .device import registry
+    from ..device import registry
 
     if kind not in ("ib", "efa"):
         raise ValueError("kind must be 'ib' or 'efa'")
