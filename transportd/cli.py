@@ -60,6 +60,8 @@ def _register_subcommands() -> None:
     from cmd_ring.bench import bench_ring
 
     bench.add_command(bench_ring)
+    from softverbs.soft.bench import bench_softverbs
+    bench.add_command(bench_softverbs)
 
 
 _register_subcommands()
