@@ -290,10 +290,9 @@ class EfaBackend:
     def register_memory(self, addr: int, length: int, *, remote_write: bool, remote_atomic: bool,
                         accessor: Any = None) -> MemoryKey:
         """Register [addr, addr+length). EFA has no atomics: ``remote_atomic`` only asks for remote write
-        (flags are written by the receiving daemon, never by the NIC)."""
-        if accessor is not None:
-            raise BackendError("the efa backend registers host memory (or dmabuf, not yet); no accessors")
-        mr = self.rail.register(addr, length, access_flags(self.v, remote_write=remote_write or remote_atomic))
+        (flags are written by the receiving daemon, never by the NIC). ``accessor``: see ``Rail.register``."""
+        mr = self.rail.register(addr, length, access_flags(self.v, remote_write=remote_write or remote_atomic),
+                                accessor)
         return MemoryKey(addr=addr, length=length, lkey=int(mr.lkey), rkey=int(mr.rkey))
 
     def deregister_memory(self, key: MemoryKey) -> None:

@@ -170,12 +170,13 @@ class IbBackend:
     # --- memory --------------------------------------------------------------------------------------
     def register_memory(self, addr: int, length: int, *, remote_write: bool, remote_atomic: bool,
                         accessor: Any = None) -> MemoryKey:
-        """Register [addr, addr+length); regions that take atomics (flags) never get relaxed ordering."""
-        if accessor is not None:
-            raise BackendError("the ib backend registers host memory (or dmabuf, not yet); no accessors")
+        """Register [addr, addr+length); regions that take atomics (flags) never get relaxed ordering.
+
+        ``accessor``: how softverbs reaches memory the CPU cannot address (GPU memory); see ``Rail.register``.
+        """
         access = access_flags(self.v, remote_write=remote_write, remote_atomic=remote_atomic,
                               relaxed_ordering=self.relaxed_ordering and not remote_atomic)
-        mr = self.rail.register(addr, length, access)
+        mr = self.rail.register(addr, length, access, accessor)
         return MemoryKey(addr=addr, length=length, lkey=int(mr.lkey), rkey=int(mr.rkey))
 
     def deregister_memory(self, key: MemoryKey) -> None:

@@ -286,10 +286,15 @@ class Rail:
             self.drain = CqDrain(self.cq, extended=False)
 
     # --- memory --------------------------------------------------------------------------------------
-    def register(self, addr: int, length: int, access: int) -> Any:
-        """Register [addr, addr+length) with ``access`` (see :func:`access_flags`); the MR stays owned here."""
+    def register(self, addr: int, length: int, access: int, accessor: Any = None) -> Any:
+        """Register [addr, addr+length) with ``access`` (see :func:`access_flags`); the MR stays owned here.
+
+        ``accessor`` reaches memory the CPU cannot address (GPU memory under softverbs, which takes it as
+        ``soft_accessor``); pyverbs ignores the keyword — a real NIC reaches GPU memory by itself.
+        """
+        extra = {} if accessor is None else {"soft_accessor": accessor}
         with translate_verbs_errors(f"registering {length} bytes at {addr:#x}", self.v):
-            mr = self.v.mr.MR(self.pd, length, access, address=addr)
+            mr = self.v.mr.MR(self.pd, length, access, address=addr, **extra)
         self.mrs[(addr, int(mr.lkey))] = mr
         return mr
 

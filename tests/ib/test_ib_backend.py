@@ -289,6 +289,20 @@ def test_bad_rkey_in_atomic_mode_reports_once(make_link: Any) -> None:
     assert sorted(comps) == [(1, REM_ACCESS_ERR, 0), (2, WR_FLUSH_ERR, 0)]
 
 
+def test_memory_behind_an_accessor(make_link: Any, verbs: Any) -> None:
+    """Regions the CPU cannot address (GPU memory) are registered with an accessor; data goes through it."""
+    link = make_link("atomic")
+    buf = np.zeros(4096, dtype=np.uint8)
+    acc = verbs.soft.HostAccessor()
+    key = link.b.register_memory(buf.ctypes.data, buf.nbytes, remote_write=True, remote_atomic=False, accessor=acc)
+    row = list(link.write(0, 4096, 1))
+    row[5], row[7] = key.addr, key.rkey
+    link.post([tuple(row), link.signal(0, 1, 1)])
+    link.wait_tokens(1)
+    assert acc.writes > 0 and np.array_equal(buf, link.src[:4096])
+    link.b.deregister_memory(key)
+
+
 # --- configuration -----------------------------------------------------------------------------------------
 
 
