@@ -80,6 +80,9 @@ class EfaRail(Rail):
     """A rail on an EFA device: an ``EfaContext`` (for the device's EFA limits) and, where the device can
     mark unsolicited write-with-imm receives, an ``EfaCQ`` that reports them."""
 
+    NODE_TYPES = ("IBV_NODE_UNSPECIFIED",)
+    KIND = "an EFA device"
+
     def __init__(self, verbs: Any = None, device: str | None = None, *, port: int = 1, gid_index: int = 0,
                  cq_depth: int = 1 << 16, use_unsolicited: bool = True) -> None:
         self.use_unsolicited = use_unsolicited

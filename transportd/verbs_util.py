@@ -250,22 +250,36 @@ class Rail:
             raise
 
     # --- hooks ---------------------------------------------------------------------------------------
+    # ibv_node_type values this rail can drive: a ConnectX (or any IB/RoCE HCA) is IBV_NODE_CA; the efa
+    # rail overrides this (EFA devices report IBV_NODE_UNSPECIFIED)
+    NODE_TYPES: tuple[str, ...] = ("IBV_NODE_CA",)
+    KIND = "an InfiniBand/RoCE HCA"
+
     def find_device(self, device: str | None) -> str:
+        """``device`` if it exists and is of a usable type; without a name, the first usable device."""
         v = self.v
         try:
-            names = [_text(d.name) for d in v.device.get_device_list()]
+            found = [(_text(d.name), int(d.node_type)) for d in v.device.get_device_list()]
         except v.pyverbs_error.PyverbsError as exc:
-            names = []
+            found = []
             reason = str(exc)
         else:
             reason = "no RDMA devices found"
-        if not names:
+        if not found:
             raise DeviceNotFoundError(f"no RDMA device to open ({reason})")
-        if not device:
-            return names[0]
-        if device not in names:
-            raise DeviceNotFoundError(f"RDMA device {device!r} not found; present: {', '.join(names)}")
-        return device
+        nodes = v.libibverbs_enums.ibv_node_type
+        usable = {int(getattr(nodes, name)) for name in self.NODE_TYPES}
+        names = [name for name, _ in found]
+        if device:
+            if device not in names:
+                raise DeviceNotFoundError(f"RDMA device {device!r} not found; present: {', '.join(names)}")
+            if dict(found)[device] not in usable:
+                raise DeviceNotFoundError(f"RDMA device {device!r} is not {self.KIND}")
+            return device
+        for name, node in found:
+            if node in usable:
+                return name
+        raise DeviceNotFoundError(f"none of the RDMA devices ({', '.join(names)}) is {self.KIND}")
 
     def create_context(self) -> None:
         self.ctx = self.v.device.Context(name=self.device_name)

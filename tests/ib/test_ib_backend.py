@@ -314,6 +314,13 @@ def test_refuses_unknown_signal_mode(verbs: Any) -> None:
 def test_refuses_unknown_device(verbs: Any) -> None:
     with pytest.raises(BackendError, match="not found"):
         IbBackend("mlx5_99", verbs=verbs)
+    with pytest.raises(BackendError, match="not an InfiniBand"):
+        IbBackend("softefa0", verbs=verbs)
+
+
+def test_picks_an_ib_device_when_none_is_named(verbs: Any) -> None:
+    with IbBackend(verbs=verbs) as be:  # softefa0 sorts before softib0 but is not an HCA
+        assert be.rail.ctx.query_device().vendor_id != 0x1D0F
 
 
 def test_connection_misuse_is_a_clear_error(make_link: Any) -> None:
