@@ -336,7 +336,6 @@ class SoftDevice:
         self._listener: socket.socket | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
-        self._woken = False
         from ._core import RequesterRx, Responder
 
         self.core_responder = Responder(self)
@@ -382,6 +381,8 @@ class SoftDevice:
         self.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
+            if self._thread.is_alive():
+                log.warning("softverbs %s: I/O thread did not stop within 5 s", self.name)
         self._thread = None
         for conn in list(self.out_conns.values()) + list(self.in_conns):
             conn.closed = True
@@ -410,11 +411,12 @@ class SoftDevice:
 
     # ------------------------------------------------------------- I/O thread
     def wake(self) -> None:
-        if self._wake_w is not None and not self._woken:
-            self._woken = True
+        """Make the I/O thread's select() return (always a byte: a skipped wake-up would be lost)."""
+        wake_w = self._wake_w
+        if wake_w is not None:
             try:
-                self._wake_w.send(b"x")
-            except OSError:
+                wake_w.send(b"x")
+            except OSError:  # full (plenty of wake-ups pending) or closing
                 pass
 
     def post_action(self, fn: Callable[[], None]) -> None:
@@ -481,7 +483,6 @@ class SoftDevice:
                     if data is _LISTENER:
                         self._accept()
                     elif data is _WAKE:
-                        self._woken = False
                         try:
                             while self._wake_r is not None and self._wake_r.recv(4096):
                                 pass
