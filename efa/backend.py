@@ -470,33 +470,40 @@ class EfaBackend:
             if backlog:
                 self.stats["backlogged"] += 1
             return
-        qp = self.qp
-        SGE = self.v.wr.SGE
-        sig = self._signaled
-        taken = 0
-        with translate_verbs_errors("posting on the SRD QP", self.v):
-            qp.wr_start()
+        batch: list[tuple] = []
+        while backlog and len(batch) < room:
+            item = backlog[0]
+            conn, seq = item[0], item[1]
+            if seq - conn.oldest >= _MAX_SPAN:
+                break
+            rec = conn.ctrl_seq.get(seq)
+            if rec is not None and rec - conn.oldest_ctrl >= conn.peer_staging_entries // 2:
+                break
+            batch.append(backlog.popleft())
+        if batch:
+            qp = self.qp
+            SGE = self.v.wr.SGE
+            sig = self._signaled
             try:
-                while backlog and taken < room:
-                    conn, seq, rkey, raddr, laddr, length, lkey, imm = backlog[0]
-                    if seq - conn.oldest >= _MAX_SPAN:
-                        break
-                    rec = conn.ctrl_seq.get(seq)
-                    if rec is not None and rec - conn.oldest_ctrl >= conn.peer_staging_entries // 2:
-                        break
-                    backlog.popleft()
-                    qp.wr_id = (conn.key << _SEQ_BITS) | (seq & _SEQ_MASK)
-                    qp.wr_flags = sig
-                    qp.wr_rdma_write_imm(rkey, raddr, imm)
-                    qp.wr_set_sge(SGE(laddr, length, lkey))
-                    qp.wr_set_ud_addr(conn.ah, conn.qpn, conn.qkey)
-                    conn.waiting -= 1
-                    taken += 1
-                qp.wr_complete()
+                with translate_verbs_errors("posting on the SRD QP", self.v):
+                    qp.wr_start()
+                    try:
+                        for conn, seq, rkey, raddr, laddr, length, lkey, imm in batch:
+                            qp.wr_id = (conn.key << _SEQ_BITS) | (seq & _SEQ_MASK)
+                            qp.wr_flags = sig
+                            qp.wr_rdma_write_imm(rkey, raddr, imm)
+                            qp.wr_set_sge(SGE(laddr, length, lkey))
+                            qp.wr_set_ud_addr(conn.ah, conn.qpn, conn.qkey)
+                        qp.wr_complete()
+                    except BaseException:
+                        qp.wr_abort()
+                        raise
             except BaseException:
-                qp.wr_abort()
+                backlog.extendleft(reversed(batch))  # nothing was posted: they wait again, in order
                 raise
-        self._submitted += taken
+            for item in batch:
+                item[0].waiting -= 1
+            self._submitted += len(batch)
         if backlog:
             self.stats["backlogged"] += 1
 
