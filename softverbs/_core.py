@@ -349,7 +349,7 @@ class QPCore:
         with self.lock:
             err, bad = 0, -1
             for i, wr in enumerate(wrs):
-                err = self.validate_legacy(wr, i)
+                err = self.validate_legacy(wr, 0)  # earlier WRs of the chain are already counted as posted
                 if err:
                     bad = i
                     break
