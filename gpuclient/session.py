@@ -212,12 +212,16 @@ class Session:
         self.flag_array = FlagArray(reply["path"], count)
         return self.flag_array
 
-    def exchange(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Publish this rank's regions and flags; return once every rank of the job has done so."""
+    def exchange(self, timeout: float = 30.0, wait: bool = True) -> dict[str, Any]:
+        """Publish this rank's regions and flags; return once every rank of the job has done so.
+
+        With ``wait=False`` it publishes and returns at once (``reply["complete"]`` says whether the job
+        is wired yet) — for a process that drives several ranks.
+        """
         deadline = time.monotonic() + timeout
         while True:
             reply = self._conn.request(Exchange())
-            if reply.get("complete"):
+            if reply.get("complete") or not wait:
                 return reply
             if time.monotonic() > deadline:
                 raise TimeoutError(f"exchange: {reply.get('known', '?')} of {self.world} ranks of job "

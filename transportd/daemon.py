@@ -331,6 +331,8 @@ class Daemon:
         return PeerRegions(job=rank.job, rank=rank.rank, regions=tuple(infos))
 
     def _rank_reachable(self, me: LocalRank, peer_rank: int) -> bool:
+        if peer_rank == me.rank:
+            return True  # commands to oneself are not routed through a connection
         job = self.jobs[me.job]
         node = self.node if peer_rank in job.local else job.remote[peer_rank].node
         conn = self.connections.get((me.job, node, me.rail))

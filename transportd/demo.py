@@ -45,10 +45,10 @@ def run_demo(total: int = 256 << 20, chunk: int = 1 << 20, backend: str = "ib", 
         dst = [s.register(b) for s, b in zip(sessions, recv, strict=True)]
         for s in sessions:
             s.flags(16)
-        deadline = time.monotonic() + 30
-        while not all(s.exchange(timeout=30)["complete"] for s in sessions):
-            if time.monotonic() > deadline:
-                raise TimeoutError("exchange did not complete")
+        for s in sessions:
+            s.exchange(wait=False)
+        for s in sessions:
+            s.exchange(timeout=30)
         channels = [s.channel(capacity=1024) for s in sessions]
         t0 = time.perf_counter()
         sent = [0, 0]
@@ -68,7 +68,12 @@ def run_demo(total: int = 256 << 20, chunk: int = 1 << 20, backend: str = "ib", 
                 while seen[me] < flag:
                     off = seen[me] * chunk
                     if not np.array_equal(recv[me][off : off + chunk], send[peer][off : off + chunk]):
-                        raise AssertionError(f"rank {me}: chunk {seen[me]} differs although its flag arrived")
+                        bad = np.flatnonzero(recv[me][off : off + chunk] != send[peer][off : off + chunk])
+                        time.sleep(0.5)
+                        late = np.array_equal(recv[me][off : off + chunk], send[peer][off : off + chunk])
+                        raise AssertionError(f"rank {me}: chunk {seen[me]} differs although its flag arrived "
+                                             f"(flag {flag}, {bad.size} bytes from {bad[0]} to {bad[-1]}, "
+                                             f"complete 0.5 s later: {late})")
                     seen[me] += 1
                 if seen[me] < chunks and sent[peer] == chunks:
                     sessions[me].wait(slot=0, at_least=seen[me] + 1, timeout=30)

@@ -20,6 +20,7 @@ from transportd.backends import open_backend
 from transportd.config import Config
 from transportd.flagfile import FlagFile
 from transportd.proxy import Proxy
+from transportd.verbs import load as load_verbs
 from transportd.worker_link import WorkerEndpoint
 
 __all__ = ["RailService", "rail_main"]
@@ -35,9 +36,12 @@ class RailService:
         self.rail = rail
         rails = config.backend.rails
         device = rails[rail].device if rails else ""
-        self.backend = open_backend(config.backend.kind, device=device, verbs=config.backend.verbs,
+        # backend.kind "soft" forces the software provider; otherwise backend.verbs decides
+        provider = "soft" if config.backend.kind == "soft" else config.backend.verbs
+        verbs = load_verbs(None if provider == "auto" else provider, soft_options=config.softverbs)
+        self.backend = open_backend(config.backend.kind, device=device or None, verbs=verbs,
                                     signal_mode=config.signal.mode, inflight_cap=config.proxy.inflight_cap,
-                                    visibility_flush=config.efa.visibility_flush)
+                                    batch_max=config.proxy.batch_max, visibility_flush=config.efa.visibility_flush)
         self.proxy = Proxy(self.backend, batch_max=config.proxy.batch_max,
                            poll_window_us=config.proxy.poll_window_us, inflight_cap=config.proxy.inflight_cap,
                            decoupled=config.signal.decoupled)

@@ -15,6 +15,9 @@ __all__ = ["BACKENDS", "open_backend"]
 
 BACKENDS: dict[str, str] = {
     "null": "transportd.backends.null:NullBackend",
+    "ib": "ib.backend:IbBackend",
+    "soft": "ib.backend:IbBackend",  # "soft" is ib semantics on the softverbs provider (config backend.kind)
+    "efa": "efa.backend:EfaBackend",
 }
 
 
