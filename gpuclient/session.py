@@ -136,6 +136,15 @@ class ChannelHandle:
         self._producer.push_records(rec, timeout=self.timeout)
         return position
 
+    def push_records(self, records: np.ndarray) -> int:
+        """Commit ready-made records (RECORD_DTYPE) as they are; returns the first one's ring position.
+
+        For tools and tests that build records themselves — including ones the daemon must refuse.
+        """
+        position = self._producer.position
+        self._producer.push_records(records, timeout=self.timeout)
+        return position
+
     def put(self, peer: int, dst_region: int, dst_off: int, src_region: int, src_off: int, nbytes: int,
             chunk_id: int = 0) -> int:
         """Write ``nbytes`` from our ``src_region`` to ``peer``'s ``dst_region``; returns the ring position."""
@@ -177,6 +186,9 @@ class ChannelHandle:
         code, count, position = self.ring.error
         if code:
             raise ChannelError(code, count, position)
+
+
+_U64_MASK = (1 << 64) - 1
 
 
 def _signal_flag(op: str) -> Flag:
@@ -246,13 +258,13 @@ class Session:
             raise RuntimeError("call session.flags(count) before waiting on a flag")
         if not 0 <= slot < flags.count:
             raise IndexError(f"flag slot {slot} out of range (this session has {flags.count})")
-        target = np.uint64(at_least & 0xFFFF_FFFF_FFFF_FFFF)
+        target = at_least & _U64_MASK
         deadline = time.monotonic() + timeout
         pause = 0.0
         while True:
-            value = flags.values[slot]
-            if np.int64((value - target).astype(np.uint64).view(np.int64)) >= 0:
-                return int(value)
+            value = int(flags.values[slot])
+            if (value - target) & _U64_MASK < 1 << 63:  # signed difference >= 0: wraparound-safe
+                return value
             if flags.status:
                 raise ChannelError(flags.status)
             for ch in self.channels:

@@ -593,6 +593,10 @@ def _validate(loader: _Loader, cfg: Config) -> Config:
         loader.fail("peers.heartbeat_timeout_s",
                     f"must be more than peers.heartbeat_interval_s ({cfg.peers.heartbeat_interval_s}), "
                     f"got {cfg.peers.heartbeat_timeout_s}")
+    if cfg.softverbs.adaptive_routing and cfg.signal.mode == "write" and cfg.backend.kind in ("ib", "soft"):
+        # write-then-flag relies on in-order placement, which adaptive routing breaks (DESIGN.md section 4)
+        loader.fail("signal.mode", "write signaling is unsafe with adaptive routing (softverbs.adaptive_routing); "
+                                   "use atomic or fence")
     names = [r.device for r in cfg.backend.rails]
     for i, name in enumerate(names):
         if names.index(name) != i:
