@@ -157,6 +157,8 @@ class Side:
         self.qp: Any = None
         self.mr = v.mr.MR(pair.pd, mr_size, mr_access)
         self.psn = random.getrandbits(24)
+        self.gid: Any = None
+        self.lid = 0
 
     def write_buf(self, offset: int, data: bytes) -> None:
         self.mr.write(data, len(data), offset)
@@ -178,7 +180,7 @@ class RCPair:
 
     def __init__(self, provider: Provider, device: str, *, mr_size: int = 1 << 20, mr_access: int | None = None,
                  max_send_wr: int = 64, max_recv_wr: int = 64, cq_depth: int = 512, qp_access: int | None = None,
-                 connect: bool = True, max_rd_atomic: int = 4) -> None:
+                 connect: bool = True, max_rd_atomic: int = 4, max_inline_data: int = 0) -> None:
         v = self.v = provider.v
         self.provider = provider
         e = v.enums
@@ -192,13 +194,15 @@ class RCPair:
                                     "IBV_ACCESS_REMOTE_ATOMIC") if qp_access is None else qp_access
             self.client = Side(self, mr_size, mr_access)
             self.server = Side(self, mr_size, mr_access)
+            for side in (self.client, self.server):
+                side.gid, side.lid = self.gid, self.port_attr.lid
             ops = 0
             for name in self.SEND_OPS:
                 ops |= int(getattr(e.ibv_qp_create_send_ops_flags, name))
             for side in (self.client, self.server):
                 side.cq = v.cq.CQ(self.ctx, cq_depth)
                 cap = v.qp.QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=2,
-                                 max_recv_sge=2, max_inline_data=0)
+                                 max_recv_sge=2, max_inline_data=max_inline_data)
                 init = v.qp.QPInitAttrEx(qp_type=e.IBV_QPT_RC, scq=side.cq, rcq=side.cq, cap=cap, pd=self.pd,
                                          comp_mask=int(e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS),
                                          send_ops_flags=ops, sq_sig_all=0)
@@ -210,7 +214,8 @@ class RCPair:
             self.close()
             raise
 
-    def connect(self, side: Side, remote: Side, max_rd_atomic: int = 4) -> None:
+    def connect(self, side: Side, remote: Side, max_rd_atomic: int = 4, **overrides: Any) -> None:
+        """to_rts() toward `remote`; `overrides` replace QPAttr fields (e.g. rq_psn, dest_qp_num)."""
         v, e = self.v, self.v.enums
         attr = v.qp.QPAttr(port_num=1)
         attr.qp_access_flags = self.qp_access
@@ -221,8 +226,10 @@ class RCPair:
         attr.max_dest_rd_atomic = max_rd_atomic
         attr.max_rd_atomic = max_rd_atomic
         attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
-        gr = v.addr.GlobalRoute(dgid=self.gid, sgid_index=0)
-        attr.ah_attr = v.addr.AHAttr(port_num=1, is_global=1, gr=gr, dlid=self.port_attr.lid)
+        gr = v.addr.GlobalRoute(dgid=remote.gid, sgid_index=0)
+        attr.ah_attr = v.addr.AHAttr(port_num=1, is_global=1, gr=gr, dlid=remote.lid)
+        for name, value in overrides.items():
+            setattr(attr, name, value)
         side.qp.to_rts(attr)
         assert side.qp.qp_state == e.IBV_QPS_RTS
 

@@ -1,0 +1,20 @@
+"""`transportd bench softverbs` runs end to end and writes the JSON summary (timings are not asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from softverbs.soft.bench import bench_softverbs
+
+
+def test_bench_writes_the_summary(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench_softverbs, ["--seconds", "0.05", "--no-srd", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 MiB GB/s" in result.output
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"gbps_4kib", "gbps_64kib", "gbps_1mib", "wr_per_s"}
+    assert all(v > 0 for v in summary.values())

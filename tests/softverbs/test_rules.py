@@ -1,0 +1,344 @@
+"""Hardware rules softverbs enforces that the conformance suite cannot drive on a real NIC (knobs, timing,
+misconfiguration): QP state machine, PSN/QPN/MTU agreement, RNR, EFA device limits, CQ overrun, inline."""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import numpy as np
+import pytest
+
+from tests.conformance.resources import RCPair, no_completion, open_provider, poll, raises_errno
+
+
+@pytest.fixture
+def soft():
+    return open_provider("soft")
+
+
+def _qp_attr(pair: RCPair):
+    v = pair.v
+    attr = v.qp.QPAttr(port_num=1)
+    attr.qp_access_flags = pair.qp_access
+    attr.path_mtu = v.enums.IBV_MTU_1024
+    attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
+    return attr
+
+
+# --- QP state machine ------------------------------------------------------------------------------------
+
+def test_modify_checks_transitions_and_masks(soft) -> None:
+    pair = soft.rc_pair(connect=False)
+    try:
+        v, e = pair.v, pair.v.enums
+        qp = pair.client.qp
+        attr = _qp_attr(pair)
+        attr.qp_state = e.IBV_QPS_RTS
+        raises_errno(v, errno.EINVAL, qp.modify, attr, e.IBV_QP_STATE)  # RESET -> RTS skips two states
+        attr.qp_state = e.IBV_QPS_INIT
+        raises_errno(v, errno.EINVAL, qp.modify, attr, e.IBV_QP_STATE | e.IBV_QP_PORT | e.IBV_QP_PKEY_INDEX)
+        raises_errno(v, errno.EINVAL, qp.modify, attr, e.IBV_QP_STATE | e.IBV_QP_PORT | e.IBV_QP_PKEY_INDEX
+                     | e.IBV_QP_ACCESS_FLAGS | e.IBV_QP_DEST_QPN)  # DEST_QPN does not belong to INIT
+        qp.to_init(attr)
+        assert qp.qp_state == e.IBV_QPS_INIT
+        attr.qp_state = e.IBV_QPS_RTR
+        raises_errno(v, errno.EINVAL, qp.modify, attr, e.IBV_QP_STATE | e.IBV_QP_PATH_MTU)  # needs AV, QPN...
+        gr = v.addr.GlobalRoute(dgid=v.addr.GID("0000:0000:0000:0000:0000:0000:0000:0001"))
+        attr.ah_attr = v.addr.AHAttr(is_global=1, gr=gr)  # not a soft GID: unreachable
+        raises_errno(v, errno.EINVAL, qp.to_rtr, attr)
+        attr.qp_state = e.IBV_QPS_ERR
+        qp.modify(attr, e.IBV_QP_STATE)
+        assert qp.qp_state == e.IBV_QPS_ERR
+        attr.qp_state = e.IBV_QPS_RESET
+        qp.modify(attr, e.IBV_QP_STATE)
+        assert qp.qp_state == e.IBV_QPS_RESET
+    finally:
+        pair.close()
+
+
+def test_moving_to_error_flushes_posted_receives(soft) -> None:
+    pair = soft.rc_pair()
+    try:
+        v, e = pair.v, pair.v.enums
+        for i in range(3):
+            pair.server.qp.post_recv(v.wr.RecvWR(wr_id=i, num_sge=0))
+        attr = v.qp.QPAttr(qp_state=e.IBV_QPS_ERR)
+        pair.server.qp.modify(attr, e.IBV_QP_STATE)
+        assert [(w.wr_id, w.status) for w in poll(pair.server.cq, 3)] == [(i, e.IBV_WC_WR_FLUSH_ERR) for i in range(3)]
+    finally:
+        pair.close()
+
+
+def test_posting_before_rts_is_refused(soft) -> None:
+    pair = soft.rc_pair(connect=False)
+    try:
+        e = pair.v.enums
+        raises_errno(pair.v, errno.EINVAL, pair.client.qp.post_send,
+                     pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
+    finally:
+        pair.close()
+
+
+def test_legacy_srd_qp_cannot_use_to_rts_like_pyverbs(soft) -> None:
+    v, e = soft.v, soft.v.enums
+    with v.efadv.EfaContext(name="softefa0") as ctx:
+        pd = v.pd.PD(ctx)
+        cq = v.cq.CQ(ctx, 16)
+        qp = v.efadv.SRDQP(pd, v.qp.QPInitAttr(qp_type=e.IBV_QPT_DRIVER, scq=cq, rcq=cq, cap=v.qp.QPCap()))
+        with pytest.raises(KeyError):  # pyverbs' QP._get_comp_mask has no entry for IBV_QPT_DRIVER
+            qp.to_rts(v.qp.QPAttr())
+
+
+# --- what the peers must agree on ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mismatch", ["psn", "dest_qpn"])
+def test_peers_that_disagree_fail_with_retry_exceeded(soft, mismatch: str) -> None:
+    pair = soft.rc_pair(connect=False)
+    try:
+        e = pair.v.enums
+        if mismatch == "psn":
+            pair.connect(pair.server, pair.client, rq_psn=(pair.client.psn + 1) & 0xFFFFFF)
+        else:
+            pair.connect(pair.server, pair.client, dest_qp_num=pair.server.qp.qp_num)
+        pair.connect(pair.client, pair.server)
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_RETRY_EXC_ERR
+    finally:
+        pair.close()
+
+
+def test_path_mtu_larger_than_the_responders_is_an_invalid_request(soft) -> None:
+    pair = soft.rc_pair(connect=False)
+    try:
+        e = pair.v.enums
+        pair.connect(pair.server, pair.client, path_mtu=e.IBV_MTU_1024)
+        pair.connect(pair.client, pair.server, path_mtu=e.IBV_MTU_4096)
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_REM_INV_REQ_ERR
+    finally:
+        pair.close()
+
+
+def test_reads_need_max_rd_atomic(soft) -> None:
+    pair = soft.rc_pair(max_rd_atomic=0)
+    try:
+        e = pair.v.enums
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_READ, pair.client.sge(0, 8)))
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_LOC_QP_OP_ERR
+    finally:
+        pair.close()
+
+
+def test_unreachable_peer_fails_with_retry_exceeded(soft) -> None:
+    import socket
+
+    pair = soft.rc_pair(connect=False)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead_port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    try:
+        v, e = pair.v, pair.v.enums
+        gid = v.addr.GID(v.soft.gid_for_endpoint("127.0.0.1", dead_port))
+        pair.connect(pair.client, pair.server, ah_attr=v.addr.AHAttr(is_global=1, gr=v.addr.GlobalRoute(dgid=gid)))
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_RETRY_EXC_ERR
+    finally:
+        pair.close()
+
+
+def test_two_devices_in_one_process_talk_over_tcp(soft) -> None:
+    import uuid
+
+    name = f"softib-{uuid.uuid4().hex[:6]}"
+    soft.v.soft.add_device(name, "ib")
+    a = soft.rc_pair(connect=False)
+    b = RCPair(soft, name, connect=False)
+    try:
+        e = a.v.enums
+        a.connect(a.client, b.server)
+        b.connect(b.server, a.client)
+        a.client.write_buf(0, b"across devices")
+        a.client.qp.post_send(a.send_wr(e.IBV_WR_RDMA_WRITE, a.client.sge(0, 14), rkey=b.server.mr.rkey,
+                                        raddr=b.server.mr.buf))
+        assert poll(a.client.cq)[0].status == e.IBV_WC_SUCCESS
+        assert b.server.read_buf(0, 14) == b"across devices"
+    finally:
+        a.close()
+        b.close()
+
+
+# --- receiver not ready ---------------------------------------------------------------------------------
+
+def test_rc_write_imm_waits_for_a_receive_with_infinite_rnr_retry(soft) -> None:
+    pair = soft.rc_pair()  # rnr_retry 7
+    try:
+        v, e = pair.v, pair.v.enums
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE_WITH_IMM, pair.client.sge(0, 8), imm=5))
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8), wr_id=2))
+        assert no_completion(pair.client.cq), "nothing completes while the receiver is not ready"
+        pair.server.qp.post_recv(v.wr.RecvWR(wr_id=42, num_sge=0))
+        assert [w.wr_id for w in poll(pair.client.cq, 2)] == [1, 2]
+        assert poll(pair.server.cq)[0].wr_id == 42
+    finally:
+        pair.close()
+
+
+def test_rc_rnr_retries_run_out(soft) -> None:
+    pair = soft.rc_pair(connect=False)
+    try:
+        e = pair.v.enums
+        pair.connect(pair.server, pair.client, min_rnr_timer=1)  # 0.01 ms
+        pair.connect(pair.client, pair.server, rnr_retry=1)
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE_WITH_IMM, pair.client.sge(0, 8)))
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_RNR_RETRY_EXC_ERR
+    finally:
+        pair.close()
+
+
+def test_srd_write_imm_without_receive_or_unsolicited_flag_is_rnr(soft) -> None:
+    pair = soft.srd_pair(unsolicited=False)
+    try:
+        e = pair.v.enums
+        pair.post(pair.client, "write_imm", pair.client.sge(0, 8))
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_RNR_RETRY_EXC_ERR
+    finally:
+        pair.close()
+
+
+# --- EFA device limits and capabilities ------------------------------------------------------------------
+
+def test_efa_write_above_max_rdma_size_fails_locally(soft) -> None:
+    soft.v.soft.configure("softefa0", max_rdma_size=4096)
+    pair = soft.srd_pair()
+    try:
+        e = pair.v.enums
+        assert pair.efa_attr.max_rdma_size == 4096
+        pair.post(pair.client, "write", pair.client.sge(0, 4097), wr_id=1)
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_LOC_LEN_ERR
+        pair.post(pair.client, "write", pair.client.sge(0, 4096), wr_id=2)
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS
+    finally:
+        pair.close()
+        soft.v.soft.configure("softefa0", max_rdma_size=1 << 30)
+
+
+@pytest.mark.parametrize("missing", ["rdma_write", "unsolicited"])
+def test_efa_qp_creation_follows_the_device_caps(soft, missing: str) -> None:
+    v = soft.v
+    e, ee = v.enums, v.efa_enums
+    from softverbs.providers.efa.efadv import DEFAULT_CAPS
+
+    cap = ee.EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE if missing == "rdma_write" else \
+        ee.EFADV_DEVICE_ATTR_CAPS_UNSOLICITED_WRITE_RECV
+    v.soft.configure("softefa0", efa_device_caps=DEFAULT_CAPS & ~cap)
+    try:
+        with v.efadv.EfaContext(name="softefa0") as ctx:
+            assert not ctx.query_efa_device().device_caps & cap
+            pd = v.pd.PD(ctx)
+            cq = v.cq.CQ(ctx, 16)
+            init = v.qp.QPInitAttrEx(qp_type=e.IBV_QPT_DRIVER, scq=cq, rcq=cq, pd=pd, cap=v.qp.QPCap(),
+                                     comp_mask=int(e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS),
+                                     send_ops_flags=int(e.IBV_QP_EX_WITH_RDMA_WRITE))
+            efa = v.efadv.EfaQPInitAttr()
+            efa.driver_qp_type = ee.EFADV_QP_DRIVER_TYPE_SRD
+            efa.flags = ee.EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV
+            raises_errno(v, errno.EOPNOTSUPP, v.efadv.SRDQPEx, ctx, init, efa)
+    finally:
+        v.soft.configure("softefa0", efa_device_caps=None)
+
+
+def test_rc_qps_are_not_available_on_efa(soft) -> None:
+    v, e = soft.v, soft.v.enums
+    with v.device.Context(name="softefa0") as ctx:
+        pd = v.pd.PD(ctx)
+        cq = v.cq.CQ(ctx, 16)
+        raises_errno(v, errno.EOPNOTSUPP, v.qp.QP, pd, v.qp.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq,
+                                                                        cap=v.qp.QPCap()))
+
+
+def test_extended_ops_must_be_declared_at_creation(soft) -> None:
+    pair = soft.srd_pair()
+    try:
+        qp = pair.client.qp
+        qp.wr_start()
+        with pytest.raises(pair.v.error.PyverbsRDMAError) as info:
+            qp.wr_atomic_fetch_add(pair.server.mr.rkey, pair.server.mr.buf, 1)  # EFA has no atomics
+        assert info.value.error_code == errno.EOPNOTSUPP
+        qp.wr_abort()
+    finally:
+        pair.close()
+
+
+# --- completion queues and inline data -----------------------------------------------------------------------
+
+def test_cq_overrun_is_reported_by_poll(soft) -> None:
+    pair = soft.rc_pair(cq_depth=4)
+    try:
+        e = pair.v.enums
+        for i in range(6):
+            pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8), wr_id=i))
+        time.sleep(0.2)
+        with pytest.raises(pair.v.error.PyverbsRDMAError) as info:
+            poll(pair.client.cq, 6, timeout=2)
+        assert info.value.error_code == errno.EOVERFLOW
+    finally:
+        pair.close()
+
+
+def test_cqex_poll_protocol_is_enforced(soft) -> None:
+    v = soft.v
+    with v.device.Context(name="softib0") as ctx:
+        cq = v.cq.CQEX(ctx, v.cq.CqInitAttrEx(cqe=8))
+        assert cq.start_poll(v.cq.PollCqAttr()) == errno.ENOENT
+        with pytest.raises(v.error.PyverbsUserError):
+            cq.end_poll()
+
+
+def test_inline_data_is_copied_at_post_time_and_limited(soft) -> None:
+    pair = soft.rc_pair(max_inline_data=64)
+    try:
+        v, e = pair.v, pair.v.enums
+        flags = int(e.IBV_SEND_SIGNALED | e.IBV_SEND_INLINE)
+        pair.client.write_buf(0, b"inline!!")
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8), flags=flags))
+        pair.client.write_buf(0, b"changed!")  # inline bytes were taken already
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS
+        assert pair.server.read_buf(0, 8) == b"inline!!"
+        raises_errno(v, errno.ENOMEM, pair.client.qp.post_send,
+                     pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 65), flags=flags))
+    finally:
+        pair.close()
+
+
+# --- memory behind an accessor (the GPU path) ----------------------------------------------------------------
+
+def test_memory_accessor_serves_remote_writes_reads_and_atomics(soft) -> None:
+    v, e = soft.v, soft.v.enums
+    from softverbs.soft import HostAccessor
+
+    region = np.zeros(1 << 16, dtype=np.uint8)  # stands in for device memory
+    acc = HostAccessor()
+    v.soft.register_memory(region.ctypes.data, region.nbytes, acc)
+    pair = soft.rc_pair()
+    try:
+        full = int(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+                   | e.IBV_ACCESS_REMOTE_ATOMIC)
+        gmr = v.mr.MR(pair.pd, region.nbytes, full, address=region.ctypes.data)
+        pair.client.write_buf(0, b"to the device")
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 13), rkey=gmr.rkey,
+                                              raddr=gmr.buf + 100))
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_ATOMIC_FETCH_AND_ADD, pair.client.sge(64, 8), rkey=gmr.rkey,
+                                              raddr=gmr.buf + 256, add=3))
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_READ, pair.client.sge(128, 13), rkey=gmr.rkey,
+                                              raddr=gmr.buf + 100))
+        assert all(w.status == e.IBV_WC_SUCCESS for w in poll(pair.client.cq, 3))
+        assert region[100:113].tobytes() == b"to the device"
+        assert int(region[256:264].view(np.uint64)[0]) == 3
+        assert pair.client.read_buf(128, 13) == b"to the device"
+        assert acc.writes >= 2 and acc.reads >= 2
+        gmr.close()
+    finally:
+        pair.close()
+        v.soft.unregister_memory(region.ctypes.data)
