@@ -587,6 +587,8 @@ class QPCore:
                 e.conn = conn
                 descs.append(pack(self.dest_qpn, qpn, e.seq, 1, base_flags, mtu_code, 0, e.rkey, 0, e.raddr,
                                   length, psn, 0, 0))
+                if e.inline is not None:
+                    payloads.append(e.inline)
                 for mr, addr, n in e.local:
                     view = mr.view
                     if view is not None:

@@ -308,6 +308,15 @@ def test_inline_data_is_copied_at_post_time_and_limited(soft) -> None:
         assert pair.server.read_buf(0, 8) == b"inline!!"
         raises_errno(v, errno.ENOMEM, pair.client.qp.post_send,
                      pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 65), flags=flags))
+        # several inline writes in one post (one frame) keep their payloads
+        pair.client.write_buf(0, b"firstsecond")
+        head = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 5), wr_id=1, flags=flags,
+                            raddr=pair.server.mr.buf + 100)
+        head.next_wr = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(5, 6), wr_id=2, flags=flags,
+                                    raddr=pair.server.mr.buf + 200)
+        pair.client.qp.post_send(head)
+        assert [w.status for w in poll(pair.client.cq, 2)] == [e.IBV_WC_SUCCESS] * 2
+        assert pair.server.read_buf(100, 5) + pair.server.read_buf(200, 6) == b"firstsecond"
     finally:
         pair.close()
 
