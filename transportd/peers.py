@@ -24,7 +24,14 @@ from pathlib import Path
 import zmq
 
 from transportd import codec
-from transportd.curve import CurveClientKeys, CurveServerKeys, configure_client, configure_server
+from transportd.curve import (
+    CurveClientKeys,
+    CurveServerKeys,
+    configure_client,
+    configure_server,
+    load_public_key,
+    start_authenticator,
+)
 from transportd.errors import ConfigError, RemoteProtocolError
 from transportd.protocol import PeerHeartbeat, PeerHello, PeerMessage, parse_peer_message
 
@@ -84,7 +91,10 @@ class PeerPlane:
         self.router.linger = 0
         self.router.router_mandatory = True
         self.router.maxmsgsize = max_message_bytes
+        self._auth = None
         if curve is not None:
+            # without a ZAP handler libzmq would admit any client key: admit only the authorized ones
+            self._auth = start_authenticator(self._ctx, curve.authorized_keys_dir)
             configure_server(self.router, curve)
         self.router.bind(listen)
         self.endpoint = self.router.last_endpoint.decode()
@@ -236,6 +246,8 @@ class PeerPlane:
         for _, dealer in self._dealers:
             dealer.close(0)
         self.router.close(0)
+        if self._auth is not None:
+            self._auth.stop()
 
 
 def _client_keys_for(address: str, curve: CurveServerKeys) -> CurveClientKeys:
@@ -243,8 +255,6 @@ def _client_keys_for(address: str, curve: CurveServerKeys) -> CurveClientKeys:
     directory = Path(curve.authorized_keys_dir)
     for candidate in (directory / f"{host}_{port}.key", directory / f"{host}.key"):
         if candidate.exists():
-            from transportd.curve import load_public_key
-
             return CurveClientKeys(curve.public, curve.secret, load_public_key(candidate))
     raise ConfigError("<config>", "peers.static",
                       f"no public key for peer {address}: expected {directory}/{host}_{port}.key or {host}.key")
