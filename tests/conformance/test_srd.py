@@ -138,3 +138,15 @@ def test_efa_send_reaches_a_posted_receive(srd: SRDPair) -> None:
     assert (recv.wr_id, recv.status, recv.opcode, recv.byte_len) == (8, e.IBV_WC_SUCCESS, e.IBV_WC_RECV, 10)
     assert (sent.status, sent.opcode) == (e.IBV_WC_SUCCESS, e.IBV_WC_SEND)
     assert srd.server.read_buf(4096, 10) == b"hello, srd"
+
+
+def test_srd_rdma_read(srd: SRDPair) -> None:
+    """EFA completes a read on the send queue with IBV_WC_SEND (providers/efa efa_wc_read_opcode)."""
+    if not srd.has_read:
+        pytest.skip("device without EFADV_DEVICE_ATTR_CAPS_RDMA_READ")
+    e = srd.v.enums
+    srd.server.write_buf(2048, b"read me over srd")
+    srd.post(srd.client, "read", srd.client.sge(8192, 16), wr_id=31, raddr=srd.server.mr.buf + 2048)
+    (wc,) = poll(srd.client.cq)
+    assert (wc.wr_id, wc.status, wc.opcode) == (31, e.IBV_WC_SUCCESS, e.IBV_WC_SEND)
+    assert srd.client.read_buf(8192, 16) == b"read me over srd"
