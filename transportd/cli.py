@@ -62,6 +62,9 @@ def _register_subcommands() -> None:
     bench.add_command(bench_ring)
     from softverbs.soft.bench import bench_softverbs
     bench.add_command(bench_softverbs)
+    from transportd.bench_proxy import bench_proxy, bench_signals
+    bench.add_command(bench_proxy)
+    bench.add_command(bench_signals)
 
 
 _register_subcommands()

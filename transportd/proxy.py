@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from cmd_ring.record import RECORD_DTYPE, Flag, Opcode
+from cmd_ring.record import RECORD_DTYPE, Flag, Opcode, seq_for
 from cmd_ring.ring import RingConsumer, RingFile
 from transportd.backend import PLAN_DTYPE, Backend, PlanOp
 from transportd.batching import (
@@ -100,7 +100,7 @@ class _Job:
 class _Channel:
     """One client's ring and where its records resolve; ``done`` marks completed positions (mod its size)."""
 
-    __slots__ = ("id", "ring", "consumer", "job", "rank", "sources", "gone", "completed", "done")
+    __slots__ = ("id", "ring", "consumer", "job", "rank", "sources", "gone", "completed", "done", "seqs", "mask")
 
     def __init__(self, cid: int, ring: RingFile, job: _Job, rank: int, track: int) -> None:
         self.id = cid
@@ -113,6 +113,8 @@ class _Channel:
         self.completed = self.consumer.position  # positions before it were never this proxy's
         ring.publish_completion(self.completed)
         self.done = np.zeros(track, dtype=bool)
+        self.seqs = ring.seqs  # the header seq words: a one-slot peek says whether anything is ready
+        self.mask = ring.capacity - 1
 
 
 @dataclass(eq=False)
@@ -358,15 +360,18 @@ class Proxy:
         cap = self.inflight_cap
         for ch in self._channels.values():
             consumer = ch.consumer
-            budget = min(self.max_take, len(ch.done) - (consumer.position - ch.completed))
+            pos = consumer.position
+            if ch.seqs[pos & ch.mask] != seq_for(pos):
+                continue  # nothing committed at the head: skip the scan (the idle loop's main cost)
+            budget = min(self.max_take, len(ch.done) - (pos - ch.completed))
             conns = ch.job.conns
             safe = budget  # records that fit even if they all went to the busiest connection
             if conns.size and not ch.gone:
                 room = cap - (self._inflight[conns] + self._pending[conns])
-                budget = min(budget, int(room.clip(0).sum()))
+                budget = min(budget, int(room[room > 0].sum()))
                 safe = int(room.min()) // 2  # a command is at most two rows
             if budget <= 0:
-                stalled |= consumer.ready_count(1) > 0
+                stalled = True
                 continue
             records = consumer.consume_ready(budget, release=False)
             n = len(records)
@@ -479,6 +484,9 @@ class Proxy:
         inflight = self._inflight[b.conn]
         fits = (inflight + cumsum_within(conn_first, rows) <= self.inflight_cap) | (conn_first & (inflight == 0))
         post = ready & fits  # per connection a prefix of its batches: only the last may be open
+        blocked = ready & ~fits
+        if blocked.any() and np.logical_or.reduceat(plan["op"] == _SIGNAL, b.start)[blocked].any():
+            self.counters["signal_stalls"] += 1  # a signal ready to go waits for the NIC to complete work
         if not post.any():
             return False
         if post.all():

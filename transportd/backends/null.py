@@ -23,6 +23,9 @@ from transportd.batching import concat_rows
 
 __all__ = ["NullBackend", "apply_plans"]
 
+_SET = int(SignalOp.SET)
+_FOREVER = np.iinfo(np.int64).max
+
 
 class NullBackend:
     """A Backend that does no I/O. Options other backends take (device, verbs, ...) are accepted and unused."""
@@ -39,6 +42,7 @@ class NullBackend:
         verbs: str = "auto",
         signal_mode: str = "write",
         inflight_cap: int = 0,
+        batch_max: int = 8,
         visibility_flush: bool = False,
     ) -> None:
         self.delay_ns = int(completion_delay_us * 1000)
@@ -47,7 +51,7 @@ class NullBackend:
         self.paused = False
         self.held: set[int] = set()  # connections whose completions are held back
         self.counts = dict.fromkeys(("batches", "wrs", "writes", "signals", "fences", "bytes"), 0)
-        self.plans: dict[int, list[np.ndarray]] = {}
+        self._kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (conn_ids, plan copy, bounds)
         self.post_log: list[tuple[np.ndarray, np.ndarray]] = []  # (monotonic ns at post, chunk id) per WRITE
         self._clock = self.delay_ns > 0 or log_posts
         self._new: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # (t, conns, plan, bounds)
@@ -148,8 +152,7 @@ class NullBackend:
         c["fences"] += int(ops[PlanOp.FENCE])
         c["bytes"] += int(plan["length"].sum()) - 8 * int(ops[PlanOp.SIGNAL])
         if self.keep_plans:
-            for i, conn in enumerate(conn_ids.tolist()):
-                self.plans.setdefault(conn, []).append(plan[bounds[i] : bounds[i + 1]].copy())
+            self._kept.append((conn_ids, plan.view(np.uint64).copy().view(plan.dtype), bounds))  # copied as words
         if self.log_posts:
             writes = op == PlanOp.WRITE
             row_time = np.repeat(times, np.diff(bounds))
@@ -160,7 +163,7 @@ class NullBackend:
             self._settle()
         if self.paused or not self._due:
             return np.zeros(0, dtype=COMPLETION_DTYPE)
-        now = time.monotonic_ns() if self.delay_ns else 0
+        now = time.monotonic_ns() if self.delay_ns else _FOREVER  # no delay: everything posted is due
         out: list[np.ndarray] = []
         room = max_completions
         kept: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -194,6 +197,15 @@ class NullBackend:
     def inflight(self, conn_id: int) -> int:
         return self._inflight.get(conn_id, 0)
 
+    @property
+    def plans(self) -> dict[int, list[np.ndarray]]:
+        """With ``keep_plans``: every batch posted so far, in order, per connection (after a poll)."""
+        out: dict[int, list[np.ndarray]] = {}
+        for conn_ids, plan, bounds in self._kept:
+            for conn, start, stop in zip(conn_ids.tolist(), bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+                out.setdefault(conn, []).append(plan[start:stop])
+        return out
+
     def flag_values(self) -> dict[tuple[int, int], int]:
         """Flag words as the receivers would hold them after every kept plan (``keep_plans``)."""
         return apply_plans([p for plans in self.plans.values() for p in plans])
@@ -215,5 +227,5 @@ def apply_plans(plans: list[np.ndarray]) -> dict[tuple[int, int], int]:
         for dst, raddr, op, value in zip(sig["dst_rank"].tolist(), sig["raddr"].tolist(), sig["signal_op"].tolist(),
                                          sig["value"].tolist(), strict=True):
             key = (dst, raddr)
-            flags[key] = value if op == SignalOp.SET else (flags.get(key, 0) + value) % (1 << 64)
+            flags[key] = value if op == _SET else (flags.get(key, 0) + value) % (1 << 64)
     return flags
