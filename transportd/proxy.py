@@ -187,6 +187,10 @@ class Proxy:
         self._touched: set[int] = set()
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self.batch_hist = np.zeros(9, dtype=np.int64)  # index = commands in the batch
+        self._conn_hist = np.zeros((0, 9), dtype=np.int64)  # the same, per connection index
+        self._conn_bytes = np.zeros(0, dtype=np.int64)  # payload bytes posted per connection index
+        self._head_seen: dict[int, tuple[int, int]] = {}  # channel -> (head position, ns it was first seen waiting)
+        self._taking = True  # False once drain() has emptied the rings: nothing more is taken
         self.errors = np.zeros(256, dtype=np.int64)  # by ErrorCode value
 
     # -- tables (the daemon calls these as clients join, register and leave) -------------------------------
@@ -225,6 +229,7 @@ class Proxy:
         """Stop draining ``channel`` and forget it; completions still due for it are ignored."""
         with self._lock:
             ch = self._channels.pop(channel, None)
+            self._head_seen.pop(channel, None)
             if ch is not None:
                 keep = self._meta["chan"] != channel
                 self._plan, self._meta = compress_rows(self._plan, keep), compress_rows(self._meta, keep)
@@ -239,7 +244,7 @@ class Proxy:
             entry = self._jobs.get(job)
             if entry is not None and rank in entry.sources:
                 table = entry.sources[rank]
-                table.valid[:] = False
+                table.clear()
 
     def set_source_region(self, job: str, rank: int, region: int, addr: int, length: int, lkey: int) -> None:
         """``rank`` of ``job`` registered local region ``region`` (a source for its PUTs)."""
@@ -314,6 +319,8 @@ class Proxy:
             self._conn_ids = np.append(self._conn_ids, conn)
             self._inflight = np.append(self._inflight, 0)
             self._pending = np.append(self._pending, 0)
+            self._conn_hist = np.vstack([self._conn_hist, np.zeros((1, 9), dtype=np.int64)])
+            self._conn_bytes = np.append(self._conn_bytes, 0)
         return idx
 
     # -- the loop ------------------------------------------------------------------------------------------
@@ -357,6 +364,8 @@ class Proxy:
         metas: list[np.ndarray] = []
         quiet: list[int] = []
         took = stalled = False
+        if not self._taking:
+            return took, quiet
         cap = self.inflight_cap
         for ch in self._channels.values():
             consumer = ch.consumer
@@ -372,6 +381,7 @@ class Proxy:
                 safe = int(room.min()) // 2  # a command is at most two rows
             if budget <= 0:
                 stalled = True
+                self._note_waiting(ch, now)
                 continue
             records = consumer.consume_ready(budget, release=False)
             n = len(records)
@@ -385,8 +395,10 @@ class Proxy:
                     consumer.position -= n - k
                     records, tr = records[:k], _truncated(tr, k)
                     n = k
+                    self._note_waiting(ch, now)
             elif n == budget < self.max_take and consumer.ready_count(1):
                 stalled = True
+                self._note_waiting(ch, now)
             consumer.release()
             if n == 0:
                 continue
@@ -405,6 +417,12 @@ class Proxy:
             self._plan = concat_rows(plans)
             self._meta = concat_rows(metas)
         return took, quiet
+
+    def _note_waiting(self, ch: _Channel, now: int) -> None:
+        """The record at the channel's head is committed but stays in the ring: remember since when."""
+        seen = self._head_seen.get(ch.id)
+        if seen is None or seen[0] != ch.consumer.position:
+            self._head_seen[ch.id] = (ch.consumer.position, now)
 
     def _admit(self, tr: Translated, n: int) -> int:
         """How many leading records fit under the inflight cap (rows waiting + in flight, per connection)."""
@@ -540,6 +558,10 @@ class Proxy:
         c["batches_full"] += full
         c["batches_partial"] += nb - full
         self.batch_hist += np.bincount(ncmds, minlength=9)[:9]
+        nconn = len(self._conn_ids)
+        self._conn_hist += np.bincount(bconn * 9 + ncmds, minlength=nconn * 9).reshape(nconn, 9)
+        payload = np.bincount(bconn[row_batch], weights=np.where(op == _SIGNAL, 0, plan["length"]), minlength=nconn)
+        self._conn_bytes += payload.astype(np.int64)
         c["wrs"] += int(nwr.sum())
         c["writes"] += int(ops[_WRITE])
         c["signals"] += nsig
@@ -681,6 +703,66 @@ class Proxy:
             out["inflight_cap"] = self.inflight_cap
             out["poll_window_us"] = self.window_ns / 1000
             return out
+
+    def queue_stats(self) -> dict[str, Any]:
+        """Per ring and per connection queue state (``transportctl queues``, metrics), msgpack/JSON-able.
+
+        ``rings``: ``depth`` records committed and not yet taken; ``credits`` slots producers may still
+        claim (capacity minus depth: a slot claimed but not yet committed is invisible to the host);
+        ``oldest_age_us`` how long the record at the head has waited, counted from when the proxy first
+        saw it committed and left it in the ring (0 for an empty ring); ``outstanding`` records taken but
+        not yet complete. ``connections``: ``inflight`` WRs posted and not completed, ``pending`` rows
+        waiting for their batch, batches full/partial, ``batch_hist`` (index i: batches of i+1 commands)
+        and payload ``bytes`` posted.
+        """
+        with self._lock:
+            now = time.monotonic_ns()
+            rings = []
+            for ch in self._channels.values():
+                pos = ch.consumer.position
+                depth = ch.consumer.ready_count()
+                age_us = 0.0
+                if depth:
+                    seen = self._head_seen.get(ch.id)
+                    if seen is None or seen[0] != pos:
+                        seen = self._head_seen[ch.id] = (pos, now)
+                    age_us = (now - seen[1]) / 1000
+                capacity = ch.ring.capacity
+                rings.append({"channel": ch.id, "job": ch.job.name, "rank": ch.rank, "capacity": capacity,
+                              "depth": depth, "credits": capacity - depth, "oldest_age_us": age_us, "taken": pos,
+                              "outstanding": pos - ch.completed, "gone": ch.gone, "error": ch.ring.error[0]})
+            conns = []
+            for idx, conn_id in enumerate(self._conn_ids.tolist()):
+                hist = self._conn_hist[idx]
+                full = int(hist[self.batch_max])
+                conns.append({"conn": conn_id, "inflight": int(self._inflight[idx]),
+                              "pending": int(self._pending[idx]), "batches_full": full,
+                              "batches_partial": int(hist[1:].sum()) - full,
+                              "batch_hist": [int(x) for x in hist[1 : self.batch_max + 1]],
+                              "bytes": int(self._conn_bytes[idx])})
+            return {"rings": rings, "connections": conns}
+
+    def drain(self, timeout_s: float = 5.0) -> bool:
+        """Shutdown: take every record committed so far, post it, wait for its completions.
+
+        Records committed while the first ones drain are taken too, until every ring has been emptied
+        once up to the head it had when the drain began; after that nothing more is taken (a client
+        that keeps producing cannot hold the daemon up), and what was taken is posted and completed.
+        Bounded by ``timeout_s``; True when nothing is left waiting or in flight.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            targets = {c.id: c.consumer.position + c.consumer.ready_count() for c in self._channels.values()}
+        while time.monotonic() < deadline:
+            with self._lock:
+                behind = [c for c in self._channels.values() if c.consumer.position < targets.get(c.id, 0)]
+            if not behind:
+                break
+            self.run_once()
+        self._taking = False
+        while self.busy() and time.monotonic() < deadline:
+            self.run_once()
+        return not self.busy()
 
     def completion_position(self, channel: int) -> int:
         """The channel's published completion position."""

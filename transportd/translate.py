@@ -22,6 +22,11 @@ peer's code         the peer's connection failed (usually ``PEER_LOST``)
 
 Bounds are checked as ``off <= len and length <= len - off``, so ``off + length`` never overflows u64.
 
+Table layout (for speed): every table has one entry past its last id, a *sentinel* that is never valid
+(no connection, length 0, no flag slots). Ids out of range are clamped onto it, so one gather both checks
+and resolves them with no masking; an unregistered region has length 0, so the bounds check alone
+rejects it on the fast path. Only a block that holds a bad record pays for telling the codes apart.
+
 Rows: PUT -> WRITE; PUT_SIGNAL -> WRITE, SIGNAL; SIGNAL -> SIGNAL; FENCE -> FENCE; QUIET -> none (it only
 asks for a completion position). A signal's address is ``flag base + 8 * slot``; its length is 8.
 """
@@ -52,55 +57,58 @@ _ROWS_PER_OP = np.array([0, 1, 2, 1, 1, 0], dtype=np.intp)
 _FIRST_OP = np.array([0, PlanOp.WRITE, PlanOp.WRITE, PlanOp.SIGNAL, PlanOp.FENCE, 0], dtype=np.uint8)
 
 
-def _grown(array: np.ndarray, size: int, fill: object = 0) -> np.ndarray:
-    """``array`` extended along axis -1 to ``size`` (a power of two), new cells set to ``fill``."""
-    new_size = 1 << max(size - 1, 0).bit_length()
-    if array.shape[-1] >= new_size:
-        return array
-    out = np.full(array.shape[:-1] + (new_size,), fill, dtype=array.dtype)
-    out[..., : array.shape[-1]] = array
-    return out
-
-
-def _grown2(array: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """A 2-D ``array`` enlarged to ``rows x cols`` (zero/False filled)."""
-    out = np.zeros((rows, cols), dtype=array.dtype)
-    out[: array.shape[0], : array.shape[1]] = array
-    return out
-
-
 def _check_region_id(region: int) -> None:
     if not 0 <= region <= MAX_REGION_ID:
         raise ValueError(f"region id {region} is outside 0..{MAX_REGION_ID} (a record carries it as u16)")
 
 
+def _capacity_for(index: int) -> int:
+    """The power of two above ``index`` (room for ids 0..index)."""
+    return 1 << index.bit_length()
+
+
 class RegionTable:
     """One rank's local source regions by id: address, length and lkey, plus a valid mask.
 
-    The arrays grow to the highest id registered (rounded up to a power of two), so a record's id indexes
-    them directly once it is checked against ``len(valid)``.
+    Entries ``0 .. size-1`` hold ids; entry ``size`` is the sentinel. Arrays grow to the next power of two
+    above the highest id registered.
     """
 
     def __init__(self) -> None:
-        self.addr = np.zeros(1, dtype=np.uint64)
-        self.length = np.zeros(1, dtype=np.uint64)
-        self.key = np.zeros(1, dtype=np.uint32)
-        self.valid = np.zeros(1, dtype=bool)
+        self.size = 1
+        self.addr = np.zeros(2, dtype=np.uint64)
+        self.length = np.zeros(2, dtype=np.uint64)  # 0 while not valid
+        self.key = np.zeros(2, dtype=np.uint32)
+        self.valid = np.zeros(2, dtype=bool)
+
+    def _fit(self, region: int) -> None:
+        if region < self.size:
+            return
+        size = _capacity_for(region)
+        for name in ("addr", "length", "key", "valid"):
+            old = getattr(self, name)
+            new = np.zeros(size + 1, dtype=old.dtype)
+            new[: self.size] = old[: self.size]
+            setattr(self, name, new)
+        self.size = size
 
     def set(self, region: int, addr: int, length: int, key: int) -> None:
         """Register (or replace) region ``region``."""
         _check_region_id(region)
-        if region >= len(self.valid):
-            size = region + 1
-            self.addr, self.length = _grown(self.addr, size), _grown(self.length, size)
-            self.key, self.valid = _grown(self.key, size), _grown(self.valid, size, False)
+        self._fit(region)
         self.addr[region], self.length[region], self.key[region] = addr, length, key
         self.valid[region] = True
 
     def remove(self, region: int) -> None:
         """Forget region ``region``; records naming it are rejected with BAD_REGION from now on."""
-        if 0 <= region < len(self.valid):
+        if 0 <= region < self.size:
             self.valid[region] = False
+            self.length[region] = 0
+
+    def clear(self) -> None:
+        """Forget every region."""
+        self.valid[:] = False
+        self.length[:] = 0
 
     def __len__(self) -> int:
         return int(self.valid.sum())
@@ -111,29 +119,49 @@ class PeerTable:
 
     ``conn`` holds the proxy's connection index per rank (-1: none bound). ``code`` is nonzero for a rank
     whose connection failed: its records are rejected with that code (PEER_LOST) instead of being posted.
-    Remote regions are a ``ranks x regions`` table. Tables may be filled before the job's ``world`` is
-    known (peers announce regions before a local channel opens); until then every peer is out of range.
+    Ranks ``0 .. rows-1`` have entries and ``rows`` is the sentinel; remote regions are a flat
+    ``(rows+1) x (cols+1)`` table (row stride ``cols + 1``, column ``cols`` the sentinel). Tables may be
+    filled before the job's ``world`` is known (peers announce regions before a local channel opens); until
+    then every peer is out of range, and :meth:`set_world` then trims the rows to exactly ``world``.
     """
 
     def __init__(self, world: int = 0) -> None:
         self.world = 0
+        self.rows = 0
+        self.cols = 1
         self.conn = np.full(1, -1, dtype=np.int64)
         self.code = np.zeros(1, dtype=np.uint16)
         self.flag_base = np.zeros(1, dtype=np.uint64)
         self.flag_slots = np.zeros(1, dtype=np.uint64)
         self.flag_rkey = np.zeros(1, dtype=np.uint32)
-        self.addr = np.zeros((1, 1), dtype=np.uint64)
-        self.length = np.zeros((1, 1), dtype=np.uint64)
-        self.rkey = np.zeros((1, 1), dtype=np.uint32)
-        self.valid = np.zeros((1, 1), dtype=bool)
+        self.addr = np.zeros(2, dtype=np.uint64)
+        self.length = np.zeros(2, dtype=np.uint64)  # 0 while not valid
+        self.rkey = np.zeros(2, dtype=np.uint32)
+        self.valid = np.zeros(2, dtype=bool)
         if world:
             self.set_world(world)
+
+    def _resize(self, rows: int, cols: int) -> None:
+        keep_rows, keep_cols = min(rows, self.rows), min(cols, self.cols)
+        for name, fill in (("conn", -1), ("code", 0), ("flag_base", 0), ("flag_slots", 0), ("flag_rkey", 0)):
+            old = getattr(self, name)
+            new = np.full(rows + 1, fill, dtype=old.dtype)
+            new[:keep_rows] = old[:keep_rows]
+            setattr(self, name, new)
+        for name in ("addr", "length", "rkey", "valid"):
+            old = getattr(self, name).reshape(self.rows + 1, self.cols + 1)
+            new = np.zeros((rows + 1, cols + 1), dtype=old.dtype)
+            new[:keep_rows, :keep_cols] = old[:keep_rows, :keep_cols]
+            setattr(self, name, new.reshape(-1))
+        self.rows, self.cols = rows, cols
 
     def set_world(self, world: int) -> None:
         """Fix the job's world size (ranks ``0..world-1`` are valid peers)."""
         if not 1 <= world <= 1 << 16:
             raise ValueError(f"world size must be in 1..65536 (peer is u16 in the record), got {world}")
-        self._ensure(world - 1, 0)
+        if self.world and world != self.world:
+            raise ValueError(f"the world size is already {self.world}")
+        self._resize(world, self.cols)
         self.world = world
 
     def _ensure(self, rank: int, region: int) -> None:
@@ -142,16 +170,13 @@ class PeerTable:
         if self.world and rank >= self.world:
             raise ValueError(f"rank {rank} is outside this job's world of {self.world}")
         _check_region_id(region)
-        if rank >= len(self.conn):
-            size = rank + 1
-            self.conn, self.code = _grown(self.conn, size, -1), _grown(self.code, size)
-            self.flag_base, self.flag_slots = _grown(self.flag_base, size), _grown(self.flag_slots, size)
-            self.flag_rkey = _grown(self.flag_rkey, size)
-        rows = max(len(self.conn), self.valid.shape[0])
-        cols = self.valid.shape[1] if region < self.valid.shape[1] else 1 << region.bit_length()
-        if (rows, cols) != self.valid.shape:
-            self.addr, self.length = _grown2(self.addr, rows, cols), _grown2(self.length, rows, cols)
-            self.rkey, self.valid = _grown2(self.rkey, rows, cols), _grown2(self.valid, rows, cols)
+        rows = self.rows if rank < self.rows else _capacity_for(rank)
+        cols = self.cols if region < self.cols else _capacity_for(region)
+        if (rows, cols) != (self.rows, self.cols):
+            self._resize(rows, cols)
+
+    def _at(self, rank: int, region: int) -> int:
+        return rank * (self.cols + 1) + region
 
     def bind(self, rank: int, conn: int) -> None:
         """Route records for ``rank`` to connection index ``conn``."""
@@ -168,12 +193,15 @@ class PeerTable:
     def set_region(self, rank: int, region: int, addr: int, length: int, rkey: int) -> None:
         """Register (or replace) ``rank``'s remote region ``region``."""
         self._ensure(rank, region)
-        self.addr[rank, region], self.length[rank, region], self.rkey[rank, region] = addr, length, rkey
-        self.valid[rank, region] = True
+        at = self._at(rank, region)
+        self.addr[at], self.length[at], self.rkey[at] = addr, length, rkey
+        self.valid[at] = True
 
     def remove_region(self, rank: int, region: int) -> None:
-        if 0 <= rank < self.valid.shape[0] and 0 <= region < self.valid.shape[1]:
-            self.valid[rank, region] = False
+        if 0 <= rank < self.rows and 0 <= region < self.cols:
+            at = self._at(rank, region)
+            self.valid[at] = False
+            self.length[at] = 0
 
     def set_flags(self, rank: int, base: int, slots: int, rkey: int) -> None:
         """``rank``'s flag array: ``slots`` u64 words from ``base`` (8-byte aligned, for NIC atomics)."""
@@ -183,7 +211,7 @@ class PeerTable:
         self.flag_base[rank], self.flag_slots[rank], self.flag_rkey[rank] = base, slots, rkey
 
     def remove_flags(self, rank: int) -> None:
-        if 0 <= rank < len(self.flag_slots):
+        if 0 <= rank < self.rows:
             self.flag_slots[rank] = 0
 
     def connections(self) -> np.ndarray:
@@ -206,16 +234,28 @@ class Translated:
     row_conn: np.ndarray
 
 
-def _error_codes(op: np.ndarray, known: np.ndarray, masks: dict[str, np.ndarray], peer_code: np.ndarray) -> np.ndarray:
+# What each opcode needs checked (index = opcode; anything unlisted is an unknown opcode).
+_NEEDS_PEER, _NEEDS_DATA, _NEEDS_SLOT, _UNKNOWN = 1, 2, 4, 8
+_REQUIRES = np.full(256, _UNKNOWN, dtype=np.uint8)
+_REQUIRES[[_PUT, _PUT_SIGNAL, _SIGNAL, int(Opcode.FENCE), _QUIET]] = [
+    _NEEDS_PEER | _NEEDS_DATA, _NEEDS_PEER | _NEEDS_DATA | _NEEDS_SLOT, _NEEDS_PEER | _NEEDS_SLOT, _NEEDS_PEER, 0]
+_ROWS_PER_OP = np.zeros(256, dtype=np.intp)  # plan rows per good record
+_ROWS_PER_OP[[_PUT, _PUT_SIGNAL, _SIGNAL, int(Opcode.FENCE)]] = [1, 2, 1, 1]
+_FIRST_OP = np.zeros(256, dtype=np.uint8)
+_FIRST_OP[[_PUT, _PUT_SIGNAL, _SIGNAL, int(Opcode.FENCE)]] = [_WRITE, _WRITE, _SIG_ROW, int(PlanOp.FENCE)]
+
+
+def _error_codes(req: np.ndarray, ok: dict[str, np.ndarray], peer_code: np.ndarray) -> np.ndarray:
     """Codes for a block with at least one bad record; the earlier a check is listed, the more it wins."""
-    codes = np.zeros(len(op), dtype=np.uint16)
-    codes[masks["sig"] & ~masks["slot_ok"]] = ErrorCode.BAD_SLOT
-    codes[masks["data"] & ~masks["bounds_ok"]] = ErrorCode.OUT_OF_BOUNDS
-    codes[masks["data"] & ~masks["region_ok"]] = ErrorCode.BAD_REGION
-    codes[masks["data"] & ~masks["len_ok"]] = ErrorCode.BAD_LENGTH
-    lost = masks["needs_peer"] & ~masks["peer_ok"]
+    codes = np.zeros(len(req), dtype=np.uint16)
+    data = (req & _NEEDS_DATA) != 0
+    codes[((req & _NEEDS_SLOT) != 0) & ~ok["slot"]] = ErrorCode.BAD_SLOT
+    codes[data & ~ok["bounds"]] = ErrorCode.OUT_OF_BOUNDS
+    codes[data & ~ok["region"]] = ErrorCode.BAD_REGION
+    codes[data & ~ok["length"]] = ErrorCode.BAD_LENGTH
+    lost = ((req & _NEEDS_PEER) != 0) & ~ok["peer"]
     codes[lost] = np.where(peer_code[lost] != 0, peer_code[lost], ErrorCode.BAD_PEER)
-    codes[~known] = ErrorCode.BAD_OPCODE
+    codes[(req & _UNKNOWN) != 0] = ErrorCode.BAD_OPCODE
     return codes
 
 
@@ -235,88 +275,80 @@ def translate(
     assert records.dtype == RECORD_DTYPE
 
     op = records["opcode"]
-    known = (op >= _PUT) & (op <= _QUIET)
-    data = (op == _PUT) | (op == _PUT_SIGNAL)
-    sig = (op == _PUT_SIGNAL) | (op == _SIGNAL)
-    needs_peer = known & (op != _QUIET)
-
-    peer = records["peer"].astype(np.intp)
-    peer_in = peer < peers.world  # the tables always cover at least ``world`` ranks
-    pidx = np.where(peer_in, peer, 0)
+    req = _REQUIRES[op]
+    peer = records["peer"]
+    if peers.world:
+        pidx = np.minimum(peer, np.int64(peers.rows))  # peers past the world land on the sentinel
+    else:
+        pidx = np.full(n, peers.rows, dtype=np.int64)
     conn = peers.conn[pidx]
-    peer_ok = peer_in & (conn >= 0)
-
-    length = records["length"].astype(np.uint64)
-    len_ok = (length != 0) & (length <= _U64(max_length))
-
-    sreg = records["src_region"].astype(np.intp)
-    s_in = sreg < len(sources.valid)
-    sidx = np.where(s_in, sreg, 0)
-    dreg = records["dst_region"].astype(np.intp)
-    d_in = dreg < peers.valid.shape[1]
-    didx = np.where(d_in, dreg, 0)
-    region_ok = s_in & sources.valid[sidx] & d_in & peers.valid[pidx, didx]
-
+    peer_ok = conn >= 0
+    sidx = np.minimum(records["src_region"], np.int64(sources.size))
+    didx = pidx * (peers.cols + 1) + np.minimum(records["dst_region"], np.int64(peers.cols))
+    length32 = records["length"]
+    length = length32.astype(np.uint64)
+    # 1 <= length <= max_length in one compare: length - 1 wraps for 0
+    len_ok = (length32 - np.uint32(1)) < np.uint32(min(max_length, 0xFFFF_FFFF))
     src_len = sources.length[sidx]
-    dst_len = peers.length[pidx, didx]
+    dst_len = peers.length[didx]
     src_off = records["src_off"]
     dst_off = records["dst_off"]
     # off <= len first; len - off wraps when it is not, but that lane is already false.
-    with np.errstate(over="ignore"):
-        bounds_ok = ((src_off <= src_len) & (length <= src_len - src_off)
-                     & (dst_off <= dst_len) & (length <= dst_len - dst_off))
-
-    slot = records["signal_slot"].astype(np.uint64)
+    bounds_ok = (src_off <= src_len) & (length <= src_len - src_off) & (dst_off <= dst_len) & (
+        length <= dst_len - dst_off)
+    slot = records["signal_slot"]
     slot_ok = slot < peers.flag_slots[pidx]
-
-    good = known & (~needs_peer | peer_ok) & (~data | (len_ok & region_ok & bounds_ok)) & (~sig | slot_ok)
+    ok_bits = peer_ok.view(np.uint8) | ((len_ok & bounds_ok).view(np.uint8) << 1) | (slot_ok.view(np.uint8) << 2)
+    good = (req & ok_bits) == req
     if good.all():
         codes = np.zeros(n, dtype=np.uint16)
+        nrows = _ROWS_PER_OP[op]
     else:
-        masks = dict(sig=sig, slot_ok=slot_ok, data=data, bounds_ok=bounds_ok, region_ok=region_ok, len_ok=len_ok,
-                     needs_peer=needs_peer, peer_ok=peer_ok)
-        codes = _error_codes(op, known, masks, peers.code[pidx])
+        region_ok = sources.valid[sidx] & peers.valid[didx]
+        ok = dict(peer=peer_ok, length=len_ok, region=region_ok, bounds=bounds_ok, slot=slot_ok)
+        codes = _error_codes(req, ok, peers.code[pidx])
+        nrows = _ROWS_PER_OP[op] * good
 
-    nrows = np.where(good, _ROWS_PER_OP[np.where(known, op, 0)], 0)
+    rop = _FIRST_OP[op]
     one_each = bool((nrows == 1).all())  # the common all-PUT (or all-SIGNAL/FENCE) block
     if one_each:
         total = n
         row_rec = np.arange(n, dtype=np.intp)
-        rop = _FIRST_OP[op]
     else:
         total = int(nrows.sum())
         row_rec = np.repeat(np.arange(n, dtype=np.intp), nrows)
+        rop = rop[row_rec]
         starts = np.cumsum(nrows) - nrows
-        rop = _FIRST_OP[op[row_rec]]
         rop[np.arange(total) != starts[row_rec]] = _SIG_ROW  # a PUT_SIGNAL's second row
 
-    r = records if one_each else take_rows(records, row_rec)
-    rp = pidx[row_rec]
-    rs = sidx[row_rec]
-    rd = didx[row_rec]
-    is_w = rop == _WRITE
-    is_s = rop == _SIG_ROW
     plan = np.zeros(total, dtype=PLAN_DTYPE)
     plan["op"] = rop
+    if one_each and (rop == _WRITE).all():  # every row a WRITE, one per record: no selects needed
+        plan["dst_rank"] = peer
+        plan["chunk_id"] = records["chunk_id"]
+        plan["length"] = length32
+        plan["laddr"] = sources.addr[sidx] + src_off
+        plan["lkey"] = sources.key[sidx]
+        plan["raddr"] = peers.addr[didx] + dst_off
+        plan["rkey"] = peers.rkey[didx]
+        return Translated(codes, plan, row_rec, conn)
+
+    r = records if one_each else take_rows(records, row_rec)
+    rp = pidx if one_each else pidx[row_rec]
+    rs = sidx if one_each else sidx[row_rec]
+    rd = didx if one_each else didx[row_rec]
+    is_w = rop == _WRITE
+    is_s = rop == _SIG_ROW
+    zero = _U64(0)
     plan["dst_rank"] = r["peer"]
     plan["chunk_id"] = r["chunk_id"]
-    with np.errstate(over="ignore"):
-        if is_w.all():
-            plan["length"] = r["length"]
-            plan["laddr"] = sources.addr[rs] + r["src_off"]
-            plan["lkey"] = sources.key[rs]
-            plan["raddr"] = peers.addr[rp, rd] + r["dst_off"]
-            plan["rkey"] = peers.rkey[rp, rd]
-        else:
-            zero = _U64(0)
-            plan["length"] = np.where(is_s, 8, np.where(is_w, r["length"], 0))
-            plan["laddr"] = np.where(is_w, sources.addr[rs] + r["src_off"], zero)
-            plan["lkey"] = np.where(is_w, sources.key[rs], 0)
-            flag_addr = peers.flag_base[rp] + _U64(8) * r["signal_slot"].astype(np.uint64)
-            plan["raddr"] = np.where(is_s, flag_addr, np.where(is_w, peers.addr[rp, rd] + r["dst_off"], zero))
-            plan["rkey"] = np.where(is_s, peers.flag_rkey[rp], np.where(is_w, peers.rkey[rp, rd], 0))
-            plan["value"] = np.where(is_s, r["signal_value"], zero)
-            plan["slot"] = np.where(is_s, r["signal_slot"], 0)
-            set_flag = (r["flags"] & _SIGNAL_SET) != 0
-            plan["signal_op"] = np.where(is_s & set_flag, _SET, _ADD)
-    return Translated(codes, plan, row_rec, conn[row_rec])
+    plan["length"] = np.where(is_s, 8, np.where(is_w, r["length"], 0))
+    plan["laddr"] = np.where(is_w, sources.addr[rs] + r["src_off"], zero)
+    plan["lkey"] = np.where(is_w, sources.key[rs], 0)
+    flag_addr = peers.flag_base[rp] + _U64(8) * r["signal_slot"].astype(np.uint64)
+    plan["raddr"] = np.where(is_s, flag_addr, np.where(is_w, peers.addr[rd] + r["dst_off"], zero))
+    plan["rkey"] = np.where(is_s, peers.flag_rkey[rp], np.where(is_w, peers.rkey[rd], 0))
+    plan["value"] = np.where(is_s, r["signal_value"], zero)
+    plan["slot"] = np.where(is_s, r["signal_slot"], 0)
+    plan["signal_op"] = np.where(is_s & ((r["flags"] & _SIGNAL_SET) != 0), _SET, _ADD)
+    return Translated(codes, plan, row_rec, conn if one_each else conn[row_rec])
