@@ -24,8 +24,23 @@
 #ifndef TRANSPORTD_CMD_RING_H
 #define TRANSPORTD_CMD_RING_H
 
+#if defined(__CUDACC_RTC__)
+/* NVRTC ships no C library headers: declare the fixed-width types as glibc does on LP64, and check
+ * offsets only where offsetof is a constant expression (cc, nvcc); sizes are checked everywhere. */
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+#if defined(__LP64__)
+typedef unsigned long uint64_t;
+#else
+typedef unsigned long long uint64_t;
+#endif
+#define TPD_STATIC_ASSERT_OFFSET(cond, msg)
+#else
 #include <stddef.h>
 #include <stdint.h>
+#define TPD_STATIC_ASSERT_OFFSET(cond, msg) TPD_STATIC_ASSERT(cond, msg)
+#endif
 
 #if defined(__cplusplus)
 #define TPD_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
@@ -62,18 +77,18 @@ typedef struct tpd_cmd_record {
 } tpd_cmd_record;
 
 TPD_STATIC_ASSERT(sizeof(tpd_cmd_record) == TPD_RECORD_SIZE, "command record must be 48 bytes");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, seq) == 0, "seq at 0");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, opcode) == 4, "opcode at 4");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, flags) == 5, "flags at 5");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, peer) == 6, "peer at 6");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, src_off) == 8, "src_off at 8");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, dst_off) == 16, "dst_off at 16");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, length) == 24, "length at 24");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, src_region) == 28, "src_region at 28");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, dst_region) == 30, "dst_region at 30");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, chunk_id) == 32, "chunk_id at 32");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, signal_slot) == 36, "signal_slot at 36");
-TPD_STATIC_ASSERT(offsetof(tpd_cmd_record, signal_value) == 40, "signal_value at 40");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, seq) == 0, "seq at 0");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, opcode) == 4, "opcode at 4");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, flags) == 5, "flags at 5");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, peer) == 6, "peer at 6");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, src_off) == 8, "src_off at 8");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, dst_off) == 16, "dst_off at 16");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, length) == 24, "length at 24");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, src_region) == 28, "src_region at 28");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, dst_region) == 30, "dst_region at 30");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, chunk_id) == 32, "chunk_id at 32");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, signal_slot) == 36, "signal_slot at 36");
+TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, signal_value) == 40, "signal_value at 40");
 
 /*
  * Ring file layout: a 4096-byte control page, then `capacity` records. Each control word that a

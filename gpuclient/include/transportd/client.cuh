@@ -1,0 +1,24 @@
+/*
+ * transportd device API, umbrella header: include this from a kernel.
+ *
+ *   #include <transportd/client.cuh>     // nvcc -I$(python -c 'import gpuclient; print(gpuclient.get_include())')
+ *
+ *   __global__ void k(tpd::Channel ch, ...) {
+ *       tpd::put_signal(ch, peer, dst_region, dst_off, src_region, src_off, bytes, slot, 1);
+ *       tpd::wait(ch, slot, expected);
+ *   }
+ *
+ * Builds with nvcc and with NVRTC (gpuclient.compile); host code may include it for the layouts.
+ */
+#ifndef TRANSPORTD_CLIENT_CUH
+#define TRANSPORTD_CLIENT_CUH
+
+#include <transportd/device.cuh>
+#include <transportd/errors.cuh>
+#include <transportd/command.cuh>
+#include <transportd/ordering.cuh>
+#include <transportd/ring_device.cuh>
+#include <transportd/signal_device.cuh>
+#include <transportd/channel_device.cuh>
+
+#endif /* TRANSPORTD_CLIENT_CUH */

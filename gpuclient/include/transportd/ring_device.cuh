@@ -1,0 +1,152 @@
+/*
+ * transportd device API: pushing commands into the ring from any thread of any block.
+ *
+ * Protocol (the host half is cmd_ring/ring.py, RingConsumer):
+ *
+ *   claim    pos = atomicAdd(head, 1) on a counter in device memory: every producer thread owns one
+ *            absolute position, so any number of threads and blocks push at once without locks.
+ *   credit   slot pos % capacity is free once the proxy has copied the record that held it a lap ago,
+ *            i.e. once pos < consumer_pos + capacity. consumer_pos lives in the ring's control page
+ *            (pinned host memory, written by the proxy after its copy). Each push compares against a
+ *            cached copy in device memory and reads host memory (ld.acquire.sys) only when the ring
+ *            looks full, then raises the cache with red.max.release.gpu for everyone else; a full
+ *            ring backs off with __nanosleep. The proxy stops consuming when its NIC is full, so
+ *            backpressure reaches the kernel here and nothing is ever dropped.
+ *   commit   header-last: the five body words, then the header word (seq | opcode | flags | peer)
+ *            with a release store at system scope. The consumer reads the header first, accepts the
+ *            slot only if seq is the lap stamp it expects for that position, then reads the body: a
+ *            release at .sys scope orders every body store before the header for a CPU reader, so it
+ *            never takes a torn record, and the lap stamp means a stale slot is never taken as fresh.
+ *            Producers commit out of order; the consumer takes the committed prefix.
+ *   progress the lowest uncommitted position only needs positions below it consumed, and those are
+ *            all committed, so the ring cannot deadlock as long as every claimed slot is committed.
+ *
+ * Commit variants (TPD_COMMIT; all header-last, all sys-scope correct), measured on the H200 with the
+ * benchmark in benchmarks/gpu_bench.py (one thread: ns per push; many blocks: pushes per second):
+ *
+ *   TPD_COMMIT_RELEASE_SYS  five 8-byte stores, header st.release.sys.u64
+ *   TPD_COMMIT_FENCE_SYS    five 8-byte stores, fence.sc.sys (__threadfence_system), relaxed header
+ *   TPD_COMMIT_V2_RELEASE   words 2-3 and 4-5 as 16-byte stores, then words 0-1 with st.release.sys.v2
+ *                           (relies on a 16-byte store reaching host memory whole: seq and word 1 share it)
+ *   TPD_COMMIT_V2_SPLIT     words 2-3 and 4-5 as 16-byte stores, word 1, then the header st.release.sys
+ *
+ *   See TPD_COMMIT_NUMBERS below for the run that decided the default.
+ *
+ * The alternative the design names, per-word parity (byte 0 of each word carries the lap parity, no
+ * system fence, 42 usable bytes), needs a different record and consumer; it is measured side by side by
+ * the benchmark only (benchmarks/gpu_push.cu) and is not part of this library.
+ */
+#ifndef TRANSPORTD_RING_DEVICE_CUH
+#define TRANSPORTD_RING_DEVICE_CUH
+
+#include <transportd/command.cuh>
+#include <transportd/ordering.cuh>
+
+#define TPD_COMMIT_RELEASE_SYS 0
+#define TPD_COMMIT_FENCE_SYS 1
+#define TPD_COMMIT_V2_RELEASE 2
+#define TPD_COMMIT_V2_SPLIT 3
+
+/*
+ * TPD_COMMIT_NUMBERS: the run that decided the default (filled in from the H200 run; see ring_device
+ * notes in the README of benchmarks/). Until then the default is the plain header-last release store.
+ */
+#ifndef TPD_COMMIT
+#define TPD_COMMIT TPD_COMMIT_RELEASE_SYS
+#endif
+
+namespace tpd {
+
+/**
+ * The ring half of a channel handle: plain fields, passed by value inside tpd::Channel.
+ *
+ *   word 0  | records:u64   device address of slot 0 (the ring file, mapped pinned host memory) |
+ *   word 1  | control:u64   device address of the ring's 4096-byte control page (same mapping)    |
+ *   word 2  | head:u64      device address of the slot-claim counter (device memory)              |
+ *   word 3  | credit:u64    device address of the cached consumer position (device memory)        |
+ *   word 4  | capacity:u32 (a power of two)  | abi:u32 (TPD_CHANNEL_ABI)                          |
+ */
+struct RingDevice {
+    tpd_cmd_record* records;
+    uint8_t* control;
+    uint64_t* head;
+    uint64_t* credit;
+    uint32_t capacity;
+    uint32_t abi;
+};
+TPD_STATIC_ASSERT(sizeof(RingDevice) == 40, "RingDevice is five 8-byte words");
+TPD_STATIC_ASSERT_OFFSET(offsetof(RingDevice, records) == 0, "records at 0");
+TPD_STATIC_ASSERT_OFFSET(offsetof(RingDevice, control) == 8, "control at 8");
+TPD_STATIC_ASSERT_OFFSET(offsetof(RingDevice, head) == 16, "head at 16");
+TPD_STATIC_ASSERT_OFFSET(offsetof(RingDevice, credit) == 24, "credit at 24");
+TPD_STATIC_ASSERT_OFFSET(offsetof(RingDevice, capacity) == 32, "capacity at 32");
+TPD_STATIC_ASSERT_OFFSET(offsetof(RingDevice, abi) == 36, "abi at 36");
+
+#if defined(__CUDACC__)
+
+/** A control word of the ring's host page, by its cmd_ring.h offset. */
+template <typename T>
+TPD_DEVICE const T* control_word(const RingDevice& ring, unsigned offset) {
+    return reinterpret_cast<const T*>(ring.control + offset);
+}
+
+/** Wait until slot ``pos`` is free (pos < consumer_pos + capacity); see "credit" above. */
+TPD_DEVICE void acquire_credit(const RingDevice& ring, uint64_t pos) {
+    if (pos < ptx::ld_acquire_gpu(ring.credit) + ring.capacity) return;
+    detail::Spin spin;
+    for (;;) {
+        uint64_t consumed = ptx::ld_acquire_sys(control_word<uint64_t>(ring, TPD_RING_OFF_CONSUMER_POS));
+        ptx::red_max_release_gpu(ring.credit, consumed);
+        if (pos < consumed + ring.capacity) return;
+        spin.pause("ring credit (the proxy is not consuming this channel)");
+    }
+}
+
+/** Store one record into ``slot`` header-last with commit variant ``Commit`` (see the list above). */
+template <int Commit>
+TPD_DEVICE void commit_record(uint64_t* slot, uint64_t header, const Body& b) {
+    if (Commit == TPD_COMMIT_FENCE_SYS) {
+        ptx::st_weak(slot + 1, b.w1);
+        ptx::st_weak(slot + 2, b.w2);
+        ptx::st_weak(slot + 3, b.w3);
+        ptx::st_weak(slot + 4, b.w4);
+        ptx::st_weak(slot + 5, b.w5);
+        ptx::fence_sys();
+        ptx::st_relaxed_sys(slot, header);
+    } else if (Commit == TPD_COMMIT_V2_RELEASE) {
+        ptx::st_weak_v2(slot + 2, b.w2, b.w3);
+        ptx::st_weak_v2(slot + 4, b.w4, b.w5);
+        ptx::st_release_sys_v2(slot, header, b.w1);
+    } else if (Commit == TPD_COMMIT_V2_SPLIT) {
+        ptx::st_weak_v2(slot + 2, b.w2, b.w3);
+        ptx::st_weak_v2(slot + 4, b.w4, b.w5);
+        ptx::st_weak(slot + 1, b.w1);
+        ptx::st_release_sys(slot, header);
+    } else {
+        ptx::st_weak(slot + 1, b.w1);
+        ptx::st_weak(slot + 2, b.w2);
+        ptx::st_weak(slot + 3, b.w3);
+        ptx::st_weak(slot + 4, b.w4);
+        ptx::st_weak(slot + 5, b.w5);
+        ptx::st_release_sys(slot, header);
+    }
+}
+
+/**
+ * Push one command from the calling thread; returns its absolute ring position. Blocks (backing off)
+ * while the ring is full. Any thread of any block may call it concurrently.
+ */
+template <int Commit = TPD_COMMIT>
+TPD_DEVICE uint64_t push(const RingDevice& ring, Opcode opcode, uint8_t flags, uint16_t peer, const Body& b) {
+    uint64_t pos = ptx::fetch_add_relaxed_gpu(ring.head, 1);
+    acquire_credit(ring, pos);
+    uint64_t* slot = reinterpret_cast<uint64_t*>(ring.records + (pos & (uint64_t)(ring.capacity - 1)));
+    commit_record<Commit>(slot, header_word(seq_for(pos), (uint8_t)opcode, flags, peer), b);
+    return pos;
+}
+
+#endif /* __CUDACC__ */
+
+}  // namespace tpd
+
+#endif /* TRANSPORTD_RING_DEVICE_CUH */
