@@ -95,11 +95,10 @@ def run_starts(keys: np.ndarray) -> np.ndarray:
 
 
 def cumsum_within(group_start: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Inclusive running sum of ``values`` that restarts wherever ``group_start`` is True."""
+    """Inclusive running sum of non-negative ``values`` that restarts wherever ``group_start`` is True."""
     total = np.cumsum(values)
-    first = np.flatnonzero(group_start)
-    before = total[first] - values[first]
-    return total - np.repeat(before, np.diff(np.append(first, len(values))))
+    base = np.maximum.accumulate(np.where(group_start, total - values, 0))  # total before each group
+    return total - base
 
 
 def cut_batches(conn: np.ndarray, first: np.ndarray, closes: np.ndarray, batch_max: int) -> Batches:
@@ -109,34 +108,42 @@ def cut_batches(conn: np.ndarray, first: np.ndarray, closes: np.ndarray, batch_m
     read on first rows).
     """
     n = len(conn)
-    cmd_row = np.flatnonzero(first)
-    cmd_conn = conn[cmd_row]
-    new_conn = run_starts(cmd_conn)
-    seg_start = new_conn.copy()
-    cmd_closes = closes[cmd_row]
+    cmd_row = first.nonzero()[0]
+    nc = len(cmd_row)
+    one_row_each = nc == n
+    cmd_conn = conn if one_row_each else conn[cmd_row]
+    cmd_closes = closes if one_row_each else closes[cmd_row]
+    seg_start = run_starts(cmd_conn)  # a new connection, or the command after a closing one
     seg_start[1:] |= cmd_closes[:-1]
-    seg_first = np.flatnonzero(seg_start)
-    seg_of_cmd = np.cumsum(seg_start) - 1
-    k = np.arange(len(cmd_row)) - seg_first[seg_of_cmd]
-    batch_start = seg_start | (k % batch_max == 0)
-    batch_first_cmd = np.flatnonzero(batch_start)
+    if batch_max > 1:
+        seg_first = seg_start.nonzero()[0]
+        k = np.arange(nc) - seg_first[np.cumsum(seg_start) - 1]  # index within the segment
+        batch_start = seg_start | (k % batch_max == 0)
+    else:
+        batch_start = np.ones(nc, dtype=bool)
+    first_cmd = batch_start.nonzero()[0]
+    nb = len(first_cmd)
     batch_of_cmd = np.cumsum(batch_start) - 1
-    rows_per_cmd = np.diff(np.append(cmd_row, n))
-    start = cmd_row[batch_first_cmd]
-    stop = np.append(start[1:], n)
-    ncmds = np.diff(np.append(batch_first_cmd, len(cmd_row)))
-    bconn = cmd_conn[batch_first_cmd]
-    last = np.ones(len(start), dtype=bool)
-    last[:-1] = bconn[1:] != bconn[:-1]
-    return Batches(
-        row_batch=np.repeat(batch_of_cmd, rows_per_cmd),
-        start=start,
-        stop=stop,
-        conn=bconn,
-        ncmds=ncmds,
-        closed=cmd_closes[batch_first_cmd + ncmds - 1],
-        last=last,
-    )
+    ncmds = np.empty(nb, dtype=np.int64)
+    ncmds[:-1] = first_cmd[1:] - first_cmd[:-1]
+    ncmds[-1] = nc - first_cmd[-1]
+    start = cmd_row[first_cmd]
+    stop = np.empty(nb, dtype=np.int64)
+    stop[:-1] = start[1:]
+    stop[-1] = n
+    bconn = cmd_conn[first_cmd]
+    last = np.empty(nb, dtype=bool)
+    last[-1] = True
+    np.not_equal(bconn[1:], bconn[:-1], out=last[:-1])
+    if one_row_each:
+        row_batch = batch_of_cmd
+    else:
+        rows_per_cmd = np.empty(nc, dtype=np.int64)
+        rows_per_cmd[:-1] = cmd_row[1:] - cmd_row[:-1]
+        rows_per_cmd[-1] = n - cmd_row[-1]
+        row_batch = np.repeat(batch_of_cmd, rows_per_cmd)
+    return Batches(row_batch=row_batch, start=start, stop=stop, conn=bconn, ncmds=ncmds,
+                   closed=cmd_closes[first_cmd + ncmds - 1], last=last)
 
 
 def decouple_signals(plan: np.ndarray, row_batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -496,15 +496,18 @@ class Proxy:
             if quiet:
                 ready |= np.logical_or.reduceat(np.isin(meta["chan"], quiet), b.start)
         rows = b.stop - b.start
-        conn_first = np.empty(len(b), dtype=bool)
-        conn_first[0] = True
-        conn_first[1:] = b.last[:-1]
-        inflight = self._inflight[b.conn]
-        fits = (inflight + cumsum_within(conn_first, rows) <= self.inflight_cap) | (conn_first & (inflight == 0))
-        post = ready & fits  # per connection a prefix of its batches: only the last may be open
-        blocked = ready & ~fits
-        if blocked.any() and np.logical_or.reduceat(plan["op"] == _SIGNAL, b.start)[blocked].any():
-            self.counters["signal_stalls"] += 1  # a signal ready to go waits for the NIC to complete work
+        if (self._inflight + self._pending <= self.inflight_cap).all():
+            post = ready  # every connection has room for all it has waiting
+        else:
+            conn_first = np.empty(len(b), dtype=bool)
+            conn_first[0] = True
+            conn_first[1:] = b.last[:-1]
+            inflight = self._inflight[b.conn]
+            fits = (inflight + cumsum_within(conn_first, rows) <= self.inflight_cap) | (conn_first & (inflight == 0))
+            post = ready & fits  # per connection a prefix of its batches: only the last may be open
+            blocked = ready & ~fits
+            if blocked.any() and np.logical_or.reduceat(plan["op"] == _SIGNAL, b.start)[blocked].any():
+                self.counters["signal_stalls"] += 1  # a signal ready to go waits for the NIC to complete work
         if not post.any():
             return False
         if post.all():
@@ -517,7 +520,7 @@ class Proxy:
             plan, meta = compress_rows(plan, row_post), compress_rows(meta, row_post)
             row_batch = (np.cumsum(post) - 1)[b.row_batch[row_post]]
         self._recount_pending()
-        sel = np.flatnonzero(post)
+        sel = post.nonzero()[0]
         self._post_batches_now(plan, meta, row_batch, b.conn[sel], b.ncmds[sel])
         return True
 
@@ -622,29 +625,38 @@ class Proxy:
 
     def _complete(self, posted: _Posted, local: np.ndarray, status: np.ndarray, forced_code: int = 0) -> None:
         """Tokens ``posted.first + local`` completed with ``status``: free their WRs, finish their commands."""
-        local, idx = np.unique(local, return_index=True)
-        status = status[idx]
-        fresh = ~posted.done[local]
-        local, status = local[fresh], status[fresh]
-        if not len(local):
-            return
-        posted.done[local] = True
-        posted.remaining -= len(local)
-        np.subtract.at(self._inflight, posted.tok_conn[local], posted.tok_nwr[local])
-        newly = np.zeros(len(posted.done), dtype=bool)
-        newly[local] = True
-        cmds = newly[posted.cmd_tok]
-        chans, positions = posted.cmd_chan[cmds], posted.cmd_pos[cmds]
-        failed = status != 0
-        if failed.any():
-            self.counters["completion_errors"] += int(np.count_nonzero(failed))
-            tok_code = np.zeros(len(posted.done), dtype=np.uint16)
-            tok_code[local] = forced_code if forced_code else completion_error_code(status)
-            codes = tok_code[posted.cmd_tok[cmds]]
-            for chan in np.unique(chans[codes != 0]).tolist():
+        ntok = len(posted.done)
+        newly = np.zeros(ntok, dtype=bool)
+        newly[local] = True  # duplicates collapse here
+        if posted.remaining == ntok and newly.all():  # the usual case: the whole group at once
+            posted.done[:] = True
+            posted.remaining = 0
+            np.subtract.at(self._inflight, posted.tok_conn, posted.tok_nwr)
+            cmds = None
+            chans, positions = posted.cmd_chan, posted.cmd_pos
+        else:
+            newly &= ~posted.done
+            idx = newly.nonzero()[0]
+            if not len(idx):
+                return
+            posted.done[idx] = True
+            posted.remaining -= len(idx)
+            np.subtract.at(self._inflight, posted.tok_conn[idx], posted.tok_nwr[idx])
+            cmds = newly[posted.cmd_tok]
+            chans, positions = posted.cmd_chan[cmds], posted.cmd_pos[cmds]
+        if status.any():
+            tok_status = np.zeros(ntok, dtype=np.int64)
+            tok_status[local] = status
+            tok_status[~newly] = 0  # already complete before: not counted again
+            cmd_status = tok_status[posted.cmd_tok] if cmds is None else tok_status[posted.cmd_tok[cmds]]
+            failed = cmd_status != 0
+            self.counters["completion_errors"] += int(np.count_nonzero(tok_status))
+            codes = np.where(failed, forced_code, 0).astype(np.uint16) if forced_code else completion_error_code(
+                cmd_status)
+            for chan in np.unique(chans[failed]).tolist():
                 ch = self._channels.get(chan)
                 if ch is not None:
-                    sel = (chans == chan) & (codes != 0)
+                    sel = (chans == chan) & failed
                     self._reject(ch, positions[sel], codes[sel])
         if len(chans) and chans[0] == chans[-1] and (chans == chans[0]).all():
             ch = self._channels.get(int(chans[0]))

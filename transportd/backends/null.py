@@ -58,7 +58,6 @@ class NullBackend:
         self._new_single: list[tuple[int, int, np.ndarray]] = []  # (t, conn_id, plan) from post()
         # per batch, in post order: due time (ns), completion, connection, WRs
         self._due: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        self._inflight: dict[int, int] = {}
         self._fail: dict[int, int] = {}
         self._next_key = 1
         self._connections: set[int] = set()
@@ -103,7 +102,6 @@ class NullBackend:
     def post(self, conn_id: int, plan: np.ndarray) -> int:
         n = len(plan)
         self._new_single.append((time.monotonic_ns() if self._clock else 0, conn_id, plan))
-        self._inflight[conn_id] = self._inflight.get(conn_id, 0) + n
         return n
 
     def post_batches(self, conn_ids: np.ndarray, plan: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -111,10 +109,7 @@ class NullBackend:
         t = time.monotonic_ns() if self._clock else 0
         self._new.append((np.full(len(conn_ids), t, dtype=np.int64), np.asarray(conn_ids, np.int64), plan,
                           np.asarray(bounds, np.int64)))
-        nwr = np.diff(bounds)
-        for conn, k in zip(*_sum_by(conn_ids, nwr), strict=True):
-            self._inflight[conn] = self._inflight.get(conn, 0) + k
-        return nwr
+        return bounds[1:] - bounds[:-1]
 
     def _settle(self) -> None:
         """Turn queued posts into due completions and counts, in one vectorized pass."""
@@ -187,15 +182,16 @@ class NullBackend:
                 take = (due[ready], comp[ready], conns[ready], nwr[ready])
             out.append(take[1])
             room -= len(take[1])
-            for conn, wrs in zip(*_sum_by(take[2], take[3]), strict=True):
-                self._inflight[conn] -= wrs
         self._due = kept
         if not out:
             return np.zeros(0, dtype=COMPLETION_DTYPE)
         return out[0] if len(out) == 1 else np.concatenate(out)
 
     def inflight(self, conn_id: int) -> int:
-        return self._inflight.get(conn_id, 0)
+        """WRs posted on ``conn_id`` whose completion has not been returned by :meth:`poll` (counted on demand)."""
+        if self._new or self._new_single:
+            self._settle()
+        return sum(int(nwr[conns == conn_id].sum()) for _, _, conns, nwr in self._due)
 
     @property
     def plans(self) -> dict[int, list[np.ndarray]]:
@@ -209,14 +205,6 @@ class NullBackend:
     def flag_values(self) -> dict[tuple[int, int], int]:
         """Flag words as the receivers would hold them after every kept plan (``keep_plans``)."""
         return apply_plans([p for plans in self.plans.values() for p in plans])
-
-
-def _sum_by(keys: np.ndarray, values: np.ndarray) -> tuple[list[int], list[int]]:
-    """Distinct ``keys`` and the sum of ``values`` for each."""
-    if len(keys) and keys[0] == keys[-1] and (keys == keys[0]).all():
-        return [int(keys[0])], [int(values.sum())]
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    return uniq.tolist(), np.bincount(inverse, weights=values).astype(np.int64).tolist()
 
 
 def apply_plans(plans: list[np.ndarray]) -> dict[tuple[int, int], int]:
