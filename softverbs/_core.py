@@ -60,6 +60,7 @@ LOCAL_WRITE = 1
 REMOTE_WRITE = 2
 REMOTE_READ = 4
 REMOTE_ATOMIC = 8
+RELAXED_ORDERING = 1 << 20
 
 # ibv_send_flags
 FENCE = 1
@@ -219,7 +220,7 @@ class Msg:
 
     __slots__ = ("qp", "conn", "seq", "op", "flags", "imm", "src_qpn", "rkey", "raddr", "length", "add",
                  "swap", "status", "mr", "recv", "data", "direct", "deferred", "rnr", "pkts_left",
-                 "reorder", "mtu", "unsolicited", "silent")
+                 "reorder", "mtu", "unsolicited", "silent", "free", "order")
 
     def __init__(self, conn: Conn, d: tuple) -> None:
         (_dst, self.src_qpn, self.seq, self.op, self.flags, self.mtu, self.imm, self.rkey, _qkey,
@@ -237,6 +238,8 @@ class Msg:
         self.reorder = False
         self.unsolicited = False
         self.silent = False
+        self.free = True  # its packets may be placed before earlier ones (AR, SRD, relaxed ordering)
+        self.order = 0
 
 
 class QPCore:
@@ -302,6 +305,7 @@ class QPCore:
         self.rnr_wait: list[Msg] = []
         self.pool: list[tuple[Msg, int, memoryview]] = []
         self.pend: deque[Msg] = deque()
+        self.rx_order = 0
         self.inbox: deque[list[tuple]] = deque()
         self.closed = False
 
@@ -974,6 +978,8 @@ class QPCore:
         size = opts.packet_size or (opts.srd_packet_size if self.srd else mtu_bytes(m.mtu))
         data = m.data if m.data is not None else memoryview(b"")
         pool = self.pool
+        self.rx_order += 1
+        m.order = self.rx_order
         if m.op in (w.OP_SEND, w.OP_SEND_IMM) or len(data) <= size:
             pool.append((m, 0, data))
             m.pkts_left = 1
@@ -1066,6 +1072,18 @@ class Responder:
         if kind != w.KIND_REQ:
             raise ValueError("response frame on a responder connection")
         conn.plan = None
+        conn.ro_qpns = None
+        if self.dev.relaxed_mrs:
+            # Writes into IBV_ACCESS_RELAXED_ORDERING regions may pass earlier writes (PCIe relaxed
+            # ordering): the QPs they arrive on place this frame's data through the reorder pool.
+            mrs = self.dev.mrs_by_rkey
+            ro = set()
+            for d in conn.descs:
+                if d[3] in (w.OP_WRITE, w.OP_WRITE_IMM) and d[10]:
+                    mr = mrs.get(d[7])
+                    if mr is not None and mr.access & RELAXED_ORDERING:
+                        ro.add(d[0])
+            conn.ro_qpns = ro or None
 
     @staticmethod
     def payload_len(d: tuple) -> int:
@@ -1114,15 +1132,29 @@ class Responder:
 
     def end_frame(self, conn: Conn) -> None:
         window = self.dev.options.reorder_window
-        rng = self.dev.rng
         for qp in list(self.dirty):
             with qp.lock:
                 pool = qp.pool
                 while len(pool) > window:
-                    i = rng.randrange(len(pool))
-                    pool[i], pool[-1] = pool[-1], pool[i]
-                    qp.place_packet(pool.pop(), self)
+                    qp.place_packet(self._take(pool), self)
+        conn.ro_qpns = None
         self.dev.flush_responses()
+
+    def _take(self, pool: list[tuple[Msg, int, memoryview]]) -> tuple[Msg, int, memoryview]:
+        """Remove a random packet that may be placed now.
+
+        A packet of a message that is not `free` (an in-order write next to relaxed-ordering ones) goes
+        only once every earlier packet is placed; free packets (adaptive routing, SRD, writes into an
+        IBV_ACCESS_RELAXED_ORDERING region) may go any time.
+        """
+        rng = self.dev.rng
+        i = rng.randrange(len(pool))
+        if not pool[i][0].free:
+            first = min(range(len(pool)), key=lambda k: (pool[k][0].order, pool[k][1]))
+            candidates = [k for k in range(len(pool)) if pool[k][0].free or k == first]
+            i = candidates[rng.randrange(len(candidates))]
+        pool[i], pool[-1] = pool[-1], pool[i]
+        return pool.pop()
 
     def on_idle(self) -> None:
         """No more input right now: place every held packet (in random order)."""
@@ -1132,12 +1164,9 @@ class Responder:
                 self.drain_pool(qp)
 
     def drain_pool(self, qp: QPCore) -> None:
-        rng = self.dev.rng
         pool = qp.pool
         while pool:
-            i = rng.randrange(len(pool))
-            pool[i], pool[-1] = pool[-1], pool[i]
-            qp.place_packet(pool.pop(), self)
+            qp.place_packet(self._take(pool), self)
         self.dirty.discard(qp)
 
     def _arrive(self, conn: Conn, d: tuple) -> Msg:
@@ -1183,6 +1212,10 @@ class Responder:
                 m.status = REM_INV_REQ  # packets longer than the responder's path MTU
                 return m
             m.reorder = bool(m.flags & w.F_AR)
+            ro = conn.ro_qpns
+            if not m.reorder and ro is not None and qp.qpn in ro and m.op in w.DATA_OPS:
+                m.reorder = True
+                m.free = m.op in (w.OP_WRITE, w.OP_WRITE_IMM) and _relaxed(self.dev, m.rkey)
             if qp.backlog or qp.stalled:
                 m.deferred = True
                 return m
@@ -1248,7 +1281,7 @@ class Responder:
         through the general per-request path.
         """
         qp = self.dev.qps.get(descs[0][0])
-        if qp is None or qp.srd or qp.closed:
+        if qp is None or qp.srd or qp.closed or conn.ro_qpns:
             return 0, pos
         done = 0
         with qp.lock:
@@ -1349,6 +1382,11 @@ class RequesterRx:
     def conn_lost(self, conn: Conn) -> None:
         for qp in list(self.dev.qps.values()):
             qp.conn_lost(conn)
+
+
+def _relaxed(dev: SoftDevice, rkey: int) -> bool:
+    mr = dev.mrs_by_rkey.get(rkey)
+    return mr is not None and bool(mr.access & RELAXED_ORDERING)
 
 
 def _scatter(local: list[tuple[MRCore, int, int]], data: Any) -> None:

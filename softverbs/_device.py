@@ -96,6 +96,7 @@ class Conn:
         self.rsp_payloads: list[Any] = []
         self.last_ack: list[int] | None = None
         self.pending: list[tuple] = []  # responses of the current frame (requester role)
+        self.ro_qpns: set[int] | None = None  # QPs of the current frame writing relaxed-ordering regions
         self.read_cap = _BUF_SIZE
         self.peer_lid = 0
 
@@ -317,6 +318,7 @@ class SoftDevice:
         self.qps: dict[int, Any] = {}
         self.mrs_by_lkey: dict[int, Any] = {}
         self.mrs_by_rkey: dict[int, Any] = {}
+        self.relaxed_mrs = 0  # MRs registered with IBV_ACCESS_RELAXED_ORDERING (they change placement)
         self._qpn = itertools.count(0x11 + (os.getpid() % 97) * 0x100)
         self._key = itertools.count(1 + (os.getpid() % 251) * 0x1000)
         self.out_conns: dict[tuple[str, int], Conn] = {}

@@ -2,7 +2,8 @@
 
 Memory at an address that a `softverbs.soft.register_memory` range covers (GPU memory, say) is reached
 through that range's accessor; other addresses are host memory of this process. Registration checks the
-access flags as the kernel does: remote write or remote atomic needs local write.
+access flags as the kernel does: remote write or remote atomic needs local write. A region registered with
+IBV_ACCESS_RELAXED_ORDERING lets writes into it be placed ahead of earlier writes (PCIe relaxed ordering).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = ["MR"]
 
 _LW = int(e.IBV_ACCESS_LOCAL_WRITE)
 _NEEDS_LW = int(e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC)
+_RO = int(e.IBV_ACCESS_RELAXED_ORDERING)
 
 
 class MR(SoftCM):
@@ -60,6 +62,8 @@ class MR(SoftCM):
         with dev.lock:
             dev.mrs_by_lkey[core.lkey] = core
             dev.mrs_by_rkey[core.rkey] = core
+            if access & _RO:
+                dev.relaxed_mrs += 1
         self._core = core
         self._pd = creator
         self._closed = False
@@ -74,6 +78,8 @@ class MR(SoftCM):
         with dev.lock:
             dev.mrs_by_lkey.pop(core.lkey, None)
             dev.mrs_by_rkey.pop(core.rkey, None)
+            if core.access & _RO:
+                dev.relaxed_mrs -= 1
         self._closed = True
 
     def write(self, data: Any, length: int, offset: int = 0) -> None:

@@ -9,7 +9,8 @@ receiver, so each trial says exactly whether the flag became visible before all 
 - atomic mode (flag by fetch-and-add): an atomic executes after every earlier write is placed -> safe;
 - read + fence (payload, a small read, fenced flag write): the read executes after the payload is placed
   and the fenced flag waits for the read -> safe;
-- AR off: RC places in order -> every scheme is safe.
+- AR off: RC places in order -> every scheme is safe, unless the flag's region is registered with
+  IBV_ACCESS_RELAXED_ORDERING (PCIe may then let the flag write pass the data).
 """
 
 from __future__ import annotations
@@ -107,3 +108,38 @@ def test_ar_reorders_packets_within_one_write_too(ar_pair) -> None:
     data_addrs = [addr for _, addr, _ in log if srv + DATA_OFF <= addr < srv + DATA_OFF + DATA]
     assert data_addrs != sorted(data_addrs)
     assert pair.server.read_buf(DATA_OFF, DATA) == pair.client.read_buf(DATA_OFF, DATA)
+
+
+@pytest.mark.parametrize("relaxed", ["flag", "data"])
+def test_relaxed_ordering_on_the_flag_region_breaks_write_signaling(ar_pair, relaxed: str) -> None:
+    """AR off, but a region registered with IBV_ACCESS_RELAXED_ORDERING: a write into it may pass earlier
+    writes (PCIe relaxed ordering). A relaxed flag region exposes the flag early; relaxed data under a
+    strictly ordered flag does not (the flag may not pass the data)."""
+    pair, log = ar_pair
+    v, e = pair.v, pair.v.enums
+    pair.v.soft.set_adaptive_routing(pair.client.qp, False)
+    base = int(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
+    ro = base | int(e.IBV_ACCESS_RELAXED_ORDERING)
+    data_mr = v.mr.MR(pair.pd, DATA, ro if relaxed == "data" else base)
+    flag_mr = v.mr.MR(pair.pd, 8, ro if relaxed == "flag" else base)
+    try:
+        hazards = 0
+        for n in range(TRIALS):
+            log.clear()
+            head = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(DATA_OFF, DATA), flags=0, rkey=data_mr.rkey,
+                                raddr=data_mr.buf)
+            pair.client.write_buf(FLAG_OFF, (n + 1).to_bytes(8, "little"))
+            head.next_wr = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(FLAG_OFF, 8), wr_id=n,
+                                        rkey=flag_mr.rkey, raddr=flag_mr.buf)
+            pair.client.qp.post_send(head)
+            assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS
+            flag_at = [i for i, (_, addr, _) in enumerate(log) if addr == flag_mr.buf]
+            data_at = [i for i, (_, addr, _) in enumerate(log) if data_mr.buf <= addr < data_mr.buf + DATA]
+            hazards += flag_at[0] < max(data_at)
+        if relaxed == "flag":
+            assert hazards >= 1
+        else:
+            assert hazards == 0
+    finally:
+        data_mr.close()
+        flag_mr.close()
