@@ -1,11 +1,13 @@
 """gpuclient: the client library — host API (connect, join, register, flags, channels) and the CUDA header.
 
 The CPU producer (``ChannelHandle``) speaks the same ring protocol as the device API, so CPU clients and
-tests exercise the daemon exactly as GPU kernels do.
+tests exercise the daemon exactly as GPU kernels do. GPU memory, device flags, channel handles for
+kernels (``ch.device_handle()``) and ``compile`` need cuda-python, imported only when first used.
 """
 
-from pathlib import Path
-
+from gpuclient.compiler import CompileError, compile, get_include
+from gpuclient.cuda_memory import CudaError
+from gpuclient.device_channel import CHANNEL_DTYPE, DeviceChannel, DeviceFlags
 from gpuclient.host_memory import HostBufferError, host_array
 from gpuclient.session import (
     ChannelError,
@@ -19,20 +21,22 @@ from gpuclient.session import (
 )
 
 __all__ = [
+    "CHANNEL_DTYPE",
     "ChannelError",
     "ChannelHandle",
     "Client",
+    "CompileError",
+    "CudaError",
+    "DeviceChannel",
+    "DeviceFlags",
     "FlagArray",
     "HostBufferError",
     "Region",
     "Session",
     "SignalOp",
+    "compile",
     "connect",
     "get_include",
     "host_array",
 ]
 
-
-def get_include() -> str:
-    """The include directory for ``transportd/client.cuh`` and ``transportd/cmd_ring.h``."""
-    return str(Path(__file__).parent / "include")

@@ -67,7 +67,9 @@ class Client:
 
     def join(self, job: str, rank: int, world: int, device: int | None = None) -> Session:
         reply = self._conn.request(Join(job=job, rank=rank, world=world, device=-1 if device is None else device))
-        return Session(self._conn, job, rank, world, reply)
+        session = Session(self._conn, job, rank, world, reply)
+        session.device = device
+        return session
 
     def stats(self) -> dict[str, Any]:
         return self._conn.request(Stats())
@@ -182,6 +184,12 @@ class ChannelHandle:
         """The error word: ``(first_code, count, first_position)``; code 0 means no error."""
         return self.ring.error
 
+    def device_handle(self, device: int | None = None) -> Any:
+        """The ``tpd::Channel`` for kernels (``.bytes``, ``.ctypes``); see ``gpuclient.device_channel``."""
+        from gpuclient.device_channel import device_handle
+
+        return device_handle(self, device)
+
     def raise_for_status(self) -> None:
         code, count, position = self.ring.error
         if code:
@@ -209,9 +217,25 @@ class Session:
         self.flag_array: FlagArray | None = None
         self.channels: list[ChannelHandle] = []
         self._keep: list[object] = []  # buffers registered: keep them mapped while the daemon uses them
+        self.device: int | None = None  # the local GPU given to join (GPU buffers, device flags, handles)
 
     def register(self, buffer: object, access: tuple[str, ...] = ("read", "write")) -> Region:
-        """Register a ``gpuclient.host_array`` (or a view into one) for RDMA; returns its region."""
+        """Register a buffer for RDMA; returns its region.
+
+        ``buffer`` is a ``gpuclient.host_array`` (or a view into one), or GPU memory: a CuPy array, a
+        PyTorch tensor, anything with ``__cuda_array_interface__`` or CUDA DLPack (sent to the daemon as a
+        CUDA IPC handle of its allocation plus an offset; see ``gpuclient.cuda_memory``).
+        """
+        from gpuclient.cuda_memory import is_device_buffer
+
+        if is_device_buffer(buffer):
+            from gpuclient.cuda_memory import export_ipc, resolve_device_buffer
+
+            gpu = export_ipc(resolve_device_buffer(buffer))
+            reply = self._conn.request(Register(kind="cuda_ipc", handle=gpu.handle, offset=gpu.offset,
+                                                size=gpu.nbytes, address=gpu.address, access=tuple(access)))
+            self._keep.append(buffer)
+            return Region(int(reply["region"]), gpu.nbytes)
         path, offset, nbytes, address = resolve_host_buffer(buffer)
         reply = self._conn.request(Register(kind="host", handle=str(path), offset=offset, size=nbytes,
                                             address=address, access=tuple(access)))
@@ -219,7 +243,24 @@ class Session:
         return Region(int(reply["region"]), nbytes)
 
     def flags(self, count: int, where: str = "host") -> FlagArray:
-        """Allocate this rank's ``count`` flag words (once per session)."""
+        """Allocate this rank's ``count`` flag words (once per session).
+
+        ``where="host"``: a host flag file the daemon creates (kernels read it mapped). ``where="device"``:
+        GPU memory on this session's device, allocated here and registered by IPC handle; the daemon (or
+        the remote NIC) publishes into it.
+        """
+        if where == "device":
+            from gpuclient.device_channel import DeviceFlags, allocate_device_flags
+
+            device = self.device if self.device is not None and self.device >= 0 else 0
+            memory, handle, offset = allocate_device_flags(count, device)
+            try:
+                reply = self._conn.request(Flags(count=count, where=where, handle=handle, offset=offset))
+            except BaseException:
+                memory.free()
+                raise
+            self.flag_array = DeviceFlags(reply["path"], count, memory)  # type: ignore[assignment]
+            return self.flag_array
         reply = self._conn.request(Flags(count=count, where=where))
         self.flag_array = FlagArray(reply["path"], count)
         return self.flag_array

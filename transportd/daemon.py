@@ -267,8 +267,12 @@ class Daemon:
 
     def on_register(self, client_id: bytes, req: Register) -> dict[str, Any]:
         rank = self._joined(client_id)
-        if req.kind != "host":
-            raise RequestError("unsupported", f"{req.kind} memory needs the GPU client (gpuclient with CUDA)")
+        if req.kind == "host":
+            op, memory = "map_region", {"path": req.handle}
+        elif req.kind == "cuda_ipc":  # opened by the rail workers in a context on the client's device
+            op, memory = "map_gpu_region", {"handle": req.handle, "device": max(rank.device, 0)}
+        else:
+            raise RequestError("unsupported", f"{req.kind} memory needs a real-NIC backend (not available yet)")
         if rank.next_region > 0xFFFF:
             raise RequestError("too_many_regions", "a rank may register at most 65536 regions")
         region_id = rank.next_region
@@ -276,16 +280,16 @@ class Daemon:
         for worker in self.workers:
             try:
                 keys[worker.rail] = worker.call(
-                    "map_region", key=f"{rank.job}/{rank.rank}/{region_id}", path=req.handle, offset=req.offset,
-                    size=req.size, remote_write="write" in req.access, remote_atomic="atomic" in req.access,
-                    remote_read="read" in req.access)
+                    op, key=f"{rank.job}/{rank.rank}/{region_id}", offset=req.offset, size=req.size,
+                    remote_write="write" in req.access, remote_atomic="atomic" in req.access,
+                    remote_read="read" in req.access, **memory)
             except WorkerError as exc:
                 for rail in keys:
                     self.workers[rail].call("unmap_region", key=f"{rank.job}/{rank.rank}/{region_id}")
                 raise RequestError("register_failed", str(exc)) from None
         rank.next_region += 1
         rank.regions[region_id] = keys
-        rank.region_paths[region_id] = req.handle
+        rank.region_paths[region_id] = req.handle if req.kind == "host" else f"{req.kind}:{req.offset}"
         for worker in self.workers:
             worker.call("set_source_region", job=rank.job, rank=rank.rank, region=region_id,
                         key=f"{rank.job}/{rank.rank}/{region_id}")
@@ -295,13 +299,19 @@ class Daemon:
         rank = self._joined(client_id)
         if rank.flags is not None:
             raise RequestError("flags_exist", "this rank already has its flag array")
-        if req.where == "device":
-            raise RequestError("unsupported", "device flags need the GPU client (gpuclient with CUDA)")
+        if req.where == "device" and not req.handle:
+            raise RequestError("unsupported", "device flags are allocated by the GPU client and sent by CUDA IPC "
+                                              "handle (gpuclient: session.flags(count, where='device'))")
         path = self.runtime_dir / f"tpd-flags-{self.node}-{rank.job}-{rank.rank}-{os.getpid()}"
-        flags = FlagFile(path, req.count, create=True, mode=self.config.control.mode)
+        flags = FlagFile(path, req.count, create=True, mode=self.config.control.mode)  # + the status word
         for worker in self.workers:
-            rank.flag_keys[worker.rail] = worker.call(
-                "map_flags", job=rank.job, rank=rank.rank, path=str(path), count=req.count)
+            if req.where == "device":
+                rank.flag_keys[worker.rail] = worker.call(
+                    "map_gpu_flags", job=rank.job, rank=rank.rank, handle=req.handle, offset=req.offset,
+                    count=req.count, device=max(rank.device, 0))
+            else:
+                rank.flag_keys[worker.rail] = worker.call(
+                    "map_flags", job=rank.job, rank=rank.rank, path=str(path), count=req.count)
         rank.flags = flags
         return {"path": str(path), "count": req.count}
 

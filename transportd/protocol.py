@@ -376,14 +376,25 @@ class Register(Request):
 @_request
 @dataclass(frozen=True)
 class Flags(Request):
-    """Allocate ``count`` 64-bit flag words that peers signal, in GPU memory or host-mapped memory."""
+    """Allocate ``count`` 64-bit flag words that peers signal, in GPU memory or host-mapped memory.
+
+    ``device`` flags are allocated by the GPU client: ``handle`` is the 64-byte ``CUipcMemHandle`` of that
+    allocation and ``offset`` the flags' place in it (the daemon publishes into them).
+    """
 
     op: ClassVar[str] = "flags"
     count: int
     where: Literal["host", "device"] = "device"
+    handle: bytes = b""
+    offset: int = 0
 
     def _check(self) -> None:
         self._range("count", 1, MAX_FLAGS)
+        if self.handle and len(self.handle) != CUDA_IPC_HANDLE_BYTES:
+            self._fail("handle", f"device flags need {CUDA_IPC_HANDLE_BYTES} bytes of CUipcMemHandle")
+        if self.handle and self.where != "device":
+            self._fail("handle", "only device flags carry an IPC handle")
+        self._range("offset", 0, _U64)
 
 
 @_request

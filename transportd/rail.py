@@ -49,6 +49,7 @@ class RailService:
         self.flags: dict[tuple[str, int], tuple[FlagFile, MemoryKey]] = {}
         self.conn_jobs: dict[int, str] = {}
         self.stopping = False
+        self.gpu: Any = None  # transportd.gpu_memory.GpuMemory, created on the first GPU registration
         self.backend.set_flag_publisher(self._publish_flag)
 
     # --- memory ---------------------------------------------------------------------------------------
@@ -66,12 +67,52 @@ class RailService:
         entry = self.regions.pop(key, None)
         if entry is not None:
             self.backend.deregister_memory(entry[0])
+            if hasattr(entry[1], "release"):  # a GPU region: drop its IPC mapping
+                entry[1].release()
         return {}
+
+    def _gpu(self) -> Any:
+        if self.gpu is None:
+            from transportd.gpu_memory import GpuMemory  # CUDA only where a client brings GPU memory
+
+            self.gpu = GpuMemory()
+        return self.gpu
+
+    def op_map_gpu_region(self, key: str, handle: bytes, offset: int, size: int, device: int, remote_write: bool,
+                          remote_atomic: bool, remote_read: bool = True) -> dict[str, Any]:
+        """Open a client's GPU buffer by CUDA IPC handle and register it; softverbs reaches it by copies."""
+        gpu = self._gpu()
+        region = gpu.open(handle, offset, size, device)
+        try:
+            mkey = self.backend.register_memory(region.addr, size, remote_write=remote_write,
+                                                remote_atomic=remote_atomic, accessor=gpu.accessor(device))
+        except BaseException:
+            region.release()
+            raise
+        self.regions[key] = (mkey, region)
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
 
     def op_map_flags(self, job: str, rank: int, path: str, count: int) -> dict[str, Any]:
         flags = FlagFile(Path(path))
         mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True)
         self.flags[(job, rank)] = (flags, mkey)
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+
+    def op_map_gpu_flags(self, job: str, rank: int, handle: bytes, offset: int, count: int,
+                         device: int) -> dict[str, Any]:
+        """A rank's flag words in GPU memory (allocated by the client): the NIC or this worker publishes."""
+        from transportd.gpu_memory import GpuFlagWords
+
+        gpu = self._gpu()
+        region = gpu.open(handle, offset, 8 * count, device)
+        flags = GpuFlagWords(region, gpu.accessor(device), count)
+        try:
+            mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True,
+                                                accessor=flags.accessor)
+        except BaseException:
+            region.release()
+            raise
+        self.flags[(job, rank)] = (flags, mkey)  # type: ignore[assignment]
         return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
 
     def _publish_flag(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None:
@@ -80,6 +121,9 @@ class RailService:
         entry = self.flags.get((job, dst_rank)) if job is not None else None
         if entry is None:
             log.warning("flag update for unknown rank %d on connection %d dropped", dst_rank, conn_id)
+            return
+        if not isinstance(entry[0], FlagFile):  # GPU flag words publish themselves
+            entry[0].publish(slot, op, value)
             return
         values = entry[0].values
         if op == SignalOp.SET:
@@ -105,6 +149,8 @@ class RailService:
         entry = self.flags.pop((job, rank), None)
         if entry is not None:
             self.backend.deregister_memory(entry[1])
+            if not isinstance(entry[0], FlagFile):
+                entry[0].release()
         return {}
 
     def op_set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int,
