@@ -178,6 +178,9 @@ class PeersConfig:
     heartbeat_timeout_s: float = field(default=5.0, metadata=_meta(
         "Seconds without a heartbeat before a peer is declared lost (more than the interval).",
         _between(0.02, 3600.0)))
+    ready_wait_s: float = field(default=10.0, metadata=_meta(
+        "Seconds the daemon waits for every static peer before it reports ready to systemd anyway "
+        "(keep it below the unit's TimeoutStartSec).", _between(0.0, 3600.0)))
 
 
 @dataclass(frozen=True)

@@ -1,34 +1,95 @@
 """The `transportctl` command: inspect a running daemon through its control socket.
 
-Every command takes ``--socket`` (default: ``TRANSPORTD_SOCKET`` or the configured default) and
-``--json`` (machine-readable output). A daemon that is not running, or a socket this user may not open,
-is a one-line error with what to do about it, and exit status 2.
+Every command takes ``--socket`` (default: ``$TRANSPORTD_SOCKET``, else ``ipc:///run/transportd/control.sock``)
+and ``--json`` (one JSON document on stdout, for scripts). Exit status: 0 on success; 2 when the daemon
+cannot be reached — not running, no socket file, a stale socket, no permission to use it — with one line
+on stderr saying what is wrong and what to do; 1 when the daemon refused the request (e.g. ``flags`` for a
+rank not joined on this node).
+
+Before speaking zmq, an ipc endpoint is probed with a plain ``connect()``: a missing file, a refused
+connection (a socket left behind by a daemon that died) and a permission error are told apart at once
+instead of after a handshake timeout.
 """
 
 from __future__ import annotations
 
+import errno
+import grp
 import json
+import os
+import socket as _socket
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
-from transportd.connection import ControlConnection
-from transportd.errors import TransportdError
+from transportd.connection import ControlConnection, resolve_endpoint
+from transportd.errors import ErrorCode, RequestError, TransportdError
 from transportd.protocol import Inspect, Stats
 
 __all__ = ["main"]
 
+EXIT_UNREACHABLE = 2
+EXIT_REFUSED = 1
+_START = "start it with `systemctl start transportd` (or `transportd run --config FILE`), or pass --socket"
+
+
+def _fail(message: str, status: int = EXIT_UNREACHABLE) -> NoReturn:
+    click.echo("transportctl: " + " ".join(message.split()), err=True)  # always one line
+    sys.exit(status)
+
+
+def _probe_ipc(endpoint: str) -> None:
+    """Fail with a precise one-line reason when an ipc endpoint cannot be used; return if it can."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    address = "\0" + path[1:] if path.startswith("@") else path
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    try:
+        sock.connect(address)
+    except FileNotFoundError:
+        _fail(f"transportd is not running: control socket {path} does not exist; {_START}")
+    except PermissionError:
+        _fail(_permission_problem(path))
+    except ConnectionRefusedError:
+        _fail(f"transportd is not running: nothing listens on {path} (a socket left by a daemon that exited; "
+              f"`journalctl -u transportd` says why); {_START}")
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            _fail(_permission_problem(path))
+        _fail(f"cannot connect to {path}: {exc.strerror or exc}")
+    finally:
+        sock.close()
+
+
+def _permission_problem(path: str) -> str:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (f"no permission to reach control socket {path}: this user cannot search its directory "
+                f"{os.path.dirname(path)}")
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return (f"no permission to use control socket {path} (mode {st.st_mode & 0o777:04o}, group {group}): "
+            f"add this user to group {group} (the daemon's control.group), or run as root")
+
 
 def _fetch(socket: str | None, request: Any = None) -> dict[str, Any]:
+    endpoint = resolve_endpoint(socket)
+    _probe_ipc(endpoint)
     try:
-        with ControlConnection(socket, timeout_ms=5000, name="transportctl") as conn:
+        with ControlConnection(endpoint, timeout_ms=5000, name="transportctl") as conn:
             return conn.request(request if request is not None else Stats())
+    except RequestError as exc:
+        _fail(str(exc), EXIT_REFUSED)
     except TransportdError as exc:
-        click.echo(f"transportctl: {exc}", err=True)
-        sys.exit(2)
+        _fail(str(exc))
 
 
 def _emit(data: Any, as_json: bool, human: Callable[[Any], str]) -> None:
@@ -37,114 +98,178 @@ def _emit(data: Any, as_json: bool, human: Callable[[Any], str]) -> None:
 
 def _common(fn: Callable[..., None]) -> Callable[..., None]:
     fn = click.option("--json", "as_json", is_flag=True, help="print JSON")(fn)
-    fn = click.option("--socket", default=None, help="control endpoint (ipc://... or tcp://...)")(fn)
+    fn = click.option("--socket", default=None, metavar="ENDPOINT",
+                      help="control endpoint (ipc:///path or tcp://host:port); default $TRANSPORTD_SOCKET, "
+                           "else ipc:///run/transportd/control.sock")(fn)
     return fn
 
 
 @click.group()
 @click.version_option(package_name="transportd")
 def main() -> None:
-    """Inspect a running transportd."""
+    """Inspect a running transportd (exit 2: daemon not reachable)."""
 
 
+# --- formatting ----------------------------------------------------------------------------------------
 def _table(rows: list[list[Any]], header: list[str]) -> str:
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
 
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    d, rest = divmod(seconds, 86400)
+    h, rest = divmod(rest, 3600)
+    m, s = divmod(rest, 60)
+    return (f"{d}d " if d else "") + (f"{h}h " if d or h else "") + (f"{m}m " if d or h or m else "") + f"{s}s"
+
+
+def _rails(s: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in s.get("rails", []) if "error" not in r]
+
+
+# --- status --------------------------------------------------------------------------------------------
 def _status_text(s: dict[str, Any]) -> str:
     peers = s.get("peers", {})
     up = sum(1 for p in peers.values() if p.get("up"))
+    jobs = s.get("jobs", {})
     lines = [
-        f"node      {s['node']}",
-        f"backend   {s['backend']}  ({len(s.get('rails', []))} rail(s))",
-        f"uptime    {s['uptime_s']:.0f} s",
-        f"clients   {s['clients']}",
-        f"peers     {up} up, {len(peers) - up} down",
+        f"node      {s['node']}  (pid {s.get('pid', '?')}, {'ready' if s.get('ready') else 'STARTING'})",
+        f"backend   {s['backend']}, {len(s.get('rails', []))} rail(s)",
+        f"uptime    {_duration(s['uptime_s'])}",
+        f"clients   {s['clients']} joined, {len(jobs)} job(s)"
+        + ("" if not jobs else ": " + ", ".join(f"{j} ({len(v['local'])}/{v['world']} local)"
+                                                for j, v in sorted(jobs.items()))),
+        f"peers     {up} up, {len(peers) - up} down" + ("" if up == len(peers) else "  <- check `transportctl peers`"),
     ]
     for rail in s.get("rails", []):
-        lines.append(f"rail {rail.get('rail', '?')}    {rail.get('backend', '?')}  device {rail.get('device', '-')}"
-                     + (f"  ERROR {rail['error']}" if "error" in rail else ""))
+        if "error" in rail:
+            lines.append(f"rail      ERROR {rail['error']}")
+            continue
+        errors = sum(rail.get("errors", {}).values())
+        lines.append(f"rail {rail.get('rail', '?')}    {rail.get('backend', '?')}, worker pid {rail.get('pid', '?')}, "
+                     f"{rail.get('channels', 0)} ring(s), {rail.get('commands', 0)} commands, {errors} errors")
     return "\n".join(lines)
 
 
 @main.command()
 @_common
 def status(socket: str | None, as_json: bool) -> None:
-    """Node, backend, devices, uptime, clients, peers up/down."""
+    """Node, readiness, backend, rails, uptime, clients and jobs, peers up/down."""
     _emit(_fetch(socket), as_json, _status_text)
 
 
-def _peers_text(s: dict[str, Any]) -> str:
-    conns = s.get("connections", [])
+# --- peers ---------------------------------------------------------------------------------------------
+def _peers_text(data: dict[str, Any]) -> str:
     rows = []
-    for node, p in sorted(s.get("peers", {}).items()):
-        n = sum(1 for c in conns if c["node"] == node)
-        rtt = "-" if p.get("rtt_us") is None else f"{p['rtt_us']:.0f}"
-        rows.append([node, "up" if p["up"] else "DOWN", rtt, p.get("bytes", 0), n])
-    return _table(rows, ["peer", "state", "rtt_us", "bytes", "connections"]) if rows else "no peers known"
+    for node, p in sorted(data["peers"].items()):
+        rtt = "-" if p.get("rtt_us") is None else f"{p['rtt_us'] / 1000:.2f}"
+        rows.append([node, "up" if p["up"] else "DOWN", rtt, _bytes(p.get("bytes", 0)), p.get("connections", 0)])
+    if not rows:
+        return "no peers known (peers.static empty and no peer has connected)"
+    return _table(rows, ["peer", "state", "rtt_ms", "sent", "connections"])
 
 
 @main.command()
 @_common
 def peers(socket: str | None, as_json: bool) -> None:
-    """Per peer: state, RTT from heartbeats, bytes, connections."""
+    """Per peer node: state, heartbeat RTT, payload bytes sent to it, connections."""
     s = _fetch(socket)
-    _emit({"peers": s.get("peers", {}), "connections": s.get("connections", [])}, as_json, lambda _: _peers_text(s))
+    _emit({"peers": s.get("peers", {}), "connections": s.get("connections", [])}, as_json, _peers_text)
 
 
-def _queues_text(s: dict[str, Any]) -> str:
+# --- queues --------------------------------------------------------------------------------------------
+def _queues(s: dict[str, Any]) -> dict[str, Any]:
+    nodes = {(c["rail"], c["conn"]): c for c in s.get("connections", [])}
     rings, conns = [], []
-    for rail in s.get("rails", []):
-        for ch in rail.get("channels", []):
-            rings.append([rail.get("rail"), ch.get("channel"), f"{ch.get('job')}/{ch.get('rank')}", ch.get("depth"),
-                          ch.get("credits"), f"{ch.get('oldest_age_us', 0):.0f}"])
-        for c in rail.get("connections", []):
-            hist = c.get("batch_hist", [])
-            conns.append([rail.get("rail"), c.get("conn"), c.get("inflight"), c.get("batches_full"),
-                          c.get("batches_partial"), " ".join(str(h) for h in hist)])
-    out = [_table(rings, ["rail", "channel", "job/rank", "depth", "credits", "oldest_us"]) if rings else "no rings"]
-    out.append("")
-    out.append(_table(conns, ["rail", "conn", "inflight", "full", "partial", "batch sizes 1..8"])
-               if conns else "no connections")
+    for rail in _rails(s):
+        q = rail.get("queues", {})
+        for ring in q.get("rings", []):
+            rings.append({"rail": rail["rail"], **ring})
+        for conn in q.get("connections", []):
+            owner = nodes.get((rail["rail"], conn["conn"]), {})
+            conns.append({"rail": rail["rail"], "node": owner.get("node", "(responder)"), "job": owner.get("job"),
+                          **conn})
+    return {"rings": rings, "connections": conns, "batch_max": max((r.get("batch_max", 8) for r in _rails(s)),
+                                                                  default=8)}
+
+
+def _queues_text(q: dict[str, Any]) -> str:
+    rings = [[r["rail"], r["channel"], f"{r['job']}/{r['rank']}", r["depth"], r["credits"], r["capacity"],
+              f"{r['oldest_age_us'] / 1000:.1f}", r["outstanding"], "gone" if r["gone"] else ""]
+             for r in q["rings"]]
+    out = ["rings (depth: committed, not yet taken; credits: slots producers may still claim)"]
+    out.append(_table(rings, ["rail", "channel", "job/rank", "depth", "credits", "capacity", "oldest_ms",
+                              "outstanding", ""]) if rings else "  none")
+    conns = [[c["rail"], c["conn"], c["node"], c["job"] or "-", c["inflight"], c["pending"], c["batches_full"],
+              c["batches_partial"], " ".join(str(h) for h in c["batch_hist"]), _bytes(c["bytes"])]
+             for c in q["connections"] if c["job"] is not None or c["inflight"] or c["batches_full"]
+             or c["batches_partial"]]
+    out += ["", f"connections (batch sizes: batches of 1..{q['batch_max']} commands)"]
+    out.append(_table(conns, ["rail", "conn", "peer", "job", "inflight", "pending", "full", "partial",
+                              "batch sizes", "sent"]) if conns else "  none")
     return "\n".join(out)
 
 
 @main.command()
 @_common
 def queues(socket: str | None, as_json: bool) -> None:
-    """Per ring: depth, credits, oldest age; per connection: inflight, batches, batch-size histogram."""
-    s = _fetch(socket)
-    data = {"rails": [{k: r.get(k) for k in ("rail", "channels", "connections")} for r in s.get("rails", [])]}
-    _emit(data, as_json, lambda _: _queues_text(s))
+    """Per ring: depth, credits, oldest age; per connection: inflight, batches full/partial, sizes."""
+    _emit(_queues(_fetch(socket)), as_json, _queues_text)
 
 
-_COUNTERS = ("commands", "bytes", "signals", "fences", "batches_full", "batches_partial", "stalls")
+# --- stats ---------------------------------------------------------------------------------------------
+_COUNTERS = ("commands", "bytes", "wrs", "signals", "fences", "quiets", "batches_full", "batches_partial",
+             "stalls", "signal_stalls", "rejected", "completion_errors")
 
 
 def _counters(s: dict[str, Any]) -> dict[str, Any]:
-    rails = [r for r in s.get("rails", []) if "error" not in r]
-    totals: dict[str, Any] = {k: sum(r.get(k, 0) for r in rails) for k in _COUNTERS}
+    rails = _rails(s)
+    totals: dict[str, Any] = {k: sum(int(r.get(k, 0)) for r in rails) for k in _COUNTERS}
     errors: dict[str, int] = {}
     for r in rails:
         for code, n in r.get("errors", {}).items():
-            errors[code] = errors.get(code, 0) + n
+            errors[code] = errors.get(code, 0) + int(n)
     totals["errors"] = errors
     return totals
 
 
 def _stats_text(c: dict[str, Any]) -> str:
-    lines = [f"{k:<16}{c[k]}" for k in _COUNTERS]
-    lines.append("errors          " + (", ".join(f"{k}={v}" for k, v in sorted(c["errors"].items())) or "none"))
+    lines = [f"{k:<18}{_bytes(c[k]) if k == 'bytes' else c[k]}" for k in _COUNTERS]
+    lines.append(f"{'errors by code':<18}" + (", ".join(f"{k}={v}" for k, v in sorted(c["errors"].items()))
+                                              or "none"))
     return "\n".join(lines)
 
 
 @main.command()
 @_common
 def stats(socket: str | None, as_json: bool) -> None:
-    """Counters: commands, bytes, signals, fences, stalls, errors by code."""
+    """Counters since start: commands, bytes, signals, fences, stalls, errors by code."""
     _emit(_counters(_fetch(socket)), as_json, _stats_text)
+
+
+# --- flags ---------------------------------------------------------------------------------------------
+def _flags_text(r: dict[str, Any]) -> str:
+    nonzero = [[i, v] for i, v in enumerate(r["values"]) if v]
+    body = _table(nonzero, ["slot", "value"]) if nonzero else "all flags are 0"
+    status = r.get("status", 0)
+    return body + f"\n({len(r['values'])} slots, nonzero shown; status {_code_name(status)})"
+
+
+def _code_name(code: int) -> str:
+    try:
+        return f"{code} {ErrorCode(code).name}"
+    except ValueError:
+        return str(code)
 
 
 @main.command()
@@ -152,36 +277,47 @@ def stats(socket: str | None, as_json: bool) -> None:
 @click.argument("rank", type=int)
 @_common
 def flags(job: str, rank: int, socket: str | None, as_json: bool) -> None:
-    """A client's flag values (JOB RANK must be joined on this node)."""
-    reply = _fetch(socket, Inspect(what="flags", job=job, rank=rank))
-    _emit(reply, as_json, lambda r: _table([[i, v] for i, v in enumerate(r["values"]) if v], ["slot", "value"])
-          + f"\n({len(r['values'])} slots, nonzero shown; status {r.get('status', 0)})")
+    """Flag values of rank RANK of job JOB (joined on this node) and its status word."""
+    _emit(_fetch(socket, Inspect(what="flags", job=job, rank=rank)), as_json, _flags_text)
 
 
+# --- top -----------------------------------------------------------------------------------------------
 @main.command()
-@click.option("--interval", default=1.0, show_default=True, help="seconds between refreshes")
-@click.option("--iterations", default=0, help="stop after N refreshes (0: until Ctrl-C)")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.01),
+              help="seconds between refreshes")
+@click.option("--iterations", default=0, type=click.IntRange(min=0), help="stop after N refreshes (0: until Ctrl-C)")
 @_common
 def top(interval: float, iterations: int, socket: str | None, as_json: bool) -> None:
-    """A live view: rates per second and queue depths, refreshed like top."""
-    previous: dict[str, Any] | None = None
+    """A live view: rates per second, queues, peers; refreshed every --interval."""
+    previous: tuple[float, dict[str, Any]] | None = None
     count = 0
     try:
         while iterations == 0 or count < iterations:
             s = _fetch(socket)
+            now = time.monotonic()
             c = _counters(s)
-            rates = {k: (c[k] - previous[k]) / interval for k in _COUNTERS} if previous else {k: 0 for k in _COUNTERS}
-            previous = c
+            if previous is None:
+                rates = dict.fromkeys(_COUNTERS, 0.0)
+            else:
+                dt = max(now - previous[0], 1e-9)
+                rates = {k: (c[k] - previous[1][k]) / dt for k in _COUNTERS}
+            previous = (now, c)
             count += 1
-            if as_json:
-                click.echo(json.dumps({"t": time.time(), "rates": rates, "totals": c}, default=str))
+            if as_json:  # one JSON object per line (JSON Lines)
+                click.echo(json.dumps({"t": time.time(), "node": s["node"], "rates": rates, "totals": c,
+                                       "queues": _queues(s)}, sort_keys=True, default=str))
             else:
                 click.clear()
+                click.echo(f"transportctl top  {time.strftime('%H:%M:%S')}  every {interval:g} s")
                 click.echo(_status_text(s))
                 click.echo("")
-                click.echo(_table([[k, f"{rates[k]:.0f}", c[k]] for k in _COUNTERS], ["counter", "per_s", "total"]))
+                click.echo(_table([[k, _bytes(rates[k]) + "/s" if k == "bytes" else f"{rates[k]:.0f}",
+                                    _bytes(c[k]) if k == "bytes" else c[k]] for k in _COUNTERS],
+                                  ["counter", "per_s", "total"]))
                 click.echo("")
-                click.echo(_queues_text(s))
+                click.echo(_queues_text(_queues(s)))
+                click.echo("")
+                click.echo(_peers_text({"peers": s.get("peers", {})}))
             if iterations == 0 or count < iterations:
                 time.sleep(interval)
     except KeyboardInterrupt:

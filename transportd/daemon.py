@@ -135,7 +135,7 @@ class Daemon:
         self.ready = False
         self.snapshot: dict[str, Any] = {}  # the last stats(), for readers on other threads (metrics)
         self.metrics: Any = None
-        self.peer_wait_s = 10.0  # READY=1 waits this long for the static peers before going ahead
+        self.peer_wait_s = config.peers.ready_wait_s  # READY=1 waits this long for the static peers at most
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -155,19 +155,24 @@ class Daemon:
                 on_message=self.on_peer_message, on_peer_down=self.on_peer_down, on_peer_up=self.on_peer_up,
                 heartbeat_interval_s=self.config.peers.heartbeat_interval_s,
                 heartbeat_timeout_s=self.config.peers.heartbeat_timeout_s, curve=curve)
+            if self.config.metrics.listen:
+                from transportd.metrics import MetricsServer
+
+                self.metrics = MetricsServer(self.config.metrics.listen, lambda: self.snapshot)
+                log.info("metrics on http://%s/metrics", self.metrics.address)
         except BaseException:
             self.close()
             raise
-        if self.config.metrics.listen:
-            from transportd.metrics import MetricsServer
-
-            self.metrics = MetricsServer(self.config.metrics.listen, lambda: self.snapshot)
-            log.info("metrics on http://%s/metrics", self.metrics.address)
         log.info("node %s up: backend %s, %d rail(s), control %s, peers %s", self.node,
                  self.config.backend.kind, count, self.control.endpoint, self.peers.endpoint)
 
     def run(self) -> None:
-        """Serve until :attr:`stop_event` is set (SIGTERM/SIGINT set it when run from the CLI)."""
+        """Serve until :attr:`stop_event` is set (SIGTERM/SIGINT set it when run from the CLI).
+
+        systemd notify: STATUS= while waiting for the static peers, READY=1 once they are all up (the
+        rails' devices opened in :meth:`start`) or ``peers.ready_wait_s`` passed, STATUS= whenever the
+        status line changes, WATCHDOG=1 at half of WATCHDOG_USEC, STOPPING=1 when told to stop.
+        """
         assert self.control and self.peers
         next_liveness = next_report = 0.0
         started = time.monotonic()
@@ -178,17 +183,20 @@ class Daemon:
             if now >= next_liveness:
                 next_liveness = now + 0.2
                 self._check_clients()
-                if not self.ready and (self._static_peers_up() or now - started > self.peer_wait_s):
-                    self.ready = True
-                    self.notifier.ready(self._status_line())
-                    log.info("ready: %s", self._status_line())
+                if not self.ready:
+                    if self._static_peers_up() or now - started > self.peer_wait_s:
+                        self.ready = True
+                        self.notifier.ready(self._status_line())
+                        log.info("ready: %s", self._status_line())
+                    else:
+                        self.notifier.status("waiting for static peers: " + self._status_line())
+                else:
+                    self.notifier.status(self._status_line())
             if now >= next_report:
                 next_report = now + 1.0
                 self.snapshot = self.stats()
-                if self.ready:
-                    self.notifier.status(self._status_line())
             self.notifier.tick()
-        self.notifier.stopping()
+        self.notifier.stopping("stopping: draining the rails")
         log.info("stopping: draining the rails")
 
     def _static_peers_up(self) -> bool:
@@ -207,15 +215,19 @@ class Daemon:
             signal.signal(sig, lambda *_: self.stop_event.set())
 
     def close(self) -> None:
-        """Say goodbye to peers, reclaim every client, stop the workers."""
+        """Drain and stop the workers, then say goodbye to peers and reclaim every client.
+
+        Draining comes first, while clients' rings and the peers' connections are still in place: every
+        record committed before the stop is posted and completed (``Proxy.drain``, bounded per rail).
+        """
+        for worker in self.workers:
+            worker.stop()
+        self.workers.clear()
         if self.peers:
             self.peers.broadcast(PeerBye(node=self.node, reason="shutdown"))
             self.peers.poll(0)
         for client_id in list(self.clients):
             self._reclaim(client_id)
-        for worker in self.workers:
-            worker.stop()
-        self.workers.clear()
         if self.control:
             self.control.close()
             self.control = None
@@ -418,7 +430,8 @@ class Daemon:
     def _drop_job(self, job_name: str) -> None:
         for key in [k for k in self.connections if k[0] == job_name]:
             conn = self.connections.pop(key)
-            _quietly(self.workers[conn.rail].call, "close_connection", conn=conn.conn_id)
+            if conn.rail < len(self.workers):
+                _quietly(self.workers[conn.rail].call, "close_connection", conn=conn.conn_id)
         self.jobs.pop(job_name, None)
 
     # --- peers ---------------------------------------------------------------------------------------------
@@ -562,20 +575,30 @@ class Daemon:
                 rails.append(worker.call("stats", timeout_s=5.0))
             except WorkerError as exc:
                 rails.append({"error": str(exc)})
+        # per-connection queue counters from the workers, by (rail, backend connection id)
+        queued = {(r.get("rail"), c["conn"]): c for r in rails for c in r.get("queues", {}).get("connections", [])}
+        connections = []
+        for c in self.connections.values():
+            q = queued.get((c.rail, c.conn_id), {})
+            connections.append({"conn": c.conn_id, "job": c.job, "node": c.node, "rail": c.rail, "state": c.state,
+                                "bytes": q.get("bytes", 0), "inflight": q.get("inflight", 0)})
         peers = {}
         if self.peers:
             for node, p in self.peers.peers.items():
+                mine = [c for c in connections if c["node"] == node]
                 peers[node] = {"up": p.up, "rtt_us": None if p.rtt_s is None else p.rtt_s * 1e6,
-                               "messages_in": p.messages_in, "messages_out": p.messages_out}
+                               "messages_in": p.messages_in, "messages_out": p.messages_out,
+                               "bytes": sum(c["bytes"] for c in mine), "connections": len(mine)}
         return {
             "node": self.node,
+            "pid": os.getpid(),
+            "ready": self.ready,
             "backend": self.config.backend.kind,
             "uptime_s": time.time() - self.started,
             "clients": sum(1 for c in self.clients.values() if c is not None),
             "jobs": {name: {"world": j.world, "local": sorted(j.local), "remote": sorted(j.remote)}
                      for name, j in self.jobs.items()},
-            "connections": [{"conn": c.conn_id, "job": c.job, "node": c.node, "rail": c.rail, "state": c.state}
-                            for c in self.connections.values()],
+            "connections": connections,
             "peers": peers,
             "rails": rails,
         }

@@ -9,6 +9,8 @@ loop backs off from spinning to short sleeps so an idle daemon does not burn a c
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -187,20 +189,22 @@ class RailService:
 
     # --- reporting and shutdown -----------------------------------------------------------------------------
     def op_stats(self) -> dict[str, Any]:
-        return {"rail": self.rail, "backend": self.backend.name, **self.proxy.stats()}
+        return {"rail": self.rail, "backend": self.backend.name, "pid": os.getpid(), **self.proxy.stats(),
+                "queues": self.proxy.queue_stats()}
 
     def op_stop(self) -> dict[str, Any]:
-        """Drain: post what the rings hold and wait (bounded) for completions, then exit."""
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and (self.proxy.run_once() or self.proxy.busy()):
-            pass
+        """Drain (every record committed so far is posted and completed, bounded), then exit."""
+        drained = self.proxy.drain(timeout_s=5.0)
         self.stopping = True
-        return {"drained": not self.proxy.busy()}
+        return {"drained": drained}
 
 
 def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     """Process entry of a proxy worker (``config`` arrives pickled from the main process)."""
     cfg = config
+    # The main process decides when to stop (SIGTERM -> drain): a Ctrl-C sent to the whole process group
+    # must not kill a worker in the middle of its drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=cfg.logging.level.upper(), format=f"rail{rail} %(levelname)s %(name)s: %(message)s")
     service = RailService(cfg, rail)
     link = WorkerEndpoint(link_endpoint, service)
