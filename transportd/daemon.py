@@ -133,7 +133,7 @@ class Daemon:
         self._worker_target = worker_target
         self.notifier = Notifier()
         self.ready = False
-        self.snapshot: dict[str, Any] = {}  # the last stats(), for readers on other threads (metrics)
+        self.snapshot: dict[str, Any] = {"node": self.node}  # the last stats(), for other threads (metrics)
         self.metrics: Any = None
         self.peer_wait_s = config.peers.ready_wait_s  # READY=1 waits this long for the static peers at most
 

@@ -1,69 +1,137 @@
-"""Prometheus text exposition of the daemon's counters, served on localhost.
+"""Prometheus metrics of the daemon, in the OpenMetrics text format, served on localhost (``metrics.listen``).
 
-Names follow OpenMetrics conventions (``transportd_`` prefix, ``_total`` counters, base units); labels
-are limited to node, job, rank and peer so cardinality stays bounded. The HTTP thread only reads the
-snapshot the main loop refreshes every second: it never touches sockets or workers itself.
+Conventions (OpenMetrics 1.0): every family is ``transportd_``-prefixed; a counter family is named without
+its ``_total`` suffix in ``# TYPE``/``# HELP`` and its sample carries it; values are in base units
+(seconds, bytes) with the unit as the name's last word and a ``# UNIT`` line; the body ends with
+``# EOF``. Labels are only ``node``, ``job``, ``rank`` and ``peer``, so cardinality stays bounded by the
+cluster's size. Errors by code are therefore one family per :class:`ErrorCode` (a fixed set, always
+present, 0 until seen) rather than a ``code`` label.
+
+The HTTP thread only renders the snapshot the daemon's main loop refreshes every second
+(``Daemon.stats()``): it never touches sockets or workers itself.
 """
 
 from __future__ import annotations
 
+import math
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["render_metrics", "MetricsServer"]
+from transportd.errors import ErrorCode
 
+__all__ = ["CONTENT_TYPE", "MetricsServer", "render_metrics"]
+
+CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+# rail counter key -> (family, unit, help)
 _RAIL_COUNTERS = {
-    "commands": ("transportd_commands_total", "Commands taken from rings and posted."),
-    "bytes": ("transportd_bytes_total", "Payload bytes posted."),
-    "signals": ("transportd_signals_total", "Signal work requests posted."),
-    "fences": ("transportd_fences_total", "Fences posted."),
-    "batches_full": ("transportd_batches_full_total", "Batches posted with batch_max commands."),
-    "batches_partial": ("transportd_batches_partial_total", "Batches posted before they filled."),
-    "stalls": ("transportd_stalls_total", "Proxy iterations that could not take records (inflight cap)."),
+    "commands": ("transportd_commands", "", "Commands taken from rings and accepted."),
+    "bytes": ("transportd_payload_bytes", "bytes", "Payload bytes posted."),
+    "wrs": ("transportd_work_requests", "", "Work requests posted."),
+    "signals": ("transportd_signals", "", "Signal work requests posted."),
+    "fences": ("transportd_fences", "", "Fences posted."),
+    "quiets": ("transportd_quiets", "", "QUIET commands served."),
+    "batches_full": ("transportd_batches_full", "", "Batches posted with batch_max commands."),
+    "batches_partial": ("transportd_batches_partial", "", "Batches posted before they filled."),
+    "stalls": ("transportd_stalls", "", "Proxy iterations that left ready records in a ring (inflight cap)."),
+    "signal_stalls": ("transportd_signal_stalls", "", "Iterations where a ready signal waited for the NIC."),
+    "rejected": ("transportd_command_errors", "", "Commands rejected or failed, all codes."),
+    "completion_errors": ("transportd_completion_errors", "", "Work completions with an error status."),
 }
 
 
-def _labels(**labels: object) -> str:
-    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                     for k, v in labels.items())
-    return "{" + inner + "}" if inner else ""
+def _escape(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(float(value))
+
+
+class _Writer:
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str, samples: list[tuple[dict[str, object], float]],
+               unit: str = "") -> None:
+        self.lines.append(f"# TYPE {name} {kind}")
+        if unit:
+            self.lines.append(f"# UNIT {name} {unit}")
+        self.lines.append(f"# HELP {name} {_escape(help_text)}")
+        sample_name = name + "_total" if kind == "counter" else name
+        for labels, value in samples:
+            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in {"node": self.node, **labels}.items())
+            self.lines.append(f"{sample_name}{{{inner}}} {_number(value)}")
 
 
 def render_metrics(stats: dict[str, Any]) -> str:
-    """The text exposition for one ``Daemon.stats()`` snapshot."""
-    node = stats.get("node", "")
-    out: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, object], float]]) -> None:
-        out.append(f"# HELP {name} {help_text}")
-        out.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            out.append(f"{name}{_labels(node=node, **labels)} {float(value):g}")
-
-    metric("transportd_up", "gauge", "1 while the daemon serves.", [({}, 1)])
-    metric("transportd_uptime_seconds", "gauge", "Seconds since the daemon started.", [({}, stats.get("uptime_s", 0))])
-    metric("transportd_clients", "gauge", "Joined client sessions.", [({}, stats.get("clients", 0))])
-    peers = stats.get("peers", {})
-    metric("transportd_peer_up", "gauge", "1 if the peer node answers heartbeats.",
-           [({"peer": p}, 1 if v.get("up") else 0) for p, v in sorted(peers.items())])
-    metric("transportd_peer_rtt_seconds", "gauge", "Heartbeat round trip to the peer node.",
-           [({"peer": p}, v["rtt_us"] / 1e6) for p, v in sorted(peers.items()) if v.get("rtt_us") is not None])
+    """The OpenMetrics text for one ``Daemon.stats()`` snapshot."""
+    w = _Writer(stats.get("node", ""))
+    w.family("transportd_up", "gauge", "1 while the daemon serves.", [({}, 1)])
+    w.family("transportd_ready", "gauge", "1 once the daemon reported ready (rails open, static peers up).",
+             [({}, 1 if stats.get("ready") else 0)])
+    w.family("transportd_uptime_seconds", "gauge", "Seconds since the daemon started.",
+             [({}, float(stats.get("uptime_s", 0.0)))], unit="seconds")
+    w.family("transportd_clients", "gauge", "Joined client sessions.", [({}, stats.get("clients", 0))])
     rails = [r for r in stats.get("rails", []) if "error" not in r]
-    for key, (name, help_text) in _RAIL_COUNTERS.items():
-        metric(name, "counter", help_text, [({}, sum(r.get(key, 0) for r in rails))])
-    errors: dict[str, float] = {}
+    w.family("transportd_rails", "gauge", "Rail workers answering.", [({}, len(rails))])
+
+    peers = stats.get("peers", {})
+    w.family("transportd_peer_up", "gauge", "1 while the peer node answers heartbeats.",
+             [({"peer": p}, 1 if v.get("up") else 0) for p, v in sorted(peers.items())])
+    w.family("transportd_peer_rtt_seconds", "gauge", "Heartbeat round trip to the peer node.",
+             [({"peer": p}, v["rtt_us"] / 1e6) for p, v in sorted(peers.items()) if v.get("rtt_us") is not None],
+             unit="seconds")
+    sent: dict[str, int] = {}
+    inflight: dict[str, int] = {}
+    for c in stats.get("connections", []):
+        sent[c["node"]] = sent.get(c["node"], 0) + int(c.get("bytes", 0))
+        inflight[c["node"]] = inflight.get(c["node"], 0) + int(c.get("inflight", 0))
+    w.family("transportd_peer_sent_bytes", "counter", "Payload bytes posted to the peer node's ranks.",
+             [({"peer": p}, v) for p, v in sorted(sent.items())], unit="bytes")
+    w.family("transportd_peer_inflight_work_requests", "gauge", "Work requests posted to the peer node, not "
+             "yet completed.", [({"peer": p}, v) for p, v in sorted(inflight.items())])
+
+    for key, (name, unit, help_text) in _RAIL_COUNTERS.items():
+        w.family(name, "counter", help_text, [({}, sum(int(r.get(key, 0)) for r in rails))], unit=unit)
+    by_code: dict[str, int] = {}
     for rail in rails:
         for code, count in rail.get("errors", {}).items():
-            errors[code] = errors.get(code, 0) + count
-    metric("transportd_command_errors_total", "counter", "Commands rejected or failed, by error code.",
-           [({"code": code}, count) for code, count in sorted(errors.items())])
+            by_code[code] = by_code.get(code, 0) + int(count)
+    for code in ErrorCode:
+        if code is ErrorCode.OK:
+            continue
+        name = f"transportd_command_errors_{code.name.lower()}"
+        w.family(name, "counter", f"Commands rejected or failed with {code.name}.", [({}, by_code.get(code.name, 0))])
+
+    depth: dict[tuple[str, int], int] = {}
+    age: dict[tuple[str, int], float] = {}
+    for rail in rails:
+        for ring in rail.get("queues", {}).get("rings", []):
+            key = (ring["job"], ring["rank"])
+            depth[key] = depth.get(key, 0) + int(ring["depth"])
+            age[key] = max(age.get(key, 0.0), float(ring["oldest_age_us"]) / 1e6)
+    w.family("transportd_ring_depth", "gauge", "Records committed in the rank's rings and not yet taken.",
+             [({"job": j, "rank": r}, v) for (j, r), v in sorted(depth.items())])
+    w.family("transportd_ring_oldest_age_seconds", "gauge", "How long the oldest record left in the rank's "
+             "rings has waited.", [({"job": j, "rank": r}, v) for (j, r), v in sorted(age.items())], unit="seconds")
     jobs = stats.get("jobs", {})
-    metric("transportd_job_local_ranks", "gauge", "Ranks of the job joined on this node.",
-           [({"job": j}, len(v.get("local", []))) for j, v in sorted(jobs.items())])
-    out.append("# EOF")
-    return "\n".join(out) + "\n"
+    w.family("transportd_job_local_ranks", "gauge", "Ranks of the job joined on this node.",
+             [({"job": j}, len(v.get("local", []))) for j, v in sorted(jobs.items())])
+    w.lines.append("# EOF")
+    return "\n".join(w.lines) + "\n"
 
 
 class MetricsServer:
@@ -80,7 +148,7 @@ class MetricsServer:
                     return
                 body = render_metrics(render()).encode()
                 self.send_response(200)
-                self.send_header("Content-Type", "application/openmetrics-text; version=1.0.0; charset=utf-8")
+                self.send_header("Content-Type", CONTENT_TYPE)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -88,7 +156,13 @@ class MetricsServer:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer((host.strip("[]") or "127.0.0.1", int(port)), Handler)
+        address = host.strip("[]") or "127.0.0.1"
+
+        class Server(ThreadingHTTPServer):
+            address_family = socket.AF_INET6 if ":" in address else socket.AF_INET
+
+        self.server = Server((address, int(port)), Handler)
+        self.server.daemon_threads = True
         self.address = f"{self.server.server_address[0]}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="metrics", daemon=True)
         self._thread.start()

@@ -1,0 +1,115 @@
+"""The metrics endpoint: served by a real daemon after real traffic, parsed by a strict OpenMetrics parser,
+names and labels within the conventions, counters that match the traffic."""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.ops.conftest import BACK, CHUNK, JOB, PUTS, OpsCluster, wait_until
+from transportd.config import default_config, load_config
+from transportd.errors import ErrorCode
+from transportd.metrics import CONTENT_TYPE, render_metrics
+
+parser = pytest.importorskip("prometheus_client.openmetrics.parser", reason="pip install -e '.[dev]'")
+
+ALLOWED_LABELS = {"node", "job", "rank", "peer"}
+NAME = re.compile(r"transportd_[a-z][a-z0-9_]*")
+
+
+def _scrape(listen: str, path: str = "/metrics") -> tuple[str, str]:
+    with urllib.request.urlopen(f"http://{listen}{path}", timeout=10) as response:
+        return response.headers["Content-Type"], response.read().decode()
+
+
+def _parse(text: str) -> dict[str, object]:
+    """Strict parse (raises on any violation of the format); checks the naming and label rules."""
+    families = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    for family in families.values():
+        assert NAME.fullmatch(family.name), family.name
+        assert family.type in ("counter", "gauge"), family.type
+        assert not family.name.endswith("_total"), f"{family.name}: a counter's family has no _total"
+        if family.unit:
+            assert family.name.endswith("_" + family.unit)
+        for sample in family.samples:
+            assert set(sample.labels) <= ALLOWED_LABELS, sample
+            assert sample.labels["node"], sample
+            if family.type == "counter":
+                assert sample.name == family.name + "_total" and sample.value >= 0
+    return families
+
+
+def _value(families: dict, name: str, **labels: str) -> float:
+    for sample in families[name].samples:
+        if all(sample.labels.get(k) == v for k, v in labels.items()):
+            return sample.value
+    raise KeyError((name, labels))
+
+
+def test_metrics_of_a_real_daemon_after_traffic(ops_cluster: OpsCluster) -> None:
+    listen = ops_cluster.metrics["nodea"]
+
+    def scraped() -> dict | None:  # the daemon refreshes its snapshot every second
+        content_type, text = _scrape(listen)
+        assert content_type == CONTENT_TYPE
+        assert text.endswith("# EOF\n")
+        families = _parse(text)
+        return families if _value(families, "transportd_commands") >= PUTS else None
+
+    families = wait_until(scraped, timeout=10.0, interval=0.3, what="the metrics snapshot to show the traffic")
+    assert _value(families, "transportd_up", node="nodea") == 1
+    assert _value(families, "transportd_ready") == 1
+    assert _value(families, "transportd_payload_bytes") >= PUTS * CHUNK
+    assert _value(families, "transportd_signals") >= PUTS and _value(families, "transportd_fences") >= 1
+    assert _value(families, "transportd_batches_full") + _value(families, "transportd_batches_partial") > 0
+    assert _value(families, "transportd_peer_up", peer="nodeb") == 1
+    assert 0 < _value(families, "transportd_peer_rtt_seconds", peer="nodeb") < 5
+    assert _value(families, "transportd_peer_sent_bytes", peer="nodeb") >= PUTS * CHUNK
+    assert _value(families, "transportd_ring_depth", job=JOB, rank="0") == 0
+    assert _value(families, "transportd_job_local_ranks", job=JOB) == 1
+    assert families["transportd_uptime_seconds"].unit == "seconds"
+    for code in ErrorCode:  # one family per code, present before any error happened
+        if code is not ErrorCode.OK:
+            assert _value(families, f"transportd_command_errors_{code.name.lower()}") == 0
+
+    # nodeb saw the bad record: counted under its code
+    b = wait_until(lambda: (lambda f: f if _value(f, "transportd_command_errors") else None)(
+        _parse(_scrape(ops_cluster.metrics["nodeb"])[1])), timeout=10.0, interval=0.3, what="nodeb's error count")
+    assert _value(b, "transportd_command_errors_bad_region") == 1
+    assert _value(b, "transportd_peer_sent_bytes", peer="nodea") >= BACK * CHUNK
+
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _scrape(listen, "/")
+    assert err.value.code == 404
+
+
+def test_render_is_exact_and_strict_for_any_snapshot() -> None:
+    big = 12_345_678_901_234  # counters print exactly, not as a rounded float
+    stats = {
+        "node": "n1", "ready": True, "uptime_s": 12.5, "clients": 2,
+        "peers": {"n2": {"up": True, "rtt_us": 250.0}, "n3": {"up": False, "rtt_us": None}},
+        "connections": [{"node": "n2", "bytes": big, "inflight": 4}, {"node": "n2", "bytes": 1, "inflight": 0}],
+        "jobs": {'we"ird\\job': {"local": [0, 1]}},
+        "rails": [{"commands": big, "bytes": 7, "errors": {"BAD_PEER": 2},
+                   "queues": {"rings": [{"job": 'we"ird\\job', "rank": 0, "depth": 3, "oldest_age_us": 2500.0}]}},
+                  {"error": "rail 1 worker died"}],
+    }
+    text = render_metrics(stats)
+    families = _parse(text)
+    assert f"transportd_commands_total{{node=\"n1\"}} {big}\n" in text
+    assert _value(families, "transportd_peer_sent_bytes", peer="n2") == big + 1
+    assert _value(families, "transportd_peer_up", peer="n3") == 0
+    assert _value(families, "transportd_command_errors_bad_peer") == 2
+    assert _value(families, "transportd_ring_oldest_age_seconds", job='we"ird\\job', rank="0") == 0.0025
+    assert _value(families, "transportd_rails") == 1
+    _parse(render_metrics({"node": "n1"}))  # the daemon's snapshot before its first refresh is still valid
+
+
+def test_metrics_are_off_by_default(tmp_path) -> None:
+    assert default_config(env={}).metrics.listen == ""
+    path = tmp_path / "m.toml"
+    path.write_text('[metrics]\nlisten = "127.0.0.1:9464"\n')
+    assert load_config(path, env={}).metrics.listen == "127.0.0.1:9464"
