@@ -2,18 +2,18 @@
 
 One iteration (:meth:`Proxy.run_once`):
 
-1. **progress** -- drain the backend's completions: each posted batch has one token; map it back to the
-   ring positions it covered, free its inflight WRs, publish each channel's completion position (the first
-   ring position not yet complete, so a kernel's QUIET at ``p`` is satisfied once it is ``> p``), and
-   write REMOTE_ACCESS / TRANSPORT into the channel's error word for a completion with an error status.
-2. **take** -- from every channel, take the records that are ready, as many as the connections its job
+1. **take** -- from every channel, take the records that are ready, as many as the connections its job
    feeds can still accept (``consume_ready(max_records=...)``): when a connection is full, records stay in
    the ring and the ring fills, so backpressure reaches the producer; nothing is dropped and nothing is
    buffered beyond the inflight cap. Records are validated and translated in one vectorized call
    (:mod:`transportd.translate`); a bad one is counted and reported through the channel's error word.
-3. **post** -- rows wait per connection until a batch of ``batch_max`` commands fills, the polling
+2. **post** -- rows wait per connection until a batch of ``batch_max`` commands fills, the polling
    window (``poll_window_us``) passes, or a NO_BATCH / FENCE / QUIET command asks for it; each ready batch
    (decoupled if asked, :mod:`transportd.batching`) is posted under the per-connection inflight cap.
+3. **progress** -- drain the backend's completions: each posted batch has one token; map it back to the
+   ring positions it covered, free its inflight WRs, publish each channel's completion position (the first
+   ring position not yet complete, so a kernel's QUIET at ``p`` is satisfied once it is ``> p``), and
+   write REMOTE_ACCESS / TRANSPORT into the channel's error word for a completion with an error status.
 
 The ring knows nothing about RDMA and the backend knows nothing about rings: this module is the only
 place they meet. Tables are job-scoped (DESIGN.md section 5): a channel (one client's ring) resolves
@@ -325,16 +325,21 @@ class Proxy:
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run_once(self) -> bool:
-        """One pass: drain completions, take ready records, post ready batches. True if it did any work."""
+        """One pass: take ready records, post ready batches, drain completions. True if it did any work.
+
+        Posting comes first so a fresh record never waits behind completion handling; completions are
+        drained right after, so a fast NIC's completion (and the QUIET position) lands in the same pass.
+        """
         with self._lock:
             self.counters["iterations"] += 1
-            did = self._progress() > 0
             now = time.monotonic_ns()
             took, quiet = self._take(now)
+            did = took
             if len(self._plan):
                 did |= self._post(now, quiet)
+            did |= self._progress() > 0
             self._advance_touched()
-            return did or took
+            return did
 
     def run(self, stop: threading.Event | Callable[[], bool], *, check_every: int = 64,
             idle_sleep_s: float = 0.0) -> None:
@@ -699,7 +704,17 @@ class Proxy:
 
     # -- reporting ---------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counters as a plain dict (msgpack/JSON-able) for ``transportctl stats``."""
+        """Counters as a plain dict (msgpack/JSON-able) for ``transportctl stats``.
+
+        ``commands`` good records taken (QUIETs included, ``quiets`` of them); ``rejected`` bad ones, by code
+        in ``errors`` (completion errors included); ``wrs``/``writes``/``signals``/``fences``/``bytes`` what
+        was posted (``signals_requested``: signals before decoupled reduction); ``batch_hist[i]`` batches
+        of ``i+1`` commands; ``signals_per_dest_batch`` signals per (batch, destination) pair that had one.
+        ``stalls``: iterations in which the inflight cap left ready records in a ring. ``signal_stalls``:
+        iterations in which a ready batch holding a signal had to wait for completions; the proxy never
+        drains a CQ to order a signal and admits records only with room for them, so this stays 0 unless
+        a backend turns rows into more WRs than the proxy counted.
+        """
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
             pairs = out["signal_dest_batches"]
