@@ -1,0 +1,112 @@
+"""deploy/: the systemd unit meets the operations rules (and systemd itself accepts it); the example config
+is exactly what the config module documents and loads."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.ops.conftest import installed_script
+from transportd.config import KEYS, default_config, example_config, load_config
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+UNIT = DEPLOY / "transportd.service"
+EXAMPLE = DEPLOY / "transportd.toml"
+
+
+def _unit(text: str) -> dict[str, dict[str, list[str]]]:
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, _, value = line.partition("=")
+        assert current is not None, f"{raw!r} outside a section"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def test_unit_file_meets_the_operations_rules() -> None:
+    unit = _unit(UNIT.read_text())
+    service = {k: v[-1] for k, v in unit["Service"].items()}
+    assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
+    exec_start = service["ExecStart"].split()
+    assert exec_start[0].startswith("/") and Path(exec_start[0]).name == "transportd", "absolute script path"
+    assert exec_start[1:] == ["run", "--config", "/etc/transportd/transportd.toml"]
+    assert service["LimitMEMLOCK"] == "infinity"
+    assert service["Restart"] == "on-failure"
+    assert service["RuntimeDirectory"] == "transportd"
+    assert "WatchdogSec" in service and service["KillMode"] == "mixed"
+    # hardening is on, but nothing that closes /dev/infiniband or /dev/nvidia*
+    assert service["NoNewPrivileges"] == "yes" and service["ProtectSystem"] == "strict"
+    assert service.get("PrivateDevices", "no") == "no"
+    for closing in ("DevicePolicy", "DeviceAllow", "ProtectClock"):
+        assert closing not in service, f"{closing}= would switch the device cgroup to an allow-list"
+    # ProtectSystem=strict leaves /tmp read-only: the rail workers' link sockets need PrivateTmp
+    assert service["PrivateTmp"] == "yes"
+    assert "AF_IB" in service["RestrictAddressFamilies"] and "AF_NETLINK" in service["RestrictAddressFamilies"]
+    # the daemon's own wait for peers fits in the start timeout
+    assert default_config(env={}).peers.ready_wait_s < int(service["TimeoutStartSec"].rstrip("s"))
+    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_systemd_analyze_verify_accepts_the_unit(tmp_path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is missing (Debian package systemd; .ci/run installs it)")
+    script = installed_script("transportd")
+    if script is None:
+        pytest.skip("the transportd console script is not installed (pip install -e .)")
+    # `verify` checks that ExecStart's program exists and is executable. The unit names the path a root
+    # `pip install` gives (/usr/local/bin/transportd), which a test machine or a virtualenv does not have,
+    # so a copy points at the script installed for this interpreter; every other line is verified as is.
+    text = UNIT.read_text()
+    original = re.search(r"^ExecStart=(\S+)", text, re.M)
+    assert original is not None
+    copy = tmp_path / "transportd.service"  # verify wants the real unit name (type from the suffix)
+    copy.write_text(text.replace(f"ExecStart={original.group(1)} ", f"ExecStart={script} "))
+    assert f"ExecStart={script} run --config /etc/transportd/transportd.toml" in copy.read_text()
+    proc = subprocess.run([analyze, "verify", str(copy)], capture_output=True, text=True, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    # unknown keys and bad values are only warnings (exit 0): none may mention our file
+    assert "transportd.service" not in output, output
+
+
+def test_example_config_is_generated_and_loads() -> None:
+    assert EXAMPLE.read_text() == example_config(), "regenerate: python -c 'from transportd.config import " \
+        "example_config; print(example_config(), end=\"\")' > deploy/transportd.toml"
+    assert load_config(EXAMPLE, env={}) == default_config(env={})
+
+
+def test_example_config_documents_every_key_at_its_default(tmp_path) -> None:
+    text = EXAMPLE.read_text()
+    section = None
+    in_rails_example = False  # the commented [[backend.rails]] table stays commented (its device is made up)
+    commented: set[str] = set()
+    uncommented = []
+    for line in text.splitlines():
+        if re.fullmatch(r"\[(\w+)\]", line):
+            section = line.strip("[]")
+        in_rails_example = (in_rails_example or line == "# [[backend.rails]]") and line != ""
+        match = re.fullmatch(r"# (\w+) = (.*)", line)
+        if match and section and not in_rails_example:
+            commented.add(f"{section}.{match.group(1)}")
+            if f"{section}.{match.group(1)}" != "node.name":  # its default is the host name, shown in words
+                line = f"{match.group(1)} = {match.group(2)}"
+        uncommented.append(line)
+    documented = {k for k in KEYS if "[]" not in k and k != "backend.rails"}
+    assert commented == documented
+    assert "# [[backend.rails]]" in text
+    # every line uncommented: still valid, and still the defaults
+    path = tmp_path / "all.toml"
+    path.write_text("\n".join(uncommented) + "\n")
+    assert load_config(path, env={}) == default_config(env={})
