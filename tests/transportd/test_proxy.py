@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cmd_ring import Command, Flag, Opcode, RingFile, RingProducer, records_from_commands
 from transportd.backend import PlanOp
@@ -394,3 +396,51 @@ def test_stats_are_plain_json(rig) -> None:
     for key in ("commands", "bytes", "signals", "fences", "batches_full", "batches_partial", "batch_hist", "stalls",
                 "signal_stalls", "errors", "inflight"):
         assert key in stats
+
+
+# --- naive and decoupled proxies agree on random streams ----------------------------------------------------
+def _stream_command(kind: int, peer: int, slot: int, set_: bool, value: int, no_batch: bool, chunk: int) -> Command:
+    flags = (Flag.SIGNAL_SET if set_ else Flag.NONE) | (Flag.NO_BATCH if no_batch else Flag.NONE)
+    if kind == 0:
+        return put(chunk, peer, flags=flags)
+    if kind == 1:
+        return put_signal(chunk, peer, slot=slot, value=value, flags=flags)
+    if kind == 2:
+        return Command(Opcode.SIGNAL, peer=peer, signal_slot=slot, signal_value=value, flags=flags, chunk_id=chunk)
+    if kind == 3:
+        return Command(Opcode.FENCE, peer=peer, flags=flags, chunk_id=chunk)
+    if kind == 4:
+        return Command(Opcode.QUIET, chunk_id=chunk)
+    return put_signal(chunk, peer, slot=FLAG_SLOTS + slot, value=value)  # bad: BAD_SLOT
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 1, 1, 2, 2, 3, 4, 5]), st.integers(1, WORLD - 1), st.integers(0, 2),
+                          st.integers(0, 5).map(lambda x: x == 0), st.integers(0, 3), st.integers(0, 7).map(
+                              lambda x: x == 0)), min_size=1, max_size=80),
+       st.sampled_from([1, 3, 8]))
+def test_naive_and_decoupled_proxies_agree(rig_factory, stream, batch_max) -> None:
+    commands = [_stream_command(*item, chunk=i) for i, item in enumerate(stream)]
+    rigs = [rig_factory(poll_window_us=0, batch_max=batch_max, decoupled=d) for d in (False, True)]
+    for rig in rigs:
+        for i in range(0, len(commands), 16):  # several takes, so batches span iterations
+            rig.push(*commands[i : i + 16])
+            rig.spin(2)
+        rig.spin(2)
+        assert rig.ring.completion_pos == len(commands) and not rig.proxy.busy()
+    naive, dec = rigs
+    all_plans = {r: [p for peer in range(1, WORLD) for p in r.posted(peer)] for r in (naive, dec)}
+    assert apply_plans(all_plans[naive]) == apply_plans(all_plans[dec])
+    for peer in range(1, WORLD):
+        assert naive.chunks(peer) == dec.chunks(peer)
+    assert naive.ring.error == dec.ring.error
+    for plan in all_plans[dec]:  # one signal per flag word per FENCE-delimited segment of each batch
+        segment: set[int] = set()
+        for row in plan:
+            if row["op"] == PlanOp.FENCE:
+                segment = set()
+            elif row["op"] == PlanOp.SIGNAL:
+                assert int(row["raddr"]) not in segment
+                segment.add(int(row["raddr"]))
+            else:
+                assert not segment, "a WRITE after a signal of its segment"
