@@ -42,6 +42,8 @@ class Notifier:
             pass  # systemd gone or socket full: never let notification break the daemon
 
     def ready(self, status: str = "") -> None:
+        if status:
+            self._last_status = status
         self.notify("READY=1", *([f"STATUS={status}"] if status else []))
 
     def status(self, text: str) -> None:
@@ -50,6 +52,7 @@ class Notifier:
             self.notify(f"STATUS={text}")
 
     def stopping(self, status: str = "draining") -> None:
+        self._last_status = status
         self.notify("STOPPING=1", f"STATUS={status}")
 
     def tick(self) -> None:
