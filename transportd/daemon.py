@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -316,6 +317,7 @@ class Daemon:
                                               "handle (gpuclient: session.flags(count, where='device'))")
         path = self.runtime_dir / f"tpd-flags-{self.node}-{rank.job}-{rank.rank}-{os.getpid()}"
         flags = FlagFile(path, req.count, create=True, mode=self.config.control.mode)  # + the status word
+        self._give_to_group(path)
         for worker in self.workers:
             if req.where == "device":
                 rank.flag_keys[worker.rail] = worker.call(
@@ -365,6 +367,7 @@ class Daemon:
         channel_id = next(self._channel_ids)
         name = f"tpd-ring-{self.node}-{rank.job}-{rank.rank}-{channel_id}-{os.getpid()}"
         ring = RingFile.create(str(self.runtime_dir / name), req.capacity, mode=self.config.control.mode)
+        self._give_to_group(ring.path)
         try:
             self.workers[rank.rail].call("add_channel", channel=channel_id, path=str(ring.path), job=rank.job,
                                          rank=rank.rank, world=rank.world)
@@ -374,6 +377,11 @@ class Daemon:
             raise RequestError("channel_failed", str(exc)) from None
         rank.channels[channel_id] = ring
         return {"channel": channel_id, "path": str(ring.path), "capacity": req.capacity, "rail": rank.rail}
+
+    def _give_to_group(self, path: str | Path) -> None:
+        """Rings and flag files belong to ``control.group`` like the socket, so that group's clients map them."""
+        if self.config.control.group:
+            shutil.chown(path, group=self.config.control.group)
 
     def on_stats(self, client_id: bytes, req: Stats) -> dict[str, Any]:
         return self.stats()

@@ -6,6 +6,7 @@ known traffic (so every counter the tests read has a known lower bound) and keep
 
 from __future__ import annotations
 
+import grp
 import inspect
 import json
 import os
@@ -33,12 +34,24 @@ BACK = 3  # PUT_SIGNAL b -> a, each adds 1 to a's flag 2
 INFLIGHT_CAP = 8  # small, so a stalled peer fills the cap after four PUT_SIGNALs
 
 
+def control_group() -> str:
+    """A group nodeb gives its socket, rings and flag files to: not our own when we may (root), else ours."""
+    if os.geteuid() == 0:
+        for name in ("nogroup", "nobody", "users"):
+            try:
+                return grp.getgrnam(name).gr_name
+            except KeyError:
+                pass
+    return grp.getgrgid(os.getegid()).gr_name
+
+
 @dataclass
 class OpsCluster:
     cluster: LocalCluster
     a: Rank  # rank 0 on nodea
     b: Rank  # rank 1 on nodeb
     metrics: dict[str, str]  # node -> host:port
+    group: str  # nodeb's control.group
 
     def socket(self, node: str) -> str:
         return self.cluster.socket(node)
@@ -94,12 +107,15 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: s
 @pytest.fixture(scope="session")
 def ops_cluster() -> Iterator[OpsCluster]:
     metrics = {name: f"127.0.0.1:{free_port()}" for name in ("nodea", "nodeb")}
+    per_node: dict[str, dict[str, Any]] = {name: {"metrics": {"listen": listen}} for name, listen in metrics.items()}
+    group = control_group()
+    per_node["nodeb"]["control"] = {"group": group}
     cluster = LocalCluster(
         2,
         overrides={"proxy": {"inflight_cap": INFLIGHT_CAP},
                    # the backpressure test stops nodeb's rail worker for a moment: keep the peer "up" meanwhile
                    "peers": {"heartbeat_timeout_s": 15.0}},
-        per_node={name: {"metrics": {"listen": listen}} for name, listen in metrics.items()},
+        per_node=per_node,
     )
     cluster.start()
     ranks: list[Rank] = []
@@ -121,7 +137,7 @@ def ops_cluster() -> Iterator[OpsCluster]:
         # one bad record on b's channel: region 77 was never registered -> BAD_REGION, counted by code
         b.channel.put(peer=0, dst_region=77, dst_off=0, src_region=b.src.id, src_off=0, nbytes=CHUNK)
         wait_until(lambda: b.channel.status()[0] != 0, what="the bad record's error word")
-        yield OpsCluster(cluster, a, b, metrics)
+        yield OpsCluster(cluster, a, b, metrics, group)
     finally:
         try:
             if ranks:

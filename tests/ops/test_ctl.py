@@ -3,6 +3,7 @@ readable, and the failure modes (no daemon, stale socket, no permission) as one 
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import signal
 import socket
 import stat
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -211,3 +213,14 @@ def test_socket_without_permission(ops_cluster: OpsCluster) -> None:
     assert result.exit_code == 2, result
     line = assert_one_line(result.stderr)
     assert "no permission to use control socket" in line and "mode 0000" in line and "control.group" in line
+    assert f"group {ops_cluster.group}" in line
+
+
+def test_control_group_owns_socket_rings_and_flags(ops_cluster: OpsCluster) -> None:
+    """A client in control.group can use the socket and map its ring and flags: all three are the group's."""
+    gid = grp.getgrnam(ops_cluster.group).gr_gid
+    socket_path = Path(ops_cluster.socket("nodeb").removeprefix("ipc://"))
+    (flags_path,) = Path("/dev/shm").glob(f"tpd-flags-nodeb-{JOB}-1-*")
+    for path in (socket_path, Path(ops_cluster.b.channel.ring.path), flags_path):
+        st = os.stat(path)
+        assert st.st_gid == gid and stat.S_IMODE(st.st_mode) == 0o660, path
