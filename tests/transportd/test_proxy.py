@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cmd_ring import Command, Flag, Opcode, RingFile, RingProducer, records_from_commands
@@ -414,14 +414,21 @@ def _stream_command(kind: int, peer: int, slot: int, set_: bool, value: int, no_
     return put_signal(chunk, peer, slot=FLAG_SLOTS + slot, value=value)  # bad: BAD_SLOT
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([0, 1, 1, 1, 2, 2, 3, 4, 5]), st.integers(1, WORLD - 1), st.integers(0, 2),
                           st.integers(0, 5).map(lambda x: x == 0), st.integers(0, 3), st.integers(0, 7).map(
                               lambda x: x == 0)), min_size=1, max_size=80),
        st.sampled_from([1, 3, 8]))
-def test_naive_and_decoupled_proxies_agree(rig_factory, stream, batch_max) -> None:
-    commands = [_stream_command(*item, chunk=i) for i, item in enumerate(stream)]
-    rigs = [rig_factory(poll_window_us=0, batch_max=batch_max, decoupled=d) for d in (False, True)]
+def test_naive_and_decoupled_proxies_agree(stream, batch_max) -> None:
+    rigs = [Rig(poll_window_us=0, batch_max=batch_max, decoupled=d) for d in (False, True)]
+    try:
+        _check_naive_and_decoupled_agree(rigs, [_stream_command(*item, chunk=i) for i, item in enumerate(stream)])
+    finally:
+        for rig in rigs:
+            rig.close()
+
+
+def _check_naive_and_decoupled_agree(rigs: list[Rig], commands: list[Command]) -> None:
     for rig in rigs:
         for i in range(0, len(commands), 16):  # several takes, so batches span iterations
             rig.push(*commands[i : i + 16])
