@@ -69,7 +69,10 @@ def driver() -> Any:
                 except ImportError as exc:
                     raise CudaUnavailableError("import cuda.bindings.driver",
                                                f"{exc}: install cuda-python (pip install 'transportd[cuda]')") from None
-                (err,) = drv.cuInit(0)
+                try:
+                    (err,) = drv.cuInit(0)
+                except RuntimeError as exc:  # cuda-python without a driver: "Failed to dlopen libcuda.so.1"
+                    raise CudaUnavailableError("cuInit", str(exc)) from None
                 if err != drv.CUresult.CUDA_SUCCESS:
                     raise CudaUnavailableError("cuInit", _name(err))
                 _driver = drv
@@ -274,6 +277,11 @@ class DeviceMemory:
 
     def buffer(self) -> DeviceBuffer:
         return DeviceBuffer(self.ptr, self.nbytes, self.device, self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The allocation as a flat uint8 CUDA array, so ``session.register`` takes it directly."""
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
 
     def read(self, offset: int, nbytes: int) -> bytes:
         """Copy ``nbytes`` at ``offset`` to the host (synchronous)."""

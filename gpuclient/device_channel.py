@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from gpuclient.cuda_memory import DeviceMemory, HostMapping
     from gpuclient.session import ChannelHandle, Session
 
-__all__ = ["CHANNEL_ABI", "CHANNEL_DTYPE", "CHANNEL_SIZE", "ChannelStruct", "DeviceChannel", "DeviceFlags",
-           "device_handle"]
+__all__ = ["CHANNEL_ABI", "CHANNEL_DTYPE", "CHANNEL_SIZE", "RING_DTYPE", "ChannelStruct", "DeviceChannel",
+           "DeviceFlags", "DeviceRing", "device_handle", "map_ring"]
 
 CHANNEL_ABI = 1  # TPD_CHANNEL_ABI
 CHANNEL_SIZE = 64  # TPD_CHANNEL_SIZE
@@ -57,6 +57,10 @@ CHANNEL_DTYPE = np.dtype(
 )
 assert CHANNEL_DTYPE.itemsize == CHANNEL_SIZE
 
+#: ``struct tpd::RingDevice`` (ring_device.cuh): the first five words of a Channel, usable on its own.
+RING_DTYPE = np.dtype([(name, CHANNEL_DTYPE.fields[name][0]) for name in CHANNEL_DTYPE.names[:6]], align=True)
+assert RING_DTYPE.itemsize == 40
+
 
 class ChannelStruct(ctypes.Structure):
     """A ctypes view of ``tpd::Channel`` (same fields and offsets as CHANNEL_DTYPE)."""
@@ -69,13 +73,55 @@ assert ctypes.sizeof(ChannelStruct) == CHANNEL_SIZE
 
 
 @dataclass
+class DeviceRing:
+    """A ring mapped for kernels: the file registered with CUDA plus the head/credit words in device memory."""
+
+    ring_map: HostMapping
+    counters: DeviceMemory  # u64 head at 0, u64 credit at 8
+    value: np.ndarray = field(repr=False)  # one RING_DTYPE record
+
+    @property
+    def bytes(self) -> bytes:
+        """The 40 bytes of ``tpd::RingDevice`` (a kernel argument)."""
+        return self.value.tobytes()
+
+    def head(self) -> int:
+        """Positions claimed by kernels so far (reads the device head word)."""
+        return int.from_bytes(self.counters.read(0, 8), "little")
+
+    def release(self) -> None:
+        self.counters.free()
+        self.ring_map.unmap()
+
+
+def map_ring(ring: Any, device: int) -> DeviceRing:
+    """Map ``ring`` (a ``cmd_ring.RingFile``) into ``device``'s address space and allocate its head and credit.
+
+    The head starts at the ring's host producer position and the credit cache at its consumer position,
+    so a kernel continues where a CPU producer stopped (never drive one ring from both at once).
+    """
+    from gpuclient.cuda_memory import DeviceMemory, map_host
+
+    ring_map = map_host(ring.address, ring.size, device)
+    try:
+        counters = DeviceMemory(16, device)
+    except BaseException:
+        ring_map.unmap()
+        raise
+    counters.write(0, int(ring.producer_pos).to_bytes(8, "little") + int(ring.consumer_pos).to_bytes(8, "little"))
+    value = np.zeros(1, dtype=RING_DTYPE)
+    value[0] = (ring_map.device_ptr + CONTROL_BYTES, ring_map.device_ptr, counters.ptr, counters.ptr + 8,
+                ring.capacity, CHANNEL_ABI)
+    return DeviceRing(ring_map, counters, value)
+
+
+@dataclass
 class DeviceChannel:
     """The GPU resources behind one channel's handle; ``handle`` is the kernel argument."""
 
     channel: ChannelHandle
     device: int
-    ring_map: HostMapping
-    counters: DeviceMemory  # u64 head at 0, u64 credit at 8
+    ring: DeviceRing
     flags_map: HostMapping | None
     value: np.ndarray = field(repr=False)  # one CHANNEL_DTYPE record
 
@@ -94,12 +140,11 @@ class DeviceChannel:
 
     def head(self) -> int:
         """Positions claimed by kernels so far (reads the device head word)."""
-        return int.from_bytes(self.counters.read(0, 8), "little")
+        return self.ring.head()
 
     def release(self) -> None:
         """Free the device words and unregister the host mappings (the channel must be idle)."""
-        self.counters.free()
-        self.ring_map.unmap()
+        self.ring.release()
         if self.flags_map is not None:
             self.flags_map.unmap()
 
@@ -178,7 +223,7 @@ def device_handle(channel: ChannelHandle, device: int | None = None) -> DeviceCh
     Call it after ``session.flags(...)`` so the handle carries the flags. A channel driven from a kernel
     must not also be pushed to from the CPU (the two would keep separate heads).
     """
-    from gpuclient.cuda_memory import DeviceMemory, map_host, use_device
+    from gpuclient.cuda_memory import use_device
 
     existing = getattr(channel, "_device_channel", None)
     if existing is not None:
@@ -187,14 +232,10 @@ def device_handle(channel: ChannelHandle, device: int | None = None) -> DeviceCh
     if device is None:
         device = session.device if getattr(session, "device", None) not in (None, -1) else 0
     use_device(device)
-    ring = channel.ring
-    ring_map = map_host(ring.address, ring.size, device)
-    counters = DeviceMemory(16, device)
-    counters.write(0, int(ring.producer_pos).to_bytes(8, "little") + int(ring.consumer_pos).to_bytes(8, "little"))
+    ring = map_ring(channel.ring, device)
     flags_ptr, flag_count, flags_map = _flag_pointer(session, device)
     value = np.zeros(1, dtype=CHANNEL_DTYPE)
-    value[0] = (ring_map.device_ptr + CONTROL_BYTES, ring_map.device_ptr, counters.ptr, counters.ptr + 8,
-                ring.capacity, CHANNEL_ABI, flags_ptr, flag_count, session.rank, session.world, channel.id)
-    dc = DeviceChannel(channel, device, ring_map, counters, flags_map, value)
+    value[0] = tuple(ring.value[0]) + (flags_ptr, flag_count, session.rank, session.world, channel.id)
+    dc = DeviceChannel(channel, device, ring, flags_map, value)
     channel._device_channel = dc
     return dc

@@ -1,0 +1,366 @@
+"""GPU benchmarks on a CUDA machine: push cost, commit -> posted latency, put -> flag latency.
+
+    python benchmarks/gpu_bench.py --json gpu_bench.json
+
+push
+    one push = atomicAdd on the device-memory head + one 48-byte record into the mapped ring file. Per
+    commit variant (the library's four header-last ones and the benchmark-only per-word parity): one
+    thread's ns per push (global timer around a loop), and pushes/s with 132 x 128 threads (CUDA events).
+    The credit cache is preset so the bare push is measured, with no consumer.
+latency (one thread, pushes paced 20 us apart so nothing queues)
+    commit -> posted: the proxy (``transportd.proxy.Proxy``, the worker's loop, poll window 0) over the null
+    backend, which logs when each command is posted; commit -> consumed: a bare consumer of the same ring,
+    header-last (``RingConsumer``) against per-word parity (this file's ``ParityConsumer``). The GPU's
+    %globaltimer is mapped onto CLOCK_MONOTONIC by a ping-pong through mapped host memory (the tightest of
+    200 round trips; its half-width bounds the error).
+put -> flag
+    two daemons (``LocalCluster``, RC over softverbs), ranks 0 and 1 in this process on one GPU: rank 0's
+    kernel put_signals 4 KiB, rank 1's kernel waits for the flag and acks through device memory; both stamp
+    the global timer. Device flags (published into GPU memory through the worker's copies) against
+    host-mapped flags (written by the soft NIC into the flag file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import gpuclient  # noqa: E402
+from cmd_ring import RingConsumer, RingFile  # noqa: E402
+from gpuclient.cuda_memory import DeviceMemory, check, driver, map_host, use_device  # noqa: E402
+from gpuclient.device_channel import DeviceRing, map_ring  # noqa: E402
+
+KERNELS = Path(__file__).with_name("gpu_push.cu")
+HEADER_LAST = ("release_sys", "fence_sys", "v2_release", "v2_split")
+PARITY = ("parity", "parity_v2")
+DEFAULT_VARIANT = {0: "release_sys", 1: "fence_sys", 2: "v2_release", 3: "v2_split"}
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+class Gpu:
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        use_device(device)
+        self.drv = driver()
+        self.module = gpuclient.compile(KERNELS.read_text(), device=device, name="gpu_push.cu")
+        self.stream = check(self.drv.cuStreamCreate(self.drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
+        self.sms = int(check(self.drv.cuDeviceGetAttribute(
+            self.drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)))
+
+    def sync(self, stream: Any = None) -> None:
+        check(self.drv.cuStreamSynchronize(self.stream if stream is None else stream), "cuStreamSynchronize")
+
+    def timed(self, kernel: str, grid: int, block: int, args: tuple) -> float:
+        """Seconds between CUDA events around one launch."""
+        drv = self.drv
+        start, end = (check(drv.cuEventCreate(0), "cuEventCreate") for _ in range(2))
+        check(drv.cuEventRecord(start, self.stream), "cuEventRecord")
+        self.module.function(kernel).launch(grid, block, args, stream=self.stream)
+        check(drv.cuEventRecord(end, self.stream), "cuEventRecord")
+        check(drv.cuEventSynchronize(end), "cuEventSynchronize")
+        ms = check(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime")
+        drv.cuEventDestroy(start)
+        drv.cuEventDestroy(end)
+        return float(ms) / 1e3
+
+
+def _ring(tag: str, capacity: int) -> RingFile:
+    return RingFile.create(f"tpd-gpubench-{tag}-{os.getpid()}-{time.monotonic_ns() % 10**9}", capacity)
+
+
+# --- push cost ------------------------------------------------------------------------------------------------
+def push_cost(gpu: Gpu, variant: str, single_iters: int, agg_iters: int, threads: int = 128) -> dict[str, float]:
+    with _ring(f"push-{variant}", 1 << 14) as ring:
+        dev = map_ring(ring, gpu.device)
+        out = DeviceMemory(16, gpu.device)
+        try:
+            dev.counters.write(8, (1 << 62).to_bytes(8, "little"))  # credits never run out: the bare push
+            args1 = (dev, np.uint32(single_iters), np.uint64(out.ptr))
+            gpu.module.function(f"push_loop_{variant}").launch(1, 1, (dev, np.uint32(100), np.uint64(out.ptr)),
+                                                               stream=gpu.stream)  # warm-up
+            gpu.sync()
+            singles = []
+            for _ in range(3):
+                gpu.module.function(f"push_loop_{variant}").launch(1, 1, args1, stream=gpu.stream)
+                gpu.sync()
+                t0, t1 = np.frombuffer(out.read(0, 16), dtype="<u8")
+                singles.append((int(t1) - int(t0)) / single_iters)
+            blocks = gpu.sms
+            argsn = (dev, np.uint32(agg_iters), np.uint64(out.ptr))
+            gpu.timed(f"push_loop_{variant}", blocks, threads, (dev, np.uint32(4), np.uint64(out.ptr)))  # warm-up
+            rates = [blocks * threads * agg_iters / gpu.timed(f"push_loop_{variant}", blocks, threads, argsn)
+                     for _ in range(3)]
+        finally:
+            out.free()
+            dev.release()
+    return {"push_ns": float(np.median(singles)), "push_ns_min": float(min(singles)),
+            "pushes_per_s": float(np.median(rates)), "pushes_per_s_max": float(max(rates)),
+            "threads": blocks * threads}
+
+
+# --- clocks -----------------------------------------------------------------------------------------------------
+def calibrate(gpu: Gpu, rounds: int = 200) -> dict[str, float]:
+    """Offset of the GPU global timer against CLOCK_MONOTONIC: gpu_ns - offset = monotonic ns."""
+    words = gpuclient.host_array(512, np.uint64)
+    mapping = map_host(int(words.ctypes.data), words.nbytes, gpu.device)
+    ping, pong = mapping.device_ptr, mapping.device_ptr + 64
+    try:
+        gpu.module.function("clock_pingpong").launch(1, 1, (np.uint64(ping), np.uint64(pong), np.uint32(rounds)),
+                                                     stream=gpu.stream)
+        best = None
+        deadline = time.monotonic() + 30
+        for r in range(1, rounds + 1):
+            h1 = time.monotonic_ns()
+            words[0] = r
+            while words[8] != r:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("clock ping-pong: the GPU did not answer")
+            h2 = time.monotonic_ns()
+            g = int(words[9])
+            if best is None or h2 - h1 < best[0]:
+                best = (h2 - h1, g - (h1 + h2) // 2)
+        gpu.sync()
+    finally:
+        mapping.unmap()
+    assert best is not None
+    return {"offset_ns": float(best[1]), "round_trip_ns": float(best[0]), "error_bound_ns": best[0] / 2}
+
+
+# --- commit -> posted / consumed ----------------------------------------------------------------------------------
+class ParityConsumer:
+    """Benchmark-only consumer of per-word-parity records: a slot is ready when all six words carry its lap parity."""
+
+    def __init__(self, ring: RingFile, block: int = 4096) -> None:
+        self.ring = ring
+        self.position = 0
+        self.block = block
+        self.mask = ring.capacity - 1
+
+    def consume(self) -> np.ndarray:
+        """Chunk ids of the ready records (the payload of word 1), publishing credits like RingConsumer."""
+        ring = self.ring
+        start = self.position & self.mask
+        n = min(self.block, ring.capacity - start)
+        parity = np.uint64(1 + ((self.position // ring.capacity) & 1))
+        words = ring.words[start:start + n]
+        ok = ((words & np.uint64(0xFF)) == parity).all(axis=1)
+        ready = n if ok.all() else int(ok.argmin())
+        if ready == 0:
+            return np.empty(0, dtype=np.uint64)
+        ids = (words[:ready, 1] >> np.uint64(8)).copy()
+        self.position += ready
+        ring._consumer_pos[0] = self.position
+        return ids
+
+
+def _paced_launch(gpu: Gpu, variant: str, dev: DeviceRing, n: int, gap_ns: int) -> DeviceMemory:
+    stamps = DeviceMemory(8 * n, gpu.device)
+    gpu.module.function(f"paced_{variant}").launch(1, 1, (dev, np.uint32(n), np.uint32(gap_ns), np.uint64(stamps.ptr)),
+                                                   stream=gpu.stream)
+    return stamps
+
+
+def _latencies(stamps: DeviceMemory, n: int, seen_ns: np.ndarray, seen_ids: np.ndarray,
+               offset_ns: float) -> np.ndarray:
+    gpu_ns = np.frombuffer(stamps.read(0, 8 * n), dtype="<u8").astype(np.int64)
+    commit_host = gpu_ns - int(offset_ns)
+    ids = seen_ids.astype(np.int64)
+    keep = ids < n
+    return (seen_ns[keep] - commit_host[ids[keep]]) / 1e3
+
+
+def commit_to_consumed(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: float) -> np.ndarray:
+    with _ring(f"consume-{variant}", 4096) as ring:
+        dev = map_ring(ring, gpu.device)
+        try:
+            stamps = _paced_launch(gpu, variant, dev, n, gap_ns)
+            times, ids = [], []
+            got = 0
+            deadline = time.monotonic() + 60
+            if variant in PARITY:
+                pc = ParityConsumer(ring)
+                while got < n and time.monotonic() < deadline:
+                    batch = pc.consume()
+                    if len(batch):
+                        t = time.monotonic_ns()
+                        times.append(np.full(len(batch), t, dtype=np.int64))
+                        ids.append(batch)
+                        got += len(batch)
+            else:
+                rc = RingConsumer(ring)
+                while got < n and time.monotonic() < deadline:
+                    recs = rc.consume_ready(4096)
+                    if len(recs):
+                        t = time.monotonic_ns()
+                        times.append(np.full(len(recs), t, dtype=np.int64))
+                        ids.append(recs["chunk_id"].astype(np.uint64))
+                        got += len(recs)
+            gpu.sync()
+            lat = _latencies(stamps, n, np.concatenate(times), np.concatenate(ids), offset_ns)
+            stamps.free()
+        finally:
+            dev.release()
+    return lat
+
+
+def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: float) -> tuple[np.ndarray, dict]:
+    from transportd.backends.null import NullBackend
+    from transportd.proxy import Proxy
+
+    job, region = "gpubench", 1 << 30
+    backend = NullBackend(log_posts=True)
+    proxy = Proxy(backend, poll_window_us=0.0)
+    proxy.set_source_region(job, 0, 0, 0x1000_0000, region, 1)
+    proxy.set_remote_region(job, 1, 0, 0x100_0000_0000, region, 101)
+    proxy.set_remote_flags(job, 1, 0xF00_0000_0000, 64, 201)
+    proxy.bind_peer(job, 1, 1001)
+    with _ring(f"post-{variant}", 4096) as ring:
+        proxy.add_channel(0, ring, job, 0, 2)
+        dev = map_ring(ring, gpu.device)
+        try:
+            stamps = _paced_launch(gpu, variant, dev, n, gap_ns)
+            deadline = time.monotonic() + 60
+            while ring.completion_pos < n and time.monotonic() < deadline:
+                proxy.run_once()
+            gpu.sync()
+            log_t = np.concatenate([t for t, _ in backend.post_log]).astype(np.int64)
+            log_id = np.concatenate([c for _, c in backend.post_log]).astype(np.uint64)
+            lat = _latencies(stamps, n, log_t, log_id, offset_ns)
+            stamps.free()
+            errors = ring.error
+        finally:
+            dev.release()
+            proxy.remove_channel(0)
+    return lat, {"errors": list(errors), "posted": int(len(log_id))}
+
+
+# --- put -> flag ----------------------------------------------------------------------------------------------------
+def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
+    from transportd.localcluster import LocalCluster
+
+    results: dict[str, Any] = {}
+    with LocalCluster(2, backend="ib") as cluster:
+        for where in ("device", "host"):
+            job = f"lat-{where}"
+            c0, c1 = (gpuclient.connect(cluster.socket(name)) for name in cluster.names)
+            s0 = c0.join(job, rank=0, world=2, device=gpu.device)
+            s1 = c1.join(job, rank=1, world=2, device=gpu.device)
+            src, dst = DeviceMemory(1 << 20, gpu.device), DeviceMemory(1 << 20, gpu.device)
+            r_src, r_dst = s0.register(src), s1.register(dst)
+            s0.flags(8, where=where)
+            s1.flags(8, where=where)
+            s0.exchange(wait=False)
+            s1.exchange(wait=False)
+            s0.exchange(timeout=60)
+            s1.exchange(timeout=60)
+            h0 = s0.channel(256).device_handle(gpu.device)
+            h1 = s1.channel(256).device_handle(gpu.device)
+            t_send, t_recv, ack = (DeviceMemory(8 * n, gpu.device), DeviceMemory(8 * n, gpu.device),
+                                   DeviceMemory(8, gpu.device))
+            recv_stream = check(gpu.drv.cuStreamCreate(gpu.drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
+            t0 = time.monotonic()
+            gpu.module.function("flag_receiver").launch(1, 1, (h1, np.uint32(0), np.uint64(0), np.uint32(n),
+                                                               np.uint64(t_recv.ptr), np.uint64(ack.ptr)),
+                                                        stream=recv_stream)
+            gpu.module.function("flag_sender").launch(1, 1, (h0, np.uint32(1), np.uint32(r_dst.id),
+                                                             np.uint32(r_src.id), np.uint32(nbytes), np.uint32(0),
+                                                             np.uint32(n), np.uint64(t_send.ptr), np.uint64(ack.ptr)),
+                                                      stream=gpu.stream)
+            gpu.sync()
+            gpu.sync(recv_stream)
+            wall = time.monotonic() - t0
+            ts = np.frombuffer(t_send.read(0, 8 * n), dtype="<u8").astype(np.int64)
+            tr = np.frombuffer(t_recv.read(0, 8 * n), dtype="<u8").astype(np.int64)
+            lat = (tr - ts) / 1e3
+            results[where] = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "mean_us": float(lat.mean()),
+                              "n": n, "bytes": nbytes, "wall_s": wall}
+            for s, c in ((s0, c0), (s1, c1)):
+                s.leave()
+                c.close()
+    return results
+
+
+# --- driver -------------------------------------------------------------------------------------------------------
+def run_gpu_benchmark(quick: bool = False, echo: Any = print) -> dict[str, Any]:
+    gpu = Gpu(0)
+    single, agg = (2000, 20) if quick else (20000, 200)
+    n_lat = 300 if quick else 2000
+    push = {}
+    for variant in HEADER_LAST + PARITY:
+        push[variant] = push_cost(gpu, variant, single, agg)
+        echo(f"push {variant:12s} {push[variant]['push_ns']:8.0f} ns/push (1 thread)   "
+             f"{push[variant]['pushes_per_s'] / 1e6:8.1f} M pushes/s ({push[variant]['threads']} threads)")
+    clock = calibrate(gpu)
+    echo(f"clock: globaltimer - monotonic = {clock['offset_ns']:.0f} ns (+/- {clock['error_bound_ns']:.0f} ns)")
+    library = DEFAULT_VARIANT[_library_default()]
+    consumed = {}
+    for variant in (library, "parity"):
+        lat = commit_to_consumed(gpu, variant, n_lat, 20_000, clock["offset_ns"])
+        consumed[variant] = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "n": int(len(lat))}
+        echo(f"commit -> consumed ({variant:11s}) p50 {consumed[variant]['p50_us']:7.2f} us  "
+             f"p99 {consumed[variant]['p99_us']:7.2f} us")
+    lat, post_info = commit_to_posted(gpu, library, n_lat, 20_000, clock["offset_ns"])
+    posted = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "n": int(len(lat)), **post_info}
+    echo(f"commit -> posted  (proxy, {library}) p50 {posted['p50_us']:7.2f} us  p99 {posted['p99_us']:7.2f} us")
+    flag = put_to_flag(gpu, 100 if quick else 400)
+    for where, r in flag.items():
+        echo(f"put -> flag ({where} flags, 4 KiB, softverbs RC) p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us")
+    best_parity = push["parity"]
+    summary = {
+        "library_commit": library,
+        "push_ns": push[library]["push_ns"],
+        "pushes_per_s": push[library]["pushes_per_s"],
+        "commit_to_post_p50_us": posted["p50_us"],
+        "commit_to_post_p99_us": posted["p99_us"],
+        "put_to_flag_p50_us": flag["device"]["p50_us"],
+        "put_to_flag_p99_us": flag["device"]["p99_us"],
+        "header_last": {"push_ns": push[library]["push_ns"], "pushes_per_s": push[library]["pushes_per_s"],
+                        "commit_to_consume_p50_us": consumed[library]["p50_us"],
+                        "commit_to_consume_p99_us": consumed[library]["p99_us"]},
+        "per_word_parity": {"push_ns": best_parity["push_ns"], "pushes_per_s": best_parity["pushes_per_s"],
+                            "commit_to_consume_p50_us": consumed["parity"]["p50_us"],
+                            "commit_to_consume_p99_us": consumed["parity"]["p99_us"]},
+        "put_to_flag_host_flags_p50_us": flag["host"]["p50_us"],
+        "put_to_flag_host_flags_p99_us": flag["host"]["p99_us"],
+    }
+    return {"summary": summary, "push": push, "clock": clock, "commit_to_consumed": consumed,
+            "commit_to_posted": posted, "put_to_flag": flag, "device_sms": gpu.sms}
+
+
+def _library_default() -> int:
+    text = (Path(gpuclient.get_include()) / "transportd" / "ring_device.cuh").read_text()
+    for line in text.splitlines():
+        if line.startswith("#define TPD_COMMIT ") and "TPD_COMMIT_" in line:
+            name = line.split()[-1]
+            return {"TPD_COMMIT_RELEASE_SYS": 0, "TPD_COMMIT_FENCE_SYS": 1, "TPD_COMMIT_V2_RELEASE": 2,
+                    "TPD_COMMIT_V2_SPLIT": 3}[name]
+    return 0
+
+
+@click.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
+@click.option("--quick", is_flag=True, help="fewer iterations (a smoke run)")
+def main(json_path: str | None, quick: bool) -> None:
+    """Push cost, commit -> posted and put -> flag on this machine's GPU (see the module doc)."""
+    result = run_gpu_benchmark(quick=quick, echo=click.echo)
+    click.echo(json.dumps(result["summary"], indent=2))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+// Kernels for benchmarks/gpu_bench.py: push cost per commit variant, paced pushes for latency, the
+// GPU/host clock calibration ping-pong, and the put -> flag round trip between two ranks.
+//
+// The per-word parity push below is a benchmark-only comparison (the design's alternative commit): byte 0
+// of every 8-byte word carries the lap parity, six relaxed system-scope stores, no fence, 42 usable bytes.
+// The library commits header-last (ring_device.cuh); parity records need their own consumer (the
+// benchmark's ParityConsumer), so they never reach the daemon.
+#include <transportd/client.cuh>
+
+namespace bench {
+
+constexpr int PARITY = 100;     // six 8-byte relaxed .sys stores
+constexpr int PARITY_V2 = 101;  // three 16-byte relaxed .sys stores
+
+template <int Variant>
+__device__ __forceinline__ uint64_t push_one(const tpd::RingDevice& ring, uint32_t chunk, uint64_t value) {
+    if (Variant == PARITY || Variant == PARITY_V2) {
+        uint64_t pos = tpd::ptx::fetch_add_relaxed_gpu(ring.head, 1);
+        tpd::acquire_credit(ring, pos);
+        uint64_t* slot = reinterpret_cast<uint64_t*>(ring.records + (pos & (uint64_t)(ring.capacity - 1)));
+        uint64_t par = (pos & ring.capacity) ? 2 : 1;  // lap parity, never 0
+        uint64_t w0 = ((uint64_t)TPD_OP_PUT << 8) | ((uint64_t)1 << 24) | par;
+        uint64_t w1 = ((uint64_t)chunk << 8) | par;
+        uint64_t w2 = ((uint64_t)chunk << 20) | par, w3 = (4096ull << 8) | par, w4 = par, w5 = (value << 8) | par;
+        if (Variant == PARITY) {
+            tpd::ptx::st_relaxed_sys(slot + 1, w1);
+            tpd::ptx::st_relaxed_sys(slot + 2, w2);
+            tpd::ptx::st_relaxed_sys(slot + 3, w3);
+            tpd::ptx::st_relaxed_sys(slot + 4, w4);
+            tpd::ptx::st_relaxed_sys(slot + 5, w5);
+            tpd::ptx::st_relaxed_sys(slot, w0);
+        } else {
+            tpd::ptx::st_relaxed_sys_v2(slot + 2, w2, w3);
+            tpd::ptx::st_relaxed_sys_v2(slot + 4, w4, w5);
+            tpd::ptx::st_relaxed_sys_v2(slot, w0, w1);
+        }
+        return pos;
+    } else {
+        tpd::Body b = tpd::make_body((uint64_t)chunk << 12, (uint64_t)chunk << 12, 4096, 0, 0, chunk, 0, value);
+        return tpd::push<Variant>(ring, tpd::Opcode::Put, 0, 1, b);
+    }
+}
+
+// Every thread pushes `iters` records; thread (0,0) stamps the global timer around its loop.
+template <int Variant>
+__device__ void push_loop(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {
+    uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+    uint64_t t0 = tpd::detail::globaltimer_ns();
+    for (uint32_t i = 0; i < iters; ++i) push_one<Variant>(ring, tid, i);
+    uint64_t t1 = tpd::detail::globaltimer_ns();
+    if (tid == 0) {
+        out[0] = t0;
+        out[1] = t1;
+    }
+}
+
+// One thread pushes `n` records `gap_ns` apart, stamping the global timer just before each push.
+template <int Variant>
+__device__ void paced(tpd::RingDevice ring, uint32_t n, uint32_t gap_ns, uint64_t* stamps) {
+    uint64_t next = tpd::detail::globaltimer_ns();
+    for (uint32_t i = 0; i < n; ++i) {
+        while (tpd::detail::globaltimer_ns() < next) {
+        }
+        uint64_t t = tpd::detail::globaltimer_ns();
+        stamps[i] = t;
+        push_one<Variant>(ring, i, t);
+        next = t + gap_ns;
+    }
+}
+
+}  // namespace bench
+
+#define TPD_BENCH_VARIANT(name, v)                                                                      \
+    extern "C" __global__ void push_loop_##name(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {    \
+        bench::push_loop<v>(ring, iters, out);                                                            \
+    }                                                                                                     \
+    extern "C" __global__ void paced_##name(tpd::RingDevice ring, uint32_t n, uint32_t gap, uint64_t* st) { \
+        bench::paced<v>(ring, n, gap, st);                                                                \
+    }
+
+TPD_BENCH_VARIANT(release_sys, TPD_COMMIT_RELEASE_SYS)
+TPD_BENCH_VARIANT(fence_sys, TPD_COMMIT_FENCE_SYS)
+TPD_BENCH_VARIANT(v2_release, TPD_COMMIT_V2_RELEASE)
+TPD_BENCH_VARIANT(v2_split, TPD_COMMIT_V2_SPLIT)
+TPD_BENCH_VARIANT(parity, bench::PARITY)
+TPD_BENCH_VARIANT(parity_v2, bench::PARITY_V2)
+
+// Clock calibration: the host writes ping = r; the GPU answers with its global timer in pong[1] and r in
+// pong[0]. The host brackets each round with its own clock; the tightest round gives the offset.
+extern "C" __global__ void clock_pingpong(const uint64_t* ping, uint64_t* pong, uint32_t rounds) {
+    for (uint32_t r = 1; r <= rounds; ++r) {
+        TPD_SPIN_UNTIL(tpd::ptx::ld_acquire_sys(ping) == r);
+        uint64_t g = tpd::detail::globaltimer_ns();
+        tpd::ptx::st_relaxed_sys(pong + 1, g);
+        tpd::ptx::st_release_sys(pong, r);
+    }
+}
+
+// put -> flag visible to the receiving kernel: rank 0 puts `bytes` with a signal, rank 1's kernel waits for
+// the flag and acks through device memory (same process, two streams); both stamp the GPU global timer.
+extern "C" __global__ void flag_sender(tpd::Channel ch, uint32_t peer, uint32_t dst_region, uint32_t src_region,
+                                       uint32_t bytes, uint32_t slot, uint32_t n, uint64_t* t_send, uint64_t* ack) {
+    for (uint32_t i = 0; i < n; ++i) {
+        t_send[i] = tpd::detail::globaltimer_ns();
+        tpd::put_signal(ch, peer, (uint16_t)dst_region, 0, (uint16_t)src_region, 0, bytes, slot, 1);
+        TPD_SPIN_UNTIL(tpd::ptx::ld_acquire_gpu(ack) >= i + 1);
+    }
+}
+
+extern "C" __global__ void flag_receiver(tpd::Channel ch, uint32_t slot, uint64_t base, uint32_t n, uint64_t* t_recv,
+                                         uint64_t* ack) {
+    for (uint32_t i = 0; i < n; ++i) {
+        tpd::wait(ch, slot, base + i + 1);
+        t_recv[i] = tpd::detail::globaltimer_ns();
+        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(ack), "l"((uint64_t)(i + 1)) : "memory");
+    }
+}

@@ -1,0 +1,70 @@
+"""GPU tests: skipped with the reason when no CUDA device (or no cuda-python) is present; all marked ``gpu``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from transportd.localcluster import LocalCluster
+
+KERNELS = Path(__file__).with_name("kernels.cu")
+DEBUG_DEFINES = {"TPD_SPIN_TIMEOUT_NS": "45000000000ull"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(here):
+            item.add_marker(pytest.mark.gpu)
+
+
+@functools.cache
+def gpu_unavailable() -> str | None:
+    """None when a CUDA device is usable here; otherwise why not."""
+    try:
+        from gpuclient.cuda_memory import CudaError, driver
+
+        drv = driver()
+        err, count = drv.cuDeviceGetCount()
+        if err != drv.CUresult.CUDA_SUCCESS or count < 1:
+            return "no CUDA device"
+    except CudaError as exc:
+        return f"CUDA unavailable: {exc}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def cuda_device() -> int:
+    reason = gpu_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from gpuclient.cuda_memory import use_device
+
+    use_device(0)
+    return 0
+
+
+@pytest.fixture(scope="session")
+def kernels(cuda_device: int) -> Any:
+    import gpuclient
+
+    return gpuclient.compile(KERNELS.read_text(), device=cuda_device, debug=True, defines=DEBUG_DEFINES,
+                             name="kernels.cu")
+
+
+@pytest.fixture
+def cluster_factory() -> Iterator[Any]:
+    started: list[LocalCluster] = []
+
+    def make(**kwargs: Any) -> LocalCluster:
+        cluster = LocalCluster(kwargs.pop("nodes", 2), **kwargs)
+        started.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in started:
+        cluster.stop()

@@ -1,0 +1,104 @@
+"""Two daemons, two GPU client processes on one GPU: kernel A streams chunks with put_signal, kernel B waits
+chunk by chunk and verifies; RC (write / atomic / fence under adaptive routing) and SRD; device and
+host-mapped flags; a ring far smaller than the commands (backpressure); a bad command read by the kernel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from transportd.errors import ErrorCode
+
+RANK = Path(__file__).with_name("rank_proc.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+TRANSPORTS = [
+    pytest.param("ib", "write", False, "device", id="rc-write-devflags"),
+    pytest.param("ib", "write", False, "host", id="rc-write-hostflags"),
+    pytest.param("ib", "atomic", True, "device", id="rc-ar-atomic-devflags"),
+    pytest.param("ib", "fence", True, "device", id="rc-ar-fence-devflags"),
+    pytest.param("efa", "write", False, "device", id="srd-devflags"),
+    pytest.param("efa", "write", False, "host", id="srd-hostflags"),
+]
+
+CHUNK = 64 << 10
+NCHUNKS = 48
+CAPACITY = 16  # far fewer slots than the commands of one launch: the kernel feels backpressure
+SLOTS = NCHUNKS + 8
+
+
+class RankProcess:
+    """A rank_proc.py child: send it a step, read its JSON reply."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(RANK)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=None, text=True, cwd=ROOT)
+
+    def send(self, step: str, **args: Any) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.write(json.dumps({"step": step, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self) -> dict[str, Any]:
+        assert self.proc.stdout
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                reply = json.loads(line[2:])
+                assert reply["ok"], reply.get("trace") or reply
+                return reply
+        raise AssertionError(f"rank process exited ({self.proc.poll()}) without a reply")
+
+    def call(self, step: str, **args: Any) -> dict[str, Any]:
+        self.send(step, **args)
+        return self.reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("leave")
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.mark.parametrize(("backend", "mode", "ar", "where"), TRANSPORTS)
+def test_kernel_streams_chunks_and_peer_kernel_verifies(cuda_device, cluster_factory, backend: str, mode: str,
+                                                         ar: bool, where: str) -> None:
+    cluster = cluster_factory(backend=backend, overrides={
+        "signal": {"mode": mode}, "softverbs": {"adaptive_routing": ar, "reorder_seed": 7}})
+    a, b = RankProcess(), RankProcess()
+    try:
+        setup = {"job": "gpujob", "world": 2, "nbytes": CHUNK * NCHUNKS, "flags": SLOTS, "where": where}
+        a.send("setup", socket=cluster.socket(cluster.names[0]), rank=0, src_kind="torch", dst_kind="cupy", **setup)
+        b.send("setup", socket=cluster.socket(cluster.names[1]), rank=1, src_kind="cupy", dst_kind="dlpack", **setup)
+        ra, rb = a.reply(), b.reply()
+        assert rb["dst_via"] == "DLPackOnly" and ra["flags"] == ("DeviceFlags" if where == "device" else "FlagArray")
+        a.send("exchange", capacity=CAPACITY)
+        b.send("exchange", capacity=CAPACITY)
+        a.reply(), b.reply()
+        for epoch in (1, 2):  # flags are monotonic: the second launch waits for 2, no reset in between
+            b.call("recv", chunk=CHUNK, nchunks=NCHUNKS, epoch=epoch)
+            sent = a.call("send", peer=1, dst_region=rb["dst"], chunk=CHUNK, nchunks=NCHUNKS, epoch=epoch)
+            assert sent["status"] == 0 and sent["host_status"] == [0, 0, 0], sent
+            assert sent["head"] == epoch * (NCHUNKS + 1)  # every put_signal and the QUIET claimed a slot
+            done = b.call("finish")
+            assert done == {"ok": True, "bad_words": 0, "chunks": NCHUNKS}, done
+        # a bad command from a kernel: refused by the proxy, read by the kernel with tpd::status;
+        # the good put_signal right after it is still delivered
+        bad = a.call("bad", peer=1, dst_region=rb["dst"], slot=NCHUNKS + 1)
+        assert bad["status"] == ErrorCode.BAD_REGION and bad["count"] == 1, bad
+        assert bad["position"] == 2 * (NCHUNKS + 1)
+        assert bad["host_status"] == [ErrorCode.BAD_REGION, 1, 2 * (NCHUNKS + 1)]
+        seen = b.call("wait_flag", slot=NCHUNKS + 1, at_least=1)
+        assert seen["value"] == 1 and seen["host_value"] == 1
+    finally:
+        a.close()
+        b.close()

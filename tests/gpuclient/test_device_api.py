@@ -1,0 +1,231 @@
+"""The device API without a GPU: layouts agree with Python, the headers compile (cc/g++, nvcc, NVRTC), the
+error codes mirror ErrorCode, cmd_ring.h's copy is identical, and the host-side helpers behave."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpuclient
+from cmd_ring import get_include as cmd_ring_include
+from gpuclient.compiler import _pack, nvrtc_options
+from gpuclient.cuda_memory import _c_contiguous, is_device_buffer
+from gpuclient.device_channel import CHANNEL_DTYPE, CHANNEL_SIZE, RING_DTYPE, ChannelStruct
+from transportd.errors import error_code_c_enum
+from transportd.protocol import Flags
+
+ROOT = Path(__file__).resolve().parents[2]
+INCLUDE = Path(gpuclient.get_include())
+HEADERS = sorted((INCLUDE / "transportd").glob("*.cuh"))
+# every .cu in the project that includes the device API
+SOURCES = [ROOT / "tests" / "gpu" / "kernels.cu", ROOT / "benchmarks" / "gpu_push.cu",
+           ROOT / "examples" / "allgather_gemm.cu"]
+USE_ALL = """
+#include <transportd/client.cuh>
+extern "C" __global__ void use_all(tpd::Channel ch, uint32_t* out, uint32_t* counter) {
+    tpd::put(ch, 1, 2, 3, 4, 5, 6);
+    tpd::put(ch, 1, 2, 3, 4, 5, 6, 7);
+    tpd::put_signal(ch, 1, 2, 3, 4, 5, 6, 7, 8);
+    tpd::put_signal(ch, 1, 2, 3, 4, 5, 6, 7, 8, tpd::SignalOp::Set);
+    tpd::signal(ch, 1, 7, 8);
+    tpd::signal(ch, 1, 7, 8, tpd::SignalOp::Set);
+    tpd::fence(ch, 1);
+    tpd::quiet(ch);
+    uint32_t code = tpd::status(ch);
+    uint64_t seen = tpd::wait(ch, 0, 1);
+    out[0] = code + (uint32_t)seen + tpd::chunk_arrive(counter, 4);
+    tpd::block_wait(ch, 1, 2);
+}
+"""
+
+
+def nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+# --- layout -----------------------------------------------------------------------------------------------------
+def _probe_source() -> str:
+    lines = ["#include <cstdio>", "#include <cstddef>", "#include <transportd/client.cuh>", "int main() {",
+             '  std::printf("sizeof.Channel %zu\\n", sizeof(tpd::Channel));',
+             '  std::printf("sizeof.RingDevice %zu\\n", sizeof(tpd::RingDevice));',
+             '  std::printf("abi %u\\n", (unsigned)TPD_CHANNEL_ABI);']
+    for name in RING_DTYPE.names:
+        lines.append(f'  std::printf("offset.{name} %zu\\n", offsetof(tpd::Channel, ring) + '
+                     f'offsetof(tpd::RingDevice, {name}));')
+        lines.append(f'  std::printf("size.{name} %zu\\n", sizeof(((tpd::RingDevice*)0)->{name}));')
+    for name in CHANNEL_DTYPE.names[len(RING_DTYPE.names):]:
+        lines.append(f'  std::printf("offset.{name} %zu\\n", offsetof(tpd::Channel, {name}));')
+        lines.append(f'  std::printf("size.{name} %zu\\n", sizeof(((tpd::Channel*)0)->{name}));')
+    lines += ["  return 0;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _expected() -> dict[str, int]:
+    out = {"sizeof.Channel": CHANNEL_DTYPE.itemsize, "sizeof.RingDevice": RING_DTYPE.itemsize, "abi": 1}
+    for name in CHANNEL_DTYPE.names:
+        dtype, offset = CHANNEL_DTYPE.fields[name][:2]
+        out[f"offset.{name}"] = offset
+        out[f"size.{name}"] = dtype.itemsize
+    return out
+
+
+def _parse(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"^(\S+) (\d+)$", text, re.M)}
+
+
+def test_channel_dtype_ctypes_and_header_agree(tmp_path: Path) -> None:
+    cxx = shutil.which("c++") or shutil.which("g++")
+    assert cxx, "a C++ compiler is required for the Channel layout probe (CI installs build-essential)"
+    src = tmp_path / "probe.cpp"
+    src.write_text(_probe_source())
+    exe = tmp_path / "probe"
+    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-I", str(INCLUDE), str(src), "-o", str(exe)],
+                   check=True)
+    assert _parse(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout) == _expected()
+    assert CHANNEL_SIZE == 64 and ctypes.sizeof(ChannelStruct) == 64
+    for name, ctype in ChannelStruct._fields_:
+        assert getattr(ChannelStruct, name).offset == CHANNEL_DTYPE.fields[name][1]
+        assert ctypes.sizeof(ctype) == CHANNEL_DTYPE.fields[name][0].itemsize
+    assert RING_DTYPE.names == CHANNEL_DTYPE.names[:6]
+
+
+def test_channel_layout_probe_under_nvcc(tmp_path: Path) -> None:
+    compiler = nvcc()
+    if not compiler:
+        pytest.skip("nvcc not found: the CUDA compile checks run where the CUDA toolkit is installed")
+    src = tmp_path / "probe.cu"
+    src.write_text(_probe_source() + USE_ALL)
+    exe = tmp_path / "probe_cuda"
+    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-I", str(INCLUDE), str(src), "-o", str(exe)], check=True)
+    assert _parse(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout) == _expected()
+
+
+# --- the headers build everywhere they must -------------------------------------------------------------------
+@pytest.mark.parametrize("header", HEADERS, ids=lambda p: p.name)
+def test_each_header_stands_alone_in_host_code(tmp_path: Path, header: Path) -> None:
+    cxx = shutil.which("c++") or shutil.which("g++")
+    src = tmp_path / "one.cpp"
+    src.write_text(f"#include <transportd/{header.name}>\nint main() {{ return 0; }}\n")
+    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-I", str(INCLUDE), "-c", str(src), "-o",
+                    str(tmp_path / "one.o")], check=True)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["release", "debug"])
+@pytest.mark.parametrize("commit", [0, 1, 2, 3], ids=["release_sys", "fence_sys", "v2_release", "v2_split"])
+def test_device_api_compiles_with_nvcc(tmp_path: Path, commit: int, debug: bool) -> None:
+    compiler = nvcc()
+    if not compiler:
+        pytest.skip("nvcc not found: the CUDA compile checks run where the CUDA toolkit is installed")
+    src = tmp_path / "use_all.cu"
+    src.write_text(USE_ALL)
+    flags = [f"-DTPD_COMMIT={commit}"] + (["-DTPD_DEBUG"] if debug else [])
+    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", *flags, "-I", str(INCLUDE),
+                    "-c", str(src), "-o", str(tmp_path / "use_all.o")], check=True)
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_project_kernels_compile_with_nvcc(tmp_path: Path, source: Path) -> None:
+    compiler = nvcc()
+    if not compiler:
+        pytest.skip("nvcc not found: the CUDA compile checks run where the CUDA toolkit is installed")
+    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-DTPD_DEBUG", "-I", str(INCLUDE), "-c", str(source),
+                    "-o", str(tmp_path / "k.o")], check=True)
+
+
+def _nvrtc_or_skip() -> None:
+    try:
+        from cuda.bindings import nvrtc
+
+        nvrtc.nvrtcVersion()
+    except Exception as exc:  # noqa: BLE001 - ImportError, or the NVRTC library missing
+        pytest.skip(f"NVRTC not available here ({type(exc).__name__}): install cuda-python and nvidia-cuda-nvrtc")
+
+
+@pytest.mark.parametrize("source", [None, *SOURCES], ids=lambda p: "use_all" if p is None else p.name)
+def test_device_api_is_nvrtc_clean(source: Path | None) -> None:
+    _nvrtc_or_skip()
+    from gpuclient.compiler import compile_to_cubin
+
+    text = USE_ALL if source is None else source.read_text()
+    for debug in (False, True):
+        assert compile_to_cubin(text, arch="sm_90", debug=debug)[:4] == b"\x7fELF"
+
+
+def test_nvrtc_errors_carry_the_log() -> None:
+    _nvrtc_or_skip()
+    from gpuclient.compiler import CompileError, compile_to_cubin
+
+    with pytest.raises(CompileError, match="tpd::no_such_call"):
+        compile_to_cubin('#include <transportd/client.cuh>\n__global__ void k() { tpd::no_such_call(); }\n')
+
+
+def test_nvrtc_options_set_the_include_path_and_debug_bounds() -> None:
+    opts = nvrtc_options("sm_90", debug=True, defines={"X": 1, "Y": None})
+    assert f"-I{gpuclient.get_include()}" in opts and "-arch=sm_90" in opts
+    assert "-DTPD_DEBUG=1" in opts and "-DX=1" in opts and "-DY" in opts
+
+
+# --- mirrors -------------------------------------------------------------------------------------------------------
+def test_error_codes_mirror_errorcode() -> None:
+    text = (INCLUDE / "transportd" / "errors.cuh").read_text()
+    block = text.split("/* BEGIN error_code_c_enum() */\n", 1)[1].split("/* END error_code_c_enum() */", 1)[0]
+    assert block == error_code_c_enum(), "regenerate errors.cuh's block from transportd.errors.error_code_c_enum()"
+
+
+def test_cmd_ring_header_copy_is_identical() -> None:
+    original = Path(cmd_ring_include()) / "transportd" / "cmd_ring.h"
+    copy = INCLUDE / "transportd" / "cmd_ring.h"
+    assert copy.read_bytes() == original.read_bytes(), (
+        f"copy {original} to {copy}: gpuclient.get_include() must resolve <transportd/cmd_ring.h> itself")
+
+
+# --- host-side helpers -----------------------------------------------------------------------------------------------
+def test_host_arrays_are_not_device_buffers() -> None:
+    assert not is_device_buffer(np.zeros(4))
+    assert not is_device_buffer(b"abc")
+    assert not is_device_buffer(gpuclient.host_array(16))
+
+    class FakeCuda:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x1000, False), "version": 3}
+
+    class FakeDLPack:
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 0)
+
+    assert is_device_buffer(FakeCuda()) and is_device_buffer(FakeDLPack())
+
+
+def test_contiguity_rule() -> None:
+    assert _c_contiguous((4, 3), None, 4)
+    assert _c_contiguous((4, 3), (12, 4), 4)
+    assert not _c_contiguous((4, 3), (4, 16), 4)
+    assert _c_contiguous((1, 3), (999, 4), 4)  # a size-1 dimension's stride does not matter
+
+
+def test_kernel_arguments_pack_by_value() -> None:
+    assert bytes(_pack(np.uint32(7))) == (7).to_bytes(4, "little")
+    assert bytes(_pack(np.uint64(1 << 40))) == (1 << 40).to_bytes(8, "little")
+    handle = np.zeros(1, dtype=CHANNEL_DTYPE)
+    handle["capacity"] = 16
+    assert bytes(_pack(handle)) == handle.tobytes()
+    assert bytes(_pack(handle.tobytes())) == handle.tobytes()
+    with pytest.raises(TypeError, match="sized type"):
+        _pack(3)
+
+
+def test_device_flags_request_validation() -> None:
+    assert Flags(4, "device", handle=bytes(64), offset=256).to_msg()["handle"] == bytes(64)
+    with pytest.raises(Exception, match="64 bytes"):
+        Flags(4, "device", handle=b"short")
+    with pytest.raises(Exception, match="only device flags"):
+        Flags(4, "host", handle=bytes(64))
