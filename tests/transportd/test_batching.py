@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transportd.backend import PLAN_DTYPE, PlanOp, SignalOp
@@ -94,7 +94,7 @@ def test_closing_command_ends_its_batch_and_a_two_row_command_never_splits() -> 
     assert b.ncmds.tolist() == [4, 1] and b.closed.tolist() == [True, False]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 2), st.booleans()), min_size=1, max_size=60),
        st.integers(1, 8))
 def test_cut_batches_properties(cmds: list[tuple[int, int, bool]], batch_max: int) -> None:
@@ -193,7 +193,7 @@ item = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.lists(item, min_size=1, max_size=16), min_size=1, max_size=5))
 def test_decoupled_equals_naive_order_at_every_segment_boundary(batches: list[list[tuple]]) -> None:
     plan = rows(*[it for b in batches for it in b])

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cmd_ring import Command, Flag, Opcode, RingFile, RingProducer, records_from_commands
@@ -414,7 +414,7 @@ def _stream_command(kind: int, peer: int, slot: int, set_: bool, value: int, no_
     return put_signal(chunk, peer, slot=FLAG_SLOTS + slot, value=value)  # bad: BAD_SLOT
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from([0, 1, 1, 1, 2, 2, 3, 4, 5]), st.integers(1, WORLD - 1), st.integers(0, 2),
                           st.integers(0, 5).map(lambda x: x == 0), st.integers(0, 3), st.integers(0, 7).map(
                               lambda x: x == 0)), min_size=1, max_size=80),

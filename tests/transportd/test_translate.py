@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cmd_ring.record import Command, Flag, Opcode, records_from_commands
@@ -217,7 +217,7 @@ commands = st.builds(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(commands, min_size=1, max_size=40))
 def test_vectorized_translation_matches_the_per_record_reference(cmds: list[Command]) -> None:
     max_length = 8192
