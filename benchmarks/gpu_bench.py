@@ -253,10 +253,10 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
     from transportd.localcluster import LocalCluster
 
     results: dict[str, Any] = {}
-    with LocalCluster(2, backend="ib") as cluster:
+    with LocalCluster(2, backend="ib", overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
         for where in ("device", "host"):
             job = f"lat-{where}"
-            c0, c1 = (gpuclient.connect(cluster.socket(name)) for name in cluster.names)
+            c0, c1 = (gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names)
             s0 = c0.join(job, rank=0, world=2, device=gpu.device)
             s1 = c1.join(job, rank=1, world=2, device=gpu.device)
             src, dst = DeviceMemory(1 << 20, gpu.device), DeviceMemory(1 << 20, gpu.device)

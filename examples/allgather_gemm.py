@@ -45,10 +45,12 @@ def run(m_local: int = 256, n: int = 256, k: int = 512, rows_per_chunk: int = 64
     chunks = m // rows_per_chunk
     module = gpuclient.compile(SOURCE.read_text(), device=device, name="allgather_gemm.cu")
     results: dict[str, Any] = {"launches": [], "backend": backend}
-    with LocalCluster(world, backend=backend, overrides=overrides) as cluster:
+    # the first GPU registration starts CUDA in each daemon's worker: let heartbeats tolerate that pause
+    config = {"peers": {"heartbeat_timeout_s": 20.0}, **(overrides or {})}
+    with LocalCluster(world, backend=backend, overrides=config) as cluster:
         ranks = []
         for r, name in enumerate(cluster.names):
-            client = gpuclient.connect(cluster.socket(name))
+            client = gpuclient.connect(cluster.socket(name), timeout=60)
             session = client.join("allgather-gemm", rank=r, world=world, device=device)
             a_full, b, c = DeviceMemory(m * k * 4, device), DeviceMemory(k * n * 4, device), DeviceMemory(m * n * 4,
                                                                                                           device)

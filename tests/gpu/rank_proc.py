@@ -18,8 +18,12 @@ from typing import Any
 
 import numpy as np
 
-import gpuclient
-from gpuclient.cuda_memory import DeviceMemory, check, driver, use_device
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: make the project importable
+    sys.path.insert(0, str(ROOT))
+
+import gpuclient  # noqa: E402
+from gpuclient.cuda_memory import DeviceMemory, check, driver, use_device  # noqa: E402
 
 KERNELS = Path(__file__).with_name("kernels.cu")
 DEFINES = {"TPD_SPIN_TIMEOUT_NS": "45000000000ull"}

@@ -30,6 +30,9 @@ CHUNK = 64 << 10
 NCHUNKS = 48
 CAPACITY = 16  # far fewer slots than the commands of one launch: the kernel feels backpressure
 SLOTS = NCHUNKS + 8
+# a worker's first GPU registration initialises CUDA while the daemon's main loop waits for it: give the
+# peers' heartbeats room for that
+SLOW_START = {"peers": {"heartbeat_timeout_s": 20.0}}
 
 
 class RankProcess:
@@ -73,7 +76,7 @@ class RankProcess:
 def test_kernel_streams_chunks_and_peer_kernel_verifies(cuda_device, cluster_factory, backend: str, mode: str,
                                                          ar: bool, where: str) -> None:
     cluster = cluster_factory(backend=backend, overrides={
-        "signal": {"mode": mode}, "softverbs": {"adaptive_routing": ar, "reorder_seed": 7}})
+        "signal": {"mode": mode}, "softverbs": {"adaptive_routing": ar, "reorder_seed": 7}, **SLOW_START})
     a, b = RankProcess(), RankProcess()
     try:
         setup = {"job": "gpujob", "world": 2, "nbytes": CHUNK * NCHUNKS, "flags": SLOTS, "where": where}
@@ -99,6 +102,10 @@ def test_kernel_streams_chunks_and_peer_kernel_verifies(cuda_device, cluster_fac
         assert bad["host_status"] == [ErrorCode.BAD_REGION, 1, 2 * (NCHUNKS + 1)]
         seen = b.call("wait_flag", slot=NCHUNKS + 1, at_least=1)
         assert seen["value"] == 1 and seen["host_value"] == 1
+    except BaseException:
+        for name in cluster.names:  # the daemons' side of the story, in the test's output
+            print(f"--- {name} log ---\n{cluster.log(name)}")
+        raise
     finally:
         a.close()
         b.close()
