@@ -12,7 +12,7 @@ import pytest
 from transportd.localcluster import LocalCluster
 
 KERNELS = Path(__file__).with_name("kernels.cu")
-DEBUG_DEFINES = {"TPD_SPIN_TIMEOUT_NS": "45000000000ull"}
+DEBUG_DEFINES = {"TPD_SPIN_TIMEOUT_NS": "20000000000ull"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

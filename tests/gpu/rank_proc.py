@@ -26,7 +26,7 @@ import gpuclient  # noqa: E402
 from gpuclient.cuda_memory import DeviceMemory, check, driver, use_device  # noqa: E402
 
 KERNELS = Path(__file__).with_name("kernels.cu")
-DEFINES = {"TPD_SPIN_TIMEOUT_NS": "45000000000ull"}
+DEFINES = {"TPD_SPIN_TIMEOUT_NS": "20000000000ull"}
 
 
 class DLPackOnly:
