@@ -1,0 +1,24 @@
+"""ibgda: the GPU-initiated backend — the GPU builds mlx5 WQEs and rings the NIC's doorbell itself.
+
+* ``include/transportd/ibgda/*.cuh`` — the device side (``get_include()``): WQE builders, doorbells, CQ
+  polling, multi-warp posting, and ``tpd::IbgdaChannel`` with the same calls as the proxy path.
+* :mod:`ibgda.mlx5_layout` — the mlx5 segments and CQE64 as numpy dtypes; a strict WQE decoder.
+* :mod:`ibgda.device_handle` — numpy twins of the device handles (QueuePair, QpState, Region, channel).
+* :mod:`ibgda.soft_mlx5` — softverbs as an mlx5 device: executes those WQEs on the soft wire.
+* :mod:`ibgda.host_mlx5` — QP, CQ and UAR for a real ConnectX through pyverbs' mlx5 provider (DevX).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["get_include"]
+
+
+def get_include() -> str:
+    """Directory to put on the compiler's include path for ``<transportd/ibgda/ibgda.cuh>``.
+
+    The IBGDA headers include ``<transportd/device.cuh>`` and ``<transportd/command.cuh>`` too: add
+    ``gpuclient.get_include()`` as well.
+    """
+    return str(Path(__file__).resolve().parent / "include")

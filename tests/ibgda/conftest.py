@@ -1,0 +1,274 @@
+"""IBGDA test fixtures: the device header compiled for the host (ctypes), and soft mlx5 queue pairs.
+
+``host_lib`` is tests/ibgda/host_lib.cpp built with g++ against the real headers: the tests drive the
+soft NIC with bytes and calls from the device code itself. ``make_link`` connects a sender queue
+(rank 0) to a receiver queue (rank 1) on two soft devices and builds a ``tpd::IbgdaChannel`` over
+host memory, so the channel functions run exactly as a kernel would run them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gpuclient
+import ibgda
+from ibgda import mlx5_layout as L
+from ibgda.device_handle import CHANNEL_DTYPE, QP_STATE_DTYPE, QUEUE_PAIR_DTYPE, REGION_DTYPE, SignalMode
+from ibgda.soft_mlx5 import SoftMlx5Queue
+from transportd import verbs as tverbs
+
+HERE = Path(__file__).resolve().parent
+INCLUDES = [ibgda.get_include(), gpuclient.get_include()]
+DATA_BYTES = 1 << 20
+NFLAGS = 16
+
+u8, u16, u32, u64, p = ctypes.c_uint8, ctypes.c_uint16, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "tpd_test_build_write": (None, [p, u64, u32, u8, u64, u32, u64, u32, u32]),
+    "tpd_test_build_inline8": (None, [p, u64, u32, u8, u64, u32, u64]),
+    "tpd_test_build_read": (None, [p, u64, u32, u8, u64, u32, u64, u32, u32]),
+    "tpd_test_build_fadd": (None, [p, u64, u32, u8, u64, u32, u64, u64, u32]),
+    "tpd_test_build_nop": (None, [p, u64, u32, u8]),
+    "tpd_test_ctrl_flags": (u8, [ctypes.c_int, ctypes.c_int]),
+    "tpd_test_doorbell_word": (u64, [p]),
+    "tpd_test_ring": (None, [p, p, u64, u64]),
+    "tpd_test_cqe_ready": (ctypes.c_int, [u8, u64, u32]),
+    "tpd_test_qp_progress": (None, [p]),
+    "tpd_test_qp_quiet": (u32, [p]),
+    "tpd_test_put": (None, [p, u32, u16, u64, u16, u64, u32]),
+    "tpd_test_put_signal": (None, [p, u32, u16, u64, u16, u64, u32, u32, u64, ctypes.c_int]),
+    "tpd_test_signal": (None, [p, u32, u32, u64, ctypes.c_int]),
+    "tpd_test_fence": (None, [p, u32]),
+    "tpd_test_quiet": (None, [p]),
+    "tpd_test_wait": (u64, [p, u32, u64]),
+    "tpd_test_status": (u32, [p]),
+    "tpd_test_error_count": (u32, [p]),
+    "tpd_test_stress": (None, [p, u32, ctypes.c_int, ctypes.c_int, u32, u32]),
+}
+
+
+def compiler() -> str:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "a C++ compiler is required for the IBGDA layout and host-path tests (CI installs build-essential)"
+    return cxx
+
+
+def include_flags() -> list[str]:
+    return [f"-I{d}" for d in INCLUDES]
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ibgda-build")
+
+
+@pytest.fixture(scope="session")
+def host_lib(build_dir: Path) -> ctypes.CDLL:
+    out = build_dir / "libtpd_ibgda_host.so"
+    subprocess.run([compiler(), "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-pthread",
+                    *include_flags(), str(HERE / "host_lib.cpp"), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    for name, (res, args) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.0005)
+
+
+def aligned(nbytes: int, align: int = 128) -> np.ndarray:
+    """Zeroed bytes at an ``align``-byte boundary (QpState lines, atomics)."""
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + nbytes]
+
+
+class HostCq:
+    """The poller's side of a soft queue's CQ, in Python (what progress() does on the GPU)."""
+
+    def __init__(self, q: SoftMlx5Queue) -> None:
+        self.q = q
+        self.ci = 0
+
+    def poll(self) -> list[L.DecodedCqe]:
+        out = []
+        q = self.q
+        while True:
+            slot = (self.ci & (q.ncqes - 1)) * 64
+            raw = q.cq[slot:slot + 64].tobytes()
+            if not L.cqe_ready(raw[63], self.ci, q.ncqes):
+                break
+            out.append(L.decode_cqe(raw))
+            self.ci += 1
+        if out:
+            q.cq_dbrec[L.CQ_SET_CI] = L.cq_dbrec_value(self.ci)
+        return out
+
+
+class HostPoster:
+    """Post WQEs built by the header's builders (through host_lib) into a soft queue, from Python."""
+
+    def __init__(self, lib: ctypes.CDLL, q: SoftMlx5Queue) -> None:
+        self.lib, self.q = lib, q
+        self.head = 0
+        self.cq = HostCq(q)
+        self.cqes: list[L.DecodedCqe] = []
+        self.addr = q.addresses()
+
+    def slot(self, index: int) -> int:
+        return self.q.base + (index & (self.q.wqe_cnt - 1)) * L.WQE_BB
+
+    def add(self, kind: str, *args: int, completion: bool = False, fence: bool = False) -> int:
+        """Build one WQE at the next index (``args`` after index, qpn and fm_ce_se); returns its index."""
+        fm = self.lib.tpd_test_ctrl_flags(int(completion), int(fence))
+        index = self.head
+        getattr(self.lib, f"tpd_test_build_{kind}")(self.slot(index), index, self.q.qpn, fm, *args)
+        self.head += 1
+        return index
+
+    def ring(self) -> None:
+        word = self.lib.tpd_test_doorbell_word(self.slot(self.head - 1))
+        self.lib.tpd_test_ring(self.addr["dbrec"], self.addr["bf"], self.head, word)
+        self.q.kick()
+
+    def wait_cqes(self, n: int, timeout: float = 20.0) -> list[L.DecodedCqe]:
+        def got() -> bool:
+            self.cqes.extend(self.cq.poll())
+            return len(self.cqes) >= n
+        wait_until(got, f"{n} CQEs (have {len(self.cqes)})", timeout)
+        return self.cqes
+
+
+@dataclass
+class Link:
+    """Rank 0 (``a``, the poster) -> rank 1 (``b``) over two soft devices, with registered buffers."""
+
+    verbs: Any
+    a: SoftMlx5Queue
+    b: SoftMlx5Queue
+    src: np.ndarray
+    dst: np.ndarray
+    flags: np.ndarray
+    scratch: np.ndarray
+    mr_src: Any
+    mr_dst: Any
+    mr_flags: Any
+    mr_scratch: Any
+    keep: list[Any] = field(default_factory=list)
+
+    def observe(self, fn: Callable[[int, int, int], None] | None) -> None:
+        self.verbs.soft.set_placement_observer(self.b.rail.ctx, fn)
+
+    def channel(self, mode: SignalMode = SignalMode.WRITE, *, flag_rkey: int | None = None,
+                dst_rkey: int | None = None) -> np.ndarray:
+        """A tpd::IbgdaChannel for rank 0 over host memory (its tables live as long as the link)."""
+        state = aligned(QP_STATE_DTYPE.itemsize).view(QP_STATE_DTYPE)
+        qps = np.zeros(2, dtype=QUEUE_PAIR_DTYPE)
+        qps[1] = self.a.queue_pair(state.ctypes.data, self.scratch.ctypes.data, self.mr_scratch.lkey)[0]
+        local = np.zeros(1, dtype=REGION_DTYPE)
+        local[0] = (self.src.ctypes.data, self.src.nbytes, self.mr_src.lkey, 0)
+        remote = np.zeros(2, dtype=REGION_DTYPE)  # world * nregions; rank 0's own region unused
+        remote[1] = (self.dst.ctypes.data, self.dst.nbytes, self.mr_dst.rkey if dst_rkey is None else dst_rkey, 0)
+        rflags = np.zeros(2, dtype=REGION_DTYPE)
+        rflags[1] = (self.flags.ctypes.data, self.flags.nbytes,
+                     self.mr_flags.rkey if flag_rkey is None else flag_rkey, 0)
+        shadow = np.zeros(2 * NFLAGS, dtype=np.uint64)
+        own_flags = np.zeros(NFLAGS, dtype=np.uint64)
+        error = np.zeros(2, dtype=np.uint32)
+        ch = np.zeros(1, dtype=CHANNEL_DTYPE)
+        ch[0] = (qps.ctypes.data, local.ctypes.data, remote.ctypes.data, rflags.ctypes.data, shadow.ctypes.data,
+                 own_flags.ctypes.data, error.ctypes.data, NFLAGS, 0, 2, 1, int(mode), 1)
+        self.keep += [state, qps, local, remote, rflags, shadow, own_flags, error, ch]
+        return ch
+
+    @staticmethod
+    def state_of(ch: np.ndarray) -> np.ndarray:
+        qps = np.frombuffer((ctypes.c_uint8 * (2 * QUEUE_PAIR_DTYPE.itemsize)).from_address(int(ch["qps"][0])),
+                            dtype=QUEUE_PAIR_DTYPE)
+        raw = (ctypes.c_uint8 * QP_STATE_DTYPE.itemsize).from_address(int(qps[1]["state"]))
+        return np.frombuffer(raw, dtype=QP_STATE_DTYPE)[0]
+
+
+@pytest.fixture(scope="session")
+def verbs() -> Any:
+    return tverbs.load("soft")
+
+
+@pytest.fixture
+def make_link(verbs: Any) -> Iterator[Callable[..., Link]]:
+    made: list[Link] = []
+
+    def make(*, adaptive_routing: bool = False, seed: int = 1, wqe_cnt: int = 64, packet_size: int | None = None,
+             max_inline: int = 64) -> Link:
+        tag = uuid.uuid4().hex[:8]
+        names = (f"mlx{tag}a", f"mlx{tag}b")
+        for name in names:
+            verbs.soft.add_device(name, "ib", adaptive_routing=adaptive_routing, reorder_seed=seed,
+                                  packet_size=packet_size)
+        a = SoftMlx5Queue(names[0], verbs=verbs, wqe_cnt=wqe_cnt, max_inline=max_inline)
+        b = SoftMlx5Queue(names[1], verbs=verbs, wqe_cnt=wqe_cnt)
+        rng = np.random.default_rng(seed)
+        src = rng.integers(0, 256, DATA_BYTES, dtype=np.uint8)
+        dst = np.zeros(DATA_BYTES, dtype=np.uint8)
+        flags = np.zeros(NFLAGS, dtype=np.uint64)
+        scratch = np.zeros(8, dtype=np.uint64)
+        link = Link(verbs, a, b, src, dst, flags, scratch,
+                    a.register(src.ctypes.data, src.nbytes),
+                    b.register(dst.ctypes.data, dst.nbytes, remote_write=True, remote_read=True),
+                    b.register(flags.ctypes.data, flags.nbytes, remote_write=True, remote_atomic=True),
+                    a.register(scratch.ctypes.data, scratch.nbytes))
+        ea, eb = a.endpoint(), b.endpoint()
+        a.connect(eb)
+        b.connect(ea)
+        made.append(link)
+        return link
+
+    yield make
+    for link in made:
+        link.observe(None)
+        link.a.close()
+        link.b.close()
+
+
+class FlagJudge:
+    """Placement observer on the receiver: whenever a flag word lands, the payload it covers must be there.
+
+    ``covers[slot][v - 1]`` is the list of (offset, length) writes flag value ``v`` on ``slot`` covers.
+    """
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.covers: dict[int, list[list[tuple[int, int]]]] = {}
+        self.violations: list[str] = []
+        self.lo = link.flags.ctypes.data
+        self.hi = self.lo + link.flags.nbytes
+
+    def __call__(self, _qpn: int, addr: int, length: int) -> None:
+        if not (self.lo <= addr < self.hi):
+            return
+        slot = (addr - self.lo) // 8
+        value = int(self.link.flags[slot])
+        covers = self.covers.get(slot, [])
+        if not 0 < value <= len(covers):
+            return
+        for off, n in covers[value - 1]:
+            if not np.array_equal(self.link.dst[off:off + n], self.link.src[off:off + n]):
+                self.violations.append(f"flag {slot} reached {value} before bytes [{off}, {off + n}) landed")
+                return

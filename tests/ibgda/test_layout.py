@@ -1,0 +1,243 @@
+"""The IBGDA headers against their Python twins: sizes, offsets and constants; WQEs built by the header
+decode, field by field, to what was asked; nvcc's host pass builds the same bytes; the static_asserts
+are live; the device path compiles for sm_90 and under NVRTC."""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ibgda import device_handle as H
+from ibgda import mlx5_layout as L
+from tests.ibgda.conftest import HERE, INCLUDES, compiler, include_flags
+
+STRUCTS = {
+    "CtrlSeg": (L.CTRL_SEG_DTYPE, {"opmod_idx_opcode_be": "opmod", "qpn_ds_be": "qpn_ds", "signature": "signature",
+                                   "stream_id_be": "stream_id", "fm_ce_se": "fm_ce_se", "imm_be": "imm"}),
+    "RaddrSeg": (L.RADDR_SEG_DTYPE, {"raddr_be": "raddr", "rkey_be": "rkey", "reserved": "reserved"}),
+    "DataSeg": (L.DATA_SEG_DTYPE, {"byte_count_be": "byte_count", "lkey_be": "lkey", "addr_be": "addr"}),
+    "AtomicSeg": (L.ATOMIC_SEG_DTYPE, {"swap_add_be": "swap_add", "compare_be": "compare"}),
+    "Cqe64": (L.CQE64_DTYPE, {"srqn_uidx_be": "srqn_uidx", "imm_inval_pkey_be": "imm_inval_pkey", "app": "app",
+                              "app_op": "app_op", "app_info_be": "app_info", "byte_cnt_be": "byte_cnt",
+                              "timestamp_be": "timestamp", "sop_drop_qpn_be": "sop_drop_qpn",
+                              "wqe_counter_be": "wqe_counter", "signature": "signature", "op_own": "op_own"}),
+    "ErrCqe64": (L.ERR_CQE_DTYPE, {"srqn_be": "srqn", "vendor_err_synd": "vendor_err_synd", "syndrome": "syndrome",
+                                   "s_wqe_opcode_qpn_be": "s_wqe_opcode_qpn", "wqe_counter_be": "wqe_counter",
+                                   "signature": "signature", "op_own": "op_own"}),
+    "QpState": (H.QP_STATE_DTYPE, {n: n for n in H.QP_STATE_DTYPE.names}),
+    "QueuePair": (H.QUEUE_PAIR_DTYPE, {n: n for n in H.QUEUE_PAIR_DTYPE.names}),
+    "Region": (H.REGION_DTYPE, {n: n for n in H.REGION_DTYPE.names}),
+    "IbgdaChannel": (H.CHANNEL_DTYPE, {n: n for n in H.CHANNEL_DTYPE.names}),
+}
+CONSTANTS = {
+    "CTRL_FENCE": L.CTRL_FENCE, "CTRL_SMALL_FENCE": L.CTRL_SMALL_FENCE, "CTRL_CQ_UPDATE": L.CTRL_CQ_UPDATE,
+    "CTRL_SOLICITED": L.CTRL_SOLICITED, "WQE_BB": L.WQE_BB, "INLINE_SEG": L.INLINE_SEG, "SND_DBR": L.SND_DBR,
+    "CQ_SET_CI": L.CQ_SET_CI, "CQE_INITIAL_OP_OWN": L.CQE_INITIAL_OP_OWN, "ABI": H.ABI,
+    **{f"op.{o.name}": int(o) for o in (L.Opcode.NOP, L.Opcode.RDMA_WRITE, L.Opcode.RDMA_READ, L.Opcode.ATOMIC_FA,
+                                        L.Opcode.ATOMIC_CS)},
+    "cqe.REQ": L.CqeOpcode.REQ, "cqe.REQ_ERR": L.CqeOpcode.REQ_ERR, "cqe.INVALID": L.CqeOpcode.INVALID,
+    **{f"syn.{s.name}": int(s) for s in (L.Syndrome.LOCAL_LENGTH_ERR, L.Syndrome.LOCAL_QP_OP_ERR,
+                                         L.Syndrome.LOCAL_PROT_ERR, L.Syndrome.WR_FLUSH_ERR,
+                                         L.Syndrome.REMOTE_ACCESS_ERR)},
+    **{f"mode.{m.name}": int(m) for m in H.SignalMode},
+}
+RECORD = 64 + 8 + 4 + 4  # probe output per case: WQE image, doorbell word, doorbell record, padding
+
+
+def nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+def parse(out: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"^(\S+) (\d+)$", out, re.M)}
+
+
+def expected() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for struct, (dtype, names) in STRUCTS.items():
+        out[f"sizeof.{struct}"] = dtype.itemsize
+        for cname, pname in names.items():
+            out[f"offset.{struct}.{cname}"] = dtype.fields[pname][1]
+    out["sizeof.InlineSeg8"] = 16
+    out["offset.InlineSeg8.byte_count_be"] = 0
+    out["offset.InlineSeg8.data"] = 4
+    out["sizeof.Wqe"] = L.WQE_BB
+    out.update({f"const.{k}": int(v) for k, v in CONSTANTS.items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def probe(build_dir: Path) -> Path:
+    exe = build_dir / "probe"
+    subprocess.run([compiler(), "-std=c++17", "-Wall", "-Wextra", "-Werror", *include_flags(),
+                    str(HERE / "probe.cpp"), "-o", str(exe)], check=True)
+    return exe
+
+
+def random_cases(n: int, seed: int) -> list[tuple]:
+    rng = random.Random(seed)
+    kinds = ["write", "inline8", "read", "fadd", "nop"]
+    cases = [  # the edges first: index wrap at 2^16, 24-bit QPN, zero-length read, 2^31-1 bytes
+        ("write", 0xFFFF, 0xFFFFFF, L.CTRL_CQ_UPDATE, 2**64 - 8, 2**32 - 1, 2**64 - 64, 2**32 - 1, 2**31 - 1, 0),
+        ("write", 0x10001, 1, 0, 0, 0, 0, 0, 1, 0),
+        ("read", 7, 0x1234, L.CTRL_FENCE, 0, 0, 0, 0, 0, 0),
+        ("inline8", 3, 0x42, L.CTRL_FENCE | L.CTRL_CQ_UPDATE, 0x1000, 5, 0, 0, 8, 2**64 - 1),
+        ("fadd", 9, 0x42, 0, 0x2008, 6, 0x3000, 7, 8, 1),
+    ]
+    for _ in range(n):
+        kind = rng.choice(kinds)
+        fm = rng.choice([0, L.CTRL_CQ_UPDATE, L.CTRL_FENCE, L.CTRL_FENCE | L.CTRL_CQ_UPDATE])
+        nbytes = rng.choice([0, 1, rng.randrange(1, 1 << 31)]) if kind == "read" else rng.randrange(1, 1 << 31)
+        cases.append((kind, rng.getrandbits(40), rng.getrandbits(24), fm, rng.getrandbits(64) & ~7,
+                      rng.getrandbits(32), rng.getrandbits(64), rng.getrandbits(32), nbytes, rng.getrandbits(64)))
+    return cases
+
+
+def run_probe(exe: Path, cases: list[tuple], out: Path) -> tuple[dict[str, int], bytes]:
+    text = "".join(" ".join(str(x) for x in c) + "\n" for c in cases)
+    res = subprocess.run([str(exe), str(out)], input=text, capture_output=True, text=True, check=True)
+    return parse(res.stdout), out.read_bytes()
+
+
+def check_case(case: tuple, rec: bytes) -> None:
+    kind, index, qpn, fm, raddr, rkey, laddr, lkey, nbytes, value = case
+    wqe = rec[:64]
+    w = L.decode_wqe(wqe)
+    assert w.wqe_index == index & 0xFFFF and w.qpn == qpn and w.fm_ce_se == fm and w.opmod == 0 and w.imm == 0
+    assert w.fence == bool(fm & L.CTRL_FENCE) and w.completion == bool(fm & L.CTRL_CQ_UPDATE)
+    assert wqe[8:11] == b"\0\0\0", "signature and DCI stream id stay 0 on RC"
+    if kind == "nop":
+        assert (w.opcode, w.ds) == (L.Opcode.NOP, 1)
+    else:
+        assert (w.raddr, w.rkey) == (raddr, rkey)
+        assert np.frombuffer(wqe, dtype=L.RADDR_SEG_DTYPE, count=1, offset=16)[0]["reserved"] == 0
+    if kind == "write":
+        assert (w.opcode, w.ds, w.data, w.inline) == (L.Opcode.RDMA_WRITE, 3, [(nbytes, lkey, laddr)], None)
+    elif kind == "inline8":
+        assert (w.opcode, w.ds, w.data) == (L.Opcode.RDMA_WRITE, 3, [])
+        assert w.inline == value.to_bytes(8, "little"), "inline flag bytes land as a little-endian u64"
+        assert int.from_bytes(wqe[32:36], "big") == 8 | L.INLINE_SEG
+    elif kind == "read":
+        assert w.opcode == L.Opcode.RDMA_READ
+        assert (w.ds, w.data) == ((2, []) if nbytes == 0 else (3, [(nbytes, lkey, laddr)]))
+    elif kind == "fadd":
+        assert (w.opcode, w.ds, w.swap_add, w.compare) == (L.Opcode.ATOMIC_FA, 4, value, 0)
+        assert w.data == [(8, lkey, laddr)]
+    used = {"nop": 16, "read": 32 if nbytes == 0 else 48, "write": 48, "inline8": 44, "fadd": 64}[kind]
+    assert wqe[used:] == bytes(64 - used), "bytes past the WQE's segments are zero"
+    # the doorbell: the control segment's first 8 bytes; the doorbell record: be32(send counter & 0xffff)
+    assert rec[64:72] == wqe[:8]
+    assert rec[72:76] == ((index + 1) & 0xFFFF).to_bytes(4, "big")
+    assert int.from_bytes(rec[72:76], "little") == L.sq_dbrec_value(index + 1)
+
+
+def test_layout_agrees_with_python(probe: Path, tmp_path: Path) -> None:
+    got, _ = run_probe(probe, [], tmp_path / "none.bin")
+    assert got == expected()
+
+
+def test_built_wqes_decode_to_what_was_asked(probe: Path, tmp_path: Path) -> None:
+    cases = random_cases(400, seed=7)
+    _, data = run_probe(probe, cases, tmp_path / "wqes.bin")
+    assert len(data) == RECORD * len(cases)
+    for i, case in enumerate(cases):
+        check_case(case, data[i * RECORD:(i + 1) * RECORD])
+
+
+def test_nvcc_host_pass_builds_the_same_bytes(probe: Path, tmp_path: Path) -> None:
+    cc = nvcc()
+    if not cc:
+        pytest.skip("nvcc not found: the CUDA host-pass probe runs where the CUDA toolkit is installed")
+    src = tmp_path / "probe.cu"
+    src.write_text((HERE / "probe.cpp").read_text())
+    exe = tmp_path / "probe_nvcc"
+    subprocess.run([cc, "-std=c++17", "-arch=sm_90", *include_flags(), str(src), "-o", str(exe)], check=True)
+    cases = random_cases(100, seed=11)
+    got_gcc, data_gcc = run_probe(probe, cases, tmp_path / "gcc.bin")
+    got_nvcc, data_nvcc = run_probe(exe, cases, tmp_path / "nvcc.bin")
+    assert got_nvcc == got_gcc == expected()
+    assert data_nvcc == data_gcc
+
+
+def test_device_path_compiles_for_sm90(tmp_path: Path) -> None:
+    cc = nvcc()
+    if not cc:
+        pytest.skip("nvcc not found: the device compile check runs where the CUDA toolkit is installed")
+    src = tmp_path / "k.cu"
+    src.write_text(
+        "#include <transportd/client.cuh>\n#include <transportd/ibgda/ibgda.cuh>\n"
+        "template <class Ch> __global__ void k(Ch ch) {\n"
+        "  tpd::put(ch, 1, 0, 0, 0, 0, 64);\n"
+        "  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1);\n"
+        "  tpd::signal(ch, 1, 3, 7, tpd::SignalOp::Set);\n"
+        "  tpd::fence(ch, 1);\n  tpd::quiet(ch);\n  tpd::block_wait(ch, 3, 1);\n"
+        "  if (tpd::status(ch) || tpd::error_count(ch)) tpd::wait(ch, 3, 2);\n}\n"
+        "template __global__ void k<tpd::Channel>(tpd::Channel);\n"
+        "template __global__ void k<tpd::IbgdaChannel>(tpd::IbgdaChannel);\n")
+    for extra in ([], ["-G"]):  # release, and debug (bounded spins)
+        res = subprocess.run([cc, "-std=c++17", "-arch=sm_90", *extra, *include_flags(), "-ptx", str(src), "-o",
+                              str(tmp_path / "k.ptx")], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    assert "st.mmio.relaxed.sys.global.u64" in ptx, "the doorbell is one MMIO store"
+    assert "st.release.sys.global.u32" in ptx, "the doorbell record is a release store at system scope"
+    assert "fence.sc.sys" in ptx
+
+
+def test_device_path_compiles_under_nvrtc() -> None:
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (nvrtc) not installed")
+    src = (b"#include <transportd/ibgda/ibgda.cuh>\n"
+           b"extern \"C\" __global__ void k(tpd::IbgdaChannel ch) {\n"
+           b"  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1);\n  tpd::quiet(ch);\n  tpd::wait(ch, 3, 1);\n}\n")
+    err, prog = nvrtc.nvrtcCreateProgram(src, b"k.cu", 0, [], [])
+    opts = [f"-I{d}".encode() for d in INCLUDES] + [b"-arch=compute_90", b"-std=c++17"]
+    (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * n
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        pytest.fail(log.decode())
+    nvrtc.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.parametrize(("header", "old", "new", "message"), [
+    ("segments.cuh", "    uint8_t fm_ce_se;\n    uint32_t imm_be;", "    uint32_t imm_be;\n    uint8_t fm_ce_se;",
+     "fm_ce_se at 11"),
+    ("cqe.cuh", "    uint8_t vendor_err_synd;\n    uint8_t syndrome;",
+     "    uint8_t syndrome;\n    uint8_t vendor_err_synd;", "syndrome at 55"),
+    ("queue_pair.cuh", "    uint64_t posted;\n", "    uint64_t posted;\n    uint64_t extra;\n", "signaled at 136"),
+])
+def test_static_asserts_catch_a_drifted_layout(tmp_path: Path, header: str, old: str, new: str, message: str) -> None:
+    inc = tmp_path / "inc"
+    shutil.copytree(Path(INCLUDES[0]), inc)
+    path = inc / "transportd" / "ibgda" / header
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+    src = tmp_path / "t.cpp"
+    src.write_text("#include <transportd/ibgda/ibgda.cuh>\nint main() { return 0; }\n")
+    res = subprocess.run([compiler(), "-std=c++17", f"-I{inc}", f"-I{INCLUDES[1]}", str(src), "-o",
+                          str(tmp_path / "t")], capture_output=True, text=True)
+    assert res.returncode != 0 and message in res.stderr
+
+
+def test_python_cqe_codec_round_trips() -> None:
+    raw = L.encode_cqe(pi=5, ncqes=8, wqe_counter=0x1_2345, wqe_opcode=L.Opcode.RDMA_READ, qpn=0xABCDEF, byte_cnt=4096)
+    c = L.decode_cqe(raw)
+    assert (c.opcode, c.owner, c.wqe_counter, c.wqe_opcode, c.qpn, c.byte_cnt) == (0, 0, 0x2345, 0x10, 0xABCDEF, 4096)
+    assert raw[56:60] == bytes([0x10, 0xAB, 0xCD, 0xEF]) and raw[60:62] == b"\x23\x45"
+    e = L.decode_cqe(L.encode_err_cqe(pi=8, ncqes=8, wqe_counter=3, wqe_opcode=8, qpn=7, syndrome=0x13,
+                                      vendor_err=0x88))
+    assert (e.opcode, e.owner, e.syndrome, e.vendor_err, e.wqe_counter, e.is_error) == (13, 1, 0x13, 0x88, 3, True)
+    assert L.cqe_ready(L.CQE_INITIAL_OP_OWN, 0, 8) is False
+    assert L.cqe_ready(0x00, 0, 8) and not L.cqe_ready(0x00, 8, 8) and L.cqe_ready(0x01, 8, 8)
