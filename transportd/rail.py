@@ -148,6 +148,7 @@ class RailService:
         return {}
 
     def op_forget_rank(self, job: str, rank: int) -> dict[str, Any]:
+        self.proxy.forget_rank(job, rank)
         entry = self.flags.pop((job, rank), None)
         if entry is not None:
             self.backend.deregister_memory(entry[1])
