@@ -65,6 +65,8 @@ def _register_subcommands() -> None:
     from transportd.bench_proxy import bench_proxy, bench_signals
     bench.add_command(bench_proxy)
     bench.add_command(bench_signals)
+    from transportd.bench_e2e import bench_e2e
+    bench.add_command(bench_e2e)
 
 
 _register_subcommands()

@@ -1,0 +1,42 @@
+"""`transportd bench e2e --quick`: two real daemons, a short stream, the JSON document's shape."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from transportd.bench_e2e import parse_size
+from transportd.cli import main
+
+SUMMARY = ("commands_per_s", "gbytes_per_s", "put_to_flag_p50_us", "put_to_flag_p99_us")
+
+
+def test_quick_run_writes_positive_numbers(tmp_path) -> None:
+    path = tmp_path / "e2e.json"
+    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--size", "16KiB", "--json", str(path)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "commands/s" in result.output and "put-to-flag p99" in result.output
+    doc = json.loads(path.read_text())
+    summary = doc["summary"]
+    for key in SUMMARY:
+        assert isinstance(summary[key], float) and math.isfinite(summary[key]) and summary[key] > 0, key
+    assert summary["put_to_flag_p50_us"] <= summary["put_to_flag_p99_us"]
+    assert doc["config"]["size"] == 16384 and doc["config"]["backend"] == "ib"
+    assert doc["stream"]["commands"] > 0 and doc["latency"]["samples"] == 50
+    assert doc["daemon_a"]["commands"] >= doc["stream"]["commands"] + 50
+    assert doc["daemon_a"]["rejected"] == doc["daemon_a"]["completion_errors"] == 0
+
+
+@pytest.mark.parametrize(("text", "size"), [("4096", 4096), ("4k", 4096), ("4KiB", 4096), ("64KB", 65536),
+                                             ("1MiB", 1 << 20), ("1m", 1 << 20), (512, 512)])
+def test_sizes_parse(text, size) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "0", "-4k", "four", "1GiB"])
+def test_bad_sizes_are_refused(text) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)

@@ -1,0 +1,314 @@
+"""`transportd bench e2e`: two real daemons over softverbs, a CPU producer, data and flags end to end.
+
+``LocalCluster`` starts two daemons (node a, node b) on this machine with the chosen backend; this one
+process joins a rank on each (rank 0 on a, rank 1 on b) and drives both: rank 0 pushes PUT_SIGNALs of
+``size`` bytes through its command ring (``ChannelHandle.put_signal``, one record per push, as a kernel
+thread would), each adding 1 to rank 1's flag 0, and rank 1's flag is read straight from its flag file.
+Everything crosses the real path: ring -> node a's proxy -> backend -> softverbs -> node b's memory (ib:
+the NIC writes the flag; efa: node b's daemon counts the pieces and publishes it).
+
+Phases:
+
+stream
+    For ``seconds``: keep ``window`` commands in flight (a new one is pushed when the flag shows an old
+    one landed; destinations cycle through ``window`` slots, so a slot is rewritten only after its flag
+    came). ``commands/s`` and ``GB/s`` = commands (bytes) whose flag arrived / time to the last flag.
+    The loaded latency is the same put-to-flag measure taken in this phase; the flag is read between
+    pushes, so it is late by up to one push (a few microseconds).
+latency
+    ``samples`` commands one at a time: timestamp (CLOCK_MONOTONIC) right before the push, spin on the
+    flag, timestamp when it shows. Includes the daemon's polling window (``--poll-window-us``), which a
+    lone command waits out before its batch is posted.
+baseline
+    (not with ``--quick``) the softverbs loopback stream of the same write size between two bare QPs
+    (``transportd bench softverbs``' measurement, RC for ib, SRD for efa): the ceiling of the transport
+    under the daemon path, so ``e2e / raw`` is a ratio measured in the same run.
+
+At the end every destination slot is compared with its source. Shared machines are noisy: compare the
+ratios of one run, and take absolute numbers from a quiet host.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+__all__ = ["bench_e2e", "parse_size", "run_e2e_benchmark"]
+
+JOB = "bench-e2e"
+_STAT_KEYS = ("commands", "bytes", "wrs", "signals", "batches", "batches_full", "batches_partial", "stalls",
+              "signal_stalls", "completion_errors", "rejected")
+
+
+def parse_size(text: str | int) -> int:
+    """``4096``, ``4k``, ``4KiB``, ``64KB``, ``1m``, ``1MiB`` -> bytes (K and M are powers of two)."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().lower().removesuffix("b").removesuffix("i")
+    mult = 1
+    if s and s[-1] in "km":
+        mult = 1 << (10 if s[-1] == "k" else 20)
+        s = s[:-1]
+    try:
+        value = int(s) * mult
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (try 4096, 4KiB, 1MiB)") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _percentiles(ns: np.ndarray) -> dict[str, float]:
+    if not len(ns):
+        return {"samples": 0}
+    us = ns / 1e3
+    return {"samples": int(len(us)), "p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
+            "min_us": float(us.min()), "max_us": float(us.max()), "mean_us": float(us.mean())}
+
+
+def _daemon_counters(stats: dict[str, Any]) -> dict[str, int]:
+    rails = [r for r in stats.get("rails", []) if "error" not in r]
+    return {k: sum(int(r.get(k, 0)) for r in rails) for k in _STAT_KEYS}
+
+
+class _Pair:
+    """Rank 0 (node a, the producer) and rank 1 (node b, the receiver) of one job, driven from here."""
+
+    def __init__(self, cluster: Any, size: int, window: int) -> None:
+        import gpuclient
+
+        self.clients = [gpuclient.connect(cluster.socket(name)) for name in cluster.names]
+        self.sessions = [c.join(JOB, rank=i, world=2) for i, c in enumerate(self.clients)]
+        span = size * window
+        self.send = gpuclient.host_array(span)
+        self.send[:] = np.random.default_rng(2024).integers(0, 256, span, dtype=np.uint8)
+        self.recv = gpuclient.host_array(span)
+        self.src = self.sessions[0].register(self.send)
+        self.dst = self.sessions[1].register(self.recv)
+        for s in self.sessions:
+            s.flags(4)
+        for s in self.sessions:
+            s.exchange(wait=False)
+        for s in self.sessions:
+            s.exchange(timeout=30)
+        self.channel = self.sessions[0].channel(capacity=1 << max(10, (2 * window - 1).bit_length()))
+        flags = self.sessions[1].flag_array
+        assert flags is not None
+        self.flag = flags.values  # rank 1's flag words, mapped: slot 0 counts arrived commands
+        self.size = size
+        self.window = window
+
+    def put(self, k: int) -> None:
+        off = (k % self.window) * self.size
+        self.channel.put_signal(peer=1, dst_region=self.dst.id, dst_off=off, src_region=self.src.id, src_off=off,
+                                nbytes=self.size, slot=0, value=1)
+
+    def arrived(self) -> int:
+        return int(self.flag[0])
+
+    def close(self) -> None:
+        for s in self.sessions:
+            try:
+                s.leave()
+            except Exception:  # noqa: BLE001  (a daemon already gone: nothing left to release)
+                pass
+        for c in self.clients:
+            c.close()
+
+
+def _stream(pair: _Pair, seconds: float, timeout_s: float) -> dict[str, Any]:
+    window = pair.window
+    base = pair.arrived()
+    push_ns: list[int] = []
+    seen_ns: list[int] = []
+    sent = seen = 0
+    now = time.monotonic_ns
+    t0 = now()
+    stop = t0 + int(seconds * 1e9)
+    give_up = stop + int(timeout_s * 1e9)
+    while True:
+        t = now()
+        if t < stop and sent - seen < window:
+            push_ns.append(t)
+            pair.put(sent)
+            sent += 1
+        got = pair.arrived() - base
+        if got > seen:
+            t = now()
+            seen_ns.extend([t] * (got - seen))
+            seen = got
+        elif t >= stop and seen >= sent:
+            break
+        elif t > give_up:
+            raise click.ClickException(f"stream: {sent - seen} of {sent} flags never arrived "
+                                       f"(flag {pair.arrived()}, started at {base})")
+    if seen != sent:
+        raise click.ClickException(f"stream: {seen} flags for {sent} commands (lost or duplicated signals)")
+    elapsed = (seen_ns[-1] - t0) / 1e9 if seen_ns else seconds
+    lat = np.asarray(seen_ns, dtype=np.int64) - np.asarray(push_ns, dtype=np.int64)
+    return {"commands": sent, "bytes": sent * pair.size, "elapsed_s": elapsed,
+            "commands_per_s": sent / elapsed, "gbytes_per_s": sent * pair.size / elapsed / 1e9,
+            "loaded_put_to_flag": _percentiles(lat)}
+
+
+def _latency(pair: _Pair, samples: int, timeout_s: float) -> dict[str, Any]:
+    flag = pair.flag
+    now = time.monotonic_ns
+    out = np.zeros(samples, dtype=np.int64)
+    for i in range(samples):
+        target = int(flag[0]) + 1
+        t0 = now()
+        pair.put(i)
+        spins = 0
+        while int(flag[0]) < target:
+            spins += 1
+            if not spins & 0xFFFF and now() - t0 > timeout_s * 1e9:
+                raise click.ClickException(f"latency: sample {i}'s flag did not arrive in {timeout_s}s")
+        out[i] = now() - t0
+    return _percentiles(out)
+
+
+def _baseline(backend: str, size: int, seconds: float) -> dict[str, Any]:
+    from softverbs.soft.bench import _run_kind
+
+    kind = "rc" if backend == "ib" else "srd"
+    res = _run_kind(kind, [size], seconds, 64)[str(size)]
+    return {"qp": kind, "bytes_per_s": res["bytes_per_s"], "wr_per_s": res["wr_per_s"],
+            "gbytes_per_s": res["bytes_per_s"] / 1e9}
+
+
+def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: int = 4096, seconds: float = 3.0,
+                      window: int = 64, samples: int = 1000, decoupled: bool = False, adaptive_routing: bool = False,
+                      poll_window_us: int | None = None, baseline: bool = True, timeout_s: float = 60.0,
+                      echo: Any = None) -> dict[str, Any]:
+    """Start two daemons, measure (stream, latency, baseline), stop them; returns the JSON document."""
+    from transportd.localcluster import LocalCluster
+
+    if window < 1 or samples < 0 or seconds <= 0:
+        raise ValueError("window must be >= 1, samples >= 0 and seconds > 0")
+    overrides: dict[str, dict[str, Any]] = {
+        "signal": {"mode": signal_mode, "decoupled": decoupled},
+        "softverbs": {"adaptive_routing": adaptive_routing},
+        "logging": {"level": "warning", "format": "text"},
+    }
+    if poll_window_us is not None:
+        overrides["proxy"] = {"poll_window_us": poll_window_us}
+    config = {"backend": backend, "signal_mode": signal_mode if backend == "ib" else "receiver publishes",
+              "size": size, "seconds": seconds, "window": window, "samples": samples, "decoupled": decoupled,
+              "adaptive_routing": adaptive_routing, "poll_window_us": poll_window_us, "producer": "cpu",
+              "direction": "rank 0 (node a) -> rank 1 (node b)"}
+    result: dict[str, Any] = {"config": config}
+    with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
+        pair = _Pair(cluster, size, window)
+        try:
+            if echo:
+                echo(f"2 daemons up ({backend} over softverbs); streaming {size} B PUT_SIGNALs for {seconds} s ...")
+            stream = _stream(pair, seconds, timeout_s)
+            latency = _latency(pair, samples, timeout_s)
+            pair.channel.quiet(timeout=timeout_s)
+            used = min(window, max(stream["commands"], samples)) * size
+            if not np.array_equal(pair.recv[:used], pair.send[:used]):
+                raise click.ClickException("received data differs from what was sent")
+            result["daemon_a"] = _daemon_counters(pair.clients[0].stats())
+        finally:
+            pair.close()
+    result["stream"] = stream
+    result["latency"] = latency
+    loaded = stream["loaded_put_to_flag"]
+    summary = {
+        "commands_per_s": stream["commands_per_s"],
+        "gbytes_per_s": stream["gbytes_per_s"],
+        "put_to_flag_p50_us": latency.get("p50_us", loaded.get("p50_us")),
+        "put_to_flag_p99_us": latency.get("p99_us", loaded.get("p99_us")),
+        "loaded_put_to_flag_p50_us": loaded.get("p50_us"),
+        "loaded_put_to_flag_p99_us": loaded.get("p99_us"),
+    }
+    if baseline:
+        if echo:
+            echo("baseline: softverbs loopback stream of the same write size ...")
+        base = _baseline(backend, size, min(seconds, 2.0))
+        result["baseline"] = base
+        summary["raw_softverbs_gbytes_per_s"] = base["gbytes_per_s"]
+        summary["e2e_over_raw"] = stream["gbytes_per_s"] / base["gbytes_per_s"] if base["gbytes_per_s"] else None
+    result["summary"] = summary
+    return result
+
+
+def _fmt_size(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def print_table(res: dict[str, Any], echo: Any = click.echo) -> None:
+    c, s = res["config"], res["summary"]
+    lat, loaded = res["latency"], res["stream"]["loaded_put_to_flag"]
+    echo(f"bench e2e: {c['backend']} over softverbs, signal {c['signal_mode']}"
+         f"{', decoupled' if c['decoupled'] else ''}{', adaptive routing' if c['adaptive_routing'] else ''}, "
+         f"{_fmt_size(c['size'])} PUT_SIGNAL, window {c['window']}, {c['direction']}")
+    rows = [
+        ("commands/s", f"{s['commands_per_s']:,.0f}"),
+        ("GB/s", f"{s['gbytes_per_s']:.3f}"),
+        (f"put-to-flag p50 us (1 in flight, n={lat.get('samples', 0)})", f"{s['put_to_flag_p50_us']:.1f}"),
+        ("put-to-flag p99 us (1 in flight)", f"{s['put_to_flag_p99_us']:.1f}"),
+        (f"put-to-flag p50 us (window {c['window']})", f"{loaded['p50_us']:.1f}"),
+        (f"put-to-flag p99 us (window {c['window']})", f"{loaded['p99_us']:.1f}"),
+        ("commands streamed", f"{res['stream']['commands']:,}"),
+    ]
+    if "baseline" in res:
+        raw = f"raw softverbs {res['baseline']['qp'].upper()} GB/s (same size)"
+        rows += [(raw, f"{s['raw_softverbs_gbytes_per_s']:.3f}"), ("e2e / raw", f"{s['e2e_over_raw']:.2f}")]
+    d = res.get("daemon_a")
+    if d:
+        rows.append(("node a proxy: batches full/partial", f"{d['batches_full']:,}/{d['batches_partial']:,}"))
+    width = max(len(k) for k, _ in rows) + 2
+    echo(f"{'measure':<{width}}value")
+    for key, value in rows:
+        echo(f"{key:<{width}}{value}")
+
+
+@click.command("e2e")
+@click.option("--backend", type=click.Choice(["ib", "efa"]), default="ib", show_default=True)
+@click.option("--signal-mode", type=click.Choice(["write", "atomic", "fence"]), default="write", show_default=True,
+              help="ib signal mode (efa: the receiving daemon publishes flags; ignored)")
+@click.option("--size", "size_text", default="4KiB", show_default=True, help="message size (4096, 64KiB, 1MiB)")
+@click.option("--seconds", default=3.0, show_default=True, help="stream phase duration")
+@click.option("--window", default=64, show_default=True, help="commands in flight in the stream phase")
+@click.option("--samples", default=1000, show_default=True, help="one-at-a-time latency samples")
+@click.option("--decoupled", is_flag=True, help="Perseus decoupled signaling in the daemons")
+@click.option("--adaptive-routing", is_flag=True, help="softverbs adaptive routing (ib; not with write mode)")
+@click.option("--poll-window-us", type=int, default=None, help="daemon proxy polling window [default: config's]")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="also measure the bare softverbs stream of the same size (e2e / raw ratio)")
+@click.option("--quick", is_flag=True, help="smoke run: 0.5 s stream, 50 samples, no baseline")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="write the results as JSON here")
+def bench_e2e(backend: str, signal_mode: str, size_text: str, seconds: float, window: int, samples: int,
+              decoupled: bool, adaptive_routing: bool, poll_window_us: int | None, baseline: bool, quick: bool,
+              json_path: Path | None) -> None:
+    """Two daemons over softverbs, CPU producer: commands/s, GB/s, put-to-flag latency."""
+    try:
+        size = parse_size(size_text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--size") from None
+    if quick:
+        seconds, samples, baseline = min(seconds, 0.5), min(samples, 50), False
+    from transportd.errors import TransportdError
+
+    try:
+        res = run_e2e_benchmark(backend=backend, signal_mode=signal_mode, size=size, seconds=seconds,
+                                window=window, samples=samples, decoupled=decoupled,
+                                adaptive_routing=adaptive_routing, poll_window_us=poll_window_us,
+                                baseline=baseline, echo=click.echo)
+    except (RuntimeError, TimeoutError, ValueError, TransportdError) as exc:
+        raise click.ClickException(str(exc)) from None
+    print_table(res)
+    if json_path is not None:
+        json_path.write_text(json.dumps(res, indent=2))
+        click.echo(f"wrote {json_path}")
