@@ -27,6 +27,16 @@ from transportd.protocol import Stats
 __all__ = ["LocalCluster", "free_port"]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM this daemon when the process that started it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -118,7 +128,7 @@ class LocalCluster:
             node.log_file = open(node.log_path, "ab")
             node.process = subprocess.Popen([sys.executable, "-m", "transportd", "run", "--config",
                                              str(node.config_path)], stdout=node.log_file, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True)
+                                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         for node in self.nodes.values():
             self._wait_ready(node, deadline)
