@@ -177,10 +177,10 @@ class Link:
         self.verbs.soft.set_placement_observer(self.b.rail.ctx, fn)
 
     def channel(self, mode: SignalMode = SignalMode.WRITE, *, flag_rkey: int | None = None,
-                dst_rkey: int | None = None) -> np.ndarray:
+                dst_rkey: int | None = None) -> Chan:
         """A tpd::IbgdaChannel for rank 0 over host memory (its tables live as long as the link)."""
         state = aligned(QP_STATE_DTYPE.itemsize).view(QP_STATE_DTYPE)
-        qps = np.zeros(2, dtype=QUEUE_PAIR_DTYPE)
+        qps = np.zeros(2, dtype=QUEUE_PAIR_DTYPE)  # rank 0 is us: no QP (wqe_cnt 0)
         qps[1] = self.a.queue_pair(state.ctypes.data, self.scratch.ctypes.data, self.mr_scratch.lkey)[0]
         local = np.zeros(1, dtype=REGION_DTYPE)
         local[0] = (self.src.ctypes.data, self.src.nbytes, self.mr_src.lkey, 0)
@@ -189,21 +189,30 @@ class Link:
         rflags = np.zeros(2, dtype=REGION_DTYPE)
         rflags[1] = (self.flags.ctypes.data, self.flags.nbytes,
                      self.mr_flags.rkey if flag_rkey is None else flag_rkey, 0)
-        shadow = np.zeros(2 * NFLAGS, dtype=np.uint64)
-        own_flags = np.zeros(NFLAGS, dtype=np.uint64)
-        error = np.zeros(2, dtype=np.uint32)
-        ch = np.zeros(1, dtype=CHANNEL_DTYPE)
-        ch[0] = (qps.ctypes.data, local.ctypes.data, remote.ctypes.data, rflags.ctypes.data, shadow.ctypes.data,
-                 own_flags.ctypes.data, error.ctypes.data, NFLAGS, 0, 2, 1, int(mode), 1)
-        self.keep += [state, qps, local, remote, rflags, shadow, own_flags, error, ch]
-        return ch
+        chan = Chan(np.zeros(1, dtype=CHANNEL_DTYPE), state, qps, np.zeros(2 * NFLAGS, dtype=np.uint64),
+                    np.zeros(NFLAGS, dtype=np.uint64), np.zeros(2, dtype=np.uint32), [local, remote, rflags])
+        chan.ch[0] = (qps.ctypes.data, local.ctypes.data, remote.ctypes.data, rflags.ctypes.data,
+                      chan.shadow.ctypes.data, chan.own_flags.ctypes.data, chan.error.ctypes.data, NFLAGS, 0, 2, 1,
+                      int(mode), 1)
+        self.keep.append(chan)
+        return chan
 
-    @staticmethod
-    def state_of(ch: np.ndarray) -> np.ndarray:
-        qps = np.frombuffer((ctypes.c_uint8 * (2 * QUEUE_PAIR_DTYPE.itemsize)).from_address(int(ch["qps"][0])),
-                            dtype=QUEUE_PAIR_DTYPE)
-        raw = (ctypes.c_uint8 * QP_STATE_DTYPE.itemsize).from_address(int(qps[1]["state"]))
-        return np.frombuffer(raw, dtype=QP_STATE_DTYPE)[0]
+
+@dataclass
+class Chan:
+    """A channel record and the host memory behind it."""
+
+    ch: np.ndarray
+    state: np.ndarray       # QpState of the QP to rank 1
+    qps: np.ndarray
+    shadow: np.ndarray
+    own_flags: np.ndarray
+    error: np.ndarray       # code, count
+    tables: list[np.ndarray]
+
+    @property
+    def ptr(self) -> int:
+        return int(self.ch.ctypes.data)
 
 
 @pytest.fixture(scope="session")
