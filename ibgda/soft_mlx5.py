@@ -29,7 +29,6 @@ memory rely on the host's store order (x86-64 TSO), as a CPU-side stand-in for a
 from __future__ import annotations
 
 import logging
-import mmap
 import random
 import threading
 import time
@@ -41,14 +40,12 @@ import numpy as np
 
 from ibgda import mlx5_layout as L
 from ibgda.device_handle import QUEUE_PAIR_DTYPE
-from transportd.verbs_util import BackendError, Rail, access_flags, load_verbs, translate_verbs_errors
+from ibgda.queue_memory import DOORBELL_OFFSET, QueueMemory
+from transportd.verbs_util import Rail, access_flags, load_verbs, translate_verbs_errors
 
 __all__ = ["DOORBELL_OFFSET", "SoftMlx5Queue", "WC_TO_SYNDROME"]
 
 log = logging.getLogger(__name__)
-
-PAGE = mmap.PAGESIZE
-DOORBELL_OFFSET = 0x800  # the first BlueFlame register of a ConnectX UAR page
 
 # ibv_wc_status -> MLX5_CQE_SYNDROME_* (the inverse of cq.c mlx5_handle_error_cqe)
 WC_TO_SYNDROME = {
@@ -84,11 +81,7 @@ class SoftMlx5Queue:
                  max_inline: int = 64, port: int = 1, gid_index: int = 0, path_mtu: int = 0,
                  poll_interval_s: float = 20e-6, cq_full_timeout_s: float = 10.0) -> None:
         ncqes = ncqes or wqe_cnt
-        for name, n in (("wqe_cnt", wqe_cnt), ("ncqes", ncqes)):
-            if n < 8 or n & (n - 1) or n > 1 << 15:
-                raise BackendError(f"{name} must be a power of two in 8 .. 32768, not {n}")
-        if ncqes < wqe_cnt:
-            raise BackendError(f"ncqes ({ncqes}) must be at least wqe_cnt ({wqe_cnt}): one CQE per WQE may come")
+        self.mem = QueueMemory(wqe_cnt, ncqes, with_uar_page=True)
         self.wqe_cnt, self.ncqes, self.max_inline = wqe_cnt, ncqes, max_inline
         self.poll_interval_s, self.cq_full_timeout_s = poll_interval_s, cq_full_timeout_s
         self.v = load_verbs(verbs)
@@ -116,25 +109,13 @@ class SoftMlx5Queue:
 
     # --- resources -----------------------------------------------------------------------------------
     def _setup_memory(self) -> None:
-        sq_bytes = self.wqe_cnt * L.WQE_BB
-        cq_bytes = self.ncqes * 64
-        self._dbrec_off = -(-(sq_bytes + cq_bytes) // PAGE) * PAGE
-        self._uar_off = self._dbrec_off + PAGE
-        self.nbytes = self._uar_off + PAGE
-        self._map = mmap.mmap(-1, self.nbytes)
-        whole = np.frombuffer(self._map, dtype=np.uint8)
-        self.base = int(whole.ctypes.data)
-        self.sq = whole[:sq_bytes]
-        self.cq = whole[sq_bytes:sq_bytes + cq_bytes]
-        self.cq[63::64] = L.CQE_INITIAL_OP_OWN
-        self.dbrec = whole[self._dbrec_off:self._dbrec_off + 8].view(np.uint32)
-        self.cq_dbrec = whole[self._dbrec_off + 64:self._dbrec_off + 72].view(np.uint32)
-        self.doorbell = whole[self._uar_off + DOORBELL_OFFSET:self._uar_off + DOORBELL_OFFSET + 8].view(np.uint64)
+        m = self.mem
+        self.base, self.nbytes = m.base, m.nbytes
+        self.sq, self.cq, self.dbrec, self.cq_dbrec, self.doorbell = m.sq, m.cq, m.dbrec, m.cq_dbrec, m.doorbell
 
     def addresses(self) -> dict[str, int]:
         """Host addresses of the queue's parts (a GPU maps ``base`` .. ``base + nbytes`` and offsets them)."""
-        return {"sq": self.base, "cq": self.base + self.wqe_cnt * L.WQE_BB, "dbrec": self.base + self._dbrec_off,
-                "cq_dbrec": self.base + self._dbrec_off + 64, "bf": self.base + self._uar_off + DOORBELL_OFFSET}
+        return self.mem.addresses()
 
     def queue_pair(self, state: int, scratch: int, scratch_lkey: int, *, translate: Any = None) -> np.ndarray:
         """The QueuePair device handle for this QP. ``state``: address of a zeroed QpState; ``scratch``:

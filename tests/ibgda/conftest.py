@@ -24,7 +24,8 @@ import pytest
 import gpuclient
 import ibgda
 from ibgda import mlx5_layout as L
-from ibgda.device_handle import CHANNEL_DTYPE, QP_STATE_DTYPE, QUEUE_PAIR_DTYPE, REGION_DTYPE, SignalMode
+from ibgda.channel_tables import HostAlloc, build_channel
+from ibgda.device_handle import QP_STATE_DTYPE, SignalMode
 from ibgda.soft_mlx5 import SoftMlx5Queue
 from transportd import verbs as tverbs
 
@@ -91,13 +92,6 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> No
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.0005)
-
-
-def aligned(nbytes: int, align: int = 128) -> np.ndarray:
-    """Zeroed bytes at an ``align``-byte boundary (QpState lines, atomics)."""
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off:off + nbytes]
 
 
 class HostCq:
@@ -178,37 +172,40 @@ class Link:
 
     def channel(self, mode: SignalMode = SignalMode.WRITE, *, flag_rkey: int | None = None,
                 dst_rkey: int | None = None) -> Chan:
-        """A tpd::IbgdaChannel for rank 0 over host memory (its tables live as long as the link)."""
-        state = aligned(QP_STATE_DTYPE.itemsize).view(QP_STATE_DTYPE)
-        qps = np.zeros(2, dtype=QUEUE_PAIR_DTYPE)  # rank 0 is us: no QP (wqe_cnt 0)
-        qps[1] = self.a.queue_pair(state.ctypes.data, self.scratch.ctypes.data, self.mr_scratch.lkey)[0]
-        local = np.zeros(1, dtype=REGION_DTYPE)
-        local[0] = (self.src.ctypes.data, self.src.nbytes, self.mr_src.lkey, 0)
-        remote = np.zeros(2, dtype=REGION_DTYPE)  # world * nregions; rank 0's own region unused
-        remote[1] = (self.dst.ctypes.data, self.dst.nbytes, self.mr_dst.rkey if dst_rkey is None else dst_rkey, 0)
-        rflags = np.zeros(2, dtype=REGION_DTYPE)
-        rflags[1] = (self.flags.ctypes.data, self.flags.nbytes,
-                     self.mr_flags.rkey if flag_rkey is None else flag_rkey, 0)
-        chan = Chan(np.zeros(1, dtype=CHANNEL_DTYPE), state, qps, np.zeros(2 * NFLAGS, dtype=np.uint64),
-                    np.zeros(NFLAGS, dtype=np.uint64), np.zeros(2, dtype=np.uint32), [local, remote, rflags])
-        chan.ch[0] = (qps.ctypes.data, local.ctypes.data, remote.ctypes.data, rflags.ctypes.data,
-                      chan.shadow.ctypes.data, chan.own_flags.ctypes.data, chan.error.ctypes.data, NFLAGS, 0, 2, 1,
-                      int(mode), 1)
+        """A tpd::IbgdaChannel for rank 0 over host memory, built as a host would build it for a kernel."""
+        alloc = HostAlloc()
+        own_flags = np.zeros(NFLAGS, dtype=np.uint64)
+        tables = build_channel(
+            rank=0, world=2, alloc=alloc, signal_mode=mode, flags=own_flags.ctypes.data, flag_count=NFLAGS,
+            queue_pairs={1: self.a.queue_pair(0, self.scratch.ctypes.data, self.mr_scratch.lkey)},
+            local_regions=[(self.src.ctypes.data, self.src.nbytes, self.mr_src.lkey)],
+            remote_regions={1: [(self.dst.ctypes.data, self.dst.nbytes,
+                                 self.mr_dst.rkey if dst_rkey is None else dst_rkey)]},
+            remote_flags={1: (self.flags.ctypes.data, self.flags.nbytes,
+                              self.mr_flags.rkey if flag_rkey is None else flag_rkey)})
+        chan = Chan(tables.record, view(tables.qp_states[1], QP_STATE_DTYPE, 1),
+                    view(tables.shadow, np.dtype(np.uint64), 2 * NFLAGS), own_flags,
+                    view(tables.error, np.dtype(np.uint32), 2), alloc)
         self.keep.append(chan)
         return chan
 
 
+def view(addr: int, dtype: np.dtype, count: int) -> np.ndarray:
+    """A live numpy view of ``count`` items at ``addr`` (memory the test keeps alive)."""
+    raw = (ctypes.c_uint8 * (dtype.itemsize * count)).from_address(addr)
+    return np.frombuffer(raw, dtype=dtype, count=count)
+
+
 @dataclass
 class Chan:
-    """A channel record and the host memory behind it."""
+    """A channel record and live views of what it points at."""
 
     ch: np.ndarray
-    state: np.ndarray       # QpState of the QP to rank 1
-    qps: np.ndarray
-    shadow: np.ndarray
+    state: np.ndarray       # QpState of the QP to rank 1, shape (1,)
+    shadow: np.ndarray      # write/fence-mode flag values, [rank * NFLAGS + slot]
     own_flags: np.ndarray
     error: np.ndarray       # code, count
-    tables: list[np.ndarray]
+    alloc: HostAlloc
 
     @property
     def ptr(self) -> int:

@@ -1,0 +1,68 @@
+"""The host memory of one IBGDA queue pair: send queue, CQ and doorbell records, laid out as a NIC wants.
+
+One page-aligned anonymous mapping, so a GPU maps it with one ``cuMemHostRegister`` and the NIC with one
+UMEM per part:
+
+=============  =========================  =================================================================
+offset         size                       what
+=============  =========================  =================================================================
+0              wqe_cnt * 64               send queue (WQEBBs)
+sq end         ncqes * 64                 completion queue, every op_own 0xf0 (INVALID) at the start
+next page      64 + 8                     QP doorbell record at +0 (be32 receive, be32 send), CQ doorbell
+                                          record at +64 (be32 set_ci, be32 arm): separate 64-byte lines
+next page      4096 (``with_uar_page``)   a stand-in UAR page for the soft NIC: doorbell register at +0x800
+=============  =========================  =================================================================
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from ibgda import mlx5_layout as L
+
+__all__ = ["DOORBELL_OFFSET", "PAGE", "QueueMemory"]
+
+PAGE = mmap.PAGESIZE
+DOORBELL_OFFSET = 0x800  # the first BlueFlame register of a ConnectX UAR page
+CQ_DBREC_OFFSET = 64
+
+
+class QueueMemory:
+    """Send queue, CQ and doorbell records of one QP in one page-aligned host mapping."""
+
+    def __init__(self, wqe_cnt: int, ncqes: int, *, with_uar_page: bool = False) -> None:
+        for name, n in (("wqe_cnt", wqe_cnt), ("ncqes", ncqes)):
+            if n < 8 or n & (n - 1) or n > 1 << 15:
+                raise ValueError(f"{name} must be a power of two in 8 .. 32768, not {n}")
+        if ncqes < wqe_cnt:
+            raise ValueError(f"ncqes ({ncqes}) must be at least wqe_cnt ({wqe_cnt}): one CQE per WQE may come")
+        self.wqe_cnt, self.ncqes = wqe_cnt, ncqes
+        self.sq_bytes = wqe_cnt * L.WQE_BB
+        self.cq_offset = self.sq_bytes
+        self.cq_bytes = ncqes * 64
+        self.dbrec_offset = -(-(self.sq_bytes + self.cq_bytes) // PAGE) * PAGE
+        self.uar_offset = self.dbrec_offset + PAGE if with_uar_page else None
+        self.nbytes = self.dbrec_offset + PAGE + (PAGE if with_uar_page else 0)
+        self._map = mmap.mmap(-1, self.nbytes)
+        whole = np.frombuffer(self._map, dtype=np.uint8)
+        self.whole = whole
+        self.base = int(whole.ctypes.data)
+        self.sq = whole[:self.sq_bytes]
+        self.cq = whole[self.cq_offset:self.cq_offset + self.cq_bytes]
+        self.cq[63::64] = L.CQE_INITIAL_OP_OWN
+        self.dbrec = whole[self.dbrec_offset:self.dbrec_offset + 8].view(np.uint32)
+        cq_db = self.dbrec_offset + CQ_DBREC_OFFSET
+        self.cq_dbrec = whole[cq_db:cq_db + 8].view(np.uint32)
+        if self.uar_offset is not None:
+            bf = self.uar_offset + DOORBELL_OFFSET
+            self.doorbell = whole[bf:bf + 8].view(np.uint64)
+
+    def addresses(self) -> dict[str, int]:
+        """Host addresses of the parts (``bf`` only with the stand-in UAR page)."""
+        out = {"sq": self.base, "cq": self.base + self.cq_offset, "dbrec": self.base + self.dbrec_offset,
+               "cq_dbrec": self.base + self.dbrec_offset + CQ_DBREC_OFFSET}
+        if self.uar_offset is not None:
+            out["bf"] = self.base + self.uar_offset + DOORBELL_OFFSET
+        return out
