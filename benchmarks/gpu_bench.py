@@ -7,7 +7,7 @@ push
     commit variant (the library's four header-last ones and the benchmark-only per-word parity): one
     thread's ns per push (global timer around a loop), and pushes/s with 132 x 128 threads (CUDA events).
     The credit cache is preset so the bare push is measured, with no consumer.
-latency (one thread, pushes paced 20 us apart so nothing queues)
+latency (one thread, pushes paced 200 us apart so nothing queues)
     commit -> posted: the proxy (``transportd.proxy.Proxy``, the worker's loop, poll window 0) over the null
     backend, which logs when each command is posted; commit -> consumed: a bare consumer of the same ring,
     header-last (``RingConsumer``) against per-word parity (this file's ``ParityConsumer``). The GPU's
@@ -44,6 +44,7 @@ from gpuclient.device_channel import DeviceRing, map_ring  # noqa: E402
 KERNELS = Path(__file__).with_name("gpu_push.cu")
 HEADER_LAST = ("release_sys", "fence_sys", "v2_release", "v2_split")
 PARITY = ("parity", "parity_v2")
+GAP_NS = 200_000  # pushes paced 200 us apart: every latency sample finds the consumer idle
 DEFAULT_VARIANT = {0: "release_sys", 1: "fence_sys", 2: "v2_release", 3: "v2_split"}
 
 
@@ -151,14 +152,21 @@ class ParityConsumer:
         self.mask = ring.capacity - 1
 
     def consume(self) -> np.ndarray:
-        """Chunk ids of the ready records (the payload of word 1), publishing credits like RingConsumer."""
+        """Chunk ids of the ready records (the payload of word 1), publishing credits like RingConsumer.
+
+        Scans 64 slots first and the rest of the block only when all 64 were ready, so an idle poll costs
+        about what RingConsumer's 64-slot header scan costs.
+        """
         ring = self.ring
         start = self.position & self.mask
-        n = min(self.block, ring.capacity - start)
         parity = np.uint64(1 + ((self.position // ring.capacity) & 1))
-        words = ring.words[start:start + n]
-        ok = ((words & np.uint64(0xFF)) == parity).all(axis=1)
-        ready = n if ok.all() else int(ok.argmin())
+        ready = 0
+        for n in (min(64, ring.capacity - start), min(self.block, ring.capacity - start)):
+            words = ring.words[start:start + n]
+            ok = ((words & np.uint64(0xFF)) == parity).all(axis=1)
+            ready = n if ok.all() else int(ok.argmin())
+            if ready < n:
+                break
         if ready == 0:
             return np.empty(0, dtype=np.uint64)
         ids = (words[:ready, 1] >> np.uint64(8)).copy()
@@ -201,7 +209,7 @@ def commit_to_consumed(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: f
                         ids.append(batch)
                         got += len(batch)
             else:
-                rc = RingConsumer(ring)
+                rc = RingConsumer(ring, scan_block=64)  # the same idle-poll cost as ParityConsumer
                 while got < n and time.monotonic() < deadline:
                     recs = rc.consume_ready(4096)
                     if len(recs):
@@ -253,7 +261,13 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
     from transportd.localcluster import LocalCluster
 
     results: dict[str, Any] = {}
+    t_start = time.monotonic()
+
+    def step(what: str) -> None:
+        print(f"  put->flag [{time.monotonic() - t_start:6.1f}s] {what}", flush=True)
+
     with LocalCluster(2, backend="ib", overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+        step("daemons up")
         for where in ("device", "host"):
             job = f"lat-{where}"
             c0, c1 = (gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names)
@@ -265,10 +279,12 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
             s1.flags(8, where=where)
             s0.exchange(wait=False)
             s1.exchange(wait=False)
-            s0.exchange(timeout=60)
-            s1.exchange(timeout=60)
-            h0 = s0.channel(256).device_handle(gpu.device)
-            h1 = s1.channel(256).device_handle(gpu.device)
+            step(f"{where}: registered, exchanging")
+            s0.exchange(timeout=30)
+            s1.exchange(timeout=30)
+            ch0, ch1 = s0.channel(256), s1.channel(256)
+            h0, h1 = ch0.device_handle(gpu.device), ch1.device_handle(gpu.device)
+            step(f"{where}: channels open, launching")
             t_send, t_recv, ack = (DeviceMemory(8 * n, gpu.device), DeviceMemory(8 * n, gpu.device),
                                    DeviceMemory(8, gpu.device))
             recv_stream = check(gpu.drv.cuStreamCreate(gpu.drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
@@ -280,8 +296,22 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
                                                              np.uint32(r_src.id), np.uint32(nbytes), np.uint32(0),
                                                              np.uint32(n), np.uint64(t_send.ptr), np.uint64(ack.ptr)),
                                                       stream=gpu.stream)
-            gpu.sync()
-            gpu.sync(recv_stream)
+            for stream, name in ((gpu.stream, "sender"), (recv_stream, "receiver")):
+                while True:
+                    (err,) = gpu.drv.cuStreamQuery(stream)
+                    if err == gpu.drv.CUresult.CUDA_SUCCESS:
+                        break
+                    if err != gpu.drv.CUresult.CUDA_ERROR_NOT_READY:
+                        raise RuntimeError(f"{name} kernel failed: {err}")
+                    if time.monotonic() - t0 > 40:
+                        diag = {"head": h0.head(), "ring0": [ch0.ring.consumer_pos, ch0.ring.completion_pos],
+                                "error0": list(ch0.status()), "flag": int(s1.flag_array.values[0]),
+                                "ack": int.from_bytes(ack.read(0, 8), "little"), "stats_a": c0.stats().get("rails")}
+                        print(f"put->flag ({where}) stuck: {diag}\n{cluster.log(cluster.names[0])[-1500:]}\n"
+                              f"{cluster.log(cluster.names[1])[-1500:]}", flush=True)
+                        raise TimeoutError(f"put -> flag ({where} flags) did not finish: {diag}")
+                    time.sleep(0.01)
+            step(f"{where}: done")
             wall = time.monotonic() - t0
             ts = np.frombuffer(t_send.read(0, 8 * n), dtype="<u8").astype(np.int64)
             tr = np.frombuffer(t_recv.read(0, 8 * n), dtype="<u8").astype(np.int64)
@@ -298,7 +328,7 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
 def run_gpu_benchmark(quick: bool = False, echo: Any = print) -> dict[str, Any]:
     gpu = Gpu(0)
     single, agg = (2000, 20) if quick else (20000, 200)
-    n_lat = 300 if quick else 2000
+    n_lat = 300 if quick else 1000
     push = {}
     for variant in HEADER_LAST + PARITY:
         push[variant] = push_cost(gpu, variant, single, agg)
@@ -309,15 +339,20 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print) -> dict[str, Any]:
     library = DEFAULT_VARIANT[_library_default()]
     consumed = {}
     for variant in (library, "parity"):
-        lat = commit_to_consumed(gpu, variant, n_lat, 20_000, clock["offset_ns"])
+        lat = commit_to_consumed(gpu, variant, n_lat, GAP_NS, clock["offset_ns"])
         consumed[variant] = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "n": int(len(lat))}
         echo(f"commit -> consumed ({variant:11s}) p50 {consumed[variant]['p50_us']:7.2f} us  "
              f"p99 {consumed[variant]['p99_us']:7.2f} us")
-    lat, post_info = commit_to_posted(gpu, library, n_lat, 20_000, clock["offset_ns"])
+    lat, post_info = commit_to_posted(gpu, library, n_lat, GAP_NS, clock["offset_ns"])
     posted = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "n": int(len(lat)), **post_info}
     echo(f"commit -> posted  (proxy, {library}) p50 {posted['p50_us']:7.2f} us  p99 {posted['p99_us']:7.2f} us")
-    flag = put_to_flag(gpu, 100 if quick else 400)
-    for where, r in flag.items():
+    try:
+        flag = put_to_flag(gpu, 100 if quick else 400)
+    except Exception as exc:  # report what was measured so far
+        echo(f"put -> flag failed: {type(exc).__name__}: {exc}")
+        nan = {"p50_us": float("nan"), "p99_us": float("nan")}
+        flag = {"device": nan, "host": nan, "error": str(exc)}
+    for where, r in ((k, v) for k, v in flag.items() if k != "error"):
         echo(f"put -> flag ({where} flags, 4 KiB, softverbs RC) p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us")
     best_parity = push["parity"]
     summary = {

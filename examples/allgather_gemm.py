@@ -58,9 +58,10 @@ def run(m_local: int = 256, n: int = 256, k: int = 512, rows_per_chunk: int = 64
             b.write(0, b_host.tobytes())
             region = session.register(a_full)
             session.flags(chunks + 1, where="device")
-            session.exchange(wait=False)
             ranks.append({"client": client, "session": session, "a": a_full, "b": b, "b_host": b_host, "c": c,
                           "region": region})
+        for rank in ranks:  # publish once every rank has joined, then wait for the job to be wired
+            rank["session"].exchange(wait=False)
         for rank in ranks:
             rank["session"].exchange(timeout=60)
             rank["handle"] = rank["session"].channel(256).device_handle(device)
