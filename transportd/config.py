@@ -600,6 +600,12 @@ def _validate(loader: _Loader, cfg: Config) -> Config:
         # write-then-flag relies on in-order placement, which adaptive routing breaks (DESIGN.md section 4)
         loader.fail("signal.mode", "write signaling is unsafe with adaptive routing (softverbs.adaptive_routing); "
                                    "use atomic or fence")
+    if cfg.signal.decoupled and cfg.backend.kind == "efa":
+        # decoupling moves writes ahead of signals, which regroups SRD writes and can shrink what an efa
+        # signal covers (tests/transportd/test_batching.py documents the case): refuse until batching keeps
+        # efa groups intact
+        loader.fail("signal.decoupled", "not supported with backend.kind = \"efa\" (it would regroup SRD "
+                                        "writes so a flag could cover less than it should)")
     names = [r.device for r in cfg.backend.rails]
     for i, name in enumerate(names):
         if names.index(name) != i:

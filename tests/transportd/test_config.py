@@ -257,3 +257,11 @@ def test_every_documented_key_can_be_written_back(write):
     cfg = load_config(write("\n".join(lines) + "\n"), env={})
     assert cfg == Config()
     assert os.fspath(cfg.source).endswith(".toml")
+
+
+def test_decoupled_signaling_is_refused_on_efa(tmp_path) -> None:
+    # decoupling regroups SRD writes (see test_flag_order_property's xfail): the config must refuse it
+    path = tmp_path / "efa.toml"
+    path.write_text('[backend]\nkind = "efa"\n[signal]\ndecoupled = true\n')
+    with pytest.raises(ConfigError, match="signal.decoupled: not supported with backend.kind"):
+        load_config(path)
