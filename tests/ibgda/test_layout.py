@@ -241,3 +241,19 @@ def test_python_cqe_codec_round_trips() -> None:
     assert (e.opcode, e.owner, e.syndrome, e.vendor_err, e.wqe_counter, e.is_error) == (13, 1, 0x13, 0x88, 3, True)
     assert L.cqe_ready(L.CQE_INITIAL_OP_OWN, 0, 8) is False
     assert L.cqe_ready(0x00, 0, 8) and not L.cqe_ready(0x00, 8, 8) and L.cqe_ready(0x01, 8, 8)
+
+
+@pytest.mark.parametrize("kernels", ["tests/ibgda/gpu_kernels.cu", "benchmarks/ibgda_kernels.cu"])
+def test_gpu_kernels_compile_with_nvrtc(kernels: str) -> None:
+    """The GPU test's and the benchmark's kernels build (NVRTC, sm_90, debug and release) without a GPU."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (nvrtc) not installed")
+    from gpuclient.compiler import CompileError, compile_to_cubin
+
+    source = (HERE.parents[1] / kernels).read_text()
+    for debug in (False, True):
+        try:
+            cubin = compile_to_cubin(source, name=Path(kernels).name, arch="sm_90", debug=debug,
+                                     include_dirs=[INCLUDES[0]], defines={"TPD_SPIN_TIMEOUT_NS": "20000000000ull"})
+        except CompileError as exc:
+            pytest.fail(exc.log)
+        assert cubin[:4] == b"\x7fELF"

@@ -1,0 +1,192 @@
+"""IBGDA posting cost on a GPU, against a null NIC: what the GPU spends to hand work to a ConnectX itself.
+
+    python benchmarks/ibgda_bench.py --json ibgda_bench.json [--quick]
+
+The queue (send queue, CQ, doorbell records, a stand-in UAR page) is pinned host memory mapped into the
+GPU, as with the soft NIC; a host thread (``ibgda_null_nic.cpp``) plays the NIC: it watches the doorbell
+record, completes every WQE at once and writes the CQEs asked for. So the numbers are the device code's
+own cost — WQE build and store over PCIe, slot claim, doorbell ticket, doorbell record, doorbell, CQ
+polling — not a transport's. On a real ConnectX the UAR is MMIO and the queue may live in GPU memory;
+expect the doorbell to cost more and the WQE stores less.
+
+single   one thread, n ops back to back: ns per put (1 WQE), put_signal (2, or 3 in fence mode), signal;
+         then the quiet that drains them
+rtt      one thread, (put, quiet) n times: the GPU -> host NIC -> CQE -> GPU round trip
+many     132 x 128 threads on one QP, n ops each: ops/s and WQEs/s (the doorbell ticket serialises them)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import gpuclient  # noqa: E402
+import ibgda  # noqa: E402
+from ibgda.channel_tables import build_channel  # noqa: E402
+from ibgda.device_handle import QUEUE_PAIR_DTYPE, SignalMode  # noqa: E402
+from ibgda.queue_memory import QueueMemory  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+KERNELS = HERE / "ibgda_kernels.cu"
+NULL_NIC = HERE / "ibgda_null_nic.cpp"
+QPN = 0x4242
+REGION = 1 << 40  # the null NIC moves nothing: regions are only checked, never touched
+OPS = {"put": 0, "put_signal": 1, "signal": 2}
+
+
+def wqes_per_op(op: str, mode: SignalMode) -> int:
+    """WQEs one op posts (channel.cuh): fence mode adds the ordering read before a flag write."""
+    fence = mode == SignalMode.FENCE
+    return {"put": 1, "signal": 2 if fence else 1, "put_signal": 3 if fence else 2}[op]
+
+
+def build_null_nic(out_dir: Path) -> ctypes.CDLL:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise SystemExit("a C++ compiler (g++) is needed for the null NIC")
+    lib = out_dir / "libibgda_null_nic.so"
+    subprocess.run([cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", f"-I{ibgda.get_include()}",
+                    f"-I{gpuclient.get_include()}", str(NULL_NIC), "-o", str(lib)], check=True)
+    nic = ctypes.CDLL(str(lib))
+    nic.tpd_null_nic_start.restype = ctypes.c_void_p
+    nic.tpd_null_nic_start.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_uint32] * 3
+    nic.tpd_null_nic_stop.restype = ctypes.c_uint64
+    nic.tpd_null_nic_stop.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+    return nic
+
+
+class Setup:
+    """One queue in mapped host memory, a channel over it in GPU memory, the null NIC running."""
+
+    def __init__(self, nic: ctypes.CDLL, mode: SignalMode, wqe_cnt: int) -> None:
+        from gpuclient.cuda_memory import DeviceMemory, map_host
+
+        self.nic = nic
+        self.mem = QueueMemory(wqe_cnt, wqe_cnt, with_uar_page=True)
+        self.mapping = map_host(self.mem.base, self.mem.nbytes, 0)
+        self.blocks: list[Any] = []
+
+        def alloc(image: bytes) -> int:
+            m = DeviceMemory(max(len(image), 8), 0)
+            m.write(0, image)
+            self.blocks.append(m)
+            return m.ptr
+
+        dev = self.mapping.device_ptr
+        qp = np.zeros(1, dtype=QUEUE_PAIR_DTYPE)
+        for name, addr in self.mem.addresses().items():
+            qp[name] = dev + (addr - self.mem.base)
+        qp["qpn"], qp["wqe_cnt"], qp["ncqes"], qp["scratch"], qp["scratch_lkey"] = QPN, wqe_cnt, wqe_cnt, 0x1000, 1
+        self.flags = DeviceMemory(64, 0)
+        self.out = DeviceMemory(16, 0)
+        tables = build_channel(rank=0, world=2, alloc=alloc, signal_mode=mode, flags=self.flags.ptr, flag_count=8,
+                               queue_pairs={1: qp}, local_regions=[(0x10000, REGION, 1)],
+                               remote_regions={1: [(0x20000, REGION, 2)]}, remote_flags={1: (0x40000, 64, 3)})
+        self.arg = tables.record.tobytes()
+        a = self.mem.addresses()
+        self.handle = nic.tpd_null_nic_start(a["sq"], a["dbrec"], a["cq"], a["cq_dbrec"], QPN, wqe_cnt, wqe_cnt)
+
+    def read_out(self) -> np.ndarray:
+        return np.frombuffer(self.out.read(0, 16), dtype=np.uint64)
+
+    def close(self) -> tuple[int, int]:
+        cqes = ctypes.c_uint64()
+        wqes = self.nic.tpd_null_nic_stop(self.handle, ctypes.byref(cqes))
+        for m in [*self.blocks, self.flags, self.out]:
+            m.free()
+        self.mapping.unmap()
+        return int(wqes), int(cqes.value)
+
+
+def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
+    from gpuclient.cuda_memory import check, driver, use_device
+
+    use_device(0)
+    drv = driver()
+    module = gpuclient.compile(KERNELS.read_text(), device=0, include_dirs=[ibgda.get_include()],
+                               name="ibgda_kernels.cu")
+    n_single, n_rtt, n_many = (200, 100, 4) if quick else (20000, 5000, 64)
+    grid, block = (8, 32) if quick else (132, 128)
+    results: dict[str, Any] = {"single": {}, "rtt": {}, "many": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        nic = build_null_nic(Path(tmp))
+        for mode in SignalMode:
+            for op in OPS:
+                s = Setup(nic, mode, 1024)
+                try:
+                    module.function("bench_single").launch(1, 1, (s.arg, np.uint32(1), np.int32(n_single),
+                                                                  np.int32(OPS[op]), np.uint32(4096),
+                                                                  np.uint64(s.out.ptr)))
+                    check(drv.cuCtxSynchronize(), "bench_single")
+                    post_ns, quiet_ns = (int(x) for x in s.read_out())
+                finally:
+                    wqes, cqes = s.close()
+                key = f"{op}/{mode.name.lower()}"
+                results["single"][key] = {"ns_per_op": post_ns / n_single, "quiet_ns": quiet_ns, "wqes": wqes,
+                                          "cqes": cqes, "wqes_per_op": wqes_per_op(op, mode)}
+                echo(f"single  {key:22s} {post_ns / n_single:9.1f} ns/op   quiet {quiet_ns / 1e3:8.1f} us   "
+                     f"{wqes} WQEs, {cqes} CQEs")
+        s = Setup(nic, SignalMode.WRITE, 1024)
+        try:
+            module.function("bench_round_trip").launch(1, 1, (s.arg, np.uint32(1), np.int32(n_rtt), np.uint32(64),
+                                                              np.uint64(s.out.ptr)))
+            check(drv.cuCtxSynchronize(), "bench_round_trip")
+            rtt = int(s.read_out()[0]) / n_rtt
+        finally:
+            s.close()
+        results["rtt"] = {"ns_per_round": rtt}
+        echo(f"rtt     put + quiet            {rtt:9.1f} ns/round")
+        for mode in SignalMode:
+            for op in ("put", "put_signal"):
+                s = Setup(nic, mode, 4096)
+                try:
+                    s.out.write(0, np.array([2**64 - 1, 0], dtype=np.uint64).tobytes())
+                    module.function("bench_many").launch(grid, block, (s.arg, np.uint32(1), np.int32(n_many),
+                                                                       np.int32(OPS[op]), np.uint32(4096),
+                                                                       np.uint64(s.out.ptr)))
+                    check(drv.cuCtxSynchronize(), "bench_many")
+                    start, end = (int(x) for x in s.read_out())
+                finally:
+                    wqes, _ = s.close()
+                ops = grid * block * n_many
+                secs = (end - start) / 1e9
+                key = f"{op}/{mode.name.lower()}"
+                results["many"][key] = {"ops_per_s": ops / secs, "wqes_per_s": wqes / secs, "threads": grid * block}
+                echo(f"many    {key:22s} {ops / secs / 1e6:9.2f} M ops/s  {wqes / secs / 1e6:8.2f} M WQEs/s "
+                     f"({grid}x{block} threads)")
+    results["summary"] = {
+        "put_ns_1thread": results["single"]["put/write"]["ns_per_op"],
+        "put_signal_ns_1thread_write": results["single"]["put_signal/write"]["ns_per_op"],
+        "put_signal_ns_1thread_atomic": results["single"]["put_signal/atomic"]["ns_per_op"],
+        "put_signal_ns_1thread_fence": results["single"]["put_signal/fence"]["ns_per_op"],
+        "put_quiet_rtt_ns": rtt,
+        "many_put_mops": results["many"]["put/write"]["ops_per_s"] / 1e6,
+        "many_wqes_mps_put_signal_write": results["many"]["put_signal/write"]["wqes_per_s"] / 1e6,
+    }
+    return results
+
+
+@click.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the results here")
+@click.option("--quick", is_flag=True, help="a few iterations (a smoke test)")
+def main(json_path: str | None, quick: bool) -> None:
+    results = run(quick=quick, echo=click.echo)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
