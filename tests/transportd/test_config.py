@@ -62,7 +62,7 @@ def test_full_file(write):
         heartbeat_interval_s = 0.5
         heartbeat_timeout_s = 3
         [backend]
-        kind = "efa"
+        kind = "ib"
         verbs = "soft"
         [[backend.rails]]
         device = "rdmap16s27"

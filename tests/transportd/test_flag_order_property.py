@@ -585,7 +585,8 @@ def _efa_coverage(plan: np.ndarray) -> dict[int, frozenset[int]]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="known: decoupled signaling regroups efa writes; the config refuses signal.decoupled with backend.kind=efa until batching keeps groups intact")
+@pytest.mark.xfail(strict=True, reason="known: decoupled signaling regroups efa writes; the config refuses "
+                   "signal.decoupled with backend.kind=efa until batching keeps efa groups intact")
 def test_decoupled_signaling_keeps_every_efa_signal_covering_what_it_covered() -> None:
     """Reducing and moving signals inside a batch may widen a signal's coverage, never narrow it.
 
