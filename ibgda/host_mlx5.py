@@ -164,16 +164,18 @@ class Mlx5Queue:
 
     ``device``: mlx5 device name. ``wqe_cnt``: send-queue WQEBBs (a power of two; the CQ gets as many
     CQEs). ``map_to_gpu``: register the queue memory and the UAR with CUDA (off: for host-side tests).
+    ``ts_format``: the QP's timestamp format (1, the device default; 0 free-running, 2 real time where a
+    device accepts only those).
     """
 
     def __init__(self, device: str, *, port: int = 1, gid_index: int = 0, wqe_cnt: int = 256,
-                 map_to_gpu: bool = True) -> None:
+                 map_to_gpu: bool = True, ts_format: int = TS_FORMAT_DEFAULT) -> None:
         from pyverbs.pd import PD
         from pyverbs.providers.mlx5 import mlx5_enums as dve
         from pyverbs.providers.mlx5.mlx5dv import Mlx5Context, Mlx5DVContextAttr, Mlx5UAR, Mlx5UMEM
         from pyverbs.providers.mlx5.mlx5dv_objects import Mlx5DvObj
 
-        self.port, self.gid_index, self.wqe_cnt = port, gid_index, wqe_cnt
+        self.port, self.gid_index, self.wqe_cnt, self.ts_format = port, gid_index, wqe_cnt, ts_format
         self._objs: list[Any] = []
         self._mrs: list[Any] = []
         self._registered: list[int] = []
@@ -190,7 +192,10 @@ class Mlx5Queue:
             self.sq_umem = Mlx5UMEM(self.ctx, m.sq_bytes, addr=m.base, access=access)
             self.cq_umem = Mlx5UMEM(self.ctx, m.cq_bytes, addr=m.base + m.cq_offset, access=access)
             self.db_umem = Mlx5UMEM(self.ctx, PAGE, addr=m.base + m.dbrec_offset, access=access)
-            self.uar = Mlx5UAR(self.ctx, dve._MLX5DV_UAR_ALLOC_TYPE_NC)
+            try:  # non-cached first (what a GPU needs); BlueFlame (write-combining) where NC is not offered
+                self.uar = Mlx5UAR(self.ctx, dve._MLX5DV_UAR_ALLOC_TYPE_NC)
+            except Exception:
+                self.uar = Mlx5UAR(self.ctx, dve._MLX5DV_UAR_ALLOC_TYPE_BF)
             self._objs += [self.db_umem, self.cq_umem, self.sq_umem]
             self.cqn = self._create_cq()
             self.qpn = self._create_qp()
@@ -220,7 +225,7 @@ class Mlx5Queue:
             "opcode": OP_CREATE_QP, "wq_umem_id": self.sq_umem.umem_id, "wq_umem_valid": 1,
             "st": QPC_ST_RC, "pm_state": PM_STATE_MIGRATED, "pd": self.pdn, "uar_page": self.uar.page_id,
             "rq_type": RQ_TYPE_ZERO_LEN, "log_rq_size": 0, "log_sq_size": int(math.log2(self.wqe_cnt)),
-            "cqn_snd": self.cqn, "cqn_rcv": self.cqn, "ts_format": TS_FORMAT_DEFAULT,
+            "cqn_snd": self.cqn, "cqn_rcv": self.cqn, "ts_format": self.ts_format,
             "dbr_umem_valid": 1, "dbr_umem_id": self.db_umem.umem_id, "dbr_addr": 0,
             "log_page_size": int(math.log2(PAGE)) - 12,
         }, (0, CREATE_QP_IN), (QPC_BIT, QPC))
