@@ -257,3 +257,19 @@ def test_gpu_kernels_compile_with_nvrtc(kernels: str) -> None:
         except CompileError as exc:
             pytest.fail(exc.log)
         assert cubin[:4] == b"\x7fELF"
+
+
+def test_constants_agree_with_pyverbs_mlx5_enums() -> None:
+    """Where rdma-core's pyverbs is built (.ci/build_pyverbs.sh), its mlx5 enums must match ours."""
+    try:
+        from pyverbs.providers.mlx5 import mlx5_enums as E
+    except ImportError as exc:
+        pytest.skip(f"pyverbs with the mlx5 provider is not importable ({exc})")
+    pairs = {"MLX5_WQE_CTRL_CQ_UPDATE": L.CTRL_CQ_UPDATE, "MLX5_WQE_CTRL_FENCE": L.CTRL_FENCE,
+             "MLX5_WQE_CTRL_SOLICITED": L.CTRL_SOLICITED,
+             "MLX5_WQE_CTRL_INITIATOR_SMALL_FENCE": L.CTRL_SMALL_FENCE, "MLX5_SEND_WQE_BB": L.WQE_BB,
+             "MLX5_SND_DBR": L.SND_DBR, "MLX5_CQE_INVALID": L.CqeOpcode.INVALID, "MLX5_CQE_REQ": L.CqeOpcode.REQ,
+             "MLX5_CQE_REQ_ERR": L.CqeOpcode.REQ_ERR}
+    for name, ours in pairs.items():
+        if hasattr(E, name):
+            assert int(getattr(E, name)) == int(ours), name
