@@ -288,6 +288,7 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
             t_send, t_recv, ack = (DeviceMemory(8 * n, gpu.device), DeviceMemory(8 * n, gpu.device),
                                    DeviceMemory(8, gpu.device))
             recv_stream = check(gpu.drv.cuStreamCreate(gpu.drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
+            step(f"{where}: timestamps allocated")
             t0 = time.monotonic()
             gpu.module.function("flag_receiver").launch(1, 1, (h1, np.uint32(0), np.uint64(0), np.uint32(n),
                                                                np.uint64(t_recv.ptr), np.uint64(ack.ptr)),
@@ -389,8 +390,15 @@ def _library_default() -> int:
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
 @click.option("--quick", is_flag=True, help="fewer iterations (a smoke run)")
-def main(json_path: str | None, quick: bool) -> None:
+@click.option("--only-flag", is_flag=True, help="only put -> flag (with a stack dump if it stalls)")
+def main(json_path: str | None, quick: bool, only_flag: bool) -> None:
     """Push cost, commit -> posted and put -> flag on this machine's GPU (see the module doc)."""
+    if only_flag:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(30, repeat=True)
+        click.echo(json.dumps(put_to_flag(Gpu(0), 50), indent=2))
+        return
     result = run_gpu_benchmark(quick=quick, echo=click.echo)
     click.echo(json.dumps(result["summary"], indent=2))
     if json_path:
