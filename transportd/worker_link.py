@@ -46,6 +46,7 @@ class WorkerHandle:
         self.process = mp.get_context("spawn").Process(
             target=target, kwargs={**kwargs, "link_endpoint": self.endpoint, "rail": rail},
             name=f"transportd-rail{rail}", daemon=True)
+        self._seq = 0  # each call's number, echoed by the worker: a late reply is never taken for a later call's
         self.process.start()
         ready = self._receive(start_timeout_s, "start")
         self.info: dict[str, Any] = ready
@@ -55,14 +56,18 @@ class WorkerHandle:
         """Run ``op`` in the worker and return its reply fields (raises WorkerError on refusal)."""
         if not self.process.is_alive():
             raise WorkerError(f"rail {self.rail} worker is not running (exit code {self.process.exitcode})")
-        self._sock.send(codec.encode({"op": op, **fields}))
-        return self._receive(self.call_timeout_s if timeout_s is None else timeout_s, op)
+        self._seq += 1
+        self._sock.send(codec.encode({"op": op, "seq": self._seq, **fields}))
+        return self._receive(self.call_timeout_s if timeout_s is None else timeout_s, op, self._seq)
 
-    def _receive(self, timeout_s: float, op: str) -> dict[str, Any]:
+    def _receive(self, timeout_s: float, op: str, seq: int | None = None) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._sock.poll(50):
                 reply = codec.decode(self._sock.recv(), max_size=64 << 20)
+                if reply.pop("seq", None) != seq:
+                    log.warning("rail %d worker: dropped a late reply to an earlier call", self.rail)
+                    continue
                 if not reply.get("ok", False):
                     raise WorkerError(f"rail {self.rail} worker: {op}: {reply.get('error', 'failed')}")
                 reply.pop("ok", None)
@@ -116,6 +121,7 @@ class WorkerEndpoint:
                 return stop
             request = codec.decode(data, max_size=64 << 20)
             op = request.pop("op", "")
+            seq = request.pop("seq", None)
             method = getattr(self.handler, f"op_{op}", None)
             if method is None:
                 reply = {"ok": False, "error": f"unknown worker op {op!r}"}
@@ -126,7 +132,7 @@ class WorkerEndpoint:
                     log.warning("worker op %s failed: %s", op, exc)
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             stop = stop or op == "stop"
-            self._sock.send(codec.encode(reply))
+            self._sock.send(codec.encode({**reply, "seq": seq}))
 
     def close(self) -> None:
         self._sock.close()

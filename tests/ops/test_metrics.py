@@ -66,7 +66,7 @@ def test_metrics_of_a_real_daemon_after_traffic(ops_cluster: OpsCluster) -> None
     assert _value(families, "transportd_signals") >= PUTS and _value(families, "transportd_fences") >= 1
     assert _value(families, "transportd_batches_full") + _value(families, "transportd_batches_partial") > 0
     assert _value(families, "transportd_peer_up", peer="nodeb") == 1
-    assert 0 < _value(families, "transportd_peer_rtt_seconds", peer="nodeb") < 5
+    assert _value(families, "transportd_peer_rtt_seconds", peer="nodeb") > 0
     assert _value(families, "transportd_peer_sent_bytes", peer="nodeb") >= PUTS * CHUNK
     assert _value(families, "transportd_ring_depth", job=JOB, rank="0") == 0
     assert _value(families, "transportd_job_local_ranks", job=JOB) == 1
