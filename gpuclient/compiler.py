@@ -7,9 +7,16 @@
     kernel.launch(grid=132, block=128, args=(ch.device_handle(), np.uint64(ptr), np.uint32(n)))
 
 Arguments are packed by value: numpy scalars and ctypes objects as they are, a channel handle (anything
-with ``bytes``, e.g. ``DeviceChannel``) or raw ``bytes`` as a struct. Only ``cuda.bindings`` is needed
-(``nvrtc`` and ``driver``); CuPy and PyTorch users can instead pass ``get_include()`` to their own
-compilers and the handle's bytes to their own launchers.
+with ``bytes``, e.g. ``DeviceChannel``) or raw ``bytes`` as a struct.
+
+Every kernel of a module is loaded when the module is (``cuFuncLoad``), not at its first launch: under
+CUDA's lazy loading the first launch of a function may wait for the kernels already running, so a kernel
+that spins on a flag another kernel of the same process will set (two ranks in one process, a receiver
+launched before its sender) can deadlock the first time.
+
+Only ``cuda.bindings`` is needed (``nvrtc`` and ``driver``); CuPy and PyTorch users can instead pass
+``get_include()`` to their own compilers and the handle's bytes to their own launchers (and should load
+their kernels before launching ones that wait on each other).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import numpy as np
 
 from gpuclient.cuda_memory import CudaError, check, compute_capability, driver, use_device
 
-__all__ = ["CompileError", "Kernel", "Module", "compile", "get_include", "nvrtc_options"]
+__all__ = ["CompileError", "Kernel", "Module", "compile", "get_include", "load_all_functions", "nvrtc_options"]
 
 
 def get_include() -> str:
@@ -149,6 +156,8 @@ class Module:
             drv = driver()
             use_device(self.device)
             handle = check(drv.cuModuleGetFunction(self.handle, name.encode()), f"cuModuleGetFunction({name})")
+            if hasattr(drv, "cuFuncLoad"):
+                check(drv.cuFuncLoad(handle), f"cuFuncLoad({name})")  # never load lazily at a launch
             kernel = self._kernels[name] = Kernel(self, name, handle)
         return kernel
 
@@ -176,4 +185,23 @@ def compile(source: str, *, device: int = 0, arch: str | None = None, name: str 
                              options=options)
     drv = driver()
     handle = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
+    load_all_functions(handle)
     return Module(device, handle, cubin)
+
+
+def load_all_functions(module: Any) -> int:
+    """Load every function of ``module`` now (see the module doc: lazy loading can deadlock waiting kernels).
+
+    Returns how many were loaded; 0 where the driver or bindings predate ``cuFuncLoad`` (CUDA < 12.4),
+    which also predate lazy loading by default.
+    """
+    drv = driver()
+    if not hasattr(drv, "cuModuleEnumerateFunctions") or not hasattr(drv, "cuFuncLoad"):
+        return 0
+    count = int(check(drv.cuModuleGetFunctionCount(module), "cuModuleGetFunctionCount"))
+    if count == 0:
+        return 0
+    functions = check(drv.cuModuleEnumerateFunctions(count, module), "cuModuleEnumerateFunctions")
+    for function in functions:
+        check(drv.cuFuncLoad(function), "cuFuncLoad")
+    return count

@@ -21,29 +21,30 @@
  *   progress the lowest uncommitted position only needs positions below it consumed, and those are
  *            all committed, so the ring cannot deadlock as long as every claimed slot is committed.
  *
- * Commit variants (TPD_COMMIT; all header-last). Measured on the H200 in one run of
- * benchmarks/gpu_bench.py (a push = atomicAdd on the device head + one record into the mapped ring file;
- * one thread: ns per push over 20000 pushes; aggregate: 132 x 128 threads, 200 pushes each):
+ * Commit variants (TPD_COMMIT; all header-last). Measured on the H200 by benchmarks/gpu_bench.py, all
+ * variants in one run, two runs (a push = atomicAdd on the device head + one record into the mapped ring
+ * file; one thread: ns per push over 20000 pushes; aggregate: 132 x 128 threads x 200 pushes):
  *
- *   variant                                                         1 thread    aggregate   10^6 stress
- *   TPD_COMMIT_RELEASE_SYS  five 8-byte stores, st.release.sys header  865 ns     125 M/s     no torn/lost
- *   TPD_COMMIT_FENCE_SYS    five 8-byte stores, fence.sc.sys, relaxed  868 ns     125 M/s     no torn/lost
- *   TPD_COMMIT_V2_RELEASE   (2,3) (4,5) 16-byte, (0,1) release.sys.v2  863 ns     229 M/s     no torn/lost
- *   TPD_COMMIT_V2_SPLIT     (2,3) (4,5) 16-byte, word 1, release hdr   860 ns     228 M/s     no torn/lost
- *   per-word parity (benchmark only): six relaxed .sys 8-byte stores    272 ns    1010 M/s
- *   per-word parity (benchmark only): three relaxed .sys 16-byte        273 ns     397 M/s
+ *   variant                                               1 thread (ns)   aggregate (M/s)  10^6 stress
+ *   TPD_COMMIT_RELEASE_SYS  5 x 8 B, st.release.sys header     865 / 930       125 / 130    none torn/lost
+ *   TPD_COMMIT_FENCE_SYS    5 x 8 B, fence.sc.sys, relaxed hdr 868 / 940       125 / 127    none torn/lost
+ *   TPD_COMMIT_V2_RELEASE   2 x 16 B, (hdr,w1) release.sys.v2  863 / 930       229 / 229    none torn/lost
+ *   TPD_COMMIT_V2_SPLIT     2 x 16 B, w1, release.sys header   860 / 929       228 / 229    none torn/lost
+ *   per-word parity, 6 x 8 B relaxed .sys (benchmark only)     272 / 375      1010 / 427
+ *   per-word parity, 3 x 16 B relaxed .sys (benchmark only)    273 / 377       397 / 390
  *
- * Default: TPD_COMMIT_V2_SPLIT. It matches V2_RELEASE's aggregate rate (the three PCIe writes a record
- * costs instead of six are what count) without relying on a 16-byte store reaching host memory whole:
+ * Default: TPD_COMMIT_V2_SPLIT. It matches V2_RELEASE's aggregate rate (four stores per record, two of
+ * them 16 bytes, instead of six 8-byte ones) without relying on a 16-byte store reaching host memory whole:
  * V2_RELEASE puts seq and word 1 in one store, V2_SPLIT publishes the 8-byte header alone after every
  * body word. One thread's cost is the system-scope release (it waits for the earlier PCIe writes), the
  * same for every header-last variant.
  *
- * Per-word parity (byte 0 of each word carries the lap parity, no system fence, 42 usable bytes) is 3.2x
- * cheaper per thread and 4.4x in aggregate, and it is the only commit that meets the design's 300 ns per
- * push. It needs a different record layout and consumer (cmd_ring.h, record.py, ring.py, the proxy's
- * translation), so it is measured side by side by the benchmark only (benchmarks/gpu_push.cu) and the
- * whole chain stays header-last for now; switching is the lever when push cost matters more than 6 bytes.
+ * Per-word parity (byte 0 of each word carries the lap parity, no system fence, 42 usable bytes) is
+ * 2.5-3.2x cheaper per thread and 1.9-4.4x in aggregate (its aggregate varied most between runs), and it
+ * is the only commit that came near the design's 300 ns per push. It needs a different record layout and
+ * consumer (cmd_ring.h, record.py, ring.py, the proxy's translation), so it is measured side by side by
+ * the benchmark only (benchmarks/gpu_push.cu) and the whole chain stays header-last for now; switching is
+ * the lever when push cost matters more than 6 bytes of record.
  */
 #ifndef TRANSPORTD_RING_DEVICE_CUH
 #define TRANSPORTD_RING_DEVICE_CUH
