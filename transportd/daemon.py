@@ -63,6 +63,7 @@ __all__ = ["Daemon", "FLAGS_REGION_ID"]
 log = logging.getLogger("transportd")
 
 FLAGS_REGION_ID = 0xFFFF_FFFF  # the id a rank's flag array carries in peer_regions
+MAX_UNCLAIMED_JOBS = 1024  # announcements kept for jobs with no local rank yet
 
 
 @dataclass
@@ -127,6 +128,8 @@ class Daemon:
         self.connections: dict[tuple[str, str, int], Connection] = {}
         self.accepted: dict[tuple[str, int], int] = {}  # (node, their conn id) -> our conn id
         self._accepted_endpoints: dict[tuple[str, int], dict[str, Any]] = {}
+        # peer_regions for jobs with no local rank yet: job -> rank -> (node, message)
+        self.unclaimed: dict[str, dict[int, tuple[str, PeerRegions]]] = {}
         self.runtime_dir = Path(os.environ.get("RUNTIME_DIRECTORY", "/dev/shm"))
         self.workers: list[WorkerHandle] = []
         self.control: ControlServer | None = None
@@ -253,7 +256,12 @@ class Daemon:
     def on_join(self, client_id: bytes, req: Join) -> dict[str, Any]:
         if self.clients.get(client_id) is not None:
             raise RequestError("already_joined", "this session already joined a job")
-        job = self.jobs.setdefault(req.job, JobState(world=req.world))
+        job = self.jobs.get(req.job)
+        if job is None:
+            job = self.jobs[req.job] = JobState(world=req.world)
+            for node, msg in self.unclaimed.pop(req.job, {}).values():
+                if node in (self.peers.peers if self.peers else {}):
+                    job.remote[msg.rank] = RemoteRank(node, {(r.id, r.rail): r for r in msg.regions})
         if job.world != req.world:
             raise RequestError("bad_world", f"job {req.job!r} has world {job.world}, not {req.world}")
         if req.rank in job.local or req.rank in job.remote:
@@ -453,6 +461,9 @@ class Daemon:
 
     def on_peer_down(self, node: str) -> None:
         """Fail every connection to ``node``: clients waiting on it see PEER_LOST, not a hang."""
+        for ranks in self.unclaimed.values():
+            for rank in [r for r, (n, _) in ranks.items() if n == node]:
+                del ranks[rank]
         for conn in self.connections.values():
             if conn.node == node and conn.state != "failed":
                 conn.state = "failed"
@@ -481,7 +492,11 @@ class Daemon:
     def _on_peer_regions(self, node: str, msg: PeerRegions) -> None:
         job = self.jobs.get(msg.job)
         if job is None:
-            return  # no local rank of this job (yet): it is resent when one announces
+            # no local rank of this job yet: keep the announcement for when one joins (bounded, so a peer
+            # cannot grow it without limit)
+            if msg.job in self.unclaimed or len(self.unclaimed) < MAX_UNCLAIMED_JOBS:
+                self.unclaimed.setdefault(msg.job, {})[msg.rank] = (node, msg)
+            return
         if msg.rank in job.local:
             log.warning("peer %s claims rank %d of job %s, which is local here: ignored", node, msg.rank, msg.job)
             return

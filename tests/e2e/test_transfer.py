@@ -64,3 +64,31 @@ def test_write_signaling_is_refused_under_adaptive_routing(tmp_path) -> None:
     path.write_text('[backend]\nkind = "ib"\n[softverbs]\nadaptive_routing = true\n[signal]\nmode = "write"\n')
     with pytest.raises(ConfigError, match="signal.mode: write signaling is unsafe with adaptive routing"):
         load_config(path)
+
+
+def test_a_rank_that_announces_before_its_peer_node_has_the_job_is_still_found(cluster_factory) -> None:
+    import gpuclient
+
+    cluster = cluster_factory(backend="ib")
+    first = gpuclient.connect(cluster.socket("nodea"))
+    s0 = first.join("late", rank=0, world=2)
+    buf0 = gpuclient.host_array(4096)
+    r0 = s0.register(buf0)
+    s0.flags(4)
+    assert s0.exchange(wait=False)["complete"] is False  # node b has no rank of "late" yet
+    second = gpuclient.connect(cluster.socket("nodeb"))
+    s1 = second.join("late", rank=1, world=2)
+    buf1 = gpuclient.host_array(4096)
+    r1 = s1.register(buf1)
+    s1.flags(4)
+    s1.exchange(wait=False)
+    s0.exchange(timeout=20)
+    s1.exchange(timeout=20)
+    buf0[:] = 7
+    ch = s0.channel(capacity=64)
+    ch.put_signal(peer=1, dst_region=r1.id, dst_off=0, src_region=r0.id, src_off=0, nbytes=4096, slot=0, value=1)
+    assert s1.wait(slot=0, at_least=1, timeout=20) == 1
+    assert (buf1 == 7).all()
+    for s, c in ((s0, first), (s1, second)):
+        s.leave()
+        c.close()
