@@ -102,6 +102,7 @@ class Connection:
     rail: int
     state: str = "connecting"  # connecting | up | failed
     bound: set[int] = field(default_factory=set)  # peer ranks bound in the worker
+    peer_gid: str = ""  # the remote end's device address (its rail's NIC), once connected
 
 
 @dataclass
@@ -561,7 +562,7 @@ class Daemon:
             remote = worker.call("create_endpoint", conn=peer_id, job=job_name, responder=True)["endpoint"]
             worker.call("connect", conn=peer_id, remote=endpoint)
             worker.call("connect", conn=conn.conn_id, remote=remote)
-            conn.state = "up"
+            conn.state, conn.peer_gid = "up", str(remote.get("gid", ""))
             return
         assert self.peers
         self.peers.send(node, PeerConnectRequest(job=job_name, rail=rail, conn=conn.conn_id, endpoint=endpoint))
@@ -587,7 +588,7 @@ class Daemon:
         if conn is None or conn.conn_id != msg.conn or conn.state == "up":
             return
         self.workers[conn.rail].call("connect", conn=conn.conn_id, remote=dict(msg.endpoint))
-        conn.state = "up"
+        conn.state, conn.peer_gid = "up", str(msg.endpoint.get("gid", ""))
         self._refresh_job(msg.job)
 
     # --- reporting -----------------------------------------------------------------------------------------
@@ -604,7 +605,8 @@ class Daemon:
         for c in self.connections.values():
             q = queued.get((c.rail, c.conn_id), {})
             connections.append({"conn": c.conn_id, "job": c.job, "node": c.node, "rail": c.rail, "state": c.state,
-                                "bytes": q.get("bytes", 0), "inflight": q.get("inflight", 0)})
+                                "bytes": q.get("bytes", 0), "inflight": q.get("inflight", 0),
+                                "peer_gid": c.peer_gid})
         peers = {}
         if self.peers:
             for node, p in self.peers.peers.items():

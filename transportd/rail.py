@@ -4,10 +4,17 @@ The main process (``transportd.daemon``) owns clients and peers; this process ow
 resources, maps the memory it registers (host regions and flag files are shared-memory files), and runs
 the proxy loop. Requests arrive between proxy iterations (``WorkerEndpoint``); when the rail is idle the
 loop backs off from spinning to short sleeps so an idle daemon does not burn a core.
+
+Rail ``i`` opens ``backend.rails[i].device``. Over softverbs a device name that does not exist yet (only
+``softib0``/``softefa0`` do by default) is created in this process, of the kind the backend drives, through
+the soft options handed to ``transportd.verbs.load`` (``devices``); pyverbs ignores them. Before opening
+it, the worker pins itself to the CPUs of the NIC's NUMA node where the config or sysfs names one
+(``transportd.pinning``; never fatal).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -18,9 +25,10 @@ from typing import Any
 from cmd_ring import RingFile
 from gpuclient.host_memory import map_shared_file
 from transportd.backend import MemoryKey, SignalOp
-from transportd.backends import open_backend
+from transportd.backends import DEVICE_KINDS, open_backend
 from transportd.config import Config
 from transportd.flagfile import FlagFile
+from transportd.pinning import pin_worker
 from transportd.proxy import Proxy
 from transportd.verbs import load as load_verbs
 from transportd.worker_link import WorkerEndpoint
@@ -40,7 +48,10 @@ class RailService:
         device = rails[rail].device if rails else ""
         # backend.kind "soft" forces the software provider; otherwise backend.verbs decides
         provider = "soft" if config.backend.kind == "soft" else config.backend.verbs
-        verbs = load_verbs(None if provider == "auto" else provider, soft_options=config.softverbs)
+        soft_options = dataclasses.asdict(config.softverbs)
+        if device and config.backend.kind in DEVICE_KINDS:  # a soft rail device is created where missing
+            soft_options["devices"] = {device: DEVICE_KINDS[config.backend.kind]}
+        verbs = load_verbs(None if provider == "auto" else provider, soft_options=soft_options)
         self.backend = open_backend(config.backend.kind, device=device or None, verbs=verbs,
                                     signal_mode=config.signal.mode, inflight_cap=config.proxy.inflight_cap,
                                     batch_max=config.proxy.batch_max, visibility_flush=config.efa.visibility_flush)
@@ -52,6 +63,7 @@ class RailService:
         self.conn_jobs: dict[int, str] = {}
         self.stopping = False
         self.gpu: Any = None  # transportd.gpu_memory.GpuMemory, created on the first GPU registration
+        self.cpus: list[int] | None = None  # the CPUs rail_main pinned this worker to (None: not pinned)
         self.backend.set_flag_publisher(self._publish_flag)
 
     # --- memory ---------------------------------------------------------------------------------------
@@ -190,8 +202,9 @@ class RailService:
 
     # --- reporting and shutdown -----------------------------------------------------------------------------
     def op_stats(self) -> dict[str, Any]:
-        return {"rail": self.rail, "backend": self.backend.name, "pid": os.getpid(), **self.proxy.stats(),
-                "queues": self.proxy.queue_stats()}
+        address = self.backend.local_address()
+        return {"rail": self.rail, "backend": self.backend.name, "pid": os.getpid(), "device": address.get("device"),
+                "gid": address.get("gid"), "cpus": self.cpus, **self.proxy.stats(), "queues": self.proxy.queue_stats()}
 
     def op_stop(self) -> dict[str, Any]:
         """Drain (every record committed so far is posted and completed, bounded), then exit."""
@@ -207,7 +220,11 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     # must not kill a worker in the middle of its drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=cfg.logging.level.upper(), format=f"rail{rail} %(levelname)s %(name)s: %(message)s")
+    # near the NIC where the machine says so; before the device opens, so the provider's threads follow
+    entry = cfg.backend.rails[rail] if rail < len(cfg.backend.rails) else None
+    cpus = pin_worker(rail, entry.numa_node if entry else -1, entry.device if entry else "")
     service = RailService(cfg, rail)
+    service.cpus = list(cpus) if cpus is not None else None
     link = WorkerEndpoint(link_endpoint, service)
     link.send_ready(address=service.backend.local_address())
     idle = 0

@@ -89,7 +89,14 @@ def pyverbs_devices() -> list[str] | None:
 
 def configure_soft(options: Mapping[str, Any] | Any) -> None:
     """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed; a mapping or the config
-    dataclass) to the default soft devices. The listen host takes effect when a device is next opened."""
+    dataclass) to the default soft devices. The listen host takes effect when a device is next opened.
+
+    ``devices`` (only in a mapping: the rail worker adds it, it is not a config key) names soft devices the
+    caller needs, as ``{name: kind}`` (kind "ib" or "efa") or a list of names (kind "ib"). Those that do not
+    exist yet in this process are created (``softverbs.soft.add_device``, ephemeral port), and every setting
+    above applies to them as to the defaults. This is how a rail configured with a device such as
+    ``softib1`` gets one; pyverbs never sees this option, so real NICs are never invented.
+    """
     from softverbs import soft
 
     get = options.get if isinstance(options, Mapping) else (lambda k, d=None: getattr(options, k, d))
@@ -103,8 +110,27 @@ def configure_soft(options: Mapping[str, Any] | Any) -> None:
     seed = get("reorder_seed", None)
     if seed is not None:
         changes["reorder_seed"] = None if seed < 0 else int(seed)
-    for name in ("softib0", "softefa0"):
+    wanted = get("devices", None) or {}
+    if not isinstance(wanted, Mapping):
+        wanted = dict.fromkeys(wanted, "ib")
+    names = ["softib0", "softefa0"]
+    for name, kind in wanted.items():
+        if name not in names:
+            names.append(name)
+        if not _soft_device_exists(soft, name):
+            base = soft.device_options("softefa0" if kind == "efa" else "softib0")  # the defaults' listen host
+            soft.add_device(name, kind, host=base.host, advertise=base.advertise,
+                            adaptive_routing=base.adaptive_routing)
+    for name in names:
         soft.configure(name, **changes)
+
+
+def _soft_device_exists(soft: ModuleType, name: str) -> bool:
+    try:
+        soft.device_options(name)
+    except KeyError:
+        return False
+    return True
 
 
 def load(provider: str | None = None, *, soft_options: Mapping[str, Any] | Any = None) -> VerbsModules:

@@ -11,7 +11,7 @@ from typing import Any
 
 from transportd.backend import Backend
 
-__all__ = ["BACKENDS", "open_backend"]
+__all__ = ["BACKENDS", "DEVICE_KINDS", "open_backend"]
 
 BACKENDS: dict[str, str] = {
     "null": "transportd.backends.null:NullBackend",
@@ -19,6 +19,11 @@ BACKENDS: dict[str, str] = {
     "soft": "ib.backend:IbBackend",  # "soft" is ib semantics on the softverbs provider (config backend.kind)
     "efa": "efa.backend:EfaBackend",
 }
+
+# The kind of NIC each backend drives ("ib": an RC HCA, "efa": an SRD device). Where the verbs provider is
+# softverbs, a rail naming a device that does not exist yet gets a soft device of this kind
+# (``transportd.verbs.configure_soft``'s ``devices``); pyverbs ignores it.
+DEVICE_KINDS: dict[str, str] = {"ib": "ib", "soft": "ib", "efa": "efa"}
 
 
 def open_backend(kind: str, **opts: Any) -> Backend:
