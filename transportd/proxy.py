@@ -131,6 +131,8 @@ class _Posted:
     remaining: int
 
 
+_CONN_LOG_FOLD = 64  # posts logged before their per-connection counts are folded in
+
 _COUNTERS = (
     "iterations", "commands", "quiets", "bytes", "wrs", "writes", "signals", "signals_requested", "fences",
     "batches", "batches_full", "batches_partial", "signal_dest_batches", "stalls", "signal_stalls", "rejected",
@@ -189,6 +191,9 @@ class Proxy:
         self.batch_hist = np.zeros(9, dtype=np.int64)  # index = commands in the batch
         self._conn_hist = np.zeros((0, 9), dtype=np.int64)  # the same, per connection index
         self._conn_bytes = np.zeros(0, dtype=np.int64)  # payload bytes posted per connection index
+        # (batch conn, batch size, row conn, row length, row op) per post, folded into the two above in bulk
+        # (every _CONN_LOG_FOLD posts and before reporting): per-connection counting stays off the hot path
+        self._conn_log: list[tuple[np.ndarray, ...]] = []
         self._head_seen: dict[int, tuple[int, int]] = {}  # channel -> (head position, ns it was first seen waiting)
         self._taking = True  # False once drain() has emptied the rings: nothing more is taken
         self.errors = np.zeros(256, dtype=np.int64)  # by ErrorCode value
@@ -566,10 +571,9 @@ class Proxy:
         c["batches_full"] += full
         c["batches_partial"] += nb - full
         self.batch_hist += np.bincount(ncmds, minlength=9)[:9]
-        nconn = len(self._conn_ids)
-        self._conn_hist += np.bincount(bconn * 9 + ncmds, minlength=nconn * 9).reshape(nconn, 9)
-        payload = np.bincount(bconn[row_batch], weights=np.where(op == _SIGNAL, 0, plan["length"]), minlength=nconn)
-        self._conn_bytes += payload.astype(np.int64)
+        self._conn_log.append((bconn, ncmds, bconn[row_batch], plan["length"], op))
+        if len(self._conn_log) >= _CONN_LOG_FOLD:
+            self._fold_conn_log()
         c["wrs"] += int(nwr.sum())
         c["writes"] += int(ops[_WRITE])
         c["signals"] += nsig
@@ -581,6 +585,17 @@ class Proxy:
             is_sig = op == _SIGNAL
             key = row_batch[is_sig].astype(np.int64) << 16 | plan["dst_rank"][is_sig]
             c["signal_dest_batches"] += len(np.unique(key))
+
+    def _fold_conn_log(self) -> None:
+        """Add the logged posts to the per-connection batch-size histogram and payload bytes."""
+        log, self._conn_log = self._conn_log, []
+        if not log:
+            return
+        nconn = len(self._conn_ids)
+        bconn, ncmds, row_conn, length, op = (np.concatenate(parts) for parts in zip(*log, strict=True))
+        self._conn_hist += np.bincount(bconn * 9 + ncmds, minlength=nconn * 9).reshape(nconn, 9)
+        payload = np.bincount(row_conn, weights=np.where(op == _SIGNAL, 0, length), minlength=nconn)
+        self._conn_bytes += payload.astype(np.int64)
 
     def _recount_pending(self) -> None:
         self._pending[:] = 0
@@ -743,6 +758,7 @@ class Proxy:
         and payload ``bytes`` posted.
         """
         with self._lock:
+            self._fold_conn_log()
             now = time.monotonic_ns()
             rings = []
             for ch in self._channels.values():
