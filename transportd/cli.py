@@ -67,6 +67,8 @@ def _register_subcommands() -> None:
     bench.add_command(bench_signals)
     from transportd.bench_e2e import bench_e2e
     bench.add_command(bench_e2e)
+    from transportd.bench_rails import bench_rails
+    bench.add_command(bench_rails)
 
 
 _register_subcommands()
