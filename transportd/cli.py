@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
+
+EXIT_CONFIG = 78  # EX_CONFIG (sysexits.h): the configuration is wrong; restarting will not help
 
 
 @click.group()
@@ -24,7 +28,8 @@ def run(config_path: str | None) -> None:
     try:
         config = load_config(config_path)
     except ConfigError as exc:
-        raise click.ClickException(f"bad config: {exc}") from None
+        click.echo(f"transportd: bad config: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)  # distinct status: the unit's RestartPreventExitStatus stops retrying a bad file
     setup_logging(config.logging.level, config.logging.format)
     daemon = Daemon(config)
     daemon.install_signal_handlers()

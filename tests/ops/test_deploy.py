@@ -110,3 +110,17 @@ def test_example_config_documents_every_key_at_its_default(tmp_path) -> None:
     path = tmp_path / "all.toml"
     path.write_text("\n".join(uncommented) + "\n")
     assert load_config(path, env={}) == default_config(env={})
+
+
+def test_a_bad_config_exits_78_and_the_unit_does_not_restart_it(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[signal]\nmode = "bogus"\n')
+    result = subprocess.run([sys.executable, "-m", "transportd", "run", "--config", str(bad)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 78
+    assert "signal.mode" in result.stderr and str(bad) in result.stderr
+    unit = (Path(__file__).resolve().parents[2] / "deploy" / "transportd.service").read_text()
+    assert "RestartPreventExitStatus=78" in unit
