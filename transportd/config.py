@@ -207,7 +207,9 @@ class RailConfig:
     device: str = field(metadata=_meta("Verbs device name, e.g. mlx5_0 or rdmap16s27."))
     gpu: int = field(default=-1, metadata=_meta("Local GPU index closest to the NIC; -1: unknown.",
                                                 _between(-1, 63)))
-    numa_node: int = field(default=-1, metadata=_meta("NUMA node of the NIC; -1: unknown.", _between(-1, 1023)))
+    numa_node: int = field(default=-1, metadata=_meta(
+        "NUMA node of the NIC; the rail's worker is pinned to its CPUs. -1: the NIC's sysfs numa_node, "
+        "else not pinned.", _between(-1, 1023)))
 
 
 @dataclass(frozen=True)

@@ -156,9 +156,17 @@ def _status_text(s: dict[str, Any]) -> str:
             lines.append(f"rail      ERROR {rail['error']}")
             continue
         errors = sum(rail.get("errors", {}).values())
-        lines.append(f"rail {rail.get('rail', '?')}    {rail.get('backend', '?')}, worker pid {rail.get('pid', '?')}, "
+        cpus = rail.get("cpus")
+        lines.append(f"rail {rail.get('rail', '?')}    {rail.get('backend', '?')} on {rail.get('device') or '?'}, "
+                     f"worker pid {rail.get('pid', '?')} ({'CPUs ' + _cpulist(cpus) if cpus else 'not pinned'}), "
                      f"{rail.get('channels', 0)} ring(s), {rail.get('commands', 0)} commands, {errors} errors")
     return "\n".join(lines)
+
+
+def _cpulist(cpus: list[int]) -> str:
+    from transportd.pinning import format_cpulist
+
+    return format_cpulist(cpus)
 
 
 @main.command()

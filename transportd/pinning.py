@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PinDecision", "choose_cpus", "nic_numa_node", "parse_cpulist", "pin_worker"]
+__all__ = ["PinDecision", "choose_cpus", "format_cpulist", "nic_numa_node", "parse_cpulist", "pin_worker"]
 
 log = logging.getLogger("transportd.rail")
 
@@ -91,8 +91,8 @@ def choose_cpus(numa_node: int, device: str, *, sysfs: str | Path = "/sys",
     may = set(os.sched_getaffinity(0) if allowed is None else allowed)
     chosen = tuple(c for c in cpus if c in may)
     if not chosen:
-        return PinDecision(None, node, f"none of NUMA node {node}'s CPUs ({_short(cpus)}) is allowed here "
-                                       f"(allowed: {_short(sorted(may))})")
+        return PinDecision(None, node, f"none of NUMA node {node}'s CPUs ({format_cpulist(cpus)}) is allowed here "
+                                       f"(allowed: {format_cpulist(sorted(may))})")
     return PinDecision(chosen, node, f"NUMA node {node} ({source})")
 
 
@@ -108,12 +108,12 @@ def pin_worker(rail: int, numa_node: int, device: str, *, sysfs: str | Path = "/
         log.warning("rail %d (%s): worker not pinned: %s", rail, device or "first device", exc)
         return None
     log.info("rail %d (%s): worker pinned to CPUs %s, %s", rail, device or "first device",
-             _short(decision.cpus), decision.reason)
+             format_cpulist(decision.cpus), decision.reason)
     return decision.cpus
 
 
-def _short(cpus: Iterable[int]) -> str:
-    """CPU numbers back to cpulist form: [0, 1, 2, 5] -> '0-2,5'."""
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """Sorted CPU numbers back to cpulist form: [0, 1, 2, 5] -> '0-2,5' (empty: 'none')."""
     out: list[str] = []
     run: list[int] = []
     for c in cpus:

@@ -225,6 +225,8 @@ def test_transportctl_queues_shows_both_rails_busy(cluster_factory) -> None:
             want = sorted(set(parse_cpulist(node0.read_text())) & os.sched_getaffinity(0))
             assert workers[0]["cpus"] == want and sorted(os.sched_getaffinity(workers[0]["pid"])) == want
         assert workers[1]["cpus"] is None  # numa_node -1 and a soft NIC: nothing says where it sits
+        text = CliRunner().invoke(ctl_main, ["status", "--socket", cluster.socket("nodea")]).output
+        assert "ib on softib0" in text and "ib on softib1" in text and "not pinned" in text, text
     finally:
         stop.set()
         close_gpus(ranks)

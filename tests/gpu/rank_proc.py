@@ -80,10 +80,12 @@ class Rank:
         self.stream = None
 
     def setup(self, socket: str, job: str, rank: int, world: int, nbytes: int, flags: int, where: str,
-              src_kind: str, dst_kind: str) -> dict[str, Any]:
+              src_kind: str, dst_kind: str, device: int = 0) -> dict[str, Any]:
+        # device: the node's GPU index given to join (it picks the rail); a process narrowed to that GPU by
+        # CUDA_VISIBLE_DEVICES still allocates on its CUDA device 0
         use_device(0)
         self.client = gpuclient.connect(socket, timeout=30)
-        self.session = self.client.join(job, rank=rank, world=world, device=0)
+        self.session = self.client.join(job, rank=rank, world=world, device=device)
         src_obj, src_keep, self.src_ptr = _alloc(src_kind, nbytes)
         dst_obj, dst_keep, self.dst_ptr = _alloc(dst_kind, nbytes)
         self.keep += [src_keep, dst_keep]
@@ -93,7 +95,8 @@ class Rank:
         self.session.exchange(wait=False)
         self.out = DeviceMemory(64, 0)
         return {"src": self.src.id, "dst": self.dst.id, "src_via": type(src_obj).__name__,
-                "dst_via": type(dst_obj).__name__, "flags": type(self.flags).__name__}
+                "dst_via": type(dst_obj).__name__, "flags": type(self.flags).__name__,
+                "rail": self.session.info.get("rail")}
 
     def exchange(self, capacity: int) -> dict[str, Any]:
         self.session.exchange(timeout=60)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from transportd.pinning import choose_cpus, nic_numa_node, parse_cpulist, pin_worker
+from transportd.pinning import choose_cpus, format_cpulist, nic_numa_node, parse_cpulist, pin_worker
 
 
 @pytest.mark.parametrize(("text", "cpus"), [
@@ -22,6 +22,12 @@ from transportd.pinning import choose_cpus, nic_numa_node, parse_cpulist, pin_wo
 ])
 def test_cpulist_parser(text: str, cpus: list[int]) -> None:
     assert parse_cpulist(text) == cpus
+
+
+def test_cpulist_round_trip() -> None:
+    for cpus in ([0, 1, 2, 5], [7], [0, 2, 4], list(range(64)) + [96, 97]):
+        assert parse_cpulist(format_cpulist(cpus)) == cpus
+    assert format_cpulist([0, 1, 2, 5]) == "0-2,5" and format_cpulist([]) == "none"
 
 
 @pytest.mark.parametrize("text", ["a", "3-1", "-1", "1-", "0-7:0/4", "0-7:5/4", "4:1/2", "1,,x"])
