@@ -17,6 +17,7 @@ from cmd_ring import get_include as cmd_ring_include
 from gpuclient.compiler import _pack, nvrtc_options
 from gpuclient.cuda_memory import _c_contiguous, is_device_buffer
 from gpuclient.device_channel import CHANNEL_DTYPE, CHANNEL_SIZE, RING_DTYPE, ChannelStruct
+from tests.nvrtc_support import nvrtc_or_skip
 from transportd.errors import error_code_c_enum
 from transportd.protocol import Flags
 
@@ -142,18 +143,9 @@ def test_project_kernels_compile_with_nvcc(tmp_path: Path, source: Path) -> None
                     "-o", str(tmp_path / "k.o")], check=True)
 
 
-def _nvrtc_or_skip() -> None:
-    try:
-        from cuda.bindings import nvrtc
-
-        nvrtc.nvrtcVersion()
-    except Exception as exc:  # noqa: BLE001 - ImportError, or the NVRTC library missing
-        pytest.skip(f"NVRTC not available here ({type(exc).__name__}): install cuda-python and nvidia-cuda-nvrtc")
-
-
 @pytest.mark.parametrize("source", [None, *SOURCES], ids=lambda p: "use_all" if p is None else p.name)
 def test_device_api_is_nvrtc_clean(source: Path | None) -> None:
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     from gpuclient.compiler import compile_to_cubin
 
     text = USE_ALL if source is None else source.read_text()
@@ -162,7 +154,7 @@ def test_device_api_is_nvrtc_clean(source: Path | None) -> None:
 
 
 def test_nvrtc_errors_carry_the_log() -> None:
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     from gpuclient.compiler import CompileError, compile_to_cubin
 
     with pytest.raises(CompileError, match="tpd::no_such_call"):

@@ -16,6 +16,7 @@ import pytest
 from ibgda import device_handle as H
 from ibgda import mlx5_layout as L
 from tests.ibgda.conftest import HERE, INCLUDES, compiler, include_flags
+from tests.nvrtc_support import nvrtc_or_skip
 
 STRUCTS = {
     "CtrlSeg": (L.CTRL_SEG_DTYPE, {"opmod_idx_opcode_be": "opmod", "qpn_ds_be": "qpn_ds", "signature": "signature",
@@ -195,7 +196,7 @@ def test_device_path_compiles_for_sm90(tmp_path: Path) -> None:
 
 
 def test_device_path_compiles_under_nvrtc() -> None:
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (nvrtc) not installed")
+    nvrtc = nvrtc_or_skip()
     src = (b"#include <transportd/ibgda/ibgda.cuh>\n"
            b"extern \"C\" __global__ void k(tpd::IbgdaChannel ch) {\n"
            b"  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1);\n  tpd::quiet(ch);\n  tpd::wait(ch, 3, 1);\n}\n")
@@ -246,7 +247,7 @@ def test_python_cqe_codec_round_trips() -> None:
 @pytest.mark.parametrize("kernels", ["tests/ibgda/gpu_kernels.cu", "benchmarks/ibgda_kernels.cu"])
 def test_gpu_kernels_compile_with_nvrtc(kernels: str) -> None:
     """The GPU test's and the benchmark's kernels build (NVRTC, sm_90, debug and release) without a GPU."""
-    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (nvrtc) not installed")
+    nvrtc_or_skip()
     from gpuclient.compiler import CompileError, compile_to_cubin
 
     source = (HERE.parents[1] / kernels).read_text()
