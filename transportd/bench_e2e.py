@@ -76,17 +76,24 @@ def _daemon_counters(stats: dict[str, Any]) -> dict[str, int]:
     return {k: sum(int(r.get(k, 0)) for r in rails) for k in _STAT_KEYS}
 
 
-class _Pair:
-    """Rank 0 (node a, the producer) and rank 1 (node b, the receiver) of one job, driven from here."""
+class StreamPair:
+    """A sending rank and a receiving rank of one job, on two nodes, driven from this process.
 
-    def __init__(self, cluster: Any, size: int, window: int) -> None:
+    ``put(k)`` streams into a window of ``window`` slots of ``size`` bytes; the receiver's flag 0 counts
+    arrived commands. bench rails reuses it with more ranks per job and a device per producer.
+    """
+
+    def __init__(self, sockets: list[str], job: str, size: int, window: int, *, send_rank: int = 0,
+                 recv_rank: int = 1, world: int = 2, device: int | None = None, seed: int = 2024,
+                 exchange_timeout_s: float = 30.0) -> None:
         import gpuclient
 
-        self.clients = [gpuclient.connect(cluster.socket(name)) for name in cluster.names]
-        self.sessions = [c.join(JOB, rank=i, world=2) for i, c in enumerate(self.clients)]
+        self.clients = [gpuclient.connect(s) for s in sockets]
+        self.sessions = [c.join(job, rank=r, world=world, device=device)
+                         for c, r in zip(self.clients, (send_rank, recv_rank), strict=True)]
         span = size * window
         self.send = gpuclient.host_array(span)
-        self.send[:] = np.random.default_rng(2024).integers(0, 256, span, dtype=np.uint8)
+        self.send[:] = np.random.default_rng(seed).integers(0, 256, span, dtype=np.uint8)
         self.recv = gpuclient.host_array(span)
         self.src = self.sessions[0].register(self.send)
         self.dst = self.sessions[1].register(self.recv)
@@ -95,18 +102,19 @@ class _Pair:
         for s in self.sessions:
             s.exchange(wait=False)
         for s in self.sessions:
-            s.exchange(timeout=30)
+            s.exchange(timeout=exchange_timeout_s)
+        self.peer = recv_rank
         self.channel = self.sessions[0].channel(capacity=1 << max(10, (2 * window - 1).bit_length()))
         flags = self.sessions[1].flag_array
         assert flags is not None
-        self.flag = flags.values  # rank 1's flag words, mapped: slot 0 counts arrived commands
+        self.flag = flags.values  # the receiver's flag words, mapped: slot 0 counts arrived commands
         self.size = size
         self.window = window
 
     def put(self, k: int) -> None:
         off = (k % self.window) * self.size
-        self.channel.put_signal(peer=1, dst_region=self.dst.id, dst_off=off, src_region=self.src.id, src_off=off,
-                                nbytes=self.size, slot=0, value=1)
+        self.channel.put_signal(peer=self.peer, dst_region=self.dst.id, dst_off=off, src_region=self.src.id,
+                                src_off=off, nbytes=self.size, slot=0, value=1)
 
     def arrived(self) -> int:
         return int(self.flag[0])
@@ -121,7 +129,7 @@ class _Pair:
             c.close()
 
 
-def _stream(pair: _Pair, seconds: float, timeout_s: float) -> dict[str, Any]:
+def _stream(pair: StreamPair, seconds: float, timeout_s: float) -> dict[str, Any]:
     window = pair.window
     base = pair.arrived()
     push_ns: list[int] = []
@@ -156,7 +164,7 @@ def _stream(pair: _Pair, seconds: float, timeout_s: float) -> dict[str, Any]:
             "loaded_put_to_flag": _percentiles(lat)}
 
 
-def _latency(pair: _Pair, samples: int, timeout_s: float) -> dict[str, Any]:
+def _latency(pair: StreamPair, samples: int, timeout_s: float) -> dict[str, Any]:
     flag = pair.flag
     now = time.monotonic_ns
     out = np.zeros(samples, dtype=np.int64)
@@ -204,7 +212,7 @@ def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: 
               "direction": "rank 0 (node a) -> rank 1 (node b)"}
     result: dict[str, Any] = {"config": config}
     with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
-        pair = _Pair(cluster, size, window)
+        pair = StreamPair([cluster.socket(n) for n in cluster.names], JOB, size, window)
         try:
             if echo:
                 echo(f"2 daemons up ({backend} over softverbs); streaming {size} B PUT_SIGNALs for {seconds} s ...")

@@ -42,63 +42,18 @@ GPUS = 2
 PHASES = (("one_rail", (0, 0)), ("two_rail", (0, 1)))  # phase name, the device each producer joins with
 
 
-class _GpuPair:
-    """Producer g's ranks: ``g`` on node a (sends) and ``2 + g`` on node b (receives); bench_e2e's pair API."""
-
-    def __init__(self, sockets: list[str], job: str, g: int, device: int, size: int, window: int) -> None:
-        import gpuclient
-
-        self.clients = [gpuclient.connect(s) for s in sockets]
-        self.sessions = [c.join(job, rank=2 * n + g, world=2 * GPUS, device=device)
-                         for n, c in enumerate(self.clients)]
-        self.rail = int(self.sessions[0].info["rail"])
-        span = size * window
-        self.send = gpuclient.host_array(span)
-        self.send[:] = np.random.default_rng(2024 + g).integers(0, 256, span, dtype=np.uint8)
-        self.recv = gpuclient.host_array(span)
-        self.src = self.sessions[0].register(self.send)
-        self.dst = self.sessions[1].register(self.recv)
-        for s in self.sessions:
-            s.flags(4)
-        for s in self.sessions:
-            s.exchange(wait=False)
-        for s in self.sessions:
-            s.exchange(timeout=60)
-        self.peer = 2 + g
-        self.channel = self.sessions[0].channel(capacity=1 << max(10, (2 * window - 1).bit_length()))
-        flags = self.sessions[1].flag_array
-        assert flags is not None
-        self.flag = flags.values
-        self.size = size
-        self.window = window
-
-    def put(self, k: int) -> None:
-        off = (k % self.window) * self.size
-        self.channel.put_signal(peer=self.peer, dst_region=self.dst.id, dst_off=off, src_region=self.src.id,
-                                src_off=off, nbytes=self.size, slot=0, value=1)
-
-    def arrived(self) -> int:
-        return int(self.flag[0])
-
-    def close(self) -> None:
-        for s in self.sessions:
-            try:
-                s.leave()
-            except Exception:  # noqa: BLE001  (a daemon already gone: nothing left to release)
-                pass
-        for c in self.clients:
-            c.close()
-
-
 def _producer(sockets: list[str], job: str, g: int, device: int, size: int, window: int, seconds: float,
               samples: int, timeout_s: float, barrier: Any, release: Any, out: Any) -> None:
     """One producer process: join, stream, sample latency (in step with the other one), verify, report;
     stay joined until ``release`` is set (the parent reads the job's per-rail counters before it ends)."""
-    from transportd.bench_e2e import _latency, _stream
+    from transportd.bench_e2e import StreamPair, _latency, _stream
 
     pair = None
     try:
-        pair = _GpuPair(sockets, job, g, device, size, window)
+        # producer g: rank g on node a sends to rank 2 + g on node b, both on "GPU" ``device``
+        pair = StreamPair(sockets, job, size, window, send_rank=g, recv_rank=GPUS + g, world=2 * GPUS,
+                          device=device, seed=2024 + g, exchange_timeout_s=60.0)
+        pair_rail = int(pair.sessions[0].info["rail"])
         barrier.wait(timeout_s)
         stream = _stream(pair, seconds, timeout_s)
         barrier.wait(timeout_s)
@@ -107,7 +62,7 @@ def _producer(sockets: list[str], job: str, g: int, device: int, size: int, wind
         used = min(window, max(stream["commands"], samples)) * size
         if not np.array_equal(pair.recv[:used], pair.send[:used]):
             raise RuntimeError(f"producer {g}: received data differs from what was sent")
-        out.send({"ok": True, "g": g, "rail": pair.rail, "stream": stream, "latency": lat})
+        out.send({"ok": True, "g": g, "rail": pair_rail, "stream": stream, "latency": lat})
         release.wait(timeout_s)
     except BaseException as exc:  # noqa: BLE001  (reported to the parent, which fails the run)
         out.send({"ok": False, "g": g, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
