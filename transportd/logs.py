@@ -11,21 +11,28 @@ __all__ = ["setup_logging"]
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, tag: str = "") -> None:
+        super().__init__()
+        self.tag = tag
+
     def format(self, record: logging.LogRecord) -> str:
         event = {"t": round(record.created, 6), "level": record.levelname.lower(), "logger": record.name,
                  "msg": record.getMessage()}
+        if self.tag:
+            event["process"] = self.tag
         if record.exc_info:
             event["exc"] = self.formatException(record.exc_info)
         return json.dumps(event, default=str)
 
 
-def setup_logging(level: str = "info", fmt: str = "json") -> None:
-    """Configure the root logger once for the daemon process."""
+def setup_logging(level: str = "info", fmt: str = "json", tag: str = "") -> None:
+    """Configure the root logger once per process; ``tag`` names the process (``rail0``) in each line."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(tag))
     else:
-        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        prefix = f"{tag} " if tag else ""
+        formatter = logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s")
         formatter.converter = time.gmtime
         handler.setFormatter(formatter)
     root = logging.getLogger()

@@ -28,6 +28,7 @@ from transportd.backend import MemoryKey, SignalOp
 from transportd.backends import DEVICE_KINDS, open_backend
 from transportd.config import Config
 from transportd.flagfile import FlagFile
+from transportd.logs import setup_logging
 from transportd.pinning import pin_worker
 from transportd.proxy import Proxy
 from transportd.verbs import load as load_verbs
@@ -219,7 +220,7 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     # The main process decides when to stop (SIGTERM -> drain): a Ctrl-C sent to the whole process group
     # must not kill a worker in the middle of its drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=cfg.logging.level.upper(), format=f"rail{rail} %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.logging.level, cfg.logging.format, tag=f"rail{rail}")
     # near the NIC where the machine says so; before the device opens, so the provider's threads follow
     entry = cfg.backend.rails[rail] if rail < len(cfg.backend.rails) else None
     cpus = pin_worker(rail, entry.numa_node if entry else -1, entry.device if entry else "")
