@@ -5,7 +5,19 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from transportd.logs import setup_logging
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger():
+    # setup_logging replaces the root logger's handlers (as the daemon wants): put pytest's back after
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def test_json_lines_parse_and_name_the_worker(capsys) -> None:
