@@ -103,6 +103,7 @@ class Connection:
     state: str = "connecting"  # connecting | up | failed
     bound: set[int] = field(default_factory=set)  # peer ranks bound in the worker
     peer_gid: str = ""  # the remote end's device address (its rail's NIC), once connected
+    error: str = ""  # why the connection failed, for the clients that need it
 
 
 @dataclass
@@ -348,6 +349,9 @@ class Daemon:
             self.peers.broadcast(self._regions_message(rank))
         job = self.jobs[rank.job]
         self._refresh_job(rank.job)
+        for conn in self.connections.values():
+            if conn.job == rank.job and conn.rail == rank.rail and conn.state == "failed" and conn.error:
+                raise RequestError("unreachable", conn.error)
         known = len(job.local) + len(job.remote)
         ready = known == job.world and all(self._rank_reachable(rank, r) for r in range(job.world))
         return {"complete": ready, "known": known}
@@ -554,6 +558,14 @@ class Daemon:
     def _open_connection(self, job_name: str, node: str, rail: int) -> None:
         conn = Connection(next(self._conn_ids), job_name, node, rail)
         self.connections[(job_name, node, rail)] = conn
+        peer = self.peers.peers.get(node) if self.peers and node != self.node else None
+        if peer is not None and peer.rails and rail >= peer.rails:
+            # rail-peer routing pairs rail i with rail i: a node without that rail cannot be reached from it
+            conn.state = "failed"
+            conn.error = (f"node {node} has {peer.rails} rail(s), so rail {rail} of node {self.node} has no "
+                          f"peer there: give every node of the job the same rails")
+            log.warning("job %s: %s", job_name, conn.error)
+            return
         worker = self.workers[rail]
         endpoint = worker.call("create_endpoint", conn=conn.conn_id, job=job_name)["endpoint"]
         if node == self.node:

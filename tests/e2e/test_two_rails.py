@@ -235,3 +235,27 @@ def test_transportctl_queues_shows_both_rails_busy(cluster_factory) -> None:
 def _both_rails_moved(before: dict[tuple[int, str], int], after: dict[tuple[int, str], int]) -> bool:
     """Between two samples, each rail's connection to node b carried new bytes."""
     return all(after.get((g, "nodeb"), 0) > before.get((g, "nodeb"), 0) for g in range(GPUS))
+
+
+def test_a_rail_the_peer_node_lacks_fails_exchange_with_a_clear_error(cluster_factory) -> None:
+    from transportd.errors import RequestError
+
+    cluster = cluster_factory(backend="ib", per_node={
+        "nodea": {"backend": {"rails": rails("ib")}},
+        "nodeb": {"backend": {"rails": rails("ib")[:1]}}})
+    clients = [gpuclient.connect(cluster.socket(n)) for n in cluster.names]
+    try:
+        a = clients[0].join("mismatch", rank=0, world=2, device=1)  # GPU 1 -> rail 1 on node a
+        b = clients[1].join("mismatch", rank=1, world=2, device=0)
+        for s in (a, b):
+            s.register(gpuclient.host_array(4096))
+            s.flags(4)
+            s.exchange(wait=False)
+        deadline = time.monotonic() + 20
+        with pytest.raises(RequestError, match="node nodeb has 1 rail"):
+            while time.monotonic() < deadline:
+                a.exchange(wait=False)
+                time.sleep(0.05)
+    finally:
+        for c in clients:
+            c.close()
