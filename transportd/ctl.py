@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import click
 
 from transportd.connection import ControlConnection, resolve_endpoint
+from transportd.curve import CurveClientKeys
 from transportd.errors import ErrorCode, RequestError, TransportdError
 from transportd.protocol import Inspect, Stats
 
@@ -84,7 +85,7 @@ def _fetch(socket: str | None, request: Any = None) -> dict[str, Any]:
     endpoint = resolve_endpoint(socket)
     _probe_ipc(endpoint)
     try:
-        with ControlConnection(endpoint, timeout_ms=5000, name="transportctl") as conn:
+        with ControlConnection(endpoint, timeout_ms=5000, name="transportctl", curve=_curve_keys()) as conn:
             return conn.request(request if request is not None else Stats())
     except RequestError as exc:
         _fail(str(exc), EXIT_REFUSED)
@@ -104,10 +105,32 @@ def _common(fn: Callable[..., None]) -> Callable[..., None]:
     return fn
 
 
+def _curve_keys() -> CurveClientKeys | None:
+    """CURVE client keys from the group options, for a daemon whose control socket is tcp with CURVE."""
+    ctx = click.get_current_context(silent=True)
+    opts = (ctx.find_root().obj if ctx else None) or {}
+    secret, server = opts.get("curve_secret_key"), opts.get("curve_server_key")
+    if not secret and not server:
+        return None
+    if not (secret and server):
+        _fail("give both --curve-secret-key and --curve-server-key (or neither)", EXIT_REFUSED)
+    try:
+        return CurveClientKeys.from_files(secret, server)
+    except (OSError, ValueError) as exc:
+        _fail(f"cannot load CURVE keys: {exc}", EXIT_REFUSED)
+    return None
+
+
 @click.group()
 @click.version_option(package_name="transportd")
-def main() -> None:
+@click.option("--curve-secret-key", type=click.Path(dir_okay=False), envvar="TRANSPORTD_CURVE_SECRET_KEY",
+              help="this client's CURVE secret key file (for a tcp:// control socket with CURVE)")
+@click.option("--curve-server-key", type=click.Path(dir_okay=False), envvar="TRANSPORTD_CURVE_SERVER_KEY",
+              help="the daemon's CURVE public key file")
+@click.pass_context
+def main(ctx: click.Context, curve_secret_key: str | None, curve_server_key: str | None) -> None:
     """Inspect a running transportd (exit 2: daemon not reachable)."""
+    ctx.obj = {"curve_secret_key": curve_secret_key, "curve_server_key": curve_server_key}
 
 
 # --- formatting ----------------------------------------------------------------------------------------
@@ -330,3 +353,7 @@ def top(interval: float, iterations: int, socket: str | None, as_json: bool) -> 
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
+
+
+if __name__ == "__main__":
+    main()
