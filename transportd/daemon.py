@@ -247,7 +247,9 @@ class Daemon:
     # --- control handlers ------------------------------------------------------------------------------
     def on_hello(self, client_id: bytes, req: Hello) -> dict[str, Any]:
         self.clients.setdefault(client_id, None)
-        if req.pid:
+        # a pid names a process on this host only when the client came over the ipc socket; a tcp client
+        # may live elsewhere, and is reclaimed when it leaves
+        if req.pid and self.config.control.socket.startswith("ipc://"):
             self.client_pids[client_id] = req.pid
         return {"node": self.node, "backend": self.config.backend.kind, "rails": len(self.workers),
                 "version": protocol.V}
