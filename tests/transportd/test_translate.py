@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import transportd.translate as translate_module
 from cmd_ring.record import Command, Flag, Opcode, records_from_commands
 from transportd.backend import PlanOp, SignalOp
 from transportd.errors import ErrorCode
@@ -232,3 +234,36 @@ def test_vectorized_translation_matches_the_per_record_reference(cmds: list[Comm
     assert out.codes.tolist() == want_codes
     got = [(int(r), int(p["op"]), int(p["laddr"]), int(p["raddr"])) for r, p in zip(out.row_rec, out.plan, strict=True)]
     assert got == [(i, int(op), la, ra) for i, op, la, ra in want_rows]
+
+
+# Good PUT / PUT_SIGNAL commands (the scalar path's case), and now and then anything.
+good_put = st.builds(_command, st.sampled_from([1, 2]), st.integers(1, 2), st.sampled_from([0, 2]),
+                     st.integers(0, 4000), st.just(0), st.integers(0, 8000), st.integers(1, 64), st.integers(0, 3))
+good_ish = st.one_of(good_put, good_put, good_put, good_put, good_put, good_put, commands)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(good_ish, min_size=1, max_size=5), st.sampled_from([8192, 64, 1 << 40]), st.booleans())
+def test_small_block_scalar_path_matches_the_vectorized_path(cmds: list[Command], max_length: int,
+                                                             signal_set: bool) -> None:
+    recs = records_from_commands(cmds)
+    recs["signal_value"] = np.arange(len(recs), dtype=np.uint64) * np.uint64(0x1_0000_0001)
+    recs["chunk_id"] = np.arange(len(recs), dtype=np.uint32) + np.uint32(40)
+    if signal_set:
+        recs["flags"][::2] |= int(Flag.SIGNAL_SET)
+    src, peers = tables()
+    small = translate_module._translate_small(recs, src, peers, max_length)
+    saved = translate_module.SMALL_BLOCK
+    translate_module.SMALL_BLOCK = 0
+    try:
+        want = translate(recs, src, peers, max_length=max_length)
+    finally:
+        translate_module.SMALL_BLOCK = saved
+    if small is None:
+        return
+    assert want.codes.tolist() == small.codes.tolist() == [0] * len(recs)
+    assert want.plan.dtype == small.plan.dtype and np.array_equal(want.plan, small.plan)
+    assert want.row_rec.dtype == small.row_rec.dtype and want.row_rec.tolist() == small.row_rec.tolist()
+    assert want.row_conn.dtype == small.row_conn.dtype and want.row_conn.tolist() == small.row_conn.tolist()
+    if len(recs) <= saved:
+        assert np.array_equal(translate(recs, src, peers, max_length=max_length).plan, want.plan)
