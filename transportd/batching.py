@@ -101,6 +101,42 @@ def cumsum_within(group_start: np.ndarray, values: np.ndarray) -> np.ndarray:
     return total - base
 
 
+SMALL_ROWS = 32  # up to this many rows, batches are cut in plain Python (numpy's fixed costs dominate)
+
+
+def _cut_small(conn: np.ndarray, first: np.ndarray, closes: np.ndarray, batch_max: int) -> Batches:
+    """:func:`cut_batches` one row at a time: the same batches, for a handful of rows."""
+    cs, fs, cl = conn.tolist(), first.tolist(), closes.tolist()
+    row_batch: list[int] = []
+    start: list[int] = []
+    bconn: list[int] = []
+    ncmds: list[int] = []
+    closed: list[bool] = []
+    b = -1
+    k = 0  # commands so far in the current segment (a connection's run, up to a closing command)
+    prev_conn, prev_closes = None, False
+    for j, c in enumerate(cs):
+        if fs[j]:
+            if j == 0 or c != prev_conn or prev_closes:
+                k = 0
+            if k % batch_max == 0:
+                b += 1
+                start.append(j)
+                bconn.append(c)
+                ncmds.append(0)
+                closed.append(False)
+            ncmds[b] += 1
+            closed[b] = bool(cl[j])
+            k += 1
+            prev_conn, prev_closes = c, cl[j]
+        row_batch.append(b)
+    last = [bconn[i] != bconn[i + 1] for i in range(len(bconn) - 1)] + [True]
+    return Batches(row_batch=np.array(row_batch, dtype=np.intp), start=np.array(start, dtype=np.intp),
+                   stop=np.array(start[1:] + [len(cs)], dtype=np.int64), conn=np.array(bconn, dtype=conn.dtype),
+                   ncmds=np.array(ncmds, dtype=np.int64), closed=np.array(closed, dtype=bool),
+                   last=np.array(last, dtype=bool))
+
+
 def cut_batches(conn: np.ndarray, first: np.ndarray, closes: np.ndarray, batch_max: int) -> Batches:
     """Cut rows (sorted by ``conn``) into batches.
 
@@ -108,6 +144,8 @@ def cut_batches(conn: np.ndarray, first: np.ndarray, closes: np.ndarray, batch_m
     read on first rows).
     """
     n = len(conn)
+    if n <= SMALL_ROWS and n and first[0]:
+        return _cut_small(conn, first, closes, batch_max)
     cmd_row = first.nonzero()[0]
     nc = len(cmd_row)
     one_row_each = nc == n

@@ -356,6 +356,26 @@ class Proxy:
                 if not run_once():
                     time.sleep(idle_sleep_s)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Watch the rings' head slots for up to ``timeout_s``: True as soon as one holds a committed record.
+
+        Reads one seq word per ring per look and takes nothing (the next :meth:`run_once` does): the idle
+        worker's cheap way to notice a record sooner than a sleep would. False at once while rows wait or
+        work is in flight: then the caller's next pass is due anyway (completions, the polling window).
+        """
+        with self._lock:
+            if not self._taking or len(self._plan) or self._posted:
+                return False
+            heads = [(ch.seqs, ch.mask, ch.consumer) for ch in self._channels.values()]
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            for seqs, mask, consumer in heads:
+                pos = consumer.position
+                if seqs[pos & mask] == seq_for(pos):
+                    return True
+            if time.perf_counter() >= deadline:
+                return False
+
     def busy(self) -> bool:
         """Rows are waiting in the proxy or WRs are in flight."""
         with self._lock:

@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from transportd import batching
 from transportd.backend import PLAN_DTYPE, PlanOp, SignalOp
 from transportd.batching import (
     compress_rows,
@@ -115,6 +116,27 @@ def test_cut_batches_properties(cmds: list[tuple[int, int, bool]], batch_max: in
         assert b.closed[i] == cmd_closes[-1]
         full_or_closed = b.ncmds[i] == batch_max or b.closed[i]
         assert full_or_closed or b.last[i], "only a connection's last batch may be partial and open"
+
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 2), st.booleans()), min_size=1, max_size=20),
+       st.integers(1, 8), st.sampled_from([np.int32, np.int64]))
+def test_small_cut_matches_the_vectorized_cut(cmds: list[tuple[int, int, bool]], batch_max: int, dtype) -> None:
+    cmds = sorted(cmds, key=lambda c: c[0])
+    conn = np.array([c for c, n, _ in cmds for _ in range(n)], dtype=dtype)
+    first = np.array([i == 0 for _, n, _ in cmds for i in range(n)])
+    closes = np.array([x for _, n, x in cmds for _ in range(n)])
+    saved = batching.SMALL_ROWS
+    batching.SMALL_ROWS = 0
+    try:
+        want = cut_batches(conn, first, closes, batch_max)
+    finally:
+        batching.SMALL_ROWS = saved
+    got = batching._cut_small(conn, first, closes, batch_max)
+    for name in ("row_batch", "start", "stop", "conn", "ncmds", "closed", "last"):
+        a, b = getattr(want, name), getattr(got, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
 
 
 # --- decoupled signaling: examples --------------------------------------------------------------------------

@@ -451,3 +451,39 @@ def _check_naive_and_decoupled_agree(rigs: list[Rig], commands: list[Command]) -
                 segment.add(int(row["raddr"]))
             else:
                 assert not segment, "a WRITE after a signal of its segment"
+
+
+def test_wait_ready_watches_the_ring_heads_without_taking(rig) -> None:
+    assert not rig.proxy.wait_ready(0.001)  # nothing committed: waits out the timeout
+    rig.push(put(0))
+    assert rig.proxy.wait_ready(5.0)  # returns at once
+    assert rig.proxy.wait_ready(0.0)  # still there: watching takes nothing
+    rig.backend.paused = True
+    rig.proxy.run_once()
+    assert rig.proxy.busy() and not rig.proxy.wait_ready(5.0)  # work in flight: a pass is due, no watching
+    rig.backend.paused = False
+    rig.spin()
+    assert rig.chunks(1) == [0] and rig.ring.completion_pos == 1
+
+
+def test_rail_serve_loop_takes_sparse_records_and_stops() -> None:
+    from transportd import rail
+
+    rig = Rig(poll_window_us=0)
+    try:
+        served: list[int] = []
+
+        class Link:
+            def serve_pending(self, timeout_ms: int = 0) -> bool:
+                served.append(timeout_ms)
+                return False
+
+        deadline = time.monotonic() + 0.5
+        rig.push(put(0))
+        rail.serve_loop(rig.proxy, Link(), lambda: time.monotonic() > deadline or rig.ring.completion_pos == 1)
+        assert rig.ring.completion_pos == 1 and rig.chunks(1) == [0]
+        deadline = time.monotonic() + 0.05
+        rail.serve_loop(rig.proxy, Link(), lambda: time.monotonic() > deadline)  # idle: spins, then naps
+        assert served and rig.proxy.counters["iterations"] > 1
+    finally:
+        rig.close()
