@@ -555,43 +555,42 @@ class PeerConnect(PeerMessage):
             self._fail("rails", "lists a rail twice")
 
 
+@dataclass(frozen=True)
+class _PeerEndpoint(PeerMessage):
+    """One end of connection ``conn`` on ``rail`` for ``job``: the fields both connect messages carry.
+
+    ``endpoint`` is that end as its backend described it (``Backend.create_endpoint``); the protocol
+    checks only that it is a small map with string keys — its meaning belongs to the backend.
+    """
+
+    job: str
+    rail: int
+    conn: int
+    endpoint: dict[str, Any]
+
+    def _check(self) -> None:
+        self._name("job", allow_empty=True)
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("conn", 0, _U64)
+
+
 @_peer
 @dataclass(frozen=True)
-class PeerConnectRequest(PeerMessage):
-    """Ask the peer to create its end of connection ``conn`` on ``rail`` for ``job``.
+class PeerConnectRequest(_PeerEndpoint):
+    """Ask the peer to create its end of connection ``conn``; ``endpoint`` is the sender's end.
 
-    ``endpoint`` is the sender's end as its backend described it (``Backend.create_endpoint``); the
-    protocol checks only that it is a small map with string keys — its meaning belongs to the backend.
     This is the form the daemon uses; :class:`PeerConnect` is the typed verbs-level equivalent.
     """
 
     op: ClassVar[str] = "peer_connect_request"
-    job: str
-    rail: int
-    conn: int
-    endpoint: dict[str, Any]
-
-    def _check(self) -> None:
-        self._name("job", allow_empty=True)
-        self._range("rail", 0, MAX_RAILS - 1)
-        self._range("conn", 0, _U64)
 
 
 @_peer
 @dataclass(frozen=True)
-class PeerConnectAccept(PeerMessage):
+class PeerConnectAccept(_PeerEndpoint):
     """The answer to :class:`PeerConnectRequest`: the accepting side's ``endpoint`` for the same ``conn``."""
 
     op: ClassVar[str] = "peer_connect_accept"
-    job: str
-    rail: int
-    conn: int
-    endpoint: dict[str, Any]
-
-    def _check(self) -> None:
-        self._name("job", allow_empty=True)
-        self._range("rail", 0, MAX_RAILS - 1)
-        self._range("conn", 0, _U64)
 
 
 @_peer
