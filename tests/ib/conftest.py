@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -12,30 +11,12 @@ import numpy as np
 import pytest
 
 from ib.backend import IbBackend
-from transportd import verbs as tverbs
+from tests.soft_backend_support import verbs, wait_for, wait_until  # noqa: F401  (fixtures)
 from transportd.backend import PLAN_DTYPE, MemoryKey, PlanOp, SignalOp
 
 CONN = 7
 DATA_BYTES = 1 << 20
 NFLAGS = 16
-
-
-@pytest.fixture(scope="session")
-def verbs() -> Any:
-    return tverbs.load("soft")
-
-
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Spin on ``cond`` (which should make progress itself, e.g. by polling); fail, never hang."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-
-
-@pytest.fixture
-def wait_for() -> Callable[..., None]:
-    return wait_until
 
 
 @dataclass
@@ -100,7 +81,7 @@ class Link:
 
 
 @pytest.fixture
-def make_link(verbs: Any) -> Iterator[Callable[..., Link]]:
+def make_link(verbs: Any) -> Iterator[Callable[..., Link]]:  # noqa: F811  (the shared fixture, requested by name)
     made: list[Link] = []
 
     def make(mode: str = "write", *, adaptive_routing: bool = False, seed: int | None = 1,
