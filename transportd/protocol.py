@@ -400,7 +400,8 @@ class Flags(Request):
 @_request
 @dataclass(frozen=True)
 class Exchange(Request):
-    """Share this rank's regions and flags with the job and wait for every other rank's (a barrier)."""
+    """Share this rank's regions and flags with the job; the reply says whether every rank is known and
+    reachable yet (``complete``), so clients repeat it until then (``Session.exchange`` does)."""
 
     op: ClassVar[str] = "exchange"
 
