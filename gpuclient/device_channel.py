@@ -202,7 +202,7 @@ def allocate_device_flags(count: int, device: int) -> tuple[DeviceMemory, bytes,
     return memory, exported.handle, exported.offset
 
 
-def _flag_pointer(session: Session, device: int) -> tuple[int, int, HostMapping | None]:
+def flag_pointer(session: Session, device: int) -> tuple[int, int, HostMapping | None]:
     """(device address, count, mapping) of the session's flags; (0, 0, None) without flags."""
     from gpuclient.cuda_memory import map_host
 
@@ -233,7 +233,7 @@ def device_handle(channel: ChannelHandle, device: int | None = None) -> DeviceCh
         device = session.device if getattr(session, "device", None) not in (None, -1) else 0
     use_device(device)
     ring = map_ring(channel.ring, device)
-    flags_ptr, flag_count, flags_map = _flag_pointer(session, device)
+    flags_ptr, flag_count, flags_map = flag_pointer(session, device)
     value = np.zeros(1, dtype=CHANNEL_DTYPE)
     value[0] = tuple(ring.value[0]) + (flags_ptr, flag_count, session.rank, session.world, channel.id)
     dc = DeviceChannel(channel, device, ring, flags_map, value)

@@ -17,9 +17,10 @@
 from __future__ import annotations
 
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +30,10 @@ from transportd.connection import ControlConnection
 from transportd.errors import ErrorCode, TransportdError
 from transportd.flagfile import FlagFile
 from transportd.protocol import Channel as ChannelRequest
-from transportd.protocol import Exchange, Flags, Join, Leave, Register, Stats
+from transportd.protocol import ChannelInfo, Exchange, Flags, Join, Leave, Register, Stats
+
+if TYPE_CHECKING:
+    from gpuclient.ibgda_channel import IbgdaChannelHandle
 
 __all__ = ["connect", "Client", "Session", "Region", "FlagArray", "ChannelHandle", "ChannelError", "SignalOp"]
 
@@ -216,6 +220,7 @@ class Session:
         self.info = info
         self.flag_array: FlagArray | None = None
         self.channels: list[ChannelHandle] = []
+        self.ibgda_channels: list[IbgdaChannelHandle] = []
         self._keep: list[object] = []  # buffers registered: keep them mapped while the daemon uses them
         self.device: int | None = None  # the local GPU given to join (GPU buffers, device flags, handles)
 
@@ -281,9 +286,38 @@ class Session:
                                    f"{self.job!r} known after {timeout}s")
             time.sleep(0.01)
 
-    def channel(self, capacity: int = 4096) -> ChannelHandle:
-        """Open a command ring to the daemon's proxy."""
-        reply = self._conn.request(ChannelRequest(capacity=capacity))
+    @typing.overload
+    def channel(self, capacity: int = ..., kind: typing.Literal["ring"] = ..., timeout: float = ...) -> ChannelHandle:
+        ...
+
+    @typing.overload
+    def channel(self, capacity: int = ..., *, kind: typing.Literal["ibgda"], timeout: float = ...
+                ) -> IbgdaChannelHandle:
+        ...
+
+    def channel(self, capacity: int | None = None, kind: str = "ring",
+                timeout: float = 30.0) -> ChannelHandle | IbgdaChannelHandle:
+        """Open a channel: ``kind="ring"`` (default), a command ring of ``capacity`` slots (4096) drained by
+        the daemon's proxy; ``kind="ibgda"``, one queue pair per peer rank of ``capacity`` WQEs (256) that
+        kernels post to themselves (``gpuclient.ibgda_channel``; exchange first). Both hand kernels the
+        same calls through ``device_handle()``."""
+        if kind == "ibgda":
+            from gpuclient.ibgda_channel import IbgdaChannelHandle
+
+            reply = self._conn.request(ChannelRequest(capacity=capacity or 256, kind="ibgda"))
+            deadline = time.monotonic() + timeout
+            while not reply.get("ready"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"IBGDA channel {reply['channel']}: the peers' queue pairs did not "
+                                       f"connect within {timeout}s")
+                time.sleep(0.005)
+                reply = self._conn.request(ChannelInfo(channel=int(reply["channel"])))
+            ibgda = IbgdaChannelHandle(self, reply)
+            self.ibgda_channels.append(ibgda)
+            return ibgda
+        if kind != "ring":
+            raise ValueError(f"channel kind must be 'ring' or 'ibgda', not {kind!r}")
+        reply = self._conn.request(ChannelRequest(capacity=capacity or 4096))
         ch = ChannelHandle(self, int(reply["channel"]), reply["path"])
         self.channels.append(ch)
         return ch
@@ -323,3 +357,6 @@ class Session:
         for ch in self.channels:
             ch.ring.close()
         self.channels.clear()
+        for ibgda in self.ibgda_channels:
+            ibgda.close()
+        self.ibgda_channels.clear()

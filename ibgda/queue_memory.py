@@ -1,7 +1,8 @@
 """The host memory of one IBGDA queue pair: send queue, CQ and doorbell records, laid out as a NIC wants.
 
-One page-aligned anonymous mapping, so a GPU maps it with one ``cuMemHostRegister`` and the NIC with one
-UMEM per part:
+One page-aligned mapping, so a GPU maps it with one ``cuMemHostRegister`` and the NIC with one UMEM per
+part. Anonymous for a queue used in one process; a shared-memory file (``path``) when the daemon's rail
+worker serves the queue and a client maps it (:meth:`QueueMemory.attach`):
 
 =============  =========================  =================================================================
 offset         size                       what
@@ -17,9 +18,11 @@ next page      4096 (``with_uar_page``)   a stand-in UAR page for the soft NIC: 
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 
 import numpy as np
 
+from gpuclient.host_memory import map_shared_file
 from ibgda import mlx5_layout as L
 
 __all__ = ["DOORBELL_OFFSET", "PAGE", "QueueMemory"]
@@ -32,7 +35,8 @@ CQ_DBREC_OFFSET = 64
 class QueueMemory:
     """Send queue, CQ and doorbell records of one QP in one page-aligned host mapping."""
 
-    def __init__(self, wqe_cnt: int, ncqes: int, *, with_uar_page: bool = False) -> None:
+    def __init__(self, wqe_cnt: int, ncqes: int, *, with_uar_page: bool = False, path: str | Path | None = None,
+                 create: bool = True) -> None:
         for name, n in (("wqe_cnt", wqe_cnt), ("ncqes", ncqes)):
             if n < 8 or n & (n - 1) or n > 1 << 15:
                 raise ValueError(f"{name} must be a power of two in 8 .. 32768, not {n}")
@@ -45,19 +49,38 @@ class QueueMemory:
         self.dbrec_offset = -(-(self.sq_bytes + self.cq_bytes) // PAGE) * PAGE
         self.uar_offset = self.dbrec_offset + PAGE if with_uar_page else None
         self.nbytes = self.dbrec_offset + PAGE + (PAGE if with_uar_page else 0)
-        self._map = mmap.mmap(-1, self.nbytes)
+        self.path = Path(path) if path is not None else None
+        if self.path is None:
+            self._map = mmap.mmap(-1, self.nbytes)
+        else:
+            shared = map_shared_file(self.path, self.nbytes, create=create, mode=0o660)
+            if shared.size != self.nbytes:
+                raise ValueError(f"{self.path} holds {shared.size} bytes; a queue of {wqe_cnt} WQEs and {ncqes} "
+                                 f"CQEs takes {self.nbytes}")
+            self._map = shared.mm
         whole = np.frombuffer(self._map, dtype=np.uint8)
         self.whole = whole
         self.base = int(whole.ctypes.data)
         self.sq = whole[:self.sq_bytes]
         self.cq = whole[self.cq_offset:self.cq_offset + self.cq_bytes]
-        self.cq[63::64] = L.CQE_INITIAL_OP_OWN
+        if create:
+            self.cq[63::64] = L.CQE_INITIAL_OP_OWN
         self.dbrec = whole[self.dbrec_offset:self.dbrec_offset + 8].view(np.uint32)
         cq_db = self.dbrec_offset + CQ_DBREC_OFFSET
         self.cq_dbrec = whole[cq_db:cq_db + 8].view(np.uint32)
         if self.uar_offset is not None:
             bf = self.uar_offset + DOORBELL_OFFSET
             self.doorbell = whole[bf:bf + 8].view(np.uint64)
+
+    @classmethod
+    def attach(cls, path: str | Path, wqe_cnt: int, ncqes: int) -> QueueMemory:
+        """Map the queue another process created at ``path`` (with the stand-in doorbell page)."""
+        return cls(wqe_cnt, ncqes, with_uar_page=True, path=path, create=False)
+
+    def unlink(self) -> None:
+        """Remove the shared-memory file's name (the mappings stay valid)."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
     def addresses(self) -> dict[str, int]:
         """Host addresses of the parts (``bf`` only with the stand-in UAR page)."""

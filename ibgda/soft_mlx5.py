@@ -72,20 +72,28 @@ class _Pending:
 class SoftMlx5Queue:
     """One RC QP of a soft ConnectX: send queue, CQ, doorbell records and UAR page in host memory.
 
-    ``device``: soft ib device name (None: the first). ``wqe_cnt``/``ncqes``: powers of two, ncqes >=
-    wqe_cnt (default: equal). ``max_inline``: largest inline payload accepted. Use as a context manager;
-    ``connect`` (after exchanging ``endpoint()``) starts the polling thread.
+    ``device``: soft ib device name (None: the first), opened for this queue alone; or ``rail``: an open
+    ``transportd.verbs_util.Rail`` whose context and PD the queue shares (a daemon's rail worker: the
+    regions it registered are the queue's). ``path``: put the queue's memory in that shared-memory file,
+    for a client to map. ``wqe_cnt``/``ncqes``: powers of two, ncqes >= wqe_cnt (default: equal).
+    ``max_inline``: largest inline payload accepted. Use as a context manager; ``connect`` (after
+    exchanging ``endpoint()``) starts the polling thread.
     """
 
     def __init__(self, device: str | None = None, *, verbs: Any = None, wqe_cnt: int = 256, ncqes: int | None = None,
                  max_inline: int = 64, port: int = 1, gid_index: int = 0, path_mtu: int = 0,
-                 poll_interval_s: float = 20e-6, cq_full_timeout_s: float = 10.0) -> None:
+                 poll_interval_s: float = 20e-6, cq_full_timeout_s: float = 10.0, rail: Rail | None = None,
+                 path: str | None = None) -> None:
         ncqes = ncqes or wqe_cnt
-        self.mem = QueueMemory(wqe_cnt, ncqes, with_uar_page=True)
+        self.mem = QueueMemory(wqe_cnt, ncqes, with_uar_page=True, path=path)
         self.wqe_cnt, self.ncqes, self.max_inline = wqe_cnt, ncqes, max_inline
         self.poll_interval_s, self.cq_full_timeout_s = poll_interval_s, cq_full_timeout_s
-        self.v = load_verbs(verbs)
-        self.rail = Rail(self.v, device, port=port, gid_index=gid_index, cq_depth=2 * wqe_cnt + 8)
+        if rail is not None:  # a daemon's rail: its PD (so its lkeys and rkeys serve), a CQ of our own
+            self.v = rail.v
+            self.rail = rail.sibling(2 * wqe_cnt + 8)
+        else:
+            self.v = load_verbs(verbs)
+            self.rail = Rail(self.v, device, port=port, gid_index=gid_index, cq_depth=2 * wqe_cnt + 8)
         try:
             self._setup_memory()
             self._create_qp(path_mtu)
@@ -418,6 +426,7 @@ class SoftMlx5Queue:
             qp.close()
             self.qp = None
         self.rail.close()
+        self.mem.unlink()
 
     def __enter__(self) -> SoftMlx5Queue:
         return self

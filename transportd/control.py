@@ -38,6 +38,7 @@ from transportd.curve import CurveServerKeys, configure_server, start_authentica
 from transportd.errors import ConfigError, ProtocolError, RequestError, TransportdError
 from transportd.protocol import (
     Channel,
+    ChannelInfo,
     Exchange,
     Flags,
     Heartbeat,
@@ -72,6 +73,7 @@ class ControlHandler(Protocol):
     def on_flags(self, client_id: bytes, req: Flags) -> Reply: ...
     def on_exchange(self, client_id: bytes, req: Exchange) -> Reply: ...
     def on_channel(self, client_id: bytes, req: Channel) -> Reply: ...
+    def on_channel_info(self, client_id: bytes, req: ChannelInfo) -> Reply: ...
     def on_stats(self, client_id: bytes, req: Stats) -> Reply: ...
     def on_inspect(self, client_id: bytes, req: Inspect) -> Reply: ...
     def on_leave(self, client_id: bytes, req: Leave) -> Reply: ...
@@ -95,7 +97,8 @@ class BaseHandler:
     def _unsupported(self, client_id: bytes, req: Request) -> Reply:
         raise RequestError(ReplyCode.UNSUPPORTED, f"this daemon does not implement '{req.op}'")
 
-    on_join = on_register = on_flags = on_exchange = on_channel = on_stats = on_inspect = on_leave = _unsupported
+    on_join = on_register = on_flags = on_exchange = on_channel = on_channel_info = _unsupported
+    on_stats = on_inspect = on_leave = _unsupported
 
 
 @dataclass

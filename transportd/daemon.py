@@ -39,6 +39,7 @@ from transportd.flagfile import FlagFile
 from transportd.peers import PeerPlane
 from transportd.protocol import (
     Channel,
+    ChannelInfo,
     Exchange,
     Flags,
     Heartbeat,
@@ -67,6 +68,25 @@ MAX_UNCLAIMED_JOBS = 1024  # announcements kept for jobs with no local rank yet
 
 
 @dataclass
+class IbgdaQueue:
+    """One queue pair of an IBGDA channel: in the rank's rail worker, connected to a responder on ``node``."""
+
+    queue_id: int
+    peer: int
+    node: str
+    path: str
+    info: dict[str, Any]  # the worker's reply: endpoint, qpn, wqe_cnt, ncqes, scratch, scratch_lkey
+    state: str = "connecting"  # connecting | up | failed
+    responder: int = 0  # the responder's connection id when the peer is on this node
+
+
+@dataclass
+class IbgdaChannel:
+    channel_id: int
+    queues: dict[int, IbgdaQueue] = field(default_factory=dict)  # peer rank -> queue
+
+
+@dataclass
 class LocalRank:
     """One client session that joined a job on this node."""
 
@@ -82,6 +102,7 @@ class LocalRank:
     flags: FlagFile | None = None
     flag_keys: dict[int, dict[str, int]] = field(default_factory=dict)  # rail -> key
     channels: dict[int, RingFile] = field(default_factory=dict)
+    ibgda: dict[int, IbgdaChannel] = field(default_factory=dict)
     announced: bool = False
     next_region: int = 0
 
@@ -129,6 +150,7 @@ class Daemon:
         self.jobs: dict[str, JobState] = {}
         self.connections: dict[tuple[str, str, int], Connection] = {}
         self.accepted: dict[tuple[str, int], int] = {}  # (node, their conn id) -> our conn id
+        self.ibgda_waiting: dict[tuple[str, int], IbgdaQueue] = {}  # (node, queue id) -> queue awaiting accept
         self._accepted_endpoints: dict[tuple[str, int], dict[str, Any]] = {}
         # peer_regions for jobs with no local rank yet: job -> rank -> (node, message)
         self.unclaimed: dict[str, dict[int, tuple[str, PeerRegions]]] = {}
@@ -354,9 +376,7 @@ class Daemon:
         for conn in self.connections.values():
             if conn.job == rank.job and conn.rail == rank.rail and conn.state == "failed" and conn.error:
                 raise RequestError("unreachable", conn.error)
-        known = len(job.local) + len(job.remote)
-        ready = known == job.world and all(self._rank_reachable(rank, r) for r in range(job.world))
-        return {"complete": ready, "known": known}
+        return {"complete": self._job_wired(rank), "known": len(job.local) + len(job.remote)}
 
     def _regions_message(self, rank: LocalRank) -> PeerRegions:
         infos = []
@@ -379,6 +399,8 @@ class Daemon:
 
     def on_channel(self, client_id: bytes, req: Channel) -> dict[str, Any]:
         rank = self._joined(client_id)
+        if req.kind == "ibgda":
+            return self._open_ibgda_channel(rank, req.capacity)
         channel_id = next(self._channel_ids)
         name = f"tpd-ring-{self.node}-{rank.job}-{rank.rank}-{channel_id}-{os.getpid()}"
         ring = RingFile.create(str(self.runtime_dir / name), req.capacity, mode=self.config.control.mode)
@@ -392,6 +414,103 @@ class Daemon:
             raise RequestError("channel_failed", str(exc)) from None
         rank.channels[channel_id] = ring
         return {"channel": channel_id, "path": str(ring.path), "capacity": req.capacity, "rail": rank.rail}
+
+    # --- IBGDA channels ---------------------------------------------------------------------------------
+    def _open_ibgda_channel(self, rank: LocalRank, wqe_cnt: int) -> dict[str, Any]:
+        """One queue pair per peer rank in the rank's rail worker, each connected (through the peer plane)
+        to a responder QP on the peer's node and rail. The reply comes before the far ends accept: the
+        client asks ``channel_info`` until ``ready``."""
+        if self.config.backend.kind != "ib":
+            raise RequestError("unsupported", f"IBGDA channels need backend.kind = 'ib' (a ConnectX), not "
+                                              f"{self.config.backend.kind!r}")
+        job = self.jobs[rank.job]
+        if not self._job_wired(rank):
+            raise RequestError("not_ready", "exchange until every rank of the job is known and reachable before "
+                                            "opening an IBGDA channel")
+        chan = IbgdaChannel(next(self._channel_ids))
+        rank.ibgda[chan.channel_id] = chan
+        worker = self.workers[rank.rail]
+        try:
+            for peer in range(job.world):
+                if peer == rank.rank:
+                    continue
+                queue_id = next(self._conn_ids)
+                path = self.runtime_dir / (f"tpd-ibgda-{self.node}-{rank.job}-{rank.rank}-{chan.channel_id}-{peer}-"
+                                           f"{os.getpid()}")
+                info = worker.call("create_ibgda_queue", queue=queue_id, job=rank.job, path=str(path),
+                                   wqe_cnt=wqe_cnt)
+                node = self.node if peer in job.local else job.remote[peer].node
+                queue = chan.queues[peer] = IbgdaQueue(queue_id, peer, node, str(path), info)
+                self._give_to_group(path)
+                if node == self.node:  # the responder lives in the same worker
+                    queue.responder = next(self._conn_ids)
+                    far = worker.call("create_endpoint", conn=queue.responder, job=rank.job, responder=True)
+                    worker.call("connect", conn=queue.responder, remote=info["endpoint"])
+                    worker.call("connect_ibgda_queue", queue=queue_id, remote=far["endpoint"])
+                    queue.state = "up"
+                else:
+                    assert self.peers
+                    self.ibgda_waiting[(node, queue_id)] = queue
+                    self.peers.send(node, PeerConnectRequest(job=rank.job, rail=rank.rail, conn=queue_id,
+                                                             endpoint=info["endpoint"]))
+        except WorkerError as exc:
+            self._close_ibgda_channel(rank, chan)
+            rank.ibgda.pop(chan.channel_id, None)
+            raise RequestError("channel_failed", str(exc)) from None
+        return {"channel": chan.channel_id, "kind": "ibgda", "rail": rank.rail,
+                "ready": all(q.state == "up" for q in chan.queues.values())}
+
+    def _job_wired(self, rank: LocalRank) -> bool:
+        job = self.jobs[rank.job]
+        known = len(job.local) + len(job.remote)
+        return known == job.world and all(self._rank_reachable(rank, r) for r in range(job.world))
+
+    def on_channel_info(self, client_id: bytes, req: ChannelInfo) -> dict[str, Any]:
+        """``ready`` false while a queue awaits its far end; then everything a ``tpd::IbgdaChannel`` needs."""
+        rank = self._joined(client_id)
+        chan = rank.ibgda.get(req.channel)
+        if chan is None:
+            raise RequestError("unknown_channel", f"this session has no IBGDA channel {req.channel}")
+        failed = [q for q in chan.queues.values() if q.state == "failed"]
+        if failed:
+            raise RequestError("unreachable", f"the queue pair to rank {failed[0].peer} on {failed[0].node} failed")
+        if any(q.state != "up" for q in chan.queues.values()):
+            return {"channel": chan.channel_id, "ready": False}
+        job, rail = self.jobs[rank.job], rank.rail
+        local = []
+        for region_id in range(rank.next_region):
+            key = rank.regions.get(region_id, {}).get(rail)
+            local.append([key["addr"], key["length"], key["lkey"]] if key else [0, 0, 0])
+        remote_regions, remote_flags = [], []
+        for peer in chan.queues:
+            if peer in job.local:
+                other = job.local[peer]
+                keys = [other.regions.get(i, {}).get(rail) for i in range(other.next_region)]
+                flags = other.flag_keys.get(rail)
+            else:
+                regions = job.remote[peer].regions
+                count = 1 + max([i for i, r in regions if r == rail and i != FLAGS_REGION_ID], default=-1)
+                keys = [_key(regions.get((i, rail))) for i in range(count)]
+                flags = _key(regions.get((FLAGS_REGION_ID, rail)))
+            remote_regions.append([peer, [[k["addr"], k["length"], k["rkey"]] if k else [0, 0, 0] for k in keys]])
+            if flags:
+                remote_flags.append([peer, [flags["addr"], flags["length"], flags["rkey"]]])
+        queues = [{"peer": q.peer, "path": q.path, **{k: q.info[k] for k in ("qpn", "wqe_cnt", "ncqes", "scratch",
+                                                                              "scratch_lkey")}}
+                  for q in chan.queues.values()]
+        return {"channel": chan.channel_id, "ready": True, "kind": "ibgda", "rail": rail,
+                "signal_mode": self.config.signal.mode, "queues": queues, "local_regions": local,
+                "remote_regions": remote_regions, "remote_flags": remote_flags}
+
+    def _close_ibgda_channel(self, rank: LocalRank, chan: IbgdaChannel) -> None:
+        worker = self.workers[rank.rail] if rank.rail < len(self.workers) else None
+        for queue in chan.queues.values():
+            self.ibgda_waiting.pop((queue.node, queue.queue_id), None)
+            if worker is not None:
+                _quietly(worker.call, "close_ibgda_queue", queue=queue.queue_id)
+                if queue.responder:
+                    _quietly(worker.call, "close_connection", conn=queue.responder)
+            Path(queue.path).unlink(missing_ok=True)
 
     def _give_to_group(self, path: str | Path) -> None:
         """Rings and flag files belong to ``control.group`` like the socket, so that group's clients map them."""
@@ -437,6 +556,8 @@ class Daemon:
                 _quietly(worker.call, "remove_channel", channel=channel_id)
             ring.close()
             ring.unlink()
+        for chan in rank.ibgda.values():
+            self._close_ibgda_channel(rank, chan)
         for w in self.workers:
             _quietly(w.call, "forget_rank", job=rank.job, rank=rank.rank)
             for region_id in rank.regions:
@@ -471,6 +592,8 @@ class Daemon:
         for ranks in self.unclaimed.values():
             for rank in [r for r, (n, _) in ranks.items() if n == node]:
                 del ranks[rank]
+        for key in [k for k in self.ibgda_waiting if k[0] == node]:
+            self.ibgda_waiting.pop(key).state = "failed"
         for conn in self.connections.values():
             if conn.node == node and conn.state != "failed":
                 conn.state = "failed"
@@ -598,6 +721,15 @@ class Daemon:
                                                 endpoint=self._accepted_endpoints[key]))
 
     def _on_connect_accept(self, node: str, msg: PeerConnectAccept) -> None:
+        queue = self.ibgda_waiting.pop((node, msg.conn), None)
+        if queue is not None:  # the far end of an IBGDA queue pair
+            try:
+                self.workers[msg.rail].call("connect_ibgda_queue", queue=queue.queue_id, remote=dict(msg.endpoint))
+                queue.state = "up"
+            except WorkerError:
+                queue.state = "failed"
+                raise
+            return
         conn = self.connections.get((msg.job, node, msg.rail))
         if conn is None or conn.conn_id != msg.conn or conn.state == "up":
             return
@@ -656,6 +788,10 @@ def _process_alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][:1] != "Z"
     except OSError:
         return True
+
+
+def _key(info: RegionInfo | None) -> dict[str, int] | None:
+    return None if info is None else {"addr": info.addr, "length": info.length, "rkey": info.rkey}
 
 
 def _quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

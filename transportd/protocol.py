@@ -40,6 +40,7 @@ __all__ = [
     "TRANSITIONS",
     "V",
     "Channel",
+    "ChannelInfo",
     "Exchange",
     "Flags",
     "Heartbeat",
@@ -85,6 +86,8 @@ MAX_REGION_BYTES = 1 << 40  #: one registration (1 TiB)
 MAX_FLAGS = 1 << 20  #: flag words in one flags array
 MIN_CHANNEL_CAPACITY = 8  #: command-ring slots, a power of two
 MAX_CHANNEL_CAPACITY = 1 << 20
+MIN_IBGDA_WQES = 8  #: send-queue WQEBBs of an IBGDA queue pair, a power of two
+MAX_IBGDA_WQES = 1 << 15
 MAX_RAILS = 16  #: NICs per node
 MAX_REGIONS = 1 << 16  #: regions announced by one rank
 CUDA_IPC_HANDLE_BYTES = 64  #: sizeof(CUipcMemHandle)
@@ -409,15 +412,37 @@ class Exchange(Request):
 @_request
 @dataclass(frozen=True)
 class Channel(Request):
-    """Create a command ring of ``capacity`` slots (a power of two) and its error word for this session."""
+    """Open a channel for this session.
+
+    ``kind="ring"``: a command ring of ``capacity`` slots (a power of two) and its error word, drained by
+    the rail's proxy. ``kind="ibgda"``: one queue pair per peer rank of ``capacity`` WQEs (a power of two,
+    8 .. 32768) that the GPU posts to itself; the daemon connects them through the peer plane, so the reply
+    says ``ready`` false and the client asks :class:`ChannelInfo` until it is true.
+    """
 
     op: ClassVar[str] = "channel"
     capacity: int
+    kind: Literal["ring", "ibgda"] = "ring"
 
     def _check(self) -> None:
-        self._range("capacity", MIN_CHANNEL_CAPACITY, MAX_CHANNEL_CAPACITY)
+        if self.kind == "ibgda":
+            self._range("capacity", MIN_IBGDA_WQES, MAX_IBGDA_WQES)
+        else:
+            self._range("capacity", MIN_CHANNEL_CAPACITY, MAX_CHANNEL_CAPACITY)
         if self.capacity & (self.capacity - 1):
             self._fail("capacity", f"must be a power of two, got {self.capacity}")
+
+
+@_request
+@dataclass(frozen=True)
+class ChannelInfo(Request):
+    """The state of an IBGDA channel this session opened: ``ready``, then what a kernel's tables need."""
+
+    op: ClassVar[str] = "channel_info"
+    channel: int
+
+    def _check(self) -> None:
+        self._range("channel", 1, _U32)
 
 
 @_request
@@ -755,6 +780,7 @@ TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
         "register": SessionState.JOINED,
         "flags": SessionState.JOINED,
         "channel": SessionState.JOINED,
+        "channel_info": SessionState.JOINED,
         "exchange": SessionState.JOINED,
         "stats": SessionState.JOINED,
         "inspect": SessionState.JOINED,

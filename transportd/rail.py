@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cmd_ring import RingFile
 from gpuclient.host_memory import map_shared_file
 from transportd.backend import MemoryKey, SignalOp
@@ -64,6 +66,7 @@ class RailService:
         self.regions: dict[str, tuple[MemoryKey, Any]] = {}
         self.flags: dict[tuple[str, int], tuple[FlagFile, MemoryKey]] = {}
         self.conn_jobs: dict[int, str] = {}
+        self.ibgda: dict[int, tuple[Any, np.ndarray]] = {}  # queue id -> (SoftMlx5Queue, its scratch words)
         self.stopping = False
         self.gpu: Any = None  # transportd.gpu_memory.GpuMemory, created on the first GPU registration
         self.cpus: list[int] | None = None  # the CPUs rail_main pinned this worker to (None: not pinned)
@@ -203,11 +206,53 @@ class RailService:
         self.proxy.fail_connection(conn, code)
         return {}
 
+    # --- IBGDA queues: the GPU posts WQEs itself; over softverbs this worker plays the ConnectX ----------
+    def op_create_ibgda_queue(self, queue: int, job: str, path: str, wqe_cnt: int) -> dict[str, Any]:
+        """An RC QP whose send queue, CQ and doorbells live in the shared-memory file ``path`` (the client
+        maps it into its GPU), on this rail's PD so the regions registered here serve its WQEs."""
+        rail = getattr(self.backend, "rail", None)
+        if self.config.backend.kind != "ib" or rail is None:
+            raise ValueError(f"IBGDA channels need an InfiniBand rail (mlx5); this one is {self.backend.name}")
+        if rail.v.name != "soft":
+            # a ConnectX needs the DevX queue (ibgda.host_mlx5) in memory the client can map: not built yet
+            raise ValueError("daemon-served IBGDA channels run over softverbs only for now; on a ConnectX use "
+                             "ibgda.host_mlx5.Mlx5Queue in the client process")
+        from ibgda.soft_mlx5 import SoftMlx5Queue
+
+        q = SoftMlx5Queue(rail=rail, wqe_cnt=wqe_cnt, path=path)
+        try:
+            scratch = np.zeros(8, dtype=np.uint64)  # atomics' old values and ordering reads land here
+            mr = q.register(int(scratch.ctypes.data), scratch.nbytes)
+        except BaseException:
+            q.close()
+            raise
+        self.ibgda[queue] = (q, scratch)
+        self.conn_jobs[queue] = job
+        return {"endpoint": q.endpoint(), "qpn": q.qpn, "wqe_cnt": q.wqe_cnt, "ncqes": q.ncqes,
+                "scratch": int(scratch.ctypes.data), "scratch_lkey": int(mr.lkey)}
+
+    def op_connect_ibgda_queue(self, queue: int, remote: dict[str, Any]) -> dict[str, Any]:
+        self.ibgda[queue][0].connect(remote)
+        return {}
+
+    def op_close_ibgda_queue(self, queue: int) -> dict[str, Any]:
+        entry = self.ibgda.pop(queue, None)
+        self.conn_jobs.pop(queue, None)
+        if entry is not None:
+            entry[0].close()
+        return {}
+
+    def ibgda_stats(self) -> list[dict[str, Any]]:
+        return [{"queue": qid, "qpn": q.qpn, "job": self.conn_jobs.get(qid), "posted": q.posted,
+                 "error": q.error.name if q.error is not None else None, **q.stats}
+                for qid, (q, _) in self.ibgda.items()]
+
     # --- reporting and shutdown -----------------------------------------------------------------------------
     def op_stats(self) -> dict[str, Any]:
         address = self.backend.local_address()
         return {"rail": self.rail, "backend": self.backend.name, "pid": os.getpid(), "device": address.get("device"),
-                "gid": address.get("gid"), "cpus": self.cpus, **self.proxy.stats(), "queues": self.proxy.queue_stats()}
+                "gid": address.get("gid"), "cpus": self.cpus, **self.proxy.stats(), "queues": self.proxy.queue_stats(),
+                "ibgda": self.ibgda_stats()}
 
     def op_stop(self) -> dict[str, Any]:
         """Drain (every record committed so far is posted and completed, bounded), then exit."""
@@ -269,4 +314,6 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     link.send_ready(address=service.backend.local_address())
     serve_loop(service.proxy, link, lambda: service.stopping)
     link.close()
+    for queue in list(service.ibgda):
+        service.op_close_ibgda_queue(queue)
     service.backend.close()

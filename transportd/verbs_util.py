@@ -317,12 +317,24 @@ class Rail:
         if mr is not None:
             mr.close()
 
+    def sibling(self, cq_depth: int) -> Rail:
+        """A rail on this context and PD with a CQ of its own: another queue's completions kept apart from
+        this rail's, its WQEs able to use this rail's lkeys. Closing it closes only its CQ and its MRs."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update({k: getattr(self, k) for k in ("v", "port", "gid_index", "device_name", "ctx", "pd",
+                                                             "device_attr", "port_attr", "gid")})
+        twin.mrs, twin.cq, twin.parent = {}, None, self
+        twin.cq_depth = min(cq_depth, int(self.device_attr.max_cqe))
+        with translate_verbs_errors(f"creating a CQ on {self.device_name}", self.v):
+            twin.create_cq(twin.cq_depth)
+        return twin
+
     # --- lifetime ------------------------------------------------------------------------------------
     def close(self) -> None:
         for mr in self.mrs.values():
             mr.close()
         self.mrs.clear()
-        for name in ("cq", "pd", "ctx"):
+        for name in ("cq",) if getattr(self, "parent", None) is not None else ("cq", "pd", "ctx"):
             obj = getattr(self, name, None)
             if obj is not None:
                 obj.close()
