@@ -58,9 +58,19 @@ class Gpu:
         use_device(device)
         self.drv = driver()
         self.module = gpuclient.compile(KERNELS.read_text(), device=device, name="gpu_push.cu")
+        self._ibgda_module: Any = None
         self.stream = check(self.drv.cuStreamCreate(self.drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
         self.sms = int(check(self.drv.cuDeviceGetAttribute(
             self.drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)))
+
+    def module_for(self, kind: str) -> Any:
+        """The kernels for a channel kind: as built, or with -DTPD_IBGDA for "ibgda"."""
+        if kind == "ring":
+            return self.module
+        if self._ibgda_module is None:
+            self._ibgda_module = gpuclient.compile(KERNELS.read_text(), device=self.device, name="gpu_push.cu",
+                                                   defines={"TPD_IBGDA": 1})
+        return self._ibgda_module
 
     def sync(self, stream: Any = None) -> None:
         check(self.drv.cuStreamSynchronize(self.stream if stream is None else stream), "cuStreamSynchronize")
@@ -257,19 +267,24 @@ def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: flo
 
 
 # --- put -> flag ----------------------------------------------------------------------------------------------------
-def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
+def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096, kind: str = "ring", wheres: tuple[str, ...] = ("device", "host"),
+                rate: tuple[int, int, int] | None = None) -> dict[str, Any]:
+    """put -> flag latency per flag placement (``wheres``) on a ``kind`` channel ("ring": the proxy path;
+    "ibgda": the kernels built with -DTPD_IBGDA post to the daemon's queue pairs). With ``rate`` =
+    (blocks, commands per block, bytes): also commands/s, ``put_burst`` launches timed by CUDA events."""
     from transportd.localcluster import LocalCluster
 
     results: dict[str, Any] = {}
     t_start = time.monotonic()
+    module = gpu.module_for(kind)
 
     def step(what: str) -> None:
-        print(f"  put->flag [{time.monotonic() - t_start:6.1f}s] {what}", flush=True)
+        print(f"  put->flag {kind} [{time.monotonic() - t_start:6.1f}s] {what}", flush=True)
 
     with LocalCluster(2, backend="ib", overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
         step("daemons up")
-        for where in ("device", "host"):
-            job = f"lat-{where}"
+        for where in wheres:
+            job = f"lat-{kind}-{where}"
             c0, c1 = (gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names)
             s0 = c0.join(job, rank=0, world=2, device=gpu.device)
             s1 = c1.join(job, rank=1, world=2, device=gpu.device)
@@ -282,21 +297,20 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
             step(f"{where}: registered, exchanging")
             s0.exchange(timeout=30)
             s1.exchange(timeout=30)
-            ch0, ch1 = s0.channel(256), s1.channel(256)
+            ch0, ch1 = s0.channel(256, kind=kind), s1.channel(256, kind=kind)
             h0, h1 = ch0.device_handle(gpu.device), ch1.device_handle(gpu.device)
             step(f"{where}: channels open, launching")
             t_send, t_recv, ack = (DeviceMemory(8 * n, gpu.device), DeviceMemory(8 * n, gpu.device),
                                    DeviceMemory(8, gpu.device))
             recv_stream = check(gpu.drv.cuStreamCreate(gpu.drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
-            step(f"{where}: timestamps allocated")
             t0 = time.monotonic()
-            gpu.module.function("flag_receiver").launch(1, 1, (h1, np.uint32(0), np.uint64(0), np.uint32(n),
-                                                               np.uint64(t_recv.ptr), np.uint64(ack.ptr)),
-                                                        stream=recv_stream)
-            gpu.module.function("flag_sender").launch(1, 1, (h0, np.uint32(1), np.uint32(r_dst.id),
-                                                             np.uint32(r_src.id), np.uint32(nbytes), np.uint32(0),
-                                                             np.uint32(n), np.uint64(t_send.ptr), np.uint64(ack.ptr)),
-                                                      stream=gpu.stream)
+            module.function("flag_receiver").launch(1, 1, (h1, np.uint32(0), np.uint64(0), np.uint32(n),
+                                                           np.uint64(t_recv.ptr), np.uint64(ack.ptr)),
+                                                    stream=recv_stream)
+            module.function("flag_sender").launch(1, 1, (h0, np.uint32(1), np.uint32(r_dst.id), np.uint32(r_src.id),
+                                                         np.uint32(nbytes), np.uint32(0), np.uint32(n),
+                                                         np.uint64(t_send.ptr), np.uint64(ack.ptr)),
+                                                  stream=gpu.stream)
             for stream, name in ((gpu.stream, "sender"), (recv_stream, "receiver")):
                 while True:
                     (err,) = gpu.drv.cuStreamQuery(stream)
@@ -305,12 +319,11 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
                     if err != gpu.drv.CUresult.CUDA_ERROR_NOT_READY:
                         raise RuntimeError(f"{name} kernel failed: {err}")
                     if time.monotonic() - t0 > 40:
-                        diag = {"head": h0.head(), "ring0": [ch0.ring.consumer_pos, ch0.ring.completion_pos],
-                                "error0": list(ch0.status()), "flag": int(s1.flag_array.values[0]),
+                        diag = {"error0": list(ch0.status()), "flag": int(s1.flag_array.values[0]),
                                 "ack": int.from_bytes(ack.read(0, 8), "little"), "stats_a": c0.stats().get("rails")}
-                        print(f"put->flag ({where}) stuck: {diag}\n{cluster.log(cluster.names[0])[-1500:]}\n"
+                        print(f"put->flag ({kind}, {where}) stuck: {diag}\n{cluster.log(cluster.names[0])[-1500:]}\n"
                               f"{cluster.log(cluster.names[1])[-1500:]}", flush=True)
-                        raise TimeoutError(f"put -> flag ({where} flags) did not finish: {diag}")
+                        raise TimeoutError(f"put -> flag ({kind}, {where} flags) did not finish: {diag}")
                     time.sleep(0.01)
             step(f"{where}: done")
             wall = time.monotonic() - t0
@@ -319,10 +332,37 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096) -> dict[str, Any]:
             lat = (tr - ts) / 1e3
             results[where] = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "mean_us": float(lat.mean()),
                               "n": n, "bytes": nbytes, "wall_s": wall}
+            if rate is not None:
+                results[where]["rate"] = command_rate(gpu, module, h0, s1, r_src.id, r_dst.id, *rate)
+                step(f"{where}: {results[where]['rate']['commands_per_s']:.0f} commands/s")
             for s, c in ((s0, c0), (s1, c1)):
                 s.leave()
                 c.close()
     return results
+
+
+def command_rate(gpu: Gpu, module: Any, handle: Any, receiver: Any, src_region: int, dst_region: int, blocks: int,
+                 per_block: int, nbytes: int, reps: int = 3) -> dict[str, Any]:
+    """Best of ``reps`` ``put_burst`` launches (each ends after its QUIETs): commands completed per second.
+    The receiver's flag slot 1 must count every block's signal, or the run is refused."""
+    assert blocks * per_block * nbytes <= 1 << 20, "the burst must fit the 1 MiB buffers"
+    drv = gpu.drv
+    best = float("inf")
+    for rep in range(reps):
+        start, end = (check(drv.cuEventCreate(0), "cuEventCreate") for _ in range(2))
+        check(drv.cuEventRecord(start, gpu.stream), "cuEventRecord")
+        module.function("put_burst").launch(blocks, 32, (handle, np.uint32(1), np.uint32(dst_region),
+                                                         np.uint32(src_region), np.uint32(nbytes),
+                                                         np.uint32(per_block), np.uint32(1)), stream=gpu.stream)
+        check(drv.cuEventRecord(end, gpu.stream), "cuEventRecord")
+        check(drv.cuEventSynchronize(end), "put_burst")
+        best = min(best, float(check(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime")) / 1e3)
+        drv.cuEventDestroy(start)
+        drv.cuEventDestroy(end)
+        receiver.wait(1, blocks * (rep + 1), timeout=30)  # every block's signal arrived
+    commands = blocks * (per_block + 1)
+    return {"commands_per_s": commands / best, "commands": commands, "seconds": best, "bytes": nbytes,
+            "blocks": blocks}
 
 
 # --- driver -------------------------------------------------------------------------------------------------------

@@ -98,7 +98,9 @@ extern "C" __global__ void clock_pingpong(const uint64_t* ping, uint64_t* pong, 
 
 // put -> flag visible to the receiving kernel: rank 0 puts `bytes` with a signal, rank 1's kernel waits for
 // the flag and acks through device memory (same process, two streams); both stamp the GPU global timer.
-extern "C" __global__ void flag_sender(tpd::Channel ch, uint32_t peer, uint32_t dst_region, uint32_t src_region,
+// The channel kernels take tpd::DefaultChannel: gpu_bench builds this file once more with -DTPD_IBGDA to
+// run them on the IBGDA path.
+extern "C" __global__ void flag_sender(tpd::DefaultChannel ch, uint32_t peer, uint32_t dst_region, uint32_t src_region,
                                        uint32_t bytes, uint32_t slot, uint32_t n, uint64_t* t_send, uint64_t* ack) {
     for (uint32_t i = 0; i < n; ++i) {
         t_send[i] = tpd::detail::globaltimer_ns();
@@ -107,11 +109,24 @@ extern "C" __global__ void flag_sender(tpd::Channel ch, uint32_t peer, uint32_t 
     }
 }
 
-extern "C" __global__ void flag_receiver(tpd::Channel ch, uint32_t slot, uint64_t base, uint32_t n, uint64_t* t_recv,
+extern "C" __global__ void flag_receiver(tpd::DefaultChannel ch, uint32_t slot, uint64_t base, uint32_t n, uint64_t* t_recv,
                                          uint64_t* ack) {
     for (uint32_t i = 0; i < n; ++i) {
         tpd::wait(ch, slot, base + i + 1);
         t_recv[i] = tpd::detail::globaltimer_ns();
         asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(ack), "l"((uint64_t)(i + 1)) : "memory");
     }
+}
+
+// Command rate: thread 0 of every block puts `per_block` commands of `bytes` (block b writes its own
+// stripe), then one ADD signal to `slot`; the last QUIET makes the launch end when all completed locally.
+extern "C" __global__ void put_burst(tpd::DefaultChannel ch, uint32_t peer, uint32_t dst_region, uint32_t src_region,
+                                     uint32_t bytes, uint32_t per_block, uint32_t slot) {
+    if (threadIdx.x != 0) return;
+    uint64_t base = (uint64_t)blockIdx.x * per_block * bytes;
+    for (uint32_t i = 0; i < per_block; ++i)
+        tpd::put(ch, peer, (uint16_t)dst_region, base + (uint64_t)i * bytes, (uint16_t)src_region,
+                 base + (uint64_t)i * bytes, bytes);
+    tpd::signal(ch, peer, slot, 1);
+    tpd::quiet(ch);
 }

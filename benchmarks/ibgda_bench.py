@@ -13,6 +13,11 @@ single   one thread, n ops back to back: ns per put (1 WQE), put_signal (2, or 3
          then the quiet that drains them
 rtt      one thread, (put, quiet) n times: the GPU -> host NIC -> CQE -> GPU round trip
 many     132 x 128 threads on one QP, n ops each: ops/s and WQEs/s (the doorbell ticket serialises them)
+versus   IBGDA against the proxy path in one run, same kernels (gpu_push.cu, built with and without
+         -DTPD_IBGDA), two daemons over softverbs RC, device flags: put -> flag p50/p99 of 4 KiB and
+         commands/s (64-byte puts from 64 blocks), and their ratios (ibgda over proxy). Over softverbs
+         both transports are Python (the proxy loop; the rail worker's soft mlx5 queue), so the ratio
+         says what taking the proxy out of the path saves here, not what a ConnectX would do.
 """
 
 from __future__ import annotations
@@ -167,6 +172,7 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
                 results["many"][key] = {"ops_per_s": ops / secs, "wqes_per_s": wqes / secs, "threads": grid * block}
                 echo(f"many    {key:22s} {ops / secs / 1e6:9.2f} M ops/s  {wqes / secs / 1e6:8.2f} M WQEs/s "
                      f"({grid}x{block} threads)")
+    vs = results["versus"] = versus_proxy(quick, echo)
     results["summary"] = {
         "put_ns_1thread": results["single"]["put/write"]["ns_per_op"],
         "put_signal_ns_1thread_write": results["single"]["put_signal/write"]["ns_per_op"],
@@ -175,8 +181,34 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
         "put_quiet_rtt_ns": rtt,
         "many_put_mops": results["many"]["put/write"]["ops_per_s"] / 1e6,
         "many_wqes_mps_put_signal_write": results["many"]["put_signal/write"]["wqes_per_s"] / 1e6,
+        **vs["summary"],
     }
     return results
+
+
+def versus_proxy(quick: bool, echo: Any) -> dict[str, Any]:
+    """The same kernels on the proxy path and on the IBGDA path (see ``versus`` in the module doc)."""
+    sys.path.insert(0, str(HERE))
+    import gpu_bench
+
+    gpu = gpu_bench.Gpu(0)
+    n, rate = (50, (16, 32, 64)) if quick else (300, (64, 256, 64))
+    out: dict[str, Any] = {}
+    for kind in ("ring", "ibgda"):
+        out[kind] = gpu_bench.put_to_flag(gpu, n, 4096, kind=kind, wheres=("device",), rate=rate)["device"]
+        echo(f"versus  {kind:5s} put -> flag p50 {out[kind]['p50_us']:8.1f} us  p99 {out[kind]['p99_us']:8.1f} us  "
+             f"{out[kind]['rate']['commands_per_s']:10.0f} commands/s")
+    ring, gda = out["ring"], out["ibgda"]
+    out["summary"] = {
+        "proxy_put_to_flag_p50_us": ring["p50_us"], "proxy_put_to_flag_p99_us": ring["p99_us"],
+        "ibgda_put_to_flag_p50_us": gda["p50_us"], "ibgda_put_to_flag_p99_us": gda["p99_us"],
+        "proxy_commands_per_s": ring["rate"]["commands_per_s"], "ibgda_commands_per_s": gda["rate"]["commands_per_s"],
+        "put_to_flag_p50_ratio_ibgda_over_proxy": gda["p50_us"] / ring["p50_us"],
+        "commands_per_s_ratio_ibgda_over_proxy": gda["rate"]["commands_per_s"] / ring["rate"]["commands_per_s"],
+    }
+    echo(f"versus  ibgda/proxy: put -> flag p50 x{out['summary']['put_to_flag_p50_ratio_ibgda_over_proxy']:.2f}, "
+         f"commands/s x{out['summary']['commands_per_s_ratio_ibgda_over_proxy']:.2f}")
+    return out
 
 
 @click.command()

@@ -66,7 +66,9 @@ def _nvrtc_check(result: Any, call: str) -> Any:
 def nvrtc_options(arch: str, *, debug: bool = False, defines: dict[str, object] | None = None,
                   include_dirs: Iterable[str] = (), options: Sequence[str] = ()) -> list[str]:
     """The NVRTC command line used by :func:`compile` (exposed for tests and other compilers)."""
-    opts = [f"-arch={arch}", "-std=c++17", f"-I{get_include()}", "-default-device"]
+    from ibgda import get_include as ibgda_include  # <transportd/ibgda/...>, for -DTPD_IBGDA builds
+
+    opts = [f"-arch={arch}", "-std=c++17", f"-I{get_include()}", f"-I{ibgda_include()}", "-default-device"]
     opts += [f"-I{d}" for d in include_dirs]
     if debug:
         opts += ["-DTPD_DEBUG=1", "-lineinfo"]

@@ -1,4 +1,6 @@
 // Tiny kernels for the GPU tests (compiled with gpuclient.compile, debug build: every spin is bounded).
+// The channel kernels take tpd::DefaultChannel: built as they are for the proxy path, with -DTPD_IBGDA
+// for the IBGDA path, with no other change.
 #include <transportd/client.cuh>
 
 // ---- checksummed records for the ring stress test ------------------------------------------------------
@@ -48,7 +50,7 @@ __device__ __forceinline__ uint32_t pattern(uint32_t chunk, uint32_t word, uint3
 
 // Kernel A: block b fills chunk b of the source with this epoch's pattern, then one thread ships it
 // with put_signal to flag slot b of the peer (ADD 1 per epoch, so launch k waits for k).
-extern "C" __global__ void stream_chunks(tpd::Channel ch, uint32_t* src, uint32_t peer, uint32_t src_region,
+extern "C" __global__ void stream_chunks(tpd::DefaultChannel ch, uint32_t* src, uint32_t peer, uint32_t src_region,
                                          uint32_t dst_region, uint32_t chunk_bytes, uint32_t nchunks, uint32_t epoch) {
     uint32_t words = chunk_bytes / 4;
     for (uint32_t chunk = blockIdx.x; chunk < nchunks; chunk += gridDim.x) {
@@ -64,7 +66,7 @@ extern "C" __global__ void stream_chunks(tpd::Channel ch, uint32_t* src, uint32_
 }
 
 // One thread: QUIET (everything pushed before has completed locally), then the error word.
-extern "C" __global__ void quiet_status(tpd::Channel ch, uint32_t* out) {
+extern "C" __global__ void quiet_status(tpd::DefaultChannel ch, uint32_t* out) {
     tpd::quiet(ch);
     out[0] = tpd::status(ch);
     out[1] = tpd::error_count(ch);
@@ -73,7 +75,7 @@ extern "C" __global__ void quiet_status(tpd::Channel ch, uint32_t* out) {
 
 // Kernel B: block b waits for flag b to reach `epoch`, then checks chunk b word by word.
 // out[0] += mismatching words, out[1] += chunks verified.
-extern "C" __global__ void verify_chunks(tpd::Channel ch, const uint32_t* dst, uint32_t chunk_bytes,
+extern "C" __global__ void verify_chunks(tpd::DefaultChannel ch, const uint32_t* dst, uint32_t chunk_bytes,
                                          uint32_t nchunks, uint32_t epoch, uint32_t* out) {
     uint32_t words = chunk_bytes / 4;
     for (uint32_t chunk = blockIdx.x; chunk < nchunks; chunk += gridDim.x) {
@@ -89,7 +91,7 @@ extern "C" __global__ void verify_chunks(tpd::Channel ch, const uint32_t* dst, u
 
 // A bad command between good ones: a put to a region the job never registered, then a good
 // put_signal; QUIET; the kernel reads the error word. out = {status, count, position}.
-extern "C" __global__ void bad_then_good(tpd::Channel ch, uint32_t peer, uint32_t src_region, uint32_t dst_region,
+extern "C" __global__ void bad_then_good(tpd::DefaultChannel ch, uint32_t peer, uint32_t src_region, uint32_t dst_region,
                                          uint32_t slot, uint32_t* out) {
     tpd::put(ch, peer, (uint16_t)999, 0, (uint16_t)src_region, 0, 64);
     tpd::put_signal(ch, peer, (uint16_t)dst_region, 0, (uint16_t)src_region, 0, 64, slot, 1);
@@ -100,6 +102,6 @@ extern "C" __global__ void bad_then_good(tpd::Channel ch, uint32_t peer, uint32_
 }
 
 // Wait on a flag from a kernel (the receiving side of bad_then_good); out[0] = value seen.
-extern "C" __global__ void wait_flag(tpd::Channel ch, uint32_t slot, uint64_t at_least, uint64_t* out) {
+extern "C" __global__ void wait_flag(tpd::DefaultChannel ch, uint32_t slot, uint64_t at_least, uint64_t* out) {
     out[0] = tpd::wait(ch, slot, at_least);
 }

@@ -98,11 +98,13 @@ class Rank:
                 "dst_via": type(dst_obj).__name__, "flags": type(self.flags).__name__,
                 "rail": self.session.info.get("rail")}
 
-    def exchange(self, capacity: int) -> dict[str, Any]:
+    def exchange(self, capacity: int, kind: str = "ring") -> dict[str, Any]:
+        # kind "ibgda": the same kernels built with -DTPD_IBGDA post to the daemon's queue pairs themselves
         self.session.exchange(timeout=60)
-        self.channel = self.session.channel(capacity=capacity)
+        self.channel = self.session.channel(capacity, kind=kind)
         self.handle = self.channel.device_handle(0)
-        self.module = gpuclient.compile(KERNELS.read_text(), device=0, debug=True, defines=DEFINES, name="kernels.cu")
+        defines = {**DEFINES, "TPD_IBGDA": 1} if kind == "ibgda" else DEFINES
+        self.module = gpuclient.compile(KERNELS.read_text(), device=0, debug=True, defines=defines, name="kernels.cu")
         drv = driver()
         self.stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         return {"channel": self.channel.id, "handle": self.handle.bytes.hex()}
@@ -133,8 +135,12 @@ class Rank:
             code, count, position = np.frombuffer(status.read(0, 12), dtype="<u4")
         finally:
             status.free()
-        return {"status": int(code), "count": int(count), "position": int(position), "head": self.handle.head(),
+        return {"status": int(code), "count": int(count), "position": int(position), "head": self._head(),
                 "host_status": list(self.channel.status())}
+
+    def _head(self) -> int | None:
+        """Ring positions claimed by kernels (None for an IBGDA channel: it has no ring)."""
+        return self.handle.head() if hasattr(self.handle, "head") else None
 
     def finish(self) -> dict[str, Any]:
         self._sync(self.stream)

@@ -153,6 +153,19 @@ def test_device_api_is_nvrtc_clean(source: Path | None) -> None:
         assert compile_to_cubin(text, arch="sm_90", debug=debug)[:4] == b"\x7fELF"
 
 
+def test_default_channel_kernels_build_for_the_ibgda_path() -> None:
+    """The GPU tests' channel kernels take tpd::DefaultChannel: -DTPD_IBGDA builds them for IBGDA unchanged."""
+    nvrtc_or_skip()
+    from gpuclient.compiler import CompileError, compile_to_cubin
+
+    source = (ROOT / "tests" / "gpu" / "kernels.cu").read_text()
+    try:
+        cubin = compile_to_cubin(source, arch="sm_90", debug=True, defines={"TPD_IBGDA": 1})
+    except CompileError as exc:
+        pytest.fail(exc.log)
+    assert cubin[:4] == b"\x7fELF"
+
+
 def test_nvrtc_errors_carry_the_log() -> None:
     nvrtc_or_skip()
     from gpuclient.compiler import CompileError, compile_to_cubin

@@ -9,6 +9,10 @@
  *   }
  *
  * Builds with nvcc and with NVRTC (gpuclient.compile); host code may include it for the layouts.
+ *
+ * tpd::DefaultChannel is the handle for kernels that name one type and run on either path: tpd::Channel
+ * (the proxy's command ring), or with -DTPD_IBGDA tpd::IbgdaChannel (the GPU posts to the NIC itself;
+ * add ibgda.get_include() to the include path — gpuclient.compile does).
  */
 #ifndef TRANSPORTD_CLIENT_CUH
 #define TRANSPORTD_CLIENT_CUH
@@ -20,5 +24,13 @@
 #include <transportd/ring_device.cuh>
 #include <transportd/signal_device.cuh>
 #include <transportd/channel_device.cuh>
+
+#if defined(TPD_IBGDA)
+#include <transportd/ibgda/ibgda.cuh>
+#else
+namespace tpd {
+using DefaultChannel = Channel;
+}  // namespace tpd
+#endif
 
 #endif /* TRANSPORTD_CLIENT_CUH */

@@ -277,6 +277,10 @@ TPD_HOST_DEVICE uint32_t status(const IbgdaChannel& ch) { return ibgda::sync::lo
 /** How many commands were refused or failed so far. */
 TPD_HOST_DEVICE uint32_t error_count(const IbgdaChannel& ch) { return ibgda::sync::load_acquire(ch.error + 1); }
 
+/** Always 0: IBGDA commands have no ring position (the proxy path reports the first bad one's). Kept so
+ *  kernels written against tpd::DefaultChannel compile for either path. */
+TPD_HOST_DEVICE uint64_t error_position(const IbgdaChannel&) { return 0; }
+
 #if defined(__CUDACC__)
 /** One thread of the block waits for the flag, then the whole block proceeds (a barrier). */
 __device__ inline void block_wait(const IbgdaChannel& ch, uint32_t slot, uint64_t at_least) {
