@@ -12,7 +12,7 @@ expect the doorbell to cost more and the WQE stores less.
 single   one thread, n ops back to back: ns per put (1 WQE), put_signal (2, or 3 in fence mode), signal;
          then the quiet that drains them
 rtt      one thread, (put, quiet) n times: the GPU -> host NIC -> CQE -> GPU round trip
-many     132 x 128 threads on one QP, n ops each: ops/s and WQEs/s (the doorbell ticket serialises them)
+many     132 x 128 threads on one QP, 8 ops each: ops/s and WQEs/s (the doorbell ticket serialises them)
 versus   IBGDA against the proxy path in one run, same kernels (gpu_push.cu, built with and without
          -DTPD_IBGDA), two daemons over softverbs RC, device flags: put -> flag p50/p99 of 4 KiB and
          commands/s (64-byte puts from 64 blocks), and their ratios (ibgda over proxy). Over softverbs
@@ -123,7 +123,7 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
     drv = driver()
     module = gpuclient.compile(KERNELS.read_text(), device=0, include_dirs=[ibgda.get_include()],
                                name="ibgda_kernels.cu")
-    n_single, n_rtt, n_many = (200, 100, 4) if quick else (20000, 5000, 64)
+    n_single, n_rtt, n_many = (200, 100, 4) if quick else (20000, 5000, 8)
     grid, block = (8, 32) if quick else (132, 128)
     results: dict[str, Any] = {"single": {}, "rtt": {}, "many": {}}
     with tempfile.TemporaryDirectory() as tmp:

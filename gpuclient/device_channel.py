@@ -225,7 +225,7 @@ def device_handle(channel: ChannelHandle, device: int | None = None) -> DeviceCh
     """
     from gpuclient.cuda_memory import use_device
 
-    existing = getattr(channel, "_device_channel", None)
+    existing = channel._device_channel
     if existing is not None:
         return existing
     session = channel._session

@@ -131,6 +131,7 @@ class ChannelHandle:
         self._producer = RingProducer(self.ring)
         self._record = np.zeros(1, dtype=RECORD_DTYPE)
         self.timeout = 30.0
+        self._device_channel: Any = None  # gpuclient.device_channel.DeviceChannel, once device_handle() ran
 
     def _push(self, opcode: Opcode, *, peer: int = 0, dst_region: int = 0, dst_off: int = 0, src_region: int = 0,
               src_off: int = 0, nbytes: int = 0, chunk_id: int = 0, slot: int = 0, value: int = 0,
@@ -355,6 +356,13 @@ class Session:
         """Leave the job; the daemon reclaims this session's rings, regions and flags."""
         self._conn.request(Leave())
         for ch in self.channels:
+            # unregister the ring (and flags) from CUDA before unmapping them: a registration left behind
+            # would outlive the mapping, and a later ring mapped at the same address would be handed the
+            # stale registration's pages (kernels would write where no proxy reads)
+            device = ch._device_channel
+            if device is not None:
+                device.release()
+                ch._device_channel = None
             ch.ring.close()
         self.channels.clear()
         for ibgda in self.ibgda_channels:
