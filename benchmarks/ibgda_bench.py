@@ -192,7 +192,7 @@ def versus_proxy(quick: bool, echo: Any) -> dict[str, Any]:
     import gpu_bench
 
     gpu = gpu_bench.Gpu(0)
-    n, rate = (50, (16, 32, 64)) if quick else (300, (64, 256, 64))
+    n, rate = (50, (16, 32, 64)) if quick else (200, (32, 32, 64))
     out: dict[str, Any] = {}
     for kind in ("ring", "ibgda"):
         out[kind] = gpu_bench.put_to_flag(gpu, n, 4096, kind=kind, wheres=("device",), rate=rate)["device"]
@@ -214,8 +214,14 @@ def versus_proxy(quick: bool, echo: Any) -> dict[str, Any]:
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the results here")
 @click.option("--quick", is_flag=True, help="a few iterations (a smoke test)")
-def main(json_path: str | None, quick: bool) -> None:
-    results = run(quick=quick, echo=click.echo)
+@click.option("--only-versus", is_flag=True, help="only IBGDA against the proxy path (no null-NIC runs)")
+def main(json_path: str | None, quick: bool, only_versus: bool) -> None:
+    if only_versus:
+        vs = versus_proxy(quick, click.echo)
+        results = {"versus": vs, "summary": vs["summary"]}
+    else:
+        results = run(quick=quick, echo=click.echo)
+    click.echo(json.dumps(results["summary"], indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
 
