@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -305,8 +304,6 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     # The main process decides when to stop (SIGTERM -> drain): a Ctrl-C sent to the whole process group
     # must not kill a worker in the middle of its drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if os.environ.get("TPD_SWITCH_US"):
-        sys.setswitchinterval(float(os.environ["TPD_SWITCH_US"]) * 1e-6)
     setup_logging(cfg.logging.level, cfg.logging.format, tag=f"rail{rail}")
     # near the NIC where the machine says so; before the device opens, so the provider's threads follow
     entry = cfg.backend.rails[rail] if rail < len(cfg.backend.rails) else None
