@@ -230,8 +230,9 @@ def _queues(s: dict[str, Any]) -> dict[str, Any]:
             owner = nodes.get((rail["rail"], conn["conn"]), {})
             conns.append({"rail": rail["rail"], "node": owner.get("node", "(responder)"), "job": owner.get("job"),
                           **conn})
-    return {"rings": rings, "connections": conns, "batch_max": max((r.get("batch_max", 8) for r in _rails(s)),
-                                                                  default=8)}
+    ibgda = [{"rail": rail["rail"], **q} for rail in _rails(s) for q in rail.get("ibgda", [])]
+    return {"rings": rings, "connections": conns, "ibgda": ibgda,
+            "batch_max": max((r.get("batch_max", 8) for r in _rails(s)), default=8)}
 
 
 def _queues_text(q: dict[str, Any]) -> str:
@@ -248,13 +249,19 @@ def _queues_text(q: dict[str, Any]) -> str:
     out += ["", f"connections (batch sizes: batches of 1..{q['batch_max']} commands)"]
     out.append(_table(conns, ["rail", "conn", "peer", "job", "inflight", "pending", "full", "partial",
                               "batch sizes", "sent"]) if conns else "  none")
+    if q["ibgda"]:  # queue pairs GPUs post to themselves (IBGDA channels)
+        qps = [[g["rail"], g["queue"], g["job"] or "-", g["qpn"], g["posted"], g["wqes"], g["cqes"], g["error_cqes"],
+                g["error"] or ""] for g in q["ibgda"]]
+        out += ["", "ibgda queue pairs (posted: the doorbell record; wqes: executed)"]
+        out.append(_table(qps, ["rail", "queue", "job", "qpn", "posted", "wqes", "cqes", "error cqes", "error"]))
     return "\n".join(out)
 
 
 @main.command()
 @_common
 def queues(socket: str | None, as_json: bool) -> None:
-    """Per ring: depth, credits, oldest age; per connection: inflight, batches full/partial, sizes."""
+    """Per ring: depth, credits, oldest age; per connection: inflight, batches full/partial, sizes; per
+    IBGDA queue pair: WQEs posted and executed, CQEs, errors."""
     _emit(_queues(_fetch(socket)), as_json, _queues_text)
 
 

@@ -7,14 +7,17 @@ flags through the daemon's flag file, and the sending rank sees a bad command in
 from __future__ import annotations
 
 import ctypes
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 import gpuclient
+from transportd.ctl import main as ctl_main
 from transportd.errors import ErrorCode, RequestError
 from transportd.localcluster import LocalCluster
 
@@ -27,7 +30,9 @@ class Pair:
     """Ranks 0 and 1 of one job, one per daemon, in this process (host regions and host flags)."""
 
     def __init__(self, cluster: LocalCluster, job: str = "ibgda-job") -> None:
-        self.clients = [gpuclient.connect(cluster.socket(name), timeout=30) for name in cluster.names]
+        self.cluster = cluster
+        self.sockets = [cluster.socket(name) for name in cluster.names]
+        self.clients = [gpuclient.connect(socket, timeout=30) for socket in self.sockets]
         self.sessions = [c.join(job, rank=r, world=2) for r, c in enumerate(self.clients)]
         rng = np.random.default_rng(5)
         self.src = gpuclient.host_array(CHUNK * NCHUNKS)
@@ -43,7 +48,7 @@ class Pair:
 
     def close(self) -> None:
         for r, (s, c) in enumerate(zip(self.sessions, self.clients, strict=True)):
-            if r not in self.left:
+            if r not in self.left:  # a session that left, or whose daemon was killed
                 s.leave()
             c.close()
 
@@ -92,9 +97,15 @@ def test_daemon_ibgda_channel_delivers_chunks_and_flags(host_lib: ctypes.CDLL, p
         assert np.array_equal(pair.dst, pair.src)
         pair.dst[:] = 0
     assert host_lib.tpd_test_status(handle.ptr) == 0 and ch.status() == (0, 0)
-    # the worker reports the queue it serves
-    rails = pair.sessions[0].stats()
-    assert rails is not None
+    # transportctl shows the queue pair the rail worker serves, with every WQE executed and no error
+    result = CliRunner().invoke(ctl_main, ["queues", "--json", "--socket", pair.sockets[0]])
+    assert result.exit_code == 0, result.output
+    (qp,) = json.loads(result.output)["ibgda"]
+    wqes_per_put_signal = {"write": 2, "atomic": 2, "fence": 3}[mode]
+    assert qp["job"] == "ibgda-job" and qp["error"] is None and qp["error_cqes"] == 0
+    assert qp["wqes"] == qp["posted"] >= 2 * (NCHUNKS * wqes_per_put_signal + 1)
+    text = CliRunner().invoke(ctl_main, ["queues", "--socket", pair.sockets[0]]).output
+    assert "ibgda queue pairs" in text and str(qp["qpn"]) in text
 
 
 def test_bad_command_is_refused_and_the_next_delivered(host_lib: ctypes.CDLL, pair_factory) -> None:
@@ -109,6 +120,22 @@ def test_bad_command_is_refused_and_the_next_delivered(host_lib: ctypes.CDLL, pa
     assert ch.status() == (ErrorCode.BAD_REGION, 1)
     assert pair.sessions[1].wait(1, 1, timeout=30) == 1 and pair.flags[1][0] == 0
     assert np.array_equal(pair.dst[:64], pair.src[:64])
+
+
+def test_a_killed_peer_daemon_fails_the_next_commands_instead_of_hanging(host_lib: ctypes.CDLL,
+                                                                         pair_factory) -> None:
+    pair = pair_factory("atomic")
+    ch = pair.sessions[0].channel(16, kind="ibgda")
+    handle = ch.host_handle()
+    host_lib.tpd_test_put_signal(handle.ptr, 1, pair.regions[1].id, 0, pair.regions[0].id, 0, 64, 0, 1, 0)
+    host_lib.tpd_test_quiet(handle.ptr)
+    assert pair.sessions[1].wait(0, 1, timeout=30) == 1
+    pair.cluster.kill(pair.cluster.names[1])
+    pair.left.add(1)
+    host_lib.tpd_test_put_signal(handle.ptr, 1, pair.regions[1].id, 0, pair.regions[0].id, 0, 64, 0, 1, 0)
+    host_lib.tpd_test_quiet(handle.ptr)  # returns: the error completion ends the wait
+    assert host_lib.tpd_test_status(handle.ptr) == ErrorCode.TRANSPORT
+    assert ch.status()[0] == ErrorCode.TRANSPORT
 
 
 def test_leave_removes_the_queue_files(pair_factory) -> None:
