@@ -26,6 +26,7 @@ pytestmark = pytest.mark.gpu
 KERNELS = Path(__file__).with_name("gpu_kernels.cu")
 DEBUG_DEFINES = {"TPD_SPIN_TIMEOUT_NS": "20000000000ull"}
 ERR_BAD_REGION = 3
+ERR_REMOTE_ACCESS = 9
 
 
 @functools.cache
@@ -58,7 +59,7 @@ def gpu() -> Any:
 class GpuChannel:
     """A tpd::IbgdaChannel for rank 0 of a soft link, with its tables in GPU memory."""
 
-    def __init__(self, link: Link, mode: SignalMode) -> None:
+    def __init__(self, link: Link, mode: SignalMode, dst_rkey: int | None = None) -> None:
         from gpuclient.cuda_memory import DeviceMemory, map_host
 
         self.blocks: dict[int, Any] = {}
@@ -77,7 +78,8 @@ class GpuChannel:
         self.tables = build_channel(
             rank=0, world=2, alloc=alloc, signal_mode=mode, flags=self.own_flags.ptr, flag_count=NFLAGS,
             queue_pairs={1: qp}, local_regions=[(link.src.ctypes.data, link.src.nbytes, link.mr_src.lkey)],
-            remote_regions={1: [(link.dst.ctypes.data, link.dst.nbytes, link.mr_dst.rkey)]},
+            remote_regions={1: [(link.dst.ctypes.data, link.dst.nbytes,
+                                 link.mr_dst.rkey if dst_rkey is None else dst_rkey)]},
             remote_flags={1: (link.flags.ctypes.data, link.flags.nbytes, link.mr_flags.rkey)})
         self.arg = self.tables.record.tobytes()
 
@@ -103,8 +105,8 @@ class GpuChannel:
 def gpu_channel() -> Iterator[Any]:
     made: list[GpuChannel] = []
 
-    def make(link: Link, mode: SignalMode) -> GpuChannel:
-        made.append(GpuChannel(link, mode))
+    def make(link: Link, mode: SignalMode, dst_rkey: int | None = None) -> GpuChannel:
+        made.append(GpuChannel(link, mode, dst_rkey))
         return made[-1]
 
     yield make
@@ -163,6 +165,24 @@ def test_gpu_bad_command_is_refused(gpu, make_link, gpu_channel) -> None:
     sync()
     assert tuple(np.frombuffer(out.read(0, 8), dtype=np.uint32)) == (ERR_BAD_REGION, 1)
     assert np.array_equal(link.dst[:64], link.src[:64])
+    out.free()
+
+
+def test_gpu_error_completion_reaches_tpd_status(gpu, make_link, gpu_channel) -> None:
+    """A WQE the responder refuses (a wrong rkey): the soft NIC writes an error CQE, the kernel's quiet
+    polls it, and tpd::status reads REMOTE_ACCESS; the QP is in error, as on a ConnectX."""
+    from gpuclient.cuda_memory import DeviceMemory
+
+    link = make_link(seed=6)
+    ch = gpu_channel(link, SignalMode.ATOMIC, dst_rkey=link.mr_dst.rkey ^ 0x777700)
+    out = DeviceMemory(8, 0)
+    gpu.function("ibgda_put_fence_set").launch(1, 1, (ch.arg, np.uint32(1), np.uint32(4096), np.uint32(2),
+                                                      np.uint64(5), np.uint64(out.ptr)))
+    sync()
+    code, count = np.frombuffer(out.read(0, 8), dtype=np.uint32)
+    assert code == ERR_REMOTE_ACCESS and count >= 1
+    assert ch.error()[0] == ERR_REMOTE_ACCESS and ch.state()["error"] != 0
+    assert int(link.flags[2]) == 0  # nothing after the refused write was placed
     out.free()
 
 
