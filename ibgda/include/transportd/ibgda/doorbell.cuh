@@ -3,9 +3,12 @@
  *
  * Send side (rdma-core providers/mlx5/qp.c, post_send_db), after the WQEs are stored:
  *
- *   1. fence      every WQE store is performed for the NIC before what follows (fence.sc.sys)
+ *   1. fence      every WQE store is performed for the NIC before the doorbell record: here the record's
+ *                 own store is a system-scope release (st.release.sys), which orders every earlier
+ *                 store of the ringing thread, and the ticket holder rings for WQEs it stored itself
+ *                 (earlier posters' WQEs were released by their own records); no separate fence
  *   2. dbrec      QP doorbell record word MLX5_SND_DBR (= 1) := be32(send counter & 0xffff), where the
- *                 send counter is the WQEBB index one past the last WQE posted; a release store
+ *                 send counter is the WQEBB index one past the last WQE posted
  *   3. fence      the doorbell record is visible before the doorbell
  *   4. doorbell   one 8-byte store of the last WQE's control-segment bytes 0..7 (opmod|index|opcode,
  *                 qpn|ds) to the UAR's doorbell register (BlueFlame offset): st.mmio.relaxed.sys
@@ -40,8 +43,7 @@ TPD_HOST_DEVICE uint32_t cq_dbrec_value(uint64_t ci) { return be32((uint32_t)(ci
 /** Steps 1-4 above: publish WQEBBs [.., head) and ring with ``last_ctrl_word`` (doorbell_word of the
  *  last WQE). The caller holds the ticket for ``head``'s WQEs. */
 TPD_HOST_DEVICE void ring_send_doorbell(uint32_t* dbrec, uint64_t* bf, uint64_t head, uint64_t last_ctrl_word) {
-    sync::fence_sys();
-    sync::store_release_sys(dbrec + kSendDbr, sq_dbrec_value(head));
+    sync::store_release_sys(dbrec + kSendDbr, sq_dbrec_value(head));  // steps 1 and 2
     sync::fence_sys();
     sync::mmio_store(bf, last_ctrl_word);
 }
