@@ -50,6 +50,7 @@ from transportd.protocol import (
     PeerBye,
     PeerConnectAccept,
     PeerConnectRequest,
+    PeerDisconnect,
     PeerMessage,
     PeerRegions,
     RegionInfo,
@@ -510,6 +511,8 @@ class Daemon:
                 _quietly(worker.call, "close_ibgda_queue", queue=queue.queue_id)
                 if queue.responder:
                     _quietly(worker.call, "close_connection", conn=queue.responder)
+            if queue.node != self.node and self.peers is not None:  # the far end closes its responder
+                self.peers.send(queue.node, PeerDisconnect(job=rank.job, rail=rank.rail, conn=queue.queue_id))
             Path(queue.path).unlink(missing_ok=True)
 
     def _give_to_group(self, path: str | Path) -> None:
@@ -614,6 +617,8 @@ class Daemon:
                 self._on_connect_request(node, msg)
             elif isinstance(msg, PeerConnectAccept):
                 self._on_connect_accept(node, msg)
+            elif isinstance(msg, PeerDisconnect):
+                self._on_disconnect(node, msg)
             elif isinstance(msg, PeerBye):
                 self.on_peer_down(node)
         except (WorkerError, RequestError) as exc:
@@ -719,6 +724,12 @@ class Daemon:
             self._accepted_endpoints[key] = endpoint
         self.peers.send(node, PeerConnectAccept(job=msg.job, rail=msg.rail, conn=msg.conn,
                                                 endpoint=self._accepted_endpoints[key]))
+
+    def _on_disconnect(self, node: str, msg: PeerDisconnect) -> None:
+        local_id = self.accepted.pop((node, msg.conn), None)
+        self._accepted_endpoints.pop((node, msg.conn), None)
+        if local_id is not None and msg.rail < len(self.workers):
+            self.workers[msg.rail].call("close_connection", conn=local_id)
 
     def _on_connect_accept(self, node: str, msg: PeerConnectAccept) -> None:
         queue = self.ibgda_waiting.pop((node, msg.conn), None)

@@ -53,6 +53,7 @@ __all__ = [
     "PeerConnect",
     "PeerConnectAccept",
     "PeerConnectRequest",
+    "PeerDisconnect",
     "PeerHeartbeat",
     "PeerHello",
     "PeerMessage",
@@ -617,6 +618,22 @@ class PeerConnectAccept(_PeerEndpoint):
     """The answer to :class:`PeerConnectRequest`: the accepting side's ``endpoint`` for the same ``conn``."""
 
     op: ClassVar[str] = "peer_connect_accept"
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerDisconnect(PeerMessage):
+    """The sender closed its end of connection ``conn`` (an IBGDA queue pair): close the end accepted for it."""
+
+    op: ClassVar[str] = "peer_disconnect"
+    job: str
+    rail: int
+    conn: int
+
+    def _check(self) -> None:
+        self._name("job", allow_empty=True)
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("conn", 0, _U64)
 
 
 @_peer

@@ -66,6 +66,7 @@ class RailService:
         self.regions: dict[str, tuple[MemoryKey, Any]] = {}
         self.flags: dict[tuple[str, int], tuple[FlagFile, MemoryKey]] = {}
         self.conn_jobs: dict[int, str] = {}
+        self.responders: set[int] = set()  # connections this rail accepted for a peer's requester
         self.ibgda: dict[int, tuple[Any, np.ndarray]] = {}  # queue id -> (SoftMlx5Queue, its scratch words)
         self.stopping = False
         self.gpu: Any = None  # transportd.gpu_memory.GpuMemory, created on the first GPU registration
@@ -190,7 +191,10 @@ class RailService:
     # --- connections ------------------------------------------------------------------------------------
     def op_create_endpoint(self, conn: int, job: str, responder: bool = False) -> dict[str, Any]:
         self.conn_jobs[conn] = job
-        return {"endpoint": self.backend.create_endpoint(conn, job)}
+        endpoint = self.backend.create_endpoint(conn, job)
+        if responder:
+            self.responders.add(conn)
+        return {"endpoint": endpoint}
 
     def op_connect(self, conn: int, remote: dict[str, Any]) -> dict[str, Any]:
         self.backend.connect(conn, remote)
@@ -200,6 +204,7 @@ class RailService:
         self.proxy.fail_connection(conn, 0)
         self.backend.close_connection(conn)
         self.conn_jobs.pop(conn, None)
+        self.responders.discard(conn)
         return {}
 
     def op_fail_connection(self, conn: int, code: int) -> dict[str, Any]:
@@ -252,7 +257,7 @@ class RailService:
         address = self.backend.local_address()
         return {"rail": self.rail, "backend": self.backend.name, "pid": os.getpid(), "device": address.get("device"),
                 "gid": address.get("gid"), "cpus": self.cpus, **self.proxy.stats(), "queues": self.proxy.queue_stats(),
-                "ibgda": self.ibgda_stats()}
+                "ibgda": self.ibgda_stats(), "responders": sorted(self.responders)}
 
     def op_stop(self) -> dict[str, Any]:
         """Drain (every record committed so far is posted and completed, bounded), then exit."""

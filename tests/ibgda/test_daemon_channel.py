@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,14 +139,26 @@ def test_a_killed_peer_daemon_fails_the_next_commands_instead_of_hanging(host_li
     assert ch.status()[0] == ErrorCode.TRANSPORT
 
 
-def test_leave_removes_the_queue_files(pair_factory) -> None:
+def _responders(client: Any) -> set[int]:
+    """The connections node b's rail accepted for peers' requesters (from the daemon's stats)."""
+    return set(client.stats()["rails"][0]["responders"])
+
+
+def test_leave_removes_the_queue_files_and_the_far_ends(pair_factory) -> None:
     pair = pair_factory()
+    far_before = _responders(pair.clients[1])
     ch = pair.sessions[0].channel(16, kind="ibgda")
     paths = [q.memory.path for q in ch.queues]
     assert paths and all(p is not None and Path(p).exists() for p in paths)
+    far_during = _responders(pair.clients[1])
+    assert len(far_during - far_before) == 1  # the responder QP node b accepted for the queue pair
     pair.sessions[0].leave()
     pair.left.add(0)
     assert not any(Path(p).exists() for p in paths if p is not None)
+    deadline = time.monotonic() + 10
+    while _responders(pair.clients[1]) & (far_during - far_before) and time.monotonic() < deadline:
+        time.sleep(0.05)  # peer_disconnect travels over the peer plane
+    assert _responders(pair.clients[1]) == far_before
 
 
 def test_efa_daemon_refuses_ibgda_channels(pair_factory) -> None:
