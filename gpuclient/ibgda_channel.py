@@ -19,6 +19,7 @@ channel after registering regions, allocating flags and exchanging.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,18 +130,11 @@ class IbgdaHostChannel:
         return int(self.record.ctypes.data)
 
     def status(self) -> tuple[int, int]:
-        block = next(b for b in self.alloc.blocks if _holds(b, self.tables.error))
-        words = np.frombuffer(block, dtype=np.uint8)
-        off = self.tables.error - int(block.ctypes.data)
-        code, count = np.frombuffer(words[off:off + 8].tobytes(), dtype="<u4")
+        code, count = (ctypes.c_uint32 * 2).from_address(self.tables.error)  # in a block ``alloc`` keeps
         return int(code), int(count)
 
     def release(self) -> None:
         self.alloc.blocks.clear()
-
-
-def _holds(block: np.ndarray, addr: int) -> bool:
-    return int(block.ctypes.data) <= addr < int(block.ctypes.data) + block.nbytes
 
 
 @dataclass
