@@ -21,6 +21,7 @@ import gpuclient
 from transportd.ctl import main as ctl_main
 from transportd.errors import ErrorCode, RequestError
 from transportd.localcluster import LocalCluster
+from transportd.protocol import ChannelInfo
 
 CHUNK = 4096
 NCHUNKS = 64
@@ -177,6 +178,9 @@ def test_ibgda_channel_before_exchange_is_refused(tmp_path) -> None:
             session.flags(4, where="host")
             with pytest.raises(RequestError, match="exchange"):
                 session.channel(64, kind="ibgda")
+            with pytest.raises(RequestError, match="no IBGDA channel 999"):  # not this session's channel
+                session._conn.request(ChannelInfo(channel=999))
+            assert session.stats()  # the session keeps working after both refusals
             session.leave()
         finally:
             client.close()
