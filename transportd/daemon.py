@@ -478,24 +478,15 @@ class Daemon:
         if any(q.state != "up" for q in chan.queues.values()):
             return {"channel": chan.channel_id, "ready": False}
         job, rail = self.jobs[rank.job], rank.rail
-        local = []
-        for region_id in range(rank.next_region):
-            key = rank.regions.get(region_id, {}).get(rail)
-            local.append([key["addr"], key["length"], key["lkey"]] if key else [0, 0, 0])
+        # region tables indexed by region id; an id without a key on this rail is all zeros (refused)
+        local = [_triple(rank.regions.get(i, {}).get(rail), "lkey") for i in range(rank.next_region)]
         remote_regions, remote_flags = [], []
         for peer in chan.queues:
-            if peer in job.local:
-                other = job.local[peer]
-                keys = [other.regions.get(i, {}).get(rail) for i in range(other.next_region)]
-                flags = other.flag_keys.get(rail)
-            else:
-                regions = job.remote[peer].regions
-                count = 1 + max([i for i, r in regions if r == rail and i != FLAGS_REGION_ID], default=-1)
-                keys = [_key(regions.get((i, rail))) for i in range(count)]
-                flags = _key(regions.get((FLAGS_REGION_ID, rail)))
-            remote_regions.append([peer, [[k["addr"], k["length"], k["rkey"]] if k else [0, 0, 0] for k in keys]])
-            if flags:
-                remote_flags.append([peer, [flags["addr"], flags["length"], flags["rkey"]]])
+            regions, flags = self._peer_keys(job, peer, rail)
+            count = max(regions, default=-1) + 1
+            remote_regions.append([peer, [_triple(regions.get(i), "rkey") for i in range(count)]])
+            if flags is not None:
+                remote_flags.append([peer, _triple(flags, "rkey")])
         queues = [{"peer": q.peer, "path": q.path, **{k: q.info[k] for k in ("qpn", "wqe_cnt", "ncqes", "scratch",
                                                                               "scratch_lkey")}}
                   for q in chan.queues.values()]
@@ -658,22 +649,25 @@ class Daemon:
             for peer_rank in peer_ranks:
                 self._push_peer_tables(job_name, job, conn, peer_rank)
 
+    def _peer_keys(self, job: JobState, peer_rank: int, rail: int) -> tuple[dict[int, dict[str, int]],
+                                                                              dict[str, int] | None]:
+        """Rank ``peer_rank``'s regions (id -> addr, length, rkey) and flag array on ``rail``, whether the
+        rank is local or on a peer node; flags None until it has them."""
+        local = job.local.get(peer_rank)
+        if local is not None:
+            regions = {rid: per_rail[rail] for rid, per_rail in local.regions.items() if rail in per_rail}
+            return regions, local.flag_keys.get(rail) if local.flags is not None else None
+        remote = job.remote[peer_rank]
+        regions = {rid: _key(r) for (rid, r_rail), r in remote.regions.items()
+                   if r_rail == rail and rid != FLAGS_REGION_ID}
+        flags = remote.regions.get((FLAGS_REGION_ID, rail))
+        return regions, _key(flags) if flags is not None else None
+
     def _push_peer_tables(self, job_name: str, job: JobState, conn: Connection, peer_rank: int) -> None:
         worker = self.workers[conn.rail]
-        if conn.node == self.node:
-            local = job.local[peer_rank]
-            if local.flags is None:
-                return
-            regions = {rid: per_rail[conn.rail] for rid, per_rail in local.regions.items()}
-            flags = local.flag_keys[conn.rail]
-        else:
-            remote = job.remote[peer_rank]
-            regions = {rid: {"addr": r.addr, "length": r.length, "rkey": r.rkey}
-                       for (rid, rail), r in remote.regions.items() if rail == conn.rail and rid != FLAGS_REGION_ID}
-            info = remote.regions.get((FLAGS_REGION_ID, conn.rail))
-            if info is None:
-                return
-            flags = {"addr": info.addr, "length": info.length, "rkey": info.rkey}
+        regions, flags = self._peer_keys(job, peer_rank, conn.rail)
+        if flags is None:
+            return
         for region_id, key in regions.items():
             if (conn.rail, peer_rank, region_id) not in job.pushed:
                 worker.call("set_remote_region", job=job_name, peer=peer_rank, region=region_id, addr=key["addr"],
@@ -801,8 +795,13 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def _key(info: RegionInfo | None) -> dict[str, int] | None:
-    return None if info is None else {"addr": info.addr, "length": info.length, "rkey": info.rkey}
+def _key(info: RegionInfo) -> dict[str, int]:
+    return {"addr": info.addr, "length": info.length, "rkey": info.rkey}
+
+
+def _triple(key: dict[str, int] | None, which: str) -> list[int]:
+    """[addr, length, lkey or rkey] for a region table; zeros where the region has no key."""
+    return [key["addr"], key["length"], key[which]] if key else [0, 0, 0]
 
 
 def _quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
