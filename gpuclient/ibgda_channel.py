@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ibgda.channel_tables import Alloc, ChannelTables, HostAlloc, build_channel
-from ibgda.device_handle import CHANNEL_DTYPE, QUEUE_PAIR_DTYPE, SignalMode
+from ibgda.device_handle import CHANNEL_DTYPE, SignalMode, queue_pair_record
 from ibgda.queue_memory import QueueMemory
 
 if TYPE_CHECKING:
@@ -42,14 +42,11 @@ class _Queue:
     memory: QueueMemory
     info: dict[str, Any]
 
-    def record(self, state: int, translate: Any) -> np.ndarray:
+    def record(self, translate: Any) -> np.ndarray:
         """The QueuePair handle with the queue's parts at ``translate(host address)``."""
-        rec = np.zeros(1, dtype=QUEUE_PAIR_DTYPE)
-        for name, addr in self.memory.addresses().items():
-            rec[name] = translate(addr)
-        rec["state"], rec["scratch"], rec["scratch_lkey"] = state, self.info["scratch"], self.info["scratch_lkey"]
-        rec["qpn"], rec["wqe_cnt"], rec["ncqes"] = self.info["qpn"], self.memory.wqe_cnt, self.memory.ncqes
-        return rec
+        return queue_pair_record({name: translate(addr) for name, addr in self.memory.addresses().items()},
+                                 qpn=self.info["qpn"], wqe_cnt=self.memory.wqe_cnt, ncqes=self.memory.ncqes,
+                                 scratch=self.info["scratch"], scratch_lkey=self.info["scratch_lkey"])
 
 
 class IbgdaChannelHandle:
@@ -70,7 +67,7 @@ class IbgdaChannelHandle:
     def tables(self, alloc: Alloc, translate: Any, flags: int, flag_count: int) -> ChannelTables:
         """Build the channel's tables with ``alloc``; queue addresses go through ``translate``."""
         info = self.info
-        qps = {q.peer: q.record(0, translate) for q in self.queues}
+        qps = {q.peer: q.record(translate) for q in self.queues}
         return build_channel(
             rank=self._session.rank, world=self._session.world, alloc=alloc, signal_mode=self.signal_mode,
             flags=flags, flag_count=flag_count, queue_pairs=qps,

@@ -7,12 +7,14 @@ is big-endian, and none of that is here. A probe test compiles the header and co
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import IntEnum
 
 import numpy as np
 
 __all__ = [
     "ABI", "CHANNEL_DTYPE", "QP_STATE_DTYPE", "QUEUE_PAIR_DTYPE", "REGION_DTYPE", "SignalMode", "qp_error_fields",
+    "queue_pair_record",
 ]
 
 ABI = 1  # TPD_IBGDA_ABI
@@ -42,6 +44,18 @@ QUEUE_PAIR_DTYPE = np.dtype({
     "offsets": [0, 8, 16, 24, 32, 40, 48, 56, 60, 64, 68],
     "itemsize": 72,
 })
+
+def queue_pair_record(addresses: Mapping[str, int], *, qpn: int, wqe_cnt: int, ncqes: int, scratch: int,
+                      scratch_lkey: int, state: int = 0) -> np.ndarray:
+    """One QUEUE_PAIR_DTYPE record: ``addresses`` (sq, cq, dbrec, cq_dbrec, bf) as the poster reaches them,
+    ``scratch`` 8 bytes registered with ``scratch_lkey``, ``state`` a zeroed QpState (build_channel fills it)."""
+    rec = np.zeros(1, dtype=QUEUE_PAIR_DTYPE)
+    for name, addr in addresses.items():
+        rec[name] = addr
+    rec["state"], rec["scratch"], rec["scratch_lkey"] = state, scratch, scratch_lkey
+    rec["qpn"], rec["wqe_cnt"], rec["ncqes"] = qpn, wqe_cnt, ncqes
+    return rec
+
 
 # Region: a registered range as the NIC addresses it (key = lkey in local tables, rkey in remote ones).
 REGION_DTYPE = np.dtype({"names": ["addr", "length", "key", "reserved"], "formats": ["<u8", "<u8", "<u4", "<u4"],

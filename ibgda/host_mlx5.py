@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ibgda.device_handle import QUEUE_PAIR_DTYPE
+from ibgda.device_handle import queue_pair_record
 from ibgda.queue_memory import CQ_DBREC_OFFSET, PAGE, QueueMemory
 from transportd.errors import TransportdError
 
@@ -285,12 +285,8 @@ class Mlx5Queue:
         if for_gpu and self.gpu is None:
             raise Mlx5QueueError("the queue was created with map_to_gpu=False")
         addrs = self.gpu if for_gpu else {**self.mem.addresses(), "bf": int(self.uar.reg_addr)}
-        rec = np.zeros(1, dtype=QUEUE_PAIR_DTYPE)
-        for name, addr in (addrs or {}).items():
-            rec[name] = addr
-        rec["scratch"], rec["scratch_lkey"] = scratch, scratch_lkey
-        rec["qpn"], rec["wqe_cnt"], rec["ncqes"] = self.qpn, self.wqe_cnt, self.mem.ncqes
-        return rec
+        return queue_pair_record(addrs or {}, qpn=self.qpn, wqe_cnt=self.wqe_cnt, ncqes=self.mem.ncqes,
+                                 scratch=scratch, scratch_lkey=scratch_lkey)
 
     def register(self, addr: int, length: int, access: int) -> Any:
         """A memory region on this queue's PD (host memory; GPU memory through DmaBufMR, not here)."""

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ibgda import mlx5_layout as L
-from ibgda.device_handle import QUEUE_PAIR_DTYPE
+from ibgda.device_handle import queue_pair_record
 from ibgda.queue_memory import DOORBELL_OFFSET, QueueMemory
 from transportd.verbs_util import Rail, access_flags, load_verbs, translate_verbs_errors
 
@@ -130,12 +130,9 @@ class SoftMlx5Queue:
         8 bytes registered with ``scratch_lkey`` on this queue's PD. ``translate(host_addr) -> address``
         maps the queue's host addresses into the GPU's view (identity for CPU posting)."""
         t = translate or (lambda a: a)
-        rec = np.zeros(1, dtype=QUEUE_PAIR_DTYPE)
-        for name, addr in self.addresses().items():
-            rec[name] = t(addr)
-        rec["state"], rec["scratch"], rec["scratch_lkey"] = state, scratch, scratch_lkey
-        rec["qpn"], rec["wqe_cnt"], rec["ncqes"] = self.qpn, self.wqe_cnt, self.ncqes
-        return rec
+        return queue_pair_record({name: t(addr) for name, addr in self.addresses().items()}, qpn=self.qpn,
+                                 wqe_cnt=self.wqe_cnt, ncqes=self.ncqes, scratch=scratch, scratch_lkey=scratch_lkey,
+                                 state=state)
 
     def register(self, addr: int, length: int, *, remote_write: bool = False, remote_read: bool = False,
                  remote_atomic: bool = False) -> Any:
