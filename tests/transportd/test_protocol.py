@@ -249,6 +249,8 @@ def test_local_construction_is_validated(req, field, match):
         ({"op": "peer_connect_accept", "job": "j", "rail": 0, "conn": -1, "endpoint": {}}, "conn", "must be in"),
         ({"op": "peer_connect_accept", "job": "j", "rail": 0, "conn": 1, "endpoint": {str(i): i for i in range(65)}},
          "endpoint", "at most 64 keys"),
+        ({"op": "peer_disconnect", "job": "j", "rail": 16, "conn": 1}, "rail", "must be in"),
+        ({"op": "peer_disconnect", "job": "j", "rail": 0}, "conn", "missing"),
         ({"op": "peer_heartbeat", "seq": 1, "t": float("inf")}, "t", "finite"),
         ({"op": "peer_heartbeat", "seq": 1, "t": "now"}, "t", "expected number"),
         ({"op": "peer_bye", "node": "bad node"}, "node", "may hold only"),
