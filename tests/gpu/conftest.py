@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.cuda_support import gpu_unavailable
 from transportd.localcluster import LocalCluster
 
 KERNELS = Path(__file__).with_name("kernels.cu")
@@ -20,21 +20,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if Path(str(item.fspath)).is_relative_to(here):
             item.add_marker(pytest.mark.gpu)
-
-
-@functools.cache
-def gpu_unavailable() -> str | None:
-    """None when a CUDA device is usable here; otherwise why not."""
-    try:
-        from gpuclient.cuda_memory import CudaError, driver
-
-        drv = driver()
-        err, count = drv.cuDeviceGetCount()
-        if err != drv.CUresult.CUDA_SUCCESS or count < 1:
-            return "no CUDA device"
-    except CudaError as exc:
-        return f"CUDA unavailable: {exc}"
-    return None
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.conftest import gpu_unavailable
+from tests.cuda_support import gpu_unavailable
 from tests.gpu.test_gpu_transfer import RANK, ROOT, SLOW_START, RankProcess
 from transportd.connection import ControlConnection
 from transportd.protocol import Stats

@@ -8,7 +8,6 @@ debug build: every device spin traps after 20 s instead of hanging).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 import ibgda
 from ibgda.channel_tables import build_channel
 from ibgda.device_handle import SignalMode
+from tests.cuda_support import gpu_unavailable
 from tests.ibgda.conftest import DATA_BYTES, NFLAGS, Link
 
 pytestmark = pytest.mark.gpu
@@ -27,20 +27,6 @@ KERNELS = Path(__file__).with_name("gpu_kernels.cu")
 DEBUG_DEFINES = {"TPD_SPIN_TIMEOUT_NS": "20000000000ull"}
 ERR_BAD_REGION = 3
 ERR_REMOTE_ACCESS = 9
-
-
-@functools.cache
-def gpu_unavailable() -> str | None:
-    try:
-        from gpuclient.cuda_memory import CudaError, driver
-
-        drv = driver()
-        err, count = drv.cuDeviceGetCount()
-        if err != drv.CUresult.CUDA_SUCCESS or count < 1:
-            return "no CUDA device"
-    except CudaError as exc:
-        return f"CUDA unavailable: {exc}"
-    return None
 
 
 @pytest.fixture(scope="module")
