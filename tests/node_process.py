@@ -45,3 +45,21 @@ class NodeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             pytest.fail("node did not exit")
+
+
+def run_pair(receiver: NodeProcess, sender: NodeProcess) -> tuple[dict, dict]:
+    """The mp_node handshake: each node reports its endpoint, the receiver learns the sender's and the
+    sender the receiver's, the transfer runs; returns (sender's report, receiver's report) once both exit."""
+    try:
+        rinfo = receiver.recv()
+        tinfo = sender.recv()
+        receiver.send({"endpoint": tinfo["endpoint"]})
+        sender.send(rinfo)
+        sent = sender.recv()
+        got = receiver.recv()
+        sender.send({})
+        receiver.send({})
+    finally:
+        sender.close()
+        receiver.close()
+    return sent, got

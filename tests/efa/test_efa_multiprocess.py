@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from tests.node_process import NodeProcess
+from tests.node_process import NodeProcess, run_pair
 
 NODE = Path(__file__).with_name("mp_node.py")
 Node = partial(NodeProcess, NODE)
@@ -14,18 +14,7 @@ Node = partial(NodeProcess, NODE)
 def test_put_signal_between_processes() -> None:
     n = 30
     rx, tx = Node("receiver", n), Node("sender", n)
-    try:
-        rinfo = rx.recv()
-        tinfo = tx.recv()
-        rx.send({"endpoint": tinfo["endpoint"]})
-        tx.send(rinfo)
-        sent = tx.recv()
-        got = rx.recv()
-        tx.send({})
-        rx.send({})
-    finally:
-        tx.close()
-        rx.close()
+    sent, got = run_pair(rx, tx)
     assert sorted(t for t, _ in sent["tokens"]) == list(range(1, n + 1))
     assert all(s == 0 for _, s in sent["tokens"])
     assert sent["wrs"] == n * (3 + 1)  # three pieces and one record per PUT+SIGNAL

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.node_process import NodeProcess
+from tests.node_process import NodeProcess, run_pair
 
 NODE = Path(__file__).with_name("mp_node.py")
 Node = partial(NodeProcess, NODE)
@@ -17,18 +17,7 @@ Node = partial(NodeProcess, NODE)
 def test_put_signal_between_processes(mode: str) -> None:
     n = 40
     rx, tx = Node("receiver", mode, n), Node("sender", mode, n)
-    try:
-        rinfo = rx.recv()
-        tinfo = tx.recv()
-        rx.send({"endpoint": tinfo["endpoint"]})
-        tx.send(rinfo)
-        sent = tx.recv()
-        got = rx.recv()
-        tx.send({})
-        rx.send({})
-    finally:
-        tx.close()
-        rx.close()
+    sent, got = run_pair(rx, tx)
     assert sorted(t for t, _ in sent["tokens"]) == list(range(1, n + 1))
     assert all(s == 0 for _, s in sent["tokens"])
     assert sent["inflight"] == 0
