@@ -8,6 +8,7 @@ as a static peer.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,8 +38,38 @@ def _die_with_parent() -> None:
         pass
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for bind-to-0 and outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A 127.0.0.1 TCP port that binds now and that no other caller in this process was given.
+
+    Picked below the ephemeral range: a port taken from that range (bind to 0) is free only until the
+    next outgoing connection on the machine, which the kernel may give that very port before the daemon
+    binds it.
+    """
+    low = _ephemeral_low()
+    candidates = list(range(max(1024, low - 20000), low)) if low > 2048 else []
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range: fall back to the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
