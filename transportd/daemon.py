@@ -126,6 +126,16 @@ class Connection:
     bound: set[int] = field(default_factory=set)  # peer ranks bound in the worker
     peer_gid: str = ""  # the remote end's device address (its rail's NIC), once connected
     error: str = ""  # why the connection failed, for the clients that need it
+    responder: int = 0  # a connection to this node: the far end, in the same worker
+
+
+@dataclass
+class Responder:
+    """Our end of a peer's connection, accepted for it: the answer to its connect request."""
+
+    conn_id: int
+    rail: int
+    endpoint: dict[str, Any]
 
 
 @dataclass
@@ -150,9 +160,8 @@ class Daemon:
         self.client_pids: dict[bytes, int] = {}
         self.jobs: dict[str, JobState] = {}
         self.connections: dict[tuple[str, str, int], Connection] = {}
-        self.accepted: dict[tuple[str, int], int] = {}  # (node, their conn id) -> our conn id
+        self.accepted: dict[tuple[str, int], Responder] = {}  # (node, their conn id) -> our end of it
         self.ibgda_waiting: dict[tuple[str, int], IbgdaQueue] = {}  # (node, queue id) -> queue awaiting accept
-        self._accepted_endpoints: dict[tuple[str, int], dict[str, Any]] = {}
         # peer_regions for jobs with no local rank yet: job -> rank -> (node, message)
         self.unclaimed: dict[str, dict[int, tuple[str, PeerRegions]]] = {}
         self.runtime_dir = Path(os.environ.get("RUNTIME_DIRECTORY", "/dev/shm"))
@@ -566,10 +575,17 @@ class Daemon:
         log.info("job %s rank %d reclaimed", rank.job, rank.rank)
 
     def _drop_job(self, job_name: str) -> None:
+        """The job's last local rank left: close its connections, and have their far ends closed too."""
         for key in [k for k in self.connections if k[0] == job_name]:
             conn = self.connections.pop(key)
             if conn.rail < len(self.workers):
-                _quietly(self.workers[conn.rail].call, "close_connection", conn=conn.conn_id)
+                for conn_id in (conn.conn_id, conn.responder):
+                    if conn_id:
+                        _quietly(self.workers[conn.rail].call, "close_connection", conn=conn_id)
+            if conn.node != self.node and self.peers is not None:
+                # the peer's responder serves only this connection; the peer's own connections to our
+                # ranks stay (its ranks may still be running, and a rank of ours may rejoin)
+                self.peers.send(conn.node, PeerDisconnect(job=job_name, rail=conn.rail, conn=conn.conn_id))
         self.jobs.pop(job_name, None)
 
     # --- peers ---------------------------------------------------------------------------------------------
@@ -588,6 +604,10 @@ class Daemon:
                 del ranks[rank]
         for key in [k for k in self.ibgda_waiting if k[0] == node]:
             self.ibgda_waiting.pop(key).state = "failed"
+        for key in [k for k in self.accepted if k[0] == node]:
+            # responders for the node's connections: its daemon's next life asks for new ones (and may reuse
+            # the connection ids), so none of these may be handed out again
+            self._close_responder(self.accepted.pop(key))
         for conn in self.connections.values():
             if conn.node == node and conn.state != "failed":
                 conn.state = "failed"
@@ -610,8 +630,6 @@ class Daemon:
                 self._on_connect_accept(node, msg)
             elif isinstance(msg, PeerDisconnect):
                 self._on_disconnect(node, msg)
-            elif isinstance(msg, PeerBye):
-                self.on_peer_down(node)
         except (WorkerError, RequestError) as exc:
             log.warning("peer %s: %s failed: %s", node, msg.op, exc)
 
@@ -694,7 +712,7 @@ class Daemon:
         endpoint = worker.call("create_endpoint", conn=conn.conn_id, job=job_name)["endpoint"]
         if node == self.node:
             # a connection to ourselves: the responder end lives in the same worker
-            peer_id = next(self._conn_ids)
+            peer_id = conn.responder = next(self._conn_ids)
             remote = worker.call("create_endpoint", conn=peer_id, job=job_name, responder=True)["endpoint"]
             worker.call("connect", conn=peer_id, remote=endpoint)
             worker.call("connect", conn=conn.conn_id, remote=remote)
@@ -710,20 +728,23 @@ class Daemon:
             return
         key = (node, msg.conn)
         worker = self.workers[msg.rail]
-        if key not in self.accepted:
+        responder = self.accepted.get(key)
+        if responder is None:  # a repeated request (the accept was lost) gets the same answer
             local_id = next(self._conn_ids)
             endpoint = worker.call("create_endpoint", conn=local_id, job=msg.job, responder=True)["endpoint"]
             worker.call("connect", conn=local_id, remote=dict(msg.endpoint))
-            self.accepted[key] = local_id
-            self._accepted_endpoints[key] = endpoint
+            responder = self.accepted[key] = Responder(local_id, msg.rail, endpoint)
         self.peers.send(node, PeerConnectAccept(job=msg.job, rail=msg.rail, conn=msg.conn,
-                                                endpoint=self._accepted_endpoints[key]))
+                                                endpoint=responder.endpoint))
 
     def _on_disconnect(self, node: str, msg: PeerDisconnect) -> None:
-        local_id = self.accepted.pop((node, msg.conn), None)
-        self._accepted_endpoints.pop((node, msg.conn), None)
-        if local_id is not None and msg.rail < len(self.workers):
-            self.workers[msg.rail].call("close_connection", conn=local_id)
+        responder = self.accepted.pop((node, msg.conn), None)
+        if responder is not None:
+            self._close_responder(responder)
+
+    def _close_responder(self, responder: Responder) -> None:
+        if responder.rail < len(self.workers):
+            _quietly(self.workers[responder.rail].call, "close_connection", conn=responder.conn_id)
 
     def _on_connect_accept(self, node: str, msg: PeerConnectAccept) -> None:
         queue = self.ibgda_waiting.pop((node, msg.conn), None)

@@ -155,17 +155,30 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
         """Start every daemon and wait until each answers on its control socket and sees its peers."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("TRANSPORTD_SOCKET", None)
         for node in self.nodes.values():
-            node.log_file = open(node.log_path, "ab")
-            node.process = subprocess.Popen([sys.executable, "-m", "transportd", "run", "--config",
-                                             str(node.config_path)], stdout=node.log_file, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            self._launch(node)
         deadline = time.monotonic() + timeout_s
         for node in self.nodes.values():
             self._wait_ready(node, deadline)
         return self
+
+    def restart(self, name: str, timeout_s: float = 60.0) -> None:
+        """Start a stopped or killed daemon again with its config (a node coming back) and wait until ready."""
+        node = self.nodes[name]
+        if node.process is not None and node.process.poll() is None:
+            raise RuntimeError(f"daemon {name} is still running")
+        if node.log_file:
+            node.log_file.close()
+        self._launch(node)
+        self._wait_ready(node, time.monotonic() + timeout_s)
+
+    def _launch(self, node: LocalNode) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("TRANSPORTD_SOCKET", None)
+        node.log_file = open(node.log_path, "ab")
+        node.process = subprocess.Popen([sys.executable, "-m", "transportd", "run", "--config", str(node.config_path)],
+                                        stdout=node.log_file, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
 
     def _wait_ready(self, node: LocalNode, deadline: float) -> None:
         want = len(self.nodes) - 1

@@ -116,6 +116,12 @@ def render_metrics(stats: dict[str, Any]) -> str:
         name = f"transportd_command_errors_{code.name.lower()}"
         w.family(name, "counter", f"Commands rejected or failed with {code.name}.", [({}, by_code.get(code.name, 0))])
 
+    open_qps = sum(len(r.get("endpoints", [])) for r in rails)
+    responders = sum(len(r.get("responders", [])) for r in rails)
+    w.family("transportd_queue_pairs", "gauge", "Queue pairs (EFA: endpoints) open on the node's rails: its own "
+             "connections, IBGDA queues, and the responders below.", [({}, open_qps)])
+    w.family("transportd_responder_queue_pairs", "gauge", "Queue pairs open as the far end of a peer node's "
+             "connections (closed when that job ends on the peer).", [({}, responders)])
     depth: dict[tuple[str, int], int] = {}
     age: dict[tuple[str, int], float] = {}
     for rail in rails:

@@ -16,6 +16,7 @@ One keypair per node serves both directions, so that directory holds every peer'
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from transportd.curve import (
     start_authenticator,
 )
 from transportd.errors import ConfigError, RemoteProtocolError
-from transportd.protocol import PeerHeartbeat, PeerHello, PeerMessage, parse_peer_message
+from transportd.protocol import PeerBye, PeerHeartbeat, PeerHello, PeerMessage, parse_peer_message
 
 __all__ = ["PeerPlane", "PeerState"]
 
@@ -54,6 +55,7 @@ class PeerState:
     dealer: zmq.Socket | None = field(default=None, repr=False)
     backend: str = ""
     rails: int = 0
+    incarnation: int = 0  # from its hello; a new value means the node's daemon restarted
 
 
 class PeerPlane:
@@ -78,7 +80,9 @@ class PeerPlane:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node = node
-        self.hello = PeerHello(node=node, backend=backend, rails=rails)  # type: ignore[arg-type]
+        self.incarnation = secrets.randbits(64) or 1
+        self.hello = PeerHello(node=node, backend=backend, rails=rails,  # type: ignore[arg-type]
+                               incarnation=self.incarnation)
         self.peers: dict[str, PeerState] = {}
         self._on_message, self._on_up, self._on_down = on_message, on_peer_up, on_peer_down
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
@@ -90,6 +94,9 @@ class PeerPlane:
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.linger = 0
         self.router.router_mandatory = True
+        # a node whose daemon came back (after a crash that left no TCP reset, say) reconnects under the
+        # same name: the new link takes over from the dead one instead of being refused
+        self.router.router_handover = True
         self.router.maxmsgsize = max_message_bytes
         self._auth = None
         if curve is not None:
@@ -183,8 +190,11 @@ class PeerPlane:
                 log.info("peer %s joined (%s, %d rails)", node, msg.backend, msg.rails)
                 is_new = True
             else:
+                if peer.incarnation and msg.incarnation and msg.incarnation != peer.incarnation:
+                    log.warning("peer %s restarted: dropping what was built with its earlier life", node)
+                    self._down(peer)
                 is_new = not peer.up
-            peer.backend, peer.rails = msg.backend, msg.rails
+            peer.backend, peer.rails, peer.incarnation = msg.backend, msg.rails, msg.incarnation
             if identity is not None:
                 peer.via_router = True
                 # answer on the same path so the remote DEALER learns who it reached
@@ -200,6 +210,10 @@ class PeerPlane:
         peer = self.peers.get(node) if node else None
         if peer is None:
             log.warning("message %s from a node that has not said hello: dropped", msg.op)
+            return
+        if isinstance(msg, PeerBye):
+            log.info("peer %s said goodbye (%s)", peer.node, msg.reason or "no reason")
+            self._down(peer)
             return
         was_down = not peer.up
         self._heard(peer)
@@ -238,9 +252,14 @@ class PeerPlane:
                 self.send(node, PeerHeartbeat(seq=self._hb_seq, t=now))
         for peer in self.peers.values():
             if peer.up and now - peer.last_heard > self.timeout:
-                peer.up = False
                 log.warning("peer %s silent for %.1fs: down", peer.node, now - peer.last_heard)
-                self._on_down(peer.node)
+                self._down(peer)
+
+    def _down(self, peer: PeerState) -> None:
+        """Report ``peer`` down once (a timeout, a goodbye, a restart); it is up again when it next speaks."""
+        if peer.up:
+            peer.up = False
+            self._on_down(peer.node)
 
     def close(self) -> None:
         for _, dealer in self._dealers:

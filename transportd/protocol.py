@@ -551,16 +551,23 @@ class RegionInfo(Record):
 @_peer
 @dataclass(frozen=True)
 class PeerHello(PeerMessage):
-    """First message on a peer link: who we are, which backend, how many rails."""
+    """First message on a peer link: who we are, which backend, how many rails, which life of the daemon.
+
+    ``incarnation`` is drawn at random when the daemon starts (0: not told). A known node saying hello
+    with a new one has restarted: everything built with its earlier life (connections, responder QPs) is
+    torn down, even when it came back before its heartbeats timed out.
+    """
 
     op: ClassVar[str] = "peer_hello"
     node: str
     backend: Literal["ib", "efa", "soft"]
     rails: int
+    incarnation: int = 0
 
     def _check(self) -> None:
         self._name("node", MAX_NODE_LEN)
         self._range("rails", 1, MAX_RAILS)
+        self._range("incarnation", 0, _U64)
 
 
 @_peer

@@ -257,7 +257,8 @@ class RailService:
         address = self.backend.local_address()
         return {"rail": self.rail, "backend": self.backend.name, "pid": os.getpid(), "device": address.get("device"),
                 "gid": address.get("gid"), "cpus": self.cpus, **self.proxy.stats(), "queues": self.proxy.queue_stats(),
-                "ibgda": self.ibgda_stats(), "responders": sorted(self.responders)}
+                "ibgda": self.ibgda_stats(), "responders": sorted(self.responders),
+                "endpoints": sorted(self.conn_jobs)}
 
     def op_stop(self) -> dict[str, Any]:
         """Drain (every record committed so far is posted and completed, bounded), then exit."""

@@ -68,6 +68,7 @@ REQUEST_SAMPLES = [
 
 PEER_SAMPLES = [
     PeerHello("node-a", "ib", 4),
+    PeerHello("node-a", "ib", 4, incarnation=(1 << 64) - 1),
     PeerConnect("node-a", (RailQP(0, 0x123, 77, gid=b"\xfe" * 16), RailQP(1, 0x456, lid=12)), job="j1"),
     PeerConnect("node-b", (RailQP(0, 9, efa_address=b"\x01" * 16, qkey=0x11111111),)),
     PeerConnectRequest("j1", 1, 7, {"qpn": 0x123, "gid": b"\xfe" * 16, "psn": 5, "extra": [1, 2]}),
@@ -225,6 +226,11 @@ def test_local_construction_is_validated(req, field, match):
     [
         ({"op": "peer_hello", "node": "n", "backend": "tcp", "rails": 1}, "backend", "one of 'ib'"),
         ({"op": "peer_hello", "node": "n", "backend": "ib", "rails": 0}, "rails", "must be in"),
+        ({"op": "peer_hello", "node": "n", "backend": "ib", "rails": 1, "incarnation": -1}, "incarnation",
+         "must be in"),
+        ({"op": "peer_hello", "node": "n", "backend": "ib", "rails": 1, "incarnation": 1 << 64}, "incarnation",
+         "must be in"),
+        ({"op": "peer_hello", "node": "n", "backend": "ib", "rails": 1, "incarnation": "x"}, "incarnation", ""),
         ({"op": "peer_connect", "node": "n", "rails": []}, "rails", "1..16 rails"),
         ({"op": "peer_connect", "node": "n", "rails": [{"rail": 0, "qpn": 1}]}, "rails[0].gid", "needs a gid"),
         ({"op": "peer_connect", "node": "n", "rails": [{"rail": 0, "qpn": 1, "gid": b"x"}]}, "rails[0].gid",

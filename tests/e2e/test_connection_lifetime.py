@@ -1,0 +1,94 @@
+"""Queue pairs live as long as the jobs that use them: closed on both nodes when a job ends, and rebuilt when
+a peer daemon comes back (systemd restarts it, the node reboots)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import gpuclient
+from tests.e2e.conftest import Rank, close_ranks, join_ranks
+from transportd.connection import ControlConnection
+from transportd.localcluster import LocalCluster
+from transportd.protocol import Stats
+
+
+def _both_ways(a: Rank, b: Rank, slot: int, nbytes: int = 64 << 10) -> None:
+    """a -> b and b -> a, each a PUT_SIGNAL whose data the receiver checks when its flag shows."""
+    for src, dst, peer in ((a, b, 1), (b, a, 0)):
+        src.channel.put_signal(peer=peer, dst_region=dst.dst.id, dst_off=0, src_region=src.src.id, src_off=0,
+                               nbytes=nbytes, slot=slot, value=1)
+        assert dst.session.wait(slot=slot, at_least=1, timeout=30) == 1
+        assert np.array_equal(dst.recv[:nbytes], src.send[:nbytes])
+        src.channel.quiet(timeout=30)
+        assert src.channel.status() == (0, 0, 0)
+
+
+@pytest.mark.parametrize("how", ["kill", "terminate"])
+def test_a_job_after_a_peer_daemon_restart_moves_data_both_ways(cluster_factory, how: str) -> None:
+    cluster = cluster_factory(backend="ib")
+    a, b = join_ranks(cluster, job="before", nbytes=1 << 20, seed=1)
+    _both_ways(a, b, slot=0)
+    getattr(cluster, how)("nodeb")
+    close_ranks([a])
+    b.client.close()
+    cluster.restart("nodeb")
+    # the same job name again, and a new one: neither may pick up a QP of the node's earlier life
+    for job, seed in (("before", 2), ("after", 3)):
+        a, b = join_ranks(cluster, job=job, nbytes=1 << 20, seed=seed)
+        try:
+            _both_ways(a, b, slot=1)
+        finally:
+            close_ranks([a, b])
+
+
+def _endpoints(cluster: LocalCluster) -> dict[str, tuple[list[int], list[int]]]:
+    """Per node: the connection ids with a QP open on rail 0, and the responders among them."""
+    out = {}
+    for name in cluster.names:
+        with ControlConnection(cluster.socket(name)) as conn:
+            rail = conn.request(Stats())["rails"][0]
+        out[name] = (rail["endpoints"], rail["responders"])
+    return out
+
+
+def test_a_finished_job_leaves_no_queue_pair_on_either_node(cluster_factory) -> None:
+    cluster = cluster_factory(backend="ib")
+    idle = _endpoints(cluster)
+    assert idle == {"nodea": ([], []), "nodeb": ([], [])}
+    for job in ("first", "second"):
+        a, b = join_ranks(cluster, job=job, nbytes=1 << 20)
+        try:
+            _both_ways(a, b, slot=0)
+            during = _endpoints(cluster)
+            for name in cluster.names:  # a requester of its own and a responder for the other node's
+                endpoints, responders = during[name]
+                assert len(endpoints) == 2 and len(responders) == 1, during
+        finally:
+            close_ranks([a, b])
+        deadline = time.monotonic() + 10
+        while _endpoints(cluster) != idle:
+            assert time.monotonic() < deadline, f"after job {job}: {_endpoints(cluster)}"
+            time.sleep(0.05)
+
+
+def test_two_ranks_on_one_node_close_their_loopback_pair(cluster_factory) -> None:
+    cluster = cluster_factory(nodes=1, backend="ib")
+    client = gpuclient.connect(cluster.socket("nodea"))
+    other = gpuclient.connect(cluster.socket("nodea"))
+    try:
+        sessions = [c.join("local", rank=i, world=2) for i, c in enumerate((client, other))]
+        for s in sessions:
+            s.flags(4)
+            s.exchange(wait=False)
+        for s in sessions:
+            s.exchange(timeout=30)
+        assert len(_endpoints(cluster)["nodea"][0]) >= 2
+        for s in sessions:
+            s.leave()
+        assert _endpoints(cluster) == {"nodea": ([], [])}
+    finally:
+        client.close()
+        other.close()

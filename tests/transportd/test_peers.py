@@ -1,0 +1,85 @@
+"""The peer plane over real zmq TCP sockets: hellos, goodbyes and a peer daemon's next life."""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable
+
+import zmq
+
+from transportd.localcluster import free_port
+from transportd.peers import PeerPlane
+from transportd.protocol import PeerBye, PeerRegions
+
+
+class Events:
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+
+    def plane(self, node: str, port: int, static: tuple[str, ...]) -> PeerPlane:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                return PeerPlane(node, "ib", 1, f"tcp://127.0.0.1:{port}", static,
+                                 on_message=lambda n, m: self.log.append((m.op, n)),
+                                 on_peer_up=lambda n: self.log.append(("up", n)),
+                                 on_peer_down=lambda n: self.log.append(("down", n)),
+                                 heartbeat_interval_s=0.05, heartbeat_timeout_s=60.0)  # no timeout in a test
+            except zmq.ZMQError as exc:  # an earlier life's socket in this process is still being closed
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+def pump(planes: list[PeerPlane], until: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "timed out"
+        for plane in planes:
+            plane.poll(5)
+
+
+def test_a_restarted_peer_is_reported_down_then_up_before_any_heartbeat_timeout() -> None:
+    pa, pb = free_port(), free_port()
+    ea, eb = Events(), Events()
+    a = ea.plane("a", pa, (f"127.0.0.1:{pb}",))
+    b = eb.plane("b", pb, (f"127.0.0.1:{pa}",))
+    try:
+        pump([a, b], lambda: ("up", "b") in ea.log and ("up", "a") in eb.log)
+        first = a.peers["b"].incarnation
+        assert first == b.incarnation != 0
+        b.close()  # the daemon dies without a goodbye and comes back on the same address
+        b = Events().plane("b", pb, (f"127.0.0.1:{pa}",))
+        assert b.incarnation != first
+        pump([a, b], lambda: ea.log.count(("up", "b")) == 2)
+        assert ea.log == [("up", "b"), ("down", "b"), ("up", "b")]
+        assert a.peers["b"].incarnation == b.incarnation
+        # messages from the new life reach the handler
+        b.send("a", PeerRegions(job="j", rank=1, regions=()))
+        pump([a, b], lambda: ("peer_regions", "b") in ea.log)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_goodbye_reports_the_peer_down_once_and_its_next_life_up() -> None:
+    pa, pb = free_port(), free_port()
+    ea = Events()
+    a = ea.plane("a", pa, (f"127.0.0.1:{pb}",))
+    b = Events().plane("b", pb, (f"127.0.0.1:{pa}",))
+    try:
+        pump([a, b], lambda: ("up", "b") in ea.log)
+        b.broadcast(PeerBye(node="b", reason="shutdown"))
+        b.broadcast(PeerBye(node="b", reason="shutdown"))
+        pump([a, b], lambda: ("down", "b") in ea.log)
+        for _ in range(20):  # give the second goodbye time to arrive
+            a.poll(10)
+        assert ea.log == [("up", "b"), ("down", "b")]  # the second goodbye changes nothing; no handler sees it
+        b.close()
+        b = Events().plane("b", pb, (f"127.0.0.1:{pa}",))
+        pump([a, b], lambda: ea.log.count(("up", "b")) == 2)
+        assert ea.log == [("up", "b"), ("down", "b"), ("up", "b")]
+    finally:
+        a.close()
+        b.close()
