@@ -7,12 +7,19 @@ hanging. Requests built from :mod:`transportd.protocol` classes are checked agai
 machine before they are sent, so ``register`` before ``join`` fails locally with the reason.
 
 Endpoint resolution: explicit argument > ``$TRANSPORTD_SOCKET`` > the config's ``control.socket``.
+
+Keepalive: the hello reply says how often the daemon wants to hear from an idle client (``keepalive_s``);
+a background thread sends a ``heartbeat`` when no request went out for that long. The daemon reclaims a
+session whose client stays silent past ``control.client_timeout_s`` (a killed client over tcp, or in
+another pid namespace, is noticed that way). Requests and heartbeats share the one socket under a lock.
 """
 
 from __future__ import annotations
 
 import grp
 import os
+import threading
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +32,7 @@ from transportd.curve import CurveClientKeys, configure_client
 from transportd.errors import DaemonTimeoutError, DaemonUnavailableError, TransportdError
 from transportd.protocol import Heartbeat, Hello, Request, Session
 
-__all__ = ["ControlConnection", "resolve_endpoint"]
+__all__ = ["ControlConnection", "pid_namespace", "resolve_endpoint"]
 
 _START_HINT = (
     "Start it with `transportd run --config /etc/transportd/transportd.toml` (or `systemctl start transportd`), "
@@ -45,7 +52,16 @@ def resolve_endpoint(endpoint: str | None = None, *, config: Config | None = Non
     return config.control.socket if config is not None else DEFAULT_SOCKET
 
 
-def _close_resources(sock: zmq.Socket, context: zmq.Context | None) -> None:
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say): equal inodes, same pids."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _close_resources(sock: zmq.Socket, context: zmq.Context | None, stop: threading.Event) -> None:
+    stop.set()  # ends the keepalive thread, if any
     sock.close(linger=0)
     if context is not None:
         context.term()
@@ -78,6 +94,9 @@ class ControlConnection:
         self.hello_reply: dict[str, Any] = {}
         self._name = name
         self._suspect: str | None = None  # why the daemon may be gone (set by a timed-out request)
+        self._lock = threading.Lock()  # one request (or heartbeat) on the REQ socket at a time
+        self._last_sent = time.monotonic()
+        self._stop_keepalive = threading.Event()
         own_context = context is None
         ctx = zmq.Context() if context is None else context
         try:
@@ -88,7 +107,8 @@ class ControlConnection:
             raise
         # One bag: socket (and the context if we made it) are released together, even if we are leaked.
         self._sock = sock
-        self._finalizer = weakref.finalize(self, _close_resources, sock, ctx if own_context else None)
+        self._finalizer = weakref.finalize(self, _close_resources, sock, ctx if own_context else None,
+                                           self._stop_keepalive)
         try:
             sock.linger = 0
             sock.setsockopt(zmq.REQ_RELAXED, 1)
@@ -108,11 +128,15 @@ class ControlConnection:
 
     def hello(self) -> dict[str, Any]:
         """The bounded startup handshake; returns the daemon's hello reply fields."""
-        req = Hello(pid=os.getpid(), name=self._name)
+        req = Hello(pid=os.getpid(), name=self._name, pid_ns=pid_namespace())
         try:
             self.hello_reply = self.request(req, timeout_ms=self.handshake_timeout_ms)
         except DaemonUnavailableError as exc:
             raise DaemonUnavailableError(self.endpoint, self._not_running_message()) from exc
+        interval = float(self.hello_reply.get("keepalive_s") or 0)
+        if interval > 0:
+            threading.Thread(target=_keepalive, args=(weakref.ref(self), self._stop_keepalive, interval),
+                             name="transportd-keepalive", daemon=True).start()
         return self.hello_reply
 
     def request(self, msg: Request | Mapping[str, Any], *, timeout_ms: int | None = None) -> dict[str, Any]:
@@ -122,7 +146,11 @@ class ControlConnection:
         is not allowed in the session's state, :class:`DaemonTimeoutError` when no reply comes in time.
         A plain dict is sent as is (no state check), which is how tests send malformed messages.
         """
-        self.ensure_alive()
+        with self._lock:
+            return self._request(msg, timeout_ms)
+
+    def _request(self, msg: Request | Mapping[str, Any], timeout_ms: int | None) -> dict[str, Any]:
+        self._ensure_alive()
         timeout = self.timeout_ms if timeout_ms is None else timeout_ms
         op = msg.op if isinstance(msg, Request) else str(msg.get("op", "?"))
         if isinstance(msg, Request):
@@ -138,6 +166,7 @@ class ControlConnection:
         return fields
 
     def _exchange(self, payload: bytes, op: str, timeout_ms: int) -> None:
+        self._last_sent = time.monotonic()
         try:
             self._sock.send(payload)
         except zmq.Again:
@@ -164,6 +193,10 @@ class ControlConnection:
         Cheap when all is well; after a timed-out request it pings the daemon once (bounded by the
         handshake timeout) before letting another request through.
         """
+        with self._lock:
+            self._ensure_alive()
+
+    def _ensure_alive(self) -> None:
         if not self._finalizer.alive:
             raise DaemonUnavailableError(self.endpoint, f"connection to transportd at {self.endpoint} is closed")
         path = _ipc_path(self.endpoint)
@@ -183,6 +216,22 @@ class ControlConnection:
                     self.endpoint, f"transportd at {self.endpoint} stopped answering ({suspect}, and a "
                     f"heartbeat got no reply either). " + _START_HINT) from exc
 
+    def keepalive(self, interval_s: float) -> None:
+        """Send a heartbeat if nothing went to the daemon for ``interval_s``; skipped while a request is out
+        (the daemon is serving us). A failure marks the daemon suspect, so the next request checks it."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self.closed or time.monotonic() - self._last_sent < interval_s:
+                return
+            payload = codec.encode(Heartbeat().to_msg())
+            self._exchange(payload, "heartbeat", self.handshake_timeout_ms)
+            protocol.parse_reply(self._receive("heartbeat", self.handshake_timeout_ms))
+        except TransportdError:
+            pass  # _exchange/_receive noted why in _suspect
+        finally:
+            self._lock.release()
+
     def _not_running_message(self) -> str:
         seconds = self.handshake_timeout_ms / 1000
         detail = ""
@@ -201,7 +250,9 @@ class ControlConnection:
 
     def close(self) -> None:
         """Release the socket (and the context if this connection created it). Does not send ``leave``."""
-        self._finalizer()
+        self._stop_keepalive.set()
+        with self._lock:  # a heartbeat in flight finishes first
+            self._finalizer()
 
     def __enter__(self) -> ControlConnection:
         return self
@@ -212,6 +263,16 @@ class ControlConnection:
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.session.state.value
         return f"ControlConnection({self.endpoint!r}, {state})"
+
+
+def _keepalive(ref: weakref.ReferenceType[ControlConnection], stop: threading.Event, interval_s: float) -> None:
+    """The keepalive thread: holds the connection only while it sends, so a dropped one is still collected."""
+    while not stop.wait(interval_s / 2):
+        conn = ref()
+        if conn is None:
+            return
+        conn.keepalive(interval_s)
+        del conn
 
 
 def _ipc_path(endpoint: str) -> str | None:

@@ -223,9 +223,14 @@ class ControlDispatcher:
         return MappingProxyType(self._clients)
 
     def expire(self, timeout_s: float) -> list[bytes]:
-        """Forget clients silent for more than ``timeout_s``, calling ``handler.on_client_gone`` for each."""
+        """Forget clients silent for more than ``timeout_s``, calling ``handler.on_client_gone`` for each.
+
+        A client whose request the handler deferred is waiting for us, not silent: it is kept.
+        """
         now = self._clock()
-        gone = [cid for cid, info in self._clients.items() if now - info.last_seen > timeout_s]
+        waiting = {t.client_id for t in self._deferred}
+        gone = [cid for cid, info in self._clients.items()
+                if now - info.last_seen > timeout_s and cid not in waiting]
         for cid in gone:
             del self._clients[cid]
             self._deferred = {t for t in self._deferred if t.client_id != cid}
@@ -402,6 +407,10 @@ class ControlServer:
     def expire(self, timeout_s: float) -> list[bytes]:
         """Forget clients silent for more than ``timeout_s``, calling ``handler.on_client_gone`` for each."""
         return self.dispatcher.expire(timeout_s)
+
+    def has_input(self) -> bool:
+        """A request is queued on the socket, not served yet."""
+        return bool(self._socket.poll(0, zmq.POLLIN))
 
     # --- lifetime ------------------------------------------------------------------------------------
 

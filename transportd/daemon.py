@@ -32,6 +32,7 @@ from typing import Any
 from cmd_ring import RingFile
 from transportd import protocol
 from transportd.config import Config
+from transportd.connection import pid_namespace
 from transportd.control import ControlServer
 from transportd.curve import CurveServerKeys
 from transportd.errors import ErrorCode, RequestError
@@ -158,6 +159,7 @@ class Daemon:
         self._channel_ids = itertools.count(1)
         self.clients: dict[bytes, LocalRank | None] = {}
         self.client_pids: dict[bytes, int] = {}
+        self._pid_ns = pid_namespace()
         self.jobs: dict[str, JobState] = {}
         self.connections: dict[tuple[str, str, int], Connection] = {}
         self.accepted: dict[tuple[str, int], Responder] = {}  # (node, their conn id) -> our end of it
@@ -279,12 +281,13 @@ class Daemon:
     # --- control handlers ------------------------------------------------------------------------------
     def on_hello(self, client_id: bytes, req: Hello) -> dict[str, Any]:
         self.clients.setdefault(client_id, None)
-        # a pid names a process on this host only when the client came over the ipc socket; a tcp client
-        # may live elsewhere, and is reclaimed when it leaves
-        if req.pid and self.config.control.socket.startswith("ipc://"):
+        # a pid names a process of ours only over the ipc socket (a tcp client may live elsewhere) and in our
+        # pid namespace (a containerized client's pid means something else here); every other client is
+        # reclaimed when its keepalives stop
+        if req.pid and req.pid_ns and req.pid_ns == self._pid_ns and self.config.control.socket.startswith("ipc://"):
             self.client_pids[client_id] = req.pid
         return {"node": self.node, "backend": self.config.backend.kind, "rails": len(self.workers),
-                "version": protocol.V}
+                "version": protocol.V, "keepalive_s": self.config.control.client_timeout_s / 4}
 
     def on_heartbeat(self, client_id: bytes, req: Heartbeat) -> dict[str, Any]:
         return {"seq": req.seq}
@@ -542,11 +545,15 @@ class Daemon:
 
     # --- reclaiming -------------------------------------------------------------------------------------
     def _check_clients(self) -> None:
-        """Reclaim sessions whose process has exited (a killed client never says leave)."""
+        """Reclaim sessions whose process has exited or whose keepalives stopped (a killed client never says
+        leave). Only with no request queued: a daemon that was busy has not heard what its clients said."""
         for client_id, pid in list(self.client_pids.items()):
             if not _process_alive(pid):
                 log.info("client pid %d exited: reclaiming its session", pid)
                 self._reclaim(client_id)
+        assert self.control
+        if not self.control.has_input():
+            self.control.expire(self.config.control.client_timeout_s)
 
     def _reclaim(self, client_id: bytes) -> None:
         rank = self.clients.pop(client_id, None)

@@ -305,15 +305,22 @@ class Request(Message):
 @_request
 @dataclass(frozen=True)
 class Hello(Request):
-    """Open a session; ``pid`` lets the daemon watch the client process and open its dmabuf fds."""
+    """Open a session; ``pid`` lets the daemon watch the client process and open its dmabuf fds.
+
+    ``pid_ns`` is the inode of the client's pid namespace (``/proc/self/ns/pid``; 0: unknown). A pid names
+    the same process to the daemon only inside one namespace: a client in a container is watched by its
+    keepalive heartbeats instead.
+    """
 
     op: ClassVar[str] = "hello"
     pid: int = 0
     name: str = ""
+    pid_ns: int = 0
 
     def _check(self) -> None:
         self._range("pid", 0, (1 << 31) - 1)
         self._name("name", allow_empty=True)
+        self._range("pid_ns", 0, _U64)
 
 
 @_request

@@ -1,0 +1,84 @@
+"""Sessions of clients that die without leaving are reclaimed; live ones are kept, however idle.
+
+Over ipc, in the daemon's pid namespace, the daemon watches the client's pid. Over tcp, or from another
+pid namespace (a container), a pid means nothing to the daemon: there the client library's keepalives
+decide, and a session silent past ``control.client_timeout_s`` is reclaimed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import gpuclient
+from tests.e2e.test_bad_input import CLIENT
+from transportd.connection import ControlConnection, pid_namespace
+from transportd.localcluster import free_port
+from transportd.protocol import Hello, Join
+
+
+def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Seconds until ``condition`` held (asserting it does within ``timeout_s``)."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout_s, what
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_factory) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    cluster_factory(nodes=1, per_node={"nodea": {"control": {"socket": endpoint, "client_timeout_s": 1.0}}})
+    live = gpuclient.connect(endpoint)
+    try:
+        assert live.info["keepalive_s"] == 0.25  # the daemon asks for a quarter of its timeout
+        session = live.join("idle", rank=0, world=1)
+        session.flags(4)
+        victim = subprocess.Popen([sys.executable, "-c", CLIENT, endpoint], stdout=subprocess.PIPE, text=True)
+        assert victim.stdout is not None
+        ring_path = victim.stdout.readline().strip()
+        assert os.path.exists(ring_path)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        took = _until(lambda: not os.path.exists(ring_path), 10, "the killed tcp client was never reclaimed")
+        time.sleep(max(0.0, 3.0 - took))  # the live client has now been idle for three timeouts
+        stats = live.stats()
+        assert "victim" not in stats["jobs"] and "idle" in stats["jobs"], stats["jobs"]
+        session.leave()
+    finally:
+        live.close()
+
+
+def test_a_client_from_another_pid_namespace_is_judged_by_its_keepalives_not_its_pid(cluster_factory) -> None:
+    cluster = cluster_factory(nodes=1, per_node={"nodea": {"control": {"client_timeout_s": 3.0}}})
+    socket = cluster.socket("nodea")
+    observer = gpuclient.connect(socket)
+    silent: list[ControlConnection] = []
+    try:
+        for job, pid_ns in (("same-ns", pid_namespace()), ("container", pid_namespace() + 1)):
+            # a raw hello, as a client that then goes silent: no keepalive thread (hello() would start one)
+            conn = ControlConnection(socket, handshake=False)
+            silent.append(conn)
+            conn.request(Hello(pid=_dead_pid(), pid_ns=pid_ns, name=job))
+            conn.request(Join(job=job, rank=0, world=1, device=-1))
+        jobs = lambda: observer.stats()["jobs"]  # noqa: E731
+        # the dead pid in our namespace is noticed at once; the same pid from elsewhere means nothing here
+        _until(lambda: "same-ns" not in jobs(), 2.0, "a dead client in the daemon's namespace was kept")
+        assert "container" in jobs()
+        took = _until(lambda: "container" not in jobs(), 10.0, "a silent client was never reclaimed")
+        assert took > 0.5, "reclaimed before client_timeout_s passed"
+    finally:
+        for conn in silent:
+            conn.close()
+        observer.close()
+
