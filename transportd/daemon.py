@@ -195,6 +195,8 @@ class Daemon:
                 on_message=self.on_peer_message, on_peer_down=self.on_peer_down, on_peer_up=self.on_peer_up,
                 heartbeat_interval_s=self.config.peers.heartbeat_interval_s,
                 heartbeat_timeout_s=self.config.peers.heartbeat_timeout_s, curve=curve)
+            for worker in self.workers:
+                worker.on_wait = self._while_a_worker_call_waits
             if self.config.metrics.listen:
                 from transportd.metrics import MetricsServer
 
@@ -238,6 +240,11 @@ class Daemon:
             self.notifier.tick()
         self.notifier.stopping("stopping: draining the rails")
         log.info("stopping: draining the rails")
+
+    def _while_a_worker_call_waits(self) -> None:
+        if self.peers is not None:
+            self.peers.send_heartbeats()
+        self.notifier.tick()
 
     def _static_peers_up(self) -> bool:
         assert self.peers

@@ -241,6 +241,16 @@ class PeerPlane:
     # --- liveness --------------------------------------------------------------------------------------
     def tick(self) -> None:
         """Send heartbeats when due and declare silent peers down."""
+        self.send_heartbeats()
+        now = self._clock()
+        for peer in self.peers.values():
+            if peer.up and now - peer.last_heard > self.timeout:
+                log.warning("peer %s silent for %.1fs: down", peer.node, now - peer.last_heard)
+                self._down(peer)
+
+    def send_heartbeats(self) -> None:
+        """Send heartbeats (and unanswered hellos) when due. Reads nothing, so a caller busy elsewhere (a slow
+        rail-worker call) can keep the peers from declaring this node lost without serving their messages."""
         now = self._clock()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.interval
@@ -250,10 +260,6 @@ class PeerPlane:
                     self._send_on(dealer, self.hello)
             for node in self.peers:
                 self.send(node, PeerHeartbeat(seq=self._hb_seq, t=now))
-        for peer in self.peers.values():
-            if peer.up and now - peer.last_heard > self.timeout:
-                log.warning("peer %s silent for %.1fs: down", peer.node, now - peer.last_heard)
-                self._down(peer)
 
     def _down(self, peer: PeerState) -> None:
         """Report ``peer`` down once (a timeout, a goodbye, a restart); it is up again when it next speaks."""

@@ -47,6 +47,9 @@ class WorkerHandle:
             target=target, kwargs={**kwargs, "link_endpoint": self.endpoint, "rail": rail},
             name=f"transportd-rail{rail}", daemon=True)
         self._seq = 0  # each call's number, echoed by the worker: a late reply is never taken for a later call's
+        # called about every 50 ms while a call waits: the daemon keeps its peer heartbeats and the systemd
+        # watchdog going through a slow call (a first CUDA context, pinning a large region), sending only
+        self.on_wait: Callable[[], None] | None = None
         self.process.start()
         ready = self._receive(start_timeout_s, "start")
         self.info: dict[str, Any] = ready
@@ -74,6 +77,8 @@ class WorkerHandle:
                 return reply
             if not self.process.is_alive():
                 raise WorkerError(f"rail {self.rail} worker died during {op} (exit code {self.process.exitcode})")
+            if self.on_wait is not None:
+                self.on_wait()
             if time.monotonic() > deadline:
                 raise WorkerError(f"rail {self.rail} worker did not answer {op} within {timeout_s}s")
 

@@ -19,3 +19,29 @@ def test_a_late_reply_is_not_taken_for_the_next_calls() -> None:
         assert handle.call("echo", value=3) == {"value": 3}
     finally:
         handle.stop()
+
+
+def test_a_slow_call_keeps_the_peers_heartbeats_going() -> None:
+    """A daemon stuck in a worker call serves nothing, but its peers must not declare it lost meanwhile."""
+    from tests.transportd.test_peers import Events, pump
+    from transportd.localcluster import free_port
+
+    pa, pb = free_port(), free_port()
+    events_b = Events()
+    a = Events().plane("a", pa, (f"127.0.0.1:{pb}",))
+    b = events_b.plane("b", pb, (f"127.0.0.1:{pa}",))
+    b.timeout = 0.5
+    handle = WorkerHandle(0, slow_worker, {"delay_s": 1.5})
+    try:
+        pump([a, b], lambda: ("up", "a") in events_b.log)
+        handle.on_wait = lambda: b.poll(0)  # a sends nothing while it waits: b gives it up
+        handle.call("slow", value=1)
+        assert ("down", "a") in events_b.log
+        pump([a, b], lambda: events_b.log.count(("up", "a")) == 2)
+        handle.on_wait = lambda: (a.send_heartbeats(), b.poll(0))
+        handle.call("slow", value=2)
+        assert events_b.log.count(("down", "a")) == 1, events_b.log
+    finally:
+        handle.stop()
+        a.close()
+        b.close()
