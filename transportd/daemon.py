@@ -48,7 +48,6 @@ from transportd.protocol import (
     Inspect,
     Join,
     Leave,
-    PeerBye,
     PeerConnectAccept,
     PeerConnectRequest,
     PeerDisconnect,
@@ -271,8 +270,7 @@ class Daemon:
             worker.stop()
         self.workers.clear()
         if self.peers:
-            self.peers.broadcast(PeerBye(node=self.node, reason="shutdown"))
-            self.peers.poll(0)
+            self.peers.goodbye("shutdown")
         for client_id in list(self.clients):
             self._reclaim(client_id)
         if self.control:

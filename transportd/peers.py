@@ -90,6 +90,7 @@ class PeerPlane:
         self._clock = clock
         self._ctx = context or zmq.Context.instance()
         self._hb_seq = 0
+        self._leaving = False  # said goodbye: heartbeats stop, and close gives the goodbye time to leave
         self._next_heartbeat = 0.0
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.linger = 0
@@ -129,9 +130,10 @@ class PeerPlane:
             pass  # not connected yet: the hello is resent with every heartbeat until answered
 
     def send(self, node: str, msg: PeerMessage) -> bool:
-        """Send ``msg`` to ``node``; False when the node is unknown or unreachable right now."""
+        """Send ``msg`` to ``node``; False when the node is unknown or unreachable right now, or when this
+        node said goodbye (anything after it, even a heartbeat echo, would bring the node back up)."""
         peer = self.peers.get(node)
-        if peer is None:
+        if peer is None or self._leaving:
             return False
         data = codec.encode(msg.to_msg())
         if peer.dealer is not None:
@@ -155,6 +157,11 @@ class PeerPlane:
             if peer.up:
                 self.send(node, msg)
 
+    def goodbye(self, reason: str) -> None:
+        """Tell every peer this node is going away; nothing is sent after it."""
+        self.broadcast(PeerBye(node=self.node, reason=reason))
+        self._leaving = True
+
     # --- receiving -------------------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0) -> int:
         """Handle what has arrived (waiting up to ``timeout_ms``); returns messages handled."""
@@ -174,6 +181,8 @@ class PeerPlane:
         return handled
 
     def _receive(self, identity: str | None, data: bytes, dealer: zmq.Socket | None) -> None:
+        if self._leaving:
+            return  # said goodbye: hellos and heartbeats go unanswered
         try:
             msg = parse_peer_message(codec.decode(data, max_size=self.max_message_bytes))
         except RemoteProtocolError as exc:
@@ -252,7 +261,7 @@ class PeerPlane:
         """Send heartbeats (and unanswered hellos) when due. Reads nothing, so a caller busy elsewhere (a slow
         rail-worker call) can keep the peers from declaring this node lost without serving their messages."""
         now = self._clock()
-        if now >= self._next_heartbeat:
+        if now >= self._next_heartbeat and not self._leaving:
             self._next_heartbeat = now + self.interval
             self._hb_seq += 2
             for _address, dealer in self._dealers:
@@ -268,9 +277,10 @@ class PeerPlane:
             self._on_down(peer.node)
 
     def close(self) -> None:
+        linger_ms = 500 if self._leaving else 0
         for _, dealer in self._dealers:
-            dealer.close(0)
-        self.router.close(0)
+            dealer.close(linger_ms)
+        self.router.close(linger_ms)
         if self._auth is not None:
             self._auth.stop()
 
