@@ -182,6 +182,7 @@ class Daemon:
         from transportd.rail import rail_main
 
         target = self._worker_target or rail_main
+        self._sweep_stale_files()
         rails = self.config.backend.rails or ()
         count = max(1, len(rails))
         try:
@@ -239,6 +240,32 @@ class Daemon:
             self.notifier.tick()
         self.notifier.stopping("stopping: draining the rails")
         log.info("stopping: draining the rails")
+
+    # --- files clients map (rings, flags, IBGDA queues) ----------------------------------------------------------
+    _FILE_KINDS = ("ring", "flags", "ibgda")
+
+    def _runtime_file(self, kind: str, *parts: object) -> Path:
+        """``tpd-<kind>-<node>-<parts...>-<daemon pid>`` in the runtime directory: the pid says whose it is."""
+        assert kind in self._FILE_KINDS
+        return self.runtime_dir / "-".join(("tpd", kind, self.node, *map(str, parts), str(os.getpid())))
+
+    def _sweep_stale_files(self) -> None:
+        """Remove the files an earlier daemon of this node left behind when it died without cleaning up
+        (SIGKILL, OOM): under systemd the runtime directory goes with the unit, but /dev/shm keeps them."""
+        removed = 0
+        for kind in self._FILE_KINDS:
+            for path in self.runtime_dir.glob(f"tpd-{kind}-{self.node}-*"):
+                pid = path.name.rsplit("-", 1)[-1]
+                if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
+                    continue  # not ours to judge, or its daemon still runs
+                try:
+                    path.unlink()
+                    removed += 1
+                except OSError as exc:
+                    log.warning("cannot remove %s left by daemon pid %s: %s", path, pid, exc)
+        if removed:
+            log.info("removed %d file(s) left in %s by earlier daemons of node %s", removed, self.runtime_dir,
+                     self.node)
 
     def _while_a_worker_call_waits(self) -> None:
         if self.peers is not None:
@@ -367,7 +394,7 @@ class Daemon:
         if req.where == "device" and not req.handle:
             raise RequestError("unsupported", "device flags are allocated by the GPU client and sent by CUDA IPC "
                                               "handle (gpuclient: session.flags(count, where='device'))")
-        path = self.runtime_dir / f"tpd-flags-{self.node}-{rank.job}-{rank.rank}-{os.getpid()}"
+        path = self._runtime_file("flags", rank.job, rank.rank)
         flags = FlagFile(path, req.count, create=True, mode=self.config.control.mode)  # + the status word
         self._give_to_group(path)
         for worker in self.workers:
@@ -420,8 +447,8 @@ class Daemon:
         if req.kind == "ibgda":
             return self._open_ibgda_channel(rank, req.capacity)
         channel_id = next(self._channel_ids)
-        name = f"tpd-ring-{self.node}-{rank.job}-{rank.rank}-{channel_id}-{os.getpid()}"
-        ring = RingFile.create(str(self.runtime_dir / name), req.capacity, mode=self.config.control.mode)
+        path = self._runtime_file("ring", rank.job, rank.rank, channel_id)
+        ring = RingFile.create(str(path), req.capacity, mode=self.config.control.mode)
         self._give_to_group(ring.path)
         try:
             self.workers[rank.rail].call("add_channel", channel=channel_id, path=str(ring.path), job=rank.job,
@@ -453,8 +480,7 @@ class Daemon:
                 if peer == rank.rank:
                     continue
                 queue_id = next(self._conn_ids)
-                path = self.runtime_dir / (f"tpd-ibgda-{self.node}-{rank.job}-{rank.rank}-{chan.channel_id}-{peer}-"
-                                           f"{os.getpid()}")
+                path = self._runtime_file("ibgda", rank.job, rank.rank, chan.channel_id, peer)
                 info = worker.call("create_ibgda_queue", queue=queue_id, job=rank.job, path=str(path),
                                    wqe_cnt=wqe_cnt)
                 node = self.node if peer in job.local else job.remote[peer].node
