@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from tests import waiting
 from transportd import verbs as tverbs
 
 
@@ -16,12 +17,8 @@ def verbs() -> Any:
     return tverbs.load("soft")
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Spin on ``cond`` (which should make progress itself, e.g. by polling); fail, never hang."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+# the conditions poll CQs themselves: spin
+wait_until = functools.partial(waiting.wait_until, interval=0.0)
 
 
 @pytest.fixture

@@ -52,6 +52,7 @@ from transportd.protocol import (
     PeerConnectRequest,
     PeerDisconnect,
     PeerMessage,
+    PeerRankLeft,
     PeerRegions,
     RegionInfo,
     Register,
@@ -605,10 +606,14 @@ class Daemon:
                 _quietly(w.call, "unmap_region", key=f"{rank.job}/{rank.rank}/{region_id}")
         if rank.flags is not None:
             rank.flags.unlink()
+        if rank.announced and self.peers is not None:
+            self.peers.broadcast(PeerRankLeft(job=rank.job, rank=rank.rank))
         job = self.jobs.get(rank.job)
         if job is not None:
             job.local.pop(rank.rank, None)
-            if not job.local:
+            if job.local:  # the job goes on here: the other local ranks stop sending to this one
+                self._forget_rank(rank.job, job, rank.rank)
+            else:
                 self._drop_job(rank.job)
         log.info("job %s rank %d reclaimed", rank.job, rank.rank)
 
@@ -624,7 +629,25 @@ class Daemon:
                 # the peer's responder serves only this connection; the peer's own connections to our
                 # ranks stay (its ranks may still be running, and a rank of ours may rejoin)
                 self.peers.send(conn.node, PeerDisconnect(job=job_name, rail=conn.rail, conn=conn.conn_id))
-        self.jobs.pop(job_name, None)
+        job = self.jobs.pop(job_name, None)
+        # the peers' ranks may still be running: keep what they announced, for a rank of ours that rejoins
+        # (a peer_rank_left, or the node going down, removes it)
+        live = {node for node, peer in (self.peers.peers.items() if self.peers else ()) if peer.up}
+        kept = {r: (info.node, PeerRegions(job=job_name, rank=r, regions=tuple(info.regions.values())))
+                for r, info in (job.remote.items() if job else ()) if info.node in live}
+        if kept and (job_name in self.unclaimed or len(self.unclaimed) < MAX_UNCLAIMED_JOBS):
+            self.unclaimed.setdefault(job_name, {}).update(kept)
+
+    def _forget_rank(self, job_name: str, job: JobState, rank: int, *, in_workers: bool = True) -> None:
+        """Rank ``rank`` is gone from ``job`` (or re-announced): nothing of it counts as pushed or bound any
+        more, and (``in_workers``) the workers refuse records for it with BAD_PEER until it is set again."""
+        job.pushed = {p for p in job.pushed if p[1] != rank}
+        for conn in self.connections.values():
+            if conn.job == job_name:
+                conn.bound.discard(rank)
+        if in_workers:
+            for worker in self.workers:
+                _quietly(worker.call, "forget_peer", job=job_name, peer=rank)
 
     # --- peers ---------------------------------------------------------------------------------------------
     def on_peer_up(self, node: str) -> None:
@@ -668,6 +691,8 @@ class Daemon:
                 self._on_connect_accept(node, msg)
             elif isinstance(msg, PeerDisconnect):
                 self._on_disconnect(node, msg)
+            elif isinstance(msg, PeerRankLeft):
+                self._on_rank_left(node, msg)
         except (WorkerError, RequestError) as exc:
             log.warning("peer %s: %s failed: %s", node, msg.op, exc)
 
@@ -683,8 +708,21 @@ class Daemon:
             log.warning("peer %s claims rank %d of job %s, which is local here: ignored", node, msg.rank, msg.job)
             return
         job.remote[msg.rank] = RemoteRank(node, {(r.id, r.rail): r for r in msg.regions})
-        job.pushed = {p for p in job.pushed if p[1] != msg.rank}
+        self._forget_rank(msg.job, job, msg.rank, in_workers=False)  # re-pushed in full just below
         self._refresh_job(msg.job)
+
+    def _on_rank_left(self, node: str, msg: PeerRankLeft) -> None:
+        unclaimed = self.unclaimed.get(msg.job, {})
+        if unclaimed.get(msg.rank, (None,))[0] == node:
+            del unclaimed[msg.rank]
+            if not unclaimed:
+                del self.unclaimed[msg.job]
+        job = self.jobs.get(msg.job)
+        remote = job.remote.get(msg.rank) if job is not None else None
+        if job is not None and remote is not None and remote.node == node:
+            del job.remote[msg.rank]
+            self._forget_rank(msg.job, job, msg.rank)
+            log.info("job %s: rank %d on node %s left", msg.job, msg.rank, node)
 
     def _refresh_job(self, job_name: str) -> None:
         """Open missing connections and push missing tables to the workers (idempotent)."""

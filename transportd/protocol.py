@@ -57,6 +57,7 @@ __all__ = [
     "PeerHeartbeat",
     "PeerHello",
     "PeerMessage",
+    "PeerRankLeft",
     "PeerRegions",
     "RailQP",
     "Record",
@@ -637,7 +638,8 @@ class PeerConnectAccept(_PeerEndpoint):
 @_peer
 @dataclass(frozen=True)
 class PeerDisconnect(PeerMessage):
-    """The sender closed its end of connection ``conn`` (an IBGDA queue pair): close the end accepted for it."""
+    """The sender closed its end of connection ``conn`` (a job's connection or an IBGDA queue pair): close the
+    end accepted for it."""
 
     op: ClassVar[str] = "peer_disconnect"
     job: str
@@ -667,6 +669,20 @@ class PeerRegions(PeerMessage):
             self._fail("regions", f"at most {MAX_REGIONS} regions, got {len(self.regions)}")
         if len({(r.id, r.rail) for r in self.regions}) != len(self.regions):
             self._fail("regions", "lists the same (id, rail) twice")
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerRankLeft(PeerMessage):
+    """Rank ``rank`` of ``job`` on the sending node left (or was reclaimed): forget its regions and flags."""
+
+    op: ClassVar[str] = "peer_rank_left"
+    job: str
+    rank: int
+
+    def _check(self) -> None:
+        self._name("job")
+        self._range("rank", 0, MAX_WORLD - 1)
 
 
 @_peer

@@ -292,6 +292,13 @@ class Proxy:
             entry.peers.unbind(peer)
             entry.conns = entry.peers.connections()
 
+    def forget_peer(self, job: str, peer: int) -> None:
+        """Peer rank ``peer`` left ``job``: records for it are rejected with BAD_PEER until it is set again."""
+        with self._lock:
+            entry = self._job(job)
+            entry.peers.forget(peer)
+            entry.conns = entry.peers.connections()
+
     def fail_connection(self, conn: int, code: int) -> None:
         """Connection ``conn`` is gone (``code``: usually PEER_LOST; 0 when it was closed on purpose).
 

@@ -188,6 +188,10 @@ class RailService:
         self.proxy.bind_peer(job, peer, conn)
         return {}
 
+    def op_forget_peer(self, job: str, peer: int) -> dict[str, Any]:
+        self.proxy.forget_peer(job, peer)
+        return {}
+
     # --- connections ------------------------------------------------------------------------------------
     def op_create_endpoint(self, conn: int, job: str, responder: bool = False) -> dict[str, Any]:
         self.conn_jobs[conn] = job

@@ -214,6 +214,15 @@ class PeerTable:
         if 0 <= rank < self.rows:
             self.flag_slots[rank] = 0
 
+    def forget(self, rank: int) -> None:
+        """``rank`` left the job: unbound (its records get BAD_PEER), no flags, no regions."""
+        if 0 <= rank < self.rows:
+            self.unbind(rank)
+            self.remove_flags(rank)
+            row = slice(self._at(rank, 0), self._at(rank, self.cols))
+            self.valid[row] = False
+            self.length[row] = 0
+
     def connections(self) -> np.ndarray:
         """The distinct connection indexes this job's records may feed."""
         return np.unique(self.conn[self.conn >= 0])

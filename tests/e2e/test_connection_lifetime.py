@@ -3,14 +3,14 @@ a peer daemon comes back (systemd restarts it, the node reboots)."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 import gpuclient
-from tests.e2e.conftest import Rank, close_ranks, join_ranks
+from tests.e2e.conftest import Rank, close_ranks, join_rank, join_ranks
+from tests.waiting import wait_until
 from transportd.connection import ControlConnection
+from transportd.errors import ErrorCode
 from transportd.localcluster import LocalCluster
 from transportd.protocol import Stats
 
@@ -68,10 +68,7 @@ def test_a_finished_job_leaves_no_queue_pair_on_either_node(cluster_factory) -> 
                 assert len(endpoints) == 2 and len(responders) == 1, during
         finally:
             close_ranks([a, b])
-        deadline = time.monotonic() + 10
-        while _endpoints(cluster) != idle:
-            assert time.monotonic() < deadline, f"after job {job}: {_endpoints(cluster)}"
-            time.sleep(0.05)
+        wait_until(lambda: _endpoints(cluster) == idle, f"every queue pair of job {job} to close")
 
 
 def test_two_ranks_on_one_node_close_their_loopback_pair(cluster_factory) -> None:
@@ -92,3 +89,28 @@ def test_two_ranks_on_one_node_close_their_loopback_pair(cluster_factory) -> Non
     finally:
         client.close()
         other.close()
+
+
+@pytest.mark.parametrize("layout", ["two-nodes", "one-node"])
+def test_a_rank_that_leaves_and_rejoins_a_running_job_moves_data_both_ways(cluster_factory, layout: str) -> None:
+    """Rank 0's process restarts while rank 1 keeps running: while it is away, commands to it are refused
+    (never posted to its old keys), and once it is back both directions use its new regions and flags."""
+    cluster = cluster_factory(nodes=2 if layout == "two-nodes" else 1)
+    node_b = cluster.names[-1]
+    a, b = join_ranks(cluster, job="j", seed=1, nodes=cluster.names if layout == "two-nodes" else ["nodea"] * 2)
+    _both_ways(a, b, slot=0)
+    close_ranks([a])
+    with ControlConnection(cluster.socket(node_b)) as conn:
+        wait_until(lambda: conn.request(Stats())["jobs"]["j"]["remote"] == [] or layout == "one-node",
+                   "node b to hear that rank 0 left")
+    probe = b.session.channel(capacity=64)
+    probe.put(peer=0, dst_region=1, dst_off=0, src_region=b.src.id, src_off=0, nbytes=64)
+    wait_until(lambda: probe.status()[0] == ErrorCode.BAD_PEER, "the put to the absent rank to be refused")
+    a = join_rank(cluster, "nodea", "j", 0, 2, rng=np.random.default_rng(2))  # its process restarted
+    a.session.exchange(timeout=30)
+    a.channel = a.session.channel(capacity=256)
+    try:
+        _both_ways(a, b, slot=1)
+    finally:
+        close_ranks([a, b])
+

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from ibgda import mlx5_layout as L
 from ibgda.channel_tables import HostAlloc, build_channel
 from ibgda.device_handle import QP_STATE_DTYPE, SignalMode
 from ibgda.soft_mlx5 import SoftMlx5Queue
+from tests import waiting
 from transportd import verbs as tverbs
 
 HERE = Path(__file__).resolve().parent
@@ -86,12 +86,9 @@ def host_lib(build_dir: Path) -> ctypes.CDLL:
     return lib
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.0005)
+def wait_until(cond: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    """A soft queue's thread does the work: look often (every 0.5 ms), for up to 20 s."""
+    return waiting.wait_until(cond, what, timeout, interval=0.0005)
 
 
 class HostCq:

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sysconfig
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.e2e.conftest import Rank, close_ranks, join_ranks
+from tests.waiting import wait_until  # noqa: F401  (the ops tests import it from here)
 from transportd.ctl import main as ctl_main
 from transportd.localcluster import LocalCluster, free_port
 
@@ -91,17 +91,6 @@ def ctl_process(*args: str, prefix: tuple[str, ...] = ()) -> CtlResult:
     env = {k: v for k, v in os.environ.items() if k != "TRANSPORTD_SOCKET"}
     proc = subprocess.run([*prefix, script, *args], capture_output=True, text=True, timeout=60, env=env)
     return CtlResult(proc.returncode, proc.stdout, proc.stderr)
-
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,26 @@
+"""The one bounded wait the tests use: poll a condition, return what it returned, fail (never hang)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+
+def wait_until(cond: Callable[[], T], what: str = "condition", timeout: float = 10.0, interval: float = 0.05) -> T:
+    """Call ``cond`` every ``interval`` seconds (0: spin, for conditions that make progress themselves, such
+    as polling a CQ) until it returns something truthy, and return that; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        if interval:
+            time.sleep(interval)
+
