@@ -58,17 +58,23 @@ def test_a_finished_job_leaves_no_queue_pair_on_either_node(cluster_factory) -> 
     cluster = cluster_factory(backend="ib")
     idle = _endpoints(cluster)
     assert idle == {"nodea": ([], []), "nodeb": ([], [])}
-    for job in ("first", "second"):
-        a, b = join_ranks(cluster, job=job, nbytes=1 << 20)
-        try:
+
+    def per_node(jobs: int) -> bool:  # each job: a requester of its own and a responder for the other node's
+        return all(len(e) == 2 * jobs and len(r) == jobs for e, r in _endpoints(cluster).values())
+
+    first = join_ranks(cluster, job="first", seed=1)
+    second = join_ranks(cluster, job="second", seed=2)
+    try:
+        for a, b in (first, second):
             _both_ways(a, b, slot=0)
-            during = _endpoints(cluster)
-            for name in cluster.names:  # a requester of its own and a responder for the other node's
-                endpoints, responders = during[name]
-                assert len(endpoints) == 2 and len(responders) == 1, during
-        finally:
-            close_ranks([a, b])
-        wait_until(lambda: _endpoints(cluster) == idle, f"every queue pair of job {job} to close")
+        assert per_node(2), _endpoints(cluster)
+        close_ranks(first)
+        first = []
+        wait_until(lambda: per_node(1), "job first's queue pairs to close")
+        _both_ways(*second, slot=1)  # the job still running lost nothing
+    finally:
+        close_ranks(first + second)
+    wait_until(lambda: _endpoints(cluster) == idle, "every queue pair to close")
 
 
 def test_two_ranks_on_one_node_close_their_loopback_pair(cluster_factory) -> None:
