@@ -164,9 +164,10 @@ class ControlConfig:
         "Largest control message accepted; larger ones get a too_large error reply.",
         _between(4096, 64 << 20)))
     client_timeout_s: float = field(default=30.0, metadata=_meta(
-        "Seconds a client may stay silent before its session is reclaimed. Clients send keepalives at a "
-        "quarter of it; a client over ipc in the daemon's pid namespace is also reclaimed as soon as its "
-        "process exits.", _between(0.5, 86400.0)))
+        "Seconds a client not watched by pid may stay silent before its session is reclaimed (clients "
+        "send keepalives at a quarter of it). A client over ipc in the daemon's pid namespace is watched "
+        "by pid instead: reclaimed as soon as its process exits, kept while it exists.",
+        _between(0.5, 86400.0)))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import socket as _socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -222,15 +222,16 @@ class ControlDispatcher:
         """Known clients by zmq identity (read-only view)."""
         return MappingProxyType(self._clients)
 
-    def expire(self, timeout_s: float) -> list[bytes]:
+    def expire(self, timeout_s: float, keep: Collection[bytes] = ()) -> list[bytes]:
         """Forget clients silent for more than ``timeout_s``, calling ``handler.on_client_gone`` for each.
 
-        A client whose request the handler deferred is waiting for us, not silent: it is kept.
+        A client whose request the handler deferred is waiting for us, not silent: it is kept, as are those
+        in ``keep`` (the caller knows them alive by other means).
         """
         now = self._clock()
         waiting = {t.client_id for t in self._deferred}
         gone = [cid for cid, info in self._clients.items()
-                if now - info.last_seen > timeout_s and cid not in waiting]
+                if now - info.last_seen > timeout_s and cid not in waiting and cid not in keep]
         for cid in gone:
             del self._clients[cid]
             self._deferred = {t for t in self._deferred if t.client_id != cid}
@@ -404,9 +405,10 @@ class ControlServer:
         """Known clients by zmq identity (read-only view), with session state and last-seen time."""
         return self.dispatcher.clients
 
-    def expire(self, timeout_s: float) -> list[bytes]:
-        """Forget clients silent for more than ``timeout_s``, calling ``handler.on_client_gone`` for each."""
-        return self.dispatcher.expire(timeout_s)
+    def expire(self, timeout_s: float, keep: Collection[bytes] = ()) -> list[bytes]:
+        """Forget clients silent for more than ``timeout_s`` (except those in ``keep``), calling
+        ``handler.on_client_gone`` for each."""
+        return self.dispatcher.expire(timeout_s, keep)
 
     def has_input(self) -> bool:
         """A request is queued on the socket, not served yet."""

@@ -578,14 +578,15 @@ class Daemon:
     # --- reclaiming -------------------------------------------------------------------------------------
     def _check_clients(self) -> None:
         """Reclaim sessions whose process has exited or whose keepalives stopped (a killed client never says
-        leave). Only with no request queued: a daemon that was busy has not heard what its clients said."""
+        leave). A client watched by pid is kept while its process exists, even stopped in a debugger.
+        Silence counts only with no request queued: a daemon that was busy has not heard its clients."""
         for client_id, pid in list(self.client_pids.items()):
             if not _process_alive(pid):
                 log.info("client pid %d exited: reclaiming its session", pid)
                 self._reclaim(client_id)
         assert self.control
         if not self.control.has_input():
-            self.control.expire(self.config.control.client_timeout_s)
+            self.control.expire(self.config.control.client_timeout_s, keep=self.client_pids.keys())
 
     def _reclaim(self, client_id: bytes) -> None:
         rank = self.clients.pop(client_id, None)

@@ -51,17 +51,19 @@ def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_f
         live.close()
 
 
-def test_a_client_from_another_pid_namespace_is_judged_by_its_keepalives_not_its_pid(cluster_factory) -> None:
+def test_a_client_is_judged_by_its_pid_in_our_namespace_and_by_its_keepalives_elsewhere(cluster_factory) -> None:
     cluster = cluster_factory(nodes=1, per_node={"nodea": {"control": {"client_timeout_s": 3.0}}})
     socket = cluster.socket("nodea")
     observer = gpuclient.connect(socket)
     silent: list[ControlConnection] = []
     try:
-        for job, pid_ns in (("same-ns", pid_namespace()), ("container", pid_namespace() + 1)):
+        for job, pid, pid_ns in (("same-ns", _dead_pid(), pid_namespace()),
+                                 ("container", _dead_pid(), pid_namespace() + 1),
+                                 ("stopped", os.getpid(), pid_namespace())):  # alive, but silent (a debugger)
             # a raw hello, as a client that then goes silent: no keepalive thread (hello() would start one)
             conn = ControlConnection(socket, handshake=False)
             silent.append(conn)
-            conn.request(Hello(pid=_dead_pid(), pid_ns=pid_ns, name=job))
+            conn.request(Hello(pid=pid, pid_ns=pid_ns, name=job))
             conn.request(Join(job=job, rank=0, world=1, device=-1))
         jobs = lambda: observer.stats()["jobs"]  # noqa: E731
         # the dead pid in our namespace is noticed at once; the same pid from elsewhere means nothing here
@@ -70,6 +72,8 @@ def test_a_client_from_another_pid_namespace_is_judged_by_its_keepalives_not_its
         t0 = time.monotonic()
         wait_until(lambda: "container" not in jobs(), "the silent client to be reclaimed")
         assert time.monotonic() - t0 > 0.5, "reclaimed before client_timeout_s passed"
+        time.sleep(1.0)
+        assert "stopped" in jobs(), "a silent client whose process is alive was reclaimed"
     finally:
         for conn in silent:
             conn.close()
