@@ -606,6 +606,8 @@ class Daemon:
             for region_id in rank.regions:
                 _quietly(w.call, "unmap_region", key=f"{rank.job}/{rank.rank}/{region_id}")
         if rank.flags is not None:
+            # a client still waiting on its flags (the daemon stopping, its session expired) stops waiting
+            rank.flags.set_status(int(ErrorCode.CLIENT_GONE))
             rank.flags.unlink()
         if rank.announced and self.peers is not None:
             self.peers.broadcast(PeerRankLeft(job=rank.job, rank=rank.rank))

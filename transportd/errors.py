@@ -159,7 +159,7 @@ class ErrorCode(IntEnum):
     OUT_OF_BOUNDS = 4, "offset + length falls outside the source or destination region."
     BAD_LENGTH = 5, "A transfer length of zero, or above the backend's maximum message size."
     BAD_SLOT = 6, "A signal or flag slot index outside the channel's flag array."
-    CLIENT_GONE = 7, "A record arrived from a client that already left or was reclaimed."
+    CLIENT_GONE = 7, "The session is over (left, reclaimed, or the daemon stopped): its records are refused."
     PEER_LOST = 8, "The destination's node stopped answering heartbeats; its work was flushed."
     REMOTE_ACCESS = 9, "The remote NIC refused the access (rkey, bounds or permission): a remote-access error."
     TRANSPORT = 10, "Any other completion error from the NIC (retry exceeded, QP in error, flush)."

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import gpuclient
 from tests.e2e.test_bad_input import CLIENT
 from tests.waiting import wait_until
@@ -79,3 +81,18 @@ def test_a_client_is_judged_by_its_pid_in_our_namespace_and_by_its_keepalives_el
             conn.close()
         observer.close()
 
+
+
+def test_a_waiting_client_learns_at_once_that_its_daemon_stopped(cluster_factory) -> None:
+    cluster = cluster_factory(nodes=1)
+    client = gpuclient.connect(cluster.socket("nodea"))
+    try:
+        session = client.join("j", rank=0, world=1)
+        session.flags(4)
+        assert cluster.terminate("nodea") == 0
+        t0 = time.monotonic()
+        with pytest.raises(gpuclient.ChannelError, match="CLIENT_GONE"):
+            session.wait(slot=0, at_least=1, timeout=30)
+        assert time.monotonic() - t0 < 5  # not the wait's timeout
+    finally:
+        client.close()

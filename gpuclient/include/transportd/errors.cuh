@@ -24,7 +24,7 @@ enum tpd_error_code {
     TPD_ERR_BAD_LENGTH = 5,
     /** A signal or flag slot index outside the channel's flag array. */
     TPD_ERR_BAD_SLOT = 6,
-    /** A record arrived from a client that already left or was reclaimed. */
+    /** The session is over (left, reclaimed, or the daemon stopped): its records are refused. */
     TPD_ERR_CLIENT_GONE = 7,
     /** The destination's node stopped answering heartbeats; its work was flushed. */
     TPD_ERR_PEER_LOST = 8,
