@@ -29,7 +29,13 @@ import zmq
 from transportd import codec, protocol
 from transportd.config import DEFAULT_SOCKET, SOCKET_ENV, Config
 from transportd.curve import CurveClientKeys, configure_client
-from transportd.errors import DaemonTimeoutError, DaemonUnavailableError, TransportdError
+from transportd.errors import (
+    DaemonTimeoutError,
+    DaemonUnavailableError,
+    RequestError,
+    SessionLostError,
+    TransportdError,
+)
 from transportd.protocol import Heartbeat, Hello, Request, Session
 
 __all__ = ["ControlConnection", "pid_namespace", "resolve_endpoint"]
@@ -160,7 +166,12 @@ class ControlConnection:
             payload = codec.encode(dict(msg))
         self._exchange(payload, op, timeout)
         reply = self._receive(op, timeout)
-        fields = protocol.parse_reply(reply)  # raises RequestError for error replies
+        try:
+            fields = protocol.parse_reply(reply)  # raises RequestError for error replies
+        except RequestError as exc:
+            if exc.code == protocol.ReplyCode.NO_SESSION:
+                raise SessionLostError(exc.code, exc.message) from None
+            raise
         if isinstance(msg, Request):
             self.session.advance(op)
         return fields

@@ -50,6 +50,7 @@ from transportd.protocol import (
     ReplyCode,
     Request,
     Session,
+    SessionState,
     Stats,
 )
 
@@ -151,6 +152,10 @@ class ControlDispatcher:
             info.last_seen = now
             info.requests += 1
             refusal = info.session.refuse_reason(op)
+            if refusal is not None and info.session.state is SessionState.NEW:
+                # only a client that said hello to an earlier daemon, or whose session expired, skips it
+                raise RequestError(ReplyCode.NO_SESSION, f"this daemon has no session for this client ({refusal}):"
+                                   " it restarted, or reclaimed the session; connect and join again")
             if refusal is not None:
                 raise RequestError(ReplyCode.BAD_STATE, refusal)
             method = getattr(self.handler, f"on_{op}", None)

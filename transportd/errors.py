@@ -36,6 +36,7 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "RequestError",
+    "SessionLostError",
     "TransportdError",
     "error_code_c_enum",
 ]
@@ -100,6 +101,11 @@ class RequestError(TransportdError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
         return (type(self), (self.code, self.message))
+
+
+class SessionLostError(RequestError):
+    """The daemon no longer knows this client's session: it restarted, or reclaimed the session (its process
+    looked dead, or it stayed silent past ``control.client_timeout_s``). Connect and join again."""
 
 
 class PeerError(TransportdError):

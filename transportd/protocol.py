@@ -111,6 +111,7 @@ class ReplyCode(StrEnum):
     UNKNOWN_OP = "unknown_op"  #: ``op`` names no request
     BAD_FIELD = "bad_field"  #: a field is missing, extra, of the wrong type or out of range
     BAD_STATE = "bad_state"  #: the op is not allowed in the session's state (e.g. register before join)
+    NO_SESSION = "no_session"  #: the daemon has no session for this client (it restarted, or reclaimed it)
     INVALID = "invalid"  #: well-formed but refused (a handle that does not open, a duplicate rank, ...)
     NOT_FOUND = "not_found"  #: names something that does not exist (a region id, a job)
     LIMIT = "limit"  #: a resource limit was reached (memlock, rings, regions)

@@ -19,6 +19,7 @@ import gpuclient
 from tests.e2e.test_bad_input import CLIENT
 from tests.waiting import wait_until
 from transportd.connection import ControlConnection, pid_namespace
+from transportd.errors import SessionLostError
 from transportd.localcluster import free_port
 from transportd.protocol import Hello, Join
 
@@ -94,5 +95,22 @@ def test_a_waiting_client_learns_at_once_that_its_daemon_stopped(cluster_factory
         with pytest.raises(gpuclient.ChannelError, match="CLIENT_GONE"):
             session.wait(slot=0, at_least=1, timeout=30)
         assert time.monotonic() - t0 < 5  # not the wait's timeout
+    finally:
+        client.close()
+
+
+def test_a_client_of_a_restarted_daemon_is_told_its_session_is_gone(cluster_factory) -> None:
+    cluster = cluster_factory(nodes=1)
+    client = gpuclient.connect(cluster.socket("nodea"))
+    try:
+        session = client.join("j", rank=0, world=1)
+        session.flags(4)
+        cluster.terminate("nodea")
+        cluster.restart("nodea")  # the same socket: the client's connection reaches the new daemon
+        with pytest.raises(SessionLostError, match="join again"):
+            session.register(gpuclient.host_array(4096))
+        again = gpuclient.connect(cluster.socket("nodea"))  # and starting over works
+        again.join("j", rank=0, world=1).leave()
+        again.close()
     finally:
         client.close()

@@ -344,9 +344,10 @@ def test_client_liveness_and_expiry(sock_dir):
     now[0] = 111.0
     assert dispatcher.expire(10.0) == [b"a"]
     assert handler.gone == [b"a"] and set(dispatcher.clients) == {b"b"}
-    # An expired client starts over: its next request is refused until it says hello again.
+    # An expired client starts over: its next request is refused, saying the session is gone, until it says
+    # hello again.
     reply = dispatcher.handle(b"a", codec.encode(Stats().to_msg()))
-    assert reply["code"] == "bad_state"
+    assert reply["code"] == "no_session" and "join again" in reply["message"]
 
 
 def test_garbage_from_unknown_clients_creates_no_state():
