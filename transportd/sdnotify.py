@@ -36,6 +36,7 @@ class Notifier:
         self.watchdog_interval_s = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and watchdog_for_us else 0.0
         self._next_watchdog = 0.0
         self._last_status = ""
+        self._stopping = False
 
     @property
     def enabled(self) -> bool:
@@ -69,10 +70,11 @@ class Notifier:
 
     def stopping(self, status: str = "draining") -> None:
         self._last_status = status
+        self._stopping = True  # systemd stops watching now (TimeoutStopSec rules): no WATCHDOG=1 follows
         self.notify("STOPPING=1", f"STATUS={status}", wait_s=self.important_wait_s)
 
     def tick(self) -> None:
-        if self.watchdog_interval_s and time.monotonic() >= self._next_watchdog:
+        if self.watchdog_interval_s and not self._stopping and time.monotonic() >= self._next_watchdog:
             self._next_watchdog = time.monotonic() + self.watchdog_interval_s
             self.notify("WATCHDOG=1")
 

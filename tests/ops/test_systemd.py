@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from cmd_ring import RingFullError
 from tests.e2e.conftest import join_ranks
@@ -199,6 +200,12 @@ def test_notifier_honours_watchdog_pid_and_abstract_sockets() -> None:
         assert server.recv(4096) == b"WATCHDOG=1"
         n.stopping("bye")
         assert server.recv(4096) == b"STOPPING=1\nSTATUS=bye"
+        time.sleep(0.6)  # a watchdog ping is due again, but systemd no longer watches a stopping service
+        n.tick()
+        server.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            server.recv(4096)
+        server.settimeout(2)
         n.close()
         # a manager that stops reading never holds the sender (a blocking send would hang this test): status
         # and watchdog are dropped once its queue is full, READY=1 gives up after a bounded wait
