@@ -7,6 +7,7 @@ import sys
 import click
 
 EXIT_CONFIG = 78  # EX_CONFIG (sysexits.h): the configuration is wrong; restarting will not help
+EXIT_SOFTWARE = 70  # EX_SOFTWARE: the daemon stopped itself (a rail worker died); a restart may help
 
 
 @click.group()
@@ -41,6 +42,9 @@ def run(config_path: str | None) -> None:
         daemon.run()
     finally:
         daemon.close()
+    if daemon.failure:
+        click.echo(f"transportd: {daemon.failure}", err=True)
+        sys.exit(EXIT_SOFTWARE)
 
 
 @main.command()

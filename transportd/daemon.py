@@ -155,6 +155,7 @@ class Daemon:
         self.node = config.node.name
         self.started = time.time()
         self.stop_event = threading.Event()
+        self.failure: str | None = None  # why the daemon stopped on its own (the CLI exits non-zero)
         self._conn_ids = itertools.count(1)
         self._channel_ids = itertools.count(1)
         self.clients: dict[bytes, LocalRank | None] = {}
@@ -225,6 +226,7 @@ class Daemon:
             now = time.monotonic()
             if now >= next_liveness:
                 next_liveness = now + 0.2
+                self._check_workers()
                 self._check_clients()
                 if not self.ready:
                     if self._static_peers_up() or now - started > self.peer_wait_s:
@@ -576,6 +578,16 @@ class Daemon:
         self._reclaim(client_id)
 
     # --- reclaiming -------------------------------------------------------------------------------------
+    def _check_workers(self) -> None:
+        """A rail worker that died (a crash in the provider, the OOM killer) took its QPs and its rings'
+        proxy with it: nothing on that rail would ever complete. Stop, so every client and peer hears it
+        now, and exit non-zero so the service manager starts a whole daemon again."""
+        for worker in self.workers:
+            if not worker.process.is_alive() and self.failure is None:
+                self.failure = f"rail {worker.rail} worker died (exit code {worker.process.exitcode})"
+                log.error("%s: stopping the daemon", self.failure)
+                self.stop_event.set()
+
     def _check_clients(self) -> None:
         """Reclaim sessions whose process has exited or whose keepalives stopped (a killed client never says
         leave). A client watched by pid is kept while its process exists, even stopped in a debugger.
