@@ -56,6 +56,7 @@ def test_full_file(write):
         mode = 0o600
         group = ""
         max_message_bytes = 65536
+        client_timeout_s = 120
         [peers]
         listen = "tcp://*:19000"
         static = ["gpu-08:19000", "[fe80::1]:19000"]
@@ -92,6 +93,7 @@ def test_full_file(write):
     cfg = load_config(path, env={})
     assert cfg.node.name == "gpu-07"
     assert cfg.control.mode == 0o600 and cfg.control.group is None
+    assert cfg.control.client_timeout_s == 120.0
     assert cfg.peers.static == ("gpu-08:19000", "[fe80::1]:19000")
     assert cfg.peers.heartbeat_timeout_s == 3.0 and isinstance(cfg.peers.heartbeat_timeout_s, float)
     assert cfg.backend.rails == (RailConfig("rdmap16s27", 0, 0), RailConfig("rdmap32s27"))
@@ -147,6 +149,8 @@ BAD = [
     ("[control]\nmode = 1.5\n", "control.mode", "expected integer or string, got float"),
     ("[control]\ngroup = 5\n", "control.group", "expected a string, got integer"),
     ("[control]\nmax_message_bytes = 10\n", "control.max_message_bytes", "must be in"),
+    ("[control]\nclient_timeout_s = 0\n", "control.client_timeout_s", "must be in"),
+    ("[control]\nclient_timeout_s = 'long'\n", "control.client_timeout_s", "expected"),
     ("[node]\nname = 'has space'\n", "node.name", "not a node name"),
     ("[logging]\nlevel = 'loud'\n", "logging.level", "must be one of debug, info"),
     ("[logging]\nformat = 'xml'\n", "logging.format", "must be one of 'json', 'text'"),

@@ -50,6 +50,7 @@ IPC_HANDLE = bytes(range(64))
 REQUEST_SAMPLES = [
     Hello(),
     Hello(pid=1234, name="trainer"),
+    Hello(pid=1234, name="in-a-container", pid_ns=4026531836),
     Join("llama-70b.run_3", 3, 16, 2),
     Join("cpu", 0, 1, -1),
     Register("cuda_ipc", IPC_HANDLE, size=1 << 20, offset=4096, address=0x7F0000000000, access=("write",)),
@@ -212,6 +213,8 @@ def test_register_validation(fields, field, match):
         (lambda: ChannelInfo(0), "channel", "must be in"),
         (lambda: Channel(1 << 21), "capacity", "must be in"),
         (lambda: Hello(pid=-5), "pid", "must be in"),
+        (lambda: Hello(pid=5, pid_ns=-1), "pid_ns", "must be in"),
+        (lambda: Hello(pid=5, pid_ns=1 << 64), "pid_ns", "must be in"),
         (lambda: Heartbeat(seq=-1), "seq", "must be in"),
         (lambda: Inspect("queues", "j", 0), "what", "must be one of 'flags'"),
         (lambda: Inspect("flags", "j", -1), "rank", "must be in"),
