@@ -244,11 +244,6 @@ class ProxyConfig:
     ring_capacity: int = field(default=4096, metadata=_meta(
         "Default command-ring slots per channel (a power of two).",
         _power_of_two(MIN_CHANNEL_CAPACITY, MAX_CHANNEL_CAPACITY)))
-    idle: Literal["adaptive", "spin"] = field(default="adaptive", metadata=_meta(
-        "What a rail worker does without work. adaptive: spins 2 ms, then watches its rings between short "
-        "naps, and after 150 ms idle waits up to 1 ms between passes (little CPU when idle; the first "
-        "command after a long pause may wait that millisecond). spin: passes back to back always (a whole "
-        "core per rail, even idle; the lowest latency)."))
 
 
 @dataclass(frozen=True)

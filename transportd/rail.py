@@ -278,15 +278,14 @@ NAP_S = 20e-6
 DEEP_AFTER_S = 0.15  # idle this long: wait up to 1 ms on the link between passes (about 6% of a core here)
 
 
-def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], *, spin: bool = False) -> None:
+def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool]) -> None:
     """Run the proxy and serve the main process's requests until ``stopping()`` or a stop request.
 
     While the proxy has work it runs pass after pass, serving requests every 64 passes. When a pass finds
     nothing to do the worker keeps spinning for ``SPIN_S``, then alternates a pass (which also drains
     completions and serves requests) with watching the ring headers for ``WATCH_S`` (a committed record
     ends the wait at once) and a ``NAP_S`` sleep; after ``DEEP_AFTER_S`` it waits up to a millisecond on
-    the link between passes, so a long-idle worker costs little CPU. With ``spin`` (``proxy.idle =
-    "spin"``) it never backs off: an idle pass is treated like a busy one.
+    the link between passes, so a long-idle worker costs little CPU.
     """
     run_once, serve_pending, wait_ready = proxy.run_once, link.serve_pending, proxy.wait_ready
     clock = time.perf_counter
@@ -294,7 +293,7 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], *, spin: b
     idle_since = -1.0
     while not stopping():
         iterations += 1
-        if run_once() or spin:
+        if run_once():
             idle_since = -1.0
             if iterations % 64 == 0 and serve_pending(0):
                 break
@@ -323,7 +322,7 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     service.cpus = list(cpus) if cpus is not None else None
     link = WorkerEndpoint(link_endpoint, service)
     link.send_ready(address=service.backend.local_address())
-    serve_loop(service.proxy, link, lambda: service.stopping, spin=cfg.proxy.idle == "spin")
+    serve_loop(service.proxy, link, lambda: service.stopping)
     link.close()
     for queue in list(service.ibgda):
         service.op_close_ibgda_queue(queue)

@@ -40,20 +40,3 @@ def test_sizes_parse(text, size) -> None:
 def test_bad_sizes_are_refused(text) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
-
-
-def test_idle_gaps_and_a_spinning_proxy(tmp_path) -> None:
-    path = tmp_path / "e2e.json"
-    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--samples", "5", "--gap-ms", "20", "--idle", "spin",
-                                       "--json", str(path)])
-    assert result.exit_code == 0, result.output + repr(result.exception)
-    assert "20 ms idle before each" in result.output
-    doc = json.loads(path.read_text())
-    assert doc["config"]["proxy_idle"] == "spin" and doc["config"]["gap_ms"] == 20
-    assert doc["latency"]["samples"] == 5 and doc["summary"]["put_to_flag_p50_us"] > 0
-
-
-@pytest.mark.parametrize("args", [["--gap-ms", "-1"], ["--idle", "turbo"]])
-def test_bad_idle_options_are_refused(args) -> None:
-    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", *args])
-    assert result.exit_code == 2 and "Invalid value" in result.output

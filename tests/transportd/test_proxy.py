@@ -482,15 +482,8 @@ def test_rail_serve_loop_takes_sparse_records_and_stops() -> None:
         rig.push(put(0))
         rail.serve_loop(rig.proxy, Link(), lambda: time.monotonic() > deadline or rig.ring.completion_pos == 1)
         assert rig.ring.completion_pos == 1 and rig.chunks(1) == [0]
-        deadline = time.monotonic() + 0.2
-        rail.serve_loop(rig.proxy, Link(), lambda: time.monotonic() > deadline)  # idle: spins, naps, then waits
-        assert set(served) == {0, 1}  # the deep idle waits up to 1 ms on the link between passes
-        served.clear()
-        deadline = time.monotonic() + 0.2
-        rail.serve_loop(rig.proxy, Link(), lambda: time.monotonic() > deadline, spin=True)
-        assert served and set(served) == {0}  # proxy.idle = "spin": the link is only ever polled
-        rig.push(put(1))
-        rail.serve_loop(rig.proxy, Link(), lambda: rig.ring.completion_pos == 2, spin=True)
-        assert rig.chunks(1) == [0, 1]
+        deadline = time.monotonic() + 0.05
+        rail.serve_loop(rig.proxy, Link(), lambda: time.monotonic() > deadline)  # idle: spins, then naps
+        assert served and rig.proxy.counters["iterations"] > 1
     finally:
         rig.close()
