@@ -164,11 +164,14 @@ def _stream(pair: StreamPair, seconds: float, timeout_s: float) -> dict[str, Any
             "loaded_put_to_flag": _percentiles(lat)}
 
 
-def _latency(pair: StreamPair, samples: int, timeout_s: float) -> dict[str, Any]:
+def _latency(pair: StreamPair, samples: int, timeout_s: float, gap_s: float = 0.0) -> dict[str, Any]:
+    """``samples`` put-to-flag round trips, one at a time, ``gap_s`` of idleness before each."""
     flag = pair.flag
     now = time.monotonic_ns
     out = np.zeros(samples, dtype=np.int64)
     for i in range(samples):
+        if gap_s:
+            time.sleep(gap_s)
         target = int(flag[0]) + 1
         t0 = now()
         pair.put(i)
@@ -193,12 +196,12 @@ def _baseline(backend: str, size: int, seconds: float) -> dict[str, Any]:
 def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: int = 4096, seconds: float = 3.0,
                       window: int = 64, samples: int = 1000, decoupled: bool = False, adaptive_routing: bool = False,
                       poll_window_us: int | None = None, baseline: bool = True, timeout_s: float = 60.0,
-                      echo: Any = None) -> dict[str, Any]:
+                      gap_ms: float = 0.0, echo: Any = None) -> dict[str, Any]:
     """Start two daemons, measure (stream, latency, baseline), stop them; returns the JSON document."""
     from transportd.localcluster import LocalCluster
 
-    if window < 1 or samples < 0 or seconds <= 0:
-        raise ValueError("window must be >= 1, samples >= 0 and seconds > 0")
+    if window < 1 or samples < 0 or seconds <= 0 or gap_ms < 0:
+        raise ValueError("window must be >= 1, samples >= 0, seconds > 0 and gap_ms >= 0")
     overrides: dict[str, dict[str, Any]] = {
         "signal": {"mode": signal_mode, "decoupled": decoupled},
         "softverbs": {"adaptive_routing": adaptive_routing},
@@ -209,6 +212,7 @@ def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: 
     config = {"backend": backend, "signal_mode": signal_mode if backend == "ib" else "receiver publishes",
               "size": size, "seconds": seconds, "window": window, "samples": samples, "decoupled": decoupled,
               "adaptive_routing": adaptive_routing, "poll_window_us": poll_window_us, "producer": "cpu",
+              "gap_ms": gap_ms,
               "direction": "rank 0 (node a) -> rank 1 (node b)"}
     result: dict[str, Any] = {"config": config}
     with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
@@ -217,7 +221,7 @@ def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: 
             if echo:
                 echo(f"2 daemons up ({backend} over softverbs); streaming {size} B PUT_SIGNALs for {seconds} s ...")
             stream = _stream(pair, seconds, timeout_s)
-            latency = _latency(pair, samples, timeout_s)
+            latency = _latency(pair, samples, timeout_s, gap_ms / 1000)
             pair.channel.quiet(timeout=timeout_s)
             used = min(window, max(stream["commands"], samples)) * size
             if not np.array_equal(pair.recv[:used], pair.send[:used]):
@@ -263,7 +267,9 @@ def print_table(res: dict[str, Any], echo: Any = click.echo) -> None:
     rows = [
         ("commands/s", f"{s['commands_per_s']:,.0f}"),
         ("GB/s", f"{s['gbytes_per_s']:.3f}"),
-        (f"put-to-flag p50 us (1 in flight, n={lat.get('samples', 0)})", f"{s['put_to_flag_p50_us']:.1f}"),
+        (f"put-to-flag p50 us (1 in flight, n={lat.get('samples', 0)}"
+         f"{', ' + format(c['gap_ms'], 'g') + ' ms idle before each' if c.get('gap_ms') else ''})",
+         f"{s['put_to_flag_p50_us']:.1f}"),
         ("put-to-flag p99 us (1 in flight)", f"{s['put_to_flag_p99_us']:.1f}"),
         (f"put-to-flag p50 us (window {c['window']})", f"{loaded['p50_us']:.1f}"),
         (f"put-to-flag p99 us (window {c['window']})", f"{loaded['p99_us']:.1f}"),
@@ -292,14 +298,16 @@ def print_table(res: dict[str, Any], echo: Any = click.echo) -> None:
 @click.option("--decoupled", is_flag=True, help="Perseus decoupled signaling in the daemons")
 @click.option("--adaptive-routing", is_flag=True, help="softverbs adaptive routing (ib; not with write mode)")
 @click.option("--poll-window-us", type=int, default=None, help="daemon proxy polling window [default: config's]")
+@click.option("--gap-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="idle time before each latency sample (the first command after a pause)")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="also measure the bare softverbs stream of the same size (e2e / raw ratio)")
 @click.option("--quick", is_flag=True, help="smoke run: 0.5 s stream, 50 samples, no baseline")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write the results as JSON here")
 def bench_e2e(backend: str, signal_mode: str, size_text: str, seconds: float, window: int, samples: int,
-              decoupled: bool, adaptive_routing: bool, poll_window_us: int | None, baseline: bool, quick: bool,
-              json_path: Path | None) -> None:
+              decoupled: bool, adaptive_routing: bool, poll_window_us: int | None, gap_ms: float, baseline: bool,
+              quick: bool, json_path: Path | None) -> None:
     """Two daemons over softverbs, CPU producer: commands/s, GB/s, put-to-flag latency."""
     try:
         size = parse_size(size_text)
@@ -313,7 +321,7 @@ def bench_e2e(backend: str, signal_mode: str, size_text: str, seconds: float, wi
         res = run_e2e_benchmark(backend=backend, signal_mode=signal_mode, size=size, seconds=seconds,
                                 window=window, samples=samples, decoupled=decoupled,
                                 adaptive_routing=adaptive_routing, poll_window_us=poll_window_us,
-                                baseline=baseline, echo=click.echo)
+                                gap_ms=gap_ms, baseline=baseline, echo=click.echo)
     except (RuntimeError, TimeoutError, ValueError, TransportdError) as exc:
         raise click.ClickException(str(exc)) from None
     print_table(res)

@@ -40,3 +40,19 @@ def test_sizes_parse(text, size) -> None:
 def test_bad_sizes_are_refused(text) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
+
+
+def test_latency_samples_after_idle_gaps(tmp_path) -> None:
+    path = tmp_path / "e2e.json"
+    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--samples", "5", "--gap-ms", "20",
+                                       "--json", str(path)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "20 ms idle before each" in result.output
+    doc = json.loads(path.read_text())
+    assert doc["config"]["gap_ms"] == 20 and doc["latency"]["samples"] == 5
+    assert doc["summary"]["put_to_flag_p50_us"] > 0
+
+
+def test_a_negative_gap_is_refused() -> None:
+    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--gap-ms", "-1"])
+    assert result.exit_code == 2 and "Invalid value" in result.output
