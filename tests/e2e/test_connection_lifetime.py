@@ -3,10 +3,13 @@ a peer daemon comes back (systemd restarts it, the node reboots)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 import gpuclient
+from cmd_ring import RingFullError
 from tests.e2e.conftest import Rank, close_ranks, join_rank, join_ranks
 from tests.waiting import wait_until
 from transportd.connection import ControlConnection
@@ -42,6 +45,44 @@ def test_a_job_after_a_peer_daemon_restart_moves_data_both_ways(cluster_factory,
             _both_ways(a, b, slot=1)
         finally:
             close_ranks([a, b])
+
+
+def test_a_peer_killed_mid_stream_fails_what_was_in_flight_and_the_next_job_runs(cluster_factory) -> None:
+    cluster = cluster_factory(backend="ib")
+    a, b = join_ranks(cluster, job="stream", seed=1)
+    a.channel.timeout = 0.05
+    stop, pushed = threading.Event(), [0]
+
+    def stream() -> None:
+        while not stop.is_set():
+            try:
+                a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=0, src_region=a.src.id, src_off=0,
+                                     nbytes=64 << 10, slot=0, value=1)
+                pushed[0] += 1
+            except RingFullError:
+                pass
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    try:
+        wait_until(lambda: pushed[0] > 100, "the stream to get going")
+        cluster.kill("nodeb")
+        # what was in flight fails (TRANSPORT from the QP, then PEER_LOST once the node is declared down)
+        wait_until(lambda: a.client.stats()["rails"][0]["errors"].get("PEER_LOST"), "PEER_LOST", timeout=20)
+    finally:
+        stop.set()
+        streamer.join(10)
+    code, count, _ = a.channel.status()
+    assert code in (ErrorCode.TRANSPORT, ErrorCode.PEER_LOST) and count > 0
+    wait_until(lambda: not a.client.stats()["rails"][0]["inflight"], "nothing left in flight")
+    close_ranks([a])
+    b.client.close()
+    cluster.restart("nodeb")
+    a, b = join_ranks(cluster, job="stream", seed=2)
+    try:
+        _both_ways(a, b, slot=1)
+    finally:
+        close_ranks([a, b])
 
 
 def _endpoints(cluster: LocalCluster) -> dict[str, tuple[list[int], list[int]]]:
