@@ -53,6 +53,7 @@ class DeviceOptions:
     srd_packet_size: int = 8192
     srd_rnr_timer_ms: float = 1.0
     connect_timeout_s: float = 5.0
+    reconnect_backoff_s: float = 0.5  # after a failed connect, WRs to that endpoint fail at once this long
     efa_device_caps: int | None = None
     max_rdma_size: int = 1 << 30
     max_qp_wr: int | None = None
@@ -322,6 +323,9 @@ class SoftDevice:
         self._qpn = itertools.count(0x11 + (os.getpid() % 97) * 0x100)
         self._key = itertools.count(1 + (os.getpid() % 251) * 0x1000)
         self.out_conns: dict[tuple[str, int], Conn] = {}
+        # endpoints a connect just failed to reach -> when to try again: until then their WRs fail at once,
+        # as a NIC's do toward a dead address, instead of paying (and logging) a connect attempt each
+        self._unreachable: dict[tuple[str, int], float] = {}
         self.in_conns: set[Conn] = set()
         self.host = options.host
         self.port = 0
@@ -527,11 +531,19 @@ class SoftDevice:
             conn = self.out_conns.get(endpoint)
             if conn is not None and not conn.closed:
                 return conn
+            retry_at = self._unreachable.get(endpoint)
+            if retry_at is not None and time.monotonic() < retry_at:
+                return None
             try:
                 sock = socket.create_connection(endpoint, timeout=self.options.connect_timeout_s)
             except OSError as exc:
-                log.warning("softverbs %s: cannot reach %s:%d (%s)", self.name, endpoint[0], endpoint[1], exc)
+                if retry_at is None:  # logged once until it is reachable again
+                    log.warning("softverbs %s: cannot reach %s:%d (%s); trying again at most every %g s", self.name,
+                                endpoint[0], endpoint[1], exc, self.options.reconnect_backoff_s)
+                self._unreachable[endpoint] = time.monotonic() + self.options.reconnect_backoff_s
                 return None
+            if self._unreachable.pop(endpoint, None) is not None:
+                log.info("softverbs %s: %s:%d is reachable again", self.name, endpoint[0], endpoint[1])
             conn = Conn(self, sock, "req", endpoint)
             self.out_conns[endpoint] = conn
             conn.peer_lid = endpoint[1] & 0xFFFF

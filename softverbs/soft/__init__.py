@@ -8,7 +8,8 @@ holds the `transportd bench softverbs` command for the same reason). Knobs:
   ephemeral port; `SOFTVERBS_LISTEN=host[:port]` changes the listen address of the defaults.
 - `configure(device, **options)`: change a device's `DeviceOptions` (adaptive_routing, reorder_seed,
   reorder_window, packet_size, srd_packet_size, efa_device_caps, max_rdma_size, max_qp_wr, max_cqe,
-  max_inline_data, connect_timeout_s, srd_rnr_timer_ms). Listen address options apply at next open.
+  max_inline_data, connect_timeout_s, reconnect_backoff_s, srd_rnr_timer_ms). Listen address options apply
+  at next open. After a failed connect, WRs toward that endpoint fail at once for `reconnect_backoff_s`.
 - `set_adaptive_routing(ctx_or_qp, on)`: RC adaptive routing for a whole device or one QP (the requester's
   setting decides how its packets are placed). `SOFTVERBS_ADAPTIVE_ROUTING=1` turns it on for the defaults.
 - `set_placement_observer(ctx, fn)`: `fn(qp_num, addr, length)` runs on the device's I/O thread after

@@ -47,8 +47,10 @@ def test_a_job_after_a_peer_daemon_restart_moves_data_both_ways(cluster_factory,
             close_ranks([a, b])
 
 
-def test_a_peer_killed_mid_stream_fails_what_was_in_flight_and_the_next_job_runs(cluster_factory) -> None:
-    cluster = cluster_factory(backend="ib")
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_a_peer_killed_mid_stream_fails_what_was_in_flight_and_the_next_job_runs(cluster_factory,
+                                                                                  backend: str) -> None:
+    cluster = cluster_factory(backend=backend)
     a, b = join_ranks(cluster, job="stream", seed=1)
     a.channel.timeout = 0.05
     stop, pushed = threading.Event(), [0]

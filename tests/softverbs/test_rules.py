@@ -351,3 +351,27 @@ def test_memory_accessor_serves_remote_writes_reads_and_atomics(soft) -> None:
     finally:
         pair.close()
         v.soft.unregister_memory(region.ctypes.data)
+
+
+def test_srd_writes_to_a_dead_endpoint_fail_at_once_after_one_connect_attempt(soft, caplog) -> None:
+    import logging
+    import socket
+
+    pair = soft.srd_pair()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead_port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    v, e = pair.v, pair.v.enums
+    pair.ah.close()
+    gr = v.addr.GlobalRoute(dgid=v.addr.GID(v.soft.gid_for_endpoint("127.0.0.1", dead_port)), sgid_index=0)
+    pair.ah = v.addr.AH(pair.pd, attr=v.addr.AHAttr(port_num=1, is_global=1, gr=gr))
+    try:
+        with caplog.at_level(logging.WARNING, logger="softverbs"):
+            for i in range(200):
+                pair.post(pair.client, "write", pair.client.sge(0, 8), wr_id=i)
+                assert poll(pair.client.cq)[0].status != e.IBV_WC_SUCCESS
+        attempts = [r for r in caplog.records if "cannot reach" in r.getMessage()]
+        assert len(attempts) == 1, [r.getMessage() for r in attempts]  # said once, not once per WR
+    finally:
+        pair.close()
