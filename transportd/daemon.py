@@ -51,6 +51,7 @@ from transportd.protocol import (
     PeerConnectAccept,
     PeerConnectRequest,
     PeerDisconnect,
+    PeerJobLost,
     PeerMessage,
     PeerRankLeft,
     PeerRegions,
@@ -145,6 +146,7 @@ class JobState:
     local: dict[int, LocalRank] = field(default_factory=dict)
     remote: dict[int, RemoteRank] = field(default_factory=dict)
     pushed: set[tuple[int, int, int]] = field(default_factory=set)  # (rail, peer rank, region id) in workers
+    lost: set[str] = field(default_factory=set)  # nodes declared lost while the job ran (it has PEER_LOST)
 
 
 class Daemon:
@@ -666,12 +668,15 @@ class Daemon:
 
     # --- peers ---------------------------------------------------------------------------------------------
     def on_peer_up(self, node: str) -> None:
-        # a node that (re)appears learns every announced rank of ours
+        # a node that (re)appears learns every announced rank of ours, and which of its jobs we gave up on:
+        # a node that froze past our heartbeat timeout may never have noticed (it heard us all along)
         assert self.peers
-        for job in self.jobs.values():
+        for job_name, job in self.jobs.items():
             for rank in job.local.values():
                 if rank.announced:
                     self.peers.send(node, self._regions_message(rank))
+            if node in job.lost:
+                self.peers.send(node, PeerJobLost(job=job_name))
 
     def on_peer_down(self, node: str) -> None:
         """Fail every connection to ``node``: clients waiting on it see PEER_LOST, not a hang."""
@@ -684,17 +689,32 @@ class Daemon:
             # responders for the node's connections: its daemon's next life asks for new ones (and may reuse
             # the connection ids), so none of these may be handed out again
             self._close_responder(self.accepted.pop(key))
+        self._fail_connections(node)
+        for job_name, job in self.jobs.items():
+            if any(r.node == node for r in job.remote.values()):
+                self._lose_node(job_name, job, node)
+
+    def _fail_connections(self, node: str, job_name: str | None = None) -> None:
+        """Our connections to ``node`` (of ``job_name`` only, if given) fail: their records get PEER_LOST."""
         for conn in self.connections.values():
-            if conn.node == node and conn.state != "failed":
+            if conn.node == node and conn.state != "failed" and job_name in (None, conn.job):
                 conn.state = "failed"
                 _quietly(self.workers[conn.rail].call, "fail_connection", conn=conn.conn_id,
                          code=int(ErrorCode.PEER_LOST))
-        for job_name, job in self.jobs.items():
-            if any(r.node == node for r in job.remote.values()):
-                for rank in job.local.values():
-                    if rank.flags is not None:
-                        rank.flags.set_status(int(ErrorCode.PEER_LOST))
-                log.warning("job %s lost node %s", job_name, node)
+
+    def _lose_node(self, job_name: str, job: JobState, node: str) -> None:
+        """``job`` cannot go on without ``node``: its local ranks' sessions say PEER_LOST."""
+        job.lost.add(node)
+        for rank in job.local.values():
+            if rank.flags is not None:
+                rank.flags.set_status(int(ErrorCode.PEER_LOST))
+        log.warning("job %s lost node %s", job_name, node)
+
+    def _on_job_lost(self, node: str, msg: PeerJobLost) -> None:
+        job = self.jobs.get(msg.job)
+        if job is not None and node not in job.lost:
+            self._fail_connections(node, msg.job)
+            self._lose_node(msg.job, job, node)
 
     def on_peer_message(self, node: str, msg: PeerMessage) -> None:
         try:
@@ -708,6 +728,8 @@ class Daemon:
                 self._on_disconnect(node, msg)
             elif isinstance(msg, PeerRankLeft):
                 self._on_rank_left(node, msg)
+            elif isinstance(msg, PeerJobLost):
+                self._on_job_lost(node, msg)
         except (WorkerError, RequestError) as exc:
             log.warning("peer %s: %s failed: %s", node, msg.op, exc)
 

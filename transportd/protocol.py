@@ -56,6 +56,7 @@ __all__ = [
     "PeerDisconnect",
     "PeerHeartbeat",
     "PeerHello",
+    "PeerJobLost",
     "PeerMessage",
     "PeerRankLeft",
     "PeerRegions",
@@ -684,6 +685,19 @@ class PeerRankLeft(PeerMessage):
     def _check(self) -> None:
         self._name("job")
         self._range("rank", 0, MAX_WORLD - 1)
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerJobLost(PeerMessage):
+    """The sender declared this node lost while ``job`` ran (its heartbeats stopped arriving, though it never
+    noticed) and failed the job's connections to it: the job cannot go on at the receiver either."""
+
+    op: ClassVar[str] = "peer_job_lost"
+    job: str
+
+    def _check(self) -> None:
+        self._name("job")
 
 
 @_peer

@@ -3,6 +3,8 @@ a peer daemon comes back (systemd restarts it, the node reboots)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import numpy as np
@@ -81,6 +83,31 @@ def test_a_peer_killed_mid_stream_fails_what_was_in_flight_and_the_next_job_runs
     b.client.close()
     cluster.restart("nodeb")
     a, b = join_ranks(cluster, job="stream", seed=2)
+    try:
+        _both_ways(a, b, slot=1)
+    finally:
+        close_ranks([a, b])
+
+
+def test_a_node_that_froze_past_the_heartbeat_timeout_learns_its_jobs_were_lost(cluster_factory) -> None:
+    """Node b stops (a long freeze, a one-way partition) and resumes: node a declared it lost; b heard a
+    all along and never timed out, but is told, so ranks on both sides see PEER_LOST, not one side a hang."""
+    cluster = cluster_factory(backend="ib")  # heartbeat timeout 2 s
+    a, b = join_ranks(cluster, job="frozen", seed=1)
+    try:
+        _both_ways(a, b, slot=0)
+        group = cluster.nodes["nodeb"].process.pid
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            with pytest.raises(gpuclient.ChannelError, match="PEER_LOST"):
+                a.session.wait(slot=0, at_least=2, timeout=20)
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        with pytest.raises(gpuclient.ChannelError, match="PEER_LOST"):
+            b.session.wait(slot=0, at_least=2, timeout=20)
+    finally:
+        close_ranks([a, b])
+    a, b = join_ranks(cluster, job="after-the-freeze", seed=2)  # and the next job runs
     try:
         _both_ways(a, b, slot=1)
     finally:
