@@ -690,8 +690,9 @@ class PeerRankLeft(PeerMessage):
 @_peer
 @dataclass(frozen=True)
 class PeerJobLost(PeerMessage):
-    """The sender declared this node lost while ``job`` ran (its heartbeats stopped arriving, though it never
-    noticed) and failed the job's connections to it: the job cannot go on at the receiver either."""
+    """The sender declared this node lost while ``job`` ran (its heartbeats stopped arriving, though the node
+    itself may have noticed nothing) and failed the job's connections to it: the job cannot go on at the
+    receiver either."""
 
     op: ClassVar[str] = "peer_job_lost"
     job: str
