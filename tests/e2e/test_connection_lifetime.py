@@ -147,6 +147,43 @@ def test_a_finished_job_leaves_no_queue_pair_on_either_node(cluster_factory) -> 
     wait_until(lambda: _endpoints(cluster) == idle, "every queue pair to close")
 
 
+def test_short_jobs_come_and_go_beside_a_running_one_and_leave_nothing_behind(cluster_factory) -> None:
+    cluster = cluster_factory(backend="ib")
+    idle = _endpoints(cluster)
+    errors: list[str] = []
+
+    def churn(worker: int) -> None:
+        for i in range(5):
+            try:
+                x, y = join_ranks(cluster, job=f"short-{worker}-{i}", nbytes=4096, flags=4, seed=i)
+                try:
+                    x.channel.put_signal(peer=1, dst_region=y.dst.id, dst_off=0, src_region=x.src.id, src_off=0,
+                                         nbytes=4096, slot=0, value=1)
+                    assert y.session.wait(slot=0, at_least=1, timeout=30) == 1
+                    assert np.array_equal(y.recv[:4096], x.send[:4096])
+                finally:
+                    close_ranks([x, y])
+            except Exception as exc:  # noqa: BLE001 - reported by the main thread
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    a, b = join_ranks(cluster, job="long", seed=1)
+    threads = [threading.Thread(target=churn, args=(k,)) for k in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for i in range(20):
+            _both_ways(a, b, slot=i)
+    finally:
+        for t in threads:
+            t.join(60)
+        close_ranks([a, b])
+    assert not errors, errors
+    wait_until(lambda: _endpoints(cluster) == idle, "every queue pair to close")
+    with ControlConnection(cluster.socket("nodea")) as conn:
+        stats = conn.request(Stats())
+    assert stats["jobs"] == {} and stats["clients"] == 0
+
+
 def test_two_ranks_on_one_node_close_their_loopback_pair(cluster_factory) -> None:
     cluster = cluster_factory(nodes=1, backend="ib")
     client = gpuclient.connect(cluster.socket("nodea"))
