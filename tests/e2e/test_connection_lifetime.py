@@ -31,9 +31,9 @@ def _both_ways(a: Rank, b: Rank, slot: int, nbytes: int = 64 << 10) -> None:
         assert src.channel.status() == (0, 0, 0)
 
 
-@pytest.mark.parametrize("how", ["kill", "terminate"])
-def test_a_job_after_a_peer_daemon_restart_moves_data_both_ways(cluster_factory, how: str) -> None:
-    cluster = cluster_factory(backend="ib")
+@pytest.mark.parametrize(("backend", "how"), [("ib", "kill"), ("ib", "terminate"), ("efa", "kill")])
+def test_a_job_after_a_peer_daemon_restart_moves_data_both_ways(cluster_factory, backend: str, how: str) -> None:
+    cluster = cluster_factory(backend=backend)
     a, b = join_ranks(cluster, job="before", nbytes=1 << 20, seed=1)
     _both_ways(a, b, slot=0)
     getattr(cluster, how)("nodeb")
@@ -89,10 +89,12 @@ def test_a_peer_killed_mid_stream_fails_what_was_in_flight_and_the_next_job_runs
         close_ranks([a, b])
 
 
-def test_a_node_that_froze_past_the_heartbeat_timeout_learns_its_jobs_were_lost(cluster_factory) -> None:
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_a_node_that_froze_past_the_heartbeat_timeout_learns_its_jobs_were_lost(cluster_factory,
+                                                                                  backend: str) -> None:
     """Node b stops (a long freeze, a one-way partition) and resumes: node a declared it lost; b heard a
     all along and never timed out, but is told, so ranks on both sides see PEER_LOST, not one side a hang."""
-    cluster = cluster_factory(backend="ib")  # heartbeat timeout 2 s
+    cluster = cluster_factory(backend=backend)  # heartbeat timeout 2 s
     a, b = join_ranks(cluster, job="frozen", seed=1)
     try:
         _both_ways(a, b, slot=0)
@@ -124,8 +126,9 @@ def _endpoints(cluster: LocalCluster) -> dict[str, tuple[list[int], list[int]]]:
     return out
 
 
-def test_a_finished_job_leaves_no_queue_pair_on_either_node(cluster_factory) -> None:
-    cluster = cluster_factory(backend="ib")
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_a_finished_job_leaves_no_queue_pair_on_either_node(cluster_factory, backend: str) -> None:
+    cluster = cluster_factory(backend=backend)
     idle = _endpoints(cluster)
     assert idle == {"nodea": ([], []), "nodeb": ([], [])}
 
@@ -204,11 +207,12 @@ def test_two_ranks_on_one_node_close_their_loopback_pair(cluster_factory) -> Non
         other.close()
 
 
-@pytest.mark.parametrize("layout", ["two-nodes", "one-node"])
-def test_a_rank_that_leaves_and_rejoins_a_running_job_moves_data_both_ways(cluster_factory, layout: str) -> None:
+@pytest.mark.parametrize(("backend", "layout"), [("ib", "two-nodes"), ("ib", "one-node"), ("efa", "two-nodes")])
+def test_a_rank_that_leaves_and_rejoins_a_running_job_moves_data_both_ways(cluster_factory, backend: str,
+                                                                           layout: str) -> None:
     """Rank 0's process restarts while rank 1 keeps running: while it is away, commands to it are refused
     (never posted to its old keys), and once it is back both directions use its new regions and flags."""
-    cluster = cluster_factory(nodes=2 if layout == "two-nodes" else 1)
+    cluster = cluster_factory(nodes=2 if layout == "two-nodes" else 1, backend=backend)
     node_b = cluster.names[-1]
     a, b = join_ranks(cluster, job="j", seed=1, nodes=cluster.names if layout == "two-nodes" else ["nodea"] * 2)
     _both_ways(a, b, slot=0)
