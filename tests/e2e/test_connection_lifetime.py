@@ -31,9 +31,11 @@ def _both_ways(a: Rank, b: Rank, slot: int, nbytes: int = 64 << 10) -> None:
         assert src.channel.status() == (0, 0, 0)
 
 
-@pytest.mark.parametrize(("backend", "how"), [("ib", "kill"), ("ib", "terminate"), ("efa", "kill")])
-def test_a_job_after_a_peer_daemon_restart_moves_data_both_ways(cluster_factory, backend: str, how: str) -> None:
-    cluster = cluster_factory(backend=backend)
+@pytest.mark.parametrize(("backend", "how", "curve"), [("ib", "kill", False), ("ib", "terminate", False),
+                                                      ("efa", "kill", False), ("ib", "kill", True)])
+def test_a_job_after_a_peer_daemon_restart_moves_data_both_ways(cluster_factory, backend: str, how: str,
+                                                                 curve: bool) -> None:
+    cluster = cluster_factory(backend=backend, curve=curve)  # with CURVE the new daemon authenticates anew
     a, b = join_ranks(cluster, job="before", nbytes=1 << 20, seed=1)
     _both_ways(a, b, slot=0)
     getattr(cluster, how)("nodeb")
