@@ -149,6 +149,11 @@ class JobState:
     lost: set[str] = field(default_factory=set)  # nodes declared lost while the job ran (it has PEER_LOST)
 
 
+#: Why a joined session ended: it said leave, its process exited, it fell silent past
+#: control.client_timeout_s, or the daemon stopped.
+SESSION_ENDS = ("left", "exited", "silent", "shutdown")
+
+
 class Daemon:
     """The control handler, the peer-message handler and the main loop, around one config."""
 
@@ -162,6 +167,7 @@ class Daemon:
         self._channel_ids = itertools.count(1)
         self.clients: dict[bytes, LocalRank | None] = {}
         self.client_pids: dict[bytes, int] = {}
+        self.sessions_ended = dict.fromkeys(SESSION_ENDS, 0)  # joined sessions ended, by why
         self._pid_ns = pid_namespace()
         self.jobs: dict[str, JobState] = {}
         self.connections: dict[tuple[str, str, int], Connection] = {}
@@ -304,7 +310,7 @@ class Daemon:
         if self.peers:
             self.peers.goodbye("shutdown")
         for client_id in list(self.clients):
-            self._reclaim(client_id)
+            self._reclaim(client_id, "shutdown")
         if self.control:
             self.control.close()
             self.control = None
@@ -573,11 +579,11 @@ class Daemon:
                 "status": rank.flags.status}
 
     def on_leave(self, client_id: bytes, req: Leave) -> dict[str, Any]:
-        self._reclaim(client_id)
+        self._reclaim(client_id, "left")
         return {}
 
     def on_client_gone(self, client_id: bytes) -> None:
-        self._reclaim(client_id)
+        self._reclaim(client_id, "silent")
 
     # --- reclaiming -------------------------------------------------------------------------------------
     def _check_workers(self) -> None:
@@ -597,16 +603,18 @@ class Daemon:
         for client_id, pid in list(self.client_pids.items()):
             if not _process_alive(pid):
                 log.info("client pid %d exited: reclaiming its session", pid)
-                self._reclaim(client_id)
+                self._reclaim(client_id, "exited")
         assert self.control
         if not self.control.has_input():
             self.control.expire(self.config.control.client_timeout_s, keep=self.client_pids.keys())
 
-    def _reclaim(self, client_id: bytes) -> None:
+    def _reclaim(self, client_id: bytes, why: str) -> None:
+        """End ``client_id``'s session (``why``: one of SESSION_ENDS) and free everything it held."""
         rank = self.clients.pop(client_id, None)
         self.client_pids.pop(client_id, None)
         if rank is None:
             return
+        self.sessions_ended[why] += 1
         worker = self.workers[rank.rail] if rank.rail < len(self.workers) else None
         for channel_id, ring in rank.channels.items():
             if worker:
@@ -906,6 +914,7 @@ class Daemon:
             "backend": self.config.backend.kind,
             "uptime_s": time.time() - self.started,
             "clients": sum(1 for c in self.clients.values() if c is not None),
+            "sessions_ended": dict(self.sessions_ended),
             "jobs": {name: {"world": j.world, "local": sorted(j.local), "remote": sorted(j.remote)}
                      for name, j in self.jobs.items()},
             "connections": connections,

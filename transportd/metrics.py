@@ -76,6 +76,14 @@ class _Writer:
             self.lines.append(f"{sample_name}{{{inner}}} {_number(value)}")
 
 
+_SESSION_END_HELP = {
+    "left": "Joined sessions that ended with leave.",
+    "exited": "Joined sessions reclaimed because the client's process exited.",
+    "silent": "Joined sessions reclaimed after no keepalive within control.client_timeout_s.",
+    "shutdown": "Joined sessions ended by the daemon stopping.",
+}
+
+
 def render_metrics(stats: dict[str, Any]) -> str:
     """The OpenMetrics text for one ``Daemon.stats()`` snapshot."""
     w = _Writer(stats.get("node", ""))
@@ -85,6 +93,8 @@ def render_metrics(stats: dict[str, Any]) -> str:
     w.family("transportd_uptime_seconds", "gauge", "Seconds since the daemon started.",
              [({}, float(stats.get("uptime_s", 0.0)))], unit="seconds")
     w.family("transportd_clients", "gauge", "Joined client sessions.", [({}, stats.get("clients", 0))])
+    for why, count in stats.get("sessions_ended", {}).items():
+        w.family(f"transportd_sessions_ended_{why}", "counter", _SESSION_END_HELP.get(why, why), [({}, count)])
     rails = [r for r in stats.get("rails", []) if "error" not in r]
     w.family("transportd_rails", "gauge", "Rail workers answering.", [({}, len(rails))])
 

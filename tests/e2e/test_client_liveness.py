@@ -77,6 +77,7 @@ def test_a_client_is_judged_by_its_pid_in_our_namespace_and_by_its_keepalives_el
         assert time.monotonic() - t0 > 0.5, "reclaimed before client_timeout_s passed"
         time.sleep(1.0)
         assert "stopped" in jobs(), "a silent client whose process is alive was reclaimed"
+        assert observer.stats()["sessions_ended"] == {"left": 0, "exited": 1, "silent": 1, "shutdown": 0}
     finally:
         for conn in silent:
             conn.close()

@@ -74,6 +74,10 @@ def test_metrics_of_a_real_daemon_after_traffic(ops_cluster: OpsCluster) -> None
     for code in ErrorCode:  # one family per code, present before any error happened
         if code is not ErrorCode.OK:
             assert _value(families, f"transportd_command_errors_{code.name.lower()}") == 0
+    for why in ("left", "exited", "silent", "shutdown"):  # one family per way a session ends, from the start
+        name = f"transportd_sessions_ended_{why}"
+        assert name in families and _value(families, name) >= 0
+    assert _value(families, "transportd_queue_pairs") >= 2 and _value(families, "transportd_responder_queue_pairs") >= 1
 
     # nodeb saw the bad record: counted under its code
     b = wait_until(lambda: (lambda f: f if _value(f, "transportd_command_errors") else None)(
