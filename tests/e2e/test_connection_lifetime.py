@@ -31,6 +31,15 @@ def _both_ways(a: Rank, b: Rank, slot: int, nbytes: int = 64 << 10) -> None:
         assert src.channel.status() == (0, 0, 0)
 
 
+def _a_fresh_job_runs(cluster: LocalCluster, job: str, seed: int) -> None:
+    """One rank per node joins ``job`` anew; data moves both ways; they leave."""
+    a, b = join_ranks(cluster, job=job, seed=seed)
+    try:
+        _both_ways(a, b, slot=1)
+    finally:
+        close_ranks([a, b])
+
+
 @pytest.mark.parametrize(("backend", "how", "curve"), [("ib", "kill", False), ("ib", "terminate", False),
                                                       ("efa", "kill", False), ("ib", "kill", True)])
 def test_a_job_after_a_peer_daemon_restart_moves_data_both_ways(cluster_factory, backend: str, how: str,
@@ -44,11 +53,7 @@ def test_a_job_after_a_peer_daemon_restart_moves_data_both_ways(cluster_factory,
     cluster.restart("nodeb")
     # the same job name again, and a new one: neither may pick up a QP of the node's earlier life
     for job, seed in (("before", 2), ("after", 3)):
-        a, b = join_ranks(cluster, job=job, nbytes=1 << 20, seed=seed)
-        try:
-            _both_ways(a, b, slot=1)
-        finally:
-            close_ranks([a, b])
+        _a_fresh_job_runs(cluster, job, seed)
 
 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
@@ -84,11 +89,7 @@ def test_a_peer_killed_mid_stream_fails_what_was_in_flight_and_the_next_job_runs
     close_ranks([a])
     b.client.close()
     cluster.restart("nodeb")
-    a, b = join_ranks(cluster, job="stream", seed=2)
-    try:
-        _both_ways(a, b, slot=1)
-    finally:
-        close_ranks([a, b])
+    _a_fresh_job_runs(cluster, "stream", seed=2)
 
 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
@@ -111,11 +112,7 @@ def test_a_node_that_froze_past_the_heartbeat_timeout_learns_its_jobs_were_lost(
             b.session.wait(slot=0, at_least=2, timeout=20)
     finally:
         close_ranks([a, b])
-    a, b = join_ranks(cluster, job="after-the-freeze", seed=2)  # and the next job runs
-    try:
-        _both_ways(a, b, slot=1)
-    finally:
-        close_ranks([a, b])
+    _a_fresh_job_runs(cluster, "after-the-freeze", seed=2)
 
 
 def _endpoints(cluster: LocalCluster) -> dict[str, tuple[list[int], list[int]]]:
