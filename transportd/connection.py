@@ -218,14 +218,17 @@ class ControlConnection:
         if self._suspect is not None:
             suspect, self._suspect = self._suspect, None
             try:
-                payload = codec.encode(Heartbeat().to_msg())
-                self._exchange(payload, "heartbeat", self.handshake_timeout_ms)
-                protocol.parse_reply(self._receive("heartbeat", self.handshake_timeout_ms))
+                self._heartbeat()
             except TransportdError as exc:
                 self._suspect = suspect
                 raise DaemonUnavailableError(
                     self.endpoint, f"transportd at {self.endpoint} stopped answering ({suspect}, and a "
                     f"heartbeat got no reply either). " + _START_HINT) from exc
+
+    def _heartbeat(self) -> None:
+        """One heartbeat round trip, bounded by the handshake timeout (the caller holds the lock)."""
+        self._exchange(codec.encode(Heartbeat().to_msg()), "heartbeat", self.handshake_timeout_ms)
+        protocol.parse_reply(self._receive("heartbeat", self.handshake_timeout_ms))
 
     def keepalive(self, interval_s: float) -> None:
         """Send a heartbeat if nothing went to the daemon for ``interval_s``; skipped while a request is out
@@ -235,9 +238,7 @@ class ControlConnection:
         try:
             if self.closed or time.monotonic() - self._last_sent < interval_s:
                 return
-            payload = codec.encode(Heartbeat().to_msg())
-            self._exchange(payload, "heartbeat", self.handshake_timeout_ms)
-            protocol.parse_reply(self._receive("heartbeat", self.handshake_timeout_ms))
+            self._heartbeat()
         except TransportdError:
             pass  # _exchange/_receive noted why in _suspect
         finally:
