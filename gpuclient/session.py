@@ -298,10 +298,10 @@ class Session:
 
     def channel(self, capacity: int | None = None, kind: str = "ring",
                 timeout: float = 30.0) -> ChannelHandle | IbgdaChannelHandle:
-        """Open a channel: ``kind="ring"`` (default), a command ring of ``capacity`` slots (4096) drained by
-        the daemon's proxy; ``kind="ibgda"``, one queue pair per peer rank of ``capacity`` WQEs (256) that
-        kernels post to themselves (``gpuclient.ibgda_channel``; exchange first). Both hand kernels the
-        same calls through ``device_handle()``."""
+        """Open a channel: ``kind="ring"`` (default), a command ring of ``capacity`` slots (default: the
+        daemon's ``proxy.ring_capacity``) drained by the daemon's proxy; ``kind="ibgda"``, one queue pair
+        per peer rank of ``capacity`` WQEs (256) that kernels post to themselves (``gpuclient.ibgda_channel``;
+        exchange first). Both hand kernels the same calls through ``device_handle()``."""
         if kind == "ibgda":
             from gpuclient.ibgda_channel import IbgdaChannelHandle
 
@@ -318,7 +318,7 @@ class Session:
             return ibgda
         if kind != "ring":
             raise ValueError(f"channel kind must be 'ring' or 'ibgda', not {kind!r}")
-        reply = self._conn.request(ChannelRequest(capacity=capacity or 4096))
+        reply = self._conn.request(ChannelRequest(capacity=capacity or 0))
         ch = ChannelHandle(self, int(reply["channel"]), reply["path"])
         self.channels.append(ch)
         return ch

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from transportd.errors import ConfigError
+from transportd.limits import MAX_BATCH, MAX_INFLIGHT_CAP, MIN_BATCH, MIN_INFLIGHT_CAP
 from transportd.protocol import MAX_CHANNEL_CAPACITY, MIN_CHANNEL_CAPACITY
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "ControlConfig",
     "EfaConfig",
     "FlagsConfig",
+    "REMOVED_KEYS",
     "KeyInfo",
     "LoggingConfig",
     "MetricsConfig",
@@ -44,6 +46,7 @@ __all__ = [
     "RailConfig",
     "SecurityConfig",
     "SignalConfig",
+    "check_control_endpoint",
     "default_config",
     "describe_keys",
     "load_config",
@@ -105,12 +108,21 @@ def _endpoint(*, ipc: bool) -> Check:
     return check
 
 
+def check_control_endpoint(value: str) -> str:
+    """``value`` if it is a control endpoint (``ipc:///path``, ``ipc://@abstract`` or ``tcp://host:port``);
+    else :class:`ValueError` saying what was expected. Clients check ``--socket`` with it before zmq sees it."""
+    return _endpoint(ipc=True)(value)
+
+
 def _mode(value: int | str) -> int:
     if isinstance(value, str):
         if not re.fullmatch(r"(0o)?[0-7]{1,4}", value):
             raise ValueError(f"expected an octal mode such as 0o660 or \"0660\", got {value!r}")
         value = int(value.removeprefix("0o"), 8)
     if not 0 <= value <= 0o777:
+        if re.fullmatch(r"[0-7]{3,4}", str(value)) and int(str(value), 8) <= 0o777:
+            # `mode = 660` in TOML is the decimal number 660 (0o1224), not the octal mode the user meant
+            raise ValueError(f"{value} is a decimal number in TOML; an octal mode needs 0o{value} (or \"0{value}\")")
         raise ValueError(f"must be a permission mode in 0..0o777, got {oct(value)}")
     return value
 
@@ -233,16 +245,16 @@ class BackendConfig:
 class ProxyConfig:
     """[proxy] — the workers that turn ring commands into work requests."""
 
-    workers: int = field(default=1, metadata=_meta("Proxy worker threads.", _between(1, 64)))
     batch_max: int = field(default=8, metadata=_meta(
-        "Most work requests posted per connection in one batch.", _between(1, 8)))
+        "Most work requests posted per connection in one batch.", _between(MIN_BATCH, MAX_BATCH)))
     poll_window_us: int = field(default=50, metadata=_meta(
         "Microseconds a worker waits to fill a batch before posting a partial one.",
         _between(0, 1_000_000)))
     inflight_cap: int = field(default=256, metadata=_meta(
-        "Most unacknowledged work requests per connection.", _between(1, 1 << 16)))
+        "Most unacknowledged work requests per connection (at least 2: a PUT_SIGNAL is two).",
+        _between(MIN_INFLIGHT_CAP, MAX_INFLIGHT_CAP)))
     ring_capacity: int = field(default=4096, metadata=_meta(
-        "Default command-ring slots per channel (a power of two).",
+        "Command-ring slots of a channel a client opens without naming a capacity (a power of two).",
         _power_of_two(MIN_CHANNEL_CAPACITY, MAX_CHANNEL_CAPACITY)))
 
 
@@ -302,6 +314,12 @@ class MetricsConfig:
     listen: str = field(default="", metadata=_meta(
         "host:port for Prometheus text metrics (keep it on localhost); empty: off.", _optional_host_port))
 
+
+#: Keys that existed once, with what to do instead: loading names them instead of calling them unknown.
+REMOVED_KEYS: dict[str, str] = {
+    "proxy.workers": "removed (it set nothing): each rail in [[backend.rails]] has its own proxy worker "
+                     "process, so there is one per NIC; delete this line",
+}
 
 _SECTIONS: dict[str, type] = {
     "node": NodeConfig,
@@ -525,6 +543,8 @@ class _Loader:
             key = f"{prefix}.{name}"
             f = fields.get(name)
             if f is None:
+                if key in REMOVED_KEYS:
+                    self.fail(key, REMOVED_KEYS[key])
                 self.fail(key, f"unknown key; known keys here: {', '.join(fields)}")
             value = self.convert(_check_hint(f, hints[name]), raw, key)
             check = f.metadata.get("check")
@@ -607,6 +627,13 @@ def _validate(loader: _Loader, cfg: Config) -> Config:
         # write-then-flag relies on in-order placement, which adaptive routing breaks (DESIGN.md section 4)
         loader.fail("signal.mode", "write signaling is unsafe with adaptive routing (softverbs.adaptive_routing); "
                                    "use atomic or fence")
+    if cfg.backend.kind == "efa" and cfg.signal.mode != "write":
+        # SRD has no ordered flag write, no fence and no atomics to order with: an efa signal is published
+        # by the receiving daemon once every piece it covers has arrived (DESIGN.md section 4), whatever
+        # the mode says. Accepting atomic/fence would promise an ordering that is not what happens.
+        loader.fail("signal.mode", f"{cfg.signal.mode!r} does not apply to backend.kind = \"efa\" (the receiving "
+                                   "daemon publishes a flag once every piece it covers arrived); leave it at "
+                                   "\"write\" (the default)")
     if cfg.signal.decoupled and cfg.backend.kind == "efa":
         # decoupling moves writes ahead of signals, which regroups SRD writes and can shrink what an efa
         # signal covers (tests/transportd/test_batching.py documents the case): refuse until batching keeps
@@ -625,7 +652,7 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
     if not override:
         return cfg
     try:
-        _endpoint(ipc=True)(override)
+        check_control_endpoint(override)
     except ValueError as exc:
         raise ConfigError(f"${SOCKET_ENV}", "control.socket", str(exc)) from None
     return dataclasses.replace(cfg, control=dataclasses.replace(cfg.control, socket=override))

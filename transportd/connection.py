@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from transportd import codec, protocol
-from transportd.config import DEFAULT_SOCKET, SOCKET_ENV, Config
+from transportd.config import DEFAULT_SOCKET, SOCKET_ENV, Config, check_control_endpoint
 from transportd.curve import CurveClientKeys, configure_client
 from transportd.errors import (
     DaemonTimeoutError,
@@ -94,6 +94,10 @@ class ControlConnection:
         :class:`DaemonUnavailableError` when the daemon does not answer the hello in time.
         """
         self.endpoint = resolve_endpoint(endpoint, config=config)
+        try:
+            check_control_endpoint(self.endpoint)
+        except ValueError as exc:  # before zmq, whose EINVAL would name nothing
+            raise DaemonUnavailableError(self.endpoint, f"not a control endpoint: {exc}") from None
         self.timeout_ms = timeout_ms
         self.handshake_timeout_ms = handshake_timeout_ms
         self.session = Session()
@@ -123,7 +127,11 @@ class ControlConnection:
             sock.sndtimeo = handshake_timeout_ms
             if curve is not None:
                 configure_client(sock, curve)
-            sock.connect(self.endpoint)
+            try:
+                sock.connect(self.endpoint)
+            except zmq.ZMQError as exc:  # e.g. a tcp host name that does not resolve
+                raise DaemonUnavailableError(self.endpoint, f"cannot connect to {self.endpoint}: {exc.strerror}") \
+                    from None
             if handshake:
                 self.hello()
         except BaseException:

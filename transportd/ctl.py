@@ -174,6 +174,10 @@ def _status_text(s: dict[str, Any]) -> str:
                                                 for j, v in sorted(jobs.items()))),
         f"peers     {up} up, {len(peers) - up} down" + ("" if up == len(peers) else "  <- check `transportctl peers`"),
     ]
+    fallback = [str(r.get("rail", "?")) for r in _rails(s) if r.get("verbs_fallback")]
+    if fallback:
+        lines.append(f"WARNING   rail {', '.join(fallback)} on softverbs (TCP, no NIC): backend.verbs = \"auto\" "
+                     "found no RDMA device; use \"pyverbs\" in production")
     for rail in s.get("rails", []):
         if "error" in rail:
             lines.append(f"rail      ERROR {rail['error']}")

@@ -215,8 +215,14 @@ class Daemon:
         except BaseException:
             self.close()
             raise
-        log.info("node %s up: backend %s, %d rail(s), control %s, peers %s", self.node,
-                 self.config.backend.kind, count, self.control.endpoint, self.peers.endpoint)
+        providers = sorted({str(w.info.get("verbs", "?")) for w in self.workers})
+        log.info("node %s up: backend %s over %s, %d rail(s), control %s, peers %s", self.node,
+                 self.config.backend.kind, "/".join(providers), count, self.control.endpoint, self.peers.endpoint)
+        fallback = [w.rail for w in self.workers if w.info.get("verbs_fallback")]
+        if fallback:
+            log.warning("rail(s) %s fell back to softverbs (backend.verbs = \"auto\", no RDMA device): data moves "
+                        "over TCP; set backend.verbs = \"pyverbs\" on a production node",
+                        ", ".join(map(str, fallback)))
 
     def run(self) -> None:
         """Serve until :attr:`stop_event` is set (SIGTERM/SIGINT set it when run from the CLI).
@@ -457,9 +463,10 @@ class Daemon:
         rank = self._joined(client_id)
         if req.kind == "ibgda":
             return self._open_ibgda_channel(rank, req.capacity)
+        capacity = req.capacity or self.config.proxy.ring_capacity
         channel_id = next(self._channel_ids)
         path = self._runtime_file("ring", rank.job, rank.rank, channel_id)
-        ring = RingFile.create(str(path), req.capacity, mode=self.config.control.mode)
+        ring = RingFile.create(str(path), capacity, mode=self.config.control.mode)
         self._give_to_group(ring.path)
         try:
             self.workers[rank.rail].call("add_channel", channel=channel_id, path=str(ring.path), job=rank.job,
@@ -469,7 +476,7 @@ class Daemon:
             ring.unlink()
             raise RequestError("channel_failed", str(exc)) from None
         rank.channels[channel_id] = ring
-        return {"channel": channel_id, "path": str(ring.path), "capacity": req.capacity, "rail": rank.rail}
+        return {"channel": channel_id, "path": str(ring.path), "capacity": capacity, "rail": rank.rail}
 
     # --- IBGDA channels ---------------------------------------------------------------------------------
     def _open_ibgda_channel(self, rank: LocalRank, wqe_cnt: int) -> dict[str, Any]:

@@ -97,6 +97,9 @@ def render_metrics(stats: dict[str, Any]) -> str:
         w.family(f"transportd_sessions_ended_{why}", "counter", _SESSION_END_HELP.get(why, why), [({}, count)])
     rails = [r for r in stats.get("rails", []) if "error" not in r]
     w.family("transportd_rails", "gauge", "Rail workers answering.", [({}, len(rails))])
+    w.family("transportd_verbs_fallback_rails", "gauge", "Rails on softverbs (TCP) because backend.verbs = auto "
+             "found no RDMA device; nonzero on a production node means its data does not use the NIC.",
+             [({}, sum(1 for r in rails if r.get("verbs_fallback")))])
 
     peers = stats.get("peers", {})
     w.family("transportd_peer_up", "gauge", "1 while the peer node answers heartbeats.",

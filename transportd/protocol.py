@@ -425,17 +425,20 @@ class Exchange(Request):
 class Channel(Request):
     """Open a channel for this session.
 
-    ``kind="ring"``: a command ring of ``capacity`` slots (a power of two) and its error word, drained by
-    the rail's proxy. ``kind="ibgda"``: one queue pair per peer rank of ``capacity`` WQEs (a power of two,
-    8 .. 32768) that the GPU posts to itself; the daemon connects them through the peer plane, so the reply
-    says ``ready`` false and the client asks :class:`ChannelInfo` until it is true.
+    ``kind="ring"``: a command ring of ``capacity`` slots (a power of two; 0: the daemon's
+    ``proxy.ring_capacity``) and its error word, drained by the rail's proxy. ``kind="ibgda"``: one queue
+    pair per peer rank of ``capacity`` WQEs (a power of two, 8 .. 32768) that the GPU posts to itself; the
+    daemon connects them through the peer plane, so the reply says ``ready`` false and the client asks
+    :class:`ChannelInfo` until it is true.
     """
 
     op: ClassVar[str] = "channel"
-    capacity: int
+    capacity: int = 0
     kind: Literal["ring", "ibgda"] = "ring"
 
     def _check(self) -> None:
+        if self.kind == "ring" and self.capacity == 0:
+            return  # the daemon's default
         if self.kind == "ibgda":
             self._range("capacity", MIN_IBGDA_WQES, MAX_IBGDA_WQES)
         else:

@@ -57,6 +57,12 @@ class RailService:
         if device and config.backend.kind in DEVICE_KINDS:  # a soft rail device is created where missing
             soft_options["devices"] = {device: DEVICE_KINDS[config.backend.kind]}
         verbs = load_verbs(None if provider == "auto" else provider, soft_options=soft_options)
+        self.verbs_name: str = verbs.name
+        self.verbs_fallback: bool = verbs.fallback and config.backend.kind != "soft"
+        if self.verbs_fallback:
+            log.warning("backend.verbs = \"auto\" found no RDMA device: rail %d uses softverbs, which moves "
+                        "data over TCP, not a NIC; set backend.verbs = \"pyverbs\" on a production node (it "
+                        "fails instead) or \"soft\" to choose this knowingly", rail)
         self.backend = open_backend(config.backend.kind, device=device or None, verbs=verbs,
                                     signal_mode=config.signal.mode, inflight_cap=config.proxy.inflight_cap,
                                     batch_max=config.proxy.batch_max, visibility_flush=config.efa.visibility_flush)
@@ -259,7 +265,8 @@ class RailService:
     # --- reporting and shutdown -----------------------------------------------------------------------------
     def op_stats(self) -> dict[str, Any]:
         address = self.backend.local_address()
-        return {"rail": self.rail, "backend": self.backend.name, "pid": os.getpid(), "device": address.get("device"),
+        return {"rail": self.rail, "backend": self.backend.name, "verbs": self.verbs_name,
+                "verbs_fallback": self.verbs_fallback, "pid": os.getpid(), "device": address.get("device"),
                 "gid": address.get("gid"), "cpus": self.cpus, **self.proxy.stats(), "queues": self.proxy.queue_stats(),
                 "ibgda": self.ibgda_stats(), "responders": sorted(self.responders),
                 "endpoints": sorted(self.conn_jobs)}
@@ -321,7 +328,8 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     service = RailService(cfg, rail)
     service.cpus = list(cpus) if cpus is not None else None
     link = WorkerEndpoint(link_endpoint, service)
-    link.send_ready(address=service.backend.local_address())
+    link.send_ready(address=service.backend.local_address(), verbs=service.verbs_name,
+                    verbs_fallback=service.verbs_fallback)
     serve_loop(service.proxy, link, lambda: service.stopping)
     link.close()
     for queue in list(service.ibgda):

@@ -6,13 +6,15 @@ returns, whose attributes are the pyverbs modules by their pyverbs names (``devi
 short aliases (``enums``, ``error``) and ``name`` ("pyverbs" or "soft").
 
 Which provider: the explicit argument (from config ``[backend] verbs``), else ``TRANSPORTD_VERBS``
-(``soft`` | ``pyverbs`` | ``auto``), else ``auto``: pyverbs if it imports and reports at least one device.
+(``soft`` | ``pyverbs`` | ``auto``), else ``auto``: pyverbs if it imports and reports at least one device,
+else softverbs with ``fallback`` set (production configs say ``pyverbs``, which fails instead).
 pyverbs' ``get_device_list()`` raises ``PyverbsRDMAError`` when there is no device rather than returning
 ``[]``; both mean "no device" here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Mapping
@@ -51,6 +53,9 @@ class VerbsModules:
     efadv: ModuleType | None
     efa_enums: ModuleType | None
     soft: ModuleType | None  # softverbs.soft (knobs) for the soft provider, else None
+    #: True when "auto" found no RDMA device and chose softverbs: data then moves over TCP, which a node
+    #: meant to use its NICs must hear about (the rail worker warns; status and metrics show it)
+    fallback: bool = False
 
     @property
     def enums(self) -> ModuleType:
@@ -141,8 +146,10 @@ def load(provider: str | None = None, *, soft_options: Mapping[str, Any] | Any =
     choice = (provider or os.environ.get(ENV) or "auto").strip().lower()
     if choice not in PROVIDERS:
         raise VerbsUnavailableError(f"unknown verbs provider {choice!r}; choose one of {', '.join(PROVIDERS)}")
+    fallback = False
     if choice == "auto":
         choice = "pyverbs" if pyverbs_devices() else "soft"
+        fallback = choice == "soft"
     if choice == "pyverbs":
         try:
             return _import_provider("pyverbs")
@@ -153,4 +160,4 @@ def load(provider: str | None = None, *, soft_options: Mapping[str, Any] | Any =
     mods = _import_provider("softverbs")
     if soft_options is not None:
         configure_soft(soft_options)
-    return mods
+    return dataclasses.replace(mods, fallback=True) if fallback else mods

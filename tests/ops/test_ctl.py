@@ -224,3 +224,12 @@ def test_control_group_owns_socket_rings_and_flags(ops_cluster: OpsCluster) -> N
     for path in (socket_path, Path(ops_cluster.b.channel.ring.path), flags_path):
         st = os.stat(path)
         assert st.st_gid == gid and stat.S_IMODE(st.st_mode) == 0o660, path
+
+
+@pytest.mark.parametrize("endpoint", ["foo", "/run/transportd/control.sock", "tcp://nohost"])
+def test_a_socket_that_is_not_an_endpoint(endpoint: str) -> None:
+    """A mistyped --socket is one line naming what an endpoint looks like, exit 2, through the real script."""
+    result = ctl_process("status", "--socket", endpoint)
+    assert result.exit_code == 2 and result.stdout == ""
+    line = assert_one_line(result.stderr)
+    assert "not a control endpoint: expected" in line and "Traceback" not in result.stderr

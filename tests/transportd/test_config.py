@@ -72,7 +72,6 @@ def test_full_file(write):
         [[backend.rails]]
         device = "rdmap32s27"
         [proxy]
-        workers = 2
         batch_max = 4
         poll_window_us = 0
         inflight_cap = 64
@@ -121,9 +120,16 @@ BAD = [
     ("[nodes]\nname = 'x'\n", "nodes", "unknown section; known sections: node, control"),
     ("node = 3\n", "node", r"expected a \[node\] table, got integer"),
     ("[peers]\nlisten_on = 'tcp://x:1'\n", "peers.listen_on", "unknown key; known keys here: listen, static"),
-    ("[proxy]\nworkers = '2'\n", "proxy.workers", "expected integer, got string '2'"),
-    ("[proxy]\nworkers = true\n", "proxy.workers", "expected integer, got boolean"),
-    ("[proxy]\nworkers = 2.0\n", "proxy.workers", "expected integer, got float"),
+    ("[proxy]\nbatch_max = '2'\n", "proxy.batch_max", "expected integer, got string '2'"),
+    ("[proxy]\nbatch_max = true\n", "proxy.batch_max", "expected integer, got boolean"),
+    ("[proxy]\nbatch_max = 2.0\n", "proxy.batch_max", "expected integer, got float"),
+    ("[proxy]\nworkers = 2\n", "proxy.workers", r"removed \(it set nothing\): each rail .* delete this line"),
+    ("[proxy]\ninflight_cap = 1\n", "proxy.inflight_cap", r"must be in \[2, 65536\], got 1"),
+    ("[backend]\nkind = 'efa'\n[signal]\nmode = 'fence'\n", "signal.mode",
+     "'fence' does not apply to backend.kind = \"efa\""),
+    ("[backend]\nkind = 'efa'\n[signal]\nmode = 'atomic'\n", "signal.mode",
+     "'atomic' does not apply to backend.kind = \"efa\""),
+    ("[control]\nmode = 660\n", "control.mode", r"660 is a decimal number in TOML; an octal mode needs 0o660"),
     ("[proxy]\nbatch_max = 9\n", "proxy.batch_max", r"must be in \[1, 8\], got 9"),
     ("[proxy]\nbatch_max = 0\n", "proxy.batch_max", r"must be in \[1, 8\], got 0"),
     ("[proxy]\nring_capacity = 1000\n", "proxy.ring_capacity", "must be a power of two, got 1000"),
@@ -159,8 +165,8 @@ BAD = [
     ("[security]\ncurve_public_key_file = 'pub.key'\n", "security.curve_secret_key_file", "required when"),
     ("[security]\ncurve_secret_key_file = 'missing.key_secret'\n", "security.curve_secret_key_file",
      "does not exist"),
-    ("[proxy\nworkers = 1\n", "(syntax)", r"TOML syntax error: .*line 1"),
-    ("[proxy]\nworkers = 1\nworkers = 2\n", "(syntax)", r"line 3"),
+    ("[proxy\nbatch_max = 1\n", "(syntax)", r"TOML syntax error: .*line 1"),
+    ("[proxy]\nbatch_max = 1\nbatch_max = 2\n", "(syntax)", r"line 3"),
 ]
 
 
