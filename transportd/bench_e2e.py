@@ -292,7 +292,8 @@ def print_table(res: dict[str, Any], echo: Any = click.echo) -> None:
 @click.option("--signal-mode", type=click.Choice(["write", "atomic", "fence"]), default="write", show_default=True,
               help="ib signal mode (efa: the receiving daemon publishes flags; ignored)")
 @click.option("--size", "size_text", default="4KiB", show_default=True, help="message size (4096, 64KiB, 1MiB)")
-@click.option("--seconds", default=3.0, show_default=True, help="stream phase duration")
+@click.option("--seconds", default=3.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="stream phase duration")
 @click.option("--window", default=64, show_default=True, help="commands in flight in the stream phase")
 @click.option("--samples", default=1000, show_default=True, help="one-at-a-time latency samples")
 @click.option("--decoupled", is_flag=True, help="Perseus decoupled signaling in the daemons")
@@ -302,7 +303,7 @@ def print_table(res: dict[str, Any], echo: Any = click.echo) -> None:
               help="idle time before each latency sample (the first command after a pause)")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="also measure the bare softverbs stream of the same size (e2e / raw ratio)")
-@click.option("--quick", is_flag=True, help="smoke run: 0.5 s stream, 50 samples, no baseline")
+@click.option("--quick", is_flag=True, help="smoke run: 0.5 s stream, 50 samples, no baseline (unless given)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write the results as JSON here")
 def bench_e2e(backend: str, signal_mode: str, size_text: str, seconds: float, window: int, samples: int,
@@ -313,8 +314,16 @@ def bench_e2e(backend: str, signal_mode: str, size_text: str, seconds: float, wi
         size = parse_size(size_text)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--size") from None
-    if quick:
-        seconds, samples, baseline = min(seconds, 0.5), min(samples, 50), False
+    from transportd.cli import check_signal_mode
+
+    check_signal_mode(backend, signal_mode, adaptive_routing)
+    if quick:  # shorter defaults; what the command line says explicitly still holds
+        source = click.get_current_context().get_parameter_source
+        given = {name for name in ("seconds", "samples", "baseline")
+                 if source(name) is not click.core.ParameterSource.DEFAULT}
+        seconds = seconds if "seconds" in given else 0.5
+        samples = samples if "samples" in given else 50
+        baseline = baseline if "baseline" in given else False
     from transportd.errors import TransportdError
 
     try:

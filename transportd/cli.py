@@ -47,16 +47,38 @@ def run(config_path: str | None) -> None:
         sys.exit(EXIT_SOFTWARE)
 
 
+def check_signal_mode(backend: str, signal_mode: str, adaptive_routing: bool = False) -> None:
+    """Refuse, naming the flags, the --backend/--signal-mode/--adaptive-routing combinations the daemons'
+    config would refuse (before anything starts)."""
+    if backend == "efa" and signal_mode != "write":
+        raise click.UsageError(f"--signal-mode {signal_mode} does not apply to --backend efa (the receiving "
+                               "daemon publishes each flag once its data has arrived); leave --signal-mode out")
+    if adaptive_routing and backend == "ib" and signal_mode == "write":
+        raise click.UsageError("--adaptive-routing needs --signal-mode atomic or fence (write signaling relies on "
+                               "in-order placement, which adaptive routing breaks)")
+
+
 @main.command()
-@click.option("--mib", default=256, show_default=True, help="MiB each rank sends to the other")
-@click.option("--chunk-kib", default=1024, show_default=True, help="chunk size in KiB")
+@click.option("--mib", default=256, show_default=True, type=click.IntRange(min=1),
+              help="MiB each rank sends to the other")
+@click.option("--chunk-kib", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="chunk size in KiB (a divisor of --mib's KiB)")
 @click.option("--backend", type=click.Choice(["ib", "efa"]), default="ib", show_default=True)
-@click.option("--signal-mode", type=click.Choice(["write", "atomic", "fence"]), default="write", show_default=True)
+@click.option("--signal-mode", type=click.Choice(["write", "atomic", "fence"]), default="write", show_default=True,
+              help="ib only (efa: the receiving daemon publishes flags)")
 def demo(mib: int, chunk_kib: int, backend: str, signal_mode: str) -> None:
     """Two nodes on this machine over softverbs: stream data both ways, verify every byte and flag."""
     from transportd.demo import run_demo
+    from transportd.errors import TransportdError
 
-    run_demo(total=mib << 20, chunk=chunk_kib << 10, backend=backend, signal_mode=signal_mode, echo=click.echo)
+    if (mib << 10) % chunk_kib:
+        raise click.BadParameter(f"{chunk_kib} KiB does not divide --mib {mib} ({mib << 10} KiB) into whole "
+                                 "chunks", param_hint="--chunk-kib")
+    check_signal_mode(backend, signal_mode)
+    try:
+        run_demo(total=mib << 20, chunk=chunk_kib << 10, backend=backend, signal_mode=signal_mode, echo=click.echo)
+    except (RuntimeError, TimeoutError, TransportdError) as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.group()

@@ -28,12 +28,13 @@ def _counters(stats: dict[str, Any]) -> dict[str, int]:
 def run_demo(total: int = 256 << 20, chunk: int = 1 << 20, backend: str = "ib", signal_mode: str = "write",
              echo: Any = print) -> dict[str, Any]:
     """Run the demo; returns the report (raises AssertionError if any byte or flag is wrong)."""
-    if total % chunk:
-        raise ValueError("total must be a multiple of chunk")
+    if total < 1 or chunk < 1 or total % chunk:
+        raise ValueError(f"total ({total}) and chunk ({chunk}) must be positive, total a multiple of chunk")
     chunks = total // chunk
     overrides = {"signal": {"mode": signal_mode}}
     with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
-        echo(f"started 2 daemons ({backend} over softverbs, signal mode {signal_mode}) in {cluster.workdir}")
+        how = f"signal mode {signal_mode}" if backend == "ib" else "flags published by the receiving daemon"
+        echo(f"started 2 daemons ({backend} over softverbs, {how}) in {cluster.workdir}")
         clients = [gpuclient.connect(cluster.socket(n)) for n in cluster.names]
         sessions = [c.join("demo", rank=i, world=2) for i, c in enumerate(clients)]
         rng = np.random.default_rng(2024)

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transportd.config import load_config
 from transportd.connection import ControlConnection
 from transportd.curve import generate_keypair
-from transportd.errors import DaemonUnavailableError
+from transportd.errors import ConfigError, DaemonUnavailableError
 from transportd.protocol import Stats
 
 __all__ = ["LocalCluster", "free_port"]
@@ -143,6 +144,12 @@ class LocalCluster:
                     sections.setdefault(section, {}).update(values)
             path = self.workdir / f"{name}.toml"
             path.write_text(render_toml(sections))
+            try:
+                load_config(path, env={})  # a ConfigError here, naming the key, not a daemon's exit 78 later
+            except ConfigError:
+                if self._own_dir:
+                    shutil.rmtree(self.workdir, ignore_errors=True)
+                raise
             self.nodes[name] = LocalNode(name, path, sections["control"]["socket"], ports[name],
                                          self.workdir / f"{name}.log")
 

@@ -56,3 +56,19 @@ def test_latency_samples_after_idle_gaps(tmp_path) -> None:
 def test_a_negative_gap_is_refused() -> None:
     result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--gap-ms", "-1"])
     assert result.exit_code == 2 and "Invalid value" in result.output
+
+
+def test_adaptive_routing_with_write_signaling_is_refused_before_anything_starts() -> None:
+    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--adaptive-routing"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "--adaptive-routing needs --signal-mode atomic or fence" in result.output
+    assert "daemons up" not in result.output
+
+
+def test_quick_keeps_an_explicit_seconds_and_adaptive_routing_runs_with_atomic(tmp_path) -> None:
+    path = tmp_path / "e2e.json"
+    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--seconds", "0.8", "--adaptive-routing",
+                                       "--signal-mode", "atomic", "--json", str(path)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    config = json.loads(path.read_text())["config"]
+    assert config["seconds"] == 0.8 and config["samples"] == 50 and config["adaptive_routing"] is True
