@@ -21,6 +21,8 @@ def main() -> None:
               help="TOML config (default: built-in defaults)")
 def run(config_path: str | None) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    import zmq
+
     from transportd.config import load_config
     from transportd.daemon import Daemon
     from transportd.errors import ConfigError, TransportdError
@@ -36,7 +38,7 @@ def run(config_path: str | None) -> None:
     daemon.install_signal_handlers()
     try:
         daemon.start()
-    except (TransportdError, OSError) as exc:
+    except (TransportdError, OSError, zmq.ZMQError) as exc:  # ListenError names the config key
         raise click.ClickException(f"cannot start: {exc}") from None
     try:
         daemon.run()

@@ -11,6 +11,7 @@ at fault, which decides what to do about it:
 ``PeerError``               a peer daemon misbehaved; ``PeerDeadError`` when it stopped answering
 ``DaemonUnavailableError``  no daemon at the control endpoint, or it cannot be reached; says how to fix it
 ``DaemonTimeoutError``      the daemon was reached once but stopped answering a request in time
+``ListenError``             the daemon cannot listen where its config says (a port in use, say)
 ==========================  ==============================================================================
 
 The Local/Remote split follows h11: messages are validated on construction (a failure there is local),
@@ -24,12 +25,14 @@ kernel through ``tpd::status(ch)``. The values are ABI: the CUDA header mirrors 
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 __all__ = [
     "ConfigError",
     "DaemonTimeoutError",
     "DaemonUnavailableError",
     "ErrorCode",
+    "ListenError",
     "LocalProtocolError",
     "PeerDeadError",
     "PeerError",
@@ -57,6 +60,30 @@ class ConfigError(TransportdError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
         return (type(self), (self.file, self.key, self.reason))
+
+
+class ListenError(TransportdError):
+    """The daemon cannot bind the endpoint config key ``key`` names; the message says which and why.
+
+    Not a :class:`ConfigError`: a port held by another process may be free a moment later, so systemd's
+    restart should still try again.
+    """
+
+    def __init__(self, key: str, endpoint: str, reason: str, *, in_use: bool = False) -> None:
+        self.key = key
+        self.endpoint = endpoint
+        self.reason = reason
+        self.in_use = in_use
+        hint = (f": another process holds it (a transportd already running? `ss -ltnp` names it); stop that "
+                f"or set another {key}") if in_use else ""
+        super().__init__(f"{key} = {endpoint!r}: cannot listen: {reason}{hint}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_listen_error, (self.key, self.endpoint, self.reason, self.in_use))
+
+
+def _rebuild_listen_error(key: str, endpoint: str, reason: str, in_use: bool) -> ListenError:
+    return ListenError(key, endpoint, reason, in_use=in_use)
 
 
 class ProtocolError(TransportdError):

@@ -13,6 +13,7 @@ The HTTP thread only renders the snapshot the daemon's main loop refreshes every
 
 from __future__ import annotations
 
+import errno
 import math
 import socket
 import threading
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from transportd.errors import ErrorCode
+from transportd.errors import ErrorCode, ListenError
 
 __all__ = ["CONTENT_TYPE", "MetricsServer", "render_metrics"]
 
@@ -180,7 +181,11 @@ class MetricsServer:
         class Server(ThreadingHTTPServer):
             address_family = socket.AF_INET6 if ":" in address else socket.AF_INET
 
-        self.server = Server((address, int(port)), Handler)
+        try:
+            self.server = Server((address, int(port)), Handler)
+        except OSError as exc:
+            raise ListenError("metrics.listen", listen, exc.strerror or str(exc),
+                              in_use=exc.errno == errno.EADDRINUSE) from None
         self.server.daemon_threads = True
         self.address = f"{self.server.server_address[0]}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="metrics", daemon=True)

@@ -15,6 +15,7 @@ One keypair per node serves both directions, so that directory holds every peer'
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
 import time
@@ -33,7 +34,7 @@ from transportd.curve import (
     load_public_key,
     start_authenticator,
 )
-from transportd.errors import ConfigError, RemoteProtocolError
+from transportd.errors import ConfigError, ListenError, RemoteProtocolError
 from transportd.protocol import PeerBye, PeerHeartbeat, PeerHello, PeerMessage, parse_peer_message
 
 __all__ = ["PeerPlane", "PeerState"]
@@ -104,7 +105,13 @@ class PeerPlane:
             # without a ZAP handler libzmq would admit any client key: admit only the authorized ones
             self._auth = start_authenticator(self._ctx, curve.authorized_keys_dir)
             configure_server(self.router, curve)
-        self.router.bind(listen)
+        try:
+            self.router.bind(listen)
+        except zmq.ZMQError as exc:
+            self.router.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+            raise ListenError("peers.listen", listen, exc.strerror, in_use=exc.errno == errno.EADDRINUSE) from None
         self.endpoint = self.router.last_endpoint.decode()
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
