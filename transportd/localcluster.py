@@ -24,6 +24,7 @@ from transportd.config import load_config
 from transportd.connection import ControlConnection
 from transportd.curve import generate_keypair
 from transportd.errors import ConfigError, DaemonUnavailableError
+from transportd.lifetime import die_with_parent
 from transportd.protocol import Stats
 
 __all__ = ["LocalCluster", "free_port"]
@@ -31,12 +32,7 @@ __all__ = ["LocalCluster", "free_port"]
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM this daemon when the process that started it dies (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent(signal.SIGTERM)
 
 
 _handed_out: set[int] = set()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -32,6 +33,7 @@ from transportd.backend import MemoryKey, SignalOp
 from transportd.backends import DEVICE_KINDS, open_backend
 from transportd.config import Config
 from transportd.flagfile import FlagFile
+from transportd.lifetime import die_with_parent
 from transportd.logs import setup_logging
 from transportd.pinning import pin_worker
 from transportd.proxy import Proxy
@@ -317,6 +319,9 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool]) -> None:
 
 def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     """Process entry of a proxy worker (``config`` arrives pickled from the main process)."""
+    # A worker must not outlive its daemon (kill -9, the OOM killer): nobody would serve or reclaim its rail.
+    parent = mp.parent_process()
+    die_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
     cfg = config
     # The main process decides when to stop (SIGTERM -> drain): a Ctrl-C sent to the whole process group
     # must not kill a worker in the middle of its drain.
