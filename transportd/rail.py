@@ -269,9 +269,17 @@ class RailService:
         address = self.backend.local_address()
         return {"rail": self.rail, "backend": self.backend.name, "verbs": self.verbs_name,
                 "verbs_fallback": self.verbs_fallback, "pid": os.getpid(), "device": address.get("device"),
-                "gid": address.get("gid"), "cpus": self.cpus, **self.proxy.stats(), "queues": self.proxy.queue_stats(),
+                "gid": address.get("gid"), "cpus": self.cpus, **self.proxy.stats(), "queues": self._open_queues(),
                 "ibgda": self.ibgda_stats(), "responders": sorted(self.responders),
                 "endpoints": sorted(self.conn_jobs)}
+
+    def _open_queues(self) -> dict[str, Any]:
+        """The proxy's queue state, less connections already closed here: the proxy keeps a closed
+        connection's counters (its totals stay in ``stats``), but ``transportctl queues``/``top`` and the
+        metrics' queue pairs must agree on what is open."""
+        queues = self.proxy.queue_stats()
+        queues["connections"] = [c for c in queues["connections"] if c["conn"] in self.conn_jobs]
+        return queues
 
     def op_stop(self) -> dict[str, Any]:
         """Drain (every record committed so far is posted and completed, bounded), then exit."""
