@@ -45,18 +45,22 @@ def _wc(c: tuple) -> WC:
     return wc
 
 
-def _check_cqe(ctx: Any, cqe: int) -> None:
+def _check_cqe(ctx: Any, cqe: int, comp_vector: int) -> None:
+    """The kernel's checks: 1 <= cqe <= max_cqe, and comp_vector < the context's num_comp_vectors."""
     from .device import device_limits
 
     if cqe < 1 or cqe > device_limits(ctx._dev)["max_cqe"]:
         raise PyverbsRDMAError("Failed to create a CQ", errno.EINVAL)
+    if not 0 <= comp_vector < ctx.num_comp_vectors:
+        raise PyverbsRDMAError(f"Failed to create a CQ: comp_vector {comp_vector} out of range "
+                               f"(num_comp_vectors {ctx.num_comp_vectors})", errno.EINVAL)
 
 
 class _CQBase(SoftCM):
     __slots__ = ("_ctx", "_core", "_closed")
 
-    def _attach(self, context: Any, cqe: int) -> None:
-        _check_cqe(context, cqe)
+    def _attach(self, context: Any, cqe: int, comp_vector: int) -> None:
+        _check_cqe(context, cqe, int(comp_vector))
         self._ctx = context
         self._core = CQCore(cqe)
         self._closed = False
@@ -83,7 +87,7 @@ class CQ(_CQBase):
         super().__init__()
         if channel is not None:
             raise PyverbsRDMAError("softverbs has no completion channels", errno.EOPNOTSUPP)
-        self._attach(context, cqe)
+        self._attach(context, cqe, comp_vector)
 
     def poll(self, num_entries: int = 1) -> tuple[int, list[WC]]:
         """Up to `num_entries` completions as (count, [WC]); an empty poll yields the CPU briefly."""
@@ -136,7 +140,7 @@ class CQEX(_CQBase):
             init_attr = CqInitAttrEx()
         if init_attr.comp_channel is not None:
             raise PyverbsRDMAError("softverbs has no completion channels", errno.EOPNOTSUPP)
-        self._attach(context, init_attr.cqe)
+        self._attach(context, init_attr.cqe, init_attr.comp_vector)
         self._core.wc_flags = init_attr.wc_flags
         self._cur: tuple | None = None
         self._polling = False

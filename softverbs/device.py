@@ -21,7 +21,9 @@ from ._device import DeviceOptions, SoftDevice
 from .addr import GID, gid_for_endpoint
 from .pyverbs_error import PyverbsRDMAError, PyverbsUserError
 
-__all__ = ["Context", "Device", "DeviceAttr", "PortAttr", "get_device_list"]
+__all__ = ["CQModerationCaps", "Context", "Device", "DeviceAttr", "DeviceAttrEx", "ODPCaps", "PCIAtomicCaps",
+           "PacketPacingCaps", "PortAttr", "RSSCaps", "TMCaps", "TSOCaps", "get_device_list", "phys_state_to_str",
+           "speed_to_str", "translate_link_layer", "translate_mtu", "width_to_str"]
 
 _lock = threading.Lock()
 _registry: dict[str, SoftDevice] = {}
@@ -112,6 +114,38 @@ def get_device_list() -> list[Device]:
     return devices
 
 
+# Port attribute values as text (pyverbs.device's helpers); a value outside the IB spec's reads "Invalid ...".
+_MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+_LINK_LAYERS = {0: "Unspecified", 1: "InfiniBand", 2: "Ethernet"}
+_PHYS_STATES = {1: "Sleep", 2: "Polling", 3: "Disabled", 4: "PortConfigurationTraining", 5: "LinkUp",
+                6: "LinkErrorRecovery", 7: "PhyTest"}
+_WIDTHS = {1: "1X", 2: "4X", 4: "8X", 8: "12X", 16: "2X"}
+_SPEEDS_GBPS = {1: 2.5, 2: 5.0, 4: 10.0, 8: 10.0, 16: 14.0, 32: 25.0, 64: 50.0, 128: 100.0, 256: 200.0}
+
+
+def translate_mtu(mtu: int) -> str:
+    """An ibv_mtu value as bytes, e.g. '4096 (5)'."""
+    return f"{_MTU_BYTES[mtu]} ({mtu})" if mtu in _MTU_BYTES else f"Invalid MTU ({mtu})"
+
+
+def translate_link_layer(ll: int) -> str:
+    return _LINK_LAYERS.get(ll, f"Invalid link layer ({ll})")
+
+
+def phys_state_to_str(phys: int) -> str:
+    return f"{_PHYS_STATES[phys]} ({phys})" if phys in _PHYS_STATES else f"Invalid physical state ({phys})"
+
+
+def width_to_str(width: int) -> str:
+    return f"{_WIDTHS[width]} ({width})" if width in _WIDTHS else f"Invalid width ({width})"
+
+
+def speed_to_str(active_speed: int, active_speed_ex: int) -> str:
+    """The per-lane signalling rate (active_speed_ex, when set, supersedes active_speed)."""
+    speed = active_speed_ex or active_speed
+    return f"{_SPEEDS_GBPS[speed]} Gbps ({speed})" if speed in _SPEEDS_GBPS else f"Invalid speed ({speed})"
+
+
 def _make_attr_class(cls_name: str, fields: list[str], doc: str) -> type:
     """A read-only attribute bag with one property per field, like pyverbs' struct wrappers."""
 
@@ -143,6 +177,37 @@ _PORT_ATTR_FIELDS = [
 ]
 DeviceAttr = _make_attr_class("DeviceAttr", _DEVICE_ATTR_FIELDS, "Device limits (ibv_device_attr).")
 PortAttr = _make_attr_class("PortAttr", _PORT_ATTR_FIELDS, "Port attributes (ibv_port_attr).")
+
+# ibv_device_attr_ex: the extended attributes, each capability group a struct of its own as in pyverbs.
+ODPCaps = _make_attr_class("ODPCaps", ["general_caps", "rc_odp_caps", "uc_odp_caps", "ud_odp_caps",
+                                       "xrc_odp_caps"], "On-demand paging capabilities (none here).")
+PCIAtomicCaps = _make_attr_class("PCIAtomicCaps", ["fetch_add", "swap", "compare_swap"],
+                                 "PCIe atomic capabilities (none here).")
+TSOCaps = _make_attr_class("TSOCaps", ["max_tso", "supported_qpts"], "TCP segmentation offload (none here).")
+RSSCaps = _make_attr_class("RSSCaps", ["supported_qpts", "max_rwq_indirection_tables", "rx_hash_fields_mask",
+                                       "rx_hash_function", "max_rwq_indirection_table_size"],
+                           "Receive-side scaling (none here).")
+PacketPacingCaps = _make_attr_class("PacketPacingCaps", ["qp_rate_limit_min", "qp_rate_limit_max",
+                                                         "supported_qpts"], "Packet pacing (none here).")
+TMCaps = _make_attr_class("TMCaps", ["max_rndv_hdr_size", "max_num_tags", "flags", "max_ops", "max_sge"],
+                          "Tag matching (none here).")
+CQModerationCaps = _make_attr_class("CQModerationCaps", ["max_cq_count", "max_cq_period"],
+                                    "CQ moderation (none here).")
+_DEVICE_ATTR_EX_FIELDS = [
+    "orig_attr", "comp_mask", "odp_caps", "completion_timestamp_mask", "hca_core_clock", "device_cap_flags_ex",
+    "tso_caps", "pci_atomic_caps", "rss_caps", "max_wq_type_rq", "packet_pacing_caps", "raw_packet_caps",
+    "tm_caps", "cq_mod_caps", "max_dm_size", "phys_port_cnt_ex",
+]
+DeviceAttrEx = _make_attr_class("DeviceAttrEx", _DEVICE_ATTR_EX_FIELDS,
+                                "Extended device attributes (ibv_device_attr_ex): orig_attr plus the feature groups.")
+
+
+def _zeroed(cls: type) -> Any:
+    return _filled(cls, dict.fromkeys(_fields_of(cls), 0))
+
+
+def _fields_of(cls: type) -> list[str]:
+    return [k for k, v in vars(cls).items() if isinstance(v, property)]
 
 
 def _filled(cls: type, values: dict[str, Any]) -> Any:
@@ -241,6 +306,18 @@ class Context(SoftCM):
             "max_srq_wr": 0, "max_srq_sge": 0, "max_pkeys": 1, "local_ca_ack_delay": 16, "phys_port_cnt": 1,
         })
 
+    def query_device_ex(self, ex_input: Any = None) -> Any:
+        """query_device() plus the extended groups, all empty: a soft device has no ODP, TSO, RSS, tag
+        matching, packet pacing, CQ moderation, device memory or completion timestamps."""
+        orig = self.query_device()
+        return _filled(DeviceAttrEx, {
+            "orig_attr": orig, "comp_mask": 0, "odp_caps": _zeroed(ODPCaps), "completion_timestamp_mask": 0,
+            "hca_core_clock": 0, "device_cap_flags_ex": orig.device_cap_flags, "tso_caps": _zeroed(TSOCaps),
+            "pci_atomic_caps": _zeroed(PCIAtomicCaps), "rss_caps": _zeroed(RSSCaps), "max_wq_type_rq": 0,
+            "packet_pacing_caps": _zeroed(PacketPacingCaps), "raw_packet_caps": 0, "tm_caps": _zeroed(TMCaps),
+            "cq_mod_caps": _zeroed(CQModerationCaps), "max_dm_size": 0, "phys_port_cnt_ex": orig.phys_port_cnt,
+        })
+
     def query_port(self, port_num: int) -> Any:
         if port_num != 1:
             raise PyverbsRDMAError(f"Failed to query port {port_num}", errno.EINVAL)
@@ -251,7 +328,7 @@ class Context(SoftCM):
             "max_msg_sz": dev.options.max_rdma_size if dev.is_efa else 1 << 31,
             "bad_pkey_cntr": 0, "qkey_viol_cntr": 0, "pkey_tbl_len": 1, "lid": dev.port & 0xFFFF, "sm_lid": 0,
             "lmc": 0, "max_vl_num": 1, "sm_sl": 0, "subnet_timeout": 0, "init_type_reply": 0,
-            "active_width": 4, "active_speed": 0, "phys_state": 5,
+            "active_width": 2, "active_speed": 128, "phys_state": 5,
             "link_layer": e.IBV_LINK_LAYER_UNSPECIFIED if dev.is_efa else e.IBV_LINK_LAYER_INFINIBAND,
             "flags": 0, "port_cap_flags2": 0, "active_speed_ex": 0,
         })

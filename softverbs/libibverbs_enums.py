@@ -269,17 +269,238 @@ class ibv_device_cap_flags(IntFlag):
     IBV_DEVICE_MANAGED_FLOW_STEERING = 1 << 29
 
 
+# Enums of features softverbs does not provide (SRQ, XRC, WQs, RSS, ODP, flow steering, tag matching,
+# memory windows, ...). They exist so code that only names them (rdma-core's tests, capability checks)
+# imports and reads the values pyverbs has; the devices report none of these features.
+
+class ibv_cq_init_attr_mask(IntFlag):
+    IBV_CQ_INIT_ATTR_MASK_FLAGS = 1
+    IBV_CQ_INIT_ATTR_MASK_PD = 2
+
+
+class ibv_create_cq_attr_flags(IntFlag):
+    IBV_CREATE_CQ_ATTR_SINGLE_THREADED = 1
+    IBV_CREATE_CQ_ATTR_IGNORE_OVERRUN = 2
+
+
+class ibv_event_type(IntFlag):
+    IBV_EVENT_CQ_ERR = 0
+    IBV_EVENT_QP_FATAL = 1
+    IBV_EVENT_QP_REQ_ERR = 2
+    IBV_EVENT_QP_ACCESS_ERR = 3
+    IBV_EVENT_COMM_EST = 1 << 2
+    IBV_EVENT_SQ_DRAINED = 5
+    IBV_EVENT_PATH_MIG = 6
+    IBV_EVENT_PATH_MIG_ERR = 7
+    IBV_EVENT_DEVICE_FATAL = 1 << 3
+    IBV_EVENT_PORT_ACTIVE = 9
+    IBV_EVENT_PORT_ERR = 10
+    IBV_EVENT_LID_CHANGE = 11
+    IBV_EVENT_PKEY_CHANGE = 12
+    IBV_EVENT_SM_CHANGE = 13
+    IBV_EVENT_SRQ_ERR = 14
+    IBV_EVENT_SRQ_LIMIT_REACHED = 15
+    IBV_EVENT_QP_LAST_WQE_REACHED = 1 << 4
+    IBV_EVENT_CLIENT_REREGISTER = 17
+    IBV_EVENT_GID_CHANGE = 18
+    IBV_EVENT_WQ_FATAL = 19
+
+
+class ibv_flow_spec_type(IntFlag):
+    IBV_FLOW_SPEC_ETH = 1 << 5
+    IBV_FLOW_SPEC_IPV4 = 48
+    IBV_FLOW_SPEC_IPV6 = 49
+    IBV_FLOW_SPEC_IPV4_EXT = 50
+    IBV_FLOW_SPEC_ESP = 52
+    IBV_FLOW_SPEC_TCP = 1 << 6
+    IBV_FLOW_SPEC_UDP = 65
+    IBV_FLOW_SPEC_VXLAN_TUNNEL = 80
+    IBV_FLOW_SPEC_GRE = 81
+    IBV_FLOW_SPEC_MPLS = 96
+    IBV_FLOW_SPEC_INNER = 1 << 8
+    IBV_FLOW_SPEC_ACTION_TAG = 1 << 12
+    IBV_FLOW_SPEC_ACTION_DROP = 4097
+    IBV_FLOW_SPEC_ACTION_HANDLE = 4098
+    IBV_FLOW_SPEC_ACTION_COUNT = 4099
+
+
+class ibv_fork_status(IntFlag):
+    IBV_FORK_DISABLED = 0
+    IBV_FORK_ENABLED = 1
+    IBV_FORK_UNNEEDED = 2
+
+
+class ibv_gid_type_sysfs(IntFlag):
+    IBV_GID_TYPE_SYSFS_IB_ROCE_V1 = 0
+    IBV_GID_TYPE_SYSFS_ROCE_V2 = 1
+
+
+class ibv_mw_type(IntFlag):
+    IBV_MW_TYPE_1 = 1
+    IBV_MW_TYPE_2 = 2
+
+
+class ibv_odp_general_caps(IntFlag):
+    IBV_ODP_SUPPORT = 1
+    IBV_ODP_SUPPORT_IMPLICIT = 2
+
+
+class ibv_odp_transport_cap_bits(IntFlag):
+    IBV_ODP_SUPPORT_SEND = 1
+    IBV_ODP_SUPPORT_RECV = 2
+    IBV_ODP_SUPPORT_WRITE = 1 << 2
+    IBV_ODP_SUPPORT_READ = 1 << 3
+    IBV_ODP_SUPPORT_ATOMIC = 1 << 4
+    IBV_ODP_SUPPORT_SRQ_RECV = 1 << 5
+    IBV_ODP_SUPPORT_FLUSH = 1 << 6
+    IBV_ODP_SUPPORT_ATOMIC_WRITE = 1 << 7
+
+
+class ibv_ops_flags(IntFlag):
+    IBV_OPS_SIGNALED = 1
+    IBV_OPS_TM_SYNC = 2
+
+
+class ibv_ops_wr_opcode(IntFlag):
+    IBV_WR_TAG_ADD = 0
+    IBV_WR_TAG_DEL = 1
+    IBV_WR_TAG_SYNC = 2
+
+
+class ibv_placement_type(IntFlag):
+    IBV_FLUSH_GLOBAL = 1
+    IBV_FLUSH_PERSISTENT = 2
+
+
+class ibv_qp_create_flags(IntFlag):
+    IBV_QP_CREATE_BLOCK_SELF_MCAST_LB = 2
+    IBV_QP_CREATE_SCATTER_FCS = 1 << 8
+    IBV_QP_CREATE_CVLAN_STRIPPING = 1 << 9
+    IBV_QP_CREATE_SOURCE_QPN = 1 << 10
+    IBV_QP_CREATE_PCI_WRITE_END_PADDING = 1 << 11
+
+
+class ibv_query_qp_data_in_order_caps(IntFlag):
+    IBV_QUERY_QP_DATA_IN_ORDER_WHOLE_MSG = 1
+    IBV_QUERY_QP_DATA_IN_ORDER_ALIGNED_128_BYTES = 2
+
+
+class ibv_query_qp_data_in_order_flags(IntFlag):
+    IBV_QUERY_QP_DATA_IN_ORDER_RETURN_CAPS = 1
+
+
+class ibv_raw_packet_caps(IntFlag):
+    IBV_RAW_PACKET_CAP_CVLAN_STRIPPING = 1
+    IBV_RAW_PACKET_CAP_SCATTER_FCS = 2
+    IBV_RAW_PACKET_CAP_IP_CSUM = 1 << 2
+    IBV_RAW_PACKET_CAP_DELAY_DROP = 1 << 3
+
+
+class ibv_rereg_mr_flags(IntFlag):
+    IBV_REREG_MR_CHANGE_TRANSLATION = 1
+    IBV_REREG_MR_CHANGE_PD = 2
+    IBV_REREG_MR_CHANGE_ACCESS = 1 << 2
+
+
+class ibv_rx_hash_fields(IntFlag):
+    IBV_RX_HASH_SRC_IPV4 = 1
+    IBV_RX_HASH_DST_IPV4 = 2
+    IBV_RX_HASH_SRC_IPV6 = 1 << 2
+    IBV_RX_HASH_DST_IPV6 = 1 << 3
+    IBV_RX_HASH_SRC_PORT_TCP = 1 << 4
+    IBV_RX_HASH_DST_PORT_TCP = 1 << 5
+    IBV_RX_HASH_SRC_PORT_UDP = 1 << 6
+    IBV_RX_HASH_DST_PORT_UDP = 1 << 7
+
+
+class ibv_rx_hash_function_flags(IntFlag):
+    IBV_RX_HASH_FUNC_TOEPLITZ = 1
+
+
+class ibv_selectivity_level(IntFlag):
+    IBV_FLUSH_MR = 1
+    IBV_FLUSH_RANGE = 0
+
+
+class ibv_srq_attr_mask(IntFlag):
+    IBV_SRQ_MAX_WR = 1
+    IBV_SRQ_LIMIT = 2
+
+
+class ibv_srq_init_attr_mask(IntFlag):
+    IBV_SRQ_INIT_ATTR_TYPE = 1
+    IBV_SRQ_INIT_ATTR_PD = 2
+    IBV_SRQ_INIT_ATTR_XRCD = 1 << 2
+    IBV_SRQ_INIT_ATTR_CQ = 1 << 3
+    IBV_SRQ_INIT_ATTR_TM = 1 << 4
+
+
+class ibv_srq_type(IntFlag):
+    IBV_SRQT_BASIC = 0
+    IBV_SRQT_XRC = 1
+    IBV_SRQT_TM = 2
+
+
+class ibv_tm_cap_flags(IntFlag):
+    IBV_TM_CAP_RC = 1
+
+
+class ibv_tmh_op(IntFlag):
+    IBV_TMH_NO_TAG = 0
+    IBV_TMH_RNDV = 1
+    IBV_TMH_FIN = 2
+    IBV_TMH_EAGER = 3
+
+
+class ibv_wq_attr_mask(IntFlag):
+    IBV_WQ_ATTR_STATE = 1
+    IBV_WQ_ATTR_CURR_STATE = 2
+    IBV_WQ_ATTR_FLAGS = 1 << 2
+
+
+class ibv_wq_state(IntFlag):
+    IBV_WQS_RESET = 0
+    IBV_WQS_RDY = 1
+    IBV_WQS_ERR = 2
+    IBV_WQS_UNKNOWN = 3
+
+
+class ibv_wq_type(IntFlag):
+    IBV_WQT_RQ = 0
+
+
+class ibv_xrcd_init_attr_mask(IntFlag):
+    IBV_XRCD_INIT_ATTR_FD = 1
+    IBV_XRCD_INIT_ATTR_OFLAGS = 2
+    IBV_XRCD_INIT_ATTR_RESERVED = 1 << 2
+
 # Anonymous enums in verbs.h: pyverbs exposes only their members.
 IBV_LINK_LAYER_UNSPECIFIED = 0
 IBV_LINK_LAYER_INFINIBAND = 1
 IBV_LINK_LAYER_ETHERNET = 2
 IBV_WC_STANDARD_FLAGS = 0x7F
+# Private module-level constants of pyverbs (not exported), read by some callers.
+_IBV_ADVISE_MR_ADVICE_PREFETCH = 0
+_IBV_ADVISE_MR_ADVICE_PREFETCH_NO_FAULT = 2
+_IBV_ADVISE_MR_ADVICE_PREFETCH_WRITE = 1
+_IBV_ADVISE_MR_FLAG_FLUSH = 1
+_IBV_ALLOCATOR_USE_DEFAULT = 0xffffffffffffffff
+_IBV_DEVICE_PCI_WRITE_END_PADDING = 1 << 36
+_IBV_DEVICE_RAW_SCATTER_FCS = 1 << 34
 
 _ENUMS = (
     ibv_transport_type, ibv_node_type, ibv_atomic_cap, ibv_port_state, ibv_mtu, ibv_access_flags,
     ibv_wr_opcode, ibv_send_flags, ibv_qp_type, ibv_qp_state, ibv_mig_state, ibv_wc_status, ibv_wc_opcode,
     ibv_create_cq_wc_flags, ibv_wc_flags, ibv_qp_init_attr_mask, ibv_qp_attr_mask,
     ibv_qp_create_send_ops_flags, ibv_device_cap_flags,
+    ibv_cq_init_attr_mask, ibv_create_cq_attr_flags, ibv_event_type, ibv_flow_spec_type,
+    ibv_fork_status, ibv_gid_type_sysfs, ibv_mw_type, ibv_odp_general_caps,
+    ibv_odp_transport_cap_bits, ibv_ops_flags, ibv_ops_wr_opcode, ibv_placement_type,
+    ibv_qp_create_flags, ibv_query_qp_data_in_order_caps, ibv_query_qp_data_in_order_flags, ibv_raw_packet_caps,
+    ibv_rereg_mr_flags, ibv_rx_hash_fields, ibv_rx_hash_function_flags, ibv_selectivity_level,
+    ibv_srq_attr_mask, ibv_srq_init_attr_mask, ibv_srq_type, ibv_tm_cap_flags,
+    ibv_tmh_op, ibv_wq_attr_mask, ibv_wq_state, ibv_wq_type,
+    ibv_xrcd_init_attr_mask,
 )
 _ANONYMOUS = ["IBV_LINK_LAYER_UNSPECIFIED", "IBV_LINK_LAYER_INFINIBAND", "IBV_LINK_LAYER_ETHERNET",
               "IBV_WC_STANDARD_FLAGS"]

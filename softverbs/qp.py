@@ -337,8 +337,16 @@ class QP(SoftCM):
             if not comp_mask & e.IBV_QP_INIT_ATTR_PD or pd is None:
                 raise PyverbsRDMAError("Failed to create QP", errno.EINVAL)
             send_ops = int(init_attr._send_ops_flags) if comp_mask & e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS else None
-            if comp_mask & ~int(e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS):
+            # EFA takes PD and SEND_OPS_FLAGS only; mlx5 also takes CREATE_FLAGS, of which softverbs models
+            # none (a zero create_flags is accepted, as there). XRCD, TSO and RSS are outside its subset.
+            supported = int(e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS)
+            if efa is None:
+                supported |= int(e.IBV_QP_INIT_ATTR_CREATE_FLAGS)
+            if comp_mask & ~supported:
                 raise PyverbsRDMAError("Failed to create QP", errno.EOPNOTSUPP)
+            if comp_mask & e.IBV_QP_INIT_ATTR_CREATE_FLAGS and int(init_attr.create_flags):
+                raise PyverbsRDMAError(f"Failed to create QP: create_flags {int(init_attr.create_flags):#x} are "
+                                       "not supported by softverbs", errno.EOPNOTSUPP)
         elif isinstance(creator, PD):
             pd, ctx, send_ops = creator, creator._ctx, None
         else:
@@ -510,6 +518,11 @@ class QPEx(QP):
         self._comp_mask = 0
         super().__init__(creator, init_attr, qp_attr)
         self._ex = bool(int(getattr(init_attr, "comp_mask", 0)) & e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS)
+
+    @property
+    def ind_table(self) -> None:
+        """The RSS indirection table the QP receives through: always None (softverbs has no RSS QPs)."""
+        return None
 
     @property
     def comp_mask(self) -> int:
