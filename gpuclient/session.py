@@ -49,7 +49,20 @@ class ChannelError(TransportdError):
             name = ErrorCode(code).name
         except ValueError:
             name = f"code {code}"
-        super().__init__(f"{name}: {count} command(s) failed, the first at ring position {position}")
+        if count:
+            what = f"{count} command(s) failed, the first at ring position {position}"
+        else:
+            what = _SESSION_STATUS.get(code, "the daemon set this session's status word")
+        super().__init__(f"{name}: {what}")
+
+
+#: What a session's status word means to the person reading the exception, and what to do.
+_SESSION_STATUS = {
+    int(ErrorCode.PEER_LOST): "a node of this job was lost (its daemon stopped, restarted or stopped answering), "
+                              "so the job cannot go on; leave and join again once that node is back",
+    int(ErrorCode.CLIENT_GONE): "this session is over (it left, the daemon reclaimed it, or the daemon stopped); "
+                                "connect and join again",
+}
 
 
 class SignalOp:

@@ -154,8 +154,10 @@ class ControlDispatcher:
             refusal = info.session.refuse_reason(op)
             if refusal is not None and info.session.state is SessionState.NEW:
                 # only a client that said hello to an earlier daemon, or whose session expired, skips it
-                raise RequestError(ReplyCode.NO_SESSION, f"this daemon has no session for this client ({refusal}):"
-                                   " it restarted, or reclaimed the session; connect and join again")
+                log.debug("no session for client %s: %s", client_id.hex(), refusal)
+                raise RequestError(ReplyCode.NO_SESSION, "the daemon no longer knows this session: it restarted, "
+                                   "or ended the session (the client was silent past control.client_timeout_s "
+                                   "or its process looked gone); connect and join again")
             if refusal is not None:
                 raise RequestError(ReplyCode.BAD_STATE, refusal)
             method = getattr(self.handler, f"on_{op}", None)

@@ -19,7 +19,7 @@ import gpuclient
 from tests.e2e.test_bad_input import CLIENT
 from tests.waiting import wait_until
 from transportd.connection import ControlConnection, pid_namespace
-from transportd.errors import SessionLostError
+from transportd.errors import SessionLostError, TransportdError
 from transportd.localcluster import free_port
 from transportd.protocol import Hello, Join
 
@@ -38,6 +38,8 @@ def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_f
         assert live.info["keepalive_s"] == 0.25  # the daemon asks for a quarter of its timeout
         session = live.join("idle", rank=0, world=1)
         session.flags(4)
+        with pytest.raises(TransportdError, match="host memory cannot be registered over tcp"):
+            session.register(gpuclient.host_array(4096))  # a descriptor cannot travel over tcp
         victim = subprocess.Popen([sys.executable, "-c", CLIENT, endpoint], stdout=subprocess.PIPE, text=True)
         assert victim.stdout is not None
         ring_path = victim.stdout.readline().strip()
@@ -93,12 +95,14 @@ def test_a_client_whose_daemon_stops_hears_at_once_and_after_a_restart_is_told_t
         session.flags(4)
         assert cluster.terminate("nodea") == 0
         t0 = time.monotonic()
-        with pytest.raises(gpuclient.ChannelError, match="CLIENT_GONE"):
+        with pytest.raises(gpuclient.ChannelError, match="CLIENT_GONE: this session is over") as info:
             session.wait(slot=0, at_least=1, timeout=30)
+        assert "command(s) failed" not in str(info.value)  # no command failed: the session ended
         assert time.monotonic() - t0 < 5  # not the wait's timeout
         cluster.restart("nodea")  # the same socket: the client's connection reaches the new daemon
-        with pytest.raises(SessionLostError, match="join again"):
+        with pytest.raises(SessionLostError, match="join again") as lost:
             session.register(gpuclient.host_array(4096))
+        assert "session state" not in str(lost.value) and "the daemon no longer knows this session" in str(lost.value)
         again = gpuclient.connect(cluster.socket("nodea"))  # and starting over works
         again.join("j", rank=0, world=1).leave()
         again.close()

@@ -348,6 +348,7 @@ def test_client_liveness_and_expiry(sock_dir):
     # hello again.
     reply = dispatcher.handle(b"a", codec.encode(Stats().to_msg()))
     assert reply["code"] == "no_session" and "join again" in reply["message"]
+    assert "session state" not in reply["message"] and "send hello" not in reply["message"]  # no internals
 
 
 def test_garbage_from_unknown_clients_creates_no_state():
