@@ -1,9 +1,10 @@
 """`transportd bench proxy` and `transportd bench signals`: the proxy alone, ring -> post, with the null NIC.
 
 proxy
-    (a) drain: pre-filled rings, one proxy (one worker), until every record has completed; against a bare
-        ``consume_ready`` loop over the same ring (the ceiling) and the per-batch ``post`` path (what a
-        backend without ``post_batches`` costs);
+    (a) drain: pre-filled rings, one proxy (one worker), until every record has completed: the compiled
+        engine with its own null NIC (nothing leaves C), the engine over the Python null backend, and the
+        numpy model (:mod:`transportd.proxy_model`) in the same run, beside a bare numpy
+        ``consume_ready`` loop over the same ring;
     (b) live: a producer process pushes records while the proxy drains them, unpaced (rate, latency under
         load) and paced (record-to-post latency when the proxy keeps up). The producer stamps each batch
         with CLOCK_MONOTONIC in ``signal_value`` (as ``cmd_ring.loadgen`` does) and saves the stamps; the
@@ -32,9 +33,11 @@ import numpy as np
 from cmd_ring.loadgen import TIMESTAMP_FIELD
 from cmd_ring.record import RECORD_DTYPE, Opcode
 from cmd_ring.ring import RingConsumer, RingFile, RingProducer
+from transportd import _core
 from transportd.backend import PlanOp
 from transportd.backends.null import NullBackend, apply_plans
 from transportd.proxy import Proxy
+from transportd.proxy_model import ModelProxy
 
 __all__ = ["bench_proxy", "bench_signals", "run_proxy_benchmark", "run_signals_benchmark"]
 
@@ -80,12 +83,23 @@ def _drain_until(proxy: Proxy, rings: list[RingFile], target: int, timeout_s: fl
 
 
 # --- proxy: drain ------------------------------------------------------------------------------------------
+# What drains the rings: the engine with its own null NIC (nothing leaves C), the engine posting through the
+# Python null backend (one Python call each way per pass), and the numpy model over the Python null backend.
+ENGINES = ("core", "core_python_nic", "model")
+
+
+def _make_proxy(engine: str, opts: dict[str, Any], **backend_opts: Any) -> tuple[Any, NullBackend | None]:
+    if engine == "core":
+        return Proxy(None, **opts), None
+    backend = NullBackend(**backend_opts)
+    return (Proxy if engine == "core_python_nic" else ModelProxy)(backend, **opts), backend
+
+
 def _drain(capacity: int, repeats: int, peers: int, channels: int, opts: dict[str, Any],
-           use_post_batches: bool = True) -> dict[str, Any]:
+           engine: str = "core") -> dict[str, Any]:
     rings = [RingFile.create(_ring_name(f"drain{i}"), capacity) for i in range(channels)]
     try:
-        backend = NullBackend()
-        proxy = Proxy(backend, use_post_batches=use_post_batches, **opts)
+        proxy, _ = _make_proxy(engine, opts)
         _setup(proxy, peers)
         for i, ring in enumerate(rings):
             proxy.add_channel(i, ring, JOB, 0, peers + 1)
@@ -102,13 +116,14 @@ def _drain(capacity: int, repeats: int, peers: int, channels: int, opts: dict[st
         for ring in rings:
             ring.close()
             ring.unlink()
-    return {"records_per_s": max(rates), "records_per_s_median": float(np.median(rates)), "repeats": repeats,
-            "capacity": capacity, "channels": channels, "peers": peers, "post_batches": use_post_batches,
-            "batch_hist": stats["batch_hist"], "stalls": stats["stalls"], "iterations": stats["iterations"]}
+    return {"engine": engine, "records_per_s": max(rates), "records_per_s_median": float(np.median(rates)),
+            "records_per_s_min": min(rates), "repeats": repeats, "capacity": capacity, "channels": channels,
+            "peers": peers, "batch_hist": stats["batch_hist"], "stalls": stats["stalls"],
+            "iterations": stats["iterations"]}
 
 
 def _bare_drain(capacity: int, repeats: int, peers: int) -> float:
-    """The ceiling: ``consume_ready`` alone over the same pre-filled ring."""
+    """The numpy ceiling: ``consume_ready`` alone over the same pre-filled ring."""
     with RingFile.create(_ring_name("bare"), capacity) as ring:
         producer, consumer = RingProducer(ring), RingConsumer(ring)
         rates = []
@@ -148,17 +163,37 @@ def produce_stamped(ring_name: str, total: int, peers: int, max_batch: int, inte
     ring.close()
 
 
-def _live(total: int, capacity: int, peers: int, max_batch: int, interval_ns: int,
-          opts: dict[str, Any]) -> dict[str, Any]:
+def produce_pingpong(ring_name: str, total: int, peers: int, stamps_path: str) -> None:
+    """Producer process: one PUT at a time, committed by compiled stores, each waiting for its completion."""
+    ring = RingFile.attach(ring_name)
+    stamps = np.zeros(total, dtype=np.int64)
+    done = _core.pingpong_produce(ring._bytes, total, peers, LENGTH, stamps, 60.0)
+    np.save(stamps_path, stamps[:done])
+    ring.close()
+
+
+def _post_log(proxy: Any, backend: NullBackend | None) -> tuple[np.ndarray, np.ndarray]:
+    if backend is None:
+        return proxy.post_log()
+    backend.poll(0)
+    return (np.concatenate([t for t, _ in backend.post_log]),
+            np.concatenate([c for _, c in backend.post_log]).astype(np.int64))
+
+
+def _live(total: int, capacity: int, peers: int, max_batch: int, interval_ns: int, opts: dict[str, Any],
+          engine: str = "core", pingpong: bool = False) -> dict[str, Any]:
+    """A producer process against a draining proxy; record -> posted latency from both processes' clocks."""
     name = _ring_name("live")
     with RingFile.create(name, capacity) as ring, tempfile.TemporaryDirectory() as tmp:
         stamps_path = str(Path(tmp) / "stamps.npy")
-        backend = NullBackend(log_posts=True)
-        proxy = Proxy(backend, **opts)
+        proxy, backend = _make_proxy(engine, opts, log_posts=True)
+        if backend is None:
+            proxy.log_posts(total)
         _setup(proxy, peers)
         proxy.add_channel(0, ring, JOB, 0, peers + 1)
-        proc = mp.get_context("spawn").Process(
-            target=produce_stamped, args=(name, total, peers, max_batch, interval_ns, stamps_path))
+        target, args = ((produce_pingpong, (name, total, peers, stamps_path)) if pingpong else
+                        (produce_stamped, (name, total, peers, max_batch, interval_ns, stamps_path)))
+        proc = mp.get_context("spawn").Process(target=target, args=args)
         proc.start()
         try:
             deadline = time.monotonic() + 60
@@ -173,17 +208,15 @@ def _live(total: int, capacity: int, peers: int, max_batch: int, interval_ns: in
         finally:
             if proc.is_alive():
                 proc.kill()
-        backend.poll(0)
         stamps = np.load(stamps_path)
         stats = proxy.stats()
-    post_t = np.concatenate([t for t, _ in backend.post_log])
-    chunks = np.concatenate([c for _, c in backend.post_log]).astype(np.int64)
-    if len(chunks) != total or not np.array_equal(np.sort(chunks), np.arange(total)):
+        post_t, chunks = _post_log(proxy, backend)
+    if len(chunks) != total or len(stamps) != total or not np.array_equal(np.sort(chunks), np.arange(total)):
         raise click.ClickException(f"live run: {len(chunks)} of {total} chunks posted (lost or duplicated)")
     lat_us = (post_t - stamps[chunks]) / 1e3
     return {
-        "records": total, "capacity": capacity, "interval_ns": interval_ns, "max_batch": max_batch,
-        "poll_window_us": opts.get("poll_window_us"),
+        "engine": engine, "pingpong": pingpong, "records": total, "capacity": capacity,
+        "interval_ns": interval_ns, "max_batch": max_batch, "poll_window_us": opts.get("poll_window_us"),
         "records_per_s": total / elapsed if elapsed > 0 else float("nan"),
         "p50_us": float(np.percentile(lat_us, 50)), "p99_us": float(np.percentile(lat_us, 99)),
         "max_us": float(lat_us.max()), "batch_hist": stats["batch_hist"], "stalls": stats["stalls"],
@@ -195,33 +228,43 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
     """All parts of ``bench proxy``; returns the JSON document."""
     opts = dict(batch_max=batch_max, poll_window_us=poll_window_us, inflight_cap=inflight_cap)
     capacity = 1 << (14 if quick else 16)
-    repeats = 2 if quick else 5
+    repeats = 3 if quick else 5
     bare = _bare_drain(capacity, repeats, peers)
-    drain = _drain(capacity, repeats, peers, channels, opts)
-    per_batch = _drain(capacity, max(1, repeats // 2), peers, channels, opts, use_post_batches=False)
+    drains = {engine: _drain(capacity, repeats, peers, channels, opts, engine) for engine in ENGINES}
+    core, model = drains["core"], drains["model"]
     live = _live(50_000 if quick else 1_000_000, 4096, peers, 256, 0, opts)
     paced_total = 2_000 if quick else 20_000
-    paced = _live(paced_total, 4096, peers, 1, 50_000, dict(opts, poll_window_us=0))
+    window0 = dict(opts, poll_window_us=0)
+    paced = _live(paced_total, 4096, peers, 1, 50_000, window0)
     paced_window = _live(paced_total, 4096, peers, 1, 50_000, opts)
+    pingpong = _live(5_000 if quick else 100_000, 4096, peers, 1, 0, window0, pingpong=True)
+    pingpong_model = _live(500 if quick else 5_000, 4096, peers, 1, 0, window0, engine="model", pingpong=True)
     return {
         "benchmark": "proxy",
         "host": {"cpus": os.cpu_count()},
         "config": {**opts, "peers": peers, "channels": channels, "length": LENGTH},
         "summary": {
-            "commands_per_s": drain["records_per_s"],
+            "commands_per_s": core["records_per_s"],
+            "model_commands_per_s": model["records_per_s"],
+            "core_vs_model": core["records_per_s"] / model["records_per_s"],
+            "core_python_nic_commands_per_s": drains["core_python_nic"]["records_per_s"],
+            "pingpong_p50_us": pingpong["p50_us"],
+            "pingpong_p99_us": pingpong["p99_us"],
+            "model_pingpong_p50_us": pingpong_model["p50_us"],
+            "model_pingpong_p99_us": pingpong_model["p99_us"],
             "p50_us": paced["p50_us"],
             "p99_us": paced["p99_us"],
             "latency_poll_window_us": 0,
             "live_commands_per_s": live["records_per_s"],
-            "proxy_vs_bare_consumer": drain["records_per_s"] / bare,
-            "per_batch_post_vs_post_batches": per_batch["records_per_s"] / drain["records_per_s"],
+            "proxy_vs_bare_consumer": core["records_per_s"] / bare,
         },
         "bare_consumer_records_per_s": bare,
-        "drain": drain,
-        "drain_per_batch_post": per_batch,
+        "drain": drains,
         "live_unpaced": live,
         "live_paced_window_0": paced,
         "live_paced_window": paced_window,
+        "pingpong": pingpong,
+        "pingpong_model": pingpong_model,
     }
 
 
@@ -245,16 +288,20 @@ def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, 
     """Ring -> post with the null backend: commands/s per worker, batch sizes, record-to-post latency."""
     r = run_proxy_benchmark(quick=quick, peers=peers, batch_max=batch_max, poll_window_us=poll_window_us,
                             inflight_cap=inflight_cap, channels=channels)
-    d, pb, lv = r["drain"], r["drain_per_batch_post"], r["live_unpaced"]
-    p0, pw = r["live_paced_window_0"], r["live_paced_window"]
+    d, sm, lv = r["drain"], r["summary"], r["live_unpaced"]
+    p0, pw, pp, pm = r["live_paced_window_0"], r["live_paced_window"], r["pingpong"], r["pingpong_model"]
+    c = d["core"]
     _echo_table([
-        (f"bare consume_ready, ring of {d['capacity']}", f"{r['bare_consumer_records_per_s'] / 1e6:8.2f} M/s"),
-        (f"proxy drain, {d['channels']} ring(s), {d['peers']} peers", f"{d['records_per_s'] / 1e6:8.2f} M/s"
-         f"   (median {d['records_per_s_median'] / 1e6:.2f}; {r['summary']['proxy_vs_bare_consumer']:.2f}x bare)"),
-        ("proxy drain, one post() per batch", f"{pb['records_per_s'] / 1e6:8.2f} M/s"
-         f"   ({r['summary']['per_batch_post_vs_post_batches']:.2f}x post_batches)"),
-        ("batch-size histogram 1..8 (drain)", " ".join(str(x) for x in d["batch_hist"])),
-        ("live producer, unpaced", f"{lv['records_per_s'] / 1e6:8.2f} M/s"
+        (f"numpy consume_ready alone, ring of {c['capacity']}", f"{r['bare_consumer_records_per_s'] / 1e6:8.2f} M/s"),
+        (f"drain, core + C null NIC, {c['channels']} ring(s), {c['peers']} peers",
+         f"{c['records_per_s'] / 1e6:8.2f} M/s   (median {c['records_per_s_median'] / 1e6:.2f})"),
+        ("drain, core + Python null backend", f"{d['core_python_nic']['records_per_s'] / 1e6:8.2f} M/s"),
+        ("drain, numpy model + Python null backend", f"{d['model']['records_per_s'] / 1e6:8.2f} M/s"
+         f"   (core {sm['core_vs_model']:.1f}x model)"),
+        ("batch-size histogram 1..8 (core drain)", " ".join(str(x) for x in c["batch_hist"])),
+        ("one record at a time (C producer), core: p50 / p99", f"{pp['p50_us']:8.2f} / {pp['p99_us']:.2f} us"),
+        ("one record at a time (C producer), model: p50 / p99", f"{pm['p50_us']:8.2f} / {pm['p99_us']:.2f} us"),
+        ("live producer (numpy), unpaced", f"{lv['records_per_s'] / 1e6:8.2f} M/s"
          f"   p50 {lv['p50_us']:.0f} / p99 {lv['p99_us']:.0f} us"),
         ("live paced 20k/s, window 0: p50 / p99", f"{p0['p50_us']:8.1f} / {p0['p99_us']:.1f} us"),
         (f"live paced 20k/s, window {pw['poll_window_us']:g} us: p50 / p99",

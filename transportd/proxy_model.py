@@ -1,4 +1,10 @@
-"""The proxy engine: a generic loop that drains command rings into a backend, MSCCL++ style.
+"""The proxy's loop in numpy: the model of the compiled core, never run by the daemon.
+
+The daemon runs :class:`transportd.proxy.Proxy`, whose every per-record step is the C engine
+(``transportd/core/engine.c``). This module is the same loop written with numpy, kept as the oracle of
+the differential test (``tests/transportd/test_core_differential.py``: the same records, tables and knobs
+through both must give the same codes, rows and completion positions) and as the baseline of
+``transportd bench proxy``. A change to the loop's rules lands in both, or the differential test fails.
 
 One iteration (:meth:`Proxy.run_once`):
 
@@ -49,7 +55,7 @@ from transportd.batching import (
 from transportd.errors import ErrorCode
 from transportd.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable, Translated, translate
 
-__all__ = ["Proxy", "completion_error_code", "META_DTYPE"]
+__all__ = ["ModelProxy", "completion_error_code", "META_DTYPE"]
 
 # Bookkeeping that travels with each waiting plan row (plan rows themselves are PLAN_DTYPE, for the backend).
 META_DTYPE = np.dtype(
@@ -140,7 +146,7 @@ _COUNTERS = (
 )
 
 
-class Proxy:
+class ModelProxy:
     """Drains command rings into one backend (one rail); see the module doc for the loop.
 
     ``batch_max`` commands per connection per batch (<= 8); ``poll_window_us`` how long a partial batch
@@ -640,7 +646,7 @@ class Proxy:
             ch = self._channels.get(chan)
             if ch is None:
                 continue
-            pos = meta["pos"][meta["chan"] == chan]
+            pos = np.sort(meta["pos"][meta["chan"] == chan])
             if code:
                 self._reject(ch, pos, np.full(len(pos), code, dtype=np.uint16))
             self._mark_done(ch, pos)

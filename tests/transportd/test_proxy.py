@@ -18,7 +18,8 @@ from cmd_ring import Command, Flag, Opcode, RingFile, RingProducer, records_from
 from transportd.backend import PlanOp
 from transportd.backends.null import NullBackend, apply_plans
 from transportd.errors import ErrorCode
-from transportd.proxy import Proxy, completion_error_code
+from transportd.proxy import Proxy
+from transportd.proxy_model import completion_error_code
 
 JOB = "job"
 WORLD = 4

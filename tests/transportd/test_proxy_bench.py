@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from cmd_ring.record import Opcode
@@ -30,12 +31,21 @@ def test_signals_benchmark_shows_the_reduction_and_equal_flags(tmp_path) -> None
     assert "signals_per_dest_batch" in result.output
 
 
-def test_proxy_drain_and_live_parts_run() -> None:
+@pytest.mark.parametrize("engine", bench_proxy.ENGINES)
+def test_proxy_drain_and_live_parts_run(engine: str) -> None:
     opts = dict(batch_max=8, poll_window_us=0, inflight_cap=256)
-    drain = bench_proxy._drain(1024, 1, peers=4, channels=2, opts=opts)
-    assert drain["records_per_s"] > 0 and sum(drain["batch_hist"]) > 0
-    live = bench_proxy._live(2000, 256, peers=4, max_batch=16, interval_ns=0, opts=opts)
+    drain = bench_proxy._drain(1024, 1, peers=4, channels=2, opts=opts, engine=engine)
+    assert drain["records_per_s"] > 0 and sum(drain["batch_hist"]) == 2 * 1024 // 8
+    live = bench_proxy._live(2000, 256, peers=4, max_batch=16, interval_ns=0, opts=opts, engine=engine)
     assert live["records"] == 2000 and np.isfinite(live["p99_us"])
+
+
+@pytest.mark.parametrize("engine", ["core", "model"])
+def test_pingpong_posts_every_record_once(engine: str) -> None:
+    """The compiled producer's one-record-at-a-time run: every chunk posted once, latencies finite."""
+    pp = bench_proxy._live(300, 64, peers=3, max_batch=1, interval_ns=0, opts=dict(poll_window_us=0),
+                           engine=engine, pingpong=True)
+    assert pp["records"] == 300 and pp["batch_hist"][0] == 300 and 0 < pp["p50_us"] <= pp["p99_us"]
 
 
 def test_bench_group_lists_both_commands() -> None:

@@ -1,0 +1,1410 @@
+/*
+ * transportd._core: the proxy's data path in C (DESIGN.md section 9: no Python on any record).
+ *
+ * One Engine per rail worker runs the whole iteration of transportd.proxy.Proxy with the GIL released:
+ *
+ *   take      from every channel's ring, the records that are committed (header-last, lap-stamped seq),
+ *             as many as the connections its job feeds can still accept (inflight cap: backpressure
+ *             reaches the producer, nothing is dropped); validate and translate each (validate.h),
+ *             write a bad record's code into the channel's error word, keep the good ones;
+ *   post      cut each connection's waiting rows into batches (<= batch_max commands; NO_BATCH, FENCE
+ *             and QUIET cut; the polling window), reduce signals (decoupled signaling), hand the batches
+ *             to the backend in one call, one token per batch;
+ *   progress  take the backend's completions in one call, retire tokens, publish each channel's
+ *             completion position, REMOTE_ACCESS / TRANSPORT into error words.
+ *
+ * The control plane stays in Python (transportd/proxy.py): it owns the region and peer tables (numpy
+ * arrays in translate.py's layout) and hands the engine views of them between iterations; the engine
+ * holds a buffer reference to every array it reads, so a table replaced in Python stays alive until the
+ * engine is given its successor. The backend is reached through two callables (post, poll); with none
+ * the engine is its own null NIC, completing every batch on the next poll, for benchmarks.
+ *
+ * Why C and not Cython: the core builds with only a C compiler on a fresh machine (no Cython at build
+ * time), and the same validation header compiles into the fuzzer and the sanitizer build unchanged.
+ *
+ * Exactness: transportd/proxy_model.py is the same loop in numpy. tests/transportd/test_core_differential.py
+ * feeds both the same random records, tables and knobs and requires the same codes, the same rows in the
+ * same order per connection and the same completion positions; so the comments here do not repeat the
+ * rules, they point at where each one is decided.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pingpong.h"
+#include "validate.h"
+
+#define HIST 9 /* batch-size histogram: index = commands in the batch (batch_max <= 8) */
+
+enum {
+    C_ITERATIONS, C_COMMANDS, C_QUIETS, C_BYTES, C_WRS, C_WRITES, C_SIGNALS, C_SIGNALS_REQUESTED, C_FENCES,
+    C_BATCHES, C_BATCHES_FULL, C_BATCHES_PARTIAL, C_SIGNAL_DEST_BATCHES, C_STALLS, C_SIGNAL_STALLS, C_REJECTED,
+    C_COMPLETIONS, C_COMPLETION_ERRORS, C_UNKNOWN_COMPLETIONS, N_COUNTERS
+};
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
+static uint32_t seq_for(uint64_t pos) { return (uint32_t)(pos % 0xFFFFFFFFull + 1); }
+
+/* ---- growable arrays ---------------------------------------------------------------------------- */
+static int grow(void **p, size_t *cap, size_t need, size_t item) {
+    if (need <= *cap) return 0;
+    size_t n = *cap ? *cap : 16;
+    while (n < need) n *= 2;
+    void *q = realloc(*p, n * item);
+    if (!q) return -1;
+    *p = q;
+    *cap = n;
+    return 0;
+}
+
+/* ---- tables --------------------------------------------------------------------------------------- */
+typedef struct {
+    tpd_sources view;
+    Py_buffer bufs[4];
+    int held;
+} Sources;
+
+typedef struct {
+    tpd_peers view;
+    Py_buffer bufs[10];
+    int held;
+    int64_t *conns; /* distinct connection indexes this job's records may feed */
+    size_t nconns;
+} Job;
+
+/* A row waiting for its batch: the plan row and where it came from. */
+typedef struct {
+    tpd_plan_row row;
+    uint64_t pos;
+    int64_t t;
+    int64_t chan;
+    uint8_t first;  /* the row begins a command */
+    uint8_t closes; /* its command closes its batch (NO_BATCH or FENCE) */
+} Waiting;
+
+typedef struct {
+    int64_t id;
+    int64_t inflight; /* WRs posted and not completed */
+    uint64_t hist[HIST];
+    uint64_t bytes;
+    int64_t admit; /* scratch of one take: rows of this pass so far */
+    Waiting *rows; /* FIFO: rows[head..count) wait */
+    size_t head, count, cap;
+} Conn;
+
+typedef struct {
+    int64_t id;
+    Py_buffer ring;
+    uint8_t *base;
+    uint64_t capacity, mask;
+    const tpd_cmd_record *records;
+    uint64_t position;  /* records taken */
+    uint64_t completed; /* published completion position */
+    int job, src;
+    int gone;
+    uint8_t *done; /* completed positions, mod track */
+    uint64_t track;
+    int seen; /* the head record was seen waiting at seen_pos since seen_ns */
+    uint64_t seen_pos;
+    int64_t seen_ns;
+    int touched, quiet;
+} Channel;
+
+/* The batches posted in one iteration: tokens first .. first+nb-1 and the commands they cover. */
+typedef struct {
+    uint64_t first;
+    size_t nb, ncmd, remaining;
+    int64_t *tok_conn, *tok_nwr;
+    uint8_t *done;
+    int64_t *cmd_tok, *cmd_chan;
+    uint64_t *cmd_pos;
+} Group;
+
+typedef struct {
+    uint64_t token;
+    uint32_t status;
+    uint32_t vendor_err;
+} Completion;
+
+typedef struct {
+    PyObject_HEAD
+    int batch_max;
+    int64_t window_ns;
+    int64_t inflight_cap;
+    int decoupled;
+    uint64_t max_length;
+    uint64_t max_take;
+    int64_t poll_max;
+    PyObject *post_cb, *poll_cb; /* None: the engine is its own null NIC */
+    int taking;
+
+    Sources *srcs;
+    size_t nsrcs, srcs_cap;
+    Job *jobs;
+    size_t njobs, jobs_cap;
+    Conn *conns;
+    size_t nconns, conns_cap;
+    Channel **chans;
+    size_t nchans, chans_cap;
+    Group **groups;
+    size_t ngroups, groups_cap;
+    uint64_t next_token;
+    size_t nwaiting;
+
+    uint64_t counters[N_COUNTERS];
+    uint64_t errors[256];
+    uint64_t batch_hist[HIST];
+
+    /* scratch for one post */
+    tpd_plan_row *plan;
+    size_t plan_cap;
+    int64_t *b_conn, *b_ncmds, *b_bounds, *b_nwr;
+    size_t b_cap;
+    tpd_cmd_record *recs;
+    size_t recs_cap;
+    tpd_plan_row *trows;
+    int64_t *tconn, *trec;
+    uint16_t *tcode;
+    size_t t_cap;
+
+    /* the null NIC: tokens due on the next poll; optional log of (post ns, chunk id) per WRITE */
+    Completion *null_due;
+    size_t null_ndue, null_cap;
+    uint64_t *post_log;
+    size_t post_log_n, post_log_cap;
+} Engine;
+
+/* ---- channel words -------------------------------------------------------------------------------- */
+static volatile uint64_t *ring_u64(Channel *ch, size_t off) { return (volatile uint64_t *)(ch->base + off); }
+static volatile uint32_t *ring_u32(Channel *ch, size_t off) { return (volatile uint32_t *)(ch->base + off); }
+
+static int record_ready(Channel *ch, uint64_t pos) {
+    const volatile uint32_t *seq = (const volatile uint32_t *)&ch->records[pos & ch->mask].seq;
+    return __atomic_load_n(seq, __ATOMIC_ACQUIRE) == seq_for(pos);
+}
+
+static void report_error(Engine *e, Channel *ch, uint16_t code, uint64_t pos) {
+    e->counters[C_REJECTED]++;
+    e->errors[code & 0xFF]++;
+    if (*ring_u32(ch, TPD_RING_OFF_ERROR_CODE) == 0) {
+        *ring_u64(ch, TPD_RING_OFF_ERROR_POS) = pos;
+        *ring_u32(ch, TPD_RING_OFF_ERROR_CODE) = code;
+    }
+    *ring_u32(ch, TPD_RING_OFF_ERROR_COUNT) += 1;
+}
+
+static void publish_completion(Channel *ch, uint64_t pos) {
+    volatile uint64_t *word = ring_u64(ch, TPD_RING_OFF_COMPLETION_POS);
+    if (pos > *word) __atomic_store_n(word, pos, __ATOMIC_RELEASE);
+}
+
+static void mark_done(Channel *ch, uint64_t pos) {
+    ch->done[pos % ch->track] = 1;
+    ch->touched = 1;
+}
+
+static Channel *find_channel(Engine *e, int64_t id) {
+    for (size_t i = 0; i < e->nchans; i++)
+        if (e->chans[i]->id == id) return e->chans[i];
+    return NULL;
+}
+
+/* Publish each touched channel's completion position: the first position not yet complete. */
+static void advance_touched(Engine *e) {
+    for (size_t i = 0; i < e->nchans; i++) {
+        Channel *ch = e->chans[i];
+        if (!ch->touched) continue;
+        ch->touched = 0;
+        uint64_t p = ch->completed;
+        while (p < ch->position && ch->done[p % ch->track]) ch->done[p++ % ch->track] = 0;
+        if (p != ch->completed) {
+            ch->completed = p;
+            publish_completion(ch, p);
+        }
+    }
+}
+
+static void note_waiting(Channel *ch, int64_t now) {
+    if (!ch->seen || ch->seen_pos != ch->position) {
+        ch->seen = 1;
+        ch->seen_pos = ch->position;
+        ch->seen_ns = now;
+    }
+}
+
+/* ---- take ----------------------------------------------------------------------------------------- */
+static int ensure_take_scratch(Engine *e, size_t n) {
+    if (grow((void **)&e->recs, &e->recs_cap, n, sizeof(tpd_cmd_record))) return -1;
+    size_t cap = e->t_cap;
+    if (grow((void **)&e->trows, &cap, 2 * n, sizeof(tpd_plan_row))) return -1;
+    cap = e->t_cap;
+    if (grow((void **)&e->tconn, &cap, 2 * n, sizeof(int64_t))) return -1;
+    cap = e->t_cap;
+    if (grow((void **)&e->trec, &cap, 2 * n, sizeof(int64_t))) return -1;
+    cap = e->t_cap;
+    if (grow((void **)&e->tcode, &cap, 2 * n, sizeof(uint16_t))) return -1;
+    e->t_cap = cap;
+    return 0;
+}
+
+static int conn_push(Conn *c, const Waiting *w) {
+    if (c->head && c->count == c->cap) { /* reuse the consumed front before growing */
+        memmove(c->rows, c->rows + c->head, (c->count - c->head) * sizeof(Waiting));
+        c->count -= c->head;
+        c->head = 0;
+    }
+    if (grow((void **)&c->rows, &c->cap, c->count + 1, sizeof(Waiting))) return -1;
+    c->rows[c->count++] = *w;
+    return 0;
+}
+
+static size_t conn_pending(const Conn *c) { return c->count - c->head; }
+
+/* Take one channel's ready records; returns 1 if any were taken, 0 if none, -1 on allocation failure. */
+static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
+    uint64_t pos = ch->position;
+    if (!record_ready(ch, pos)) return 0; /* nothing at the head: the idle loop's main cost */
+    Job *job = &e->jobs[ch->job];
+    const tpd_sources *src = &e->srcs[ch->src].view;
+    int64_t budget = (int64_t)e->max_take;
+    int64_t left = (int64_t)(ch->track - (pos - ch->completed));
+    if (left < budget) budget = left;
+    int64_t safe = budget; /* records that fit even if they all went to the busiest connection */
+    if (job->nconns && !ch->gone) {
+        int64_t room_sum = 0, room_min = INT64_MAX;
+        for (size_t i = 0; i < job->nconns; i++) {
+            Conn *c = &e->conns[job->conns[i]];
+            int64_t room = e->inflight_cap - (c->inflight + (int64_t)conn_pending(c));
+            if (room > 0) room_sum += room;
+            if (room < room_min) room_min = room;
+        }
+        if (room_sum < budget) budget = room_sum;
+        safe = room_min >= 0 ? room_min / 2 : -((-room_min + 1) / 2); /* floor division, as Python's // */
+    }
+    if (budget <= 0) {
+        *stalled = 1;
+        note_waiting(ch, now);
+        return 0;
+    }
+    uint64_t limit = (uint64_t)budget < ch->capacity ? (uint64_t)budget : ch->capacity;
+    uint64_t n = 0;
+    while (n < limit && record_ready(ch, pos + n)) n++;
+    if (ensure_take_scratch(e, n)) return -1;
+    for (uint64_t i = 0; i < n; i++) e->recs[i] = ch->records[(pos + i) & ch->mask];
+    ch->position = pos + n;
+
+    /* translate every record, then admit the leading ones that fit under the inflight cap */
+    size_t nrows = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        int k = 0;
+        int64_t conn = -1;
+        uint16_t code = ch->gone ? TPD_CLIENT_GONE
+                                 : tpd_translate(&e->recs[i], src, &job->view, e->max_length, &e->trows[nrows], &k,
+                                                 &conn);
+        e->tcode[i] = code;
+        for (int j = 0; j < k; j++) {
+            e->tconn[nrows + j] = conn;
+            e->trec[nrows + j] = (int64_t)i;
+        }
+        nrows += (size_t)k;
+    }
+    uint64_t admitted = n;
+    if ((int64_t)n > safe) {
+        /* the first row that would overrun its connection ends the admitted prefix (at its record) */
+        for (size_t i = 0; i < e->nconns; i++) e->conns[i].admit = 0;
+        for (size_t r = 0; r < nrows; r++) {
+            Conn *c = &e->conns[e->tconn[r]];
+            if (++c->admit + c->inflight + (int64_t)conn_pending(c) > e->inflight_cap) {
+                admitted = (uint64_t)e->trec[r];
+                break;
+            }
+        }
+        if (admitted < n) {
+            *stalled = 1;
+            ch->position -= n - admitted; /* the rest stays in the ring: it was never released */
+            n = admitted;
+            note_waiting(ch, now);
+        }
+    } else if ((int64_t)n == budget && (uint64_t)budget < e->max_take && record_ready(ch, ch->position)) {
+        *stalled = 1;
+        note_waiting(ch, now);
+    }
+    __atomic_store_n(ring_u64(ch, TPD_RING_OFF_CONSUMER_POS), ch->position, __ATOMIC_RELEASE);
+    if (n == 0) return 0;
+
+    uint64_t first_pos = ch->position - n;
+    size_t r = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        const tpd_cmd_record *rec = &e->recs[i];
+        uint16_t code = e->tcode[i];
+        if (code) {
+            report_error(e, ch, code, first_pos + i);
+            mark_done(ch, first_pos + i);
+            continue;
+        }
+        e->counters[C_COMMANDS]++;
+        if (r >= nrows || e->trec[r] != (int64_t)i) { /* a QUIET: complete now, and it cuts batches */
+            e->counters[C_QUIETS]++;
+            ch->quiet = 1;
+            mark_done(ch, first_pos + i);
+            continue;
+        }
+        int first = 1;
+        uint8_t closes = (rec->flags & TPD_FLAG_NO_BATCH) || rec->opcode == TPD_OP_FENCE;
+        for (; r < nrows && e->trec[r] == (int64_t)i; r++) {
+            Waiting w = {.row = e->trows[r], .pos = first_pos + i, .t = now, .chan = ch->id, .first = first,
+                         .closes = closes};
+            if (conn_push(&e->conns[e->tconn[r]], &w)) return -1;
+            e->nwaiting++;
+            first = 0;
+        }
+    }
+    return 1;
+}
+
+static int take(Engine *e, int64_t now) {
+    int took = 0, stalled = 0;
+    if (!e->taking) return 0;
+    for (size_t i = 0; i < e->nchans; i++) {
+        int rc = take_channel(e, e->chans[i], now, &stalled);
+        if (rc < 0) return -1;
+        took |= rc;
+    }
+    if (stalled) e->counters[C_STALLS]++;
+    return took;
+}
+
+/* ---- batches -------------------------------------------------------------------------------------- */
+/* Perseus decoupled signaling on one batch's rows, in place; returns the new row count. Within each
+ * FENCE-delimited segment the WRITEs go first, in order, then one SIGNAL per flag word (dst_rank, raddr,
+ * rkey), in the order of each word's first signal: ADDs summed, a SET resetting the sum; the last signal
+ * of the word is the template. */
+static size_t decouple(tpd_plan_row *rows, size_t n) {
+    tpd_plan_row out[64], sig[64];
+    uint64_t value[64];
+    uint8_t has_set[64];
+    size_t m = 0, s = 0;
+    for (size_t i = 0; i <= n; i++) {
+        int boundary = i == n || rows[i].op == TPD_PLAN_FENCE;
+        if (boundary) {
+            for (size_t k = 0; k < s; k++) {
+                sig[k].value = value[k];
+                sig[k].signal_op = has_set[k] ? TPD_SIGNAL_SET : TPD_SIGNAL_ADD;
+                out[m++] = sig[k];
+            }
+            s = 0;
+            if (i < n) out[m++] = rows[i];
+            continue;
+        }
+        if (rows[i].op != TPD_PLAN_SIGNAL) {
+            out[m++] = rows[i];
+            continue;
+        }
+        size_t k = 0;
+        while (k < s && !(sig[k].dst_rank == rows[i].dst_rank && sig[k].raddr == rows[i].raddr &&
+                          sig[k].rkey == rows[i].rkey))
+            k++;
+        if (k == s) {
+            value[s] = 0;
+            has_set[s] = 0;
+            s++;
+        }
+        sig[k] = rows[i];
+        if (rows[i].signal_op == TPD_SIGNAL_SET) {
+            value[k] = rows[i].value;
+            has_set[k] = 1;
+        } else {
+            value[k] += rows[i].value;
+        }
+    }
+    memcpy(rows, out, m * sizeof(tpd_plan_row));
+    return m;
+}
+
+static int ensure_post_scratch(Engine *e, size_t rows, size_t batches) {
+    if (grow((void **)&e->plan, &e->plan_cap, rows, sizeof(tpd_plan_row))) return -1;
+    size_t cap = e->b_cap;
+    if (grow((void **)&e->b_conn, &cap, batches + 1, sizeof(int64_t))) return -1;
+    cap = e->b_cap;
+    if (grow((void **)&e->b_ncmds, &cap, batches + 1, sizeof(int64_t))) return -1;
+    cap = e->b_cap;
+    if (grow((void **)&e->b_bounds, &cap, batches + 1, sizeof(int64_t))) return -1;
+    cap = e->b_cap;
+    if (grow((void **)&e->b_nwr, &cap, batches + 1, sizeof(int64_t))) return -1;
+    e->b_cap = cap;
+    return 0;
+}
+
+static int channel_quiet(Engine *e, int64_t id) {
+    Channel *ch = find_channel(e, id);
+    return ch && ch->quiet;
+}
+
+/* One batch of a connection's waiting rows from `start`: up to batch_max commands, cut after a command
+ * that closes its batch. Returns the row after it; *cmds its commands; *ready whether it may go now (a
+ * full or closed batch, one that is not the connection's last, the polling window passed, or a QUIET
+ * taken in this pass from a channel with a row in it). */
+static size_t cut_batch(Engine *e, const Waiting *w, size_t have, size_t start, int64_t now, size_t *cmds,
+                        int *ready) {
+    size_t r = start;
+    int closed = 0;
+    *cmds = 0;
+    while (r < have && *cmds < (size_t)e->batch_max && !closed) {
+        (*cmds)++;
+        closed = w[r].closes;
+        r++;
+        while (r < have && !w[r].first) r++;
+    }
+    *ready = r < have || closed || *cmds == (size_t)e->batch_max || e->window_ns <= 0 ||
+             now - w[start].t >= e->window_ns;
+    for (size_t k = start; !*ready && k < r; k++)
+        if (channel_quiet(e, w[k].chan)) *ready = 1;
+    return r;
+}
+
+/* Cut each connection's waiting rows into batches and move the ones to post now into e->plan (grouped by
+ * connection, each connection a prefix of its batches that fits under the inflight cap; the first batch
+ * of an idle connection always fits). Fills e->b_* and a new group's command arrays; returns the number
+ * of batches, -1 when out of memory. */
+static long plan_post(Engine *e, int64_t now, Group **out_group) {
+    *out_group = NULL;
+    size_t nb = 0, nrows = 0, ncmd = 0;
+    int signal_stall = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        Group *g = NULL;
+        if (pass == 1) {
+            if (!nb) break;
+            if (ensure_post_scratch(e, nrows, nb)) return -1;
+            size_t words = 2 * nb + 3 * ncmd;
+            g = calloc(1, sizeof(Group) + words * sizeof(int64_t) + nb);
+            if (!g) return -1;
+            int64_t *p = (int64_t *)(g + 1);
+            g->tok_conn = p;
+            g->tok_nwr = p + nb;
+            g->cmd_tok = p + 2 * nb;
+            g->cmd_chan = p + 2 * nb + ncmd;
+            g->cmd_pos = (uint64_t *)(p + 2 * nb + 2 * ncmd);
+            g->done = (uint8_t *)(p + words);
+            g->nb = g->remaining = nb;
+            g->ncmd = ncmd;
+        }
+        size_t b = 0, m = 0, k = 0;
+        for (size_t ci = 0; ci < e->nconns; ci++) {
+            Conn *c = &e->conns[ci];
+            size_t have = conn_pending(c);
+            const Waiting *w = c->rows + c->head;
+            size_t r = 0, cum = 0, stop = SIZE_MAX;
+            while (r < have) {
+                size_t cmds;
+                int ready;
+                size_t end = cut_batch(e, w, have, r, now, &cmds, &ready);
+                cum += end - r;
+                int fits = c->inflight + (int64_t)cum <= e->inflight_cap || (r == 0 && c->inflight == 0);
+                if (stop != SIZE_MAX || !(ready && fits)) {
+                    /* the rest waits for completions; a signal among what was ready is a signal stall */
+                    if (stop == SIZE_MAX) stop = r;
+                    for (size_t q = r; pass == 0 && ready && q < end; q++)
+                        if (w[q].row.op == TPD_PLAN_SIGNAL) signal_stall = 1;
+                    if (pass == 1) break;
+                    r = end;
+                    continue;
+                }
+                if (pass == 0) {
+                    nb++;
+                    nrows += end - r;
+                    for (size_t q = r; q < end; q++) ncmd += w[q].first;
+                } else {
+                    e->b_conn[b] = (int64_t)ci;
+                    e->b_ncmds[b] = (int64_t)cmds;
+                    e->b_bounds[b] = (int64_t)m;
+                    for (size_t q = r; q < end; q++) {
+                        if (w[q].first) {
+                            g->cmd_tok[k] = (int64_t)b;
+                            g->cmd_chan[k] = w[q].chan;
+                            g->cmd_pos[k] = w[q].pos;
+                            k++;
+                        }
+                        e->plan[m++] = w[q].row;
+                    }
+                    b++;
+                }
+                r = end;
+            }
+            if (stop != SIZE_MAX) r = stop;
+            if (pass == 1) {
+                c->head += r;
+                e->nwaiting -= r;
+                if (c->head == c->count) c->head = c->count = 0;
+            }
+        }
+        if (pass == 1) {
+            e->b_bounds[nb] = (int64_t)m;
+            *out_group = g;
+        }
+    }
+    if (signal_stall) e->counters[C_SIGNAL_STALLS]++;
+    return (long)nb;
+}
+
+static int group_append(Engine *e, Group *g) {
+    if (grow((void **)&e->groups, &e->groups_cap, e->ngroups + 1, sizeof(Group *))) return -1;
+    e->groups[e->ngroups++] = g;
+    return 0;
+}
+
+/* Hand the planned batches to the backend: one Python call (GIL held), or the null NIC. */
+static int post_to_backend(Engine *e, size_t nb, size_t m) {
+    if (e->post_cb == Py_None) {
+        int64_t t = e->post_log_cap ? now_ns() : 0;
+        if (grow((void **)&e->null_due, &e->null_cap, e->null_ndue + nb, sizeof(Completion))) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (size_t b = 0; b < nb; b++) {
+            e->b_nwr[b] = e->b_bounds[b + 1] - e->b_bounds[b];
+            e->null_due[e->null_ndue++] = (Completion){.token = e->plan[e->b_bounds[b]].token};
+        }
+        for (size_t r = 0; r < m && e->post_log_n + 2 <= e->post_log_cap; r++) {
+            if (e->plan[r].op != TPD_PLAN_WRITE) continue;
+            e->post_log[e->post_log_n++] = (uint64_t)t;
+            e->post_log[e->post_log_n++] = e->plan[r].chunk_id;
+        }
+        return 0;
+    }
+    PyObject *ids = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(nb * sizeof(int64_t)));
+    PyObject *plan = PyByteArray_FromStringAndSize((const char *)e->plan, (Py_ssize_t)(m * sizeof(tpd_plan_row)));
+    PyObject *bounds = PyBytes_FromStringAndSize((const char *)e->b_bounds, (Py_ssize_t)((nb + 1) * sizeof(int64_t)));
+    if (!ids || !plan || !bounds) {
+        Py_XDECREF(ids);
+        Py_XDECREF(plan);
+        Py_XDECREF(bounds);
+        return -1;
+    }
+    int64_t *idp = (int64_t *)PyBytes_AS_STRING(ids);
+    for (size_t b = 0; b < nb; b++) idp[b] = e->conns[e->b_conn[b]].id;
+    PyObject *res = PyObject_CallFunctionObjArgs(e->post_cb, ids, plan, bounds, NULL);
+    Py_DECREF(ids);
+    Py_DECREF(plan);
+    Py_DECREF(bounds);
+    if (!res) return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(res, &view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(res);
+        return -1;
+    }
+    int rc = 0;
+    if ((size_t)view.len != nb * sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "post returned %zd bytes of WR counts for %zu batches", view.len, nb);
+        rc = -1;
+    } else {
+        memcpy(e->b_nwr, view.buf, nb * sizeof(int64_t));
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(res);
+    return rc;
+}
+
+
+/* Post the ready batches; returns 1 if any went out, 0 if none, -1 with a Python error set. */
+static int post(Engine *e, int64_t now) {
+    Group *g = NULL;
+    long nbl;
+    Py_BEGIN_ALLOW_THREADS
+    nbl = plan_post(e, now, &g);
+    Py_END_ALLOW_THREADS
+    if (nbl < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (nbl == 0) return 0;
+    size_t nb = (size_t)nbl;
+    uint64_t *c = e->counters;
+    /* decoupled signaling batch by batch (rows only shrink, so in place), then one token per batch */
+    size_t m = 0;
+    for (size_t b = 0; b < nb; b++) {
+        size_t s = (size_t)e->b_bounds[b], t = (size_t)e->b_bounds[b + 1];
+        e->b_bounds[b] = (int64_t)m;
+        if (e->decoupled) {
+            for (size_t r = s; r < t; r++) c[C_SIGNALS_REQUESTED] += e->plan[r].op == TPD_PLAN_SIGNAL;
+            memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
+            m += decouple(e->plan + m, t - s);
+        } else {
+            memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
+            m += t - s;
+        }
+        for (size_t r = (size_t)e->b_bounds[b]; r < m; r++) e->plan[r].token = e->next_token + b;
+    }
+    e->b_bounds[nb] = (int64_t)m;
+    g->first = e->next_token;
+    e->next_token += nb;
+    if (post_to_backend(e, nb, m) < 0) {
+        free(g);
+        return -1;
+    }
+    for (size_t b = 0; b < nb; b++) {
+        Conn *cn = &e->conns[e->b_conn[b]];
+        g->tok_conn[b] = e->b_conn[b];
+        g->tok_nwr[b] = e->b_nwr[b];
+        cn->inflight += e->b_nwr[b];
+        c[C_WRS] += (uint64_t)e->b_nwr[b];
+        int64_t ncmds = e->b_ncmds[b];
+        c[ncmds == e->batch_max ? C_BATCHES_FULL : C_BATCHES_PARTIAL]++;
+        e->batch_hist[ncmds]++;
+        cn->hist[ncmds]++;
+        /* distinct destinations signalled in this batch */
+        uint16_t dests[64];
+        size_t nd = 0;
+        for (size_t r = (size_t)e->b_bounds[b]; r < (size_t)e->b_bounds[b + 1]; r++) {
+            const tpd_plan_row *row = &e->plan[r];
+            if (row->op == TPD_PLAN_SIGNAL) {
+                c[C_SIGNALS]++;
+                if (!e->decoupled) c[C_SIGNALS_REQUESTED]++;
+                size_t d = 0;
+                while (d < nd && dests[d] != row->dst_rank) d++;
+                if (d == nd) dests[nd++] = row->dst_rank;
+            } else {
+                c[row->op == TPD_PLAN_WRITE ? C_WRITES : C_FENCES] += row->op == TPD_PLAN_WRITE || row->op == TPD_PLAN_FENCE;
+                c[C_BYTES] += row->length;
+                cn->bytes += row->length;
+            }
+        }
+        c[C_SIGNAL_DEST_BATCHES] += nd;
+    }
+    c[C_BATCHES] += nb;
+    if (group_append(e, g)) {
+        free(g);
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 1;
+}
+
+/* ---- completions ---------------------------------------------------------------------------------- */
+static uint16_t completion_code(uint32_t status) {
+    if (status == 0) return 0;
+    return (status == 4 || status == 10) ? TPD_REMOTE_ACCESS : TPD_TRANSPORT; /* LOC_PROT_ERR, REM_ACCESS_ERR */
+}
+
+/* Tokens of `g` listed in `local` (indexes, with statuses) completed: free their WRs, finish their commands
+ * (a command's error goes into its channel's error word: `forced` when nonzero, else by status). */
+static void complete_group(Engine *e, Group *g, const int64_t *local, const int64_t *status, size_t n,
+                           uint16_t forced, uint8_t *newly, int64_t *tok_status) {
+    memset(newly, 0, g->nb);
+    memset(tok_status, 0, g->nb * sizeof(int64_t));
+    int any_status = 0;
+    for (size_t i = 0; i < n; i++) {
+        newly[local[i]] = 1;
+        any_status |= status[i] != 0;
+    }
+    size_t fresh = 0;
+    for (size_t t = 0; t < g->nb; t++) {
+        if (newly[t] && g->done[t]) newly[t] = 0;
+        if (newly[t]) {
+            fresh++;
+            g->done[t] = 1;
+            e->conns[g->tok_conn[t]].inflight -= g->tok_nwr[t];
+        }
+    }
+    if (!fresh) return;
+    g->remaining -= fresh;
+    if (any_status) {
+        for (size_t i = 0; i < n; i++)
+            if (newly[local[i]]) tok_status[local[i]] = status[i];
+        for (size_t t = 0; t < g->nb; t++) e->counters[C_COMPLETION_ERRORS] += tok_status[t] != 0;
+    }
+    for (size_t k = 0; k < g->ncmd; k++) {
+        int64_t t = g->cmd_tok[k];
+        if (!newly[t]) continue;
+        Channel *ch = find_channel(e, g->cmd_chan[k]);
+        if (!ch) continue;
+        if (tok_status[t]) report_error(e, ch, forced ? forced : completion_code((uint32_t)tok_status[t]), g->cmd_pos[k]);
+        mark_done(ch, g->cmd_pos[k]);
+    }
+}
+
+static void drop_finished_groups(Engine *e) {
+    size_t k = 0;
+    for (size_t i = 0; i < e->ngroups; i++) {
+        if (e->groups[i]->remaining) e->groups[k++] = e->groups[i];
+        else free(e->groups[i]);
+    }
+    e->ngroups = k;
+}
+
+static int complete_tokens(Engine *e, const Completion *comps, size_t n) {
+    size_t maxnb = 0;
+    for (size_t i = 0; i < e->ngroups; i++) maxnb = e->groups[i]->nb > maxnb ? e->groups[i]->nb : maxnb;
+    int64_t *local = malloc((n + 1) * 2 * sizeof(int64_t) + maxnb * (1 + sizeof(int64_t)) + 1);
+    if (!local) return -1;
+    int64_t *status = local + n + 1;
+    int64_t *tok_status = status + n + 1;
+    uint8_t *newly = (uint8_t *)(tok_status + maxnb);
+    size_t matched = 0;
+    for (size_t i = 0; i < e->ngroups; i++) {
+        Group *g = e->groups[i];
+        size_t k = 0;
+        for (size_t j = 0; j < n; j++) {
+            if (comps[j].token >= g->first && comps[j].token < g->first + g->nb) {
+                local[k] = (int64_t)(comps[j].token - g->first);
+                status[k] = comps[j].status;
+                k++;
+            }
+        }
+        if (k) {
+            matched += k;
+            complete_group(e, g, local, status, k, 0, newly, tok_status);
+        }
+    }
+    e->counters[C_UNKNOWN_COMPLETIONS] += n - matched;
+    free(local);
+    drop_finished_groups(e);
+    return 0;
+}
+
+/* Drain the backend's completions; returns how many came, -1 with a Python error set. */
+static long progress(Engine *e) {
+    if (e->poll_cb == Py_None) {
+        size_t n = e->null_ndue;
+        if ((int64_t)n > e->poll_max) n = (size_t)e->poll_max;
+        if (!n) return 0;
+        e->counters[C_COMPLETIONS] += n;
+        if (complete_tokens(e, e->null_due, n)) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memmove(e->null_due, e->null_due + n, (e->null_ndue - n) * sizeof(Completion));
+        e->null_ndue -= n;
+        return (long)n;
+    }
+    PyObject *res = PyObject_CallFunction(e->poll_cb, "L", (long long)e->poll_max);
+    if (!res) return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(res, &view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(res);
+        return -1;
+    }
+    size_t n = (size_t)view.len / sizeof(Completion);
+    int rc = 0;
+    if ((size_t)view.len % sizeof(Completion)) {
+        PyErr_SetString(PyExc_ValueError, "poll must return COMPLETION_DTYPE rows (16 bytes each)");
+        rc = -1;
+    } else if (n) {
+        e->counters[C_COMPLETIONS] += n;
+        if (complete_tokens(e, (const Completion *)view.buf, n)) {
+            PyErr_NoMemory();
+            rc = -1;
+        }
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(res);
+    return rc < 0 ? -1 : (long)n;
+}
+
+typedef struct {
+    int64_t chan;
+    uint64_t pos;
+} Dropped;
+
+static int cmp_dropped(const void *a, const void *b) {
+    const Dropped *x = a, *y = b;
+    if (x->chan != y->chan) return x->chan < y->chan ? -1 : 1;
+    return x->pos < y->pos ? -1 : x->pos > y->pos;
+}
+
+/* Rows of channel `chan` (or of connection index `conn`) leave the waiting set. With `mark`, their
+ * commands complete, with `code` in their channels' error words (none when 0), channel by channel in
+ * position order; without, they are forgotten (a removed channel). -1: out of memory. */
+static int drop_waiting(Engine *e, int64_t chan, int64_t conn, uint16_t code, int mark) {
+    Dropped *dropped = NULL;
+    size_t nd = 0, cap = 0;
+    for (size_t ci = 0; ci < e->nconns; ci++) {
+        Conn *c = &e->conns[ci];
+        size_t k = c->head;
+        for (size_t r = c->head; r < c->count; r++) {
+            Waiting *w = &c->rows[r];
+            if (w->chan == chan || (int64_t)ci == conn) {
+                e->nwaiting--;
+                if (mark && w->first) {
+                    if (grow((void **)&dropped, &cap, nd + 1, sizeof(Dropped))) {
+                        free(dropped);
+                        return -1;
+                    }
+                    dropped[nd++] = (Dropped){w->chan, w->pos};
+                }
+                continue;
+            }
+            c->rows[k++] = *w;
+        }
+        c->count = k;
+        if (c->head == c->count) c->head = c->count = 0;
+    }
+    if (nd) qsort(dropped, nd, sizeof(Dropped), cmp_dropped);
+    for (size_t i = 0; i < nd; i++) {
+        Channel *ch = find_channel(e, dropped[i].chan);
+        if (!ch) continue;
+        if (code) report_error(e, ch, code, dropped[i].pos);
+        mark_done(ch, dropped[i].pos);
+    }
+    free(dropped);
+    return 0;
+}
+
+/* Connection index `conn` is gone: its waiting rows are dropped and its posted batches completed here
+ * with `code` (silently when 0); its inflight count returns to 0. */
+static int fail_connection(Engine *e, int64_t conn, uint16_t code) {
+    if (drop_waiting(e, -1, conn, code, 1)) return -1;
+    for (size_t i = 0; i < e->ngroups; i++) {
+        Group *g = e->groups[i];
+        int64_t *buf = malloc(g->nb * (3 * sizeof(int64_t) + 1) + 1);
+        if (!buf) return -1;
+        int64_t *local = buf, *status = buf + g->nb, *tok_status = buf + 2 * g->nb;
+        uint8_t *newly = (uint8_t *)(buf + 3 * g->nb);
+        size_t k = 0;
+        for (size_t t = 0; t < g->nb; t++) {
+            if (g->tok_conn[t] == conn && !g->done[t]) {
+                local[k] = (int64_t)t;
+                status[k] = code ? -1 : 0;
+                k++;
+            }
+        }
+        if (k) complete_group(e, g, local, status, k, code, newly, tok_status);
+        free(buf);
+    }
+    drop_finished_groups(e);
+    e->conns[conn].inflight = 0;
+    advance_touched(e);
+    return 0;
+}
+
+/* ---- the Python type ------------------------------------------------------------------------------ */
+static int run_once(Engine *e, int *did) {
+    e->counters[C_ITERATIONS]++;
+    int64_t now = now_ns();
+    int took;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < e->nchans; i++) e->chans[i]->quiet = 0;
+    took = take(e, now);
+    Py_END_ALLOW_THREADS
+    if (took < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *did = took;
+    if (e->nwaiting) {
+        int posted = post(e, now);
+        if (posted < 0) return -1;
+        *did |= posted;
+    }
+    long n = progress(e);
+    if (n < 0) return -1;
+    *did |= n > 0;
+    advance_touched(e);
+    return 0;
+}
+
+static PyObject *Engine_run_once(Engine *e, PyObject *unused) {
+    int did = 0;
+    if (run_once(e, &did)) return NULL;
+    return PyBool_FromLong(did);
+}
+
+static PyObject *Engine_progress(Engine *e, PyObject *unused) {
+    long n = progress(e);
+    if (n < 0) return NULL;
+    advance_touched(e);
+    return PyLong_FromLong(n);
+}
+
+/* Watch the rings' head slots for up to timeout_s (GIL released); True once one holds a record. */
+static PyObject *Engine_wait_ready(Engine *e, PyObject *arg) {
+    double timeout = PyFloat_AsDouble(arg);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    if (!e->taking || e->nwaiting || e->ngroups) Py_RETURN_FALSE;
+    int found = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t deadline = now_ns() + (int64_t)(timeout * 1e9);
+    for (;;) {
+        for (size_t i = 0; i < e->nchans && !found; i++) found = record_ready(e->chans[i], e->chans[i]->position);
+        if (found || now_ns() >= deadline) break;
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(found);
+}
+
+static PyObject *Engine_busy(Engine *e, PyObject *unused) { return PyBool_FromLong(e->nwaiting || e->ngroups); }
+
+static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
+    if (itemsize && view->len % itemsize) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items", what, view->len,
+                     itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+/* set_sources(sid, addr u64[], length u64[], key u32[], valid bool[]): entries 0..n-2 ids, n-1 sentinel. */
+static PyObject *Engine_set_sources(Engine *e, PyObject *args) {
+    Py_ssize_t sid;
+    PyObject *obj[4];
+    if (!PyArg_ParseTuple(args, "nOOOO", &sid, &obj[0], &obj[1], &obj[2], &obj[3])) return NULL;
+    if (sid < 0 || sid > 1 << 24) return PyErr_Format(PyExc_ValueError, "source table id %zd", sid);
+    if ((size_t)sid >= e->nsrcs) {
+        if (grow((void **)&e->srcs, &e->srcs_cap, (size_t)sid + 1, sizeof(Sources))) return PyErr_NoMemory();
+        memset(e->srcs + e->nsrcs, 0, ((size_t)sid + 1 - e->nsrcs) * sizeof(Sources));
+        e->nsrcs = (size_t)sid + 1;
+    }
+    Py_buffer bufs[4];
+    const Py_ssize_t sizes[4] = {8, 8, 4, 1};
+    for (int i = 0; i < 4; i++) {
+        if (get_buffer(obj[i], &bufs[i], sizes[i], "source table")) {
+            while (i--) PyBuffer_Release(&bufs[i]);
+            return NULL;
+        }
+    }
+    Py_ssize_t n = bufs[0].len / 8;
+    for (int i = 1; i < 4; i++) {
+        if (bufs[i].len / sizes[i] != n || n < 1) {
+            for (int k = 0; k < 4; k++) PyBuffer_Release(&bufs[k]);
+            return PyErr_Format(PyExc_ValueError, "source table arrays disagree in length");
+        }
+    }
+    Sources *s = &e->srcs[sid];
+    if (s->held)
+        for (int i = 0; i < 4; i++) PyBuffer_Release(&s->bufs[i]);
+    memcpy(s->bufs, bufs, sizeof(bufs));
+    s->held = 1;
+    s->view = (tpd_sources){.addr = bufs[0].buf, .length = bufs[1].buf, .key = bufs[2].buf, .valid = bufs[3].buf,
+                            .size = (uint64_t)(n - 1)};
+    Py_RETURN_NONE;
+}
+
+/* set_peers(jid, world, rows, cols, conn i64[], code u16[], flag_base u64[], flag_slots u64[], flag_rkey
+ * u32[], addr u64[], length u64[], rkey u32[], valid bool[], conns i64[]). */
+static PyObject *Engine_set_peers(Engine *e, PyObject *args) {
+    Py_ssize_t jid;
+    unsigned long long world, rows, cols;
+    PyObject *obj[10];
+    if (!PyArg_ParseTuple(args, "nKKKOOOOOOOOOO", &jid, &world, &rows, &cols, &obj[0], &obj[1], &obj[2], &obj[3],
+                          &obj[4], &obj[5], &obj[6], &obj[7], &obj[8], &obj[9]))
+        return NULL;
+    if (jid < 0 || jid > 1 << 24) return PyErr_Format(PyExc_ValueError, "job id %zd", jid);
+    if (rows >= 1u << 17 || cols >= 1u << 17) return PyErr_Format(PyExc_ValueError, "peer table too large");
+    if ((size_t)jid >= e->njobs) {
+        if (grow((void **)&e->jobs, &e->jobs_cap, (size_t)jid + 1, sizeof(Job))) return PyErr_NoMemory();
+        memset(e->jobs + e->njobs, 0, ((size_t)jid + 1 - e->njobs) * sizeof(Job));
+        e->njobs = (size_t)jid + 1;
+    }
+    /* per rank: conn, code, flag_base, flag_slots, flag_rkey; per (rank, region): addr, length, rkey, valid */
+    Py_buffer bufs[10];
+    const Py_ssize_t sizes[10] = {8, 2, 8, 8, 4, 8, 8, 4, 1, 8};
+    const Py_ssize_t per_rank = (Py_ssize_t)rows + 1, per_region = (Py_ssize_t)((rows + 1) * (cols + 1));
+    for (int i = 0; i < 10; i++) {
+        if (get_buffer(obj[i], &bufs[i], sizes[i], "peer table")) {
+            while (i--) PyBuffer_Release(&bufs[i]);
+            return NULL;
+        }
+        Py_ssize_t want = i < 5 ? per_rank : i < 9 ? per_region : 0;
+        if (bufs[i].len / sizes[i] < want) {
+            for (int k = 0; k <= i; k++) PyBuffer_Release(&bufs[k]);
+            return PyErr_Format(PyExc_ValueError, "peer table array %d is shorter than its %zd entries", i, want);
+        }
+    }
+    Job *j = &e->jobs[jid];
+    if (j->held)
+        for (int i = 0; i < 9; i++) PyBuffer_Release(&j->bufs[i]);
+    memcpy(j->bufs, bufs, 9 * sizeof(Py_buffer));
+    j->held = 1;
+    j->view = (tpd_peers){.world = world, .rows = rows, .cols = cols, .conn = bufs[0].buf, .code = bufs[1].buf,
+                          .flag_base = bufs[2].buf, .flag_slots = bufs[3].buf, .flag_rkey = bufs[4].buf,
+                          .addr = bufs[5].buf, .length = bufs[6].buf, .rkey = bufs[7].buf, .valid = bufs[8].buf};
+    size_t nconns = (size_t)bufs[9].len / 8;
+    int64_t *conns = malloc((nconns + 1) * sizeof(int64_t));
+    if (!conns) {
+        PyBuffer_Release(&bufs[9]);
+        return PyErr_NoMemory();
+    }
+    memcpy(conns, bufs[9].buf, nconns * sizeof(int64_t));
+    PyBuffer_Release(&bufs[9]);
+    for (size_t i = 0; i < nconns; i++) {
+        if (conns[i] < 0 || (size_t)conns[i] >= e->nconns) {
+            free(conns);
+            return PyErr_Format(PyExc_ValueError, "job %zd names connection index %lld, not added", jid,
+                                (long long)conns[i]);
+        }
+    }
+    for (uint64_t r = 0; r <= rows; r++) {
+        int64_t c = j->view.conn[r];
+        if (c >= (int64_t)e->nconns) {
+            free(conns);
+            return PyErr_Format(PyExc_ValueError, "rank %llu is bound to connection index %lld, not added",
+                                (unsigned long long)r, (long long)c);
+        }
+    }
+    free(j->conns);
+    j->conns = conns;
+    j->nconns = nconns;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_add_connection(Engine *e, PyObject *arg) {
+    long long id = PyLong_AsLongLong(arg);
+    if (id == -1 && PyErr_Occurred()) return NULL;
+    if (grow((void **)&e->conns, &e->conns_cap, e->nconns + 1, sizeof(Conn))) return PyErr_NoMemory();
+    memset(&e->conns[e->nconns], 0, sizeof(Conn));
+    e->conns[e->nconns].id = id;
+    return PyLong_FromSize_t(e->nconns++);
+}
+
+/* add_channel(cid, ring buffer (the whole mapped file), job, src, track) */
+static PyObject *Engine_add_channel(Engine *e, PyObject *args) {
+    long long cid;
+    PyObject *ring;
+    Py_ssize_t job, src;
+    unsigned long long track;
+    if (!PyArg_ParseTuple(args, "LOnnK", &cid, &ring, &job, &src, &track)) return NULL;
+    if (find_channel(e, cid)) return PyErr_Format(PyExc_ValueError, "channel %lld already exists", cid);
+    if (job < 0 || (size_t)job >= e->njobs || !e->jobs[job].held || src < 0 || (size_t)src >= e->nsrcs ||
+        !e->srcs[src].held)
+        return PyErr_Format(PyExc_ValueError, "channel %lld: set its job's tables first", cid);
+    if (!track || track & (track - 1)) return PyErr_Format(PyExc_ValueError, "track must be a power of two");
+    Channel *ch = calloc(1, sizeof(Channel));
+    if (!ch) return PyErr_NoMemory();
+    if (PyObject_GetBuffer(ring, &ch->ring, PyBUF_WRITABLE) < 0) {
+        free(ch);
+        return NULL;
+    }
+    ch->base = ch->ring.buf;
+    uint64_t capacity = ch->ring.len >= TPD_RING_RECORDS_OFFSET ? *ring_u64(ch, TPD_RING_OFF_CAPACITY) : 0;
+    if (!capacity || capacity & (capacity - 1) ||
+        (uint64_t)ch->ring.len < TPD_RING_RECORDS_OFFSET + capacity * TPD_RECORD_SIZE) {
+        PyBuffer_Release(&ch->ring);
+        free(ch);
+        return PyErr_Format(PyExc_ValueError, "channel %lld: not a mapped ring", cid);
+    }
+    ch->done = calloc(track, 1);
+    if (!ch->done || grow((void **)&e->chans, &e->chans_cap, e->nchans + 1, sizeof(Channel *))) {
+        free(ch->done);
+        PyBuffer_Release(&ch->ring);
+        free(ch);
+        return PyErr_NoMemory();
+    }
+    ch->id = cid;
+    ch->capacity = capacity;
+    ch->mask = capacity - 1;
+    ch->records = (const tpd_cmd_record *)(ch->base + TPD_RING_RECORDS_OFFSET);
+    ch->position = ch->completed = *ring_u64(ch, TPD_RING_OFF_CONSUMER_POS); /* earlier ones were never ours */
+    ch->job = (int)job;
+    ch->src = (int)src;
+    ch->track = track;
+    publish_completion(ch, ch->completed);
+    e->chans[e->nchans++] = ch;
+    Py_RETURN_NONE;
+}
+
+static Channel *channel_arg(Engine *e, PyObject *arg) {
+    long long cid = PyLong_AsLongLong(arg);
+    if (cid == -1 && PyErr_Occurred()) return NULL;
+    Channel *ch = find_channel(e, cid);
+    if (!ch) PyErr_Format(PyExc_KeyError, "no channel %lld", cid);
+    return ch;
+}
+
+static PyObject *Engine_mark_gone(Engine *e, PyObject *arg) {
+    Channel *ch = channel_arg(e, arg);
+    if (!ch) return NULL;
+    ch->gone = 1;
+    if (drop_waiting(e, ch->id, -1, TPD_CLIENT_GONE, 1)) return PyErr_NoMemory();
+    advance_touched(e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_remove_channel(Engine *e, PyObject *arg) {
+    Channel *ch = channel_arg(e, arg);
+    if (!ch) return NULL;
+    if (drop_waiting(e, ch->id, -1, 0, 0)) return PyErr_NoMemory();
+    size_t k = 0;
+    for (size_t i = 0; i < e->nchans; i++)
+        if (e->chans[i] != ch) e->chans[k++] = e->chans[i];
+    e->nchans = k;
+    PyBuffer_Release(&ch->ring);
+    free(ch->done);
+    free(ch);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_fail_connection(Engine *e, PyObject *args) {
+    Py_ssize_t idx;
+    int code;
+    if (!PyArg_ParseTuple(args, "ni", &idx, &code)) return NULL;
+    if (idx < 0 || (size_t)idx >= e->nconns) return PyErr_Format(PyExc_ValueError, "no connection index %zd", idx);
+    if (fail_connection(e, idx, (uint16_t)code)) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_set_taking(Engine *e, PyObject *arg) {
+    e->taking = PyObject_IsTrue(arg);
+    Py_RETURN_NONE;
+}
+
+static uint64_t ready_count(Channel *ch, uint64_t limit) {
+    uint64_t n = 0;
+    while (n < limit && record_ready(ch, ch->position + n)) n++;
+    return n;
+}
+
+/* (position, ready, completed, gone, oldest_age_ns, error code, error count, error position) of a channel;
+ * with `now` >= 0 the head's waiting age is noted as queue statistics do. */
+static PyObject *Engine_channel_state(Engine *e, PyObject *args) {
+    PyObject *cid;
+    long long now;
+    if (!PyArg_ParseTuple(args, "OL", &cid, &now)) return NULL;
+    Channel *ch = channel_arg(e, cid);
+    if (!ch) return NULL;
+    uint64_t depth = ready_count(ch, ch->capacity);
+    long long age = 0;
+    if (depth && now >= 0) {
+        note_waiting(ch, now);
+        age = now - ch->seen_ns;
+    }
+    return Py_BuildValue("KKKiLIIK", (unsigned long long)ch->position, (unsigned long long)depth,
+                         (unsigned long long)ch->completed, ch->gone, age,
+                         (unsigned)*ring_u32(ch, TPD_RING_OFF_ERROR_CODE),
+                         (unsigned)*ring_u32(ch, TPD_RING_OFF_ERROR_COUNT),
+                         (unsigned long long)*ring_u64(ch, TPD_RING_OFF_ERROR_POS));
+}
+
+static PyObject *u64_tuple(const uint64_t *v, size_t n) {
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    if (!t) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromUnsignedLongLong(v[i]);
+        if (!x) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, x);
+    }
+    return t;
+}
+
+static PyObject *Engine_counters(Engine *e, PyObject *unused) { return u64_tuple(e->counters, N_COUNTERS); }
+static PyObject *Engine_errors(Engine *e, PyObject *unused) { return u64_tuple(e->errors, 256); }
+static PyObject *Engine_batch_hist(Engine *e, PyObject *unused) { return u64_tuple(e->batch_hist, HIST); }
+
+/* [(conn id, inflight, pending, hist tuple, bytes)] by connection index */
+static PyObject *Engine_connections(Engine *e, PyObject *unused) {
+    PyObject *out = PyList_New((Py_ssize_t)e->nconns);
+    if (!out) return NULL;
+    for (size_t i = 0; i < e->nconns; i++) {
+        Conn *c = &e->conns[i];
+        PyObject *h = u64_tuple(c->hist, HIST);
+        PyObject *row = h ? Py_BuildValue("LLnNK", (long long)c->id, (long long)c->inflight,
+                                          (Py_ssize_t)conn_pending(c), h, (unsigned long long)c->bytes)
+                          : NULL;
+        if (!row) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, row);
+    }
+    return out;
+}
+
+static PyObject *Engine_pending_rows(Engine *e, PyObject *unused) { return PyLong_FromSize_t(e->nwaiting); }
+
+/* The null NIC's post log: keep (post ns, chunk id) of up to `capacity` WRITE rows from now on. */
+static PyObject *Engine_log_posts(Engine *e, PyObject *arg) {
+    Py_ssize_t cap = PyLong_AsSsize_t(arg);
+    if (cap < 0) return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "capacity must be >= 0");
+    free(e->post_log);
+    e->post_log = cap ? calloc((size_t)cap * 2, sizeof(uint64_t)) : NULL;
+    if (cap && !e->post_log) return PyErr_NoMemory();
+    e->post_log_cap = (size_t)cap * 2;
+    e->post_log_n = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_post_log(Engine *e, PyObject *unused) {
+    return PyBytes_FromStringAndSize((const char *)e->post_log, (Py_ssize_t)(e->post_log_n * sizeof(uint64_t)));
+}
+
+static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
+    static char *names[] = {"batch_max", "window_ns", "inflight_cap", "decoupled", "max_length", "max_take",
+                            "poll_max", "post", "poll", NULL};
+    long long window, cap, poll_max;
+    unsigned long long max_length, max_take;
+    PyObject *post_cb, *poll_cb;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLpKKLOO", names, &e->batch_max, &window, &cap, &e->decoupled,
+                                     &max_length, &max_take, &poll_max, &post_cb, &poll_cb))
+        return -1;
+    if (e->batch_max < 1 || e->batch_max > 8) {
+        PyErr_Format(PyExc_ValueError, "batch_max must be in 1..8, got %d", e->batch_max);
+        return -1;
+    }
+    if (cap < 2 || max_take < 1 || poll_max < 1) {
+        PyErr_SetString(PyExc_ValueError, "inflight_cap must be >= 2, max_take and poll_max >= 1");
+        return -1;
+    }
+    if ((post_cb == Py_None) != (poll_cb == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "post and poll are both callables, or both None (the null NIC)");
+        return -1;
+    }
+    e->window_ns = window;
+    e->inflight_cap = cap;
+    e->max_length = max_length;
+    e->max_take = max_take;
+    e->poll_max = poll_max;
+    Py_INCREF(post_cb);
+    Py_INCREF(poll_cb);
+    Py_XSETREF(e->post_cb, post_cb);
+    Py_XSETREF(e->poll_cb, poll_cb);
+    e->taking = 1;
+    e->next_token = 1;
+    return 0;
+}
+
+static void Engine_dealloc(Engine *e) {
+    for (size_t i = 0; i < e->nchans; i++) {
+        PyBuffer_Release(&e->chans[i]->ring);
+        free(e->chans[i]->done);
+        free(e->chans[i]);
+    }
+    for (size_t i = 0; i < e->nsrcs; i++)
+        if (e->srcs[i].held)
+            for (int k = 0; k < 4; k++) PyBuffer_Release(&e->srcs[i].bufs[k]);
+    for (size_t i = 0; i < e->njobs; i++) {
+        if (e->jobs[i].held)
+            for (int k = 0; k < 9; k++) PyBuffer_Release(&e->jobs[i].bufs[k]);
+        free(e->jobs[i].conns);
+    }
+    for (size_t i = 0; i < e->nconns; i++) free(e->conns[i].rows);
+    for (size_t i = 0; i < e->ngroups; i++) free(e->groups[i]);
+    free(e->chans);
+    free(e->srcs);
+    free(e->jobs);
+    free(e->conns);
+    free(e->groups);
+    free(e->plan);
+    free(e->b_conn);
+    free(e->b_ncmds);
+    free(e->b_bounds);
+    free(e->b_nwr);
+    free(e->recs);
+    free(e->trows);
+    free(e->tconn);
+    free(e->trec);
+    free(e->tcode);
+    free(e->null_due);
+    free(e->post_log);
+    Py_XDECREF(e->post_cb);
+    Py_XDECREF(e->poll_cb);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"run_once", (PyCFunction)Engine_run_once, METH_NOARGS, "One pass: take, post, progress. True if it did work."},
+    {"progress", (PyCFunction)Engine_progress, METH_NOARGS, "Drain completions now; how many came."},
+    {"wait_ready", (PyCFunction)Engine_wait_ready, METH_O, "Watch the ring heads up to timeout_s (GIL released)."},
+    {"busy", (PyCFunction)Engine_busy, METH_NOARGS, "Rows wait or batches are in flight."},
+    {"set_sources", (PyCFunction)Engine_set_sources, METH_VARARGS, "Install a rank's source region table."},
+    {"set_peers", (PyCFunction)Engine_set_peers, METH_VARARGS, "Install a job's peer table."},
+    {"add_connection", (PyCFunction)Engine_add_connection, METH_O, "A backend connection id -> its index."},
+    {"add_channel", (PyCFunction)Engine_add_channel, METH_VARARGS, "Start draining a mapped ring."},
+    {"mark_gone", (PyCFunction)Engine_mark_gone, METH_O, "The channel's client left."},
+    {"remove_channel", (PyCFunction)Engine_remove_channel, METH_O, "Forget a channel."},
+    {"fail_connection", (PyCFunction)Engine_fail_connection, METH_VARARGS, "A connection index is gone."},
+    {"set_taking", (PyCFunction)Engine_set_taking, METH_O, "Whether records are taken from the rings."},
+    {"channel_state", (PyCFunction)Engine_channel_state, METH_VARARGS, "A channel's positions and error word."},
+    {"counters", (PyCFunction)Engine_counters, METH_NOARGS, "The counters, in COUNTERS order."},
+    {"errors", (PyCFunction)Engine_errors, METH_NOARGS, "Rejected records by ErrorCode value."},
+    {"batch_hist", (PyCFunction)Engine_batch_hist, METH_NOARGS, "Batches by commands in them."},
+    {"connections", (PyCFunction)Engine_connections, METH_NOARGS, "Per connection index queue state."},
+    {"pending_rows", (PyCFunction)Engine_pending_rows, METH_NOARGS, "Rows waiting for their batch."},
+    {"log_posts", (PyCFunction)Engine_log_posts, METH_O, "Null NIC: log (ns, chunk id) of posted WRITEs."},
+    {"post_log", (PyCFunction)Engine_post_log, METH_NOARGS, "The null NIC's post log as u64 pairs."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* pingpong_produce(ring buffer, count, peers, length, stamps int64 buffer, timeout_s) -> completed count */
+static PyObject *pingpong_produce(PyObject *mod, PyObject *args) {
+    PyObject *ring, *stamps;
+    unsigned long long count;
+    unsigned peers, length;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "OKIIOd", &ring, &count, &peers, &length, &stamps, &timeout)) return NULL;
+    Py_buffer rv, sv;
+    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(stamps, &sv, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&rv);
+        return NULL;
+    }
+    if ((uint64_t)sv.len < count * 8 || rv.len < TPD_RING_RECORDS_OFFSET || !peers) {
+        PyBuffer_Release(&rv);
+        PyBuffer_Release(&sv);
+        return PyErr_Format(PyExc_ValueError, "pingpong_produce: stamps too short, not a ring, or no peers");
+    }
+    int64_t done;
+    Py_BEGIN_ALLOW_THREADS
+    done = tpd_pingpong_produce(rv.buf, count, (uint16_t)peers, length, sv.buf, (int64_t)(timeout * 1e9));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rv);
+    PyBuffer_Release(&sv);
+    return PyLong_FromLongLong(done);
+}
+
+static PyMethodDef core_functions[] = {
+    {"pingpong_produce", pingpong_produce, METH_VARARGS, "Benchmark producer: one record at a time (pingpong.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transportd._core.Engine",
+    .tp_basicsize = sizeof(Engine),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The proxy's data path: rings in, batches to a backend, completions back (see transportd.proxy).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Engine_init,
+    .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_methods = Engine_methods,
+};
+
+static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "transportd._core",
+                                         "The compiled data path of the proxy (see engine.c).", -1,
+                                         core_functions};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    if (PyType_Ready(&EngineType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&core_module);
+    if (!m) return NULL;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "PLAN_ROW_SIZE", sizeof(tpd_plan_row));
+    PyModule_AddIntConstant(m, "COMPLETION_SIZE", sizeof(Completion));
+    PyModule_AddIntConstant(m, "RECORD_SIZE", sizeof(tpd_cmd_record));
+    const char *names[N_COUNTERS] = {"iterations", "commands", "quiets", "bytes", "wrs", "writes", "signals",
+                                     "signals_requested", "fences", "batches", "batches_full", "batches_partial",
+                                     "signal_dest_batches", "stalls", "signal_stalls", "rejected", "completions",
+                                     "completion_errors", "unknown_completions"};
+    PyObject *t = PyTuple_New(N_COUNTERS);
+    for (int i = 0; t && i < N_COUNTERS; i++) PyTuple_SET_ITEM(t, i, PyUnicode_FromString(names[i]));
+    if (!t || PyModule_AddObject(m, "COUNTERS", t) < 0) {
+        Py_XDECREF(t);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,12 @@
+#ifndef TRANSPORTD_CORE_PINGPONG_H
+#define TRANSPORTD_CORE_PINGPONG_H
+#include <stdint.h>
+
+#include "../../cmd_ring/include/transportd/cmd_ring.h"
+
+/* Commit `count` PUTs one at a time into the mapped ring at `ring`, each to peer 1 + i % peers, stamped
+ * into stamps[i]; each waits for the completion position to pass it. Returns how many completed before
+ * a wait exceeded timeout_ns. */
+int64_t tpd_pingpong_produce(uint8_t *ring, uint64_t count, uint16_t peers, uint32_t length, int64_t *stamps,
+                             int64_t timeout_ns);
+#endif
