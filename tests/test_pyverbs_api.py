@@ -490,8 +490,6 @@ def test_module_agrees_with_pyverbs(pyverbs: ModuleType, path: str) -> None:
 
 
 def test_load_pyverbs_returns_the_real_modules(pyverbs: ModuleType) -> None:
-    if importlib.util.find_spec("transportd.verbs") is None:
-        pytest.skip("transportd.verbs does not exist yet")
     from transportd import verbs
 
     real = verbs.load("pyverbs")
@@ -511,3 +509,145 @@ def test_load_pyverbs_returns_the_real_modules(pyverbs: ModuleType) -> None:
             problems.append(f"load('pyverbs').{name} is {val.__name__}, not a pyverbs module")
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
+
+
+# --- the other direction: what the backends use exists in both providers ---------------------------------
+
+BACKEND_SOURCES = ("ib", "efa", "ibgda", "transportd/verbs_util.py")
+REPO = Path(__file__).resolve().parent.parent
+# VerbsModules' attribute names -> the module path under softverbs / pyverbs
+VERBS_MODULES = {"device": "device", "pd": "pd", "mr": "mr", "cq": "cq", "qp": "qp", "wr": "wr", "addr": "addr",
+                 "libibverbs_enums": "libibverbs_enums", "enums": "libibverbs_enums",
+                 "pyverbs_error": "pyverbs_error", "error": "pyverbs_error", "efadv": "providers.efa.efadv",
+                 "efa_enums": "providers.efa.efa_enums"}
+
+
+def _backend_files() -> list[Path]:
+    files: list[Path] = []
+    for rel in BACKEND_SOURCES:
+        path = REPO / rel
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return files
+
+
+def _is_verbs_namespace(node: ast.expr) -> bool:
+    """``v``, ``self.v``, ``rail.v``, ``verbs``: the namespace transportd.verbs.load() returns."""
+    if isinstance(node, ast.Name):
+        return node.id in ("v", "verbs")
+    return isinstance(node, ast.Attribute) and node.attr == "v"
+
+
+@cache
+def _backend_usage() -> tuple[dict[tuple[str, str], list[str]], dict[str, list[str]]]:
+    """(module path, name) -> where the backends reference ``v.<module>.<name>`` (aliases such as
+    ``e = v.libibverbs_enums`` followed), and attribute name -> where it is read on any object (less the
+    names the backends assign on their own objects, such as ``self.cq``: reads of those are theirs)."""
+    names: dict[tuple[str, str], list[str]] = {}
+    attrs: dict[str, list[str]] = {}
+    own: set[str] = set()  # attribute names the backends assign on their own objects (self.cq = ...)
+    for path in _backend_files():
+        tree = ast.parse(path.read_text(), str(path))
+        rel = path.relative_to(REPO)
+        aliases: dict[str, str] = {}  # local name -> module path
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr in VERBS_MODULES and _is_verbs_namespace(node.value.value)):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        aliases[target.id] = VERBS_MODULES[node.value.attr]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            where = f"{rel}:{node.lineno}"
+            if isinstance(node.ctx, ast.Load):
+                attrs.setdefault(node.attr, []).append(where)
+            else:
+                own.add(node.attr)
+            base = node.value
+            module = None
+            if isinstance(base, ast.Attribute) and base.attr in VERBS_MODULES and _is_verbs_namespace(base.value):
+                module = VERBS_MODULES[base.attr]
+            elif isinstance(base, ast.Name) and base.id in aliases:
+                module = aliases[base.id]
+            if module is not None and not node.attr.startswith("_"):
+                names.setdefault((module, node.attr), []).append(where)
+    return names, {a: w for a, w in attrs.items() if a not in own}
+
+
+def test_backends_reference_the_verbs_namespace() -> None:
+    names, _ = _backend_usage()
+    used = {f"{m}.{n}" for m, n in names}
+    # a sample the backends certainly use: if these vanish, the walk above no longer sees the backends
+    assert {"qp.QPEx", "wr.SGE", "providers.efa.efadv.SRDQPEx", "device.Context"} <= used, sorted(used)
+
+
+def test_names_the_backends_use_exist_in_both(pyverbs: ModuleType) -> None:
+    names, _ = _backend_usage()
+    problems = []
+    for (module, name), where in sorted(names.items()):
+        smod = importlib.import_module(f"softverbs.{module}")
+        pmod = importlib.import_module(f"pyverbs.{module}")
+        for provider, mod in (("softverbs", smod), ("pyverbs", pmod)):
+            if not hasattr(mod, name):
+                problems.append(f"{provider}.{module}.{name}: missing, used at {', '.join(where[:3])}")
+        if hasattr(smod, name) and name not in getattr(smod, "__all__", ()):
+            problems.append(f"softverbs.{module}.{name}: used by the backends but not in __all__, so the "
+                            f"agreement test above does not compare it")
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
+
+
+@cache
+def _pxd_fields(cls: type) -> frozenset[str]:
+    """The C-level fields a pyverbs class declares in its .pxd (``cdef v.ibv_cq *cq``): its internals, which
+    Cython may expose as attributes but which are no API to mirror."""
+    fields: set[str] = set()
+    pkg_dir = Path(importlib.import_module("pyverbs").__file__).resolve().parent
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("pyverbs"):
+            continue
+        pxd = pkg_dir.joinpath(*klass.__module__.split(".")[1:]).with_suffix(".pxd")
+        if not pxd.is_file():
+            continue
+        text = pxd.read_text()
+        m = re.search(rf"^cdef class {klass.__name__}\b.*:\s*$", text, re.M)
+        if m is None:
+            continue
+        end = re.compile(r"^\S", re.M).search(text, m.end())
+        for decl in re.findall(r"^\s+cdef\s+(?!class)(.+)$", text[m.end(): end.start() if end else len(text)], re.M):
+            if "(" not in decl:  # a field, not a cdef method
+                fields.update(n.strip(" *") for n in decl.split()[-1].split(","))
+                fields.update(n.strip(" *") for n in decl.split(",")[1:])
+        pyx = pxd.with_suffix(".pyx")
+        body = re.search(rf"^cdef class {klass.__name__}\b.*?:\s*$(.*?)(?=^\S)", pyx.read_text() + "\nEND",
+                         re.M | re.S) if pyx.is_file() else None
+        if body is not None:  # a field with a property of the same name in the .pyx (QPEx.ind_table) is API
+            fields -= set(re.findall(r"^    def (\w+)\(self\)", body.group(1), re.M))
+    return frozenset(f for f in fields if f.isidentifier())
+
+
+def test_members_the_backends_use_exist_in_both(pyverbs: ModuleType) -> None:
+    """For every mirrored class: each attribute the backends read (on any object) that the pyverbs class has,
+    softverbs' class has too, as the same kind (method or field). With the agreement test above (softverbs'
+    members exist in pyverbs) this covers the classes and methods the backends use, in both directions."""
+    _, attrs = _backend_usage()
+    problems = []
+    for s_cls_id, (where_s, p_cls) in sorted(_counterparts().items(), key=lambda kv: kv[1][0]):
+        s_cls = next(obj for path in MODULE_PATHS for obj in vars(importlib.import_module(f"softverbs.{path}")).values()
+                     if id(obj) == s_cls_id)
+        if issubclass(s_cls, enum.Enum) or issubclass(s_cls, BaseException):
+            continue  # enum members and exceptions are compared by the agreement test
+        s_members = set(_softverbs_members(s_cls)) | {n for n in dir(s_cls) if _is_public(n)}
+        for name in sorted(attrs):
+            if not _is_public(name) or not hasattr(p_cls, name) or name in _pxd_fields(p_cls):
+                continue
+            if name not in s_members:
+                problems.append(f"{where_s}.{name}: pyverbs has it and the backends read .{name} "
+                                f"({', '.join(attrs[name][:2])}), softverbs does not have it")
+                continue
+            s_kind, p_kind = _kind(_raw_attr(s_cls, name)) if hasattr(s_cls, name) else "field", \
+                _kind(_raw_attr(p_cls, name))
+            if (s_kind == "method") != (p_kind == "method"):
+                problems.append(f"{where_s}.{name}: a {s_kind} in softverbs but a {p_kind} in pyverbs")
+    if problems:
+        pytest.fail(f"{len(problems)} gap(s):\n  " + "\n  ".join(problems), pytrace=False)
