@@ -93,6 +93,7 @@ class PeerPlane:
         self._hb_seq = 0
         self._leaving = False  # said goodbye: heartbeats stop, and close gives the goodbye time to leave
         self._next_heartbeat = 0.0
+        self._unintroduced: set[str] = set()  # senders warned about (messages before their hello), once each
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.linger = 0
         self.router.router_mandatory = True
@@ -210,6 +211,7 @@ class PeerPlane:
                     log.warning("peer %s restarted: dropping what was built with its earlier life", node)
                     self._down(peer)
                 is_new = not peer.up
+            self._unintroduced.clear()  # whoever was early has introduced itself, or will be warned about anew
             peer.backend, peer.rails, peer.incarnation = msg.backend, msg.rails, msg.incarnation
             if identity is not None:
                 peer.via_router = True
@@ -225,7 +227,14 @@ class PeerPlane:
         node = identity if identity is not None else self._dealer_node(dealer)
         peer = self.peers.get(node) if node else None
         if peer is None:
-            log.warning("message %s from a node that has not said hello: dropped", msg.op)
+            # a restarted peer's heartbeats can overtake its hello: say so once per sender, not per message
+            sender = node or next((a for a, d in self._dealers if d is dealer), "a static peer")
+            if sender not in self._unintroduced:
+                self._unintroduced.add(sender)
+                log.warning("messages from %s, which has not said hello, are dropped until it does (first: %s)",
+                            sender, msg.op)
+            else:
+                log.debug("message %s from %s before its hello: dropped", msg.op, sender)
             return
         if isinstance(msg, PeerBye):
             log.info("peer %s said goodbye (%s)", peer.node, msg.reason or "no reason")

@@ -80,7 +80,9 @@ def choose_cpus(numa_node: int, device: str, *, sysfs: str | Path = "/sys",
     if node < 0:
         node, source = nic_numa_node(device, sysfs), f"/sys/class/infiniband/{device}"
         if node < 0:
-            return PinDecision(None, -1, f"NUMA node unknown (config -1, {device or 'no device'} does not say)")
+            where = (f"{device} reports none in sysfs" if device
+                     else "no backend.rails entry names the device")
+            return PinDecision(None, -1, f"NUMA node unknown: backend.rails[].numa_node is -1 and {where}")
     path = Path(sysfs) / "devices" / "system" / "node" / f"node{node}" / "cpulist"
     try:
         cpus = parse_cpulist(path.read_text())

@@ -86,3 +86,30 @@ def test_a_goodbye_reports_the_peer_down_once_and_its_next_life_up() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_messages_before_a_hello_are_warned_about_once(caplog) -> None:
+    """A restarted peer's heartbeats can arrive before its hello: one warning, not one per message."""
+    import logging
+
+    from transportd import codec
+    from transportd.protocol import PeerHeartbeat
+
+    pa = free_port()
+    a = Events().plane("a", pa, ())
+    early = zmq.Context.instance().socket(zmq.DEALER)
+    early.linger = 0
+    early.routing_id = b"b"
+    early.connect(f"tcp://127.0.0.1:{pa}")
+    try:
+        with caplog.at_level(logging.DEBUG, logger="transportd.peers"):
+            for seq in range(20):
+                early.send(codec.encode(PeerHeartbeat(seq * 2, time.time()).to_msg()))
+            pump([a], lambda: sum("before its hello" in r.getMessage() for r in caplog.records) == 19)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert warnings == ["messages from b, which has not said hello, are dropped until it does "
+                            "(first: peer_heartbeat)"]
+        assert "b" not in a.peers
+    finally:
+        early.close()
+        a.close()

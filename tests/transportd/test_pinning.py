@@ -63,6 +63,9 @@ def test_unknown_node_asks_the_nic(tmp_path: Path) -> None:
     for device in ("mlx5_2", "softib1", ""):
         d = choose_cpus(-1, device, sysfs=sysfs, allowed=range(8))
         assert d.cpus is None and d.numa_node == -1 and "unknown" in d.reason
+        assert "does not say" not in d.reason and "backend.rails[].numa_node is -1" in d.reason
+    assert "no backend.rails entry names the device" in choose_cpus(-1, "", sysfs=sysfs, allowed=range(8)).reason
+    assert "softib1 reports none in sysfs" in choose_cpus(-1, "softib1", sysfs=sysfs, allowed=range(8)).reason
 
 
 def test_only_allowed_cpus_are_chosen(tmp_path: Path) -> None:
