@@ -1,25 +1,30 @@
-"""Host memory the daemon can reach: numpy arrays backed by named shared-memory files.
+"""Host memory the daemon can reach: numpy arrays backed by memfds, handed to the daemon by descriptor.
 
-A daemon is another process, so it can only register host memory it can map. ``host_array`` allocates
-a region in /dev/shm; ``resolve_host_buffer`` finds, for any numpy view into such an array, the file
-and the byte offset the daemon needs. Memory from anywhere else is refused with a clear error.
+A daemon is another process, so it can only register host memory it can map. ``host_array`` allocates an
+anonymous ``memfd_create`` file and maps it; ``resolve_host_buffer`` finds, for any numpy view into such
+an array, the descriptor and the byte offset, and ``session.register`` passes that descriptor to the daemon
+over its descriptor socket (``SCM_RIGHTS``). There is no name in ``/dev/shm``: nothing is left behind when
+the client is killed, and no other process can open the memory by path. Memory from anywhere else is
+refused with a clear error.
+
+:func:`map_shared_file` maps a named shared-memory file (the IBGDA queue files) or a descriptor
+(:func:`map_fd`, the rail worker's side of a registration); :meth:`SharedFile.close` unmaps it at once.
 """
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["host_array", "resolve_host_buffer", "HostBufferError", "SharedFile"]
-
-_SHM_DIR = Path("/dev/shm")
-_counter = itertools.count()
+__all__ = ["host_array", "resolve_host_buffer", "HostBuffer", "HostBufferError", "SharedFile", "map_fd",
+           "map_shared_file"]
 
 
 class HostBufferError(ValueError):
@@ -28,64 +33,106 @@ class HostBufferError(ValueError):
 
 @dataclass
 class SharedFile:
-    """A mapped shared-memory file (its mapping lives as long as any array made from it)."""
+    """A mapped shared-memory file or memfd; :meth:`close` unmaps it (and drops the descriptor mmap keeps)."""
 
-    path: Path
+    path: Path | None
     mm: mmap.mmap
     size: int
+    address: int = 0
 
-    @property
-    def address(self) -> int:
-        return int(np.frombuffer(self.mm, dtype=np.uint8, count=1).ctypes.data)
+    def __post_init__(self) -> None:
+        view = np.frombuffer(self.mm, dtype=np.uint8, count=1)
+        self.address = int(view.ctypes.data)
+        del view  # no buffer export outlives this, so close() can unmap
 
-
-# address of a mapping -> its SharedFile; entries go when the mapping is collected
-_mappings: dict[int, SharedFile] = {}
+    def close(self) -> None:
+        """Unmap now (raises BufferError while a numpy view of the mapping is alive)."""
+        self.mm.close()
 
 
 def map_shared_file(path: Path, size: int | None = None, *, create: bool = False, mode: int = 0o600) -> SharedFile:
     """Map ``path`` (creating it with ``size`` bytes when ``create``)."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, mode)
     try:
         if create:
             assert size is not None
             os.ftruncate(fd, size)
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        shared = map_fd(fd)
     finally:
         os.close(fd)
-    shared = SharedFile(path, mm, size)
-    address = shared.address
-    _mappings[address] = shared
-    weakref.finalize(mm, _mappings.pop, address, None)
+    shared.path = Path(path)
     return shared
 
 
-def host_array(shape: int | tuple[int, ...], dtype: np.typing.DTypeLike = np.uint8) -> np.ndarray:
-    """A zero-filled array in a fresh shared-memory file; register it with ``session.register``.
+def map_fd(fd: int) -> SharedFile:
+    """Map the whole file behind ``fd`` read-write, shared (the caller still owns and closes ``fd``)."""
+    size = os.fstat(fd).st_size
+    if size <= 0:
+        raise HostBufferError("the descriptor's file is empty: nothing to map")
+    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return SharedFile(None, mm, size)
 
-    The file's name is removed when the array (and every view of it) is garbage-collected.
+
+class HostBuffer(NamedTuple):
+    """Where a registrable buffer lives: its memfd (owned by the array), offset and size in it, address."""
+
+    fd: int
+    offset: int
+    nbytes: int
+    address: int
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    fd: int
+    size: int
+
+
+# start address of a host_array mapping -> its memfd; an entry goes (and the fd is closed) when the
+# mapping is collected: the registry holds no reference to the mapping itself
+_mappings: dict[int, _Mapping] = {}
+_lock = threading.Lock()
+
+
+def _release(address: int, fd: int) -> None:
+    with _lock:
+        _mappings.pop(address, None)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def host_array(shape: int | tuple[int, ...], dtype: np.typing.DTypeLike = np.uint8) -> np.ndarray:
+    """A zero-filled array in a fresh memfd; register it with ``session.register``.
+
+    The memory goes when the array (and every view of it) is garbage-collected, or with the process.
     """
     dt = np.dtype(dtype)
     count = int(np.prod(shape))
     nbytes = max(count * dt.itemsize, 1)
     size = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    path = _SHM_DIR / f"tpd-host-{os.getpid()}-{next(_counter)}"
-    shared = map_shared_file(path, size, create=True)
-    weakref.finalize(shared.mm, _unlink_quietly, path)
-    return np.frombuffer(shared.mm, dtype=dt, count=count).reshape(shape)
-
-
-def _unlink_quietly(path: Path) -> None:
+    fd = os.memfd_create("tpd-host", os.MFD_CLOEXEC)
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    arr = np.frombuffer(mm, dtype=dt, count=count).reshape(shape)
+    address = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
+    with _lock:
+        _mappings[address] = _Mapping(fd, size)
+    weakref.finalize(mm, _release, address, fd)
+    return arr
 
 
-def resolve_host_buffer(buffer: object) -> tuple[Path, int, int, int]:
-    """``(file, offset, nbytes, address)`` for a contiguous buffer inside a ``host_array``."""
+def resolve_host_buffer(buffer: object) -> HostBuffer:
+    """The memfd, offset, size and address of a contiguous buffer inside a ``host_array``.
+
+    The descriptor belongs to the array: use it while ``buffer`` is alive, do not close it.
+    """
     try:
         view = memoryview(buffer)  # type: ignore[arg-type]
     except TypeError:
@@ -96,10 +143,13 @@ def resolve_host_buffer(buffer: object) -> tuple[Path, int, int, int]:
     if arr is None:
         raise HostBufferError("cannot register an empty buffer")
     address = int(arr.ctypes.data)
-    for base, shared in list(_mappings.items()):
-        if base <= address and address + view.nbytes <= base + shared.size:
-            return shared.path, address - base, view.nbytes, address
+    with _lock:
+        found = [(base, m) for base, m in _mappings.items()
+                 if base <= address and address + view.nbytes <= base + m.size]
+    if found:
+        base, mapping = found[0]
+        return HostBuffer(mapping.fd, address - base, view.nbytes, address)
     raise HostBufferError(
-        "host memory must come from gpuclient.host_array() (a shared-memory file the daemon can map); "
+        "host memory must come from gpuclient.host_array() (a memfd the daemon receives by descriptor); "
         "copy the data into one, or register GPU memory"
     )

@@ -190,9 +190,14 @@ class ChannelHandle:
         """Block until every command pushed so far has completed locally (raises on a channel error)."""
         position = self._push(Opcode.QUIET)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        checked = time.monotonic()
         while self.ring.completion_pos <= position:
             self.raise_for_status()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - checked > 0.01 or now > deadline:  # the session over on the daemon's side: not a timeout
+                checked = now
+                self._session._raise_if_gone()
+            if now > deadline:
                 raise TimeoutError(f"quiet: completion position {self.ring.completion_pos} did not pass "
                                    f"{position} in time")
             time.sleep(20e-6)
@@ -255,9 +260,11 @@ class Session:
                                                 size=gpu.nbytes, address=gpu.address, access=tuple(access)))
             self._keep.append(buffer)
             return Region(int(reply["region"]), gpu.nbytes)
-        path, offset, nbytes, address = resolve_host_buffer(buffer)
-        reply = self._conn.request(Register(kind="host", handle=str(path), offset=offset, size=nbytes,
-                                            address=address, access=tuple(access)))
+        host = resolve_host_buffer(buffer)
+        fd_id = self._conn.pass_fd(host.fd, "memfd")  # the memory itself, by descriptor: never a path
+        reply = self._conn.request(Register(kind="host", handle=fd_id, offset=host.offset, size=host.nbytes,
+                                            address=host.address, access=tuple(access)))
+        nbytes = host.nbytes
         self._keep.append(buffer)
         return Region(int(reply["region"]), nbytes)
 
@@ -364,6 +371,14 @@ class Session:
 
     def stats(self) -> dict[str, Any]:
         return self._conn.request(Stats())
+
+    def _raise_if_gone(self) -> None:
+        """ChannelError(CLIENT_GONE) when the daemon ended this session (or stopped, or died)."""
+        flags = self.flag_array
+        if flags is not None and flags.status == ErrorCode.CLIENT_GONE:
+            raise ChannelError(flags.status)
+        if self._conn.daemon_gone():
+            raise ChannelError(int(ErrorCode.CLIENT_GONE))
 
     def leave(self) -> None:
         """Leave the job; the daemon reclaims this session's rings, regions and flags."""

@@ -8,6 +8,12 @@ machine before they are sent, so ``register`` before ``join`` fails locally with
 
 Endpoint resolution: explicit argument > ``$TRANSPORTD_SOCKET`` > the config's ``control.socket``.
 
+Identity: over ipc the hello reply carries a one-time token and the path of the daemon's descriptor socket
+(:mod:`transportd.fdchannel`); :meth:`ControlConnection.hello` presents the token there, so the daemon
+learns this process's uid, gid and pid from the kernel, and keeps that connection open for the session's
+lifetime: it carries memory descriptors (:meth:`ControlConnection.pass_fd`), and its end tells the daemon
+this process is gone (and this process that the daemon is gone, :meth:`ControlConnection.daemon_gone`).
+
 Keepalive: the hello reply says how often the daemon wants to hear from an idle client (``keepalive_s``);
 a background thread sends a ``heartbeat`` when no request went out for that long. The daemon reclaims a
 session whose client stays silent past ``control.client_timeout_s`` (a killed client over tcp, or in
@@ -36,6 +42,7 @@ from transportd.errors import (
     SessionLostError,
     TransportdError,
 )
+from transportd.fdchannel import FdClient
 from transportd.protocol import Heartbeat, Hello, Request, Session
 
 __all__ = ["ControlConnection", "pid_namespace", "resolve_endpoint"]
@@ -66,8 +73,12 @@ def pid_namespace() -> int:
         return 0
 
 
-def _close_resources(sock: zmq.Socket, context: zmq.Context | None, stop: threading.Event) -> None:
+def _close_resources(sock: zmq.Socket, context: zmq.Context | None, stop: threading.Event,
+                     side: list[FdClient]) -> None:
     stop.set()  # ends the keepalive thread, if any
+    for fd_client in side:
+        fd_client.close()
+    side.clear()
     sock.close(linger=0)
     if context is not None:
         context.term()
@@ -107,6 +118,10 @@ class ControlConnection:
         self._lock = threading.Lock()  # one request (or heartbeat) on the REQ socket at a time
         self._last_sent = time.monotonic()
         self._stop_keepalive = threading.Event()
+        self.vouch_reply: dict[str, Any] = {}  # the kernel's view of this process, as the daemon saw it
+        self._token: bytes | None = None  # from the last hello reply: good once, on the descriptor socket
+        self._fd_socket = ""
+        self._side: list[FdClient] = []  # the descriptor connection, once vouched
         own_context = context is None
         ctx = zmq.Context() if context is None else context
         try:
@@ -118,7 +133,7 @@ class ControlConnection:
         # One bag: socket (and the context if we made it) are released together, even if we are leaked.
         self._sock = sock
         self._finalizer = weakref.finalize(self, _close_resources, sock, ctx if own_context else None,
-                                           self._stop_keepalive)
+                                           self._stop_keepalive, self._side)
         try:
             sock.linger = 0
             sock.setsockopt(zmq.REQ_RELAXED, 1)
@@ -147,11 +162,48 @@ class ControlConnection:
             self.hello_reply = self.request(req, timeout_ms=self.handshake_timeout_ms)
         except DaemonUnavailableError as exc:
             raise DaemonUnavailableError(self.endpoint, self._not_running_message()) from exc
+        if self._token is not None:
+            self.vouch()
         interval = float(self.hello_reply.get("keepalive_s") or 0)
         if interval > 0:
             threading.Thread(target=_keepalive, args=(weakref.ref(self), self._stop_keepalive, interval),
                              name="transportd-keepalive", daemon=True).start()
         return self.hello_reply
+
+    def vouch(self) -> dict[str, Any]:
+        """Present the last hello's token on the descriptor socket: the daemon takes this process's uid, gid
+        and pid from the kernel (``hello`` does this itself). Returns what the daemon saw."""
+        with self._lock:
+            token, path = self._token, self.hello_reply.get("fd_socket") or self._fd_socket
+            if token is None or not path:
+                raise TransportdError("no hello token to present: say hello over an ipc endpoint first")
+            self._token = None
+            while self._side:  # a connection to an earlier daemon (this one said we had not vouched)
+                self._side.pop().close()
+            self._side.append(FdClient(str(path), timeout_s=self.timeout_ms / 1000))
+            try:
+                self.vouch_reply = self._side[0].vouch(token)
+                return self.vouch_reply
+            except RequestError:
+                self._side.pop().close()
+                raise
+
+    def pass_fd(self, fd: int, kind: str = "memfd") -> int:
+        """Hand ``fd`` to the daemon over the descriptor socket; returns the id a ``register`` names."""
+        with self._lock:
+            if not self._side:
+                raise TransportdError(f"memory travels by descriptor over the local ipc socket; {self.endpoint} "
+                                      "has no descriptor socket (host memory cannot be registered over tcp)")
+            if self._side[0].peer_gone():
+                raise SessionLostError(protocol.ReplyCode.NO_SESSION, "the daemon no longer knows this session: it "
+                                       "stopped, restarted or ended the session (its descriptor connection "
+                                       "closed); connect and join again")
+            return self._side[0].pass_fd(fd, kind)
+
+    def daemon_gone(self) -> bool:
+        """The daemon closed this session's descriptor connection (it stopped, died or reclaimed us)."""
+        side = self._side
+        return bool(side) and side[0].peer_gone()
 
     def request(self, msg: Request | Mapping[str, Any], *, timeout_ms: int | None = None) -> dict[str, Any]:
         """Send one request and return the reply's fields.
@@ -182,6 +234,8 @@ class ControlConnection:
             raise
         if isinstance(msg, Request):
             self.session.advance(op)
+        if op == "hello" and isinstance(fields.get("token"), bytes) and not fields.get("vouched"):
+            self._token, self._fd_socket = fields["token"], str(fields.get("fd_socket") or "")
         return fields
 
     def _exchange(self, payload: bytes, op: str, timeout_ms: int) -> None:

@@ -111,6 +111,7 @@ class ClientInfo:
     last_seen: float = 0.0
     requests: int = 0
     errors: int = 0
+    user_id: str = ""  #: the ZAP User-Id of its connection: the z85 CURVE public key over tcp with CURVE
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,8 +139,12 @@ class ControlDispatcher:
         self._deferred: set[ReplyToken] = set()
         self._deferred_now: ReplyToken | None = None
 
-    def handle(self, client_id: bytes, payload: bytes, envelope: tuple[bytes, ...] = ()) -> dict[str, Any] | None:
-        """Serve one request payload; the reply map to send, or None when the handler deferred it."""
+    def handle(self, client_id: bytes, payload: bytes, envelope: tuple[bytes, ...] = (), *,
+               user_id: str = "") -> dict[str, Any] | None:
+        """Serve one request payload; the reply map to send, or None when the handler deferred it.
+
+        ``user_id`` is what the transport vouches for (zmq's User-Id: a CURVE client's public key).
+        """
         op = "?"
         info = self._clients.get(client_id)
         try:
@@ -148,7 +153,9 @@ class ControlDispatcher:
             op = req.op
             now = self._clock()
             if info is None:
-                info = self._clients[client_id] = ClientInfo(first_seen=now)
+                info = self._clients[client_id] = ClientInfo(first_seen=now, user_id=user_id)
+            elif info.user_id != user_id:  # a zmq identity is not a key: another key may not take it over
+                raise RequestError(ReplyCode.FORBIDDEN, "this connection's identity belongs to another key")
             info.last_seen = now
             info.requests += 1
             refusal = info.session.refuse_reason(op)
@@ -346,10 +353,10 @@ class ControlServer:
         served = 0
         while served < _SERVE_BATCH:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            self._serve_one(frames)
+            self._serve_one([p.bytes for p in parts], _user_id(parts[-1]))
             served += 1
         return served
 
@@ -358,7 +365,7 @@ class ControlServer:
         while not stop.is_set():
             self.poll(interval_ms)
 
-    def _serve_one(self, frames: list[bytes]) -> None:
+    def _serve_one(self, frames: list[bytes], user_id: str = "") -> None:
         envelope = tuple(frames[:-1])
         if len(envelope) > 1 and envelope[-1] != b"":
             # Frames after the delimiter (or after the identity, for a DEALER sending none): not one payload.
@@ -366,7 +373,7 @@ class ControlServer:
             extra = len(frames) - len(route)
             self._send(route, protocol.error(ReplyCode.BAD_MESSAGE, f"expected one payload frame, got {extra}"))
             return
-        reply = self.dispatcher.handle(frames[0], frames[-1], envelope)
+        reply = self.dispatcher.handle(frames[0], frames[-1], envelope, user_id=user_id)
         if reply is not None:
             self._send(envelope, reply)
 
@@ -452,6 +459,14 @@ class ControlServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The User-Id ZAP gave the frame's connection ("" without ZAP, e.g. over ipc)."""
+    try:
+        return str(frame.get("User-Id") or "")
+    except zmq.ZMQError:
+        return ""
 
 
 def _route(frames: list[bytes]) -> tuple[bytes, ...]:

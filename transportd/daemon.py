@@ -17,9 +17,11 @@ Wiring a job (all idempotent, re-run by :meth:`_refresh_job` whenever something 
 
 from __future__ import annotations
 
+import grp
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import signal
 import threading
@@ -32,10 +34,10 @@ from typing import Any
 from cmd_ring import RingFile
 from transportd import protocol
 from transportd.config import Config
-from transportd.connection import pid_namespace
 from transportd.control import ControlServer
 from transportd.curve import CurveServerKeys
 from transportd.errors import ErrorCode, RequestError
+from transportd.fdchannel import FdServer, SideConnection, fd_socket_for, is_memfd
 from transportd.flagfile import FlagFile
 from transportd.peers import PeerPlane
 from transportd.protocol import (
@@ -57,7 +59,9 @@ from transportd.protocol import (
     PeerRegions,
     RegionInfo,
     Register,
+    ReplyCode,
     Stats,
+    Vouch,
 )
 from transportd.sdnotify import Notifier
 from transportd.worker_link import WorkerError, WorkerHandle
@@ -140,9 +144,28 @@ class Responder:
     endpoint: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Identity:
+    """Who a control session is, as the kernel (ipc: ``SO_PEERCRED``) or CURVE (tcp) vouches for it.
+
+    ``principal`` owns jobs: ``uid:<n>`` over ipc, ``curve:<z85 public key>`` over tcp with CURVE,
+    ``anonymous`` over tcp without it (every such client is the same principal).
+    """
+
+    principal: str
+    uid: int | None = None
+    gid: int | None = None
+    pid: int = 0
+
+    @property
+    def superuser(self) -> bool:
+        return self.uid == 0
+
+
 @dataclass
 class JobState:
     world: int
+    owner: str = ""  # the principal of the session that created the job on this node
     local: dict[int, LocalRank] = field(default_factory=dict)
     remote: dict[int, RemoteRank] = field(default_factory=dict)
     pushed: set[tuple[int, int, int]] = field(default_factory=set)  # (rail, peer rank, region id) in workers
@@ -166,9 +189,12 @@ class Daemon:
         self._conn_ids = itertools.count(1)
         self._channel_ids = itertools.count(1)
         self.clients: dict[bytes, LocalRank | None] = {}
-        self.client_pids: dict[bytes, int] = {}
+        self.client_pids: dict[bytes, int] = {}  # the kernel's pid of each vouched ipc client
+        self.identities: dict[bytes, Identity] = {}
+        self._tokens: dict[bytes, bytes] = {}  # one-time hello token -> control session
+        self.side: dict[bytes, SideConnection] = {}  # control session -> its descriptor connection
+        self.fdserver: FdServer | None = None
         self.sessions_ended = dict.fromkeys(SESSION_ENDS, 0)  # joined sessions ended, by why
-        self._pid_ns = pid_namespace()
         self.jobs: dict[str, JobState] = {}
         self.connections: dict[tuple[str, str, int], Connection] = {}
         self.accepted: dict[tuple[str, int], Responder] = {}  # (node, their conn id) -> our end of it
@@ -199,6 +225,10 @@ class Daemon:
             for index in range(count):
                 self.workers.append(WorkerHandle(index, target, {"config": self.config}))
             self.control = ControlServer.from_config(self.config, self)
+            fd_path = fd_socket_for(self.config.control.socket)
+            if fd_path is not None:  # same mode and group as the control socket
+                self.fdserver = FdServer(fd_path, self, mode=self.config.control.mode,
+                                         group=self.config.control.group)
             curve = CurveServerKeys.from_config(self.config.security, self.config.source)
             self.peers = PeerPlane(
                 self.node, self.config.backend.kind, count, self.config.peers.listen, self.config.peers.static,
@@ -236,6 +266,8 @@ class Daemon:
         started = time.monotonic()
         while not self.stop_event.is_set():
             self.control.poll(1)
+            if self.fdserver is not None:
+                self.fdserver.poll(0)
             self.peers.poll(0)
             now = time.monotonic()
             if now >= next_liveness:
@@ -317,6 +349,9 @@ class Daemon:
             self.peers.goodbye("shutdown")
         for client_id in list(self.clients):
             self._reclaim(client_id, "shutdown")
+        if self.fdserver:
+            self.fdserver.close()
+            self.fdserver = None
         if self.control:
             self.control.close()
             self.control = None
@@ -329,14 +364,78 @@ class Daemon:
 
     # --- control handlers ------------------------------------------------------------------------------
     def on_hello(self, client_id: bytes, req: Hello) -> dict[str, Any]:
+        # the pid (and pid_ns) a client states are trusted for nothing: over ipc the kernel says who it is
+        # once it presents this token on the descriptor socket; over tcp CURVE's key is the identity
         self.clients.setdefault(client_id, None)
-        # a pid names a process of ours only over the ipc socket (a tcp client may live elsewhere) and in our
-        # pid namespace (a containerized client's pid means something else here); every other client is
-        # reclaimed when its keepalives stop
-        if req.pid and req.pid_ns and req.pid_ns == self._pid_ns and self.config.control.socket.startswith("ipc://"):
-            self.client_pids[client_id] = req.pid
-        return {"node": self.node, "backend": self.config.backend.kind, "rails": len(self.workers),
-                "version": protocol.V, "keepalive_s": self.config.control.client_timeout_s / 4}
+        reply = {"node": self.node, "backend": self.config.backend.kind, "rails": len(self.workers),
+                 "version": protocol.V, "keepalive_s": self.config.control.client_timeout_s / 4}
+        if self.fdserver is not None:
+            for token in [t for t, cid in self._tokens.items() if cid == client_id]:
+                del self._tokens[token]
+            token = secrets.token_bytes(protocol.TOKEN_BYTES)
+            self._tokens[token] = client_id
+            reply.update(token=token, fd_socket=self.fdserver.path, vouched=client_id in self.identities)
+        return reply
+
+    # --- identity (the descriptor socket) --------------------------------------------------------------
+    def on_vouch(self, conn: SideConnection, req: Vouch) -> dict[str, Any]:
+        """Bind a control session to the kernel's credentials of the descriptor connection presenting its
+        hello token; ``control.group`` is checked here too (root and the daemon's own uid pass)."""
+        client_id = self._tokens.pop(req.token, None)
+        if client_id is None or client_id not in self.clients:
+            raise RequestError(ReplyCode.FORBIDDEN, "unknown or used token: send hello on the control socket and "
+                                                    "present the token of its reply once")
+        if conn.client_id is not None or client_id in self.side:
+            raise RequestError(ReplyCode.INVALID, "this connection (or that session) has vouched already")
+        creds = conn.creds
+        group = self.config.control.group
+        if group and creds.uid not in (0, os.geteuid()):
+            gid = grp.getgrnam(group).gr_gid
+            if not creds.in_group(gid):
+                raise RequestError(ReplyCode.FORBIDDEN, f"uid {creds.uid} is not in group {group!r} "
+                                                        "(control.group), which may use this daemon")
+        conn.client_id = client_id
+        self.side[client_id] = conn
+        self.identities[client_id] = Identity(f"uid:{creds.uid}", creds.uid, creds.gid, creds.pid)
+        if creds.pid:  # 0: its process is not visible from our pid namespace; the connection still ends with it
+            self.client_pids[client_id] = creds.pid
+        log.info("client %s is uid %d gid %d pid %d", client_id.hex(), creds.uid, creds.gid, creds.pid)
+        return {"uid": creds.uid, "gid": creds.gid, "pid": creds.pid}
+
+    def on_side_closed(self, conn: SideConnection) -> None:
+        """A descriptor connection ended: its process exited (or closed it), so its session ends too."""
+        client_id = conn.client_id
+        if client_id is None or self.side.get(client_id) is not conn:
+            return
+        del self.side[client_id]
+        self._reclaim(client_id, "exited")
+        self._forget_identity(client_id)
+
+    def _forget_identity(self, client_id: bytes) -> None:
+        self.identities.pop(client_id, None)
+        self.client_pids.pop(client_id, None)
+        for token in [t for t, cid in self._tokens.items() if cid == client_id]:
+            del self._tokens[token]
+        conn = self.side.pop(client_id, None)
+        if conn is not None and self.fdserver is not None:
+            conn.client_id = None
+            self.fdserver.drop(conn)
+
+    def _identity(self, client_id: bytes) -> Identity:
+        """The session's identity, or a refusal naming what to do about it."""
+        ident = self.identities.get(client_id)
+        if ident is not None:
+            return ident
+        if self.fdserver is not None:  # ipc: the kernel must have vouched
+            raise RequestError(ReplyCode.NO_IDENTITY, f"this session has not shown who it is: present the hello "
+                                                      f"reply's token on {self.fdserver.path} (op 'vouch'; "
+                                                      "gpuclient and transportctl do this)")
+        info = self.control.clients.get(client_id) if self.control else None
+        key = info.user_id if info is not None else ""
+        return Identity(f"curve:{key}" if key else "anonymous")
+
+    def _may_touch(self, ident: Identity, job: JobState) -> bool:
+        return ident.superuser or job.owner == ident.principal
 
     def on_heartbeat(self, client_id: bytes, req: Heartbeat) -> dict[str, Any]:
         return {"seq": req.seq}
@@ -344,9 +443,13 @@ class Daemon:
     def on_join(self, client_id: bytes, req: Join) -> dict[str, Any]:
         if self.clients.get(client_id) is not None:
             raise RequestError("already_joined", "this session already joined a job")
+        ident = self._identity(client_id)
         job = self.jobs.get(req.job)
+        if job is not None and not self._may_touch(ident, job):
+            raise RequestError(ReplyCode.FORBIDDEN, f"job {req.job!r} on node {self.node} belongs to another user "
+                                                    "(a job is its creator's on each node): pick another job name")
         if job is None:
-            job = self.jobs[req.job] = JobState(world=req.world)
+            job = self.jobs[req.job] = JobState(world=req.world, owner=ident.principal)
             for node, msg in self.unclaimed.pop(req.job, {}).values():
                 if node in (self.peers.peers if self.peers else {}):
                     job.remote[msg.rank] = RemoteRank(node, {(r.id, r.rail): r for r in msg.regions})
@@ -376,29 +479,43 @@ class Daemon:
 
     def on_register(self, client_id: bytes, req: Register) -> dict[str, Any]:
         rank = self._joined(client_id)
-        if req.kind == "host":
-            op, memory = "map_region", {"path": req.handle}
-        elif req.kind == "cuda_ipc":  # opened by the rail workers in a context on the client's device
-            op, memory = "map_gpu_region", {"handle": req.handle, "device": max(rank.device, 0)}
-        else:
-            raise RequestError("unsupported", f"{req.kind} memory needs a real-NIC backend (not available yet)")
-        if rank.next_region > 0xFFFF:
-            raise RequestError("too_many_regions", "a rank may register at most 65536 regions")
-        region_id = rank.next_region
-        keys = {}
-        for worker in self.workers:
-            try:
-                keys[worker.rail] = worker.call(
-                    op, key=f"{rank.job}/{rank.rank}/{region_id}", offset=req.offset, size=req.size,
-                    remote_write="write" in req.access, remote_atomic="atomic" in req.access,
-                    remote_read="read" in req.access, **memory)
-            except WorkerError as exc:
-                for rail in keys:
-                    self.workers[rail].call("unmap_region", key=f"{rank.job}/{rank.rank}/{region_id}")
-                raise RequestError("register_failed", str(exc)) from None
+        fd = -1
+        if req.kind in ("host", "dmabuf"):
+            # by descriptor only: the fd this session passed on its descriptor socket (never a path)
+            conn = self.side.get(client_id)
+            if conn is None:
+                raise RequestError(ReplyCode.UNSUPPORTED, f"{req.kind} memory travels as a descriptor on the "
+                                                          "local descriptor socket: register it over ipc")
+            fd = conn.take(int(req.handle))  # type: ignore[arg-type]
+        try:
+            if req.kind == "host":
+                _check_host_fd(fd, req.offset, req.size)
+                op, memory = "map_region", {"fds": (fd,)}
+            elif req.kind == "cuda_ipc":  # opened by the rail workers in a context on the client's device
+                op, memory = "map_gpu_region", {"handle": req.handle, "device": max(rank.device, 0)}
+            else:
+                # a dma-buf fd arrives the same way; a real-NIC rail would register it with DmaBufMR
+                raise RequestError("unsupported", f"{req.kind} memory needs a real-NIC backend (not available yet)")
+            if rank.next_region > 0xFFFF:
+                raise RequestError("too_many_regions", "a rank may register at most 65536 regions")
+            region_id = rank.next_region
+            keys = {}
+            for worker in self.workers:
+                try:
+                    keys[worker.rail] = worker.call(
+                        op, key=f"{rank.job}/{rank.rank}/{region_id}", offset=req.offset, size=req.size,
+                        remote_write="write" in req.access, remote_atomic="atomic" in req.access,
+                        remote_read="read" in req.access, **memory)
+                except WorkerError as exc:
+                    for rail in keys:
+                        self.workers[rail].call("unmap_region", key=f"{rank.job}/{rank.rank}/{region_id}")
+                    raise RequestError("register_failed", str(exc)) from None
+        finally:
+            if fd >= 0:
+                os.close(fd)  # every worker holds its own mapping; the daemon keeps nothing of it
         rank.next_region += 1
         rank.regions[region_id] = keys
-        rank.region_paths[region_id] = req.handle if req.kind == "host" else f"{req.kind}:{req.offset}"
+        rank.region_paths[region_id] = f"{req.kind}:{req.offset}"
         for worker in self.workers:
             worker.call("set_source_region", job=rank.job, rank=rank.rank, region=region_id,
                         key=f"{rank.job}/{rank.rank}/{region_id}")
@@ -573,10 +690,18 @@ class Daemon:
             shutil.chown(path, group=self.config.control.group)
 
     def on_stats(self, client_id: bytes, req: Stats) -> dict[str, Any]:
-        return self.stats()
+        stats = self.stats()
+        ident = self._identity(client_id)
+        if not ident.superuser:  # node-wide counters for everyone; a job's details for its owner
+            stats["jobs"] = {name: info for name, info in stats["jobs"].items()
+                             if name in self.jobs and self._may_touch(ident, self.jobs[name])}
+        return stats
 
     def on_inspect(self, client_id: bytes, req: Inspect) -> dict[str, Any]:
+        ident = self._identity(client_id)
         job = self.jobs.get(req.job)
+        if job is not None and not self._may_touch(ident, job):
+            raise RequestError(ReplyCode.FORBIDDEN, f"job {req.job!r} on node {self.node} belongs to another user")
         rank = job.local.get(req.rank) if job else None
         if rank is None:
             raise RequestError("not_found", f"rank {req.rank} of job {req.job!r} is not joined on node {self.node}")
@@ -591,6 +716,7 @@ class Daemon:
 
     def on_client_gone(self, client_id: bytes) -> None:
         self._reclaim(client_id, "silent")
+        self._forget_identity(client_id)
 
     # --- reclaiming -------------------------------------------------------------------------------------
     def _check_workers(self) -> None:
@@ -611,6 +737,7 @@ class Daemon:
             if not _process_alive(pid):
                 log.info("client pid %d exited: reclaiming its session", pid)
                 self._reclaim(client_id, "exited")
+                self._forget_identity(client_id)
         assert self.control
         if not self.control.has_input():
             self.control.expire(self.config.control.client_timeout_s, keep=self.client_pids.keys())
@@ -618,7 +745,8 @@ class Daemon:
     def _reclaim(self, client_id: bytes, why: str) -> None:
         """End ``client_id``'s session (``why``: one of SESSION_ENDS) and free everything it held."""
         rank = self.clients.pop(client_id, None)
-        self.client_pids.pop(client_id, None)
+        if why == "shutdown":
+            self._forget_identity(client_id)
         if rank is None:
             return
         self.sessions_ended[why] += 1
@@ -626,6 +754,8 @@ class Daemon:
         for channel_id, ring in rank.channels.items():
             if worker:
                 _quietly(worker.call, "remove_channel", channel=channel_id)
+            # a producer still waiting on the ring (quiet) stops at once, as one waiting on its flags does
+            ring.report_error(int(ErrorCode.CLIENT_GONE), ring.consumer_pos)
             ring.close()
             ring.unlink()
         for chan in rank.ibgda.values():
@@ -943,6 +1073,17 @@ def _process_alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][:1] != "Z"
     except OSError:
         return True
+
+
+def _check_host_fd(fd: int, offset: int, size: int) -> None:
+    """Host memory must be an anonymous memfd the client made (no file anyone could name) holding the range."""
+    if not is_memfd(fd):
+        raise RequestError(ReplyCode.INVALID, "host memory must be a memfd (gpuclient.host_array): a named file "
+                                              "or another kind of descriptor is refused")
+    st = os.fstat(fd)
+    if offset + size > st.st_size:
+        raise RequestError(ReplyCode.INVALID, f"region [{offset}, {offset + size}) is outside the memfd "
+                                              f"({st.st_size} bytes)")
 
 
 def _key(info: RegionInfo) -> dict[str, int]:

@@ -62,6 +62,17 @@ class FlagFile:
         if self._status[0] == 0:
             self._status[0] = code
 
+    def close(self) -> None:
+        """Unmap the file now (the views into it go with it); the object is unusable afterwards."""
+        mm = self.__dict__.pop("_mm", None)
+        for name in ("values", "_status"):
+            self.__dict__.pop(name, None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a caller still holds a view of the flag words: the mapping goes when that view does
+
     def unlink(self) -> None:
         try:
             os.unlink(self.path)

@@ -26,6 +26,7 @@ from transportd.errors import LocalProtocolError, ProtocolError, RemoteProtocolE
 
 __all__ = [
     "CUDA_IPC_HANDLE_BYTES",
+    "MAX_FD_ID",
     "MAX_FLAGS",
     "MAX_NAME_LEN",
     "MAX_OPAQUE_KEYS",
@@ -36,8 +37,10 @@ __all__ = [
     "MAX_CHANNEL_CAPACITY",
     "MIN_CHANNEL_CAPACITY",
     "REQUESTS",
+    "SIDE_MESSAGES",
     "PEER_MESSAGES",
     "TRANSITIONS",
+    "TOKEN_BYTES",
     "V",
     "Channel",
     "ChannelInfo",
@@ -49,6 +52,7 @@ __all__ = [
     "Join",
     "Leave",
     "Message",
+    "PassFd",
     "PeerBye",
     "PeerConnect",
     "PeerConnectAccept",
@@ -68,7 +72,9 @@ __all__ = [
     "Request",
     "Session",
     "SessionState",
+    "SideMessage",
     "Stats",
+    "Vouch",
     "error",
     "error_reply_for",
     "next_state",
@@ -76,6 +82,7 @@ __all__ = [
     "parse_peer_message",
     "parse_reply",
     "parse_request",
+    "parse_side_message",
 ]
 
 #: Protocol version carried in every message as ``v``; a mismatch is refused, never guessed at.
@@ -94,6 +101,8 @@ MAX_IBGDA_WQES = 1 << 15
 MAX_RAILS = 16  #: NICs per node
 MAX_REGIONS = 1 << 16  #: regions announced by one rank
 CUDA_IPC_HANDLE_BYTES = 64  #: sizeof(CUipcMemHandle)
+MAX_FD_ID = (1 << 31) - 1  #: ids of descriptors passed on the descriptor socket
+TOKEN_BYTES = 16  #: the one-time token of a hello, presented on the descriptor socket
 MAX_OPAQUE_KEYS = 64  #: keys in a backend-defined map (an endpoint description)
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
@@ -118,6 +127,8 @@ class ReplyCode(StrEnum):
     LIMIT = "limit"  #: a resource limit was reached (memlock, rings, regions)
     TIMEOUT = "timeout"  #: the daemon gave up waiting for something on the client's behalf (exchange)
     UNSUPPORTED = "unsupported"  #: the daemon does not implement this op (or not with this backend)
+    FORBIDDEN = "forbidden"  #: the caller's identity may not do this (another uid's job, outside control.group)
+    NO_IDENTITY = "no_identity"  #: over ipc, the session has not vouched for itself on the descriptor socket
     INTERNAL = "internal"  #: a fault inside the daemon; details are in its log
 
 
@@ -292,8 +303,10 @@ def _message(registry: dict[str, type[Message]]):
 
 REQUESTS: dict[str, type[Message]] = {}
 PEER_MESSAGES: dict[str, type[Message]] = {}
+SIDE_MESSAGES: dict[str, type[Message]] = {}
 _request = _message(REQUESTS)
 _peer = _message(PEER_MESSAGES)
+_side = _message(SIDE_MESSAGES)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -308,11 +321,12 @@ class Request(Message):
 @_request
 @dataclass(frozen=True)
 class Hello(Request):
-    """Open a session; ``pid`` lets the daemon watch the client process and open its dmabuf fds.
+    """Open a session. The reply carries a one-time ``token`` (and, over ipc, the ``fd_socket`` path).
 
-    ``pid_ns`` is the inode of the client's pid namespace (``/proc/self/ns/pid``; 0: unknown). A pid names
-    the same process to the daemon only inside one namespace: a client in a container is watched by its
-    keepalive heartbeats instead.
+    ``pid`` and ``pid_ns`` (the inode of ``/proc/self/ns/pid``) are what the client says about itself: kept
+    for logs, trusted for nothing. Over ipc the client presents the token on the descriptor socket
+    (:class:`Vouch`), where the kernel tells the daemon its uid, gid and pid (``SO_PEERCRED``): those are
+    the session's identity and the pid the daemon watches.
     """
 
     op: ClassVar[str] = "hello"
@@ -347,11 +361,13 @@ class Join(Request):
 @_request
 @dataclass(frozen=True)
 class Register(Request):
-    """Register memory for RDMA.
+    """Register memory for RDMA: by descriptor or handle, never by path (DESIGN section 5).
 
-    ``handle`` depends on ``kind``: ``cuda_ipc`` — the 64-byte ``CUipcMemHandle`` of the allocation
-    (``offset`` into it); ``dmabuf`` — the fd number in the client process (the daemon takes it with
-    ``pidfd_getfd`` using the pid from ``hello``); ``host`` — the absolute path of a shared-memory file.
+    ``handle`` depends on ``kind``: ``host`` — the id the daemon gave a memfd this client passed on its
+    descriptor socket (:class:`PassFd`; ``gpuclient.host_array`` memory); ``cuda_ipc`` — the 64-byte
+    ``CUipcMemHandle`` of the allocation (``offset`` into it); ``dmabuf`` — the id of a dma-buf fd passed
+    the same way (``cuMemGetHandleForAddressRange``; registered with ``DmaBufMR``, remote addresses are then
+    offsets). A path is refused: the daemon maps only what the client itself could open and hand over.
     ``address`` is the client's virtual address of the region, kept for reports. ``access`` lists what
     remote peers may do: ``read``, ``write``, ``atomic``.
     """
@@ -365,16 +381,16 @@ class Register(Request):
     access: tuple[str, ...] = ("read", "write")
 
     def _check(self) -> None:
+        if isinstance(self.handle, str):
+            self._fail("handle", "memory is registered by descriptor, never by path: pass the memory's fd on the "
+                                 "descriptor socket (op 'pass_fd') and register the id it returns "
+                                 "(gpuclient.host_array does this)")
         if self.kind == "cuda_ipc":
             if not isinstance(self.handle, bytes) or len(self.handle) != CUDA_IPC_HANDLE_BYTES:
                 self._fail("handle", f"cuda_ipc needs {CUDA_IPC_HANDLE_BYTES} bytes of CUipcMemHandle")
-        elif self.kind == "dmabuf":
-            if not isinstance(self.handle, int) or not 0 <= self.handle <= (1 << 31) - 1:
-                self._fail("handle", "dmabuf needs a file descriptor number (a non-negative integer)")
-        elif not isinstance(self.handle, str) or not self.handle.startswith("/") or "\0" in self.handle:
-            self._fail("handle", "host needs the absolute path of a shared-memory file")
-        elif len(self.handle) > 4096:
-            self._fail("handle", "path is longer than 4096 characters")
+        elif not isinstance(self.handle, int) or not 0 <= self.handle <= MAX_FD_ID:
+            self._fail("handle", f"{self.kind} needs the id of a descriptor passed on the descriptor socket "
+                                 f"(an integer in [0, {MAX_FD_ID}])")
         self._range("size", 1, MAX_REGION_BYTES)
         self._range("offset", 0, _U64 - self.size)
         self._range("address", 0, _U64)
@@ -500,6 +516,51 @@ class Heartbeat(Request):
 
     def _check(self) -> None:
         self._range("seq", 0, _U64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The descriptor socket: a Unix socket next to the control socket (zmq cannot carry descriptors). Its
+# messages are msgpack maps like the control plane's, with at most one descriptor attached (SCM_RIGHTS);
+# the kernel vouches for the sender (SO_PEERCRED). The I/O lives in ``transportd.fdchannel``.
+
+
+@dataclass(frozen=True)
+class SideMessage(Message):
+    """Marker base of descriptor-socket messages (one subclass per op in :data:`SIDE_MESSAGES`)."""
+
+    #: descriptors the message carries (SCM_RIGHTS); any other number is refused
+    fds: ClassVar[int] = 0
+
+
+@_side
+@dataclass(frozen=True)
+class Vouch(SideMessage):
+    """Bind this descriptor connection to the control session whose hello returned ``token``.
+
+    The token is good once; the session's uid, gid and pid become the kernel's view of this connection,
+    and the session lasts no longer than the connection.
+    """
+
+    op: ClassVar[str] = "vouch"
+    token: bytes
+
+    def _check(self) -> None:
+        if len(self.token) != TOKEN_BYTES:
+            self._fail("token", f"must be {TOKEN_BYTES} bytes (from the hello reply), got {len(self.token)}")
+
+
+@_side
+@dataclass(frozen=True)
+class PassFd(SideMessage):
+    """Hand the daemon one descriptor (attached): ``memfd`` host memory, or a ``dmabuf`` of GPU memory.
+
+    The reply's ``fd`` is the id a later ``register`` names as its ``handle``. Descriptors not registered
+    stay with the session (bounded) until it ends.
+    """
+
+    op: ClassVar[str] = "pass_fd"
+    fds: ClassVar[int] = 1
+    kind: Literal["memfd", "dmabuf"] = "memfd"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -745,8 +806,10 @@ def _parse(msg: object, registry: dict[str, type[Message]], plane: str) -> Messa
         raise RemoteProtocolError(f"{plane} message has no protocol version 'v'", code=ReplyCode.BAD_VERSION,
                                   field="v")
     version = msg["v"]
-    if version != V or isinstance(version, bool):
-        raise RemoteProtocolError(f"protocol version {version!r:.20} is not supported (this side speaks v{V})",
+    if type(version) is not int or version != V:  # exactly the integer: not 1.0, not True
+        kind = "" if type(version) is int else f" ({_type_name(version)}): this side speaks v{V}, the integer {V}"
+        raise RemoteProtocolError(f"protocol version {version!r:.20} is not supported" + (kind or
+                                  f" (this side speaks v{V})"),
                                   code=ReplyCode.BAD_VERSION, field="v")
     op = msg.get("op")
     if not isinstance(op, str):
@@ -766,6 +829,15 @@ def _parse(msg: object, registry: dict[str, type[Message]], plane: str) -> Messa
 def parse_request(msg: dict[str, Any]) -> Request:
     """Validate a decoded client message into its :class:`Request`, or raise :class:`RemoteProtocolError`."""
     return typing.cast(Request, _parse(msg, REQUESTS, "control"))
+
+
+def parse_side_message(msg: dict[str, Any], fds: int = 0) -> SideMessage:
+    """Validate a descriptor-socket message carrying ``fds`` descriptors, or raise RemoteProtocolError."""
+    parsed = typing.cast(SideMessage, _parse(msg, SIDE_MESSAGES, "descriptor socket"))
+    if fds != parsed.fds:
+        raise RemoteProtocolError(f"{parsed.op} carries {parsed.fds} descriptor(s), got {fds}",
+                                  code=ReplyCode.BAD_MESSAGE, field="fds")
+    return parsed
 
 
 def parse_peer_message(msg: dict[str, Any]) -> PeerMessage:
@@ -806,7 +878,7 @@ def parse_reply(msg: dict[str, Any]) -> dict[str, Any]:
 
     A reply that is not a reply at all raises :class:`RemoteProtocolError`.
     """
-    if msg.get("v") != V or isinstance(msg.get("v"), bool):
+    if type(msg.get("v")) is not int or msg.get("v") != V:
         raise RemoteProtocolError(f"reply has protocol version {msg.get('v')!r:.20}, expected {V}",
                                   code=ReplyCode.BAD_VERSION, field="v")
     status = msg.get("ok")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from cmd_ring import RingFile
-from gpuclient.host_memory import map_shared_file
+from gpuclient.host_memory import SharedFile, map_fd
 from transportd.backend import MemoryKey, SignalOp
 from transportd.backends import DEVICE_KINDS, open_backend
 from transportd.config import Config
@@ -82,13 +82,28 @@ class RailService:
         self.backend.set_flag_publisher(self._publish_flag)
 
     # --- memory ---------------------------------------------------------------------------------------
-    def op_map_region(self, key: str, path: str, offset: int, size: int, remote_write: bool, remote_atomic: bool,
-                      remote_read: bool = True) -> dict[str, Any]:
-        shared = map_shared_file(Path(path))
-        if offset + size > shared.size:
-            raise ValueError(f"region [{offset}, {offset + size}) is outside {path} ({shared.size} bytes)")
-        mkey = self.backend.register_memory(shared.address + offset, size, remote_write=remote_write,
-                                            remote_atomic=remote_atomic)
+    def op_map_region(self, key: str, fds: list[int], offset: int, size: int, remote_write: bool,
+                      remote_atomic: bool, remote_read: bool = True) -> dict[str, Any]:
+        """Map the client's memfd (passed by descriptor, never named by path) and register a range of it.
+
+        The descriptor is closed at once: the mapping keeps the memory. :meth:`op_unmap_region` unmaps it,
+        so a registration costs no descriptor and no mapped byte after it ends.
+        """
+        try:
+            (fd,) = fds
+            shared = map_fd(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            if offset + size > shared.size:
+                raise ValueError(f"region [{offset}, {offset + size}) is outside the client's memory "
+                                 f"({shared.size} bytes)")
+            mkey = self.backend.register_memory(shared.address + offset, size, remote_write=remote_write,
+                                                remote_atomic=remote_atomic)
+        except BaseException:
+            shared.close()
+            raise
         self.regions[key] = (mkey, shared)
         return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
 
@@ -96,7 +111,9 @@ class RailService:
         entry = self.regions.pop(key, None)
         if entry is not None:
             self.backend.deregister_memory(entry[0])
-            if hasattr(entry[1], "release"):  # a GPU region: drop its IPC mapping
+            if isinstance(entry[1], SharedFile):
+                entry[1].close()  # the mapping (and the descriptor mmap holds) go now, not at some GC
+            elif hasattr(entry[1], "release"):  # a GPU region: drop its IPC mapping
                 entry[1].release()
         return {}
 
@@ -179,7 +196,9 @@ class RailService:
         entry = self.flags.pop((job, rank), None)
         if entry is not None:
             self.backend.deregister_memory(entry[1])
-            if not isinstance(entry[0], FlagFile):
+            if isinstance(entry[0], FlagFile):
+                entry[0].close()
+            else:
                 entry[0].release()
         return {}
 

@@ -134,8 +134,8 @@ CLIENT = textwrap.dedent("""
     import sys, time, numpy as np, gpuclient
     client = gpuclient.connect(sys.argv[1])
     s = client.join("victim", rank=0, world=1)
-    buf = gpuclient.host_array(4096)
-    s.register(buf)
+    if sys.argv[1].startswith("ipc://"):  # host memory travels by descriptor: local ipc clients only
+        s.register(gpuclient.host_array(4096))
     s.flags(4)
     s.exchange(timeout=10)
     ch = s.channel(capacity=64)

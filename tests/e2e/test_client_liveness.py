@@ -1,8 +1,8 @@
 """Sessions of clients that die without leaving are reclaimed; live ones are kept, however idle.
 
-Over ipc, in the daemon's pid namespace, the daemon watches the client's pid. Over tcp, or from another
-pid namespace (a container), a pid means nothing to the daemon: there the client library's keepalives
-decide, and a session silent past ``control.client_timeout_s`` is reclaimed.
+Over ipc the kernel names the client's pid (``SO_PEERCRED`` on the descriptor socket), and the daemon
+watches that pid and that connection; what a client says in ``hello`` counts for nothing. Over tcp the
+client library's keepalives decide, and a session silent past ``control.client_timeout_s`` is reclaimed.
 """
 
 from __future__ import annotations
@@ -18,16 +18,10 @@ import pytest
 import gpuclient
 from tests.e2e.test_bad_input import CLIENT
 from tests.waiting import wait_until
-from transportd.connection import ControlConnection, pid_namespace
+from transportd.connection import ControlConnection
 from transportd.errors import SessionLostError, TransportdError
 from transportd.localcluster import free_port
 from transportd.protocol import Hello, Join
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
 
 
 def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_factory) -> None:
@@ -56,33 +50,43 @@ def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_f
         live.close()
 
 
-def test_a_client_is_judged_by_its_pid_in_our_namespace_and_by_its_keepalives_elsewhere(cluster_factory) -> None:
+SILENT_CLIENT = """
+import sys, time
+from transportd.connection import ControlConnection
+from transportd.protocol import Hello, Join
+conn = ControlConnection(sys.argv[1], handshake=False)   # a raw hello: no keepalive thread
+conn.request(Hello(name="exits"))
+conn.vouch()
+conn.request(Join(job="exits", rank=0, world=1, device=-1))
+print("joined", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_ipc_client_is_judged_by_the_kernels_pid_not_by_its_silence(cluster_factory) -> None:
     cluster = cluster_factory(nodes=1, per_node={"nodea": {"control": {"client_timeout_s": 3.0}}})
     socket = cluster.socket("nodea")
     observer = gpuclient.connect(socket)
-    silent: list[ControlConnection] = []
+    # alive but silent (stopped in a debugger, say): no keepalives, yet its process exists
+    silent = ControlConnection(socket, handshake=False)
+    exits = subprocess.Popen([sys.executable, "-c", SILENT_CLIENT, socket], stdout=subprocess.PIPE, text=True)
     try:
-        for job, pid, pid_ns in (("same-ns", _dead_pid(), pid_namespace()),
-                                 ("container", _dead_pid(), pid_namespace() + 1),
-                                 ("stopped", os.getpid(), pid_namespace())):  # alive, but silent (a debugger)
-            # a raw hello, as a client that then goes silent: no keepalive thread (hello() would start one)
-            conn = ControlConnection(socket, handshake=False)
-            silent.append(conn)
-            conn.request(Hello(pid=pid, pid_ns=pid_ns, name=job))
-            conn.request(Join(job=job, rank=0, world=1, device=-1))
+        silent.request(Hello(name="stopped"))
+        assert silent.vouch()["pid"] == os.getpid()
+        silent.request(Join(job="stopped", rank=0, world=1, device=-1))
+        assert exits.stdout is not None and exits.stdout.readline().strip() == "joined"
         jobs = lambda: observer.stats()["jobs"]  # noqa: E731
-        # the dead pid in our namespace is noticed at once; the same pid from elsewhere means nothing here
-        wait_until(lambda: "same-ns" not in jobs(), "the dead client in the daemon's namespace to go", 2.0)
-        assert "container" in jobs()
+        exits.send_signal(signal.SIGKILL)
+        exits.wait(10)
+        wait_until(lambda: "exits" not in jobs(), "the killed client to be reclaimed", 2.0)  # at once
         t0 = time.monotonic()
-        wait_until(lambda: "container" not in jobs(), "the silent client to be reclaimed")
-        assert time.monotonic() - t0 > 0.5, "reclaimed before client_timeout_s passed"
-        time.sleep(1.0)
+        time.sleep(max(0.0, 4.0 - (time.monotonic() - t0)))  # past client_timeout_s, silent all along
         assert "stopped" in jobs(), "a silent client whose process is alive was reclaimed"
-        assert observer.stats()["sessions_ended"] == {"left": 0, "exited": 1, "silent": 1, "shutdown": 0}
+        assert observer.stats()["sessions_ended"] == {"left": 0, "exited": 1, "silent": 0, "shutdown": 0}
     finally:
-        for conn in silent:
-            conn.close()
+        exits.kill()
+        exits.wait(10)
+        silent.close()
         observer.close()
 
 

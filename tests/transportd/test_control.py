@@ -49,8 +49,8 @@ class Handler(BaseHandler):
         return {"rank": req.rank, "world": req.world}
 
     def on_register(self, client_id, req):
-        if req.handle == "/dev/shm/missing":
-            raise RequestError("invalid", f"cannot open {req.handle}")
+        if req.handle == 99:
+            raise RequestError("invalid", f"no descriptor {req.handle}")
         return {"region": 1}
 
     def on_flags(self, client_id, req):
@@ -131,7 +131,7 @@ def test_session_over_ipc(served):
         assert conn.hello_reply == {"version": protocol.V}
         assert conn.session.state is SessionState.READY
         assert conn.request(Join("job", 1, 2, 0)) == {"rank": 1, "world": 2}
-        assert conn.request(Register("host", "/dev/shm/buf", size=4096)) == {"region": 1}
+        assert conn.request(Register("host", 0, size=4096)) == {"region": 1}
         assert conn.request(Stats()) == {"clients": 1}
         assert conn.session.state is SessionState.JOINED
         conn.request(protocol.Leave())
@@ -220,6 +220,10 @@ GARBAGE = [
     (msgpack.packb({"v": 1}), "bad_message", "no string 'op'"),
     (msgpack.packb({"v": 1, "op": "hello", "pid": "me"}), "bad_field", "field 'pid': expected integer"),
     (msgpack.packb({"v": 1, "op": "hello", "shoe": 1}), "bad_field", "field 'shoe': unknown field"),
+    (msgpack.packb({"v": 1.0, "op": "hello"}), "bad_version", "the integer 1"),
+    (msgpack.packb({"v": True, "op": "hello"}), "bad_version", "version True is not supported (bool)"),
+    (msgpack.packb({"v": 1, "op": "register", "kind": "host", "handle": "/dev/shm/tpd-host-1-0", "size": 8}),
+     "bad_field", "never by path"),
     (msgpack.packb({"v": 1, "op": "join", "job": "j", "rank": 0, "world": 1}), "bad_field",
      "field 'device': missing"),
     (msgpack.packb({"v": 1, "op": "hello", "pad": "x" * 5000}), "too_large", "exceeds the limit of 4096"),
@@ -242,7 +246,7 @@ def test_garbage_gets_error_replies_and_the_server_keeps_serving(served):
             assert reply["code"] == "bad_message" and "expected one payload frame, got 2" in reply["message"]
         finally:
             bad.close()
-        assert good.request(Register("host", "/dev/shm/ok", size=8)) == {"region": 1}
+        assert good.request(Register("host", 0, size=8)) == {"region": 1}
 
 
 def test_dealer_without_delimiter_is_answered_the_same_way(served):
@@ -257,22 +261,22 @@ def test_dealer_without_delimiter_is_answered_the_same_way(served):
 def test_handler_refusals_and_crashes_become_error_replies(served):
     with ControlConnection(served.endpoint, **FAST) as conn:
         conn.request(Join("job", 0, 1, 0))
-        with pytest.raises(RequestError, match="cannot open /dev/shm/missing") as info:
-            conn.request(Register("host", "/dev/shm/missing", size=8))
+        with pytest.raises(RequestError, match="no descriptor 99") as info:
+            conn.request(Register("host", 99, size=8))
         assert info.value.code == "invalid"
         with pytest.raises(RequestError, match="RuntimeError: flag allocator exploded") as info:
             conn.request(Flags(4))
         assert info.value.code == "internal"
-        assert conn.request(Register("host", "/dev/shm/fine", size=8)) == {"region": 1}
+        assert conn.request(Register("host", 0, size=8)) == {"region": 1}
         assert conn.session.state is SessionState.JOINED
 
 
 def test_order_is_enforced_on_both_sides(served):
     with ControlConnection(served.endpoint, **FAST) as conn:
         with pytest.raises(LocalProtocolError, match="join a job first"):
-            conn.request(Register("host", "/dev/shm/x", size=8))  # refused before sending
+            conn.request(Register("host", 0, size=8))  # refused before sending
         with pytest.raises(RequestError, match="join a job first") as info:
-            conn.request(Register("host", "/dev/shm/x", size=8).to_msg())  # a raw map skips the local check
+            conn.request(Register("host", 0, size=8).to_msg())  # a raw map skips the local check
         assert info.value.code == "bad_state"
 
 

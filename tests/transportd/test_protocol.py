@@ -56,7 +56,7 @@ REQUEST_SAMPLES = [
     Join("cpu", 0, 1, -1),
     Register("cuda_ipc", IPC_HANDLE, size=1 << 20, offset=4096, address=0x7F0000000000, access=("write",)),
     Register("dmabuf", 17, size=4096),
-    Register("host", "/dev/shm/tpd-buf", size=64, access=("read", "write", "atomic")),
+    Register("host", 0, size=64, access=("read", "write", "atomic")),  # the id of a memfd passed by descriptor
     Flags(128),
     Flags(1, "host"),
     Exchange(),
@@ -109,7 +109,7 @@ def test_peer_messages_round_trip(msg):
 
 
 def test_messages_are_frozen_and_normalised():
-    reg = Register("host", "/dev/shm/x", size=8, access=["read"])
+    reg = Register("host", 1, size=8, access=["read"])
     assert reg.access == ("read",)
     with pytest.raises(dataclasses.FrozenInstanceError):
         reg.size = 9  # type: ignore[misc]
@@ -136,6 +136,8 @@ GOOD_JOIN = {"v": 1, "op": "join", "job": "j", "rank": 0, "world": 2, "device": 
         ({"v": None}, "bad_version", "v", "version None"),
         ({"v": True}, "bad_version", "v", "version True"),
         ({"v": "1"}, "bad_version", "v", "version '1'"),
+        ({"v": 1.0}, "bad_version", "v", r"version 1.0 is not supported \(number\): this side speaks v1, the integer 1"),
+        ({"v": True}, "bad_version", "v", r"version True is not supported \(bool\)"),
         ({"op": "teleport"}, "unknown_op", "op", "unknown op 'teleport'; known: channel"),
         ({"op": 3}, "bad_message", "op", "no string 'op'"),
         ({"rank": "0"}, "bad_field", "rank", "join: field 'rank': expected integer, got string"),
@@ -180,19 +182,22 @@ def test_non_map_message_is_refused():
     [
         ({"kind": "cuda_ipc", "handle": b"short", "size": 8}, "handle", "64 bytes of CUipcMemHandle"),
         ({"kind": "cuda_ipc", "handle": 5, "size": 8}, "handle", "64 bytes"),
-        ({"kind": "dmabuf", "handle": -1, "size": 8}, "handle", "file descriptor"),
-        ({"kind": "dmabuf", "handle": "fd", "size": 8}, "handle", "file descriptor"),
-        ({"kind": "host", "handle": "relative/path", "size": 8}, "handle", "absolute path"),
+        ({"kind": "dmabuf", "handle": -1, "size": 8}, "handle", "id of a descriptor passed on the descriptor socket"),
+        ({"kind": "dmabuf", "handle": "fd", "size": 8}, "handle", "by descriptor, never by path"),
+        ({"kind": "host", "handle": "relative/path", "size": 8}, "handle", "by descriptor, never by path"),
+        ({"kind": "host", "handle": "/dev/shm/tpd-ring-nodea-job-0-1-77", "size": 8}, "handle",
+         "never by path: pass the memory's fd on the descriptor socket"),
+        ({"kind": "host", "handle": b"/dev/shm/x", "size": 8}, "handle", "id of a descriptor"),
         ({"kind": "host", "handle": True, "size": 8}, "handle", "expected bytes or integer or string, got bool"),
-        ({"kind": "gpu", "handle": "/x", "size": 8}, "kind", "must be one of 'host', 'cuda_ipc', 'dmabuf'"),
-        ({"kind": "host", "handle": "/x", "size": 0}, "size", r"must be in \[1, "),
-        ({"kind": "host", "handle": "/x", "size": (1 << 40) + 1}, "size", r"must be in \[1, "),
-        ({"kind": "host", "handle": "/x", "size": 8, "offset": -1}, "offset", "must be in"),
-        ({"kind": "host", "handle": "/x", "size": 8, "offset": 2**64 - 4}, "offset", "must be in"),
-        ({"kind": "host", "handle": "/x", "size": 8, "access": []}, "access", "at least one"),
-        ({"kind": "host", "handle": "/x", "size": 8, "access": ["exec"]}, "access[0]", "must be one of"),
-        ({"kind": "host", "handle": "/x", "size": 8, "access": ["read", "read"]}, "access", "twice"),
-        ({"kind": "host", "handle": "/x", "size": 8, "access": "read"}, "access", "expected array"),
+        ({"kind": "gpu", "handle": 0, "size": 8}, "kind", "must be one of 'host', 'cuda_ipc', 'dmabuf'"),
+        ({"kind": "host", "handle": 0, "size": 0}, "size", r"must be in \[1, "),
+        ({"kind": "host", "handle": 0, "size": (1 << 40) + 1}, "size", r"must be in \[1, "),
+        ({"kind": "host", "handle": 0, "size": 8, "offset": -1}, "offset", "must be in"),
+        ({"kind": "host", "handle": 0, "size": 8, "offset": 2**64 - 4}, "offset", "must be in"),
+        ({"kind": "host", "handle": 0, "size": 8, "access": []}, "access", "at least one"),
+        ({"kind": "host", "handle": 0, "size": 8, "access": ["exec"]}, "access[0]", "must be one of"),
+        ({"kind": "host", "handle": 0, "size": 8, "access": ["read", "read"]}, "access", "twice"),
+        ({"kind": "host", "handle": 0, "size": 8, "access": "read"}, "access", "expected array"),
     ],
 )
 def test_register_validation(fields, field, match):
@@ -380,7 +385,7 @@ def test_client_server_pair_through_the_core():
 
     assert call(Hello(pid=1)) == {"op": "hello"}
     assert call(Join("j", 0, 1, 0)) == {"op": "join"}
-    assert call(Register("host", "/dev/shm/a", size=64)) == {"op": "register"}
+    assert call(Register("host", 0, size=64)) == {"op": "register"}
     assert client.state is server.session.state is SessionState.JOINED
     # A client that skips its own check meets the same rule on the server.
     fresh = _CoreServer()
@@ -420,3 +425,19 @@ def test_parse_never_fails_any_other_way(op, fields):
         else:
             again = codec.encode(parse(parsed.to_msg()).to_msg())  # bytes: NaN in an opaque map compares equal
             assert again == codec.encode(parsed.to_msg())
+
+
+def test_descriptor_socket_messages_carry_exactly_their_descriptors():
+    token = bytes(range(protocol.TOKEN_BYTES))
+    assert protocol.parse_side_message(wire(protocol.Vouch(token=token).to_msg())) == protocol.Vouch(token=token)
+    assert protocol.parse_side_message(wire(protocol.PassFd().to_msg()), fds=1) == protocol.PassFd("memfd")
+    with pytest.raises(RemoteProtocolError, match="pass_fd carries 1 descriptor"):
+        protocol.parse_side_message(wire(protocol.PassFd().to_msg()), fds=0)
+    with pytest.raises(RemoteProtocolError, match="vouch carries 0 descriptor"):
+        protocol.parse_side_message(wire(protocol.Vouch(token=token).to_msg()), fds=2)
+    with pytest.raises(RemoteProtocolError, match="must be 16 bytes"):
+        protocol.parse_side_message({"v": 1, "op": "vouch", "token": b"short"})
+    with pytest.raises(RemoteProtocolError, match="unknown op 'register'"):  # the planes do not mix
+        protocol.parse_side_message(wire(Register("host", 0, size=8).to_msg()))
+    with pytest.raises(RemoteProtocolError, match="version 1.0"):
+        protocol.parse_side_message({"v": 1.0, "op": "pass_fd"}, fds=1)

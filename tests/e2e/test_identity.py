@@ -1,0 +1,422 @@
+"""Who may touch what: memory passed by descriptor, identity from the kernel, jobs owned by their uid.
+
+Real daemons, real sockets, real processes. The second uid is a real user: CI runs as root, so the test
+creates one (``useradd``) and runs its client under it (setuid/setgid in the child).
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpuclient
+from tests.e2e.conftest import close_ranks, join_ranks
+from tests.waiting import wait_until
+from transportd.connection import ControlConnection
+from transportd.errors import ErrorCode, RequestError
+from transportd.fdchannel import FdClient
+from transportd.protocol import Hello, Inspect, Join, PassFd, Register, Stats
+
+GROUP, OTHER, OUTSIDER = "tpd-test", "tpd-other", "tpd-outsider"
+
+
+def _ensure_user(name: str, group: str) -> pwd.struct_passwd:
+    try:
+        grp.getgrnam(group)
+    except KeyError:
+        subprocess.run(["groupadd", "--system", group], check=True)
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--gid", group, "--shell", "/usr/sbin/nologin",
+                        name], check=True)
+        return pwd.getpwnam(name)
+
+
+@pytest.fixture(scope="module")
+def users() -> dict[str, pwd.struct_passwd]:
+    """A client group's member and a user outside it (created once; CI runs as root)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the identity tests as root: they create a second user")
+        pytest.skip("needs root: creates a second user to run a client as another uid")
+    if shutil.which("useradd") is None or shutil.which("groupadd") is None:
+        pytest.fail("useradd/groupadd are needed to create the second user (install the passwd package)")
+    return {"other": _ensure_user(OTHER, GROUP), "outsider": _ensure_user(OUTSIDER, OUTSIDER)}
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A work directory other users may traverse (the control socket inside keeps its own mode and group)."""
+    path = Path(tempfile.mkdtemp(prefix="tpd-identity-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_DROP = """
+    import json, os, sys
+    import click.testing, numpy, zmq, msgpack  # everything the client needs, loaded while still root: the
+    import gpuclient, gpuclient.cuda_memory, transportd.ctl  # interpreter may live where the user cannot read
+    from transportd.connection import ControlConnection
+    from transportd.errors import RequestError
+    from transportd.protocol import Hello, Inspect, Join, Register, Stats
+    os.setgroups([])
+    os.setgid(int(os.environ["TPD_AS_GID"]))
+    os.setuid(int(os.environ["TPD_AS_UID"]))
+    assert os.getuid() == int(os.environ["TPD_AS_UID"]) and os.getgroups() in ([], [os.getgid()])
+"""
+
+
+def _run_as(user: pwd.struct_passwd, script: str, *args: str, timeout: float = 60) -> dict:
+    """Run ``script`` in a process that drops to ``user`` (its uid and primary gid, no other groups) before
+    the script starts; the script's last line is JSON."""
+    env = {**os.environ, "HOME": "/", "TPD_AS_UID": str(user.pw_uid), "TPD_AS_GID": str(user.pw_gid)}
+    code = textwrap.dedent(_DROP) + textwrap.dedent(script)
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd="/", env=env)
+    assert proc.returncode == 0, f"client as {user.pw_name} failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+INTRUDER = """
+    socket = sys.argv[1]
+    out = {}
+    def refusal(fn):
+        try:
+            fn()
+        except RequestError as exc:
+            return [exc.code, exc.message]
+        return None
+    conn = ControlConnection(socket)
+    out["vouched"] = conn.vouch_reply
+    out["join"] = refusal(lambda: conn.request(Join(job="owned", rank=1, world=2, device=-1)))
+    out["inspect"] = refusal(lambda: conn.request(Inspect(what="flags", job="owned", rank=0)))
+    out["stats_jobs"] = sorted(conn.request(Stats())["jobs"])
+    run = click.testing.CliRunner().invoke(transportd.ctl.main, ["flags", "owned", "0", "--socket", socket])
+    out["ctl"] = [run.exit_code, run.output]
+    # its own job works, and the first user's registration ids mean nothing on its descriptor socket
+    client = gpuclient.Client(conn)
+    session = client.join("mine", rank=0, world=1)
+    out["own_region"] = session.register(gpuclient.host_array(4096)).id
+    out["foreign_fd"] = refusal(lambda: conn.request(Register(kind="host", handle=0, size=4096)))
+    session.leave()
+    print(json.dumps(out))
+"""
+
+OUTSIDE = """
+    conn = ControlConnection(sys.argv[1], handshake=False)
+    conn.request(Hello())
+    out = {}
+    try:
+        conn.vouch()
+    except RequestError as exc:
+        out["vouch"] = [exc.code, exc.message]
+    try:
+        conn.request(Join(job="anything", rank=0, world=1, device=-1))
+    except RequestError as exc:
+        out["join"] = [exc.code, exc.message]
+    print(json.dumps(out))
+"""
+
+
+def test_a_second_uid_cannot_join_inspect_or_register_into_a_job_of_the_first(cluster_factory, users,
+                                                                              shared_dir) -> None:
+    cluster = cluster_factory(nodes=1, workdir=str(shared_dir),
+                              per_node={"nodea": {"control": {"group": GROUP, "mode": 0o666}}})
+    socket = cluster.socket("nodea")
+    owner = gpuclient.connect(socket)
+    try:
+        session = owner.join("owned", rank=0, world=2)
+        session.register(gpuclient.host_array(4096))
+        session.flags(4)
+        seen = _run_as(users["other"], INTRUDER, socket)
+        assert seen["vouched"]["uid"] == users["other"].pw_uid  # the kernel's word, not the client's
+        assert seen["join"][0] == "forbidden" and "belongs to another user" in seen["join"][1]
+        assert seen["inspect"][0] == "forbidden" and "belongs to another user" in seen["inspect"][1]
+        assert seen["ctl"][0] == 1 and "belongs to another user" in seen["ctl"][1], seen["ctl"]
+        assert "owned" not in seen["stats_jobs"]
+        assert seen["own_region"] == 0  # its own job works beside the other's
+        assert seen["foreign_fd"][0] == "not_found" and "no descriptor 0" in seen["foreign_fd"][1]
+        # the owner's job is untouched: one local rank, its flags readable by its owner (and root)
+        assert owner.stats()["jobs"]["owned"]["local"] == [0]
+        with ControlConnection(socket) as conn:
+            assert conn.request(Inspect(what="flags", job="owned", rank=0))["values"] == [0, 0, 0, 0]
+        # control.group is enforced on the descriptor socket too, whatever the socket file's mode allows
+        outside = _run_as(users["outsider"], OUTSIDE, socket)
+        assert outside["vouch"][0] == "forbidden" and f"not in group '{GROUP}'" in outside["vouch"][1]
+        assert outside["join"][0] == "no_identity"
+        session.leave()
+    finally:
+        owner.close()
+
+
+def test_a_register_naming_a_path_or_a_named_file_is_refused_and_the_daemon_serves_on(cluster_factory) -> None:
+    cluster = cluster_factory(nodes=1)
+    victim = gpuclient.connect(cluster.socket("nodea"))
+    attacker = ControlConnection(cluster.socket("nodea"))
+    try:
+        vs = victim.join("victim", rank=0, world=1)
+        vs.flags(4)
+        ring = vs.channel(capacity=64).ring.path
+        attacker.request(Join(job="attacker", rank=0, world=1, device=-1))
+        # a path, as the library never sends it: refused before the daemon opens anything
+        with pytest.raises(RequestError, match="never by path") as info:
+            attacker.request({"v": 1, "op": "register", "kind": "host", "handle": str(ring), "size": 4096})
+        assert info.value.code == "bad_field"
+        # the victim's ring file opened and passed as a descriptor: not a memfd, refused
+        fd = os.open(ring, os.O_RDWR)
+        try:
+            fd_id = attacker.pass_fd(fd)
+        finally:
+            os.close(fd)
+        with pytest.raises(RequestError, match="must be a memfd") as info:
+            attacker.request(Register(kind="host", handle=fd_id, size=4096))
+        assert info.value.code == "invalid"
+        with pytest.raises(RequestError, match=f"no descriptor {fd_id} was passed"):  # taken (and closed) once
+            attacker.request(Register(kind="host", handle=fd_id, size=4096))
+        # a memfd smaller than the region asked for
+        small = gpuclient.host_array(4096)
+        fd_id = attacker.pass_fd(gpuclient.host_memory.resolve_host_buffer(small).fd)
+        with pytest.raises(RequestError, match="outside the memfd"):
+            attacker.request(Register(kind="host", handle=fd_id, size=8192))
+        # a message with a descriptor too many, and one with none where one is due
+        side = FdClient(cluster.socket("nodea")[len("ipc://"):] + ".fds")
+        try:
+            r, w = os.pipe()
+            with pytest.raises(RequestError, match="carries 1 descriptor"):
+                side.request(PassFd(), [r, w])
+            with pytest.raises(RequestError, match="vouch for a control session"):
+                side.request(PassFd(), [r])
+            os.close(r)
+            os.close(w)
+        finally:
+            side.close()
+        # and the daemon serves everyone on: both clients register and report normally
+        assert attacker.request(Register(kind="host", handle=attacker.pass_fd(
+            gpuclient.host_memory.resolve_host_buffer(small).fd), size=4096))["region"] == 0
+        assert vs.register(gpuclient.host_array(4096)).id == 0
+        assert vs.stats()["jobs"]["victim"]["local"] == [0]
+        vs.leave()
+    finally:
+        attacker.close()
+        victim.close()
+
+
+FORGER = """
+    import os, sys, time
+    from transportd.connection import ControlConnection
+    from transportd.protocol import Hello, Join
+    conn = ControlConnection(sys.argv[1], handshake=False)
+    conn.request(Hello(pid=int(sys.argv[2]), name="forger"))   # says it is another process
+    seen = conn.vouch()
+    conn.request(Join(job=sys.argv[3], rank=0, world=1, device=-1))
+    print(seen["pid"], flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_forged_pid_in_hello_changes_nothing(cluster_factory) -> None:
+    cluster = cluster_factory(nodes=1, per_node={"nodea": {"control": {"client_timeout_s": 600.0}}})
+    socket = cluster.socket("nodea")
+    observer = gpuclient.connect(socket)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    procs = []
+    try:
+        # one claims the pid of a live process (this test's), one the pid of a process that has exited
+        for job, claimed in (("claims-alive", os.getpid()), ("claims-dead", dead.pid)):
+            proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(FORGER), socket, str(claimed), job],
+                                    stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
+            assert proc.stdout is not None
+            assert int(proc.stdout.readline()) == proc.pid  # the daemon watches the kernel's pid
+        jobs = lambda: observer.stats()["jobs"]  # noqa: E731
+        assert {"claims-alive", "claims-dead"} <= set(jobs())
+        # killing the first reclaims it at once, though the pid it claimed lives on
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        wait_until(lambda: "claims-alive" not in jobs(), "the killed client to be reclaimed", 5.0)
+        # the second claimed a dead pid: the liveness pass that reclaimed the first kept it
+        assert "claims-dead" in jobs()
+        assert observer.stats()["sessions_ended"]["exited"] == 1
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+        observer.close()
+
+
+def test_a_session_must_show_who_it_is_before_it_joins(cluster_factory) -> None:
+    cluster = cluster_factory(nodes=1)
+    conn = ControlConnection(cluster.socket("nodea"), handshake=False)
+    other = ControlConnection(cluster.socket("nodea"), handshake=False)
+    try:
+        reply = conn.request(Hello())
+        with pytest.raises(RequestError, match="has not shown who it is") as info:
+            conn.request(Join(job="j", rank=0, world=1, device=-1))
+        assert info.value.code == "no_identity"
+        side = FdClient(reply["fd_socket"])
+        try:
+            with pytest.raises(RequestError, match="unknown or used token"):
+                side.vouch(b"x" * 16)
+            assert side.vouch(reply["token"])["pid"] == os.getpid()
+        finally:
+            side.close()  # the connection that vouched ends: so does the session's identity
+        other.request(Hello())
+        again = FdClient(reply["fd_socket"])
+        try:
+            with pytest.raises(RequestError, match="unknown or used token"):  # a token is good once
+                again.vouch(reply["token"])
+        finally:
+            again.close()
+        assert other.vouch()["uid"] == os.geteuid()
+        other.request(Join(job="j", rank=0, world=1, device=-1))
+    finally:
+        conn.close()
+        other.close()
+
+
+VICTIM_HOST_ARRAY = """
+    import sys, gpuclient
+    client = gpuclient.connect(sys.argv[1])
+    s = client.join("shm", rank=0, world=1)
+    bufs = [gpuclient.host_array(1 << 20) for _ in range(4)]
+    for b in bufs:
+        s.register(b)
+    print("ready", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_host_arrays_leave_nothing_in_dev_shm_when_their_client_is_killed(cluster_factory) -> None:
+    cluster = cluster_factory(nodes=1)
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(VICTIM_HOST_ARRAY), cluster.socket("nodea")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert maps.count("/memfd:tpd-host") == 4, "host arrays are memfds"
+        assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("tpd-host")]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    with ControlConnection(cluster.socket("nodea")) as conn:
+        wait_until(lambda: "shm" not in conn.request(Stats())["jobs"], "the client's reclaim")
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("tpd-host")]
+
+
+def _worker_usage(pid: int) -> tuple[int, int]:
+    """A rail worker's open descriptors and bytes mapped from memfds and /dev/shm files."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    mapped = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and (parts[5].startswith("/memfd:") or parts[5].startswith("/dev/shm/")):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            mapped += hi - lo
+    return fds, mapped
+
+
+KILLED_RANK = """
+    import sys, gpuclient
+    client = gpuclient.connect(sys.argv[1])
+    s = client.join(sys.argv[2], rank=int(sys.argv[3]), world=2)
+    s.register(gpuclient.host_array(1 << 20))
+    s.register(gpuclient.host_array(1 << 20))
+    s.flags(4)
+    s.exchange(wait=False)
+    s.channel(capacity=64)
+    print("ready", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_rail_workers_descriptors_and_mappings_return_to_baseline_after_many_jobs(cluster_factory) -> None:
+    """Leaving, a kill and a daemon-side reclaim (a client that drops its connection) each release every
+    mapping and descriptor the rail workers took for a job."""
+    cluster = cluster_factory(nodes=2)
+    workers = {}
+    for node in cluster.names:
+        with ControlConnection(cluster.socket(node)) as conn:
+            workers[node] = conn.request(Stats())["rails"][0]["pid"]
+
+    def one_job(i: int, how: str) -> None:
+        job = f"soak-{i}"
+        if how == "kill":  # rank 1 is a process killed with SIGKILL
+            proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_RANK), cluster.socket("nodeb"),
+                                     job, "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            client = gpuclient.connect(cluster.socket("nodea"))
+            session = client.join(job, rank=0, world=2)
+            buf = gpuclient.host_array(1 << 20)
+            session.register(buf)
+            session.flags(4)
+            session.exchange(timeout=30)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            session.leave()
+            client.close()
+            return
+        ranks = join_ranks(cluster, job=job, nbytes=1 << 20, flags=4)
+        a, b = ranks
+        a.send[:4096] = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096]
+        a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=0, src_region=a.src.id, src_off=0,
+                             nbytes=4096, slot=0, value=1)
+        a.channel.quiet(timeout=30)
+        b.session.wait(slot=0, at_least=1, timeout=30)
+        if how == "leave":
+            close_ranks(ranks)
+        else:  # the clients drop their connections without leaving: the daemons reclaim the sessions
+            for r in ranks:
+                r.client.close()
+
+    def idle() -> bool:
+        for node in cluster.names:
+            with ControlConnection(cluster.socket(node)) as conn:
+                if conn.request(Stats())["clients"]:  # joined sessions (the asking one has not joined)
+                    return False
+        return True
+
+    one_job(0, "leave")  # first use: the soft devices' connections and threads come up
+    wait_until(idle, "the warm-up job to be reclaimed")
+    baseline = {node: _worker_usage(pid) for node, pid in workers.items()}
+    for i in range(1, 13):
+        one_job(i, ("leave", "kill", "drop")[i % 3])
+    wait_until(idle, "every job to be reclaimed", 30)
+    after = wait_until(lambda: (lambda u: u if u == baseline else None)(
+        {node: _worker_usage(pid) for node, pid in workers.items()}), "the workers' descriptors and mappings "
+        "to return to their baseline", 10)
+    assert after == baseline
+    assert all(mapped == 0 for _fds, mapped in baseline.values()), baseline  # nothing of any job is left
+
+
+def test_quiet_says_client_gone_when_the_daemon_stops_or_dies(cluster_factory) -> None:
+    cluster = cluster_factory(nodes=1)
+    for stop in (cluster.terminate, cluster.kill):
+        client = gpuclient.connect(cluster.socket("nodea"))
+        try:
+            session = client.join("quiet", rank=0, world=1)
+            ch = session.channel(capacity=64)
+            stop("nodea")
+            ch.signal(peer=0, slot=0, value=1)  # no proxy drains it any more
+            with pytest.raises(gpuclient.ChannelError, match="CLIENT_GONE") as info:
+                ch.quiet(timeout=5)
+            assert info.value.code == ErrorCode.CLIENT_GONE
+        finally:
+            client.close()
+        cluster.restart("nodea")
