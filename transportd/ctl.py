@@ -17,6 +17,7 @@ import errno
 import grp
 import json
 import os
+import shutil
 import socket as _socket
 import sys
 import time
@@ -324,6 +325,32 @@ def flags(job: str, rank: int, socket: str | None, as_json: bool) -> None:
 
 
 # --- top -----------------------------------------------------------------------------------------------
+def _top_frame(s: dict[str, Any], rates: dict[str, float], c: dict[str, Any], interval: float, width: int,
+               height: int) -> str:
+    """One screen of ``top``: at most ``height - 1`` lines of at most ``width`` characters, header first, so
+    the terminal never wraps or scrolls it away; what does not fit is counted on the last line."""
+    def cell(k: str, v: float) -> str:
+        return _bytes(v) if k == "bytes" else f"{v:.0f}"
+
+    half = (len(_COUNTERS) + 1) // 2  # counters in two columns: half the lines
+    rows = []
+    right_column: list[str | None] = [*_COUNTERS[half:], *[None] * (2 * half - len(_COUNTERS))]
+    for left, right in zip(_COUNTERS[:half], right_column, strict=True):
+        row: list[Any] = [left, cell(left, rates[left]) + "/s", cell(left, c[left])]
+        row += [right, cell(right, rates[right]) + "/s", cell(right, c[right])] if right else ["", "", ""]
+        rows.append(row)
+    text = "\n".join([f"transportctl top  {time.strftime('%H:%M:%S')}  every {interval:g} s",
+                      _status_text(s), "", _table(rows, ["counter", "per_s", "total", "counter", "per_s", "total"]),
+                      "", _queues_text(_queues(s)), "", _peers_text({"peers": s.get("peers", {})})])
+    lines = [line if len(line) <= width else line[: max(width - 1, 0)] + "~" for line in text.splitlines()]
+    room = max(height - 1, 2)
+    if len(lines) > room:
+        hidden = len(lines) - room + 1
+        lines = lines[: room - 1] + [f"... {hidden} more line(s): a taller terminal, or transportctl queues / peers"
+                                     [:width]]
+    return "\n".join(lines)
+
+
 @main.command()
 @click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.01),
               help="seconds between refreshes")
@@ -349,17 +376,11 @@ def top(interval: float, iterations: int, socket: str | None, as_json: bool) -> 
                 click.echo(json.dumps({"t": time.time(), "node": s["node"], "rates": rates, "totals": c,
                                        "queues": _queues(s)}, sort_keys=True, default=str))
             else:
+                # fit a terminal (or the COLUMNS/LINES given); output to a pipe or file is not cut
+                fit = sys.stdout.isatty() or "COLUMNS" in os.environ or "LINES" in os.environ
+                size = shutil.get_terminal_size() if fit else os.terminal_size((1 << 30, 1 << 30))
                 click.clear()
-                click.echo(f"transportctl top  {time.strftime('%H:%M:%S')}  every {interval:g} s")
-                click.echo(_status_text(s))
-                click.echo("")
-                click.echo(_table([[k, _bytes(rates[k]) + "/s" if k == "bytes" else f"{rates[k]:.0f}",
-                                    _bytes(c[k]) if k == "bytes" else c[k]] for k in _COUNTERS],
-                                  ["counter", "per_s", "total"]))
-                click.echo("")
-                click.echo(_queues_text(_queues(s)))
-                click.echo("")
-                click.echo(_peers_text({"peers": s.get("peers", {})}))
+                click.echo(_top_frame(s, rates, c, interval, size.columns, size.lines))
             if iterations == 0 or count < iterations:
                 time.sleep(interval)
     except KeyboardInterrupt:

@@ -233,3 +233,19 @@ def test_a_socket_that_is_not_an_endpoint(endpoint: str) -> None:
     assert result.exit_code == 2 and result.stdout == ""
     line = assert_one_line(result.stderr)
     assert "not a control endpoint: expected" in line and "Traceback" not in result.stderr
+
+
+def test_top_fits_an_80x24_terminal(ops_cluster: OpsCluster) -> None:
+    """No line wraps and the header stays on screen: at most 23 lines of at most 80 characters."""
+    from click.testing import CliRunner
+
+    from transportd.ctl import main as ctl_main
+
+    result = CliRunner().invoke(ctl_main, ["top", "--iterations", "1", "--socket", ops_cluster.socket("nodea")],
+                                env={"COLUMNS": "80", "LINES": "24", "TRANSPORTD_SOCKET": None},
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.output.replace("\x1b[2J\x1b[1;1H", "").strip("\n").splitlines()
+    assert lines[0].startswith("transportctl top") and len(lines) <= 23, lines
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    assert any(line.startswith("node      nodea") for line in lines) and any("per_s" in line for line in lines)
