@@ -238,7 +238,8 @@ class BackendConfig:
     rails: tuple[RailConfig, ...] = field(default=(), metadata=_meta(
         "NICs to use as [[backend.rails]] tables {device, gpu, numa_node}; empty: all found."))
     verbs: Literal["auto", "soft", "pyverbs"] = field(default="auto", metadata=_meta(
-        "Verbs provider: pyverbs (real NICs), soft (softverbs) or auto (pyverbs if a device exists)."))
+        "Verbs provider: pyverbs (real NICs; use it in production: no device is an error), soft (softverbs) "
+        "or auto (pyverbs if a device exists, else softverbs over TCP, with a warning)."))
 
 
 @dataclass(frozen=True)
