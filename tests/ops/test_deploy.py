@@ -53,6 +53,11 @@ def test_unit_file_meets_the_operations_rules() -> None:
     # ProtectSystem=strict leaves /tmp read-only: the rail workers' link sockets need PrivateTmp
     assert service["PrivateTmp"] == "yes"
     assert "AF_IB" in service["RestrictAddressFamilies"] and "AF_NETLINK" in service["RestrictAddressFamilies"]
+    # least privilege: its own user and group, no capabilities, nothing writable in /dev/shm
+    assert service["User"] == "transportd" and service["Group"] == "transportd"
+    assert unit["Service"]["CapabilityBoundingSet"] == [""] and unit["Service"]["AmbientCapabilities"] == [""]
+    assert "/dev/shm" not in service.get("ReadWritePaths", "")
+    assert service["RuntimeDirectoryMode"] == "0750" and service["UMask"] == "0007"
     # the daemon's own wait for peers fits in the start timeout
     assert default_config(env={}).peers.ready_wait_s < int(service["TimeoutStartSec"].rstrip("s"))
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
