@@ -29,6 +29,6 @@ demo: venv core
 
 # libFuzzer + AddressSanitizer/UBSan over the record validation (transportd/core/validate.h).
 fuzz-validate:
-	clang -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+	mkdir -p build && $${CC_FUZZ:-clang-14} -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
 	    -o build/fuzz_validate transportd/core/fuzz_validate.c
 	build/fuzz_validate -max_total_time=$${FUZZ_SECONDS:-60} -print_final_stats=1

@@ -8,8 +8,8 @@ push
     thread's ns per push (global timer around a loop), and pushes/s with 132 x 128 threads (CUDA events).
     The credit cache is preset so the bare push is measured, with no consumer.
 latency (one thread, pushes paced 200 us apart so nothing queues)
-    commit -> posted: the proxy (``transportd.proxy.Proxy``, the worker's loop, poll window 0) over the null
-    backend, which logs when each command is posted; commit -> consumed: a bare consumer of the same ring,
+    commit -> posted: the proxy (``transportd.proxy.Proxy``, the compiled engine, poll window 0) as its own
+    null NIC, which logs when each command is posted; commit -> consumed: a bare consumer of the same ring,
     header-last (``RingConsumer``) against per-word parity (this file's ``ParityConsumer``). The GPU's
     %globaltimer is mapped onto CLOCK_MONOTONIC by a ping-pong through mapped host memory (the tightest of
     200 round trips; its half-width bounds the error).
@@ -236,12 +236,11 @@ def commit_to_consumed(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: f
 
 
 def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: float) -> tuple[np.ndarray, dict]:
-    from transportd.backends.null import NullBackend
     from transportd.proxy import Proxy
 
     job, region = "gpubench", 1 << 30
-    backend = NullBackend(log_posts=True)
-    proxy = Proxy(backend, poll_window_us=0.0)
+    proxy = Proxy(None, poll_window_us=0.0)  # the compiled engine as its own null NIC: nothing leaves C
+    proxy.log_posts(n)
     proxy.set_source_region(job, 0, 0, 0x1000_0000, region, 1)
     proxy.set_remote_region(job, 1, 0, 0x100_0000_0000, region, 101)
     proxy.set_remote_flags(job, 1, 0xF00_0000_0000, 64, 201)
@@ -255,8 +254,7 @@ def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: flo
             while ring.completion_pos < n and time.monotonic() < deadline:
                 proxy.run_once()
             gpu.sync()
-            log_t = np.concatenate([t for t, _ in backend.post_log]).astype(np.int64)
-            log_id = np.concatenate([c for _, c in backend.post_log]).astype(np.uint64)
+            log_t, log_id = proxy.post_log()
             lat = _latencies(stamps, n, log_t, log_id, offset_ns)
             stamps.free()
             errors = ring.error

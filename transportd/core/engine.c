@@ -1019,6 +1019,25 @@ static PyObject *Engine_set_peers(Engine *e, PyObject *args) {
             return PyErr_Format(PyExc_ValueError, "peer table array %d is shorter than its %zd entries", i, want);
         }
     }
+    /* every connection index the table names must be one the engine has, before anything is installed */
+    const char *bad = NULL;
+    long long bad_index = 0;
+    const int64_t *listed = bufs[9].buf, *bound = bufs[0].buf;
+    size_t nconns = (size_t)bufs[9].len / 8;
+    for (size_t i = 0; !bad && i < nconns; i++)
+        if (listed[i] < 0 || (size_t)listed[i] >= e->nconns) bad = "names", bad_index = listed[i];
+    for (uint64_t r = 0; !bad && r <= rows; r++)
+        if (bound[r] >= (int64_t)e->nconns) bad = "binds a rank to", bad_index = bound[r];
+    int64_t *conns = bad ? NULL : malloc((nconns + 1) * sizeof(int64_t));
+    if (conns) memcpy(conns, listed, nconns * sizeof(int64_t));
+    PyBuffer_Release(&bufs[9]);
+    if (!conns) {
+        for (int k = 0; k < 9; k++) PyBuffer_Release(&bufs[k]);
+        if (bad)
+            return PyErr_Format(PyExc_ValueError, "job %zd's table %s connection index %lld, which was never added",
+                                jid, bad, bad_index);
+        return PyErr_NoMemory();
+    }
     Job *j = &e->jobs[jid];
     if (j->held)
         for (int i = 0; i < 9; i++) PyBuffer_Release(&j->bufs[i]);
@@ -1027,29 +1046,6 @@ static PyObject *Engine_set_peers(Engine *e, PyObject *args) {
     j->view = (tpd_peers){.world = world, .rows = rows, .cols = cols, .conn = bufs[0].buf, .code = bufs[1].buf,
                           .flag_base = bufs[2].buf, .flag_slots = bufs[3].buf, .flag_rkey = bufs[4].buf,
                           .addr = bufs[5].buf, .length = bufs[6].buf, .rkey = bufs[7].buf, .valid = bufs[8].buf};
-    size_t nconns = (size_t)bufs[9].len / 8;
-    int64_t *conns = malloc((nconns + 1) * sizeof(int64_t));
-    if (!conns) {
-        PyBuffer_Release(&bufs[9]);
-        return PyErr_NoMemory();
-    }
-    memcpy(conns, bufs[9].buf, nconns * sizeof(int64_t));
-    PyBuffer_Release(&bufs[9]);
-    for (size_t i = 0; i < nconns; i++) {
-        if (conns[i] < 0 || (size_t)conns[i] >= e->nconns) {
-            free(conns);
-            return PyErr_Format(PyExc_ValueError, "job %zd names connection index %lld, not added", jid,
-                                (long long)conns[i]);
-        }
-    }
-    for (uint64_t r = 0; r <= rows; r++) {
-        int64_t c = j->view.conn[r];
-        if (c >= (int64_t)e->nconns) {
-            free(conns);
-            return PyErr_Format(PyExc_ValueError, "rank %llu is bound to connection index %lld, not added",
-                                (unsigned long long)r, (long long)c);
-        }
-    }
     free(j->conns);
     j->conns = conns;
     j->nconns = nconns;
