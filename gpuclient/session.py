@@ -41,7 +41,9 @@ __all__ = ["connect", "Client", "Session", "Region", "FlagArray", "ChannelHandle
 class ChannelError(TransportdError):
     """The daemon reported an error for this channel or session (see ``code``, an ErrorCode)."""
 
-    def __init__(self, code: int, count: int = 1, position: int = 0) -> None:
+    def __init__(self, code: int, count: int = 0, position: int = 0) -> None:
+        """``count`` commands failed, the first at ring ``position`` (a channel's error word); ``count`` 0:
+        the session's status word, which says what happened to the session, not to a command."""
         self.code = code
         self.count = count
         self.position = position
