@@ -359,6 +359,7 @@ class Session:
             raise IndexError(f"flag slot {slot} out of range (this session has {flags.count})")
         target = at_least & _U64_MASK
         deadline = time.monotonic() + timeout
+        checked = time.monotonic()
         pause = 0.0
         while True:
             value = int(flags.values[slot])
@@ -366,7 +367,11 @@ class Session:
                 return value
             if flags.status:
                 raise ChannelError(flags.status)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - checked > 0.01:  # a daemon killed outright writes no status word: its socket says it
+                checked = now
+                self._raise_if_gone()
+            if now > deadline:
                 raise TimeoutError(f"flag {slot} is {int(value)}, still below {at_least} after {timeout}s")
             time.sleep(pause)
             pause = min(pause * 2 or 1e-6, 1e-3)

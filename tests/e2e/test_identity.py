@@ -411,12 +411,16 @@ def test_quiet_says_client_gone_when_the_daemon_stops_or_dies(cluster_factory) -
         client = gpuclient.connect(cluster.socket("nodea"))
         try:
             session = client.join("quiet", rank=0, world=1)
+            session.flags(4)
             ch = session.channel(capacity=64)
             stop("nodea")
             ch.signal(peer=0, slot=0, value=1)  # no proxy drains it any more
             with pytest.raises(gpuclient.ChannelError, match="CLIENT_GONE") as info:
                 ch.quiet(timeout=5)
             assert info.value.code == ErrorCode.CLIENT_GONE
+            # a daemon killed outright writes no status word: the session still hears, not a timeout
+            with pytest.raises(gpuclient.ChannelError, match="CLIENT_GONE"):
+                session.wait(slot=0, at_least=1, timeout=5)
         finally:
             client.close()
         cluster.restart("nodea")
