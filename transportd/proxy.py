@@ -45,6 +45,7 @@ from cmd_ring.ring import RingFile
 from transportd import _core
 from transportd.backend import COMPLETION_DTYPE, PLAN_DTYPE, Backend
 from transportd.errors import ErrorCode
+from transportd.limits import MAX_BATCH, MIN_BATCH, MIN_INFLIGHT_CAP
 from transportd.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
 
 __all__ = ["Proxy", "COUNTERS"]
@@ -100,10 +101,10 @@ class Proxy:
         poll_max: int = 4096,
         use_post_batches: bool = True,
     ) -> None:
-        if not 1 <= batch_max <= 8:
-            raise ValueError(f"batch_max must be in 1..8, got {batch_max}")
-        if inflight_cap < 2 or max_take < 1:
-            raise ValueError("inflight_cap must be >= 2 (a PUT_SIGNAL is two WRs) and max_take >= 1")
+        if not MIN_BATCH <= batch_max <= MAX_BATCH:
+            raise ValueError(f"batch_max must be in {MIN_BATCH}..{MAX_BATCH}, got {batch_max}")
+        if inflight_cap < MIN_INFLIGHT_CAP or max_take < 1:
+            raise ValueError(f"inflight_cap must be >= {MIN_INFLIGHT_CAP} (a PUT_SIGNAL is two WRs) and max_take >= 1")
         self.backend = backend
         self.batch_max = batch_max
         self.window_ns = int(poll_window_us * 1000)
