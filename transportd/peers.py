@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,7 +55,8 @@ class PeerState:
     dealer: zmq.Socket | None = field(default=None, repr=False)
     backend: str = ""
     rails: int = 0
-    incarnation: int = 0  # from its hello; a new value means the node's daemon restarted
+    incarnation: int = 0  # from its hello; a larger value means the node's daemon restarted
+    said_goodbye: bool = False  # this life said peer_bye: only a hello of a new life brings the node back
 
 
 class PeerPlane:
@@ -81,7 +81,9 @@ class PeerPlane:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node = node
-        self.incarnation = secrets.randbits(64) or 1
+        # the start time orders a node's lives: a hello of an earlier life that arrives late (queued on a
+        # link before the restart) is known for stale instead of taken for yet another restart
+        self.incarnation = time.time_ns()
         self.hello = PeerHello(node=node, backend=backend, rails=rails,  # type: ignore[arg-type]
                                incarnation=self.incarnation)
         self.peers: dict[str, PeerState] = {}
@@ -207,9 +209,19 @@ class PeerPlane:
                 log.info("peer %s joined (%s, %d rails)", node, msg.backend, msg.rails)
                 is_new = True
             else:
-                if peer.incarnation and msg.incarnation and msg.incarnation != peer.incarnation:
+                if peer.incarnation and msg.incarnation and msg.incarnation < peer.incarnation:
+                    log.debug("hello from an earlier life of %s: dropped", node)
+                    return
+                restarted = bool(peer.incarnation and msg.incarnation and msg.incarnation != peer.incarnation)
+                if restarted:
                     log.warning("peer %s restarted: dropping what was built with its earlier life", node)
                     self._down(peer)
+                elif peer.said_goodbye:
+                    # a hello (or the answer to one of ours) sent before its goodbye, overtaken on the other
+                    # link: that life is over and cannot come back
+                    log.debug("hello from %s after its goodbye: dropped", node)
+                    return
+                peer.said_goodbye = False
                 is_new = not peer.up
             self._unintroduced.clear()  # whoever was early has introduced itself, or will be warned about anew
             peer.backend, peer.rails, peer.incarnation = msg.backend, msg.rails, msg.incarnation
@@ -238,8 +250,12 @@ class PeerPlane:
             return
         if isinstance(msg, PeerBye):
             log.info("peer %s said goodbye (%s)", peer.node, msg.reason or "no reason")
+            peer.said_goodbye = True
             self._down(peer)
             return
+        if peer.said_goodbye:
+            log.debug("message %s from %s after its goodbye: dropped", msg.op, peer.node)
+            return  # sent before the goodbye on the other link and overtaken by it
         was_down = not peer.up
         self._heard(peer)
         if was_down:

@@ -627,9 +627,9 @@ class RegionInfo(Record):
 class PeerHello(PeerMessage):
     """First message on a peer link: who we are, which backend, how many rails, which life of the daemon.
 
-    ``incarnation`` is drawn at random when the daemon starts (0: not told). A known node saying hello
-    with a new one has restarted: everything built with its earlier life (connections, responder QPs) is
-    torn down, even when it came back before its heartbeats timed out.
+    ``incarnation`` is the daemon's start time in ns (0: not told). A known node saying hello with a larger
+    one has restarted: everything built with its earlier life (connections, responder QPs) is torn down, even
+    when it came back before its heartbeats timed out. A smaller one is a late hello of an earlier life.
     """
 
     op: ClassVar[str] = "peer_hello"

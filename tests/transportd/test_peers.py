@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import errno
 import time
 from collections.abc import Callable
 
 import zmq
 
+from transportd.errors import ListenError
 from transportd.localcluster import free_port
 from transportd.peers import PeerPlane
 from transportd.protocol import PeerBye, PeerRegions
@@ -26,8 +26,8 @@ class Events:
                                  on_peer_up=lambda n: self.log.append(("up", n)),
                                  on_peer_down=lambda n: self.log.append(("down", n)),
                                  heartbeat_interval_s=0.05, heartbeat_timeout_s=60.0)  # no timeout in a test
-            except zmq.ZMQError as exc:  # an earlier life's socket in this process is still being closed
-                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+            except ListenError as exc:  # an earlier life's socket in this process is still being closed
+                if not exc.in_use or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 
@@ -52,11 +52,11 @@ def test_a_restarted_peer_is_reported_down_then_up_before_any_heartbeat_timeout(
         b.close()  # the daemon dies without a goodbye and comes back on the same address
         b = Events().plane("b", pb, (f"127.0.0.1:{pa}",))
         assert b.incarnation != first
-        pump([a, b], lambda: ea.log.count(("up", "b")) == 2)
+        pump([a, b], lambda: ea.log.count(("up", "b")) == 2 and "a" in b.peers)
         assert ea.log == [("up", "b"), ("down", "b"), ("up", "b")]
         assert a.peers["b"].incarnation == b.incarnation
         # messages from the new life reach the handler
-        b.send("a", PeerRegions(job="j", rank=1, regions=()))
+        assert b.send("a", PeerRegions(job="j", rank=1, regions=()))
         pump([a, b], lambda: ("peer_regions", "b") in ea.log)
     finally:
         a.close()
@@ -112,4 +112,39 @@ def test_messages_before_a_hello_are_warned_about_once(caplog) -> None:
         assert "b" not in a.peers
     finally:
         early.close()
+        a.close()
+
+
+def test_a_hello_of_the_life_that_said_goodbye_does_not_bring_it_back() -> None:
+    """A hello sent before the goodbye can arrive after it (hellos are answered on the other link): that life
+    is over; only a hello of a later life brings the node back up, and a late one of an earlier life is no
+    restart."""
+    from transportd import codec
+    from transportd.protocol import PeerHeartbeat, PeerHello
+
+    pa = free_port()
+    ea = Events()
+    a = ea.plane("a", pa, ())
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.linger = 0
+    raw.routing_id = b"b"
+    raw.connect(f"tcp://127.0.0.1:{pa}")
+
+    def say(msg) -> None:
+        raw.send(codec.encode(msg.to_msg()))
+
+    try:
+        say(PeerHello(node="b", backend="ib", rails=1, incarnation=7))
+        say(PeerBye(node="b", reason="shutdown"))
+        say(PeerHello(node="b", backend="ib", rails=1, incarnation=7))  # overtaken, from before the goodbye
+        say(PeerHeartbeat(seq=2, t=0.0))
+        say(PeerRegions(job="j", rank=1, regions=()))
+        say(PeerHello(node="b", backend="ib", rails=1, incarnation=8))  # the next life
+        say(PeerHello(node="b", backend="ib", rails=1, incarnation=7))  # queued before the restart, late
+        say(PeerRegions(job="j", rank=1, regions=()))
+        pump([a], lambda: ("peer_regions", "b") in ea.log)
+        assert ea.log == [("up", "b"), ("down", "b"), ("up", "b"), ("peer_regions", "b")]
+        assert a.peers["b"].incarnation == 8
+    finally:
+        raw.close()
         a.close()
