@@ -9,6 +9,9 @@ proxy
         load) and paced (record-to-post latency when the proxy keeps up). The producer stamps each batch
         with CLOCK_MONOTONIC in ``signal_value`` (as ``cmd_ring.loadgen`` does) and saves the stamps; the
         null backend logs when each chunk was posted; both processes read the same clock.
+    (c) idle: the rail worker's own loop (``rail.serve_loop``, with a real worker link that stays quiet)
+        sits idle; a producer process commits one record after each second of silence. Reported: the
+        loop thread's CPU use while idle, and each first record's record -> posted latency.
 signals
     The same stream of PUT_SIGNALs to a few destinations, through a naive proxy (one signal per command)
     and a decoupled one (one per destination and flag per batch): signals and fences per destination per
@@ -23,6 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,8 @@ from transportd.backend import PlanOp
 from transportd.backends.null import NullBackend, apply_plans
 from transportd.proxy import Proxy
 from transportd.proxy_model import ModelProxy
+from transportd.rail import serve_loop
+from transportd.worker_link import WorkerEndpoint
 
 __all__ = ["bench_proxy", "bench_signals", "run_proxy_benchmark", "run_signals_benchmark"]
 
@@ -223,6 +229,69 @@ def _live(total: int, capacity: int, peers: int, max_batch: int, interval_ns: in
     }
 
 
+def produce_after_idle(ring_name: str, count: int, peers: int, idle_s: float, stamps_path: str) -> None:
+    """Producer process: ``count`` times, stay silent ``idle_s`` (the idleness under test), then commit one PUT
+    with compiled stores and wait for its completion."""
+    ring = RingFile.attach(ring_name)
+    stamps = np.zeros(count, dtype=np.int64)
+    one = np.zeros(1, dtype=np.int64)
+    done = 0
+    for done in range(count):
+        time.sleep(idle_s)
+        if _core.pingpong_produce(ring._bytes, 1, peers, LENGTH, one, 60.0) != 1:
+            break
+        stamps[done] = one[0]
+    else:
+        done = count
+    np.save(stamps_path, stamps[:done])
+    ring.close()
+
+
+def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """(c) above: the worker loop's idle CPU use and the latency of a record after ``idle_s`` of silence."""
+    import zmq
+
+    name = _ring_name("idle")
+    with RingFile.create(name, 4096) as ring, tempfile.TemporaryDirectory() as tmp:
+        stamps_path = str(Path(tmp) / "stamps.npy")
+        proxy = Proxy(None, **opts)
+        proxy.log_posts(count)
+        _setup(proxy, peers)
+        proxy.add_channel(0, ring, JOB, 0, peers + 1)
+        ctx = zmq.Context()
+        main_end = ctx.socket(zmq.PAIR)
+        main_end.linger = 0
+        main_end.bind(f"ipc://{tmp}/link")
+        link = WorkerEndpoint(f"ipc://{tmp}/link", handler=object())
+        stop = threading.Event()
+        loop = threading.Thread(target=serve_loop, args=(proxy, link, stop.is_set), name="idle-worker")
+        loop.start()
+        cpu_clock = time.pthread_getcpuclockid(loop.ident)  # type: ignore[arg-type]
+        proc = mp.get_context("spawn").Process(target=produce_after_idle,
+                                               args=(name, count, peers, idle_s, stamps_path))
+        t0, c0 = time.monotonic(), time.clock_gettime(cpu_clock)
+        proc.start()
+        try:
+            proc.join(count * (idle_s + 60) + 60)
+        finally:
+            wall, cpu = time.monotonic() - t0, time.clock_gettime(cpu_clock) - c0
+            stop.set()
+            loop.join(10)
+            if proc.is_alive():
+                proc.kill()
+            link.close()
+            main_end.close()
+            ctx.term()
+        stamps = np.load(stamps_path)
+        post_t, _chunks = proxy.post_log()
+    if len(stamps) != count or len(post_t) != count:
+        raise click.ClickException(f"idle run: {len(post_t)} of {count} records posted")
+    lat_us = (post_t - stamps) / 1e3
+    return {"records": count, "idle_s": idle_s, "cpu_fraction": cpu / wall if wall > 0 else float("nan"),
+            "first_record_us": [float(x) for x in lat_us], "p50_us": float(np.percentile(lat_us, 50)),
+            "max_us": float(lat_us.max())}
+
+
 def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int = 8, poll_window_us: float = 50.0,
                         inflight_cap: int = 256, channels: int = 1) -> dict[str, Any]:
     """All parts of ``bench proxy``; returns the JSON document."""
@@ -239,6 +308,7 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
     paced_window = _live(paced_total, 4096, peers, 1, 50_000, opts)
     pingpong = _live(5_000 if quick else 100_000, 4096, peers, 1, 0, window0, pingpong=True)
     pingpong_model = _live(500 if quick else 5_000, 4096, peers, 1, 0, window0, engine="model", pingpong=True)
+    idle = _idle(3 if quick else 10, 1.0, peers, window0)
     return {
         "benchmark": "proxy",
         "host": {"cpus": os.cpu_count()},
@@ -257,6 +327,9 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
             "latency_poll_window_us": 0,
             "live_commands_per_s": live["records_per_s"],
             "proxy_vs_bare_consumer": core["records_per_s"] / bare,
+            "idle_cpu_fraction": idle["cpu_fraction"],
+            "after_idle_p50_us": idle["p50_us"],
+            "after_idle_max_us": idle["max_us"],
         },
         "bare_consumer_records_per_s": bare,
         "drain": drains,
@@ -265,6 +338,7 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
         "live_paced_window": paced_window,
         "pingpong": pingpong,
         "pingpong_model": pingpong_model,
+        "idle": idle,
     }
 
 
@@ -306,6 +380,9 @@ def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, 
         ("live paced 20k/s, window 0: p50 / p99", f"{p0['p50_us']:8.1f} / {p0['p99_us']:.1f} us"),
         (f"live paced 20k/s, window {pw['poll_window_us']:g} us: p50 / p99",
          f"{pw['p50_us']:8.1f} / {pw['p99_us']:.1f} us"),
+        ("idle worker loop: CPU use", f"{100 * sm['idle_cpu_fraction']:8.1f} % of a core"),
+        (f"first record after {r['idle']['idle_s']:g} s idle: p50 / max",
+         f"{sm['after_idle_p50_us']:8.1f} / {sm['after_idle_max_us']:.1f} us"),
     ])
     if json_path:
         json_path.write_text(json.dumps(r, indent=2) + "\n")

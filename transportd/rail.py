@@ -311,7 +311,9 @@ class RailService:
 SPIN_S = 0.002  # passes back to back (records arriving within this are taken at once)
 WATCH_S = 30e-6  # then, between passes: watch the ring headers this long, then nap NAP_S
 NAP_S = 20e-6
-DEEP_AFTER_S = 0.15  # idle this long: wait up to 1 ms on the link between passes (about 6% of a core here)
+DEEP_AFTER_S = 0.15  # idle this long: between passes, watch the ring headers for DEEP_WATCH_S with
+DEEP_WATCH_S = 1e-3  # DEEP_NAP_S sleeps between looks (a few % of a core; a record seen within ~DEEP_NAP_S)
+DEEP_NAP_S = 50e-6
 
 
 def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool]) -> None:
@@ -320,8 +322,10 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool]) -> None:
     While the proxy has work it runs pass after pass, serving requests every 64 passes. When a pass finds
     nothing to do the worker keeps spinning for ``SPIN_S``, then alternates a pass (which also drains
     completions and serves requests) with watching the ring headers for ``WATCH_S`` (a committed record
-    ends the wait at once) and a ``NAP_S`` sleep; after ``DEEP_AFTER_S`` it waits up to a millisecond on
-    the link between passes, so a long-idle worker costs little CPU.
+    ends the wait at once) and a ``NAP_S`` sleep; after ``DEEP_AFTER_S`` each pass is followed by a
+    millisecond of looking at the ring headers with ``DEEP_NAP_S`` sleeps between looks (in C, GIL
+    released), so a long-idle worker costs little CPU and still takes the first record within tens of µs.
+    The link is served at every pass: a request waits at most about a millisecond.
     """
     run_once, serve_pending, wait_ready = proxy.run_once, link.serve_pending, proxy.wait_ready
     clock = time.perf_counter
@@ -338,9 +342,11 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool]) -> None:
         if idle_since < 0:
             idle_since = now
         idle_for = now - idle_since
-        if serve_pending(0 if idle_for < DEEP_AFTER_S else 1):
+        if serve_pending(0):
             break
-        if SPIN_S <= idle_for < DEEP_AFTER_S and not wait_ready(WATCH_S):
+        if idle_for >= DEEP_AFTER_S:
+            wait_ready(DEEP_WATCH_S, DEEP_NAP_S)
+        elif idle_for >= SPIN_S and not wait_ready(WATCH_S):
             time.sleep(NAP_S)
 
 

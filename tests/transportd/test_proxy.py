@@ -467,6 +467,27 @@ def test_wait_ready_watches_the_ring_heads_without_taking(rig) -> None:
     assert rig.chunks(1) == [0] and rig.ring.completion_pos == 1
 
 
+def test_wait_ready_with_naps_sees_a_record_committed_while_it_waits(rig) -> None:
+    start = time.monotonic()
+    assert not rig.proxy.wait_ready(0.01, 50e-6)  # nothing: the whole timeout, napping between looks
+    assert time.monotonic() - start >= 0.01
+    watching = threading.Event()
+    result: list[bool] = []
+
+    def watch() -> None:
+        watching.set()
+        result.append(rig.proxy.wait_ready(60.0, 50e-6))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    watching.wait()
+    rig.push(put(0))  # the watcher returns once it looks again, long before its 60 s
+    watcher.join(30)
+    assert result == [True]
+    rig.spin()
+    assert rig.chunks(1) == [0]
+
+
 def test_rail_serve_loop_takes_sparse_records_and_stops() -> None:
     from transportd import rail
 

@@ -51,3 +51,10 @@ def test_pingpong_posts_every_record_once(engine: str) -> None:
 def test_bench_group_lists_both_commands() -> None:
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert "proxy" in result.output and "signals" in result.output
+
+
+def test_idle_part_posts_each_record_after_its_silence() -> None:
+    """The rail worker's own loop, idle between records: every record posted once, the CPU share measured."""
+    idle = bench_proxy._idle(2, 0.2, peers=3, opts=dict(poll_window_us=0))
+    assert idle["records"] == 2 and len(idle["first_record_us"]) == 2
+    assert 0 < idle["cpu_fraction"] < 1.05 and all(x > 0 for x in idle["first_record_us"])
