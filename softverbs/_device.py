@@ -4,7 +4,9 @@ Threading. The I/O thread owns every socket's receive side and the selector. Pos
 themselves (non-blocking `sendmsg`, no thread hop on the fast path); whatever the kernel does not take
 stays queued on the connection and the I/O thread flushes it when the socket is writable. Nobody ever
 blocks in a send while holding a lock, so two devices (or one device talking to itself) cannot deadlock.
-Lock order: QP -> device -> connection -> CQ.
+Lock order: QP -> device -> connection -> CQ. Opening and closing the device (`acquire`/`release`) take a
+lock of their own that the I/O thread never takes, so stopping may wait for the thread: the thread may need
+the device lock (a lost connection updates the connection table) while it winds down.
 
 Receive side. Each connection runs a small state machine (header -> descriptors -> payload per item) over
 a non-blocking socket. Payload bytes are copied from the connection's buffer or, when the rest of a large
@@ -315,6 +317,7 @@ class SoftDevice:
         self.options = options
         self.is_efa = options.kind == "efa"
         self.lock = threading.RLock()
+        self._life = threading.RLock()  # acquire/release only; never held by the I/O thread
         self.refs = 0
         self.qps: dict[int, Any] = {}
         self.mrs_by_lkey: dict[int, Any] = {}
@@ -350,13 +353,13 @@ class SoftDevice:
     # --------------------------------------------------------------- lifecycle
     def acquire(self) -> None:
         """A Context opened on this device: start the listener and I/O thread on first use."""
-        with self.lock:
+        with self._life:
             if self.refs == 0:
                 self._start()
             self.refs += 1
 
     def release(self) -> None:
-        with self.lock:
+        with self._life:  # not the device lock: _stop waits for the I/O thread, which may need that one
             self.refs -= 1
             if self.refs == 0:
                 self._stop()
@@ -390,11 +393,13 @@ class SoftDevice:
             if self._thread.is_alive():
                 log.warning("softverbs %s: I/O thread did not stop within 5 s", self.name)
         self._thread = None
-        for conn in list(self.out_conns.values()) + list(self.in_conns):
+        with self.lock:
+            conns = list(self.out_conns.values()) + list(self.in_conns)
+            self.out_conns.clear()
+            self.in_conns.clear()
+        for conn in conns:
             conn.closed = True
             conn.sock.close()
-        self.out_conns.clear()
-        self.in_conns.clear()
         for s in (self._listener, self._wake_r, self._wake_w):
             if s is not None:
                 s.close()

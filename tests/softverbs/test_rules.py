@@ -375,3 +375,38 @@ def test_srd_writes_to_a_dead_endpoint_fail_at_once_after_one_connect_attempt(so
         assert len(attempts) == 1, [r.getMessage() for r in attempts]  # said once, not once per WR
     finally:
         pair.close()
+
+
+# --- device lifetime --------------------------------------------------------------------------------------
+
+def test_last_close_does_not_stall_when_the_io_thread_is_handling_a_lost_peer(soft, caplog) -> None:
+    """Closing the last Context stops the device's I/O thread and waits for it. If the thread is just then
+    handling a peer that went away (a requester connection lost, which updates the device's connection
+    table under the device lock), the close must not be holding that lock while it waits: that was a
+    5-second stall and an "I/O thread did not stop" warning whenever both nodes of a test closed at once."""
+    import logging
+    import uuid
+
+    from softverbs.device import registry
+
+    name = f"softefa-{uuid.uuid4().hex[:6]}"
+    soft.v.soft.add_device(name, "efa")
+    dev = registry()[name]
+    ctx = soft.v.device.Context(name=name)
+    conn = dev.connection(soft.v.soft.endpoint_of(name))
+    assert conn is not None
+
+    def peer_gone() -> None:  # I/O thread: the peer's end closes once the device has begun to stop
+        deadline = time.monotonic() + 10
+        while dev._running and time.monotonic() < deadline:
+            time.sleep(0)
+        dev.conn_lost(conn, None)
+
+    dev.post_action(peer_gone)
+    with caplog.at_level(logging.WARNING, logger="softverbs"):
+        t0 = time.monotonic()
+        ctx.close()
+        took = time.monotonic() - t0
+    assert not [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()]
+    assert took < 2.0, f"closing took {took:.1f} s"
+    assert dev._thread is None and not dev.out_conns
