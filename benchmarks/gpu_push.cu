@@ -68,6 +68,26 @@ __device__ void paced(tpd::RingDevice ring, uint32_t n, uint32_t gap_ns, uint64_
     }
 }
 
+// Round trip on the GPU's clock alone: push one PUT, spin until the proxy's completion position passes it
+// (the proxy posted it and its null NIC completed it), `gap_ns` apart; rtt[i] = ns from before the push
+// to the kernel seeing that completion. No host clock is involved, so no calibration error either.
+template <int Variant>
+__device__ void roundtrip(tpd::RingDevice ring, uint32_t n, uint32_t gap_ns, uint64_t* rtt) {
+    const uint64_t* done = tpd::control_word<uint64_t>(ring, TPD_RING_OFF_COMPLETION_POS);
+    uint64_t next = tpd::detail::globaltimer_ns();
+    for (uint32_t i = 0; i < n; ++i) {
+        while (tpd::detail::globaltimer_ns() < next) {
+        }
+        uint64_t t = tpd::detail::globaltimer_ns();
+        uint64_t pos = push_one<Variant>(ring, i, t);
+        while (tpd::ptx::ld_acquire_sys(done) <= pos) {
+        }
+        uint64_t t1 = tpd::detail::globaltimer_ns();
+        rtt[i] = t1 - t;
+        next = t1 + gap_ns;
+    }
+}
+
 }  // namespace bench
 
 #define TPD_BENCH_VARIANT(name, v)                                                                      \
@@ -76,6 +96,9 @@ __device__ void paced(tpd::RingDevice ring, uint32_t n, uint32_t gap_ns, uint64_
     }                                                                                                     \
     extern "C" __global__ void paced_##name(tpd::RingDevice ring, uint32_t n, uint32_t gap, uint64_t* st) { \
         bench::paced<v>(ring, n, gap, st);                                                                \
+    }                                                                                                     \
+    extern "C" __global__ void roundtrip_##name(tpd::RingDevice ring, uint32_t n, uint32_t gap, uint64_t* rt) { \
+        bench::roundtrip<v>(ring, n, gap, rt);                                                            \
     }
 
 TPD_BENCH_VARIANT(release_sys, TPD_COMMIT_RELEASE_SYS)
