@@ -36,6 +36,7 @@
 #include <time.h>
 
 #include "pingpong.h"
+#include "poster.h"
 #include "validate.h"
 
 #define HIST 9 /* batch-size histogram: index = commands in the batch (batch_max <= 8) */
@@ -129,11 +130,7 @@ typedef struct {
     uint64_t *cmd_pos;
 } Group;
 
-typedef struct {
-    uint64_t token;
-    uint32_t status;
-    uint32_t vendor_err;
-} Completion;
+typedef tpd_completion Completion;
 
 typedef struct {
     PyObject_HEAD
@@ -145,6 +142,11 @@ typedef struct {
     uint64_t max_take;
     int64_t poll_max;
     PyObject *post_cb, *poll_cb; /* None: the engine is its own null NIC */
+    PyObject *poster_obj;        /* a backend's C poster (poster.h): post/poll without Python */
+    tpd_poster *poster;
+    int64_t *post_ids;
+    size_t post_ids_cap;
+    Completion *poll_buf;
     int taking;
 
     Sources *srcs;
@@ -563,6 +565,20 @@ static int group_append(Engine *e, Group *g) {
 
 /* Hand the planned batches to the backend: one Python call (GIL held), or the null NIC. */
 static int post_to_backend(Engine *e, size_t nb, size_t m) {
+    if (e->poster) {
+        if (grow((void **)&e->post_ids, &e->post_ids_cap, nb, sizeof(int64_t))) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (size_t b = 0; b < nb; b++) e->post_ids[b] = e->conns[e->b_conn[b]].id;
+        tpd_poster *p = e->poster;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = p->post(p->ctx, nb, e->post_ids, e->plan, e->b_bounds, e->b_nwr);
+        Py_END_ALLOW_THREADS
+        if (rc) p->raise_error(p->ctx);
+        return rc ? -1 : 0;
+    }
     if (e->post_cb == Py_None) {
         int64_t t = e->post_log_cap ? now_ns() : 0;
         if (grow((void **)&e->null_due, &e->null_cap, e->null_ndue + nb, sizeof(Completion))) {
@@ -772,6 +788,24 @@ static int complete_tokens(Engine *e, const Completion *comps, size_t n) {
 
 /* Drain the backend's completions; returns how many came, -1 with a Python error set. */
 static long progress(Engine *e) {
+    if (e->poster) {
+        tpd_poster *p = e->poster;
+        long n;
+        Py_BEGIN_ALLOW_THREADS
+        n = p->poll(p->ctx, (size_t)e->poll_max, e->poll_buf);
+        Py_END_ALLOW_THREADS
+        if (n < 0) {
+            p->raise_error(p->ctx);
+            return -1;
+        }
+        if (!n) return 0;
+        e->counters[C_COMPLETIONS] += (uint64_t)n;
+        if (complete_tokens(e, e->poll_buf, (size_t)n)) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        return n;
+    }
     if (e->poll_cb == Py_None) {
         size_t n = e->null_ndue;
         if ((int64_t)n > e->poll_max) n = (size_t)e->poll_max;
@@ -1243,12 +1277,12 @@ static PyObject *Engine_post_log(Engine *e, PyObject *unused) {
 
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     static char *names[] = {"batch_max", "window_ns", "inflight_cap", "decoupled", "max_length", "max_take",
-                            "poll_max", "post", "poll", NULL};
+                            "poll_max", "post", "poll", "poster", NULL};
     long long window, cap, poll_max;
     unsigned long long max_length, max_take;
-    PyObject *post_cb, *poll_cb;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLpKKLOO", names, &e->batch_max, &window, &cap, &e->decoupled,
-                                     &max_length, &max_take, &poll_max, &post_cb, &poll_cb))
+    PyObject *post_cb, *poll_cb, *poster = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLpKKLOO|O", names, &e->batch_max, &window, &cap, &e->decoupled,
+                                     &max_length, &max_take, &poll_max, &post_cb, &poll_cb, &poster))
         return -1;
     if (e->batch_max < 1 || e->batch_max > 8) {
         PyErr_Format(PyExc_ValueError, "batch_max must be in 1..8, got %d", e->batch_max);
@@ -1261,6 +1295,27 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     if ((post_cb == Py_None) != (poll_cb == Py_None)) {
         PyErr_SetString(PyExc_ValueError, "post and poll are both callables, or both None (the null NIC)");
         return -1;
+    }
+    if (poster != Py_None) {
+        /* a backend's C poster: its `poster` attribute is the tpd_poster capsule */
+        if (post_cb != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "a poster replaces post and poll: pass None for both");
+            return -1;
+        }
+        PyObject *cap_obj = PyObject_GetAttrString(poster, "poster");
+        if (!cap_obj) return -1;
+        tpd_poster *p = PyCapsule_GetPointer(cap_obj, TPD_POSTER_CAPSULE);
+        Py_DECREF(cap_obj);
+        if (!p) return -1;
+        Completion *buf = realloc(e->poll_buf, (size_t)poll_max * sizeof(Completion));
+        if (!buf) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        e->poll_buf = buf;
+        e->poster = p;
+        Py_INCREF(poster);
+        Py_XSETREF(e->poster_obj, poster);
     }
     e->window_ns = window;
     e->inflight_cap = cap;
@@ -1311,6 +1366,9 @@ static void Engine_dealloc(Engine *e) {
     free(e->post_log);
     Py_XDECREF(e->post_cb);
     Py_XDECREF(e->poll_cb);
+    Py_XDECREF(e->poster_obj);
+    free(e->post_ids);
+    free(e->poll_buf);
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
@@ -1393,6 +1451,10 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&EngineType);
     if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
         Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (tpd_ib_register(m) < 0 || tpd_shim_register(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }
