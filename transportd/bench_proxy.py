@@ -42,7 +42,7 @@ from transportd.backend import PlanOp
 from transportd.backends.null import NullBackend, apply_plans
 from transportd.proxy import Proxy
 from transportd.proxy_model import ModelProxy
-from transportd.rail import serve_loop
+from transportd.rail import DEEP_NAP_S, serve_loop
 from transportd.worker_link import WorkerEndpoint
 
 __all__ = ["bench_proxy", "bench_signals", "run_proxy_benchmark", "run_signals_benchmark"]
@@ -247,8 +247,10 @@ def produce_after_idle(ring_name: str, count: int, peers: int, idle_s: float, st
     ring.close()
 
 
-def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any]) -> dict[str, Any]:
-    """(c) above: the worker loop's idle CPU use and the latency of a record after ``idle_s`` of silence."""
+def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: float = DEEP_NAP_S * 1e6
+          ) -> dict[str, Any]:
+    """(c) above: the worker loop's idle CPU use and the latency of a record after ``idle_s`` of silence,
+    with ``nap_us`` between the long-idle worker's looks at the ring headers."""
     import zmq
 
     name = _ring_name("idle")
@@ -264,7 +266,8 @@ def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any]) -> dict[s
         main_end.bind(f"ipc://{tmp}/link")
         link = WorkerEndpoint(f"ipc://{tmp}/link", handler=object())
         stop = threading.Event()
-        loop = threading.Thread(target=serve_loop, args=(proxy, link, stop.is_set), name="idle-worker")
+        loop = threading.Thread(target=serve_loop, args=(proxy, link, stop.is_set, nap_us / 1e6),
+                                name="idle-worker")
         loop.start()
         cpu_clock = time.pthread_getcpuclockid(loop.ident)  # type: ignore[arg-type]
         proc = mp.get_context("spawn").Process(target=produce_after_idle,
@@ -287,13 +290,15 @@ def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any]) -> dict[s
     if len(stamps) != count or len(post_t) != count:
         raise click.ClickException(f"idle run: {len(post_t)} of {count} records posted")
     lat_us = (post_t - stamps) / 1e3
-    return {"records": count, "idle_s": idle_s, "cpu_fraction": cpu / wall if wall > 0 else float("nan"),
+    return {"records": count, "idle_s": idle_s, "nap_us": nap_us,
+            "cpu_fraction": cpu / wall if wall > 0 else float("nan"),
             "first_record_us": [float(x) for x in lat_us], "p50_us": float(np.percentile(lat_us, 50)),
             "max_us": float(lat_us.max())}
 
 
 def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int = 8, poll_window_us: float = 50.0,
-                        inflight_cap: int = 256, channels: int = 1) -> dict[str, Any]:
+                        inflight_cap: int = 256, channels: int = 1,
+                        idle_naps_us: tuple[float, ...] = (DEEP_NAP_S * 1e6,)) -> dict[str, Any]:
     """All parts of ``bench proxy``; returns the JSON document."""
     opts = dict(batch_max=batch_max, poll_window_us=poll_window_us, inflight_cap=inflight_cap)
     capacity = 1 << (14 if quick else 16)
@@ -308,7 +313,8 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
     paced_window = _live(paced_total, 4096, peers, 1, 50_000, opts)
     pingpong = _live(5_000 if quick else 100_000, 4096, peers, 1, 0, window0, pingpong=True)
     pingpong_model = _live(500 if quick else 5_000, 4096, peers, 1, 0, window0, engine="model", pingpong=True)
-    idle = _idle(3 if quick else 10, 1.0, peers, window0)
+    idles = [_idle(3 if quick else 10, 1.0, peers, window0, nap) for nap in idle_naps_us]
+    idle = idles[0]
     return {
         "benchmark": "proxy",
         "host": {"cpus": os.cpu_count()},
@@ -339,6 +345,7 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
         "pingpong": pingpong,
         "pingpong_model": pingpong_model,
         "idle": idle,
+        "idle_naps": idles,
     }
 
 
@@ -357,11 +364,14 @@ def _echo_table(rows: list[tuple[str, str]]) -> None:
 @click.option("--batch-max", default=8, show_default=True)
 @click.option("--poll-window-us", default=50.0, show_default=True)
 @click.option("--inflight-cap", default=256, show_default=True)
+@click.option("--idle-nap-us", "idle_naps_us", type=click.FloatRange(min=0.0), multiple=True,
+              default=(DEEP_NAP_S * 1e6,), show_default=True,
+              help="the long-idle worker's sleep between looks at the rings; repeat to compare several")
 def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, batch_max: int,
-                poll_window_us: float, inflight_cap: int) -> None:
+                poll_window_us: float, inflight_cap: int, idle_naps_us: tuple[float, ...]) -> None:
     """Ring -> post with the null backend: commands/s per worker, batch sizes, record-to-post latency."""
     r = run_proxy_benchmark(quick=quick, peers=peers, batch_max=batch_max, poll_window_us=poll_window_us,
-                            inflight_cap=inflight_cap, channels=channels)
+                            inflight_cap=inflight_cap, channels=channels, idle_naps_us=idle_naps_us)
     d, sm, lv = r["drain"], r["summary"], r["live_unpaced"]
     p0, pw, pp, pm = r["live_paced_window_0"], r["live_paced_window"], r["pingpong"], r["pingpong_model"]
     c = d["core"]
@@ -380,9 +390,9 @@ def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, 
         ("live paced 20k/s, window 0: p50 / p99", f"{p0['p50_us']:8.1f} / {p0['p99_us']:.1f} us"),
         (f"live paced 20k/s, window {pw['poll_window_us']:g} us: p50 / p99",
          f"{pw['p50_us']:8.1f} / {pw['p99_us']:.1f} us"),
-        ("idle worker loop: CPU use", f"{100 * sm['idle_cpu_fraction']:8.1f} % of a core"),
-        (f"first record after {r['idle']['idle_s']:g} s idle: p50 / max",
-         f"{sm['after_idle_p50_us']:8.1f} / {sm['after_idle_max_us']:.1f} us"),
+        *[(f"idle worker, {i['nap_us']:g} us naps: CPU / first record after {i['idle_s']:g} s p50 / max",
+           f"{100 * i['cpu_fraction']:8.1f} % of a core   {i['p50_us']:.1f} / {i['max_us']:.1f} us")
+          for i in r["idle_naps"]],
     ])
     if json_path:
         json_path.write_text(json.dumps(r, indent=2) + "\n")

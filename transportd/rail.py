@@ -312,18 +312,19 @@ SPIN_S = 0.002  # passes back to back (records arriving within this are taken at
 WATCH_S = 30e-6  # then, between passes: watch the ring headers this long, then nap NAP_S
 NAP_S = 20e-6
 DEEP_AFTER_S = 0.15  # idle this long: between passes, watch the ring headers for DEEP_WATCH_S with
-DEEP_WATCH_S = 1e-3  # DEEP_NAP_S sleeps between looks (a few % of a core; a record seen within ~DEEP_NAP_S)
+DEEP_WATCH_S = 1e-3  # DEEP_NAP_S sleeps between looks: a record is seen within ~DEEP_NAP_S; what it costs
+#                      in CPU: `transportd bench proxy --idle-nap-us N` (README, Performance)
 DEEP_NAP_S = 50e-6
 
 
-def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool]) -> None:
+def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s: float = DEEP_NAP_S) -> None:
     """Run the proxy and serve the main process's requests until ``stopping()`` or a stop request.
 
     While the proxy has work it runs pass after pass, serving requests every 64 passes. When a pass finds
     nothing to do the worker keeps spinning for ``SPIN_S``, then alternates a pass (which also drains
     completions and serves requests) with watching the ring headers for ``WATCH_S`` (a committed record
     ends the wait at once) and a ``NAP_S`` sleep; after ``DEEP_AFTER_S`` each pass is followed by a
-    millisecond of looking at the ring headers with ``DEEP_NAP_S`` sleeps between looks (in C, GIL
+    millisecond of looking at the ring headers with ``deep_nap_s`` sleeps between looks (in C, GIL
     released), so a long-idle worker costs little CPU and still takes the first record within tens of µs.
     The link is served at every pass: a request waits at most about a millisecond.
     """
@@ -344,10 +345,11 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool]) -> None:
         idle_for = now - idle_since
         if serve_pending(0):
             break
-        if idle_for >= DEEP_AFTER_S:
-            wait_ready(DEEP_WATCH_S, DEEP_NAP_S)
-        elif idle_for >= SPIN_S and not wait_ready(WATCH_S):
-            time.sleep(NAP_S)
+        if idle_for >= SPIN_S:
+            deep = idle_for >= DEEP_AFTER_S
+            # False at once while work is in flight (its completions are due at the next pass): nap then too
+            if not wait_ready(DEEP_WATCH_S if deep else WATCH_S, deep_nap_s if deep else 0.0):
+                time.sleep(deep_nap_s if deep else NAP_S)
 
 
 def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
