@@ -7,9 +7,11 @@ setup(
         Extension(
             "transportd._core",
             sources=["transportd/core/engine.c", "transportd/core/pingpong.c", "transportd/core/ib_post.c",
-                     "transportd/core/verbs_shim.c"],
+                     "transportd/core/verbs_shim.c", "transportd/core/efa_post.c", "transportd/core/efa_arrivals.c",
+                     "transportd/core/efa_shim.c"],
             depends=["transportd/core/validate.h", "transportd/core/pingpong.h", "transportd/core/poster.h",
                      "transportd/core/verbs_abi.h", "transportd/core/verbs_abi_members.h",
+                     "transportd/core/efa_arrivals.h",
                      "cmd_ring/include/transportd/cmd_ring.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers"],

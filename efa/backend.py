@@ -1,5 +1,11 @@
 """The efa backend: one SRD QP per rail, write-with-immediate, flags published by the receiving daemon.
 
+The data path is compiled: ``transportd._core.EfaPoster`` (``transportd/core/efa_post.c``) lowers plan rows,
+submits, tracks completions and counts arrivals; this module is its control plane (device, QP, address
+handles, staging memory, connections) and the Python end of the one call per poll that needs Python.
+The engine calls the poster directly (:attr:`EfaBackend.c_poster`); ``post``/``post_batches``/``poll`` are
+the same C calls for a Python caller.
+
 Sending. Every plan row becomes RDMA write-with-immediate WRs on the rail's SRD QP, addressed through an
 address handle per remote rail (its GID) plus the remote QPN and QKey:
 
@@ -18,13 +24,17 @@ All connections of a rail share one SQ, so a batch that does not fit waits in a 
 per-connection inflight cap bounds what waits. Submission also keeps, per connection, fewer than
 ``2**16`` WRs between the oldest one not yet completed and the newest, and fewer than half the staging
 ring's records: that keeps the receiver's 18-bit counters unambiguous and a staging entry from being
-overwritten before the receiver read it (``efa.wire``).
+overwritten before the receiver read it (``efa.wire``). A record is copied into its send staging slot
+(one ring per connection, as many entries as the peer's ring) when it is submitted.
 
-Receiving. Arrivals come out of the same CQ as send completions. Each one is counted by its connection's
-:class:`efa.arrivals.ArrivalTracker`; control records are copied out of the staging ring at once. Flags
-that became safe are handed to the daemon's :class:`FlagPublisher` (after the optional visibility flush).
-Where the device supports unsolicited write receive, arrivals consume no receive WR; else the QP keeps
-``rq_depth`` receive WRs posted and ``poll`` reposts the ones consumed.
+Receiving. Arrivals come out of the same CQ as send completions. Each one is counted for its connection
+in C, rule for rule :class:`efa.arrivals.ArrivalTracker` (kept as the model the tests compare with);
+control records are copied out of the staging ring at once. Flags that became safe are stored by the C
+code itself into host-mapped flag words registered with :meth:`EfaBackend.set_host_flags` (the daemon's
+flag files); the others (GPU flag words, ranks it does not know) go to the daemon's :class:`FlagPublisher`
+in one Python call per poll, after the optional visibility flush. Where the device supports unsolicited
+write receive, arrivals consume no receive WR; else the QP keeps ``rq_depth`` receive WRs posted and the
+same per-poll call reposts the ones consumed once an eighth of them are.
 """
 
 from __future__ import annotations
@@ -33,47 +43,36 @@ import logging
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from efa.arrivals import ArrivalTracker, ProtocolViolation, SenderGroups
-from efa.wire import (
-    CTRL_DTYPE,
-    CTRL_SIZE,
-    INDEX_BITS,
-    KIND_CTRL,
-    KIND_DATA,
-    MAX_CONNS,
-    OP_ADD,
-    OP_SET,
-    decode_imm,
-    encode_imm,
-)
-from transportd.backend import FlagPublisher, MemoryKey, PlanOp, SignalOp
+from efa.srd_shim import AddressTable, shim_cq, srd_shim_qp
+from efa.wire import CTRL_DTYPE, INDEX_BITS, MAX_CONNS
+from transportd import _core
+from transportd.backend import COMPLETION_DTYPE, FlagPublisher, MemoryKey, SignalOp
 from transportd.verbs_util import (
     BackendError,
     CqDrain,
     Rail,
+    VerbsError,
     access_flags,
-    completions,
     translate_verbs_errors,
 )
 
-__all__ = ["EfaBackend", "EfaRail"]
+__all__ = ["PUB_DTYPE", "EfaBackend", "EfaRail"]
 
 log = logging.getLogger("transportd.efa")
 
-_WRITE, _SIGNAL, _FENCE = int(PlanOp.WRITE), int(PlanOp.SIGNAL), int(PlanOp.FENCE)
-_SET = int(SignalOp.SET)
 _SEQ_BITS = 48
-_SEQ_MASK = (1 << _SEQ_BITS) - 1
 _RECV_TAG = 1 << 63  # wr_id of a posted receive WR
-_MAX_SPAN = 1 << 16  # most WRs of one connection between the oldest incomplete and the newest submitted
-_WC_RECV_RDMA_WITH_IMM = 129
 _QKEY = 0x11111111
-_POOL_CHUNK = 1024  # send-staging entries registered at a time
+
+#: A flag update the compiled path hands to Python (efa_post.c PyPub): GPU flag words, unknown ranks.
+PUB_DTYPE = np.dtype([("conn", "<i8"), ("rank", "<u4"), ("slot", "<u4"), ("op", "<u4"), ("pad", "<u4"),
+                      ("value", "<u8")])
+assert PUB_DTYPE.itemsize == _core.EFA_PUB_SIZE
 
 
 class EfaRail(Rail):
@@ -113,75 +112,19 @@ class EfaRail(Rail):
 
 
 @dataclass(eq=False)
-class _Batch:
-    token: int
-    remaining: int
-    status: int = 0
-    vendor_err: int = 0
-
-
-@dataclass(eq=False)
 class _Conn:
+    """A connection's control-plane state; its data-path state lives in the poster."""
+
     conn_id: int
     job: str
     index: int  # our index: names this connection in the immediates the peer sends us
     key: int  # names this connection in our send WR ids
     recv_staging: np.ndarray  # CTRL_DTYPE ring the peer writes records into
     recv_lkey: int
-    arrivals: ArrivalTracker = field(default_factory=ArrivalTracker)
-    groups: SenderGroups = field(default_factory=SenderGroups)
     connected: bool = False
-    # the peer's end
-    ah: Any = None
     gid: str = ""
-    qpn: int = 0
-    qkey: int = 0
-    peer_index: int = 0
-    peer_staging_addr: int = 0
-    peer_staging_rkey: int = 0
-    peer_staging_entries: int = 0
-    # send side bookkeeping
-    next_seq: int = 0  # number of the next WR lowered (random start: stale completions never match)
-    oldest: int = 0  # every WR below this has completed
-    pending: dict[int, tuple[_Batch, int]] = field(default_factory=dict)  # seq -> (batch, staging entry or -1)
-    waiting: int = 0  # WRs lowered, not yet submitted (in the backlog)
-    oldest_ctrl: int = 0
-    ctrl_pending: set[int] = field(default_factory=set)
-    ctrl_seq: dict[int, int] = field(default_factory=dict)  # WR seq -> record seq, for records in flight
-    failed: bool = False  # the peer broke the counting protocol: nothing more is published for it
-
-    def inflight(self) -> int:
-        return len(self.pending)
-
-
-class _StagingPool:
-    """Registered 32-byte send-staging entries for control records, handed out and returned one by one."""
-
-    def __init__(self, rail: Rail) -> None:
-        self.rail = rail
-        self.chunks: list[np.ndarray] = []
-        self.lkeys: list[int] = []
-        self.free: list[int] = []  # entry ids: chunk << 16 | index
-
-    def take(self) -> int:
-        if not self.free:
-            chunk = np.zeros(_POOL_CHUNK, dtype=CTRL_DTYPE)
-            mr = self.rail.register(chunk.ctypes.data, chunk.nbytes, access_flags(self.rail.v))
-            c = len(self.chunks)
-            self.chunks.append(chunk)
-            self.lkeys.append(int(mr.lkey))
-            self.free.extend((c << 16) | i for i in range(_POOL_CHUNK - 1, -1, -1))
-        return self.free.pop()
-
-    def give(self, entry: int) -> None:
-        self.free.append(entry)
-
-    def record(self, entry: int) -> np.ndarray:
-        return self.chunks[entry >> 16][entry & 0xFFFF: (entry & 0xFFFF) + 1]
-
-    def sge(self, entry: int) -> tuple[int, int]:
-        chunk = self.chunks[entry >> 16]
-        return chunk.ctypes.data + CTRL_SIZE * (entry & 0xFFFF), self.lkeys[entry >> 16]
+    send_staging: np.ndarray | None = None  # CTRL_DTYPE ring our records are sent from
+    send_lkey: int = 0
 
 
 class EfaBackend:
@@ -214,23 +157,18 @@ class EfaBackend:
         self.staging_entries = staging_entries
         self.cumulative = cumulative
         self.visibility_flush = visibility_flush
-        self.flush_hook = flush_hook
+        self._flush_hook = flush_hook
         self._conns: dict[int, _Conn] = {}
-        self._by_index: dict[int, _Conn] = {}
-        self._by_key: dict[int, _Conn] = {}
         self._free_index = deque(range(MAX_CONNS))
         self._free_keys = deque(range(1, 1 << (63 - _SEQ_BITS)))
-        self._ahs: dict[str, list[Any]] = {}  # gid -> [AH, users]
-        self._backlog: deque[tuple] = deque()
-        self._submitted = 0  # WRs on the SQ (submitted, not completed)
-        self._carry: list[tuple[int, int, int]] = []
+        self._ahs: dict[str, list[Any]] = {}  # gid -> [AH, users, handle]
+        self._addresses = AddressTable()
+        self._jobs: dict[str, int] = {}
+        self._retired: list[np.ndarray] = []  # send staging of closed connections, until the SQ drains
         self._publisher: FlagPublisher | None = None
         self._unpublished: list[tuple[int, int, int, SignalOp, int]] = []
-        self._rq_missing = 0
+        self._poster: Any = None
         self.qp: Any = None
-        self.stats = {"wrs": 0, "pieces": 0, "signals": 0, "fences": 0, "errors": 0, "arrivals": 0,
-                      "published": 0, "visibility_flushes": 0, "backlogged": 0, "protocol_errors": 0,
-                      "unknown_arrivals": 0}
         self.rail = EfaRail(verbs, device, port=port, gid_index=gid_index, cq_depth=cq_depth,
                             use_unsolicited=use_unsolicited)
         try:
@@ -241,8 +179,6 @@ class EfaBackend:
                 raise BackendError(f"EFA device {self.rail.device_name} reports max_rdma_size 0")
             self.sq_depth = min(sq_depth, int(attr.max_sq_wr))
             self.rq_depth = 0 if self.rail.unsolicited else min(rq_depth, int(attr.max_rq_wr))
-            self._signaled = int(v.libibverbs_enums.ibv_send_flags.IBV_SEND_SIGNALED)
-            self._pool = _StagingPool(self.rail)
             self._scratch = np.zeros(1, dtype=np.uint64)
             self._scratch_mr = self.rail.register(self._scratch.ctypes.data, 8, access_flags(v))
             self.qkey = _QKEY
@@ -279,9 +215,38 @@ class EfaBackend:
                 rts = v.qp.QPAttr(qp_state=e.ibv_qp_state.IBV_QPS_RTS, port_num=self.rail.port)
                 rts.rnr_retry = 7
                 self.qp.modify(rts, int(e.ibv_qp_attr_mask.IBV_QP_STATE | e.ibv_qp_attr_mask.IBV_QP_RNR_RETRY))
+        # the compiled data path on the QP's and CQ's ibv_*_ex structs (the shim's, over a Python provider)
+        self._shim_qp = srd_shim_qp(v, self.qp, self._addresses)
+        self._shim_cq = shim_cq(self.rail)
+        self._poster = _core.EfaPoster(
+            self._shim_qp, self._shim_cq, max_rdma_size=self.max_rdma_size, sq_depth=self.sq_depth,
+            rq_depth=self.rq_depth, cumulative=self.cumulative, unsolicited=self.rail.unsolicited,
+            visibility_flush=self.visibility_flush, on_pass=self._on_pass, backend_error=BackendError,
+            verbs_error=VerbsError)
+        self._poster.set_flush_hook(self._flush_hook is not None)
         if self.rq_depth:
-            self._rq_missing = self.rq_depth
-            self._replenish()
+            self._replenish(self.rq_depth)
+
+    @property
+    def flush_hook(self) -> Callable[[], None] | None:
+        """Called once before the flags of one poll are published (with ``visibility_flush``)."""
+        return self._flush_hook
+
+    @flush_hook.setter
+    def flush_hook(self, hook: Callable[[], None] | None) -> None:
+        self._flush_hook = hook
+        if self._poster is not None:
+            self._poster.set_flush_hook(hook is not None)
+
+    @property
+    def c_poster(self) -> Any:
+        """The compiled poster the proxy's engine calls directly (no Python per record or per WR)."""
+        return self._poster
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters of the data path: WRs, pieces, signals, fences, arrivals, flags published, ..."""
+        return self._poster.stats() if self._poster is not None else {}
 
     # --- addressing ----------------------------------------------------------------------------------
     def local_address(self) -> dict[str, Any]:
@@ -301,6 +266,18 @@ class EfaBackend:
     def deregister_memory(self, key: MemoryKey) -> None:
         self.rail.deregister(key.addr, key.lkey)
 
+    def _job(self, job: str) -> int:
+        return self._jobs.setdefault(job, len(self._jobs))
+
+    def set_host_flags(self, job: str, rank: int, addr: int, count: int) -> None:
+        """``job``'s rank ``rank`` keeps its ``count`` flags as u64 words at ``addr`` in host memory mapped
+        here: flags for it are published by the compiled path's own stores, with no Python call."""
+        self._poster.set_host_flags(self._job(job), rank, addr, count)
+
+    def clear_host_flags(self, job: str, rank: int) -> None:
+        """Forget ``set_host_flags`` (before the words are unmapped): its flags go to the publisher again."""
+        self._poster.clear_host_flags(self._job(job), rank)
+
     # --- connections ---------------------------------------------------------------------------------
     def create_endpoint(self, conn_id: int, job: str) -> dict[str, Any]:
         """Set up both directions of ``conn_id``: a staging ring for the records the peer will send us."""
@@ -308,16 +285,17 @@ class EfaBackend:
             raise BackendError(f"connection {conn_id} already exists")
         if not self._free_index:
             raise BackendError(f"more than {MAX_CONNS} connections on one efa rail")
+        if self._retired and not self._poster.submitted:
+            self._retired.clear()  # no WR of a closed connection can still read them
         staging = np.zeros(self.staging_entries, dtype=CTRL_DTYPE)
         mr = self.rail.register(staging.ctypes.data, staging.nbytes, access_flags(self.v, remote_write=True))
         index = self._free_index.popleft()
         key = self._free_keys.popleft()
-        conn = _Conn(conn_id=conn_id, job=job, index=index, key=key, recv_staging=staging, recv_lkey=int(mr.lkey),
-                     groups=SenderGroups(cumulative=self.cumulative))
-        conn.next_seq = conn.oldest = random.getrandbits(40)
+        conn = _Conn(conn_id=conn_id, job=job, index=index, key=key, recv_staging=staging, recv_lkey=int(mr.lkey))
+        # a random first WR number: completions of an earlier connection with the same key never match
+        self._poster.add_connection(conn_id, index, key, self._job(job), random.getrandbits(40),
+                                    staging.ctypes.data, self.staging_entries)
         self._conns[conn_id] = conn
-        self._by_index[index] = conn
-        self._by_key[key] = conn
         return {**self.local_address(), "index": index, "staging_addr": int(staging.ctypes.data),
                 "staging_rkey": int(mr.rkey), "staging_entries": self.staging_entries, "job": job}
 
@@ -328,6 +306,10 @@ class EfaBackend:
             raise BackendError(f"connection {conn_id} is already connected")
         if remote.get("transport") != "efa":
             raise BackendError(f"connection {conn_id}: remote end is {remote.get('transport')!r}, not efa")
+        entries = int(remote["staging_entries"])
+        if entries < 2 or entries & (entries - 1):
+            raise BackendError(f"connection {conn_id}: the peer's staging ring has {entries} entries, "
+                               "not a power of two")
         gid = str(remote["gid"])
         entry = self._ahs.get(gid)
         if entry is None:
@@ -335,14 +317,20 @@ class EfaBackend:
             with translate_verbs_errors(f"creating an address handle for {gid}", v):
                 gr = v.addr.GlobalRoute(dgid=v.addr.GID(gid), sgid_index=self.rail.gid_index)
                 ah_attr = v.addr.AHAttr(port_num=self.rail.port, is_global=1, gr=gr)
-                entry = self._ahs[gid] = [v.addr.AH(self.rail.pd, attr=ah_attr), 0]
+                ah = v.addr.AH(self.rail.pd, attr=ah_attr)
+            entry = self._ahs[gid] = [ah, 0, self._addresses.add(ah)]
+        send = np.zeros(entries, dtype=CTRL_DTYPE)
+        mr = self.rail.register(send.ctypes.data, send.nbytes, access_flags(self.v))
+        try:
+            self._poster.connect(conn_id, int(remote["index"]), entry[2], int(remote["qpn"]), int(remote["qkey"]),
+                                 int(remote["staging_addr"]), int(remote["staging_rkey"]), entries,
+                                 send.ctypes.data, int(mr.lkey))
+        except BaseException:
+            self.rail.deregister(send.ctypes.data, int(mr.lkey))
+            raise
         entry[1] += 1
-        conn.ah, conn.gid = entry[0], gid
-        conn.qpn, conn.qkey = int(remote["qpn"]), int(remote["qkey"])
-        conn.peer_index = int(remote["index"])
-        conn.peer_staging_addr = int(remote["staging_addr"])
-        conn.peer_staging_rkey = int(remote["staging_rkey"])
-        conn.peer_staging_entries = int(remote["staging_entries"])
+        conn.gid = gid
+        conn.send_staging, conn.send_lkey = send, int(mr.lkey)
         conn.connected = True
 
     def close_connection(self, conn_id: int) -> None:
@@ -351,271 +339,58 @@ class EfaBackend:
         conn = self._conns.pop(conn_id, None)
         if conn is None:
             return
-        self._by_index.pop(conn.index, None)
-        self._by_key.pop(conn.key, None)
-        if conn.waiting:
-            self._backlog = deque(wr for wr in self._backlog if wr[0] is not conn)
-        for _batch, entry in conn.pending.values():
-            if entry >= 0:
-                self._pool.give(entry)  # a WR still on the SQ may read it: harmless, the record is stale
-        conn.pending.clear()
-        if conn.ah is not None:
-            entry_ = self._ahs.get(conn.gid)
-            if entry_ is not None:
-                entry_[1] -= 1
-                if entry_[1] == 0:
+        self._poster.remove_connection(conn_id)
+        if conn.connected:
+            entry = self._ahs.get(conn.gid)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
                     del self._ahs[conn.gid]
-                    entry_[0].close()
+                    self._addresses.remove(entry[2])
+                    entry[0].close()
+        if conn.send_staging is not None:
+            self.rail.deregister(conn.send_staging.ctypes.data, conn.send_lkey)
+            self._retired.append(conn.send_staging)  # a WR still on the SQ may point into it
         self.rail.deregister(conn.recv_staging.ctypes.data, conn.recv_lkey)
         self._free_index.append(conn.index)
         self._free_keys.append(conn.key)
 
-    # --- data path -----------------------------------------------------------------------------------
+    # --- data path (the engine calls c_poster directly; these are the same C calls) --------------------
     def post(self, conn_id: int, plan: np.ndarray) -> int:
         """Lower ``plan`` to write-with-imm WRs and submit what fits; returns how many WRs it became."""
-        conn = self._conn(conn_id)
-        if not conn.connected:
-            raise BackendError(f"connection {conn_id} is not connected")
-        n = self._lower(conn, plan)
-        self._submit()
-        return n
+        return self._poster.post(conn_id, np.ascontiguousarray(plan))
 
     def post_batches(self, conn_ids: np.ndarray, plan: np.ndarray, bounds: np.ndarray) -> np.ndarray:
         """Post several batches (``plan[bounds[i]:bounds[i+1]]`` on ``conn_ids[i]``) with one submission."""
-        out = np.zeros(len(conn_ids), dtype=np.int64)
-        for i, (cid, s, e) in enumerate(zip(conn_ids.tolist(), bounds[:-1].tolist(), bounds[1:].tolist(),
-                                            strict=True)):
-            conn = self._conn(cid)
-            if not conn.connected:
-                raise BackendError(f"connection {cid} is not connected")
-            out[i] = self._lower(conn, plan[s:e])
-        self._submit()
-        return out
-
-    def _lower(self, conn: _Conn, plan: np.ndarray) -> int:
-        """Plan rows -> WRs appended to the backlog; returns the number of WRs."""
-        rows = plan.tolist()
-        n_rows = len(rows)
-        if not n_rows:
-            return 0
-        groups = conn.groups
-        pool = self._pool
-        maxsz = self.max_rdma_size
-        peer = conn.peer_index
-        srkey, saddr, sents = conn.peer_staging_rkey, conn.peer_staging_addr, conn.peer_staging_entries
-        out: list[tuple] = []
-        entries: list[int] = []
-        ctrl: list[int] = []  # record seq per WR (-1: a data piece)
-        batches: list[tuple[int, _Batch]] = []  # (number of WRs before the batch ends, batch)
-        saved = (groups.group, groups.pieces, groups.closed, groups.after, groups.seq)
-        try:
-            for i, (op, sop, rank, length, laddr, raddr, lkey, rkey, value, slot, _chunk, token) in enumerate(rows):
-                if op == _WRITE:
-                    npieces = max(1, -(-length // maxsz))
-                    imm = encode_imm(KIND_DATA, peer, groups.piece_group(npieces))
-                    for off in range(0, max(length, 1), maxsz):
-                        out.append((rkey, raddr + off, laddr + off, min(maxsz, length - off), lkey, imm))
-                        entries.append(-1)
-                        ctrl.append(-1)
-                    self.stats["pieces"] += npieces
-                elif op == _SIGNAL or op == _FENCE:
-                    entry = pool.take()
-                    entries.append(entry)
-                    rec = pool.record(entry)
-                    if op == _SIGNAL:
-                        seq = groups.signal(rec, OP_SET if sop == _SET else OP_ADD, value, rank, slot)
-                        self.stats["signals"] += 1
-                    else:
-                        seq = groups.fence(rec)
-                        self.stats["fences"] += 1
-                    addr, slkey = pool.sge(entry)
-                    out.append((srkey, saddr + CTRL_SIZE * (seq % sents), addr, CTRL_SIZE, slkey,
-                                encode_imm(KIND_CTRL, peer, seq)))
-                    ctrl.append(seq)
-                else:
-                    raise BackendError(f"plan row {i}: unknown op {op}")
-                if i == n_rows - 1 or (token != rows[i + 1][11] and token != 0):
-                    batches.append((len(out), _Batch(token, 0)))
-        except BaseException:
-            groups.group, groups.pieces, groups.closed, groups.after, groups.seq = saved
-            for entry in entries:
-                if entry >= 0:
-                    pool.give(entry)
-            raise
-        # commit: number the WRs, attach them to their batches, queue them
-        seq = conn.next_seq
-        start = 0
-        backlog = self._backlog
-        pending = conn.pending
-        for end, batch in batches:
-            batch.remaining = end - start
-            for k in range(start, end):
-                pending[seq] = (batch, entries[k])
-                if ctrl[k] >= 0:
-                    conn.ctrl_seq[seq] = ctrl[k]
-                    conn.ctrl_pending.add(ctrl[k])
-                backlog.append((conn, seq, *out[k]))
-                seq += 1
-            start = end
-        conn.next_seq = seq
-        conn.waiting += len(out)
-        self.stats["wrs"] += len(out)
-        return len(out)
-
-    def _submit(self) -> None:
-        """Move WRs from the backlog onto the SQ: as many as fit, keeping each connection's windows."""
-        backlog = self._backlog
-        room = self.sq_depth - self._submitted
-        if not backlog or room <= 0:
-            if backlog:
-                self.stats["backlogged"] += 1
-            return
-        batch: list[tuple] = []
-        while backlog and len(batch) < room:
-            item = backlog[0]
-            conn, seq = item[0], item[1]
-            if seq - conn.oldest >= _MAX_SPAN:
-                break
-            rec = conn.ctrl_seq.get(seq)
-            if rec is not None and rec - conn.oldest_ctrl >= conn.peer_staging_entries // 2:
-                break
-            batch.append(backlog.popleft())
-        if batch:
-            qp = self.qp
-            SGE = self.v.wr.SGE
-            sig = self._signaled
-            try:
-                with translate_verbs_errors("posting on the SRD QP", self.v):
-                    qp.wr_start()
-                    try:
-                        for conn, seq, rkey, raddr, laddr, length, lkey, imm in batch:
-                            qp.wr_id = (conn.key << _SEQ_BITS) | (seq & _SEQ_MASK)
-                            qp.wr_flags = sig
-                            qp.wr_rdma_write_imm(rkey, raddr, imm)
-                            qp.wr_set_sge(SGE(laddr, length, lkey))
-                            qp.wr_set_ud_addr(conn.ah, conn.qpn, conn.qkey)
-                        qp.wr_complete()
-                    except BaseException:
-                        qp.wr_abort()
-                        raise
-            except BaseException:
-                backlog.extendleft(reversed(batch))  # nothing was posted: they wait again, in order
-                raise
-            for item in batch:
-                item[0].waiting -= 1
-            self._submitted += len(batch)
-        if backlog:
-            self.stats["backlogged"] += 1
+        out = self._poster.post_batches(np.ascontiguousarray(conn_ids, dtype=np.int64), np.ascontiguousarray(plan),
+                                        np.ascontiguousarray(bounds, dtype=np.int64))
+        return np.frombuffer(out, dtype=np.int64).copy()
 
     def poll(self, max_completions: int = 256) -> np.ndarray:
         """Handle send completions and arrivals; returns completed tokens (each batch once)."""
-        out = self._carry
-        self._carry = []
-        with translate_verbs_errors("polling the CQ", self.v):
-            wcs = self.rail.drain.poll(max(64, min(2 * max_completions, 4096)))
-        if len(wcs):
-            touched = self._handle(wcs, out)
-            if touched:
-                self._publish(touched)
-        if self._rq_missing >= max(1, self.rq_depth // 8):
-            self._replenish()
-        if self._backlog:
-            self._submit()
-        if len(out) > max_completions:
-            self._carry = out[max_completions:]
-            out = out[:max_completions]
-        return completions(out)
+        return np.frombuffer(self._poster.poll(max_completions), dtype=COMPLETION_DTYPE).copy()
 
-    def _handle(self, wcs: np.ndarray, out: list[tuple[int, int, int]]) -> list[_Conn]:
-        touched: list[_Conn] = []
-        by_key, by_index = self._by_key, self._by_index
-        stats = self.stats
-        sent_done = 0
-        for wr_id, status, opcode, vendor_err, imm, unsolicited in zip(
-                wcs["wr_id"].tolist(), wcs["status"].tolist(), wcs["opcode"].tolist(), wcs["vendor_err"].tolist(),
-                wcs["imm"].tolist(), wcs["unsolicited"].tolist(), strict=True):
-            if status == 0 and opcode == _WC_RECV_RDMA_WITH_IMM:
-                if not unsolicited:
-                    self._rq_missing += 1
-                stats["arrivals"] += 1
-                kind, index, idx = decode_imm(imm)
-                conn = by_index.get(index)
-                if conn is None or conn.failed:
-                    stats["unknown_arrivals"] += 1
-                    continue
-                try:
-                    if kind == KIND_DATA:
-                        conn.arrivals.on_piece(idx)
-                    elif kind == KIND_CTRL:
-                        entries = len(conn.recv_staging)
-                        conn.arrivals.on_record(idx, conn.recv_staging[idx & (entries - 1)].copy())
-                    else:
-                        raise ProtocolViolation(f"immediate kind {kind}")
-                except ProtocolViolation as exc:
-                    conn.failed = True
-                    stats["protocol_errors"] += 1
-                    log.error("efa connection %d: peer broke the counting protocol (%s); no more flags will be "
-                              "published for it", conn.conn_id, exc)
-                    continue
-                if not touched or touched[-1] is not conn:
-                    touched.append(conn)
-                continue
-            if wr_id & _RECV_TAG:
-                self._rq_missing += 1  # a receive WR flushed (QP going away)
-                continue
-            sent_done += 1
-            if status:
-                stats["errors"] += 1
-            conn = by_key.get(wr_id >> _SEQ_BITS)
-            if conn is None:
-                continue
-            seq = wr_id & _SEQ_MASK
-            item = conn.pending.pop(seq, None)
-            if item is None:
-                continue
-            batch, entry = item
-            if entry >= 0:
-                self._pool.give(entry)
-                rec = conn.ctrl_seq.pop(seq)
-                conn.ctrl_pending.discard(rec)
-                if rec == conn.oldest_ctrl:
-                    nxt = conn.groups.seq
-                    while conn.oldest_ctrl < nxt and conn.oldest_ctrl not in conn.ctrl_pending:
-                        conn.oldest_ctrl += 1
-            if seq == conn.oldest:
-                nxt = conn.next_seq
-                while conn.oldest < nxt and conn.oldest not in conn.pending:
-                    conn.oldest += 1
-            if status and not batch.status:
-                batch.status, batch.vendor_err = status, vendor_err
-            batch.remaining -= 1
-            if batch.remaining == 0:
-                out.append((batch.token, batch.status, batch.vendor_err))
-        self._submitted -= sent_done
-        return touched
-
-    def _publish(self, conns: list[_Conn]) -> None:
-        flushed = False
-        publisher = self._publisher
-        for conn in dict.fromkeys(conns):
-            ready = conn.arrivals.ready()
-            if not ready:
-                continue
-            if self.visibility_flush and not flushed:
-                flushed = True
-                self.stats["visibility_flushes"] += 1
-                if self.flush_hook is not None:
-                    self.flush_hook()
-            for p in ready:
+    def _on_pass(self, pubs: bytes, failures: list[tuple[int, str]], replenish: int, flush: bool) -> None:
+        """The one Python call of a poll that needs one (efa_post.c): in this order, the visibility flush,
+        protocol errors to log, flags the C code could not store itself, receive WRs to repost."""
+        if flush and self._flush_hook is not None:
+            self._flush_hook()
+        for conn_id, why in failures:
+            log.error("efa connection %d: peer broke the counting protocol (%s); no more flags will be "
+                      "published for it", conn_id, why)
+        if pubs:
+            publisher = self._publisher
+            for conn_id, rank, slot, op, value in np.frombuffer(pubs, dtype=PUB_DTYPE)[
+                    ["conn", "rank", "slot", "op", "value"]].tolist():
                 if publisher is None:
-                    self._unpublished.append((conn.conn_id, p.rank, p.slot, p.op, p.value))
+                    self._unpublished.append((conn_id, rank, slot, SignalOp(op), value))
                 else:
-                    publisher(conn.conn_id, p.rank, p.slot, p.op, p.value)
-            self.stats["published"] += len(ready)
+                    publisher(conn_id, rank, slot, SignalOp(op), value)
+        if replenish:
+            self._replenish(replenish)
 
-    def _replenish(self) -> None:
-        """Post receive WRs for the ones arrivals consumed (only without unsolicited write receive)."""
-        n = self._rq_missing
+    def _replenish(self, n: int) -> None:
+        """Post ``n`` receive WRs for the ones arrivals consumed (only without unsolicited write receive)."""
         if not n or self.qp is None:
             return
         v = self.v
@@ -625,11 +400,11 @@ class EfaBackend:
             head = v.wr.RecvWR(wr_id=_RECV_TAG, num_sge=1, sg=[sge], next_wr=head)
         with translate_verbs_errors(f"posting {n} receive WRs", v):
             self.qp.post_recv(head)
-        self._rq_missing = 0
 
     def inflight(self, conn_id: int) -> int:
         """WRs posted on ``conn_id`` (submitted or still in the backlog) and not yet completed."""
-        return self._conn(conn_id).inflight()
+        self._conn(conn_id)
+        return self._poster.inflight(conn_id)
 
     def set_flag_publisher(self, publisher: FlagPublisher) -> None:
         """Install the daemon's publisher; flags that became ready before it was installed go out now."""
@@ -641,10 +416,11 @@ class EfaBackend:
     def close(self) -> None:
         for conn_id in list(getattr(self, "_conns", {})):
             self.close_connection(conn_id)
+        self._poster = None
         if self.qp is not None:
             self.qp.close()
             self.qp = None
-        for ah, _users in self._ahs.values():
+        for ah, _users, _handle in self._ahs.values():
             ah.close()
         self._ahs.clear()
         self.rail.close()

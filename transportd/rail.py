@@ -142,6 +142,8 @@ class RailService:
         flags = FlagFile(Path(path))
         mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True)
         self.flags[(job, rank)] = (flags, mkey)
+        if hasattr(self.backend, "set_host_flags"):  # efa: the compiled path stores these flags itself
+            self.backend.set_host_flags(job, rank, flags.address, flags.count)
         return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
 
     def op_map_gpu_flags(self, job: str, rank: int, handle: bytes, offset: int, count: int,
@@ -195,6 +197,8 @@ class RailService:
         self.proxy.forget_rank(job, rank)
         entry = self.flags.pop((job, rank), None)
         if entry is not None:
+            if hasattr(self.backend, "clear_host_flags"):
+                self.backend.clear_host_flags(job, rank)
             self.backend.deregister_memory(entry[1])
             if isinstance(entry[0], FlagFile):
                 entry[0].close()

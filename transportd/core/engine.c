@@ -1454,7 +1454,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (tpd_ib_register(m) < 0 || tpd_shim_register(m) < 0) {
+    if (tpd_ib_register(m) < 0 || tpd_shim_register(m) < 0 || tpd_efa_register(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

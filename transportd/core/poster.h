@@ -42,5 +42,6 @@ int tpd_restore_exception(void);
 /* The types ib_post.c and verbs_shim.c add to transportd._core (with a Python object argument). */
 int tpd_ib_register(void *module);
 int tpd_shim_register(void *module);
+int tpd_efa_register(void *module); /* efa_post.c: EfaPoster, SrdShimQP */
 
 #endif

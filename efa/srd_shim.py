@@ -1,0 +1,159 @@
+"""The Python side of the SRD verbs shim: an ``ibv_qp_ex`` (``transportd._core.SrdShimQP``) for an SRD QP of a
+Python verbs provider, and an ``ibv_cq_ex`` (``transportd._core.ShimCQ``) for the rail's CQ, so the compiled
+efa lowering (``transportd/core/efa_post.c``) posts and polls through function pointers whatever the provider.
+
+Per pass the shim makes one Python call each way:
+
+- ``post``: the session's WRs as :data:`SRD_WR_DTYPE` records. On softverbs :func:`post_soft` feeds them
+  to the QP's session core directly (no Python call per WR into the verbs API); on pyverbs, until a bridge
+  hands the engine pyverbs' own ``ibv_qp_ex``, :func:`replay_pyverbs` replays them through the QPEx
+  ``wr_*`` methods (one binding call per WR, as before the compiled core).
+- ``poll``: completions as :data:`~transportd.verbs_util.WC_DTYPE` rows (:func:`poll_soft` on softverbs,
+  the rail's :class:`~transportd.verbs_util.CqDrain` elsewhere).
+
+Address handles: the lowering passes ``wr_set_ud_addr`` the ``ah`` it was given per connection. Through the
+shim that is a small integer naming an entry of an :class:`AddressTable`; on a NIC it would be the
+``struct ibv_ah *`` itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from transportd import _core
+from transportd.verbs_util import WC_DTYPE, Rail
+
+__all__ = ["SRD_WR_DTYPE", "SET_SGE", "SET_UD", "AddressTable", "poll_soft", "post_soft", "replay_pyverbs",
+           "shim_cq", "srd_shim_qp"]
+
+#: One collected WR (transportd/core/efa_shim.c SrdWr).
+SRD_WR_DTYPE = np.dtype(
+    [
+        ("wr_id", "<u8"),
+        ("raddr", "<u8"),
+        ("sge_addr", "<u8"),
+        ("ah", "<u8"),
+        ("sge_length", "<u4"),
+        ("sge_lkey", "<u4"),
+        ("rkey", "<u4"),
+        ("flags", "<u4"),
+        ("imm", "<u4"),  # big-endian, as wr_rdma_write_imm takes it
+        ("remote_qpn", "<u4"),
+        ("remote_qkey", "<u4"),
+        ("opcode", "u1"),  # ibv_wr_opcode: 1 = RDMA_WRITE_WITH_IMM
+        ("setters", "u1"),
+        ("pad", "<u2"),
+    ]
+)
+SET_SGE, SET_UD = 1, 4
+_WR_RDMA_WRITE_WITH_IMM = 1
+_WC_WITH_IMM = 1 << 1
+assert SRD_WR_DTYPE.itemsize == _core.SRD_WR_SIZE
+
+
+class AddressTable:
+    """Address handles by the small integers the compiled lowering carries in place of ``ibv_ah *``."""
+
+    def __init__(self) -> None:
+        self.ahs: dict[int, Any] = {}
+        self._next = 1
+
+    def add(self, ah: Any) -> int:
+        handle = self._next
+        self._next += 1
+        self.ahs[handle] = ah
+        return handle
+
+    def remove(self, handle: int) -> None:
+        self.ahs.pop(handle, None)
+
+
+def post_soft(qp: Any, table: AddressTable, wrs: bytes) -> int:
+    """Post ``wrs`` on a softverbs SRD ``qp`` as one session; returns wr_complete()'s errno.
+
+    The same session calls ``wr_rdma_write_imm`` / ``wr_set_sge`` / ``wr_set_ud_addr`` make, with their
+    checks (every WR signaled, queue space, state), all or nothing.
+    """
+    from softverbs import _wire as w
+
+    rows = np.frombuffer(wrs, dtype=SRD_WR_DTYPE)
+    if len(rows) and not np.all(rows["opcode"] == _WR_RDMA_WRITE_WITH_IMM):
+        return 95  # EOPNOTSUPP: the shim carries nothing else
+    qp._op(w.OP_WRITE_IMM)  # raises as wr_rdma_write_imm would on a QP created without it
+    core = qp._core
+    ahs = table.ahs
+    core.session_start()
+    try:
+        for (wr_id, raddr, sge_addr, ah, sge_length, sge_lkey, rkey, flags, imm, qpn, qkey, _op, setters,
+             _pad) in rows.tolist():
+            core.session_op(w.OP_WRITE_IMM, wr_id, flags, rkey, raddr, imm)
+            if setters & SET_SGE:
+                core.session_set_sge(sge_addr, sge_length, sge_lkey)
+            if setters & SET_UD:
+                core.session_set_ud(ahs[ah]._endpoint, qpn, qkey)
+    except BaseException:
+        core.session_abort()
+        raise
+    return core.session_complete()
+
+
+def replay_pyverbs(v: Any, qp: Any, table: AddressTable, wrs: bytes) -> int:
+    """Replay ``wrs`` through a pyverbs ``qp``'s wr_* methods as one session; wr_complete()'s errno."""
+    rows = np.frombuffer(wrs, dtype=SRD_WR_DTYPE)
+    SGE = v.wr.SGE
+    ntohl = socket.ntohl
+    qp.wr_start()
+    try:
+        for r in rows.tolist():
+            wr_id, raddr, sge_addr, ah, sge_length, sge_lkey, rkey, flags, imm, qpn, qkey, _op, setters, _ = r
+            qp.wr_id = wr_id
+            qp.wr_flags = flags
+            qp.wr_rdma_write_imm(rkey, raddr, ntohl(imm))  # the binding converts to big-endian itself
+            if setters & SET_SGE:
+                qp.wr_set_sge(SGE(sge_addr, sge_length, sge_lkey))
+            if setters & SET_UD:
+                qp.wr_set_ud_addr(table.ahs[ah], qpn, qkey)
+    except BaseException:
+        qp.wr_abort()
+        raise
+    try:
+        qp.wr_complete()
+    except v.pyverbs_error.PyverbsRDMAError as exc:
+        return int(getattr(exc, "error_code", 0) or 5)  # EIO when the binding gave no errno
+    return 0
+
+
+def poll_soft(cq: Any, max_entries: int) -> np.ndarray:
+    """Up to ``max_entries`` completions of a softverbs CQ(EX), oldest first, as WC_DTYPE rows."""
+    cq._check()
+    got = cq._core.take(max_entries)
+    if not got:
+        time.sleep(0)  # as start_poll on an empty soft CQ: let the provider's threads run
+        return np.zeros(0, dtype=WC_DTYPE)
+    ntohl = socket.ntohl
+    return np.array([(c[0], 0, c[2], 0, ntohl(c[6]) if c[7] & _WC_WITH_IMM else 0, c[3], c[4], c[7], c[12])
+                     if c[1] == 0 else (c[0], c[1], 0, 0, 0, 0, c[4], 0, 0) for c in got], dtype=WC_DTYPE)
+
+
+def srd_shim_qp(v: Any, qp: Any, table: AddressTable) -> Any:
+    """A ``SrdShimQP`` for ``qp`` (an SRD QPEx of provider ``v``): its wr_complete posts through ``qp``."""
+    if v.name == "soft":
+        post = functools.partial(post_soft, qp, table)
+    else:
+        post = functools.partial(replay_pyverbs, v, qp, table)
+    return _core.SrdShimQP(post, int(qp.qp_num))
+
+
+def shim_cq(rail: Rail, fetch: int = 4096) -> Any:
+    """A ``ShimCQ`` over ``rail``'s CQ."""
+    if rail.v.name == "soft":
+        poll = functools.partial(poll_soft, rail.cq)
+    else:
+        def poll(n: int) -> np.ndarray:
+            return np.ascontiguousarray(rail.drain.poll(n))  # a copy: the drain reuses its buffer
+    return _core.ShimCQ(poll, fetch)
