@@ -1,6 +1,8 @@
 """The command ring: N records plus control words in a shared-memory file.
 
-One process creates the ring (the daemon, per channel) and others attach to it by name. The producers
+One process creates the ring (the daemon, per channel: an anonymous memfd it hands to the client and the
+rail worker by descriptor, :meth:`RingFile.create_memfd`) and others map it (tools and tests may still
+name a file in /dev/shm: :meth:`RingFile.create`, :meth:`RingFile.attach`). The producers
 (GPU thread blocks, or :class:`RingProducer` for CPU clients and tests) write records; one consumer (a
 proxy worker, :class:`RingConsumer`) takes them.
 
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from cmd_ring.record import RECORD_DTYPE, RECORD_SIZE, seq_array
+from cmd_ring.shm import sealed_memfd
 
 __all__ = [
     "RingError",
@@ -88,6 +91,11 @@ def _ring_bytes(capacity: int) -> int:
     return (raw + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
+def _check_capacity(capacity: int) -> None:
+    if capacity < 2 or capacity & (capacity - 1) or capacity > 1 << 30:
+        raise RingError(f"ring capacity must be a power of two in [2, 2**30], got {capacity}")
+
+
 def _try_mlock(address: int, length: int) -> bool:
     """Pin the ring in RAM where the memlock limit allows; the ring still works unpinned."""
     libc_name = ctypes.util.find_library("c")
@@ -100,14 +108,17 @@ def _try_mlock(address: int, length: int) -> bool:
 class RingFile:
     """A mapped ring file: the records, the control words, and who created it.
 
-    Use :meth:`create` (the owner, usually the daemon) or :meth:`attach` (everyone else).
+    Use :meth:`create_memfd` or :meth:`create` (the owner, usually the daemon), :meth:`from_fd` or
+    :meth:`attach` (everyone else).
     """
 
-    def __init__(self, path: Path, fd: int, size: int, owner: bool) -> None:
-        self.path = path
+    def __init__(self, path: Path | None, fd: int, size: int, owner: bool) -> None:
+        self.path = path  # None: an anonymous ring (a memfd), reachable only by descriptor
         self.owner = owner
-        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
+        try:
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the mapping keeps the memory
         self.size = size
         self._bytes = np.frombuffer(self._mm, dtype=np.uint8)
         self.mlocked = False
@@ -116,8 +127,7 @@ class RingFile:
     @classmethod
     def create(cls, name: str, capacity: int, *, mode: int = 0o660, lock: bool = True) -> RingFile:
         """Create ring ``name`` with ``capacity`` records (a power of two); fails if it exists."""
-        if capacity < 2 or capacity & (capacity - 1) or capacity > 1 << 30:
-            raise RingError(f"ring capacity must be a power of two in [2, 2**30], got {capacity}")
+        _check_capacity(capacity)
         path = ring_path(name)
         size = _ring_bytes(capacity)
         try:
@@ -131,15 +141,36 @@ class RingFile:
         except BaseException:
             os.unlink(path)
             raise
-        ring._u64(OFF_CAPACITY)[0] = capacity
-        ring._u64(OFF_TOTAL_SIZE)[0] = size
-        ring._u32(OFF_RECORD_SIZE)[0] = RECORD_SIZE
-        ring._u32(OFF_VERSION)[0] = VERSION
-        ring._u64(OFF_MAGIC)[0] = MAGIC  # last: an attacher sees a complete header or none
-        if lock:
-            ring.mlocked = _try_mlock(ring.address, size)
-        ring._init_views()
+        ring._format(capacity, lock)
         return ring
+
+    @classmethod
+    def create_memfd(cls, capacity: int, *, name: str = "tpd-ring", lock: bool = True) -> tuple[RingFile, int]:
+        """Create an anonymous ring (a sealed memfd, see :mod:`cmd_ring.shm`): no path anyone could open.
+
+        Returns the ring and a descriptor of it, the caller's to hand out (``SCM_RIGHTS``) and close;
+        :meth:`from_fd` maps it on the other side. ``name`` labels it in ``/proc/<pid>/maps``.
+        """
+        _check_capacity(capacity)
+        size = _ring_bytes(capacity)
+        fd = sealed_memfd(name, size)
+        try:
+            ring = cls(None, os.dup(fd), size, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        ring._format(capacity, lock)
+        return ring, fd
+
+    def _format(self, capacity: int, lock: bool) -> None:
+        self._u64(OFF_CAPACITY)[0] = capacity
+        self._u64(OFF_TOTAL_SIZE)[0] = self.size
+        self._u32(OFF_RECORD_SIZE)[0] = RECORD_SIZE
+        self._u32(OFF_VERSION)[0] = VERSION
+        self._u64(OFF_MAGIC)[0] = MAGIC  # last: an attacher sees a complete header or none
+        if lock:
+            self.mlocked = _try_mlock(self.address, self.size)
+        self._init_views()
 
     @classmethod
     def attach(cls, name: str) -> RingFile:
@@ -153,29 +184,43 @@ class RingFile:
             ) from None
         except PermissionError:
             raise RingError(f"no permission to open ring {path}: are you in the daemon's group?") from None
-        size = os.fstat(fd).st_size
+        return cls._attach_fd(fd, path, str(path))
+
+    @classmethod
+    def from_fd(cls, fd: int) -> RingFile:
+        """Map the ring behind ``fd`` (from :meth:`create_memfd`, passed by descriptor); ``fd`` is consumed
+        (closed), the mapping keeps the memory. A foreign or wrong-sized file is a clear error."""
+        return cls._attach_fd(fd, None, f"ring descriptor {fd}")
+
+    @classmethod
+    def _attach_fd(cls, fd: int, path: Path | None, label: str) -> RingFile:
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            raise
         if size < CONTROL_BYTES:
             os.close(fd)
-            raise RingLayoutError(f"{path} is {size} bytes, smaller than a ring's {CONTROL_BYTES}-byte header")
+            raise RingLayoutError(f"{label} is {size} bytes, smaller than a ring's {CONTROL_BYTES}-byte header")
         ring = cls(path, fd, size, owner=False)
         magic = int(ring._u64(OFF_MAGIC)[0])
         if magic != MAGIC:
             ring.close()
-            raise RingLayoutError(f"{path} is not a transportd ring (magic {magic:#x})")
+            raise RingLayoutError(f"{label} is not a transportd ring (magic {magic:#x})")
         version = int(ring._u32(OFF_VERSION)[0])
         record_size = int(ring._u32(OFF_RECORD_SIZE)[0])
         capacity = int(ring._u64(OFF_CAPACITY)[0])
         if version != VERSION or record_size != RECORD_SIZE:
             ring.close()
             raise RingLayoutError(
-                f"{path} is ring version {version} with {record_size}-byte records; "
+                f"{label} is ring version {version} with {record_size}-byte records; "
                 f"this library speaks version {VERSION} with {RECORD_SIZE}-byte records"
             )
         expected = _ring_bytes(capacity) if capacity and not capacity & (capacity - 1) else -1
         if expected != size or int(ring._u64(OFF_TOTAL_SIZE)[0]) != size:
             ring.close()
             raise RingLayoutError(
-                f"{path} is {size} bytes but its header says capacity {capacity} "
+                f"{label} is {size} bytes but its header says capacity {capacity} "
                 f"({expected} bytes): the file is truncated or corrupt"
             )
         ring._init_views()
@@ -250,7 +295,9 @@ class RingFile:
             pass  # a caller still holds a view; the mapping goes when that view does
 
     def unlink(self) -> None:
-        """Remove the ring's name (existing mappings stay valid until closed)."""
+        """Remove the ring's name (existing mappings stay valid until closed); an anonymous ring has none."""
+        if self.path is None:
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -355,7 +402,7 @@ class RingProducer:
         while self.free_slots() < count:
             if deadline is not None and time.monotonic() >= deadline:
                 raise RingFullError(
-                    f"ring {self.ring.path} stayed full for {timeout}s "
+                    f"ring {self.ring.path or 'memfd'} stayed full for {timeout}s "
                     f"(producer at {self.position}, consumer at {self.ring.consumer_pos})"
                 )
             time.sleep(pause)

@@ -156,8 +156,9 @@ class DeviceFlags:
     place through the channel handle. ``status`` is the daemon's session-wide error word (host file).
     """
 
-    def __init__(self, path: str, count: int, memory: DeviceMemory) -> None:
-        self._file = FlagFile(path)
+    def __init__(self, status_file: FlagFile, count: int, memory: DeviceMemory) -> None:
+        """``status_file``: the daemon's host flag array (its status word), mapped from its descriptor."""
+        self._file = status_file
         self.memory = memory
         self.count = count
         self.device_ptr = memory.ptr

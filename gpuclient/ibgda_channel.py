@@ -20,6 +20,7 @@ channel after registering regions, allocating flags and exchanging.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,8 +60,7 @@ class IbgdaChannelHandle:
         self._session = session
         self.info = info
         self.signal_mode = SignalMode[str(info["signal_mode"]).upper()]
-        self.queues = [_Queue(int(q["peer"]), QueueMemory.attach(q["path"], int(q["wqe_cnt"]), int(q["ncqes"])), q)
-                       for q in info["queues"]]
+        self.queues = [_Queue(int(q["peer"]), _attach_queue(session, q), q) for q in info["queues"]]
         self._device: IbgdaDeviceChannel | None = None
         self._host: IbgdaHostChannel | None = None
 
@@ -100,6 +100,15 @@ class IbgdaChannelHandle:
             if handle is not None:
                 handle.release()
         self._device = self._host = None
+
+
+def _attach_queue(session: Session, q: dict[str, Any]) -> QueueMemory:
+    """Map a queue the daemon's rail worker serves: a memfd it hands over by descriptor (no path to open)."""
+    fd = session._conn.take_fd(int(q["fd"]), "ibgda")
+    try:
+        return QueueMemory.attach(None, int(q["wqe_cnt"]), int(q["ncqes"]), fd=fd)
+    finally:
+        os.close(fd)  # the mapping keeps the memory
 
 
 @dataclass

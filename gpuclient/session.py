@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -114,10 +113,11 @@ class Region:
 class FlagArray:
     """This rank's flag words (monotonic 64-bit counters peers ADD to or SET)."""
 
-    def __init__(self, path: str, count: int) -> None:
-        self._file = FlagFile(Path(path))
+    def __init__(self, flag_file: FlagFile, count: int) -> None:
+        """``flag_file``: the daemon's flag array, mapped from the descriptor it handed over."""
+        self._file = flag_file
         if self._file.count != count:
-            raise ValueError(f"flag file {path} holds {self._file.count} flags, expected {count}")
+            raise ValueError(f"the daemon's flag array holds {self._file.count} flags, expected {count}")
         self.values = self._file.values
         self.count = count
 
@@ -139,10 +139,11 @@ class ChannelHandle:
     One producer per channel: use it from one thread.
     """
 
-    def __init__(self, session: Session, channel_id: int, ring_path: str) -> None:
+    def __init__(self, session: Session, channel_id: int, ring: RingFile) -> None:
+        """``ring``: the daemon's ring, mapped from the descriptor it handed over."""
         self.id = channel_id
         self._session = session
-        self.ring = RingFile.attach(ring_path)
+        self.ring = ring
         self._producer = RingProducer(self.ring)
         self._record = np.zeros(1, dtype=RECORD_DTYPE)
         self.timeout = 30.0
@@ -287,11 +288,15 @@ class Session:
             except BaseException:
                 memory.free()
                 raise
-            self.flag_array = DeviceFlags(reply["path"], count, memory)  # type: ignore[assignment]
+            self.flag_array = DeviceFlags(self._take_flags(reply), count, memory)  # type: ignore[assignment]
             return self.flag_array
         reply = self._conn.request(Flags(count=count, where=where))
-        self.flag_array = FlagArray(reply["path"], count)
+        self.flag_array = FlagArray(self._take_flags(reply), count)
         return self.flag_array
+
+    def _take_flags(self, reply: dict[str, Any]) -> FlagFile:
+        """Map the flag array the daemon made: a memfd it hands over by descriptor (no path to open)."""
+        return FlagFile.from_fd(self._conn.take_fd(int(reply["fd"]), "flags"))
 
     def exchange(self, timeout: float = 30.0, wait: bool = True) -> dict[str, Any]:
         """Publish this rank's regions and flags; return once every rank of the job has done so.
@@ -341,7 +346,8 @@ class Session:
         if kind != "ring":
             raise ValueError(f"channel kind must be 'ring' or 'ibgda', not {kind!r}")
         reply = self._conn.request(ChannelRequest(capacity=capacity or 0))
-        ch = ChannelHandle(self, int(reply["channel"]), reply["path"])
+        ring = RingFile.from_fd(self._conn.take_fd(int(reply["fd"]), "ring"))  # by descriptor: no path
+        ch = ChannelHandle(self, int(reply["channel"]), ring)
         self.channels.append(ch)
         return ch
 

@@ -1,8 +1,9 @@
 """The host memory of one IBGDA queue pair: send queue, CQ and doorbell records, laid out as a NIC wants.
 
 One page-aligned mapping, so a GPU maps it with one ``cuMemHostRegister`` and the NIC with one UMEM per
-part. Anonymous for a queue used in one process; a shared-memory file (``path``) when the daemon's rail
-worker serves the queue and a client maps it (:meth:`QueueMemory.attach`):
+part. Anonymous for a queue used in one process; a memfd (``fd``: the daemon's, sized and sealed here) when
+the daemon's rail worker serves the queue and a client maps it (:meth:`QueueMemory.attach` with the
+descriptor it took), or a named shared-memory file (``path``) for tools:
 
 =============  =========================  =================================================================
 offset         size                       what
@@ -18,11 +19,13 @@ next page      4096 (``with_uar_page``)   a stand-in UAR page for the soft NIC: 
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import numpy as np
 
-from gpuclient.host_memory import map_shared_file
+from cmd_ring.shm import seal_size
+from gpuclient.host_memory import map_fd, map_shared_file
 from ibgda import mlx5_layout as L
 
 __all__ = ["DOORBELL_OFFSET", "PAGE", "QueueMemory"]
@@ -36,7 +39,9 @@ class QueueMemory:
     """Send queue, CQ and doorbell records of one QP in one page-aligned host mapping."""
 
     def __init__(self, wqe_cnt: int, ncqes: int, *, with_uar_page: bool = False, path: str | Path | None = None,
-                 create: bool = True) -> None:
+                 create: bool = True, fd: int | None = None) -> None:
+        """``fd`` (the caller keeps and closes it): an empty memfd to size and seal (``create``), or one to
+        map as it is."""
         for name, n in (("wqe_cnt", wqe_cnt), ("ncqes", ncqes)):
             if n < 8 or n & (n - 1) or n > 1 << 15:
                 raise ValueError(f"{name} must be a power of two in 8 .. 32768, not {n}")
@@ -50,13 +55,21 @@ class QueueMemory:
         self.uar_offset = self.dbrec_offset + PAGE if with_uar_page else None
         self.nbytes = self.dbrec_offset + PAGE + (PAGE if with_uar_page else 0)
         self.path = Path(path) if path is not None else None
-        if self.path is None:
-            self._map = mmap.mmap(-1, self.nbytes)
+        if fd is not None:
+            if create:
+                os.ftruncate(fd, self.nbytes)
+                seal_size(fd)  # the client maps it too: it must not be able to shrink it under the worker
+            shared = map_fd(fd)
+        elif self.path is not None:
+            shared = map_shared_file(self.path, self.nbytes, create=create, mode=0o600)
         else:
-            shared = map_shared_file(self.path, self.nbytes, create=create, mode=0o660)
+            shared = None
+            self._map = mmap.mmap(-1, self.nbytes)
+        if shared is not None:
             if shared.size != self.nbytes:
-                raise ValueError(f"{self.path} holds {shared.size} bytes; a queue of {wqe_cnt} WQEs and {ncqes} "
-                                 f"CQEs takes {self.nbytes}")
+                shared.close()
+                raise ValueError(f"{self.path or 'the queue memfd'} holds {shared.size} bytes; a queue of {wqe_cnt} "
+                                 f"WQEs and {ncqes} CQEs takes {self.nbytes}")
             self._map = shared.mm
         whole = np.frombuffer(self._map, dtype=np.uint8)
         self.whole = whole
@@ -73,9 +86,10 @@ class QueueMemory:
             self.doorbell = whole[bf:bf + 8].view(np.uint64)
 
     @classmethod
-    def attach(cls, path: str | Path, wqe_cnt: int, ncqes: int) -> QueueMemory:
-        """Map the queue another process created at ``path`` (with the stand-in doorbell page)."""
-        return cls(wqe_cnt, ncqes, with_uar_page=True, path=path, create=False)
+    def attach(cls, path: str | Path | None, wqe_cnt: int, ncqes: int, *, fd: int | None = None) -> QueueMemory:
+        """Map the queue another process created (with the stand-in doorbell page): its memfd ``fd`` (the
+        caller keeps and closes it) or the file at ``path``."""
+        return cls(wqe_cnt, ncqes, with_uar_page=True, path=path, create=False, fd=fd)
 
     def unlink(self) -> None:
         """Remove the shared-memory file's name (the mappings stay valid)."""

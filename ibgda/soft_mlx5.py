@@ -74,8 +74,9 @@ class SoftMlx5Queue:
 
     ``device``: soft ib device name (None: the first), opened for this queue alone; or ``rail``: an open
     ``transportd.verbs_util.Rail`` whose context and PD the queue shares (a daemon's rail worker: the
-    regions it registered are the queue's). ``path``: put the queue's memory in that shared-memory file,
-    for a client to map. ``wqe_cnt``/``ncqes``: powers of two, ncqes >= wqe_cnt (default: equal).
+    regions it registered are the queue's). ``fd``: put the queue's memory in that empty memfd (sized
+    and sealed here; the caller keeps its descriptor), for a client to map; ``path``: in that named file.
+    ``wqe_cnt``/``ncqes``: powers of two, ncqes >= wqe_cnt (default: equal).
     ``max_inline``: largest inline payload accepted. Use as a context manager; ``connect`` (after
     exchanging ``endpoint()``) starts the polling thread.
     """
@@ -83,9 +84,9 @@ class SoftMlx5Queue:
     def __init__(self, device: str | None = None, *, verbs: Any = None, wqe_cnt: int = 256, ncqes: int | None = None,
                  max_inline: int = 64, port: int = 1, gid_index: int = 0, path_mtu: int = 0,
                  poll_interval_s: float = 20e-6, cq_full_timeout_s: float = 10.0, rail: Rail | None = None,
-                 path: str | None = None) -> None:
+                 path: str | None = None, fd: int | None = None) -> None:
         ncqes = ncqes or wqe_cnt
-        self.mem = QueueMemory(wqe_cnt, ncqes, with_uar_page=True, path=path)
+        self.mem = QueueMemory(wqe_cnt, ncqes, with_uar_page=True, path=path, fd=fd)
         self.wqe_cnt, self.ncqes, self.max_inline = wqe_cnt, ncqes, max_inline
         self.poll_interval_s, self.cq_full_timeout_s = poll_interval_s, cq_full_timeout_s
         if rail is not None:  # a daemon's rail: its PD (so its lkeys and rkeys serve), a CQ of our own

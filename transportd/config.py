@@ -176,10 +176,19 @@ class ControlConfig:
         "Largest control message accepted; larger ones get a too_large error reply.",
         _between(4096, 64 << 20)))
     client_timeout_s: float = field(default=30.0, metadata=_meta(
-        "Seconds a client not watched by pid may stay silent before its session is reclaimed (clients "
-        "send keepalives at a quarter of it). A client over ipc in the daemon's pid namespace is watched "
-        "by pid instead: reclaimed as soon as its process exits, kept while it exists.",
+        "Seconds a session may stay silent before it is reclaimed (the client library sends keepalives at "
+        "a quarter of it): sessions over tcp, and ipc sessions the kernel gave no pid for (a client in "
+        "another pid namespace; its session still ends when its descriptor connection closes). An ipc "
+        "session that vouched on the descriptor socket is watched by the pid SO_PEERCRED names and by that "
+        "connection instead: reclaimed as soon as its process exits or the connection closes, kept while "
+        "both last, however silent.",
         _between(0.5, 86400.0)))
+    vouch_timeout_s: float = field(default=5.0, metadata=_meta(
+        "Seconds a connection to the descriptor socket may stay without presenting a valid hello token; "
+        "then it is closed.", _between(0.05, 600.0)))
+    max_unvouched: int = field(default=64, metadata=_meta(
+        "Connections to the descriptor socket waiting to vouch at once (a quarter of them per uid): a new "
+        "one past that closes the oldest of its uid, or of the uid holding the most.", _between(4, 4096)))
 
 
 @dataclass(frozen=True)

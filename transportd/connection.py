@@ -11,7 +11,8 @@ Endpoint resolution: explicit argument > ``$TRANSPORTD_SOCKET`` > the config's `
 Identity: over ipc the hello reply carries a one-time token and the path of the daemon's descriptor socket
 (:mod:`transportd.fdchannel`); :meth:`ControlConnection.hello` presents the token there, so the daemon
 learns this process's uid, gid and pid from the kernel, and keeps that connection open for the session's
-lifetime: it carries memory descriptors (:meth:`ControlConnection.pass_fd`), and its end tells the daemon
+lifetime: it carries memory descriptors both ways (:meth:`ControlConnection.pass_fd` hands over host memory,
+:meth:`ControlConnection.take_fd` takes the rings and flags the daemon made), and its end tells the daemon
 this process is gone (and this process that the daemon is gone, :meth:`ControlConnection.daemon_gone`).
 
 Keepalive: the hello reply says how often the daemon wants to hear from an idle client (``keepalive_s``);
@@ -199,6 +200,15 @@ class ControlConnection:
                                        "stopped, restarted or ended the session (its descriptor connection "
                                        "closed); connect and join again")
             return self._side[0].pass_fd(fd, kind)
+
+    def take_fd(self, fd_id: int, kind: str) -> int:
+        """Take a descriptor the daemon offered in a reply (``fd``: a ring, flag array or IBGDA queue it
+        made as an anonymous memfd); the caller owns and closes it."""
+        with self._lock:
+            if not self._side:
+                raise TransportdError(f"rings and flag arrays travel by descriptor over the local ipc socket; "
+                                      f"{self.endpoint} has no descriptor socket")
+            return self._side[0].take_fd(fd_id, kind)
 
     def daemon_gone(self) -> bool:
         """The daemon closed this session's descriptor connection (it stopped, died or reclaimed us)."""

@@ -22,16 +22,15 @@ import itertools
 import logging
 import os
 import secrets
-import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from cmd_ring import RingFile
+from cmd_ring.shm import unsealed_memfd
 from transportd import protocol
 from transportd.config import Config
 from transportd.control import ControlServer
@@ -81,10 +80,11 @@ class IbgdaQueue:
     queue_id: int
     peer: int
     node: str
-    path: str
+    fd: int  # the queue's memfd (the worker sized and sealed it): offered to the client once it is up
     info: dict[str, Any]  # the worker's reply: endpoint, qpn, wqe_cnt, ncqes, scratch, scratch_lkey
     state: str = "connecting"  # connecting | up | failed
     responder: int = 0  # the responder's connection id when the peer is on this node
+    offer: int = -1  # the id of its descriptor offered to the client and not taken yet
 
 
 @dataclass
@@ -105,11 +105,12 @@ class LocalRank:
     rail: int
     pid: int = 0
     regions: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)  # id -> rail -> key
-    region_paths: dict[int, str] = field(default_factory=dict)
+    region_kinds: dict[int, str] = field(default_factory=dict)
     flags: FlagFile | None = None
     flag_keys: dict[int, dict[str, int]] = field(default_factory=dict)  # rail -> key
     channels: dict[int, RingFile] = field(default_factory=dict)
     ibgda: dict[int, IbgdaChannel] = field(default_factory=dict)
+    offers: list[int] = field(default_factory=list)  # descriptors offered to its client (taken or not)
     announced: bool = False
     next_region: int = 0
 
@@ -201,7 +202,6 @@ class Daemon:
         self.ibgda_waiting: dict[tuple[str, int], IbgdaQueue] = {}  # (node, queue id) -> queue awaiting accept
         # peer_regions for jobs with no local rank yet: job -> rank -> (node, message)
         self.unclaimed: dict[str, dict[int, tuple[str, PeerRegions]]] = {}
-        self.runtime_dir = Path(os.environ.get("RUNTIME_DIRECTORY", "/dev/shm"))
         self.workers: list[WorkerHandle] = []
         self.control: ControlServer | None = None
         self.peers: PeerPlane | None = None
@@ -218,7 +218,6 @@ class Daemon:
         from transportd.rail import rail_main
 
         target = self._worker_target or rail_main
-        self._sweep_stale_files()
         rails = self.config.backend.rails or ()
         count = max(1, len(rails))
         try:
@@ -228,7 +227,9 @@ class Daemon:
             fd_path = fd_socket_for(self.config.control.socket)
             if fd_path is not None:  # same mode and group as the control socket
                 self.fdserver = FdServer(fd_path, self, mode=self.config.control.mode,
-                                         group=self.config.control.group)
+                                         group=self.config.control.group,
+                                         vouch_timeout_s=self.config.control.vouch_timeout_s,
+                                         max_unvouched=self.config.control.max_unvouched)
             curve = CurveServerKeys.from_config(self.config.security, self.config.source)
             self.peers = PeerPlane(
                 self.node, self.config.backend.kind, count, self.config.peers.listen, self.config.peers.static,
@@ -289,32 +290,6 @@ class Daemon:
             self.notifier.tick()
         self.notifier.stopping("stopping: draining the rails")
         log.info("stopping: draining the rails")
-
-    # --- files clients map (rings, flags, IBGDA queues) ----------------------------------------------------------
-    _FILE_KINDS = ("ring", "flags", "ibgda")
-
-    def _runtime_file(self, kind: str, *parts: object) -> Path:
-        """``tpd-<kind>-<node>-<parts...>-<daemon pid>`` in the runtime directory: the pid says whose it is."""
-        assert kind in self._FILE_KINDS
-        return self.runtime_dir / "-".join(("tpd", kind, self.node, *map(str, parts), str(os.getpid())))
-
-    def _sweep_stale_files(self) -> None:
-        """Remove the files an earlier daemon of this node left behind when it died without cleaning up
-        (SIGKILL, OOM): under systemd the runtime directory goes with the unit, but /dev/shm keeps them."""
-        removed = 0
-        for kind in self._FILE_KINDS:
-            for path in self.runtime_dir.glob(f"tpd-{kind}-{self.node}-*"):
-                pid = path.name.rsplit("-", 1)[-1]
-                if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
-                    continue  # not ours to judge, or its daemon still runs
-                try:
-                    path.unlink()
-                    removed += 1
-                except OSError as exc:
-                    log.warning("cannot remove %s left by daemon pid %s: %s", path, pid, exc)
-        if removed:
-            log.info("removed %d file(s) left in %s by earlier daemons of node %s", removed, self.runtime_dir,
-                     self.node)
 
     def _while_a_worker_call_waits(self) -> None:
         if self.peers is not None:
@@ -515,11 +490,26 @@ class Daemon:
                 os.close(fd)  # every worker holds its own mapping; the daemon keeps nothing of it
         rank.next_region += 1
         rank.regions[region_id] = keys
-        rank.region_paths[region_id] = f"{req.kind}:{req.offset}"
+        rank.region_kinds[region_id] = f"{req.kind}:{req.offset}"
         for worker in self.workers:
             worker.call("set_source_region", job=rank.job, rank=rank.rank, region=region_id,
                         key=f"{rank.job}/{rank.rank}/{region_id}")
         return {"region": region_id}
+
+    def _side_for(self, client_id: bytes, what: str) -> SideConnection:
+        """The session's descriptor connection: what the daemon makes for a client travels only by descriptor."""
+        conn = self.side.get(client_id)
+        if conn is None:
+            raise RequestError(ReplyCode.UNSUPPORTED, f"{what} is an anonymous memfd handed over by descriptor on "
+                                                      "the local ipc descriptor socket: open it over ipc (none "
+                                                      "can travel over tcp)")
+        return conn
+
+    def _offer(self, rank: LocalRank, conn: SideConnection, fd: int, kind: str) -> int:
+        """Offer ``fd`` (owned by the offer from now on) to the rank's client; withdrawn when the rank ends."""
+        fd_id = conn.offer(fd, kind)
+        rank.offers.append(fd_id)
+        return fd_id
 
     def on_flags(self, client_id: bytes, req: Flags) -> dict[str, Any]:
         rank = self._joined(client_id)
@@ -528,19 +518,32 @@ class Daemon:
         if req.where == "device" and not req.handle:
             raise RequestError("unsupported", "device flags are allocated by the GPU client and sent by CUDA IPC "
                                               "handle (gpuclient: session.flags(count, where='device'))")
-        path = self._runtime_file("flags", rank.job, rank.rank)
-        flags = FlagFile(path, req.count, create=True, mode=self.config.control.mode)  # + the status word
-        self._give_to_group(path)
-        for worker in self.workers:
-            if req.where == "device":
-                rank.flag_keys[worker.rail] = worker.call(
-                    "map_gpu_flags", job=rank.job, rank=rank.rank, handle=req.handle, offset=req.offset,
-                    count=req.count, device=max(rank.device, 0))
-            else:
-                rank.flag_keys[worker.rail] = worker.call(
-                    "map_flags", job=rank.job, rank=rank.rank, path=str(path), count=req.count)
+        conn = self._side_for(client_id, "a flag array (its status word, and the words of host flags)")
+        # + the status word; a memfd: no other process can open it by name, nothing outlives a killed daemon
+        flags, fd = FlagFile.create_memfd(req.count, name=_memfd_name("flags", rank.job, rank.rank))
+        try:
+            for worker in self.workers:
+                if req.where == "device":
+                    rank.flag_keys[worker.rail] = worker.call(
+                        "map_gpu_flags", job=rank.job, rank=rank.rank, handle=req.handle, offset=req.offset,
+                        count=req.count, device=max(rank.device, 0))
+                else:
+                    rank.flag_keys[worker.rail] = worker.call(
+                        "map_flags", job=rank.job, rank=rank.rank, count=req.count, fds=(fd,))
+            fd_id = self._offer(rank, conn, fd, "flags")  # the offer owns fd now (closed if it is refused)
+            fd = -1
+        except (WorkerError, RequestError) as exc:
+            if fd >= 0:
+                os.close(fd)
+            for rail in rank.flag_keys:
+                _quietly(self.workers[rail].call, "unmap_flags", job=rank.job, rank=rank.rank)
+            rank.flag_keys.clear()
+            flags.close()
+            if isinstance(exc, RequestError):
+                raise
+            raise RequestError("flags_failed", str(exc)) from None
         rank.flags = flags
-        return {"path": str(path), "count": req.count}
+        return {"fd": fd_id, "count": req.count}
 
     def on_exchange(self, client_id: bytes, req: Exchange) -> dict[str, Any]:
         rank = self._joined(client_id)
@@ -578,22 +581,28 @@ class Daemon:
 
     def on_channel(self, client_id: bytes, req: Channel) -> dict[str, Any]:
         rank = self._joined(client_id)
+        conn = self._side_for(client_id, "a channel's memory (a ring, or IBGDA queues)")
         if req.kind == "ibgda":
             return self._open_ibgda_channel(rank, req.capacity)
         capacity = req.capacity or self.config.proxy.ring_capacity
         channel_id = next(self._channel_ids)
-        path = self._runtime_file("ring", rank.job, rank.rank, channel_id)
-        ring = RingFile.create(str(path), capacity, mode=self.config.control.mode)
-        self._give_to_group(ring.path)
+        # a memfd: the client and the rail worker get it by descriptor; no path another process could open
+        ring, fd = RingFile.create_memfd(capacity, name=_memfd_name("ring", rank.job, rank.rank, channel_id))
         try:
-            self.workers[rank.rail].call("add_channel", channel=channel_id, path=str(ring.path), job=rank.job,
-                                         rank=rank.rank, world=rank.world)
+            self.workers[rank.rail].call("add_channel", channel=channel_id, job=rank.job, rank=rank.rank,
+                                         world=rank.world, fds=(fd,))
         except WorkerError as exc:
+            os.close(fd)
             ring.close()
-            ring.unlink()
             raise RequestError("channel_failed", str(exc)) from None
+        try:
+            fd_id = self._offer(rank, conn, fd, "ring")
+        except RequestError:
+            _quietly(self.workers[rank.rail].call, "remove_channel", channel=channel_id)
+            ring.close()
+            raise
         rank.channels[channel_id] = ring
-        return {"channel": channel_id, "path": str(ring.path), "capacity": capacity, "rail": rank.rail}
+        return {"channel": channel_id, "fd": fd_id, "capacity": capacity, "rail": rank.rail}
 
     # --- IBGDA channels ---------------------------------------------------------------------------------
     def _open_ibgda_channel(self, rank: LocalRank, wqe_cnt: int) -> dict[str, Any]:
@@ -615,12 +624,16 @@ class Daemon:
                 if peer == rank.rank:
                     continue
                 queue_id = next(self._conn_ids)
-                path = self._runtime_file("ibgda", rank.job, rank.rank, chan.channel_id, peer)
-                info = worker.call("create_ibgda_queue", queue=queue_id, job=rank.job, path=str(path),
-                                   wqe_cnt=wqe_cnt)
+                # empty: the worker sizes it for the queue it builds there, then seals its size
+                fd = unsealed_memfd(_memfd_name("ibgda", rank.job, rank.rank, chan.channel_id, peer))
+                try:
+                    info = worker.call("create_ibgda_queue", queue=queue_id, job=rank.job, wqe_cnt=wqe_cnt,
+                                       fds=(fd,))
+                except BaseException:
+                    os.close(fd)
+                    raise
                 node = self.node if peer in job.local else job.remote[peer].node
-                queue = chan.queues[peer] = IbgdaQueue(queue_id, peer, node, str(path), info)
-                self._give_to_group(path)
+                queue = chan.queues[peer] = IbgdaQueue(queue_id, peer, node, fd, info)
                 if node == self.node:  # the responder lives in the same worker
                     queue.responder = next(self._conn_ids)
                     far = worker.call("create_endpoint", conn=queue.responder, job=rank.job, responder=True)
@@ -665,8 +678,12 @@ class Daemon:
             remote_regions.append([peer, [_triple(regions.get(i), "rkey") for i in range(count)]])
             if flags is not None:
                 remote_flags.append([peer, _triple(flags, "rkey")])
-        queues = [{"peer": q.peer, "path": q.path, **{k: q.info[k] for k in ("qpn", "wqe_cnt", "ncqes", "scratch",
-                                                                              "scratch_lkey")}}
+        conn = self._side_for(client_id, "an IBGDA queue's memory")
+        for q in chan.queues.values():
+            if q.offer not in conn.offered:  # first asked, or taken since: offer it (again)
+                q.offer = self._offer(rank, conn, os.dup(q.fd), "ibgda")
+        queues = [{"peer": q.peer, "fd": q.offer, **{k: q.info[k] for k in ("qpn", "wqe_cnt", "ncqes", "scratch",
+                                                                             "scratch_lkey")}}
                   for q in chan.queues.values()]
         return {"channel": chan.channel_id, "ready": True, "kind": "ibgda", "rail": rail,
                 "signal_mode": self.config.signal.mode, "queues": queues, "local_regions": local,
@@ -682,12 +699,7 @@ class Daemon:
                     _quietly(worker.call, "close_connection", conn=queue.responder)
             if queue.node != self.node and self.peers is not None:  # the far end closes its responder
                 self.peers.send(queue.node, PeerDisconnect(job=rank.job, rail=rank.rail, conn=queue.queue_id))
-            Path(queue.path).unlink(missing_ok=True)
-
-    def _give_to_group(self, path: str | Path) -> None:
-        """Rings and flag files belong to ``control.group`` like the socket, so that group's clients map them."""
-        if self.config.control.group:
-            shutil.chown(path, group=self.config.control.group)
+            os.close(queue.fd)
 
     def on_stats(self, client_id: bytes, req: Stats) -> dict[str, Any]:
         stats = self.stats()
@@ -757,7 +769,6 @@ class Daemon:
             # a producer still waiting on the ring (quiet) stops at once, as one waiting on its flags does
             ring.report_error(int(ErrorCode.CLIENT_GONE), ring.consumer_pos)
             ring.close()
-            ring.unlink()
         for chan in rank.ibgda.values():
             self._close_ibgda_channel(rank, chan)
         for w in self.workers:
@@ -767,7 +778,10 @@ class Daemon:
         if rank.flags is not None:
             # a client still waiting on its flags (the daemon stopping, its session expired) stops waiting
             rank.flags.set_status(int(ErrorCode.CLIENT_GONE))
-            rank.flags.unlink()
+            rank.flags.close()
+        conn = self.side.get(client_id)
+        for fd_id in rank.offers if conn is not None else ():
+            conn.withdraw(fd_id)  # offers not taken yet: what they gave is gone
         if rank.announced and self.peers is not None:
             self.peers.broadcast(PeerRankLeft(job=rank.job, rank=rank.rank))
         job = self.jobs.get(rank.job)
@@ -1084,6 +1098,11 @@ def _check_host_fd(fd: int, offset: int, size: int) -> None:
     if offset + size > st.st_size:
         raise RequestError(ReplyCode.INVALID, f"region [{offset}, {offset + size}) is outside the memfd "
                                               f"({st.st_size} bytes)")
+
+
+def _memfd_name(kind: str, *parts: object) -> str:
+    """``tpd-<kind>-<parts>``: a label in /proc/<pid>/maps and fd links, nothing anyone can open by it."""
+    return "-".join(("tpd", kind, *map(str, parts)))[:200]  # the kernel takes 249 bytes at most
 
 
 def _key(info: RegionInfo) -> dict[str, int]:

@@ -74,6 +74,7 @@ __all__ = [
     "SessionState",
     "SideMessage",
     "Stats",
+    "TakeFd",
     "Vouch",
     "error",
     "error_reply_for",
@@ -561,6 +562,23 @@ class PassFd(SideMessage):
     op: ClassVar[str] = "pass_fd"
     fds: ClassVar[int] = 1
     kind: Literal["memfd", "dmabuf"] = "memfd"
+
+
+@_side
+@dataclass(frozen=True)
+class TakeFd(SideMessage):
+    """Take a descriptor the daemon offered this session: the ``fd`` id of a ``flags`` or ``channel`` reply.
+
+    Rings, flag arrays and IBGDA queues are anonymous memfds the daemon made: they travel only this way,
+    attached to the reply (``SCM_RIGHTS``), which also says their ``kind`` (``ring``, ``flags``, ``ibgda``).
+    Each is good once; offers not taken stay with the session (bounded) until it ends.
+    """
+
+    op: ClassVar[str] = "take_fd"
+    fd: int
+
+    def _check(self) -> None:
+        self._range("fd", 0, _U32)
 
 
 # ---------------------------------------------------------------------------------------------------------

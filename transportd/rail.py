@@ -22,7 +22,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -138,13 +137,33 @@ class RailService:
         self.regions[key] = (mkey, region)
         return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
 
-    def op_map_flags(self, job: str, rank: int, path: str, count: int) -> dict[str, Any]:
-        flags = FlagFile(Path(path))
-        mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True)
+    def op_map_flags(self, job: str, rank: int, fds: list[int], count: int) -> dict[str, Any]:
+        """Map a rank's flag array (the daemon's memfd, by descriptor) and register it for remote atomics."""
+        (fd,) = fds
+        flags = FlagFile.from_fd(fd)
+        try:
+            if flags.count != count:
+                raise ValueError(f"the flag array holds {flags.count} flags, not {count}")
+            mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True)
+        except BaseException:
+            flags.close()
+            raise
         self.flags[(job, rank)] = (flags, mkey)
-        if hasattr(self.backend, "set_host_flags"):  # efa: the compiled path stores these flags itself
-            self.backend.set_host_flags(job, rank, flags.address, flags.count)
         return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+
+    def op_unmap_flags(self, job: str, rank: int) -> dict[str, Any]:
+        """Drop a rank's flag array alone (its flags request failed on another rail)."""
+        self._drop_flags(job, rank)
+        return {}
+
+    def _drop_flags(self, job: str, rank: int) -> None:
+        entry = self.flags.pop((job, rank), None)
+        if entry is not None:
+            self.backend.deregister_memory(entry[1])
+            if isinstance(entry[0], FlagFile):
+                entry[0].close()
+            else:
+                entry[0].release()
 
     def op_map_gpu_flags(self, job: str, rank: int, handle: bytes, offset: int, count: int,
                          device: int) -> dict[str, Any]:
@@ -185,8 +204,15 @@ class RailService:
         self.proxy.set_source_region(job, rank, region, mkey.addr, mkey.length, mkey.lkey)
         return {}
 
-    def op_add_channel(self, channel: int, path: str, job: str, rank: int, world: int) -> dict[str, Any]:
-        self.proxy.add_channel(channel, RingFile.attach(path), job, rank, world)
+    def op_add_channel(self, channel: int, fds: list[int], job: str, rank: int, world: int) -> dict[str, Any]:
+        """Drain the ring the daemon made (a memfd, by descriptor: mapped here, the descriptor closed)."""
+        (fd,) = fds
+        ring = RingFile.from_fd(fd)
+        try:
+            self.proxy.add_channel(channel, ring, job, rank, world)
+        except BaseException:
+            ring.close()
+            raise
         return {}
 
     def op_remove_channel(self, channel: int) -> dict[str, Any]:
@@ -195,15 +221,7 @@ class RailService:
 
     def op_forget_rank(self, job: str, rank: int) -> dict[str, Any]:
         self.proxy.forget_rank(job, rank)
-        entry = self.flags.pop((job, rank), None)
-        if entry is not None:
-            if hasattr(self.backend, "clear_host_flags"):
-                self.backend.clear_host_flags(job, rank)
-            self.backend.deregister_memory(entry[1])
-            if isinstance(entry[0], FlagFile):
-                entry[0].close()
-            else:
-                entry[0].release()
+        self._drop_flags(job, rank)
         return {}
 
     def op_set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int,
@@ -247,9 +265,17 @@ class RailService:
         return {}
 
     # --- IBGDA queues: the GPU posts WQEs itself; over softverbs this worker plays the ConnectX ----------
-    def op_create_ibgda_queue(self, queue: int, job: str, path: str, wqe_cnt: int) -> dict[str, Any]:
-        """An RC QP whose send queue, CQ and doorbells live in the shared-memory file ``path`` (the client
-        maps it into its GPU), on this rail's PD so the regions registered here serve its WQEs."""
+    def op_create_ibgda_queue(self, queue: int, job: str, fds: list[int], wqe_cnt: int) -> dict[str, Any]:
+        """An RC QP whose send queue, CQ and doorbells live in the daemon's empty memfd (sized and sealed
+        here; the client maps it into its GPU), on this rail's PD so the regions registered here serve its
+        WQEs."""
+        (fd,) = fds
+        try:
+            return self._create_ibgda_queue(queue, job, fd, wqe_cnt)
+        finally:
+            os.close(fd)  # the queue's mapping keeps the memory
+
+    def _create_ibgda_queue(self, queue: int, job: str, fd: int, wqe_cnt: int) -> dict[str, Any]:
         rail = getattr(self.backend, "rail", None)
         if self.config.backend.kind != "ib" or rail is None:
             raise ValueError(f"IBGDA channels need an InfiniBand rail (mlx5); this one is {self.backend.name}")
@@ -259,7 +285,7 @@ class RailService:
                              "ibgda.host_mlx5.Mlx5Queue in the client process")
         from ibgda.soft_mlx5 import SoftMlx5Queue
 
-        q = SoftMlx5Queue(rail=rail, wqe_cnt=wqe_cnt, path=path)
+        q = SoftMlx5Queue(rail=rail, wqe_cnt=wqe_cnt, fd=fd)
         try:
             scratch = np.zeros(8, dtype=np.uint64)  # atomics' old values and ordering reads land here
             mr = q.register(int(scratch.ctypes.data), scratch.nbytes)

@@ -8,7 +8,7 @@ reply; the worker serves them between proxy iterations, so a request costs the w
 Descriptors (a client's memfd, later a dma-buf fd) cannot travel over zmq: a call with ``fds`` sends them
 first on a Unix ``SOCK_SEQPACKET`` socket beside the link (``fds`` in the same private directory, which
 the worker connects to at start, ``SCM_RIGHTS``), and the request says how many to take; the worker
-hands them to the op as ``fds`` and owns them from then on.
+hands them to the op as ``fds``, which owns them from its call on, even when it fails.
 """
 
 from __future__ import annotations
@@ -179,9 +179,8 @@ class WorkerEndpoint:
             method = getattr(self.handler, f"op_{op}", None)
             if method is None:
                 return {"ok": False, "error": f"unknown worker op {op!r}"}
-            reply = {"ok": True, **(method(**request) or {})}
-            fds = []  # the op owns them now (it closes what it does not keep)
-            return reply
+            fds = []  # the op owns them from its call on, failing or not (it closes what it does not keep)
+            return {"ok": True, **(method(**request) or {})}
         except Exception as exc:  # a refused request must not kill the rail
             log.warning("worker op %s failed: %s", op, exc)
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import grp
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,3 +81,41 @@ def cluster_factory() -> Iterator[Any]:
     yield make
     for cluster in started:
         cluster.stop()
+
+
+# --- a second uid (tests/e2e/test_identity.py, test_unvouched.py) -----------------------------------------
+GROUP, OTHER, OUTSIDER = "tpd-test", "tpd-other", "tpd-outsider"
+
+
+def _ensure_user(name: str, group: str) -> pwd.struct_passwd:
+    try:
+        grp.getgrnam(group)
+    except KeyError:
+        subprocess.run(["groupadd", "--system", group], check=True)
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--gid", group, "--shell", "/usr/sbin/nologin",
+                        name], check=True)
+        return pwd.getpwnam(name)
+
+
+@pytest.fixture(scope="module")
+def users() -> dict[str, pwd.struct_passwd]:
+    """A client group's member and a user outside it (created once; CI runs as root)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the identity tests as root: they create a second user")
+        pytest.skip("needs root: creates a second user to run a client as another uid")
+    if shutil.which("useradd") is None or shutil.which("groupadd") is None:
+        pytest.fail("useradd/groupadd are needed to create the second user (install the passwd package)")
+    return {"other": _ensure_user(OTHER, GROUP), "outsider": _ensure_user(OUTSIDER, OUTSIDER)}
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A work directory other users may traverse (the control socket inside keeps its own mode and group)."""
+    path = Path(tempfile.mkdtemp(prefix="tpd-identity-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -19,7 +19,7 @@ import gpuclient
 from tests.e2e.test_bad_input import CLIENT
 from tests.waiting import wait_until
 from transportd.connection import ControlConnection
-from transportd.errors import SessionLostError, TransportdError
+from transportd.errors import RequestError, SessionLostError, TransportdError
 from transportd.localcluster import free_port
 from transportd.protocol import Hello, Join
 
@@ -31,17 +31,21 @@ def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_f
     try:
         assert live.info["keepalive_s"] == 0.25  # the daemon asks for a quarter of its timeout
         session = live.join("idle", rank=0, world=1)
-        session.flags(4)
         with pytest.raises(TransportdError, match="host memory cannot be registered over tcp"):
             session.register(gpuclient.host_array(4096))  # a descriptor cannot travel over tcp
+        # nor the rings and flag arrays the daemon makes: anonymous memfds, handed over by descriptor only
+        for what, ask in (("a flag array", lambda: session.flags(4)), ("a ring", lambda: session.channel(64))):
+            with pytest.raises(RequestError, match="by descriptor on the local ipc descriptor socket") as info:
+                ask()
+            assert info.value.code == "unsupported", what
         victim = subprocess.Popen([sys.executable, "-c", CLIENT, endpoint], stdout=subprocess.PIPE, text=True)
         assert victim.stdout is not None
-        ring_path = victim.stdout.readline().strip()
-        assert os.path.exists(ring_path)
+        assert victim.stdout.readline().strip() == "joined"
+        assert "victim" in live.stats()["jobs"]  # tcp without CURVE: one anonymous owner for both
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         t0 = time.monotonic()
-        wait_until(lambda: not os.path.exists(ring_path), "the killed tcp client to be reclaimed")
+        wait_until(lambda: "victim" not in live.stats()["jobs"], "the killed tcp client to be reclaimed")
         time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))  # the live client has now been idle for 3 timeouts
         stats = live.stats()
         assert "victim" not in stats["jobs"] and "idle" in stats["jobs"], stats["jobs"]

@@ -6,66 +6,25 @@ creates one (``useradd``) and runs its client under it (setuid/setgid in the chi
 
 from __future__ import annotations
 
-import grp
 import json
 import os
 import pwd
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import gpuclient
-from tests.e2e.conftest import close_ranks, join_ranks
+from tests.e2e.conftest import GROUP, close_ranks, join_ranks
 from tests.waiting import wait_until
 from transportd.connection import ControlConnection
 from transportd.errors import ErrorCode, RequestError
 from transportd.fdchannel import FdClient
 from transportd.protocol import Hello, Inspect, Join, PassFd, Register, Stats
-
-GROUP, OTHER, OUTSIDER = "tpd-test", "tpd-other", "tpd-outsider"
-
-
-def _ensure_user(name: str, group: str) -> pwd.struct_passwd:
-    try:
-        grp.getgrnam(group)
-    except KeyError:
-        subprocess.run(["groupadd", "--system", group], check=True)
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--gid", group, "--shell", "/usr/sbin/nologin",
-                        name], check=True)
-        return pwd.getpwnam(name)
-
-
-@pytest.fixture(scope="module")
-def users() -> dict[str, pwd.struct_passwd]:
-    """A client group's member and a user outside it (created once; CI runs as root)."""
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the identity tests as root: they create a second user")
-        pytest.skip("needs root: creates a second user to run a client as another uid")
-    if shutil.which("useradd") is None or shutil.which("groupadd") is None:
-        pytest.fail("useradd/groupadd are needed to create the second user (install the passwd package)")
-    return {"other": _ensure_user(OTHER, GROUP), "outsider": _ensure_user(OUTSIDER, OUTSIDER)}
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A work directory other users may traverse (the control socket inside keeps its own mode and group)."""
-    path = Path(tempfile.mkdtemp(prefix="tpd-identity-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
 
 _DROP = """
     import json, os, sys
@@ -164,20 +123,23 @@ def test_a_second_uid_cannot_join_inspect_or_register_into_a_job_of_the_first(cl
         owner.close()
 
 
-def test_a_register_naming_a_path_or_a_named_file_is_refused_and_the_daemon_serves_on(cluster_factory) -> None:
+def test_a_register_naming_a_path_or_a_named_file_is_refused_and_the_daemon_serves_on(cluster_factory,
+                                                                                       tmp_path) -> None:
     cluster = cluster_factory(nodes=1)
     victim = gpuclient.connect(cluster.socket("nodea"))
     attacker = ControlConnection(cluster.socket("nodea"))
+    ring = tmp_path / "named"  # a file anyone could name (the daemon's own rings have no name at all)
+    ring.write_bytes(bytes(8192))
     try:
         vs = victim.join("victim", rank=0, world=1)
         vs.flags(4)
-        ring = vs.channel(capacity=64).ring.path
+        vs.channel(capacity=64)
         attacker.request(Join(job="attacker", rank=0, world=1, device=-1))
         # a path, as the library never sends it: refused before the daemon opens anything
         with pytest.raises(RequestError, match="never by path") as info:
             attacker.request({"v": 1, "op": "register", "kind": "host", "handle": str(ring), "size": 4096})
         assert info.value.code == "bad_field"
-        # the victim's ring file opened and passed as a descriptor: not a memfd, refused
+        # a named file opened and passed as a descriptor: not a memfd, refused
         fd = os.open(ring, os.O_RDWR)
         try:
             fd_id = attacker.pass_fd(fd)
@@ -288,6 +250,69 @@ def test_a_session_must_show_who_it_is_before_it_joins(cluster_factory) -> None:
     finally:
         conn.close()
         other.close()
+
+
+PEEKER = """
+    # what a member of the client group can reach of another uid's job: its rings and flags by name in
+    # /dev/shm, or through the /proc entries of the daemon, its rail workers and the owner's process
+    job, socket, pids = sys.argv[1], sys.argv[2], sys.argv[3:]
+    out = {"named": [n for n in os.listdir("/dev/shm") if job in n], "opened": [], "listed": []}
+    for pid in pids:
+        for where in ("fd", "map_files"):
+            try:
+                names = os.listdir(f"/proc/{pid}/{where}")
+            except PermissionError:
+                continue
+            out["listed"].append(f"{pid}/{where}")
+            for name in names:
+                try:
+                    os.close(os.open(f"/proc/{pid}/{where}/{name}", os.O_RDWR))
+                    out["opened"].append(f"{pid}/{where}/{name}")
+                except OSError:
+                    pass
+    # offers are per descriptor connection: the owner's ids mean nothing on this one
+    conn = ControlConnection(socket)
+    out["take"] = []
+    for fd_id in range(8):
+        try:
+            os.close(conn.take_fd(fd_id, "ring"))
+            out["take"].append(fd_id)
+        except RequestError as exc:
+            assert exc.code == "not_found", exc
+    print(json.dumps(out))
+"""
+
+
+def test_another_uid_in_the_group_cannot_open_a_jobs_rings_or_flags(cluster_factory, users, shared_dir) -> None:
+    cluster = cluster_factory(nodes=1, workdir=str(shared_dir),
+                              per_node={"nodea": {"control": {"group": GROUP, "mode": 0o666}}})
+    socket = cluster.socket("nodea")
+    owner = gpuclient.connect(socket)
+    try:
+        session = owner.join("private", rank=0, world=1)
+        session.register(gpuclient.host_array(4096))
+        flags = session.flags(4)
+        ch = session.channel(capacity=64)
+        maps = Path("/proc/self/maps").read_text()
+        assert "/memfd:tpd-ring-private-0-" in maps and "/memfd:tpd-flags-private-0" in maps  # mapped, unnamed
+        assert ch.ring.path is None and flags._file.path is None
+        daemon = cluster.nodes["nodea"].process.pid
+        workers = [r["pid"] for r in owner.stats()["rails"]]
+        seen = _run_as(users["other"], PEEKER, "private", socket, str(daemon), *map(str, workers), str(os.getpid()))
+        assert seen["named"] == [], seen  # nothing of the job has a name in /dev/shm
+        assert seen["listed"] == [] and seen["opened"] == [], seen  # /proc of other uids: refused by the kernel
+        assert seen["take"] == [], seen
+        # the owner's ring and flags are the daemon's own memory: a record it writes reaches the rail
+        # worker (a signal to itself is refused, in the ring's error word), a flag word it writes the daemon
+        ch.signal(peer=0, slot=1, value=5)
+        with pytest.raises(gpuclient.ChannelError, match="BAD_PEER"):
+            ch.quiet(timeout=10)
+        flags.values[2] = 7
+        with ControlConnection(socket) as conn:
+            assert conn.request(Inspect(what="flags", job="private", rank=0))["values"] == [0, 0, 7, 0]
+        session.leave()
+    finally:
+        owner.close()
 
 
 VICTIM_HOST_ARRAY = """

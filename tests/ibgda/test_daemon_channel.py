@@ -145,17 +145,19 @@ def _responders(client: Any) -> set[int]:
     return set(client.stats()["rails"][0]["responders"])
 
 
-def test_leave_removes_the_queue_files_and_the_far_ends(pair_factory) -> None:
+def test_leave_closes_the_queues_and_the_far_ends(pair_factory) -> None:
     pair = pair_factory()
     far_before = _responders(pair.clients[1])
     ch = pair.sessions[0].channel(16, kind="ibgda")
-    paths = [q.memory.path for q in ch.queues]
-    assert paths and all(p is not None and Path(p).exists() for p in paths)
+    # the queues' memory is the daemon's memfds, taken by descriptor: no file anyone could open by name
+    assert ch.queues and all(q.memory.path is None for q in ch.queues)
+    assert "/memfd:tpd-ibgda-" in Path("/proc/self/maps").read_text()
+    assert len(pair.clients[0].stats()["rails"][0]["ibgda"]) == len(ch.queues)
     far_during = _responders(pair.clients[1])
     assert len(far_during - far_before) == 1  # the responder QP node b accepted for the queue pair
     pair.sessions[0].leave()
     pair.left.add(0)
-    assert not any(Path(p).exists() for p in paths if p is not None)
+    assert pair.clients[0].stats()["rails"][0]["ibgda"] == []
     deadline = time.monotonic() + 10
     while _responders(pair.clients[1]) and time.monotonic() < deadline:
         time.sleep(0.05)  # peer_disconnect travels over the peer plane

@@ -216,14 +216,23 @@ def test_socket_without_permission(ops_cluster: OpsCluster) -> None:
     assert f"group {ops_cluster.group}" in line
 
 
-def test_control_group_owns_socket_rings_and_flags(ops_cluster: OpsCluster) -> None:
-    """A client in control.group can use the socket and map its ring and flags: all three are the group's."""
+def test_control_group_owns_the_socket_and_rings_and_flags_come_by_descriptor(ops_cluster: OpsCluster) -> None:
+    """A client in control.group uses the sockets (the group's, 0660) and maps its ring and flags from
+    the descriptors the daemon handed it: memfds, with no name in /dev/shm another process could open."""
     gid = grp.getgrnam(ops_cluster.group).gr_gid
     socket_path = Path(ops_cluster.socket("nodeb").removeprefix("ipc://"))
-    (flags_path,) = Path("/dev/shm").glob(f"tpd-flags-nodeb-{JOB}-1-*")
-    for path in (socket_path, Path(ops_cluster.b.channel.ring.path), flags_path):
+    for path in (socket_path, Path(f"{socket_path}.fds")):
         st = os.stat(path)
         assert st.st_gid == gid and stat.S_IMODE(st.st_mode) == 0o660, path
+    ring = ops_cluster.b.channel.ring
+    assert ring.path is None and ops_cluster.b.session.flag_array._file.path is None
+    maps = Path("/proc/self/maps").read_text()
+    assert f"/memfd:tpd-ring-{JOB}-1-" in maps and f"/memfd:tpd-flags-{JOB}-1 " in maps
+    # nothing of the job's is named anywhere in /dev/shm (another test's or run's files do not matter)
+    assert [name for name in os.listdir("/dev/shm") if name.startswith("tpd-") and f"-{JOB}-" in name] == []
+    # and transportctl still reads the flags through the daemon, which maps the same memory
+    result = ctl("flags", JOB, "1", "--json", "--socket", ops_cluster.socket("nodeb"))
+    assert result.exit_code == 0 and result.json()["rank"] == 1, result
 
 
 @pytest.mark.parametrize("endpoint", ["foo", "/run/transportd/control.sock", "tcp://nohost"])

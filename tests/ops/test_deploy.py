@@ -129,3 +129,45 @@ def test_a_bad_config_exits_78_and_the_unit_does_not_restart_it(tmp_path) -> Non
     assert "signal.mode" in result.stderr and str(bad) in result.stderr
     unit = (Path(__file__).resolve().parents[2] / "deploy" / "transportd.service").read_text()
     assert "RestartPreventExitStatus=78" in unit
+
+
+def _readme_section(title: str) -> str:
+    text = (DEPLOY.parent / "README.md").read_text()
+    start = text.index(f"### {title}\n")
+    end = text.find("\n### ", start + 1)
+    return text[start:end]
+
+
+def test_readme_install_steps_match_the_unit() -> None:
+    """The README's install steps create the user and group the unit runs as, put the unit and the config
+    where it looks, and describe its privileges (memlock, capabilities, groups) as the unit sets them."""
+    unit = _unit(UNIT.read_text())
+    service = {k: v[-1] for k, v in unit["Service"].items()}
+    install = _readme_section("Install on a node")
+    steps = re.search(r"```sh\n(.*?)```", install, re.S)
+    assert steps is not None
+    commands = [line.split("#")[0].split() for line in steps.group(1).splitlines()]
+    groupadd = next(c for c in commands if c[:1] == ["groupadd"])
+    useradd = next(c for c in commands if c[:1] == ["useradd"])
+    assert groupadd[-1] == service["Group"] and "--system" in groupadd
+    assert useradd[-1] == service["User"] and useradd[useradd.index("--gid") + 1] == service["Group"]
+    assert "--system" in useradd and useradd[useradd.index("--shell") + 1] == "/usr/sbin/nologin"
+    # the unit's own header comment gives the same two commands
+    header = " ".join(line.lstrip("# ").rstrip("\\ ") for line in UNIT.read_text().splitlines()[:6])
+    assert " ".join(groupadd) in header and " ".join(useradd) in " ".join(header.split()), header
+    config = service["ExecStart"].split()[-1]
+    assert any(c[:1] == ["install"] and c[-1] == config for c in commands), f"the config goes to {config}"
+    assert any(c[:1] == ["install"] and c[-1] == "/etc/systemd/system/" and c[-2].endswith("transportd.service")
+               for c in commands)
+    assert ["systemctl", "daemon-reload", "&&", "systemctl", "enable", "--now", "transportd"] in commands
+    # privileges, as the prose says them
+    assert f"`LimitMEMLOCK={service['LimitMEMLOCK']}`" in install and service["LimitMEMLOCK"] == "infinity"
+    assert "**no capabilities**" in install and "(`CapabilityBoundingSet=` empty)" in install
+    assert unit["Service"]["CapabilityBoundingSet"] == [""] and unit["Service"]["AmbientCapabilities"] == [""]
+    assert "(`User=`, `Group=`)" in install and f"the `{service['User']}` user and group" in install
+    # extra device groups come by drop-in only, as the README says
+    assert "SupplementaryGroups" not in service and "`SupplementaryGroups=rdma video`" in install
+    memlock = _readme_section("Pinned memory")
+    assert "`LimitMEMLOCK=infinity`" in memlock
+    users = _readme_section("Who may use the daemon")
+    assert f"usermod -aG {service['Group']} alice" in users

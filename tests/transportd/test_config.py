@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -275,3 +276,8 @@ def test_decoupled_signaling_is_refused_on_efa(tmp_path) -> None:
     path.write_text('[backend]\nkind = "efa"\n[signal]\ndecoupled = true\n')
     with pytest.raises(ConfigError, match="signal.decoupled: not supported with backend.kind"):
         load_config(path)
+
+
+def test_the_readme_config_table_is_the_generated_one():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert describe_keys() in readme, "regenerate the README's config table: transportd.config.describe_keys()"
