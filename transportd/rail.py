@@ -149,6 +149,8 @@ class RailService:
             flags.close()
             raise
         self.flags[(job, rank)] = (flags, mkey)
+        if hasattr(self.backend, "set_host_flags"):  # efa: the compiled path stores these flags itself
+            self.backend.set_host_flags(job, rank, flags.address, flags.count)
         return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
 
     def op_unmap_flags(self, job: str, rank: int) -> dict[str, Any]:
@@ -159,6 +161,8 @@ class RailService:
     def _drop_flags(self, job: str, rank: int) -> None:
         entry = self.flags.pop((job, rank), None)
         if entry is not None:
+            if hasattr(self.backend, "clear_host_flags"):
+                self.backend.clear_host_flags(job, rank)
             self.backend.deregister_memory(entry[1])
             if isinstance(entry[0], FlagFile):
                 entry[0].close()
