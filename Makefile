@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) cmd_ring/include/transportd/cmd_ring.h
 
-.PHONY: venv test demo lint core fuzz-validate pyverbs-bridge
+.PHONY: venv test demo lint core fuzz-validate pyverbs-bridge asan-test
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,22 @@ fuzz-validate:
 	mkdir -p build && $${CC_FUZZ:-clang-14} -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
 	    -o build/fuzz_validate transportd/core/fuzz_validate.c
 	build/fuzz_validate -max_total_time=$${FUZZ_SECONDS:-60} -print_final_stats=1
+
+# The compiled core under AddressSanitizer + UndefinedBehaviorSanitizer: a copy of the tree (build/asan-tree)
+# built with both, its data-path tests run with the runtimes preloaded into Python. Leak checking is off:
+# CPython's own allocations at exit would drown any report. CI runs it after `make test`.
+SANITIZE   := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -O1 -g
+ASAN_TESTS ?= tests/transportd/test_core_differential.py tests/transportd/test_proxy.py tests/ib tests/efa
+asan-test: venv
+	rm -rf build/asan-tree && mkdir -p build/asan-tree
+	git ls-files -z --cached --others --exclude-standard \
+	    | tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -xf - -C build/asan-tree
+	cd build/asan-tree && CFLAGS="$(SANITIZE)" LDFLAGS="-fsanitize=address,undefined" \
+	    $(abspath $(PY)) setup.py -q build_ext --inplace --force
+	# --capture=sys: a report is written to fd 2 and the process aborts; pytest's fd capture would swallow it
+	cd build/asan-tree && LD_PRELOAD="$$($${CC:-cc} -print-file-name=libasan.so) $$($${CC:-cc} -print-file-name=libubsan.so)" \
+	    ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 PYTHONPATH="$$PWD" \
+	    $(abspath $(PY)) -m pytest -q -p no:cacheprovider --capture=sys $(ASAN_TESTS)
 
 # The pyverbs bridge (transportd/core/_pyverbs_bridge.pyx): reads the ibv_qp_ex / ibv_cq_ex behind pyverbs'
 # QPEx and CQEX, so the compiled data path posts to a real NIC. Built against the rdma-core source tree

@@ -667,8 +667,8 @@ static long efa_poll(void *ctx, size_t max, tpd_completion *out) {
     if (prc) return poll_failed(p);
     if (submit(p)) return poll_failed(p);
     size_t n = p->nwork < max ? p->nwork : max;
-    memcpy(out, p->work, n * sizeof(tpd_completion));
-    memmove(p->work, p->work + n, (p->nwork - n) * sizeof(tpd_completion));
+    if (n) memcpy(out, p->work, n * sizeof(tpd_completion)); /* work is NULL until the first completion */
+    if (p->nwork > n) memmove(p->work, p->work + n, (p->nwork - n) * sizeof(tpd_completion));
     p->ncarry = p->nwork - n;
     p->nwork = 0;
     return (long)n;

@@ -420,7 +420,7 @@ static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
     size_t nw = 0;
     if (grow((void **)&p->work, &p->work_cap, p->ncarry + 1, sizeof(tpd_completion)))
         return fail(p, E_NOMEM, 0, "out of memory");
-    memcpy(p->work, p->carry, p->ncarry * sizeof(tpd_completion));
+    if (p->ncarry) memcpy(p->work, p->carry, p->ncarry * sizeof(tpd_completion)); /* carry may be NULL */
     nw = p->ncarry;
     p->ncarry = 0;
     if (nw < max && p->cq) {
