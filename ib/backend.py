@@ -42,6 +42,15 @@ Signal modes. Which is correct depends on the fabric:
 
 The ordering read has length zero, so it needs no remote key and touches no memory (IBTA: a zero-length
 RDMA read carries no R_Key check); it is the same trick NVSHMEM and Perseus use before a fenced flag.
+
+Where it runs. The lowering above and the completion tracking are compiled (``transportd._core.IbPoster``,
+``transportd/core/ib_post.c``): plan rows become ``ibv_wr_*`` calls through the function pointers of a
+``struct ibv_qp_ex`` per connection, completions come from a ``struct ibv_cq_ex`` (the rail's CQ) through
+``start_poll``/``next_poll``/``end_poll``. The proxy's engine calls it directly (:attr:`IbBackend.c_poster`),
+so no Python runs per record or per WR between the ring and those structs. For a Python verbs provider the
+structs are the verbs shim (:mod:`transportd.verbs_shim`): it collects each pass's WRs in C and hands them
+to the provider in one call, and takes completions back the same way; so the tests run the lowering a NIC
+runs. ``post``/``post_batches``/``poll`` here are thin calls into the same code.
 """
 
 from __future__ import annotations
@@ -52,14 +61,15 @@ from typing import Any
 
 import numpy as np
 
-from ib.tracking import SEQ_BITS, SEQ_MASK, OrderedBatches
-from transportd.backend import FlagPublisher, MemoryKey, PlanOp, SignalOp
+from transportd import _core
+from transportd.backend import COMPLETION_DTYPE, FlagPublisher, MemoryKey
+from transportd.verbs_shim import shim_cq, shim_qp
 from transportd.verbs_util import (
     BackendError,
     Rail,
     SendQueueFullError,
+    VerbsError,
     access_flags,
-    completions,
     translate_verbs_errors,
 )
 
@@ -67,31 +77,17 @@ __all__ = ["SIGNAL_MODES", "IbBackend"]
 
 SIGNAL_MODES = ("write", "atomic", "fence")
 
-_WRITE, _SIGNAL, _FENCE = int(PlanOp.WRITE), int(PlanOp.SIGNAL), int(PlanOp.FENCE)
-_SET = int(SignalOp.SET)
-_MASK64 = (1 << 64) - 1
-_MAX_KEYS = (1 << (64 - SEQ_BITS)) - 1
-
-# lowered work requests: (kind, rkey, raddr, laddr, length, lkey, value)
-_W, _F, _A, _R = 0, 1, 2, 3
-_FLUSH_ERR = 5  # IBV_WC_WR_FLUSH_ERR: what a post on a failed connection completes with
-
 
 @dataclass(eq=False)
 class _Conn:
     conn_id: int
     job: str
-    key: int
     qp: Any
+    shim: Any  # the ibv_qp_ex the compiled lowering posts through
     psn: int
-    sq_depth: int
     staging: np.ndarray  # one 8-byte flag value per SQ slot (the inline source, or the SGE without inline)
     staging_lkey: int
-    tracker: OrderedBatches = field(default_factory=OrderedBatches)
-    shadow: dict[tuple[int, int], int] = field(default_factory=dict)
     connected: bool = False
-    fence_next: bool = False  # a FENCE row was posted: the next WR carries IBV_SEND_FENCE
-    after_read: bool = False  # the last WR posted was an ordering read
     remote: dict[str, Any] = field(default_factory=dict)
 
 
@@ -129,13 +125,9 @@ class IbBackend:
         self.min_rnr_timer = min_rnr_timer
         self.relaxed_ordering = relaxed_ordering
         self._conns: dict[int, _Conn] = {}
-        self._by_key: dict[int, _Conn] = {}
-        self._free_keys = list(range(_MAX_KEYS, 0, -1))
-        self._carry: list[tuple[int, int, int]] = []
         self._publisher: FlagPublisher | None = None
         self._scratch: np.ndarray | None = None
         self._inline: bool | None = None  # flag values go inline (decided by the first QP created)
-        self.stats = {"wrs": 0, "signals": 0, "order_reads": 0, "fences": 0, "errors": 0}
         self.rail = Rail(verbs, device, port=port, gid_index=gid_index, cq_depth=cq_depth)
         try:
             v = self.rail.v
@@ -149,14 +141,18 @@ class IbBackend:
             # is below the cap (or one batch when nothing is in flight): at most 2 * cap WRs outstanding.
             self.sq_depth = min(int(attr.max_qp_wr), 2 * max(inflight_cap, batch_max) + 4)
             self.path_mtu = int(path_mtu) or int(self.rail.port_attr.active_mtu)
-            self._signaled = int(e.ibv_send_flags.IBV_SEND_SIGNALED)
-            self._fence_flag = int(e.ibv_send_flags.IBV_SEND_FENCE)
+            if (int(e.ibv_send_flags.IBV_SEND_SIGNALED), int(e.ibv_send_flags.IBV_SEND_FENCE)) != (
+                    _core.abi_layout()["const IBV_SEND_SIGNALED"], _core.abi_layout()["const IBV_SEND_FENCE"]):
+                raise BackendError("the verbs provider's send flags differ from the compiled core's")
             # scratch: atomics' old values land at 0, ordering reads (zero bytes) point at 8
             self._scratch = np.zeros(8, dtype=np.uint64)
             self._scratch_mr = self.rail.register(self._scratch.ctypes.data, self._scratch.nbytes,
                                                   access_flags(v))
             self._scratch_addr = self._scratch.ctypes.data
             self._scratch_lkey = int(self._scratch_mr.lkey)
+            self._cq = shim_cq(self.rail)
+            self._poster = _core.IbPoster(self._cq, signal_mode, self._scratch_addr, self._scratch_lkey,
+                                          BackendError, SendQueueFullError, VerbsError)
         except BaseException:
             self.rail.close()
             raise
@@ -187,9 +183,7 @@ class IbBackend:
         """Create connection ``conn_id``'s RC QP (in INIT); returns what the remote end needs for RTR."""
         if conn_id in self._conns:
             raise BackendError(f"connection {conn_id} already exists")
-        if not self._free_keys:
-            raise BackendError("too many connections on this rail")
-        budget = sum(c.sq_depth for c in self._conns.values()) + self.sq_depth
+        budget = self.sq_depth * (len(self._conns) + 1)
         if budget > self.rail.cq_depth:
             raise BackendError(f"connection {conn_id}: the rail's CQ ({self.rail.cq_depth} entries) cannot hold "
                                f"{budget} outstanding WRs; raise cq_depth or lower inflight_cap")
@@ -201,11 +195,19 @@ class IbBackend:
         except BaseException:
             qp.close()
             raise
-        key = self._free_keys.pop()
-        conn = _Conn(conn_id=conn_id, job=job, key=key, qp=qp, psn=random.getrandbits(24), sq_depth=self.sq_depth,
-                     staging=staging, staging_lkey=int(mr.lkey), tracker=OrderedBatches(random.getrandbits(40)))
+        try:
+            shim = shim_qp(v, qp)
+            # WR numbers start after a random base, so a stale completion of an earlier connection that had
+            # the same key never matches
+            self._poster.add_connection(conn_id, shim, self.sq_depth, staging.ctypes.data, int(mr.lkey),
+                                        random.getrandbits(40), bool(self._inline))
+        except BaseException:
+            self.rail.deregister(staging.ctypes.data, int(mr.lkey))
+            qp.close()
+            raise
+        conn = _Conn(conn_id=conn_id, job=job, qp=qp, shim=shim, psn=random.getrandbits(24), staging=staging,
+                     staging_lkey=int(mr.lkey))
         self._conns[conn_id] = conn
-        self._by_key[key] = conn
         r = self.rail
         return {"transport": "ib", "qpn": int(qp.qp_num), "psn": conn.psn, "lid": int(r.port_attr.lid),
                 "gid": str(r.gid.gid), "port": r.port, "mtu": self.path_mtu,
@@ -280,199 +282,57 @@ class IbBackend:
             conn.qp.to_rts(attr)
         conn.remote = dict(remote)
         conn.connected = True
+        self._poster.connect(conn_id)
 
     def close_connection(self, conn_id: int) -> None:
         """Destroy the QP; tokens still outstanding are dropped (the proxy fails them itself)."""
         conn = self._conns.pop(conn_id, None)
         if conn is None:
             return
-        self._by_key.pop(conn.key, None)
-        conn.tracker.drop()
+        self._poster.remove_connection(conn_id)
         try:
             conn.qp.close()
         finally:
             self.rail.deregister(conn.staging.ctypes.data, conn.staging_lkey)
-            self._free_keys.append(conn.key)
 
-    # --- data path -----------------------------------------------------------------------------------
+    # --- data path (compiled: transportd/core/ib_post.c) ------------------------------------------------
+    @property
+    def c_poster(self) -> Any:
+        """The compiled poster (``transportd._core.IbPoster``) the proxy's engine calls directly."""
+        return self._poster
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """wrs, signals, order_reads, fences, errors (failed completions), cqes (completions read)."""
+        return self._poster.stats()
+
     def post(self, conn_id: int, plan: np.ndarray) -> int:
-        """Post ``plan``'s rows as WRs on the connection's QP; returns how many WRs that was."""
-        return sum(self._post_plan(self._conn(conn_id), plan))
+        """Post ``plan``'s rows as WRs on the connection's QP; returns how many WRs that was.
+
+        Nothing is posted when the send queue could not take them all (:class:`SendQueueFullError`); on a
+        connection whose QP failed, every batch completes with IBV_WC_WR_FLUSH_ERR and 0 is returned.
+        """
+        self._conn(conn_id)
+        return self._poster.post(conn_id, np.ascontiguousarray(plan))
 
     def post_batches(self, conn_ids: np.ndarray, plan: np.ndarray, bounds: np.ndarray) -> np.ndarray:
         """Post several batches (``plan[bounds[i]:bounds[i+1]]`` on ``conn_ids[i]``); WRs per batch.
 
         Consecutive batches for one connection go out in one ``wr_start``/``wr_complete`` session. Each
-        batch must carry its own token (the proxy's do).
+        batch must carry its own token (the proxy's do); where one does not, that run reports zeros.
         """
-        ids = conn_ids.tolist()
-        starts, stops = bounds[:-1].tolist(), bounds[1:].tolist()
-        out = np.zeros(len(ids), dtype=np.int64)
-        i = 0
-        while i < len(ids):
-            j = i + 1
-            while j < len(ids) and ids[j] == ids[i]:
-                j += 1
-            counts = self._post_plan(self._conn(ids[i]), plan[starts[i]:stops[j - 1]])
-            if len(counts) == j - i:
-                out[i:j] = counts
-            i = j
-        return out
-
-    def _post_plan(self, conn: _Conn, plan: np.ndarray) -> list[int]:
-        """Post ``plan``; returns the number of WRs of each batch (run of rows with one token) in it."""
-        if not conn.connected:
-            raise BackendError(f"connection {conn.conn_id} is not connected")
-        n_rows = len(plan)
-        if n_rows == 0:
-            return []
-        tracker = conn.tracker
-        if tracker.error:
-            # the QP is in error: it would only flush these; say so without touching it
-            toks = plan["token"].tolist()
-            counts = []
-            for i in range(n_rows):
-                if i == n_rows - 1 or toks[i] != toks[i + 1]:
-                    self._carry.append((toks[i], _FLUSH_ERR, 0))
-                    counts.append(0)
-            return counts
-        wrs, ends, shadow, fence_next, after_read = self._lower(conn, plan)
-        n = len(wrs)
-        if tracker.inflight() + n > conn.sq_depth:
-            raise SendQueueFullError(f"connection {conn.conn_id}: {tracker.inflight()} WRs outstanding, "
-                                     f"{n} more would overrun the {conn.sq_depth}-entry send queue")
-        self._post_wrs(conn, wrs, ends)
-        counts = []
-        start = 0
-        for index, token in ends:
-            counts.append(index + 1 - start)
-            tracker.add_batch(index + 1 - start, token)
-            start = index + 1
-        conn.shadow.update(shadow)
-        conn.fence_next = fence_next
-        conn.after_read = after_read
-        self.stats["wrs"] += n
-        return counts
-
-    def _lower(self, conn: _Conn, plan: np.ndarray) -> tuple[list[tuple], list[tuple[int, int]],
-                                                              dict[tuple[int, int], int], bool, bool]:
-        """Plan rows -> (WRs, [(index of a batch's last WR, token)], shadow updates, fence_next, after_read)."""
-        mode = self.signal_mode
-        wrs: list[tuple] = []
-        fences: list[bool] = []
-        ends: list[tuple[int, int]] = []
-        shadow: dict[tuple[int, int], int] = {}
-        old = conn.shadow
-        fence_next = conn.fence_next
-        after_read = conn.after_read
-        n_rows = len(plan)
-        rows = plan.tolist()  # tuples in PLAN_DTYPE field order, plain ints: far cheaper to index
-        # op, signal_op, dst_rank, length, laddr, raddr, lkey, rkey, value, slot, chunk_id, token
-        for i, (op, sop, _rank, length, laddr, raddr, lkey, rkey, value, _slot, _chunk, token) in enumerate(rows):
-            if op == _WRITE:
-                wrs.append((_W, rkey, raddr, laddr, length, lkey, 0))
-                fences.append(fence_next)
-                fence_next = after_read = False
-            elif op == _SIGNAL:
-                self.stats["signals"] += 1
-                if mode == "atomic" and sop != _SET:
-                    wrs.append((_A, rkey, raddr, 0, 8, 0, value))
-                    fences.append(fence_next)
-                    fence_next = after_read = False
-                else:
-                    k = (raddr, rkey)
-                    cur = shadow.get(k, old.get(k, 0))
-                    new = value & _MASK64 if sop == _SET else (cur + value) & _MASK64
-                    shadow[k] = new
-                    if mode != "write":
-                        if not after_read:
-                            wrs.append((_R, rkey, raddr, 0, 0, 0, 0))
-                            fences.append(fence_next)
-                            self.stats["order_reads"] += 1
-                        fence_next = True
-                    wrs.append((_F, rkey, raddr, 0, 8, 0, new))
-                    fences.append(fence_next)
-                    fence_next = after_read = False
-            elif op == _FENCE:
-                self.stats["fences"] += 1
-                wrs.append((_R, 0, 0, 0, 0, 0, 0))
-                fences.append(fence_next)
-                self.stats["order_reads"] += 1
-                fence_next = after_read = True
-            else:
-                raise BackendError(f"plan row {i}: unknown op {op}")
-            if i == n_rows - 1 or (token != rows[i + 1][11] and token != 0):
-                ends.append((len(wrs) - 1, token))
-        fence = self._fence_flag
-        lowered = [wr + (fence if f else 0,) for wr, f in zip(wrs, fences, strict=True)]
-        return lowered, ends, shadow, fence_next, after_read
-
-    def _post_wrs(self, conn: _Conn, wrs: list[tuple], ends: list[tuple[int, int]]) -> None:
-        qp = conn.qp
-        SGE = self.v.wr.SGE
-        signaled = {index for index, _ in ends}
-        sig = self._signaled
-        base = conn.tracker.posted
-        key = conn.key << SEQ_BITS
-        staging = conn.staging
-        depth = conn.sq_depth
-        staging_addr = staging.ctypes.data
-        scratch, scratch_lkey = self._scratch_addr, self._scratch_lkey
-        inline = self._inline
-        with translate_verbs_errors(f"posting {len(wrs)} WRs on connection {conn.conn_id}", self.v):
-            qp.wr_start()
-            try:
-                for k, (kind, rkey, raddr, laddr, length, lkey, value, flags) in enumerate(wrs):
-                    seq = base + k + 1
-                    qp.wr_id = key | (seq & SEQ_MASK)
-                    qp.wr_flags = flags | (sig if k in signaled else 0)
-                    if kind == _W:
-                        qp.wr_rdma_write(rkey, raddr)
-                        qp.wr_set_sge(SGE(laddr, length, lkey))
-                    elif kind == _F:
-                        slot = seq % depth
-                        staging[slot] = value
-                        qp.wr_rdma_write(rkey, raddr)
-                        if inline:
-                            qp.wr_set_inline_data(staging_addr + 8 * slot, 8)
-                        else:
-                            qp.wr_set_sge(SGE(staging_addr + 8 * slot, 8, conn.staging_lkey))
-                    elif kind == _A:
-                        qp.wr_atomic_fetch_add(rkey, raddr, value)
-                        qp.wr_set_sge(SGE(scratch, 8, scratch_lkey))
-                    else:
-                        qp.wr_rdma_read(rkey, raddr)
-                        qp.wr_set_sge(SGE(scratch + 8, 0, scratch_lkey))
-                qp.wr_complete()
-            except BaseException:
-                qp.wr_abort()
-                raise
+        ids = np.ascontiguousarray(conn_ids, dtype=np.int64)
+        out = self._poster.post_batches(ids, np.ascontiguousarray(plan), np.ascontiguousarray(bounds, dtype=np.int64))
+        return np.frombuffer(out, dtype=np.int64).copy()
 
     def poll(self, max_completions: int = 256) -> np.ndarray:
         """Tokens completed since the last call; a failed batch is reported once, with its error status."""
-        out = self._carry
-        self._carry = []
-        if len(out) < max_completions:
-            with translate_verbs_errors("polling the CQ", self.v):
-                wcs = self.rail.drain.poll(max(1, min(max_completions - len(out), 1024)))
-            if len(wcs):
-                by_key = self._by_key
-                for wr_id, status, vendor_err in zip(wcs["wr_id"].tolist(), wcs["status"].tolist(),
-                                                     wcs["vendor_err"].tolist(), strict=True):
-                    conn = by_key.get(wr_id >> SEQ_BITS)
-                    if conn is None:
-                        continue  # a connection closed since
-                    if status:
-                        self.stats["errors"] += 1
-                    conn.tracker.on_completion(wr_id & SEQ_MASK, status, vendor_err, out)
-        if len(out) > max_completions:
-            self._carry = out[max_completions:]
-            out = out[:max_completions]
-        return completions(out)
+        return np.frombuffer(self._poster.poll(max_completions), dtype=COMPLETION_DTYPE).copy()
 
     def inflight(self, conn_id: int) -> int:
         """WRs posted on ``conn_id`` and not yet known complete."""
-        return self._conn(conn_id).tracker.inflight()
+        self._conn(conn_id)
+        return self._poster.inflight(conn_id)
 
     def set_flag_publisher(self, publisher: FlagPublisher) -> None:
         """Kept for the interface: on ib the NIC writes flags, nothing is published by the host."""

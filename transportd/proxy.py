@@ -84,8 +84,10 @@ class Proxy:
     may wait for more; ``inflight_cap`` WRs posted and not completed per connection; ``decoupled`` turns
     on Perseus signal reduction; ``max_length`` is the largest PUT; ``max_take`` caps records taken from
     one ring per iteration (bounds the work, hence the latency, of one iteration); ``poll_max`` caps the
-    completions taken per poll. ``use_post_batches=False`` posts batch by batch through ``backend.post``
-    even where the backend has ``post_batches``.
+    completions taken per poll. A backend with a ``c_poster`` (ib: :class:`transportd._core.IbPoster`) is
+    posted to and polled from C directly; others through their Python ``post_batches`` (or ``post``) and
+    ``poll``, once per pass. ``use_post_batches=False`` posts batch by batch through ``backend.post`` (and
+    never through a ``c_poster``).
     """
 
     def __init__(
@@ -113,10 +115,12 @@ class Proxy:
         self.max_length = max_length
         self.max_take = max_take
         self._post_batches = getattr(backend, "post_batches", None) if use_post_batches else None
-        hooks = (None, None) if backend is None else (self._post, self._poll)
+        # a backend with a compiled poster (ib) is posted to and polled from C, with no Python per pass
+        poster = getattr(backend, "c_poster", None) if use_post_batches else None
+        hooks = (None, None) if backend is None or poster is not None else (self._post, self._poll)
         self._core = _core.Engine(batch_max=batch_max, window_ns=self.window_ns, inflight_cap=inflight_cap,
                                   decoupled=decoupled, max_length=max_length, max_take=max_take,
-                                  poll_max=poll_max, post=hooks[0], poll=hooks[1])
+                                  poll_max=poll_max, post=hooks[0], poll=hooks[1], poster=poster)
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._channels: dict[int, _Channel] = {}

@@ -16,8 +16,9 @@
  * The control plane stays in Python (transportd/proxy.py): it owns the region and peer tables (numpy
  * arrays in translate.py's layout) and hands the engine views of them between iterations; the engine
  * holds a buffer reference to every array it reads, so a table replaced in Python stays alive until the
- * engine is given its successor. The backend is reached through two callables (post, poll); with none
- * the engine is its own null NIC, completing every batch on the next poll, for benchmarks.
+ * engine is given its successor. The backend is reached through its C poster (poster.h: ib and efa post
+ * and poll from C, GIL released, no Python per pass), else through two callables (post, poll); with
+ * neither the engine is its own null NIC, completing every batch on the next poll, for benchmarks.
  *
  * Why C and not Cython: the core builds with only a C compiler on a fresh machine (no Cython at build
  * time), and the same validation header compiles into the fuzzer and the sanitizer build unchanged.

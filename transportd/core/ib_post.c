@@ -102,6 +102,7 @@ typedef struct {
     uint64_t *staging;
     uint32_t staging_lkey;
     int connected, fence_next, after_read;
+    int inline_flags; /* flag values go inline (the QP has inline data), else through an SGE */
     /* OrderedBatches */
     uint64_t posted, completed;
     uint32_t error;
@@ -156,7 +157,8 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     tpd_poster iface;
-    int mode, inline_flags;
+    int mode;
+    int inline_default; /* for add_connection without its inline argument */
     uint64_t scratch;
     uint32_t scratch_lkey;
     struct ibv_cq_ex *cq;
@@ -287,7 +289,7 @@ static void issue(IbPoster *p, Conn *c, size_t nwr, size_t nends) {
             uint64_t slot = seq % c->depth;
             c->staging[slot] = wr->value;
             qp->wr_rdma_write(qp, wr->rkey, wr->raddr);
-            if (p->inline_flags)
+            if (c->inline_flags)
                 qp->wr_set_inline_data(qp, &c->staging[slot], 8);
             else
                 qp->wr_set_sge(qp, c->staging_lkey, (uint64_t)(uintptr_t)&c->staging[slot], 8);
@@ -515,16 +517,16 @@ static void *handle_pointer(PyObject *owner, const char *attr, const char *name)
 }
 
 static int IbPoster_init(IbPoster *p, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"cq", "mode", "inline", "scratch_addr", "scratch_lkey", "backend_error",
-                             "sq_full_error", "verbs_error", NULL};
+    static char *kwlist[] = {"cq", "mode", "scratch_addr", "scratch_lkey", "backend_error", "sq_full_error",
+                             "verbs_error", "inline", NULL};
     PyObject *cq;
     const char *mode;
-    int inl;
     unsigned long long scratch;
     unsigned int scratch_lkey;
     PyObject *eb, *es, *ev;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OspKIOOO", kwlist, &cq, &mode, &inl, &scratch, &scratch_lkey,
-                                     &eb, &es, &ev))
+    int inl = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OsKIOOO|p", kwlist, &cq, &mode, &scratch, &scratch_lkey, &eb, &es,
+                                     &ev, &inl))
         return -1;
     if (!strcmp(mode, "write")) p->mode = MODE_WRITE;
     else if (!strcmp(mode, "atomic")) p->mode = MODE_ATOMIC;
@@ -538,8 +540,8 @@ static int IbPoster_init(IbPoster *p, PyObject *args, PyObject *kw) {
     p->cq = cqp;
     Py_INCREF(cq);
     Py_XSETREF(p->cq_owner, cq);
-    p->inline_flags = inl;
     p->scratch = scratch;
+    p->inline_default = inl;
     p->scratch_lkey = scratch_lkey;
     Py_INCREF(eb);
     Py_INCREF(es);
@@ -576,13 +578,14 @@ static void IbPoster_dealloc(IbPoster *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
-/* add_connection(conn_id, qp, depth, staging_addr, staging_lkey, base) -> key */
+/* add_connection(conn_id, qp, depth, staging_addr, staging_lkey, base, inline) -> key */
 static PyObject *IbPoster_add_connection(IbPoster *p, PyObject *args) {
     long long id;
     PyObject *qp;
     unsigned long long depth, staging, base;
     unsigned int lkey;
-    if (!PyArg_ParseTuple(args, "LOKKIK", &id, &qp, &depth, &staging, &lkey, &base)) return NULL;
+    int inl = p->inline_default;
+    if (!PyArg_ParseTuple(args, "LOKKIK|p", &id, &qp, &depth, &staging, &lkey, &base, &inl)) return NULL;
     if (find_conn(p, id)) return PyErr_Format(p->exc_backend, "connection %lld already exists", id);
     if (depth < 1) return PyErr_Format(PyExc_ValueError, "depth must be at least 1");
     struct ibv_qp_ex *qpx = handle_pointer(qp, "ibv_qp_ex", "ibv_qp_ex");
@@ -609,6 +612,7 @@ static PyObject *IbPoster_add_connection(IbPoster *p, PyObject *args) {
     c->depth = depth;
     c->staging = (uint64_t *)(uintptr_t)staging;
     c->staging_lkey = lkey;
+    c->inline_flags = inl;
     c->posted = c->completed = base;
     p->conns[key] = c;
     return PyLong_FromSize_t(key);
@@ -679,6 +683,34 @@ out:
     return res;
 }
 
+/* post(conn_id, plan) -> WRs posted (every batch of the plan, whatever its tokens) */
+static PyObject *IbPoster_post(IbPoster *p, PyObject *args) {
+    long long id;
+    Py_buffer plan;
+    if (!PyArg_ParseTuple(args, "Ly*", &id, &plan)) return NULL;
+    PyObject *res = NULL;
+    size_t n = (size_t)plan.len / sizeof(tpd_plan_row), nb = 0;
+    if (plan.len % sizeof(tpd_plan_row)) {
+        PyErr_SetString(PyExc_ValueError, "plan must be PLAN_DTYPE rows");
+    } else if (grow((void **)&p->counts, &p->counts_cap, n + 1, sizeof(int64_t))) {
+        PyErr_NoMemory();
+    } else {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = post_plan(p, id, plan.buf, n, p->counts, &nb);
+        Py_END_ALLOW_THREADS
+        if (rc) {
+            ib_raise(p);
+        } else {
+            long long total = 0;
+            for (size_t b = 0; b < nb; b++) total += p->counts[b];
+            res = PyLong_FromLongLong(total);
+        }
+    }
+    PyBuffer_Release(&plan);
+    return res;
+}
+
 /* poll(max_completions) -> bytes of COMPLETION_DTYPE rows */
 static PyObject *IbPoster_poll(IbPoster *p, PyObject *arg) {
     Py_ssize_t max = PyLong_AsSsize_t(arg);
@@ -719,12 +751,13 @@ static PyObject *IbPoster_get_poster(IbPoster *p, void *unused) {
 
 static PyMethodDef IbPoster_methods[] = {
     {"add_connection", (PyCFunction)IbPoster_add_connection, METH_VARARGS,
-     "add_connection(conn_id, qp, depth, staging_addr, staging_lkey, base) -> key; qp has an ibv_qp_ex capsule."},
+     "add_connection(conn_id, qp, depth, staging_addr, staging_lkey, base, inline) -> key; qp.ibv_qp_ex is a capsule."},
     {"connect", (PyCFunction)IbPoster_connect, METH_O, "Mark a connection connected (its QP is in RTS)."},
     {"remove_connection", (PyCFunction)IbPoster_remove_connection, METH_O, "Forget a connection and free its key."},
     {"inflight", (PyCFunction)IbPoster_inflight, METH_O, "WRs posted on a connection and not known complete."},
     {"post_batches", (PyCFunction)IbPoster_post_batches, METH_VARARGS,
      "post_batches(conn_ids, plan, bounds) -> int64 WR counts per batch, as bytes."},
+    {"post", (PyCFunction)IbPoster_post, METH_VARARGS, "post(conn_id, plan) -> WRs posted."},
     {"poll", (PyCFunction)IbPoster_poll, METH_O, "poll(max) -> COMPLETION_DTYPE rows, as bytes."},
     {"stats", (PyCFunction)IbPoster_stats, METH_NOARGS, "Counters: wrs, signals, order_reads, fences, errors, cqes."},
     {NULL, NULL, 0, NULL},
