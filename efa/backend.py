@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from efa.srd_shim import AddressTable, shim_cq, srd_shim_qp
+from efa.srd_shim import AddressTable, bridged, shim_cq, srd_shim_qp
 from efa.wire import CTRL_DTYPE, INDEX_BITS, MAX_CONNS
 from transportd import _core
 from transportd.backend import COMPLETION_DTYPE, FlagPublisher, MemoryKey, SignalOp
@@ -215,7 +215,9 @@ class EfaBackend:
                 rts = v.qp.QPAttr(qp_state=e.ibv_qp_state.IBV_QPS_RTS, port_num=self.rail.port)
                 rts.rnr_retry = 7
                 self.qp.modify(rts, int(e.ibv_qp_attr_mask.IBV_QP_STATE | e.ibv_qp_attr_mask.IBV_QP_RNR_RETRY))
-        # the compiled data path on the QP's and CQ's ibv_*_ex structs (the shim's, over a Python provider)
+        # the compiled data path on the QP's and CQ's ibv_*_ex structs (the shim's, over a Python provider;
+        # pyverbs' own with the bridge, where address handles are their ibv_ah pointers)
+        self._addresses = AddressTable(bridged=bridged(v))
         self._shim_qp = srd_shim_qp(v, self.qp, self._addresses)
         self._shim_cq = shim_cq(self.rail)
         self._poster = _core.EfaPoster(

@@ -5,15 +5,16 @@ efa lowering (``transportd/core/efa_post.c``) posts and polls through function p
 Per pass the shim makes one Python call each way:
 
 - ``post``: the session's WRs as :data:`SRD_WR_DTYPE` records. On softverbs :func:`post_soft` feeds them
-  to the QP's session core directly (no Python call per WR into the verbs API); on pyverbs, until a bridge
-  hands the engine pyverbs' own ``ibv_qp_ex``, :func:`replay_pyverbs` replays them through the QPEx
-  ``wr_*`` methods (one binding call per WR, as before the compiled core).
+  to the QP's session core directly (no Python call per WR into the verbs API); on pyverbs without the
+  bridge (``make pyverbs-bridge``), :func:`replay_pyverbs` replays them through the QPEx ``wr_*`` methods
+  (one binding call per WR, as before the compiled core). With the bridge there is no shim at all: the
+  lowering calls pyverbs' own ``ibv_qp_ex`` and ``ibv_cq_ex``.
 - ``poll``: completions as :data:`~transportd.verbs_util.WC_DTYPE` rows (:func:`poll_soft` on softverbs,
   the rail's :class:`~transportd.verbs_util.CqDrain` elsewhere).
 
 Address handles: the lowering passes ``wr_set_ud_addr`` the ``ah`` it was given per connection. Through the
-shim that is a small integer naming an entry of an :class:`AddressTable`; on a NIC it would be the
-``struct ibv_ah *`` itself.
+shim that is a small integer naming an entry of an :class:`AddressTable`; with the bridge it is the
+``struct ibv_ah *`` itself (``_pyverbs_bridge.ah_address``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Any
 import numpy as np
 
 from transportd import _core
+from transportd.verbs_shim import pyverbs_bridge
 from transportd.verbs_util import WC_DTYPE, Rail
 
-__all__ = ["SRD_WR_DTYPE", "SET_SGE", "SET_UD", "AddressTable", "poll_soft", "post_soft", "replay_pyverbs",
+__all__ = ["SRD_WR_DTYPE", "SET_SGE", "SET_UD", "AddressTable", "bridged", "poll_soft", "post_soft", "replay_pyverbs",
            "shim_cq", "srd_shim_qp"]
 
 #: One collected WR (transportd/core/efa_shim.c SrdWr).
@@ -57,15 +59,20 @@ assert SRD_WR_DTYPE.itemsize == _core.SRD_WR_SIZE
 
 
 class AddressTable:
-    """Address handles by the small integers the compiled lowering carries in place of ``ibv_ah *``."""
+    """Address handles by the value the compiled lowering carries for ``wr_set_ud_addr``: a small integer
+    the shim looks up, or, where the QP is pyverbs' own (``bridged``), the ``struct ibv_ah *`` itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, bridged: bool = False) -> None:
         self.ahs: dict[int, Any] = {}
         self._next = 1
+        self._bridge = pyverbs_bridge() if bridged else None
 
     def add(self, ah: Any) -> int:
-        handle = self._next
-        self._next += 1
+        if self._bridge is not None:
+            handle = int(self._bridge.ah_address(ah))
+        else:
+            handle = self._next
+            self._next += 1
         self.ahs[handle] = ah
         return handle
 
@@ -140,8 +147,17 @@ def poll_soft(cq: Any, max_entries: int) -> np.ndarray:
                      if c[1] == 0 else (c[0], c[1], 0, 0, 0, 0, c[4], 0, 0) for c in got], dtype=WC_DTYPE)
 
 
+def bridged(v: Any) -> bool:
+    """Whether the compiled lowering reaches provider ``v``'s own structs (pyverbs with the bridge built)."""
+    return v.name == "pyverbs" and pyverbs_bridge() is not None
+
+
 def srd_shim_qp(v: Any, qp: Any, table: AddressTable) -> Any:
-    """A ``SrdShimQP`` for ``qp`` (an SRD QPEx of provider ``v``): its wr_complete posts through ``qp``."""
+    """What the compiled efa lowering posts through for ``qp`` (an SRD QPEx of provider ``v``): pyverbs' own
+    ``ibv_qp_ex`` through the bridge (``table`` must then be ``AddressTable(bridged=True)``), else a
+    ``SrdShimQP`` whose wr_complete posts through ``qp``."""
+    if bridged(v):
+        return pyverbs_bridge().QPHandle(qp)
     if v.name == "soft":
         post = functools.partial(post_soft, qp, table)
     else:
@@ -150,7 +166,10 @@ def srd_shim_qp(v: Any, qp: Any, table: AddressTable) -> Any:
 
 
 def shim_cq(rail: Rail, fetch: int = 4096) -> Any:
-    """A ``ShimCQ`` over ``rail``'s CQ."""
+    """What the compiled poller reads ``rail``'s CQ through: pyverbs' own ``ibv_cq_ex`` through the bridge,
+    else a ``ShimCQ`` over it."""
+    if bridged(rail.v) and rail.drain.extended:
+        return pyverbs_bridge().CQHandle(rail.cq)
     if rail.v.name == "soft":
         poll = functools.partial(poll_soft, rail.cq)
     else:

@@ -26,8 +26,8 @@ import numpy as np
 from transportd import _core
 from transportd.verbs_util import WC_DTYPE, Rail
 
-__all__ = ["SHIM_WR_DTYPE", "SET_SGE", "SET_INLINE", "SET_SGE_LIST", "WR_OPCODES", "replay_wr_batch",
-           "shim_cq", "shim_qp"]
+__all__ = ["SHIM_WR_DTYPE", "SET_SGE", "SET_INLINE", "SET_SGE_LIST", "WR_OPCODES", "pyverbs_bridge",
+           "replay_wr_batch", "shim_cq", "shim_qp"]
 
 #: One collected WR (transportd/core/verbs_shim.c ShimWr).
 SHIM_WR_DTYPE = np.dtype(
@@ -90,7 +90,8 @@ def replay_wr_batch(v: Any, qp: Any, wrs: bytes) -> int:
     return 0
 
 
-def _bridge() -> Any:
+def pyverbs_bridge() -> Any:
+    """``transportd._pyverbs_bridge``, or None where it is not built here."""
     try:
         from transportd import _pyverbs_bridge
     except ImportError:  # not built here (make pyverbs-bridge), or built against another pyverbs
@@ -101,7 +102,7 @@ def _bridge() -> Any:
 def shim_qp(v: Any, qp: Any) -> Any:
     """What the compiled lowering posts through for ``qp`` (a QPEx of provider ``v``): the bridge's handle
     of pyverbs' own ``ibv_qp_ex``, else a ``ShimQP`` whose wr_complete posts through ``qp``."""
-    bridge = _bridge() if v.name == "pyverbs" else None
+    bridge = pyverbs_bridge() if v.name == "pyverbs" else None
     if bridge is not None:
         return bridge.QPHandle(qp)
     if v.name == "soft":
@@ -116,7 +117,7 @@ def shim_qp(v: Any, qp: Any) -> Any:
 def shim_cq(rail: Rail) -> Any:
     """What the compiled poller reads ``rail``'s CQ (shared by every connection of the rail) through: the
     bridge's handle of pyverbs' ``ibv_cq_ex``, else a ``ShimCQ``."""
-    bridge = _bridge() if rail.v.name == "pyverbs" and rail.drain.extended else None
+    bridge = pyverbs_bridge() if rail.v.name == "pyverbs" and rail.drain.extended else None
     if bridge is not None:
         return bridge.CQHandle(rail.cq)
     if rail.v.name == "soft" and rail.drain.extended:

@@ -96,3 +96,21 @@ def test_a_real_qp_and_cq_give_their_structs(bridge) -> None:
         pd.close()
     finally:
         ctx.close()
+
+
+@pytest.mark.parametrize("wrong", [object(), None, 7])
+def test_an_address_handle_address_is_only_read_from_a_pyverbs_ah(bridge, wrong) -> None:
+    with pytest.raises(TypeError):
+        bridge.ah_address(wrong)
+
+
+def test_efa_addresses_are_shim_handles_unless_bridged() -> None:
+    """Through the shim the lowering carries small integers; with the bridge it carries the ibv_ah pointers
+    (read by ``ah_address``), so the same lowering drives a real EFA."""
+    from efa.srd_shim import AddressTable, bridged
+    from transportd import verbs
+
+    assert not bridged(verbs.load("soft"))
+    table = AddressTable()
+    ah_a, ah_b = object(), object()
+    assert (table.add(ah_a), table.add(ah_b)) == (1, 2) and table.ahs == {1: ah_a, 2: ah_b}

@@ -6,14 +6,17 @@ The compiled data path (``ib_post.c``, ``poster.h``) posts through the function 
 pyverbs keeps them in ``cdef`` fields (``QPEx.qp_ex``, ``CQEX.cq``) that only a Cython module compiled
 against pyverbs' own ``.pxd`` files can read. This module is that reader and nothing more: it wraps the
 pointer in a capsule named like the struct, on a handle that keeps the pyverbs object alive, which is
-the shape the data path takes (the softverbs shim's ShimQP/ShimCQ offer the same attributes).
+the shape the data path takes (the softverbs shim's ShimQP/ShimCQ offer the same attributes), and gives
+the ``struct ibv_ah *`` of an address handle as the integer the efa lowering passes to wr_set_ud_addr.
 
 Built against the rdma-core tree whose pyverbs is installed (``make pyverbs-bridge``); never needed with
 softverbs.
 """
 
 from cpython.pycapsule cimport PyCapsule_New
+from libc.stdint cimport uintptr_t
 
+from pyverbs.addr cimport AH
 from pyverbs.cq cimport CQEX
 from pyverbs.qp cimport QPEx
 
@@ -44,3 +47,11 @@ cdef class CQHandle:
             raise ValueError("this CQEX is closed")
         self.cq = cq
         self.ibv_cq_ex = PyCapsule_New(<void *>cq.cq, b"ibv_cq_ex", NULL)
+
+
+def ah_address(AH ah not None):
+    """The ``struct ibv_ah *`` of a pyverbs AH as an integer: what the efa lowering hands wr_set_ud_addr for
+    every WR to that peer. The caller keeps ``ah`` open as long as a connection uses it."""
+    if ah.ah == NULL:
+        raise ValueError("this AH is closed")
+    return <uintptr_t>ah.ah
