@@ -9,6 +9,7 @@ from gpuclient.compiler import CompileError, compile, get_include
 from gpuclient.cuda_memory import CudaError
 from gpuclient.device_channel import CHANNEL_DTYPE, DeviceChannel, DeviceFlags
 from gpuclient.host_memory import HostBufferError, host_array
+from gpuclient.launcher import LauncherError, LaunchInfo, from_environment
 from gpuclient.session import (
     ChannelError,
     ChannelHandle,
@@ -31,11 +32,14 @@ __all__ = [
     "DeviceFlags",
     "FlagArray",
     "HostBufferError",
+    "LaunchInfo",
+    "LauncherError",
     "Region",
     "Session",
     "SignalOp",
     "compile",
     "connect",
+    "from_environment",
     "get_include",
     "host_array",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from cmd_ring import RECORD_DTYPE, Flag, Opcode, RingFile, RingProducer
 from gpuclient.host_memory import resolve_host_buffer
+from gpuclient.launcher import from_environment
 from transportd.connection import ControlConnection
 from transportd.errors import ErrorCode, TransportdError
 from transportd.flagfile import FlagFile
@@ -83,7 +85,25 @@ class Client:
         self._conn = conn
         self.info = conn.hello_reply
 
-    def join(self, job: str, rank: int, world: int, device: int | None = None) -> Session:
+    def join(self, job: str | None = None, rank: int | None = None, world: int | None = None,
+             device: int | None = None, *, env: Mapping[str, str] | None = None) -> Session:
+        """Join rank ``rank`` of ``job`` (``world`` ranks) on local GPU ``device`` (None: CPU only).
+
+        With none of job, rank and world, they come from the launcher that started this process
+        (torchrun, Open MPI, SLURM or ``TRANSPORTD_*``; see :mod:`gpuclient.launcher`, ``env`` defaults to
+        ``os.environ``) and ``device`` defaults to the launcher's local rank. Giving some but not all of
+        the three is refused: half from the caller and half from the environment is never what was meant.
+        """
+        given = [name for name, value in (("job", job), ("rank", rank), ("world", world)) if value is not None]
+        if not given:
+            info = from_environment(env)
+            job, rank, world = info.job, info.rank, info.world
+            device = info.device if device is None else device
+        elif len(given) < 3:
+            missing = sorted({"job", "rank", "world"} - set(given))
+            raise TypeError(f"join() got {', '.join(given)} but not {', '.join(missing)}: pass all three, or none "
+                            "to take them from the launcher's environment")
+        assert job is not None and rank is not None and world is not None
         reply = self._conn.request(Join(job=job, rank=rank, world=world, device=-1 if device is None else device))
         session = Session(self._conn, job, rank, world, reply)
         session.device = device
