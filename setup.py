@@ -6,9 +6,9 @@ setup(
     ext_modules=[
         Extension(
             "transportd._core",
-            sources=["transportd/core/engine.c", "transportd/core/pingpong.c", "transportd/core/ib_post.c",
-                     "transportd/core/verbs_shim.c", "transportd/core/efa_post.c", "transportd/core/efa_arrivals.c",
-                     "transportd/core/efa_shim.c"],
+            sources=["transportd/core/engine.c", "transportd/core/poster.c", "transportd/core/pingpong.c",
+                     "transportd/core/ib_post.c", "transportd/core/verbs_shim.c", "transportd/core/efa_post.c",
+                     "transportd/core/efa_arrivals.c", "transportd/core/efa_shim.c"],
             depends=["transportd/core/validate.h", "transportd/core/pingpong.h", "transportd/core/poster.h",
                      "transportd/core/verbs_abi.h", "transportd/core/verbs_abi_members.h",
                      "transportd/core/efa_arrivals.h",

@@ -120,20 +120,9 @@ static int srd_complete(struct ibv_qp_ex *qp) {
     s->n = 0;
     if (err) return err;
     if (!n) return 0;
-    PyGILState_STATE g = PyGILState_Ensure();
-    int rc = EIO;
-    PyObject *buf = PyBytes_FromStringAndSize((const char *)s->wrs, (Py_ssize_t)(n * sizeof(SrdWr)));
-    PyObject *res = buf ? PyObject_CallOneArg(s->post, buf) : NULL;
-    Py_XDECREF(buf);
-    if (res) {
-        long v = PyLong_AsLong(res);
-        Py_DECREF(res);
-        if (!(v == -1 && PyErr_Occurred())) rc = (int)v;
-    }
-    if (PyErr_Occurred()) tpd_stash_exception(); /* raised by the poster's caller (poster.h) */
+    int rc = tpd_shim_hand_over(s->post, s->wrs, n * sizeof(SrdWr));
     s->calls++;
     if (!rc) s->posted += n;
-    PyGILState_Release(g);
     return rc;
 }
 

@@ -44,40 +44,6 @@ enum { E_NONE, E_UNKNOWN, E_NOT_CONNECTED, E_SQ_FULL, E_VERBS, E_POLL, E_BAD_OP,
 enum { S_WRS, S_SIGNALS, S_ORDER_READS, S_FENCES, S_ERRORS, S_CQES, N_STATS };
 static const char *const STAT_NAMES[N_STATS] = {"wrs", "signals", "order_reads", "fences", "errors", "cqes"};
 
-/* ---- exceptions from inside callbacks (poster.h) ------------------------------------------------- */
-static __thread PyObject *stash_type, *stash_value, *stash_tb;
-
-void tpd_stash_exception(void) {
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    if (stash_type) { /* keep the first */
-        Py_XDECREF(t);
-        Py_XDECREF(v);
-        Py_XDECREF(tb);
-        return;
-    }
-    stash_type = t;
-    stash_value = v;
-    stash_tb = tb;
-}
-
-int tpd_restore_exception(void) {
-    if (!stash_type) return 0;
-    PyErr_Restore(stash_type, stash_value, stash_tb);
-    stash_type = stash_value = stash_tb = NULL;
-    return 1;
-}
-
-static int grow(void **p, size_t *cap, size_t need, size_t item) {
-    if (need <= *cap) return 0;
-    size_t n = *cap ? *cap : 16;
-    while (n < need) n *= 2;
-    void *q = realloc(*p, n * item);
-    if (!q) return -1;
-    *p = q;
-    *cap = n;
-    return 0;
-}
 
 /* ---- per connection ------------------------------------------------------------------------------- */
 typedef struct {
@@ -206,10 +172,10 @@ static int lower(IbPoster *p, Conn *c, const tpd_plan_row *rows, size_t n, size_
                  size_t *nundo, int *fence_next_out, int *after_read_out) {
     size_t w = 0, ne = 0, nu = 0;
     int fence_next = c->fence_next, after_read = c->after_read;
-    if (grow((void **)&p->wrs, &p->wrs_cap, 2 * n, sizeof(Wr)) ||
-        grow((void **)&p->ends, &p->ends_cap, n, sizeof(size_t)) ||
-        grow((void **)&p->end_tokens, &p->ends_tok_cap, n, sizeof(uint64_t)) ||
-        grow((void **)&p->undo, &p->undo_cap, n, sizeof(Undo)))
+    if (tpd_grow((void **)&p->wrs, &p->wrs_cap, 2 * n, sizeof(Wr)) ||
+        tpd_grow((void **)&p->ends, &p->ends_cap, n, sizeof(size_t)) ||
+        tpd_grow((void **)&p->end_tokens, &p->ends_tok_cap, n, sizeof(uint64_t)) ||
+        tpd_grow((void **)&p->undo, &p->undo_cap, n, sizeof(Undo)))
         return fail(p, E_NOMEM, 0, "out of memory");
     Wr *wrs = p->wrs;
 #define PUT(k, rk, ra, la, len, lk, val)                                                                   \
@@ -307,7 +273,7 @@ static void issue(IbPoster *p, Conn *c, size_t nwr, size_t nends) {
 }
 
 static int carry_push(IbPoster *p, uint64_t token, uint32_t status, uint32_t vendor_err) {
-    if (grow((void **)&p->carry, &p->carry_cap, p->ncarry + 1, sizeof(tpd_completion)))
+    if (tpd_grow((void **)&p->carry, &p->carry_cap, p->ncarry + 1, sizeof(tpd_completion)))
         return fail(p, E_NOMEM, 0, "out of memory");
     p->carry[p->ncarry++] = (tpd_completion){token, status, vendor_err};
     return 0;
@@ -371,7 +337,7 @@ static int ib_post(void *ctx, size_t nb, const int64_t *ids, const tpd_plan_row 
         size_t j = i + 1;
         while (j < nb && ids[j] == ids[i]) j++;
         size_t n = (size_t)(bounds[j] - bounds[i]), got;
-        if (grow((void **)&p->counts, &p->counts_cap, n + 1, sizeof(int64_t))) return fail(p, E_NOMEM, 0, "out of memory");
+        if (tpd_grow((void **)&p->counts, &p->counts_cap, n + 1, sizeof(int64_t))) return fail(p, E_NOMEM, 0, "out of memory");
         if (post_plan(p, ids[i], plan + bounds[i], n, p->counts, &got)) return -1;
         /* per-batch counts when every batch carried its own token (the proxy's do), else zeros */
         for (size_t b = i; b < j; b++) nwr[b] = got == j - i ? p->counts[b - i] : 0;
@@ -382,7 +348,7 @@ static int ib_post(void *ctx, size_t nb, const int64_t *ids, const tpd_plan_row 
 
 /* ---- completions ------------------------------------------------------------------------------------ */
 static int work_push(IbPoster *p, size_t *nw, uint64_t token, uint32_t status, uint32_t vendor_err) {
-    if (grow((void **)&p->work, &p->work_cap, *nw + 1, sizeof(tpd_completion))) return -1;
+    if (tpd_grow((void **)&p->work, &p->work_cap, *nw + 1, sizeof(tpd_completion))) return -1;
     p->work[(*nw)++] = (tpd_completion){token, status, vendor_err};
     return 0;
 }
@@ -420,7 +386,7 @@ static int on_completion(IbPoster *p, Conn *c, uint64_t seq, uint32_t status, ui
 static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
     IbPoster *p = ctx;
     size_t nw = 0;
-    if (grow((void **)&p->work, &p->work_cap, p->ncarry + 1, sizeof(tpd_completion)))
+    if (tpd_grow((void **)&p->work, &p->work_cap, p->ncarry + 1, sizeof(tpd_completion)))
         return fail(p, E_NOMEM, 0, "out of memory");
     if (p->ncarry) memcpy(p->work, p->carry, p->ncarry * sizeof(tpd_completion)); /* carry may be NULL */
     nw = p->ncarry;
@@ -462,7 +428,7 @@ static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
             if (err == 1) return fail(p, E_NOMEM, 0, "out of memory");
             if (err == 2) {
                 /* what was read is kept for the next poll */
-                if (grow((void **)&p->carry, &p->carry_cap, nw, sizeof(tpd_completion)))
+                if (tpd_grow((void **)&p->carry, &p->carry_cap, nw, sizeof(tpd_completion)))
                     return fail(p, E_NOMEM, 0, "out of memory");
                 memcpy(p->carry, p->work, nw * sizeof(tpd_completion));
                 p->ncarry = nw;
@@ -473,7 +439,7 @@ static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
     size_t n = nw < max ? nw : max;
     memcpy(out, p->work, n * sizeof(tpd_completion));
     if (nw > n) {
-        if (grow((void **)&p->carry, &p->carry_cap, nw - n, sizeof(tpd_completion)))
+        if (tpd_grow((void **)&p->carry, &p->carry_cap, nw - n, sizeof(tpd_completion)))
             return fail(p, E_NOMEM, 0, "out of memory");
         memcpy(p->carry, p->work + n, (nw - n) * sizeof(tpd_completion));
         p->ncarry = nw - n;
@@ -595,7 +561,7 @@ static PyObject *IbPoster_add_connection(IbPoster *p, PyObject *args) {
     if (key > MAX_KEYS) return PyErr_Format(p->exc_backend, "too many connections on this rail");
     if (key >= p->nkeys) {
         size_t cap = p->nkeys;
-        if (grow((void **)&p->conns, &cap, key + 1, sizeof(Conn *))) return PyErr_NoMemory();
+        if (tpd_grow((void **)&p->conns, &cap, key + 1, sizeof(Conn *))) return PyErr_NoMemory();
         memset(p->conns + p->nkeys, 0, (cap - p->nkeys) * sizeof(Conn *));
         p->nkeys = cap;
     }
@@ -648,40 +614,7 @@ static PyObject *IbPoster_inflight(IbPoster *p, PyObject *arg) {
 }
 
 /* post_batches(conn_ids, plan, bounds) -> bytes of int64 WR counts per batch (buffers in, like the engine) */
-static PyObject *IbPoster_post_batches(IbPoster *p, PyObject *args) {
-    Py_buffer ids, plan, bounds;
-    if (!PyArg_ParseTuple(args, "y*y*y*", &ids, &plan, &bounds)) return NULL;
-    PyObject *res = NULL;
-    size_t nb = (size_t)ids.len / sizeof(int64_t);
-    if ((size_t)bounds.len != (nb + 1) * sizeof(int64_t) || plan.len % sizeof(tpd_plan_row) ||
-        ids.len % sizeof(int64_t)) {
-        PyErr_SetString(PyExc_ValueError, "conn_ids (int64), plan (PLAN_DTYPE) and bounds (int64, one more) expected");
-        goto out;
-    }
-    const int64_t *b = bounds.buf;
-    size_t nrows = (size_t)plan.len / sizeof(tpd_plan_row);
-    for (size_t i = 0; i < nb; i++) {
-        if (b[i] < 0 || b[i] > b[i + 1] || (size_t)b[i + 1] > nrows) {
-            PyErr_SetString(PyExc_ValueError, "bounds must rise within the plan");
-            goto out;
-        }
-    }
-    res = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(nb * sizeof(int64_t)));
-    if (!res) goto out;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ib_post(p, nb, ids.buf, plan.buf, b, (int64_t *)PyBytes_AS_STRING(res));
-    Py_END_ALLOW_THREADS
-    if (rc) {
-        Py_CLEAR(res);
-        ib_raise(p);
-    }
-out:
-    PyBuffer_Release(&ids);
-    PyBuffer_Release(&plan);
-    PyBuffer_Release(&bounds);
-    return res;
-}
+static PyObject *IbPoster_post_batches(IbPoster *p, PyObject *args) { return tpd_post_batches_method(&p->iface, args); }
 
 /* post(conn_id, plan) -> WRs posted (every batch of the plan, whatever its tokens) */
 static PyObject *IbPoster_post(IbPoster *p, PyObject *args) {
@@ -692,7 +625,7 @@ static PyObject *IbPoster_post(IbPoster *p, PyObject *args) {
     size_t n = (size_t)plan.len / sizeof(tpd_plan_row), nb = 0;
     if (plan.len % sizeof(tpd_plan_row)) {
         PyErr_SetString(PyExc_ValueError, "plan must be PLAN_DTYPE rows");
-    } else if (grow((void **)&p->counts, &p->counts_cap, n + 1, sizeof(int64_t))) {
+    } else if (tpd_grow((void **)&p->counts, &p->counts_cap, n + 1, sizeof(int64_t))) {
         PyErr_NoMemory();
     } else {
         int rc;

@@ -35,9 +35,21 @@ typedef struct tpd_poster {
 } tpd_poster;
 
 /* A Python exception raised inside a C callback with no way to return it (a shim's Python call), kept
- * per thread until the caller that can raise it asks (GIL held for both). */
+ * per thread until the caller that can raise it asks (GIL held for both). poster.c. */
 void tpd_stash_exception(void);
 int tpd_restore_exception(void);
+
+/* Grow *p (of *cap items of `item` bytes) to hold at least `need`, doubling; -1 when out of memory. */
+int tpd_grow(void **p, size_t *cap, size_t need, size_t item);
+
+/* A poster type's Python post_batches(conn_ids, plan, bounds) -> bytes of int64 WR counts per batch:
+ * checks the buffers, posts through iface with the GIL released, raises through iface on failure.
+ * (struct _object is PyObject: this header needs no Python.h.) */
+struct _object *tpd_post_batches_method(const tpd_poster *iface, struct _object *args);
+
+/* A shim's wr_complete: hand `nbytes` of collected WRs to the Python callable `post` in one call (taking
+ * the GIL); its int result is the errno, EIO when it raised (the exception is stashed, see above). */
+int tpd_shim_hand_over(struct _object *post, const void *wrs, size_t nbytes);
 
 /* The types ib_post.c and verbs_shim.c add to transportd._core (with a Python object argument). */
 int tpd_ib_register(void *module);

@@ -1,0 +1,100 @@
+/*
+ * What the posters (ib_post.c, efa_post.c) and the verbs shims (verbs_shim.c, efa_shim.c) share: growing
+ * arrays, exceptions raised inside callbacks, the Python entry point that posts batches, and the one
+ * Python call a shim makes per wr_complete.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdlib.h>
+
+#include "poster.h"
+
+int tpd_grow(void **p, size_t *cap, size_t need, size_t item) {
+    if (need <= *cap) return 0;
+    size_t n = *cap ? *cap : 16;
+    while (n < need) n *= 2;
+    void *q = realloc(*p, n * item);
+    if (!q) return -1;
+    *p = q;
+    *cap = n;
+    return 0;
+}
+
+/* ---- exceptions from inside callbacks ---------------------------------------------------------------- */
+static __thread PyObject *stash_type, *stash_value, *stash_tb;
+
+void tpd_stash_exception(void) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    if (stash_type) { /* keep the first */
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+        return;
+    }
+    stash_type = t;
+    stash_value = v;
+    stash_tb = tb;
+}
+
+int tpd_restore_exception(void) {
+    if (!stash_type) return 0;
+    PyErr_Restore(stash_type, stash_value, stash_tb);
+    stash_type = stash_value = stash_tb = NULL;
+    return 1;
+}
+
+/* ---- post_batches(conn_ids, plan, bounds) ----------------------------------------------------------- */
+PyObject *tpd_post_batches_method(const tpd_poster *iface, PyObject *args) {
+    Py_buffer ids, plan, bounds;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &ids, &plan, &bounds)) return NULL;
+    PyObject *res = NULL;
+    size_t nb = (size_t)ids.len / sizeof(int64_t);
+    if ((size_t)bounds.len != (nb + 1) * sizeof(int64_t) || plan.len % sizeof(tpd_plan_row) ||
+        ids.len % sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "conn_ids (int64), plan (PLAN_DTYPE) and bounds (int64, one more) expected");
+        goto out;
+    }
+    const int64_t *b = bounds.buf;
+    size_t nrows = (size_t)plan.len / sizeof(tpd_plan_row);
+    for (size_t i = 0; i < nb; i++) {
+        if (b[i] < 0 || b[i] > b[i + 1] || (size_t)b[i + 1] > nrows) {
+            PyErr_SetString(PyExc_ValueError, "bounds must rise within the plan");
+            goto out;
+        }
+    }
+    res = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(nb * sizeof(int64_t)));
+    if (!res) goto out;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = iface->post(iface->ctx, nb, ids.buf, plan.buf, b, (int64_t *)PyBytes_AS_STRING(res));
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        Py_CLEAR(res);
+        iface->raise_error(iface->ctx);
+    }
+out:
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&plan);
+    PyBuffer_Release(&bounds);
+    return res;
+}
+
+/* ---- a shim's wr_complete -------------------------------------------------------------------------- */
+int tpd_shim_hand_over(PyObject *post, const void *wrs, size_t nbytes) {
+    PyGILState_STATE g = PyGILState_Ensure();
+    int rc = EIO;
+    PyObject *buf = PyBytes_FromStringAndSize((const char *)wrs, (Py_ssize_t)nbytes);
+    PyObject *res = buf ? PyObject_CallOneArg(post, buf) : NULL;
+    Py_XDECREF(buf);
+    if (res) {
+        long v = PyLong_AsLong(res);
+        Py_DECREF(res);
+        if (!(v == -1 && PyErr_Occurred())) rc = (int)v;
+    }
+    if (PyErr_Occurred()) tpd_stash_exception(); /* raised by the poster's caller */
+    PyGILState_Release(g);
+    return rc;
+}
