@@ -387,5 +387,33 @@ def top(interval: float, iterations: int, socket: str | None, as_json: bool) -> 
         pass
 
 
+# --- selftest ------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--rounds", default=20, show_default=True, type=click.IntRange(1, 10000),
+              help="4 KiB rounds per signal mode")
+@click.option("--timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="seconds any one step of a link may take before the link is failed")
+@_common
+def selftest(rounds: int, timeout: float, socket: str | None, as_json: bool) -> None:
+    """Check every link of this node: each peer daemon, each rail, with a job of the daemons' own.
+
+    Data-checked transfers in each signal op, flag-before-data checks on both sides, a bad record's error
+    code, put -> flag p50/p99 and GB/s at 1 MiB. Exit 1 when any link fails. Needs the ipc control socket
+    (host memory travels by descriptor)."""
+    from transportd.selftest import format_table, run_selftest
+
+    endpoint = resolve_endpoint(socket)
+    _probe_ipc(endpoint)
+    try:
+        doc = run_selftest(endpoint, curve=_curve_keys(), rounds=rounds, timeout=timeout)
+    except RequestError as exc:
+        _fail(str(exc), EXIT_REFUSED)
+    except TransportdError as exc:
+        _fail(str(exc))
+    _emit(doc, as_json, format_table)
+    if not doc["ok"]:
+        sys.exit(EXIT_REFUSED)
+
+
 if __name__ == "__main__":
     main()

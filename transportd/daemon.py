@@ -56,9 +56,12 @@ from transportd.protocol import (
     PeerMessage,
     PeerRankLeft,
     PeerRegions,
+    PeerSelftest,
+    PeerSelftestReport,
     RegionInfo,
     Register,
     ReplyCode,
+    Selftest,
     Stats,
     Vouch,
 )
@@ -71,6 +74,7 @@ log = logging.getLogger("transportd")
 
 FLAGS_REGION_ID = 0xFFFF_FFFF  # the id a rank's flag array carries in peer_regions
 MAX_UNCLAIMED_JOBS = 1024  # announcements kept for jobs with no local rank yet
+MAX_SELFTESTS = 16  # self-test jobs at once, each side (each holds ~1.2 MiB, a ring and a thread on the far side)
 
 
 @dataclass
@@ -211,6 +215,9 @@ class Daemon:
         self.snapshot: dict[str, Any] = {"node": self.node}  # the last stats(), for other threads (metrics)
         self.metrics: Any = None
         self.peer_wait_s = config.peers.ready_wait_s  # READY=1 waits this long for the static peers at most
+        # transportctl selftest: near side, job -> {"node", "report", "error"}; far side, job -> (rank, echo)
+        self.selftests: dict[str, dict[str, Any]] = {}
+        self.selftest_far: dict[str, tuple[LocalRank, Any]] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -275,6 +282,9 @@ class Daemon:
                 next_liveness = now + 0.2
                 self._check_workers()
                 self._check_clients()
+                for job_name in [j for j, (_, echo) in self.selftest_far.items() if echo.expired]:
+                    log.warning("self-test %s: the near side never finished it; leaving", job_name)
+                    self._end_far_selftest(job_name)
                 if not self.ready:
                     if self._static_peers_up() or now - started > self.peer_wait_s:
                         self.ready = True
@@ -317,6 +327,8 @@ class Daemon:
         Draining comes first, while clients' rings and the peers' connections are still in place: every
         record committed before the stop is posted and completed (``Proxy.drain``, bounded per rail).
         """
+        for job_name in list(self.selftest_far):
+            self._end_far_selftest(job_name)
         for worker in self.workers:
             worker.stop()
         self.workers.clear()
@@ -432,13 +444,16 @@ class Daemon:
             raise RequestError("bad_world", f"job {req.job!r} has world {job.world}, not {req.world}")
         if req.rank in job.local or req.rank in job.remote:
             raise RequestError("rank_taken", f"rank {req.rank} of job {req.job!r} is already joined")
-        rail = self._rail_for_device(req.device)
+        if req.rail >= len(self.workers):
+            raise RequestError(ReplyCode.INVALID, f"rail {req.rail}: this node has {len(self.workers)} rail(s)")
+        rail = req.rail if req.rail >= 0 else self._rail_for_device(req.device)
         rank = LocalRank(client_id, req.job, req.rank, req.world, req.device, rail,
                          pid=self.client_pids.get(client_id, 0))
         job.local[req.rank] = rank
         self.clients[client_id] = rank
         log.info("job %s rank %d joined (device %d, rail %d)", req.job, req.rank, req.device, rail)
         return {"node": self.node, "rail": rail}
+
 
     def _rail_for_device(self, device: int) -> int:
         for index, rail in enumerate(self.config.backend.rails or ()):
@@ -722,6 +737,122 @@ class Daemon:
         return {"job": req.job, "rank": req.rank, "values": [int(v) for v in rank.flags.values],
                 "status": rank.flags.status}
 
+    # --- transportctl selftest --------------------------------------------------------------------------
+    def on_selftest(self, client_id: bytes, req: Selftest) -> dict[str, Any]:
+        """The near side of a self-test (``transportd.selftest``): list the links, start the far side of a
+        job on a peer, ask it to finish, report what it saw."""
+        self._identity(client_id)  # a vouched session: a self-test takes memory on the peer
+        assert self.peers
+        if req.action == "links":
+            links = [{"node": node, "up": p.up, "rails": p.rails, "backend": p.backend,
+                      "why": "" if p.up else "peer is down (stopped, said goodbye, or stopped answering heartbeats)"}
+                     for node, p in sorted(self.peers.peers.items())]
+            links += [{"node": address, "up": False, "rails": 0, "backend": "",
+                       "why": "no hello from this static peer: not running, unreachable, or its CURVE handshake "
+                              "failed (a key missing from, or wrong in, security.curve_authorized_keys_dir)"}
+                      for address in self.peers.unreached()]
+            return {"node": self.node, "rails": len(self.workers), "backend": self.config.backend.kind,
+                    "signal_mode": self.config.signal.mode, "decoupled": self.config.signal.decoupled,
+                    "links": links}
+        if req.action == "start":
+            peer = self.peers.peers.get(req.node)
+            if peer is None or not peer.up:
+                raise RequestError("unreachable", f"peer {req.node} is not up")
+            if req.rail >= min(len(self.workers), peer.rails or len(self.workers)):
+                raise RequestError(ReplyCode.INVALID, f"rail {req.rail}: this node has {len(self.workers)} and "
+                                                      f"{req.node} has {peer.rails}")
+            if req.job in self.selftests or req.job in self.jobs:
+                raise RequestError(ReplyCode.INVALID, f"job {req.job!r} exists")
+            if len(self.selftests) >= MAX_SELFTESTS:
+                raise RequestError("busy", f"{MAX_SELFTESTS} self-tests are running on node {self.node}")
+            self.selftests[req.job] = {"node": req.node, "report": None, "error": ""}
+            self.peers.send(req.node, PeerSelftest(action="start", job=req.job, rail=req.rail, seed=req.seed))
+            return {}
+        test = self.selftests.get(req.job)
+        if test is None:
+            raise RequestError("not_found", f"no self-test {req.job!r} on node {self.node}")
+        if req.action == "finish":
+            if not self.peers.send(test["node"], PeerSelftest(action="finish", job=req.job)) and not test["error"]:
+                test["error"] = f"peer {test['node']} is not reachable"
+            return {}
+        if test["report"] is not None or test["error"]:
+            del self.selftests[req.job]  # delivered: nothing of it stays behind
+        return {"report": test["report"], "error": test["error"]}
+
+    def _on_peer_selftest(self, node: str, msg: PeerSelftest) -> None:
+        """The far side: join rank 1 of the self-test job with memory, flags and a ring of our own, and
+        echo (``transportd.selftest.EchoResponder``); on ``finish``, report and leave."""
+        assert self.peers
+        if msg.action == "finish":
+            found = self.selftest_far.get(msg.job)
+            if found is not None and found[1].requester == node:
+                report = self._end_far_selftest(msg.job)
+                self.peers.send(node, PeerSelftestReport(job=msg.job, report=report))
+            return
+        try:
+            self._start_far_selftest(node, msg)
+        except (WorkerError, RequestError, OSError) as exc:
+            log.warning("self-test %s from %s: %s", msg.job, node, exc)
+            self.peers.send(node, PeerSelftestReport(job=msg.job, report={}, error=str(exc)[:1000]))
+
+    def _start_far_selftest(self, node: str, msg: PeerSelftest) -> None:
+        from gpuclient.host_memory import host_array, resolve_host_buffer
+        from transportd import selftest
+
+        if msg.job in self.jobs or msg.job in self.selftest_far:
+            raise RequestError(ReplyCode.INVALID, f"job {msg.job!r} exists on node {self.node}")
+        if len(self.selftest_far) >= MAX_SELFTESTS:
+            raise RequestError("busy", f"{MAX_SELFTESTS} self-tests are running on node {self.node}")
+        if msg.rail >= len(self.workers):
+            raise RequestError(ReplyCode.INVALID, f"rail {msg.rail}: node {self.node} has {len(self.workers)}")
+        rank = LocalRank(b"selftest:" + msg.job.encode(), msg.job, 1, 2, -1, msg.rail)
+        job = self.jobs[msg.job] = JobState(world=2, owner=f"selftest:{node}")
+        job.local[1] = rank
+        try:
+            memory = host_array(selftest.REGION_BYTES)
+            host = resolve_host_buffer(memory)
+            key = f"{rank.job}/{rank.rank}/0"
+            rank.regions[0] = {}
+            for worker in self.workers:
+                rank.regions[0][worker.rail] = worker.call(
+                    "map_region", key=key, offset=host.offset, size=host.nbytes, remote_write=True,
+                    remote_atomic=False, remote_read=True, fds=(host.fd,))
+                worker.call("set_source_region", job=rank.job, rank=rank.rank, region=0, key=key)
+            rank.next_region = 1
+            rank.region_kinds[0] = "selftest"
+            flags, fd = FlagFile.create_memfd(selftest.SLOTS, name=_memfd_name("flags", rank.job, rank.rank))
+            rank.flags = flags
+            try:
+                for worker in self.workers:
+                    rank.flag_keys[worker.rail] = worker.call("map_flags", job=rank.job, rank=rank.rank,
+                                                              count=selftest.SLOTS, fds=(fd,))
+            finally:
+                os.close(fd)  # the workers and our own mapping hold it
+            channel_id = next(self._channel_ids)
+            ring, fd = RingFile.create_memfd(256, name=_memfd_name("ring", rank.job, rank.rank, channel_id))
+            rank.channels[channel_id] = ring
+            try:
+                self.workers[rank.rail].call("add_channel", channel=channel_id, job=rank.job, rank=rank.rank,
+                                             world=rank.world, fds=(fd,))
+            finally:
+                os.close(fd)
+        except BaseException:
+            self._release_rank(rank)
+            raise
+        echo = selftest.EchoResponder(msg.job, node, msg.seed, memory, rank.flags, ring)
+        self.selftest_far[msg.job] = (rank, echo)
+        rank.announced = True
+        assert self.peers
+        self.peers.send(node, self._regions_message(rank))
+        self._refresh_job(msg.job)
+        log.info("self-test %s for %s: rank 1 joined on rail %d", msg.job, node, msg.rail)
+
+    def _end_far_selftest(self, job_name: str) -> dict[str, Any]:
+        rank, echo = self.selftest_far.pop(job_name)
+        report = echo.stop()  # before the ring and flags go away under it
+        self._release_rank(rank)
+        return report
+
     def on_leave(self, client_id: bytes, req: Leave) -> dict[str, Any]:
         self._reclaim(client_id, "left")
         return {}
@@ -762,6 +893,11 @@ class Daemon:
         if rank is None:
             return
         self.sessions_ended[why] += 1
+        self._release_rank(rank)
+
+    def _release_rank(self, rank: LocalRank) -> None:
+        """Free everything ``rank`` held (rings, IBGDA queues, regions, flags, offers) and forget it."""
+        client_id = rank.client_id
         worker = self.workers[rank.rail] if rank.rail < len(self.workers) else None
         for channel_id, ring in rank.channels.items():
             if worker:
@@ -852,6 +988,11 @@ class Daemon:
         for job_name, job in self.jobs.items():
             if any(r.node == node for r in job.remote.values()):
                 self._lose_node(job_name, job, node)
+        for test in self.selftests.values():
+            if test["node"] == node and test["report"] is None and not test["error"]:
+                test["error"] = f"peer {node} went down"
+        for job_name in [j for j, (_, echo) in self.selftest_far.items() if echo.requester == node]:
+            self._end_far_selftest(job_name)
 
     def _fail_connections(self, node: str, job_name: str | None = None) -> None:
         """Our connections to ``node`` (of ``job_name`` only, if given) fail: their records get PEER_LOST."""
@@ -889,6 +1030,12 @@ class Daemon:
                 self._on_rank_left(node, msg)
             elif isinstance(msg, PeerJobLost):
                 self._on_job_lost(node, msg)
+            elif isinstance(msg, PeerSelftest):
+                self._on_peer_selftest(node, msg)
+            elif isinstance(msg, PeerSelftestReport):
+                test = self.selftests.get(msg.job)
+                if test is not None and test["node"] == node:
+                    test["report"], test["error"] = (None, msg.error) if msg.error else (dict(msg.report), "")
         except (WorkerError, RequestError) as exc:
             log.warning("peer %s: %s failed: %s", node, msg.op, exc)
 
@@ -938,6 +1085,9 @@ class Daemon:
                           else [r for r, info in job.remote.items() if info.node == conn.node])
             for peer_rank in peer_ranks:
                 self._push_peer_tables(job_name, job, conn, peer_rank)
+        far = self.selftest_far.get(job_name)
+        if far is not None and not far[1].wired.is_set() and self._job_wired(far[0]):
+            far[1].wired.set()  # its echoes may go now
 
     def _peer_keys(self, job: JobState, peer_rank: int, rail: int) -> tuple[dict[int, dict[str, int]],
                                                                               dict[str, int] | None]:

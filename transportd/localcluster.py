@@ -156,13 +156,14 @@ class LocalCluster:
     def socket(self, name: str) -> str:
         return self.nodes[name].socket
 
-    def start(self, timeout_s: float = 60.0) -> LocalCluster:
-        """Start every daemon and wait until each answers on its control socket and sees its peers."""
+    def start(self, timeout_s: float = 60.0, *, peers_up: int | None = None) -> LocalCluster:
+        """Start every daemon and wait until each answers on its control socket and sees ``peers_up`` peers
+        (default: all the others; fewer for a test where some link is meant to fail)."""
         for node in self.nodes.values():
             self._launch(node)
         deadline = time.monotonic() + timeout_s
         for node in self.nodes.values():
-            self._wait_ready(node, deadline)
+            self._wait_ready(node, deadline, peers_up)
         return self
 
     def restart(self, name: str, timeout_s: float = 60.0) -> None:
@@ -183,8 +184,8 @@ class LocalCluster:
                                         stdout=node.log_file, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True, preexec_fn=_die_with_parent)
 
-    def _wait_ready(self, node: LocalNode, deadline: float) -> None:
-        want = len(self.nodes) - 1
+    def _wait_ready(self, node: LocalNode, deadline: float, peers_up: int | None = None) -> None:
+        want = len(self.nodes) - 1 if peers_up is None else peers_up
         while True:
             if node.process is not None and node.process.poll() is not None:
                 raise RuntimeError(f"daemon {node.name} exited with {node.process.returncode}:\n{self.log(node.name)}")

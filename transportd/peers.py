@@ -269,6 +269,12 @@ class PeerPlane:
             return
         self._on_message(peer.node, msg)
 
+    def unreached(self) -> list[str]:
+        """Static peer addresses no node has introduced itself on (not running, or its CURVE handshake
+        fails: a wrong key is silent in zmq, so all we know is that no hello came)."""
+        heard = {id(p.dealer) for p in self.peers.values() if p.dealer is not None}
+        return [address for address, dealer in self._dealers if id(dealer) not in heard]
+
     def _dealer_node(self, dealer: zmq.Socket | None) -> str | None:
         for peer in self.peers.values():
             if peer.dealer is dealer:

@@ -64,10 +64,13 @@ __all__ = [
     "PeerMessage",
     "PeerRankLeft",
     "PeerRegions",
+    "PeerSelftest",
+    "PeerSelftestReport",
     "RailQP",
     "Record",
     "RegionInfo",
     "Register",
+    "Selftest",
     "ReplyCode",
     "Request",
     "Session",
@@ -351,12 +354,14 @@ class Join(Request):
     rank: int
     world: int
     device: int
+    rail: int = -1  #: -1: the rail of ``device``; else this rail (``transportctl selftest`` tests each one)
 
     def _check(self) -> None:
         self._name("job")
         self._range("world", 1, MAX_WORLD)
         self._range("rank", 0, self.world - 1)
         self._range("device", -1, MAX_DEVICE)
+        self._range("rail", -1, MAX_RAILS - 1)
 
 
 @_request
@@ -497,6 +502,30 @@ class Inspect(Request):
     def _check(self) -> None:
         self._name("job")
         self._range("rank", 0, MAX_WORLD - 1)
+
+
+@_request
+@dataclass(frozen=True)
+class Selftest(Request):
+    """``transportctl selftest``: ``links`` lists this node's peers (and static peers never heard from) with
+    their rails; ``start`` has peer ``node`` host rank 1 of ``job`` (world 2) on ``rail`` itself, with no
+    user process there (``peer_selftest``); ``finish`` asks it for its observations and to leave;
+    ``status`` returns them once they came back (``report``), or why the far side failed (``error``)."""
+
+    op: ClassVar[str] = "selftest"
+    action: Literal["links", "start", "finish", "status"]
+    job: str = ""
+    node: str = ""
+    rail: int = 0
+    seed: int = 0
+
+    def _check(self) -> None:
+        if self.action != "links":
+            self._name("job")
+        if self.action == "start":
+            self._name("node", MAX_NODE_LEN)
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("seed", 0, _U64)
 
 
 @_request
@@ -785,6 +814,43 @@ class PeerJobLost(PeerMessage):
 
 @_peer
 @dataclass(frozen=True)
+class PeerSelftest(PeerMessage):
+    """A self-test job of the daemons' own: ``start``, the receiver joins rank 1 of ``job`` (world 2) on
+    ``rail`` with its own memory, flags and ring, and echoes every flag it sees back to rank 0 (on the
+    sender) with the data it covers; ``finish``, it answers ``peer_selftest_report`` and leaves the job.
+    Travels on the peer plane, so it is authenticated (CURVE) like every other peer message."""
+
+    op: ClassVar[str] = "peer_selftest"
+    action: Literal["start", "finish"]
+    job: str
+    rail: int = 0
+    seed: int = 0
+
+    def _check(self) -> None:
+        self._name("job")
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("seed", 0, _U64)
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerSelftestReport(PeerMessage):
+    """What the far side of a self-test saw: ``report`` (rounds, data checked, flags seen early, its
+    turnaround per echo), or ``error`` when it could not take part."""
+
+    op: ClassVar[str] = "peer_selftest_report"
+    job: str
+    report: dict[str, Any]
+    error: str = ""
+
+    def _check(self) -> None:
+        self._name("job")
+        if len(self.error) > 1024:
+            self._fail("error", "longer than 1024 characters")
+
+
+@_peer
+@dataclass(frozen=True)
 class PeerHeartbeat(PeerMessage):
     """Liveness: sequence number and the sender's clock (seconds), for loss and round-trip reports."""
 
@@ -931,6 +997,7 @@ TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
         "join": SessionState.JOINED,
         "stats": SessionState.READY,
         "inspect": SessionState.READY,
+        "selftest": SessionState.READY,
     },
     SessionState.JOINED: {
         "register": SessionState.JOINED,
@@ -940,6 +1007,7 @@ TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
         "exchange": SessionState.JOINED,
         "stats": SessionState.JOINED,
         "inspect": SessionState.JOINED,
+        "selftest": SessionState.JOINED,
         "leave": SessionState.READY,
     },
 }

@@ -34,9 +34,12 @@ from transportd.protocol import (
     PeerJobLost,
     PeerRankLeft,
     PeerRegions,
+    PeerSelftest,
+    PeerSelftestReport,
     RailQP,
     RegionInfo,
     Register,
+    Selftest,
     Session,
     SessionState,
     Stats,
@@ -67,6 +70,9 @@ REQUEST_SAMPLES = [
     Inspect("flags", "job-1", 3),
     Leave(),
     Heartbeat(seq=9),
+    Selftest("links"),
+    Selftest("start", job="selftest-1a2b", node="node-b", rail=1, seed=7),
+    Selftest("status", job="selftest-1a2b"),
 ]
 
 PEER_SAMPLES = [
@@ -79,6 +85,10 @@ PEER_SAMPLES = [
     PeerDisconnect("j1", 1, 7),
     PeerRankLeft("j1", 3),
     PeerJobLost("j1"),
+    PeerSelftest("start", "selftest-1a2b", rail=1, seed=(1 << 64) - 1),
+    PeerSelftest("finish", "selftest-1a2b"),
+    PeerSelftestReport("selftest-1a2b", {"echoes": 3, "turnaround_us": [1.5, 2.0]}),
+    PeerSelftestReport("selftest-1a2b", {}, error="no rail 3 here"),
     PeerRegions("j1", 5, (RegionInfo(0, 0, 1 << 20, 0xABC), RegionInfo(0, 0, 1 << 20, 0xDEF, rail=1))),
     PeerRegions("j1", 0, ()),
     PeerHeartbeat(42, 1712345678.25),
