@@ -5,9 +5,9 @@ through function pointers whatever the provider.
 Per pass the shim makes one Python call each way:
 
 - ``post``: the session's WRs as :data:`SHIM_WR_DTYPE` records. On softverbs that is
-  :func:`softverbs.batch.post_wr_batch` (no Python per WR).
+  :func:`softverbs.soft.batch.post_wr_batch` (no Python per WR).
 - ``poll``: completions as :data:`~transportd.verbs_util.WC_DTYPE` rows: softverbs'
-  :func:`~softverbs.batch.poll_wc_batch`, or the rail's :class:`~transportd.verbs_util.CqDrain`.
+  :func:`~softverbs.soft.batch.poll_wc_batch`, or the rail's :class:`~transportd.verbs_util.CqDrain`.
 
 On pyverbs :func:`shim_qp` / :func:`shim_cq` return the pyverbs bridge's handles instead
 (``transportd._pyverbs_bridge``: pyverbs' own structs, the provider's function pointers, no Python at
@@ -106,7 +106,7 @@ def shim_qp(v: Any, qp: Any) -> Any:
     if bridge is not None:
         return bridge.QPHandle(qp)
     if v.name == "soft":
-        from softverbs.batch import post_wr_batch
+        from softverbs.soft.batch import post_wr_batch
 
         post = functools.partial(post_wr_batch, qp)
     else:
@@ -121,7 +121,7 @@ def shim_cq(rail: Rail) -> Any:
     if bridge is not None:
         return bridge.CQHandle(rail.cq)
     if rail.v.name == "soft" and rail.drain.extended:
-        from softverbs.batch import poll_wc_batch
+        from softverbs.soft.batch import poll_wc_batch
 
         poll = functools.partial(poll_wc_batch, rail.cq)
     else:

@@ -314,7 +314,7 @@ def test_one_completion_settling_several_batches_is_carried_past_max() -> None:
 
 
 def test_the_record_layouts_match_the_shim() -> None:
-    from softverbs.batch import BATCH_WR_DTYPE, WC_BATCH_DTYPE
+    from softverbs.soft.batch import BATCH_WR_DTYPE, WC_BATCH_DTYPE
 
     assert SHIM_WR_DTYPE.itemsize == _core.SHIM_WR_SIZE == BATCH_WR_DTYPE.itemsize
     assert BATCH_WR_DTYPE.descr == SHIM_WR_DTYPE.descr and WC_BATCH_DTYPE.descr == WC_DTYPE.descr

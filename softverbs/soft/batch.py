@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ._core import WR_TO_OP
-from .pyverbs_error import PyverbsUserError
+from softverbs._core import WR_TO_OP
+from softverbs.pyverbs_error import PyverbsUserError
 
 __all__ = ["BATCH_WR_DTYPE", "WC_BATCH_DTYPE", "SET_SGE", "SET_INLINE", "SET_SGE_LIST", "post_wr_batch",
            "poll_wc_batch"]
