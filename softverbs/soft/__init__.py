@@ -1,7 +1,8 @@
 """Soft-only knobs and hooks: things real hardware sets elsewhere (fabric, firmware) or does not have.
 
 Nothing here exists in pyverbs; an API-agreement test ignores this package by name (`softverbs.soft.bench`
-holds the `transportd bench softverbs` command for the same reason). Knobs:
+holds the `transportd bench softverbs` command for the same reason, and `softverbs.soft.batch` the
+compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_wc_batch`). Knobs:
 
 - `add_device(name, kind, host=..., port=..., advertise=...)`: another soft device in this process
   ("ib" = ConnectX-like RC, "efa" = EFA-like SRD). Defaults: `softib0` and `softefa0` on 127.0.0.1,
