@@ -38,6 +38,7 @@ from transportd.curve import CurveServerKeys
 from transportd.errors import ErrorCode, RequestError
 from transportd.fdchannel import FdServer, SideConnection, fd_socket_for, is_memfd
 from transportd.flagfile import FlagFile
+from transportd.metrics import job_traffic
 from transportd.peers import PeerPlane
 from transportd.protocol import (
     Channel,
@@ -1195,6 +1196,13 @@ class Daemon:
                 rails.append({"error": str(exc)})
         # per-connection queue counters from the workers, by (rail, backend connection id)
         queued = {(r.get("rail"), c["conn"]): c for r in rails for c in r.get("queues", {}).get("connections", [])}
+        # a ring's error count is in its error word, which this process maps too (the workers report the code)
+        words = {cid: ring.error for job in self.jobs.values() for rank in job.local.values()
+                 for cid, ring in rank.channels.items()}
+        for r in rails:
+            for ring in r.get("queues", {}).get("rings", []):
+                if ring.get("channel") in words:
+                    ring["error_count"] = int(words[ring["channel"]][1])
         connections = []
         for c in self.connections.values():
             q = queued.get((c.rail, c.conn_id), {})
@@ -1208,7 +1216,7 @@ class Daemon:
                 peers[node] = {"up": p.up, "rtt_us": None if p.rtt_s is None else p.rtt_s * 1e6,
                                "messages_in": p.messages_in, "messages_out": p.messages_out,
                                "bytes": sum(c["bytes"] for c in mine), "connections": len(mine)}
-        return {
+        out = {
             "node": self.node,
             "pid": os.getpid(),
             "ready": self.ready,
@@ -1222,6 +1230,11 @@ class Daemon:
             "peers": peers,
             "rails": rails,
         }
+        for name, traffic in job_traffic(out).items():  # per job and rank, assembled from the rails' counters
+            if name in out["jobs"]:
+                out["jobs"][name]["traffic"] = {"bytes": traffic["bytes"],
+                                                "ranks": {str(r): v for r, v in traffic["ranks"].items()}}
+        return out
 
 
 def _process_alive(pid: int) -> bool:

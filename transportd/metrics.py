@@ -23,7 +23,7 @@ from typing import Any
 
 from transportd.errors import ErrorCode, ListenError
 
-__all__ = ["CONTENT_TYPE", "MetricsServer", "render_metrics"]
+__all__ = ["CONTENT_TYPE", "MetricsServer", "job_traffic", "render_metrics"]
 
 CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
@@ -83,6 +83,47 @@ _SESSION_END_HELP = {
     "silent": "Joined sessions reclaimed after no keepalive within control.client_timeout_s.",
     "shutdown": "Joined sessions ended by the daemon stopping.",
 }
+
+
+def job_traffic(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per job and rank, from the rail workers' per-ring and per-connection counters in one snapshot.
+
+    The compiled engine counts per channel (records taken, the error word: first code, count) and per
+    connection (payload bytes), not per job, so the job view is assembled here at stats time:
+    ``ranks[rank]``: ``commands`` (records taken from the rank's rings: bad ones and QUIETs included),
+    ``errors`` (refused or failed records, all codes), ``first_error`` (the ErrorCode of the first one;
+    the error word keeps only the first code, so a breakdown by code per rank is not available), and
+    ``bytes`` when it can be told: a connection is per (job, peer node, rail), shared by the job's local
+    ranks on that rail, so a rank's bytes are known only when it is the job's one local rank on its rail.
+    ``bytes``: the job's payload bytes over all its connections. A job's entry exists while it has rings
+    or connections here, so its series go when it ends.
+    """
+    jobs: dict[str, dict[str, Any]] = {}
+    on_rail: dict[tuple[str, int], set[int]] = {}
+    for rail in stats.get("rails", []):
+        for ring in rail.get("queues", {}).get("rings", []) if "error" not in rail else ():
+            job = jobs.setdefault(ring["job"], {"bytes": 0, "ranks": {}})
+            rank = job["ranks"].setdefault(int(ring["rank"]), {"commands": 0, "errors": 0, "first_error": 0,
+                                                                 "bytes": None})
+            rank["commands"] += int(ring.get("taken", 0))
+            count = int(ring.get("error_count", 1 if ring.get("error") else 0))
+            rank["errors"] += count
+            if ring.get("error") and not rank["first_error"]:
+                rank["first_error"] = int(ring["error"])
+            on_rail.setdefault((ring["job"], int(rail.get("rail", 0))), set()).add(int(ring["rank"]))
+    by_rail: dict[tuple[str, int], int] = {}
+    for conn in stats.get("connections", []):
+        if "job" not in conn:
+            continue
+        job = jobs.setdefault(conn["job"], {"bytes": 0, "ranks": {}})
+        job["bytes"] += int(conn.get("bytes", 0))
+        key = (conn["job"], int(conn.get("rail", 0)))
+        by_rail[key] = by_rail.get(key, 0) + int(conn.get("bytes", 0))
+    for (job_name, _rail), ranks in on_rail.items():
+        if len(ranks) == 1:
+            (only,) = ranks
+            jobs[job_name]["ranks"][only]["bytes"] = by_rail.get((job_name, _rail), 0)
+    return jobs
 
 
 def render_metrics(stats: dict[str, Any]) -> str:
@@ -150,6 +191,20 @@ def render_metrics(stats: dict[str, Any]) -> str:
     jobs = stats.get("jobs", {})
     w.family("transportd_job_local_ranks", "gauge", "Ranks of the job joined on this node.",
              [({"job": j}, len(v.get("local", []))) for j, v in sorted(jobs.items())])
+    traffic = job_traffic(stats)
+    ranks = [(j, r, v) for j, t in sorted(traffic.items()) for r, v in sorted(t["ranks"].items())]
+    w.family("transportd_job_commands", "counter", "Records taken from the rank's rings (bad ones and QUIETs "
+             "included).", [({"job": j, "rank": r}, v["commands"]) for j, r, v in ranks])
+    w.family("transportd_job_command_errors", "counter", "The rank's records refused or failed, all codes (its "
+             "channels' error words).", [({"job": j, "rank": r}, v["errors"]) for j, r, v in ranks])
+    w.family("transportd_job_first_error_code", "gauge", "ErrorCode of the rank's first refused or failed "
+             "record (0: none); the error word keeps only the first code.",
+             [({"job": j, "rank": r}, v["first_error"]) for j, r, v in ranks])
+    w.family("transportd_job_payload_bytes", "counter", "Payload bytes posted on the job's connections.",
+             [({"job": j}, t["bytes"]) for j, t in sorted(traffic.items())], unit="bytes")
+    w.family("transportd_job_rank_payload_bytes", "counter", "Payload bytes the rank posted, where it is the "
+             "job's only local rank on its rail (connections are shared per job and rail).",
+             [({"job": j, "rank": r}, v["bytes"]) for j, r, v in ranks if v["bytes"] is not None], unit="bytes")
     w.lines.append("# EOF")
     return "\n".join(w.lines) + "\n"
 

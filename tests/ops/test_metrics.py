@@ -9,10 +9,12 @@ import urllib.request
 
 import pytest
 
+from tests.e2e.conftest import close_ranks, join_ranks
 from tests.ops.conftest import BACK, CHUNK, JOB, PUTS, OpsCluster, wait_until
 from transportd.config import default_config, load_config
 from transportd.errors import ErrorCode
-from transportd.metrics import CONTENT_TYPE, render_metrics
+from transportd.localcluster import LocalCluster, free_port
+from transportd.metrics import CONTENT_TYPE, job_traffic, render_metrics
 
 parser = pytest.importorskip("prometheus_client.openmetrics.parser", reason="pip install -e '.[dev]'")
 
@@ -85,6 +87,14 @@ def test_metrics_of_a_real_daemon_after_traffic(ops_cluster: OpsCluster) -> None
     assert _value(b, "transportd_command_errors_bad_region") == 1
     assert _value(b, "transportd_peer_sent_bytes", peer="nodea") >= BACK * CHUNK
 
+    # per job and rank: nodea's rank 0 sent the puts, nodeb's rank 1 the bad record
+    assert _value(families, "transportd_job_commands", job=JOB, rank="0") >= PUTS + 2  # + fence, signal
+    assert _value(families, "transportd_job_payload_bytes", job=JOB) >= PUTS * CHUNK
+    assert _value(families, "transportd_job_rank_payload_bytes", job=JOB, rank="0") >= PUTS * CHUNK
+    assert _value(families, "transportd_job_command_errors", job=JOB, rank="0") == 0
+    assert _value(b, "transportd_job_command_errors", job=JOB, rank="1") == 1
+    assert _value(b, "transportd_job_first_error_code", job=JOB, rank="1") == ErrorCode.BAD_REGION
+
     with pytest.raises(urllib.error.HTTPError) as err:
         _scrape(listen, "/")
     assert err.value.code == 404
@@ -110,6 +120,49 @@ def test_render_is_exact_and_strict_for_any_snapshot() -> None:
     assert _value(families, "transportd_ring_oldest_age_seconds", job='we"ird\\job', rank="0") == 0.0025
     assert _value(families, "transportd_rails") == 1
     _parse(render_metrics({"node": "n1"}))  # the daemon's snapshot before its first refresh is still valid
+
+
+def test_job_series_go_when_the_job_ends() -> None:
+    """Bounded cardinality: a job's per-job and per-rank series exist while it runs here, not after."""
+    listen = f"127.0.0.1:{free_port()}"
+    with LocalCluster(2, per_node={"nodea": {"metrics": {"listen": listen}}}) as cluster:
+        ranks = join_ranks(cluster, job="short-lived", nbytes=1 << 16)
+        a, b = ranks
+        a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=0, src_region=a.src.id, src_off=0,
+                             nbytes=CHUNK, slot=0, value=1)
+        b.session.wait(slot=0, at_least=1, timeout=30)
+
+        def job_series() -> set[str]:
+            families = _parse(_scrape(listen)[1])
+            return {f.name for f in families.values() for s in f.samples if s.labels.get("job") == "short-lived"}
+
+        wait_until(lambda: {"transportd_job_commands", "transportd_job_payload_bytes"} <= job_series(),
+                   timeout=10.0, interval=0.3, what="the job's series")
+        close_ranks(ranks)
+        wait_until(lambda: not job_series(), timeout=10.0, interval=0.3, what="the job's series to go")
+
+
+def test_job_traffic_from_a_snapshot() -> None:
+    def ring(channel: int, rank: int, taken: int, error: int, count: int | None) -> dict:
+        r = {"channel": channel, "job": "j", "rank": rank, "taken": taken, "depth": 0, "oldest_age_us": 0.0,
+             "error": error}
+        return r if count is None else {**r, "error_count": count}
+
+    stats = {"node": "n1", "jobs": {"j": {"local": [0, 1, 2]}},
+             "connections": [{"job": "j", "node": "n2", "rail": 0, "bytes": 100},
+                             {"job": "j", "node": "n3", "rail": 0, "bytes": 20},
+                             {"job": "j", "node": "n2", "rail": 1, "bytes": 7}],
+             "rails": [{"rail": 0, "queues": {"rings": [ring(1, 0, 5, 0, 0), ring(2, 0, 3, 3, 2)]}},
+                       {"rail": 1, "queues": {"rings": [ring(3, 1, 4, 0, None), ring(4, 2, 1, 5, 1)]}}]}
+    traffic = job_traffic(stats)["j"]
+    assert traffic["bytes"] == 127
+    assert traffic["ranks"][0] == {"commands": 8, "errors": 2, "first_error": 3, "bytes": 120}  # alone on rail 0
+    assert traffic["ranks"][1]["bytes"] is None and traffic["ranks"][2]["bytes"] is None  # rail 1 is shared
+    families = _parse(render_metrics(stats))
+    assert _value(families, "transportd_job_command_errors", job="j", rank="2") == 1
+    assert _value(families, "transportd_job_rank_payload_bytes", job="j", rank="0") == 120
+    with pytest.raises(KeyError):
+        _value(families, "transportd_job_rank_payload_bytes", job="j", rank="1")
 
 
 def test_metrics_are_off_by_default(tmp_path) -> None:
