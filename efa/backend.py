@@ -100,7 +100,7 @@ class EfaRail(Rail):
         self.unsolicited = self.use_unsolicited and bool(caps & int(ee.EFADV_DEVICE_ATTR_CAPS_UNSOLICITED_WRITE_RECV))
 
     def create_cq(self, depth: int) -> None:
-        if not self.unsolicited:
+        if not getattr(self, "unsolicited", False):  # a sibling (another queue's CQ) takes a plain one
             super().create_cq(depth)
             return
         v = self.v
@@ -143,6 +143,8 @@ class EfaBackend:
     """
 
     name = "efa"
+    #: flags are published by the receiving daemon (transportd.flag_publication picks how, per rail)
+    receiver_publishes_flags = True
 
     def __init__(self, device: str | None = None, *, verbs: Any = None, inflight_cap: int = 256,
                  batch_max: int = 8, port: int = 1, gid_index: int = 0, sq_depth: int = 4096,
@@ -166,6 +168,7 @@ class EfaBackend:
         self._jobs: dict[str, int] = {}
         self._retired: list[np.ndarray] = []  # send staging of closed connections, until the SQ drains
         self._publisher: FlagPublisher | None = None
+        self._end_pass: Callable[[], None] | None = None
         self._unpublished: list[tuple[int, int, int, SignalOp, int]] = []
         self._poster: Any = None
         self.qp: Any = None
@@ -275,6 +278,23 @@ class EfaBackend:
         """``job``'s rank ``rank`` keeps its ``count`` flags as u64 words at ``addr`` in host memory mapped
         here: flags for it are published by the compiled path's own stores, with no Python call."""
         self._poster.set_host_flags(self._job(job), rank, addr, count)
+
+    def set_mapped_flags(self, job: str, rank: int, addr: int, count: int, shadow: int) -> None:
+        """Like :meth:`set_host_flags` for GPU flag words mapped here through the GPU's BAR (GDRCopy) at
+        ``addr``: each update is an atomic add (or store) on the host ``shadow`` words (shared by the
+        rails' workers) and one 8-byte store of the new value into the mapped word — no read across PCIe."""
+        self._poster.set_host_flags(self._job(job), rank, addr, count, shadow)
+
+    def loopback_unavailable(self) -> str | None:
+        """None: :meth:`open_flag_loopback` can write into this rail's registered memory (RDMA write is a
+        capability the rail already required); else why not."""
+        return None
+
+    def open_flag_loopback(self) -> Any:
+        """An :class:`efa.loopback.LoopbackWriter` on this rail's device and PD."""
+        from efa.loopback import LoopbackWriter
+
+        return LoopbackWriter(self.rail, self.qkey)
 
     def clear_host_flags(self, job: str, rank: int) -> None:
         """Forget ``set_host_flags`` (before the words are unmapped): its flags go to the publisher again."""
@@ -388,6 +408,8 @@ class EfaBackend:
                     self._unpublished.append((conn_id, rank, slot, SignalOp(op), value))
                 else:
                     publisher(conn_id, rank, slot, SignalOp(op), value)
+            if publisher is not None and self._end_pass is not None:
+                self._end_pass()
         if replenish:
             self._replenish(replenish)
 
@@ -408,12 +430,16 @@ class EfaBackend:
         self._conn(conn_id)
         return self._poster.inflight(conn_id)
 
-    def set_flag_publisher(self, publisher: FlagPublisher) -> None:
-        """Install the daemon's publisher; flags that became ready before it was installed go out now."""
+    def set_flag_publisher(self, publisher: FlagPublisher, end_pass: Callable[[], None] | None = None) -> None:
+        """Install the daemon's publisher; flags that became ready before it was installed go out now.
+        ``end_pass`` is called after the flags of each poll that had any (the loopback path writes then)."""
         self._publisher = publisher
+        self._end_pass = end_pass
         pending, self._unpublished = self._unpublished, []
         for args in pending:
             publisher(*args)
+        if pending and end_pass is not None:
+            end_pass()
 
     def close(self) -> None:
         for conn_id in list(getattr(self, "_conns", {})):

@@ -291,13 +291,24 @@ class Session:
         self._keep.append(buffer)
         return Region(int(reply["region"]), nbytes)
 
-    def flags(self, count: int, where: str = "host") -> FlagArray:
+    @property
+    def default_flags_placement(self) -> str:
+        """Where :meth:`flags` puts flags without ``where=``: the daemon's answer in the join reply
+        (``flags.placement``, host for a session without a GPU); host from a daemon that did not say."""
+        return str(self.info.get("flags_placement", "host"))
+
+    def flags(self, count: int, where: str | None = None) -> FlagArray:
         """Allocate this rank's ``count`` flag words (once per session).
 
         ``where="host"``: a host flag file the daemon creates (kernels read it mapped). ``where="device"``:
         GPU memory on this session's device, allocated here and registered by IPC handle; the daemon (or
-        the remote NIC) publishes into it.
+        the remote NIC) publishes into it. ``None``: :attr:`default_flags_placement` (the daemon's
+        ``flags.placement``); an explicit ``where`` always wins.
         """
+        if where is None:
+            where = self.default_flags_placement
+        if where not in ("host", "device"):
+            raise ValueError(f"where must be 'host' or 'device', not {where!r}")
         if where == "device":
             from gpuclient.device_channel import DeviceFlags, allocate_device_flags
 

@@ -35,6 +35,7 @@ __all__ = [
     "Config",
     "ControlConfig",
     "EfaConfig",
+    "FLAG_PUBLICATIONS",
     "FlagsConfig",
     "REMOVED_KEYS",
     "KeyInfo",
@@ -279,12 +280,29 @@ class SignalConfig:
         "Send one signal per destination per batch instead of one per command."))
 
 
+#: ``flags.publication`` values (transportd.flag_publication documents each path).
+FLAG_PUBLICATIONS = ("auto", "gdrcopy", "loopback", "host-mapped", "cuda-copy")
+
+
 @dataclass(frozen=True)
 class FlagsConfig:
     """[flags]"""
 
-    placement: Literal["device", "host"] = field(default="device", metadata=_meta(
-        "Where flag arrays live by default: GPU memory or host-mapped pinned memory."))
+    placement: Literal["device", "host"] = field(default="host", metadata=_meta(
+        "Where `session.flags()` puts a rank's flag array when the client does not say (`where=` wins): "
+        "GPU memory or host-mapped pinned memory. A client joined without a GPU, or a node whose rails "
+        "could only publish into GPU memory through the daemon's CUDA context, gets host."))
+    publication: Literal["auto", "gdrcopy", "loopback", "host-mapped", "cuda-copy"] = field(
+        default="auto", metadata=_meta(
+            "How an efa rail's worker publishes flags into GPU flag words. auto: gdrcopy where the gdrdrv "
+            "module is loaded and libgdrapi loads, else loopback (an RDMA write through the rail's own NIC), "
+            "else host-mapped (flags default to host memory). cuda-copy: copies through the daemon's CUDA "
+            "context (~2.4 ms per flag while a client kernel runs; the last resort). Naming a path forces it "
+            "(start fails if it cannot work). Only efa rails publish flags; ib NICs write them."))
+    gdrdrv_device: str = field(default="/dev/gdrdrv", metadata=_meta(
+        "The gdrdrv device node; GDRCopy is used only where it exists (the gdrdrv kernel module is loaded)."))
+    gdrcopy_library: str = field(default="", metadata=_meta(
+        "libgdrapi to load at run time (a name or a path); empty: libgdrapi.so.2, then libgdrapi.so."))
 
 
 @dataclass(frozen=True)
@@ -650,6 +668,11 @@ def _validate(loader: _Loader, cfg: Config) -> Config:
         # efa groups intact
         loader.fail("signal.decoupled", "not supported with backend.kind = \"efa\" (it would regroup SRD "
                                         "writes so a flag could cover less than it should)")
+    if cfg.flags.publication != "auto" and cfg.backend.kind != "efa":
+        # on ib (and null) the sender's NIC writes the flag (or nothing does): no receiver-side path to pick
+        loader.fail("flags.publication", f"{cfg.flags.publication!r} applies to backend.kind = \"efa\" only, where "
+                                         "the receiving daemon publishes flags; on "
+                                         f"{cfg.backend.kind!r} leave it at \"auto\"")
     names = [r.device for r in cfg.backend.rails]
     for i, name in enumerate(names):
         if names.index(name) != i:

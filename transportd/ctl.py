@@ -187,7 +187,8 @@ def _status_text(s: dict[str, Any]) -> str:
         cpus = rail.get("cpus")
         lines.append(f"rail {rail.get('rail', '?')}    {rail.get('backend', '?')} on {rail.get('device') or '?'}, "
                      f"worker pid {rail.get('pid', '?')} ({'CPUs ' + _cpulist(cpus) if cpus else 'not pinned'}), "
-                     f"{rail.get('channels', 0)} ring(s), {rail.get('commands', 0)} commands, {errors} errors")
+                     f"{rail.get('channels', 0)} ring(s), {rail.get('commands', 0)} commands, {errors} errors, "
+                     f"flags by {rail.get('flag_publication', '?')}")
     return "\n".join(lines)
 
 
@@ -200,7 +201,10 @@ def _cpulist(cpus: list[int]) -> str:
 @main.command()
 @_common
 def status(socket: str | None, as_json: bool) -> None:
-    """Node, readiness, backend, rails, uptime, clients and jobs, peers up/down."""
+    """Node, readiness, backend, rails, uptime, clients and jobs, peers up/down.
+
+    Each rail says how its worker publishes flags into GPU memory (``flag_publication`` in ``--json``:
+    gdrcopy, loopback, host-mapped, cuda-copy, or nic where the sender's NIC writes them)."""
     _emit(_fetch(socket), as_json, _status_text)
 
 

@@ -257,6 +257,9 @@ class Daemon:
         providers = sorted({str(w.info.get("verbs", "?")) for w in self.workers})
         log.info("node %s up: backend %s over %s, %d rail(s), control %s, peers %s", self.node,
                  self.config.backend.kind, "/".join(providers), count, self.control.endpoint, self.peers.endpoint)
+        paths = [str(w.info.get("flag_publication", "?")) for w in self.workers]
+        log.info("flag publication per rail: %s; session.flags() defaults to %s flags (flags.placement = %r)",
+                 ", ".join(paths), self.flags_placement(0), self.config.flags.placement)
         fallback = [w.rail for w in self.workers if w.info.get("verbs_fallback")]
         if fallback:
             log.warning("rail(s) %s fell back to softverbs (backend.verbs = \"auto\", no RDMA device): data moves "
@@ -453,7 +456,17 @@ class Daemon:
         job.local[req.rank] = rank
         self.clients[client_id] = rank
         log.info("job %s rank %d joined (device %d, rail %d)", req.job, req.rank, req.device, rail)
-        return {"node": self.node, "rail": rail}
+        return {"node": self.node, "rail": rail, "flags_placement": self.flags_placement(req.device)}
+
+    def flags_placement(self, device: int) -> str:
+        """Where ``session.flags()`` puts flags when the client does not say: ``flags.placement``, except
+        host for a client without a GPU, or where a rail could reach GPU flag words only through the
+        daemon's CUDA context (its ``flag_publication`` is ``host-mapped``)."""
+        if self.config.flags.placement == "host" or device < 0:
+            return "host"
+        if any(w.info.get("flag_publication") == "host-mapped" for w in self.workers):
+            return "host"
+        return "device"
 
 
     def _rail_for_device(self, device: int) -> int:
@@ -540,9 +553,10 @@ class Daemon:
         try:
             for worker in self.workers:
                 if req.where == "device":
+                    # the flag file rides along: the host shadow of the counters the workers publish
                     rank.flag_keys[worker.rail] = worker.call(
                         "map_gpu_flags", job=rank.job, rank=rank.rank, handle=req.handle, offset=req.offset,
-                        count=req.count, device=max(rank.device, 0))
+                        count=req.count, device=max(rank.device, 0), fds=(fd,))
                 else:
                     rank.flag_keys[worker.rail] = worker.call(
                         "map_flags", job=rank.job, rank=rank.rank, count=req.count, fds=(fd,))

@@ -11,7 +11,11 @@ cuda-python. Everything runs in the worker process, in the primary context of th
   into a host flag file by the soft NIC) must never become visible before the payload it covers. A real
   NIC reaches the memory directly (dmabuf) and needs none of this;
 * :class:`GpuFlagWords` — a rank's flag words in GPU memory, published by this worker for efa (receiver
-  side, after every piece arrived): read-modify-write under a lock, one writer per rank per worker.
+  side, after every piece arrived) on the rail's path (:mod:`transportd.flag_publication`): GDRCopy (the
+  compiled path stores through the BAR mapping; no Python), a loopback RDMA write, or — the last resort —
+  a copy through this worker's CUDA context. Each keeps a host shadow of the counters (the rank's flag
+  file, shared by the rails' workers), so an ADD is an atomic add on the shadow and one store of the new
+  value: never a read of GPU memory.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from transportd import _core
 from transportd.backend import SignalOp
+from transportd.flag_publication import CUDA_COPY, GDRCOPY, LOOPBACK
 
 __all__ = ["GpuAccessor", "GpuFlagWords", "GpuMemory", "IpcRegion"]
 
@@ -73,24 +79,6 @@ class GpuAccessor:
             check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
             self.writes += 1
 
-    def add_u64(self, addr: int, value: int, op: SignalOp) -> int:
-        """``*addr += value`` (or ``= value`` for SET) as one locked read-modify-write; returns the new value."""
-        with self._lock:
-            self._enter()
-            drv, check = self._drv, self._check
-            word = bytearray(8)
-            if op != SignalOp.SET:
-                check(drv.cuMemcpyDtoHAsync(word, addr, 8, self._stream), "cuMemcpyDtoHAsync")
-                check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
-                new = (int.from_bytes(word, "little") + value) & _MASK64
-            else:
-                new = value & _MASK64
-            word[:] = new.to_bytes(8, "little")
-            check(drv.cuMemcpyHtoDAsync(addr, word, 8, self._stream), "cuMemcpyHtoDAsync")
-            check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
-            self.writes += 1
-            return new
-
     def close(self) -> None:
         if self._stream is not None:
             self._use(self.device)
@@ -116,20 +104,86 @@ class IpcRegion:
 
 
 class GpuFlagWords:
-    """A rank's flag words in GPU memory; :meth:`publish` is the worker's efa flag publisher."""
+    """A rank's ``count`` flag words at ``address`` (GPU memory opened in this worker) and how they are
+    published: ``path`` is ``gdrcopy`` (``mapping`` holds the BAR mapping; the backend's compiled path
+    stores, :meth:`publish` is not called), ``loopback`` (``loopback``: the rail's
+    :class:`~efa.loopback.LoopbackWriter`; :meth:`end_pass` writes what :meth:`publish` queued) or
+    ``cuda-copy`` (``accessor``: anything with ``write(addr, bytes)``).
 
-    def __init__(self, region: IpcRegion, accessor: GpuAccessor, count: int) -> None:
+    ``shadow``: the host words holding each counter's current value (the rank's flag file, mapped in
+    every rail worker, which all publish through it). ``rkey`` is set once the words are registered.
+    ``region``, released with the words, is the IPC mapping (None where the caller owns the memory).
+    """
+
+    def __init__(self, address: int, count: int, shadow: Any, path: str, *, region: IpcRegion | None = None,
+                 accessor: Any = None, loopback: Any = None, mapping: Any = None) -> None:
+        if path not in (GDRCOPY, LOOPBACK, CUDA_COPY):
+            raise ValueError(f"GPU flag words cannot be published by {path!r}")
         self.region = region
         self.accessor = accessor
         self.count = count
-        self.address = region.addr
+        self.address = address
         self.nbytes = 8 * count
+        self.shadow = shadow
+        self.path = path
+        self.loopback = loopback
+        self.mapping = mapping
+        self.rkey = 0
+        self._dirty: dict[int, None] = {}  # loopback: slots whose shadow moved since their last write
+        self.copies = 0
 
     def publish(self, slot: int, op: SignalOp, value: int) -> None:
-        self.accessor.add_u64(self.address + 8 * slot, value, op)
+        """Apply one update to the shadow; copy the new value now (cuda-copy) or queue the slot (loopback)."""
+        new = _core.flag_shadow_publish(0, self.shadow.address + 8 * slot, int(op), value)
+        if self.path == LOOPBACK:
+            self._dirty[slot] = None
+        else:
+            self._copy(slot, new)
+
+    def _copy(self, slot: int, value: int) -> None:
+        # as the compiled mapped store: rewrite until the value written is the shadow's (another rail's
+        # worker may have moved it meanwhile, and its own copy may land before ours)
+        values = self.shadow.values
+        while True:
+            self.accessor.write(self.address + 8 * slot, memoryview(value.to_bytes(8, "little")))
+            self.copies += 1
+            now = int(values[slot])
+            if now == value:
+                return
+            value = now
+
+    def end_pass(self) -> None:
+        """Loopback: write each queued slot's current shadow value, one write per slot in flight, until no
+        slot's shadow moved while its write was on the wire."""
+        values = self.shadow.values
+        while self._dirty:
+            slots = list(self._dirty)
+            self._dirty.clear()
+            written = [int(values[s]) for s in slots]
+            try:
+                self.loopback.write([(self.address + 8 * s, self.rkey, v)
+                                     for s, v in zip(slots, written, strict=True)])
+            except BaseException:
+                self._dirty.update(dict.fromkeys(slots))  # still owed: fall_back_to_copy writes them
+                raise
+            for s, v in zip(slots, written, strict=True):
+                if int(values[s]) != v:
+                    self._dirty[s] = None
+
+    def fall_back_to_copy(self, accessor: Any) -> None:
+        """The loopback path failed: publish by copies from now on, starting with the slots still queued."""
+        self.path, self.accessor = CUDA_COPY, accessor
+        pending, self._dirty = list(self._dirty), {}
+        for s in pending:
+            self._copy(s, int(self.shadow.values[s]))
 
     def release(self) -> None:
-        self.region.release()
+        if self.mapping is not None:
+            self.mapping.release()  # unmap the BAR pages before the memory they map goes
+            self.mapping = None
+        if self.region is not None:
+            self.region.release()
+        self.shadow.close()
 
 
 class GpuMemory:
@@ -163,6 +217,19 @@ class GpuMemory:
             self.close(base, device)
             raise ValueError(f"region [{offset}, {offset + size}) is outside the {int(alloc_size)}-byte allocation")
         return IpcRegion(self, base, base + offset, size, device)
+
+    def sync_memops(self, addr: int, device: int) -> None:
+        """Set CU_POINTER_ATTRIBUTE_SYNC_MEMOPS on the allocation holding ``addr``: GDRCopy's condition for
+        CPU stores through the BAR to be ordered with the driver's own copies into the same memory."""
+        import ctypes
+
+        from gpuclient.cuda_memory import check, driver, use_device
+
+        drv = driver()
+        use_device(device)
+        one = ctypes.c_uint(1)
+        attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS
+        check(drv.cuPointerSetAttribute(ctypes.addressof(one), attr, addr), "cuPointerSetAttribute(SYNC_MEMOPS)")
 
     def close(self, base: int, device: int) -> None:
         from gpuclient.cuda_memory import driver, use_device

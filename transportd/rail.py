@@ -31,6 +31,15 @@ from gpuclient.host_memory import SharedFile, map_fd
 from transportd.backend import MemoryKey, SignalOp
 from transportd.backends import DEVICE_KINDS, open_backend
 from transportd.config import Config
+from transportd.flag_publication import (
+    COPY_COST,
+    CUDA_COPY,
+    GDRCOPY,
+    HOST_MAPPED,
+    LOOPBACK,
+    Publication,
+    choose_publication,
+)
 from transportd.flagfile import FlagFile
 from transportd.lifetime import die_with_parent
 from transportd.logs import setup_logging
@@ -78,7 +87,27 @@ class RailService:
         self.stopping = False
         self.gpu: Any = None  # transportd.gpu_memory.GpuMemory, created on the first GPU registration
         self.cpus: list[int] | None = None  # the CPUs rail_main pinned this worker to (None: not pinned)
-        self.backend.set_flag_publisher(self._publish_flag)
+        self.publication = self._choose_publication()
+        self.loopback: Any = None  # the backend's LoopbackWriter, opened with the first GPU flags it serves
+        self._passed: set[Any] = set()  # GPU flag words published during this poll (loopback: written at its end)
+        if getattr(self.backend, "receiver_publishes_flags", False):
+            self.backend.set_flag_publisher(self._publish_flag, self._end_publish)
+        else:
+            self.backend.set_flag_publisher(self._publish_flag)
+
+    def _choose_publication(self) -> Publication:
+        """This rail's way into GPU flag words (transportd.flag_publication), chosen once and logged."""
+        flags = self.config.flags
+        backend = self.backend
+        can_loop = getattr(backend, "loopback_unavailable", None)
+        choice = choose_publication(
+            flags.publication, receiver_publishes=getattr(backend, "receiver_publishes_flags", False),
+            loopback=can_loop() if can_loop is not None else "the backend has no loopback write",
+            gdrdrv_device=flags.gdrdrv_device, gdrcopy_library=flags.gdrcopy_library)
+        level = logging.WARNING if choice.path in (CUDA_COPY, HOST_MAPPED) else logging.INFO
+        log.log(level, "rail %d flag publication: %s%s (%s)", self.rail, choice.path,
+                " (forced by flags.publication)" if choice.forced else "", choice.reason)
+        return choice
 
     # --- memory ---------------------------------------------------------------------------------------
     def op_map_region(self, key: str, fds: list[int], offset: int, size: int, remote_write: bool,
@@ -169,22 +198,49 @@ class RailService:
             else:
                 entry[0].release()
 
-    def op_map_gpu_flags(self, job: str, rank: int, handle: bytes, offset: int, count: int,
-                         device: int) -> dict[str, Any]:
-        """A rank's flag words in GPU memory (allocated by the client): the NIC or this worker publishes."""
+    def op_map_gpu_flags(self, job: str, rank: int, handle: bytes, offset: int, count: int, device: int,
+                         fds: list[int]) -> dict[str, Any]:
+        """A rank's flag words in GPU memory (allocated by the client): the NIC or this worker publishes.
+
+        ``fds``: the rank's host flag file (the daemon's memfd), the shadow of the counters this worker
+        publishes; mapped here, its descriptor closed. How they are published is the rail's
+        :attr:`publication`; a rail that has none into GPU memory (``host-mapped``) copies, and says so.
+        """
         from transportd.gpu_memory import GpuFlagWords
 
+        shadow = _shadow_file(fds, count)
         gpu = self._gpu()
-        region = gpu.open(handle, offset, 8 * count, device)
-        flags = GpuFlagWords(region, gpu.accessor(device), count)
         try:
-            mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True,
-                                                accessor=flags.accessor)
+            region = gpu.open(handle, offset, 8 * count, device)
         except BaseException:
-            region.release()
+            shadow.close()
             raise
+        accessor = gpu.accessor(device)
+        path = self.publication.path
+        if path == HOST_MAPPED:
+            log.warning("rail %d: job %s rank %d asked for device flags explicitly; this rail has no way into GPU "
+                        "memory but cuda-copy: %s", self.rail, job, rank, COPY_COST)
+            path = CUDA_COPY
+        flags = GpuFlagWords(region.addr, count, shadow, path, region=region, accessor=accessor)
+        try:
+            if path == GDRCOPY:
+                gdr = self.publication.gdr
+                assert gdr is not None
+                gpu.sync_memops(region.addr, device)
+                flags.mapping = gdr.map(region.addr, flags.nbytes)
+            mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True,
+                                                accessor=accessor)
+            flags.rkey = mkey.rkey
+            if path == LOOPBACK and self.loopback is None:
+                self.loopback = self.backend.open_flag_loopback()
+            flags.loopback = self.loopback
+        except BaseException:
+            flags.release()
+            raise
+        if path == GDRCOPY:  # the compiled path stores these itself: no Python per flag
+            self.backend.set_mapped_flags(job, rank, flags.mapping.ptr, count, shadow.address)
         self.flags[(job, rank)] = (flags, mkey)  # type: ignore[assignment]
-        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey, "publication": path}
 
     def _publish_flag(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None:
         """Receiver-side flag publishing (efa): everything this flag covers has arrived."""
@@ -195,12 +251,26 @@ class RailService:
             return
         if not isinstance(entry[0], FlagFile):  # GPU flag words publish themselves
             entry[0].publish(slot, op, value)
+            self._passed.add(entry[0])
             return
         values = entry[0].values
         if op == SignalOp.SET:
             values[slot] = value
         else:
             values[slot] += value
+
+    def _end_publish(self) -> None:
+        """After a poll's flags (efa): loopback words write what their publishes queued."""
+        passed, self._passed = self._passed, set()
+        for words in passed:
+            if words.path != LOOPBACK:
+                continue
+            try:
+                words.end_pass()
+            except Exception as exc:  # the flag must still arrive: by copy, and say what that costs
+                log.error("rail %d: loopback flag write failed (%s); these flags fall back to cuda-copy: %s",
+                          self.rail, exc, COPY_COST)
+                words.fall_back_to_copy(self._gpu().accessor(words.region.device) if words.region else None)
 
     # --- tables -----------------------------------------------------------------------------------------
     def op_set_source_region(self, job: str, rank: int, region: int, key: str) -> dict[str, Any]:
@@ -322,7 +392,9 @@ class RailService:
         address = self.backend.local_address()
         return {"rail": self.rail, "backend": self.backend.name, "verbs": self.verbs_name,
                 "verbs_fallback": self.verbs_fallback, "pid": os.getpid(), "device": address.get("device"),
-                "gid": address.get("gid"), "cpus": self.cpus, **self.proxy.stats(), "queues": self._open_queues(),
+                "gid": address.get("gid"), "cpus": self.cpus, "flag_publication": self.publication.path,
+                "flag_publication_detail": self.publication.describe(), **self.proxy.stats(),
+                "queues": self._open_queues(),
                 "ibgda": self.ibgda_stats(), "responders": sorted(self.responders),
                 "endpoints": sorted(self.conn_jobs)}
 
@@ -339,6 +411,19 @@ class RailService:
         drained = self.proxy.drain(timeout_s=5.0)
         self.stopping = True
         return {"drained": drained}
+
+
+def _shadow_file(fds: list[int], count: int) -> FlagFile:
+    """Map the rank's host flag file (by descriptor, closed here) as the shadow of its GPU flag words."""
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("device flags need the rank's flag file as their shadow (one descriptor)")
+    shadow = FlagFile.from_fd(fds[0])  # consumes the descriptor
+    if shadow.count != count:
+        shadow.close()
+        raise ValueError(f"the flag file holds {shadow.count} flags, not {count}")
+    return shadow
 
 
 # Idle backoff (see serve_loop). Timed from the last pass that did work.
@@ -403,9 +488,13 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     service.cpus = list(cpus) if cpus is not None else None
     link = WorkerEndpoint(link_endpoint, service)
     link.send_ready(address=service.backend.local_address(), verbs=service.verbs_name,
-                    verbs_fallback=service.verbs_fallback)
+                    verbs_fallback=service.verbs_fallback, flag_publication=service.publication.path)
     serve_loop(service.proxy, link, lambda: service.stopping)
     link.close()
     for queue in list(service.ibgda):
         service.op_close_ibgda_queue(queue)
+    if service.loopback is not None:
+        service.loopback.close()
     service.backend.close()
+    if service.publication.gdr is not None:
+        service.publication.gdr.close()

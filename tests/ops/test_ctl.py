@@ -51,6 +51,7 @@ def test_status(ops_cluster: OpsCluster) -> None:
     assert s["peers"]["nodeb"]["up"] is True
     (rail,) = s["rails"]
     assert rail["pid"] > 0 and rail["pid"] != s["pid"] and rail["channels"] == 1
+    assert rail["flag_publication"] == "nic"  # ib: the sender's NIC writes the flags
     text = _human("nodea", ops_cluster, "status")
     assert "node      nodea" in text and "ready" in text and "1 up, 0 down" in text
     assert f"worker pid {rail['pid']}" in text and f"{JOB} (1/2 local)" in text

@@ -39,7 +39,7 @@ def test_empty_file_gives_defaults(write):
     assert cfg.control.socket == DEFAULT_SOCKET
     assert cfg.control.mode == 0o660 and cfg.control.group is None
     assert cfg.peers.listen == "tcp://0.0.0.0:18515"
-    assert cfg.proxy.batch_max == 8 and cfg.signal.mode == "write" and cfg.flags.placement == "device"
+    assert cfg.proxy.batch_max == 8 and cfg.signal.mode == "write" and cfg.flags.placement == "host"
     assert cfg.metrics.listen == "" and not cfg.security.curve_enabled
     assert cfg.source.endswith("transportd.toml")
 
@@ -81,7 +81,7 @@ def test_full_file(write):
         mode = "fence"
         decoupled = true
         [flags]
-        placement = "host"
+        placement = "device"
         [efa]
         visibility_flush = false
         [logging]

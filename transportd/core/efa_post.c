@@ -25,9 +25,11 @@
  *     same window makes the slot's previous record complete by then.
  * Receiving: RECV_RDMA_WITH_IMM completions are counted per connection by efa_arrivals.c; records are
  * copied out of the receive staging ring at once. Flags that became safe are stored directly into
- * host-mapped flag words the backend registered (set_host_flags); the rest (GPU flags, unknown ranks),
- * the optional visibility flush, protocol-error reports and receive-WR replenishing go to Python in at
- * most one call per poll (the `on_pass` callable).
+ * host-mapped flag words the backend registered (set_host_flags), or into GPU flag words mapped into this
+ * process through the GPU's BAR (GDRCopy; set_mapped_flags): those keep a host shadow of each counter
+ * and get one 8-byte store of the new value, never a read across PCIe. The rest (GPU flags published
+ * another way, unknown ranks), the optional visibility flush, protocol-error reports and receive-WR
+ * replenishing go to Python in at most one call per poll (the `on_pass` callable).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,10 +53,11 @@
 
 enum { E_NONE, E_UNKNOWN, E_NOT_CONNECTED, E_VERBS, E_POLL, E_BAD_OP, E_NOMEM, E_PY };
 enum { S_WRS, S_PIECES, S_SIGNALS, S_FENCES, S_ERRORS, S_ARRIVALS, S_ARRIVAL_BYTES, S_PUBLISHED, S_PUBLISHED_HOST,
-       S_FLUSHES, S_BACKLOGGED, S_PROTOCOL, S_UNKNOWN, S_SEND_CQES, N_STATS };
+       S_PUBLISHED_MAPPED, S_FLUSHES, S_BACKLOGGED, S_PROTOCOL, S_UNKNOWN, S_SEND_CQES, N_STATS };
 static const char *const STAT_NAMES[N_STATS] = {
     "wrs", "pieces", "signals", "fences", "errors", "arrivals", "arrival_bytes", "published", "published_host",
-    "visibility_flushes", "backlogged", "protocol_errors", "unknown_arrivals", "send_completions"};
+    "published_mapped", "visibility_flushes", "backlogged", "protocol_errors", "unknown_arrivals",
+    "send_completions"};
 
 static int grow(void **p, size_t *cap, size_t need, size_t item) {
     if (need <= *cap) return 0;
@@ -143,10 +146,12 @@ typedef struct {
 
 typedef struct {
     uint64_t addr, count;
+    uint64_t shadow; /* 0: host words, updated in place; else the host shadow of mapped GPU words */
 } HostFlags;
 
 typedef struct {
     uint64_t *word;
+    uint64_t *shadow; /* NULL: a host word */
     uint64_t value;
     int set;
 } HostStore;
@@ -531,8 +536,10 @@ static int collect(EfaPoster *p, Conn **touched, size_t nt) {
             HostFlags *hf = host_flags(p, c->job, pb->rank);
             if (hf && pb->slot < hf->count) {
                 if (grow((void **)&p->stores, &p->stores_cap, p->nstores + 1, sizeof(HostStore))) return -1;
-                p->stores[p->nstores++] = (HostStore){.word = (uint64_t *)(uintptr_t)hf->addr + pb->slot,
-                                                      .value = pb->value, .set = pb->op == EFA_OP_SET};
+                p->stores[p->nstores++] = (HostStore){
+                    .word = (uint64_t *)(uintptr_t)hf->addr + pb->slot,
+                    .shadow = hf->shadow ? (uint64_t *)(uintptr_t)hf->shadow + pb->slot : NULL,
+                    .value = pb->value, .set = pb->op == EFA_OP_SET};
                 continue;
             }
             if (grow((void **)&p->pypubs, &p->pypubs_cap, p->npypubs + 1, sizeof(PyPub))) return -1;
@@ -572,16 +579,55 @@ static int call_python(EfaPoster *p, int flush, uint64_t replenish) {
     return 0;
 }
 
+/* Drain the write-combining buffers: a store through a BAR mapping leaves the CPU now, not later. */
+static inline void wc_flush(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_sfence();
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
+/* noinline: inlined where `value` is a variable whose address was taken, gcc 12 -O2 read it again after
+ * the atomic add (returning old + old); as a call, the argument is a copy (tests/efa/test_flag_publication.py) */
+__attribute__((noinline)) static uint64_t tpd_shadow_update(uint64_t *shadow, uint64_t value, int set) {
+    if (set) {
+        __atomic_store_n(shadow, value, __ATOMIC_SEQ_CST);
+        return value;
+    }
+    return __atomic_fetch_add(shadow, value, __ATOMIC_SEQ_CST) + value;
+}
+
+/* Store `v` (the shadow's value after this worker's update) into the mapped word, once per value: no read
+ * of the word itself (a read across PCIe costs a microsecond). Other rails' workers may update the same
+ * shadow meanwhile and store their own value; whoever stores last then re-reads the shadow and stores
+ * again until what it stored is the shadow's value, so the word always ends at the newest value. Every
+ * value in the shadow was added after its own payload was visible, so storing a newer one is safe. */
+static void tpd_mapped_store(volatile uint64_t *word, const uint64_t *shadow, uint64_t v) {
+    for (;;) {
+        __atomic_store_n((uint64_t *)word, v, __ATOMIC_RELAXED); /* one aligned 8-byte store: one PCIe write */
+        wc_flush();
+        uint64_t now = __atomic_load_n(shadow, __ATOMIC_SEQ_CST);
+        if (now == v) return;
+        v = now;
+    }
+}
+
 static void apply_stores(EfaPoster *p) {
     /* atomic: another rail's worker may publish into the same flag array */
+    uint64_t mapped = 0;
     for (size_t i = 0; i < p->nstores; i++) {
         HostStore *s = &p->stores[i];
-        if (s->set)
+        if (s->shadow) {
+            tpd_mapped_store(s->word, s->shadow, tpd_shadow_update(s->shadow, s->value, s->set));
+            mapped++;
+        } else if (s->set)
             __atomic_store_n(s->word, s->value, __ATOMIC_RELEASE);
         else
             __atomic_fetch_add(s->word, s->value, __ATOMIC_RELEASE);
     }
-    p->stats[S_PUBLISHED_HOST] += p->nstores;
+    p->stats[S_PUBLISHED_HOST] += p->nstores - mapped;
+    p->stats[S_PUBLISHED_MAPPED] += mapped;
     p->nstores = 0;
 }
 
@@ -955,13 +1001,16 @@ static PyObject *EfaPoster_poll(EfaPoster *p, PyObject *arg) {
     return res;
 }
 
-/* set_host_flags(job, rank, addr, count): flags of (job, rank) are these host-mapped u64 words */
+/* set_host_flags(job, rank, addr, count[, shadow]): flags of (job, rank) are these u64 words; with a
+ * shadow (host memory, `count` words, shared by the rails' workers) the words are GPU memory mapped here
+ * (GDRCopy) and each update is the shadow's new value stored once */
 static PyObject *EfaPoster_set_host_flags(EfaPoster *p, PyObject *args) {
     long long job;
     unsigned int rank;
-    unsigned long long addr, count;
-    if (!PyArg_ParseTuple(args, "LIKK", &job, &rank, &addr, &count)) return NULL;
-    if (rank > 0xFFFF || !addr || addr % 8) return PyErr_Format(PyExc_ValueError, "rank < 65536, 8-byte aligned addr");
+    unsigned long long addr, count, shadow = 0;
+    if (!PyArg_ParseTuple(args, "LIKK|K", &job, &rank, &addr, &count, &shadow)) return NULL;
+    if (rank > 0xFFFF || !addr || addr % 8 || shadow % 8)
+        return PyErr_Format(PyExc_ValueError, "rank < 65536, 8-byte aligned addr and shadow");
     EfaMapEnt *e = efa_map_slot(&p->host, (job << 16) | rank);
     if (!e) return PyErr_NoMemory();
     if (!e->val) {
@@ -971,7 +1020,7 @@ static PyObject *EfaPoster_set_host_flags(EfaPoster *p, PyObject *args) {
         }
         e->val = ++p->nhflags;
     }
-    p->hflags[e->val - 1] = (HostFlags){addr, count};
+    p->hflags[e->val - 1] = (HostFlags){addr, count, shadow};
     Py_RETURN_NONE;
 }
 
@@ -980,7 +1029,7 @@ static PyObject *EfaPoster_clear_host_flags(EfaPoster *p, PyObject *args) {
     unsigned int rank;
     if (!PyArg_ParseTuple(args, "LI", &job, &rank)) return NULL;
     EfaMapEnt *e = efa_map_find(&p->host, (job << 16) | rank);
-    if (e) p->hflags[e->val - 1] = (HostFlags){0, 0}; /* the slot stays, empty: count 0 sends to Python */
+    if (e) p->hflags[e->val - 1] = (HostFlags){0, 0, 0}; /* the slot stays, empty: count 0 sends to Python */
     Py_RETURN_NONE;
 }
 
@@ -1024,7 +1073,8 @@ static PyMethodDef EfaPoster_methods[] = {
     {"post", (PyCFunction)EfaPoster_post, METH_VARARGS, "post(conn_id, plan) -> WRs lowered."},
     {"poll", (PyCFunction)EfaPoster_poll, METH_O, "poll(max) -> COMPLETION_DTYPE rows, as bytes."},
     {"set_host_flags", (PyCFunction)EfaPoster_set_host_flags, METH_VARARGS,
-     "set_host_flags(job, rank, addr, count): publish (job, rank)'s flags by storing into these words."},
+     "set_host_flags(job, rank, addr, count, shadow=0): publish (job, rank)'s flags by storing into these words "
+     "(with a shadow: mapped GPU words, one store of the shadow's new value per update)."},
     {"clear_host_flags", (PyCFunction)EfaPoster_clear_host_flags, METH_VARARGS,
      "clear_host_flags(job, rank): (job, rank)'s flags go to on_pass again."},
     {"set_flush_hook", (PyCFunction)EfaPoster_set_flush_hook, METH_O,
@@ -1055,6 +1105,38 @@ static PyTypeObject EfaPosterType = {
 
 int tpd_efa_shim_register(PyObject *m);
 
+/* flag_shadow_publish(word, shadow, op, value) -> new value: the shadow update and mapped store the poster
+ * makes, for flags published from Python (the loopback and CUDA-copy paths use the update alone: word 0) */
+static PyObject *flag_shadow_publish(PyObject *unused, PyObject *args) {
+    unsigned long long word, shadow, value;
+    int op;
+    if (!PyArg_ParseTuple(args, "KKiK", &word, &shadow, &op, &value)) return NULL;
+    if (!shadow || shadow % 8 || word % 8) return PyErr_Format(PyExc_ValueError, "8-byte aligned, nonzero shadow");
+    uint64_t *sh = (uint64_t *)(uintptr_t)shadow;
+    uint64_t v = tpd_shadow_update(sh, value, op == EFA_OP_SET);
+    if (word) tpd_mapped_store((volatile uint64_t *)(uintptr_t)word, sh, v);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+/* mapped_store(word, shadow, value): store value into the mapped word, then keep storing the shadow's newer
+ * value until they agree (tpd_mapped_store) */
+static PyObject *flag_mapped_store(PyObject *unused, PyObject *args) {
+    unsigned long long word, shadow, value;
+    if (!PyArg_ParseTuple(args, "KKK", &word, &shadow, &value)) return NULL;
+    if (!word || !shadow || word % 8 || shadow % 8) return PyErr_Format(PyExc_ValueError, "8-byte aligned words");
+    tpd_mapped_store((volatile uint64_t *)(uintptr_t)word, (const uint64_t *)(uintptr_t)shadow, value);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef flag_functions[] = {
+    {"flag_shadow_publish", flag_shadow_publish, METH_VARARGS,
+     "flag_shadow_publish(word, shadow, op, value) -> new: atomically ADD (op 0) or SET (op 1) the host shadow "
+     "word; where word is nonzero, store the new value into it (a mapped GPU word) as the poster does."},
+    {"flag_mapped_store", flag_mapped_store, METH_VARARGS,
+     "flag_mapped_store(word, shadow, value): store value, then the shadow's newer value until they agree."},
+    {NULL, NULL, 0, NULL},
+};
+
 int tpd_efa_register(void *mod) {
     PyObject *m = mod;
     if (PyType_Ready(&EfaPosterType) < 0) return -1;
@@ -1064,5 +1146,6 @@ int tpd_efa_register(void *mod) {
         return -1;
     }
     if (PyModule_AddIntConstant(m, "EFA_PUB_SIZE", sizeof(PyPub)) < 0) return -1;
+    if (PyModule_AddFunctions(m, flag_functions) < 0) return -1;
     return tpd_efa_shim_register(m);
 }

@@ -1,0 +1,260 @@
+"""Flag publication into "GPU" flag words without a CUDA context, on the paths that run without a GPU.
+
+- the host shadow and the mapped store (transportd/core/efa_post.c), also from two processes at once;
+- the GDRCopy path with a stand-in libgdrapi (tests/efa/gdr_standin.c, built here) over host memory: pin,
+  map through a second mapping of the same pages, and the compiled poster's own stores into it;
+- the loopback path: a real loopback SRD write through the soft EFA device into memory registered with an
+  accessor (what GPU memory is to softverbs), one write per slot per pass;
+- the choice of path (gdrdrv absent, stand-in library, forced values and what a forced path that cannot
+  work says).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import multiprocessing as mp
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from softverbs._memory import HostAccessor
+from tests.efa.conftest import Link
+from tests.soft_backend_support import wait_until
+from transportd import _core
+from transportd.backend import SignalOp
+from transportd.flag_publication import (
+    CUDA_COPY,
+    GDRCOPY,
+    GPU_PAGE_SIZE,
+    HOST_MAPPED,
+    LOOPBACK,
+    NIC,
+    GdrCopy,
+    GdrCopyError,
+    choose_publication,
+)
+from transportd.flagfile import FlagFile
+from transportd.gpu_memory import GpuFlagWords
+
+STANDIN_SOURCE = Path(__file__).with_name("gdr_standin.c")
+
+
+@pytest.fixture(scope="session")
+def standin_library(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The stand-in libgdrapi, compiled for this run."""
+    out = tmp_path_factory.mktemp("gdr") / "libgdrapi_standin.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-Wno-unused-parameter", "-o", str(out),
+                    str(STANDIN_SOURCE)], check=True)
+    return str(out)
+
+
+def _u64(addr: int, count: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(addr))
+
+
+# --- shadow and mapped store ------------------------------------------------------------------------------
+def test_shadow_update_returns_the_new_value() -> None:
+    shadow = np.zeros(2, dtype=np.uint64)
+    word = np.zeros(2, dtype=np.uint64)
+    addr, waddr = int(shadow.ctypes.data), int(word.ctypes.data)
+    assert _core.flag_shadow_publish(waddr, addr, int(SignalOp.ADD), 5) == 5
+    assert _core.flag_shadow_publish(waddr, addr, int(SignalOp.ADD), 7) == 12
+    assert _core.flag_shadow_publish(0, addr + 8, int(SignalOp.SET), 9) == 9  # shadow alone
+    assert shadow.tolist() == [12, 9] and word.tolist() == [12, 0]
+    with pytest.raises(ValueError):
+        _core.flag_shadow_publish(0, addr + 4, 0, 1)
+
+
+def _adder(shadow: mmap.mmap, word: mmap.mmap, n: int) -> None:
+    s = ctypes.addressof(ctypes.c_char.from_buffer(shadow))
+    w = ctypes.addressof(ctypes.c_char.from_buffer(word))
+    for _ in range(n):
+        _core.flag_shadow_publish(w, s, int(SignalOp.ADD), 1)
+
+
+def test_two_processes_publishing_one_counter_leave_the_word_at_the_total() -> None:
+    """Two rails' workers ADD into one shadow and store into one mapped word: the last store is the total."""
+    shadow, word = mmap.mmap(-1, 4096), mmap.mmap(-1, 4096)  # shared: both children see them
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_adder, args=(shadow, word, 20000)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    total = int.from_bytes(shadow[:8], "little")
+    assert total == 40000 and int.from_bytes(word[:8], "little") == total
+
+
+# --- choosing a path ----------------------------------------------------------------------------------------
+def test_without_gdrdrv_auto_chooses_loopback_and_says_why(tmp_path: Path) -> None:
+    absent = str(tmp_path / "gdrdrv")
+    choice = choose_publication("auto", receiver_publishes=True, loopback=None, gdrdrv_device=absent)
+    assert choice.path == LOOPBACK and not choice.forced and choice.gdr is None
+    assert f"{absent} is absent" in choice.reason
+    with pytest.raises(ValueError, match="gdrcopy.*is absent"):
+        choose_publication("gdrcopy", receiver_publishes=True, loopback=None, gdrdrv_device=absent)
+
+
+def test_without_gdrdrv_or_loopback_flags_go_to_host_memory(tmp_path: Path) -> None:
+    choice = choose_publication("auto", receiver_publishes=True, loopback="no RDMA write", gdrdrv_device=str(tmp_path))
+    # (tmp_path exists but the library does not load: no GDRCopy either way)
+    assert choice.path == HOST_MAPPED and "no RDMA write" in choice.reason
+    with pytest.raises(ValueError, match="loopback.*no RDMA write"):
+        choose_publication("loopback", receiver_publishes=True, loopback="no RDMA write", gdrdrv_device="/nonexistent")
+
+
+def test_forced_paths_and_nic_written_flags() -> None:
+    absent = "/nonexistent/gdrdrv"
+    for setting, path in (("loopback", LOOPBACK), ("host-mapped", HOST_MAPPED), ("cuda-copy", CUDA_COPY)):
+        choice = choose_publication(setting, receiver_publishes=True, loopback=None, gdrdrv_device=absent)
+        assert (choice.path, choice.forced) == (path, True)
+    assert "2.38 ms" in choose_publication("cuda-copy", receiver_publishes=True, loopback=None,
+                                           gdrdrv_device=absent).reason
+    assert choose_publication("auto", receiver_publishes=False, loopback=None, gdrdrv_device=absent).path == NIC
+    with pytest.raises(ValueError, match="unknown"):
+        choose_publication("bogus", receiver_publishes=True, loopback=None, gdrdrv_device=absent)
+
+
+def test_gdrdrv_present_but_no_library_falls_through(tmp_path: Path) -> None:
+    node = tmp_path / "gdrdrv"
+    node.touch()
+    choice = choose_publication("auto", receiver_publishes=True, loopback=None, gdrdrv_device=str(node),
+                                gdrcopy_library=str(tmp_path / "libgdrapi.so.2"))
+    assert choice.path == LOOPBACK and "cannot load libgdrapi" in choice.reason
+    with pytest.raises(GdrCopyError, match="not libgdrapi"):
+        GdrCopy("libc.so.6")
+
+
+def test_gdrdrv_and_a_library_choose_gdrcopy(tmp_path: Path, standin_library: str) -> None:
+    node = tmp_path / "gdrdrv"
+    node.touch()
+    choice = choose_publication("auto", receiver_publishes=True, loopback=None, gdrdrv_device=str(node),
+                                gdrcopy_library=standin_library)
+    try:
+        assert choice.path == GDRCOPY and choice.gdr is not None and standin_library in choice.reason
+    finally:
+        assert choice.gdr is not None
+        choice.gdr.close()
+
+
+# --- GDRCopy through the stand-in -----------------------------------------------------------------------------
+class _Device:
+    """'GPU memory' for the stand-in: a shared mapping (its pages can be mapped a second time), 64 KiB aligned."""
+
+    def __init__(self) -> None:
+        self.mm = mmap.mmap(-1, 4 * GPU_PAGE_SIZE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.base = (base + GPU_PAGE_SIZE - 1) & ~(GPU_PAGE_SIZE - 1)
+
+
+def test_gdrcopy_maps_the_flag_pages_and_unmaps_them(standin_library: str) -> None:
+    lib = ctypes.CDLL(standin_library)
+    gdr = GdrCopy(standin_library)
+    dev = _Device()
+    flags_at = dev.base + GPU_PAGE_SIZE - 64  # straddles a GPU page boundary: two pages pinned
+    mapping = gdr.map(flags_at, 16 * 8)
+    try:
+        assert (lib.standin_pins(), lib.standin_maps()) == (1, 1)
+        assert mapping.size == 2 * GPU_PAGE_SIZE and mapping.ptr != flags_at
+        shadow = np.zeros(16, dtype=np.uint64)
+        _core.flag_shadow_publish(mapping.ptr + 8 * 3, int(shadow.ctypes.data) + 8 * 3, int(SignalOp.ADD), 41)
+        assert _u64(flags_at, 16)[3] == 41  # the store through the mapping landed in the "GPU" memory
+    finally:
+        mapping.release()
+        gdr.close()
+    assert (lib.standin_pins(), lib.standin_maps(), lib.standin_open()) == (0, 0, 0)
+
+
+def test_gdrcopy_flags_are_stored_by_the_compiled_path(make_link, standin_library: str) -> None:
+    """The poster stores mapped flags itself (no Python publisher call), ADD through the shadow, SET too."""
+    link: Link = make_link()
+    gdr = GdrCopy(standin_library)
+    dev = _Device()
+    mapping = gdr.map(dev.base + 128, 8 * 8)
+    shadow = np.zeros(8, dtype=np.uint64)
+    words = _u64(dev.base + 128, 8)
+    try:
+        link.b.set_mapped_flags("job", 1, mapping.ptr, 8, int(shadow.ctypes.data))
+        rows = [link.write(0, 4096, 0), link.signal(2, 5, 0), link.write(4096, 4096, 0), link.signal(2, 6, 0),
+                link.signal(5, 99, 1, SignalOp.SET)]
+        link.post(rows)
+        wait_until(lambda: link.poll() >= 0 and words[2] == 11 and words[5] == 99, "the mapped flags", 10)
+        assert shadow[2] == 11 and shadow[5] == 99
+        assert link.published == []  # no flag went to Python
+        assert link.b.stats["published_mapped"] == 3 and link.b.stats["published_host"] == 0
+        assert bytes(link.dst[:8192]) == bytes(link.src[:8192])
+        link.b.clear_host_flags("job", 1)
+    finally:
+        mapping.release()
+        gdr.close()
+
+
+# --- loopback ------------------------------------------------------------------------------------------------
+def _loopback_words(link: Link, count: int = 8) -> tuple[GpuFlagWords, np.ndarray, HostAccessor]:
+    """Flag words in memory the soft device reaches only through an accessor (as GPU memory), loopback path."""
+    target = np.zeros(count, dtype=np.uint64)
+    accessor = HostAccessor()
+    key = link.b.register_memory(int(target.ctypes.data), target.nbytes, remote_write=True, remote_atomic=True,
+                                 accessor=accessor)
+    shadow, fd = FlagFile.create_memfd(count)
+    os.close(fd)
+    words = GpuFlagWords(int(target.ctypes.data), count, shadow, LOOPBACK, loopback=link.b.open_flag_loopback())
+    words.rkey = key.rkey
+    return words, target, accessor
+
+
+def test_loopback_write_puts_the_shadow_value_into_the_flag_word(make_link) -> None:
+    link: Link = make_link()
+    words, target, accessor = _loopback_words(link)
+    try:
+        for _ in range(10):
+            words.publish(3, SignalOp.ADD, 2)
+        words.publish(4, SignalOp.SET, 77)
+        assert target.tolist() == [0] * 8  # queued until the end of the pass
+        words.end_pass()
+        assert target[3] == 20 and target[4] == 77 and words.shadow.values[3] == 20
+        assert words.loopback.writes == 2  # one write per slot per pass, whatever the number of ADDs
+        assert accessor.writes == 2 and accessor.reads == 0  # written through the "GPU" accessor, never read
+    finally:
+        words.loopback.close()
+        words.release()
+
+
+def test_loopback_flags_of_arrivals_through_the_backend(make_link) -> None:
+    """End to end on the soft NIC: arrivals -> on_pass -> shadow -> loopback write at the end of the poll."""
+    link: Link = make_link()
+    words, target, _accessor = _loopback_words(link)
+    link.b.set_flag_publisher(lambda conn, rank, slot, op, value: words.publish(slot, op, value), words.end_pass)
+    try:
+        for i in range(20):
+            link.post([link.write(i * 4096, 4096, 0), link.signal(1, 1, i + 1)])
+        link.post([link.signal(6, 1234, 99, SignalOp.SET)])
+        wait_until(lambda: link.poll() >= 0 and target[1] == 20 and target[6] == 1234, "the loopback flags", 20)
+        assert bytes(link.dst[:20 * 4096]) == bytes(link.src[:20 * 4096])
+        assert words.loopback.writes <= 21
+    finally:
+        words.loopback.close()
+        words.release()
+
+
+def test_a_failed_loopback_falls_back_to_copies(make_link) -> None:
+    link: Link = make_link()
+    words, target, _accessor = _loopback_words(link)
+    try:
+        words.rkey ^= 0x5A5A  # a bad key: the loopback write fails with a remote access error
+        words.publish(0, SignalOp.ADD, 3)
+        with pytest.raises(Exception, match="loopback flag write failed"):
+            words.end_pass()
+        copier = HostAccessor()
+        words.fall_back_to_copy(copier)  # what RailService._end_publish does: the queued slot is copied
+        assert words.path == CUDA_COPY and target[0] == 3 and copier.writes == 1
+        words.publish(0, SignalOp.ADD, 4)
+        assert target[0] == 7 and copier.writes == 2
+    finally:
+        words.loopback.close()
+        words.release()
