@@ -16,17 +16,24 @@ latency (one thread, pushes paced 200 us apart so nothing queues)
     measured, also: commit -> completion seen by the kernel, a round trip on the GPU's clock alone (the
     kernel pushes, then spins on the proxy's completion position).
 put -> flag
-    two daemons (``LocalCluster``, RC over softverbs), ranks 0 and 1 in this process on one GPU: rank 0's
-    kernel put_signals 4 KiB, rank 1's kernel waits for the flag and acks through device memory; both stamp
-    the global timer. Device flags (published into GPU memory through the worker's copies) against
-    host-mapped flags (written by the soft NIC into the flag file).
+    two daemons (``LocalCluster`` over softverbs, ib RC and efa SRD), ranks 0 and 1 in one process on one
+    GPU: rank 0's kernel put_signals 4 KiB, rank 1's kernel (resident, spinning) waits for the flag and
+    acks through device memory; both stamp the global timer. Device flags (ib: written by the soft NIC
+    through its GPU accessor; efa: published by the receiving worker on its rail's ``flag_publication``,
+    loopback where there is no gdrdrv) against host-mapped flags, GPU buffers in both, and pinned host
+    buffers and flags as the transport's own baseline. Each setting runs in a child process, once under
+    a private CUDA MPS daemon (``transportd.mps``, where ``nvidia-cuda-mps-control`` exists) and once
+    without (``--no-mps`` or ``TRANSPORTD_GPU_MPS=0``: without only), into one table: without MPS every
+    copy softverbs makes into GPU memory waits for a time slice of its worker's context (~2.4 ms).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -306,11 +313,11 @@ PLACEMENTS = {"device": ("device", "device"), "host": ("device", "host"), "pinne
 
 
 def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096, kind: str = "ring", wheres: tuple[str, ...] = ("device", "host"),
-                rate: tuple[int, int, int] | None = None) -> dict[str, Any]:
+                rate: tuple[int, int, int] | None = None, backend: str = "ib") -> dict[str, Any]:
     """put -> flag latency per placement (``wheres``, keys of PLACEMENTS) on a ``kind`` channel ("ring":
-    the proxy path; "ibgda": the kernels built with -DTPD_IBGDA post to the daemon's queue pairs). With
-    ``rate`` = (blocks, commands per block, bytes): also commands/s, ``put_burst`` launches timed by CUDA
-    events."""
+    the proxy path; "ibgda": the kernels built with -DTPD_IBGDA post to the daemon's queue pairs) between
+    two ``backend`` daemons. With ``rate`` = (blocks, commands per block, bytes): also commands/s,
+    ``put_burst`` launches timed by CUDA events. Each result names the receiving rail's flag publication."""
     from transportd.localcluster import LocalCluster
 
     results: dict[str, Any] = {}
@@ -320,7 +327,7 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096, kind: str = "ring", wheres
     def step(what: str) -> None:
         print(f"  put->flag {kind} [{time.monotonic() - t_start:6.1f}s] {what}", flush=True)
 
-    with LocalCluster(2, backend="ib", overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+    with LocalCluster(2, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
         step("daemons up")
         for where in wheres:
             job = f"lat-{kind}-{where}"
@@ -373,8 +380,10 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096, kind: str = "ring", wheres
             ts = np.frombuffer(t_send.read(0, 8 * n), dtype="<u8").astype(np.int64)
             tr = np.frombuffer(t_recv.read(0, 8 * n), dtype="<u8").astype(np.int64)
             lat = (tr - ts) / 1e3
+            rails = c1.stats().get("rails", [{}])
             results[where] = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "mean_us": float(lat.mean()),
-                              "n": n, "bytes": nbytes, "wall_s": wall}
+                              "n": n, "bytes": nbytes, "wall_s": wall, "backend": backend,
+                              "flag_publication": rails[0].get("flag_publication") if rails else None}
             if rate is not None:
                 results[where]["rate"] = command_rate(gpu, module, h0, s1, r_src.id, r_dst.id, *rate)
                 step(f"{where}: {results[where]['rate']['commands_per_s']:.0f} commands/s")
@@ -408,8 +417,86 @@ def command_rate(gpu: Gpu, module: Any, handle: Any, receiver: Any, src_region: 
             "blocks": blocks}
 
 
+# --- put -> flag, with and without MPS, one table --------------------------------------------------------------
+FLAG_BACKENDS = ("ib", "efa")
+FLAG_WHERES = ("device", "host", "pinned")
+
+
+def put_to_flag_child(n: int, json_path: str) -> None:
+    """One MPS setting (whatever this process's environment says): every backend and placement, as JSON."""
+    gpu = Gpu(0)
+    out: dict[str, Any] = {}
+    for backend in FLAG_BACKENDS:
+        try:
+            out[backend] = put_to_flag(gpu, n, wheres=FLAG_WHERES, backend=backend)
+        except Exception as exc:  # keep what the other backend measured
+            out[backend] = {"error": f"{type(exc).__name__}: {exc}"}
+    Path(json_path).write_text(json.dumps(out))
+
+
+def put_to_flag_table(n: int, echo: Any = print, mps: bool = True) -> dict[str, Any]:
+    """Run :func:`put_to_flag_child` in a child process under MPS (when ``mps`` and it can start) and
+    without; print one table and return ``{"mps": {...}, "no_mps": {...}}`` (each with ``mps_line``).
+
+    Children, because a process is an MPS client only if MPS ran before it created its CUDA context, and
+    the daemons the child starts inherit the child's environment (``CUDA_MPS_*``)."""
+    from transportd.mps import Mps
+
+    settings = [("mps", True), ("no_mps", False)] if mps else [("no_mps", False)]
+    results: dict[str, Any] = {}
+    for label, use in settings:
+        server = Mps() if use else None
+        if server is not None and not server.start():
+            echo(f"put -> flag under MPS skipped: {server.describe()}")
+            continue
+        try:
+            with tempfile.TemporaryDirectory(prefix="tpd-flagbench-") as tmp:
+                out = Path(tmp) / "child.json"
+                env = {**os.environ}
+                if server is None:
+                    for key in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+                        env.pop(key, None)
+                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--put-flag-child", str(n),
+                                       "--json", str(out)], env=env, timeout=1800)
+                got = json.loads(out.read_text()) if out.exists() else {"error": f"child exited {proc.returncode}"}
+        finally:
+            if server is not None:
+                server.stop()
+        line = server.describe() if server is not None else "CUDA MPS: did not run: this row runs without it"
+        got["mps_line"] = line
+        results[label] = got
+        echo(line)
+    echo(_flag_table(results))
+    return results
+
+
+def _flag_table(results: dict[str, Any]) -> str:
+    lines = ["| backend | MPS | buffers / flags | flag publication | p50 µs | p99 µs | device / host flags (p50) |",
+             "|---|---|---|---|---|---|---|"]
+    for label, by_backend in results.items():
+        mps = "yes" if label == "mps" else "no"
+        for backend in FLAG_BACKENDS:
+            rows = by_backend.get(backend, {})
+            if "error" in rows:
+                lines.append(f"| {backend} | {mps} | failed: {rows['error']} | | | | |")
+                continue
+            dev, host = rows.get("device", {}), rows.get("host", {})
+            ratio = dev.get("p50_us", float("nan")) / host.get("p50_us", float("nan")) if host else float("nan")
+            for where in FLAG_WHERES:
+                r = rows.get(where)
+                if r is None:
+                    continue
+                buffers, flags = PLACEMENTS[where]
+                lines.append(f"| {backend} | {mps} | {buffers} / {flags} | "
+                             f"{r.get('flag_publication') if flags == 'device' else 'host store'} | "
+                             f"{r['p50_us']:.1f} | {r['p99_us']:.1f} | {f'{ratio:.2f}' if where == 'device' else ''} |")
+    return "\n".join(lines)
+
+
 # --- driver -------------------------------------------------------------------------------------------------------
-def run_gpu_benchmark(quick: bool = False, echo: Any = print) -> dict[str, Any]:
+def run_gpu_benchmark(quick: bool = False, echo: Any = print, mps: bool = True) -> dict[str, Any]:
+    # put -> flag first: its MPS server must start before this process makes a CUDA context of its own
+    table = put_to_flag_table(100 if quick else 400, echo, mps=mps)
     gpu = Gpu(0)
     single, agg = (2000, 20) if quick else (20000, 200)
     n_lat = 300 if quick else 1000
@@ -434,14 +521,10 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print) -> dict[str, Any]:
     roundtrip = {"p50_us": _pct(rtt, 50), "p99_us": _pct(rtt, 99), "n": int(len(rtt))}
     echo(f"commit -> completion seen by the kernel (GPU clock only) p50 {roundtrip['p50_us']:7.2f} us  "
          f"p99 {roundtrip['p99_us']:7.2f} us")
-    try:
-        flag = put_to_flag(gpu, 100 if quick else 400, wheres=("device", "host", "pinned"))
-    except Exception as exc:  # report what was measured so far
-        echo(f"put -> flag failed: {type(exc).__name__}: {exc}")
-        nan = {"p50_us": float("nan"), "p99_us": float("nan")}
-        flag = {"device": nan, "host": nan, "pinned": nan, "error": str(exc)}
-    for where, r in ((k, v) for k, v in flag.items() if k != "error"):
-        echo(f"put -> flag ({where:6s}, 4 KiB, softverbs RC) p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us")
+    nan = {"p50_us": float("nan"), "p99_us": float("nan")}
+    flag = table.get("no_mps", {}).get("ib", {})  # the summary's put -> flag rows: ib without MPS, as before
+    flag = {where: flag.get(where, nan) for where in FLAG_WHERES} if "error" not in flag else \
+        {where: nan for where in FLAG_WHERES}
     best_parity = push["parity"]
     summary = {
         "library_commit": library,
@@ -464,9 +547,13 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print) -> dict[str, Any]:
         "put_to_flag_pinned_p50_us": flag["pinned"]["p50_us"],
         "put_to_flag_pinned_p99_us": flag["pinned"]["p99_us"],
     }
+    for label, by_backend in table.items():
+        efa = by_backend.get("efa", {})
+        if "device" in efa and "host" in efa:
+            summary[f"put_to_flag_efa_device_over_host_{label}"] = efa["device"]["p50_us"] / efa["host"]["p50_us"]
     return {"summary": summary, "push": push, "clock": clock, "commit_to_consumed": consumed,
             "commit_to_posted": posted, "commit_to_completion_gpu_clock": roundtrip, "put_to_flag": flag,
-            "device_sms": gpu.sms}
+            "put_to_flag_table": table, "device_sms": gpu.sms}
 
 
 def _library_default() -> int:
@@ -482,16 +569,28 @@ def _library_default() -> int:
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
 @click.option("--quick", is_flag=True, help="fewer iterations (a smoke run)")
-@click.option("--only-flag", is_flag=True, help="only put -> flag (with a stack dump if it stalls)")
-def main(json_path: str | None, quick: bool, only_flag: bool) -> None:
+@click.option("--only-flag", is_flag=True, help="only the put -> flag table (ib and efa, with and without MPS)")
+@click.option("--no-mps", is_flag=True, help="put -> flag without CUDA MPS only (as TRANSPORTD_GPU_MPS=0)")
+@click.option("--put-flag-child", type=int, default=None, hidden=True,
+              help="internal: one MPS setting's put -> flag runs (N round trips) into --json")
+def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, put_flag_child: int | None) -> None:
     """Push cost, commit -> posted and put -> flag on this machine's GPU (see the module doc)."""
-    if only_flag:
+    from transportd.mps import mps_wanted
+
+    mps = not no_mps and mps_wanted(os.environ)
+    if put_flag_child is not None:
         import faulthandler
 
-        faulthandler.dump_traceback_later(30, repeat=True)
-        click.echo(json.dumps(put_to_flag(Gpu(0), 50), indent=2))
+        faulthandler.dump_traceback_later(120, repeat=True)  # a stalled run shows where
+        assert json_path, "--put-flag-child needs --json"
+        put_to_flag_child(put_flag_child, json_path)
         return
-    result = run_gpu_benchmark(quick=quick, echo=click.echo)
+    if only_flag:
+        table = put_to_flag_table(50 if quick else 200, click.echo, mps=mps)
+        if json_path:
+            Path(json_path).write_text(json.dumps(table, indent=2))
+        return
+    result = run_gpu_benchmark(quick=quick, echo=click.echo, mps=mps)
     click.echo(json.dumps(result["summary"], indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))

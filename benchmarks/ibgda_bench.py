@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -218,12 +219,23 @@ def versus_proxy(quick: bool, echo: Any) -> dict[str, Any]:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the results here")
 @click.option("--quick", is_flag=True, help="a few iterations (a smoke test)")
 @click.option("--only-versus", is_flag=True, help="only IBGDA against the proxy path (no null-NIC runs)")
-def main(json_path: str | None, quick: bool, only_versus: bool) -> None:
-    if only_versus:
-        vs = versus_proxy(quick, click.echo)
-        results = {"versus": vs, "summary": vs["summary"]}
-    else:
-        results = run(quick=quick, echo=click.echo)
+@click.option("--no-mps", is_flag=True, help="run without CUDA MPS (as TRANSPORTD_GPU_MPS=0)")
+def main(json_path: str | None, quick: bool, only_versus: bool, no_mps: bool) -> None:
+    from transportd.mps import DISABLE_ENV, Mps
+
+    if no_mps:
+        os.environ[DISABLE_ENV] = "0"
+    # MPS before this process (and the daemons it starts) makes a CUDA context: softverbs' copies into GPU
+    # memory then measure the transport, not time slices
+    with Mps() as mps:
+        click.echo(mps.describe())
+        if only_versus:
+            vs = versus_proxy(quick, click.echo)
+            results = {"versus": vs, "summary": vs["summary"]}
+        else:
+            results = run(quick=quick, echo=click.echo)
+    results["mps"] = mps.describe()
+    click.echo(mps.describe())
     click.echo(json.dumps(results["summary"], indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")

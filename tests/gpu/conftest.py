@@ -1,4 +1,11 @@
-"""GPU tests: skipped with the reason when no CUDA device (or no cuda-python) is present; all marked ``gpu``."""
+"""GPU tests: skipped with the reason when no CUDA device (or no cuda-python) is present; all marked ``gpu``.
+
+CUDA MPS: where ``nvidia-cuda-mps-control`` exists, a private MPS daemon is started when this conftest is
+loaded (before anything here creates a CUDA context: a context made earlier is not an MPS client) and
+stopped at the end; the daemons, rail workers and rank processes the tests start inherit its
+``CUDA_MPS_*`` variables. The run's header and summary say whether it ran. ``TRANSPORTD_GPU_MPS=0`` runs
+without it (``tests/mps_support.py``, ``transportd.mps``); a run that deselects GPU tests starts nothing.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,12 @@ from typing import Any
 import pytest
 
 from tests.cuda_support import gpu_unavailable
+from tests.mps_support import (  # noqa: F401  (hooks: the run's MPS daemon)
+    pytest_configure,
+    pytest_report_header,
+    pytest_terminal_summary,
+    pytest_unconfigure,
+)
 from transportd.localcluster import LocalCluster
 
 KERNELS = Path(__file__).with_name("kernels.cu")

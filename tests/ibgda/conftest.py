@@ -27,6 +27,12 @@ from ibgda.channel_tables import HostAlloc, build_channel
 from ibgda.device_handle import QP_STATE_DTYPE, SignalMode
 from ibgda.soft_mlx5 import SoftMlx5Queue
 from tests import waiting
+from tests.mps_support import (  # noqa: F401  (hooks: the run's CUDA MPS daemon for the GPU tests here)
+    pytest_configure,
+    pytest_report_header,
+    pytest_terminal_summary,
+    pytest_unconfigure,
+)
 from transportd import verbs as tverbs
 
 HERE = Path(__file__).resolve().parent
