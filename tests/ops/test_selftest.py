@@ -51,6 +51,13 @@ def test_two_daemons_every_link_passes():
             wait_until(lambda n=node: not jobs_on(cluster, n), f"self-test jobs gone on {node}")
 
 
+def test_two_daemons_efa():
+    with LocalCluster(2, backend="efa") as cluster:
+        status, doc, _ = selftest(cluster, "nodea")
+        assert status == 0, doc
+        assert doc["backend"] == "efa" and set(doc["links"][0]["checks"]) == CHECKS
+
+
 def test_three_daemons_two_rails_atomic():
     config = {"backend": {"rails": [{"device": "softib0"}, {"device": "softib1"}]}, "signal": {"mode": "atomic"}}
     with LocalCluster(3, overrides=config) as cluster:
