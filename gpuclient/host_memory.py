@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cmd_ring.shm import sealed_memfd
+
 __all__ = ["host_array", "resolve_host_buffer", "HostBuffer", "HostBufferError", "SharedFile", "map_fd",
            "map_shared_file"]
 
@@ -113,9 +115,8 @@ def host_array(shape: int | tuple[int, ...], dtype: np.typing.DTypeLike = np.uin
     count = int(np.prod(shape))
     nbytes = max(count * dt.itemsize, 1)
     size = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    fd = os.memfd_create("tpd-host", os.MFD_CLOEXEC)
+    fd = sealed_memfd("tpd-host", size)  # the size sealed: the daemon refuses memory that could shrink under it
     try:
-        os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cmd_ring import RingFile
-from cmd_ring.shm import unsealed_memfd
+from cmd_ring.shm import size_is_sealed, unsealed_memfd
 from transportd import protocol
 from transportd.config import Config
 from transportd.control import ControlServer
@@ -467,7 +467,6 @@ class Daemon:
         if any(w.info.get("flag_publication") == "host-mapped" for w in self.workers):
             return "host"
         return "device"
-
 
     def _rail_for_device(self, device: int) -> int:
         for index, rail in enumerate(self.config.backend.rails or ()):
@@ -1267,10 +1266,16 @@ def _process_alive(pid: int) -> bool:
 
 
 def _check_host_fd(fd: int, offset: int, size: int) -> None:
-    """Host memory must be an anonymous memfd the client made (no file anyone could name) holding the range."""
+    """Host memory must be an anonymous memfd the client made (no file anyone could name), its size sealed
+    (a client that shrank it would make the rail worker, and with it the daemon, die of SIGBUS touching
+    the pages), holding the range."""
     if not is_memfd(fd):
         raise RequestError(ReplyCode.INVALID, "host memory must be a memfd (gpuclient.host_array): a named file "
                                               "or another kind of descriptor is refused")
+    if not size_is_sealed(fd):
+        raise RequestError(ReplyCode.INVALID, "host memory's memfd must have its size sealed (F_SEAL_SHRINK and "
+                                              "F_SEAL_GROW, as gpuclient.host_array makes it): its owner could "
+                                              "shrink it under the NIC")
     st = os.fstat(fd)
     if offset + size > st.st_size:
         raise RequestError(ReplyCode.INVALID, f"region [{offset}, {offset + size}) is outside the memfd "

@@ -150,8 +150,20 @@ def test_a_register_naming_a_path_or_a_named_file_is_refused_and_the_daemon_serv
         assert info.value.code == "invalid"
         with pytest.raises(RequestError, match=f"no descriptor {fd_id} was passed"):  # taken (and closed) once
             attacker.request(Register(kind="host", handle=fd_id, size=4096))
+        # a memfd whose size is not sealed: its owner could shrink it under the rail worker (SIGBUS)
+        loose = os.memfd_create("loose", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(loose, 8192)
+            fd_id = attacker.pass_fd(loose)
+        finally:
+            os.close(loose)
+        with pytest.raises(RequestError, match="size sealed") as info:
+            attacker.request(Register(kind="host", handle=fd_id, size=4096))
+        assert info.value.code == "invalid"
         # a memfd smaller than the region asked for
         small = gpuclient.host_array(4096)
+        with pytest.raises(PermissionError):  # the library's own memory cannot shrink
+            os.ftruncate(gpuclient.host_memory.resolve_host_buffer(small).fd, 0)
         fd_id = attacker.pass_fd(gpuclient.host_memory.resolve_host_buffer(small).fd)
         with pytest.raises(RequestError, match="outside the memfd"):
             attacker.request(Register(kind="host", handle=fd_id, size=8192))
