@@ -1,9 +1,9 @@
 """Prometheus metrics of the daemon, in the OpenMetrics text format, served on localhost (``metrics.listen``).
 
-Conventions (OpenMetrics 1.0): every family is ``transportd_``-prefixed; a counter family is named without
-its ``_total`` suffix in ``# TYPE``/``# HELP`` and its sample carries it; values are in base units
-(seconds, bytes) with the unit as the name's last word and a ``# UNIT`` line; the body ends with
-``# EOF``. Labels are only ``node``, ``job``, ``rank`` and ``peer``, so cardinality stays bounded by the
+``prometheus_client`` renders them: a collector (:class:`SnapshotCollector`) turns one ``Daemon.stats()``
+snapshot into metric families, and the library writes the OpenMetrics text. Conventions: every family
+is ``transportd_``-prefixed; values are in base units (seconds, bytes) with the unit as the name's last
+word. Labels are only ``node``, ``job``, ``rank`` and ``peer``, so cardinality stays bounded by the
 cluster's size. Errors by code are therefore one family per :class:`ErrorCode` (a fixed set, always
 present, 0 until seen) rather than a ``code`` label.
 
@@ -14,18 +14,21 @@ The HTTP thread only renders the snapshot the daemon's main loop refreshes every
 from __future__ import annotations
 
 import errno
-import math
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
+
 from transportd.errors import ErrorCode, ListenError
 
-__all__ = ["CONTENT_TYPE", "MetricsServer", "job_traffic", "render_metrics"]
+__all__ = ["CONTENT_TYPE", "MetricsServer", "SnapshotCollector", "job_traffic", "render_metrics"]
 
-CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # rail counter key -> (family, unit, help)
 _RAIL_COUNTERS = {
@@ -44,37 +47,21 @@ _RAIL_COUNTERS = {
 }
 
 
-def _escape(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Families:
+    """The families of one snapshot; every sample carries the ``node`` label first."""
 
-
-def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(float(value))
-
-
-class _Writer:
     def __init__(self, node: str) -> None:
         self.node = node
-        self.lines: list[str] = []
+        self.out: list[Metric] = []
 
     def family(self, name: str, kind: str, help_text: str, samples: list[tuple[dict[str, object], float]],
                unit: str = "") -> None:
-        self.lines.append(f"# TYPE {name} {kind}")
-        if unit:
-            self.lines.append(f"# UNIT {name} {unit}")
-        self.lines.append(f"# HELP {name} {_escape(help_text)}")
-        sample_name = name + "_total" if kind == "counter" else name
-        for labels, value in samples:
-            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in {"node": self.node, **labels}.items())
-            self.lines.append(f"{sample_name}{{{inner}}} {_number(value)}")
+        labels = ["node", *(samples[0][0] if samples else ())]
+        fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, help_text, labels=labels,
+                                                                             unit=unit)
+        for values, value in samples:
+            fam.add_metric([self.node, *(str(v) for v in values.values())], value)
+        self.out.append(fam)
 
 
 _SESSION_END_HELP = {
@@ -126,9 +113,9 @@ def job_traffic(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return jobs
 
 
-def render_metrics(stats: dict[str, Any]) -> str:
-    """The OpenMetrics text for one ``Daemon.stats()`` snapshot."""
-    w = _Writer(stats.get("node", ""))
+def _families(stats: dict[str, Any]) -> list[Metric]:
+    """The metric families of one ``Daemon.stats()`` snapshot."""
+    w = _Families(stats.get("node", ""))
     w.family("transportd_up", "gauge", "1 while the daemon serves.", [({}, 1)])
     w.family("transportd_ready", "gauge", "1 once the daemon reported ready (rails open, static peers up).",
              [({}, 1 if stats.get("ready") else 0)])
@@ -205,8 +192,28 @@ def render_metrics(stats: dict[str, Any]) -> str:
     w.family("transportd_job_rank_payload_bytes", "counter", "Payload bytes the rank posted, where it is the "
              "job's only local rank on its rail (connections are shared per job and rail).",
              [({"job": j, "rank": r}, v["bytes"]) for j, r, v in ranks if v["bytes"] is not None], unit="bytes")
-    w.lines.append("# EOF")
-    return "\n".join(w.lines) + "\n"
+    return w.out
+
+
+class SnapshotCollector(Collector):
+    """A ``prometheus_client`` collector over the daemon's latest stats snapshot (``snapshot()``)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _families(self._snapshot())
+
+
+def _registry(snapshot: Callable[[], dict[str, Any]]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    return registry
+
+
+def render_metrics(stats: dict[str, Any]) -> str:
+    """The OpenMetrics text for one ``Daemon.stats()`` snapshot."""
+    return generate_latest(_registry(lambda: stats)).decode()
 
 
 class MetricsServer:
@@ -214,14 +221,14 @@ class MetricsServer:
 
     def __init__(self, listen: str, snapshot: Callable[[], dict[str, Any]]) -> None:
         host, _, port = listen.rpartition(":")
-        render = snapshot
+        registry = _registry(snapshot)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served")
                     return
-                body = render_metrics(render()).encode()
+                body = generate_latest(registry)
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE)
                 self.send_header("Content-Length", str(len(body)))
