@@ -33,10 +33,14 @@ from __future__ import annotations
 import errno
 import threading
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _wire as w
-from ._device import Conn, SoftDevice
+from ._memory import host_view
+from .pyverbs_error import PyverbsUserError
+
+if TYPE_CHECKING:  # annotations only: the device owns this module's engines, not the other way round
+    from ._device import Conn, SoftDevice
 
 # ibv_wc_status
 OK = 0
@@ -388,7 +392,6 @@ class QPCore:
         """One wr_* call inside a session; a refusal is remembered and reported by wr_complete()."""
         sess = self.sess
         if sess is None:
-            from .pyverbs_error import PyverbsUserError
 
             raise PyverbsUserError("wr_* called outside wr_start()/wr_complete()")
         if self.sess_err:
@@ -434,7 +437,6 @@ class QPCore:
 
     def _sess_cur(self) -> SendEntry | None:
         if self.sess is None:
-            from .pyverbs_error import PyverbsUserError
 
             raise PyverbsUserError("wr_set_* called outside wr_start()/wr_complete()")
         if self.sess_err or not self.sess:
@@ -482,7 +484,6 @@ class QPCore:
             sess, err = self.sess, self.sess_err
             self.sess = None
             if sess is None:
-                from .pyverbs_error import PyverbsUserError
 
                 raise PyverbsUserError("wr_complete() without wr_start()")
             if err:
@@ -1402,6 +1403,5 @@ def _scatter(local: list[tuple[MRCore, int, int]], data: Any) -> None:
 
 
 def _host_bytes(addr: int, n: int) -> memoryview:
-    from ._memory import host_view
 
     return host_view(addr, n)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _wire as w
+from ._core import RequesterRx, Responder
 
 log = logging.getLogger("softverbs")
 
@@ -345,8 +346,6 @@ class SoftDevice:
         self._listener: socket.socket | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
-        from ._core import RequesterRx, Responder
-
         self.core_responder = Responder(self)
         self.core_requester = RequesterRx(self)
 

@@ -38,6 +38,8 @@ from typing import Any
 import click
 import numpy as np
 
+from transportd.cli_options import check_signal_mode
+
 __all__ = ["bench_e2e", "parse_size", "run_e2e_benchmark"]
 
 JOB = "bench-e2e"
@@ -314,8 +316,6 @@ def bench_e2e(backend: str, signal_mode: str, size_text: str, seconds: float, wi
         size = parse_size(size_text)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--size") from None
-    from transportd.cli import check_signal_mode
-
     check_signal_mode(backend, signal_mode, adaptive_routing)
     if quick:  # shorter defaults; what the command line says explicitly still holds
         source = click.get_current_context().get_parameter_source

@@ -49,17 +49,6 @@ def run(config_path: str | None) -> None:
         sys.exit(EXIT_SOFTWARE)
 
 
-def check_signal_mode(backend: str, signal_mode: str, adaptive_routing: bool = False) -> None:
-    """Refuse, naming the flags, the --backend/--signal-mode/--adaptive-routing combinations the daemons'
-    config would refuse (before anything starts)."""
-    if backend == "efa" and signal_mode != "write":
-        raise click.UsageError(f"--signal-mode {signal_mode} does not apply to --backend efa (the receiving "
-                               "daemon publishes each flag once its data has arrived); leave --signal-mode out")
-    if adaptive_routing and backend == "ib" and signal_mode == "write":
-        raise click.UsageError("--adaptive-routing needs --signal-mode atomic or fence (write signaling relies on "
-                               "in-order placement, which adaptive routing breaks)")
-
-
 @main.command()
 @click.option("--mib", default=256, show_default=True, type=click.IntRange(min=1),
               help="MiB each rank sends to the other")
@@ -70,6 +59,7 @@ def check_signal_mode(backend: str, signal_mode: str, adaptive_routing: bool = F
               help="ib only (efa: the receiving daemon publishes flags)")
 def demo(mib: int, chunk_kib: int, backend: str, signal_mode: str) -> None:
     """Two nodes on this machine over softverbs: stream data both ways, verify every byte and flag."""
+    from transportd.cli_options import check_signal_mode
     from transportd.demo import run_demo
     from transportd.errors import TransportdError
 
