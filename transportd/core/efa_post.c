@@ -59,17 +59,6 @@ static const char *const STAT_NAMES[N_STATS] = {
     "published_mapped", "visibility_flushes", "backlogged", "protocol_errors", "unknown_arrivals",
     "send_completions"};
 
-static int grow(void **p, size_t *cap, size_t need, size_t item) {
-    if (need <= *cap) return 0;
-    size_t n = *cap ? *cap : 16;
-    while (n < need) n *= 2;
-    void *q = realloc(*p, n * item);
-    if (!q) return -1;
-    *p = q;
-    *cap = n;
-    return 0;
-}
-
 /* A ring of fixed-size items indexed by a 64-bit sequence number: valid for seq in [lo, hi), hi - lo <= cap. */
 typedef struct {
     uint8_t *v;
@@ -230,7 +219,7 @@ static uint32_t batch_new(EfaPoster *p, uint64_t token, uint32_t n) {
     if (b) {
         p->free_batch = p->batches[b - 1].next_free;
     } else {
-        if (grow((void **)&p->batches, &p->batches_cap, p->nbatches + 1, sizeof(Batch))) return 0;
+        if (tpd_grow((void **)&p->batches, &p->batches_cap, p->nbatches + 1, sizeof(Batch))) return 0;
         b = (uint32_t)++p->nbatches;
     }
     p->batches[b - 1] = (Batch){.token = token, .remaining = n};
@@ -257,14 +246,14 @@ static int lower(EfaPoster *p, Conn *c, const tpd_plan_row *rows, size_t n, size
     int saved_closed = c->g_closed;
     uint64_t maxsz = p->max_rdma_size, stats_pieces = 0, stats_signals = 0, stats_fences = 0;
     size_t w = 0, ne = 0;
-    if (grow((void **)&p->ends, &p->ends_cap, n, sizeof(size_t)) ||
-        grow((void **)&p->end_tokens, &p->end_tokens_cap, n, sizeof(uint64_t)))
+    if (tpd_grow((void **)&p->ends, &p->ends_cap, n, sizeof(size_t)) ||
+        tpd_grow((void **)&p->end_tokens, &p->end_tokens_cap, n, sizeof(uint64_t)))
         return fail(p, E_NOMEM, 0, "out of memory");
     for (size_t i = 0; i < n; i++) {
         const tpd_plan_row *r = &rows[i];
         if (r->op == TPD_PLAN_WRITE) {
             uint64_t len = r->length, npieces = len ? (len + maxsz - 1) / maxsz : 1;
-            if (grow((void **)&p->tmp, &p->tmp_cap, w + npieces, sizeof(Wr))) goto nomem;
+            if (tpd_grow((void **)&p->tmp, &p->tmp_cap, w + npieces, sizeof(Wr))) goto nomem;
             if (c->g_closed) {
                 c->g_group++;
                 c->g_pieces = 0;
@@ -279,7 +268,7 @@ static int lower(EfaPoster *p, Conn *c, const tpd_plan_row *rows, size_t n, size
             }
             stats_pieces += npieces;
         } else if (r->op == TPD_PLAN_SIGNAL || r->op == TPD_PLAN_FENCE) {
-            if (grow((void **)&p->tmp, &p->tmp_cap, w + 1, sizeof(Wr))) goto nomem;
+            if (tpd_grow((void **)&p->tmp, &p->tmp_cap, w + 1, sizeof(Wr))) goto nomem;
             Wr *x = &p->tmp[w++];
             *x = (Wr){.c = c, .ctrl = 1, .rec = c->g_seq, .length = EFA_CTRL_SIZE};
             if (r->op == TPD_PLAN_SIGNAL) {
@@ -326,7 +315,7 @@ static int reserve(EfaPoster *p, Conn *c, size_t nwr, size_t nends) {
     for (uint32_t b = p->free_batch; b && free_batches < nends; b = p->batches[b - 1].next_free) free_batches++;
     return ring_reserve(&c->pend, c->oldest, c->next_seq, c->next_seq + nwr) ||
            ring_reserve(&c->ctrlp, c->oldest_ctrl, c->g_seq, c->g_seq) ||
-           grow((void **)&p->batches, &p->batches_cap, p->nbatches + nends - free_batches, sizeof(Batch)) ||
+           tpd_grow((void **)&p->batches, &p->batches_cap, p->nbatches + nends - free_batches, sizeof(Batch)) ||
            bl_reserve(p, nwr);
 }
 
@@ -443,7 +432,7 @@ static int efa_post(void *ctx, size_t nb, const int64_t *ids, const tpd_plan_row
 
 /* ---- completions and arrivals ----------------------------------------------------------------------------- */
 static int work_push(EfaPoster *p, uint64_t token, uint32_t status, uint32_t vendor_err) {
-    if (grow((void **)&p->work, &p->work_cap, p->nwork + 1, sizeof(tpd_completion))) return -1;
+    if (tpd_grow((void **)&p->work, &p->work_cap, p->nwork + 1, sizeof(tpd_completion))) return -1;
     p->work[p->nwork++] = (tpd_completion){token, status, vendor_err};
     return 0;
 }
@@ -535,14 +524,14 @@ static int collect(EfaPoster *p, Conn **touched, size_t nt) {
             const EfaPub *pb = &p->pubs[k];
             HostFlags *hf = host_flags(p, c->job, pb->rank);
             if (hf && pb->slot < hf->count) {
-                if (grow((void **)&p->stores, &p->stores_cap, p->nstores + 1, sizeof(HostStore))) return -1;
+                if (tpd_grow((void **)&p->stores, &p->stores_cap, p->nstores + 1, sizeof(HostStore))) return -1;
                 p->stores[p->nstores++] = (HostStore){
                     .word = (uint64_t *)(uintptr_t)hf->addr + pb->slot,
                     .shadow = hf->shadow ? (uint64_t *)(uintptr_t)hf->shadow + pb->slot : NULL,
                     .value = pb->value, .set = pb->op == EFA_OP_SET};
                 continue;
             }
-            if (grow((void **)&p->pypubs, &p->pypubs_cap, p->npypubs + 1, sizeof(PyPub))) return -1;
+            if (tpd_grow((void **)&p->pypubs, &p->pypubs_cap, p->npypubs + 1, sizeof(PyPub))) return -1;
             p->pypubs[p->npypubs++] = (PyPub){.conn = c->id, .rank = pb->rank, .slot = pb->slot, .op = pb->op,
                                               .value = pb->value};
         }
@@ -644,7 +633,7 @@ static long efa_poll(void *ctx, size_t max, tpd_completion *out) {
     p->ncarry = 0;
     size_t want = 2 * max < 4096 ? 2 * max : 4096;
     if (want < 64) want = 64;
-    if (grow((void **)&p->touched, &p->touched_cap, want, sizeof(Conn *))) return fail(p, E_NOMEM, 0, "out of memory");
+    if (tpd_grow((void **)&p->touched, &p->touched_cap, want, sizeof(Conn *))) return fail(p, E_NOMEM, 0, "out of memory");
     size_t nt = 0;
     struct ibv_cq_ex *cq = p->cq;
     struct ibv_poll_cq_attr attr = {0};
@@ -843,7 +832,7 @@ static PyObject *EfaPoster_add_connection(EfaPoster *p, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "connection index %u or key %u out of range or in use", index, key);
     if (!rentries || rentries & (rentries - 1))
         return PyErr_Format(PyExc_ValueError, "recv_entries must be a power of two");
-    if (grow((void **)&p->conns, &p->conns_cap, p->nconns + 1, sizeof(Conn *))) return PyErr_NoMemory();
+    if (tpd_grow((void **)&p->conns, &p->conns_cap, p->nconns + 1, sizeof(Conn *))) return PyErr_NoMemory();
     Conn *c = calloc(1, sizeof(Conn));
     if (!c) return PyErr_NoMemory();
     c->id = id;
@@ -926,38 +915,7 @@ static PyObject *EfaPoster_arrivals_idle(EfaPoster *p, PyObject *arg) {
 }
 
 static PyObject *EfaPoster_post_batches(EfaPoster *p, PyObject *args) {
-    Py_buffer ids, plan, bounds;
-    if (!PyArg_ParseTuple(args, "y*y*y*", &ids, &plan, &bounds)) return NULL;
-    PyObject *res = NULL;
-    size_t nb = (size_t)ids.len / sizeof(int64_t);
-    if ((size_t)bounds.len != (nb + 1) * sizeof(int64_t) || plan.len % sizeof(tpd_plan_row) ||
-        ids.len % sizeof(int64_t)) {
-        PyErr_SetString(PyExc_ValueError, "conn_ids (int64), plan (PLAN_DTYPE) and bounds (int64, one more) expected");
-        goto out;
-    }
-    const int64_t *b = bounds.buf;
-    size_t nrows = (size_t)plan.len / sizeof(tpd_plan_row);
-    for (size_t i = 0; i < nb; i++) {
-        if (b[i] < 0 || b[i] > b[i + 1] || (size_t)b[i + 1] > nrows) {
-            PyErr_SetString(PyExc_ValueError, "bounds must rise within the plan");
-            goto out;
-        }
-    }
-    res = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(nb * sizeof(int64_t)));
-    if (!res) goto out;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = efa_post(p, nb, ids.buf, plan.buf, b, (int64_t *)PyBytes_AS_STRING(res));
-    Py_END_ALLOW_THREADS
-    if (rc) {
-        Py_CLEAR(res);
-        efa_raise(p);
-    }
-out:
-    PyBuffer_Release(&ids);
-    PyBuffer_Release(&plan);
-    PyBuffer_Release(&bounds);
-    return res;
+    return tpd_post_batches_method(&p->iface, args);
 }
 
 static PyObject *EfaPoster_post(EfaPoster *p, PyObject *args) {
@@ -1014,7 +972,7 @@ static PyObject *EfaPoster_set_host_flags(EfaPoster *p, PyObject *args) {
     EfaMapEnt *e = efa_map_slot(&p->host, (job << 16) | rank);
     if (!e) return PyErr_NoMemory();
     if (!e->val) {
-        if (grow((void **)&p->hflags, &p->hflags_cap, p->nhflags + 1, sizeof(HostFlags))) {
+        if (tpd_grow((void **)&p->hflags, &p->hflags_cap, p->nhflags + 1, sizeof(HostFlags))) {
             efa_map_del(&p->host, e);
             return PyErr_NoMemory();
         }
