@@ -17,6 +17,9 @@ import mmap
 import os
 import threading
 import weakref
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -95,15 +98,43 @@ class _Mapping:
 # mapping is collected: the registry holds no reference to the mapping itself
 _mappings: dict[int, _Mapping] = {}
 _lock = threading.Lock()
+# Releases waiting for the lock. A mapping's finalizer can run inside a garbage collection that an
+# allocation triggers while this very thread holds the lock (resolve_host_buffer, host_array): waiting
+# for it there would never end, so the finalizer queues its release for whoever holds the lock.
+_pending: deque[tuple[int, int]] = deque()
+
+
+@contextmanager
+def _registry() -> Iterator[dict[int, _Mapping]]:
+    with _lock:
+        _drain_pending()  # no entry of a mapping already gone is looked at
+        try:
+            yield _mappings
+        finally:
+            _drain_pending()
+
+
+def _drain_pending() -> None:
+    """Carry out queued releases (the lock held). The memfd is still open until here, so a new mapping at
+    the same address cannot have the same descriptor: the entry goes only if it is still this one."""
+    while _pending:
+        address, fd = _pending.popleft()
+        if (m := _mappings.get(address)) is not None and m.fd == fd:
+            del _mappings[address]
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _release(address: int, fd: int) -> None:
-    with _lock:
-        _mappings.pop(address, None)
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+    """Finalizer of a host_array mapping: never waits for the lock (see ``_pending``)."""
+    _pending.append((address, fd))
+    if _lock.acquire(blocking=False):
+        try:
+            _drain_pending()
+        finally:
+            _lock.release()
 
 
 def host_array(shape: int | tuple[int, ...], dtype: np.typing.DTypeLike = np.uint8) -> np.ndarray:
@@ -123,8 +154,8 @@ def host_array(shape: int | tuple[int, ...], dtype: np.typing.DTypeLike = np.uin
         raise
     arr = np.frombuffer(mm, dtype=dt, count=count).reshape(shape)
     address = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
-    with _lock:
-        _mappings[address] = _Mapping(fd, size)
+    with _registry() as mappings:
+        mappings[address] = _Mapping(fd, size)
     weakref.finalize(mm, _release, address, fd)
     return arr
 
@@ -144,8 +175,8 @@ def resolve_host_buffer(buffer: object) -> HostBuffer:
     if arr is None:
         raise HostBufferError("cannot register an empty buffer")
     address = int(arr.ctypes.data)
-    with _lock:
-        found = [(base, m) for base, m in _mappings.items()
+    with _registry() as mappings:
+        found = [(base, m) for base, m in mappings.items()
                  if base <= address and address + view.nbytes <= base + m.size]
     if found:
         base, mapping = found[0]
