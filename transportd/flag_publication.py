@@ -46,6 +46,7 @@ __all__ = [
     "GdrMapping",
     "Publication",
     "choose_publication",
+    "words_path",
 ]
 
 log = logging.getLogger("transportd.flags")
@@ -226,3 +227,10 @@ def choose_publication(setting: str, *, receiver_publishes: bool, loopback: str 
             why = f"no GDRCopy ({no_gdr}), no loopback write ({loopback}); {why}"
         return Publication(HOST_MAPPED, why, forced)
     raise ValueError(f"unknown flags.publication {setting!r}")
+
+
+def words_path(path: str) -> str:
+    """How a rail on ``path`` publishes GPU flag words a client registered: its own path where it has one
+    into GPU memory; else (``host-mapped``: device flags asked for explicitly) ``cuda-copy``. On ``nic``
+    rails the sender's NIC writes them and the worker never publishes; ``cuda-copy`` stands by."""
+    return path if path in (GDRCOPY, LOOPBACK, CUDA_COPY) else CUDA_COPY

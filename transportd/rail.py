@@ -37,8 +37,11 @@ from transportd.flag_publication import (
     GDRCOPY,
     HOST_MAPPED,
     LOOPBACK,
+    NIC,
+    GdrCopyError,
     Publication,
     choose_publication,
+    words_path,
 )
 from transportd.flagfile import FlagFile
 from transportd.lifetime import die_with_parent
@@ -216,18 +219,28 @@ class RailService:
             shadow.close()
             raise
         accessor = gpu.accessor(device)
-        path = self.publication.path
-        if path == HOST_MAPPED:
+        path = words_path(self.publication.path)
+        if self.publication.path == HOST_MAPPED:
             log.warning("rail %d: job %s rank %d asked for device flags explicitly; this rail has no way into GPU "
                         "memory but cuda-copy: %s", self.rail, job, rank, COPY_COST)
-            path = CUDA_COPY
-        flags = GpuFlagWords(region.addr, count, shadow, path, region=region, accessor=accessor)
-        try:
-            if path == GDRCOPY:
-                gdr = self.publication.gdr
-                assert gdr is not None
+        if path == GDRCOPY:
+            gdr = self.publication.gdr
+            assert gdr is not None
+            try:
                 gpu.sync_memops(region.addr, device)
-                flags.mapping = gdr.map(region.addr, flags.nbytes)
+            except Exception as exc:  # wanted for ordering with the driver's own copies, not for our stores
+                log.warning("rail %d: CU_POINTER_ATTRIBUTE_SYNC_MEMOPS not set on job %s rank %d's flags (%s)",
+                            self.rail, job, rank, exc)
+            try:
+                mapping = gdr.map(region.addr, 8 * count)
+            except GdrCopyError as exc:  # e.g. memory gdrdrv cannot pin: the flags must still arrive
+                path = LOOPBACK if self.backend.loopback_unavailable() is None else CUDA_COPY
+                log.error("rail %d: GDRCopy could not map job %s rank %d's flags (%s); publishing them by %s%s",
+                          self.rail, job, rank, exc, path, "" if path == LOOPBACK else ": " + COPY_COST)
+        flags = GpuFlagWords(region.addr, count, shadow, path, region=region, accessor=accessor)
+        if path == GDRCOPY:
+            flags.mapping = mapping
+        try:
             mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True,
                                                 accessor=accessor)
             flags.rkey = mkey.rkey
@@ -240,7 +253,8 @@ class RailService:
         if path == GDRCOPY:  # the compiled path stores these itself: no Python per flag
             self.backend.set_mapped_flags(job, rank, flags.mapping.ptr, count, shadow.address)
         self.flags[(job, rank)] = (flags, mkey)  # type: ignore[assignment]
-        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey, "publication": path}
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey,
+                "publication": self.publication.path if self.publication.path == NIC else path}
 
     def _publish_flag(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None:
         """Receiver-side flag publishing (efa): everything this flag covers has arrived."""

@@ -36,6 +36,7 @@ from transportd.flag_publication import (
     GdrCopy,
     GdrCopyError,
     choose_publication,
+    words_path,
 )
 from transportd.flagfile import FlagFile
 from transportd.gpu_memory import GpuFlagWords
@@ -118,6 +119,22 @@ def test_forced_paths_and_nic_written_flags() -> None:
     assert choose_publication("auto", receiver_publishes=False, loopback=None, gdrdrv_device=absent).path == NIC
     with pytest.raises(ValueError, match="unknown"):
         choose_publication("bogus", receiver_publishes=True, loopback=None, gdrdrv_device=absent)
+
+
+def test_gpu_flag_words_on_every_rail_path() -> None:
+    """Device flags registered on a rail: its own path into GPU memory, else copies (host-mapped rails warn;
+    on ib rails the NIC writes them and nothing here publishes)."""
+    assert [words_path(p) for p in (GDRCOPY, LOOPBACK, CUDA_COPY, HOST_MAPPED, NIC)] == [
+        GDRCOPY, LOOPBACK, CUDA_COPY, CUDA_COPY, CUDA_COPY]
+    for path in (GDRCOPY, LOOPBACK, CUDA_COPY):  # each is one GpuFlagWords accepts
+        shadow, fd = FlagFile.create_memfd(1)
+        os.close(fd)
+        GpuFlagWords(0, 1, shadow, path).release()
+    shadow, fd = FlagFile.create_memfd(1)
+    os.close(fd)
+    with pytest.raises(ValueError, match="nic"):
+        GpuFlagWords(0, 1, shadow, NIC)
+    shadow.close()
 
 
 def test_gdrdrv_present_but_no_library_falls_through(tmp_path: Path) -> None:
