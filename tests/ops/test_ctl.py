@@ -47,7 +47,10 @@ def _human(node: str, ops: OpsCluster, *args: str) -> str:
 def test_status(ops_cluster: OpsCluster) -> None:
     s = _json("nodea", ops_cluster, "status")
     assert s["node"] == "nodea" and s["ready"] is True and s["backend"] == "ib"
-    assert s["clients"] == 1 and s["jobs"][JOB] == {"world": 2, "local": [0], "remote": [1]}
+    job = s["jobs"][JOB]
+    assert s["clients"] == 1 and {k: job[k] for k in ("world", "local", "remote")} == {
+        "world": 2, "local": [0], "remote": [1]}
+    assert job["traffic"]["ranks"]["0"]["commands"] > 0 and job["traffic"]["bytes"] > 0  # the job's own traffic
     assert s["peers"]["nodeb"]["up"] is True
     (rail,) = s["rails"]
     assert rail["pid"] > 0 and rail["pid"] != s["pid"] and rail["channels"] == 1
