@@ -100,12 +100,21 @@ class Mps:
         return True
 
     def stop(self) -> None:
-        """Send ``quit`` to the control daemon (it stops the server), restore the environment, clean up."""
+        """Send ``quit`` to the control daemon (it stops the server), restore the environment, clean up.
+
+        A process that is itself still an MPS client (pytest, after its GPU tests made a context) cannot
+        wait for the server to stop: the daemon waits for its clients first. So the wait is short; on
+        timeout the quit stands, the daemon stops once this process's context goes, and its directory
+        stays for it until then."""
         if not self.running:
             return
         _, (stop, stdin) = self.commands()
         env = {**self.environ}
-        self._run(stop, input=stdin, env=env, capture_output=True, text=True, timeout=30)
+        stopped = True
+        try:
+            self._run(stop, input=stdin, env=env, capture_output=True, text=True, timeout=5)
+        except subprocess.TimeoutExpired:
+            stopped = False
         for key, value in self._saved.items():
             if value is None:
                 self.environ.pop(key, None)
@@ -113,6 +122,9 @@ class Mps:
                 self.environ[key] = value
         self._saved.clear()
         self.running = False
+        if not stopped:
+            self.reason = "started; quit sent, the server stops when this process's CUDA context goes"
+            return
         self.reason = "started, then stopped"
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)

@@ -19,6 +19,7 @@ stdin=""
 printf '{"argv": "%s", "pipe": "%s", "log": "%s", "stdin": "%s"}\\n' "$*" "$CUDA_MPS_PIPE_DIRECTORY" \\
     "$CUDA_MPS_LOG_DIRECTORY" "$stdin" >> "$RECORD"
 [ -d "$CUDA_MPS_PIPE_DIRECTORY" ] && [ -d "$CUDA_MPS_LOG_DIRECTORY" ] || exit 9
+[ -n "$HOLD" ] && [ "$1" != "-d" ] && sleep "$HOLD"  # as quit waits for this process, still a client
 exit ${FAIL:-0}
 """
 
@@ -99,3 +100,16 @@ def test_the_gpu_tests_start_and_stop_mps_and_say_so(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)
     assert f"CUDA MPS: did not run: turned off ({DISABLE_ENV}=0)" in off.stdout
     assert len(_records(record)) == 2
+
+
+def test_a_quit_that_waits_for_this_very_process_does_not_hang_it(tmp_path: Path) -> None:
+    """The control daemon finishes a quit only when its clients are gone, and the process asking is one:
+    stop waits a moment, leaves the quit standing and the directory for the daemon, and raises nothing."""
+    script, record = _stand_in(tmp_path)
+    environ = {"RECORD": str(record), "PATH": os.environ["PATH"], "HOLD": "30"}
+    mps = Mps(environ=environ, which=lambda name: script if name == CONTROL else None)
+    assert mps.start()
+    root = mps.root
+    mps.stop()
+    assert not mps.running and "CUDA_MPS_PIPE_DIRECTORY" not in environ
+    assert "quit sent" in mps.describe() and root is not None and Path(root).exists()
