@@ -15,11 +15,10 @@ Buffers are recognised by ``__cuda_array_interface__`` (CuPy, PyTorch, Numba) or
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from typing import Any
 
-from transportd.errors import TransportdError
+from transportd.cuda_driver import CudaError, CudaUnavailableError, check, driver, result_name, use_device
 
 __all__ = [
     "CudaError",
@@ -38,75 +37,6 @@ __all__ = [
 
 IPC_HANDLE_BYTES = 64
 _KDL_CUDA = 2  # DLPack device types: kDLCUDA = 2 (kDLCUDAHost = 3 and kDLCUDAManaged = 13 are refused)
-
-
-class CudaError(TransportdError):
-    """A CUDA driver call failed; ``result`` is the CUresult name."""
-
-    def __init__(self, call: str, result: str) -> None:
-        self.call = call
-        self.result = result
-        super().__init__(f"{call} failed: {result}")
-
-
-class CudaUnavailableError(CudaError):
-    """cuda-python is not installed (``pip install 'transportd[cuda]'``) or no GPU driver is present."""
-
-
-_lock = threading.Lock()
-_driver: Any = None
-_contexts: dict[int, Any] = {}
-
-
-def driver() -> Any:
-    """``cuda.bindings.driver``, imported and initialised (cuInit) on first use."""
-    global _driver
-    if _driver is None:
-        with _lock:
-            if _driver is None:
-                try:
-                    from cuda.bindings import driver as drv
-                except ImportError as exc:
-                    raise CudaUnavailableError("import cuda.bindings.driver",
-                                               f"{exc}: install cuda-python (pip install 'transportd[cuda]')") from None
-                try:
-                    (err,) = drv.cuInit(0)
-                except RuntimeError as exc:  # cuda-python without a driver: "Failed to dlopen libcuda.so.1"
-                    raise CudaUnavailableError("cuInit", str(exc)) from None
-                if err != drv.CUresult.CUDA_SUCCESS:
-                    raise CudaUnavailableError("cuInit", _name(err))
-                _driver = drv
-    return _driver
-
-
-def _name(err: Any) -> str:
-    return getattr(err, "name", str(err))
-
-
-def check(result: Any, call: str = "CUDA call") -> Any:
-    """Unwrap a cuda-python ``(CUresult, *values)`` tuple: raise on an error, return the value(s)."""
-    drv = driver()
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise CudaError(call, _name(err))
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-def use_device(device: int) -> Any:
-    """Make ``device``'s primary context current on this thread (the one CuPy and PyTorch use); returns it."""
-    drv = driver()
-    ctx = _contexts.get(device)
-    if ctx is None:
-        with _lock:
-            ctx = _contexts.get(device)
-            if ctx is None:
-                dev = check(drv.cuDeviceGet(device), f"cuDeviceGet({device})")
-                ctx = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-                _contexts[device] = ctx
-    check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    return ctx
 
 
 def compute_capability(device: int) -> tuple[int, int]:
@@ -331,6 +261,6 @@ def map_host(address: int, nbytes: int, device: int) -> HostMapping:
     (err,) = drv.cuMemHostRegister(address, nbytes, flags)
     owned = err == drv.CUresult.CUDA_SUCCESS
     if not owned and err != drv.CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-        raise CudaError(f"cuMemHostRegister({address:#x}, {nbytes})", _name(err))
+        raise CudaError(f"cuMemHostRegister({address:#x}, {nbytes})", result_name(err))
     device_ptr = int(check(drv.cuMemHostGetDevicePointer(address, 0), "cuMemHostGetDevicePointer"))
     return HostMapping(address, nbytes, device_ptr, device, owned)

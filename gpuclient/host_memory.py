@@ -7,8 +7,7 @@ over its descriptor socket (``SCM_RIGHTS``). There is no name in ``/dev/shm``: n
 the client is killed, and no other process can open the memory by path. Memory from anywhere else is
 refused with a clear error.
 
-:func:`map_shared_file` maps a named shared-memory file (the IBGDA queue files) or a descriptor
-(:func:`map_fd`, the rail worker's side of a registration); :meth:`SharedFile.close` unmaps it at once.
+The daemon's side of a registration maps the descriptor with :func:`cmd_ring.shm.map_fd`.
 """
 
 from __future__ import annotations
@@ -21,62 +20,17 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from cmd_ring.shm import sealed_memfd
 
-__all__ = ["host_array", "resolve_host_buffer", "HostBuffer", "HostBufferError", "SharedFile", "map_fd",
-           "map_shared_file"]
+__all__ = ["host_array", "resolve_host_buffer", "HostBuffer", "HostBufferError"]
 
 
 class HostBufferError(ValueError):
     """The buffer is not in memory the daemon can map."""
-
-
-@dataclass
-class SharedFile:
-    """A mapped shared-memory file or memfd; :meth:`close` unmaps it (and drops the descriptor mmap keeps)."""
-
-    path: Path | None
-    mm: mmap.mmap
-    size: int
-    address: int = 0
-
-    def __post_init__(self) -> None:
-        view = np.frombuffer(self.mm, dtype=np.uint8, count=1)
-        self.address = int(view.ctypes.data)
-        del view  # no buffer export outlives this, so close() can unmap
-
-    def close(self) -> None:
-        """Unmap now (raises BufferError while a numpy view of the mapping is alive)."""
-        self.mm.close()
-
-
-def map_shared_file(path: Path, size: int | None = None, *, create: bool = False, mode: int = 0o600) -> SharedFile:
-    """Map ``path`` (creating it with ``size`` bytes when ``create``)."""
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, mode)
-    try:
-        if create:
-            assert size is not None
-            os.ftruncate(fd, size)
-        shared = map_fd(fd)
-    finally:
-        os.close(fd)
-    shared.path = Path(path)
-    return shared
-
-
-def map_fd(fd: int) -> SharedFile:
-    """Map the whole file behind ``fd`` read-write, shared (the caller still owns and closes ``fd``)."""
-    size = os.fstat(fd).st_size
-    if size <= 0:
-        raise HostBufferError("the descriptor's file is empty: nothing to map")
-    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    return SharedFile(None, mm, size)
 
 
 class HostBuffer(NamedTuple):

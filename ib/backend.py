@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from ibgda.soft_mlx5 import SoftMlx5Queue
 from transportd import _core
 from transportd.backend import COMPLETION_DTYPE, FlagPublisher, MemoryKey
 from transportd.verbs_shim import shim_cq, shim_qp
@@ -333,6 +334,16 @@ class IbBackend:
         """WRs posted on ``conn_id`` and not yet known complete."""
         self._conn(conn_id)
         return self._poster.inflight(conn_id)
+
+    def create_ibgda_queue(self, fd: int, wqe_cnt: int) -> Any:
+        """A GPU-posted RC queue pair on this rail's PD (so the regions registered here serve its WQEs), its
+        send queue, CQ and doorbells in the empty memfd ``fd`` (sized and sealed by the queue; the client
+        maps it into its GPU). Over softverbs the queue is ``ibgda.soft_mlx5``'s, played by this worker."""
+        if self.rail.v.name != "soft":
+            # a ConnectX needs the DevX queue (ibgda.host_mlx5) in memory the client can map: not built yet
+            raise ValueError("daemon-served IBGDA channels run over softverbs only for now; on a ConnectX use "
+                             "ibgda.host_mlx5.Mlx5Queue in the client process")
+        return SoftMlx5Queue(rail=self.rail, wqe_cnt=wqe_cnt, fd=fd)
 
     def set_flag_publisher(self, publisher: FlagPublisher) -> None:
         """Kept for the interface: on ib the NIC writes flags, nothing is published by the host."""

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cmd_ring.shm import seal_size
-from gpuclient.host_memory import map_fd, map_shared_file
+from cmd_ring.shm import map_fd, map_shared_file, seal_size
 from ibgda import mlx5_layout as L
 
 __all__ = ["DOORBELL_OFFSET", "PAGE", "QueueMemory"]

@@ -29,9 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from cmd_ring import RingFile
-from cmd_ring.shm import size_is_sealed, unsealed_memfd
-from transportd import protocol
+from cmd_ring.shm import map_fd, sealed_memfd, size_is_sealed, unsealed_memfd
+from transportd import protocol, selftest
 from transportd.config import Config
 from transportd.control import ControlServer
 from transportd.curve import CurveServerKeys
@@ -810,9 +812,6 @@ class Daemon:
             self.peers.send(node, PeerSelftestReport(job=msg.job, report={}, error=str(exc)[:1000]))
 
     def _start_far_selftest(self, node: str, msg: PeerSelftest) -> None:
-        from gpuclient.host_memory import host_array, resolve_host_buffer
-        from transportd import selftest
-
         if msg.job in self.jobs or msg.job in self.selftest_far:
             raise RequestError(ReplyCode.INVALID, f"job {msg.job!r} exists on node {self.node}")
         if len(self.selftest_far) >= MAX_SELFTESTS:
@@ -823,15 +822,19 @@ class Daemon:
         job = self.jobs[msg.job] = JobState(world=2, owner=f"selftest:{node}")
         job.local[1] = rank
         try:
-            memory = host_array(selftest.REGION_BYTES)
-            host = resolve_host_buffer(memory)
-            key = f"{rank.job}/{rank.rank}/0"
-            rank.regions[0] = {}
-            for worker in self.workers:
-                rank.regions[0][worker.rail] = worker.call(
-                    "map_region", key=key, offset=host.offset, size=host.nbytes, remote_write=True,
-                    remote_atomic=False, remote_read=True, fds=(host.fd,))
-                worker.call("set_source_region", job=rank.job, rank=rank.rank, region=0, key=key)
+            # the region is a memfd of the daemon's own, mapped here for the echo and in every worker
+            fd = sealed_memfd(_memfd_name("selftest", rank.job), selftest.REGION_BYTES)
+            try:
+                memory = np.frombuffer(map_fd(fd).mm, dtype=np.uint8)
+                key = f"{rank.job}/{rank.rank}/0"
+                rank.regions[0] = {}
+                for worker in self.workers:
+                    rank.regions[0][worker.rail] = worker.call(
+                        "map_region", key=key, offset=0, size=selftest.REGION_BYTES, remote_write=True,
+                        remote_atomic=False, remote_read=True, fds=(fd,))
+                    worker.call("set_source_region", job=rank.job, rank=rank.rank, region=0, key=key)
+            finally:
+                os.close(fd)
             rank.next_region = 1
             rank.region_kinds[0] = "selftest"
             flags, fd = FlagFile.create_memfd(selftest.SLOTS, name=_memfd_name("flags", rank.job, rank.rank))

@@ -26,6 +26,7 @@ from typing import Any
 
 from transportd import _core
 from transportd.backend import SignalOp
+from transportd.cuda_driver import CudaError, check, driver, use_device
 from transportd.flag_publication import CUDA_COPY, GDRCOPY, LOOPBACK
 
 __all__ = ["GpuAccessor", "GpuFlagWords", "GpuMemory", "IpcRegion"]
@@ -37,7 +38,6 @@ class GpuAccessor:
     """Reads and writes device memory with synchronous copies on one stream (thread-safe)."""
 
     def __init__(self, device: int) -> None:
-        from gpuclient.cuda_memory import check, driver, use_device
 
         self._drv = driver()
         self._check = check
@@ -200,7 +200,6 @@ class GpuMemory:
 
     def open(self, handle: bytes, offset: int, size: int, device: int) -> IpcRegion:
         """Open a client's allocation by IPC handle and return the region ``[offset, offset+size)`` of it."""
-        from gpuclient.cuda_memory import CudaError, check, driver, use_device
 
         drv = driver()
         use_device(device)
@@ -223,7 +222,6 @@ class GpuMemory:
         CPU stores through the BAR to be ordered with the driver's own copies into the same memory."""
         import ctypes
 
-        from gpuclient.cuda_memory import check, driver, use_device
 
         drv = driver()
         use_device(device)
@@ -232,7 +230,6 @@ class GpuMemory:
         check(drv.cuPointerSetAttribute(ctypes.addressof(one), attr, addr), "cuPointerSetAttribute(SYNC_MEMOPS)")
 
     def close(self, base: int, device: int) -> None:
-        from gpuclient.cuda_memory import driver, use_device
 
         drv = driver()
         use_device(device)

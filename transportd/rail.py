@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from cmd_ring import RingFile
-from gpuclient.host_memory import SharedFile, map_fd
+from cmd_ring.shm import SharedFile, map_fd
 from transportd.backend import MemoryKey, SignalOp
 from transportd.backends import DEVICE_KINDS, open_backend
 from transportd.config import Config
@@ -364,16 +364,10 @@ class RailService:
             os.close(fd)  # the queue's mapping keeps the memory
 
     def _create_ibgda_queue(self, queue: int, job: str, fd: int, wqe_cnt: int) -> dict[str, Any]:
-        rail = getattr(self.backend, "rail", None)
-        if self.config.backend.kind != "ib" or rail is None:
+        create = getattr(self.backend, "create_ibgda_queue", None)  # the backends that can serve one say so
+        if create is None:
             raise ValueError(f"IBGDA channels need an InfiniBand rail (mlx5); this one is {self.backend.name}")
-        if rail.v.name != "soft":
-            # a ConnectX needs the DevX queue (ibgda.host_mlx5) in memory the client can map: not built yet
-            raise ValueError("daemon-served IBGDA channels run over softverbs only for now; on a ConnectX use "
-                             "ibgda.host_mlx5.Mlx5Queue in the client process")
-        from ibgda.soft_mlx5 import SoftMlx5Queue
-
-        q = SoftMlx5Queue(rail=rail, wqe_cnt=wqe_cnt, fd=fd)
+        q = create(fd, wqe_cnt)
         try:
             scratch = np.zeros(8, dtype=np.uint64)  # atomics' old values and ordering reads land here
             mr = q.register(int(scratch.ctypes.data), scratch.nbytes)

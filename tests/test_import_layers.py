@@ -1,0 +1,125 @@
+"""Imports run one way. Read from the source: every import, those inside functions included (an import
+inside a function is still a dependency); only ``if TYPE_CHECKING:`` blocks, which never run, are left out.
+
+- No two modules import each other, around a loop or directly.
+- Packages stand in layers: ``cmd_ring`` and ``softverbs`` at the bottom, then ``transportd`` (the daemon
+  and what client and daemon share: protocol, codec, errors, CUDA driver access), then the backends and
+  IBGDA (``ib``, ``efa``, ``ibgda``), and the client library ``gpuclient`` on top. A module imports only
+  its own layer or those below, but for UPWARD_STILL: the client programs that still live in the
+  daemon's package (the demo, ``bench e2e``, the self-test's near side) and drive it through the client
+  library. They are to move out of it; the list only shrinks, and any other upward import fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"cmd_ring": 0, "softverbs": 0, "transportd": 1, "ib": 2, "efa": 2, "ibgda": 2, "gpuclient": 3}
+PACKAGES = tuple(LAYERS)
+UPWARD_STILL = {
+    ("transportd.bench_e2e", "gpuclient"),
+    ("transportd.demo", "gpuclient"),
+    ("transportd.selftest", "gpuclient"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, as dotted names (``from a import b`` gives ``a`` and ``a.b``), but for
+    those under ``if TYPE_CHECKING:``, which never run."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for sub in ast.walk(node)}
+    here = _module_name(path).split(".")
+    base_parts = here if path.name == "__init__.py" else here[:-1]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = base_parts[: len(base_parts) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for imp in _imports(path):
+            while imp and imp not in modules:
+                imp = imp.rpartition(".")[0]
+            if imp and imp != name:
+                deps.add(imp)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_two_modules_import_each_other() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_packages_import_only_their_own_layer_or_lower() -> None:
+    upward = {(module, dep.split(".")[0]) for module, deps in _graph().items() for dep in deps
+              if LAYERS[dep.split(".")[0]] > LAYERS[module.split(".")[0]]}
+    assert upward == UPWARD_STILL
+
+
+def test_within_a_layer_packages_do_not_import_each_other_back() -> None:
+    graph = _graph()
+    pkg = {p: {d.split(".")[0] for m, deps in graph.items() if m.split(".")[0] == p for d in deps} - {p}
+           for p in PACKAGES}
+    same_layer = {p: {d for d in deps if LAYERS[d] == LAYERS[p]} for p, deps in pkg.items()}
+    assert _cycles(same_layer) == []
