@@ -1,3 +1,3 @@
-from transportd.cli import main
+from transportd.entry import main
 
 main()

@@ -29,7 +29,7 @@ from transportd.protocol import Hello, Inspect, Join, PassFd, Register, Stats
 _DROP = """
     import json, os, sys
     import click.testing, numpy, zmq, msgpack  # everything the client needs, loaded while still root: the
-    import gpuclient, gpuclient.cuda_memory, transportd.ctl  # interpreter may live where the user cannot read
+    import gpuclient, gpuclient.cuda_memory, transportd_cli.ctl  # interpreter may live where the user cannot read
     from transportd.connection import ControlConnection
     from transportd.errors import RequestError
     from transportd.protocol import Hello, Inspect, Join, Register, Stats
@@ -65,7 +65,7 @@ INTRUDER = """
     out["join"] = refusal(lambda: conn.request(Join(job="owned", rank=1, world=2, device=-1)))
     out["inspect"] = refusal(lambda: conn.request(Inspect(what="flags", job="owned", rank=0)))
     out["stats_jobs"] = sorted(conn.request(Stats())["jobs"])
-    run = click.testing.CliRunner().invoke(transportd.ctl.main, ["flags", "owned", "0", "--socket", socket])
+    run = click.testing.CliRunner().invoke(transportd_cli.ctl.main, ["flags", "owned", "0", "--socket", socket])
     out["ctl"] = [run.exit_code, run.output]
     # its own job works, and the first user's registration ids mean nothing on its descriptor socket
     client = gpuclient.Client(conn)

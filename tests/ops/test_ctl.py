@@ -252,7 +252,7 @@ def test_top_fits_an_80x24_terminal(ops_cluster: OpsCluster) -> None:
     """No line wraps and the header stays on screen: at most 23 lines of at most 80 characters."""
     from click.testing import CliRunner
 
-    from transportd.ctl import main as ctl_main
+    from transportd_cli.ctl import main as ctl_main
 
     result = CliRunner().invoke(ctl_main, ["top", "--iterations", "1", "--socket", ops_cluster.socket("nodea")],
                                 env={"COLUMNS": "80", "LINES": "24", "TRANSPORTD_SOCKET": None},

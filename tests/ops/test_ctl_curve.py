@@ -31,7 +31,7 @@ def test_transportctl_speaks_curve_to_a_tcp_control_socket(tmp_path: Path) -> No
     }))
     daemon = subprocess.Popen([sys.executable, "-m", "transportd", "run", "--config", str(config)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    ctl = [sys.executable, "-m", "transportd.ctl"]
+    ctl = [sys.executable, "-m", "transportd_cli.ctl"]
     with_keys = [*ctl, "--curve-secret-key", str(client_secret), "--curve-server-key", str(server_public)]
     try:
         deadline = time.monotonic() + 30

@@ -21,7 +21,7 @@ CHECKS = {"put_signal add", "put_signal set", "put + signal add", "1 MiB put_sig
 
 def selftest(cluster: LocalCluster, node: str, *args: str, timeout: float = 180) -> tuple[int, dict, float]:
     started = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "transportd.ctl", "selftest", "--json", "--rounds", "3",
+    r = subprocess.run([sys.executable, "-m", "transportd_cli.ctl", "selftest", "--json", "--rounds", "3",
                         "--socket", cluster.socket(node), *args], capture_output=True, text=True, timeout=timeout)
     assert r.stdout, r.stderr
     return r.returncode, json.loads(r.stdout), time.monotonic() - started
@@ -42,7 +42,7 @@ def test_two_daemons_every_link_passes():
         assert link["put_flag_p50_us"] > 0 and link["put_flag_p99_us"] >= link["put_flag_p50_us"]
         assert link["gbps_1mib"] > 0 and link["far"]["early"] == 0 and link["far"]["corrupt"] == 0
         assert doc["signal_mode"] == "write"
-        human = subprocess.run([sys.executable, "-m", "transportd.ctl", "selftest", "--rounds", "2",
+        human = subprocess.run([sys.executable, "-m", "transportd_cli.ctl", "selftest", "--rounds", "2",
                                 "--socket", cluster.socket("nodeb")], capture_output=True, text=True, timeout=180)
         assert human.returncode == 0, human.stdout + human.stderr
         assert "nodea  0     PASS" in human.stdout and "1 of 1 link(s) passed" in human.stdout
@@ -112,6 +112,6 @@ def _peers_up(cluster: LocalCluster, node: str) -> set[str]:
 
 @pytest.mark.parametrize("bad", ["--rounds=0", "--timeout=0"])
 def test_bad_arguments_are_refused(bad):
-    r = subprocess.run([sys.executable, "-m", "transportd.ctl", "selftest", bad, "--socket", "ipc:///nonexistent"],
+    r = subprocess.run([sys.executable, "-m", "transportd_cli.ctl", "selftest", bad, "--socket", "ipc:///nonexistent"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Invalid value" in r.stderr

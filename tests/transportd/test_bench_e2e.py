@@ -8,8 +8,8 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from transportd.bench_e2e import parse_size
-from transportd.cli import main
+from transportd_cli.bench_e2e import parse_size
+from transportd_cli.cli import main
 
 SUMMARY = ("commands_per_s", "gbytes_per_s", "put_to_flag_p50_us", "put_to_flag_p99_us")
 

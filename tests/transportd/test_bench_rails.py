@@ -7,7 +7,7 @@ import math
 
 from click.testing import CliRunner
 
-from transportd.cli import main
+from transportd_cli.cli import main
 
 SUMMARY = ("one_rail_commands_per_s", "two_rail_commands_per_s", "ratio", "one_rail_put_to_flag_p50_us",
            "two_rail_put_to_flag_p50_us")

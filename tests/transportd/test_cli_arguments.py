@@ -8,9 +8,9 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from transportd.cli import main
 from transportd.errors import ConfigError
 from transportd.localcluster import LocalCluster
+from transportd_cli.cli import main
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from cmd_ring.record import Opcode
 from transportd import bench_proxy
-from transportd.cli import main
+from transportd_cli.cli import main
 
 
 def test_signal_stream_is_put_signals_with_fences() -> None:

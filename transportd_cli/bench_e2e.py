@@ -38,7 +38,7 @@ from typing import Any
 import click
 import numpy as np
 
-from transportd.cli_options import check_signal_mode
+from transportd_cli.cli_options import check_signal_mode
 
 __all__ = ["bench_e2e", "parse_size", "run_e2e_benchmark"]
 

@@ -46,7 +46,7 @@ def _producer(sockets: list[str], job: str, g: int, device: int, size: int, wind
               samples: int, timeout_s: float, barrier: Any, release: Any, out: Any) -> None:
     """One producer process: join, stream, sample latency (in step with the other one), verify, report;
     stay joined until ``release`` is set (the parent reads the job's per-rail counters before it ends)."""
-    from transportd.bench_e2e import StreamPair, _latency, _stream
+    from transportd_cli.bench_e2e import StreamPair, _latency, _stream
 
     pair = None
     try:
@@ -216,8 +216,8 @@ def _by_rail(by_rail: dict[str, int]) -> str:
 def bench_rails(backend: str, size_text: str, seconds: float, window: int, samples: int, quick: bool,
                 json_path: Path | None) -> None:
     """Two producers on one rail vs two rails (two daemons, two rails each): commands/s and put->flag."""
-    from transportd.bench_e2e import parse_size
     from transportd.errors import TransportdError
+    from transportd_cli.bench_e2e import parse_size
 
     try:
         size = parse_size(size_text)

@@ -404,7 +404,7 @@ def selftest(rounds: int, timeout: float, socket: str | None, as_json: bool) -> 
     Data-checked transfers in each signal op, flag-before-data checks on both sides, a bad record's error
     code, put -> flag p50/p99 and GB/s at 1 MiB. Exit 1 when any link fails. Needs the ipc control socket
     (host memory travels by descriptor)."""
-    from transportd.selftest import format_table, run_selftest
+    from transportd_cli.selftest import format_table, run_selftest
 
     endpoint = resolve_endpoint(socket)
     _probe_ipc(endpoint)

@@ -1,13 +1,12 @@
-"""The `transportd` command: run the daemon, the demo and the benchmarks."""
+"""The `transportd` command: run the daemon (``transportd.entry``), the demo and the benchmarks."""
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-EXIT_CONFIG = 78  # EX_CONFIG (sysexits.h): the configuration is wrong; restarting will not help
-EXIT_SOFTWARE = 70  # EX_SOFTWARE: the daemon stopped itself (a rail worker died); a restart may help
+from transportd.entry import EXIT_CONFIG, EXIT_SOFTWARE, run
+
+__all__ = ["EXIT_CONFIG", "EXIT_SOFTWARE", "main"]
 
 
 @click.group()
@@ -16,37 +15,7 @@ def main() -> None:
     """Per-node RDMA transport daemon."""
 
 
-@main.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML config (default: built-in defaults)")
-def run(config_path: str | None) -> None:
-    """Run the daemon in the foreground until SIGTERM or SIGINT."""
-    import zmq
-
-    from transportd.config import load_config
-    from transportd.daemon import Daemon
-    from transportd.errors import ConfigError, TransportdError
-    from transportd.logs import setup_logging
-
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        click.echo(f"transportd: bad config: {exc}", err=True)
-        sys.exit(EXIT_CONFIG)  # distinct status: the unit's RestartPreventExitStatus stops retrying a bad file
-    setup_logging(config.logging.level, config.logging.format)
-    daemon = Daemon(config)
-    daemon.install_signal_handlers()
-    try:
-        daemon.start()
-    except (TransportdError, OSError, zmq.ZMQError) as exc:  # ListenError names the config key
-        raise click.ClickException(f"cannot start: {exc}") from None
-    try:
-        daemon.run()
-    finally:
-        daemon.close()
-    if daemon.failure:
-        click.echo(f"transportd: {daemon.failure}", err=True)
-        sys.exit(EXIT_SOFTWARE)
+main.add_command(run)
 
 
 @main.command()
@@ -59,9 +28,9 @@ def run(config_path: str | None) -> None:
               help="ib only (efa: the receiving daemon publishes flags)")
 def demo(mib: int, chunk_kib: int, backend: str, signal_mode: str) -> None:
     """Two nodes on this machine over softverbs: stream data both ways, verify every byte and flag."""
-    from transportd.cli_options import check_signal_mode
-    from transportd.demo import run_demo
     from transportd.errors import TransportdError
+    from transportd_cli.cli_options import check_signal_mode
+    from transportd_cli.demo import run_demo
 
     if (mib << 10) % chunk_kib:
         raise click.BadParameter(f"{chunk_kib} KiB does not divide --mib {mib} ({mib << 10} KiB) into whole "
@@ -88,9 +57,9 @@ def _register_subcommands() -> None:
     from transportd.bench_proxy import bench_proxy, bench_signals
     bench.add_command(bench_proxy)
     bench.add_command(bench_signals)
-    from transportd.bench_e2e import bench_e2e
+    from transportd_cli.bench_e2e import bench_e2e
     bench.add_command(bench_e2e)
-    from transportd.bench_rails import bench_rails
+    from transportd_cli.bench_rails import bench_rails
     bench.add_command(bench_rails)
 
 

@@ -1,0 +1,3 @@
+from transportd_cli.cli import main
+
+main()
