@@ -299,17 +299,18 @@ class Proxy:
                 if not run_once():
                     time.sleep(idle_sleep_s)
 
-    def wait_ready(self, timeout_s: float, nap_s: float = 0.0) -> bool:
+    def wait_ready(self, timeout_s: float, nap_s: float = 0.0, wake_fd: int = -1) -> bool:
         """Watch the rings' head slots for up to ``timeout_s``: True as soon as one holds a committed record.
 
         Reads one seq word per ring per look and takes nothing (the next :meth:`run_once` does): the idle
         worker's cheap way to notice a record sooner than a sleep would. ``nap_s`` > 0 sleeps that long
-        between looks (a long-idle worker: little CPU, a record still seen within about ``nap_s``). False
-        at once while rows wait or work is in flight: then the caller's next pass is due anyway
+        between looks (a long-idle worker: little CPU, a record still seen within about ``nap_s``); with
+        ``wake_fd`` each nap is a poll on that descriptor, and its turning readable ends the wait (False).
+        False at once while rows wait or work is in flight: then the caller's next pass is due anyway
         (completions, the polling window).
         """
         with self._lock:
-            return self._core.wait_ready(float(timeout_s), float(nap_s))
+            return self._core.wait_ready(float(timeout_s), float(nap_s), int(wake_fd))
 
     def busy(self) -> bool:
         """Rows are waiting in the proxy or WRs are in flight."""

@@ -438,10 +438,9 @@ def _shadow_file(fds: list[int], count: int) -> FlagFile:
 SPIN_S = 0.002  # passes back to back (records arriving within this are taken at once)
 WATCH_S = 30e-6  # then, between passes: watch the ring headers this long, then nap NAP_S
 NAP_S = 20e-6
-DEEP_AFTER_S = 0.15  # idle this long: between passes, watch the ring headers for DEEP_WATCH_S with
-DEEP_WATCH_S = 1e-3  # DEEP_NAP_S sleeps between looks: a record is seen within ~DEEP_NAP_S; what it costs
-#                      in CPU: `transportd bench proxy --idle-nap-us N` (README, Performance)
-DEEP_NAP_S = 50e-6
+DEEP_AFTER_S = 0.15  # idle this long: between passes, watch the ring headers for up to DEEP_WATCH_S with
+DEEP_WATCH_S = 10e-3  # DEEP_NAP_S waits on the link between looks: a record is seen within ~DEEP_NAP_S, a
+DEEP_NAP_S = 50e-6  # request at once; what it costs in CPU: `transportd bench proxy --idle-nap-us N`
 
 
 def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s: float = DEEP_NAP_S) -> None:
@@ -450,12 +449,13 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s
     While the proxy has work it runs pass after pass, serving requests every 64 passes. When a pass finds
     nothing to do the worker keeps spinning for ``SPIN_S``, then alternates a pass (which also drains
     completions and serves requests) with watching the ring headers for ``WATCH_S`` (a committed record
-    ends the wait at once) and a ``NAP_S`` sleep; after ``DEEP_AFTER_S`` each pass is followed by a
-    millisecond of looking at the ring headers with ``deep_nap_s`` sleeps between looks (in C, GIL
-    released), so a long-idle worker costs little CPU and still takes the first record within tens of µs.
-    The link is served at every pass: a request waits at most about a millisecond.
+    ends the wait at once) and a ``NAP_S`` sleep; after ``DEEP_AFTER_S`` each pass is followed by up to
+    ``DEEP_WATCH_S`` of looking at the ring headers, waiting ``deep_nap_s`` on the link's descriptor
+    between looks (in C, GIL released): a long-idle worker costs little CPU, still takes the first record
+    within tens of µs, and a request on the link ends the wait at once.
     """
     run_once, serve_pending, wait_ready = proxy.run_once, link.serve_pending, proxy.wait_ready
+    link_fd = link.wake_fd()
     clock = time.perf_counter
     iterations = 0
     idle_since = -1.0
@@ -472,11 +472,12 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s
         idle_for = now - idle_since
         if serve_pending(0):
             break
-        if idle_for >= SPIN_S:
-            deep = idle_for >= DEEP_AFTER_S
-            # False at once while work is in flight (its completions are due at the next pass): nap then too
-            if not wait_ready(DEEP_WATCH_S if deep else WATCH_S, deep_nap_s if deep else 0.0):
-                time.sleep(deep_nap_s if deep else NAP_S)
+        if idle_for >= DEEP_AFTER_S:
+            # False at once while work is in flight: its completions are due at the next pass, so nap
+            if not wait_ready(DEEP_WATCH_S, deep_nap_s, link_fd) and proxy.busy():
+                time.sleep(deep_nap_s)
+        elif idle_for >= SPIN_S and not wait_ready(WATCH_S):
+            time.sleep(NAP_S)
 
 
 def rail_main(config: Config, rail: int, link_endpoint: str) -> None:

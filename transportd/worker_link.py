@@ -152,6 +152,11 @@ class WorkerEndpoint:
     def send_ready(self, **fields: Any) -> None:
         self._sock.send(codec.encode({"ok": True, **fields}))
 
+    def wake_fd(self) -> int:
+        """A descriptor that turns readable when a request may have arrived (zmq's ZMQ_FD of the link; it
+        is reset by :meth:`serve_pending`), for an idle worker to wait on."""
+        return int(self._sock.getsockopt(zmq.FD))
+
     def serve_pending(self, timeout_ms: int = 0) -> bool:
         """Serve every request waiting (after up to ``timeout_ms``); True if the worker should stop."""
         stop = False

@@ -92,14 +92,6 @@ def _device_kind(v: Any, name: str) -> str:
     return "rc"
 
 
-def wait_for(cond: Any, what: str, timeout: float = POLL_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.001)
-
-
 def poll(cq: Any, count: int = 1, timeout: float = POLL_TIMEOUT_S) -> list[SimpleNamespace]:
     """`count` completions from a CQ or CQEX, as plain records; fails saying how many are missing."""
     out: list[SimpleNamespace] = []

@@ -14,7 +14,7 @@ from tests.waiting import wait_until
 from transportd.connection import ControlConnection
 from transportd.curve import generate_keypair
 from transportd.localcluster import LocalCluster
-from transportd.protocol import Stats
+from transportd.protocol import Selftest, Stats
 
 CHECKS = {"put_signal add", "put_signal set", "put + signal add", "1 MiB put_signal", "bad record", "far side data"}
 
@@ -32,8 +32,22 @@ def jobs_on(cluster: LocalCluster, node: str) -> dict:
         return conn.request(Stats())["jobs"]
 
 
+def links_of(cluster: LocalCluster, node: str) -> list[dict]:
+    """The links the node would test: its peers, and static peers it has not heard a hello from."""
+    with ControlConnection(cluster.socket(node), timeout_ms=5000) as conn:
+        return conn.request(Selftest(action="links"))["links"]
+
+
+def settled(cluster: LocalCluster) -> None:
+    """Every node has heard every other on both links (a node first heard on its own link is, until the
+    answer to ours arrives, also listed as an unreached static address)."""
+    for node in cluster.names:
+        wait_until(lambda n=node: len(links_of(cluster, n)) == len(cluster.names) - 1, f"{node}'s links")
+
+
 def test_two_daemons_every_link_passes():
     with LocalCluster(2) as cluster:
+        settled(cluster)
         status, doc, _ = selftest(cluster, "nodea")
         assert status == 0, doc
         (link,) = doc["links"]
@@ -53,6 +67,7 @@ def test_two_daemons_every_link_passes():
 
 def test_two_daemons_efa():
     with LocalCluster(2, backend="efa") as cluster:
+        settled(cluster)
         status, doc, _ = selftest(cluster, "nodea")
         assert status == 0, doc
         assert doc["backend"] == "efa" and set(doc["links"][0]["checks"]) == CHECKS
@@ -61,6 +76,7 @@ def test_two_daemons_efa():
 def test_three_daemons_two_rails_atomic():
     config = {"backend": {"rails": [{"device": "softib0"}, {"device": "softib1"}]}, "signal": {"mode": "atomic"}}
     with LocalCluster(3, overrides=config) as cluster:
+        settled(cluster)
         status, doc, _ = selftest(cluster, "nodeb")
         assert status == 0, doc
         assert doc["signal_mode"] == "atomic" and doc["rails"] == 2
@@ -71,6 +87,7 @@ def test_three_daemons_two_rails_atomic():
 
 def test_a_killed_peer_is_a_failed_link_not_a_hang():
     with LocalCluster(2) as cluster:
+        settled(cluster)
         cluster.kill("nodeb")  # no goodbye: nodea still thinks it is up until the heartbeat timeout
         status, doc, elapsed = selftest(cluster, "nodea", "--timeout", "4")
         assert status == 1

@@ -488,24 +488,56 @@ def test_wait_ready_with_naps_sees_a_record_committed_while_it_waits(rig) -> Non
     assert rig.chunks(1) == [0]
 
 
-def test_rail_serve_loop_takes_sparse_records_and_stops() -> None:
-    from transportd import rail
+def test_rail_serve_loop_takes_sparse_records_and_serves_its_link_while_idle(tmp_path, monkeypatch) -> None:
+    """The rail worker's own loop over a real worker link: it takes a record, goes idle, serves a request
+    that arrives while it waits, takes the next record, and stops on a stop request. Long idle from the
+    start here, with a minute-long watch: only the link's descriptor can end the wait for the request."""
+    import threading
 
+    import zmq
+
+    from tests.waiting import wait_until
+    from transportd import codec, rail
+    from transportd.worker_link import WorkerEndpoint
+
+    class Handler:
+        def __init__(self) -> None:
+            self.pings = 0
+
+        def op_ping(self) -> dict:
+            self.pings += 1
+            return {"pings": self.pings}
+
+        def op_stop(self) -> dict:
+            return {}
+
+    monkeypatch.setattr(rail, "DEEP_AFTER_S", 0.0)
+    monkeypatch.setattr(rail, "DEEP_WATCH_S", 60.0)
     rig = Rig(poll_window_us=0)
+    ctx = zmq.Context()
+    main_end = ctx.socket(zmq.PAIR)
+    main_end.linger = 0
+    main_end.bind(f"ipc://{tmp_path}/link")
+    link = WorkerEndpoint(f"ipc://{tmp_path}/link", Handler())
+    loop = threading.Thread(target=rail.serve_loop, args=(rig.proxy, link, lambda: False))
     try:
-        served: list[int] = []
-
-        class Link:
-            def serve_pending(self, timeout_ms: int = 0) -> bool:
-                served.append(timeout_ms)
-                return False
-
-        deadline = time.monotonic() + 0.5
         rig.push(put(0))
-        rail.serve_loop(rig.proxy, Link(), lambda: time.monotonic() > deadline or rig.ring.completion_pos == 1)
-        assert rig.ring.completion_pos == 1 and rig.chunks(1) == [0]
-        deadline = time.monotonic() + 0.05
-        rail.serve_loop(rig.proxy, Link(), lambda: time.monotonic() > deadline)  # idle: spins, then naps
-        assert served and rig.proxy.counters["iterations"] > 1
+        loop.start()
+        wait_until(lambda: rig.ring.completion_pos == 1, "the record to be taken and completed")
+        assert rig.chunks(1) == [0]
+        main_end.send(codec.encode({"op": "ping", "seq": 7}))
+        assert main_end.poll(10_000), "a request to an idle worker was not served"
+        assert codec.decode(main_end.recv(), max_size=1 << 16) == {"ok": True, "pings": 1, "seq": 7}
+        rig.push(put(1))
+        wait_until(lambda: rig.ring.completion_pos == 2, "the record after the idle to be taken")
+        main_end.send(codec.encode({"op": "stop", "seq": 8}))
+        loop.join(10)
+        assert not loop.is_alive()
     finally:
+        if loop.is_alive():
+            main_end.send(codec.encode({"op": "stop", "seq": 9}))
+            loop.join(10)
+        link.close()
+        main_end.close()
+        ctx.term()
         rig.close()

@@ -33,6 +33,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/prctl.h>
 #include <time.h>
 
@@ -961,21 +962,30 @@ static PyObject *Engine_progress(Engine *e, PyObject *unused) {
 
 /* Watch the rings' head slots for up to timeout_s (GIL released); True once one holds a record. With
  * nap_s > 0 it sleeps that long between looks: a long-idle worker then costs one short sleep per look
- * instead of a spinning core, and still sees a record within about nap_s. */
+ * instead of a spinning core, and still sees a record within about nap_s. With a descriptor (wake_fd >= 0)
+ * each nap is a ppoll on it instead, so the wait also ends (returning False) as soon as it turns readable:
+ * the worker's link, which is how a request reaches an idle worker at once however long the wait. */
 static PyObject *Engine_wait_ready(Engine *e, PyObject *args) {
     double timeout, nap = 0.0;
-    if (!PyArg_ParseTuple(args, "d|d", &timeout, &nap)) return NULL;
+    int wake_fd = -1;
+    if (!PyArg_ParseTuple(args, "d|di", &timeout, &nap, &wake_fd)) return NULL;
     if (!e->taking || e->nwaiting || e->ngroups) Py_RETURN_FALSE;
     int found = 0;
     Py_BEGIN_ALLOW_THREADS
     int64_t deadline = now_ns() + (int64_t)(timeout * 1e9);
     struct timespec pause = {(time_t)nap, (long)((nap - (double)(time_t)nap) * 1e9)};
+    struct pollfd wake = {.fd = wake_fd, .events = POLLIN};
     /* the default 50 us timer slack of a thread would more than double a 50 us nap */
     if (nap > 0) prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     for (;;) {
         for (size_t i = 0; i < e->nchans && !found; i++) found = record_ready(e->chans[i], e->chans[i]->position);
         if (found || now_ns() >= deadline) break;
-        if (nap > 0) nanosleep(&pause, NULL);
+        if (wake_fd >= 0) {
+            struct timespec look = nap > 0 ? pause : (struct timespec){0, 0};
+            if (ppoll(&wake, 1, &look, NULL) != 0) break; /* readable (or an error): the caller's turn */
+        } else if (nap > 0) {
+            nanosleep(&pause, NULL);
+        }
     }
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(found);
@@ -1377,7 +1387,8 @@ static PyMethodDef Engine_methods[] = {
     {"run_once", (PyCFunction)Engine_run_once, METH_NOARGS, "One pass: take, post, progress. True if it did work."},
     {"progress", (PyCFunction)Engine_progress, METH_NOARGS, "Drain completions now; how many came."},
     {"wait_ready", (PyCFunction)Engine_wait_ready, METH_VARARGS,
-     "wait_ready(timeout_s, nap_s=0): watch the ring heads (GIL released), sleeping nap_s between looks."},
+     "wait_ready(timeout_s, nap_s=0, wake_fd=-1): watch the ring heads (GIL released), napping nap_s between "
+     "looks; a readable wake_fd ends the wait."},
     {"busy", (PyCFunction)Engine_busy, METH_NOARGS, "Rows wait or batches are in flight."},
     {"set_sources", (PyCFunction)Engine_set_sources, METH_VARARGS, "Install a rank's source region table."},
     {"set_peers", (PyCFunction)Engine_set_peers, METH_VARARGS, "Install a job's peer table."},
