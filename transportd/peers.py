@@ -227,8 +227,12 @@ class PeerPlane:
             peer.backend, peer.rails, peer.incarnation = msg.backend, msg.rails, msg.incarnation
             if identity is not None:
                 peer.via_router = True
-                # answer on the same path so the remote DEALER learns who it reached
-                self.router.send_multipart([node.encode(), codec.encode(self.hello.to_msg())], zmq.NOBLOCK)
+                # answer on the same path so the remote DEALER learns who it reached; a link that closed
+                # since (the peer died or restarted right after its hello) has no one to answer
+                try:
+                    self.router.send_multipart([node.encode(), codec.encode(self.hello.to_msg())], zmq.NOBLOCK)
+                except (zmq.Again, zmq.ZMQError) as exc:
+                    log.debug("hello from %s not answered: %s", node, exc)
             if dealer is not None:
                 peer.dealer = dealer
             self._heard(peer)

@@ -148,3 +148,30 @@ def test_a_hello_of_the_life_that_said_goodbye_does_not_bring_it_back() -> None:
     finally:
         raw.close()
         a.close()
+
+
+def test_a_hello_whose_link_closed_before_it_was_read_is_no_error() -> None:
+    """A peer that says hello and dies at once (or restarts) leaves its hello queued on a link that is gone:
+    answering it finds no one (ROUTER_MANDATORY: EHOSTUNREACH), and that must not escape ``poll``."""
+    from transportd import codec
+    from transportd.protocol import PeerHello
+
+    pa = free_port()
+    ea = Events()
+    a = ea.plane("a", pa, ())
+    monitor = a.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.linger = 5000  # the hello is delivered before the link goes
+    raw.routing_id = b"b"
+    raw.connect(f"tcp://127.0.0.1:{pa}")
+    try:
+        raw.send(codec.encode(PeerHello(node="b", backend="ib", rails=1, incarnation=5).to_msg()))
+        raw.close()
+        assert monitor.poll(10_000), "the router never saw the link close"
+        monitor.recv_multipart()
+        pump([a], lambda: ("up", "b") in ea.log)  # read after the link closed, answered to no one
+        assert a.peers["b"].incarnation == 5
+    finally:
+        a.router.disable_monitor()
+        monitor.close()
+        a.close()
