@@ -940,24 +940,7 @@ static PyObject *EfaPoster_post(EfaPoster *p, PyObject *args) {
     return res;
 }
 
-static PyObject *EfaPoster_poll(EfaPoster *p, PyObject *arg) {
-    Py_ssize_t max = PyLong_AsSsize_t(arg);
-    if (max == -1 && PyErr_Occurred()) return NULL;
-    if (max < 1) max = 1;
-    PyObject *res = PyBytes_FromStringAndSize(NULL, max * (Py_ssize_t)sizeof(tpd_completion));
-    if (!res) return NULL;
-    long n;
-    Py_BEGIN_ALLOW_THREADS
-    n = efa_poll(p, (size_t)max, (tpd_completion *)PyBytes_AS_STRING(res));
-    Py_END_ALLOW_THREADS
-    if (n < 0) {
-        Py_DECREF(res);
-        efa_raise(p);
-        return NULL;
-    }
-    if (_PyBytes_Resize(&res, n * (Py_ssize_t)sizeof(tpd_completion))) return NULL;
-    return res;
-}
+static PyObject *EfaPoster_poll(EfaPoster *p, PyObject *arg) { return tpd_poll_method(&p->iface, arg); }
 
 /* set_host_flags(job, rank, addr, count[, shadow]): flags of (job, rank) are these u64 words; with a
  * shadow (host memory, `count` words, shared by the rails' workers) the words are GPU memory mapped here

@@ -645,24 +645,7 @@ static PyObject *IbPoster_post(IbPoster *p, PyObject *args) {
 }
 
 /* poll(max_completions) -> bytes of COMPLETION_DTYPE rows */
-static PyObject *IbPoster_poll(IbPoster *p, PyObject *arg) {
-    Py_ssize_t max = PyLong_AsSsize_t(arg);
-    if (max == -1 && PyErr_Occurred()) return NULL;
-    if (max < 1) max = 1;
-    PyObject *res = PyBytes_FromStringAndSize(NULL, max * (Py_ssize_t)sizeof(tpd_completion));
-    if (!res) return NULL;
-    long n;
-    Py_BEGIN_ALLOW_THREADS
-    n = ib_poll(p, (size_t)max, (tpd_completion *)PyBytes_AS_STRING(res));
-    Py_END_ALLOW_THREADS
-    if (n < 0) {
-        Py_DECREF(res);
-        ib_raise(p);
-        return NULL;
-    }
-    if (_PyBytes_Resize(&res, n * (Py_ssize_t)sizeof(tpd_completion))) return NULL;
-    return res;
-}
+static PyObject *IbPoster_poll(IbPoster *p, PyObject *arg) { return tpd_poll_method(&p->iface, arg); }
 
 static PyObject *IbPoster_stats(IbPoster *p, PyObject *unused) {
     PyObject *d = PyDict_New();

@@ -82,6 +82,26 @@ out:
     return res;
 }
 
+/* ---- poll(max_completions) ------------------------------------------------------------------------ */
+PyObject *tpd_poll_method(const tpd_poster *iface, PyObject *arg) {
+    Py_ssize_t max = PyLong_AsSsize_t(arg);
+    if (max == -1 && PyErr_Occurred()) return NULL;
+    if (max < 1) max = 1;
+    PyObject *res = PyBytes_FromStringAndSize(NULL, max * (Py_ssize_t)sizeof(tpd_completion));
+    if (!res) return NULL;
+    long n;
+    Py_BEGIN_ALLOW_THREADS
+    n = iface->poll(iface->ctx, (size_t)max, (tpd_completion *)PyBytes_AS_STRING(res));
+    Py_END_ALLOW_THREADS
+    if (n < 0) {
+        Py_DECREF(res);
+        iface->raise_error(iface->ctx);
+        return NULL;
+    }
+    if (_PyBytes_Resize(&res, n * (Py_ssize_t)sizeof(tpd_completion))) return NULL;
+    return res;
+}
+
 /* ---- a shim's wr_complete -------------------------------------------------------------------------- */
 int tpd_shim_hand_over(PyObject *post, const void *wrs, size_t nbytes) {
     PyGILState_STATE g = PyGILState_Ensure();

@@ -47,6 +47,10 @@ int tpd_grow(void **p, size_t *cap, size_t need, size_t item);
  * (struct _object is PyObject: this header needs no Python.h.) */
 struct _object *tpd_post_batches_method(const tpd_poster *iface, struct _object *args);
 
+/* A poster type's Python poll(max_completions) -> bytes of COMPLETION_DTYPE rows, polled through iface with
+ * the GIL released. */
+struct _object *tpd_poll_method(const tpd_poster *iface, struct _object *arg);
+
 /* A shim's wr_complete: hand `nbytes` of collected WRs to the Python callable `post` in one call (taking
  * the GIL); its int result is the errno, EIO when it raised (the exception is stashed, see above). */
 int tpd_shim_hand_over(struct _object *post, const void *wrs, size_t nbytes);
