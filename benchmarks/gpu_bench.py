@@ -244,18 +244,28 @@ def commit_to_consumed(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: f
     return lat
 
 
-def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: float) -> tuple[np.ndarray, dict]:
+NULL_NIC_JOB = "gpubench"
+
+
+def _null_nic_proxy() -> Any:
+    """The compiled engine as its own null NIC (nothing leaves C), poll window 0, with one job of two ranks:
+    rank 0 here, rank 1 a peer the records go to."""
     from transportd.proxy import Proxy
 
-    job, region = "gpubench", 1 << 30
-    proxy = Proxy(None, poll_window_us=0.0)  # the compiled engine as its own null NIC: nothing leaves C
-    proxy.log_posts(n)
+    job, region = NULL_NIC_JOB, 1 << 30
+    proxy = Proxy(None, poll_window_us=0.0)
     proxy.set_source_region(job, 0, 0, 0x1000_0000, region, 1)
     proxy.set_remote_region(job, 1, 0, 0x100_0000_0000, region, 101)
     proxy.set_remote_flags(job, 1, 0xF00_0000_0000, 64, 201)
     proxy.bind_peer(job, 1, 1001)
+    return proxy
+
+
+def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: float) -> tuple[np.ndarray, dict]:
+    proxy = _null_nic_proxy()
+    proxy.log_posts(n)
     with _ring(f"post-{variant}", 4096) as ring:
-        proxy.add_channel(0, ring, job, 0, 2)
+        proxy.add_channel(0, ring, NULL_NIC_JOB, 0, 2)
         dev = map_ring(ring, gpu.device)
         try:
             stamps = _paced_launch(gpu, variant, dev, n, gap_ns)
@@ -276,16 +286,9 @@ def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: flo
 def commit_to_completion_gpu_clock(gpu: Gpu, variant: str, n: int, gap_ns: int) -> np.ndarray:
     """Round trips on the GPU's clock alone: commit until the kernel sees the proxy's completion position
     pass that record (the proxy as its own null NIC, poll window 0, driven from this thread). µs each."""
-    from transportd.proxy import Proxy
-
-    job, region = "gpubench", 1 << 30
-    proxy = Proxy(None, poll_window_us=0.0)
-    proxy.set_source_region(job, 0, 0, 0x1000_0000, region, 1)
-    proxy.set_remote_region(job, 1, 0, 0x100_0000_0000, region, 101)
-    proxy.set_remote_flags(job, 1, 0xF00_0000_0000, 64, 201)
-    proxy.bind_peer(job, 1, 1001)
+    proxy = _null_nic_proxy()
     with _ring(f"rtt-{variant}", 4096) as ring:
-        proxy.add_channel(0, ring, job, 0, 2)
+        proxy.add_channel(0, ring, NULL_NIC_JOB, 0, 2)
         dev = map_ring(ring, gpu.device)
         rtt = DeviceMemory(8 * n, gpu.device)
         try:
