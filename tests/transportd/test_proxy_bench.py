@@ -58,3 +58,8 @@ def test_idle_part_posts_each_record_after_its_silence() -> None:
     idle = bench_proxy._idle(2, 0.2, peers=3, opts=dict(poll_window_us=0))
     assert idle["records"] == 2 and len(idle["first_record_us"]) == 2
     assert 0 < idle["cpu_fraction"] < 1.05 and all(x > 0 for x in idle["first_record_us"])
+
+
+def test_a_negative_idle_nap_is_refused_before_anything_runs() -> None:
+    result = CliRunner().invoke(main, ["bench", "proxy", "--idle-nap-us", "-1"])
+    assert result.exit_code == 2 and "--idle-nap-us" in result.output and "x>=0" in result.output
