@@ -8,7 +8,7 @@ push
     thread's ns per push (global timer around a loop), and pushes/s with 132 x 128 threads (CUDA events).
     The credit cache is preset so the bare push is measured, with no consumer.
 latency (one thread, pushes paced 200 us apart so nothing queues)
-    commit -> posted: the proxy (``transportd.proxy.Proxy``, the compiled engine, poll window 0) as its own
+    commit -> posted: the proxy (``transportd.dataplane.proxy.Proxy``, the compiled engine, poll window 0) as its own
     null NIC, which logs when each command is posted; commit -> consumed: a bare consumer of the same ring,
     header-last (``RingConsumer``) against per-word parity (this file's ``ParityConsumer``). The GPU's
     %globaltimer is mapped onto CLOCK_MONOTONIC by a ping-pong through mapped host memory (the tightest of
@@ -22,7 +22,7 @@ put -> flag
     through its GPU accessor; efa: published by the receiving worker on its rail's ``flag_publication``,
     loopback where there is no gdrdrv) against host-mapped flags, GPU buffers in both, and pinned host
     buffers and flags as the transport's own baseline. Each setting runs in a child process, once under
-    a private CUDA MPS daemon (``transportd.mps``, where ``nvidia-cuda-mps-control`` exists) and once
+    a private CUDA MPS daemon (``transportd_cli.mps``, where ``nvidia-cuda-mps-control`` exists) and once
     without (``--no-mps`` or ``TRANSPORTD_GPU_MPS=0``: without only), into one table: without MPS every
     copy softverbs makes into GPU memory waits for a time slice of its worker's context (~2.4 ms).
 """
@@ -250,7 +250,7 @@ NULL_NIC_JOB = "gpubench"
 def _null_nic_proxy() -> Any:
     """The compiled engine as its own null NIC (nothing leaves C), poll window 0, with one job of two ranks:
     rank 0 here, rank 1 a peer the records go to."""
-    from transportd.proxy import Proxy
+    from transportd.dataplane.proxy import Proxy
 
     job, region = NULL_NIC_JOB, 1 << 30
     proxy = Proxy(None, poll_window_us=0.0)
@@ -321,7 +321,7 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096, kind: str = "ring", wheres
     the proxy path; "ibgda": the kernels built with -DTPD_IBGDA post to the daemon's queue pairs) between
     two ``backend`` daemons. With ``rate`` = (blocks, commands per block, bytes): also commands/s,
     ``put_burst`` launches timed by CUDA events. Each result names the receiving rail's flag publication."""
-    from transportd.localcluster import LocalCluster
+    from transportd_cli.localcluster import LocalCluster
 
     results: dict[str, Any] = {}
     t_start = time.monotonic()
@@ -443,7 +443,7 @@ def put_to_flag_table(n: int, echo: Any = print, mps: bool = True) -> dict[str, 
 
     Children, because a process is an MPS client only if MPS ran before it created its CUDA context, and
     the daemons the child starts inherit the child's environment (``CUDA_MPS_*``)."""
-    from transportd.mps import Mps
+    from transportd_cli.mps import Mps
 
     settings = [("mps", True), ("no_mps", False)] if mps else [("no_mps", False)]
     results: dict[str, Any] = {}
@@ -578,7 +578,7 @@ def _library_default() -> int:
               help="internal: one MPS setting's put -> flag runs (N round trips) into --json")
 def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, put_flag_child: int | None) -> None:
     """Push cost, commit -> posted and put -> flag on this machine's GPU (see the module doc)."""
-    from transportd.mps import mps_wanted
+    from transportd_cli.mps import mps_wanted
 
     mps = not no_mps and mps_wanted(os.environ)
     if put_flag_child is not None:

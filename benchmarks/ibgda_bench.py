@@ -221,7 +221,7 @@ def versus_proxy(quick: bool, echo: Any) -> dict[str, Any]:
 @click.option("--only-versus", is_flag=True, help="only IBGDA against the proxy path (no null-NIC runs)")
 @click.option("--no-mps", is_flag=True, help="run without CUDA MPS (as TRANSPORTD_GPU_MPS=0)")
 def main(json_path: str | None, quick: bool, only_versus: bool, no_mps: bool) -> None:
-    from transportd.mps import DISABLE_ENV, Mps
+    from transportd_cli.mps import DISABLE_ENV, Mps
 
     if no_mps:
         os.environ[DISABLE_ENV] = "0"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from efa.wire import INDEX_BITS, OP_ADD, OP_FENCE, OP_SET, unwrap
-from transportd.backend import SignalOp
+from transportd.backends.interface import SignalOp
 
 __all__ = ["ArrivalTracker", "Publication", "ProtocolViolation", "SenderGroups"]
 

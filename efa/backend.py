@@ -51,8 +51,8 @@ import numpy as np
 from efa.srd_shim import AddressTable, bridged, shim_cq, srd_shim_qp
 from efa.wire import CTRL_DTYPE, INDEX_BITS, MAX_CONNS
 from transportd import _core
-from transportd.backend import COMPLETION_DTYPE, FlagPublisher, MemoryKey, SignalOp
-from transportd.verbs_util import (
+from transportd.backends.interface import COMPLETION_DTYPE, FlagPublisher, MemoryKey, SignalOp
+from transportd.backends.verbs_common import (
     BackendError,
     CqDrain,
     Rail,
@@ -143,7 +143,7 @@ class EfaBackend:
     """
 
     name = "efa"
-    #: flags are published by the receiving daemon (transportd.flag_publication picks how, per rail)
+    #: flags are published by the receiving daemon (transportd.dataplane.flag_publication picks how, per rail)
     receiver_publishes_flags = True
 
     def __init__(self, device: str | None = None, *, verbs: Any = None, inflight_cap: int = 256,

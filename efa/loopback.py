@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from transportd.verbs_util import BackendError, access_flags, translate_verbs_errors
+from transportd.backends.verbs_common import BackendError, access_flags, translate_verbs_errors
 
 __all__ = ["LoopbackWriter"]
 

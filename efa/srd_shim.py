@@ -9,8 +9,8 @@ Per pass the shim makes one Python call each way:
   bridge (``make pyverbs-bridge``), :func:`replay_pyverbs` replays them through the QPEx ``wr_*`` methods
   (one binding call per WR, as before the compiled core). With the bridge there is no shim at all: the
   lowering calls pyverbs' own ``ibv_qp_ex`` and ``ibv_cq_ex``.
-- ``poll``: completions as :data:`~transportd.verbs_util.WC_DTYPE` rows (:func:`poll_soft` on softverbs,
-  the rail's :class:`~transportd.verbs_util.CqDrain` elsewhere).
+- ``poll``: completions as :data:`~transportd.backends.verbs_common.WC_DTYPE` rows (:func:`poll_soft` on softverbs,
+  the rail's :class:`~transportd.backends.verbs_common.CqDrain` elsewhere).
 
 Address handles: the lowering passes ``wr_set_ud_addr`` the ``ah`` it was given per connection. Through the
 shim that is a small integer naming an entry of an :class:`AddressTable`; with the bridge it is the
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from transportd import _core
-from transportd.verbs_shim import pyverbs_bridge
-from transportd.verbs_util import WC_DTYPE, Rail
+from transportd.backends.verbs_common import WC_DTYPE, Rail
+from transportd.backends.verbs_shim import pyverbs_bridge
 
 __all__ = ["SRD_WR_DTYPE", "SET_SGE", "SET_UD", "AddressTable", "bridged", "poll_soft", "post_soft", "replay_pyverbs",
            "shim_cq", "srd_shim_qp"]

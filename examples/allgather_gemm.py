@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 
 import gpuclient  # noqa: E402
 from gpuclient.cuda_memory import DeviceMemory, check, driver, use_device  # noqa: E402
-from transportd.localcluster import LocalCluster  # noqa: E402
+from transportd_cli.localcluster import LocalCluster  # noqa: E402
 
 SOURCE = Path(__file__).with_name("allgather_gemm.cu")
 PROBLEM_DTYPE = np.dtype([(name, "<u4") for name in

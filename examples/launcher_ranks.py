@@ -95,7 +95,7 @@ def main(sockets: str | None, nbytes: int, timeout: float, local_cluster: int | 
 
 def run_local_cluster(nodes: int, nbytes: int, timeout: float) -> None:
     """Two (N) daemons here, then ``torchrun --standalone --nproc-per-node N`` of this script."""
-    from transportd.localcluster import LocalCluster
+    from transportd_cli.localcluster import LocalCluster
 
     torchrun = shutil.which("torchrun")
     if torchrun is None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cmd_ring.ring import CONTROL_BYTES
-from transportd.flagfile import HEADER_BYTES, FlagFile
+from transportd.dataplane.flagfile import HEADER_BYTES, FlagFile
 
 if TYPE_CHECKING:
     from gpuclient.cuda_memory import DeviceMemory, HostMapping

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from transportd.protocol import MAX_NAME_LEN
+from transportd.control.protocol import MAX_NAME_LEN
 
 __all__ = ["LaunchInfo", "LauncherError", "from_environment", "LAUNCHER_VARIABLES"]
 

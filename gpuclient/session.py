@@ -27,11 +27,11 @@ import numpy as np
 from cmd_ring import RECORD_DTYPE, Flag, Opcode, RingFile, RingProducer
 from gpuclient.host_memory import resolve_host_buffer
 from gpuclient.launcher import from_environment
-from transportd.connection import ControlConnection
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Channel as ChannelRequest
+from transportd.control.protocol import ChannelInfo, Exchange, Flags, Join, Leave, Register, Stats
+from transportd.dataplane.flagfile import FlagFile
 from transportd.errors import ErrorCode, TransportdError
-from transportd.flagfile import FlagFile
-from transportd.protocol import Channel as ChannelRequest
-from transportd.protocol import ChannelInfo, Exchange, Flags, Join, Leave, Register, Stats
 
 if TYPE_CHECKING:
     from gpuclient.ibgda_channel import IbgdaChannelHandle

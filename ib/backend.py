@@ -48,7 +48,7 @@ Where it runs. The lowering above and the completion tracking are compiled (``tr
 ``struct ibv_qp_ex`` per connection, completions come from a ``struct ibv_cq_ex`` (the rail's CQ) through
 ``start_poll``/``next_poll``/``end_poll``. The proxy's engine calls it directly (:attr:`IbBackend.c_poster`),
 so no Python runs per record or per WR between the ring and those structs. For a Python verbs provider the
-structs are the verbs shim (:mod:`transportd.verbs_shim`): it collects each pass's WRs in C and hands them
+structs are the verbs shim (:mod:`transportd.backends.verbs_shim`): it collects each pass's WRs in C and hands them
 to the provider in one call, and takes completions back the same way; so the tests run the lowering a NIC
 runs. ``post``/``post_batches``/``poll`` here are thin calls into the same code.
 """
@@ -63,9 +63,8 @@ import numpy as np
 
 from ibgda.soft_mlx5 import SoftMlx5Queue
 from transportd import _core
-from transportd.backend import COMPLETION_DTYPE, FlagPublisher, MemoryKey
-from transportd.verbs_shim import shim_cq, shim_qp
-from transportd.verbs_util import (
+from transportd.backends.interface import COMPLETION_DTYPE, FlagPublisher, MemoryKey
+from transportd.backends.verbs_common import (
     BackendError,
     Rail,
     SendQueueFullError,
@@ -73,6 +72,7 @@ from transportd.verbs_util import (
     access_flags,
     translate_verbs_errors,
 )
+from transportd.backends.verbs_shim import shim_cq, shim_qp
 
 __all__ = ["SIGNAL_MODES", "IbBackend"]
 
@@ -96,7 +96,7 @@ class IbBackend:
     """RC backend for one rail (an RDMA device port).
 
     ``device``: verbs device name (None or "": the first one). ``verbs``: provider name or namespace for
-    :func:`transportd.verbs_util.load_verbs`. ``signal_mode``: write, atomic or fence (module docstring).
+    :func:`transportd.backends.verbs_common.load_verbs`. ``signal_mode``: write, atomic or fence (module docstring).
     ``inflight_cap``/``batch_max``: the proxy's limits, which size the SQ. ``cq_depth``: the rail's CQ
     (shared by every connection; a connection is refused when the sum of SQ depths would exceed it,
     since a QP in error may complete every outstanding WR). ``path_mtu``: an ibv_mtu value, 0 for the

@@ -41,7 +41,7 @@ import numpy as np
 from ibgda import mlx5_layout as L
 from ibgda.device_handle import queue_pair_record
 from ibgda.queue_memory import DOORBELL_OFFSET, QueueMemory
-from transportd.verbs_util import Rail, access_flags, load_verbs, translate_verbs_errors
+from transportd.backends.verbs_common import Rail, access_flags, load_verbs, translate_verbs_errors
 
 __all__ = ["DOORBELL_OFFSET", "SoftMlx5Queue", "WC_TO_SYNDROME"]
 
@@ -73,7 +73,7 @@ class SoftMlx5Queue:
     """One RC QP of a soft ConnectX: send queue, CQ, doorbell records and UAR page in host memory.
 
     ``device``: soft ib device name (None: the first), opened for this queue alone; or ``rail``: an open
-    ``transportd.verbs_util.Rail`` whose context and PD the queue shares (a daemon's rail worker: the
+    ``transportd.backends.verbs_common.Rail`` whose context and PD the queue shares (a daemon's rail worker: the
     regions it registered are the queue's). ``fd``: put the queue's memory in that empty memfd (sized
     and sealed here; the caller keeps its descriptor), for a client to map; ``path``: in that named file.
     ``wqe_cnt``/``ncqes``: powers of two, ncqes >= wqe_cnt (default: equal).

@@ -1,4 +1,4 @@
-"""One private CUDA MPS daemon for a pytest run's GPU tests (transportd.mps), shared by the conftests of
+"""One private CUDA MPS daemon for a pytest run's GPU tests (transportd_cli.mps), shared by the conftests of
 the folders that hold GPU tests (tests/gpu, tests/ibgda): each re-exports these hooks. Started when the
 first of them is loaded — before a test makes a CUDA context, which would otherwise not be an MPS client —
 unless the run deselects GPU tests (``-m "not gpu"``) or ``TRANSPORTD_GPU_MPS=0``; stopped at the end;
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from transportd.mps import Mps
+from transportd_cli.mps import Mps
 
 MPS = Mps()
 _reported: set[str] = set()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests import waiting
-from transportd import verbs as tverbs
+from transportd.backends import verbs as tverbs
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from transportd.config import describe_keys
-from transportd.docs import DOCS, stale_blocks
+from transportd.daemon.config import describe_keys
+from transportd.ops.docs import DOCS, stale_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -52,5 +52,5 @@ def test_links_between_docs_pages_resolve():
 
 
 def test_generated_blocks_match_the_code():
-    assert stale_blocks() == [], "regenerate with: python -m transportd.docs"
+    assert stale_blocks() == [], "regenerate with: python -m transportd.ops.docs"
     assert describe_keys() in (DOCS / "config.md").read_text()

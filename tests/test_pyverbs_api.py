@@ -16,7 +16,7 @@ Driven by softverbs itself, not by a hand list: every public softverbs module (`
   pyverbs requires, and equal defaults. pyverbs' constructors are Cython ``__init__`` slots without a
   signature, so theirs are read from the ``.pyx`` sources that sit beside an rdma-core build.
 
-It also checks that ``transportd.verbs.load("pyverbs")`` hands out the real modules.
+It also checks that ``transportd.backends.verbs.load("pyverbs")`` hands out the real modules.
 
 pyverbs must import (rdma-core 59's libraries included); without it the tests are skipped, unless
 ``TRANSPORTD_REQUIRE_PYVERBS=1`` (CI) makes that a failure. Build it with ``.ci/build_pyverbs.sh``, then
@@ -490,7 +490,7 @@ def test_module_agrees_with_pyverbs(pyverbs: ModuleType, path: str) -> None:
 
 
 def test_load_pyverbs_returns_the_real_modules(pyverbs: ModuleType) -> None:
-    from transportd import verbs
+    from transportd.backends import verbs
 
     real = verbs.load("pyverbs")
     soft = verbs.load("soft")
@@ -513,7 +513,7 @@ def test_load_pyverbs_returns_the_real_modules(pyverbs: ModuleType) -> None:
 
 # --- the other direction: what the backends use exists in both providers ---------------------------------
 
-BACKEND_SOURCES = ("ib", "efa", "ibgda", "transportd/verbs_util.py")
+BACKEND_SOURCES = ("ib", "efa", "ibgda", "transportd/backends/verbs_common.py")
 REPO = Path(__file__).resolve().parent.parent
 # VerbsModules' attribute names -> the module path under softverbs / pyverbs
 VERBS_MODULES = {"device": "device", "pd": "pd", "mr": "mr", "cq": "cq", "qp": "qp", "wr": "wr", "addr": "addr",
@@ -531,7 +531,7 @@ def _backend_files() -> list[Path]:
 
 
 def _is_verbs_namespace(node: ast.expr) -> bool:
-    """``v``, ``self.v``, ``rail.v``, ``verbs``: the namespace transportd.verbs.load() returns."""
+    """``v``, ``self.v``, ``rail.v``, ``verbs``: the namespace transportd.backends.verbs.load() returns."""
     if isinstance(node, ast.Name):
         return node.id in ("v", "verbs")
     return isinstance(node, ast.Attribute) and node.attr == "v"

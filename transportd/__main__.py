@@ -1,3 +1,3 @@
-from transportd.entry import main
+from transportd.daemon.entry import main
 
 main()

@@ -90,7 +90,7 @@ class ProtocolError(TransportdError):
     """A message breaks the control or peer protocol.
 
     ``code`` is the stable reply code the control server sends back for it (see
-    :class:`transportd.protocol.ReplyCode`); ``field`` names the offending field when there is one.
+    :class:`transportd.control.protocol.ReplyCode`); ``field`` names the offending field when there is one.
     """
 
     def __init__(self, message: str, *, code: str = "bad_message", field: str | None = None) -> None:

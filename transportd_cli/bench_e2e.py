@@ -200,7 +200,7 @@ def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: 
                       poll_window_us: int | None = None, baseline: bool = True, timeout_s: float = 60.0,
                       gap_ms: float = 0.0, echo: Any = None) -> dict[str, Any]:
     """Start two daemons, measure (stream, latency, baseline), stop them; returns the JSON document."""
-    from transportd.localcluster import LocalCluster
+    from transportd_cli.localcluster import LocalCluster
 
     if window < 1 or samples < 0 or seconds <= 0 or gap_ms < 0:
         raise ValueError("window must be >= 1, samples >= 0, seconds > 0 and gap_ms >= 0")

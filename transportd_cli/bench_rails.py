@@ -81,8 +81,8 @@ def _rail_bytes(stats: dict[str, Any], job: str, node: str) -> dict[int, int]:
 
 def _phase(cluster: Any, name: str, devices: tuple[int, ...], *, size: int, window: int, seconds: float,
            samples: int, timeout_s: float) -> dict[str, Any]:
-    from transportd.connection import ControlConnection
-    from transportd.protocol import Stats
+    from transportd.control.client import ControlConnection
+    from transportd.control.protocol import Stats
 
     ctx = mp.get_context("spawn")
     job = f"bench-rails-{name}"
@@ -136,7 +136,7 @@ def _phase(cluster: Any, name: str, devices: tuple[int, ...], *, size: int, wind
 def run_rails_benchmark(*, backend: str = "ib", size: int = 4096, seconds: float = 3.0, window: int = 64,
                         samples: int = 500, timeout_s: float = 60.0, echo: Any = None) -> dict[str, Any]:
     """Start two two-rail daemons, run the one-rail and the two-rail phase, stop them; the JSON document."""
-    from transportd.localcluster import LocalCluster
+    from transportd_cli.localcluster import LocalCluster
 
     if window < 1 or samples < 1 or seconds <= 0:
         raise ValueError("window and samples must be >= 1 and seconds > 0")

@@ -1,10 +1,10 @@
-"""The `transportd` command: run the daemon (``transportd.entry``), the demo and the benchmarks."""
+"""The `transportd` command: run the daemon (``transportd.daemon.entry``), the demo and the benchmarks."""
 
 from __future__ import annotations
 
 import click
 
-from transportd.entry import EXIT_CONFIG, EXIT_SOFTWARE, run
+from transportd.daemon.entry import EXIT_CONFIG, EXIT_SOFTWARE, run
 
 __all__ = ["EXIT_CONFIG", "EXIT_SOFTWARE", "main"]
 
@@ -54,7 +54,7 @@ def _register_subcommands() -> None:
     bench.add_command(bench_ring)
     from softverbs.soft.bench import bench_softverbs
     bench.add_command(bench_softverbs)
-    from transportd.bench_proxy import bench_proxy, bench_signals
+    from transportd_cli.bench_proxy import bench_proxy, bench_signals
     bench.add_command(bench_proxy)
     bench.add_command(bench_signals)
     from transportd_cli.bench_e2e import bench_e2e

@@ -26,10 +26,10 @@ from typing import Any, NoReturn
 
 import click
 
-from transportd.connection import ControlConnection, resolve_endpoint
-from transportd.curve import CurveClientKeys
+from transportd.control.client import ControlConnection, resolve_endpoint
+from transportd.control.curve import CurveClientKeys
+from transportd.control.protocol import Inspect, Stats
 from transportd.errors import ErrorCode, RequestError, TransportdError
-from transportd.protocol import Inspect, Stats
 
 __all__ = ["main"]
 
@@ -193,7 +193,7 @@ def _status_text(s: dict[str, Any]) -> str:
 
 
 def _cpulist(cpus: list[int]) -> str:
-    from transportd.pinning import format_cpulist
+    from transportd.dataplane.pinning import format_cpulist
 
     return format_cpulist(cpus)
 

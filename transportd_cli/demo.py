@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 import gpuclient
-from transportd.localcluster import LocalCluster
+from transportd_cli.localcluster import LocalCluster
 
 __all__ = ["run_demo"]
 

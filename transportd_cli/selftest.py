@@ -2,7 +2,7 @@
 daemons' own.
 
 Near side (this module's :func:`run_selftest`, in the ``transportctl`` process; the far side and the
-rules both follow are ``transportd.selftest``): for each link it asks the
+rules both follow are ``transportd.ops.selftest``): for each link it asks the
 node's daemon to start a self-test on the peer (control op ``selftest``, forwarded as ``peer_selftest`` on
 the authenticated peer plane), joins rank 0 of that job on the rail under test like any client, and
 exchanges. The far daemon joins rank 1 itself (:class:`EchoResponder`: its own memory, flags and ring, no
@@ -29,10 +29,10 @@ from typing import Any
 
 import gpuclient
 from gpuclient.session import ChannelError, Session
-from transportd.connection import ControlConnection
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Join, Selftest
 from transportd.errors import ErrorCode, RequestError, TransportdError
-from transportd.protocol import Join, Selftest
-from transportd.selftest import (
+from transportd.ops.selftest import (
     BIG,
     FAR_REGION,
     MIB,
@@ -77,8 +77,8 @@ def _percentile(values: list[float], q: float) -> float:
 def run_selftest(endpoint: str, *, curve: Any = None, rounds: int = 20, timeout: float = 10.0,
                  bandwidth_puts: int = 8) -> dict[str, Any]:
     """Test every (peer, rail) link of the daemon at ``endpoint``; returns the JSON document ``--json`` prints."""
-    from transportd.connection import ControlConnection
-    from transportd.protocol import Selftest
+    from transportd.control.client import ControlConnection
+    from transportd.control.protocol import Selftest
 
     with ControlConnection(endpoint, timeout_ms=int(timeout * 1000), name="transportctl", curve=curve) as conn:
         info = conn.request(Selftest(action="links"))

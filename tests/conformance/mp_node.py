@@ -77,7 +77,7 @@ def run_node(peer: Any, result: Any, provider: str, device: str, my_seed: int, p
 
 def _run(conn: Any, provider: str, device: str, my_seed: int, peer_seed: int, n_ops: int, size_max: int,
          timeout: float, credits: bool, hold: bool) -> dict[str, Any]:
-    from transportd import verbs
+    from transportd.backends import verbs
 
     v = verbs.load(provider)
     e, ee = v.enums, v.efa_enums

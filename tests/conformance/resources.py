@@ -2,7 +2,7 @@
 
 A client/server pair is built in one process on one device (loopback through the device, as rdma-core's
 tests do), connection info exchanged by attribute assignment. Every helper goes through the namespace
-`transportd.verbs.load()` returns, so the same code drives softverbs and real pyverbs.
+`transportd.backends.verbs.load()` returns, so the same code drives softverbs and real pyverbs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from transportd import verbs
+from transportd.backends import verbs
 
 POLL_TIMEOUT_S = 10.0
 QKEY = 0x11111111

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import gpuclient
-from transportd.localcluster import LocalCluster
+from transportd_cli.localcluster import LocalCluster
 
 
 @dataclass

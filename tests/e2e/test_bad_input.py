@@ -16,10 +16,10 @@ import gpuclient
 from cmd_ring import RECORD_DTYPE, Opcode
 from tests.e2e.conftest import close_ranks, join_ranks
 from tests.waiting import wait_until
-from transportd import codec
-from transportd.connection import ControlConnection
+from transportd.control import codec
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Stats
 from transportd.errors import ErrorCode, RequestError
-from transportd.protocol import Stats
 
 
 def record(opcode: int, **fields: int) -> np.ndarray:
@@ -194,8 +194,8 @@ def test_a_killed_peer_daemon_makes_waiting_clients_fail_not_hang(cluster_factor
 
 
 def test_a_peer_without_the_right_curve_key_is_refused(cluster_factory, tmp_path) -> None:
-    from transportd.curve import generate_keypair, load_secret_keypair
-    from transportd.protocol import PeerHello
+    from transportd.control.curve import generate_keypair, load_secret_keypair
+    from transportd.control.protocol import PeerHello
 
     cluster = cluster_factory(backend="ib", curve=True)
     a, b = join_ranks(cluster, nbytes=4096, flags=4)  # the two real nodes authenticate each other

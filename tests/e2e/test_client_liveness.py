@@ -18,10 +18,10 @@ import pytest
 import gpuclient
 from tests.e2e.test_bad_input import CLIENT
 from tests.waiting import wait_until
-from transportd.connection import ControlConnection
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Hello, Join
 from transportd.errors import RequestError, SessionLostError, TransportdError
-from transportd.localcluster import free_port
-from transportd.protocol import Hello, Join
+from transportd_cli.localcluster import free_port
 
 
 def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_factory) -> None:
@@ -56,8 +56,8 @@ def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_f
 
 SILENT_CLIENT = """
 import sys, time
-from transportd.connection import ControlConnection
-from transportd.protocol import Hello, Join
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Hello, Join
 conn = ControlConnection(sys.argv[1], handshake=False)   # a raw hello: no keepalive thread
 conn.request(Hello(name="exits"))
 conn.vouch()

@@ -14,10 +14,10 @@ import gpuclient
 from cmd_ring import RingFullError
 from tests.e2e.conftest import Rank, close_ranks, join_rank, join_ranks
 from tests.waiting import wait_until
-from transportd.connection import ControlConnection
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Stats
 from transportd.errors import ErrorCode
-from transportd.localcluster import LocalCluster
-from transportd.protocol import Stats
+from transportd_cli.localcluster import LocalCluster
 
 
 def _both_ways(a: Rank, b: Rank, slot: int, nbytes: int = 64 << 10) -> None:

@@ -17,9 +17,9 @@ import pytest
 
 import gpuclient
 from tests.ops.conftest import ctl
-from transportd.config import load_config
+from transportd.daemon.config import load_config
 from transportd.errors import ConfigError
-from transportd.localcluster import LocalCluster, free_port, render_toml
+from transportd_cli.localcluster import LocalCluster, free_port, render_toml
 
 STANDIN_SOURCE = Path(__file__).resolve().parents[1] / "efa" / "gdr_standin.c"
 

@@ -21,18 +21,18 @@ import pytest
 import gpuclient
 from tests.e2e.conftest import GROUP, close_ranks, join_ranks
 from tests.waiting import wait_until
-from transportd.connection import ControlConnection
+from transportd.control.client import ControlConnection
+from transportd.control.fdchannel import FdClient
+from transportd.control.protocol import Hello, Inspect, Join, PassFd, Register, Stats
 from transportd.errors import ErrorCode, RequestError
-from transportd.fdchannel import FdClient
-from transportd.protocol import Hello, Inspect, Join, PassFd, Register, Stats
 
 _DROP = """
     import json, os, sys
     import click.testing, numpy, zmq, msgpack  # everything the client needs, loaded while still root: the
     import gpuclient, gpuclient.cuda_memory, transportd_cli.ctl  # interpreter may live where the user cannot read
-    from transportd.connection import ControlConnection
+    from transportd.control.client import ControlConnection
     from transportd.errors import RequestError
-    from transportd.protocol import Hello, Inspect, Join, Register, Stats
+    from transportd.control.protocol import Hello, Inspect, Join, Register, Stats
     os.setgroups([])
     os.setgid(int(os.environ["TPD_AS_GID"]))
     os.setuid(int(os.environ["TPD_AS_UID"]))
@@ -192,8 +192,8 @@ def test_a_register_naming_a_path_or_a_named_file_is_refused_and_the_daemon_serv
 
 FORGER = """
     import os, sys, time
-    from transportd.connection import ControlConnection
-    from transportd.protocol import Hello, Join
+    from transportd.control.client import ControlConnection
+    from transportd.control.protocol import Hello, Join
     conn = ControlConnection(sys.argv[1], handshake=False)
     conn.request(Hello(pid=int(sys.argv[2]), name="forger"))   # says it is another process
     seen = conn.vouch()

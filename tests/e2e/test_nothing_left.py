@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import gpuclient
-from transportd.localcluster import LocalCluster
+from transportd_cli.localcluster import LocalCluster
 
 SHM = Path("/dev/shm")
 

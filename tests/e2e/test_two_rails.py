@@ -23,9 +23,9 @@ import pytest
 from click.testing import CliRunner
 
 import gpuclient
-from transportd.localcluster import LocalCluster
-from transportd.pinning import parse_cpulist
+from transportd.dataplane.pinning import parse_cpulist
 from transportd_cli.ctl import main as ctl_main
+from transportd_cli.localcluster import LocalCluster
 
 GPUS = 2
 JOB = "two-rails"

@@ -1,6 +1,6 @@
 /*
  * A stand-in for libgdrapi over host memory, for tests on machines without gdrdrv: the handful of gdr_*
- * functions transportd.flag_publication.GdrCopy calls. "Pinning" records a range; "mapping" makes a second
+ * functions transportd.dataplane.flag_publication.GdrCopy calls. "Pinning" records a range; "mapping" makes a second
  * virtual mapping of the same pages (mremap with old_size 0 on a MAP_SHARED mapping), so a store through
  * the mapped address shows up at the original one, as a BAR store shows up in GPU memory. Counters let a
  * test check that every pin and map was undone.

@@ -15,7 +15,7 @@ import numpy as np
 
 from efa.arrivals import SenderGroups
 from efa.wire import CTRL_DTYPE, CTRL_SIZE, KIND_CTRL, KIND_DATA, OP_ADD, OP_SET, encode_imm
-from transportd.backend import PlanOp, SignalOp
+from transportd.backends.interface import PlanOp, SignalOp
 
 __all__ = ["OracleWr", "lower"]
 

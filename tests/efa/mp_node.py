@@ -14,8 +14,8 @@ import time
 import numpy as np
 
 from efa.backend import EfaBackend
-from transportd import verbs as tverbs
-from transportd.backend import PLAN_DTYPE, PlanOp, SignalOp
+from transportd.backends import verbs as tverbs
+from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
 
 CONN = 1
 CHUNK = 24 * 1024  # three pieces each: the device below splits at 8 KiB

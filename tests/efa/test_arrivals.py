@@ -23,7 +23,7 @@ from efa.wire import (
     encode_imm,
     unwrap,
 )
-from transportd.backend import SignalOp
+from transportd.backends.interface import SignalOp
 
 
 def test_imm_round_trip() -> None:

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from transportd.backend import SignalOp
-from transportd.verbs_util import BackendError
+from transportd.backends.interface import SignalOp
+from transportd.backends.verbs_common import BackendError
 
 REM_ACCESS_ERR = 10
 

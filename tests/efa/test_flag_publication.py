@@ -25,8 +25,8 @@ from softverbs._memory import HostAccessor
 from tests.efa.conftest import Link
 from tests.soft_backend_support import wait_until
 from transportd import _core
-from transportd.backend import SignalOp
-from transportd.flag_publication import (
+from transportd.backends.interface import SignalOp
+from transportd.dataplane.flag_publication import (
     CUDA_COPY,
     GDRCOPY,
     GPU_PAGE_SIZE,
@@ -38,8 +38,8 @@ from transportd.flag_publication import (
     choose_publication,
     words_path,
 )
-from transportd.flagfile import FlagFile
-from transportd.gpu_memory import GpuFlagWords
+from transportd.dataplane.flagfile import FlagFile
+from transportd.dataplane.gpu_memory import GpuFlagWords
 
 STANDIN_SOURCE = Path(__file__).with_name("gdr_standin.c")
 

@@ -4,7 +4,7 @@ CUDA MPS: where ``nvidia-cuda-mps-control`` exists, a private MPS daemon is star
 loaded (before anything here creates a CUDA context: a context made earlier is not an MPS client) and
 stopped at the end; the daemons, rail workers and rank processes the tests start inherit its
 ``CUDA_MPS_*`` variables. The run's header and summary say whether it ran. ``TRANSPORTD_GPU_MPS=0`` runs
-without it (``tests/mps_support.py``, ``transportd.mps``); a run that deselects GPU tests starts nothing.
+without it (``tests/mps_support.py``, ``transportd_cli.mps``); a run that deselects GPU tests starts nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.mps_support import (  # noqa: F401  (hooks: the run's MPS daemon)
     pytest_terminal_summary,
     pytest_unconfigure,
 )
-from transportd.localcluster import LocalCluster
+from transportd_cli.localcluster import LocalCluster
 
 KERNELS = Path(__file__).with_name("kernels.cu")
 DEBUG_DEFINES = {"TPD_SPIN_TIMEOUT_NS": "20000000000ull"}

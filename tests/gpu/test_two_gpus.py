@@ -24,8 +24,8 @@ import pytest
 
 from tests.cuda_support import gpu_unavailable
 from tests.gpu.test_gpu_transfer import RANK, ROOT, SLOW_START, RankProcess
-from transportd.connection import ControlConnection
-from transportd.protocol import Stats
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Stats
 
 GPUS = 2
 CHUNK = 64 << 10

@@ -18,8 +18,8 @@ from gpuclient.compiler import _pack, nvrtc_options
 from gpuclient.cuda_memory import _c_contiguous, is_device_buffer
 from gpuclient.device_channel import CHANNEL_DTYPE, CHANNEL_SIZE, RING_DTYPE, ChannelStruct
 from tests.nvrtc_support import nvrtc_or_skip
+from transportd.control.protocol import Flags
 from transportd.errors import error_code_c_enum
-from transportd.protocol import Flags
 
 ROOT = Path(__file__).resolve().parents[2]
 INCLUDE = Path(gpuclient.get_include())

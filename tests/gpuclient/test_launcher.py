@@ -12,7 +12,7 @@ import pytest
 
 import gpuclient
 from gpuclient.launcher import LauncherError, from_environment
-from transportd.localcluster import LocalCluster
+from transportd_cli.localcluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "launcher_ranks.py"

@@ -12,7 +12,7 @@ import pytest
 
 from ib.backend import IbBackend
 from tests.soft_backend_support import verbs, wait_for, wait_until  # noqa: F401  (fixtures)
-from transportd.backend import PLAN_DTYPE, MemoryKey, PlanOp, SignalOp
+from transportd.backends.interface import PLAN_DTYPE, MemoryKey, PlanOp, SignalOp
 
 CONN = 7
 DATA_BYTES = 1 << 20

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from transportd.backend import PlanOp, SignalOp
-from transportd.verbs_shim import SET_INLINE, SET_SGE, SHIM_WR_DTYPE, WR_OPCODES
+from transportd.backends.interface import PlanOp, SignalOp
+from transportd.backends.verbs_shim import SET_INLINE, SET_SGE, SHIM_WR_DTYPE, WR_OPCODES
 
 SEQ_BITS = 48
 SEQ_MASK = (1 << SEQ_BITS) - 1

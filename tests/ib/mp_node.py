@@ -13,8 +13,8 @@ import time
 import numpy as np
 
 from ib.backend import IbBackend
-from transportd import verbs as tverbs
-from transportd.backend import PLAN_DTYPE, PlanOp, SignalOp
+from transportd.backends import verbs as tverbs
+from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
 
 CONN = 1
 CHUNK = 8192

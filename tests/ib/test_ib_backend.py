@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from ib.backend import IbBackend
-from transportd.backend import PLAN_DTYPE, SignalOp, empty_plan
-from transportd.verbs_util import BackendError, SendQueueFullError
+from transportd.backends.interface import PLAN_DTYPE, SignalOp, empty_plan
+from transportd.backends.verbs_common import BackendError, SendQueueFullError
 
 REM_ACCESS_ERR = 10
 WR_FLUSH_ERR = 5

@@ -44,7 +44,7 @@ def test_anything_but_a_pyverbs_extended_qp_or_cq_is_refused(bridge, wrong) -> N
 
 def test_a_softverbs_object_is_not_taken_for_a_pyverbs_one(bridge) -> None:
     """softverbs mimics pyverbs' Python API, not its C structs: the bridge must refuse its objects."""
-    from transportd import verbs
+    from transportd.backends import verbs
 
     v = verbs.load("soft")
     ctx = v.device.Context(name="softib0")
@@ -60,7 +60,7 @@ def test_a_softverbs_object_is_not_taken_for_a_pyverbs_one(bridge) -> None:
 @pytest.mark.hardware
 def test_a_real_qp_and_cq_give_their_structs(bridge) -> None:
     """On a NIC: the handles carry non-null struct pointers and IbPoster takes them."""
-    from transportd import verbs
+    from transportd.backends import verbs
 
     v = verbs.load("pyverbs")
     try:
@@ -84,7 +84,7 @@ def test_a_real_qp_and_cq_give_their_structs(bridge) -> None:
         qh, ch = bridge.QPHandle(qp), bridge.CQHandle(cq)
         assert qh.qp is qp and ch.cq is cq
         assert type(qh.ibv_qp_ex).__name__ == "PyCapsule" and type(ch.ibv_cq_ex).__name__ == "PyCapsule"
-        from transportd.verbs_util import BackendError, SendQueueFullError
+        from transportd.backends.verbs_common import BackendError, SendQueueFullError
 
         poster = _core.IbPoster(cq=ch, mode="write", inline=False, scratch_addr=0, scratch_lkey=0,
                                 backend_error=BackendError, sq_full_error=SendQueueFullError,
@@ -108,7 +108,7 @@ def test_efa_addresses_are_shim_handles_unless_bridged() -> None:
     """Through the shim the lowering carries small integers; with the bridge it carries the ibv_ah pointers
     (read by ``ah_address``), so the same lowering drives a real EFA."""
     from efa.srd_shim import AddressTable, bridged
-    from transportd import verbs
+    from transportd.backends import verbs
 
     assert not bridged(verbs.load("soft"))
     table = AddressTable()

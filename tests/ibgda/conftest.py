@@ -33,7 +33,7 @@ from tests.mps_support import (  # noqa: F401  (hooks: the run's CUDA MPS daemon
     pytest_terminal_summary,
     pytest_unconfigure,
 )
-from transportd import verbs as tverbs
+from transportd.backends import verbs as tverbs
 
 HERE = Path(__file__).resolve().parent
 INCLUDES = [ibgda.get_include(), gpuclient.get_include()]

@@ -18,10 +18,10 @@ import pytest
 from click.testing import CliRunner
 
 import gpuclient
+from transportd.control.protocol import ChannelInfo
 from transportd.errors import ErrorCode, RequestError
-from transportd.localcluster import LocalCluster
-from transportd.protocol import ChannelInfo
 from transportd_cli.ctl import main as ctl_main
+from transportd_cli.localcluster import LocalCluster
 
 CHUNK = 4096
 NCHUNKS = 64

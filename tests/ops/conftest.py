@@ -23,8 +23,8 @@ from click.testing import CliRunner
 
 from tests.e2e.conftest import Rank, close_ranks, join_ranks
 from tests.waiting import wait_until  # noqa: F401  (the ops tests import it from here)
-from transportd.localcluster import LocalCluster, free_port
 from transportd_cli.ctl import main as ctl_main
+from transportd_cli.localcluster import LocalCluster, free_port
 
 JOB = "ops"
 CHUNK = 4096

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from transportd.localcluster import free_port, render_toml
+from transportd_cli.localcluster import free_port, render_toml
 
 
 @pytest.mark.parametrize("key", ["peers.listen", "metrics.listen"])

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from transportd.curve import generate_keypair
-from transportd.localcluster import free_port, render_toml
+from transportd.control.curve import generate_keypair
+from transportd_cli.localcluster import free_port, render_toml
 
 
 def test_transportctl_speaks_curve_to_a_tcp_control_socket(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.ops.conftest import installed_script
-from transportd.config import KEYS, default_config, example_config, load_config
+from transportd.daemon.config import KEYS, default_config, example_config, load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "transportd.service"
@@ -87,7 +87,7 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path) -> None:
 
 
 def test_example_config_is_generated_and_loads() -> None:
-    assert EXAMPLE.read_text() == example_config(), "regenerate: python -c 'from transportd.config import " \
+    assert EXAMPLE.read_text() == example_config(), "regenerate: python -c 'from transportd.daemon.config import " \
         "example_config; print(example_config(), end=\"\")' > deploy/transportd.toml"
     assert load_config(EXAMPLE, env={}) == default_config(env={})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from transportd.localcluster import free_port
+from transportd_cli.localcluster import free_port
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:

@@ -12,10 +12,10 @@ from prometheus_client.openmetrics import parser
 
 from tests.e2e.conftest import close_ranks, join_ranks
 from tests.ops.conftest import BACK, CHUNK, JOB, PUTS, OpsCluster, wait_until
-from transportd.config import default_config, load_config
+from transportd.daemon.config import default_config, load_config
 from transportd.errors import ErrorCode
-from transportd.localcluster import LocalCluster, free_port
-from transportd.metrics import CONTENT_TYPE, job_traffic, render_metrics
+from transportd.ops.metrics import CONTENT_TYPE, job_traffic, render_metrics
+from transportd_cli.localcluster import LocalCluster, free_port
 
 ALLOWED_LABELS = {"node", "job", "rank", "peer"}
 NAME = re.compile(r"transportd_[a-z][a-z0-9_]*")

@@ -12,7 +12,7 @@ import pytest
 
 from cmd_ring import Command, Opcode, RingFile, RingProducer, records_from_commands
 from transportd.backends.null import NullBackend
-from transportd.proxy import Proxy
+from transportd.dataplane.proxy import Proxy
 
 JOB, WORLD, REGION = "job", 4, 1 << 20
 

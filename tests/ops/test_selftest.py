@@ -11,10 +11,10 @@ import time
 import pytest
 
 from tests.waiting import wait_until
-from transportd.connection import ControlConnection
-from transportd.curve import generate_keypair
-from transportd.localcluster import LocalCluster
-from transportd.protocol import Selftest, Stats
+from transportd.control.client import ControlConnection
+from transportd.control.curve import generate_keypair
+from transportd.control.protocol import Selftest, Stats
+from transportd_cli.localcluster import LocalCluster
 
 CHECKS = {"put_signal add", "put_signal set", "put + signal add", "1 MiB put_signal", "bad record", "far side data"}
 

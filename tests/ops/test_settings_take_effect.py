@@ -11,8 +11,8 @@ import pytest
 
 import gpuclient
 from tests.ops.conftest import ctl, wait_until
-from transportd.localcluster import LocalCluster, free_port
-from transportd.verbs import pyverbs_devices
+from transportd.backends.verbs import pyverbs_devices
+from transportd_cli.localcluster import LocalCluster, free_port
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,11 @@ import pytest
 from cmd_ring import RingFullError
 from tests.e2e.conftest import join_ranks
 from tests.ops.conftest import CHUNK, assert_one_line, ctl, wait_until
-from transportd.connection import ControlConnection
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Stats
+from transportd.daemon.sdnotify import Notifier
 from transportd.errors import DaemonUnavailableError
-from transportd.localcluster import LocalCluster, LocalNode
-from transportd.protocol import Stats
-from transportd.sdnotify import Notifier
+from transportd_cli.localcluster import LocalCluster, LocalNode
 
 WATCHDOG_USEC = 200_000  # the daemon must pet every 0.1 s
 

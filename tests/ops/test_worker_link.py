@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.ops.worker_target import slow_worker
-from transportd.worker_link import WorkerError, WorkerHandle
+from transportd.dataplane.worker_link import WorkerError, WorkerHandle
 
 
 def test_a_late_reply_is_not_taken_for_the_next_calls() -> None:
@@ -24,7 +24,8 @@ def test_a_late_reply_is_not_taken_for_the_next_calls() -> None:
 def test_a_slow_call_keeps_the_peers_heartbeats_going() -> None:
     """A daemon stuck in a worker call serves nothing, but its peers must not declare it lost meanwhile."""
     from tests.transportd.test_peers import Events, pump
-    from transportd.localcluster import free_port
+
+    from transportd_cli.localcluster import free_port
 
     pa, pb = free_port(), free_port()
     events_b = Events()

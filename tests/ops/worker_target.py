@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from transportd.worker_link import WorkerEndpoint
+from transportd.dataplane.worker_link import WorkerEndpoint
 
 
 class _Handler:

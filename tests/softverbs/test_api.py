@@ -1,4 +1,4 @@
-"""softverbs' public surface and the transportd.verbs switch (the pyverbs comparison is tests/test_pyverbs_api.py)."""
+"""softverbs' public surface and the transportd.backends.verbs switch (pyverbs side: tests/test_pyverbs_api.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from transportd import verbs
+from transportd.backends import verbs
 
 MODULES = ["device", "pd", "mr", "cq", "qp", "wr", "addr", "libibverbs_enums", "pyverbs_error",
            "providers.efa.efadv", "providers.efa.efa_enums"]

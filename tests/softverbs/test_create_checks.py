@@ -13,7 +13,7 @@ from softverbs import cq, device, pd, qp
 from softverbs import libibverbs_enums as e
 from softverbs.providers.efa import efa_enums, efadv
 from tests.conformance.resources import raises_errno
-from transportd import verbs
+from transportd.backends import verbs
 
 
 @pytest.fixture

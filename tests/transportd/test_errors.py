@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from transportd.curve import generate_keypair, load_public_key, load_secret_keypair
+from transportd.control.curve import generate_keypair, load_public_key, load_secret_keypair
 from transportd.errors import (
     ConfigError,
     DaemonTimeoutError,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from transportd.backends.null import NullBackend
-from transportd.config import load_config
+from transportd.daemon.config import load_config
+from transportd.dataplane.proxy import Proxy
 from transportd.errors import ConfigError
 from transportd.limits import MAX_BATCH, MAX_INFLIGHT_CAP, MIN_BATCH, MIN_INFLIGHT_CAP
-from transportd.proxy import Proxy
 
 
 @pytest.mark.parametrize(("key", "good", "bad"), [

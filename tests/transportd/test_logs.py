@@ -22,8 +22,8 @@ def restore_root_logger():
 
 def test_json_lines_parse_and_name_the_worker(capsys) -> None:
     setup_logging("info", "json", tag="rail1")
-    logging.getLogger("transportd.rail").warning("queue %s is %d deep", "a", 7)
-    logging.getLogger("transportd.rail").debug("not shown at info")
+    logging.getLogger("transportd.dataplane.worker").warning("queue %s is %d deep", "a", 7)
+    logging.getLogger("transportd.dataplane.worker").debug("not shown at info")
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1
     event = json.loads(lines[0])

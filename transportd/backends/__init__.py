@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from transportd.backend import Backend
+from transportd.backends.interface import Backend
 
 __all__ = ["BACKENDS", "DEVICE_KINDS", "open_backend"]
 
@@ -22,7 +22,7 @@ BACKENDS: dict[str, str] = {
 
 # The kind of NIC each backend drives ("ib": an RC HCA, "efa": an SRD device). Where the verbs provider is
 # softverbs, a rail naming a device that does not exist yet gets a soft device of this kind
-# (``transportd.verbs.configure_soft``'s ``devices``); pyverbs ignores it.
+# (``transportd.backends.verbs.configure_soft``'s ``devices``); pyverbs ignores it.
 DEVICE_KINDS: dict[str, str] = {"ib": "ib", "soft": "ib", "efa": "efa"}
 
 

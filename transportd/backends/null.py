@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from transportd.backend import COMPLETION_DTYPE, FlagPublisher, MemoryKey, PlanOp, SignalOp
-from transportd.batching import concat_rows
+from transportd.backends.interface import COMPLETION_DTYPE, FlagPublisher, MemoryKey, PlanOp, SignalOp
+from transportd.dataplane.batching import concat_rows
 
 __all__ = ["NullBackend", "apply_plans"]
 

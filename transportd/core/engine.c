@@ -1,7 +1,7 @@
 /*
  * transportd._core: the proxy's data path in C (DESIGN.md section 9: no Python on any record).
  *
- * One Engine per rail worker runs the whole iteration of transportd.proxy.Proxy with the GIL released:
+ * One Engine per rail worker runs the whole iteration of transportd.dataplane.proxy.Proxy with the GIL released:
  *
  *   take      from every channel's ring, the records that are committed (header-last, lap-stamped seq),
  *             as many as the connections its job feeds can still accept (inflight cap: backpressure
@@ -13,7 +13,7 @@
  *   progress  take the backend's completions in one call, retire tokens, publish each channel's
  *             completion position, REMOTE_ACCESS / TRANSPORT into error words.
  *
- * The control plane stays in Python (transportd/proxy.py): it owns the region and peer tables (numpy
+ * The control plane stays in Python (transportd/dataplane/proxy.py): it owns the region and peer tables (numpy
  * arrays in translate.py's layout) and hands the engine views of them between iterations; the engine
  * holds a buffer reference to every array it reads, so a table replaced in Python stays alive until the
  * engine is given its successor. The backend is reached through its C poster (poster.h: ib and efa post
@@ -23,7 +23,7 @@
  * Why C and not Cython: the core builds with only a C compiler on a fresh machine (no Cython at build
  * time), and the same validation header compiles into the fuzzer and the sanitizer build unchanged.
  *
- * Exactness: transportd/proxy_model.py is the same loop in numpy. tests/transportd/test_core_differential.py
+ * Exactness: transportd_cli/proxy_model.py is the same loop in numpy. tests/transportd/dataplane/test_core_differential.py
  * feeds both the same random records, tables and knobs and requires the same codes, the same rows in the
  * same order per connection and the same completion positions; so the comments here do not repeat the
  * rules, they point at where each one is decided.
@@ -1445,7 +1445,7 @@ static PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transportd._core.Engine",
     .tp_basicsize = sizeof(Engine),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The proxy's data path: rings in, batches to a backend, completions back (see transportd.proxy).",
+    .tp_doc = "The proxy's data path: rings in, batches to a backend, completions back (see transportd.dataplane.proxy).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Engine_init,
     .tp_dealloc = (destructor)Engine_dealloc,

@@ -17,7 +17,7 @@
 
 #define TPD_POSTER_CAPSULE "transportd._core.poster"
 
-/* One completed token; byte for byte transportd.backend.COMPLETION_DTYPE. */
+/* One completed token; byte for byte transportd.backends.interface.COMPLETION_DTYPE. */
 typedef struct tpd_completion {
     uint64_t token;
     uint32_t status;

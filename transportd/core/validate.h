@@ -18,7 +18,7 @@
  * Rows: PUT -> WRITE; PUT_SIGNAL -> WRITE, SIGNAL; SIGNAL -> SIGNAL; FENCE -> FENCE; QUIET -> none.
  * A signal's address is `flag base + 8 * slot` and its length 8. Addresses wrap modulo 2^64.
  *
- * Tables follow transportd/translate.py's layout (the control plane fills them): every table has one
+ * Tables follow transportd/dataplane/translate.py's layout (the control plane fills them): every table has one
  * entry past its last id, a sentinel that is never valid, and ids out of range resolve onto it.
  */
 #ifndef TRANSPORTD_CORE_VALIDATE_H
@@ -46,7 +46,7 @@ enum tpd_error_code {
 enum tpd_plan_op { TPD_PLAN_WRITE = 1, TPD_PLAN_SIGNAL = 2, TPD_PLAN_FENCE = 3 };
 enum tpd_signal_op { TPD_SIGNAL_ADD = 0, TPD_SIGNAL_SET = 1 };
 
-/* One plan row; byte for byte transportd.backend.PLAN_DTYPE (a test compares the two). */
+/* One plan row; byte for byte transportd.backends.interface.PLAN_DTYPE (a test compares the two). */
 typedef struct tpd_plan_row {
     uint8_t op;
     uint8_t signal_op;

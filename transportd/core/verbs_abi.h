@@ -8,7 +8,7 @@
  * those pointers. So posting and polling need the struct layouts and a few constants, nothing linked.
  *
  * Only the members the core touches need to be right, but every member before them must have its size
- * and alignment, so the whole prefix is declared. tests/transportd/test_verbs_abi.py compiles a probe
+ * and alignment, so the whole prefix is declared. tests/transportd/core/test_verbs_abi.py compiles a probe
  * against the real rdma-core 59 headers and checks every offset and size below against
  * transportd._core.abi_layout(), which reports them as this header lays them out.
  *

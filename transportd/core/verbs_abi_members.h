@@ -1,7 +1,7 @@
 /*
  * The members, sizes and constants of the libibverbs ABI the core relies on, as X-macro lists. Kept apart
  * from verbs_abi.h (which declares the structs) so the layout probe can expand the same lists against the
- * real <infiniband/verbs.h> (tests/transportd/verbs_abi_probe.c) and the extension against ours.
+ * real <infiniband/verbs.h> (tests/transportd/core/verbs_abi_probe.c) and the extension against ours.
  */
 #ifndef TRANSPORTD_CORE_VERBS_ABI_MEMBERS_H
 #define TRANSPORTD_CORE_VERBS_ABI_MEMBERS_H

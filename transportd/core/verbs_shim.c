@@ -4,7 +4,7 @@
  * provider) unchanged, with one Python call per pass each way (transportd._core.ShimQP / ShimCQ).
  *
  * ShimQP: wr_start() opens a session; every wr_<op>() appends one record (SHIM_WR below, the dtype
- * transportd.verbs_shim.SHIM_WR_DTYPE) carrying wr_id and wr_flags as they were at that call; the
+ * transportd.backends.verbs_shim.SHIM_WR_DTYPE) carrying wr_id and wr_flags as they were at that call; the
  * wr_set_*() calls fill the current record (inline data copied at the call, as providers copy it into the
  * WQE); wr_complete() hands the whole array to the Python `post` callable in ONE call and returns its
  * errno (all or nothing, as the session semantics of ibv_wr_complete(3)); wr_abort() drops it. A setter
@@ -33,7 +33,7 @@ enum { WR_RDMA_WRITE = 0, WR_RDMA_WRITE_WITH_IMM = 1, WR_SEND = 2, WR_SEND_WITH_
 enum { SET_SGE = 1, SET_INLINE = 2, SET_UD = 4, SET_SGE_LIST = 8 };
 #define SHIM_INLINE_MAX 32
 
-/* One collected WR; byte for byte transportd.verbs_shim.SHIM_WR_DTYPE (a test compares them). */
+/* One collected WR; byte for byte transportd.backends.verbs_shim.SHIM_WR_DTYPE (a test compares them). */
 typedef struct {
     uint64_t wr_id;
     uint64_t raddr;
@@ -52,7 +52,7 @@ typedef struct {
 } ShimWr;
 _Static_assert(sizeof(ShimWr) == 96, "ShimWr layout");
 
-/* One completion as the poll callable returns it; byte for byte transportd.verbs_util.WC_DTYPE. */
+/* One completion as the poll callable returns it; byte for byte transportd.backends.verbs_common.WC_DTYPE. */
 typedef struct {
     uint64_t wr_id;
     uint32_t status, opcode, vendor_err, imm, byte_len, qp_num, wc_flags;

@@ -1,0 +1,65 @@
+"""Smoke runs of `transportd bench proxy` / `bench signals` pieces at tiny sizes (no timings asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cmd_ring.record import Opcode
+from transportd_cli import bench_proxy
+from transportd_cli.cli import main
+
+
+def test_signal_stream_is_put_signals_with_fences() -> None:
+    recs = bench_proxy.signal_records(16, dests=4, slots=2, fence_every=8)
+    assert (recs["opcode"] == Opcode.FENCE).sum() == 2 and recs["opcode"][7] == Opcode.FENCE
+    assert set(recs["peer"].tolist()) == {1, 2, 3, 4} and set(recs["signal_slot"].tolist()) == {0, 1}
+
+
+def test_signals_benchmark_shows_the_reduction_and_equal_flags(tmp_path) -> None:
+    out = tmp_path / "signals.json"
+    result = CliRunner().invoke(main, ["bench", "signals", "--records", "2048", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["flags_match"] is True
+    assert s["decoupled_signals_per_dest_batch"] == 1.0 < s["naive_signals_per_dest_batch"]
+    assert s["proxy_stalls"] == 0
+    assert "signals_per_dest_batch" in result.output
+
+
+@pytest.mark.parametrize("engine", bench_proxy.ENGINES)
+def test_proxy_drain_and_live_parts_run(engine: str) -> None:
+    opts = dict(batch_max=8, poll_window_us=0, inflight_cap=256)
+    drain = bench_proxy._drain(1024, 1, peers=4, channels=2, opts=opts, engine=engine)
+    assert drain["records_per_s"] > 0 and sum(drain["batch_hist"]) == 2 * 1024 // 8
+    live = bench_proxy._live(2000, 256, peers=4, max_batch=16, interval_ns=0, opts=opts, engine=engine)
+    assert live["records"] == 2000 and np.isfinite(live["p99_us"])
+
+
+@pytest.mark.parametrize("engine", ["core", "model"])
+def test_pingpong_posts_every_record_once(engine: str) -> None:
+    """The compiled producer's one-record-at-a-time run: every chunk posted once, latencies finite."""
+    pp = bench_proxy._live(300, 64, peers=3, max_batch=1, interval_ns=0, opts=dict(poll_window_us=0),
+                           engine=engine, pingpong=True)
+    assert pp["records"] == 300 and pp["batch_hist"][0] == 300 and 0 < pp["p50_us"] <= pp["p99_us"]
+
+
+def test_bench_group_lists_both_commands() -> None:
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert "proxy" in result.output and "signals" in result.output
+
+
+def test_idle_part_posts_each_record_after_its_silence() -> None:
+    """The rail worker's own loop, idle between records: every record posted once, the CPU share measured."""
+    idle = bench_proxy._idle(2, 0.2, peers=3, opts=dict(poll_window_us=0))
+    assert idle["records"] == 2 and len(idle["first_record_us"]) == 2
+    assert 0 < idle["cpu_fraction"] < 1.05 and all(x > 0 for x in idle["first_record_us"])
+
+
+def test_a_negative_idle_nap_is_refused_before_anything_runs() -> None:
+    result = CliRunner().invoke(main, ["bench", "proxy", "--idle-nap-us", "-1"])
+    assert result.exit_code == 2 and "--idle-nap-us" in result.output and "x>=0" in result.output

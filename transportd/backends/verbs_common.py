@@ -1,0 +1,351 @@
+"""Verbs plumbing both RDMA backends share: a rail's resources, memory registration, CQ draining.
+
+Everything here goes through the namespace :func:`transportd.backends.verbs.load` returns (pyverbs or softverbs,
+same names), never through a provider directly. Shapes follow rdma-core's tests: a resources object with
+``create_*`` hooks that subclasses override (:class:`Rail`), parents close their children, every object is
+a context manager.
+
+CQ draining: pyverbs' ``CQ.poll(n)`` calls ``ibv_poll_cq`` once per completion and builds a ``WC`` each
+time; an extended CQ (``CQEX``, ``start_poll``/``poll_next``/``end_poll``) reads fields in place and is
+the faster path, so :class:`Rail` makes one when the device allows and falls back to a plain CQ. Either
+way :meth:`CqDrain.poll` returns one numpy array (:data:`WC_DTYPE`) so backends never see the difference.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from transportd.backends.interface import COMPLETION_DTYPE
+from transportd.errors import TransportdError
+
+__all__ = [
+    "WC_DTYPE",
+    "BackendError",
+    "CqDrain",
+    "DeviceNotFoundError",
+    "Rail",
+    "SendQueueFullError",
+    "VerbsError",
+    "access_flags",
+    "completions",
+    "load_verbs",
+    "translate_verbs_errors",
+]
+
+# One polled work completion. ``imm`` is in host order (the verbs calls hand it over big-endian).
+WC_DTYPE = np.dtype(
+    [
+        ("wr_id", "<u8"),
+        ("status", "<u4"),
+        ("opcode", "<u4"),
+        ("vendor_err", "<u4"),
+        ("imm", "<u4"),
+        ("byte_len", "<u4"),
+        ("qp_num", "<u4"),
+        ("wc_flags", "<u4"),
+        ("unsolicited", "u1"),
+    ],
+    align=True,
+)
+
+
+class BackendError(TransportdError):
+    """A backend could not do what was asked; the message says what to change."""
+
+
+class DeviceNotFoundError(BackendError):
+    """The configured RDMA device does not exist (or no device exists at all)."""
+
+
+class VerbsError(BackendError):
+    """A verbs call failed; ``errno`` is what the provider returned (-1 if it gave none)."""
+
+    def __init__(self, message: str, errno_: int = -1) -> None:
+        self.errno = errno_
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return (type(self), (str(self), self.errno))
+
+
+class SendQueueFullError(BackendError):
+    """``post`` would overrun the connection's send queue; nothing was posted. Poll, then post again.
+
+    The proxy's inflight cap normally keeps this from happening; it is the backstop that keeps a bug from
+    becoming a provider error in the middle of a batch.
+    """
+
+
+def load_verbs(verbs: Any = None) -> types.SimpleNamespace | Any:
+    """The verbs namespace: ``verbs`` itself if it already is one, else ``transportd.backends.verbs.load(verbs)``.
+
+    ``verbs`` may be a provider name (``"auto"``, ``"soft"``, ``"pyverbs"``), None (the default provider),
+    or an already loaded namespace (tests pass one to share it between rails).
+    """
+    if verbs is not None and not isinstance(verbs, str):
+        return verbs
+    from transportd.backends import verbs as verbs_mod
+
+    return verbs_mod.load(None if verbs in (None, "auto") else verbs)
+
+
+@contextmanager
+def translate_verbs_errors(what: str, v: Any) -> Iterator[None]:
+    """Re-raise the provider's exceptions as :class:`VerbsError` with ``what`` in front."""
+    err = v.pyverbs_error
+    try:
+        yield
+    except err.PyverbsRDMAError as exc:
+        raise VerbsError(f"{what}: {exc}", getattr(exc, "error_code", -1)) from exc
+    except err.PyverbsError as exc:
+        raise VerbsError(f"{what}: {exc}") from exc
+
+
+def access_flags(v: Any, *, remote_write: bool = False, remote_read: bool = False, remote_atomic: bool = False,
+                 relaxed_ordering: bool = False) -> int:
+    """ibv_access_flags for a region; local write is always on (the NIC writes atomics' old values and
+    read responses into local memory, and verbs refuses remote write/atomic without it)."""
+    e = v.libibverbs_enums
+    flags = e.ibv_access_flags.IBV_ACCESS_LOCAL_WRITE
+    if remote_write:
+        flags |= e.ibv_access_flags.IBV_ACCESS_REMOTE_WRITE
+    if remote_read:
+        flags |= e.ibv_access_flags.IBV_ACCESS_REMOTE_READ
+    if remote_atomic:
+        flags |= e.ibv_access_flags.IBV_ACCESS_REMOTE_ATOMIC
+    if relaxed_ordering:
+        flags |= e.ibv_access_flags.IBV_ACCESS_RELAXED_ORDERING
+    return int(flags)
+
+
+def completions(tokens: list[tuple[int, int, int]]) -> np.ndarray:
+    """COMPLETION_DTYPE array from (token, status, vendor_err) tuples."""
+    out = np.zeros(len(tokens), dtype=COMPLETION_DTYPE)
+    if tokens:
+        out["token"], out["status"], out["vendor_err"] = zip(*tokens, strict=True)
+    return out
+
+
+class CqDrain:
+    """Drains one CQ (CQEX or CQ) into WC_DTYPE arrays."""
+
+    def __init__(self, cq: Any, *, extended: bool, unsolicited: bool = False) -> None:
+        self.cq = cq
+        self.extended = extended
+        self.unsolicited = unsolicited  # the CQ can say whether a write-with-imm consumed a receive WR
+        self._buf = np.zeros(256, dtype=WC_DTYPE)
+
+    def poll(self, max_entries: int) -> np.ndarray:
+        """Up to ``max_entries`` completions, oldest first (a view valid until the next call)."""
+        if max_entries > len(self._buf):
+            self._buf = np.zeros(max_entries, dtype=WC_DTYPE)
+        n = self._poll_ex(max_entries) if self.extended else self._poll_plain(max_entries)
+        return self._buf[:n]
+
+    def _poll_ex(self, max_entries: int) -> int:
+        cq = self.cq
+        rc = cq.start_poll(None)
+        if rc == errno.ENOENT:
+            return 0
+        if rc != 0:
+            raise VerbsError("ibv_start_poll failed", rc)
+        buf = self._buf
+        n = 0
+        ntohl = socket.ntohl
+        try:
+            while True:
+                row = buf[n]
+                status = cq.status
+                row["wr_id"] = cq.wr_id
+                row["status"] = status
+                row["vendor_err"] = cq.read_vendor_err()
+                if status == 0:
+                    row["opcode"] = cq.read_opcode()
+                    row["byte_len"] = cq.read_byte_len()
+                    row["qp_num"] = cq.read_qp_num()
+                    flags = cq.read_wc_flags()
+                    row["wc_flags"] = flags
+                    row["imm"] = ntohl(cq.read_imm_data()) if flags & _WC_WITH_IMM else 0
+                    row["unsolicited"] = bool(cq.is_unsolicited()) if self.unsolicited else False
+                else:
+                    row["opcode"] = row["byte_len"] = row["wc_flags"] = row["imm"] = 0
+                    row["qp_num"] = cq.read_qp_num()
+                    row["unsolicited"] = False
+                n += 1
+                if n == max_entries:
+                    break
+                rc = cq.poll_next()
+                if rc == errno.ENOENT:
+                    break
+                if rc != 0:
+                    raise VerbsError("ibv_next_poll failed", rc)
+        finally:
+            cq.end_poll()
+        return n
+
+    def _poll_plain(self, max_entries: int) -> int:
+        npolled, wcs = self.cq.poll(max_entries)
+        buf = self._buf
+        ntohl = socket.ntohl
+        for i, wc in enumerate(wcs):
+            row = buf[i]
+            row["wr_id"] = wc.wr_id
+            row["status"] = wc.status
+            row["vendor_err"] = wc.vendor_err
+            row["qp_num"] = wc.qp_num
+            row["unsolicited"] = False
+            if wc.status == 0:
+                flags = wc.wc_flags
+                row["opcode"] = wc.opcode
+                row["byte_len"] = wc.byte_len
+                row["wc_flags"] = flags
+                row["imm"] = ntohl(wc.imm_data) if flags & _WC_WITH_IMM else 0
+            else:
+                row["opcode"] = row["byte_len"] = row["wc_flags"] = row["imm"] = 0
+        return npolled
+
+
+_WC_WITH_IMM = 1 << 1  # IBV_WC_WITH_IMM (checked against the enums at Rail construction)
+
+
+class Rail:
+    """One NIC port's verbs resources: context, PD, one CQ, and the MRs registered through it.
+
+    Subclasses override ``create_context`` / ``create_cq`` (the efa rail opens an ``EfaContext`` and an
+    ``EfaCQ``). ``close`` closes MRs, then the CQ, the PD and the context — children before parents, as
+    verbs requires; QPs belong to the backend, which closes them before calling ``close``.
+    """
+
+    def __init__(self, verbs: Any = None, device: str | None = None, *, port: int = 1, gid_index: int = 0,
+                 cq_depth: int = 4096) -> None:
+        self.v = load_verbs(verbs)
+        if int(self.v.libibverbs_enums.ibv_wc_flags.IBV_WC_WITH_IMM) != _WC_WITH_IMM:
+            raise BackendError("IBV_WC_WITH_IMM differs from the value this module assumes")
+        self.port = port
+        self.gid_index = gid_index
+        self.ctx: Any = None
+        self.pd: Any = None
+        self.cq: Any = None
+        self.mrs: dict[tuple[int, int], Any] = {}
+        try:
+            self.device_name = self.find_device(device)
+            with translate_verbs_errors(f"opening {self.device_name}", self.v):
+                self.create_context()
+                self.device_attr = self.ctx.query_device()
+                self.port_attr = self.ctx.query_port(port)
+                self.gid = self.ctx.query_gid(port, gid_index)
+                self.create_pd()
+                depth = min(cq_depth, int(self.device_attr.max_cqe))
+                self.create_cq(depth)
+                self.cq_depth = depth
+        except BaseException:
+            self.close()
+            raise
+
+    # --- hooks ---------------------------------------------------------------------------------------
+    # ibv_node_type values this rail can drive: a ConnectX (or any IB/RoCE HCA) is IBV_NODE_CA; the efa
+    # rail overrides this (EFA devices report IBV_NODE_UNSPECIFIED)
+    NODE_TYPES: tuple[str, ...] = ("IBV_NODE_CA",)
+    KIND = "an InfiniBand/RoCE HCA"
+
+    def find_device(self, device: str | None) -> str:
+        """``device`` if it exists and is of a usable type; without a name, the first usable device."""
+        v = self.v
+        try:
+            found = [(_text(d.name), int(d.node_type)) for d in v.device.get_device_list()]
+        except v.pyverbs_error.PyverbsError as exc:
+            found = []
+            reason = str(exc)
+        else:
+            reason = "no RDMA devices found"
+        if not found:
+            raise DeviceNotFoundError(f"no RDMA device to open ({reason})")
+        nodes = v.libibverbs_enums.ibv_node_type
+        usable = {int(getattr(nodes, name)) for name in self.NODE_TYPES}
+        names = [name for name, _ in found]
+        if device:
+            if device not in names:
+                raise DeviceNotFoundError(f"RDMA device {device!r} not found; present: {', '.join(names)}")
+            if dict(found)[device] not in usable:
+                raise DeviceNotFoundError(f"RDMA device {device!r} is not {self.KIND}")
+            return device
+        for name, node in found:
+            if node in usable:
+                return name
+        raise DeviceNotFoundError(f"none of the RDMA devices ({', '.join(names)}) is {self.KIND}")
+
+    def create_context(self) -> None:
+        self.ctx = self.v.device.Context(name=self.device_name)
+
+    def create_pd(self) -> None:
+        self.pd = self.v.pd.PD(self.ctx)
+
+    def create_cq(self, depth: int) -> None:
+        """A CQEX with the fields the backends read, else a plain CQ."""
+        cqm = self.v.cq
+        wcf = self.v.libibverbs_enums.ibv_create_cq_wc_flags
+        flags = (wcf.IBV_WC_EX_WITH_BYTE_LEN | wcf.IBV_WC_EX_WITH_IMM | wcf.IBV_WC_EX_WITH_QP_NUM)
+        try:
+            self.cq = cqm.CQEX(self.ctx, cqm.CqInitAttrEx(cqe=depth, wc_flags=int(flags)))
+            self.drain = CqDrain(self.cq, extended=True)
+        except (self.v.pyverbs_error.PyverbsError, AttributeError, NotImplementedError):
+            self.cq = cqm.CQ(self.ctx, depth)
+            self.drain = CqDrain(self.cq, extended=False)
+
+    # --- memory --------------------------------------------------------------------------------------
+    def register(self, addr: int, length: int, access: int, accessor: Any = None) -> Any:
+        """Register [addr, addr+length) with ``access`` (see :func:`access_flags`); the MR stays owned here.
+
+        ``accessor`` reaches memory the CPU cannot address (GPU memory under softverbs, which takes it as
+        ``soft_accessor``); pyverbs ignores the keyword — a real NIC reaches GPU memory by itself.
+        """
+        extra = {} if accessor is None else {"soft_accessor": accessor}
+        with translate_verbs_errors(f"registering {length} bytes at {addr:#x}", self.v):
+            mr = self.v.mr.MR(self.pd, length, access, address=addr, **extra)
+        self.mrs[(addr, int(mr.lkey))] = mr
+        return mr
+
+    def deregister(self, addr: int, lkey: int) -> None:
+        mr = self.mrs.pop((addr, lkey), None)
+        if mr is not None:
+            mr.close()
+
+    def sibling(self, cq_depth: int) -> Rail:
+        """A rail on this context and PD with a CQ of its own: another queue's completions kept apart from
+        this rail's, its WQEs able to use this rail's lkeys. Closing it closes only its CQ and its MRs."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update({k: getattr(self, k) for k in ("v", "port", "gid_index", "device_name", "ctx", "pd",
+                                                             "device_attr", "port_attr", "gid")})
+        twin.mrs, twin.cq, twin.parent = {}, None, self
+        twin.cq_depth = min(cq_depth, int(self.device_attr.max_cqe))
+        with translate_verbs_errors(f"creating a CQ on {self.device_name}", self.v):
+            twin.create_cq(twin.cq_depth)
+        return twin
+
+    # --- lifetime ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        for mr in self.mrs.values():
+            mr.close()
+        self.mrs.clear()
+        for name in ("cq",) if getattr(self, "parent", None) is not None else ("cq", "pd", "ctx"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                obj.close()
+                setattr(self, name, None)
+
+    def __enter__(self) -> Rail:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _text(name: Any) -> str:
+    return name.decode() if isinstance(name, bytes | bytearray) else str(name)

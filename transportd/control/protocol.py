@@ -1,0 +1,1054 @@
+"""The control and peer protocols, with no I/O (the zmq shells live in ``control.py`` / ``connection.py``).
+
+A message on the wire is a msgpack map ``{"v": V, "op": <name>, <field>: <value>, ...}``. Each op is a
+frozen dataclass here, validated on construction: types (lists become tuples, nested maps become records),
+ranges, name charsets. Building a bad message raises :class:`LocalProtocolError`; :func:`parse_request` and
+:func:`parse_peer_message`, the receive boundary, turn the same failure into :class:`RemoteProtocolError`
+naming the field. Replies are ``{"v": V, "ok": true, ...}`` or ``{"v": V, "ok": false, "code", "message"}``.
+
+Local clients (one session per client socket) speak ``hello`` → ``join`` → ``register`` / ``flags`` /
+``channel`` / ``exchange`` … → ``leave``; :data:`TRANSITIONS` is the whole state machine, used by the
+client before sending and by the server before dispatching. Peer daemons speak the ``peer_*`` ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from typing import Any, ClassVar, Literal
+
+from transportd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, RequestError
+
+__all__ = [
+    "CUDA_IPC_HANDLE_BYTES",
+    "MAX_FD_ID",
+    "MAX_FLAGS",
+    "MAX_NAME_LEN",
+    "MAX_OPAQUE_KEYS",
+    "MAX_RAILS",
+    "MAX_REGIONS",
+    "MAX_REGION_BYTES",
+    "MAX_WORLD",
+    "MAX_CHANNEL_CAPACITY",
+    "MIN_CHANNEL_CAPACITY",
+    "REQUESTS",
+    "SIDE_MESSAGES",
+    "PEER_MESSAGES",
+    "TRANSITIONS",
+    "TOKEN_BYTES",
+    "V",
+    "Channel",
+    "ChannelInfo",
+    "Exchange",
+    "Flags",
+    "Heartbeat",
+    "Hello",
+    "Inspect",
+    "Join",
+    "Leave",
+    "Message",
+    "PassFd",
+    "PeerBye",
+    "PeerConnect",
+    "PeerConnectAccept",
+    "PeerConnectRequest",
+    "PeerDisconnect",
+    "PeerHeartbeat",
+    "PeerHello",
+    "PeerJobLost",
+    "PeerMessage",
+    "PeerRankLeft",
+    "PeerRegions",
+    "PeerSelftest",
+    "PeerSelftestReport",
+    "RailQP",
+    "Record",
+    "RegionInfo",
+    "Register",
+    "Selftest",
+    "ReplyCode",
+    "Request",
+    "Session",
+    "SessionState",
+    "SideMessage",
+    "Stats",
+    "TakeFd",
+    "Vouch",
+    "error",
+    "error_reply_for",
+    "next_state",
+    "ok",
+    "parse_peer_message",
+    "parse_reply",
+    "parse_request",
+    "parse_side_message",
+]
+
+#: Protocol version carried in every message as ``v``; a mismatch is refused, never guessed at.
+V = 1
+
+MAX_NAME_LEN = 64  #: job and client names
+MAX_NODE_LEN = 253  #: node names (a DNS name fits)
+MAX_WORLD = 1 << 20  #: ranks in one job
+MAX_DEVICE = 63  #: highest local GPU index; -1 means a CPU-only client
+MAX_REGION_BYTES = 1 << 40  #: one registration (1 TiB)
+MAX_FLAGS = 1 << 20  #: flag words in one flags array
+MIN_CHANNEL_CAPACITY = 8  #: command-ring slots, a power of two
+MAX_CHANNEL_CAPACITY = 1 << 20
+MIN_IBGDA_WQES = 8  #: send-queue WQEBBs of an IBGDA queue pair, a power of two
+MAX_IBGDA_WQES = 1 << 15
+MAX_RAILS = 16  #: NICs per node
+MAX_REGIONS = 1 << 16  #: regions announced by one rank
+CUDA_IPC_HANDLE_BYTES = 64  #: sizeof(CUipcMemHandle)
+MAX_FD_ID = (1 << 31) - 1  #: ids of descriptors passed on the descriptor socket
+TOKEN_BYTES = 16  #: the one-time token of a hello, presented on the descriptor socket
+MAX_OPAQUE_KEYS = 64  #: keys in a backend-defined map (an endpoint description)
+_U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+_U24 = (1 << 24) - 1
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_ACCESS = ("read", "write", "atomic")
+
+
+class ReplyCode(StrEnum):
+    """Stable ``code`` strings in error replies; clients branch on these, never on the message text."""
+
+    BAD_MESSAGE = "bad_message"  #: not msgpack, not a map, bad envelope
+    TOO_LARGE = "too_large"  #: above control.max_message_bytes
+    BAD_VERSION = "bad_version"  #: ``v`` is not :data:`V`
+    UNKNOWN_OP = "unknown_op"  #: ``op`` names no request
+    BAD_FIELD = "bad_field"  #: a field is missing, extra, of the wrong type or out of range
+    BAD_STATE = "bad_state"  #: the op is not allowed in the session's state (e.g. register before join)
+    NO_SESSION = "no_session"  #: the daemon has no session for this client (it restarted, or reclaimed it)
+    INVALID = "invalid"  #: well-formed but refused (a handle that does not open, a duplicate rank, ...)
+    NOT_FOUND = "not_found"  #: names something that does not exist (a region id, a job)
+    LIMIT = "limit"  #: a resource limit was reached (memlock, rings, regions)
+    TIMEOUT = "timeout"  #: the daemon gave up waiting for something on the client's behalf (exchange)
+    UNSUPPORTED = "unsupported"  #: the daemon does not implement this op (or not with this backend)
+    FORBIDDEN = "forbidden"  #: the caller's identity may not do this (another uid's job, outside control.group)
+    NO_IDENTITY = "no_identity"  #: over ipc, the session has not vouched for itself on the descriptor socket
+    INTERNAL = "internal"  #: a fault inside the daemon; details are in its log
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Field validation: one converter per type hint, shared by every message.
+
+
+def _field_error(ctx: str, field: str, problem: str, code: str = ReplyCode.BAD_FIELD) -> LocalProtocolError:
+    err = LocalProtocolError(f"{ctx}: field '{field}': {problem}", code=code, field=field)
+    err.problem = problem  # type: ignore[attr-defined]  # kept so nested records can re-prefix the path
+    return err
+
+
+_TYPE_NAMES = {int: "integer", float: "number", bool: "bool", str: "string", bytes: "bytes"}
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "nil"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, list | tuple):
+        return "array"
+    if isinstance(value, dict):
+        return "map"
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _convert(hint: Any, value: object, ctx: str, where: str) -> object:
+    """Check ``value`` against ``hint``; normalise lists to tuples and maps to records."""
+    origin = typing.get_origin(hint)
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise _field_error(ctx, where, f"must be finite, got {value}")
+            return float(value)
+    elif hint is bool or hint is str:
+        if isinstance(value, hint):
+            return value
+    elif hint is bytes:
+        if isinstance(value, bytes | bytearray | memoryview):
+            return bytes(value)
+    elif origin is Literal:
+        allowed = typing.get_args(hint)
+        if isinstance(value, str) and value in allowed:
+            return value
+        raise _field_error(ctx, where, f"must be one of {', '.join(map(repr, allowed))}, got {value!r:.40}")
+    elif origin is tuple:
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        if isinstance(value, list | tuple):
+            return tuple(_convert(item_hint, item, ctx, f"{where}[{i}]") for i, item in enumerate(value))
+        raise _field_error(ctx, where, f"expected array, got {_type_name(value)}")
+    elif origin is dict:  # an opaque map (a backend's endpoint description): string keys, wire values
+        if not isinstance(value, dict):
+            raise _field_error(ctx, where, f"expected map, got {_type_name(value)}")
+        if len(value) > MAX_OPAQUE_KEYS:
+            raise _field_error(ctx, where, f"at most {MAX_OPAQUE_KEYS} keys, got {len(value)}")
+        for key in value:
+            if not isinstance(key, str):
+                raise _field_error(ctx, where, f"map key {key!r:.40} is not a string")
+        return dict(value)
+    elif origin is types.UnionType:
+        options = typing.get_args(hint)
+        for option in options:
+            if option is bytes and isinstance(value, bytes | bytearray | memoryview):
+                return bytes(value)
+            if isinstance(value, option) and not (option is int and isinstance(value, bool)):
+                return value
+        names = " or ".join(_TYPE_NAMES.get(o, o.__name__) for o in options)
+        raise _field_error(ctx, where, f"expected {names}, got {_type_name(value)}")
+    elif isinstance(hint, type) and issubclass(hint, Record):
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, dict):
+            try:
+                return hint._from_fields(value, ctx)
+            except LocalProtocolError as exc:
+                inner = exc.field or "?"
+                raise _field_error(ctx, f"{where}.{inner}", getattr(exc, "problem", str(exc))) from None
+        raise _field_error(ctx, where, f"expected map, got {_type_name(value)}")
+    else:  # pragma: no cover - a message class used a hint this module does not know
+        raise TypeError(f"unsupported field type {hint!r}")
+    raise _field_error(ctx, where, f"expected {_TYPE_NAMES.get(hint, str(hint))}, got {_type_name(value)}")
+
+
+def _to_wire(value: object) -> object:
+    if isinstance(value, Record):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class Record:
+    """Base of every validated, immutable protocol value (messages and the records nested in them)."""
+
+    _hints: ClassVar[dict[str, Any]]
+    _context: ClassVar[str] = "record"
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        hints = cls.__dict__.get("_hints")
+        if hints is None:
+            hints = typing.get_type_hints(cls)
+            hints = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+            cls._hints = hints
+        for name, hint in hints.items():
+            object.__setattr__(self, name, _convert(hint, getattr(self, name), self._context, name))
+        self._check()
+
+    def _check(self) -> None:
+        """Range and cross-field checks; raise via :meth:`_fail`."""
+
+    def _fail(self, field: str, problem: str) -> typing.NoReturn:
+        raise _field_error(self._context, field, problem)
+
+    def _range(self, field: str, lo: int | float, hi: int | float) -> None:
+        value = getattr(self, field)
+        if not lo <= value <= hi:
+            self._fail(field, f"must be in [{lo}, {hi}], got {value}")
+
+    def _name(self, field: str, max_len: int = MAX_NAME_LEN, *, allow_empty: bool = False) -> None:
+        value = getattr(self, field)
+        if allow_empty and value == "":
+            return
+        if not 1 <= len(value) <= max_len:
+            self._fail(field, f"length must be 1..{max_len}, got {len(value)}")
+        if not _NAME_RE.fullmatch(value):
+            self._fail(field, f"{value!r:.40} may hold only letters, digits, '.', '_', '-' and must start "
+                              "with a letter or digit")
+
+    @classmethod
+    def _from_fields(cls, fields: dict[str, Any], ctx: str) -> Record:
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for key in fields:
+            if key not in known:
+                raise _field_error(ctx, key, "unknown field")
+        for name, f in known.items():
+            if name not in fields and f.default is dataclasses.MISSING:
+                raise _field_error(ctx, name, "missing")
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class Message(Record):
+    """A top-level message: a :class:`Record` with an ``op`` name and a wire form."""
+
+    op: ClassVar[str]
+
+    def to_msg(self) -> dict[str, Any]:
+        """The wire map for this message (``v``, ``op`` and every field; tuples as lists)."""
+        msg: dict[str, Any] = {"v": V, "op": self.op}
+        for f in dataclasses.fields(self):
+            msg[f.name] = _to_wire(getattr(self, f.name))
+        return msg
+
+
+def _message(registry: dict[str, type[Message]]):
+    def register(cls: type[Message]) -> type[Message]:
+        cls._context = cls.op
+        registry[cls.op] = cls
+        return cls
+
+    return register
+
+
+REQUESTS: dict[str, type[Message]] = {}
+PEER_MESSAGES: dict[str, type[Message]] = {}
+SIDE_MESSAGES: dict[str, type[Message]] = {}
+_request = _message(REQUESTS)
+_peer = _message(PEER_MESSAGES)
+_side = _message(SIDE_MESSAGES)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Local client → daemon requests.
+
+
+@dataclass(frozen=True)
+class Request(Message):
+    """Marker base of client → daemon requests (one subclass per op in :data:`REQUESTS`)."""
+
+
+@_request
+@dataclass(frozen=True)
+class Hello(Request):
+    """Open a session. The reply carries a one-time ``token`` (and, over ipc, the ``fd_socket`` path).
+
+    ``pid`` and ``pid_ns`` (the inode of ``/proc/self/ns/pid``) are what the client says about itself: kept
+    for logs, trusted for nothing. Over ipc the client presents the token on the descriptor socket
+    (:class:`Vouch`), where the kernel tells the daemon its uid, gid and pid (``SO_PEERCRED``): those are
+    the session's identity and the pid the daemon watches.
+    """
+
+    op: ClassVar[str] = "hello"
+    pid: int = 0
+    name: str = ""
+    pid_ns: int = 0
+
+    def _check(self) -> None:
+        self._range("pid", 0, (1 << 31) - 1)
+        self._name("name", allow_empty=True)
+        self._range("pid_ns", 0, _U64)
+
+
+@_request
+@dataclass(frozen=True)
+class Join(Request):
+    """Attach this session to rank ``rank`` of ``job`` (``world`` ranks) on local GPU ``device`` (-1: CPU)."""
+
+    op: ClassVar[str] = "join"
+    job: str
+    rank: int
+    world: int
+    device: int
+    rail: int = -1  #: -1: the rail of ``device``; else this rail (``transportctl selftest`` tests each one)
+
+    def _check(self) -> None:
+        self._name("job")
+        self._range("world", 1, MAX_WORLD)
+        self._range("rank", 0, self.world - 1)
+        self._range("device", -1, MAX_DEVICE)
+        self._range("rail", -1, MAX_RAILS - 1)
+
+
+@_request
+@dataclass(frozen=True)
+class Register(Request):
+    """Register memory for RDMA: by descriptor or handle, never by path (DESIGN section 5).
+
+    ``handle`` depends on ``kind``: ``host`` — the id the daemon gave a memfd this client passed on its
+    descriptor socket (:class:`PassFd`; ``gpuclient.host_array`` memory); ``cuda_ipc`` — the 64-byte
+    ``CUipcMemHandle`` of the allocation (``offset`` into it); ``dmabuf`` — the id of a dma-buf fd passed
+    the same way (``cuMemGetHandleForAddressRange``; registered with ``DmaBufMR``, remote addresses are then
+    offsets). A path is refused: the daemon maps only what the client itself could open and hand over.
+    ``address`` is the client's virtual address of the region, kept for reports. ``access`` lists what
+    remote peers may do: ``read``, ``write``, ``atomic``.
+    """
+
+    op: ClassVar[str] = "register"
+    kind: Literal["host", "cuda_ipc", "dmabuf"]
+    handle: bytes | int | str
+    size: int
+    offset: int = 0
+    address: int = 0
+    access: tuple[str, ...] = ("read", "write")
+
+    def _check(self) -> None:
+        if isinstance(self.handle, str):
+            self._fail("handle", "memory is registered by descriptor, never by path: pass the memory's fd on the "
+                                 "descriptor socket (op 'pass_fd') and register the id it returns "
+                                 "(gpuclient.host_array does this)")
+        if self.kind == "cuda_ipc":
+            if not isinstance(self.handle, bytes) or len(self.handle) != CUDA_IPC_HANDLE_BYTES:
+                self._fail("handle", f"cuda_ipc needs {CUDA_IPC_HANDLE_BYTES} bytes of CUipcMemHandle")
+        elif not isinstance(self.handle, int) or not 0 <= self.handle <= MAX_FD_ID:
+            self._fail("handle", f"{self.kind} needs the id of a descriptor passed on the descriptor socket "
+                                 f"(an integer in [0, {MAX_FD_ID}])")
+        self._range("size", 1, MAX_REGION_BYTES)
+        self._range("offset", 0, _U64 - self.size)
+        self._range("address", 0, _U64)
+        if not self.access:
+            self._fail("access", f"must list at least one of {', '.join(_ACCESS)}")
+        for i, item in enumerate(self.access):
+            if item not in _ACCESS:
+                self._fail(f"access[{i}]", f"must be one of {', '.join(_ACCESS)}, got {item!r:.40}")
+        if len(set(self.access)) != len(self.access):
+            self._fail("access", "lists an access twice")
+
+
+@_request
+@dataclass(frozen=True)
+class Flags(Request):
+    """Allocate ``count`` 64-bit flag words that peers signal, in GPU memory or host-mapped memory.
+
+    ``device`` flags are allocated by the GPU client: ``handle`` is the 64-byte ``CUipcMemHandle`` of that
+    allocation and ``offset`` the flags' place in it (the daemon publishes into them).
+    """
+
+    op: ClassVar[str] = "flags"
+    count: int
+    where: Literal["host", "device"] = "device"
+    handle: bytes = b""
+    offset: int = 0
+
+    def _check(self) -> None:
+        self._range("count", 1, MAX_FLAGS)
+        if self.handle and len(self.handle) != CUDA_IPC_HANDLE_BYTES:
+            self._fail("handle", f"device flags need {CUDA_IPC_HANDLE_BYTES} bytes of CUipcMemHandle")
+        if self.handle and self.where != "device":
+            self._fail("handle", "only device flags carry an IPC handle")
+        self._range("offset", 0, _U64)
+
+
+@_request
+@dataclass(frozen=True)
+class Exchange(Request):
+    """Share this rank's regions and flags with the job; the reply says whether every rank is known and
+    reachable yet (``complete``), so clients repeat it until then (``Session.exchange`` does)."""
+
+    op: ClassVar[str] = "exchange"
+
+
+@_request
+@dataclass(frozen=True)
+class Channel(Request):
+    """Open a channel for this session.
+
+    ``kind="ring"``: a command ring of ``capacity`` slots (a power of two; 0: the daemon's
+    ``proxy.ring_capacity``) and its error word, drained by the rail's proxy. ``kind="ibgda"``: one queue
+    pair per peer rank of ``capacity`` WQEs (a power of two, 8 .. 32768) that the GPU posts to itself; the
+    daemon connects them through the peer plane, so the reply says ``ready`` false and the client asks
+    :class:`ChannelInfo` until it is true.
+    """
+
+    op: ClassVar[str] = "channel"
+    capacity: int = 0
+    kind: Literal["ring", "ibgda"] = "ring"
+
+    def _check(self) -> None:
+        if self.kind == "ring" and self.capacity == 0:
+            return  # the daemon's default
+        if self.kind == "ibgda":
+            self._range("capacity", MIN_IBGDA_WQES, MAX_IBGDA_WQES)
+        else:
+            self._range("capacity", MIN_CHANNEL_CAPACITY, MAX_CHANNEL_CAPACITY)
+        if self.capacity & (self.capacity - 1):
+            self._fail("capacity", f"must be a power of two, got {self.capacity}")
+
+
+@_request
+@dataclass(frozen=True)
+class ChannelInfo(Request):
+    """The state of an IBGDA channel this session opened: ``ready``, then what a kernel's tables need."""
+
+    op: ClassVar[str] = "channel_info"
+    channel: int
+
+    def _check(self) -> None:
+        self._range("channel", 1, _U32)
+
+
+@_request
+@dataclass(frozen=True)
+class Stats(Request):
+    """Counters for this session (and the daemon, for ``transportctl``)."""
+
+    op: ClassVar[str] = "stats"
+
+
+@_request
+@dataclass(frozen=True)
+class Inspect(Request):
+    """Operator queries (``transportctl``), read-only: ``what`` is ``flags`` (one local rank's flag values)."""
+
+    op: ClassVar[str] = "inspect"
+    what: Literal["flags"]
+    job: str
+    rank: int
+
+    def _check(self) -> None:
+        self._name("job")
+        self._range("rank", 0, MAX_WORLD - 1)
+
+
+@_request
+@dataclass(frozen=True)
+class Selftest(Request):
+    """``transportctl selftest``: ``links`` lists this node's peers (and static peers never heard from) with
+    their rails; ``start`` has peer ``node`` host rank 1 of ``job`` (world 2) on ``rail`` itself, with no
+    user process there (``peer_selftest``); ``finish`` asks it for its observations and to leave;
+    ``status`` returns them once they came back (``report``), or why the far side failed (``error``)."""
+
+    op: ClassVar[str] = "selftest"
+    action: Literal["links", "start", "finish", "status"]
+    job: str = ""
+    node: str = ""
+    rail: int = 0
+    seed: int = 0
+
+    def _check(self) -> None:
+        if self.action != "links":
+            self._name("job")
+        if self.action == "start":
+            self._name("node", MAX_NODE_LEN)
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("seed", 0, _U64)
+
+
+@_request
+@dataclass(frozen=True)
+class Leave(Request):
+    """Leave the job: the daemon reclaims this session's rings, regions and flags."""
+
+    op: ClassVar[str] = "leave"
+
+
+@_request
+@dataclass(frozen=True)
+class Heartbeat(Request):
+    """Tell the daemon the client is alive while it has nothing else to say."""
+
+    op: ClassVar[str] = "heartbeat"
+    seq: int = 0
+
+    def _check(self) -> None:
+        self._range("seq", 0, _U64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The descriptor socket: a Unix socket next to the control socket (zmq cannot carry descriptors). Its
+# messages are msgpack maps like the control plane's, with at most one descriptor attached (SCM_RIGHTS);
+# the kernel vouches for the sender (SO_PEERCRED). The I/O lives in ``transportd.control.fdchannel``.
+
+
+@dataclass(frozen=True)
+class SideMessage(Message):
+    """Marker base of descriptor-socket messages (one subclass per op in :data:`SIDE_MESSAGES`)."""
+
+    #: descriptors the message carries (SCM_RIGHTS); any other number is refused
+    fds: ClassVar[int] = 0
+
+
+@_side
+@dataclass(frozen=True)
+class Vouch(SideMessage):
+    """Bind this descriptor connection to the control session whose hello returned ``token``.
+
+    The token is good once; the session's uid, gid and pid become the kernel's view of this connection,
+    and the session lasts no longer than the connection.
+    """
+
+    op: ClassVar[str] = "vouch"
+    token: bytes
+
+    def _check(self) -> None:
+        if len(self.token) != TOKEN_BYTES:
+            self._fail("token", f"must be {TOKEN_BYTES} bytes (from the hello reply), got {len(self.token)}")
+
+
+@_side
+@dataclass(frozen=True)
+class PassFd(SideMessage):
+    """Hand the daemon one descriptor (attached): ``memfd`` host memory, or a ``dmabuf`` of GPU memory.
+
+    The reply's ``fd`` is the id a later ``register`` names as its ``handle``. Descriptors not registered
+    stay with the session (bounded) until it ends.
+    """
+
+    op: ClassVar[str] = "pass_fd"
+    fds: ClassVar[int] = 1
+    kind: Literal["memfd", "dmabuf"] = "memfd"
+
+
+@_side
+@dataclass(frozen=True)
+class TakeFd(SideMessage):
+    """Take a descriptor the daemon offered this session: the ``fd`` id of a ``flags`` or ``channel`` reply.
+
+    Rings, flag arrays and IBGDA queues are anonymous memfds the daemon made: they travel only this way,
+    attached to the reply (``SCM_RIGHTS``), which also says their ``kind`` (``ring``, ``flags``, ``ibgda``).
+    Each is good once; offers not taken stay with the session (bounded) until it ends.
+    """
+
+    op: ClassVar[str] = "take_fd"
+    fd: int
+
+    def _check(self) -> None:
+        self._range("fd", 0, _U32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Daemon ↔ daemon messages.
+
+
+@dataclass(frozen=True)
+class PeerMessage(Message):
+    """Marker base of daemon ↔ daemon messages (one subclass per op in :data:`PEER_MESSAGES`)."""
+
+
+@dataclass(frozen=True)
+class RailQP(Record):
+    """What a peer needs to connect to one rail: an IB RC QP (``gid`` and/or ``lid``) or an EFA endpoint."""
+
+    _context: ClassVar[str] = "rail"
+    rail: int
+    qpn: int
+    psn: int = 0
+    gid: bytes = b""
+    lid: int = 0
+    efa_address: bytes = b""
+    qkey: int = 0
+
+    def _check(self) -> None:
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("qpn", 1, _U24)
+        self._range("psn", 0, _U24)
+        self._range("lid", 0, 0xFFFF)
+        self._range("qkey", 0, _U32)
+        if self.efa_address:
+            if self.gid or self.lid:
+                self._fail("efa_address", "an EFA rail carries no gid/lid")
+            if len(self.efa_address) > 32:
+                self._fail("efa_address", f"at most 32 bytes, got {len(self.efa_address)}")
+        elif self.gid:
+            if len(self.gid) != 16:
+                self._fail("gid", f"must be 16 bytes, got {len(self.gid)}")
+        elif not self.lid:
+            self._fail("gid", "an IB rail needs a gid or a lid (an EFA rail needs efa_address)")
+
+
+@dataclass(frozen=True)
+class RegionInfo(Record):
+    """One registered region as peers see it: remote address (an offset for dmabuf MRs), length, rkey."""
+
+    _context: ClassVar[str] = "region"
+    id: int
+    addr: int
+    length: int
+    rkey: int
+    rail: int = 0
+
+    def _check(self) -> None:
+        self._range("id", 0, _U32)
+        self._range("length", 1, MAX_REGION_BYTES)
+        self._range("addr", 0, _U64 - self.length)
+        self._range("rkey", 0, _U32)
+        self._range("rail", 0, MAX_RAILS - 1)
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerHello(PeerMessage):
+    """First message on a peer link: who we are, which backend, how many rails, which life of the daemon.
+
+    ``incarnation`` is the daemon's start time in ns (0: not told). A known node saying hello with a larger
+    one has restarted: everything built with its earlier life (connections, responder QPs) is torn down, even
+    when it came back before its heartbeats timed out. A smaller one is a late hello of an earlier life.
+    """
+
+    op: ClassVar[str] = "peer_hello"
+    node: str
+    backend: Literal["ib", "efa", "soft"]
+    rails: int
+    incarnation: int = 0
+
+    def _check(self) -> None:
+        self._name("node", MAX_NODE_LEN)
+        self._range("rails", 1, MAX_RAILS)
+        self._range("incarnation", 0, _U64)
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerConnect(PeerMessage):
+    """QP (or EFA endpoint) information per rail; ``job`` empty for node-wide connections."""
+
+    op: ClassVar[str] = "peer_connect"
+    node: str
+    rails: tuple[RailQP, ...]
+    job: str = ""
+
+    def _check(self) -> None:
+        self._name("node", MAX_NODE_LEN)
+        self._name("job", allow_empty=True)
+        if not 1 <= len(self.rails) <= MAX_RAILS:
+            self._fail("rails", f"must list 1..{MAX_RAILS} rails, got {len(self.rails)}")
+        if len({r.rail for r in self.rails}) != len(self.rails):
+            self._fail("rails", "lists a rail twice")
+
+
+@dataclass(frozen=True)
+class _PeerEndpoint(PeerMessage):
+    """One end of connection ``conn`` on ``rail`` for ``job``: the fields both connect messages carry.
+
+    ``endpoint`` is that end as its backend described it (``Backend.create_endpoint``); the protocol
+    checks only that it is a small map with string keys — its meaning belongs to the backend.
+    """
+
+    job: str
+    rail: int
+    conn: int
+    endpoint: dict[str, Any]
+
+    def _check(self) -> None:
+        self._name("job", allow_empty=True)
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("conn", 0, _U64)
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerConnectRequest(_PeerEndpoint):
+    """Ask the peer to create its end of connection ``conn``; ``endpoint`` is the sender's end.
+
+    This is the form the daemon uses; :class:`PeerConnect` is the typed verbs-level equivalent.
+    """
+
+    op: ClassVar[str] = "peer_connect_request"
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerConnectAccept(_PeerEndpoint):
+    """The answer to :class:`PeerConnectRequest`: the accepting side's ``endpoint`` for the same ``conn``."""
+
+    op: ClassVar[str] = "peer_connect_accept"
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerDisconnect(PeerMessage):
+    """The sender closed its end of connection ``conn`` (a job's connection or an IBGDA queue pair): close the
+    end accepted for it."""
+
+    op: ClassVar[str] = "peer_disconnect"
+    job: str
+    rail: int
+    conn: int
+
+    def _check(self) -> None:
+        self._name("job", allow_empty=True)
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("conn", 0, _U64)
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerRegions(PeerMessage):
+    """The regions rank ``rank`` of ``job`` registered on the sending node (replaces earlier announcements)."""
+
+    op: ClassVar[str] = "peer_regions"
+    job: str
+    rank: int
+    regions: tuple[RegionInfo, ...]
+
+    def _check(self) -> None:
+        self._name("job")
+        self._range("rank", 0, MAX_WORLD - 1)
+        if len(self.regions) > MAX_REGIONS:
+            self._fail("regions", f"at most {MAX_REGIONS} regions, got {len(self.regions)}")
+        if len({(r.id, r.rail) for r in self.regions}) != len(self.regions):
+            self._fail("regions", "lists the same (id, rail) twice")
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerRankLeft(PeerMessage):
+    """Rank ``rank`` of ``job`` on the sending node left (or was reclaimed): forget its regions and flags."""
+
+    op: ClassVar[str] = "peer_rank_left"
+    job: str
+    rank: int
+
+    def _check(self) -> None:
+        self._name("job")
+        self._range("rank", 0, MAX_WORLD - 1)
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerJobLost(PeerMessage):
+    """The sender declared this node lost while ``job`` ran (its heartbeats stopped arriving, though the node
+    itself may have noticed nothing) and failed the job's connections to it: the job cannot go on at the
+    receiver either."""
+
+    op: ClassVar[str] = "peer_job_lost"
+    job: str
+
+    def _check(self) -> None:
+        self._name("job")
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerSelftest(PeerMessage):
+    """A self-test job of the daemons' own: ``start``, the receiver joins rank 1 of ``job`` (world 2) on
+    ``rail`` with its own memory, flags and ring, and echoes every flag it sees back to rank 0 (on the
+    sender) with the data it covers; ``finish``, it answers ``peer_selftest_report`` and leaves the job.
+    Travels on the peer plane, so it is authenticated (CURVE) like every other peer message."""
+
+    op: ClassVar[str] = "peer_selftest"
+    action: Literal["start", "finish"]
+    job: str
+    rail: int = 0
+    seed: int = 0
+
+    def _check(self) -> None:
+        self._name("job")
+        self._range("rail", 0, MAX_RAILS - 1)
+        self._range("seed", 0, _U64)
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerSelftestReport(PeerMessage):
+    """What the far side of a self-test saw: ``report`` (rounds, data checked, flags seen early, its
+    turnaround per echo), or ``error`` when it could not take part."""
+
+    op: ClassVar[str] = "peer_selftest_report"
+    job: str
+    report: dict[str, Any]
+    error: str = ""
+
+    def _check(self) -> None:
+        self._name("job")
+        if len(self.error) > 1024:
+            self._fail("error", "longer than 1024 characters")
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerHeartbeat(PeerMessage):
+    """Liveness: sequence number and the sender's clock (seconds), for loss and round-trip reports."""
+
+    op: ClassVar[str] = "peer_heartbeat"
+    seq: int
+    t: float
+
+    def _check(self) -> None:
+        self._range("seq", 0, _U64)
+        if self.t < 0:
+            self._fail("t", f"must be >= 0, got {self.t}")
+
+
+@_peer
+@dataclass(frozen=True)
+class PeerBye(PeerMessage):
+    """The sender is shutting down cleanly; tear down without waiting for the heartbeat timeout."""
+
+    op: ClassVar[str] = "peer_bye"
+    node: str
+    reason: str = ""
+
+    def _check(self) -> None:
+        self._name("node", MAX_NODE_LEN)
+        if len(self.reason) > 1024:
+            self._fail("reason", "longer than 1024 characters")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The receive boundary.
+
+
+def _parse(msg: object, registry: dict[str, type[Message]], plane: str) -> Message:
+    if not isinstance(msg, dict):
+        raise RemoteProtocolError(f"{plane} message must be a map, got {_type_name(msg)}")
+    if "v" not in msg:
+        raise RemoteProtocolError(f"{plane} message has no protocol version 'v'", code=ReplyCode.BAD_VERSION,
+                                  field="v")
+    version = msg["v"]
+    if type(version) is not int or version != V:  # exactly the integer: not 1.0, not True
+        kind = "" if type(version) is int else f" ({_type_name(version)}): this side speaks v{V}, the integer {V}"
+        raise RemoteProtocolError(f"protocol version {version!r:.20} is not supported" + (kind or
+                                  f" (this side speaks v{V})"),
+                                  code=ReplyCode.BAD_VERSION, field="v")
+    op = msg.get("op")
+    if not isinstance(op, str):
+        raise RemoteProtocolError(f"{plane} message has no string 'op' (got {_type_name(op)})",
+                                  code=ReplyCode.BAD_MESSAGE, field="op")
+    cls = registry.get(op)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown op {op!r:.40}; known: {', '.join(sorted(registry))}",
+                                  code=ReplyCode.UNKNOWN_OP, field="op")
+    fields = {k: v for k, v in msg.items() if k not in ("v", "op")}
+    try:
+        return typing.cast(Message, cls._from_fields(fields, op))
+    except LocalProtocolError as exc:
+        raise RemoteProtocolError(str(exc), code=exc.code, field=exc.field) from None
+
+
+def parse_request(msg: dict[str, Any]) -> Request:
+    """Validate a decoded client message into its :class:`Request`, or raise :class:`RemoteProtocolError`."""
+    return typing.cast(Request, _parse(msg, REQUESTS, "control"))
+
+
+def parse_side_message(msg: dict[str, Any], fds: int = 0) -> SideMessage:
+    """Validate a descriptor-socket message carrying ``fds`` descriptors, or raise RemoteProtocolError."""
+    parsed = typing.cast(SideMessage, _parse(msg, SIDE_MESSAGES, "descriptor socket"))
+    if fds != parsed.fds:
+        raise RemoteProtocolError(f"{parsed.op} carries {parsed.fds} descriptor(s), got {fds}",
+                                  code=ReplyCode.BAD_MESSAGE, field="fds")
+    return parsed
+
+
+def parse_peer_message(msg: dict[str, Any]) -> PeerMessage:
+    """Validate a decoded peer-daemon message into its :class:`PeerMessage`, or raise RemoteProtocolError."""
+    return typing.cast(PeerMessage, _parse(msg, PEER_MESSAGES, "peer"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Replies.
+
+_REPLY_RESERVED = frozenset({"v", "ok", "code", "message"})
+
+
+def ok(**fields: Any) -> dict[str, Any]:
+    """A success reply carrying ``fields``."""
+    clash = _REPLY_RESERVED.intersection(fields)
+    if clash:
+        raise LocalProtocolError(f"reply field(s) {', '.join(sorted(clash))} are reserved")
+    return {"v": V, "ok": True, **fields}
+
+
+def error(code: str, message: str) -> dict[str, Any]:
+    """An error reply: stable ``code`` (see :class:`ReplyCode`) plus a message for humans."""
+    return {"v": V, "ok": False, "code": str(code), "message": message}
+
+
+def error_reply_for(exc: BaseException) -> dict[str, Any]:
+    """Map an exception raised while serving a request to its error reply (unknown ones are ``internal``)."""
+    if isinstance(exc, RequestError):
+        return error(exc.code, exc.message)
+    if isinstance(exc, ProtocolError):
+        return error(exc.code, str(exc))
+    return error(ReplyCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def parse_reply(msg: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a success reply; raises :class:`RequestError` for an error reply.
+
+    A reply that is not a reply at all raises :class:`RemoteProtocolError`.
+    """
+    if type(msg.get("v")) is not int or msg.get("v") != V:
+        raise RemoteProtocolError(f"reply has protocol version {msg.get('v')!r:.20}, expected {V}",
+                                  code=ReplyCode.BAD_VERSION, field="v")
+    status = msg.get("ok")
+    if not isinstance(status, bool):
+        raise RemoteProtocolError("reply has no boolean 'ok'", field="ok")
+    if not status:
+        code, message = msg.get("code"), msg.get("message")
+        if not isinstance(code, str) or not isinstance(message, str):
+            raise RemoteProtocolError("error reply lacks string 'code' and 'message'", field="code")
+        raise RequestError(code, message)
+    return {k: v for k, v in msg.items() if k not in ("v", "ok")}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Session state machine: the only place that says which op may follow which.
+
+
+class SessionState(Enum):
+    """Where a client session stands."""
+
+    NEW = "new"  #: connected, not greeted
+    READY = "ready"  #: greeted, not in a job
+    JOINED = "joined"  #: attached to (job, rank); may use memory, flags and channels
+
+
+_ANY = ("heartbeat",)
+#: state -> {op: next state}. An op missing from a state's row is refused with ``bad_state``.
+TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
+    SessionState.NEW: {"hello": SessionState.READY},
+    SessionState.READY: {
+        "hello": SessionState.READY,
+        "join": SessionState.JOINED,
+        "stats": SessionState.READY,
+        "inspect": SessionState.READY,
+        "selftest": SessionState.READY,
+    },
+    SessionState.JOINED: {
+        "register": SessionState.JOINED,
+        "flags": SessionState.JOINED,
+        "channel": SessionState.JOINED,
+        "channel_info": SessionState.JOINED,
+        "exchange": SessionState.JOINED,
+        "stats": SessionState.JOINED,
+        "inspect": SessionState.JOINED,
+        "selftest": SessionState.JOINED,
+        "leave": SessionState.READY,
+    },
+}
+for _row_state, _row in TRANSITIONS.items():
+    for _op in _ANY:
+        _row[_op] = _row_state
+assert all(op in REQUESTS for row in TRANSITIONS.values() for op in row)
+
+
+def next_state(state: SessionState, op: str) -> SessionState | None:
+    """The state after a successful ``op`` in ``state``, or None when ``op`` is not allowed there."""
+    return TRANSITIONS[state].get(op)
+
+
+def _state_problem(state: SessionState, op: str) -> str:
+    allowed = ", ".join(sorted(TRANSITIONS[state]))
+    hint = {SessionState.NEW: " (send hello first)", SessionState.READY: " (join a job first)"}.get(state, "")
+    return f"op '{op}' is not allowed in session state '{state.value}'{hint}; allowed: {allowed}"
+
+
+class Session:
+    """One client session's state; the client checks before sending, the server before dispatching."""
+
+    def __init__(self, state: SessionState = SessionState.NEW) -> None:
+        self.state = state
+
+    def check(self, op: str) -> None:
+        """Raise :class:`LocalProtocolError` (code ``bad_state``) when ``op`` may not be sent now."""
+        if next_state(self.state, op) is None:
+            raise LocalProtocolError(_state_problem(self.state, op), code=ReplyCode.BAD_STATE, field="op")
+
+    def refuse_reason(self, op: str) -> str | None:
+        """The server's view: why ``op`` is refused now, or None when it is allowed."""
+        return None if next_state(self.state, op) is not None else _state_problem(self.state, op)
+
+    def advance(self, op: str) -> None:
+        """Record that ``op`` succeeded."""
+        new = next_state(self.state, op)
+        if new is None:
+            raise LocalProtocolError(_state_problem(self.state, op), code=ReplyCode.BAD_STATE, field="op")
+        self.state = new
+
+    def __repr__(self) -> str:
+        return f"Session({self.state.value})"

@@ -1,0 +1,425 @@
+"""The proxy: drains command rings into one backend (one rail), through the compiled engine.
+
+Every per-record step runs in C (``transportd/core/engine.c``, the extension ``transportd._core``) with
+the GIL released. One iteration (:meth:`Proxy.run_once`):
+
+1. **take** -- from every channel, the records that are ready, as many as the connections its job feeds
+   can still accept (rows waiting + WRs in flight under ``inflight_cap``): when a connection is full,
+   records stay in the ring and the ring fills, so backpressure reaches the producer; nothing is dropped.
+   Each record is validated and translated (``transportd/core/validate.h``); a bad one is counted and
+   reported through the channel's error word, and the good ones around it go on.
+2. **post** -- rows wait per connection until a batch of ``batch_max`` commands fills, the polling
+   window (``poll_window_us``) passes, or a NO_BATCH / FENCE / QUIET command asks for it; each ready batch
+   (decoupled if asked) is handed to the backend, all of them in one call, one token per batch.
+3. **progress** -- the backend's completions, in one call: each token retires its batch, frees its WRs,
+   publishes each channel's completion position (the first ring position not yet complete, so a kernel's
+   QUIET at ``p`` is satisfied once it is ``> p``), and a failed one writes REMOTE_ACCESS / TRANSPORT into
+   the error words of the channels it came from.
+
+This module is the control plane around the engine: it owns the job-scoped tables
+(:class:`~transportd.dataplane.translate.RegionTable`, :class:`~transportd.dataplane.translate.PeerTable`) and hands the
+engine a view of a table after every change, maps backend connection ids to the engine's indexes, and
+turns the engine's counters into stats. Tables are job-scoped (DESIGN.md section 5): a channel resolves
+source regions through its own rank's table and destinations through its job's peer table, so a job's
+commands can only reach that job's regions.
+
+``backend=None`` makes the engine its own null NIC (every batch completes on the next poll, nothing
+leaves C): what ``transportd bench proxy`` measures. :mod:`transportd_cli.proxy_model` is the same loop in
+numpy, the oracle of the differential test; the daemon never runs it.
+
+Threading: one thread runs the loop; the table methods may be called between iterations from the same
+thread (the rail worker does) or from another thread (a lock serializes them with ``run_once``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cmd_ring.ring import RingFile
+from transportd import _core
+from transportd.backends.interface import COMPLETION_DTYPE, PLAN_DTYPE, Backend
+from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
+from transportd.errors import ErrorCode
+from transportd.limits import MAX_BATCH, MIN_BATCH, MIN_INFLIGHT_CAP
+
+__all__ = ["Proxy", "COUNTERS"]
+
+COUNTERS: tuple[str, ...] = _core.COUNTERS
+assert _core.PLAN_ROW_SIZE == PLAN_DTYPE.itemsize and _core.COMPLETION_SIZE == COMPLETION_DTYPE.itemsize
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    name: str
+    peers: PeerTable = field(default_factory=PeerTable)
+    sources: dict[int, tuple[int, RegionTable]] = field(default_factory=dict)  # rank -> (engine id, table)
+
+
+@dataclass(eq=False)
+class _Channel:
+    ring: RingFile
+    job: _Job
+    rank: int
+    gone: bool = False
+
+
+class Proxy:
+    """Drains command rings into one backend (one rail); see the module doc for the loop.
+
+    ``batch_max`` commands per connection per batch (<= 8); ``poll_window_us`` how long a partial batch
+    may wait for more; ``inflight_cap`` WRs posted and not completed per connection; ``decoupled`` turns
+    on Perseus signal reduction; ``max_length`` is the largest PUT; ``max_take`` caps records taken from
+    one ring per iteration (bounds the work, hence the latency, of one iteration); ``poll_max`` caps the
+    completions taken per poll. A backend with a ``c_poster`` (ib: :class:`transportd._core.IbPoster`) is
+    posted to and polled from C directly; others through their Python ``post_batches`` (or ``post``) and
+    ``poll``, once per pass. ``use_post_batches=False`` posts batch by batch through ``backend.post`` (and
+    never through a ``c_poster``).
+    """
+
+    def __init__(
+        self,
+        backend: Backend | None,
+        *,
+        batch_max: int = 8,
+        poll_window_us: float = 50.0,
+        inflight_cap: int = 256,
+        decoupled: bool = False,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        max_take: int = 4096,
+        poll_max: int = 4096,
+        use_post_batches: bool = True,
+    ) -> None:
+        if not MIN_BATCH <= batch_max <= MAX_BATCH:
+            raise ValueError(f"batch_max must be in {MIN_BATCH}..{MAX_BATCH}, got {batch_max}")
+        if inflight_cap < MIN_INFLIGHT_CAP or max_take < 1:
+            raise ValueError(f"inflight_cap must be >= {MIN_INFLIGHT_CAP} (a PUT_SIGNAL is two WRs) and max_take >= 1")
+        self.backend = backend
+        self.batch_max = batch_max
+        self.window_ns = int(poll_window_us * 1000)
+        self.inflight_cap = inflight_cap
+        self.decoupled = decoupled
+        self.max_length = max_length
+        self.max_take = max_take
+        self._post_batches = getattr(backend, "post_batches", None) if use_post_batches else None
+        # a backend with a compiled poster (ib) is posted to and polled from C, with no Python per pass
+        poster = getattr(backend, "c_poster", None) if use_post_batches else None
+        hooks = (None, None) if backend is None or poster is not None else (self._post, self._poll)
+        self._core = _core.Engine(batch_max=batch_max, window_ns=self.window_ns, inflight_cap=inflight_cap,
+                                  decoupled=decoupled, max_length=max_length, max_take=max_take,
+                                  poll_max=poll_max, post=hooks[0], poll=hooks[1], poster=poster)
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._channels: dict[int, _Channel] = {}
+        self._conn_index: dict[int, int] = {}
+        self._next_source = 0
+
+    # -- the backend seam: one call per iteration each way -------------------------------------------------
+    def _post(self, conn_ids: bytes, plan: bytearray, bounds: bytes) -> np.ndarray:
+        ids = np.frombuffer(conn_ids, dtype=np.int64)
+        rows = np.frombuffer(plan, dtype=PLAN_DTYPE)
+        edges = np.frombuffer(bounds, dtype=np.int64)
+        if self._post_batches is not None:
+            return np.ascontiguousarray(self._post_batches(ids, rows, edges), dtype=np.int64)
+        post = self.backend.post
+        return np.fromiter((post(cid, rows[s:e]) for cid, s, e in
+                            zip(ids.tolist(), edges[:-1].tolist(), edges[1:].tolist(), strict=True)),
+                           dtype=np.int64, count=len(ids))
+
+    def _poll(self, max_completions: int) -> np.ndarray:
+        return np.ascontiguousarray(self.backend.poll(max_completions), dtype=COMPLETION_DTYPE)
+
+    # -- tables (the daemon calls these as clients join, register and leave) -------------------------------
+    def _job(self, job: str) -> _Job:
+        entry = self._jobs.get(job)
+        if entry is None:
+            entry = self._jobs[job] = _Job(len(self._jobs), job)
+            self._push_peers(entry)
+        return entry
+
+    def _push_peers(self, entry: _Job) -> None:
+        p = entry.peers
+        self._core.set_peers(entry.id, p.world, p.rows, p.cols, p.conn, p.code, p.flag_base, p.flag_slots,
+                             p.flag_rkey, p.addr, p.length, p.rkey, p.valid, p.connections())
+
+    def _source(self, entry: _Job, rank: int) -> tuple[int, RegionTable]:
+        found = entry.sources.get(rank)
+        if found is None:
+            found = entry.sources[rank] = (self._next_source, RegionTable())
+            self._next_source += 1
+            self._push_sources(found)
+        return found
+
+    def _push_sources(self, source: tuple[int, RegionTable]) -> None:
+        sid, t = source
+        self._core.set_sources(sid, t.addr, t.length, t.key, t.valid)
+
+    def add_channel(self, channel: int, ring: RingFile, job: str, rank: int, world: int) -> None:
+        """Start draining ``ring``: records of ``job``'s ``rank`` in a world of ``world`` ranks."""
+        with self._lock:
+            if channel in self._channels:
+                raise ValueError(f"channel {channel} already exists")
+            entry = self._job(job)
+            if entry.peers.world and entry.peers.world != world:
+                raise ValueError(f"job {job!r} has world {entry.peers.world}, channel says {world}")
+            if not 0 <= rank < world:
+                raise ValueError(f"rank {rank} is outside world {world}")
+            entry.peers.set_world(world)
+            self._push_peers(entry)
+            sid, _ = self._source(entry, rank)
+            track = 1 << max(4 * ring.capacity, 4 * self.max_take).bit_length()
+            self._core.add_channel(channel, ring._bytes, entry.id, sid, track)
+            self._channels[channel] = _Channel(ring, entry, rank)
+
+    def mark_gone(self, channel: int) -> None:
+        """The channel's client left: later records are rejected with CLIENT_GONE, waiting ones dropped.
+
+        Work already posted completes as usual, so the daemon can wait for :meth:`busy` before reclaiming.
+        """
+        with self._lock:
+            ch = self._channels.get(channel)
+            if ch is not None:
+                ch.gone = True
+                self._core.mark_gone(channel)
+
+    def remove_channel(self, channel: int) -> None:
+        """Stop draining ``channel`` and forget it; completions still due for it are ignored."""
+        with self._lock:
+            if self._channels.pop(channel, None) is not None:
+                self._core.remove_channel(channel)
+
+    def forget_rank(self, job: str, rank: int) -> None:
+        """``rank`` left ``job``: its channels are marked gone and its source regions forgotten."""
+        for cid, ch in list(self._channels.items()):
+            if ch.job.name == job and ch.rank == rank:
+                self.mark_gone(cid)
+        with self._lock:
+            entry = self._jobs.get(job)
+            if entry is not None and rank in entry.sources:
+                entry.sources[rank][1].clear()
+
+    def set_source_region(self, job: str, rank: int, region: int, addr: int, length: int, lkey: int) -> None:
+        """``rank`` of ``job`` registered local region ``region`` (a source for its PUTs)."""
+        with self._lock:
+            source = self._source(self._job(job), rank)
+            source[1].set(region, addr, length, lkey)
+            self._push_sources(source)
+
+    def remove_source_region(self, job: str, rank: int, region: int) -> None:
+        with self._lock:
+            self._source(self._job(job), rank)[1].remove(region)
+
+    def _change_peers(self, job: str, change: Callable[[PeerTable], None]) -> None:
+        with self._lock:
+            entry = self._job(job)
+            change(entry.peers)
+            self._push_peers(entry)
+
+    def set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int, rkey: int) -> None:
+        """Peer rank ``peer`` of ``job`` exposes region ``region`` (a destination for PUTs)."""
+        self._change_peers(job, lambda p: p.set_region(peer, region, addr, length, rkey))
+
+    def remove_remote_region(self, job: str, peer: int, region: int) -> None:
+        self._change_peers(job, lambda p: p.remove_region(peer, region))
+
+    def set_remote_flags(self, job: str, peer: int, addr: int, count: int, rkey: int) -> None:
+        """Peer rank ``peer``'s flag array: ``count`` u64 words at ``addr`` (slot s is at addr + 8*s)."""
+        self._change_peers(job, lambda p: p.set_flags(peer, addr, count, rkey))
+
+    def remove_remote_flags(self, job: str, peer: int) -> None:
+        self._change_peers(job, lambda p: p.remove_flags(peer))
+
+    def bind_peer(self, job: str, peer: int, conn: int) -> None:
+        """Send ``job``'s records for rank ``peer`` over backend connection ``conn``."""
+        with self._lock:
+            idx = self._connection_index(conn)
+        self._change_peers(job, lambda p: p.bind(peer, idx))
+
+    def unbind_peer(self, job: str, peer: int) -> None:
+        """No connection for ``peer`` any more; its records are rejected with BAD_PEER."""
+        self._change_peers(job, lambda p: p.unbind(peer))
+
+    def forget_peer(self, job: str, peer: int) -> None:
+        """Peer rank ``peer`` left ``job``: records for it are rejected with BAD_PEER until it is set again."""
+        self._change_peers(job, lambda p: p.forget(peer))
+
+    def fail_connection(self, conn: int, code: int) -> None:
+        """Connection ``conn`` is gone (``code``: usually PEER_LOST; 0 when it was closed on purpose).
+
+        Its waiting rows are dropped and its posted batches are completed here (the backend may never
+        report them), with ``code`` in the error words of the channels they came from; records for the
+        peers it served are rejected with ``code`` (BAD_PEER when 0) from now on.
+        """
+        with self._lock:
+            idx = self._conn_index.get(conn)
+            if idx is None:
+                return
+            for entry in self._jobs.values():
+                for rank in np.flatnonzero(entry.peers.conn == idx):
+                    entry.peers.unbind(int(rank), code)
+                self._push_peers(entry)
+            self._core.fail_connection(idx, code)
+
+    def _connection_index(self, conn: int) -> int:
+        idx = self._conn_index.get(conn)
+        if idx is None:
+            idx = self._conn_index[conn] = self._core.add_connection(conn)
+        return idx
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def run_once(self) -> bool:
+        """One pass: take ready records, post ready batches, drain completions. True if it did any work.
+
+        Posting comes first so a fresh record never waits behind completion handling; completions are
+        drained right after, so a fast NIC's completion (and the QUIET position) lands in the same pass.
+        """
+        with self._lock:
+            return self._core.run_once()
+
+    def run(self, stop: threading.Event | Callable[[], bool], *, check_every: int = 64,
+            idle_sleep_s: float = 0.0) -> None:
+        """Loop until ``stop`` is set (checked every ``check_every`` iterations); yields the CPU when idle."""
+        should_stop = stop.is_set if isinstance(stop, threading.Event) else stop
+        run_once = self.run_once
+        while not should_stop():
+            for _ in range(check_every):
+                if not run_once():
+                    time.sleep(idle_sleep_s)
+
+    def wait_ready(self, timeout_s: float, nap_s: float = 0.0, wake_fd: int = -1) -> bool:
+        """Watch the rings' head slots for up to ``timeout_s``: True as soon as one holds a committed record.
+
+        Reads one seq word per ring per look and takes nothing (the next :meth:`run_once` does): the idle
+        worker's cheap way to notice a record sooner than a sleep would. ``nap_s`` > 0 sleeps that long
+        between looks (a long-idle worker: little CPU, a record still seen within about ``nap_s``); with
+        ``wake_fd`` each nap is a poll on that descriptor, and its turning readable ends the wait (False).
+        False at once while rows wait or work is in flight: then the caller's next pass is due anyway
+        (completions, the polling window).
+        """
+        with self._lock:
+            return self._core.wait_ready(float(timeout_s), float(nap_s), int(wake_fd))
+
+    def busy(self) -> bool:
+        """Rows are waiting in the proxy or WRs are in flight."""
+        with self._lock:
+            return self._core.busy()
+
+    def progress(self) -> int:
+        """Drain completions now (the loop's progress hook); returns how many came."""
+        with self._lock:
+            return self._core.progress()
+
+    def drain(self, timeout_s: float = 5.0) -> bool:
+        """Shutdown: take every record committed so far, post it, wait for its completions.
+
+        Records committed while the first ones drain are taken too, until every ring has been emptied
+        once up to the head it had when the drain began; after that nothing more is taken (a client
+        that keeps producing cannot hold the daemon up), and what was taken is posted and completed.
+        Bounded by ``timeout_s``; True when nothing is left waiting or in flight.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            targets = {cid: pos + depth for cid in self._channels
+                       for pos, depth, *_ in [self._core.channel_state(cid, -1)]}
+        while time.monotonic() < deadline:
+            with self._lock:
+                behind = [cid for cid, target in targets.items()
+                          if cid in self._channels and self._core.channel_state(cid, -1)[0] < target]
+            if not behind:
+                break
+            self.run_once()
+        with self._lock:
+            self._core.set_taking(False)
+        while self.busy() and time.monotonic() < deadline:
+            self.run_once()
+        return not self.busy()
+
+    def completion_position(self, channel: int) -> int:
+        """The channel's published completion position."""
+        with self._lock:
+            return self._core.channel_state(channel, -1)[2]
+
+    # -- the null NIC's post log (backend=None): what benchmarks time --------------------------------------
+    def log_posts(self, capacity: int) -> None:
+        """Keep (monotonic ns at post, chunk id) of up to ``capacity`` posted WRITEs from now on."""
+        self._core.log_posts(capacity)
+
+    def post_log(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(post ns, chunk id)`` of the WRITEs logged so far."""
+        pairs = np.frombuffer(self._core.post_log(), dtype=np.uint64).reshape(-1, 2)
+        return pairs[:, 0].astype(np.int64), pairs[:, 1].copy()
+
+    # -- reporting -----------------------------------------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, int]:
+        """The engine's counters by name (see :meth:`stats`)."""
+        return dict(zip(COUNTERS, self._core.counters(), strict=True))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters as a plain dict (msgpack/JSON-able) for ``transportctl stats``.
+
+        ``commands`` good records taken (QUIETs included, ``quiets`` of them); ``rejected`` bad ones, by code
+        in ``errors`` (completion errors included); ``wrs``/``writes``/``signals``/``fences``/``bytes`` what
+        was posted (``signals_requested``: signals before decoupled reduction); ``batch_hist[i]`` batches
+        of ``i+1`` commands; ``signals_per_dest_batch`` signals per (batch, destination) pair that had one.
+        ``stalls``: iterations in which the inflight cap left ready records in a ring. ``signal_stalls``:
+        iterations in which a ready batch holding a signal had to wait for completions; the proxy never
+        drains a CQ to order a signal and admits records only with room for them, so this stays 0 unless
+        a backend turns rows into more WRs than the proxy counted.
+        """
+        with self._lock:
+            out: dict[str, Any] = dict(zip(COUNTERS, self._core.counters(), strict=True))
+            pairs = out["signal_dest_batches"]
+            out["signals_per_dest_batch"] = out["signals"] / pairs if pairs else 0.0
+            out["batch_hist"] = list(self._core.batch_hist()[1 : self.batch_max + 1])
+            out["errors"] = {_code_name(code): n for code, n in enumerate(self._core.errors()) if n}
+            out["pending_rows"] = self._core.pending_rows()
+            out["inflight"] = {str(cid): inflight for cid, inflight, *_ in self._core.connections() if inflight}
+            out["channels"] = len(self._channels)
+            out["channels_gone"] = sum(ch.gone for ch in self._channels.values())
+            out["decoupled"] = self.decoupled
+            out["batch_max"] = self.batch_max
+            out["inflight_cap"] = self.inflight_cap
+            out["poll_window_us"] = self.window_ns / 1000
+            return out
+
+    def queue_stats(self) -> dict[str, Any]:
+        """Per ring and per connection queue state (``transportctl queues``, metrics), msgpack/JSON-able.
+
+        ``rings``: ``depth`` records committed and not yet taken; ``credits`` slots producers may still
+        claim (capacity minus depth: a slot claimed but not yet committed is invisible to the host);
+        ``oldest_age_us`` how long the record at the head has waited, counted from when the proxy first
+        saw it committed and left it in the ring (0 for an empty ring); ``outstanding`` records taken but
+        not yet complete. ``connections``: ``inflight`` WRs posted and not completed, ``pending`` rows
+        waiting for their batch, batches full/partial, ``batch_hist`` (index i: batches of i+1 commands)
+        and payload ``bytes`` posted.
+        """
+        with self._lock:
+            now = time.monotonic_ns()
+            rings = []
+            for cid, ch in self._channels.items():
+                pos, depth, completed, gone, age_ns, code, _count, _at = self._core.channel_state(cid, now)
+                capacity = ch.ring.capacity
+                rings.append({"channel": cid, "job": ch.job.name, "rank": ch.rank, "capacity": capacity,
+                              "depth": depth, "credits": capacity - depth, "oldest_age_us": age_ns / 1000,
+                              "taken": pos, "outstanding": pos - completed, "gone": bool(gone), "error": code})
+            conns = []
+            for conn_id, inflight, pending, hist, nbytes in self._core.connections():
+                full = hist[self.batch_max]
+                conns.append({"conn": conn_id, "inflight": inflight, "pending": pending, "batches_full": full,
+                              "batches_partial": sum(hist[1:]) - full,
+                              "batch_hist": list(hist[1 : self.batch_max + 1]), "bytes": nbytes})
+            return {"rings": rings, "connections": conns}

@@ -1,0 +1,509 @@
+"""A proxy worker process: one rail's backend, its proxy loop, and the requests the main process sends.
+
+The main process (``transportd.daemon.main``) owns clients and peers; this process owns the rail's verbs
+resources, maps the memory it registers (host regions and flag files are shared-memory files), and runs
+the proxy loop (:func:`serve_loop`). Requests arrive between proxy iterations (``WorkerEndpoint``); when
+the rail is idle the loop backs off from spinning to watching the ring headers and short naps, so an idle
+daemon does not burn a core.
+
+Rail ``i`` opens ``backend.rails[i].device``. Over softverbs a device name that does not exist yet (only
+``softib0``/``softefa0`` do by default) is created in this process, of the kind the backend drives, through
+the soft options handed to ``transportd.backends.verbs.load`` (``devices``); pyverbs ignores them. Before opening
+it, the worker pins itself to the CPUs of the NIC's NUMA node where the config or sysfs names one
+(``transportd.dataplane.pinning``; never fatal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from cmd_ring import RingFile
+from cmd_ring.shm import SharedFile, map_fd
+from transportd.backends import DEVICE_KINDS, open_backend
+from transportd.backends.interface import MemoryKey, SignalOp
+from transportd.backends.verbs import load as load_verbs
+from transportd.daemon.config import Config
+from transportd.dataplane.flag_publication import (
+    COPY_COST,
+    CUDA_COPY,
+    GDRCOPY,
+    HOST_MAPPED,
+    LOOPBACK,
+    NIC,
+    GdrCopyError,
+    Publication,
+    choose_publication,
+    words_path,
+)
+from transportd.dataplane.flagfile import FlagFile
+from transportd.dataplane.pinning import pin_worker
+from transportd.dataplane.proxy import Proxy
+from transportd.dataplane.worker_link import WorkerEndpoint
+from transportd.lifetime import die_with_parent
+from transportd.logs import setup_logging
+
+__all__ = ["RailService", "rail_main"]
+
+log = logging.getLogger("transportd.dataplane.worker")
+
+
+class RailService:
+    """The worker's request handlers (``op_<name>``) around one backend and one proxy."""
+
+    def __init__(self, config: Config, rail: int) -> None:
+        self.config = config
+        self.rail = rail
+        rails = config.backend.rails
+        device = rails[rail].device if rails else ""
+        # backend.kind "soft" forces the software provider; otherwise backend.verbs decides
+        provider = "soft" if config.backend.kind == "soft" else config.backend.verbs
+        soft_options = dataclasses.asdict(config.softverbs)
+        if device and config.backend.kind in DEVICE_KINDS:  # a soft rail device is created where missing
+            soft_options["devices"] = {device: DEVICE_KINDS[config.backend.kind]}
+        verbs = load_verbs(None if provider == "auto" else provider, soft_options=soft_options)
+        self.verbs_name: str = verbs.name
+        self.verbs_fallback: bool = verbs.fallback and config.backend.kind != "soft"
+        if self.verbs_fallback:
+            log.warning("backend.verbs = \"auto\" found no RDMA device: rail %d uses softverbs, which moves "
+                        "data over TCP, not a NIC; set backend.verbs = \"pyverbs\" on a production node (it "
+                        "fails instead) or \"soft\" to choose this knowingly", rail)
+        self.backend = open_backend(config.backend.kind, device=device or None, verbs=verbs,
+                                    signal_mode=config.signal.mode, inflight_cap=config.proxy.inflight_cap,
+                                    batch_max=config.proxy.batch_max, visibility_flush=config.efa.visibility_flush)
+        self.proxy = Proxy(self.backend, batch_max=config.proxy.batch_max,
+                           poll_window_us=config.proxy.poll_window_us, inflight_cap=config.proxy.inflight_cap,
+                           decoupled=config.signal.decoupled)
+        self.regions: dict[str, tuple[MemoryKey, Any]] = {}
+        self.flags: dict[tuple[str, int], tuple[FlagFile, MemoryKey]] = {}
+        self.conn_jobs: dict[int, str] = {}
+        self.responders: set[int] = set()  # connections this rail accepted for a peer's requester
+        self.ibgda: dict[int, tuple[Any, np.ndarray]] = {}  # queue id -> (SoftMlx5Queue, its scratch words)
+        self.stopping = False
+        self.gpu: Any = None  # transportd.dataplane.gpu_memory.GpuMemory, created on the first GPU registration
+        self.cpus: list[int] | None = None  # the CPUs rail_main pinned this worker to (None: not pinned)
+        self.publication = self._choose_publication()
+        self.loopback: Any = None  # the backend's LoopbackWriter, opened with the first GPU flags it serves
+        self._passed: set[Any] = set()  # GPU flag words published during this poll (loopback: written at its end)
+        if getattr(self.backend, "receiver_publishes_flags", False):
+            self.backend.set_flag_publisher(self._publish_flag, self._end_publish)
+        else:
+            self.backend.set_flag_publisher(self._publish_flag)
+
+    def _choose_publication(self) -> Publication:
+        """This rail's way into GPU flag words (transportd.dataplane.flag_publication), chosen once and logged."""
+        flags = self.config.flags
+        backend = self.backend
+        can_loop = getattr(backend, "loopback_unavailable", None)
+        choice = choose_publication(
+            flags.publication, receiver_publishes=getattr(backend, "receiver_publishes_flags", False),
+            loopback=can_loop() if can_loop is not None else "the backend has no loopback write",
+            gdrdrv_device=flags.gdrdrv_device, gdrcopy_library=flags.gdrcopy_library)
+        level = logging.WARNING if choice.path in (CUDA_COPY, HOST_MAPPED) else logging.INFO
+        log.log(level, "rail %d flag publication: %s%s (%s)", self.rail, choice.path,
+                " (forced by flags.publication)" if choice.forced else "", choice.reason)
+        return choice
+
+    # --- memory ---------------------------------------------------------------------------------------
+    def op_map_region(self, key: str, fds: list[int], offset: int, size: int, remote_write: bool,
+                      remote_atomic: bool, remote_read: bool = True) -> dict[str, Any]:
+        """Map the client's memfd (passed by descriptor, never named by path) and register a range of it.
+
+        The descriptor is closed at once: the mapping keeps the memory. :meth:`op_unmap_region` unmaps it,
+        so a registration costs no descriptor and no mapped byte after it ends.
+        """
+        try:
+            (fd,) = fds
+            shared = map_fd(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            if offset + size > shared.size:
+                raise ValueError(f"region [{offset}, {offset + size}) is outside the client's memory "
+                                 f"({shared.size} bytes)")
+            mkey = self.backend.register_memory(shared.address + offset, size, remote_write=remote_write,
+                                                remote_atomic=remote_atomic)
+        except BaseException:
+            shared.close()
+            raise
+        self.regions[key] = (mkey, shared)
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+
+    def op_unmap_region(self, key: str) -> dict[str, Any]:
+        entry = self.regions.pop(key, None)
+        if entry is not None:
+            self.backend.deregister_memory(entry[0])
+            if isinstance(entry[1], SharedFile):
+                entry[1].close()  # the mapping (and the descriptor mmap holds) go now, not at some GC
+            elif hasattr(entry[1], "release"):  # a GPU region: drop its IPC mapping
+                entry[1].release()
+        return {}
+
+    def _gpu(self) -> Any:
+        if self.gpu is None:
+            from transportd.dataplane.gpu_memory import GpuMemory  # CUDA only where a client brings GPU memory
+
+            self.gpu = GpuMemory()
+        return self.gpu
+
+    def op_map_gpu_region(self, key: str, handle: bytes, offset: int, size: int, device: int, remote_write: bool,
+                          remote_atomic: bool, remote_read: bool = True) -> dict[str, Any]:
+        """Open a client's GPU buffer by CUDA IPC handle and register it; softverbs reaches it by copies."""
+        gpu = self._gpu()
+        region = gpu.open(handle, offset, size, device)
+        try:
+            mkey = self.backend.register_memory(region.addr, size, remote_write=remote_write,
+                                                remote_atomic=remote_atomic, accessor=gpu.accessor(device))
+        except BaseException:
+            region.release()
+            raise
+        self.regions[key] = (mkey, region)
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+
+    def op_map_flags(self, job: str, rank: int, fds: list[int], count: int) -> dict[str, Any]:
+        """Map a rank's flag array (the daemon's memfd, by descriptor) and register it for remote atomics."""
+        (fd,) = fds
+        flags = FlagFile.from_fd(fd)
+        try:
+            if flags.count != count:
+                raise ValueError(f"the flag array holds {flags.count} flags, not {count}")
+            mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True)
+        except BaseException:
+            flags.close()
+            raise
+        self.flags[(job, rank)] = (flags, mkey)
+        if hasattr(self.backend, "set_host_flags"):  # efa: the compiled path stores these flags itself
+            self.backend.set_host_flags(job, rank, flags.address, flags.count)
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+
+    def op_unmap_flags(self, job: str, rank: int) -> dict[str, Any]:
+        """Drop a rank's flag array alone (its flags request failed on another rail)."""
+        self._drop_flags(job, rank)
+        return {}
+
+    def _drop_flags(self, job: str, rank: int) -> None:
+        entry = self.flags.pop((job, rank), None)
+        if entry is not None:
+            if hasattr(self.backend, "clear_host_flags"):
+                self.backend.clear_host_flags(job, rank)
+            self.backend.deregister_memory(entry[1])
+            if isinstance(entry[0], FlagFile):
+                entry[0].close()
+            else:
+                entry[0].release()
+
+    def op_map_gpu_flags(self, job: str, rank: int, handle: bytes, offset: int, count: int, device: int,
+                         fds: list[int]) -> dict[str, Any]:
+        """A rank's flag words in GPU memory (allocated by the client): the NIC or this worker publishes.
+
+        ``fds``: the rank's host flag file (the daemon's memfd), the shadow of the counters this worker
+        publishes; mapped here, its descriptor closed. How they are published is the rail's
+        :attr:`publication`; a rail that has none into GPU memory (``host-mapped``) copies, and says so.
+        """
+        from transportd.dataplane.gpu_memory import GpuFlagWords
+
+        shadow = _shadow_file(fds, count)
+        gpu = self._gpu()
+        try:
+            region = gpu.open(handle, offset, 8 * count, device)
+        except BaseException:
+            shadow.close()
+            raise
+        accessor = gpu.accessor(device)
+        path = words_path(self.publication.path)
+        if self.publication.path == HOST_MAPPED:
+            log.warning("rail %d: job %s rank %d asked for device flags explicitly; this rail has no way into GPU "
+                        "memory but cuda-copy: %s", self.rail, job, rank, COPY_COST)
+        if path == GDRCOPY:
+            gdr = self.publication.gdr
+            assert gdr is not None
+            try:
+                gpu.sync_memops(region.addr, device)
+            except Exception as exc:  # wanted for ordering with the driver's own copies, not for our stores
+                log.warning("rail %d: CU_POINTER_ATTRIBUTE_SYNC_MEMOPS not set on job %s rank %d's flags (%s)",
+                            self.rail, job, rank, exc)
+            try:
+                mapping = gdr.map(region.addr, 8 * count)
+            except GdrCopyError as exc:  # e.g. memory gdrdrv cannot pin: the flags must still arrive
+                path = LOOPBACK if self.backend.loopback_unavailable() is None else CUDA_COPY
+                log.error("rail %d: GDRCopy could not map job %s rank %d's flags (%s); publishing them by %s%s",
+                          self.rail, job, rank, exc, path, "" if path == LOOPBACK else ": " + COPY_COST)
+        flags = GpuFlagWords(region.addr, count, shadow, path, region=region, accessor=accessor)
+        if path == GDRCOPY:
+            flags.mapping = mapping
+        try:
+            mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True,
+                                                accessor=accessor)
+            flags.rkey = mkey.rkey
+            if path == LOOPBACK and self.loopback is None:
+                self.loopback = self.backend.open_flag_loopback()
+            flags.loopback = self.loopback
+        except BaseException:
+            flags.release()
+            raise
+        if path == GDRCOPY:  # the compiled path stores these itself: no Python per flag
+            self.backend.set_mapped_flags(job, rank, flags.mapping.ptr, count, shadow.address)
+        self.flags[(job, rank)] = (flags, mkey)  # type: ignore[assignment]
+        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey,
+                "publication": self.publication.path if self.publication.path == NIC else path}
+
+    def _publish_flag(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None:
+        """Receiver-side flag publishing (efa): everything this flag covers has arrived."""
+        job = self.conn_jobs.get(conn_id)
+        entry = self.flags.get((job, dst_rank)) if job is not None else None
+        if entry is None:
+            log.warning("flag update for unknown rank %d on connection %d dropped", dst_rank, conn_id)
+            return
+        if not isinstance(entry[0], FlagFile):  # GPU flag words publish themselves
+            entry[0].publish(slot, op, value)
+            self._passed.add(entry[0])
+            return
+        values = entry[0].values
+        if op == SignalOp.SET:
+            values[slot] = value
+        else:
+            values[slot] += value
+
+    def _end_publish(self) -> None:
+        """After a poll's flags (efa): loopback words write what their publishes queued."""
+        passed, self._passed = self._passed, set()
+        for words in passed:
+            if words.path != LOOPBACK:
+                continue
+            try:
+                words.end_pass()
+            except Exception as exc:  # the flag must still arrive: by copy, and say what that costs
+                log.error("rail %d: loopback flag write failed (%s); these flags fall back to cuda-copy: %s",
+                          self.rail, exc, COPY_COST)
+                words.fall_back_to_copy(self._gpu().accessor(words.region.device) if words.region else None)
+
+    # --- tables -----------------------------------------------------------------------------------------
+    def op_set_source_region(self, job: str, rank: int, region: int, key: str) -> dict[str, Any]:
+        mkey = self.regions[key][0]
+        self.proxy.set_source_region(job, rank, region, mkey.addr, mkey.length, mkey.lkey)
+        return {}
+
+    def op_add_channel(self, channel: int, fds: list[int], job: str, rank: int, world: int) -> dict[str, Any]:
+        """Drain the ring the daemon made (a memfd, by descriptor: mapped here, the descriptor closed)."""
+        (fd,) = fds
+        ring = RingFile.from_fd(fd)
+        try:
+            self.proxy.add_channel(channel, ring, job, rank, world)
+        except BaseException:
+            ring.close()
+            raise
+        return {}
+
+    def op_remove_channel(self, channel: int) -> dict[str, Any]:
+        self.proxy.remove_channel(channel)
+        return {}
+
+    def op_forget_rank(self, job: str, rank: int) -> dict[str, Any]:
+        self.proxy.forget_rank(job, rank)
+        self._drop_flags(job, rank)
+        return {}
+
+    def op_set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int,
+                             rkey: int) -> dict[str, Any]:
+        self.proxy.set_remote_region(job, peer, region, addr, length, rkey)
+        return {}
+
+    def op_set_remote_flags(self, job: str, peer: int, addr: int, count: int, rkey: int) -> dict[str, Any]:
+        self.proxy.set_remote_flags(job, peer, addr, count, rkey)
+        return {}
+
+    def op_bind_peer(self, job: str, peer: int, conn: int) -> dict[str, Any]:
+        self.proxy.bind_peer(job, peer, conn)
+        return {}
+
+    def op_forget_peer(self, job: str, peer: int) -> dict[str, Any]:
+        self.proxy.forget_peer(job, peer)
+        return {}
+
+    # --- connections ------------------------------------------------------------------------------------
+    def op_create_endpoint(self, conn: int, job: str, responder: bool = False) -> dict[str, Any]:
+        self.conn_jobs[conn] = job
+        endpoint = self.backend.create_endpoint(conn, job)
+        if responder:
+            self.responders.add(conn)
+        return {"endpoint": endpoint}
+
+    def op_connect(self, conn: int, remote: dict[str, Any]) -> dict[str, Any]:
+        self.backend.connect(conn, remote)
+        return {}
+
+    def op_close_connection(self, conn: int) -> dict[str, Any]:
+        self.proxy.fail_connection(conn, 0)
+        self.backend.close_connection(conn)
+        self.conn_jobs.pop(conn, None)
+        self.responders.discard(conn)
+        return {}
+
+    def op_fail_connection(self, conn: int, code: int) -> dict[str, Any]:
+        self.proxy.fail_connection(conn, code)
+        return {}
+
+    # --- IBGDA queues: the GPU posts WQEs itself; over softverbs this worker plays the ConnectX ----------
+    def op_create_ibgda_queue(self, queue: int, job: str, fds: list[int], wqe_cnt: int) -> dict[str, Any]:
+        """An RC QP whose send queue, CQ and doorbells live in the daemon's empty memfd (sized and sealed
+        here; the client maps it into its GPU), on this rail's PD so the regions registered here serve its
+        WQEs."""
+        (fd,) = fds
+        try:
+            return self._create_ibgda_queue(queue, job, fd, wqe_cnt)
+        finally:
+            os.close(fd)  # the queue's mapping keeps the memory
+
+    def _create_ibgda_queue(self, queue: int, job: str, fd: int, wqe_cnt: int) -> dict[str, Any]:
+        create = getattr(self.backend, "create_ibgda_queue", None)  # the backends that can serve one say so
+        if create is None:
+            raise ValueError(f"IBGDA channels need an InfiniBand rail (mlx5); this one is {self.backend.name}")
+        q = create(fd, wqe_cnt)
+        try:
+            scratch = np.zeros(8, dtype=np.uint64)  # atomics' old values and ordering reads land here
+            mr = q.register(int(scratch.ctypes.data), scratch.nbytes)
+        except BaseException:
+            q.close()
+            raise
+        self.ibgda[queue] = (q, scratch)
+        self.conn_jobs[queue] = job
+        return {"endpoint": q.endpoint(), "qpn": q.qpn, "wqe_cnt": q.wqe_cnt, "ncqes": q.ncqes,
+                "scratch": int(scratch.ctypes.data), "scratch_lkey": int(mr.lkey)}
+
+    def op_connect_ibgda_queue(self, queue: int, remote: dict[str, Any]) -> dict[str, Any]:
+        self.ibgda[queue][0].connect(remote)
+        return {}
+
+    def op_close_ibgda_queue(self, queue: int) -> dict[str, Any]:
+        entry = self.ibgda.pop(queue, None)
+        self.conn_jobs.pop(queue, None)
+        if entry is not None:
+            entry[0].close()
+        return {}
+
+    def ibgda_stats(self) -> list[dict[str, Any]]:
+        return [{"queue": qid, "qpn": q.qpn, "job": self.conn_jobs.get(qid), "posted": q.posted,
+                 "error": q.error.name if q.error is not None else None, **q.stats}
+                for qid, (q, _) in self.ibgda.items()]
+
+    # --- reporting and shutdown -----------------------------------------------------------------------------
+    def op_stats(self) -> dict[str, Any]:
+        address = self.backend.local_address()
+        return {"rail": self.rail, "backend": self.backend.name, "verbs": self.verbs_name,
+                "verbs_fallback": self.verbs_fallback, "pid": os.getpid(), "device": address.get("device"),
+                "gid": address.get("gid"), "cpus": self.cpus, "flag_publication": self.publication.path,
+                "flag_publication_detail": self.publication.describe(), **self.proxy.stats(),
+                "queues": self._open_queues(),
+                "ibgda": self.ibgda_stats(), "responders": sorted(self.responders),
+                "endpoints": sorted(self.conn_jobs)}
+
+    def _open_queues(self) -> dict[str, Any]:
+        """The proxy's queue state, less connections already closed here: the proxy keeps a closed
+        connection's counters (its totals stay in ``stats``), but ``transportctl queues``/``top`` and the
+        metrics' queue pairs must agree on what is open."""
+        queues = self.proxy.queue_stats()
+        queues["connections"] = [c for c in queues["connections"] if c["conn"] in self.conn_jobs]
+        return queues
+
+    def op_stop(self) -> dict[str, Any]:
+        """Drain (every record committed so far is posted and completed, bounded), then exit."""
+        drained = self.proxy.drain(timeout_s=5.0)
+        self.stopping = True
+        return {"drained": drained}
+
+
+def _shadow_file(fds: list[int], count: int) -> FlagFile:
+    """Map the rank's host flag file (by descriptor, closed here) as the shadow of its GPU flag words."""
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("device flags need the rank's flag file as their shadow (one descriptor)")
+    shadow = FlagFile.from_fd(fds[0])  # consumes the descriptor
+    if shadow.count != count:
+        shadow.close()
+        raise ValueError(f"the flag file holds {shadow.count} flags, not {count}")
+    return shadow
+
+
+# Idle backoff (see serve_loop). Timed from the last pass that did work.
+SPIN_S = 0.002  # passes back to back (records arriving within this are taken at once)
+WATCH_S = 30e-6  # then, between passes: watch the ring headers this long, then nap NAP_S
+NAP_S = 20e-6
+DEEP_AFTER_S = 0.15  # idle this long: between passes, watch the ring headers for up to DEEP_WATCH_S with
+DEEP_WATCH_S = 10e-3  # DEEP_NAP_S waits on the link between looks: a record is seen within ~DEEP_NAP_S, a
+DEEP_NAP_S = 50e-6  # request at once; what it costs in CPU: `transportd bench proxy --idle-nap-us N`
+
+
+def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s: float = DEEP_NAP_S) -> None:
+    """Run the proxy and serve the main process's requests until ``stopping()`` or a stop request.
+
+    While the proxy has work it runs pass after pass, serving requests every 64 passes. When a pass finds
+    nothing to do the worker keeps spinning for ``SPIN_S``, then alternates a pass (which also drains
+    completions and serves requests) with watching the ring headers for ``WATCH_S`` (a committed record
+    ends the wait at once) and a ``NAP_S`` sleep; after ``DEEP_AFTER_S`` each pass is followed by up to
+    ``DEEP_WATCH_S`` of looking at the ring headers, waiting ``deep_nap_s`` on the link's descriptor
+    between looks (in C, GIL released): a long-idle worker costs little CPU, still takes the first record
+    within tens of µs, and a request on the link ends the wait at once.
+    """
+    run_once, serve_pending, wait_ready = proxy.run_once, link.serve_pending, proxy.wait_ready
+    link_fd = link.wake_fd()
+    clock = time.perf_counter
+    iterations = 0
+    idle_since = -1.0
+    while not stopping():
+        iterations += 1
+        if run_once():
+            idle_since = -1.0
+            if iterations % 64 == 0 and serve_pending(0):
+                break
+            continue
+        now = clock()
+        if idle_since < 0:
+            idle_since = now
+        idle_for = now - idle_since
+        if serve_pending(0):
+            break
+        if idle_for >= DEEP_AFTER_S:
+            # False at once while work is in flight: its completions are due at the next pass, so nap
+            if not wait_ready(DEEP_WATCH_S, deep_nap_s, link_fd) and proxy.busy():
+                time.sleep(deep_nap_s)
+        elif idle_for >= SPIN_S and not wait_ready(WATCH_S):
+            time.sleep(NAP_S)
+
+
+def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
+    """Process entry of a proxy worker (``config`` arrives pickled from the main process)."""
+    # A worker must not outlive its daemon (kill -9, the OOM killer): nobody would serve or reclaim its rail.
+    parent = mp.parent_process()
+    die_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
+    cfg = config
+    # The main process decides when to stop (SIGTERM -> drain): a Ctrl-C sent to the whole process group
+    # must not kill a worker in the middle of its drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging(cfg.logging.level, cfg.logging.format, tag=f"rail{rail}")
+    # near the NIC where the machine says so; before the device opens, so the provider's threads follow
+    entry = cfg.backend.rails[rail] if rail < len(cfg.backend.rails) else None
+    cpus = pin_worker(rail, entry.numa_node if entry else -1, entry.device if entry else "")
+    service = RailService(cfg, rail)
+    service.cpus = list(cpus) if cpus is not None else None
+    link = WorkerEndpoint(link_endpoint, service)
+    link.send_ready(address=service.backend.local_address(), verbs=service.verbs_name,
+                    verbs_fallback=service.verbs_fallback, flag_publication=service.publication.path)
+    serve_loop(service.proxy, link, lambda: service.stopping)
+    link.close()
+    for queue in list(service.ibgda):
+        service.op_close_ibgda_queue(queue)
+    if service.loopback is not None:
+        service.loopback.close()
+    service.backend.close()
+    if service.publication.gdr is not None:
+        service.publication.gdr.close()

@@ -1,0 +1,79 @@
+"""The generated parts of ``docs/``: the config keys (``transportd.daemon.config.describe_keys``, the README's
+generator) and the control/peer protocol's messages (from ``transportd.control.protocol``'s registries).
+
+``python -m transportd.ops.docs`` rewrites every block between ``<!-- generated: NAME -->`` and
+``<!-- end generated -->`` in ``docs/*.md``; ``tests/test_docs.py`` fails when a block is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+from transportd.control import protocol
+from transportd.daemon.config import describe_keys
+
+__all__ = ["GENERATORS", "render_blocks", "stale_blocks"]
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+_BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
+
+
+def _type_text(hint: object) -> str:
+    text = str(hint).replace("typing.", "").replace("transportd.control.protocol.", "")
+    return re.sub(r"<class '([^']+)'>", r"\1", text)
+
+
+def _messages(registry: dict[str, type[protocol.Message]]) -> str:
+    lines = ["| op | fields | what it does |", "|---|---|---|"]
+    for op, cls in sorted(registry.items()):
+        hints = typing.get_type_hints(cls)
+        fields = []
+        for f in dataclasses.fields(cls):
+            default = "" if f.default is dataclasses.MISSING else f" = {f.default!r}"
+            fields.append(f"`{f.name}: {_type_text(hints[f.name])}{default}`".replace("|", "\\|"))
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("|", "\\|")
+        lines.append(f"| `{op}` | {', '.join(fields) or '—'} | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+#: block name -> the function that renders it
+GENERATORS: dict[str, Callable[[], str]] = {
+    "config_keys": describe_keys,
+    "control_requests": lambda: _messages(protocol.REQUESTS),
+    "side_messages": lambda: _messages(protocol.SIDE_MESSAGES),
+    "peer_messages": lambda: _messages(protocol.PEER_MESSAGES),
+}
+
+
+def render_blocks(text: str) -> str:
+    """``text`` with every generated block rendered afresh (an unknown block name raises KeyError)."""
+    return _BLOCK.sub(lambda m: m.group(1) + GENERATORS[m.group("name")]() + m.group(4), text)
+
+
+def stale_blocks(docs: Path = DOCS) -> list[str]:
+    """``file: block`` for every generated block that differs from what its generator renders now."""
+    stale = []
+    for path in sorted(docs.glob("*.md")):
+        for m in _BLOCK.finditer(path.read_text()):
+            if m.group("body") != GENERATORS[m.group("name")]():
+                stale.append(f"{path.name}: {m.group('name')}")
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    for path in sorted(DOCS.glob("*.md")):
+        text = path.read_text()
+        fresh = render_blocks(text)
+        if fresh != text:
+            path.write_text(fresh)
+            print(f"rewrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

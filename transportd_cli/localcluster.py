@@ -1,0 +1,242 @@
+"""Several transportd nodes on one machine: real daemon processes, real sockets, softverbs rails.
+
+Used by ``transportd demo``, the multi-process tests and ``transportd bench e2e``. Each node gets its
+own control socket in a work directory and a peer port on 127.0.0.1; every node lists every other one
+as a static peer.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transportd.control.client import ControlConnection
+from transportd.control.curve import generate_keypair
+from transportd.control.protocol import Stats
+from transportd.daemon.config import load_config
+from transportd.errors import ConfigError, DaemonUnavailableError
+from transportd.lifetime import die_with_parent
+
+__all__ = ["LocalCluster", "free_port"]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM this daemon when the process that started it dies (Linux)."""
+    die_with_parent(signal.SIGTERM)
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for bind-to-0 and outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A 127.0.0.1 TCP port that binds now and that no other caller in this process was given.
+
+    Picked below the ephemeral range: a port taken from that range (bind to 0) is free only until the
+    next outgoing connection on the machine, which the kernel may give that very port before the daemon
+    binds it.
+    """
+    low = _ephemeral_low()
+    candidates = list(range(max(1024, low - 20000), low)) if low > 2048 else []
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range: fall back to the kernel's pick
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table, e.g. one of backend.rails
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def render_toml(sections: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(v)}" for key, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+@dataclass
+class LocalNode:
+    name: str
+    config_path: Path
+    socket: str
+    peer_port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+    log_file: Any = field(default=None, repr=False)
+
+
+class LocalCluster:
+    """Start ``nodes`` daemons with ``backend`` over softverbs; ``overrides`` are extra config sections."""
+
+    def __init__(self, nodes: int = 2, *, backend: str = "ib", workdir: str | None = None, curve: bool = False,
+                 overrides: dict[str, dict[str, Any]] | None = None, per_node: dict[str, dict[str, Any]] | None = None,
+                 ) -> None:
+        self._own_dir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="tpd-cluster-"))
+        self.nodes: dict[str, LocalNode] = {}
+        names = [f"node{chr(ord('a') + i)}" for i in range(nodes)]
+        ports = {name: free_port() for name in names}
+        keys_dir = self.workdir / "authorized"
+        if curve:
+            keys_dir.mkdir(exist_ok=True)
+            for name in names:
+                public, _secret = generate_keypair(self.workdir / "keys", name)
+                shutil.copy(public, keys_dir / f"127.0.0.1_{ports[name]}.key")
+        for name in names:
+            sections: dict[str, dict[str, Any]] = {
+                "node": {"name": name},
+                "control": {"socket": f"ipc://{self.workdir}/{name}.sock"},
+                "peers": {"listen": f"tcp://127.0.0.1:{ports[name]}",
+                          "static": [f"127.0.0.1:{ports[o]}" for o in names if o != name],
+                          "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0},
+                "backend": {"kind": backend, "verbs": "soft"},
+                "logging": {"level": "info", "format": "text"},
+            }
+            if curve:
+                sections["security"] = {
+                    "curve_secret_key_file": str(self.workdir / "keys" / f"{name}.key_secret"),
+                    "curve_public_key_file": str(self.workdir / "keys" / f"{name}.key"),
+                    "curve_authorized_keys_dir": str(keys_dir)}
+            for source in (overrides or {}, (per_node or {}).get(name, {})):
+                for section, values in source.items():
+                    sections.setdefault(section, {}).update(values)
+            path = self.workdir / f"{name}.toml"
+            path.write_text(render_toml(sections))
+            try:
+                load_config(path, env={})  # a ConfigError here, naming the key, not a daemon's exit 78 later
+            except ConfigError:
+                if self._own_dir:
+                    shutil.rmtree(self.workdir, ignore_errors=True)
+                raise
+            self.nodes[name] = LocalNode(name, path, sections["control"]["socket"], ports[name],
+                                         self.workdir / f"{name}.log")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.nodes)
+
+    def socket(self, name: str) -> str:
+        return self.nodes[name].socket
+
+    def start(self, timeout_s: float = 60.0, *, peers_up: int | None = None) -> LocalCluster:
+        """Start every daemon and wait until each answers on its control socket and sees ``peers_up`` peers
+        (default: all the others; fewer for a test where some link is meant to fail)."""
+        for node in self.nodes.values():
+            self._launch(node)
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes.values():
+            self._wait_ready(node, deadline, peers_up)
+        return self
+
+    def restart(self, name: str, timeout_s: float = 60.0) -> None:
+        """Start a stopped or killed daemon again with its config (a node coming back) and wait until ready."""
+        node = self.nodes[name]
+        if node.process is not None and node.process.poll() is None:
+            raise RuntimeError(f"daemon {name} is still running")
+        if node.log_file:
+            node.log_file.close()
+        self._launch(node)
+        self._wait_ready(node, time.monotonic() + timeout_s)
+
+    def _launch(self, node: LocalNode) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("TRANSPORTD_SOCKET", None)
+        node.log_file = open(node.log_path, "ab")
+        node.process = subprocess.Popen([sys.executable, "-m", "transportd", "run", "--config", str(node.config_path)],
+                                        stdout=node.log_file, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _wait_ready(self, node: LocalNode, deadline: float, peers_up: int | None = None) -> None:
+        want = len(self.nodes) - 1 if peers_up is None else peers_up
+        while True:
+            if node.process is not None and node.process.poll() is not None:
+                raise RuntimeError(f"daemon {node.name} exited with {node.process.returncode}:\n{self.log(node.name)}")
+            try:
+                with ControlConnection(node.socket, timeout_ms=2000, handshake_timeout_ms=500) as conn:
+                    stats = conn.request(Stats())
+                if sum(1 for p in stats["peers"].values() if p["up"]) >= want:
+                    return
+            except DaemonUnavailableError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"daemon {node.name} not ready in time:\n{self.log(node.name)}")
+            time.sleep(0.05)
+
+    def log(self, name: str) -> str:
+        try:
+            return self.nodes[name].log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one daemon (a node failing without goodbye)."""
+        proc = self.nodes[name].process
+        if proc and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def terminate(self, name: str, timeout_s: float = 20.0) -> int:
+        """SIGTERM one daemon and wait for it; returns its exit status."""
+        proc = self.nodes[name].process
+        assert proc is not None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        return proc.returncode
+
+    def stop(self) -> None:
+        for name in self.nodes:
+            self.terminate(name)
+        for node in self.nodes.values():
+            if node.log_file:
+                node.log_file.close()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,848 @@
+"""The proxy's loop in numpy: the model of the compiled core, never run by the daemon.
+
+The daemon runs :class:`transportd.dataplane.proxy.Proxy`, whose every per-record step is the C engine
+(``transportd/core/engine.c``). This module is the same loop written with numpy, kept as the oracle of
+the differential test (``tests/transportd/dataplane/test_core_differential.py``: the same records, tables and knobs
+through both must give the same codes, rows and completion positions) and as the baseline of
+``transportd bench proxy``. A change to the loop's rules lands in both, or the differential test fails.
+
+One iteration (:meth:`Proxy.run_once`):
+
+1. **take** -- from every channel, take the records that are ready, as many as the connections its job
+   feeds can still accept (``consume_ready(max_records=...)``): when a connection is full, records stay in
+   the ring and the ring fills, so backpressure reaches the producer; nothing is dropped and nothing is
+   buffered beyond the inflight cap. Records are validated and translated in one vectorized call
+   (:mod:`transportd.dataplane.translate`); a bad one is counted and reported through the channel's error word.
+2. **post** -- rows wait per connection until a batch of ``batch_max`` commands fills, the polling
+   window (``poll_window_us``) passes, or a NO_BATCH / FENCE / QUIET command asks for it; each ready batch
+   (decoupled if asked, :mod:`transportd.dataplane.batching`) is posted under the per-connection inflight cap.
+3. **progress** -- drain the backend's completions: each posted batch has one token; map it back to the
+   ring positions it covered, free its inflight WRs, publish each channel's completion position (the first
+   ring position not yet complete, so a kernel's QUIET at ``p`` is satisfied once it is ``> p``), and
+   write REMOTE_ACCESS / TRANSPORT into the channel's error word for a completion with an error status.
+
+The ring knows nothing about RDMA and the backend knows nothing about rings: this module is the only
+place they meet. Tables are job-scoped (DESIGN.md section 5): a channel (one client's ring) resolves
+source regions through its own rank's table and destinations through its job's peer table, so a job's
+commands can only reach that job's regions.
+
+Threading: one thread runs the loop; the table methods may be called between iterations from the same
+thread (the rail worker does) or from another thread (a lock serializes them with ``run_once``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cmd_ring.record import RECORD_DTYPE, Flag, Opcode, seq_for
+from cmd_ring.ring import RingConsumer, RingFile
+from transportd.backends.interface import PLAN_DTYPE, Backend, PlanOp
+from transportd.dataplane.batching import (
+    compress_rows,
+    concat_rows,
+    cumsum_within,
+    cut_batches,
+    decouple_signals,
+    run_starts,
+    take_rows,
+)
+from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable, Translated, translate
+from transportd.errors import ErrorCode
+
+__all__ = ["ModelProxy", "completion_error_code", "META_DTYPE"]
+
+# Bookkeeping that travels with each waiting plan row (plan rows themselves are PLAN_DTYPE, for the backend).
+META_DTYPE = np.dtype(
+    [("pos", "<u8"), ("t", "<i8"), ("conn", "<i4"), ("chan", "<i4"), ("first", "?"), ("closes", "?")], align=True
+)
+
+_QUIET, _FENCE_OP, _NO_BATCH = int(Opcode.QUIET), int(Opcode.FENCE), int(Flag.NO_BATCH)
+_WRITE, _SIGNAL, _FENCE = int(PlanOp.WRITE), int(PlanOp.SIGNAL), int(PlanOp.FENCE)
+
+# Verbs work-completion statuses that mean "the remote side refused the access".
+_REMOTE_ACCESS_STATUSES = (4, 10)  # IBV_WC_LOC_PROT_ERR, IBV_WC_REM_ACCESS_ERR
+
+
+def _truncated(tr: Translated, k: int) -> Translated:
+    """``tr`` for its first ``k`` records only."""
+    m = int(np.searchsorted(tr.row_rec, k))
+    return Translated(tr.codes[:k], tr.plan[:m], tr.row_rec[:m], tr.row_conn[:m])
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
+def completion_error_code(status: np.ndarray) -> np.ndarray:
+    """ErrorCode per work-completion status: 0 stays 0, 4/10 -> REMOTE_ACCESS, anything else -> TRANSPORT."""
+    status = np.asarray(status)
+    code = np.where(np.isin(status, _REMOTE_ACCESS_STATUSES), ErrorCode.REMOTE_ACCESS, ErrorCode.TRANSPORT)
+    return np.where(status == 0, 0, code).astype(np.uint16)
+
+
+@dataclass(eq=False)
+class _Job:
+    name: str
+    peers: PeerTable = field(default_factory=PeerTable)
+    sources: dict[int, RegionTable] = field(default_factory=dict)
+    conns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def source_table(self, rank: int) -> RegionTable:
+        table = self.sources.get(rank)
+        if table is None:
+            table = self.sources[rank] = RegionTable()
+        return table
+
+
+class _Channel:
+    """One client's ring and where its records resolve; ``done`` marks completed positions (mod its size)."""
+
+    __slots__ = ("id", "ring", "consumer", "job", "rank", "sources", "gone", "completed", "done", "seqs", "mask")
+
+    def __init__(self, cid: int, ring: RingFile, job: _Job, rank: int, track: int) -> None:
+        self.id = cid
+        self.ring = ring
+        self.consumer = RingConsumer(ring)
+        self.job = job
+        self.rank = rank
+        self.sources = job.source_table(rank)
+        self.gone = False
+        self.completed = self.consumer.position  # positions before it were never this proxy's
+        ring.publish_completion(self.completed)
+        self.done = np.zeros(track, dtype=bool)
+        self.seqs = ring.seqs  # the header seq words: a one-slot peek says whether anything is ready
+        self.mask = ring.capacity - 1
+
+
+@dataclass(eq=False)
+class _Posted:
+    """The batches posted in one iteration: tokens ``first .. first+ntok-1`` and the commands they cover."""
+
+    first: int
+    tok_conn: np.ndarray
+    tok_nwr: np.ndarray
+    cmd_tok: np.ndarray
+    cmd_chan: np.ndarray
+    cmd_pos: np.ndarray
+    done: np.ndarray
+    remaining: int
+
+
+_CONN_LOG_FOLD = 64  # posts logged before their per-connection counts are folded in
+
+_COUNTERS = (
+    "iterations", "commands", "quiets", "bytes", "wrs", "writes", "signals", "signals_requested", "fences",
+    "batches", "batches_full", "batches_partial", "signal_dest_batches", "stalls", "signal_stalls", "rejected",
+    "completions", "completion_errors", "unknown_completions",
+)
+
+
+class ModelProxy:
+    """Drains command rings into one backend (one rail); see the module doc for the loop.
+
+    ``batch_max`` commands per connection per batch (<= 8); ``poll_window_us`` how long a partial batch
+    may wait for more; ``inflight_cap`` WRs posted and not completed per connection; ``decoupled`` turns
+    on Perseus signal reduction; ``max_length`` is the largest PUT; ``max_take`` caps records taken from
+    one ring per iteration (bounds the work, hence the latency, of one iteration).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        batch_max: int = 8,
+        poll_window_us: float = 50.0,
+        inflight_cap: int = 256,
+        decoupled: bool = False,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        max_take: int = 4096,
+        poll_max: int = 4096,
+        use_post_batches: bool = True,
+    ) -> None:
+        if not 1 <= batch_max <= 8:
+            raise ValueError(f"batch_max must be in 1..8, got {batch_max}")
+        if inflight_cap < 2 or max_take < 1:
+            raise ValueError("inflight_cap must be >= 2 (a PUT_SIGNAL is two WRs) and max_take >= 1")
+        self.backend = backend
+        self.batch_max = batch_max
+        self.window_ns = int(poll_window_us * 1000)
+        self.inflight_cap = inflight_cap
+        self.decoupled = decoupled
+        self.max_length = max_length
+        self.max_take = max_take
+        self.poll_max = poll_max
+        self._post_batches = getattr(backend, "post_batches", None) if use_post_batches else None
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._channels: dict[int, _Channel] = {}
+        self._conn_ids = np.zeros(0, dtype=np.int64)  # connection index -> backend conn_id
+        self._conn_index: dict[int, int] = {}
+        self._inflight = np.zeros(0, dtype=np.int64)  # WRs posted, not completed, per connection index
+        self._pending = np.zeros(0, dtype=np.int64)  # rows waiting in the proxy, per connection index
+        self._plan = np.zeros(0, dtype=PLAN_DTYPE)  # rows waiting for a batch to close or the cap to open
+        self._meta = np.zeros(0, dtype=META_DTYPE)
+        self._posted: list[_Posted] = []
+        self._next_token = 1
+        self._touched: set[int] = set()
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.batch_hist = np.zeros(9, dtype=np.int64)  # index = commands in the batch
+        self._conn_hist = np.zeros((0, 9), dtype=np.int64)  # the same, per connection index
+        self._conn_bytes = np.zeros(0, dtype=np.int64)  # payload bytes posted per connection index
+        # (batch conn, batch size, row conn, row length, row op) per post, folded into the two above in bulk
+        # (every _CONN_LOG_FOLD posts and before reporting): per-connection counting stays off the hot path
+        self._conn_log: list[tuple[np.ndarray, ...]] = []
+        self._head_seen: dict[int, tuple[int, int]] = {}  # channel -> (head position, ns it was first seen waiting)
+        self._taking = True  # False once drain() has emptied the rings: nothing more is taken
+        self.errors = np.zeros(256, dtype=np.int64)  # by ErrorCode value
+
+    # -- tables (the daemon calls these as clients join, register and leave) -------------------------------
+    def _job(self, job: str) -> _Job:
+        entry = self._jobs.get(job)
+        if entry is None:
+            entry = self._jobs[job] = _Job(job)
+        return entry
+
+    def add_channel(self, channel: int, ring: RingFile, job: str, rank: int, world: int) -> None:
+        """Start draining ``ring``: records of ``job``'s ``rank`` in a world of ``world`` ranks."""
+        with self._lock:
+            if channel in self._channels:
+                raise ValueError(f"channel {channel} already exists")
+            entry = self._job(job)
+            if entry.peers.world and entry.peers.world != world:
+                raise ValueError(f"job {job!r} has world {entry.peers.world}, channel says {world}")
+            if not 0 <= rank < world:
+                raise ValueError(f"rank {rank} is outside world {world}")
+            entry.peers.set_world(world)
+            track = 1 << max(4 * ring.capacity, 4 * self.max_take).bit_length()
+            self._channels[channel] = _Channel(channel, ring, entry, rank, track)
+
+    def mark_gone(self, channel: int) -> None:
+        """The channel's client left: later records are rejected with CLIENT_GONE, waiting ones dropped.
+
+        Work already posted completes as usual, so the daemon can wait for :meth:`busy` before reclaiming.
+        """
+        with self._lock:
+            ch = self._channels.get(channel)
+            if ch is not None:
+                ch.gone = True
+                self._drop_waiting(self._meta["chan"] == channel, ErrorCode.CLIENT_GONE)
+
+    def remove_channel(self, channel: int) -> None:
+        """Stop draining ``channel`` and forget it; completions still due for it are ignored."""
+        with self._lock:
+            ch = self._channels.pop(channel, None)
+            self._head_seen.pop(channel, None)
+            if ch is not None:
+                keep = self._meta["chan"] != channel
+                self._plan, self._meta = compress_rows(self._plan, keep), compress_rows(self._meta, keep)
+                self._recount_pending()
+
+    def forget_rank(self, job: str, rank: int) -> None:
+        """``rank`` left ``job``: its channels are marked gone and its source regions forgotten."""
+        for ch in list(self._channels.values()):
+            if ch.job.name == job and ch.rank == rank:
+                self.mark_gone(ch.id)
+        with self._lock:
+            entry = self._jobs.get(job)
+            if entry is not None and rank in entry.sources:
+                table = entry.sources[rank]
+                table.clear()
+
+    def set_source_region(self, job: str, rank: int, region: int, addr: int, length: int, lkey: int) -> None:
+        """``rank`` of ``job`` registered local region ``region`` (a source for its PUTs)."""
+        with self._lock:
+            self._job(job).source_table(rank).set(region, addr, length, lkey)
+
+    def remove_source_region(self, job: str, rank: int, region: int) -> None:
+        with self._lock:
+            self._job(job).source_table(rank).remove(region)
+
+    def set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int, rkey: int) -> None:
+        """Peer rank ``peer`` of ``job`` exposes region ``region`` (a destination for PUTs)."""
+        with self._lock:
+            self._job(job).peers.set_region(peer, region, addr, length, rkey)
+
+    def remove_remote_region(self, job: str, peer: int, region: int) -> None:
+        with self._lock:
+            self._job(job).peers.remove_region(peer, region)
+
+    def set_remote_flags(self, job: str, peer: int, addr: int, count: int, rkey: int) -> None:
+        """Peer rank ``peer``'s flag array: ``count`` u64 words at ``addr`` (slot s is at addr + 8*s)."""
+        with self._lock:
+            self._job(job).peers.set_flags(peer, addr, count, rkey)
+
+    def remove_remote_flags(self, job: str, peer: int) -> None:
+        with self._lock:
+            self._job(job).peers.remove_flags(peer)
+
+    def bind_peer(self, job: str, peer: int, conn: int) -> None:
+        """Send ``job``'s records for rank ``peer`` over backend connection ``conn``."""
+        with self._lock:
+            entry = self._job(job)
+            entry.peers.bind(peer, self._connection_index(conn))
+            entry.conns = entry.peers.connections()
+
+    def unbind_peer(self, job: str, peer: int) -> None:
+        """No connection for ``peer`` any more; its records are rejected with BAD_PEER."""
+        with self._lock:
+            entry = self._job(job)
+            entry.peers.unbind(peer)
+            entry.conns = entry.peers.connections()
+
+    def forget_peer(self, job: str, peer: int) -> None:
+        """Peer rank ``peer`` left ``job``: records for it are rejected with BAD_PEER until it is set again."""
+        with self._lock:
+            entry = self._job(job)
+            entry.peers.forget(peer)
+            entry.conns = entry.peers.connections()
+
+    def fail_connection(self, conn: int, code: int) -> None:
+        """Connection ``conn`` is gone (``code``: usually PEER_LOST; 0 when it was closed on purpose).
+
+        Its waiting rows are dropped and its posted batches are completed here (the backend may never
+        report them), with ``code`` in the error words of the channels they came from; records for the
+        peers it served are rejected with ``code`` (BAD_PEER when 0) from now on.
+        """
+        with self._lock:
+            idx = self._conn_index.get(conn)
+            if idx is None:
+                return
+            for entry in self._jobs.values():
+                for rank in np.flatnonzero(entry.peers.conn == idx):
+                    entry.peers.unbind(int(rank), code)
+                entry.conns = entry.peers.connections()
+            self._drop_waiting(self._meta["conn"] == idx, code)
+            for posted in self._posted:
+                open_tokens = np.flatnonzero((posted.tok_conn == idx) & ~posted.done)
+                if open_tokens.size:
+                    status = np.full(open_tokens.size, -1 if code else 0, dtype=np.int64)
+                    self._complete(posted, open_tokens, status, forced_code=code)
+            self._posted = [p for p in self._posted if p.remaining]
+            self._inflight[idx] = 0
+            self._advance_touched()
+
+    def _connection_index(self, conn: int) -> int:
+        idx = self._conn_index.get(conn)
+        if idx is None:
+            idx = self._conn_index[conn] = len(self._conn_ids)
+            self._conn_ids = np.append(self._conn_ids, conn)
+            self._inflight = np.append(self._inflight, 0)
+            self._pending = np.append(self._pending, 0)
+            self._conn_hist = np.vstack([self._conn_hist, np.zeros((1, 9), dtype=np.int64)])
+            self._conn_bytes = np.append(self._conn_bytes, 0)
+        return idx
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def run_once(self) -> bool:
+        """One pass: take ready records, post ready batches, drain completions. True if it did any work.
+
+        Posting comes first so a fresh record never waits behind completion handling; completions are
+        drained right after, so a fast NIC's completion (and the QUIET position) lands in the same pass.
+        """
+        with self._lock:
+            self.counters["iterations"] += 1
+            now = time.monotonic_ns()
+            took, quiet = self._take(now)
+            did = took
+            if len(self._plan):
+                did |= self._post(now, quiet)
+            did |= self._progress() > 0
+            self._advance_touched()
+            return did
+
+    def run(self, stop: threading.Event | Callable[[], bool], *, check_every: int = 64,
+            idle_sleep_s: float = 0.0) -> None:
+        """Loop until ``stop`` is set (checked every ``check_every`` iterations); yields the CPU when idle."""
+        should_stop = stop.is_set if isinstance(stop, threading.Event) else stop
+        run_once = self.run_once
+        while not should_stop():
+            for _ in range(check_every):
+                if not run_once():
+                    time.sleep(idle_sleep_s)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Watch the rings' head slots for up to ``timeout_s``: True as soon as one holds a committed record.
+
+        Reads one seq word per ring per look and takes nothing (the next :meth:`run_once` does): the idle
+        worker's cheap way to notice a record sooner than a sleep would. False at once while rows wait or
+        work is in flight: then the caller's next pass is due anyway (completions, the polling window).
+        """
+        with self._lock:
+            if not self._taking or len(self._plan) or self._posted:
+                return False
+            heads = [(ch.seqs, ch.mask, ch.consumer) for ch in self._channels.values()]
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            for seqs, mask, consumer in heads:
+                pos = consumer.position
+                if seqs[pos & mask] == seq_for(pos):
+                    return True
+            if time.perf_counter() >= deadline:
+                return False
+
+    def busy(self) -> bool:
+        """Rows are waiting in the proxy or WRs are in flight."""
+        with self._lock:
+            return bool(len(self._plan) or self._posted)
+
+    def progress(self) -> int:
+        """Drain completions now (the loop's progress hook); returns how many came."""
+        with self._lock:
+            n = self._progress()
+            self._advance_touched()
+            return n
+
+    # -- take --------------------------------------------------------------------------------------------
+    def _take(self, now: int) -> tuple[bool, list[int]]:
+        plans: list[np.ndarray] = []
+        metas: list[np.ndarray] = []
+        quiet: list[int] = []
+        took = stalled = False
+        if not self._taking:
+            return took, quiet
+        cap = self.inflight_cap
+        for ch in self._channels.values():
+            consumer = ch.consumer
+            pos = consumer.position
+            if ch.seqs[pos & ch.mask] != seq_for(pos):
+                continue  # nothing committed at the head: skip the scan (the idle loop's main cost)
+            budget = min(self.max_take, len(ch.done) - (pos - ch.completed))
+            conns = ch.job.conns
+            safe = budget  # records that fit even if they all went to the busiest connection
+            if conns.size and not ch.gone:
+                room = cap - (self._inflight[conns] + self._pending[conns])
+                budget = min(budget, int(room[room > 0].sum()))
+                safe = int(room.min()) // 2  # a command is at most two rows
+            if budget <= 0:
+                stalled = True
+                self._note_waiting(ch, now)
+                continue
+            records = consumer.consume_ready(budget, release=False)
+            n = len(records)
+            if n == 0:
+                continue
+            tr = translate(records, ch.sources, ch.job.peers, max_length=self.max_length, gone=ch.gone)
+            if n > safe:
+                k = self._admit(tr, n)
+                if k < n:  # the rest stays in the ring: it was never released
+                    stalled = True
+                    consumer.position -= n - k
+                    records, tr = records[:k], _truncated(tr, k)
+                    n = k
+                    self._note_waiting(ch, now)
+            elif n == budget < self.max_take and consumer.ready_count(1):
+                stalled = True
+                self._note_waiting(ch, now)
+            consumer.release()
+            if n == 0:
+                continue
+            took = True
+            plan, meta = self._translate(ch, records, tr, now, quiet)
+            if len(plan):
+                plans.append(plan)
+                metas.append(meta)
+                self._pending += np.bincount(meta["conn"], minlength=len(self._pending))
+        if stalled:
+            self.counters["stalls"] += 1
+        if plans:
+            if len(self._plan):
+                plans.insert(0, self._plan)
+                metas.insert(0, self._meta)
+            self._plan = concat_rows(plans)
+            self._meta = concat_rows(metas)
+        return took, quiet
+
+    def _note_waiting(self, ch: _Channel, now: int) -> None:
+        """The record at the channel's head is committed but stays in the ring: remember since when."""
+        seen = self._head_seen.get(ch.id)
+        if seen is None or seen[0] != ch.consumer.position:
+            self._head_seen[ch.id] = (ch.consumer.position, now)
+
+    def _admit(self, tr: Translated, n: int) -> int:
+        """How many leading records fit under the inflight cap (rows waiting + in flight, per connection)."""
+        rc = tr.row_conn
+        if not len(rc):
+            return n
+        load = self._inflight + self._pending
+        if (np.bincount(rc, minlength=len(load)) + load <= self.inflight_cap).all():
+            return n
+        order = np.argsort(rc, kind="stable")
+        by_conn = rc[order]
+        running = cumsum_within(run_starts(by_conn), np.ones(len(rc), dtype=np.int64))
+        over = running + self._inflight[by_conn] + self._pending[by_conn] > self.inflight_cap
+        if not over.any():
+            return n
+        return int(tr.row_rec[order[over].min()])
+
+    def _translate(self, ch: _Channel, records: np.ndarray, tr: Translated, now: int,
+                   quiet: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        n = len(records)
+        first_pos = ch.consumer.position - n
+        plan, row_rec = tr.plan, tr.row_rec
+        bad = np.flatnonzero(tr.codes)
+        self.counters["commands"] += n - len(bad)
+        if len(bad):
+            self._reject(ch, first_pos + bad, tr.codes[bad])
+        meta = np.empty(len(plan), dtype=META_DTYPE)
+        first = meta["first"]
+        if len(plan):
+            first[0] = True
+            np.not_equal(row_rec[1:], row_rec[:-1], out=first[1:])
+        with_rows = int(np.count_nonzero(first))
+        if with_rows != n:  # bad records and QUIETs have no rows: they are complete now
+            has_rows = np.zeros(n, dtype=bool)
+            has_rows[row_rec] = True
+            quiets = int(((records["opcode"] == _QUIET) & (tr.codes == 0)).sum())
+            if quiets:
+                self.counters["quiets"] += quiets
+                quiet.append(ch.id)
+            self._mark_done(ch, first_pos + np.flatnonzero(~has_rows).astype(np.uint64))
+        if len(plan):
+            meta["pos"] = row_rec + first_pos
+            meta["t"] = now
+            meta["conn"] = tr.row_conn
+            meta["chan"] = ch.id
+            rec = records if len(plan) == with_rows == n else take_rows(records, row_rec)
+            meta["closes"] = ((rec["flags"] & _NO_BATCH) != 0) | (rec["opcode"] == _FENCE_OP)
+        return plan, meta
+
+    def _reject(self, ch: _Channel, positions: np.ndarray, codes: np.ndarray) -> None:
+        """Count bad records and report each through the channel's error word (the first code sticks)."""
+        self.counters["rejected"] += len(codes)
+        np.add.at(self.errors, codes, 1)
+        for pos, code in zip(positions.tolist(), codes.tolist(), strict=True):
+            ch.ring.report_error(code, pos)
+
+    # -- post --------------------------------------------------------------------------------------------
+    def _post(self, now: int, quiet: list[int]) -> bool:
+        plan, meta = self._plan, self._meta
+        conn = meta["conn"]
+        if len(conn) > 1 and (conn[1:] < conn[:-1]).any():
+            order = np.argsort(conn, kind="stable")
+            plan, meta = take_rows(plan, order), take_rows(meta, order)
+            conn = meta["conn"]
+        b = cut_batches(conn, meta["first"], meta["closes"], self.batch_max)
+        ready = ~b.last | b.closed | (b.ncmds == self.batch_max)
+        if self.window_ns <= 0:
+            ready[:] = True
+        elif not ready.all():
+            ready |= now - meta["t"][b.start] >= self.window_ns
+            if quiet:
+                ready |= np.logical_or.reduceat(np.isin(meta["chan"], quiet), b.start)
+        rows = b.stop - b.start
+        if (self._inflight + self._pending <= self.inflight_cap).all():
+            post = ready  # every connection has room for all it has waiting
+        else:
+            conn_first = np.empty(len(b), dtype=bool)
+            conn_first[0] = True
+            conn_first[1:] = b.last[:-1]
+            inflight = self._inflight[b.conn]
+            fits = (inflight + cumsum_within(conn_first, rows) <= self.inflight_cap) | (conn_first & (inflight == 0))
+            post = ready & fits  # per connection a prefix of its batches: only the last may be open
+            blocked = ready & ~fits
+            if blocked.any() and np.logical_or.reduceat(plan["op"] == _SIGNAL, b.start)[blocked].any():
+                self.counters["signal_stalls"] += 1  # a signal ready to go waits for the NIC to complete work
+        if not post.any():
+            return False
+        if post.all():
+            self._plan = self._plan[:0]
+            self._meta = self._meta[:0]
+            row_batch = b.row_batch
+        else:
+            row_post = np.repeat(post, rows)
+            self._plan, self._meta = compress_rows(plan, ~row_post), compress_rows(meta, ~row_post)
+            plan, meta = compress_rows(plan, row_post), compress_rows(meta, row_post)
+            row_batch = (np.cumsum(post) - 1)[b.row_batch[row_post]]
+        self._recount_pending()
+        sel = post.nonzero()[0]
+        self._post_batches_now(plan, meta, row_batch, b.conn[sel], b.ncmds[sel])
+        return True
+
+    def _post_batches_now(self, plan: np.ndarray, meta: np.ndarray, row_batch: np.ndarray, bconn: np.ndarray,
+                          ncmds: np.ndarray) -> None:
+        nb = len(bconn)
+        cmd = meta["first"]
+        cmd_tok = row_batch[cmd]
+        cmd_chan = meta["chan"][cmd]
+        cmd_pos = meta["pos"][cmd]
+        c = self.counters
+        op = plan["op"]
+        if self.decoupled:
+            c["signals_requested"] += int(np.count_nonzero(op == _SIGNAL))
+            plan, row_batch = decouple_signals(plan, row_batch)
+            op = plan["op"]
+        counts = np.bincount(row_batch, minlength=nb)
+        bounds = np.zeros(nb + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        first = self._next_token
+        self._next_token += nb
+        plan["token"] = row_batch + first
+        conn_ids = self._conn_ids[bconn]
+        if self._post_batches is not None:
+            nwr = np.asarray(self._post_batches(conn_ids, plan, bounds), dtype=np.int64)
+        else:
+            post = self.backend.post
+            nwr = np.fromiter((post(cid, plan[s:e]) for cid, s, e in
+                               zip(conn_ids.tolist(), bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)),
+                              dtype=np.int64, count=nb)
+        np.add.at(self._inflight, bconn, nwr)
+        self._posted.append(_Posted(first, bconn, nwr, cmd_tok, cmd_chan, cmd_pos, np.zeros(nb, bool), nb))
+
+        ops = np.bincount(op, minlength=4)
+        nsig = int(ops[_SIGNAL])
+        c["batches"] += nb
+        full = int(np.count_nonzero(ncmds == self.batch_max))
+        c["batches_full"] += full
+        c["batches_partial"] += nb - full
+        self.batch_hist += np.bincount(ncmds, minlength=9)[:9]
+        self._conn_log.append((bconn, ncmds, bconn[row_batch], plan["length"], op))
+        if len(self._conn_log) >= _CONN_LOG_FOLD:
+            self._fold_conn_log()
+        c["wrs"] += int(nwr.sum())
+        c["writes"] += int(ops[_WRITE])
+        c["signals"] += nsig
+        c["fences"] += int(ops[_FENCE])
+        c["bytes"] += int(plan["length"].sum()) - 8 * nsig
+        if not self.decoupled:
+            c["signals_requested"] += nsig
+        if nsig:
+            is_sig = op == _SIGNAL
+            key = row_batch[is_sig].astype(np.int64) << 16 | plan["dst_rank"][is_sig]
+            c["signal_dest_batches"] += len(np.unique(key))
+
+    def _fold_conn_log(self) -> None:
+        """Add the logged posts to the per-connection batch-size histogram and payload bytes."""
+        log, self._conn_log = self._conn_log, []
+        if not log:
+            return
+        nconn = len(self._conn_ids)
+        bconn, ncmds, row_conn, length, op = (np.concatenate(parts) for parts in zip(*log, strict=True))
+        self._conn_hist += np.bincount(bconn * 9 + ncmds, minlength=nconn * 9).reshape(nconn, 9)
+        payload = np.bincount(row_conn, weights=np.where(op == _SIGNAL, 0, length), minlength=nconn)
+        self._conn_bytes += payload.astype(np.int64)
+
+    def _recount_pending(self) -> None:
+        self._pending[:] = 0
+        if len(self._meta):
+            self._pending += np.bincount(self._meta["conn"], minlength=len(self._pending))
+
+    def _drop_waiting(self, mask: np.ndarray, code: int) -> None:
+        """Take rows out of the waiting set; their records complete with ``code`` (silently when 0)."""
+        if not mask.any():
+            return
+        meta = compress_rows(self._meta, mask & self._meta["first"])
+        self._plan, self._meta = compress_rows(self._plan, ~mask), compress_rows(self._meta, ~mask)
+        self._recount_pending()
+        for chan in np.unique(meta["chan"]).tolist():
+            ch = self._channels.get(chan)
+            if ch is None:
+                continue
+            pos = np.sort(meta["pos"][meta["chan"] == chan])
+            if code:
+                self._reject(ch, pos, np.full(len(pos), code, dtype=np.uint16))
+            self._mark_done(ch, pos)
+        self._advance_touched()
+
+    # -- completions -------------------------------------------------------------------------------------
+    def _progress(self) -> int:
+        comps = self.backend.poll(self.poll_max)
+        n = len(comps)
+        if not n:
+            return 0
+        self.counters["completions"] += n
+        tokens = comps["token"].astype(np.int64)
+        status = comps["status"].astype(np.int64)
+        lo, hi = int(tokens.min()), int(tokens.max())
+        matched = 0
+        for posted in self._posted:
+            first, last = posted.first, posted.first + len(posted.done) - 1
+            if last < lo or first > hi:
+                continue
+            sel = (tokens >= first) & (tokens <= last)
+            k = int(np.count_nonzero(sel))
+            if k:
+                matched += k
+                self._complete(posted, tokens[sel] - first, status[sel])
+        self.counters["unknown_completions"] += n - matched
+        self._posted = [p for p in self._posted if p.remaining]
+        return n
+
+    def _complete(self, posted: _Posted, local: np.ndarray, status: np.ndarray, forced_code: int = 0) -> None:
+        """Tokens ``posted.first + local`` completed with ``status``: free their WRs, finish their commands."""
+        ntok = len(posted.done)
+        newly = np.zeros(ntok, dtype=bool)
+        newly[local] = True  # duplicates collapse here
+        if posted.remaining == ntok and newly.all():  # the usual case: the whole group at once
+            posted.done[:] = True
+            posted.remaining = 0
+            np.subtract.at(self._inflight, posted.tok_conn, posted.tok_nwr)
+            cmds = None
+            chans, positions = posted.cmd_chan, posted.cmd_pos
+        else:
+            newly &= ~posted.done
+            idx = newly.nonzero()[0]
+            if not len(idx):
+                return
+            posted.done[idx] = True
+            posted.remaining -= len(idx)
+            np.subtract.at(self._inflight, posted.tok_conn[idx], posted.tok_nwr[idx])
+            cmds = newly[posted.cmd_tok]
+            chans, positions = posted.cmd_chan[cmds], posted.cmd_pos[cmds]
+        if status.any():
+            tok_status = np.zeros(ntok, dtype=np.int64)
+            tok_status[local] = status
+            tok_status[~newly] = 0  # already complete before: not counted again
+            cmd_status = tok_status[posted.cmd_tok] if cmds is None else tok_status[posted.cmd_tok[cmds]]
+            failed = cmd_status != 0
+            self.counters["completion_errors"] += int(np.count_nonzero(tok_status))
+            codes = np.where(failed, forced_code, 0).astype(np.uint16) if forced_code else completion_error_code(
+                cmd_status)
+            for chan in np.unique(chans[failed]).tolist():
+                ch = self._channels.get(chan)
+                if ch is not None:
+                    sel = (chans == chan) & failed
+                    self._reject(ch, positions[sel], codes[sel])
+        if len(chans) and chans[0] == chans[-1] and (chans == chans[0]).all():
+            ch = self._channels.get(int(chans[0]))
+            if ch is not None:
+                self._mark_done(ch, positions)
+            return
+        for chan in np.unique(chans).tolist():
+            ch = self._channels.get(chan)
+            if ch is not None:
+                self._mark_done(ch, positions[chans == chan])
+
+    def _mark_done(self, ch: _Channel, positions: np.ndarray) -> None:
+        if len(positions):
+            ch.done[positions % np.uint64(len(ch.done))] = True
+            self._touched.add(ch.id)
+
+    def _advance_touched(self) -> None:
+        """Publish each touched channel's completion position: the first position not yet complete."""
+        for chan in self._touched:
+            ch = self._channels.get(chan)
+            if ch is None:
+                continue
+            start, end = ch.completed, ch.consumer.position
+            size = len(ch.done)
+            s = start % size
+            head = ch.done[s : min(size, s + end - start)]
+            k = len(head) if head.all() else int(head.argmin())
+            if k == len(head) and s + (end - start) > size:
+                tail = ch.done[: end - start - len(head)]
+                k += len(tail) if tail.all() else int(tail.argmin())
+            if k:
+                if s + k <= size:
+                    ch.done[s : s + k] = False
+                else:
+                    ch.done[s:] = False
+                    ch.done[: s + k - size] = False
+                ch.completed = start + k
+                ch.ring.publish_completion(ch.completed)
+        self._touched.clear()
+
+    # -- reporting ---------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters as a plain dict (msgpack/JSON-able) for ``transportctl stats``.
+
+        ``commands`` good records taken (QUIETs included, ``quiets`` of them); ``rejected`` bad ones, by code
+        in ``errors`` (completion errors included); ``wrs``/``writes``/``signals``/``fences``/``bytes`` what
+        was posted (``signals_requested``: signals before decoupled reduction); ``batch_hist[i]`` batches
+        of ``i+1`` commands; ``signals_per_dest_batch`` signals per (batch, destination) pair that had one.
+        ``stalls``: iterations in which the inflight cap left ready records in a ring. ``signal_stalls``:
+        iterations in which a ready batch holding a signal had to wait for completions; the proxy never
+        drains a CQ to order a signal and admits records only with room for them, so this stays 0 unless
+        a backend turns rows into more WRs than the proxy counted.
+        """
+        with self._lock:
+            out: dict[str, Any] = dict(self.counters)
+            pairs = out["signal_dest_batches"]
+            out["signals_per_dest_batch"] = out["signals"] / pairs if pairs else 0.0
+            out["batch_hist"] = [int(x) for x in self.batch_hist[1 : self.batch_max + 1]]
+            out["errors"] = {_code_name(int(code)): int(self.errors[code]) for code in np.flatnonzero(self.errors)}
+            out["pending_rows"] = len(self._plan)
+            out["inflight"] = {str(int(self._conn_ids[i])): int(v) for i, v in enumerate(self._inflight) if v}
+            out["channels"] = len(self._channels)
+            out["channels_gone"] = sum(ch.gone for ch in self._channels.values())
+            out["decoupled"] = self.decoupled
+            out["batch_max"] = self.batch_max
+            out["inflight_cap"] = self.inflight_cap
+            out["poll_window_us"] = self.window_ns / 1000
+            return out
+
+    def queue_stats(self) -> dict[str, Any]:
+        """Per ring and per connection queue state (``transportctl queues``, metrics), msgpack/JSON-able.
+
+        ``rings``: ``depth`` records committed and not yet taken; ``credits`` slots producers may still
+        claim (capacity minus depth: a slot claimed but not yet committed is invisible to the host);
+        ``oldest_age_us`` how long the record at the head has waited, counted from when the proxy first
+        saw it committed and left it in the ring (0 for an empty ring); ``outstanding`` records taken but
+        not yet complete. ``connections``: ``inflight`` WRs posted and not completed, ``pending`` rows
+        waiting for their batch, batches full/partial, ``batch_hist`` (index i: batches of i+1 commands)
+        and payload ``bytes`` posted.
+        """
+        with self._lock:
+            self._fold_conn_log()
+            now = time.monotonic_ns()
+            rings = []
+            for ch in self._channels.values():
+                pos = ch.consumer.position
+                depth = ch.consumer.ready_count()
+                age_us = 0.0
+                if depth:
+                    seen = self._head_seen.get(ch.id)
+                    if seen is None or seen[0] != pos:
+                        seen = self._head_seen[ch.id] = (pos, now)
+                    age_us = (now - seen[1]) / 1000
+                capacity = ch.ring.capacity
+                rings.append({"channel": ch.id, "job": ch.job.name, "rank": ch.rank, "capacity": capacity,
+                              "depth": depth, "credits": capacity - depth, "oldest_age_us": age_us, "taken": pos,
+                              "outstanding": pos - ch.completed, "gone": ch.gone, "error": ch.ring.error[0]})
+            conns = []
+            for idx, conn_id in enumerate(self._conn_ids.tolist()):
+                hist = self._conn_hist[idx]
+                full = int(hist[self.batch_max])
+                conns.append({"conn": conn_id, "inflight": int(self._inflight[idx]),
+                              "pending": int(self._pending[idx]), "batches_full": full,
+                              "batches_partial": int(hist[1:].sum()) - full,
+                              "batch_hist": [int(x) for x in hist[1 : self.batch_max + 1]],
+                              "bytes": int(self._conn_bytes[idx])})
+            return {"rings": rings, "connections": conns}
+
+    def drain(self, timeout_s: float = 5.0) -> bool:
+        """Shutdown: take every record committed so far, post it, wait for its completions.
+
+        Records committed while the first ones drain are taken too, until every ring has been emptied
+        once up to the head it had when the drain began; after that nothing more is taken (a client
+        that keeps producing cannot hold the daemon up), and what was taken is posted and completed.
+        Bounded by ``timeout_s``; True when nothing is left waiting or in flight.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            targets = {c.id: c.consumer.position + c.consumer.ready_count() for c in self._channels.values()}
+        while time.monotonic() < deadline:
+            with self._lock:
+                behind = [c for c in self._channels.values() if c.consumer.position < targets.get(c.id, 0)]
+            if not behind:
+                break
+            self.run_once()
+        self._taking = False
+        while self.busy() and time.monotonic() < deadline:
+            self.run_once()
+        return not self.busy()
+
+    def completion_position(self, channel: int) -> int:
+        """The channel's published completion position."""
+        return self._channels[channel].completed
+
+
+assert RECORD_DTYPE.itemsize == 48
