@@ -15,7 +15,7 @@ import zmq
 import gpuclient
 from cmd_ring import RECORD_DTYPE, Opcode
 from tests.e2e.conftest import close_ranks, join_ranks
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 from transportd.control import codec
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Stats

@@ -17,7 +17,7 @@ import pytest
 
 import gpuclient
 from tests.e2e.test_bad_input import CLIENT
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Hello, Join
 from transportd.errors import RequestError, SessionLostError, TransportdError

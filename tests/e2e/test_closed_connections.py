@@ -7,7 +7,7 @@ import json
 
 from tests.e2e.conftest import close_ranks, join_ranks
 from tests.ops.conftest import ctl
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 
 def _queue_rows(socket: str) -> list[dict]:

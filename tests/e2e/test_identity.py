@@ -20,7 +20,7 @@ import pytest
 
 import gpuclient
 from tests.e2e.conftest import GROUP, close_ranks, join_ranks
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 from transportd.control.client import ControlConnection
 from transportd.control.fdchannel import FdClient
 from transportd.control.protocol import Hello, Inspect, Join, PassFd, Register, Stats

@@ -16,7 +16,7 @@ import pytest
 import gpuclient
 from tests.e2e.conftest import GROUP
 from tests.e2e.test_identity import _run_as
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 from transportd.control import codec
 
 TIMEOUT_S, MAX_UNVOUCHED = 1.0, 8  # so 2 per uid

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from tests.ops.conftest import ctl
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 
 def _running(pid: int) -> bool:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from efa.backend import EfaBackend
-from tests.soft_backend_support import verbs, wait_for, wait_until  # noqa: F401  (fixtures)
+from tests.support.soft_backend import verbs, wait_for, wait_until  # noqa: F401  (fixtures)
 from transportd.backends.interface import PLAN_DTYPE, MemoryKey, PlanOp, SignalOp
 
 CONN = 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from tests.node_process import NodeProcess, run_pair
+from tests.support.node_process import NodeProcess, run_pair
 
 NODE = Path(__file__).with_name("mp_node.py")
 Node = partial(NodeProcess, NODE)

@@ -23,7 +23,7 @@ import pytest
 
 from softverbs._memory import HostAccessor
 from tests.efa.conftest import Link
-from tests.soft_backend_support import wait_until
+from tests.support.soft_backend import wait_until
 from transportd import _core
 from transportd.backends.interface import SignalOp
 from transportd.dataplane.flag_publication import (

@@ -4,7 +4,7 @@ CUDA MPS: where ``nvidia-cuda-mps-control`` exists, a private MPS daemon is star
 loaded (before anything here creates a CUDA context: a context made earlier is not an MPS client) and
 stopped at the end; the daemons, rail workers and rank processes the tests start inherit its
 ``CUDA_MPS_*`` variables. The run's header and summary say whether it ran. ``TRANSPORTD_GPU_MPS=0`` runs
-without it (``tests/mps_support.py``, ``transportd_cli.mps``); a run that deselects GPU tests starts nothing.
+without it (``tests/support/mps.py``, ``transportd_cli.mps``); a run that deselects GPU tests starts nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.cuda_support import gpu_unavailable
-from tests.mps_support import (  # noqa: F401  (hooks: the run's MPS daemon)
+from tests.support.cuda import gpu_unavailable
+from tests.support.mps import (  # noqa: F401  (hooks: the run's MPS daemon)
     pytest_configure,
     pytest_report_header,
     pytest_terminal_summary,

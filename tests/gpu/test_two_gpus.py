@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.cuda_support import gpu_unavailable
 from tests.gpu.test_gpu_transfer import RANK, ROOT, SLOW_START, RankProcess
+from tests.support.cuda import gpu_unavailable
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Stats
 

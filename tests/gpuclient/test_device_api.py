@@ -17,7 +17,7 @@ from cmd_ring import get_include as cmd_ring_include
 from gpuclient.compiler import _pack, nvrtc_options
 from gpuclient.cuda_memory import _c_contiguous, is_device_buffer
 from gpuclient.device_channel import CHANNEL_DTYPE, CHANNEL_SIZE, RING_DTYPE, ChannelStruct
-from tests.nvrtc_support import nvrtc_or_skip
+from tests.support.nvrtc import nvrtc_or_skip
 from transportd.control.protocol import Flags
 from transportd.errors import error_code_c_enum
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.node_process import NodeProcess, run_pair
+from tests.support.node_process import NodeProcess, run_pair
 
 NODE = Path(__file__).with_name("mp_node.py")
 Node = partial(NodeProcess, NODE)

@@ -26,8 +26,8 @@ from ibgda import mlx5_layout as L
 from ibgda.channel_tables import HostAlloc, build_channel
 from ibgda.device_handle import QP_STATE_DTYPE, SignalMode
 from ibgda.soft_mlx5 import SoftMlx5Queue
-from tests import waiting
-from tests.mps_support import (  # noqa: F401  (hooks: the run's CUDA MPS daemon for the GPU tests here)
+from tests.support import waiting
+from tests.support.mps import (  # noqa: F401  (hooks: the run's CUDA MPS daemon for the GPU tests here)
     pytest_configure,
     pytest_report_header,
     pytest_terminal_summary,

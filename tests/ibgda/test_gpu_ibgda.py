@@ -18,8 +18,8 @@ import pytest
 import ibgda
 from ibgda.channel_tables import build_channel
 from ibgda.device_handle import SignalMode
-from tests.cuda_support import gpu_unavailable
 from tests.ibgda.conftest import DATA_BYTES, NFLAGS, Link
+from tests.support.cuda import gpu_unavailable
 
 pytestmark = pytest.mark.gpu
 

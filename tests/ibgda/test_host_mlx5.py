@@ -129,8 +129,8 @@ def test_cpu_sees_a_remote_access_error(queues, host_lib) -> None:
 
 @pytest.mark.gpu
 def test_gpu_posts_to_a_connectx(queues) -> None:
-    from tests.cuda_support import gpu_unavailable
     from tests.ibgda.test_gpu_ibgda import KERNELS
+    from tests.support.cuda import gpu_unavailable
 
     reason = gpu_unavailable()
     if reason:

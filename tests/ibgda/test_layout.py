@@ -16,7 +16,7 @@ import pytest
 from ibgda import device_handle as H
 from ibgda import mlx5_layout as L
 from tests.ibgda.conftest import HERE, INCLUDES, compiler, include_flags
-from tests.nvrtc_support import nvrtc_or_skip
+from tests.support.nvrtc import nvrtc_or_skip
 
 STRUCTS = {
     "CtrlSeg": (L.CTRL_SEG_DTYPE, {"opmod_idx_opcode_be": "opmod", "qpn_ds_be": "qpn_ds", "signature": "signature",

@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.e2e.conftest import Rank, close_ranks, join_ranks
-from tests.waiting import wait_until  # noqa: F401  (the ops tests import it from here)
+from tests.support.waiting import wait_until  # noqa: F401  (the ops tests import it from here)
 from transportd_cli.ctl import main as ctl_main
 from transportd_cli.localcluster import LocalCluster, free_port
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 from transportd.control.client import ControlConnection
 from transportd.control.curve import generate_keypair
 from transportd.control.protocol import Selftest, Stats

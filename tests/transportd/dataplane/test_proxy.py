@@ -496,7 +496,7 @@ def test_rail_serve_loop_takes_sparse_records_and_serves_its_link_while_idle(tmp
 
     import zmq
 
-    from tests.waiting import wait_until
+    from tests.support.waiting import wait_until
     from transportd.control import codec
     from transportd.dataplane import worker as rail
     from transportd.dataplane.worker_link import WorkerEndpoint

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests import waiting
+from tests.support import waiting
 from transportd.backends import verbs as tverbs
 
 
