@@ -23,7 +23,7 @@ def test_a_late_reply_is_not_taken_for_the_next_calls() -> None:
 
 def test_a_slow_call_keeps_the_peers_heartbeats_going() -> None:
     """A daemon stuck in a worker call serves nothing, but its peers must not declare it lost meanwhile."""
-    from tests.transportd.test_peers import Events, pump
+    from tests.transportd.control.test_peers import Events, pump
 
     from transportd_cli.localcluster import free_port
 
