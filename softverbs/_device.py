@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _wire as w
-from ._core import RequesterRx, Responder
+from ._requester import ResponseFrameHandler
+from ._responder import RequestFrameHandler
 
 log = logging.getLogger("softverbs")
 
@@ -75,7 +76,7 @@ class Conn:
         self.sock = sock
         self.role = role
         self.peer = peer
-        self.handler = device.core_responder if role == "rsp" else device.core_requester
+        self.handler = device.request_handler if role == "rsp" else device.response_handler
         self.lock = threading.Lock()
         self.outq: deque[memoryview] = deque()
         self.closed = False
@@ -346,8 +347,8 @@ class SoftDevice:
         self._listener: socket.socket | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
-        self.core_responder = Responder(self)
-        self.core_requester = RequesterRx(self)
+        self.request_handler = RequestFrameHandler(self)  # frames on connections peers opened to us
+        self.response_handler = ResponseFrameHandler(self)  # frames on the connections we opened
 
     # --------------------------------------------------------------- lifecycle
     def acquire(self) -> None:
@@ -506,7 +507,7 @@ class SoftDevice:
                             data.pump()
                 while self._actions:
                     self._actions.popleft()()
-                self.core_responder.on_idle()
+                self.request_handler.on_idle()
                 now = time.monotonic()
                 while self._timers and self._timers[0][0] <= now:
                     heapq.heappop(self._timers)[2]()
@@ -582,7 +583,7 @@ class SoftDevice:
             with self.lock:
                 if self.out_conns.get(conn.peer) is conn:
                     del self.out_conns[conn.peer]
-            self.core_requester.conn_lost(conn)
+            self.response_handler.conn_lost(conn)
         else:
             self.in_conns.discard(conn)
             self._dirty_rsp.discard(conn)

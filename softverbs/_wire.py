@@ -49,3 +49,5 @@ F_SRD = 1 << 4
 RNR_SHIFT = 1
 
 MAX_DESCS_PER_FRAME = 4096
+
+MASK64 = (1 << 64) - 1  # the u64 fields (add, swap, value) wrap as the hardware's 64-bit atomics do

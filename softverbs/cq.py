@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ._base import SoftCM, SoftObject
-from ._core import CQCore
+from ._cq import CQCore
 from .pyverbs_error import PyverbsRDMAError, PyverbsUserError
 
 __all__ = ["CQ", "CQEX", "CqInitAttrEx", "PollCqAttr", "WC"]

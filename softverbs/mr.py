@@ -13,8 +13,8 @@ from typing import Any
 
 from . import libibverbs_enums as e
 from ._base import SoftCM
-from ._core import MRCore
 from ._memory import ACCESSORS, alloc_host, host_view
+from ._mr import MRCore
 from .pyverbs_error import PyverbsRDMAError, PyverbsUserError
 
 __all__ = ["MR"]

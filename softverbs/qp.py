@@ -3,7 +3,7 @@
 State changes are checked like the kernel's ib_modify_qp_is_ok: each transition needs its attribute mask
 (INIT: pkey, port, access flags; RTR: address, path MTU, dest QPN, RQ PSN, max_dest_rd_atomic,
 min_rnr_timer; RTS: SQ PSN, timeout, retry counts, max_rd_atomic), and nothing else may be in the mask.
-Posting checks follow the provider (mlx5 for ib devices, EFA for SRD QPs); see softverbs._core.
+Posting checks follow the provider (mlx5 for ib devices, EFA for SRD QPs); see softverbs._requester.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import Any
 from . import _wire as w
 from . import libibverbs_enums as e
 from ._base import SoftCM, SoftObject
-from ._core import ERR, INIT, OP_SEND_OPS_BIT, QPT_RC, RESET, RTR, RTS, QPCore
+from ._ibv import ERR, INIT, QPT_RC, RESET, RTR, RTS
 from ._memory import host_view
+from ._qp import QPCore
+from ._requester import OP_SEND_OPS_BIT
 from .addr import AHAttr, resolve_endpoint
 from .pyverbs_error import PyverbsRDMAError, PyverbsUserError
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from softverbs._core import WR_TO_OP
+from softverbs._requester import WR_TO_OP
 from softverbs.pyverbs_error import PyverbsUserError
 
 __all__ = ["BATCH_WR_DTYPE", "WC_BATCH_DTYPE", "SET_SGE", "SET_INLINE", "SET_SGE_LIST", "post_wr_batch",

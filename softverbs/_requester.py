@@ -1,0 +1,671 @@
+"""The requester half of a QP: posting, transmission, requester completions, and the responses that arrive.
+
+A posted WR becomes a `SendEntry` in the QP's transmit queue. Transmission walks the queue in order (an RC
+send queue is processed in order): a WR carrying IBV_SEND_FENCE waits until every earlier RDMA read and
+atomic on the QP has completed, and reads/atomics wait while `max_rd_atomic` of them are outstanding. Local
+keys are checked when a WR is transmitted, as the NIC does when it fetches the WQE. A requester completion is
+produced only when the responder's acknowledgement arrives. RC completions come out in post order; SRD
+completions in whatever order the acknowledgements arrive.
+
+What IBV_SEND_FENCE orders (ibv_post_send(3), IBTA "fence indicator"): the fenced WR is not started until
+all prior RDMA Read and Atomic WRs on the same QP have completed. It does not wait for prior RDMA Writes or
+Sends to be placed or acknowledged; on an in-order RC path those are ordered anyway, under adaptive routing
+they are not. So a fenced flag write is ordered after the payload only if a read or an atomic sits between
+them (a read or atomic executes at the responder after every earlier write on the QP is placed).
+
+`ResponseFrameHandler` is the device's handler for frames on its requester connections: it hands each
+frame's responses to their QPs.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from . import _wire as w
+from ._ibv import (
+    ERR,
+    FENCE,
+    FLUSH,
+    INIT,
+    INLINE,
+    LOC_LEN,
+    LOC_PROT,
+    LOC_QP_OP,
+    LOCAL_WRITE,
+    OK,
+    RESET,
+    RESP_TIMEOUT,
+    RETRY_EXC,
+    RTR,
+    RTS,
+    SIGNALED,
+    SQD,
+    WC_COMP_SWAP,
+    WC_FETCH_ADD,
+    WC_RDMA_READ,
+    WC_RDMA_WRITE,
+    WC_SEND,
+    mtu_bytes,
+)
+from ._memory import host_view
+from ._mr import MRCore, scatter
+from .pyverbs_error import PyverbsUserError
+
+if TYPE_CHECKING:  # annotations only: the device owns the QPs and their connections
+    from ._device import Conn, SoftDevice
+
+# ibv_wr_opcode -> wire op
+WR_TO_OP = {0: w.OP_WRITE, 1: w.OP_WRITE_IMM, 2: w.OP_SEND, 3: w.OP_SEND_IMM, 4: w.OP_READ,
+            5: w.OP_CSWAP, 6: w.OP_FADD}
+_RC_WC_OPCODE = {w.OP_WRITE: WC_RDMA_WRITE, w.OP_WRITE_IMM: WC_RDMA_WRITE, w.OP_SEND: WC_SEND,
+                 w.OP_SEND_IMM: WC_SEND, w.OP_READ: WC_RDMA_READ, w.OP_FADD: WC_FETCH_ADD,
+                 w.OP_CSWAP: WC_COMP_SWAP}
+# EFA reports RDMA write for writes and IBV_WC_SEND for everything else on the send queue, reads included.
+_EFA_WC_OPCODE = {w.OP_WRITE: WC_RDMA_WRITE, w.OP_WRITE_IMM: WC_RDMA_WRITE}
+# send_ops_flags bit needed for each wire op on an extended QP
+OP_SEND_OPS_BIT = {w.OP_WRITE: 1 << 0, w.OP_WRITE_IMM: 1 << 1, w.OP_SEND: 1 << 2, w.OP_SEND_IMM: 1 << 3,
+                   w.OP_READ: 1 << 4, w.OP_CSWAP: 1 << 5, w.OP_FADD: 1 << 6}
+
+
+class SendEntry:
+    """One posted send-queue WR. Class attributes are the defaults, so posting sets only what it needs."""
+
+    seq = 0
+    sges: list[tuple[int, int, int]] = []
+    inline: bytes | None = None
+    rkey = 0
+    raddr = 0
+    imm = 0
+    add = 0
+    swap = 0
+    status: int | None = None
+    byte_len = 0
+    dest: tuple[str, int] | None = None
+    dest_qpn = 0
+    qkey = 0
+    conn: Conn | None = None
+    local: list[tuple[MRCore, int, int]] = []
+
+    def __init__(self, wr_id: int, op: int, flags: int, sig_all: bool) -> None:
+        self.wr_id = wr_id
+        self.op = op
+        self.signaled = sig_all or bool(flags & SIGNALED)
+        self.fence = bool(flags & FENCE)
+
+    def length(self) -> int:
+        if self.inline is not None:
+            return len(self.inline)
+        n = 0
+        for sge in self.sges:
+            n += sge[1]
+        return n
+
+
+class QPRequester:
+    """The requester half of `QPCore` (posting, transmission, completions, responses), mixed into it.
+
+    Runs under the QP's `lock`; `QPCore` holds what both halves share (state, attributes, caps, CQs).
+    """
+
+    def _init_requester(self) -> None:
+        self.next_seq = 1
+        self.sq_posted = 0
+        self.sq_retired = 0
+        self.order: deque[SendEntry] = deque()
+        self.txq: deque[SendEntry] = deque()
+        self.inflight: dict[int, SendEntry] = {}
+        self.rd_out = 0
+        self.unsig = 0
+        self.tx_psn = 0
+        self.tx_halted = False
+        self.sess: list[SendEntry] | None = None
+        self.sess_err = 0
+        self.inbox: deque[list[tuple]] = deque()  # response batches not yet applied (see `rx_responses`)
+
+    def _sq_full(self, extra: int) -> bool:
+        return max(0, self.sq_posted - self.sq_retired) + extra >= self.max_send_wr
+
+    def validate_legacy(self, wr: tuple, nreq: int) -> int:
+        """post_send checks, per provider, returning an errno (0 = accepted)."""
+        _wr_id, opcode, flags, sges, _imm, _rkey, _raddr, _ca, _sw, _ud = wr
+        if self.efa:  # providers/efa/verbs.c efa_post_send_validate{,_wr}
+            if self.state not in (RTS, SQD):
+                return errno.EINVAL
+            if not (flags & SIGNALED) and not self.sq_sig_all:
+                return errno.EINVAL
+            if flags & ~(SIGNALED | INLINE):
+                return errno.EINVAL
+            if self._sq_full(nreq):
+                return errno.ENOMEM
+            if opcode not in (2, 3):  # only SEND / SEND_WITH_IMM through ibv_post_send
+                return errno.EINVAL
+            if flags & INLINE:
+                if sum(s[1] for s in sges) > self.max_inline:
+                    return errno.EINVAL
+            elif len(sges) > self.max_send_sge:
+                return errno.EINVAL
+            return 0
+        # mlx5 (providers/mlx5/qp.c _mlx5_post_send); soft also refuses posting before RTS, where a real
+        # QP would silently hold the WR forever.
+        if self.state in (RESET, INIT, RTR):
+            return errno.EINVAL
+        if opcode not in WR_TO_OP:
+            return errno.EINVAL
+        if self._sq_full(nreq):
+            return errno.ENOMEM
+        if len(sges) > self.max_send_sge:
+            return errno.ENOMEM
+        if flags & INLINE and WR_TO_OP[opcode] in w.DATA_OPS:
+            if sum(s[1] for s in sges) > self.max_inline:
+                return errno.ENOMEM
+        return 0
+
+    def post_legacy(self, wrs: list[tuple]) -> tuple[int, int]:
+        """ibv_post_send: WRs before the first bad one are posted; returns (errno, index of the bad WR)."""
+        with self.lock:
+            err, bad = 0, -1
+            for i, wr in enumerate(wrs):
+                err = self.validate_legacy(wr, 0)  # earlier WRs of the chain are already counted as posted
+                if err:
+                    bad = i
+                    break
+                wr_id, opcode, flags, sges, imm, rkey, raddr, cmp_add, swap, ud = wr
+                e = SendEntry(wr_id, WR_TO_OP[opcode], flags, self.sq_sig_all)
+                op = e.op
+                if op in w.DATA_OPS and flags & INLINE:
+                    e.inline = b"".join(bytes(host_view(a, n)) for a, n, _k in sges)
+                else:
+                    e.sges = list(sges)
+                e.imm = imm
+                e.rkey, e.raddr = rkey, raddr
+                if op == w.OP_CSWAP:
+                    e.add, e.swap = cmp_add, swap
+                elif op == w.OP_FADD:
+                    e.add = cmp_add
+                if ud is not None:
+                    e.dest, e.dest_qpn, e.qkey = ud
+                self._enqueue(e)
+            self._kick()
+        if self.inbox:
+            self.drain_inbox()
+        return err, bad
+
+    # -- extended API session (ibv_wr_start .. ibv_wr_complete)
+    def session_start(self) -> None:
+        self.sess = []
+        self.sess_err = 0
+
+    def session_op(self, op: int, wr_id: int, flags: int, rkey: int = 0, raddr: int = 0, imm: int = 0,
+                   add: int = 0, swap: int = 0) -> None:
+        """One wr_* call inside a session; a refusal is remembered and reported by wr_complete()."""
+        sess = self.sess
+        if sess is None:
+            raise PyverbsUserError("wr_* called outside wr_start()/wr_complete()")
+        if self.sess_err:
+            return
+        full = self.sq_posted - self.sq_retired + len(sess) >= self.max_send_wr
+        if self.efa:  # efa_post_send_validate order: state, signaled, flags, queue space
+            if self.state not in (RTS, SQD) or (not (flags & SIGNALED) and not self.sq_sig_all) \
+                    or flags & ~(SIGNALED | INLINE):
+                self.sess_err = errno.EINVAL
+                return
+            if full:
+                self.sess_err = errno.ENOMEM
+                return
+        else:
+            if full:
+                self.sess_err = errno.ENOMEM
+                return
+            if self.state < RTS:
+                self.sess_err = errno.EINVAL
+                return
+        e = SendEntry(wr_id, op, flags, self.sq_sig_all)
+        if rkey:
+            e.rkey = rkey
+        if raddr:
+            e.raddr = raddr
+        if imm:
+            e.imm = imm
+        if add:
+            e.add = add
+        if swap:
+            e.swap = swap
+        sess.append(e)
+
+    def session_set_sge(self, addr: int, length: int, lkey: int) -> None:
+        """wr_set_sge: the fast single-SGE form of session_set_sges."""
+        sess = self.sess
+        if sess and not self.sess_err:
+            e = sess[-1]
+            e.sges = ((addr, length, lkey),)
+            e.inline = None
+        elif sess is None:
+            self._sess_cur()
+
+    def _sess_cur(self) -> SendEntry | None:
+        if self.sess is None:
+            raise PyverbsUserError("wr_set_* called outside wr_start()/wr_complete()")
+        if self.sess_err or not self.sess:
+            return None
+        return self.sess[-1]
+
+    def session_set_sges(self, sges: list[tuple[int, int, int]]) -> None:
+        e = self._sess_cur()
+        if e is None:
+            return
+        if self.efa:
+            limit = 1 if e.op in (w.OP_WRITE, w.OP_WRITE_IMM, w.OP_READ) else self.max_send_sge
+            if len(sges) > limit:
+                self.sess_err = errno.EINVAL
+                return
+        elif len(sges) > self.max_send_sge:
+            self.sess_err = errno.ENOMEM
+            return
+        e.sges = list(sges)
+        e.inline = None
+
+    def session_set_inline(self, data: bytes) -> None:
+        e = self._sess_cur()
+        if e is None:
+            return
+        if len(data) > self.max_inline:
+            self.sess_err = errno.EINVAL if self.efa else errno.ENOMEM
+            return
+        if self.efa and e.op not in (w.OP_SEND, w.OP_SEND_IMM):
+            # rdma-core 59 would copy the bytes over the RDMA descriptor (the remote address); later
+            # releases refuse it. Refuse, so a backend never relies on inline RDMA on EFA.
+            self.sess_err = errno.EINVAL
+            return
+        e.inline = data
+        e.sges = []
+
+    def session_set_ud(self, dest: tuple[str, int] | None, qpn: int, qkey: int) -> None:
+        e = self._sess_cur()
+        if e is None:
+            return
+        e.dest, e.dest_qpn, e.qkey = dest, qpn, qkey
+
+    def session_complete(self) -> int:
+        with self.lock:
+            sess, err = self.sess, self.sess_err
+            self.sess = None
+            if sess is None:
+                raise PyverbsUserError("wr_complete() without wr_start()")
+            if err:
+                return err
+            seq = self.next_seq
+            for e in sess:
+                e.seq = seq
+                seq += 1
+            self.next_seq = seq
+            self.sq_posted += len(sess)
+            if not self.srd:
+                self.order.extend(sess)
+            self.txq.extend(sess)
+            self._kick()
+        if self.inbox:
+            self.drain_inbox()
+        return 0
+
+    def session_abort(self) -> None:
+        self.sess = None
+
+    # -- queueing and transmission
+    def _enqueue(self, e: SendEntry) -> None:
+        e.seq = self.next_seq
+        self.next_seq += 1
+        self.sq_posted += 1
+        if not self.srd:
+            self.order.append(e)
+        self.txq.append(e)
+
+    def _kick(self) -> None:
+        if self.state == ERR:
+            self._flush_sq()
+        else:
+            self._pump_tx()
+
+    def _ar(self) -> bool:
+        return self.device.options.adaptive_routing if self.ar is None else self.ar
+
+    def _check_local(self, e: SendEntry) -> int:
+        """Resolve the WR's local SGEs: lkey, PD, bounds, and LOCAL_WRITE where the NIC writes."""
+        sges = e.sges
+        if len(sges) == 1 and e.op in w.DATA_OPS:
+            addr, length, lkey = sges[0]
+            mr = self.device.mrs_by_lkey.get(lkey)
+            if mr is not None and mr.valid and mr.pd is self.pd and mr.addr <= addr \
+                    and addr + length <= mr.addr + mr.length:
+                e.local = ((mr, addr, length),)
+                return OK
+            if length:
+                return LOC_PROT
+        lookup = self.device.mrs_by_lkey
+        needs_write = e.op in w.RD_ATOMIC_OPS
+        local = []
+        for addr, length, lkey in e.sges:
+            if length == 0:
+                continue
+            mr = lookup.get(lkey)
+            if mr is None or not mr.valid or mr.pd is not self.pd or addr < mr.addr \
+                    or addr + length > mr.addr + mr.length:
+                return LOC_PROT
+            if needs_write and not mr.access & LOCAL_WRITE:
+                return LOC_PROT
+            local.append((mr, addr, length))
+        if e.op in (w.OP_FADD, w.OP_CSWAP) and sum(x[2] for x in local) != 8:
+            return LOC_LEN
+        e.local = local
+        return OK
+
+    def _pump_tx(self) -> None:
+        """Transmit queued WRs in order, as far as fence and outstanding-read limits allow (lock held)."""
+        txq = self.txq
+        if not txq or self.tx_halted:
+            return
+        frames: dict[Conn, tuple[list[bytes], list[Any]]] = {}
+        dev = self.device
+        srd = self.srd
+        base_flags = (w.F_SRD if srd else (w.F_AR if self._ar() else 0)) | ((self.rnr_retry & 7) << w.RNR_SHIFT)
+        mtu_code = self.path_mtu
+        mtu = mtu_bytes(mtu_code)
+        pack = w.REQ.pack
+        qpn = self.qpn
+        inflight = self.inflight
+        data_ops = w.DATA_OPS
+        rd_ops = w.RD_ATOMIC_OPS
+        max_rdma = dev.options.max_rdma_size
+        failed: list[SendEntry] = []
+        last_dest: Any = None
+        conn: Conn | None = None
+        descs: list[bytes] = []
+        payloads: list[Any] = []
+        while txq:
+            e = txq[0]
+            op = e.op
+            if op == 1 and not srd and not e.fence and e.status is None and conn is not None \
+                    and self.remote == last_dest:
+                # fast path: an RC write to the connection of the previous WR
+                txq.popleft()
+                if self._check_local(e):
+                    e.status = LOC_PROT
+                    self.tx_halted = True
+                    break
+                length = e.length()
+                psn = self.tx_psn
+                self.tx_psn = (psn + (-(-length // mtu) or 1)) & 0xFFFFFF
+                e.conn = conn
+                descs.append(pack(self.dest_qpn, qpn, e.seq, 1, base_flags, mtu_code, 0, e.rkey, 0, e.raddr,
+                                  length, psn, 0, 0))
+                if e.inline is not None:
+                    payloads.append(e.inline)
+                for mr, addr, n in e.local:
+                    view = mr.view
+                    if view is not None:
+                        off = addr - mr.addr
+                        payloads.append(view[off:off + n])
+                    else:
+                        payloads.append(mr.read(addr, n))
+                inflight[e.seq] = e
+                if len(descs) >= w.MAX_DESCS_PER_FRAME:
+                    del frames[conn]
+                    if not conn.send_frame(w.KIND_REQ, descs, payloads):
+                        failed.extend(x for x in list(inflight.values()) if x.conn is conn)
+                    last_dest = None
+                continue
+            is_rd = op in rd_ops
+            if not srd:
+                if e.fence and self.rd_out:
+                    break
+                if is_rd:
+                    if self.max_rd_atomic == 0:
+                        e.status = LOC_QP_OP
+                    elif self.rd_out >= self.max_rd_atomic:
+                        break
+            txq.popleft()
+            status = e.status if e.status is not None else self._check_local(e)
+            if op in data_ops:
+                length = e.length()
+            elif op == w.OP_READ:
+                length = sum(sge[1] for sge in e.sges)
+            else:
+                length = 8
+            if status == OK and srd:
+                if e.dest is None:
+                    status = LOC_QP_OP  # no address handle: EFA's INVALID_AH
+                elif op in (w.OP_WRITE, w.OP_WRITE_IMM, w.OP_READ) and length > max_rdma:
+                    status = LOC_LEN
+            if status != OK:
+                e.status = status
+                if srd:
+                    self._complete(e)
+                    continue
+                self.tx_halted = True  # the NIC stops at the failing WQE; the QP is about to fail
+                break
+            if srd:
+                dest, dst_qpn = e.dest, e.dest_qpn
+                psn = 0
+            else:
+                dest, dst_qpn = self.remote, self.dest_qpn
+                psn = self.tx_psn
+                npkts = 1 if op in (w.OP_FADD, w.OP_CSWAP) else max(1, -(-length // mtu))
+                self.tx_psn = (psn + npkts) & 0xFFFFFF
+            if dest != last_dest or conn is None:
+                conn = dev.connection(dest) if dest is not None else None
+                last_dest = dest
+                if conn is None:
+                    e.status = RESP_TIMEOUT if srd else RETRY_EXC
+                    failed.append(e)
+                    if not srd:
+                        break
+                    continue
+                frame = frames.get(conn)
+                if frame is None:
+                    frame = frames[conn] = ([], [])
+                descs, payloads = frame
+            e.conn = conn
+            descs.append(pack(dst_qpn, qpn, e.seq, op, base_flags, mtu_code, e.imm, e.rkey, e.qkey, e.raddr,
+                              length, psn, e.add, e.swap))
+            if op in data_ops:
+                if e.inline is not None:
+                    payloads.append(e.inline)
+                else:
+                    for mr, addr, n in e.local:
+                        view = mr.view
+                        if view is not None:
+                            off = addr - mr.addr
+                            payloads.append(view[off:off + n])
+                        else:
+                            payloads.append(mr.read(addr, n))
+            inflight[e.seq] = e
+            if is_rd:
+                self.rd_out += 1
+            if len(descs) >= w.MAX_DESCS_PER_FRAME:
+                assert conn is not None
+                del frames[conn]
+                if not conn.send_frame(w.KIND_REQ, descs, payloads):
+                    failed.extend(x for x in list(inflight.values()) if x.conn is conn)
+                last_dest = None
+        for fconn, (fdescs, fpayloads) in frames.items():
+            if fdescs and not fconn.send_frame(w.KIND_REQ, fdescs, fpayloads):
+                failed.extend(x for x in list(inflight.values()) if x.conn is fconn)
+        for e in failed:
+            inflight.pop(e.seq, None)
+            if e.status is None or e.status == OK:
+                e.status = RESP_TIMEOUT if srd else RETRY_EXC
+            if srd:
+                self._complete(e)
+        if not srd:
+            self._rc_retire()
+
+    # -- completion
+    def _wc_opcode(self, op: int) -> int:
+        if self.efa:
+            return _EFA_WC_OPCODE.get(op, WC_SEND)
+        return _RC_WC_OPCODE[op]
+
+    def _complete(self, e: SendEntry) -> None:
+        """SRD: one WR's completion, in arrival order."""
+        if e.signaled or e.status != OK:
+            self.scq.push((e.wr_id, e.status, self._wc_opcode(e.op), 0, self.qpn, 0, 0, 0, 0, self, 1, 0,
+                           False))
+        else:
+            self.sq_retired += 1
+
+    def _rc_retire(self) -> None:
+        """RC: completions in post order; the first error fails the QP."""
+        order = self.order
+        push = self.scq.push
+        while order and order[0].status is not None:
+            e = order.popleft()
+            self.unsig += 1
+            if e.status != OK:
+                push((e.wr_id, e.status, self._wc_opcode(e.op), 0, self.qpn, 0, 0, 0, 0, self, self.unsig, 0,
+                      False))
+                self.unsig = 0
+                self.enter_error()
+                return
+            if e.signaled:
+                push((e.wr_id, OK, _RC_WC_OPCODE[e.op], e.byte_len, self.qpn, 0, 0, 0, 0, self, self.unsig, 0,
+                      False))
+                self.unsig = 0
+
+    def _flush_sq(self) -> None:
+        push = self.scq.push
+        entries: list[SendEntry] = list(self.order) if not self.srd else \
+            list(self.inflight.values()) + [e for e in self.txq if e.seq not in self.inflight]
+        self.order.clear()
+        self.txq.clear()
+        self.inflight.clear()
+        self.rd_out = 0
+        for e in entries:
+            push((e.wr_id, FLUSH, self._wc_opcode(e.op), 0, self.qpn, 0, 0, 0, 0, self, 1 + self.unsig, 0,
+                  False))
+            self.unsig = 0
+
+
+    def rx_responses(self, items: list[tuple]) -> None:
+        """Responses arrived for our requests (I/O thread): (descriptor, data, placed_directly) each.
+
+        They are queued and applied by whichever thread holds the QP lock: if a posting thread holds it,
+        that thread applies them before it lets go (see `drain_inbox`), so the I/O thread never waits.
+        """
+        self.inbox.append(items)
+        self.drain_inbox()
+
+    def drain_inbox(self) -> None:
+        inbox = self.inbox
+        lock = self.lock
+        while inbox:
+            if not lock.acquire(blocking=False):
+                return
+            try:
+                while inbox:
+                    self._apply_responses(inbox.popleft())
+            finally:
+                lock.release()
+
+    def _apply_responses(self, items: list[tuple]) -> None:
+        inflight = self.inflight
+        srd = self.srd
+        for d, data, direct in items:
+            _qpn, status, op, _r, seq, length, _p, value = d
+            if op == w.OP_ACK:
+                for s in range(seq, seq + length):
+                    e = inflight.pop(s, None)
+                    if e is not None:
+                        e.status = OK
+                        if srd:
+                            self._complete(e)
+                continue
+            e = inflight.pop(seq, None)
+            if e is None:
+                continue
+            if status == OK:
+                if op == w.OP_READ:
+                    if not direct and data is not None:
+                        scatter(e.local, data)
+                    e.byte_len = length
+                elif op in (w.OP_FADD, w.OP_CSWAP):
+                    scatter(e.local, (value & w.MASK64).to_bytes(8, "little"))
+                    e.byte_len = 8
+            e.status = status
+            if op in w.RD_ATOMIC_OPS:
+                self.rd_out -= 1
+            if srd:
+                self._complete(e)
+        if not srd:
+            self._rc_retire()
+            if self.txq and self.state != ERR:
+                self._pump_tx()
+
+    def conn_lost(self, conn: Conn) -> None:
+        with self.lock:
+            lost = [e for e in self.inflight.values() if e.conn is conn]
+            for e in lost:
+                del self.inflight[e.seq]
+                if e.op in w.RD_ATOMIC_OPS:
+                    self.rd_out -= 1
+                e.status = RESP_TIMEOUT if self.srd else RETRY_EXC
+                if self.srd:
+                    self._complete(e)
+            if lost and not self.srd:
+                self._rc_retire()
+
+
+class ResponseFrameHandler:
+    """Frame handler for responses arriving on this device's requester connections."""
+
+    def __init__(self, dev: SoftDevice) -> None:
+        self.dev = dev
+
+    def begin_frame(self, conn: Conn, kind: int) -> None:
+        if kind != w.KIND_RSP:
+            raise ValueError("request frame on a requester connection")
+        conn.plan = None
+        conn.pending = []
+
+    @staticmethod
+    def payload_len(d: tuple) -> int:
+        return d[5] if d[2] == w.OP_READ and d[1] == OK else 0
+
+    def sink_for(self, conn: Conn, d: tuple, n: int) -> memoryview | None:
+        qp = self.dev.qps.get(d[0])
+        e = qp.inflight.get(d[4]) if qp is not None else None
+        if e is not None and len(e.local) == 1 and e.local[0][2] == n and e.local[0][0].view is not None:
+            mr, addr, _ = e.local[0]
+            conn.plan = True
+            return mr.view_at(addr, n)
+        conn.plan = False
+        return memoryview(bytearray(n))
+
+    def on_item(self, conn: Conn, d: tuple, data: memoryview | None) -> None:
+        conn.pending.append((d, data, bool(conn.plan)))
+        conn.plan = None
+
+    def end_frame(self, conn: Conn) -> None:
+        """Apply the frame's responses, taking each QP's lock once."""
+        items, conn.pending = conn.pending, []
+        qps = self.dev.qps
+        if items and all(it[0][0] == items[0][0][0] for it in items):
+            qp = qps.get(items[0][0][0])
+            if qp is not None:
+                qp.rx_responses(items)
+            return
+        by_qp: dict[int, list[tuple]] = {}
+        for it in items:
+            by_qp.setdefault(it[0][0], []).append(it)
+        for qpn, group in by_qp.items():
+            qp = qps.get(qpn)
+            if qp is not None:
+                qp.rx_responses(group)
+
+    @staticmethod
+    def fast_frame(conn: Conn, descs: list[tuple], mv: memoryview, pos: int) -> tuple[int, int]:
+        return 0, pos
+
+    def conn_lost(self, conn: Conn) -> None:
+        for qp in list(self.dev.qps.values()):
+            qp.conn_lost(conn)

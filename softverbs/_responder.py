@@ -1,0 +1,615 @@
+"""The responder half of a QP (receive queue, inbound requests) and the device's handler of request frames.
+
+Requests are checked on arrival (QP state, source QP, PSN, rkey, bounds, access flags of the MR and, for RC,
+of the QP). In-order RC places each write as it arrives (straight from the socket into the registered
+memory). With adaptive routing (RC) and always on SRD, each message is cut into packets that go into a
+per-QP pool and are placed in a seeded random order, also across messages; the pool keeps at most
+`reorder_window` packets while traffic is streaming and drains when the connection goes idle. RC reads and
+atomics drain the pool first (they execute after all earlier writes are placed); RC write-with-imm and send
+completions are produced in message order once every byte of the message and of all earlier messages is
+placed. SRD completes each message as soon as its own bytes are placed.
+
+`RequestFrameHandler` is the device's handler for frames on the connections peers opened to it: admission
+(`_arrive`), placement, the reorder pool, RNR timers and the responses; `QPResponder` is what one QP does
+with an admitted request.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from . import _wire as w
+from ._ibv import (
+    ERR,
+    FLUSH,
+    LOC_LEN,
+    LOC_PROT,
+    LOCAL_WRITE,
+    OK,
+    RELAXED_ORDERING,
+    REM_ACCESS,
+    REM_INV_RD_REQ,
+    REM_INV_REQ,
+    REM_OP,
+    REMOTE_ATOMIC,
+    REMOTE_READ,
+    REMOTE_WRITE,
+    RESET,
+    RESP_TIMEOUT,
+    RETRY_EXC,
+    RNR_EXC,
+    RNR_TIMER_MS,
+    RTR,
+    RTS,
+    SQD,
+    WC_RECV,
+    WC_RECV_RDMA_WITH_IMM,
+    WC_WITH_IMM,
+    mtu_bytes,
+)
+from ._mr import MRCore, scatter
+
+if TYPE_CHECKING:  # annotations only: the device owns the QPs, and a QP is both halves
+    from ._device import Conn, SoftDevice
+    from ._qp import QPCore
+
+
+class Msg:
+    """A request as the responder sees it."""
+
+    __slots__ = ("qp", "conn", "seq", "op", "flags", "imm", "src_qpn", "rkey", "raddr", "length", "add",
+                 "swap", "status", "mr", "recv", "data", "direct", "deferred", "rnr", "pkts_left",
+                 "reorder", "mtu", "unsolicited", "silent", "free", "order")
+
+    def __init__(self, conn: Conn, d: tuple) -> None:
+        (_dst, self.src_qpn, self.seq, self.op, self.flags, self.mtu, self.imm, self.rkey, _qkey,
+         self.raddr, self.length, _psn, self.add, self.swap) = d
+        self.conn = conn
+        self.qp: QPCore | None = None
+        self.status = OK
+        self.mr: MRCore | None = None
+        self.recv: tuple | None = None
+        self.data: memoryview | None = None
+        self.direct = False
+        self.deferred = False
+        self.rnr = False
+        self.pkts_left = 0
+        self.reorder = False
+        self.unsolicited = False
+        self.silent = False
+        self.free = True  # its packets may be placed before earlier ones (AR, SRD, relaxed ordering)
+        self.order = 0
+
+
+class QPResponder:
+    """The responder half of `QPCore` (receive queue, executing admitted requests), mixed into it.
+
+    Runs under the QP's `lock`; `QPCore` holds what both halves share (state, attributes, caps, CQs).
+    """
+
+    def _init_responder(self) -> None:
+        self.rq: deque[tuple] = deque()
+        self.rq_posted = 0
+        self.rq_retired = 0
+        self.exp_psn = 0
+        self.backlog: deque[Msg] = deque()
+        self.stalled = False
+        self.rnr_wait: list[Msg] = []
+        self.pool: list[tuple[Msg, int, memoryview]] = []
+        self.pend: deque[Msg] = deque()
+        self.rx_order = 0
+
+    def post_recv(self, wrs: list[tuple]) -> tuple[int, int]:
+        with self.lock:
+            for i, (wr_id, sges) in enumerate(wrs):
+                if self.state == RESET or (self.efa and self.state == ERR):
+                    return errno.EINVAL, i
+                if len(sges) > self.max_recv_sge:
+                    return errno.EINVAL, i
+                if max(0, self.rq_posted - self.rq_retired) >= self.max_recv_wr:
+                    return errno.ENOMEM, i
+                self.rq_posted += 1
+                self.rq.append((wr_id, list(sges)))
+            if self.state == ERR:
+                self._flush_rq()
+            elif self.stalled or self.rnr_wait:
+                self.device.post_action(self.rx_resume)
+        if self.inbox:
+            self.drain_inbox()
+        return 0, -1
+
+
+    def _flush_rq(self) -> None:
+        push = self.rcq.push
+        rq = self.rq
+        while rq:
+            wr_id, _sges = rq.popleft()
+            push((wr_id, FLUSH, WC_RECV, 0, self.qpn, 0, 0, 0, 0, self, 0, 1, False))
+
+
+    def _reserve_recv(self, m: Msg) -> bool:
+        if m.op == w.OP_WRITE_IMM and self.srd and self.unsolicited:
+            m.unsolicited = True
+            return True
+        if self.rq:
+            m.recv = self.rq.popleft()
+            return True
+        return False
+
+    def rx_validate(self, m: Msg) -> None:
+        """Keys, bounds and access flags for one request; sets m.status."""
+        op = m.op
+        if op in (w.OP_WRITE, w.OP_WRITE_IMM, w.OP_READ):
+            if m.length == 0:
+                return  # no rkey check for zero-length RDMA (IBTA)
+            need = REMOTE_READ if op == w.OP_READ else REMOTE_WRITE
+        elif op in (w.OP_FADD, w.OP_CSWAP):
+            if self.srd:
+                m.status = REM_OP
+                return
+            need = REMOTE_ATOMIC
+            if m.raddr & 7:
+                m.status = REM_INV_REQ
+                return
+            m.length = 8
+        else:
+            return
+        if not self.srd:
+            if not self.access_flags & need:
+                m.status = REM_ACCESS
+                return
+            if op in w.RD_ATOMIC_OPS and self.max_dest_rd_atomic == 0:
+                m.status = REM_INV_REQ
+                return
+        mr = self.device.mrs_by_rkey.get(m.rkey)
+        if mr is None or not mr.valid or mr.pd is not self.pd or not mr.access & need \
+                or not mr.contains(m.raddr, m.length):
+            m.status = REM_ACCESS
+            return
+        m.mr = mr
+
+    def rx_exec(self, m: Msg, responder: RequestFrameHandler) -> None:
+        """Execute an accepted request (lock held)."""
+        op = m.op
+        if op in w.DATA_OPS:
+            if m.reorder:
+                self._pool_add(m, responder)
+                return
+            if not m.direct and not self._place_whole(m, responder):
+                return
+            self._finish(m, responder)
+            return
+        # reads and atomics: an RC QP executes them only after every earlier write is placed
+        if not self.srd and (self.pool or self.pend):
+            responder.drain_pool(self)
+        if op == w.OP_READ:
+            data = b"" if m.length == 0 else bytes(m.mr.read(m.raddr, m.length))
+            responder.respond(m, OK, payload=data, length=len(data))
+            return
+        mr = m.mr
+        old = int.from_bytes(bytes(mr.read(m.raddr, 8)), "little")
+        if op == w.OP_FADD:
+            new = (old + m.add) & w.MASK64
+        else:
+            new = m.swap & w.MASK64 if old == (m.add & w.MASK64) else old
+        if new != old:
+            mr.write(m.raddr, new.to_bytes(8, "little"))
+            responder.observe(self, m.raddr, 8)
+        responder.respond(m, OK, value=old)
+
+    def _place_whole(self, m: Msg, responder: RequestFrameHandler) -> bool:
+        op = m.op
+        if op in (w.OP_WRITE, w.OP_WRITE_IMM):
+            if m.length:
+                m.mr.write(m.raddr, m.data)
+                responder.observe(self, m.raddr, m.length)
+            return True
+        return self._scatter_recv(m, responder)
+
+    def _scatter_recv(self, m: Msg, responder: RequestFrameHandler) -> bool:
+        """Deliver a send into its receive WR's buffers; failures complete both sides with errors."""
+        assert m.recv is not None
+        wr_id, sges = m.recv
+        data = m.data if m.data is not None else memoryview(b"")
+        total = sum(s[1] for s in sges)
+        status = OK
+        if len(data) > total:
+            status = LOC_LEN
+        else:
+            local = []
+            for addr, length, lkey in sges:
+                if length == 0:
+                    continue
+                mr = self.device.mrs_by_lkey.get(lkey)
+                if mr is None or not mr.valid or mr.pd is not self.pd or not mr.contains(addr, length) \
+                        or not mr.access & LOCAL_WRITE:
+                    status = LOC_PROT
+                    break
+                local.append((mr, addr, length))
+            if status == OK:
+                scatter(local, data)
+        if status != OK:
+            self.rcq.push((wr_id, status, WC_RECV, 0, self.qpn, m.src_qpn, 0, 0, 0, self, 0, 1, False))
+            responder.respond(m, REM_INV_REQ if status == LOC_LEN else REM_OP)
+            if not self.srd:
+                self.enter_error()
+            return False
+        return True
+
+    def _finish(self, m: Msg, responder: RequestFrameHandler) -> None:
+        """Message fully placed: receive completion (if it consumes one), then the acknowledgement."""
+        op = m.op
+        if op != w.OP_WRITE:
+            imm = m.imm if op in (w.OP_WRITE_IMM, w.OP_SEND_IMM) else 0
+            wc_flags = WC_WITH_IMM if imm or op in (w.OP_WRITE_IMM, w.OP_SEND_IMM) else 0
+            wc_op = WC_RECV_RDMA_WITH_IMM if op == w.OP_WRITE_IMM else WC_RECV
+            slid = m.conn.peer_lid
+            if m.unsolicited:
+                self.rcq.push((0, OK, wc_op, m.length, self.qpn, m.src_qpn, imm, wc_flags, slid, None, 0, 0,
+                               True))
+            else:
+                assert m.recv is not None
+                self.rcq.push((m.recv[0], OK, wc_op, m.length, self.qpn, m.src_qpn, imm, wc_flags, slid, self,
+                               0, 1, False))
+        responder.respond(m, OK)
+
+    def _pool_add(self, m: Msg, responder: RequestFrameHandler) -> None:
+        opts = self.device.options
+        size = opts.packet_size or (opts.srd_packet_size if self.srd else mtu_bytes(m.mtu))
+        data = m.data if m.data is not None else memoryview(b"")
+        pool = self.pool
+        self.rx_order += 1
+        m.order = self.rx_order
+        if m.op in (w.OP_SEND, w.OP_SEND_IMM) or len(data) <= size:
+            pool.append((m, 0, data))
+            m.pkts_left = 1
+        else:
+            n = 0
+            for off in range(0, len(data), size):
+                pool.append((m, off, data[off:off + size]))
+                n += 1
+            m.pkts_left = n
+        if not self.srd:
+            self.pend.append(m)
+        responder.dirty.add(self)
+
+    def place_packet(self, pkt: tuple[Msg, int, memoryview], responder: RequestFrameHandler) -> None:
+        m, off, view = pkt
+        if m.op in (w.OP_SEND, w.OP_SEND_IMM):
+            if not self._scatter_recv(m, responder):
+                return
+        elif len(view):
+            m.mr.write(m.raddr + off, view)
+            responder.observe(self, m.raddr + off, len(view))
+        m.pkts_left -= 1
+        if m.pkts_left:
+            return
+        if self.srd:
+            self._finish(m, responder)
+            return
+        pend = self.pend
+        while pend and pend[0].pkts_left == 0:
+            self._finish(pend.popleft(), responder)
+
+    def rx_resume(self) -> None:
+        """I/O thread: receive WRs were posted; retry requests waiting for one (RNR)."""
+        responder = self.device.request_handler
+        with self.lock:
+            if self.state == ERR:
+                return
+            if self.srd:
+                still = []
+                for m in self.rnr_wait:
+                    if self._reserve_recv(m):
+                        self.rx_exec(m, responder)
+                    else:
+                        still.append(m)
+                self.rnr_wait = still
+                return
+            backlog = self.backlog
+            while backlog:
+                m = backlog[0]
+                if m.deferred:
+                    m.deferred = False
+                    self.rx_validate(m)
+                    if m.status:
+                        backlog.popleft()
+                        responder.fail(self, m)
+                        return
+                if m.op in w.RECV_OPS and m.recv is None and not self._reserve_recv(m):
+                    if not self.stalled:
+                        self.stalled = True
+                        responder.arm_rnr(self, m)
+                    return
+                backlog.popleft()
+                self.stalled = False
+                self.rx_exec(m, responder)
+            self.stalled = False
+        responder.dev.flush_responses()
+
+    def rnr_expired(self, m: Msg) -> None:
+        responder = self.device.request_handler
+        with self.lock:
+            if self.srd:
+                if m in self.rnr_wait:
+                    self.rnr_wait.remove(m)
+                    responder.respond(m, RNR_EXC)
+                return
+            if self.stalled and self.backlog and self.backlog[0] is m:
+                self.backlog.clear()
+                self.stalled = False
+                responder.respond(m, RNR_EXC)
+
+
+class RequestFrameHandler:
+    """Frame handler for requests arriving at this device (runs on its I/O thread)."""
+
+    def __init__(self, dev: SoftDevice) -> None:
+        self.dev = dev
+        self.dirty: set[QPCore] = set()
+
+    def begin_frame(self, conn: Conn, kind: int) -> None:
+        if kind != w.KIND_REQ:
+            raise ValueError("response frame on a responder connection")
+        conn.plan = None
+        conn.ro_qpns = None
+        if self.dev.relaxed_mrs:
+            # Writes into IBV_ACCESS_RELAXED_ORDERING regions may pass earlier writes (PCIe relaxed
+            # ordering): the QPs they arrive on place this frame's data through the reorder pool.
+            mrs = self.dev.mrs_by_rkey
+            ro = set()
+            for d in conn.descs:
+                if d[3] in (w.OP_WRITE, w.OP_WRITE_IMM) and d[10]:
+                    mr = mrs.get(d[7])
+                    if mr is not None and mr.access & RELAXED_ORDERING:
+                        ro.add(d[0])
+            conn.ro_qpns = ro or None
+
+    @staticmethod
+    def payload_len(d: tuple) -> int:
+        return d[10] if d[3] in w.DATA_OPS else 0
+
+    def sink_for(self, conn: Conn, d: tuple, n: int) -> memoryview | None:
+        m = self._arrive(conn, d)
+        conn.plan = m
+        if m.status:
+            return None
+        if m.direct:
+            return m.data
+        m.data = memoryview(bytearray(n))
+        return m.data
+
+    def on_item(self, conn: Conn, d: tuple, data: memoryview | None) -> None:
+        m = conn.plan
+        conn.plan = None
+        if m is None:
+            m = self._arrive(conn, d)
+        qp = m.qp
+        if m.status:
+            if qp is None:
+                self.respond(m, m.status)
+            else:
+                with qp.lock:
+                    self.fail(qp, m)
+            return
+        assert qp is not None
+        with qp.lock:
+            if qp.state == ERR:
+                self.respond(m, RETRY_EXC if not qp.srd else RESP_TIMEOUT)
+            elif m.deferred:
+                qp.backlog.append(m)
+            elif m.rnr:
+                if qp.srd:
+                    qp.rnr_wait.append(m)
+                else:
+                    qp.backlog.append(m)
+                    qp.stalled = True
+                self.arm_rnr(qp, m)
+            else:
+                if m.direct and m.length:
+                    self.observe(qp, m.raddr, m.length)
+                qp.rx_exec(m, self)
+
+    def end_frame(self, conn: Conn) -> None:
+        window = self.dev.options.reorder_window
+        for qp in list(self.dirty):
+            with qp.lock:
+                pool = qp.pool
+                while len(pool) > window:
+                    qp.place_packet(self._take(pool), self)
+        conn.ro_qpns = None
+        self.dev.flush_responses()
+
+    def _take(self, pool: list[tuple[Msg, int, memoryview]]) -> tuple[Msg, int, memoryview]:
+        """Remove a random packet that may be placed now.
+
+        A packet of a message that is not `free` (an in-order write next to relaxed-ordering ones) goes
+        only once every earlier packet is placed; free packets (adaptive routing, SRD, writes into an
+        IBV_ACCESS_RELAXED_ORDERING region) may go any time.
+        """
+        rng = self.dev.rng
+        i = rng.randrange(len(pool))
+        if not pool[i][0].free:
+            first = min(range(len(pool)), key=lambda k: (pool[k][0].order, pool[k][1]))
+            candidates = [k for k in range(len(pool)) if pool[k][0].free or k == first]
+            i = candidates[rng.randrange(len(candidates))]
+        pool[i], pool[-1] = pool[-1], pool[i]
+        return pool.pop()
+
+    def on_idle(self) -> None:
+        """No more input right now: place every held packet (in random order)."""
+        while self.dirty:
+            qp = self.dirty.pop()
+            with qp.lock:
+                self.drain_pool(qp)
+
+    def drain_pool(self, qp: QPCore) -> None:
+        pool = qp.pool
+        while pool:
+            qp.place_packet(self._take(pool), self)
+        self.dirty.discard(qp)
+
+    def _arrive(self, conn: Conn, d: tuple) -> Msg:
+        """Admission checks for one request, in arrival (PSN) order."""
+        m = Msg(conn, d)
+        qp = self.dev.qps.get(d[0])
+        srd_req = bool(m.flags & w.F_SRD)
+        if qp is None or qp.closed:
+            m.status = REM_INV_RD_REQ if srd_req else RETRY_EXC
+            return m
+        m.qp = qp
+        with qp.lock:
+            if qp.srd:
+                if not srd_req:
+                    m.status = REM_OP
+                    m.silent = True
+                    return m
+                if qp.state not in (RTR, RTS, SQD) or d[8] != qp.qkey:
+                    m.status = RESP_TIMEOUT  # the device drops it; the requester sees an unresponsive peer
+                    m.silent = True
+                    return m
+                qp.rx_validate(m)
+                if m.status:
+                    return m
+                m.reorder = True
+                if m.op in w.RECV_OPS and not qp._reserve_recv(m):
+                    m.rnr = True
+                return m
+            # RC
+            if srd_req or qp.state not in (RTR, RTS, SQD) or m.src_qpn != qp.dest_qpn:
+                m.status = RETRY_EXC  # silently dropped by the HCA; the requester retries, then gives up
+                m.silent = True
+                return m
+            psn = d[11]
+            if psn != qp.exp_psn:
+                m.status = RETRY_EXC
+                m.silent = True
+                return m
+            length = m.length if m.op in w.DATA_OPS or m.op == w.OP_READ else 0
+            npkts = 1 if m.op in (w.OP_FADD, w.OP_CSWAP) else max(1, -(-length // mtu_bytes(m.mtu)))
+            qp.exp_psn = (psn + npkts) & 0xFFFFFF
+            if m.mtu > qp.path_mtu:
+                m.status = REM_INV_REQ  # packets longer than the responder's path MTU
+                return m
+            m.reorder = bool(m.flags & w.F_AR)
+            ro = conn.ro_qpns
+            if not m.reorder and ro is not None and qp.qpn in ro and m.op in w.DATA_OPS:
+                m.reorder = True
+                m.free = m.op in (w.OP_WRITE, w.OP_WRITE_IMM) and _relaxed(self.dev, m.rkey)
+            if qp.backlog or qp.stalled:
+                m.deferred = True
+                return m
+            qp.rx_validate(m)
+            if m.status:
+                return m
+            if m.op in w.RECV_OPS and not qp._reserve_recv(m):
+                m.rnr = True
+                return m
+            if not m.reorder and m.op in (w.OP_WRITE, w.OP_WRITE_IMM) and m.length and m.mr.view is not None:
+                m.direct = True
+                m.data = m.mr.view_at(m.raddr, m.length)
+            return m
+
+    def fail(self, qp: QPCore, m: Msg) -> None:
+        """An admitted-or-not request failed (lock held): NAK it and, for RC access errors, fail the QP."""
+        if not qp.srd and m.status in (REM_ACCESS, REM_INV_REQ, REM_OP) and not m.silent:
+            if qp.pool or qp.pend:
+                self.drain_pool(qp)  # earlier messages were accepted; their bytes still land
+            self.respond(m, m.status)
+            qp.enter_error()
+            return
+        self.respond(m, m.status)
+
+    def arm_rnr(self, qp: QPCore, m: Msg) -> None:
+        retry = (m.flags >> w.RNR_SHIFT) & 7
+        if retry == 7:
+            return  # infinite retry
+        if qp.srd:
+            delay = (retry + 1) * self.dev.options.srd_rnr_timer_ms / 1e3
+        else:
+            delay = (retry + 1) * RNR_TIMER_MS[qp.min_rnr_timer & 31] / 1e3
+        self.dev.add_timer(delay, lambda: qp.rnr_expired(m))
+
+    def respond(self, m: Msg, status: int, payload: Any = None, length: int = 0, value: int = 0) -> None:
+        conn = m.conn
+        if conn.closed:
+            return
+        if status == OK and m.op in w.DATA_OPS:
+            self.ack(conn, m.src_qpn, m.seq, 1)
+            return
+        conn.rsp_descs.append(w.RSP.pack(m.src_qpn, status, m.op, 0, m.seq, length, 0, value & w.MASK64))
+        conn.rsp_payloads.append(payload if length else None)
+        conn.last_ack = None
+        self.dev.mark_responses(conn)
+
+    def ack(self, conn: Conn, qpn: int, seq: int, count: int) -> None:
+        """Acknowledge `count` requests from `seq`, extending the previous ack range when contiguous."""
+        last = conn.last_ack
+        if last is not None and last[0] == qpn and last[1] + last[2] == seq:
+            last[2] += count
+            return
+        last = [qpn, seq, count]
+        conn.rsp_descs.append(last)
+        conn.rsp_payloads.append(None)
+        conn.last_ack = last
+        self.dev.mark_responses(conn)
+
+    def fast_frame(self, conn: Conn, descs: list[tuple], mv: memoryview, pos: int) -> tuple[int, int]:
+        """Whole frame buffered: place the leading run of plain in-order RC writes in one pass.
+
+        Returns (descriptors handled, buffer position after their payloads); the rest of the frame goes
+        through the general per-request path.
+        """
+        qp = self.dev.qps.get(descs[0][0])
+        if qp is None or qp.srd or qp.closed or conn.ro_qpns:
+            return 0, pos
+        done = 0
+        with qp.lock:
+            if qp.state not in (RTR, RTS, SQD) or qp.backlog or qp.stalled or not qp.access_flags & REMOTE_WRITE:
+                return 0, pos
+            qpn, dest, exp, path_mtu, pd = qp.qpn, qp.dest_qpn, qp.exp_psn, qp.path_mtu, qp.pd
+            mrs = self.dev.mrs_by_rkey
+            obs = self.dev.placement_observer
+            cur_rkey = -1
+            base = limit = 0
+            view: memoryview | None = None
+            first_seq = -1
+            src = dest
+            for d in descs:
+                dst, src, seq, op, flags, mtu_code, _imm, rkey, _qk, raddr, length, psn, _a, _s = d
+                if op != w.OP_WRITE or dst != qpn or src != dest or psn != exp or flags & (w.F_AR | w.F_SRD) \
+                        or mtu_code > path_mtu or length == 0:
+                    break
+                if rkey != cur_rkey:
+                    mr = mrs.get(rkey)
+                    if mr is None or not mr.valid or mr.pd is not pd or not mr.access & REMOTE_WRITE \
+                            or mr.view is None:
+                        break
+                    cur_rkey, base, limit, view = rkey, mr.addr, mr.addr + mr.length, mr.view
+                if raddr < base or raddr + length > limit:
+                    break
+                off = raddr - base
+                view[off:off + length] = mv[pos:pos + length]
+                pos += length
+                if obs is not None:
+                    obs(qpn, raddr, length)
+                exp = (psn + max(1, -(-length // (256 << (mtu_code - 1))))) & 0xFFFFFF
+                if first_seq < 0:
+                    first_seq = seq
+                done += 1
+            qp.exp_psn = exp
+        if done:
+            self.ack(conn, dest, first_seq, done)
+        return done, pos
+
+    def observe(self, qp: QPCore, addr: int, length: int) -> None:
+        obs = self.dev.placement_observer
+        if obs is not None:
+            obs(qp.qpn, addr, length)
+
+
+def _relaxed(dev: SoftDevice, rkey: int) -> bool:
+    mr = dev.mrs_by_rkey.get(rkey)
+    return mr is not None and bool(mr.access & RELAXED_ORDERING)
