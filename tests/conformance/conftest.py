@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conformance.resources import Provider, open_provider
+from tests.support.verbs_resources import Provider, open_provider
 
 
 @pytest.fixture(params=["soft", pytest.param("pyverbs", marks=pytest.mark.hardware)])

@@ -11,7 +11,7 @@ import errno
 
 import pytest
 
-from tests.conformance.resources import RCPair, SRDPair, access, poll, raises_errno
+from tests.support.verbs_resources import RCPair, SRDPair, access, poll, raises_errno
 
 
 def qp_state(v, qp) -> int:

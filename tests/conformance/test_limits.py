@@ -11,7 +11,7 @@ import errno
 
 import pytest
 
-from tests.conformance.resources import poll
+from tests.support.verbs_resources import poll
 
 
 def _post_until_refused(post, limit: int) -> tuple[int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from tests.conformance.resources import RCPair, poll
+from tests.support.verbs_resources import RCPair, poll
 
 
 def test_rdma_write_places_data_and_completes(rc: RCPair) -> None:

@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import pytest
 
-from tests.conformance.resources import SRDPair, no_completion, poll, raises_errno
+from tests.support.verbs_resources import SRDPair, no_completion, poll, raises_errno
 
 
 def test_srd_write_lands(srd: SRDPair) -> None:

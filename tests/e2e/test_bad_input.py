@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -14,7 +13,7 @@ import zmq
 
 import gpuclient
 from cmd_ring import RECORD_DTYPE, Opcode
-from tests.e2e.conftest import close_ranks, join_ranks
+from tests.support.cluster import VICTIM_CLIENT, close_ranks, join_ranks
 from tests.support.waiting import wait_until
 from transportd.control import codec
 from transportd.control.client import ControlConnection
@@ -130,24 +129,6 @@ def test_malformed_and_oversized_control_messages_get_error_replies(cluster_fact
         conn.request({"v": 1, "op": "join", "job": "j", "rank": 3, "world": 2, "device": -1})
 
 
-CLIENT = textwrap.dedent("""
-    import sys, time, numpy as np, gpuclient
-    client = gpuclient.connect(sys.argv[1])
-    s = client.join("victim", rank=0, world=1)
-    if not sys.argv[1].startswith("ipc://"):  # memory, rings and flags travel by descriptor: ipc clients only
-        print("joined", flush=True)
-        time.sleep(600)
-    s.register(gpuclient.host_array(4096))
-    s.flags(4)
-    s.exchange(timeout=10)
-    ch = s.channel(capacity=64)
-    print("joined", flush=True)
-    while True:
-        ch.signal(peer=0, slot=0, value=1)   # to itself: rejected, but it keeps the proxy busy
-        time.sleep(0.001)
-""")
-
-
 def _channels(stats: dict) -> int:
     """Rings the node's rail workers drain."""
     return sum(rail.get("channels", 0) for rail in stats["rails"])
@@ -157,7 +138,7 @@ def test_a_killed_client_is_reclaimed_and_others_keep_running(cluster_factory) -
     cluster = cluster_factory(backend="ib")
     a, b = join_ranks(cluster, nbytes=4096, flags=4)
     try:
-        proc = subprocess.Popen([sys.executable, "-c", CLIENT, cluster.socket("nodea")], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-c", VICTIM_CLIENT, cluster.socket("nodea")], stdout=subprocess.PIPE,
                                 text=True)
         assert proc.stdout.readline().strip() == "joined"
         stats = a.client.stats()

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import gpuclient
-from tests.e2e.test_bad_input import CLIENT
+from tests.support.cluster import VICTIM_CLIENT
 from tests.support.waiting import wait_until
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Hello, Join
@@ -38,7 +38,7 @@ def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_f
             with pytest.raises(RequestError, match="by descriptor on the local ipc descriptor socket") as info:
                 ask()
             assert info.value.code == "unsupported", what
-        victim = subprocess.Popen([sys.executable, "-c", CLIENT, endpoint], stdout=subprocess.PIPE, text=True)
+        victim = subprocess.Popen([sys.executable, "-c", VICTIM_CLIENT, endpoint], stdout=subprocess.PIPE, text=True)
         assert victim.stdout is not None
         assert victim.stdout.readline().strip() == "joined"
         assert "victim" in live.stats()["jobs"]  # tcp without CURVE: one anonymous owner for both

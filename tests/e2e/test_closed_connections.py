@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tests.e2e.conftest import close_ranks, join_ranks
-from tests.ops.conftest import ctl
+from tests.support.cluster import close_ranks, join_ranks
+from tests.support.ctl import ctl
 from tests.support.waiting import wait_until
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import gpuclient
 from cmd_ring import RingFullError
-from tests.e2e.conftest import Rank, close_ranks, join_rank, join_ranks
+from tests.support.cluster import Rank, close_ranks, join_rank, join_ranks
 from tests.support.waiting import wait_until
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Stats

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import gpuclient
-from tests.ops.conftest import ctl
+from tests.support.ctl import ctl
 from transportd.daemon.config import load_config
 from transportd.errors import ConfigError
 from transportd_cli.localcluster import LocalCluster, free_port, render_toml

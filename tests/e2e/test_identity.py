@@ -6,9 +6,7 @@ creates one (``useradd``) and runs its client under it (setuid/setgid in the chi
 
 from __future__ import annotations
 
-import json
 import os
-import pwd
 import signal
 import subprocess
 import sys
@@ -19,37 +17,13 @@ import numpy as np
 import pytest
 
 import gpuclient
-from tests.e2e.conftest import GROUP, close_ranks, join_ranks
+from tests.support.cluster import close_ranks, join_ranks
+from tests.support.users import GROUP, run_as
 from tests.support.waiting import wait_until
 from transportd.control.client import ControlConnection
 from transportd.control.fdchannel import FdClient
 from transportd.control.protocol import Hello, Inspect, Join, PassFd, Register, Stats
 from transportd.errors import ErrorCode, RequestError
-
-_DROP = """
-    import json, os, sys
-    import click.testing, numpy, zmq, msgpack  # everything the client needs, loaded while still root: the
-    import gpuclient, gpuclient.cuda_memory, transportd_cli.ctl  # interpreter may live where the user cannot read
-    from transportd.control.client import ControlConnection
-    from transportd.errors import RequestError
-    from transportd.control.protocol import Hello, Inspect, Join, Register, Stats
-    os.setgroups([])
-    os.setgid(int(os.environ["TPD_AS_GID"]))
-    os.setuid(int(os.environ["TPD_AS_UID"]))
-    assert os.getuid() == int(os.environ["TPD_AS_UID"]) and os.getgroups() in ([], [os.getgid()])
-"""
-
-
-def _run_as(user: pwd.struct_passwd, script: str, *args: str, timeout: float = 60) -> dict:
-    """Run ``script`` in a process that drops to ``user`` (its uid and primary gid, no other groups) before
-    the script starts; the script's last line is JSON."""
-    env = {**os.environ, "HOME": "/", "TPD_AS_UID": str(user.pw_uid), "TPD_AS_GID": str(user.pw_gid)}
-    code = textwrap.dedent(_DROP) + textwrap.dedent(script)
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd="/", env=env)
-    assert proc.returncode == 0, f"client as {user.pw_name} failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 INTRUDER = """
     socket = sys.argv[1]
@@ -102,7 +76,7 @@ def test_a_second_uid_cannot_join_inspect_or_register_into_a_job_of_the_first(cl
         session = owner.join("owned", rank=0, world=2)
         session.register(gpuclient.host_array(4096))
         session.flags(4)
-        seen = _run_as(users["other"], INTRUDER, socket)
+        seen = run_as(users["other"], INTRUDER, socket)
         assert seen["vouched"]["uid"] == users["other"].pw_uid  # the kernel's word, not the client's
         assert seen["join"][0] == "forbidden" and "belongs to another user" in seen["join"][1]
         assert seen["inspect"][0] == "forbidden" and "belongs to another user" in seen["inspect"][1]
@@ -115,7 +89,7 @@ def test_a_second_uid_cannot_join_inspect_or_register_into_a_job_of_the_first(cl
         with ControlConnection(socket) as conn:
             assert conn.request(Inspect(what="flags", job="owned", rank=0))["values"] == [0, 0, 0, 0]
         # control.group is enforced on the descriptor socket too, whatever the socket file's mode allows
-        outside = _run_as(users["outsider"], OUTSIDE, socket)
+        outside = run_as(users["outsider"], OUTSIDE, socket)
         assert outside["vouch"][0] == "forbidden" and f"not in group '{GROUP}'" in outside["vouch"][1]
         assert outside["join"][0] == "no_identity"
         session.leave()
@@ -310,7 +284,7 @@ def test_another_uid_in_the_group_cannot_open_a_jobs_rings_or_flags(cluster_fact
         assert ch.ring.path is None and flags._file.path is None
         daemon = cluster.nodes["nodea"].process.pid
         workers = [r["pid"] for r in owner.stats()["rails"]]
-        seen = _run_as(users["other"], PEEKER, "private", socket, str(daemon), *map(str, workers), str(os.getpid()))
+        seen = run_as(users["other"], PEEKER, "private", socket, str(daemon), *map(str, workers), str(os.getpid()))
         assert seen["named"] == [], seen  # nothing of the job has a name in /dev/shm
         assert seen["listed"] == [] and seen["opened"] == [], seen  # /proc of other uids: refused by the kernel
         assert seen["take"] == [], seen

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import gpuclient
-from tests.e2e.conftest import join_ranks
+from tests.support.cluster import join_ranks
 
 
 def test_a_dead_rail_worker_stops_the_daemon_with_a_status_that_asks_for_a_restart(cluster_factory) -> None:

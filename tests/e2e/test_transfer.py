@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import close_ranks, join_ranks
+from tests.support.cluster import close_ranks, join_ranks
 from transportd.errors import ConfigError  # noqa: F401  (documents what a refused start raises)
 
 TRANSPORTS = [

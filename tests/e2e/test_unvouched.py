@@ -14,8 +14,7 @@ import time
 import pytest
 
 import gpuclient
-from tests.e2e.conftest import GROUP
-from tests.e2e.test_identity import _run_as
+from tests.support.users import GROUP, run_as
 from tests.support.waiting import wait_until
 from transportd.control import codec
 
@@ -96,7 +95,7 @@ def test_a_flood_of_unvouched_connections_holds_a_few_slots_and_stops_no_client(
         assert "too many connections waiting to vouch" in cluster.log("nodea")
         # clients of this uid and of another one connect, vouch and work while the flood goes on
         _works(cluster.socket("nodea"), "same-uid")
-        assert _run_as(users["other"], OTHER_CLIENT, cluster.socket("nodea")) == {"capacity": 64}
+        assert run_as(users["other"], OTHER_CLIENT, cluster.socket("nodea")) == {"capacity": 64}
         flood += [_connect(path) for _ in range(MAX_UNVOUCHED)]
         _works(cluster.socket("nodea"), "same-uid-again")
     finally:

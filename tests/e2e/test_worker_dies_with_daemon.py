@@ -7,7 +7,7 @@ import os
 import signal
 from pathlib import Path
 
-from tests.ops.conftest import ctl
+from tests.support.ctl import ctl
 from tests.support.waiting import wait_until
 
 

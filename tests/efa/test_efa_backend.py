@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.support.waiting import wait_until
 from transportd.backends.interface import SignalOp
 from transportd.backends.verbs_common import BackendError
 
@@ -283,12 +284,12 @@ def test_visibility_flush_can_be_turned_off(make_link: Any) -> None:
     assert link.b.stats["visibility_flushes"] == 0
 
 
-def test_flags_wait_for_a_publisher(make_link: Any, wait_for: Any) -> None:
+def test_flags_wait_for_a_publisher(make_link: Any) -> None:
     link = make_link()
     late: list[tuple] = []
     link.b._publisher = None  # as before the daemon installs one
     link.post([link.write(0, 1024, 1), link.signal(0, 7, 1)])
-    wait_for(lambda: link.poll() >= 0 and link.b.stats["published"] == 1, "the flag to become ready")
+    wait_until(lambda: link.poll() >= 0 and link.b.stats["published"] == 1, "the flag to become ready", interval=0)
     link.b.set_flag_publisher(lambda *args: late.append(args))
     assert late == [(link.conn, 1, 0, SignalOp.ADD, 7)]
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from softverbs._memory import HostAccessor
-from tests.efa.conftest import Link
-from tests.support.soft_backend import wait_until
+from tests.support.efa_link import Link
+from tests.support.waiting import wait_until
 from transportd import _core
 from transportd.backends.interface import SignalOp
 from transportd.dataplane.flag_publication import (
@@ -200,7 +200,7 @@ def test_gdrcopy_flags_are_stored_by_the_compiled_path(make_link, standin_librar
         rows = [link.write(0, 4096, 0), link.signal(2, 5, 0), link.write(4096, 4096, 0), link.signal(2, 6, 0),
                 link.signal(5, 99, 1, SignalOp.SET)]
         link.post(rows)
-        wait_until(lambda: link.poll() >= 0 and words[2] == 11 and words[5] == 99, "the mapped flags", 10)
+        wait_until(lambda: link.poll() >= 0 and words[2] == 11 and words[5] == 99, "the mapped flags", 10, interval=0)
         assert shadow[2] == 11 and shadow[5] == 99
         assert link.published == []  # no flag went to Python
         assert link.b.stats["published_mapped"] == 3 and link.b.stats["published_host"] == 0
@@ -251,7 +251,8 @@ def test_loopback_flags_of_arrivals_through_the_backend(make_link) -> None:
         for i in range(20):
             link.post([link.write(i * 4096, 4096, 0), link.signal(1, 1, i + 1)])
         link.post([link.signal(6, 1234, 99, SignalOp.SET)])
-        wait_until(lambda: link.poll() >= 0 and target[1] == 20 and target[6] == 1234, "the loopback flags", 20)
+        wait_until(lambda: link.poll() >= 0 and target[1] == 20 and target[6] == 1234, "the loopback flags", 20,
+                   interval=0)
         assert bytes(link.dst[:20 * 4096]) == bytes(link.src[:20 * 4096])
         assert words.loopback.writes <= 21
     finally:

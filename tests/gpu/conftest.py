@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.cluster import started_clusters
 from tests.support.cuda import gpu_unavailable
 from tests.support.mps import (  # noqa: F401  (hooks: the run's MPS daemon)
     pytest_configure,
@@ -22,7 +23,6 @@ from tests.support.mps import (  # noqa: F401  (hooks: the run's MPS daemon)
     pytest_terminal_summary,
     pytest_unconfigure,
 )
-from transportd_cli.localcluster import LocalCluster
 
 KERNELS = Path(__file__).with_name("kernels.cu")
 DEBUG_DEFINES = {"TPD_SPIN_TIMEOUT_NS": "20000000000ull"}
@@ -56,13 +56,5 @@ def kernels(cuda_device: int) -> Any:
 
 @pytest.fixture
 def cluster_factory() -> Iterator[Any]:
-    started: list[LocalCluster] = []
-
-    def make(**kwargs: Any) -> LocalCluster:
-        cluster = LocalCluster(kwargs.pop("nodes", 2), **kwargs)
-        started.append(cluster)
-        return cluster.start()
-
-    yield make
-    for cluster in started:
-        cluster.stop()
+    with started_clusters() as make:
+        yield make

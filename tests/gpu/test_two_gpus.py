@@ -16,14 +16,12 @@ Not run yet: it needs an ``nvidia-h200-x2`` (or any 2-GPU) host; with fewer GPUs
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.gpu.test_gpu_transfer import RANK, ROOT, SLOW_START, RankProcess
 from tests.support.cuda import gpu_unavailable
+from tests.support.rank_process import SLOW_START, RankProcess
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Stats
 
@@ -61,9 +59,7 @@ class GpuRankProcess(RankProcess):
     """A rank_proc.py child that sees only GPU ``gpu`` (it is CUDA device 0 there), multicast off."""
 
     def __init__(self, gpu: int) -> None:
-        env = {**os.environ, **NO_MULTICAST, "CUDA_VISIBLE_DEVICES": _physical(gpu)}
-        self.proc = subprocess.Popen([sys.executable, str(RANK)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=None, text=True, cwd=ROOT, env=env)
+        super().__init__(env={**os.environ, **NO_MULTICAST, "CUDA_VISIBLE_DEVICES": _physical(gpu)})
 
 
 def _physical(gpu: int) -> str:

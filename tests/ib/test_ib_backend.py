@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ib.backend import IbBackend
+from tests.support.waiting import wait_until
 from transportd.backends.interface import PLAN_DTYPE, SignalOp, empty_plan
 from transportd.backends.verbs_common import BackendError, SendQueueFullError
 
@@ -330,6 +331,6 @@ def test_endpoint_and_address_are_plain_data(make_link: Any) -> None:
     assert {"qpn", "psn", "lid", "gid", "mtu", "max_dest_rd_atomic"} <= set(ep)
 
 
-def test_wait_for_times_out(wait_for: Any) -> None:
+def test_wait_until_times_out() -> None:
     with pytest.raises(pytest.fail.Exception, match="timed out"):
-        wait_for(lambda: False, "nothing", timeout=0.05)
+        wait_until(lambda: False, "nothing", timeout=0.05, interval=0)

@@ -18,12 +18,11 @@ import pytest
 import ibgda
 from ibgda.channel_tables import build_channel
 from ibgda.device_handle import SignalMode
-from tests.ibgda.conftest import DATA_BYTES, NFLAGS, Link
 from tests.support.cuda import gpu_unavailable
+from tests.support.ibgda_link import DATA_BYTES, GPU_KERNELS, NFLAGS, Link
 
 pytestmark = pytest.mark.gpu
 
-KERNELS = Path(__file__).with_name("gpu_kernels.cu")
 DEBUG_DEFINES = {"TPD_SPIN_TIMEOUT_NS": "20000000000ull"}
 ERR_BAD_REGION = 3
 ERR_REMOTE_ACCESS = 9
@@ -38,7 +37,7 @@ def gpu() -> Any:
     from gpuclient.cuda_memory import use_device
 
     use_device(0)
-    return gpuclient.compile(KERNELS.read_text(), device=0, debug=True, defines=DEBUG_DEFINES,
+    return gpuclient.compile(GPU_KERNELS.read_text(), device=0, debug=True, defines=DEBUG_DEFINES,
                              include_dirs=[ibgda.get_include()], name="gpu_kernels.cu")
 
 

@@ -21,7 +21,8 @@ import pytest
 
 from ibgda.channel_tables import HostAlloc, build_channel
 from ibgda.device_handle import QP_STATE_DTYPE, SignalMode
-from tests.ibgda.conftest import NFLAGS, view
+from tests.support.cuda import gpu_unavailable
+from tests.support.ibgda_link import GPU_KERNELS, NFLAGS, view
 
 pytestmark = pytest.mark.hardware
 
@@ -129,9 +130,6 @@ def test_cpu_sees_a_remote_access_error(queues, host_lib) -> None:
 
 @pytest.mark.gpu
 def test_gpu_posts_to_a_connectx(queues) -> None:
-    from tests.ibgda.test_gpu_ibgda import KERNELS
-    from tests.support.cuda import gpu_unavailable
-
     reason = gpu_unavailable()
     if reason:
         pytest.skip(reason)
@@ -141,7 +139,7 @@ def test_gpu_posts_to_a_connectx(queues) -> None:
     from ibgda.host_mlx5 import cuda_alloc
 
     use_device(0)
-    module = gpuclient.compile(KERNELS.read_text(), device=0, debug=True, include_dirs=[ibgda.get_include()],
+    module = gpuclient.compile(GPU_KERNELS.read_text(), device=0, debug=True, include_dirs=[ibgda.get_include()],
                                defines={"TPD_SPIN_TIMEOUT_NS": "20000000000ull"}, name="gpu_kernels.cu")
     a, b = queues(map_to_gpu=True)
     bufs = Buffers(a, b)

@@ -11,7 +11,7 @@ import pytest
 
 from ibgda import mlx5_layout as L
 from ibgda.device_handle import SignalMode
-from tests.ibgda.conftest import DATA_BYTES, NFLAGS, FlagJudge
+from tests.support.ibgda_link import DATA_BYTES, NFLAGS, FlagJudge
 
 ERR_BAD_PEER, ERR_BAD_REGION, ERR_OUT_OF_BOUNDS, ERR_BAD_LENGTH, ERR_BAD_SLOT = 2, 3, 4, 5, 6
 ERR_REMOTE_ACCESS, ERR_TRANSPORT = 9, 10

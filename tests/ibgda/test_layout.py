@@ -15,7 +15,7 @@ import pytest
 
 from ibgda import device_handle as H
 from ibgda import mlx5_layout as L
-from tests.ibgda.conftest import HERE, INCLUDES, compiler, include_flags
+from tests.support.ibgda_link import IBGDA_TESTS, INCLUDES, compiler, include_flags
 from tests.support.nvrtc import nvrtc_or_skip
 
 STRUCTS = {
@@ -81,7 +81,7 @@ def expected() -> dict[str, int]:
 def probe(build_dir: Path) -> Path:
     exe = build_dir / "probe"
     subprocess.run([compiler(), "-std=c++17", "-Wall", "-Wextra", "-Werror", *include_flags(),
-                    str(HERE / "probe.cpp"), "-o", str(exe)], check=True)
+                    str(IBGDA_TESTS / "probe.cpp"), "-o", str(exe)], check=True)
     return exe
 
 
@@ -160,7 +160,7 @@ def test_nvcc_host_pass_builds_the_same_bytes(probe: Path, tmp_path: Path) -> No
     if not cc:
         pytest.skip("nvcc not found: the CUDA host-pass probe runs where the CUDA toolkit is installed")
     src = tmp_path / "probe.cu"
-    src.write_text((HERE / "probe.cpp").read_text())
+    src.write_text((IBGDA_TESTS / "probe.cpp").read_text())
     exe = tmp_path / "probe_nvcc"
     subprocess.run([cc, "-std=c++17", "-arch=sm_90", *include_flags(), str(src), "-o", str(exe)], check=True)
     cases = random_cases(100, seed=11)
@@ -250,7 +250,7 @@ def test_gpu_kernels_compile_with_nvrtc(kernels: str) -> None:
     nvrtc_or_skip()
     from gpuclient.compiler import CompileError, compile_to_cubin
 
-    source = (HERE.parents[1] / kernels).read_text()
+    source = (IBGDA_TESTS.parents[1] / kernels).read_text()
     for debug in (False, True):
         try:
             cubin = compile_to_cubin(source, name=Path(kernels).name, arch="sm_90", debug=debug,

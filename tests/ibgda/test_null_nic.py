@@ -14,9 +14,9 @@ import pytest
 from ibgda.channel_tables import HostAlloc, build_channel
 from ibgda.device_handle import QP_STATE_DTYPE, QUEUE_PAIR_DTYPE, SignalMode
 from ibgda.queue_memory import QueueMemory
-from tests.ibgda.conftest import HERE, compiler, include_flags, view
+from tests.support.ibgda_link import IBGDA_TESTS, compiler, include_flags, view
 
-NULL_NIC = HERE.parents[1] / "benchmarks" / "ibgda_null_nic.cpp"
+NULL_NIC = IBGDA_TESTS.parents[1] / "benchmarks" / "ibgda_null_nic.cpp"
 
 
 @pytest.fixture(scope="module")

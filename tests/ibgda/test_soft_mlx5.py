@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ibgda import mlx5_layout as L
-from tests.ibgda.conftest import FlagJudge, HostPoster, Link, wait_until
+from tests.support.ibgda_link import SOFT_QUEUE_WAIT, FlagJudge, HostPoster, Link
+from tests.support.waiting import wait_until
 
 
 def write(hp: HostPoster, link: Link, off: int, n: int, **kw: bool) -> int:
@@ -53,7 +54,8 @@ def test_cqes_only_where_asked(make_link, host_lib) -> None:
     hp.ring()
     cqes = hp.wait_cqes(2)
     assert [c.wqe_counter for c in cqes] == [4, 9]
-    wait_until(lambda: link.a.stats["wqes"] == 10 and not link.a.outstanding, "every WQE to complete")
+    wait_until(lambda: link.a.stats["wqes"] == 10 and not link.a.outstanding, "every WQE to complete",
+               **SOFT_QUEUE_WAIT)
     assert hp.cq.poll() == [] and link.a.stats["cqes"] == 2
     assert np.array_equal(link.dst[:10240], link.src[:10240])
 
@@ -225,8 +227,9 @@ def test_doorbell_misuse_is_reported(make_link, host_lib) -> None:
     hp.wait_cqes(3)
     host_lib.tpd_test_ring(hp.addr["dbrec"], hp.addr["bf"], 3, word0)  # a doorbell that goes backwards
     link.a.kick()
-    wait_until(lambda: link.a.violations, "the backwards doorbell to be noticed")
+    wait_until(lambda: link.a.violations, "the backwards doorbell to be noticed", **SOFT_QUEUE_WAIT)
     assert "went back" in link.a.violations[0]
     host_lib.tpd_test_ring(hp.addr["dbrec"], hp.addr["bf"], 3 + 17, word2)  # 17 WQEBBs rung on a 16-slot SQ
     link.a.kick()
-    wait_until(lambda: any("overrun" in v for v in link.a.violations), "the SQ overrun to be noticed")
+    wait_until(lambda: any("overrun" in v for v in link.a.violations), "the SQ overrun to be noticed",
+               **SOFT_QUEUE_WAIT)

@@ -16,19 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.ops.conftest import (
-    BACK,
-    CHUNK,
-    INFLIGHT_CAP,
-    JOB,
-    PUTS,
-    SET_VALUE,
-    OpsCluster,
-    assert_one_line,
-    ctl,
-    ctl_process,
-    wait_until,
-)
+from tests.support.ctl import assert_one_line, ctl, ctl_process
+from tests.support.ops_cluster import BACK, CHUNK, INFLIGHT_CAP, JOB, PUTS, SET_VALUE, OpsCluster
+from tests.support.waiting import wait_until
 
 
 def _json(node: str, ops: OpsCluster, *args: str) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops.conftest import installed_script
+from tests.support.ctl import installed_script
 from transportd.daemon.config import KEYS, default_config, example_config, load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -10,8 +10,9 @@ import urllib.request
 import pytest
 from prometheus_client.openmetrics import parser
 
-from tests.e2e.conftest import close_ranks, join_ranks
-from tests.ops.conftest import BACK, CHUNK, JOB, PUTS, OpsCluster, wait_until
+from tests.support.cluster import close_ranks, join_ranks
+from tests.support.ops_cluster import BACK, CHUNK, JOB, PUTS, OpsCluster
+from tests.support.waiting import wait_until
 from transportd.daemon.config import default_config, load_config
 from transportd.errors import ErrorCode
 from transportd.ops.metrics import CONTENT_TYPE, job_traffic, render_metrics

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 import gpuclient
-from tests.ops.conftest import ctl, wait_until
+from tests.support.ctl import ctl
+from tests.support.waiting import wait_until
 from transportd.backends.verbs import pyverbs_devices
 from transportd_cli.localcluster import LocalCluster, free_port
 

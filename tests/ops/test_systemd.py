@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 
 from cmd_ring import RingFullError
-from tests.e2e.conftest import join_ranks
-from tests.ops.conftest import CHUNK, assert_one_line, ctl, wait_until
+from tests.support.cluster import join_ranks
+from tests.support.ctl import assert_one_line, ctl
+from tests.support.ops_cluster import CHUNK
+from tests.support.waiting import wait_until
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Stats
 from transportd.daemon.sdnotify import Notifier

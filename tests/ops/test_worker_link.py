@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.ops.worker_target import slow_worker
+from tests.support.peer_planes import Events, pump
 from transportd.dataplane.worker_link import WorkerError, WorkerHandle
+from transportd_cli.localcluster import free_port
 
 
 def test_a_late_reply_is_not_taken_for_the_next_calls() -> None:
@@ -23,10 +25,6 @@ def test_a_late_reply_is_not_taken_for_the_next_calls() -> None:
 
 def test_a_slow_call_keeps_the_peers_heartbeats_going() -> None:
     """A daemon stuck in a worker call serves nothing, but its peers must not declare it lost meanwhile."""
-    from tests.transportd.control.test_peers import Events, pump
-
-    from transportd_cli.localcluster import free_port
-
     pa, pb = free_port(), free_port()
     events_b = Events()
     a = Events().plane("a", pa, (f"127.0.0.1:{pb}",))

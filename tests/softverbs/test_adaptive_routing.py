@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conformance.resources import RCPair, open_provider, poll
+from tests.support.verbs_resources import RCPair, open_provider, poll
 
 TRIALS = 40
 DATA = 4096  # 16 packets of 256 bytes

@@ -12,7 +12,7 @@ import pytest
 from softverbs import cq, device, pd, qp
 from softverbs import libibverbs_enums as e
 from softverbs.providers.efa import efa_enums, efadv
-from tests.conformance.resources import raises_errno
+from tests.support.verbs_resources import raises_errno
 from transportd.backends import verbs
 
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conformance.resources import RCPair, no_completion, open_provider, poll, raises_errno
+from tests.support.verbs_resources import RCPair, no_completion, open_provider, poll, raises_errno
 
 
 @pytest.fixture

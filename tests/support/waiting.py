@@ -11,16 +11,17 @@ import pytest
 T = TypeVar("T")
 
 
-def wait_until(cond: Callable[[], T], what: str = "condition", timeout: float = 10.0, interval: float = 0.05) -> T:
+def wait_until(cond: Callable[[], T], what: str | Callable[[], str] = "condition", timeout: float = 10.0,
+               interval: float = 0.05) -> T:
     """Call ``cond`` every ``interval`` seconds (0: spin, for conditions that make progress themselves, such
-    as polling a CQ) until it returns something truthy, and return that; fail the test after ``timeout``."""
+    as polling a CQ) until it returns something truthy, and return that; fail the test after ``timeout``,
+    saying ``what`` it waited for (a callable is asked then, so it can say how far things got)."""
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+            pytest.fail(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
         if interval:
             time.sleep(interval)
-

@@ -3,41 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import zmq
 
-from transportd.control.peers import PeerPlane
+from tests.support.peer_planes import Events, pump
 from transportd.control.protocol import PeerBye, PeerRegions
-from transportd.errors import ListenError
 from transportd_cli.localcluster import free_port
-
-
-class Events:
-    def __init__(self) -> None:
-        self.log: list[tuple[str, str]] = []
-
-    def plane(self, node: str, port: int, static: tuple[str, ...]) -> PeerPlane:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                return PeerPlane(node, "ib", 1, f"tcp://127.0.0.1:{port}", static,
-                                 on_message=lambda n, m: self.log.append((m.op, n)),
-                                 on_peer_up=lambda n: self.log.append(("up", n)),
-                                 on_peer_down=lambda n: self.log.append(("down", n)),
-                                 heartbeat_interval_s=0.05, heartbeat_timeout_s=60.0)  # no timeout in a test
-            except ListenError as exc:  # an earlier life's socket in this process is still being closed
-                if not exc.in_use or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-
-def pump(planes: list[PeerPlane], until: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not until():
-        assert time.monotonic() < deadline, "timed out"
-        for plane in planes:
-            plane.poll(5)
 
 
 def test_a_restarted_peer_is_reported_down_then_up_before_any_heartbeat_timeout() -> None:

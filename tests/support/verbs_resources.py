@@ -1,4 +1,4 @@
-"""Verbs resources for the conformance tests, shaped like rdma-core's tests/base.py.
+"""Verbs resources for the conformance and softverbs tests, shaped like rdma-core's tests/base.py.
 
 A client/server pair is built in one process on one device (loopback through the device, as rdma-core's
 tests do), connection info exchanged by attribute assignment. Every helper goes through the namespace
