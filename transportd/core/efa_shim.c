@@ -36,42 +36,16 @@ _Static_assert(sizeof(SrdWr) == 64, "SrdWr layout");
 typedef struct {
     PyObject_HEAD
     struct ibv_qp_ex ex;
-    PyObject *post;
-    SrdWr *wrs;
-    size_t n, cap;
-    int open, err;
-    unsigned long long calls, posted;
+    tpd_shim_session ses; /* of SrdWr records */
 } SrdShimQP;
 
 static SrdShimQP *shim_of(struct ibv_qp_ex *qp) { return (SrdShimQP *)((char *)qp - offsetof(SrdShimQP, ex)); }
 
-static SrdWr *cur(struct ibv_qp_ex *qp) {
-    SrdShimQP *s = shim_of(qp);
-    if (s->err) return NULL;
-    if (!s->open || !s->n) {
-        s->err = EINVAL;
-        return NULL;
-    }
-    return &s->wrs[s->n - 1];
-}
+static SrdWr *cur(struct ibv_qp_ex *qp) { return tpd_shim_cur_wr(&shim_of(qp)->ses); }
 
 static void srd_write_imm(struct ibv_qp_ex *qp, uint32_t rkey, uint64_t raddr, tpd_be32 imm) {
-    SrdShimQP *s = shim_of(qp);
-    if (!s->open || s->err) {
-        if (!s->open) s->err = EINVAL;
-        return;
-    }
-    if (s->n == s->cap) {
-        size_t cap = s->cap ? 2 * s->cap : 64;
-        SrdWr *w = realloc(s->wrs, cap * sizeof *w);
-        if (!w) {
-            s->err = ENOMEM;
-            return;
-        }
-        s->wrs = w;
-        s->cap = cap;
-    }
-    s->wrs[s->n++] = (SrdWr){.wr_id = qp->wr_id, .flags = qp->wr_flags, .rkey = rkey, .raddr = raddr, .imm = imm,
+    SrdWr *w = tpd_shim_new_wr(&shim_of(qp)->ses);
+    if (w) *w = (SrdWr){.wr_id = qp->wr_id, .flags = qp->wr_flags, .rkey = rkey, .raddr = raddr, .imm = imm,
                              .opcode = SRD_WR_RDMA_WRITE_WITH_IMM};
 }
 
@@ -94,37 +68,16 @@ static void srd_set_ud_addr(struct ibv_qp_ex *qp, struct ibv_ah *ah, uint32_t qp
 }
 
 static void srd_set_inline(struct ibv_qp_ex *qp, void *addr, size_t length) {
-    shim_of(qp)->err = EINVAL; /* EFA has no inline RDMA */
+    shim_of(qp)->ses.err = EINVAL; /* EFA has no inline RDMA */
 }
 static void srd_unsupported_rw(struct ibv_qp_ex *qp, uint32_t rkey, uint64_t raddr) {
-    shim_of(qp)->err = EOPNOTSUPP;
+    shim_of(qp)->ses.err = EOPNOTSUPP;
 }
-static void srd_start(struct ibv_qp_ex *qp) {
-    SrdShimQP *s = shim_of(qp);
-    s->open = 1;
-    s->err = 0;
-    s->n = 0;
-}
-static void srd_abort(struct ibv_qp_ex *qp) {
-    SrdShimQP *s = shim_of(qp);
-    s->open = 0;
-    s->n = 0;
-}
+static void srd_start(struct ibv_qp_ex *qp) { tpd_shim_start(&shim_of(qp)->ses); }
+static void srd_abort(struct ibv_qp_ex *qp) { tpd_shim_abort(&shim_of(qp)->ses); }
 
 /* The one Python call of a session: the records to `post`, which returns an errno. */
-static int srd_complete(struct ibv_qp_ex *qp) {
-    SrdShimQP *s = shim_of(qp);
-    int err = s->open ? s->err : EINVAL;
-    size_t n = s->n;
-    s->open = 0;
-    s->n = 0;
-    if (err) return err;
-    if (!n) return 0;
-    int rc = tpd_shim_hand_over(s->post, s->wrs, n * sizeof(SrdWr));
-    s->calls++;
-    if (!rc) s->posted += n;
-    return rc;
-}
+static int srd_complete(struct ibv_qp_ex *qp) { return tpd_shim_complete(&shim_of(qp)->ses); }
 
 static PyObject *SrdShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"post", "qp_num", NULL};
@@ -134,8 +87,7 @@ static PyObject *SrdShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (!PyCallable_Check(post)) return PyErr_Format(PyExc_TypeError, "post must be callable");
     SrdShimQP *s = (SrdShimQP *)type->tp_alloc(type, 0);
     if (!s) return NULL;
-    Py_INCREF(post);
-    s->post = post;
+    tpd_shim_init(&s->ses, post, sizeof(SrdWr));
     struct ibv_qp_ex *x = &s->ex;
     x->qp_base.qp_num = qpn;
     x->wr_rdma_write_imm = srd_write_imm;
@@ -151,14 +103,13 @@ static PyObject *SrdShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 }
 
 static void SrdShimQP_dealloc(SrdShimQP *s) {
-    Py_XDECREF(s->post);
-    free(s->wrs);
+    tpd_shim_release(&s->ses);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
 static PyObject *SrdShimQP_capsule(SrdShimQP *s, void *unused) { return PyCapsule_New(&s->ex, "ibv_qp_ex", NULL); }
-static PyObject *SrdShimQP_calls(SrdShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->calls); }
-static PyObject *SrdShimQP_posted(SrdShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->posted); }
+static PyObject *SrdShimQP_calls(SrdShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->ses.calls); }
+static PyObject *SrdShimQP_posted(SrdShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->ses.posted); }
 
 static PyGetSetDef SrdShimQP_getset[] = {
     {"ibv_qp_ex", (getter)SrdShimQP_capsule, NULL, "The struct ibv_qp_ex, as a capsule.", NULL},

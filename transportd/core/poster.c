@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "poster.h"
 
@@ -102,12 +103,67 @@ PyObject *tpd_poll_method(const tpd_poster *iface, PyObject *arg) {
     return res;
 }
 
-/* ---- a shim's wr_complete -------------------------------------------------------------------------- */
-int tpd_shim_hand_over(PyObject *post, const void *wrs, size_t nbytes) {
+/* ---- a shim QP's posting session --------------------------------------------------------------------- */
+void tpd_shim_init(tpd_shim_session *s, PyObject *post, size_t wr_size) {
+    memset(s, 0, sizeof *s);
+    Py_INCREF(post);
+    s->post = post;
+    s->wr_size = wr_size;
+}
+
+void tpd_shim_release(tpd_shim_session *s) {
+    Py_CLEAR(s->post);
+    free(s->wrs);
+    s->wrs = NULL;
+    s->n = s->cap = 0;
+}
+
+void *tpd_shim_new_wr(tpd_shim_session *s) {
+    if (!s->open || s->err) {
+        if (!s->open) s->err = EINVAL; /* a WR outside wr_start .. wr_complete */
+        return NULL;
+    }
+    if (tpd_grow(&s->wrs, &s->cap, s->n + 1, s->wr_size)) {
+        s->err = ENOMEM;
+        return NULL;
+    }
+    void *w = (char *)s->wrs + s->n++ * s->wr_size;
+    memset(w, 0, s->wr_size);
+    return w;
+}
+
+void *tpd_shim_cur_wr(tpd_shim_session *s) {
+    if (s->err) return NULL;
+    if (!s->open || !s->n) { /* a wr_set_* with no WR to set */
+        s->err = EINVAL;
+        return NULL;
+    }
+    return (char *)s->wrs + (s->n - 1) * s->wr_size;
+}
+
+void tpd_shim_start(tpd_shim_session *s) {
+    s->open = 1;
+    s->err = 0;
+    s->n = 0;
+}
+
+void tpd_shim_abort(tpd_shim_session *s) {
+    s->open = 0;
+    s->n = 0;
+}
+
+/* The one Python call of a pass. */
+int tpd_shim_complete(tpd_shim_session *s) {
+    int err = s->open ? s->err : EINVAL;
+    size_t n = s->n;
+    s->open = 0;
+    s->n = 0;
+    if (err) return err;
+    if (!n) return 0;
     PyGILState_STATE g = PyGILState_Ensure();
     int rc = EIO;
-    PyObject *buf = PyBytes_FromStringAndSize((const char *)wrs, (Py_ssize_t)nbytes);
-    PyObject *res = buf ? PyObject_CallOneArg(post, buf) : NULL;
+    PyObject *buf = PyBytes_FromStringAndSize((const char *)s->wrs, (Py_ssize_t)(n * s->wr_size));
+    PyObject *res = buf ? PyObject_CallOneArg(s->post, buf) : NULL;
     Py_XDECREF(buf);
     if (res) {
         long v = PyLong_AsLong(res);
@@ -116,5 +172,7 @@ int tpd_shim_hand_over(PyObject *post, const void *wrs, size_t nbytes) {
     }
     if (PyErr_Occurred()) tpd_stash_exception(); /* raised by the poster's caller */
     PyGILState_Release(g);
+    s->calls++;
+    if (!rc) s->posted += n;
     return rc;
 }

@@ -66,33 +66,14 @@ _Static_assert(sizeof(ShimWc) == 40, "ShimWc layout");
 typedef struct {
     PyObject_HEAD
     struct ibv_qp_ex ex;
-    PyObject *post;
-    ShimWr *wrs;
-    size_t n, cap;
-    int open, err;
-    unsigned long long calls, posted;
+    tpd_shim_session ses; /* of ShimWr records */
 } ShimQP;
 
 static ShimQP *qp_of(struct ibv_qp_ex *qp) { return container(qp, ShimQP, ex); }
 
 static ShimWr *new_wr(struct ibv_qp_ex *qp, uint8_t opcode, uint32_t rkey, uint64_t raddr) {
-    ShimQP *s = qp_of(qp);
-    if (!s->open || s->err) {
-        if (!s->open) s->err = EINVAL;
-        return NULL;
-    }
-    if (s->n == s->cap) {
-        size_t cap = s->cap ? 2 * s->cap : 64;
-        ShimWr *w = realloc(s->wrs, cap * sizeof(ShimWr));
-        if (!w) {
-            s->err = ENOMEM;
-            return NULL;
-        }
-        s->wrs = w;
-        s->cap = cap;
-    }
-    ShimWr *w = &s->wrs[s->n++];
-    memset(w, 0, sizeof *w);
+    ShimWr *w = tpd_shim_new_wr(&qp_of(qp)->ses);
+    if (!w) return NULL;
     w->wr_id = qp->wr_id;
     w->flags = qp->wr_flags;
     w->opcode = opcode;
@@ -101,15 +82,7 @@ static ShimWr *new_wr(struct ibv_qp_ex *qp, uint8_t opcode, uint32_t rkey, uint6
     return w;
 }
 
-static ShimWr *cur_wr(struct ibv_qp_ex *qp) {
-    ShimQP *s = qp_of(qp);
-    if (s->err) return NULL;
-    if (!s->open || !s->n) {
-        s->err = EINVAL;
-        return NULL;
-    }
-    return &s->wrs[s->n - 1];
-}
+static ShimWr *cur_wr(struct ibv_qp_ex *qp) { return tpd_shim_cur_wr(&qp_of(qp)->ses); }
 
 static void shim_cmp_swp(struct ibv_qp_ex *qp, uint32_t rkey, uint64_t raddr, uint64_t compare, uint64_t swap) {
     ShimWr *w = new_wr(qp, WR_ATOMIC_CMP_AND_SWP, rkey, raddr);
@@ -148,7 +121,7 @@ static void shim_set_sge_list(struct ibv_qp_ex *qp, size_t num, const struct ibv
     ShimWr *w = cur_wr(qp);
     if (!w) return;
     if (num > 1) { /* one SGE per record: more is outside what the core posts */
-        qp_of(qp)->err = EINVAL;
+        qp_of(qp)->ses.err = EINVAL;
         return;
     }
     w->setters |= SET_SGE_LIST;
@@ -162,7 +135,7 @@ static void shim_set_inline(struct ibv_qp_ex *qp, void *addr, size_t length) {
     ShimWr *w = cur_wr(qp);
     if (!w) return;
     if (length > SHIM_INLINE_MAX) {
-        qp_of(qp)->err = EINVAL;
+        qp_of(qp)->ses.err = EINVAL;
         return;
     }
     memcpy(w->inline_data, addr, length); /* copied now, as the provider copies it into the WQE */
@@ -172,34 +145,12 @@ static void shim_set_inline(struct ibv_qp_ex *qp, void *addr, size_t length) {
     w->setters |= SET_INLINE;
 }
 static void shim_set_ud_addr(struct ibv_qp_ex *qp, struct ibv_ah *ah, uint32_t qpn, uint32_t qkey) {
-    qp_of(qp)->err = EOPNOTSUPP; /* RC only */
+    qp_of(qp)->ses.err = EOPNOTSUPP; /* RC only */
 }
-static void shim_start(struct ibv_qp_ex *qp) {
-    ShimQP *s = qp_of(qp);
-    s->open = 1;
-    s->err = 0;
-    s->n = 0;
-}
-static void shim_abort(struct ibv_qp_ex *qp) {
-    ShimQP *s = qp_of(qp);
-    s->open = 0;
-    s->n = 0;
-}
-
+static void shim_start(struct ibv_qp_ex *qp) { tpd_shim_start(&qp_of(qp)->ses); }
+static void shim_abort(struct ibv_qp_ex *qp) { tpd_shim_abort(&qp_of(qp)->ses); }
 /* The one Python call of a pass: the collected records to `post`, which returns an errno. */
-static int shim_complete(struct ibv_qp_ex *qp) {
-    ShimQP *s = qp_of(qp);
-    int err = s->open ? s->err : EINVAL;
-    size_t n = s->n;
-    s->open = 0;
-    s->n = 0;
-    if (err) return err;
-    if (!n) return 0;
-    int rc = tpd_shim_hand_over(s->post, s->wrs, n * sizeof(ShimWr));
-    s->calls++;
-    if (!rc) s->posted += n;
-    return rc;
-}
+static int shim_complete(struct ibv_qp_ex *qp) { return tpd_shim_complete(&qp_of(qp)->ses); }
 
 static PyObject *ShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"post", "qp_num", NULL};
@@ -209,8 +160,7 @@ static PyObject *ShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!PyCallable_Check(post)) return PyErr_Format(PyExc_TypeError, "post must be callable");
     ShimQP *s = (ShimQP *)type->tp_alloc(type, 0);
     if (!s) return NULL;
-    Py_INCREF(post);
-    s->post = post;
+    tpd_shim_init(&s->ses, post, sizeof(ShimWr));
     struct ibv_qp_ex *x = &s->ex;
     x->qp_base.qp_num = qpn;
     x->wr_atomic_cmp_swp = shim_cmp_swp;
@@ -232,14 +182,13 @@ static PyObject *ShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void ShimQP_dealloc(ShimQP *s) {
-    Py_XDECREF(s->post);
-    free(s->wrs);
+    tpd_shim_release(&s->ses);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
 static PyObject *ShimQP_capsule(ShimQP *s, void *unused) { return PyCapsule_New(&s->ex, "ibv_qp_ex", NULL); }
-static PyObject *ShimQP_calls(ShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->calls); }
-static PyObject *ShimQP_posted(ShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->posted); }
+static PyObject *ShimQP_calls(ShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->ses.calls); }
+static PyObject *ShimQP_posted(ShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->ses.posted); }
 
 static PyGetSetDef ShimQP_getset[] = {
     {"ibv_qp_ex", (getter)ShimQP_capsule, NULL, "The struct ibv_qp_ex, as a capsule.", NULL},
