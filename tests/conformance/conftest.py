@@ -19,14 +19,12 @@ def provider(request: pytest.FixtureRequest) -> Provider:
 @pytest.fixture
 def rc(provider: Provider):
     """A connected pair of RC QPs (client -> server) on one device, in this process."""
-    pair = provider.rc_pair()
-    yield pair
-    pair.close()
+    with provider.rc_pair() as pair:
+        yield pair
 
 
 @pytest.fixture
 def srd(provider: Provider):
     """A pair of SRD QPs (EFA) with unsolicited write-with-imm receive where the device allows it."""
-    pair = provider.srd_pair()
-    yield pair
-    pair.close()
+    with provider.srd_pair() as pair:
+        yield pair

@@ -59,8 +59,7 @@ def test_write_access_violations(provider, case: str) -> None:
         kw["mr_access"] = access(provider.v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ")
     if case == "qp_without_remote_write":
         kw["qp_access"] = access(provider.v, "IBV_ACCESS_REMOTE_READ")
-    rc = provider.rc_pair(**kw)
-    try:
+    with provider.rc_pair(**kw) as rc:
         v, e = rc.v, rc.v.enums
         rkey, raddr = rc.server.mr.rkey, rc.server.mr.buf
         if case == "out_of_bounds":
@@ -76,28 +75,20 @@ def test_write_access_violations(provider, case: str) -> None:
         if case == "other_pd":
             mr2.close()
             pd2.close()
-    finally:
-        rc.close()
 
 
 def test_read_needs_remote_read(provider) -> None:
-    rc = provider.rc_pair(mr_access=access(provider.v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE"))
-    try:
+    with provider.rc_pair(mr_access=access(provider.v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE")) as rc:
         e = rc.v.enums
         rc.client.qp.post_send(rc.send_wr(e.IBV_WR_RDMA_READ, rc.client.sge(0, 64)))
         assert poll(rc.client.cq)[0].status == e.IBV_WC_REM_ACCESS_ERR
-    finally:
-        rc.close()
 
 
 def test_atomic_needs_remote_atomic(provider) -> None:
-    rc = provider.rc_pair(mr_access=access(provider.v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE"))
-    try:
+    with provider.rc_pair(mr_access=access(provider.v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE")) as rc:
         e = rc.v.enums
         rc.client.qp.post_send(rc.send_wr(e.IBV_WR_ATOMIC_FETCH_AND_ADD, rc.client.sge(0, 8), add=1))
         assert poll(rc.client.cq)[0].status == e.IBV_WC_REM_ACCESS_ERR
-    finally:
-        rc.close()
 
 
 def test_misaligned_atomic_is_an_invalid_request(rc: RCPair) -> None:

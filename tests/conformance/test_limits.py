@@ -26,8 +26,7 @@ def _post_until_refused(post, limit: int) -> tuple[int, int]:
 
 def test_send_queue_depth(provider) -> None:
     depth = 8
-    rc = provider.rc_pair(max_send_wr=depth)
-    try:
+    with provider.rc_pair(max_send_wr=depth) as rc:
         e = rc.v.enums
 
         def post(i: int) -> None:
@@ -39,15 +38,12 @@ def test_send_queue_depth(provider) -> None:
         poll(rc.client.cq, posted)
         post(posted)  # polling freed the slots
         poll(rc.client.cq)
-    finally:
-        rc.close()
 
 
 def test_unsignaled_wrs_hold_their_slots_until_a_signaled_one_is_polled(provider) -> None:
     if not provider.soft:
         pytest.skip("depth rounding on hardware makes the exact count provider-specific")
-    rc = provider.rc_pair(max_send_wr=4)
-    try:
+    with provider.rc_pair(max_send_wr=4) as rc:
         e = rc.v.enums
         for i in range(3):
             rc.client.qp.post_send(rc.send_wr(e.IBV_WR_RDMA_WRITE, rc.client.sge(0, 8), wr_id=i, flags=0))
@@ -59,26 +55,20 @@ def test_unsignaled_wrs_hold_their_slots_until_a_signaled_one_is_polled(provider
         for i in range(4):
             rc.client.qp.post_send(rc.send_wr(e.IBV_WR_RDMA_WRITE, rc.client.sge(0, 8), wr_id=10 + i))
         poll(rc.client.cq, 4)
-    finally:
-        rc.close()
 
 
 def test_receive_queue_depth(provider) -> None:
     depth = 4
-    rc = provider.rc_pair(max_recv_wr=depth)
-    try:
+    with provider.rc_pair(max_recv_wr=depth) as rc:
         v = rc.v
         posted, err = _post_until_refused(lambda i: rc.server.qp.post_recv(v.wr.RecvWR(wr_id=i, num_sge=0)), 4096)
         assert err == errno.ENOMEM
         assert posted == depth if provider.soft else posted >= depth
-    finally:
-        rc.close()
 
 
 def test_a_bad_wr_in_a_chain_stops_the_post_there(provider) -> None:
     """ibv_post_send posts the WRs before the bad one and reports the bad one."""
-    rc = provider.rc_pair(max_send_wr=2)
-    try:
+    with provider.rc_pair(max_send_wr=2) as rc:
         e = rc.v.enums
         head = rc.send_wr(e.IBV_WR_RDMA_WRITE, rc.client.sge(0, 8), wr_id=1)
         node = head
@@ -92,25 +82,19 @@ def test_a_bad_wr_in_a_chain_stops_the_post_there(provider) -> None:
         posted = bad.wr_id - 1
         assert posted == 2 if provider.soft else posted >= 2
         assert [w.wr_id for w in poll(rc.client.cq, posted)] == list(range(1, posted + 1))
-    finally:
-        rc.close()
 
 
 def test_too_many_sges_are_refused(provider) -> None:
-    rc = provider.rc_pair()  # max_send_sge=2
-    try:
+    with provider.rc_pair() as rc:  # max_send_sge=2
         e = rc.v.enums
         sges = [rc.client.sge(8 * i, 8) for i in range(3 if provider.soft else 64)]
         with pytest.raises(rc.v.error.PyverbsRDMAError) as info:
             rc.client.qp.post_send(rc.send_wr(e.IBV_WR_RDMA_WRITE, sges))
         assert info.value.error_code == errno.ENOMEM  # mlx5's errno for this
-    finally:
-        rc.close()
 
 
 def test_queue_and_cq_sizes_above_the_device_limits_are_refused(provider) -> None:
-    rc = provider.rc_pair()
-    try:
+    with provider.rc_pair() as rc:
         v, e = rc.v, rc.v.enums
         attr = rc.ctx.query_device()
         with pytest.raises(v.error.PyverbsRDMAError):
@@ -118,18 +102,13 @@ def test_queue_and_cq_sizes_above_the_device_limits_are_refused(provider) -> Non
         cap = v.qp.QPCap(max_send_wr=int(attr.max_qp_wr) + 1)
         with pytest.raises(v.error.PyverbsRDMAError):
             v.qp.QP(rc.pd, v.qp.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=rc.client.cq, rcq=rc.client.cq, cap=cap))
-    finally:
-        rc.close()
 
 
 def test_efa_send_queue_depth(provider) -> None:
     depth = 8
-    pair = provider.srd_pair(max_send_wr=depth)
-    try:
+    with provider.srd_pair(max_send_wr=depth) as pair:
         posted, err = _post_until_refused(lambda i: pair.post(pair.client, "write", pair.client.sge(0, 8), wr_id=i),
                                           4096)
         assert err == errno.ENOMEM
         assert posted == depth if provider.soft else posted >= depth
         poll(pair.client.cq, posted)
-    finally:
-        pair.close()

@@ -131,8 +131,7 @@ def test_fence_waits_for_a_prior_read(provider) -> None:
     data. Without the fence the write may carry L before the read has filled it (softverbs always does
     when both go out in one post; hardware may).
     """
-    rc = provider.rc_pair()
-    try:
+    with provider.rc_pair() as rc:
         e = rc.v.enums
         data = b"\xc3" * 4096
         rc.server.write_buf(0, data)
@@ -152,5 +151,3 @@ def test_fence_waits_for_a_prior_read(provider) -> None:
             rc.server.write_buf(8192, bytes(4096))
             read_then_write(int(e.IBV_SEND_SIGNALED))
             assert rc.server.read_buf(8192, 4096) == bytes(4096)
-    finally:
-        rc.close()

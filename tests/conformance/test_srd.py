@@ -35,16 +35,13 @@ def test_unsolicited_write_with_imm_needs_no_receive_wr(srd: SRDPair) -> None:
 
 
 def test_solicited_write_with_imm_consumes_a_posted_receive(provider) -> None:
-    pair = provider.srd_pair(unsolicited=False)
-    try:
+    with provider.srd_pair(unsolicited=False) as pair:
         e = pair.v.enums
         pair.server.qp.post_recv(pair.v.wr.RecvWR(wr_id=555, num_sge=0))
         pair.post(pair.client, "write_imm", pair.client.sge(0, 64), imm=1)
         (recv,) = poll(pair.server.cq)
         assert (recv.wr_id, recv.status, recv.opcode) == (555, e.IBV_WC_SUCCESS, e.IBV_WC_RECV_RDMA_WITH_IMM)
         assert not recv.unsolicited
-    finally:
-        pair.close()
 
 
 def test_write_with_imm_completes_only_after_all_its_bytes_in_any_order(provider) -> None:
@@ -56,32 +53,31 @@ def test_write_with_imm_completes_only_after_all_its_bytes_in_any_order(provider
     """
     if provider.soft:
         provider.v.soft.configure("softefa0", srd_packet_size=512, reorder_seed=7)
-    pair = provider.srd_pair(max_send_wr=128)
     try:
-        e = pair.v.enums
-        n, size = 48, 6000
-        rng = np.random.default_rng(3)
-        image = rng.integers(0, 256, n * size, dtype=np.uint8).tobytes()
-        pair.client.write_buf(0, image)
-        if not pair.unsolicited:
+        with provider.srd_pair(max_send_wr=128) as pair:
+            e = pair.v.enums
+            n, size = 48, 6000
+            rng = np.random.default_rng(3)
+            image = rng.integers(0, 256, n * size, dtype=np.uint8).tobytes()
+            pair.client.write_buf(0, image)
+            if not pair.unsolicited:
+                for i in range(n):
+                    pair.server.qp.post_recv(pair.v.wr.RecvWR(wr_id=i, num_sge=0))
             for i in range(n):
-                pair.server.qp.post_recv(pair.v.wr.RecvWR(wr_id=i, num_sge=0))
-        for i in range(n):
-            pair.post(pair.client, "write_imm", pair.client.sge(i * size, size), wr_id=i,
-                      raddr=pair.server.mr.buf + i * size, imm=i)
-        order = []
-        for _ in range(n):
-            (recv,) = poll(pair.server.cq)
-            assert recv.status == e.IBV_WC_SUCCESS
-            i = socket.ntohl(recv.imm_data)
-            assert pair.server.read_buf(i * size, size) == image[i * size:(i + 1) * size], f"message {i} torn"
-            order.append(i)
-        assert sorted(order) == list(range(n))
-        assert sorted(w.wr_id for w in poll(pair.client.cq, n)) == list(range(n))
-        if provider.soft:
-            assert order != sorted(order), "SRD delivered every message in post order"
+                pair.post(pair.client, "write_imm", pair.client.sge(i * size, size), wr_id=i,
+                          raddr=pair.server.mr.buf + i * size, imm=i)
+            order = []
+            for _ in range(n):
+                (recv,) = poll(pair.server.cq)
+                assert recv.status == e.IBV_WC_SUCCESS
+                i = socket.ntohl(recv.imm_data)
+                assert pair.server.read_buf(i * size, size) == image[i * size:(i + 1) * size], f"message {i} torn"
+                order.append(i)
+            assert sorted(order) == list(range(n))
+            assert sorted(w.wr_id for w in poll(pair.client.cq, n)) == list(range(n))
+            if provider.soft:
+                assert order != sorted(order), "SRD delivered every message in post order"
     finally:
-        pair.close()
         if provider.soft:
             provider.v.soft.configure("softefa0", srd_packet_size=8192, reorder_seed=None)
 
@@ -94,12 +90,9 @@ def test_efa_requires_every_wr_signaled(srd: SRDPair) -> None:
 
 
 def test_efa_accepts_unsignaled_wrs_when_the_qp_signals_all(provider) -> None:
-    pair = provider.srd_pair(sq_sig_all=1)
-    try:
+    with provider.srd_pair(sq_sig_all=1) as pair:
         pair.post(pair.client, "write", pair.client.sge(0, 8), flags=0)
         assert poll(pair.client.cq)[0].status == pair.v.enums.IBV_WC_SUCCESS
-    finally:
-        pair.close()
 
 
 def test_efa_rejects_fence(srd: SRDPair) -> None:

@@ -29,13 +29,12 @@ def ar_pair():
     provider = open_provider("soft")
     soft = provider.v.soft
     soft.configure("softib0", reorder_seed=1234, packet_size=256)
-    pair = provider.rc_pair(max_send_wr=256)
-    log: list[tuple[int, int, int]] = []
-    soft.set_placement_observer(pair.ctx, lambda qpn, addr, length: log.append((qpn, addr, length)))
-    yield pair, log
-    soft.set_placement_observer(pair.ctx, None)
-    soft.configure("softib0", reorder_seed=None, packet_size=None)
-    pair.close()
+    with provider.rc_pair(max_send_wr=256) as pair:
+        log: list[tuple[int, int, int]] = []
+        soft.set_placement_observer(pair.ctx, lambda qpn, addr, length: log.append((qpn, addr, length)))
+        yield pair, log
+        soft.set_placement_observer(pair.ctx, None)
+        soft.configure("softib0", reorder_seed=None, packet_size=None)
 
 
 def _trial(pair: RCPair, mode: str, n: int) -> None:

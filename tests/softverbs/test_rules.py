@@ -29,8 +29,7 @@ def _qp_attr(pair: RCPair):
 # --- QP state machine ------------------------------------------------------------------------------------
 
 def test_modify_checks_transitions_and_masks(soft) -> None:
-    pair = soft.rc_pair(connect=False)
-    try:
+    with soft.rc_pair(connect=False) as pair:
         v, e = pair.v, pair.v.enums
         qp = pair.client.qp
         attr = _qp_attr(pair)
@@ -53,31 +52,23 @@ def test_modify_checks_transitions_and_masks(soft) -> None:
         attr.qp_state = e.IBV_QPS_RESET
         qp.modify(attr, e.IBV_QP_STATE)
         assert qp.qp_state == e.IBV_QPS_RESET
-    finally:
-        pair.close()
 
 
 def test_moving_to_error_flushes_posted_receives(soft) -> None:
-    pair = soft.rc_pair()
-    try:
+    with soft.rc_pair() as pair:
         v, e = pair.v, pair.v.enums
         for i in range(3):
             pair.server.qp.post_recv(v.wr.RecvWR(wr_id=i, num_sge=0))
         attr = v.qp.QPAttr(qp_state=e.IBV_QPS_ERR)
         pair.server.qp.modify(attr, e.IBV_QP_STATE)
         assert [(w.wr_id, w.status) for w in poll(pair.server.cq, 3)] == [(i, e.IBV_WC_WR_FLUSH_ERR) for i in range(3)]
-    finally:
-        pair.close()
 
 
 def test_posting_before_rts_is_refused(soft) -> None:
-    pair = soft.rc_pair(connect=False)
-    try:
+    with soft.rc_pair(connect=False) as pair:
         e = pair.v.enums
         raises_errno(pair.v, errno.EINVAL, pair.client.qp.post_send,
                      pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
-    finally:
-        pair.close()
 
 
 def test_legacy_srd_qp_cannot_use_to_rts_like_pyverbs(soft) -> None:
@@ -94,8 +85,7 @@ def test_legacy_srd_qp_cannot_use_to_rts_like_pyverbs(soft) -> None:
 
 @pytest.mark.parametrize("mismatch", ["psn", "dest_qpn"])
 def test_peers_that_disagree_fail_with_retry_exceeded(soft, mismatch: str) -> None:
-    pair = soft.rc_pair(connect=False)
-    try:
+    with soft.rc_pair(connect=False) as pair:
         e = pair.v.enums
         if mismatch == "psn":
             pair.connect(pair.server, pair.client, rq_psn=(pair.client.psn + 1) & 0xFFFFFF)
@@ -104,48 +94,37 @@ def test_peers_that_disagree_fail_with_retry_exceeded(soft, mismatch: str) -> No
         pair.connect(pair.client, pair.server)
         pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
         assert poll(pair.client.cq)[0].status == e.IBV_WC_RETRY_EXC_ERR
-    finally:
-        pair.close()
 
 
 def test_path_mtu_larger_than_the_responders_is_an_invalid_request(soft) -> None:
-    pair = soft.rc_pair(connect=False)
-    try:
+    with soft.rc_pair(connect=False) as pair:
         e = pair.v.enums
         pair.connect(pair.server, pair.client, path_mtu=e.IBV_MTU_1024)
         pair.connect(pair.client, pair.server, path_mtu=e.IBV_MTU_4096)
         pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
         assert poll(pair.client.cq)[0].status == e.IBV_WC_REM_INV_REQ_ERR
-    finally:
-        pair.close()
 
 
 def test_reads_need_max_rd_atomic(soft) -> None:
-    pair = soft.rc_pair(max_rd_atomic=0)
-    try:
+    with soft.rc_pair(max_rd_atomic=0) as pair:
         e = pair.v.enums
         pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_READ, pair.client.sge(0, 8)))
         assert poll(pair.client.cq)[0].status == e.IBV_WC_LOC_QP_OP_ERR
-    finally:
-        pair.close()
 
 
 def test_unreachable_peer_fails_with_retry_exceeded(soft) -> None:
     import socket
 
-    pair = soft.rc_pair(connect=False)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead_port = s.getsockname()[1]
-    s.close()  # nothing listens there now
-    try:
+    with soft.rc_pair(connect=False) as pair:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+        s.close()  # nothing listens there now
         v, e = pair.v, pair.v.enums
         gid = v.addr.GID(v.soft.gid_for_endpoint("127.0.0.1", dead_port))
         pair.connect(pair.client, pair.server, ah_attr=v.addr.AHAttr(is_global=1, gr=v.addr.GlobalRoute(dgid=gid)))
         pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
         assert poll(pair.client.cq)[0].status == e.IBV_WC_RETRY_EXC_ERR
-    finally:
-        pair.close()
 
 
 def test_two_devices_in_one_process_talk_over_tcp(soft) -> None:
@@ -153,9 +132,7 @@ def test_two_devices_in_one_process_talk_over_tcp(soft) -> None:
 
     name = f"softib-{uuid.uuid4().hex[:6]}"
     soft.v.soft.add_device(name, "ib")
-    a = soft.rc_pair(connect=False)
-    b = RCPair(soft, name, connect=False)
-    try:
+    with soft.rc_pair(connect=False) as a, RCPair(soft, name, connect=False) as b:
         e = a.v.enums
         a.connect(a.client, b.server)
         b.connect(b.server, a.client)
@@ -164,16 +141,12 @@ def test_two_devices_in_one_process_talk_over_tcp(soft) -> None:
                                         raddr=b.server.mr.buf))
         assert poll(a.client.cq)[0].status == e.IBV_WC_SUCCESS
         assert b.server.read_buf(0, 14) == b"across devices"
-    finally:
-        a.close()
-        b.close()
 
 
 # --- receiver not ready ---------------------------------------------------------------------------------
 
 def test_rc_write_imm_waits_for_a_receive_with_infinite_rnr_retry(soft) -> None:
-    pair = soft.rc_pair()  # rnr_retry 7
-    try:
+    with soft.rc_pair() as pair:  # rnr_retry 7
         v, e = pair.v, pair.v.enums
         pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE_WITH_IMM, pair.client.sge(0, 8), imm=5))
         pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8), wr_id=2))
@@ -181,46 +154,37 @@ def test_rc_write_imm_waits_for_a_receive_with_infinite_rnr_retry(soft) -> None:
         pair.server.qp.post_recv(v.wr.RecvWR(wr_id=42, num_sge=0))
         assert [w.wr_id for w in poll(pair.client.cq, 2)] == [1, 2]
         assert poll(pair.server.cq)[0].wr_id == 42
-    finally:
-        pair.close()
 
 
 def test_rc_rnr_retries_run_out(soft) -> None:
-    pair = soft.rc_pair(connect=False)
-    try:
+    with soft.rc_pair(connect=False) as pair:
         e = pair.v.enums
         pair.connect(pair.server, pair.client, min_rnr_timer=1)  # 0.01 ms
         pair.connect(pair.client, pair.server, rnr_retry=1)
         pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE_WITH_IMM, pair.client.sge(0, 8)))
         assert poll(pair.client.cq)[0].status == e.IBV_WC_RNR_RETRY_EXC_ERR
-    finally:
-        pair.close()
 
 
 def test_srd_write_imm_without_receive_or_unsolicited_flag_is_rnr(soft) -> None:
-    pair = soft.srd_pair(unsolicited=False)
-    try:
+    with soft.srd_pair(unsolicited=False) as pair:
         e = pair.v.enums
         pair.post(pair.client, "write_imm", pair.client.sge(0, 8))
         assert poll(pair.client.cq)[0].status == e.IBV_WC_RNR_RETRY_EXC_ERR
-    finally:
-        pair.close()
 
 
 # --- EFA device limits and capabilities ------------------------------------------------------------------
 
 def test_efa_write_above_max_rdma_size_fails_locally(soft) -> None:
     soft.v.soft.configure("softefa0", max_rdma_size=4096)
-    pair = soft.srd_pair()
     try:
-        e = pair.v.enums
-        assert pair.efa_attr.max_rdma_size == 4096
-        pair.post(pair.client, "write", pair.client.sge(0, 4097), wr_id=1)
-        assert poll(pair.client.cq)[0].status == e.IBV_WC_LOC_LEN_ERR
-        pair.post(pair.client, "write", pair.client.sge(0, 4096), wr_id=2)
-        assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS
+        with soft.srd_pair() as pair:
+            e = pair.v.enums
+            assert pair.efa_attr.max_rdma_size == 4096
+            pair.post(pair.client, "write", pair.client.sge(0, 4097), wr_id=1)
+            assert poll(pair.client.cq)[0].status == e.IBV_WC_LOC_LEN_ERR
+            pair.post(pair.client, "write", pair.client.sge(0, 4096), wr_id=2)
+            assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS
     finally:
-        pair.close()
         soft.v.soft.configure("softefa0", max_rdma_size=1 << 30)
 
 
@@ -259,23 +223,19 @@ def test_rc_qps_are_not_available_on_efa(soft) -> None:
 
 
 def test_extended_ops_must_be_declared_at_creation(soft) -> None:
-    pair = soft.srd_pair()
-    try:
+    with soft.srd_pair() as pair:
         qp = pair.client.qp
         qp.wr_start()
         with pytest.raises(pair.v.error.PyverbsRDMAError) as info:
             qp.wr_atomic_fetch_add(pair.server.mr.rkey, pair.server.mr.buf, 1)  # EFA has no atomics
         assert info.value.error_code == errno.EOPNOTSUPP
         qp.wr_abort()
-    finally:
-        pair.close()
 
 
 # --- completion queues and inline data -----------------------------------------------------------------------
 
 def test_cq_overrun_is_reported_by_poll(soft) -> None:
-    pair = soft.rc_pair(cq_depth=4)
-    try:
+    with soft.rc_pair(cq_depth=4) as pair:
         e = pair.v.enums
         for i in range(6):
             pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8), wr_id=i))
@@ -283,8 +243,6 @@ def test_cq_overrun_is_reported_by_poll(soft) -> None:
         with pytest.raises(pair.v.error.PyverbsRDMAError) as info:
             poll(pair.client.cq, 6, timeout=2)
         assert info.value.error_code == errno.EOVERFLOW
-    finally:
-        pair.close()
 
 
 def test_cqex_poll_protocol_is_enforced(soft) -> None:
@@ -297,8 +255,7 @@ def test_cqex_poll_protocol_is_enforced(soft) -> None:
 
 
 def test_inline_data_is_copied_at_post_time_and_limited(soft) -> None:
-    pair = soft.rc_pair(max_inline_data=64)
-    try:
+    with soft.rc_pair(max_inline_data=64) as pair:
         v, e = pair.v, pair.v.enums
         flags = int(e.IBV_SEND_SIGNALED | e.IBV_SEND_INLINE)
         pair.client.write_buf(0, b"inline!!")
@@ -317,8 +274,6 @@ def test_inline_data_is_copied_at_post_time_and_limited(soft) -> None:
         pair.client.qp.post_send(head)
         assert [w.status for w in poll(pair.client.cq, 2)] == [e.IBV_WC_SUCCESS] * 2
         assert pair.server.read_buf(100, 5) + pair.server.read_buf(200, 6) == b"firstsecond"
-    finally:
-        pair.close()
 
 
 # --- memory behind an accessor (the GPU path) ----------------------------------------------------------------
@@ -330,26 +285,25 @@ def test_memory_accessor_serves_remote_writes_reads_and_atomics(soft) -> None:
     region = np.zeros(1 << 16, dtype=np.uint8)  # stands in for device memory
     acc = HostAccessor()
     v.soft.register_memory(region.ctypes.data, region.nbytes, acc)
-    pair = soft.rc_pair()
     try:
-        full = int(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
-                   | e.IBV_ACCESS_REMOTE_ATOMIC)
-        gmr = v.mr.MR(pair.pd, region.nbytes, full, address=region.ctypes.data)
-        pair.client.write_buf(0, b"to the device")
-        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 13), rkey=gmr.rkey,
-                                              raddr=gmr.buf + 100))
-        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_ATOMIC_FETCH_AND_ADD, pair.client.sge(64, 8), rkey=gmr.rkey,
-                                              raddr=gmr.buf + 256, add=3))
-        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_READ, pair.client.sge(128, 13), rkey=gmr.rkey,
-                                              raddr=gmr.buf + 100))
-        assert all(w.status == e.IBV_WC_SUCCESS for w in poll(pair.client.cq, 3))
-        assert region[100:113].tobytes() == b"to the device"
-        assert int(region[256:264].view(np.uint64)[0]) == 3
-        assert pair.client.read_buf(128, 13) == b"to the device"
-        assert acc.writes >= 2 and acc.reads >= 2
-        gmr.close()
+        with soft.rc_pair() as pair:
+            full = int(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+                       | e.IBV_ACCESS_REMOTE_ATOMIC)
+            gmr = v.mr.MR(pair.pd, region.nbytes, full, address=region.ctypes.data)
+            pair.client.write_buf(0, b"to the device")
+            pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 13), rkey=gmr.rkey,
+                                                  raddr=gmr.buf + 100))
+            pair.client.qp.post_send(pair.send_wr(e.IBV_WR_ATOMIC_FETCH_AND_ADD, pair.client.sge(64, 8), rkey=gmr.rkey,
+                                                  raddr=gmr.buf + 256, add=3))
+            pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_READ, pair.client.sge(128, 13), rkey=gmr.rkey,
+                                                  raddr=gmr.buf + 100))
+            assert all(w.status == e.IBV_WC_SUCCESS for w in poll(pair.client.cq, 3))
+            assert region[100:113].tobytes() == b"to the device"
+            assert int(region[256:264].view(np.uint64)[0]) == 3
+            assert pair.client.read_buf(128, 13) == b"to the device"
+            assert acc.writes >= 2 and acc.reads >= 2
+            gmr.close()
     finally:
-        pair.close()
         v.soft.unregister_memory(region.ctypes.data)
 
 
@@ -357,24 +311,21 @@ def test_srd_writes_to_a_dead_endpoint_fail_at_once_after_one_connect_attempt(so
     import logging
     import socket
 
-    pair = soft.srd_pair()
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead_port = s.getsockname()[1]
-    s.close()  # nothing listens there now
-    v, e = pair.v, pair.v.enums
-    pair.ah.close()
-    gr = v.addr.GlobalRoute(dgid=v.addr.GID(v.soft.gid_for_endpoint("127.0.0.1", dead_port)), sgid_index=0)
-    pair.ah = v.addr.AH(pair.pd, attr=v.addr.AHAttr(port_num=1, is_global=1, gr=gr))
-    try:
+    with soft.srd_pair() as pair:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+        s.close()  # nothing listens there now
+        v, e = pair.v, pair.v.enums
+        pair.ah.close()
+        gr = v.addr.GlobalRoute(dgid=v.addr.GID(v.soft.gid_for_endpoint("127.0.0.1", dead_port)), sgid_index=0)
+        pair.ah = v.addr.AH(pair.pd, attr=v.addr.AHAttr(port_num=1, is_global=1, gr=gr))
         with caplog.at_level(logging.WARNING, logger="softverbs"):
             for i in range(200):
                 pair.post(pair.client, "write", pair.client.sge(0, 8), wr_id=i)
                 assert poll(pair.client.cq)[0].status != e.IBV_WC_SUCCESS
         attempts = [r for r in caplog.records if "cannot reach" in r.getMessage()]
         assert len(attempts) == 1, [r.getMessage() for r in attempts]  # said once, not once per WR
-    finally:
-        pair.close()
 
 
 # --- device lifetime --------------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ class Side:
 
 
 class RCPair:
-    """Client and server RC QPs on one device, connected to each other."""
+    """Client and server RC QPs on one device, connected to each other; a context manager that closes them."""
 
     SEND_OPS = ("IBV_QP_EX_WITH_RDMA_WRITE", "IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM", "IBV_QP_EX_WITH_SEND",
                 "IBV_QP_EX_WITH_SEND_WITH_IMM", "IBV_QP_EX_WITH_RDMA_READ", "IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD",
@@ -241,6 +241,12 @@ class RCPair:
             wr.set_wr_rdma(rkey, raddr)
         return wr
 
+    def __enter__(self) -> RCPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for side in (getattr(self, "client", None), getattr(self, "server", None)):
             if side is None:
@@ -255,7 +261,8 @@ class RCPair:
 
 
 class SRDPair:
-    """Client and server EFA SRD QPs (extended API) on one device, each with an AH to the other."""
+    """Client and server EFA SRD QPs (extended API) on one device, each with an AH to the other; a context
+    manager that closes them."""
 
     def __init__(self, provider: Provider, device: str, *, mr_size: int = 1 << 20, unsolicited: bool = True,
                  max_send_wr: int = 256, max_recv_wr: int = 256, cq_depth: int = 1024,
@@ -339,6 +346,12 @@ class SRDPair:
             qp.wr_abort()
             raise
         qp.wr_complete()
+
+    def __enter__(self) -> SRDPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         ah = getattr(self, "ah", None)
