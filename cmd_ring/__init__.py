@@ -6,6 +6,7 @@ The ring knows nothing about RDMA: producers (GPU kernels, CPU clients) commit r
 
 from pathlib import Path
 
+from cmd_ring.errors import RingError, RingFullError, RingLayoutError, RingNotFoundError
 from cmd_ring.record import (
     BODY_FIELDS,
     HEADER_FIELDS,
@@ -20,16 +21,7 @@ from cmd_ring.record import (
     seq_array,
     seq_for,
 )
-from cmd_ring.ring import (
-    RingConsumer,
-    RingError,
-    RingFile,
-    RingFullError,
-    RingLayoutError,
-    RingNotFoundError,
-    RingProducer,
-    ring_path,
-)
+from cmd_ring.ring import RingConsumer, RingFile, RingProducer, ring_path
 
 __all__ = [
     "BODY_FIELDS",

@@ -30,14 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
+from cmd_ring.errors import RingError, RingFullError, RingLayoutError, RingNotFoundError
 from cmd_ring.record import RECORD_DTYPE, RECORD_SIZE, seq_array
 from cmd_ring.shm import sealed_memfd
 
 __all__ = [
-    "RingError",
-    "RingNotFoundError",
-    "RingLayoutError",
-    "RingFullError",
     "RingFile",
     "RingConsumer",
     "RingProducer",
@@ -63,22 +60,6 @@ OFF_ERROR_POS = 264
 
 SHM_DIR = Path("/dev/shm")
 _SEQ_MODULUS = 0xFFFF_FFFF
-
-
-class RingError(Exception):
-    """A ring could not be created, attached or used."""
-
-
-class RingNotFoundError(RingError):
-    """No ring file under that name."""
-
-
-class RingLayoutError(RingError):
-    """The file exists but is not a ring of this version, or its size disagrees with its header."""
-
-
-class RingFullError(RingError):
-    """No credit became free before the producer's timeout."""
 
 
 def ring_path(name: str) -> Path:

@@ -30,16 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from efa.errors import ProtocolViolation
 from efa.wire import INDEX_BITS, OP_ADD, OP_FENCE, OP_SET, unwrap
 from transportd.backends.interface import SignalOp
 
-__all__ = ["ArrivalTracker", "Publication", "ProtocolViolation", "SenderGroups"]
+__all__ = ["ArrivalTracker", "Publication", "SenderGroups"]
 
 _U32 = 0xFFFFFFFF
-
-
-class ProtocolViolation(ValueError):
-    """The peer's immediates or records contradict the counting protocol (a bug or a corrupted record)."""
 
 
 class SenderGroups:

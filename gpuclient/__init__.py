@@ -5,13 +5,13 @@ tests exercise the daemon exactly as GPU kernels do. GPU memory, device flags, c
 kernels (``ch.device_handle()``) and ``compile`` need cuda-python, imported only when first used.
 """
 
-from gpuclient.compiler import CompileError, compile, get_include
+from gpuclient.compiler import compile, get_include
 from gpuclient.cuda_memory import CudaError
 from gpuclient.device_channel import CHANNEL_DTYPE, DeviceChannel, DeviceFlags
-from gpuclient.host_memory import HostBufferError, host_array
-from gpuclient.launcher import LauncherError, LaunchInfo, from_environment
+from gpuclient.errors import ChannelError, CompileError, HostBufferError, LauncherError
+from gpuclient.host_memory import host_array
+from gpuclient.launcher import LaunchInfo, from_environment
 from gpuclient.session import (
-    ChannelError,
     ChannelHandle,
     Client,
     FlagArray,

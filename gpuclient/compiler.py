@@ -30,21 +30,14 @@ from typing import Any
 import numpy as np
 
 from gpuclient.cuda_memory import CudaError, check, compute_capability, driver, use_device
+from gpuclient.errors import CompileError
 
-__all__ = ["CompileError", "Kernel", "Module", "compile", "get_include", "load_all_functions", "nvrtc_options"]
+__all__ = ["Kernel", "Module", "compile", "get_include", "load_all_functions", "nvrtc_options"]
 
 
 def get_include() -> str:
     """The directory holding ``transportd/client.cuh`` (and ``transportd/cmd_ring.h``)."""
     return str(Path(__file__).parent / "include")
-
-
-class CompileError(CudaError):
-    """NVRTC refused the source; ``log`` holds the compiler's messages."""
-
-    def __init__(self, name: str, log: str) -> None:
-        self.log = log
-        super().__init__(f"nvrtcCompileProgram({name})", "NVRTC_ERROR_COMPILATION\n" + log)
 
 
 def _nvrtc() -> Any:

@@ -25,12 +25,9 @@ from typing import NamedTuple
 import numpy as np
 
 from cmd_ring.shm import sealed_memfd
+from gpuclient.errors import HostBufferError
 
-__all__ = ["host_array", "resolve_host_buffer", "HostBuffer", "HostBufferError"]
-
-
-class HostBufferError(ValueError):
-    """The buffer is not in memory the daemon can map."""
+__all__ = ["host_array", "resolve_host_buffer", "HostBuffer"]
 
 
 class HostBuffer(NamedTuple):

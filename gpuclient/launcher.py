@@ -23,13 +23,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpuclient.errors import LauncherError
 from transportd.control.protocol import MAX_NAME_LEN
 
-__all__ = ["LaunchInfo", "LauncherError", "from_environment", "LAUNCHER_VARIABLES"]
-
-
-class LauncherError(ValueError):
-    """No launcher's variables are set, or they are inconsistent (the message names the variables)."""
+__all__ = ["LaunchInfo", "from_environment", "LAUNCHER_VARIABLES"]
 
 
 @dataclass(frozen=True)

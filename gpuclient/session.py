@@ -25,47 +25,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cmd_ring import RECORD_DTYPE, Flag, Opcode, RingFile, RingProducer
+from gpuclient.errors import ChannelError
 from gpuclient.host_memory import resolve_host_buffer
 from gpuclient.launcher import from_environment
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Channel as ChannelRequest
 from transportd.control.protocol import ChannelInfo, Exchange, Flags, Join, Leave, Register, Stats
 from transportd.dataplane.flagfile import FlagFile
-from transportd.errors import ErrorCode, TransportdError
+from transportd.errors import ErrorCode
 
 if TYPE_CHECKING:
     from gpuclient.ibgda_channel import IbgdaChannelHandle
 
-__all__ = ["connect", "Client", "Session", "Region", "FlagArray", "ChannelHandle", "ChannelError", "SignalOp"]
-
-
-class ChannelError(TransportdError):
-    """The daemon reported an error for this channel or session (see ``code``, an ErrorCode)."""
-
-    def __init__(self, code: int, count: int = 0, position: int = 0) -> None:
-        """``count`` commands failed, the first at ring ``position`` (a channel's error word); ``count`` 0:
-        the session's status word, which says what happened to the session, not to a command."""
-        self.code = code
-        self.count = count
-        self.position = position
-        try:
-            name = ErrorCode(code).name
-        except ValueError:
-            name = f"code {code}"
-        if count:
-            what = f"{count} command(s) failed, the first at ring position {position}"
-        else:
-            what = _SESSION_STATUS.get(code, "the daemon set this session's status word")
-        super().__init__(f"{name}: {what}")
-
-
-#: What a session's status word means to the person reading the exception, and what to do.
-_SESSION_STATUS = {
-    int(ErrorCode.PEER_LOST): "a node of this job was lost (its daemon stopped, restarted or stopped answering), "
-                              "so the job cannot go on; leave and join again once that node is back",
-    int(ErrorCode.CLIENT_GONE): "this session is over (it left, the daemon reclaimed it, or the daemon stopped); "
-                                "connect and join again",
-}
+__all__ = ["connect", "Client", "Session", "Region", "FlagArray", "ChannelHandle", "SignalOp"]
 
 
 class SignalOp:

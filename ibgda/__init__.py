@@ -6,6 +6,7 @@
 * :mod:`ibgda.device_handle` — numpy twins of the device handles (QueuePair, QpState, Region, channel).
 * :mod:`ibgda.soft_mlx5` — softverbs as an mlx5 device: executes those WQEs on the soft wire.
 * :mod:`ibgda.host_mlx5` — QP, CQ and UAR for a real ConnectX through pyverbs' mlx5 provider (DevX).
+* :mod:`ibgda.errors` — what ibgda raises (a WQE the NIC would refuse, a queue that failed) and the syndromes.
 """
 
 from __future__ import annotations

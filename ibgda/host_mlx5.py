@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from ibgda.device_handle import queue_pair_record
+from ibgda.errors import Mlx5QueueError
 from ibgda.queue_memory import CQ_DBREC_OFFSET, PAGE, QueueMemory
-from transportd.errors import TransportdError
 
 __all__ = [
-    "CQC", "CREATE_CQ_IN", "CREATE_QP_IN", "MODIFY_QP_IN", "Mlx5Queue", "Mlx5QueueError", "QPC", "cuda_alloc",
+    "CQC", "CREATE_CQ_IN", "CREATE_QP_IN", "MODIFY_QP_IN", "Mlx5Queue", "QPC", "cuda_alloc",
     "cuda_map_host", "prm_encode", "prm_get",
 ]
 
@@ -71,10 +71,6 @@ QPC = {
 }
 QPC_BITS = 1856
 OUT = {"status": (0, 8), "syndrome": (32, 32), "id": (72, 24)}  # id: the CQN or QPN a create returns
-
-
-class Mlx5QueueError(TransportdError):
-    """A DevX command or a CUDA mapping for an IBGDA queue failed."""
 
 
 def prm_set(buf: bytearray, bit: int, width: int, value: int) -> None:

@@ -6,7 +6,8 @@ exception is the payload of an inline segment, which is raw bytes copied to remo
 (a flag value is a little-endian u64 there). Offsets are from the start of each segment.
 
 ``decode_wqe`` is strict the way a ConnectX is: it refuses what the NIC would complete with an error
-CQE, raising :class:`WqeFormatError` with the syndrome (the soft NIC in :mod:`ibgda.soft_mlx5` uses it).
+CQE, raising :class:`ibgda.errors.WqeFormatError` with the syndrome (the soft NIC in :mod:`ibgda.soft_mlx5`
+uses it).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from enum import IntEnum
 
 import numpy as np
 
+from ibgda.errors import Syndrome, WqeFormatError  # Syndrome stays in __all__: the error CQE carries it
+
 __all__ = [
     "ATOMIC_SEG_DTYPE", "CQE64_DTYPE", "CQE_INITIAL_OP_OWN", "CQ_SET_CI", "CTRL_CQ_UPDATE", "CTRL_FENCE",
     "CTRL_SEG_DTYPE", "CTRL_SMALL_FENCE", "CTRL_SOLICITED", "CqeOpcode", "DATA_SEG_DTYPE", "DecodedCqe",
     "DecodedWqe", "ERR_CQE_DTYPE", "INLINE_SEG", "MAX_MESSAGE", "Opcode", "RADDR_SEG_DTYPE", "SND_DBR",
-    "Syndrome", "WQE_BB", "WqeFormatError", "cq_dbrec_value", "cqe_ready", "decode_cqe", "decode_wqe",
+    "Syndrome", "WQE_BB", "cq_dbrec_value", "cqe_ready", "decode_cqe", "decode_wqe",
     "encode_cqe", "encode_err_cqe", "sq_dbrec_value", "wqe_basic_blocks",
 ]
 
@@ -59,24 +62,6 @@ class CqeOpcode(IntEnum):
     REQ_ERR = 13
     RESP_ERR = 14
     INVALID = 15
-
-
-class Syndrome(IntEnum):
-    """Error CQE syndromes (MLX5_CQE_SYNDROME_*)."""
-
-    LOCAL_LENGTH_ERR = 0x01
-    LOCAL_QP_OP_ERR = 0x02
-    LOCAL_PROT_ERR = 0x04
-    WR_FLUSH_ERR = 0x05
-    MW_BIND_ERR = 0x06
-    BAD_RESP_ERR = 0x10
-    LOCAL_ACCESS_ERR = 0x11
-    REMOTE_INVAL_REQ_ERR = 0x12
-    REMOTE_ACCESS_ERR = 0x13
-    REMOTE_OP_ERR = 0x14
-    TRANSPORT_RETRY_EXC_ERR = 0x15
-    RNR_RETRY_EXC_ERR = 0x16
-    REMOTE_ABORTED_ERR = 0x22
 
 
 # Control segment (struct mlx5_wqe_ctrl_seg), 16 bytes. opmod_idx_opcode is one be32 (opmod << 24 |
@@ -120,14 +105,6 @@ ERR_CQE_DTYPE = np.dtype({
 SEGMENT_DTYPES = {"ctrl": CTRL_SEG_DTYPE, "raddr": RADDR_SEG_DTYPE, "data": DATA_SEG_DTYPE,
                   "inline": INLINE_SEG_DTYPE, "atomic": ATOMIC_SEG_DTYPE, "cqe64": CQE64_DTYPE,
                   "err_cqe": ERR_CQE_DTYPE}
-
-
-class WqeFormatError(ValueError):
-    """A WQE the NIC would refuse: it completes with an error CQE carrying ``syndrome``."""
-
-    def __init__(self, syndrome: Syndrome, message: str) -> None:
-        self.syndrome = Syndrome(syndrome)
-        super().__init__(message)
 
 
 @dataclass

@@ -40,6 +40,7 @@ import numpy as np
 
 from ibgda import mlx5_layout as L
 from ibgda.device_handle import queue_pair_record
+from ibgda.errors import WqeFormatError
 from ibgda.queue_memory import DOORBELL_OFFSET, QueueMemory
 from transportd.backends.verbs_common import Rail, access_flags, load_verbs, translate_verbs_errors
 
@@ -270,7 +271,7 @@ class SoftMlx5Queue:
             raw = self._wqe_bytes(index, 1)
             try:
                 w = self._parse(index, raw)
-            except L.WqeFormatError as exc:
+            except WqeFormatError as exc:
                 opcode = raw[3]
                 self.pending_error = (index, opcode, exc.syndrome, f"WQE {index}: {exc}")
                 self.fetched += self._lenient_blocks(raw)
@@ -298,15 +299,15 @@ class SoftMlx5Queue:
         blocks = L.wqe_basic_blocks(ds) if ds else 1
         if blocks > 1:
             if index + blocks > self.posted:
-                raise L.WqeFormatError(L.Syndrome.LOCAL_QP_OP_ERR, f"ds {ds} spans {blocks} WQEBBs but the doorbell "
+                raise WqeFormatError(L.Syndrome.LOCAL_QP_OP_ERR, f"ds {ds} spans {blocks} WQEBBs but the doorbell "
                                        f"record covers only {self.posted - index}")
             raw = self._wqe_bytes(index, blocks)
         w = L.decode_wqe(raw, max_inline=self.max_inline)
         if w.wqe_index != index & 0xFFFF:
-            raise L.WqeFormatError(L.Syndrome.LOCAL_QP_OP_ERR, f"the control segment says WQE index {w.wqe_index}, "
+            raise WqeFormatError(L.Syndrome.LOCAL_QP_OP_ERR, f"the control segment says WQE index {w.wqe_index}, "
                                    f"the slot is {index & 0xFFFF} (stale from an earlier lap, or never written)")
         if w.qpn != self.qpn:
-            raise L.WqeFormatError(L.Syndrome.LOCAL_QP_OP_ERR, f"QPN {w.qpn:#x} in a WQE of QP {self.qpn:#x}")
+            raise WqeFormatError(L.Syndrome.LOCAL_QP_OP_ERR, f"QPN {w.qpn:#x} in a WQE of QP {self.qpn:#x}")
         return w
 
     def _post(self, batch: list[tuple[int, L.DecodedWqe]]) -> None:

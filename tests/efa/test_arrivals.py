@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from efa.arrivals import ArrivalTracker, ProtocolViolation, SenderGroups
+from efa.arrivals import ArrivalTracker, SenderGroups
+from efa.errors import ProtocolViolation
 from efa.wire import (
     CTRL_DTYPE,
     INDEX_BITS,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import gpuclient
-from gpuclient.launcher import LauncherError, from_environment
+from gpuclient.errors import LauncherError
+from gpuclient.launcher import from_environment
 from transportd_cli.localcluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
