@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) cmd_ring/include/transportd/cmd_ring.h
+CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) gpuclient/include/transportd/cmd_ring.h
 
 .PHONY: venv test demo lint core fuzz-validate pyverbs-bridge asan-test
 venv: $(VENV)/.installed

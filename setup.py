@@ -12,7 +12,7 @@ setup(
             depends=["transportd/core/validate.h", "transportd/core/pingpong.h", "transportd/core/poster.h",
                      "transportd/core/verbs_abi.h", "transportd/core/verbs_abi_members.h",
                      "transportd/core/efa_arrivals.h",
-                     "cmd_ring/include/transportd/cmd_ring.h"],
+                     "gpuclient/include/transportd/cmd_ring.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers"],
         )

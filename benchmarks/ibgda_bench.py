@@ -41,7 +41,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import gpuclient  # noqa: E402
-import ibgda  # noqa: E402
 from ibgda.channel_tables import build_channel  # noqa: E402
 from ibgda.device_handle import QUEUE_PAIR_DTYPE, SignalMode  # noqa: E402
 from ibgda.queue_memory import QueueMemory  # noqa: E402
@@ -65,8 +64,8 @@ def build_null_nic(out_dir: Path) -> ctypes.CDLL:
     if not cxx:
         raise SystemExit("a C++ compiler (g++) is needed for the null NIC")
     lib = out_dir / "libibgda_null_nic.so"
-    subprocess.run([cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", f"-I{ibgda.get_include()}",
-                    f"-I{gpuclient.get_include()}", str(NULL_NIC), "-o", str(lib)], check=True)
+    subprocess.run([cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", f"-I{gpuclient.get_include()}",
+                    str(NULL_NIC), "-o", str(lib)], check=True)
     nic = ctypes.CDLL(str(lib))
     nic.tpd_null_nic_start.restype = ctypes.c_void_p
     nic.tpd_null_nic_start.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_uint32] * 3
@@ -123,8 +122,7 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
 
     use_device(0)
     drv = driver()
-    module = gpuclient.compile(KERNELS.read_text(), device=0, include_dirs=[ibgda.get_include()],
-                               name="ibgda_kernels.cu")
+    module = gpuclient.compile(KERNELS.read_text(), device=0, name="ibgda_kernels.cu")
     n_single, n_rtt, n_many = (200, 100, 4) if quick else (20000, 5000, 8)
     grid, block = (8, 32) if quick else (132, 128)
     results: dict[str, Any] = {"single": {}, "rtt": {}, "many": {}}

@@ -1,10 +1,10 @@
 """cmd_ring: the 48-byte command record and the shared-memory ring that carries it.
 
 The ring knows nothing about RDMA: producers (GPU kernels, CPU clients) commit records, one consumer
-(a proxy worker) takes them. See ``record`` for the layout and ``ring`` for the commit protocol.
+(a proxy worker) takes them. See ``record`` for the layout and ``ring`` for the commit protocol. The C
+twin of the layout, ``<transportd/cmd_ring.h>``, lives with every other device header under
+``gpuclient.get_include()`` (gpuclient/include/transportd/cmd_ring.h).
 """
-
-from pathlib import Path
 
 from cmd_ring.errors import RingError, RingFullError, RingLayoutError, RingNotFoundError
 from cmd_ring.record import (
@@ -40,14 +40,8 @@ __all__ = [
     "RingProducer",
     "decode",
     "encode",
-    "get_include",
     "records_from_commands",
     "ring_path",
     "seq_array",
     "seq_for",
 ]
-
-
-def get_include() -> str:
-    """The directory to add to the include path for ``transportd/cmd_ring.h``."""
-    return str(Path(__file__).parent / "include")

@@ -36,7 +36,9 @@ __all__ = ["Kernel", "Module", "compile", "get_include", "load_all_functions", "
 
 
 def get_include() -> str:
-    """The directory holding ``transportd/client.cuh`` (and ``transportd/cmd_ring.h``)."""
+    """The one include root of every device header: ``<transportd/client.cuh>`` (the proxy path),
+    ``<transportd/ibgda/ibgda.cuh>`` (the IBGDA path) and ``<transportd/cmd_ring.h>`` (the record layout,
+    which the C core and C/C++ host code include too)."""
     return str(Path(__file__).parent / "include")
 
 
@@ -59,9 +61,7 @@ def _nvrtc_check(result: Any, call: str) -> Any:
 def nvrtc_options(arch: str, *, debug: bool = False, defines: dict[str, object] | None = None,
                   include_dirs: Iterable[str] = (), options: Sequence[str] = ()) -> list[str]:
     """The NVRTC command line used by :func:`compile` (exposed for tests and other compilers)."""
-    from ibgda import get_include as ibgda_include  # <transportd/ibgda/...>, for -DTPD_IBGDA builds
-
-    opts = [f"-arch={arch}", "-std=c++17", f"-I{get_include()}", f"-I{ibgda_include()}", "-default-device"]
+    opts = [f"-arch={arch}", "-std=c++17", f"-I{get_include()}", "-default-device"]
     opts += [f"-I{d}" for d in include_dirs]
     if debug:
         opts += ["-DTPD_DEBUG=1", "-lineinfo"]

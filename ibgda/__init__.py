@@ -1,7 +1,8 @@
 """ibgda: the GPU-initiated backend — the GPU builds mlx5 WQEs and rings the NIC's doorbell itself.
 
-* ``include/transportd/ibgda/*.cuh`` — the device side (``get_include()``): WQE builders, doorbells, CQ
-  polling, multi-warp posting, and ``tpd::IbgdaChannel`` with the same calls as the proxy path.
+* ``<transportd/ibgda/*.cuh>`` — the device side, in the one include root ``gpuclient.get_include()``
+  (gpuclient/include/transportd/ibgda/): WQE builders, doorbells, CQ polling, multi-warp posting, and
+  ``tpd::IbgdaChannel`` with the same calls as the proxy path.
 * :mod:`ibgda.mlx5_layout` — the mlx5 segments and CQE64 as numpy dtypes; a strict WQE decoder.
 * :mod:`ibgda.device_handle` — numpy twins of the device handles (QueuePair, QpState, Region, channel).
 * :mod:`ibgda.soft_mlx5` — softverbs as an mlx5 device: executes those WQEs on the soft wire.
@@ -17,9 +18,10 @@ __all__ = ["get_include"]
 
 
 def get_include() -> str:
-    """Directory to put on the compiler's include path for ``<transportd/ibgda/ibgda.cuh>``.
+    """The one device include root, the same directory as ``gpuclient.get_include()``: the IBGDA headers
+    (``<transportd/ibgda/ibgda.cuh>``) live there beside the proxy API they include.
 
-    The IBGDA headers include ``<transportd/device.cuh>`` and ``<transportd/command.cuh>`` too: add
-    ``gpuclient.get_include()`` as well.
+    ibgda stands below gpuclient in the package layers, so it names the directory (a sibling package of the
+    same distribution) instead of importing gpuclient.
     """
-    return str(Path(__file__).resolve().parent / "include")
+    return str(Path(__file__).resolve().parents[1] / "gpuclient" / "include")

@@ -1,4 +1,5 @@
-"""The C header and the numpy dtype must agree byte for byte: compile a probe and compare."""
+"""The C header and the numpy dtype must agree byte for byte: compile a probe and compare. The header,
+``<transportd/cmd_ring.h>``, sits in the one device include root, ``gpuclient.get_include()``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from cmd_ring import RECORD_DTYPE, Flag, Opcode, get_include
+from cmd_ring import RECORD_DTYPE, Flag, Opcode
 from cmd_ring import ring as ring_mod
+from gpuclient import get_include
 
 FIELDS = RECORD_DTYPE.names
 CONTROL = {

@@ -1,5 +1,6 @@
 """The device API without a GPU: layouts agree with Python, the headers compile (cc/g++, nvcc, NVRTC), the
-error codes mirror ErrorCode, gpuclient's include dir resolves cmd_ring.h, and the host-side helpers behave."""
+error codes mirror ErrorCode, gpuclient's include dir is the one root of every device header (cmd_ring.h and
+IBGDA's included), and the host-side helpers behave."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import cmd_ring
 import gpuclient
-from cmd_ring import get_include as cmd_ring_include
+import ibgda
 from gpuclient.compiler import _pack, nvrtc_options
 from gpuclient.cuda_memory import _c_contiguous, is_device_buffer
 from gpuclient.device_channel import CHANNEL_DTYPE, CHANNEL_SIZE, RING_DTYPE, ChannelStruct
@@ -23,7 +25,7 @@ from transportd.errors import error_code_c_enum
 
 ROOT = Path(__file__).resolve().parents[2]
 INCLUDE = Path(gpuclient.get_include())
-HEADERS = sorted((INCLUDE / "transportd").glob("*.cuh"))
+HEADERS = sorted((INCLUDE / "transportd").rglob("*.cuh"))
 # every .cu in the project that includes the device API
 SOURCES = [ROOT / "tests" / "gpu" / "kernels.cu", ROOT / "benchmarks" / "gpu_push.cu",
            ROOT / "examples" / "allgather_gemm.cu"]
@@ -112,11 +114,11 @@ def test_channel_layout_probe_under_nvcc(tmp_path: Path) -> None:
 
 
 # --- the headers build everywhere they must -------------------------------------------------------------------
-@pytest.mark.parametrize("header", HEADERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("header", HEADERS, ids=lambda p: p.relative_to(INCLUDE / "transportd").as_posix())
 def test_each_header_stands_alone_in_host_code(tmp_path: Path, header: Path) -> None:
     cxx = shutil.which("c++") or shutil.which("g++")
     src = tmp_path / "one.cpp"
-    src.write_text(f"#include <transportd/{header.name}>\nint main() {{ return 0; }}\n")
+    src.write_text(f"#include <{header.relative_to(INCLUDE).as_posix()}>\nint main() {{ return 0; }}\n")
     subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-I", str(INCLUDE), "-c", str(src), "-o",
                     str(tmp_path / "one.o")], check=True)
 
@@ -178,6 +180,7 @@ def test_nvrtc_options_set_the_include_path_and_debug_bounds() -> None:
     opts = nvrtc_options("sm_90", debug=True, defines={"X": 1, "Y": None})
     assert f"-I{gpuclient.get_include()}" in opts and "-arch=sm_90" in opts
     assert "-DTPD_DEBUG=1" in opts and "-DX=1" in opts and "-DY" in opts
+    assert [o for o in opts if o.startswith("-I")] == [f"-I{gpuclient.get_include()}"], "one include root"
 
 
 # --- mirrors -------------------------------------------------------------------------------------------------------
@@ -187,12 +190,17 @@ def test_error_codes_mirror_errorcode() -> None:
     assert block == error_code_c_enum(), "regenerate errors.cuh's block from transportd.errors.error_code_c_enum()"
 
 
-def test_gpuclient_include_resolves_the_one_cmd_ring_header() -> None:
-    # gpuclient/include/transportd/cmd_ring.h is a link to cmd_ring's header (installs copy its bytes)
-    original = Path(cmd_ring_include()) / "transportd" / "cmd_ring.h"
-    linked = INCLUDE / "transportd" / "cmd_ring.h"
-    assert linked.read_bytes() == original.read_bytes(), (
-        f"{linked} must resolve to {original}: gpuclient.get_include() must resolve <transportd/cmd_ring.h>")
+def test_gpuclient_include_is_the_one_root_of_every_device_header() -> None:
+    # cmd_ring.h is a real file here (no link: a copy or a link elsewhere could drift or break on install)
+    header = INCLUDE / "transportd" / "cmd_ring.h"
+    assert header.is_file() and not header.is_symlink(), f"{header} must be the one cmd_ring.h, a plain file"
+    assert (INCLUDE / "transportd" / "ibgda" / "ibgda.cuh").is_file(), "the IBGDA headers live in the same root"
+    elsewhere = [p.relative_to(ROOT).as_posix() for pkg in ("cmd_ring", "gpuclient", "ibgda", "ib", "efa", "transportd")
+                 for pattern in ("*.cuh", "cmd_ring.h") for p in (ROOT / pkg).rglob(pattern)
+                 if INCLUDE not in p.parents]
+    assert elsewhere == [], f"device headers outside {INCLUDE}: {elsewhere}"
+    assert not hasattr(cmd_ring, "get_include"), "gpuclient.get_include() is the include root of cmd_ring.h"
+    assert Path(ibgda.get_include()).resolve() == INCLUDE.resolve(), "ibgda.get_include() names the same root"
 
 
 # --- host-side helpers -----------------------------------------------------------------------------------------------

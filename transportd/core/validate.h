@@ -27,7 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../../cmd_ring/include/transportd/cmd_ring.h"
+#include "../../gpuclient/include/transportd/cmd_ring.h"
 
 enum tpd_error_code {
     TPD_OK = 0,

@@ -12,7 +12,7 @@
  *
  * tpd::DefaultChannel is the handle for kernels that name one type and run on either path: tpd::Channel
  * (the proxy's command ring), or with -DTPD_IBGDA tpd::IbgdaChannel (the GPU posts to the NIC itself;
- * add ibgda.get_include() to the include path — gpuclient.compile does).
+ * its headers, transportd/ibgda/, sit in this same include root).
  */
 #ifndef TRANSPORTD_CLIENT_CUH
 #define TRANSPORTD_CLIENT_CUH

@@ -4,7 +4,7 @@
  *
  *   #include <transportd/client.cuh>          // tpd::Channel (proxy path), optional
  *   #include <transportd/ibgda/ibgda.cuh>     // tpd::IbgdaChannel
- *   // nvcc -I<gpuclient include> -I<ibgda include>   (python -c 'import ibgda; print(ibgda.get_include())')
+ *   // nvcc -I$(python -c 'import gpuclient; print(gpuclient.get_include())')   (the one include root)
  *
  *   template <class Ch>
  *   __global__ void k(Ch ch, ...) {              // the same kernel body for either path
