@@ -13,6 +13,10 @@
  *   progress  take the backend's completions in one call, retire tokens, publish each channel's
  *             completion position, REMOTE_ACCESS / TRANSPORT into error words.
  *
+ * Every refused or failed record is also counted by code per channel (the error word keeps only the
+ * first code). A traced channel (trace.h) appends each record it takes, and each later failure, to its
+ * recorder; one branch per channel per pass when it is not traced.
+ *
  * The control plane stays in Python (transportd/dataplane/proxy.py): it owns the region and peer tables (numpy
  * arrays in translate.py's layout) and hands the engine views of them between iterations; the engine
  * holds a buffer reference to every array it reads, so a table replaced in Python stays alive until the
@@ -39,6 +43,7 @@
 
 #include "pingpong.h"
 #include "poster.h"
+#include "trace.h"
 #include "validate.h"
 
 #define HIST 9 /* batch-size histogram: index = commands in the batch (batch_max <= 8) */
@@ -120,6 +125,8 @@ typedef struct {
     uint64_t seen_pos;
     int64_t seen_ns;
     int touched, quiet;
+    uint64_t codes[256]; /* refused or failed records by ErrorCode: the error word keeps only the first */
+    tpd_trace *trace;    /* set while the channel is traced (trace.h); NULL costs one branch per pass */
 } Channel;
 
 /* The batches posted in one iteration: tokens first .. first+nb-1 and the commands they cover. */
@@ -199,11 +206,18 @@ static int record_ready(Channel *ch, uint64_t pos) {
 static void report_error(Engine *e, Channel *ch, uint16_t code, uint64_t pos) {
     e->counters[C_REJECTED]++;
     e->errors[code & 0xFF]++;
+    ch->codes[code & 0xFF]++;
     if (*ring_u32(ch, TPD_RING_OFF_ERROR_CODE) == 0) {
         *ring_u64(ch, TPD_RING_OFF_ERROR_POS) = pos;
         *ring_u32(ch, TPD_RING_OFF_ERROR_CODE) = code;
     }
     *ring_u32(ch, TPD_RING_OFF_ERROR_COUNT) += 1;
+}
+
+/* A record taken earlier failed later (completion, lost peer, client gone): counted as above, and traced. */
+static void report_late(Engine *e, Channel *ch, uint16_t code, uint64_t pos) {
+    report_error(e, ch, code, pos);
+    if (__builtin_expect(ch->trace != NULL, 0)) tpd_trace_failed(ch->trace, pos, code, now_ns());
 }
 
 static void publish_completion(Channel *ch, uint64_t pos) {
@@ -346,6 +360,7 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     if (n == 0) return 0;
 
     uint64_t first_pos = ch->position - n;
+    if (__builtin_expect(ch->trace != NULL, 0)) tpd_trace_taken(ch->trace, e->recs, e->tcode, n, first_pos, now);
     size_t r = 0;
     for (uint64_t i = 0; i < n; i++) {
         const tpd_cmd_record *rec = &e->recs[i];
@@ -744,7 +759,7 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
         if (!newly[t]) continue;
         Channel *ch = find_channel(e, g->cmd_chan[k]);
         if (!ch) continue;
-        if (tok_status[t]) report_error(e, ch, forced ? forced : completion_code((uint32_t)tok_status[t]), g->cmd_pos[k]);
+        if (tok_status[t]) report_late(e, ch, forced ? forced : completion_code((uint32_t)tok_status[t]), g->cmd_pos[k]);
         mark_done(ch, g->cmd_pos[k]);
     }
 }
@@ -887,7 +902,7 @@ static int drop_waiting(Engine *e, int64_t chan, int64_t conn, uint16_t code, in
     for (size_t i = 0; i < nd; i++) {
         Channel *ch = find_channel(e, dropped[i].chan);
         if (!ch) continue;
-        if (code) report_error(e, ch, code, dropped[i].pos);
+        if (code) report_late(e, ch, code, dropped[i].pos);
         mark_done(ch, dropped[i].pos);
     }
     free(dropped);
@@ -1184,6 +1199,7 @@ static PyObject *Engine_remove_channel(Engine *e, PyObject *arg) {
     for (size_t i = 0; i < e->nchans; i++)
         if (e->chans[i] != ch) e->chans[k++] = e->chans[i];
     e->nchans = k;
+    tpd_trace_free(ch->trace);
     PyBuffer_Release(&ch->ring);
     free(ch->done);
     free(ch);
@@ -1229,6 +1245,75 @@ static PyObject *Engine_channel_state(Engine *e, PyObject *args) {
                          (unsigned)*ring_u32(ch, TPD_RING_OFF_ERROR_CODE),
                          (unsigned)*ring_u32(ch, TPD_RING_OFF_ERROR_COUNT),
                          (unsigned long long)*ring_u64(ch, TPD_RING_OFF_ERROR_POS));
+}
+
+/* {code: count} of a channel's refused or failed records, nonzero codes only. */
+static PyObject *Engine_channel_codes(Engine *e, PyObject *arg) {
+    Channel *ch = channel_arg(e, arg);
+    if (!ch) return NULL;
+    PyObject *out = PyDict_New();
+    for (int code = 0; out && code < 256; code++) {
+        if (!ch->codes[code]) continue;
+        PyObject *k = PyLong_FromLong(code), *v = PyLong_FromUnsignedLongLong(ch->codes[code]);
+        if (!k || !v || PyDict_SetItem(out, k, v) < 0) Py_CLEAR(out);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+/* ---- the trace recorder (trace.h): Python opens the file and hands its descriptor over --------------- */
+static PyObject *trace_state(const tpd_trace *t) {
+    return Py_BuildValue("KKKi", (unsigned long long)t->entries, (unsigned long long)t->written,
+                         (unsigned long long)t->dropped, t->last_errno);
+}
+
+/* trace_open(cid, fd, buffer_entries): record the channel's records into fd from the next pass on. */
+static PyObject *Engine_trace_open(Engine *e, PyObject *args) {
+    PyObject *cid;
+    int fd;
+    Py_ssize_t cap;
+    if (!PyArg_ParseTuple(args, "Oin", &cid, &fd, &cap)) return NULL;
+    Channel *ch = channel_arg(e, cid);
+    if (!ch) return NULL;
+    if (ch->trace) return PyErr_Format(PyExc_ValueError, "channel %lld is traced already", (long long)ch->id);
+    if (fd < 0 || cap < 1) return PyErr_Format(PyExc_ValueError, "trace_open needs a descriptor and a buffer >= 1");
+    ch->trace = tpd_trace_new(fd, (uint32_t)ch->id, (size_t)cap);
+    if (!ch->trace) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static Channel *traced_arg(Engine *e, PyObject *arg) {
+    Channel *ch = channel_arg(e, arg);
+    if (ch && !ch->trace) {
+        PyErr_Format(PyExc_ValueError, "channel %lld is not traced", (long long)ch->id);
+        return NULL;
+    }
+    return ch;
+}
+
+/* trace_flush(cid) -> (entries, written, dropped, errno): write out what is buffered. */
+static PyObject *Engine_trace_flush(Engine *e, PyObject *arg) {
+    Channel *ch = traced_arg(e, arg);
+    if (!ch) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    tpd_trace_flush(ch->trace);
+    Py_END_ALLOW_THREADS
+    return trace_state(ch->trace);
+}
+
+/* trace_close(cid) -> (entries, written, dropped, errno): flush and stop; the descriptor stays open. */
+static PyObject *Engine_trace_close(Engine *e, PyObject *arg) {
+    Channel *ch = traced_arg(e, arg);
+    if (!ch) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    tpd_trace_flush(ch->trace);
+    Py_END_ALLOW_THREADS
+    PyObject *state = trace_state(ch->trace);
+    if (!state) return NULL;
+    tpd_trace_free(ch->trace);
+    ch->trace = NULL;
+    return state;
 }
 
 static PyObject *u64_tuple(const uint64_t *v, size_t n) {
@@ -1344,6 +1429,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
 
 static void Engine_dealloc(Engine *e) {
     for (size_t i = 0; i < e->nchans; i++) {
+        tpd_trace_free(e->chans[i]->trace);
         PyBuffer_Release(&e->chans[i]->ring);
         free(e->chans[i]->done);
         free(e->chans[i]);
@@ -1399,6 +1485,11 @@ static PyMethodDef Engine_methods[] = {
     {"fail_connection", (PyCFunction)Engine_fail_connection, METH_VARARGS, "A connection index is gone."},
     {"set_taking", (PyCFunction)Engine_set_taking, METH_O, "Whether records are taken from the rings."},
     {"channel_state", (PyCFunction)Engine_channel_state, METH_VARARGS, "A channel's positions and error word."},
+    {"channel_codes", (PyCFunction)Engine_channel_codes, METH_O, "A channel's refused records by ErrorCode."},
+    {"trace_open", (PyCFunction)Engine_trace_open, METH_VARARGS,
+     "trace_open(cid, fd, buffer_entries): record what the channel takes into fd (trace.h)."},
+    {"trace_flush", (PyCFunction)Engine_trace_flush, METH_O, "Write a traced channel's buffer out; its state."},
+    {"trace_close", (PyCFunction)Engine_trace_close, METH_O, "Stop tracing a channel (fd left open); its state."},
     {"counters", (PyCFunction)Engine_counters, METH_NOARGS, "The counters, in COUNTERS order."},
     {"errors", (PyCFunction)Engine_errors, METH_NOARGS, "Rejected records by ErrorCode value."},
     {"batch_hist", (PyCFunction)Engine_batch_hist, METH_NOARGS, "Batches by commands in them."},
@@ -1473,6 +1564,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyModule_AddIntConstant(m, "PLAN_ROW_SIZE", sizeof(tpd_plan_row));
     PyModule_AddIntConstant(m, "COMPLETION_SIZE", sizeof(Completion));
     PyModule_AddIntConstant(m, "RECORD_SIZE", sizeof(tpd_cmd_record));
+    PyModule_AddIntConstant(m, "TRACE_ENTRY_SIZE", sizeof(tpd_trace_entry));
     const char *names[N_COUNTERS] = {"iterations", "commands", "quiets", "bytes", "wrs", "writes", "signals",
                                      "signals_requested", "fences", "batches", "batches_full", "batches_partial",
                                      "signal_dest_batches", "stalls", "signal_stalls", "rejected", "completions",

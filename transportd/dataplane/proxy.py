@@ -27,12 +27,18 @@ commands can only reach that job's regions.
 leaves C): what ``transportd bench proxy`` measures. :mod:`transportd_cli.proxy_model` is the same loop in
 numpy, the oracle of the differential test; the daemon never runs it.
 
+Tracing (:meth:`Proxy.trace_start` / :meth:`Proxy.trace_stop`): the engine appends every record a traced
+rank's channels take, with its time and outcome, to a part file per channel (``transportd/core/trace.h``,
+:mod:`transportd.dataplane.trace`); this side only opens the files, hands the engine their descriptors,
+flushes and closes them. A channel the rank opens while traced is traced from its first record.
+
 Threading: one thread runs the loop; the table methods may be called between iterations from the same
 thread (the rail worker does) or from another thread (a lock serializes them with ``run_once``).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -48,7 +54,9 @@ from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, Region
 from transportd.errors import ErrorCode
 from transportd.limits import MAX_BATCH, MIN_BATCH, MIN_INFLIGHT_CAP
 
-__all__ = ["Proxy", "COUNTERS"]
+__all__ = ["Proxy", "COUNTERS", "TRACE_BUFFER_ENTRIES"]
+
+TRACE_BUFFER_ENTRIES = 4096  # entries a traced channel buffers before the engine writes them out (288 KiB)
 
 COUNTERS: tuple[str, ...] = _core.COUNTERS
 assert _core.PLAN_ROW_SIZE == PLAN_DTYPE.itemsize and _core.COMPLETION_SIZE == COMPLETION_DTYPE.itemsize
@@ -75,6 +83,23 @@ class _Channel:
     job: _Job
     rank: int
     gone: bool = False
+
+
+@dataclass(eq=False)
+class _Trace:
+    """A traced (job, rank): where its part files go and what its channels' recorders wrote."""
+
+    prefix: str
+    buffer_entries: int
+    start_mono_ns: int
+    start_wall_ns: int
+    fds: dict[int, int] = field(default_factory=dict)  # channel -> part file descriptor, while recording
+    parts: list[str] = field(default_factory=list)
+    channels: dict[int, int] = field(default_factory=dict)  # channel -> ring capacity, every one traced
+    entries: int = 0
+    written: int = 0
+    dropped: int = 0
+    write_errors: list[str] = field(default_factory=list)
 
 
 class Proxy:
@@ -126,6 +151,7 @@ class Proxy:
         self._channels: dict[int, _Channel] = {}
         self._conn_index: dict[int, int] = {}
         self._next_source = 0
+        self._traces: dict[tuple[str, int], _Trace] = {}
 
     # -- the backend seam: one call per iteration each way -------------------------------------------------
     def _post(self, conn_ids: bytes, plan: bytearray, bounds: bytes) -> np.ndarray:
@@ -183,6 +209,9 @@ class Proxy:
             track = 1 << max(4 * ring.capacity, 4 * self.max_take).bit_length()
             self._core.add_channel(channel, ring._bytes, entry.id, sid, track)
             self._channels[channel] = _Channel(ring, entry, rank)
+            trace = self._traces.get((job, rank))
+            if trace is not None:
+                self._trace_channel(channel, trace)
 
     def mark_gone(self, channel: int) -> None:
         """The channel's client left: later records are rejected with CLIENT_GONE, waiting ones dropped.
@@ -198,7 +227,11 @@ class Proxy:
     def remove_channel(self, channel: int) -> None:
         """Stop draining ``channel`` and forget it; completions still due for it are ignored."""
         with self._lock:
-            if self._channels.pop(channel, None) is not None:
+            ch = self._channels.pop(channel, None)
+            if ch is not None:
+                trace = self._traces.get((ch.job.name, ch.rank))
+                if trace is not None and channel in trace.fds:
+                    self._untrace_channel(channel, trace)
                 self._core.remove_channel(channel)
 
     def forget_rank(self, job: str, rank: int) -> None:
@@ -278,6 +311,105 @@ class Proxy:
         if idx is None:
             idx = self._conn_index[conn] = self._core.add_connection(conn)
         return idx
+
+    # -- tracing (the recorder is the engine's; see trace.h) -------------------------------------------------
+    def trace_start(self, job: str, rank: int, prefix: str, buffer_entries: int = TRACE_BUFFER_ENTRIES) -> list[int]:
+        """Record what ``rank`` of ``job``'s channels take into ``{prefix}.ch{channel}.part`` files, from the
+        next pass on (and channels it opens later, from their first record); returns the channels traced now.
+
+        The part files are created here (mode 0600, truncated); :meth:`trace_stop` ends the recording.
+        """
+        if buffer_entries < 1:
+            raise ValueError(f"buffer_entries must be >= 1, got {buffer_entries}")
+        with self._lock:
+            if (job, rank) in self._traces:
+                raise ValueError(f"rank {rank} of job {job!r} is traced already")
+            trace = _Trace(prefix, buffer_entries, time.monotonic_ns(), time.time_ns())
+            traced = [cid for cid, ch in self._channels.items() if ch.job.name == job and ch.rank == rank]
+            try:
+                for cid in traced:
+                    self._trace_channel(cid, trace)
+            except BaseException:
+                for cid in list(trace.fds):
+                    self._untrace_channel(cid, trace)
+                raise
+            self._traces[(job, rank)] = trace
+            return traced
+
+    def _trace_channel(self, channel: int, trace: _Trace) -> None:
+        path = f"{trace.prefix}.ch{channel}.part"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            self._core.trace_open(channel, fd, trace.buffer_entries)
+        except BaseException:
+            os.close(fd)
+            raise
+        trace.fds[channel] = fd
+        trace.parts.append(path)
+        trace.channels[channel] = self._channels[channel].ring.capacity
+
+    def _untrace_channel(self, channel: int, trace: _Trace) -> None:
+        entries, written, dropped, err = self._core.trace_close(channel)
+        os.close(trace.fds.pop(channel))
+        trace.entries += entries
+        trace.written += written
+        trace.dropped += dropped
+        if err:
+            trace.write_errors.append(f"channel {channel}: {os.strerror(err)}")
+
+    def trace_flush(self, job: str, rank: int) -> int:
+        """Write out what the rank's recorders buffered; returns the entries written so far."""
+        with self._lock:
+            trace = self._traces[(job, rank)]
+            return trace.written + sum(self._core.trace_flush(cid)[1] for cid in trace.fds)
+
+    def tracing(self) -> list[tuple[str, int]]:
+        """The (job, rank) pairs being traced."""
+        with self._lock:
+            return sorted(self._traces)
+
+    def trace_stop(self, job: str, rank: int) -> dict[str, Any]:
+        """Stop recording ``rank`` of ``job``: every recorder is flushed and its part file closed.
+
+        Returns (msgpack/JSON-able) the part files, entry counts (``entries`` recorded, ``written``,
+        ``dropped`` to failed writes, ``write_errors``), the start times, and the ``context`` a replay
+        needs (:meth:`trace_context`). Raises KeyError when the rank is not traced.
+        """
+        with self._lock:
+            trace = self._traces.pop((job, rank))
+            for cid in list(trace.fds):
+                self._untrace_channel(cid, trace)
+            context = self._trace_context(job, rank, trace.channels)
+            return {"parts": trace.parts, "entries": trace.entries, "written": trace.written,
+                    "dropped": trace.dropped, "write_errors": trace.write_errors,
+                    "start_mono_ns": trace.start_mono_ns, "start_wall_ns": trace.start_wall_ns, "context": context}
+
+    def trace_context(self, job: str, rank: int) -> dict[str, Any]:
+        """What a replay of ``rank``'s records needs to rebuild ``job`` (docs/trace.md, "context")."""
+        with self._lock:
+            channels = {cid: ch.ring.capacity for cid, ch in self._channels.items()
+                        if ch.job.name == job and ch.rank == rank}
+            return self._trace_context(job, rank, channels)
+
+    def _trace_context(self, job: str, rank: int, channels: dict[int, int]) -> dict[str, Any]:
+        entry = self._jobs.get(job)
+        p = entry.peers if entry is not None else PeerTable()
+        sources: dict[str, int] = {}
+        if entry is not None and rank in entry.sources:
+            table = entry.sources[rank][1]
+            sources = {str(i): int(table.length[i]) for i in np.flatnonzero(table.valid[: table.size])}
+        peers: dict[str, Any] = {}
+        for r in range(p.world):
+            row = slice(r * (p.cols + 1), r * (p.cols + 1) + p.cols)
+            lengths, valid = p.length[row], p.valid[row]
+            peers[str(r)] = {"regions": {str(i): int(lengths[i]) for i in np.flatnonzero(valid)},
+                             "flags": int(p.flag_slots[r]), "connected": bool(p.conn[r] >= 0),
+                             "code": int(p.code[r])}
+        return {"job": job, "rank": rank, "world": p.world, "sources": sources, "peers": peers,
+                "channels": {str(cid): {"capacity": cap} for cid, cap in sorted(channels.items())},
+                "proxy": {"batch_max": self.batch_max, "poll_window_us": self.window_ns / 1000,
+                          "inflight_cap": self.inflight_cap, "decoupled": self.decoupled,
+                          "max_length": self.max_length, "max_take": self.max_take}}
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run_once(self) -> bool:
@@ -403,9 +535,10 @@ class Proxy:
         claim (capacity minus depth: a slot claimed but not yet committed is invisible to the host);
         ``oldest_age_us`` how long the record at the head has waited, counted from when the proxy first
         saw it committed and left it in the ring (0 for an empty ring); ``outstanding`` records taken but
-        not yet complete. ``connections``: ``inflight`` WRs posted and not completed, ``pending`` rows
-        waiting for their batch, batches full/partial, ``batch_hist`` (index i: batches of i+1 commands)
-        and payload ``bytes`` posted.
+        not yet complete; ``errors_by_code`` the ring's refused or failed records by ErrorCode name (the
+        error word keeps only the first code); ``traced`` whether its rank is being traced.
+        ``connections``: ``inflight`` WRs posted and not completed, ``pending`` rows waiting for their batch,
+        batches full/partial, ``batch_hist`` (index i: batches of i+1 commands) and payload ``bytes`` posted.
         """
         with self._lock:
             now = time.monotonic_ns()
@@ -413,9 +546,12 @@ class Proxy:
             for cid, ch in self._channels.items():
                 pos, depth, completed, gone, age_ns, code, _count, _at = self._core.channel_state(cid, now)
                 capacity = ch.ring.capacity
+                by_code = {_code_name(c): n for c, n in sorted(self._core.channel_codes(cid).items())}
                 rings.append({"channel": cid, "job": ch.job.name, "rank": ch.rank, "capacity": capacity,
                               "depth": depth, "credits": capacity - depth, "oldest_age_us": age_ns / 1000,
-                              "taken": pos, "outstanding": pos - completed, "gone": bool(gone), "error": code})
+                              "taken": pos, "outstanding": pos - completed, "gone": bool(gone), "error": code,
+                              "errors_by_code": by_code,
+                              "traced": (ch.job.name, ch.rank) in self._traces})
             conns = []
             for conn_id, inflight, pending, hist, nbytes in self._core.connections():
                 full = hist[self.batch_max]

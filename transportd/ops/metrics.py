@@ -5,7 +5,8 @@ snapshot into metric families, and the library writes the OpenMetrics text. Conv
 is ``transportd_``-prefixed; values are in base units (seconds, bytes) with the unit as the name's last
 word. Labels are only ``node``, ``job``, ``rank`` and ``peer``, so cardinality stays bounded by the
 cluster's size. Errors by code are therefore one family per :class:`ErrorCode` (a fixed set, always
-present, 0 until seen) rather than a ``code`` label.
+present, 0 until seen) rather than a ``code`` label: node-wide ``transportd_command_errors_<code>`` and per
+job and rank ``transportd_job_command_errors_<code>``.
 
 The HTTP thread only renders the snapshot the daemon's main loop refreshes every second
 (``Daemon.stats()``): it never touches sockets or workers itself.
@@ -75,21 +76,25 @@ _SESSION_END_HELP = {
 def job_traffic(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per job and rank, from the rail workers' per-ring and per-connection counters in one snapshot.
 
-    The compiled engine counts per channel (records taken, the error word: first code, count) and per
-    connection (payload bytes), not per job, so the job view is assembled here at stats time:
-    ``ranks[rank]``: ``commands`` (records taken from the rank's rings: bad ones and QUIETs included),
-    ``errors`` (refused or failed records, all codes), ``first_error`` (the ErrorCode of the first one;
-    the error word keeps only the first code, so a breakdown by code per rank is not available), and
-    ``bytes`` when it can be told: a connection is per (job, peer node, rail), shared by the job's local
-    ranks on that rail, so a rank's bytes are known only when it is the job's one local rank on its rail.
-    ``bytes``: the job's payload bytes over all its connections. A job's entry exists while it has rings
-    or connections here, so its series go when it ends.
+    The compiled engine counts per channel (records taken, the error word: first code, count; refused or
+    failed records by code) and per connection (payload bytes), not per job, so the job view is assembled
+    here at stats time: ``ranks[rank]``: ``commands`` (records taken from the rank's rings: bad ones and
+    QUIETs included), ``errors`` (refused or failed records, all codes), ``first_error`` (the ErrorCode of
+    the first one, from the error word), and ``bytes`` when it can be told: a connection is per (job, peer
+    node, rail), shared by the job's local ranks on that rail, so a rank's bytes are known only when it is
+    the job's one local rank on its rail.
+    ``bytes``: the job's payload bytes over all its connections. ``errors_by_code[rank]``: the rank's
+    refused or failed records by ErrorCode name, summed over its rings (the engine's per-channel counts).
+    A job's entry exists while it has rings or connections here, so its series go when it ends.
     """
     jobs: dict[str, dict[str, Any]] = {}
     on_rail: dict[tuple[str, int], set[int]] = {}
     for rail in stats.get("rails", []):
         for ring in rail.get("queues", {}).get("rings", []) if "error" not in rail else ():
-            job = jobs.setdefault(ring["job"], {"bytes": 0, "ranks": {}})
+            job = jobs.setdefault(ring["job"], {"bytes": 0, "ranks": {}, "errors_by_code": {}})
+            codes = job["errors_by_code"].setdefault(int(ring["rank"]), {})
+            for name, n in ring.get("errors_by_code", {}).items():
+                codes[name] = codes.get(name, 0) + int(n)
             rank = job["ranks"].setdefault(int(ring["rank"]), {"commands": 0, "errors": 0, "first_error": 0,
                                                                  "bytes": None})
             rank["commands"] += int(ring.get("taken", 0))
@@ -102,7 +107,7 @@ def job_traffic(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for conn in stats.get("connections", []):
         if "job" not in conn:
             continue
-        job = jobs.setdefault(conn["job"], {"bytes": 0, "ranks": {}})
+        job = jobs.setdefault(conn["job"], {"bytes": 0, "ranks": {}, "errors_by_code": {}})
         job["bytes"] += int(conn.get("bytes", 0))
         key = (conn["job"], int(conn.get("rail", 0)))
         by_rail[key] = by_rail.get(key, 0) + int(conn.get("bytes", 0))
@@ -184,6 +189,12 @@ def _families(stats: dict[str, Any]) -> list[Metric]:
              "included).", [({"job": j, "rank": r}, v["commands"]) for j, r, v in ranks])
     w.family("transportd_job_command_errors", "counter", "The rank's records refused or failed, all codes (its "
              "channels' error words).", [({"job": j, "rank": r}, v["errors"]) for j, r, v in ranks])
+    for code in ErrorCode:
+        if code is ErrorCode.OK:
+            continue
+        w.family(f"transportd_job_command_errors_{code.name.lower()}", "counter", f"The rank's records refused or "
+                 f"failed with {code.name}.", [({"job": j, "rank": r}, traffic[j]["errors_by_code"].get(r, {}).get(
+                     code.name, 0)) for j, r, _ in ranks])
     w.family("transportd_job_first_error_code", "gauge", "ErrorCode of the rank's first refused or failed "
              "record (0: none); the error word keeps only the first code.",
              [({"job": j, "rank": r}, v["first_error"]) for j, r, v in ranks])
