@@ -9,6 +9,9 @@ proxy
         load) and paced (record-to-post latency when the proxy keeps up). The producer stamps each batch
         with CLOCK_MONOTONIC in ``signal_value`` (as ``cmd_ring.loadgen`` does) and saves the stamps; the
         null backend logs when each chunk was posted; both processes read the same clock.
+    (t) with ``--trace``: the core drain and the one-record round trip again with the trace recorder on
+        for the drained rank (``transportd/core/trace.h``: every record written to a part file), beside
+        the same runs with it off, which is the one branch per channel per pass every untraced channel pays;
     (c) idle: the rail worker's own loop (``rail.serve_loop``, with a real worker link that stays quiet)
         sits idle; a producer process commits one record after each second of silence. Reported: the
         loop thread's CPU use while idle, and each first record's record -> posted latency.
@@ -102,13 +105,17 @@ def _make_proxy(engine: str, opts: dict[str, Any], **backend_opts: Any) -> tuple
 
 
 def _drain(capacity: int, repeats: int, peers: int, channels: int, opts: dict[str, Any],
-           engine: str = "core") -> dict[str, Any]:
+           engine: str = "core", trace: bool = False) -> dict[str, Any]:
     rings = [RingFile.create(_ring_name(f"drain{i}"), capacity) for i in range(channels)]
+    tmp = tempfile.TemporaryDirectory() if trace else None
+    traced: dict[str, Any] = {}
     try:
         proxy, _ = _make_proxy(engine, opts)
         _setup(proxy, peers)
         for i, ring in enumerate(rings):
             proxy.add_channel(i, ring, JOB, 0, peers + 1)
+        if tmp is not None:
+            proxy.trace_start(JOB, 0, str(Path(tmp.name) / "drain"))
         producers = [RingProducer(r) for r in rings]
         rates = []
         for rep in range(repeats):
@@ -118,14 +125,26 @@ def _drain(capacity: int, repeats: int, peers: int, channels: int, opts: dict[st
             _drain_until(proxy, rings, (rep + 1) * capacity)
             rates.append(channels * capacity / (time.perf_counter() - t0))
         stats = proxy.stats()
+        if tmp is not None:
+            traced = _trace_summary(proxy.trace_stop(JOB, 0), channels * capacity * repeats)
     finally:
         for ring in rings:
             ring.close()
             ring.unlink()
-    return {"engine": engine, "records_per_s": max(rates), "records_per_s_median": float(np.median(rates)),
+        if tmp is not None:
+            tmp.cleanup()
+    return {"engine": engine, **traced, "records_per_s": max(rates), "records_per_s_median": float(np.median(rates)),
             "records_per_s_min": min(rates), "repeats": repeats, "capacity": capacity, "channels": channels,
             "peers": peers, "batch_hist": stats["batch_hist"], "stalls": stats["stalls"],
             "iterations": stats["iterations"]}
+
+
+def _trace_summary(stopped: dict[str, Any], expected: int) -> dict[str, Any]:
+    """What a traced run's recorders wrote; every record taken must be there."""
+    if stopped["written"] != expected or stopped["dropped"]:
+        raise click.ClickException(f"trace: {stopped['written']} of {expected} records written "
+                                   f"({stopped['dropped']} dropped: {stopped['write_errors']})")
+    return {"traced": True, "trace_entries": stopped["written"]}
 
 
 def _bare_drain(capacity: int, repeats: int, peers: int) -> float:
@@ -187,9 +206,10 @@ def _post_log(proxy: Any, backend: NullBackend | None) -> tuple[np.ndarray, np.n
 
 
 def _live(total: int, capacity: int, peers: int, max_batch: int, interval_ns: int, opts: dict[str, Any],
-          engine: str = "core", pingpong: bool = False) -> dict[str, Any]:
+          engine: str = "core", pingpong: bool = False, trace: bool = False) -> dict[str, Any]:
     """A producer process against a draining proxy; record -> posted latency from both processes' clocks."""
     name = _ring_name("live")
+    traced: dict[str, Any] = {}
     with RingFile.create(name, capacity) as ring, tempfile.TemporaryDirectory() as tmp:
         stamps_path = str(Path(tmp) / "stamps.npy")
         proxy, backend = _make_proxy(engine, opts, log_posts=True)
@@ -197,6 +217,8 @@ def _live(total: int, capacity: int, peers: int, max_batch: int, interval_ns: in
             proxy.log_posts(total)
         _setup(proxy, peers)
         proxy.add_channel(0, ring, JOB, 0, peers + 1)
+        if trace:
+            proxy.trace_start(JOB, 0, str(Path(tmp) / "live"))
         target, args = ((produce_pingpong, (name, total, peers, stamps_path)) if pingpong else
                         (produce_stamped, (name, total, peers, max_batch, interval_ns, stamps_path)))
         proc = mp.get_context("spawn").Process(target=target, args=args)
@@ -217,11 +239,13 @@ def _live(total: int, capacity: int, peers: int, max_batch: int, interval_ns: in
         stamps = np.load(stamps_path)
         stats = proxy.stats()
         post_t, chunks = _post_log(proxy, backend)
+        if trace:
+            traced = _trace_summary(proxy.trace_stop(JOB, 0), total)
     if len(chunks) != total or len(stamps) != total or not np.array_equal(np.sort(chunks), np.arange(total)):
         raise click.ClickException(f"live run: {len(chunks)} of {total} chunks posted (lost or duplicated)")
     lat_us = (post_t - stamps[chunks]) / 1e3
     return {
-        "engine": engine, "pingpong": pingpong, "records": total, "capacity": capacity,
+        "engine": engine, **traced, "pingpong": pingpong, "records": total, "capacity": capacity,
         "interval_ns": interval_ns, "max_batch": max_batch, "poll_window_us": opts.get("poll_window_us"),
         "records_per_s": total / elapsed if elapsed > 0 else float("nan"),
         "p50_us": float(np.percentile(lat_us, 50)), "p99_us": float(np.percentile(lat_us, 99)),
@@ -298,8 +322,8 @@ def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: f
 
 def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int = 8, poll_window_us: float = 50.0,
                         inflight_cap: int = 256, channels: int = 1,
-                        idle_naps_us: tuple[float, ...] = (DEEP_NAP_S * 1e6,)) -> dict[str, Any]:
-    """All parts of ``bench proxy``; returns the JSON document."""
+                        idle_naps_us: tuple[float, ...] = (DEEP_NAP_S * 1e6,), trace: bool = False) -> dict[str, Any]:
+    """All parts of ``bench proxy``; returns the JSON document (``trace``: also the traced runs, part t)."""
     opts = dict(batch_max=batch_max, poll_window_us=poll_window_us, inflight_cap=inflight_cap)
     capacity = 1 << (14 if quick else 16)
     repeats = 3 if quick else 5
@@ -315,6 +339,18 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
     pingpong_model = _live(500 if quick else 5_000, 4096, peers, 1, 0, window0, engine="model", pingpong=True)
     idles = [_idle(3 if quick else 10, 1.0, peers, window0, nap) for nap in idle_naps_us]
     idle = idles[0]
+    traced: dict[str, Any] = {}
+    traced_summary: dict[str, Any] = {}
+    if trace:
+        traced = {"drain": _drain(capacity, repeats, peers, channels, opts, "core", trace=True),
+                  "pingpong": _live(5_000 if quick else 100_000, 4096, peers, 1, 0, window0, pingpong=True,
+                                    trace=True)}
+        traced_summary = {
+            "traced_commands_per_s": traced["drain"]["records_per_s"],
+            "traced_vs_off": traced["drain"]["records_per_s"] / core["records_per_s"],
+            "traced_pingpong_p50_us": traced["pingpong"]["p50_us"],
+            "traced_pingpong_p99_us": traced["pingpong"]["p99_us"],
+        }
     return {
         "benchmark": "proxy",
         "host": {"cpus": os.cpu_count()},
@@ -336,6 +372,7 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
             "idle_cpu_fraction": idle["cpu_fraction"],
             "after_idle_p50_us": idle["p50_us"],
             "after_idle_max_us": idle["max_us"],
+            **traced_summary,
         },
         "bare_consumer_records_per_s": bare,
         "drain": drains,
@@ -346,6 +383,7 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
         "pingpong_model": pingpong_model,
         "idle": idle,
         "idle_naps": idles,
+        **({"traced": traced} if trace else {}),
     }
 
 
@@ -367,11 +405,13 @@ def _echo_table(rows: list[tuple[str, str]]) -> None:
 @click.option("--idle-nap-us", "idle_naps_us", type=click.FloatRange(min=0.0), multiple=True,
               default=(DEEP_NAP_S * 1e6,), show_default=True,
               help="the long-idle worker's sleep between looks at the rings; repeat to compare several")
+@click.option("--trace", is_flag=True,
+              help="also run the core drain and the one-record round trip with the trace recorder on")
 def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, batch_max: int,
-                poll_window_us: float, inflight_cap: int, idle_naps_us: tuple[float, ...]) -> None:
+                poll_window_us: float, inflight_cap: int, idle_naps_us: tuple[float, ...], trace: bool) -> None:
     """Ring -> post with the null backend: commands/s per worker, batch sizes, record-to-post latency."""
     r = run_proxy_benchmark(quick=quick, peers=peers, batch_max=batch_max, poll_window_us=poll_window_us,
-                            inflight_cap=inflight_cap, channels=channels, idle_naps_us=idle_naps_us)
+                            inflight_cap=inflight_cap, channels=channels, idle_naps_us=idle_naps_us, trace=trace)
     d, sm, lv = r["drain"], r["summary"], r["live_unpaced"]
     p0, pw, pp, pm = r["live_paced_window_0"], r["live_paced_window"], r["pingpong"], r["pingpong_model"]
     c = d["core"]
@@ -393,6 +433,10 @@ def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, 
         *[(f"idle worker, {i['nap_us']:g} us naps: CPU / first record after {i['idle_s']:g} s p50 / max",
            f"{100 * i['cpu_fraction']:8.1f} % of a core   {i['p50_us']:.1f} / {i['max_us']:.1f} us")
           for i in r["idle_naps"]],
+        *([("drain, core + C null NIC, trace recorder on",
+            f"{sm['traced_commands_per_s'] / 1e6:8.2f} M/s   ({sm['traced_vs_off']:.2f}x off)"),
+           ("one record at a time (C producer), traced: p50 / p99",
+            f"{sm['traced_pingpong_p50_us']:8.2f} / {sm['traced_pingpong_p99_us']:.2f} us")] if trace else []),
     ])
     if json_path:
         json_path.write_text(json.dumps(r, indent=2) + "\n")
