@@ -11,7 +11,8 @@ from typing import Any
 
 from transportd.backends.interface import Backend
 
-__all__ = ["BACKENDS", "DEVICE_KINDS", "open_backend"]
+__all__ = ["BACKENDS", "CAPABILITIES", "DEVICE_KINDS", "FIXED_PROVIDERS", "IBGDA", "has_capability", "kinds_with",
+           "open_backend"]
 
 BACKENDS: dict[str, str] = {
     "null": "transportd.backends.null:NullBackend",
@@ -24,6 +25,26 @@ BACKENDS: dict[str, str] = {
 # softverbs, a rail naming a device that does not exist yet gets a soft device of this kind
 # (``transportd.backends.verbs.configure_soft``'s ``devices``); pyverbs ignores it.
 DEVICE_KINDS: dict[str, str] = {"ib": "ib", "soft": "ib", "efa": "efa"}
+
+#: A capability: the backend serves IBGDA channels (mlx5 queue pairs the GPU posts its own WQEs to).
+IBGDA = "ibgda"
+
+# What each backend can do beyond the interface, declared here because the daemon's main process asks
+# before any backend is open (only the rail workers open one).
+CAPABILITIES: dict[str, frozenset[str]] = {"ib": frozenset({IBGDA})}
+
+# The verbs provider a backend always runs on, whatever ``backend.verbs`` says ("soft": ib on softverbs).
+FIXED_PROVIDERS: dict[str, str] = {"soft": "soft"}
+
+
+def has_capability(kind: str, capability: str) -> bool:
+    """Whether backend ``kind`` declares ``capability`` (:data:`CAPABILITIES`)."""
+    return capability in CAPABILITIES.get(kind, frozenset())
+
+
+def kinds_with(capability: str) -> list[str]:
+    """The backends declaring ``capability``, by name (for messages that say which would do)."""
+    return sorted(kind for kind, caps in CAPABILITIES.items() if capability in caps)
 
 
 def open_backend(kind: str, **opts: Any) -> Backend:

@@ -1,0 +1,198 @@
+"""A rank's memory in the rail workers: registered regions, its flag array, its rings.
+
+Regions are mapped and registered on every rail (so any rail can serve a command that names them); the
+flag array and each ring are memfds the daemon makes and offers to the client by descriptor. Host memory
+arrives only by descriptor and must be a size-sealed memfd (:func:`check_host_fd`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from cmd_ring import RingFile
+from cmd_ring.shm import size_is_sealed
+from transportd.control.fdchannel import SideConnection, is_memfd
+from transportd.control.protocol import Flags, Register, ReplyCode
+from transportd.daemon.clients import ClientSessions
+from transportd.daemon.state import LocalRank, NodeState, memfd_name, quietly, region_key
+from transportd.dataplane.flagfile import FlagFile
+from transportd.dataplane.worker_link import WorkerError
+from transportd.errors import ErrorCode, RequestError
+
+__all__ = ["RankMemory", "check_host_fd"]
+
+
+class RankMemory:
+    """Maps, registers and releases ranks' memory in the rail workers (the ranks record what they hold)."""
+
+    def __init__(self, state: NodeState, clients: ClientSessions) -> None:
+        self.state = state
+        self.clients = clients
+
+    # --- regions ---------------------------------------------------------------------------------------
+    def register(self, client_id: bytes, req: Register) -> dict[str, Any]:
+        rank = self.clients.joined(client_id)
+        fd = -1
+        if req.kind in ("host", "dmabuf"):
+            # by descriptor only: the fd this session passed on its descriptor socket (never a path)
+            conn = self.clients.side.get(client_id)
+            if conn is None:
+                raise RequestError(ReplyCode.UNSUPPORTED, f"{req.kind} memory travels as a descriptor on the "
+                                                          "local descriptor socket: register it over ipc")
+            fd = conn.take(int(req.handle))  # type: ignore[arg-type]
+        try:
+            if req.kind == "host":
+                check_host_fd(fd, req.offset, req.size)
+                op, memory = "map_region", {"fds": (fd,)}
+            elif req.kind == "cuda_ipc":  # opened by the rail workers in a context on the client's device
+                op, memory = "map_gpu_region", {"handle": req.handle, "device": max(rank.device, 0)}
+            else:
+                # a dma-buf fd arrives the same way; a real-NIC rail would register it with DmaBufMR
+                raise RequestError("unsupported", f"{req.kind} memory needs a real-NIC backend (not available yet)")
+            region_id = self.add_region(rank, op, memory, req.offset, req.size, req.access, f"{req.kind}:{req.offset}")
+        finally:
+            if fd >= 0:
+                os.close(fd)  # every worker holds its own mapping; the daemon keeps nothing of it
+        return {"region": region_id}
+
+    def add_region(self, rank: LocalRank, op: str, memory: dict[str, Any], offset: int, size: int,
+                   access: Sequence[str], kind: str) -> int:
+        """Map and register a region of ``rank`` on every rail (worker op ``op`` with ``memory``: descriptors
+        or an IPC handle) and make it a source there; its id. All rails or none: a failure unmaps it."""
+        if rank.next_region > 0xFFFF:
+            raise RequestError("too_many_regions", "a rank may register at most 65536 regions")
+        region_id = rank.next_region
+        key = region_key(rank, region_id)
+        workers = self.state.workers
+        keys = {}
+        for worker in workers:
+            try:
+                keys[worker.rail] = worker.call(
+                    op, key=key, offset=offset, size=size, remote_write="write" in access,
+                    remote_atomic="atomic" in access, remote_read="read" in access, **memory)
+            except WorkerError as exc:
+                for rail in keys:
+                    workers[rail].call("unmap_region", key=key)
+                raise RequestError("register_failed", str(exc)) from None
+        rank.next_region += 1
+        rank.regions[region_id] = keys
+        rank.region_kinds[region_id] = kind
+        for worker in workers:
+            worker.call("set_source_region", job=rank.job, rank=rank.rank, region=region_id, key=key)
+        return region_id
+
+    # --- flags -----------------------------------------------------------------------------------------
+    def flags(self, client_id: bytes, req: Flags) -> dict[str, Any]:
+        rank = self.clients.joined(client_id)
+        if rank.flags is not None:
+            raise RequestError("flags_exist", "this rank already has its flag array")
+        if req.where == "device" and not req.handle:
+            raise RequestError("unsupported", "device flags are allocated by the GPU client and sent by CUDA IPC "
+                                              "handle (gpuclient: session.flags(count, where='device'))")
+        conn = self.clients.side_for(client_id, "a flag array (its status word, and the words of host flags)")
+        # + the status word; a memfd: no other process can open it by name, nothing outlives a killed daemon
+        flags, fd = FlagFile.create_memfd(req.count, name=memfd_name("flags", rank.job, rank.rank))
+        try:
+            self.map_flags(rank, fd, req.count, req.where, req.handle, req.offset)
+        except WorkerError as exc:
+            os.close(fd)
+            self._unmap_flags(rank)
+            flags.close()
+            raise RequestError("flags_failed", str(exc)) from None
+        try:
+            fd_id = self.clients.offer(rank, conn, fd, "flags")  # the offer owns fd now (closed if refused)
+        except RequestError:
+            self._unmap_flags(rank)
+            flags.close()
+            raise
+        rank.flags = flags
+        return {"fd": fd_id, "count": req.count}
+
+    def map_flags(self, rank: LocalRank, fd: int, count: int, where: str = "host", handle: bytes = b"",
+                  offset: int = 0) -> None:
+        """Map ``rank``'s flag file (``fd``, still the caller's) on every rail: host flags are its words;
+        device flags are GPU words the client sent by IPC ``handle``, with the file as their host shadow."""
+        for worker in self.state.workers:
+            if where == "device":
+                # the flag file rides along: the host shadow of the counters the workers publish
+                rank.flag_keys[worker.rail] = worker.call(
+                    "map_gpu_flags", job=rank.job, rank=rank.rank, handle=handle, offset=offset,
+                    count=count, device=max(rank.device, 0), fds=(fd,))
+            else:
+                rank.flag_keys[worker.rail] = worker.call(
+                    "map_flags", job=rank.job, rank=rank.rank, count=count, fds=(fd,))
+
+    def _unmap_flags(self, rank: LocalRank) -> None:
+        for rail in rank.flag_keys:
+            quietly(self.state.workers[rail].call, "unmap_flags", job=rank.job, rank=rank.rank)
+        rank.flag_keys.clear()
+
+    # --- rings -----------------------------------------------------------------------------------------
+    def open_ring(self, rank: LocalRank, conn: SideConnection, capacity: int) -> dict[str, Any]:
+        """A ring of ``capacity`` records (0: ``proxy.ring_capacity``) on the rank's rail, offered to it."""
+        capacity = capacity or self.state.config.proxy.ring_capacity
+        try:
+            channel_id, ring, fd = self.add_ring(rank, capacity)
+        except WorkerError as exc:
+            raise RequestError("channel_failed", str(exc)) from None
+        try:
+            fd_id = self.clients.offer(rank, conn, fd, "ring")
+        except RequestError:
+            quietly(self.state.workers[rank.rail].call, "remove_channel", channel=channel_id)
+            ring.close()
+            raise
+        rank.channels[channel_id] = ring
+        return {"channel": channel_id, "fd": fd_id, "capacity": capacity, "rail": rank.rail}
+
+    def add_ring(self, rank: LocalRank, capacity: int) -> tuple[int, RingFile, int]:
+        """A new ring the rank's rail worker drains: (channel id, the ring, its memfd for the caller)."""
+        channel_id = next(self.state.channel_ids)
+        # a memfd: the client and the rail worker get it by descriptor; no path another process could open
+        ring, fd = RingFile.create_memfd(capacity, name=memfd_name("ring", rank.job, rank.rank, channel_id))
+        try:
+            self.state.workers[rank.rail].call("add_channel", channel=channel_id, job=rank.job, rank=rank.rank,
+                                               world=rank.world, fds=(fd,))
+        except BaseException:
+            os.close(fd)
+            ring.close()
+            raise
+        return channel_id, ring, fd
+
+    # --- releasing -------------------------------------------------------------------------------------
+    def release(self, rank: LocalRank) -> None:
+        """Free the rank's rings, regions and flags in every worker; whoever waits on them stops waiting."""
+        workers = self.state.workers
+        worker = workers[rank.rail] if rank.rail < len(workers) else None
+        for channel_id, ring in rank.channels.items():
+            if worker:
+                quietly(worker.call, "remove_channel", channel=channel_id)
+            # a producer still waiting on the ring (quiet) stops at once, as one waiting on its flags does
+            ring.report_error(int(ErrorCode.CLIENT_GONE), ring.consumer_pos)
+            ring.close()
+        for w in workers:
+            quietly(w.call, "forget_rank", job=rank.job, rank=rank.rank)
+            for region_id in rank.regions:
+                quietly(w.call, "unmap_region", key=region_key(rank, region_id))
+        if rank.flags is not None:
+            # a client still waiting on its flags (the daemon stopping, its session expired) stops waiting
+            rank.flags.set_status(int(ErrorCode.CLIENT_GONE))
+            rank.flags.close()
+
+
+def check_host_fd(fd: int, offset: int, size: int) -> None:
+    """Host memory must be an anonymous memfd the client made (no file anyone could name), its size sealed
+    (a client that shrank it would make the rail worker, and with it the daemon, die of SIGBUS touching
+    the pages), holding the range."""
+    if not is_memfd(fd):
+        raise RequestError(ReplyCode.INVALID, "host memory must be a memfd (gpuclient.host_array): a named file "
+                                              "or another kind of descriptor is refused")
+    if not size_is_sealed(fd):
+        raise RequestError(ReplyCode.INVALID, "host memory's memfd must have its size sealed (F_SEAL_SHRINK and "
+                                              "F_SEAL_GROW, as gpuclient.host_array makes it): its owner could "
+                                              "shrink it under the NIC")
+    st = os.fstat(fd)
+    if offset + size > st.st_size:
+        raise RequestError(ReplyCode.INVALID, f"region [{offset}, {offset + size}) is outside the memfd "
+                                              f"({st.st_size} bytes)")

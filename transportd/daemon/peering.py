@@ -1,0 +1,361 @@
+"""Wiring a job across nodes: announcements, the RC connections between rails, peers coming and going.
+
+All of it idempotent, re-run by :meth:`Peering.refresh_job` whenever something new is learnt:
+
+1. a local rank joins, registers regions (mapped on every rail) and flags, and calls ``exchange``;
+2. ``exchange`` announces the rank's regions and flags to every peer node (``peer_regions``);
+3. for every node that hosts a rank of the job, each rail used by a local rank opens its own RC
+   connection to the same rail index there (rail-peer routing): ``peer_connect_request`` carries our
+   endpoint, the remote worker connects and answers ``peer_connect_accept`` with its own;
+4. once a connection is up, the worker learns which peer ranks it reaches and their regions and flags;
+5. ``exchange`` reports complete to the client when every rank is known and reachable.
+
+Our end of each such connection is an :class:`OutgoingConnection`; the end a peer asked us for is an
+:class:`AcceptedConnection`. Announcements for a job with no local rank yet are kept (bounded) for the
+first rank that joins it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transportd.control.protocol import (
+    PeerConnectAccept,
+    PeerConnectRequest,
+    PeerDisconnect,
+    PeerJobLost,
+    PeerRankLeft,
+    PeerRegions,
+    RegionInfo,
+)
+from transportd.daemon.state import FLAGS_REGION_ID, JobState, LocalRank, NodeState, RemoteRank, quietly
+from transportd.errors import ErrorCode, RequestError
+
+__all__ = ["MAX_UNCLAIMED_JOBS", "AcceptedConnection", "OutgoingConnection", "Peering"]
+
+log = logging.getLogger("transportd")
+
+MAX_UNCLAIMED_JOBS = 1024  # announcements kept for jobs with no local rank yet
+
+
+@dataclass
+class OutgoingConnection:
+    """Our RC connection for (job, node, rail): from this rail's worker to the same rail on ``node``."""
+
+    conn_id: int
+    job: str
+    node: str
+    rail: int
+    state: str = "connecting"  # connecting | up | failed
+    bound: set[int] = field(default_factory=set)  # peer ranks bound in the worker
+    peer_gid: str = ""  # the remote end's device address (its rail's NIC), once connected
+    error: str = ""  # why the connection failed, for the clients that need it
+    responder: int = 0  # a connection to this node: the far end, in the same worker
+
+
+@dataclass
+class AcceptedConnection:
+    """Our end of a peer's connection, accepted for it: the answer to its connect request."""
+
+    conn_id: int
+    rail: int
+    endpoint: dict[str, Any]
+
+
+class Peering:
+    """A job's wiring across nodes (module doc): ``connections`` (ours, by (job, node, rail)), ``accepted``
+    (by (node, their connection id)) and ``unclaimed`` announcements."""
+
+    def __init__(self, state: NodeState) -> None:
+        self.state = state
+        self.connections: dict[tuple[str, str, int], OutgoingConnection] = {}
+        self.accepted: dict[tuple[str, int], AcceptedConnection] = {}
+        # peer_regions for jobs with no local rank yet: job -> rank -> (node, message)
+        self.unclaimed: dict[str, dict[int, tuple[str, PeerRegions]]] = {}
+        #: called with the job's name after each refresh (the self-test's far side waits for its wiring)
+        self.on_job_refreshed: Callable[[str], None] = lambda job_name: None
+
+    # --- announcing --------------------------------------------------------------------------------------
+    def claim(self, job_name: str) -> dict[int, RemoteRank]:
+        """The ranks peers announced for ``job_name`` before it had a local rank (taken: kept no more)."""
+        peers = self.state.peers.peers if self.state.peers else {}
+        return {msg.rank: RemoteRank(node, {(r.id, r.rail): r for r in msg.regions})
+                for node, msg in self.unclaimed.pop(job_name, {}).values() if node in peers}
+
+    def exchange(self, rank: LocalRank) -> dict[str, Any]:
+        """Announce ``rank`` (once), wire what is known, and say whether its job is complete."""
+        if rank.flags is None:
+            raise RequestError("no_flags", "allocate flags (op 'flags') before exchange")
+        if not rank.announced:
+            rank.announced = True
+            self.state.plane.broadcast(self.regions_message(rank))
+        job = self.state.jobs[rank.job]
+        self.refresh_job(rank.job)
+        for conn in self.connections.values():
+            if conn.job == rank.job and conn.rail == rank.rail and conn.state == "failed" and conn.error:
+                raise RequestError("unreachable", conn.error)
+        return {"complete": self.job_wired(rank), "known": len(job.local) + len(job.remote)}
+
+    def regions_message(self, rank: LocalRank) -> PeerRegions:
+        infos = []
+        for region_id, per_rail in rank.regions.items():
+            for rail, key in per_rail.items():
+                infos.append(RegionInfo(id=region_id, addr=key["addr"], length=key["length"], rkey=key["rkey"],
+                                        rail=rail))
+        for rail, key in rank.flag_keys.items():
+            infos.append(RegionInfo(id=FLAGS_REGION_ID, addr=key["addr"], length=key["length"], rkey=key["rkey"],
+                                    rail=rail))
+        return PeerRegions(job=rank.job, rank=rank.rank, regions=tuple(infos))
+
+    # --- reachability ----------------------------------------------------------------------------------
+    def rank_reachable(self, me: LocalRank, peer_rank: int) -> bool:
+        if peer_rank == me.rank:
+            return True  # commands to oneself are not routed through a connection
+        node = self.state.node_of(self.state.jobs[me.job], peer_rank)
+        conn = self.connections.get((me.job, node, me.rail))
+        return conn is not None and conn.state == "up" and peer_rank in conn.bound
+
+    def job_wired(self, rank: LocalRank) -> bool:
+        """Every rank of ``rank``'s job is known and reachable from its rail."""
+        job = self.state.jobs[rank.job]
+        known = len(job.local) + len(job.remote)
+        return known == job.world and all(self.rank_reachable(rank, r) for r in range(job.world))
+
+    def peer_keys(self, job: JobState, peer_rank: int, rail: int) -> tuple[dict[int, dict[str, int]],
+                                                                             dict[str, int] | None]:
+        """Rank ``peer_rank``'s regions (id -> addr, length, rkey) and flag array on ``rail``, whether the
+        rank is local or on a peer node; flags None until it has them."""
+        local = job.local.get(peer_rank)
+        if local is not None:
+            regions = {rid: per_rail[rail] for rid, per_rail in local.regions.items() if rail in per_rail}
+            return regions, local.flag_keys.get(rail) if local.flags is not None else None
+        remote = job.remote[peer_rank]
+        regions = {rid: _key(r) for (rid, r_rail), r in remote.regions.items()
+                   if r_rail == rail and rid != FLAGS_REGION_ID}
+        flags = remote.regions.get((FLAGS_REGION_ID, rail))
+        return regions, _key(flags) if flags is not None else None
+
+    # --- wiring ----------------------------------------------------------------------------------------
+    def refresh_job(self, job_name: str) -> None:
+        """Open missing connections and push missing tables to the workers (idempotent)."""
+        job = self.state.jobs[job_name]
+        rails = {rank.rail for rank in job.local.values()}
+        nodes = {r.node for r in job.remote.values()}
+        if len(job.local) > 1:
+            nodes.add(self.state.node)
+        for node in nodes:
+            for rail in rails:
+                if (job_name, node, rail) not in self.connections:
+                    self._open_connection(job_name, node, rail)
+        for conn in self.connections.values():
+            if conn.job != job_name or conn.state != "up":
+                continue
+            peer_ranks = ([r for r in job.local] if conn.node == self.state.node
+                          else [r for r, info in job.remote.items() if info.node == conn.node])
+            for peer_rank in peer_ranks:
+                self._push_peer_tables(job_name, job, conn, peer_rank)
+        self.on_job_refreshed(job_name)
+
+    def _push_peer_tables(self, job_name: str, job: JobState, conn: OutgoingConnection, peer_rank: int) -> None:
+        worker = self.state.workers[conn.rail]
+        regions, flags = self.peer_keys(job, peer_rank, conn.rail)
+        if flags is None:
+            return
+        for region_id, key in regions.items():
+            if (conn.rail, peer_rank, region_id) not in job.pushed:
+                worker.call("set_remote_region", job=job_name, peer=peer_rank, region=region_id, addr=key["addr"],
+                            length=key["length"], rkey=key["rkey"])
+                job.pushed.add((conn.rail, peer_rank, region_id))
+        if peer_rank not in conn.bound:
+            worker.call("set_remote_flags", job=job_name, peer=peer_rank, addr=flags["addr"],
+                        count=flags["length"] // 8, rkey=flags["rkey"])
+            worker.call("bind_peer", job=job_name, peer=peer_rank, conn=conn.conn_id)
+            conn.bound.add(peer_rank)
+
+    def _open_connection(self, job_name: str, node: str, rail: int) -> None:
+        state = self.state
+        conn = OutgoingConnection(next(state.conn_ids), job_name, node, rail)
+        self.connections[(job_name, node, rail)] = conn
+        peer = state.peers.peers.get(node) if state.peers and node != state.node else None
+        if peer is not None and peer.rails and rail >= peer.rails:
+            # rail-peer routing pairs rail i with rail i: a node without that rail cannot be reached from it
+            conn.state = "failed"
+            conn.error = (f"node {node} has {peer.rails} rail(s), so rail {rail} of node {state.node} has no "
+                          f"peer there: give every node of the job the same rails")
+            log.warning("job %s: %s", job_name, conn.error)
+            return
+        worker = state.workers[rail]
+        endpoint = worker.call("create_endpoint", conn=conn.conn_id, job=job_name)["endpoint"]
+        if node == state.node:
+            # a connection to ourselves: the responder end lives in the same worker
+            peer_id = conn.responder = next(state.conn_ids)
+            remote = worker.call("create_endpoint", conn=peer_id, job=job_name, responder=True)["endpoint"]
+            worker.call("connect", conn=peer_id, remote=endpoint)
+            worker.call("connect", conn=conn.conn_id, remote=remote)
+            conn.state, conn.peer_gid = "up", str(remote.get("gid", ""))
+            return
+        state.plane.send(node, PeerConnectRequest(job=job_name, rail=rail, conn=conn.conn_id, endpoint=endpoint))
+
+    # --- ranks and jobs ending -------------------------------------------------------------------------
+    def rank_gone(self, rank: LocalRank) -> None:
+        """A local rank was released: tell the peers it left (if it was announced), and stop routing to it
+        here; the job's last local rank takes the job's connections with it."""
+        if rank.announced and self.state.peers is not None:
+            self.state.peers.broadcast(PeerRankLeft(job=rank.job, rank=rank.rank))
+        job = self.state.jobs.get(rank.job)
+        if job is not None:
+            job.local.pop(rank.rank, None)
+            if job.local:  # the job goes on here: the other local ranks stop sending to this one
+                self.forget_rank(rank.job, job, rank.rank)
+            else:
+                self._drop_job(rank.job)
+
+    def _drop_job(self, job_name: str) -> None:
+        """The job's last local rank left: close its connections, and have their far ends closed too."""
+        state = self.state
+        for key in [k for k in self.connections if k[0] == job_name]:
+            conn = self.connections.pop(key)
+            if conn.rail < len(state.workers):
+                for conn_id in (conn.conn_id, conn.responder):
+                    if conn_id:
+                        quietly(state.workers[conn.rail].call, "close_connection", conn=conn_id)
+            if conn.node != state.node and state.peers is not None:
+                # the peer's responder serves only this connection; the peer's own connections to our
+                # ranks stay (its ranks may still be running, and a rank of ours may rejoin)
+                state.peers.send(conn.node, PeerDisconnect(job=job_name, rail=conn.rail, conn=conn.conn_id))
+        job = state.jobs.pop(job_name, None)
+        # the peers' ranks may still be running: keep what they announced, for a rank of ours that rejoins
+        # (a peer_rank_left, or the node going down, removes it)
+        live = {node for node, peer in (state.peers.peers.items() if state.peers else ()) if peer.up}
+        kept = {r: (info.node, PeerRegions(job=job_name, rank=r, regions=tuple(info.regions.values())))
+                for r, info in (job.remote.items() if job else ()) if info.node in live}
+        if kept and (job_name in self.unclaimed or len(self.unclaimed) < MAX_UNCLAIMED_JOBS):
+            self.unclaimed.setdefault(job_name, {}).update(kept)
+
+    def forget_rank(self, job_name: str, job: JobState, rank: int, *, in_workers: bool = True) -> None:
+        """Rank ``rank`` is gone from ``job`` (or re-announced): nothing of it counts as pushed or bound any
+        more, and (``in_workers``) the workers refuse records for it with BAD_PEER until it is set again."""
+        job.pushed = {p for p in job.pushed if p[1] != rank}
+        for conn in self.connections.values():
+            if conn.job == job_name:
+                conn.bound.discard(rank)
+        if in_workers:
+            for worker in self.state.workers:
+                quietly(worker.call, "forget_peer", job=job_name, peer=rank)
+
+    # --- peers coming and going ------------------------------------------------------------------------
+    def peer_up(self, node: str) -> None:
+        # a node that (re)appears learns every announced rank of ours, and which of its jobs we gave up on:
+        # a node that froze past our heartbeat timeout may never have noticed (it heard us all along)
+        plane = self.state.plane
+        for job_name, job in self.state.jobs.items():
+            for rank in job.local.values():
+                if rank.announced:
+                    plane.send(node, self.regions_message(rank))
+            if node in job.lost:
+                plane.send(node, PeerJobLost(job=job_name))
+
+    def peer_down(self, node: str) -> None:
+        """Fail every connection to ``node``: clients waiting on it see PEER_LOST, not a hang."""
+        for ranks in self.unclaimed.values():
+            for rank in [r for r, (n, _) in ranks.items() if n == node]:
+                del ranks[rank]
+        for key in [k for k in self.accepted if k[0] == node]:
+            # accepted for the node's connections: its daemon's next life asks for new ones (and may reuse
+            # the connection ids), so none of these may be handed out again
+            self._close_accepted(self.accepted.pop(key))
+        self._fail_connections(node)
+        for job_name, job in self.state.jobs.items():
+            if any(r.node == node for r in job.remote.values()):
+                self._lose_node(job_name, job, node)
+
+    def _fail_connections(self, node: str, job_name: str | None = None) -> None:
+        """Our connections to ``node`` (of ``job_name`` only, if given) fail: their records get PEER_LOST."""
+        for conn in self.connections.values():
+            if conn.node == node and conn.state != "failed" and job_name in (None, conn.job):
+                conn.state = "failed"
+                quietly(self.state.workers[conn.rail].call, "fail_connection", conn=conn.conn_id,
+                        code=int(ErrorCode.PEER_LOST))
+
+    def _lose_node(self, job_name: str, job: JobState, node: str) -> None:
+        """``job`` cannot go on without ``node``: its local ranks' sessions say PEER_LOST."""
+        job.lost.add(node)
+        for rank in job.local.values():
+            if rank.flags is not None:
+                rank.flags.set_status(int(ErrorCode.PEER_LOST))
+        log.warning("job %s lost node %s", job_name, node)
+
+    # --- peer messages ---------------------------------------------------------------------------------
+    def on_job_lost(self, node: str, msg: PeerJobLost) -> None:
+        job = self.state.jobs.get(msg.job)
+        if job is not None and node not in job.lost:
+            self._fail_connections(node, msg.job)
+            self._lose_node(msg.job, job, node)
+
+    def on_regions(self, node: str, msg: PeerRegions) -> None:
+        job = self.state.jobs.get(msg.job)
+        if job is None:
+            # no local rank of this job yet: keep the announcement for when one joins (bounded, so a peer
+            # cannot grow it without limit)
+            if msg.job in self.unclaimed or len(self.unclaimed) < MAX_UNCLAIMED_JOBS:
+                self.unclaimed.setdefault(msg.job, {})[msg.rank] = (node, msg)
+            return
+        if msg.rank in job.local:
+            log.warning("peer %s claims rank %d of job %s, which is local here: ignored", node, msg.rank, msg.job)
+            return
+        job.remote[msg.rank] = RemoteRank(node, {(r.id, r.rail): r for r in msg.regions})
+        self.forget_rank(msg.job, job, msg.rank, in_workers=False)  # re-pushed in full just below
+        self.refresh_job(msg.job)
+
+    def on_rank_left(self, node: str, msg: PeerRankLeft) -> None:
+        unclaimed = self.unclaimed.get(msg.job, {})
+        if unclaimed.get(msg.rank, (None,))[0] == node:
+            del unclaimed[msg.rank]
+            if not unclaimed:
+                del self.unclaimed[msg.job]
+        job = self.state.jobs.get(msg.job)
+        remote = job.remote.get(msg.rank) if job is not None else None
+        if job is not None and remote is not None and remote.node == node:
+            del job.remote[msg.rank]
+            self.forget_rank(msg.job, job, msg.rank)
+            log.info("job %s: rank %d on node %s left", msg.job, msg.rank, node)
+
+    def on_connect_request(self, node: str, msg: PeerConnectRequest) -> None:
+        state = self.state
+        if msg.rail >= len(state.workers):
+            log.warning("peer %s asks for rail %d; this node has %d", node, msg.rail, len(state.workers))
+            return
+        key = (node, msg.conn)
+        worker = state.workers[msg.rail]
+        accepted = self.accepted.get(key)
+        if accepted is None:  # a repeated request (the accept was lost) gets the same answer
+            local_id = next(state.conn_ids)
+            endpoint = worker.call("create_endpoint", conn=local_id, job=msg.job, responder=True)["endpoint"]
+            worker.call("connect", conn=local_id, remote=dict(msg.endpoint))
+            accepted = self.accepted[key] = AcceptedConnection(local_id, msg.rail, endpoint)
+        state.plane.send(node, PeerConnectAccept(job=msg.job, rail=msg.rail, conn=msg.conn,
+                                                 endpoint=accepted.endpoint))
+
+    def on_connect_accept(self, node: str, msg: PeerConnectAccept) -> None:
+        conn = self.connections.get((msg.job, node, msg.rail))
+        if conn is None or conn.conn_id != msg.conn or conn.state == "up":
+            return
+        self.state.workers[conn.rail].call("connect", conn=conn.conn_id, remote=dict(msg.endpoint))
+        conn.state, conn.peer_gid = "up", str(msg.endpoint.get("gid", ""))
+        self.refresh_job(msg.job)
+
+    def on_disconnect(self, node: str, msg: PeerDisconnect) -> None:
+        accepted = self.accepted.pop((node, msg.conn), None)
+        if accepted is not None:
+            self._close_accepted(accepted)
+
+    def _close_accepted(self, accepted: AcceptedConnection) -> None:
+        if accepted.rail < len(self.state.workers):
+            quietly(self.state.workers[accepted.rail].call, "close_connection", conn=accepted.conn_id)
+
+
+def _key(info: RegionInfo) -> dict[str, int]:
+    return {"addr": info.addr, "length": info.length, "rkey": info.rkey}
