@@ -15,7 +15,7 @@ constexpr int PARITY_V2 = 101;  // three 16-byte relaxed .sys stores
 template <int Variant>
 __device__ __forceinline__ uint64_t push_one(const tpd::RingDevice& ring, uint32_t chunk, uint64_t value) {
     if (Variant == PARITY || Variant == PARITY_V2) {
-        uint64_t pos = tpd::ptx::fetch_add_relaxed_gpu(ring.head, 1);
+        uint64_t pos = tpd::ordering::fetch_add_relaxed_gpu(ring.head, 1);
         tpd::acquire_credit(ring, pos);
         uint64_t* slot = reinterpret_cast<uint64_t*>(ring.records + (pos & (uint64_t)(ring.capacity - 1)));
         uint64_t par = (pos & ring.capacity) ? 2 : 1;  // lap parity, never 0
@@ -23,16 +23,16 @@ __device__ __forceinline__ uint64_t push_one(const tpd::RingDevice& ring, uint32
         uint64_t w1 = ((uint64_t)chunk << 8) | par;
         uint64_t w2 = ((uint64_t)chunk << 20) | par, w3 = (4096ull << 8) | par, w4 = par, w5 = (value << 8) | par;
         if (Variant == PARITY) {
-            tpd::ptx::st_relaxed_sys(slot + 1, w1);
-            tpd::ptx::st_relaxed_sys(slot + 2, w2);
-            tpd::ptx::st_relaxed_sys(slot + 3, w3);
-            tpd::ptx::st_relaxed_sys(slot + 4, w4);
-            tpd::ptx::st_relaxed_sys(slot + 5, w5);
-            tpd::ptx::st_relaxed_sys(slot, w0);
+            tpd::ordering::st_relaxed_sys(slot + 1, w1);
+            tpd::ordering::st_relaxed_sys(slot + 2, w2);
+            tpd::ordering::st_relaxed_sys(slot + 3, w3);
+            tpd::ordering::st_relaxed_sys(slot + 4, w4);
+            tpd::ordering::st_relaxed_sys(slot + 5, w5);
+            tpd::ordering::st_relaxed_sys(slot, w0);
         } else {
-            tpd::ptx::st_relaxed_sys_v2(slot + 2, w2, w3);
-            tpd::ptx::st_relaxed_sys_v2(slot + 4, w4, w5);
-            tpd::ptx::st_relaxed_sys_v2(slot, w0, w1);
+            tpd::ordering::st_relaxed_sys_v2(slot + 2, w2, w3);
+            tpd::ordering::st_relaxed_sys_v2(slot + 4, w4, w5);
+            tpd::ordering::st_relaxed_sys_v2(slot, w0, w1);
         }
         return pos;
     } else {
@@ -45,9 +45,9 @@ __device__ __forceinline__ uint64_t push_one(const tpd::RingDevice& ring, uint32
 template <int Variant>
 __device__ void push_loop(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {
     uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
-    uint64_t t0 = tpd::detail::globaltimer_ns();
+    uint64_t t0 = tpd::ordering::now_ns();
     for (uint32_t i = 0; i < iters; ++i) push_one<Variant>(ring, tid, i);
-    uint64_t t1 = tpd::detail::globaltimer_ns();
+    uint64_t t1 = tpd::ordering::now_ns();
     if (tid == 0) {
         out[0] = t0;
         out[1] = t1;
@@ -57,11 +57,11 @@ __device__ void push_loop(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {
 // One thread pushes `n` records `gap_ns` apart, stamping the global timer just before each push.
 template <int Variant>
 __device__ void paced(tpd::RingDevice ring, uint32_t n, uint32_t gap_ns, uint64_t* stamps) {
-    uint64_t next = tpd::detail::globaltimer_ns();
+    uint64_t next = tpd::ordering::now_ns();
     for (uint32_t i = 0; i < n; ++i) {
-        while (tpd::detail::globaltimer_ns() < next) {
+        while (tpd::ordering::now_ns() < next) {
         }
-        uint64_t t = tpd::detail::globaltimer_ns();
+        uint64_t t = tpd::ordering::now_ns();
         stamps[i] = t;
         push_one<Variant>(ring, i, t);
         next = t + gap_ns;
@@ -74,15 +74,15 @@ __device__ void paced(tpd::RingDevice ring, uint32_t n, uint32_t gap_ns, uint64_
 template <int Variant>
 __device__ void roundtrip(tpd::RingDevice ring, uint32_t n, uint32_t gap_ns, uint64_t* rtt) {
     const uint64_t* done = tpd::control_word<uint64_t>(ring, TPD_RING_OFF_COMPLETION_POS);
-    uint64_t next = tpd::detail::globaltimer_ns();
+    uint64_t next = tpd::ordering::now_ns();
     for (uint32_t i = 0; i < n; ++i) {
-        while (tpd::detail::globaltimer_ns() < next) {
+        while (tpd::ordering::now_ns() < next) {
         }
-        uint64_t t = tpd::detail::globaltimer_ns();
+        uint64_t t = tpd::ordering::now_ns();
         uint64_t pos = push_one<Variant>(ring, i, t);
-        while (tpd::ptx::ld_acquire_sys(done) <= pos) {
+        while (tpd::ordering::ld_acquire_sys(done) <= pos) {
         }
-        uint64_t t1 = tpd::detail::globaltimer_ns();
+        uint64_t t1 = tpd::ordering::now_ns();
         rtt[i] = t1 - t;
         next = t1 + gap_ns;
     }
@@ -112,10 +112,10 @@ TPD_BENCH_VARIANT(parity_v2, bench::PARITY_V2)
 // pong[0]. The host brackets each round with its own clock; the tightest round gives the offset.
 extern "C" __global__ void clock_pingpong(const uint64_t* ping, uint64_t* pong, uint32_t rounds) {
     for (uint32_t r = 1; r <= rounds; ++r) {
-        TPD_SPIN_UNTIL(tpd::ptx::ld_acquire_sys(ping) == r);
-        uint64_t g = tpd::detail::globaltimer_ns();
-        tpd::ptx::st_relaxed_sys(pong + 1, g);
-        tpd::ptx::st_release_sys(pong, r);
+        TPD_SPIN_UNTIL(tpd::ordering::ld_acquire_sys(ping) == r);
+        uint64_t g = tpd::ordering::now_ns();
+        tpd::ordering::st_relaxed_sys(pong + 1, g);
+        tpd::ordering::st_release_sys(pong, r);
     }
 }
 
@@ -126,9 +126,9 @@ extern "C" __global__ void clock_pingpong(const uint64_t* ping, uint64_t* pong, 
 extern "C" __global__ void flag_sender(tpd::DefaultChannel ch, uint32_t peer, uint32_t dst_region, uint32_t src_region,
                                        uint32_t bytes, uint32_t slot, uint32_t n, uint64_t* t_send, uint64_t* ack) {
     for (uint32_t i = 0; i < n; ++i) {
-        t_send[i] = tpd::detail::globaltimer_ns();
+        t_send[i] = tpd::ordering::now_ns();
         tpd::put_signal(ch, peer, (uint16_t)dst_region, 0, (uint16_t)src_region, 0, bytes, slot, 1);
-        TPD_SPIN_UNTIL(tpd::ptx::ld_acquire_gpu(ack) >= i + 1);
+        TPD_SPIN_UNTIL(tpd::ordering::ld_acquire_gpu(ack) >= i + 1);
     }
 }
 
@@ -136,8 +136,8 @@ extern "C" __global__ void flag_receiver(tpd::DefaultChannel ch, uint32_t slot, 
                                          uint64_t* ack) {
     for (uint32_t i = 0; i < n; ++i) {
         tpd::wait(ch, slot, base + i + 1);
-        t_recv[i] = tpd::detail::globaltimer_ns();
-        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(ack), "l"((uint64_t)(i + 1)) : "memory");
+        t_recv[i] = tpd::ordering::now_ns();
+        tpd::ordering::st_release_gpu(ack, (uint64_t)(i + 1));
     }
 }
 

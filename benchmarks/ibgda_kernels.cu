@@ -1,5 +1,5 @@
 // Kernels for benchmarks/ibgda_bench.py: the IBGDA posting path against a null NIC (ibgda_null_nic.cpp).
-// Compiled with NVRTC by gpuclient.compile. Timing: %globaltimer (ns), read by tpd::ibgda::sync::now_ns.
+// Compiled with NVRTC by gpuclient.compile. Timing: %globaltimer (ns), read by tpd::ordering::now_ns.
 #include <transportd/ibgda/ibgda.cuh>
 
 namespace {
@@ -21,11 +21,11 @@ __device__ void one_op(const tpd::IbgdaChannel& ch, uint32_t peer, int op, uint6
 // One thread posts ``n`` ops: out[0] = ns for the posts, out[1] = ns for the quiet after them.
 extern "C" __global__ void bench_single(tpd::IbgdaChannel ch, uint32_t peer, int n, int op, uint32_t bytes,
                                         unsigned long long* out) {
-    uint64_t t0 = tpd::ibgda::sync::now_ns();
+    uint64_t t0 = tpd::ordering::now_ns();
     for (int i = 0; i < n; ++i) one_op(ch, peer, op, (uint64_t)i, bytes, 0);
-    uint64_t t1 = tpd::ibgda::sync::now_ns();
+    uint64_t t1 = tpd::ordering::now_ns();
     tpd::quiet(ch);
-    uint64_t t2 = tpd::ibgda::sync::now_ns();
+    uint64_t t2 = tpd::ordering::now_ns();
     out[0] = t1 - t0;
     out[1] = t2 - t1;
 }
@@ -33,22 +33,22 @@ extern "C" __global__ void bench_single(tpd::IbgdaChannel ch, uint32_t peer, int
 // One thread, ``n`` rounds of (put, quiet): out[0] = ns for all rounds (a GPU -> NIC -> CQE -> GPU trip each).
 extern "C" __global__ void bench_round_trip(tpd::IbgdaChannel ch, uint32_t peer, int n, uint32_t bytes,
                                             unsigned long long* out) {
-    uint64_t t0 = tpd::ibgda::sync::now_ns();
+    uint64_t t0 = tpd::ordering::now_ns();
     for (int i = 0; i < n; ++i) {
         tpd::put(ch, peer, 0, 0, 0, 0, bytes);
         tpd::quiet(ch);
     }
-    out[0] = tpd::ibgda::sync::now_ns() - t0;
+    out[0] = tpd::ordering::now_ns() - t0;
 }
 
 // Every thread posts ``n`` ops to the same QP, then quiets: out[0] = earliest start, out[1] = latest end.
 extern "C" __global__ void bench_many(tpd::IbgdaChannel ch, uint32_t peer, int n, int op, uint32_t bytes,
                                       unsigned long long* out) {
     const uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    uint64_t t0 = tpd::ibgda::sync::now_ns();
+    uint64_t t0 = tpd::ordering::now_ns();
     for (int i = 0; i < n; ++i) one_op(ch, peer, op, t * (uint64_t)n + (uint64_t)i, bytes, (uint32_t)(t & 7));
     tpd::quiet(ch);
-    uint64_t t1 = tpd::ibgda::sync::now_ns();
+    uint64_t t1 = tpd::ordering::now_ns();
     atomicMin(out, (unsigned long long)t0);
     atomicMax(out + 1, (unsigned long long)t1);
 }

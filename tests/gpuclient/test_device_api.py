@@ -203,6 +203,19 @@ def test_gpuclient_include_is_the_one_root_of_every_device_header() -> None:
     assert Path(ibgda.get_include()).resolve() == INCLUDE.resolve(), "ibgda.get_include() names the same root"
 
 
+def test_one_ordering_layer_for_the_proxy_and_the_ibgda_path() -> None:
+    """Every fence, acquire/release access, atomic and spin is spelled out once, in ordering.cuh: no other
+    device header writes inline PTX or keeps its own spin loop."""
+    ordering = INCLUDE / "transportd" / "ordering.cuh"
+    others = sorted(set((INCLUDE / "transportd").rglob("*.cuh")) - {ordering})
+    assert others and "asm volatile" in ordering.read_text()
+    for header in others:
+        text = header.read_text()
+        assert "asm" not in text, f"{header.name}: inline PTX belongs in ordering.cuh"
+        assert "__nanosleep(" not in text and "sched_yield(" not in text, f"{header.name}: spin with ordering::Spin"
+    assert not (INCLUDE / "transportd" / "ibgda" / "sync.cuh").exists()
+
+
 # --- host-side helpers -----------------------------------------------------------------------------------------------
 def test_host_arrays_are_not_device_buffers() -> None:
     assert not is_device_buffer(np.zeros(4))

@@ -103,22 +103,22 @@ TPD_DEVICE void fence(const Channel& ch, uint32_t peer) {
 TPD_DEVICE void quiet(const Channel& ch) {
     uint64_t pos = push(ch.ring, Opcode::Quiet, 0, 0, make_body(0, 0, 0, 0, 0, 0, 0, 0));
     const uint64_t* done = control_word<uint64_t>(ch.ring, TPD_RING_OFF_COMPLETION_POS);
-    TPD_SPIN_UNTIL(ptx::ld_acquire_sys(done) > pos);
+    TPD_SPIN_UNTIL(ordering::ld_acquire_sys(done) > pos);
 }
 
 /** The channel's error word: the first bad record's ErrorCode (0 = every record so far accepted). */
 TPD_DEVICE uint32_t status(const Channel& ch) {
-    return ptx::ld_acquire_sys(control_word<uint32_t>(ch.ring, TPD_RING_OFF_ERROR_CODE));
+    return ordering::ld_acquire_sys(control_word<uint32_t>(ch.ring, TPD_RING_OFF_ERROR_CODE));
 }
 
 /** How many records of this channel the proxy refused so far. */
 TPD_DEVICE uint32_t error_count(const Channel& ch) {
-    return ptx::ld_acquire_sys(control_word<uint32_t>(ch.ring, TPD_RING_OFF_ERROR_COUNT));
+    return ordering::ld_acquire_sys(control_word<uint32_t>(ch.ring, TPD_RING_OFF_ERROR_COUNT));
 }
 
 /** Ring position of the first refused record (meaningful when status(ch) != 0). */
 TPD_DEVICE uint64_t error_position(const Channel& ch) {
-    return ptx::ld_acquire_sys(control_word<uint64_t>(ch.ring, TPD_RING_OFF_ERROR_POS));
+    return ordering::ld_acquire_sys(control_word<uint64_t>(ch.ring, TPD_RING_OFF_ERROR_POS));
 }
 
 #endif /* __CUDACC__ */

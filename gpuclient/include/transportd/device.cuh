@@ -7,6 +7,8 @@
  *   TPD_DEBUG          define it (or build without NDEBUG under nvcc -G) to bound every device spin:
  *                      a spin that outlasts TPD_SPIN_TIMEOUT_NS prints what it waited for and traps,
  *                      so a lost flag or a dead proxy fails the kernel instead of hanging the GPU.
+ *   TPD_HOST_SPIN_TIMEOUT_NS  the bound of a spin compiled for the CPU (the IBGDA path in the CPU tests),
+ *                      always on: print what it waited for, then abort (ordering.cuh's Spin).
  *
  * Host code may include the umbrella header too: everything device-only sits under __CUDACC__.
  */
@@ -33,69 +35,17 @@
 #define TPD_SPIN_TIMEOUT_NS 20000000000ull /* 20 s: far beyond any healthy wait */
 #endif
 
+#ifndef TPD_HOST_SPIN_TIMEOUT_NS
+#define TPD_HOST_SPIN_TIMEOUT_NS 30000000000ull /* 30 s */
+#endif
+
 #include <transportd/cmd_ring.h>
 
 #if defined(__CUDACC__) && defined(TPD_DEBUG) && !defined(TPD_NVRTC)
-#include <stdio.h> /* device printf for the bounded-spin report (NVRTC has printf built in) */
+#include <stdio.h> /* device printf for TPD_DEVICE_CHECK's report (NVRTC has printf built in) */
 #endif
 
 #if defined(__CUDACC__)
-namespace tpd {
-namespace detail {
-
-/** Nanoseconds from the GPU's global timer (%globaltimer; coarse, but comparable across SMs). */
-TPD_DEVICE uint64_t globaltimer_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-/**
- * One device spin: call ``pause()`` each time the condition is still false. It backs off with
- * __nanosleep after a short burst of tight polls; in debug builds it traps after TPD_SPIN_TIMEOUT_NS
- * with ``what`` (the condition's text) printed, as a bounded spin should.
- */
-struct Spin {
-    uint32_t polls = 0;
-    uint32_t sleep_ns = 0;
-#if defined(TPD_DEBUG)
-    uint64_t start_ns = 0;
-#endif
-
-    TPD_DEVICE void pause(const char* what) {
-        ++polls;
-        if (polls > 64) {
-            sleep_ns = sleep_ns == 0 ? 32 : (sleep_ns < 1024 ? sleep_ns * 2 : sleep_ns);
-            __nanosleep(sleep_ns);
-        }
-#if defined(TPD_DEBUG)
-        if ((polls & 1023) == 1) {
-            uint64_t now = globaltimer_ns();
-            if (start_ns == 0) {
-                start_ns = now;
-            } else if (now - start_ns > TPD_SPIN_TIMEOUT_NS) {
-                printf("transportd: block (%d,%d,%d) thread %d spun %llu ns on: %s\n", (int)blockIdx.x,
-                       (int)blockIdx.y, (int)blockIdx.z, (int)threadIdx.x, (unsigned long long)(now - start_ns),
-                       what);
-                __trap();
-            }
-        }
-#else
-        (void)what;
-#endif
-    }
-};
-
-}  // namespace detail
-}  // namespace tpd
-
-/** Spin until ``cond`` holds (bounded in debug builds; the message names the condition). */
-#define TPD_SPIN_UNTIL(cond)                                  \
-    do {                                                      \
-        ::tpd::detail::Spin tpd_spin_;                        \
-        while (!(cond)) tpd_spin_.pause("TPD_SPIN_UNTIL(" #cond ")"); \
-    } while (0)
-
 #if defined(TPD_DEBUG)
 /** Debug-build argument check: print the failed condition and trap. */
 #define TPD_DEVICE_CHECK(cond, msg)                                                          \

@@ -99,11 +99,11 @@ TPD_DEVICE const T* control_word(const RingDevice& ring, unsigned offset) {
 
 /** Wait until slot ``pos`` is free (pos < consumer_pos + capacity); see "credit" above. */
 TPD_DEVICE void acquire_credit(const RingDevice& ring, uint64_t pos) {
-    if (pos < ptx::ld_acquire_gpu(ring.credit) + ring.capacity) return;
-    detail::Spin spin;
+    if (pos < ordering::ld_acquire_gpu(ring.credit) + ring.capacity) return;
+    ordering::Spin spin;
     for (;;) {
-        uint64_t consumed = ptx::ld_acquire_sys(control_word<uint64_t>(ring, TPD_RING_OFF_CONSUMER_POS));
-        ptx::red_max_release_gpu(ring.credit, consumed);
+        uint64_t consumed = ordering::ld_acquire_sys(control_word<uint64_t>(ring, TPD_RING_OFF_CONSUMER_POS));
+        ordering::red_max_release_gpu(ring.credit, consumed);
         if (pos < consumed + ring.capacity) return;
         spin.pause("ring credit (the proxy is not consuming this channel)");
     }
@@ -113,29 +113,29 @@ TPD_DEVICE void acquire_credit(const RingDevice& ring, uint64_t pos) {
 template <int Commit>
 TPD_DEVICE void commit_record(uint64_t* slot, uint64_t header, const Body& b) {
     if (Commit == TPD_COMMIT_FENCE_SYS) {
-        ptx::st_weak(slot + 1, b.w1);
-        ptx::st_weak(slot + 2, b.w2);
-        ptx::st_weak(slot + 3, b.w3);
-        ptx::st_weak(slot + 4, b.w4);
-        ptx::st_weak(slot + 5, b.w5);
-        ptx::fence_sys();
-        ptx::st_relaxed_sys(slot, header);
+        ordering::st_weak(slot + 1, b.w1);
+        ordering::st_weak(slot + 2, b.w2);
+        ordering::st_weak(slot + 3, b.w3);
+        ordering::st_weak(slot + 4, b.w4);
+        ordering::st_weak(slot + 5, b.w5);
+        ordering::fence_sys();
+        ordering::st_relaxed_sys(slot, header);
     } else if (Commit == TPD_COMMIT_V2_RELEASE) {
-        ptx::st_weak_v2(slot + 2, b.w2, b.w3);
-        ptx::st_weak_v2(slot + 4, b.w4, b.w5);
-        ptx::st_release_sys_v2(slot, header, b.w1);
+        ordering::st_weak_v2(slot + 2, b.w2, b.w3);
+        ordering::st_weak_v2(slot + 4, b.w4, b.w5);
+        ordering::st_release_sys_v2(slot, header, b.w1);
     } else if (Commit == TPD_COMMIT_V2_SPLIT) {
-        ptx::st_weak_v2(slot + 2, b.w2, b.w3);
-        ptx::st_weak_v2(slot + 4, b.w4, b.w5);
-        ptx::st_weak(slot + 1, b.w1);
-        ptx::st_release_sys(slot, header);
+        ordering::st_weak_v2(slot + 2, b.w2, b.w3);
+        ordering::st_weak_v2(slot + 4, b.w4, b.w5);
+        ordering::st_weak(slot + 1, b.w1);
+        ordering::st_release_sys(slot, header);
     } else {
-        ptx::st_weak(slot + 1, b.w1);
-        ptx::st_weak(slot + 2, b.w2);
-        ptx::st_weak(slot + 3, b.w3);
-        ptx::st_weak(slot + 4, b.w4);
-        ptx::st_weak(slot + 5, b.w5);
-        ptx::st_release_sys(slot, header);
+        ordering::st_weak(slot + 1, b.w1);
+        ordering::st_weak(slot + 2, b.w2);
+        ordering::st_weak(slot + 3, b.w3);
+        ordering::st_weak(slot + 4, b.w4);
+        ordering::st_weak(slot + 5, b.w5);
+        ordering::st_release_sys(slot, header);
     }
 }
 
@@ -145,7 +145,7 @@ TPD_DEVICE void commit_record(uint64_t* slot, uint64_t header, const Body& b) {
  */
 template <int Commit = TPD_COMMIT>
 TPD_DEVICE uint64_t push(const RingDevice& ring, Opcode opcode, uint8_t flags, uint16_t peer, const Body& b) {
-    uint64_t pos = ptx::fetch_add_relaxed_gpu(ring.head, 1);
+    uint64_t pos = ordering::fetch_add_relaxed_gpu(ring.head, 1);
     acquire_credit(ring, pos);
     uint64_t* slot = reinterpret_cast<uint64_t*>(ring.records + (pos & (uint64_t)(ring.capacity - 1)));
     commit_record<Commit>(slot, header_word(seq_for(pos), (uint8_t)opcode, flags, peer), b);

@@ -21,19 +21,22 @@ namespace tpd {
 /** Wraparound-safe "value >= at_least": the signed difference is non-negative. */
 TPD_HOST_DEVICE bool reached(uint64_t value, uint64_t at_least) { return (long long)(value - at_least) >= 0; }
 
-#if defined(__CUDACC__)
-
-/** Spin (with backoff; bounded in debug builds) until ``*flag`` reaches ``at_least``; returns the value seen. */
-TPD_DEVICE uint64_t wait_until(const uint64_t* flag, uint64_t at_least) {
-    uint64_t value = ptx::ld_acquire_sys(flag);
+/**
+ * Spin (with backoff; bounded as ordering::Spin is) until ``*flag`` reaches ``at_least``; returns the value
+ * seen. Both paths' tpd::wait end here; host + device, so the IBGDA path's CPU tests run it too.
+ */
+TPD_HOST_DEVICE uint64_t wait_until(const uint64_t* flag, uint64_t at_least) {
+    uint64_t value = ordering::ld_acquire_sys(flag);
     if (reached(value, at_least)) return value;
-    detail::Spin spin;
+    ordering::Spin spin;
     do {
         spin.pause("tpd::wait: flag below at_least (no signal arrived)");
-        value = ptx::ld_acquire_sys(flag);
+        value = ordering::ld_acquire_sys(flag);
     } while (!reached(value, at_least));
     return value;
 }
+
+#if defined(__CUDACC__)
 
 /**
  * A tile finished its part of a chunk: one thread per tile calls this (after the tile's stores and a

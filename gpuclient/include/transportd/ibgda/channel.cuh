@@ -39,6 +39,7 @@
 
 #include <transportd/command.cuh>
 #include <transportd/errors.cuh>
+#include <transportd/signal_device.cuh>
 #include <transportd/ibgda/queue_pair.cuh>
 
 /** Bumped whenever IbgdaChannel, Region, QueuePair or QpState change; the host checks it. */
@@ -108,8 +109,8 @@ namespace detail {
 
 /** Record a refused command (or a completion error): the first code sticks, the count grows. */
 TPD_HOST_DEVICE void report(const IbgdaChannel& ch, uint32_t code) {
-    sync::cas_relaxed(ch.error, 0u, code);
-    sync::fetch_add_relaxed(ch.error + 1, 1u);
+    ordering::cas_relaxed_gpu(ch.error, 0u, code);
+    ordering::fetch_add_relaxed_gpu(ch.error + 1, 1u);
 }
 
 TPD_HOST_DEVICE bool in_bounds(const Region& r, uint64_t off, uint64_t bytes) {
@@ -260,22 +261,14 @@ TPD_HOST_DEVICE void quiet(const IbgdaChannel& ch) {
 
 /** Wait until this rank's flag ``slot`` reaches ``at_least`` (wraparound-safe, acquire); returns it. */
 TPD_HOST_DEVICE uint64_t wait(const IbgdaChannel& ch, uint32_t slot, uint64_t at_least) {
-    const uint64_t* flag = ch.flags + slot;
-    uint64_t v = ibgda::sync::load_acquire_sys(flag);
-    if ((long long)(v - at_least) >= 0) return v;
-    ibgda::sync::Backoff spin;
-    do {
-        spin.pause("tpd::wait (ibgda): flag below at_least (no signal arrived)");
-        v = ibgda::sync::load_acquire_sys(flag);
-    } while ((long long)(v - at_least) < 0);
-    return v;
+    return wait_until(ch.flags + slot, at_least);  // the proxy path's wait (signal_device.cuh)
 }
 
 /** The channel's error word: the first refused command's or completion error's code (0 = none). */
-TPD_HOST_DEVICE uint32_t status(const IbgdaChannel& ch) { return ibgda::sync::load_acquire(ch.error); }
+TPD_HOST_DEVICE uint32_t status(const IbgdaChannel& ch) { return ordering::ld_acquire_gpu(ch.error); }
 
 /** How many commands were refused or failed so far. */
-TPD_HOST_DEVICE uint32_t error_count(const IbgdaChannel& ch) { return ibgda::sync::load_acquire(ch.error + 1); }
+TPD_HOST_DEVICE uint32_t error_count(const IbgdaChannel& ch) { return ordering::ld_acquire_gpu(ch.error + 1); }
 
 /** Always 0: IBGDA commands have no ring position (the proxy path reports the first bad one's). Kept so
  *  kernels written against tpd::DefaultChannel compile for either path. */

@@ -27,7 +27,7 @@
 #define TRANSPORTD_IBGDA_DOORBELL_CUH
 
 #include <transportd/ibgda/segments.cuh>
-#include <transportd/ibgda/sync.cuh>
+#include <transportd/ordering.cuh>
 
 namespace tpd {
 namespace ibgda {
@@ -43,14 +43,14 @@ TPD_HOST_DEVICE uint32_t cq_dbrec_value(uint64_t ci) { return be32((uint32_t)(ci
 /** Steps 1-4 above: publish WQEBBs [.., head) and ring with ``last_ctrl_word`` (doorbell_word of the
  *  last WQE). The caller holds the ticket for ``head``'s WQEs. */
 TPD_HOST_DEVICE void ring_send_doorbell(uint32_t* dbrec, uint64_t* bf, uint64_t head, uint64_t last_ctrl_word) {
-    sync::store_release_sys(dbrec + kSendDbr, sq_dbrec_value(head));  // steps 1 and 2
-    sync::fence_sys();
-    sync::mmio_store(bf, last_ctrl_word);
+    ordering::st_release_sys(dbrec + kSendDbr, sq_dbrec_value(head));  // steps 1 and 2
+    ordering::fence_sys();
+    ordering::st_mmio_relaxed_sys(bf, last_ctrl_word);
 }
 
 /** Give consumed CQ entries back to the NIC. */
 TPD_HOST_DEVICE void update_cq_doorbell(uint32_t* cq_dbrec, uint64_t ci) {
-    sync::store_release_sys(cq_dbrec + kCqSetCi, cq_dbrec_value(ci));
+    ordering::st_release_sys(cq_dbrec + kCqSetCi, cq_dbrec_value(ci));
 }
 
 }  // namespace ibgda

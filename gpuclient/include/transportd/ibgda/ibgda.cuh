@@ -19,9 +19,9 @@
  * and no change to tpd::Channel's 64-byte layout. Building with -DTPD_IBGDA makes tpd::DefaultChannel
  * the IBGDA handle for kernels that name one type. See README in this directory for the reasoning.
  *
- * Headers, one concept each:
+ * Headers, one concept each (the atomics, fences, MMIO doorbell store and bounded spins are the proxy
+ * path's own, <transportd/ordering.cuh>, host and device):
  *   endian.cuh      be16/be32/be64
- *   sync.cuh        atomics, fences, the MMIO doorbell store, bounded spins (host and device)
  *   segments.cuh    mlx5 ctrl / raddr / data / inline / atomic segments, diagrammed and asserted
  *   wqe.cuh         WQE builders (write, inline 8-byte write, read, fetch-and-add, NOP)
  *   cqe.cuh         CQE64 / error CQE, ownership test, syndromes
@@ -35,8 +35,8 @@
 #ifndef TRANSPORTD_IBGDA_IBGDA_CUH
 #define TRANSPORTD_IBGDA_IBGDA_CUH
 
+#include <transportd/ordering.cuh>
 #include <transportd/ibgda/endian.cuh>
-#include <transportd/ibgda/sync.cuh>
 #include <transportd/ibgda/segments.cuh>
 #include <transportd/ibgda/wqe.cuh>
 #include <transportd/ibgda/cqe.cuh>

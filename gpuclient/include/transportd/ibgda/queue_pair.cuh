@@ -160,21 +160,21 @@ TPD_HOST_DEVICE void stamp_index(Wqe& w, uint64_t index) {
  */
 TPD_HOST_DEVICE void progress(const QueuePair& qp) {
     QpState* st = qp.state;
-    if (!sync::try_lock(&st->cq_lock)) return;
+    if (!ordering::try_lock_gpu(&st->cq_lock)) return;
     const uint64_t start = st->cq_ci;
     uint64_t ci = start;
     uint64_t done = st->done;
     while (ci - start < qp.ncqes) {
         const Cqe64* e = qp.cq + (ci & (qp.ncqes - 1));
-        uint64_t tail = sync::load_acquire_sys(reinterpret_cast<const uint64_t*>(&e->sop_drop_qpn_be));
+        uint64_t tail = ordering::ld_acquire_sys(reinterpret_cast<const uint64_t*>(&e->sop_drop_qpn_be));
         if (!cqe_ready((uint8_t)(tail >> 56), ci, qp.ncqes)) break;
         uint8_t opcode = cqe_opcode((uint8_t)(tail >> 56));
         if (opcode != (uint8_t)CqeOpcode::Req) {
-            uint64_t mid = sync::load_relaxed_sys(reinterpret_cast<const uint64_t*>(&e->timestamp_be));
+            uint64_t mid = ordering::ld_relaxed_sys(reinterpret_cast<const uint64_t*>(&e->timestamp_be));
             CqeView v = cqe_view(tail, mid);
             uint32_t syndrome = v.syndrome ? v.syndrome : (uint32_t)Syndrome::LocalQpOpErr;
             uint32_t word = syndrome | ((uint32_t)v.vendor_err << 8) | ((uint32_t)opcode << 16);
-            if (sync::load_acquire(&st->error) == 0u) sync::store_relaxed(&st->error, word);
+            if (ordering::ld_acquire_gpu(&st->error) == 0u) ordering::st_relaxed_gpu(&st->error, word);
         }
         uint16_t counter = be16((uint16_t)(tail >> 32));
         done += (uint16_t)(counter + 1u - (uint16_t)done);
@@ -183,21 +183,21 @@ TPD_HOST_DEVICE void progress(const QueuePair& qp) {
     if (ci != start) {
         st->cq_ci = ci;
         update_cq_doorbell(qp.cq_dbrec, ci);
-        sync::store_release(&st->done, done);
+        ordering::st_release_gpu(&st->done, done);
     }
-    sync::unlock(&st->cq_lock);
+    ordering::unlock_gpu(&st->cq_lock);
 }
 
 /** Claim ``n`` WQEBBs and wait until their slots are free; returns the first. */
 TPD_HOST_DEVICE uint64_t reserve(const QueuePair& qp, uint32_t n) {
     QpState* st = qp.state;
-    uint64_t first = sync::fetch_add_relaxed(&st->claimed, (uint64_t)n);
-    if (first + n - sync::load_acquire(&st->done) > qp.wqe_cnt) {
-        sync::Backoff spin;
+    uint64_t first = ordering::fetch_add_relaxed_gpu(&st->claimed, (uint64_t)n);
+    if (first + n - ordering::ld_acquire_gpu(&st->done) > qp.wqe_cnt) {
+        ordering::Spin spin;
         do {
             progress(qp);
             spin.pause("ibgda: send queue full (waiting for CQEs to free slots)");
-        } while (first + n - sync::load_acquire(&st->done) > qp.wqe_cnt);
+        } while (first + n - ordering::ld_acquire_gpu(&st->done) > qp.wqe_cnt);
     }
     return first;
 }
@@ -206,10 +206,10 @@ TPD_HOST_DEVICE uint64_t reserve(const QueuePair& qp, uint32_t n) {
 TPD_HOST_DEVICE void submit(const QueuePair& qp, uint64_t first, uint32_t n, uint8_t first_fm_ce_se,
                             uint64_t last_ctrl_word, bool completion, const Ordered& o) {
     QpState* st = qp.state;
-    if (sync::load_acquire(&st->posted) != first) {
-        sync::Backoff spin;
+    if (ordering::ld_acquire_gpu(&st->posted) != first) {
+        ordering::Spin spin;
         do spin.pause("ibgda: waiting for the doorbell ticket (an earlier poster has not rung yet)");
-        while (sync::load_acquire(&st->posted) != first);
+        while (ordering::ld_acquire_gpu(&st->posted) != first);
     }
     if (st->fence_next) set_fm_ce_se_in_slot(wqe_slot(qp, first), (uint8_t)(first_fm_ce_se | kCtrlFence));
     st->fence_next = o.fence_after ? 1u : 0u;
@@ -218,9 +218,9 @@ TPD_HOST_DEVICE void submit(const QueuePair& qp, uint64_t first, uint32_t n, uin
         *o.shadow = v;
         set_inline8_in_slot(wqe_slot(qp, first + (uint64_t)o.flag_wqe), v);
     }
-    if (completion) sync::store_release(&st->signaled, first + n);
+    if (completion) ordering::st_release_gpu(&st->signaled, first + n);
     ring_send_doorbell(qp.dbrec, qp.bf, first + n, last_ctrl_word);
-    sync::store_release(&st->posted, first + n);
+    ordering::st_release_gpu(&st->posted, first + n);
 }
 
 /** Post a batch: claim, stamp indices and CQE requests, store, submit. Returns one past its last WQEBB. */
@@ -246,22 +246,22 @@ TPD_HOST_DEVICE uint64_t post(const QueuePair& qp, Batch& b, const Ordered& o = 
  */
 TPD_HOST_DEVICE uint32_t quiet(const QueuePair& qp) {
     QpState* st = qp.state;
-    uint64_t target = sync::load_acquire(&st->posted);
-    if (sync::load_acquire(&st->done) < target) {
-        if (sync::load_acquire(&st->signaled) < target) {
+    uint64_t target = ordering::ld_acquire_gpu(&st->posted);
+    if (ordering::ld_acquire_gpu(&st->done) < target) {
+        if (ordering::ld_acquire_gpu(&st->signaled) < target) {
             Batch b;  // nothing at or after the last WQE asked for a CQE: post a signalled zero-length read
             b.w[0] = rdma_read(0, qp.qpn, 0, 0, 0, 0, 0, 0);
             b.n = 1;
             b.completion = true;
             target = post(qp, b);
         }
-        sync::Backoff spin;
-        while (sync::load_acquire(&st->done) < target) {
+        ordering::Spin spin;
+        while (ordering::ld_acquire_gpu(&st->done) < target) {
             progress(qp);
             spin.pause("ibgda: quiet waiting for CQEs (is the NIC processing this QP's doorbells?)");
         }
     }
-    return sync::load_acquire(&st->error);
+    return ordering::ld_acquire_gpu(&st->error);
 }
 
 }  // namespace ibgda
