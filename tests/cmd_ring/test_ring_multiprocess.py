@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 
 import pytest
 
 from cmd_ring import RingConsumer, RingFile
 from cmd_ring.loadgen import produce, verify_stream
+from tests.support.waiting import wait_until
 
 
 @pytest.mark.parametrize("capacity", [4096])
@@ -19,16 +19,19 @@ def test_two_processes_exchange_a_million_checksummed_records(ring_name: str, ca
     proc.start()
     consumer = RingConsumer(ring)
     received = 0
-    deadline = time.monotonic() + 120
+
+    def all_arrived() -> bool:
+        nonlocal received
+        batch = consumer.consume_ready()
+        if batch.size:
+            verify_stream(batch, received)
+            received += batch.size
+        elif not proc.is_alive() and proc.exitcode:
+            pytest.fail(f"producer died with exit code {proc.exitcode}")
+        return received >= total
+
     try:
-        while received < total:
-            assert time.monotonic() < deadline, f"only {received} of {total} records arrived in 120 s"
-            batch = consumer.consume_ready()
-            if batch.size:
-                verify_stream(batch, received)
-                received += batch.size
-            elif not proc.is_alive() and proc.exitcode:
-                pytest.fail(f"producer died with exit code {proc.exitcode}")
+        wait_until(all_arrived, lambda: f"{total} records (only {received} arrived)", 120, interval=0)  # spins
         proc.join(30)
         assert proc.exitcode == 0
         assert consumer.consume_ready().size == 0, "records beyond the stream arrived"

@@ -23,6 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 import gpuclient
+from tests.support.waiting import wait_until
 from transportd.dataplane.pinning import parse_cpulist
 from transportd_cli.ctl import main as ctl_main
 from transportd_cli.localcluster import LocalCluster
@@ -198,16 +199,16 @@ def test_transportctl_queues_shows_both_rails_busy(cluster_factory) -> None:
 
         def sampler() -> None:
             runner = CliRunner()
-            deadline = time.monotonic() + 45
+
+            def sample_shows_both_rails_moving() -> bool:
+                result = runner.invoke(ctl_main, ["queues", "--json", "--socket", cluster.socket("nodea")])
+                assert result.exit_code == 0, result.output
+                doc = json.loads(result.output)
+                samples.append({(c["rail"], c["node"]): c["bytes"] for c in doc["connections"]})
+                return len(samples) >= 4 and _both_rails_moved(samples[-2], samples[-1])
+
             try:
-                while time.monotonic() < deadline:
-                    result = runner.invoke(ctl_main, ["queues", "--json", "--socket", cluster.socket("nodea")])
-                    assert result.exit_code == 0, result.output
-                    doc = json.loads(result.output)
-                    samples.append({(c["rail"], c["node"]): c["bytes"] for c in doc["connections"]})
-                    if len(samples) >= 2 and _both_rails_moved(samples[-2], samples[-1]) and len(samples) >= 4:
-                        return
-                    time.sleep(0.05)
+                wait_until(sample_shows_both_rails_moving, lambda: f"both rails to move between samples: {samples}", 45)
             finally:
                 stop.set()
 
@@ -251,11 +252,13 @@ def test_a_rail_the_peer_node_lacks_fails_exchange_with_a_clear_error(cluster_fa
             s.register(gpuclient.host_array(4096))
             s.flags(4)
             s.exchange(wait=False)
-        deadline = time.monotonic() + 20
+
+        def exchanged() -> bool:
+            a.exchange(wait=False)  # raises once node b's rails are known
+            return False
+
         with pytest.raises(RequestError, match="node nodeb has 1 rail"):
-            while time.monotonic() < deadline:
-                a.exchange(wait=False)
-                time.sleep(0.05)
+            wait_until(exchanged, "the exchange to be refused", 20)
     finally:
         for c in clients:
             c.close()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import numpy as np
 
 from efa.backend import EfaBackend
+from tests.support.waiting import wait_until
 from transportd.backends import verbs as tverbs
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
 
@@ -56,9 +56,8 @@ def receiver(n: int) -> None:
     kd = be.register_memory(dst.ctypes.data, dst.nbytes, remote_write=True, remote_atomic=False)
     say({"endpoint": be.create_endpoint(CONN, "mp"), "dst": [kd.addr, kd.rkey]})
     be.connect(CONN, hear()["endpoint"])
-    deadline = time.monotonic() + 30
-    while int(flags[0]) < n and time.monotonic() < deadline:
-        be.poll()
+    # poll() takes the arrivals and publishes the flags: spin
+    wait_until(lambda: be.poll() is not None and int(flags[0]) >= n, f"flag 0 to reach {n}", 30, interval=0)
     say({"flag": int(flags[0]), "data_ok": bool(np.array_equal(dst, expect)), "early": early})
     hear()
     be.close()
@@ -75,9 +74,10 @@ def sender(n: int) -> None:
     tokens: list[list[int]] = []
     wrs = 0
 
-    def collect() -> None:
+    def collect() -> int:
         comps = be.poll()
         tokens.extend([int(t), int(s)] for t, s in zip(comps["token"], comps["status"], strict=True))
+        return len(tokens)
 
     for k in range(n):
         plan = np.array([
@@ -86,9 +86,7 @@ def sender(n: int) -> None:
         ], dtype=PLAN_DTYPE)
         wrs += be.post(CONN, plan)
         collect()
-    deadline = time.monotonic() + 30
-    while len(tokens) < n and time.monotonic() < deadline:
-        collect()
+    wait_until(lambda: collect() >= n, lambda: f"{n} completions (have {len(tokens)})", 30, interval=0)  # spins
     say({"tokens": tokens, "wrs": wrs, "inflight": be.inflight(CONN)})
     hear()
     be.close()

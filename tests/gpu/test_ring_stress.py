@@ -4,7 +4,6 @@ them: none lost, torn or duplicated, for every header-last commit variant (the d
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from cmd_ring import RECORD_DTYPE, RingConsumer, RingFile
 from gpuclient.cuda_memory import check, driver
 from gpuclient.device_channel import map_ring
+from tests.support.waiting import wait_until
 
 TOTAL = 1_000_000
 CAPACITY = 1024
@@ -54,14 +54,16 @@ def test_million_checksummed_pushes_none_lost_torn_or_duplicated(kernels, cuda_d
             kernels.function(f"stress_{variant}").launch(132, 256, (dev, np.uint32(TOTAL)), stream=stream)
             taken: list[np.ndarray] = []
             count = 0
-            deadline = time.monotonic() + 120
-            while count < TOTAL:
+
+            def all_arrived() -> bool:
+                nonlocal count
                 recs = consumer.consume_ready(4096)
                 if len(recs):
                     taken.append(recs)
                     count += len(recs)
-                elif time.monotonic() > deadline:
-                    pytest.fail(f"only {count} of {TOTAL} records arrived")
+                return count >= TOTAL
+
+            wait_until(all_arrived, lambda: f"{TOTAL} records (only {count} arrived)", 120, interval=0)  # spins
             check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
             assert consumer.ready_count() == 0  # nothing beyond TOTAL
             assert dev.head() == TOTAL

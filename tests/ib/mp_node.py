@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import numpy as np
 
 from ib.backend import IbBackend
+from tests.support.waiting import wait_until
 from transportd.backends import verbs as tverbs
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
 
@@ -40,9 +40,7 @@ def receiver(mode: str, n: int) -> None:
     kf = be.register_memory(flags.ctypes.data, flags.nbytes, remote_write=True, remote_atomic=True)
     say({"endpoint": be.create_endpoint(CONN, "mp"), "dst": [kd.addr, kd.rkey], "flags": [kf.addr, kf.rkey]})
     be.connect(CONN, hear()["endpoint"])
-    deadline = time.monotonic() + 30
-    while int(flags[0]) < n and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_until(lambda: int(flags[0]) >= n, f"flag 0 to reach {n}", 30, interval=0.001)  # the NIC writes it
     say({"flag": int(flags[0]), "data_ok": bool(np.array_equal(dst, pattern(n)))})
     hear()  # the sender is done with us
     be.close()
@@ -57,18 +55,20 @@ def sender(mode: str, n: int) -> None:
     be.connect(CONN, peer["endpoint"])
     (daddr, drkey), (faddr, frkey) = peer["dst"], peer["flags"]
     tokens: list[list[int]] = []
+
+    def collect() -> int:
+        comps = be.poll()
+        tokens.extend([int(t), int(s)] for t, s in zip(comps["token"], comps["status"], strict=True))
+        return len(tokens)
+
     for k in range(n):
         plan = np.array([
             (PlanOp.WRITE, 0, 0, CHUNK, ks.addr + k * CHUNK, daddr + k * CHUNK, ks.lkey, drkey, 0, 0, k, k + 1),
             (PlanOp.SIGNAL, SignalOp.ADD, 0, 8, 0, faddr, 0, frkey, 1, 0, k, k + 1),
         ], dtype=PLAN_DTYPE)
         be.post(CONN, plan)
-        comps = be.poll()
-        tokens += [[int(t), int(s)] for t, s in zip(comps["token"], comps["status"], strict=True)]
-    deadline = time.monotonic() + 30
-    while len(tokens) < n and time.monotonic() < deadline:
-        comps = be.poll()
-        tokens += [[int(t), int(s)] for t, s in zip(comps["token"], comps["status"], strict=True)]
+        collect()
+    wait_until(lambda: collect() >= n, lambda: f"{n} completions (have {len(tokens)})", 30, interval=0)  # spins
     say({"tokens": tokens, "inflight": be.inflight(CONN)})
     hear()
     be.close()

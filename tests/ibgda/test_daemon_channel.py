@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import gpuclient
+from tests.support.waiting import wait_until
 from transportd.control.protocol import ChannelInfo
 from transportd.errors import ErrorCode, RequestError
 from transportd_cli.ctl import main as ctl_main
@@ -158,9 +158,8 @@ def test_leave_closes_the_queues_and_the_far_ends(pair_factory) -> None:
     pair.sessions[0].leave()
     pair.left.add(0)
     assert pair.clients[0].stats()["rails"][0]["ibgda"] == []
-    deadline = time.monotonic() + 10
-    while _responders(pair.clients[1]) and time.monotonic() < deadline:
-        time.sleep(0.05)  # peer_disconnect travels over the peer plane
+    # peer_disconnect travels over the peer plane
+    wait_until(lambda: not _responders(pair.clients[1]), "node b to close the job's responders")
     # rank 0 was node a's last rank of the job: the queue pair's responder and the one for node a's proxy
     # connection are both closed on node b
     assert _responders(pair.clients[1]) == set()

@@ -10,7 +10,6 @@ import shutil
 import signal
 import socket
 import stat
-import time
 from pathlib import Path
 
 import numpy as np
@@ -104,8 +103,9 @@ def test_queues_show_backpressure_from_a_stalled_peer(ops_cluster: OpsCluster) -
                                  src_off=base + i * CHUNK, nbytes=CHUNK, slot=slot, value=1)
         ring, conn = wait_until(lambda: (lambda r, c: (r, c) if r["depth"] and c["inflight"] else None)(*snapshot()),
                                 timeout=3.0, what="records waiting behind a full connection")
-        time.sleep(0.1)
-        later, conn_later = snapshot()
+        # the stall has lasted another 100 ms: the oldest record aged, nothing moved meanwhile
+        later, conn_later = wait_until(lambda: (lambda r, c: (r, c) if r["oldest_age_us"] >= ring["oldest_age_us"]
+                                                + 100_000 else None)(*snapshot()), "the stall to last 100 ms more")
         text = _human("nodea", ops_cluster, "queues")
         stalls = _json("nodea", ops_cluster, "stats")["stalls"]
     finally:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from tests.support.waiting import wait_until
 from transportd.control.curve import generate_keypair
 from transportd_cli.localcluster import free_port, render_toml
 
@@ -34,15 +34,16 @@ def test_transportctl_speaks_curve_to_a_tcp_control_socket(tmp_path: Path) -> No
     ctl = [sys.executable, "-m", "transportd_cli.ctl"]
     with_keys = [*ctl, "--curve-secret-key", str(client_secret), "--curve-server-key", str(server_public)]
     try:
-        deadline = time.monotonic() + 30
-        while True:
+        said = [""]  # transportctl's last complaint, for the timeout's message
+
+        def status() -> subprocess.CompletedProcess | None:
             result = subprocess.run([*with_keys, "status", "--json", "--socket", endpoint], capture_output=True,
                                     text=True, timeout=30)
-            if result.returncode == 0:
-                break
             assert daemon.poll() is None, daemon.stderr.read() if daemon.stderr else ""
-            assert time.monotonic() < deadline, result.stderr
-            time.sleep(0.2)
+            said[0] = result.stderr
+            return result if result.returncode == 0 else None
+
+        result = wait_until(status, lambda: f"the CURVE daemon to answer status (last: {said[0]!r})", 30, interval=0.2)
         assert json.loads(result.stdout)["node"] == "solo"
         # without keys the daemon never answers: a clear "not reachable" error, exit 2
         bare = subprocess.run([*ctl, "status", "--socket", endpoint], capture_output=True, text=True, timeout=30)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -71,9 +72,10 @@ class NotifyListener:
         with self._lock:
             return {sender for sender, _ in self.messages}
 
-    def wait_for(self, pid: int, predicate, timeout: float, what: str) -> list[str]:
-        return wait_until(lambda: (lambda ls: ls if predicate(ls) else None)(self.lines(pid)), timeout=timeout,
-                          what=what)
+    def lines_if(self, pid: int, predicate: Callable[[list[str]], bool]) -> list[str] | None:
+        """``pid``'s lines once ``predicate`` holds for them, else None (a condition for ``wait_until``)."""
+        lines = self.lines(pid)
+        return lines if predicate(lines) else None
 
     def close(self) -> None:
         self._stop.set()
@@ -108,14 +110,13 @@ def test_notify_protocol_and_sigterm_drains_a_streaming_client(tmp_path) -> None
         pid = proc_a.pid
 
         # alone, nodea pets the watchdog and says what it waits for, but is not ready: its static peer is down
-        lines = listener.wait_for(pid, lambda ls: ls.count("WATCHDOG=1") >= 3
-                                  and any(x.startswith("STATUS=waiting for static peers") for x in ls),
-                                  timeout=30, what="nodea's watchdog and waiting status")
+        lines = wait_until(lambda: listener.lines_if(pid, lambda ls: ls.count("WATCHDOG=1") >= 3 and any(
+            x.startswith("STATUS=waiting for static peers") for x in ls)), "nodea's watchdog and waiting status", 30)
         assert "READY=1" not in lines
         assert any("peers 0 up" in x for x in lines if x.startswith("STATUS="))
 
         _start(node_b)  # the peer comes up: READY=1 follows, with a status line
-        lines = listener.wait_for(pid, lambda ls: "READY=1" in ls, timeout=30, what="READY=1")
+        lines = wait_until(lambda: listener.lines_if(pid, lambda ls: "READY=1" in ls), "READY=1", 30)
         ready_at = lines.index("READY=1")
         assert lines[ready_at + 1].startswith("STATUS=") and "peers 1 up" in lines[ready_at + 1]
         wait_until(lambda: _answers_with_peers(node_b), timeout=30, what="nodeb")
@@ -125,8 +126,8 @@ def test_notify_protocol_and_sigterm_drains_a_streaming_client(tmp_path) -> None
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\n--- nodea ---\n{cluster.log('nodea')}\n--- nodeb ---\n"
                                  f"{cluster.log('nodeb')}") from exc
-        listener.wait_for(pid, lambda ls: any("1 client(s)" in x for x in ls[ready_at:]), timeout=10,
-                          what="a STATUS line for the joined client")
+        wait_until(lambda: listener.lines_if(pid, lambda ls: any("1 client(s)" in x for x in ls[ready_at:])),
+                   "a STATUS line for the joined client", 10)
 
         # a client streams PUT_SIGNALs (each adds 1 to b's flag 0) while the daemon is told to stop
         a.channel.timeout = 0.05
@@ -165,12 +166,12 @@ def test_notify_protocol_and_sigterm_drains_a_streaming_client(tmp_path) -> None
         assert taken >= before_signal
         assert a.channel.ring.completion_pos == taken
         assert b.session.wait(slot=0, at_least=taken, timeout=10) == taken
-        time.sleep(0.2)
+        time.sleep(0.2)  # a duplicate would land in this window: an absence has no condition to poll for
         assert b.session.wait(slot=0, at_least=0) == taken, "no record delivered twice"
         touched = min(taken, 256) * CHUNK
         assert np.array_equal(b.recv[:touched], a.send[:touched])
 
-        lines = listener.wait_for(pid, lambda ls: "STOPPING=1" in ls, timeout=5, what="STOPPING=1")
+        lines = wait_until(lambda: listener.lines_if(pid, lambda ls: "STOPPING=1" in ls), "STOPPING=1", 5)
         stopping_at = lines.index("STOPPING=1")
         assert ready_at < stopping_at and "WATCHDOG=1" in lines[ready_at:stopping_at]
         assert all(x.startswith("STATUS=") for x in lines[stopping_at + 1:]), "nothing but status after STOPPING"

@@ -15,7 +15,7 @@ class _Handler:
         return {"value": value}
 
     def op_slow(self, value: int) -> dict[str, int]:
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s)  # a busy worker: the slowness is what the worker-link tests are about
         return {"value": value}
 
     def op_stop(self) -> dict[str, bool]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.support.verbs_resources import RCPair, no_completion, open_provider, poll, raises_errno
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -239,7 +240,8 @@ def test_cq_overrun_is_reported_by_poll(soft) -> None:
         e = pair.v.enums
         for i in range(6):
             pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8), wr_id=i))
-        time.sleep(0.2)
+        # the I/O thread lands the fifth completion in the full CQ; the next poll reports the overrun
+        wait_until(lambda: pair.client.cq._core.overrun, "the CQ to overrun", interval=0.001)
         with pytest.raises(pair.v.error.PyverbsRDMAError) as info:
             poll(pair.client.cq, 6, timeout=2)
         assert info.value.error_code == errno.EOVERFLOW
@@ -348,9 +350,7 @@ def test_last_close_does_not_stall_when_the_io_thread_is_handling_a_lost_peer(so
     assert conn is not None
 
     def peer_gone() -> None:  # I/O thread: the peer's end closes once the device has begun to stop
-        deadline = time.monotonic() + 10
-        while dev._running and time.monotonic() < deadline:
-            time.sleep(0)
+        wait_until(lambda: not dev._running, "the device to begin stopping", interval=0.001)
         dev.conn_lost(conn, None)
 
     dev.post_action(peer_gone)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import errno
 import random
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tests.support.waiting import wait_until
 from transportd.backends import verbs
 
 POLL_TIMEOUT_S = 10.0
@@ -95,9 +95,9 @@ def _device_kind(v: Any, name: str) -> str:
 def poll(cq: Any, count: int = 1, timeout: float = POLL_TIMEOUT_S) -> list[SimpleNamespace]:
     """`count` completions from a CQ or CQEX, as plain records; fails saying how many are missing."""
     out: list[SimpleNamespace] = []
-    deadline = time.monotonic() + timeout
     extended = hasattr(cq, "start_poll")
-    while len(out) < count:
+
+    def take() -> bool:
         if extended:
             if cq.start_poll(None) == 0:
                 while True:
@@ -107,12 +107,14 @@ def poll(cq: Any, count: int = 1, timeout: float = POLL_TIMEOUT_S) -> list[Simpl
                 cq.end_poll()
         else:
             _, wcs = cq.poll(count - len(out))
-            out += [SimpleNamespace(wr_id=w.wr_id, status=w.status, opcode=w.opcode, byte_len=w.byte_len,
-                                    imm_data=w.imm_data, wc_flags=w.wc_flags, qp_num=w.qp_num,
-                                    src_qp=w.src_qp, unsolicited=False) for w in wcs]
-        if len(out) < count and time.monotonic() > deadline:
-            raise AssertionError(f"polled {len(out)} of {count} completions in {timeout:.0f} s: "
-                                 f"{count - len(out)} missing")
+            out.extend(SimpleNamespace(wr_id=w.wr_id, status=w.status, opcode=w.opcode, byte_len=w.byte_len,
+                                       imm_data=w.imm_data, wc_flags=w.wc_flags, qp_num=w.qp_num,
+                                       src_qp=w.src_qp, unsolicited=False) for w in wcs)
+        return len(out) >= count
+
+    # polling is the progress check itself: spin
+    wait_until(take, lambda: f"{count} completions (polled {len(out)}, {count - len(out)} missing)", timeout,
+               interval=0)
     return out
 
 
@@ -127,7 +129,7 @@ def no_completion(cq: Any, wait: float = 0.2) -> bool:
     """True if nothing completes within `wait` seconds."""
     try:
         poll(cq, 1, timeout=wait)
-    except AssertionError:
+    except pytest.fail.Exception:  # the wait timed out
         return True
     return False
 

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cmd_ring import Command, Flag, Opcode, RingFile, RingProducer, records_from_commands
+from tests.support.waiting import wait_until
 from transportd.backends.interface import PlanOp
 from transportd.backends.null import NullBackend, apply_plans
 from transportd.dataplane.proxy import Proxy
@@ -171,8 +172,8 @@ def test_partial_batch_waits_for_the_window_then_posts(rig_factory) -> None:
     rig.push(*[put(i) for i in range(2, 10)])  # fills one batch of 8; 2 wait
     rig.spin()
     assert [len(p) for p in rig.posted(1)] == [8]
-    time.sleep(0.035)
-    rig.spin()
+    wait_until(lambda: rig.spin() or len(rig.posted(1)) == 2, "the 30 ms window to post the partial batch",
+               interval=0.001)
     assert [len(p) for p in rig.posted(1)] == [8, 2] and rig.chunks(1) == list(range(10))
     assert not rig.proxy.busy()
 
@@ -219,13 +220,18 @@ def test_full_connection_leaves_records_in_the_ring_and_nothing_is_lost(rig_fact
     assert rig.proxy.stats()["stalls"] > 0
     assert rig.backend.inflight(conn_of(1)) == 8
     rig.backend.paused = False
-    deadline = time.monotonic() + 10
-    while sent < total or rig.ring.completion_pos < total:
-        assert time.monotonic() < deadline, "records did not drain after the NIC resumed"
+
+    def drained() -> bool:
+        nonlocal sent
+        if sent >= total and rig.ring.completion_pos >= total:
+            return True
         if sent < total and rig.producer.push_records(records_from_commands([put(sent)]), block=False):
             sent += 1
         rig.proxy.run_once()
         assert rig.backend.inflight(conn_of(1)) <= 8
+        return False
+
+    wait_until(drained, "the records to drain after the NIC resumed", interval=0)  # each look is a proxy pass
     assert rig.chunks(1) == list(range(total))
     assert rig.proxy.stats()["signal_stalls"] == 0
 
@@ -372,10 +378,7 @@ def test_run_until_stopped_in_a_thread(rig) -> None:
     try:
         for i in range(0, 300, 10):
             rig.producer.push_records(records_from_commands([put(j) for j in range(i, i + 10)]), timeout=5)
-        deadline = time.monotonic() + 10
-        while rig.ring.completion_pos < 300:
-            assert time.monotonic() < deadline, "the loop did not drain the ring"
-            time.sleep(0.001)
+        wait_until(lambda: rig.ring.completion_pos >= 300, "the loop to drain the ring", interval=0.001)
     finally:
         stop.set()
         worker.join(5)
@@ -496,7 +499,6 @@ def test_rail_serve_loop_takes_sparse_records_and_serves_its_link_while_idle(tmp
 
     import zmq
 
-    from tests.support.waiting import wait_until
     from transportd.control import codec
     from transportd.dataplane import worker as rail
     from transportd.dataplane.worker_link import WorkerEndpoint

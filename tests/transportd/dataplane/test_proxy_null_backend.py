@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.support.waiting import wait_until
 from transportd.backends import BACKENDS, open_backend
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
 from transportd.backends.null import NullBackend, apply_plans
@@ -58,8 +59,8 @@ def test_delay_pause_hold_and_failure_injection() -> None:
     b = NullBackend(completion_delay_us=20_000)
     b.post(1, plan([PlanOp.WRITE], 1))
     assert len(b.poll()) == 0
-    time.sleep(0.025)
-    assert b.poll()["token"].tolist() == [1]
+    assert wait_until(lambda: b.poll()["token"].tolist(), "the completion 20 ms after its post", 1.0,
+                      interval=0.001) == [1]
 
     b = NullBackend()
     b.paused = True
