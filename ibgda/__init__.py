@@ -12,16 +12,4 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-__all__ = ["get_include"]
-
-
-def get_include() -> str:
-    """The one device include root, the same directory as ``gpuclient.get_include()``: the IBGDA headers
-    (``<transportd/ibgda/ibgda.cuh>``) live there beside the proxy API they include.
-
-    ibgda stands below gpuclient in the package layers, so it names the directory (a sibling package of the
-    same distribution) instead of importing gpuclient.
-    """
-    return str(Path(__file__).resolve().parents[1] / "gpuclient" / "include")
+__all__: list[str] = []

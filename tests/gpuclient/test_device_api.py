@@ -199,8 +199,8 @@ def test_gpuclient_include_is_the_one_root_of_every_device_header() -> None:
                  for pattern in ("*.cuh", "cmd_ring.h") for p in (ROOT / pkg).rglob(pattern)
                  if INCLUDE not in p.parents]
     assert elsewhere == [], f"device headers outside {INCLUDE}: {elsewhere}"
-    assert not hasattr(cmd_ring, "get_include"), "gpuclient.get_include() is the include root of cmd_ring.h"
-    assert Path(ibgda.get_include()).resolve() == INCLUDE.resolve(), "ibgda.get_include() names the same root"
+    assert not hasattr(cmd_ring, "get_include") and not hasattr(ibgda, "get_include"), (
+        "gpuclient.get_include() is the only include root")
 
 
 def test_one_ordering_layer_for_the_proxy_and_the_ibgda_path() -> None:

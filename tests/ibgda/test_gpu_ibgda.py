@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-import ibgda
 from ibgda.channel_tables import build_channel
 from ibgda.device_handle import SignalMode
 from tests.support.cuda import gpu_unavailable
@@ -38,7 +37,7 @@ def gpu() -> Any:
 
     use_device(0)
     return gpuclient.compile(GPU_KERNELS.read_text(), device=0, debug=True, defines=DEBUG_DEFINES,
-                             include_dirs=[ibgda.get_include()], name="gpu_kernels.cu")
+                             name="gpu_kernels.cu")
 
 
 class GpuChannel:

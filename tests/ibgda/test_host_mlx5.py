@@ -134,12 +134,11 @@ def test_gpu_posts_to_a_connectx(queues) -> None:
     if reason:
         pytest.skip(reason)
     import gpuclient
-    import ibgda
     from gpuclient.cuda_memory import DeviceMemory, check, driver, use_device
     from ibgda.host_mlx5 import cuda_alloc
 
     use_device(0)
-    module = gpuclient.compile(GPU_KERNELS.read_text(), device=0, debug=True, include_dirs=[ibgda.get_include()],
+    module = gpuclient.compile(GPU_KERNELS.read_text(), device=0, debug=True,
                                defines={"TPD_SPIN_TIMEOUT_NS": "20000000000ull"}, name="gpu_kernels.cu")
     a, b = queues(map_to_gpu=True)
     bufs = Buffers(a, b)

@@ -15,7 +15,7 @@ import pytest
 
 from ibgda import device_handle as H
 from ibgda import mlx5_layout as L
-from tests.support.ibgda_link import IBGDA_TESTS, INCLUDES, compiler, include_flags
+from tests.support.ibgda_link import IBGDA_TESTS, INCLUDE, compiler, include_flags
 from tests.support.nvrtc import nvrtc_or_skip
 
 STRUCTS = {
@@ -201,7 +201,7 @@ def test_device_path_compiles_under_nvrtc() -> None:
            b"extern \"C\" __global__ void k(tpd::IbgdaChannel ch) {\n"
            b"  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1);\n  tpd::quiet(ch);\n  tpd::wait(ch, 3, 1);\n}\n")
     err, prog = nvrtc.nvrtcCreateProgram(src, b"k.cu", 0, [], [])
-    opts = [f"-I{d}".encode() for d in INCLUDES] + [b"-arch=compute_90", b"-std=c++17"]
+    opts = [f"-I{INCLUDE}".encode(), b"-arch=compute_90", b"-std=c++17"]
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -220,14 +220,14 @@ def test_device_path_compiles_under_nvrtc() -> None:
 ])
 def test_static_asserts_catch_a_drifted_layout(tmp_path: Path, header: str, old: str, new: str, message: str) -> None:
     inc = tmp_path / "inc"
-    shutil.copytree(Path(INCLUDES[0]), inc)
+    shutil.copytree(Path(INCLUDE), inc)
     path = inc / "transportd" / "ibgda" / header
     text = path.read_text()
     assert old in text
     path.write_text(text.replace(old, new))
     src = tmp_path / "t.cpp"
     src.write_text("#include <transportd/ibgda/ibgda.cuh>\nint main() { return 0; }\n")
-    res = subprocess.run([compiler(), "-std=c++17", f"-I{inc}", f"-I{INCLUDES[1]}", str(src), "-o",
+    res = subprocess.run([compiler(), "-std=c++17", f"-I{inc}", str(src), "-o",
                           str(tmp_path / "t")], capture_output=True, text=True)
     assert res.returncode != 0 and message in res.stderr
 
@@ -254,7 +254,7 @@ def test_gpu_kernels_compile_with_nvrtc(kernels: str) -> None:
     for debug in (False, True):
         try:
             cubin = compile_to_cubin(source, name=Path(kernels).name, arch="sm_90", debug=debug,
-                                     include_dirs=[INCLUDES[0]], defines={"TPD_SPIN_TIMEOUT_NS": "20000000000ull"})
+                                     defines={"TPD_SPIN_TIMEOUT_NS": "20000000000ull"})
         except CompileError as exc:
             pytest.fail(exc.log)
         assert cubin[:4] == b"\x7fELF"
