@@ -170,23 +170,23 @@ class QPResponder:
             return
         m.mr = mr
 
-    def rx_exec(self, m: Msg, responder: RequestFrameHandler) -> None:
+    def rx_exec(self, m: Msg, handler: RequestFrameHandler) -> None:
         """Execute an accepted request (lock held)."""
         op = m.op
         if op in w.DATA_OPS:
             if m.reorder:
-                self._pool_add(m, responder)
+                self._pool_add(m, handler)
                 return
-            if not m.direct and not self._place_whole(m, responder):
+            if not m.direct and not self._place_whole(m, handler):
                 return
-            self._finish(m, responder)
+            self._finish(m, handler)
             return
         # reads and atomics: an RC QP executes them only after every earlier write is placed
         if not self.srd and (self.pool or self.pend):
-            responder.drain_pool(self)
+            handler.drain_pool(self)
         if op == w.OP_READ:
             data = b"" if m.length == 0 else bytes(m.mr.read(m.raddr, m.length))
-            responder.respond(m, OK, payload=data, length=len(data))
+            handler.respond(m, OK, payload=data, length=len(data))
             return
         mr = m.mr
         old = int.from_bytes(bytes(mr.read(m.raddr, 8)), "little")
@@ -196,19 +196,19 @@ class QPResponder:
             new = m.swap & w.MASK64 if old == (m.add & w.MASK64) else old
         if new != old:
             mr.write(m.raddr, new.to_bytes(8, "little"))
-            responder.observe(self, m.raddr, 8)
-        responder.respond(m, OK, value=old)
+            handler.observe(self, m.raddr, 8)
+        handler.respond(m, OK, value=old)
 
-    def _place_whole(self, m: Msg, responder: RequestFrameHandler) -> bool:
+    def _place_whole(self, m: Msg, handler: RequestFrameHandler) -> bool:
         op = m.op
         if op in (w.OP_WRITE, w.OP_WRITE_IMM):
             if m.length:
                 m.mr.write(m.raddr, m.data)
-                responder.observe(self, m.raddr, m.length)
+                handler.observe(self, m.raddr, m.length)
             return True
-        return self._scatter_recv(m, responder)
+        return self._scatter_recv(m, handler)
 
-    def _scatter_recv(self, m: Msg, responder: RequestFrameHandler) -> bool:
+    def _scatter_recv(self, m: Msg, handler: RequestFrameHandler) -> bool:
         """Deliver a send into its receive WR's buffers; failures complete both sides with errors."""
         assert m.recv is not None
         wr_id, sges = m.recv
@@ -232,13 +232,13 @@ class QPResponder:
                 scatter(local, data)
         if status != OK:
             self.rcq.push((wr_id, status, WC_RECV, 0, self.qpn, m.src_qpn, 0, 0, 0, self, 0, 1, False))
-            responder.respond(m, REM_INV_REQ if status == LOC_LEN else REM_OP)
+            handler.respond(m, REM_INV_REQ if status == LOC_LEN else REM_OP)
             if not self.srd:
                 self.enter_error()
             return False
         return True
 
-    def _finish(self, m: Msg, responder: RequestFrameHandler) -> None:
+    def _finish(self, m: Msg, handler: RequestFrameHandler) -> None:
         """Message fully placed: receive completion (if it consumes one), then the acknowledgement."""
         op = m.op
         if op != w.OP_WRITE:
@@ -253,9 +253,9 @@ class QPResponder:
                 assert m.recv is not None
                 self.rcq.push((m.recv[0], OK, wc_op, m.length, self.qpn, m.src_qpn, imm, wc_flags, slid, self,
                                0, 1, False))
-        responder.respond(m, OK)
+        handler.respond(m, OK)
 
-    def _pool_add(self, m: Msg, responder: RequestFrameHandler) -> None:
+    def _pool_add(self, m: Msg, handler: RequestFrameHandler) -> None:
         opts = self.device.options
         size = opts.packet_size or (opts.srd_packet_size if self.srd else mtu_bytes(m.mtu))
         data = m.data if m.data is not None else memoryview(b"")
@@ -273,29 +273,29 @@ class QPResponder:
             m.pkts_left = n
         if not self.srd:
             self.pend.append(m)
-        responder.dirty.add(self)
+        handler.dirty.add(self)
 
-    def place_packet(self, pkt: tuple[Msg, int, memoryview], responder: RequestFrameHandler) -> None:
+    def place_packet(self, pkt: tuple[Msg, int, memoryview], handler: RequestFrameHandler) -> None:
         m, off, view = pkt
         if m.op in (w.OP_SEND, w.OP_SEND_IMM):
-            if not self._scatter_recv(m, responder):
+            if not self._scatter_recv(m, handler):
                 return
         elif len(view):
             m.mr.write(m.raddr + off, view)
-            responder.observe(self, m.raddr + off, len(view))
+            handler.observe(self, m.raddr + off, len(view))
         m.pkts_left -= 1
         if m.pkts_left:
             return
         if self.srd:
-            self._finish(m, responder)
+            self._finish(m, handler)
             return
         pend = self.pend
         while pend and pend[0].pkts_left == 0:
-            self._finish(pend.popleft(), responder)
+            self._finish(pend.popleft(), handler)
 
     def rx_resume(self) -> None:
         """I/O thread: receive WRs were posted; retry requests waiting for one (RNR)."""
-        responder = self.device.request_handler
+        handler = self.device.request_handler
         with self.lock:
             if self.state == ERR:
                 return
@@ -303,7 +303,7 @@ class QPResponder:
                 still = []
                 for m in self.rnr_wait:
                     if self._reserve_recv(m):
-                        self.rx_exec(m, responder)
+                        self.rx_exec(m, handler)
                     else:
                         still.append(m)
                 self.rnr_wait = still
@@ -316,31 +316,31 @@ class QPResponder:
                     self.rx_validate(m)
                     if m.status:
                         backlog.popleft()
-                        responder.fail(self, m)
+                        handler.fail(self, m)
                         return
                 if m.op in w.RECV_OPS and m.recv is None and not self._reserve_recv(m):
                     if not self.stalled:
                         self.stalled = True
-                        responder.arm_rnr(self, m)
+                        handler.arm_rnr(self, m)
                     return
                 backlog.popleft()
                 self.stalled = False
-                self.rx_exec(m, responder)
+                self.rx_exec(m, handler)
             self.stalled = False
-        responder.dev.flush_responses()
+        handler.dev.flush_responses()
 
     def rnr_expired(self, m: Msg) -> None:
-        responder = self.device.request_handler
+        handler = self.device.request_handler
         with self.lock:
             if self.srd:
                 if m in self.rnr_wait:
                     self.rnr_wait.remove(m)
-                    responder.respond(m, RNR_EXC)
+                    handler.respond(m, RNR_EXC)
                 return
             if self.stalled and self.backlog and self.backlog[0] is m:
                 self.backlog.clear()
                 self.stalled = False
-                responder.respond(m, RNR_EXC)
+                handler.respond(m, RNR_EXC)
 
 
 class RequestFrameHandler:
