@@ -5,6 +5,11 @@ The modules mirror pyverbs' layout (`softverbs.device`, `.pd`, `.mr`, `.cq`, `.q
 backend runs unchanged on either. Soft devices in different processes talk over TCP. The provider keeps
 the hardware's rules (ordering, EFA validation, keys and access flags, queue depths) so a backend that would
 misbehave on a ConnectX-7 or an EFA device fails here too. Soft-only knobs live in `softverbs.soft`.
+
+Behind the mirrored classes, the engine keeps one role per private module, imported one way: `_wire`
+(frames), `_ibv` (verbs values) and `_memory` (host views, accessors) at the bottom, then `_mr`, `_cq`,
+`_requester` and `_responder` (the two halves of a QP and the device's frame handlers), `_qp` (a QP: both
+halves and the error state), and `_device` (sockets, the I/O thread, QP and MR tables).
 """
 
 __all__: list[str] = []
