@@ -29,17 +29,15 @@ from transportd.backends.interface import SignalOp
 from transportd.dataplane.flag_publication import (
     CUDA_COPY,
     GDRCOPY,
-    GPU_PAGE_SIZE,
     HOST_MAPPED,
     LOOPBACK,
     NIC,
-    GdrCopy,
-    GdrCopyError,
+    GpuFlagWords,
     choose_publication,
     words_path,
 )
 from transportd.dataplane.flagfile import FlagFile
-from transportd.dataplane.gpu_memory import GpuFlagWords
+from transportd.dataplane.gpu_memory import GPU_PAGE_SIZE, GdrCopy, GdrCopyError
 
 STANDIN_SOURCE = Path(__file__).with_name("gdr_standin.c")
 
@@ -269,7 +267,7 @@ def test_a_failed_loopback_falls_back_to_copies(make_link) -> None:
         with pytest.raises(Exception, match="loopback flag write failed"):
             words.end_pass()
         copier = HostAccessor()
-        words.fall_back_to_copy(copier)  # what RailService._end_publish does: the queued slot is copied
+        words.fall_back_to_copy(copier)  # what RailFlags.end_pass does: the queued slot is copied
         assert words.path == CUDA_COPY and target[0] == 3 and copier.writes == 1
         words.publish(0, SignalOp.ADD, 4)
         assert target[0] == 7 and copier.writes == 2

@@ -1,13 +1,14 @@
-"""How a rail's worker publishes flags into GPU memory without a CUDA context switch (``flags.publication``).
+"""How a rail's worker publishes flags into GPU memory without a CUDA context switch (``flags.publication``),
+and the one publisher it calls (:class:`RailFlags`).
 
 On efa the receiving daemon, not the NIC, writes a flag once every piece it covers arrived (DESIGN.md
 section 4). Host flag files are plain stores into host memory the GPU maps. GPU flag words need a way in
 from a host thread, and the obvious one — ``cuMemcpyHtoD`` in the daemon's own CUDA context — waits for
 a time slice of that context while the client's kernel is resident: 2.38 ms per copy on the H200. So each
-rail picks, at start, by what the node has:
+rail picks, at start, by what the node has (:func:`choose_publication`):
 
 ``gdrcopy``
-    ``libgdrapi`` (loaded here with ctypes: no build dependency) where the ``gdrdrv`` module is loaded
+    ``libgdrapi`` (:class:`~transportd.dataplane.gpu_memory.GdrCopy`) where the ``gdrdrv`` module is loaded
     (its device node exists): the flag pages are pinned and mapped into the worker through the GPU's BAR
     and the compiled data path stores into them as it stores host flags — how NCCL, NVSHMEM and MSCCL++
     reach GPU memory from a host thread.
@@ -23,28 +24,35 @@ rail picks, at start, by what the node has:
 Every path keeps a host shadow of each counter (the rank's host flag file, shared by the rails' workers):
 an ADD is one atomic add on the shadow and one store (or write) of the new value, never a read of GPU
 memory. Rails whose NIC writes flags itself (ib) report ``nic``.
+
+:class:`RailFlags` holds a rail's flag arrays (host flag files, and GPU flag words: :class:`GpuFlagWords`)
+and is the backend's publisher: the worker maps and drops arrays through it, and the backend hands it
+each flag that arrived (and the end of each poll).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from transportd import _core
+from transportd.backends.interface import MemoryKey, SignalOp
+from transportd.dataplane.flagfile import FlagFile
+from transportd.dataplane.gpu_memory import GdrCopy, GdrCopyError, GpuMemory, IpcRegion
 
 __all__ = [
     "COPY_COST",
     "CUDA_COPY",
     "GDRCOPY",
-    "GPU_PAGE_SIZE",
     "HOST_MAPPED",
     "LOOPBACK",
     "NIC",
-    "GdrCopy",
-    "GdrCopyError",
-    "GdrMapping",
+    "GpuFlagWords",
     "Publication",
+    "RailFlags",
     "choose_publication",
     "words_path",
 ]
@@ -58,117 +66,6 @@ COPY_COST = ("each flag is a copy through the daemon's CUDA context, which waits
              "client's kernel runs: 2.38 ms per flag measured on an H200 (about 0.5 ms with CUDA MPS running); "
              "load gdrdrv (GDRCopy) or use host flags to avoid it")
 
-#: gdrdrv pins GPU memory in pages of this size (gdrapi.h GPU_PAGE_SIZE).
-GPU_PAGE_SIZE = 1 << 16
-
-_DEFAULT_LIBRARIES = ("libgdrapi.so.2", "libgdrapi.so")
-
-
-class GdrCopyError(OSError):
-    """libgdrapi could not be loaded, opened or could not pin/map a buffer."""
-
-
-class _MemHandle(ctypes.Structure):
-    _fields_ = [("h", ctypes.c_ulong)]  # gdr_mh_t, passed by value
-
-
-class _Info(ctypes.Structure):
-    _fields_ = [("va", ctypes.c_uint64), ("mapped_size", ctypes.c_uint64), ("page_size", ctypes.c_uint32),
-                ("tm_cycles", ctypes.c_uint64), ("cycles_per_ms", ctypes.c_uint32), ("bits", ctypes.c_uint32),
-                ("mapping_type", ctypes.c_int)]  # gdr_info_v2_t
-
-
-class GdrCopy:
-    """``libgdrapi`` through ctypes: open the driver once, pin and map GPU ranges into this process.
-
-    Only the functions below are used: ``gdr_open``, ``gdr_close``, ``gdr_pin_buffer``,
-    ``gdr_unpin_buffer``, ``gdr_map``, ``gdr_unmap`` and, where the library has it, ``gdr_get_info_v2``.
-    """
-
-    def __init__(self, library: str = "") -> None:
-        names = (library,) if library else _DEFAULT_LIBRARIES
-        errors = []
-        self.lib: Any = None
-        for name in names:
-            try:
-                self.lib = ctypes.CDLL(name)
-                self.library = name
-                break
-            except OSError as exc:
-                errors.append(str(exc))
-        if self.lib is None:
-            raise GdrCopyError(f"cannot load libgdrapi ({'; '.join(errors)})")
-        lib = self.lib
-        try:
-            lib.gdr_open.restype = ctypes.c_void_p
-            lib.gdr_open.argtypes = []
-            lib.gdr_close.argtypes = [ctypes.c_void_p]
-            lib.gdr_pin_buffer.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_size_t, ctypes.c_uint64,
-                                           ctypes.c_uint32, ctypes.POINTER(_MemHandle)]
-            lib.gdr_unpin_buffer.argtypes = [ctypes.c_void_p, _MemHandle]
-            lib.gdr_map.argtypes = [ctypes.c_void_p, _MemHandle, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
-            lib.gdr_unmap.argtypes = [ctypes.c_void_p, _MemHandle, ctypes.c_void_p, ctypes.c_size_t]
-        except AttributeError as exc:
-            raise GdrCopyError(f"{self.library} is not libgdrapi: {exc}") from None
-        self._info = getattr(lib, "gdr_get_info_v2", None)
-        if self._info is not None:
-            self._info.argtypes = [ctypes.c_void_p, _MemHandle, ctypes.POINTER(_Info)]
-        self.handle: int | None = lib.gdr_open()
-        if not self.handle:
-            self.handle = None
-            raise GdrCopyError(f"gdr_open failed ({self.library}: is the gdrdrv module loaded and its device "
-                               "node readable by this user?)")
-
-    def map(self, addr: int, size: int) -> GdrMapping:
-        """Pin the GPU pages holding ``[addr, addr + size)`` and map them here; ``.ptr`` is ``addr``'s place."""
-        if self.handle is None:
-            raise GdrCopyError("libgdrapi is closed")
-        base = addr & ~(GPU_PAGE_SIZE - 1)
-        span = (addr + size - base + GPU_PAGE_SIZE - 1) & ~(GPU_PAGE_SIZE - 1)
-        mh = _MemHandle()
-        rc = self.lib.gdr_pin_buffer(self.handle, base, span, 0, 0, ctypes.byref(mh))
-        if rc:
-            raise GdrCopyError(f"gdr_pin_buffer({base:#x}, {span}) failed: {rc}")
-        va = ctypes.c_void_p()
-        rc = self.lib.gdr_map(self.handle, mh, ctypes.byref(va), span)
-        if rc or not va.value:
-            self.lib.gdr_unpin_buffer(self.handle, mh)
-            raise GdrCopyError(f"gdr_map of {span} bytes at {base:#x} failed: {rc}")
-        start = base  # the GPU address mapped at va (the driver may align further: ask it where it can)
-        if self._info is not None:
-            info = _Info()
-            if self._info(self.handle, mh, ctypes.byref(info)) == 0 and info.va:
-                start = int(info.va)
-        offset = addr - start
-        if offset < 0 or offset + size > span:
-            self.lib.gdr_unmap(self.handle, mh, va, span)
-            self.lib.gdr_unpin_buffer(self.handle, mh)
-            raise GdrCopyError(f"gdrdrv mapped {start:#x}, which does not cover [{addr:#x}, {addr + size:#x})")
-        return GdrMapping(self, mh, int(va.value), span, int(va.value) + offset)
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.lib.gdr_close(self.handle)
-            self.handle = None
-
-
-@dataclass(eq=False)
-class GdrMapping:
-    """A pinned, mapped GPU range: ``ptr`` is the mapped address of the flag words (write-combined)."""
-
-    gdr: GdrCopy
-    mh: Any
-    va: int
-    size: int
-    ptr: int
-
-    def release(self) -> None:
-        """Unmap, then unpin (gdrapi's order); before the GPU memory itself is closed."""
-        if self.va and self.gdr.handle is not None:
-            self.gdr.lib.gdr_unmap(self.gdr.handle, self.mh, ctypes.c_void_p(self.va), self.size)
-            self.gdr.lib.gdr_unpin_buffer(self.gdr.handle, self.mh)
-        self.va = 0
-
 
 @dataclass
 class Publication:
@@ -181,6 +78,11 @@ class Publication:
 
     def describe(self) -> dict[str, Any]:
         return {"path": self.path, "reason": self.reason, "forced": self.forced}
+
+    def close(self) -> None:
+        """Close libgdrapi (after the backend: its compiled path stores through the mappings until then)."""
+        if self.gdr is not None:
+            self.gdr.close()
 
 
 def choose_publication(setting: str, *, receiver_publishes: bool, loopback: str | None, gdrdrv_device: str,
@@ -234,3 +136,247 @@ def words_path(path: str) -> str:
     into GPU memory; else (``host-mapped``: device flags asked for explicitly) ``cuda-copy``. On ``nic``
     rails the sender's NIC writes them and the worker never publishes; ``cuda-copy`` stands by."""
     return path if path in (GDRCOPY, LOOPBACK, CUDA_COPY) else CUDA_COPY
+
+
+class GpuFlagWords:
+    """A rank's ``count`` flag words at ``address`` (GPU memory opened in this worker) and how they are
+    published: ``path`` is ``gdrcopy`` (``mapping`` holds the BAR mapping; the backend's compiled path
+    stores, :meth:`publish` is not called), ``loopback`` (``loopback``: the rail's
+    :class:`~efa.loopback.LoopbackWriter`; :meth:`end_pass` writes what :meth:`publish` queued) or
+    ``cuda-copy`` (``accessor``: anything with ``write(addr, bytes)``).
+
+    ``shadow``: the host words holding each counter's current value (the rank's flag file, mapped in
+    every rail worker, which all publish through it). ``rkey`` is set once the words are registered.
+    ``region``, released with the words, is the IPC mapping (None where the caller owns the memory).
+    """
+
+    def __init__(self, address: int, count: int, shadow: Any, path: str, *, region: IpcRegion | None = None,
+                 accessor: Any = None, loopback: Any = None, mapping: Any = None) -> None:
+        if path not in (GDRCOPY, LOOPBACK, CUDA_COPY):
+            raise ValueError(f"GPU flag words cannot be published by {path!r}")
+        self.region = region
+        self.accessor = accessor
+        self.count = count
+        self.address = address
+        self.nbytes = 8 * count
+        self.shadow = shadow
+        self.path = path
+        self.loopback = loopback
+        self.mapping = mapping
+        self.rkey = 0
+        self._dirty: dict[int, None] = {}  # loopback: slots whose shadow moved since their last write
+        self.copies = 0
+
+    def publish(self, slot: int, op: SignalOp, value: int) -> None:
+        """Apply one update to the shadow; copy the new value now (cuda-copy) or queue the slot (loopback)."""
+        new = _core.flag_shadow_publish(0, self.shadow.address + 8 * slot, int(op), value)
+        if self.path == LOOPBACK:
+            self._dirty[slot] = None
+        else:
+            self._copy(slot, new)
+
+    def _copy(self, slot: int, value: int) -> None:
+        # as the compiled mapped store: rewrite until the value written is the shadow's (another rail's
+        # worker may have moved it meanwhile, and its own copy may land before ours)
+        values = self.shadow.values
+        while True:
+            self.accessor.write(self.address + 8 * slot, memoryview(value.to_bytes(8, "little")))
+            self.copies += 1
+            now = int(values[slot])
+            if now == value:
+                return
+            value = now
+
+    def end_pass(self) -> None:
+        """Loopback: write each queued slot's current shadow value, one write per slot in flight, until no
+        slot's shadow moved while its write was on the wire."""
+        values = self.shadow.values
+        while self._dirty:
+            slots = list(self._dirty)
+            self._dirty.clear()
+            written = [int(values[s]) for s in slots]
+            try:
+                self.loopback.write([(self.address + 8 * s, self.rkey, v)
+                                     for s, v in zip(slots, written, strict=True)])
+            except BaseException:
+                self._dirty.update(dict.fromkeys(slots))  # still owed: fall_back_to_copy writes them
+                raise
+            for s, v in zip(slots, written, strict=True):
+                if int(values[s]) != v:
+                    self._dirty[s] = None
+
+    def fall_back_to_copy(self, accessor: Any) -> None:
+        """The loopback path failed: publish by copies from now on, starting with the slots still queued."""
+        self.path, self.accessor = CUDA_COPY, accessor
+        pending, self._dirty = list(self._dirty), {}
+        for s in pending:
+            self._copy(s, int(self.shadow.values[s]))
+
+    def release(self) -> None:
+        if self.mapping is not None:
+            self.mapping.release()  # unmap the BAR pages before the memory they map goes
+            self.mapping = None
+        if self.region is not None:
+            self.region.release()
+        self.shadow.close()
+
+
+class RailFlags:
+    """A rail worker's flag arrays, by (job, rank): host flag files (:class:`FlagFile`) and GPU flag words
+    (:class:`GpuFlagWords`), each with its registration; and the rail's one flag publisher.
+
+    The backend calls :meth:`publish` for each flag it publishes at the receiver (efa; a flag the compiled
+    path stores itself never comes here) and, for receiver-publishing backends, :meth:`end_pass` after
+    each poll. ``conn_jobs`` (the worker's, connection id -> job) says which job an arrival belongs to.
+    """
+
+    def __init__(self, backend: Any, publication: Publication, gpu: GpuMemory, conn_jobs: Mapping[int, str],
+                 rail: int) -> None:
+        self.backend = backend
+        self.publication = publication
+        self.gpu = gpu
+        self.conn_jobs = conn_jobs
+        self.rail = rail
+        self.arrays: dict[tuple[str, int], tuple[FlagFile | GpuFlagWords, MemoryKey]] = {}
+        self.loopback: Any = None  # the backend's LoopbackWriter, opened with the first GPU flags it serves
+        self._passed: set[GpuFlagWords] = set()  # GPU flag words published during this poll
+        if getattr(backend, "receiver_publishes_flags", False):
+            backend.set_flag_publisher(self.publish, self.end_pass)
+        else:
+            backend.set_flag_publisher(self.publish)
+
+    @classmethod
+    def for_rail(cls, flags: Any, backend: Any, gpu: GpuMemory, conn_jobs: Mapping[int, str],
+                 rail: int) -> RailFlags:
+        """Choose rail ``rail``'s path into GPU flag words from the ``[flags]`` config (once, logged)."""
+        can_loop = getattr(backend, "loopback_unavailable", None)
+        choice = choose_publication(
+            flags.publication, receiver_publishes=getattr(backend, "receiver_publishes_flags", False),
+            loopback=can_loop() if can_loop is not None else "the backend has no loopback write",
+            gdrdrv_device=flags.gdrdrv_device, gdrcopy_library=flags.gdrcopy_library)
+        level = logging.WARNING if choice.path in (CUDA_COPY, HOST_MAPPED) else logging.INFO
+        log.log(level, "rail %d flag publication: %s%s (%s)", rail, choice.path,
+                " (forced by flags.publication)" if choice.forced else "", choice.reason)
+        return cls(backend, choice, gpu, conn_jobs, rail)
+
+    @property
+    def path(self) -> str:
+        return self.publication.path
+
+    # --- arrays ----------------------------------------------------------------------------------------
+    def map_host(self, job: str, rank: int, flags: FlagFile, count: int) -> MemoryKey:
+        """Register a rank's host flag file (owned from now on) for remote writes and atomics."""
+        try:
+            if flags.count != count:
+                raise ValueError(f"the flag array holds {flags.count} flags, not {count}")
+            mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True)
+        except BaseException:
+            flags.close()
+            raise
+        self.arrays[(job, rank)] = (flags, mkey)
+        if hasattr(self.backend, "set_host_flags"):  # efa: the compiled path stores these flags itself
+            self.backend.set_host_flags(job, rank, flags.address, flags.count)
+        return mkey
+
+    def map_gpu(self, job: str, rank: int, handle: bytes, offset: int, count: int, device: int,
+                shadow: FlagFile) -> tuple[MemoryKey, str]:
+        """A rank's flag words in GPU memory (the client's allocation, by IPC handle) with ``shadow`` (owned
+        from now on) holding their counters: registered, and published on this rail's path. Returns the
+        key and how they are published (``nic`` where the sender's NIC writes them)."""
+        gpu = self.gpu
+        try:
+            region = gpu.open(handle, offset, 8 * count, device)
+        except BaseException:
+            shadow.close()
+            raise
+        accessor = gpu.accessor(device)
+        path = words_path(self.publication.path)
+        if self.publication.path == HOST_MAPPED:
+            log.warning("rail %d: job %s rank %d asked for device flags explicitly; this rail has no way into GPU "
+                        "memory but cuda-copy: %s", self.rail, job, rank, COPY_COST)
+        mapping = None
+        if path == GDRCOPY:
+            mapping, path = self._gdr_map(job, rank, region, count, device)
+        words = GpuFlagWords(region.addr, count, shadow, path, region=region, accessor=accessor, mapping=mapping)
+        try:
+            mkey = self.backend.register_memory(words.address, words.nbytes, remote_write=True, remote_atomic=True,
+                                                accessor=accessor)
+            words.rkey = mkey.rkey
+            if path == LOOPBACK and self.loopback is None:
+                self.loopback = self.backend.open_flag_loopback()
+            words.loopback = self.loopback
+        except BaseException:
+            words.release()
+            raise
+        if mapping is not None:  # the compiled path stores these itself: no Python per flag
+            self.backend.set_mapped_flags(job, rank, mapping.ptr, count, shadow.address)
+        self.arrays[(job, rank)] = (words, mkey)
+        return mkey, self.publication.path if self.publication.path == NIC else path
+
+    def _gdr_map(self, job: str, rank: int, region: IpcRegion, count: int, device: int) -> tuple[Any, str]:
+        """The words' BAR mapping and ``gdrcopy``; or, where GDRCopy cannot map them, None and the path
+        they fall back to (the flags must still arrive)."""
+        gdr = self.publication.gdr
+        assert gdr is not None
+        try:
+            self.gpu.sync_memops(region.addr, device)
+        except Exception as exc:  # wanted for ordering with the driver's own copies, not for our stores
+            log.warning("rail %d: CU_POINTER_ATTRIBUTE_SYNC_MEMOPS not set on job %s rank %d's flags (%s)",
+                        self.rail, job, rank, exc)
+        try:
+            return gdr.map(region.addr, 8 * count), GDRCOPY
+        except GdrCopyError as exc:  # e.g. memory gdrdrv cannot pin
+            path = LOOPBACK if self.backend.loopback_unavailable() is None else CUDA_COPY
+            log.error("rail %d: GDRCopy could not map job %s rank %d's flags (%s); publishing them by %s%s",
+                      self.rail, job, rank, exc, path, "" if path == LOOPBACK else ": " + COPY_COST)
+            return None, path
+
+    def drop(self, job: str, rank: int) -> None:
+        """Deregister and release a rank's flag array (if this rail has one)."""
+        entry = self.arrays.pop((job, rank), None)
+        if entry is not None:
+            if hasattr(self.backend, "clear_host_flags"):
+                self.backend.clear_host_flags(job, rank)
+            self.backend.deregister_memory(entry[1])
+            if isinstance(entry[0], FlagFile):
+                entry[0].close()
+            else:
+                entry[0].release()
+
+    # --- publishing (the backend calls these) -----------------------------------------------------------
+    def publish(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None:
+        """Receiver-side flag publishing (efa): everything this flag covers has arrived."""
+        job = self.conn_jobs.get(conn_id)
+        entry = self.arrays.get((job, dst_rank)) if job is not None else None
+        if entry is None:
+            log.warning("flag update for unknown rank %d on connection %d dropped", dst_rank, conn_id)
+            return
+        target = entry[0]
+        if isinstance(target, GpuFlagWords):  # GPU flag words publish themselves
+            target.publish(slot, op, value)
+            self._passed.add(target)
+            return
+        values = target.values
+        if op == SignalOp.SET:
+            values[slot] = value
+        else:
+            values[slot] += value
+
+    def end_pass(self) -> None:
+        """After a poll's flags (efa): loopback words write what their publishes queued."""
+        passed, self._passed = self._passed, set()
+        for words in passed:
+            if words.path != LOOPBACK:
+                continue
+            try:
+                words.end_pass()
+            except Exception as exc:  # the flag must still arrive: by copy, and say what that costs
+                log.error("rail %d: loopback flag write failed (%s); these flags fall back to cuda-copy: %s",
+                          self.rail, exc, COPY_COST)
+                words.fall_back_to_copy(self.gpu.accessor(words.region.device) if words.region else None)
+
+    def close(self) -> None:
+        """Close the loopback writer (before the backend, whose QP it writes through)."""
+        if self.loopback is not None:
+            self.loopback.close()
+            self.loopback = None

@@ -1,7 +1,9 @@
-"""GPU memory in a rail worker: open clients' CUDA IPC handles, reach them from softverbs, publish flags.
+"""GPU memory in a rail worker: open clients' CUDA IPC handles, reach them from softverbs, map them through
+the GPU's BAR.
 
-Imported by ``transportd.dataplane.worker`` only when a client registers GPU memory, so a CPU-only daemon never needs
-cuda-python. Everything runs in the worker process, in the primary context of the client's device.
+Everything runs in the worker process, in the primary context of the client's device; CUDA is initialised
+only when a client first brings GPU memory (``transportd.cuda_driver`` imports cuda-python on first use),
+so a CPU-only daemon never needs it.
 
 * :meth:`GpuMemory.open` — ``cuIpcOpenMemHandle`` (reference-counted by the driver, so a client's
   allocation may back several regions) and the address of the region inside it;
@@ -10,35 +12,33 @@ cuda-python. Everything runs in the worker process, in the primary context of th
   host-to-device copy may return before its DMA lands, and the flag written next (by this accessor, or
   into a host flag file by the soft NIC) must never become visible before the payload it covers. A real
   NIC reaches the memory directly (dmabuf) and needs none of this;
-* :class:`GpuFlagWords` — a rank's flag words in GPU memory, published by this worker for efa (receiver
-  side, after every piece arrived) on the rail's path (:mod:`transportd.dataplane.flag_publication`): GDRCopy (the
-  compiled path stores through the BAR mapping; no Python), a loopback RDMA write, or — the last resort —
-  a copy through this worker's CUDA context. Each keeps a host shadow of the counters (the rank's flag
-  file, shared by the rails' workers), so an ADD is an atomic add on the shadow and one store of the new
-  value: never a read of GPU memory.
+* :class:`GdrCopy` — ``libgdrapi`` (GDRCopy, loaded with ctypes: no build dependency): GPU pages pinned and
+  mapped into the worker through the BAR, so CPU stores reach them without a CUDA call.
+
+Publishing flags into this memory is :mod:`transportd.dataplane.flag_publication`'s job.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from transportd import _core
-from transportd.backends.interface import SignalOp
 from transportd.cuda_driver import CudaError, check, driver, use_device
-from transportd.dataplane.flag_publication import CUDA_COPY, GDRCOPY, LOOPBACK
 
-__all__ = ["GpuAccessor", "GpuFlagWords", "GpuMemory", "IpcRegion"]
+__all__ = ["GPU_PAGE_SIZE", "GdrCopy", "GdrCopyError", "GdrMapping", "GpuAccessor", "GpuMemory", "IpcRegion"]
 
-_MASK64 = (1 << 64) - 1
+#: gdrdrv pins GPU memory in pages of this size (gdrapi.h GPU_PAGE_SIZE).
+GPU_PAGE_SIZE = 1 << 16
+
+_DEFAULT_LIBRARIES = ("libgdrapi.so.2", "libgdrapi.so")
 
 
 class GpuAccessor:
     """Reads and writes device memory with synchronous copies on one stream (thread-safe)."""
 
     def __init__(self, device: int) -> None:
-
         self._drv = driver()
         self._check = check
         self._use = use_device
@@ -103,91 +103,9 @@ class IpcRegion:
             self.base = 0
 
 
-class GpuFlagWords:
-    """A rank's ``count`` flag words at ``address`` (GPU memory opened in this worker) and how they are
-    published: ``path`` is ``gdrcopy`` (``mapping`` holds the BAR mapping; the backend's compiled path
-    stores, :meth:`publish` is not called), ``loopback`` (``loopback``: the rail's
-    :class:`~efa.loopback.LoopbackWriter`; :meth:`end_pass` writes what :meth:`publish` queued) or
-    ``cuda-copy`` (``accessor``: anything with ``write(addr, bytes)``).
-
-    ``shadow``: the host words holding each counter's current value (the rank's flag file, mapped in
-    every rail worker, which all publish through it). ``rkey`` is set once the words are registered.
-    ``region``, released with the words, is the IPC mapping (None where the caller owns the memory).
-    """
-
-    def __init__(self, address: int, count: int, shadow: Any, path: str, *, region: IpcRegion | None = None,
-                 accessor: Any = None, loopback: Any = None, mapping: Any = None) -> None:
-        if path not in (GDRCOPY, LOOPBACK, CUDA_COPY):
-            raise ValueError(f"GPU flag words cannot be published by {path!r}")
-        self.region = region
-        self.accessor = accessor
-        self.count = count
-        self.address = address
-        self.nbytes = 8 * count
-        self.shadow = shadow
-        self.path = path
-        self.loopback = loopback
-        self.mapping = mapping
-        self.rkey = 0
-        self._dirty: dict[int, None] = {}  # loopback: slots whose shadow moved since their last write
-        self.copies = 0
-
-    def publish(self, slot: int, op: SignalOp, value: int) -> None:
-        """Apply one update to the shadow; copy the new value now (cuda-copy) or queue the slot (loopback)."""
-        new = _core.flag_shadow_publish(0, self.shadow.address + 8 * slot, int(op), value)
-        if self.path == LOOPBACK:
-            self._dirty[slot] = None
-        else:
-            self._copy(slot, new)
-
-    def _copy(self, slot: int, value: int) -> None:
-        # as the compiled mapped store: rewrite until the value written is the shadow's (another rail's
-        # worker may have moved it meanwhile, and its own copy may land before ours)
-        values = self.shadow.values
-        while True:
-            self.accessor.write(self.address + 8 * slot, memoryview(value.to_bytes(8, "little")))
-            self.copies += 1
-            now = int(values[slot])
-            if now == value:
-                return
-            value = now
-
-    def end_pass(self) -> None:
-        """Loopback: write each queued slot's current shadow value, one write per slot in flight, until no
-        slot's shadow moved while its write was on the wire."""
-        values = self.shadow.values
-        while self._dirty:
-            slots = list(self._dirty)
-            self._dirty.clear()
-            written = [int(values[s]) for s in slots]
-            try:
-                self.loopback.write([(self.address + 8 * s, self.rkey, v)
-                                     for s, v in zip(slots, written, strict=True)])
-            except BaseException:
-                self._dirty.update(dict.fromkeys(slots))  # still owed: fall_back_to_copy writes them
-                raise
-            for s, v in zip(slots, written, strict=True):
-                if int(values[s]) != v:
-                    self._dirty[s] = None
-
-    def fall_back_to_copy(self, accessor: Any) -> None:
-        """The loopback path failed: publish by copies from now on, starting with the slots still queued."""
-        self.path, self.accessor = CUDA_COPY, accessor
-        pending, self._dirty = list(self._dirty), {}
-        for s in pending:
-            self._copy(s, int(self.shadow.values[s]))
-
-    def release(self) -> None:
-        if self.mapping is not None:
-            self.mapping.release()  # unmap the BAR pages before the memory they map goes
-            self.mapping = None
-        if self.region is not None:
-            self.region.release()
-        self.shadow.close()
-
-
 class GpuMemory:
-    """The worker's GPU side: one accessor per device, IPC mappings opened in that device's context."""
+    """The worker's GPU side: one accessor per device, IPC mappings opened in that device's context.
+    Creating it touches no CUDA: the first :meth:`open` or :meth:`accessor` does."""
 
     def __init__(self) -> None:
         self.accessors: dict[int, GpuAccessor] = {}
@@ -200,7 +118,6 @@ class GpuMemory:
 
     def open(self, handle: bytes, offset: int, size: int, device: int) -> IpcRegion:
         """Open a client's allocation by IPC handle and return the region ``[offset, offset+size)`` of it."""
-
         drv = driver()
         use_device(device)
         ipc = drv.CUipcMemHandle()
@@ -220,9 +137,6 @@ class GpuMemory:
     def sync_memops(self, addr: int, device: int) -> None:
         """Set CU_POINTER_ATTRIBUTE_SYNC_MEMOPS on the allocation holding ``addr``: GDRCopy's condition for
         CPU stores through the BAR to be ordered with the driver's own copies into the same memory."""
-        import ctypes
-
-
         drv = driver()
         use_device(device)
         one = ctypes.c_uint(1)
@@ -230,7 +144,6 @@ class GpuMemory:
         check(drv.cuPointerSetAttribute(ctypes.addressof(one), attr, addr), "cuPointerSetAttribute(SYNC_MEMOPS)")
 
     def close(self, base: int, device: int) -> None:
-
         drv = driver()
         use_device(device)
         drv.cuIpcCloseMemHandle(base)
@@ -241,6 +154,108 @@ class GpuMemory:
         self.accessors.clear()
 
 
-def make_gpu_memory() -> Any:
-    """A :class:`GpuMemory` (the one place the worker creates it; CUDA is initialised on first open)."""
-    return GpuMemory()
+# --- GDRCopy -----------------------------------------------------------------------------------------------
+class GdrCopyError(OSError):
+    """libgdrapi could not be loaded, opened or could not pin/map a buffer."""
+
+
+class _MemHandle(ctypes.Structure):
+    _fields_ = [("h", ctypes.c_ulong)]  # gdr_mh_t, passed by value
+
+
+class _Info(ctypes.Structure):
+    _fields_ = [("va", ctypes.c_uint64), ("mapped_size", ctypes.c_uint64), ("page_size", ctypes.c_uint32),
+                ("tm_cycles", ctypes.c_uint64), ("cycles_per_ms", ctypes.c_uint32), ("bits", ctypes.c_uint32),
+                ("mapping_type", ctypes.c_int)]  # gdr_info_v2_t
+
+
+class GdrCopy:
+    """``libgdrapi`` through ctypes: open the driver once, pin and map GPU ranges into this process.
+
+    Only the functions below are used: ``gdr_open``, ``gdr_close``, ``gdr_pin_buffer``,
+    ``gdr_unpin_buffer``, ``gdr_map``, ``gdr_unmap`` and, where the library has it, ``gdr_get_info_v2``.
+    """
+
+    def __init__(self, library: str = "") -> None:
+        names = (library,) if library else _DEFAULT_LIBRARIES
+        errors = []
+        self.lib: Any = None
+        for name in names:
+            try:
+                self.lib = ctypes.CDLL(name)
+                self.library = name
+                break
+            except OSError as exc:
+                errors.append(str(exc))
+        if self.lib is None:
+            raise GdrCopyError(f"cannot load libgdrapi ({'; '.join(errors)})")
+        lib = self.lib
+        try:
+            lib.gdr_open.restype = ctypes.c_void_p
+            lib.gdr_open.argtypes = []
+            lib.gdr_close.argtypes = [ctypes.c_void_p]
+            lib.gdr_pin_buffer.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_size_t, ctypes.c_uint64,
+                                           ctypes.c_uint32, ctypes.POINTER(_MemHandle)]
+            lib.gdr_unpin_buffer.argtypes = [ctypes.c_void_p, _MemHandle]
+            lib.gdr_map.argtypes = [ctypes.c_void_p, _MemHandle, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+            lib.gdr_unmap.argtypes = [ctypes.c_void_p, _MemHandle, ctypes.c_void_p, ctypes.c_size_t]
+        except AttributeError as exc:
+            raise GdrCopyError(f"{self.library} is not libgdrapi: {exc}") from None
+        self._info = getattr(lib, "gdr_get_info_v2", None)
+        if self._info is not None:
+            self._info.argtypes = [ctypes.c_void_p, _MemHandle, ctypes.POINTER(_Info)]
+        self.handle: int | None = lib.gdr_open()
+        if not self.handle:
+            self.handle = None
+            raise GdrCopyError(f"gdr_open failed ({self.library}: is the gdrdrv module loaded and its device "
+                               "node readable by this user?)")
+
+    def map(self, addr: int, size: int) -> GdrMapping:
+        """Pin the GPU pages holding ``[addr, addr + size)`` and map them here; ``.ptr`` is ``addr``'s place."""
+        if self.handle is None:
+            raise GdrCopyError("libgdrapi is closed")
+        base = addr & ~(GPU_PAGE_SIZE - 1)
+        span = (addr + size - base + GPU_PAGE_SIZE - 1) & ~(GPU_PAGE_SIZE - 1)
+        mh = _MemHandle()
+        rc = self.lib.gdr_pin_buffer(self.handle, base, span, 0, 0, ctypes.byref(mh))
+        if rc:
+            raise GdrCopyError(f"gdr_pin_buffer({base:#x}, {span}) failed: {rc}")
+        va = ctypes.c_void_p()
+        rc = self.lib.gdr_map(self.handle, mh, ctypes.byref(va), span)
+        if rc or not va.value:
+            self.lib.gdr_unpin_buffer(self.handle, mh)
+            raise GdrCopyError(f"gdr_map of {span} bytes at {base:#x} failed: {rc}")
+        start = base  # the GPU address mapped at va (the driver may align further: ask it where it can)
+        if self._info is not None:
+            info = _Info()
+            if self._info(self.handle, mh, ctypes.byref(info)) == 0 and info.va:
+                start = int(info.va)
+        offset = addr - start
+        if offset < 0 or offset + size > span:
+            self.lib.gdr_unmap(self.handle, mh, va, span)
+            self.lib.gdr_unpin_buffer(self.handle, mh)
+            raise GdrCopyError(f"gdrdrv mapped {start:#x}, which does not cover [{addr:#x}, {addr + size:#x})")
+        return GdrMapping(self, mh, int(va.value), span, int(va.value) + offset)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.lib.gdr_close(self.handle)
+            self.handle = None
+
+
+@dataclass(eq=False)
+class GdrMapping:
+    """A pinned, mapped GPU range: ``ptr`` is the mapped address of the flag words (write-combined)."""
+
+    gdr: GdrCopy
+    mh: Any
+    va: int
+    size: int
+    ptr: int
+
+    def release(self) -> None:
+        """Unmap, then unpin (gdrapi's order); before the GPU memory itself is closed."""
+        if self.va and self.gdr.handle is not None:
+            self.gdr.lib.gdr_unmap(self.gdr.handle, self.mh, ctypes.c_void_p(self.va), self.size)
+            self.gdr.lib.gdr_unpin_buffer(self.gdr.handle, self.mh)
+        self.va = 0

@@ -28,23 +28,13 @@ import numpy as np
 
 from cmd_ring import RingFile
 from cmd_ring.shm import SharedFile, map_fd
-from transportd.backends import DEVICE_KINDS, open_backend
-from transportd.backends.interface import MemoryKey, SignalOp
+from transportd.backends import DEVICE_KINDS, FIXED_PROVIDERS, open_backend
+from transportd.backends.interface import MemoryKey
 from transportd.backends.verbs import load as load_verbs
 from transportd.daemon.config import Config
-from transportd.dataplane.flag_publication import (
-    COPY_COST,
-    CUDA_COPY,
-    GDRCOPY,
-    HOST_MAPPED,
-    LOOPBACK,
-    NIC,
-    GdrCopyError,
-    Publication,
-    choose_publication,
-    words_path,
-)
+from transportd.dataplane.flag_publication import RailFlags
 from transportd.dataplane.flagfile import FlagFile
+from transportd.dataplane.gpu_memory import GpuMemory
 from transportd.dataplane.pinning import pin_worker
 from transportd.dataplane.proxy import Proxy
 from transportd.dataplane.worker_link import WorkerEndpoint
@@ -57,21 +47,23 @@ log = logging.getLogger("transportd.dataplane.worker")
 
 
 class RailService:
-    """The worker's request handlers (``op_<name>``) around one backend and one proxy."""
+    """The worker's request handlers (``op_<name>``) around one backend, its proxy and its flag publisher
+    (:class:`~transportd.dataplane.flag_publication.RailFlags`: the ranks' flag arrays on this rail)."""
 
     def __init__(self, config: Config, rail: int) -> None:
         self.config = config
         self.rail = rail
         rails = config.backend.rails
         device = rails[rail].device if rails else ""
-        # backend.kind "soft" forces the software provider; otherwise backend.verbs decides
-        provider = "soft" if config.backend.kind == "soft" else config.backend.verbs
+        kind = config.backend.kind
+        # a backend the registry ties to one provider (kind "soft") uses it; otherwise backend.verbs decides
+        provider = FIXED_PROVIDERS.get(kind, config.backend.verbs)
         soft_options = dataclasses.asdict(config.softverbs)
-        if device and config.backend.kind in DEVICE_KINDS:  # a soft rail device is created where missing
-            soft_options["devices"] = {device: DEVICE_KINDS[config.backend.kind]}
+        if device and kind in DEVICE_KINDS:  # a soft rail device is created where missing
+            soft_options["devices"] = {device: DEVICE_KINDS[kind]}
         verbs = load_verbs(None if provider == "auto" else provider, soft_options=soft_options)
         self.verbs_name: str = verbs.name
-        self.verbs_fallback: bool = verbs.fallback and config.backend.kind != "soft"
+        self.verbs_fallback: bool = verbs.fallback  # only "auto" falls back
         if self.verbs_fallback:
             log.warning("backend.verbs = \"auto\" found no RDMA device: rail %d uses softverbs, which moves "
                         "data over TCP, not a NIC; set backend.verbs = \"pyverbs\" on a production node (it "
@@ -83,34 +75,14 @@ class RailService:
                            poll_window_us=config.proxy.poll_window_us, inflight_cap=config.proxy.inflight_cap,
                            decoupled=config.signal.decoupled)
         self.regions: dict[str, tuple[MemoryKey, Any]] = {}
-        self.flags: dict[tuple[str, int], tuple[FlagFile, MemoryKey]] = {}
         self.conn_jobs: dict[int, str] = {}
         self.responders: set[int] = set()  # connections this rail accepted for a peer's requester
         self.ibgda: dict[int, tuple[Any, np.ndarray]] = {}  # queue id -> (SoftMlx5Queue, its scratch words)
         self.stopping = False
-        self.gpu: Any = None  # transportd.dataplane.gpu_memory.GpuMemory, created on the first GPU registration
+        self.gpu = GpuMemory()  # CUDA starts only when a client brings GPU memory
         self.cpus: list[int] | None = None  # the CPUs rail_main pinned this worker to (None: not pinned)
-        self.publication = self._choose_publication()
-        self.loopback: Any = None  # the backend's LoopbackWriter, opened with the first GPU flags it serves
-        self._passed: set[Any] = set()  # GPU flag words published during this poll (loopback: written at its end)
-        if getattr(self.backend, "receiver_publishes_flags", False):
-            self.backend.set_flag_publisher(self._publish_flag, self._end_publish)
-        else:
-            self.backend.set_flag_publisher(self._publish_flag)
-
-    def _choose_publication(self) -> Publication:
-        """This rail's way into GPU flag words (transportd.dataplane.flag_publication), chosen once and logged."""
-        flags = self.config.flags
-        backend = self.backend
-        can_loop = getattr(backend, "loopback_unavailable", None)
-        choice = choose_publication(
-            flags.publication, receiver_publishes=getattr(backend, "receiver_publishes_flags", False),
-            loopback=can_loop() if can_loop is not None else "the backend has no loopback write",
-            gdrdrv_device=flags.gdrdrv_device, gdrcopy_library=flags.gdrcopy_library)
-        level = logging.WARNING if choice.path in (CUDA_COPY, HOST_MAPPED) else logging.INFO
-        log.log(level, "rail %d flag publication: %s%s (%s)", self.rail, choice.path,
-                " (forced by flags.publication)" if choice.forced else "", choice.reason)
-        return choice
+        # the rank's flag arrays and the rail's one flag publisher (its path chosen and logged once)
+        self.flags = RailFlags.for_rail(config.flags, self.backend, self.gpu, self.conn_jobs, rail)
 
     # --- memory ---------------------------------------------------------------------------------------
     def op_map_region(self, key: str, fds: list[int], offset: int, size: int, remote_write: bool,
@@ -136,7 +108,7 @@ class RailService:
             shared.close()
             raise
         self.regions[key] = (mkey, shared)
-        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+        return _key(mkey)
 
     def op_unmap_region(self, key: str) -> dict[str, Any]:
         entry = self.regions.pop(key, None)
@@ -148,17 +120,10 @@ class RailService:
                 entry[1].release()
         return {}
 
-    def _gpu(self) -> Any:
-        if self.gpu is None:
-            from transportd.dataplane.gpu_memory import GpuMemory  # CUDA only where a client brings GPU memory
-
-            self.gpu = GpuMemory()
-        return self.gpu
-
     def op_map_gpu_region(self, key: str, handle: bytes, offset: int, size: int, device: int, remote_write: bool,
                           remote_atomic: bool, remote_read: bool = True) -> dict[str, Any]:
         """Open a client's GPU buffer by CUDA IPC handle and register it; softverbs reaches it by copies."""
-        gpu = self._gpu()
+        gpu = self.gpu
         region = gpu.open(handle, offset, size, device)
         try:
             mkey = self.backend.register_memory(region.addr, size, remote_write=remote_write,
@@ -167,39 +132,17 @@ class RailService:
             region.release()
             raise
         self.regions[key] = (mkey, region)
-        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+        return _key(mkey)
 
     def op_map_flags(self, job: str, rank: int, fds: list[int], count: int) -> dict[str, Any]:
         """Map a rank's flag array (the daemon's memfd, by descriptor) and register it for remote atomics."""
         (fd,) = fds
-        flags = FlagFile.from_fd(fd)
-        try:
-            if flags.count != count:
-                raise ValueError(f"the flag array holds {flags.count} flags, not {count}")
-            mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True)
-        except BaseException:
-            flags.close()
-            raise
-        self.flags[(job, rank)] = (flags, mkey)
-        if hasattr(self.backend, "set_host_flags"):  # efa: the compiled path stores these flags itself
-            self.backend.set_host_flags(job, rank, flags.address, flags.count)
-        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+        return _key(self.flags.map_host(job, rank, FlagFile.from_fd(fd), count))
 
     def op_unmap_flags(self, job: str, rank: int) -> dict[str, Any]:
         """Drop a rank's flag array alone (its flags request failed on another rail)."""
-        self._drop_flags(job, rank)
+        self.flags.drop(job, rank)
         return {}
-
-    def _drop_flags(self, job: str, rank: int) -> None:
-        entry = self.flags.pop((job, rank), None)
-        if entry is not None:
-            if hasattr(self.backend, "clear_host_flags"):
-                self.backend.clear_host_flags(job, rank)
-            self.backend.deregister_memory(entry[1])
-            if isinstance(entry[0], FlagFile):
-                entry[0].close()
-            else:
-                entry[0].release()
 
     def op_map_gpu_flags(self, job: str, rank: int, handle: bytes, offset: int, count: int, device: int,
                          fds: list[int]) -> dict[str, Any]:
@@ -207,84 +150,12 @@ class RailService:
 
         ``fds``: the rank's host flag file (the daemon's memfd), the shadow of the counters this worker
         publishes; mapped here, its descriptor closed. How they are published is the rail's
-        :attr:`publication`; a rail that has none into GPU memory (``host-mapped``) copies, and says so.
+        (:class:`~transportd.dataplane.flag_publication.RailFlags`); a rail that has no way into GPU memory
+        (``host-mapped``) copies, and says so.
         """
-        from transportd.dataplane.gpu_memory import GpuFlagWords
-
         shadow = _shadow_file(fds, count)
-        gpu = self._gpu()
-        try:
-            region = gpu.open(handle, offset, 8 * count, device)
-        except BaseException:
-            shadow.close()
-            raise
-        accessor = gpu.accessor(device)
-        path = words_path(self.publication.path)
-        if self.publication.path == HOST_MAPPED:
-            log.warning("rail %d: job %s rank %d asked for device flags explicitly; this rail has no way into GPU "
-                        "memory but cuda-copy: %s", self.rail, job, rank, COPY_COST)
-        if path == GDRCOPY:
-            gdr = self.publication.gdr
-            assert gdr is not None
-            try:
-                gpu.sync_memops(region.addr, device)
-            except Exception as exc:  # wanted for ordering with the driver's own copies, not for our stores
-                log.warning("rail %d: CU_POINTER_ATTRIBUTE_SYNC_MEMOPS not set on job %s rank %d's flags (%s)",
-                            self.rail, job, rank, exc)
-            try:
-                mapping = gdr.map(region.addr, 8 * count)
-            except GdrCopyError as exc:  # e.g. memory gdrdrv cannot pin: the flags must still arrive
-                path = LOOPBACK if self.backend.loopback_unavailable() is None else CUDA_COPY
-                log.error("rail %d: GDRCopy could not map job %s rank %d's flags (%s); publishing them by %s%s",
-                          self.rail, job, rank, exc, path, "" if path == LOOPBACK else ": " + COPY_COST)
-        flags = GpuFlagWords(region.addr, count, shadow, path, region=region, accessor=accessor)
-        if path == GDRCOPY:
-            flags.mapping = mapping
-        try:
-            mkey = self.backend.register_memory(flags.address, flags.nbytes, remote_write=True, remote_atomic=True,
-                                                accessor=accessor)
-            flags.rkey = mkey.rkey
-            if path == LOOPBACK and self.loopback is None:
-                self.loopback = self.backend.open_flag_loopback()
-            flags.loopback = self.loopback
-        except BaseException:
-            flags.release()
-            raise
-        if path == GDRCOPY:  # the compiled path stores these itself: no Python per flag
-            self.backend.set_mapped_flags(job, rank, flags.mapping.ptr, count, shadow.address)
-        self.flags[(job, rank)] = (flags, mkey)  # type: ignore[assignment]
-        return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey,
-                "publication": self.publication.path if self.publication.path == NIC else path}
-
-    def _publish_flag(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None:
-        """Receiver-side flag publishing (efa): everything this flag covers has arrived."""
-        job = self.conn_jobs.get(conn_id)
-        entry = self.flags.get((job, dst_rank)) if job is not None else None
-        if entry is None:
-            log.warning("flag update for unknown rank %d on connection %d dropped", dst_rank, conn_id)
-            return
-        if not isinstance(entry[0], FlagFile):  # GPU flag words publish themselves
-            entry[0].publish(slot, op, value)
-            self._passed.add(entry[0])
-            return
-        values = entry[0].values
-        if op == SignalOp.SET:
-            values[slot] = value
-        else:
-            values[slot] += value
-
-    def _end_publish(self) -> None:
-        """After a poll's flags (efa): loopback words write what their publishes queued."""
-        passed, self._passed = self._passed, set()
-        for words in passed:
-            if words.path != LOOPBACK:
-                continue
-            try:
-                words.end_pass()
-            except Exception as exc:  # the flag must still arrive: by copy, and say what that costs
-                log.error("rail %d: loopback flag write failed (%s); these flags fall back to cuda-copy: %s",
-                          self.rail, exc, COPY_COST)
-                words.fall_back_to_copy(self._gpu().accessor(words.region.device) if words.region else None)
+        mkey, publication = self.flags.map_gpu(job, rank, handle, offset, count, device, shadow)
+        return {**_key(mkey), "publication": publication}
 
     # --- tables -----------------------------------------------------------------------------------------
     def op_set_source_region(self, job: str, rank: int, region: int, key: str) -> dict[str, Any]:
@@ -309,7 +180,7 @@ class RailService:
 
     def op_forget_rank(self, job: str, rank: int) -> dict[str, Any]:
         self.proxy.forget_rank(job, rank)
-        self._drop_flags(job, rank)
+        self.flags.drop(job, rank)
         return {}
 
     def op_set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int,
@@ -400,8 +271,8 @@ class RailService:
         address = self.backend.local_address()
         return {"rail": self.rail, "backend": self.backend.name, "verbs": self.verbs_name,
                 "verbs_fallback": self.verbs_fallback, "pid": os.getpid(), "device": address.get("device"),
-                "gid": address.get("gid"), "cpus": self.cpus, "flag_publication": self.publication.path,
-                "flag_publication_detail": self.publication.describe(), **self.proxy.stats(),
+                "gid": address.get("gid"), "cpus": self.cpus, "flag_publication": self.flags.path,
+                "flag_publication_detail": self.flags.publication.describe(), **self.proxy.stats(),
                 "queues": self._open_queues(),
                 "ibgda": self.ibgda_stats(), "responders": sorted(self.responders),
                 "endpoints": sorted(self.conn_jobs)}
@@ -419,6 +290,10 @@ class RailService:
         drained = self.proxy.drain(timeout_s=5.0)
         self.stopping = True
         return {"drained": drained}
+
+
+def _key(mkey: MemoryKey) -> dict[str, int]:
+    return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
 
 
 def _shadow_file(fds: list[int], count: int) -> FlagFile:
@@ -497,13 +372,11 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     service.cpus = list(cpus) if cpus is not None else None
     link = WorkerEndpoint(link_endpoint, service)
     link.send_ready(address=service.backend.local_address(), verbs=service.verbs_name,
-                    verbs_fallback=service.verbs_fallback, flag_publication=service.publication.path)
+                    verbs_fallback=service.verbs_fallback, flag_publication=service.flags.path)
     serve_loop(service.proxy, link, lambda: service.stopping)
     link.close()
     for queue in list(service.ibgda):
         service.op_close_ibgda_queue(queue)
-    if service.loopback is not None:
-        service.loopback.close()
+    service.flags.close()
     service.backend.close()
-    if service.publication.gdr is not None:
-        service.publication.gdr.close()
+    service.flags.publication.close()
