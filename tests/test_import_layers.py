@@ -18,7 +18,6 @@ PACKAGES = tuple(LAYERS)
 UPWARD_STILL = {
     ("transportd_cli.bench_e2e", "gpuclient"),
     ("transportd_cli.demo", "gpuclient"),
-    ("transportd.ops.selftest", "gpuclient"),
 }
 
 

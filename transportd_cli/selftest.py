@@ -77,9 +77,6 @@ def _percentile(values: list[float], q: float) -> float:
 def run_selftest(endpoint: str, *, curve: Any = None, rounds: int = 20, timeout: float = 10.0,
                  bandwidth_puts: int = 8) -> dict[str, Any]:
     """Test every (peer, rail) link of the daemon at ``endpoint``; returns the JSON document ``--json`` prints."""
-    from transportd.control.client import ControlConnection
-    from transportd.control.protocol import Selftest
-
     with ControlConnection(endpoint, timeout_ms=int(timeout * 1000), name="transportctl", curve=curve) as conn:
         info = conn.request(Selftest(action="links"))
     results = []

@@ -4,7 +4,10 @@ The near side (in the ``transportctl`` process) joins rank 0 of a job of the dae
 joins rank 1 itself (:class:`EchoResponder`: its own memory, flags and ring, no user process there) and
 echoes every flag it sees back to rank 0 with the data that flag covers, having checked that data the
 moment the flag appeared. What both sides agree on lives here: the regions' layout (:func:`segment`), the
-data (:func:`pattern`), the rounds (``MODES``) and :func:`check_data`.
+data (:func:`pattern`), the rounds (``MODES``) and :func:`check_data`. The daemon's part of both sides (the
+control op, the peer messages, the far rank's memory, flags and ring) is ``transportd.daemon.selftest_jobs``.
+Like the rest of the daemon, nothing here uses the client library: the echo pushes with ``cmd_ring``'s
+producer into a ring the daemon made.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from cmd_ring import RECORD_DTYPE, Flag, Opcode, RingProducer
 
 __all__ = ["EchoResponder", "MODES", "REGION_BYTES", "SLOTS", "check_data", "pattern", "segment"]
 
@@ -61,8 +66,6 @@ class EchoResponder:
     new value, checks the data it covers and echoes data and value back to rank 0 (PUT_SIGNAL, SET)."""
 
     def __init__(self, job: str, requester: str, seed: int, memory: np.ndarray, flags: Any, ring: Any) -> None:
-        from cmd_ring import RingProducer
-
         self.job, self.requester, self.seed = job, requester, seed
         self.memory, self.flags, self.ring = memory, flags, ring
         self._producer = RingProducer(ring)
@@ -76,8 +79,6 @@ class EchoResponder:
         self._thread.start()
 
     def _run(self) -> None:
-        from cmd_ring import RECORD_DTYPE, Flag, Opcode
-
         seen = [0] * SLOTS
         record = np.zeros(1, dtype=RECORD_DTYPE)
         pause = 0.0
