@@ -2,8 +2,8 @@
 checked, a device's primary context made current.
 
 Both sides use it: the client library (``gpuclient.cuda_memory``: buffers, IPC export, host mappings) and
-the daemon's rail workers (``transportd.dataplane.gpu_memory``: flag words in GPU memory). cuda-python is imported
-only on first use, so CPU-only processes never need it.
+the daemon's rail workers (``transportd.dataplane.gpu_memory``: clients' GPU memory, flag words included).
+cuda-python is imported only on first use, so CPU-only processes never need it.
 """
 
 from __future__ import annotations
