@@ -26,6 +26,7 @@ import numpy as np
 
 from cmd_ring.shm import map_fd, map_shared_file, seal_size
 from ibgda import mlx5_layout as L
+from transportd.limits import MAX_IBGDA_WQES, MIN_IBGDA_WQES
 
 __all__ = ["DOORBELL_OFFSET", "PAGE", "QueueMemory"]
 
@@ -42,8 +43,8 @@ class QueueMemory:
         """``fd`` (the caller keeps and closes it): an empty memfd to size and seal (``create``), or one to
         map as it is."""
         for name, n in (("wqe_cnt", wqe_cnt), ("ncqes", ncqes)):
-            if n < 8 or n & (n - 1) or n > 1 << 15:
-                raise ValueError(f"{name} must be a power of two in 8 .. 32768, not {n}")
+            if n < MIN_IBGDA_WQES or n & (n - 1) or n > MAX_IBGDA_WQES:
+                raise ValueError(f"{name} must be a power of two in {MIN_IBGDA_WQES} .. {MAX_IBGDA_WQES}, not {n}")
         if ncqes < wqe_cnt:
             raise ValueError(f"ncqes ({ncqes}) must be at least wqe_cnt ({wqe_cnt}): one CQE per WQE may come")
         self.wqe_cnt, self.ncqes = wqe_cnt, ncqes

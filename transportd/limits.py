@@ -1,13 +1,27 @@
-"""The proxy's limits, in one place: the config checks them at load and the proxy at construction.
+"""Limits that more than one part of transportd depends on, stated once.
 
-A value the config accepts must never be refused by a rail worker at run time (that would surface as a
-worker traceback, not a :class:`~transportd.errors.ConfigError` naming the key), so both sides read these.
-``tests/transportd/test_limits.py`` builds a real proxy at each bound and one step past it.
+A value one side accepts must never be refused by the other later: a config value a rail worker refuses at
+run time would surface as a worker traceback, not a :class:`~transportd.errors.ConfigError` naming the key;
+a join the protocol accepts but the proxy's tables cannot hold would fail the client's first command
+instead of its join. So the config's and the protocol's schemas (their ``Meta`` bounds) and the code that
+relies on each bound read these. ``tests/transportd/test_limits.py`` drives each pair at the bound and one
+step past it.
 """
 
 from __future__ import annotations
 
-__all__ = ["MAX_BATCH", "MAX_INFLIGHT_CAP", "MIN_BATCH", "MIN_INFLIGHT_CAP"]
+__all__ = [
+    "MAX_BATCH",
+    "MAX_CHANNEL_CAPACITY",
+    "MAX_IBGDA_WQES",
+    "MAX_INFLIGHT_CAP",
+    "MAX_REGIONS",
+    "MAX_WORLD",
+    "MIN_BATCH",
+    "MIN_CHANNEL_CAPACITY",
+    "MIN_IBGDA_WQES",
+    "MIN_INFLIGHT_CAP",
+]
 
 #: Commands per connection per batch: at least one; at most 8 (the batch-size histogram has 8 buckets,
 #: and a ConnectX doorbell batch of 8 WQEs is where posting cost stops falling).
@@ -18,3 +32,17 @@ MAX_BATCH = 8
 #: (payload, then flag) and must fit as a whole; at most 65536 (the send queue is sized from it).
 MIN_INFLIGHT_CAP = 2
 MAX_INFLIGHT_CAP = 1 << 16
+
+#: Ranks in one job: a command record names its peer as a u16, so ranks are 0..65535.
+MAX_WORLD = 1 << 16
+
+#: Regions one rank registers: a command record names a region as a u16, so ids are 0..65535.
+MAX_REGIONS = 1 << 16
+
+#: Command-ring slots of a channel, a power of two (the config's default and a client's ``channel``).
+MIN_CHANNEL_CAPACITY = 8
+MAX_CHANNEL_CAPACITY = 1 << 20
+
+#: Send-queue WQEBBs of an IBGDA queue pair, a power of two (the queue's memory holds at most this many).
+MIN_IBGDA_WQES = 8
+MAX_IBGDA_WQES = 1 << 15

@@ -1,18 +1,20 @@
-"""The one place transportd turns messages into bytes and back (msgpack).
+"""The one place transportd turns messages into bytes and back (msgpack, through msgspec).
 
 Every control and peer message is a msgpack map. Decoding is the trust boundary, so :func:`decode` refuses
 anything the protocol has no use for — oversized input, trailing bytes, a non-map top level, non-string map
 keys, ext types (including msgpack timestamps) and nesting deeper than :data:`MAX_DEPTH` — with a
 :class:`RemoteProtocolError` that says which rule was broken. Encoding carries numpy arrays and other
 buffers as msgpack ``bin`` (raw bytes, no dtype); the receiver views them with :func:`as_array` without a
-copy.
+copy. The protocol's Structs (:mod:`transportd.control.protocol`) are then built from the decoded map by
+msgspec as well (``transportd.schema.convert``).
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
-import msgpack
+import msgspec
 import numpy as np
 
 from transportd.errors import LocalProtocolError, RemoteProtocolError
@@ -36,18 +38,24 @@ def _default(obj: object) -> object:
     raise LocalProtocolError(f"cannot encode a value of type {type(obj).__name__}: {obj!r:.80}")
 
 
+def _refuse_ext(code: int, data: memoryview) -> object:
+    raise RemoteProtocolError(f"malformed message: msgpack ext type {code} is not accepted")
+
+
+# msgspec's own bytes, bytearray, memoryview, tuple and set support covers the rest of what _default did.
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_default)
+# ext types are refused by the hook; a timestamp (ext -1) decodes as a datetime, which _check_tree refuses
+_DECODER = msgspec.msgpack.Decoder(ext_hook=_refuse_ext)
+
+
 def encode(obj: Any) -> bytes:
     """Serialize ``obj`` (normally a dict message) to msgpack; arrays and buffers become ``bin``."""
     try:
-        return msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=False, datetime=False)
+        return _ENCODER.encode(obj)
     except LocalProtocolError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
         raise LocalProtocolError(f"cannot encode message: {exc}") from exc
-
-
-def _refuse_ext(code: int, data: bytes) -> object:
-    raise RemoteProtocolError(f"malformed message: msgpack ext type {code} is not accepted")
 
 
 def decode(data: bytes | bytearray | memoryview, max_size: int) -> dict[str, Any]:
@@ -63,21 +71,17 @@ def decode(data: bytes | bytearray | memoryview, max_size: int) -> dict[str, Any
     if size == 0:
         raise RemoteProtocolError("malformed message: empty payload")
     try:
-        obj = msgpack.unpackb(
-            data,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            ext_hook=_refuse_ext,
-        )
+        obj = _DECODER.decode(data)
     except RemoteProtocolError:
         raise
-    except msgpack.ExtraData as exc:
-        raise RemoteProtocolError("malformed message: trailing bytes after the msgpack map") from exc
-    except UnicodeDecodeError as exc:
-        raise RemoteProtocolError(f"malformed message: string is not valid UTF-8 ({exc.reason})") from exc
-    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
-        # FormatError, StackError and truncated input all land here.
+    except msgspec.DecodeError as exc:
+        detail = str(exc)
+        if "trailing characters" in detail:
+            raise RemoteProtocolError("malformed message: trailing bytes after the msgpack map") from exc
+        if "UTF-8" in detail:
+            raise RemoteProtocolError(f"malformed message: string is not valid UTF-8 ({detail})") from exc
+        raise RemoteProtocolError(f"malformed message: not valid msgpack ({detail})") from exc
+    except (ValueError, TypeError, RecursionError) as exc:
         detail = str(exc) or type(exc).__name__
         raise RemoteProtocolError(f"malformed message: not valid msgpack ({detail})") from exc
     if not isinstance(obj, dict):
@@ -101,8 +105,11 @@ def _check_tree(obj: object, depth: int) -> None:
         raise RemoteProtocolError(f"malformed message: nested deeper than {MAX_DEPTH} levels")
     if isinstance(obj, dict):
         for key, value in obj.items():
-            if not isinstance(key, str):
+            if isinstance(key, bytes):
                 raise RemoteProtocolError(f"malformed message: map key {key!r:.40} is not a string")
+            if not isinstance(key, str):  # msgpack allows any key; we allow string keys (and name bin ones)
+                raise RemoteProtocolError(f"malformed message: not valid msgpack (map key of type "
+                                          f"{_wire_type(key)}: keys must be strings)")
             if isinstance(value, dict | list):
                 _check_tree(value, depth + 1)
             elif not isinstance(value, _SCALARS):
@@ -119,7 +126,7 @@ _SCALARS = (type(None), bool, int, float, str, bytes)
 
 
 def _wire_type(obj: object) -> str:
-    if isinstance(obj, msgpack.Timestamp):
+    if isinstance(obj, datetime.datetime):
         return "ext -1 (timestamp)"
     return {list: "array", dict: "map", str: "string", bytes: "bin", bool: "bool", int: "integer",
             float: "float", type(None): "nil"}.get(type(obj), type(obj).__name__)

@@ -1,8 +1,10 @@
 """The control and peer protocols, with no I/O (the zmq shells live in ``control.py`` / ``connection.py``).
 
 A message on the wire is a msgpack map ``{"v": V, "op": <name>, <field>: <value>, ...}``. Each op is a
-frozen dataclass here, validated on construction: types (lists become tuples, nested maps become records),
-ranges, name charsets. Building a bad message raises :class:`LocalProtocolError`; :func:`parse_request` and
+msgspec Struct here whose annotations carry each field's limits (``Annotated[int, Meta(ge=..., le=...)]``,
+name lengths and charsets); :mod:`transportd.schema` checks them, on construction and at the receive
+boundary alike (lists become tuples, nested maps become records), and each class's ``_check`` adds the
+rules across fields. Building a bad message raises :class:`LocalProtocolError`; :func:`parse_request` and
 :func:`parse_peer_message`, the receive boundary, turn the same failure into :class:`RemoteProtocolError`
 naming the field. Replies are ``{"v": V, "ok": true, ...}`` or ``{"v": V, "ok": false, "code", "message"}``.
 
@@ -13,16 +15,23 @@ client before sending and by the server before dispatching. Peer daemons speak t
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
-import types
 import typing
-from dataclasses import dataclass
 from enum import Enum, StrEnum
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
+from msgspec import Meta
+
+from transportd import schema
 from transportd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, RequestError
+from transportd.limits import (
+    MAX_CHANNEL_CAPACITY,
+    MAX_IBGDA_WQES,
+    MAX_REGIONS,
+    MAX_WORLD,
+    MIN_CHANNEL_CAPACITY,
+    MIN_IBGDA_WQES,
+)
 
 __all__ = [
     "CUDA_IPC_HANDLE_BYTES",
@@ -94,25 +103,22 @@ V = 1
 
 MAX_NAME_LEN = 64  #: job and client names
 MAX_NODE_LEN = 253  #: node names (a DNS name fits)
-MAX_WORLD = 1 << 20  #: ranks in one job
 MAX_DEVICE = 63  #: highest local GPU index; -1 means a CPU-only client
 MAX_REGION_BYTES = 1 << 40  #: one registration (1 TiB)
 MAX_FLAGS = 1 << 20  #: flag words in one flags array
-MIN_CHANNEL_CAPACITY = 8  #: command-ring slots, a power of two
-MAX_CHANNEL_CAPACITY = 1 << 20
-MIN_IBGDA_WQES = 8  #: send-queue WQEBBs of an IBGDA queue pair, a power of two
-MAX_IBGDA_WQES = 1 << 15
 MAX_RAILS = 16  #: NICs per node
-MAX_REGIONS = 1 << 16  #: regions announced by one rank
 CUDA_IPC_HANDLE_BYTES = 64  #: sizeof(CUipcMemHandle)
 MAX_FD_ID = (1 << 31) - 1  #: ids of descriptors passed on the descriptor socket
 TOKEN_BYTES = 16  #: the one-time token of a hello, presented on the descriptor socket
 MAX_OPAQUE_KEYS = 64  #: keys in a backend-defined map (an endpoint description)
+MAX_TEXT_LEN = 1024  #: an error or reason string
+MAX_PID = (1 << 31) - 1
+MAX_EFA_ADDRESS = 32  #: bytes of an EFA address (the device's GID plus its QP number and qkey fit)
+GID_BYTES = 16
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
 _U24 = (1 << 24) - 1
 
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ACCESS = ("read", "write", "atomic")
 
 
@@ -137,16 +143,36 @@ class ReplyCode(StrEnum):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Field validation: one converter per type hint, shared by every message.
+# Field types: the limits of each field, stated once, in the annotation (transportd.schema checks them).
+
+_NAME_RULE = "may hold only letters, digits, '.', '_', '-' and must start with a letter or digit"
+#: a job or client name
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z",
+                           extra={"rule": _NAME_RULE})]
+#: a name, or "" where the field is optional (node-wide connections have no job)
+NameOrEmpty = Annotated[str, Meta(max_length=MAX_NAME_LEN, pattern=r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*)?\Z",
+                                  extra={"rule": _NAME_RULE})]
+#: a node name (a DNS name fits)
+NodeName = Annotated[str, Meta(min_length=1, max_length=MAX_NODE_LEN, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z",
+                               extra={"rule": _NAME_RULE})]
+U64 = Annotated[int, Meta(ge=0, extra={"le": _U64})]  # msgspec holds integer bounds within int64 only
+U32 = Annotated[int, Meta(ge=0, le=_U32)]
+U24 = Annotated[int, Meta(ge=0, le=_U24)]
+Rail = Annotated[int, Meta(ge=0, le=MAX_RAILS - 1)]  #: a rail index on a node
+Rank = Annotated[int, Meta(ge=0, le=MAX_WORLD - 1)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_LEN)]  #: an error or a reason, for humans
+#: a backend-defined map (an endpoint description, a report): string keys, any wire values
+Opaque = Annotated[dict[str, Any], Meta(max_length=MAX_OPAQUE_KEYS)]
+IpcHandle = Annotated[bytes, Meta(min_length=CUDA_IPC_HANDLE_BYTES, max_length=CUDA_IPC_HANDLE_BYTES)]
 
 
-def _field_error(ctx: str, field: str, problem: str, code: str = ReplyCode.BAD_FIELD) -> LocalProtocolError:
-    err = LocalProtocolError(f"{ctx}: field '{field}': {problem}", code=code, field=field)
-    err.problem = problem  # type: ignore[attr-defined]  # kept so nested records can re-prefix the path
-    return err
-
-
-_TYPE_NAMES = {int: "integer", float: "number", bool: "bool", str: "string", bytes: "bytes"}
+def _handle(value: object) -> bytes | int | str:
+    """A register ``handle``'s type: bytes (a CUipcMemHandle), an integer id, or a string (refused with why)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"expected bytes or integer or string, got {_type_name(value)}")
 
 
 def _type_name(value: object) -> str:
@@ -156,74 +182,24 @@ def _type_name(value: object) -> str:
         return "bool"
     if isinstance(value, list | tuple):
         return "array"
-    if isinstance(value, dict):
+    if isinstance(value, dict | msgspec.Struct):
         return "map"
-    return _TYPE_NAMES.get(type(value), type(value).__name__)
+    return {int: "integer", float: "number", str: "string", bytes: "bytes"}.get(type(value), type(value).__name__)
 
 
-def _convert(hint: Any, value: object, ctx: str, where: str) -> object:
-    """Check ``value`` against ``hint``; normalise lists to tuples and maps to records."""
-    origin = typing.get_origin(hint)
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise _field_error(ctx, where, f"must be finite, got {value}")
-            return float(value)
-    elif hint is bool or hint is str:
-        if isinstance(value, hint):
-            return value
-    elif hint is bytes:
-        if isinstance(value, bytes | bytearray | memoryview):
-            return bytes(value)
-    elif origin is Literal:
-        allowed = typing.get_args(hint)
-        if isinstance(value, str) and value in allowed:
-            return value
-        raise _field_error(ctx, where, f"must be one of {', '.join(map(repr, allowed))}, got {value!r:.40}")
-    elif origin is tuple:
-        (item_hint, _ellipsis) = typing.get_args(hint)
-        if isinstance(value, list | tuple):
-            return tuple(_convert(item_hint, item, ctx, f"{where}[{i}]") for i, item in enumerate(value))
-        raise _field_error(ctx, where, f"expected array, got {_type_name(value)}")
-    elif origin is dict:  # an opaque map (a backend's endpoint description): string keys, wire values
-        if not isinstance(value, dict):
-            raise _field_error(ctx, where, f"expected map, got {_type_name(value)}")
-        if len(value) > MAX_OPAQUE_KEYS:
-            raise _field_error(ctx, where, f"at most {MAX_OPAQUE_KEYS} keys, got {len(value)}")
-        for key in value:
-            if not isinstance(key, str):
-                raise _field_error(ctx, where, f"map key {key!r:.40} is not a string")
-        return dict(value)
-    elif origin is types.UnionType:
-        options = typing.get_args(hint)
-        for option in options:
-            if option is bytes and isinstance(value, bytes | bytearray | memoryview):
-                return bytes(value)
-            if isinstance(value, option) and not (option is int and isinstance(value, bool)):
-                return value
-        names = " or ".join(_TYPE_NAMES.get(o, o.__name__) for o in options)
-        raise _field_error(ctx, where, f"expected {names}, got {_type_name(value)}")
-    elif isinstance(hint, type) and issubclass(hint, Record):
-        if isinstance(value, hint):
-            return value
-        if isinstance(value, dict):
-            try:
-                return hint._from_fields(value, ctx)
-            except LocalProtocolError as exc:
-                inner = exc.field or "?"
-                raise _field_error(ctx, f"{where}.{inner}", getattr(exc, "problem", str(exc))) from None
-        raise _field_error(ctx, where, f"expected map, got {_type_name(value)}")
-    else:  # pragma: no cover - a message class used a hint this module does not know
-        raise TypeError(f"unsupported field type {hint!r}")
-    raise _field_error(ctx, where, f"expected {_TYPE_NAMES.get(hint, str(hint))}, got {_type_name(value)}")
+#: how the protocol names types in its errors (msgpack's vocabulary)
+WORDS = schema.Words(types={int: "integer", float: "number", bool: "bool", str: "string", bytes: "bytes",
+                            tuple: "array", dict: "map", msgspec.Struct: "map"}, value_type=_type_name)
+
+
+def _field_error(ctx: str, exc: schema.Invalid, cls: type[ProtocolError] = LocalProtocolError) -> ProtocolError:
+    field = schema.dotted(exc.path)
+    return cls(f"{ctx}: field '{field}': {exc.problem}", code=ReplyCode.BAD_FIELD, field=field)
 
 
 def _to_wire(value: object) -> object:
-    if isinstance(value, Record):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, msgspec.Struct):
+        return {name: _to_wire(getattr(value, name)) for name in value.__struct_fields__}
     if isinstance(value, tuple | list):
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -231,58 +207,44 @@ def _to_wire(value: object) -> object:
     return value
 
 
-@dataclass(frozen=True)
-class Record:
-    """Base of every validated, immutable protocol value (messages and the records nested in them)."""
+class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of every validated, immutable protocol value (messages and the records nested in them).
 
-    _hints: ClassVar[dict[str, Any]]
+    Built locally, a record is checked at once (a mistake raises :class:`LocalProtocolError`); received, it
+    is checked by the parse functions. Either way lists become tuples and maps become nested records.
+    """
+
     _context: ClassVar[str] = "record"
 
     def __post_init__(self) -> None:
-        cls = type(self)
-        hints = cls.__dict__.get("_hints")
-        if hints is None:
-            hints = typing.get_type_hints(cls)
-            hints = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-            cls._hints = hints
-        for name, hint in hints.items():
-            object.__setattr__(self, name, _convert(hint, getattr(self, name), self._context, name))
-        self._check()
+        if schema.converting():
+            return  # built by msgspec inside schema.convert, which checks the whole message once it is built
+        try:
+            checked = schema.convert({name: getattr(self, name) for name in self.__struct_fields__}, type(self),
+                                     WORDS)
+        except schema.Invalid as exc:
+            raise _field_error(self._context, exc) from None
+        for name in self.__struct_fields__:
+            msgspec.structs.force_setattr(self, name, getattr(checked, name))
 
     def _check(self) -> None:
-        """Range and cross-field checks; raise via :meth:`_fail`."""
+        """Rules across fields (the per-field ones are in the annotations); raise via :meth:`_fail`."""
 
     def _fail(self, field: str, problem: str) -> typing.NoReturn:
-        raise _field_error(self._context, field, problem)
+        raise schema.Invalid((field,), problem)
 
     def _range(self, field: str, lo: int | float, hi: int | float) -> None:
         value = getattr(self, field)
         if not lo <= value <= hi:
             self._fail(field, f"must be in [{lo}, {hi}], got {value}")
 
-    def _name(self, field: str, max_len: int = MAX_NAME_LEN, *, allow_empty: bool = False) -> None:
-        value = getattr(self, field)
-        if allow_empty and value == "":
-            return
-        if not 1 <= len(value) <= max_len:
-            self._fail(field, f"length must be 1..{max_len}, got {len(value)}")
-        if not _NAME_RE.fullmatch(value):
-            self._fail(field, f"{value!r:.40} may hold only letters, digits, '.', '_', '-' and must start "
-                              "with a letter or digit")
-
-    @classmethod
-    def _from_fields(cls, fields: dict[str, Any], ctx: str) -> Record:
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        for key in fields:
-            if key not in known:
-                raise _field_error(ctx, key, "unknown field")
-        for name, f in known.items():
-            if name not in fields and f.default is dataclasses.MISSING:
-                raise _field_error(ctx, name, "missing")
-        return cls(**fields)
+    def _require(self, field: str, hint: Any) -> None:
+        """Check ``field`` against ``hint`` where whether it applies depends on another field."""
+        problem = schema.describe(hint, getattr(self, field), WORDS)
+        if problem is not None:
+            self._fail(field, problem)
 
 
-@dataclass(frozen=True)
 class Message(Record):
     """A top-level message: a :class:`Record` with an ``op`` name and a wire form."""
 
@@ -291,8 +253,8 @@ class Message(Record):
     def to_msg(self) -> dict[str, Any]:
         """The wire map for this message (``v``, ``op`` and every field; tuples as lists)."""
         msg: dict[str, Any] = {"v": V, "op": self.op}
-        for f in dataclasses.fields(self):
-            msg[f.name] = _to_wire(getattr(self, f.name))
+        for name in self.__struct_fields__:
+            msg[name] = _to_wire(getattr(self, name))
         return msg
 
 
@@ -317,13 +279,11 @@ _side = _message(SIDE_MESSAGES)
 # Local client → daemon requests.
 
 
-@dataclass(frozen=True)
 class Request(Message):
     """Marker base of client → daemon requests (one subclass per op in :data:`REQUESTS`)."""
 
 
 @_request
-@dataclass(frozen=True)
 class Hello(Request):
     """Open a session. The reply carries a one-time ``token`` (and, over ipc, the ``fd_socket`` path).
 
@@ -334,38 +294,28 @@ class Hello(Request):
     """
 
     op: ClassVar[str] = "hello"
-    pid: int = 0
-    name: str = ""
-    pid_ns: int = 0
-
-    def _check(self) -> None:
-        self._range("pid", 0, (1 << 31) - 1)
-        self._name("name", allow_empty=True)
-        self._range("pid_ns", 0, _U64)
+    pid: Annotated[int, Meta(ge=0, le=MAX_PID)] = 0
+    name: NameOrEmpty = ""
+    pid_ns: U64 = 0
 
 
 @_request
-@dataclass(frozen=True)
 class Join(Request):
     """Attach this session to rank ``rank`` of ``job`` (``world`` ranks) on local GPU ``device`` (-1: CPU)."""
 
     op: ClassVar[str] = "join"
-    job: str
-    rank: int
-    world: int
-    device: int
-    rail: int = -1  #: -1: the rail of ``device``; else this rail (``transportctl selftest`` tests each one)
+    job: Name
+    rank: int  #: in [0, world - 1]: checked with ``world``
+    world: Annotated[int, Meta(ge=1, le=MAX_WORLD)]
+    device: Annotated[int, Meta(ge=-1, le=MAX_DEVICE)]
+    #: -1: the rail of ``device``; else this rail (``transportctl selftest`` tests each one)
+    rail: Annotated[int, Meta(ge=-1, le=MAX_RAILS - 1)] = -1
 
     def _check(self) -> None:
-        self._name("job")
-        self._range("world", 1, MAX_WORLD)
         self._range("rank", 0, self.world - 1)
-        self._range("device", -1, MAX_DEVICE)
-        self._range("rail", -1, MAX_RAILS - 1)
 
 
 @_request
-@dataclass(frozen=True)
 class Register(Request):
     """Register memory for RDMA: by descriptor or handle, never by path (DESIGN section 5).
 
@@ -380,10 +330,12 @@ class Register(Request):
 
     op: ClassVar[str] = "register"
     kind: Literal["host", "cuda_ipc", "dmabuf"]
-    handle: bytes | int | str
-    size: int
-    offset: int = 0
-    address: int = 0
+    #: bytes or an integer id; typed Any so that a string (a path) gets the reason it is refused, not only
+    #: "expected bytes or integer"
+    handle: Annotated[Any, Meta(extra={"check": _handle, "doc_type": "bytes or int"})]
+    size: Annotated[int, Meta(ge=1, le=MAX_REGION_BYTES)]
+    offset: U64 = 0  #: at most 2**64 - 1 - size: checked with ``size``
+    address: U64 = 0
     access: tuple[str, ...] = ("read", "write")
 
     def _check(self) -> None:
@@ -397,9 +349,7 @@ class Register(Request):
         elif not isinstance(self.handle, int) or not 0 <= self.handle <= MAX_FD_ID:
             self._fail("handle", f"{self.kind} needs the id of a descriptor passed on the descriptor socket "
                                  f"(an integer in [0, {MAX_FD_ID}])")
-        self._range("size", 1, MAX_REGION_BYTES)
         self._range("offset", 0, _U64 - self.size)
-        self._range("address", 0, _U64)
         if not self.access:
             self._fail("access", f"must list at least one of {', '.join(_ACCESS)}")
         for i, item in enumerate(self.access):
@@ -410,7 +360,6 @@ class Register(Request):
 
 
 @_request
-@dataclass(frozen=True)
 class Flags(Request):
     """Allocate ``count`` 64-bit flag words that peers signal, in GPU memory or host-mapped memory.
 
@@ -419,22 +368,19 @@ class Flags(Request):
     """
 
     op: ClassVar[str] = "flags"
-    count: int
+    count: Annotated[int, Meta(ge=1, le=MAX_FLAGS)]
     where: Literal["host", "device"] = "device"
     handle: bytes = b""
-    offset: int = 0
+    offset: U64 = 0
 
     def _check(self) -> None:
-        self._range("count", 1, MAX_FLAGS)
         if self.handle and len(self.handle) != CUDA_IPC_HANDLE_BYTES:
             self._fail("handle", f"device flags need {CUDA_IPC_HANDLE_BYTES} bytes of CUipcMemHandle")
         if self.handle and self.where != "device":
             self._fail("handle", "only device flags carry an IPC handle")
-        self._range("offset", 0, _U64)
 
 
 @_request
-@dataclass(frozen=True)
 class Exchange(Request):
     """Share this rank's regions and flags with the job; the reply says whether every rank is known and
     reachable yet (``complete``), so clients repeat it until then (``Session.exchange`` does)."""
@@ -443,7 +389,6 @@ class Exchange(Request):
 
 
 @_request
-@dataclass(frozen=True)
 class Channel(Request):
     """Open a channel for this session.
 
@@ -455,7 +400,7 @@ class Channel(Request):
     """
 
     op: ClassVar[str] = "channel"
-    capacity: int = 0
+    capacity: int = 0  #: its range depends on ``kind``
     kind: Literal["ring", "ibgda"] = "ring"
 
     def _check(self) -> None:
@@ -470,19 +415,14 @@ class Channel(Request):
 
 
 @_request
-@dataclass(frozen=True)
 class ChannelInfo(Request):
     """The state of an IBGDA channel this session opened: ``ready``, then what a kernel's tables need."""
 
     op: ClassVar[str] = "channel_info"
-    channel: int
-
-    def _check(self) -> None:
-        self._range("channel", 1, _U32)
+    channel: Annotated[int, Meta(ge=1, le=_U32)]
 
 
 @_request
-@dataclass(frozen=True)
 class Stats(Request):
     """Counters for this session (and the daemon, for ``transportctl``)."""
 
@@ -490,22 +430,16 @@ class Stats(Request):
 
 
 @_request
-@dataclass(frozen=True)
 class Inspect(Request):
     """Operator queries (``transportctl``), read-only: ``what`` is ``flags`` (one local rank's flag values)."""
 
     op: ClassVar[str] = "inspect"
     what: Literal["flags"]
-    job: str
-    rank: int
-
-    def _check(self) -> None:
-        self._name("job")
-        self._range("rank", 0, MAX_WORLD - 1)
+    job: Name
+    rank: Rank
 
 
 @_request
-@dataclass(frozen=True)
 class Selftest(Request):
     """``transportctl selftest``: ``links`` lists this node's peers (and static peers never heard from) with
     their rails; ``start`` has peer ``node`` host rank 1 of ``job`` (world 2) on ``rail`` itself, with no
@@ -514,22 +448,19 @@ class Selftest(Request):
 
     op: ClassVar[str] = "selftest"
     action: Literal["links", "start", "finish", "status"]
-    job: str = ""
-    node: str = ""
-    rail: int = 0
-    seed: int = 0
+    job: NameOrEmpty = ""  #: needed by every action but ``links``
+    node: Annotated[str, Meta(max_length=MAX_NODE_LEN)] = ""  #: needed by ``start``
+    rail: Rail = 0
+    seed: U64 = 0
 
     def _check(self) -> None:
         if self.action != "links":
-            self._name("job")
+            self._require("job", Name)
         if self.action == "start":
-            self._name("node", MAX_NODE_LEN)
-        self._range("rail", 0, MAX_RAILS - 1)
-        self._range("seed", 0, _U64)
+            self._require("node", NodeName)
 
 
 @_request
-@dataclass(frozen=True)
 class Leave(Request):
     """Leave the job: the daemon reclaims this session's rings, regions and flags."""
 
@@ -537,15 +468,11 @@ class Leave(Request):
 
 
 @_request
-@dataclass(frozen=True)
 class Heartbeat(Request):
     """Tell the daemon the client is alive while it has nothing else to say."""
 
     op: ClassVar[str] = "heartbeat"
-    seq: int = 0
-
-    def _check(self) -> None:
-        self._range("seq", 0, _U64)
+    seq: U64 = 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -554,7 +481,6 @@ class Heartbeat(Request):
 # the kernel vouches for the sender (SO_PEERCRED). The I/O lives in ``transportd.control.fdchannel``.
 
 
-@dataclass(frozen=True)
 class SideMessage(Message):
     """Marker base of descriptor-socket messages (one subclass per op in :data:`SIDE_MESSAGES`)."""
 
@@ -563,7 +489,6 @@ class SideMessage(Message):
 
 
 @_side
-@dataclass(frozen=True)
 class Vouch(SideMessage):
     """Bind this descriptor connection to the control session whose hello returned ``token``.
 
@@ -572,15 +497,11 @@ class Vouch(SideMessage):
     """
 
     op: ClassVar[str] = "vouch"
-    token: bytes
-
-    def _check(self) -> None:
-        if len(self.token) != TOKEN_BYTES:
-            self._fail("token", f"must be {TOKEN_BYTES} bytes (from the hello reply), got {len(self.token)}")
+    token: Annotated[bytes, Meta(min_length=TOKEN_BYTES, max_length=TOKEN_BYTES,
+                                 description="from the hello reply")]
 
 
 @_side
-@dataclass(frozen=True)
 class PassFd(SideMessage):
     """Hand the daemon one descriptor (attached): ``memfd`` host memory, or a ``dmabuf`` of GPU memory.
 
@@ -594,7 +515,6 @@ class PassFd(SideMessage):
 
 
 @_side
-@dataclass(frozen=True)
 class TakeFd(SideMessage):
     """Take a descriptor the daemon offered this session: the ``fd`` id of a ``flags`` or ``channel`` reply.
 
@@ -604,73 +524,55 @@ class TakeFd(SideMessage):
     """
 
     op: ClassVar[str] = "take_fd"
-    fd: int
-
-    def _check(self) -> None:
-        self._range("fd", 0, _U32)
+    fd: U32
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Daemon ↔ daemon messages.
 
 
-@dataclass(frozen=True)
 class PeerMessage(Message):
     """Marker base of daemon ↔ daemon messages (one subclass per op in :data:`PEER_MESSAGES`)."""
 
 
-@dataclass(frozen=True)
 class RailQP(Record):
     """What a peer needs to connect to one rail: an IB RC QP (``gid`` and/or ``lid``) or an EFA endpoint."""
 
     _context: ClassVar[str] = "rail"
-    rail: int
-    qpn: int
-    psn: int = 0
-    gid: bytes = b""
-    lid: int = 0
-    efa_address: bytes = b""
-    qkey: int = 0
+    rail: Rail
+    qpn: Annotated[int, Meta(ge=1, le=_U24)]
+    psn: U24 = 0
+    gid: bytes = b""  #: GID_BYTES, or empty where the rail has a lid or is EFA
+    lid: Annotated[int, Meta(ge=0, le=0xFFFF)] = 0
+    efa_address: Annotated[bytes, Meta(max_length=MAX_EFA_ADDRESS)] = b""
+    qkey: U32 = 0
 
     def _check(self) -> None:
-        self._range("rail", 0, MAX_RAILS - 1)
-        self._range("qpn", 1, _U24)
-        self._range("psn", 0, _U24)
-        self._range("lid", 0, 0xFFFF)
-        self._range("qkey", 0, _U32)
         if self.efa_address:
             if self.gid or self.lid:
                 self._fail("efa_address", "an EFA rail carries no gid/lid")
-            if len(self.efa_address) > 32:
-                self._fail("efa_address", f"at most 32 bytes, got {len(self.efa_address)}")
         elif self.gid:
-            if len(self.gid) != 16:
-                self._fail("gid", f"must be 16 bytes, got {len(self.gid)}")
+            if len(self.gid) != GID_BYTES:
+                self._fail("gid", f"must be {GID_BYTES} bytes, got {len(self.gid)}")
         elif not self.lid:
             self._fail("gid", "an IB rail needs a gid or a lid (an EFA rail needs efa_address)")
 
 
-@dataclass(frozen=True)
 class RegionInfo(Record):
     """One registered region as peers see it: remote address (an offset for dmabuf MRs), length, rkey."""
 
     _context: ClassVar[str] = "region"
-    id: int
-    addr: int
-    length: int
-    rkey: int
-    rail: int = 0
+    id: U32
+    addr: U64  #: at most 2**64 - 1 - length: checked with ``length``
+    length: Annotated[int, Meta(ge=1, le=MAX_REGION_BYTES)]
+    rkey: U32
+    rail: Rail = 0
 
     def _check(self) -> None:
-        self._range("id", 0, _U32)
-        self._range("length", 1, MAX_REGION_BYTES)
         self._range("addr", 0, _U64 - self.length)
-        self._range("rkey", 0, _U32)
-        self._range("rail", 0, MAX_RAILS - 1)
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerHello(PeerMessage):
     """First message on a peer link: who we are, which backend, how many rails, which life of the daemon.
 
@@ -680,37 +582,28 @@ class PeerHello(PeerMessage):
     """
 
     op: ClassVar[str] = "peer_hello"
-    node: str
+    node: NodeName
     backend: Literal["ib", "efa", "soft"]
-    rails: int
-    incarnation: int = 0
-
-    def _check(self) -> None:
-        self._name("node", MAX_NODE_LEN)
-        self._range("rails", 1, MAX_RAILS)
-        self._range("incarnation", 0, _U64)
+    rails: Annotated[int, Meta(ge=1, le=MAX_RAILS)]
+    incarnation: U64 = 0
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerConnect(PeerMessage):
     """QP (or EFA endpoint) information per rail; ``job`` empty for node-wide connections."""
 
     op: ClassVar[str] = "peer_connect"
-    node: str
+    node: NodeName
     rails: tuple[RailQP, ...]
-    job: str = ""
+    job: NameOrEmpty = ""
 
     def _check(self) -> None:
-        self._name("node", MAX_NODE_LEN)
-        self._name("job", allow_empty=True)
         if not 1 <= len(self.rails) <= MAX_RAILS:
             self._fail("rails", f"must list 1..{MAX_RAILS} rails, got {len(self.rails)}")
         if len({r.rail for r in self.rails}) != len(self.rails):
             self._fail("rails", "lists a rail twice")
 
 
-@dataclass(frozen=True)
 class _PeerEndpoint(PeerMessage):
     """One end of connection ``conn`` on ``rail`` for ``job``: the fields both connect messages carry.
 
@@ -718,19 +611,13 @@ class _PeerEndpoint(PeerMessage):
     checks only that it is a small map with string keys — its meaning belongs to the backend.
     """
 
-    job: str
-    rail: int
-    conn: int
-    endpoint: dict[str, Any]
-
-    def _check(self) -> None:
-        self._name("job", allow_empty=True)
-        self._range("rail", 0, MAX_RAILS - 1)
-        self._range("conn", 0, _U64)
+    job: NameOrEmpty
+    rail: Rail
+    conn: U64
+    endpoint: Opaque
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerConnectRequest(_PeerEndpoint):
     """Ask the peer to create its end of connection ``conn``; ``endpoint`` is the sender's end.
 
@@ -741,7 +628,6 @@ class PeerConnectRequest(_PeerEndpoint):
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerConnectAccept(_PeerEndpoint):
     """The answer to :class:`PeerConnectRequest`: the accepting side's ``endpoint`` for the same ``conn``."""
 
@@ -749,35 +635,26 @@ class PeerConnectAccept(_PeerEndpoint):
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerDisconnect(PeerMessage):
     """The sender closed its end of connection ``conn`` (a job's connection or an IBGDA queue pair): close the
     end accepted for it."""
 
     op: ClassVar[str] = "peer_disconnect"
-    job: str
-    rail: int
-    conn: int
-
-    def _check(self) -> None:
-        self._name("job", allow_empty=True)
-        self._range("rail", 0, MAX_RAILS - 1)
-        self._range("conn", 0, _U64)
+    job: NameOrEmpty
+    rail: Rail
+    conn: U64
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerRegions(PeerMessage):
     """The regions rank ``rank`` of ``job`` registered on the sending node (replaces earlier announcements)."""
 
     op: ClassVar[str] = "peer_regions"
-    job: str
-    rank: int
+    job: Name
+    rank: Rank
     regions: tuple[RegionInfo, ...]
 
     def _check(self) -> None:
-        self._name("job")
-        self._range("rank", 0, MAX_WORLD - 1)
         if len(self.regions) > MAX_REGIONS:
             self._fail("regions", f"at most {MAX_REGIONS} regions, got {len(self.regions)}")
         if len({(r.id, r.rail) for r in self.regions}) != len(self.regions):
@@ -785,35 +662,25 @@ class PeerRegions(PeerMessage):
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerRankLeft(PeerMessage):
     """Rank ``rank`` of ``job`` on the sending node left (or was reclaimed): forget its regions and flags."""
 
     op: ClassVar[str] = "peer_rank_left"
-    job: str
-    rank: int
-
-    def _check(self) -> None:
-        self._name("job")
-        self._range("rank", 0, MAX_WORLD - 1)
+    job: Name
+    rank: Rank
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerJobLost(PeerMessage):
     """The sender declared this node lost while ``job`` ran (its heartbeats stopped arriving, though the node
     itself may have noticed nothing) and failed the job's connections to it: the job cannot go on at the
     receiver either."""
 
     op: ClassVar[str] = "peer_job_lost"
-    job: str
-
-    def _check(self) -> None:
-        self._name("job")
+    job: Name
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerSelftest(PeerMessage):
     """A self-test job of the daemons' own: ``start``, the receiver joins rank 1 of ``job`` (world 2) on
     ``rail`` with its own memory, flags and ring, and echoes every flag it sees back to rank 0 (on the
@@ -822,61 +689,38 @@ class PeerSelftest(PeerMessage):
 
     op: ClassVar[str] = "peer_selftest"
     action: Literal["start", "finish"]
-    job: str
-    rail: int = 0
-    seed: int = 0
-
-    def _check(self) -> None:
-        self._name("job")
-        self._range("rail", 0, MAX_RAILS - 1)
-        self._range("seed", 0, _U64)
+    job: Name
+    rail: Rail = 0
+    seed: U64 = 0
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerSelftestReport(PeerMessage):
     """What the far side of a self-test saw: ``report`` (rounds, data checked, flags seen early, its
     turnaround per echo), or ``error`` when it could not take part."""
 
     op: ClassVar[str] = "peer_selftest_report"
-    job: str
-    report: dict[str, Any]
-    error: str = ""
-
-    def _check(self) -> None:
-        self._name("job")
-        if len(self.error) > 1024:
-            self._fail("error", "longer than 1024 characters")
+    job: Name
+    report: Opaque
+    error: Text = ""
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerHeartbeat(PeerMessage):
     """Liveness: sequence number and the sender's clock (seconds), for loss and round-trip reports."""
 
     op: ClassVar[str] = "peer_heartbeat"
-    seq: int
-    t: float
-
-    def _check(self) -> None:
-        self._range("seq", 0, _U64)
-        if self.t < 0:
-            self._fail("t", f"must be >= 0, got {self.t}")
+    seq: U64
+    t: Annotated[float, Meta(ge=0)]
 
 
 @_peer
-@dataclass(frozen=True)
 class PeerBye(PeerMessage):
     """The sender is shutting down cleanly; tear down without waiting for the heartbeat timeout."""
 
     op: ClassVar[str] = "peer_bye"
-    node: str
-    reason: str = ""
-
-    def _check(self) -> None:
-        self._name("node", MAX_NODE_LEN)
-        if len(self.reason) > 1024:
-            self._fail("reason", "longer than 1024 characters")
+    node: NodeName
+    reason: Text = ""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -905,9 +749,9 @@ def _parse(msg: object, registry: dict[str, type[Message]], plane: str) -> Messa
                                   code=ReplyCode.UNKNOWN_OP, field="op")
     fields = {k: v for k, v in msg.items() if k not in ("v", "op")}
     try:
-        return typing.cast(Message, cls._from_fields(fields, op))
-    except LocalProtocolError as exc:
-        raise RemoteProtocolError(str(exc), code=exc.code, field=exc.field) from None
+        return schema.convert(fields, cls, WORDS)
+    except schema.Invalid as exc:
+        raise _field_error(op, exc, RemoteProtocolError) from None
 
 
 def parse_request(msg: dict[str, Any]) -> Request:

@@ -1,8 +1,10 @@
 """The daemon's TOML config: every key defaulted, typed and checked before anything starts.
 
-Each section is a frozen dataclass whose fields carry their own meaning and check (``metadata``), so the
-defaults, the validation and the documentation table (:func:`describe_keys`, used for the README) come
-from one definition. Loading refuses unknown sections and keys, wrong types and bad values with a
+Each section is a frozen msgspec Struct whose fields carry their default, their limits and their meaning
+in their annotation (:func:`key`: ``Meta(ge=, le=, description=)``, plus a ``check`` where a rule is more
+than a range), so the defaults, the validation (:mod:`transportd.schema`, the same mechanism the protocol's
+messages use) and the documentation table (:func:`describe_keys`, used for the README) come from one
+definition. Loading refuses unknown sections and keys, wrong types and bad values with a
 :class:`ConfigError` naming the file, the dotted key and the reason — a typo must not silently become a
 default. Relative paths in ``[security]`` are taken relative to the config file.
 
@@ -11,21 +13,29 @@ default. Relative paths in ``[security]`` are taken relative to the config file.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import re
 import socket as _socket
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from transportd.control.protocol import MAX_CHANNEL_CAPACITY, MIN_CHANNEL_CAPACITY
+import msgspec
+
+from transportd import schema
+from transportd.control.protocol import MAX_DEVICE, MAX_RAILS
 from transportd.errors import ConfigError
-from transportd.limits import MAX_BATCH, MAX_INFLIGHT_CAP, MIN_BATCH, MIN_INFLIGHT_CAP
+from transportd.limits import (
+    MAX_BATCH,
+    MAX_CHANNEL_CAPACITY,
+    MAX_INFLIGHT_CAP,
+    MIN_BATCH,
+    MIN_CHANNEL_CAPACITY,
+    MIN_INFLIGHT_CAP,
+)
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -61,26 +71,19 @@ DEFAULT_PEER_PORT = 18515
 # ---------------------------------------------------------------------------------------------------------
 # Value checks: each takes the type-checked value and returns it (possibly normalised) or raises ValueError.
 
+# Ranges are not here: they are the fields' Meta(ge=, le=), which msgspec checks before these run.
+
 Check = Callable[[Any], Any]
 
 
-def _between(lo: float, hi: float) -> Check:
-    def check(value: float) -> float:
-        if not lo <= value <= hi:
-            raise ValueError(f"must be in [{lo}, {hi}], got {value}")
-        return value
-
-    return check
+def _power_of_two(value: int) -> int:
+    if value & (value - 1):
+        raise ValueError(f"must be a power of two, got {value}")
+    return value
 
 
-def _power_of_two(lo: int, hi: int) -> Check:
-    def check(value: int) -> int:
-        _between(lo, hi)(value)
-        if value & (value - 1):
-            raise ValueError(f"must be a power of two, got {value}")
-        return value
-
-    return check
+def _none_if_empty(value: str | None) -> str | None:
+    return value or None
 
 
 def _host_port(value: str) -> str:
@@ -145,81 +148,91 @@ def _level(value: str) -> str:
     return level
 
 
-def _meta(meaning: str, check: Check | None = None, default_doc: str | None = None) -> dict[str, Any]:
-    return {"meaning": meaning, "check": check, "default_doc": default_doc}
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Sections.
+# Sections. Each field states its type, default, limits and meaning once, in its annotation.
 
 
-@dataclass(frozen=True)
-class NodeConfig:
+def key(meaning: str, *, check: Callable[[Any], Any] | None = None, default_doc: str | None = None,
+        **limits: Any) -> msgspec.Meta:
+    """A config key's Meta: what it means (the README's table), its limits (``ge``, ``le``, ...), an optional
+    ``check`` (raises ValueError, may normalise) and how to show its default where the value would mislead."""
+    extra = {name: value for name, value in (("check", check), ("default_doc", default_doc)) if value is not None}
+    return msgspec.Meta(description=meaning, extra=extra or None, **limits)
+
+
+class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of every config table: immutable, and no key it does not name."""
+
+
+class NodeConfig(Section):
     """[node]"""
 
-    name: str = field(
-        default_factory=_socket.gethostname,
-        metadata=_meta("This node's name in peer messages, logs and metrics.", _node_name, "the host name"),
-    )
+    name: Annotated[str, key("This node's name in peer messages, logs and metrics.", check=_node_name,
+                             default_doc="the host name")] = msgspec.field(default_factory=_socket.gethostname)
 
 
-@dataclass(frozen=True)
-class ControlConfig:
+class ControlConfig(Section):
     """[control] — the local client socket."""
 
-    socket: str = field(default=DEFAULT_SOCKET, metadata=_meta(
-        f"Client endpoint (ipc:// or tcp://); ${SOCKET_ENV} overrides it.", _endpoint(ipc=True)))
-    mode: int = field(default=0o660, metadata=_meta(
-        "Permission bits of an ipc socket file (octal).", _mode, "0o660"))
-    group: str | None = field(default=None, metadata=_meta(
-        "Group owning the ipc socket file; members may use the daemon. Empty: the daemon's group."))
-    max_message_bytes: int = field(default=1 << 20, metadata=_meta(
+    socket: Annotated[str, key(f"Client endpoint (ipc:// or tcp://); ${SOCKET_ENV} overrides it.",
+                               check=_endpoint(ipc=True))] = DEFAULT_SOCKET
+    # an int once loaded; TOML may also say "0660"
+    mode: Annotated[int | str, key("Permission bits of an ipc socket file (octal).", check=_mode,
+                                   default_doc="0o660")] = 0o660
+    group: Annotated[str | None, key(
+        "Group owning the ipc socket file; members may use the daemon. Empty: the daemon's group.",
+        check=_none_if_empty)] = None
+    max_message_bytes: Annotated[int, key(
         "Largest control message accepted; larger ones get a too_large error reply.",
-        _between(4096, 64 << 20)))
-    client_timeout_s: float = field(default=30.0, metadata=_meta(
+        ge=4096, le=64 << 20)] = 1 << 20
+    client_timeout_s: Annotated[float, key(
         "Seconds a session may stay silent before it is reclaimed (the client library sends keepalives at "
         "a quarter of it): sessions over tcp, and ipc sessions the kernel gave no pid for (a client in "
         "another pid namespace; its session still ends when its descriptor connection closes). An ipc "
         "session that vouched on the descriptor socket is watched by the pid SO_PEERCRED names and by that "
         "connection instead: reclaimed as soon as its process exits or the connection closes, kept while "
-        "both last, however silent.",
-        _between(0.5, 86400.0)))
-    vouch_timeout_s: float = field(default=5.0, metadata=_meta(
+        "both last, however silent.", ge=0.5, le=86400.0)] = 30.0
+    vouch_timeout_s: Annotated[float, key(
         "Seconds a connection to the descriptor socket may stay without presenting a valid hello token; "
-        "then it is closed.", _between(0.05, 600.0)))
-    max_unvouched: int = field(default=64, metadata=_meta(
+        "then it is closed.", ge=0.05, le=600.0)] = 5.0
+    max_unvouched: Annotated[int, key(
         "Connections to the descriptor socket waiting to vouch at once (a quarter of them per uid): a new "
-        "one past that closes the oldest of its uid, or of the uid holding the most.", _between(4, 4096)))
+        "one past that closes the oldest of its uid, or of the uid holding the most.", ge=4, le=4096)] = 64
 
 
-@dataclass(frozen=True)
-class PeersConfig:
+class PeersConfig(Section):
     """[peers] — other nodes' daemons."""
 
-    listen: str = field(default=f"tcp://0.0.0.0:{DEFAULT_PEER_PORT}", metadata=_meta(
-        "Endpoint peer daemons connect to.", _endpoint(ipc=False)))
-    static: tuple[str, ...] = field(default=(), metadata=_meta(
-        "Peer daemons to connect to at start, as 'host:port'.", _host_port))
-    heartbeat_interval_s: float = field(default=1.0, metadata=_meta(
-        "Seconds between heartbeats to each peer.", _between(0.01, 60.0)))
-    heartbeat_timeout_s: float = field(default=5.0, metadata=_meta(
+    listen: Annotated[str, key("Endpoint peer daemons connect to.",
+                               check=_endpoint(ipc=False))] = f"tcp://0.0.0.0:{DEFAULT_PEER_PORT}"
+    static: Annotated[tuple[str, ...], key("Peer daemons to connect to at start, as 'host:port'.",
+                                           check=_host_port)] = ()
+    heartbeat_interval_s: Annotated[float, key("Seconds between heartbeats to each peer.",
+                                               ge=0.01, le=60.0)] = 1.0
+    heartbeat_timeout_s: Annotated[float, key(
         "Seconds without a heartbeat before a peer is declared lost (more than the interval).",
-        _between(0.02, 3600.0)))
-    ready_wait_s: float = field(default=10.0, metadata=_meta(
+        ge=0.02, le=3600.0)] = 5.0
+    ready_wait_s: Annotated[float, key(
         "Seconds the daemon waits for every static peer before it reports ready to systemd anyway "
-        "(keep it below the unit's TimeoutStartSec).", _between(0.0, 3600.0)))
+        "(keep it below the unit's TimeoutStartSec).", ge=0.0, le=3600.0)] = 10.0
+
+    def _check(self) -> None:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise schema.Invalid(("heartbeat_timeout_s",), f"must be more than peers.heartbeat_interval_s "
+                                 f"({self.heartbeat_interval_s}), got {self.heartbeat_timeout_s}")
 
 
-@dataclass(frozen=True)
-class SecurityConfig:
+class SecurityConfig(Section):
     """[security] — CURVE authentication of peer daemons (and of tcp control clients)."""
 
-    curve_secret_key_file: str | None = field(default=None, metadata=_meta(
-        "This daemon's CURVE secret key file (zmq certificate); enables CURVE when set."))
-    curve_public_key_file: str | None = field(default=None, metadata=_meta(
-        "This daemon's CURVE public key file, given to peers and clients."))
-    curve_authorized_keys_dir: str | None = field(default=None, metadata=_meta(
-        "Directory of public key files allowed to connect; required with a secret key."))
+    curve_secret_key_file: Annotated[str | None, key(
+        "This daemon's CURVE secret key file (zmq certificate); enables CURVE when set.",
+        check=_none_if_empty)] = None
+    curve_public_key_file: Annotated[str | None, key(
+        "This daemon's CURVE public key file, given to peers and clients.", check=_none_if_empty)] = None
+    curve_authorized_keys_dir: Annotated[str | None, key(
+        "Directory of public key files allowed to connect; required with a secret key.",
+        check=_none_if_empty)] = None
 
     @property
     def curve_enabled(self) -> bool:
@@ -227,120 +240,112 @@ class SecurityConfig:
         return self.curve_secret_key_file is not None
 
 
-@dataclass(frozen=True)
-class RailConfig:
+class RailConfig(Section):
     """One entry of [[backend.rails]]: a NIC and the GPU / NUMA node it sits next to."""
 
-    device: str = field(metadata=_meta("Verbs device name, e.g. mlx5_0 or rdmap16s27."))
-    gpu: int = field(default=-1, metadata=_meta("Local GPU index closest to the NIC; -1: unknown.",
-                                                _between(-1, 63)))
-    numa_node: int = field(default=-1, metadata=_meta(
+    device: Annotated[str, key("Verbs device name, e.g. mlx5_0 or rdmap16s27.")]
+    gpu: Annotated[int, key("Local GPU index closest to the NIC; -1: unknown.", ge=-1, le=MAX_DEVICE)] = -1
+    numa_node: Annotated[int, key(
         "NUMA node of the NIC; the rail's worker is pinned to its CPUs. -1: the NIC's sysfs numa_node, "
-        "else not pinned.", _between(-1, 1023)))
+        "else not pinned.", ge=-1, le=1023)] = -1
 
 
-@dataclass(frozen=True)
-class BackendConfig:
+class BackendConfig(Section):
     """[backend] — which transport and which NICs."""
 
-    kind: Literal["ib", "efa", "soft"] = field(default="ib", metadata=_meta(
-        "Transport: ib (RC), efa (SRD) or soft (software, for tests and demos)."))
-    rails: tuple[RailConfig, ...] = field(default=(), metadata=_meta(
-        "NICs to use as [[backend.rails]] tables {device, gpu, numa_node}; empty: all found."))
-    verbs: Literal["auto", "soft", "pyverbs"] = field(default="auto", metadata=_meta(
+    kind: Annotated[Literal["ib", "efa", "soft"], key(
+        "Transport: ib (RC), efa (SRD) or soft (software, for tests and demos).")] = "ib"
+    rails: Annotated[tuple[RailConfig, ...], key(
+        "NICs to use as [[backend.rails]] tables {device, gpu, numa_node}; empty: all found.",
+        max_length=MAX_RAILS)] = ()
+    verbs: Annotated[Literal["auto", "soft", "pyverbs"], key(
         "Verbs provider: pyverbs (real NICs; use it in production: no device is an error), soft (softverbs) "
-        "or auto (pyverbs if a device exists, else softverbs over TCP, with a warning)."))
+        "or auto (pyverbs if a device exists, else softverbs over TCP, with a warning).")] = "auto"
+
+    def _check(self) -> None:
+        names = [r.device for r in self.rails]
+        for i, name in enumerate(names):
+            if names.index(name) != i:
+                raise schema.Invalid(("rails", i, "device"), f"{name!r} is listed twice")
 
 
-@dataclass(frozen=True)
-class ProxyConfig:
+class ProxyConfig(Section):
     """[proxy] — the workers that turn ring commands into work requests."""
 
-    batch_max: int = field(default=8, metadata=_meta(
-        "Most work requests posted per connection in one batch.", _between(MIN_BATCH, MAX_BATCH)))
-    poll_window_us: int = field(default=50, metadata=_meta(
-        "Microseconds a worker waits to fill a batch before posting a partial one.",
-        _between(0, 1_000_000)))
-    inflight_cap: int = field(default=256, metadata=_meta(
-        "Most unacknowledged work requests per connection (at least 2: a PUT_SIGNAL is two).",
-        _between(MIN_INFLIGHT_CAP, MAX_INFLIGHT_CAP)))
-    ring_capacity: int = field(default=4096, metadata=_meta(
+    batch_max: Annotated[int, key("Most work requests posted per connection in one batch.",
+                                  ge=MIN_BATCH, le=MAX_BATCH)] = 8
+    poll_window_us: Annotated[int, key("Microseconds a worker waits to fill a batch before posting a partial one.",
+                                       ge=0, le=1_000_000)] = 50
+    inflight_cap: Annotated[int, key("Most unacknowledged work requests per connection (at least 2: a PUT_SIGNAL "
+                                     "is two).", ge=MIN_INFLIGHT_CAP, le=MAX_INFLIGHT_CAP)] = 256
+    ring_capacity: Annotated[int, key(
         "Command-ring slots of a channel a client opens without naming a capacity (a power of two).",
-        _power_of_two(MIN_CHANNEL_CAPACITY, MAX_CHANNEL_CAPACITY)))
+        check=_power_of_two, ge=MIN_CHANNEL_CAPACITY, le=MAX_CHANNEL_CAPACITY)] = 4096
 
 
-@dataclass(frozen=True)
-class SignalConfig:
+class SignalConfig(Section):
     """[signal] — how a transfer's completion is made visible to the destination."""
 
-    mode: Literal["write", "atomic", "fence"] = field(default="write", metadata=_meta(
+    mode: Annotated[Literal["write", "atomic", "fence"], key(
         "write: flag written after the data (needs in-order placement); atomic or fence: safe "
-        "with adaptive routing."))
-    decoupled: bool = field(default=False, metadata=_meta(
-        "Send one signal per destination per batch instead of one per command."))
+        "with adaptive routing.")] = "write"
+    decoupled: Annotated[bool, key("Send one signal per destination per batch instead of one per command.")] = False
 
 
 #: ``flags.publication`` values (transportd.dataplane.flag_publication documents each path).
 FLAG_PUBLICATIONS = ("auto", "gdrcopy", "loopback", "host-mapped", "cuda-copy")
 
 
-@dataclass(frozen=True)
-class FlagsConfig:
+class FlagsConfig(Section):
     """[flags]"""
 
-    placement: Literal["device", "host"] = field(default="host", metadata=_meta(
+    placement: Annotated[Literal["device", "host"], key(
         "Where `session.flags()` puts a rank's flag array when the client does not say (`where=` wins): "
         "GPU memory or host-mapped pinned memory. A client joined without a GPU, or a node whose rails "
-        "could only publish into GPU memory through the daemon's CUDA context, gets host."))
-    publication: Literal["auto", "gdrcopy", "loopback", "host-mapped", "cuda-copy"] = field(
-        default="auto", metadata=_meta(
-            "How an efa rail's worker publishes flags into GPU flag words. auto: gdrcopy where the gdrdrv "
-            "module is loaded and libgdrapi loads, else loopback (an RDMA write through the rail's own NIC), "
-            "else host-mapped (flags default to host memory). cuda-copy: copies through the daemon's CUDA "
-            "context (~2.4 ms per flag while a client kernel runs; the last resort). Naming a path forces it "
-            "(start fails if it cannot work). Only efa rails publish flags; ib NICs write them."))
-    gdrdrv_device: str = field(default="/dev/gdrdrv", metadata=_meta(
-        "The gdrdrv device node; GDRCopy is used only where it exists (the gdrdrv kernel module is loaded)."))
-    gdrcopy_library: str = field(default="", metadata=_meta(
-        "libgdrapi to load at run time (a name or a path); empty: libgdrapi.so.2, then libgdrapi.so."))
+        "could only publish into GPU memory through the daemon's CUDA context, gets host.")] = "host"
+    publication: Annotated[Literal["auto", "gdrcopy", "loopback", "host-mapped", "cuda-copy"], key(
+        "How an efa rail's worker publishes flags into GPU flag words. auto: gdrcopy where the gdrdrv "
+        "module is loaded and libgdrapi loads, else loopback (an RDMA write through the rail's own NIC), "
+        "else host-mapped (flags default to host memory). cuda-copy: copies through the daemon's CUDA "
+        "context (~2.4 ms per flag while a client kernel runs; the last resort). Naming a path forces it "
+        "(start fails if it cannot work). Only efa rails publish flags; ib NICs write them.")] = "auto"
+    gdrdrv_device: Annotated[str, key(
+        "The gdrdrv device node; GDRCopy is used only where it exists (the gdrdrv kernel module is "
+        "loaded).")] = "/dev/gdrdrv"
+    gdrcopy_library: Annotated[str, key(
+        "libgdrapi to load at run time (a name or a path); empty: libgdrapi.so.2, then libgdrapi.so.")] = ""
 
 
-@dataclass(frozen=True)
-class EfaConfig:
+class EfaConfig(Section):
     """[efa]"""
 
-    visibility_flush: bool = field(default=True, metadata=_meta(
-        "Flush (read back) before publishing an EFA arrival's flag, so the data is visible to the GPU."))
+    visibility_flush: Annotated[bool, key(
+        "Flush (read back) before publishing an EFA arrival's flag, so the data is visible to the GPU.")] = True
 
 
-@dataclass(frozen=True)
-class SoftverbsConfig:
+class SoftverbsConfig(Section):
     """[softverbs] — the software provider's own knobs (used when the verbs provider is softverbs)."""
 
-    host: str = field(default="127.0.0.1", metadata=_meta(
-        "Address the soft device listens on and advertises to peers (its GID)."))
-    adaptive_routing: bool = field(default=False, metadata=_meta(
-        "Model adaptive routing: RC writes are split into packets placed out of order across WRs."))
-    reorder_seed: int = field(default=-1, metadata=_meta(
-        "Seed of the reordering (adaptive routing, SRD); -1: a fresh random seed.", _between(-1, 2**31 - 1)))
+    host: Annotated[str, key("Address the soft device listens on and advertises to peers (its GID).")] = "127.0.0.1"
+    adaptive_routing: Annotated[bool, key(
+        "Model adaptive routing: RC writes are split into packets placed out of order across WRs.")] = False
+    reorder_seed: Annotated[int, key("Seed of the reordering (adaptive routing, SRD); -1: a fresh random seed.",
+                                     ge=-1, le=2**31 - 1)] = -1
 
 
-@dataclass(frozen=True)
-class LoggingConfig:
+class LoggingConfig(Section):
     """[logging] — one line per event on stderr."""
 
-    level: str = field(default="info", metadata=_meta(
-        "debug, info, warning, error or critical.", _level))
-    format: Literal["json", "text"] = field(default="json", metadata=_meta(
-        "json (one object per line, for journald and collectors) or text."))
+    level: Annotated[str, key("debug, info, warning, error or critical.", check=_level)] = "info"
+    format: Annotated[Literal["json", "text"], key(
+        "json (one object per line, for journald and collectors) or text.")] = "json"
 
 
-@dataclass(frozen=True)
-class MetricsConfig:
+class MetricsConfig(Section):
     """[metrics]"""
 
-    listen: str = field(default="", metadata=_meta(
-        "host:port for Prometheus text metrics (keep it on localhost); empty: off.", _optional_host_port))
+    listen: Annotated[str, key("host:port for Prometheus text metrics (keep it on localhost); empty: off.",
+                               check=_optional_host_port)] = ""
 
 
 #: Keys that existed once, with what to do instead: loading names them instead of calling them unknown.
@@ -365,42 +370,52 @@ _SECTIONS: dict[str, type] = {
 }
 
 
-@dataclass(frozen=True)
-class Config:
-    """The whole validated config; ``source`` is the file it came from (or ``<defaults>``)."""
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The whole validated config; ``source`` is the file it came from (or ``<defaults>``), not a key, and
+    not compared: two configs are equal when every key is."""
 
-    node: NodeConfig = field(default_factory=NodeConfig)
-    control: ControlConfig = field(default_factory=ControlConfig)
-    peers: PeersConfig = field(default_factory=PeersConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    backend: BackendConfig = field(default_factory=BackendConfig)
-    proxy: ProxyConfig = field(default_factory=ProxyConfig)
-    signal: SignalConfig = field(default_factory=SignalConfig)
-    flags: FlagsConfig = field(default_factory=FlagsConfig)
-    efa: EfaConfig = field(default_factory=EfaConfig)
-    softverbs: SoftverbsConfig = field(default_factory=SoftverbsConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    source: str = field(default="<defaults>", compare=False)
+    node: NodeConfig = msgspec.field(default_factory=NodeConfig)
+    control: ControlConfig = msgspec.field(default_factory=ControlConfig)
+    peers: PeersConfig = msgspec.field(default_factory=PeersConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    backend: BackendConfig = msgspec.field(default_factory=BackendConfig)
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
+    signal: SignalConfig = msgspec.field(default_factory=SignalConfig)
+    flags: FlagsConfig = msgspec.field(default_factory=FlagsConfig)
+    efa: EfaConfig = msgspec.field(default_factory=EfaConfig)
+    softverbs: SoftverbsConfig = msgspec.field(default_factory=SoftverbsConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    source: str = "<defaults>"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Config):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in _SECTIONS)
+
+    __hash__ = None  # type: ignore[assignment]  # equal configs may differ in source
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict by section (tuples as lists), for ``--json`` output and ``stats`` replies."""
-        out: dict[str, dict[str, Any]] = {}
-        for name in _SECTIONS:
-            out[name] = _plain(getattr(self, name))
-        return out
+        return {name: _plain(getattr(self, name)) for name in _SECTIONS}
+
+
+#: section name -> its table, in the order the docs list them
+_SECTIONS: dict[str, type[Section]] = {
+    name: typing.get_type_hints(Config)[name] for name in Config.__struct_fields__ if name != "source"
+}
 
 
 def _plain(value: object) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, msgspec.Struct):
+        return {name: _plain(getattr(value, name)) for name in value.__struct_fields__}
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     return value
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Documentation.
+# Documentation, from the same annotations.
 
 
 @dataclass(frozen=True)
@@ -426,6 +441,7 @@ def _toml_literal(value: object) -> str:
 
 
 def _type_doc(hint: Any) -> str:
+    hint, _ = schema.field_metas(hint)
     origin = typing.get_origin(hint)
     if origin is Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(hint))
@@ -433,28 +449,37 @@ def _type_doc(hint: Any) -> str:
         return f"list of {_type_doc(typing.get_args(hint)[0])}"
     if origin is not None and type(None) in typing.get_args(hint):
         return f"{_type_doc(typing.get_args(hint)[0])} (optional)"
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+    if origin is not None:  # a plain union: `mode` is an int or an octal string
+        return " or ".join(_type_doc(a) for a in typing.get_args(hint))
+    if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
         return "table"
     return getattr(hint, "__name__", str(hint))
+
+
+def _describe_fields(prefix: str, cls: type[msgspec.Struct]) -> dict[str, KeyInfo]:
+    keys: dict[str, KeyInfo] = {}
+    for f in msgspec.structs.fields(cls):
+        _, metas = schema.field_metas(f.type)
+        meaning = next((m.description for m in metas if m.description), "")
+        default_doc = next((m.extra["default_doc"] for m in metas if m.extra and "default_doc" in m.extra), None)
+        if f.required:
+            shown = "(required)"
+        else:
+            shown = default_doc or _toml_literal(None if f.default is msgspec.NODEFAULT else f.default)
+        name = f"{prefix}.{f.name}"
+        keys[name] = KeyInfo(name, shown, _type_doc(f.type), meaning)
+        item, _ = schema.field_metas(f.type)
+        if typing.get_origin(item) is tuple:
+            element = typing.get_args(item)[0]
+            if isinstance(element, type) and issubclass(element, msgspec.Struct):
+                keys.update(_describe_fields(f"{name}[]", element))
+    return keys
 
 
 def _keys() -> dict[str, KeyInfo]:
     keys: dict[str, KeyInfo] = {}
     for section, cls in _SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            default = f.default if f.default is not dataclasses.MISSING else None
-            shown = meta["default_doc"] or _toml_literal(default)
-            key = f"{section}.{f.name}"
-            keys[key] = KeyInfo(key, shown, _type_doc(hints[f.name]), meta["meaning"])
-            if f.name == "rails":
-                for rf in dataclasses.fields(RailConfig):
-                    rdefault = rf.default if rf.default is not dataclasses.MISSING else "(required)"
-                    rkey = f"{section}.rails[].{rf.name}"
-                    rhint = typing.get_type_hints(RailConfig)[rf.name]
-                    shown = rdefault if rdefault == "(required)" else _toml_literal(rdefault)
-                    keys[rkey] = KeyInfo(rkey, shown, _type_doc(rhint), rf.metadata["meaning"])
+        keys.update(_describe_fields(section, cls))
     return keys
 
 
@@ -500,17 +525,21 @@ def example_config() -> str:
 # Loading.
 
 
-_TOML_TYPES = {int: "integer", float: "float", bool: "boolean", str: "string"}
-
-
 def _toml_type(value: object) -> str:
     if isinstance(value, bool):
         return "boolean"
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return "array"
     if isinstance(value, dict):
         return "table"
-    return _TOML_TYPES.get(type(value), type(value).__name__)
+    return {int: "integer", float: "float", str: "string"}.get(type(value), type(value).__name__)
+
+
+#: how the config names types in its errors (TOML's vocabulary, with the value that was given)
+WORDS = schema.Words(types={int: "integer", float: "float", bool: "boolean", str: "string", bytes: "bytes",
+                            tuple: "array", dict: "table", msgspec.Struct: "table"},
+                     value_type=_toml_type, articles={"string": "a string", "array": "an array", "table": "a table"},
+                     show_value=True)
 
 
 class _Loader:
@@ -521,77 +550,16 @@ class _Loader:
     def fail(self, key: str, reason: str) -> typing.NoReturn:
         raise ConfigError(self.source, key, reason)
 
-    def convert(self, hint: Any, value: object, key: str) -> Any:
-        """Type-check one TOML value against a field's annotation."""
-        origin = typing.get_origin(hint)
-        if hint is bool or hint is str:
-            if isinstance(value, hint):
-                return value
-        elif hint is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        elif hint is float:
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                if not math.isfinite(value):
-                    self.fail(key, f"must be a finite number, got {value}")
-                return float(value)
-        elif origin is Literal:
-            allowed = typing.get_args(hint)
-            if isinstance(value, str) and value in allowed:
-                return value
-            self.fail(key, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-        elif origin is tuple:
-            item_hint = typing.get_args(hint)[0]
-            if not isinstance(value, list):
-                self.fail(key, f"expected an array, got {_toml_type(value)}")
-            return tuple(self.convert(item_hint, item, f"{key}[{i}]") for i, item in enumerate(value))
-        elif origin is not None and type(None) in typing.get_args(hint):  # `str | None`
-            if isinstance(value, str):
-                return value or None
-            self.fail(key, f"expected a string, got {_toml_type(value)}")
-        elif origin is not None:  # a plain union such as `int | str`
-            options = typing.get_args(hint)
-            if isinstance(value, options) and not isinstance(value, bool):
-                return value
-            names = " or ".join(_TOML_TYPES.get(o, o.__name__) for o in options)
-            self.fail(key, f"expected {names}, got {_toml_type(value)} {value!r}")
-        elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                self.fail(key, f"expected a table, got {_toml_type(value)}")
-            return self.build(hint, value, key)
-        else:  # pragma: no cover - a section used an annotation this loader does not know
-            raise TypeError(f"unsupported config type {hint!r}")
-        self.fail(key, f"expected {_TOML_TYPES.get(hint, str(hint))}, got {_toml_type(value)} {value!r}")
-
-    def build(self, cls: type, table: dict[str, Any], prefix: str) -> Any:
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        for name, raw in table.items():
-            key = f"{prefix}.{name}"
-            f = fields.get(name)
-            if f is None:
-                if key in REMOVED_KEYS:
-                    self.fail(key, REMOVED_KEYS[key])
-                self.fail(key, f"unknown key; known keys here: {', '.join(fields)}")
-            value = self.convert(_check_hint(f, hints[name]), raw, key)
-            check = f.metadata.get("check")
-            if check is not None:
-                if isinstance(value, tuple):  # list keys check each item, naming it
-                    value = tuple(self.check(check, item, f"{key}[{i}]") for i, item in enumerate(value))
-                else:
-                    value = self.check(check, value, key)
-            values[name] = value
-        for name, f in fields.items():
-            if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                self.fail(f"{prefix}.{name}", "required key is missing")
-        return cls(**values)
-
-    def check(self, check: Check, value: Any, key: str) -> Any:
-        try:
-            return check(value)
-        except ValueError as exc:
-            self.fail(key, str(exc))
+    def invalid(self, exc: schema.Invalid, data: dict[str, Any]) -> typing.NoReturn:
+        """A schema failure as the ConfigError an operator reads: dotted key, and what to do."""
+        key = schema.dotted(exc.path)
+        if exc.reason == "missing":
+            self.fail(key, "required key is missing")
+        if exc.reason == "unknown":
+            self.fail(key, REMOVED_KEYS.get(key) or f"unknown key; known keys here: {', '.join(exc.known)}")
+        if len(exc.path) == 1 and not isinstance(data.get(exc.path[0]), dict):
+            self.fail(key, f"expected a [{key}] table, got {_toml_type(data.get(exc.path[0]))}")
+        self.fail(key, exc.problem)
 
     def path(self, key: str, value: str | None) -> str | None:
         if value is None:
@@ -600,17 +568,6 @@ class _Loader:
         if not p.is_absolute() and self.base_dir is not None:
             p = self.base_dir / p
         return str(p)
-
-
-def _check_hint(f: dataclasses.Field, hint: Any) -> Any:
-    # `mode` accepts "0660" strings as well as TOML octal integers.
-    return int | str if f.name == "mode" and f.metadata.get("check") is _mode else hint
-
-
-def _load_section(loader: _Loader, name: str, value: object) -> Any:
-    if not isinstance(value, dict):
-        loader.fail(name, f"expected a [{name}] table, got {_toml_type(value)}")
-    return loader.build(_SECTIONS[name], value, name)
 
 
 def _validate_security(loader: _Loader, sec: SecurityConfig) -> SecurityConfig:
@@ -643,14 +600,11 @@ def _validate_security(loader: _Loader, sec: SecurityConfig) -> SecurityConfig:
                         "required with a secret key (otherwise any key would be accepted)")
         if not os.path.isdir(authorized):
             loader.fail("security.curve_authorized_keys_dir", f"{authorized} does not exist or is not a directory")
-    return SecurityConfig(secret, public, authorized)
+    return msgspec.structs.replace(sec, curve_secret_key_file=secret, curve_public_key_file=public,
+                                   curve_authorized_keys_dir=authorized)
 
 
 def _validate(loader: _Loader, cfg: Config) -> Config:
-    if cfg.peers.heartbeat_timeout_s <= cfg.peers.heartbeat_interval_s:
-        loader.fail("peers.heartbeat_timeout_s",
-                    f"must be more than peers.heartbeat_interval_s ({cfg.peers.heartbeat_interval_s}), "
-                    f"got {cfg.peers.heartbeat_timeout_s}")
     if cfg.softverbs.adaptive_routing and cfg.signal.mode == "write" and cfg.backend.kind in ("ib", "soft"):
         # write-then-flag relies on in-order placement, which adaptive routing breaks (DESIGN.md section 4)
         loader.fail("signal.mode", "write signaling is unsafe with adaptive routing (softverbs.adaptive_routing); "
@@ -673,11 +627,7 @@ def _validate(loader: _Loader, cfg: Config) -> Config:
         loader.fail("flags.publication", f"{cfg.flags.publication!r} applies to backend.kind = \"efa\" only, where "
                                          "the receiving daemon publishes flags; on "
                                          f"{cfg.backend.kind!r} leave it at \"auto\"")
-    names = [r.device for r in cfg.backend.rails]
-    for i, name in enumerate(names):
-        if names.index(name) != i:
-            loader.fail(f"backend.rails[{i}].device", f"{name!r} is listed twice")
-    return dataclasses.replace(cfg, security=_validate_security(loader, cfg.security))
+    return msgspec.structs.replace(cfg, security=_validate_security(loader, cfg.security))
 
 
 def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
@@ -688,7 +638,7 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
         check_control_endpoint(override)
     except ValueError as exc:
         raise ConfigError(f"${SOCKET_ENV}", "control.socket", str(exc)) from None
-    return dataclasses.replace(cfg, control=dataclasses.replace(cfg.control, socket=override))
+    return msgspec.structs.replace(cfg, control=msgspec.structs.replace(cfg.control, socket=override))
 
 
 def default_config(*, env: Mapping[str, str] | None = None) -> Config:
@@ -713,11 +663,12 @@ def load_config(path: str | os.PathLike[str] | None, *, env: Mapping[str, str] |
         loader.fail("(file)", f"not UTF-8 text ({exc.reason} at byte {exc.start})")
     except tomllib.TOMLDecodeError as exc:
         loader.fail("(syntax)", f"TOML syntax error: {exc}")
-    sections: dict[str, Any] = {}
-    for name, value in data.items():
-        if name not in _SECTIONS:
+    for name in data:
+        if name not in _SECTIONS:  # checked first, so that `source` (not a key) is refused as well
             loader.fail(name, f"unknown section; known sections: {', '.join(_SECTIONS)}")
-        sections[name] = _load_section(loader, name, value)
-    cfg = Config(**sections, source=source)
-    cfg = _validate(loader, cfg)
+    try:
+        cfg = schema.convert(data, Config, WORDS)
+    except schema.Invalid as exc:
+        loader.invalid(exc, data)
+    cfg = _validate(loader, msgspec.structs.replace(cfg, source=source))
     return _apply_env(cfg, os.environ if env is None else env)

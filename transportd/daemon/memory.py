@@ -20,6 +20,7 @@ from transportd.daemon.state import LocalRank, NodeState, memfd_name, quietly, r
 from transportd.dataplane.flagfile import FlagFile
 from transportd.dataplane.worker_link import WorkerError
 from transportd.errors import ErrorCode, RequestError
+from transportd.limits import MAX_REGIONS
 
 __all__ = ["RankMemory", "check_host_fd"]
 
@@ -61,8 +62,8 @@ class RankMemory:
                    access: Sequence[str], kind: str) -> int:
         """Map and register a region of ``rank`` on every rail (worker op ``op`` with ``memory``: descriptors
         or an IPC handle) and make it a source there; its id. All rails or none: a failure unmaps it."""
-        if rank.next_region > 0xFFFF:
-            raise RequestError("too_many_regions", "a rank may register at most 65536 regions")
+        if rank.next_region >= MAX_REGIONS:
+            raise RequestError("too_many_regions", f"a rank may register at most {MAX_REGIONS} regions")
         region_id = rank.next_region
         key = region_key(rank, region_id)
         workers = self.state.workers

@@ -41,11 +41,12 @@ from cmd_ring.record import RECORD_DTYPE, Flag, Opcode
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
 from transportd.dataplane.batching import take_rows
 from transportd.errors import ErrorCode
+from transportd.limits import MAX_REGIONS, MAX_WORLD
 
 __all__ = ["RegionTable", "PeerTable", "Translated", "translate", "DEFAULT_MAX_LENGTH", "MAX_REGION_ID"]
 
 DEFAULT_MAX_LENGTH = 1 << 31  # a verbs port's usual max_msg_sz
-MAX_REGION_ID = 0xFFFF  # region ids are u16 in the record
+MAX_REGION_ID = MAX_REGIONS - 1  # region ids are u16 in the record
 _U64 = np.uint64
 # Plain ints for the hot path (an IntEnum attribute lookup costs about a microsecond on 3.11).
 _PUT, _PUT_SIGNAL, _SIGNAL, _QUIET = int(Opcode.PUT), int(Opcode.PUT_SIGNAL), int(Opcode.SIGNAL), int(Opcode.QUIET)
@@ -157,16 +158,16 @@ class PeerTable:
 
     def set_world(self, world: int) -> None:
         """Fix the job's world size (ranks ``0..world-1`` are valid peers)."""
-        if not 1 <= world <= 1 << 16:
-            raise ValueError(f"world size must be in 1..65536 (peer is u16 in the record), got {world}")
+        if not 1 <= world <= MAX_WORLD:
+            raise ValueError(f"world size must be in 1..{MAX_WORLD} (peer is u16 in the record), got {world}")
         if self.world and world != self.world:
             raise ValueError(f"the world size is already {self.world}")
         self._resize(world, self.cols)
         self.world = world
 
     def _ensure(self, rank: int, region: int) -> None:
-        if not 0 <= rank < 1 << 16:
-            raise ValueError(f"rank {rank} is outside 0..65535 (peer is u16 in the record)")
+        if not 0 <= rank < MAX_WORLD:
+            raise ValueError(f"rank {rank} is outside 0..{MAX_WORLD - 1} (peer is u16 in the record)")
         if self.world and rank >= self.world:
             raise ValueError(f"rank {rank} is outside this job's world of {self.world}")
         _check_region_id(region)

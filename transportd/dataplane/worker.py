@@ -15,7 +15,6 @@ it, the worker pins itself to the CPUs of the NIC's NUMA node where the config o
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -24,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from cmd_ring import RingFile
@@ -58,7 +58,7 @@ class RailService:
         kind = config.backend.kind
         # a backend the registry ties to one provider (kind "soft") uses it; otherwise backend.verbs decides
         provider = FIXED_PROVIDERS.get(kind, config.backend.verbs)
-        soft_options = dataclasses.asdict(config.softverbs)
+        soft_options = msgspec.structs.asdict(config.softverbs)
         if device and kind in DEVICE_KINDS:  # a soft rail device is created where missing
             soft_options["devices"] = {device: DEVICE_KINDS[kind]}
         verbs = load_verbs(None if provider == "auto" else provider, soft_options=soft_options)

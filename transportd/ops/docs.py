@@ -1,5 +1,6 @@
 """The generated parts of ``docs/``: the config keys (``transportd.daemon.config.describe_keys``, the README's
-generator) and the control/peer protocol's messages (from ``transportd.control.protocol``'s registries).
+generator) and the control/peer protocol's messages (from ``transportd.control.protocol``'s registries: each
+field's type and the limits its annotation states, through ``transportd.schema.type_doc``).
 
 ``python -m transportd.ops.docs`` rewrites every block between ``<!-- generated: NAME -->`` and
 ``<!-- end generated -->`` in ``docs/*.md``; ``tests/test_docs.py`` fails when a block is stale.
@@ -7,15 +8,16 @@ generator) and the control/peer protocol's messages (from ``transportd.control.p
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
-import typing
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from transportd.control import protocol
 from transportd.daemon.config import describe_keys
+from transportd.schema import type_doc
 
 __all__ = ["GENERATORS", "render_blocks", "stale_blocks"]
 
@@ -23,19 +25,13 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 _BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
 
-def _type_text(hint: object) -> str:
-    text = str(hint).replace("typing.", "").replace("transportd.control.protocol.", "")
-    return re.sub(r"<class '([^']+)'>", r"\1", text)
-
-
 def _messages(registry: dict[str, type[protocol.Message]]) -> str:
     lines = ["| op | fields | what it does |", "|---|---|---|"]
     for op, cls in sorted(registry.items()):
-        hints = typing.get_type_hints(cls)
         fields = []
-        for f in dataclasses.fields(cls):
-            default = "" if f.default is dataclasses.MISSING else f" = {f.default!r}"
-            fields.append(f"`{f.name}: {_type_text(hints[f.name])}{default}`".replace("|", "\\|"))
+        for f in msgspec.structs.fields(cls):
+            default = "" if f.required else f" = {f.default!r}"
+            fields.append(f"`{f.name}: {type_doc(f.type)}{default}`".replace("|", "\\|"))
         doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("|", "\\|")
         lines.append(f"| `{op}` | {', '.join(fields) or '—'} | {doc} |")
     return "\n".join(lines) + "\n"
