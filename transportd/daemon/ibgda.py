@@ -8,7 +8,6 @@ them (:func:`transportd.backends.has_capability`, ``"ibgda"``) hand them out.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +22,6 @@ from transportd.dataplane.worker_link import WorkerError
 from transportd.errors import RequestError
 
 __all__ = ["IbgdaChannel", "IbgdaChannels", "IbgdaQueue"]
-
-log = logging.getLogger("transportd")
 
 
 @dataclass

@@ -23,8 +23,7 @@ from transportd.daemon.state import JobState, LocalRank, NodeState, memfd_name
 from transportd.dataplane.flagfile import FlagFile
 from transportd.dataplane.worker_link import WorkerError
 from transportd.errors import RequestError
-from transportd.ops import selftest
-from transportd.ops.selftest import EchoResponder
+from transportd.ops.selftest import REGION_BYTES, SLOTS, EchoResponder
 
 __all__ = ["MAX_SELFTESTS", "SelftestJobs"]
 
@@ -123,16 +122,17 @@ class SelftestJobs:
         job.local[1] = rank
         try:
             # the region is a memfd of the daemon's own, mapped here for the echo and in every worker
-            fd = sealed_memfd(memfd_name("selftest", rank.job), selftest.REGION_BYTES)
+            fd = sealed_memfd(memfd_name("selftest", rank.job), REGION_BYTES)
             try:
                 memory = np.frombuffer(map_fd(fd).mm, dtype=np.uint8)
-                self.memory.add_region(rank, "map_region", {"fds": (fd,)}, 0, selftest.REGION_BYTES,
+                # the rank's first region: id 0, FAR_REGION, where the near side's puts land
+                self.memory.add_region(rank, "map_region", {"fds": (fd,)}, 0, REGION_BYTES,
                                        ("write", "read"), "selftest")
             finally:
                 os.close(fd)
-            rank.flags, fd = FlagFile.create_memfd(selftest.SLOTS, name=memfd_name("flags", rank.job, rank.rank))
+            rank.flags, fd = FlagFile.create_memfd(SLOTS, name=memfd_name("flags", rank.job, rank.rank))
             try:
-                self.memory.map_flags(rank, fd, selftest.SLOTS)
+                self.memory.map_flags(rank, fd, SLOTS)
             finally:
                 os.close(fd)  # the workers and our own mapping hold it
             channel_id, ring, fd = self.memory.add_ring(rank, FAR_RING_RECORDS)
