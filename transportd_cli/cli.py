@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 import click
 
 from transportd.daemon.entry import EXIT_CONFIG, EXIT_SOFTWARE, run
@@ -40,6 +43,35 @@ def demo(mib: int, chunk_kib: int, backend: str, signal_mode: str) -> None:
         run_demo(total=mib << 20, chunk=chunk_kib << 10, backend=backend, signal_mode=signal_mode, echo=click.echo)
     except (RuntimeError, TimeoutError, TransportdError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.argument("trace_file", metavar="FILE", type=click.Path(exists=True, dir_okay=False))
+@click.option("--socket", "sockets", multiple=True, metavar="ENDPOINT",
+              help="a running daemon's control socket (ipc); repeat for more nodes: the traced rank goes on the "
+                   "first, the other ranks over the rest [default: $TRANSPORTD_SOCKET, else the system socket]")
+@click.option("--pace", type=click.Choice(["recorded", "fast"]), default="recorded", show_default=True,
+              help="keep the recorded gaps between passes, or push as fast as the rings take them")
+@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="seconds any one step (joining, exchanging, completing) may take")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def replay(trace_file: str, sockets: tuple[str, ...], pace: str, timeout: float, as_json: bool) -> None:
+    """Replay a trace (`transportctl trace start|stop`) into a fresh job and report what differed.
+
+    Exit 1 when an outcome differed (a record's code, or how many were taken), 0 when none did."""
+    from transportd.control.client import resolve_endpoint
+    from transportd.errors import TransportdError
+    from transportd_cli.replay import ReplayError, format_report, run_replay
+
+    endpoints = [resolve_endpoint(s) for s in sockets] or [resolve_endpoint(None)]
+    try:
+        report = run_replay(trace_file, endpoints, pace=pace, timeout=timeout,
+                            echo=(lambda _: None) if as_json else click.echo)
+    except (ReplayError, TimeoutError, TransportdError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else format_report(report))
+    if not report["same"]:
+        sys.exit(1)
 
 
 @main.group()

@@ -21,7 +21,8 @@ import shutil
 import socket as _socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import click
@@ -30,6 +31,7 @@ from transportd.control.client import ControlConnection, resolve_endpoint
 from transportd.control.curve import CurveClientKeys
 from transportd.control.protocol import Inspect, Stats
 from transportd.errors import ErrorCode, RequestError, TransportdError
+from transportd_cli.replay import trace_start, trace_stop
 
 __all__ = ["main"]
 
@@ -82,16 +84,23 @@ def _permission_problem(path: str) -> str:
             f"add this user to group {group} (the daemon's control.group), or run as root")
 
 
-def _fetch(socket: str | None, request: Any = None) -> dict[str, Any]:
+@contextmanager
+def _connection(socket: str | None) -> Iterator[ControlConnection]:
+    """A control connection; a refusal exits 1, an unreachable daemon 2, each with its one line."""
     endpoint = resolve_endpoint(socket)
     _probe_ipc(endpoint)
     try:
         with ControlConnection(endpoint, timeout_ms=5000, name="transportctl", curve=_curve_keys()) as conn:
-            return conn.request(request if request is not None else Stats())
+            yield conn
     except RequestError as exc:
         _fail(str(exc), EXIT_REFUSED)
     except TransportdError as exc:
         _fail(str(exc))
+
+
+def _fetch(socket: str | None, request: Any = None) -> dict[str, Any]:
+    with _connection(socket) as conn:
+        return conn.request(request if request is not None else Stats())
 
 
 def _emit(data: Any, as_json: bool, human: Callable[[Any], str]) -> None:
@@ -417,6 +426,63 @@ def selftest(rounds: int, timeout: float, socket: str | None, as_json: bool) -> 
     _emit(doc, as_json, format_table)
     if not doc["ok"]:
         sys.exit(EXIT_REFUSED)
+
+
+# --- trace ---------------------------------------------------------------------------------------------
+@main.group()
+def trace() -> None:
+    """Record what a local rank's channels take (docs/trace.md), to replay with `transportd replay FILE`."""
+
+
+@trace.command("start")
+@click.argument("job")
+@click.argument("rank", type=int)
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="where `trace stop` writes the trace")
+@_common
+def trace_start_command(job: str, rank: int, out: str, socket: str | None, as_json: bool) -> None:
+    """Record every record rank RANK of job JOB (joined on this node) takes, until `trace stop`.
+
+    The daemon records into files of its own; `trace stop` hands the trace over and this command's user
+    writes it to --out (checked writable now, so a typo fails here and not after the run). Needs the ipc
+    control socket."""
+    path = os.path.abspath(out)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        _fail(f"cannot write the trace to {path}: {exc.strerror or exc}", EXIT_REFUSED)
+    with _connection(socket) as conn:
+        reply = trace_start(conn, job, rank, path)
+    _emit(reply, as_json, lambda r: f"tracing rank {rank} of job {job} ({r['channels']} channel(s) now, and any it "
+                                    f"opens); `transportctl trace stop {job} {rank}` writes {path}")
+
+
+@trace.command("stop")
+@click.argument("job")
+@click.argument("rank", type=int)
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="write the trace here instead of where `trace start --out` said")
+@_common
+def trace_stop_command(job: str, rank: int, out: str | None, socket: str | None, as_json: bool) -> None:
+    """Stop recording rank RANK of job JOB and write the trace file."""
+    with _connection(socket) as conn:
+        reply, data = trace_stop(conn, job, rank)
+    path = os.path.abspath(out or reply.get("out") or f"{job}-{rank}.trace")
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        _fail(f"cannot write the trace to {path}: {exc.strerror or exc}", EXIT_REFUSED)
+    doc = {"job": job, "rank": rank, "out": path, "entries": reply["entries"], "bytes": len(data),
+           "dropped": reply["dropped"], "write_errors": reply["write_errors"]}
+
+    def human(d: dict[str, Any]) -> str:
+        text = f"wrote {d['entries']} entries ({_bytes(d['bytes'])}) to {d['out']}"
+        if d["dropped"]:
+            text += f"; {d['dropped']} lost to failed writes: {'; '.join(d['write_errors'])}"
+        return text
+
+    _emit(doc, as_json, human)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,8 @@ __all__ = [
     "SideMessage",
     "Stats",
     "TakeFd",
+    "TraceStart",
+    "TraceStop",
     "Vouch",
     "error",
     "error_reply_for",
@@ -458,6 +460,28 @@ class Selftest(Request):
             self._require("job", Name)
         if self.action == "start":
             self._require("node", NodeName)
+
+
+@_request
+class TraceStart(Request):
+    """``transportctl trace start``: record every record local rank ``rank`` of ``job`` takes from its
+    channels (docs/trace.md) until ``trace_stop``; ``out`` is where the client means to write the trace,
+    only echoed back by ``trace_stop`` (the daemon writes into no path a client names)."""
+
+    op: ClassVar[str] = "trace_start"
+    job: Name
+    rank: Rank
+    out: Annotated[str, Meta(max_length=4096)] = ""
+
+
+@_request
+class TraceStop(Request):
+    """``transportctl trace stop``: end the recording; the reply offers the trace file as descriptor ``fd``
+    (kind ``trace``) on the descriptor socket, with ``entries`` written and ``dropped``."""
+
+    op: ClassVar[str] = "trace_stop"
+    job: Name
+    rank: Rank
 
 
 @_request
@@ -842,6 +866,8 @@ TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
         "stats": SessionState.READY,
         "inspect": SessionState.READY,
         "selftest": SessionState.READY,
+        "trace_start": SessionState.READY,
+        "trace_stop": SessionState.READY,
     },
     SessionState.JOINED: {
         "register": SessionState.JOINED,
@@ -852,6 +878,8 @@ TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
         "stats": SessionState.JOINED,
         "inspect": SessionState.JOINED,
         "selftest": SessionState.JOINED,
+        "trace_start": SessionState.JOINED,
+        "trace_stop": SessionState.JOINED,
         "leave": SessionState.READY,
     },
 }

@@ -13,6 +13,7 @@ The parts, each owning its own state, over the resources they share (:class:`~tr
 - :mod:`~transportd.daemon.peering` — wiring a job across nodes (announcements, connections, peers up/down);
 - :mod:`~transportd.daemon.selftest_jobs` — both sides of ``transportctl selftest``;
 - :mod:`~transportd.daemon.stats` — what ``stats`` and ``inspect`` report.
+- :mod:`~transportd.daemon.tracing` — ``transportctl trace start|stop`` (docs/trace.md).
 
 The :class:`Daemon` is the handler the servers call: its ``on_<op>`` methods (one section for the control
 ops, one for the descriptor socket, one for the peer plane) each hand the request to the part that owns it,
@@ -53,6 +54,8 @@ from transportd.control.protocol import (
     Register,
     Selftest,
     Stats,
+    TraceStart,
+    TraceStop,
     Vouch,
 )
 from transportd.control.server import ControlServer
@@ -65,6 +68,7 @@ from transportd.daemon.peering import Peering
 from transportd.daemon.sdnotify import Notifier
 from transportd.daemon.selftest_jobs import SelftestJobs
 from transportd.daemon.state import LocalRank, NodeState
+from transportd.daemon.tracing import Tracing
 from transportd.dataplane.worker import rail_main
 from transportd.dataplane.worker_link import WorkerError, WorkerHandle
 from transportd.errors import RequestError
@@ -92,6 +96,7 @@ class Daemon:
         self.ibgda = IbgdaChannels(self.state, self.clients, self.peering)
         self.selftests = SelftestJobs(self.state, self.peering, self.memory, self._release_rank)
         self.peering.on_job_refreshed = self.selftests.job_refreshed
+        self.tracing = Tracing(self.state)
         self._worker_target = worker_target
         self.notifier = Notifier()
         self.ready = False
@@ -205,6 +210,7 @@ class Daemon:
         """
         state = self.state
         self.selftests.close()
+        self.tracing.close()
         for worker in state.workers:
             worker.stop()
         state.workers.clear()
@@ -304,6 +310,13 @@ class Daemon:
     def on_selftest(self, client_id: bytes, req: Selftest) -> dict[str, Any]:
         self.clients.identity(client_id)  # a vouched session: a self-test takes memory on the peer
         return self.selftests.request(req)
+
+    def on_trace_start(self, client_id: bytes, req: TraceStart) -> dict[str, Any]:
+        return self.tracing.start(self.clients.identity(client_id), req)
+
+    def on_trace_stop(self, client_id: bytes, req: TraceStop) -> dict[str, Any]:
+        conn = self.clients.side_for(client_id, "a trace file")
+        return self.tracing.stop(self.clients.identity(client_id), conn, req)
 
     def on_leave(self, client_id: bytes, req: Leave) -> dict[str, Any]:
         self._reclaim(client_id, "left")

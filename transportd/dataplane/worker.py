@@ -200,6 +200,15 @@ class RailService:
         self.proxy.forget_peer(job, peer)
         return {}
 
+    # --- trace record (docs/trace.md) -------------------------------------------------------------------
+    def op_trace_start(self, job: str, rank: int, prefix: str) -> dict[str, Any]:
+        """Record what the rank's channels on this rail take into ``{prefix}.ch{channel}.part`` files."""
+        return {"channels": self.proxy.trace_start(job, rank, prefix)}
+
+    def op_trace_stop(self, job: str, rank: int) -> dict[str, Any]:
+        """End the rank's recording here: its part files, counts and replay context (``Proxy.trace_stop``)."""
+        return self.proxy.trace_stop(job, rank)
+
     # --- connections ------------------------------------------------------------------------------------
     def op_create_endpoint(self, conn: int, job: str, responder: bool = False) -> dict[str, Any]:
         self.conn_jobs[conn] = job

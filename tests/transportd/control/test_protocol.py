@@ -40,6 +40,8 @@ from transportd.control.protocol import (
     Session,
     SessionState,
     Stats,
+    TraceStart,
+    TraceStop,
     V,
     parse_peer_message,
     parse_reply,
@@ -71,6 +73,8 @@ REQUEST_SAMPLES = [
     Selftest("links"),
     Selftest("start", job="selftest-1a2b", node="node-b", rail=1, seed=7),
     Selftest("status", job="selftest-1a2b"),
+    TraceStart("job-1", 3, out="/tmp/rank3.trace"),
+    TraceStop("job-1", 3),
 ]
 
 PEER_SAMPLES = [
