@@ -312,6 +312,7 @@ class Daemon:
         return self.selftests.request(req)
 
     def on_trace_start(self, client_id: bytes, req: TraceStart) -> dict[str, Any]:
+        self.clients.side_for(client_id, "a trace file")  # refused now, not at the stop, over tcp
         return self.tracing.start(self.clients.identity(client_id), req)
 
     def on_trace_stop(self, client_id: bytes, req: TraceStop) -> dict[str, Any]:
