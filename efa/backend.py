@@ -138,8 +138,9 @@ class EfaBackend:
     (``efa.arrivals``). ``visibility_flush``: call ``flush_hook`` (a no-op until the GPU path installs
     ``cuFlushGPUDirectRDMAWrites``) once before publishing the flags of one poll. ``use_unsolicited``:
     use unsolicited write receive where the device has it. ``max_rdma_size``: split writes at this size
-    (0: the device's limit). ``signal_mode`` is accepted for a uniform ``open_backend`` call and unused:
-    on efa the receiving daemon publishes every flag.
+    (0: the device's limit). The daemon opens it with its ``[backend.efa]`` table and
+    ``efa.visibility_flush`` only (``transportd.backends.open_configured``); it takes no signal mode: on efa
+    the receiving daemon publishes every flag.
     """
 
     name = "efa"
@@ -151,7 +152,7 @@ class EfaBackend:
                  rq_depth: int = 4096, cq_depth: int = 1 << 16, staging_entries: int = 4096,
                  cumulative: bool = False, visibility_flush: bool = True,
                  flush_hook: Callable[[], None] | None = None, use_unsolicited: bool = True,
-                 max_rdma_size: int = 0, signal_mode: str | None = None) -> None:
+                 max_rdma_size: int = 0) -> None:
         if staging_entries < 64 or staging_entries & (staging_entries - 1) or staging_entries > 1 << INDEX_BITS:
             raise BackendError(f"staging_entries must be a power of two in [64, {1 << INDEX_BITS}]")
         self.inflight_cap = inflight_cap

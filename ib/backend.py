@@ -101,9 +101,8 @@ class IbBackend:
     (shared by every connection; a connection is refused when the sum of SQ depths would exceed it,
     since a QP in error may complete every outstanding WR). ``path_mtu``: an ibv_mtu value, 0 for the
     port's active MTU. ``timeout``/``retry_cnt``/``rnr_retry``/``min_rnr_timer``: RC retry settings.
-    ``relaxed_ordering``: register data regions (not flag regions) with relaxed ordering.
-    ``visibility_flush`` is accepted for a uniform ``open_backend`` call and unused: on ib the NIC
-    writes the flag, ordered by the fabric, so there is nothing for the host to flush.
+    ``relaxed_ordering``: register data regions (not flag regions) with relaxed ordering. The daemon opens
+    it with its ``[backend.ib]`` table and ``signal.mode`` only (``transportd.backends.open_configured``).
     """
 
     name = "ib"
@@ -111,8 +110,7 @@ class IbBackend:
     def __init__(self, device: str | None = None, *, verbs: Any = None, signal_mode: str = "write",
                  inflight_cap: int = 256, batch_max: int = 8, port: int = 1, gid_index: int = 0,
                  cq_depth: int = 1 << 18, path_mtu: int = 0, timeout: int = 14, retry_cnt: int = 7,
-                 rnr_retry: int = 7, min_rnr_timer: int = 12, relaxed_ordering: bool = False,
-                 visibility_flush: Any = None) -> None:
+                 rnr_retry: int = 7, min_rnr_timer: int = 12, relaxed_ordering: bool = False) -> None:
         if signal_mode not in SIGNAL_MODES:
             raise BackendError(f"signal_mode must be one of {', '.join(SIGNAL_MODES)}, not {signal_mode!r}")
         if inflight_cap < 1 or batch_max < 1:

@@ -99,7 +99,7 @@ def test_example_config_documents_every_key_at_its_default(tmp_path) -> None:
     commented: set[str] = set()
     uncommented = []
     for line in text.splitlines():
-        if re.fullmatch(r"\[(\w+)\]", line):
+        if re.fullmatch(r"\[([\w.]+)\]", line):  # [backend.ib] too
             section = line.strip("[]")
         in_rails_example = (in_rails_example or line == "# [[backend.rails]]") and line != ""
         match = re.fullmatch(r"# (\w+) = (.*)", line)

@@ -1,18 +1,28 @@
 """The one place that picks a backend by name (DESIGN.md section 2: nothing else branches on it).
 
 Each backend registers a ``"module:Class"`` entry in :data:`BACKENDS`; the module is imported only when
-that backend is opened, so a node without pyverbs can still run the null backend.
+that backend is opened, so a node without pyverbs can still run the null backend. What the config needs
+to know about each backend is declared here too, so that the config and the rail workers ask instead of
+branching on ``backend.kind``: its own options table (:data:`OPTIONS`, ``[backend.ib]``/``[backend.efa]``),
+which of the shared keys it takes (:func:`open_configured`) and which settings it cannot honour
+(:data:`RULES`, :func:`config_problems`).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 from transportd.backends.interface import Backend
 
-__all__ = ["BACKENDS", "CAPABILITIES", "DEVICE_KINDS", "FIXED_PROVIDERS", "IBGDA", "has_capability", "kinds_with",
-           "open_backend"]
+__all__ = ["BACKENDS", "CAPABILITIES", "DEVICE_KINDS", "FIXED_PROVIDERS", "IBGDA", "OPTIONS", "RULES",
+           "BackendOptions", "ConfigRules", "EfaOptions", "IbOptions", "config_problems", "has_capability",
+           "kinds_with", "open_backend", "open_configured"]
 
 BACKENDS: dict[str, str] = {
     "null": "transportd.backends.null:NullBackend",
@@ -56,3 +66,110 @@ def open_backend(kind: str, **opts: Any) -> Backend:
     module_name, _, class_name = target.partition(":")
     backend_class = getattr(importlib.import_module(module_name), class_name)
     return backend_class(**opts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Each backend's own options: its config table, handed to its constructor as keywords.
+
+
+class BackendOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of a backend's own options, one config table ``[backend.<name>]`` each (see :data:`OPTIONS`)."""
+
+
+_PORT = Meta(ge=1, le=255, description="Port of each rail's NIC its queue pairs use (verbs port numbers start at 1).")
+_GID_INDEX = Meta(ge=0, le=255, description="GID table index of that port the queue pairs use: 0 on InfiniBand "
+                                            "and EFA; on RoCE the entry holding the node's address and RoCE version.")
+
+
+class IbOptions(BackendOptions):
+    """[backend.ib] — the ib backend's own options (``backend.kind`` "ib", and "soft": ib on softverbs)."""
+
+    port: Annotated[int, _PORT] = 1
+    gid_index: Annotated[int, _GID_INDEX] = 0
+
+
+class EfaOptions(BackendOptions):
+    """[backend.efa] — the efa backend's own options."""
+
+    port: Annotated[int, _PORT] = 1
+    gid_index: Annotated[int, _GID_INDEX] = 0
+
+
+#: backend.kind -> the options table it reads (by the config field under [backend] that holds it)
+OPTIONS: dict[str, tuple[str, type[BackendOptions]]] = {"ib": ("ib", IbOptions), "soft": ("ib", IbOptions),
+                                                        "efa": ("efa", EfaOptions)}
+
+# The keys each backend takes from the config besides its own table: (constructor keyword, how to read it).
+# The config is duck-typed here (transportd.daemon.config imports this module, not the other way round).
+_SHARED: dict[str, tuple[tuple[str, Callable[[Any], Any]], ...]] = {
+    "ib": (("signal_mode", lambda config: config.signal.mode),),
+    "soft": (("signal_mode", lambda config: config.signal.mode),),
+    "efa": (("visibility_flush", lambda config: config.efa.visibility_flush),),
+}
+
+
+def open_configured(config: Any, *, device: str | None, verbs: Any) -> Backend:
+    """Open ``config.backend.kind``'s backend on ``device`` with the options it takes, and no other: its own
+    table (:data:`OPTIONS`), the proxy's bounds, and the shared keys it reads (``signal.mode`` for ib,
+    ``efa.visibility_flush`` for efa). ``config`` is a :class:`transportd.daemon.config.Config`."""
+    kind = config.backend.kind
+    table, _ = OPTIONS[kind]
+    opts = msgspec.structs.asdict(getattr(config.backend, table))
+    opts.update({name: read(config) for name, read in _SHARED[kind]})
+    return open_backend(kind, device=device, verbs=verbs, inflight_cap=config.proxy.inflight_cap,
+                        batch_max=config.proxy.batch_max, **opts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What each backend makes of the shared signal and flag settings; the config refuses what one cannot honour.
+
+
+@dataclass(frozen=True)
+class ConfigRules:
+    """Which shared settings a backend honours (DESIGN.md section 4 says why for each)."""
+
+    signal_modes: tuple[str, ...] = ("write", "atomic", "fence")
+    signal_modes_why: str = ""  #: why a mode outside ``signal_modes`` does not apply
+    decoupled: bool = True  #: honours ``signal.decoupled``
+    decoupled_why: str = ""
+    receiver_publishes_flags: bool = False  #: the receiving daemon publishes flags (``flags.publication``)
+    write_needs_in_order: bool = False  #: ``write`` signaling relies on in-order placement
+
+
+_RC = ConfigRules(write_needs_in_order=True)  # write-then-flag on one RC QP: adaptive routing breaks it
+RULES: dict[str, ConfigRules] = {
+    "ib": _RC,
+    "soft": _RC,
+    # SRD has no ordered flag write, no fence and no atomics to order with: an efa signal is published by
+    # the receiving daemon once every piece it covers has arrived, whatever the mode says; accepting
+    # atomic/fence would promise an ordering that is not what happens. Decoupling moves writes ahead of
+    # signals, which regroups SRD writes and can shrink what a signal covers
+    # (tests/transportd/dataplane/test_batching.py documents the case): refused until batching keeps efa
+    # groups intact.
+    "efa": ConfigRules(signal_modes=("write",),
+                       signal_modes_why="the receiving daemon publishes a flag once every piece it covers arrived",
+                       decoupled=False,
+                       decoupled_why="it would regroup SRD writes so a flag could cover less than it should",
+                       receiver_publishes_flags=True),
+}
+
+
+def config_problems(kind: str, *, signal_mode: str, decoupled: bool, flags_publication: str,
+                    adaptive_routing: bool) -> list[tuple[str, str]]:
+    """``(config key, reason)`` for each shared setting backend ``kind`` cannot honour ([] when it can)."""
+    rules = RULES.get(kind, ConfigRules())
+    problems = []
+    if rules.write_needs_in_order and adaptive_routing and signal_mode == "write":
+        problems.append(("signal.mode", "write signaling is unsafe with adaptive routing "
+                                        "(softverbs.adaptive_routing); use atomic or fence"))
+    if signal_mode not in rules.signal_modes:
+        problems.append(("signal.mode", f"{signal_mode!r} does not apply to backend.kind = \"{kind}\" "
+                                        f"({rules.signal_modes_why}); leave it at \"write\" (the default)"))
+    if decoupled and not rules.decoupled:
+        problems.append(("signal.decoupled", f"not supported with backend.kind = \"{kind}\" ({rules.decoupled_why})"))
+    if flags_publication != "auto" and not rules.receiver_publishes_flags:
+        publishers = " or ".join(f'"{k}"' for k, r in RULES.items() if r.receiver_publishes_flags)
+        problems.append(("flags.publication", f"{flags_publication!r} applies to backend.kind = {publishers} only, "
+                                              f"where the receiving daemon publishes flags; on {kind!r} leave it "
+                                              "at \"auto\""))
+    return problems

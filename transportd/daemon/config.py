@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from transportd import schema
+from transportd.backends import EfaOptions, IbOptions, config_problems
 from transportd.control.protocol import MAX_DEVICE, MAX_RAILS
 from transportd.errors import ConfigError
 from transportd.limits import (
@@ -261,6 +262,9 @@ class BackendConfig(Section):
     verbs: Annotated[Literal["auto", "soft", "pyverbs"], key(
         "Verbs provider: pyverbs (real NICs; use it in production: no device is an error), soft (softverbs) "
         "or auto (pyverbs if a device exists, else softverbs over TCP, with a warning).")] = "auto"
+    # each backend's own table (transportd.backends.OPTIONS says which kind reads which)
+    ib: IbOptions = msgspec.field(default_factory=IbOptions)
+    efa: EfaOptions = msgspec.field(default_factory=EfaOptions)
 
     def _check(self) -> None:
         names = [r.device for r in self.rails]
@@ -467,8 +471,11 @@ def _describe_fields(prefix: str, cls: type[msgspec.Struct]) -> dict[str, KeyInf
         else:
             shown = default_doc or _toml_literal(None if f.default is msgspec.NODEFAULT else f.default)
         name = f"{prefix}.{f.name}"
-        keys[name] = KeyInfo(name, shown, _type_doc(f.type), meaning)
         item, _ = schema.field_metas(f.type)
+        if isinstance(item, type) and issubclass(item, msgspec.Struct):  # a table inside the section
+            keys.update(_describe_fields(name, item))
+            continue
+        keys[name] = KeyInfo(name, shown, _type_doc(f.type), meaning)
         if typing.get_origin(item) is tuple:
             element = typing.get_args(item)[0]
             if isinstance(element, type) and issubclass(element, msgspec.Struct):
@@ -502,9 +509,9 @@ def example_config() -> str:
            "# Uncomment and edit what you need; `transportd run --config FILE` validates the whole file.", ""]
     current = None
     for info in KEYS.values():
-        section, _, name = info.key.partition(".")
-        if "[]" in name:
+        if "[]" in info.key:
             continue
+        section, _, name = info.key.rpartition(".")
         if section != current:
             current = section
             out += [f"[{section}]"]
@@ -605,28 +612,11 @@ def _validate_security(loader: _Loader, sec: SecurityConfig) -> SecurityConfig:
 
 
 def _validate(loader: _Loader, cfg: Config) -> Config:
-    if cfg.softverbs.adaptive_routing and cfg.signal.mode == "write" and cfg.backend.kind in ("ib", "soft"):
-        # write-then-flag relies on in-order placement, which adaptive routing breaks (DESIGN.md section 4)
-        loader.fail("signal.mode", "write signaling is unsafe with adaptive routing (softverbs.adaptive_routing); "
-                                   "use atomic or fence")
-    if cfg.backend.kind == "efa" and cfg.signal.mode != "write":
-        # SRD has no ordered flag write, no fence and no atomics to order with: an efa signal is published
-        # by the receiving daemon once every piece it covers has arrived (DESIGN.md section 4), whatever
-        # the mode says. Accepting atomic/fence would promise an ordering that is not what happens.
-        loader.fail("signal.mode", f"{cfg.signal.mode!r} does not apply to backend.kind = \"efa\" (the receiving "
-                                   "daemon publishes a flag once every piece it covers arrived); leave it at "
-                                   "\"write\" (the default)")
-    if cfg.signal.decoupled and cfg.backend.kind == "efa":
-        # decoupling moves writes ahead of signals, which regroups SRD writes and can shrink what an efa
-        # signal covers (tests/transportd/dataplane/test_batching.py documents the case): refuse until batching keeps
-        # efa groups intact
-        loader.fail("signal.decoupled", "not supported with backend.kind = \"efa\" (it would regroup SRD "
-                                        "writes so a flag could cover less than it should)")
-    if cfg.flags.publication != "auto" and cfg.backend.kind != "efa":
-        # on ib (and null) the sender's NIC writes the flag (or nothing does): no receiver-side path to pick
-        loader.fail("flags.publication", f"{cfg.flags.publication!r} applies to backend.kind = \"efa\" only, where "
-                                         "the receiving daemon publishes flags; on "
-                                         f"{cfg.backend.kind!r} leave it at \"auto\"")
+    # what the backend cannot honour is the registry's to say (DESIGN.md section 2: no branch on the kind here)
+    for key_name, reason in config_problems(cfg.backend.kind, signal_mode=cfg.signal.mode,
+                                            decoupled=cfg.signal.decoupled, flags_publication=cfg.flags.publication,
+                                            adaptive_routing=cfg.softverbs.adaptive_routing):
+        loader.fail(key_name, reason)
     return msgspec.structs.replace(cfg, security=_validate_security(loader, cfg.security))
 
 

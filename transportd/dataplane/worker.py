@@ -28,7 +28,7 @@ import numpy as np
 
 from cmd_ring import RingFile
 from cmd_ring.shm import SharedFile, map_fd
-from transportd.backends import DEVICE_KINDS, FIXED_PROVIDERS, open_backend
+from transportd.backends import DEVICE_KINDS, FIXED_PROVIDERS, open_configured
 from transportd.backends.interface import MemoryKey
 from transportd.backends.verbs import load as load_verbs
 from transportd.daemon.config import Config
@@ -68,9 +68,7 @@ class RailService:
             log.warning("backend.verbs = \"auto\" found no RDMA device: rail %d uses softverbs, which moves "
                         "data over TCP, not a NIC; set backend.verbs = \"pyverbs\" on a production node (it "
                         "fails instead) or \"soft\" to choose this knowingly", rail)
-        self.backend = open_backend(config.backend.kind, device=device or None, verbs=verbs,
-                                    signal_mode=config.signal.mode, inflight_cap=config.proxy.inflight_cap,
-                                    batch_max=config.proxy.batch_max, visibility_flush=config.efa.visibility_flush)
+        self.backend = open_configured(config, device=device or None, verbs=verbs)  # only what the kind takes
         self.proxy = Proxy(self.backend, batch_max=config.proxy.batch_max,
                            poll_window_us=config.proxy.poll_window_us, inflight_cap=config.proxy.inflight_cap,
                            decoupled=config.signal.decoupled)

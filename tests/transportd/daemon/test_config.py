@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from transportd.backends import config_problems
 from transportd.control.curve import generate_keypair
 from transportd.daemon.config import (
     DEFAULT_SOCKET,
@@ -259,7 +260,9 @@ def test_every_documented_key_can_be_written_back(write):
         for key, value in values.items():
             if value is None or key == "rails":
                 continue
-            if isinstance(value, bool):
+            if isinstance(value, dict):  # a backend's own table, e.g. [backend.ib], as an inline table
+                lines.append(f"{key} = {{{', '.join(f'{k} = {v!r}' for k, v in value.items())}}}")
+            elif isinstance(value, bool):
                 lines.append(f"{key} = {'true' if value else 'false'}")
             elif isinstance(value, str):
                 lines.append(f'{key} = "{value}"')
@@ -281,3 +284,36 @@ def test_decoupled_signaling_is_refused_on_efa(tmp_path) -> None:
 def test_the_readme_config_table_is_the_generated_one():
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     assert describe_keys() in readme, "regenerate the README's config table: transportd.daemon.config.describe_keys()"
+
+
+def test_each_backend_has_its_own_table(write):
+    cfg = load_config(write("[backend.ib]\nport = 2\ngid_index = 3\n[backend.efa]\ngid_index = 1\n"), env={})
+    assert (cfg.backend.ib.port, cfg.backend.ib.gid_index, cfg.backend.efa.gid_index) == (2, 3, 1)
+    assert cfg.to_dict()["backend"]["ib"] == {"port": 2, "gid_index": 3}
+    assert "| `backend.ib.gid_index` | int | `0` |" in describe_keys()
+
+
+@pytest.mark.parametrize(("text", "key", "reason"), [
+    ("[backend.ib]\nport = 0\n", "backend.ib.port", r"must be in \[1, 255\], got 0"),
+    ("[backend.ib]\nsignal_mode = 'atomic'\n", "backend.ib.signal_mode", "unknown key; known keys here: port"),
+    ("[backend.efa]\ngid_index = 'x'\n", "backend.efa.gid_index", "expected integer, got string"),
+    ("[backend]\nib = 1\n", "backend.ib", "expected a table, got integer"),
+    ("[[backend.rails]]\ndevice = 'a'\n" * 2 + "".join(f"[[backend.rails]]\ndevice = 'n{i}'\n" for i in range(15)),
+     "backend.rails", "at most 16 items"),
+])
+def test_bad_backend_tables(write, text, key, reason):
+    with pytest.raises(ConfigError, match=reason) as info:
+        load_config(write(text), env={})
+    assert info.value.key == key
+
+
+def test_the_registry_says_what_each_backend_cannot_honour():
+    # the config asks transportd.backends instead of branching on backend.kind
+    ok = {"signal_mode": "write", "decoupled": False, "flags_publication": "auto", "adaptive_routing": False}
+    for kind in ("ib", "soft", "efa"):
+        assert config_problems(kind, **ok) == []
+    assert [k for k, _ in config_problems("soft", **{**ok, "adaptive_routing": True})] == ["signal.mode"]
+    assert config_problems("efa", **{**ok, "adaptive_routing": True}) == []  # SRD: the receiver publishes
+    assert [k for k, _ in config_problems("efa", **{**ok, "decoupled": True})] == ["signal.decoupled"]
+    assert [k for k, _ in config_problems("ib", **{**ok, "flags_publication": "gdrcopy"})] == ["flags.publication"]
+    assert config_problems("efa", **{**ok, "flags_publication": "gdrcopy"}) == []
