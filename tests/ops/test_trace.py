@@ -88,6 +88,7 @@ def test_the_trace_holds_every_record_with_its_outcome(recorded: tuple[Path, dic
 def test_errors_by_code_per_rank_reach_the_metrics(recorded: tuple[Path, dict]) -> None:
     stats = recorded[1]["stats"]
     assert job_traffic(stats)[JOB]["errors_by_code"][0] == {"BAD_REGION": 1, "OUT_OF_BOUNDS": 1}
+    assert stats["jobs"][JOB]["traffic"]["errors_by_code"]["0"] == {"BAD_REGION": 1, "OUT_OF_BOUNDS": 1}
     text = render_metrics(stats)
     assert f'transportd_job_command_errors_bad_region_total{{job="{JOB}",node="nodea",rank="0"}} 1.0' in text
     assert f'transportd_job_command_errors_out_of_bounds_total{{job="{JOB}",node="nodea",rank="0"}} 1.0' in text

@@ -66,7 +66,9 @@ def collect_stats(state: NodeState, peering: Peering, clients: ClientSessions, *
     for name, traffic in job_traffic(out).items():  # per job and rank, assembled from the rails' counters
         if name in out["jobs"]:
             out["jobs"][name]["traffic"] = {"bytes": traffic["bytes"],
-                                            "ranks": {str(r): v for r, v in traffic["ranks"].items()}}
+                                            "ranks": {str(r): v for r, v in traffic["ranks"].items()},
+                                            "errors_by_code": {str(r): v for r, v in
+                                                               traffic["errors_by_code"].items()}}
     return out
 
 
