@@ -44,16 +44,14 @@ from cmd_ring.record import RECORD_DTYPE, Flag, Opcode, seq_for
 from cmd_ring.ring import RingConsumer, RingFile
 from transportd.backends.interface import PLAN_DTYPE, Backend, PlanOp
 from transportd.dataplane.batching import (
-    compress_rows,
-    concat_rows,
     cumsum_within,
     cut_batches,
     decouple_signals,
     run_starts,
-    take_rows,
 )
 from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable, Translated, translate
 from transportd.errors import ErrorCode
+from transportd.rows import compress_rows, concat_rows, take_rows
 
 __all__ = ["ModelProxy", "completion_error_code", "META_DTYPE"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from transportd.backends.interface import COMPLETION_DTYPE, FlagPublisher, MemoryKey, PlanOp, SignalOp
-from transportd.dataplane.batching import concat_rows
+from transportd.rows import concat_rows
 
 __all__ = ["NullBackend", "apply_plans"]
 

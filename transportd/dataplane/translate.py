@@ -39,9 +39,9 @@ import numpy as np
 
 from cmd_ring.record import RECORD_DTYPE, Flag, Opcode
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
-from transportd.dataplane.batching import take_rows
 from transportd.errors import ErrorCode
 from transportd.limits import MAX_REGIONS, MAX_WORLD
+from transportd.rows import take_rows
 
 __all__ = ["RegionTable", "PeerTable", "Translated", "translate", "DEFAULT_MAX_LENGTH", "MAX_REGION_ID"]
 

@@ -9,13 +9,11 @@ from hypothesis import strategies as st
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
 from transportd.dataplane import batching
 from transportd.dataplane.batching import (
-    compress_rows,
-    concat_rows,
     cumsum_within,
     cut_batches,
     decouple_signals,
-    take_rows,
 )
+from transportd.rows import compress_rows, concat_rows, take_rows
 
 W, S, F = int(PlanOp.WRITE), int(PlanOp.SIGNAL), int(PlanOp.FENCE)
 ADD, SET = int(SignalOp.ADD), int(SignalOp.SET)
