@@ -10,6 +10,8 @@ from cmd_ring import RingConsumer, RingFile
 from cmd_ring.loadgen import produce, verify_stream
 from tests.support.waiting import wait_until
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 
 @pytest.mark.parametrize("capacity", [4096])
 def test_two_processes_exchange_a_million_checksummed_records(ring_name: str, capacity: int) -> None:

@@ -15,6 +15,8 @@ import pytest
 
 from tests.conformance import mp_node
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 N_OPS = 50_000  # per direction: 10^5 work requests in all
 N_OPS_HELD = 20_000  # per direction; about 10^4 write-with-imm, more than a held receiver's CQ has room for
 SIZE_MAX = 2048

@@ -20,6 +20,8 @@ from transportd.control.client import ControlConnection
 from transportd.control.protocol import Stats
 from transportd.errors import ErrorCode, RequestError
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 
 def record(opcode: int, **fields: int) -> np.ndarray:
     rec = np.zeros(1, dtype=RECORD_DTYPE)

@@ -23,6 +23,8 @@ from transportd.control.protocol import Hello, Join
 from transportd.errors import RequestError, SessionLostError, TransportdError
 from transportd_cli.localcluster import free_port
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 
 def test_over_tcp_a_killed_client_is_reclaimed_and_an_idle_one_is_kept(cluster_factory) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.support.cluster import close_ranks, join_ranks
 from tests.support.ctl import ctl
 from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
 
 def _queue_rows(socket: str) -> list[dict]:

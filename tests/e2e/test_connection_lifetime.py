@@ -19,6 +19,8 @@ from transportd.control.protocol import Stats
 from transportd.errors import ErrorCode
 from transportd_cli.localcluster import LocalCluster
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 
 def _both_ways(a: Rank, b: Rank, slot: int, nbytes: int = 64 << 10) -> None:
     """a -> b and b -> a, each a PUT_SIGNAL whose data the receiver checks when its flag shows."""

@@ -21,6 +21,8 @@ from transportd.daemon.config import load_config
 from transportd.errors import ConfigError
 from transportd_cli.localcluster import LocalCluster, free_port, render_toml
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 STANDIN_SOURCE = Path(__file__).resolve().parents[1] / "efa" / "gdr_standin.c"
 
 

@@ -25,6 +25,8 @@ from transportd.control.fdchannel import FdClient
 from transportd.control.protocol import Hello, Inspect, Join, PassFd, Register, Stats
 from transportd.errors import ErrorCode, RequestError
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 INTRUDER = """
     socket = sys.argv[1]
     out = {}

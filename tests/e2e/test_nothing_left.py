@@ -9,8 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 import gpuclient
 from transportd_cli.localcluster import LocalCluster
+
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
 SHM = Path("/dev/shm")
 

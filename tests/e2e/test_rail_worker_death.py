@@ -12,6 +12,8 @@ import pytest
 import gpuclient
 from tests.support.cluster import join_ranks
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 
 def test_a_dead_rail_worker_stops_the_daemon_with_a_status_that_asks_for_a_restart(cluster_factory) -> None:
     cluster = cluster_factory(backend="ib")

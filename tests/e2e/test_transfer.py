@@ -8,6 +8,8 @@ import pytest
 from tests.support.cluster import close_ranks, join_ranks
 from transportd.errors import ConfigError  # noqa: F401  (documents what a refused start raises)
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 TRANSPORTS = [
     pytest.param("ib", "write", False, id="rc-write"),
     pytest.param("ib", "atomic", False, id="rc-atomic"),

@@ -28,6 +28,8 @@ from transportd.dataplane.pinning import parse_cpulist
 from transportd_cli.ctl import main as ctl_main
 from transportd_cli.localcluster import LocalCluster
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 GPUS = 2
 JOB = "two-rails"
 

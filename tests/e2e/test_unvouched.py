@@ -18,6 +18,8 @@ from tests.support.users import GROUP, run_as
 from tests.support.waiting import wait_until
 from transportd.control import codec
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 TIMEOUT_S, MAX_UNVOUCHED = 1.0, 8  # so 2 per uid
 
 

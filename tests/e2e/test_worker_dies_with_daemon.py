@@ -7,8 +7,12 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.support.ctl import ctl
 from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
 
 def _running(pid: int) -> bool:

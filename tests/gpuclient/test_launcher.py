@@ -15,6 +15,8 @@ from gpuclient.errors import LauncherError
 from gpuclient.launcher import from_environment
 from transportd_cli.localcluster import LocalCluster
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "launcher_ranks.py"
 

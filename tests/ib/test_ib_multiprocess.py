@@ -9,6 +9,8 @@ import pytest
 
 from tests.support.node_process import NodeProcess, run_pair
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 NODE = Path(__file__).with_name("mp_node.py")
 Node = partial(NodeProcess, NODE)
 

@@ -23,6 +23,8 @@ from transportd.errors import ErrorCode, RequestError
 from transportd_cli.ctl import main as ctl_main
 from transportd_cli.localcluster import LocalCluster
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 CHUNK = 4096
 NCHUNKS = 64
 SLOTS = 8

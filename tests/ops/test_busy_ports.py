@@ -11,6 +11,8 @@ import pytest
 
 from transportd_cli.localcluster import free_port, render_toml
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 
 @pytest.mark.parametrize("key", ["peers.listen", "metrics.listen"])
 def test_a_busy_port_is_one_line_naming_its_key(tmp_path, key: str) -> None:

@@ -19,6 +19,8 @@ from tests.support.ctl import assert_one_line, ctl, ctl_process
 from tests.support.ops_cluster import BACK, CHUNK, INFLIGHT_CAP, JOB, PUTS, SET_VALUE, OpsCluster
 from tests.support.waiting import wait_until
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 
 def _json(node: str, ops: OpsCluster, *args: str) -> dict:
     result = ctl(*args, "--json", "--socket", ops.socket(node))

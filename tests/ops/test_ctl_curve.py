@@ -7,9 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.waiting import wait_until
 from transportd.control.curve import generate_keypair
 from transportd_cli.localcluster import free_port, render_toml
+
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
 
 def test_transportctl_speaks_curve_to_a_tcp_control_socket(tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ import pytest
 from tests.support.ctl import installed_script
 from transportd.daemon.config import KEYS, default_config, example_config, load_config
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "transportd.service"
 EXAMPLE = DEPLOY / "transportd.toml"

@@ -5,7 +5,11 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
+
 from transportd_cli.localcluster import free_port
+
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:

@@ -18,6 +18,8 @@ from transportd.errors import ErrorCode
 from transportd.ops.metrics import CONTENT_TYPE, job_traffic, render_metrics
 from transportd_cli.localcluster import LocalCluster, free_port
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 ALLOWED_LABELS = {"node", "job", "rank", "peer"}
 NAME = re.compile(r"transportd_[a-z][a-z0-9_]*")
 

@@ -14,6 +14,8 @@ from cmd_ring import Command, Opcode, RingFile, RingProducer, records_from_comma
 from transportd.backends.null import NullBackend
 from transportd.dataplane.proxy import Proxy
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 JOB, WORLD, REGION = "job", 4, 1 << 20
 
 

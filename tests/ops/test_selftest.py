@@ -16,6 +16,8 @@ from transportd.control.curve import generate_keypair
 from transportd.control.protocol import Selftest, Stats
 from transportd_cli.localcluster import LocalCluster
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 CHECKS = {"put_signal add", "put_signal set", "put + signal add", "1 MiB put_signal", "bad record", "far side data"}
 
 

@@ -15,6 +15,8 @@ from tests.support.waiting import wait_until
 from transportd.backends.verbs import pyverbs_devices
 from transportd_cli.localcluster import LocalCluster, free_port
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 
 @pytest.fixture(scope="module")
 def auto_node() -> Iterator[tuple[LocalCluster, str]]:

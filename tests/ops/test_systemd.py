@@ -32,6 +32,8 @@ from transportd.daemon.sdnotify import Notifier
 from transportd.errors import DaemonUnavailableError
 from transportd_cli.localcluster import LocalCluster, LocalNode
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 WATCHDOG_USEC = 200_000  # the daemon must pet every 0.1 s
 
 

@@ -21,6 +21,8 @@ from transportd_cli.cli import main as transportd_main
 from transportd_cli.localcluster import LocalCluster
 from transportd_cli.replay import compare_traces, format_report, run_replay
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 JOB = "traced"
 CHUNK = 4096
 NBYTES = 16 * CHUNK

@@ -10,6 +10,8 @@ from tests.support.peer_planes import Events, pump
 from transportd.dataplane.worker_link import WorkerError, WorkerHandle
 from transportd_cli.localcluster import free_port
 
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
 
 def test_a_late_reply_is_not_taken_for_the_next_calls() -> None:
     handle = WorkerHandle(0, slow_worker, {"delay_s": 0.5})
