@@ -51,10 +51,11 @@ import numpy as np
 from efa.srd_shim import AddressTable, bridged, shim_cq, srd_shim_qp
 from efa.wire import CTRL_DTYPE, INDEX_BITS, MAX_CONNS
 from transportd import _core
-from transportd.backends.interface import COMPLETION_DTYPE, FlagPublisher, MemoryKey, SignalOp
+from transportd.backends.interface import FlagPublisher, MemoryKey, SignalOp
 from transportd.backends.verbs_common import (
     BackendError,
     CqDrain,
+    PosterBackend,
     Rail,
     VerbsError,
     access_flags,
@@ -127,7 +128,7 @@ class _Conn:
     send_lkey: int = 0
 
 
-class EfaBackend:
+class EfaBackend(PosterBackend):
     """SRD backend for one rail (an EFA device).
 
     ``device``: verbs device name (None or "": the first one). ``verbs``: provider name or namespace.
@@ -245,11 +246,6 @@ class EfaBackend:
             self._poster.set_flush_hook(hook is not None)
 
     @property
-    def c_poster(self) -> Any:
-        """The compiled poster the proxy's engine calls directly (no Python per record or per WR)."""
-        return self._poster
-
-    @property
     def stats(self) -> dict[str, int]:
         """Counters of the data path: WRs, pieces, signals, fences, arrivals, flags published, ..."""
         return self._poster.stats() if self._poster is not None else {}
@@ -268,9 +264,6 @@ class EfaBackend:
         mr = self.rail.register(addr, length, access_flags(self.v, remote_write=remote_write or remote_atomic),
                                 accessor)
         return MemoryKey(addr=addr, length=length, lkey=int(mr.lkey), rkey=int(mr.rkey))
-
-    def deregister_memory(self, key: MemoryKey) -> None:
-        self.rail.deregister(key.addr, key.lkey)
 
     def _job(self, job: str) -> int:
         return self._jobs.setdefault(job, len(self._jobs))
@@ -378,20 +371,14 @@ class EfaBackend:
         self._free_index.append(conn.index)
         self._free_keys.append(conn.key)
 
-    # --- data path (the engine calls c_poster directly; these are the same C calls) --------------------
+    # --- data path (the engine calls c_poster directly; these and PosterBackend's are the same C calls) ---
     def post(self, conn_id: int, plan: np.ndarray) -> int:
         """Lower ``plan`` to write-with-imm WRs and submit what fits; returns how many WRs it became."""
         return self._poster.post(conn_id, np.ascontiguousarray(plan))
 
-    def post_batches(self, conn_ids: np.ndarray, plan: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-        """Post several batches (``plan[bounds[i]:bounds[i+1]]`` on ``conn_ids[i]``) with one submission."""
-        out = self._poster.post_batches(np.ascontiguousarray(conn_ids, dtype=np.int64), np.ascontiguousarray(plan),
-                                        np.ascontiguousarray(bounds, dtype=np.int64))
-        return np.frombuffer(out, dtype=np.int64).copy()
-
     def poll(self, max_completions: int = 256) -> np.ndarray:
         """Handle send completions and arrivals; returns completed tokens (each batch once)."""
-        return np.frombuffer(self._poster.poll(max_completions), dtype=COMPLETION_DTYPE).copy()
+        return super().poll(max_completions)
 
     def _on_pass(self, pubs: bytes, failures: list[tuple[int, str]], replenish: int, flush: bool) -> None:
         """The one Python call of a poll that needs one (efa_post.c): in this order, the visibility flush,
@@ -426,11 +413,6 @@ class EfaBackend:
         with translate_verbs_errors(f"posting {n} receive WRs", v):
             self.qp.post_recv(head)
 
-    def inflight(self, conn_id: int) -> int:
-        """WRs posted on ``conn_id`` (submitted or still in the backlog) and not yet completed."""
-        self._conn(conn_id)
-        return self._poster.inflight(conn_id)
-
     def set_flag_publisher(self, publisher: FlagPublisher, end_pass: Callable[[], None] | None = None) -> None:
         """Install the daemon's publisher; flags that became ready before it was installed go out now.
         ``end_pass`` is called after the flags of each poll that had any (the loopback path writes then)."""
@@ -442,9 +424,8 @@ class EfaBackend:
         if pending and end_pass is not None:
             end_pass()
 
-    def close(self) -> None:
-        for conn_id in list(getattr(self, "_conns", {})):
-            self.close_connection(conn_id)
+    def close_resources(self) -> None:
+        """After the connections, before the rail: the poster, the SRD QP and the address handles."""
         self._poster = None
         if self.qp is not None:
             self.qp.close()
@@ -452,16 +433,3 @@ class EfaBackend:
         for ah, _users, _handle in self._ahs.values():
             ah.close()
         self._ahs.clear()
-        self.rail.close()
-
-    def __enter__(self) -> EfaBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _conn(self, conn_id: int) -> _Conn:
-        try:
-            return self._conns[conn_id]
-        except KeyError:
-            raise BackendError(f"unknown connection {conn_id}") from None

@@ -63,9 +63,10 @@ import numpy as np
 
 from ibgda.soft_mlx5 import SoftMlx5Queue
 from transportd import _core
-from transportd.backends.interface import COMPLETION_DTYPE, FlagPublisher, MemoryKey
+from transportd.backends.interface import FlagPublisher, MemoryKey
 from transportd.backends.verbs_common import (
     BackendError,
+    PosterBackend,
     Rail,
     SendQueueFullError,
     VerbsError,
@@ -92,7 +93,7 @@ class _Conn:
     remote: dict[str, Any] = field(default_factory=dict)
 
 
-class IbBackend:
+class IbBackend(PosterBackend):
     """RC backend for one rail (an RDMA device port).
 
     ``device``: verbs device name (None or "": the first one). ``verbs``: provider name or namespace for
@@ -173,9 +174,6 @@ class IbBackend:
                               relaxed_ordering=self.relaxed_ordering and not remote_atomic)
         mr = self.rail.register(addr, length, access, accessor)
         return MemoryKey(addr=addr, length=length, lkey=int(mr.lkey), rkey=int(mr.rkey))
-
-    def deregister_memory(self, key: MemoryKey) -> None:
-        self.rail.deregister(key.addr, key.lkey)
 
     # --- connections ---------------------------------------------------------------------------------
     def create_endpoint(self, conn_id: int, job: str) -> dict[str, Any]:
@@ -294,12 +292,9 @@ class IbBackend:
         finally:
             self.rail.deregister(conn.staging.ctypes.data, conn.staging_lkey)
 
-    # --- data path (compiled: transportd/core/ib_post.c) ------------------------------------------------
-    @property
-    def c_poster(self) -> Any:
-        """The compiled poster (``transportd._core.IbPoster``) the proxy's engine calls directly."""
-        return self._poster
-
+    # --- data path (compiled: transportd/core/ib_post.c, ``transportd._core.IbPoster``; PosterBackend has
+    # post_batches, which sends consecutive batches for one connection in one wr_start/wr_complete session,
+    # poll and inflight) -------------------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, int]:
         """wrs, signals, order_reads, fences, errors (failed completions), cqes (completions read)."""
@@ -314,25 +309,6 @@ class IbBackend:
         self._conn(conn_id)
         return self._poster.post(conn_id, np.ascontiguousarray(plan))
 
-    def post_batches(self, conn_ids: np.ndarray, plan: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-        """Post several batches (``plan[bounds[i]:bounds[i+1]]`` on ``conn_ids[i]``); WRs per batch.
-
-        Consecutive batches for one connection go out in one ``wr_start``/``wr_complete`` session. Each
-        batch must carry its own token (the proxy's do); where one does not, that run reports zeros.
-        """
-        ids = np.ascontiguousarray(conn_ids, dtype=np.int64)
-        out = self._poster.post_batches(ids, np.ascontiguousarray(plan), np.ascontiguousarray(bounds, dtype=np.int64))
-        return np.frombuffer(out, dtype=np.int64).copy()
-
-    def poll(self, max_completions: int = 256) -> np.ndarray:
-        """Tokens completed since the last call; a failed batch is reported once, with its error status."""
-        return np.frombuffer(self._poster.poll(max_completions), dtype=COMPLETION_DTYPE).copy()
-
-    def inflight(self, conn_id: int) -> int:
-        """WRs posted on ``conn_id`` and not yet known complete."""
-        self._conn(conn_id)
-        return self._poster.inflight(conn_id)
-
     def create_ibgda_queue(self, fd: int, wqe_cnt: int) -> Any:
         """A GPU-posted RC queue pair on this rail's PD (so the regions registered here serve its WQEs), its
         send queue, CQ and doorbells in the empty memfd ``fd`` (sized and sealed by the queue; the client
@@ -346,20 +322,3 @@ class IbBackend:
     def set_flag_publisher(self, publisher: FlagPublisher) -> None:
         """Kept for the interface: on ib the NIC writes flags, nothing is published by the host."""
         self._publisher = publisher
-
-    def close(self) -> None:
-        for conn_id in list(self._conns):
-            self.close_connection(conn_id)
-        self.rail.close()
-
-    def __enter__(self) -> IbBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _conn(self, conn_id: int) -> _Conn:
-        try:
-            return self._conns[conn_id]
-        except KeyError:
-            raise BackendError(f"unknown connection {conn_id}") from None

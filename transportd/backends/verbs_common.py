@@ -9,6 +9,10 @@ CQ draining: pyverbs' ``CQ.poll(n)`` calls ``ibv_poll_cq`` once per completion a
 time; an extended CQ (``CQEX``, ``start_poll``/``poll_next``/``end_poll``) reads fields in place and is
 the faster path, so :class:`Rail` makes one when the device allows and falls back to a plain CQ. Either
 way :meth:`CqDrain.poll` returns one numpy array (:data:`WC_DTYPE`) so backends never see the difference.
+
+:class:`PosterBackend` is what both backends do the same way around their compiled poster: the data-path
+calls, the connection lookup, closing (connections, then the backend's own resources, then the rail) and
+the context manager.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ import socket
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
-from transportd.backends.interface import COMPLETION_DTYPE
+from transportd.backends.interface import COMPLETION_DTYPE, MemoryKey
 from transportd.errors import TransportdError
 
 __all__ = [
@@ -30,6 +34,7 @@ __all__ = [
     "BackendError",
     "CqDrain",
     "DeviceNotFoundError",
+    "PosterBackend",
     "Rail",
     "SendQueueFullError",
     "VerbsError",
@@ -345,6 +350,71 @@ class Rail:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PosterBackend:
+    """The part of an RDMA backend that is the same for ib and efa: the calls the proxy makes into its
+    compiled poster (the engine calls :attr:`c_poster` directly; these are the same C calls), the
+    connection lookup, and closing as a context manager: every connection (:meth:`close_connection`), then
+    what the backend owns besides (:meth:`close_resources`), then the rail (parents close children).
+
+    A subclass sets ``rail`` (a :class:`Rail`), ``_poster`` (its compiled poster) and ``_conns``
+    (connection id -> its state), and implements :meth:`close_connection`.
+    """
+
+    rail: Rail
+    _poster: Any
+    _conns: dict[int, Any]
+
+    @property
+    def c_poster(self) -> Any:
+        """The compiled poster the proxy's engine calls directly (no Python per record or per WR)."""
+        return self._poster
+
+    def deregister_memory(self, key: MemoryKey) -> None:
+        self.rail.deregister(key.addr, key.lkey)
+
+    def post_batches(self, conn_ids: np.ndarray, plan: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        """Post several batches (``plan[bounds[i]:bounds[i+1]]`` on ``conn_ids[i]``) in one call; WRs per batch.
+
+        Each batch must carry its own token (the proxy's do); where one does not, that run reports zeros.
+        """
+        out = self._poster.post_batches(np.ascontiguousarray(conn_ids, dtype=np.int64), np.ascontiguousarray(plan),
+                                        np.ascontiguousarray(bounds, dtype=np.int64))
+        return np.frombuffer(out, dtype=np.int64).copy()
+
+    def poll(self, max_completions: int = 256) -> np.ndarray:
+        """Tokens completed since the last call; a failed batch is reported once, with its error status."""
+        return np.frombuffer(self._poster.poll(max_completions), dtype=COMPLETION_DTYPE).copy()
+
+    def inflight(self, conn_id: int) -> int:
+        """WRs posted on ``conn_id`` and not yet known complete."""
+        self._conn(conn_id)
+        return self._poster.inflight(conn_id)
+
+    def close_connection(self, conn_id: int) -> None:
+        raise NotImplementedError
+
+    def close_resources(self) -> None:
+        """Close what the backend owns besides its connections and its rail (called between the two)."""
+
+    def close(self) -> None:
+        for conn_id in list(getattr(self, "_conns", {})):  # getattr: a constructor that failed early
+            self.close_connection(conn_id)
+        self.close_resources()
+        self.rail.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _conn(self, conn_id: int) -> Any:
+        try:
+            return self._conns[conn_id]
+        except KeyError:
+            raise BackendError(f"unknown connection {conn_id}") from None
 
 
 def _text(name: Any) -> str:
