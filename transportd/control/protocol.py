@@ -1,4 +1,4 @@
-"""The control and peer protocols, with no I/O (the zmq shells live in ``control.py`` / ``connection.py``).
+"""The control and peer protocols, with no I/O (the zmq shells live in ``server.py``, ``client.py`` and ``peers.py``).
 
 A message on the wire is a msgpack map ``{"v": V, "op": <name>, <field>: <value>, ...}``. Each op is a
 msgspec Struct here whose annotations carry each field's limits (``Annotated[int, Meta(ge=..., le=...)]``,
