@@ -25,11 +25,11 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-__all__ = ["Invalid", "Path", "Words", "convert", "converting", "describe", "dotted", "field_metas", "type_doc",
+__all__ = ["FieldPath", "Invalid", "Words", "convert", "converting", "describe", "dotted", "field_metas", "type_doc",
            "validate"]
 
 T = TypeVar("T", bound=msgspec.Struct)
-Path = tuple[str | int, ...]
+FieldPath = tuple[str | int, ...]
 
 _converting: contextvars.ContextVar[bool] = contextvars.ContextVar("transportd_schema_converting", default=False)
 
@@ -41,14 +41,14 @@ class Invalid(Exception):
     lists the ones it has) or ``"invalid"``.
     """
 
-    def __init__(self, path: Path, problem: str, *, reason: str = "invalid", known: tuple[str, ...] = ()) -> None:
+    def __init__(self, path: FieldPath, problem: str, *, reason: str = "invalid", known: tuple[str, ...] = ()) -> None:
         self.path = path
         self.problem = problem
         self.reason = reason
         self.known = known
         super().__init__(f"{dotted(path)}: {problem}")
 
-    def within(self, prefix: Path) -> Invalid:
+    def within(self, prefix: FieldPath) -> Invalid:
         """The same failure seen from ``prefix`` (a Struct holding the one that failed)."""
         return Invalid(prefix + self.path, self.problem, reason=self.reason, known=self.known)
 
@@ -63,7 +63,7 @@ class Words:
     show_value: bool = False  #: follow "got <type>" with the value itself (scalars only)
 
 
-def dotted(path: Path) -> str:
+def dotted(path: FieldPath) -> str:
     """``("rails", 0, "gid")`` as ``rails[0].gid``."""
     out = ""
     for part in path:
@@ -129,7 +129,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return hints
 
 
-def validate(obj: msgspec.Struct, words: Words, path: Path = ()) -> None:
+def validate(obj: msgspec.Struct, words: Words, path: FieldPath = ()) -> None:
     """Run the checks msgspec cannot (see the module doc) on ``obj`` and the Structs inside it, in place."""
     for name, hint in _hints(type(obj)).items():
         value = getattr(obj, name)
@@ -144,7 +144,7 @@ def validate(obj: msgspec.Struct, words: Words, path: Path = ()) -> None:
             raise exc.within(path) from None
 
 
-def _validate_value(value: Any, hint: Any, words: Words, path: Path) -> Any:
+def _validate_value(value: Any, hint: Any, words: Words, path: FieldPath) -> Any:
     _, metas = field_metas(hint)
     if isinstance(value, tuple):
         items = tuple(_validate_item(item, metas, words, path + (i,)) for i, item in enumerate(value))
@@ -152,7 +152,7 @@ def _validate_value(value: Any, hint: Any, words: Words, path: Path) -> Any:
     return _validate_item(value, metas, words, path)
 
 
-def _validate_item(value: Any, metas: tuple[msgspec.Meta, ...], words: Words, path: Path) -> Any:
+def _validate_item(value: Any, metas: tuple[msgspec.Meta, ...], words: Words, path: FieldPath) -> Any:
     if isinstance(value, msgspec.Struct):
         validate(value, words, path)
     elif isinstance(value, float) and not math.isfinite(value):
@@ -177,7 +177,7 @@ _ERROR = re.compile(r"(?s)(?P<head>.*?)(?: - at `(?P<at>[^`]*)`(?: in `(?P<withi
 _PATH_PART = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
 
 
-def _parse_path(text: str) -> Path:
+def _parse_path(text: str) -> FieldPath:
     parts: list[str | int] = []
     for name, index in _PATH_PART.findall(text.removeprefix("$")):
         parts.append(name if name else int(index))
@@ -202,7 +202,7 @@ def _explain(text: str, cls: type, data: object, words: Words) -> Invalid:
     return Invalid(path, problem or head[:1].lower() + head[1:])
 
 
-def _hint_at(cls: type, path: Path) -> Any:
+def _hint_at(cls: type, path: FieldPath) -> Any:
     hint: Any = cls
     for part in path:
         base, _ = field_metas(hint)
@@ -225,7 +225,7 @@ def _without_none(hint: Any) -> Any:
     return hint
 
 
-def _value_at(data: object, path: Path) -> object:
+def _value_at(data: object, path: FieldPath) -> object:
     for part in path:
         if isinstance(part, int) and isinstance(data, list | tuple) and part < len(data):
             data = data[part]
