@@ -56,11 +56,16 @@ __all__ = [
     "PeersConfig",
     "ProxyConfig",
     "RailConfig",
+    "Section",
     "SecurityConfig",
     "SignalConfig",
+    "SoftverbsConfig",
+    "WORDS",
     "check_control_endpoint",
     "default_config",
     "describe_keys",
+    "example_config",
+    "key",
     "load_config",
 ]
 
@@ -153,7 +158,7 @@ def _level(value: str) -> str:
 # Sections. Each field states its type, default, limits and meaning once, in its annotation.
 
 
-def key(meaning: str, *, check: Callable[[Any], Any] | None = None, default_doc: str | None = None,
+def key(meaning: str, *, check: Check | None = None, default_doc: str | None = None,
         **limits: Any) -> msgspec.Meta:
     """A config key's Meta: what it means (the README's table), its limits (``ge``, ``le``, ...), an optional
     ``check`` (raises ValueError, may normalise) and how to show its default where the value would mislead."""
