@@ -42,16 +42,17 @@ def _refuse_ext(code: int, data: memoryview) -> object:
     raise RemoteProtocolError(f"malformed message: msgpack ext type {code} is not accepted")
 
 
-# msgspec's own bytes, bytearray, memoryview, tuple and set support covers the rest of what _default did.
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_default)
-# ext types are refused by the hook; a timestamp (ext -1) decodes as a datetime, which _check_tree refuses
-_DECODER = msgspec.msgpack.Decoder(ext_hook=_refuse_ext)
+# The module-level msgspec calls, not one shared Encoder: an Encoder keeps its output buffer between calls,
+# and several threads encode here (a client's keepalive thread beside its caller); the per-call state costs
+# little at control-message sizes. msgspec's own bytes, bytearray, memoryview, tuple and set support covers
+# the rest of what _default would do. On decode, ext types are refused by the hook; a timestamp (ext -1)
+# decodes as a datetime, which _check_tree refuses.
 
 
 def encode(obj: Any) -> bytes:
     """Serialize ``obj`` (normally a dict message) to msgpack; arrays and buffers become ``bin``."""
     try:
-        return _ENCODER.encode(obj)
+        return msgspec.msgpack.encode(obj, enc_hook=_default)
     except LocalProtocolError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
@@ -71,7 +72,7 @@ def decode(data: bytes | bytearray | memoryview, max_size: int) -> dict[str, Any
     if size == 0:
         raise RemoteProtocolError("malformed message: empty payload")
     try:
-        obj = _DECODER.decode(data)
+        obj = msgspec.msgpack.decode(data, ext_hook=_refuse_ext)
     except RemoteProtocolError:
         raise
     except msgspec.DecodeError as exc:
