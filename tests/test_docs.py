@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from transportd.daemon.config import describe_keys
+from transportd.config import describe_keys
 from transportd.ops.docs import DOCS, stale_blocks
 
 ROOT = Path(__file__).resolve().parents[1]

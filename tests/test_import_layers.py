@@ -5,7 +5,11 @@ inside a function is still a dependency); only ``if TYPE_CHECKING:`` blocks, whi
 - Packages stand in layers: ``cmd_ring`` and ``softverbs`` at the bottom, then ``transportd`` (the daemon
   and what client and daemon share: protocol, codec, errors, CUDA driver access), then the backends and
   IBGDA (``ib``, ``efa``, ``ibgda``), the client library ``gpuclient``, and the command-line programs
-  (``transportd_cli``) on top. A module imports only its own layer or those below."""
+  (``transportd_cli``) on top. A module imports only its own layer or those below.
+- Inside ``transportd`` the rooms stand in the same way (``ROOMS``): the shared base (errors, limits, the
+  schema mechanism, logging, CUDA driver access), the backend interface and registry, the config (above the
+  registry: each backend declares its own table), the control plane, the data plane, operations, and the
+  daemon's main process on top. A package's ``__main__`` is an entry point and stands above them all."""
 
 from __future__ import annotations
 
@@ -13,12 +17,13 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"cmd_ring": 0, "softverbs": 0, "transportd": 1, "ib": 2, "efa": 2, "ibgda": 2, "gpuclient": 3}
+LAYERS = {"cmd_ring": 0, "softverbs": 0, "transportd": 1, "ib": 2, "efa": 2, "ibgda": 2, "gpuclient": 3,
+          "transportd_cli": 4}
 PACKAGES = tuple(LAYERS)
-UPWARD_STILL = {
-    ("transportd_cli.bench_e2e", "gpuclient"),
-    ("transportd_cli.demo", "gpuclient"),
-}
+# transportd's rooms, bottom to top: a module of a room imports only its own room or those below. The base is
+# every transportd module outside the named rooms.
+ROOMS = {"transportd": 0, "transportd.backends": 1, "transportd.config": 2, "transportd.control": 3,
+         "transportd.dataplane": 4, "transportd.ops": 5, "transportd.daemon": 6, "transportd.__main__": 7}
 
 
 def _module_name(path: Path) -> str:
@@ -120,3 +125,20 @@ def test_within_a_layer_packages_do_not_import_each_other_back() -> None:
            for p in PACKAGES}
     same_layer = {p: {d for d in deps if LAYERS[d] == LAYERS[p]} for p, deps in pkg.items()}
     assert _cycles(same_layer) == []
+
+
+def _room(module: str) -> str:
+    """The longest ROOMS name that is ``module`` or a package above it."""
+    parts = module.split(".")
+    return next(".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in ROOMS)
+
+
+def test_transportd_rooms_import_only_their_own_room_or_lower() -> None:
+    upward = sorted(f"{module} -> {dep}" for module, deps in _graph().items() if module.split(".")[0] == "transportd"
+                    for dep in deps if dep.split(".")[0] == "transportd" and ROOMS[_room(dep)] > ROOMS[_room(module)])
+    assert upward == []
+
+
+def test_every_transportd_subpackage_is_a_room() -> None:
+    subpackages = {f"transportd.{p.parent.name}" for p in (ROOT / "transportd").glob("*/__init__.py")}
+    assert subpackages <= set(ROOMS)

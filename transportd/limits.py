@@ -12,6 +12,8 @@ from __future__ import annotations
 
 __all__ = [
     "MAX_BATCH",
+    "MAX_DEVICE",
+    "MAX_RAILS",
     "MAX_CHANNEL_CAPACITY",
     "MAX_IBGDA_WQES",
     "MAX_INFLIGHT_CAP",
@@ -46,3 +48,9 @@ MAX_CHANNEL_CAPACITY = 1 << 20
 #: Send-queue WQEBBs of an IBGDA queue pair, a power of two (the queue's memory holds at most this many).
 MIN_IBGDA_WQES = 8
 MAX_IBGDA_WQES = 1 << 15
+
+#: Local GPU index of a client or a rail (-1: a CPU-only client, or a rail's GPU unknown).
+MAX_DEVICE = 63
+
+#: NICs (rails) per node, in the config's [[rails]] and a hello's rail count.
+MAX_RAILS = 16

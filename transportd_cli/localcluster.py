@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transportd.config import load_config
 from transportd.control.client import ControlConnection
 from transportd.control.curve import generate_keypair
 from transportd.control.protocol import Stats
-from transportd.daemon.config import load_config
 from transportd.errors import ConfigError, DaemonUnavailableError
 from transportd.lifetime import die_with_parent
 

@@ -17,7 +17,7 @@ import pytest
 
 import gpuclient
 from tests.support.ctl import ctl
-from transportd.daemon.config import load_config
+from transportd.config import load_config
 from transportd.errors import ConfigError
 from transportd_cli.localcluster import LocalCluster, free_port, render_toml
 

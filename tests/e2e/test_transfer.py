@@ -60,7 +60,7 @@ def test_every_opcode_moves_verified_data(cluster_factory, backend: str, mode: s
 
 
 def test_write_signaling_is_refused_under_adaptive_routing(tmp_path) -> None:
-    from transportd.daemon.config import load_config
+    from transportd.config import load_config
 
     path = tmp_path / "ar.toml"
     path.write_text('[backend]\nkind = "ib"\n[softverbs]\nadaptive_routing = true\n[signal]\nmode = "write"\n')

@@ -107,7 +107,7 @@ def test_a_flood_of_unvouched_connections_holds_a_few_slots_and_stops_no_client(
 
 @pytest.mark.parametrize("bad", [0, 3, 5000])
 def test_max_unvouched_out_of_range_is_a_config_error(bad: int, tmp_path) -> None:
-    from transportd.daemon.config import load_config
+    from transportd.config import load_config
     from transportd.errors import ConfigError
 
     config = tmp_path / "bad.toml"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ctl import installed_script
-from transportd.daemon.config import KEYS, default_config, example_config, load_config
+from transportd.config import KEYS, default_config, example_config, load_config
 
 pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
@@ -89,7 +89,7 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path) -> None:
 
 
 def test_example_config_is_generated_and_loads() -> None:
-    assert EXAMPLE.read_text() == example_config(), "regenerate: python -c 'from transportd.daemon.config import " \
+    assert EXAMPLE.read_text() == example_config(), "regenerate: python -c 'from transportd.config import " \
         "example_config; print(example_config(), end=\"\")' > deploy/transportd.toml"
     assert load_config(EXAMPLE, env={}) == default_config(env={})
 

@@ -13,7 +13,7 @@ from prometheus_client.openmetrics import parser
 from tests.support.cluster import close_ranks, join_ranks
 from tests.support.ops_cluster import BACK, CHUNK, JOB, PUTS, OpsCluster
 from tests.support.waiting import wait_until
-from transportd.daemon.config import default_config, load_config
+from transportd.config import default_config, load_config
 from transportd.errors import ErrorCode
 from transportd.ops.metrics import CONTENT_TYPE, job_traffic, render_metrics
 from transportd_cli.localcluster import LocalCluster, free_port

@@ -8,8 +8,8 @@ import pytest
 
 from ibgda.queue_memory import QueueMemory
 from transportd.backends.null import NullBackend
+from transportd.config import load_config
 from transportd.control.protocol import Channel, Join
-from transportd.daemon.config import load_config
 from transportd.dataplane.proxy import Proxy
 from transportd.dataplane.translate import PeerTable
 from transportd.errors import ConfigError, LocalProtocolError

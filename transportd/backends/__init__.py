@@ -100,7 +100,7 @@ OPTIONS: dict[str, tuple[str, type[BackendOptions]]] = {"ib": ("ib", IbOptions),
                                                         "efa": ("efa", EfaOptions)}
 
 # The keys each backend takes from the config besides its own table: (constructor keyword, how to read it).
-# The config is duck-typed here (transportd.daemon.config imports this module, not the other way round).
+# The config is duck-typed here (transportd.config imports this module, not the other way round).
 _SHARED: dict[str, tuple[tuple[str, Callable[[Any], Any]], ...]] = {
     "ib": (("signal_mode", lambda config: config.signal.mode),),
     "soft": (("signal_mode", lambda config: config.signal.mode),),
@@ -111,7 +111,7 @@ _SHARED: dict[str, tuple[tuple[str, Callable[[Any], Any]], ...]] = {
 def open_configured(config: Any, *, device: str | None, verbs: Any) -> Backend:
     """Open ``config.backend.kind``'s backend on ``device`` with the options it takes, and no other: its own
     table (:data:`OPTIONS`), the proxy's bounds, and the shared keys it reads (``signal.mode`` for ib,
-    ``efa.visibility_flush`` for efa). ``config`` is a :class:`transportd.daemon.config.Config`."""
+    ``efa.visibility_flush`` for efa). ``config`` is a :class:`transportd.config.Config`."""
     kind = config.backend.kind
     table, _ = OPTIONS[kind]
     opts = msgspec.structs.asdict(getattr(config.backend, table))

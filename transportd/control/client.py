@@ -33,11 +33,11 @@ from typing import Any
 
 import zmq
 
+from transportd.config import DEFAULT_SOCKET, SOCKET_ENV, Config, check_control_endpoint
 from transportd.control import codec, protocol
 from transportd.control.curve import CurveClientKeys, configure_client
 from transportd.control.fdchannel import FdClient
 from transportd.control.protocol import Heartbeat, Hello, Request, Session
-from transportd.daemon.config import DEFAULT_SOCKET, SOCKET_ENV, Config, check_control_endpoint
 from transportd.errors import (
     DaemonTimeoutError,
     DaemonUnavailableError,

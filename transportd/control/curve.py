@@ -18,7 +18,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from transportd.daemon.config import SecurityConfig
+from transportd.config import SecurityConfig
 from transportd.errors import ConfigError
 
 __all__ = [

@@ -26,7 +26,9 @@ from transportd import schema
 from transportd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, RequestError
 from transportd.limits import (
     MAX_CHANNEL_CAPACITY,
+    MAX_DEVICE,
     MAX_IBGDA_WQES,
+    MAX_RAILS,
     MAX_REGIONS,
     MAX_WORLD,
     MIN_CHANNEL_CAPACITY,
@@ -105,10 +107,8 @@ V = 1
 
 MAX_NAME_LEN = 64  #: job and client names
 MAX_NODE_LEN = 253  #: node names (a DNS name fits)
-MAX_DEVICE = 63  #: highest local GPU index; -1 means a CPU-only client
 MAX_REGION_BYTES = 1 << 40  #: one registration (1 TiB)
 MAX_FLAGS = 1 << 20  #: flag words in one flags array
-MAX_RAILS = 16  #: NICs per node
 CUDA_IPC_HANDLE_BYTES = 64  #: sizeof(CUipcMemHandle)
 MAX_FD_ID = (1 << 31) - 1  #: ids of descriptors passed on the descriptor socket
 TOKEN_BYTES = 16  #: the one-time token of a hello, presented on the descriptor socket

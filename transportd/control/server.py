@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from transportd.config import Config
 from transportd.control import codec, protocol
 from transportd.control.curve import CurveServerKeys, configure_server, start_authenticator
 from transportd.control.protocol import (
@@ -51,7 +52,6 @@ from transportd.control.protocol import (
     SessionState,
     Stats,
 )
-from transportd.daemon.config import Config
 from transportd.errors import ConfigError, ProtocolError, RequestError, TransportdError
 
 __all__ = ["BaseHandler", "ClientInfo", "ControlDispatcher", "ControlHandler", "ControlServer", "ReplyToken"]

@@ -28,7 +28,7 @@ def run(config_path: str | None) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
     import zmq
 
-    from transportd.daemon.config import load_config
+    from transportd.config import load_config
     from transportd.daemon.main import Daemon
     from transportd.errors import ConfigError, TransportdError
     from transportd.logs import setup_logging

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from transportd.config import Config
 from transportd.control.curve import CurveServerKeys
 from transportd.control.fdchannel import FdServer, SideConnection, fd_socket_for
 from transportd.control.peers import PeerPlane
@@ -61,7 +62,6 @@ from transportd.control.protocol import (
 from transportd.control.server import ControlServer
 from transportd.daemon import stats
 from transportd.daemon.clients import ClientSessions
-from transportd.daemon.config import Config
 from transportd.daemon.ibgda import IbgdaChannels
 from transportd.daemon.memory import RankMemory
 from transportd.daemon.peering import Peering

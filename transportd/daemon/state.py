@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cmd_ring import RingFile
+from transportd.config import Config
 from transportd.control.fdchannel import FdServer
 from transportd.control.peers import PeerPlane
 from transportd.control.protocol import RegionInfo
 from transportd.control.server import ControlServer
-from transportd.daemon.config import Config
 from transportd.dataplane.flagfile import FlagFile
 from transportd.dataplane.worker_link import WorkerError, WorkerHandle
 

@@ -31,7 +31,7 @@ from cmd_ring.shm import SharedFile, map_fd
 from transportd.backends import DEVICE_KINDS, FIXED_PROVIDERS, open_configured
 from transportd.backends.interface import MemoryKey
 from transportd.backends.verbs import load as load_verbs
-from transportd.daemon.config import Config
+from transportd.config import Config
 from transportd.dataplane.flag_publication import RailFlags
 from transportd.dataplane.flagfile import FlagFile
 from transportd.dataplane.gpu_memory import GpuMemory

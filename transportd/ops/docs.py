@@ -1,4 +1,4 @@
-"""The generated parts of ``docs/``: the config keys (``transportd.daemon.config.describe_keys``, the README's
+"""The generated parts of ``docs/``: the config keys (``transportd.config.describe_keys``, the README's
 generator) and the control/peer protocol's messages (from ``transportd.control.protocol``'s registries: each
 field's type and the limits its annotation states, through ``transportd.schema.type_doc``).
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import msgspec
 
+from transportd.config import describe_keys
 from transportd.control import protocol
-from transportd.daemon.config import describe_keys
 from transportd.schema import type_doc
 
 __all__ = ["GENERATORS", "render_blocks", "stale_blocks"]

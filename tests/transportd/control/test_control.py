@@ -18,12 +18,12 @@ import msgpack
 import pytest
 import zmq
 
+from transportd.config import load_config
 from transportd.control import codec, protocol
 from transportd.control.client import ControlConnection, resolve_endpoint
 from transportd.control.curve import CurveClientKeys, CurveServerKeys, generate_keypair
 from transportd.control.protocol import Exchange, Flags, Join, Register, SessionState, Stats
 from transportd.control.server import BaseHandler, ControlDispatcher, ControlServer
-from transportd.daemon.config import load_config
 from transportd.errors import (
     ConfigError,
     DaemonTimeoutError,

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from transportd.backends import config_problems
-from transportd.control.curve import generate_keypair
-from transportd.daemon.config import (
+from transportd.config import (
     DEFAULT_SOCKET,
     KEYS,
     Config,
@@ -20,6 +19,7 @@ from transportd.daemon.config import (
     describe_keys,
     load_config,
 )
+from transportd.control.curve import generate_keypair
 from transportd.errors import ConfigError
 
 
@@ -282,8 +282,8 @@ def test_decoupled_signaling_is_refused_on_efa(tmp_path) -> None:
 
 
 def test_the_readme_config_table_is_the_generated_one():
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    assert describe_keys() in readme, "regenerate the README's config table: transportd.daemon.config.describe_keys()"
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert describe_keys() in readme, "regenerate the README's config table: transportd.config.describe_keys()"
 
 
 def test_each_backend_has_its_own_table(write):

@@ -27,12 +27,13 @@ import msgspec
 
 from transportd import schema
 from transportd.backends import EfaOptions, IbOptions, config_problems
-from transportd.control.protocol import MAX_DEVICE, MAX_RAILS
 from transportd.errors import ConfigError
 from transportd.limits import (
     MAX_BATCH,
     MAX_CHANNEL_CAPACITY,
+    MAX_DEVICE,
     MAX_INFLIGHT_CAP,
+    MAX_RAILS,
     MIN_BATCH,
     MIN_CHANNEL_CAPACITY,
     MIN_INFLIGHT_CAP,
