@@ -38,6 +38,7 @@ from typing import Any
 import click
 import numpy as np
 
+from transportd.backends import RULES, TRANSPORTS
 from transportd_cli.cli_options import check_signal_mode
 
 __all__ = ["bench_e2e", "parse_size", "run_e2e_benchmark"]
@@ -189,7 +190,7 @@ def _latency(pair: StreamPair, samples: int, timeout_s: float, gap_s: float = 0.
 def _baseline(backend: str, size: int, seconds: float) -> dict[str, Any]:
     from softverbs.soft.bench import _run_kind
 
-    kind = "rc" if backend == "ib" else "srd"
+    kind = TRANSPORTS[backend]
     res = _run_kind(kind, [size], seconds, 64)[str(size)]
     return {"qp": kind, "bytes_per_s": res["bytes_per_s"], "wr_per_s": res["wr_per_s"],
             "gbytes_per_s": res["bytes_per_s"] / 1e9}
@@ -211,7 +212,8 @@ def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: 
     }
     if poll_window_us is not None:
         overrides["proxy"] = {"poll_window_us": poll_window_us}
-    config = {"backend": backend, "signal_mode": signal_mode if backend == "ib" else "receiver publishes",
+    publishes = RULES[backend].receiver_publishes_flags  # then the signal mode does not apply
+    config = {"backend": backend, "signal_mode": "receiver publishes" if publishes else signal_mode,
               "size": size, "seconds": seconds, "window": window, "samples": samples, "decoupled": decoupled,
               "adaptive_routing": adaptive_routing, "poll_window_us": poll_window_us, "producer": "cpu",
               "gap_ms": gap_ms,

@@ -36,6 +36,8 @@ from typing import Any
 import click
 import numpy as np
 
+from transportd.backends import DEVICE_KINDS
+
 __all__ = ["bench_rails", "run_rails_benchmark"]
 
 GPUS = 2
@@ -140,7 +142,7 @@ def run_rails_benchmark(*, backend: str = "ib", size: int = 4096, seconds: float
 
     if window < 1 or samples < 1 or seconds <= 0:
         raise ValueError("window and samples must be >= 1 and seconds > 0")
-    prefix = "softefa" if backend == "efa" else "softib"
+    prefix = f"soft{DEVICE_KINDS[backend]}"  # the soft device kind its rails get
     rails = [{"device": f"{prefix}{g}", "gpu": g} for g in range(GPUS)]
     overrides: dict[str, dict[str, Any]] = {"backend": {"rails": rails},
                                             "logging": {"level": "warning", "format": "text"}}

@@ -21,8 +21,8 @@ from msgspec import Meta
 from transportd.backends.interface import Backend
 
 __all__ = ["BACKENDS", "CAPABILITIES", "DEVICE_KINDS", "FIXED_PROVIDERS", "IBGDA", "OPTIONS", "RULES",
-           "BackendOptions", "ConfigRules", "EfaOptions", "IbOptions", "config_problems", "has_capability",
-           "kinds_with", "open_backend", "open_configured"]
+           "TRANSPORTS", "BackendOptions", "ConfigRules", "EfaOptions", "IbOptions", "config_problems",
+           "has_capability", "kinds_with", "open_backend", "open_configured"]
 
 BACKENDS: dict[str, str] = {
     "null": "transportd.backends.null:NullBackend",
@@ -35,6 +35,9 @@ BACKENDS: dict[str, str] = {
 # softverbs, a rail naming a device that does not exist yet gets a soft device of this kind
 # (``transportd.backends.verbs.configure_soft``'s ``devices``); pyverbs ignores it.
 DEVICE_KINDS: dict[str, str] = {"ib": "ib", "soft": "ib", "efa": "efa"}
+
+#: The queue-pair transport each backend posts on: reliable connected, or AWS's scalable reliable datagram.
+TRANSPORTS: dict[str, str] = {"ib": "rc", "soft": "rc", "efa": "srd"}
 
 #: A capability: the backend serves IBGDA channels (mlx5 queue pairs the GPU posts its own WQEs to).
 IBGDA = "ibgda"
