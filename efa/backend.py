@@ -52,15 +52,8 @@ from efa.srd_shim import AddressTable, bridged, shim_cq, srd_shim_qp
 from efa.wire import CTRL_DTYPE, INDEX_BITS, MAX_CONNS
 from transportd import _core
 from transportd.backends.interface import FlagPublisher, MemoryKey, SignalOp
-from transportd.backends.verbs_common import (
-    BackendError,
-    CqDrain,
-    PosterBackend,
-    Rail,
-    VerbsError,
-    access_flags,
-    translate_verbs_errors,
-)
+from transportd.backends.verbs_common import CqDrain, PosterBackend, Rail, access_flags, translate_verbs_errors
+from transportd.errors import BackendError, VerbsError
 
 __all__ = ["PUB_DTYPE", "EfaBackend", "EfaRail"]
 

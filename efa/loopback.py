@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from transportd.backends.verbs_common import BackendError, access_flags, translate_verbs_errors
+from transportd.backends.verbs_common import access_flags, translate_verbs_errors
+from transportd.errors import BackendError
 
 __all__ = ["LoopbackWriter"]
 

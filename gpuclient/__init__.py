@@ -6,7 +6,6 @@ kernels (``ch.device_handle()``) and ``compile`` need cuda-python, imported only
 """
 
 from gpuclient.compiler import compile, get_include
-from gpuclient.cuda_memory import CudaError
 from gpuclient.device_channel import CHANNEL_DTYPE, DeviceChannel, DeviceFlags
 from gpuclient.errors import ChannelError, CompileError, HostBufferError, LauncherError
 from gpuclient.host_memory import host_array
@@ -20,6 +19,7 @@ from gpuclient.session import (
     SignalOp,
     connect,
 )
+from transportd.errors import CudaError
 
 __all__ = [
     "CHANNEL_DTYPE",

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from gpuclient.cuda_memory import CudaError, check, compute_capability, driver, use_device
+from gpuclient.cuda_memory import check, compute_capability, driver, use_device
 from gpuclient.errors import CompileError
+from transportd.errors import CudaError
 
 __all__ = ["Kernel", "Module", "compile", "get_include", "load_all_functions", "nvrtc_options"]
 

@@ -18,11 +18,10 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any
 
-from transportd.cuda_driver import CudaError, CudaUnavailableError, check, driver, result_name, use_device
+from transportd.cuda_driver import check, driver, result_name, use_device
+from transportd.errors import CudaError
 
 __all__ = [
-    "CudaError",
-    "CudaUnavailableError",
     "DeviceBuffer",
     "DeviceMemory",
     "IpcExport",

@@ -1,13 +1,12 @@
 """The errors of gpuclient: one module for every exception the client library defines.
 
 All but the buffer and launcher checks are TransportdErrors; ``CompileError`` is a ``CudaError``
-(``transportd.cuda_driver``), which gpuclient also hands out as ``gpuclient.CudaError``.
+(``transportd.errors``), which gpuclient also hands out as ``gpuclient.CudaError``.
 """
 
 from __future__ import annotations
 
-from transportd.cuda_driver import CudaError
-from transportd.errors import ErrorCode, TransportdError
+from transportd.errors import CudaError, ErrorCode, TransportdError
 
 __all__ = ["ChannelError", "CompileError", "HostBufferError", "LauncherError"]
 

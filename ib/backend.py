@@ -64,16 +64,9 @@ import numpy as np
 from ibgda.soft_mlx5 import SoftMlx5Queue
 from transportd import _core
 from transportd.backends.interface import FlagPublisher, MemoryKey
-from transportd.backends.verbs_common import (
-    BackendError,
-    PosterBackend,
-    Rail,
-    SendQueueFullError,
-    VerbsError,
-    access_flags,
-    translate_verbs_errors,
-)
+from transportd.backends.verbs_common import PosterBackend, Rail, access_flags, translate_verbs_errors
 from transportd.backends.verbs_shim import shim_cq, shim_qp
+from transportd.errors import BackendError, SendQueueFullError, VerbsError
 
 __all__ = ["SIGNAL_MODES", "IbBackend"]
 

@@ -27,7 +27,7 @@ import msgspec
 
 from transportd import schema
 from transportd.backends import EfaOptions, IbOptions, config_problems
-from transportd.errors import ConfigError
+from transportd.errors import ConfigError, Invalid
 from transportd.limits import (
     MAX_BATCH,
     MAX_CHANNEL_CAPACITY,
@@ -225,7 +225,7 @@ class PeersConfig(Section):
 
     def _check(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise schema.Invalid(("heartbeat_timeout_s",), f"must be more than peers.heartbeat_interval_s "
+            raise Invalid(("heartbeat_timeout_s",), f"must be more than peers.heartbeat_interval_s "
                                  f"({self.heartbeat_interval_s}), got {self.heartbeat_timeout_s}")
 
 
@@ -276,7 +276,7 @@ class BackendConfig(Section):
         names = [r.device for r in self.rails]
         for i, name in enumerate(names):
             if names.index(name) != i:
-                raise schema.Invalid(("rails", i, "device"), f"{name!r} is listed twice")
+                raise Invalid(("rails", i, "device"), f"{name!r} is listed twice")
 
 
 class ProxyConfig(Section):
@@ -563,7 +563,7 @@ class _Loader:
     def fail(self, key: str, reason: str) -> typing.NoReturn:
         raise ConfigError(self.source, key, reason)
 
-    def invalid(self, exc: schema.Invalid, data: dict[str, Any]) -> typing.NoReturn:
+    def invalid(self, exc: Invalid, data: dict[str, Any]) -> typing.NoReturn:
         """A schema failure as the ConfigError an operator reads: dotted key, and what to do."""
         key = schema.dotted(exc.path)
         if exc.reason == "missing":
@@ -664,7 +664,7 @@ def load_config(path: str | os.PathLike[str] | None, *, env: Mapping[str, str] |
             loader.fail(name, f"unknown section; known sections: {', '.join(_SECTIONS)}")
     try:
         cfg = schema.convert(data, Config, WORDS)
-    except schema.Invalid as exc:
+    except Invalid as exc:
         loader.invalid(exc, data)
     cfg = _validate(loader, msgspec.structs.replace(cfg, source=source))
     return _apply_env(cfg, os.environ if env is None else env)

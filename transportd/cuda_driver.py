@@ -11,23 +11,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from transportd.errors import TransportdError
+from transportd.errors import CudaError, CudaUnavailableError
 
-__all__ = ["CudaError", "CudaUnavailableError", "check", "driver", "result_name", "use_device"]
-
-
-class CudaError(TransportdError):
-    """A CUDA driver call failed; ``result`` is the CUresult name."""
-
-    def __init__(self, call: str, result: str) -> None:
-        self.call = call
-        self.result = result
-        super().__init__(f"{call} failed: {result}")
-
-
-class CudaUnavailableError(CudaError):
-    """cuda-python is not installed (``pip install 'transportd[cuda]'``) or no GPU driver is present."""
-
+__all__ = ["check", "driver", "result_name", "use_device"]
 
 _lock = threading.Lock()
 _driver: Any = None

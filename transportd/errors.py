@@ -1,7 +1,9 @@
 """Errors raised by transportd, grouped by where the fault came from.
 
 One base class, :class:`TransportdError`, so callers can catch everything we raise. Subclasses say who is
-at fault, which decides what to do about it:
+at fault, which decides what to do about it. Three stand outside it, as the builtin a caller expects:
+``Invalid`` (the config and the protocol never let it out), ``GdrCopyError`` (an ``OSError``) and
+``TraceFormatError`` (a ``ValueError``).
 
 ==========================  ==============================================================================
 ``ConfigError``             the operator's config file (fix the file; the message names file and key)
@@ -12,6 +14,17 @@ at fault, which decides what to do about it:
 ``DaemonUnavailableError``  no daemon at the control endpoint, or it cannot be reached; says how to fix it
 ``DaemonTimeoutError``      the daemon was reached once but stopped answering a request in time
 ``ListenError``             the daemon cannot listen where its config says (a port in use, say)
+``SocketGroupError``        the control socket cannot be given to ``control.group`` (no such group, not allowed)
+``Invalid``                 a value read from outside does not fit its schema (the config and the protocol
+                            turn it into ``ConfigError`` or ``ProtocolError`` naming the path)
+``CudaError``               a CUDA driver call failed; ``CudaUnavailableError`` when there is no cuda-python or
+                            no driver
+``GdrCopyError``            libgdrapi (GDRCopy) is missing or could not pin or map GPU memory (an ``OSError``)
+``VerbsUnavailableError``   the requested verbs provider cannot be loaded (pyverbs missing or broken)
+``BackendError``            a backend could not do what was asked: ``DeviceNotFoundError`` (no such RDMA
+                            device), ``VerbsError`` (a verbs call failed), ``SendQueueFullError`` (backstop)
+``WorkerError``             a rail's proxy worker process refused a request, died, or did not answer
+``TraceFormatError``        a file is not a trace file this reader understands (a ``ValueError``)
 ==========================  ==============================================================================
 
 The Local/Remote split follows h11: messages are validated on construction (a failure there is local),
@@ -28,10 +41,16 @@ from enum import IntEnum
 from typing import Any
 
 __all__ = [
+    "BackendError",
     "ConfigError",
+    "CudaError",
+    "CudaUnavailableError",
     "DaemonTimeoutError",
     "DaemonUnavailableError",
+    "DeviceNotFoundError",
     "ErrorCode",
+    "GdrCopyError",
+    "Invalid",
     "ListenError",
     "LocalProtocolError",
     "PeerDeadError",
@@ -39,8 +58,15 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "RequestError",
+    "SendQueueFullError",
     "SessionLostError",
+    "SocketGroupError",
+    "TraceFormatError",
     "TransportdError",
+    "VerbsError",
+    "VerbsUnavailableError",
+    "WorkerError",
+    "dotted",
     "error_code_c_enum",
 ]
 
@@ -49,6 +75,7 @@ class TransportdError(Exception):
     """Base of every error transportd raises on purpose."""
 
 
+# --- the config, the protocol, requests, peers, reaching and running the daemon --------------------------
 class ConfigError(TransportdError):
     """A config file is unreadable or holds a bad value; names the file and dotted key so it can be fixed."""
 
@@ -172,6 +199,102 @@ class DaemonTimeoutError(DaemonUnavailableError):
     """A request got no reply in time from a daemon that had answered before (hung, overloaded or gone)."""
 
 
+class SocketGroupError(TransportdError):
+    """The control socket file could not be given to the configured group (``control.group``).
+
+    ``ControlServer.from_config`` reports it as the :class:`ConfigError` of that key.
+    """
+
+
+# --- values read from outside (transportd.schema) ---------------------------------------------------------
+def dotted(path: tuple[str | int, ...]) -> str:
+    """``("rails", 0, "gid")`` as ``rails[0].gid``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+class Invalid(Exception):
+    """A value that does not fit its schema: ``path`` to it, ``problem`` in words, and what kind of failure.
+
+    ``reason`` is ``"missing"`` (a required field), ``"unknown"`` (a field the Struct has not; ``known``
+    lists the ones it has) or ``"invalid"``. ``path`` is a ``transportd.schema.FieldPath``.
+    """
+
+    def __init__(self, path: tuple[str | int, ...], problem: str, *, reason: str = "invalid",
+                 known: tuple[str, ...] = ()) -> None:
+        self.path = path
+        self.problem = problem
+        self.reason = reason
+        self.known = known
+        super().__init__(f"{dotted(path)}: {problem}")
+
+    def within(self, prefix: tuple[str | int, ...]) -> Invalid:
+        """The same failure seen from ``prefix`` (a Struct holding the one that failed)."""
+        return Invalid(prefix + self.path, self.problem, reason=self.reason, known=self.known)
+
+
+# --- the host: CUDA driver, GDRCopy, the verbs provider ---------------------------------------------------
+class CudaError(TransportdError):
+    """A CUDA driver call failed; ``result`` is the CUresult name."""
+
+    def __init__(self, call: str, result: str) -> None:
+        self.call = call
+        self.result = result
+        super().__init__(f"{call} failed: {result}")
+
+
+class CudaUnavailableError(CudaError):
+    """cuda-python is not installed (``pip install 'transportd[cuda]'``) or no GPU driver is present."""
+
+
+class GdrCopyError(OSError):
+    """libgdrapi could not be loaded, opened or could not pin/map a buffer."""
+
+
+class VerbsUnavailableError(TransportdError):
+    """The requested verbs provider cannot be loaded (pyverbs missing or broken)."""
+
+
+# --- the RDMA backends (transportd.backends, ib, efa) -----------------------------------------------------
+class BackendError(TransportdError):
+    """A backend could not do what was asked; the message says what to change."""
+
+
+class DeviceNotFoundError(BackendError):
+    """The configured RDMA device does not exist (or no device exists at all)."""
+
+
+class VerbsError(BackendError):
+    """A verbs call failed; ``errno`` is what the provider returned (-1 if it gave none)."""
+
+    def __init__(self, message: str, errno_: int = -1) -> None:
+        self.errno = errno_
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return (type(self), (str(self), self.errno))
+
+
+class SendQueueFullError(BackendError):
+    """``post`` would overrun the connection's send queue; nothing was posted. Poll, then post again.
+
+    The proxy's inflight cap normally keeps this from happening; it is the backstop that keeps a bug from
+    becoming a provider error in the middle of a batch.
+    """
+
+
+# --- the daemon's own data plane (transportd.dataplane) ---------------------------------------------------
+class WorkerError(TransportdError):
+    """A proxy worker refused a request, died, or did not answer."""
+
+
+class TraceFormatError(ValueError):
+    """The file is not a trace file this reader understands (magic, version, sizes or length)."""
+
+
+# --- the channel error word -------------------------------------------------------------------------------
 class ErrorCode(IntEnum):
     """Codes a proxy writes into a channel's error word; 0 means no error.
 

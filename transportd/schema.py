@@ -5,10 +5,10 @@ Both are msgspec Structs whose fields state their type and their limits where th
 words what a pattern means). :func:`convert` turns decoded data (a msgpack map, a TOML table) into such a
 Struct with ``msgspec.convert``, then runs what a Meta cannot say, in this order: a field's
 ``Meta(extra={"check": fn})`` (it may normalise: an octal string becomes an int), finite floats, and each
-Struct's ``_check()`` hook for rules across fields. Every failure becomes one :class:`Invalid` carrying the
-path to the value and the reason, worded in the caller's vocabulary (:class:`Words`: the protocol says
-"integer, got bool", the config "integer, got boolean"), so the protocol and the config report mistakes the
-same way without a converter of their own.
+Struct's ``_check()`` hook for rules across fields. Every failure becomes one :class:`Invalid` (defined in
+:mod:`transportd.errors` with the other error classes) carrying the path to the value and the reason, worded
+in the caller's vocabulary (:class:`Words`: the protocol says "integer, got bool", the config "integer, got
+boolean"), so the protocol and the config report mistakes the same way without a converter of their own.
 """
 
 from __future__ import annotations
@@ -25,32 +25,14 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-__all__ = ["FieldPath", "Invalid", "Words", "convert", "converting", "describe", "dotted", "field_metas", "type_doc",
-           "validate"]
+from transportd.errors import Invalid, dotted
+
+__all__ = ["FieldPath", "Words", "convert", "converting", "describe", "dotted", "field_metas", "type_doc", "validate"]
 
 T = TypeVar("T", bound=msgspec.Struct)
 FieldPath = tuple[str | int, ...]
 
 _converting: contextvars.ContextVar[bool] = contextvars.ContextVar("transportd_schema_converting", default=False)
-
-
-class Invalid(Exception):
-    """A value that does not fit its schema: ``path`` to it, ``problem`` in words, and what kind of failure.
-
-    ``reason`` is ``"missing"`` (a required field), ``"unknown"`` (a field the Struct has not; ``known``
-    lists the ones it has) or ``"invalid"``.
-    """
-
-    def __init__(self, path: FieldPath, problem: str, *, reason: str = "invalid", known: tuple[str, ...] = ()) -> None:
-        self.path = path
-        self.problem = problem
-        self.reason = reason
-        self.known = known
-        super().__init__(f"{dotted(path)}: {problem}")
-
-    def within(self, prefix: FieldPath) -> Invalid:
-        """The same failure seen from ``prefix`` (a Struct holding the one that failed)."""
-        return Invalid(prefix + self.path, self.problem, reason=self.reason, known=self.known)
 
 
 @dataclass(frozen=True)
@@ -61,14 +43,6 @@ class Words:
     value_type: Callable[[object], str]  #: the word for a received value's own type
     articles: dict[str, str] = field(default_factory=dict)  #: "array" -> "an array" when it stands alone
     show_value: bool = False  #: follow "got <type>" with the value itself (scalars only)
-
-
-def dotted(path: FieldPath) -> str:
-    """``("rails", 0, "gid")`` as ``rails[0].gid``."""
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
-    return out
 
 
 def converting() -> bool:

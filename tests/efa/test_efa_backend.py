@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.waiting import wait_until
 from transportd.backends.interface import SignalOp
-from transportd.backends.verbs_common import BackendError
+from transportd.errors import BackendError
 
 REM_ACCESS_ERR = 10
 

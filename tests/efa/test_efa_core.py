@@ -24,7 +24,8 @@ from efa.wire import CTRL_DTYPE, CTRL_SIZE, KIND_CTRL, decode_imm
 from tests.efa.lowering_oracle import OracleWr, lower
 from transportd import _core
 from transportd.backends.interface import COMPLETION_DTYPE, PLAN_DTYPE, PlanOp, SignalOp
-from transportd.backends.verbs_common import WC_DTYPE, BackendError, VerbsError
+from transportd.backends.verbs_common import WC_DTYPE
+from transportd.errors import BackendError, VerbsError
 
 SIGNALED = 2
 RECV_RDMA_WITH_IMM = 129

@@ -37,7 +37,8 @@ from transportd.dataplane.flag_publication import (
     words_path,
 )
 from transportd.dataplane.flagfile import FlagFile
-from transportd.dataplane.gpu_memory import GPU_PAGE_SIZE, GdrCopy, GdrCopyError
+from transportd.dataplane.gpu_memory import GPU_PAGE_SIZE, GdrCopy
+from transportd.errors import GdrCopyError
 
 STANDIN_SOURCE = Path(__file__).with_name("gdr_standin.c")
 

@@ -24,9 +24,10 @@ from tests.ib.lowering_oracle import FENCE, SIGNALED, OracleConn, calls_of
 from transportd import _core
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
 from transportd.backends.null import NullBackend
-from transportd.backends.verbs_common import WC_DTYPE, BackendError, SendQueueFullError, VerbsError
+from transportd.backends.verbs_common import WC_DTYPE
 from transportd.backends.verbs_shim import SHIM_WR_DTYPE, WR_OPCODES
 from transportd.dataplane.proxy import Proxy
+from transportd.errors import BackendError, SendQueueFullError, VerbsError
 
 MODES = ("write", "atomic", "fence")
 WRITE, READ, FADD = WR_OPCODES["wr_rdma_write"], WR_OPCODES["wr_rdma_read"], WR_OPCODES["wr_atomic_fetch_add"]

@@ -11,7 +11,7 @@ import pytest
 from ib.backend import IbBackend
 from tests.support.waiting import wait_until
 from transportd.backends.interface import PLAN_DTYPE, SignalOp, empty_plan
-from transportd.backends.verbs_common import BackendError, SendQueueFullError
+from transportd.errors import BackendError, SendQueueFullError
 
 REM_ACCESS_ERR = 10
 WR_FLUSH_ERR = 5

@@ -84,7 +84,7 @@ def test_a_real_qp_and_cq_give_their_structs(bridge) -> None:
         qh, ch = bridge.QPHandle(qp), bridge.CQHandle(cq)
         assert qh.qp is qp and ch.cq is cq
         assert type(qh.ibv_qp_ex).__name__ == "PyCapsule" and type(ch.ibv_cq_ex).__name__ == "PyCapsule"
-        from transportd.backends.verbs_common import BackendError, SendQueueFullError
+        from transportd.errors import BackendError, SendQueueFullError
 
         poster = _core.IbPoster(cq=ch, mode="write", inline=False, scratch_addr=0, scratch_lkey=0,
                                 backend_error=BackendError, sq_full_error=SendQueueFullError,

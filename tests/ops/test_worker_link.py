@@ -7,7 +7,8 @@ import pytest
 
 from tests.ops.worker_target import slow_worker
 from tests.support.peer_planes import Events, pump
-from transportd.dataplane.worker_link import WorkerError, WorkerHandle
+from transportd.dataplane.worker_link import WorkerHandle
+from transportd.errors import WorkerError
 from transportd_cli.localcluster import free_port
 
 pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'

@@ -8,6 +8,7 @@ import importlib
 import pytest
 
 from transportd.backends import verbs
+from transportd.errors import VerbsUnavailableError
 
 MODULES = ["device", "pd", "mr", "cq", "qp", "wr", "addr", "libibverbs_enums", "pyverbs_error",
            "providers.efa.efadv", "providers.efa.efa_enums"]
@@ -52,7 +53,7 @@ def test_env_and_argument_choose_the_provider(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(verbs.ENV, "soft")
     assert verbs.load().name == "soft"
     monkeypatch.setenv(verbs.ENV, "bogus")
-    with pytest.raises(verbs.VerbsUnavailableError):
+    with pytest.raises(VerbsUnavailableError):
         verbs.load()
     assert verbs.load("soft").name == "soft"  # the explicit argument wins
 
@@ -67,7 +68,7 @@ def test_auto_falls_back_to_soft_without_a_device(monkeypatch: pytest.MonkeyPatc
 
 def test_pyverbs_is_loaded_when_asked_or_refused_clearly() -> None:
     if verbs.pyverbs_devices() is None:
-        with pytest.raises(verbs.VerbsUnavailableError, match="TRANSPORTD_VERBS=soft"):
+        with pytest.raises(VerbsUnavailableError, match="TRANSPORTD_VERBS=soft"):
             verbs.load("pyverbs")
     else:
         assert verbs.load("pyverbs").name == "pyverbs"

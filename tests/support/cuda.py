@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 
+from transportd.errors import CudaError
+
 
 @functools.cache
 def gpu_unavailable() -> str | None:
     """None when a CUDA device is usable here; otherwise why not."""
     try:
-        from gpuclient.cuda_memory import CudaError, driver
+        from gpuclient.cuda_memory import driver
 
         drv = driver()
         err, count = drv.cuDeviceGetCount()

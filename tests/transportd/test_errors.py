@@ -1,28 +1,45 @@
-"""Error classes: who is at fault, stable text, survive pickling; ErrorCode is a stable ABI."""
+"""Error classes: who is at fault, stable text, survive pickling; ErrorCode is a stable ABI; each package defines
+its exception classes in its errors module and nowhere else."""
 
 from __future__ import annotations
 
+import ast
 import os
 import pickle
 import stat
+from pathlib import Path
 
 import pytest
 
 from transportd.control.curve import generate_keypair, load_public_key, load_secret_keypair
 from transportd.errors import (
+    BackendError,
     ConfigError,
+    CudaError,
+    CudaUnavailableError,
     DaemonTimeoutError,
     DaemonUnavailableError,
+    DeviceNotFoundError,
     ErrorCode,
+    GdrCopyError,
+    Invalid,
     LocalProtocolError,
     PeerDeadError,
     PeerError,
     ProtocolError,
     RemoteProtocolError,
     RequestError,
+    SendQueueFullError,
+    SocketGroupError,
+    TraceFormatError,
     TransportdError,
+    VerbsError,
+    VerbsUnavailableError,
+    WorkerError,
     error_code_c_enum,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SAMPLES = [
     ConfigError("/etc/t.toml", "proxy.batch_max", "must be in [1, 8], got 9"),
@@ -81,3 +98,86 @@ def test_generated_keypair(tmp_path):
     assert load_public_key(public) == pub and len(pub) == len(sec) == 40
     with pytest.raises(ValueError, match="no secret key"):
         load_secret_keypair(public)
+
+
+@pytest.mark.parametrize(("cls", "base"), [
+    (SocketGroupError, TransportdError), (CudaError, TransportdError), (CudaUnavailableError, CudaError),
+    (VerbsUnavailableError, TransportdError), (BackendError, TransportdError), (DeviceNotFoundError, BackendError),
+    (VerbsError, BackendError), (SendQueueFullError, BackendError), (WorkerError, TransportdError),
+    # not TransportdErrors: callers catch them as the builtin they are
+    (GdrCopyError, OSError), (TraceFormatError, ValueError), (Invalid, Exception),
+], ids=lambda c: c.__name__)
+def test_error_bases(cls, base):
+    assert cls.__bases__ == (base,) and cls.__module__ == "transportd.errors"
+
+
+def test_error_attributes():
+    err = VerbsError("ibv_post_send: no memory", 12)
+    assert err.errno == 12 and pickle.loads(pickle.dumps(err)).errno == 12
+    assert (CudaError("cuMemAlloc", "CUDA_ERROR_OUT_OF_MEMORY").result, str(CudaError("f", "R"))) == (
+        "CUDA_ERROR_OUT_OF_MEMORY", "f failed: R")
+    inner = Invalid(("gid",), "too long", reason="invalid").within(("rails", 0))
+    assert (inner.path, str(inner)) == (("rails", 0, "gid"), "rails[0].gid: too long")
+
+
+# --- one errors module per package -------------------------------------------------------------------------
+# softverbs is left out: it mirrors pyverbs' module layout, so its errors live in pyverbs_error.py as pyverbs'
+# do. transportd_cli (the programs on top) is not a library package and is not checked.
+PACKAGES = ("cmd_ring", "transportd", "ib", "efa", "ibgda", "gpuclient")
+SUFFIXES = ("Error", "Exception")
+
+
+def _base_names(node: ast.ClassDef) -> list[str]:
+    """The last dotted part of each base (``verbs.error.PyverbsError`` gives ``PyverbsError``)."""
+    return [ast.unparse(b).rpartition(".")[2] for b in node.bases]
+
+
+def _exception_classes(trees: dict[str, ast.Module], known: set[str]) -> dict[str, list[str]]:
+    """Module name -> the classes it defines whose bases end in Error or Exception, or are in ``known`` or
+    another class found here (to a fixed point, so a chain of subclasses is followed)."""
+    classes = [(name, node) for name, tree in trees.items() for node in ast.walk(tree)
+               if isinstance(node, ast.ClassDef)]
+    found: dict[str, list[str]] = {}
+    names = set(known)
+    changed = True
+    while changed:
+        changed = False
+        for module, node in classes:
+            if node.name in found.get(module, ()):
+                continue
+            if any(b.endswith(SUFFIXES) or b in names for b in _base_names(node)):
+                found.setdefault(module, []).append(node.name)
+                names.add(node.name)
+                changed = True
+    return found
+
+
+def _package_trees(package: str) -> dict[str, ast.Module]:
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p)) for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _stray_exception_classes(package: str) -> dict[str, list[str]]:
+    """Exception classes ``package`` defines outside ``<package>/errors.py`` (every one, if it has none)."""
+    trees = _package_trees(package)
+    errors = f"{package}/errors.py"
+    known = set(_exception_classes({errors: trees.pop(errors)}, set()).get(errors, ())) if errors in trees else set()
+    return _exception_classes(trees, known)
+
+
+def test_the_check_finds_what_it_should():
+    trees = {"m.py": ast.parse("class A(Exception): pass\nclass B(A): pass\nclass C(mod.FooError): pass\n"
+                               "class D(Known): pass\nclass E(B): pass\nclass F: pass\nclass G(int): pass\n")}
+    assert sorted(_exception_classes(trees, {"Known"})["m.py"]) == ["A", "B", "C", "D", "E"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_exception_class_is_in_its_packages_errors_module(package):
+    assert _stray_exception_classes(package) == {}, f"move these into {package}/errors.py"
+
+
+def test_transportd_errors_imports_nothing_of_transportd():
+    """Every transportd module may import errors.py, so it stands on nothing of its own package."""
+    tree = ast.parse((ROOT / "transportd" / "errors.py").read_text())
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    imported += ["." * node.level + (node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert [name for name in imported if name.startswith((".", "transportd"))] == []

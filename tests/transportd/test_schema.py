@@ -11,6 +11,7 @@ import pytest
 from msgspec import Meta
 
 from transportd import schema
+from transportd.errors import Invalid
 
 WORDS = schema.Words(types={int: "integer", float: "number", bool: "bool", str: "string", bytes: "bytes",
                             tuple: "array", dict: "map", msgspec.Struct: "map"},
@@ -33,7 +34,7 @@ class Leaf(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def _check(self) -> None:
         if self.n == 7:
-            raise schema.Invalid(("n",), "seven is refused by the rule across fields")
+            raise Invalid(("n",), "seven is refused by the rule across fields")
 
 
 class Root(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -61,16 +62,16 @@ class Root(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ({"label": 5}, "label", "expected string, got int"),
 ])
 def test_every_failure_names_its_path_and_reason(data, path, problem):
-    with pytest.raises(schema.Invalid) as info:
+    with pytest.raises(Invalid) as info:
         schema.convert(data, Root, WORDS)
     assert (schema.dotted(info.value.path), info.value.problem) == (path, problem)
 
 
 def test_unknown_and_missing_say_which_kind_of_failure_and_what_is_known():
-    with pytest.raises(schema.Invalid) as info:
+    with pytest.raises(Invalid) as info:
         schema.convert({"leaves": [{"n": 1, "x": 2}]}, Root, WORDS)
     assert info.value.reason == "unknown" and info.value.known == ("n", "big", "name")
-    with pytest.raises(schema.Invalid) as info:
+    with pytest.raises(Invalid) as info:
         schema.convert({"leaves": [{}]}, Root, WORDS)
     assert info.value.reason == "missing"
 
@@ -81,12 +82,12 @@ def test_checks_normalise_and_lists_become_tuples():
 
 
 def test_a_callers_words():
-    with pytest.raises(schema.Invalid, match=r"expected a table, got int 3"):
+    with pytest.raises(Invalid, match=r"expected a table, got int 3"):
         schema.convert({"leaves": [3]}, Root, TABLE_WORDS)
 
 
 def test_within_prefixes_the_path():
-    assert schema.dotted(schema.Invalid(("n",), "x").within(("leaves", 2)).path) == "leaves[2].n"
+    assert schema.dotted(Invalid(("n",), "x").within(("leaves", 2)).path) == "leaves[2].n"
 
 
 def test_type_doc_shows_the_limits_the_annotations_state():

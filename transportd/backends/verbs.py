@@ -22,18 +22,13 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from transportd.errors import TransportdError
+from transportd.errors import VerbsUnavailableError
 
-__all__ = ["ENV", "PROVIDERS", "VerbsModules", "VerbsUnavailableError", "configure_soft", "load",
-           "pyverbs_devices"]
+__all__ = ["ENV", "PROVIDERS", "VerbsModules", "configure_soft", "load", "pyverbs_devices"]
 
 ENV = "TRANSPORTD_VERBS"
 PROVIDERS = ("auto", "soft", "pyverbs")
 _MODULES = ("device", "pd", "mr", "cq", "qp", "wr", "addr", "libibverbs_enums", "pyverbs_error")
-
-
-class VerbsUnavailableError(TransportdError):
-    """The requested verbs provider cannot be loaded (pyverbs missing or broken)."""
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,13 @@ from typing import Any, Self
 import numpy as np
 
 from transportd.backends.interface import COMPLETION_DTYPE, MemoryKey
-from transportd.errors import TransportdError
+from transportd.errors import BackendError, DeviceNotFoundError, VerbsError
 
 __all__ = [
     "WC_DTYPE",
-    "BackendError",
     "CqDrain",
-    "DeviceNotFoundError",
     "PosterBackend",
     "Rail",
-    "SendQueueFullError",
-    "VerbsError",
     "access_flags",
     "completions",
     "load_verbs",
@@ -59,33 +55,6 @@ WC_DTYPE = np.dtype(
     ],
     align=True,
 )
-
-
-class BackendError(TransportdError):
-    """A backend could not do what was asked; the message says what to change."""
-
-
-class DeviceNotFoundError(BackendError):
-    """The configured RDMA device does not exist (or no device exists at all)."""
-
-
-class VerbsError(BackendError):
-    """A verbs call failed; ``errno`` is what the provider returned (-1 if it gave none)."""
-
-    def __init__(self, message: str, errno_: int = -1) -> None:
-        self.errno = errno_
-        super().__init__(message)
-
-    def __reduce__(self) -> tuple[type, tuple[str, int]]:
-        return (type(self), (str(self), self.errno))
-
-
-class SendQueueFullError(BackendError):
-    """``post`` would overrun the connection's send queue; nothing was posted. Poll, then post again.
-
-    The proxy's inflight cap normally keeps this from happening; it is the backstop that keeps a bug from
-    becoming a provider error in the middle of a batch.
-    """
 
 
 def load_verbs(verbs: Any = None) -> types.SimpleNamespace | Any:

@@ -23,7 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from transportd import schema
-from transportd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, RequestError
+from transportd.errors import Invalid, LocalProtocolError, ProtocolError, RemoteProtocolError, RequestError
 from transportd.limits import (
     MAX_CHANNEL_CAPACITY,
     MAX_DEVICE,
@@ -194,7 +194,7 @@ WORDS = schema.Words(types={int: "integer", float: "number", bool: "bool", str: 
                             tuple: "array", dict: "map", msgspec.Struct: "map"}, value_type=_type_name)
 
 
-def _field_error(ctx: str, exc: schema.Invalid, cls: type[ProtocolError] = LocalProtocolError) -> ProtocolError:
+def _field_error(ctx: str, exc: Invalid, cls: type[ProtocolError] = LocalProtocolError) -> ProtocolError:
     field = schema.dotted(exc.path)
     return cls(f"{ctx}: field '{field}': {exc.problem}", code=ReplyCode.BAD_FIELD, field=field)
 
@@ -224,7 +224,7 @@ class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         try:
             checked = schema.convert({name: getattr(self, name) for name in self.__struct_fields__}, type(self),
                                      WORDS)
-        except schema.Invalid as exc:
+        except Invalid as exc:
             raise _field_error(self._context, exc) from None
         for name in self.__struct_fields__:
             msgspec.structs.force_setattr(self, name, getattr(checked, name))
@@ -233,7 +233,7 @@ class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Rules across fields (the per-field ones are in the annotations); raise via :meth:`_fail`."""
 
     def _fail(self, field: str, problem: str) -> typing.NoReturn:
-        raise schema.Invalid((field,), problem)
+        raise Invalid((field,), problem)
 
     def _range(self, field: str, lo: int | float, hi: int | float) -> None:
         value = getattr(self, field)
@@ -774,7 +774,7 @@ def _parse(msg: object, registry: dict[str, type[Message]], plane: str) -> Messa
     fields = {k: v for k, v in msg.items() if k not in ("v", "op")}
     try:
         return schema.convert(fields, cls, WORDS)
-    except schema.Invalid as exc:
+    except Invalid as exc:
         raise _field_error(op, exc, RemoteProtocolError) from None
 
 

@@ -52,7 +52,7 @@ from transportd.control.protocol import (
     SessionState,
     Stats,
 )
-from transportd.errors import ConfigError, ProtocolError, RequestError, TransportdError
+from transportd.errors import ConfigError, ProtocolError, RequestError, SocketGroupError, TransportdError
 
 __all__ = ["BaseHandler", "ClientInfo", "ControlDispatcher", "ControlHandler", "ControlServer", "ReplyToken"]
 
@@ -335,7 +335,7 @@ class ControlServer:
         try:
             return cls(ctl.socket, handler, max_message_bytes=ctl.max_message_bytes, mode=ctl.mode,
                        group=ctl.group, curve=curve, context=context)
-        except _GroupError as exc:
+        except SocketGroupError as exc:
             raise ConfigError(config.source, "control.group", str(exc)) from None
 
     @property
@@ -477,10 +477,6 @@ def _route(frames: list[bytes]) -> tuple[bytes, ...]:
     return (frames[0],)
 
 
-class _GroupError(TransportdError):
-    """The socket file could not be given to the configured group."""
-
-
 def _prepare_ipc_path(path: str) -> str:
     """Create the socket's directory and refuse a socket file some live process still serves."""
     if path.startswith("@"):
@@ -511,9 +507,9 @@ def _set_permissions(path: str, mode: int, group: str | None) -> None:
         try:
             shutil.chown(path, group=group)
         except LookupError:
-            raise _GroupError(f"group {group!r} does not exist") from None
+            raise SocketGroupError(f"group {group!r} does not exist") from None
         except PermissionError:
-            raise _GroupError(f"not allowed to give {path} to group {group!r} (run as root or a member)") from None
+            raise SocketGroupError(f"not allowed to give {path} to group {group!r} (run as root or a member)") from None
     os.chmod(path, mode)
 
 

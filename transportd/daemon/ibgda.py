@@ -18,8 +18,7 @@ from transportd.control.protocol import ChannelInfo, PeerConnectAccept, PeerConn
 from transportd.daemon.clients import ClientSessions
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import LocalRank, NodeState, memfd_name, quietly
-from transportd.dataplane.worker_link import WorkerError
-from transportd.errors import RequestError
+from transportd.errors import RequestError, WorkerError
 
 __all__ = ["IbgdaChannel", "IbgdaChannels", "IbgdaQueue"]
 

@@ -70,8 +70,8 @@ from transportd.daemon.selftest_jobs import SelftestJobs
 from transportd.daemon.state import LocalRank, NodeState
 from transportd.daemon.tracing import Tracing
 from transportd.dataplane.worker import rail_main
-from transportd.dataplane.worker_link import WorkerError, WorkerHandle
-from transportd.errors import RequestError
+from transportd.dataplane.worker_link import WorkerHandle
+from transportd.errors import RequestError, WorkerError
 from transportd.ops.metrics import MetricsServer
 
 __all__ = ["Daemon"]

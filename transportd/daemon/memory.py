@@ -18,8 +18,7 @@ from transportd.control.protocol import Flags, Register, ReplyCode
 from transportd.daemon.clients import ClientSessions
 from transportd.daemon.state import LocalRank, NodeState, memfd_name, quietly, region_key
 from transportd.dataplane.flagfile import FlagFile
-from transportd.dataplane.worker_link import WorkerError
-from transportd.errors import ErrorCode, RequestError
+from transportd.errors import ErrorCode, RequestError, WorkerError
 from transportd.limits import MAX_REGIONS
 
 __all__ = ["RankMemory", "check_host_fd"]

@@ -21,8 +21,7 @@ from transportd.daemon.memory import RankMemory
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import JobState, LocalRank, NodeState, memfd_name
 from transportd.dataplane.flagfile import FlagFile
-from transportd.dataplane.worker_link import WorkerError
-from transportd.errors import RequestError
+from transportd.errors import RequestError, WorkerError
 from transportd.ops.selftest import REGION_BYTES, SLOTS, EchoResponder
 
 __all__ = ["MAX_SELFTESTS", "SelftestJobs"]

@@ -22,7 +22,8 @@ from transportd.control.peers import PeerPlane
 from transportd.control.protocol import RegionInfo
 from transportd.control.server import ControlServer
 from transportd.dataplane.flagfile import FlagFile
-from transportd.dataplane.worker_link import WorkerError, WorkerHandle
+from transportd.dataplane.worker_link import WorkerHandle
+from transportd.errors import WorkerError
 
 __all__ = ["FLAGS_REGION_ID", "JobState", "LocalRank", "NodeState", "RemoteRank", "memfd_name", "quietly",
            "region_key"]

@@ -11,8 +11,7 @@ from transportd.control.protocol import Inspect, ReplyCode
 from transportd.daemon.clients import ClientSessions, Identity
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import NodeState
-from transportd.dataplane.worker_link import WorkerError
-from transportd.errors import RequestError
+from transportd.errors import RequestError, WorkerError
 from transportd.ops.metrics import job_traffic
 
 __all__ = ["collect_stats", "inspect_flags", "visible_stats"]

@@ -21,8 +21,7 @@ from transportd.control.protocol import ReplyCode, TraceStart, TraceStop
 from transportd.daemon.clients import Identity
 from transportd.daemon.state import NodeState
 from transportd.dataplane.trace import merge_parts
-from transportd.dataplane.worker_link import WorkerError
-from transportd.errors import RequestError
+from transportd.errors import RequestError, WorkerError
 
 __all__ = ["Tracing"]
 

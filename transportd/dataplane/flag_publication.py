@@ -41,7 +41,8 @@ from typing import Any
 from transportd import _core
 from transportd.backends.interface import MemoryKey, SignalOp
 from transportd.dataplane.flagfile import FlagFile
-from transportd.dataplane.gpu_memory import GdrCopy, GdrCopyError, GpuMemory, IpcRegion
+from transportd.dataplane.gpu_memory import GdrCopy, GpuMemory, IpcRegion
+from transportd.errors import GdrCopyError
 
 __all__ = [
     "COPY_COST",

@@ -25,9 +25,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from transportd.cuda_driver import CudaError, check, driver, use_device
+from transportd.cuda_driver import check, driver, use_device
+from transportd.errors import CudaError, GdrCopyError
 
-__all__ = ["GPU_PAGE_SIZE", "GdrCopy", "GdrCopyError", "GdrMapping", "GpuAccessor", "GpuMemory", "IpcRegion"]
+__all__ = ["GPU_PAGE_SIZE", "GdrCopy", "GdrMapping", "GpuAccessor", "GpuMemory", "IpcRegion"]
 
 #: gdrdrv pins GPU memory in pages of this size (gdrapi.h GPU_PAGE_SIZE).
 GPU_PAGE_SIZE = 1 << 16
@@ -155,10 +156,6 @@ class GpuMemory:
 
 
 # --- GDRCopy -----------------------------------------------------------------------------------------------
-class GdrCopyError(OSError):
-    """libgdrapi could not be loaded, opened or could not pin/map a buffer."""
-
-
 class _MemHandle(ctypes.Structure):
     _fields_ = [("h", ctypes.c_ulong)]  # gdr_mh_t, passed by value
 

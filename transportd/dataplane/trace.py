@@ -30,9 +30,10 @@ import numpy as np
 
 from cmd_ring.record import RECORD_DTYPE
 from transportd import _core
+from transportd.errors import TraceFormatError
 
-__all__ = ["ENTRY_DTYPE", "FAILED", "HEADER_DTYPE", "MAGIC", "TAKEN", "VERSION", "Trace", "TraceFormatError",
-           "merge_parts", "parse_trace", "read_part", "read_trace", "write_trace"]
+__all__ = ["ENTRY_DTYPE", "FAILED", "HEADER_DTYPE", "MAGIC", "TAKEN", "VERSION", "Trace", "merge_parts",
+           "parse_trace", "read_part", "read_trace", "write_trace"]
 
 MAGIC = b"TPDTRACE"
 VERSION = 1
@@ -64,10 +65,6 @@ HEADER_DTYPE = np.dtype([
     ("reserved2", "<u8", (2,)),
 ])
 assert HEADER_DTYPE.itemsize == 64
-
-
-class TraceFormatError(ValueError):
-    """The file is not a trace file this reader understands (magic, version, sizes or length)."""
 
 
 @dataclass

@@ -25,15 +25,11 @@ from typing import Any
 import zmq
 
 from transportd.control import codec
-from transportd.errors import TransportdError
+from transportd.errors import WorkerError
 
-__all__ = ["WorkerHandle", "WorkerError", "WorkerEndpoint"]
+__all__ = ["WorkerEndpoint", "WorkerHandle"]
 
 log = logging.getLogger("transportd.worker")
-
-
-class WorkerError(TransportdError):
-    """A proxy worker refused a request, died, or did not answer."""
 
 
 class WorkerHandle:

@@ -16,7 +16,7 @@ from transportd.backends.interface import PlanOp
 from transportd.backends.null import NullBackend
 from transportd.dataplane import trace as tr
 from transportd.dataplane.proxy import Proxy
-from transportd.errors import ErrorCode
+from transportd.errors import ErrorCode, TraceFormatError
 
 JOB = "job"
 WORLD = 4
@@ -124,15 +124,15 @@ def test_reader_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     tr.write_trace(path, {}, np.zeros(2, dtype=tr.ENTRY_DTYPE))
     good = path.read_bytes()
     path.write_bytes(b"NOTTRACE" + good[8:])
-    with pytest.raises(tr.TraceFormatError, match="magic"):
+    with pytest.raises(TraceFormatError, match="magic"):
         tr.read_trace(path)
     header = np.frombuffer(good[:64], dtype=tr.HEADER_DTYPE).copy()
     header["version"] = 2
     path.write_bytes(header.tobytes() + good[64:])
-    with pytest.raises(tr.TraceFormatError, match="version 2"):
+    with pytest.raises(TraceFormatError, match="version 2"):
         tr.read_trace(path)
     path.write_bytes(good[:-1])
-    with pytest.raises(tr.TraceFormatError, match="cannot hold 2 entries"):
+    with pytest.raises(TraceFormatError, match="cannot hold 2 entries"):
         tr.read_trace(path)
 
 
