@@ -26,6 +26,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from transportd.backends import verbs as verbs_provider
 from transportd.backends.interface import COMPLETION_DTYPE, MemoryKey
 from transportd.errors import BackendError, DeviceNotFoundError, VerbsError
 
@@ -65,9 +66,7 @@ def load_verbs(verbs: Any = None) -> types.SimpleNamespace | Any:
     """
     if verbs is not None and not isinstance(verbs, str):
         return verbs
-    from transportd.backends import verbs as verbs_mod
-
-    return verbs_mod.load(None if verbs in (None, "auto") else verbs)
+    return verbs_provider.load(None if verbs in (None, "auto") else verbs)
 
 
 @contextmanager

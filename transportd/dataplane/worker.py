@@ -29,8 +29,8 @@ import numpy as np
 from cmd_ring import RingFile
 from cmd_ring.shm import SharedFile, map_fd
 from transportd.backends import DEVICE_KINDS, FIXED_PROVIDERS, open_configured
+from transportd.backends import verbs as verbs_provider
 from transportd.backends.interface import MemoryKey
-from transportd.backends.verbs import load as load_verbs
 from transportd.config import Config
 from transportd.dataplane.flag_publication import RailFlags
 from transportd.dataplane.flagfile import FlagFile
@@ -61,7 +61,7 @@ class RailService:
         soft_options = msgspec.structs.asdict(config.softverbs)
         if device and kind in DEVICE_KINDS:  # a soft rail device is created where missing
             soft_options["devices"] = {device: DEVICE_KINDS[kind]}
-        verbs = load_verbs(None if provider == "auto" else provider, soft_options=soft_options)
+        verbs = verbs_provider.load(None if provider == "auto" else provider, soft_options=soft_options)
         self.verbs_name: str = verbs.name
         self.verbs_fallback: bool = verbs.fallback  # only "auto" falls back
         if self.verbs_fallback:
