@@ -138,6 +138,7 @@ class EfaBackend(PosterBackend):
     """
 
     name = "efa"
+    receives = True  # arrivals land on the CQ with no ring record: an idle worker keeps polling
     #: flags are published by the receiving daemon (transportd.dataplane.flag_publication picks how, per rail)
     receiver_publishes_flags = True
 

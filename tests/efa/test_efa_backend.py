@@ -8,8 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from efa.backend import EfaBackend
+from ib.backend import IbBackend
 from tests.support.waiting import wait_until
 from transportd.backends.interface import SignalOp
+from transportd.backends.null import NullBackend
+from transportd.dataplane.worker import DEEP_WATCH_S, deep_watch_s
 from transportd.errors import BackendError
 
 REM_ACCESS_ERR = 10
@@ -217,7 +221,6 @@ def test_without_unsolicited_write_receive_keeps_receives_posted(make_link: Any,
 
 
 def test_refuses_device_without_rdma_write(verbs: Any) -> None:
-    from efa.backend import EfaBackend
 
     ee = verbs.efa_enums
     # (named to sort last: other tests let the backend pick the first EFA device)
@@ -227,7 +230,6 @@ def test_refuses_device_without_rdma_write(verbs: Any) -> None:
 
 
 def test_refuses_non_efa_device(verbs: Any) -> None:
-    from efa.backend import EfaBackend
 
     with pytest.raises(BackendError, match="not an EFA device"):
         EfaBackend("softib0", verbs=verbs)
@@ -322,3 +324,11 @@ def test_endpoint_and_address_are_plain_data(make_link: Any) -> None:
         assert msgpack.unpackb(msgpack.packb(info)) == info
     with pytest.raises(BackendError, match="not efa"):
         link.a.connect(99, {"transport": "ib"})
+
+
+def test_a_long_idle_worker_keeps_polling_an_efa_backend_between_naps() -> None:
+    # efa arrivals show in no ring header: a worker that only watched its rings for DEEP_WATCH_S would hold
+    # their flags back that long (10 ms on the H200 host's put -> flag); ib and null wait for a record.
+    assert deep_watch_s(EfaBackend, 50e-6) == 50e-6
+    assert deep_watch_s(IbBackend, 50e-6) == DEEP_WATCH_S == deep_watch_s(NullBackend, 50e-6)
+    assert DEEP_WATCH_S > 50e-6

@@ -100,7 +100,12 @@ class FlagPublisher(Protocol):
 
 
 class Backend(Protocol):
-    """One rail's NIC as the proxy sees it."""
+    """One rail's NIC as the proxy sees it.
+
+    ``receives`` (optional, False when absent): the backend has receive-side work that comes with no local
+    record to announce it (efa: write-with-imm arrivals whose flags the receiving daemon publishes), so an
+    idle worker must keep polling it rather than only watch its rings (``dataplane.worker.deep_watch_s``).
+    """
 
     name: str
 

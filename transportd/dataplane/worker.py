@@ -325,6 +325,13 @@ DEEP_WATCH_S = 10e-3  # DEEP_NAP_S waits on the link between looks: a record is 
 DEEP_NAP_S = 50e-6  # request at once; what it costs in CPU: `transportd bench proxy --idle-nap-us N`
 
 
+def deep_watch_s(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> float:
+    """How long a long-idle worker watches its rings between passes: ``DEEP_WATCH_S``, but one nap for a
+    backend that ``receives`` (efa): its arrivals announce themselves on the CQ, not in a ring header, and
+    only a pass polls the CQ, so a longer watch would hold a flag back by up to the watch."""
+    return deep_nap_s if getattr(backend, "receives", False) else DEEP_WATCH_S
+
+
 def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s: float = DEEP_NAP_S) -> None:
     """Run the proxy and serve the main process's requests until ``stopping()`` or a stop request.
 
@@ -334,10 +341,12 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s
     ends the wait at once) and a ``NAP_S`` sleep; after ``DEEP_AFTER_S`` each pass is followed by up to
     ``DEEP_WATCH_S`` of looking at the ring headers, waiting ``deep_nap_s`` on the link's descriptor
     between looks (in C, GIL released): a long-idle worker costs little CPU, still takes the first record
-    within tens of µs, and a request on the link ends the wait at once.
+    within tens of µs, and a request on the link ends the wait at once. A backend that receives (efa) gets a
+    pass after every nap instead (:func:`deep_watch_s`), so its arrivals wait no longer than a record.
     """
     run_once, serve_pending, wait_ready = proxy.run_once, link.serve_pending, proxy.wait_ready
     link_fd = link.wake_fd()
+    deep_watch = deep_watch_s(proxy.backend, deep_nap_s)
     clock = time.perf_counter
     iterations = 0
     idle_since = -1.0
@@ -356,7 +365,7 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s
             break
         if idle_for >= DEEP_AFTER_S:
             # False at once while work is in flight: its completions are due at the next pass, so nap
-            if not wait_ready(DEEP_WATCH_S, deep_nap_s, link_fd) and proxy.busy():
+            if not wait_ready(deep_watch, deep_nap_s, link_fd) and proxy.busy():
                 time.sleep(deep_nap_s)
         elif idle_for >= SPIN_S and not wait_ready(WATCH_S):
             time.sleep(NAP_S)
