@@ -61,7 +61,8 @@ def replay(trace_file: str, sockets: tuple[str, ...], pace: str, timeout: float,
     Exit 1 when an outcome differed (a record's code, or how many were taken), 0 when none did."""
     from transportd.control.client import resolve_endpoint
     from transportd.errors import TransportdError
-    from transportd_cli.replay import ReplayError, format_report, run_replay
+    from transportd_cli.errors import ReplayError
+    from transportd_cli.replay import format_report, run_replay
 
     endpoints = [resolve_endpoint(s) for s in sockets] or [resolve_endpoint(None)]
     try:

@@ -36,15 +36,12 @@ from transportd.control.curve import CurveClientKeys
 from transportd.control.protocol import TraceStart, TraceStop
 from transportd.dataplane.trace import FAILED, TAKEN, Trace, parse_trace
 from transportd.errors import ErrorCode
+from transportd_cli.errors import ReplayError
 
-__all__ = ["PACES", "ReplayError", "compare_traces", "format_report", "run_replay", "trace_start", "trace_stop"]
+__all__ = ["PACES", "compare_traces", "format_report", "run_replay", "trace_start", "trace_stop"]
 
 PACES = ("recorded", "fast")
 UNREGISTERED = 0xFFFF  # a region id no replay rank registers: what an id unknown to the recording maps to
-
-
-class ReplayError(RuntimeError):
-    """The replay could not be set up or did not finish (not: the outcomes differed)."""
 
 
 # --- the trace requests, shared with transportctl -----------------------------------------------------------

@@ -122,8 +122,8 @@ def test_error_attributes():
 
 # --- one errors module per package -------------------------------------------------------------------------
 # softverbs is left out: it mirrors pyverbs' module layout, so its errors live in pyverbs_error.py as pyverbs'
-# do. transportd_cli (the programs on top) is not a library package and is not checked.
-PACKAGES = ("cmd_ring", "transportd", "ib", "efa", "ibgda", "gpuclient")
+# do.
+PACKAGES = ("cmd_ring", "transportd", "ib", "efa", "ibgda", "gpuclient", "transportd_cli")
 SUFFIXES = ("Error", "Exception")
 
 
