@@ -4,6 +4,6 @@ See :mod:`efa.wire` for the immediate and control-record layout, :mod:`efa.arriv
 published, and :mod:`efa.backend` for the verbs side.
 """
 
-from efa.arrivals import ArrivalTracker, Publication, SenderGroups
+from efa.arrivals import ArrivalTracker, FlagUpdate, SenderGroups
 
-__all__ = ["ArrivalTracker", "Publication", "SenderGroups"]
+__all__ = ["ArrivalTracker", "FlagUpdate", "SenderGroups"]

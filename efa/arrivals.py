@@ -34,7 +34,7 @@ from efa.errors import ProtocolViolation
 from efa.wire import INDEX_BITS, OP_ADD, OP_FENCE, OP_SET, unwrap
 from transportd.backends.interface import SignalOp
 
-__all__ = ["ArrivalTracker", "Publication", "SenderGroups"]
+__all__ = ["ArrivalTracker", "FlagUpdate", "SenderGroups"]
 
 _U32 = 0xFFFFFFFF
 
@@ -89,7 +89,7 @@ class SenderGroups:
 
 
 @dataclass(frozen=True, slots=True)
-class Publication:
+class FlagUpdate:
     """A flag update that has become safe: everything it covers has arrived."""
 
     rank: int
@@ -170,17 +170,17 @@ class ArrivalTracker:
             self._advance_low()
 
     # --- output ------------------------------------------------------------------------------------------
-    def ready(self) -> list[Publication]:
+    def ready(self) -> list[FlagUpdate]:
         """Signals that may be published now, in the order to publish them; they are forgotten here."""
         if not self.pending:
             return []
-        out: list[Publication] = []
+        out: list[FlagUpdate] = []
         blocked: set[tuple[int, int]] = set()
         keep: deque[_Signal] = deque()
         for sig in self.pending:
             key = (sig.rank, sig.slot)
             if key not in blocked and self._complete(sig.group) and sig.after <= self.low:
-                out.append(Publication(sig.rank, sig.slot, sig.op, sig.value))
+                out.append(FlagUpdate(sig.rank, sig.slot, sig.op, sig.value))
             else:
                 blocked.add(key)
                 keep.append(sig)

@@ -37,7 +37,7 @@ from transportd.config import DEFAULT_SOCKET, SOCKET_ENV, Config, check_control_
 from transportd.control import codec, protocol
 from transportd.control.curve import CurveClientKeys, configure_client
 from transportd.control.fdchannel import FdClient
-from transportd.control.protocol import Heartbeat, Hello, Request, Session
+from transportd.control.protocol import Heartbeat, Hello, Request, SessionRules
 from transportd.errors import (
     DaemonTimeoutError,
     DaemonUnavailableError,
@@ -112,7 +112,7 @@ class ControlConnection:
             raise DaemonUnavailableError(self.endpoint, f"not a control endpoint: {exc}") from None
         self.timeout_ms = timeout_ms
         self.handshake_timeout_ms = handshake_timeout_ms
-        self.session = Session()
+        self.session = SessionRules()
         self.hello_reply: dict[str, Any] = {}
         self._name = name
         self._suspect: str | None = None  # why the daemon may be gone (set by a timed-out request)

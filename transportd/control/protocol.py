@@ -84,7 +84,7 @@ __all__ = [
     "Selftest",
     "ReplyCode",
     "Request",
-    "Session",
+    "SessionRules",
     "SessionState",
     "SideMessage",
     "Stats",
@@ -385,7 +385,7 @@ class Flags(Request):
 @_request
 class Exchange(Request):
     """Share this rank's regions and flags with the job; the reply says whether every rank is known and
-    reachable yet (``complete``), so clients repeat it until then (``Session.exchange`` does)."""
+    reachable yet (``complete``), so clients repeat it until then (``gpuclient.Session.exchange`` does)."""
 
     op: ClassVar[str] = "exchange"
 
@@ -900,8 +900,9 @@ def _state_problem(state: SessionState, op: str) -> str:
     return f"op '{op}' is not allowed in session state '{state.value}'{hint}; allowed: {allowed}"
 
 
-class Session:
-    """One client session's state; the client checks before sending, the server before dispatching."""
+class SessionRules:
+    """Which ops one client session may send now (its state); the client checks before sending, the server
+    before dispatching."""
 
     def __init__(self, state: SessionState = SessionState.NEW) -> None:
         self.state = state
@@ -923,4 +924,4 @@ class Session:
         self.state = new
 
     def __repr__(self) -> str:
-        return f"Session({self.state.value})"
+        return f"SessionRules({self.state.value})"

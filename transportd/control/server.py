@@ -48,7 +48,7 @@ from transportd.control.protocol import (
     Register,
     ReplyCode,
     Request,
-    Session,
+    SessionRules,
     SessionState,
     Stats,
 )
@@ -106,7 +106,7 @@ class BaseHandler:
 class ClientInfo:
     """What the server knows of one client connection (keyed by its zmq identity)."""
 
-    session: Session = field(default_factory=Session)
+    session: SessionRules = field(default_factory=SessionRules)
     first_seen: float = 0.0
     last_seen: float = 0.0
     requests: int = 0

@@ -52,7 +52,7 @@ __all__ = [
     "LOOPBACK",
     "NIC",
     "GpuFlagWords",
-    "Publication",
+    "PublicationChoice",
     "RailFlags",
     "choose_publication",
     "words_path",
@@ -69,7 +69,7 @@ COPY_COST = ("each flag is a copy through the daemon's CUDA context, which waits
 
 
 @dataclass
-class Publication:
+class PublicationChoice:
     """A rail's choice: ``path`` (one of the module's names), why, and whether the config forced it."""
 
     path: str
@@ -87,7 +87,7 @@ class Publication:
 
 
 def choose_publication(setting: str, *, receiver_publishes: bool, loopback: str | None, gdrdrv_device: str,
-                       gdrcopy_library: str = "") -> Publication:
+                       gdrcopy_library: str = "") -> PublicationChoice:
     """Pick the rail's path for ``flags.publication = setting``.
 
     ``receiver_publishes``: the backend publishes flags at the receiver (efa); else the NIC writes them
@@ -95,22 +95,22 @@ def choose_publication(setting: str, *, receiver_publishes: bool, loopback: str 
     NIC, else why not. A forced path that cannot work raises :class:`ValueError` naming why.
     """
     if not receiver_publishes:
-        return Publication(NIC, "the sender's NIC writes the flags (RDMA write or atomic)")
+        return PublicationChoice(NIC, "the sender's NIC writes the flags (RDMA write or atomic)")
     forced = setting != "auto"
 
-    def gdr() -> Publication | str:
+    def gdr() -> PublicationChoice | str:
         if not os.path.exists(gdrdrv_device):
             return f"{gdrdrv_device} is absent (the gdrdrv kernel module is not loaded)"
         try:
             lib = GdrCopy(gdrcopy_library)
         except GdrCopyError as exc:
             return str(exc)
-        return Publication(GDRCOPY, f"gdrdrv at {gdrdrv_device}, {lib.library}: GPU flag pages mapped through "
+        return PublicationChoice(GDRCOPY, f"gdrdrv at {gdrdrv_device}, {lib.library}: GPU flag pages mapped through "
                                     "the BAR, published by CPU stores", forced, lib)
 
     if setting in ("auto", GDRCOPY):
         got = gdr()
-        if isinstance(got, Publication):
+        if isinstance(got, PublicationChoice):
             return got
         if forced:
             raise ValueError(f"flags.publication = \"gdrcopy\": {got}")
@@ -118,17 +118,17 @@ def choose_publication(setting: str, *, receiver_publishes: bool, loopback: str 
     if setting in ("auto", LOOPBACK):
         if loopback is None:
             why = "RDMA write through the rail's own NIC into the GPU flag words"
-            return Publication(LOOPBACK, why if forced else f"no GDRCopy ({no_gdr}); {why}", forced)
+            return PublicationChoice(LOOPBACK, why if forced else f"no GDRCopy ({no_gdr}); {why}", forced)
         if forced:
             raise ValueError(f"flags.publication = \"loopback\": {loopback}")
     if setting == CUDA_COPY:
-        return Publication(CUDA_COPY, "forced by flags.publication: " + COPY_COST, True)
+        return PublicationChoice(CUDA_COPY, "forced by flags.publication: " + COPY_COST, True)
     if setting in ("auto", HOST_MAPPED):
         why = ("flags default to host memory mapped into the GPU; device flags asked for explicitly fall back "
                "to cuda-copy")
         if not forced:
             why = f"no GDRCopy ({no_gdr}), no loopback write ({loopback}); {why}"
-        return Publication(HOST_MAPPED, why, forced)
+        return PublicationChoice(HOST_MAPPED, why, forced)
     raise ValueError(f"unknown flags.publication {setting!r}")
 
 
@@ -231,7 +231,7 @@ class RailFlags:
     each poll. ``conn_jobs`` (the worker's, connection id -> job) says which job an arrival belongs to.
     """
 
-    def __init__(self, backend: Any, publication: Publication, gpu: GpuMemory, conn_jobs: Mapping[int, str],
+    def __init__(self, backend: Any, publication: PublicationChoice, gpu: GpuMemory, conn_jobs: Mapping[int, str],
                  rail: int) -> None:
         self.backend = backend
         self.publication = publication

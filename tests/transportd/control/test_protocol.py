@@ -37,7 +37,7 @@ from transportd.control.protocol import (
     RegionInfo,
     Register,
     Selftest,
-    Session,
+    SessionRules,
     SessionState,
     Stats,
     TraceStart,
@@ -340,20 +340,20 @@ def test_transition_table_covers_every_state_and_only_known_ops():
 @pytest.mark.parametrize("op", ["register", "flags", "channel", "exchange", "join", "leave", "stats"])
 def test_nothing_but_hello_before_hello(op):
     with pytest.raises(LocalProtocolError, match="send hello first") as info:
-        Session().check(op)
+        SessionRules().check(op)
     assert info.value.code == "bad_state"
 
 
 @pytest.mark.parametrize("op", ["register", "flags", "channel", "exchange", "leave"])
 def test_memory_ops_need_a_join(op):
-    session = Session(SessionState.READY)
+    session = SessionRules(SessionState.READY)
     with pytest.raises(LocalProtocolError, match="join a job first"):
         session.check(op)
     assert session.refuse_reason(op) is not None
 
 
 def test_full_session_walk():
-    session = Session()
+    session = SessionRules()
     for op, state in [("hello", SessionState.READY), ("stats", SessionState.READY), ("join", SessionState.JOINED),
                       ("register", SessionState.JOINED), ("flags", SessionState.JOINED),
                       ("channel", SessionState.JOINED), ("exchange", SessionState.JOINED),
@@ -371,7 +371,7 @@ class _CoreServer:
     """Just enough of a server to drive the core with a client: decode, parse, state check, reply."""
 
     def __init__(self) -> None:
-        self.session = Session()
+        self.session = SessionRules()
 
     def receive(self, payload: bytes) -> bytes:
         try:
@@ -387,7 +387,7 @@ class _CoreServer:
 
 
 def test_client_server_pair_through_the_core():
-    client, server = Session(), _CoreServer()
+    client, server = SessionRules(), _CoreServer()
 
     def call(req):
         client.check(req.op)
