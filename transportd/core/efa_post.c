@@ -51,7 +51,6 @@
 #define MAX_SPAN (1ull << 16)
 #define WC_RECV_RDMA_WITH_IMM 129 /* IBV_WC_RECV_RDMA_WITH_IMM */
 
-enum { E_NONE, E_UNKNOWN, E_NOT_CONNECTED, E_VERBS, E_POLL, E_BAD_OP, E_NOMEM, E_PY };
 enum { S_WRS, S_PIECES, S_SIGNALS, S_FENCES, S_ERRORS, S_ARRIVALS, S_ARRIVAL_BYTES, S_PUBLISHED, S_PUBLISHED_HOST,
        S_PUBLISHED_MAPPED, S_FLUSHES, S_BACKLOGGED, S_PROTOCOL, S_UNKNOWN, S_SEND_CQES, N_STATS };
 static const char *const STAT_NAMES[N_STATS] = {
@@ -188,19 +187,8 @@ typedef struct {
     struct { int64_t conn; char why[200]; } fail_q[16]; /* protocol errors to log, in on_pass */
     size_t nfail;
     uint64_t stats[N_STATS];
-    int err, err_errno;
-    char msg[320];
+    tpd_poster_error error;
 } EfaPoster;
-
-static int fail(EfaPoster *p, int code, int errno_, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(p->msg, sizeof p->msg, fmt, ap);
-    va_end(ap);
-    p->err = code;
-    p->err_errno = errno_;
-    return -1;
-}
 
 static Conn *find_conn(EfaPoster *p, int64_t id) {
     for (size_t i = 0; i < p->nconns; i++)
@@ -248,7 +236,7 @@ static int lower(EfaPoster *p, Conn *c, const tpd_plan_row *rows, size_t n, size
     size_t w = 0, ne = 0;
     if (tpd_grow((void **)&p->ends, &p->ends_cap, n, sizeof(size_t)) ||
         tpd_grow((void **)&p->end_tokens, &p->end_tokens_cap, n, sizeof(uint64_t)))
-        return fail(p, E_NOMEM, 0, "out of memory");
+        return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
     for (size_t i = 0; i < n; i++) {
         const tpd_plan_row *r = &rows[i];
         if (r->op == TPD_PLAN_WRITE) {
@@ -286,7 +274,7 @@ static int lower(EfaPoster *p, Conn *c, const tpd_plan_row *rows, size_t n, size
         } else {
             c->g_group = saved[0], c->g_pieces = saved[1], c->g_after = saved[2], c->g_seq = saved[3];
             c->g_closed = saved_closed;
-            return fail(p, E_BAD_OP, 0, "plan row %zu: unknown op %u", i, r->op);
+            return tpd_fail(&p->error, TPD_E_BAD_OP, 0, "plan row %zu: unknown op %u", i, r->op);
         }
         if (i == n - 1 || (r->token != rows[i + 1].token && r->token != 0)) {
             p->ends[ne] = w;
@@ -302,7 +290,7 @@ static int lower(EfaPoster *p, Conn *c, const tpd_plan_row *rows, size_t n, size
 nomem:
     c->g_group = saved[0], c->g_pieces = saved[1], c->g_after = saved[2], c->g_seq = saved[3];
     c->g_closed = saved_closed;
-    return fail(p, E_NOMEM, 0, "out of memory");
+    return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
 }
 
 static int bl_reserve(EfaPoster *p, size_t extra);
@@ -390,7 +378,7 @@ static int submit(EfaPoster *p) {
         }
         int rc = qp->wr_complete(qp);
         if (rc) /* nothing was posted: they wait again, in order */
-            return fail(p, E_VERBS, rc, "posting on the SRD QP: ibv_wr_complete failed: %s", strerror(rc));
+            return tpd_fail(&p->error, TPD_E_VERBS, rc, "posting on the SRD QP: ibv_wr_complete failed: %s", strerror(rc));
         for (size_t i = 0; i < k; i++) p->bl[(p->bl_head + i) % p->bl_cap].c->waiting--;
         p->bl_head = (p->bl_head + k) % p->bl_cap;
         p->bl_n -= k;
@@ -404,8 +392,8 @@ static int submit(EfaPoster *p) {
 static int post_slice(EfaPoster *p, int64_t id, const tpd_plan_row *rows, size_t n, int64_t *nwr) {
     *nwr = 0;
     Conn *c = find_conn(p, id);
-    if (!c) return fail(p, E_UNKNOWN, 0, "unknown connection %lld", (long long)id);
-    if (!c->connected) return fail(p, E_NOT_CONNECTED, 0, "connection %lld is not connected", (long long)id);
+    if (!c) return tpd_fail(&p->error, TPD_E_UNKNOWN, 0, "unknown connection %lld", (long long)id);
+    if (!c->connected) return tpd_fail(&p->error, TPD_E_NOT_CONNECTED, 0, "connection %lld is not connected", (long long)id);
     if (!n) return 0;
     size_t w = 0, ne = 0;
     uint64_t saved[4] = {c->g_group, c->g_pieces, c->g_after, c->g_seq};
@@ -414,7 +402,7 @@ static int post_slice(EfaPoster *p, int64_t id, const tpd_plan_row *rows, size_t
     if (reserve(p, c, w, ne)) { /* nothing queued: the slice never happened */
         c->g_group = saved[0], c->g_pieces = saved[1], c->g_after = saved[2], c->g_seq = saved[3];
         c->g_closed = saved_closed;
-        return fail(p, E_NOMEM, 0, "out of memory");
+        return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
     }
     commit(p, c, w, ne);
     *nwr = (int64_t)w;
@@ -564,7 +552,7 @@ static int call_python(EfaPoster *p, int flush, uint64_t replenish) {
     PyGILState_Release(g);
     p->npypubs = 0;
     p->nfail = 0;
-    if (rc) return fail(p, E_PY, 0, "on_pass failed");
+    if (rc) return tpd_fail(&p->error, TPD_E_PY, 0, "on_pass failed");
     return 0;
 }
 
@@ -633,13 +621,13 @@ static long efa_poll(void *ctx, size_t max, tpd_completion *out) {
     p->ncarry = 0;
     size_t want = 2 * max < 4096 ? 2 * max : 4096;
     if (want < 64) want = 64;
-    if (tpd_grow((void **)&p->touched, &p->touched_cap, want, sizeof(Conn *))) return fail(p, E_NOMEM, 0, "out of memory");
+    if (tpd_grow((void **)&p->touched, &p->touched_cap, want, sizeof(Conn *))) return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
     size_t nt = 0;
     struct ibv_cq_ex *cq = p->cq;
     struct ibv_poll_cq_attr attr = {0};
     int rc = cq->start_poll(cq, &attr);
     if (rc != 0 && rc != ENOENT) {
-        fail(p, E_POLL, rc, "polling the CQ: ibv_start_poll failed: %s", strerror(rc));
+        tpd_fail(&p->error, TPD_E_POLL, rc, "polling the CQ: ibv_start_poll failed: %s", strerror(rc));
         return poll_failed(p);
     }
     if (rc == 0) {
@@ -674,16 +662,16 @@ static long efa_poll(void *ctx, size_t max, tpd_completion *out) {
         p->submitted -= sent_done < p->submitted ? sent_done : p->submitted;
         p->stats[S_SEND_CQES] += sent_done;
         if (err == 1) {
-            fail(p, E_NOMEM, 0, "out of memory");
+            tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
             return poll_failed(p);
         }
         if (err == 2) {
-            fail(p, E_POLL, rc, "polling the CQ: ibv_next_poll failed: %s", strerror(rc));
+            tpd_fail(&p->error, TPD_E_POLL, rc, "polling the CQ: ibv_next_poll failed: %s", strerror(rc));
             return poll_failed(p);
         }
     }
     if (nt && collect(p, p->touched, nt)) {
-        fail(p, E_NOMEM, 0, "out of memory");
+        tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
         return poll_failed(p);
     }
     int flush = 0;
@@ -711,34 +699,10 @@ static long efa_poll(void *ctx, size_t max, tpd_completion *out) {
 
 static void efa_raise(void *ctx) {
     EfaPoster *p = ctx;
-    if (tpd_restore_exception()) return;
-    switch (p->err) {
-    case E_NOMEM:
-        PyErr_NoMemory();
-        return;
-    case E_VERBS:
-    case E_POLL: {
-        PyObject *exc = PyObject_CallFunction(p->exc_verbs, "si", p->msg, p->err_errno);
-        if (exc) {
-            PyErr_SetObject(p->exc_verbs, exc);
-            Py_DECREF(exc);
-        }
-        return;
-    }
-    default:
-        PyErr_SetString(p->exc_backend, p->msg);
-    }
+    tpd_raise_error(&p->error, p->exc_backend, p->exc_verbs, NULL);
 }
 
 /* ---- the Python type ------------------------------------------------------------------------------------ */
-static void *handle_pointer(PyObject *owner, const char *attr) {
-    PyObject *cap = PyObject_GetAttrString(owner, attr);
-    if (!cap) return NULL;
-    void *ptr = PyCapsule_GetPointer(cap, attr);
-    Py_DECREF(cap);
-    return ptr;
-}
-
 static int EfaPoster_init(EfaPoster *p, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"qp", "cq", "max_rdma_size", "sq_depth", "rq_depth", "cumulative", "unsolicited",
                              "visibility_flush", "on_pass", "backend_error", "verbs_error", NULL};
@@ -753,8 +717,8 @@ static int EfaPoster_init(EfaPoster *p, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (maxsz > 0xFFFFFFFFull) maxsz = 0xFFFFFFFFull; /* an SGE length is 32 bits */
-    struct ibv_qp_ex *qpx = handle_pointer(qp, "ibv_qp_ex");
-    struct ibv_cq_ex *cqx = qpx ? handle_pointer(cq, "ibv_cq_ex") : NULL;
+    struct ibv_qp_ex *qpx = tpd_handle_pointer(qp, "ibv_qp_ex");
+    struct ibv_cq_ex *cqx = qpx ? tpd_handle_pointer(cq, "ibv_cq_ex") : NULL;
     if (!cqx) return -1;
     if (!PyCallable_Check(on_pass)) {
         PyErr_SetString(PyExc_TypeError, "on_pass must be callable");

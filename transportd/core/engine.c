@@ -62,18 +62,6 @@ static int64_t now_ns(void) {
 
 static uint32_t seq_for(uint64_t pos) { return (uint32_t)(pos % 0xFFFFFFFFull + 1); }
 
-/* ---- growable arrays ---------------------------------------------------------------------------- */
-static int grow(void **p, size_t *cap, size_t need, size_t item) {
-    if (need <= *cap) return 0;
-    size_t n = *cap ? *cap : 16;
-    while (n < need) n *= 2;
-    void *q = realloc(*p, n * item);
-    if (!q) return -1;
-    *p = q;
-    *cap = n;
-    return 0;
-}
-
 /* ---- tables --------------------------------------------------------------------------------------- */
 typedef struct {
     tpd_sources view;
@@ -261,15 +249,15 @@ static void note_waiting(Channel *ch, int64_t now) {
 
 /* ---- take ----------------------------------------------------------------------------------------- */
 static int ensure_take_scratch(Engine *e, size_t n) {
-    if (grow((void **)&e->recs, &e->recs_cap, n, sizeof(tpd_cmd_record))) return -1;
+    if (tpd_grow((void **)&e->recs, &e->recs_cap, n, sizeof(tpd_cmd_record))) return -1;
     size_t cap = e->t_cap;
-    if (grow((void **)&e->trows, &cap, 2 * n, sizeof(tpd_plan_row))) return -1;
+    if (tpd_grow((void **)&e->trows, &cap, 2 * n, sizeof(tpd_plan_row))) return -1;
     cap = e->t_cap;
-    if (grow((void **)&e->tconn, &cap, 2 * n, sizeof(int64_t))) return -1;
+    if (tpd_grow((void **)&e->tconn, &cap, 2 * n, sizeof(int64_t))) return -1;
     cap = e->t_cap;
-    if (grow((void **)&e->trec, &cap, 2 * n, sizeof(int64_t))) return -1;
+    if (tpd_grow((void **)&e->trec, &cap, 2 * n, sizeof(int64_t))) return -1;
     cap = e->t_cap;
-    if (grow((void **)&e->tcode, &cap, 2 * n, sizeof(uint16_t))) return -1;
+    if (tpd_grow((void **)&e->tcode, &cap, 2 * n, sizeof(uint16_t))) return -1;
     e->t_cap = cap;
     return 0;
 }
@@ -280,7 +268,7 @@ static int conn_push(Conn *c, const Waiting *w) {
         c->count -= c->head;
         c->head = 0;
     }
-    if (grow((void **)&c->rows, &c->cap, c->count + 1, sizeof(Waiting))) return -1;
+    if (tpd_grow((void **)&c->rows, &c->cap, c->count + 1, sizeof(Waiting))) return -1;
     c->rows[c->count++] = *w;
     return 0;
 }
@@ -450,15 +438,15 @@ static size_t decouple(tpd_plan_row *rows, size_t n) {
 }
 
 static int ensure_post_scratch(Engine *e, size_t rows, size_t batches) {
-    if (grow((void **)&e->plan, &e->plan_cap, rows, sizeof(tpd_plan_row))) return -1;
+    if (tpd_grow((void **)&e->plan, &e->plan_cap, rows, sizeof(tpd_plan_row))) return -1;
     size_t cap = e->b_cap;
-    if (grow((void **)&e->b_conn, &cap, batches + 1, sizeof(int64_t))) return -1;
+    if (tpd_grow((void **)&e->b_conn, &cap, batches + 1, sizeof(int64_t))) return -1;
     cap = e->b_cap;
-    if (grow((void **)&e->b_ncmds, &cap, batches + 1, sizeof(int64_t))) return -1;
+    if (tpd_grow((void **)&e->b_ncmds, &cap, batches + 1, sizeof(int64_t))) return -1;
     cap = e->b_cap;
-    if (grow((void **)&e->b_bounds, &cap, batches + 1, sizeof(int64_t))) return -1;
+    if (tpd_grow((void **)&e->b_bounds, &cap, batches + 1, sizeof(int64_t))) return -1;
     cap = e->b_cap;
-    if (grow((void **)&e->b_nwr, &cap, batches + 1, sizeof(int64_t))) return -1;
+    if (tpd_grow((void **)&e->b_nwr, &cap, batches + 1, sizeof(int64_t))) return -1;
     e->b_cap = cap;
     return 0;
 }
@@ -575,7 +563,7 @@ static long plan_post(Engine *e, int64_t now, Group **out_group) {
 }
 
 static int group_append(Engine *e, Group *g) {
-    if (grow((void **)&e->groups, &e->groups_cap, e->ngroups + 1, sizeof(Group *))) return -1;
+    if (tpd_grow((void **)&e->groups, &e->groups_cap, e->ngroups + 1, sizeof(Group *))) return -1;
     e->groups[e->ngroups++] = g;
     return 0;
 }
@@ -583,7 +571,7 @@ static int group_append(Engine *e, Group *g) {
 /* Hand the planned batches to the backend: one Python call (GIL held), or the null NIC. */
 static int post_to_backend(Engine *e, size_t nb, size_t m) {
     if (e->poster) {
-        if (grow((void **)&e->post_ids, &e->post_ids_cap, nb, sizeof(int64_t))) {
+        if (tpd_grow((void **)&e->post_ids, &e->post_ids_cap, nb, sizeof(int64_t))) {
             PyErr_NoMemory();
             return -1;
         }
@@ -598,7 +586,7 @@ static int post_to_backend(Engine *e, size_t nb, size_t m) {
     }
     if (e->post_cb == Py_None) {
         int64_t t = e->post_log_cap ? now_ns() : 0;
-        if (grow((void **)&e->null_due, &e->null_cap, e->null_ndue + nb, sizeof(Completion))) {
+        if (tpd_grow((void **)&e->null_due, &e->null_cap, e->null_ndue + nb, sizeof(Completion))) {
             PyErr_NoMemory();
             return -1;
         }
@@ -885,7 +873,7 @@ static int drop_waiting(Engine *e, int64_t chan, int64_t conn, uint16_t code, in
             if (w->chan == chan || (int64_t)ci == conn) {
                 e->nwaiting--;
                 if (mark && w->first) {
-                    if (grow((void **)&dropped, &cap, nd + 1, sizeof(Dropped))) {
+                    if (tpd_grow((void **)&dropped, &cap, nd + 1, sizeof(Dropped))) {
                         free(dropped);
                         return -1;
                     }
@@ -1026,7 +1014,7 @@ static PyObject *Engine_set_sources(Engine *e, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nOOOO", &sid, &obj[0], &obj[1], &obj[2], &obj[3])) return NULL;
     if (sid < 0 || sid > 1 << 24) return PyErr_Format(PyExc_ValueError, "source table id %zd", sid);
     if ((size_t)sid >= e->nsrcs) {
-        if (grow((void **)&e->srcs, &e->srcs_cap, (size_t)sid + 1, sizeof(Sources))) return PyErr_NoMemory();
+        if (tpd_grow((void **)&e->srcs, &e->srcs_cap, (size_t)sid + 1, sizeof(Sources))) return PyErr_NoMemory();
         memset(e->srcs + e->nsrcs, 0, ((size_t)sid + 1 - e->nsrcs) * sizeof(Sources));
         e->nsrcs = (size_t)sid + 1;
     }
@@ -1067,7 +1055,7 @@ static PyObject *Engine_set_peers(Engine *e, PyObject *args) {
     if (jid < 0 || jid > 1 << 24) return PyErr_Format(PyExc_ValueError, "job id %zd", jid);
     if (rows >= 1u << 17 || cols >= 1u << 17) return PyErr_Format(PyExc_ValueError, "peer table too large");
     if ((size_t)jid >= e->njobs) {
-        if (grow((void **)&e->jobs, &e->jobs_cap, (size_t)jid + 1, sizeof(Job))) return PyErr_NoMemory();
+        if (tpd_grow((void **)&e->jobs, &e->jobs_cap, (size_t)jid + 1, sizeof(Job))) return PyErr_NoMemory();
         memset(e->jobs + e->njobs, 0, ((size_t)jid + 1 - e->njobs) * sizeof(Job));
         e->njobs = (size_t)jid + 1;
     }
@@ -1122,7 +1110,7 @@ static PyObject *Engine_set_peers(Engine *e, PyObject *args) {
 static PyObject *Engine_add_connection(Engine *e, PyObject *arg) {
     long long id = PyLong_AsLongLong(arg);
     if (id == -1 && PyErr_Occurred()) return NULL;
-    if (grow((void **)&e->conns, &e->conns_cap, e->nconns + 1, sizeof(Conn))) return PyErr_NoMemory();
+    if (tpd_grow((void **)&e->conns, &e->conns_cap, e->nconns + 1, sizeof(Conn))) return PyErr_NoMemory();
     memset(&e->conns[e->nconns], 0, sizeof(Conn));
     e->conns[e->nconns].id = id;
     return PyLong_FromSize_t(e->nconns++);
@@ -1155,7 +1143,7 @@ static PyObject *Engine_add_channel(Engine *e, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "channel %lld: not a mapped ring", cid);
     }
     ch->done = calloc(track, 1);
-    if (!ch->done || grow((void **)&e->chans, &e->chans_cap, e->nchans + 1, sizeof(Channel *))) {
+    if (!ch->done || tpd_grow((void **)&e->chans, &e->chans_cap, e->nchans + 1, sizeof(Channel *))) {
         free(ch->done);
         PyBuffer_Release(&ch->ring);
         free(ch);

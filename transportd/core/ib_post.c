@@ -40,7 +40,6 @@
 
 enum { MODE_WRITE, MODE_ATOMIC, MODE_FENCE };
 enum { K_WRITE, K_FLAG, K_ATOMIC, K_READ }; /* lowered WR kinds */
-enum { E_NONE, E_UNKNOWN, E_NOT_CONNECTED, E_SQ_FULL, E_VERBS, E_POLL, E_BAD_OP, E_NOMEM };
 enum { S_WRS, S_SIGNALS, S_ORDER_READS, S_FENCES, S_ERRORS, S_CQES, N_STATS };
 static const char *const STAT_NAMES[N_STATS] = {"wrs", "signals", "order_reads", "fences", "errors", "cqes"};
 
@@ -146,21 +145,8 @@ typedef struct {
     /* completions beyond what a poll could return, for the next one */
     tpd_completion *carry, *work;
     size_t ncarry, carry_cap, work_cap;
-    /* the last error */
-    int err;
-    int err_errno;
-    char msg[320];
+    tpd_poster_error error;
 } IbPoster;
-
-static int fail(IbPoster *p, int code, int errno_, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(p->msg, sizeof p->msg, fmt, ap);
-    va_end(ap);
-    p->err = code;
-    p->err_errno = errno_;
-    return -1;
-}
 
 static Conn *find_conn(IbPoster *p, int64_t id) {
     for (size_t k = 1; k < p->nkeys; k++)
@@ -176,7 +162,7 @@ static int lower(IbPoster *p, Conn *c, const tpd_plan_row *rows, size_t n, size_
         tpd_grow((void **)&p->ends, &p->ends_cap, n, sizeof(size_t)) ||
         tpd_grow((void **)&p->end_tokens, &p->ends_tok_cap, n, sizeof(uint64_t)) ||
         tpd_grow((void **)&p->undo, &p->undo_cap, n, sizeof(Undo)))
-        return fail(p, E_NOMEM, 0, "out of memory");
+        return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
     Wr *wrs = p->wrs;
 #define PUT(k, rk, ra, la, len, lk, val)                                                                   \
     wrs[w++] = (Wr){.kind = (k), .fence = (uint8_t)fence_next, .rkey = (rk), .raddr = (ra), .laddr = (la), \
@@ -195,7 +181,7 @@ static int lower(IbPoster *p, Conn *c, const tpd_plan_row *rows, size_t n, size_
                 Shadow *s = shadow_slot(c, r->raddr, r->rkey);
                 if (!s) {
                     for (size_t u = nu; u-- > 0;) p->undo[u].slot->value = p->undo[u].old;
-                    return fail(p, E_NOMEM, 0, "out of memory");
+                    return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
                 }
                 p->undo[nu++] = (Undo){s, s->value};
                 s->value = r->signal_op == TPD_SIGNAL_SET ? r->value : s->value + r->value;
@@ -217,7 +203,7 @@ static int lower(IbPoster *p, Conn *c, const tpd_plan_row *rows, size_t n, size_
         } else {
             /* undo in reverse: a slot touched twice gets its first old value back */
             for (size_t u = nu; u-- > 0;) p->undo[u].slot->value = p->undo[u].old;
-            return fail(p, E_BAD_OP, 0, "plan row %zu: unknown op %u", i, r->op);
+            return tpd_fail(&p->error, TPD_E_BAD_OP, 0, "plan row %zu: unknown op %u", i, r->op);
         }
         if (i == n - 1 || (r->token != rows[i + 1].token && r->token != 0)) {
             p->ends[ne] = w - 1;
@@ -274,7 +260,7 @@ static void issue(IbPoster *p, Conn *c, size_t nwr, size_t nends) {
 
 static int carry_push(IbPoster *p, uint64_t token, uint32_t status, uint32_t vendor_err) {
     if (tpd_grow((void **)&p->carry, &p->carry_cap, p->ncarry + 1, sizeof(tpd_completion)))
-        return fail(p, E_NOMEM, 0, "out of memory");
+        return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
     p->carry[p->ncarry++] = (tpd_completion){token, status, vendor_err};
     return 0;
 }
@@ -283,8 +269,8 @@ static int carry_push(IbPoster *p, uint64_t token, uint32_t status, uint32_t ven
 static int post_plan(IbPoster *p, int64_t id, const tpd_plan_row *rows, size_t n, int64_t *counts, size_t *nb) {
     *nb = 0;
     Conn *c = find_conn(p, id);
-    if (!c) return fail(p, E_UNKNOWN, 0, "unknown connection %lld", (long long)id);
-    if (!c->connected) return fail(p, E_NOT_CONNECTED, 0, "connection %lld is not connected", (long long)id);
+    if (!c) return tpd_fail(&p->error, TPD_E_UNKNOWN, 0, "unknown connection %lld", (long long)id);
+    if (!c->connected) return tpd_fail(&p->error, TPD_E_NOT_CONNECTED, 0, "connection %lld is not connected", (long long)id);
     if (!n) return 0;
     if (c->error) { /* the QP is in error: it would only flush these; say so without touching it */
         for (size_t i = 0; i < n; i++) {
@@ -302,7 +288,7 @@ static int post_plan(IbPoster *p, int64_t id, const tpd_plan_row *rows, size_t n
     uint64_t inflight = c->posted - c->completed;
     if (inflight + nwr > c->depth) {
         for (size_t u = nundo; u-- > 0;) p->undo[u].slot->value = p->undo[u].old;
-        return fail(p, E_SQ_FULL, 0,
+        return tpd_fail(&p->error, TPD_E_SQ_FULL, 0,
                     "connection %lld: %llu WRs outstanding, %zu more would overrun the %llu-entry send queue",
                     (long long)id, (unsigned long long)inflight, nwr, (unsigned long long)c->depth);
     }
@@ -310,7 +296,7 @@ static int post_plan(IbPoster *p, int64_t id, const tpd_plan_row *rows, size_t n
     int rc = c->qp->wr_complete(c->qp);
     if (rc) {
         for (size_t u = nundo; u-- > 0;) p->undo[u].slot->value = p->undo[u].old;
-        return fail(p, E_VERBS, rc, "posting %zu WRs on connection %lld: ibv_wr_complete failed: %s", nwr,
+        return tpd_fail(&p->error, TPD_E_VERBS, rc, "posting %zu WRs on connection %lld: ibv_wr_complete failed: %s", nwr,
                     (long long)id, strerror(rc));
     }
     size_t start = 0;
@@ -337,7 +323,7 @@ static int ib_post(void *ctx, size_t nb, const int64_t *ids, const tpd_plan_row 
         size_t j = i + 1;
         while (j < nb && ids[j] == ids[i]) j++;
         size_t n = (size_t)(bounds[j] - bounds[i]), got;
-        if (tpd_grow((void **)&p->counts, &p->counts_cap, n + 1, sizeof(int64_t))) return fail(p, E_NOMEM, 0, "out of memory");
+        if (tpd_grow((void **)&p->counts, &p->counts_cap, n + 1, sizeof(int64_t))) return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
         if (post_plan(p, ids[i], plan + bounds[i], n, p->counts, &got)) return -1;
         /* per-batch counts when every batch carried its own token (the proxy's do), else zeros */
         for (size_t b = i; b < j; b++) nwr[b] = got == j - i ? p->counts[b - i] : 0;
@@ -387,7 +373,7 @@ static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
     IbPoster *p = ctx;
     size_t nw = 0;
     if (tpd_grow((void **)&p->work, &p->work_cap, p->ncarry + 1, sizeof(tpd_completion)))
-        return fail(p, E_NOMEM, 0, "out of memory");
+        return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
     if (p->ncarry) memcpy(p->work, p->carry, p->ncarry * sizeof(tpd_completion)); /* carry may be NULL */
     nw = p->ncarry;
     p->ncarry = 0;
@@ -399,7 +385,7 @@ static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
         if (rc != 0 && rc != ENOENT) {
             memcpy(p->carry, p->work, nw * sizeof(tpd_completion)); /* nothing lost */
             p->ncarry = nw;
-            return fail(p, E_POLL, rc, "polling the CQ: ibv_start_poll failed: %s", strerror(rc));
+            return tpd_fail(&p->error, TPD_E_POLL, rc, "polling the CQ: ibv_start_poll failed: %s", strerror(rc));
         }
         if (rc == 0) {
             size_t got = 0;
@@ -425,14 +411,14 @@ static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
             }
             cq->end_poll(cq);
             p->stats[S_CQES] += got;
-            if (err == 1) return fail(p, E_NOMEM, 0, "out of memory");
+            if (err == 1) return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
             if (err == 2) {
                 /* what was read is kept for the next poll */
                 if (tpd_grow((void **)&p->carry, &p->carry_cap, nw, sizeof(tpd_completion)))
-                    return fail(p, E_NOMEM, 0, "out of memory");
+                    return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
                 memcpy(p->carry, p->work, nw * sizeof(tpd_completion));
                 p->ncarry = nw;
-                return fail(p, E_POLL, rc, "polling the CQ: ibv_next_poll failed: %s", strerror(rc));
+                return tpd_fail(&p->error, TPD_E_POLL, rc, "polling the CQ: ibv_next_poll failed: %s", strerror(rc));
             }
         }
     }
@@ -440,7 +426,7 @@ static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
     memcpy(out, p->work, n * sizeof(tpd_completion));
     if (nw > n) {
         if (tpd_grow((void **)&p->carry, &p->carry_cap, nw - n, sizeof(tpd_completion)))
-            return fail(p, E_NOMEM, 0, "out of memory");
+            return tpd_fail(&p->error, TPD_E_NOMEM, 0, "out of memory");
         memcpy(p->carry, p->work + n, (nw - n) * sizeof(tpd_completion));
         p->ncarry = nw - n;
     }
@@ -449,39 +435,10 @@ static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
 
 static void ib_raise(void *ctx) {
     IbPoster *p = ctx;
-    if (tpd_restore_exception()) return;
-    PyObject *cls = p->exc_backend;
-    switch (p->err) {
-    case E_NOMEM:
-        PyErr_NoMemory();
-        return;
-    case E_SQ_FULL:
-        cls = p->exc_sq_full;
-        break;
-    case E_VERBS:
-    case E_POLL: {
-        PyObject *exc = PyObject_CallFunction(p->exc_verbs, "si", p->msg, p->err_errno);
-        if (exc) {
-            PyErr_SetObject(p->exc_verbs, exc);
-            Py_DECREF(exc);
-        }
-        return;
-    }
-    default:
-        break;
-    }
-    PyErr_SetString(cls, p->msg);
+    tpd_raise_error(&p->error, p->exc_backend, p->exc_verbs, p->exc_sq_full);
 }
 
 /* ---- the Python type ------------------------------------------------------------------------------ */
-static void *handle_pointer(PyObject *owner, const char *attr, const char *name) {
-    PyObject *cap = PyObject_GetAttrString(owner, attr);
-    if (!cap) return NULL;
-    void *ptr = PyCapsule_GetPointer(cap, name);
-    Py_DECREF(cap);
-    return ptr;
-}
-
 static int IbPoster_init(IbPoster *p, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"cq", "mode", "scratch_addr", "scratch_lkey", "backend_error", "sq_full_error",
                              "verbs_error", "inline", NULL};
@@ -501,7 +458,7 @@ static int IbPoster_init(IbPoster *p, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "mode must be write, atomic or fence, not %s", mode);
         return -1;
     }
-    struct ibv_cq_ex *cqp = handle_pointer(cq, "ibv_cq_ex", "ibv_cq_ex");
+    struct ibv_cq_ex *cqp = tpd_handle_pointer(cq, "ibv_cq_ex");
     if (!cqp) return -1;
     p->cq = cqp;
     Py_INCREF(cq);
@@ -554,7 +511,7 @@ static PyObject *IbPoster_add_connection(IbPoster *p, PyObject *args) {
     if (!PyArg_ParseTuple(args, "LOKKIK|p", &id, &qp, &depth, &staging, &lkey, &base, &inl)) return NULL;
     if (find_conn(p, id)) return PyErr_Format(p->exc_backend, "connection %lld already exists", id);
     if (depth < 1) return PyErr_Format(PyExc_ValueError, "depth must be at least 1");
-    struct ibv_qp_ex *qpx = handle_pointer(qp, "ibv_qp_ex", "ibv_qp_ex");
+    struct ibv_qp_ex *qpx = tpd_handle_pointer(qp, "ibv_qp_ex");
     if (!qpx) return NULL;
     size_t key = 1;
     while (key < p->nkeys && p->conns[key]) key++;

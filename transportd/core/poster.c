@@ -7,21 +7,12 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "poster.h"
-
-int tpd_grow(void **p, size_t *cap, size_t need, size_t item) {
-    if (need <= *cap) return 0;
-    size_t n = *cap ? *cap : 16;
-    while (n < need) n *= 2;
-    void *q = realloc(*p, n * item);
-    if (!q) return -1;
-    *p = q;
-    *cap = n;
-    return 0;
-}
 
 /* ---- exceptions from inside callbacks ---------------------------------------------------------------- */
 static __thread PyObject *stash_type, *stash_value, *stash_tb;
@@ -101,6 +92,53 @@ PyObject *tpd_poll_method(const tpd_poster *iface, PyObject *arg) {
     }
     if (_PyBytes_Resize(&res, n * (Py_ssize_t)sizeof(tpd_completion))) return NULL;
     return res;
+}
+
+/* ---- a poster's last error ---------------------------------------------------------------------------- */
+int tpd_fail(tpd_poster_error *e, int code, int sys_errno, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+    va_end(ap);
+    e->code = code;
+    e->sys_errno = sys_errno;
+    return -1;
+}
+
+void tpd_raise_error(const tpd_poster_error *e, PyObject *exc_backend, PyObject *exc_verbs, PyObject *exc_sq_full) {
+    if (tpd_restore_exception()) return;
+    switch (e->code) {
+    case TPD_E_NOMEM:
+        PyErr_NoMemory();
+        return;
+    case TPD_E_VERBS:
+    case TPD_E_POLL: {
+        PyObject *exc = PyObject_CallFunction(exc_verbs, "si", e->msg, e->sys_errno);
+        if (exc) {
+            PyErr_SetObject(exc_verbs, exc);
+            Py_DECREF(exc);
+        }
+        return;
+    }
+    case TPD_E_SQ_FULL:
+        if (exc_sq_full) {
+            PyErr_SetString(exc_sq_full, e->msg);
+            return;
+        }
+        break;
+    default:
+        break;
+    }
+    PyErr_SetString(exc_backend, e->msg);
+}
+
+/* ---- verbs handles ------------------------------------------------------------------------------------ */
+void *tpd_handle_pointer(PyObject *owner, const char *name) {
+    PyObject *cap = PyObject_GetAttrString(owner, name);
+    if (!cap) return NULL;
+    void *ptr = PyCapsule_GetPointer(cap, name);
+    Py_DECREF(cap);
+    return ptr;
 }
 
 /* ---- a shim QP's posting session --------------------------------------------------------------------- */

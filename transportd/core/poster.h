@@ -12,6 +12,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "validate.h"
 
@@ -39,8 +40,40 @@ typedef struct tpd_poster {
 void tpd_stash_exception(void);
 int tpd_restore_exception(void);
 
-/* Grow *p (of *cap items of `item` bytes) to hold at least `need`, doubling; -1 when out of memory. */
-int tpd_grow(void **p, size_t *cap, size_t need, size_t item);
+/* What a poster failed with, kept until the engine (holding the GIL again) calls its raise_error: set by
+ * tpd_fail where the failure happens (GIL released), turned into the Python exception by tpd_raise_error. */
+enum { TPD_E_NONE, TPD_E_UNKNOWN, TPD_E_NOT_CONNECTED, TPD_E_SQ_FULL, TPD_E_VERBS, TPD_E_POLL, TPD_E_BAD_OP,
+       TPD_E_NOMEM, TPD_E_PY };
+typedef struct {
+    int code, sys_errno;
+    char msg[320];
+} tpd_poster_error;
+
+/* Record the failure (code, errno, printf-style message); returns -1 for `return tpd_fail(...)`. */
+int tpd_fail(tpd_poster_error *e, int code, int sys_errno, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Raise e's exception (GIL held): an exception stashed by a shim's Python call wins; then MemoryError for
+ * TPD_E_NOMEM, exc_verbs(msg, errno) for verbs and poll failures, exc_sq_full (where not NULL) for a full
+ * send queue, and exc_backend(msg) for the rest. */
+void tpd_raise_error(const tpd_poster_error *e, struct _object *exc_backend, struct _object *exc_verbs,
+                     struct _object *exc_sq_full);
+
+/* The C struct behind a verbs handle: its attribute `name` (``ibv_qp_ex``, ``ibv_cq_ex``) is a capsule of that
+ * name (the shims' and the pyverbs bridge's handles); NULL with a Python exception set otherwise. */
+void *tpd_handle_pointer(struct _object *owner, const char *name);
+
+/* Grow *p (of *cap items of `item` bytes) to hold at least `need`, doubling; -1 when out of memory.
+ * Inline: the engine checks it once per waiting row, and the common case is the first comparison. */
+static inline int tpd_grow(void **p, size_t *cap, size_t need, size_t item) {
+    if (need <= *cap) return 0;
+    size_t n = *cap ? *cap : 16;
+    while (n < need) n *= 2;
+    void *q = realloc(*p, n * item);
+    if (!q) return -1;
+    *p = q;
+    *cap = n;
+    return 0;
+}
 
 /* A poster type's Python post_batches(conn_ids, plan, bounds) -> bytes of int64 WR counts per batch:
  * checks the buffers, posts through iface with the GIL released, raises through iface on failure.
