@@ -9,8 +9,9 @@ Per pass the shim makes one Python call each way:
   bridge (``make pyverbs-bridge``), :func:`replay_pyverbs` replays them through the QPEx ``wr_*`` methods
   (one binding call per WR, as before the compiled core). With the bridge there is no shim at all: the
   lowering calls pyverbs' own ``ibv_qp_ex`` and ``ibv_cq_ex``.
-- ``poll``: completions as :data:`~transportd.backends.verbs_common.WC_DTYPE` rows (:func:`poll_soft` on softverbs,
-  the rail's :class:`~transportd.backends.verbs_common.CqDrain` elsewhere).
+- ``poll``: completions as :data:`~transportd.backends.verbs_common.WC_DTYPE` rows
+  (:func:`softverbs.soft.batch.poll_wc_batch` on softverbs, the rail's
+  :class:`~transportd.backends.verbs_common.CqDrain` elsewhere).
 
 Address handles: the lowering passes ``wr_set_ud_addr`` the ``ah`` it was given per connection. Through the
 shim that is a small integer naming an entry of an :class:`AddressTable`; with the bridge it is the
@@ -21,16 +22,16 @@ from __future__ import annotations
 
 import functools
 import socket
-import time
 from typing import Any
 
 import numpy as np
 
+from softverbs.soft.batch import poll_wc_batch
 from transportd import _core
-from transportd.backends.verbs_common import WC_DTYPE, Rail
+from transportd.backends.verbs_common import Rail
 from transportd.backends.verbs_shim import pyverbs_bridge
 
-__all__ = ["SRD_WR_DTYPE", "SET_SGE", "SET_UD", "AddressTable", "bridged", "poll_soft", "post_soft", "replay_pyverbs",
+__all__ = ["SRD_WR_DTYPE", "SET_SGE", "SET_UD", "AddressTable", "bridged", "post_soft", "replay_pyverbs",
            "shim_cq", "srd_shim_qp"]
 
 #: One collected WR (transportd/core/efa_shim.c SrdWr).
@@ -54,7 +55,6 @@ SRD_WR_DTYPE = np.dtype(
 )
 SET_SGE, SET_UD = 1, 4
 _WR_RDMA_WRITE_WITH_IMM = 1
-_WC_WITH_IMM = 1 << 1
 assert SRD_WR_DTYPE.itemsize == _core.SRD_WR_SIZE
 
 
@@ -135,18 +135,6 @@ def replay_pyverbs(v: Any, qp: Any, table: AddressTable, wrs: bytes) -> int:
     return 0
 
 
-def poll_soft(cq: Any, max_entries: int) -> np.ndarray:
-    """Up to ``max_entries`` completions of a softverbs CQ(EX), oldest first, as WC_DTYPE rows."""
-    cq._check()
-    got = cq._core.take(max_entries)
-    if not got:
-        time.sleep(0)  # as start_poll on an empty soft CQ: let the provider's threads run
-        return np.zeros(0, dtype=WC_DTYPE)
-    ntohl = socket.ntohl
-    return np.array([(c[0], 0, c[2], 0, ntohl(c[6]) if c[7] & _WC_WITH_IMM else 0, c[3], c[4], c[7], c[12])
-                     if c[1] == 0 else (c[0], c[1], 0, 0, 0, 0, c[4], 0, 0) for c in got], dtype=WC_DTYPE)
-
-
 def bridged(v: Any) -> bool:
     """Whether the compiled lowering reaches provider ``v``'s own structs (pyverbs with the bridge built)."""
     return v.name == "pyverbs" and pyverbs_bridge() is not None
@@ -171,7 +159,7 @@ def shim_cq(rail: Rail, fetch: int = 4096) -> Any:
     if bridged(rail.v) and rail.drain.extended:
         return pyverbs_bridge().CQHandle(rail.cq)
     if rail.v.name == "soft":
-        poll = functools.partial(poll_soft, rail.cq)
+        poll = functools.partial(poll_wc_batch, rail.cq)
     else:
         def poll(n: int) -> np.ndarray:
             return np.ascontiguousarray(rail.drain.poll(n))  # a copy: the drain reuses its buffer

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from softverbs.soft.batch import poll_wc_batch, post_wr_batch
 from transportd import _core
 from transportd.backends.verbs_common import WC_DTYPE, Rail
 
@@ -106,8 +107,6 @@ def shim_qp(v: Any, qp: Any) -> Any:
     if bridge is not None:
         return bridge.QPHandle(qp)
     if v.name == "soft":
-        from softverbs.soft.batch import post_wr_batch
-
         post = functools.partial(post_wr_batch, qp)
     else:
         post = functools.partial(replay_wr_batch, v, qp)
@@ -121,8 +120,6 @@ def shim_cq(rail: Rail) -> Any:
     if bridge is not None:
         return bridge.CQHandle(rail.cq)
     if rail.v.name == "soft" and rail.drain.extended:
-        from softverbs.soft.batch import poll_wc_batch
-
         poll = functools.partial(poll_wc_batch, rail.cq)
     else:
         def poll(n: int) -> np.ndarray:
