@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from transportd.dataplane.trace import ENTRY_DTYPE, HEADER_DTYPE, MAGIC, VERSION
 from transportd.errors import ConfigError
 from transportd_cli.cli import main
 from transportd_cli.localcluster import LocalCluster
@@ -35,3 +37,30 @@ def test_a_local_cluster_refuses_a_bad_config_before_launching(tmp_path) -> None
         LocalCluster(2, backend="efa", overrides={"signal": {"mode": "atomic"}}, workdir=str(workdir))
     assert not any(p.suffix == ".log" for p in workdir.iterdir())  # no daemon was started
     assert os.listdir(workdir)  # the first node's config was written, then refused
+
+
+def _header(version: int = VERSION, context: bytes = b"{}") -> bytes:
+    h = np.zeros(1, dtype=HEADER_DTYPE)
+    h[0]["magic"], h[0]["version"], h[0]["context_len"] = MAGIC, version, len(context)
+    h[0]["header_size"], h[0]["entry_size"] = HEADER_DTYPE.itemsize, ENTRY_DTYPE.itemsize
+    return h.tobytes() + context + b"\0" * (-len(context) % 8)
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (b"", "not a transportd trace file"),
+    (b"garbage, not a trace" * 10, "not a transportd trace file"),
+    (_header(version=99), "trace format version 99"),
+    (_header(context=b"{not json"), "its context is not JSON"),
+    (_header(context=b"\xff\xfe"), "its context is not JSON"),
+])
+def test_replay_refuses_a_file_that_is_not_a_trace_in_one_line(tmp_path, content: bytes, says: str) -> None:
+    path = tmp_path / "bad.trace"
+    path.write_bytes(content)
+    res = CliRunner().invoke(main, ["replay", str(path)])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit)  # a refusal, not a crash
+    assert says in res.output and len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+def test_replay_of_a_missing_file_is_a_usage_error() -> None:
+    res = CliRunner().invoke(main, ["replay", "/nonexistent/run.trace"])
+    assert res.exit_code == 2 and "does not exist" in res.output

@@ -130,7 +130,10 @@ def parse_trace(data: bytes, path: str = "trace") -> Trace:
     count = int(h["entries"])
     if len(data) < start + count * entry_size:
         raise TraceFormatError(f"{path}: {len(data)} bytes cannot hold {count} entries of {entry_size} bytes")
-    context = json.loads(data[header_size : header_size + int(h["context_len"])].decode() or "{}")
+    try:
+        context = json.loads(data[header_size : header_size + int(h["context_len"])].decode() or "{}")
+    except ValueError as exc:  # not UTF-8, or not JSON
+        raise TraceFormatError(f"{path}: its context is not JSON ({exc})") from None
     raw = np.frombuffer(data, dtype=np.uint8, count=count * entry_size, offset=start).reshape(count, entry_size)
     entries = np.ascontiguousarray(raw[:, : ENTRY_DTYPE.itemsize]).view(ENTRY_DTYPE).reshape(-1)
     return Trace(context, entries, int(h["start_mono_ns"]), int(h["start_wall_ns"]), version)
