@@ -132,6 +132,36 @@ def push_cost(gpu: Gpu, variant: str, single_iters: int, agg_iters: int, threads
             "threads": blocks * threads}
 
 
+def warp_push_cost(gpu: Gpu, single_iters: int, agg_iters: int, threads: int = 128) -> dict[str, float]:
+    """The warp-cooperative push (``tpd::warp_push``, the library's commit): ns per record for one warp
+    pushing 32 records per round, and records/s with every SM's ``threads`` threads pushing."""
+    with _ring("push-warp", 1 << 14) as ring:
+        dev = map_ring(ring, gpu.device)
+        out = DeviceMemory(16, gpu.device)
+        try:
+            dev.counters.write(8, (1 << 62).to_bytes(8, "little"))  # credits never run out: the bare push
+            kernel = gpu.module.function("push_loop_warp32")
+            kernel.launch(1, 32, (dev, np.uint32(100), np.uint64(out.ptr)), stream=gpu.stream)  # warm-up
+            gpu.sync()
+            per_record = []
+            for _ in range(3):
+                kernel.launch(1, 32, (dev, np.uint32(single_iters), np.uint64(out.ptr)), stream=gpu.stream)
+                gpu.sync()
+                t0, t1 = np.frombuffer(out.read(0, 16), dtype="<u8")
+                per_record.append((int(t1) - int(t0)) / (single_iters * 32))
+            blocks = gpu.sms
+            argsn = (dev, np.uint32(agg_iters), np.uint64(out.ptr))
+            gpu.timed("push_loop_warp32", blocks, threads, (dev, np.uint32(4), np.uint64(out.ptr)))  # warm-up
+            rates = [blocks * threads * agg_iters / gpu.timed("push_loop_warp32", blocks, threads, argsn)
+                     for _ in range(3)]
+        finally:
+            out.free()
+            dev.release()
+    return {"push_ns": float(np.median(per_record)), "push_ns_min": float(min(per_record)),
+            "records_per_warp": 32, "pushes_per_s": float(np.median(rates)),
+            "pushes_per_s_max": float(max(rates)), "threads": blocks * threads}
+
+
 # --- clocks -----------------------------------------------------------------------------------------------------
 def calibrate(gpu: Gpu, rounds: int = 200) -> dict[str, float]:
     """Offset of the GPU global timer against CLOCK_MONOTONIC: gpu_ns - offset = monotonic ns."""
@@ -508,6 +538,9 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print, mps: bool = True) 
         push[variant] = push_cost(gpu, variant, single, agg)
         echo(f"push {variant:12s} {push[variant]['push_ns']:8.0f} ns/push (1 thread)   "
              f"{push[variant]['pushes_per_s'] / 1e6:8.1f} M pushes/s ({push[variant]['threads']} threads)")
+    push["warp"] = warp_push_cost(gpu, single // 4, agg)
+    echo(f"push {'warp (32/warp)':12s} {push['warp']['push_ns']:8.1f} ns/record (1 warp) "
+         f"{push['warp']['pushes_per_s'] / 1e6:8.1f} M pushes/s ({push['warp']['threads']} threads)")
     clock = calibrate(gpu)
     echo(f"clock: globaltimer - monotonic = {clock['offset_ns']:.0f} ns (+/- {clock['error_bound_ns']:.0f} ns)")
     library = DEFAULT_VARIANT[_library_default()]

@@ -88,6 +88,24 @@ __device__ void roundtrip(tpd::RingDevice ring, uint32_t n, uint32_t gap_ns, uin
     }
 }
 
+// The warp-cooperative push: every lane pushes one record per round with one warp_push call (one slot
+// claim and one system-scope release per warp); thread (0,0) stamps the timer around its loop, so one
+// warp's ns per round / 32 is the per-record cost at 32 records per warp.
+__device__ void push_loop_warp(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {
+    uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+    tpd::Body b = tpd::make_body((uint64_t)tid << 12, (uint64_t)tid << 12, 4096, 0, 0, tid, 0, 0);
+    uint64_t t0 = tpd::ordering::now_ns();
+    for (uint32_t i = 0; i < iters; ++i) {
+        b.w5 = i;
+        tpd::warp_push(ring, true, tpd::Opcode::Put, 0, 1, b);
+    }
+    uint64_t t1 = tpd::ordering::now_ns();
+    if (tid == 0) {
+        out[0] = t0;
+        out[1] = t1;
+    }
+}
+
 }  // namespace bench
 
 #define TPD_BENCH_VARIANT(name, v)                                                                      \
@@ -107,6 +125,10 @@ TPD_BENCH_VARIANT(v2_release, TPD_COMMIT_V2_RELEASE)
 TPD_BENCH_VARIANT(v2_split, TPD_COMMIT_V2_SPLIT)
 TPD_BENCH_VARIANT(parity, bench::PARITY)
 TPD_BENCH_VARIANT(parity_v2, bench::PARITY_V2)
+
+extern "C" __global__ void push_loop_warp32(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {
+    bench::push_loop_warp(ring, iters, out);
+}
 
 // Clock calibration: the host writes ping = r; the GPU answers with its global timer in pong[1] and r in
 // pong[0]. The host brackets each round with its own clock; the tightest round gives the offset.

@@ -43,6 +43,29 @@ extern "C" __global__ void stress_v2_split(tpd::RingDevice ring, uint32_t total)
     stress_push<TPD_COMMIT_V2_SPLIT>(ring, total);
 }
 
+// The same records through the warp-cooperative push: each warp takes 32 consecutive ids per round and
+// pushes them in two warp_push calls whose lanes are picked by a hash of the id, so every call runs with
+// an irregular set of active lanes (partial warps included) and the tail warp runs with fewer lanes.
+extern "C" __global__ void stress_warp(tpd::RingDevice ring, uint32_t total) {
+    const uint32_t nthreads = gridDim.x * blockDim.x;
+    const uint32_t lane = tpd::ordering::lane_id();
+    for (uint32_t first = blockIdx.x * blockDim.x + (threadIdx.x - lane); first < total; first += nthreads) {
+        const uint32_t id = first + lane;
+        const bool mine = id < total;
+        uint64_t a = mix64(id), b = mix64(id ^ 0x5555u), c = mix64(id ^ 0xAAAAu);
+        tpd::Body body;
+        body.w1 = a;
+        body.w2 = b;
+        body.w3 = (c & 0xFFFFFFFFFFFFull) | ((uint64_t)(id & 0xFFFFu) << 48);
+        body.w4 = (uint64_t)id | ((uint64_t)(~id) << 32);
+        body.w5 = a ^ b ^ c;
+        const tpd::Opcode op = (tpd::Opcode)(1 + id % 5);
+        const bool early = (a & 3u) == 0u;
+        tpd::warp_push(ring, mine && early, op, (uint8_t)(id & 3), (uint16_t)(id >> 3), body);
+        tpd::warp_push(ring, mine && !early, op, (uint8_t)(id & 3), (uint16_t)(id >> 3), body);
+    }
+}
+
 // ---- two ranks: stream chunks with put_signal, wait chunk by chunk and verify ----------------------------
 __device__ __forceinline__ uint32_t pattern(uint32_t chunk, uint32_t word, uint32_t epoch) {
     return (uint32_t)mix64(((uint64_t)epoch << 40) ^ ((uint64_t)chunk << 24) ^ word);

@@ -1,5 +1,6 @@
 """Many blocks and warps push 10^6 checksummed commands into a ring of 1024 slots while a host consumer takes
-them: none lost, torn or duplicated, for every header-last commit variant (the design's torn-record rule)."""
+them: none lost, torn or duplicated, for every header-last commit variant and for the warp-cooperative push
+(the design's torn-record rule)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def expected_records(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("variant", ["release_sys", "fence_sys", "v2_release", "v2_split"])
+@pytest.mark.parametrize("variant", ["release_sys", "fence_sys", "v2_release", "v2_split", "warp"])
 def test_million_checksummed_pushes_none_lost_torn_or_duplicated(kernels, cuda_device, variant: str) -> None:
     drv = driver()
     name = f"tpd-gpu-stress-{os.getpid()}-{variant}"

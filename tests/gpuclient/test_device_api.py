@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 INCLUDE = Path(gpuclient.get_include())
 HEADERS = sorted((INCLUDE / "transportd").rglob("*.cuh"))
 # every .cu in the project that includes the device API
-SOURCES = [ROOT / "tests" / "gpu" / "kernels.cu", ROOT / "benchmarks" / "gpu_push.cu",
-           ROOT / "examples" / "allgather_gemm.cu"]
+SOURCES = [ROOT / "tests" / "gpu" / "kernels.cu", ROOT / "tests" / "gpu" / "plan_kernels.cu",
+           ROOT / "benchmarks" / "gpu_push.cu", ROOT / "examples" / "allgather_gemm.cu"]
 USE_ALL = """
 #include <transportd/client.cuh>
-extern "C" __global__ void use_all(tpd::Channel ch, uint32_t* out, uint32_t* counter) {
+extern "C" __global__ void use_all(tpd::Channel ch, tpd::Plan plan, uint32_t* out, uint32_t* counter) {
     tpd::put(ch, 1, 2, 3, 4, 5, 6);
     tpd::put(ch, 1, 2, 3, 4, 5, 6, 7);
     tpd::put_signal(ch, 1, 2, 3, 4, 5, 6, 7, 8);
@@ -44,6 +44,14 @@ extern "C" __global__ void use_all(tpd::Channel ch, uint32_t* out, uint32_t* cou
     uint64_t seen = tpd::wait(ch, 0, 1);
     out[0] = code + (uint32_t)seen + tpd::chunk_arrive(counter, 4);
     tpd::block_wait(ch, 1, 2);
+    tpd::warp_put_signal(ch, threadIdx.x % 3 == 0, 1, 2, 3, 4, 5, 6, 7, 8);
+    tpd::warp_put_signal(ch, true, 1, 2, 3, 4, 5, 6, 7, 8, tpd::SignalOp::Set);
+    out[1] = tpd::tile_done(ch, plan, threadIdx.x) + tpd::tile_done_warp(ch, plan, threadIdx.x % 2 == 0, threadIdx.x);
+    tpd::wait_chunk(ch, plan, 1, 0);
+    tpd::wait_range(ch, plan, 1, 100, 1000);
+    tpd::wait_range_thread(ch, plan, 1, 0, 64);
+    tpd::RecvSpan span = tpd::recv_span(plan, 1, 0, 64);
+    out[2] = span.end - span.first;
 }
 """
 
@@ -160,12 +168,13 @@ def test_default_channel_kernels_build_for_the_ibgda_path() -> None:
     nvrtc_or_skip()
     from gpuclient.compiler import CompileError, compile_to_cubin
 
-    source = (ROOT / "tests" / "gpu" / "kernels.cu").read_text()
-    try:
-        cubin = compile_to_cubin(source, arch="sm_90", debug=True, defines={"TPD_IBGDA": 1})
-    except CompileError as exc:
-        pytest.fail(exc.log)
-    assert cubin[:4] == b"\x7fELF"
+    for name in ("kernels.cu", "plan_kernels.cu"):
+        source = (ROOT / "tests" / "gpu" / name).read_text()
+        try:
+            cubin = compile_to_cubin(source, arch="sm_90", debug=True, defines={"TPD_IBGDA": 1})
+        except CompileError as exc:
+            pytest.fail(f"{name}: {exc.log}")
+        assert cubin[:4] == b"\x7fELF"
 
 
 def test_nvrtc_errors_carry_the_log() -> None:

@@ -71,6 +71,19 @@ TPD_DEVICE void put_signal(const Channel& ch, uint32_t peer, uint16_t dst_region
          make_body(src_off, dst_off, bytes, src_region, dst_region, 0, slot, value));
 }
 
+/**
+ * Warp-cooperative put_signal: the lanes of a warp call it together, each with its own arguments, and
+ * those with ``active`` push one PUT_SIGNAL each for one atomicAdd and one system-scope release per warp
+ * (ring_device.cuh's warp_push). Inactive lanes push nothing. Every lane that reaches the call must be
+ * converged with the others (call it outside lane-divergent branches; pass the branch as ``active``).
+ */
+TPD_DEVICE uint64_t warp_put_signal(const Channel& ch, bool active, uint32_t peer, uint16_t dst_region,
+                                    uint64_t dst_off, uint16_t src_region, uint64_t src_off, uint32_t bytes,
+                                    uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add) {
+    return warp_push(ch.ring, active, Opcode::PutSignal, (uint8_t)op, detail::peer_field(peer),
+                     make_body(src_off, dst_off, bytes, src_region, dst_region, 0, slot, value));
+}
+
 /** Update ``peer``'s flag ``slot`` after every earlier command of this channel to ``peer`` is placed. */
 TPD_DEVICE void signal(const Channel& ch, uint32_t peer, uint32_t slot, uint64_t value,
                        SignalOp op = SignalOp::Add) {

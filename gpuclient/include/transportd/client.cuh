@@ -24,6 +24,7 @@
 #include <transportd/ring_device.cuh>
 #include <transportd/signal_device.cuh>
 #include <transportd/channel_device.cuh>
+#include <transportd/plan_device.cuh>
 
 #if defined(TPD_IBGDA)
 #include <transportd/ibgda/ibgda.cuh>

@@ -174,6 +174,16 @@ TPD_HOST_DEVICE void fence_sys() {
 #endif
 }
 
+/** Sequentially consistent fence at GPU scope (what __threadfence() emits): a tile's stores are performed
+ *  for every block before the arrival that counts it, and a chunk's last arrival sees all of them. */
+TPD_HOST_DEVICE void fence_gpu() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("fence.sc.gpu;" ::: "memory");
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
 /* --- read-modify-write ------------------------------------------------------------------------------------ */
 
 /** Claim ``n`` consecutive positions of a 64-bit counter (relaxed, GPU scope). */
@@ -245,6 +255,19 @@ TPD_DEVICE void st_relaxed_sys_v2(uint64_t* p, uint64_t a, uint64_t b) {
 
 TPD_DEVICE void st_release_sys_v2(uint64_t* p, uint64_t a, uint64_t b) {
     asm volatile("st.release.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+
+/** This thread's lane in its warp, and the mask of the lanes below it (any block shape). */
+TPD_DEVICE uint32_t lane_id() {
+    uint32_t lane;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    return lane;
+}
+
+TPD_DEVICE uint32_t lanemask_lt() {
+    uint32_t mask;
+    asm volatile("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+    return mask;
 }
 
 /** ``*p = max(*p, v)`` with release semantics at GPU scope (no return value). */

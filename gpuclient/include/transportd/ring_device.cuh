@@ -152,6 +152,39 @@ TPD_DEVICE uint64_t push(const RingDevice& ring, Opcode opcode, uint8_t flags, u
     return pos;
 }
 
+/** What warp_push returns to a lane that pushed nothing. */
+constexpr uint64_t kNoPosition = ~0ull;
+
+/**
+ * Warp-cooperative push: every lane of the warp that reaches this call together takes part; the lanes
+ * with ``active`` each push one record. One lane claims all the warp's slots with one atomicAdd (and
+ * waits for their credit), the others learn their position by a shuffle, and every active lane commits
+ * its own record header-last in the same instructions. A system-scope release is one fence for the
+ * whole warp instruction, so the warp pays one release, not one per record: 32 records cost about what
+ * one costs (benchmarks/gpu_bench.py, "warp push"). Records keep the per-thread protocol exactly (the
+ * consumer cannot tell them apart). Returns the lane's ring position, or kNoPosition if inactive.
+ */
+template <int Commit = TPD_COMMIT>
+TPD_DEVICE uint64_t warp_push(const RingDevice& ring, bool active, Opcode opcode, uint8_t flags, uint16_t peer,
+                              const Body& b) {
+    const uint32_t members = __activemask();
+    const uint32_t pushing = __ballot_sync(members, active);
+    if (pushing == 0u) return kNoPosition;
+    const uint32_t leader = (uint32_t)__ffs(pushing) - 1u;
+    uint64_t base = 0;
+    if (ordering::lane_id() == leader) {
+        const uint32_t n = (uint32_t)__popc(pushing);
+        base = ordering::fetch_add_relaxed_gpu(ring.head, n);
+        acquire_credit(ring, base + n - 1u);  // the last of the warp's slots free => all of them free
+    }
+    base = __shfl_sync(members, base, leader);
+    if (!active) return kNoPosition;
+    const uint64_t pos = base + (uint64_t)__popc(pushing & ordering::lanemask_lt());
+    uint64_t* slot = reinterpret_cast<uint64_t*>(ring.records + (pos & (uint64_t)(ring.capacity - 1)));
+    commit_record<Commit>(slot, header_word(seq_for(pos), (uint8_t)opcode, flags, peer), b);
+    return pos;
+}
+
 #endif /* __CUDACC__ */
 
 }  // namespace tpd
