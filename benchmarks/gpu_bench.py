@@ -6,7 +6,11 @@ push
     one push = atomicAdd on the device-memory head + one 48-byte record into the mapped ring file. Per
     commit variant (the library's four header-last ones and the benchmark-only per-word parity): one
     thread's ns per push (global timer around a loop), and pushes/s with 132 x 128 threads (CUDA events).
-    The credit cache is preset so the bare push is measured, with no consumer.
+    The credit cache is preset so the bare push is measured, with no consumer. The warp-cooperative push
+    (``tpd::warp_push``): ns per record for one warp pushing 32 records a round, and the aggregate rate.
+plan overhead
+    ``tile_done`` + ``wait_range`` against raw ``put_signal`` + ``wait`` on the same chunks of an
+    all-gather plan (one thread; flags and credits preset, so only the calls' own costs count).
 latency (one thread, pushes paced 200 us apart so nothing queues)
     commit -> posted: the proxy (``transportd.dataplane.proxy.Proxy``, the compiled engine, poll window 0) as its own
     null NIC, which logs when each command is posted; commit -> consumed: a bare consumer of the same ring,
@@ -160,6 +164,47 @@ def warp_push_cost(gpu: Gpu, single_iters: int, agg_iters: int, threads: int = 1
     return {"push_ns": float(np.median(per_record)), "push_ns_min": float(min(per_record)),
             "records_per_warp": 32, "pushes_per_s": float(np.median(rates)),
             "pushes_per_s_max": float(max(rates)), "threads": blocks * threads}
+
+
+def plan_overhead(gpu: Gpu, rounds: int, tiles_per_chunk: int = 4, chunks: int = 64) -> dict[str, float]:
+    """``tile_done`` + ``wait_range`` against raw ``put_signal`` + ``wait`` on the same chunks (one thread,
+    an all-gather plan of two ranks, ``tiles_per_chunk`` tiles a chunk): ns per chunk for both. Waits find
+    their flags already reached and pushes find credit, so only the calls' own costs are compared."""
+    from gpuclient.device_channel import CHANNEL_DTYPE
+
+    tile = 4096
+    plan = gpuclient.ChunkPlan.all_gather(rank=0, world=2, shard_bytes=chunks * tiles_per_chunk * tile,
+                                          tile_bytes=tile, chunk_tiles=tiles_per_chunk, dst_region=1)
+    with _ring("plan", 1 << 14) as ring:
+        dev = map_ring(ring, gpu.device)
+        flags = DeviceMemory(8 * plan.slot_count, gpu.device)
+        out = DeviceMemory(24, gpu.device)
+        device_plan = plan.to_device(gpu.device)
+        try:
+            dev.counters.write(8, (1 << 62).to_bytes(8, "little"))  # credits never run out
+            flags.write(0, np.full(plan.slot_count, 1 << 60, dtype="<u8").tobytes())  # every wait satisfied
+            ch = np.zeros(1, dtype=CHANNEL_DTYPE)
+            for name in dev.value.dtype.names:
+                ch[name] = dev.value[name]
+            ch["flags"], ch["flag_count"], ch["rank"], ch["world"] = flags.ptr, plan.slot_count, 0, 2
+            kernel = gpu.module.function("plan_overhead")
+            samples = []
+            for epoch in range(1, 5):  # the first is a warm-up
+                kernel.launch(1, 1, (ch.tobytes(), device_plan.handle(epoch), np.uint32(1), np.uint32(rounds),
+                                     np.uint64(out.ptr)), stream=gpu.stream)
+                gpu.sync()
+                _, t_plan, t_raw = np.frombuffer(out.read(0, 24), dtype="<u8")
+                samples.append((int(t_plan) / (rounds * chunks), int(t_raw) / (rounds * chunks)))
+        finally:
+            device_plan.release()
+            out.free()
+            flags.free()
+            dev.release()
+    plan_ns = float(np.median([s[0] for s in samples[1:]]))
+    raw_ns = float(np.median([s[1] for s in samples[1:]]))
+    return {"tile_done_wait_range_ns_per_chunk": plan_ns, "put_signal_wait_ns_per_chunk": raw_ns,
+            "overhead_ns_per_chunk": plan_ns - raw_ns, "ratio": plan_ns / raw_ns, "tiles_per_chunk": tiles_per_chunk,
+            "chunks": chunks}
 
 
 # --- clocks -----------------------------------------------------------------------------------------------------
@@ -541,6 +586,9 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print, mps: bool = True) 
     push["warp"] = warp_push_cost(gpu, single // 4, agg)
     echo(f"push {'warp (32/warp)':12s} {push['warp']['push_ns']:8.1f} ns/record (1 warp) "
          f"{push['warp']['pushes_per_s'] / 1e6:8.1f} M pushes/s ({push['warp']['threads']} threads)")
+    plans = plan_overhead(gpu, 2 if quick else 20)
+    echo(f"tile_done + wait_range {plans['tile_done_wait_range_ns_per_chunk']:8.0f} ns/chunk vs put_signal + wait "
+         f"{plans['put_signal_wait_ns_per_chunk']:8.0f} ns/chunk ({plans['tiles_per_chunk']} tiles a chunk, 1 thread)")
     clock = calibrate(gpu)
     echo(f"clock: globaltimer - monotonic = {clock['offset_ns']:.0f} ns (+/- {clock['error_bound_ns']:.0f} ns)")
     library = DEFAULT_VARIANT[_library_default()]
@@ -566,6 +614,10 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print, mps: bool = True) 
         "library_commit": library,
         "push_ns": push[library]["push_ns"],
         "pushes_per_s": push[library]["pushes_per_s"],
+        "warp_push_ns_per_record": push["warp"]["push_ns"],
+        "warp_pushes_per_s": push["warp"]["pushes_per_s"],
+        "plan_tile_done_wait_range_ns_per_chunk": plans["tile_done_wait_range_ns_per_chunk"],
+        "plan_raw_put_signal_wait_ns_per_chunk": plans["put_signal_wait_ns_per_chunk"],
         "commit_to_post_p50_us": posted["p50_us"],
         "commit_to_post_p99_us": posted["p99_us"],
         "commit_to_completion_gpu_clock_p50_us": roundtrip["p50_us"],
@@ -588,7 +640,8 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print, mps: bool = True) 
         if "device" in efa and "host" in efa:
             summary[f"put_to_flag_efa_device_over_host_{label}"] = efa["device"]["p50_us"] / efa["host"]["p50_us"]
     return {"summary": summary, "push": push, "clock": clock, "commit_to_consumed": consumed,
-            "commit_to_posted": posted, "commit_to_completion_gpu_clock": roundtrip, "put_to_flag": flag,
+            "plan_overhead": plans, "commit_to_posted": posted, "commit_to_completion_gpu_clock": roundtrip,
+            "put_to_flag": flag,
             "put_to_flag_table": table, "device_sms": gpu.sms}
 
 

@@ -130,6 +130,33 @@ extern "C" __global__ void push_loop_warp32(tpd::RingDevice ring, uint32_t iters
     bench::push_loop_warp(ring, iters, out);
 }
 
+// Chunk-plan overhead against the raw calls on the same chunks, one thread, flags preset so every wait
+// is satisfied and credits preset so no consumer is needed: what the plan adds is its table reads, the
+// per-chunk tile counters and the range search. out = {t0, t_plan, t_raw}.
+extern "C" __global__ void plan_overhead(tpd::Channel ch, tpd::Plan plan, uint32_t peer, uint32_t rounds,
+                                         uint64_t* out) {
+    const uint64_t t0 = tpd::ordering::now_ns();
+    for (uint32_t r = 0; r < rounds; ++r) {
+        for (uint32_t tile = 0; tile < plan.tile_count; ++tile) tpd::tile_done(ch, plan, tile);
+        for (uint32_t i = plan.recv_index[peer]; i < plan.recv_index[peer + 1]; ++i)
+            tpd::wait_range_thread(ch, plan, peer, plan.recvs[i].off, plan.recvs[i].bytes);
+    }
+    const uint64_t t1 = tpd::ordering::now_ns();
+    for (uint32_t r = 0; r < rounds; ++r) {
+        for (uint32_t c = 0; c < plan.chunk_count; ++c) {
+            const tpd::PlanChunk& k = plan.chunks[c];
+            const tpd::PlanSend& d = plan.sends[k.first_send];
+            tpd::put_signal(ch, d.peer, d.dst_region, d.dst_off, k.src_region, k.src_off, k.bytes, d.slot, d.value);
+        }
+        for (uint32_t i = plan.recv_index[peer]; i < plan.recv_index[peer + 1]; ++i)
+            tpd::wait(ch, plan.recvs[i].slot, plan.epoch * plan.recvs[i].value);
+    }
+    const uint64_t t2 = tpd::ordering::now_ns();
+    out[0] = t0;
+    out[1] = t1 - t0;
+    out[2] = t2 - t1;
+}
+
 // Clock calibration: the host writes ping = r; the GPU answers with its global timer in pong[1] and r in
 // pong[0]. The host brackets each round with its own clock; the tightest round gives the offset.
 extern "C" __global__ void clock_pingpong(const uint64_t* ping, uint64_t* pong, uint32_t rounds) {

@@ -60,8 +60,9 @@ def test_plan_allgather_waits_for_every_chunk_a_range_touches(cuda_device, backe
                 rank["handle"] = rank["session"].channel(64).device_handle(cuda_device)
                 rank["plan"].to_device(cuda_device)
                 rank["stream"] = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
-            straddling = [b for b in range(0, rows, CONSUMER_ROWS)
-                          if len(ranks[0]["plan"].recv_span(1, b * row_bytes, CONSUMER_ROWS * row_bytes)) > 1]
+            spans = [ranks[0]["plan"].recv_span(1, b * row_bytes, CONSUMER_ROWS * row_bytes)
+                     for b in range(0, rows, CONSUMER_ROWS)]
+            straddling = [first for first, end in spans if end - first > 1]
             assert straddling, "the shape must make some consumer blocks straddle two chunks"
             for epoch in range(1, LAUNCHES + 1):
                 shards = [rng.standard_normal((ROWS_LOCAL, ROW_FLOATS), dtype=np.float32) for _ in range(WORLD)]
