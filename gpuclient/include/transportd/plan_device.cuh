@@ -192,17 +192,17 @@ TPD_HOST_DEVICE void wait_range_thread(const Ch& ch, const Plan& plan, uint32_t 
 /**
  * Count one tile's arrival at its chunk (host + device: the CPU tests run it). Returns the chunk's index
  * when this call is the last of the chunk's ``tiles`` arrivals of a round (its caller ships the chunk),
- * else chunk_count. Release/acquire at GPU scope, as tpd::chunk_arrive: the shipping thread's later
- * pushes are ordered after every other tile's stores.
+ * else chunk_count. One acq_rel atomic at GPU scope: its release orders this tile's stores (this thread's,
+ * and the block's before the __syncthreads that precedes the call) before the count, and the last
+ * arrival's acquire orders the shipping thread's pushes after every other tile's stores; the push's own
+ * system-scope release then carries them to the proxy and the NIC. Measured against the two fences of
+ * tpd::chunk_arrive in benchmarks/gpu_bench.py ("plan overhead").
  */
 TPD_HOST_DEVICE uint32_t tile_arrive(const Plan& plan, uint32_t tile) {
     uint32_t chunk = plan.tile_chunk[tile];
     uint32_t tiles = plan.chunks[chunk].tiles;
-    ordering::fence_gpu();
-    uint32_t old = ordering::fetch_add_relaxed_gpu(plan.counters + chunk, 1u);
-    if ((old + 1u) % tiles != 0u) return plan.chunk_count;
-    ordering::fence_gpu();
-    return chunk;
+    uint32_t old = ordering::fetch_add_acq_rel_gpu(plan.counters + chunk, 1u);
+    return (old + 1u) % tiles == 0u ? chunk : plan.chunk_count;
 }
 
 /** Push every send of ``chunk`` (a put_signal each) on ``ch``. */
