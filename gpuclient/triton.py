@@ -38,9 +38,9 @@ waits for credit, stores the record header-last and, for ``wait``/``quiet``, spi
 the block. Before a push, a barrier (``bar.sync``) orders every thread's earlier stores (a payload the put
 reads) before thread 0's system-scope release, as ``__syncthreads()`` before a one-thread push does in
 CUDA; after a wait, a barrier makes what thread 0 acquired visible to the whole program, as
-``tpd::block_wait`` does. ``tile_done`` counts a tile with Triton's scalar ``tl.atomic_add`` (Triton issues
-a scalar atomic from thread 0 and broadcasts the old value to every thread), so the "last tile" decision is
-the same in every thread and the sends loop runs in step.
+``tpd::block_wait`` does. ``tile_done`` counts a tile with Triton's scalar ``tl.atomic_add`` (acq_rel, GPU
+scope; Triton issues a scalar atomic from thread 0 and broadcasts the old value to every thread), so the
+"last tile" decision is the same in every thread and the sends loop runs in step.
 
 Protocol, instruction for instruction (``ring_device.cuh``; commit variant ``TPD_COMMIT_V2_SPLIT``)::
 
@@ -53,8 +53,8 @@ Protocol, instruction for instruction (``ring_device.cuh``; commit variant ``TPD
     wait     ld.acquire.sys [flag] until (int64)(value - at_least) >= 0
     quiet    push QUIET at pos, then ld.acquire.sys [control + 192] until > pos
     status   ld.acquire.sys.u32 [control + 256]
-    tile     fence.sc.gpu; old = atomic add 1 on counters[chunk]; last = (old + 1) % tiles == 0;
-             last: fence.sc.gpu, then one PUT_SIGNAL (ADD value) per send of the chunk
+    tile     old = atom.acq_rel.gpu add 1 on counters[chunk]; last = (old + 1) % tiles == 0;
+             last: one PUT_SIGNAL (ADD value) per send of the chunk
 
 Every spin backs off (64 tight polls, then ``nanosleep`` doubling from 32 ns to 1 us) and is bounded: one
 that outlasts ``SPIN_TIMEOUT_NS`` (20 s; the ``TPD_TRITON_SPIN_TIMEOUT_NS`` environment variable at import,
@@ -246,11 +246,13 @@ def plan_pointer(plan: Any, device: int | None = None) -> DevicePointer:
     handle's bytes, or a numpy record of ``gpuclient.plan.PLAN_DTYPE``. The copy's epoch word is zeroed:
     Triton kernels take the launch number as a scalar argument instead, so one copy serves every launch.
     """
-    if hasattr(plan, "to_device"):  # ChunkPlan
+    from gpuclient.plan import ChunkPlan, DevicePlan
+
+    if isinstance(plan, ChunkPlan):
         if device is None:
             raise ValueError("plan_pointer(ChunkPlan) needs the device to upload its tables to")
         plan = plan.to_device(device)
-    if hasattr(plan, "handle") and hasattr(plan, "value"):  # DevicePlan
+    if isinstance(plan, DevicePlan):
         device = plan.device if device is None else device
         plan = plan.value
     data = bytearray(_handle_bytes(plan, PLAN_SIZE, "tpd::Plan"))
@@ -358,7 +360,6 @@ TPD_DONE_{_UID}:
 
 _LD_ACQUIRE_SYS_U64 = tl.constexpr("ld.acquire.sys.global.u64 $0, [$1];")
 _LD_ACQUIRE_SYS_U32 = tl.constexpr("ld.acquire.sys.global.u32 $0, [$1];")
-_FENCE_GPU = tl.constexpr("fence.sc.gpu;\nmov.u32 $0, 0;")
 
 
 # --- device helpers -------------------------------------------------------------------------------------------
@@ -389,12 +390,6 @@ def _ld_acquire_sys_u64(address):
 def _ld_acquire_sys_u32(address):
     return tl.inline_asm_elementwise(_LD_ACQUIRE_SYS_U32, "=r,l,~{memory}", [address], dtype=tl.uint32,
                                      is_pure=False, pack=1)
-
-
-@triton.jit
-def _fence_gpu():
-    """fence.sc.gpu in every thread (what __threadfence() emits)."""
-    tl.inline_asm_elementwise(_FENCE_GPU, "=r,~{memory}", [], dtype=tl.uint32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -522,9 +517,10 @@ def tile_done(ch, plan, tile):
     of the send's value, per destination). Call it from the whole program after the tile's stores. Correct
     under any tile order and any number of programs; returns True in the call that shipped.
 
-    A barrier orders every thread's tile stores first; the fences are ``tpd::tile_arrive``'s (GPU scope,
-    release before the count, acquire after the last one); Triton issues the scalar atomic from thread 0 and
-    hands its old value to every thread, so all agree on who is last.
+    As ``tpd::tile_arrive``: a barrier orders every thread's tile stores before thread 0's count, one atomic
+    add with acq_rel semantics at GPU scope (its release carries the tile's stores to the count, the last
+    arrival's acquire orders the pushes after every other tile's stores). Triton issues a scalar atomic from
+    thread 0, the thread that pushes, and hands its old value to every thread, so all agree on who is last.
     """
     tl.debug_barrier()
     chunk = tl.load(_ptr32(_word(plan, 3)) + tile)
@@ -533,11 +529,9 @@ def tile_done(ch, plan, tile):
     sizes = tl.load(c + 1)
     route = tl.load(c + 2)
     tiles = (sizes >> 32).to(tl.uint32)
-    _fence_gpu()
-    old = tl.atomic_add(_ptr32(_word(plan, 5)) + chunk, 1, sem="relaxed", scope="gpu")
+    old = tl.atomic_add(_ptr32(_word(plan, 5)) + chunk, 1, sem="acq_rel", scope="gpu")
     last = (old + 1) % tiles == 0
     if last:
-        _fence_gpu()
         nbytes = sizes & 0xFFFFFFFF
         src_region = route >> 48
         first = (route & 0xFFFFFFFF).to(tl.int32)

@@ -386,12 +386,18 @@ def test_waits_are_acquire_sys_signed_and_followed_by_a_barrier() -> None:
     assert "ld.acquire.sys.global.u32" in status
 
 
-def test_tile_done_fences_and_counts_once() -> None:
-    code = [opcode(s) for s in ptx_lines(compile_kernel(k_tile_done, SIGS["tile_done"]).asm["ptx"])]
-    assert code.count("fence.sc.gpu") == 2  # release before the count, acquire after the last one
-    first_fence = code.index("fence.sc.gpu")
-    count = code.index("atom.global.gpu.relaxed.add.u32")
-    assert code.index("bar.sync") < first_fence < count < code.index("fence.sc.gpu", count)
+def test_tile_done_counts_with_one_acq_rel_atomic_from_thread0() -> None:
+    """tpd::tile_arrive's one atom.acq_rel.gpu, after the barrier, issued by thread 0 (the pushing thread)."""
+    lines = ptx_lines(compile_kernel(k_tile_done, SIGS["tile_done"]).asm["ptx"])
+    code = [opcode(s) for s in lines]
+    counts = [i for i, op in enumerate(code) if op.startswith("atom") and ".u32" in op]
+    assert len(counts) == 1 and code[counts[0]] == "atom.global.gpu.acq_rel.add.u32"
+    assert code.index("bar.sync") < counts[0]
+    assert "fence.sc.gpu" not in code
+    guard = re.match(r"^@(%p\d+) ", lines[counts[0]]).group(1)  # Triton's scalar atomic: one thread's
+    setp = next(s for s in reversed(lines[:counts[0]]) if s.startswith(f"setp.eq.b32 \t{guard},")
+                or s.startswith(f"setp.eq.b32 {guard},"))
+    assert setp.rstrip(";").endswith(", 0")  # ... thread 0's (the interpreter runs it: only thread 0 counts)
 
 
 # --- running the PTX -----------------------------------------------------------------------------------------
@@ -499,6 +505,7 @@ def test_tile_done_ships_each_chunk_once_per_round_with_the_plans_sends(chan) ->
             last = (arrivals + 1) % int(plan.chunks["tiles"][chunk]) == 0
             assert out[0] == last
             assert int(counters[chunk]) == arrivals + 1
+            assert writers(k) == {0}  # the count and the pushes: thread 0's alone
             if last:
                 shipped.append(chunk)
     assert sorted(shipped) == sorted(list(range(plan.chunk_count)) * 2)
