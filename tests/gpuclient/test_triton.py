@@ -614,3 +614,23 @@ def test_the_push_benchmark_kernel_pushes_with_a_preset_credit(chan) -> None:
     last = c.ring.records[49 % 16]
     assert decode(last) == (50, Command(Opcode.PUT, peer=1, dst_off=49 << 12, src_off=49 << 12, length=4096,
                                         chunk_id=49))
+
+
+def test_the_docs_allgather_kernel_is_the_tested_one() -> None:
+    """docs/triton.md shows the kernel the GPU test runs (compared as syntax trees, docstrings aside)."""
+    import ast
+
+    def kernels(tree: ast.AST) -> dict[str, str]:
+        out = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(
+                    node.body[0].value, ast.Constant) else node.body
+                out[node.name] = ast.dump(ast.Module(body=[*node.decorator_list, node.args, *body], type_ignores=[]))
+        return out
+
+    doc = (ROOT / "docs" / "triton.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "def allgather_rowsum" in b)
+    shown = kernels(ast.parse(block))
+    tested = kernels(ast.parse((ROOT / "tests" / "gpu" / "triton_allgather.py").read_text()))
+    assert shown == tested
