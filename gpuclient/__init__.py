@@ -2,14 +2,25 @@
 
 The CPU producer (``ChannelHandle``) speaks the same ring protocol as the device API, so CPU clients and
 tests exercise the daemon exactly as GPU kernels do. GPU memory, device flags, channel handles for
-kernels (``ch.device_handle()``) and ``compile`` need cuda-python, imported only when first used.
+kernels (``ch.device_handle()``), chunk plans on the GPU (``ChunkPlan.to_device``) and ``compile`` need
+cuda-python, imported only when first used.
 """
 
 from gpuclient.compiler import compile, get_include
 from gpuclient.device_channel import CHANNEL_DTYPE, DeviceChannel, DeviceFlags
-from gpuclient.errors import ChannelError, CompileError, HostBufferError, LauncherError
+from gpuclient.errors import ChannelError, CompileError, HostBufferError, LauncherError, PlanError
 from gpuclient.host_memory import host_array
 from gpuclient.launcher import LaunchInfo, from_environment
+from gpuclient.plan import (
+    PLAN_ABI,
+    PLAN_CHUNK_DTYPE,
+    PLAN_DTYPE,
+    PLAN_RECV_DTYPE,
+    PLAN_SEND_DTYPE,
+    PLAN_SIZE,
+    ChunkPlan,
+    DevicePlan,
+)
 from gpuclient.session import (
     ChannelHandle,
     Client,
@@ -23,17 +34,26 @@ from transportd.errors import CudaError
 
 __all__ = [
     "CHANNEL_DTYPE",
+    "PLAN_ABI",
+    "PLAN_CHUNK_DTYPE",
+    "PLAN_DTYPE",
+    "PLAN_RECV_DTYPE",
+    "PLAN_SEND_DTYPE",
+    "PLAN_SIZE",
     "ChannelError",
     "ChannelHandle",
+    "ChunkPlan",
     "Client",
     "CompileError",
     "CudaError",
     "DeviceChannel",
     "DeviceFlags",
+    "DevicePlan",
     "FlagArray",
     "HostBufferError",
     "LaunchInfo",
     "LauncherError",
+    "PlanError",
     "Region",
     "Session",
     "SignalOp",

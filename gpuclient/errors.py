@@ -1,6 +1,6 @@
 """The errors of gpuclient: one module for every exception the client library defines.
 
-All but the buffer and launcher checks are TransportdErrors; ``CompileError`` is a ``CudaError``
+All but the buffer, launcher and chunk plan checks are TransportdErrors; ``CompileError`` is a ``CudaError``
 (``transportd.errors``), which gpuclient also hands out as ``gpuclient.CudaError``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transportd.errors import CudaError, ErrorCode, TransportdError
 
-__all__ = ["ChannelError", "CompileError", "HostBufferError", "LauncherError"]
+__all__ = ["ChannelError", "CompileError", "HostBufferError", "LauncherError", "PlanError"]
 
 
 class HostBufferError(ValueError):
@@ -17,6 +17,18 @@ class HostBufferError(ValueError):
 
 class LauncherError(ValueError):
     """No launcher's variables are set, or they are inconsistent (the message names the variables)."""
+
+
+class PlanError(ValueError):
+    """A chunk plan the device could not use (overlaps, gaps, sizes, slots); ``field`` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.field, self.message))
 
 
 class ChannelError(TransportdError):
