@@ -78,6 +78,16 @@ import triton.language as tl
 from cmd_ring.record import Flag, Opcode
 from cmd_ring.ring import OFF_COMPLETION_POS, OFF_CONSUMER_POS, OFF_ERROR_CODE
 from gpuclient.device_channel import CHANNEL_ABI, CHANNEL_DTYPE, CHANNEL_SIZE, RING_DTYPE
+from gpuclient.plan import (
+    PLAN_ABI,
+    PLAN_CHUNK_DTYPE,
+    PLAN_DTYPE,
+    PLAN_RECV_DTYPE,
+    PLAN_SEND_DTYPE,
+    PLAN_SIZE,
+    ChunkPlan,
+    DevicePlan,
+)
 
 if TYPE_CHECKING:
     from gpuclient.cuda_memory import DeviceMemory
@@ -108,10 +118,8 @@ __all__ = [
     "wait_range",
 ]
 
-PLAN_ABI = 1  # TPD_PLAN_ABI (plan_device.cuh)
-PLAN_SIZE = 96  # TPD_PLAN_SIZE
-_PLAN_OFF_EPOCH = 48
-_PLAN_OFF_ABI = 80
+_PLAN_OFF_EPOCH = PLAN_DTYPE.fields["epoch"][1]
+_PLAN_OFF_ABI = PLAN_DTYPE.fields["abi"][1]
 
 #: Signal kinds (the record's flags byte): ADD the value to the peer's flag, or store it.
 SIGNAL_ADD = tl.constexpr(0)
@@ -128,6 +136,35 @@ _OP_QUIET = tl.constexpr(int(Opcode.QUIET))
 _OFF_CONSUMER = tl.constexpr(OFF_CONSUMER_POS)
 _OFF_COMPLETION = tl.constexpr(OFF_COMPLETION_POS)
 _OFF_ERROR = tl.constexpr(OFF_ERROR_CODE)
+
+#: Where the device code finds each field it reads: (struct dtype, field, 64-bit word, bit shift in the word).
+#: The dtypes mirror the headers (probe-checked); tests check this table against them, and the word indices
+#: below are taken from it.
+LAYOUT = (
+    (CHANNEL_DTYPE, "records", 0, 0), (CHANNEL_DTYPE, "control", 1, 0), (CHANNEL_DTYPE, "head", 2, 0),
+    (CHANNEL_DTYPE, "credit", 3, 0), (CHANNEL_DTYPE, "capacity", 4, 0), (CHANNEL_DTYPE, "flags", 5, 0),
+    (PLAN_DTYPE, "chunks", 0, 0), (PLAN_DTYPE, "sends", 1, 0), (PLAN_DTYPE, "recvs", 2, 0),
+    (PLAN_DTYPE, "tile_chunk", 3, 0), (PLAN_DTYPE, "recv_index", 4, 0), (PLAN_DTYPE, "counters", 5, 0),
+    (PLAN_DTYPE, "world", 9, 32),
+    (PLAN_CHUNK_DTYPE, "src_off", 0, 0), (PLAN_CHUNK_DTYPE, "bytes", 1, 0), (PLAN_CHUNK_DTYPE, "tiles", 1, 32),
+    (PLAN_CHUNK_DTYPE, "first_send", 2, 0), (PLAN_CHUNK_DTYPE, "send_count", 2, 32),
+    (PLAN_CHUNK_DTYPE, "src_region", 2, 48),
+    (PLAN_SEND_DTYPE, "dst_off", 0, 0), (PLAN_SEND_DTYPE, "slot", 1, 0), (PLAN_SEND_DTYPE, "value", 1, 32),
+    (PLAN_SEND_DTYPE, "peer", 2, 0), (PLAN_SEND_DTYPE, "dst_region", 2, 16),
+    (PLAN_RECV_DTYPE, "off", 0, 0), (PLAN_RECV_DTYPE, "bytes", 1, 0), (PLAN_RECV_DTYPE, "slot", 1, 32),
+    (PLAN_RECV_DTYPE, "value", 2, 0),
+)
+_ROW_WORDS = tl.constexpr(PLAN_CHUNK_DTYPE.itemsize // 8)  # PlanChunk, PlanSend and PlanRecv: 3 words each
+
+
+def _word_of(dtype: np.dtype, name: str) -> tl.constexpr:
+    return tl.constexpr(next(word for d, field_name, word, _ in LAYOUT if d is dtype and field_name == name))
+
+
+_CH_RECORDS, _CH_CONTROL, _CH_HEAD, _CH_CREDIT, _CH_CAPACITY, _CH_FLAGS = (
+    _word_of(CHANNEL_DTYPE, n) for n in ("records", "control", "head", "credit", "capacity", "flags"))
+_PL_CHUNKS, _PL_SENDS, _PL_RECVS, _PL_TILE_CHUNK, _PL_RECV_INDEX, _PL_COUNTERS, _PL_WORLD = (
+    _word_of(PLAN_DTYPE, n) for n in ("chunks", "sends", "recvs", "tile_chunk", "recv_index", "counters", "world"))
 
 
 # --- the record, host side (the same packing the PTX does; tests check it against cmd_ring.record) -----------
@@ -246,8 +283,6 @@ def plan_pointer(plan: Any, device: int | None = None) -> DevicePointer:
     handle's bytes, or a numpy record of ``gpuclient.plan.PLAN_DTYPE``. The copy's epoch word is zeroed:
     Triton kernels take the launch number as a scalar argument instead, so one copy serves every launch.
     """
-    from gpuclient.plan import ChunkPlan, DevicePlan
-
     if isinstance(plan, ChunkPlan):
         if device is None:
             raise ValueError("plan_pointer(ChunkPlan) needs the device to upload its tables to")
@@ -419,11 +454,11 @@ def _w4(chunk_id, slot):
 def _push(ch, opcode, flags, peer, w1, w2, w3, w4, w5):
     """Thread 0 pushes one record on ``ch``'s ring (claim, credit, header-last commit); returns its position
     (in thread 0; 0 elsewhere). No barrier: the public calls put one in front."""
-    control = _word(ch, 1)
-    capacity = _word(ch, 4) & 0xFFFFFFFF
+    control = _word(ch, _CH_CONTROL)
+    capacity = _word(ch, _CH_CAPACITY) & 0xFFFFFFFF
     return tl.inline_asm_elementwise(
         _PUSH_ASM, _PUSH_CONSTRAINTS,
-        [_word(ch, 2), _word(ch, 3), control + _OFF_CONSUMER, _word(ch, 0), capacity,
+        [_word(ch, _CH_HEAD), _word(ch, _CH_CREDIT), control + _OFF_CONSUMER, _word(ch, _CH_RECORDS), capacity,
          _header_bits(opcode, flags, peer), _u64(w1), _u64(w2), _u64(w3), _u64(w4), _u64(w5)],
         dtype=tl.uint64, is_pure=False, pack=1)
 
@@ -468,11 +503,11 @@ def quiet(ch):
     may be reused): thread 0 pushes a QUIET record and polls the proxy's completion position past it, then
     the program proceeds together. Refused records count as complete: read :func:`status` afterwards."""
     tl.debug_barrier()
-    control = _word(ch, 1)
-    capacity = _word(ch, 4) & 0xFFFFFFFF
+    control = _word(ch, _CH_CONTROL)
+    capacity = _word(ch, _CH_CAPACITY) & 0xFFFFFFFF
     tl.inline_asm_elementwise(
         _QUIET_ASM, _QUIET_CONSTRAINTS,
-        [_word(ch, 2), _word(ch, 3), control + _OFF_CONSUMER, _word(ch, 0), capacity,
+        [_word(ch, _CH_HEAD), _word(ch, _CH_CREDIT), control + _OFF_CONSUMER, _word(ch, _CH_RECORDS), capacity,
          _header_bits(_OP_QUIET, 0, 0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), control + _OFF_COMPLETION],
         dtype=tl.uint64, is_pure=False, pack=1)
     tl.debug_barrier()
@@ -482,7 +517,7 @@ def quiet(ch):
 def status(ch):
     """The channel's error word: the first refused record's ErrorCode, 0 while every record was accepted
     (each thread reads it with ld.acquire.sys; the word only ever changes once, from 0)."""
-    return _ld_acquire_sys_u32(_word(ch, 1) + _OFF_ERROR)
+    return _ld_acquire_sys_u32(_word(ch, _CH_CONTROL) + _OFF_ERROR)
 
 
 @triton.jit
@@ -492,7 +527,7 @@ def wait(ch, slot, at_least):
     Thread 0 spins, a barrier releases the program, and every thread then reads the flag once more (its own
     acquire): the value returned is >= ``at_least`` in every thread.
     """
-    flag = _word(ch, 5) + _u64(slot) * 8
+    flag = _word(ch, _CH_FLAGS) + _u64(slot) * 8
     _spin_flag(flag, at_least)
     tl.debug_barrier()
     return _ld_acquire_sys_u64(flag)
@@ -504,11 +539,12 @@ def wait(ch, slot, at_least):
 #   PlanChunk (24 B): src_off | bytes, tiles | first_send, send_count:u16, src_region:u16
 #   PlanSend  (24 B): dst_off | slot, value | peer:u16, dst_region:u16, chunk_id
 #   PlanRecv  (24 B): off | bytes, slot | value, source
+#   (LAYOUT above names every field read here, with its word and shift.)
 
 
 @triton.jit
 def _recv(plan, i, word):
-    return tl.load(_word(plan, 2).to(tl.pointer_type(tl.uint64)) + _u64(i) * 3 + word)
+    return tl.load(_word(plan, _PL_RECVS).to(tl.pointer_type(tl.uint64)) + _u64(i) * _ROW_WORDS + word)
 
 
 @triton.jit
@@ -523,22 +559,22 @@ def tile_done(ch, plan, tile):
     thread 0, the thread that pushes, and hands its old value to every thread, so all agree on who is last.
     """
     tl.debug_barrier()
-    chunk = tl.load(_ptr32(_word(plan, 3)) + tile)
-    c = _word(plan, 0).to(tl.pointer_type(tl.uint64)) + _u64(chunk) * 3
+    chunk = tl.load(_ptr32(_word(plan, _PL_TILE_CHUNK)) + tile)
+    c = _word(plan, _PL_CHUNKS).to(tl.pointer_type(tl.uint64)) + _u64(chunk) * _ROW_WORDS
     src_off = tl.load(c)
     sizes = tl.load(c + 1)
     route = tl.load(c + 2)
     tiles = (sizes >> 32).to(tl.uint32)
-    old = tl.atomic_add(_ptr32(_word(plan, 5)) + chunk, 1, sem="acq_rel", scope="gpu")
+    old = tl.atomic_add(_ptr32(_word(plan, _PL_COUNTERS)) + chunk, 1, sem="acq_rel", scope="gpu")
     last = (old + 1) % tiles == 0
     if last:
         nbytes = sizes & 0xFFFFFFFF
         src_region = route >> 48
         first = (route & 0xFFFFFFFF).to(tl.int32)
         count = ((route >> 32) & 0xFFFF).to(tl.int32)
-        sends = _word(plan, 1).to(tl.pointer_type(tl.uint64))
+        sends = _word(plan, _PL_SENDS).to(tl.pointer_type(tl.uint64))
         for s in range(first, first + count):
-            d = sends + _u64(s) * 3
+            d = sends + _u64(s) * _ROW_WORDS
             dst_off = tl.load(d)
             slot_value = tl.load(d + 1)
             dest = tl.load(d + 2)
@@ -552,14 +588,14 @@ def _wait_recv(ch, plan, epoch, i):
     """Thread 0 waits for incoming chunk ``i`` (index into plan.recvs) to reach epoch * value."""
     slot_bytes = _recv(plan, i, 1)
     value = _recv(plan, i, 2) & 0xFFFFFFFF
-    _spin_flag(_word(ch, 5) + (slot_bytes >> 32) * 8, _u64(epoch) * value)
+    _spin_flag(_word(ch, _CH_FLAGS) + (slot_bytes >> 32) * 8, _u64(epoch) * value)
 
 
 @triton.jit
 def wait_chunk(ch, plan, epoch, rank, chunk):
     """The program waits for incoming chunk ``chunk`` of ``rank`` (its index among that rank's chunks, in
     offset order) of launch ``epoch`` (from 1); then the chunk's bytes are visible to every thread."""
-    i = tl.load(_ptr32(_word(plan, 4)) + rank) + chunk
+    i = tl.load(_ptr32(_word(plan, _PL_RECV_INDEX)) + rank) + chunk
     _wait_recv(ch, plan, epoch, i)
     tl.debug_barrier()
 
@@ -570,11 +606,11 @@ def wait_range(ch, plan, epoch, rank, byte_off, nbytes):
     receive region in launch ``epoch`` (from 1): a range that straddles chunks waits for each of them. Then
     a barrier makes those bytes visible to every thread. The chunks are found by ``tpd::recv_span``'s binary
     search over that rank's chunks (sorted by offset, disjoint); an empty range waits for nothing."""
-    world = _word(plan, 9) >> 32
+    world = _word(plan, _PL_WORLD) >> 32
     start = _u64(byte_off)
     end = start + _u64(nbytes)
     if (_u64(rank) < world) & (end > start):
-        index = _ptr32(_word(plan, 4))
+        index = _ptr32(_word(plan, _PL_RECV_INDEX))
         lo = tl.load(index + rank)
         hi = tl.load(index + rank + 1)
         a = lo

@@ -306,6 +306,13 @@ def test_handle_copies_carry_the_header_layout(monkeypatch) -> None:
         tdt.plan_pointer(bad, device=0)
 
 
+def test_the_fields_the_device_code_reads_are_where_the_dtypes_put_them() -> None:
+    """gpuclient.triton.LAYOUT (word, shift) against the dtypes, which the probe tests hold to the headers."""
+    for dtype, name, word, shift in tdt.LAYOUT:
+        assert dtype.fields[name][1] == 8 * word + shift // 8, name
+    assert tdt._ROW_WORDS == 3 and tdt._PL_WORLD == 9 and tdt._CH_FLAGS == 5
+
+
 def test_importing_gpuclient_does_not_import_triton() -> None:
     import subprocess
     import sys
