@@ -60,9 +60,11 @@ Every spin backs off (64 tight polls, then ``nanosleep`` doubling from 32 ns to 
 that outlasts ``SPIN_TIMEOUT_NS`` (20 s; the ``TPD_TRITON_SPIN_TIMEOUT_NS`` environment variable at import,
 0 for no bound) executes ``trap``, so a lost flag or a dead proxy fails the launch instead of hanging it.
 
-Caveat: Triton's software pipeliner may issue a loop's loads for later iterations early. Keep a
+Caveats: Triton's software pipeliner may issue a loop's loads for later iterations early, so keep a
 ``wait_range``/``wait`` out of a pipelined loop whose loads read what it waits for (``num_stages=1`` for such
-a loop, or wait before the loop), as the all-gather kernel in ``tests/gpu/triton_allgather.py`` does.
+a loop, or wait before the loop), as the all-gather kernel in ``tests/gpu/triton_allgather.py`` does; and the
+barrier before a push orders ordinary stores, not asynchronous tensor-descriptor (TMA) stores. docs/triton.md
+has the whole story and a complete kernel.
 """
 
 from __future__ import annotations
