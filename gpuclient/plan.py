@@ -377,32 +377,28 @@ class ChunkPlan:
 
     def _build(self, segs: list[Segment], flag_count: int | None) -> None:
         tb, ct, cb, world = self.tile_bytes, self.chunk_tiles, self.chunk_bytes, self.world
-        # every rank's chunks (global), then every send (global) so that receivers' slots are known
-        c_src, c_region, c_off, c_bytes, c_tiles, c_step, c_local = [], [], [], [], [], [], []
-        s_chunk, s_peer, s_region, s_off = [], [], [], []
-        counts, total = [0] * world, 0
-        for s in segs:
-            n_tiles = -(-s.nbytes // tb)
-            n = -(-n_tiles // ct)
-            rel = np.arange(n, dtype=np.int64) * cb
-            first, total = total, total + n
-            c_src.append(np.full(n, s.source))
-            c_region.append(np.full(n, s.src_region))
-            c_off.append(s.src_off + rel)
-            c_bytes.append(np.minimum(cb, s.nbytes - rel))
-            c_tiles.append(np.minimum(ct, n_tiles - np.arange(n) * ct))
-            c_step.append(np.full(n, s.step))
-            c_local.append(counts[s.source] + np.arange(n))
-            counts[s.source] += n
-            for peer, region, off in s.dests:
-                s_chunk.append(first + np.arange(n))
-                s_peer.append(np.full(n, peer))
-                s_region.append(np.full(n, region))
-                s_off.append(off + rel)
-        cat = _cat
-        c_src, c_region, c_off, c_bytes, c_tiles, c_step, c_local = map(
-            cat, (c_src, c_region, c_off, c_bytes, c_tiles, c_step, c_local))
-        s_chunk, s_peer, s_region, s_off = map(cat, (s_chunk, s_peer, s_region, s_off))
+        # every rank's chunks (global), then every send (global) so that receivers' slots are known;
+        # the segments are sorted by source, so each rank's chunks are consecutive
+        i64 = np.int64
+        g_src, g_region, g_off, g_bytes, g_step = (np.array([getattr(s, f) for s in segs], dtype=i64)
+                                                   for f in ("source", "src_region", "src_off", "nbytes", "step"))
+        g_tiles = -(-g_bytes // tb)
+        g_n = -(-g_tiles // ct)  # chunks per segment
+        seg = np.repeat(np.arange(len(segs)), g_n)
+        k = _within(g_n)  # the chunk's index in its segment
+        rel = k * cb
+        c_src, c_region, c_step = g_src[seg], g_region[seg], g_step[seg]
+        c_off = g_off[seg] + rel
+        c_bytes = np.minimum(cb, g_bytes[seg] - rel)
+        c_tiles = np.minimum(ct, g_tiles[seg] - k * ct)
+        c_local = np.arange(len(seg)) - np.searchsorted(c_src, c_src)
+        dests = [(i, *d) for i, s in enumerate(segs) for d in s.dests]
+        d_seg, d_peer, d_region, d_off = np.array(dests, dtype=i64).reshape(-1, 4).T
+        d_n = g_n[d_seg]
+        j = _within(d_n)
+        s_chunk = np.repeat((np.cumsum(g_n) - g_n)[d_seg], d_n) + j
+        s_peer, s_region = np.repeat(d_peer, d_n), np.repeat(d_region, d_n)
+        s_off = np.repeat(d_off, d_n) + j * cb
         s_src = c_src[s_chunk]
         # a receiver's slots: its incoming chunks by source rank, then offset, from slot_base
         order = np.lexsort((s_off, s_src, s_peer))
@@ -453,8 +449,7 @@ class ChunkPlan:
         self.slot_count = len(incoming)
         tiles = c_tiles[mine]
         self.tile_chunk = np.repeat(np.arange(len(mine), dtype=np.uint32), tiles)
-        within = np.arange(len(self.tile_chunk)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-        self.tile_off = (np.repeat(c_off[mine], tiles) + within * tb).astype(np.uint64)
+        self.tile_off = (np.repeat(c_off[mine], tiles) + _within(tiles) * tb).astype(np.uint64)
         steps = c_step[mine]
         self.step_index = np.searchsorted(steps, np.arange(int(steps.max(initial=0)) + 2)).astype(np.uint32)
         self.forwards = np.full(len(mine), NO_RECV, dtype=np.uint32)
@@ -659,8 +654,9 @@ class DevicePlan:
             self.plan._device = None
 
 
-def _cat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+def _within(counts: np.ndarray) -> np.ndarray:
+    """For groups of ``counts`` items laid end to end: each item's index inside its group."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _check_cover(field: str, rank: int, want: list[tuple[int, int, int]], have: list[tuple[int, int, int]]) -> None:

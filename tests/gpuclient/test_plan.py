@@ -742,6 +742,62 @@ def test_wait_range_waits_for_exactly_the_chunks_the_plan_names(model: ctypes.CD
     assert [tuple(spans[2 * i:2 * i + 2]) for i in range(n)] == [plan.recv_span(*q) for q in queries]
 
 
+class HostMemory:
+    """Stands in for gpuclient.cuda_memory.DeviceMemory: zeroed host memory with the same calls."""
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        self.buf = ctypes.create_string_buffer(nbytes)
+        self.ptr, self.nbytes, self.device = ctypes.addressof(self.buf), nbytes, device
+
+    def write(self, offset: int, data: bytes) -> None:
+        ctypes.memmove(self.ptr + offset, data, len(data))
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return ctypes.string_at(self.ptr + offset, nbytes)
+
+    def free(self) -> None:
+        self.ptr = 0
+
+
+def test_to_device_uploads_once_and_handles_only_change_the_epoch(model: ctypes.CDLL,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpuclient.cuda_memory
+
+    monkeypatch.setattr(gpuclient.cuda_memory, "DeviceMemory", HostMemory)
+    plan = ChunkPlan.all_gather(2, 3, [1000, 0, 2600], 128, chunk_tiles=3, slot_base=5, value=2)
+    with pytest.raises(PlanError, match="^device: "):
+        plan.handle(1)
+    dp = plan.to_device(0)
+    assert plan.to_device(0) is dp and len(plan.handle(1)) == PLAN_SIZE
+    with pytest.raises(PlanError, match="^device: "):
+        plan.to_device(1)
+    v = np.frombuffer(plan.handle(3), dtype=PLAN_DTYPE)[0]
+    assert v["epoch"] == 3 and v["abi"] == PLAN_ABI and v["slot_base"] == 5 and v["slot_count"] == plan.recv_count
+    for name in ("chunks", "sends", "recvs", "tile_chunk", "recv_index"):
+        table = getattr(plan, name)
+        assert (int(v[name]) - dp.memory.ptr) % 256 == 0
+        assert ctypes.string_at(int(v[name]), table.nbytes) == table.tobytes(), f"{name} uploaded as built"
+    assert (dp.counters() == 0).all() and len(dp.counters()) == plan.chunk_count
+    w = np.frombuffer(plan.handle(4), dtype=PLAN_DTYPE)[0]
+    assert w.tobytes()[:48] == v.tobytes()[:48] and w.tobytes()[56:] == v.tobytes()[56:] and w["epoch"] == 4
+    # the uploaded tables drive the header's tile_done: three launches, counters kept in the "device" memory
+    producer = Producer(model, plan)
+    for epoch in (1, 2, 3):
+        handle = np.frombuffer(plan.handle(epoch), dtype=PLAN_DTYPE).copy()
+        count = np.zeros(1, dtype=np.uint32)
+        order = np.arange(plan.tile_count, dtype=np.uint32)[::-1].copy()
+        shipped = model.run_tiles(handle.ctypes.data, order.ctypes.data, len(order), 2, producer.tile_off.ctypes.data,
+                                  producer.tile_len.ctypes.data, epoch, producer.src.ctypes.data, len(producer.src),
+                                  producer.out.ctypes.data, len(producer.out), count.ctypes.data)
+        assert shipped == plan.chunk_count
+        assert _records(producer.out[:count[0]]) == producer.expected(range(plan.chunk_count))
+        assert (dp.counters() == epoch * plan.chunks["tiles"]).all()
+    dp.release()
+    assert dp.memory.ptr == 0
+    with pytest.raises(PlanError, match="^device: "):
+        plan.handle(1)
+
+
 def test_ring_kernel_loop_on_the_cpu(model: ctypes.CDLL) -> None:
     """The ring's loop as the docs give it: wait for what the left neighbour sent at step s-1, ship it on."""
     world, block = 4, 200
