@@ -555,8 +555,9 @@ def tile_done(ch, plan, tile):
     of the send's value, per destination). Call it from the whole program after the tile's stores. Correct
     under any tile order and any number of programs; returns True in the call that shipped.
 
-    As ``tpd::tile_arrive``: a barrier orders every thread's tile stores before thread 0's count, one atomic
-    add with acq_rel semantics at GPU scope (its release carries the tile's stores to the count, the last
+    Like ``tpd::tile_arrive`` (which spells the same ordering as two GPU-scope fences around a relaxed add):
+    a barrier orders every thread's tile stores before thread 0's count, one atomic add with acq_rel
+    semantics at GPU scope (its release carries the tile's stores to the count, the last
     arrival's acquire orders the pushes after every other tile's stores). Triton issues a scalar atomic from
     thread 0, the thread that pushes, and hands its old value to every thread, so all agree on who is last.
     """

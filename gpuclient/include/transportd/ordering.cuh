@@ -174,6 +174,16 @@ TPD_HOST_DEVICE void fence_sys() {
 #endif
 }
 
+/** Sequentially consistent fence at GPU scope (what __threadfence() emits): a tile's stores are performed
+ *  for every block before the arrival that counts it, and a chunk's last arrival sees all of them. */
+TPD_HOST_DEVICE void fence_gpu() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("fence.sc.gpu;" ::: "memory");
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
 /* --- read-modify-write ------------------------------------------------------------------------------------ */
 
 /** Claim ``n`` consecutive positions of a 64-bit counter (relaxed, GPU scope). */
@@ -194,19 +204,6 @@ TPD_HOST_DEVICE uint32_t fetch_add_relaxed_gpu(uint32_t* p, uint32_t n) {
     return old;
 #else
     return __atomic_fetch_add(p, n, __ATOMIC_RELAXED);
-#endif
-}
-
-/** Add ``n`` with release and acquire semantics at GPU scope; returns the old value. A tile's arrival at
- *  its chunk: the release orders the tile's stores before the count, and the caller that sees the last
- *  count acquires every other tile's stores, in one instruction instead of two fences around it. */
-TPD_HOST_DEVICE uint32_t fetch_add_acq_rel_gpu(uint32_t* p, uint32_t n) {
-#if defined(__CUDA_ARCH__)
-    uint32_t old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(n) : "memory");
-    return old;
-#else
-    return __atomic_fetch_add(p, n, __ATOMIC_ACQ_REL);
 #endif
 }
 

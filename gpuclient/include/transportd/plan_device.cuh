@@ -70,7 +70,7 @@ struct PlanSend {
     uint32_t value;       // the ADD per launch (the receiver's PlanRecv.value)
     uint16_t peer;        // destination rank
     uint16_t dst_region;  // the peer's region id
-    uint32_t chunk_id;    // diagnostics (the record's chunk_id; EFA immediates)
+    uint32_t chunk_id;    // the chunk's number in the plan, for diagnostics (put_signal records carry 0)
 };
 TPD_STATIC_ASSERT(sizeof(PlanSend) == 24, "PlanSend is 24 bytes");
 TPD_STATIC_ASSERT_OFFSET(offsetof(PlanSend, dst_off) == 0, "dst_off at 0");
@@ -192,17 +192,20 @@ TPD_HOST_DEVICE void wait_range_thread(const Ch& ch, const Plan& plan, uint32_t 
 /**
  * Count one tile's arrival at its chunk (host + device: the CPU tests run it). Returns the chunk's index
  * when this call is the last of the chunk's ``tiles`` arrivals of a round (its caller ships the chunk),
- * else chunk_count. One acq_rel atomic at GPU scope: its release orders this tile's stores (this thread's,
- * and the block's before the __syncthreads that precedes the call) before the count, and the last
- * arrival's acquire orders the shipping thread's pushes after every other tile's stores; the push's own
- * system-scope release then carries them to the proxy and the NIC. Measured against the two fences of
- * tpd::chunk_arrive in benchmarks/gpu_bench.py ("plan overhead").
+ * else chunk_count. Release/acquire at GPU scope, as tpd::chunk_arrive: a fence orders this tile's stores
+ * (this thread's, and the block's before the __syncthreads that precedes the call) before the count, and
+ * the last arrival's second fence orders its pushes after every other tile's stores; the push's own
+ * system-scope release then carries them to the proxy and the NIC. (One atom.acq_rel.gpu would do the
+ * same for less, and gpuclient.triton counts that way; this form is the one verified on the H200.)
  */
 TPD_HOST_DEVICE uint32_t tile_arrive(const Plan& plan, uint32_t tile) {
     uint32_t chunk = plan.tile_chunk[tile];
     uint32_t tiles = plan.chunks[chunk].tiles;
-    uint32_t old = ordering::fetch_add_acq_rel_gpu(plan.counters + chunk, 1u);
-    return (old + 1u) % tiles == 0u ? chunk : plan.chunk_count;
+    ordering::fence_gpu();
+    uint32_t old = ordering::fetch_add_relaxed_gpu(plan.counters + chunk, 1u);
+    if ((old + 1u) % tiles != 0u) return plan.chunk_count;
+    ordering::fence_gpu();
+    return chunk;
 }
 
 /** Push every send of ``chunk`` (a put_signal each) on ``ch``. */
