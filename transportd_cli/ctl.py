@@ -429,6 +429,15 @@ def selftest(rounds: int, timeout: float, socket: str | None, as_json: bool) -> 
 
 
 # --- trace ---------------------------------------------------------------------------------------------
+def _empty_context(data: bytes) -> bool:
+    """Whether a trace's context holds nothing a replay could rebuild the job from (no region, no flags)."""
+    from transportd.dataplane.trace import parse_trace
+
+    ctx = parse_trace(data).context
+    return not ctx.get("sources") and not any(p.get("regions") or p.get("flags")
+                                              for p in ctx.get("peers", {}).values())
+
+
 @main.group()
 def trace() -> None:
     """Record what a local rank's channels take (docs/trace.md), to replay with `transportd replay FILE`."""
@@ -475,6 +484,12 @@ def trace_stop_command(job: str, rank: int, out: str | None, socket: str | None,
         _fail(f"cannot write the trace to {path}: {exc.strerror or exc}", EXIT_REFUSED)
     doc = {"job": job, "rank": rank, "out": path, "entries": reply["entries"], "bytes": len(data),
            "dropped": reply["dropped"], "write_errors": reply["write_errors"]}
+    if reply["entries"] and _empty_context(data):
+        if as_json:
+            _emit(doc, True, str)
+        _fail(f"wrote {reply['entries']} entries to {path}, but the trace knows no region or flag array of job "
+              f"{job} (rank {rank} registered none while traced): a replay would refuse every record",
+              EXIT_REFUSED)
 
     def human(d: dict[str, Any]) -> str:
         text = f"wrote {d['entries']} entries ({_bytes(d['bytes'])}) to {d['out']}"

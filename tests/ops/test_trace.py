@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import gpuclient
 from tests.support.cluster import Rank, close_ranks, join_ranks, started_clusters
-from tests.support.ctl import ctl
+from tests.support.ctl import assert_one_line, ctl
 from tests.support.waiting import wait_until
 from transportd.dataplane.trace import ENTRY_DTYPE, FAILED, TAKEN, Trace, read_trace, write_trace
 from transportd.errors import ErrorCode
@@ -130,6 +131,48 @@ def test_trace_refusals_are_one_line_and_exit_1(cluster: LocalCluster, tmp_path:
     assert stop.exit_code == 1 and "not traced" in stop.stderr
     unwritable = ctl("trace", "start", JOB, "0", "--out", str(tmp_path / "no" / "such" / "dir"), "--socket", socket)
     assert unwritable.exit_code == 1 and "cannot write" in unwritable.stderr
+
+
+def test_a_trace_stopped_after_its_job_ended_keeps_the_context(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Recording a whole run: the ranks leave before `trace stop`, and the context still holds what the job
+    looked like while they were in it, so the replay takes every record as the recording did."""
+    out = tmp_path / "whole-run.trace"
+    ranks = join_ranks(cluster, job="ended", nbytes=NBYTES)
+    a, b = ranks
+    try:
+        started = ctl("trace", "start", "ended", "0", "--out", str(out), "--socket", cluster.socket("nodea"))
+        assert started.exit_code == 0, started.stderr
+        n = _traffic(a, b)
+        assert b.session.wait(slot=1, at_least=5, timeout=30) == 5
+        wait_until(lambda: a.channel.ring.completion_pos >= n, what="every traced record to complete")
+    finally:
+        close_ranks(ranks)
+    stopped = ctl("trace", "stop", "ended", "0", "--socket", cluster.socket("nodea"))
+    assert stopped.exit_code == 0, stopped.stderr
+    assert f"wrote {n} entries" in stopped.stdout
+    ctx = read_trace(out).context
+    assert sorted(ctx["sources"].values()) == [NBYTES, NBYTES]
+    assert sorted(ctx["peers"]["1"]["regions"].values()) == [NBYTES, NBYTES] and ctx["peers"]["1"]["flags"] == 64
+    report = run_replay(str(out), [cluster.socket("nodea"), cluster.socket("nodeb")], pace="fast", timeout=30)
+    assert report["same"], format_report(report)
+
+
+def test_a_trace_with_an_empty_context_is_not_reported_as_written(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A rank with a channel but no region and no flags: nothing a replay could rebuild; `trace stop` writes
+    the file but says so and exits 1, instead of printing success."""
+    out = tmp_path / "bare.trace"
+    client = gpuclient.connect(cluster.socket("nodea"))
+    try:
+        channel = client.join("bare", rank=0, world=1).channel(capacity=64)
+        assert ctl("trace", "start", "bare", "0", "--out", str(out), "--socket", cluster.socket("nodea")).exit_code == 0
+        channel.signal(peer=0, slot=0, value=1)  # refused (no flags), but taken, so recorded
+        wait_until(lambda: channel.status()[1] == 1, what="the refused signal")
+        stopped = ctl("trace", "stop", "bare", "0", "--socket", cluster.socket("nodea"))
+    finally:
+        client.close()
+    assert stopped.exit_code == 1 and not stopped.stdout
+    assert "knows no region or flag array" in assert_one_line(stopped.stderr)
+    assert read_trace(out).taken["code"].tolist() == [ErrorCode.BAD_PEER]
 
 
 def _trace(taken: list[tuple[int, int]], failed: list[tuple[int, int]] = (), channel: int = 1) -> Trace:

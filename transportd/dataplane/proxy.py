@@ -100,6 +100,24 @@ class _Trace:
     written: int = 0
     dropped: int = 0
     write_errors: list[str] = field(default_factory=list)
+    context: dict[str, Any] | None = None  # what the job looked like while the rank was in it (merged snapshots)
+
+
+def _merge_context(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """A trace's context after another snapshot: ``new``, plus the regions and flags ``old`` knew and ``new``
+    no longer does (a rank that left, the traced one included), so a trace stopped after its job ended
+    still says what its records addressed."""
+    if old is None:
+        return new
+    peers: dict[str, Any] = {}
+    for r in sorted(old["peers"].keys() | new["peers"].keys(), key=int):
+        before, now = old["peers"].get(r), new["peers"].get(r)
+        if before is None or now is None:
+            peers[r] = now or before
+            continue
+        peers[r] = {**now, "regions": {**before["regions"], **now["regions"]}, "flags": now["flags"] or before["flags"]}
+    return {**new, "world": new["world"] or old["world"], "sources": {**old["sources"], **new["sources"]},
+            "peers": peers}
 
 
 class Proxy:
@@ -212,6 +230,7 @@ class Proxy:
             trace = self._traces.get((job, rank))
             if trace is not None:
                 self._trace_channel(channel, trace)
+            self._snapshot_traces(job)
 
     def mark_gone(self, channel: int) -> None:
         """The channel's client left: later records are rejected with CLIENT_GONE, waiting ones dropped.
@@ -250,6 +269,7 @@ class Proxy:
             source = self._source(self._job(job), rank)
             source[1].set(region, addr, length, lkey)
             self._push_sources(source)
+            self._snapshot_traces(job)
 
     def remove_source_region(self, job: str, rank: int, region: int) -> None:
         with self._lock:
@@ -260,6 +280,7 @@ class Proxy:
             entry = self._job(job)
             change(entry.peers)
             self._push_peers(entry)
+            self._snapshot_traces(job)
 
     def set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int, rkey: int) -> None:
         """Peer rank ``peer`` of ``job`` exposes region ``region`` (a destination for PUTs)."""
@@ -333,8 +354,17 @@ class Proxy:
                 for cid in list(trace.fds):
                     self._untrace_channel(cid, trace)
                 raise
+            trace.context = self._trace_context(job, rank, trace.channels)
             self._traces[(job, rank)] = trace
             return traced
+
+    def _snapshot_traces(self, job: str) -> None:
+        """``job``'s tables changed: every traced rank of it takes their picture into its context (under the
+        lock). Taken as the tables change, not only at the stop: by then the job may be over and its tables
+        empty."""
+        for (name, rank), trace in self._traces.items():
+            if name == job:
+                trace.context = _merge_context(trace.context, self._trace_context(job, rank, trace.channels))
 
     def _trace_channel(self, channel: int, trace: _Trace) -> None:
         path = f"{trace.prefix}.ch{channel}.part"
@@ -373,13 +403,14 @@ class Proxy:
 
         Returns (msgpack/JSON-able) the part files, entry counts (``entries`` recorded, ``written``,
         ``dropped`` to failed writes, ``write_errors``), the start times, and the ``context`` a replay
-        needs (:meth:`trace_context`). Raises KeyError when the rank is not traced.
+        needs (:meth:`trace_context`): every region and flag array the job had while traced, also those of
+        ranks that have left since (the traced one included). Raises KeyError when the rank is not traced.
         """
         with self._lock:
             trace = self._traces.pop((job, rank))
             for cid in list(trace.fds):
                 self._untrace_channel(cid, trace)
-            context = self._trace_context(job, rank, trace.channels)
+            context = _merge_context(trace.context, self._trace_context(job, rank, trace.channels))
             return {"parts": trace.parts, "entries": trace.entries, "written": trace.written,
                     "dropped": trace.dropped, "write_errors": trace.write_errors,
                     "start_mono_ns": trace.start_mono_ns, "start_wall_ns": trace.start_wall_ns, "context": context}
