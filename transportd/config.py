@@ -159,11 +159,13 @@ def _level(value: str) -> str:
 # Sections. Each field states its type, default, limits and meaning once, in its annotation.
 
 
-def key(meaning: str, *, check: Check | None = None, default_doc: str | None = None,
+def key(meaning: str, *, check: Check | None = None, default_doc: str | None = None, example: str | None = None,
         **limits: Any) -> msgspec.Meta:
     """A config key's Meta: what it means (the README's table), its limits (``ge``, ``le``, ...), an optional
-    ``check`` (raises ValueError, may normalise) and how to show its default where the value would mislead."""
-    extra = {name: value for name, value in (("check", check), ("default_doc", default_doc)) if value is not None}
+    ``check`` (raises ValueError, may normalise), how to show its default where the value would mislead, and
+    (``example``, TOML) a value the example config shows where that default is words, not a value."""
+    extra = {name: value for name, value in (("check", check), ("default_doc", default_doc), ("example", example))
+             if value is not None}
     return msgspec.Meta(description=meaning, extra=extra or None, **limits)
 
 
@@ -175,7 +177,8 @@ class NodeConfig(Section):
     """[node]"""
 
     name: Annotated[str, key("This node's name in peer messages, logs and metrics.", check=_node_name,
-                             default_doc="the host name")] = msgspec.field(default_factory=_socket.gethostname)
+                             default_doc="the host name", example='"node1"')] = msgspec.field(
+        default_factory=_socket.gethostname)
 
 
 class ControlConfig(Section):
@@ -436,6 +439,7 @@ class KeyInfo:
     default: str
     type: str
     meaning: str
+    example: str | None = None  # what the example config shows when the default is words (node.name)
 
 
 def _toml_literal(value: object) -> str:
@@ -472,6 +476,7 @@ def _describe_fields(prefix: str, cls: type[msgspec.Struct]) -> dict[str, KeyInf
         _, metas = schema.field_metas(f.type)
         meaning = next((m.description for m in metas if m.description), "")
         default_doc = next((m.extra["default_doc"] for m in metas if m.extra and "default_doc" in m.extra), None)
+        example = next((m.extra["example"] for m in metas if m.extra and "example" in m.extra), None)
         if f.required:
             shown = "(required)"
         else:
@@ -481,7 +486,7 @@ def _describe_fields(prefix: str, cls: type[msgspec.Struct]) -> dict[str, KeyInf
         if isinstance(item, type) and issubclass(item, msgspec.Struct):  # a table inside the section
             keys.update(_describe_fields(name, item))
             continue
-        keys[name] = KeyInfo(name, shown, _type_doc(f.type), meaning)
+        keys[name] = KeyInfo(name, shown, _type_doc(f.type), meaning, example)
         if typing.get_origin(item) is tuple:
             element = typing.get_args(item)[0]
             if isinstance(element, type) and issubclass(element, msgspec.Struct):
@@ -510,27 +515,40 @@ def describe_keys() -> str:
 
 
 def example_config() -> str:
-    """A TOML file with every key commented out at its default, meaning above it (deploy/transportd.toml)."""
+    """A TOML file with every key commented out at its default, meaning above it (deploy/transportd.toml).
+
+    Any commented line may be uncommented and the file still loads: the ``[[backend.rails]]`` example goes
+    after its section's other keys (a key below an array-of-tables header would belong to that table), and
+    a key whose default is words (``node.name``) shows an example value, with the default in words above it.
+    """
     out = ["# transportd configuration: every key, commented out at its default.",
            "# Uncomment and edit what you need; `transportd run --config FILE` validates the whole file.", ""]
     current = None
+    tables: list[str] = []  # an array-of-tables example, held back to the end of its section
     for info in KEYS.values():
         if "[]" in info.key:
             continue
         section, _, name = info.key.rpartition(".")
         if section != current:
+            out += tables
+            tables = []
             current = section
             out += [f"[{section}]"]
-        out.append(f"# {info.meaning}")
         if name == "rails":
-            out += ["# [[backend.rails]]", "# device = \"mlx5_0\"   # verbs device name", "# gpu = 0              "
-                    "# local GPU closest to this NIC", "# numa_node = 0        # NUMA node of the NIC", ""]
+            tables = [f"# {info.meaning}", "# [[backend.rails]]", "# device = \"mlx5_0\"   # verbs device name",
+                      "# gpu = 0              # local GPU closest to this NIC",
+                      "# numa_node = 0        # NUMA node of the NIC", ""]
+            continue
+        out.append(f"# {info.meaning}")
+        if info.example is not None:
+            out += [f"# Default: {info.default}.", f"# {name} = {info.example}", ""]
             continue
         shown = info.default
         if shown.startswith("(") or shown.endswith("(off)") or not shown[:1].isascii() or " " in shown and \
                 not shown.startswith(("[", '"')):
             shown = {"(none)": '""', '"" (off)': '""'}.get(shown, f'"{shown}"')
         out += [f"# {name} = {shown}", ""]
+    out += tables
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -107,7 +107,7 @@ def test_example_config_documents_every_key_at_its_default(tmp_path) -> None:
         match = re.fullmatch(r"# (\w+) = (.*)", line)
         if match and section and not in_rails_example:
             commented.add(f"{section}.{match.group(1)}")
-            if f"{section}.{match.group(1)}" != "node.name":  # its default is the host name, shown in words
+            if f"{section}.{match.group(1)}" != "node.name":  # its default is the host name: an example is shown
                 line = f"{match.group(1)} = {match.group(2)}"
         uncommented.append(line)
     documented = {k for k in KEYS if "[]" not in k and k != "backend.rails"}
@@ -117,6 +117,20 @@ def test_example_config_documents_every_key_at_its_default(tmp_path) -> None:
     path = tmp_path / "all.toml"
     path.write_text("\n".join(uncommented) + "\n")
     assert load_config(path, env={}) == default_config(env={})
+
+
+def test_example_config_loads_with_every_commented_line_uncommented(tmp_path) -> None:
+    """As the README says to edit it: every commented key and table uncommented at once (the rails example
+    and node.name included) still loads, and each key lands in the table it sits under."""
+    text = example_config()
+    uncommented = re.sub(r"(?m)^# (?=\w+ = |\[\[)", "", text)
+    assert "\n# name = " not in uncommented and "\n[[backend.rails]]\n" in uncommented
+    path = tmp_path / "every-line.toml"
+    path.write_text(uncommented)
+    config = load_config(path, env={})
+    assert config.node.name == "node1"
+    assert [(r.device, r.gpu, r.numa_node) for r in config.backend.rails] == [("mlx5_0", 0, 0)]
+    assert config.backend.verbs == "auto"
 
 
 def test_a_bad_config_exits_78_and_the_unit_does_not_restart_it(tmp_path) -> None:
