@@ -10,6 +10,9 @@ On one machine, against two daemons over softverbs (each local rank talks to "it
 
     python examples/launcher_ranks.py --local-cluster 2      # starts the daemons, then runs torchrun
 
+(without torchrun, ``--local-cluster`` starts the N processes itself with ``TRANSPORTD_JOB``,
+``TRANSPORTD_RANK``, ``TRANSPORTD_WORLD`` and ``TRANSPORTD_LOCAL_RANK`` set: the same script, another launcher).
+
 Each rank sends a buffer of its own pattern to the next rank (a ring) with one ``put_signal``, waits for
 its predecessor's flag and checks every byte, then prints one line and leaves. Exit status 0 when every
 byte arrived.
@@ -80,7 +83,8 @@ def run_rank(socket: str | None, nbytes: int, timeout: float) -> str:
 @click.option("--bytes", "nbytes", type=click.IntRange(1, 1 << 30), default=1 << 20, show_default=True)
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True)
 @click.option("--local-cluster", type=click.IntRange(1, 8), default=None, metavar="N",
-              help="start N daemons on this machine (softverbs) and run torchrun with N processes against them")
+              help="start N daemons on this machine (softverbs) and run N processes against them (with torchrun "
+                   "where it is installed, else with the TRANSPORTD_* variables)")
 def main(sockets: str | None, nbytes: int, timeout: float, local_cluster: int | None) -> None:
     if local_cluster is not None:
         run_local_cluster(local_cluster, nbytes, timeout)
@@ -94,19 +98,24 @@ def main(sockets: str | None, nbytes: int, timeout: float, local_cluster: int | 
 
 
 def run_local_cluster(nodes: int, nbytes: int, timeout: float) -> None:
-    """Two (N) daemons here, then ``torchrun --standalone --nproc-per-node N`` of this script."""
+    """Two (N) daemons here, then ``torchrun --standalone --nproc-per-node N`` of this script; without
+    torchrun, N processes of it with the ``TRANSPORTD_*`` variables (job, rank, world, local rank) set."""
     from transportd_cli.localcluster import LocalCluster
 
     torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        raise click.ClickException("torchrun is not on PATH (pip install torch); tests/gpuclient/"
-                                   "test_launcher.py runs this script with the variables torchrun sets")
     with LocalCluster(nodes) as cluster:
         sockets = ",".join(cluster.socket(n) for n in cluster.names)
-        env = {k: v for k, v in os.environ.items() if k != "TRANSPORTD_SOCKET"}
-        cmd = [torchrun, "--standalone", f"--nproc-per-node={nodes}", __file__, "--sockets", sockets,
-               "--bytes", str(nbytes), "--timeout", str(timeout)]
-        status = subprocess.run(cmd, env=env).returncode
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSPORTD_")}
+        args = [__file__, "--sockets", sockets, "--bytes", str(nbytes), "--timeout", str(timeout)]
+        if torchrun is not None:
+            status = subprocess.run([torchrun, "--standalone", f"--nproc-per-node={nodes}", *args], env=env).returncode
+        else:
+            click.echo(f"torchrun is not on PATH: starting the {nodes} ranks with TRANSPORTD_JOB, TRANSPORTD_RANK "
+                       "and TRANSPORTD_WORLD instead")
+            ranks = [subprocess.Popen([sys.executable, *args], env=env | {
+                "TRANSPORTD_JOB": f"local-{os.getpid()}", "TRANSPORTD_RANK": str(rank),
+                "TRANSPORTD_WORLD": str(nodes), "TRANSPORTD_LOCAL_RANK": str(rank)}) for rank in range(nodes)]
+            status = max(p.wait() for p in ranks)
     if status:
         raise SystemExit(status)
 

@@ -8,6 +8,7 @@ import sys
 import click
 
 from transportd.daemon.entry import EXIT_CONFIG, EXIT_SOFTWARE, run
+from transportd_cli.localcluster import localcluster
 
 __all__ = ["EXIT_CONFIG", "EXIT_SOFTWARE", "main"]
 
@@ -19,6 +20,7 @@ def main() -> None:
 
 
 main.add_command(run)
+main.add_command(localcluster)
 
 
 @main.command()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["ReplayError"]
+__all__ = ["ReplayError", "Stopped"]
 
 
 class ReplayError(RuntimeError):
     """The replay could not be set up or did not finish (not: the outcomes differed)."""
+
+
+class Stopped(Exception):
+    """SIGTERM to a command that runs until Ctrl-C (``transportd localcluster``): stop as Ctrl-C does."""

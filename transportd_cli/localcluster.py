@@ -1,8 +1,9 @@
 """Several transportd nodes on one machine: real daemon processes, real sockets, softverbs rails.
 
-Used by ``transportd demo``, the multi-process tests and ``transportd bench e2e``. Each node gets its
-own control socket in a work directory and a peer port on 127.0.0.1; every node lists every other one
-as a static peer.
+Used by ``transportd demo``, the multi-process tests and ``transportd bench e2e``; ``transportd localcluster
+N`` (or ``python -m transportd_cli.localcluster N``) starts N of them and leaves them running until Ctrl-C,
+to try the client library against. Each node gets its own control socket in a work directory and a peer
+port on 127.0.0.1; every node lists every other one as a static peer.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import click
+
 from transportd.config import load_config
 from transportd.control.client import ControlConnection
 from transportd.control.curve import generate_keypair
 from transportd.control.protocol import Stats
-from transportd.errors import ConfigError, DaemonUnavailableError
+from transportd.errors import DaemonUnavailableError
 from transportd.lifetime import die_with_parent
+from transportd_cli.errors import Stopped
 
-__all__ = ["LocalCluster", "free_port"]
+__all__ = ["LocalCluster", "free_port", "localcluster"]
 
 
 def _die_with_parent() -> None:
@@ -139,10 +143,10 @@ class LocalCluster:
                 for section, values in source.items():
                     sections.setdefault(section, {}).update(values)
             path = self.workdir / f"{name}.toml"
-            path.write_text(render_toml(sections))
             try:
+                path.write_text(render_toml(sections))
                 load_config(path, env={})  # a ConfigError here, naming the key, not a daemon's exit 78 later
-            except ConfigError:
+            except BaseException:  # ConfigError, or Ctrl-C: a work directory of ours does not stay behind
                 if self._own_dir:
                     shutil.rmtree(self.workdir, ignore_errors=True)
                 raise
@@ -159,11 +163,15 @@ class LocalCluster:
     def start(self, timeout_s: float = 60.0, *, peers_up: int | None = None) -> LocalCluster:
         """Start every daemon and wait until each answers on its control socket and sees ``peers_up`` peers
         (default: all the others; fewer for a test where some link is meant to fail)."""
-        for node in self.nodes.values():
-            self._launch(node)
-        deadline = time.monotonic() + timeout_s
-        for node in self.nodes.values():
-            self._wait_ready(node, deadline, peers_up)
+        try:
+            for node in self.nodes.values():
+                self._launch(node)
+            deadline = time.monotonic() + timeout_s
+            for node in self.nodes.values():
+                self._wait_ready(node, deadline, peers_up)
+        except BaseException:  # a daemon that failed, a timeout, Ctrl-C: none is left running, nor its files
+            self.stop()
+            raise
         return self
 
     def restart(self, name: str, timeout_s: float = 60.0) -> None:
@@ -227,8 +235,9 @@ class LocalCluster:
         return proc.returncode
 
     def stop(self) -> None:
-        for name in self.nodes:
-            self.terminate(name)
+        for name, node in self.nodes.items():
+            if node.process is not None:
+                self.terminate(name)
         for node in self.nodes.values():
             if node.log_file:
                 node.log_file.close()
@@ -240,3 +249,67 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# --- `transportd localcluster N` ----------------------------------------------------------------------------
+def _raise_stop(signum: int, frame: object) -> None:
+    raise Stopped
+
+
+@click.command("localcluster")
+@click.argument("nodes", metavar="N", type=click.IntRange(1, 26), default=2)
+@click.option("--backend", type=click.Choice(["ib", "efa"]), default="ib", show_default=True)
+@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="seconds the daemons may take to start and see each other")
+def localcluster(nodes: int, backend: str, timeout: float) -> None:
+    """Start N daemons on this machine over softverbs, print their sockets, run until Ctrl-C.
+
+    Each daemon is one simulated node; a process joining rank i of a job talks to daemon i. The printed
+    environment lines set what ``gpuclient.connect().join()`` reads. Ctrl-C (or SIGTERM) stops the daemons
+    and removes the work directory, also during start-up."""
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        cluster = LocalCluster(nodes, backend=backend)
+        try:
+            click.echo(f"starting {nodes} daemon(s) ({backend} over softverbs) in {cluster.workdir}")
+            cluster.start(timeout_s=timeout)
+        except (KeyboardInterrupt, Stopped):
+            cluster.stop()  # start() has stopped what it started; this covers an interrupt before it
+            click.echo("interrupted: daemons stopped, work directory removed", err=True)
+            sys.exit(130)
+        except (RuntimeError, TimeoutError) as exc:  # the message ends with the daemon's log
+            head, _, log = str(exc).partition("\n")
+            last = log.strip().splitlines()[-1:] or ["(empty log)"]
+            raise click.ClickException(f"{head.rstrip(':')}; the end of its log: {last[0]}") from None
+        try:
+            _announce(cluster)
+            while True:
+                for name, node in cluster.nodes.items():
+                    if node.process is not None and node.process.poll() is not None:
+                        log = cluster.log(name)
+                        raise click.ClickException(f"daemon {name} exited with {node.process.returncode}; the "
+                                                   f"end of its log: {' '.join(log.splitlines()[-1:])}")
+                time.sleep(0.5)
+        except (KeyboardInterrupt, Stopped):
+            click.echo("stopping")
+        finally:
+            cluster.stop()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _announce(cluster: LocalCluster) -> None:
+    world = len(cluster.names)
+    click.echo(f"{world} daemon(s) ready:")
+    for name in cluster.names:
+        click.echo(f"  {name}  {cluster.socket(name)}")
+    click.echo(f"rank i of a {world}-rank job on daemon i (the variables `gpuclient.connect().join()` reads):")
+    for rank, name in enumerate(cluster.names):
+        click.echo(f"  export TRANSPORTD_SOCKET={cluster.socket(name)} TRANSPORTD_JOB=local "
+                   f"TRANSPORTD_RANK={rank} TRANSPORTD_WORLD={world}")
+    click.echo(f"inspect one: transportctl status --socket {cluster.socket(cluster.names[0])}")
+    click.echo("Ctrl-C stops them and removes the work directory.")
+
+
+if __name__ == "__main__":
+    localcluster(prog_name="python -m transportd_cli.localcluster")

@@ -4,6 +4,7 @@ errors; and examples/launcher_ranks.py run as torchrun runs it (real processes, 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,16 @@ def test_example_runs_as_torchrun_starts_it(cluster):
         assert p.returncode == 0, out
         assert f"rank {rank}/2 (job torch-ci-example-r0, torchrun, local rank {rank}, node node{'ab'[rank]})" in out
         assert out.rstrip().endswith("OK"), out
+
+
+def test_example_local_cluster_without_torchrun_uses_the_transportd_variables(tmp_path):
+    """`--local-cluster 2` where torchrun is not installed: the example starts its ranks itself, with
+    TRANSPORTD_JOB/RANK/WORLD/LOCAL_RANK, and every byte arrives."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSPORTD_")} | {"PATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--local-cluster", "2", "--bytes", "65536", "--timeout", "60"],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torchrun is not on PATH" in proc.stdout
+    for rank in range(2):
+        assert re.search(rf"rank {rank}/2 \(job local-\d+, transportd, local rank {rank}, node node{'ab'[rank]}\): "
+                         r"65536 bytes from rank \d: OK", proc.stdout), proc.stdout
