@@ -8,7 +8,7 @@ CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) gpuclient
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip 'setuptools>=68'
+	$(PY) -m pip install -q --upgrade pip 'setuptools>=77'
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
