@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ import click
 import numpy as np
 
 from transportd.backends import RULES, TRANSPORTS
-from transportd_cli.cli_options import check_signal_mode
+from transportd_cli.cli_options import FiniteFloat, check_signal_mode
 
 __all__ = ["bench_e2e", "parse_size", "run_e2e_benchmark"]
 
@@ -291,19 +292,34 @@ def print_table(res: dict[str, Any], echo: Any = click.echo) -> None:
         echo(f"{key:<{width}}{value}")
 
 
+def stream_options(*, samples: int, per: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--size, --seconds, --window and --samples of the streaming benchmarks (``per``: " per producer" etc.)."""
+    def apply(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed([
+            click.option("--size", "size_text", default="4KiB", show_default=True,
+                         help="message size (4096, 64KiB, 1MiB)"),
+            click.option("--seconds", default=3.0, show_default=True, type=FiniteFloat(min=0, min_open=True, max=3600),
+                         help=f"stream phase duration{per and ', per phase'}"),
+            click.option("--window", default=64, show_default=True, type=click.IntRange(1, 1 << 16),
+                         help=f"commands in flight{per or ' in the stream phase'}"),
+            click.option("--samples", default=samples, show_default=True, type=click.IntRange(1, 1 << 24),
+                         help=f"one-at-a-time latency samples{per}")]):
+            fn = option(fn)
+        return fn
+
+    return apply
+
+
 @click.command("e2e")
 @click.option("--backend", type=click.Choice(["ib", "efa"]), default="ib", show_default=True)
 @click.option("--signal-mode", type=click.Choice(["write", "atomic", "fence"]), default="write", show_default=True,
               help="ib signal mode (efa: the receiving daemon publishes flags; ignored)")
-@click.option("--size", "size_text", default="4KiB", show_default=True, help="message size (4096, 64KiB, 1MiB)")
-@click.option("--seconds", default=3.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="stream phase duration")
-@click.option("--window", default=64, show_default=True, help="commands in flight in the stream phase")
-@click.option("--samples", default=1000, show_default=True, help="one-at-a-time latency samples")
+@stream_options(samples=1000, per="")
 @click.option("--decoupled", is_flag=True, help="Perseus decoupled signaling in the daemons")
 @click.option("--adaptive-routing", is_flag=True, help="softverbs adaptive routing (ib; not with write mode)")
-@click.option("--poll-window-us", type=int, default=None, help="daemon proxy polling window [default: config's]")
-@click.option("--gap-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--poll-window-us", type=click.IntRange(0, 1_000_000), default=None,
+              help="daemon proxy polling window [default: config's]")
+@click.option("--gap-ms", type=FiniteFloat(min=0, max=60_000), default=0.0, show_default=True,
               help="idle time before each latency sample (the first command after a pause)")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="also measure the bare softverbs stream of the same size (e2e / raw ratio)")

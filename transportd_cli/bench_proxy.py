@@ -46,6 +46,8 @@ from transportd.backends.null import NullBackend, apply_plans
 from transportd.dataplane.proxy import Proxy
 from transportd.dataplane.worker import DEEP_NAP_S, serve_loop
 from transportd.dataplane.worker_link import WorkerEndpoint
+from transportd.limits import MAX_BATCH, MAX_INFLIGHT_CAP, MIN_BATCH, MIN_INFLIGHT_CAP
+from transportd_cli.cli_options import FiniteFloat
 from transportd_cli.proxy_model import ModelProxy
 
 __all__ = ["bench_proxy", "bench_signals", "run_proxy_benchmark", "run_signals_benchmark"]
@@ -397,11 +399,14 @@ def _echo_table(rows: list[tuple[str, str]]) -> None:
 @click.command("proxy")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write results here")
 @click.option("--quick", is_flag=True, help="smaller sizes (a smoke run)")
-@click.option("--peers", default=8, show_default=True, help="destinations (one connection each)")
-@click.option("--channels", default=1, show_default=True, help="pre-filled rings drained by the one worker")
-@click.option("--batch-max", default=8, show_default=True)
-@click.option("--poll-window-us", default=50.0, show_default=True)
-@click.option("--inflight-cap", default=256, show_default=True)
+@click.option("--peers", default=8, show_default=True, type=click.IntRange(1, 4096),
+              help="destinations (one connection each)")
+@click.option("--channels", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="pre-filled rings drained by the one worker")
+@click.option("--batch-max", default=8, show_default=True, type=click.IntRange(MIN_BATCH, MAX_BATCH))
+@click.option("--poll-window-us", default=50.0, show_default=True, type=FiniteFloat(min=0, max=1e6))
+@click.option("--inflight-cap", default=256, show_default=True,
+              type=click.IntRange(MIN_INFLIGHT_CAP, MAX_INFLIGHT_CAP))
 @click.option("--idle-nap-us", "idle_naps_us", type=click.FloatRange(min=0.0), multiple=True,
               default=(DEEP_NAP_S * 1e6,), show_default=True,
               help="the long-idle worker's sleep between looks at the rings; repeat to compare several")
@@ -548,13 +553,19 @@ def run_signals_benchmark(*, quick: bool = False, dests: int = 4, slots: int = 1
 @click.command("signals")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write results here")
 @click.option("--quick", is_flag=True, help="smaller sizes (a smoke run)")
-@click.option("--dests", default=4, show_default=True, help="destination ranks")
-@click.option("--slots", default=1, show_default=True, help="flag slots per destination")
-@click.option("--fence-every", default=256, show_default=True, help="a FENCE every N records (0: none)")
-@click.option("--burst", default=256, show_default=True, help="records pushed, then drained, at a time")
-@click.option("--records", type=int, default=None, help="stream length [default: 131072, --quick 16384]")
-@click.option("--inflight-cap", default=256, show_default=True)
-@click.option("--completion-delay-us", default=10.0, show_default=True, help="null NIC completion latency")
+@click.option("--dests", default=4, show_default=True, type=click.IntRange(1, 4096), help="destination ranks")
+@click.option("--slots", default=1, show_default=True, type=click.IntRange(1, 1 << 16),
+              help="flag slots per destination")
+@click.option("--fence-every", default=256, show_default=True, type=click.IntRange(min=0),
+              help="a FENCE every N records (0: none)")
+@click.option("--burst", default=256, show_default=True, type=click.IntRange(min=1),
+              help="records pushed, then drained, at a time")
+@click.option("--records", type=click.IntRange(1, 1 << 26), default=None,
+              help="stream length [default: 131072, --quick 16384]")
+@click.option("--inflight-cap", default=256, show_default=True,
+              type=click.IntRange(MIN_INFLIGHT_CAP, MAX_INFLIGHT_CAP))
+@click.option("--completion-delay-us", default=10.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
+              help="null NIC completion latency")
 def bench_signals(json_path: Path | None, quick: bool, dests: int, slots: int, fence_every: int, burst: int,
                   records: int | None, inflight_cap: int, completion_delay_us: float) -> None:
     """Naive per-command signaling vs Perseus decoupled signaling on the same PUT_SIGNAL stream."""

@@ -37,6 +37,7 @@ import click
 import numpy as np
 
 from transportd.backends import DEVICE_KINDS
+from transportd_cli.bench_e2e import stream_options
 
 __all__ = ["bench_rails", "run_rails_benchmark"]
 
@@ -208,10 +209,7 @@ def _by_rail(by_rail: dict[str, int]) -> str:
 
 @click.command("rails")
 @click.option("--backend", type=click.Choice(["ib", "efa"]), default="ib", show_default=True)
-@click.option("--size", "size_text", default="4KiB", show_default=True, help="message size (4096, 64KiB, 1MiB)")
-@click.option("--seconds", default=3.0, show_default=True, help="stream phase duration, per phase")
-@click.option("--window", default=64, show_default=True, help="commands in flight per producer")
-@click.option("--samples", default=500, show_default=True, help="one-at-a-time latency samples per producer")
+@stream_options(samples=500, per=" per producer")
 @click.option("--quick", is_flag=True, help="smoke run: 0.5 s streams, 30 samples")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write the results as JSON here")

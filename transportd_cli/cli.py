@@ -8,6 +8,7 @@ import sys
 import click
 
 from transportd.daemon.entry import EXIT_CONFIG, EXIT_SOFTWARE, run
+from transportd_cli.cli_options import FiniteFloat, harden
 from transportd_cli.localcluster import localcluster
 
 __all__ = ["EXIT_CONFIG", "EXIT_SOFTWARE", "main"]
@@ -54,7 +55,7 @@ def demo(mib: int, chunk_kib: int, backend: str, signal_mode: str) -> None:
                    "first, the other ranks over the rest [default: $TRANSPORTD_SOCKET, else the system socket]")
 @click.option("--pace", type=click.Choice(["recorded", "fast"]), default="recorded", show_default=True,
               help="keep the recorded gaps between passes, or push as fast as the rings take them")
-@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=0.1, max=86400),
               help="seconds any one step (joining, exchanging, completing) may take")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def replay(trace_file: str, sockets: tuple[str, ...], pace: str, timeout: float, as_json: bool) -> None:
@@ -99,3 +100,4 @@ def _register_subcommands() -> None:
 
 
 _register_subcommands()
+harden(main)

@@ -3,8 +3,10 @@
 Every command takes ``--socket`` (default: ``$TRANSPORTD_SOCKET``, else ``ipc:///run/transportd/control.sock``)
 and ``--json`` (one JSON document on stdout, for scripts). Exit status: 0 on success; 2 when the daemon
 cannot be reached — not running, no socket file, a stale socket, no permission to use it — with one line
-on stderr saying what is wrong and what to do; 1 when the daemon refused the request (e.g. ``flags`` for a
-rank not joined on this node).
+on stderr saying what is wrong and what to do; 1 when the request was refused, by the daemon (e.g.
+``flags`` for a rank not joined on this node) or before it was sent (a job name or rank the protocol does
+not allow), also one line. Options click itself refuses (unknown, missing, out of range, not a finite
+number) print click's usage error and exit 2, as every click program does; nothing was sent then.
 
 Before speaking zmq, an ipc endpoint is probed with a plain ``connect()``: a missing file, a refused
 connection (a socket left behind by a daemon that died) and a permission error are told apart at once
@@ -30,7 +32,8 @@ import click
 from transportd.control.client import ControlConnection, resolve_endpoint
 from transportd.control.curve import CurveClientKeys
 from transportd.control.protocol import Inspect, Stats
-from transportd.errors import ErrorCode, RequestError, TransportdError
+from transportd.errors import ErrorCode, LocalProtocolError, RequestError, TransportdError
+from transportd_cli.cli_options import FiniteFloat, harden
 from transportd_cli.replay import trace_start, trace_stop
 
 __all__ = ["main"]
@@ -92,15 +95,16 @@ def _connection(socket: str | None) -> Iterator[ControlConnection]:
     try:
         with ControlConnection(endpoint, timeout_ms=5000, name="transportctl", curve=_curve_keys()) as conn:
             yield conn
-    except RequestError as exc:
+    except (RequestError, LocalProtocolError) as exc:  # refused by the daemon, or before it was sent
         _fail(str(exc), EXIT_REFUSED)
     except TransportdError as exc:
         _fail(str(exc))
 
 
-def _fetch(socket: str | None, request: Any = None) -> dict[str, Any]:
+def _fetch(socket: str | None, request: Callable[[], Any] = Stats) -> dict[str, Any]:
+    """The reply to ``request()`` (built here, so a field the protocol refuses is a one-line refusal)."""
     with _connection(socket) as conn:
-        return conn.request(request if request is not None else Stats())
+        return conn.request(request())
 
 
 def _emit(data: Any, as_json: bool, human: Callable[[Any], str]) -> None:
@@ -334,7 +338,7 @@ def _code_name(code: int) -> str:
 @_common
 def flags(job: str, rank: int, socket: str | None, as_json: bool) -> None:
     """Flag values of rank RANK of job JOB (joined on this node) and its status word."""
-    _emit(_fetch(socket, Inspect(what="flags", job=job, rank=rank)), as_json, _flags_text)
+    _emit(_fetch(socket, lambda: Inspect(what="flags", job=job, rank=rank)), as_json, _flags_text)
 
 
 # --- top -----------------------------------------------------------------------------------------------
@@ -365,7 +369,7 @@ def _top_frame(s: dict[str, Any], rates: dict[str, float], c: dict[str, Any], in
 
 
 @main.command()
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.01),
+@click.option("--interval", default=1.0, show_default=True, type=FiniteFloat(min=0.01, max=3600),
               help="seconds between refreshes")
 @click.option("--iterations", default=0, type=click.IntRange(min=0), help="stop after N refreshes (0: until Ctrl-C)")
 @_common
@@ -404,7 +408,7 @@ def top(interval: float, iterations: int, socket: str | None, as_json: bool) -> 
 @main.command()
 @click.option("--rounds", default=20, show_default=True, type=click.IntRange(1, 10000),
               help="4 KiB rounds per signal mode")
-@click.option("--timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--timeout", default=10.0, show_default=True, type=FiniteFloat(min=0.1, max=3600),
               help="seconds any one step of a link may take before the link is failed")
 @_common
 def selftest(rounds: int, timeout: float, socket: str | None, as_json: bool) -> None:
@@ -419,7 +423,7 @@ def selftest(rounds: int, timeout: float, socket: str | None, as_json: bool) -> 
     _probe_ipc(endpoint)
     try:
         doc = run_selftest(endpoint, curve=_curve_keys(), rounds=rounds, timeout=timeout)
-    except RequestError as exc:
+    except (RequestError, LocalProtocolError) as exc:
         _fail(str(exc), EXIT_REFUSED)
     except TransportdError as exc:
         _fail(str(exc))
@@ -499,6 +503,8 @@ def trace_stop_command(job: str, rank: int, out: str | None, socket: str | None,
 
     _emit(doc, as_json, human)
 
+
+harden(main)
 
 if __name__ == "__main__":
     main()

@@ -26,8 +26,9 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import numpy as np
 
 import gpuclient
@@ -133,6 +134,40 @@ def compare_traces(recorded: Trace, replayed: Trace, channel_map: dict[int, int]
 
 
 # --- the replay ---------------------------------------------------------------------------------------------
+_Id = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _PeerContext(msgspec.Struct):
+    regions: dict[_Id, _Count] = {}
+    flags: _Count = 0
+
+
+class _ChannelContext(msgspec.Struct):
+    capacity: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class _Context(msgspec.Struct):
+    """What the replay reads of a trace's context (docs/trace.md); other keys are the recorder's own."""
+
+    world: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    rank: _Id
+    channels: dict[int, _ChannelContext]
+    sources: dict[_Id, _Count] = {}
+    peers: dict[_Id, _PeerContext] = {}
+
+
+def _context(trace: Trace, path: str) -> _Context:
+    """The trace's context in the shape the replay needs, or a ReplayError naming the file and the field."""
+    try:
+        ctx = msgspec.convert(trace.context, _Context, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ReplayError(f"{path}: its context is not a trace context ({exc})") from None
+    if ctx.rank >= ctx.world:
+        raise ReplayError(f"{path}: its context puts rank {ctx.rank} in a world of {ctx.world}")
+    return ctx
+
+
 @dataclass
 class _Rank:
     client: gpuclient.Client
@@ -178,10 +213,10 @@ def run_replay(path: str, sockets: list[str], *, pace: str = "fast", timeout: fl
         raise ValueError("give at least one daemon's control socket")
     with open(path, "rb") as f:
         recorded = parse_trace(f.read(), path)
-    ctx = recorded.context
-    world, traced = int(ctx["world"]), int(ctx["rank"])
-    channels = {int(cid): int(info["capacity"]) for cid, info in ctx["channels"].items()}
-    if not channels or world < 1:
+    ctx = _context(recorded, path)
+    world, traced = ctx.world, ctx.rank
+    channels = {cid: info.capacity for cid, info in ctx.channels.items()}
+    if not channels:
         raise ReplayError(f"{path}: the trace names no channels or no world; nothing to replay")
     job = job or f"replay-{uuid.uuid4().hex[:8]}"
     others = sockets[1:] or sockets[:1]
@@ -192,14 +227,14 @@ def run_replay(path: str, sockets: list[str], *, pace: str = "fast", timeout: fl
         for r in range(world):
             client = gpuclient.connect(placement[r])
             ranks[r] = rank = _Rank(client, client.join(job, rank=r, world=world))
-            regions = ctx["sources"] if r == traced else ctx["peers"].get(str(r), {}).get("regions", {})
-            for rid, length in sorted(((int(k), int(v)) for k, v in regions.items())):
+            regions = ctx.sources if r == traced else ctx.peers.get(r, _PeerContext()).regions
+            for rid, length in sorted(regions.items()):
                 buf = gpuclient.host_array(max(length, 1))
                 rank.regions[rid] = rank.session.register(buf).id
                 rank.buffers.append(buf)
             # every rank that exchanged had flags; the traced rank's own count is not in its worker's peer
             # table (its records cannot signal itself), so it takes one
-            rank.session.flags(max(1, int(ctx["peers"].get(str(r), {}).get("flags", 0))))
+            rank.session.flags(max(1, ctx.peers.get(r, _PeerContext()).flags))
         for rank in ranks.values():
             rank.session.exchange(wait=False)
         for rank in ranks.values():

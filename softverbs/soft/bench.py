@@ -182,7 +182,8 @@ def run_softverbs_benchmark(seconds: float = 2.0, srd: bool = True) -> dict[str,
 
 
 @click.command("softverbs")
-@click.option("--seconds", default=2.0, show_default=True, help="Seconds per measured point.")
+@click.option("--seconds", default=2.0, show_default=True, type=click.FloatRange(min=0, min_open=True, max=3600),
+              help="Seconds per measured point.")
 @click.option("--srd/--no-srd", default=True, show_default=True, help="Also measure SRD (EFA) QPs.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the results as JSON here.")

@@ -152,6 +152,21 @@ def test_flags(ops_cluster: OpsCluster) -> None:
     assert "not joined on node nodeb" in assert_one_line(refused.stderr)
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["flags", "", "0"], "field 'job'"),
+    (["flags", "no such job", "0"], "field 'job'"),
+    (["flags", JOB, "99999999999"], "field 'rank'"),
+    (["trace", "start", "bad name", "0", "--out", "{tmp}/t.trace"], "field 'job'"),
+    (["trace", "stop", "bad name", "0"], "field 'job'"),
+])
+def test_a_job_or_rank_the_protocol_refuses_is_one_line_and_exit_1(ops_cluster: OpsCluster, tmp_path,
+                                                                     args: list[str], says: str) -> None:
+    """Refused before it is sent (not a traceback, and not exit 2, which says the daemon is unreachable)."""
+    result = ctl(*[a.format(tmp=tmp_path) for a in args], "--socket", ops_cluster.socket("nodea"))
+    assert result.exit_code == 1 and result.stdout == "", result
+    assert says in assert_one_line(result.stderr)
+
+
 def test_top(ops_cluster: OpsCluster) -> None:
     result = ctl("top", "--iterations", "2", "--interval", "0.1", "--json", "--socket", ops_cluster.socket("nodea"))
     assert result.exit_code == 0, result.stderr

@@ -147,6 +147,21 @@ def test_a_bad_config_exits_78_and_the_unit_does_not_restart_it(tmp_path) -> Non
     assert "RestartPreventExitStatus=78" in unit
 
 
+@pytest.mark.parametrize("kind", ["directory", "missing", "unreadable bytes"])
+def test_a_config_that_cannot_be_read_exits_78_too(tmp_path, kind: str) -> None:
+    """Not click's usage error (exit 2, which systemd restarts): the config is wrong, restarting will not help."""
+    import subprocess
+    import sys
+
+    path = {"directory": tmp_path, "missing": tmp_path / "none.toml", "unreadable bytes": tmp_path / "bin.toml"}[kind]
+    if kind == "unreadable bytes":
+        path.write_bytes(b"\xff\xfe\x00")
+    result = subprocess.run([sys.executable, "-m", "transportd", "run", "--config", str(path)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 78, result.stderr
+    assert "bad config" in result.stderr and str(path) in result.stderr and "Traceback" not in result.stderr
+
+
 def _readme_section(title: str) -> str:
     text = (DEPLOY.parent / "README.md").read_text()
     start = text.index(f"### {title}\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -12,6 +13,7 @@ from click.testing import CliRunner
 from transportd.dataplane.trace import ENTRY_DTYPE, HEADER_DTYPE, MAGIC, VERSION
 from transportd.errors import ConfigError
 from transportd_cli.cli import main
+from transportd_cli.ctl import main as ctl_main
 from transportd_cli.localcluster import LocalCluster
 
 
@@ -64,3 +66,64 @@ def test_replay_refuses_a_file_that_is_not_a_trace_in_one_line(tmp_path, content
 def test_replay_of_a_missing_file_is_a_usage_error() -> None:
     res = CliRunner().invoke(main, ["replay", "/nonexistent/run.trace"])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+@pytest.mark.parametrize(("context", "says"), [
+    (b"{}", "context is not a trace context"),
+    (b"[1, 2]", "context is not a trace context"),
+    (b'{"world": "two", "rank": 0, "channels": {}}', "context is not a trace context"),
+    (b'{"world": 2, "rank": 0, "channels": {"1": {"capacity": 64}}, "peers": {"1": {"regions": []}}}',
+     "context is not a trace context"),
+    (b'{"world": 2, "rank": 5, "channels": {"1": {"capacity": 64}}}', "rank 5 in a world of 2"),
+])
+def test_replay_refuses_a_context_of_the_wrong_shape_in_one_line(tmp_path, context: bytes, says: str) -> None:
+    path = tmp_path / "shape.trace"
+    path.write_bytes(_header(context=context))
+    res = CliRunner().invoke(main, ["replay", str(path), "--socket", f"ipc://{tmp_path}/none.sock"])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output + repr(res.exception)
+    assert says in res.output and len(res.output.strip().splitlines()) == 1 and str(path) in res.output
+
+
+def _float_options(command: click.Command, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:
+    out = [(path, p.opts[0]) for p in command.params
+           if isinstance(p, click.Option) and isinstance(p.type, click.types.FloatParamType)]
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            out += _float_options(sub, (*path, name))
+    return out
+
+
+FLOAT_OPTIONS = [(program, path, opt) for program, group in (("transportd", main), ("transportctl", ctl_main))
+                 for path, opt in _float_options(group)]
+
+
+def test_the_float_options_include_those_the_issue_named() -> None:
+    named = {("transportctl", ("selftest",), "--timeout"), ("transportctl", ("top",), "--interval"),
+             ("transportd", ("replay",), "--timeout"), ("transportd", ("bench", "e2e"), "--seconds"),
+             ("transportd", ("bench", "softverbs"), "--seconds")}
+    assert named <= set(FLOAT_OPTIONS)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize(("program", "path", "option"), FLOAT_OPTIONS)
+def test_every_float_option_refuses_non_finite_numbers(program: str, path: tuple[str, ...], option: str,
+                                                       value: str) -> None:
+    """NaN passes every range check (a NaN timeout hung, an infinite interval overflowed time.sleep): each
+    float option of both programs refuses it as a usage error, before anything runs."""
+    group = main if program == "transportd" else ctl_main
+    res = CliRunner().invoke(group, [*path, f"{option}={value}"])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output + repr(res.exception)
+    assert "is not a finite number" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args", [
+    ["proxy", "--peers", "-1"], ["proxy", "--peers", "0"], ["proxy", "--batch-max", "0"], ["proxy", "--batch-max", "9"],
+    ["proxy", "--inflight-cap", "-5"], ["proxy", "--channels", "0"], ["signals", "--records", "-1"],
+    ["signals", "--burst", "0"], ["signals", "--dests", "0"], ["softverbs", "--seconds", "-1"],
+    ["softverbs", "--seconds", "0"], ["e2e", "--window", "0"], ["rails", "--seconds", "-1"],
+    ["rails", "--samples", "0"],
+])
+def test_bench_refuses_out_of_range_numbers_before_running(args: list[str]) -> None:
+    res = CliRunner().invoke(main, ["bench", *args])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output + repr(res.exception)
+    assert "Invalid value" in res.output and args[1] in res.output and "Traceback" not in res.output

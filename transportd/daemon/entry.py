@@ -22,8 +22,8 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML config (default: built-in defaults)")
+@click.option("--config", "config_path", type=click.Path(), default=None,
+              help="TOML config (default: built-in defaults); one that cannot be read exits 78, as a bad one does")
 def run(config_path: str | None) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
     import zmq
