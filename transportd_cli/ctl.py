@@ -22,6 +22,7 @@ import os
 import shutil
 import socket as _socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,7 +34,7 @@ from transportd.control.client import ControlConnection, resolve_endpoint
 from transportd.control.curve import CurveClientKeys
 from transportd.control.protocol import Inspect, Stats
 from transportd.errors import ErrorCode, LocalProtocolError, RequestError, TransportdError
-from transportd_cli.cli_options import FiniteFloat, harden
+from transportd_cli.cli_options import FiniteFloat, harden, writable_problem
 from transportd_cli.replay import trace_start, trace_stop
 
 __all__ = ["main"]
@@ -433,6 +434,19 @@ def selftest(rounds: int, timeout: float, socket: str | None, as_json: bool) -> 
 
 
 # --- trace ---------------------------------------------------------------------------------------------
+def _save_elsewhere(data: bytes, job: str, rank: int) -> str:
+    """Keep a stopped trace that could not go where asked: in the working directory, else the temp directory."""
+    for directory in (os.getcwd(), tempfile.gettempdir()):
+        try:
+            fd, path = tempfile.mkstemp(prefix=f"{job}-{rank}-", suffix=".trace", dir=directory)
+        except OSError:
+            continue
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return f"saved it to {path} instead"
+    return "and nowhere else either: the recording is lost"
+
+
 def _empty_context(data: bytes) -> bool:
     """Whether a trace's context holds nothing a replay could rebuild the job from (no region, no flags)."""
     from transportd.dataplane.trace import parse_trace
@@ -459,11 +473,8 @@ def trace_start_command(job: str, rank: int, out: str, socket: str | None, as_js
     writes it to --out (checked writable now, so a typo fails here and not after the run). Needs the ipc
     control socket."""
     path = os.path.abspath(out)
-    try:
-        with open(path, "ab"):
-            pass
-    except OSError as exc:
-        _fail(f"cannot write the trace to {path}: {exc.strerror or exc}", EXIT_REFUSED)
+    if problem := writable_problem(path):  # checked without creating it: a refused start leaves no file
+        _fail(f"{problem} (the trace, at `trace stop`)", EXIT_REFUSED)
     with _connection(socket) as conn:
         reply = trace_start(conn, job, rank, path)
     _emit(reply, as_json, lambda r: f"tracing rank {rank} of job {job} ({r['channels']} channel(s) now, and any it "
@@ -477,7 +488,12 @@ def trace_start_command(job: str, rank: int, out: str, socket: str | None, as_js
               help="write the trace here instead of where `trace start --out` said")
 @_common
 def trace_stop_command(job: str, rank: int, out: str | None, socket: str | None, as_json: bool) -> None:
-    """Stop recording rank RANK of job JOB and write the trace file."""
+    """Stop recording rank RANK of job JOB and write the trace file.
+
+    A --out that cannot be written is refused before the recording stops (it goes on); should the file
+    still fail to be written, the trace is saved next to it in a file of its own, named in the error."""
+    if out is not None and (problem := writable_problem(out)):
+        _fail(f"{problem}; the recording goes on (stop it with a --out that can be written)", EXIT_REFUSED)
     with _connection(socket) as conn:
         reply, data = trace_stop(conn, job, rank)
     path = os.path.abspath(out or reply.get("out") or f"{job}-{rank}.trace")
@@ -485,7 +501,8 @@ def trace_stop_command(job: str, rank: int, out: str | None, socket: str | None,
         with open(path, "wb") as f:
             f.write(data)
     except OSError as exc:
-        _fail(f"cannot write the trace to {path}: {exc.strerror or exc}", EXIT_REFUSED)
+        _fail(f"cannot write the trace to {path}: {exc.strerror or exc}; {_save_elsewhere(data, job, rank)}",
+              EXIT_REFUSED)
     doc = {"job": job, "rank": rank, "out": path, "entries": reply["entries"], "bytes": len(data),
            "dropped": reply["dropped"], "write_errors": reply["write_errors"]}
     if reply["entries"] and _empty_context(data):

@@ -165,6 +165,7 @@ def test_a_job_or_rank_the_protocol_refuses_is_one_line_and_exit_1(ops_cluster: 
     result = ctl(*[a.format(tmp=tmp_path) for a in args], "--socket", ops_cluster.socket("nodea"))
     assert result.exit_code == 1 and result.stdout == "", result
     assert says in assert_one_line(result.stderr)
+    assert not (tmp_path / "t.trace").exists()  # a refused trace start leaves no empty file behind
 
 
 def test_top(ops_cluster: OpsCluster) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,6 +174,46 @@ def test_a_trace_with_an_empty_context_is_not_reported_as_written(cluster: Local
     assert stopped.exit_code == 1 and not stopped.stdout
     assert "knows no region or flag array" in assert_one_line(stopped.stderr)
     assert read_trace(out).taken["code"].tolist() == [ErrorCode.BAD_PEER]
+
+
+def test_a_refused_trace_start_leaves_no_file(cluster: LocalCluster, tmp_path: Path) -> None:
+    out = tmp_path / "never.trace"
+    refused = ctl("trace", "start", "nosuchjob", "0", "--out", str(out), "--socket", cluster.socket("nodea"))
+    assert refused.exit_code == 1 and "not joined" in refused.stderr
+    assert not out.exists()
+
+
+def test_a_bad_out_at_trace_stop_keeps_the_recording(cluster: LocalCluster, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`trace stop --out` to a path that cannot be written is refused before the recording stops; and when the
+    path `trace start` named has gone by the stop, the trace is saved in a file of its own, named."""
+    monkeypatch.chdir(tmp_path)
+    socket = cluster.socket("nodea")
+    ranks = join_ranks(cluster, job="kept", nbytes=NBYTES)
+    a, b = ranks
+    try:
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        assert ctl("trace", "start", "kept", "0", "--out", str(gone / "t.trace"), "--socket", socket).exit_code == 0
+        n = _traffic(a, b)
+        wait_until(lambda: a.channel.ring.completion_pos >= n, what="every traced record to complete")
+        bad = ctl("trace", "stop", "kept", "0", "--out", str(tmp_path / "no" / "dir" / "t.trace"), "--socket", socket)
+        assert bad.exit_code == 1 and "recording goes on" in assert_one_line(bad.stderr)
+        good = ctl("trace", "stop", "kept", "0", "--out", str(tmp_path / "good.trace"), "--socket", socket, "--json")
+        assert good.exit_code == 0, good.stderr
+        assert good.json()["entries"] == n and len(read_trace(tmp_path / "good.trace").taken) == n
+        # again, and this time the directory `trace start --out` named is removed before the stop
+        assert ctl("trace", "start", "kept", "0", "--out", str(gone / "t.trace"), "--socket", socket).exit_code == 0
+        n2 = _traffic(a, b)
+        wait_until(lambda: a.channel.ring.completion_pos >= n + n2, what="the second traced records to complete")
+        gone.rmdir()
+        lost = ctl("trace", "stop", "kept", "0", "--socket", socket)
+    finally:
+        close_ranks(ranks)
+    assert lost.exit_code == 1
+    saved = re.search(r"saved it to (\S+) instead", assert_one_line(lost.stderr))
+    assert saved and Path(saved.group(1)).parent == tmp_path
+    assert len(read_trace(saved.group(1)).taken) == n2
 
 
 def _trace(taken: list[tuple[int, int]], failed: list[tuple[int, int]] = (), channel: int = 1) -> Trace:

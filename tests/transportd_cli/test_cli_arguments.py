@@ -127,3 +127,14 @@ def test_bench_refuses_out_of_range_numbers_before_running(args: list[str]) -> N
     res = CliRunner().invoke(main, ["bench", *args])
     assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output + repr(res.exception)
     assert "Invalid value" in res.output and args[1] in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("bench", ["ring", "softverbs", "proxy", "signals", "e2e", "rails"])
+@pytest.mark.parametrize("where", ["missing-dir", "directory"])
+def test_bench_checks_its_json_path_before_running(tmp_path, bench: str, where: str) -> None:
+    """A --json PATH that cannot be written fails at once, not after the whole benchmark (and leaves no file)."""
+    path = tmp_path / "no" / "such" / "dir" / "out.json" if where == "missing-dir" else tmp_path
+    res = CliRunner().invoke(main, ["bench", bench, "--json", str(path)])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output + repr(res.exception)
+    assert ("cannot write" in res.output or "is a directory" in res.output) and "Traceback" not in res.output
+    assert not (tmp_path / "no").exists()
