@@ -69,6 +69,9 @@ class LinkResult:
                 "far": {k: v for k, v in self.far.items() if k != "turnaround_us"}}
 
 
+NO_PEERS = ("no link to test: this node lists no peers.static and no peer has connected (set peers.static, or run "
+            "it where the other nodes' daemons are)")
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -84,9 +87,12 @@ def run_selftest(endpoint: str, *, curve: Any = None, rounds: int = 20, timeout:
         rails = range(info["rails"]) if link["up"] else range(1)
         for rail in rails:
             results.append(_run_link(endpoint, curve, info, link, rail, rounds, timeout, bandwidth_puts))
-    return {"node": info["node"], "backend": info["backend"], "signal_mode": info["signal_mode"],
-            "decoupled": info["decoupled"], "rails": info["rails"], "ok": all(r.ok for r in results),
-            "links": [r.to_json() for r in results]}
+    doc = {"node": info["node"], "backend": info["backend"], "signal_mode": info["signal_mode"],
+           "decoupled": info["decoupled"], "rails": info["rails"], "ok": bool(results) and all(r.ok for r in results),
+           "links": [r.to_json() for r in results]}
+    if not results:  # nothing tested is no proof of anything: not ok
+        doc["reason"] = NO_PEERS
+    return doc
 
 
 def _run_link(endpoint: str, curve: Any, info: dict[str, Any], link: dict[str, Any], rail: int, rounds: int,
@@ -258,7 +264,8 @@ def format_table(doc: dict[str, Any]) -> str:
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     if not rows:
-        lines.append("no peers: this node lists no peers.static and none connected")
+        lines.append(f"FAILED: {NO_PEERS}")
+        return "\n".join(lines)
     failed = sum(1 for link in doc["links"] if not link["ok"])
     lines.append(f"{len(rows) - failed} of {len(rows)} link(s) passed" + (f", {failed} FAILED" if failed else ""))
     return "\n".join(lines)

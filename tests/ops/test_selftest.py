@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.support.ctl import ctl
 from tests.support.waiting import wait_until
 from transportd.control.client import ControlConnection
 from transportd.control.curve import generate_keypair
@@ -134,3 +135,12 @@ def test_bad_arguments_are_refused(bad):
     r = subprocess.run([sys.executable, "-m", "transportd_cli.ctl", "selftest", bad, "--socket", "ipc:///nonexistent"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Invalid value" in r.stderr
+
+
+def test_a_node_without_peers_does_not_pass():
+    """Nothing to test is not a pass: `0 of 0 passed` with ok true read as a healthy fabric."""
+    with LocalCluster(1) as cluster:
+        result = ctl("selftest", "--json", "--socket", cluster.socket("nodea"))
+        text = ctl("selftest", "--socket", cluster.socket("nodea"))
+    assert result.exit_code == 1 and not result.json()["ok"] and "no link to test" in result.json()["reason"]
+    assert text.exit_code == 1 and "FAILED: no link to test" in text.stdout and "0 of 0" not in text.stdout
