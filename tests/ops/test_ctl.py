@@ -10,14 +10,20 @@ import shutil
 import signal
 import socket
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.support.cluster import close_ranks, join_ranks, started_clusters
 from tests.support.ctl import assert_one_line, ctl, ctl_process
 from tests.support.ops_cluster import BACK, CHUNK, INFLIGHT_CAP, JOB, PUTS, SET_VALUE, OpsCluster
 from tests.support.waiting import wait_until
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Stats
+from transportd.ops.metrics import render_metrics
+from transportd_cli.localcluster import LocalCluster
 
 pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
@@ -270,3 +276,45 @@ def test_top_fits_an_80x24_terminal(ops_cluster: OpsCluster) -> None:
     assert lines[0].startswith("transportctl top") and len(lines) <= 23, lines
     assert max(len(line) for line in lines) <= 80, max(lines, key=len)
     assert any(line.startswith("node      nodea") for line in lines) and any("per_s" in line for line in lines)
+
+
+# --- counters and sessions over jobs that end (a cluster of their own) -----------------------------------------
+
+@pytest.fixture(scope="module")
+def brief_cluster() -> Iterator[LocalCluster]:
+    """Two daemons that reclaim a silent session after 1 s (the default is 30 s)."""
+    with started_clusters() as make:
+        yield make(nodes=2, overrides={"control": {"client_timeout_s": 1.0}})
+
+
+def _sent_to_nodeb(cluster: LocalCluster) -> int:
+    result = ctl("peers", "--json", "--socket", cluster.socket("nodea"))
+    assert result.exit_code == 0, result.stderr
+    return result.json()["peers"]["nodeb"]["bytes"]
+
+
+def test_a_peers_sent_bytes_outlive_the_job(brief_cluster: LocalCluster) -> None:
+    """`transportctl peers` (and the metric) showed 0 B once the job that sent them had ended."""
+    before = _sent_to_nodeb(brief_cluster)
+    ranks = join_ranks(brief_cluster, job="finished", nbytes=PUTS * CHUNK)
+    a, b = ranks
+    try:
+        for i in range(PUTS):
+            a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=i * CHUNK, src_region=a.src.id,
+                                 src_off=i * CHUNK, nbytes=CHUNK, slot=0, value=1)
+        assert b.session.wait(slot=0, at_least=PUTS, timeout=30) == PUTS
+        a.channel.quiet(timeout=30)
+        during = _sent_to_nodeb(brief_cluster)
+    finally:
+        close_ranks(ranks)
+    assert during >= before + PUTS * CHUNK
+
+    def stats() -> dict:
+        with ControlConnection(brief_cluster.socket("nodea"), timeout_ms=5000) as conn:
+            return conn.request(Stats())
+
+    wait_until(lambda: not [c for c in stats()["connections"] if c["job"] == "finished"],
+               what="the finished job's connections to close")
+    assert _sent_to_nodeb(brief_cluster) == during
+    assert f'transportd_peer_sent_bytes_total{{node="nodea",peer="nodeb"}} {float(during)}' in render_metrics(stats())
+

@@ -75,6 +75,9 @@ class Peering:
         self.accepted: dict[tuple[str, int], AcceptedConnection] = {}
         # peer_regions for jobs with no local rank yet: job -> rank -> (node, message)
         self.unclaimed: dict[str, dict[int, tuple[str, PeerRegions]]] = {}
+        #: payload bytes posted to each node over connections closed since start (the stats' per-peer bytes
+        #: add them, so a peer's sent bytes do not fall back when a job ends)
+        self.sent_closed: dict[str, int] = {}
         #: called with the job's name after each refresh (the self-test's far side waits for its wiring)
         self.on_job_refreshed: Callable[[str], None] = lambda job_name: None
 
@@ -221,7 +224,9 @@ class Peering:
             if conn.rail < len(state.workers):
                 for conn_id in (conn.conn_id, conn.responder):
                     if conn_id:
-                        quietly(state.workers[conn.rail].call, "close_connection", conn=conn_id)
+                        closed = quietly(state.workers[conn.rail].call, "close_connection", conn=conn_id)
+                        if closed and closed.get("bytes"):
+                            self.sent_closed[conn.node] = self.sent_closed.get(conn.node, 0) + int(closed["bytes"])
             if conn.node != state.node and state.peers is not None:
                 # the peer's responder serves only this connection; the peer's own connections to our
                 # ranks stay (its ranks may still be running, and a rank of ours may rejoin)

@@ -128,9 +128,11 @@ def memfd_name(kind: str, *parts: object) -> str:
     return "-".join(("tpd", kind, *map(str, parts)))[:200]  # the kernel takes 249 bytes at most
 
 
-def quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Call a worker for cleanup: a failure is logged, never raised (the rest of the cleanup goes on)."""
+def quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a worker for cleanup: a failure is logged, never raised (the rest of the cleanup goes on); the
+    reply, or None after a failure."""
     try:
-        fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     except WorkerError as exc:
         log.warning("%s", exc)
+        return None

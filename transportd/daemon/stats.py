@@ -47,7 +47,8 @@ def collect_stats(state: NodeState, peering: Peering, clients: ClientSessions, *
             mine = [c for c in connections if c["node"] == node]
             peers[node] = {"up": p.up, "rtt_us": None if p.rtt_s is None else p.rtt_s * 1e6,
                            "messages_in": p.messages_in, "messages_out": p.messages_out,
-                           "bytes": sum(c["bytes"] for c in mine), "connections": len(mine)}
+                           "bytes": sum(c["bytes"] for c in mine) + peering.sent_closed.get(node, 0),
+                           "connections": len(mine)}
     out = {
         "node": state.node,
         "pid": os.getpid(),
@@ -59,6 +60,7 @@ def collect_stats(state: NodeState, peering: Peering, clients: ClientSessions, *
         "jobs": {name: {"world": j.world, "local": sorted(j.local), "remote": sorted(j.remote)}
                  for name, j in state.jobs.items()},
         "connections": connections,
+        "sent_closed": dict(peering.sent_closed),  # bytes per node over connections closed since start
         "peers": peers,
         "rails": rails,
     }

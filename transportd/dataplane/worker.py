@@ -220,11 +220,13 @@ class RailService:
         return {}
 
     def op_close_connection(self, conn: int) -> dict[str, Any]:
+        """Close ``conn``; returns the payload ``bytes`` posted on it (the daemon keeps them per peer node)."""
+        sent = sum(int(c["bytes"]) for c in self.proxy.queue_stats()["connections"] if c["conn"] == conn)
         self.proxy.fail_connection(conn, 0)
         self.backend.close_connection(conn)
         self.conn_jobs.pop(conn, None)
         self.responders.discard(conn)
-        return {}
+        return {"bytes": sent}
 
     def op_fail_connection(self, conn: int, code: int) -> dict[str, Any]:
         self.proxy.fail_connection(conn, code)

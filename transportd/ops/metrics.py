@@ -141,7 +141,7 @@ def _families(stats: dict[str, Any]) -> list[Metric]:
     w.family("transportd_peer_rtt_seconds", "gauge", "Heartbeat round trip to the peer node.",
              [({"peer": p}, v["rtt_us"] / 1e6) for p, v in sorted(peers.items()) if v.get("rtt_us") is not None],
              unit="seconds")
-    sent: dict[str, int] = {}
+    sent: dict[str, int] = {node: int(n) for node, n in stats.get("sent_closed", {}).items()}  # jobs over
     inflight: dict[str, int] = {}
     for c in stats.get("connections", []):
         sent[c["node"]] = sent.get(c["node"], 0) + int(c.get("bytes", 0))
