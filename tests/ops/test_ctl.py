@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -318,3 +319,13 @@ def test_a_peers_sent_bytes_outlive_the_job(brief_cluster: LocalCluster) -> None
     assert _sent_to_nodeb(brief_cluster) == during
     assert f'transportd_peer_sent_bytes_total{{node="nodea",peer="nodeb"}} {float(during)}' in render_metrics(stats())
 
+
+def test_a_transportctl_session_ends_with_its_process(brief_cluster: LocalCluster) -> None:
+    """Each call (and each `top` refresh) ended its session only once it had been silent for
+    control.client_timeout_s; it ends when the process (its descriptor connection) goes."""
+    socket = brief_cluster.socket("nodea")
+    before = brief_cluster.log("nodea").count("silent for more than")
+    assert ctl_process("status", "--socket", socket).exit_code == 0
+    assert ctl("top", "--iterations", "3", "--interval", "0.1", "--json", "--socket", socket).exit_code == 0
+    time.sleep(2.5)  # past the 1 s timeout, twice the daemon's look at its clients
+    assert brief_cluster.log("nodea").count("silent for more than") == before

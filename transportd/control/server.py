@@ -236,6 +236,12 @@ class ControlDispatcher:
         """Known clients by zmq identity (read-only view)."""
         return MappingProxyType(self._clients)
 
+    def drop(self, client_id: bytes) -> None:
+        """Forget a client whose session the handler ended itself (its process exited, its descriptor
+        connection closed): no ``on_client_gone`` now, and none when it would have turned silent later."""
+        self._clients.pop(client_id, None)
+        self._deferred = {t for t in self._deferred if t.client_id != client_id}
+
     def expire(self, timeout_s: float, keep: Collection[bytes] = ()) -> list[bytes]:
         """Forget clients silent for more than ``timeout_s``, calling ``handler.on_client_gone`` for each.
 
@@ -418,6 +424,10 @@ class ControlServer:
     def clients(self) -> Mapping[bytes, ClientInfo]:
         """Known clients by zmq identity (read-only view), with session state and last-seen time."""
         return self.dispatcher.clients
+
+    def drop(self, client_id: bytes) -> None:
+        """Forget a client whose session the handler ended itself (:meth:`ControlDispatcher.drop`)."""
+        self.dispatcher.drop(client_id)
 
     def expire(self, timeout_s: float, keep: Collection[bytes] = ()) -> list[bytes]:
         """Forget clients silent for more than ``timeout_s`` (except those in ``keep``), calling

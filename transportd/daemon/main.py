@@ -246,11 +246,12 @@ class Daemon:
         """Reclaim sessions whose process has exited or whose keepalives stopped (a killed client never says
         leave). A client watched by pid is kept while its process exists, even stopped in a debugger.
         Silence counts only with no request queued: a daemon that was busy has not heard its clients."""
+        control = self.state.control
+        assert control
         for client_id in self.clients.exited():
             self._reclaim(client_id, "exited")
             self.clients.forget(client_id)
-        control = self.state.control
-        assert control
+            control.drop(client_id)
         if not control.has_input():
             control.expire(self.config.control.client_timeout_s, keep=self.clients.pids.keys())
 
@@ -337,6 +338,8 @@ class Daemon:
         if client_id is not None:
             self._reclaim(client_id, "exited")
             self.clients.forget(client_id)
+            if self.state.control is not None:  # over: not reclaimed again once it has been silent a while
+                self.state.control.drop(client_id)
 
     # --- the peer plane (PeerPlane calls these) ---------------------------------------------------------
     def on_peer_up(self, node: str) -> None:
