@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 import click
 
-from transportd.control.client import ControlConnection, resolve_endpoint
+from transportd.control.client import ControlConnection, not_a_socket, resolve_endpoint
 from transportd.control.curve import CurveClientKeys
 from transportd.control.protocol import Inspect, Stats
 from transportd.errors import ErrorCode, LocalProtocolError, RequestError, TransportdError
@@ -54,6 +54,9 @@ def _probe_ipc(endpoint: str) -> None:
     if not endpoint.startswith("ipc://"):
         return
     path = endpoint[len("ipc://"):]
+    if kind := not_a_socket(path):
+        _fail(f"{path} is {kind}, not a control socket: give the daemon's socket file (control.socket, e.g. "
+              "ipc:///run/transportd/control.sock)")
     address = "\0" + path[1:] if path.startswith("@") else path
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     sock.settimeout(2.0)

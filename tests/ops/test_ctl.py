@@ -254,6 +254,16 @@ def test_control_group_owns_the_socket_and_rings_and_flags_come_by_descriptor(op
     assert result.exit_code == 0 and result.json()["rank"] == 1, result
 
 
+def test_a_directory_or_the_peer_port_is_not_called_not_running(ops_cluster: OpsCluster, tmp_path) -> None:
+    """`--socket` naming a directory, or the peers' port: one line saying what is wrong, not "not running"."""
+    directory = ctl("status", "--socket", f"ipc://{tmp_path}")
+    assert directory.exit_code == 2 and f"{tmp_path} is a directory" in assert_one_line(directory.stderr)
+    port = ops_cluster.cluster.nodes["nodea"].peer_port
+    peer = ctl("status", "--socket", f"tcp://127.0.0.1:{port}")
+    line = assert_one_line(peer.stderr)
+    assert peer.exit_code == 2 and "not running" not in line and "peer port" in line
+
+
 @pytest.mark.parametrize("endpoint", ["foo", "/run/transportd/control.sock", "tcp://nohost"])
 def test_a_socket_that_is_not_an_endpoint(endpoint: str) -> None:
     """A mistyped --socket is one line naming what an endpoint looks like, exit 2, through the real script."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import grp
 import os
+import socket as _socket
+import stat
 import threading
 import time
 import weakref
@@ -46,11 +48,12 @@ from transportd.errors import (
     TransportdError,
 )
 
-__all__ = ["ControlConnection", "pid_namespace", "resolve_endpoint"]
+__all__ = ["ControlConnection", "not_a_socket", "pid_namespace", "resolve_endpoint"]
 
 _START_HINT = (
     "Start it with `transportd run --config /etc/transportd/transportd.toml` (or `systemctl start transportd`), "
-    f"or set {SOCKET_ENV} / pass endpoint= if it listens elsewhere."
+    f"or, if it listens elsewhere, set {SOCKET_ENV} (or pass socket= to gpuclient.connect, --socket to "
+    "transportctl)."
 )
 _MAX_REPLY_BYTES = 64 << 20
 
@@ -115,6 +118,7 @@ class ControlConnection:
         self.session = SessionRules()
         self.hello_reply: dict[str, Any] = {}
         self._name = name
+        self._curve = curve is not None
         self._suspect: str | None = None  # why the daemon may be gone (set by a timed-out request)
         self._lock = threading.Lock()  # one request (or heartbeat) on the REQ socket at a time
         self._last_sent = time.monotonic()
@@ -321,7 +325,12 @@ class ControlConnection:
         detail = ""
         path = _ipc_path(self.endpoint)
         if path is not None:
+            kind = not_a_socket(path)
+            if kind:
+                return f"{path} is {kind}, not a control socket: {_SOCKET_FILE}"
             detail = _socket_file_problem(path)
+        elif self.endpoint.startswith("tcp://") and (problem := _tcp_listener_problem(self.endpoint, self._curve)):
+            return f"no reply to hello from {self.endpoint} within {seconds:.1f} s: {problem}"
         return (f"transportd is not running at {self.endpoint} (no reply to hello within {seconds:.1f} s"
                 f"{'; ' + detail if detail else ''}). " + _START_HINT)
 
@@ -363,6 +372,36 @@ def _ipc_path(endpoint: str) -> str | None:
     if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
         return endpoint[len("ipc://"):]
     return None
+
+
+_SOCKET_FILE = "give the daemon's control socket file (control.socket, by default ipc:///run/transportd/control.sock)"
+
+
+def not_a_socket(path: str) -> str | None:
+    """What ``path`` is when it exists and is not a socket ("a directory", "a regular file", ...); else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "not a socket"
+
+
+def _tcp_listener_problem(endpoint: str, curve: bool) -> str | None:
+    """Why a tcp endpoint that accepts connections gave no hello reply; None when nothing accepts them (then
+    the daemon is simply not running there)."""
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    try:
+        _socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+    except (OSError, ValueError):
+        return None
+    if curve:
+        return ("something accepts connections there but the CURVE handshake found no daemon: the server key is "
+                "not this daemon's, or this client's public key is not in its security.curve_authorized_keys_dir")
+    return ("something accepts connections there but did not answer: a control socket that needs CURVE keys "
+            "(transportctl --curve-secret-key and --curve-server-key), or not a control socket at all (peers.listen, "
+            "the peer port, is for other daemons, not clients)")
 
 
 def _socket_file_problem(path: str) -> str:

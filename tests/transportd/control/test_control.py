@@ -9,6 +9,7 @@ from __future__ import annotations
 import grp
 import os
 import shutil
+import socket
 import stat
 import tempfile
 import threading
@@ -309,6 +310,33 @@ def test_missing_daemon_is_a_quick_actionable_error(sock_dir):
 def test_missing_tcp_daemon(sock_dir):
     with pytest.raises(DaemonUnavailableError, match="not running at tcp://127.0.0.1:1"):
         ControlConnection("tcp://127.0.0.1:1", handshake_timeout_ms=200)
+
+
+@pytest.mark.parametrize("kind", ["a directory", "a regular file"])
+def test_a_socket_path_that_is_no_socket_is_named_as_such(sock_dir, kind):
+    """Not "transportd is not running": the path is wrong, and the message says what it is."""
+    path = f"{sock_dir}/a-dir" if kind == "a directory" else f"{sock_dir}/a-file"
+    os.mkdir(path) if kind == "a directory" else open(path, "w").close()
+    with pytest.raises(DaemonUnavailableError) as info:
+        ControlConnection(f"ipc://{path}", handshake_timeout_ms=200)
+    assert f"{path} is {kind}, not a control socket" in str(info.value) and "not running" not in str(info.value)
+
+
+def test_a_tcp_listener_that_does_not_answer_hello_is_not_called_not_running():
+    """The peer port, or a CURVE control socket used without keys: something listens, nothing answers."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(DaemonUnavailableError) as info:
+            ControlConnection(endpoint, handshake_timeout_ms=200)
+    message = str(info.value)
+    assert "not running" not in message and "did not answer" in message
+    assert "CURVE" in message and "peer port" in message
+
+
+def test_the_hint_names_the_parameters_that_exist(sock_dir):
+    with pytest.raises(DaemonUnavailableError) as info:
+        ControlConnection(f"ipc://{sock_dir}/nobody.sock", handshake_timeout_ms=200)
+    assert "socket= to gpuclient.connect" in str(info.value) and "endpoint=" not in str(info.value)
 
 
 def test_daemon_that_exits_mid_session(sock_dir):
