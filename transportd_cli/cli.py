@@ -49,6 +49,24 @@ def demo(mib: int, chunk_kib: int, backend: str, signal_mode: str) -> None:
 
 
 @main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("name", default="transportd")
+@click.option("--force", is_flag=True, help="replace key files that exist (every peer then needs the new public key)")
+def keygen(directory: str, name: str, force: bool) -> None:
+    """Write a CURVE keypair: DIRECTORY/NAME.key (public, for peers and clients) and NAME.key_secret (0600).
+
+    Refuses to overwrite existing key files unless --force."""
+    from transportd.control.curve import generate_keypair
+
+    try:
+        public, secret = generate_keypair(directory, name, force=force)
+    except OSError as exc:
+        raise click.ClickException(str(exc) if isinstance(exc, FileExistsError) else
+                                   f"cannot write keys into {directory}: {exc.strerror or exc}") from None
+    click.echo(f"wrote {public} (public: copy it into each peer's curve_authorized_keys_dir) and {secret} (secret)")
+
+
+@main.command()
 @click.argument("trace_file", metavar="FILE", type=click.Path(exists=True, dir_okay=False))
 @click.option("--socket", "sockets", multiple=True, metavar="ENDPOINT",
               help="a running daemon's control socket (ipc); repeat for more nodes: the traced rank goes on the "

@@ -138,3 +138,16 @@ def test_bench_checks_its_json_path_before_running(tmp_path, bench: str, where: 
     assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output + repr(res.exception)
     assert ("cannot write" in res.output or "is a directory" in res.output) and "Traceback" not in res.output
     assert not (tmp_path / "no").exists()
+
+
+def test_keygen_refuses_to_overwrite_keys_without_force(tmp_path) -> None:
+    first = CliRunner().invoke(main, ["keygen", str(tmp_path), "node1"])
+    assert first.exit_code == 0, first.output
+    public, secret = tmp_path / "node1.key", tmp_path / "node1.key_secret"
+    kept = public.read_bytes(), secret.read_bytes()
+    assert os.stat(secret).st_mode & 0o777 == 0o600
+    again = CliRunner().invoke(main, ["keygen", str(tmp_path), "node1"])
+    assert again.exit_code == 1 and "exist already" in again.output and "--force" in again.output
+    assert (public.read_bytes(), secret.read_bytes()) == kept
+    forced = CliRunner().invoke(main, ["keygen", str(tmp_path), "node1", "--force"])
+    assert forced.exit_code == 0 and public.read_bytes() != kept[0]

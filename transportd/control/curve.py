@@ -33,11 +33,20 @@ __all__ = [
 ]
 
 
-def generate_keypair(directory: str | os.PathLike[str], name: str = "transportd") -> tuple[Path, Path]:
+def generate_keypair(directory: str | os.PathLike[str], name: str = "transportd", *,
+                     force: bool = False) -> tuple[Path, Path]:
     """Write ``<name>.key`` (public) and ``<name>.key_secret`` (mode 0600) into ``directory``.
 
     Returns ``(public_file, secret_file)``. Copy the public file into every peer's authorized-keys dir.
+    Existing key files are refused (``FileExistsError``: a node's identity replaced by accident locks it
+    out of every peer that trusts the old key) unless ``force``.
     """
+    if not force:
+        existing = [str(p) for p in (Path(directory) / f"{name}.key", Path(directory) / f"{name}.key_secret")
+                    if p.exists()]
+        if existing:
+            raise FileExistsError(f"{' and '.join(existing)} exist already: keep them, or replace them on purpose "
+                                  "(force; `transportd keygen --force`) and give every peer the new public key")
     os.makedirs(directory, exist_ok=True)
     public_file, secret_file = zmq.auth.create_certificates(directory, name)
     os.chmod(secret_file, 0o600)
