@@ -35,9 +35,14 @@ main.add_command(localcluster)
 def demo(mib: int, chunk_kib: int, backend: str, signal_mode: str) -> None:
     """Two nodes on this machine over softverbs: stream data both ways, verify every byte and flag."""
     from transportd.errors import TransportdError
-    from transportd_cli.cli_options import check_signal_mode
+    from transportd_cli.cli_options import available_memory, check_signal_mode
     from transportd_cli.demo import run_demo
 
+    need, available = 4 * (mib << 20), available_memory()  # two ranks, each a send and a receive buffer
+    if available is not None and need > available:
+        raise click.BadParameter(f"{mib} MiB each way needs about {need >> 20} MiB of memory (two ranks, a send "
+                                 f"and a receive buffer each), and {available >> 20} MiB is available",
+                                 param_hint="--mib")
     if (mib << 10) % chunk_kib:
         raise click.BadParameter(f"{chunk_kib} KiB does not divide --mib {mib} ({mib << 10} KiB) into whole "
                                  "chunks", param_hint="--chunk-kib")

@@ -12,7 +12,7 @@ import click
 
 from transportd.backends import RULES, config_problems
 
-__all__ = ["FiniteFloat", "check_signal_mode", "harden", "writable_output", "writable_problem"]
+__all__ = ["FiniteFloat", "available_memory", "check_signal_mode", "harden", "writable_output", "writable_problem"]
 
 
 def check_signal_mode(backend: str, signal_mode: str, adaptive_routing: bool = False) -> None:
@@ -28,6 +28,18 @@ def check_signal_mode(backend: str, signal_mode: str, adaptive_routing: bool = F
                                "in-order placement, which adaptive routing breaks)")
     raise click.UsageError(f"--signal-mode {signal_mode} does not apply to --backend {backend} "
                            f"({RULES[backend].signal_modes_why}); leave --signal-mode out")
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes the kernel says can be allocated without swapping (``MemAvailable``); None where it does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class FiniteFloat(click.FloatRange):

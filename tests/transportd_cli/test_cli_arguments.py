@@ -32,6 +32,19 @@ def test_demo_refuses_bad_arguments_before_starting(args: list[str], says: str) 
     assert "started 2 daemons" not in result.output and not isinstance(result.exception, ZeroDivisionError)
 
 
+def test_demo_refuses_a_size_this_machine_has_no_memory_for() -> None:
+    """`demo --mib N` holds about 4 N MiB (a send and a receive buffer per rank): checked before anything starts."""
+    from transportd_cli.cli_options import available_memory
+
+    available = available_memory()
+    if available is None:
+        pytest.skip("/proc/meminfo gives no MemAvailable here")
+    mib = (available >> 20) // 2  # twice what there is: 4 x (available / 2)
+    result = CliRunner().invoke(main, ["demo", "--mib", str(mib), "--chunk-kib", "1024"])
+    assert result.exit_code == 2, result.output + repr(result.exception)
+    assert "--mib" in result.output and "is available" in result.output and "started 2 daemons" not in result.output
+
+
 def test_a_local_cluster_refuses_a_bad_config_before_launching(tmp_path) -> None:
     workdir = tmp_path / "cluster"
     workdir.mkdir()
