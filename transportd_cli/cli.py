@@ -8,13 +8,13 @@ import sys
 import click
 
 from transportd.daemon.entry import EXIT_CONFIG, EXIT_SOFTWARE, run
-from transportd_cli.cli_options import FiniteFloat, harden
+from transportd_cli.cli_options import FiniteFloat, Program, harden
 from transportd_cli.localcluster import localcluster
 
 __all__ = ["EXIT_CONFIG", "EXIT_SOFTWARE", "main"]
 
 
-@click.group()
+@click.group(cls=Program, prefix="transportd")
 @click.version_option(package_name="transportd")
 def main() -> None:
     """Per-node RDMA transport daemon."""

@@ -11,8 +11,28 @@ from typing import Any
 import click
 
 from transportd.backends import RULES, config_problems
+from transportd_cli.errors import ProgramError
 
-__all__ = ["FiniteFloat", "available_memory", "check_signal_mode", "harden", "writable_output", "writable_problem"]
+__all__ = ["FiniteFloat", "Program", "available_memory", "check_signal_mode", "harden", "writable_output",
+           "writable_problem"]
+
+
+class Program(click.Group):
+    """A program's top command group: an error a command raises (``click.ClickException``) prints as
+    ``<prefix>: message`` on one line, as transportctl's own refusals do, so every command of both programs
+    reads alike; usage errors keep click's form (a Usage line, exit 2)."""
+
+    def __init__(self, *args: Any, prefix: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefix = prefix
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.UsageError, ProgramError):
+            raise
+        except click.ClickException as exc:
+            raise ProgramError(self.prefix, exc.format_message(), exc.exit_code) from None
 
 
 def check_signal_mode(backend: str, signal_mode: str, adaptive_routing: bool = False) -> None:

@@ -34,7 +34,7 @@ from transportd.control.client import ControlConnection, not_a_socket, resolve_e
 from transportd.control.curve import CurveClientKeys
 from transportd.control.protocol import Inspect, Stats
 from transportd.errors import ErrorCode, LocalProtocolError, RequestError, TransportdError
-from transportd_cli.cli_options import FiniteFloat, harden, writable_problem
+from transportd_cli.cli_options import FiniteFloat, Program, harden, writable_problem
 from transportd_cli.replay import trace_start, trace_stop
 
 __all__ = ["main"]
@@ -139,7 +139,7 @@ def _curve_keys() -> CurveClientKeys | None:
     return None
 
 
-@click.group()
+@click.group(cls=Program, prefix="transportctl")
 @click.version_option(package_name="transportd")
 @click.option("--curve-secret-key", type=click.Path(dir_okay=False), envvar="TRANSPORTD_CURVE_SECRET_KEY",
               help="this client's CURVE secret key file (for a tcp:// control socket with CURVE)")

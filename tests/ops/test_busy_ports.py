@@ -35,5 +35,5 @@ def test_a_busy_port_is_one_line_naming_its_key(tmp_path, key: str) -> None:
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("Error: cannot start: ") and f"{key} = " in last and f":{busy}" in last
+    assert last.startswith("transportd: cannot start: ") and f"{key} = " in last and f":{busy}" in last
     assert "another process holds it" in last

@@ -164,3 +164,20 @@ def test_keygen_refuses_to_overwrite_keys_without_force(tmp_path) -> None:
     assert (public.read_bytes(), secret.read_bytes()) == kept
     forced = CliRunner().invoke(main, ["keygen", str(tmp_path), "node1", "--force"])
     assert forced.exit_code == 0 and public.read_bytes() != kept[0]
+
+
+def test_refusals_of_both_programs_read_alike(tmp_path) -> None:
+    """One style of error line: `<program>: message` (transportd's commands printed click's `Error: ...`,
+    transportctl and the daemon's bad config `transportctl: ...` / `transportd: ...`)."""
+    bad = tmp_path / "bad.trace"
+    bad.write_bytes(b"garbage")
+    (tmp_path / "keys").mkdir()
+    CliRunner().invoke(main, ["keygen", str(tmp_path / "keys"), "n"])
+    lines = {
+        "replay": CliRunner().invoke(main, ["replay", str(bad)]).output,
+        "keygen": CliRunner().invoke(main, ["keygen", str(tmp_path / "keys"), "n"]).output,
+        "transportctl": CliRunner().invoke(ctl_main, ["status", "--socket", f"ipc://{tmp_path}/none.sock"]).output,
+    }
+    for what, line in lines.items():
+        program = "transportctl" if what == "transportctl" else "transportd"
+        assert line.startswith(f"{program}: ") and len(line.strip().splitlines()) == 1, (what, line)

@@ -44,7 +44,8 @@ def run(config_path: str | None) -> None:
     try:
         daemon.start()
     except (TransportdError, OSError, zmq.ZMQError) as exc:  # ListenError names the config key
-        raise click.ClickException(f"cannot start: {exc}") from None
+        click.echo(f"transportd: cannot start: {' '.join(str(exc).split())}", err=True)  # as every refusal reads
+        sys.exit(1)
     try:
         daemon.run()
     finally:
