@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:
 
 import gpuclient  # noqa: E402
 from gpuclient.cuda_memory import DeviceMemory, check, driver, use_device  # noqa: E402
+from transportd.errors import TransportdError  # noqa: E402
 from transportd_cli.localcluster import LocalCluster  # noqa: E402
 
 SOURCE = Path(__file__).with_name("allgather_gemm.cu")
@@ -114,7 +115,11 @@ def main() -> None:
     parser.add_argument("--backend", default="ib", choices=("ib", "efa"))
     parser.add_argument("--launches", type=int, default=2)
     args = parser.parse_args()
-    result = run(backend=args.backend, launches=args.launches)
+    try:
+        result = run(backend=args.backend, launches=args.launches)
+    except (TransportdError, TimeoutError, RuntimeError, OSError) as exc:  # no GPU, no cuda-python, no daemon
+        print(f"{Path(__file__).name}: {' '.join(str(exc).split())}", file=sys.stderr)
+        sys.exit(1)
     print("OK" if result["ok"] else "MISMATCH")
     sys.exit(0 if result["ok"] else 1)
 

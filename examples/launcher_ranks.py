@@ -34,7 +34,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import gpuclient  # noqa: E402
+from gpuclient.errors import LauncherError  # noqa: E402
 from gpuclient.launcher import from_environment  # noqa: E402
+from transportd.errors import TransportdError  # noqa: E402
 
 SEND, RECV = 0, 1  # every rank registers its buffers in this order, so region ids agree across ranks
 
@@ -86,6 +88,15 @@ def run_rank(socket: str | None, nbytes: int, timeout: float) -> str:
               help="start N daemons on this machine (softverbs) and run N processes against them (with torchrun "
                    "where it is installed, else with the TRANSPORTD_* variables)")
 def main(sockets: str | None, nbytes: int, timeout: float, local_cluster: int | None) -> None:
+    try:
+        _main(sockets, nbytes, timeout, local_cluster)
+    except (TransportdError, LauncherError, TimeoutError, RuntimeError, OSError) as exc:
+        # what a user's setup causes (no daemon, no launcher variables, a peer that never came): one line
+        click.echo(f"{Path(__file__).name}: {' '.join(str(exc).split())}", err=True)
+        sys.exit(1)
+
+
+def _main(sockets: str | None, nbytes: int, timeout: float, local_cluster: int | None) -> None:
     if local_cluster is not None:
         run_local_cluster(local_cluster, nbytes, timeout)
         return
