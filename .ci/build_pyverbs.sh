@@ -18,7 +18,7 @@
 set -euo pipefail
 
 PYVERBS_VERSION=59.0
-# rdma-core's CMake build needs Cython < 3.1 (see DESIGN.md section 10).
+# rdma-core's CMake build needs Cython < 3.1 (docs/design.md, "pyverbs from the node's rdma-core").
 CYTHON_SPEC='cython>=0.29,<3.1'
 
 py="${1:-${PYTHON:-python3}}"

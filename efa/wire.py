@@ -3,7 +3,7 @@
 SRD delivers the pieces of a transfer in any order and says nothing about when a write lands relative to
 another, so a flag can't simply be written after its data (there is no "after" on SRD). Instead every
 write carries an immediate, the receiving daemon sees one completion per write, counts, and publishes a
-flag itself once everything the flag covers has arrived (DESIGN.md section 4).
+flag itself once everything the flag covers has arrived (docs/design.md, "Flags follow their data").
 
 Immediate (host order; pyverbs puts it on the wire big-endian)::
 

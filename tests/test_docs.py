@@ -1,9 +1,11 @@
-"""docs/: every page the README links exists, links between pages (and their #anchors) resolve, and the
-generated blocks (config keys, protocol messages) match the code they are generated from."""
+"""docs/: every page the README links exists, links between pages (and their #anchors) resolve, the
+generated blocks (config keys, protocol messages) match the code they are generated from, and what the code
+cites of docs/design.md is there."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 from transportd.config import describe_keys
@@ -54,3 +56,28 @@ def test_links_between_docs_pages_resolve():
 def test_generated_blocks_match_the_code():
     assert stale_blocks() == [], "regenerate with: python -m transportd.ops.docs"
     assert describe_keys() in (DOCS / "config.md").read_text()
+
+
+def _tracked_text() -> dict[str, str]:
+    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    suffixes = (".py", ".md", ".c", ".h", ".cuh", ".cu", ".pyx", ".sh", ".toml", ".service", "Makefile")
+    return {n: (ROOT / n).read_text(errors="replace") for n in names
+            if n.endswith(suffixes) and (ROOT / n).is_file()}
+
+
+def test_design_rules_are_cited_from_the_projects_own_docs():
+    """Docstrings, skip messages and docs cite docs/design.md by heading; a DESIGN.md outside the project is
+    never cited, and every cited heading exists."""
+    headings = set(re.findall(r"^## (.+)$", (DOCS / "design.md").read_text(), re.M))
+    cited: set[tuple[str, str]] = set()
+    for name, text in _tracked_text().items():
+        if name == "tests/test_docs.py":  # this test names what it looks for
+            continue
+        assert not re.search(r"\bDESIGN(\.md)?\s+section\b|\bDESIGN\.md\b", text), f"{name} cites DESIGN.md"
+        cited |= {(name, " ".join(h.split())) for h in
+                  re.findall(r'docs/design\.md,\s*\\?"((?:[^"\\]|\\.)+?)\\?"', text)}
+    assert cited, "nothing cites docs/design.md"
+    for name, heading in cited:
+        assert heading.replace("\\", "") in headings, f"{name} cites docs/design.md, {heading!r}: no such heading"
+

@@ -70,7 +70,8 @@ def _mirrored_module_paths() -> list[str]:
 
 MODULE_PATHS = _mirrored_module_paths()
 
-# The layout the project promises (DESIGN.md section 6); the generic walk above finds anything added later.
+# The layout the project promises (docs/design.md, "softverbs mirrors pyverbs"); the generic walk above finds
+# anything added later.
 PROMISED_MODULES = ("device", "pd", "mr", "cq", "qp", "wr", "addr", "libibverbs_enums", "pyverbs_error",
                     "providers.efa.efadv")
 

@@ -636,7 +636,8 @@ def _validate_security(loader: _Loader, sec: SecurityConfig) -> SecurityConfig:
 
 
 def _validate(loader: _Loader, cfg: Config) -> Config:
-    # what the backend cannot honour is the registry's to say (DESIGN.md section 2: no branch on the kind here)
+    # what the backend cannot honour is the registry's to say (docs/design.md, "One backend registry": no branch
+    # on the kind here)
     for key_name, reason in config_problems(cfg.backend.kind, signal_mode=cfg.signal.mode,
                                             decoupled=cfg.signal.decoupled, flags_publication=cfg.flags.publication,
                                             adaptive_routing=cfg.softverbs.adaptive_routing):

@@ -22,7 +22,7 @@ One iteration (:meth:`Proxy.run_once`):
    write REMOTE_ACCESS / TRANSPORT into the channel's error word for a completion with an error status.
 
 The ring knows nothing about RDMA and the backend knows nothing about rings: this module is the only
-place they meet. Tables are job-scoped (DESIGN.md section 5): a channel (one client's ring) resolves
+place they meet. Tables are job-scoped (docs/design.md, "Jobs are walled off"): a channel (one client's ring) resolves
 source regions through its own rank's table and destinations through its job's peer table, so a job's
 commands can only reach that job's regions.
 

@@ -1,4 +1,5 @@
-"""DESIGN.md section 8 against real daemons: a clear error, nothing lost, everyone else keeps being served."""
+"""docs/design.md, "Bad input hurts only its sender", against real daemons: a clear error, nothing lost,
+everyone else keeps being served."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 code — first compiled for the host (the CPU builds WQEs, writes the doorbell record and rings the UAR,
 polls the CQ: no GPU needed), then from a GPU kernel (also ``gpu``).
 
-Run on a node with a ConnectX and rdma-core's pyverbs (with the mlx5 provider; DESIGN.md section 10):
+Run on a node with a ConnectX and rdma-core's pyverbs (with the mlx5 provider; docs/design.md, "pyverbs
+from the node's rdma-core"):
 
     TPD_IBGDA_DEVICE=mlx5_0 pytest -m hardware tests/ibgda/test_host_mlx5.py
 

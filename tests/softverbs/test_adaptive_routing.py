@@ -1,4 +1,5 @@
-"""Evidence for DESIGN.md section 4: which flag-signaling schemes survive adaptive routing (AR).
+"""Evidence for docs/design.md, "Flags follow their data": which flag-signaling schemes survive adaptive
+routing (AR).
 
 Under AR an RC NIC may place the packets of different writes (and of one write) out of order. softverbs
 models that with a seeded reorder; a placement observer records the order in which bytes land at the

@@ -67,7 +67,8 @@ def open_provider(name: str) -> Provider:
         return Provider("soft", verbs.load("soft"), "softib0", "softefa0")
     names = verbs.pyverbs_devices()
     if names is None:
-        pytest.skip("pyverbs is not importable (build rdma-core 59's pyverbs, see DESIGN.md section 10)")
+        pytest.skip("pyverbs is not importable: build rdma-core 59's pyverbs "
+                    "(docs/design.md, \"pyverbs from the node's rdma-core\")")
     if not names:
         pytest.skip("No RDMA devices found (pyverbs get_device_list() reports none)")
     v = verbs.load("pyverbs")

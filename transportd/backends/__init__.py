@@ -1,4 +1,5 @@
-"""The one place that picks a backend by name (DESIGN.md section 2: nothing else branches on it).
+"""The one place that picks a backend by name (docs/design.md, "One backend registry": nothing else branches
+on it).
 
 Each backend registers a ``"module:Class"`` entry in :data:`BACKENDS`; the module is imported only when
 that backend is opened, so a node without pyverbs can still run the null backend. What the config needs
@@ -129,7 +130,7 @@ def open_configured(config: Any, *, device: str | None, verbs: Any) -> Backend:
 
 @dataclass(frozen=True)
 class ConfigRules:
-    """Which shared settings a backend honours (DESIGN.md section 4 says why for each)."""
+    """Which shared settings a backend honours (docs/design.md, "Flags follow their data", says why for each)."""
 
     signal_modes: tuple[str, ...] = ("write", "atomic", "fence")
     signal_modes_why: str = ""  #: why a mode outside ``signal_modes`` does not apply

@@ -10,8 +10,8 @@ Plan rows (``PLAN_DTYPE``), posted in row order on one connection:
 - ``WRITE``   length bytes laddr (lkey) -> raddr (rkey).
 - ``SIGNAL``  update the flag word at raddr (rkey): ADD ``value`` or SET ``value`` (``signal_op``).
               It must not become visible before every earlier WRITE of this connection that it covers
-              is placed (DESIGN.md section 4). ``dst_rank``/``slot`` name the flag for backends that
-              publish flags at the receiver (efa).
+              is placed (docs/design.md, "Flags follow their data"). ``dst_rank``/``slot`` name the flag
+              for backends that publish flags at the receiver (efa).
 - ``FENCE``   later rows of this connection are delivered after earlier ones are placed.
 
 ``token`` is the proxy's completion token, one per posted batch: when a backend reports it complete, every

@@ -150,8 +150,8 @@ def load(provider: str | None = None, *, soft_options: Mapping[str, Any] | Any =
             return _import_provider("pyverbs")
         except (ImportError, OSError) as exc:
             raise VerbsUnavailableError(
-                f"pyverbs cannot be imported ({exc}); install rdma-core 59's pyverbs (see DESIGN.md section 10) "
-                f"or set {ENV}=soft") from exc
+                f"pyverbs cannot be imported ({exc}); install rdma-core 59's pyverbs or set {ENV}=soft "
+                "(docs/design.md, \"pyverbs from the node's rdma-core\")") from exc
     mods = _import_provider("softverbs")
     if soft_options is not None:
         configure_soft(soft_options)

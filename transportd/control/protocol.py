@@ -319,7 +319,7 @@ class Join(Request):
 
 @_request
 class Register(Request):
-    """Register memory for RDMA: by descriptor or handle, never by path (DESIGN section 5).
+    """Register memory for RDMA: by descriptor or handle, never by path (docs/design.md, "Jobs are walled off").
 
     ``handle`` depends on ``kind``: ``host`` — the id the daemon gave a memfd this client passed on its
     descriptor socket (:class:`PassFd`; ``gpuclient.host_array`` memory); ``cuda_ipc`` — the 64-byte

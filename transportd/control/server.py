@@ -3,9 +3,9 @@
 :class:`ControlDispatcher` is the socket-free core; :class:`ControlServer` adds the ROUTER socket. Each
 received message goes decode (:mod:`transportd.control.codec`) → parse (:func:`parse_request`) → session state
 check (:data:`protocol.TRANSITIONS`) → the handler's ``on_<op>(client_id, request)`` → reply. Any failure
-along the way becomes an error reply to that client and the server carries on serving everyone else (DESIGN
-section 8). :meth:`ControlServer.poll` serves what is queued and returns, so the daemon's main loop can
-interleave it with other work.
+along the way becomes an error reply to that client and the server carries on serving everyone else
+(docs/design.md, "Bad input hurts only its sender"). :meth:`ControlServer.poll` serves what is queued and
+returns, so the daemon's main loop can interleave it with other work.
 
 Envelopes: a REQ client arrives as ``[identity, (request-id,) b"", payload]``, a DEALER client as
 ``[identity, payload]`` or with the empty delimiter; the reply repeats whatever came before the payload.

@@ -1,5 +1,5 @@
 /*
- * transportd._core: the proxy's data path in C (DESIGN.md section 9: no Python on any record).
+ * transportd._core: the proxy's data path in C (docs/design.md, "No Python per record").
  *
  * One Engine per rail worker runs the whole iteration of transportd.dataplane.proxy.Proxy with the GIL released:
  *

@@ -7,14 +7,14 @@ at once (NO_BATCH, FENCE) closes its batch, so earlier commands of that connecti
 being posted after it. Only a connection's last batch can be partial and open; the proxy posts it once the
 polling window has passed (or a QUIET asks for it).
 
-Decoupled signaling (DESIGN.md section 4). Within a batch, and within each FENCE-delimited segment of it
-(rows never move across a FENCE), every WRITE goes first, in order, then one SIGNAL per flag word, placed
-where that word's first signal was: ADDs are summed; a SET resets the sum, so ``SET a, ADD b, ADD c``
-becomes ``SET a+b+c`` and ``ADD b, SET a`` becomes ``SET a`` (the last SET wins). A flag word is
-``(dst_rank, raddr, rkey)``. The reduced signal carries the chunk id of the last signal it replaces. The
-result at the receiver equals applying the original signals in order, and no signal becomes visible before
-a write that preceded it: the backend orders a connection's WRs (WR flags or an ordered QP), the proxy
-never waits on a completion queue to do so.
+Decoupled signaling (docs/design.md, "Flags follow their data"). Within a batch, and within each FENCE-delimited
+segment of it (rows never move across a FENCE), every WRITE goes first, in order, then one SIGNAL per flag word,
+placed where that word's first signal was: ADDs are summed; a SET resets the sum, so ``SET a, ADD b, ADD c``
+becomes ``SET a+b+c`` and ``ADD b, SET a`` becomes ``SET a`` (the last SET wins). A flag word is ``(dst_rank,
+raddr, rkey)``. The reduced signal carries the chunk id of the last signal it replaces. The result at the
+receiver equals applying the original signals in order, and no signal becomes visible before a write that
+preceded it: the backend orders a connection's WRs (WR flags or an ordered QP), the proxy never waits on a
+completion queue to do so.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """How a rail's worker publishes flags into GPU memory without a CUDA context switch (``flags.publication``),
 and the one publisher it calls (:class:`RailFlags`).
 
-On efa the receiving daemon, not the NIC, writes a flag once every piece it covers arrived (DESIGN.md
-section 4). Host flag files are plain stores into host memory the GPU maps. GPU flag words need a way in
+On efa the receiving daemon, not the NIC, writes a flag once every piece it covers arrived (docs/design.md,
+"Flags follow their data"). Host flag files are plain stores into host memory the GPU maps. GPU flag words need a way in
 from a host thread, and the obvious one — ``cuMemcpyHtoD`` in the daemon's own CUDA context — waits for
 a time slice of that context while the client's kernel is resident: 2.38 ms per copy on the H200. So each
 rail picks, at start, by what the node has (:func:`choose_publication`):

@@ -19,8 +19,8 @@ the GIL released. One iteration (:meth:`Proxy.run_once`):
 This module is the control plane around the engine: it owns the job-scoped tables
 (:class:`~transportd.dataplane.translate.RegionTable`, :class:`~transportd.dataplane.translate.PeerTable`) and hands the
 engine a view of a table after every change, maps backend connection ids to the engine's indexes, and
-turns the engine's counters into stats. Tables are job-scoped (DESIGN.md section 5): a channel resolves
-source regions through its own rank's table and destinations through its job's peer table, so a job's
+turns the engine's counters into stats. Tables are job-scoped (docs/design.md, "Jobs are walled off"): a
+channel resolves source regions through its own rank's table and destinations through its job's peer table, so a job's
 commands can only reach that job's regions.
 
 ``backend=None`` makes the engine its own null NIC (every batch completes on the next poll, nothing

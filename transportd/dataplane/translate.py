@@ -3,11 +3,11 @@
 This is the proxy's handler (the MSCCL++ ``handleTrigger`` part) without the loop: records carry small
 integer ids (peer rank, region ids, flag slot) and the tables below resolve them to addresses and keys.
 Everything is numpy over a whole block of records; there is no per-record Python on this path, which is
-what keeps the proxy near the ring's own drain rate (DESIGN.md section 3: per-command Python work is where
-the proxy's time goes).
+what keeps the proxy near the ring's own drain rate (docs/design.md, "No Python per record": per-command
+Python work is where the proxy's time goes).
 
-Validation (DESIGN.md section 8). A bad record gets exactly one code, the first that applies in this
-order, and produces no plan rows; the records around it are translated as usual:
+Validation (docs/design.md, "Bad input hurts only its sender"). A bad record gets exactly one code, the
+first that applies in this order, and produces no plan rows; the records around it are translated as usual:
 
 ==================  ==================================================================================
 ``CLIENT_GONE``     the channel's client has left (every record is rejected)

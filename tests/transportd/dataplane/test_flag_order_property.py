@@ -1,9 +1,10 @@
 """Property: a flag is never observed before its payload -- over >= 10^5 randomized commands.
 
-DESIGN.md section 4's central rule, end to end through the real pieces: commands go into a real command
-ring, the real :class:`~transportd.dataplane.proxy.Proxy` takes, validates, batches and (optionally) decouples them,
-and a real backend (:class:`ib.backend.IbBackend` or :class:`efa.backend.EfaBackend`) posts them on a soft
-device; a second soft device in the same process is the receiving node (ranks 1 and 2, one connection each).
+The central rule of docs/design.md, "Flags follow their data", end to end through the real pieces: commands go
+into a real command ring, the real :class:`~transportd.dataplane.proxy.Proxy` takes, validates, batches and
+(optionally) decouples them, and a real backend (:class:`ib.backend.IbBackend` or
+:class:`efa.backend.EfaBackend`) posts them on a soft device; a second soft device in the same process is the
+receiving node (ranks 1 and 2, one connection each).
 
 Schedules. A seeded generator draws, per schedule, the proxy's knobs -- batch size (1..8), polling window,
 inflight cap (down to 2 WRs), take limit (down to 1 record), decoupled signaling, the batched post path --
@@ -17,7 +18,7 @@ exercise shows within a few dozen commands, and they are slow), the others long 
 Configurations: RC in order with ``write`` signaling; RC with adaptive routing (the receiver places the
 packets of different writes, and of one write, in random order) with ``atomic`` and with ``fence``
 signaling; SRD (efa), where the receiving backend publishes the flags. Negative control: ``write``
-signaling under adaptive routing, which DESIGN.md documents as unsafe, must be caught -- else the judge
+signaling under adaptive routing, which docs/design.md documents as unsafe, must be caught -- else the judge
 proves nothing.
 
 The judge. A schedule's destinations never overlap and start zeroed, and source bytes are never 0, so
