@@ -35,8 +35,9 @@ MAX_BATCH = 8
 MIN_INFLIGHT_CAP = 2
 MAX_INFLIGHT_CAP = 1 << 16
 
-#: Ranks in one job: a command record names its peer as a u16, so ranks are 0..65535.
-MAX_WORLD = 1 << 16
+#: Ranks in one job: a command record names its peer as a u16, and 0xFFFF is what the device API (and the
+#: Triton calls) write for a rank that does not fit, which must never address a rank: ranks are 0..65534.
+MAX_WORLD = 0xFFFF
 
 #: Regions one rank registers: a command record names a region as a u16, so ids are 0..65535.
 MAX_REGIONS = 1 << 16

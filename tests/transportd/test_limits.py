@@ -81,3 +81,15 @@ def test_the_config_and_the_protocol_agree_on_the_ring_capacity(tmp_path, good: 
         load_config(path, env={})
     with pytest.raises(LocalProtocolError, match="capacity"):
         Channel(bad)
+
+
+def test_the_peer_the_device_api_writes_for_a_rank_that_does_not_fit_is_never_a_rank() -> None:
+    """peer_field() (channel_device.cuh) and the Triton calls write 0xFFFF for a rank above it, and the proxy
+    must refuse that: in a world of 65,536 it was rank 65,535, so a record meant for rank 70,000 went there."""
+    assert MAX_WORLD - 1 < 0xFFFF
+    with pytest.raises(LocalProtocolError, match="world"):
+        Join("j", 0, 0xFFFF + 1, 0)
+    with pytest.raises(LocalProtocolError, match="rank"):
+        Join("j", 0xFFFF, MAX_WORLD, 0)
+    with pytest.raises(ValueError):
+        PeerTable().set_world(0xFFFF + 1)
