@@ -6,11 +6,13 @@ from __future__ import annotations
 import re
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.openmetrics import parser
 
 from tests.support.cluster import close_ranks, join_ranks
+from tests.support.ctl import ctl
 from tests.support.ops_cluster import BACK, CHUNK, JOB, PUTS, OpsCluster
 from tests.support.waiting import wait_until
 from transportd.config import default_config, load_config
@@ -100,6 +102,18 @@ def test_metrics_of_a_real_daemon_after_traffic(ops_cluster: OpsCluster) -> None
     with pytest.raises(urllib.error.HTTPError) as err:
         _scrape(listen, "/")
     assert err.value.code == 404
+
+
+def test_the_command_the_metrics_page_names_for_per_job_traffic_gives_it(ops_cluster: OpsCluster) -> None:
+    """docs/metrics.md named `transportctl stats --json` (totals only); the per-job data is `status --json`'s."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    named = re.findall(r"`transportctl (\w+) --json` carries|the same data `transportctl (\w+) --json`", text)
+    commands = {c for pair in named for c in pair if c}
+    assert commands, "docs/metrics.md names no transportctl command"
+    for command in commands:
+        result = ctl(command, "--json", "--socket", ops_cluster.socket("nodea"))
+        assert result.exit_code == 0, result.stderr
+        assert "traffic" in result.json().get("jobs", {}).get(JOB, {}), f"transportctl {command} --json has no jobs"
 
 
 def test_render_is_exact_and_strict_for_any_snapshot() -> None:
