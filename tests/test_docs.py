@@ -105,3 +105,29 @@ def test_the_imports_in_the_docs_python_examples_work():
                     raise AssertionError(f"{page.name}: {ast.unparse(node)}: {exc}") from None
                 checked += 1
     assert checked
+
+
+def _required_options(command, path=()):
+    import click
+
+    out = [(path, opt) for p in command.params if isinstance(p, click.Option) and p.required for opt in p.opts[:1]]
+    for name, sub in getattr(command, "commands", {}).items():
+        out += _required_options(sub, (*path, name))
+    return out
+
+
+def test_the_readme_shows_required_options_as_required():
+    """`trace start`'s --out is required; the README's command table showed it in brackets."""
+    from transportd_cli.cli import main
+    from transportd_cli.ctl import main as ctl_main
+
+    spans = [s for line in (ROOT / "README.md").read_text().splitlines() if not line.startswith("```")
+             for s in re.findall(r"`([^`]+)`", line)]
+    required = [(program, path, opt) for program, group in (("transportd", main), ("transportctl", ctl_main))
+                for path, opt in _required_options(group)]
+    assert ("transportctl", ("trace", "start"), "--out") in required
+    for program, path, opt in required:
+        usage = [s for s in spans if s.startswith(" ".join((program, *path)) + " ")]
+        assert usage, f"the README does not show `{program} {' '.join(path)}`"
+        for span in usage:
+            assert f"[{opt}" not in span and opt in span, f"README: `{span}` shows {opt} as optional or not at all"
