@@ -326,7 +326,8 @@ class FlagsConfig(Section):
         "The gdrdrv device node; GDRCopy is used only where it exists (the gdrdrv kernel module is "
         "loaded).")] = "/dev/gdrdrv"
     gdrcopy_library: Annotated[str, key(
-        "libgdrapi to load at run time (a name or a path); empty: libgdrapi.so.2, then libgdrapi.so.")] = ""
+        "libgdrapi to load at run time (a name or a path); empty: libgdrapi.so.2, then libgdrapi.so.",
+        default_doc='""')] = ""  # not "(off)": empty looks the library up by its usual names
 
 
 class EfaConfig(Section):

@@ -317,3 +317,11 @@ def test_the_registry_says_what_each_backend_cannot_honour():
     assert [k for k, _ in config_problems("efa", **{**ok, "decoupled": True})] == ["signal.decoupled"]
     assert [k for k, _ in config_problems("ib", **{**ok, "flags_publication": "gdrcopy"})] == ["flags.publication"]
     assert config_problems("efa", **{**ok, "flags_publication": "gdrcopy"}) == []
+
+
+def test_a_default_shown_as_off_means_off() -> None:
+    """The docs table said flags.gdrcopy_library's empty default was "off"; empty looks libgdrapi up by name."""
+    for name, info in KEYS.items():
+        if "(off)" in info.default:
+            assert "empty: off" in info.meaning, f"{name}: default {info.default}, but: {info.meaning}"
+    assert "(off)" not in KEYS["flags.gdrcopy_library"].default
