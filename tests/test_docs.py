@@ -131,3 +131,22 @@ def test_the_readme_shows_required_options_as_required():
         assert usage, f"the README does not show `{program} {' '.join(path)}`"
         for span in usage:
             assert f"[{opt}" not in span and opt in span, f"README: `{span}` shows {opt} as optional or not at all"
+
+
+def test_the_device_api_costs_quote_the_readme():
+    """docs/device-api.md's costs had fallen behind the README's measurements: each measured cell, up to its
+    first parenthesis, must be the README's own words."""
+    page = (DOCS / "device-api.md").read_text()
+    section = page[page.index("## Costs measured on the H200"):]
+    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) > 5
+    source = ""
+    for row in rows[1:]:
+        files = re.findall(r"`([\w.-]+\.json)`", row[2])
+        source = files[-1] if files else source if row[2].startswith("same") else ""
+        if source and source not in readme and (ROOT / "benchmarks" / "results" / source).is_file():
+            continue  # a measurement only this page reports, from its results file
+        quoted = " ".join(row[1].split("(")[0].split()).rstrip(" ;,")
+        assert quoted in readme, f"device-api.md costs, {row[0].lstrip('| ')}: {quoted!r} is not in the README"
