@@ -11,7 +11,12 @@ the device lock (a lost connection updates the connection table) while it winds 
 Receive side. Each connection runs a small state machine (header -> descriptors -> payload per item) over
 a non-blocking socket. Payload bytes are copied from the connection's buffer or, when the rest of a large
 payload has not arrived yet, received straight into its destination (`recv_into` the registered memory),
-so a 1 MiB write costs one kernel copy on each side.
+so a 1 MiB write costs one kernel copy on each side. A direct write (`softverbs._direct`) carries no
+payload: the responder places it with one copy from the requester's device memory.
+
+Shaping. A device with a NIC model (`nic_bandwidth`, `nic_latency_s`, `nic_message_rate`; `softverbs._link`)
+hands each outgoing request to its departure queue with the time the model says it lands; the I/O thread
+sends it then. Acknowledgements and read responses are not shaped.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _direct
 from . import _wire as w
+from ._ibv import ERR
+from ._link import LinkModel
 from ._requester import ResponseFrameHandler
 from ._responder import RequestFrameHandler
 
@@ -63,7 +71,16 @@ class DeviceOptions:
     max_qp_wr: int | None = None
     max_cqe: int | None = None
     max_inline_data: int | None = None
+    # the NIC model (None / 0: unshaped): bytes/s, seconds added to every message, messages/s
+    nic_bandwidth: float | None = None
+    nic_latency_s: float = 0.0
+    nic_message_rate: float | None = None
+    # the reorder pool's packet for direct writes when packet_size is not set: one copy per packet
+    direct_packet_size: int = 1 << 20
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def shaped(self) -> bool:
+        return bool(self.nic_bandwidth or self.nic_latency_s or self.nic_message_rate)
 
 
 class Conn:
@@ -104,17 +121,22 @@ class Conn:
         self.ro_qpns: set[int] | None = None  # QPs of the current frame writing relaxed-ordering regions
         self.read_cap = _BUF_SIZE
         self.peer_lid = 0
+        self.peer_imports: dict[int, int] = {}  # requester role: export id -> the responder's answer
+        self.imports: dict[int, _direct.Imported] = {}  # responder role: export id -> what this side opened
 
     # ---------------------------------------------------------------- send side
-    def send_frame(self, kind: int, descs: list[bytes], payloads: list[Any]) -> bool:
+    def send_frame(self, kind: int, descs: list[bytes], payloads: list[Any], count: int | None = None,
+                   flags: int = 0) -> bool:
         """Send one frame with one sendmsg where the socket takes it all; queue the rest for the I/O thread.
 
-        False when the connection is gone.
+        ``count`` is the descriptors' (a control frame's argument where given). False when the connection
+        is gone.
         """
         payload_len = 0
         for p in payloads:
             payload_len += len(p)
-        bufs = [w.HDR.pack(w.MAGIC, kind, 0, len(descs), payload_len), b"".join(descs)]
+        bufs = [w.HDR.pack(w.MAGIC, kind, flags, len(descs) if count is None else count, payload_len),
+                b"".join(descs)]
         bufs += payloads
         with self.lock:
             if self.closed:
@@ -227,14 +249,13 @@ class Conn:
         if self.state == 0:
             if avail < 16:
                 return False
-            magic, kind, _flags, count, payload_len = w.HDR.unpack_from(self.buf, self.start)
-            if magic != w.MAGIC or kind not in (w.KIND_REQ, w.KIND_RSP, w.KIND_HELLO):
+            magic, kind, flags, count, payload_len = w.HDR.unpack_from(self.buf, self.start)
+            if magic != w.MAGIC or kind not in (w.KIND_REQ, w.KIND_RSP) and kind not in w.CONTROL_KINDS:
                 self.device.conn_lost(self, ValueError("bad frame header"))
                 return False
+            if kind in w.CONTROL_KINDS:
+                return self._control(kind, flags, count, payload_len, avail)
             self.start += 16
-            if kind == w.KIND_HELLO:
-                self.peer_lid = count & 0xFFFF
-                return True
             self.kind, self.count, self.payload_len = kind, count, payload_len
             self.state = 1
             return True
@@ -294,6 +315,29 @@ class Conn:
         return True
 
 
+    def _control(self, kind: int, flags: int, count: int, payload_len: int, avail: int) -> bool:
+        """A control frame (header + a small payload): handled whole, once all of it is buffered."""
+        if payload_len > w.MAX_CONTROL_PAYLOAD:
+            self.device.conn_lost(self, ValueError("oversized control frame"))
+            return False
+        if avail < 16 + payload_len:
+            return False
+        body = bytes(self.mv[self.start + 16:self.start + 16 + payload_len])
+        self.start += 16 + payload_len
+        if kind == w.KIND_HELLO:
+            self.peer_lid = count & 0xFFFF
+        elif kind == w.KIND_IMPORT and self.role == "rsp":
+            self.handler.on_import(self, count, body)
+        elif kind == w.KIND_FORGET and self.role == "rsp":
+            self.handler.on_forget(self, count)
+        elif kind == w.KIND_IMPORTED and self.role == "req":
+            self.handler.on_imported(self, count, flags == _direct.OPENED)
+        else:
+            self.device.conn_lost(self, ValueError(f"control frame {kind} on a {self.role} connection"))
+            return False
+        return True
+
+
 class _Discard:
     """A payload sink that drops bytes (the request was refused)."""
 
@@ -306,6 +350,16 @@ class _Discard:
     def __len__(self) -> int:
         return self.n
 
+
+#: counters of `SoftDevice.stats` (`softverbs.soft.device_stats`)
+STAT_NAMES = (
+    "direct_sent",  # requester: writes sent as a reference to device memory instead of their bytes
+    "direct_placed",  # responder: direct writes (or packets of them) placed by a copy
+    "direct_bytes",  # responder: bytes placed so
+    "imports_opened",  # responder: peers' allocations opened for direct writes
+    "imports_refused",  # responder: ... that could not be (another host, no copier, the open failed)
+    "device_wire_writes",  # requester: writes from device memory that crossed the wire (no agreement yet)
+)
 
 _LISTENER = object()
 _WAKE = object()
@@ -337,6 +391,15 @@ class SoftDevice:
         self.advertise = options.advertise or (options.host if options.host not in ("", "0.0.0.0") else "127.0.0.1")
         self.rng = random.Random(options.reorder_seed)
         self.placement_observer: Callable[[int, int, int], None] | None = None
+        # direct writes: this device's exported allocations (by the copier's descriptor) and counters
+        self.exports: dict[bytes, _direct.Export] = {}
+        self._export_id = itertools.count(1)
+        self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
+        # the NIC model: the link's schedule and the requests waiting for their landing time
+        self.link = LinkModel()
+        self._dep_lock = threading.Lock()
+        self._departures: list[tuple] = []  # heap of (landing time, seq, conn, qp, descriptor, payloads)
+        self._dep_seq = itertools.count()
         self._actions: deque[Callable[[], None]] = deque()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
@@ -400,6 +463,7 @@ class SoftDevice:
         for conn in conns:
             conn.closed = True
             conn.sock.close()
+            self._close_imports(conn)
         for s in (self._listener, self._wake_r, self._wake_w):
             if s is not None:
                 s.close()
@@ -409,6 +473,8 @@ class SoftDevice:
         self._sel = None
         self._actions.clear()
         self._timers.clear()
+        with self._dep_lock:
+            self._departures.clear()
         self.port = 0
 
     # ----------------------------------------------------------- identifiers
@@ -480,6 +546,9 @@ class SoftDevice:
             timeout = None
             if self._timers:
                 timeout = max(0.0, self._timers[0][0] - time.monotonic())
+            if self._departures:
+                due = max(0.0, self._departures[0][0] - time.monotonic())
+                timeout = due if timeout is None else min(timeout, due)
             if self._actions:
                 timeout = 0.0
             try:
@@ -511,9 +580,91 @@ class SoftDevice:
                 now = time.monotonic()
                 while self._timers and self._timers[0][0] <= now:
                     heapq.heappop(self._timers)[2]()
+                if self._departures and self._departures[0][0] <= now:
+                    self._send_departures(now)
                 self.flush_responses()
             except Exception:  # keep serving other peers; the fault is logged with its traceback
                 log.exception("softverbs device %s: I/O loop error", self.name)
+
+    # ------------------------------------------------------------ NIC model
+    def depart(self, conn: Conn, qp: Any, desc: bytes, payloads: list[Any], nbytes: int) -> None:
+        """Send one request when the link model says it lands (any posting thread)."""
+        opts = self.options
+        with self._dep_lock:
+            when = self.link.schedule(time.monotonic(), nbytes, opts.nic_bandwidth, opts.nic_latency_s,
+                                      opts.nic_message_rate)
+            deps = self._departures
+            first = not deps or when < deps[0][0]
+            heapq.heappush(deps, (when, next(self._dep_seq), conn, qp, desc, payloads))
+        if first:
+            self.wake()
+
+    def departing(self) -> bool:
+        """Requests wait in the departure queue (later ones must queue behind them, shaped or not)."""
+        return bool(self._departures)
+
+    def _send_departures(self, now: float) -> None:
+        """I/O thread: send every request whose time has come, one frame per connection, in order."""
+        due = []
+        with self._dep_lock:
+            deps = self._departures
+            while deps and deps[0][0] <= now:
+                due.append(heapq.heappop(deps))
+        frames: dict[Conn, tuple[list[bytes], list[Any]]] = {}
+        for _when, _seq, conn, qp, desc, payloads in due:
+            if qp.closed or qp.state == ERR:  # a QP in error sends nothing more (its WRs are flushed)
+                continue
+            frame = frames.get(conn)
+            if frame is None:
+                frame = frames[conn] = ([], [])
+            frame[0].append(desc)
+            frame[1].extend(payloads)
+        for conn, (descs, payloads) in frames.items():
+            conn.send_frame(w.KIND_REQ, descs, payloads)  # a lost connection fails its requests (conn_lost)
+
+    # ------------------------------------------------------------ direct writes
+    def export_for(self, mr: Any) -> _direct.Export | None:
+        """The export of the allocation under ``mr`` (resolved once per MR), or None."""
+        ex = mr.export
+        if ex is not _UNRESOLVED:
+            return ex
+        copier = _direct.copier()
+        found = copier.export_range(mr.addr, mr.length) if copier is not None and mr.accessor is not None else None
+        ex = None
+        if found is not None:
+            descriptor, base, size = found
+            with self.lock:
+                ex = self.exports.get(descriptor)
+                if ex is None:
+                    ex = self.exports[descriptor] = _direct.Export(next(self._export_id), descriptor, base, size)
+                ex.refs += 1
+        mr.export = ex
+        return ex
+
+    def release_export(self, mr: Any) -> None:
+        """``mr`` is closed: the last MR over an exported allocation tells the peers that opened it."""
+        ex = mr.export
+        mr.export = None
+        if not isinstance(ex, _direct.Export):
+            return
+        with self.lock:
+            ex.refs -= 1
+            if ex.refs:
+                return
+            self.exports.pop(ex.descriptor, None)
+            conns = list(ex.conns)
+            ex.conns.clear()
+        for conn in conns:
+            conn.peer_imports.pop(ex.id, None)
+            conn.send_frame(w.KIND_FORGET, [], [], count=ex.id)
+
+    def _close_imports(self, conn: Conn) -> None:
+        imports, conn.imports = conn.imports, {}
+        for imp in imports.values():
+            try:
+                imp.close()
+            except Exception:  # closing must not stop the others from closing
+                log.exception("softverbs %s: closing an imported allocation", self.name)
 
     def _accept(self) -> None:
         assert self._listener is not None and self._sel is not None
@@ -584,9 +735,16 @@ class SoftDevice:
                 if self.out_conns.get(conn.peer) is conn:
                     del self.out_conns[conn.peer]
             self.response_handler.conn_lost(conn)
+            with self.lock:
+                for ex in self.exports.values():
+                    ex.conns.discard(conn)
         else:
             self.in_conns.discard(conn)
             self._dirty_rsp.discard(conn)
+            self._close_imports(conn)
+
+
+_UNRESOLVED = _direct.UNRESOLVED
 
 
 def errno_name(code: int) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._direct import UNRESOLVED
+
 if TYPE_CHECKING:  # annotations only: the device owns the regions, not the other way round
     from ._device import SoftDevice
 
@@ -11,7 +13,8 @@ if TYPE_CHECKING:  # annotations only: the device owns the regions, not the othe
 class MRCore:
     """A registered region: keys, bounds, access flags and how to reach its bytes."""
 
-    __slots__ = ("device", "pd", "addr", "length", "access", "lkey", "rkey", "view", "accessor", "valid")
+    __slots__ = ("device", "pd", "addr", "length", "access", "lkey", "rkey", "view", "accessor", "valid",
+                 "export")
 
     def __init__(self, device: SoftDevice, pd: Any, addr: int, length: int, access: int,
                  view: memoryview | None, accessor: Any) -> None:
@@ -24,6 +27,7 @@ class MRCore:
         self.accessor = accessor
         self.lkey, self.rkey = device.new_keys()
         self.valid = True
+        self.export: Any = UNRESOLVED  # the device's Export of the allocation under it (direct writes), or None
 
     def contains(self, addr: int, length: int) -> bool:
         return self.addr <= addr and addr + length <= self.addr + self.length

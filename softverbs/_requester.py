@@ -23,6 +23,7 @@ import errno
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from . import _direct
 from . import _wire as w
 from ._ibv import (
     ERR,
@@ -101,6 +102,21 @@ class SendEntry:
         for sge in self.sges:
             n += sge[1]
         return n
+
+
+def _payload(e: SendEntry) -> list[Any]:
+    """The bytes of a write or send, as the pieces a frame carries (host memory by view, no copy)."""
+    if e.inline is not None:
+        return [e.inline]
+    out: list[Any] = []
+    for mr, addr, n in e.local:
+        view = mr.view
+        if view is not None:
+            off = addr - mr.addr
+            out.append(view[off:off + n])
+        else:
+            out.append(mr.read(addr, n))
+    return out
 
 
 class QPRequester:
@@ -361,7 +377,12 @@ class QPRequester:
         return OK
 
     def _pump_tx(self) -> None:
-        """Transmit queued WRs in order, as far as fence and outstanding-read limits allow (lock held)."""
+        """Transmit queued WRs in order, as far as fence and outstanding-read limits allow (lock held).
+
+        A shaped device (or one whose departure queue is not empty) hands each request to its departure
+        queue instead of a frame; a write from exported device memory that the peer has opened goes as a
+        reference (F_DIRECT) instead of its bytes.
+        """
         txq = self.txq
         if not txq or self.tx_halted:
             return
@@ -377,6 +398,8 @@ class QPRequester:
         data_ops = w.DATA_OPS
         rd_ops = w.RD_ATOMIC_OPS
         max_rdma = dev.options.max_rdma_size
+        shaped = dev.options.shaped() or dev.departing()
+        direct = _direct.copier() is not None
         failed: list[SendEntry] = []
         last_dest: Any = None
         conn: Conn | None = None
@@ -397,18 +420,28 @@ class QPRequester:
                 psn = self.tx_psn
                 self.tx_psn = (psn + (-(-length // mtu) or 1)) & 0xFFFFFF
                 e.conn = conn
-                descs.append(pack(self.dest_qpn, qpn, e.seq, 1, base_flags, mtu_code, 0, e.rkey, 0, e.raddr,
-                                  length, psn, 0, 0))
-                if e.inline is not None:
-                    payloads.append(e.inline)
-                for mr, addr, n in e.local:
-                    view = mr.view
-                    if view is not None:
-                        off = addr - mr.addr
-                        payloads.append(view[off:off + n])
-                    else:
-                        payloads.append(mr.read(addr, n))
+                ref = self._direct_ref(conn, e) if direct and e.inline is None else None
+                if ref is None:
+                    desc = pack(self.dest_qpn, qpn, e.seq, 1, base_flags, mtu_code, 0, e.rkey, 0, e.raddr, length,
+                                psn, 0, 0)
+                else:
+                    desc = pack(self.dest_qpn, qpn, e.seq, 1, base_flags | w.F_DIRECT, mtu_code, 0, e.rkey, 0,
+                                e.raddr, length, psn, ref[0], ref[1])
                 inflight[e.seq] = e
+                if shaped:
+                    dev.depart(conn, self, desc, [] if ref is not None else _payload(e), length)
+                    continue
+                descs.append(desc)
+                if ref is None:
+                    if e.inline is not None:
+                        payloads.append(e.inline)
+                    for mr, addr, n in e.local:
+                        view = mr.view
+                        if view is not None:
+                            off = addr - mr.addr
+                            payloads.append(view[off:off + n])
+                        else:
+                            payloads.append(mr.read(addr, n))
                 if len(descs) >= w.MAX_DESCS_PER_FRAME:
                     del frames[conn]
                     if not conn.send_frame(w.KIND_REQ, descs, payloads):
@@ -466,22 +499,25 @@ class QPRequester:
                     frame = frames[conn] = ([], [])
                 descs, payloads = frame
             e.conn = conn
-            descs.append(pack(dst_qpn, qpn, e.seq, op, base_flags, mtu_code, e.imm, e.rkey, e.qkey, e.raddr,
-                              length, psn, e.add, e.swap))
-            if op in data_ops:
-                if e.inline is not None:
-                    payloads.append(e.inline)
-                else:
-                    for mr, addr, n in e.local:
-                        view = mr.view
-                        if view is not None:
-                            off = addr - mr.addr
-                            payloads.append(view[off:off + n])
-                        else:
-                            payloads.append(mr.read(addr, n))
+            ref = None
+            if direct and e.inline is None and (op == w.OP_WRITE or op == w.OP_WRITE_IMM):
+                ref = self._direct_ref(conn, e)
+            if ref is None:
+                desc = pack(dst_qpn, qpn, e.seq, op, base_flags, mtu_code, e.imm, e.rkey, e.qkey, e.raddr, length, psn,
+                            e.add, e.swap)
+                pieces = _payload(e) if op in data_ops else []
+            else:
+                desc = pack(dst_qpn, qpn, e.seq, op, base_flags | w.F_DIRECT, mtu_code, e.imm, e.rkey, e.qkey,
+                            e.raddr, length, psn, ref[0], ref[1])
+                pieces = []
             inflight[e.seq] = e
             if is_rd:
                 self.rd_out += 1
+            if shaped:
+                dev.depart(conn, self, desc, pieces, length if op in data_ops else 0)
+                continue
+            descs.append(desc)
+            payloads.extend(pieces)
             if len(descs) >= w.MAX_DESCS_PER_FRAME:
                 assert conn is not None
                 del frames[conn]
@@ -499,6 +535,34 @@ class QPRequester:
                 self._complete(e)
         if not srd:
             self._rc_retire()
+
+    def _direct_ref(self, conn: Conn, e: SendEntry) -> tuple[int, int] | None:
+        """(export id, offset) when write ``e`` can go as a reference to its device memory on ``conn``.
+
+        The first write of an allocation on a connection asks the peer to open it (IMPORT) and crosses
+        the wire; once the peer has answered that it did, the allocation's writes go as references.
+        """
+        local = e.local
+        if len(local) != 1:
+            return None
+        mr, addr, n = local[0]
+        if mr.view is not None or not n:
+            return None
+        dev = self.device
+        ex = dev.export_for(mr)
+        if ex is None:
+            return None
+        state = conn.peer_imports.get(ex.id)
+        if state == _direct.CONFIRMED:
+            dev.stats["direct_sent"] += 1
+            return ex.id, addr - ex.base
+        if state is None:
+            conn.peer_imports[ex.id] = _direct.PENDING
+            with dev.lock:
+                ex.conns.add(conn)
+            conn.send_frame(w.KIND_IMPORT, [], [ex.record()], count=ex.id)
+        dev.stats["device_wire_writes"] += 1
+        return None
 
     # -- completion
     def _wc_opcode(self, op: int) -> int:
@@ -669,3 +733,9 @@ class ResponseFrameHandler:
     def conn_lost(self, conn: Conn) -> None:
         for qp in list(self.dev.qps.values()):
             qp.conn_lost(conn)
+
+    @staticmethod
+    def on_imported(conn: Conn, xid: int, opened: bool) -> None:
+        """IMPORTED: the peer opened (or refused) export ``xid``; its writes go as references from now on."""
+        if conn.peer_imports.get(xid) == _direct.PENDING:
+            conn.peer_imports[xid] = _direct.CONFIRMED if opened else _direct.DECLINED

@@ -9,6 +9,11 @@ atomics drain the pool first (they execute after all earlier writes are placed);
 completions are produced in message order once every byte of the message and of all earlier messages is
 placed. SRD completes each message as soon as its own bytes are placed.
 
+A direct write (`softverbs._direct`) is admitted by the same checks, then placed by a copy from the
+requester's device memory (opened here for its connection) at the point where a wire write's bytes would
+be stored: whole, or packet by packet from the pool (`direct_packet_size` bytes unless `packet_size` is
+set). The copy is complete before anything later on the QP is placed, completed or acknowledged.
+
 `RequestFrameHandler` is the device's handler for frames on the connections peers opened to it: admission
 (`_arrive`), placement, the reorder pool, RNR timers and the responses; `QPResponder` is what one QP does
 with an admitted request.
@@ -17,9 +22,11 @@ with an admitted request.
 from __future__ import annotations
 
 import errno
+import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from . import _direct
 from . import _wire as w
 from ._ibv import (
     ERR,
@@ -55,13 +62,15 @@ if TYPE_CHECKING:  # annotations only: the device owns the QPs, and a QP is both
     from ._device import Conn, SoftDevice
     from ._qp import QPCore
 
+log = logging.getLogger("softverbs")
+
 
 class Msg:
     """A request as the responder sees it."""
 
     __slots__ = ("qp", "conn", "seq", "op", "flags", "imm", "src_qpn", "rkey", "raddr", "length", "add",
                  "swap", "status", "mr", "recv", "data", "direct", "deferred", "rnr", "pkts_left",
-                 "reorder", "mtu", "unsolicited", "silent", "free", "order")
+                 "reorder", "mtu", "unsolicited", "silent", "free", "order", "src", "src_off")
 
     def __init__(self, conn: Conn, d: tuple) -> None:
         (_dst, self.src_qpn, self.seq, self.op, self.flags, self.mtu, self.imm, self.rkey, _qkey,
@@ -81,6 +90,8 @@ class Msg:
         self.silent = False
         self.free = True  # its packets may be placed before earlier ones (AR, SRD, relaxed ordering)
         self.order = 0
+        self.src: _direct.Imported | None = None  # a direct write's source, opened here
+        self.src_off = 0
 
 
 class QPResponder:
@@ -169,6 +180,12 @@ class QPResponder:
             m.status = REM_ACCESS
             return
         m.mr = mr
+        if m.flags & w.F_DIRECT:  # the source must be an allocation this side opened, and hold the bytes
+            imp = m.conn.imports.get(m.add) if op in (w.OP_WRITE, w.OP_WRITE_IMM) else None
+            if imp is None or imp.closed or m.swap + m.length > imp.size:
+                m.status = REM_OP
+                return
+            m.src, m.src_off = imp, m.swap
 
     def rx_exec(self, m: Msg, handler: RequestFrameHandler) -> None:
         """Execute an accepted request (lock held)."""
@@ -202,11 +219,31 @@ class QPResponder:
     def _place_whole(self, m: Msg, handler: RequestFrameHandler) -> bool:
         op = m.op
         if op in (w.OP_WRITE, w.OP_WRITE_IMM):
-            if m.length:
+            if m.src is not None:
+                self._place_direct(m, 0, m.length, handler)
+            elif m.length:
                 m.mr.write(m.raddr, m.data)
                 handler.observe(self, m.raddr, m.length)
             return True
         return self._scatter_recv(m, handler)
+
+    def _place_direct(self, m: Msg, off: int, n: int, handler: RequestFrameHandler) -> None:
+        """Place ``n`` bytes of direct write ``m`` from ``off``: one copy, complete when it returns."""
+        imp = m.src
+        assert imp is not None
+        if imp.closed:  # its exporter let go before the write completed (or the connection is gone)
+            m.status = REM_OP
+            return
+        try:
+            imp.copier.copy(m.raddr + off, imp.base + m.src_off + off, n)
+        except Exception:
+            log.exception("softverbs %s: direct copy of %d bytes to %#x failed", self.device.name, n, m.raddr + off)
+            m.status = REM_OP
+            return
+        stats = self.device.stats
+        stats["direct_placed"] += 1
+        stats["direct_bytes"] += n
+        handler.observe(self, m.raddr + off, n)
 
     def _scatter_recv(self, m: Msg, handler: RequestFrameHandler) -> bool:
         """Deliver a send into its receive WR's buffers; failures complete both sides with errors."""
@@ -241,6 +278,11 @@ class QPResponder:
     def _finish(self, m: Msg, handler: RequestFrameHandler) -> None:
         """Message fully placed: receive completion (if it consumes one), then the acknowledgement."""
         op = m.op
+        if m.status:  # a direct copy failed: the request fails as a remote operational error
+            handler.respond(m, m.status)
+            if not self.srd:
+                self.enter_error()
+            return
         if op != w.OP_WRITE:
             imm = m.imm if op in (w.OP_WRITE_IMM, w.OP_SEND_IMM) else 0
             wc_flags = WC_WITH_IMM if imm or op in (w.OP_WRITE_IMM, w.OP_SEND_IMM) else 0
@@ -257,11 +299,22 @@ class QPResponder:
 
     def _pool_add(self, m: Msg, handler: RequestFrameHandler) -> None:
         opts = self.device.options
-        size = opts.packet_size or (opts.srd_packet_size if self.srd else mtu_bytes(m.mtu))
-        data = m.data if m.data is not None else memoryview(b"")
         pool = self.pool
         self.rx_order += 1
         m.order = self.rx_order
+        if m.src is not None:  # a direct write: packets are (message, offset, length), one copy each
+            size = opts.packet_size or opts.direct_packet_size
+            n = 0
+            for off in range(0, m.length, size):
+                pool.append((m, off, min(size, m.length - off)))  # type: ignore[arg-type]
+                n += 1
+            m.pkts_left = n
+            if not self.srd:
+                self.pend.append(m)
+            handler.dirty.add(self)
+            return
+        size = opts.packet_size or (opts.srd_packet_size if self.srd else mtu_bytes(m.mtu))
+        data = m.data if m.data is not None else memoryview(b"")
         if m.op in (w.OP_SEND, w.OP_SEND_IMM) or len(data) <= size:
             pool.append((m, 0, data))
             m.pkts_left = 1
@@ -280,6 +333,8 @@ class QPResponder:
         if m.op in (w.OP_SEND, w.OP_SEND_IMM):
             if not self._scatter_recv(m, handler):
                 return
+        elif m.src is not None:
+            self._place_direct(m, off, view, handler)  # type: ignore[arg-type]  # a direct packet's length
         elif len(view):
             m.mr.write(m.raddr + off, view)
             handler.observe(self, m.raddr + off, len(view))
@@ -369,7 +424,7 @@ class RequestFrameHandler:
 
     @staticmethod
     def payload_len(d: tuple) -> int:
-        return d[10] if d[3] in w.DATA_OPS else 0
+        return d[10] if d[3] in w.DATA_OPS and not d[4] & w.F_DIRECT else 0
 
     def sink_for(self, conn: Conn, d: tuple, n: int) -> memoryview | None:
         m = self._arrive(conn, d)
@@ -507,7 +562,8 @@ class RequestFrameHandler:
             if m.op in w.RECV_OPS and not qp._reserve_recv(m):
                 m.rnr = True
                 return m
-            if not m.reorder and m.op in (w.OP_WRITE, w.OP_WRITE_IMM) and m.length and m.mr.view is not None:
+            if not m.reorder and m.op in (w.OP_WRITE, w.OP_WRITE_IMM) and m.length and m.src is None \
+                    and m.mr.view is not None:
                 m.direct = True
                 m.data = m.mr.view_at(m.raddr, m.length)
             return m
@@ -579,7 +635,8 @@ class RequestFrameHandler:
             src = dest
             for d in descs:
                 dst, src, seq, op, flags, mtu_code, _imm, rkey, _qk, raddr, length, psn, _a, _s = d
-                if op != w.OP_WRITE or dst != qpn or src != dest or psn != exp or flags & (w.F_AR | w.F_SRD) \
+                if op != w.OP_WRITE or dst != qpn or src != dest or psn != exp \
+                        or flags & (w.F_AR | w.F_SRD | w.F_DIRECT) \
                         or mtu_code > path_mtu or length == 0:
                     break
                 if rkey != cur_rkey:
@@ -603,6 +660,30 @@ class RequestFrameHandler:
         if done:
             self.ack(conn, dest, first_seq, done)
         return done, pos
+
+    # -- direct writes: the allocations a requester asks this side to open (`softverbs._direct`)
+    def on_import(self, conn: Conn, xid: int, record: bytes) -> None:
+        """IMPORT: open the allocation for ``conn`` and say whether it could be (refused: its writes stay on
+        the wire)."""
+        old = conn.imports.pop(xid, None)
+        if old is not None:
+            old.close()
+        try:
+            imp = _direct.open_import(_direct.copier(), record)
+        except Exception as exc:  # any failure only keeps this allocation's writes on the wire
+            self.dev.stats["imports_refused"] += 1
+            log.info("softverbs %s: writes from %s's export %d stay on the wire: %s", self.dev.name, conn.peer, xid,
+                     exc)
+            conn.send_frame(w.KIND_IMPORTED, [], [], count=xid, flags=_direct.REFUSED)
+            return
+        conn.imports[xid] = imp
+        self.dev.stats["imports_opened"] += 1
+        conn.send_frame(w.KIND_IMPORTED, [], [], count=xid, flags=_direct.OPENED)
+
+    def on_forget(self, conn: Conn, xid: int) -> None:
+        imp = conn.imports.pop(xid, None)
+        if imp is not None:
+            imp.close()
 
     def observe(self, qp: QPCore, addr: int, length: int) -> None:
         obs = self.dev.placement_observer

@@ -13,8 +13,16 @@ come back on the same connection. Many work requests share one frame, so a batch
 `seq` names the request within its requester QP; RSP echoes it (an OP_ACK response acknowledges the
 `length` consecutive requests starting at `seq`, so a batch of writes costs one response). `status` is
 an ibv_wc_status value for the requester's completion. REQ `flags`: bit 0 adaptive routing (reorder
-packets), bits 1-3 the requester's
-rnr_retry, bit 4 the requester is an SRD QP.
+packets), bits 1-3 the requester's rnr_retry, bit 4 the requester is an SRD QP, bit 5 a direct write: no
+payload follows, `add` names the source (an export id the responder has opened, see `softverbs._direct`)
+and `swap` the offset of the bytes in it.
+
+Control frames carry no descriptors (`count` is their argument) and are never batched with others:
+
+    HELLO     requester -> responder, first on a connection: count = the sender device's LID (its port)
+    IMPORT    requester -> responder: count = export id, payload = `softverbs._direct` import record
+    IMPORTED  responder -> requester: count = export id, flags = 1 opened / 0 refused
+    FORGET    requester -> responder: count = export id (its last MR is gone: close it)
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ assert HDR.size == 16 and REQ.size == 64 and RSP.size == 32
 KIND_REQ = 1
 KIND_RSP = 2
 KIND_HELLO = 3  # first frame on a connection: count = the sender device's LID (its TCP port)
+KIND_IMPORT = 4
+KIND_IMPORTED = 5
+KIND_FORGET = 6
+CONTROL_KINDS = frozenset((KIND_HELLO, KIND_IMPORT, KIND_IMPORTED, KIND_FORGET))
+MAX_CONTROL_PAYLOAD = 4096
 
 OP_ACK = 0  # RSP only: `length` consecutive requests from `seq` on completed successfully
 OP_WRITE = 1
@@ -46,6 +59,7 @@ RD_ATOMIC_OPS = frozenset((OP_READ, OP_FADD, OP_CSWAP))
 
 F_AR = 1
 F_SRD = 1 << 4
+F_DIRECT = 1 << 5
 RNR_SHIFT = 1
 
 MAX_DESCS_PER_FRAME = 4096

@@ -80,6 +80,7 @@ class MR(SoftCM):
             dev.mrs_by_rkey.pop(core.rkey, None)
             if core.access & _RO:
                 dev.relaxed_mrs -= 1
+        dev.release_export(core)
         self._closed = True
 
     def write(self, data: Any, length: int, offset: int = 0) -> None:

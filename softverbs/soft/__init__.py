@@ -9,8 +9,18 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
   ephemeral port; `SOFTVERBS_LISTEN=host[:port]` changes the listen address of the defaults.
 - `configure(device, **options)`: change a device's `DeviceOptions` (adaptive_routing, reorder_seed,
   reorder_window, packet_size, srd_packet_size, efa_device_caps, max_rdma_size, max_qp_wr, max_cqe,
-  max_inline_data, connect_timeout_s, reconnect_backoff_s, srd_rnr_timer_ms). Listen address options apply
-  at next open. After a failed connect, WRs toward that endpoint fail at once for `reconnect_backoff_s`.
+  max_inline_data, connect_timeout_s, reconnect_backoff_s, srd_rnr_timer_ms, direct_packet_size, and the
+  NIC model below). Listen address options apply at next open. After a failed connect, WRs toward that
+  endpoint fail at once for `reconnect_backoff_s`.
+- The NIC model (`softverbs._link`): `nic_bandwidth` (bytes/s), `nic_latency_s` (s) and
+  `nic_message_rate` (messages/s) shape what a device sends: each request lands when a link of that
+  bandwidth and message rate, taking requests one after another, has carried it, plus the latency.
+  None / 0: unshaped. Per-QP order is kept; acknowledgements and read responses are not shaped.
+- `set_direct_copier(copier)`: a `DirectCopier` (export, open, close, copy) lets this process's devices
+  place writes from device memory between processes on one host with one copy, agreed per connection and
+  allocation (`softverbs._direct`); `ShmCopier` does it for host memory in /dev/shm (tests).
+- `device_stats(device, reset=False)`: the device's counters (direct writes, imports) and its link's
+  schedule (messages, bytes, busy time, span).
 - `set_adaptive_routing(ctx_or_qp, on)`: RC adaptive routing for a whole device or one QP (the requester's
   setting decides how its packets are placed). `SOFTVERBS_ADAPTIVE_ROUTING=1` turns it on for the defaults.
 - `set_placement_observer(ctx, fn)`: `fn(qp_num, addr, length)` runs on the device's I/O thread after
@@ -26,14 +36,15 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from .._device import DeviceOptions, SoftDevice
+from .._device import STAT_NAMES, DeviceOptions, SoftDevice
+from .._direct import DirectCopier, ShmCopier, copier, set_copier
 from .._memory import ACCESSORS, HostAccessor, MemoryAccessor
 from ..addr import endpoint_from_gid, gid_for_endpoint
 
 __all__ = [
-    "DeviceOptions", "HostAccessor", "MemoryAccessor", "add_device", "configure", "device_options",
-    "endpoint_from_gid", "endpoint_of", "gid_for_endpoint", "register_memory", "set_adaptive_routing",
-    "set_placement_observer", "unregister_memory",
+    "DeviceOptions", "DirectCopier", "HostAccessor", "MemoryAccessor", "ShmCopier", "add_device", "configure",
+    "device_options", "device_stats", "direct_copier", "endpoint_from_gid", "endpoint_of", "gid_for_endpoint",
+    "register_memory", "set_adaptive_routing", "set_direct_copier", "set_placement_observer", "unregister_memory",
 ]
 
 _OPTION_NAMES = {f.name for f in fields(DeviceOptions)}
@@ -114,3 +125,29 @@ def register_memory(base: int, length: int, accessor: MemoryAccessor) -> None:
 
 def unregister_memory(base: int) -> None:
     ACCESSORS.unregister(base)
+
+
+def set_direct_copier(obj: DirectCopier | None) -> None:
+    """Place writes from device memory between processes on one host by direct copies (None: never)."""
+    if obj is not None and not isinstance(obj, DirectCopier):
+        raise TypeError(f"{type(obj).__name__} is not a DirectCopier (export_range, open_export, close_export, copy)")
+    set_copier(obj)
+
+
+def direct_copier() -> DirectCopier | None:
+    return copier()
+
+
+def device_stats(target: Any, reset: bool = False) -> dict[str, Any]:
+    """A device's counters (`softverbs._device.STAT_NAMES`) and its link's schedule under "link"
+    (messages, bytes, busy_s, span_s: `softverbs._link.LinkModel.stats`); ``reset`` zeroes them after."""
+    dev = _device(target)
+    out: dict[str, Any] = {name: dev.stats[name] for name in STAT_NAMES}
+    with dev._dep_lock:
+        out["link"] = dev.link.stats()
+        if reset:
+            dev.link.reset_stats()
+    if reset:
+        for name in STAT_NAMES:
+            dev.stats[name] = 0
+    return out

@@ -12,30 +12,53 @@ receiver, so each trial says exactly whether the flag became visible before all 
   and the fenced flag waits for the read -> safe;
 - AR off: RC places in order -> every scheme is safe, unless the flag's region is registered with
   IBV_ACCESS_RELAXED_ORDERING (PCIe may then let the flag write pass the data).
+
+Each runs on host memory and on device memory (emulated: tests/support/device_memory.py), where writes are
+placed by direct copies (softverbs._direct) packet by packet: the same hazards, and the same safety.
+tests/gpu/test_soft_fabric.py runs them on a GPU's memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
+from tests.support.device_memory import ShmDeviceMemory
 from tests.support.verbs_resources import RCPair, open_provider, poll
 
 TRIALS = 40
 DATA = 4096  # 16 packets of 256 bytes
-DATA_OFF, FLAG_OFF, SCRATCH_OFF = 0, 65536, 131072
+DATA_OFF, FLAG_OFF, SCRATCH_OFF, WARM_OFF = 0, 65536, 131072, 196608
 
 
-@pytest.fixture
-def ar_pair():
+@pytest.fixture(params=["host", "device"])
+def ar_pair(request: pytest.FixtureRequest):
+    with ShmDeviceMemory() if request.param == "device" else contextlib.nullcontext() as memory:
+        yield from ar_pair_on(memory)
+
+
+def ar_pair_on(memory: object = None):
+    """An RC pair for the trials, its MRs on ``memory`` (None: host memory), and the placement log. With
+    device memory, a first write lets the server side open the client's allocation, so that every write
+    of the trials goes by direct copy."""
     provider = open_provider("soft")
     soft = provider.v.soft
     soft.configure("softib0", reorder_seed=1234, packet_size=256)
-    with provider.rc_pair(max_send_wr=256) as pair:
+    soft.device_stats("softib0", reset=True)
+    with provider.rc_pair(max_send_wr=256, client_memory=memory, server_memory=memory) as pair:
+        e = pair.v.enums
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(WARM_OFF, 8),
+                                              raddr=pair.server.mr.buf + WARM_OFF))
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS
         log: list[tuple[int, int, int]] = []
         soft.set_placement_observer(pair.ctx, lambda qpn, addr, length: log.append((qpn, addr, length)))
         yield pair, log
         soft.set_placement_observer(pair.ctx, None)
         soft.configure("softib0", reorder_seed=None, packet_size=None)
+        stats = soft.device_stats("softib0")
+        assert (stats["direct_placed"] > 0) == (memory is not None), stats
+        assert stats["device_wire_writes"] == (memory is not None), stats  # the first write alone
 
 
 def _trial(pair: RCPair, mode: str, n: int) -> None:

@@ -143,14 +143,19 @@ def raises_errno(v: Any, code: int, fn: Any, *args: Any, **kwargs: Any) -> None:
 
 
 class Side:
-    """One end: its CQ, QP and one MR."""
+    """One end: its CQ, QP and one MR (host memory, or ``memory``'s: see tests/support/device_memory.py)."""
 
-    def __init__(self, pair: Any, mr_size: int, mr_access: int) -> None:
+    def __init__(self, pair: Any, mr_size: int, mr_access: int, memory: Any = None) -> None:
         v = pair.v
         self.v = v
         self.cq: Any = None
         self.qp: Any = None
-        self.mr = v.mr.MR(pair.pd, mr_size, mr_access)
+        self.memory = memory
+        if memory is None:
+            self.mr = v.mr.MR(pair.pd, mr_size, mr_access)
+        else:
+            self.addr = memory.allocate(mr_size)
+            self.mr = v.mr.MR(pair.pd, mr_size, mr_access, address=self.addr, **memory.mr_options())
         self.psn = random.getrandbits(24)
         self.gid: Any = None
         self.lid = 0
@@ -165,6 +170,14 @@ class Side:
         mr = mr or self.mr
         return self.v.wr.SGE(mr.buf + offset, length, mr.lkey)
 
+    def close(self) -> None:
+        for obj in (self.qp, self.mr, self.cq):
+            if obj is not None:
+                obj.close()
+        if self.memory is not None:
+            self.memory.free(self.addr)
+            self.memory = None
+
 
 class RCPair:
     """Client and server RC QPs on one device, connected to each other; a context manager that closes them."""
@@ -175,7 +188,8 @@ class RCPair:
 
     def __init__(self, provider: Provider, device: str, *, mr_size: int = 1 << 20, mr_access: int | None = None,
                  max_send_wr: int = 64, max_recv_wr: int = 64, cq_depth: int = 512, qp_access: int | None = None,
-                 connect: bool = True, max_rd_atomic: int = 4, max_inline_data: int = 0) -> None:
+                 connect: bool = True, max_rd_atomic: int = 4, max_inline_data: int = 0, client_memory: Any = None,
+                 server_memory: Any = None) -> None:
         v = self.v = provider.v
         self.provider = provider
         e = v.enums
@@ -187,8 +201,8 @@ class RCPair:
             mr_access = access(v, *FULL_ACCESS) if mr_access is None else mr_access
             self.qp_access = access(v, "IBV_ACCESS_REMOTE_WRITE", "IBV_ACCESS_REMOTE_READ",
                                     "IBV_ACCESS_REMOTE_ATOMIC") if qp_access is None else qp_access
-            self.client = Side(self, mr_size, mr_access)
-            self.server = Side(self, mr_size, mr_access)
+            self.client = Side(self, mr_size, mr_access, client_memory)
+            self.server = Side(self, mr_size, mr_access, server_memory)
             for side in (self.client, self.server):
                 side.gid, side.lid = self.gid, self.port_attr.lid
             ops = 0
@@ -252,11 +266,8 @@ class RCPair:
 
     def close(self) -> None:
         for side in (getattr(self, "client", None), getattr(self, "server", None)):
-            if side is None:
-                continue
-            for obj in (side.qp, side.mr, side.cq):
-                if obj is not None:
-                    obj.close()
+            if side is not None:
+                side.close()
         for name in ("pd", "ctx"):
             obj = getattr(self, name, None)
             if obj is not None:
@@ -269,7 +280,7 @@ class SRDPair:
 
     def __init__(self, provider: Provider, device: str, *, mr_size: int = 1 << 20, unsolicited: bool = True,
                  max_send_wr: int = 256, max_recv_wr: int = 256, cq_depth: int = 1024,
-                 sq_sig_all: int = 0) -> None:
+                 sq_sig_all: int = 0, client_memory: Any = None, server_memory: Any = None) -> None:
         v = self.v = provider.v
         self.provider = provider
         e, ee = v.enums, v.efa_enums
@@ -284,8 +295,8 @@ class SRDPair:
             self.gid = self.ctx.query_gid(1, 0)
             self.pd = v.pd.PD(self.ctx)
             mr_access = access(v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE", "IBV_ACCESS_REMOTE_READ")
-            self.client = Side(self, mr_size, mr_access)
-            self.server = Side(self, mr_size, mr_access)
+            self.client = Side(self, mr_size, mr_access, client_memory)
+            self.server = Side(self, mr_size, mr_access, server_memory)
             ops = int(e.IBV_QP_EX_WITH_RDMA_WRITE | e.IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM | e.IBV_QP_EX_WITH_SEND
                       | e.IBV_QP_EX_WITH_SEND_WITH_IMM)
             if self.has_read:
@@ -361,11 +372,8 @@ class SRDPair:
         if ah is not None:
             ah.close()
         for side in (getattr(self, "client", None), getattr(self, "server", None)):
-            if side is None:
-                continue
-            for obj in (side.qp, side.mr, side.cq):
-                if obj is not None:
-                    obj.close()
+            if side is not None:
+                side.close()
         for name in ("pd", "ctx"):
             obj = getattr(self, name, None)
             if obj is not None:

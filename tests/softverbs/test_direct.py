@@ -1,0 +1,259 @@
+"""Direct placement (softverbs._direct): writes from device memory placed by one copy on the responder.
+
+Device memory is emulated here (tests/support/device_memory.py: /dev/shm files behind an accessor, the
+ShmCopier installed); the same tests run on a GPU's memory in tests/gpu/test_soft_fabric.py. What they
+show: the first write of an allocation crosses the wire while the peer opens it, later ones go as
+references; the target's checks fail a direct write exactly as they fail a wire write; a peer that cannot
+open the allocation keeps it on the wire; closing the last MR over an allocation closes the peer's
+mapping; and between two processes the same holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import socket
+from typing import Any
+
+import numpy as np
+import pytest
+
+from softverbs import _direct, soft
+from tests.softverbs import direct_node
+from tests.support.device_memory import ShmDeviceMemory
+from tests.support.verbs_resources import RCPair, access, open_provider, poll
+
+SIZE = 64 << 10
+
+
+@pytest.fixture
+def shm() -> Any:
+    with ShmDeviceMemory() as memory:
+        yield memory
+
+
+@pytest.fixture
+def provider() -> Any:
+    provider = open_provider("soft")
+    soft.device_stats("softib0", reset=True)
+    return provider
+
+
+def _write(pair: RCPair, off: int, length: int, *, wr_id: int = 1, rkey: int | None = None,
+           raddr: int | None = None) -> Any:
+    e = pair.v.enums
+    wr = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(off, length), wr_id=wr_id, rkey=rkey,
+                      raddr=pair.server.mr.buf + off if raddr is None else raddr)
+    pair.client.qp.post_send(wr)
+    (wc,) = poll(pair.client.cq)
+    return wc
+
+
+def _image(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("target", ["device", "host"])
+def test_device_writes_go_direct_once_the_peer_opened_their_allocation(provider, shm, target: str) -> None:
+    with provider.rc_pair(client_memory=shm, server_memory=shm if target == "device" else None) as pair:
+        e = pair.v.enums
+        image = _image(8 * SIZE, 1)
+        pair.client.write_buf(0, image)
+        for i in range(8):
+            assert _write(pair, i * SIZE, SIZE, wr_id=i).status == e.IBV_WC_SUCCESS
+        assert pair.server.read_buf(0, 8 * SIZE) == image
+        stats = soft.device_stats("softib0")
+        # the first crossed the wire with the IMPORT; the peer (this process) answered before its ack
+        assert stats["device_wire_writes"] == 1 and stats["imports_opened"] == 1
+        assert stats["direct_sent"] == 7 and stats["direct_placed"] == 7 and stats["direct_bytes"] == 7 * SIZE
+
+
+def test_host_memory_never_goes_direct(provider, shm) -> None:
+    with provider.rc_pair() as pair:
+        pair.client.write_buf(0, b"x" * SIZE)
+        for i in range(3):
+            assert _write(pair, 0, SIZE, wr_id=i).status == pair.v.enums.IBV_WC_SUCCESS
+        stats = soft.device_stats("softib0")
+        assert stats["direct_sent"] == stats["device_wire_writes"] == stats["imports_opened"] == 0
+
+
+def _failures(provider: Any, memory: Any) -> list[tuple[int, int]]:
+    """(status of the bad write, status of the write posted after it) for each way a target refuses."""
+    out = []
+    for case in ("rkey", "bounds", "mr_access", "qp_access"):
+        v = provider.v
+        qp_access = access(v, "IBV_ACCESS_REMOTE_READ") if case == "qp_access" else None
+        with provider.rc_pair(client_memory=memory, server_memory=memory, qp_access=qp_access) as pair:
+            e = v.enums
+            ro = v.mr.MR(pair.pd, SIZE, access(v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ"))
+            try:
+                # qp_access refuses every write: the agreement is reached on another pair first
+                if case != "qp_access":
+                    assert _write(pair, 0, 64).status == e.IBV_WC_SUCCESS
+                kw = {"rkey": {"rkey": pair.server.mr.rkey ^ 0x100},
+                      "bounds": {"raddr": pair.server.mr.buf + pair.server.mr.length - 16},
+                      "mr_access": {"rkey": ro.rkey, "raddr": ro.buf},
+                      "qp_access": {}}[case]
+                bad = _write(pair, 0, 64, wr_id=2, **kw)
+                pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 64), wr_id=3))
+                (after,) = poll(pair.client.cq)
+                out.append((bad.status, after.status))
+            finally:
+                ro.close()
+    return out
+
+
+def test_the_target_refuses_a_direct_write_exactly_as_a_wire_write(provider) -> None:
+    wire = _failures(provider, None)
+    with ShmDeviceMemory() as memory:
+        soft.device_stats("softib0", reset=True)
+        direct = _failures(provider, memory)
+        sent = soft.device_stats("softib0")["direct_sent"]
+    e = provider.v.enums
+    assert wire == [(e.IBV_WC_REM_ACCESS_ERR, e.IBV_WC_WR_FLUSH_ERR)] * 4
+    assert direct == wire
+    assert sent >= 2  # the rkey and bounds refusals (at least) were direct writes
+
+
+def test_a_peer_that_cannot_open_the_allocation_keeps_it_on_the_wire(provider, shm, monkeypatch) -> None:
+    def refuse(copier: Any, record: bytes) -> Any:
+        raise ValueError("the exporter runs on another host")
+
+    monkeypatch.setattr(_direct, "open_import", refuse)
+    with provider.rc_pair(client_memory=shm, server_memory=shm) as pair:
+        image = _image(4 * SIZE, 2)
+        pair.client.write_buf(0, image)
+        for i in range(4):
+            assert _write(pair, i * SIZE, SIZE, wr_id=i).status == pair.v.enums.IBV_WC_SUCCESS
+        assert pair.server.read_buf(0, 4 * SIZE) == image
+    stats = soft.device_stats("softib0")
+    assert stats["imports_refused"] == 1 and stats["direct_sent"] == 0 and stats["device_wire_writes"] == 4
+
+
+def test_an_import_is_refused_from_another_host_or_without_a_copier() -> None:
+    copier = soft.ShmCopier()
+    base = copier.allocate(4096)
+    try:
+        descriptor, start, size = copier.export_range(base, 16)
+        record = _direct.Export(1, descriptor, start, size).record()
+        here = _direct.open_import(copier, record)
+        assert (here.base, here.size, here.descriptor) == (base, 4096, None)  # this process: nothing opened
+        with pytest.raises(ValueError, match="no direct copier"):
+            _direct.open_import(None, record)
+        other = bytearray(record)
+        other[0] ^= 0xFF  # another boot id
+        with pytest.raises(ValueError, match="another host"):
+            _direct.open_import(copier, bytes(other))
+        with pytest.raises(ValueError, match="short"):
+            _direct.open_import(copier, record[:10])
+    finally:
+        copier.free(base)
+
+
+def test_an_allocation_opened_by_another_copier_is_mapped_there_by_its_path() -> None:
+    a, b = soft.ShmCopier(), soft.ShmCopier()
+    base = a.allocate(8192)
+    try:
+        descriptor, start, size = a.export_range(base + 100, 50)
+        assert (start, size) == (base, 8192) and a.export_range(base + 8000, 500) is None
+        there, mapped = b.open_export(descriptor)
+        assert mapped == 8192 and there != base
+        ctypes.memmove(base, b"abc" * 10, 30)
+        assert ctypes.string_at(there, 30) == b"abc" * 10  # one memory, two mappings
+        assert b.opened() == 1
+        b.close_export(descriptor)
+        assert b.opened() == 0
+    finally:
+        a.free(base)
+
+
+# --- two processes ------------------------------------------------------------------------------------------
+@pytest.mark.multiprocess
+def test_between_two_processes_the_responder_copies_from_the_requester_s_shared_memory(provider, shm) -> None:
+    from tests.support.verbs_resources import Side
+
+    v, e = provider.v, provider.v.enums
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=direct_node.responder, args=(there,), daemon=True)
+    proc.start()
+    try:
+        assert here.poll(60), "the responder process did not start"
+        remote = here.recv()
+        dev_ctx = v.device.Context(name="softib0")
+        pd = v.pd.PD(dev_ctx)
+        holder = type("P", (), {"v": v, "pd": pd})()
+        side = Side(holder, 8 * SIZE, access(v, "IBV_ACCESS_LOCAL_WRITE"), shm)
+        side.cq = v.cq.CQ(dev_ctx, 64)
+        side.qp = v.qp.QP(pd, v.qp.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=side.cq, rcq=side.cq,
+                                              cap=v.qp.QPCap(max_send_wr=16, max_recv_wr=16)))
+        here.send({"qpn": side.qp.qp_num, "gid": str(dev_ctx.query_gid(1, 0)), "lid": dev_ctx.query_port(1).lid,
+                   "psn": side.psn})
+        direct_node.to_rts(v, side.qp, remote, side.psn)
+        assert here.recv() == "ready"
+        image = _image(8 * SIZE, 3)
+        side.write_buf(0, image)
+        for i in range(8):
+            wr = v.wr.SendWR(wr_id=i, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[side.sge(i * SIZE, SIZE)],
+                             send_flags=e.IBV_SEND_SIGNALED)
+            wr.set_wr_rdma(remote["rkey"], remote["addr"] + i * SIZE)
+            side.qp.post_send(wr)
+            assert poll(side.cq)[0].status == e.IBV_WC_SUCCESS
+        here.send("state")
+        state = here.recv()
+        assert state["data"] == image
+        assert state["opened"] == 1 and state["stats"]["imports_opened"] == 1
+        assert state["stats"]["direct_placed"] == 7
+        assert soft.device_stats("softib0")["direct_sent"] == 7
+        side.close()  # the last MR over the allocation: FORGET, and the responder unmaps it
+        for _ in range(200):
+            here.send("state")
+            if here.recv()["opened"] == 0:
+                break
+        else:
+            pytest.fail("the responder kept the allocation mapped after its last MR was closed")
+        pd.close()
+        dev_ctx.close()
+    finally:
+        here.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+# --- SRD: unordered at packet granularity, direct or not ----------------------------------------------------
+def srd_write_imm_order(memory: Any, n: int = 48, size: int = 6000, **packets: Any) -> tuple[list[int], dict]:
+    """``n`` write-with-imm of ``size`` bytes from ``memory`` into ``memory`` over SRD, packets shuffled; at
+    each receive completion the message's bytes must all be there. The completion order and the stats."""
+    provider = open_provider("soft")
+    soft.configure("softefa0", reorder_seed=7, **packets)
+    soft.device_stats("softefa0", reset=True)
+    try:
+        with provider.srd_pair(max_send_wr=128, client_memory=memory, server_memory=memory) as pair:
+            e = pair.v.enums
+            pair.post(pair.client, "write", pair.client.sge(n * size, 8), raddr=pair.server.mr.buf + n * size)
+            assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS  # the agreement, before the trial
+            image = _image(n * size, 4)
+            pair.client.write_buf(0, image)
+            for i in range(n):
+                pair.post(pair.client, "write_imm", pair.client.sge(i * size, size), wr_id=i,
+                          raddr=pair.server.mr.buf + i * size, imm=i)
+            order = []
+            for _ in range(n):
+                (recv,) = poll(pair.server.cq)
+                assert recv.status == e.IBV_WC_SUCCESS
+                i = socket.ntohl(recv.imm_data)
+                assert pair.server.read_buf(i * size, size) == image[i * size:(i + 1) * size], f"message {i} torn"
+                order.append(i)
+            assert sorted(w.wr_id for w in poll(pair.client.cq, n)) == list(range(n))
+            return order, soft.device_stats("softefa0")
+    finally:
+        soft.configure("softefa0", reorder_seed=None, packet_size=None, direct_packet_size=1 << 20)
+
+
+@pytest.mark.parametrize("packets", [{"packet_size": 512}, {"direct_packet_size": 1024}], ids=["packet", "direct"])
+def test_srd_direct_write_imm_completes_after_all_its_packets_in_any_order(shm, packets: dict) -> None:
+    order, stats = srd_write_imm_order(shm, **packets)
+    assert sorted(order) == list(range(48)) and order != sorted(order)
+    per_message = -(-6000 // next(iter(packets.values())))
+    assert stats["direct_sent"] == 48 and stats["direct_placed"] == 48 * per_message  # one copy per packet

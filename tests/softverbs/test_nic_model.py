@@ -1,0 +1,141 @@
+"""The NIC model (softverbs._link): a shaped device lands a stream of writes at the configured bandwidth and
+message rate, each request at least the base latency late, and keeps every QP's order.
+
+The schedule is asserted exactly (the model's arithmetic); wall-clock measurements only where the brief
+is the point, at rates far below what this machine does unshaped (about 100 MB/s against GB/s), and with
+a band that a loaded machine cannot miss from below (the model never lets a write land early) and has a
+10 % margin above.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from softverbs import soft
+from softverbs._link import LinkModel
+from tests.support.verbs_resources import open_provider, poll
+
+
+# --- the model's arithmetic ---------------------------------------------------------------------------------
+def test_a_stream_is_spaced_by_its_bytes_over_the_bandwidth() -> None:
+    link = LinkModel()
+    lands = [link.schedule(10.0, 1000, 1e6, 0.0, None) for _ in range(4)]  # posted together at t = 10
+    assert lands == pytest.approx([10.001, 10.002, 10.003, 10.004])
+    assert link.stats() == pytest.approx({"messages": 4, "bytes": 4000, "busy_s": 0.004, "span_s": 0.004})
+
+
+def test_the_message_rate_bounds_small_messages_and_latency_adds_to_each() -> None:
+    link = LinkModel()
+    assert link.schedule(0.0, 8, 1e9, 0.5, 100.0) == pytest.approx(0.51)  # 1/100 s beats 8 ns of bytes
+    assert link.schedule(0.0, 8, 1e9, 0.5, 100.0) == pytest.approx(0.52)
+    assert link.schedule(0.0, 10**8, 1e9, 0.5, 100.0) == pytest.approx(0.62)  # 100 ms of bytes beats 10 ms
+    assert LinkModel.occupancy(100, None, None) == 0.0
+
+
+def test_an_idle_link_starts_at_once_and_landing_never_goes_back() -> None:
+    link = LinkModel()
+    assert link.schedule(0.0, 1000, 1e6, 0.0, None) == pytest.approx(0.001)
+    assert link.schedule(5.0, 1000, 1e6, 0.0, None) == pytest.approx(5.001)  # idle in between: from now
+    assert link.stats()["span_s"] == pytest.approx(5.001)  # span > busy: the link went idle
+    assert link.schedule(5.0, 1000, 1e6, 1.0, None) == pytest.approx(6.002)
+    assert link.schedule(5.0, 1000, 1e6, 0.0, None) == pytest.approx(6.002)  # a lower latency: not earlier
+
+
+# --- a shaped device ----------------------------------------------------------------------------------------
+@pytest.fixture
+def shaped() -> Any:
+    provider = open_provider("soft")
+    soft.device_stats("softib0", reset=True)
+    yield provider
+    soft.configure("softib0", nic_bandwidth=None, nic_latency_s=0.0, nic_message_rate=None)
+
+
+def _stream(pair: Any, n: int, size: int, nap: float = 0.0) -> float:
+    """Post ``n`` writes of ``size`` bytes at once (the last signaled); seconds until its completion. The
+    poll spins: ``nap`` seconds of sleep before it leave the device's I/O thread the interpreter."""
+    e = pair.v.enums
+    wrs = [pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(i * size % pair.client.mr.length, size), wr_id=i,
+                        flags=int(e.IBV_SEND_SIGNALED) if i == n - 1 else 0,
+                        raddr=pair.server.mr.buf + i * size % pair.server.mr.length) for i in range(n)]
+    for a, b in zip(wrs, wrs[1:], strict=False):
+        a.next_wr = b
+    t0 = time.monotonic()
+    pair.client.qp.post_send(wrs[0])
+    time.sleep(nap)
+    (wc,) = poll(pair.client.cq, timeout=60)
+    assert wc.status == e.IBV_WC_SUCCESS
+    return time.monotonic() - t0
+
+
+def test_a_shaped_stream_lands_at_the_configured_bandwidth(shaped) -> None:
+    """24 MiB at 100 MB/s, post to last completion. Never faster than the link (every attempt); within 10 %
+    of it in one of three attempts: a loaded machine may stall the device's I/O thread for a while, the
+    model never lets that make up a rate it does not have."""
+    bandwidth, n, size = 100e6, 96, 256 << 10
+    expected = n * size / bandwidth  # 0.25 s
+    soft.configure("softib0", nic_bandwidth=bandwidth)
+    ratios = []
+    with shaped.rc_pair(max_send_wr=128, mr_size=4 << 20) as pair:
+        for _ in range(3):
+            soft.device_stats("softib0", reset=True)
+            elapsed = _stream(pair, n, size, nap=0.9 * expected)
+            link = soft.device_stats("softib0")["link"]
+            assert link["messages"] == n and link["bytes"] == n * size
+            assert link["busy_s"] == pytest.approx(expected)
+            assert link["span_s"] == pytest.approx(expected)  # posted faster than the link drains: never idle
+            assert elapsed >= expected * 0.999, "a write landed before the link had carried it"
+            ratios.append(elapsed / expected)
+            if ratios[-1] <= 1.10:
+                break
+    assert min(ratios) <= 1.10, f"measured {[round(100 / r, 1) for r in ratios]} MB/s against 100 configured"
+
+
+def test_base_latency_delays_every_write_by_at_least_the_configured_time(shaped) -> None:
+    soft.configure("softib0", nic_latency_s=0.05)
+    with shaped.rc_pair() as pair:
+        assert all(_stream(pair, 1, 64) >= 0.05 for _ in range(3))
+
+
+def test_the_message_rate_spaces_small_writes(shaped) -> None:
+    soft.configure("softib0", nic_message_rate=400.0)
+    with shaped.rc_pair(max_send_wr=128) as pair:
+        elapsed = _stream(pair, 80, 64)  # 0.2 s at 400 writes/s
+        link = soft.device_stats("softib0")["link"]
+    assert link["span_s"] == pytest.approx(0.2) and elapsed >= 0.2 * 0.999
+
+
+def test_a_shaped_qp_keeps_its_order_and_unshaping_lets_no_write_pass_a_queued_one(shaped) -> None:
+    """Data then flag, shaped: the flag lands after every data byte. Unshaping while writes wait in the
+    departure queue: later writes queue behind them."""
+    soft.configure("softib0", nic_bandwidth=20e6, nic_latency_s=0.01)
+    with shaped.rc_pair(max_send_wr=64) as pair:
+        e = pair.v.enums
+        log: list[int] = []
+        soft.set_placement_observer(pair.ctx, lambda qpn, addr, length: log.append(addr - pair.server.mr.buf))
+        try:
+            first = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 256 << 10), flags=0)
+            pair.client.qp.post_send(first)
+            soft.configure("softib0", nic_bandwidth=None, nic_latency_s=0.0)
+            flag = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(512 << 10, 8),
+                                raddr=pair.server.mr.buf + (512 << 10))
+            pair.client.qp.post_send(flag)
+            assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS
+        finally:
+            soft.set_placement_observer(pair.ctx, None)
+    assert log[-1] == 512 << 10 and log[0] == 0
+
+
+def test_configure_takes_the_nic_model_and_device_options_say_so(shaped) -> None:
+    soft.configure("softefa0", nic_bandwidth=25e9, nic_latency_s=15e-6, nic_message_rate=2e6)
+    try:
+        opts = soft.device_options("softefa0")
+        assert (opts.nic_bandwidth, opts.nic_latency_s, opts.nic_message_rate) == (25e9, 15e-6, 2e6)
+        assert opts.shaped()
+    finally:
+        soft.configure("softefa0", nic_bandwidth=None, nic_latency_s=0.0, nic_message_rate=None)
+    assert not soft.device_options("softefa0").shaped()
+    with pytest.raises(TypeError, match="nic_bandwith"):
+        soft.configure("softefa0", nic_bandwith=1.0)
