@@ -600,27 +600,27 @@ class SoftDevice:
             self.wake()
 
     def departing(self) -> bool:
-        """Requests wait in the departure queue (later ones must queue behind them, shaped or not)."""
-        return bool(self._departures)
+        """Requests wait in the departure queue, or are being sent from it: later ones must queue behind
+        them, shaped or not (the NIC model was just turned off)."""
+        with self._dep_lock:
+            return bool(self._departures)
 
     def _send_departures(self, now: float) -> None:
-        """I/O thread: send every request whose time has come, one frame per connection, in order."""
-        due = []
+        """I/O thread: send every request whose time has come, one frame per connection, in order. The
+        queue's lock is held until they are handed to their connections, so that nothing posted meanwhile
+        (`departing`) can pass them."""
         with self._dep_lock:
             deps = self._departures
+            frames: dict[Conn, list[tuple[bytes, list[Any]]]] = {}
             while deps and deps[0][0] <= now:
-                due.append(heapq.heappop(deps))
-        frames: dict[Conn, tuple[list[bytes], list[Any]]] = {}
-        for _when, _seq, conn, qp, desc, payloads in due:
-            if qp.closed or qp.state == ERR:  # a QP in error sends nothing more (its WRs are flushed)
-                continue
-            frame = frames.get(conn)
-            if frame is None:
-                frame = frames[conn] = ([], [])
-            frame[0].append(desc)
-            frame[1].extend(payloads)
-        for conn, (descs, payloads) in frames.items():
-            conn.send_frame(w.KIND_REQ, descs, payloads)  # a lost connection fails its requests (conn_lost)
+                _when, _seq, conn, qp, desc, payloads = heapq.heappop(deps)
+                if qp.closed or qp.state == ERR:  # a QP in error sends nothing more (its WRs are flushed)
+                    continue
+                frames.setdefault(conn, []).append((desc, payloads))
+            for conn, requests in frames.items():
+                for i in range(0, len(requests), w.MAX_DESCS_PER_FRAME):
+                    chunk = requests[i:i + w.MAX_DESCS_PER_FRAME]
+                    conn.send_frame(w.KIND_REQ, [d for d, _ in chunk], [p for _, ps in chunk for p in ps])
 
     # ------------------------------------------------------------ direct writes
     def export_for(self, mr: Any) -> _direct.Export | None:
