@@ -345,6 +345,18 @@ class SoftverbsConfig(Section):
         "Model adaptive routing: RC writes are split into packets placed out of order across WRs.")] = False
     reorder_seed: Annotated[int, key("Seed of the reordering (adaptive routing, SRD); -1: a fresh random seed.",
                                      ge=-1, le=2**31 - 1)] = -1
+    direct_copy: Annotated[bool, key(
+        "Place a write from GPU memory into a peer daemon's memory on this host with one copy from the "
+        "client's buffer (CUDA IPC, run by the receiving worker) instead of over TCP; rkey, bounds and "
+        "ordering rules are kept.")] = True
+    nic_bandwidth: Annotated[float, key(
+        "NIC model: bytes/s each soft device sends at (ConnectX-7 400 Gb/s: 50e9; EFA 200 Gb/s: 25e9); "
+        "0: unshaped.", ge=0.0, le=1e13)] = 0.0
+    nic_latency_s: Annotated[float, key(
+        "NIC model: seconds every request lands after its last byte is sent (base latency); 0: none.",
+        ge=0.0, le=1.0)] = 0.0
+    nic_message_rate: Annotated[float, key(
+        "NIC model: requests/s each soft device sends at most; 0: unlimited.", ge=0.0, le=1e10)] = 0.0
 
 
 class LoggingConfig(Section):

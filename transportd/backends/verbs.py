@@ -88,8 +88,10 @@ def pyverbs_devices() -> list[str] | None:
 
 
 def configure_soft(options: Mapping[str, Any] | Any) -> None:
-    """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed; a mapping or the config
-    dataclass) to the default soft devices. The listen host takes effect when a device is next opened.
+    """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed, the NIC model's nic_bandwidth,
+    nic_latency_s and nic_message_rate; a mapping or the config dataclass) to the default soft devices.
+    The listen host takes effect when a device is next opened. (``direct_copy`` is the rail worker's: it
+    installs its GPU memory as the process's direct copier.)
 
     ``devices`` (only in a mapping: the rail worker adds it, it is not a config key) names soft devices the
     caller needs, as ``{name: kind}`` (kind "ib" or "efa") or a list of names (kind "ib"). Those that do not
@@ -110,6 +112,13 @@ def configure_soft(options: Mapping[str, Any] | Any) -> None:
     seed = get("reorder_seed", None)
     if seed is not None:
         changes["reorder_seed"] = None if seed < 0 else int(seed)
+    for name in ("nic_bandwidth", "nic_message_rate"):  # 0: unshaped
+        value = get(name, None)
+        if value is not None:
+            changes[name] = float(value) or None
+    latency = get("nic_latency_s", None)
+    if latency is not None:
+        changes["nic_latency_s"] = float(latency)
     wanted = get("devices", None) or {}
     if not isinstance(wanted, Mapping):
         wanted = dict.fromkeys(wanted, "ib")

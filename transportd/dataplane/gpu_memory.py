@@ -13,14 +13,23 @@ so a CPU-only daemon never needs it.
   into a host flag file by the soft NIC) must never become visible before the payload it covers. A real
   NIC reaches the memory directly (dmabuf) and needs none of this;
 * :class:`GdrCopy` — ``libgdrapi`` (GDRCopy, loaded with ctypes: no build dependency): GPU pages pinned and
-  mapped into the worker through the BAR, so CPU stores reach them without a CUDA call.
+  mapped into the worker through the BAR, so CPU stores reach them without a CUDA call;
+* direct copies between daemons on one host: :class:`GpuMemory` is softverbs' ``DirectCopier``
+  (``softverbs.soft.set_direct_copier``). It exports the clients' allocations it opened (their IPC handle
+  and the GPU's PCI location), opens a peer worker's exports with ``cuIpcOpenMemHandle`` and places a
+  peer's write with one ``cuMemcpyAsync`` on the destination device's worker stream, synchronized before
+  it returns. It opens nothing until this worker serves GPU memory of its own, so a CPU-only daemon never
+  starts CUDA for a peer. Under CUDA MPS those copies run while client kernels are resident; without it
+  each waits for a time slice of this worker's context.
 
 Publishing flags into this memory is :mod:`transportd.dataplane.flag_publication`'s job.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +60,7 @@ class GpuAccessor:
         self._bound: set[int] = set()  # threads whose current context is already set
         self.reads = 0
         self.writes = 0
+        self.copies = 0
 
     def _enter(self) -> None:
         ident = threading.get_ident()
@@ -80,6 +90,18 @@ class GpuAccessor:
             check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
             self.writes += 1
 
+    def copy(self, dst: int, src: int, length: int) -> None:
+        """One copy between two addresses of this process (unified addressing: device or host memory, this
+        GPU or a peer), complete on return: nothing the caller does next can overtake it."""
+        if length == 0:
+            return
+        with self._lock:
+            self._enter()
+            drv, check = self._drv, self._check
+            check(drv.cuMemcpyAsync(dst, src, length, self._stream), "cuMemcpyAsync")
+            check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+            self.copies += 1
+
     def close(self) -> None:
         if self._stream is not None:
             self._use(self.device)
@@ -104,12 +126,36 @@ class IpcRegion:
             self.base = 0
 
 
+#: a direct-copy descriptor: the client's IPC handle, then the PCI domain, bus and device of its GPU
+_EXPORT = struct.Struct("<64sIII")
+
+
+class _Allocation:
+    """An IPC allocation open in this worker: a client's (``local``) or a peer worker's export."""
+
+    __slots__ = ("base", "size", "device", "handle", "pci", "refs", "local")
+
+    def __init__(self, base: int, size: int, device: int, handle: bytes, pci: tuple[int, int, int],
+                 local: bool) -> None:
+        self.base, self.size, self.device, self.handle, self.pci = base, size, device, handle, pci
+        self.refs = 1
+        self.local = local
+
+    def descriptor(self) -> bytes:
+        return _EXPORT.pack(self.handle, *self.pci)
+
+
 class GpuMemory:
-    """The worker's GPU side: one accessor per device, IPC mappings opened in that device's context.
-    Creating it touches no CUDA: the first :meth:`open` or :meth:`accessor` does."""
+    """The worker's GPU side: one accessor per device, IPC mappings opened in that device's context, and
+    softverbs' direct copier (see the module's docstring). Creating it touches no CUDA: the first
+    :meth:`open` or :meth:`accessor` does."""
 
     def __init__(self) -> None:
         self.accessors: dict[int, GpuAccessor] = {}
+        self._table_lock = threading.Lock()
+        self._starts: list[int] = []  # bases of self._allocs, sorted
+        self._allocs: list[_Allocation] = []
+        self._imports: dict[bytes, _Allocation] = {}  # peers' exports open here, by descriptor
 
     def accessor(self, device: int) -> GpuAccessor:
         acc = self.accessors.get(device)
@@ -131,8 +177,9 @@ class GpuMemory:
                              "on this node and the allocation still alive?)") from None
         _alloc_base, alloc_size = check(drv.cuMemGetAddressRange(base), "cuMemGetAddressRange")
         if offset + size > int(alloc_size):
-            self.close(base, device)
+            drv.cuIpcCloseMemHandle(base)
             raise ValueError(f"region [{offset}, {offset + size}) is outside the {int(alloc_size)}-byte allocation")
+        self._add(base, int(alloc_size), device, bytes(handle), local=True)
         return IpcRegion(self, base, base + offset, size, device)
 
     def sync_memops(self, addr: int, device: int) -> None:
@@ -148,11 +195,131 @@ class GpuMemory:
         drv = driver()
         use_device(device)
         drv.cuIpcCloseMemHandle(base)
+        self._drop(base)
 
     def shutdown(self) -> None:
+        for descriptor in list(self._imports):
+            while descriptor in self._imports:
+                self.close_export(descriptor)
         for acc in self.accessors.values():
             acc.close()
         self.accessors.clear()
+
+    # --- the allocation table (the driver hands the same base out again for a handle opened twice) ----
+    def _add(self, base: int, size: int, device: int, handle: bytes, *, local: bool) -> _Allocation:
+        pci = _pci_location(device)
+        with self._table_lock:
+            i = bisect.bisect_left(self._starts, base)
+            if i < len(self._starts) and self._starts[i] == base:
+                alloc = self._allocs[i]
+                alloc.refs += 1
+                alloc.local = alloc.local or local
+                return alloc
+            alloc = _Allocation(base, size, device, handle, pci, local)
+            self._starts.insert(i, base)
+            self._allocs.insert(i, alloc)
+            return alloc
+
+    def _drop(self, base: int) -> None:
+        with self._table_lock:
+            i = bisect.bisect_left(self._starts, base)
+            if i < len(self._starts) and self._starts[i] == base:
+                alloc = self._allocs[i]
+                alloc.refs -= 1
+                if alloc.refs <= 0:
+                    del self._starts[i]
+                    del self._allocs[i]
+
+    def _find(self, addr: int, length: int = 1) -> _Allocation | None:
+        with self._table_lock:
+            i = bisect.bisect_right(self._starts, addr) - 1
+            if i >= 0:
+                alloc = self._allocs[i]
+                if addr + max(length, 1) <= alloc.base + alloc.size:
+                    return alloc
+        return None
+
+    # --- softverbs.soft.DirectCopier ---------------------------------------------------------------------
+    def export_range(self, addr: int, length: int) -> tuple[bytes, int, int] | None:
+        """A client allocation this worker opened, as a peer worker on this host can open it."""
+        alloc = self._find(addr, length)
+        if alloc is None or not alloc.local:
+            return None
+        return alloc.descriptor(), alloc.base, alloc.size
+
+    def open_export(self, descriptor: bytes) -> tuple[int, int]:
+        """Open a peer worker's export (a client's IPC handle) on the GPU it names; (base here, size)."""
+        if not self.accessors:
+            raise ValueError("this worker serves no GPU memory (CUDA is not started here)")
+        if len(descriptor) != _EXPORT.size:
+            raise ValueError(f"a GPU export descriptor is {_EXPORT.size} bytes, not {len(descriptor)}")
+        alloc = self._imports.get(descriptor)
+        if alloc is not None:
+            alloc.refs += 1
+            return alloc.base, alloc.size
+        handle, *pci = _EXPORT.unpack(descriptor)
+        device = _device_at(tuple(pci))
+        if device is None:
+            device = next(iter(self.accessors))  # not visible here by PCI location: open it as a peer
+        drv = driver()
+        use_device(device)
+        self.accessor(device)
+        ipc = drv.CUipcMemHandle()
+        ipc.reserved = handle
+        flags = drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        base = int(check(drv.cuIpcOpenMemHandle(ipc, flags), "cuIpcOpenMemHandle"))
+        _alloc_base, size = check(drv.cuMemGetAddressRange(base), "cuMemGetAddressRange")
+        alloc = self._imports[descriptor] = _Allocation(base, int(size), device, handle, tuple(pci), False)
+        with self._table_lock:
+            i = bisect.bisect_left(self._starts, base)
+            if not (i < len(self._starts) and self._starts[i] == base):  # a handle also open as a client's
+                self._starts.insert(i, base)
+                self._allocs.insert(i, alloc)
+        return alloc.base, alloc.size
+
+    def close_export(self, descriptor: bytes) -> None:
+        alloc = self._imports.get(descriptor)
+        if alloc is None:
+            return
+        alloc.refs -= 1
+        if alloc.refs > 0:
+            return
+        del self._imports[descriptor]
+        with self._table_lock:
+            i = bisect.bisect_left(self._starts, alloc.base)
+            if i < len(self._starts) and self._allocs[i] is alloc:
+                del self._starts[i]
+                del self._allocs[i]
+        drv = driver()
+        use_device(alloc.device)
+        drv.cuIpcCloseMemHandle(alloc.base)
+
+    def copy(self, dst: int, src: int, length: int) -> None:
+        """Place ``length`` bytes: one copy on the worker stream of the destination's GPU (else the
+        source's), synchronized before it returns."""
+        alloc = self._find(dst, length) or self._find(src, length)
+        device = alloc.device if alloc is not None else next(iter(self.accessors), 0)
+        self.accessor(device).copy(dst, src, length)
+
+
+def _pci_location(device: int) -> tuple[int, int, int]:
+    """(domain, bus, device) of a GPU: how two processes with different CUDA_VISIBLE_DEVICES name it."""
+    drv = driver()
+    attrs = drv.CUdevice_attribute
+    dev = check(drv.cuDeviceGet(device), f"cuDeviceGet({device})")
+    return tuple(int(check(drv.cuDeviceGetAttribute(getattr(attrs, name), dev), name))  # type: ignore[return-value]
+                 for name in ("CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID", "CU_DEVICE_ATTRIBUTE_PCI_BUS_ID",
+                              "CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID"))
+
+
+def _device_at(pci: tuple[int, ...]) -> int | None:
+    """This process's ordinal of the GPU at a PCI location, None if it does not see it."""
+    drv = driver()
+    count = int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
+    for ordinal in range(count):
+        if _pci_location(ordinal) == pci:
+            return ordinal
+    return None
 
 
 # --- GDRCopy -----------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class RailService:
             soft_options["devices"] = {device: DEVICE_KINDS[kind]}
         verbs = verbs_provider.load(None if provider == "auto" else provider, soft_options=soft_options)
         self.verbs_name: str = verbs.name
+        self.soft = verbs.soft  # softverbs.soft when this rail runs on softverbs, else None
         self.verbs_fallback: bool = verbs.fallback  # only "auto" falls back
         if self.verbs_fallback:
             log.warning("backend.verbs = \"auto\" found no RDMA device: rail %d uses softverbs, which moves "
@@ -78,6 +79,9 @@ class RailService:
         self.ibgda: dict[int, tuple[Any, np.ndarray]] = {}  # queue id -> (SoftMlx5Queue, its scratch words)
         self.stopping = False
         self.gpu = GpuMemory()  # CUDA starts only when a client brings GPU memory
+        if self.soft is not None and config.softverbs.direct_copy:
+            # peers on this host place writes between GPU buffers by one device-to-device copy
+            self.soft.set_direct_copier(self.gpu)
         self.cpus: list[int] | None = None  # the CPUs rail_main pinned this worker to (None: not pinned)
         # the rank's flag arrays and the rail's one flag publisher (its path chosen and logged once)
         self.flags = RailFlags.for_rail(config.flags, self.backend, self.gpu, self.conn_jobs, rail)
@@ -284,7 +288,16 @@ class RailService:
                 "flag_publication_detail": self.flags.publication.describe(), **self.proxy.stats(),
                 "queues": self._open_queues(),
                 "ibgda": self.ibgda_stats(), "responders": sorted(self.responders),
-                "endpoints": sorted(self.conn_jobs)}
+                "endpoints": sorted(self.conn_jobs), "softverbs": self._soft_stats(address.get("device"))}
+
+    def _soft_stats(self, device: Any) -> dict[str, Any] | None:
+        """The soft device's direct-copy counters and NIC-model schedule (None on a real NIC)."""
+        if self.soft is None or not device:
+            return None
+        try:
+            return self.soft.device_stats(device)
+        except KeyError:
+            return None
 
     def _open_queues(self) -> dict[str, Any]:
         """The proxy's queue state, less connections already closed here: the proxy keeps a closed

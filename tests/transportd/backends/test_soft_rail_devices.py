@@ -44,6 +44,22 @@ def test_devices_option_creates_missing_devices_of_the_given_kind(cleanup: list[
     assert soft.device_options("softtest-ib2").kind == "ib"
 
 
+def test_the_nic_model_reaches_every_soft_device_and_zero_means_unshaped(cleanup: list[str]) -> None:
+    from softverbs import soft
+
+    cleanup.append("softtest-efa2")
+    try:
+        verbs.configure_soft({"devices": {"softtest-efa2": "efa"}, "nic_bandwidth": 25e9, "nic_latency_s": 15e-6,
+                              "nic_message_rate": 0.0})
+        for name in ("softib0", "softefa0", "softtest-efa2"):
+            opts = soft.device_options(name)
+            assert (opts.nic_bandwidth, opts.nic_latency_s, opts.nic_message_rate) == (25e9, 15e-6, None)
+        verbs.configure_soft({"nic_bandwidth": 0.0, "nic_latency_s": 0.0})
+        assert not soft.device_options("softefa0").shaped()
+    finally:
+        verbs.configure_soft({"nic_bandwidth": 0.0, "nic_latency_s": 0.0, "nic_message_rate": 0.0})
+
+
 def test_a_created_device_opens_like_the_defaults(cleanup: list[str]) -> None:
     from ib.backend import IbBackend
 

@@ -1,0 +1,144 @@
+"""GpuMemory as softverbs' direct copier, on a recording stand-in for the CUDA driver (no GPU here; the
+real thing runs in tests/gpu/test_soft_fabric.py): what it exports, what it opens on which GPU, how often
+it opens and closes a peer's handle, and which GPU's worker stream each copy runs on."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from softverbs import soft
+from transportd import cuda_driver
+from transportd.dataplane.gpu_memory import GpuMemory
+
+HANDLE_A = bytes(range(64))
+HANDLE_PEER = bytes(range(64, 128))
+
+
+class FakeDriver:
+    """The cuda.bindings.driver calls GpuMemory makes: two GPUs at PCI buses 0x10 and 0x20, IPC handles
+    mapped at fixed addresses, every open, close and copy recorded."""
+
+    CUresult = SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_INVALID_VALUE=1)
+    CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+    CUipcMem_flags = SimpleNamespace(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS=1)
+    CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID="domain",
+                                         CU_DEVICE_ATTRIBUTE_PCI_BUS_ID="bus",
+                                         CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID="device")
+
+    class CUipcMemHandle:
+        reserved = b""
+
+    def __init__(self) -> None:
+        self.mapped = {HANDLE_A: (0x7000_0000, 1 << 20), HANDLE_PEER: (0x9000_0000, 4 << 20)}
+        self.current = None
+        self.opens: list[tuple[bytes, Any]] = []
+        self.closes: list[int] = []
+        self.copies: list[tuple[int, int, int, Any]] = []
+
+    def cuDeviceGetCount(self) -> tuple[int, int]:
+        return 0, 2
+
+    def cuDeviceGet(self, ordinal: int) -> tuple[int, int]:
+        return 0, ordinal
+
+    def cuDeviceGetAttribute(self, attr: str, dev: int) -> tuple[int, int]:
+        return 0, {"domain": 0, "bus": 0x10 * (dev + 1), "device": 0}[attr]
+
+    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[int, str]:
+        return 0, f"ctx{dev}"
+
+    def cuCtxSetCurrent(self, ctx: str) -> tuple[int]:
+        self.current = ctx
+        return (0,)
+
+    def cuStreamCreate(self, flags: int) -> tuple[int, str]:
+        return 0, f"stream@{self.current}"
+
+    def cuStreamDestroy(self, stream: str) -> tuple[int]:
+        return (0,)
+
+    def cuStreamSynchronize(self, stream: str) -> tuple[int]:
+        return (0,)
+
+    def cuIpcOpenMemHandle(self, ipc: Any, flags: int) -> tuple[int, int]:
+        self.opens.append((bytes(ipc.reserved), self.current))
+        return 0, self.mapped[bytes(ipc.reserved)][0]
+
+    def cuMemGetAddressRange(self, base: int) -> tuple[int, int, int]:
+        size = next(size for b, size in self.mapped.values() if b == base)
+        return 0, base, size
+
+    def cuIpcCloseMemHandle(self, base: int) -> tuple[int]:
+        self.closes.append(base)
+        return (0,)
+
+    def cuMemcpyAsync(self, dst: int, src: int, n: int, stream: str) -> tuple[int]:
+        self.copies.append((dst, src, n, stream))
+        return (0,)
+
+
+@pytest.fixture
+def drv(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
+    fake = FakeDriver()
+    monkeypatch.setattr(cuda_driver, "_driver", fake)
+    monkeypatch.setattr(cuda_driver, "_contexts", {})
+    return fake
+
+
+def _descriptor(handle: bytes, bus: int) -> bytes:
+    return handle + (0).to_bytes(4, "little") + bus.to_bytes(4, "little") + (0).to_bytes(4, "little")
+
+
+def test_it_is_a_direct_copier_and_exports_only_the_clients_allocations_it_opened(drv: FakeDriver) -> None:
+    gpu = GpuMemory()
+    assert isinstance(gpu, soft.DirectCopier)
+    assert gpu.export_range(0x7000_0000, 8) is None  # nothing opened yet: nothing to share, no CUDA touched
+    region = gpu.open(HANDLE_A, 4096, 65536, device=1)
+    assert region.addr == 0x7000_1000
+    descriptor, base, size = gpu.export_range(region.addr + 100, 1000)
+    assert (base, size) == (0x7000_0000, 1 << 20) and descriptor == _descriptor(HANDLE_A, 0x20)
+    assert gpu.export_range(0x7000_0000 + (1 << 20) - 4, 8) is None  # straddles the allocation's end
+    assert gpu.export_range(0x6FFF_FFF0, 8) is None
+    second = gpu.open(HANDLE_A, 0, 4096, device=1)  # the driver maps one allocation once for both regions
+    region.release()
+    assert gpu.export_range(second.addr, 16) is not None
+    second.release()
+    assert gpu.export_range(second.addr, 16) is None
+
+
+def test_a_worker_without_gpu_memory_refuses_to_open_a_peer_s_allocation(drv: FakeDriver) -> None:
+    with pytest.raises(ValueError, match="serves no GPU memory"):
+        GpuMemory().open_export(_descriptor(HANDLE_PEER, 0x10))
+    assert drv.opens == []
+
+
+def test_a_peer_allocation_opens_once_on_the_gpu_its_pci_location_names(drv: FakeDriver) -> None:
+    gpu = GpuMemory()
+    gpu.accessor(0)  # this worker serves GPU 0
+    desc = _descriptor(HANDLE_PEER, 0x20)  # the peer's buffer is on the GPU at bus 0x20: ordinal 1 here
+    assert gpu.open_export(desc) == (0x9000_0000, 4 << 20)
+    assert gpu.open_export(desc) == (0x9000_0000, 4 << 20)
+    assert drv.opens == [(HANDLE_PEER, "ctx1")]
+    gpu.close_export(desc)
+    assert drv.closes == []
+    gpu.close_export(desc)
+    assert drv.closes == [0x9000_0000]
+    with pytest.raises(ValueError, match="descriptor is 76 bytes"):
+        gpu.open_export(b"short")
+
+
+def test_each_copy_runs_on_the_destination_gpu_s_stream_and_is_synchronized(drv: FakeDriver) -> None:
+    gpu = GpuMemory()
+    region = gpu.open(HANDLE_A, 0, 1 << 20, device=0)
+    gpu.accessor(0)
+    src, _ = gpu.open_export(_descriptor(HANDLE_PEER, 0x20))
+    gpu.copy(region.addr + 64, src + 128, 4096)  # into this worker's client buffer: GPU 0's stream
+    gpu.copy(0x1234_0000, src, 8)  # into host memory: the source's GPU (1)
+    assert [(d, s, n) for d, s, n, _ in drv.copies] == [(region.addr + 64, src + 128, 4096), (0x1234_0000, src, 8)]
+    assert [stream for *_, stream in drv.copies] == ["stream@ctx0", "stream@ctx1"]
+    assert gpu.accessors[0].copies == 1 and gpu.accessors[1].copies == 1
+    gpu.shutdown()
+    assert 0x9000_0000 in drv.closes
