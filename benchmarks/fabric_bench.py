@@ -1,0 +1,228 @@
+"""Soft fabric throughput: GB/s of 4 MiB GPU -> GPU writes between two daemons on one host.
+
+    python benchmarks/fabric_bench.py --json benchmarks/results/fabric.json
+
+Two daemons (``LocalCluster`` over softverbs: ib RC and efa SRD), ranks 0 and 1 in this process on one GPU,
+each with a GPU buffer of ``--slots`` x 4 MiB registered by CUDA IPC. Rank 0's host producer pushes
+``--writes`` PUTs of 4 MiB (slot k % slots of its buffer to the same slot of rank 1's) and a QUIET; the
+rate is bytes / (first push -> QUIET returned), best of ``--reps``. Before the timed runs one PUT per slot
+lets the receiving worker open rank 0's allocation (the first write of an allocation crosses the wire);
+after them the receiver's buffer must equal the sender's.
+
+Rows (``--rows``): per backend, unshaped; shaped like the NIC the backend stands for (ib: ConnectX-7
+400 Gb/s, 50e9 B/s and 2 us; efa: 200 Gb/s, 25e9 B/s and 15 us); and the old path as a baseline
+(``direct_copy = false``: device -> host -> TCP -> host -> device, fewer writes). Each row reports the
+receiving rail's direct copies (``direct_placed``: every write after the first slot's should be one) and,
+when shaped, the sending rail's link schedule: the modeled GB/s (bytes / busy time) beside the measured.
+
+Targets on the H200 (issue 25, item 0): unshaped >= 25 GB/s (an EFA port), so shaped runs up to that rate
+are faithful; shaped within 10 % of the configured rate.
+
+``--buffers host`` runs the same rows on pinned-free host memory (no GPU needed): the path's own overhead
+and the NIC model, not the direct copy (host writes always cross the wire).
+
+CUDA MPS: started here (a private control daemon, ``transportd_cli.mps``) before this process makes a
+CUDA context, so the daemons' workers and this process share one server context and the workers' copies
+never wait for a time slice; ``--no-mps`` (or ``TRANSPORTD_GPU_MPS=0``) runs without.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CHUNK = 4 << 20
+#: the NIC each backend stands for: [softverbs] NIC-model keys
+SHAPES = {
+    "cx7-400g": {"nic_bandwidth": 50e9, "nic_latency_s": 2e-6},
+    "efa-200g": {"nic_bandwidth": 25e9, "nic_latency_s": 15e-6},
+}
+ROWS = ("ib:unshaped", "ib:cx7-400g", "ib:wire", "efa:unshaped", "efa:efa-200g", "efa:wire")
+TARGET_UNSHAPED_GBPS = 25.0
+
+
+def _softverbs(stats: dict[str, Any]) -> dict[str, Any]:
+    rails = stats.get("rails") or [{}]
+    return rails[0].get("softverbs") or {}
+
+
+class HostBuffer:
+    """A host buffer with DeviceMemory's read/write/free, for ``--buffers host``."""
+
+    def __init__(self, nbytes: int, device: int = 0) -> None:
+        import gpuclient
+
+        self.array = gpuclient.host_array(nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.array[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.array[offset:offset + nbytes].tobytes()
+
+    def free(self) -> None:
+        pass
+
+
+def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, device: int = 0,
+               echo: Any = print, buffers: str = "gpu", chunk: int = CHUNK,
+               nic: dict[str, float] | None = None) -> dict[str, Any]:
+    """One row: ``writes`` PUTs of ``chunk`` bytes, GPU to GPU (or host to host), between two ``backend``
+    daemons shaped as ``shape`` ("unshaped", a key of SHAPES, or "wire": unshaped with direct copies off),
+    or by ``nic`` (NIC-model keys) where given."""
+    import gpuclient
+    from transportd_cli.localcluster import LocalCluster
+
+    if buffers == "gpu":
+        from gpuclient.cuda_memory import DeviceMemory as Buffer
+    else:
+        Buffer = HostBuffer  # noqa: N806
+
+    nic = SHAPES.get(shape, {}) if nic is None else nic
+    softverbs: dict[str, Any] = {"direct_copy": shape != "wire", **nic}
+    overrides = {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
+    nbytes = slots * chunk
+    rng = np.random.default_rng(len(backend) * 7 + len(shape))
+    with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
+        c0, c1 = (gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names)
+        s0 = c0.join("fabric", rank=0, world=2, device=device)
+        s1 = c1.join("fabric", rank=1, world=2, device=device)
+        src, dst = Buffer(nbytes, device), Buffer(nbytes, device)
+        try:
+            image = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+            src.write(0, image)
+            r_src, r_dst = (s0.register(src), s1.register(dst)) if buffers == "gpu" else \
+                (s0.register(src.array), s1.register(dst.array))
+            for s in (s0, s1):
+                s.flags(8)
+                s.exchange(wait=False)
+            s0.exchange(timeout=60)
+            s1.exchange(timeout=60)
+            ch = s0.channel(4096)
+
+            def burst(n: int) -> float:
+                t0 = time.perf_counter()
+                for k in range(n):
+                    off = (k % slots) * chunk
+                    ch.put(1, r_dst.id, off, r_src.id, off, chunk)
+                ch.quiet(timeout=300)
+                return time.perf_counter() - t0
+
+            burst(slots)  # every slot once: the receiver opens the allocation, the path is warm
+            before = _softverbs(c1.stats())
+            c0_before = _softverbs(c0.stats()).get("link", {})
+            times = [burst(writes) for _ in range(reps)]
+            after = _softverbs(c1.stats())
+            link = _softverbs(c0.stats()).get("link", {})
+            intact = dst.read(0, nbytes) == image
+            placed = after.get("direct_placed", 0) - before.get("direct_placed", 0)
+            best = min(times)
+            row: dict[str, Any] = {
+                "backend": backend, "shape": shape, "buffers": buffers, "writes": writes, "bytes_per_write": chunk,
+                "reps": reps, "gbps_best": writes * chunk / best / 1e9,
+                "gbps_median": writes * chunk / statistics.median(times) / 1e9,
+                "seconds": times, "intact": intact, "direct_placed": placed,
+                "direct_placed_per_write": placed / (writes * reps),
+                "imports_opened": after.get("imports_opened"), "nic": nic or None,
+            }
+            busy = link.get("busy_s", 0.0) - c0_before.get("busy_s", 0.0)
+            if busy > 0:
+                row["gbps_modeled"] = (link.get("bytes", 0) - c0_before.get("bytes", 0)) / busy / 1e9
+                row["gbps_configured"] = nic["nic_bandwidth"] / 1e9
+                row["of_configured"] = row["gbps_best"] / row["gbps_configured"]
+            echo(f"  {backend:3s} {shape:9s} {row['gbps_best']:7.2f} GB/s best  {row['gbps_median']:7.2f} median  "
+                 f"direct copies/write {row['direct_placed_per_write']:.2f}  intact {intact}")
+            return row
+        finally:
+            for s, c in ((s0, c0), (s1, c1)):
+                s.leave()
+                c.close()
+            src.free()
+            dst.free()
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| backend | NIC model | GB/s best | GB/s median | of configured | direct copies / write | data |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['backend']} | {r['shape']} | failed: {r['error']} | | | | |")
+            continue
+        of = f"{100 * r['of_configured']:.1f} %" if "of_configured" in r else "—"
+        shape = f"{r['shape']} ({r['nic']['nic_bandwidth'] / 1e9:g} GB/s)" if r.get("nic") else r["shape"]
+        lines.append(f"| {r['backend']} | {shape} | {r['gbps_best']:.2f} | {r['gbps_median']:.2f} | {of} | "
+                     f"{r['direct_placed_per_write']:.2f} | {'intact' if r['intact'] else 'CORRUPT'} |")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The targets, row by row: unshaped >= 25 GB/s, shaped within 10 % of the configured rate."""
+    out = {}
+    for r in rows:
+        if "error" in r or r["shape"] == "wire" or r.get("buffers", "gpu") != "gpu":
+            continue
+        key = f"{r['backend']}:{r['shape']}"
+        if r["shape"] == "unshaped":
+            out[key] = r["gbps_best"] >= TARGET_UNSHAPED_GBPS and r["intact"]
+        else:
+            out[key] = abs(r["of_configured"] - 1.0) <= 0.10 and r["intact"]
+    return out
+
+
+@click.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
+@click.option("--rows", default=",".join(ROWS), show_default=True, help="backend:shape, comma-separated")
+@click.option("--writes", default=512, show_default=True, help="4 MiB writes per timed run (the wire row: 1/8)")
+@click.option("--slots", default=16, show_default=True, help="4 MiB slots in each buffer")
+@click.option("--reps", default=3, show_default=True, help="timed runs per row")
+@click.option("--quick", is_flag=True, help="64 writes, 1 run (a smoke run)")
+@click.option("--no-mps", is_flag=True, help="without CUDA MPS (as TRANSPORTD_GPU_MPS=0)")
+@click.option("--buffers", type=click.Choice(["gpu", "host"]), default="gpu", show_default=True,
+              help="host: the same rows on host memory, no GPU needed (no direct copies)")
+def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
+         buffers: str) -> None:
+    """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
+    from transportd_cli.mps import Mps, mps_wanted
+
+    if quick:
+        writes, reps = 64, 1
+    server = Mps() if buffers == "gpu" and not no_mps and mps_wanted(os.environ) else None
+    if server is not None and not server.start():
+        click.echo(f"CUDA MPS: {server.describe()}")
+    try:
+        results = []
+        for spec in rows.split(","):
+            backend, _, shape = spec.strip().partition(":")
+            n = max(slots, writes // 8) if shape == "wire" else writes
+            try:
+                results.append(fabric_row(backend, shape or "unshaped", n, slots, reps, echo=click.echo,
+                                          buffers=buffers))
+            except Exception as exc:  # keep what the other rows measured
+                results.append({"backend": backend, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
+                click.echo(f"  {spec}: failed: {exc}")
+    finally:
+        mps_line = server.describe() if server is not None else "CUDA MPS: not used"
+        if server is not None:
+            server.stop()
+    click.echo(mps_line)
+    click.echo(table(results))
+    met = verdict(results)
+    click.echo(json.dumps({"targets_met": met}, indent=2))
+    if json_path:
+        Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The soft fabric on a GPU: 4 MiB GPU -> GPU writes between two daemons placed by direct copies, a flag
+that never shows before its data, and softverbs' ordering trials with GPU buffers.
+
+- Two daemons (ib and efa), ranks 0 and 1 in this process on GPU 0 with GPU buffers registered by CUDA
+  IPC: 4 MiB PUTs arrive intact, and the receiving worker placed every write after the first by one copy
+  from rank 0's buffer (its softverbs counters say so); PUT_SIGNALs: once the receiver's flag (host or
+  device words) counts a launch's chunks, every byte of them is there, three launches without a reset.
+- In one process, softverbs pairs over GPU memory (``CudaDeviceMemory``: cuMemAlloc behind a GpuAccessor,
+  placement by cuMemcpyAsync): the adaptive-routing hazards and safeties of tests/softverbs/
+  test_adaptive_routing.py and the SRD completion rule of tests/softverbs/test_direct.py hold as on host
+  memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.support.rank_process import SLOW_START
+
+CHUNK = 4 << 20
+SLOTS = 4
+
+
+def _ranks(cluster: Any, where: str = "host") -> tuple[Any, ...]:
+    import gpuclient
+    from gpuclient.cuda_memory import DeviceMemory
+
+    c0, c1 = (gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names)
+    s0 = c0.join("fabric", rank=0, world=2, device=0)
+    s1 = c1.join("fabric", rank=1, world=2, device=0)
+    src, dst = DeviceMemory(SLOTS * CHUNK, 0), DeviceMemory(SLOTS * CHUNK, 0)
+    r_src, r_dst = s0.register(src), s1.register(dst)
+    s0.flags(8, where=where)
+    s1.flags(8, where=where)
+    for s in (s0, s1):
+        s.exchange(wait=False)
+    s0.exchange(timeout=60)
+    s1.exchange(timeout=60)
+    return c0, c1, s0, s1, src, dst, r_src, r_dst, s0.channel(256)
+
+
+def _close(c0: Any, c1: Any, s0: Any, s1: Any, src: Any, dst: Any) -> None:
+    for s, c in ((s0, c0), (s1, c1)):
+        s.leave()
+        c.close()
+    src.free()
+    dst.free()
+
+
+def _soft(client: Any) -> dict[str, Any]:
+    return client.stats()["rails"][0]["softverbs"]
+
+
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_4mib_gpu_writes_between_two_daemons_arrive_by_direct_copy(cuda_device, cluster_factory,
+                                                                    backend: str) -> None:
+    cluster = cluster_factory(backend=backend, overrides=SLOW_START)
+    c0, c1, s0, s1, src, dst, r_src, r_dst, ch = _ranks(cluster)
+    try:
+        rng = np.random.default_rng(5)
+        for round_ in range(2):
+            image = rng.integers(0, 256, SLOTS * CHUNK, dtype=np.uint8).tobytes()
+            src.write(0, image)
+            for k in range(SLOTS):
+                ch.put(1, r_dst.id, k * CHUNK, r_src.id, k * CHUNK, CHUNK)
+            ch.quiet(timeout=60)
+            assert dst.read(0, SLOTS * CHUNK) == image, f"round {round_}: the receiver's buffer differs"
+        stats = _soft(c1)
+        assert stats["imports_opened"] >= 1, stats
+        # the first round's writes may cross the wire while the receiver opens rank 0's allocation (those
+        # posted before its answer came back); the second round's all go by copy: one per write on ib (RC in
+        # order places a write whole), one per 1 MiB packet of the reorder model on efa
+        per_copy = CHUNK if backend == "ib" else 1 << 20
+        assert SLOTS * CHUNK <= stats["direct_bytes"] <= (2 * SLOTS - 1) * CHUNK, stats
+        assert stats["direct_placed"] * per_copy == stats["direct_bytes"], stats
+    except BaseException:
+        for name in cluster.names:
+            print(f"--- {name} log ---\n{cluster.log(name)}")
+        raise
+    finally:
+        _close(c0, c1, s0, s1, src, dst)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_put_signal_the_flag_counts_chunks_whose_bytes_are_all_there(cuda_device, cluster_factory, backend: str,
+                                                                     where: str) -> None:
+    cluster = cluster_factory(backend=backend, overrides=SLOW_START)
+    c0, c1, s0, s1, src, dst, r_src, r_dst, ch = _ranks(cluster, where)
+    try:
+        rng = np.random.default_rng(6)
+        for epoch in (1, 2, 3):  # monotonic flags: no reset between launches
+            image = rng.integers(0, 256, SLOTS * CHUNK, dtype=np.uint8).tobytes()
+            src.write(0, image)
+            for k in range(SLOTS):
+                ch.put_signal(1, r_dst.id, k * CHUNK, r_src.id, k * CHUNK, CHUNK, slot=0, value=1)
+            s1.wait(0, SLOTS * epoch, timeout=60)
+            assert dst.read(0, SLOTS * CHUNK) == image, f"epoch {epoch}: the flag came before the data"
+            ch.quiet(timeout=60)  # the sender's source may change only once its writes completed
+        assert _soft(c1)["direct_placed"] > 0
+    except BaseException:
+        for name in cluster.names:
+            print(f"--- {name} log ---\n{cluster.log(name)}")
+        raise
+    finally:
+        _close(c0, c1, s0, s1, src, dst)
+
+
+# --- softverbs' ordering trials on GPU memory (one process) ---------------------------------------------------
+@pytest.fixture
+def gpu_memory(cuda_device: int) -> Any:
+    from tests.support.device_memory import CudaDeviceMemory
+
+    with CudaDeviceMemory(cuda_device) as memory:
+        yield memory
+
+
+@pytest.fixture
+def gpu_ar_pair(gpu_memory: Any) -> Any:
+    from tests.softverbs.test_adaptive_routing import ar_pair_on
+
+    yield from ar_pair_on(gpu_memory)
+
+
+@pytest.mark.parametrize("mode", ["write", "fence"])
+def test_gpu_write_and_fence_signaling_can_expose_the_flag_first_under_ar(gpu_ar_pair, mode: str) -> None:
+    from tests.softverbs.test_adaptive_routing import _hazards
+
+    pair, log = gpu_ar_pair
+    assert _hazards(pair, log, mode, adaptive=True) >= 1
+
+
+@pytest.mark.parametrize("mode", ["atomic", "read+fence"])
+def test_gpu_atomic_and_read_fence_signaling_never_do(gpu_ar_pair, mode: str) -> None:
+    from tests.softverbs.test_adaptive_routing import _hazards
+
+    pair, log = gpu_ar_pair
+    assert _hazards(pair, log, mode, adaptive=True) == 0
+
+
+@pytest.mark.parametrize("mode", ["write", "fence", "atomic"])
+def test_gpu_in_order_rc_is_safe_for_every_scheme(gpu_ar_pair, mode: str) -> None:
+    from tests.softverbs.test_adaptive_routing import _hazards
+
+    pair, log = gpu_ar_pair
+    assert _hazards(pair, log, mode, adaptive=False) == 0
+
+
+@pytest.mark.parametrize("packets", [{"packet_size": 512}, {"direct_packet_size": 1024}], ids=["packet", "direct"])
+def test_gpu_srd_write_imm_completes_after_all_its_packets_in_any_order(gpu_memory, packets: dict) -> None:
+    from tests.softverbs.test_direct import srd_write_imm_order
+
+    order, stats = srd_write_imm_order(gpu_memory, **packets)
+    assert sorted(order) == list(range(48)) and order != sorted(order)
+    assert stats["direct_sent"] == 48

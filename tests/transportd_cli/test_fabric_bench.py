@@ -1,0 +1,50 @@
+"""benchmarks/fabric_bench.py: its table and target verdicts from recorded rows, and one row run for real on
+host buffers (the GPU rows need a GPU): two daemons, the NIC model set through their config, the sending
+rail's schedule read back through transportctl's stats."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fabric_bench.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("fabric_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(backend: str, shape: str, gbps: float, configured: float | None = None, intact: bool = True) -> dict:
+    row = {"backend": backend, "shape": shape, "buffers": "gpu", "gbps_best": gbps, "gbps_median": gbps * 0.95,
+           "intact": intact, "direct_placed_per_write": 1.0, "nic": None}
+    if configured is not None:
+        row.update(nic={"nic_bandwidth": configured * 1e9}, gbps_configured=configured, of_configured=gbps / configured)
+    return row
+
+
+def test_the_verdict_holds_each_row_to_its_target() -> None:
+    bench = _bench()
+    rows = [_row("ib", "unshaped", 31.0), _row("efa", "unshaped", 24.0), _row("ib", "cx7-400g", 46.0, 50.0),
+            _row("efa", "efa-200g", 24.4, 25.0, intact=False), _row("ib", "wire", 1.2),
+            {"backend": "efa", "shape": "wire", "error": "TimeoutError: stuck"}]
+    assert bench.verdict(rows) == {"ib:unshaped": True, "efa:unshaped": False, "ib:cx7-400g": True,
+                                   "efa:efa-200g": False}
+    table = bench.table(rows).splitlines()
+    assert table[0].startswith("| backend | NIC model | GB/s best")
+    assert "| ib | cx7-400g (50 GB/s) | 46.00 | 43.70 | 92.0 % | 1.00 | intact |" in table
+    assert "CORRUPT" in table[5] and "failed: TimeoutError" in table[-1]
+
+
+@pytest.mark.multiprocess
+def test_a_shaped_row_on_host_buffers_never_beats_its_link() -> None:
+    bench = _bench()
+    nic = {"nic_bandwidth": 100e6, "nic_latency_s": 1e-3}
+    row = bench.fabric_row("efa", "shaped", 16, 4, 1, buffers="host", chunk=1 << 20, nic=nic, echo=lambda *a: None)
+    assert row["intact"] and row["direct_placed"] == 0  # host memory: every write crossed the wire
+    assert row["gbps_modeled"] == pytest.approx(0.1)  # the sending rail's schedule, through the daemon's stats
+    assert row["of_configured"] <= 1.0 + 1e-3  # nothing lands before the link has carried it
