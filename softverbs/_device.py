@@ -314,7 +314,6 @@ class Conn:
         handler.end_frame(self)
         return True
 
-
     def _control(self, kind: int, flags: int, count: int, payload_len: int, avail: int) -> bool:
         """A control frame (header + a small payload): handled whole, once all of it is buffered."""
         if payload_len > w.MAX_CONTROL_PAYLOAD:
@@ -626,7 +625,7 @@ class SoftDevice:
     def export_for(self, mr: Any) -> _direct.Export | None:
         """The export of the allocation under ``mr`` (resolved once per MR), or None."""
         ex = mr.export
-        if ex is not _UNRESOLVED:
+        if ex is not _direct.UNRESOLVED:
             return ex
         copier = _direct.copier()
         found = copier.export_range(mr.addr, mr.length) if copier is not None and mr.accessor is not None else None
@@ -742,9 +741,6 @@ class SoftDevice:
             self.in_conns.discard(conn)
             self._dirty_rsp.discard(conn)
             self._close_imports(conn)
-
-
-_UNRESOLVED = _direct.UNRESOLVED
 
 
 def errno_name(code: int) -> str:

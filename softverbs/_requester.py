@@ -433,15 +433,7 @@ class QPRequester:
                     continue
                 descs.append(desc)
                 if ref is None:
-                    if e.inline is not None:
-                        payloads.append(e.inline)
-                    for mr, addr, n in e.local:
-                        view = mr.view
-                        if view is not None:
-                            off = addr - mr.addr
-                            payloads.append(view[off:off + n])
-                        else:
-                            payloads.append(mr.read(addr, n))
+                    payloads.extend(_payload(e))
                 if len(descs) >= w.MAX_DESCS_PER_FRAME:
                     del frames[conn]
                     if not conn.send_frame(w.KIND_REQ, descs, payloads):
