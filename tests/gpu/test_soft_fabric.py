@@ -57,7 +57,7 @@ def _soft(client: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("backend", ["ib", "efa"])
 def test_4mib_gpu_writes_between_two_daemons_arrive_by_direct_copy(cuda_device, cluster_factory,
                                                                     backend: str) -> None:
-    cluster = cluster_factory(backend=backend, overrides=SLOW_START)
+    cluster = cluster_factory(backend=backend, overrides={**SLOW_START, "softverbs": {"direct_copy": True}})
     c0, c1, s0, s1, src, dst, r_src, r_dst, ch = _ranks(cluster)
     try:
         rng = np.random.default_rng(5)
@@ -88,7 +88,7 @@ def test_4mib_gpu_writes_between_two_daemons_arrive_by_direct_copy(cuda_device, 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
 def test_put_signal_the_flag_counts_chunks_whose_bytes_are_all_there(cuda_device, cluster_factory, backend: str,
                                                                      where: str) -> None:
-    cluster = cluster_factory(backend=backend, overrides=SLOW_START)
+    cluster = cluster_factory(backend=backend, overrides={**SLOW_START, "softverbs": {"direct_copy": True}})
     c0, c1, s0, s1, src, dst, r_src, r_dst, ch = _ranks(cluster, where)
     try:
         rng = np.random.default_rng(6)
