@@ -8,7 +8,9 @@ address with the port in the 16 bits before `ffff`), so a peer exchange of GID/L
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import itertools
 import os
 import threading
 import weakref
@@ -243,15 +245,34 @@ def device_limits(dev: SoftDevice) -> dict[str, int]:
 
 
 class Context(SoftCM):
-    """An open soft device (ibv_context). Closing it closes the PDs, CQs and QPs created on it."""
+    """An open soft device (ibv_context). Closing it closes the PDs, CQs and QPs created on it.
 
-    __slots__ = ("_name", "_dev", "_children", "_closed")
+    ``Context(cmd_fd=fd)`` imports another context through its command descriptor (``ibv_import_device``;
+    the new context owns ``fd`` and closes it): see ``softverbs._export`` for what an import shares and
+    which rules it keeps. ``cmd_fd`` is this context's command descriptor, to pass (a copy) to a process
+    that imports it.
+    """
+
+    __slots__ = ("_name", "_dev", "_children", "_closed", "_export", "_link", "_cmd_fd", "_imports", "_handles",
+                 "_exporter")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
+        self._closed = True
+        self._export: Any = None
+        self._link: Any = None
+        self._exporter: Any = None  # an import in the exporter's own process: a weak reference to it
+        self._cmd_fd: int | None = None
+        self._imports: dict[str, dict[int, list[Any]]] = {"pd": {}, "mr": {}}
+        self._handles = itertools.count(1)
+        self._children: weakref.WeakSet[Any] = weakref.WeakSet()
         name = kwargs.get("name")
-        if kwargs.get("cmid") is not None or kwargs.get("cmd_fd") is not None:
-            raise PyverbsRDMAError("softverbs opens devices by name only", errno.EOPNOTSUPP)
+        if kwargs.get("cmid") is not None:
+            raise PyverbsRDMAError("softverbs opens devices by name or command descriptor only", errno.EOPNOTSUPP)
+        cmd_fd = kwargs.get("cmd_fd")
+        if cmd_fd is not None:
+            self._import(int(cmd_fd))
+            return
         if name is None:
             raise PyverbsUserError("Device name must be provided")
         if isinstance(name, bytes):
@@ -261,9 +282,47 @@ class Context(SoftCM):
             raise PyverbsRDMAError(f"Failed to find device {name}")
         self._name = name
         self._dev = dev
-        self._children: weakref.WeakSet[Any] = weakref.WeakSet()
         self._closed = False
         dev.acquire()
+
+    def _import(self, cmd_fd: int) -> None:
+        """ibv_import_device: attach to the exporting context and run an engine like its device."""
+        from ._export import ImportLink, LinkError
+
+        try:
+            link = ImportLink(cmd_fd)
+            reply, _ = link.call("hello")
+        except LinkError as exc:
+            raise PyverbsRDMAError(f"Failed to import device: {exc.strerror}", exc.errno) from None
+        from ._export import EXPORTED
+
+        exporter = EXPORTED.get(str(reply["token"])) if reply.get("pid") == os.getpid() else None
+        if exporter is not None and not exporter._closed:  # this process's own context: one engine
+            dev = exporter._dev
+            self._exporter = weakref.ref(exporter)
+        else:  # another process's: an engine of its own, with the device's behaviour
+            known = {f.name for f in dataclasses.fields(DeviceOptions)}
+            options = DeviceOptions(**{k: v for k, v in reply["options"].items() if k in known})
+            options.port = 0  # this engine listens on a port of its own
+            dev = SoftDevice(str(reply["name"]), options)
+        self._name, self._dev, self._link, self._cmd_fd = str(reply["name"]), dev, link, cmd_fd
+        ref = weakref.ref(self)
+        link.on_gone = lambda kind, handle: _imported_gone(ref, kind, handle)
+        self._closed = False
+        dev.acquire()
+
+    @property
+    def cmd_fd(self) -> int:
+        """The command descriptor (pass a copy, ``os.dup``, to the process that imports this context)."""
+        if self._closed:
+            raise PyverbsUserError("the context is closed")
+        if self._cmd_fd is not None:
+            return self._cmd_fd
+        if self._export is None:
+            from ._export import ExportService
+
+            self._export = ExportService(self)
+        return int(self._export.cmd_fd)
 
     def close(self) -> None:
         if getattr(self, "_closed", True):
@@ -271,6 +330,18 @@ class Context(SoftCM):
         for child in list(self._children):
             child.close()
         self._closed = True
+        if self._export is not None:
+            self._export.close()
+            self._export = None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        if self._cmd_fd is not None:
+            try:
+                os.close(self._cmd_fd)
+            except OSError:
+                pass
+            self._cmd_fd = None
         self._dev.release()
 
     def __del__(self) -> None:
@@ -342,3 +413,33 @@ class Context(SoftCM):
         if port_num != 1 or index != 0:
             raise PyverbsRDMAError(f"Failed to query pkey {index} of port {port_num}")
         return 0xFFFF
+
+
+def _imported_gone(ref: Any, kind: str, handle: int | None) -> None:
+    """The exporter closed an object this context imported (``kind`` "pd" or "mr"), or itself ("context",
+    handle None): imported MRs lose their keys, imported PDs take nothing more."""
+    ctx = ref()
+    if ctx is None:
+        return
+    imports = ctx._imports
+    if kind == "context":
+        pds = [pd for group in imports["pd"].values() for pd in group]
+        cores = [core for group in imports["mr"].values() for core in group]
+        imports["pd"].clear()
+        imports["mr"].clear()
+    elif kind == "pd":
+        pds = imports["pd"].pop(int(handle or 0), [])
+        idents = {id(pd._ident) for pd in pds}
+        cores = [core for group in imports["mr"].values() for core in group if id(core.pd) in idents]
+    else:
+        pds, cores = [], imports["mr"].pop(int(handle or 0), [])
+    for pd in pds:
+        pd._gone = True
+    dev = ctx._dev
+    with dev.lock:
+        for core in cores:
+            core.valid = False
+            if dev.mrs_by_lkey.get(core.lkey) is core:
+                del dev.mrs_by_lkey[core.lkey]
+            if dev.mrs_by_rkey.get(core.rkey) is core:
+                del dev.mrs_by_rkey[core.rkey]

@@ -353,6 +353,8 @@ class QP(SoftCM):
             pd, ctx, send_ops = creator, creator._ctx, None
         else:
             raise PyverbsUserError(f"Cannot create a QP from {type(creator)}")
+        if pd._closed or pd._gone:  # an imported PD whose exporter closed it (or its context)
+            raise PyverbsRDMAError("Failed to create QP: its PD is gone", errno.EINVAL)
         dev = pd._dev
         qp_type = int(init_attr.qp_type)
         if efa is None:
@@ -376,7 +378,7 @@ class QP(SoftCM):
         cap = {"max_send_wr": c.max_send_wr, "max_recv_wr": c.max_recv_wr, "max_send_sge": c.max_send_sge,
                "max_recv_sge": c.max_recv_sge, "max_inline_data": c.max_inline_data}
         unsolicited = bool(efa is not None and efa.flags & 1)
-        core = QPCore(dev, pd, qp_type, scq._core, rcq._core, cap, bool(init_attr.sq_sig_all), send_ops,
+        core = QPCore(dev, pd._ident, qp_type, scq._core, rcq._core, cap, bool(init_attr.sq_sig_all), send_ops,
                       unsolicited)
         with dev.lock:
             dev.qps[core.qpn] = core

@@ -652,3 +652,27 @@ def test_members_the_backends_use_exist_in_both(pyverbs: ModuleType) -> None:
                 problems.append(f"{where_s}.{name}: a {s_kind} in softverbs but a {p_kind} in pyverbs")
     if problems:
         pytest.fail(f"{len(problems)} gap(s):\n  " + "\n  ".join(problems), pytrace=False)
+
+
+# The import calls (ibv_import_device, ibv_import_pd, ibv_import_mr) go through constructor keywords that no
+# signature shows on either side (``**kwargs``): the IBGDA import path passes these, so both must read them.
+IMPORT_KEYWORDS = {("device", "Context"): "cmd_fd", ("pd", "PD"): "handle", ("mr", "MR"): "handle"}
+IMPORT_MEMBERS = {("device", "Context"): ("cmd_fd",), ("pd", "PD"): ("handle", "unimport"),
+                  ("mr", "MR"): ("handle", "unimport")}
+
+
+def test_the_import_calls_are_mirrored(pyverbs: ModuleType) -> None:
+    pkg_dir = Path(importlib.import_module("pyverbs").__file__).resolve().parent
+    problems = []
+    for (module, cls), key in IMPORT_KEYWORDS.items():
+        read = re.compile(rf"kwargs\.get\(\s*['\"]{key}['\"]")
+        soft_src = inspect.getsource(getattr(importlib.import_module(f"softverbs.{module}"), cls))
+        pyx_src = (pkg_dir / f"{module}.pyx").read_text()
+        for provider, text in (("softverbs", soft_src), ("pyverbs", pyx_src)):
+            if not read.search(text):
+                problems.append(f"{provider}.{module}.{cls}: its constructor does not read {key}=")
+        for member in IMPORT_MEMBERS[(module, cls)]:
+            for provider in ("softverbs", "pyverbs"):
+                if not hasattr(getattr(importlib.import_module(f"{provider}.{module}"), cls), member):
+                    problems.append(f"{provider}.{module}.{cls}.{member}: missing")
+    assert not problems, "\n".join(problems)
