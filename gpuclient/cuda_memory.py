@@ -252,11 +252,14 @@ class HostMapping:
             self.owned = False
 
 
-def map_host(address: int, nbytes: int, device: int) -> HostMapping:
-    """Register page-aligned host memory with CUDA (DEVICEMAP | PORTABLE) and return its device address."""
+def map_host(address: int, nbytes: int, device: int, *, io: bool = False) -> HostMapping:
+    """Register page-aligned host memory with CUDA (DEVICEMAP | PORTABLE) and return its device address;
+    ``io``: a device's MMIO page (IOMEMORY: what ``cudaHostRegisterIoMemory`` does, for a NIC's UAR)."""
     drv = driver()
     use_device(device)
     flags = drv.CU_MEMHOSTREGISTER_DEVICEMAP | drv.CU_MEMHOSTREGISTER_PORTABLE
+    if io:
+        flags |= drv.CU_MEMHOSTREGISTER_IOMEMORY
     (err,) = drv.cuMemHostRegister(address, nbytes, flags)
     owned = err == drv.CUresult.CUDA_SUCCESS
     if not owned and err != drv.CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:

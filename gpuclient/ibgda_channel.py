@@ -1,26 +1,35 @@
-"""An IBGDA channel from the daemon: the GPU posts mlx5 WQEs to queue pairs the daemon created for it.
+"""An IBGDA channel: the GPU posts mlx5 WQEs to queue pairs this process built on the daemon's domain.
 
-``session.channel(kind="ibgda")`` asks the daemon for one RC queue pair per peer rank, on the rank's rail
-and connected to a responder on the peer's node through the daemon's peer plane. The daemon answers with
-a snapshot of what a ``tpd::IbgdaChannel`` needs — each queue's shared-memory file (send queue, CQ,
-doorbell records, doorbell page), the rank's regions with their lkeys, the peers' regions and flag arrays
-with their rkeys, and the signal mode — and this module builds the channel's tables from it
-(:func:`ibgda.channel_tables.build_channel`):
+``session.channel(kind="ibgda")`` (:func:`open_channel`):
 
-* :meth:`IbgdaChannelHandle.device_handle` — tables in GPU memory, queue files mapped into the GPU
-  (``cuMemHostRegister``); pass ``.bytes`` to a kernel built with ``-DTPD_IBGDA`` (``tpd::DefaultChannel``);
+1. the daemon grants the rank's IBGDA domain (``ibgda.domain``): a device context of the rank's own on its
+   rail, a PD holding the rank's regions, a scratch page; the context's command descriptor comes over the
+   descriptor socket. The session imports it once (:class:`ibgda.imported.ImportedDomain`) and keeps it
+   for its later channels;
+2. one RC queue pair per peer rank is built here, in this process, on the imported PD (over softverbs a
+   soft ConnectX thread runs here too; on a ConnectX, DevX objects and a UAR this process maps);
+3. their endpoints go to the daemon (``channel_connect``), which connects a far end to each through the
+   peer plane; ``channel_info`` then gives the far ends and the keys: the rank's regions with the
+   domain's lkeys, the peers' regions and flag arrays with their rkeys, the signal mode;
+4. the queue pairs are connected (RTR, RTS) and the channel's tables are built on request
+   (:func:`ibgda.channel_tables.build_channel`):
+
+* :meth:`IbgdaChannelHandle.device_handle` — tables in GPU memory, queue memory (and a ConnectX's UAR page)
+  mapped into the GPU (``cuMemHostRegister``); pass ``.bytes`` to a kernel built with ``-DTPD_IBGDA``;
 * :meth:`IbgdaChannelHandle.host_handle` — the same tables in host memory, for the device code compiled
-  for the host (the CPU tests drive the daemon's queues this way).
+  for the host (the CPU tests drive the queues this way).
 
-Over softverbs the daemon's rail worker is the NIC: it executes the WQEs (``ibgda.soft_mlx5``). On a
-ConnectX the same tables point at DevX queues (``ibgda.host_mlx5``). The tables are a snapshot: open the
-channel after registering regions, allocating flags and exchanging.
+The tables are a snapshot: open the channel after registering regions, allocating flags and exchanging.
+After an error completion (``status()`` reports it) the channel's queue pairs are in the error state for
+good: :meth:`IbgdaChannelHandle.close` it and open another to the same peers (queue recovery); the daemon
+closes the old far ends and the peers accept the new ones.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,26 +37,59 @@ import numpy as np
 
 from ibgda.channel_tables import Alloc, ChannelTables, HostAlloc, build_channel
 from ibgda.device_handle import CHANNEL_DTYPE, SignalMode, queue_pair_record
-from ibgda.queue_memory import QueueMemory
+from ibgda.imported import ImportedDomain
+from transportd.control.protocol import Channel as ChannelRequest
+from transportd.control.protocol import ChannelClose, ChannelConnect, ChannelInfo, QueueEndpoint
 
 if TYPE_CHECKING:
     from gpuclient.cuda_memory import DeviceMemory, HostMapping
     from gpuclient.session import Session
 
-__all__ = ["IbgdaChannelHandle", "IbgdaDeviceChannel", "IbgdaHostChannel"]
+__all__ = ["IbgdaChannelHandle", "IbgdaDeviceChannel", "IbgdaHostChannel", "close_domains", "open_channel"]
+
+_ENDPOINT_FIELDS = ("qpn", "psn", "lid", "gid", "port", "mtu", "max_dest_rd_atomic")
+
+
+def open_channel(session: Session, wqe_cnt: int, timeout: float) -> IbgdaChannelHandle:
+    """Open an IBGDA channel of ``wqe_cnt`` WQEs per queue pair (module doc, steps 1 to 4)."""
+    reply = session._conn.request(ChannelRequest(capacity=wqe_cnt, kind="ibgda"))
+    channel = int(reply["channel"])
+    fd = session._conn.take_fd(int(reply["domain"]["fd"]), "ibgda")
+    domains = session._ibgda_domains
+    rail = int(reply["rail"])
+    if rail in domains:
+        os.close(fd)  # imported already: the copy offered with each channel is not needed
+    else:
+        domains[rail] = ImportedDomain(reply["domain"], fd)
+    domain = domains[rail]
+    ch = IbgdaChannelHandle(session, channel, domain, int(reply["wqe_cnt"]))
+    try:
+        ch._connect([int(p) for p in reply["peers"]], timeout)
+    except BaseException:
+        ch.close()
+        raise
+    return ch
+
+
+def close_domains(session: Session) -> None:
+    """Close the session's imported domains (after its channels)."""
+    for domain in session._ibgda_domains.values():
+        domain.close()
+    session._ibgda_domains.clear()
 
 
 @dataclass
 class _Queue:
     peer: int
-    memory: QueueMemory
-    info: dict[str, Any]
+    qp: Any  # ibgda.soft_mlx5.SoftMlx5Queue or ibgda.host_mlx5.Mlx5Queue
+    scratch: int
+    scratch_lkey: int
 
     def record(self, translate: Any) -> np.ndarray:
         """The QueuePair handle with the queue's parts at ``translate(host address)``."""
-        return queue_pair_record({name: translate(addr) for name, addr in self.memory.addresses().items()},
-                                 qpn=self.info["qpn"], wqe_cnt=self.memory.wqe_cnt, ncqes=self.memory.ncqes,
-                                 scratch=self.info["scratch"], scratch_lkey=self.info["scratch_lkey"])
+        return queue_pair_record({name: translate(addr) for name, addr in self.qp.addresses().items()},
+                                 qpn=self.qp.qpn, wqe_cnt=self.qp.wqe_cnt, ncqes=self.qp.mem.ncqes,
+                                 scratch=self.scratch, scratch_lkey=self.scratch_lkey)
 
 
 class IbgdaChannelHandle:
@@ -55,14 +97,42 @@ class IbgdaChannelHandle:
 
     kind = "ibgda"
 
-    def __init__(self, session: Session, info: dict[str, Any]) -> None:
-        self.id = int(info["channel"])
+    def __init__(self, session: Session, channel: int, domain: ImportedDomain, wqe_cnt: int) -> None:
+        self.id = channel
         self._session = session
-        self.info = info
-        self.signal_mode = SignalMode[str(info["signal_mode"]).upper()]
-        self.queues = [_Queue(int(q["peer"]), _attach_queue(session, q), q) for q in info["queues"]]
+        self.domain = domain
+        self.wqe_cnt = wqe_cnt
+        self.queues: list[_Queue] = []
+        self.info: dict[str, Any] = {}
+        self.signal_mode = SignalMode.WRITE
         self._device: IbgdaDeviceChannel | None = None
         self._host: IbgdaHostChannel | None = None
+        self._closed = False
+
+    def _connect(self, peers: list[int], timeout: float) -> None:
+        conn = self._session._conn
+        for peer in peers:
+            scratch, lkey = self.domain.scratch_slot()
+            self.queues.append(_Queue(peer, self.domain.queue(self.wqe_cnt), scratch, lkey))
+        endpoints = []
+        for q in self.queues:
+            ep = q.qp.endpoint()
+            endpoints.append(QueueEndpoint(peer=q.peer, **{k: ep[k] for k in _ENDPOINT_FIELDS}))
+        info = conn.request(ChannelConnect(channel=self.id, endpoints=tuple(endpoints)))
+        deadline = time.monotonic() + timeout
+        while not info.get("ready"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"IBGDA channel {self.id}: the peers' far ends did not connect within {timeout}s")
+            time.sleep(0.005)
+            info = conn.request(ChannelInfo(channel=self.id))
+        far = {int(q["peer"]): q["far"] for q in info["queues"]}
+        for q in self.queues:
+            q.qp.connect(dict(far[q.peer]))
+        for addr, _length, _lkey, handle in info["local_regions"]:
+            if handle:
+                self.domain.import_mr(int(handle), int(addr))
+        self.info = info
+        self.signal_mode = SignalMode[str(info["signal_mode"]).upper()]
 
     def tables(self, alloc: Alloc, translate: Any, flags: int, flag_count: int) -> ChannelTables:
         """Build the channel's tables with ``alloc``; queue addresses go through ``translate``."""
@@ -71,7 +141,7 @@ class IbgdaChannelHandle:
         return build_channel(
             rank=self._session.rank, world=self._session.world, alloc=alloc, signal_mode=self.signal_mode,
             flags=flags, flag_count=flag_count, queue_pairs=qps,
-            local_regions=[tuple(r) for r in info["local_regions"]],
+            local_regions=[tuple(r[:3]) for r in info["local_regions"]],
             remote_regions={int(peer): [tuple(r) for r in regions] for peer, regions in info["remote_regions"]},
             remote_flags={int(peer): tuple(key) for peer, key in info["remote_flags"]})
 
@@ -95,20 +165,25 @@ class IbgdaChannelHandle:
         return 0, 0
 
     def close(self) -> None:
-        """Free the handles' memory (the kernels using them must be done)."""
+        """Close the channel (the kernels using it must be done): free the handles' memory, destroy the
+        queue pairs and have the daemon close their far ends. The session can open another channel to the
+        same peers afterwards (after an error completion, that is how a channel recovers)."""
+        if self._closed:
+            return
+        self._closed = True
         for handle in (self._device, self._host):
             if handle is not None:
                 handle.release()
         self._device = self._host = None
-
-
-def _attach_queue(session: Session, q: dict[str, Any]) -> QueueMemory:
-    """Map a queue the daemon's rail worker serves: a memfd it hands over by descriptor (no path to open)."""
-    fd = session._conn.take_fd(int(q["fd"]), "ibgda")
-    try:
-        return QueueMemory.attach(None, int(q["wqe_cnt"]), int(q["ncqes"]), fd=fd)
-    finally:
-        os.close(fd)  # the mapping keeps the memory
+        for q in self.queues:
+            q.qp.close()
+        self.queues.clear()
+        try:
+            self._session._conn.request(ChannelClose(channel=self.id))
+        except Exception:  # the session already left, or the daemon is gone: the far ends went with it
+            pass
+        if self in self._session.ibgda_channels:
+            self._session.ibgda_channels.remove(self)
 
 
 @dataclass
@@ -145,7 +220,7 @@ class IbgdaHostChannel:
 
 @dataclass
 class IbgdaDeviceChannel:
-    """Tables in GPU memory and the queue files mapped into the GPU; ``bytes`` is the kernel argument."""
+    """Tables in GPU memory and the queues mapped into the GPU; ``bytes`` is the kernel argument."""
 
     device: int
     tables: ChannelTables
@@ -173,9 +248,10 @@ class IbgdaDeviceChannel:
         try:
             spans = {}
             for q in channel.queues:
-                m = map_host(q.memory.base, q.memory.nbytes, device)
-                mappings.append(m)
-                spans[q.memory.base] = (q.memory.nbytes, m.device_ptr)
+                for base, nbytes, io in q.qp.spans():  # queue memory; a ConnectX's UAR page as I/O memory
+                    m = map_host(base, nbytes, device, io=io)
+                    mappings.append(m)
+                    spans[base] = (nbytes, m.device_ptr)
 
             def translate(addr: int) -> int:
                 for base, (nbytes, dev) in spans.items():

@@ -30,12 +30,13 @@ from gpuclient.host_memory import resolve_host_buffer
 from gpuclient.launcher import from_environment
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Channel as ChannelRequest
-from transportd.control.protocol import ChannelInfo, Exchange, Flags, Join, Leave, Register, Stats
+from transportd.control.protocol import Exchange, Flags, Join, Leave, Register, Stats
 from transportd.dataplane.flagfile import FlagFile
 from transportd.errors import ErrorCode
 
 if TYPE_CHECKING:
     from gpuclient.ibgda_channel import IbgdaChannelHandle
+    from ibgda.imported import ImportedDomain
 
 __all__ = ["connect", "Client", "Session", "Region", "FlagArray", "ChannelHandle", "SignalOp"]
 
@@ -235,6 +236,7 @@ class Session:
         self.flag_array: FlagArray | None = None
         self.channels: list[ChannelHandle] = []
         self.ibgda_channels: list[IbgdaChannelHandle] = []
+        self._ibgda_domains: dict[int, ImportedDomain] = {}  # rail -> the IBGDA domain imported for it
         self._keep: list[object] = []  # buffers registered: keep them mapped while the daemon uses them
         self.device: int | None = None  # the local GPU given to join (GPU buffers, device flags, handles)
 
@@ -333,17 +335,9 @@ class Session:
         per peer rank of ``capacity`` WQEs (256) that kernels post to themselves (``gpuclient.ibgda_channel``;
         exchange first). Both hand kernels the same calls through ``device_handle()``."""
         if kind == "ibgda":
-            from gpuclient.ibgda_channel import IbgdaChannelHandle
+            from gpuclient.ibgda_channel import open_channel
 
-            reply = self._conn.request(ChannelRequest(capacity=capacity or 256, kind="ibgda"))
-            deadline = time.monotonic() + timeout
-            while not reply.get("ready"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"IBGDA channel {reply['channel']}: the peers' queue pairs did not "
-                                       f"connect within {timeout}s")
-                time.sleep(0.005)
-                reply = self._conn.request(ChannelInfo(channel=int(reply["channel"])))
-            ibgda = IbgdaChannelHandle(self, reply)
+            ibgda = open_channel(self, capacity or 256, timeout)
             self.ibgda_channels.append(ibgda)
             return ibgda
         if kind != "ring":
@@ -398,6 +392,8 @@ class Session:
 
     def leave(self) -> None:
         """Leave the job; the daemon reclaims this session's rings, regions and flags."""
+        for ibgda in list(self.ibgda_channels):  # the queue pairs this process built, and their far ends
+            ibgda.close()
         self._conn.request(Leave())
         for ch in self.channels:
             # unregister the ring (and flags) from CUDA before unmapping them: a registration left behind
@@ -409,6 +405,8 @@ class Session:
                 ch._device_channel = None
             ch.ring.close()
         self.channels.clear()
-        for ibgda in self.ibgda_channels:
-            ibgda.close()
         self.ibgda_channels.clear()
+        if self._ibgda_domains:
+            from gpuclient.ibgda_channel import close_domains
+
+            close_domains(self)

@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from ibgda.soft_mlx5 import SoftMlx5Queue
+from ibgda.domain import ImportDomain
 from transportd import _core
 from transportd.backends.interface import FlagPublisher, MemoryKey
 from transportd.backends.verbs_common import PosterBackend, Rail, access_flags, translate_verbs_errors
@@ -302,15 +302,12 @@ class IbBackend(PosterBackend):
         self._conn(conn_id)
         return self._poster.post(conn_id, np.ascontiguousarray(plan))
 
-    def create_ibgda_queue(self, fd: int, wqe_cnt: int) -> Any:
-        """A GPU-posted RC queue pair on this rail's PD (so the regions registered here serve its WQEs), its
-        send queue, CQ and doorbells in the empty memfd ``fd`` (sized and sealed by the queue; the client
-        maps it into its GPU). Over softverbs the queue is ``ibgda.soft_mlx5``'s, played by this worker."""
-        if self.rail.v.name != "soft":
-            # a ConnectX needs the DevX queue (ibgda.host_mlx5) in memory the client can map: not built yet
-            raise ValueError("daemon-served IBGDA channels run over softverbs only for now; on a ConnectX use "
-                             "ibgda.host_mlx5.Mlx5Queue in the client process")
-        return SoftMlx5Queue(rail=self.rail, wqe_cnt=wqe_cnt, fd=fd)
+    def create_ibgda_domain(self) -> Any:
+        """A client's IBGDA domain on this rail's device (``ibgda.domain``): a context and PD of its own that
+        the client imports to build its queue pairs on. Over softverbs the client's process then plays the
+        ConnectX (``ibgda.soft_mlx5``)."""
+        r = self.rail
+        return ImportDomain(r.v, r.device_name, port=r.port, gid_index=r.gid_index)
 
     def set_flag_publisher(self, publisher: FlagPublisher) -> None:
         """Kept for the interface: on ib the NIC writes flags, nothing is published by the host."""

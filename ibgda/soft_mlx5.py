@@ -127,6 +127,11 @@ class SoftMlx5Queue:
         """Host addresses of the queue's parts (a GPU maps ``base`` .. ``base + nbytes`` and offsets them)."""
         return self.mem.addresses()
 
+    def spans(self) -> list[tuple[int, int, bool]]:
+        """What a GPU must map to post here: (host address, bytes, is I/O memory); one mapping, the stand-in
+        doorbell page included."""
+        return [(self.mem.base, self.mem.nbytes, False)]
+
     def queue_pair(self, state: int, scratch: int, scratch_lkey: int, *, translate: Any = None) -> np.ndarray:
         """The QueuePair device handle for this QP. ``state``: address of a zeroed QpState; ``scratch``:
         8 bytes registered with ``scratch_lkey`` on this queue's PD. ``translate(host_addr) -> address``

@@ -257,7 +257,8 @@ def _queues(s: dict[str, Any]) -> dict[str, Any]:
             conns.append({"rail": rail["rail"], "node": owner.get("node", "(responder)"), "job": owner.get("job"),
                           **conn})
     ibgda = [{"rail": rail["rail"], **q} for rail in _rails(s) for q in rail.get("ibgda", [])]
-    return {"rings": rings, "connections": conns, "ibgda": ibgda,
+    domains = [{"rail": rail["rail"], **d} for rail in _rails(s) for d in rail.get("ibgda_domains", [])]
+    return {"rings": rings, "connections": conns, "ibgda": ibgda, "ibgda_domains": domains,
             "batch_max": max((r.get("batch_max", 8) for r in _rails(s)), default=8)}
 
 
@@ -275,11 +276,12 @@ def _queues_text(q: dict[str, Any]) -> str:
     out += ["", f"connections (batch sizes: batches of 1..{q['batch_max']} commands)"]
     out.append(_table(conns, ["rail", "conn", "peer", "job", "inflight", "pending", "full", "partial",
                               "batch sizes", "sent"]) if conns else "  none")
-    if q["ibgda"]:  # queue pairs GPUs post to themselves (IBGDA channels)
-        qps = [[g["rail"], g["queue"], g["job"] or "-", g["qpn"], g["posted"], g["wqes"], g["cqes"], g["error_cqes"],
-                g["error"] or ""] for g in q["ibgda"]]
-        out += ["", "ibgda queue pairs (posted: the doorbell record; wqes: executed)"]
-        out.append(_table(qps, ["rail", "queue", "job", "qpn", "posted", "wqes", "cqes", "error cqes", "error"]))
+    if q["ibgda"]:  # queue pairs GPUs post to themselves (IBGDA channels), built by the clients
+        qps = [[g["rail"], g["channel"], g["queue"], f"{g['job']}/{g['rank']}", g["peer"], g["node"], g["qpn"],
+                g["far_qpn"], g["wqe_cnt"], g["state"]] for g in q["ibgda"]]
+        out += ["", "ibgda queue pairs (built by the client; far: the peer's responder)"]
+        out.append(_table(qps, ["rail", "channel", "queue", "job/rank", "peer", "node", "qpn", "far qpn", "wqes",
+                                "state"]))
     return "\n".join(out)
 
 
@@ -287,7 +289,7 @@ def _queues_text(q: dict[str, Any]) -> str:
 @_common
 def queues(socket: str | None, as_json: bool) -> None:
     """Per ring: depth, credits, oldest age; per connection: inflight, batches full/partial, sizes; per
-    IBGDA queue pair: WQEs posted and executed, CQEs, errors."""
+    IBGDA queue pair: its channel, peer, QPNs and state."""
     _emit(_queues(_fetch(socket)), as_json, _queues_text)
 
 

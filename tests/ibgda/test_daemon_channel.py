@@ -1,13 +1,19 @@
-"""IBGDA channels handed out by the daemon: two daemons over softverbs, the rank's rail worker playing the
-ConnectX. The device code compiled for the host (host_lib) posts WQEs into the queue files the daemon
-created, exactly as a kernel does on the GPU with ``device_handle()``; the receiving rank sees data and
-flags through the daemon's flag file, and the sending rank sees a bad command in ``tpd::status``.
+"""IBGDA channels through the daemon: two daemons over softverbs. The client builds its queue pairs in its
+own process on the rank's IBGDA domain, which it imports from its daemon (context, PD and MRs by handle),
+and plays the ConnectX for them; the daemons connect the far ends. The device code compiled for the host
+(host_lib) posts WQEs into those queues, exactly as a kernel does on the GPU with ``device_handle()``; the
+receiving rank sees data and flags through the daemon's flag file, and the sending rank sees a bad command
+or an error completion in ``tpd::status``. Leaving, a killed client and recovery after an error are here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +23,14 @@ import pytest
 from click.testing import CliRunner
 
 import gpuclient
+from ibgda.device_handle import REGION_DTYPE
 from tests.support.waiting import wait_until
 from transportd.control.protocol import ChannelInfo
 from transportd.errors import ErrorCode, RequestError
 from transportd_cli.ctl import main as ctl_main
 from transportd_cli.localcluster import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
@@ -101,13 +110,18 @@ def test_daemon_ibgda_channel_delivers_chunks_and_flags(host_lib: ctypes.CDLL, p
         assert np.array_equal(pair.dst, pair.src)
         pair.dst[:] = 0
     assert host_lib.tpd_test_status(handle.ptr) == 0 and ch.status() == (0, 0)
-    # transportctl shows the queue pair the rail worker serves, with every WQE executed and no error
+    # the queue pair is this process's: its soft NIC executed every WQE, with no error
+    (queue,) = ch.queues
+    wqes_per_put_signal = {"write": 2, "atomic": 2, "fence": 3}[mode]
+    assert queue.qp.error is None and queue.qp.stats["error_cqes"] == 0
+    assert queue.qp.stats["wqes"] == queue.qp.posted >= 2 * (NCHUNKS * wqes_per_put_signal + 1)
+    # transportctl shows it as the daemon knows it: the client's QPN, connected to the peer's responder
     result = CliRunner().invoke(ctl_main, ["queues", "--json", "--socket", pair.sockets[0]])
     assert result.exit_code == 0, result.output
     (qp,) = json.loads(result.output)["ibgda"]
-    wqes_per_put_signal = {"write": 2, "atomic": 2, "fence": 3}[mode]
-    assert qp["job"] == "ibgda-job" and qp["error"] is None and qp["error_cqes"] == 0
-    assert qp["wqes"] == qp["posted"] >= 2 * (NCHUNKS * wqes_per_put_signal + 1)
+    assert (qp["job"], qp["rank"], qp["peer"], qp["channel"]) == ("ibgda-job", 0, 1, ch.id)
+    assert qp["qpn"] == queue.qp.qpn and qp["far_qpn"] and qp["state"] == "up"
+    assert json.loads(result.output)["ibgda_domains"] == [{"rail": 0, "job": "ibgda-job", "rank": 0, "regions": 1}]
     text = CliRunner().invoke(ctl_main, ["queues", "--socket", pair.sockets[0]]).output
     assert "ibgda queue pairs" in text and str(qp["qpn"]) in text
 
@@ -147,24 +161,151 @@ def _responders(client: Any) -> set[int]:
     return set(client.stats()["rails"][0]["responders"])
 
 
-def test_leave_closes_the_queues_and_the_far_ends(pair_factory) -> None:
+def _domains(client: Any) -> list[dict[str, Any]]:
+    """The IBGDA domains node a's rail worker holds (one per rank that opened an IBGDA channel)."""
+    return client.stats()["rails"][0]["ibgda_domains"]
+
+
+def test_the_queue_pairs_are_the_clients_on_the_ranks_own_domain(pair_factory) -> None:
+    pair = pair_factory()
+    ch = pair.sessions[0].channel(16, kind="ibgda")
+    (queue,) = ch.queues
+    # built in this process: its memory is ours (no file, no daemon memfd), its QP on the imported PD
+    assert queue.qp.mem.path is None and "/memfd:tpd-ibgda-" not in Path("/proc/self/maps").read_text()
+    domain = ch.domain
+    assert domain.nic == "soft" and domain.rail.pd._imported and domain.rail.ctx._link is not None
+    assert queue.qp.qp._pd is domain.rail.pd
+    # the domain holds the rank's one region (and a scratch page) and no one else's; the channel's local
+    # table names it by the domain's lkey and handle, which this process imported
+    assert _domains(pair.clients[0]) == [{"job": "ibgda-job", "rank": 0, "regions": 1}]
+    (local,) = ch.info["local_regions"]
+    assert local[0] == pair.src.ctypes.data or local[1] == pair.src.nbytes
+    assert local[3] in domain._mr_handles
+    # a second channel reuses the imported domain
+    ch2 = pair.sessions[0].channel(16, kind="ibgda")
+    assert ch2.domain is domain and len(pair.clients[0].stats()["rails"][0]["ibgda"]) == 2
+    ch2.close()
+    assert len(pair.clients[0].stats()["rails"][0]["ibgda"]) == 1
+
+
+def test_leave_closes_the_queues_the_domain_and_the_far_ends(pair_factory) -> None:
     pair = pair_factory()
     far_before = _responders(pair.clients[1])
     ch = pair.sessions[0].channel(16, kind="ibgda")
-    # the queues' memory is the daemon's memfds, taken by descriptor: no file anyone could open by name
-    assert ch.queues and all(q.memory.path is None for q in ch.queues)
-    assert "/memfd:tpd-ibgda-" in Path("/proc/self/maps").read_text()
-    assert len(pair.clients[0].stats()["rails"][0]["ibgda"]) == len(ch.queues)
+    (queue,) = ch.queues
+    assert len(pair.clients[0].stats()["rails"][0]["ibgda"]) == 1 and len(_domains(pair.clients[0])) == 1
     far_during = _responders(pair.clients[1])
     assert len(far_during - far_before) == 1  # the responder QP node b accepted for the queue pair
     pair.sessions[0].leave()
     pair.left.add(0)
-    assert pair.clients[0].stats()["rails"][0]["ibgda"] == []
+    assert queue.qp.qp is None and ch.queues == []  # this process destroyed its queue pairs
+    assert pair.sessions[0]._ibgda_domains == {}
+    stats = pair.clients[0].stats()["rails"][0]
+    assert stats["ibgda"] == [] and stats["ibgda_domains"] == []
     # peer_disconnect travels over the peer plane
     wait_until(lambda: not _responders(pair.clients[1]), "node b to close the job's responders")
     # rank 0 was node a's last rank of the job: the queue pair's responder and the one for node a's proxy
     # connection are both closed on node b
     assert _responders(pair.clients[1]) == set()
+
+
+KILLED_RANK = textwrap.dedent("""
+    import ctypes, json, sys
+    import numpy as np
+    import gpuclient
+    from tests.support.ibgda_link import SIGNATURES
+    socket, lib_path = sys.argv[1:3]
+    lib = ctypes.CDLL(lib_path)
+    for name, (res, args) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    client = gpuclient.connect(socket, timeout=30)
+    session = client.join("killed-job", rank=0, world=2)
+    src = gpuclient.host_array(4096)
+    src[:] = np.arange(4096) % 251
+    region = session.register(src)
+    session.flags(4, where="host")
+    session.exchange(timeout=30)
+    ch = session.channel(16, kind="ibgda")
+    handle = ch.host_handle()
+    lib.tpd_test_put_signal(handle.ptr, 1, 0, 0, region.id, 0, 4096, 0, 1, 0)
+    lib.tpd_test_quiet(handle.ptr)
+    print(json.dumps({"status": lib.tpd_test_status(handle.ptr), "qpn": ch.queues[0].qp.qpn}), flush=True)
+    sys.stdin.readline()  # until killed
+""")
+
+
+def test_a_killed_client_leaves_no_queue_no_domain_and_no_far_end(host_lib: ctypes.CDLL, build_dir: Path) -> None:
+    with LocalCluster(2, backend="ib") as cluster:
+        a, b = (cluster.socket(name) for name in cluster.names)
+        client = gpuclient.connect(b, timeout=30)
+        session = client.join("killed-job", rank=1, world=2)
+        dst = gpuclient.host_array(4096)
+        session.register(dst)
+        session.flags(4, where="host")
+        session.exchange(wait=False)
+        child = subprocess.Popen([sys.executable, "-c", KILLED_RANK, a, str(build_dir / "libtpd_ibgda_host.so")],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+        watcher = gpuclient.connect(a, timeout=30)
+        try:
+            session.exchange(timeout=60)
+            line = child.stdout.readline()
+            assert line, "the child rank exited before its transfer"
+            report = json.loads(line)
+            assert report["status"] == 0 and session.wait(0, 1, timeout=30) == 1
+            assert np.array_equal(dst, np.arange(4096) % 251)
+            (queue,) = watcher.stats()["rails"][0]["ibgda"]
+            assert queue["qpn"] == report["qpn"] and queue["state"] == "up"
+            assert _responders(client)
+            child.kill()  # SIGKILL: no leave, no channel_close
+            child.wait(10)
+            wait_until(lambda: watcher.stats()["rails"][0]["ibgda"] == [], "node a to drop the killed rank's queues")
+            assert watcher.stats()["rails"][0]["ibgda_domains"] == []
+            wait_until(lambda: not _responders(client), "node b to close the far ends")
+        finally:
+            if child.poll() is None:
+                child.kill()
+            watcher.close()
+            session.leave()
+            client.close()
+
+
+def test_after_a_remote_access_error_a_new_channel_to_the_same_peer_delivers(host_lib: ctypes.CDLL,
+                                                                             pair_factory) -> None:
+    pair = pair_factory("atomic")
+    far_before = _responders(pair.clients[1])  # the far end of node a's proxy connection, if any
+    ch = pair.sessions[0].channel(32, kind="ibgda")
+    handle = ch.host_handle()
+    far_first = _responders(pair.clients[1]) - far_before
+    assert len(far_first) == 1
+    # a stale key, as a kernel holding an old table would use: rank 1's region 0 with a wrong rkey
+    remote = int(handle.record["remote"][0])
+    world_regions = int(handle.record["nregions"][0])
+    table = np.frombuffer((ctypes.c_uint8 * (24 * 2 * world_regions)).from_address(remote), dtype=REGION_DTYPE)
+    table[1 * world_regions + pair.regions[1].id]["key"] ^= 0x5500
+    host_lib.tpd_test_put_signal(handle.ptr, 1, pair.regions[1].id, 0, pair.regions[0].id, 0, 256, 0, 1, 0)
+    host_lib.tpd_test_quiet(handle.ptr)
+    assert host_lib.tpd_test_status(handle.ptr) == ErrorCode.REMOTE_ACCESS
+    assert ch.status()[0] == ErrorCode.REMOTE_ACCESS and ch.queues[0].qp.error is not None
+    assert pair.flags[1][0] == 0 and not pair.dst[:256].any()
+    # recovery: close the failed channel and open another to the same peer, without leaving the job
+    ch.close()
+    wait_until(lambda: not (far_first & _responders(pair.clients[1])), "node b to close the failed far end")
+    ch2 = pair.sessions[0].channel(32, kind="ibgda")
+    assert ch2.id != ch.id and [q.peer for q in ch2.queues] == [1]
+    assert len(_responders(pair.clients[1]) - far_before) == 1  # node b accepted the replacement
+    handle2 = ch2.host_handle()
+    for i in range(8):
+        off = i * CHUNK
+        host_lib.tpd_test_put_signal(handle2.ptr, 1, pair.regions[1].id, off, pair.regions[0].id, off, CHUNK, 0, 1,
+                                     0)
+    host_lib.tpd_test_quiet(handle2.ptr)
+    assert host_lib.tpd_test_status(handle2.ptr) == 0 and ch2.status() == (0, 0)
+    assert pair.sessions[1].wait(0, 8, timeout=30) == 8
+    assert np.array_equal(pair.dst[:8 * CHUNK], pair.src[:8 * CHUNK])
+    (qp,) = pair.clients[0].stats()["rails"][0]["ibgda"]  # only the new channel's queue pair is left
+    assert qp["channel"] == ch2.id and qp["state"] == "up"
 
 
 def test_efa_daemon_refuses_ibgda_channels(pair_factory) -> None:

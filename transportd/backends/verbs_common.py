@@ -18,6 +18,7 @@ the context manager.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import types
 from collections.abc import Iterator
@@ -289,6 +290,42 @@ class Rail:
         mr = self.mrs.pop((addr, lkey), None)
         if mr is not None:
             mr.close()
+
+    @classmethod
+    def imported(cls, verbs: Any, cmd_fd: int, pd_handle: int, *, port: int = 1, gid_index: int = 0) -> Rail:
+        """A rail on another process's context and PD, imported by command descriptor and PD handle
+        (``ibv_import_device``, ``ibv_import_pd``; the rail owns ``cmd_fd`` from here on). It has no CQ:
+        :meth:`sibling` gives each queue one. Closing it forgets the PD (an import is not deallocated) and
+        closes the imported context."""
+        rail = object.__new__(cls)
+        rail.v = v = load_verbs(verbs)
+        rail.port, rail.gid_index, rail.mrs, rail.cq, rail.pd = port, gid_index, {}, None, None
+        try:
+            with translate_verbs_errors(f"importing a context by command descriptor {cmd_fd}", v):
+                rail.ctx = v.device.Context(cmd_fd=cmd_fd)
+        except BaseException:
+            os.close(cmd_fd)
+            raise
+        try:
+            with translate_verbs_errors(f"importing PD {pd_handle}", v):
+                rail.device_name = _text(rail.ctx.name)
+                rail.device_attr = rail.ctx.query_device()
+                rail.port_attr = rail.ctx.query_port(port)
+                rail.gid = rail.ctx.query_gid(port, gid_index)
+                rail.pd = v.pd.PD(rail.ctx, handle=pd_handle)
+            rail.cq_depth = 0
+        except BaseException:
+            rail.close()
+            raise
+        return rail
+
+    def import_mr(self, handle: int, address: int) -> Any:
+        """The exporter's MR ``handle`` on this rail's imported PD (its keys serve WQEs of this process's
+        QPs; ``address`` is where the exporter registered it, the NIC's view of its bytes)."""
+        with translate_verbs_errors(f"importing MR {handle}", self.v):
+            mr = self.v.mr.MR(self.pd, handle=handle, address=address)
+        self.mrs[(address, int(mr.lkey))] = mr
+        return mr
 
     def sibling(self, cq_depth: int) -> Rail:
         """A rail on this context and PD with a CQ of its own: another queue's completions kept apart from

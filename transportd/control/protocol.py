@@ -54,6 +54,8 @@ __all__ = [
     "TOKEN_BYTES",
     "V",
     "Channel",
+    "ChannelClose",
+    "ChannelConnect",
     "ChannelInfo",
     "Exchange",
     "Flags",
@@ -77,6 +79,7 @@ __all__ = [
     "PeerRegions",
     "PeerSelftest",
     "PeerSelftestReport",
+    "QueueEndpoint",
     "RailQP",
     "Record",
     "RegionInfo",
@@ -396,9 +399,10 @@ class Channel(Request):
 
     ``kind="ring"``: a command ring of ``capacity`` slots (a power of two; 0: the daemon's
     ``proxy.ring_capacity``) and its error word, drained by the rail's proxy. ``kind="ibgda"``: one queue
-    pair per peer rank of ``capacity`` WQEs (a power of two, 8 .. 32768) that the GPU posts to itself; the
-    daemon connects them through the peer plane, so the reply says ``ready`` false and the client asks
-    :class:`ChannelInfo` until it is true.
+    pair per peer rank of ``capacity`` WQEs (a power of two, 8 .. 32768) that the GPU posts to itself, built
+    by the client in its own process on the rank's IBGDA domain (the reply grants it: the domain's command
+    descriptor, offered on the descriptor socket, its PD handle, the peers); the client then sends
+    :class:`ChannelConnect` and asks :class:`ChannelInfo` until ``ready``.
     """
 
     op: ClassVar[str] = "channel"
@@ -421,6 +425,48 @@ class ChannelInfo(Request):
     """The state of an IBGDA channel this session opened: ``ready``, then what a kernel's tables need."""
 
     op: ClassVar[str] = "channel_info"
+    channel: Annotated[int, Meta(ge=1, le=_U32)]
+
+
+class QueueEndpoint(Record):
+    """One queue pair a client built for an IBGDA channel, toward rank ``peer``: what its far end needs to
+    connect to it (the ib backend's endpoint fields)."""
+
+    _context: ClassVar[str] = "endpoint"
+    peer: Rank
+    qpn: Annotated[int, Meta(ge=1, le=_U24)]
+    psn: U24
+    lid: Annotated[int, Meta(ge=0, le=0xFFFF)]
+    gid: Annotated[str, Meta(max_length=64, pattern=r"^[0-9A-Fa-f:.]*\Z")]
+    port: Annotated[int, Meta(ge=1, le=255)]
+    mtu: Annotated[int, Meta(ge=1, le=5)]  #: an ibv_mtu value
+    max_dest_rd_atomic: Annotated[int, Meta(ge=1, le=16)]
+    transport: Literal["ib"] = "ib"
+
+
+@_request
+class ChannelConnect(Request):
+    """The queue pairs this session built in its own process for IBGDA channel ``channel``, one per peer rank
+    the channel's reply named: the daemon connects a far end to each (the client then asks
+    :class:`ChannelInfo` until ``ready``)."""
+
+    op: ClassVar[str] = "channel_connect"
+    channel: Annotated[int, Meta(ge=1, le=_U32)]
+    endpoints: tuple[QueueEndpoint, ...]
+
+    def _check(self) -> None:
+        if not 1 <= len(self.endpoints) <= MAX_WORLD:
+            self._fail("endpoints", f"must list 1..{MAX_WORLD} queue pairs, got {len(self.endpoints)}")
+        if len({e.peer for e in self.endpoints}) != len(self.endpoints):
+            self._fail("endpoints", "lists a peer twice")
+
+
+@_request
+class ChannelClose(Request):
+    """Close IBGDA channel ``channel``: the daemon closes the far ends of its queue pairs (the client destroys
+    the queue pairs themselves). A channel whose queues failed is closed this way before a new one opens."""
+
+    op: ClassVar[str] = "channel_close"
     channel: Annotated[int, Meta(ge=1, le=_U32)]
 
 
@@ -874,6 +920,8 @@ TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
         "flags": SessionState.JOINED,
         "channel": SessionState.JOINED,
         "channel_info": SessionState.JOINED,
+        "channel_connect": SessionState.JOINED,
+        "channel_close": SessionState.JOINED,
         "exchange": SessionState.JOINED,
         "stats": SessionState.JOINED,
         "inspect": SessionState.JOINED,

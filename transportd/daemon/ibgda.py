@@ -1,9 +1,22 @@
-"""IBGDA channels: queue pairs the GPU posts WQEs to itself, made and connected by the daemon.
+"""IBGDA channels: queue pairs the GPU posts WQEs to itself, built by the client, their far ends by the daemon.
 
-A channel is one queue pair per peer rank in the rank's rail worker, each connected (through the peer
-plane: ``peer_connect_request``/``accept``, like a rank's connections) to a responder QP on the peer's node
-and rail, or in the same worker for a rank on this node. Only backends the registry declares able to serve
-them (:func:`transportd.backends.has_capability`, ``"ibgda"``) hand them out.
+A rank's client builds its queue pairs (send queue, CQ, UAR; DevX objects on a ConnectX) in its own
+process, on the rank's **IBGDA domain**: a device context of its own on the rank's rail, with a PD and the
+rank's regions registered there (``ibgda.domain``, made by the rail worker on the rank's first IBGDA
+channel). The domain's command descriptor goes to the client over the descriptor socket; it imports the
+context, the PD and the MRs by handle. Per channel:
+
+1. ``channel(kind="ibgda")``: the domain (made or brought up to date with the rank's regions), the grant
+   (descriptor offer, PD handle, scratch page) and the peer ranks;
+2. ``channel_connect``: one endpoint per peer rank; the daemon connects a far end to each, a responder QP
+   on the peer's node and rail through the peer plane (``peer_connect_request``/``accept``, as for a
+   rank's connections), or in this node's worker for a rank on this node;
+3. ``channel_info`` until ``ready``: the far ends' endpoints and the keys the channel's tables need (the
+   rank's regions with the domain's lkeys, the peers' regions and flags with their rkeys);
+4. ``channel_close`` (or the rank's end): the far ends close. The rank's end closes the domain too.
+
+Only backends the registry declares able to serve them (:func:`transportd.backends.has_capability`,
+``"ibgda"``) hand them out.
 """
 
 from __future__ import annotations
@@ -12,12 +25,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from cmd_ring.shm import unsealed_memfd
 from transportd.backends import IBGDA, has_capability, kinds_with
-from transportd.control.protocol import ChannelInfo, PeerConnectAccept, PeerConnectRequest, PeerDisconnect
+from transportd.control.fdchannel import SideConnection
+from transportd.control.protocol import (
+    ChannelClose,
+    ChannelConnect,
+    ChannelInfo,
+    PeerConnectAccept,
+    PeerConnectRequest,
+    PeerDisconnect,
+)
 from transportd.daemon.clients import ClientSessions
 from transportd.daemon.peering import Peering
-from transportd.daemon.state import LocalRank, NodeState, memfd_name, quietly
+from transportd.daemon.state import LocalRank, NodeState, quietly, region_key
 from transportd.errors import RequestError, WorkerError
 
 __all__ = ["IbgdaChannel", "IbgdaChannels", "IbgdaQueue"]
@@ -25,38 +45,58 @@ __all__ = ["IbgdaChannel", "IbgdaChannels", "IbgdaQueue"]
 
 @dataclass
 class IbgdaQueue:
-    """One queue pair of an IBGDA channel: in the rank's rail worker, connected to a responder on ``node``."""
+    """One queue pair of an IBGDA channel: the client's, toward rank ``peer`` on ``node``."""
 
-    queue_id: int
     peer: int
     node: str
-    fd: int  # the queue's memfd (the worker sized and sealed it): offered to the client once it is up
-    info: dict[str, Any]  # the worker's reply: endpoint, qpn, wqe_cnt, ncqes, scratch, scratch_lkey
-    state: str = "connecting"  # connecting | up | failed
+    queue_id: int = 0  # the connection id its far end is known by (set when the client connects it)
+    endpoint: dict[str, Any] | None = None  # the client's QP, as it described it
+    far: dict[str, Any] | None = None  # the far end's endpoint, once it accepted
+    state: str = "new"  # new | connecting | up | failed
     responder: int = 0  # the responder's connection id when the peer is on this node
-    offer: int = -1  # the id of its descriptor offered to the client and not taken yet
 
 
 @dataclass
 class IbgdaChannel:
     channel_id: int
+    rail: int
+    wqe_cnt: int
     queues: dict[int, IbgdaQueue] = field(default_factory=dict)  # peer rank -> queue
 
 
 class IbgdaChannels:
-    """Every rank's IBGDA channels (``channels``, by (job, rank) then channel id) and the queues whose far
-    end has not accepted yet (``waiting``, by (node, queue id))."""
+    """Every rank's IBGDA channels (``channels``, by (job, rank) then channel id), the ranks' domains
+    (``domains``: the grant and the regions registered there) and the queues whose far end has not
+    accepted yet (``waiting``, by (node, queue id))."""
 
     def __init__(self, state: NodeState, clients: ClientSessions, peering: Peering) -> None:
         self.state = state
         self.clients = clients
         self.peering = peering
         self.channels: dict[tuple[str, int], dict[int, IbgdaChannel]] = {}
+        self.domains: dict[tuple[str, int], dict[str, Any]] = {}
         self.waiting: dict[tuple[str, int], IbgdaQueue] = {}
 
-    def open(self, rank: LocalRank, wqe_cnt: int) -> dict[str, Any]:
-        """Make the channel's queues and ask their far ends to connect. The reply comes before they accept:
-        the client asks ``channel_info`` until ``ready``."""
+    # --- the domain ------------------------------------------------------------------------------------
+    def _sync_domain(self, rank: LocalRank, with_fd: bool) -> dict[str, Any]:
+        """Make the rank's domain or register the regions it lacks; with ``with_fd``, the reply's ``fds``
+        hold a copy of its command descriptor."""
+        keys = [region_key(rank, i) for i in sorted(rank.regions) if rank.rail in rank.regions[i]]
+        known = self.domains.get((rank.job, rank.rank))
+        if known is not None and not with_fd and all(k in known["regions"] for k in keys):
+            return known
+        reply = self.state.workers[rank.rail].call("open_ibgda_domain", job=rank.job, rank=rank.rank,
+                                                   regions=keys, with_fd=with_fd)
+        domain = self.domains.setdefault((rank.job, rank.rank), {"grant": reply["grant"], "regions": {}})
+        domain["regions"].update(reply["regions"])
+        if with_fd:
+            domain["fds"] = reply.get("fds", [])
+        return domain
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def open(self, rank: LocalRank, conn: SideConnection, wqe_cnt: int) -> dict[str, Any]:
+        """Grant the rank's domain and name the channel's peers; the client builds the queue pairs and sends
+        ``channel_connect``."""
         state = self.state
         kind = state.config.backend.kind
         if not has_capability(kind, IBGDA):
@@ -67,58 +107,78 @@ class IbgdaChannels:
         if not self.peering.job_wired(rank):
             raise RequestError("not_ready", "exchange until every rank of the job is known and reachable before "
                                             "opening an IBGDA channel")
-        chan = IbgdaChannel(next(state.channel_ids))
-        mine = self.channels.setdefault((rank.job, rank.rank), {})
-        mine[chan.channel_id] = chan
-        worker = state.workers[rank.rail]
         try:
-            for peer in range(job.world):
-                if peer == rank.rank:
-                    continue
-                queue_id = next(state.conn_ids)
-                # empty: the worker sizes it for the queue it builds there, then seals its size
-                fd = unsealed_memfd(memfd_name("ibgda", rank.job, rank.rank, chan.channel_id, peer))
-                try:
-                    info = worker.call("create_ibgda_queue", queue=queue_id, job=rank.job, wqe_cnt=wqe_cnt,
-                                       fds=(fd,))
-                except BaseException:
-                    os.close(fd)
-                    raise
-                node = state.node_of(job, peer)
-                queue = chan.queues[peer] = IbgdaQueue(queue_id, peer, node, fd, info)
-                if node == state.node:  # the responder lives in the same worker
+            domain = self._sync_domain(rank, with_fd=True)
+        except WorkerError as exc:
+            raise RequestError("channel_failed", str(exc)) from None
+        (fd,) = domain.pop("fds")
+        offer = self.clients.offer(rank, conn, fd, "ibgda")  # owned by the offer from here on
+        chan = IbgdaChannel(next(state.channel_ids), rank.rail, wqe_cnt)
+        for peer in range(job.world):
+            if peer != rank.rank:
+                chan.queues[peer] = IbgdaQueue(peer, state.node_of(job, peer))
+        self.channels.setdefault((rank.job, rank.rank), {})[chan.channel_id] = chan
+        return {"channel": chan.channel_id, "kind": "ibgda", "rail": rank.rail, "wqe_cnt": wqe_cnt,
+                "peers": sorted(chan.queues), "domain": {**domain["grant"], "fd": offer}, "ready": False}
+
+    def _channel(self, rank: LocalRank, channel: int) -> IbgdaChannel:
+        chan = self.channels.get((rank.job, rank.rank), {}).get(channel)
+        if chan is None:
+            raise RequestError("unknown_channel", f"this session has no IBGDA channel {channel}")
+        return chan
+
+    def connect(self, client_id: bytes, req: ChannelConnect) -> dict[str, Any]:
+        """Connect a far end to each of the client's queue pairs."""
+        rank = self.clients.joined(client_id)
+        chan = self._channel(rank, req.channel)
+        if {e.peer for e in req.endpoints} != set(chan.queues):
+            raise RequestError("invalid", f"channel {chan.channel_id} has queue pairs toward ranks "
+                                          f"{sorted(chan.queues)}; the endpoints name "
+                                          f"{sorted(e.peer for e in req.endpoints)}")
+        if any(q.state != "new" for q in chan.queues.values()):
+            raise RequestError("invalid", f"channel {chan.channel_id}'s queue pairs are connected already")
+        state = self.state
+        worker = state.workers[chan.rail]
+        try:
+            for ep in req.endpoints:
+                queue = chan.queues[ep.peer]
+                queue.queue_id = next(state.conn_ids)
+                queue.endpoint = {name: getattr(ep, name) for name in ep.__struct_fields__ if name != "peer"}
+                if queue.node == state.node:  # the responder lives in this node's worker
                     queue.responder = next(state.conn_ids)
                     far = worker.call("create_endpoint", conn=queue.responder, job=rank.job, responder=True)
-                    worker.call("connect", conn=queue.responder, remote=info["endpoint"])
-                    worker.call("connect_ibgda_queue", queue=queue_id, remote=far["endpoint"])
-                    queue.state = "up"
+                    worker.call("connect", conn=queue.responder, remote=queue.endpoint)
+                    queue.far, queue.state = far["endpoint"], "up"
                 else:
-                    self.waiting[(node, queue_id)] = queue
-                    state.plane.send(node, PeerConnectRequest(job=rank.job, rail=rank.rail, conn=queue_id,
-                                                              endpoint=info["endpoint"]))
+                    queue.state = "connecting"
+                    self.waiting[(queue.node, queue.queue_id)] = queue
+                    state.plane.send(queue.node, PeerConnectRequest(job=rank.job, rail=chan.rail,
+                                                                    conn=queue.queue_id, endpoint=queue.endpoint))
         except WorkerError as exc:
             self._close(rank, chan)
-            mine.pop(chan.channel_id, None)
-            if not mine:
-                del self.channels[(rank.job, rank.rank)]
+            self.channels[(rank.job, rank.rank)].pop(chan.channel_id, None)
             raise RequestError("channel_failed", str(exc)) from None
-        return {"channel": chan.channel_id, "kind": "ibgda", "rail": rank.rail,
-                "ready": all(q.state == "up" for q in chan.queues.values())}
+        return {"channel": chan.channel_id, "ready": all(q.state == "up" for q in chan.queues.values())}
 
     def info(self, client_id: bytes, req: ChannelInfo) -> dict[str, Any]:
-        """``ready`` false while a queue awaits its far end; then everything a ``tpd::IbgdaChannel`` needs."""
+        """``ready`` false while a far end has not accepted; then everything a ``tpd::IbgdaChannel`` needs."""
         rank = self.clients.joined(client_id)
-        chan = self.channels.get((rank.job, rank.rank), {}).get(req.channel)
-        if chan is None:
-            raise RequestError("unknown_channel", f"this session has no IBGDA channel {req.channel}")
+        chan = self._channel(rank, req.channel)
         failed = [q for q in chan.queues.values() if q.state == "failed"]
         if failed:
             raise RequestError("unreachable", f"the queue pair to rank {failed[0].peer} on {failed[0].node} failed")
         if any(q.state != "up" for q in chan.queues.values()):
             return {"channel": chan.channel_id, "ready": False}
-        job, rail = self.state.jobs[rank.job], rank.rail
-        # region tables indexed by region id; an id without a key on this rail is all zeros (refused)
-        local = [_triple(rank.regions.get(i, {}).get(rail), "lkey") for i in range(rank.next_region)]
+        try:  # regions registered since the channel opened join the domain now
+            domain = self._sync_domain(rank, with_fd=False)
+        except WorkerError as exc:
+            raise RequestError("channel_failed", str(exc)) from None
+        job, rail = self.state.jobs[rank.job], chan.rail
+        # region tables indexed by region id; an id without a key in the domain is all zeros (refused)
+        local = []
+        for i in range(rank.next_region):
+            key = domain["regions"].get(region_key(rank, i))
+            local.append([key["addr"], key["length"], key["lkey"], key["handle"]] if key else [0, 0, 0, 0])
         remote_regions, remote_flags = [], []
         for peer in chan.queues:
             regions, flags = self.peering.peer_keys(job, peer, rail)
@@ -126,53 +186,69 @@ class IbgdaChannels:
             remote_regions.append([peer, [_triple(regions.get(i), "rkey") for i in range(count)]])
             if flags is not None:
                 remote_flags.append([peer, _triple(flags, "rkey")])
-        conn = self.clients.side_for(client_id, "an IBGDA queue's memory")
-        for q in chan.queues.values():
-            if q.offer not in conn.offered:  # first asked, or taken since: offer it (again)
-                q.offer = self.clients.offer(rank, conn, os.dup(q.fd), "ibgda")
-        queues = [{"peer": q.peer, "fd": q.offer, **{k: q.info[k] for k in ("qpn", "wqe_cnt", "ncqes", "scratch",
-                                                                             "scratch_lkey")}}
-                  for q in chan.queues.values()]
+        queues = [{"peer": q.peer, "far": q.far} for q in chan.queues.values()]
         return {"channel": chan.channel_id, "ready": True, "kind": "ibgda", "rail": rail,
                 "signal_mode": self.state.config.signal.mode, "queues": queues, "local_regions": local,
                 "remote_regions": remote_regions, "remote_flags": remote_flags}
 
+    def close_channel(self, client_id: bytes, req: ChannelClose) -> dict[str, Any]:
+        """Close a channel's far ends (its queue pairs are the client's to destroy)."""
+        rank = self.clients.joined(client_id)
+        chan = self._channel(rank, req.channel)
+        self._close(rank, chan)
+        self.channels[(rank.job, rank.rank)].pop(chan.channel_id, None)
+        return {}
+
+    # --- the rank's end, the peer plane ---------------------------------------------------------------
     def close_rank(self, rank: LocalRank) -> None:
-        """Close every IBGDA channel of ``rank`` (it is being released)."""
+        """Close every IBGDA channel of ``rank`` and its domain (it is being released)."""
         for chan in self.channels.pop((rank.job, rank.rank), {}).values():
             self._close(rank, chan)
+        domain = self.domains.pop((rank.job, rank.rank), None)
+        if domain is not None:
+            for fd in domain.pop("fds", ()):
+                os.close(fd)
+            if rank.rail < len(self.state.workers):
+                quietly(self.state.workers[rank.rail].call, "close_ibgda_domain", job=rank.job, rank=rank.rank)
 
     def _close(self, rank: LocalRank, chan: IbgdaChannel) -> None:
         state = self.state
-        worker = state.workers[rank.rail] if rank.rail < len(state.workers) else None
+        worker = state.workers[chan.rail] if chan.rail < len(state.workers) else None
         for queue in chan.queues.values():
+            if queue.state == "new":
+                continue
             self.waiting.pop((queue.node, queue.queue_id), None)
-            if worker is not None:
-                quietly(worker.call, "close_ibgda_queue", queue=queue.queue_id)
-                if queue.responder:
-                    quietly(worker.call, "close_connection", conn=queue.responder)
+            if queue.responder and worker is not None:
+                quietly(worker.call, "close_connection", conn=queue.responder)
             if queue.node != state.node and state.peers is not None:  # the far end closes its responder
-                state.peers.send(queue.node, PeerDisconnect(job=rank.job, rail=rank.rail, conn=queue.queue_id))
-            os.close(queue.fd)
+                state.peers.send(queue.node, PeerDisconnect(job=rank.job, rail=chan.rail, conn=queue.queue_id))
+            queue.state = "failed"
 
     def connect_accepted(self, node: str, msg: PeerConnectAccept) -> bool:
-        """If ``msg`` answers one of our queues, connect it (True); else it is not ours (False)."""
+        """If ``msg`` answers one of our queues, record its far end (True); else it is not ours (False)."""
         queue = self.waiting.pop((node, msg.conn), None)
         if queue is None:
             return False
-        try:
-            self.state.workers[msg.rail].call("connect_ibgda_queue", queue=queue.queue_id,
-                                              remote=dict(msg.endpoint))
-            queue.state = "up"
-        except WorkerError:
-            queue.state = "failed"
-            raise
+        queue.far, queue.state = dict(msg.endpoint), "up"
         return True
 
     def peer_down(self, node: str) -> None:
         """Queues still waiting for ``node`` to accept fail (``channel_info`` says so)."""
         for key in [k for k in self.waiting if k[0] == node]:
             self.waiting.pop(key).state = "failed"
+
+    def queue_stats(self, rail: int) -> list[dict[str, Any]]:
+        """The queue pairs clients built on ``rail``'s domains, as this daemon knows them."""
+        out = []
+        for (job, rank), chans in self.channels.items():
+            for chan in chans.values():
+                if chan.rail != rail:
+                    continue
+                for q in chan.queues.values():
+                    out.append({"queue": q.queue_id, "channel": chan.channel_id, "job": job, "rank": rank,
+                                "peer": q.peer, "node": q.node, "qpn": (q.endpoint or {}).get("qpn"),
+                                "far_qpn": (q.far or {}).get("qpn"), "wqe_cnt": chan.wqe_cnt, "state": q.state})
+        return out
 
 
 def _triple(key: dict[str, int] | None, which: str) -> list[int]:

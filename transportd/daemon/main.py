@@ -35,6 +35,8 @@ from transportd.control.fdchannel import FdServer, SideConnection, fd_socket_for
 from transportd.control.peers import PeerPlane
 from transportd.control.protocol import (
     Channel,
+    ChannelClose,
+    ChannelConnect,
     ChannelInfo,
     Exchange,
     Flags,
@@ -270,7 +272,8 @@ class Daemon:
         log.info("job %s rank %d reclaimed", rank.job, rank.rank)
 
     def stats(self) -> dict[str, Any]:
-        return stats.collect_stats(self.state, self.peering, self.clients, started=self.started, ready=self.ready)
+        return stats.collect_stats(self.state, self.peering, self.clients, started=self.started, ready=self.ready,
+                                   ibgda=self.ibgda.queue_stats)
 
     # --- control ops (ControlServer calls on_<op>) ------------------------------------------------------
     def on_hello(self, client_id: bytes, req: Hello) -> dict[str, Any]:
@@ -295,11 +298,17 @@ class Daemon:
         rank = self.clients.joined(client_id)
         conn = self.clients.side_for(client_id, "a channel's memory (a ring, or IBGDA queues)")
         if req.kind == "ibgda":
-            return self.ibgda.open(rank, req.capacity)
+            return self.ibgda.open(rank, conn, req.capacity)
         return self.memory.open_ring(rank, conn, req.capacity)
 
     def on_channel_info(self, client_id: bytes, req: ChannelInfo) -> dict[str, Any]:
         return self.ibgda.info(client_id, req)
+
+    def on_channel_connect(self, client_id: bytes, req: ChannelConnect) -> dict[str, Any]:
+        return self.ibgda.connect(client_id, req)
+
+    def on_channel_close(self, client_id: bytes, req: ChannelClose) -> dict[str, Any]:
+        return self.ibgda.close_channel(client_id, req)
 
     def on_stats(self, client_id: bytes, req: Stats) -> dict[str, Any]:
         node_stats = self.stats()

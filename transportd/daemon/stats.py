@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from transportd.control.protocol import Inspect, ReplyCode
@@ -18,14 +19,17 @@ __all__ = ["collect_stats", "inspect_flags", "visible_stats"]
 
 
 def collect_stats(state: NodeState, peering: Peering, clients: ClientSessions, *, started: float,
-                  ready: bool) -> dict[str, Any]:
-    """The node's stats: each rail worker's, with this process's view of jobs, connections and peers."""
+                  ready: bool, ibgda: Callable[[int], list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """The node's stats: each rail worker's, with this process's view of jobs, connections and peers (and,
+    given ``ibgda``, of the IBGDA queue pairs clients built on each rail)."""
     rails = []
     for worker in state.workers:
         try:
             rails.append(worker.call("stats", timeout_s=5.0))
         except WorkerError as exc:
             rails.append({"error": str(exc)})
+        if ibgda is not None:
+            rails[-1]["ibgda"] = ibgda(worker.rail)
     # per-connection queue counters from the workers, by (rail, backend connection id)
     queued = {(r.get("rail"), c["conn"]): c for r in rails for c in r.get("queues", {}).get("connections", [])}
     # a ring's error count is in its error word, which this process maps too (the workers report the code)

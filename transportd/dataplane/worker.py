@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from cmd_ring import RingFile
 from cmd_ring.shm import SharedFile, map_fd
@@ -34,7 +33,7 @@ from transportd.backends.interface import MemoryKey
 from transportd.config import Config
 from transportd.dataplane.flag_publication import RailFlags
 from transportd.dataplane.flagfile import FlagFile
-from transportd.dataplane.gpu_memory import GpuMemory
+from transportd.dataplane.gpu_memory import GpuMemory, IpcRegion
 from transportd.dataplane.pinning import pin_worker
 from transportd.dataplane.proxy import Proxy
 from transportd.dataplane.worker_link import WorkerEndpoint
@@ -76,7 +75,7 @@ class RailService:
         self.regions: dict[str, tuple[MemoryKey, Any]] = {}
         self.conn_jobs: dict[int, str] = {}
         self.responders: set[int] = set()  # connections this rail accepted for a peer's requester
-        self.ibgda: dict[int, tuple[Any, np.ndarray]] = {}  # queue id -> (SoftMlx5Queue, its scratch words)
+        self.ibgda_domains: dict[tuple[str, int], Any] = {}  # (job, rank) -> its ibgda.domain.ImportDomain
         self.stopping = False
         self.gpu = GpuMemory()  # CUDA starts only when a client brings GPU memory
         if self.soft is not None and config.softverbs.direct_copy:
@@ -236,48 +235,43 @@ class RailService:
         self.proxy.fail_connection(conn, code)
         return {}
 
-    # --- IBGDA queues: the GPU posts WQEs itself; over softverbs this worker plays the ConnectX ----------
-    def op_create_ibgda_queue(self, queue: int, job: str, fds: list[int], wqe_cnt: int) -> dict[str, Any]:
-        """An RC QP whose send queue, CQ and doorbells live in the daemon's empty memfd (sized and sealed
-        here; the client maps it into its GPU), on this rail's PD so the regions registered here serve its
-        WQEs."""
-        (fd,) = fds
-        try:
-            return self._create_ibgda_queue(queue, job, fd, wqe_cnt)
-        finally:
-            os.close(fd)  # the queue's mapping keeps the memory
+    # --- IBGDA domains: the client builds its queue pairs itself, on a domain this rail exports to it ------
+    def op_open_ibgda_domain(self, job: str, rank: int, regions: list[str], with_fd: bool = False
+                             ) -> dict[str, Any]:
+        """The rank's domain (``ibgda.domain``: a context of its own on this rail's device, a PD, a scratch
+        page), made on first use, with the rank's ``regions`` (worker region keys) registered there; the
+        reply is the grant and each region's lkey and handle, and with ``with_fd`` a copy of the context's
+        command descriptor for the client."""
+        domain = self.ibgda_domains.get((job, rank))
+        if domain is None:
+            create = getattr(self.backend, "create_ibgda_domain", None)  # the backends that can serve one say so
+            if create is None:
+                raise ValueError(f"IBGDA channels need an InfiniBand rail (mlx5); this one is {self.backend.name}")
+            domain = self.ibgda_domains[(job, rank)] = create()
+        keys = {}
+        for key in regions:
+            entry = self.regions.get(key)
+            if entry is None:
+                raise ValueError(f"no region {key!r} on this rail")
+            mkey, memory = entry
+            accessor = self.gpu.accessor(memory.device) if isinstance(memory, IpcRegion) else None
+            keys[key] = domain.register(key, mkey.addr, mkey.length, accessor)
+        reply: dict[str, Any] = {"grant": domain.grant(), "regions": keys}
+        if with_fd:
+            reply["_send_fds"] = [domain.command_fd()]
+        return reply
 
-    def _create_ibgda_queue(self, queue: int, job: str, fd: int, wqe_cnt: int) -> dict[str, Any]:
-        create = getattr(self.backend, "create_ibgda_queue", None)  # the backends that can serve one say so
-        if create is None:
-            raise ValueError(f"IBGDA channels need an InfiniBand rail (mlx5); this one is {self.backend.name}")
-        q = create(fd, wqe_cnt)
-        try:
-            scratch = np.zeros(8, dtype=np.uint64)  # atomics' old values and ordering reads land here
-            mr = q.register(int(scratch.ctypes.data), scratch.nbytes)
-        except BaseException:
-            q.close()
-            raise
-        self.ibgda[queue] = (q, scratch)
-        self.conn_jobs[queue] = job
-        return {"endpoint": q.endpoint(), "qpn": q.qpn, "wqe_cnt": q.wqe_cnt, "ncqes": q.ncqes,
-                "scratch": int(scratch.ctypes.data), "scratch_lkey": int(mr.lkey)}
-
-    def op_connect_ibgda_queue(self, queue: int, remote: dict[str, Any]) -> dict[str, Any]:
-        self.ibgda[queue][0].connect(remote)
-        return {}
-
-    def op_close_ibgda_queue(self, queue: int) -> dict[str, Any]:
-        entry = self.ibgda.pop(queue, None)
-        self.conn_jobs.pop(queue, None)
-        if entry is not None:
-            entry[0].close()
+    def op_close_ibgda_domain(self, job: str, rank: int) -> dict[str, Any]:
+        """Close the rank's domain: its MRs' keys stop working and, once the client's copy of the descriptor
+        is closed too (leave, exit or kill), the NIC frees the queue pairs the client built in it."""
+        domain = self.ibgda_domains.pop((job, rank), None)
+        if domain is not None:
+            domain.close()
         return {}
 
     def ibgda_stats(self) -> list[dict[str, Any]]:
-        return [{"queue": qid, "qpn": q.qpn, "job": self.conn_jobs.get(qid), "posted": q.posted,
-                 "error": q.error.name if q.error is not None else None, **q.stats}
-                for qid, (q, _) in self.ibgda.items()]
+        return [{"job": job, "rank": rank, "regions": len(d.regions) - 1}
+                for (job, rank), d in self.ibgda_domains.items()]
 
     # --- reporting and shutdown -----------------------------------------------------------------------------
     def op_stats(self) -> dict[str, Any]:
@@ -287,7 +281,7 @@ class RailService:
                 "gid": address.get("gid"), "cpus": self.cpus, "flag_publication": self.flags.path,
                 "flag_publication_detail": self.flags.publication.describe(), **self.proxy.stats(),
                 "queues": self._open_queues(),
-                "ibgda": self.ibgda_stats(), "responders": sorted(self.responders),
+                "ibgda_domains": self.ibgda_stats(), "responders": sorted(self.responders),
                 "endpoints": sorted(self.conn_jobs), "softverbs": self._soft_stats(address.get("device"))}
 
     def _soft_stats(self, device: Any) -> dict[str, Any] | None:
@@ -406,8 +400,8 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
                     verbs_fallback=service.verbs_fallback, flag_publication=service.flags.path)
     serve_loop(service.proxy, link, lambda: service.stopping)
     link.close()
-    for queue in list(service.ibgda):
-        service.op_close_ibgda_queue(queue)
+    for job, rank in list(service.ibgda_domains):
+        service.op_close_ibgda_domain(job, rank)
     service.flags.close()
     service.backend.close()
     service.flags.publication.close()

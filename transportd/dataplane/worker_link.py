@@ -8,7 +8,10 @@ reply; the worker serves them between proxy iterations, so a request costs the w
 Descriptors (a client's memfd, later a dma-buf fd) cannot travel over zmq: a call with ``fds`` sends them
 first on a Unix ``SOCK_SEQPACKET`` socket beside the link (``fds`` in the same private directory, which
 the worker connects to at start, ``SCM_RIGHTS``), and the request says how many to take; the worker
-hands them to the op as ``fds``, which owns them from its call on, even when it fails.
+hands them to the op as ``fds``, which owns them from its call on, even when it fails. The other way, an
+op that returns ``_send_fds`` (descriptors it owns: an IBGDA domain's command descriptor) has them sent on
+that socket before its reply, closed there, and reaches the caller as the reply's ``fds``, which the
+caller then owns.
 """
 
 from __future__ import annotations
@@ -96,7 +99,12 @@ class WorkerHandle:
                 if reply.pop("seq", None) != seq:
                     log.warning("rail %d worker: dropped a late reply to an earlier call", self.rail)
                     continue
+                count = int(reply.pop("_fds", 0))
+                if count:  # sent before the reply: already queued on the descriptor socket
+                    reply["fds"] = self._receive_fds(op, count)
                 if not reply.get("ok", False):
+                    for fd in reply.get("fds", ()):
+                        os.close(fd)
                     raise WorkerError(f"rail {self.rail} worker: {op}: {reply.get('error', 'failed')}")
                 reply.pop("ok", None)
                 return reply
@@ -106,6 +114,16 @@ class WorkerHandle:
                 self.on_wait()
             if time.monotonic() > deadline:
                 raise WorkerError(f"rail {self.rail} worker did not answer {op} within {timeout_s}s")
+
+    def _receive_fds(self, op: str, count: int) -> list[int]:
+        if self._fd_sock is None:
+            raise WorkerError(f"rail {self.rail} worker: {op} sent descriptors, but there is no descriptor link")
+        name, fds, _flags, _addr = socket.recv_fds(self._fd_sock, 256, count + 1)
+        if name != op.encode() or len(fds) != count:
+            for fd in fds:
+                os.close(fd)
+            raise WorkerError(f"rail {self.rail} worker: {op}: expected {count} descriptor(s), got {len(fds)}")
+        return fds
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to drain and exit; kill it if it does not."""
@@ -181,7 +199,18 @@ class WorkerEndpoint:
             if method is None:
                 return {"ok": False, "error": f"unknown worker op {op!r}"}
             fds = []  # the op owns them from its call on, failing or not (it closes what it does not keep)
-            return {"ok": True, **(method(**request) or {})}
+            reply = {"ok": True, **(method(**request) or {})}
+            send = reply.pop("_send_fds", ())
+            if send:
+                try:
+                    if self._fd_sock is None:
+                        raise OSError(f"{op} returns descriptors, but this worker has no descriptor link")
+                    socket.send_fds(self._fd_sock, [op.encode()], list(send))
+                finally:
+                    for fd in send:
+                        os.close(fd)
+                reply["_fds"] = len(send)
+            return reply
         except Exception as exc:  # a refused request must not kill the rail
             log.warning("worker op %s failed: %s", op, exc)
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

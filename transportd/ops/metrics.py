@@ -166,7 +166,10 @@ def _families(stats: dict[str, Any]) -> list[Metric]:
     open_qps = sum(len(r.get("endpoints", [])) for r in rails)
     responders = sum(len(r.get("responders", [])) for r in rails)
     w.family("transportd_queue_pairs", "gauge", "Queue pairs (EFA: endpoints) open on the node's rails: its own "
-             "connections, IBGDA queues, and the responders below.", [({}, open_qps)])
+             "connections and the responders below.", [({}, open_qps)])
+    w.family("transportd_ibgda_queue_pairs", "gauge", "IBGDA queue pairs clients built on the node's rails "
+             "(in their own processes), as the daemon knows them.",
+             [({}, sum(len(r.get("ibgda", [])) for r in rails))])
     w.family("transportd_responder_queue_pairs", "gauge", "Queue pairs open as the far end of a peer node's "
              "connections (closed when that job ends on the peer).", [({}, responders)])
     depth: dict[tuple[str, int], int] = {}
