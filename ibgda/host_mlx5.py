@@ -158,41 +158,44 @@ def cuda_alloc(keep: list[Any]) -> Any:
 class Mlx5Queue:
     """One RC QP on a ConnectX whose send queue the GPU drives (see the module docstring).
 
-    ``device``: mlx5 device name. ``wqe_cnt``: send-queue WQEBBs (a power of two; the CQ gets as many
-    CQEs). ``map_to_gpu``: register the queue memory and the UAR with CUDA (off: for host-side tests).
+    ``device``: mlx5 device name, opened here (a DevX context and a PD of the queue's own, through pyverbs);
+    or ``devx``: an imported context and PD (:class:`ibgda.devx.DevxContext`: a daemon's IBGDA domain,
+    which owns them) with ``port_info`` (``lid``, ``gid``, ``mtu``: the port as the daemon saw it).
+    ``wqe_cnt``: send-queue WQEBBs (a power of two; the CQ gets as many CQEs). ``map_to_gpu``: register the
+    queue memory and the UAR with CUDA (off: for host-side tests, or where the caller maps :meth:`spans`).
     ``ts_format``: the QP's timestamp format (1, the device default; 0 free-running, 2 real time where a
     device accepts only those).
     """
 
-    def __init__(self, device: str, *, port: int = 1, gid_index: int = 0, wqe_cnt: int = 256,
-                 map_to_gpu: bool = True, ts_format: int = TS_FORMAT_DEFAULT) -> None:
-        from pyverbs.pd import PD
-        from pyverbs.providers.mlx5 import mlx5_enums as dve
-        from pyverbs.providers.mlx5.mlx5dv import Mlx5Context, Mlx5DVContextAttr, Mlx5UAR, Mlx5UMEM
-        from pyverbs.providers.mlx5.mlx5dv_objects import Mlx5DvObj
-
+    def __init__(self, device: str | None = None, *, port: int = 1, gid_index: int = 0, wqe_cnt: int = 256,
+                 map_to_gpu: bool = True, ts_format: int = TS_FORMAT_DEFAULT, devx: Any = None,
+                 port_info: Mapping[str, Any] | None = None) -> None:
         self.port, self.gid_index, self.wqe_cnt, self.ts_format = port, gid_index, wqe_cnt, ts_format
         self._objs: list[Any] = []
         self._mrs: list[Any] = []
         self._registered: list[int] = []
-        self.ctx = Mlx5Context(Mlx5DVContextAttr(dve.mlx5dv_context_attr_flags.MLX5DV_CONTEXT_FLAGS_DEVX), device)
+        self.ctx: Any = None
+        self.pd: Any = None
+        self.uar: Any = None
+        self.devx = devx
         try:
-            self.port_attr = self.ctx.query_port(port)
-            self.gid = self.ctx.query_gid(port, gid_index)
-            self.pd = PD(self.ctx)
-            self.pdn = Mlx5DvObj(dve.mlx5dv_obj_type.MLX5DV_OBJ_PD, pd=self.pd).dvpd.pdn
-            self.eqn = self.ctx.devx_query_eqn(0)
+            if devx is None:
+                if device is None:
+                    raise Mlx5QueueError("Mlx5Queue needs a device name or an imported DevX context")
+                self._open(device)
+            else:
+                if port_info is None:
+                    raise Mlx5QueueError("an Mlx5Queue on an imported context needs port_info (lid, gid, mtu)")
+                self.lid, self.gid_text, self.mtu = int(port_info["lid"]), str(port_info["gid"]), int(port_info["mtu"])
+                self.pdn, self.eqn = devx.pdn, devx.query_eqn(0)
             self.mem = QueueMemory(wqe_cnt, wqe_cnt)
             m = self.mem
             access = 1  # IBV_ACCESS_LOCAL_WRITE: the NIC writes CQEs and reads WQEs
-            self.sq_umem = Mlx5UMEM(self.ctx, m.sq_bytes, addr=m.base, access=access)
-            self.cq_umem = Mlx5UMEM(self.ctx, m.cq_bytes, addr=m.base + m.cq_offset, access=access)
-            self.db_umem = Mlx5UMEM(self.ctx, PAGE, addr=m.base + m.dbrec_offset, access=access)
-            try:  # non-cached first (what a GPU needs); BlueFlame (write-combining) where NC is not offered
-                self.uar = Mlx5UAR(self.ctx, dve._MLX5DV_UAR_ALLOC_TYPE_NC)
-            except Exception:
-                self.uar = Mlx5UAR(self.ctx, dve._MLX5DV_UAR_ALLOC_TYPE_BF)
+            self.sq_umem = self._umem(m.base, m.sq_bytes, access)
+            self.cq_umem = self._umem(m.base + m.cq_offset, m.cq_bytes, access)
+            self.db_umem = self._umem(m.base + m.dbrec_offset, PAGE, access)
             self._objs += [self.db_umem, self.cq_umem, self.sq_umem]
+            self.uar = self._uar()
             self.cqn = self._create_cq()
             self.qpn = self._create_qp()
             self.psn = random.getrandbits(24)
@@ -201,22 +204,64 @@ class Mlx5Queue:
             self.close()
             raise
 
-    def _create_cq(self) -> int:
+    def _open(self, device: str) -> None:
+        """A DevX context and a PD of this queue's own (pyverbs' mlx5 provider)."""
+        from pyverbs.pd import PD
+        from pyverbs.providers.mlx5 import mlx5_enums as dve
+        from pyverbs.providers.mlx5.mlx5dv import Mlx5Context, Mlx5DVContextAttr
+        from pyverbs.providers.mlx5.mlx5dv_objects import Mlx5DvObj
+
+        self.ctx = Mlx5Context(Mlx5DVContextAttr(dve.mlx5dv_context_attr_flags.MLX5DV_CONTEXT_FLAGS_DEVX), device)
+        self.port_attr = self.ctx.query_port(self.port)
+        self.gid = self.ctx.query_gid(self.port, self.gid_index)
+        self.lid, self.gid_text, self.mtu = int(self.port_attr.lid), str(self.gid.gid), int(self.port_attr.active_mtu)
+        self.pd = PD(self.ctx)
+        self.pdn = Mlx5DvObj(dve.mlx5dv_obj_type.MLX5DV_OBJ_PD, pd=self.pd).dvpd.pdn
+        self.eqn = self.ctx.devx_query_eqn(0)
+
+    def _umem(self, addr: int, size: int, access: int) -> Any:
+        if self.devx is not None:
+            return self.devx.umem(addr, size, access)
+        from pyverbs.providers.mlx5.mlx5dv import Mlx5UMEM
+
+        return Mlx5UMEM(self.ctx, size, addr=addr, access=access)
+
+    def _uar(self) -> Any:
+        """Non-cached first (what a GPU needs); BlueFlame (write-combining) where NC is not offered."""
+        if self.devx is not None:
+            from ibgda.devx import UAR_ALLOC_TYPE_BF, UAR_ALLOC_TYPE_NC
+
+            try:
+                return self.devx.uar(UAR_ALLOC_TYPE_NC)
+            except Mlx5QueueError:
+                return self.devx.uar(UAR_ALLOC_TYPE_BF)
+        from pyverbs.providers.mlx5 import mlx5_enums as dve
+        from pyverbs.providers.mlx5.mlx5dv import Mlx5UAR
+
+        try:
+            return Mlx5UAR(self.ctx, dve._MLX5DV_UAR_ALLOC_TYPE_NC)
+        except Exception:
+            return Mlx5UAR(self.ctx, dve._MLX5DV_UAR_ALLOC_TYPE_BF)
+
+    def _obj(self, cmd: bytes) -> Any:
+        if self.devx is not None:
+            return self.devx.obj(cmd, OUT_BYTES)
         from pyverbs.providers.mlx5.mlx5dv import Mlx5DevxObj
 
+        return Mlx5DevxObj(self.ctx, cmd, OUT_BYTES)
+
+    def _create_cq(self) -> int:
         cmd = prm_encode(CMD_BYTES, {
             "opcode": OP_CREATE_CQ, "cq_umem_id": self.cq_umem.umem_id, "cq_umem_valid": 1,
             "dbr_umem_valid": 1, "dbr_umem_id": self.db_umem.umem_id, "dbr_addr": CQ_DBREC_OFFSET,
             "cqe_sz": 0, "log_cq_size": int(math.log2(self.mem.ncqes)), "uar_page": self.uar.page_id,
             "c_eqn": self.eqn, "log_page_size": int(math.log2(PAGE)) - 12,
         }, (0, CREATE_CQ_IN), (CQC_BIT, CQC))
-        self.cq_obj = Mlx5DevxObj(self.ctx, cmd, OUT_BYTES)
+        self.cq_obj = self._obj(cmd)
         self._objs.insert(0, self.cq_obj)
         return _check_out("CREATE_CQ", self.cq_obj.out_view)
 
     def _create_qp(self) -> int:
-        from pyverbs.providers.mlx5.mlx5dv import Mlx5DevxObj
-
         cmd = prm_encode(CMD_BYTES, {
             "opcode": OP_CREATE_QP, "wq_umem_id": self.sq_umem.umem_id, "wq_umem_valid": 1,
             "st": QPC_ST_RC, "pm_state": PM_STATE_MIGRATED, "pd": self.pdn, "uar_page": self.uar.page_id,
@@ -225,7 +270,7 @@ class Mlx5Queue:
             "dbr_umem_valid": 1, "dbr_umem_id": self.db_umem.umem_id, "dbr_addr": 0,
             "log_page_size": int(math.log2(PAGE)) - 12,
         }, (0, CREATE_QP_IN), (QPC_BIT, QPC))
-        self.qp_obj = Mlx5DevxObj(self.ctx, cmd, OUT_BYTES)
+        self.qp_obj = self._obj(cmd)
         self._objs.insert(0, self.qp_obj)
         return _check_out("CREATE_QP", self.qp_obj.out_view)
 
@@ -246,9 +291,8 @@ class Mlx5Queue:
     # --- connection ----------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, Any]:
         """What the peer needs (the ib backend's endpoint format)."""
-        pa = self.port_attr
-        return {"transport": "ib", "qpn": self.qpn, "psn": self.psn, "lid": int(pa.lid), "gid": str(self.gid.gid),
-                "port": self.port, "mtu": int(pa.active_mtu), "max_dest_rd_atomic": 16}
+        return {"transport": "ib", "qpn": self.qpn, "psn": self.psn, "lid": self.lid, "gid": self.gid_text,
+                "port": self.port, "mtu": self.mtu, "max_dest_rd_atomic": 16}
 
     def connect(self, remote: Mapping[str, Any], *, max_rd_atomic: int = 16, timeout: int = 14, retry_cnt: int = 7,
                 rnr_retry: int = 7, sl: int = 0) -> None:
@@ -257,7 +301,7 @@ class Mlx5Queue:
         self._modify("RST2INIT_QP", OP_RST2INIT, {
             **port, "pm_state": PM_STATE_MIGRATED, "rre": 1, "rwe": 1, "rae": 1,
             "atomic_mode": ATOMIC_MODE_UP_TO_64B})
-        rtr = {**port, "mtu": min(int(self.port_attr.active_mtu), int(remote["mtu"])), "log_msg_max": 30,
+        rtr = {**port, "mtu": min(self.mtu, int(remote["mtu"])), "log_msg_max": 30,
                "remote_qpn": int(remote["qpn"]), "next_rcv_psn": int(remote["psn"]), "min_rnr_nak": 12,
                "log_rra_max": int(math.log2(16)),  # responder resources we grant (endpoint's max_dest_rd_atomic)
                "ads.rlid": int(remote.get("lid", 0)), "ads.sl": sl}
@@ -280,21 +324,34 @@ class Mlx5Queue:
         host against the real NIC, ringing the UAR from the CPU)."""
         if for_gpu and self.gpu is None:
             raise Mlx5QueueError("the queue was created with map_to_gpu=False")
-        addrs = self.gpu if for_gpu else {**self.mem.addresses(), "bf": int(self.uar.reg_addr)}
+        addrs = self.gpu if for_gpu else self.addresses()
         return queue_pair_record(addrs or {}, qpn=self.qpn, wqe_cnt=self.wqe_cnt, ncqes=self.mem.ncqes,
                                  scratch=scratch, scratch_lkey=scratch_lkey)
 
+    def addresses(self) -> dict[str, int]:
+        """Host addresses of the queue's parts and of the doorbell register (``bf``, in the UAR page)."""
+        return {**self.mem.addresses(), "bf": int(self.uar.reg_addr)}
+
+    def spans(self) -> list[tuple[int, int, bool]]:
+        """What a GPU must map to post here: (host address, bytes, is I/O memory): the queue memory, and the
+        UAR page (``cudaHostRegisterIoMemory``)."""
+        bf = int(self.uar.reg_addr)
+        return [(self.mem.base, self.mem.nbytes, False), (bf // PAGE * PAGE, PAGE, True)]
+
     def register(self, addr: int, length: int, access: int) -> Any:
-        """A memory region on this queue's PD (host memory; GPU memory through DmaBufMR, not here)."""
+        """A memory region on this queue's PD (host memory; GPU memory through DmaBufMR, not here). A queue on
+        an imported context registers nothing: its domain's MRs serve it."""
         from pyverbs.mr import MR
 
+        if self.pd is None:
+            raise Mlx5QueueError("this queue is on an imported domain: use the domain's MRs")
         mr = MR(self.pd, length, access, address=addr)
         self._mrs.append(mr)
         return mr
 
     def close(self) -> None:
         """MRs, then DevX objects in reverse order of creation (QP, CQ, UMEMs), the UAR, the PD, the
-        context; the CUDA registrations last."""
+        context (none of those two on an imported domain: it owns them); the CUDA registrations last."""
         for obj in [*getattr(self, "_mrs", []), *getattr(self, "_objs", []), getattr(self, "uar", None),
                     getattr(self, "pd", None), getattr(self, "ctx", None)]:
             if obj is not None:

@@ -18,7 +18,6 @@ queues (a UMEM over a dma-buf of ``cuMemAlloc``'d memory, where the NIC allows) 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,8 +44,9 @@ class ImportedDomain:
 
             self.rail = Rail.imported(str(grant["verbs"]), fd, pd, port=port, gid_index=gid_index)
         elif self.nic == "mlx5":
-            os.close(fd)
-            raise Mlx5QueueError("IBGDA queue pairs on an imported ConnectX domain are not built yet")
+            from ibgda.devx import DevxContext
+
+            self.devx = DevxContext.imported(fd, pd)
         else:
             raise Mlx5QueueError(f"unknown IBGDA NIC kind {self.nic!r} in the daemon's grant")
         self.scratch = dict(grant["scratch"])
@@ -61,9 +61,16 @@ class ImportedDomain:
 
     def queue(self, wqe_cnt: int) -> Any:
         """A new queue pair of ``wqe_cnt`` WQEs in this process (not yet connected)."""
-        from ibgda.soft_mlx5 import SoftMlx5Queue
+        if self.rail is not None:
+            from ibgda.soft_mlx5 import SoftMlx5Queue
 
-        return SoftMlx5Queue(rail=self.rail, wqe_cnt=wqe_cnt)
+            return SoftMlx5Queue(rail=self.rail, wqe_cnt=wqe_cnt)
+        from ibgda.host_mlx5 import Mlx5Queue
+
+        g = self.grant
+        return Mlx5Queue(devx=self.devx, wqe_cnt=wqe_cnt, port=int(g["port"]), gid_index=int(g["gid_index"]),
+                         port_info={"lid": int(g["lid"]), "gid": str(g["gid"]), "mtu": int(g["mtu"])},
+                         map_to_gpu=False)
 
     def scratch_slot(self) -> tuple[int, int]:
         """(address, lkey) of the next queue pair's 64 bytes of the scratch page."""
