@@ -109,8 +109,13 @@ class ImportDomain:
                 log.info("IBGDA domain on %s: PD left to the kernel (%s)", self.device, exc)
             self.pd = None
         if self.ctx is not None:
-            try:
-                self.ctx.close()
-            except Exception as exc:
-                log.warning("IBGDA domain on %s: closing the context failed: %s", self.device, exc)
+            # pyverbs' Context.close takes each child out of its sets before closing it and stops at the first
+            # that refuses (that PD again): the next attempt goes past it to ibv_close_device
+            for attempt in range(4):
+                try:
+                    self.ctx.close()
+                    break
+                except Exception as exc:
+                    if attempt == 3:
+                        log.warning("IBGDA domain on %s: closing the context failed: %s", self.device, exc)
             self.ctx = None
