@@ -17,7 +17,7 @@ versus   IBGDA against the proxy path in one run, same kernels (gpu_push.cu, bui
          -DTPD_IBGDA), two daemons over softverbs RC: put -> flag p50/p99 of 4 KiB and commands/s
          (64-byte puts from 32 blocks), and their ratios (ibgda over proxy), with buffers and flags in
          pinned host memory (the headline) and in GPU memory (bound by softverbs' GPU copies). Over softverbs
-         both transports are Python (the proxy loop; the rail worker's soft mlx5 queue), so the ratio
+         both transports are Python (the proxy loop; the client's soft mlx5 queue), so the ratio
          says what taking the proxy out of the path saves here, not what a ConnectX would do.
 """
 
