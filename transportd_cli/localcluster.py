@@ -252,8 +252,29 @@ class LocalCluster:
 
 
 # --- `transportd localcluster N` ----------------------------------------------------------------------------
-def _raise_stop(signum: int, frame: object) -> None:
-    raise Stopped
+class _StopRequest:
+    """Ctrl-C or SIGTERM, remembered as well as raised: a signal that lands inside a callback whose
+    exceptions Python ignores (the logging module's at-fork hook, while a daemon is being forked) would
+    otherwise be lost, and the command would run on with nobody to stop it."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.requested = True
+        raise Stopped
+
+    def check(self) -> None:
+        if self.requested:
+            raise Stopped
+
+    @staticmethod
+    def unraisable(info: Any) -> None:
+        """sys.unraisablehook while the command runs: a swallowed stop request is not news (check() acts on
+        it); anything else goes to the default hook."""
+        if info.exc_type is not None and issubclass(info.exc_type, Stopped | KeyboardInterrupt):
+            return
+        sys.__unraisablehook__(info)
 
 
 @click.command("localcluster")
@@ -267,12 +288,15 @@ def localcluster(nodes: int, backend: str, timeout: float) -> None:
     Each daemon is one simulated node; a process joining rank i of a job talks to daemon i. The printed
     environment lines set what ``gpuclient.connect().join()`` reads. Ctrl-C (or SIGTERM) stops the daemons
     and removes the work directory, also during start-up."""
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    stop = _StopRequest()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    sys.unraisablehook = stop.unraisable
     try:
         cluster = LocalCluster(nodes, backend=backend)
         try:
             click.echo(f"starting {nodes} daemon(s) ({backend} over softverbs) in {cluster.workdir}")
             cluster.start(timeout_s=timeout)
+            stop.check()  # a request that arrived where its exception was swallowed
         except (KeyboardInterrupt, Stopped):
             cluster.stop()  # start() has stopped what it started; this covers an interrupt before it
             click.echo("interrupted: daemons stopped, work directory removed", err=True)
@@ -284,6 +308,7 @@ def localcluster(nodes: int, backend: str, timeout: float) -> None:
         try:
             _announce(cluster)
             while True:
+                stop.check()
                 for name, node in cluster.nodes.items():
                     if node.process is not None and node.process.poll() is not None:
                         log = cluster.log(name)
@@ -295,7 +320,9 @@ def localcluster(nodes: int, backend: str, timeout: float) -> None:
         finally:
             cluster.stop()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sys.unraisablehook = sys.__unraisablehook__
 
 
 def _announce(cluster: LocalCluster) -> None:
