@@ -12,7 +12,8 @@ proxy
     (t) with ``--trace``: the core drain and the one-record round trip again with the trace recorder on
         for the drained rank (``transportd/core/trace.h``: every record written to a part file), beside
         the same runs with it off, which is the one branch per channel per pass every untraced channel pays;
-    (c) idle: the rail worker's own loop (``rail.serve_loop``, with a real worker link that stays quiet)
+    (c) idle: the rail worker's own loop (``rail.serve_loop``: the engine's serve loop, with a real worker
+        link that stays quiet)
         sits idle; a producer process commits one record after each second of silence. Reported: the
         loop thread's CPU use while idle, and each first record's record -> posted latency.
 signals
@@ -305,6 +306,7 @@ def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: f
         finally:
             wall, cpu = time.monotonic() - t0, time.clock_gettime(cpu_clock) - c0
             stop.set()
+            proxy.interrupt()  # the loop runs in C until its link or this says otherwise
             loop.join(10)
             if proc.is_alive():
                 proc.kill()

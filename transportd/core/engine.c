@@ -54,6 +54,11 @@ enum {
     C_COMPLETIONS, C_COMPLETION_ERRORS, C_UNKNOWN_COMPLETIONS, N_COUNTERS
 };
 
+/* What the serve loop did, for tests and stats: passes in all, those that did work, idle passes while
+ * spinning, watches of the ring heads (and naps after them), long-idle watches, returns for the link and
+ * for interrupt(). */
+enum { L_PASSES, L_BUSY, L_SPINS, L_WATCHES, L_NAPS, L_DEEP_WATCHES, L_LINK, L_INTERRUPTED, N_LOOP };
+
 static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -180,7 +185,39 @@ typedef struct {
     size_t null_ndue, null_cap;
     uint64_t *post_log;
     size_t post_log_n, post_log_cap;
+
+    /* the GIL while a pass runs without it: the thread state it was released with, NULL while held */
+    PyThreadState *ts;
+    /* the serve loop (serve_loop below): interrupt() asks it to return; when the last pass that did work
+     * ended (-1: it was busy), kept across serve calls so a request served does not restart the back-off */
+    int interrupt;
+    int64_t idle_since;
+    uint64_t loop[N_LOOP];
 } Engine;
+
+/* ---- the GIL ------------------------------------------------------------------------------------------
+ * A pass runs without the GIL (run_once releases it around one pass, serve around all of them) and takes
+ * it back only for what is Python: a backend's post/poll callables, raising an error. A C poster that
+ * calls Python (the softverbs shims, efa's one call per poll) takes the GIL itself (PyGILState_Ensure). */
+static void gil_take(Engine *e) {
+    if (e->ts) {
+        PyEval_RestoreThread(e->ts);
+        e->ts = NULL;
+    }
+}
+
+static void gil_drop(Engine *e) {
+    if (!e->ts) e->ts = PyEval_SaveThread();
+}
+
+/* MemoryError from a part that runs without the GIL; -1 for `return nomem(e)`. */
+static int nomem(Engine *e) {
+    int held = e->ts == NULL;
+    gil_take(e);
+    PyErr_NoMemory();
+    if (!held) gil_drop(e);
+    return -1;
+}
 
 /* ---- channel words -------------------------------------------------------------------------------- */
 static volatile uint64_t *ring_u64(Channel *ch, size_t off) { return (volatile uint64_t *)(ch->base + off); }
@@ -568,39 +605,8 @@ static int group_append(Engine *e, Group *g) {
     return 0;
 }
 
-/* Hand the planned batches to the backend: one Python call (GIL held), or the null NIC. */
-static int post_to_backend(Engine *e, size_t nb, size_t m) {
-    if (e->poster) {
-        if (tpd_grow((void **)&e->post_ids, &e->post_ids_cap, nb, sizeof(int64_t))) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (size_t b = 0; b < nb; b++) e->post_ids[b] = e->conns[e->b_conn[b]].id;
-        tpd_poster *p = e->poster;
-        int rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = p->post(p->ctx, nb, e->post_ids, e->plan, e->b_bounds, e->b_nwr);
-        Py_END_ALLOW_THREADS
-        if (rc) p->raise_error(p->ctx);
-        return rc ? -1 : 0;
-    }
-    if (e->post_cb == Py_None) {
-        int64_t t = e->post_log_cap ? now_ns() : 0;
-        if (tpd_grow((void **)&e->null_due, &e->null_cap, e->null_ndue + nb, sizeof(Completion))) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (size_t b = 0; b < nb; b++) {
-            e->b_nwr[b] = e->b_bounds[b + 1] - e->b_bounds[b];
-            e->null_due[e->null_ndue++] = (Completion){.token = e->plan[e->b_bounds[b]].token};
-        }
-        for (size_t r = 0; r < m && e->post_log_n + 2 <= e->post_log_cap; r++) {
-            if (e->plan[r].op != TPD_PLAN_WRITE) continue;
-            e->post_log[e->post_log_n++] = (uint64_t)t;
-            e->post_log[e->post_log_n++] = e->plan[r].chunk_id;
-        }
-        return 0;
-    }
+/* The backend's Python post(conn_ids, plan, bounds) -> WR counts per batch; GIL held. */
+static int post_python(Engine *e, size_t nb, size_t m) {
     PyObject *ids = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(nb * sizeof(int64_t)));
     PyObject *plan = PyByteArray_FromStringAndSize((const char *)e->plan, (Py_ssize_t)(m * sizeof(tpd_plan_row)));
     PyObject *bounds = PyBytes_FromStringAndSize((const char *)e->b_bounds, (Py_ssize_t)((nb + 1) * sizeof(int64_t)));
@@ -634,18 +640,43 @@ static int post_to_backend(Engine *e, size_t nb, size_t m) {
     return rc;
 }
 
-
-/* Post the ready batches; returns 1 if any went out, 0 if none, -1 with a Python error set. */
-static int post(Engine *e, int64_t now) {
-    Group *g = NULL;
-    long nbl;
-    Py_BEGIN_ALLOW_THREADS
-    nbl = plan_post(e, now, &g);
-    Py_END_ALLOW_THREADS
-    if (nbl < 0) {
-        PyErr_NoMemory();
+/* Hand the planned batches to the backend (GIL released): its C poster, the null NIC, or one Python call. */
+static int post_to_backend(Engine *e, size_t nb, size_t m) {
+    if (e->poster) {
+        if (tpd_grow((void **)&e->post_ids, &e->post_ids_cap, nb, sizeof(int64_t))) return nomem(e);
+        for (size_t b = 0; b < nb; b++) e->post_ids[b] = e->conns[e->b_conn[b]].id;
+        tpd_poster *p = e->poster;
+        if (!p->post(p->ctx, nb, e->post_ids, e->plan, e->b_bounds, e->b_nwr)) return 0;
+        gil_take(e);
+        p->raise_error(p->ctx);
+        gil_drop(e);
         return -1;
     }
+    if (e->post_cb == Py_None) {
+        int64_t t = e->post_log_cap ? now_ns() : 0;
+        if (tpd_grow((void **)&e->null_due, &e->null_cap, e->null_ndue + nb, sizeof(Completion))) return nomem(e);
+        for (size_t b = 0; b < nb; b++) {
+            e->b_nwr[b] = e->b_bounds[b + 1] - e->b_bounds[b];
+            e->null_due[e->null_ndue++] = (Completion){.token = e->plan[e->b_bounds[b]].token};
+        }
+        for (size_t r = 0; r < m && e->post_log_n + 2 <= e->post_log_cap; r++) {
+            if (e->plan[r].op != TPD_PLAN_WRITE) continue;
+            e->post_log[e->post_log_n++] = (uint64_t)t;
+            e->post_log[e->post_log_n++] = e->plan[r].chunk_id;
+        }
+        return 0;
+    }
+    gil_take(e);
+    int rc = post_python(e, nb, m);
+    gil_drop(e);
+    return rc;
+}
+
+/* Post the ready batches (GIL released); returns 1 if any went out, 0 if none, -1 with a Python error set. */
+static int post(Engine *e, int64_t now) {
+    Group *g = NULL;
+    long nbl = plan_post(e, now, &g);
+    if (nbl < 0) return nomem(e);
     if (nbl == 0) return 0;
     size_t nb = (size_t)nbl;
     uint64_t *c = e->counters;
@@ -703,8 +734,7 @@ static int post(Engine *e, int64_t now) {
     c[C_BATCHES] += nb;
     if (group_append(e, g)) {
         free(g);
-        PyErr_NoMemory();
-        return -1;
+        return nomem(e);
     }
     return 1;
 }
@@ -791,39 +821,8 @@ static int complete_tokens(Engine *e, const Completion *comps, size_t n) {
     return 0;
 }
 
-/* Drain the backend's completions; returns how many came, -1 with a Python error set. */
-static long progress(Engine *e) {
-    if (e->poster) {
-        tpd_poster *p = e->poster;
-        long n;
-        Py_BEGIN_ALLOW_THREADS
-        n = p->poll(p->ctx, (size_t)e->poll_max, e->poll_buf);
-        Py_END_ALLOW_THREADS
-        if (n < 0) {
-            p->raise_error(p->ctx);
-            return -1;
-        }
-        if (!n) return 0;
-        e->counters[C_COMPLETIONS] += (uint64_t)n;
-        if (complete_tokens(e, e->poll_buf, (size_t)n)) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        return n;
-    }
-    if (e->poll_cb == Py_None) {
-        size_t n = e->null_ndue;
-        if ((int64_t)n > e->poll_max) n = (size_t)e->poll_max;
-        if (!n) return 0;
-        e->counters[C_COMPLETIONS] += n;
-        if (complete_tokens(e, e->null_due, n)) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memmove(e->null_due, e->null_due + n, (e->null_ndue - n) * sizeof(Completion));
-        e->null_ndue -= n;
-        return (long)n;
-    }
+/* The backend's Python poll(max) -> COMPLETION_DTYPE rows, retired here; GIL held. */
+static long poll_python(Engine *e) {
     PyObject *res = PyObject_CallFunction(e->poll_cb, "L", (long long)e->poll_max);
     if (!res) return -1;
     Py_buffer view;
@@ -846,6 +845,38 @@ static long progress(Engine *e) {
     PyBuffer_Release(&view);
     Py_DECREF(res);
     return rc < 0 ? -1 : (long)n;
+}
+
+/* Drain the backend's completions (GIL released); returns how many came, -1 with a Python error set. */
+static long progress(Engine *e) {
+    if (e->poster) {
+        tpd_poster *p = e->poster;
+        long n = p->poll(p->ctx, (size_t)e->poll_max, e->poll_buf);
+        if (n < 0) {
+            gil_take(e);
+            p->raise_error(p->ctx);
+            gil_drop(e);
+            return -1;
+        }
+        if (!n) return 0;
+        e->counters[C_COMPLETIONS] += (uint64_t)n;
+        if (complete_tokens(e, e->poll_buf, (size_t)n)) return nomem(e);
+        return n;
+    }
+    if (e->poll_cb == Py_None) {
+        size_t n = e->null_ndue;
+        if ((int64_t)n > e->poll_max) n = (size_t)e->poll_max;
+        if (!n) return 0;
+        e->counters[C_COMPLETIONS] += n;
+        if (complete_tokens(e, e->null_due, n)) return nomem(e);
+        memmove(e->null_due, e->null_due + n, (e->null_ndue - n) * sizeof(Completion));
+        e->null_ndue -= n;
+        return (long)n;
+    }
+    gil_take(e);
+    long n = poll_python(e);
+    gil_drop(e);
+    return n;
 }
 
 typedef struct {
@@ -924,19 +955,14 @@ static int fail_connection(Engine *e, int64_t conn, uint16_t code) {
     return 0;
 }
 
-/* ---- the Python type ------------------------------------------------------------------------------ */
-static int run_once(Engine *e, int *did) {
+/* ---- one pass -------------------------------------------------------------------------------------- */
+/* Take, post, progress (GIL released: e->ts set); *did whether it did any work. -1 with a Python error set. */
+static int run_pass(Engine *e, int *did) {
     e->counters[C_ITERATIONS]++;
     int64_t now = now_ns();
-    int took;
-    Py_BEGIN_ALLOW_THREADS
     for (size_t i = 0; i < e->nchans; i++) e->chans[i]->quiet = 0;
-    took = take(e, now);
-    Py_END_ALLOW_THREADS
-    if (took < 0) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    int took = take(e, now);
+    if (took < 0) return nomem(e);
     *did = took;
     if (e->nwaiting) {
         int posted = post(e, now);
@@ -950,51 +976,202 @@ static int run_once(Engine *e, int *did) {
     return 0;
 }
 
-static PyObject *Engine_run_once(Engine *e, PyObject *unused) {
-    int did = 0;
-    if (run_once(e, &did)) return NULL;
-    return PyBool_FromLong(did);
+static int busy(const Engine *e) { return e->nwaiting || e->ngroups; }
+
+static int interrupted(Engine *e) { return __atomic_load_n(&e->interrupt, __ATOMIC_ACQUIRE); }
+
+static struct timespec ns_timespec(int64_t ns) {
+    if (ns < 0) ns = 0;
+    return (struct timespec){(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
 }
 
-static PyObject *Engine_progress(Engine *e, PyObject *unused) {
-    long n = progress(e);
-    if (n < 0) return NULL;
-    advance_touched(e);
-    return PyLong_FromLong(n);
-}
+enum { WATCH_TIMEOUT, WATCH_FOUND, WATCH_WOKEN };
 
-/* Watch the rings' head slots for up to timeout_s (GIL released); True once one holds a record. With
- * nap_s > 0 it sleeps that long between looks: a long-idle worker then costs one short sleep per look
- * instead of a spinning core, and still sees a record within about nap_s. With a descriptor (wake_fd >= 0)
- * each nap is a ppoll on it instead, so the wait also ends (returning False) as soon as it turns readable:
- * the worker's link, which is how a request reaches an idle worker at once however long the wait. */
-static PyObject *Engine_wait_ready(Engine *e, PyObject *args) {
-    double timeout, nap = 0.0;
-    int wake_fd = -1;
-    if (!PyArg_ParseTuple(args, "d|di", &timeout, &nap, &wake_fd)) return NULL;
-    if (!e->taking || e->nwaiting || e->ngroups) Py_RETURN_FALSE;
-    int found = 0;
-    Py_BEGIN_ALLOW_THREADS
-    int64_t deadline = now_ns() + (int64_t)(timeout * 1e9);
-    struct timespec pause = {(time_t)nap, (long)((nap - (double)(time_t)nap) * 1e9)};
+/* Look at the rings' head slots until one holds a committed record (WATCH_FOUND), timeout_ns passes
+ * (WATCH_TIMEOUT), or wake_fd turns readable or interrupt() is called (WATCH_WOKEN); reads one seq word per
+ * ring per look and takes nothing. nap_ns > 0 sleeps that long between looks (a long-idle worker: one short
+ * sleep per look instead of a spinning core, a record still seen within about nap_ns); with wake_fd >= 0
+ * each nap is a ppoll on it, so a request on the worker's link ends the wait at once however long it is.
+ * WATCH_TIMEOUT at once while rows wait or work is in flight: the next pass is due anyway. */
+static int watch(Engine *e, int64_t timeout_ns, int64_t nap_ns, int wake_fd) {
+    if (!e->taking || busy(e)) return WATCH_TIMEOUT;
+    int64_t deadline = now_ns() + timeout_ns;
+    struct timespec pause = ns_timespec(nap_ns);
     struct pollfd wake = {.fd = wake_fd, .events = POLLIN};
-    /* the default 50 us timer slack of a thread would more than double a 50 us nap */
-    if (nap > 0) prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     for (;;) {
-        for (size_t i = 0; i < e->nchans && !found; i++) found = record_ready(e->chans[i], e->chans[i]->position);
-        if (found || now_ns() >= deadline) break;
+        for (size_t i = 0; i < e->nchans; i++)
+            if (record_ready(e->chans[i], e->chans[i]->position)) return WATCH_FOUND;
+        if (interrupted(e)) return WATCH_WOKEN;
+        if (now_ns() >= deadline) return WATCH_TIMEOUT;
         if (wake_fd >= 0) {
-            struct timespec look = nap > 0 ? pause : (struct timespec){0, 0};
-            if (ppoll(&wake, 1, &look, NULL) != 0) break; /* readable (or an error): the caller's turn */
-        } else if (nap > 0) {
+            if (ppoll(&wake, 1, &pause, NULL) != 0) return WATCH_WOKEN; /* readable (or an error): Python's turn */
+        } else if (nap_ns > 0) {
             nanosleep(&pause, NULL);
         }
     }
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(found);
 }
 
-static PyObject *Engine_busy(Engine *e, PyObject *unused) { return PyBool_FromLong(e->nwaiting || e->ngroups); }
+/* Sleep nap_ns, or until wake_fd turns readable; 1 if it did. */
+static int nap(int64_t nap_ns, int wake_fd) {
+    struct timespec pause = ns_timespec(nap_ns);
+    if (wake_fd < 0) {
+        nanosleep(&pause, NULL);
+        return 0;
+    }
+    struct pollfd wake = {.fd = wake_fd, .events = POLLIN};
+    return ppoll(&wake, 1, &pause, NULL) != 0;
+}
+
+/* Whether wake_fd is readable now (one poll, no wait). */
+static int link_ready(int wake_fd) {
+    if (wake_fd < 0) return 0;
+    struct pollfd wake = {.fd = wake_fd, .events = POLLIN};
+    return poll(&wake, 1, 0) != 0;
+}
+
+/* ---- the serve loop: the rail worker's whole loop, GIL released ---------------------------------------
+ * Pass after pass while there is work, the link's descriptor looked at every link_every passes. When a pass
+ * finds nothing, the back-off, timed from the end of the last pass that did work (e->idle_since, which a
+ * return to Python does not reset):
+ *   idle >= deep_after a pass, the link looked at, up to deep_watch of looks deep_nap apart, each nap a
+ *                      ppoll on the link's descriptor; a nap after a pass that left work in flight;
+ *   idle >= spin       a pass, the link looked at, the ring heads watched for up to watch (spinning; a
+ *                      committed record ends it), then a nap (a ppoll on the link's descriptor);
+ *   else               passes back to back (the link looked at every link_every passes).
+ * It returns SERVE_LINK when the descriptor is readable (the worker's link has a request, or may have: zmq's
+ * ZMQ_FD is readable until zmq processes its commands, which the Python side's poll of the link does) and
+ * SERVE_INTERRUPTED after interrupt(). A backend's Python (a post/poll callable, a shim's one call per
+ * pass, efa's per-poll call) runs inside the pass, the GIL taken for that call only. The constants and what
+ * they cost are transportd/dataplane/worker.py's; transportd_cli/proxy_model.py's model_serve_loop is the
+ * same policy in Python. */
+enum { SERVE_INTERRUPTED = 0, SERVE_LINK = 1 };
+
+typedef struct {
+    int64_t spin, watch, nap, deep_after, deep_watch, deep_nap;
+    int wake_fd;
+    uint64_t link_every;
+} Policy;
+
+static int serve_loop(Engine *e, const Policy *p, int *reason) {
+    uint64_t *s = e->loop;
+    for (uint64_t passes = 1;; passes++) {
+        if (interrupted(e)) {
+            __atomic_store_n(&e->interrupt, 0, __ATOMIC_RELEASE);
+            s[L_INTERRUPTED]++;
+            *reason = SERVE_INTERRUPTED;
+            return 0;
+        }
+        int did = 0;
+        s[L_PASSES]++;
+        if (run_pass(e, &did)) return -1;
+        int look = passes % p->link_every == 0;
+        if (did) {
+            e->idle_since = -1;
+            s[L_BUSY]++;
+        } else {
+            int64_t now = now_ns();
+            if (e->idle_since < 0) e->idle_since = now;
+            int64_t idle = now - e->idle_since;
+            if (idle < p->spin && idle < p->deep_after) {
+                s[L_SPINS]++;
+            } else if (link_ready(p->wake_fd)) {
+                goto link;
+            } else if (idle >= p->deep_after) {
+                s[L_DEEP_WATCHES]++;
+                if (watch(e, p->deep_watch, p->deep_nap, p->wake_fd) == WATCH_TIMEOUT && busy(e)) {
+                    s[L_NAPS]++;
+                    nap(p->deep_nap, p->wake_fd);
+                }
+                look = 0; /* a readable descriptor ended the watch or nap: the next idle pass returns */
+            } else {
+                s[L_WATCHES]++;
+                if (watch(e, p->watch, 0, -1) != WATCH_FOUND) {
+                    s[L_NAPS]++;
+                    nap(p->nap, p->wake_fd);
+                }
+                look = 0;
+            }
+        }
+        if (!look || !link_ready(p->wake_fd)) continue;
+    link:
+        s[L_LINK]++;
+        *reason = SERVE_LINK;
+        return 0;
+    }
+}
+
+/* ---- the Python type ------------------------------------------------------------------------------ */
+static PyObject *Engine_run_once(Engine *e, PyObject *unused) {
+    int did = 0;
+    gil_drop(e);
+    int rc = run_pass(e, &did);
+    gil_take(e);
+    if (rc) return NULL;
+    return PyBool_FromLong(did);
+}
+
+/* serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every) -> reason */
+static PyObject *Engine_serve(Engine *e, PyObject *args) {
+    Policy p;
+    unsigned long long every;
+    if (!PyArg_ParseTuple(args, "LLLLLLiK", &p.spin, &p.watch, &p.nap, &p.deep_after, &p.deep_watch, &p.deep_nap,
+                          &p.wake_fd, &every))
+        return NULL;
+    if (every < 1) return PyErr_Format(PyExc_ValueError, "link_every must be >= 1");
+    p.link_every = every;
+    int reason = SERVE_INTERRUPTED;
+    gil_drop(e);
+    /* the default 50 us timer slack of a thread would more than double a 20 or 50 us nap */
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    int rc = serve_loop(e, &p, &reason);
+    gil_take(e);
+    if (rc) return NULL;
+    return PyLong_FromLong(reason);
+}
+
+/* Ask a serve running in another thread to return (SERVE_INTERRUPTED), or the next one not to start. */
+static PyObject *Engine_interrupt(Engine *e, PyObject *unused) {
+    __atomic_store_n(&e->interrupt, 1, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_loop_stats(Engine *e, PyObject *unused) {
+    static const char *names[N_LOOP] = {"passes", "busy", "spins", "watches", "naps", "deep_watches", "link",
+                                        "interrupted"};
+    PyObject *out = PyDict_New();
+    for (int i = 0; out && i < N_LOOP; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(e->loop[i]);
+        if (!v || PyDict_SetItemString(out, names[i], v) < 0) Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+static PyObject *Engine_progress(Engine *e, PyObject *unused) {
+    gil_drop(e);
+    long n = progress(e);
+    if (n >= 0) advance_touched(e);
+    gil_take(e);
+    if (n < 0) return NULL;
+    return PyLong_FromLong(n);
+}
+
+/* wait_ready(timeout_s, nap_s=0, wake_fd=-1): watch() from Python; True once a ring head holds a record.
+ * An interrupt() that ends the wait is consumed by it, as a serve consumes one. */
+static PyObject *Engine_wait_ready(Engine *e, PyObject *args) {
+    double timeout, nap_s = 0.0;
+    int wake_fd = -1;
+    if (!PyArg_ParseTuple(args, "d|di", &timeout, &nap_s, &wake_fd)) return NULL;
+    int w;
+    Py_BEGIN_ALLOW_THREADS
+    if (nap_s > 0) prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    w = watch(e, (int64_t)(timeout * 1e9), (int64_t)(nap_s * 1e9), wake_fd);
+    Py_END_ALLOW_THREADS
+    if (w == WATCH_WOKEN) __atomic_store_n(&e->interrupt, 0, __ATOMIC_RELEASE);
+    return PyBool_FromLong(w == WATCH_FOUND);
+}
+
+static PyObject *Engine_busy(Engine *e, PyObject *unused) { return PyBool_FromLong(busy(e)); }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
@@ -1412,6 +1589,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     Py_XSETREF(e->poll_cb, poll_cb);
     e->taking = 1;
     e->next_token = 1;
+    e->idle_since = -1;
     return 0;
 }
 
@@ -1459,6 +1637,12 @@ static void Engine_dealloc(Engine *e) {
 
 static PyMethodDef Engine_methods[] = {
     {"run_once", (PyCFunction)Engine_run_once, METH_NOARGS, "One pass: take, post, progress. True if it did work."},
+    {"serve", (PyCFunction)Engine_serve, METH_VARARGS,
+     "serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every): the "
+     "rail worker's loop, GIL released, until wake_fd is readable (SERVE_LINK) or interrupt() (SERVE_INTERRUPTED)."},
+    {"interrupt", (PyCFunction)Engine_interrupt, METH_NOARGS,
+     "Make a running serve or wait_ready return (or the next one)."},
+    {"loop_stats", (PyCFunction)Engine_loop_stats, METH_NOARGS, "What serve did: passes, spins, watches, naps, ..."},
     {"progress", (PyCFunction)Engine_progress, METH_NOARGS, "Drain completions now; how many came."},
     {"wait_ready", (PyCFunction)Engine_wait_ready, METH_VARARGS,
      "wait_ready(timeout_s, nap_s=0, wake_fd=-1): watch the ring heads (GIL released), napping nap_s between "
@@ -1550,6 +1734,8 @@ PyMODINIT_FUNC PyInit__core(void) {
         return NULL;
     }
     PyModule_AddIntConstant(m, "PLAN_ROW_SIZE", sizeof(tpd_plan_row));
+    PyModule_AddIntConstant(m, "SERVE_INTERRUPTED", SERVE_INTERRUPTED);
+    PyModule_AddIntConstant(m, "SERVE_LINK", SERVE_LINK);
     PyModule_AddIntConstant(m, "COMPLETION_SIZE", sizeof(Completion));
     PyModule_AddIntConstant(m, "RECORD_SIZE", sizeof(tpd_cmd_record));
     PyModule_AddIntConstant(m, "TRACE_ENTRY_SIZE", sizeof(tpd_trace_entry));
