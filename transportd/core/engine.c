@@ -97,7 +97,6 @@ typedef struct {
     int64_t inflight; /* WRs posted and not completed */
     uint64_t hist[HIST];
     uint64_t bytes;
-    int64_t admit; /* scratch of one take: rows of this pass so far */
     Waiting *rows; /* FIFO: rows[head..count) wait */
     size_t head, count, cap;
 } Conn;
@@ -112,7 +111,7 @@ typedef struct {
     uint64_t completed; /* published completion position */
     int job, src;
     int gone;
-    uint8_t *done; /* completed positions, mod track */
+    uint8_t *done; /* completed positions, mod track (a power of two: done[pos & (track - 1)]) */
     uint64_t track;
     int seen; /* the head record was seen waiting at seen_pos since seen_ns */
     uint64_t seen_pos;
@@ -122,6 +121,11 @@ typedef struct {
     tpd_trace *trace;    /* set while the channel is traced (trace.h); NULL costs one branch per pass */
 } Channel;
 
+/* A batch plan_post cut: waiting rows [start, end) of connection index `conn` (from its head), `cmds` commands. */
+typedef struct {
+    size_t conn, start, end, cmds;
+} Cut;
+
 /* The batches posted in one iteration: tokens first .. first+nb-1 and the commands they cover. */
 typedef struct {
     uint64_t first;
@@ -130,6 +134,7 @@ typedef struct {
     uint8_t *done;
     int64_t *cmd_tok, *cmd_chan;
     uint64_t *cmd_pos;
+    int64_t *tok_cmds; /* batch t's commands are cmd_*[tok_cmds[t] .. tok_cmds[t + 1]) */
 } Group;
 
 typedef tpd_completion Completion;
@@ -173,11 +178,11 @@ typedef struct {
     size_t plan_cap;
     int64_t *b_conn, *b_ncmds, *b_bounds, *b_nwr;
     size_t b_cap;
-    tpd_cmd_record *recs;
+    Cut *cuts;
+    size_t cuts_cap;
+    tpd_cmd_record *recs; /* the records of one take, copied out of the ring */
     size_t recs_cap;
-    tpd_plan_row *trows;
-    int64_t *tconn, *trec;
-    uint16_t *tcode;
+    uint16_t *tcode; /* their codes */
     size_t t_cap;
 
     /* the null NIC: tokens due on the next poll; optional log of (post ns, chunk id) per WRITE */
@@ -251,7 +256,7 @@ static void publish_completion(Channel *ch, uint64_t pos) {
 }
 
 static void mark_done(Channel *ch, uint64_t pos) {
-    ch->done[pos % ch->track] = 1;
+    ch->done[pos & (ch->track - 1)] = 1;
     ch->touched = 1;
 }
 
@@ -268,7 +273,8 @@ static void advance_touched(Engine *e) {
         if (!ch->touched) continue;
         ch->touched = 0;
         uint64_t p = ch->completed;
-        while (p < ch->position && ch->done[p % ch->track]) ch->done[p++ % ch->track] = 0;
+        const uint64_t mask = ch->track - 1;
+        while (p < ch->position && ch->done[p & mask]) ch->done[p++ & mask] = 0;
         if (p != ch->completed) {
             ch->completed = p;
             publish_completion(ch, p);
@@ -287,35 +293,38 @@ static void note_waiting(Channel *ch, int64_t now) {
 /* ---- take ----------------------------------------------------------------------------------------- */
 static int ensure_take_scratch(Engine *e, size_t n) {
     if (tpd_grow((void **)&e->recs, &e->recs_cap, n, sizeof(tpd_cmd_record))) return -1;
-    size_t cap = e->t_cap;
-    if (tpd_grow((void **)&e->trows, &cap, 2 * n, sizeof(tpd_plan_row))) return -1;
-    cap = e->t_cap;
-    if (tpd_grow((void **)&e->tconn, &cap, 2 * n, sizeof(int64_t))) return -1;
-    cap = e->t_cap;
-    if (tpd_grow((void **)&e->trec, &cap, 2 * n, sizeof(int64_t))) return -1;
-    cap = e->t_cap;
-    if (tpd_grow((void **)&e->tcode, &cap, 2 * n, sizeof(uint16_t))) return -1;
-    e->t_cap = cap;
-    return 0;
-}
-
-static int conn_push(Conn *c, const Waiting *w) {
-    if (c->head && c->count == c->cap) { /* reuse the consumed front before growing */
-        memmove(c->rows, c->rows + c->head, (c->count - c->head) * sizeof(Waiting));
-        c->count -= c->head;
-        c->head = 0;
-    }
-    if (tpd_grow((void **)&c->rows, &c->cap, c->count + 1, sizeof(Waiting))) return -1;
-    c->rows[c->count++] = *w;
+    if (tpd_grow((void **)&e->tcode, &e->t_cap, n, sizeof(uint16_t))) return -1;
     return 0;
 }
 
 static size_t conn_pending(const Conn *c) { return c->count - c->head; }
 
-/* Take one channel's ready records; returns 1 if any were taken, 0 if none, -1 on allocation failure. */
+/* Room for `k` more waiting rows at the back of the connection's FIFO (the consumed front is reused before
+ * it grows); NULL when out of memory. */
+static Waiting *conn_reserve(Conn *c, size_t k) {
+    if (c->head && c->count + k > c->cap) {
+        memmove(c->rows, c->rows + c->head, (c->count - c->head) * sizeof(Waiting));
+        c->count -= c->head;
+        c->head = 0;
+    }
+    if (tpd_grow((void **)&c->rows, &c->cap, c->count + k, sizeof(Waiting))) return NULL;
+    return c->rows + c->count;
+}
+
+/* Take one channel's ready records; returns 1 if any were taken, 0 if none, -1 on allocation failure.
+ *
+ * One walk over the ring per pass: each record whose seq says it is committed is copied out (validation
+ * reads the copy, never the shared slot, which its producer could still scribble on), validated and
+ * translated, and its rows go straight to the back of their connection's FIFO. The walk stops at the first
+ * record that is not committed, at the budget (the ring's tracking window, and the room the job's
+ * connections have under the inflight cap), or at the first record whose rows would overrun its
+ * connection's cap: that record and the rest stay in the ring, never released. */
 static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     uint64_t pos = ch->position;
-    if (!record_ready(ch, pos)) return 0; /* nothing at the head: the idle loop's main cost */
+    uint32_t want = seq_for(pos);
+    const tpd_cmd_record *slots = ch->records;
+    const uint64_t mask = ch->mask;
+    if (__atomic_load_n(&slots[pos & mask].seq, __ATOMIC_ACQUIRE) != want) return 0; /* the idle loop's main cost */
     Job *job = &e->jobs[ch->job];
     const tpd_sources *src = &e->srcs[ch->src].view;
     int64_t budget = (int64_t)e->max_take;
@@ -339,80 +348,69 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
         return 0;
     }
     uint64_t limit = (uint64_t)budget < ch->capacity ? (uint64_t)budget : ch->capacity;
-    uint64_t n = 0;
-    while (n < limit && record_ready(ch, pos + n)) n++;
-    if (ensure_take_scratch(e, n)) return -1;
-    for (uint64_t i = 0; i < n; i++) e->recs[i] = ch->records[(pos + i) & ch->mask];
-    ch->position = pos + n;
-
-    /* translate every record, then admit the leading ones that fit under the inflight cap */
-    size_t nrows = 0;
-    for (uint64_t i = 0; i < n; i++) {
+    if (ensure_take_scratch(e, limit)) return -1;
+    const int64_t cap = e->inflight_cap;
+    const int64_t chan = ch->id;
+    const int gone = ch->gone;
+    const uint64_t max_length = e->max_length;
+    /* the tables in locals: the stores into the FIFOs below cannot alias them, so they stay in registers */
+    const tpd_sources sv = *src;
+    const tpd_peers pv = job->view;
+    tpd_cmd_record *recs = e->recs;
+    uint16_t *codes = e->tcode;
+    uint64_t n = 0, commands = 0;
+    int overrun = 0;
+    for (; n < limit; n++) {
+        const tpd_cmd_record *slot = &slots[(pos + n) & mask];
+        if (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != want) break;
+        tpd_cmd_record *rec = &recs[n];
+        *rec = *slot;
+        tpd_plan_row rows[3];
         int k = 0;
         int64_t conn = -1;
-        uint16_t code = ch->gone ? TPD_CLIENT_GONE
-                                 : tpd_translate(&e->recs[i], src, &job->view, e->max_length, &e->trows[nrows], &k,
-                                                 &conn);
-        e->tcode[i] = code;
-        for (int j = 0; j < k; j++) {
-            e->tconn[nrows + j] = conn;
-            e->trec[nrows + j] = (int64_t)i;
-        }
-        nrows += (size_t)k;
-    }
-    uint64_t admitted = n;
-    if ((int64_t)n > safe) {
-        /* the first row that would overrun its connection ends the admitted prefix (at its record) */
-        for (size_t i = 0; i < e->nconns; i++) e->conns[i].admit = 0;
-        for (size_t r = 0; r < nrows; r++) {
-            Conn *c = &e->conns[e->tconn[r]];
-            if (++c->admit + c->inflight + (int64_t)conn_pending(c) > e->inflight_cap) {
-                admitted = (uint64_t)e->trec[r];
+        uint16_t code = gone ? TPD_CLIENT_GONE : tpd_translate(rec, &sv, &pv, max_length, rows, &k, &conn);
+        if (k) {
+            Conn *c = &e->conns[conn];
+            if (c->inflight + (int64_t)conn_pending(c) + k > cap) { /* the rest stays in the ring */
+                overrun = 1;
                 break;
             }
+            Waiting *w = conn_reserve(c, (size_t)k);
+            if (!w) return -1;
+            uint8_t closes = (rec->flags & TPD_FLAG_NO_BATCH) || rec->opcode == TPD_OP_FENCE;
+            for (int j = 0; j < k; j++)
+                w[j] = (Waiting){.row = rows[j], .pos = pos + n, .t = now, .chan = chan, .first = j == 0,
+                                 .closes = closes};
+            c->count += (size_t)k;
+            e->nwaiting += (size_t)k;
         }
-        if (admitted < n) {
-            *stalled = 1;
-            ch->position -= n - admitted; /* the rest stays in the ring: it was never released */
-            n = admitted;
-            note_waiting(ch, now);
+        codes[n] = code;
+        want = want == 0xFFFFFFFFu ? 1 : want + 1; /* seq_for(pos + n + 1) */
+        if (code) {
+            report_error(e, ch, code, pos + n);
+            mark_done(ch, pos + n);
+            continue;
         }
-    } else if ((int64_t)n == budget && (uint64_t)budget < e->max_take && record_ready(ch, ch->position)) {
+        commands++;
+        if (!k) { /* a QUIET: complete now, and it cuts batches */
+            e->counters[C_QUIETS]++;
+            ch->quiet = 1;
+            mark_done(ch, pos + n);
+        }
+    }
+    e->counters[C_COMMANDS] += commands;
+    ch->position = pos + n;
+    if (overrun) {
+        *stalled = 1;
+        note_waiting(ch, now);
+    } else if ((int64_t)n <= safe && (int64_t)n == budget && (uint64_t)budget < e->max_take &&
+               record_ready(ch, ch->position)) {
         *stalled = 1;
         note_waiting(ch, now);
     }
+    if (n && __builtin_expect(ch->trace != NULL, 0)) tpd_trace_taken(ch->trace, recs, codes, n, pos, now);
     __atomic_store_n(ring_u64(ch, TPD_RING_OFF_CONSUMER_POS), ch->position, __ATOMIC_RELEASE);
-    if (n == 0) return 0;
-
-    uint64_t first_pos = ch->position - n;
-    if (__builtin_expect(ch->trace != NULL, 0)) tpd_trace_taken(ch->trace, e->recs, e->tcode, n, first_pos, now);
-    size_t r = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        const tpd_cmd_record *rec = &e->recs[i];
-        uint16_t code = e->tcode[i];
-        if (code) {
-            report_error(e, ch, code, first_pos + i);
-            mark_done(ch, first_pos + i);
-            continue;
-        }
-        e->counters[C_COMMANDS]++;
-        if (r >= nrows || e->trec[r] != (int64_t)i) { /* a QUIET: complete now, and it cuts batches */
-            e->counters[C_QUIETS]++;
-            ch->quiet = 1;
-            mark_done(ch, first_pos + i);
-            continue;
-        }
-        int first = 1;
-        uint8_t closes = (rec->flags & TPD_FLAG_NO_BATCH) || rec->opcode == TPD_OP_FENCE;
-        for (; r < nrows && e->trec[r] == (int64_t)i; r++) {
-            Waiting w = {.row = e->trows[r], .pos = first_pos + i, .t = now, .chan = ch->id, .first = first,
-                         .closes = closes};
-            if (conn_push(&e->conns[e->tconn[r]], &w)) return -1;
-            e->nwaiting++;
-            first = 0;
-        }
-    }
-    return 1;
+    return n != 0;
 }
 
 static int take(Engine *e, int64_t now) {
@@ -523,79 +521,82 @@ static long plan_post(Engine *e, int64_t now, Group **out_group) {
     *out_group = NULL;
     size_t nb = 0, nrows = 0, ncmd = 0;
     int signal_stall = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        Group *g = NULL;
-        if (pass == 1) {
-            if (!nb) break;
-            if (ensure_post_scratch(e, nrows, nb)) return -1;
-            size_t words = 2 * nb + 3 * ncmd;
-            g = calloc(1, sizeof(Group) + words * sizeof(int64_t) + nb);
-            if (!g) return -1;
-            int64_t *p = (int64_t *)(g + 1);
-            g->tok_conn = p;
-            g->tok_nwr = p + nb;
-            g->cmd_tok = p + 2 * nb;
-            g->cmd_chan = p + 2 * nb + ncmd;
-            g->cmd_pos = (uint64_t *)(p + 2 * nb + 2 * ncmd);
-            g->done = (uint8_t *)(p + words);
-            g->nb = g->remaining = nb;
-            g->ncmd = ncmd;
-        }
-        size_t b = 0, m = 0, k = 0;
-        for (size_t ci = 0; ci < e->nconns; ci++) {
-            Conn *c = &e->conns[ci];
-            size_t have = conn_pending(c);
-            const Waiting *w = c->rows + c->head;
-            size_t r = 0, cum = 0, stop = SIZE_MAX;
-            while (r < have) {
-                size_t cmds;
-                int ready;
-                size_t end = cut_batch(e, w, have, r, now, &cmds, &ready);
-                cum += end - r;
-                int fits = c->inflight + (int64_t)cum <= e->inflight_cap || (r == 0 && c->inflight == 0);
-                if (stop != SIZE_MAX || !(ready && fits)) {
-                    /* the rest waits for completions; a signal among what was ready is a signal stall */
-                    if (stop == SIZE_MAX) stop = r;
-                    for (size_t q = r; pass == 0 && ready && q < end; q++)
-                        if (w[q].row.op == TPD_PLAN_SIGNAL) signal_stall = 1;
-                    if (pass == 1) break;
-                    r = end;
-                    continue;
-                }
-                if (pass == 0) {
-                    nb++;
-                    nrows += end - r;
-                    for (size_t q = r; q < end; q++) ncmd += w[q].first;
-                } else {
-                    e->b_conn[b] = (int64_t)ci;
-                    e->b_ncmds[b] = (int64_t)cmds;
-                    e->b_bounds[b] = (int64_t)m;
-                    for (size_t q = r; q < end; q++) {
-                        if (w[q].first) {
-                            g->cmd_tok[k] = (int64_t)b;
-                            g->cmd_chan[k] = w[q].chan;
-                            g->cmd_pos[k] = w[q].pos;
-                            k++;
-                        }
-                        e->plan[m++] = w[q].row;
-                    }
-                    b++;
-                }
+    /* cut: the batches that go now, each connection a prefix of its waiting rows */
+    for (size_t ci = 0; ci < e->nconns; ci++) {
+        Conn *c = &e->conns[ci];
+        size_t have = conn_pending(c);
+        const Waiting *w = c->rows + c->head;
+        size_t r = 0, cum = 0;
+        int stopped = 0;
+        while (r < have) {
+            size_t cmds;
+            int ready;
+            size_t end = cut_batch(e, w, have, r, now, &cmds, &ready);
+            cum += end - r;
+            int fits = c->inflight + (int64_t)cum <= e->inflight_cap || (r == 0 && c->inflight == 0);
+            if (stopped || !(ready && fits)) {
+                /* the rest waits for completions; a signal among what was ready is a signal stall */
+                stopped = 1;
+                for (size_t q = r; ready && q < end; q++)
+                    if (w[q].row.op == TPD_PLAN_SIGNAL) signal_stall = 1;
                 r = end;
+                continue;
             }
-            if (stop != SIZE_MAX) r = stop;
-            if (pass == 1) {
-                c->head += r;
-                e->nwaiting -= r;
-                if (c->head == c->count) c->head = c->count = 0;
-            }
-        }
-        if (pass == 1) {
-            e->b_bounds[nb] = (int64_t)m;
-            *out_group = g;
+            if (tpd_grow((void **)&e->cuts, &e->cuts_cap, nb + 1, sizeof(Cut))) return -1;
+            e->cuts[nb++] = (Cut){.conn = ci, .start = r, .end = end, .cmds = cmds};
+            nrows += end - r;
+            ncmd += cmds;
+            r = end;
         }
     }
     if (signal_stall) e->counters[C_SIGNAL_STALLS]++;
+    if (!nb) return 0;
+    /* move them into e->plan, tokens set (one per batch), and their commands into a new group */
+    if (ensure_post_scratch(e, nrows, nb)) return -1;
+    size_t words = 3 * nb + 1 + 3 * ncmd;
+    Group *g = malloc(sizeof(Group) + words * sizeof(int64_t) + nb); /* every array is filled but done */
+    if (!g) return -1;
+    int64_t *p = (int64_t *)(g + 1);
+    g->tok_conn = p;
+    g->tok_nwr = p + nb;
+    g->tok_cmds = p + 2 * nb;
+    g->cmd_tok = p + 3 * nb + 1;
+    g->cmd_chan = p + 3 * nb + 1 + ncmd;
+    g->cmd_pos = (uint64_t *)(p + 3 * nb + 1 + 2 * ncmd);
+    g->done = (uint8_t *)(p + words);
+    memset(g->done, 0, nb);
+    g->first = e->next_token;
+    g->nb = g->remaining = nb;
+    g->ncmd = ncmd;
+    size_t m = 0, k = 0;
+    for (size_t b = 0; b < nb; b++) {
+        const Cut *cut = &e->cuts[b];
+        Conn *c = &e->conns[cut->conn];
+        const Waiting *w = c->rows + c->head;
+        const uint64_t token = e->next_token + b;
+        e->b_conn[b] = (int64_t)cut->conn;
+        e->b_ncmds[b] = (int64_t)cut->cmds;
+        e->b_bounds[b] = (int64_t)m;
+        g->tok_cmds[b] = (int64_t)k;
+        for (size_t q = cut->start; q < cut->end; q++) {
+            if (w[q].first) {
+                g->cmd_tok[k] = (int64_t)b;
+                g->cmd_chan[k] = w[q].chan;
+                g->cmd_pos[k] = w[q].pos;
+                k++;
+            }
+            e->plan[m] = w[q].row;
+            e->plan[m++].token = token;
+        }
+        if (b + 1 == nb || e->cuts[b + 1].conn != cut->conn) { /* the connection's last batch now */
+            c->head += cut->end;
+            e->nwaiting -= cut->end;
+            if (c->head == c->count) c->head = c->count = 0;
+        }
+    }
+    e->b_bounds[nb] = (int64_t)m;
+    g->tok_cmds[nb] = (int64_t)k;
+    *out_group = g;
     return (long)nb;
 }
 
@@ -680,24 +681,22 @@ static int post(Engine *e, int64_t now) {
     if (nbl == 0) return 0;
     size_t nb = (size_t)nbl;
     uint64_t *c = e->counters;
-    /* decoupled signaling batch by batch (rows only shrink, so in place), then one token per batch */
+    /* decoupled signaling batch by batch (rows only shrink, so in place; each keeps its batch's token) */
     size_t m = 0;
     for (size_t b = 0; b < nb; b++) {
         size_t s = (size_t)e->b_bounds[b], t = (size_t)e->b_bounds[b + 1];
         e->b_bounds[b] = (int64_t)m;
         if (e->decoupled) {
             for (size_t r = s; r < t; r++) c[C_SIGNALS_REQUESTED] += e->plan[r].op == TPD_PLAN_SIGNAL;
-            memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
+            if (m != s) memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
             m += decouple(e->plan + m, t - s);
         } else {
-            memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
+            if (m != s) memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
             m += t - s;
         }
-        for (size_t r = (size_t)e->b_bounds[b]; r < m; r++) e->plan[r].token = e->next_token + b;
     }
     e->b_bounds[nb] = (int64_t)m;
-    g->first = e->next_token;
-    e->next_token += nb;
+    e->next_token += nb; /* plan_post set the rows' tokens from it: g->first */
     if (post_to_backend(e, nb, m) < 0) {
         free(g);
         return -1;
@@ -749,6 +748,33 @@ static uint16_t completion_code(uint32_t status) {
  * (a command's error goes into its channel's error word: `forced` when nonzero, else by status). */
 static void complete_group(Engine *e, Group *g, const int64_t *local, const int64_t *status, size_t n,
                            uint16_t forced, uint8_t *newly, int64_t *tok_status) {
+    int ascending = 1;
+    for (size_t i = 1; i < n && ascending; i++) ascending = local[i - 1] < local[i];
+    if (ascending) { /* the usual case (completions in post order): only the completed batches' commands */
+        Channel *ch = NULL;
+        size_t fresh = 0;
+        for (size_t i = 0; i < n; i++) {
+            int64_t t = local[i];
+            if (g->done[t]) continue;
+            g->done[t] = 1;
+            fresh++;
+            e->conns[g->tok_conn[t]].inflight -= g->tok_nwr[t];
+            uint16_t code = 0;
+            if (status[i]) {
+                e->counters[C_COMPLETION_ERRORS]++;
+                code = forced ? forced : completion_code((uint32_t)status[i]);
+            }
+            for (int64_t k = g->tok_cmds[t]; k < g->tok_cmds[t + 1]; k++) {
+                if (!ch || ch->id != g->cmd_chan[k]) ch = find_channel(e, g->cmd_chan[k]);
+                if (!ch) continue;
+                if (code) report_late(e, ch, code, g->cmd_pos[k]);
+                mark_done(ch, g->cmd_pos[k]);
+            }
+        }
+        g->remaining -= fresh;
+        return;
+    }
+    /* in any order, a token maybe more than once (its last status counts): every command of the group */
     memset(newly, 0, g->nb);
     memset(tok_status, 0, g->nb * sizeof(int64_t));
     int any_status = 0;
@@ -772,10 +798,11 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
             if (newly[local[i]]) tok_status[local[i]] = status[i];
         for (size_t t = 0; t < g->nb; t++) e->counters[C_COMPLETION_ERRORS] += tok_status[t] != 0;
     }
+    Channel *ch = NULL; /* commands come in runs of one channel: look it up once per run */
     for (size_t k = 0; k < g->ncmd; k++) {
         int64_t t = g->cmd_tok[k];
         if (!newly[t]) continue;
-        Channel *ch = find_channel(e, g->cmd_chan[k]);
+        if (!ch || ch->id != g->cmd_chan[k]) ch = find_channel(e, g->cmd_chan[k]);
         if (!ch) continue;
         if (tok_status[t]) report_late(e, ch, forced ? forced : completion_code((uint32_t)tok_status[t]), g->cmd_pos[k]);
         mark_done(ch, g->cmd_pos[k]);
@@ -1620,10 +1647,8 @@ static void Engine_dealloc(Engine *e) {
     free(e->b_ncmds);
     free(e->b_bounds);
     free(e->b_nwr);
+    free(e->cuts);
     free(e->recs);
-    free(e->trows);
-    free(e->tconn);
-    free(e->trec);
     free(e->tcode);
     free(e->null_due);
     free(e->post_log);
@@ -1699,7 +1724,28 @@ static PyObject *pingpong_produce(PyObject *mod, PyObject *args) {
     return PyLong_FromLongLong(done);
 }
 
+/* bare_drain(ring buffer, until, timeout_s) -> consumer position reached (pingpong.c), GIL released */
+static PyObject *bare_drain(PyObject *mod, PyObject *args) {
+    PyObject *ring;
+    unsigned long long until;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "OKd", &ring, &until, &timeout)) return NULL;
+    Py_buffer rv;
+    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
+    if (rv.len < TPD_RING_RECORDS_OFFSET) {
+        PyBuffer_Release(&rv);
+        return PyErr_Format(PyExc_ValueError, "bare_drain: not a ring");
+    }
+    uint64_t pos;
+    Py_BEGIN_ALLOW_THREADS
+    pos = tpd_bare_drain(rv.buf, until, (int64_t)(timeout * 1e9));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rv);
+    return PyLong_FromUnsignedLongLong(pos);
+}
+
 static PyMethodDef core_functions[] = {
+    {"bare_drain", bare_drain, METH_VARARGS, "Benchmark ceiling: the bare C consumer of a ring (pingpong.c)."},
     {"pingpong_produce", pingpong_produce, METH_VARARGS, "Benchmark producer: one record at a time (pingpong.c)."},
     {NULL, NULL, 0, NULL},
 };
