@@ -19,6 +19,13 @@ latency (one thread, pushes paced 200 us apart so nothing queues)
     200 round trips; its half-width bounds the error). Because that bound (~1.5 µs) is as large as what is
     measured, also: commit -> completion seen by the kernel, a round trip on the GPU's clock alone (the
     kernel pushes, then spins on the proxy's completion position).
+round trips under load (the thread sweep; ``--only-sweep`` runs it alone)
+    over GPU threads (1, 32, 64, 128, 256, 512, 1024), every thread pushes a record and waits until the
+    completion position passes its own before the next push; avg / p50 / p99 round trip and M ops/s, all on
+    the GPU's clock. The ring is drained by the rail worker's own loop (``worker.serve_loop``: the engine's
+    ``serve``, GIL released) over the engine as its own null NIC, poll window 0 (``--sweep-poll-window-us``),
+    records spread over 8 peers. ``--only-sweep`` also runs ``transportd bench proxy``'s drain beside the
+    bare C consumer in the same run.
 put -> flag
     two daemons (``LocalCluster`` over softverbs, ib RC and efa SRD), ranks 0 and 1 in one process on one
     GPU: rank 0's kernel put_signals 4 KiB, rank 1's kernel (resident, spinning) waits for the flag and
@@ -38,6 +45,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -322,18 +330,68 @@ def commit_to_consumed(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: f
 NULL_NIC_JOB = "gpubench"
 
 
-def _null_nic_proxy() -> Any:
-    """The compiled engine as its own null NIC (nothing leaves C), poll window 0, with one job of two ranks:
-    rank 0 here, rank 1 a peer the records go to."""
+def _null_nic_proxy(peers: int = 1, poll_window_us: float = 0.0) -> Any:
+    """The compiled engine as its own null NIC (nothing leaves C), poll window 0 unless asked, with one job:
+    rank 0 here, ranks 1..peers the peers the records go to, each on its own connection."""
     from transportd.dataplane.proxy import Proxy
 
     job, region = NULL_NIC_JOB, 1 << 30
-    proxy = Proxy(None, poll_window_us=0.0)
+    proxy = Proxy(None, poll_window_us=poll_window_us)
     proxy.set_source_region(job, 0, 0, 0x1000_0000, region, 1)
-    proxy.set_remote_region(job, 1, 0, 0x100_0000_0000, region, 101)
-    proxy.set_remote_flags(job, 1, 0xF00_0000_0000, 64, 201)
-    proxy.bind_peer(job, 1, 1001)
+    for peer in range(1, peers + 1):
+        proxy.set_remote_region(job, peer, 0, 0x100_0000_0000 * peer, region, 100 + peer)
+        proxy.set_remote_flags(job, peer, 0xF00_0000_0000 + 0x1_0000 * peer, 64, 200 + peer)
+        proxy.bind_peer(job, peer, 1000 + peer)
     return proxy
+
+
+class WorkerLoop:
+    """The rail worker's own loop (``transportd.dataplane.worker.serve_loop``: the engine's ``serve``, all in C
+    with the GIL released) over ``proxy``, in a thread, with a real worker link that stays quiet, as
+    ``transportd bench proxy``'s idle part runs it. Not a benchmark-only loop: what the daemon runs."""
+
+    def __init__(self, proxy: Any) -> None:
+        import zmq
+
+        from transportd.dataplane.worker import serve_loop
+        from transportd.dataplane.worker_link import WorkerEndpoint
+
+        self.proxy = proxy
+        self._tmp = tempfile.TemporaryDirectory(prefix="tpd-gpubench-link-")
+        self._ctx = zmq.Context()
+        self._main_end = self._ctx.socket(zmq.PAIR)
+        self._main_end.linger = 0
+        self._main_end.bind(f"ipc://{self._tmp.name}/link")
+        self._link = WorkerEndpoint(f"ipc://{self._tmp.name}/link", handler=object())
+        self._stop = threading.Event()
+        self._error: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(serve_loop,), name="rail-worker-loop")
+
+    def _run(self, serve_loop: Any) -> None:
+        try:
+            serve_loop(self.proxy, self._link, self._stop.is_set)
+        except BaseException as exc:  # reported by __exit__
+            self._error.append(exc)
+
+    def __enter__(self) -> WorkerLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.proxy.interrupt()  # the loop runs in C until its link or this says otherwise
+        self._thread.join(10)
+        alive = self._thread.is_alive()
+        if not alive:
+            self._link.close()
+        self._main_end.close()
+        if not alive:
+            self._ctx.term()
+            self._tmp.cleanup()
+        if alive:
+            raise RuntimeError("the worker loop did not stop")
+        if self._error:
+            raise self._error[0]
 
 
 def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: float) -> tuple[np.ndarray, dict]:
@@ -379,6 +437,133 @@ def commit_to_completion_gpu_clock(gpu: Gpu, variant: str, n: int, gap_ns: int) 
             dev.release()
             proxy.remove_channel(0)
     return out
+
+
+# --- round trips under load: the thread sweep ---------------------------------------------------------------------
+SWEEP_THREADS = (1, 32, 64, 128, 256, 512, 1024)
+SWEEP_PEERS = 8  # connections the records spread over: 8 x the inflight cap (256) > 1024 records in flight
+SWEEP_TIMEOUT_NS = 5_000_000_000  # one record's round trip longer than this fails the thread (never a hang)
+
+
+def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THREADS, iters: int = 2000,
+                    peers: int = SWEEP_PEERS, poll_window_us: float = 0.0, capacity: int = 4096) -> dict[str, Any]:
+    """Round trips under load, on the GPU's clock alone: for each thread count, every thread pushes a 4 KiB PUT,
+    waits until the completion position passes its own record, and pushes the next, ``iters`` times
+    (``roundtrip_sweep_<variant>`` in gpu_push.cu). The ring is drained by the rail worker's own loop
+    (:class:`WorkerLoop`) over the engine as its own null NIC, one worker for the whole sweep. Per thread
+    count: avg / p50 / p99 / max of every round trip (µs), and M ops/s = round trips / (last completion seen
+    - first push) on the GPU's clock. Threads run 32 to a block (one block for 1)."""
+    proxy = _null_nic_proxy(peers, poll_window_us)
+    rows: dict[str, Any] = {}
+    with _ring(f"sweep-{variant}", capacity) as ring:
+        proxy.add_channel(0, ring, NULL_NIC_JOB, 0, peers + 1)
+        dev = map_ring(ring, gpu.device)
+        kernel = gpu.module.function(f"roundtrip_sweep_{variant}")
+        try:
+            with WorkerLoop(proxy):
+                _sweep_launch(gpu, kernel, dev, 1, 100, peers)  # warm-up: the module, the mappings, the loop
+                for count in threads:
+                    rows[str(count)] = _sweep_row(count, iters, *_sweep_launch(gpu, kernel, dev, count, iters, peers))
+        finally:
+            dev.release()
+        stats = proxy.stats()
+        errors = ring.error
+        proxy.remove_channel(0)
+    return {"variant": variant, "peers": peers, "poll_window_us": poll_window_us, "capacity": capacity,
+            "iters": iters, "worker_loop": "transportd.dataplane.worker.serve_loop (Engine.serve), null NIC",
+            "errors": list(errors), "commands": stats["commands"], "rejected": stats["rejected"],
+            "by_threads": rows}
+
+
+FAILED = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+
+
+def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, peers: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """One launch of ``count`` threads x ``n`` round trips: (round trip ns, zero where never reached and
+    FAILED where the thread timed out; (first push, last completion) per thread)."""
+    rtt, span = DeviceMemory(8 * count * n, gpu.device), DeviceMemory(16 * count, gpu.device)  # zeroed
+    try:
+        block = min(count, 32)
+        kernel.launch((count + block - 1) // block, block,
+                      (dev, np.uint32(count), np.uint32(n), np.uint32(peers), np.uint64(SWEEP_TIMEOUT_NS),
+                       np.uint64(rtt.ptr), np.uint64(span.ptr)), stream=gpu.stream)
+        gpu.sync()
+        ns = np.frombuffer(rtt.read(0, 8 * count * n), dtype="<u8")
+        ends = np.frombuffer(span.read(0, 16 * count), dtype="<u8").reshape(count, 2)
+    finally:
+        rtt.free()
+        span.free()
+    return ns, ends
+
+
+def _sweep_row(threads: int, n: int, ns: np.ndarray, ends: np.ndarray) -> dict[str, Any]:
+    us = ns[(ns != 0) & (ns != FAILED)].astype(np.float64) / 1e3
+    finished = ends[:, 1] != FAILED
+    window_ns = float(ends[finished, 1].max()) - float(ends[:, 0].min()) if finished.any() else float("nan")
+    return {"threads": threads, "iters": n, "round_trips": int(len(us)), "failed_threads": int((~finished).sum()),
+            "avg_us": float(us.mean()) if len(us) else float("nan"), "p50_us": _pct(us, 50),
+            "p99_us": _pct(us, 99), "max_us": float(us.max()) if len(us) else float("nan"),
+            "mops": len(us) / window_ns * 1e3 if window_ns > 0 else float("nan")}
+
+
+def sweep_table(sweep: dict[str, Any]) -> str:
+    lines = [f"round trip under load: {sweep['variant']}, {sweep['peers']} peers, poll window "
+             f"{sweep['poll_window_us']:g} us, ring of {sweep['capacity']}, the rail worker's loop, null NIC",
+             f"{'threads':>8} {'avg us':>9} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'M ops/s':>9}"]
+    for row in sweep["by_threads"].values():
+        lines.append(f"{row['threads']:>8} {row['avg_us']:>9.2f} {row['p50_us']:>9.2f} {row['p99_us']:>9.2f} "
+                     f"{row['max_us']:>9.1f} {row['mops']:>9.2f}" +
+                     (f"   ({row['failed_threads']} threads timed out)" if row["failed_threads"] else ""))
+    if sweep["errors"][0] or sweep["rejected"]:
+        lines.append(f"ERRORS: ring error word {sweep['errors']}, {sweep['rejected']} records rejected")
+    return "\n".join(lines)
+
+
+def sweep_summary(sweep: dict[str, Any]) -> dict[str, float]:
+    """The sweep's headline numbers: 1 thread p50/p99, 32 threads p99, ops/s at the most threads."""
+    rows = sweep["by_threads"]
+    out: dict[str, float] = {}
+    if "1" in rows:
+        out["sweep_1_thread_p50_us"] = rows["1"]["p50_us"]
+        out["sweep_1_thread_p99_us"] = rows["1"]["p99_us"]
+    if "32" in rows:
+        out["sweep_32_threads_p99_us"] = rows["32"]["p99_us"]
+    if rows:
+        top = max(rows.values(), key=lambda r: r["threads"])
+        out[f"sweep_{top['threads']}_threads_mops"] = top["mops"]
+    return out
+
+
+def run_sweep_only(quick: bool, threads: tuple[int, ...], iters: int, poll_window_us: float,
+                   echo: Any = print) -> dict[str, Any]:
+    """``--only-sweep``: the round-trip sweep and, in the same run, ``bench proxy``'s drain beside the bare C
+    consumer: every row the loop's targets name, without the put -> flag table (no daemons, no MPS)."""
+    gpu = Gpu(0)
+    library = DEFAULT_VARIANT[_library_default()]
+    sweep = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us)
+    echo(sweep_table(sweep))
+    drain = drain_rows(quick)
+    echo(f"drain, one worker, null NIC: {drain['commands_per_s'] / 1e6:.2f} M commands/s (median "
+         f"{drain['commands_per_s_median'] / 1e6:.2f}); bare C consumer "
+         f"{drain['bare_c_consumer_records_per_s'] / 1e6:.1f} M/s; core / bare C {drain['core_vs_bare_c']:.3f}")
+    summary = {"library_commit": library, **sweep_summary(sweep), "drain_commands_per_s": drain["commands_per_s"],
+               "drain_vs_bare_c": drain["core_vs_bare_c"]}
+    return {"summary": summary, "roundtrip_sweep": sweep, "drain": drain, "device_sms": gpu.sms}
+
+
+def drain_rows(quick: bool = False) -> dict[str, Any]:
+    """``transportd bench proxy``'s drain on this host in the same run: the engine as its own null NIC (one
+    worker, 8 peers, pre-filled ring) beside the bare C consumer of the same kind of ring."""
+    from transportd_cli import bench_proxy
+
+    capacity, repeats = 1 << (14 if quick else 16), 3 if quick else 5
+    opts = dict(batch_max=8, poll_window_us=50.0, inflight_cap=256)
+    core = bench_proxy._drain(capacity, repeats, 8, 1, opts, "core")
+    bare_c = bench_proxy._bare_c_drain(capacity, repeats, 8)
+    return {"commands_per_s": core["records_per_s"], "commands_per_s_median": core["records_per_s_median"],
+            "bare_c_consumer_records_per_s": bare_c, "core_vs_bare_c": core["records_per_s"] / bare_c,
+            "batch_hist": core["batch_hist"]}
 
 
 # --- put -> flag ----------------------------------------------------------------------------------------------------
@@ -605,6 +790,8 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print, mps: bool = True) 
     roundtrip = {"p50_us": _pct(rtt, 50), "p99_us": _pct(rtt, 99), "n": int(len(rtt))}
     echo(f"commit -> completion seen by the kernel (GPU clock only) p50 {roundtrip['p50_us']:7.2f} us  "
          f"p99 {roundtrip['p99_us']:7.2f} us")
+    sweep = roundtrip_sweep(gpu, library, iters=200 if quick else 2000)
+    echo(sweep_table(sweep))
     nan = {"p50_us": float("nan"), "p99_us": float("nan")}
     flag = table.get("no_mps", {}).get("ib", {})  # the summary's put -> flag rows: ib without MPS, as before
     flag = {where: flag.get(where, nan) for where in FLAG_WHERES} if "error" not in flag else \
@@ -634,6 +821,7 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print, mps: bool = True) 
         "put_to_flag_host_flags_p99_us": flag["host"]["p99_us"],
         "put_to_flag_pinned_p50_us": flag["pinned"]["p50_us"],
         "put_to_flag_pinned_p99_us": flag["pinned"]["p99_us"],
+        **sweep_summary(sweep),
     }
     for label, by_backend in table.items():
         efa = by_backend.get("efa", {})
@@ -641,6 +829,7 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print, mps: bool = True) 
             summary[f"put_to_flag_efa_device_over_host_{label}"] = efa["device"]["p50_us"] / efa["host"]["p50_us"]
     return {"summary": summary, "push": push, "clock": clock, "commit_to_consumed": consumed,
             "plan_overhead": plans, "commit_to_posted": posted, "commit_to_completion_gpu_clock": roundtrip,
+            "roundtrip_sweep": sweep,
             "put_to_flag": flag,
             "put_to_flag_table": table, "device_sms": gpu.sms}
 
@@ -660,10 +849,20 @@ def _library_default() -> int:
 @click.option("--quick", is_flag=True, help="fewer iterations (a smoke run)")
 @click.option("--only-flag", is_flag=True, help="only the put -> flag table (ib and efa, with and without MPS)")
 @click.option("--no-mps", is_flag=True, help="put -> flag without CUDA MPS only (as TRANSPORTD_GPU_MPS=0)")
+@click.option("--only-sweep", is_flag=True,
+              help="only the round-trip sweep over GPU threads and the drain beside the bare C consumer")
+@click.option("--sweep-threads", default=",".join(map(str, SWEEP_THREADS)), show_default=True,
+              help="GPU thread counts of the round-trip sweep, comma-separated")
+@click.option("--sweep-iters", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="round trips per thread at each thread count")
+@click.option("--sweep-poll-window-us", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="the proxy's polling window in the sweep (the daemon's default is 50)")
 @click.option("--put-flag-child", type=int, default=None, hidden=True,
               help="internal: one MPS setting's put -> flag runs (N round trips) into --json")
-def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, put_flag_child: int | None) -> None:
-    """Push cost, commit -> posted and put -> flag on this machine's GPU (see the module doc)."""
+def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, only_sweep: bool, sweep_threads: str,
+         sweep_iters: int, sweep_poll_window_us: float, put_flag_child: int | None) -> None:
+    """Push cost, commit -> posted, round trips under load and put -> flag on this machine's GPU (see the
+    module doc)."""
     from transportd_cli.mps import mps_wanted
 
     mps = not no_mps and mps_wanted(os.environ)
@@ -673,6 +872,19 @@ def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, put_
         faulthandler.dump_traceback_later(120, repeat=True)  # a stalled run shows where
         assert json_path, "--put-flag-child needs --json"
         put_to_flag_child(put_flag_child, json_path)
+        return
+    if only_sweep:
+        try:
+            threads = tuple(int(t) for t in sweep_threads.split(","))
+        except ValueError:
+            raise click.BadParameter(f"{sweep_threads!r} is not a comma-separated list of thread counts",
+                                     param_hint="--sweep-threads") from None
+        if not threads or min(threads) < 1:
+            raise click.BadParameter("thread counts must be >= 1", param_hint="--sweep-threads")
+        result = run_sweep_only(quick, threads, sweep_iters, sweep_poll_window_us, click.echo)
+        click.echo(json.dumps(result["summary"], indent=2))
+        if json_path:
+            Path(json_path).write_text(json.dumps(result, indent=2))
         return
     if only_flag:
         table = put_to_flag_table(50 if quick else 200, click.echo, mps=mps)

@@ -1,5 +1,6 @@
-// Kernels for benchmarks/gpu_bench.py: push cost per commit variant, paced pushes for latency, the
-// GPU/host clock calibration ping-pong, and the put -> flag round trip between two ranks.
+// Kernels for benchmarks/gpu_bench.py: push cost per commit variant, paced pushes for latency, round trips
+// through the proxy one at a time and under load (the thread sweep), the GPU/host clock calibration
+// ping-pong, and the put -> flag round trip between two ranks.
 //
 // The per-word parity push below is a benchmark-only comparison (the design's alternative commit): byte 0
 // of every 8-byte word carries the lap parity, six relaxed system-scope stores, no fence, 42 usable bytes.
@@ -106,6 +107,41 @@ __device__ void push_loop_warp(tpd::RingDevice ring, uint32_t iters, uint64_t* o
     }
 }
 
+// Round trips under load, on the GPU's clock alone: each of `threads` threads pushes a 4 KiB PUT (to peer
+// 1 + tid % peers), waits until the proxy's completion position passes its own record, and pushes the next,
+// `n` times, with no pause. rtt[tid * n + i] = ns from before push i to seeing its completion; span[2 * tid]
+// and span[2 * tid + 1] = the thread's first push and last completion (the launch's ops/s). The wait is
+// bounded in every build: a thread that waits longer than `timeout_ns` for one record stores ~0 as that
+// round trip and stops (the host counts them as failures).
+template <int Variant>
+__device__ void roundtrip_sweep(tpd::RingDevice ring, uint32_t threads, uint32_t n, uint32_t peers,
+                                uint64_t timeout_ns, uint64_t* rtt, uint64_t* span) {
+    uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+    if (tid >= threads) return;
+    const uint64_t* done = tpd::control_word<uint64_t>(ring, TPD_RING_OFF_COMPLETION_POS);
+    const uint16_t peer = (uint16_t)(1 + tid % peers);
+    const uint64_t off = (uint64_t)(tid & 255) << 12;  // within the 1 GiB regions whatever the thread count
+    uint64_t first = tpd::ordering::now_ns(), t1 = first;
+    for (uint32_t i = 0; i < n; ++i) {
+        uint64_t t = tpd::ordering::now_ns();
+        tpd::Body b = tpd::make_body(off, off, 4096, 0, 0, tid * n + i, 0, t);
+        uint64_t pos = tpd::push<Variant>(ring, tpd::Opcode::Put, 0, peer, b);
+        uint32_t polls = 0;
+        while (tpd::ordering::ld_acquire_sys(done) <= pos) {
+            if ((++polls & 1023) == 0 && tpd::ordering::now_ns() - t > timeout_ns) {
+                rtt[(uint64_t)tid * n + i] = ~0ull;
+                span[2 * tid] = first;
+                span[2 * tid + 1] = ~0ull;
+                return;
+            }
+        }
+        t1 = tpd::ordering::now_ns();
+        rtt[(uint64_t)tid * n + i] = t1 - t;
+    }
+    span[2 * tid] = first;
+    span[2 * tid + 1] = t1;
+}
+
 }  // namespace bench
 
 #define TPD_BENCH_VARIANT(name, v)                                                                      \
@@ -119,12 +155,24 @@ __device__ void push_loop_warp(tpd::RingDevice ring, uint32_t iters, uint64_t* o
         bench::roundtrip<v>(ring, n, gap, rt);                                                            \
     }
 
+// the sweep's records go to the proxy: header-last commits only (parity records need their own consumer)
+#define TPD_BENCH_SWEEP(name, v)                                                                        \
+    extern "C" __global__ void roundtrip_sweep_##name(tpd::RingDevice ring, uint32_t threads, uint32_t n,     \
+                                                      uint32_t peers, uint64_t timeout_ns, uint64_t* rt,      \
+                                                      uint64_t* span) {                                       \
+        bench::roundtrip_sweep<v>(ring, threads, n, peers, timeout_ns, rt, span);                         \
+    }
+
 TPD_BENCH_VARIANT(release_sys, TPD_COMMIT_RELEASE_SYS)
 TPD_BENCH_VARIANT(fence_sys, TPD_COMMIT_FENCE_SYS)
 TPD_BENCH_VARIANT(v2_release, TPD_COMMIT_V2_RELEASE)
 TPD_BENCH_VARIANT(v2_split, TPD_COMMIT_V2_SPLIT)
 TPD_BENCH_VARIANT(parity, bench::PARITY)
 TPD_BENCH_VARIANT(parity_v2, bench::PARITY_V2)
+TPD_BENCH_SWEEP(release_sys, TPD_COMMIT_RELEASE_SYS)
+TPD_BENCH_SWEEP(fence_sys, TPD_COMMIT_FENCE_SYS)
+TPD_BENCH_SWEEP(v2_release, TPD_COMMIT_V2_RELEASE)
+TPD_BENCH_SWEEP(v2_split, TPD_COMMIT_V2_SPLIT)
 
 extern "C" __global__ void push_loop_warp32(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {
     bench::push_loop_warp(ring, iters, out);

@@ -4,7 +4,8 @@ proxy
     (a) drain: pre-filled rings, one proxy (one worker), until every record has completed: the compiled
         engine with its own null NIC (nothing leaves C), the engine over the Python null backend, and the
         numpy model (:mod:`transportd_cli.proxy_model`) in the same run, beside a bare numpy
-        ``consume_ready`` loop over the same ring;
+        ``consume_ready`` loop and a bare C consumer (``_core.bare_drain``: take, release, complete, no
+        validation or posting) over the same kind of ring;
     (b) live: a producer process pushes records while the proxy drains them, unpaced (rate, latency under
         load) and paced (record-to-post latency when the proxy keeps up). The producer stamps each batch
         with CLOCK_MONOTONIC in ``signal_value`` (as ``cmd_ring.loadgen`` does) and saves the stamps; the
@@ -12,7 +13,8 @@ proxy
     (t) with ``--trace``: the core drain and the one-record round trip again with the trace recorder on
         for the drained rank (``transportd/core/trace.h``: every record written to a part file), beside
         the same runs with it off, which is the one branch per channel per pass every untraced channel pays;
-    (c) idle: the rail worker's own loop (``rail.serve_loop``, with a real worker link that stays quiet)
+    (c) idle: the rail worker's own loop (``rail.serve_loop``: the engine's serve loop, with a real worker
+        link that stays quiet)
         sits idle; a producer process commits one record after each second of silence. Reported: the
         loop thread's CPU use while idle, and each first record's record -> posted latency.
 signals
@@ -164,6 +166,22 @@ def _bare_drain(capacity: int, repeats: int, peers: int) -> float:
     return max(rates)
 
 
+def _bare_c_drain(capacity: int, repeats: int, peers: int) -> float:
+    """The compiled ceiling: ``_core.bare_drain``, a C loop that takes each committed record (seq read, record
+    copied out), releases the slots and publishes the completion position, and does nothing else."""
+    with RingFile.create(_ring_name("barec"), capacity) as ring:
+        producer = RingProducer(ring)
+        rates = []
+        for rep in range(repeats):
+            producer.push_records(put_records(rep * capacity, capacity, peers))
+            t0 = time.perf_counter()
+            reached = _core.bare_drain(ring._bytes, (rep + 1) * capacity, 10.0)
+            rates.append(capacity / (time.perf_counter() - t0))
+            if reached != (rep + 1) * capacity:
+                raise click.ClickException(f"the bare C consumer stopped at {reached}")
+    return max(rates)
+
+
 # --- proxy: live producer ----------------------------------------------------------------------------------
 def produce_stamped(ring_name: str, total: int, peers: int, max_batch: int, interval_ns: int,
                     stamps_path: str) -> None:
@@ -305,6 +323,7 @@ def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: f
         finally:
             wall, cpu = time.monotonic() - t0, time.clock_gettime(cpu_clock) - c0
             stop.set()
+            proxy.interrupt()  # the loop runs in C until its link or this says otherwise
             loop.join(10)
             if proc.is_alive():
                 proc.kill()
@@ -330,6 +349,7 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
     capacity = 1 << (14 if quick else 16)
     repeats = 3 if quick else 5
     bare = _bare_drain(capacity, repeats, peers)
+    bare_c = _bare_c_drain(capacity, repeats, peers)
     drains = {engine: _drain(capacity, repeats, peers, channels, opts, engine) for engine in ENGINES}
     core, model = drains["core"], drains["model"]
     live = _live(50_000 if quick else 1_000_000, 4096, peers, 256, 0, opts)
@@ -371,12 +391,14 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
             "latency_poll_window_us": 0,
             "live_commands_per_s": live["records_per_s"],
             "proxy_vs_bare_consumer": core["records_per_s"] / bare,
+            "proxy_vs_bare_c_consumer": core["records_per_s"] / bare_c,
             "idle_cpu_fraction": idle["cpu_fraction"],
             "after_idle_p50_us": idle["p50_us"],
             "after_idle_max_us": idle["max_us"],
             **traced_summary,
         },
         "bare_consumer_records_per_s": bare,
+        "bare_c_consumer_records_per_s": bare_c,
         "drain": drains,
         "live_unpaced": live,
         "live_paced_window_0": paced,
@@ -422,6 +444,8 @@ def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, 
     c = d["core"]
     _echo_table([
         (f"numpy consume_ready alone, ring of {c['capacity']}", f"{r['bare_consumer_records_per_s'] / 1e6:8.2f} M/s"),
+        ("bare C consumer alone (take, release, complete)", f"{r['bare_c_consumer_records_per_s'] / 1e6:8.2f} M/s"
+         f"   (core drain {sm['proxy_vs_bare_c_consumer']:.3f}x)"),
         (f"drain, core + C null NIC, {c['channels']} ring(s), {c['peers']} peers",
          f"{c['records_per_s'] / 1e6:8.2f} M/s   (median {c['records_per_s_median'] / 1e6:.2f})"),
         ("drain, core + Python null backend", f"{d['core_python_nic']['records_per_s'] / 1e6:8.2f} M/s"),

@@ -32,6 +32,7 @@ thread (the rail worker does) or from another thread (a lock serializes them wit
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +54,8 @@ from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, Region
 from transportd.errors import ErrorCode
 from transportd.rows import compress_rows, concat_rows, take_rows
 
-__all__ = ["ModelProxy", "completion_error_code", "META_DTYPE"]
+__all__ = ["ModelLoopState", "ModelProxy", "completion_error_code", "META_DTYPE", "MODEL_SERVE_INTERRUPTED",
+           "MODEL_SERVE_LINK", "model_serve"]
 
 # Bookkeeping that travels with each waiting plan row (plan rows themselves are PLAN_DTYPE, for the backend).
 META_DTYPE = np.dtype(
@@ -841,6 +843,78 @@ class ModelProxy:
     def completion_position(self, channel: int) -> int:
         """The channel's published completion position."""
         return self._channels[channel].completed
+
+
+# -- the serve loop's model ----------------------------------------------------------------------------------
+#: What a model serve returns, as ``transportd.dataplane.proxy.SERVE_LINK`` / ``SERVE_INTERRUPTED``.
+MODEL_SERVE_INTERRUPTED, MODEL_SERVE_LINK = 0, 1
+
+
+@dataclass
+class ModelLoopState:
+    """What the engine keeps across serve calls (``idle_since``) and counts (``stats``, its loop_stats keys)."""
+
+    idle_since: float = -1.0
+    stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("passes", "busy", "spins", "watches", "naps", "deep_watches", "link", "interrupted"), 0))
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    if fd < 0:
+        if timeout_s > 0:
+            time.sleep(timeout_s)
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1e3))
+
+
+def model_serve(proxy: Any, state: ModelLoopState, interrupted: Callable[[], bool], *, spin_s: float,
+                watch_s: float, nap_s: float, deep_after_s: float, deep_watch_s: float, deep_nap_s: float,
+                wake_fd: int = -1, link_every: int = 64) -> int:
+    """The rail worker's serve loop in Python, pass by pass through ``proxy.run_once``: the model of the
+    engine's ``serve`` (``transportd/core/engine.c``, ``serve_loop``), as the worker ran it before the loop
+    moved into C. The same policy, the same returns: :data:`MODEL_SERVE_LINK` when ``wake_fd`` is readable,
+    :data:`MODEL_SERVE_INTERRUPTED` once ``interrupted()``. ``proxy`` is an engine
+    :class:`~transportd.dataplane.proxy.Proxy` (its ``wait_ready`` takes a nap and a descriptor).
+    ``tests/transportd/dataplane/test_serve_loop.py`` runs both over the same scenarios."""
+    s = state.stats
+    passes = 0
+    while True:
+        if interrupted():
+            s["interrupted"] += 1
+            return MODEL_SERVE_INTERRUPTED
+        passes += 1
+        s["passes"] += 1
+        look = passes % link_every == 0
+        if proxy.run_once():
+            state.idle_since = -1.0
+            s["busy"] += 1
+        else:
+            now = time.perf_counter()
+            if state.idle_since < 0:
+                state.idle_since = now
+            idle = now - state.idle_since
+            if idle < spin_s and idle < deep_after_s:
+                s["spins"] += 1
+            elif _readable(wake_fd, 0):
+                s["link"] += 1
+                return MODEL_SERVE_LINK
+            elif idle >= deep_after_s:
+                s["deep_watches"] += 1
+                if not proxy.wait_ready(deep_watch_s, deep_nap_s, wake_fd) and proxy.busy():
+                    s["naps"] += 1
+                    _readable(wake_fd, deep_nap_s)
+                look = False
+            else:
+                s["watches"] += 1
+                if not proxy.wait_ready(watch_s):
+                    s["naps"] += 1
+                    _readable(wake_fd, nap_s)
+                look = False
+        if look and _readable(wake_fd, 0):
+            s["link"] += 1
+            return MODEL_SERVE_LINK
 
 
 assert RECORD_DTYPE.itemsize == 48

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 import uuid
 from typing import Any
 
@@ -21,12 +22,14 @@ import pytest
 
 from cmd_ring import Command, Flag, Opcode, RingFile, RingProducer, records_from_commands
 from tests.ib.lowering_oracle import FENCE, SIGNALED, OracleConn, calls_of
+from tests.support.waiting import wait_until
 from transportd import _core
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
 from transportd.backends.null import NullBackend
 from transportd.backends.verbs_common import WC_DTYPE
 from transportd.backends.verbs_shim import SHIM_WR_DTYPE, WR_OPCODES
-from transportd.dataplane.proxy import Proxy
+from transportd.dataplane.proxy import SERVE_INTERRUPTED, Proxy
+from transportd.dataplane.worker import serve_policy
 from transportd.errors import BackendError, SendQueueFullError, VerbsError
 
 MODES = ("write", "atomic", "fence")
@@ -357,31 +360,44 @@ def _commands(rng: np.random.Generator, n: int) -> list[Command]:
     return out
 
 
-def _run(backend: Any, decoupled: bool, commands: list[Command]) -> None:
+def _run(backend: Any, decoupled: bool, commands: list[Command], serve: bool = False) -> None:
+    """Drain ``commands`` pass by pass (``run_once``), or with ``serve`` through the rail worker's loop in
+    the engine (``Proxy.serve``, GIL released), run in a thread until every command completed."""
     proxy = _proxy(backend, decoupled)
     ring = RingFile.create(f"tpd-test-abi-{os.getpid()}-{uuid.uuid4().hex[:8]}", 1024)
     try:
         proxy.add_channel(1, ring, JOB, 0, WORLD)
         assert RingProducer(ring).push_records(records_from_commands(commands), block=False)
-        for _ in range(64):
-            proxy.run_once()
+        if serve:  # the ring's own words are read here: a proxy call from this thread would interrupt the loop
+            reasons: list[int] = []
+            loop = threading.Thread(target=lambda: reasons.append(proxy.serve(**serve_policy(backend))))
+            loop.start()
+            wait_until(lambda: ring.completion_pos == len(commands), "the serve loop to drain the ring")
+            proxy.interrupt()
+            loop.join(10)
+            assert reasons == [SERVE_INTERRUPTED] and proxy.loop_stats()["busy"] > 0
+        else:
+            for _ in range(64):
+                proxy.run_once()
         assert proxy.completion_position(1) == len(commands)
     finally:
         ring.close()
         ring.unlink()
 
 
+@pytest.mark.parametrize("loop", ("run_once", "serve"))
 @pytest.mark.parametrize("decoupled", (False, True), ids=("coupled", "decoupled"))
 @pytest.mark.parametrize("mode", MODES)
-def test_the_engine_posts_through_the_c_poster(mode: str, decoupled: bool) -> None:
-    """The engine's plans (recorded with the null backend) lowered by the oracle == what reached the shims."""
+def test_the_engine_posts_through_the_c_poster(mode: str, decoupled: bool, loop: str) -> None:
+    """The engine's plans (recorded with the null backend) lowered by the oracle == what reached the shims,
+    pass by pass or inside the engine's serve loop (where each shim's Python call takes the GIL itself)."""
     commands = _commands(np.random.default_rng(7), 300)
     null = NullBackend(keep_plans=True)
     _run(null, decoupled, commands)
     nic = RecordingNic(mode)
     for conn in (101, 102):
         nic.add(conn, depth=1024, base=conn << 20)
-    _run(nic, decoupled, commands)
+    _run(nic, decoupled, commands, serve=loop == "serve")
     for conn in (101, 102):
         plans = null.plans[conn]
         expect = nic.oracles[conn].post(np.concatenate(plans)) if plans else []

@@ -40,6 +40,10 @@ def test_proxy_drain_and_live_parts_run(engine: str) -> None:
     assert live["records"] == 2000 and np.isfinite(live["p99_us"])
 
 
+def test_the_bare_c_consumer_takes_the_whole_ring() -> None:
+    assert bench_proxy._bare_c_drain(1024, 2, peers=4) > 0
+
+
 @pytest.mark.parametrize("engine", ["core", "model"])
 def test_pingpong_posts_every_record_once(engine: str) -> None:
     """The compiled producer's one-record-at-a-time run: every chunk posted once, latencies finite."""

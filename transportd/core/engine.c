@@ -54,6 +54,11 @@ enum {
     C_COMPLETIONS, C_COMPLETION_ERRORS, C_UNKNOWN_COMPLETIONS, N_COUNTERS
 };
 
+/* What the serve loop did, for tests and stats: passes in all, those that did work, idle passes while
+ * spinning, watches of the ring heads (and naps after them), long-idle watches, returns for the link and
+ * for interrupt(). */
+enum { L_PASSES, L_BUSY, L_SPINS, L_WATCHES, L_NAPS, L_DEEP_WATCHES, L_LINK, L_INTERRUPTED, N_LOOP };
+
 static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -92,7 +97,6 @@ typedef struct {
     int64_t inflight; /* WRs posted and not completed */
     uint64_t hist[HIST];
     uint64_t bytes;
-    int64_t admit; /* scratch of one take: rows of this pass so far */
     Waiting *rows; /* FIFO: rows[head..count) wait */
     size_t head, count, cap;
 } Conn;
@@ -107,7 +111,7 @@ typedef struct {
     uint64_t completed; /* published completion position */
     int job, src;
     int gone;
-    uint8_t *done; /* completed positions, mod track */
+    uint8_t *done; /* completed positions, mod track (a power of two: done[pos & (track - 1)]) */
     uint64_t track;
     int seen; /* the head record was seen waiting at seen_pos since seen_ns */
     uint64_t seen_pos;
@@ -117,6 +121,11 @@ typedef struct {
     tpd_trace *trace;    /* set while the channel is traced (trace.h); NULL costs one branch per pass */
 } Channel;
 
+/* A batch plan_post cut: waiting rows [start, end) of connection index `conn` (from its head), `cmds` commands. */
+typedef struct {
+    size_t conn, start, end, cmds;
+} Cut;
+
 /* The batches posted in one iteration: tokens first .. first+nb-1 and the commands they cover. */
 typedef struct {
     uint64_t first;
@@ -125,6 +134,7 @@ typedef struct {
     uint8_t *done;
     int64_t *cmd_tok, *cmd_chan;
     uint64_t *cmd_pos;
+    int64_t *tok_cmds; /* batch t's commands are cmd_*[tok_cmds[t] .. tok_cmds[t + 1]) */
 } Group;
 
 typedef tpd_completion Completion;
@@ -168,11 +178,11 @@ typedef struct {
     size_t plan_cap;
     int64_t *b_conn, *b_ncmds, *b_bounds, *b_nwr;
     size_t b_cap;
-    tpd_cmd_record *recs;
+    Cut *cuts;
+    size_t cuts_cap;
+    tpd_cmd_record *recs; /* the records of one take, copied out of the ring */
     size_t recs_cap;
-    tpd_plan_row *trows;
-    int64_t *tconn, *trec;
-    uint16_t *tcode;
+    uint16_t *tcode; /* their codes */
     size_t t_cap;
 
     /* the null NIC: tokens due on the next poll; optional log of (post ns, chunk id) per WRITE */
@@ -180,7 +190,39 @@ typedef struct {
     size_t null_ndue, null_cap;
     uint64_t *post_log;
     size_t post_log_n, post_log_cap;
+
+    /* the GIL while a pass runs without it: the thread state it was released with, NULL while held */
+    PyThreadState *ts;
+    /* the serve loop (serve_loop below): interrupt() asks it to return; when the last pass that did work
+     * ended (-1: it was busy), kept across serve calls so a request served does not restart the back-off */
+    int interrupt;
+    int64_t idle_since;
+    uint64_t loop[N_LOOP];
 } Engine;
+
+/* ---- the GIL ------------------------------------------------------------------------------------------
+ * A pass runs without the GIL (run_once releases it around one pass, serve around all of them) and takes
+ * it back only for what is Python: a backend's post/poll callables, raising an error. A C poster that
+ * calls Python (the softverbs shims, efa's one call per poll) takes the GIL itself (PyGILState_Ensure). */
+static void gil_take(Engine *e) {
+    if (e->ts) {
+        PyEval_RestoreThread(e->ts);
+        e->ts = NULL;
+    }
+}
+
+static void gil_drop(Engine *e) {
+    if (!e->ts) e->ts = PyEval_SaveThread();
+}
+
+/* MemoryError from a part that runs without the GIL; -1 for `return nomem(e)`. */
+static int nomem(Engine *e) {
+    int held = e->ts == NULL;
+    gil_take(e);
+    PyErr_NoMemory();
+    if (!held) gil_drop(e);
+    return -1;
+}
 
 /* ---- channel words -------------------------------------------------------------------------------- */
 static volatile uint64_t *ring_u64(Channel *ch, size_t off) { return (volatile uint64_t *)(ch->base + off); }
@@ -214,7 +256,7 @@ static void publish_completion(Channel *ch, uint64_t pos) {
 }
 
 static void mark_done(Channel *ch, uint64_t pos) {
-    ch->done[pos % ch->track] = 1;
+    ch->done[pos & (ch->track - 1)] = 1;
     ch->touched = 1;
 }
 
@@ -231,7 +273,8 @@ static void advance_touched(Engine *e) {
         if (!ch->touched) continue;
         ch->touched = 0;
         uint64_t p = ch->completed;
-        while (p < ch->position && ch->done[p % ch->track]) ch->done[p++ % ch->track] = 0;
+        const uint64_t mask = ch->track - 1;
+        while (p < ch->position && ch->done[p & mask]) ch->done[p++ & mask] = 0;
         if (p != ch->completed) {
             ch->completed = p;
             publish_completion(ch, p);
@@ -250,35 +293,38 @@ static void note_waiting(Channel *ch, int64_t now) {
 /* ---- take ----------------------------------------------------------------------------------------- */
 static int ensure_take_scratch(Engine *e, size_t n) {
     if (tpd_grow((void **)&e->recs, &e->recs_cap, n, sizeof(tpd_cmd_record))) return -1;
-    size_t cap = e->t_cap;
-    if (tpd_grow((void **)&e->trows, &cap, 2 * n, sizeof(tpd_plan_row))) return -1;
-    cap = e->t_cap;
-    if (tpd_grow((void **)&e->tconn, &cap, 2 * n, sizeof(int64_t))) return -1;
-    cap = e->t_cap;
-    if (tpd_grow((void **)&e->trec, &cap, 2 * n, sizeof(int64_t))) return -1;
-    cap = e->t_cap;
-    if (tpd_grow((void **)&e->tcode, &cap, 2 * n, sizeof(uint16_t))) return -1;
-    e->t_cap = cap;
-    return 0;
-}
-
-static int conn_push(Conn *c, const Waiting *w) {
-    if (c->head && c->count == c->cap) { /* reuse the consumed front before growing */
-        memmove(c->rows, c->rows + c->head, (c->count - c->head) * sizeof(Waiting));
-        c->count -= c->head;
-        c->head = 0;
-    }
-    if (tpd_grow((void **)&c->rows, &c->cap, c->count + 1, sizeof(Waiting))) return -1;
-    c->rows[c->count++] = *w;
+    if (tpd_grow((void **)&e->tcode, &e->t_cap, n, sizeof(uint16_t))) return -1;
     return 0;
 }
 
 static size_t conn_pending(const Conn *c) { return c->count - c->head; }
 
-/* Take one channel's ready records; returns 1 if any were taken, 0 if none, -1 on allocation failure. */
+/* Room for `k` more waiting rows at the back of the connection's FIFO (the consumed front is reused before
+ * it grows); NULL when out of memory. */
+static Waiting *conn_reserve(Conn *c, size_t k) {
+    if (c->head && c->count + k > c->cap) {
+        memmove(c->rows, c->rows + c->head, (c->count - c->head) * sizeof(Waiting));
+        c->count -= c->head;
+        c->head = 0;
+    }
+    if (tpd_grow((void **)&c->rows, &c->cap, c->count + k, sizeof(Waiting))) return NULL;
+    return c->rows + c->count;
+}
+
+/* Take one channel's ready records; returns 1 if any were taken, 0 if none, -1 on allocation failure.
+ *
+ * One walk over the ring per pass: each record whose seq says it is committed is copied out (validation
+ * reads the copy, never the shared slot, which its producer could still scribble on), validated and
+ * translated, and its rows go straight to the back of their connection's FIFO. The walk stops at the first
+ * record that is not committed, at the budget (the ring's tracking window, and the room the job's
+ * connections have under the inflight cap), or at the first record whose rows would overrun its
+ * connection's cap: that record and the rest stay in the ring, never released. */
 static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     uint64_t pos = ch->position;
-    if (!record_ready(ch, pos)) return 0; /* nothing at the head: the idle loop's main cost */
+    uint32_t want = seq_for(pos);
+    const tpd_cmd_record *slots = ch->records;
+    const uint64_t mask = ch->mask;
+    if (__atomic_load_n(&slots[pos & mask].seq, __ATOMIC_ACQUIRE) != want) return 0; /* the idle loop's main cost */
     Job *job = &e->jobs[ch->job];
     const tpd_sources *src = &e->srcs[ch->src].view;
     int64_t budget = (int64_t)e->max_take;
@@ -302,80 +348,69 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
         return 0;
     }
     uint64_t limit = (uint64_t)budget < ch->capacity ? (uint64_t)budget : ch->capacity;
-    uint64_t n = 0;
-    while (n < limit && record_ready(ch, pos + n)) n++;
-    if (ensure_take_scratch(e, n)) return -1;
-    for (uint64_t i = 0; i < n; i++) e->recs[i] = ch->records[(pos + i) & ch->mask];
-    ch->position = pos + n;
-
-    /* translate every record, then admit the leading ones that fit under the inflight cap */
-    size_t nrows = 0;
-    for (uint64_t i = 0; i < n; i++) {
+    if (ensure_take_scratch(e, limit)) return -1;
+    const int64_t cap = e->inflight_cap;
+    const int64_t chan = ch->id;
+    const int gone = ch->gone;
+    const uint64_t max_length = e->max_length;
+    /* the tables in locals: the stores into the FIFOs below cannot alias them, so they stay in registers */
+    const tpd_sources sv = *src;
+    const tpd_peers pv = job->view;
+    tpd_cmd_record *recs = e->recs;
+    uint16_t *codes = e->tcode;
+    uint64_t n = 0, commands = 0;
+    int overrun = 0;
+    for (; n < limit; n++) {
+        const tpd_cmd_record *slot = &slots[(pos + n) & mask];
+        if (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != want) break;
+        tpd_cmd_record *rec = &recs[n];
+        *rec = *slot;
+        tpd_plan_row rows[3];
         int k = 0;
         int64_t conn = -1;
-        uint16_t code = ch->gone ? TPD_CLIENT_GONE
-                                 : tpd_translate(&e->recs[i], src, &job->view, e->max_length, &e->trows[nrows], &k,
-                                                 &conn);
-        e->tcode[i] = code;
-        for (int j = 0; j < k; j++) {
-            e->tconn[nrows + j] = conn;
-            e->trec[nrows + j] = (int64_t)i;
-        }
-        nrows += (size_t)k;
-    }
-    uint64_t admitted = n;
-    if ((int64_t)n > safe) {
-        /* the first row that would overrun its connection ends the admitted prefix (at its record) */
-        for (size_t i = 0; i < e->nconns; i++) e->conns[i].admit = 0;
-        for (size_t r = 0; r < nrows; r++) {
-            Conn *c = &e->conns[e->tconn[r]];
-            if (++c->admit + c->inflight + (int64_t)conn_pending(c) > e->inflight_cap) {
-                admitted = (uint64_t)e->trec[r];
+        uint16_t code = gone ? TPD_CLIENT_GONE : tpd_translate(rec, &sv, &pv, max_length, rows, &k, &conn);
+        if (k) {
+            Conn *c = &e->conns[conn];
+            if (c->inflight + (int64_t)conn_pending(c) + k > cap) { /* the rest stays in the ring */
+                overrun = 1;
                 break;
             }
+            Waiting *w = conn_reserve(c, (size_t)k);
+            if (!w) return -1;
+            uint8_t closes = (rec->flags & TPD_FLAG_NO_BATCH) || rec->opcode == TPD_OP_FENCE;
+            for (int j = 0; j < k; j++)
+                w[j] = (Waiting){.row = rows[j], .pos = pos + n, .t = now, .chan = chan, .first = j == 0,
+                                 .closes = closes};
+            c->count += (size_t)k;
+            e->nwaiting += (size_t)k;
         }
-        if (admitted < n) {
-            *stalled = 1;
-            ch->position -= n - admitted; /* the rest stays in the ring: it was never released */
-            n = admitted;
-            note_waiting(ch, now);
+        codes[n] = code;
+        want = want == 0xFFFFFFFFu ? 1 : want + 1; /* seq_for(pos + n + 1) */
+        if (code) {
+            report_error(e, ch, code, pos + n);
+            mark_done(ch, pos + n);
+            continue;
         }
-    } else if ((int64_t)n == budget && (uint64_t)budget < e->max_take && record_ready(ch, ch->position)) {
+        commands++;
+        if (!k) { /* a QUIET: complete now, and it cuts batches */
+            e->counters[C_QUIETS]++;
+            ch->quiet = 1;
+            mark_done(ch, pos + n);
+        }
+    }
+    e->counters[C_COMMANDS] += commands;
+    ch->position = pos + n;
+    if (overrun) {
+        *stalled = 1;
+        note_waiting(ch, now);
+    } else if ((int64_t)n <= safe && (int64_t)n == budget && (uint64_t)budget < e->max_take &&
+               record_ready(ch, ch->position)) {
         *stalled = 1;
         note_waiting(ch, now);
     }
+    if (n && __builtin_expect(ch->trace != NULL, 0)) tpd_trace_taken(ch->trace, recs, codes, n, pos, now);
     __atomic_store_n(ring_u64(ch, TPD_RING_OFF_CONSUMER_POS), ch->position, __ATOMIC_RELEASE);
-    if (n == 0) return 0;
-
-    uint64_t first_pos = ch->position - n;
-    if (__builtin_expect(ch->trace != NULL, 0)) tpd_trace_taken(ch->trace, e->recs, e->tcode, n, first_pos, now);
-    size_t r = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        const tpd_cmd_record *rec = &e->recs[i];
-        uint16_t code = e->tcode[i];
-        if (code) {
-            report_error(e, ch, code, first_pos + i);
-            mark_done(ch, first_pos + i);
-            continue;
-        }
-        e->counters[C_COMMANDS]++;
-        if (r >= nrows || e->trec[r] != (int64_t)i) { /* a QUIET: complete now, and it cuts batches */
-            e->counters[C_QUIETS]++;
-            ch->quiet = 1;
-            mark_done(ch, first_pos + i);
-            continue;
-        }
-        int first = 1;
-        uint8_t closes = (rec->flags & TPD_FLAG_NO_BATCH) || rec->opcode == TPD_OP_FENCE;
-        for (; r < nrows && e->trec[r] == (int64_t)i; r++) {
-            Waiting w = {.row = e->trows[r], .pos = first_pos + i, .t = now, .chan = ch->id, .first = first,
-                         .closes = closes};
-            if (conn_push(&e->conns[e->tconn[r]], &w)) return -1;
-            e->nwaiting++;
-            first = 0;
-        }
-    }
-    return 1;
+    return n != 0;
 }
 
 static int take(Engine *e, int64_t now) {
@@ -486,79 +521,82 @@ static long plan_post(Engine *e, int64_t now, Group **out_group) {
     *out_group = NULL;
     size_t nb = 0, nrows = 0, ncmd = 0;
     int signal_stall = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        Group *g = NULL;
-        if (pass == 1) {
-            if (!nb) break;
-            if (ensure_post_scratch(e, nrows, nb)) return -1;
-            size_t words = 2 * nb + 3 * ncmd;
-            g = calloc(1, sizeof(Group) + words * sizeof(int64_t) + nb);
-            if (!g) return -1;
-            int64_t *p = (int64_t *)(g + 1);
-            g->tok_conn = p;
-            g->tok_nwr = p + nb;
-            g->cmd_tok = p + 2 * nb;
-            g->cmd_chan = p + 2 * nb + ncmd;
-            g->cmd_pos = (uint64_t *)(p + 2 * nb + 2 * ncmd);
-            g->done = (uint8_t *)(p + words);
-            g->nb = g->remaining = nb;
-            g->ncmd = ncmd;
-        }
-        size_t b = 0, m = 0, k = 0;
-        for (size_t ci = 0; ci < e->nconns; ci++) {
-            Conn *c = &e->conns[ci];
-            size_t have = conn_pending(c);
-            const Waiting *w = c->rows + c->head;
-            size_t r = 0, cum = 0, stop = SIZE_MAX;
-            while (r < have) {
-                size_t cmds;
-                int ready;
-                size_t end = cut_batch(e, w, have, r, now, &cmds, &ready);
-                cum += end - r;
-                int fits = c->inflight + (int64_t)cum <= e->inflight_cap || (r == 0 && c->inflight == 0);
-                if (stop != SIZE_MAX || !(ready && fits)) {
-                    /* the rest waits for completions; a signal among what was ready is a signal stall */
-                    if (stop == SIZE_MAX) stop = r;
-                    for (size_t q = r; pass == 0 && ready && q < end; q++)
-                        if (w[q].row.op == TPD_PLAN_SIGNAL) signal_stall = 1;
-                    if (pass == 1) break;
-                    r = end;
-                    continue;
-                }
-                if (pass == 0) {
-                    nb++;
-                    nrows += end - r;
-                    for (size_t q = r; q < end; q++) ncmd += w[q].first;
-                } else {
-                    e->b_conn[b] = (int64_t)ci;
-                    e->b_ncmds[b] = (int64_t)cmds;
-                    e->b_bounds[b] = (int64_t)m;
-                    for (size_t q = r; q < end; q++) {
-                        if (w[q].first) {
-                            g->cmd_tok[k] = (int64_t)b;
-                            g->cmd_chan[k] = w[q].chan;
-                            g->cmd_pos[k] = w[q].pos;
-                            k++;
-                        }
-                        e->plan[m++] = w[q].row;
-                    }
-                    b++;
-                }
+    /* cut: the batches that go now, each connection a prefix of its waiting rows */
+    for (size_t ci = 0; ci < e->nconns; ci++) {
+        Conn *c = &e->conns[ci];
+        size_t have = conn_pending(c);
+        const Waiting *w = c->rows + c->head;
+        size_t r = 0, cum = 0;
+        int stopped = 0;
+        while (r < have) {
+            size_t cmds;
+            int ready;
+            size_t end = cut_batch(e, w, have, r, now, &cmds, &ready);
+            cum += end - r;
+            int fits = c->inflight + (int64_t)cum <= e->inflight_cap || (r == 0 && c->inflight == 0);
+            if (stopped || !(ready && fits)) {
+                /* the rest waits for completions; a signal among what was ready is a signal stall */
+                stopped = 1;
+                for (size_t q = r; ready && q < end; q++)
+                    if (w[q].row.op == TPD_PLAN_SIGNAL) signal_stall = 1;
                 r = end;
+                continue;
             }
-            if (stop != SIZE_MAX) r = stop;
-            if (pass == 1) {
-                c->head += r;
-                e->nwaiting -= r;
-                if (c->head == c->count) c->head = c->count = 0;
-            }
-        }
-        if (pass == 1) {
-            e->b_bounds[nb] = (int64_t)m;
-            *out_group = g;
+            if (tpd_grow((void **)&e->cuts, &e->cuts_cap, nb + 1, sizeof(Cut))) return -1;
+            e->cuts[nb++] = (Cut){.conn = ci, .start = r, .end = end, .cmds = cmds};
+            nrows += end - r;
+            ncmd += cmds;
+            r = end;
         }
     }
     if (signal_stall) e->counters[C_SIGNAL_STALLS]++;
+    if (!nb) return 0;
+    /* move them into e->plan, tokens set (one per batch), and their commands into a new group */
+    if (ensure_post_scratch(e, nrows, nb)) return -1;
+    size_t words = 3 * nb + 1 + 3 * ncmd;
+    Group *g = malloc(sizeof(Group) + words * sizeof(int64_t) + nb); /* every array is filled but done */
+    if (!g) return -1;
+    int64_t *p = (int64_t *)(g + 1);
+    g->tok_conn = p;
+    g->tok_nwr = p + nb;
+    g->tok_cmds = p + 2 * nb;
+    g->cmd_tok = p + 3 * nb + 1;
+    g->cmd_chan = p + 3 * nb + 1 + ncmd;
+    g->cmd_pos = (uint64_t *)(p + 3 * nb + 1 + 2 * ncmd);
+    g->done = (uint8_t *)(p + words);
+    memset(g->done, 0, nb);
+    g->first = e->next_token;
+    g->nb = g->remaining = nb;
+    g->ncmd = ncmd;
+    size_t m = 0, k = 0;
+    for (size_t b = 0; b < nb; b++) {
+        const Cut *cut = &e->cuts[b];
+        Conn *c = &e->conns[cut->conn];
+        const Waiting *w = c->rows + c->head;
+        const uint64_t token = e->next_token + b;
+        e->b_conn[b] = (int64_t)cut->conn;
+        e->b_ncmds[b] = (int64_t)cut->cmds;
+        e->b_bounds[b] = (int64_t)m;
+        g->tok_cmds[b] = (int64_t)k;
+        for (size_t q = cut->start; q < cut->end; q++) {
+            if (w[q].first) {
+                g->cmd_tok[k] = (int64_t)b;
+                g->cmd_chan[k] = w[q].chan;
+                g->cmd_pos[k] = w[q].pos;
+                k++;
+            }
+            e->plan[m] = w[q].row;
+            e->plan[m++].token = token;
+        }
+        if (b + 1 == nb || e->cuts[b + 1].conn != cut->conn) { /* the connection's last batch now */
+            c->head += cut->end;
+            e->nwaiting -= cut->end;
+            if (c->head == c->count) c->head = c->count = 0;
+        }
+    }
+    e->b_bounds[nb] = (int64_t)m;
+    g->tok_cmds[nb] = (int64_t)k;
+    *out_group = g;
     return (long)nb;
 }
 
@@ -568,39 +606,8 @@ static int group_append(Engine *e, Group *g) {
     return 0;
 }
 
-/* Hand the planned batches to the backend: one Python call (GIL held), or the null NIC. */
-static int post_to_backend(Engine *e, size_t nb, size_t m) {
-    if (e->poster) {
-        if (tpd_grow((void **)&e->post_ids, &e->post_ids_cap, nb, sizeof(int64_t))) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (size_t b = 0; b < nb; b++) e->post_ids[b] = e->conns[e->b_conn[b]].id;
-        tpd_poster *p = e->poster;
-        int rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = p->post(p->ctx, nb, e->post_ids, e->plan, e->b_bounds, e->b_nwr);
-        Py_END_ALLOW_THREADS
-        if (rc) p->raise_error(p->ctx);
-        return rc ? -1 : 0;
-    }
-    if (e->post_cb == Py_None) {
-        int64_t t = e->post_log_cap ? now_ns() : 0;
-        if (tpd_grow((void **)&e->null_due, &e->null_cap, e->null_ndue + nb, sizeof(Completion))) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (size_t b = 0; b < nb; b++) {
-            e->b_nwr[b] = e->b_bounds[b + 1] - e->b_bounds[b];
-            e->null_due[e->null_ndue++] = (Completion){.token = e->plan[e->b_bounds[b]].token};
-        }
-        for (size_t r = 0; r < m && e->post_log_n + 2 <= e->post_log_cap; r++) {
-            if (e->plan[r].op != TPD_PLAN_WRITE) continue;
-            e->post_log[e->post_log_n++] = (uint64_t)t;
-            e->post_log[e->post_log_n++] = e->plan[r].chunk_id;
-        }
-        return 0;
-    }
+/* The backend's Python post(conn_ids, plan, bounds) -> WR counts per batch; GIL held. */
+static int post_python(Engine *e, size_t nb, size_t m) {
     PyObject *ids = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(nb * sizeof(int64_t)));
     PyObject *plan = PyByteArray_FromStringAndSize((const char *)e->plan, (Py_ssize_t)(m * sizeof(tpd_plan_row)));
     PyObject *bounds = PyBytes_FromStringAndSize((const char *)e->b_bounds, (Py_ssize_t)((nb + 1) * sizeof(int64_t)));
@@ -634,39 +641,62 @@ static int post_to_backend(Engine *e, size_t nb, size_t m) {
     return rc;
 }
 
-
-/* Post the ready batches; returns 1 if any went out, 0 if none, -1 with a Python error set. */
-static int post(Engine *e, int64_t now) {
-    Group *g = NULL;
-    long nbl;
-    Py_BEGIN_ALLOW_THREADS
-    nbl = plan_post(e, now, &g);
-    Py_END_ALLOW_THREADS
-    if (nbl < 0) {
-        PyErr_NoMemory();
+/* Hand the planned batches to the backend (GIL released): its C poster, the null NIC, or one Python call. */
+static int post_to_backend(Engine *e, size_t nb, size_t m) {
+    if (e->poster) {
+        if (tpd_grow((void **)&e->post_ids, &e->post_ids_cap, nb, sizeof(int64_t))) return nomem(e);
+        for (size_t b = 0; b < nb; b++) e->post_ids[b] = e->conns[e->b_conn[b]].id;
+        tpd_poster *p = e->poster;
+        if (!p->post(p->ctx, nb, e->post_ids, e->plan, e->b_bounds, e->b_nwr)) return 0;
+        gil_take(e);
+        p->raise_error(p->ctx);
+        gil_drop(e);
         return -1;
     }
+    if (e->post_cb == Py_None) {
+        int64_t t = e->post_log_cap ? now_ns() : 0;
+        if (tpd_grow((void **)&e->null_due, &e->null_cap, e->null_ndue + nb, sizeof(Completion))) return nomem(e);
+        for (size_t b = 0; b < nb; b++) {
+            e->b_nwr[b] = e->b_bounds[b + 1] - e->b_bounds[b];
+            e->null_due[e->null_ndue++] = (Completion){.token = e->plan[e->b_bounds[b]].token};
+        }
+        for (size_t r = 0; r < m && e->post_log_n + 2 <= e->post_log_cap; r++) {
+            if (e->plan[r].op != TPD_PLAN_WRITE) continue;
+            e->post_log[e->post_log_n++] = (uint64_t)t;
+            e->post_log[e->post_log_n++] = e->plan[r].chunk_id;
+        }
+        return 0;
+    }
+    gil_take(e);
+    int rc = post_python(e, nb, m);
+    gil_drop(e);
+    return rc;
+}
+
+/* Post the ready batches (GIL released); returns 1 if any went out, 0 if none, -1 with a Python error set. */
+static int post(Engine *e, int64_t now) {
+    Group *g = NULL;
+    long nbl = plan_post(e, now, &g);
+    if (nbl < 0) return nomem(e);
     if (nbl == 0) return 0;
     size_t nb = (size_t)nbl;
     uint64_t *c = e->counters;
-    /* decoupled signaling batch by batch (rows only shrink, so in place), then one token per batch */
+    /* decoupled signaling batch by batch (rows only shrink, so in place; each keeps its batch's token) */
     size_t m = 0;
     for (size_t b = 0; b < nb; b++) {
         size_t s = (size_t)e->b_bounds[b], t = (size_t)e->b_bounds[b + 1];
         e->b_bounds[b] = (int64_t)m;
         if (e->decoupled) {
             for (size_t r = s; r < t; r++) c[C_SIGNALS_REQUESTED] += e->plan[r].op == TPD_PLAN_SIGNAL;
-            memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
+            if (m != s) memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
             m += decouple(e->plan + m, t - s);
         } else {
-            memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
+            if (m != s) memmove(e->plan + m, e->plan + s, (t - s) * sizeof(tpd_plan_row));
             m += t - s;
         }
-        for (size_t r = (size_t)e->b_bounds[b]; r < m; r++) e->plan[r].token = e->next_token + b;
     }
     e->b_bounds[nb] = (int64_t)m;
-    g->first = e->next_token;
-    e->next_token += nb;
+    e->next_token += nb; /* plan_post set the rows' tokens from it: g->first */
     if (post_to_backend(e, nb, m) < 0) {
         free(g);
         return -1;
@@ -703,8 +733,7 @@ static int post(Engine *e, int64_t now) {
     c[C_BATCHES] += nb;
     if (group_append(e, g)) {
         free(g);
-        PyErr_NoMemory();
-        return -1;
+        return nomem(e);
     }
     return 1;
 }
@@ -719,6 +748,33 @@ static uint16_t completion_code(uint32_t status) {
  * (a command's error goes into its channel's error word: `forced` when nonzero, else by status). */
 static void complete_group(Engine *e, Group *g, const int64_t *local, const int64_t *status, size_t n,
                            uint16_t forced, uint8_t *newly, int64_t *tok_status) {
+    int ascending = 1;
+    for (size_t i = 1; i < n && ascending; i++) ascending = local[i - 1] < local[i];
+    if (ascending) { /* the usual case (completions in post order): only the completed batches' commands */
+        Channel *ch = NULL;
+        size_t fresh = 0;
+        for (size_t i = 0; i < n; i++) {
+            int64_t t = local[i];
+            if (g->done[t]) continue;
+            g->done[t] = 1;
+            fresh++;
+            e->conns[g->tok_conn[t]].inflight -= g->tok_nwr[t];
+            uint16_t code = 0;
+            if (status[i]) {
+                e->counters[C_COMPLETION_ERRORS]++;
+                code = forced ? forced : completion_code((uint32_t)status[i]);
+            }
+            for (int64_t k = g->tok_cmds[t]; k < g->tok_cmds[t + 1]; k++) {
+                if (!ch || ch->id != g->cmd_chan[k]) ch = find_channel(e, g->cmd_chan[k]);
+                if (!ch) continue;
+                if (code) report_late(e, ch, code, g->cmd_pos[k]);
+                mark_done(ch, g->cmd_pos[k]);
+            }
+        }
+        g->remaining -= fresh;
+        return;
+    }
+    /* in any order, a token maybe more than once (its last status counts): every command of the group */
     memset(newly, 0, g->nb);
     memset(tok_status, 0, g->nb * sizeof(int64_t));
     int any_status = 0;
@@ -742,10 +798,11 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
             if (newly[local[i]]) tok_status[local[i]] = status[i];
         for (size_t t = 0; t < g->nb; t++) e->counters[C_COMPLETION_ERRORS] += tok_status[t] != 0;
     }
+    Channel *ch = NULL; /* commands come in runs of one channel: look it up once per run */
     for (size_t k = 0; k < g->ncmd; k++) {
         int64_t t = g->cmd_tok[k];
         if (!newly[t]) continue;
-        Channel *ch = find_channel(e, g->cmd_chan[k]);
+        if (!ch || ch->id != g->cmd_chan[k]) ch = find_channel(e, g->cmd_chan[k]);
         if (!ch) continue;
         if (tok_status[t]) report_late(e, ch, forced ? forced : completion_code((uint32_t)tok_status[t]), g->cmd_pos[k]);
         mark_done(ch, g->cmd_pos[k]);
@@ -791,39 +848,8 @@ static int complete_tokens(Engine *e, const Completion *comps, size_t n) {
     return 0;
 }
 
-/* Drain the backend's completions; returns how many came, -1 with a Python error set. */
-static long progress(Engine *e) {
-    if (e->poster) {
-        tpd_poster *p = e->poster;
-        long n;
-        Py_BEGIN_ALLOW_THREADS
-        n = p->poll(p->ctx, (size_t)e->poll_max, e->poll_buf);
-        Py_END_ALLOW_THREADS
-        if (n < 0) {
-            p->raise_error(p->ctx);
-            return -1;
-        }
-        if (!n) return 0;
-        e->counters[C_COMPLETIONS] += (uint64_t)n;
-        if (complete_tokens(e, e->poll_buf, (size_t)n)) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        return n;
-    }
-    if (e->poll_cb == Py_None) {
-        size_t n = e->null_ndue;
-        if ((int64_t)n > e->poll_max) n = (size_t)e->poll_max;
-        if (!n) return 0;
-        e->counters[C_COMPLETIONS] += n;
-        if (complete_tokens(e, e->null_due, n)) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memmove(e->null_due, e->null_due + n, (e->null_ndue - n) * sizeof(Completion));
-        e->null_ndue -= n;
-        return (long)n;
-    }
+/* The backend's Python poll(max) -> COMPLETION_DTYPE rows, retired here; GIL held. */
+static long poll_python(Engine *e) {
     PyObject *res = PyObject_CallFunction(e->poll_cb, "L", (long long)e->poll_max);
     if (!res) return -1;
     Py_buffer view;
@@ -846,6 +872,38 @@ static long progress(Engine *e) {
     PyBuffer_Release(&view);
     Py_DECREF(res);
     return rc < 0 ? -1 : (long)n;
+}
+
+/* Drain the backend's completions (GIL released); returns how many came, -1 with a Python error set. */
+static long progress(Engine *e) {
+    if (e->poster) {
+        tpd_poster *p = e->poster;
+        long n = p->poll(p->ctx, (size_t)e->poll_max, e->poll_buf);
+        if (n < 0) {
+            gil_take(e);
+            p->raise_error(p->ctx);
+            gil_drop(e);
+            return -1;
+        }
+        if (!n) return 0;
+        e->counters[C_COMPLETIONS] += (uint64_t)n;
+        if (complete_tokens(e, e->poll_buf, (size_t)n)) return nomem(e);
+        return n;
+    }
+    if (e->poll_cb == Py_None) {
+        size_t n = e->null_ndue;
+        if ((int64_t)n > e->poll_max) n = (size_t)e->poll_max;
+        if (!n) return 0;
+        e->counters[C_COMPLETIONS] += n;
+        if (complete_tokens(e, e->null_due, n)) return nomem(e);
+        memmove(e->null_due, e->null_due + n, (e->null_ndue - n) * sizeof(Completion));
+        e->null_ndue -= n;
+        return (long)n;
+    }
+    gil_take(e);
+    long n = poll_python(e);
+    gil_drop(e);
+    return n;
 }
 
 typedef struct {
@@ -924,19 +982,14 @@ static int fail_connection(Engine *e, int64_t conn, uint16_t code) {
     return 0;
 }
 
-/* ---- the Python type ------------------------------------------------------------------------------ */
-static int run_once(Engine *e, int *did) {
+/* ---- one pass -------------------------------------------------------------------------------------- */
+/* Take, post, progress (GIL released: e->ts set); *did whether it did any work. -1 with a Python error set. */
+static int run_pass(Engine *e, int *did) {
     e->counters[C_ITERATIONS]++;
     int64_t now = now_ns();
-    int took;
-    Py_BEGIN_ALLOW_THREADS
     for (size_t i = 0; i < e->nchans; i++) e->chans[i]->quiet = 0;
-    took = take(e, now);
-    Py_END_ALLOW_THREADS
-    if (took < 0) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    int took = take(e, now);
+    if (took < 0) return nomem(e);
     *did = took;
     if (e->nwaiting) {
         int posted = post(e, now);
@@ -950,51 +1003,202 @@ static int run_once(Engine *e, int *did) {
     return 0;
 }
 
-static PyObject *Engine_run_once(Engine *e, PyObject *unused) {
-    int did = 0;
-    if (run_once(e, &did)) return NULL;
-    return PyBool_FromLong(did);
+static int busy(const Engine *e) { return e->nwaiting || e->ngroups; }
+
+static int interrupted(Engine *e) { return __atomic_load_n(&e->interrupt, __ATOMIC_ACQUIRE); }
+
+static struct timespec ns_timespec(int64_t ns) {
+    if (ns < 0) ns = 0;
+    return (struct timespec){(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
 }
 
-static PyObject *Engine_progress(Engine *e, PyObject *unused) {
-    long n = progress(e);
-    if (n < 0) return NULL;
-    advance_touched(e);
-    return PyLong_FromLong(n);
-}
+enum { WATCH_TIMEOUT, WATCH_FOUND, WATCH_WOKEN };
 
-/* Watch the rings' head slots for up to timeout_s (GIL released); True once one holds a record. With
- * nap_s > 0 it sleeps that long between looks: a long-idle worker then costs one short sleep per look
- * instead of a spinning core, and still sees a record within about nap_s. With a descriptor (wake_fd >= 0)
- * each nap is a ppoll on it instead, so the wait also ends (returning False) as soon as it turns readable:
- * the worker's link, which is how a request reaches an idle worker at once however long the wait. */
-static PyObject *Engine_wait_ready(Engine *e, PyObject *args) {
-    double timeout, nap = 0.0;
-    int wake_fd = -1;
-    if (!PyArg_ParseTuple(args, "d|di", &timeout, &nap, &wake_fd)) return NULL;
-    if (!e->taking || e->nwaiting || e->ngroups) Py_RETURN_FALSE;
-    int found = 0;
-    Py_BEGIN_ALLOW_THREADS
-    int64_t deadline = now_ns() + (int64_t)(timeout * 1e9);
-    struct timespec pause = {(time_t)nap, (long)((nap - (double)(time_t)nap) * 1e9)};
+/* Look at the rings' head slots until one holds a committed record (WATCH_FOUND), timeout_ns passes
+ * (WATCH_TIMEOUT), or wake_fd turns readable or interrupt() is called (WATCH_WOKEN); reads one seq word per
+ * ring per look and takes nothing. nap_ns > 0 sleeps that long between looks (a long-idle worker: one short
+ * sleep per look instead of a spinning core, a record still seen within about nap_ns); with wake_fd >= 0
+ * each nap is a ppoll on it, so a request on the worker's link ends the wait at once however long it is.
+ * WATCH_TIMEOUT at once while rows wait or work is in flight: the next pass is due anyway. */
+static int watch(Engine *e, int64_t timeout_ns, int64_t nap_ns, int wake_fd) {
+    if (!e->taking || busy(e)) return WATCH_TIMEOUT;
+    int64_t deadline = now_ns() + timeout_ns;
+    struct timespec pause = ns_timespec(nap_ns);
     struct pollfd wake = {.fd = wake_fd, .events = POLLIN};
-    /* the default 50 us timer slack of a thread would more than double a 50 us nap */
-    if (nap > 0) prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     for (;;) {
-        for (size_t i = 0; i < e->nchans && !found; i++) found = record_ready(e->chans[i], e->chans[i]->position);
-        if (found || now_ns() >= deadline) break;
+        for (size_t i = 0; i < e->nchans; i++)
+            if (record_ready(e->chans[i], e->chans[i]->position)) return WATCH_FOUND;
+        if (interrupted(e)) return WATCH_WOKEN;
+        if (now_ns() >= deadline) return WATCH_TIMEOUT;
         if (wake_fd >= 0) {
-            struct timespec look = nap > 0 ? pause : (struct timespec){0, 0};
-            if (ppoll(&wake, 1, &look, NULL) != 0) break; /* readable (or an error): the caller's turn */
-        } else if (nap > 0) {
+            if (ppoll(&wake, 1, &pause, NULL) != 0) return WATCH_WOKEN; /* readable (or an error): Python's turn */
+        } else if (nap_ns > 0) {
             nanosleep(&pause, NULL);
         }
     }
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(found);
 }
 
-static PyObject *Engine_busy(Engine *e, PyObject *unused) { return PyBool_FromLong(e->nwaiting || e->ngroups); }
+/* Sleep nap_ns, or until wake_fd turns readable; 1 if it did. */
+static int nap(int64_t nap_ns, int wake_fd) {
+    struct timespec pause = ns_timespec(nap_ns);
+    if (wake_fd < 0) {
+        nanosleep(&pause, NULL);
+        return 0;
+    }
+    struct pollfd wake = {.fd = wake_fd, .events = POLLIN};
+    return ppoll(&wake, 1, &pause, NULL) != 0;
+}
+
+/* Whether wake_fd is readable now (one poll, no wait). */
+static int link_ready(int wake_fd) {
+    if (wake_fd < 0) return 0;
+    struct pollfd wake = {.fd = wake_fd, .events = POLLIN};
+    return poll(&wake, 1, 0) != 0;
+}
+
+/* ---- the serve loop: the rail worker's whole loop, GIL released ---------------------------------------
+ * Pass after pass while there is work, the link's descriptor looked at every link_every passes. When a pass
+ * finds nothing, the back-off, timed from the end of the last pass that did work (e->idle_since, which a
+ * return to Python does not reset):
+ *   idle >= deep_after a pass, the link looked at, up to deep_watch of looks deep_nap apart, each nap a
+ *                      ppoll on the link's descriptor; a nap after a pass that left work in flight;
+ *   idle >= spin       a pass, the link looked at, the ring heads watched for up to watch (spinning; a
+ *                      committed record ends it), then a nap (a ppoll on the link's descriptor);
+ *   else               passes back to back (the link looked at every link_every passes).
+ * It returns SERVE_LINK when the descriptor is readable (the worker's link has a request, or may have: zmq's
+ * ZMQ_FD is readable until zmq processes its commands, which the Python side's poll of the link does) and
+ * SERVE_INTERRUPTED after interrupt(). A backend's Python (a post/poll callable, a shim's one call per
+ * pass, efa's per-poll call) runs inside the pass, the GIL taken for that call only. The constants and what
+ * they cost are transportd/dataplane/worker.py's; transportd_cli/proxy_model.py's model_serve_loop is the
+ * same policy in Python. */
+enum { SERVE_INTERRUPTED = 0, SERVE_LINK = 1 };
+
+typedef struct {
+    int64_t spin, watch, nap, deep_after, deep_watch, deep_nap;
+    int wake_fd;
+    uint64_t link_every;
+} Policy;
+
+static int serve_loop(Engine *e, const Policy *p, int *reason) {
+    uint64_t *s = e->loop;
+    for (uint64_t passes = 1;; passes++) {
+        if (interrupted(e)) {
+            __atomic_store_n(&e->interrupt, 0, __ATOMIC_RELEASE);
+            s[L_INTERRUPTED]++;
+            *reason = SERVE_INTERRUPTED;
+            return 0;
+        }
+        int did = 0;
+        s[L_PASSES]++;
+        if (run_pass(e, &did)) return -1;
+        int look = passes % p->link_every == 0;
+        if (did) {
+            e->idle_since = -1;
+            s[L_BUSY]++;
+        } else {
+            int64_t now = now_ns();
+            if (e->idle_since < 0) e->idle_since = now;
+            int64_t idle = now - e->idle_since;
+            if (idle < p->spin && idle < p->deep_after) {
+                s[L_SPINS]++;
+            } else if (link_ready(p->wake_fd)) {
+                goto link;
+            } else if (idle >= p->deep_after) {
+                s[L_DEEP_WATCHES]++;
+                if (watch(e, p->deep_watch, p->deep_nap, p->wake_fd) == WATCH_TIMEOUT && busy(e)) {
+                    s[L_NAPS]++;
+                    nap(p->deep_nap, p->wake_fd);
+                }
+                look = 0; /* a readable descriptor ended the watch or nap: the next idle pass returns */
+            } else {
+                s[L_WATCHES]++;
+                if (watch(e, p->watch, 0, -1) != WATCH_FOUND) {
+                    s[L_NAPS]++;
+                    nap(p->nap, p->wake_fd);
+                }
+                look = 0;
+            }
+        }
+        if (!look || !link_ready(p->wake_fd)) continue;
+    link:
+        s[L_LINK]++;
+        *reason = SERVE_LINK;
+        return 0;
+    }
+}
+
+/* ---- the Python type ------------------------------------------------------------------------------ */
+static PyObject *Engine_run_once(Engine *e, PyObject *unused) {
+    int did = 0;
+    gil_drop(e);
+    int rc = run_pass(e, &did);
+    gil_take(e);
+    if (rc) return NULL;
+    return PyBool_FromLong(did);
+}
+
+/* serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every) -> reason */
+static PyObject *Engine_serve(Engine *e, PyObject *args) {
+    Policy p;
+    unsigned long long every;
+    if (!PyArg_ParseTuple(args, "LLLLLLiK", &p.spin, &p.watch, &p.nap, &p.deep_after, &p.deep_watch, &p.deep_nap,
+                          &p.wake_fd, &every))
+        return NULL;
+    if (every < 1) return PyErr_Format(PyExc_ValueError, "link_every must be >= 1");
+    p.link_every = every;
+    int reason = SERVE_INTERRUPTED;
+    gil_drop(e);
+    /* the default 50 us timer slack of a thread would more than double a 20 or 50 us nap */
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    int rc = serve_loop(e, &p, &reason);
+    gil_take(e);
+    if (rc) return NULL;
+    return PyLong_FromLong(reason);
+}
+
+/* Ask a serve running in another thread to return (SERVE_INTERRUPTED), or the next one not to start. */
+static PyObject *Engine_interrupt(Engine *e, PyObject *unused) {
+    __atomic_store_n(&e->interrupt, 1, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_loop_stats(Engine *e, PyObject *unused) {
+    static const char *names[N_LOOP] = {"passes", "busy", "spins", "watches", "naps", "deep_watches", "link",
+                                        "interrupted"};
+    PyObject *out = PyDict_New();
+    for (int i = 0; out && i < N_LOOP; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(e->loop[i]);
+        if (!v || PyDict_SetItemString(out, names[i], v) < 0) Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+static PyObject *Engine_progress(Engine *e, PyObject *unused) {
+    gil_drop(e);
+    long n = progress(e);
+    if (n >= 0) advance_touched(e);
+    gil_take(e);
+    if (n < 0) return NULL;
+    return PyLong_FromLong(n);
+}
+
+/* wait_ready(timeout_s, nap_s=0, wake_fd=-1): watch() from Python; True once a ring head holds a record.
+ * An interrupt() that ends the wait is consumed by it, as a serve consumes one. */
+static PyObject *Engine_wait_ready(Engine *e, PyObject *args) {
+    double timeout, nap_s = 0.0;
+    int wake_fd = -1;
+    if (!PyArg_ParseTuple(args, "d|di", &timeout, &nap_s, &wake_fd)) return NULL;
+    int w;
+    Py_BEGIN_ALLOW_THREADS
+    if (nap_s > 0) prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    w = watch(e, (int64_t)(timeout * 1e9), (int64_t)(nap_s * 1e9), wake_fd);
+    Py_END_ALLOW_THREADS
+    if (w == WATCH_WOKEN) __atomic_store_n(&e->interrupt, 0, __ATOMIC_RELEASE);
+    return PyBool_FromLong(w == WATCH_FOUND);
+}
+
+static PyObject *Engine_busy(Engine *e, PyObject *unused) { return PyBool_FromLong(busy(e)); }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
@@ -1412,6 +1616,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     Py_XSETREF(e->poll_cb, poll_cb);
     e->taking = 1;
     e->next_token = 1;
+    e->idle_since = -1;
     return 0;
 }
 
@@ -1442,10 +1647,8 @@ static void Engine_dealloc(Engine *e) {
     free(e->b_ncmds);
     free(e->b_bounds);
     free(e->b_nwr);
+    free(e->cuts);
     free(e->recs);
-    free(e->trows);
-    free(e->tconn);
-    free(e->trec);
     free(e->tcode);
     free(e->null_due);
     free(e->post_log);
@@ -1459,6 +1662,12 @@ static void Engine_dealloc(Engine *e) {
 
 static PyMethodDef Engine_methods[] = {
     {"run_once", (PyCFunction)Engine_run_once, METH_NOARGS, "One pass: take, post, progress. True if it did work."},
+    {"serve", (PyCFunction)Engine_serve, METH_VARARGS,
+     "serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every): the "
+     "rail worker's loop, GIL released, until wake_fd is readable (SERVE_LINK) or interrupt() (SERVE_INTERRUPTED)."},
+    {"interrupt", (PyCFunction)Engine_interrupt, METH_NOARGS,
+     "Make a running serve or wait_ready return (or the next one)."},
+    {"loop_stats", (PyCFunction)Engine_loop_stats, METH_NOARGS, "What serve did: passes, spins, watches, naps, ..."},
     {"progress", (PyCFunction)Engine_progress, METH_NOARGS, "Drain completions now; how many came."},
     {"wait_ready", (PyCFunction)Engine_wait_ready, METH_VARARGS,
      "wait_ready(timeout_s, nap_s=0, wake_fd=-1): watch the ring heads (GIL released), napping nap_s between "
@@ -1515,7 +1724,28 @@ static PyObject *pingpong_produce(PyObject *mod, PyObject *args) {
     return PyLong_FromLongLong(done);
 }
 
+/* bare_drain(ring buffer, until, timeout_s) -> consumer position reached (pingpong.c), GIL released */
+static PyObject *bare_drain(PyObject *mod, PyObject *args) {
+    PyObject *ring;
+    unsigned long long until;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "OKd", &ring, &until, &timeout)) return NULL;
+    Py_buffer rv;
+    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
+    if (rv.len < TPD_RING_RECORDS_OFFSET) {
+        PyBuffer_Release(&rv);
+        return PyErr_Format(PyExc_ValueError, "bare_drain: not a ring");
+    }
+    uint64_t pos;
+    Py_BEGIN_ALLOW_THREADS
+    pos = tpd_bare_drain(rv.buf, until, (int64_t)(timeout * 1e9));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rv);
+    return PyLong_FromUnsignedLongLong(pos);
+}
+
 static PyMethodDef core_functions[] = {
+    {"bare_drain", bare_drain, METH_VARARGS, "Benchmark ceiling: the bare C consumer of a ring (pingpong.c)."},
     {"pingpong_produce", pingpong_produce, METH_VARARGS, "Benchmark producer: one record at a time (pingpong.c)."},
     {NULL, NULL, 0, NULL},
 };
@@ -1550,6 +1780,8 @@ PyMODINIT_FUNC PyInit__core(void) {
         return NULL;
     }
     PyModule_AddIntConstant(m, "PLAN_ROW_SIZE", sizeof(tpd_plan_row));
+    PyModule_AddIntConstant(m, "SERVE_INTERRUPTED", SERVE_INTERRUPTED);
+    PyModule_AddIntConstant(m, "SERVE_LINK", SERVE_LINK);
     PyModule_AddIntConstant(m, "COMPLETION_SIZE", sizeof(Completion));
     PyModule_AddIntConstant(m, "RECORD_SIZE", sizeof(tpd_cmd_record));
     PyModule_AddIntConstant(m, "TRACE_ENTRY_SIZE", sizeof(tpd_trace_entry));

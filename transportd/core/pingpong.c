@@ -1,8 +1,14 @@
 /*
- * A compiled producer for `transportd bench proxy`'s one-record-at-a-time run: commit one PUT with a
- * plain store sequence (body, then the header with release order), stamped with CLOCK_MONOTONIC, and
- * wait for the proxy's completion position to pass it before the next. numpy's per-call cost (~13 us)
- * would otherwise be what the benchmark measured.
+ * Compiled helpers of `transportd bench proxy`:
+ *
+ * a producer for its one-record-at-a-time run: commit one PUT with a plain store sequence (body, then the
+ * header with release order), stamped with CLOCK_MONOTONIC, and wait for the proxy's completion position to
+ * pass it before the next. numpy's per-call cost (~13 us) would otherwise be what the benchmark measured;
+ *
+ * the bare C consumer its drain is compared with: take what is committed (the lap-stamped seq read with
+ * acquire, the record copied out), release the slots and publish the completion position, block by block,
+ * and nothing else: no validation, translation, batching or posting. What a pass costs beyond that is the
+ * engine's.
  */
 #include "pingpong.h"
 
@@ -39,4 +45,33 @@ int64_t tpd_pingpong_produce(uint8_t *ring, uint64_t count, uint16_t peers, uint
     }
     *(volatile uint64_t *)(ring + TPD_RING_OFF_PRODUCER_POS) = pos;
     return (int64_t)count;
+}
+
+enum { BLOCK = 4096 };
+/* where the bare consumer copies its records (kept: the copies are part of what it costs) */
+__attribute__((used)) static tpd_cmd_record taken[BLOCK];
+
+uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns) {
+    const uint64_t capacity = *(volatile uint64_t *)(ring + TPD_RING_OFF_CAPACITY), mask = capacity - 1;
+    const tpd_cmd_record *records = (const tpd_cmd_record *)(ring + TPD_RING_RECORDS_OFFSET);
+    volatile uint64_t *consumer = (volatile uint64_t *)(ring + TPD_RING_OFF_CONSUMER_POS);
+    volatile uint64_t *completion = (volatile uint64_t *)(ring + TPD_RING_OFF_COMPLETION_POS);
+    uint64_t pos = *consumer;
+    int64_t deadline = mono_ns() + timeout_ns;
+    while (pos < until) {
+        uint64_t n = 0;
+        while (n < BLOCK && pos + n < until) {
+            const tpd_cmd_record *r = &records[(pos + n) & mask];
+            if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != (uint32_t)((pos + n) % 0xFFFFFFFFull + 1)) break;
+            taken[n++] = *r;
+        }
+        if (!n) {
+            if (mono_ns() > deadline) break;
+            continue;
+        }
+        pos += n;
+        __atomic_store_n(consumer, pos, __ATOMIC_RELEASE);
+        __atomic_store_n(completion, pos, __ATOMIC_RELEASE);
+    }
+    return pos;
 }

@@ -9,4 +9,9 @@
  * a wait exceeded timeout_ns. */
 int64_t tpd_pingpong_produce(uint8_t *ring, uint64_t count, uint16_t peers, uint32_t length, int64_t *stamps,
                              int64_t timeout_ns);
+
+/* The bare consumer: take committed records from the mapped ring at `ring` (copied out, block by block),
+ * release their slots and publish the completion position, until the consumer position reaches `until` or
+ * nothing new came for timeout_ns. Returns the consumer position reached. */
+uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns);
 #endif

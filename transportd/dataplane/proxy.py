@@ -32,8 +32,14 @@ rank's channels take, with its time and outcome, to a part file per channel (``t
 :mod:`transportd.dataplane.trace`); this side only opens the files, hands the engine their descriptors,
 flushes and closes them. A channel the rank opens while traced is traced from its first record.
 
+The rail worker does not call :meth:`Proxy.run_once` pass by pass: :meth:`Proxy.serve` runs its whole
+loop in the engine (passes, the idle back-off, the watch of the ring heads) with the GIL released, and
+returns only when the worker's link has a request or :meth:`Proxy.interrupt` asks it to
+(``transportd/dataplane/worker.py``, ``serve_loop``).
+
 Threading: one thread runs the loop; the table methods may be called between iterations from the same
-thread (the rail worker does) or from another thread (a lock serializes them with ``run_once``).
+thread (the rail worker does) or from another thread (a lock serializes them with ``run_once``; a call
+from another thread while :meth:`Proxy.serve` holds that lock interrupts the loop until it gets the lock).
 """
 
 from __future__ import annotations
@@ -54,7 +60,11 @@ from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, Region
 from transportd.errors import ErrorCode
 from transportd.limits import MAX_BATCH, MIN_BATCH, MIN_INFLIGHT_CAP
 
-__all__ = ["Proxy", "COUNTERS", "TRACE_BUFFER_ENTRIES"]
+__all__ = ["Proxy", "COUNTERS", "SERVE_INTERRUPTED", "SERVE_LINK", "TRACE_BUFFER_ENTRIES"]
+
+#: Why :meth:`Proxy.serve` returned: its link descriptor turned readable, or :meth:`Proxy.interrupt`.
+SERVE_LINK: int = _core.SERVE_LINK
+SERVE_INTERRUPTED: int = _core.SERVE_INTERRUPTED
 
 TRACE_BUFFER_ENTRIES = 4096  # entries a traced channel buffers before the engine writes them out (288 KiB)
 
@@ -67,6 +77,32 @@ def _code_name(code: int) -> str:
         return ErrorCode(code).name
     except ValueError:
         return str(code)
+
+
+class _EngineLock:
+    """The proxy's lock. :meth:`Proxy.serve` holds it while the loop runs in C, for as long as no request
+    comes; a caller from another thread asks that loop to return (``Engine.interrupt``) until it gets the
+    lock, retrying every millisecond, since the serving thread may take the lock again first."""
+
+    __slots__ = ("_lock", "_interrupt", "serving")
+
+    def __init__(self, interrupt: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._interrupt = interrupt
+        self.serving = False
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        if lock.acquire(False):
+            return
+        while True:
+            if self.serving:
+                self._interrupt()
+            if lock.acquire(timeout=0.001):
+                return
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 @dataclass(eq=False)
@@ -164,7 +200,7 @@ class Proxy:
         self._core = _core.Engine(batch_max=batch_max, window_ns=self.window_ns, inflight_cap=inflight_cap,
                                   decoupled=decoupled, max_length=max_length, max_take=max_take,
                                   poll_max=poll_max, post=hooks[0], poll=hooks[1], poster=poster)
-        self._lock = threading.Lock()
+        self._lock = _EngineLock(self._core.interrupt)
         self._jobs: dict[str, _Job] = {}
         self._channels: dict[int, _Channel] = {}
         self._conn_index: dict[int, int] = {}
@@ -451,6 +487,34 @@ class Proxy:
         """
         with self._lock:
             return self._core.run_once()
+
+    def serve(self, *, spin_s: float, watch_s: float, nap_s: float, deep_after_s: float, deep_watch_s: float,
+              deep_nap_s: float, wake_fd: int = -1, link_every: int = 64) -> int:
+        """The rail worker's loop, all in C with the GIL released (``engine.c``, ``serve_loop``): pass after
+        pass, then the idle back-off these times describe (``transportd.dataplane.worker``), until
+        ``wake_fd`` turns readable (:data:`SERVE_LINK`: the worker's link has a request) or
+        :meth:`interrupt` is called (:data:`SERVE_INTERRUPTED`). A backend's Python post/poll runs inside
+        the loop, the GIL taken for that call. How long the proxy has been idle carries over from one call
+        to the next, so serving a request does not restart the back-off.
+        """
+        with self._lock:
+            self._lock.serving = True
+            try:
+                return self._core.serve(int(spin_s * 1e9), int(watch_s * 1e9), int(nap_s * 1e9),
+                                        int(deep_after_s * 1e9), int(deep_watch_s * 1e9), int(deep_nap_s * 1e9),
+                                        int(wake_fd), int(link_every))
+            finally:
+                self._lock.serving = False
+
+    def interrupt(self) -> None:
+        """Make a :meth:`serve` running in another thread return (or the next one return at once)."""
+        self._core.interrupt()
+
+    def loop_stats(self) -> dict[str, int]:
+        """What :meth:`serve` did so far: ``passes`` (``busy`` of them did work, ``spins`` idle ones back
+        to back), ``watches`` of the ring heads and ``naps`` after them, long-idle ``deep_watches``, and
+        returns for the ``link`` and for an ``interrupted`` loop."""
+        return self._core.loop_stats()
 
     def run(self, stop: threading.Event | Callable[[], bool], *, check_every: int = 64,
             idle_sleep_s: float = 0.0) -> None:

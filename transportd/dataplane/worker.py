@@ -2,8 +2,9 @@
 
 The main process (``transportd.daemon.main``) owns clients and peers; this process owns the rail's verbs
 resources, maps the memory it registers (host regions and flag files are shared-memory files), and runs
-the proxy loop (:func:`serve_loop`). Requests arrive between proxy iterations (``WorkerEndpoint``); when
-the rail is idle the loop backs off from spinning to watching the ring headers and short naps, so an idle
+the proxy loop (:func:`serve_loop`, in the engine with the GIL released). Requests arrive on the worker
+link (``WorkerEndpoint``), whose descriptor the loop watches: it returns to Python to serve them. When the
+rail is idle the loop backs off from spinning to watching the ring headers and short naps, so an idle
 daemon does not burn a core.
 
 Rail ``i`` opens ``backend.rails[i].device``. Over softverbs a device name that does not exist yet (only
@@ -19,7 +20,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -332,6 +332,7 @@ NAP_S = 20e-6
 DEEP_AFTER_S = 0.15  # idle this long: between passes, watch the ring headers for up to DEEP_WATCH_S with
 DEEP_WATCH_S = 10e-3  # DEEP_NAP_S waits on the link between looks: a record is seen within ~DEEP_NAP_S, a
 DEEP_NAP_S = 50e-6  # request at once; what it costs in CPU: `transportd bench proxy --idle-nap-us N`
+LINK_EVERY = 64  # while busy or spinning, the link's descriptor is looked at every this many passes
 
 
 def deep_watch_s(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> float:
@@ -341,43 +342,38 @@ def deep_watch_s(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> float:
     return deep_nap_s if getattr(backend, "receives", False) else DEEP_WATCH_S
 
 
+def serve_policy(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> dict[str, float | int]:
+    """The back-off :meth:`Proxy.serve` runs, from this module's constants (read at call time)."""
+    return {"spin_s": SPIN_S, "watch_s": WATCH_S, "nap_s": NAP_S, "deep_after_s": DEEP_AFTER_S,
+            "deep_watch_s": deep_watch_s(backend, deep_nap_s), "deep_nap_s": deep_nap_s, "link_every": LINK_EVERY}
+
+
 def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s: float = DEEP_NAP_S) -> None:
     """Run the proxy and serve the main process's requests until ``stopping()`` or a stop request.
 
-    While the proxy has work it runs pass after pass, serving requests every 64 passes. When a pass finds
-    nothing to do the worker keeps spinning for ``SPIN_S``, then alternates a pass (which also drains
-    completions and serves requests) with watching the ring headers for ``WATCH_S`` (a committed record
-    ends the wait at once) and a ``NAP_S`` sleep; after ``DEEP_AFTER_S`` each pass is followed by up to
-    ``DEEP_WATCH_S`` of looking at the ring headers, waiting ``deep_nap_s`` on the link's descriptor
-    between looks (in C, GIL released): a long-idle worker costs little CPU, still takes the first record
-    within tens of µs, and a request on the link ends the wait at once. A backend that receives (efa) gets a
-    pass after every nap instead (:func:`deep_watch_s`), so its arrivals wait no longer than a record.
+    The loop itself runs in the engine with the GIL released (:meth:`Proxy.serve`): while the proxy has
+    work it runs pass after pass, looking at the link's descriptor every ``LINK_EVERY`` passes. When a pass
+    finds nothing to do the worker keeps spinning for ``SPIN_S``, then alternates a pass (which also drains
+    completions) with watching the ring headers for ``WATCH_S`` (a committed record ends the wait at once)
+    and a ``NAP_S`` wait on the link's descriptor; after ``DEEP_AFTER_S`` each pass is followed by up to
+    ``DEEP_WATCH_S`` of looking at the ring headers, waiting ``deep_nap_s`` on the link's descriptor between
+    looks: a long-idle worker costs little CPU, still takes the first record within tens of µs, and a
+    request on the link ends the wait at once. A backend that receives (efa) gets a pass after every nap
+    instead (:func:`deep_watch_s`), so its arrivals wait no longer than a record.
+
+    The engine returns here only when the link's descriptor turns readable (the requests are served, then
+    the loop goes back in) or when :meth:`Proxy.interrupt` is called; ``stopping()`` is checked then. A
+    backend's one Python call per pass (softverbs' shims, efa's flag copies) runs inside the engine's loop.
     """
-    run_once, serve_pending, wait_ready = proxy.run_once, link.serve_pending, proxy.wait_ready
+    serve_pending = link.serve_pending
     link_fd = link.wake_fd()
-    deep_watch = deep_watch_s(proxy.backend, deep_nap_s)
-    clock = time.perf_counter
-    iterations = 0
-    idle_since = -1.0
+    policy = serve_policy(proxy.backend, deep_nap_s)
     while not stopping():
-        iterations += 1
-        if run_once():
-            idle_since = -1.0
-            if iterations % 64 == 0 and serve_pending(0):
-                break
-            continue
-        now = clock()
-        if idle_since < 0:
-            idle_since = now
-        idle_for = now - idle_since
-        if serve_pending(0):
+        # every request waiting is served before the engine goes back in: after that, a new one makes the
+        # link's descriptor readable (zmq signals it when a drained pipe gets a message)
+        if serve_pending(0) or stopping():
             break
-        if idle_for >= DEEP_AFTER_S:
-            # False at once while work is in flight: its completions are due at the next pass, so nap
-            if not wait_ready(deep_watch, deep_nap_s, link_fd) and proxy.busy():
-                time.sleep(deep_nap_s)
-        elif idle_for >= SPIN_S and not wait_ready(WATCH_S):
-            time.sleep(NAP_S)
+        proxy.serve(wake_fd=link_fd, **policy)
 
 
 def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
