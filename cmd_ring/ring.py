@@ -251,14 +251,15 @@ class RingFile:
         if position > self._completion_pos[0]:
             self._completion_pos[0] = position
 
-    def report_error(self, code: int, position: int) -> None:
-        """Record a bad record: the first code (and its position) stick, the count grows."""
+    def report_error(self, code: int, position: int, count: int = 1) -> None:
+        """Record ``count`` bad records from ``position``: the first code (and its position) stick, the count
+        grows."""
         if code == 0:
             raise ValueError("error code 0 means 'no error'")
         if self._error[0] == 0:
             self._error_pos[0] = position
             self._error[0] = code
-        self._error[1] += 1
+        self._error[1] += count
 
     @property
     def error(self) -> tuple[int, int, int]:

@@ -44,7 +44,11 @@ class ChannelError(TransportdError):
             name = ErrorCode(code).name
         except ValueError:
             name = f"code {code}"
-        if count:
+        if count and code == ErrorCode.UNKNOWN_OUTCOME:
+            what = (f"{count} command(s) may or may not have executed (a daemon restarted or crashed between "
+                    f"their post and their completion), the first at ring position {position}: re-send what "
+                    "must arrive")
+        elif count:
             what = f"{count} command(s) failed, the first at ring position {position}"
         else:
             what = _SESSION_STATUS.get(code, "the daemon set this session's status word")
@@ -55,8 +59,9 @@ class ChannelError(TransportdError):
 _SESSION_STATUS = {
     int(ErrorCode.PEER_LOST): "a node of this job was lost (its daemon stopped, restarted or stopped answering), "
                               "so the job cannot go on; leave and join again once that node is back",
-    int(ErrorCode.CLIENT_GONE): "this session is over (it left, the daemon reclaimed it, or the daemon stopped); "
-                                "connect and join again",
+    int(ErrorCode.CLIENT_GONE): "this session is over (it left, the daemon reclaimed it, or the daemon stopped "
+                                "and no new one came back within its restart grace period); connect and join "
+                                "again",
 }
 
 

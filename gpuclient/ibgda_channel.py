@@ -40,6 +40,7 @@ from ibgda.device_handle import CHANNEL_DTYPE, SignalMode, queue_pair_record
 from ibgda.imported import ImportedDomain
 from transportd.control.protocol import Channel as ChannelRequest
 from transportd.control.protocol import ChannelClose, ChannelConnect, ChannelInfo, QueueEndpoint
+from transportd.errors import ErrorCode
 
 if TYPE_CHECKING:
     from gpuclient.cuda_memory import DeviceMemory, HostMapping
@@ -108,6 +109,8 @@ class IbgdaChannelHandle:
         self._device: IbgdaDeviceChannel | None = None
         self._host: IbgdaHostChannel | None = None
         self._closed = False
+        #: the daemon that served its domain is gone (a restart): CHANNEL_LOST; open a new channel
+        self.lost = False
 
     def _connect(self, peers: list[int], timeout: float) -> None:
         conn = self._session._conn
@@ -158,11 +161,22 @@ class IbgdaChannelHandle:
         return self._host
 
     def status(self) -> tuple[int, int]:
-        """The channel's error words ``(first_code, count)`` as kernels left them; (0, 0) before any handle."""
+        """The channel's error words ``(first_code, count)`` as kernels left them; (0, 0) before any handle;
+        CHANNEL_LOST once the daemon that served its queue pairs is gone (and nothing came first)."""
         for handle in (self._device, self._host):
             if handle is not None:
-                return handle.status()
-        return 0, 0
+                code, count = handle.status()
+                return (code or (int(ErrorCode.CHANNEL_LOST) if self.lost else 0)), count
+        return (int(ErrorCode.CHANNEL_LOST), 0) if self.lost else (0, 0)
+
+    def mark_lost(self) -> None:
+        """The daemon restarted: its queue pairs and the peers' keys in this channel's tables are gone, so the
+        channel cannot go on (DESIGN section 12). Kernels see CHANNEL_LOST in the error word (unless an error
+        came first); the session stays valid: open a new channel."""
+        self.lost = True
+        for handle in (self._device, self._host):
+            if handle is not None:
+                handle.report(int(ErrorCode.CHANNEL_LOST))
 
     def close(self) -> None:
         """Close the channel (the kernels using it must be done): free the handles' memory, destroy the
@@ -213,6 +227,12 @@ class IbgdaHostChannel:
     def status(self) -> tuple[int, int]:
         code, count = (ctypes.c_uint32 * 2).from_address(self.tables.error)  # in a block ``alloc`` keeps
         return int(code), int(count)
+
+    def report(self, code: int) -> None:
+        """Write ``code`` into the error word where no code is yet (what a kernel reads)."""
+        word = (ctypes.c_uint32 * 2).from_address(self.tables.error)
+        if word[0] == 0:
+            word[0] = code
 
     def release(self) -> None:
         self.alloc.blocks.clear()
@@ -283,6 +303,13 @@ class IbgdaDeviceChannel:
         mem = next(b for b in self.blocks if b.ptr == self.tables.error)
         code, count = np.frombuffer(mem.read(0, 8), dtype="<u4")
         return int(code), int(count)
+
+    def report(self, code: int) -> None:
+        """Write ``code`` into the error word in GPU memory where no code is yet (a kernel still running may
+        race this write: its own first error may land after it)."""
+        if self.status()[0] == 0:
+            mem = next(b for b in self.blocks if b.ptr == self.tables.error)
+            mem.write(0, np.array([code], dtype="<u4").tobytes())
 
     def release(self) -> None:
         for mem in self.blocks:

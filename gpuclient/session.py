@@ -12,10 +12,15 @@
     ch.put_signal(peer=1, dst_region=region.id, dst_off=0, src_region=region.id, src_off=0,
                   nbytes=4096, slot=3, value=1)
     session.wait(slot=3, at_least=1, timeout=5.0)      # on the receiving rank
+
+Over ipc a session outlives a restart of its daemon: it re-attaches by itself with the same objects and the
+same memory (:mod:`gpuclient.reattach`, docs/restart.md).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import typing
 from collections.abc import Mapping
@@ -57,6 +62,7 @@ class Client:
     def __init__(self, conn: ControlConnection) -> None:
         self._conn = conn
         self.info = conn.hello_reply
+        self._sessions: list[Session] = []  # joined through this connection (their re-attach stops with it)
 
     def join(self, job: str | None = None, rank: int | None = None, world: int | None = None,
              device: int | None = None, *, env: Mapping[str, str] | None = None) -> Session:
@@ -80,12 +86,21 @@ class Client:
         reply = self._conn.request(Join(job=job, rank=rank, world=world, device=-1 if device is None else device))
         session = Session(self._conn, job, rank, world, reply)
         session.device = device
+        if self._conn.hello_reply.get("fd_socket"):  # ipc: its memory can be handed to a restarted daemon
+            from gpuclient.reattach import Reattacher
+
+            session.reattach = Reattacher(session)
+        self._sessions.append(session)
         return session
 
     def stats(self) -> dict[str, Any]:
         return self._conn.request(Stats())
 
     def close(self) -> None:
+        for session in self._sessions:
+            if session.reattach is not None:
+                session.reattach.stop()
+        self._sessions.clear()
         self._conn.close()
 
     def __enter__(self) -> Client:
@@ -101,6 +116,18 @@ class Region:
 
     id: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """What a registration sent, to send again to a restarted daemon: the buffer (host: its memfd is looked up
+    again) or the CUDA IPC export ``(handle, offset, size, address)``."""
+
+    region: Region
+    kind: str
+    access: tuple[str, ...]
+    buffer: object = None
+    ipc: tuple[bytes, int, int, int] | None = None
 
 
 class FlagArray:
@@ -141,6 +168,9 @@ class ChannelHandle:
         self._record = np.zeros(1, dtype=RECORD_DTYPE)
         self.timeout = 30.0
         self._device_channel: Any = None  # gpuclient.device_channel.DeviceChannel, once device_handle() ran
+        self._fd = -1  # a descriptor of the ring's memfd, passed back to a restarted daemon
+        #: ``(first, end)``: ring positions a daemon that died took and never saw complete (UNKNOWN_OUTCOME)
+        self.in_doubt: tuple[int, int] | None = None
 
     def _push(self, opcode: Opcode, *, peer: int = 0, dst_region: int = 0, dst_off: int = 0, src_region: int = 0,
               src_off: int = 0, nbytes: int = 0, chunk_id: int = 0, slot: int = 0, value: int = 0,
@@ -239,7 +269,18 @@ class Session:
         self._ibgda_domains: dict[int, ImportedDomain] = {}  # rail -> the IBGDA domain imported for it
         self._keep: list[object] = []  # buffers registered: keep them mapped while the daemon uses them
         self.device: int | None = None  # the local GPU given to join (GPU buffers, device flags, handles)
+        #: re-attaches this session to a restarted daemon (ipc sessions; gpuclient.reattach)
+        self.reattach: Any = None
+        self._control = threading.RLock()  # one control sequence at a time: a re-attach, or a call here
+        self._registrations: list[_Registration] = []
+        self._flags_fd = -1  # a descriptor of the flag file's memfd, and what its request said
+        self._flags_request: tuple[int, str, bytes, int] = (0, "host", b"", 0)
+        self._exchanged = False
 
+    def _await_attached(self) -> None:
+        """A call to the daemon waits while the session re-attaches to a restarted one (bounded by then)."""
+        if self.reattach is not None:
+            self.reattach.attached.wait(float(self._conn.hello_reply.get("restart_grace_s") or 0) + 30.0)
     def register(self, buffer: object, access: tuple[str, ...] = ("read", "write")) -> Region:
         """Register a buffer for RDMA; returns its region.
 
@@ -249,21 +290,27 @@ class Session:
         """
         from gpuclient.cuda_memory import is_device_buffer
 
-        if is_device_buffer(buffer):
-            from gpuclient.cuda_memory import export_ipc, resolve_device_buffer
+        self._await_attached()
+        with self._control:
+            if is_device_buffer(buffer):
+                from gpuclient.cuda_memory import export_ipc, resolve_device_buffer
 
-            gpu = export_ipc(resolve_device_buffer(buffer))
-            reply = self._conn.request(Register(kind="cuda_ipc", handle=gpu.handle, offset=gpu.offset,
-                                                size=gpu.nbytes, address=gpu.address, access=tuple(access)))
+                gpu = export_ipc(resolve_device_buffer(buffer))
+                reply = self._conn.request(Register(kind="cuda_ipc", handle=gpu.handle, offset=gpu.offset,
+                                                    size=gpu.nbytes, address=gpu.address, access=tuple(access)))
+                self._keep.append(buffer)
+                region = Region(int(reply["region"]), gpu.nbytes)
+                ipc = (gpu.handle, gpu.offset, gpu.nbytes, gpu.address)
+                self._registrations.append(_Registration(region, "cuda_ipc", tuple(access), ipc=ipc))
+                return region
+            host = resolve_host_buffer(buffer)
+            fd_id = self._conn.pass_fd(host.fd, "memfd")  # the memory itself, by descriptor: never a path
+            reply = self._conn.request(Register(kind="host", handle=fd_id, offset=host.offset, size=host.nbytes,
+                                                address=host.address, access=tuple(access)))
             self._keep.append(buffer)
-            return Region(int(reply["region"]), gpu.nbytes)
-        host = resolve_host_buffer(buffer)
-        fd_id = self._conn.pass_fd(host.fd, "memfd")  # the memory itself, by descriptor: never a path
-        reply = self._conn.request(Register(kind="host", handle=fd_id, offset=host.offset, size=host.nbytes,
-                                            address=host.address, access=tuple(access)))
-        nbytes = host.nbytes
-        self._keep.append(buffer)
-        return Region(int(reply["region"]), nbytes)
+            region = Region(int(reply["region"]), host.nbytes)
+            self._registrations.append(_Registration(region, "host", tuple(access), buffer=buffer))
+            return region
 
     @property
     def default_flags_placement(self) -> str:
@@ -283,25 +330,32 @@ class Session:
             where = self.default_flags_placement
         if where not in ("host", "device"):
             raise ValueError(f"where must be 'host' or 'device', not {where!r}")
-        if where == "device":
-            from gpuclient.device_channel import DeviceFlags, allocate_device_flags
+        self._await_attached()
+        with self._control:
+            if where == "device":
+                from gpuclient.device_channel import DeviceFlags, allocate_device_flags
 
-            device = self.device if self.device is not None and self.device >= 0 else 0
-            memory, handle, offset = allocate_device_flags(count, device)
-            try:
-                reply = self._conn.request(Flags(count=count, where=where, handle=handle, offset=offset))
-            except BaseException:
-                memory.free()
-                raise
-            self.flag_array = DeviceFlags(self._take_flags(reply), count, memory)  # type: ignore[assignment]
+                device = self.device if self.device is not None and self.device >= 0 else 0
+                memory, handle, offset = allocate_device_flags(count, device)
+                try:
+                    reply = self._conn.request(Flags(count=count, where=where, handle=handle, offset=offset))
+                except BaseException:
+                    memory.free()
+                    raise
+                self.flag_array = DeviceFlags(self._take_flags(reply), count, memory)  # type: ignore[assignment]
+                self._flags_request = (count, where, handle, offset)
+                return self.flag_array
+            reply = self._conn.request(Flags(count=count, where=where))
+            self.flag_array = FlagArray(self._take_flags(reply), count)
+            self._flags_request = (count, where, b"", 0)
             return self.flag_array
-        reply = self._conn.request(Flags(count=count, where=where))
-        self.flag_array = FlagArray(self._take_flags(reply), count)
-        return self.flag_array
 
     def _take_flags(self, reply: dict[str, Any]) -> FlagFile:
-        """Map the flag array the daemon made: a memfd it hands over by descriptor (no path to open)."""
-        return FlagFile.from_fd(self._conn.take_fd(int(reply["fd"]), "flags"))
+        """Map the flag array the daemon made: a memfd it hands over by descriptor (no path to open). A copy
+        of the descriptor is kept, to hand the same file to a restarted daemon."""
+        fd = self._conn.take_fd(int(reply["fd"]), "flags")
+        self._flags_fd = os.dup(fd)
+        return FlagFile.from_fd(fd)
 
     def exchange(self, timeout: float = 30.0, wait: bool = True) -> dict[str, Any]:
         """Publish this rank's regions and flags; return once every rank of the job has done so.
@@ -310,8 +364,11 @@ class Session:
         is wired yet) — for a process that drives several ranks.
         """
         deadline = time.monotonic() + timeout
+        self._await_attached()
         while True:
-            reply = self._conn.request(Exchange())
+            with self._control:
+                reply = self._conn.request(Exchange())
+                self._exchanged = True
             if reply.get("complete") or not wait:
                 return reply
             if time.monotonic() > deadline:
@@ -334,6 +391,11 @@ class Session:
         daemon's ``proxy.ring_capacity``) drained by the daemon's proxy; ``kind="ibgda"``, one queue pair
         per peer rank of ``capacity`` WQEs (256) that kernels post to themselves (``gpuclient.ibgda_channel``;
         exchange first). Both hand kernels the same calls through ``device_handle()``."""
+        self._await_attached()
+        with self._control:
+            return self._channel(capacity, kind, timeout)
+
+    def _channel(self, capacity: int | None, kind: str, timeout: float) -> ChannelHandle | IbgdaChannelHandle:
         if kind == "ibgda":
             from gpuclient.ibgda_channel import open_channel
 
@@ -343,8 +405,11 @@ class Session:
         if kind != "ring":
             raise ValueError(f"channel kind must be 'ring' or 'ibgda', not {kind!r}")
         reply = self._conn.request(ChannelRequest(capacity=capacity or 0))
-        ring = RingFile.from_fd(self._conn.take_fd(int(reply["fd"]), "ring"))  # by descriptor: no path
+        fd = self._conn.take_fd(int(reply["fd"]), "ring")  # by descriptor: no path
+        keep = os.dup(fd)  # for a restarted daemon: the same ring, passed back
+        ring = RingFile.from_fd(fd)
         ch = ChannelHandle(self, int(reply["channel"]), ring)
+        ch._fd = keep
         self.channels.append(ch)
         return ch
 
@@ -383,18 +448,35 @@ class Session:
         return self._conn.request(Stats())
 
     def _raise_if_gone(self) -> None:
-        """ChannelError(CLIENT_GONE) when the daemon ended this session (or stopped, or died)."""
+        """ChannelError(CLIENT_GONE) when the daemon ended this session, or stopped (died) and no next daemon
+        took the session back within its restart grace period."""
         flags = self.flag_array
         if flags is not None and flags.status == ErrorCode.CLIENT_GONE:
             raise ChannelError(flags.status)
+        if self.reattach is not None:
+            if self.reattach.state == "gone":
+                raise ChannelError(int(ErrorCode.CLIENT_GONE))
+            return  # a daemon that went away is being waited for (gpuclient.reattach)
         if self._conn.daemon_gone():
             raise ChannelError(int(ErrorCode.CLIENT_GONE))
 
     def leave(self) -> None:
         """Leave the job; the daemon reclaims this session's rings, regions and flags."""
-        for ibgda in list(self.ibgda_channels):  # the queue pairs this process built, and their far ends
-            ibgda.close()
-        self._conn.request(Leave())
+        self._await_attached()
+        if self.reattach is not None:
+            self.reattach.stop()
+        with self._control:
+            for ibgda in list(self.ibgda_channels):  # the queue pairs this process built, and their far ends
+                ibgda.close()
+            if self.reattach is None or self.reattach.state != "gone":
+                self._conn.request(Leave())
+            self._release()
+
+    def _release(self) -> None:
+        for fd in [self._flags_fd] + [ch._fd for ch in self.channels]:
+            if fd >= 0:
+                os.close(fd)
+        self._flags_fd = -1
         for ch in self.channels:
             # unregister the ring (and flags) from CUDA before unmapping them: a registration left behind
             # would outlive the mapping, and a later ring mapped at the same address would be handed the

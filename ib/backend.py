@@ -274,6 +274,13 @@ class IbBackend(PosterBackend):
         conn.connected = True
         self._poster.connect(conn_id)
 
+    def seed_signals(self, conn_id: int, base: int, rkey: int, seeds: bytes) -> None:
+        """Write and fence modes write a flag's absolute value from a shadow of this connection's: a word it
+        never signalled starts at what its receiver announced (a counter that outlived a restart of either
+        daemon), not at 0. Atomic mode adds on the NIC and needs no shadow; SETs need none either."""
+        if seeds:
+            self._poster.seed_shadow(conn_id, base, rkey, seeds)
+
     def close_connection(self, conn_id: int) -> None:
         """Destroy the QP; tokens still outstanding are dropped (the proxy fails them itself)."""
         conn = self._conns.pop(conn_id, None)

@@ -225,6 +225,11 @@ class PeersConfig(Section):
     ready_wait_s: Annotated[float, key(
         "Seconds the daemon waits for every static peer before it reports ready to systemd anyway "
         "(keep it below the unit's TimeoutStartSec).", ge=0.0, le=3600.0)] = 10.0
+    restart_grace_s: Annotated[float, key(
+        "Seconds a restarting peer daemon (one that said so, went silent, or came back as a new life) keeps "
+        "its place in every job: records for it wait in the rings, it is shown as restarting, and only "
+        "then its jobs' clients see PEER_LOST. Clients of this daemon wait as long for it to come back.",
+        ge=0.0, le=3600.0)] = 10.0
 
     def _check(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -322,6 +322,11 @@ class ErrorCode(IntEnum):
     BAD_ALIGNMENT = 11, "An atomic signal's address or a flag's address is not 8-byte aligned."
     BAD_RECORD = 12, "A torn or corrupt record (commit word or parity mismatch); it was skipped."
     NO_ACCESS = 13, "The region was registered without the access the operation needs (read/write/atomic)."
+    UNKNOWN_OUTCOME = 14, ("A daemon restart or crash (its own, or the destination's) came between the post and "
+                           "the completion: the record may or may not have executed; the error position is "
+                           "the first such record.")
+    CHANNEL_LOST = 15, ("The channel did not survive a daemon restart (an IBGDA channel: its queue pairs and "
+                        "keys died with the daemon); open a new one, the session is still valid.")
     INTERNAL = 255, "A fault inside the daemon itself; the daemon's log has the details."
 
 

@@ -182,6 +182,7 @@ def _rails(s: dict[str, Any]) -> list[dict[str, Any]]:
 def _status_text(s: dict[str, Any]) -> str:
     peers = s.get("peers", {})
     up = sum(1 for p in peers.values() if p.get("up"))
+    restarting = sum(1 for p in peers.values() if p.get("state") == "restarting")
     jobs = s.get("jobs", {})
     lines = [
         f"node      {s['node']}  (pid {s.get('pid', '?')}, {'ready' if s.get('ready') else 'STARTING'})",
@@ -190,7 +191,8 @@ def _status_text(s: dict[str, Any]) -> str:
         f"clients   {s['clients']} joined, {len(jobs)} job(s)"
         + ("" if not jobs else ": " + ", ".join(f"{j} ({len(v['local'])}/{v['world']} local)"
                                                 for j, v in sorted(jobs.items()))),
-        f"peers     {up} up, {len(peers) - up} down" + ("" if up == len(peers) else "  <- check `transportctl peers`"),
+        f"peers     {up} up, " + (f"{restarting} restarting, " if restarting else "")
+        + f"{len(peers) - up - restarting} down" + ("" if up == len(peers) else "  <- check `transportctl peers`"),
     ]
     fallback = [str(r.get("rail", "?")) for r in _rails(s) if r.get("verbs_fallback")]
     if fallback:
@@ -230,7 +232,9 @@ def _peers_text(data: dict[str, Any]) -> str:
     rows = []
     for node, p in sorted(data["peers"].items()):
         rtt = "-" if p.get("rtt_us") is None else f"{p['rtt_us'] / 1000:.2f}"
-        rows.append([node, "up" if p["up"] else "DOWN", rtt, _bytes(p.get("bytes", 0)), p.get("connections", 0)])
+        state = p.get("state") or ("up" if p["up"] else "down")  # restarting: its jobs wait (docs/restart.md)
+        rows.append([node, "DOWN" if state == "down" else state, rtt, _bytes(p.get("bytes", 0)),
+                     p.get("connections", 0)])
     if not rows:
         return "no peers known (peers.static empty and no peer has connected)"
     return _table(rows, ["peer", "state", "rtt_ms", "sent", "connections"])
@@ -408,6 +412,43 @@ def top(interval: float, iterations: int, socket: str | None, as_json: bool) -> 
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
+
+
+# --- restart -------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--timeout", default=120.0, show_default=True, help="seconds to wait for the new daemon")
+@_common
+def restart(timeout: float, socket: str | None, as_json: bool) -> None:
+    """Restart the daemon without stopping its jobs (what `systemctl reload transportd` does).
+
+    It hands its jobs over: drains what it took, executes itself again with the same command line (the
+    config and the installed code are read anew), and its clients re-attach by themselves while its peers
+    wait (docs/restart.md). Returns once the new daemon answers. Root or the daemon's user only."""
+    from transportd.control.protocol import Restart
+
+    before = _fetch(socket)
+    old_start = time.time() - float(before["uptime_s"])
+    reply = _fetch(socket, Restart())
+    deadline = time.monotonic() + timeout
+    endpoint = resolve_endpoint(socket)
+    while True:
+        try:
+            with ControlConnection(endpoint, timeout_ms=2000, handshake_timeout_ms=500, name="transportctl",
+                                   curve=_curve_keys()) as conn:
+                after = conn.request(Stats())
+            if time.time() - float(after["uptime_s"]) > old_start + 0.5:
+                break
+        except TransportdError:
+            pass
+        if time.monotonic() > deadline:
+            _fail(f"the daemon (pid {reply.get('pid')}) did not come back within {timeout:.0f}s: "
+                  "`journalctl -u transportd` says why; its peers hold its jobs for peers.restart_grace_s")
+        time.sleep(0.1)
+    took = timeout - (deadline - time.monotonic())
+    _emit({"pid": after.get("pid"), "restarted_in_s": took, "clients": after.get("clients"), "peers": {
+        n: p.get("state") for n, p in after.get("peers", {}).items()}}, as_json,
+        lambda d: f"restarted in {d['restarted_in_s']:.1f}s (pid {d['pid']}): {d['clients']} client(s) "
+                  "re-attached so far")
 
 
 # --- selftest ------------------------------------------------------------------------------------------

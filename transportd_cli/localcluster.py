@@ -130,7 +130,7 @@ class LocalCluster:
                 "control": {"socket": f"ipc://{self.workdir}/{name}.sock"},
                 "peers": {"listen": f"tcp://127.0.0.1:{ports[name]}",
                           "static": [f"127.0.0.1:{ports[o]}" for o in names if o != name],
-                          "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0},
+                          "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "restart_grace_s": 5.0},
                 "backend": {"kind": backend, "verbs": "soft"},
                 "logging": {"level": "info", "format": "text"},
             }

@@ -67,6 +67,9 @@ _WRITE, _SIGNAL, _FENCE = int(PlanOp.WRITE), int(PlanOp.SIGNAL), int(PlanOp.FENC
 
 # Verbs work-completion statuses that mean "the remote side refused the access".
 _REMOTE_ACCESS_STATUSES = (4, 10)  # IBV_WC_LOC_PROT_ERR, IBV_WC_REM_ACCESS_ERR
+# ... and "the far end did not answer": the outcome is unknown, the connection is held and broken.
+_UNANSWERED_STATUSES = (12, 20)  # IBV_WC_RETRY_EXC_ERR, IBV_WC_RESP_TIMEOUT_ERR
+_FLUSH_STATUS = 5  # IBV_WC_WR_FLUSH_ERR: on a broken connection, an unknown outcome too
 
 
 def _truncated(tr: Translated, k: int) -> Translated:
@@ -186,6 +189,9 @@ class ModelProxy:
         self._channels: dict[int, _Channel] = {}
         self._conn_ids = np.zeros(0, dtype=np.int64)  # connection index -> backend conn_id
         self._conn_index: dict[int, int] = {}
+        self._holding = np.zeros(0, dtype=bool)  # records for its peers stay in the rings (a peer restarting)
+        self._broken = np.zeros(0, dtype=bool)  # its far end stopped answering
+        self._broken_told = np.zeros(0, dtype=bool)
         self._inflight = np.zeros(0, dtype=np.int64)  # WRs posted, not completed, per connection index
         self._pending = np.zeros(0, dtype=np.int64)  # rows waiting in the proxy, per connection index
         self._plan = np.zeros(0, dtype=PLAN_DTYPE)  # rows waiting for a batch to close or the cap to open
@@ -339,7 +345,24 @@ class ModelProxy:
             self._pending = np.append(self._pending, 0)
             self._conn_hist = np.vstack([self._conn_hist, np.zeros((1, 9), dtype=np.int64)])
             self._conn_bytes = np.append(self._conn_bytes, 0)
+            self._holding = np.append(self._holding, False)
+            self._broken = np.append(self._broken, False)
+            self._broken_told = np.append(self._broken_told, False)
         return idx
+
+    def hold_connection(self, conn: int, on: bool = True) -> None:
+        """While held, records for the peers bound to ``conn`` stay in their rings; waiting rows still post."""
+        with self._lock:
+            idx = self._conn_index.get(conn)
+            if idx is not None:
+                self._holding[idx] = on
+
+    def broken_connections(self) -> list[int]:
+        """Connections whose far end stopped answering since the last call (each once)."""
+        with self._lock:
+            new = self._broken & ~self._broken_told
+            self._broken_told |= new
+            return [int(c) for c in self._conn_ids[new]]
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run_once(self) -> bool:
@@ -431,6 +454,13 @@ class ModelProxy:
             if n == 0:
                 continue
             tr = translate(records, ch.sources, ch.job.peers, max_length=self.max_length, gone=ch.gone)
+            held = np.flatnonzero(self._holding[tr.row_conn]) if len(tr.row_conn) else ()
+            if len(held):  # a record for a held connection, and all after it, stay in the ring
+                k = int(tr.row_rec[held[0]])
+                consumer.position -= n - k
+                records, tr = records[:k], _truncated(tr, k)
+                n = k
+                self._note_waiting(ch, now)
             if n > safe:
                 k = self._admit(tr, n)
                 if k < n:  # the rest stays in the ring: it was never released
@@ -704,8 +734,17 @@ class ModelProxy:
             cmd_status = tok_status[posted.cmd_tok] if cmds is None else tok_status[posted.cmd_tok[cmds]]
             failed = cmd_status != 0
             self.counters["completion_errors"] += int(np.count_nonzero(tok_status))
-            codes = np.where(failed, forced_code, 0).astype(np.uint16) if forced_code else completion_error_code(
-                cmd_status)
+            if not forced_code:  # the far end did not answer: held and broken from now on
+                gone = np.unique(posted.tok_conn[np.isin(tok_status, _UNANSWERED_STATUSES)])
+                self._holding[gone] = self._broken[gone] = True
+            if forced_code:
+                codes = np.where(failed, forced_code, 0).astype(np.uint16)
+            else:
+                cmd_conn = posted.tok_conn[posted.cmd_tok] if cmds is None else posted.tok_conn[posted.cmd_tok[cmds]]
+                unknown = np.isin(cmd_status, _UNANSWERED_STATUSES) | (
+                    (cmd_status == _FLUSH_STATUS) & self._broken[cmd_conn])
+                codes = np.where(unknown, ErrorCode.UNKNOWN_OUTCOME, completion_error_code(cmd_status)).astype(
+                    np.uint16)
             for chan in np.unique(chans[failed]).tolist():
                 ch = self._channels.get(chan)
                 if ch is not None:

@@ -95,19 +95,21 @@ def test_an_ipc_client_is_judged_by_the_kernels_pid_not_by_its_silence(cluster_f
         observer.close()
 
 
-def test_a_client_whose_daemon_stops_hears_at_once_and_after_a_restart_is_told_to_join_again(
+def test_a_client_whose_daemon_stops_for_good_hears_once_its_grace_period_is_over_and_is_told_to_join_again(
         cluster_factory) -> None:
-    cluster = cluster_factory(nodes=1)
+    """A stopping daemon hands its sessions over (docs/restart.md): its clients wait peers.restart_grace_s for
+    the next one. None comes within it here: the session is over, and a daemon started later knows nothing
+    of it. (tests/e2e/test_restart.py: one that does come back takes the same session over.)"""
+    cluster = cluster_factory(nodes=1, overrides={"peers": {"restart_grace_s": 1.0}})
     client = gpuclient.connect(cluster.socket("nodea"))
     try:
         session = client.join("j", rank=0, world=1)
         session.flags(4)
         assert cluster.terminate("nodea") == 0
-        t0 = time.monotonic()
         with pytest.raises(gpuclient.ChannelError, match="CLIENT_GONE: this session is over") as info:
             session.wait(slot=0, at_least=1, timeout=30)
         assert "command(s) failed" not in str(info.value)  # no command failed: the session ended
-        assert time.monotonic() - t0 < 5  # not the wait's timeout
+        assert session.reattach.state == "gone"  # the grace period ended it, not the wait's timeout
         cluster.restart("nodea")  # the same socket: the client's connection reaches the new daemon
         with pytest.raises(SessionLostError, match="join again") as lost:
             session.register(gpuclient.host_array(4096))

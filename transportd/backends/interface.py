@@ -42,6 +42,7 @@ __all__ = [
     "Backend",
     "BatchPoster",
     "FlagPublisher",
+    "FLAG_SEED_DTYPE",
     "empty_plan",
 ]
 
@@ -77,6 +78,11 @@ PLAN_DTYPE = np.dtype(
 
 # Completions a backend reports: the token, and a status (0 = success, else the verbs wc status).
 COMPLETION_DTYPE = np.dtype([("token", "<u8"), ("status", "<u4"), ("vendor_err", "<u4")], align=True)
+
+
+#: A flag value as a peer announces it (``PeerRegions.flag_seeds``): a nonzero counter of its flag array.
+FLAG_SEED_DTYPE = np.dtype([("slot", "<u4"), ("pad", "<u4"), ("value", "<u8")])
+assert FLAG_SEED_DTYPE.itemsize == 16
 
 
 def empty_plan(n: int = 0) -> np.ndarray:
@@ -136,6 +142,12 @@ class Backend(Protocol):
         """WRs posted on ``conn_id`` and not yet completed."""
 
     def set_flag_publisher(self, publisher: FlagPublisher) -> None: ...
+
+    def seed_signals(self, conn_id: int, base: int, rkey: int, seeds: bytes) -> None:
+        """The remote flag words at ``base + 8 * slot`` (``rkey``) already hold these values (``seeds``:
+        FLAG_SEED_DTYPE records the receiver announced): a backend that writes flags as absolute values
+        from a shadow of its own (ib, write and fence modes) starts the words ``conn_id`` never signalled
+        there, so that counters which outlived a daemon restart go on counting. Others do nothing."""
 
     def close(self) -> None: ...
 

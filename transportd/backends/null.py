@@ -89,6 +89,9 @@ class NullBackend:
     def set_flag_publisher(self, publisher: FlagPublisher) -> None:
         self._publisher = publisher
 
+    def seed_signals(self, conn_id: int, base: int, rkey: int, seeds: bytes) -> None:
+        """Nothing to seed: the null NIC keeps no flag shadow."""
+
     def close(self) -> None:
         self._new.clear()
         self._new_single.clear()

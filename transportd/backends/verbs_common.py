@@ -379,6 +379,9 @@ class PosterBackend:
     def deregister_memory(self, key: MemoryKey) -> None:
         self.rail.deregister(key.addr, key.lkey)
 
+    def seed_signals(self, conn_id: int, base: int, rkey: int, seeds: bytes) -> None:
+        """Nothing to seed here (the receiver keeps the counters); ib's write and fence modes override."""
+
     def post_batches(self, conn_ids: np.ndarray, plan: np.ndarray, bounds: np.ndarray) -> np.ndarray:
         """Post several batches (``plan[bounds[i]:bounds[i+1]]`` on ``conn_ids[i]``) in one call; WRs per batch.
 

@@ -77,13 +77,15 @@ def pid_namespace() -> int:
         return 0
 
 
-def _close_resources(sock: zmq.Socket, context: zmq.Context | None, stop: threading.Event,
+def _close_resources(socks: list[zmq.Socket], context: zmq.Context | None, stop: threading.Event,
                      side: list[FdClient]) -> None:
     stop.set()  # ends the keepalive thread, if any
     for fd_client in side:
         fd_client.close()
     side.clear()
-    sock.close(linger=0)
+    for sock in socks:
+        sock.close(linger=0)
+    socks.clear()
     if context is not None:
         context.term()
 
@@ -127,8 +129,11 @@ class ControlConnection:
         self._token: bytes | None = None  # from the last hello reply: good once, on the descriptor socket
         self._fd_socket = ""
         self._side: list[FdClient] = []  # the descriptor connection, once vouched
+        self._curve = curve
+        self._keepalive: threading.Thread | None = None
         own_context = context is None
         ctx = zmq.Context() if context is None else context
+        self._ctx = ctx
         try:
             sock = ctx.socket(zmq.REQ)
         except BaseException:
@@ -137,26 +142,58 @@ class ControlConnection:
             raise
         # One bag: socket (and the context if we made it) are released together, even if we are leaked.
         self._sock = sock
-        self._finalizer = weakref.finalize(self, _close_resources, sock, ctx if own_context else None,
+        self._socks = [sock]
+        self._finalizer = weakref.finalize(self, _close_resources, self._socks, ctx if own_context else None,
                                            self._stop_keepalive, self._side)
         try:
-            sock.linger = 0
-            sock.setsockopt(zmq.REQ_RELAXED, 1)
-            sock.setsockopt(zmq.REQ_CORRELATE, 1)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a daemon we are not connected to
-            sock.sndtimeo = handshake_timeout_ms
-            if curve is not None:
-                configure_client(sock, curve)
-            try:
-                sock.connect(self.endpoint)
-            except zmq.ZMQError as exc:  # e.g. a tcp host name that does not resolve
-                raise DaemonUnavailableError(self.endpoint, f"cannot connect to {self.endpoint}: {exc.strerror}") \
-                    from None
+            self._connect(sock)
             if handshake:
                 self.hello()
         except BaseException:
             self.close()
             raise
+
+    def _connect(self, sock: zmq.Socket) -> None:
+        sock.linger = 0
+        sock.setsockopt(zmq.REQ_RELAXED, 1)
+        sock.setsockopt(zmq.REQ_CORRELATE, 1)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a daemon we are not connected to
+        sock.sndtimeo = self.handshake_timeout_ms
+        if self._curve is not None:
+            configure_client(sock, self._curve)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # e.g. a tcp host name that does not resolve
+            raise DaemonUnavailableError(self.endpoint, f"cannot connect to {self.endpoint}: {exc.strerror}") \
+                from None
+
+    def reconnect(self, timeout_ms: int | None = None) -> dict[str, Any]:
+        """Greet the daemon at the same endpoint anew (one that restarted): a fresh socket, ``hello`` and,
+        over ipc, a new descriptor connection; the session starts over from ``hello`` (join again). Raises
+        :class:`DaemonUnavailableError` while no daemon answers within ``timeout_ms`` (default: the
+        handshake timeout)."""
+        with self._lock:
+            if self.closed:
+                raise DaemonUnavailableError(self.endpoint, f"connection to transportd at {self.endpoint} is closed")
+            while self._side:
+                self._side.pop().close()
+            old = self._socks.pop()
+            old.close(linger=0)
+            sock = self._ctx.socket(zmq.REQ)
+            self._socks.append(sock)
+            self._sock = sock
+            self._connect(sock)
+            self.session = SessionRules()
+            self._suspect = None
+            self._token = None
+            self.hello_reply = {}
+        saved = self.handshake_timeout_ms
+        if timeout_ms is not None:
+            self.handshake_timeout_ms = sock.sndtimeo = timeout_ms
+        try:
+            return self.hello()
+        finally:
+            self.handshake_timeout_ms = sock.sndtimeo = saved
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -170,9 +207,11 @@ class ControlConnection:
         if self._token is not None:
             self.vouch()
         interval = float(self.hello_reply.get("keepalive_s") or 0)
-        if interval > 0:
-            threading.Thread(target=_keepalive, args=(weakref.ref(self), self._stop_keepalive, interval),
-                             name="transportd-keepalive", daemon=True).start()
+        if interval > 0 and (self._keepalive is None or not self._keepalive.is_alive()):
+            self._keepalive = threading.Thread(target=_keepalive, args=(weakref.ref(self), self._stop_keepalive,
+                                                                        interval),
+                                               name="transportd-keepalive", daemon=True)
+            self._keepalive.start()
         return self.hello_reply
 
     def vouch(self) -> dict[str, Any]:

@@ -7,6 +7,13 @@ address. A DEALER's routing id is its node name, so the remote ROUTER knows who 
 ``tick`` sends ``peer_heartbeat`` each interval and reports a node that stayed silent past the timeout
 as down, exactly once, until it speaks again.
 
+Restarts (docs/restart.md): with ``restart_grace_s`` > 0 a node that says ``peer_restarting``, falls
+silent past the timeout, or says hello as a new life is *restarting* rather than down: ``on_peer_restarting``
+when that begins, ``on_peer_restarted`` when its next life says hello (then ``on_peer_up``), and
+``on_peer_down`` only if the grace period ends first. A node that fell silent and speaks again in the same
+life is simply up again; one that announced its restart stays restarting until its next life (or the end
+of the grace period), whatever its old life still sends. A goodbye (``peer_bye``) is down at once.
+
 CURVE: the ROUTER is a CURVE server with this node's keypair and admits only the public keys in
 ``security.curve_authorized_keys_dir``. A DEALER must know its server's public key: it reads
 ``<authorized_keys_dir>/<host>_<port>.key`` (then ``<host>.key``) for the static entry ``host:port``.
@@ -33,7 +40,14 @@ from transportd.control.curve import (
     load_public_key,
     start_authenticator,
 )
-from transportd.control.protocol import PeerBye, PeerHeartbeat, PeerHello, PeerMessage, parse_peer_message
+from transportd.control.protocol import (
+    PeerBye,
+    PeerHeartbeat,
+    PeerHello,
+    PeerMessage,
+    PeerRestarting,
+    parse_peer_message,
+)
 from transportd.errors import ConfigError, ListenError, RemoteProtocolError
 
 __all__ = ["PeerPlane", "PeerState"]
@@ -57,6 +71,13 @@ class PeerState:
     rails: int = 0
     incarnation: int = 0  # from its hello; a larger value means the node's daemon restarted
     said_goodbye: bool = False  # this life said peer_bye: only a hello of a new life brings the node back
+    restarting_until: float = 0.0  # restarting (said so, or fell silent) until this clock time; 0: not
+    restart_announced: bool = False  # it said peer_restarting: only its next life ends the restart
+
+    @property
+    def state(self) -> str:
+        """``up``, ``restarting`` (within its grace period) or ``down``."""
+        return "restarting" if self.restarting_until else ("up" if self.up else "down")
 
 
 class PeerPlane:
@@ -73,8 +94,11 @@ class PeerPlane:
         on_message: Callable[[str, PeerMessage], None],
         on_peer_up: Callable[[str], None] = lambda node: None,
         on_peer_down: Callable[[str], None] = lambda node: None,
+        on_peer_restarting: Callable[[str, bool], None] = lambda node, announced: None,
+        on_peer_restarted: Callable[[str], None] = lambda node: None,
         heartbeat_interval_s: float = 1.0,
         heartbeat_timeout_s: float = 5.0,
+        restart_grace_s: float = 0.0,
         curve: CurveServerKeys | None = None,
         context: zmq.Context | None = None,
         max_message_bytes: int = 16 << 20,
@@ -88,7 +112,9 @@ class PeerPlane:
                                incarnation=self.incarnation)
         self.peers: dict[str, PeerState] = {}
         self._on_message, self._on_up, self._on_down = on_message, on_peer_up, on_peer_down
+        self._on_restarting, self._on_restarted = on_peer_restarting, on_peer_restarted
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
+        self.restart_grace_s = restart_grace_s
         self.max_message_bytes = max_message_bytes
         self._clock = clock
         self._ctx = context or zmq.Context.instance()
@@ -172,6 +198,18 @@ class PeerPlane:
         self.broadcast(PeerBye(node=self.node, reason=reason))
         self._leaving = True
 
+    def announce_restart(self) -> list[str]:
+        """Tell every peer that is up that this daemon is restarting (each answers ``peer_quiesced`` once
+        nothing of its own is in flight to us); returns the nodes told. Heartbeats and replies go on, so
+        the answers can come; :meth:`fall_silent` ends this life's sending."""
+        told = [node for node, peer in self.peers.items() if peer.up and self.send(node, PeerRestarting(
+            node=self.node))]
+        return told
+
+    def fall_silent(self) -> None:
+        """Send nothing more (the end of a life that announced its restart: no goodbye, peers wait)."""
+        self._leaving = True
+
     # --- receiving -------------------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0) -> int:
         """Handle what has arrived (waiting up to ``timeout_ms``); returns messages handled."""
@@ -204,6 +242,7 @@ class PeerPlane:
                 log.warning("peer says it is %r but connected as %r: refused", node, identity)
                 return
             peer = self.peers.get(node)
+            restarted = False
             if peer is None:
                 peer = self.peers[node] = PeerState(node=node, last_heard=self._clock())
                 log.info("peer %s joined (%s, %d rails)", node, msg.backend, msg.rails)
@@ -213,7 +252,12 @@ class PeerPlane:
                     log.debug("hello from an earlier life of %s: dropped", node)
                     return
                 restarted = bool(peer.incarnation and msg.incarnation and msg.incarnation != peer.incarnation)
-                if restarted:
+                if restarted and self.restart_grace_s > 0 and (peer.up or peer.restarting_until):
+                    log.warning("peer %s is back as a new life: re-wiring its jobs (their ranks have %.1fs to "
+                                "re-announce themselves)", node, self.restart_grace_s)
+                    peer.up, peer.restarting_until, peer.restart_announced = False, 0.0, False
+                    self._on_restarted(node)
+                elif restarted:
                     log.warning("peer %s restarted: dropping what was built with its earlier life", node)
                     self._down(peer)
                 elif peer.said_goodbye:
@@ -222,8 +266,13 @@ class PeerPlane:
                     log.debug("hello from %s after its goodbye: dropped", node)
                     return
                 peer.said_goodbye = False
-                is_new = not peer.up
+                # the life that announced its restart says nothing that brings it back; its next life does
+                is_new = not peer.up and not (peer.restarting_until and peer.restart_announced)
             self._unintroduced.clear()  # whoever was early has introduced itself, or will be warned about anew
+            if restarted and peer.dealer is not None and peer.dealer is not dealer:
+                # our link to its earlier life reconnects to the new one, which has not heard us say hello on
+                # it: say it first, so that nothing we send there next is dropped as coming from a stranger
+                self._send_on(peer.dealer, self.hello)
             peer.backend, peer.rails, peer.incarnation = msg.backend, msg.rails, msg.incarnation
             if identity is not None:
                 peer.via_router = True
@@ -237,7 +286,7 @@ class PeerPlane:
                 peer.dealer = dealer
             self._heard(peer)
             if is_new:
-                peer.up = True
+                peer.up, peer.restarting_until = True, 0.0
                 self._on_up(node)
             return
         node = identity if identity is not None else self._dealer_node(dealer)
@@ -260,10 +309,21 @@ class PeerPlane:
         if peer.said_goodbye:
             log.debug("message %s from %s after its goodbye: dropped", msg.op, peer.node)
             return  # sent before the goodbye on the other link and overtaken by it
+        if isinstance(msg, PeerRestarting):
+            self._heard(peer)
+            log.info("peer %s is restarting: holding what is for it, for up to %.1fs", peer.node,
+                     self.restart_grace_s)
+            self._begin_restart(peer, announced=True)
+            self._on_message(peer.node, msg)  # the daemon answers peer_quiesced once it has drained
+            return
         was_down = not peer.up
         self._heard(peer)
-        if was_down:
-            peer.up = True
+        if peer.restarting_until and peer.restart_announced:
+            pass  # its old life's last words (heartbeats, a quiesce answer): the restart goes on
+        elif was_down:
+            if peer.restarting_until:
+                log.info("peer %s speaks again (same life): back up", peer.node)
+            peer.up, peer.restarting_until = True, 0.0
             self._on_up(peer.node)
         if isinstance(msg, PeerHeartbeat):
             if msg.seq & 1:  # odd: an echo of one of ours; its t is our send time
@@ -295,9 +355,18 @@ class PeerPlane:
         self.send_heartbeats()
         now = self._clock()
         for peer in self.peers.values():
-            if peer.up and now - peer.last_heard > self.timeout:
-                log.warning("peer %s silent for %.1fs: down", peer.node, now - peer.last_heard)
+            if peer.restarting_until and now > peer.restarting_until:
+                log.warning("peer %s did not come back within peers.restart_grace_s (%.1fs): down", peer.node,
+                            self.restart_grace_s)
                 self._down(peer)
+            elif peer.up and now - peer.last_heard > self.timeout:
+                if self.restart_grace_s > 0:
+                    log.warning("peer %s silent for %.1fs: restarting? its jobs wait up to %.1fs", peer.node,
+                                now - peer.last_heard, self.restart_grace_s)
+                    self._begin_restart(peer, announced=False)
+                else:
+                    log.warning("peer %s silent for %.1fs: down", peer.node, now - peer.last_heard)
+                    self._down(peer)
 
     def send_heartbeats(self) -> None:
         """Send heartbeats (and unanswered hellos) when due. Reads nothing, so a caller busy elsewhere (a slow
@@ -312,10 +381,26 @@ class PeerPlane:
             for node in self.peers:
                 self.send(node, PeerHeartbeat(seq=self._hb_seq, t=now))
 
+    def _begin_restart(self, peer: PeerState, *, announced: bool) -> None:
+        """``peer`` is restarting (it said so, or went silent): its jobs wait out the grace period."""
+        if self.restart_grace_s <= 0:
+            self._down(peer)
+            return
+        if announced and peer.restarting_until:
+            peer.restart_announced = True  # a silent node that then said so: its next life ends it
+            return
+        if not peer.up:
+            return  # down already (its grace ran out, or it said goodbye): nothing left to hold
+        peer.up = False
+        peer.restarting_until = self._clock() + self.restart_grace_s
+        peer.restart_announced = announced
+        self._on_restarting(peer.node, announced)
+
     def _down(self, peer: PeerState) -> None:
-        """Report ``peer`` down once (a timeout, a goodbye, a restart); it is up again when it next speaks."""
-        if peer.up:
-            peer.up = False
+        """Report ``peer`` down once (a timeout, a goodbye, a restart, the end of its restart grace period);
+        it is up again when it next speaks."""
+        if peer.up or peer.restarting_until:
+            peer.up, peer.restarting_until, peer.restart_announced = False, 0.0, False
             self._on_down(peer.node)
 
     def close(self) -> None:

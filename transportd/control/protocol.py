@@ -76,7 +76,9 @@ __all__ = [
     "PeerJobLost",
     "PeerMessage",
     "PeerRankLeft",
+    "PeerQuiesced",
     "PeerRegions",
+    "PeerRestarting",
     "PeerSelftest",
     "PeerSelftestReport",
     "QueueEndpoint",
@@ -84,6 +86,7 @@ __all__ = [
     "Record",
     "RegionInfo",
     "Register",
+    "Restart",
     "Selftest",
     "ReplyCode",
     "Request",
@@ -315,6 +318,9 @@ class Join(Request):
     device: Annotated[int, Meta(ge=-1, le=MAX_DEVICE)]
     #: -1: the rail of ``device``; else this rail (``transportctl selftest`` tests each one)
     rail: Annotated[int, Meta(ge=-1, le=MAX_RAILS - 1)] = -1
+    #: a session coming back to a restarted daemon (gpuclient re-attaches by itself, docs/restart.md): the
+    #: register, flags and channel requests that follow re-send the memory the old daemon served
+    resume: bool = False
 
     def _check(self) -> None:
         self._range("rank", 0, self.world - 1)
@@ -330,7 +336,8 @@ class Register(Request):
     the same way (``cuMemGetHandleForAddressRange``; registered with ``DmaBufMR``, remote addresses are then
     offsets). A path is refused: the daemon maps only what the client itself could open and hand over.
     ``address`` is the client's virtual address of the region, kept for reports. ``access`` lists what
-    remote peers may do: ``read``, ``write``, ``atomic``.
+    remote peers may do: ``read``, ``write``, ``atomic``. ``id`` -1 takes the rank's next region id; a
+    session re-attaching to a restarted daemon names the id it had, so kernels' commands stay valid.
     """
 
     op: ClassVar[str] = "register"
@@ -342,6 +349,7 @@ class Register(Request):
     offset: U64 = 0  #: at most 2**64 - 1 - size: checked with ``size``
     address: U64 = 0
     access: tuple[str, ...] = ("read", "write")
+    id: Annotated[int, Meta(ge=-1, le=MAX_REGIONS - 1)] = -1
 
     def _check(self) -> None:
         if isinstance(self.handle, str):
@@ -369,7 +377,9 @@ class Flags(Request):
     """Allocate ``count`` 64-bit flag words that peers signal, in GPU memory or host-mapped memory.
 
     ``device`` flags are allocated by the GPU client: ``handle`` is the 64-byte ``CUipcMemHandle`` of that
-    allocation and ``offset`` the flags' place in it (the daemon publishes into them).
+    allocation and ``offset`` the flags' place in it (the daemon publishes into them). ``adopt`` names a
+    flag file passed back on the descriptor socket (the one an earlier daemon made, re-sent by a session
+    re-attaching after a restart): the daemon serves that file, counters as they are, instead of a new one.
     """
 
     op: ClassVar[str] = "flags"
@@ -377,6 +387,7 @@ class Flags(Request):
     where: Literal["host", "device"] = "device"
     handle: bytes = b""
     offset: U64 = 0
+    adopt: Annotated[int, Meta(ge=-1, le=MAX_FD_ID)] = -1
 
     def _check(self) -> None:
         if self.handle and len(self.handle) != CUDA_IPC_HANDLE_BYTES:
@@ -403,13 +414,21 @@ class Channel(Request):
     by the client in its own process on the rank's IBGDA domain (the reply grants it: the domain's command
     descriptor, offered on the descriptor socket, its PD handle, the peers); the client then sends
     :class:`ChannelConnect` and asks :class:`ChannelInfo` until ``ready``.
+
+    ``adopt`` names a ring passed back on the descriptor socket (a session re-attaching after a restart):
+    the daemon drains that ring from its published consumer position, keeping channel ``id`` where it is
+    free, and reports the records an earlier daemon took but never saw complete (``in_doubt``).
     """
 
     op: ClassVar[str] = "channel"
     capacity: int = 0  #: its range depends on ``kind``
     kind: Literal["ring", "ibgda"] = "ring"
+    adopt: Annotated[int, Meta(ge=-1, le=MAX_FD_ID)] = -1
+    id: U32 = 0
 
     def _check(self) -> None:
+        if self.adopt >= 0 and self.kind != "ring":
+            self._fail("adopt", "only a ring can be adopted (an IBGDA channel does not survive a restart)")
         if self.kind == "ring" and self.capacity == 0:
             return  # the daemon's default
         if self.kind == "ibgda":
@@ -528,6 +547,14 @@ class TraceStop(Request):
     op: ClassVar[str] = "trace_stop"
     job: Name
     rank: Rank
+
+
+@_request
+class Restart(Request):
+    """``transportctl restart``: hand over to a new daemon of the same command line (re-executed, same pid):
+    the jobs keep their rings, flags and regions (docs/restart.md). Root or the daemon's own user only."""
+
+    op: ClassVar[str] = "restart"
 
 
 @_request
@@ -717,18 +744,26 @@ class PeerDisconnect(PeerMessage):
 
 @_peer
 class PeerRegions(PeerMessage):
-    """The regions rank ``rank`` of ``job`` registered on the sending node (replaces earlier announcements)."""
+    """The regions rank ``rank`` of ``job`` registered on the sending node (replaces earlier announcements).
+
+    ``flag_seeds`` are the nonzero counters of its flag array as they are now (``FLAG_SEED_DTYPE`` records:
+    slot, pad, value): a flag array that outlived a daemon restart, so that a sender writing absolute flag
+    values (ib write and fence modes) goes on from them rather than from 0.
+    """
 
     op: ClassVar[str] = "peer_regions"
     job: Name
     rank: Rank
     regions: tuple[RegionInfo, ...]
+    flag_seeds: Annotated[bytes, Meta(max_length=16 * MAX_FLAGS)] = b""
 
     def _check(self) -> None:
         if len(self.regions) > MAX_REGIONS:
             self._fail("regions", f"at most {MAX_REGIONS} regions, got {len(self.regions)}")
         if len({(r.id, r.rail) for r in self.regions}) != len(self.regions):
             self._fail("regions", "lists the same (id, rail) twice")
+        if len(self.flag_seeds) % 16:
+            self._fail("flag_seeds", f"must be 16-byte records, got {len(self.flag_seeds)} bytes")
 
 
 @_peer
@@ -773,6 +808,25 @@ class PeerSelftestReport(PeerMessage):
     job: Name
     report: Opaque
     error: Text = ""
+
+
+@_peer
+class PeerRestarting(PeerMessage):
+    """The sender's daemon is restarting (SIGTERM, ``transportctl restart``): hold every record for its
+    ranks, let what is in flight to it complete, answer ``peer_quiesced``, and keep its jobs for
+    ``peers.restart_grace_s`` while its next life comes back and its ranks re-announce themselves."""
+
+    op: ClassVar[str] = "peer_restarting"
+    node: NodeName
+
+
+@_peer
+class PeerQuiesced(PeerMessage):
+    """The answer to ``peer_restarting``: nothing of the sender's is in flight to the restarting node any
+    more (its connections there are held and drained), so the restarting node may stop."""
+
+    op: ClassVar[str] = "peer_quiesced"
+    node: NodeName
 
 
 @_peer
@@ -914,6 +968,7 @@ TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
         "selftest": SessionState.READY,
         "trace_start": SessionState.READY,
         "trace_stop": SessionState.READY,
+        "restart": SessionState.READY,
     },
     SessionState.JOINED: {
         "register": SessionState.JOINED,
@@ -928,6 +983,7 @@ TRANSITIONS: dict[SessionState, dict[str, SessionState]] = {
         "selftest": SessionState.JOINED,
         "trace_start": SessionState.JOINED,
         "trace_stop": SessionState.JOINED,
+        "restart": SessionState.JOINED,
         "leave": SessionState.READY,
     },
 }

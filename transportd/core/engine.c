@@ -97,6 +97,9 @@ typedef struct {
     int64_t inflight; /* WRs posted and not completed */
     uint64_t hist[HIST];
     uint64_t bytes;
+    int holding;   /* its peer's daemon is restarting: records for it stay in the rings (rows still post) */
+    int broken;    /* the far end stopped answering (retry exceeded): held, until the control plane decides */
+    int broken_told;
     Waiting *rows; /* FIFO: rows[head..count) wait */
     size_t head, count, cap;
 } Conn;
@@ -117,6 +120,8 @@ typedef struct {
     uint64_t seen_pos;
     int64_t seen_ns;
     int touched, quiet;
+    int blocked; /* the record at blocked_pos was for a held connection: wait_ready does not count it */
+    uint64_t blocked_pos;
     uint64_t codes[256]; /* refused or failed records by ErrorCode: the error word keeps only the first */
     tpd_trace *trace;    /* set while the channel is traced (trace.h); NULL costs one branch per pass */
 } Channel;
@@ -266,6 +271,12 @@ static Channel *find_channel(Engine *e, int64_t id) {
     return NULL;
 }
 
+/* Whatever held a channel's head record may have changed: wait_ready counts every head again. (Every pass
+ * translates the head anew, so a table changed in place is seen at the next pass anyway.) */
+static void unblock_channels(Engine *e) {
+    for (size_t i = 0; i < e->nchans; i++) e->chans[i]->blocked = 0;
+}
+
 /* Publish each touched channel's completion position: the first position not yet complete. */
 static void advance_touched(Engine *e) {
     for (size_t i = 0; i < e->nchans; i++) {
@@ -359,7 +370,7 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     tpd_cmd_record *recs = e->recs;
     uint16_t *codes = e->tcode;
     uint64_t n = 0, commands = 0;
-    int overrun = 0;
+    int overrun = 0, held = 0;
     for (; n < limit; n++) {
         const tpd_cmd_record *slot = &slots[(pos + n) & mask];
         if (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != want) break;
@@ -371,6 +382,10 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
         uint16_t code = gone ? TPD_CLIENT_GONE : tpd_translate(rec, &sv, &pv, max_length, rows, &k, &conn);
         if (k) {
             Conn *c = &e->conns[conn];
+            if (c->holding) { /* its peer's daemon is restarting: this record and the rest wait in the ring */
+                held = 1;
+                break;
+            }
             if (c->inflight + (int64_t)conn_pending(c) + k > cap) { /* the rest stays in the ring */
                 overrun = 1;
                 break;
@@ -402,6 +417,10 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     ch->position = pos + n;
     if (overrun) {
         *stalled = 1;
+        note_waiting(ch, now);
+    } else if (held) { /* until the peer is re-wired: not a stall, and wait_ready does not count this head */
+        ch->blocked = 1;
+        ch->blocked_pos = ch->position;
         note_waiting(ch, now);
     } else if ((int64_t)n <= safe && (int64_t)n == budget && (uint64_t)budget < e->max_take &&
                record_ready(ch, ch->position)) {
@@ -739,9 +758,23 @@ static int post(Engine *e, int64_t now) {
 }
 
 /* ---- completions ---------------------------------------------------------------------------------- */
+enum { WC_LOC_PROT = 4, WC_FLUSH = 5, WC_REM_ACCESS = 10, WC_RETRY_EXC = 12, WC_RESP_TIMEOUT = 20 };
+
 static uint16_t completion_code(uint32_t status) {
     if (status == 0) return 0;
-    return (status == 4 || status == 10) ? TPD_REMOTE_ACCESS : TPD_TRANSPORT; /* LOC_PROT_ERR, REM_ACCESS_ERR */
+    return (status == WC_LOC_PROT || status == WC_REM_ACCESS) ? TPD_REMOTE_ACCESS : TPD_TRANSPORT;
+}
+
+/* The far end not answering (RC retry exceeded, SRD response timeout: its daemon died, or the path) leaves
+ * a WR's outcome unknown: the data may or may not be placed. Its connection is held from then on (records
+ * for its peers wait in the rings) and broken (the control plane re-wires it when the peer's next life
+ * comes, else fails it); what its QP flushes from then on has an unknown outcome too. */
+static int unanswered(uint32_t status) { return status == WC_RETRY_EXC || status == WC_RESP_TIMEOUT; }
+
+/* A failed completion's code for the command's channel (after its group marked broken connections). */
+static uint16_t failed_code(const Conn *c, uint32_t status) {
+    if (unanswered(status) || (status == WC_FLUSH && c->broken)) return TPD_UNKNOWN_OUTCOME;
+    return completion_code(status);
 }
 
 /* Tokens of `g` listed in `local` (indexes, with statuses) completed: free their WRs, finish their commands
@@ -751,6 +784,12 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
     int ascending = 1;
     for (size_t i = 1; i < n && ascending; i++) ascending = local[i - 1] < local[i];
     if (ascending) { /* the usual case (completions in post order): only the completed batches' commands */
+        if (!forced)
+            for (size_t i = 0; i < n; i++)
+                if (status[i] && unanswered((uint32_t)status[i]) && !g->done[local[i]]) {
+                    Conn *c = &e->conns[g->tok_conn[local[i]]];
+                    c->holding = c->broken = 1;
+                }
         Channel *ch = NULL;
         size_t fresh = 0;
         for (size_t i = 0; i < n; i++) {
@@ -762,7 +801,7 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
             uint16_t code = 0;
             if (status[i]) {
                 e->counters[C_COMPLETION_ERRORS]++;
-                code = forced ? forced : completion_code((uint32_t)status[i]);
+                code = forced ? forced : failed_code(&e->conns[g->tok_conn[t]], (uint32_t)status[i]);
             }
             for (int64_t k = g->tok_cmds[t]; k < g->tok_cmds[t + 1]; k++) {
                 if (!ch || ch->id != g->cmd_chan[k]) ch = find_channel(e, g->cmd_chan[k]);
@@ -796,7 +835,13 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
     if (any_status) {
         for (size_t i = 0; i < n; i++)
             if (newly[local[i]]) tok_status[local[i]] = status[i];
-        for (size_t t = 0; t < g->nb; t++) e->counters[C_COMPLETION_ERRORS] += tok_status[t] != 0;
+        for (size_t t = 0; t < g->nb; t++) {
+            e->counters[C_COMPLETION_ERRORS] += tok_status[t] != 0;
+            if (!forced && unanswered((uint32_t)tok_status[t])) {
+                Conn *c = &e->conns[g->tok_conn[t]];
+                c->holding = c->broken = 1;
+            }
+        }
     }
     Channel *ch = NULL; /* commands come in runs of one channel: look it up once per run */
     for (size_t k = 0; k < g->ncmd; k++) {
@@ -804,7 +849,9 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
         if (!newly[t]) continue;
         if (!ch || ch->id != g->cmd_chan[k]) ch = find_channel(e, g->cmd_chan[k]);
         if (!ch) continue;
-        if (tok_status[t]) report_late(e, ch, forced ? forced : completion_code((uint32_t)tok_status[t]), g->cmd_pos[k]);
+        if (tok_status[t])
+            report_late(e, ch, forced ? forced : failed_code(&e->conns[g->tok_conn[t]], (uint32_t)tok_status[t]),
+                        g->cmd_pos[k]);
         mark_done(ch, g->cmd_pos[k]);
     }
 }
@@ -1026,8 +1073,11 @@ static int watch(Engine *e, int64_t timeout_ns, int64_t nap_ns, int wake_fd) {
     struct timespec pause = ns_timespec(nap_ns);
     struct pollfd wake = {.fd = wake_fd, .events = POLLIN};
     for (;;) {
-        for (size_t i = 0; i < e->nchans; i++)
-            if (record_ready(e->chans[i], e->chans[i]->position)) return WATCH_FOUND;
+        for (size_t i = 0; i < e->nchans; i++) {
+            Channel *ch = e->chans[i];
+            if (!(ch->blocked && ch->blocked_pos == ch->position) && record_ready(ch, ch->position))
+                return WATCH_FOUND;
+        }
         if (interrupted(e)) return WATCH_WOKEN;
         if (now_ns() >= deadline) return WATCH_TIMEOUT;
         if (wake_fd >= 0) {
@@ -1308,6 +1358,7 @@ static PyObject *Engine_set_peers(Engine *e, PyObject *args) {
     free(j->conns);
     j->conns = conns;
     j->nconns = nconns;
+    unblock_channels(e); /* a held peer may be bound elsewhere now */
     Py_RETURN_NONE;
 }
 
@@ -1405,6 +1456,32 @@ static PyObject *Engine_fail_connection(Engine *e, PyObject *args) {
     if (idx < 0 || (size_t)idx >= e->nconns) return PyErr_Format(PyExc_ValueError, "no connection index %zd", idx);
     if (fail_connection(e, idx, (uint16_t)code)) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+/* hold_connection(idx, on): while on, records for the peers bound to the connection stay in their rings
+ * (the peer's daemon is restarting); rows already waiting for it still post, so it drains. */
+static PyObject *Engine_hold_connection(Engine *e, PyObject *args) {
+    Py_ssize_t idx;
+    int on;
+    if (!PyArg_ParseTuple(args, "np", &idx, &on)) return NULL;
+    if (idx < 0 || (size_t)idx >= e->nconns) return PyErr_Format(PyExc_ValueError, "no connection index %zd", idx);
+    e->conns[idx].holding = on;
+    unblock_channels(e);
+    Py_RETURN_NONE;
+}
+
+/* broken_connections() -> ids of connections newly broken (failed_code) since the last call. */
+static PyObject *Engine_broken_connections(Engine *e, PyObject *unused) {
+    PyObject *out = PyList_New(0);
+    for (size_t i = 0; out && i < e->nconns; i++) {
+        Conn *c = &e->conns[i];
+        if (!c->broken || c->broken_told) continue;
+        c->broken_told = 1;
+        PyObject *id = PyLong_FromLongLong(c->id);
+        if (!id || PyList_Append(out, id) < 0) Py_CLEAR(out);
+        Py_XDECREF(id);
+    }
+    return out;
 }
 
 static PyObject *Engine_set_taking(Engine *e, PyObject *arg) {
@@ -1681,6 +1758,10 @@ static PyMethodDef Engine_methods[] = {
     {"remove_channel", (PyCFunction)Engine_remove_channel, METH_O, "Forget a channel."},
     {"fail_connection", (PyCFunction)Engine_fail_connection, METH_VARARGS, "A connection index is gone."},
     {"set_taking", (PyCFunction)Engine_set_taking, METH_O, "Whether records are taken from the rings."},
+    {"broken_connections", (PyCFunction)Engine_broken_connections, METH_NOARGS,
+     "Ids of connections whose far end stopped answering, each reported once."},
+    {"hold_connection", (PyCFunction)Engine_hold_connection, METH_VARARGS,
+     "hold_connection(idx, on): keep records for the connection's peers in their rings (a peer restarting)."},
     {"channel_state", (PyCFunction)Engine_channel_state, METH_VARARGS, "A channel's positions and error word."},
     {"channel_codes", (PyCFunction)Engine_channel_codes, METH_O, "A channel's refused records by ErrorCode."},
     {"trace_open", (PyCFunction)Engine_trace_open, METH_VARARGS,

@@ -13,7 +13,8 @@
  *   - only the last WR of a batch (a run of rows with one token; token 0 never ends a run) is signaled;
  *   - write/fence modes keep a shadow value per (raddr, rkey): ADD adds to it, SET sets it, the new
  *     absolute value is written from a staging slot (one per SQ entry, slot = number % depth), inline
- *     when the QP has inline data, else through an SGE;
+ *     when the QP has inline data, else through an SGE; a shadow this connection never signalled starts at
+ *     the value its receiver announced (seed_shadow: flags that outlived a daemon restart), else at 0;
  *   - fence mode (and SET in atomic mode) precede the flag with a zero-length ordering read unless the WR
  *     before is one, and fence the flag; a FENCE row is an ordering read and fences the next WR;
  *   - a post that would overrun the SQ is refused whole (nothing posted); a connection whose QP failed
@@ -562,6 +563,46 @@ static PyObject *IbPoster_remove_connection(IbPoster *p, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* seed_shadow(conn_id, base, rkey, seeds): the flag words at base + 8 * slot (rkey) hold these values already
+ * (seeds: (u32 slot, u32 pad, u64 value) records, what their receiver announced). A word this connection
+ * has signalled keeps its shadow: only words it never wrote start from the receiver's value. */
+static PyObject *IbPoster_seed_shadow(IbPoster *p, PyObject *args) {
+    long long id;
+    unsigned long long base;
+    unsigned int rkey;
+    Py_buffer seeds;
+    if (!PyArg_ParseTuple(args, "LKIy*", &id, &base, &rkey, &seeds)) return NULL;
+    Conn *c = find_conn(p, id);
+    PyObject *res = NULL;
+    if (!c) {
+        PyErr_Format(p->exc_backend, "unknown connection %lld", id);
+    } else if (seeds.len % 16) {
+        PyErr_SetString(PyExc_ValueError, "seeds must be 16-byte (slot, pad, value) records");
+    } else {
+        const uint8_t *b = seeds.buf;
+        size_t n = (size_t)seeds.len / 16, seeded = 0;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t slot;
+            uint64_t value;
+            memcpy(&slot, b + 16 * i, 4);
+            memcpy(&value, b + 16 * i + 8, 8);
+            size_t before = c->shadow_n;
+            Shadow *sh = shadow_slot(c, base + 8ull * slot, rkey);
+            if (!sh) {
+                PyErr_NoMemory();
+                break;
+            }
+            if (c->shadow_n != before) { /* a word this connection never signalled */
+                sh->value = value;
+                seeded++;
+            }
+        }
+        if (!PyErr_Occurred()) res = PyLong_FromSize_t(seeded);
+    }
+    PyBuffer_Release(&seeds);
+    return res;
+}
+
 static PyObject *IbPoster_inflight(IbPoster *p, PyObject *arg) {
     long long id = PyLong_AsLongLong(arg);
     if (id == -1 && PyErr_Occurred()) return NULL;
@@ -628,6 +669,8 @@ static PyMethodDef IbPoster_methods[] = {
     {"connect", (PyCFunction)IbPoster_connect, METH_O, "Mark a connection connected (its QP is in RTS)."},
     {"remove_connection", (PyCFunction)IbPoster_remove_connection, METH_O, "Forget a connection and free its key."},
     {"inflight", (PyCFunction)IbPoster_inflight, METH_O, "WRs posted on a connection and not known complete."},
+    {"seed_shadow", (PyCFunction)IbPoster_seed_shadow, METH_VARARGS,
+     "seed_shadow(conn_id, base, rkey, seeds) -> words seeded: flag values the receiver announced."},
     {"post_batches", (PyCFunction)IbPoster_post_batches, METH_VARARGS,
      "post_batches(conn_ids, plan, bounds) -> int64 WR counts per batch, as bytes."},
     {"post", (PyCFunction)IbPoster_post, METH_VARARGS, "post(conn_id, plan) -> WRs posted."},

@@ -41,6 +41,7 @@ enum tpd_error_code {
     TPD_PEER_LOST = 8,
     TPD_REMOTE_ACCESS = 9,
     TPD_TRANSPORT = 10,
+    TPD_UNKNOWN_OUTCOME = 14,
 };
 
 enum tpd_plan_op { TPD_PLAN_WRITE = 1, TPD_PLAN_SIGNAL = 2, TPD_PLAN_FENCE = 3 };

@@ -79,7 +79,8 @@ class ClientSessions:
         state = self.state
         self.ranks.setdefault(client_id, None)
         reply = {"node": state.node, "backend": state.config.backend.kind, "rails": len(state.workers),
-                 "version": protocol.V, "keepalive_s": state.config.control.client_timeout_s / 4}
+                 "version": protocol.V, "keepalive_s": state.config.control.client_timeout_s / 4,
+                 "restart_grace_s": state.config.peers.restart_grace_s}
         if state.fdserver is not None:
             for token in [t for t, cid in self._tokens.items() if cid == client_id]:
                 del self._tokens[token]
@@ -180,7 +181,8 @@ class ClientSessions:
                          pid=self.pids.get(client_id, 0))
         job.local[req.rank] = rank
         self.ranks[client_id] = rank
-        log.info("job %s rank %d joined (device %d, rail %d)", req.job, req.rank, req.device, rail)
+        log.info("job %s rank %d %s (device %d, rail %d)", req.job, req.rank,
+                 "re-attached after a restart" if req.resume else "joined", req.device, rail)
         return {"node": state.node, "rail": rail, "flags_placement": state.flags_placement(req.device)}
 
     def joined(self, client_id: bytes) -> LocalRank:

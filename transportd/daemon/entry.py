@@ -5,6 +5,7 @@ daemons). The rest of the ``transportd`` command (the demo, the benchmarks) live
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -25,7 +26,7 @@ def main() -> None:
 @click.option("--config", "config_path", type=click.Path(), default=None,
               help="TOML config (default: built-in defaults); one that cannot be read exits 78, as a bad one does")
 def run(config_path: str | None) -> None:
-    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    """Run the daemon in the foreground until SIGTERM or SIGINT (SIGHUP: hand over to a fresh daemon)."""
     import zmq
 
     from transportd.config import load_config
@@ -53,3 +54,9 @@ def run(config_path: str | None) -> None:
     if daemon.failure:
         click.echo(f"transportd: {daemon.failure}", err=True)
         sys.exit(EXIT_SOFTWARE)
+    if daemon.reexec:
+        # the jobs are handed over (docs/restart.md): the same command line again, in this pid, so systemd
+        # keeps its main process; the config and the installed code are read anew
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os.execv(sys.executable, sys.orig_argv)

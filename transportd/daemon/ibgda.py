@@ -113,7 +113,7 @@ class IbgdaChannels:
             raise RequestError("channel_failed", str(exc)) from None
         (fd,) = domain.pop("fds")
         offer = self.clients.offer(rank, conn, fd, "ibgda")  # owned by the offer from here on
-        chan = IbgdaChannel(next(state.channel_ids), rank.rail, wqe_cnt)
+        chan = IbgdaChannel(state.new_channel_id(), rank.rail, wqe_cnt)
         for peer in range(job.world):
             if peer != rank.rank:
                 chan.queues[peer] = IbgdaQueue(peer, state.node_of(job, peer))
@@ -223,6 +223,18 @@ class IbgdaChannels:
             if queue.node != state.node and state.peers is not None:  # the far end closes its responder
                 state.peers.send(queue.node, PeerDisconnect(job=rank.job, rail=chan.rail, conn=queue.queue_id))
             queue.state = "failed"
+
+    def let_go(self, rank: LocalRank) -> None:
+        """The daemon is handing over (its workers are gone): forget ``rank``'s IBGDA channels and domain here,
+        telling no one. They do not survive a restart (the domain was the old workers', the queue pairs'
+        keys and the peers' are in the kernels' handles): the client reports them lost (CHANNEL_LOST) and
+        opens new ones on the next daemon's domain."""
+        for chan in self.channels.pop((rank.job, rank.rank), {}).values():
+            for queue in chan.queues.values():
+                self.waiting.pop((queue.node, queue.queue_id), None)
+        domain = self.domains.pop((rank.job, rank.rank), None)
+        for fd in (domain or {}).pop("fds", ()):
+            os.close(fd)
 
     def connect_accepted(self, node: str, msg: PeerConnectAccept) -> bool:
         """If ``msg`` answers one of our queues, record its far end (True); else it is not ours (False)."""

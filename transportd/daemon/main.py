@@ -18,11 +18,18 @@ The parts, each owning its own state, over the resources they share (:class:`~tr
 The :class:`Daemon` is the handler the servers call: its ``on_<op>`` methods (one section for the control
 ops, one for the descriptor socket, one for the peer plane) each hand the request to the part that owns it,
 and releasing a rank (a client leaving, exiting or going silent; a self-test ending) runs through every part.
+
+Stopping is a *handover* (docs/restart.md) unless the daemon stops because a rail worker died: it tells its
+peers it is restarting and waits (briefly) until nothing of theirs is in flight to it, drains its rails
+(every record taken is completed, and each ring's consumer position is published in the ring, which the
+client holds), and exits without ending any session: its clients re-attach to the next daemon with the
+same memory, and its peers keep their side of every job for ``peers.restart_grace_s``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -50,11 +57,14 @@ from transportd.control.protocol import (
     PeerDisconnect,
     PeerJobLost,
     PeerMessage,
+    PeerQuiesced,
     PeerRankLeft,
     PeerRegions,
     PeerSelftest,
     PeerSelftestReport,
     Register,
+    ReplyCode,
+    Restart,
     Selftest,
     Stats,
     TraceStart,
@@ -79,6 +89,8 @@ from transportd.ops.metrics import MetricsServer
 __all__ = ["Daemon"]
 
 log = logging.getLogger("transportd")
+
+QUIESCE_WAIT_S = 3.0  # a restarting daemon waits this long at most for its peers' peer_quiesced
 
 
 class Daemon:
@@ -105,6 +117,10 @@ class Daemon:
         self.snapshot: dict[str, Any] = {"node": self.node}  # the last stats(), for other threads (metrics)
         self.metrics: MetricsServer | None = None
         self.peer_wait_s = config.peers.ready_wait_s  # READY=1 waits this long for the static peers at most
+        self.reexec = False  # stopping to execute this command line again (transportctl restart, SIGHUP)
+        self.quiesced: set[str] = set()  # peers that answered our peer_restarting
+        self._serving = False  # run() began: stopping from now on hands the jobs over
+        self._closing = False
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -125,8 +141,10 @@ class Daemon:
             state.peers = PeerPlane(
                 self.node, config.backend.kind, count, config.peers.listen, config.peers.static,
                 on_message=self.on_peer_message, on_peer_down=self.on_peer_down, on_peer_up=self.on_peer_up,
+                on_peer_restarting=self.on_peer_restarting, on_peer_restarted=self.on_peer_restarted,
                 heartbeat_interval_s=config.peers.heartbeat_interval_s,
-                heartbeat_timeout_s=config.peers.heartbeat_timeout_s, curve=curve)
+                heartbeat_timeout_s=config.peers.heartbeat_timeout_s,
+                restart_grace_s=config.peers.restart_grace_s, curve=curve)
             for worker in state.workers:
                 worker.on_wait = self._while_a_worker_call_waits
             if config.metrics.listen:
@@ -158,17 +176,21 @@ class Daemon:
         assert control and peers
         next_liveness = next_report = 0.0
         started = time.monotonic()
+        self._serving = True
         while not self.stop_event.is_set():
             control.poll(1)
             if self.state.fdserver is not None:
                 self.state.fdserver.poll(0)
             peers.poll(0)
+            self.peering.tick()
             now = time.monotonic()
             if now >= next_liveness:
                 next_liveness = now + 0.2
                 self._check_workers()
                 self._check_clients()
                 self.selftests.expire()
+                self.peering.check_broken()
+                self.peering.expire()
                 if not self.ready:
                     if self._static_peers_up() or now - started > self.peer_wait_s:
                         self.ready = True
@@ -182,8 +204,12 @@ class Daemon:
                 next_report = now + 1.0
                 self.snapshot = self.stats()
             self.notifier.tick()
-        self.notifier.stopping("stopping: draining the rails")
-        log.info("stopping: draining the rails")
+        if self.reexec:
+            self.notifier.reloading("restarting: handing the jobs over to the next daemon")
+        else:
+            self.notifier.stopping("stopping: draining the rails")
+        log.info("stopping: draining the rails (%s)", "then restarting" if self.reexec else "jobs handed over"
+                 if self.failure is None else "jobs end")
 
     def _while_a_worker_call_waits(self) -> None:
         if self.state.peers is not None:
@@ -203,23 +229,40 @@ class Daemon:
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGHUP, lambda *_: self.request_restart())  # the unit's ExecReload
+
+    def request_restart(self) -> None:
+        """Hand the jobs over and execute this daemon's command line again (same pid, config read anew)."""
+        self.reexec = True
+        self.stop_event.set()
 
     def close(self) -> None:
-        """Drain and stop the workers, then say goodbye to peers and reclaim every client.
+        """Stop: hand the jobs over to the next daemon (module doc), or, when the daemon stops because a rail
+        worker died, say goodbye to peers and end every session.
 
         Draining comes first, while clients' rings and the peers' connections are still in place: every
-        record committed before the stop is posted and completed (``Proxy.drain``, bounded per rail).
+        record committed before the stop is posted and completed (``Proxy.drain``, bounded per rail). A
+        handover tells the peers first, so that what they have in flight to us completes before we drain.
         """
         state = self.state
+        handover = self._serving and self.failure is None
+        self._closing = True
+        if handover and state.peers is not None:
+            self._quiesce_peers()
         self.selftests.close()
         self.tracing.close()
         for worker in state.workers:
             worker.stop()
         state.workers.clear()
-        if state.peers:
-            state.peers.goodbye("shutdown")
-        for client_id in list(self.clients.ranks):
-            self._reclaim(client_id, "shutdown")
+        if handover:
+            self._let_go()
+            if state.peers:
+                state.peers.fall_silent()
+        else:
+            if state.peers:
+                state.peers.goodbye("shutdown")
+            for client_id in list(self.clients.ranks):
+                self._reclaim(client_id, "shutdown")
         if state.fdserver:
             state.fdserver.close()
             state.fdserver = None
@@ -232,6 +275,39 @@ class Daemon:
         if state.peers:
             state.peers.close()
             state.peers = None
+
+    def _quiesce_peers(self) -> None:
+        """Tell the peers we are restarting and wait (at most QUIESCE_WAIT_S) until each answers that nothing of
+        its own is in flight to us any more: what they wrote here is then placed, and our drain publishes it."""
+        plane = self.state.plane
+        told = set(plane.announce_restart())
+        wait_s = min(QUIESCE_WAIT_S, self.config.peers.restart_grace_s)
+        deadline = time.monotonic() + wait_s
+        while told - self.quiesced and time.monotonic() < deadline:
+            plane.poll(5)
+            self.notifier.tick()
+        late = sorted(told - self.quiesced)
+        if late:
+            log.warning("peer(s) %s did not say peer_quiesced within %.1fs: what they still had in flight to us "
+                        "has an unknown outcome for them", ", ".join(late), wait_s)
+        log.info("peers told of the restart: %d, quiesced: %d", len(told), len(told & self.quiesced))
+
+    def _let_go(self) -> None:
+        """Release every session without ending it: nothing is written into its rings or flags, no peer hears
+        of its ranks leaving. The memory stays the clients'; they re-attach to the next daemon."""
+        kept = 0
+        for rank in [r for r in self.clients.ranks.values() if r is not None]:
+            for ring in rank.channels.values():
+                ring.close()
+            rank.channels.clear()
+            if rank.flags is not None:
+                rank.flags.close()
+                rank.flags = None
+            self.ibgda.let_go(rank)
+            kept += 1
+        self.clients.ended["shutdown"] += kept
+        if kept:
+            log.info("%d session(s) handed over: their rings, flags and memory wait for the next daemon", kept)
 
     # --- liveness and reclaiming -----------------------------------------------------------------------
     def _check_workers(self) -> None:
@@ -299,6 +375,8 @@ class Daemon:
         conn = self.clients.side_for(client_id, "a channel's memory (a ring, or IBGDA queues)")
         if req.kind == "ibgda":
             return self.ibgda.open(rank, conn, req.capacity)
+        if req.adopt >= 0:  # a session re-attaching after a restart passed its ring back
+            return self.memory.adopt_ring(rank, conn, req.adopt, req.id)
         return self.memory.open_ring(rank, conn, req.capacity)
 
     def on_channel_info(self, client_id: bytes, req: ChannelInfo) -> dict[str, Any]:
@@ -329,6 +407,15 @@ class Daemon:
         conn = self.clients.side_for(client_id, "a trace file")
         return self.tracing.stop(self.clients.identity(client_id), conn, req)
 
+    def on_restart(self, client_id: bytes, req: Restart) -> dict[str, Any]:
+        ident = self.clients.identity(client_id)
+        if not (ident.superuser or ident.uid == os.geteuid()):
+            raise RequestError(ReplyCode.FORBIDDEN, "only root or the daemon's own user may restart it "
+                                                    "(`sudo transportctl restart`, or `systemctl reload transportd`)")
+        log.info("restart requested by %s", ident.principal)
+        self.request_restart()
+        return {"pid": os.getpid(), "started": self.started}
+
     def on_leave(self, client_id: bytes, req: Leave) -> dict[str, Any]:
         self._reclaim(client_id, "left")
         return {}
@@ -352,15 +439,35 @@ class Daemon:
 
     # --- the peer plane (PeerPlane calls these) ---------------------------------------------------------
     def on_peer_up(self, node: str) -> None:
-        self.peering.peer_up(node)
+        if not self._closing:
+            self.peering.peer_up(node)
 
     def on_peer_down(self, node: str) -> None:
         """Fail everything that waits on ``node``: clients waiting on it see PEER_LOST, not a hang."""
+        if self._closing:
+            return
         self.ibgda.peer_down(node)
         self.peering.peer_down(node)
         self.selftests.peer_down(node)
 
+    def on_peer_restarting(self, node: str, announced: bool) -> None:
+        """``node`` is restarting (or went silent): hold what is for it, for the grace period."""
+        if not self._closing:
+            self.peering.peer_restarting(node, announced)
+            self.selftests.peer_down(node)  # a self-test's far side does not survive a restart
+
+    def on_peer_restarted(self, node: str) -> None:
+        """``node``'s next life said hello: re-wire its jobs as its ranks come back."""
+        if not self._closing:
+            self.ibgda.peer_down(node)
+            self.peering.peer_restarted(node)
+
     def on_peer_message(self, node: str, msg: PeerMessage) -> None:
+        if isinstance(msg, PeerQuiesced):
+            self.quiesced.add(node)
+            return
+        if self._closing:
+            return  # stopping: only the answers to our peer_restarting matter now
         try:
             if isinstance(msg, PeerRegions):
                 self.peering.on_regions(node, msg)

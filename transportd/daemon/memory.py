@@ -3,15 +3,22 @@
 Regions are mapped and registered on every rail (so any rail can serve a command that names them); the
 flag array and each ring are memfds the daemon makes and offers to the client by descriptor. Host memory
 arrives only by descriptor and must be a size-sealed memfd (:func:`check_host_fd`).
+
+A session re-attaching after a restart (docs/restart.md) sends it all again: its regions under the ids they
+had, and the flag file and rings an earlier daemon made (``adopt``), which this one serves as they are:
+counters untouched, each ring drained from the consumer position published in it. Records that earlier
+daemon took but never saw complete (between the ring's completion and consumer positions) have an unknown
+outcome: the ring's error word says UNKNOWN_OUTCOME from the first of them, and the reply says which.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from cmd_ring import RingFile
+from cmd_ring import RingError, RingFile
 from cmd_ring.shm import size_is_sealed
 from transportd.control.fdchannel import SideConnection, is_memfd
 from transportd.control.protocol import Flags, Register, ReplyCode
@@ -21,7 +28,9 @@ from transportd.dataplane.flagfile import FlagFile
 from transportd.errors import ErrorCode, RequestError, WorkerError
 from transportd.limits import MAX_REGIONS
 
-__all__ = ["RankMemory", "check_host_fd"]
+__all__ = ["RankMemory", "check_adopted_fd", "check_host_fd"]
+
+log = logging.getLogger("transportd")
 
 
 class RankMemory:
@@ -51,19 +60,26 @@ class RankMemory:
             else:
                 # a dma-buf fd arrives the same way; a real-NIC rail would register it with DmaBufMR
                 raise RequestError("unsupported", f"{req.kind} memory needs a real-NIC backend (not available yet)")
-            region_id = self.add_region(rank, op, memory, req.offset, req.size, req.access, f"{req.kind}:{req.offset}")
+            region_id = self.add_region(rank, op, memory, req.offset, req.size, req.access, f"{req.kind}:{req.offset}",
+                                        wanted=req.id)
         finally:
             if fd >= 0:
                 os.close(fd)  # every worker holds its own mapping; the daemon keeps nothing of it
         return {"region": region_id}
 
     def add_region(self, rank: LocalRank, op: str, memory: dict[str, Any], offset: int, size: int,
-                   access: Sequence[str], kind: str) -> int:
+                   access: Sequence[str], kind: str, wanted: int = -1) -> int:
         """Map and register a region of ``rank`` on every rail (worker op ``op`` with ``memory``: descriptors
-        or an IPC handle) and make it a source there; its id. All rails or none: a failure unmaps it."""
-        if rank.next_region >= MAX_REGIONS:
+        or an IPC handle) and make it a source there; its id (``wanted``, where the client names the id it
+        had before a restart). All rails or none: a failure unmaps it."""
+        if wanted >= 0:
+            if wanted in rank.regions:
+                raise RequestError(ReplyCode.INVALID, f"region id {wanted} is taken in this session")
+            region_id = wanted
+        elif rank.next_region >= MAX_REGIONS:
             raise RequestError("too_many_regions", f"a rank may register at most {MAX_REGIONS} regions")
-        region_id = rank.next_region
+        else:
+            region_id = rank.next_region
         key = region_key(rank, region_id)
         workers = self.state.workers
         keys = {}
@@ -76,7 +92,7 @@ class RankMemory:
                 for rail in keys:
                     workers[rail].call("unmap_region", key=key)
                 raise RequestError("register_failed", str(exc)) from None
-        rank.next_region += 1
+        rank.next_region = max(rank.next_region, region_id + 1)
         rank.regions[region_id] = keys
         rank.region_kinds[region_id] = kind
         for worker in workers:
@@ -92,6 +108,8 @@ class RankMemory:
             raise RequestError("unsupported", "device flags are allocated by the GPU client and sent by CUDA IPC "
                                               "handle (gpuclient: session.flags(count, where='device'))")
         conn = self.clients.side_for(client_id, "a flag array (its status word, and the words of host flags)")
+        if req.adopt >= 0:
+            return self._adopt_flags(rank, conn, req)
         # + the status word; a memfd: no other process can open it by name, nothing outlives a killed daemon
         flags, fd = FlagFile.create_memfd(req.count, name=memfd_name("flags", rank.job, rank.rank))
         try:
@@ -109,6 +127,34 @@ class RankMemory:
             raise
         rank.flags = flags
         return {"fd": fd_id, "count": req.count}
+
+    def _adopt_flags(self, rank: LocalRank, conn: SideConnection, req: Flags) -> dict[str, Any]:
+        """Serve the flag file an earlier daemon made for this rank, passed back by its client: its counters
+        and status word as they are (peers keep adding to them where they left off)."""
+        fd = conn.take(req.adopt)
+        try:
+            check_adopted_fd(fd, "flag file")
+            flags = FlagFile.from_fd(os.dup(fd))
+        except (ValueError, OSError) as exc:
+            os.close(fd)
+            raise RequestError(ReplyCode.INVALID, f"the flag file passed back is not one: {exc}") from None
+        try:
+            if flags.count != req.count:
+                raise RequestError(ReplyCode.INVALID, f"the flag file passed back holds {flags.count} flags, "
+                                                      f"not {req.count}")
+            self.map_flags(rank, fd, req.count, req.where, req.handle, req.offset)
+        except WorkerError as exc:
+            self._unmap_flags(rank)
+            flags.close()
+            raise RequestError("flags_failed", str(exc)) from None
+        except BaseException:
+            self._unmap_flags(rank)
+            flags.close()
+            raise
+        finally:
+            os.close(fd)
+        rank.flags = flags
+        return {"count": req.count, "adopted": True}
 
     def map_flags(self, rank: LocalRank, fd: int, count: int, where: str = "host", handle: bytes = b"",
                   offset: int = 0) -> None:
@@ -130,6 +176,37 @@ class RankMemory:
         rank.flag_keys.clear()
 
     # --- rings -----------------------------------------------------------------------------------------
+    def adopt_ring(self, rank: LocalRank, conn: SideConnection, fd_id: int, wanted: int) -> dict[str, Any]:
+        """Serve a ring an earlier daemon made for this rank, passed back by its client: drained from the
+        consumer position published in it. What lies between its completion and consumer positions was
+        taken and never seen complete: reported UNKNOWN_OUTCOME from the first such record (module doc)."""
+        fd = conn.take(fd_id)
+        try:
+            check_adopted_fd(fd, "ring")
+            ring = RingFile.from_fd(os.dup(fd))
+        except (ValueError, OSError, RingError) as exc:
+            os.close(fd)
+            raise RequestError(ReplyCode.INVALID, f"the ring passed back is not one: {exc}") from None
+        first, end = ring.completion_pos, ring.consumer_pos
+        channel_id = self.state.new_channel_id(wanted)
+        if end > first:
+            # before the worker maps it (it starts at `end` and publishes that as complete): no one else
+            # writes this error word now
+            ring.report_error(int(ErrorCode.UNKNOWN_OUTCOME), first, end - first)
+            log.warning("job %s rank %d channel %d: records [%d, %d) were taken by an earlier daemon and never seen "
+                        "complete: UNKNOWN_OUTCOME", rank.job, rank.rank, channel_id, first, end)
+        try:
+            self.state.workers[rank.rail].call("add_channel", channel=channel_id, job=rank.job, rank=rank.rank,
+                                               world=rank.world, fds=(fd,))
+        except WorkerError as exc:
+            ring.close()
+            raise RequestError("channel_failed", str(exc)) from None
+        finally:
+            os.close(fd)
+        rank.channels[channel_id] = ring
+        return {"channel": channel_id, "capacity": ring.capacity, "rail": rank.rail, "position": end,
+                "in_doubt": [first, max(first, end)]}
+
     def open_ring(self, rank: LocalRank, conn: SideConnection, capacity: int) -> dict[str, Any]:
         """A ring of ``capacity`` records (0: ``proxy.ring_capacity``) on the rank's rail, offered to it."""
         capacity = capacity or self.state.config.proxy.ring_capacity
@@ -148,7 +225,7 @@ class RankMemory:
 
     def add_ring(self, rank: LocalRank, capacity: int) -> tuple[int, RingFile, int]:
         """A new ring the rank's rail worker drains: (channel id, the ring, its memfd for the caller)."""
-        channel_id = next(self.state.channel_ids)
+        channel_id = self.state.new_channel_id()
         # a memfd: the client and the rail worker get it by descriptor; no path another process could open
         ring, fd = RingFile.create_memfd(capacity, name=memfd_name("ring", rank.job, rank.rank, channel_id))
         try:
@@ -179,6 +256,15 @@ class RankMemory:
             # a client still waiting on its flags (the daemon stopping, its session expired) stops waiting
             rank.flags.set_status(int(ErrorCode.CLIENT_GONE))
             rank.flags.close()
+
+
+def check_adopted_fd(fd: int, what: str) -> None:
+    """A ring or flag file passed back by a re-attaching client: a memfd whose size is sealed (as the daemon
+    made it), so that no holder can shrink it under the rail workers' mappings."""
+    if not is_memfd(fd):
+        raise ValueError(f"a {what} is a memfd the daemon made, not another kind of descriptor")
+    if not size_is_sealed(fd):
+        raise ValueError(f"a {what}'s memfd has its size sealed (F_SEAL_SHRINK and F_SEAL_GROW)")
 
 
 def check_host_fd(fd: int, offset: int, size: int) -> None:

@@ -13,11 +13,24 @@ All of it idempotent, re-run by :meth:`Peering.refresh_job` whenever something n
 Our end of each such connection is an :class:`OutgoingConnection`; the end a peer asked us for is an
 :class:`AcceptedConnection`. Announcements for a job with no local rank yet are kept (bounded) for the
 first rank that joins it.
+
+A peer daemon restarting (docs/restart.md) keeps its place in every job for ``peers.restart_grace_s``:
+
+- when it says so (``peer_restarting``), or falls silent, our connections to it are *held*: records for its
+  ranks stay in the rings (backpressure), what was already taken posts and completes, and once nothing is
+  in flight to it we answer ``peer_quiesced`` (a node that said so waits for that before it stops);
+- when its next life says hello, those connections are *retired* (whatever was still in flight on them
+  has an unknown outcome and is reported so), its ranks are *returning*: each re-announces itself as its
+  client re-attaches, we connect to the new life and bind the rank to the new connection, and the retired
+  one is closed once every rank of the job there is bound again;
+- a rank not back within the grace period, or a node that never came back, costs its jobs PEER_LOST, as
+  a lost node always did. A node that fell silent and speaks again in the same life is simply un-held.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,12 +40,13 @@ from transportd.control.protocol import (
     PeerConnectRequest,
     PeerDisconnect,
     PeerJobLost,
+    PeerQuiesced,
     PeerRankLeft,
     PeerRegions,
     RegionInfo,
 )
-from transportd.daemon.state import FLAGS_REGION_ID, JobState, LocalRank, NodeState, RemoteRank, quietly
-from transportd.errors import ErrorCode, RequestError
+from transportd.daemon.state import FLAGS_REGION_ID, JobState, LocalRank, NodeState, RemoteRank, flag_seeds, quietly
+from transportd.errors import ErrorCode, RequestError, WorkerError
 
 __all__ = ["MAX_UNCLAIMED_JOBS", "AcceptedConnection", "OutgoingConnection", "Peering"]
 
@@ -49,11 +63,12 @@ class OutgoingConnection:
     job: str
     node: str
     rail: int
-    state: str = "connecting"  # connecting | up | failed
+    state: str = "connecting"  # connecting | up | held (its node is restarting) | failed
     bound: set[int] = field(default_factory=set)  # peer ranks bound in the worker
     peer_gid: str = ""  # the remote end's device address (its rail's NIC), once connected
     error: str = ""  # why the connection failed, for the clients that need it
     responder: int = 0  # a connection to this node: the far end, in the same worker
+    broken_until: float = 0.0  # its far end stopped answering: held until then (a restart re-wires it)
 
 
 @dataclass
@@ -80,12 +95,18 @@ class Peering:
         self.sent_closed: dict[str, int] = {}
         #: called with the job's name after each refresh (the self-test's far side waits for its wiring)
         self.on_job_refreshed: Callable[[str], None] = lambda job_name: None
+        # a restarted node's earlier life's connections, held until their replacement binds the job's ranks
+        self.retired: dict[tuple[str, str, int], list[OutgoingConnection]] = {}
+        self.quiescing: set[str] = set()  # restarting nodes owed a peer_quiesced once nothing is in flight
+        self.rewiring: set[str] = set()  # nodes whose next life came: their ranks re-announce themselves
+        self.clock: Callable[[], float] = time.monotonic
+        self._next_quiesce_check = 0.0
 
     # --- announcing --------------------------------------------------------------------------------------
     def claim(self, job_name: str) -> dict[int, RemoteRank]:
         """The ranks peers announced for ``job_name`` before it had a local rank (taken: kept no more)."""
         peers = self.state.peers.peers if self.state.peers else {}
-        return {msg.rank: RemoteRank(node, {(r.id, r.rail): r for r in msg.regions})
+        return {msg.rank: RemoteRank(node, {(r.id, r.rail): r for r in msg.regions}, msg.flag_seeds)
                 for node, msg in self.unclaimed.pop(job_name, {}).values() if node in peers}
 
     def exchange(self, rank: LocalRank) -> dict[str, Any]:
@@ -111,7 +132,7 @@ class Peering:
         for rail, key in rank.flag_keys.items():
             infos.append(RegionInfo(id=FLAGS_REGION_ID, addr=key["addr"], length=key["length"], rkey=key["rkey"],
                                     rail=rail))
-        return PeerRegions(job=rank.job, rank=rank.rank, regions=tuple(infos))
+        return PeerRegions(job=rank.job, rank=rank.rank, regions=tuple(infos), flag_seeds=flag_seeds(rank.flags))
 
     # --- reachability ----------------------------------------------------------------------------------
     def rank_reachable(self, me: LocalRank, peer_rank: int) -> bool:
@@ -160,13 +181,30 @@ class Peering:
                           else [r for r, info in job.remote.items() if info.node == conn.node])
             for peer_rank in peer_ranks:
                 self._push_peer_tables(job_name, job, conn, peer_rank)
+        self._settle_retired(job_name, job)
         self.on_job_refreshed(job_name)
 
+    def _settle_retired(self, job_name: str, job: JobState) -> None:
+        """Close a restarted node's earlier connections of ``job`` once the connection replacing them binds
+        every rank of the job there (until then, ranks bound to them wait held, never refused)."""
+        for key in [k for k in self.retired if k[0] == job_name]:
+            conn = self.connections.get(key)
+            there = [r for r, info in job.remote.items() if info.node == key[1]]
+            if conn is None or conn.state != "up" or any(r in job.returning or r not in conn.bound for r in there):
+                continue
+            for old in self.retired.pop(key):
+                quietly(self.state.workers[old.rail].call, "close_connection", conn=old.conn_id)
+            log.info("job %s: re-wired to node %s on rail %d", job_name, key[1], key[2])
+
     def _push_peer_tables(self, job_name: str, job: JobState, conn: OutgoingConnection, peer_rank: int) -> None:
+        if peer_rank in job.returning:
+            return  # its node restarted and it has not announced its new keys yet: it stays held where it is
         worker = self.state.workers[conn.rail]
         regions, flags = self.peer_keys(job, peer_rank, conn.rail)
         if flags is None:
             return
+        local = job.local.get(peer_rank)
+        seeds = flag_seeds(local.flags) if local is not None else job.remote[peer_rank].flag_seeds
         for region_id, key in regions.items():
             if (conn.rail, peer_rank, region_id) not in job.pushed:
                 worker.call("set_remote_region", job=job_name, peer=peer_rank, region=region_id, addr=key["addr"],
@@ -174,7 +212,7 @@ class Peering:
                 job.pushed.add((conn.rail, peer_rank, region_id))
         if peer_rank not in conn.bound:
             worker.call("set_remote_flags", job=job_name, peer=peer_rank, addr=flags["addr"],
-                        count=flags["length"] // 8, rkey=flags["rkey"])
+                        count=flags["length"] // 8, rkey=flags["rkey"], seeds=seeds)
             worker.call("bind_peer", job=job_name, peer=peer_rank, conn=conn.conn_id)
             conn.bound.add(peer_rank)
 
@@ -219,6 +257,10 @@ class Peering:
     def _drop_job(self, job_name: str) -> None:
         """The job's last local rank left: close its connections, and have their far ends closed too."""
         state = self.state
+        for key in [k for k in self.retired if k[0] == job_name]:
+            for old in self.retired.pop(key):  # their far end is an earlier life: nothing to tell it
+                if old.rail < len(state.workers):
+                    quietly(state.workers[old.rail].call, "close_connection", conn=old.conn_id)
         for key in [k for k in self.connections if k[0] == job_name]:
             conn = self.connections.pop(key)
             if conn.rail < len(state.workers):
@@ -235,7 +277,8 @@ class Peering:
         # the peers' ranks may still be running: keep what they announced, for a rank of ours that rejoins
         # (a peer_rank_left, or the node going down, removes it)
         live = {node for node, peer in (state.peers.peers.items() if state.peers else ()) if peer.up}
-        kept = {r: (info.node, PeerRegions(job=job_name, rank=r, regions=tuple(info.regions.values())))
+        kept = {r: (info.node, PeerRegions(job=job_name, rank=r, regions=tuple(info.regions.values()),
+                                           flag_seeds=info.flag_seeds))
                 for r, info in (job.remote.items() if job else ()) if info.node in live}
         if kept and (job_name in self.unclaimed or len(self.unclaimed) < MAX_UNCLAIMED_JOBS):
             self.unclaimed.setdefault(job_name, {}).update(kept)
@@ -255,6 +298,14 @@ class Peering:
     def peer_up(self, node: str) -> None:
         # a node that (re)appears learns every announced rank of ours, and which of its jobs we gave up on:
         # a node that froze past our heartbeat timeout may never have noticed (it heard us all along)
+        if node not in self.rewiring:  # the same life speaks again (it was silent, not restarted)
+            for conn in self.connections.values():
+                if conn.node == node and conn.state == "held" and not conn.broken_until:
+                    quietly(self.state.workers[conn.rail].call, "hold_connection", conn=conn.conn_id, on=False)
+                    conn.state = "up"
+            for job in self.state.jobs.values():
+                for r in [r for r in job.returning if r in job.remote and job.remote[r].node == node]:
+                    del job.returning[r]
         plane = self.state.plane
         for job_name, job in self.state.jobs.items():
             for rank in job.local.values():
@@ -265,6 +316,11 @@ class Peering:
 
     def peer_down(self, node: str) -> None:
         """Fail every connection to ``node``: clients waiting on it see PEER_LOST, not a hang."""
+        self.quiescing.discard(node)
+        self.rewiring.discard(node)
+        for job in self.state.jobs.values():
+            for r in [r for r in job.returning if r in job.remote and job.remote[r].node == node]:
+                del job.returning[r]
         for ranks in self.unclaimed.values():
             for rank in [r for r, (n, _) in ranks.items() if n == node]:
                 del ranks[rank]
@@ -284,6 +340,11 @@ class Peering:
                 conn.state = "failed"
                 quietly(self.state.workers[conn.rail].call, "fail_connection", conn=conn.conn_id,
                         code=int(ErrorCode.PEER_LOST))
+        for key in [k for k in self.retired if k[1] == node and job_name in (None, k[0])]:
+            for old in self.retired.pop(key):  # an earlier life's: the ranks still held there are lost too
+                worker = self.state.workers[old.rail]
+                quietly(worker.call, "fail_connection", conn=old.conn_id, code=int(ErrorCode.PEER_LOST))
+                quietly(worker.call, "close_connection", conn=old.conn_id)
 
     def _lose_node(self, job_name: str, job: JobState, node: str) -> None:
         """``job`` cannot go on without ``node``: its local ranks' sessions say PEER_LOST."""
@@ -292,6 +353,115 @@ class Peering:
             if rank.flags is not None:
                 rank.flags.set_status(int(ErrorCode.PEER_LOST))
         log.warning("job %s lost node %s", job_name, node)
+
+    # --- a peer daemon restarting (module doc) ------------------------------------------------------------
+    def peer_restarting(self, node: str, announced: bool) -> None:
+        """``node`` is restarting (``announced``: it said so and waits for our peer_quiesced) or fell silent:
+        hold our connections there, and give its ranks the grace period to come back."""
+        deadline = self.clock() + self.state.config.peers.restart_grace_s
+        self.rewiring.discard(node)
+        for conn in self.connections.values():
+            if conn.node == node and conn.state == "up":
+                quietly(self.state.workers[conn.rail].call, "hold_connection", conn=conn.conn_id, on=True)
+                conn.state = "held"
+        for job in self.state.jobs.values():
+            for r, info in job.remote.items():
+                if info.node == node:
+                    job.returning.setdefault(r, deadline)
+        if announced:
+            self.quiescing.add(node)
+            self._next_quiesce_check = 0.0
+
+    def peer_restarted(self, node: str) -> None:
+        """``node``'s next life said hello: retire what its earlier life served (anything still in flight there
+        has an unknown outcome), forget what we accepted for it, and wait for its ranks to re-announce."""
+        deadline = self.clock() + self.state.config.peers.restart_grace_s
+        self.quiescing.discard(node)
+        self.rewiring.add(node)
+        for key in [k for k, c in self.connections.items() if c.node == node]:
+            conn = self.connections.pop(key)
+            worker = self.state.workers[conn.rail]
+            if conn.state in ("up", "held"):
+                quietly(worker.call, "retire_connection", conn=conn.conn_id, code=int(ErrorCode.UNKNOWN_OUTCOME))
+                self.retired.setdefault(key, []).append(conn)
+            else:  # connecting (nothing is bound to it yet) or failed
+                quietly(worker.call, "close_connection", conn=conn.conn_id)
+        for key in [k for k in self.accepted if k[0] == node]:
+            self._close_accepted(self.accepted.pop(key))  # its next life may reuse the connection ids
+        for ranks in self.unclaimed.values():
+            for rank in [r for r, (n, _) in ranks.items() if n == node]:
+                del ranks[rank]
+        for job in self.state.jobs.values():
+            there = {r for r, info in job.remote.items() if info.node == node}
+            for r in there:
+                job.returning.setdefault(r, deadline)
+            job.pushed = {p for p in job.pushed if p[1] not in there}
+
+    def tick(self) -> None:
+        """Answer peer_quiesced to each restarting node once nothing of ours is waiting or in flight to it."""
+        now = self.clock()
+        if not self.quiescing or now < self._next_quiesce_check:
+            return
+        self._next_quiesce_check = now + 0.002
+        for node in list(self.quiescing):
+            by_rail: dict[int, list[int]] = {}
+            for conn in self.connections.values():
+                if conn.node == node:
+                    by_rail.setdefault(conn.rail, []).append(conn.conn_id)
+            try:
+                idle = all(self.state.workers[rail].call("connections_idle", conns=ids)["idle"]
+                           for rail, ids in by_rail.items())
+            except WorkerError as exc:
+                log.warning("%s", exc)
+                idle = True  # a worker that cannot say has nothing it could still deliver
+            if idle:
+                self.quiescing.discard(node)
+                self.state.plane.send(node, PeerQuiesced(node=self.state.node))
+
+    def check_broken(self) -> None:
+        """Connections whose far end stopped answering (the engine held them and reported what was in flight
+        as UNKNOWN_OUTCOME): wait the grace period for the node's next life to re-wire them."""
+        grace = self.state.config.peers.restart_grace_s
+        for worker in self.state.workers:
+            try:
+                broken = set(worker.call("broken_connections")["conns"])
+            except WorkerError as exc:
+                log.warning("%s", exc)
+                continue
+            for conn in self.connections.values():
+                if conn.rail == worker.rail and conn.conn_id in broken and conn.state in ("up", "held"):
+                    conn.state, conn.broken_until = "held", self.clock() + grace
+                    log.warning("job %s: the connection to node %s (rail %d) stopped answering: holding its "
+                                "records for up to %.1fs", conn.job, conn.node, conn.rail, grace)
+
+    def expire(self) -> None:
+        """Ranks of a restarted node that did not come back within the grace period: their jobs lost it. A
+        broken connection whose node did not restart within it fails (TRANSPORT, as a dead QP always did)."""
+        now = self.clock()
+        peers = self.state.plane.peers
+        for conn in self.connections.values():
+            if conn.state == "held" and conn.broken_until and now > conn.broken_until:
+                peer = peers.get(conn.node)
+                if conn.node != self.state.node and (peer is None or peer.state != "up"):
+                    continue  # the node itself is restarting or lost: its own grace period decides
+                conn.state = "failed"
+                conn.error = f"the connection to node {conn.node} stopped answering and was not re-made"
+                quietly(self.state.workers[conn.rail].call, "fail_connection", conn=conn.conn_id,
+                        code=int(ErrorCode.TRANSPORT))
+                log.warning("job %s: %s", conn.job, conn.error)
+        for job_name, job in list(self.state.jobs.items()):
+            late = [r for r, deadline in job.returning.items() if now > deadline]
+            if not late:
+                continue
+            nodes = {job.remote[r].node for r in late if r in job.remote}
+            for r in late:
+                del job.returning[r]
+            for node in nodes - job.lost:
+                log.warning("job %s: rank(s) %s on node %s did not come back within peers.restart_grace_s", job_name,
+                            ", ".join(str(r) for r in sorted(late) if job.remote[r].node == node), node)
+                self._fail_connections(node, job_name)
+                self._lose_node(job_name, job, node)
+                self.state.plane.send(node, PeerJobLost(job=job_name))
 
     # --- peer messages ---------------------------------------------------------------------------------
     def on_job_lost(self, node: str, msg: PeerJobLost) -> None:
@@ -311,7 +481,8 @@ class Peering:
         if msg.rank in job.local:
             log.warning("peer %s claims rank %d of job %s, which is local here: ignored", node, msg.rank, msg.job)
             return
-        job.remote[msg.rank] = RemoteRank(node, {(r.id, r.rail): r for r in msg.regions})
+        job.remote[msg.rank] = RemoteRank(node, {(r.id, r.rail): r for r in msg.regions}, msg.flag_seeds)
+        job.returning.pop(msg.rank, None)  # back after its node's restart, with its new keys
         self.forget_rank(msg.job, job, msg.rank, in_workers=False)  # re-pushed in full just below
         self.refresh_job(msg.job)
 
@@ -325,6 +496,7 @@ class Peering:
         remote = job.remote.get(msg.rank) if job is not None else None
         if job is not None and remote is not None and remote.node == node:
             del job.remote[msg.rank]
+            job.returning.pop(msg.rank, None)
             self.forget_rank(msg.job, job, msg.rank)
             log.info("job %s: rank %d on node %s left", msg.job, msg.rank, node)
 

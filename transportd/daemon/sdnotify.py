@@ -73,6 +73,13 @@ class Notifier:
         self._stopping = True  # systemd stops watching now (TimeoutStopSec rules): no WATCHDOG=1 follows
         self.notify("STOPPING=1", f"STATUS={status}", wait_s=self.important_wait_s)
 
+    def reloading(self, status: str = "restarting") -> None:
+        """The daemon is about to execute itself again (same pid): the new image says READY=1."""
+        self._last_status = status
+        self._stopping = True  # no WATCHDOG=1 until the next image is ready
+        self.notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
+                    f"STATUS={status}", wait_s=self.important_wait_s)
+
     def tick(self) -> None:
         if self.watchdog_interval_s and not self._stopping and time.monotonic() >= self._next_watchdog:
             self._next_watchdog = time.monotonic() + self.watchdog_interval_s

@@ -15,7 +15,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from cmd_ring import RingFile
+from transportd.backends.interface import FLAG_SEED_DTYPE
 from transportd.config import Config
 from transportd.control.fdchannel import FdServer
 from transportd.control.peers import PeerPlane
@@ -25,8 +28,8 @@ from transportd.dataplane.flagfile import FlagFile
 from transportd.dataplane.worker_link import WorkerHandle
 from transportd.errors import WorkerError
 
-__all__ = ["FLAGS_REGION_ID", "JobState", "LocalRank", "NodeState", "RemoteRank", "memfd_name", "quietly",
-           "region_key"]
+__all__ = ["FLAGS_REGION_ID", "JobState", "LocalRank", "NodeState", "RemoteRank", "flag_seeds", "memfd_name",
+           "quietly", "region_key"]
 
 log = logging.getLogger("transportd")
 
@@ -58,6 +61,7 @@ class LocalRank:
 class RemoteRank:
     node: str
     regions: dict[tuple[int, int], RegionInfo]  # (id, rail) -> info
+    flag_seeds: bytes = b""  # its nonzero flag counters when it announced itself (PeerRegions.flag_seeds)
 
 
 @dataclass
@@ -68,6 +72,9 @@ class JobState:
     remote: dict[int, RemoteRank] = field(default_factory=dict)
     pushed: set[tuple[int, int, int]] = field(default_factory=set)  # (rail, peer rank, region id) in workers
     lost: set[str] = field(default_factory=set)  # nodes declared lost while the job ran (it has PEER_LOST)
+    #: remote ranks whose node restarted, with the clock time by which they must announce themselves again
+    #: (their records wait in the rings until then; after it the job has lost their node)
+    returning: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,6 +92,19 @@ class NodeState:
     # them all by id), and one for channels (rings and IBGDA channels)
     conn_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     channel_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    kept_channel_ids: set[int] = field(default_factory=set)  # ids re-attaching clients kept (never handed out)
+
+    def new_channel_id(self, wanted: int = 0) -> int:
+        """A channel id: ``wanted`` (a ring a re-attaching client kept) where no channel of this life has it,
+        else the next unused one."""
+        if wanted and wanted not in self.kept_channel_ids and not any(
+                wanted in rank.channels for job in self.jobs.values() for rank in job.local.values()):
+            self.kept_channel_ids.add(wanted)
+            return wanted
+        while True:
+            channel_id = next(self.channel_ids)
+            if channel_id not in self.kept_channel_ids:
+                return channel_id
 
     @property
     def node(self) -> str:
@@ -116,6 +136,18 @@ class NodeState:
         if any(w.info.get("flag_publication") == "host-mapped" for w in self.workers):
             return "host"
         return "device"
+
+
+def flag_seeds(flags: FlagFile | None) -> bytes:
+    """The nonzero counters of a flag array as FLAG_SEED_DTYPE records (what PeerRegions.flag_seeds carries)."""
+    if flags is None:
+        return b""
+    values = flags.values
+    slots = np.flatnonzero(values)
+    seeds = np.zeros(len(slots), dtype=FLAG_SEED_DTYPE)
+    seeds["slot"] = slots
+    seeds["value"] = values[slots]
+    return seeds.tobytes()
 
 
 def region_key(rank: LocalRank, region_id: int) -> str:

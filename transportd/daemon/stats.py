@@ -49,7 +49,7 @@ def collect_stats(state: NodeState, peering: Peering, clients: ClientSessions, *
     if state.peers:
         for node, p in state.peers.peers.items():
             mine = [c for c in connections if c["node"] == node]
-            peers[node] = {"up": p.up, "rtt_us": None if p.rtt_s is None else p.rtt_s * 1e6,
+            peers[node] = {"up": p.up, "state": p.state, "rtt_us": None if p.rtt_s is None else p.rtt_s * 1e6,
                            "messages_in": p.messages_in, "messages_out": p.messages_out,
                            "bytes": sum(c["bytes"] for c in mine) + peering.sent_closed.get(node, 0),
                            "connections": len(mine)}

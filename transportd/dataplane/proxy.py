@@ -363,6 +363,40 @@ class Proxy:
                 self._push_peers(entry)
             self._core.fail_connection(idx, code)
 
+    def hold_connection(self, conn: int, on: bool = True) -> None:
+        """While held, records for the peers bound to ``conn`` stay in their rings (their daemon is
+        restarting: backpressure, nothing refused); rows already waiting for it still post, so it drains."""
+        with self._lock:
+            idx = self._conn_index.get(conn)
+            if idx is not None:
+                self._core.hold_connection(idx, on)
+
+    def retire_connection(self, conn: int, code: int) -> None:
+        """The far end of ``conn`` is gone for good (its daemon's next life has other keys): what is still
+        waiting or in flight on it completes here with ``code`` (UNKNOWN_OUTCOME after a crash), while its
+        peers stay bound to it, held, until they are bound to the connection that replaces it."""
+        with self._lock:
+            idx = self._conn_index.get(conn)
+            if idx is not None:
+                self._core.hold_connection(idx, True)
+                self._core.fail_connection(idx, code)
+
+    def broken_connections(self) -> list[int]:
+        """Connections whose far end stopped answering (retry exceeded, response timeout) since the last call.
+
+        The engine holds each (records for its peers wait in the rings) and reports what was in flight on it
+        as UNKNOWN_OUTCOME; the daemon re-wires it if the peer's daemon restarted, else fails it."""
+        with self._lock:
+            return list(self._core.broken_connections())
+
+    def connections_idle(self, conns: list[int]) -> bool:
+        """Nothing is waiting or in flight on any of ``conns`` (unknown ones count as idle)."""
+        with self._lock:
+            wanted = {self._conn_index[c] for c in conns if c in self._conn_index}
+            busy = [i for i, (_cid, inflight, pending, *_rest) in enumerate(self._core.connections())
+                    if i in wanted and (inflight or pending)]
+            return not busy
+
     def _connection_index(self, conn: int) -> int:
         idx = self._conn_index.get(conn)
         if idx is None:
@@ -572,6 +606,10 @@ class Proxy:
             self._core.set_taking(False)
         while self.busy() and time.monotonic() < deadline:
             self.run_once()
+        # what peers wrote here is on the CQ by now (they waited for its acknowledgement before quiescing):
+        # a receiving backend (efa) publishes the flags it covers before this life ends
+        while self.progress() and time.monotonic() < deadline:
+            pass
         return not self.busy()
 
     def completion_position(self, channel: int) -> int:

@@ -76,6 +76,7 @@ class RailService:
         self.conn_jobs: dict[int, str] = {}
         self.responders: set[int] = set()  # connections this rail accepted for a peer's requester
         self.ibgda_domains: dict[tuple[str, int], Any] = {}  # (job, rank) -> its ibgda.domain.ImportDomain
+        self.seeds: dict[tuple[str, int], tuple[int, int, bytes]] = {}  # (job, peer) -> flags' seeds, to bind
         self.stopping = False
         self.gpu = GpuMemory()  # CUDA starts only when a client brings GPU memory
         if self.soft is not None and config.softverbs.direct_copy:
@@ -189,11 +190,18 @@ class RailService:
         self.proxy.set_remote_region(job, peer, region, addr, length, rkey)
         return {}
 
-    def op_set_remote_flags(self, job: str, peer: int, addr: int, count: int, rkey: int) -> dict[str, Any]:
+    def op_set_remote_flags(self, job: str, peer: int, addr: int, count: int, rkey: int,
+                            seeds: bytes = b"") -> dict[str, Any]:
+        """``seeds``: the counters the peer's flag array holds already (a restart of either daemon kept
+        them), for the connection the peer is bound to next (:meth:`op_bind_peer`)."""
         self.proxy.set_remote_flags(job, peer, addr, count, rkey)
+        self.seeds[(job, peer)] = (addr, rkey, bytes(seeds))
         return {}
 
     def op_bind_peer(self, job: str, peer: int, conn: int) -> dict[str, Any]:
+        addr, rkey, seeds = self.seeds.pop((job, peer), (0, 0, b""))
+        if seeds:
+            self.backend.seed_signals(conn, addr, rkey, seeds)
         self.proxy.bind_peer(job, peer, conn)
         return {}
 
@@ -234,6 +242,26 @@ class RailService:
     def op_fail_connection(self, conn: int, code: int) -> dict[str, Any]:
         self.proxy.fail_connection(conn, code)
         return {}
+
+    # --- a peer daemon restarting (docs/restart.md) -------------------------------------------------------
+    def op_hold_connection(self, conn: int, on: bool = True) -> dict[str, Any]:
+        """Keep records for ``conn``'s peers in their rings (or take them again); what waits still posts."""
+        self.proxy.hold_connection(conn, on)
+        return {}
+
+    def op_retire_connection(self, conn: int, code: int) -> dict[str, Any]:
+        """``conn``'s far end is gone: what is waiting or in flight on it completes with ``code``, its peers
+        stay held on it until bound to the connection that replaces it."""
+        self.proxy.retire_connection(conn, code)
+        return {}
+
+    def op_broken_connections(self) -> dict[str, Any]:
+        """Connections whose far end stopped answering since the last call (the engine holds them)."""
+        return {"conns": self.proxy.broken_connections()}
+
+    def op_connections_idle(self, conns: list[int]) -> dict[str, Any]:
+        """Whether nothing waits or is in flight on any of ``conns`` (a restarting peer may stop then)."""
+        return {"idle": self.proxy.connections_idle(list(conns))}
 
     # --- IBGDA domains: the client builds its queue pairs itself, on a domain this rail exports to it ------
     def op_open_ibgda_domain(self, job: str, rank: int, regions: list[str], with_fd: bool = False

@@ -38,6 +38,10 @@ enum tpd_error_code {
     TPD_ERR_BAD_RECORD = 12,
     /** The region was registered without the access the operation needs (read/write/atomic). */
     TPD_ERR_NO_ACCESS = 13,
+    /** A daemon restart or crash (its own, or the destination's) came between the post and the completion: the record may or may not have executed; the error position is the first such record. */
+    TPD_ERR_UNKNOWN_OUTCOME = 14,
+    /** The channel did not survive a daemon restart (an IBGDA channel: its queue pairs and keys died with the daemon); open a new one, the session is still valid. */
+    TPD_ERR_CHANNEL_LOST = 15,
     /** A fault inside the daemon itself; the daemon's log has the details. */
     TPD_ERR_INTERNAL = 255,
 };

@@ -31,14 +31,17 @@ from transportd.control.protocol import (
     PeerHeartbeat,
     PeerHello,
     PeerJobLost,
+    PeerQuiesced,
     PeerRankLeft,
     PeerRegions,
+    PeerRestarting,
     PeerSelftest,
     PeerSelftestReport,
     QueueEndpoint,
     RailQP,
     RegionInfo,
     Register,
+    Restart,
     Selftest,
     SessionRules,
     SessionState,
@@ -80,6 +83,11 @@ REQUEST_SAMPLES = [
     Selftest("status", job="selftest-1a2b"),
     TraceStart("job-1", 3, out="/tmp/rank3.trace"),
     TraceStop("job-1", 3),
+    Restart(),
+    Join("job-1", 1, 2, -1, resume=True),
+    Register("host", 4, size=64, id=7),  # a session re-attaching keeps its region id
+    Flags(64, "host", adopt=5),
+    Channel(256, adopt=6, id=3),
 ]
 
 PEER_SAMPLES = [
@@ -100,6 +108,8 @@ PEER_SAMPLES = [
     PeerRegions("j1", 0, ()),
     PeerHeartbeat(42, 1712345678.25),
     PeerBye("node-a", "shutdown"),
+    PeerRestarting("node-a"),
+    PeerQuiesced("node-b"),
 ]
 
 

@@ -269,12 +269,21 @@ def test_completion_errors_write_remote_access_or_transport(rig_factory) -> None
     rig.spin()
     assert rig.ring.completion_pos == 3
     assert rig.ring.error == (int(ErrorCode.REMOTE_ACCESS), 2, 1)
-    rig.backend.fail_next(conn_of(2), 12)  # IBV_WC_RETRY_EXC_ERR
+    rig.backend.fail_next(conn_of(2), 12)  # IBV_WC_RETRY_EXC_ERR: the far end stopped answering
     rig.push(put(3, peer=2))
     rig.spin()
     stats = rig.proxy.stats()
-    assert stats["errors"] == {"REMOTE_ACCESS": 2, "TRANSPORT": 1} and stats["completion_errors"] == 2
+    # it may or may not have executed: an unknown outcome, not a transport error
+    assert stats["errors"] == {"REMOTE_ACCESS": 2, "UNKNOWN_OUTCOME": 1} and stats["completion_errors"] == 2
     assert rig.ring.completion_pos == 4
+    # and its connection is held (records for peer 2 wait in the ring) until the daemon decides
+    assert rig.proxy._core.broken_connections() == [conn_of(2)]
+    rig.push(put(4, peer=2), put(5, peer=1))
+    rig.spin()
+    assert (rig.ring.consumer_pos, rig.ring.completion_pos) == (4, 4)  # in ring order: both wait, none fail
+    rig.proxy.hold_connection(conn_of(2), False)  # (the daemon re-wires it, or fails it: docs/restart.md)
+    rig.spin()
+    assert (rig.ring.consumer_pos, rig.ring.completion_pos) == (6, 6) and rig.ring.error[0] == ErrorCode.REMOTE_ACCESS
     assert completion_error_code(np.array([0, 4, 10, 5, 12])).tolist() == [0, 9, 9, 10, 10]
 
 

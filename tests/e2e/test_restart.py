@@ -1,0 +1,191 @@
+"""A daemon restarts under running jobs (docs/restart.md): real daemons over softverbs, ranks streaming
+PUT_SIGNALs (ADD) to each other through it, the receivers checking the data and counting the flags.
+
+- a graceful restart (SIGTERM, then the same config again) of each node in turn loses nothing and writes
+  nothing twice: the same client objects carry on, every flag counts every message exactly once;
+- a crash (SIGKILL) costs a pause: the records a daemon took and never saw complete come back as
+  UNKNOWN_OUTCOME from the first of them, nothing the crash did not touch reports anything, and after the
+  application re-sends what was in doubt the data verify and new commands flow on the same objects;
+- a restart that fails (a bad config) leaves the peers waiting out ``peers.restart_grace_s`` (shown as
+  ``restarting``), then PEER_LOST as for a lost node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import gpuclient
+from tests.support.cluster import Rank, close_ranks, join_ranks
+from tests.support.ctl import ctl
+from tests.support.streams import CHUNK, SLOTS, Stream
+from tests.support.waiting import wait_until
+from transportd.errors import ErrorCode
+from transportd_cli.localcluster import LocalCluster
+
+pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
+
+GRACE_S = 60.0  # restart tests: long enough for a daemon to start on a loaded 2-core machine
+NBYTES = SLOTS * CHUNK
+
+
+def _cluster(cluster_factory, backend: str, grace_s: float = GRACE_S) -> LocalCluster:
+    return cluster_factory(backend=backend, overrides={"peers": {"restart_grace_s": grace_s}})
+
+
+def _peer_state(cluster: LocalCluster, node: str, peer: str) -> str:
+    result = ctl("peers", "--json", "--socket", cluster.socket(node))
+    assert result.exit_code == 0, result.stderr
+    return str(result.json()["peers"][peer]["state"])
+
+
+def _reattached(rank: Rank, count: int, cluster: LocalCluster | None = None) -> bool:
+    reattach = rank.session.reattach
+    assert reattach.state != "gone", f"{reattach.error}\n" + "\n".join(
+        f"--- {n} ---\n{cluster.log(n)}" for n in (cluster.names if cluster else ()))
+    return reattach.count >= count
+
+
+def _reattach_state(cluster: LocalCluster, node: str, rank: Rank) -> str:
+    r = rank.session.reattach
+    return f"{node}'s client to re-attach ({r.state}, {r.count} so far, last error {r.error}):\n{cluster.log(node)}"
+
+
+def _exact(stream: Stream) -> None:
+    """Every message the sender committed was delivered once: the flag equals the count, the data arrived."""
+    total = stream.committed
+    assert stream.dst.session.wait(slot=stream.slot, at_least=total, timeout=60) == total
+    assert stream.data_arrived()
+
+
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_graceful_restarts_of_either_daemon_lose_nothing_and_count_every_flag_once(cluster_factory,
+                                                                                   backend: str) -> None:
+    cluster = _cluster(cluster_factory, backend)
+    a, b = join_ranks(cluster, job="stream", nbytes=NBYTES, seed=1)
+    streams = [Stream(a, b, peer=1).start(), Stream(b, a, peer=0).start()]
+    try:
+        for s in streams:
+            s.flowing_beyond(50, "the streams to get going")
+        for node, rank, other in (("nodeb", b, "nodea"), ("nodea", a, "nodeb")):
+            committed = [s.committed for s in streams]
+            assert cluster.terminate(node) == 0, cluster.log(node)
+            # it told its peer before it stopped: the peer holds the job for it
+            assert _peer_state(cluster, other, node) == "restarting"
+            cluster.restart(node)
+            wait_until(lambda rank=rank: _reattached(rank, 1, cluster),
+                       lambda node=node, rank=rank: _reattach_state(cluster, node, rank), 120)
+            for s, before in zip(streams, committed, strict=True):
+                s.flowing_beyond(before + 50, f"the streams to flow again after {node}'s restart")
+            assert _peer_state(cluster, other, node) == "up"
+    finally:
+        for s in streams:
+            s.stop()
+    for s in streams:
+        s.src.channel.quiet(timeout=60)  # raises on any error word
+        assert s.src.channel.status() == (0, 0, 0) and s.src.channel.in_doubt is None
+        _exact(s)
+    assert (a.session.reattach.count, b.session.reattach.count) == (1, 1)
+    # the region ids and flag slots the kernels were built with still mean the same memory
+    assert (a.src.id, a.dst.id, b.src.id, b.dst.id) == (0, 1, 0, 1)
+    close_ranks([a, b])
+
+
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_a_crash_costs_a_pause_and_reports_only_the_records_in_doubt(cluster_factory, backend: str) -> None:
+    cluster = _cluster(cluster_factory, backend)
+    a, b = join_ranks(cluster, job="stream", nbytes=NBYTES, seed=1)
+    x, y = join_ranks(cluster, job="bystander", nbytes=NBYTES, seed=2, nodes=["nodea", "nodea"])
+    streams = [Stream(a, b, peer=1).start(), Stream(b, a, peer=0).start()]
+    bystander = Stream(x, y, peer=1).start()
+    try:
+        for s in [*streams, bystander]:
+            s.flowing_beyond(50, "the streams to get going")
+        # nodea's rail worker stops answering: nodeb's writes to it stay in flight, taken and not complete
+        worker_a = a.client.stats()["rails"][0]["pid"]
+        os.kill(worker_a, signal.SIGSTOP)
+        try:
+            ring = b.channel.ring
+            wait_until(lambda: ring.consumer_pos > ring.completion_pos, "nodeb to have records in flight")
+            cluster.kill("nodeb")
+        finally:
+            os.kill(worker_a, signal.SIGCONT)
+        committed = [s.committed for s in streams]
+        cluster.restart("nodeb")
+        wait_until(lambda: _reattached(b, 1), lambda: _reattach_state(cluster, "nodeb", b), 120)
+        for s, before in zip(streams, committed, strict=True):
+            s.flowing_beyond(before + 50, "the streams to flow again after the crash")
+    finally:
+        for s in [*streams, bystander]:
+            s.stop()
+    for s in [*streams, bystander]:
+        s.settled()
+
+    # nodeb's ring: what its dead daemon took and never saw complete, and only that, is in doubt
+    first, end = b.channel.in_doubt
+    assert end > first
+    code, count, position = b.channel.status()
+    assert (code, position) == (ErrorCode.UNKNOWN_OUTCOME, first) and count >= end - first
+    with pytest.raises(gpuclient.ChannelError, match="UNKNOWN_OUTCOME.*may or may not have executed"):
+        b.channel.raise_for_status()
+    # nodea's ring: what was in flight to the dead daemon, if anything, is in doubt too, nothing else failed
+    code, _count, a_first = a.channel.status()
+    assert code in (ErrorCode.OK, ErrorCode.UNKNOWN_OUTCOME)
+    # a job that does not touch nodeb saw nothing at all
+    assert bystander.src.channel.status() == (0, 0, 0)
+    _exact(bystander)
+
+    # the application re-sends the data of every message in doubt (PUT: the flags are not re-counted)
+    resend = [(streams[1], first)] + ([(streams[0], a_first)] if code else [])
+    for s, from_position in resend:
+        for i, position in enumerate(s.positions):
+            if position >= from_position:
+                off = (i % SLOTS) * CHUNK
+                s.src.channel.put(peer=s.peer, dst_region=s.dst.dst.id, dst_off=off, src_region=s.src.src.id,
+                                  src_off=off, nbytes=CHUNK)
+        s.settled()
+    for s in streams:
+        assert s.data_arrived()
+        # a flag counted every message that executed: at most all of them, at least those not in doubt
+        value = s.dst.session.flag_array[s.slot]
+        assert value <= s.committed
+        doubt = sum(1 for p in s.positions if p >= (first if s is streams[1] else a_first)) if (
+            s is streams[1] or code) else 0
+        assert value >= s.committed - doubt
+
+    # new commands flow on the same objects, counted exactly
+    for src, dst, peer in ((a, b, 1), (b, a, 0)):
+        for i in range(10):
+            src.channel.put_signal(peer=peer, dst_region=dst.dst.id, dst_off=i * CHUNK, src_region=src.src.id,
+                                   src_off=i * CHUNK, nbytes=CHUNK, slot=2)
+        assert dst.session.wait(slot=2, at_least=10, timeout=60) == 10
+    close_ranks([a, b, x, y])
+
+
+def test_a_restart_that_fails_leaves_the_peers_waiting_out_the_grace_period_then_peer_lost(cluster_factory) -> None:
+    cluster = _cluster(cluster_factory, "ib", grace_s=10.0)
+    a, b = join_ranks(cluster, job="j", nbytes=4096, flags=4, seed=1)
+    a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=0, src_region=a.src.id, src_off=0, nbytes=64, slot=0)
+    assert b.session.wait(slot=0, at_least=1, timeout=30) == 1
+    config = cluster.nodes["nodeb"].config_path
+    config.write_text(config.read_text() + "\n[proxy]\nbatch_max = 99\n")  # refused at load: exit 78
+    assert cluster.terminate("nodeb") == 0
+    with pytest.raises(RuntimeError, match="exited with 78"):
+        cluster.restart("nodeb")
+    # nodeb said it was restarting: nodea holds the job (its status word is clean) for the grace period
+    assert _peer_state(cluster, "nodea", "nodeb") == "restarting"
+    assert a.session.flag_array.status == 0
+    # a command for the absent rank waits in the ring: held, not refused
+    a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=0, src_region=a.src.id, src_off=0, nbytes=64, slot=0)
+    assert a.channel.status() == (0, 0, 0)
+    with pytest.raises(gpuclient.ChannelError, match="PEER_LOST"):
+        a.session.wait(slot=0, at_least=1, timeout=60)
+    assert _peer_state(cluster, "nodea", "nodeb") == "down"
+    wait_until(lambda: a.channel.status()[0] == ErrorCode.PEER_LOST, "the held command to fail with PEER_LOST")
+    # nodeb's client waited as long, then its session is over
+    with pytest.raises(gpuclient.ChannelError, match="CLIENT_GONE"):
+        b.session.wait(slot=0, at_least=2, timeout=60)
+    close_ranks([a])
+    b.client.close()
