@@ -419,7 +419,8 @@ def test_rail_workers_descriptors_and_mappings_return_to_baseline_after_many_job
 
 
 def test_quiet_says_client_gone_when_the_daemon_stops_or_dies(cluster_factory) -> None:
-    cluster = cluster_factory(nodes=1)
+    # no daemon comes back within the grace period (docs/restart.md): the session is over
+    cluster = cluster_factory(nodes=1, overrides={"peers": {"restart_grace_s": 1.0}})
     for stop in (cluster.terminate, cluster.kill):
         client = gpuclient.connect(cluster.socket("nodea"))
         try:

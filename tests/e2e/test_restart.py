@@ -21,6 +21,7 @@ import gpuclient
 from tests.support.cluster import Rank, close_ranks, join_ranks
 from tests.support.ctl import ctl
 from tests.support.streams import CHUNK, SLOTS, Stream
+from tests.support.users import run_as
 from tests.support.waiting import wait_until
 from transportd.errors import ErrorCode
 from transportd_cli.localcluster import LocalCluster
@@ -189,3 +190,42 @@ def test_a_restart_that_fails_leaves_the_peers_waiting_out_the_grace_period_then
         b.session.wait(slot=0, at_least=2, timeout=60)
     close_ranks([a])
     b.client.close()
+
+
+RESTART_AS_OTHER = """
+import json, sys
+from transportd.control.client import ControlConnection
+from transportd.control.protocol import Restart
+from transportd.errors import RequestError
+with ControlConnection(sys.argv[1]) as conn:
+    try:
+        conn.request(Restart())
+        print(json.dumps({"refused": None}))
+    except RequestError as exc:
+        print(json.dumps({"refused": [exc.code, exc.message]}))
+"""
+
+
+def test_transportctl_restart_re_executes_the_daemon_in_its_pid_and_the_jobs_go_on(cluster_factory, users,
+                                                                                  shared_dir) -> None:
+    cluster = cluster_factory(backend="ib", workdir=str(shared_dir), overrides={
+        "peers": {"restart_grace_s": GRACE_S}, "control": {"mode": 0o666}})
+    a, b = join_ranks(cluster, job="stream", nbytes=NBYTES, seed=1)
+    process = cluster.nodes["nodeb"].process
+    stream = Stream(a, b, peer=1).start()
+    try:
+        stream.flowing_beyond(50, "the stream to get going")
+        # another user may not restart the daemon (it may use it: control.mode 0666 here)
+        seen = run_as(users["other"], RESTART_AS_OTHER, cluster.socket("nodeb"))
+        assert seen["refused"][0] == "forbidden" and "may restart it" in seen["refused"][1]
+        before = stream.committed
+        result = ctl("restart", "--json", "--socket", cluster.socket("nodeb"))
+        assert result.exit_code == 0, result.stderr + cluster.log("nodeb")
+        assert result.json()["pid"] == process.pid and process.poll() is None  # the same process: systemd's
+        wait_until(lambda: _reattached(b, 1, cluster), lambda: _reattach_state(cluster, "nodeb", b), 120)
+        stream.flowing_beyond(before + 50, "the stream to flow again")
+    finally:
+        stream.stop()
+    a.channel.quiet(timeout=60)
+    _exact(stream)
+    close_ranks([a, b])

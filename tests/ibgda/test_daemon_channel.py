@@ -70,9 +70,10 @@ class Pair:
 def pair_factory() -> Iterator[Any]:
     made: list[tuple[LocalCluster, Pair]] = []
 
-    def make(mode: str = "write", adaptive_routing: bool = False, backend: str = "ib") -> Pair:
+    def make(mode: str = "write", adaptive_routing: bool = False, backend: str = "ib", grace_s: float = 5.0) -> Pair:
         cluster = LocalCluster(2, backend=backend, overrides={
-            "signal": {"mode": mode}, "softverbs": {"adaptive_routing": adaptive_routing, "reorder_seed": 3}})
+            "signal": {"mode": mode}, "softverbs": {"adaptive_routing": adaptive_routing, "reorder_seed": 3},
+            "peers": {"restart_grace_s": grace_s}})
         cluster.start()
         try:
             pair = Pair(cluster)
@@ -154,6 +155,33 @@ def test_a_killed_peer_daemon_fails_the_next_commands_instead_of_hanging(host_li
     host_lib.tpd_test_quiet(handle.ptr)  # returns: the error completion ends the wait
     assert host_lib.tpd_test_status(handle.ptr) == ErrorCode.TRANSPORT
     assert ch.status()[0] == ErrorCode.TRANSPORT
+
+
+def test_a_restart_loses_the_ibgda_channel_but_not_the_session(host_lib: ctypes.CDLL, pair_factory) -> None:
+    """A daemon restart keeps the session (its ring channels re-attach) but not an IBGDA channel: its queue
+    pairs and the peers' keys are in the kernel's handle. It says CHANNEL_LOST; a new one works."""
+    pair = pair_factory("atomic", grace_s=60.0)
+    ch = pair.sessions[0].channel(16, kind="ibgda")
+    ring = pair.sessions[0].channel(64)
+    handle = ch.host_handle()
+    host_lib.tpd_test_put_signal(handle.ptr, 1, pair.regions[1].id, 0, pair.regions[0].id, 0, 64, 0, 1, 0)
+    host_lib.tpd_test_quiet(handle.ptr)
+    assert pair.sessions[1].wait(0, 1, timeout=30) == 1
+    node = pair.cluster.names[0]
+    assert pair.cluster.terminate(node) == 0
+    pair.cluster.restart(node)
+    wait_until(lambda: pair.sessions[0].reattach.count == 1, "the session to re-attach", 120)
+    assert ch.lost and ch.status() == (ErrorCode.CHANNEL_LOST, 0)
+    assert host_lib.tpd_test_status(handle.ptr) == ErrorCode.CHANNEL_LOST  # what the kernel reads
+    # the session and its ring channel go on; a new IBGDA channel delivers
+    ring.put_signal(peer=1, dst_region=pair.regions[1].id, dst_off=0, src_region=pair.regions[0].id, src_off=0,
+                    nbytes=64, slot=1)
+    assert pair.sessions[1].wait(1, 1, timeout=60) == 1
+    again = pair.sessions[0].channel(16, kind="ibgda")
+    fresh = again.host_handle()
+    host_lib.tpd_test_put_signal(fresh.ptr, 1, pair.regions[1].id, 0, pair.regions[0].id, 0, 64, 2, 1, 0)
+    host_lib.tpd_test_quiet(fresh.ptr)
+    assert pair.sessions[1].wait(2, 1, timeout=30) == 1 and again.status() == (0, 0)
 
 
 def _responders(client: Any) -> set[int]:

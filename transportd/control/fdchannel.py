@@ -52,6 +52,7 @@ VOUCH_TIMEOUT_S = 5.0  #: default: seconds a connection may stay without vouchin
 MAX_UNVOUCHED = 64  #: default: connections without a vouch at once (control.max_unvouched)
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
 _MAX_FDS_READ = 4  # read a few, so a message carrying too many is noticed (and every one closed)
+_HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)  # the peer closed its end
 
 
 def fd_socket_for(endpoint: str) -> str | None:
@@ -420,16 +421,16 @@ class FdClient:
         return extra[0]
 
     def peer_gone(self) -> bool:
-        """The daemon's end is closed (it stopped or died): the kernel says so at once."""
+        """The daemon's end is closed (it stopped or died): the kernel says so at once.
+
+        A poll for the hang-up alone: it reads nothing, so a reply another thread is about to read (a request
+        in flight on this connection) is neither consumed nor mistaken for the end."""
         try:
-            ready = select.select([self._sock], [], [], 0)[0]
-            if not ready:
-                return False
-            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+            poller = select.poll()
+            poller.register(self._sock.fileno(), _HANGUP)
+            return any(events & _HANGUP for _fd, events in poller.poll(0))
+        except (OSError, ValueError):
+            return True  # closed here, or the descriptor is gone
 
     def close(self) -> None:
         self._sock.close()

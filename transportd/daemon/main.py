@@ -263,12 +263,12 @@ class Daemon:
                 state.peers.goodbye("shutdown")
             for client_id in list(self.clients.ranks):
                 self._reclaim(client_id, "shutdown")
+        if state.control:  # first: a client that sees its descriptor connection close finds no old daemon
+            state.control.close()
+            state.control = None
         if state.fdserver:
             state.fdserver.close()
             state.fdserver = None
-        if state.control:
-            state.control.close()
-            state.control = None
         if self.metrics:
             self.metrics.close()
             self.metrics = None
