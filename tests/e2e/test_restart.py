@@ -18,12 +18,16 @@ import signal
 import pytest
 
 import gpuclient
+from cmd_ring.shm import sealed_memfd, unsealed_memfd
+from gpuclient.host_memory import resolve_host_buffer
 from tests.support.cluster import Rank, close_ranks, join_ranks
 from tests.support.ctl import ctl
 from tests.support.streams import CHUNK, SLOTS, Stream
 from tests.support.users import run_as
 from tests.support.waiting import wait_until
-from transportd.errors import ErrorCode
+from transportd.control.protocol import Channel, Flags, Register
+from transportd.dataplane.flagfile import FlagFile
+from transportd.errors import ErrorCode, RequestError
 from transportd_cli.localcluster import LocalCluster
 
 pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
@@ -229,3 +233,48 @@ def test_transportctl_restart_re_executes_the_daemon_in_its_pid_and_the_jobs_go_
     a.channel.quiet(timeout=60)
     _exact(stream)
     close_ranks([a, b])
+
+
+def test_what_a_session_passes_back_must_be_what_a_daemon_made_and_refusals_change_nothing(cluster_factory,
+                                                                                           tmp_path) -> None:
+    """The re-attach requests (Register.id, Flags.adopt, Channel.adopt) are entry points like any other: a
+    region id already taken, a descriptor that is not a memfd, an unsealed memfd, a memfd that is no ring or
+    flag file, or one of the wrong size are refused with the reason, and the session goes on."""
+    cluster = cluster_factory(nodes=1)
+    client = gpuclient.connect(cluster.socket("nodea"))
+    try:
+        session = client.join("adopt", rank=0, world=1)
+        conn = session._conn
+        buf = gpuclient.host_array(4096)
+        region = session.register(buf)
+
+        def refused(request_for_fd, fd: int, match: str) -> None:
+            try:
+                fd_id = conn.pass_fd(fd, "memfd")
+            finally:
+                os.close(fd)
+            with pytest.raises(RequestError, match=match) as info:
+                conn.request(request_for_fd(fd_id))
+            assert info.value.code == "invalid"
+
+        with pytest.raises(RequestError, match=f"region id {region.id} is taken"):
+            fd_id = conn.pass_fd(resolve_host_buffer(buf).fd, "memfd")
+            conn.request(Register(kind="host", handle=fd_id, size=4096, id=region.id))
+        named = tmp_path / "ring"
+        named.write_bytes(bytes(8192))
+        refused(lambda i: Channel(adopt=i), os.open(named, os.O_RDWR), "not another kind of descriptor")
+        unsealed = unsealed_memfd("tpd-test")
+        os.ftruncate(unsealed, 8192)
+        refused(lambda i: Channel(adopt=i), unsealed, "size sealed")
+        refused(lambda i: Channel(adopt=i), sealed_memfd("tpd-test", 8192), "not a transportd ring")
+        refused(lambda i: Flags(count=4, where="host", adopt=i), sealed_memfd("tpd-test", 8192), "not one")
+        other, fd = FlagFile.create_memfd(8)
+        other.close()
+        refused(lambda i: Flags(count=4, where="host", adopt=i), fd, "holds 8 flags, not 4")
+        flags = session.flags(4, where="host")  # the session goes on: its own flags and ring work
+        ch = session.channel(capacity=64)
+        ch.put(peer=0, dst_region=region.id, dst_off=0, src_region=region.id, src_off=0, nbytes=64)
+        wait_until(lambda: ch.ring.completion_pos == 1, "the put to be taken")
+        assert flags.status == 0 and ch.status()[0] == ErrorCode.BAD_PEER  # to itself: refused, as ever
+    finally:
+        client.close()
