@@ -170,9 +170,10 @@ class IbgdaChannelHandle:
         return (int(ErrorCode.CHANNEL_LOST), 0) if self.lost else (0, 0)
 
     def mark_lost(self) -> None:
-        """The daemon restarted: its queue pairs and the peers' keys in this channel's tables are gone, so the
-        channel cannot go on (DESIGN section 12). Kernels see CHANNEL_LOST in the error word (unless an error
-        came first); the session stays valid: open a new channel."""
+        """The daemon restarted: the domain its queue pairs were built on and the keys in this channel's
+        tables are gone, so the channel cannot go on (DESIGN section 12). Kernels see CHANNEL_LOST in the
+        error word (unless an error came first); the session stays valid: close this channel once its kernels
+        are done and open a new one."""
         self.lost = True
         for handle in (self._device, self._host):
             if handle is not None:

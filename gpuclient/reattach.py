@@ -174,3 +174,6 @@ def _resend(session: Session, deadline: float) -> None:
             ch.in_doubt = (first, end)
     for ibgda in session.ibgda_channels:
         ibgda.mark_lost()
+    # the domains imported from the earlier daemon died with it (each lost channel keeps its own): the next
+    # IBGDA channel imports the new daemon's
+    session._ibgda_domains.clear()

@@ -421,9 +421,11 @@ def top(interval: float, iterations: int, socket: str | None, as_json: bool) -> 
 def restart(timeout: float, socket: str | None, as_json: bool) -> None:
     """Restart the daemon without stopping its jobs (what `systemctl reload transportd` does).
 
-    It hands its jobs over: drains what it took, executes itself again with the same command line (the
-    config and the installed code are read anew), and its clients re-attach by themselves while its peers
-    wait (docs/restart.md). Returns once the new daemon answers. Root or the daemon's user only."""
+    The daemon starts its successor (the same command line: the config and the installed code are read
+    anew) and, once that is ready, hands its jobs over to it: the clients re-attach by themselves while
+    the peers wait (docs/restart.md). A successor that cannot start (a bad config) changes nothing: the
+    daemon serves on, and this exits 1 with the reason. Returns once the new daemon answers. Root or the
+    daemon's user only."""
     from transportd.control.protocol import Restart
 
     before = _fetch(socket)
@@ -438,6 +440,10 @@ def restart(timeout: float, socket: str | None, as_json: bool) -> None:
                 after = conn.request(Stats())
             if time.time() - float(after["uptime_s"]) > old_start + 0.5:
                 break
+            restart = after.get("restart", {})
+            if restart.get("state") == "failed":
+                _fail(f"restart refused, pid {reply.get('pid')} serves on: the new daemon "
+                      f"{restart.get('error', 'did not start')}; `journalctl -u transportd` says why", EXIT_REFUSED)
         except TransportdError:
             pass
         if time.monotonic() > deadline:

@@ -27,7 +27,7 @@ from transportd.config import load_config
 from transportd.control.client import ControlConnection
 from transportd.control.curve import generate_keypair
 from transportd.control.protocol import Stats
-from transportd.errors import DaemonUnavailableError
+from transportd.errors import DaemonUnavailableError, TransportdError
 from transportd.lifetime import die_with_parent
 from transportd_cli.errors import Stopped
 
@@ -96,6 +96,39 @@ def render_toml(sections: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+class Successor:
+    """A daemon that took over from one this cluster started (``transportctl restart``: the running daemon
+    starts its successor, which outlives it): what the cluster needs of a ``Popen``, by pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                running = f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            running = False
+        if not running and self.returncode is None:
+            self.returncode = 0  # not our child: its status is its reaper's
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.01)
+        return self.returncode or 0
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 @dataclass
 class LocalNode:
     name: str
@@ -103,7 +136,7 @@ class LocalNode:
     socket: str
     peer_port: int
     log_path: Path
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | Successor | None = None
     log_file: Any = field(default=None, repr=False)
 
 
@@ -184,6 +217,27 @@ class LocalCluster:
         self._launch(node)
         self._wait_ready(node, time.monotonic() + timeout_s)
 
+    def follow(self, name: str, timeout_s: float = 120.0) -> int:
+        """After a restart request (``transportctl restart``) the node is served by a successor of the daemon
+        started here: wait until it answers, and track it from now on (stop, kill, restart); its pid."""
+        node = self.nodes[name]
+        old = node.process.pid if node.process is not None else -1
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with ControlConnection(node.socket, timeout_ms=2000, handshake_timeout_ms=500) as conn:
+                    pid = int(conn.request(Stats())["pid"])
+                if pid != old:
+                    if isinstance(node.process, subprocess.Popen):
+                        node.process.wait(30)  # the predecessor exits once it handed over
+                    node.process = Successor(pid)
+                    return pid
+            except TransportdError:  # none answering yet, or the old one closing as we greet it
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no successor of daemon {name} answered in time:\n{self.log(name)}")
+            time.sleep(0.05)
+
     def _launch(self, node: LocalNode) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("TRANSPORTD_SOCKET", None)
@@ -218,7 +272,7 @@ class LocalCluster:
         """SIGKILL one daemon (a node failing without goodbye)."""
         proc = self.nodes[name].process
         if proc and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)  # a successor is in its predecessor's group
             proc.wait(10)
 
     def terminate(self, name: str, timeout_s: float = 20.0) -> int:
@@ -230,7 +284,7 @@ class LocalCluster:
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
                 proc.wait(5)
         return proc.returncode
 

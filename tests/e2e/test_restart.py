@@ -210,8 +210,8 @@ with ControlConnection(sys.argv[1]) as conn:
 """
 
 
-def test_transportctl_restart_re_executes_the_daemon_in_its_pid_and_the_jobs_go_on(cluster_factory, users,
-                                                                                  shared_dir) -> None:
+def test_transportctl_restart_starts_the_next_daemon_first_and_the_jobs_go_on(cluster_factory, users,
+                                                                             shared_dir) -> None:
     cluster = cluster_factory(backend="ib", workdir=str(shared_dir), overrides={
         "peers": {"restart_grace_s": GRACE_S}, "control": {"mode": 0o666}})
     a, b = join_ranks(cluster, job="stream", nbytes=NBYTES, seed=1)
@@ -222,10 +222,19 @@ def test_transportctl_restart_re_executes_the_daemon_in_its_pid_and_the_jobs_go_
         # another user may not restart the daemon (it may use it: control.mode 0666 here)
         seen = run_as(users["other"], RESTART_AS_OTHER, cluster.socket("nodeb"))
         assert seen["refused"][0] == "forbidden" and "may restart it" in seen["refused"][1]
+        # a successor that cannot start (a bad config) changes nothing: the daemon serves on
+        config = cluster.nodes["nodeb"].config_path
+        good = config.read_text()
+        config.write_text(good + "\n[proxy]\nbatch_max = 99\n")
+        refused = ctl("restart", "--socket", cluster.socket("nodeb"))
+        assert refused.exit_code == 1 and "restart refused" in refused.stderr, refused.stderr
+        assert process.poll() is None and b.session.reattach.count == 0
+        config.write_text(good)
         before = stream.committed
         result = ctl("restart", "--json", "--socket", cluster.socket("nodeb"))
         assert result.exit_code == 0, result.stderr + cluster.log("nodeb")
-        assert result.json()["pid"] == process.pid and process.poll() is None  # the same process: systemd's
+        # the successor took over; the daemon started here handed over to it and exited
+        assert cluster.follow("nodeb") == result.json()["pid"] != process.pid and process.returncode == 0
         wait_until(lambda: _reattached(b, 1, cluster), lambda: _reattach_state(cluster, "nodeb", b), 120)
         stream.flowing_beyond(before + 50, "the stream to flow again")
     finally:

@@ -45,6 +45,8 @@ def test_unit_file_meets_the_operations_rules() -> None:
     assert exec_start[1:] == ["run", "--config", "/etc/transportd/transportd.toml"]
     assert service["LimitMEMLOCK"] == "infinity"
     assert service["Restart"] == "on-failure"
+    # reload restarts without stopping the jobs: the daemon starts its successor on SIGHUP (docs/restart.md)
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert service["RuntimeDirectory"] == "transportd"
     assert "WatchdogSec" in service and service["KillMode"] == "mixed"
     # hardening is on, but nothing that closes /dev/infiniband or /dev/nvidia*

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gpuclient
 from cmd_ring import RingFullError
 from tests.support.cluster import join_ranks
 from tests.support.ctl import assert_one_line, ctl
@@ -227,3 +228,31 @@ def test_notifier_honours_watchdog_pid_and_abstract_sockets() -> None:
         Notifier({}).ready()
     finally:
         server.close()
+
+
+def test_sighup_hands_the_jobs_to_a_successor_that_systemd_takes_for_the_main_process(tmp_path) -> None:
+    """The unit's ExecReload (SIGHUP): the daemon starts its successor, hands over once it is ready, says
+    RELOADING=1 and MAINPID=<successor>; the successor says READY=1, and the session re-attached to it."""
+    cluster = LocalCluster(1, overrides={"peers": {"restart_grace_s": 120.0}})
+    listener = NotifyListener(tmp_path / "notify.sock")
+    try:
+        node = cluster.nodes["nodea"]
+        old = _start(node, NOTIFY_SOCKET=str(listener.path), WATCHDOG_USEC=str(WATCHDOG_USEC)).pid
+        wait_until(lambda: listener.lines_if(old, lambda ls: "READY=1" in ls), "READY=1", 60)
+        client = gpuclient.connect(node.socket)
+        session = client.join("reload", rank=0, world=1)
+        flags = session.flags(4)
+        ch = session.channel(capacity=64)
+        os.kill(old, signal.SIGHUP)
+        new = cluster.follow("nodea")
+        lines = wait_until(lambda: listener.lines_if(old, lambda ls: f"MAINPID={new}" in ls), "MAINPID=", 60)
+        assert "RELOADING=1" in lines and lines.index("RELOADING=1") < lines.index(f"MAINPID={new}")
+        wait_until(lambda: listener.lines_if(new, lambda ls: "READY=1" in ls), "the successor's READY=1", 60)
+        wait_until(lambda: session.reattach.count == 1, "the session to re-attach", 120)
+        ch.put(peer=0, dst_region=0, dst_off=0, src_region=0, src_off=0, nbytes=8)  # to itself: refused
+        wait_until(lambda: ch.status()[0] != 0, "the successor to take the record")
+        assert flags.status == 0
+        client.close()
+    finally:
+        listener.close()
+        cluster.stop()

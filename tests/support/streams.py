@@ -71,6 +71,7 @@ class Stream:
         self._stop.set()
         self._thread.join(30)
         assert not self._thread.is_alive(), "the streaming thread did not stop"
+        self.src.channel.timeout = 30.0  # the caller's pushes from now on wait out backpressure
 
     def settled(self, timeout: float = 60.0) -> None:
         """Wait until everything committed has completed at the sender (without raising on an error word)."""

@@ -551,8 +551,10 @@ class TraceStop(Request):
 
 @_request
 class Restart(Request):
-    """``transportctl restart``: hand over to a new daemon of the same command line (re-executed, same pid):
-    the jobs keep their rings, flags and regions (docs/restart.md). Root or the daemon's own user only."""
+    """``transportctl restart``: start a new daemon of the same command line and hand the jobs over to it once
+    it is ready; they keep their rings, flags and regions (docs/restart.md). Root or the daemon's own user
+    only. The reply comes at once; ``stats`` says ``restart`` ``failed`` (with the reason) if the new daemon
+    cannot start, and the daemon serves on."""
 
     op: ClassVar[str] = "restart"
 

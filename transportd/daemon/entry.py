@@ -5,7 +5,6 @@ daemons). The rest of the ``transportd`` command (the demo, the benchmarks) live
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -26,11 +25,13 @@ def main() -> None:
 @click.option("--config", "config_path", type=click.Path(), default=None,
               help="TOML config (default: built-in defaults); one that cannot be read exits 78, as a bad one does")
 def run(config_path: str | None) -> None:
-    """Run the daemon in the foreground until SIGTERM or SIGINT (SIGHUP: hand over to a fresh daemon)."""
+    """Run the daemon in the foreground until SIGTERM or SIGINT (SIGHUP: start a fresh daemon and hand over to
+    it once it is ready)."""
     import zmq
 
     from transportd.config import load_config
     from transportd.daemon.main import Daemon
+    from transportd.daemon.succession import Predecessor
     from transportd.errors import ConfigError, TransportdError
     from transportd.logs import setup_logging
 
@@ -40,7 +41,7 @@ def run(config_path: str | None) -> None:
         click.echo(f"transportd: bad config: {exc}", err=True)
         sys.exit(EXIT_CONFIG)  # distinct status: the unit's RestartPreventExitStatus stops retrying a bad file
     setup_logging(config.logging.level, config.logging.format)
-    daemon = Daemon(config)
+    daemon = Daemon(config, predecessor=Predecessor.from_env())
     daemon.install_signal_handlers()
     try:
         daemon.start()
@@ -54,9 +55,3 @@ def run(config_path: str | None) -> None:
     if daemon.failure:
         click.echo(f"transportd: {daemon.failure}", err=True)
         sys.exit(EXIT_SOFTWARE)
-    if daemon.reexec:
-        # the jobs are handed over (docs/restart.md): the same command line again, in this pid, so systemd
-        # keeps its main process; the config and the installed code are read anew
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os.execv(sys.executable, sys.orig_argv)

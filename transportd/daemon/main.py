@@ -23,7 +23,9 @@ Stopping is a *handover* (docs/restart.md) unless the daemon stops because a rai
 peers it is restarting and waits (briefly) until nothing of theirs is in flight to it, drains its rails
 (every record taken is completed, and each ring's consumer position is published in the ring, which the
 client holds), and exits without ending any session: its clients re-attach to the next daemon with the
-same memory, and its peers keep their side of every job for ``peers.restart_grace_s``.
+same memory, and its peers keep their side of every job for ``peers.restart_grace_s``. A restart request
+(``transportctl restart``, SIGHUP) first starts that next daemon and hands over once it is ready
+(:mod:`~transportd.daemon.succession`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ from transportd.daemon.peering import Peering
 from transportd.daemon.sdnotify import Notifier
 from transportd.daemon.selftest_jobs import SelftestJobs
 from transportd.daemon.state import LocalRank, NodeState
+from transportd.daemon.succession import Predecessor, Successor
 from transportd.daemon.tracing import Tracing
 from transportd.dataplane.worker import rail_main
 from transportd.dataplane.worker_link import WorkerHandle
@@ -97,7 +100,8 @@ class Daemon:
     """The daemon around one config: starts and stops its servers and rail workers, runs the main loop,
     and hands each request to the part that owns it (module doc)."""
 
-    def __init__(self, config: Config, *, worker_target: Callable[..., None] | None = None) -> None:
+    def __init__(self, config: Config, *, worker_target: Callable[..., None] | None = None,
+                 predecessor: Predecessor | None = None) -> None:
         self.config = config
         self.node = config.node.name
         self.started = time.time()
@@ -117,7 +121,10 @@ class Daemon:
         self.snapshot: dict[str, Any] = {"node": self.node}  # the last stats(), for other threads (metrics)
         self.metrics: MetricsServer | None = None
         self.peer_wait_s = config.peers.ready_wait_s  # READY=1 waits this long for the static peers at most
-        self.reexec = False  # stopping to execute this command line again (transportctl restart, SIGHUP)
+        self.predecessor = predecessor  # the daemon this one takes over from (a restart request), if any
+        self.restart_requested = False  # transportctl restart, SIGHUP: start a successor, then hand over
+        self.successor: Successor | None = None
+        self.restart_error = ""  # why the last restart request did not happen (its successor failed)
         self.quiesced: set[str] = set()  # peers that answered our peer_restarting
         self._serving = False  # run() began: stopping from now on hands the jobs over
         self._closing = False
@@ -131,6 +138,9 @@ class Daemon:
         try:
             for index in range(count):
                 state.workers.append(WorkerHandle(index, target, {"config": config}))
+            if self.predecessor is not None:  # ready: it hands over, then its addresses are ours
+                self.predecessor.take_over(self.notifier.tick)
+                self.predecessor = None
             state.control = ControlServer.from_config(config, self)
             fd_path = fd_socket_for(config.control.socket)
             if fd_path is not None:  # same mode and group as the control socket
@@ -151,6 +161,8 @@ class Daemon:
                 self.metrics = MetricsServer(config.metrics.listen, lambda: self.snapshot)
                 log.info("metrics on http://%s/metrics", self.metrics.address)
         except BaseException:
+            if self.predecessor is not None:
+                self.predecessor.abandon()  # the running daemon serves on
             self.close()
             raise
         providers = sorted({str(w.info.get("verbs", "?")) for w in state.workers})
@@ -183,6 +195,8 @@ class Daemon:
                 self.state.fdserver.poll(0)
             peers.poll(0)
             self.peering.tick()
+            if self.restart_requested:
+                self._succession()
             now = time.monotonic()
             if now >= next_liveness:
                 next_liveness = now + 0.2
@@ -204,12 +218,12 @@ class Daemon:
                 next_report = now + 1.0
                 self.snapshot = self.stats()
             self.notifier.tick()
-        if self.reexec:
+        if self.successor is not None:
             self.notifier.reloading("restarting: handing the jobs over to the next daemon")
         else:
             self.notifier.stopping("stopping: draining the rails")
-        log.info("stopping: draining the rails (%s)", "then restarting" if self.reexec else "jobs handed over"
-                 if self.failure is None else "jobs end")
+        log.info("stopping: draining the rails (%s)", "handing over to the successor" if self.successor else
+                 "jobs handed over" if self.failure is None else "jobs end")
 
     def _while_a_worker_call_waits(self) -> None:
         if self.state.peers is not None:
@@ -232,9 +246,26 @@ class Daemon:
         signal.signal(signal.SIGHUP, lambda *_: self.request_restart())  # the unit's ExecReload
 
     def request_restart(self) -> None:
-        """Hand the jobs over and execute this daemon's command line again (same pid, config read anew)."""
-        self.reexec = True
-        self.stop_event.set()
+        """Start this daemon's command line again (the config and the code read anew) and hand the jobs over
+        to it once it is ready (:mod:`~transportd.daemon.succession`); if it cannot start, serve on."""
+        self.restart_requested = True
+
+    def _succession(self) -> None:
+        if self.successor is None:
+            self.restart_error = ""
+            try:
+                self.successor = Successor.start()
+            except OSError as exc:
+                self.restart_requested, self.restart_error = False, f"cannot start a successor: {exc}"
+                log.error("restart refused: %s", self.restart_error)
+                return
+        state = self.successor.poll()
+        if state == "ready":
+            self.restart_requested = False
+            self.stop_event.set()  # hand over now: the successor takes our addresses as we leave
+        elif state == "failed":
+            self.restart_requested, self.restart_error = False, self.successor.error
+            self.successor = None
 
     def close(self) -> None:
         """Stop: hand the jobs over to the next daemon (module doc), or, when the daemon stops because a rail
@@ -275,6 +306,10 @@ class Daemon:
         if state.peers:
             state.peers.close()
             state.peers = None
+        if self.successor is not None:  # under systemd, the successor is the service's main process now
+            self.notifier.notify(f"MAINPID={self.successor.process.pid}", wait_s=self.notifier.important_wait_s)
+            log.info("handed over to pid %d", self.successor.process.pid)
+            self.successor.close()
 
     def _quiesce_peers(self) -> None:
         """Tell the peers we are restarting and wait (at most QUIESCE_WAIT_S) until each answers that nothing of
@@ -348,8 +383,10 @@ class Daemon:
         log.info("job %s rank %d reclaimed", rank.job, rank.rank)
 
     def stats(self) -> dict[str, Any]:
-        return stats.collect_stats(self.state, self.peering, self.clients, started=self.started, ready=self.ready,
-                                   ibgda=self.ibgda.queue_stats)
+        out = stats.collect_stats(self.state, self.peering, self.clients, started=self.started, ready=self.ready,
+                                  ibgda=self.ibgda.queue_stats)
+        out["restart"] = self.restart_status()
+        return out
 
     # --- control ops (ControlServer calls on_<op>) ------------------------------------------------------
     def on_hello(self, client_id: bytes, req: Hello) -> dict[str, Any]:
@@ -415,6 +452,12 @@ class Daemon:
         log.info("restart requested by %s", ident.principal)
         self.request_restart()
         return {"pid": os.getpid(), "started": self.started}
+
+    def restart_status(self) -> dict[str, Any]:
+        """For stats: a restart under way (``preparing``: the successor starts) or why the last one failed."""
+        if self.successor is not None:
+            return {"state": self.successor.state, "successor": self.successor.process.pid}
+        return {"state": "failed", "error": self.restart_error} if self.restart_error else {"state": "none"}
 
     def on_leave(self, client_id: bytes, req: Leave) -> dict[str, Any]:
         self._reclaim(client_id, "left")

@@ -1,4 +1,5 @@
-"""systemd's notify protocol: READY=1, STATUS=..., WATCHDOG=1 and STOPPING=1 datagrams to $NOTIFY_SOCKET.
+"""systemd's notify protocol: READY=1, STATUS=..., WATCHDOG=1, STOPPING=1 and RELOADING=1 / MAINPID= (a
+restart request's handover) datagrams to $NOTIFY_SOCKET.
 
 Without NOTIFY_SOCKET (not under systemd, or Type= is not notify) every call is a no-op.
 
@@ -74,7 +75,8 @@ class Notifier:
         self.notify("STOPPING=1", f"STATUS={status}", wait_s=self.important_wait_s)
 
     def reloading(self, status: str = "restarting") -> None:
-        """The daemon is about to execute itself again (same pid): the new image says READY=1."""
+        """The daemon hands over to its successor, which says READY=1 once it serves (after this daemon named it
+        the main process with ``MAINPID=``)."""
         self._last_status = status
         self._stopping = True  # no WATCHDOG=1 until the next image is ready
         self.notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
