@@ -171,7 +171,7 @@ class IbgdaChannelHandle:
 
     def mark_lost(self) -> None:
         """The daemon restarted: the domain its queue pairs were built on and the keys in this channel's
-        tables are gone, so the channel cannot go on (DESIGN section 12). Kernels see CHANNEL_LOST in the
+        tables are gone, so the channel cannot go on (docs/restart.md). Kernels see CHANNEL_LOST in the
         error word (unless an error came first); the session stays valid: close this channel once its kernels
         are done and open a new one."""
         self.lost = True

@@ -430,7 +430,7 @@ def restart(timeout: float, socket: str | None, as_json: bool) -> None:
 
     before = _fetch(socket)
     old_start = time.time() - float(before["uptime_s"])
-    reply = _fetch(socket, Restart())
+    reply = _fetch(socket, Restart)
     deadline = time.monotonic() + timeout
     endpoint = resolve_endpoint(socket)
     while True:
