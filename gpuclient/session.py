@@ -281,6 +281,7 @@ class Session:
         """A call to the daemon waits while the session re-attaches to a restarted one (bounded by then)."""
         if self.reattach is not None:
             self.reattach.attached.wait(float(self._conn.hello_reply.get("restart_grace_s") or 0) + 30.0)
+
     def register(self, buffer: object, access: tuple[str, ...] = ("read", "write")) -> Region:
         """Register a buffer for RDMA; returns its region.
 
