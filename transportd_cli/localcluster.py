@@ -138,6 +138,7 @@ class LocalNode:
     log_path: Path
     process: subprocess.Popen | Successor | None = None
     log_file: Any = field(default=None, repr=False)
+    groups: set[int] = field(default_factory=set)  # process groups its daemons started in (successors too)
 
 
 class LocalCluster:
@@ -245,6 +246,7 @@ class LocalCluster:
         node.process = subprocess.Popen([sys.executable, "-m", "transportd", "run", "--config", str(node.config_path)],
                                         stdout=node.log_file, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True, preexec_fn=_die_with_parent)
+        node.groups.add(node.process.pid)  # its own session and group: a successor it starts stays in it
 
     def _wait_ready(self, node: LocalNode, deadline: float, peers_up: int | None = None) -> None:
         want = len(self.nodes) - 1 if peers_up is None else peers_up
@@ -292,6 +294,11 @@ class LocalCluster:
         for name, node in self.nodes.items():
             if node.process is not None:
                 self.terminate(name)
+            for group in node.groups:  # a successor nobody followed (a restart request), and its workers
+                try:
+                    os.killpg(group, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         for node in self.nodes.values():
             if node.log_file:
                 node.log_file.close()
