@@ -35,6 +35,18 @@ __all__ = ["WorkerEndpoint", "WorkerHandle"]
 log = logging.getLogger("transportd.worker")
 
 
+def receive_fds(sock: socket.socket, op: str, count: int) -> list[int]:
+    """The ``count`` descriptors sent with ``op`` on the link's descriptor socket (both ends use it). A
+    message that names another op or carries another number of them raises OSError, every descriptor
+    that did arrive closed."""
+    name, fds, _flags, _addr = socket.recv_fds(sock, 256, count + 1)
+    if name != op.encode() or len(fds) != count:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"{op}: expected {count} descriptor(s) for it, got {len(fds)} for {name!r}")
+    return fds
+
+
 class WorkerHandle:
     """The main process's end: start the worker process, call it, stop it."""
 
@@ -118,12 +130,10 @@ class WorkerHandle:
     def _receive_fds(self, op: str, count: int) -> list[int]:
         if self._fd_sock is None:
             raise WorkerError(f"rail {self.rail} worker: {op} sent descriptors, but there is no descriptor link")
-        name, fds, _flags, _addr = socket.recv_fds(self._fd_sock, 256, count + 1)
-        if name != op.encode() or len(fds) != count:
-            for fd in fds:
-                os.close(fd)
-            raise WorkerError(f"rail {self.rail} worker: {op}: expected {count} descriptor(s), got {len(fds)}")
-        return fds
+        try:
+            return receive_fds(self._fd_sock, op, count)
+        except OSError as exc:
+            raise WorkerError(f"rail {self.rail} worker: {exc}") from None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to drain and exit; kill it if it does not."""
@@ -221,12 +231,7 @@ class WorkerEndpoint:
     def _receive_fds(self, op: str, count: int) -> list[int]:
         if self._fd_sock is None:
             raise OSError(f"{op} carries {count} descriptor(s), but this worker has no descriptor link")
-        name, fds, _flags, _addr = socket.recv_fds(self._fd_sock, 256, count + 1)
-        if name != op.encode() or len(fds) != count:
-            for fd in fds:
-                os.close(fd)
-            raise OSError(f"{op}: expected {count} descriptor(s) for it, got {len(fds)} for {name!r}")
-        return fds
+        return receive_fds(self._fd_sock, op, count)
 
     def close(self) -> None:
         self._sock.close()
