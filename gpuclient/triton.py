@@ -60,6 +60,12 @@ Every spin backs off (64 tight polls, then ``nanosleep`` doubling from 32 ns to 
 that outlasts ``SPIN_TIMEOUT_NS`` (20 s; the ``TPD_TRITON_SPIN_TIMEOUT_NS`` environment variable at import,
 0 for no bound) executes ``trap``, so a lost flag or a dead proxy fails the launch instead of hanging it.
 
+Kernels that wait for each other in one CUDA context (two ranks sharing a GPU in one process, a compute
+kernel waiting for a communication kernel) must all be compiled and loaded before the first of them is
+launched: :func:`preload`. Triton compiles and loads a kernel's module at its first launch, and that load
+waits for the kernels already running in the context, so a late first launch hangs behind a kernel that is
+waiting for it (until the spin bound traps).
+
 Caveats: Triton's software pipeliner may issue a loop's loads for later iterations early, so keep a
 ``wait_range``/``wait`` out of a pipelined loop whose loads read what it waits for (``num_stages=1`` for such
 a loop, or wait before the loop), as the all-gather kernel in ``tests/gpu/triton_allgather.py`` does; and the
@@ -107,6 +113,7 @@ __all__ = [
     "header_word",
     "body_words",
     "plan_pointer",
+    "preload",
     "put",
     "put_signal",
     "quiet",
@@ -298,6 +305,22 @@ def plan_pointer(plan: Any, device: int | None = None) -> DevicePointer:
         raise ValueError(f"tpd::Plan ABI {abi}, this library speaks {PLAN_ABI}")
     data[_PLAN_OFF_EPOCH:_PLAN_OFF_EPOCH + 8] = bytes(8)
     return _copy_to_device(bytes(data), 0 if device is None else device)
+
+
+def preload(kernel: Any, *args: Any, grid: tuple[int, ...], **meta: Any) -> Any:
+    """Compile ``kernel`` (a ``@triton.jit`` function) for these arguments and load it onto the current GPU
+    now; returns Triton's compiled kernel. The arguments are those of a launch (the same types and values
+    wherever the kernel specializes on them), ``grid`` and ``meta`` too.
+
+    Why: Triton loads a compiled kernel's module at its first launch, and a module load waits for the
+    kernels already running in the CUDA context. Kernels that wait for each other in one context (ranks
+    sharing a GPU in one process, or a compute kernel beside a communication kernel) would then hang: the
+    second one's first launch waits for the first kernel, which waits for the second. Preload every kernel
+    of such a set before launching any of them. (Ranks in processes of their own never meet this.)
+    """
+    compiled = kernel.warmup(*args, grid=grid, **meta)
+    compiled.run  # noqa: B018  (the property loads the module and makes the launcher, once)
+    return compiled
 
 
 # --- the PTX ---------------------------------------------------------------------------------------------------

@@ -54,10 +54,11 @@ def test_triton_allgather_waits_for_every_chunk_a_range_touches(cuda_device, bac
             assert ranks[0]["plan"].tile_count == -(-ROWS_LOCAL // TILE_ROWS)
             launch = {"ROW_FLOATS": ROW_FLOATS, "ROW_BLOCK": 128, "TILE_ROWS": TILE_ROWS, "TILE_BLOCK": 4,
                       "CONSUMER_ROWS": CONSUMER_ROWS, "num_warps": 4}
-            # compile before the first launch: rank 0's kernel must not wait on a compile for rank 1's
-            allgather_rowsum.warmup(ranks[0]["ch"], ranks[0]["plan_ptr"], 1, *ranks[0]["args"], 0, WORLD, ROWS_LOCAL,
-                                    ranks[0]["plan"].tile_count, grid=(PROGRAMS,), **launch)
-            quiet_status.warmup(ranks[0]["ch"], ranks[0]["status_ptr"], grid=(1,), num_warps=1)
+            # compile and load both kernels before the first launch: a module load waits for running kernels,
+            # and rank 0's kernel waits for rank 1's
+            tdt.preload(allgather_rowsum, ranks[0]["ch"], ranks[0]["plan_ptr"], 1, *ranks[0]["args"], 0, WORLD,
+                        ROWS_LOCAL, ranks[0]["plan"].tile_count, grid=(PROGRAMS,), **launch)
+            tdt.preload(quiet_status, ranks[0]["ch"], ranks[0]["status_ptr"], grid=(1,), num_warps=1)
             for epoch in range(1, LAUNCHES + 1):
                 shards = poison(ranks, rng)
                 for r, rank in enumerate(ranks):
