@@ -1,0 +1,18 @@
+"""Fused multi-node kernels on transportd channels: compute and RDMA overlapped at tile granularity.
+
+Each kernel is a host object built on a joined session: it registers the buffers the kernel's peers write
+into, sizes a chunk plan (``gpuclient.ChunkPlan``) whose chunks are independent of the compute tiles, and
+compiles its Triton kernel on first use. Tensors are PyTorch's (``torch`` and ``triton`` are needed: the
+``.[triton]`` extra and a CUDA build of torch).
+
+    op = AllGatherGemm(session, m_local=1024, n=4096, k=8192)   # before session.exchange()
+    session.exchange()
+    c = op(a_shard, b)                                           # C = all_gather(A) @ B, bf16 in, fp32 acc
+
+Flags: every kernel takes ``slot_base`` and needs ``op.slots`` flag words from there; a kernel that finds
+the session without flags allocates ``slot_base + op.slots`` of them in device memory.
+"""
+
+from gpuclient.kernels.allgather_gemm import AllGatherGemm
+
+__all__ = ["AllGatherGemm"]

@@ -1,0 +1,178 @@
+"""AllGather + GEMM, fused: ``C = all_gather(A) @ B`` with A's rows sharded over the ranks.
+
+Every rank holds a row shard of A (``m_local x k``) and a whole B (``k x n``, typically its column shard
+of a tensor-parallel weight) and computes all ``world * m_local`` rows of C. The kernel is one persistent
+Triton launch with SM specialization: the first ``comm_programs`` programs ship the local shard to every
+peer, chunk by chunk (``tile_done`` on an all-gather plan whose tiles are the chunks, so each ships at
+once), while the compute programs walk C's tiles ordered by input availability (the local shard's rows
+first, then each peer's in ring order) and wait, before a tile, only for the chunks its rows touch
+(``wait_range``). Chunks are ``chunk_rows`` rows, independent of the tile's ``block_m``: a tile that
+straddles two chunks waits for both.
+
+Compute: bf16 ``tl.dot`` (wgmma on sm_90) with fp32 accumulation, C in fp32 or bf16. Triton rather than
+CUTLASS/CuTe: the same language as the device calls (``gpuclient.triton``), no C++ template build at run
+time; a CuTe kernel was not measured against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from gpuclient import triton as tpd
+from gpuclient.plan import ChunkPlan
+
+
+# no specialization on the launch number or the rank (Triton would compile again for launch 1 vs 2, rank 0 vs 1)
+@triton.jit(do_not_specialize=["epoch", "rank", "release_slot"])
+def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world, m_local, n, k, chunks, release_slot,
+                    COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, COMMUNICATE: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < COMM_PROGRAMS:
+        if COMMUNICATE:
+            # a peer reads our last launch's rows until it says so: wait for every peer's release first
+            for peer in range(0, world):
+                if peer != rank:
+                    tpd.wait(ch, release_slot + peer, epoch - 1)
+            # every chunk of the local shard, to every peer (the plan's sends); then local completion, so
+            # the shard may be overwritten once the kernel is over
+            for chunk in range(pid, chunks, COMM_PROGRAMS):
+                tpd.tile_done(ch, plan, chunk)
+            tpd.quiet(ch)
+    else:
+        compute = tl.num_programs(0) - COMM_PROGRAMS
+        row_blocks = tl.cdiv(m_local, BLOCK_M)
+        col_blocks = tl.cdiv(n, BLOCK_N)
+        per_rank = row_blocks * col_blocks
+        for t in range(pid - COMM_PROGRAMS, world * per_rank, compute):
+            src = (rank + t // per_rank) % world  # the local shard's tiles first, then the peers' in ring order
+            within = t % per_rank
+            row0 = (within // col_blocks) * BLOCK_M
+            col0 = (within % col_blocks) * BLOCK_N
+            rows = tl.minimum(BLOCK_M, m_local - row0)
+            if COMMUNICATE:
+                if src != rank:
+                    tpd.wait_range(ch, plan, epoch, src, (src * m_local + row0).to(tl.uint64) * k * 2,
+                                   rows.to(tl.uint64) * k * 2)
+            offs_m = row0 + tl.arange(0, BLOCK_M)
+            offs_n = col0 + tl.arange(0, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_rows = a_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * k
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, k, BLOCK_K):
+                a = tl.load(a_rows + (k0 + offs_k)[None, :],
+                            mask=(offs_m[:, None] < m_local) & ((k0 + offs_k)[None, :] < k), other=0.0)
+                b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
+                            mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
+                acc = tl.dot(a, b, acc)
+            c = c_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
+            tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < m_local) & (offs_n[None, :] < n))
+        if COMMUNICATE:
+            # the last compute program to finish tells every peer that their rows of this launch are read
+            tl.debug_barrier()
+            finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+            if (finished + 1) % compute == 0:
+                for peer in range(0, world):
+                    if peer != rank:
+                        tpd.signal(ch, peer, release_slot + rank, 1)
+
+
+class AllGatherGemm:
+    """``C = all_gather(A) @ B`` for one rank: build before ``session.exchange()``, call after it.
+
+    ``a_shard`` (``m_local x k``, bf16) is copied into this rank's rows of a gathered buffer registered
+    with the daemon (peers write theirs into it); ``b`` is ``k x n`` bf16. ``chunk_rows`` rows travel as one
+    put_signal; ``comm_programs`` programs push, ``programs`` in all (default: this GPU's SMs divided by
+    ``share``, the number of ranks that run on the GPU at once: every rank's programs must be resident
+    together, since compute programs spin on the peers' chunks). Launch k of the op waits for flag values
+    k: nothing is reset between calls.
+    """
+
+    def __init__(self, session: Any, m_local: int, n: int, k: int, *, chunk_rows: int = 64,
+                 comm_programs: int = 1, block: tuple[int, int, int] = (128, 128, 64), num_warps: int = 8,
+                 num_stages: int = 3, slot_base: int = 0, share: int = 1, programs: int | None = None,
+                 out_dtype: Any = None, channel_capacity: int = 256) -> None:
+        import torch
+
+        if min(m_local, n, k, chunk_rows, comm_programs, share) < 1:
+            raise ValueError("m_local, n, k, chunk_rows, comm_programs and share must be >= 1")
+        self.session, self.rank, self.world = session, session.rank, session.world
+        self.m_local, self.n, self.k = m_local, n, k
+        self.device = session.device if session.device is not None and session.device >= 0 else 0
+        self.block, self.num_warps, self.num_stages = block, num_warps, num_stages
+        self.comm_programs, self.share, self._programs = comm_programs, share, programs
+        self.out_dtype = out_dtype or torch.float32
+        self.gathered = torch.empty((self.world * m_local, k), dtype=torch.bfloat16, device=f"cuda:{self.device}")
+        region = session.register(self.gathered)
+        row_bytes = k * 2
+        self.plan = ChunkPlan.all_gather(self.rank, self.world, m_local * row_bytes, tile_bytes=chunk_rows * row_bytes,
+                                         chunk_tiles=1, dst_region=region.id, slot_base=slot_base)
+        # the plan's slots, then one per rank: "rank r has read launch k's rows" (back-pressure between launches)
+        self.release_slot = slot_base + self.plan.slot_count
+        self.slots = self.plan.slot_count + self.world
+        if session.flag_array is None:
+            session.flags(slot_base + self.slots, where="device")
+        elif len(session.flag_array) < slot_base + self.slots:
+            raise ValueError(f"AllGatherGemm needs flag slots [{slot_base}, {slot_base + self.slots}); the session "
+                             f"has {len(session.flag_array)}")
+        self.channel_capacity = channel_capacity
+        self.launches = 0
+        self._ch: Any = None
+
+    def prepare(self) -> None:
+        """After the exchange, before the first launch (``__call__`` does it if not yet done): open the
+        channel, make the device copies of its handle and the plan, and compile and load the kernel. Ranks
+        that share one process and GPU must all prepare before any launches: loading a kernel waits for the
+        kernels running in the context (``gpuclient.triton.preload``)."""
+        import torch
+
+        if self._ch is not None:
+            return
+        self.channel = self.session.channel(self.channel_capacity)
+        self._handle = self.channel.device_handle(self.device)
+        self._ch = tpd.channel_pointer(self._handle)
+        self._plan = tpd.plan_pointer(self.plan, self.device)
+        self._done = torch.zeros(1, dtype=torch.int32, device=self.gathered.device)  # monotonic, never reset
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.programs = self._programs or max(self.comm_programs + 1, sms // self.share)
+        b = torch.empty((self.k, self.n), dtype=torch.bfloat16, device=self.gathered.device)
+        out = torch.empty((self.world * self.m_local, self.n), dtype=self.out_dtype, device=self.gathered.device)
+        tpd.preload(_allgather_gemm, *self._args(1, b, out), grid=(self.programs,), **self._meta(True))
+
+    def _args(self, epoch: int, b: Any, out: Any) -> tuple:
+        return (self._ch, self._plan, epoch, self.gathered, b, out, self._done, self.rank, self.world, self.m_local,
+                self.n, self.k, self.plan.chunk_count, self.release_slot)
+
+    def _meta(self, communicate: bool) -> dict[str, Any]:
+        bm, bn, bk = self.block
+        return {"COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                "COMMUNICATE": communicate, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def local_rows(self) -> Any:
+        """This rank's rows of the gathered A: write the shard here to skip the copy in ``__call__``."""
+        return self.gathered[self.rank * self.m_local:(self.rank + 1) * self.m_local]
+
+    def __call__(self, a_shard: Any, b: Any, out: Any = None, *, communicate: bool = True,
+                 stream: Any = None) -> Any:
+        """Launch once on ``stream`` (torch's current one by default); returns C (``world*m_local x n``).
+
+        Between launches nothing needs resetting or synchronizing: a launch ships its shard to a peer only
+        once that peer has said it finished reading the previous launch's rows (a flag per rank).
+        ``communicate=False`` neither ships nor waits (the compute alone, for timing: the peers' rows are
+        whatever the buffer holds).
+        """
+        import torch
+
+        self.prepare()
+        if a_shard is not None and a_shard.data_ptr() != self.local_rows().data_ptr():
+            self.local_rows().copy_(a_shard)
+        if out is None:
+            out = torch.empty((self.world * self.m_local, self.n), dtype=self.out_dtype, device=self.gathered.device)
+        if communicate:
+            self.launches += 1
+        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
+            _allgather_gemm[(self.programs,)](*self._args(max(self.launches, 1), b, out), **self._meta(communicate))
+        return out
