@@ -11,7 +11,7 @@ thread (a Triton program is at least one warp).
     from benchmarks.triton_push import measure_push
     ns = measure_push(map_ring(ring, device), 20000)
 
-    python benchmarks/triton_push.py [--pushes 20000]   # both rows, side by side, on this GPU
+    python benchmarks/triton_push.py [--pushes 20000] [--json out.json]   # both rows, side by side, on this GPU
 
 Launching a Triton kernel goes through PyTorch's current CUDA stream (Triton's launcher asks PyTorch), so
 this needs torch as well as triton; both are on the H200 image.
@@ -19,6 +19,7 @@ this needs torch as well as triton; both are on the H200 image.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -125,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="ns per push: Triton put beside the CUDA push (credit preset)")
     parser.add_argument("--pushes", type=int, default=20000)
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     use_device(args.device)
     rows = {}
@@ -139,6 +141,9 @@ def main() -> None:
     for name, ns in rows.items():
         print(f"push {name:8s} {ns:8.0f} ns/push (one {'thread' if name == 'cuda' else 'program, 1 warp'})")
     print(f"triton / cuda: {rows['triton'] / rows['cuda']:.2f}x (target <= 1.5x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"pushes": args.pushes, "push_ns": rows,
+                                               "triton_over_cuda": rows["triton"] / rows["cuda"]}, indent=2))
 
 
 if __name__ == "__main__":
