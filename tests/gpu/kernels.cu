@@ -88,6 +88,26 @@ extern "C" __global__ void stream_chunks(tpd::DefaultChannel ch, uint32_t* src, 
     }
 }
 
+// One block ships chunk after chunk (the epoch's pattern, then put_signal to flag slot `chunk`), `gap_ns`
+// apart: a kernel still running while a daemon restarts under it.
+extern "C" __global__ void stream_paced(tpd::DefaultChannel ch, uint32_t* src, uint32_t peer, uint32_t src_region,
+                                        uint32_t dst_region, uint32_t chunk_bytes, uint32_t nchunks, uint32_t epoch,
+                                        uint64_t gap_ns) {
+    uint32_t words = chunk_bytes / 4;
+    for (uint32_t chunk = 0; chunk < nchunks; ++chunk) {
+        uint32_t* base = src + (size_t)chunk * words;
+        for (uint32_t i = threadIdx.x; i < words; i += blockDim.x) base[i] = pattern(chunk, i, epoch);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            uint64_t off = (uint64_t)chunk * chunk_bytes;
+            tpd::put_signal(ch, peer, (uint16_t)dst_region, off, (uint16_t)src_region, off, chunk_bytes, chunk, 1);
+            const uint64_t start = tpd::ordering::now_ns();
+            while (tpd::ordering::now_ns() - start < gap_ns) __nanosleep(1000);
+        }
+        __syncthreads();
+    }
+}
+
 // One thread: QUIET (everything pushed before has completed locally), then the error word.
 extern "C" __global__ void quiet_status(tpd::DefaultChannel ch, uint32_t* out) {
     tpd::quiet(ch);

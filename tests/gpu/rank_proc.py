@@ -138,6 +138,36 @@ class Rank:
         return {"status": int(code), "count": int(count), "position": int(position), "head": self._head(),
                 "host_status": list(self.channel.status())}
 
+    def send_paced(self, peer: int, dst_region: int, chunk: int, nchunks: int, epoch: int,
+                   gap_us: int) -> dict[str, Any]:
+        """Launch stream_paced and the QUIET after it on this rank's stream and return at once (the kernel runs
+        on while the test restarts a daemon); ``send_finish`` waits for it."""
+        self.out.write(0, bytes(64))
+        self.module.function("stream_paced").launch(
+            1, 256, (self.handle, np.uint64(self.src_ptr), np.uint32(peer), np.uint32(self.src.id),
+                     np.uint32(dst_region), np.uint32(chunk), np.uint32(nchunks), np.uint32(epoch),
+                     np.uint64(gap_us * 1000)), stream=self.stream)
+        self.module.function("quiet_status").launch(1, 1, (self.handle, np.uint64(self.out.ptr + 32)),
+                                                    stream=self.stream)
+        return {"launched": True}
+
+    def head(self) -> dict[str, Any]:
+        """Ring positions the running kernel has claimed so far."""
+        return {"head": self._head()}
+
+    def send_finish(self) -> dict[str, Any]:
+        self._sync(self.stream)
+        code, count, position = self._out(11)[8:11]
+        return {"status": code, "count": count, "position": position, "head": self._head(),
+                "host_status": list(self.channel.status())}
+
+    def reattached(self) -> dict[str, Any]:
+        r = self.session.reattach
+        return {"count": r.count, "state": r.state, "error": r.error}
+
+    def flag_values(self, count: int) -> dict[str, Any]:
+        return {"values": [int(self.flags[i]) for i in range(count)]}
+
     def _head(self) -> int | None:
         """Ring positions claimed by kernels (None for an IBGDA channel: it has no ring)."""
         return self.handle.head() if hasattr(self.handle, "head") else None
