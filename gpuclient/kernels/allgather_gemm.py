@@ -29,7 +29,7 @@ from gpuclient.plan import ChunkPlan
 @triton.jit(do_not_specialize=["epoch", "rank", "release_slot"])
 def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world, m_local, n, k, chunks, release_slot,
                     COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, COMMUNICATE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr):
     pid = tl.program_id(0)
     if pid < COMM_PROGRAMS:
         if COMMUNICATE:
@@ -57,19 +57,20 @@ def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world,
                 if src != rank:
                     tpd.wait_range(ch, plan, epoch, src, (src * m_local + row0).to(tl.uint64) * k * 2,
                                    rows.to(tl.uint64) * k * 2)
-            offs_m = row0 + tl.arange(0, BLOCK_M)
-            offs_n = col0 + tl.arange(0, BLOCK_N)
-            offs_k = tl.arange(0, BLOCK_K)
-            a_rows = a_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * k
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, k, BLOCK_K):
-                a = tl.load(a_rows + (k0 + offs_k)[None, :],
-                            mask=(offs_m[:, None] < m_local) & ((k0 + offs_k)[None, :] < k), other=0.0)
-                b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
-                            mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
-                acc = tl.dot(a, b, acc)
-            c = c_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
-            tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < m_local) & (offs_n[None, :] < n))
+            if COMPUTE:
+                offs_m = row0 + tl.arange(0, BLOCK_M)
+                offs_n = col0 + tl.arange(0, BLOCK_N)
+                offs_k = tl.arange(0, BLOCK_K)
+                a_rows = a_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * k
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, k, BLOCK_K):
+                    a = tl.load(a_rows + (k0 + offs_k)[None, :],
+                                mask=(offs_m[:, None] < m_local) & ((k0 + offs_k)[None, :] < k), other=0.0)
+                    b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
+                                mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
+                    acc = tl.dot(a, b, acc)
+                c = c_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
+                tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < m_local) & (offs_n[None, :] < n))
         if COMMUNICATE:
             # the last compute program to finish tells every peer that their rows of this launch are read
             tl.debug_barrier()
@@ -140,29 +141,40 @@ class AllGatherGemm:
         self.programs = self._programs or max(self.comm_programs + 1, sms // self.share)
         b = torch.empty((self.k, self.n), dtype=torch.bfloat16, device=self.gathered.device)
         out = torch.empty((self.world * self.m_local, self.n), dtype=self.out_dtype, device=self.gathered.device)
-        tpd.preload(_allgather_gemm, *self._args(1, b, out), grid=(self.programs,), **self._meta(True))
+        self._scratch = (b, out)
+        self.preload()
+
+    def preload(self, communicate: bool = True, compute: bool = True) -> None:
+        """Compile and load the kernel variant that ``__call__(..., communicate=, compute=)`` launches
+        (``prepare`` loads the default one): ranks in one process must load every variant they will run
+        concurrently before the first launch of any."""
+        self.prepare()
+        b, out = self._scratch
+        tpd.preload(_allgather_gemm, *self._args(1, b, out), grid=(self.programs,), **self._meta(communicate, compute))
 
     def _args(self, epoch: int, b: Any, out: Any) -> tuple:
         return (self._ch, self._plan, epoch, self.gathered, b, out, self._done, self.rank, self.world, self.m_local,
                 self.n, self.k, self.plan.chunk_count, self.release_slot)
 
-    def _meta(self, communicate: bool) -> dict[str, Any]:
+    def _meta(self, communicate: bool, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.block
         return {"COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                "COMMUNICATE": communicate, "num_warps": self.num_warps, "num_stages": self.num_stages}
+                "COMMUNICATE": communicate, "COMPUTE": compute, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
 
     def local_rows(self) -> Any:
         """This rank's rows of the gathered A: write the shard here to skip the copy in ``__call__``."""
         return self.gathered[self.rank * self.m_local:(self.rank + 1) * self.m_local]
 
-    def __call__(self, a_shard: Any, b: Any, out: Any = None, *, communicate: bool = True,
+    def __call__(self, a_shard: Any, b: Any, out: Any = None, *, communicate: bool = True, compute: bool = True,
                  stream: Any = None) -> Any:
         """Launch once on ``stream`` (torch's current one by default); returns C (``world*m_local x n``).
 
         Between launches nothing needs resetting or synchronizing: a launch ships its shard to a peer only
         once that peer has said it finished reading the previous launch's rows (a flag per rank).
         ``communicate=False`` neither ships nor waits (the compute alone, for timing: the peers' rows are
-        whatever the buffer holds).
+        whatever the buffer holds). ``compute=False`` ships and waits as usual but skips the GEMM (C is left
+        unwritten): the communication alone, on the same schedule, for timing.
         """
         import torch
 
@@ -174,5 +186,6 @@ class AllGatherGemm:
         if communicate:
             self.launches += 1
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            _allgather_gemm[(self.programs,)](*self._args(max(self.launches, 1), b, out), **self._meta(communicate))
+            _allgather_gemm[(self.programs,)](*self._args(max(self.launches, 1), b, out),
+                                              **self._meta(communicate, compute))
         return out
