@@ -353,7 +353,7 @@ class SoftverbsConfig(Section):
     direct_copy: Annotated[bool, key(
         "Place a write from GPU memory into a peer daemon's memory on this host with one copy from the "
         "client's buffer (CUDA IPC, run by the receiving worker) instead of over TCP; rkey, bounds and "
-        "ordering rules are kept. Off by default until the GPU suite has run with it.")] = False
+        "ordering rules are kept. On by default (the GPU suite runs with it); false: every write crosses TCP.")] = True
     nic_bandwidth: Annotated[float, key(
         "NIC model: bytes/s each soft device sends at (ConnectX-7 400 Gb/s: 50e9; EFA 200 Gb/s: 25e9); "
         "0: unshaped.", ge=0.0, le=1e13)] = 0.0

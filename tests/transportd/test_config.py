@@ -113,7 +113,7 @@ def test_the_nic_model_and_direct_copy_keys(write):
     assert isinstance(sv.nic_bandwidth, float)  # an integer in TOML is still bytes/s
     defaults = Config().softverbs
     assert (defaults.nic_bandwidth, defaults.nic_latency_s, defaults.nic_message_rate) == (0.0, 0.0, 0.0)
-    assert not defaults.direct_copy  # off until the GPU suite has run with it
+    assert defaults.direct_copy  # on: the GPU suite runs with it
 
 
 def test_mode_as_octal_string(write):
