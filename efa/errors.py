@@ -1,5 +1,5 @@
 """The errors of the efa backend's own logic (verbs and device failures are the BackendError family of
-``transportd.backends.verbs_common``, shared with ib)."""
+``transportd.errors``, which ``transportd.backends.verbs_common`` raises for ib and efa alike)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""docs/: every page the README links exists, links between pages (and their #anchors) resolve, the
-generated blocks (config keys, protocol messages) match the code they are generated from, and what the code
-cites of docs/design.md is there."""
+"""README.md and docs/: the README is an overview that starts with its quick start and stays short, every
+relative link in it and between the pages (and their #anchors) resolves, the generated blocks (config keys,
+protocol messages) match the code they are generated from, and what the code cites of docs/design.md is
+there."""
 
 from __future__ import annotations
 
@@ -39,6 +40,46 @@ def test_every_docs_page_the_readme_links_exists():
         assert path.exists(), f"README links {path.relative_to(ROOT)}, which does not exist"
         if anchor:
             assert anchor in _anchors(path), f"README links {path.name}#{anchor}: no such heading"
+
+
+README_MAX_LINES = 420
+
+
+def test_the_readme_is_an_overview_that_starts_with_its_quick_start():
+    """The README is the overview (the reference, the performance tables and operations live in docs/): at
+    most README_MAX_LINES lines, its first section the quick start of exactly two commands, `make demo` and
+    the test command CI runs."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, f"README.md has {len(text.splitlines())} lines"
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections[0] == "Quick start", sections[:3]
+    quick = text[text.index("\n## Quick start\n"):]
+    quick = quick[: quick.index("\n## ", 1)]
+    block = re.search(r"```sh\n(.*?)```", quick, re.S)
+    assert block is not None, "the quick start has no sh block"
+    commands = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+    assert commands == ["make demo", "make test"]
+    assert re.search(r"^make test\b", (ROOT / ".ci" / "run").read_text(), re.M), ".ci/run does not run `make test`"
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    """Every relative link of README.md and docs/*.md names a file or folder that exists, and every #anchor
+    (into a page, or within the same page) names one of that page's headings."""
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    checked = 0
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            where = f"{page.relative_to(ROOT)} links {target}"
+            assert path.exists(), f"{where}: {path.relative_to(ROOT)} does not exist"
+            if anchor:
+                assert path.suffix == ".md", f"{where}: an anchor into a file that is not a page"
+                assert anchor in _anchors(path), f"{where}: no such heading in {path.name}"
+            checked += 1
+    assert checked
 
 
 def test_links_between_docs_pages_resolve():
@@ -133,13 +174,13 @@ def test_the_readme_shows_required_options_as_required():
             assert f"[{opt}" not in span and opt in span, f"README: `{span}` shows {opt} as optional or not at all"
 
 
-def test_the_device_api_costs_quote_the_readme():
-    """docs/device-api.md's costs had fallen behind the README's measurements: each measured cell, up to its
-    first parenthesis, must be the README's own words."""
+def test_the_device_api_costs_quote_the_performance_page():
+    """docs/device-api.md's costs had fallen behind the measurements: each measured cell, up to its first
+    parenthesis, must be docs/performance.md's own words."""
     page = (DOCS / "device-api.md").read_text()
     section = page[page.index("## Costs measured on the H200"):]
     section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((DOCS / "performance.md").read_text().split())
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) > 5
     source = ""
@@ -149,4 +190,4 @@ def test_the_device_api_costs_quote_the_readme():
         if source and source not in readme and (ROOT / "benchmarks" / "results" / source).is_file():
             continue  # a measurement only this page reports, from its results file
         quoted = " ".join(row[1].split("(")[0].split()).rstrip(" ;,")
-        assert quoted in readme, f"device-api.md costs, {row[0].lstrip('| ')}: {quoted!r} is not in the README"
+        assert quoted in readme, f"device-api.md costs, {row[0].lstrip('| ')}: {quoted!r} is not in performance.md"

@@ -3,7 +3,7 @@
 Each section is a frozen msgspec Struct whose fields carry their default, their limits and their meaning
 in their annotation (:func:`key`: ``Meta(ge=, le=, description=)``, plus a ``check`` where a rule is more
 than a range), so the defaults, the validation (:mod:`transportd.schema`, the same mechanism the protocol's
-messages use) and the documentation table (:func:`describe_keys`, used for the README) come from one
+messages use) and the documentation table (:func:`describe_keys`, the table in docs/config.md) come from one
 definition. Loading refuses unknown sections and keys, wrong types and bad values with a
 :class:`ConfigError` naming the file, the dotted key and the reason — a typo must not silently become a
 default. Relative paths in ``[security]`` are taken relative to the config file.
@@ -161,7 +161,7 @@ def _level(value: str) -> str:
 
 def key(meaning: str, *, check: Check | None = None, default_doc: str | None = None, example: str | None = None,
         **limits: Any) -> msgspec.Meta:
-    """A config key's Meta: what it means (the README's table), its limits (``ge``, ``le``, ...), an optional
+    """A config key's Meta: what it means (docs/config.md's table), its limits (``ge``, ``le``, ...), an optional
     ``check`` (raises ValueError, may normalise), how to show its default where the value would mislead, and
     (``example``, TOML) a value the example config shows where that default is words, not a value."""
     extra = {name: value for name, value in (("check", check), ("default_doc", default_doc), ("example", example))
@@ -519,7 +519,7 @@ def _keys() -> dict[str, KeyInfo]:
     return keys
 
 
-#: Every key, dotted, with its default and meaning (the README's config table is generated from this).
+#: Every key, dotted, with its default and meaning (docs/config.md's table is generated from this).
 KEYS: dict[str, KeyInfo] = _keys()
 
 

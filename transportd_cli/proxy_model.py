@@ -21,10 +21,11 @@ One iteration (:meth:`Proxy.run_once`):
    ring position not yet complete, so a kernel's QUIET at ``p`` is satisfied once it is ``> p``), and
    write REMOTE_ACCESS / TRANSPORT into the channel's error word for a completion with an error status.
 
-The ring knows nothing about RDMA and the backend knows nothing about rings: this module is the only
-place they meet. Tables are job-scoped (docs/design.md, "Jobs are walled off"): a channel (one client's ring) resolves
-source regions through its own rank's table and destinations through its job's peer table, so a job's
-commands can only reach that job's regions.
+The ring knows nothing about RDMA and the backend knows nothing about rings: the proxy is the only place
+they meet (in the daemon :mod:`transportd.dataplane.proxy` and its engine; here, their model). Tables are
+job-scoped (docs/design.md, "Jobs are walled off"): a channel (one client's ring) resolves source regions
+through its own rank's table and destinations through its job's peer table, so a job's commands can only
+reach that job's regions.
 
 Threading: one thread runs the loop; the table methods may be called between iterations from the same
 thread (the rail worker does) or from another thread (a lock serializes them with ``run_once``).

@@ -122,7 +122,7 @@ def test_example_config_documents_every_key_at_its_default(tmp_path) -> None:
 
 
 def test_example_config_loads_with_every_commented_line_uncommented(tmp_path) -> None:
-    """As the README says to edit it: every commented key and table uncommented at once (the rails example
+    """As docs/operations.md says to edit it: every commented key and table uncommented at once (the rails example
     and node.name included) still loads, and each key lands in the table it sits under."""
     text = example_config()
     uncommented = re.sub(r"(?m)^# (?=\w+ = |\[\[)", "", text)
@@ -164,19 +164,19 @@ def test_a_config_that_cannot_be_read_exits_78_too(tmp_path, kind: str) -> None:
     assert "bad config" in result.stderr and str(path) in result.stderr and "Traceback" not in result.stderr
 
 
-def _readme_section(title: str) -> str:
-    text = (DEPLOY.parent / "README.md").read_text()
-    start = text.index(f"### {title}\n")
-    end = text.find("\n### ", start + 1)
+def _operations_section(title: str) -> str:
+    text = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
     return text[start:end]
 
 
-def test_readme_install_steps_match_the_unit() -> None:
-    """The README's install steps create the user and group the unit runs as, put the unit and the config
+def test_operations_install_steps_match_the_unit() -> None:
+    """docs/operations.md's install steps create the user and group the unit runs as, put the unit and the config
     where it looks, and describe its privileges (memlock, capabilities, groups) as the unit sets them."""
     unit = _unit(UNIT.read_text())
     service = {k: v[-1] for k, v in unit["Service"].items()}
-    install = _readme_section("Install on a node")
+    install = _operations_section("Install on a node")
     steps = re.search(r"```sh\n(.*?)```", install, re.S)
     assert steps is not None
     commands = [line.split("#")[0].split() for line in steps.group(1).splitlines()]
@@ -198,9 +198,9 @@ def test_readme_install_steps_match_the_unit() -> None:
     assert "**no capabilities**" in install and "(`CapabilityBoundingSet=` empty)" in install
     assert unit["Service"]["CapabilityBoundingSet"] == [""] and unit["Service"]["AmbientCapabilities"] == [""]
     assert "(`User=`, `Group=`)" in install and f"the `{service['User']}` user and group" in install
-    # extra device groups come by drop-in only, as the README says
+    # extra device groups come by drop-in only, as docs/operations.md says
     assert "SupplementaryGroups" not in service and "`SupplementaryGroups=rdma video`" in install
-    memlock = _readme_section("Pinned memory")
+    memlock = _operations_section("Pinned memory")
     assert "`LimitMEMLOCK=infinity`" in memlock
-    users = _readme_section("Who may use the daemon")
+    users = _operations_section("Who may use the daemon")
     assert f"usermod -aG {service['Group']} alice" in users

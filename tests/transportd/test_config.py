@@ -298,9 +298,9 @@ def test_decoupled_signaling_is_refused_on_efa(tmp_path) -> None:
         load_config(path)
 
 
-def test_the_readme_config_table_is_the_generated_one():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert describe_keys() in readme, "regenerate the README's config table: transportd.config.describe_keys()"
+def test_the_docs_config_table_is_the_generated_one():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    assert describe_keys() in page, "regenerate docs/config.md's table: python -m transportd.ops.docs"
 
 
 def test_each_backend_has_its_own_table(write):

@@ -68,7 +68,7 @@ typedef struct {
     uint8_t op;
 } EfaSig;
 
-/* A flag update that became safe (efa.arrivals.Publication). */
+/* A flag update that became safe (efa.arrivals.FlagUpdate). */
 typedef struct {
     uint64_t value;
     uint32_t slot;

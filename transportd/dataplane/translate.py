@@ -1,10 +1,12 @@
 """Ring records -> validated plan rows, vectorized, through a job's resolved tables.
 
-This is the proxy's handler (the MSCCL++ ``handleTrigger`` part) without the loop: records carry small
-integer ids (peer rank, region ids, flag slot) and the tables below resolve them to addresses and keys.
-Everything is numpy over a whole block of records; there is no per-record Python on this path, which is
-what keeps the proxy near the ring's own drain rate (docs/design.md, "No Python per record": per-command
-Python work is where the proxy's time goes).
+The translate step of the proxy's numpy model (:mod:`transportd_cli.proxy_model`, the oracle the
+differential test holds the compiled engine to): the daemon's proxy validates and translates in C
+(``transportd/core/validate.h``) and takes only the tables from here, :class:`RegionTable` and
+:class:`PeerTable`, whose views :mod:`transportd.dataplane.proxy` hands the engine. Records carry small
+integer ids (peer rank, region ids, flag slot) and the tables resolve them to addresses and keys.
+Everything is numpy over a whole block of records, with no per-record Python (docs/design.md, "No Python
+per record": per-command Python work is where the proxy's time goes).
 
 Validation (docs/design.md, "Bad input hurts only its sender"). A bad record gets exactly one code, the
 first that applies in this order, and produces no plan rows; the records around it are translated as usual:

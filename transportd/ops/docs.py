@@ -1,6 +1,6 @@
-"""The generated parts of ``docs/``: the config keys (``transportd.config.describe_keys``, the README's
-generator) and the control/peer protocol's messages (from ``transportd.control.protocol``'s registries: each
-field's type and the limits its annotation states, through ``transportd.schema.type_doc``).
+"""The generated parts of ``docs/``: the config keys (``transportd.config.describe_keys``) and the control/peer
+protocol's messages (from ``transportd.control.protocol``'s registries: each field's type and the limits its
+annotation states, through ``transportd.schema.type_doc``).
 
 ``python -m transportd.ops.docs`` rewrites every block between ``<!-- generated: NAME -->`` and
 ``<!-- end generated -->`` in ``docs/*.md``; ``tests/test_docs.py`` fails when a block is stale.
