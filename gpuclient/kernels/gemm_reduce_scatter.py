@@ -463,6 +463,9 @@ class GemmAllReduce(GemmReduceScatter):
     The sum (``m x n``, ``out_dtype``) lands in ``result``, a buffer registered with the daemon (peers write
     their segments into it); a call returns ``result`` itself, valid until the op's next launch on the same
     stream (copy it to keep it). Arguments as for GemmReduceScatter.
+
+    Two-shot, not one-shot: each rank sends ``2 (world-1)/world`` of the product instead of ``world-1`` (the
+    same at two ranks, less above), and it is the reduce-scatter kernel plus an all-gather plan.
     """
 
     _ALL_GATHER = True
