@@ -58,13 +58,14 @@ def rs_signature(partial: str, out: str) -> dict[str, str]:
             "chunk_rows": "i32", "chunks_per_segment": "i32", "release_slot": "i32", "ag_release_slot": "i32"}
 
 
-@pytest.mark.parametrize("communicate", [True, False])
-def test_the_allgather_gemm_kernel_compiles_for_sm90(communicate: bool) -> None:
-    compiled = compile_kernel(_allgather_gemm, AG_SIG, {"COMM_PROGRAMS": 1, **BLOCK, "COMMUNICATE": communicate},
-                              num_warps=8)
+@pytest.mark.parametrize(("communicate", "compute"), [(True, True), (False, True), (True, False)])
+def test_the_allgather_gemm_kernel_compiles_for_sm90(communicate: bool, compute: bool) -> None:
+    compiled = compile_kernel(_allgather_gemm, AG_SIG, {"COMM_PROGRAMS": 1, **BLOCK, "COMMUNICATE": communicate,
+                                                        "COMPUTE": compute}, num_warps=8)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
     pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
-    assert any(op.startswith("wgmma") for op in code)  # bf16 tl.dot on the tensor cores
+    # bf16 tl.dot on the tensor cores, and none when compute=False (the communication alone)
+    assert any(op.startswith("wgmma") for op in code) == compute
     assert not [op for op in code if ".nc" in op]  # no read-only-cache loads of rows a peer's NIC writes
     # tile_done's send loop and the release signal; the release wait and wait_range; the closing quiet
     assert (pushes, waits, quiets) == ((2, 2, 1) if communicate else (0, 0, 0))
