@@ -137,10 +137,7 @@ class EfaBackend(PosterBackend):
     the receiving daemon publishes every flag.
     """
 
-    name = "efa"
-    receives = True  # arrivals land on the CQ with no ring record: an idle worker keeps polling
-    #: flags are published by the receiving daemon (transportd.dataplane.flag_publication picks how, per rail)
-    receiver_publishes_flags = True
+    name = "efa"  # its traits (transportd.backends.TRAITS): arrivals with no ring record, flags it publishes
 
     def __init__(self, device: str | None = None, *, verbs: Any = None, inflight_cap: int = 256,
                  batch_max: int = 8, port: int = 1, gid_index: int = 0, sq_depth: int = 4096,

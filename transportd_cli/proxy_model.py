@@ -170,7 +170,6 @@ class ModelProxy:
         max_length: int = DEFAULT_MAX_LENGTH,
         max_take: int = 4096,
         poll_max: int = 4096,
-        use_post_batches: bool = True,
     ) -> None:
         if not 1 <= batch_max <= 8:
             raise ValueError(f"batch_max must be in 1..8, got {batch_max}")
@@ -184,7 +183,6 @@ class ModelProxy:
         self.max_length = max_length
         self.max_take = max_take
         self.poll_max = poll_max
-        self._post_batches = getattr(backend, "post_batches", None) if use_post_batches else None
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._channels: dict[int, _Channel] = {}
@@ -618,13 +616,7 @@ class ModelProxy:
         self._next_token += nb
         plan["token"] = row_batch + first
         conn_ids = self._conn_ids[bconn]
-        if self._post_batches is not None:
-            nwr = np.asarray(self._post_batches(conn_ids, plan, bounds), dtype=np.int64)
-        else:
-            post = self.backend.post
-            nwr = np.fromiter((post(cid, plan[s:e]) for cid, s, e in
-                               zip(conn_ids.tolist(), bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)),
-                              dtype=np.int64, count=nb)
+        nwr = np.asarray(self.backend.post_batches(conn_ids, plan, bounds), dtype=np.int64)
         np.add.at(self._inflight, bconn, nwr)
         self._posted.append(_Posted(first, bconn, nwr, cmd_tok, cmd_chan, cmd_pos, np.zeros(nb, bool), nb))
 

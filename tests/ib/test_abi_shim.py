@@ -41,6 +41,8 @@ REM_ACCESS_ERR, WR_FLUSH_ERR = 10, 5
 class RecordingNic:
     """An IbPoster over recording shims; ``posts`` holds (conn_id, records) per wr_complete."""
 
+    name = "ib"  # the kind whose traits it stands for: a compiled poster (``c_poster``)
+
     def __init__(self, mode: str, *, fetch: int = 1024) -> None:
         self.mode = mode
         self.posts: list[tuple[int, np.ndarray]] = []
@@ -56,7 +58,7 @@ class RecordingNic:
         self.oracles: dict[int, OracleConn] = {}
 
     @property
-    def c_poster(self) -> Any:  # what Proxy looks for
+    def c_poster(self) -> Any:  # what Proxy posts to, as the ib kind's traits declare
         return self.poster
 
     def add(self, conn_id: int, *, depth: int = 64, inline: bool = True, base: int = 1000) -> OracleConn:

@@ -22,8 +22,8 @@ from msgspec import Meta
 from transportd.backends.interface import Backend
 
 __all__ = ["BACKENDS", "CAPABILITIES", "DEVICE_KINDS", "FIXED_PROVIDERS", "IBGDA", "OPTIONS", "RULES",
-           "TRANSPORTS", "BackendOptions", "ConfigRules", "EfaOptions", "IbOptions", "config_problems",
-           "has_capability", "kinds_with", "open_backend", "open_configured"]
+           "TRAITS", "TRANSPORTS", "BackendOptions", "ConfigRules", "EfaOptions", "IbOptions", "Traits",
+           "config_problems", "has_capability", "kinds_with", "open_backend", "open_configured", "traits_of"]
 
 BACKENDS: dict[str, str] = {
     "null": "transportd.backends.null:NullBackend",
@@ -43,9 +43,47 @@ TRANSPORTS: dict[str, str] = {"ib": "rc", "soft": "rc", "efa": "srd"}
 #: A capability: the backend serves IBGDA channels (mlx5 queue pairs the GPU posts its own WQEs to).
 IBGDA = "ibgda"
 
-# What each backend can do beyond the interface, declared here because the daemon's main process asks
-# before any backend is open (only the rail workers open one).
-CAPABILITIES: dict[str, frozenset[str]] = {"ib": frozenset({IBGDA})}
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a backend does beyond the :class:`~transportd.backends.interface.Backend` interface, declared per
+    kind (:data:`TRAITS`) and read by the rail worker, the proxy and the flag publisher: nothing probes a
+    backend object for an optional method. Each trait names the methods it promises; a test checks every
+    backend class against its declaration."""
+
+    #: ``c_poster``: the engine posts to and polls this backend from C (no Python per pass); without it the
+    #: engine calls ``post_batches`` and ``poll`` once per pass
+    compiled_poster: bool = False
+    #: ``create_ibgda_domain``: serves IBGDA channels (the daemon's main process asks by kind: CAPABILITIES)
+    ibgda: bool = False
+    #: arrivals come with no ring record (efa's write-with-imm): an idle worker keeps polling the CQ
+    receives: bool = False
+    #: ``set_host_flags``, ``clear_host_flags``, ``set_mapped_flags``, ``loopback_unavailable`` and
+    #: ``open_flag_loopback``: the receiving daemon publishes flags, and the compiled path stores them itself
+    #: into host-mapped (or BAR-mapped) words
+    publishes_flags: bool = False
+
+
+_RC_TRAITS = Traits(compiled_poster=True, ibgda=True)
+TRAITS: dict[str, Traits] = {
+    "null": Traits(),
+    "ib": _RC_TRAITS,
+    # ib on softverbs: the same class and abilities, but IBGDA is offered on kind "ib" only
+    "soft": Traits(compiled_poster=True),
+    "efa": Traits(compiled_poster=True, receives=True, publishes_flags=True),
+}
+
+
+def traits_of(backend: Any) -> Traits:
+    """The declared traits of an open backend, by its class's ``name`` (the kind it implements); None (the
+    engine as its own null NIC, in benchmarks and tests) has the null backend's."""
+    return TRAITS["null" if backend is None else backend.name]
+
+
+# What each backend can do beyond the interface, as the daemon's main process asks before any backend is
+# open (only the rail workers open one): derived from TRAITS.
+CAPABILITIES: dict[str, frozenset[str]] = {kind: frozenset({IBGDA}) for kind, t in TRAITS.items() if t.ibgda}
 
 # The verbs provider a backend always runs on, whatever ``backend.verbs`` says ("soft": ib on softverbs).
 FIXED_PROVIDERS: dict[str, str] = {"soft": "soft"}

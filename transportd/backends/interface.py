@@ -108,9 +108,9 @@ class FlagPublisher(Protocol):
 class Backend(Protocol):
     """One rail's NIC as the proxy sees it.
 
-    ``receives`` (optional, False when absent): the backend has receive-side work that comes with no local
-    record to announce it (efa: write-with-imm arrivals whose flags the receiving daemon publishes), so an
-    idle worker must keep polling it rather than only watch its rings (``dataplane.worker.deep_watch_s``).
+    ``name`` is the backend kind the class implements; what it can do beyond these methods is declared for
+    that kind in :data:`transportd.backends.TRAITS` (a compiled poster, IBGDA domains, receive-side work,
+    flags the receiving daemon publishes), never probed on the object.
     """
 
     name: str

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transportd import _core
+from transportd.backends import traits_of
 from transportd.backends.interface import MemoryKey, SignalOp
 from transportd.dataplane.flagfile import FlagFile
 from transportd.dataplane.gpu_memory import GdrCopy, GpuMemory, IpcRegion
@@ -241,7 +242,7 @@ class RailFlags:
         self.arrays: dict[tuple[str, int], tuple[FlagFile | GpuFlagWords, MemoryKey]] = {}
         self.loopback: Any = None  # the backend's LoopbackWriter, opened with the first GPU flags it serves
         self._passed: set[GpuFlagWords] = set()  # GPU flag words published during this poll
-        if getattr(backend, "receiver_publishes_flags", False):
+        if traits_of(backend).publishes_flags:
             backend.set_flag_publisher(self.publish, self.end_pass)
         else:
             backend.set_flag_publisher(self.publish)
@@ -250,10 +251,10 @@ class RailFlags:
     def for_rail(cls, flags: Any, backend: Any, gpu: GpuMemory, conn_jobs: Mapping[int, str],
                  rail: int) -> RailFlags:
         """Choose rail ``rail``'s path into GPU flag words from the ``[flags]`` config (once, logged)."""
-        can_loop = getattr(backend, "loopback_unavailable", None)
+        publishes = traits_of(backend).publishes_flags
         choice = choose_publication(
-            flags.publication, receiver_publishes=getattr(backend, "receiver_publishes_flags", False),
-            loopback=can_loop() if can_loop is not None else "the backend has no loopback write",
+            flags.publication, receiver_publishes=publishes,
+            loopback=backend.loopback_unavailable() if publishes else "the backend has no loopback write",
             gdrdrv_device=flags.gdrdrv_device, gdrcopy_library=flags.gdrcopy_library)
         level = logging.WARNING if choice.path in (CUDA_COPY, HOST_MAPPED) else logging.INFO
         log.log(level, "rail %d flag publication: %s%s (%s)", rail, choice.path,
@@ -275,7 +276,7 @@ class RailFlags:
             flags.close()
             raise
         self.arrays[(job, rank)] = (flags, mkey)
-        if hasattr(self.backend, "set_host_flags"):  # efa: the compiled path stores these flags itself
+        if traits_of(self.backend).publishes_flags:  # efa: the compiled path stores these flags itself
             self.backend.set_host_flags(job, rank, flags.address, flags.count)
         return mkey
 
@@ -336,7 +337,7 @@ class RailFlags:
         """Deregister and release a rank's flag array (if this rail has one)."""
         entry = self.arrays.pop((job, rank), None)
         if entry is not None:
-            if hasattr(self.backend, "clear_host_flags"):
+            if traits_of(self.backend).publishes_flags:
                 self.backend.clear_host_flags(job, rank)
             self.backend.deregister_memory(entry[1])
             if isinstance(entry[0], FlagFile):

@@ -55,6 +55,7 @@ import numpy as np
 
 from cmd_ring.ring import RingFile
 from transportd import _core
+from transportd.backends import traits_of
 from transportd.backends.interface import COMPLETION_DTYPE, PLAN_DTYPE, Backend
 from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
 from transportd.errors import ErrorCode
@@ -163,10 +164,9 @@ class Proxy:
     may wait for more; ``inflight_cap`` WRs posted and not completed per connection; ``decoupled`` turns
     on Perseus signal reduction; ``max_length`` is the largest PUT; ``max_take`` caps records taken from
     one ring per iteration (bounds the work, hence the latency, of one iteration); ``poll_max`` caps the
-    completions taken per poll. A backend with a ``c_poster`` (ib: :class:`transportd._core.IbPoster`) is
-    posted to and polled from C directly; others through their Python ``post_batches`` (or ``post``) and
-    ``poll``, once per pass. ``use_post_batches=False`` posts batch by batch through ``backend.post`` (and
-    never through a ``c_poster``).
+    completions taken per poll. A backend whose traits declare a compiled poster (ib, efa:
+    :attr:`c_poster`) is posted to and polled from C directly; others (the null backend) through their
+    Python ``post_batches`` and ``poll``, once per pass: one posting path per backend.
     """
 
     def __init__(
@@ -180,7 +180,6 @@ class Proxy:
         max_length: int = DEFAULT_MAX_LENGTH,
         max_take: int = 4096,
         poll_max: int = 4096,
-        use_post_batches: bool = True,
     ) -> None:
         if not MIN_BATCH <= batch_max <= MAX_BATCH:
             raise ValueError(f"batch_max must be in {MIN_BATCH}..{MAX_BATCH}, got {batch_max}")
@@ -193,9 +192,8 @@ class Proxy:
         self.decoupled = decoupled
         self.max_length = max_length
         self.max_take = max_take
-        self._post_batches = getattr(backend, "post_batches", None) if use_post_batches else None
-        # a backend with a compiled poster (ib) is posted to and polled from C, with no Python per pass
-        poster = getattr(backend, "c_poster", None) if use_post_batches else None
+        # a backend with a compiled poster (ib, efa) is posted to and polled from C, with no Python per pass
+        poster = backend.c_poster if traits_of(backend).compiled_poster else None
         hooks = (None, None) if backend is None or poster is not None else (self._post, self._poll)
         self._core = _core.Engine(batch_max=batch_max, window_ns=self.window_ns, inflight_cap=inflight_cap,
                                   decoupled=decoupled, max_length=max_length, max_take=max_take,
@@ -212,12 +210,7 @@ class Proxy:
         ids = np.frombuffer(conn_ids, dtype=np.int64)
         rows = np.frombuffer(plan, dtype=PLAN_DTYPE)
         edges = np.frombuffer(bounds, dtype=np.int64)
-        if self._post_batches is not None:
-            return np.ascontiguousarray(self._post_batches(ids, rows, edges), dtype=np.int64)
-        post = self.backend.post
-        return np.fromiter((post(cid, rows[s:e]) for cid, s, e in
-                            zip(ids.tolist(), edges[:-1].tolist(), edges[1:].tolist(), strict=True)),
-                           dtype=np.int64, count=len(ids))
+        return np.ascontiguousarray(self.backend.post_batches(ids, rows, edges), dtype=np.int64)
 
     def _poll(self, max_completions: int) -> np.ndarray:
         return np.ascontiguousarray(self.backend.poll(max_completions), dtype=COMPLETION_DTYPE)

@@ -27,7 +27,7 @@ import msgspec
 
 from cmd_ring import RingFile
 from cmd_ring.shm import SharedFile, map_fd
-from transportd.backends import DEVICE_KINDS, FIXED_PROVIDERS, open_configured
+from transportd.backends import DEVICE_KINDS, FIXED_PROVIDERS, open_configured, traits_of
 from transportd.backends import verbs as verbs_provider
 from transportd.backends.interface import MemoryKey
 from transportd.config import Config
@@ -272,10 +272,9 @@ class RailService:
         command descriptor for the client."""
         domain = self.ibgda_domains.get((job, rank))
         if domain is None:
-            create = getattr(self.backend, "create_ibgda_domain", None)  # the backends that can serve one say so
-            if create is None:
+            if not traits_of(self.backend).ibgda:  # the backends that can serve one declare it
                 raise ValueError(f"IBGDA channels need an InfiniBand rail (mlx5); this one is {self.backend.name}")
-            domain = self.ibgda_domains[(job, rank)] = create()
+            domain = self.ibgda_domains[(job, rank)] = self.backend.create_ibgda_domain()
         keys = {}
         for key in regions:
             entry = self.regions.get(key)
@@ -367,7 +366,7 @@ def deep_watch_s(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> float:
     """How long a long-idle worker watches its rings between passes: ``DEEP_WATCH_S``, but one nap for a
     backend that ``receives`` (efa): its arrivals announce themselves on the CQ, not in a ring header, and
     only a pass polls the CQ, so a longer watch would hold a flag back by up to the watch."""
-    return deep_nap_s if getattr(backend, "receives", False) else DEEP_WATCH_S
+    return deep_nap_s if traits_of(backend).receives else DEEP_WATCH_S
 
 
 def serve_policy(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> dict[str, float | int]:

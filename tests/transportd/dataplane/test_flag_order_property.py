@@ -327,7 +327,6 @@ def make_schedule(rig: Rig, seed: int, max_commands: int) -> tuple[dict[str, Any
         "max_take": rng.choice((4096, 4096, 4096, 4096, 64, 64, 8, 8, 3, 1)),
         # decoupled signaling shrinks what an efa signal covers (the xfail test below): ib only for now
         "decoupled": rig.kind == "ib" and rng.random() < 0.5,
-        "use_post_batches": rng.random() < 0.7,
     }
     # Tight knobs make the proxy take, post and wait in small steps (slow, and what they test shows up in
     # a few dozen commands); the rest run long streams.
