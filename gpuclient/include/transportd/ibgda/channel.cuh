@@ -222,17 +222,6 @@ TPD_HOST_DEVICE void put_signal(const IbgdaChannel& ch, uint32_t peer, uint16_t 
     ibgda::post(*qp, b, o);
 }
 
-/**
- * The warp-cooperative form of put_signal, for kernels written once for both paths: on IBGDA each active
- * lane posts its own put_signal (the proxy path's form claims ring slots once per warp).
- */
-TPD_HOST_DEVICE uint64_t warp_put_signal(const IbgdaChannel& ch, bool active, uint32_t peer, uint16_t dst_region,
-                                         uint64_t dst_off, uint16_t src_region, uint64_t src_off, uint32_t bytes,
-                                         uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add) {
-    if (active) put_signal(ch, peer, dst_region, dst_off, src_region, src_off, bytes, slot, value, op);
-    return 0;
-}
-
 /** Update ``peer``'s flag ``slot`` after every earlier command of this channel to ``peer`` is placed. */
 TPD_HOST_DEVICE void signal(const IbgdaChannel& ch, uint32_t peer, uint32_t slot, uint64_t value,
                             SignalOp op = SignalOp::Add) {
