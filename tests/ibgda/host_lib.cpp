@@ -74,6 +74,40 @@ uint64_t tpd_test_wait(const IbgdaChannel* ch, uint32_t slot, uint64_t at_least)
 uint32_t tpd_test_status(const IbgdaChannel* ch) { return tpd::status(*ch); }
 uint32_t tpd_test_error_count(const IbgdaChannel* ch) { return tpd::error_count(*ch); }
 
+// One command of a group (tests/ibgda/test_group_post.py's GROUP_CMD_DTYPE): kind 0 put, 1 put_signal.
+struct GroupCmd {
+    uint32_t kind, peer;
+    uint64_t dst_off, src_off;
+    uint32_t bytes, slot;
+    uint64_t value;
+    uint32_t set, dst_region;
+};
+static_assert(sizeof(GroupCmd) == 48, "GroupCmd is 48 bytes");
+
+// Post ``count`` (<= 64) commands to ``cmds[0].peer`` as one group (post_group: one claim and one doorbell
+// per group_cap WQEBBs), each built by the channel's own builders, as the lanes of a warp build theirs.
+// first_of[i] receives command i's first WQEBB, or kNoWqe if it was refused.
+void tpd_test_post_group(const IbgdaChannel* ch, const GroupCmd* cmds, uint32_t count, uint64_t* first_of) {
+    Batch b[64];
+    Ordered o[64];
+    const QueuePair* qp = nullptr;
+    for (uint32_t i = 0; i < count && i < 64; ++i) {
+        const GroupCmd& c = cmds[i];
+        const uint16_t region = (uint16_t)c.dst_region;
+        const QueuePair* q =
+            c.kind == 0 ? tpd::ibgda::detail::build_put(*ch, c.peer, region, c.dst_off, 0, c.src_off, c.bytes, b[i])
+                        : tpd::ibgda::detail::build_put_signal(*ch, c.peer, region, c.dst_off, 0, c.src_off, c.bytes,
+                                                               c.slot, c.value, c.set ? SignalOp::Set : SignalOp::Add,
+                                                               b[i], o[i]);
+        if (q) qp = q;
+    }
+    if (qp) {
+        post_group(*qp, b, o, count < 64 ? count : 64, first_of);
+    } else {
+        for (uint32_t i = 0; i < count; ++i) first_of[i] = kNoWqe;
+    }
+}
+
 // ``threads`` native threads each post ``iters`` put_signals to ``peer``: thread t, iteration i writes
 // ``bytes`` at offset (t * iters + i) * bytes of region 0 (source and destination), then adds 1 to flag
 // slot ``t % slots`` and to the shared slot ``slots``; every thread quiets at the end.

@@ -223,19 +223,20 @@ constexpr uint64_t kNoWqe = ~0ull;
 TPD_HOST_DEVICE uint32_t group_cap(const QueuePair& qp) { return qp.wqe_cnt >> 1; }
 
 /** Stamp batch ``b``'s WQEs with WQEBB indices from ``first``, ask for a CQE where a period ends (or on
- *  the last WQE when ``b.completion``), and store them. Returns whether any asked for a CQE. */
-TPD_HOST_DEVICE bool store_batch(const QueuePair& qp, Batch& b, uint64_t first) {
-    bool completion = false;
+ *  the last WQE when ``b.completion``), and store them. Returns one past the last WQEBB that asked for a
+ *  CQE (what QpState::signaled records), or 0 if none did. */
+TPD_HOST_DEVICE uint64_t store_batch(const QueuePair& qp, Batch& b, uint64_t first) {
+    uint64_t cqe_end = 0;
     for (uint32_t i = 0; i < b.n; ++i) {
         Wqe& w = b.w[i];
         stamp_index(w, first + i);
         if (ends_period(qp, first + i) || (b.completion && i + 1 == b.n)) {
             w.ctrl.fm_ce_se = (uint8_t)(w.ctrl.fm_ce_se | kCtrlCqUpdate);
-            completion = true;
+            cqe_end = first + i + 1;
         }
         store_wqe(wqe_slot(qp, first + i), w);
     }
-    return completion;
+    return cqe_end;
 }
 
 /** Step ticket: wait until every earlier claim has rung (posted == first, acquire). */
@@ -281,10 +282,13 @@ struct FlagRun {
 };
 
 /** Steps publish and hand on (ticket holder): WQEBBs up to ``head`` are stored and ordered; ring once
- *  with ``last_ctrl_word`` (doorbell_word of the last WQE), then pass the ticket on. */
-TPD_HOST_DEVICE void publish(const QueuePair& qp, uint64_t head, uint64_t last_ctrl_word, bool completion) {
+ *  with ``last_ctrl_word`` (doorbell_word of the last WQE), then pass the ticket on. ``cqe_end``: one
+ *  past the last of these WQEBBs that asked for a CQE (store_batch), 0 if none. signaled must not be the
+ *  batch's end: a CQE on a WQE before the last one retires only up to it, and quiet would wait forever
+ *  for the rest instead of posting its probe. */
+TPD_HOST_DEVICE void publish(const QueuePair& qp, uint64_t head, uint64_t last_ctrl_word, uint64_t cqe_end) {
     QpState* st = qp.state;
-    if (completion) ordering::st_release_gpu(&st->signaled, head);
+    if (cqe_end) ordering::st_release_gpu(&st->signaled, cqe_end);
     st->rings = st->rings + 1u;
     ring_send_doorbell(qp.dbrec, qp.bf, head, last_ctrl_word);
     ordering::st_release_gpu(&st->posted, head);
@@ -292,7 +296,7 @@ TPD_HOST_DEVICE void publish(const QueuePair& qp, uint64_t head, uint64_t last_c
 
 /** Steps ticket .. hand on for WQEBBs [first, first + n), already stored. */
 TPD_HOST_DEVICE void submit(const QueuePair& qp, uint64_t first, uint32_t n, uint8_t first_fm_ce_se,
-                            uint64_t last_ctrl_word, bool completion, const Ordered& o) {
+                            uint64_t last_ctrl_word, uint64_t cqe_end, const Ordered& o) {
     wait_ticket(qp, first);
     take_fence(qp, first, first_fm_ce_se, o.fence_after);
     if (o.flag_wqe >= 0) {
@@ -300,14 +304,14 @@ TPD_HOST_DEVICE void submit(const QueuePair& qp, uint64_t first, uint32_t n, uin
         run.apply(qp, first + (uint64_t)o.flag_wqe, o.shadow, o.value, o.set);
         run.flush();
     }
-    publish(qp, first + n, last_ctrl_word, completion);
+    publish(qp, first + n, last_ctrl_word, cqe_end);
 }
 
 /** Post a batch: claim, stamp indices and CQE requests, store, submit. Returns one past its last WQEBB. */
 TPD_HOST_DEVICE uint64_t post(const QueuePair& qp, Batch& b, const Ordered& o = Ordered()) {
     uint64_t first = reserve(qp, b.n);
-    bool completion = store_batch(qp, b, first);
-    submit(qp, first, b.n, b.w[0].ctrl.fm_ce_se, doorbell_word(b.w[b.n - 1]), completion, o);
+    const uint64_t cqe_end = store_batch(qp, b, first);
+    submit(qp, first, b.n, b.w[0].ctrl.fm_ce_se, doorbell_word(b.w[b.n - 1]), cqe_end, o);
     return first + b.n;
 }
 
@@ -332,7 +336,7 @@ TPD_HOST_DEVICE uint64_t post_group(const QueuePair& qp, Batch* b, const Ordered
             break;
         }
         const uint64_t first = reserve(qp, n);
-        bool completion = false;
+        uint64_t cqe_end = 0;
         bool fence_after = false;
         int first_batch = -1, last_batch = -1;
         uint64_t at = first;
@@ -340,7 +344,8 @@ TPD_HOST_DEVICE uint64_t post_group(const QueuePair& qp, Batch* b, const Ordered
             if (first_of) first_of[k] = b[k].n ? at : kNoWqe;
             if (b[k].n == 0) continue;
             if (fence_after) b[k].w[0].ctrl.fm_ce_se = (uint8_t)(b[k].w[0].ctrl.fm_ce_se | kCtrlFence);
-            completion = store_batch(qp, b[k], at) || completion;
+            const uint64_t e = store_batch(qp, b[k], at);
+            if (e) cqe_end = e;
             fence_after = o[k].fence_after;
             at += b[k].n;
             if (first_batch < 0) first_batch = (int)k;
@@ -357,7 +362,7 @@ TPD_HOST_DEVICE uint64_t post_group(const QueuePair& qp, Batch* b, const Ordered
         }
         run.flush();
         const Batch& last = b[last_batch];
-        publish(qp, first + n, doorbell_word(last.w[last.n - 1]), completion);
+        publish(qp, first + n, doorbell_word(last.w[last.n - 1]), cqe_end);
         head = first + n;
         off += n;
         i = end;

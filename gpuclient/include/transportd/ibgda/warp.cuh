@@ -83,14 +83,15 @@ TPD_DEVICE uint64_t warp_post(const QueuePair* qp, uint32_t key, Batch& b, const
         uint64_t first = 0;
         if (lane == leader) first = reserve(*qp, n);
         first = __shfl_sync(group, first, leader);
-        bool completion = false;
+        uint64_t cqe_end = 0;
         uint64_t word = 0;
         if (in) {
             mine = first + (uint64_t)__popc(c1 & lt) + 2u * (uint64_t)__popc(c2 & lt);
-            completion = store_batch(*qp, b, mine);
+            cqe_end = store_batch(*qp, b, mine);
             word = doorbell_word(b.w[b.n - 1u]);
         }
-        const bool any_completion = __ballot_sync(group, completion) != 0u;
+        const uint32_t asked = __ballot_sync(group, cqe_end != 0u);  // the highest such lane's is the last
+        cqe_end = asked ? __shfl_sync(group, cqe_end, 31 - __clz(asked)) : 0u;
         word = __shfl_sync(group, word, 31 - __clz(members));
         const uint32_t flagging = __ballot_sync(group, in && o.flag_wqe >= 0);
         __syncwarp(group);  // every lane's WQE stores before the leader's doorbell record (see the top)
@@ -110,7 +111,7 @@ TPD_DEVICE uint64_t warp_post(const QueuePair* qp, uint32_t key, Batch& b, const
         }
         if (lane == leader) {
             run.flush();
-            publish(*qp, first + n, word, any_completion);
+            publish(*qp, first + n, word, cqe_end);
         }
     }
     return mine;
@@ -130,8 +131,8 @@ TPD_DEVICE uint64_t warp_put(const IbgdaChannel& ch, bool active, uint32_t peer,
                              uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0) {
     (void)chunk_id;
     ibgda::Batch b;
-    const ibgda::QueuePair* qp = active ? ibgda::detail::qp_to(ch, peer) : nullptr;
-    if (qp && !ibgda::detail::add_put(ch, *qp, peer, dst_region, dst_off, src_region, src_off, bytes, b)) b.n = 0;
+    const ibgda::QueuePair* qp =
+        active ? ibgda::detail::build_put(ch, peer, dst_region, dst_off, src_region, src_off, bytes, b) : nullptr;
     return ibgda::detail::warp_post(qp, qp ? peer : ibgda::detail::kNoPeer, b, ibgda::Ordered());
 }
 
@@ -146,16 +147,9 @@ TPD_DEVICE uint64_t warp_put_signal(const IbgdaChannel& ch, bool active, uint32_
                                     uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add) {
     ibgda::Batch b;
     ibgda::Ordered o;
-    const ibgda::QueuePair* qp = active ? ibgda::detail::qp_to(ch, peer) : nullptr;
-    if (qp) {
-        uint64_t raddr;
-        uint32_t rkey;
-        if (ibgda::detail::flag_target(ch, peer, slot, &raddr, &rkey) &&
-            ibgda::detail::add_put(ch, *qp, peer, dst_region, dst_off, src_region, src_off, bytes, b))
-            ibgda::detail::add_signal(ch, *qp, peer, slot, raddr, rkey, value, op, b, o);
-        else
-            b.n = 0;
-    }
+    const ibgda::QueuePair* qp = active ? ibgda::detail::build_put_signal(ch, peer, dst_region, dst_off, src_region,
+                                                                          src_off, bytes, slot, value, op, b, o)
+                                        : nullptr;
     return ibgda::detail::warp_post(qp, qp ? peer : ibgda::detail::kNoPeer, b, o);
 }
 
