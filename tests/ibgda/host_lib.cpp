@@ -126,4 +126,31 @@ void tpd_test_stress(const IbgdaChannel* ch, uint32_t peer, int threads, int ite
     for (auto& th : pool) th.join();
 }
 
+// ``threads`` native threads each post ``iters`` groups of ``group`` (<= 64) put_signals with post_group (as
+// many warps post at once): thread t, group i, member k writes ``bytes`` at offset ((t * iters + i) * group
+// + k) * bytes of region 0 and adds 1 to flag (t + k) % slots; every thread quiets at the end.
+void tpd_test_group_stress(const IbgdaChannel* ch, uint32_t peer, int threads, int iters, uint32_t group,
+                           uint32_t bytes, uint32_t slots) {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([=] {
+            Batch b[64];
+            Ordered o[64];
+            for (int i = 0; i < iters; ++i) {
+                const QueuePair* qp = nullptr;
+                for (uint32_t k = 0; k < group && k < 64; ++k) {
+                    b[k] = Batch();
+                    o[k] = Ordered();
+                    uint64_t off = (((uint64_t)t * iters + i) * group + k) * bytes;
+                    qp = tpd::ibgda::detail::build_put_signal(*ch, peer, 0, off, 0, off, bytes, (t + k) % slots, 1,
+                                                              SignalOp::Add, b[k], o[k]);
+                }
+                if (qp) post_group(*qp, b, o, group < 64 ? group : 64);
+            }
+            tpd::quiet(*ch);
+        });
+    }
+    for (auto& th : pool) th.join();
+}
+
 }  // extern "C"

@@ -225,3 +225,28 @@ def test_groups_through_the_soft_nic(make_link, host_lib, mode: SignalMode, adap
     end = groups * per * nbytes
     assert np.array_equal(link.dst[:end], link.src[:end])
     assert link.a.violations == [] and link.a.errors == []
+
+
+@pytest.mark.parametrize("mode", list(SignalMode))
+def test_many_threads_post_groups_at_once(make_link, host_lib, mode: SignalMode) -> None:
+    """6 native threads x 8 groups of 10 put_signals each (20-30 WQEBBs a group, cut in two claims on a
+    32-slot queue) contend for one QP's ticket, as warps do: every byte lands, every flag counts."""
+    link = make_link(wqe_cnt=32)
+    chan = link.channel(mode)
+    threads, iters, group, nbytes, slots = 6, 8, 10, 1024, 4
+    assert threads * iters * group * nbytes <= DATA_BYTES
+    host_lib.tpd_test_group_stress(chan.ptr, 1, threads, iters, group, nbytes, slots)
+    assert host_lib.tpd_test_status(chan.ptr) == 0, link.a.errors
+    s = chan.state[0]
+    assert int(s["claimed"]) == int(s["posted"]) and int(s["error"]) == 0
+    claims = claims_of([Cmd(PUT_SIGNAL, 0, 1)] * group, mode, 16)
+    probes = int(s["rings"]) - threads * iters * claims
+    assert 0 <= probes <= threads, "one doorbell per claim, plus quiet's probes"
+    expect = [0] * slots
+    for t in range(threads):
+        for k in range(group):
+            expect[(t + k) % slots] += iters
+    assert [int(f) for f in link.flags[:slots]] == expect
+    end = threads * iters * group * nbytes
+    assert np.array_equal(link.dst[:end], link.src[:end])
+    assert link.a.violations == [] and link.a.errors == []
