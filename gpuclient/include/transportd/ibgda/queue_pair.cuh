@@ -289,7 +289,7 @@ struct FlagRun {
 TPD_HOST_DEVICE void publish(const QueuePair& qp, uint64_t head, uint64_t last_ctrl_word, uint64_t cqe_end) {
     QpState* st = qp.state;
     if (cqe_end) ordering::st_release_gpu(&st->signaled, cqe_end);
-    st->rings = st->rings + 1u;
+    ordering::fetch_add_relaxed_gpu(&st->rings, 1u);  // result unused: the GPU does not wait for it
     ring_send_doorbell(qp.dbrec, qp.bf, head, last_ctrl_word);
     ordering::st_release_gpu(&st->posted, head);
 }
