@@ -56,7 +56,7 @@ def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, pos_ptr, count_ptr, send_s
     hs = tl.arange(0, BLOCK_H)
     # per token: the row into the registered send buffer, and the normalised expert list
     for t in range(pid, tokens, progs):
-        row = t.to(tl.int64) * H
+        row = tl.cast(t, tl.int64) * H
         for h0 in range(0, H, BLOCK_H):
             v = tl.load(x_ptr + row + h0 + hs, mask=h0 + hs < H)
             tl.store(send_x_ptr + row + h0 + hs, v, mask=h0 + hs < H)
@@ -117,7 +117,7 @@ def _moe_send(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, send_x_ptr
         if e >= 0:
             d = e // L
             row = ((e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E) + tl.load(pos_ptr + i)).to(tl.int64)
-            t = (i // K).to(tl.int64)
+            t = tl.cast(i // K, tl.int64)
             if d == rank:
                 _copy_row(send_x_ptr + t * H, recv_x_ptr + row * H, H, BLOCK_H)
             else:
@@ -133,7 +133,7 @@ def _moe_send(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, send_x_ptr
                     words = tl.load(send_src_ptr + e * T + j + rs, mask=j + rs < count)
                     tl.store(recv_src_ptr + row + j + rs, words, mask=j + rs < count)
             else:
-                tpd.put(ch, d, recv_src_region, row * 4, send_src_region, (e * T * 4).to(tl.int64), count * 4)
+                tpd.put(ch, d, recv_src_region, row * 4, send_src_region, tl.cast(e * T * 4, tl.int64), count * 4)
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
@@ -165,7 +165,7 @@ def _moe_combine_send(ch, rank, y_ptr, recv_count_ptr, recv_src_ptr, send_y_ptr,
     for local in range(0, L):
         n = tl.load(recv_count_ptr + local)
         for p in range(pid, n, progs):
-            row = (local * (W * T) + p).to(tl.int64)
+            row = tl.cast(local * (W * T) + p, tl.int64)
             word = tl.load(recv_src_ptr + row)
             src = word // (T * K)
             slot = (word - src * (T * K)).to(tl.int64)
@@ -196,10 +196,10 @@ def _moe_combine_reduce(ch, epoch, rank, tokens, idx32_ptr, weights_ptr, comb_pt
             for k in tl.static_range(K):
                 e = tl.load(idx32_ptr + t * K + k)
                 w = tl.load(weights_ptr + t * K + k)
-                v = tl.load(comb_ptr + (t * K + k).to(tl.int64) * H + h0 + hs, mask=(h0 + hs < H) & (e >= 0),
+                v = tl.load(comb_ptr + tl.cast(t * K + k, tl.int64) * H + h0 + hs, mask=(h0 + hs < H) & (e >= 0),
                             other=0.0)
                 acc += tl.where(e >= 0, w * v.to(tl.float32), 0.0)  # where, not a product: a dead slot holds NaN
-            tl.store(out_ptr + t.to(tl.int64) * H + h0 + hs, acc.to(out_ptr.dtype.element_ty), mask=h0 + hs < H)
+            tl.store(out_ptr + tl.cast(t, tl.int64) * H + h0 + hs, acc.to(out_ptr.dtype.element_ty), mask=h0 + hs < H)
 
 
 # ---- host side ----------------------------------------------------------------------------------------------------
