@@ -182,6 +182,8 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
     scale = rng.choice([0.5, 1.0, 2.0, -1.0, 4.0], size=experts)  # exact in bf16: only the sum rounds
     for rnd in range(1, 4):
         tokens = [max_tokens - (r + rnd) % 3 for r in range(world)]
+        if rnd == 3 and world > 1:
+            tokens[-1] = 0  # a rank with nothing to send
         idx = uneven_routing(rng, world, experts, max_tokens, topk, tokens,
                              dtype=np.int32 if rnd % 2 else np.int64)
         x = [bf16(rng.standard_normal((n, hidden))) for n in tokens]
