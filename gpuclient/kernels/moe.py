@@ -22,6 +22,10 @@ combine round e
   5. ``_moe_combine_reduce`` one SIGNAL per peer (``combine_slot + rank``), a wait for every peer's, then the
                              weighted sum in fp32 per token.
 
+On efa a SIGNAL covers only the writes since the connection's previous signal: rows a program pushes
+before program 0's count put_signal are covered by the count flag instead, which the receiver waits for
+before the dispatch flag, so every row is covered by a flag the receiver waited for.
+
 No host sync, no host loop over tokens: the counts go GPU to GPU and every buffer has its worst-case size.
 Every wait is for something its peer pushes in the same-numbered kernel before that kernel waits, and no
 kernel waits for a later one, so two ranks progress as long as both grids are resident at once (``share``).
