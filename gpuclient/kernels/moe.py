@@ -1,0 +1,427 @@
+"""MoE dispatch and combine on transportd channels, shaped like DeepEP's low-latency API.
+
+``dispatch(x, topk_idx, topk_weights)`` sends every token row to the ranks of its top-k experts and returns
+the rows each local expert received, packed per expert in a fixed worst-case layout; ``combine(y, handle)``
+sends the experts' outputs back and returns, at each token's home rank, the top-k weighted sum. The layout
+math is ``gpuclient.kernels.moe_layout`` (numpy; the tests' model); docs/kernels.md has the whole contract.
+
+Kernels, in stream order (each a small grid; all Triton, all preloaded by ``prepare``):
+
+dispatch round e
+  1. ``_moe_route``   stage x into the registered ``send_x``; normalise topk_idx (invalid and repeated experts
+                      become -1); per expert: count, each entry's position (token order), the handle words.
+  2. ``_moe_send``    program 0 put_signals this rank's count row to every peer (``count_slot + rank``); every
+                      program waits for every peer's counts, derives where its rows land (the exclusive sum of
+                      the lower ranks' counts, plus the position), and puts each row (one put per (token,
+                      expert)) and, per expert, the handle words (one put); rows for this rank are copied.
+  3. ``_moe_finish``  one SIGNAL per peer (``dispatch_slot + rank``: it covers every earlier put of this
+                      channel to the peer), a wait for every peer's, then the per-expert receive counts.
+combine round e
+  4. ``_moe_combine_send``   every received row of y to its home rank's ``combine_buf[t, k]`` (copied into the
+                             registered ``send_y`` first: puts read registered memory only).
+  5. ``_moe_combine_reduce`` one SIGNAL per peer (``combine_slot + rank``), a wait for every peer's, then the
+                             weighted sum in fp32 per token.
+
+On efa a SIGNAL covers only the writes since the connection's previous signal: rows a program pushes
+before program 0's count put_signal are covered by the count flag instead, which the receiver waits for
+before the dispatch flag, so every row is covered by a flag the receiver waited for.
+
+No host sync, no host loop over tokens: the counts go GPU to GPU and every buffer has its worst-case size.
+Every wait is for something its peer pushes in the same-numbered kernel before that kernel waits, and no
+kernel waits for a later one, so two ranks progress as long as both grids are resident at once (``share``).
+Flags are monotonic (ADD 1 per round, round e waits for e); nothing is reset. Buffer reuse between rounds
+needs no release flags: each round's dispatch and combine form a round trip with every peer (see the reuse
+argument in docs/kernels.md), which is why a dispatch must be followed by its combine before the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from gpuclient import triton as tpd
+from gpuclient.kernels.moe_layout import MoELayout
+
+# ---- kernels ---------------------------------------------------------------------------------------------------
+# No specialization on the round, the rank or the token count: Triton would compile (and load, behind a
+# waiting kernel) again for another value.
+
+
+@triton.jit(do_not_specialize=["rank", "tokens"])
+def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, pos_ptr, count_ptr, send_src_ptr, rank, tokens,
+               E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    ks = tl.arange(0, KP)
+    hs = tl.arange(0, BLOCK_H)
+    # per token: the row into the registered send buffer, and the normalised expert list
+    for t in range(pid, tokens, progs):
+        row = tl.cast(t, tl.int64) * H
+        for h0 in range(0, H, BLOCK_H):
+            v = tl.load(x_ptr + row + h0 + hs, mask=h0 + hs < H)
+            tl.store(send_x_ptr + row + h0 + hs, v, mask=h0 + hs < H)
+        e = tl.load(idx_ptr + t * K + ks, mask=ks < K, other=-1).to(tl.int32)
+        repeat = tl.sum(((e[:, None] == e[None, :]) & (ks[None, :] < ks[:, None])).to(tl.int32), axis=1) > 0
+        tl.store(idx32_ptr + t * K + ks, tl.where((e >= 0) & (e < E) & (repeat == 0), e, -1), mask=ks < K)
+    # per expert: the first hit of each token (a repeat is not counted), positions in token order
+    for e in range(pid, E, progs):
+        carry = tl.zeros((), dtype=tl.int32)
+        for t0 in range(0, tokens, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            tile = tl.load(idx_ptr + ts[:, None] * K + ks[None, :], mask=(ts[:, None] < tokens) & (ks[None, :] < K),
+                           other=-1).to(tl.int32)
+            hit = (tile == e).to(tl.int32)
+            first = (hit == 1) & (tl.cumsum(hit, axis=1) == 1)
+            took = tl.sum(first.to(tl.int32), axis=1)
+            k_of = tl.sum(tl.where(first, ks[None, :], 0), axis=1)
+            p = carry + tl.cumsum(took, axis=0) - took
+            tl.store(pos_ptr + ts * K + k_of, p, mask=took > 0)
+            tl.store(send_src_ptr + e * T + p, (rank * T + ts) * K + k_of, mask=took > 0)
+            carry += tl.sum(took, axis=0)
+        tl.store(count_ptr + rank * E + e, carry)
+
+
+@triton.jit
+def _copy_row(src_ptr, dst_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    hs = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        tl.store(dst_ptr + h0 + hs, tl.load(src_ptr + h0 + hs, mask=h0 + hs < H), mask=h0 + hs < H)
+
+
+@triton.jit
+def _source_offset(count_ptr, rank, e, E: tl.constexpr):
+    """Where this rank's rows for expert e start at the expert's rank: the lower ranks' counts for e."""
+    off = tl.zeros((), dtype=tl.int32)
+    for s in range(0, rank):
+        off += tl.load(count_ptr + s * E + e)
+    return off
+
+
+@triton.jit(do_not_specialize=["epoch", "rank", "tokens"])
+def _moe_send(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
+              recv_src_ptr, count_region, recv_region, recv_src_region, send_x_region, send_src_region, count_slot,
+              W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
+              H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    if pid == 0:  # our count row (written by _moe_route) to every peer's copy of the count matrix
+        for peer in range(0, W):
+            if peer != rank:
+                tpd.put_signal(ch, peer, count_region, rank * E * 4, count_region, rank * E * 4, E * 4,
+                               count_slot + rank, 1)
+    for peer in range(0, W):  # every program: the lower ranks' counts decide where our rows land
+        if peer != rank:
+            tpd.wait(ch, count_slot + peer, epoch)
+    for i in range(pid, tokens * K, progs):  # one row per valid (token, expert)
+        e = tl.load(idx32_ptr + i)
+        if e >= 0:
+            d = e // L
+            row = ((e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E) + tl.load(pos_ptr + i)).to(tl.int64)
+            t = tl.cast(i // K, tl.int64)
+            if d == rank:
+                _copy_row(send_x_ptr + t * H, recv_x_ptr + row * H, H, BLOCK_H)
+            else:
+                tpd.put(ch, d, recv_region, row * (H * 2), send_x_region, t * (H * 2), H * 2)
+    rs = tl.arange(0, BLOCK_R)
+    for e in range(pid, E, progs):  # one put per expert: its handle words, contiguous on both sides
+        count = tl.load(count_ptr + rank * E + e)
+        if count > 0:
+            d = e // L
+            row = ((e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E)).to(tl.int64)
+            if d == rank:
+                for j in range(0, count, BLOCK_R):
+                    words = tl.load(send_src_ptr + e * T + j + rs, mask=j + rs < count)
+                    tl.store(recv_src_ptr + row + j + rs, words, mask=j + rs < count)
+            else:
+                tpd.put(ch, d, recv_src_region, row * 4, send_src_region, tl.cast(e * T * 4, tl.int64), count * 4)
+
+
+@triton.jit(do_not_specialize=["epoch", "rank"])
+def _moe_finish(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, dispatch_slot, W: tl.constexpr,
+                E: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr):
+    # stream order put every row of _moe_send ahead of this SIGNAL in the ring: it covers them all
+    for peer in range(0, W):
+        if peer != rank:
+            tpd.signal(ch, peer, dispatch_slot + rank, 1)
+    for peer in range(0, W):
+        if peer != rank:
+            tpd.wait(ch, dispatch_slot + peer, epoch)
+    ls = tl.arange(0, LP)
+    ss = tl.arange(0, WP)
+    inside = (ls[:, None] < L) & (ss[None, :] < W)
+    c = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)
+    at = layout_ptr + (ls[:, None] * W + ss[None, :]) * 2
+    tl.store(at, tl.cumsum(c, axis=1) - c, mask=inside)
+    tl.store(at + 1, c, mask=inside)
+    tl.store(recv_count_ptr + ls, tl.sum(c, axis=1), mask=ls < L)
+
+
+@triton.jit(do_not_specialize=["rank"])
+def _moe_combine_send(ch, rank, y_ptr, recv_count_ptr, recv_src_ptr, send_y_ptr, comb_ptr, comb_region,
+                      send_y_region, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
+                      H: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    for local in range(0, L):
+        n = tl.load(recv_count_ptr + local)
+        for p in range(pid, n, progs):
+            row = tl.cast(local * (W * T) + p, tl.int64)
+            word = tl.load(recv_src_ptr + row)
+            src = word // (T * K)
+            slot = (word - src * (T * K)).to(tl.int64)
+            if (word >= 0) & (src < W):  # a word that never arrived (-1) is skipped, not followed
+                if src == rank:
+                    _copy_row(y_ptr + row * H, comb_ptr + slot * H, H, BLOCK_H)
+                else:
+                    _copy_row(y_ptr + row * H, send_y_ptr + row * H, H, BLOCK_H)
+                    tpd.put(ch, src, comb_region, slot * (H * 2), send_y_region, row * (H * 2), H * 2)
+
+
+@triton.jit(do_not_specialize=["epoch", "rank", "tokens"])
+def _moe_combine_reduce(ch, epoch, rank, tokens, idx32_ptr, weights_ptr, comb_ptr, out_ptr, combine_slot,
+                        W: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    if pid == 0:  # covers every put of _moe_combine_send (earlier in the ring: stream order)
+        for peer in range(0, W):
+            if peer != rank:
+                tpd.signal(ch, peer, combine_slot + rank, 1)
+    for peer in range(0, W):
+        if peer != rank:
+            tpd.wait(ch, combine_slot + peer, epoch)
+    hs = tl.arange(0, BLOCK_H)
+    for t in range(pid, tokens, progs):
+        for h0 in range(0, H, BLOCK_H):
+            acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for k in tl.static_range(K):
+                e = tl.load(idx32_ptr + t * K + k)
+                w = tl.load(weights_ptr + t * K + k)
+                v = tl.load(comb_ptr + tl.cast(t * K + k, tl.int64) * H + h0 + hs, mask=(h0 + hs < H) & (e >= 0),
+                            other=0.0)
+                acc += tl.where(e >= 0, w * v.to(tl.float32), 0.0)  # where, not a product: a dead slot holds NaN
+            tl.store(out_ptr + tl.cast(t, tl.int64) * H + h0 + hs, acc.to(out_ptr.dtype.element_ty), mask=h0 + hs < H)
+
+
+# ---- host side ----------------------------------------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass
+class MoEHandle:
+    """What ``combine`` needs from a ``dispatch`` (valid until the op's next dispatch).
+
+    ``recv_src`` [L, W*T] int32: for each received row, ``src * T * K + token * K + k`` (source rank, its
+    token index, the top-k entry; -1 where no row landed); ``recv_count`` [L] and ``recv_layout`` [L, W, 2]
+    (offset, count of each source's rows per local expert); ``topk_idx`` [tokens, K] int32, normalised
+    (invalid and repeated experts -1) and ``topk_weights`` (the caller's tensor: keep it unchanged until
+    combine); ``round`` the op's round number (the flag epoch).
+    """
+
+    round: int
+    tokens: int
+    recv_src: Any
+    recv_count: Any
+    recv_layout: Any
+    topk_idx: Any
+    topk_weights: Any
+
+
+class MoE:
+    """Expert-parallel MoE dispatch and combine for one rank: build before ``session.exchange()``.
+
+    Experts ``[rank * L, (rank + 1) * L)`` live on this rank (``L = num_experts / world``). Every buffer is
+    allocated and registered here at its worst case, so a call registers and allocates nothing:
+    ``recv_x`` [L, W*T, H] bf16 (a source sends an expert each token at most once), ``recv_src`` [L, W*T]
+    int32, ``counts_all`` [W, E] int32 (every rank's per-expert counts), ``send_x`` [T, H] and ``send_src``
+    [E, T] (put sources), ``combine_buf`` [T, K, H] bf16 (the experts' outputs of this rank's tokens) and
+    ``send_y`` [L, W*T, H] (combine's put source). ``programs`` programs per kernel (default: SMs / share,
+    at most 32): every rank sharing the GPU must have its grid resident at once (``share`` of them).
+    """
+
+    def __init__(self, session: Any, hidden: int, num_experts: int, max_tokens: int, topk: int, *,
+                 slot_base: int = 0, share: int = 1, programs: int | None = None, num_warps: int = 4,
+                 channel_capacity: int = 1024) -> None:
+        import torch
+
+        if share < 1 or (programs is not None and programs < 1):
+            raise ValueError(f"share and programs must be >= 1, got share={share}, programs={programs}")
+        self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base)
+        self.session, self.rank, self.world = session, session.rank, session.world
+        self.hidden, self.num_experts, self.max_tokens, self.topk = hidden, num_experts, max_tokens, topk
+        self.local_experts = lay.local_experts
+        self.device = session.device if session.device is not None and session.device >= 0 else 0
+        self.share, self._programs, self.num_warps = share, programs, num_warps
+        dev = f"cuda:{self.device}"
+        W, E, L, T, K, H = self.world, num_experts, lay.local_experts, max_tokens, topk, hidden  # noqa: N806
+        # registered in this order on every rank, so region ids agree across ranks (kernels name the peers')
+        self.counts_all = torch.zeros((W, E), dtype=torch.int32, device=dev)
+        self.recv_x = torch.empty((L, lay.capacity, H), dtype=torch.bfloat16, device=dev)
+        self.recv_src = torch.full((L, lay.capacity), -1, dtype=torch.int32, device=dev)
+        self.send_x = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        self.send_src = torch.full((E, T), -1, dtype=torch.int32, device=dev)
+        self.combine_buf = torch.empty((T, K, H), dtype=torch.bfloat16, device=dev)
+        self.send_y = torch.empty((L, lay.capacity, H), dtype=torch.bfloat16, device=dev)
+        self.regions = {name: session.register(getattr(self, name)).id
+                        for name in ("counts_all", "recv_x", "recv_src", "send_x", "send_src", "combine_buf",
+                                     "send_y")}
+        # this rank's per-round state (not registered), allocated once: a call allocates nothing
+        self.idx32 = torch.full((T, K), -1, dtype=torch.int32, device=dev)
+        self.pos = torch.full((T, K), -1, dtype=torch.int32, device=dev)
+        self.recv_count = torch.zeros(L, dtype=torch.int32, device=dev)
+        self.recv_layout = torch.zeros((L, W, 2), dtype=torch.int32, device=dev)
+        self.out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        self.slots = lay.slots
+        if session.flag_array is None:
+            session.flags(slot_base + self.slots, where="device")
+        elif len(session.flag_array) < slot_base + self.slots:
+            raise ValueError(f"MoE needs flag slots [{slot_base}, {slot_base + self.slots}); the session has "
+                             f"{len(session.flag_array)}")
+        self.block_h = min(_pow2(H), 1024)
+        self.channel_capacity = channel_capacity
+        self.rounds = 0
+        self._pending: MoEHandle | None = None
+        self._ch: Any = None
+
+    # --- launch plumbing ------------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """After the exchange, before the first call: open the channel, copy its handle to the GPU, and compile
+        and load all five kernels (the route kernel for int32 and int64 ``topk_idx``). Ranks sharing one process
+        and GPU must all prepare before any of them calls (``gpuclient.triton.preload``)."""
+        import torch
+
+        if self._ch is not None:
+            return
+        self.channel = self.session.channel(self.channel_capacity)
+        self._handle = self.channel.device_handle(self.device)
+        self._ch = tpd.channel_pointer(self._handle)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.programs = self._programs or max(1, min(32, sms // self.share))
+        dev = self.recv_x.device
+        weights = torch.zeros((self.max_tokens, self.topk), dtype=torch.float32, device=dev)
+        for dtype in (torch.int32, torch.int64):
+            idx = torch.full((self.max_tokens, self.topk), -1, dtype=dtype, device=dev)
+            tpd.preload(_moe_route, *self._route_args(self.send_x, idx, 0), grid=(self.programs,),
+                        **self._route_meta())
+        tpd.preload(_moe_send, *self._send_args(1, 0), grid=(self.programs,), **self._send_meta())
+        tpd.preload(_moe_finish, *self._finish_args(1), grid=(1,), **self._finish_meta())
+        tpd.preload(_moe_combine_send, *self._combine_send_args(self.send_y), grid=(self.programs,),
+                    **self._combine_send_meta())
+        tpd.preload(_moe_combine_reduce, *self._reduce_args(1, 0, weights, self.out), grid=(self.programs,),
+                    **self._reduce_meta())
+        torch.cuda.synchronize(self.device)
+
+    def _route_args(self, x: Any, idx: Any, tokens: int) -> tuple:
+        return (x, idx, self.send_x, self.idx32, self.pos, self.counts_all, self.send_src, self.rank, tokens)
+
+    def _route_meta(self) -> dict[str, Any]:
+        return {"E": self.num_experts, "K": self.topk, "KP": _pow2(self.topk), "T": self.max_tokens,
+                "H": self.hidden, "BLOCK_T": min(_pow2(self.max_tokens), 256), "BLOCK_H": self.block_h,
+                "num_warps": self.num_warps}
+
+    def _send_args(self, epoch: int, tokens: int) -> tuple:
+        r = self.regions
+        return (self._ch, epoch, self.rank, tokens, self.idx32, self.pos, self.counts_all, self.send_x, self.send_src,
+                self.recv_x, self.recv_src, r["counts_all"], r["recv_x"], r["recv_src"], r["send_x"], r["send_src"],
+                self.layout.count_slot)
+
+    def _send_meta(self) -> dict[str, Any]:
+        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "K": self.topk,
+                "T": self.max_tokens, "H": self.hidden, "BLOCK_H": self.block_h,
+                "BLOCK_R": min(_pow2(self.max_tokens), 1024), "num_warps": self.num_warps}
+
+    def _finish_args(self, epoch: int) -> tuple:
+        return (self._ch, epoch, self.rank, self.counts_all, self.recv_count, self.recv_layout,
+                self.layout.dispatch_slot)
+
+    def _finish_meta(self) -> dict[str, Any]:
+        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "LP": _pow2(self.local_experts),
+                "WP": _pow2(self.world), "num_warps": self.num_warps}
+
+    def _combine_send_args(self, y: Any) -> tuple:
+        r = self.regions
+        return (self._ch, self.rank, y, self.recv_count, self.recv_src, self.send_y, self.combine_buf,
+                r["combine_buf"], r["send_y"])
+
+    def _combine_send_meta(self) -> dict[str, Any]:
+        return {"W": self.world, "L": self.local_experts, "K": self.topk, "T": self.max_tokens, "H": self.hidden,
+                "BLOCK_H": self.block_h, "num_warps": self.num_warps}
+
+    def _reduce_args(self, epoch: int, tokens: int, weights: Any, out: Any) -> tuple:
+        return (self._ch, epoch, self.rank, tokens, self.idx32, weights, self.combine_buf, out,
+                self.layout.combine_slot)
+
+    def _reduce_meta(self) -> dict[str, Any]:
+        return {"W": self.world, "K": self.topk, "H": self.hidden, "BLOCK_H": self.block_h,
+                "num_warps": self.num_warps}
+
+    def _check(self, name: str, tensor: Any, shape: tuple[int, ...], dtypes: tuple) -> None:
+        """Refuse what the kernels would misread or recompile for (no conversion here: a torch kernel launched
+        between the ranks' launches could load a module behind a waiting kernel; an address off 16 bytes
+        would make Triton compile, and load, another variant)."""
+        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+            want = " or ".join(str(d) for d in dtypes)
+            raise ValueError(f"{name} must be {list(shape)} {want}, got {list(tensor.shape)} {tensor.dtype}")
+        if not tensor.is_contiguous() or tensor.device != self.recv_x.device:
+            raise ValueError(f"{name} must be contiguous on {self.recv_x.device}")
+        if tensor.numel() and tensor.data_ptr() % 16:
+            raise ValueError(f"{name} must start 16-byte aligned (Triton specializes on it)")
+
+    # --- the API -----------------------------------------------------------------------------------------------------
+    def dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None) -> tuple[Any, Any, MoEHandle]:
+        """Send each token to its top-k experts; returns ``(recv_x, recv_count, handle)``.
+
+        ``x`` [tokens, H] bf16 (tokens <= max_tokens), ``topk_idx`` [tokens, K] int32 or int64 (-1, or any
+        index outside [0, E), is no expert; a repeated expert in a row counts once, at its first k),
+        ``topk_weights`` [tokens, K] fp32. ``recv_x`` is the registered [L, W*T, H] buffer itself: expert l's
+        first ``recv_count[l]`` rows are its tokens (source by source, each source's in token order; the
+        rest is stale). It and the handle stay valid until this round's ``combine`` is launched; the
+        expert computation must be ordered before it (same stream, or synchronised).
+        """
+        import torch
+
+        if self._pending is not None:
+            raise RuntimeError("combine the previous dispatch first: its buffers are still in use")
+        tokens = int(x.shape[0]) if x.dim() == 2 else -1
+        if not 0 <= tokens <= self.max_tokens:
+            raise ValueError(f"x must be [tokens <= {self.max_tokens}, {self.hidden}], got {list(x.shape)}")
+        self._check("x", x, (tokens, self.hidden), (torch.bfloat16,))
+        self._check("topk_idx", topk_idx, (tokens, self.topk), (torch.int32, torch.int64))
+        self._check("topk_weights", topk_weights, (tokens, self.topk), (torch.float32,))
+        self.prepare()
+        self.rounds += 1
+        epoch = self.rounds
+        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
+            _moe_route[(self.programs,)](*self._route_args(x, topk_idx, tokens), **self._route_meta())
+            _moe_send[(self.programs,)](*self._send_args(epoch, tokens), **self._send_meta())
+            _moe_finish[(1,)](*self._finish_args(epoch), **self._finish_meta())
+        self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
+                                  self.idx32[:tokens], topk_weights)
+        return self.recv_x, self.recv_count, self._pending
+
+    def combine(self, y: Any, handle: MoEHandle, *, out: Any = None, stream: Any = None) -> Any:
+        """Send the experts' outputs home and sum them; returns [tokens, H] bf16 (into ``out`` when given,
+        else a view of the op's ``out`` buffer, valid until the next combine).
+
+        ``y`` [L, W*T, H] bf16: the experts' outputs in ``recv_x``'s layout (may be ``recv_x`` itself; only the
+        first ``recv_count[l]`` rows of each expert are read). ``handle``: this round's, from ``dispatch``.
+        """
+        import torch
+
+        if handle is not self._pending:
+            raise RuntimeError("combine takes the handle of the op's latest dispatch, once")
+        self._check("y", y, tuple(self.recv_x.shape), (torch.bfloat16,))
+        if out is None:
+            out = self.out[:handle.tokens]
+        self._check("out", out, (handle.tokens, self.hidden), (torch.bfloat16,))
+        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
+            _moe_combine_send[(self.programs,)](*self._combine_send_args(y), **self._combine_send_meta())
+            _moe_combine_reduce[(self.programs,)](*self._reduce_args(handle.round, handle.tokens,
+                                                                     handle.topk_weights, out),
+                                                  **self._reduce_meta())
+        self._pending = None
+        return out

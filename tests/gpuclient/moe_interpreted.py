@@ -1,0 +1,257 @@
+"""The MoE kernels in Triton's interpreter, several ranks in turn over numpy buffers (run by
+tests/gpuclient/test_moe_layout.py in a process of its own: ``TRITON_INTERPRET=1`` must be set before Triton
+is imported, so Triton's own library functions are interpreted too).
+
+The channel calls are replaced by :class:`Fabric`, a model that moves a put's bytes into the peer's buffer at
+once, adds a signal to the peer's flag, and records each wait, checked once every rank has run the kernel.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_model
+from tests.gpuclient.test_moe_layout import uneven_routing
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """float -> bf16 bits (uint16), round to nearest even."""
+    u = np.asarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def f32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class _Dtype:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+# one object per dtype, alive for the run: Triton's specialization caches by the dtype object (a fresh one per
+# buffer could reuse a freed one's id and be taken for another type)
+_DTYPES: dict[str, _Dtype] = {}
+
+
+class _Storage:
+    def __init__(self, tensor: Buffer) -> None:
+        self.tensor = tensor
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+    def cpu(self) -> _Storage:
+        return self
+
+    def copy_(self, other: object) -> None:
+        pass
+
+
+class Buffer:
+    """Enough of a torch tensor for Triton's interpreter, over a numpy array it reads and writes in place
+    (bf16 held as uint16 bits)."""
+
+    def __init__(self, arr: np.ndarray, dtype: str) -> None:
+        self.arr, self.dtype = arr, _DTYPES.setdefault(dtype, _Dtype(dtype))
+
+    def data_ptr(self) -> int:
+        return self.arr.ctypes.data
+
+    def untyped_storage(self) -> _Storage:
+        return _Storage(self)
+
+    def new_empty(self, *args: object, **kwargs: object) -> Buffer:
+        return Buffer(self.arr, self.dtype.name)
+
+    def set_(self, *args: object) -> Buffer:
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple:
+        return self.arr.shape
+
+    def stride(self) -> tuple:
+        return self.arr.strides
+
+    def copy_(self, other: object) -> None:
+        pass
+
+
+REGIONS = ("counts_all", "recv_x", "recv_src", "send_x", "send_src", "combine_buf", "send_y")
+
+
+class Fabric:
+    """The channel calls for interpreted kernels: a put moves the bytes at once, a signal adds to the peer's
+    flag, a wait is recorded and checked once every rank has run the kernel (ranks run one after another)."""
+
+    def __init__(self, ranks: list[SimpleNamespace]) -> None:
+        self.ranks = ranks
+        self.waits: list[tuple[int, int, int]] = []
+        self.records = 0
+
+    @staticmethod
+    def value(x: object) -> int:
+        if hasattr(x, "handle"):
+            return int(np.asarray(x.handle.data).reshape(-1)[0])
+        return int(getattr(x, "value", x))
+
+    def rank_of(self, ch: object) -> int:
+        ptr = self.value(ch)
+        return next(r for r, st in enumerate(self.ranks) if st.ch.ctypes.data == ptr)
+
+    def _bytes(self, rank: int, region: int) -> np.ndarray:
+        return getattr(self.ranks[rank], REGIONS[region]).reshape(-1).view(np.uint8)
+
+    def put(self, ch, peer, dst_region, dst_off, src_region, src_off, nbytes, chunk_id=0):  # noqa: ANN001, ANN201
+        me, peer = self.rank_of(ch), self.value(peer)
+        assert peer != me, "a rank never puts to itself: its rows are copied"
+        n, so, do = self.value(nbytes), self.value(src_off), self.value(dst_off)
+        src, dst = self._bytes(me, self.value(src_region)), self._bytes(peer, self.value(dst_region))
+        assert 0 < n and so + n <= src.size and do + n <= dst.size, (me, peer, so, do, n)
+        dst[do:do + n] = src[so:so + n]
+        self.records += 1
+
+    def put_signal(self, ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot, value, op=0):  # noqa: ANN001, ANN201
+        self.put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes)
+        self.signal(ch, peer, slot, value)
+
+    def signal(self, ch, peer, slot, value, op=0):  # noqa: ANN001, ANN201
+        assert self.value(peer) != self.rank_of(ch)
+        self.ranks[self.value(peer)].flags[self.value(slot)] += self.value(value)
+        self.records += 1
+
+    def wait(self, ch, slot, at_least):  # noqa: ANN001, ANN201
+        self.waits.append((self.rank_of(ch), self.value(slot), self.value(at_least)))
+
+    def check_waits(self) -> None:
+        for rank, slot, at_least in self.waits:
+            assert self.ranks[rank].flags[slot] >= at_least, (rank, slot, at_least, self.ranks[rank].flags)
+        self.waits.clear()
+
+
+def _rank_state(lay: MoELayout) -> SimpleNamespace:
+    W, E, L, T, K, H = lay.world, lay.num_experts, lay.local_experts, lay.max_tokens, lay.topk, lay.hidden  # noqa: N806
+    nan = bf16(np.float32(np.nan))
+    return SimpleNamespace(
+        ch=np.zeros(8, dtype=np.uint64), flags=np.zeros(lay.slot_base + lay.slots, dtype=np.int64),
+        counts_all=np.zeros((W, E), np.int32), recv_x=np.full((L, lay.capacity, H), nan, np.uint16),
+        recv_src=np.full((L, lay.capacity), -1, np.int32), send_x=np.zeros((T, H), np.uint16),
+        send_src=np.full((E, T), -1, np.int32), combine_buf=np.full((T, K, H), nan, np.uint16),
+        send_y=np.zeros((L, lay.capacity, H), np.uint16), idx32=np.full((T, K), -1, np.int32),
+        pos=np.full((T, K), -1, np.int32), recv_count=np.zeros(L, np.int32), recv_layout=np.zeros((L, W, 2), np.int32),
+        out=np.zeros((T, H), np.uint16))
+
+
+def _b(arr: np.ndarray) -> Buffer:
+    kind = {np.dtype(np.uint16): "bfloat16", np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
+            np.dtype(np.float32): "float32", np.dtype(np.uint64): "uint64"}[arr.dtype]
+    return Buffer(arr, kind)
+
+
+def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, programs: int) -> None:
+    """Three rounds of dispatch, an expert function and combine, checked against the model."""
+    from triton.runtime import interpreter
+
+    import gpuclient.kernels.moe as m
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def scalar_index(tensor: object, scope: object) -> None:  # numpy 2 refuses int() of the 1-element scalars
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = scalar_index
+    rng = np.random.default_rng(world * 10 + topk)
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, slot_base=2) for r in range(world)]
+    ranks = [_rank_state(lay) for lay in lays]
+    fabric = Fabric(ranks)
+    m.tpd = SimpleNamespace(put=fabric.put, put_signal=fabric.put_signal, signal=fabric.signal, wait=fabric.wait)
+    lay0 = lays[0]
+    W_, E_, L_, K_, T_, H_ = world, experts, lay0.local_experts, topk, max_tokens, hidden  # noqa: N806
+    block_h = 16
+    regions = {name: i for i, name in enumerate(REGIONS)}
+    scale = rng.choice([0.5, 1.0, 2.0, -1.0, 4.0], size=experts)  # exact in bf16: only the sum rounds
+    for rnd in range(1, 4):
+        tokens = [max_tokens - (r + rnd) % 3 for r in range(world)]
+        if rnd == 3 and world > 1:
+            tokens[-1] = 0  # a rank with nothing to send
+        idx = uneven_routing(rng, world, experts, max_tokens, topk, tokens,
+                             dtype=np.int32 if rnd % 2 else np.int64)
+        x = [bf16(rng.standard_normal((n, hidden))) for n in tokens]
+        w = [rng.random((n, topk)).astype(np.float32) for n in tokens]
+        for st in ranks:  # what the peers owe: poisoned
+            st.recv_x[:] = bf16(np.float32(np.nan))
+            st.combine_buf[:] = bf16(np.float32(np.nan))
+        for r, st in enumerate(ranks):
+            m._moe_route[(programs,)](_b(x[r]), _b(idx[r]), _b(st.send_x), _b(st.idx32), _b(st.pos),
+                                      _b(st.counts_all), _b(st.send_src), r, tokens[r], E=E_, K=K_,
+                                      KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, BLOCK_H=block_h)
+        fabric.check_waits()
+        for r, st in enumerate(ranks):  # ranks run in turn: deliver the count rows _moe_send's program 0 puts
+            for peer in ranks:
+                if peer is not st:
+                    peer.counts_all[r] = st.counts_all[r]
+        flags_before = [st.flags.copy() for st in ranks]
+        for r, st in enumerate(ranks):
+            m._moe_send[(programs,)](_b(st.ch), rnd, r, tokens[r], _b(st.idx32), _b(st.pos), _b(st.counts_all),
+                                     _b(st.send_x), _b(st.send_src), _b(st.recv_x), _b(st.recv_src),
+                                     *[regions[n] for n in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")],
+                                     lays[r].count_slot, W=W_, E=E_, L=L_, K=K_, T=T_, H=H_, BLOCK_H=block_h, BLOCK_R=4)
+        fabric.check_waits()
+        for r, st in enumerate(ranks):  # one count signal from each peer per round
+            got = st.flags - flags_before[r]
+            assert [int(got[lays[r].count_slot + s]) for s in range(world)] == [int(s != r) for s in range(world)]
+        for r, st in enumerate(ranks):
+            m._moe_finish[(1,)](_b(st.ch), rnd, r, _b(st.counts_all), _b(st.recv_count), _b(st.recv_layout),
+                                lays[r].dispatch_slot, W=W_, E=E_, L=L_, LP=m._pow2(L_), WP=m._pow2(W_))
+        fabric.check_waits()
+        model = dispatch_model(lays, idx)
+        for r, st in enumerate(ranks):
+            assert (st.idx32[:tokens[r]] == model[r]["idx"]).all()
+            assert (st.counts_all == model[r]["counts_all"]).all()
+            assert (st.recv_count == model[r]["recv_count"]).all() and (st.recv_layout == model[r]["recv_layout"]).all()
+            for local in range(L_):
+                n = int(st.recv_count[local])
+                assert (st.recv_src[local, :n] == model[r]["recv_src"][local, :n]).all(), (rnd, r, local)
+                for p in range(n):  # every received row is its token's row, bit for bit
+                    src, t, _ = lays[r].decode(st.recv_src[local, p])
+                    assert (st.recv_x[local, p] == x[src][t]).all(), (rnd, r, local, p)
+        # the experts: expert e scales its rows (the rows past the counts stay NaN and are never read)
+        ys = []
+        for r, st in enumerate(ranks):
+            y = f32(st.recv_x) * scale[r * L_:(r + 1) * L_, None, None].astype(np.float32)
+            ys.append(bf16(y))
+        for r, st in enumerate(ranks):
+            m._moe_combine_send[(programs,)](_b(st.ch), r, _b(ys[r]), _b(st.recv_count), _b(st.recv_src),
+                                             _b(st.send_y), _b(st.combine_buf), regions["combine_buf"],
+                                             regions["send_y"], W=W_, L=L_, K=K_, T=T_, H=H_, BLOCK_H=block_h)
+        fabric.check_waits()
+        weights = [np.ascontiguousarray(a) for a in w]
+        for r, st in enumerate(ranks):
+            m._moe_combine_reduce[(programs,)](_b(st.ch), rnd, r, tokens[r], _b(st.idx32), _b(weights[r]),
+                                               _b(st.combine_buf), _b(st.out), lays[r].combine_slot,
+                                               W=W_, K=K_, H=H_, BLOCK_H=block_h)
+        fabric.check_waits()
+        want = combine_model(lays, model, [f32(y).astype(np.float64) for y in ys], [a.astype(np.float64) for a in w])
+        for r, st in enumerate(ranks):
+            got = f32(st.out[:tokens[r]]).astype(np.float64)
+            assert np.isfinite(got).all(), f"round {rnd} rank {r}: a slot read before it was written"
+            np.testing.assert_allclose(got, want[r], rtol=2 ** -7, atol=1e-6, err_msg=f"round {rnd} rank {r}")
+        for r, st in enumerate(ranks):  # each round adds exactly one to every peer's slots: no reset needed
+            lay = lays[r]
+            for base in (lay.count_slot, lay.dispatch_slot, lay.combine_slot):
+                assert [int(st.flags[base + s]) for s in range(world)] == [rnd * (s != r) for s in range(world)]
+
+
+if __name__ == "__main__":
+    simulate(*(int(a) for a in sys.argv[1:]))
+    print("ok")

@@ -1,0 +1,239 @@
+"""gpuclient.kernels.MoE without a GPU: the layout model, the kernels compiled, and the kernels run on the CPU.
+
+- ``moe_layout`` (the numpy model the host side and the GPU test use) against brute-force enumeration:
+  normalisation (out-of-range and repeated experts dropped), counts, positions in token order, packed
+  receive rows source by source, the handle words, and combine's weighted sums; on uneven routing (a hot
+  expert, experts and a whole rank receiving nothing, tokens with no expert, fewer tokens than the maximum).
+- Every MoE kernel compiles for sm_90 (PTX and cubin; Triton needs no GPU for it), with no read-only-cache
+  loads (peers' NICs write what the kernels read) and each protocol call site once.
+- The five kernels run in Triton's interpreter on numpy buffers, several ranks in sequence, with the
+  channel calls replaced by a model that moves the bytes and counts the flags: three rounds of dispatch,
+  an expert function and combine, with no reset, checked against the model (received rows bit for bit,
+  handle words exactly, the sums within bf16 rounding) and every wait satisfied by the signals sent.
+
+The GPU test is tests/gpu/test_moe.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- the model against brute force ------------------------------------------------------------------------------
+def layouts(world: int, experts: int, tokens: int, topk: int, hidden: int = 8) -> list[MoELayout]:
+    return [MoELayout(r, world, experts, tokens, topk, hidden) for r in range(world)]
+
+
+def uneven_routing(rng: np.random.Generator, world: int, experts: int, max_tokens: int, topk: int,
+                   tokens: list[int] | None = None, dtype: type = np.int64) -> list[np.ndarray]:
+    """Top-k lists with a hot expert (0), experts nobody picks (the last rank's: it receives nothing),
+    -1 entries, a token with no expert, out-of-range indices and repeats."""
+    local = experts // world
+    pickable = np.arange(experts - local if world > 1 else experts)  # the last rank's experts are never picked
+    out = []
+    for r in range(world):
+        n = max_tokens if tokens is None else tokens[r]
+        rows = [rng.choice(pickable, size=topk, replace=len(pickable) < topk) for _ in range(n)]
+        idx = np.stack(rows).astype(dtype) if n else np.zeros((0, topk), dtype=dtype)
+        if n:
+            idx[rng.random(n) < 0.5, 0] = 0  # hot expert 0
+            idx[rng.random((n, topk)) < 0.15] = -1
+            idx[0] = -1  # a token with no expert
+            if n > 2 and topk > 1:
+                idx[1, 1] = idx[1, 0] if idx[1, 0] >= 0 else 0  # a repeat: counts once
+                idx[2, topk - 1] = experts + 3  # out of range: no expert
+        out.append(idx)
+    return out
+
+
+def brute_force(lays: list[MoELayout], topk_idx: list[np.ndarray]) -> dict:
+    """Receive rows per (rank, local expert), enumerated the slow way: list of (src, token, k)."""
+    lay0 = lays[0]
+    rows: dict = {(d, local): [] for d in range(lay0.world) for local in range(lay0.local_experts)}
+    for src, idx in enumerate(topk_idx):
+        for t in range(idx.shape[0]):
+            seen = set()
+            for k in range(idx.shape[1]):
+                e = int(idx[t, k])
+                if not 0 <= e < lay0.num_experts or e in seen:
+                    continue
+                seen.add(e)
+                rows[lay0.owner(e)].append((src, t, k))
+    for key in rows:
+        rows[key].sort(key=lambda r: (r[0], r[1]))
+    return rows
+
+
+@pytest.mark.parametrize(("world", "experts", "max_tokens", "topk"), [(2, 8, 16, 3), (3, 9, 7, 4), (4, 4, 5, 1),
+                                                                      (1, 4, 6, 2), (2, 2, 9, 2)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_model_matches_brute_force_on_uneven_routing(world: int, experts: int, max_tokens: int, topk: int,
+                                                          seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lays = layouts(world, experts, max_tokens, topk)
+    tokens = [max_tokens - (r % 3) for r in range(world)]  # fewer tokens than the maximum on some ranks
+    idx = uneven_routing(rng, world, experts, max_tokens, topk, tokens)
+    got = dispatch_model(lays, idx)
+    want = brute_force(lays, idx)
+    for d, lay in enumerate(lays):
+        for local in range(lay.local_experts):
+            rows = want[(d, local)]
+            assert int(got[d]["recv_count"][local]) == len(rows) <= lay.capacity
+            assert [lay.decode(w) for w in got[d]["recv_src"][local, :len(rows)]] == rows
+            assert (got[d]["recv_src"][local, len(rows):] == -1).all()
+            for s in range(world):  # (offset, count) of each source's rows
+                from_s = [i for i, r in enumerate(rows) if r[0] == s]
+                off, count = got[d]["recv_layout"][local, s]
+                assert count == len(from_s) and (not from_s or from_s == list(range(off, off + count)))
+    # the last rank's experts are never picked: it receives nothing; expert 0 is the hot one
+    if world > 1:
+        assert (got[-1]["recv_count"] == 0).all()
+    per_expert = got[0]["counts_all"].sum(axis=0)
+    assert per_expert.max() > per_expert.mean() and (world == 1 or (per_expert == 0).any())
+
+
+def test_normalize_drops_out_of_range_and_repeats_and_keeps_the_first() -> None:
+    lay = MoELayout(0, 2, 8, 4, 4, 16)
+    idx = np.array([[3, 3, -1, 9], [5, 2, 5, 2], [-1, -1, -1, -1], [7, 0, 1, 6]])
+    assert lay.normalize(idx).tolist() == [[3, -1, -1, -1], [5, 2, -1, -1], [-1] * 4, [7, 0, 1, 6]]
+    counts, pos, send_src = lay.route(idx)
+    assert counts.tolist() == [1, 1, 1, 1, 0, 1, 1, 1]
+    assert pos[1].tolist() == [0, 0, -1, -1] and send_src[5, 0] == lay.encode(0, 1, 0)
+
+
+def test_the_combine_model_is_the_weighted_sum_of_each_tokens_experts() -> None:
+    rng = np.random.default_rng(4)
+    world, experts, max_tokens, topk, hidden = 3, 6, 10, 3, 5
+    lays = layouts(world, experts, max_tokens, topk, hidden)
+    idx = uneven_routing(rng, world, experts, max_tokens, topk, [10, 4, 0])
+    x = [rng.standard_normal((i.shape[0], hidden)) for i in idx]
+    w = [rng.random(i.shape) for i in idx]
+    scale = rng.standard_normal(experts)
+    got = dispatch_model(lays, idx)
+    expert_out = []
+    for d, lay in enumerate(lays):  # the experts: expert e scales its rows by scale[e]
+        y = np.full((lay.local_experts, lay.capacity, hidden), np.nan)
+        for local in range(lay.local_experts):
+            for p in range(int(got[d]["recv_count"][local])):
+                src, t, _ = lay.decode(got[d]["recv_src"][local, p])
+                y[local, p] = scale[d * lay.local_experts + local] * x[src][t]
+        expert_out.append(y)
+    outs = combine_model(lays, got, expert_out, w)
+    for r, lay in enumerate(lays):
+        norm = lay.normalize(idx[r])
+        want = np.zeros_like(x[r])
+        for t, k in zip(*np.nonzero(norm >= 0), strict=True):
+            want[t] += w[r][t, k] * scale[norm[t, k]] * x[r][t]
+        np.testing.assert_allclose(outs[r], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_experts": 7}, "does not split evenly over 2 ranks"),
+    ({"rank": 2}, r"rank must be in \[0, 2\)"),
+    ({"topk": 0}, "topk must be an integer >= 1"),
+    ({"topk": 9}, "topk=9 is more than num_experts=8"),
+    ({"hidden": 2.0}, "hidden must be an integer >= 1"),
+    ({"max_tokens": 1 << 29, "topk": 4}, "passes the int32 source word"),
+    ({"slot_base": -1}, "slot_base must be an integer >= 0"),
+    ({"hidden": 1 << 31}, "32-bit length"),
+])
+def test_bad_shapes_are_refused_with_the_culprit_named(kwargs: dict, message: str) -> None:
+    args = {"rank": 0, "world": 2, "num_experts": 8, "max_tokens": 16, "topk": 2, "hidden": 64, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        MoELayout(**args)
+
+
+def test_flag_slots_are_disjoint_and_the_handle_word_round_trips() -> None:
+    lay = MoELayout(1, 3, 6, 7, 2, 16, slot_base=5)
+    used = [lay.count_slot + s for s in range(3)] + [lay.dispatch_slot + s for s in range(3)] + [
+        lay.combine_slot + s for s in range(3)]
+    assert sorted(used) == list(range(5, 5 + lay.slots))
+    for src, t, k in [(0, 0, 0), (2, 6, 1), (1, 3, 0)]:
+        assert lay.decode(lay.encode(src, t, k)) == (src, t, k)
+
+
+# --- compiling (Triton, no GPU) ------------------------------------------------------------------------------------
+triton = pytest.importorskip("triton")
+
+from gpuclient.kernels import moe as moe_kernels  # noqa: E402
+from tests.gpuclient.test_kernels import protocol_sites  # noqa: E402
+from tests.gpuclient.test_triton import compile_kernel  # noqa: E402
+
+W, E, L, K, T, H = 2, 8, 4, 3, 100, 200
+SIGNATURES = {
+    "_moe_route": ({"x_ptr": "*bf16", "idx_ptr": "*i64", "send_x_ptr": "*bf16", "idx32_ptr": "*i32", "pos_ptr": "*i32",
+                    "count_ptr": "*i32", "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
+                   {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "BLOCK_H": 256}),
+    "_moe_send": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
+                   "pos_ptr": "*i32", "count_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
+                   "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "count_region": "i32", "recv_region": "i32",
+                   "recv_src_region": "i32", "send_x_region": "i32", "send_src_region": "i32", "count_slot": "i32"},
+                  {"W": W, "E": E, "L": L, "K": K, "T": T, "H": H, "BLOCK_H": 256, "BLOCK_R": 128}),
+    "_moe_finish": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "recv_count_ptr": "*i32",
+                     "layout_ptr": "*i32", "dispatch_slot": "i32"},
+                    {"W": W, "E": E, "L": L, "LP": 4, "WP": 2}),
+    "_moe_combine_send": ({"ch": "*u64", "rank": "i32", "y_ptr": "*bf16", "recv_count_ptr": "*i32",
+                           "recv_src_ptr": "*i32", "send_y_ptr": "*bf16", "comb_ptr": "*bf16", "comb_region": "i32",
+                           "send_y_region": "i32"},
+                          {"W": W, "L": L, "K": K, "T": T, "H": H, "BLOCK_H": 256}),
+    "_moe_combine_reduce": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
+                             "weights_ptr": "*fp32", "comb_ptr": "*bf16", "out_ptr": "*bf16", "combine_slot": "i32"},
+                            {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
+}
+# Protocol call sites: (pushes per peer, waits per peer, other pushes). The loops over peers run W times (W is
+# a constexpr: the compiler unrolls them); per peer the count put_signal and the count wait, then the row put
+# and the handle-word put; a SIGNAL and a wait per peer; one put; a SIGNAL and a wait per peer. No kernel
+# quiets: each round's round trips order the reuse of the put sources (docs/kernels.md).
+SITES = {"_moe_route": (0, 0, 0), "_moe_send": (1, 1, 2), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
+         "_moe_combine_reduce": (1, 1, 0)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_every_moe_kernel_compiles_for_sm90(name: str, world: int) -> None:
+    signature, meta = SIGNATURES[name]
+    meta = {**meta, **({"W": world} if "W" in meta else {}), **({"WP": 4} if "WP" in meta else {})}
+    compiled = compile_kernel(getattr(moe_kernels, name), signature, meta, num_warps=4)
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"
+    pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
+    per_push, per_wait, other = SITES[name]
+    assert (pushes, waits, quiets) == (per_push * world + other, per_wait * world, 0)
+    assert not [op for op in code if ".nc" in op]  # counts, rows, handle words and outputs are NIC-written
+
+
+def test_the_route_kernel_compiles_for_int32_indices_and_one_expert_per_token() -> None:
+    signature, meta = SIGNATURES["_moe_route"]
+    compiled = compile_kernel(moe_kernels._moe_route, {**signature, "idx_ptr": "*i32"},
+                              {**meta, "K": 1, "KP": 1, "T": 1, "BLOCK_T": 1}, num_warps=4)
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"
+
+
+def test_the_kernels_do_not_specialize_on_round_rank_or_tokens() -> None:
+    for name in SIGNATURES:
+        fn = getattr(moe_kernels, name)
+        for p in fn.params:
+            if p.name in ("epoch", "rank", "tokens"):
+                assert p.do_not_specialize, (name, p.name)
+
+
+# --- the kernels in Triton's interpreter ----------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(2, 4, 9, 3, 40, 3), (3, 6, 5, 2, 24, 2), (1, 2, 6, 2, 16, 1)],
+                         ids=["2ranks", "3ranks", "1rank"])
+def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) -> None:
+    """(world, experts, max_tokens, topk, hidden, programs): tests/gpuclient/moe_interpreted.py, in a process
+    of its own with TRITON_INTERPRET=1."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "tests.gpuclient.moe_interpreted", *map(str, shape)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-4000:] + run.stderr[-8000:]
