@@ -109,6 +109,19 @@ def _attend(q, acc, m_i, l_i, k_base, v_base, q_pos, n_hi, seq, qk_scale, STRIDE
     return acc, m_i, l_i
 
 
+@triton.jit
+def _interleave(k_ptr, v_ptr, block, lo, hi, HEAD_DIM: tl.constexpr, COPY_BLOCK: tl.constexpr):
+    """Elements [lo, hi) of a block ``[heads, seq, 2, head_dim]`` from k and v (``[heads, seq, head_dim]``)."""
+    for e0 in range(lo, hi, COPY_BLOCK):
+        idx = e0 + tl.arange(0, COPY_BLOCK)
+        inside = idx < hi
+        col = idx % (2 * HEAD_DIM)
+        src = (idx // (2 * HEAD_DIM)) * HEAD_DIM + col % HEAD_DIM  # row h * seq + n of k and v
+        kk = tl.load(k_ptr + src, mask=inside & (col < HEAD_DIM), other=0.0)
+        vv = tl.load(v_ptr + src, mask=inside & (col >= HEAD_DIM), other=0.0)
+        tl.store(block + idx, tl.where(col < HEAD_DIM, kk, vv), mask=inside)
+
+
 # no specialization on the launch number or the rank (Triton would compile again for launch 1 vs 2, rank 0 vs 1,
 # and a second compile's module load waits behind the peer's running kernel)
 @triton.jit(do_not_specialize=["epoch", "rank", "release_slot"])
@@ -131,15 +144,7 @@ def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_p
             own = kv_ptr + tl.cast(rank, tl.int64) * block_elems
             for j in range(pid, chunks_per_block, COMM_PROGRAMS):
                 lo = j * chunk_elems
-                hi = tl.minimum(lo + chunk_elems, block_elems)
-                for e0 in range(lo, hi, COPY_BLOCK):
-                    idx = e0 + tl.arange(0, COPY_BLOCK)
-                    inside = idx < hi
-                    col = idx % (2 * HEAD_DIM)
-                    src = (idx // (2 * HEAD_DIM)) * HEAD_DIM + col % HEAD_DIM  # row h * seq + n of k / v
-                    kk = tl.load(k_ptr + src, mask=inside & (col < HEAD_DIM), other=0.0)
-                    vv = tl.load(v_ptr + src, mask=inside & (col >= HEAD_DIM), other=0.0)
-                    tl.store(own + idx, tl.where(col < HEAD_DIM, kk, vv), mask=inside)
+                _interleave(k_ptr, v_ptr, own, lo, tl.minimum(lo + chunk_elems, block_elems), HEAD_DIM, COPY_BLOCK)
                 tpd.tile_done(ch, plan, j)  # its barrier orders every thread's stores before the push
             # steps 2 .. world-1: pass on, chunk by chunk, the block that arrived from the left at step s-1
             for s in range(2, world):
