@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.plan import U32_MAX, ChunkPlan
+from gpuclient.plan import ChunkPlan
 
 __all__ = ["RingAttention", "RingAttentionLayout"]
 
@@ -275,11 +275,10 @@ class RingAttentionLayout:
             raise ValueError(f"out_bytes must be 2 (bf16) or 4 (fp32), got {self.out_bytes!r}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be a bool, got {self.causal!r}")
+        # and so a block is under 2^32 bytes, and every chunk fits a put's 32-bit length
         if self.block_elems > _I32_MAX:
             raise ValueError(f"one rank's K and V ({self.block_elems} elements) pass 2^31 elements (the kernel's "
                              f"32-bit offsets within a block): lower heads or seq_local per rank")
-        if self.chunk_bytes > U32_MAX:
-            raise ValueError(f"a chunk of {self.chunk_bytes} bytes passes a put's 32-bit length: lower chunk_rows")
 
     # --- geometry -------------------------------------------------------------------------------------------------
     @property
