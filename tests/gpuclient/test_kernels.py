@@ -34,6 +34,7 @@ from gpuclient.errors import PlanError  # noqa: E402
 from gpuclient.kernels.allgather_gemm import _allgather_gemm  # noqa: E402
 from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout, _gemm_reduce_scatter  # noqa: E402
 from gpuclient.kernels.ring_attention import RingAttentionLayout, _ring_attention  # noqa: E402
+from gpuclient.plan import NO_RECV  # noqa: E402
 from tests.gpuclient.test_triton import compile_kernel, guarded_blocks, opcode, ptx_lines  # noqa: E402
 
 BLOCK = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
@@ -376,7 +377,8 @@ def test_the_ring_schedule_completes_and_never_overwrites_what_is_read(world: in
                                                                        seed: int) -> None:
     """A model of the kernel's waits and sends, on the plans' own tables, over three launches per rank and a
     random interleaving: every program finishes (no deadlock), every wait is met by exactly the launch's
-    chunk, and no chunk lands in a block its receiver may still read (the release flag's back-pressure)."""
+    chunk, a chunk is passed on only once it arrived, and no chunk lands in a block its receiver may still
+    read (the release flag's back-pressure)."""
     launches = 3
     lays = [RingAttentionLayout(r, world, 2, 37, 64, chunk_rows=20) for r in range(world)]
     plans = [lay.plan(0) for lay in lays]
@@ -387,6 +389,8 @@ def test_the_ring_schedule_completes_and_never_overwrites_what_is_read(world: in
 
     def ship(r: int, c: int, e: int) -> None:
         chunk = plans[r].chunks[c]
+        if plans[r].forwards[c] != NO_RECV:  # passing on what came from the left: it must be this launch's
+            assert landed[r].get(int(plans[r].forwards[c])) == e, f"rank {r} forwards chunk {c} before it arrived"
         for send in plans[r].sends[int(chunk["first_send"]):int(chunk["first_send"]) + int(chunk["send_count"])]:
             dst = int(send["peer"])
             assert reading[dst] in (0, e), f"rank {r} launch {e} overwrites rank {dst}'s launch {reading[dst]}"
