@@ -448,3 +448,33 @@ def test_the_ring_schedule_completes_and_never_overwrites_what_is_read(world: in
     for r in range(world):  # every incoming chunk's flag raised once per launch
         assert (flags[r][plans[r].recvs["slot"]] == launches).all()
         assert flags[r][lays[r].release_slot] == launches
+
+
+def test_the_ring_attention_key_loop_is_pipelined_only_after_its_wait() -> None:
+    """Compiled as a launch specializes it (16-byte aligned tensors, chunk_elems a multiple of 16), the key
+    loops are software-pipelined (cp.async); the one over an arrived block starts its prologue after the
+    compute's wait and the barrier behind it, never before."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(_ring_attention.fn).parameters)
+    meta = ra_meta(128, False)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in RA_SIG if RA_SIG[n].startswith("*")}
+    attrs[(names.index("chunk_elems"),)] = [["tt.divisibility", 16]]
+    given = "constexprs" if "constexprs" in inspect.signature(ASTSource).parameters else "constants"
+    source = ASTSource(fn=_ring_attention, signature={**RA_SIG, **dict.fromkeys(meta, "constexpr")},
+                       attrs=attrs, **{given: meta})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    marks = []  # the PTX in order: protocol blocks, barriers and asynchronous copies
+    for line in ptx_lines(compiled.asm["ptx"]):
+        mark = ("wait" if line.startswith("TPD_WAIT_") else "push" if "st.release.sys" in line
+                else "bar" if opcode(line).startswith("bar.sync") else "cp" if opcode(line).startswith("cp.async.cg")
+                else None)
+        if mark and (not marks or marks[-1] != mark):
+            marks.append(mark)
+    assert "cp" in marks
+    after_wait = [marks[i:i + 3] for i, m in enumerate(marks) if m == "wait" and "cp" in marks[i:i + 3]]
+    assert after_wait == [["wait", "bar", "cp"]], marks
