@@ -8,6 +8,12 @@
   the culprit; the chunks the kernel counts arrivals for are the plan's chunks, the arrival counts are what
   enumerating the tiles gives, each own tile's ``wait_range`` names exactly the chunks its rows touch, and
   the flag slots of every plan and release flag are disjoint and agree between sender and receiver.
+- RingAttention: its kernel compiles for sm_90 (head_dim 64 and 128, causal or not, sizes Triton turns into
+  constants), and compiled as a launch specializes it, the key loop over an arrived block is pipelined only
+  after its wait; RingAttentionLayout refuses bad shapes, and the ring plan ships, forwards and raises
+  exactly the chunks the kernel names; a model of the kernel's waits and sends on the plans' tables runs
+  three launches in random interleavings (no stall, no early forward, no overwrite of a block being read);
+  the compute programs and the own block's writer run in Triton's interpreter against float64 attention.
 
 The ops' GPU test is tests/gpu/test_fused_kernels.py. CI installs Triton; without it these tests skip here.
 """
