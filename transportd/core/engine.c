@@ -330,9 +330,6 @@ static Waiting *conn_reserve(Conn *c, size_t k) {
  * record that is not committed, at the budget (the ring's tracking window, and the room the job's
  * connections have under the inflight cap), or at the first record whose rows would overrun its
  * connection's cap: that record and the rest stay in the ring, never released. */
-/* Records ahead of the one being taken whose cache lines are prefetched (48-byte records: 8 is 6 lines). */
-#define PREFETCH_RECORDS 8
-
 static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     uint64_t pos = ch->position;
     uint32_t want = seq_for(pos);
@@ -377,9 +374,6 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     for (; n < limit; n++) {
         const tpd_cmd_record *slot = &slots[(pos + n) & mask];
         if (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != want) break;
-        /* the records arrive from another agent (the GPU over PCIe, a producer core): ask for the lines
-           PREFETCH_RECORDS ahead now, so the copy below rarely waits for memory */
-        __builtin_prefetch(&slots[(pos + n + PREFETCH_RECORDS) & mask], 0, 3);
         tpd_cmd_record *rec = &recs[n];
         *rec = *slot;
         tpd_plan_row rows[3];
