@@ -16,13 +16,10 @@ __device__ void one_op(const tpd::IbgdaChannel& ch, uint32_t peer, int op, uint6
         tpd::put_signal(ch, peer, 0, off, 0, off, bytes, slot, 1);
     else if (op == 2)
         tpd::signal(ch, peer, slot, 1);
-    else {
-        __syncwarp();  // the whole warp enters a warp call together (one claim and one doorbell per call)
-        if (op == 3)
-            tpd::warp_put(ch, true, peer, 0, off, 0, off, bytes);
-        else
-            tpd::warp_put_signal(ch, true, peer, 0, off, 0, off, bytes, slot, 1);
-    }
+    else if (op == 3)
+        tpd::warp_put(ch, true, peer, 0, off, 0, off, bytes);
+    else
+        tpd::warp_put_signal(ch, true, peer, 0, off, 0, off, bytes, slot, 1);
 }
 
 }  // namespace

@@ -44,9 +44,7 @@ extern "C" __global__ void ibgda_warp_stress(tpd::IbgdaChannel ch, uint32_t peer
     const uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     for (int i = 0; i < iters; ++i) {
         const uint64_t off = (t * (uint64_t)iters + (uint64_t)i) * bytes;
-        __syncwarp();  // the whole warp enters each call together: one group (and claim) per call
         tpd::warp_put(ch, (threadIdx.x & 1) != 0, peer, 0, off, 0, off, bytes);
-        __syncwarp();
         tpd::warp_put_signal(ch, true, peer, 0, half + off, 0, half + off, bytes, (uint32_t)(t % slots), 1);
     }
     __syncthreads();
@@ -83,26 +81,19 @@ extern "C" __global__ void ibgda_lanes_warp(tpd::IbgdaChannel ch, uint32_t activ
     __syncwarp();
     const LaneCmd c = lane_cmd(l, two_peers);
     const bool on = (active >> l) & 1u;
-    // every lane makes both calls (a warp call is made by the whole warp): the puts, then the put_signals
-    const uint64_t put_at = tpd::warp_put(ch, on && c.put, c.peer, 0, c.off, 0, c.off, c.bytes);
-    __syncwarp();
-    const uint64_t signal_at =
-        tpd::warp_put_signal(ch, on && !c.put, c.peer, 0, c.off, 0, c.off, c.bytes, c.slot, c.value, c.op);
-    first_of[l] = c.put ? put_at : signal_at;
+    first_of[l] = c.put ? tpd::warp_put(ch, on, c.peer, 0, c.off, 0, c.off, c.bytes)
+                        : tpd::warp_put_signal(ch, on, c.peer, 0, c.off, 0, c.off, c.bytes, c.slot, c.value, c.op);
 }
 
-// One thread posts the same commands with the per-thread calls, in the warp's order: the puts in lane
-// order, then the put_signals in lane order.
+// One thread posts the same commands with the per-thread calls, in lane order.
 extern "C" __global__ void ibgda_lanes_single(tpd::IbgdaChannel ch, uint32_t active, int two_peers, int fence_first) {
     if (fence_first) tpd::fence(ch, 1);
-    for (int puts = 1; puts >= 0; --puts) {  // the warp's order: its warp_put call, then its warp_put_signal
-        for (uint32_t l = 0; l < 32; ++l) {
-            const LaneCmd c = lane_cmd(l, two_peers);
-            if (!((active >> l) & 1u) || c.put != (puts != 0)) continue;
-            if (c.put)
-                tpd::put(ch, c.peer, 0, c.off, 0, c.off, c.bytes);
-            else
-                tpd::put_signal(ch, c.peer, 0, c.off, 0, c.off, c.bytes, c.slot, c.value, c.op);
-        }
+    for (uint32_t l = 0; l < 32; ++l) {
+        if (!((active >> l) & 1u)) continue;
+        const LaneCmd c = lane_cmd(l, two_peers);
+        if (c.put)
+            tpd::put(ch, c.peer, 0, c.off, 0, c.off, c.bytes);
+        else
+            tpd::put_signal(ch, c.peer, 0, c.off, 0, c.off, c.bytes, c.slot, c.value, c.op);
     }
 }

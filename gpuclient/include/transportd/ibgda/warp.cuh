@@ -58,15 +58,10 @@ constexpr uint32_t kNoPeer = ~0u;
 /**
  * Post each lane's batch ``b`` (b.n 0..3 WQEs, ``o`` its ordered part) to ``qp``, warp-aggregated as
  * described at the top of this file. ``key`` is the lane's peer, or kNoPeer when ``qp`` is null (then
- * b.n must be 0). ``members``: the lanes that entered the public call together (``__activemask()`` there).
- * Returns the lane's first WQEBB, or kNoWqe.
+ * b.n must be 0). All lanes that reach it must be converged. Returns the lane's first WQEBB, or kNoWqe.
  */
-TPD_DEVICE uint64_t warp_post(uint32_t members, const QueuePair* qp, uint32_t key, Batch& b, const Ordered& o) {
-    // the lanes that entered the call together may have drifted apart while building their WQEs (each
-    // lane's checks branch on its own arguments): gather them again before grouping, or a warp's commands
-    // would split into several claims and doorbells
-    __syncwarp(members);
-    const uint32_t group = __match_any_sync(members, key);
+TPD_DEVICE uint64_t warp_post(const QueuePair* qp, uint32_t key, Batch& b, const Ordered& o) {
+    const uint32_t group = __match_any_sync(__activemask(), key);
     const uint32_t ones = __ballot_sync(group, (b.n & 1u) != 0u);
     const uint32_t twos = __ballot_sync(group, (b.n & 2u) != 0u);
     const uint32_t posting = ones | twos;
@@ -135,11 +130,10 @@ TPD_DEVICE uint64_t warp_post(uint32_t members, const QueuePair* qp, uint32_t ke
 TPD_DEVICE uint64_t warp_put(const IbgdaChannel& ch, bool active, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
                              uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0) {
     (void)chunk_id;
-    const uint32_t members = __activemask();  // before any lane branches on its own arguments
     ibgda::Batch b;
     const ibgda::QueuePair* qp =
         active ? ibgda::detail::build_put(ch, peer, dst_region, dst_off, src_region, src_off, bytes, b) : nullptr;
-    return ibgda::detail::warp_post(members, qp, qp ? peer : ibgda::detail::kNoPeer, b, ibgda::Ordered());
+    return ibgda::detail::warp_post(qp, qp ? peer : ibgda::detail::kNoPeer, b, ibgda::Ordered());
 }
 
 /**
@@ -151,13 +145,12 @@ TPD_DEVICE uint64_t warp_put(const IbgdaChannel& ch, bool active, uint32_t peer,
 TPD_DEVICE uint64_t warp_put_signal(const IbgdaChannel& ch, bool active, uint32_t peer, uint16_t dst_region,
                                     uint64_t dst_off, uint16_t src_region, uint64_t src_off, uint32_t bytes,
                                     uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add) {
-    const uint32_t members = __activemask();  // before any lane branches on its own arguments
     ibgda::Batch b;
     ibgda::Ordered o;
     const ibgda::QueuePair* qp = active ? ibgda::detail::build_put_signal(ch, peer, dst_region, dst_off, src_region,
                                                                           src_off, bytes, slot, value, op, b, o)
                                         : nullptr;
-    return ibgda::detail::warp_post(members, qp, qp ? peer : ibgda::detail::kNoPeer, b, o);
+    return ibgda::detail::warp_post(qp, qp ? peer : ibgda::detail::kNoPeer, b, o);
 }
 
 #endif /* __CUDACC__ */
