@@ -148,6 +148,23 @@ class ReplyCode(StrEnum):
     FORBIDDEN = "forbidden"  #: the caller's identity may not do this (another uid's job, outside control.group)
     NO_IDENTITY = "no_identity"  #: over ipc, the session has not vouched for itself on the descriptor socket
     INTERNAL = "internal"  #: a fault inside the daemon; details are in its log
+    # op-specific codes (their values were on the wire before they were members here: never change them)
+    ALREADY_JOINED = "already_joined"  #: join from a session that is in a job already
+    NOT_JOINED = "not_joined"  #: an op that needs a joined session, before join
+    BAD_WORLD = "bad_world"  #: join with another world size than the job has
+    RANK_TAKEN = "rank_taken"  #: join as a rank another session of the job holds
+    TOO_MANY_REGIONS = "too_many_regions"  #: register past the per-rank region limit
+    REGISTER_FAILED = "register_failed"  #: a rail could not map or register the memory
+    FLAGS_EXIST = "flags_exist"  #: flags for a rank that has its flag array already
+    FLAGS_FAILED = "flags_failed"  #: a rail could not map or register the flag array
+    NO_FLAGS = "no_flags"  #: exchange before flags
+    UNREACHABLE = "unreachable"  #: a peer or a connection to it is down (exchange, self-test, IBGDA queues)
+    NOT_READY = "not_ready"  #: an IBGDA channel before exchange has completed
+    CHANNEL_FAILED = "channel_failed"  #: a rail could not open, connect or adopt a channel
+    UNKNOWN_CHANNEL = "unknown_channel"  #: names a channel this session did not open
+    BUSY = "busy"  #: too many self-tests running on the node
+    EXISTS = "exists"  #: trace_start for a rank being traced already
+    FAILED = "failed"  #: trace_start failed on a rail (the message says why)
 
 
 # ---------------------------------------------------------------------------------------------------------

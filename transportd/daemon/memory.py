@@ -59,7 +59,8 @@ class RankMemory:
                 op, memory = "map_gpu_region", {"handle": req.handle, "device": max(rank.device, 0)}
             else:
                 # a dma-buf fd arrives the same way; a real-NIC rail would register it with DmaBufMR
-                raise RequestError("unsupported", f"{req.kind} memory needs a real-NIC backend (not available yet)")
+                raise RequestError(ReplyCode.UNSUPPORTED,
+                                   f"{req.kind} memory needs a real-NIC backend (not available yet)")
             region_id = self.add_region(rank, op, memory, req.offset, req.size, req.access, f"{req.kind}:{req.offset}",
                                         wanted=req.id)
         finally:
@@ -77,7 +78,7 @@ class RankMemory:
                 raise RequestError(ReplyCode.INVALID, f"region id {wanted} is taken in this session")
             region_id = wanted
         elif rank.next_region >= MAX_REGIONS:
-            raise RequestError("too_many_regions", f"a rank may register at most {MAX_REGIONS} regions")
+            raise RequestError(ReplyCode.TOO_MANY_REGIONS, f"a rank may register at most {MAX_REGIONS} regions")
         else:
             region_id = rank.next_region
         key = region_key(rank, region_id)
@@ -91,7 +92,7 @@ class RankMemory:
             except WorkerError as exc:
                 for rail in keys:
                     workers[rail].call("unmap_region", key=key)
-                raise RequestError("register_failed", str(exc)) from None
+                raise RequestError(ReplyCode.REGISTER_FAILED, str(exc)) from None
         rank.next_region = max(rank.next_region, region_id + 1)
         rank.regions[region_id] = keys
         rank.region_kinds[region_id] = kind
@@ -103,10 +104,11 @@ class RankMemory:
     def flags(self, client_id: bytes, req: Flags) -> dict[str, Any]:
         rank = self.clients.joined(client_id)
         if rank.flags is not None:
-            raise RequestError("flags_exist", "this rank already has its flag array")
+            raise RequestError(ReplyCode.FLAGS_EXIST, "this rank already has its flag array")
         if req.where == "device" and not req.handle:
-            raise RequestError("unsupported", "device flags are allocated by the GPU client and sent by CUDA IPC "
-                                              "handle (gpuclient: session.flags(count, where='device'))")
+            raise RequestError(ReplyCode.UNSUPPORTED,
+                               "device flags are allocated by the GPU client and sent by CUDA IPC "
+                               "handle (gpuclient: session.flags(count, where='device'))")
         conn = self.clients.side_for(client_id, "a flag array (its status word, and the words of host flags)")
         if req.adopt >= 0:
             return self._adopt_flags(rank, conn, req)
@@ -118,7 +120,7 @@ class RankMemory:
             os.close(fd)
             self._unmap_flags(rank)
             flags.close()
-            raise RequestError("flags_failed", str(exc)) from None
+            raise RequestError(ReplyCode.FLAGS_FAILED, str(exc)) from None
         try:
             fd_id = self.clients.offer(rank, conn, fd, "flags")  # the offer owns fd now (closed if refused)
         except RequestError:
@@ -146,7 +148,7 @@ class RankMemory:
         except WorkerError as exc:
             self._unmap_flags(rank)
             flags.close()
-            raise RequestError("flags_failed", str(exc)) from None
+            raise RequestError(ReplyCode.FLAGS_FAILED, str(exc)) from None
         except BaseException:
             self._unmap_flags(rank)
             flags.close()
@@ -200,7 +202,7 @@ class RankMemory:
                                                world=rank.world, fds=(fd,))
         except WorkerError as exc:
             ring.close()
-            raise RequestError("channel_failed", str(exc)) from None
+            raise RequestError(ReplyCode.CHANNEL_FAILED, str(exc)) from None
         finally:
             os.close(fd)
         rank.channels[channel_id] = ring
@@ -213,7 +215,7 @@ class RankMemory:
         try:
             channel_id, ring, fd = self.add_ring(rank, capacity)
         except WorkerError as exc:
-            raise RequestError("channel_failed", str(exc)) from None
+            raise RequestError(ReplyCode.CHANNEL_FAILED, str(exc)) from None
         try:
             fd_id = self.clients.offer(rank, conn, fd, "ring")
         except RequestError:

@@ -44,6 +44,7 @@ from transportd.control.protocol import (
     PeerRankLeft,
     PeerRegions,
     RegionInfo,
+    ReplyCode,
 )
 from transportd.daemon.state import FLAGS_REGION_ID, JobState, LocalRank, NodeState, RemoteRank, flag_seeds, quietly
 from transportd.errors import ErrorCode, RequestError, WorkerError
@@ -112,7 +113,7 @@ class Peering:
     def exchange(self, rank: LocalRank) -> dict[str, Any]:
         """Announce ``rank`` (once), wire what is known, and say whether its job is complete."""
         if rank.flags is None:
-            raise RequestError("no_flags", "allocate flags (op 'flags') before exchange")
+            raise RequestError(ReplyCode.NO_FLAGS, "allocate flags (op 'flags') before exchange")
         if not rank.announced:
             rank.announced = True
             self.state.plane.broadcast(self.regions_message(rank))
@@ -120,7 +121,7 @@ class Peering:
         self.refresh_job(rank.job)
         for conn in self.connections.values():
             if conn.job == rank.job and conn.rail == rank.rail and conn.state == "failed" and conn.error:
-                raise RequestError("unreachable", conn.error)
+                raise RequestError(ReplyCode.UNREACHABLE, conn.error)
         return {"complete": self.job_wired(rank), "known": len(job.local) + len(job.remote)}
 
     def regions_message(self, rank: LocalRank) -> PeerRegions:

@@ -92,8 +92,9 @@ def inspect_flags(state: NodeState, ident: Identity, req: Inspect) -> dict[str, 
         raise RequestError(ReplyCode.FORBIDDEN, f"job {req.job!r} on node {state.node} belongs to another user")
     rank = job.local.get(req.rank) if job else None
     if rank is None:
-        raise RequestError("not_found", f"rank {req.rank} of job {req.job!r} is not joined on node {state.node}")
+        raise RequestError(ReplyCode.NOT_FOUND,
+                           f"rank {req.rank} of job {req.job!r} is not joined on node {state.node}")
     if rank.flags is None:
-        raise RequestError("not_found", f"rank {req.rank} of job {req.job!r} has no flags yet")
+        raise RequestError(ReplyCode.NOT_FOUND, f"rank {req.rank} of job {req.job!r} has no flags yet")
     return {"job": req.job, "rank": req.rank, "values": [int(v) for v in rank.flags.values],
             "status": rank.flags.status}
