@@ -39,6 +39,7 @@ from transportd.control.protocol import (
 from transportd.daemon.clients import ClientSessions
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import LocalRank, NodeState, quietly, region_key
+from transportd.dataplane import link_messages as link
 from transportd.errors import RequestError, WorkerError
 
 __all__ = ["IbgdaChannel", "IbgdaChannels", "IbgdaQueue"]
@@ -86,12 +87,12 @@ class IbgdaChannels:
         known = self.domains.get((rank.job, rank.rank))
         if known is not None and not with_fd and all(k in known["regions"] for k in keys):
             return known
-        reply = self.state.workers[rank.rail].call("open_ibgda_domain", job=rank.job, rank=rank.rank,
-                                                   regions=keys, with_fd=with_fd)
-        domain = self.domains.setdefault((rank.job, rank.rank), {"grant": reply["grant"], "regions": {}})
-        domain["regions"].update(reply["regions"])
+        reply = self.state.workers[rank.rail].call(link.OpenIbgdaDomain(job=rank.job, rank=rank.rank, regions=keys,
+                                                                        with_fd=with_fd))
+        domain = self.domains.setdefault((rank.job, rank.rank), {"grant": reply.grant, "regions": {}})
+        domain["regions"].update(reply.regions)
         if with_fd:
-            domain["fds"] = reply.get("fds", [])
+            domain["fds"] = reply.fds
         return domain
 
     # --- requests ----------------------------------------------------------------------------------------
@@ -148,9 +149,9 @@ class IbgdaChannels:
                 queue.endpoint = {name: getattr(ep, name) for name in ep.__struct_fields__ if name != "peer"}
                 if queue.node == state.node:  # the responder lives in this node's worker
                     queue.responder = next(state.conn_ids)
-                    far = worker.call("create_endpoint", conn=queue.responder, job=rank.job, responder=True)
-                    worker.call("connect", conn=queue.responder, remote=queue.endpoint)
-                    queue.far, queue.state = far["endpoint"], "up"
+                    far = worker.call(link.CreateEndpoint(conn=queue.responder, job=rank.job, responder=True))
+                    worker.call(link.Connect(conn=queue.responder, remote=queue.endpoint))
+                    queue.far, queue.state = far.endpoint, "up"
                 else:
                     queue.state = "connecting"
                     self.waiting[(queue.node, queue.queue_id)] = queue
@@ -212,7 +213,7 @@ class IbgdaChannels:
             for fd in domain.pop("fds", ()):
                 os.close(fd)
             if rank.rail < len(self.state.workers):
-                quietly(self.state.workers[rank.rail].call, "close_ibgda_domain", job=rank.job, rank=rank.rank)
+                quietly(self.state.workers[rank.rail].call, link.CloseIbgdaDomain(job=rank.job, rank=rank.rank))
 
     def _close(self, rank: LocalRank, chan: IbgdaChannel) -> None:
         state = self.state
@@ -222,7 +223,7 @@ class IbgdaChannels:
                 continue
             self.waiting.pop((queue.node, queue.queue_id), None)
             if queue.responder and worker is not None:
-                quietly(worker.call, "close_connection", conn=queue.responder)
+                quietly(worker.call, link.CloseConnection(conn=queue.responder))
             if queue.node != state.node and state.peers is not None:  # the far end closes its responder
                 state.peers.send(queue.node, PeerDisconnect(job=rank.job, rail=chan.rail, conn=queue.queue_id))
             queue.state = "failed"

@@ -17,7 +17,7 @@ import numpy as np
 
 from cmd_ring.shm import map_fd, sealed_memfd
 from transportd.control.protocol import PeerSelftest, PeerSelftestReport, ReplyCode, Selftest
-from transportd.daemon.memory import RankMemory
+from transportd.daemon.memory import HostBuffer, RankMemory
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import JobState, LocalRank, NodeState, memfd_name
 from transportd.dataplane.flagfile import FlagFile
@@ -125,8 +125,7 @@ class SelftestJobs:
             try:
                 memory = np.frombuffer(map_fd(fd).mm, dtype=np.uint8)
                 # the rank's first region: id 0, FAR_REGION, where the near side's puts land
-                self.memory.add_region(rank, "map_region", {"fds": (fd,)}, 0, REGION_BYTES,
-                                       ("write", "read"), "selftest")
+                self.memory.add_region(rank, HostBuffer(fd), 0, REGION_BYTES, ("write", "read"), "selftest")
             finally:
                 os.close(fd)
             rank.flags, fd = FlagFile.create_memfd(SLOTS, name=memfd_name("flags", rank.job, rank.rank))

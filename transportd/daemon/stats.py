@@ -12,6 +12,7 @@ from transportd.control.protocol import Inspect, ReplyCode
 from transportd.daemon.clients import ClientSessions, Identity
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import NodeState
+from transportd.dataplane import link_messages as link
 from transportd.errors import RequestError, WorkerError
 from transportd.ops.metrics import job_traffic
 
@@ -25,7 +26,7 @@ def collect_stats(state: NodeState, peering: Peering, clients: ClientSessions, *
     rails = []
     for worker in state.workers:
         try:
-            rails.append(worker.call("stats", timeout_s=5.0))
+            rails.append(worker.call(link.Stats(), timeout_s=5.0))
         except WorkerError as exc:
             rails.append({"error": str(exc)})
         if ibgda is not None:

@@ -20,6 +20,7 @@ from transportd.control.fdchannel import SideConnection
 from transportd.control.protocol import ReplyCode, TraceStart, TraceStop
 from transportd.daemon.clients import Identity
 from transportd.daemon.state import NodeState
+from transportd.dataplane import link_messages as link
 from transportd.dataplane.trace import merge_parts
 from transportd.errors import RequestError, WorkerError
 
@@ -63,9 +64,9 @@ class Tracing:
         try:
             channels = 0
             for rail, worker in enumerate(self.state.workers):
-                reply = worker.call("trace_start", job=req.job, rank=req.rank, prefix=f"{directory}/rail{rail}")
+                reply = worker.call(link.TraceStart(job=req.job, rank=req.rank, prefix=f"{directory}/rail{rail}"))
                 started.append(rail)
-                channels += len(reply.get("channels", []))
+                channels += len(reply.channels)
         except (WorkerError, RequestError) as exc:
             for rail in started:
                 self._stop_worker(rail, req.job, req.rank)
@@ -77,7 +78,7 @@ class Tracing:
 
     def _stop_worker(self, rail: int, job: str, rank: int) -> dict[str, Any] | None:
         try:
-            return self.state.workers[rail].call("trace_stop", job=job, rank=rank)
+            return self.state.workers[rail].call(link.TraceStop(job=job, rank=rank))
         except WorkerError as exc:
             log.warning("trace stop on rail %d: %s", rail, exc)
             return None
