@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from functools import cache
-from typing import Any, TypeVar, Union
+from typing import Any, Union
 
 import msgspec
 import zmq
@@ -41,8 +41,7 @@ __all__ = ["WorkerEndpoint", "WorkerHandle"]
 
 log = logging.getLogger("transportd.worker")
 
-R = TypeVar("R")
-MAX_FRAME = 64 << 20  # a stats reply of a busy rail stays far below this
+MAX_FRAME = 64 << 20  # bytes in one frame either way; a stats reply of a busy rail stays far below this
 
 
 class _RequestFrame(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -143,6 +142,8 @@ class WorkerHandle:
             if self._sock.poll(50):
                 data = self._sock.recv()
                 try:
+                    if len(data) > MAX_FRAME:
+                        raise msgspec.DecodeError(f"{len(data)} bytes, above the link's {MAX_FRAME}")
                     frame = _reply_frames.decode(data)
                 except msgspec.DecodeError as exc:  # a worker of another build, or a bug: never a guess
                     raise WorkerError(f"rail {self.rail} worker: {op}: malformed reply: {exc}") from None
@@ -248,6 +249,8 @@ class WorkerEndpoint:
     def _serve(self, data: bytes) -> tuple[int | None, bool, dict[str, Any]]:
         """One request frame: its seq, whether it asks the worker to stop, and the reply frame's fields."""
         try:
+            if len(data) > MAX_FRAME:
+                raise msgspec.DecodeError(f"{len(data)} bytes, above the link's {MAX_FRAME}")
             frame = _request_frames.decode(data)
         except msgspec.DecodeError as exc:  # nothing to pair the answer with: the caller times out, and says so
             log.warning("worker link: refused a frame that is not a request frame: %s", exc)
