@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ops.worker_target import slow_worker
+from tests.ops.worker_target import Echo, Slow, Value, slow_worker
 from tests.support.peer_planes import Events, pump
 from transportd.dataplane.worker_link import WorkerHandle
 from transportd.errors import WorkerError
@@ -19,9 +19,9 @@ def test_a_late_reply_is_not_taken_for_the_next_calls() -> None:
     try:
         assert handle.info["rail"] == 0
         with pytest.raises(WorkerError, match="did not answer slow"):
-            handle.call("slow", timeout_s=0.05, value=1)
-        assert handle.call("echo", value=2) == {"value": 2}  # the slow call's reply arrives first: dropped
-        assert handle.call("echo", value=3) == {"value": 3}
+            handle.call(Slow(value=1), timeout_s=0.05)
+        assert handle.call(Echo(value=2)) == Value(2)  # the slow call's reply arrives first: dropped
+        assert handle.call(Echo(value=3)) == Value(3)
     finally:
         handle.stop()
 
@@ -37,11 +37,11 @@ def test_a_slow_call_keeps_the_peers_heartbeats_going() -> None:
     try:
         pump([a, b], lambda: ("up", "a") in events_b.log)
         handle.on_wait = lambda: b.poll(0)  # a sends nothing while it waits: b gives it up
-        handle.call("slow", value=1)
+        handle.call(Slow(value=1))
         assert ("down", "a") in events_b.log
         pump([a, b], lambda: events_b.log.count(("up", "a")) == 2)
         handle.on_wait = lambda: (a.send_heartbeats(), b.poll(0))
-        handle.call("slow", value=2)
+        handle.call(Slow(value=2))
         assert events_b.log.count(("down", "a")) == 1, events_b.log
     finally:
         handle.stop()

@@ -160,7 +160,7 @@ class ClientSessions:
     def join(self, client_id: bytes, req: Join) -> dict[str, Any]:
         state = self.state
         if self.ranks.get(client_id) is not None:
-            raise RequestError("already_joined", "this session already joined a job")
+            raise RequestError(ReplyCode.ALREADY_JOINED, "this session already joined a job")
         ident = self.identity(client_id)
         job = state.jobs.get(req.job)
         if job is not None and not ident.may_touch(job):
@@ -171,9 +171,9 @@ class ClientSessions:
             job = state.jobs[req.job] = JobState(world=req.world, owner=ident.principal)
             job.remote.update(self.peering.claim(req.job))  # what peers announced before any rank was here
         if job.world != req.world:
-            raise RequestError("bad_world", f"job {req.job!r} has world {job.world}, not {req.world}")
+            raise RequestError(ReplyCode.BAD_WORLD, f"job {req.job!r} has world {job.world}, not {req.world}")
         if req.rank in job.local or req.rank in job.remote:
-            raise RequestError("rank_taken", f"rank {req.rank} of job {req.job!r} is already joined")
+            raise RequestError(ReplyCode.RANK_TAKEN, f"rank {req.rank} of job {req.job!r} is already joined")
         if req.rail >= len(state.workers):
             raise RequestError(ReplyCode.INVALID, f"rail {req.rail}: this node has {len(state.workers)} rail(s)")
         rail = req.rail if req.rail >= 0 else state.rail_for_device(req.device)
@@ -188,7 +188,7 @@ class ClientSessions:
     def joined(self, client_id: bytes) -> LocalRank:
         rank = self.ranks.get(client_id)
         if rank is None:
-            raise RequestError("not_joined", "join a job first")
+            raise RequestError(ReplyCode.NOT_JOINED, "join a job first")
         return rank
 
     def end(self, client_id: bytes, why: str) -> LocalRank | None:

@@ -34,10 +34,12 @@ from transportd.control.protocol import (
     PeerConnectAccept,
     PeerConnectRequest,
     PeerDisconnect,
+    ReplyCode,
 )
 from transportd.daemon.clients import ClientSessions
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import LocalRank, NodeState, quietly, region_key
+from transportd.dataplane import link_messages as link
 from transportd.errors import RequestError, WorkerError
 
 __all__ = ["IbgdaChannel", "IbgdaChannels", "IbgdaQueue"]
@@ -85,12 +87,12 @@ class IbgdaChannels:
         known = self.domains.get((rank.job, rank.rank))
         if known is not None and not with_fd and all(k in known["regions"] for k in keys):
             return known
-        reply = self.state.workers[rank.rail].call("open_ibgda_domain", job=rank.job, rank=rank.rank,
-                                                   regions=keys, with_fd=with_fd)
-        domain = self.domains.setdefault((rank.job, rank.rank), {"grant": reply["grant"], "regions": {}})
-        domain["regions"].update(reply["regions"])
+        reply = self.state.workers[rank.rail].call(link.OpenIbgdaDomain(job=rank.job, rank=rank.rank, regions=keys,
+                                                                        with_fd=with_fd))
+        domain = self.domains.setdefault((rank.job, rank.rank), {"grant": reply.grant, "regions": {}})
+        domain["regions"].update(reply.regions)
         if with_fd:
-            domain["fds"] = reply.get("fds", [])
+            domain["fds"] = reply.fds
         return domain
 
     # --- requests ----------------------------------------------------------------------------------------
@@ -100,17 +102,18 @@ class IbgdaChannels:
         state = self.state
         kind = state.config.backend.kind
         if not has_capability(kind, IBGDA):
-            raise RequestError("unsupported", f"IBGDA channels need a backend that serves them (backend.kind = "
-                                              f"{' or '.join(map(repr, kinds_with(IBGDA)))}: a ConnectX), "
-                                              f"not {kind!r}")
+            raise RequestError(ReplyCode.UNSUPPORTED, f"IBGDA channels need a backend that serves them (backend.kind = "
+                                                      f"{' or '.join(map(repr, kinds_with(IBGDA)))}: a ConnectX), "
+                                                      f"not {kind!r}")
         job = state.jobs[rank.job]
         if not self.peering.job_wired(rank):
-            raise RequestError("not_ready", "exchange until every rank of the job is known and reachable before "
-                                            "opening an IBGDA channel")
+            raise RequestError(ReplyCode.NOT_READY,
+                               "exchange until every rank of the job is known and reachable before "
+                               "opening an IBGDA channel")
         try:
             domain = self._sync_domain(rank, with_fd=True)
         except WorkerError as exc:
-            raise RequestError("channel_failed", str(exc)) from None
+            raise RequestError(ReplyCode.CHANNEL_FAILED, str(exc)) from None
         (fd,) = domain.pop("fds")
         offer = self.clients.offer(rank, conn, fd, "ibgda")  # owned by the offer from here on
         chan = IbgdaChannel(state.new_channel_id(), rank.rail, wqe_cnt)
@@ -124,7 +127,7 @@ class IbgdaChannels:
     def _channel(self, rank: LocalRank, channel: int) -> IbgdaChannel:
         chan = self.channels.get((rank.job, rank.rank), {}).get(channel)
         if chan is None:
-            raise RequestError("unknown_channel", f"this session has no IBGDA channel {channel}")
+            raise RequestError(ReplyCode.UNKNOWN_CHANNEL, f"this session has no IBGDA channel {channel}")
         return chan
 
     def connect(self, client_id: bytes, req: ChannelConnect) -> dict[str, Any]:
@@ -132,11 +135,11 @@ class IbgdaChannels:
         rank = self.clients.joined(client_id)
         chan = self._channel(rank, req.channel)
         if {e.peer for e in req.endpoints} != set(chan.queues):
-            raise RequestError("invalid", f"channel {chan.channel_id} has queue pairs toward ranks "
-                                          f"{sorted(chan.queues)}; the endpoints name "
-                                          f"{sorted(e.peer for e in req.endpoints)}")
+            raise RequestError(ReplyCode.INVALID, f"channel {chan.channel_id} has queue pairs toward ranks "
+                                                  f"{sorted(chan.queues)}; the endpoints name "
+                                                  f"{sorted(e.peer for e in req.endpoints)}")
         if any(q.state != "new" for q in chan.queues.values()):
-            raise RequestError("invalid", f"channel {chan.channel_id}'s queue pairs are connected already")
+            raise RequestError(ReplyCode.INVALID, f"channel {chan.channel_id}'s queue pairs are connected already")
         state = self.state
         worker = state.workers[chan.rail]
         try:
@@ -146,9 +149,9 @@ class IbgdaChannels:
                 queue.endpoint = {name: getattr(ep, name) for name in ep.__struct_fields__ if name != "peer"}
                 if queue.node == state.node:  # the responder lives in this node's worker
                     queue.responder = next(state.conn_ids)
-                    far = worker.call("create_endpoint", conn=queue.responder, job=rank.job, responder=True)
-                    worker.call("connect", conn=queue.responder, remote=queue.endpoint)
-                    queue.far, queue.state = far["endpoint"], "up"
+                    far = worker.call(link.CreateEndpoint(conn=queue.responder, job=rank.job, responder=True))
+                    worker.call(link.Connect(conn=queue.responder, remote=queue.endpoint))
+                    queue.far, queue.state = far.endpoint, "up"
                 else:
                     queue.state = "connecting"
                     self.waiting[(queue.node, queue.queue_id)] = queue
@@ -157,7 +160,7 @@ class IbgdaChannels:
         except WorkerError as exc:
             self._close(rank, chan)
             self.channels[(rank.job, rank.rank)].pop(chan.channel_id, None)
-            raise RequestError("channel_failed", str(exc)) from None
+            raise RequestError(ReplyCode.CHANNEL_FAILED, str(exc)) from None
         return {"channel": chan.channel_id, "ready": all(q.state == "up" for q in chan.queues.values())}
 
     def info(self, client_id: bytes, req: ChannelInfo) -> dict[str, Any]:
@@ -166,13 +169,14 @@ class IbgdaChannels:
         chan = self._channel(rank, req.channel)
         failed = [q for q in chan.queues.values() if q.state == "failed"]
         if failed:
-            raise RequestError("unreachable", f"the queue pair to rank {failed[0].peer} on {failed[0].node} failed")
+            raise RequestError(ReplyCode.UNREACHABLE,
+                               f"the queue pair to rank {failed[0].peer} on {failed[0].node} failed")
         if any(q.state != "up" for q in chan.queues.values()):
             return {"channel": chan.channel_id, "ready": False}
         try:  # regions registered since the channel opened join the domain now
             domain = self._sync_domain(rank, with_fd=False)
         except WorkerError as exc:
-            raise RequestError("channel_failed", str(exc)) from None
+            raise RequestError(ReplyCode.CHANNEL_FAILED, str(exc)) from None
         job, rail = self.state.jobs[rank.job], chan.rail
         # region tables indexed by region id; an id without a key in the domain is all zeros (refused)
         local = []
@@ -209,7 +213,7 @@ class IbgdaChannels:
             for fd in domain.pop("fds", ()):
                 os.close(fd)
             if rank.rail < len(self.state.workers):
-                quietly(self.state.workers[rank.rail].call, "close_ibgda_domain", job=rank.job, rank=rank.rank)
+                quietly(self.state.workers[rank.rail].call, link.CloseIbgdaDomain(job=rank.job, rank=rank.rank))
 
     def _close(self, rank: LocalRank, chan: IbgdaChannel) -> None:
         state = self.state
@@ -219,7 +223,7 @@ class IbgdaChannels:
                 continue
             self.waiting.pop((queue.node, queue.queue_id), None)
             if queue.responder and worker is not None:
-                quietly(worker.call, "close_connection", conn=queue.responder)
+                quietly(worker.call, link.CloseConnection(conn=queue.responder))
             if queue.node != state.node and state.peers is not None:  # the far end closes its responder
                 state.peers.send(queue.node, PeerDisconnect(job=rank.job, rail=chan.rail, conn=queue.queue_id))
             queue.state = "failed"

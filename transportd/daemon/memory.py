@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cmd_ring import RingError, RingFile
@@ -24,13 +25,29 @@ from transportd.control.fdchannel import SideConnection, is_memfd
 from transportd.control.protocol import Flags, Register, ReplyCode
 from transportd.daemon.clients import ClientSessions
 from transportd.daemon.state import LocalRank, NodeState, memfd_name, quietly, region_key
+from transportd.dataplane import link_messages as link
 from transportd.dataplane.flagfile import FlagFile
 from transportd.errors import ErrorCode, RequestError, WorkerError
 from transportd.limits import MAX_REGIONS
 
-__all__ = ["RankMemory", "check_adopted_fd", "check_host_fd"]
+__all__ = ["GpuBuffer", "HostBuffer", "RankMemory", "check_adopted_fd", "check_host_fd"]
 
 log = logging.getLogger("transportd")
+
+
+@dataclass(frozen=True)
+class HostBuffer:
+    """Host memory to register: a size-sealed memfd (still the caller's; each rail gets a copy)."""
+
+    fd: int
+
+
+@dataclass(frozen=True)
+class GpuBuffer:
+    """GPU memory to register: a CUDA IPC handle, opened by the rails on ``device``."""
+
+    handle: bytes
+    device: int
 
 
 class RankMemory:
@@ -54,59 +71,67 @@ class RankMemory:
         try:
             if req.kind == "host":
                 check_host_fd(fd, req.offset, req.size)
-                op, memory = "map_region", {"fds": (fd,)}
+                memory: HostBuffer | GpuBuffer = HostBuffer(fd)
             elif req.kind == "cuda_ipc":  # opened by the rail workers in a context on the client's device
-                op, memory = "map_gpu_region", {"handle": req.handle, "device": max(rank.device, 0)}
+                memory = GpuBuffer(req.handle, max(rank.device, 0))  # type: ignore[arg-type]
             else:
                 # a dma-buf fd arrives the same way; a real-NIC rail would register it with DmaBufMR
-                raise RequestError("unsupported", f"{req.kind} memory needs a real-NIC backend (not available yet)")
-            region_id = self.add_region(rank, op, memory, req.offset, req.size, req.access, f"{req.kind}:{req.offset}",
+                raise RequestError(ReplyCode.UNSUPPORTED,
+                                   f"{req.kind} memory needs a real-NIC backend (not available yet)")
+            region_id = self.add_region(rank, memory, req.offset, req.size, req.access, f"{req.kind}:{req.offset}",
                                         wanted=req.id)
         finally:
             if fd >= 0:
                 os.close(fd)  # every worker holds its own mapping; the daemon keeps nothing of it
         return {"region": region_id}
 
-    def add_region(self, rank: LocalRank, op: str, memory: dict[str, Any], offset: int, size: int,
+    def add_region(self, rank: LocalRank, memory: HostBuffer | GpuBuffer, offset: int, size: int,
                    access: Sequence[str], kind: str, wanted: int = -1) -> int:
-        """Map and register a region of ``rank`` on every rail (worker op ``op`` with ``memory``: descriptors
-        or an IPC handle) and make it a source there; its id (``wanted``, where the client names the id it
-        had before a restart). All rails or none: a failure unmaps it."""
+        """Map and register a region of ``rank`` on every rail (``memory``: a memfd, still the caller's, or
+        an IPC handle) and make it a source there; its id (``wanted``, where the client names the id it had
+        before a restart). All rails or none: a failure unmaps it."""
         if wanted >= 0:
             if wanted in rank.regions:
                 raise RequestError(ReplyCode.INVALID, f"region id {wanted} is taken in this session")
             region_id = wanted
         elif rank.next_region >= MAX_REGIONS:
-            raise RequestError("too_many_regions", f"a rank may register at most {MAX_REGIONS} regions")
+            raise RequestError(ReplyCode.TOO_MANY_REGIONS, f"a rank may register at most {MAX_REGIONS} regions")
         else:
             region_id = rank.next_region
         key = region_key(rank, region_id)
         workers = self.state.workers
         keys = {}
+        rights = {"remote_write": "write" in access, "remote_atomic": "atomic" in access,
+                  "remote_read": "read" in access}
+        request: link.MapRegion | link.MapGpuRegion
+        if isinstance(memory, HostBuffer):
+            request, fds = link.MapRegion(key=key, offset=offset, size=size, **rights), (memory.fd,)
+        else:
+            request, fds = link.MapGpuRegion(key=key, handle=memory.handle, offset=offset, size=size,
+                                             device=memory.device, **rights), ()
         for worker in workers:
             try:
-                keys[worker.rail] = worker.call(
-                    op, key=key, offset=offset, size=size, remote_write="write" in access,
-                    remote_atomic="atomic" in access, remote_read="read" in access, **memory)
+                keys[worker.rail] = worker.call(request, fds=fds).as_dict()
             except WorkerError as exc:
                 for rail in keys:
-                    workers[rail].call("unmap_region", key=key)
-                raise RequestError("register_failed", str(exc)) from None
+                    workers[rail].call(link.UnmapRegion(key=key))
+                raise RequestError(ReplyCode.REGISTER_FAILED, str(exc)) from None
         rank.next_region = max(rank.next_region, region_id + 1)
         rank.regions[region_id] = keys
         rank.region_kinds[region_id] = kind
         for worker in workers:
-            worker.call("set_source_region", job=rank.job, rank=rank.rank, region=region_id, key=key)
+            worker.call(link.SetSourceRegion(job=rank.job, rank=rank.rank, region=region_id, key=key))
         return region_id
 
     # --- flags -----------------------------------------------------------------------------------------
     def flags(self, client_id: bytes, req: Flags) -> dict[str, Any]:
         rank = self.clients.joined(client_id)
         if rank.flags is not None:
-            raise RequestError("flags_exist", "this rank already has its flag array")
+            raise RequestError(ReplyCode.FLAGS_EXIST, "this rank already has its flag array")
         if req.where == "device" and not req.handle:
-            raise RequestError("unsupported", "device flags are allocated by the GPU client and sent by CUDA IPC "
-                                              "handle (gpuclient: session.flags(count, where='device'))")
+            raise RequestError(ReplyCode.UNSUPPORTED,
+                               "device flags are allocated by the GPU client and sent by CUDA IPC "
+                               "handle (gpuclient: session.flags(count, where='device'))")
         conn = self.clients.side_for(client_id, "a flag array (its status word, and the words of host flags)")
         if req.adopt >= 0:
             return self._adopt_flags(rank, conn, req)
@@ -118,7 +143,7 @@ class RankMemory:
             os.close(fd)
             self._unmap_flags(rank)
             flags.close()
-            raise RequestError("flags_failed", str(exc)) from None
+            raise RequestError(ReplyCode.FLAGS_FAILED, str(exc)) from None
         try:
             fd_id = self.clients.offer(rank, conn, fd, "flags")  # the offer owns fd now (closed if refused)
         except RequestError:
@@ -146,7 +171,7 @@ class RankMemory:
         except WorkerError as exc:
             self._unmap_flags(rank)
             flags.close()
-            raise RequestError("flags_failed", str(exc)) from None
+            raise RequestError(ReplyCode.FLAGS_FAILED, str(exc)) from None
         except BaseException:
             self._unmap_flags(rank)
             flags.close()
@@ -163,16 +188,16 @@ class RankMemory:
         for worker in self.state.workers:
             if where == "device":
                 # the flag file rides along: the host shadow of the counters the workers publish
-                rank.flag_keys[worker.rail] = worker.call(
-                    "map_gpu_flags", job=rank.job, rank=rank.rank, handle=handle, offset=offset,
-                    count=count, device=max(rank.device, 0), fds=(fd,))
+                request: link.MapGpuFlags | link.MapFlags = link.MapGpuFlags(
+                    job=rank.job, rank=rank.rank, handle=handle, offset=offset, count=count,
+                    device=max(rank.device, 0))
             else:
-                rank.flag_keys[worker.rail] = worker.call(
-                    "map_flags", job=rank.job, rank=rank.rank, count=count, fds=(fd,))
+                request = link.MapFlags(job=rank.job, rank=rank.rank, count=count)
+            rank.flag_keys[worker.rail] = worker.call(request, fds=(fd,)).as_dict()
 
     def _unmap_flags(self, rank: LocalRank) -> None:
         for rail in rank.flag_keys:
-            quietly(self.state.workers[rail].call, "unmap_flags", job=rank.job, rank=rank.rank)
+            quietly(self.state.workers[rail].call, link.UnmapFlags(job=rank.job, rank=rank.rank))
         rank.flag_keys.clear()
 
     # --- rings -----------------------------------------------------------------------------------------
@@ -196,11 +221,11 @@ class RankMemory:
             log.warning("job %s rank %d channel %d: records [%d, %d) were taken by an earlier daemon and never seen "
                         "complete: UNKNOWN_OUTCOME", rank.job, rank.rank, channel_id, first, end)
         try:
-            self.state.workers[rank.rail].call("add_channel", channel=channel_id, job=rank.job, rank=rank.rank,
-                                               world=rank.world, fds=(fd,))
+            self.state.workers[rank.rail].call(
+                link.AddChannel(channel=channel_id, job=rank.job, rank=rank.rank, world=rank.world), fds=(fd,))
         except WorkerError as exc:
             ring.close()
-            raise RequestError("channel_failed", str(exc)) from None
+            raise RequestError(ReplyCode.CHANNEL_FAILED, str(exc)) from None
         finally:
             os.close(fd)
         rank.channels[channel_id] = ring
@@ -213,11 +238,11 @@ class RankMemory:
         try:
             channel_id, ring, fd = self.add_ring(rank, capacity)
         except WorkerError as exc:
-            raise RequestError("channel_failed", str(exc)) from None
+            raise RequestError(ReplyCode.CHANNEL_FAILED, str(exc)) from None
         try:
             fd_id = self.clients.offer(rank, conn, fd, "ring")
         except RequestError:
-            quietly(self.state.workers[rank.rail].call, "remove_channel", channel=channel_id)
+            quietly(self.state.workers[rank.rail].call, link.RemoveChannel(channel=channel_id))
             ring.close()
             raise
         rank.channels[channel_id] = ring
@@ -229,8 +254,8 @@ class RankMemory:
         # a memfd: the client and the rail worker get it by descriptor; no path another process could open
         ring, fd = RingFile.create_memfd(capacity, name=memfd_name("ring", rank.job, rank.rank, channel_id))
         try:
-            self.state.workers[rank.rail].call("add_channel", channel=channel_id, job=rank.job, rank=rank.rank,
-                                               world=rank.world, fds=(fd,))
+            self.state.workers[rank.rail].call(
+                link.AddChannel(channel=channel_id, job=rank.job, rank=rank.rank, world=rank.world), fds=(fd,))
         except BaseException:
             os.close(fd)
             ring.close()
@@ -244,14 +269,14 @@ class RankMemory:
         worker = workers[rank.rail] if rank.rail < len(workers) else None
         for channel_id, ring in rank.channels.items():
             if worker:
-                quietly(worker.call, "remove_channel", channel=channel_id)
+                quietly(worker.call, link.RemoveChannel(channel=channel_id))
             # a producer still waiting on the ring (quiet) stops at once, as one waiting on its flags does
             ring.report_error(int(ErrorCode.CLIENT_GONE), ring.consumer_pos)
             ring.close()
         for w in workers:
-            quietly(w.call, "forget_rank", job=rank.job, rank=rank.rank)
+            quietly(w.call, link.ForgetRank(job=rank.job, rank=rank.rank))
             for region_id in rank.regions:
-                quietly(w.call, "unmap_region", key=region_key(rank, region_id))
+                quietly(w.call, link.UnmapRegion(key=region_key(rank, region_id)))
         if rank.flags is not None:
             # a client still waiting on its flags (the daemon stopping, its session expired) stops waiting
             rank.flags.set_status(int(ErrorCode.CLIENT_GONE))

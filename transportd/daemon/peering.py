@@ -44,8 +44,10 @@ from transportd.control.protocol import (
     PeerRankLeft,
     PeerRegions,
     RegionInfo,
+    ReplyCode,
 )
 from transportd.daemon.state import FLAGS_REGION_ID, JobState, LocalRank, NodeState, RemoteRank, flag_seeds, quietly
+from transportd.dataplane import link_messages as link
 from transportd.errors import ErrorCode, RequestError, WorkerError
 
 __all__ = ["MAX_UNCLAIMED_JOBS", "AcceptedConnection", "OutgoingConnection", "Peering"]
@@ -112,7 +114,7 @@ class Peering:
     def exchange(self, rank: LocalRank) -> dict[str, Any]:
         """Announce ``rank`` (once), wire what is known, and say whether its job is complete."""
         if rank.flags is None:
-            raise RequestError("no_flags", "allocate flags (op 'flags') before exchange")
+            raise RequestError(ReplyCode.NO_FLAGS, "allocate flags (op 'flags') before exchange")
         if not rank.announced:
             rank.announced = True
             self.state.plane.broadcast(self.regions_message(rank))
@@ -120,7 +122,7 @@ class Peering:
         self.refresh_job(rank.job)
         for conn in self.connections.values():
             if conn.job == rank.job and conn.rail == rank.rail and conn.state == "failed" and conn.error:
-                raise RequestError("unreachable", conn.error)
+                raise RequestError(ReplyCode.UNREACHABLE, conn.error)
         return {"complete": self.job_wired(rank), "known": len(job.local) + len(job.remote)}
 
     def regions_message(self, rank: LocalRank) -> PeerRegions:
@@ -193,7 +195,7 @@ class Peering:
             if conn is None or conn.state != "up" or any(r in job.returning or r not in conn.bound for r in there):
                 continue
             for old in self.retired.pop(key):
-                quietly(self.state.workers[old.rail].call, "close_connection", conn=old.conn_id)
+                quietly(self.state.workers[old.rail].call, link.CloseConnection(conn=old.conn_id))
             log.info("job %s: re-wired to node %s on rail %d", job_name, key[1], key[2])
 
     def _push_peer_tables(self, job_name: str, job: JobState, conn: OutgoingConnection, peer_rank: int) -> None:
@@ -207,13 +209,13 @@ class Peering:
         seeds = flag_seeds(local.flags) if local is not None else job.remote[peer_rank].flag_seeds
         for region_id, key in regions.items():
             if (conn.rail, peer_rank, region_id) not in job.pushed:
-                worker.call("set_remote_region", job=job_name, peer=peer_rank, region=region_id, addr=key["addr"],
-                            length=key["length"], rkey=key["rkey"])
+                worker.call(link.SetRemoteRegion(job=job_name, peer=peer_rank, region=region_id, addr=key["addr"],
+                                                 length=key["length"], rkey=key["rkey"]))
                 job.pushed.add((conn.rail, peer_rank, region_id))
         if peer_rank not in conn.bound:
-            worker.call("set_remote_flags", job=job_name, peer=peer_rank, addr=flags["addr"],
-                        count=flags["length"] // 8, rkey=flags["rkey"], seeds=seeds)
-            worker.call("bind_peer", job=job_name, peer=peer_rank, conn=conn.conn_id)
+            worker.call(link.SetRemoteFlags(job=job_name, peer=peer_rank, addr=flags["addr"],
+                                            count=flags["length"] // 8, rkey=flags["rkey"], seeds=seeds))
+            worker.call(link.BindPeer(job=job_name, peer=peer_rank, conn=conn.conn_id))
             conn.bound.add(peer_rank)
 
     def _open_connection(self, job_name: str, node: str, rail: int) -> None:
@@ -229,13 +231,13 @@ class Peering:
             log.warning("job %s: %s", job_name, conn.error)
             return
         worker = state.workers[rail]
-        endpoint = worker.call("create_endpoint", conn=conn.conn_id, job=job_name)["endpoint"]
+        endpoint = worker.call(link.CreateEndpoint(conn=conn.conn_id, job=job_name)).endpoint
         if node == state.node:
             # a connection to ourselves: the responder end lives in the same worker
             peer_id = conn.responder = next(state.conn_ids)
-            remote = worker.call("create_endpoint", conn=peer_id, job=job_name, responder=True)["endpoint"]
-            worker.call("connect", conn=peer_id, remote=endpoint)
-            worker.call("connect", conn=conn.conn_id, remote=remote)
+            remote = worker.call(link.CreateEndpoint(conn=peer_id, job=job_name, responder=True)).endpoint
+            worker.call(link.Connect(conn=peer_id, remote=endpoint))
+            worker.call(link.Connect(conn=conn.conn_id, remote=remote))
             conn.state, conn.peer_gid = "up", str(remote.get("gid", ""))
             return
         state.plane.send(node, PeerConnectRequest(job=job_name, rail=rail, conn=conn.conn_id, endpoint=endpoint))
@@ -260,15 +262,15 @@ class Peering:
         for key in [k for k in self.retired if k[0] == job_name]:
             for old in self.retired.pop(key):  # their far end is an earlier life: nothing to tell it
                 if old.rail < len(state.workers):
-                    quietly(state.workers[old.rail].call, "close_connection", conn=old.conn_id)
+                    quietly(state.workers[old.rail].call, link.CloseConnection(conn=old.conn_id))
         for key in [k for k in self.connections if k[0] == job_name]:
             conn = self.connections.pop(key)
             if conn.rail < len(state.workers):
                 for conn_id in (conn.conn_id, conn.responder):
                     if conn_id:
-                        closed = quietly(state.workers[conn.rail].call, "close_connection", conn=conn_id)
-                        if closed and closed.get("bytes"):
-                            self.sent_closed[conn.node] = self.sent_closed.get(conn.node, 0) + int(closed["bytes"])
+                        closed = quietly(state.workers[conn.rail].call, link.CloseConnection(conn=conn_id))
+                        if closed is not None and closed.sent:
+                            self.sent_closed[conn.node] = self.sent_closed.get(conn.node, 0) + closed.sent
             if conn.node != state.node and state.peers is not None:
                 # the peer's responder serves only this connection; the peer's own connections to our
                 # ranks stay (its ranks may still be running, and a rank of ours may rejoin)
@@ -292,7 +294,7 @@ class Peering:
                 conn.bound.discard(rank)
         if in_workers:
             for worker in self.state.workers:
-                quietly(worker.call, "forget_peer", job=job_name, peer=rank)
+                quietly(worker.call, link.ForgetPeer(job=job_name, peer=rank))
 
     # --- peers coming and going ------------------------------------------------------------------------
     def peer_up(self, node: str) -> None:
@@ -301,7 +303,7 @@ class Peering:
         if node not in self.rewiring:  # the same life speaks again (it was silent, not restarted)
             for conn in self.connections.values():
                 if conn.node == node and conn.state == "held" and not conn.broken_until:
-                    quietly(self.state.workers[conn.rail].call, "hold_connection", conn=conn.conn_id, on=False)
+                    quietly(self.state.workers[conn.rail].call, link.HoldConnection(conn=conn.conn_id, on=False))
                     conn.state = "up"
             for job in self.state.jobs.values():
                 for r in [r for r in job.returning if r in job.remote and job.remote[r].node == node]:
@@ -338,13 +340,13 @@ class Peering:
         for conn in self.connections.values():
             if conn.node == node and conn.state != "failed" and job_name in (None, conn.job):
                 conn.state = "failed"
-                quietly(self.state.workers[conn.rail].call, "fail_connection", conn=conn.conn_id,
-                        code=int(ErrorCode.PEER_LOST))
+                quietly(self.state.workers[conn.rail].call,
+                        link.FailConnection(conn=conn.conn_id, code=int(ErrorCode.PEER_LOST)))
         for key in [k for k in self.retired if k[1] == node and job_name in (None, k[0])]:
             for old in self.retired.pop(key):  # an earlier life's: the ranks still held there are lost too
                 worker = self.state.workers[old.rail]
-                quietly(worker.call, "fail_connection", conn=old.conn_id, code=int(ErrorCode.PEER_LOST))
-                quietly(worker.call, "close_connection", conn=old.conn_id)
+                quietly(worker.call, link.FailConnection(conn=old.conn_id, code=int(ErrorCode.PEER_LOST)))
+                quietly(worker.call, link.CloseConnection(conn=old.conn_id))
 
     def _lose_node(self, job_name: str, job: JobState, node: str) -> None:
         """``job`` cannot go on without ``node``: its local ranks' sessions say PEER_LOST."""
@@ -362,7 +364,7 @@ class Peering:
         self.rewiring.discard(node)
         for conn in self.connections.values():
             if conn.node == node and conn.state == "up":
-                quietly(self.state.workers[conn.rail].call, "hold_connection", conn=conn.conn_id, on=True)
+                quietly(self.state.workers[conn.rail].call, link.HoldConnection(conn=conn.conn_id, on=True))
                 conn.state = "held"
         for job in self.state.jobs.values():
             for r, info in job.remote.items():
@@ -382,10 +384,10 @@ class Peering:
             conn = self.connections.pop(key)
             worker = self.state.workers[conn.rail]
             if conn.state in ("up", "held"):
-                quietly(worker.call, "retire_connection", conn=conn.conn_id, code=int(ErrorCode.UNKNOWN_OUTCOME))
+                quietly(worker.call, link.RetireConnection(conn=conn.conn_id, code=int(ErrorCode.UNKNOWN_OUTCOME)))
                 self.retired.setdefault(key, []).append(conn)
             else:  # connecting (nothing is bound to it yet) or failed
-                quietly(worker.call, "close_connection", conn=conn.conn_id)
+                quietly(worker.call, link.CloseConnection(conn=conn.conn_id))
         for key in [k for k in self.accepted if k[0] == node]:
             self._close_accepted(self.accepted.pop(key))  # its next life may reuse the connection ids
         for ranks in self.unclaimed.values():
@@ -409,7 +411,7 @@ class Peering:
                 if conn.node == node:
                     by_rail.setdefault(conn.rail, []).append(conn.conn_id)
             try:
-                idle = all(self.state.workers[rail].call("connections_idle", conns=ids)["idle"]
+                idle = all(self.state.workers[rail].call(link.ConnectionsIdle(conns=ids)).idle
                            for rail, ids in by_rail.items())
             except WorkerError as exc:
                 log.warning("%s", exc)
@@ -424,7 +426,7 @@ class Peering:
         grace = self.state.config.peers.restart_grace_s
         for worker in self.state.workers:
             try:
-                broken = set(worker.call("broken_connections")["conns"])
+                broken = set(worker.call(link.BrokenConnections()).conns)
             except WorkerError as exc:
                 log.warning("%s", exc)
                 continue
@@ -446,8 +448,8 @@ class Peering:
                     continue  # the node itself is restarting or lost: its own grace period decides
                 conn.state = "failed"
                 conn.error = f"the connection to node {conn.node} stopped answering and was not re-made"
-                quietly(self.state.workers[conn.rail].call, "fail_connection", conn=conn.conn_id,
-                        code=int(ErrorCode.TRANSPORT))
+                quietly(self.state.workers[conn.rail].call,
+                        link.FailConnection(conn=conn.conn_id, code=int(ErrorCode.TRANSPORT)))
                 log.warning("job %s: %s", conn.job, conn.error)
         for job_name, job in list(self.state.jobs.items()):
             late = [r for r, deadline in job.returning.items() if now > deadline]
@@ -510,8 +512,8 @@ class Peering:
         accepted = self.accepted.get(key)
         if accepted is None:  # a repeated request (the accept was lost) gets the same answer
             local_id = next(state.conn_ids)
-            endpoint = worker.call("create_endpoint", conn=local_id, job=msg.job, responder=True)["endpoint"]
-            worker.call("connect", conn=local_id, remote=dict(msg.endpoint))
+            endpoint = worker.call(link.CreateEndpoint(conn=local_id, job=msg.job, responder=True)).endpoint
+            worker.call(link.Connect(conn=local_id, remote=dict(msg.endpoint)))
             accepted = self.accepted[key] = AcceptedConnection(local_id, msg.rail, endpoint)
         state.plane.send(node, PeerConnectAccept(job=msg.job, rail=msg.rail, conn=msg.conn,
                                                  endpoint=accepted.endpoint))
@@ -520,7 +522,7 @@ class Peering:
         conn = self.connections.get((msg.job, node, msg.rail))
         if conn is None or conn.conn_id != msg.conn or conn.state == "up":
             return
-        self.state.workers[conn.rail].call("connect", conn=conn.conn_id, remote=dict(msg.endpoint))
+        self.state.workers[conn.rail].call(link.Connect(conn=conn.conn_id, remote=dict(msg.endpoint)))
         conn.state, conn.peer_gid = "up", str(msg.endpoint.get("gid", ""))
         self.refresh_job(msg.job)
 
@@ -531,7 +533,7 @@ class Peering:
 
     def _close_accepted(self, accepted: AcceptedConnection) -> None:
         if accepted.rail < len(self.state.workers):
-            quietly(self.state.workers[accepted.rail].call, "close_connection", conn=accepted.conn_id)
+            quietly(self.state.workers[accepted.rail].call, link.CloseConnection(conn=accepted.conn_id))
 
 
 def _key(info: RegionInfo) -> dict[str, int]:

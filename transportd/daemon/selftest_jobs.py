@@ -17,7 +17,7 @@ import numpy as np
 
 from cmd_ring.shm import map_fd, sealed_memfd
 from transportd.control.protocol import PeerSelftest, PeerSelftestReport, ReplyCode, Selftest
-from transportd.daemon.memory import RankMemory
+from transportd.daemon.memory import HostBuffer, RankMemory
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import JobState, LocalRank, NodeState, memfd_name
 from transportd.dataplane.flagfile import FlagFile
@@ -63,7 +63,7 @@ class SelftestJobs:
         if req.action == "start":
             peer = plane.peers.get(req.node)
             if peer is None or not peer.up:
-                raise RequestError("unreachable", f"peer {req.node} is not up")
+                raise RequestError(ReplyCode.UNREACHABLE, f"peer {req.node} is not up")
             rails = len(state.workers)
             if req.rail >= min(rails, peer.rails or rails):
                 raise RequestError(ReplyCode.INVALID, f"rail {req.rail}: this node has {rails} and "
@@ -71,13 +71,13 @@ class SelftestJobs:
             if req.job in self.near or req.job in state.jobs:
                 raise RequestError(ReplyCode.INVALID, f"job {req.job!r} exists")
             if len(self.near) >= MAX_SELFTESTS:
-                raise RequestError("busy", f"{MAX_SELFTESTS} self-tests are running on node {state.node}")
+                raise RequestError(ReplyCode.BUSY, f"{MAX_SELFTESTS} self-tests are running on node {state.node}")
             self.near[req.job] = {"node": req.node, "report": None, "error": ""}
             plane.send(req.node, PeerSelftest(action="start", job=req.job, rail=req.rail, seed=req.seed))
             return {}
         test = self.near.get(req.job)
         if test is None:
-            raise RequestError("not_found", f"no self-test {req.job!r} on node {state.node}")
+            raise RequestError(ReplyCode.NOT_FOUND, f"no self-test {req.job!r} on node {state.node}")
         if req.action == "finish":
             if not plane.send(test["node"], PeerSelftest(action="finish", job=req.job)) and not test["error"]:
                 test["error"] = f"peer {test['node']} is not reachable"
@@ -113,7 +113,7 @@ class SelftestJobs:
         if msg.job in state.jobs or msg.job in self.far:
             raise RequestError(ReplyCode.INVALID, f"job {msg.job!r} exists on node {state.node}")
         if len(self.far) >= MAX_SELFTESTS:
-            raise RequestError("busy", f"{MAX_SELFTESTS} self-tests are running on node {state.node}")
+            raise RequestError(ReplyCode.BUSY, f"{MAX_SELFTESTS} self-tests are running on node {state.node}")
         if msg.rail >= len(state.workers):
             raise RequestError(ReplyCode.INVALID, f"rail {msg.rail}: node {state.node} has {len(state.workers)}")
         rank = LocalRank(b"selftest:" + msg.job.encode(), msg.job, 1, 2, -1, msg.rail)
@@ -125,8 +125,7 @@ class SelftestJobs:
             try:
                 memory = np.frombuffer(map_fd(fd).mm, dtype=np.uint8)
                 # the rank's first region: id 0, FAR_REGION, where the near side's puts land
-                self.memory.add_region(rank, "map_region", {"fds": (fd,)}, 0, REGION_BYTES,
-                                       ("write", "read"), "selftest")
+                self.memory.add_region(rank, HostBuffer(fd), 0, REGION_BYTES, ("write", "read"), "selftest")
             finally:
                 os.close(fd)
             rank.flags, fd = FlagFile.create_memfd(SLOTS, name=memfd_name("flags", rank.job, rank.rank))

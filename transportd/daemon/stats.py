@@ -12,6 +12,7 @@ from transportd.control.protocol import Inspect, ReplyCode
 from transportd.daemon.clients import ClientSessions, Identity
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import NodeState
+from transportd.dataplane import link_messages as link
 from transportd.errors import RequestError, WorkerError
 from transportd.ops.metrics import job_traffic
 
@@ -25,7 +26,7 @@ def collect_stats(state: NodeState, peering: Peering, clients: ClientSessions, *
     rails = []
     for worker in state.workers:
         try:
-            rails.append(worker.call("stats", timeout_s=5.0))
+            rails.append(worker.call(link.Stats(), timeout_s=5.0))
         except WorkerError as exc:
             rails.append({"error": str(exc)})
         if ibgda is not None:
@@ -92,8 +93,9 @@ def inspect_flags(state: NodeState, ident: Identity, req: Inspect) -> dict[str, 
         raise RequestError(ReplyCode.FORBIDDEN, f"job {req.job!r} on node {state.node} belongs to another user")
     rank = job.local.get(req.rank) if job else None
     if rank is None:
-        raise RequestError("not_found", f"rank {req.rank} of job {req.job!r} is not joined on node {state.node}")
+        raise RequestError(ReplyCode.NOT_FOUND,
+                           f"rank {req.rank} of job {req.job!r} is not joined on node {state.node}")
     if rank.flags is None:
-        raise RequestError("not_found", f"rank {req.rank} of job {req.job!r} has no flags yet")
+        raise RequestError(ReplyCode.NOT_FOUND, f"rank {req.rank} of job {req.job!r} has no flags yet")
     return {"job": req.job, "rank": req.rank, "values": [int(v) for v in rank.flags.values],
             "status": rank.flags.status}

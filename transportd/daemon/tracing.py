@@ -20,6 +20,7 @@ from transportd.control.fdchannel import SideConnection
 from transportd.control.protocol import ReplyCode, TraceStart, TraceStop
 from transportd.daemon.clients import Identity
 from transportd.daemon.state import NodeState
+from transportd.dataplane import link_messages as link
 from transportd.dataplane.trace import merge_parts
 from transportd.errors import RequestError, WorkerError
 
@@ -49,33 +50,35 @@ class Tracing:
             raise RequestError(ReplyCode.FORBIDDEN, f"job {job_name!r} on node {self.state.node} belongs to another "
                                                     "user")
         if job is None or rank not in job.local:
-            raise RequestError("not_found", f"rank {rank} of job {job_name!r} is not joined on node {self.state.node}")
+            raise RequestError(ReplyCode.NOT_FOUND,
+                               f"rank {rank} of job {job_name!r} is not joined on node {self.state.node}")
 
     def start(self, ident: Identity, req: TraceStart) -> dict[str, Any]:
         key = (req.job, req.rank)
         if key in self.active:
-            raise RequestError("exists", f"rank {req.rank} of job {req.job!r} is traced already (stop it first)")
+            raise RequestError(ReplyCode.EXISTS,
+                               f"rank {req.rank} of job {req.job!r} is traced already (stop it first)")
         self._check(ident, req.job, req.rank)
         directory = tempfile.mkdtemp(prefix="transportd-trace-")
         started: list[int] = []
         try:
             channels = 0
             for rail, worker in enumerate(self.state.workers):
-                reply = worker.call("trace_start", job=req.job, rank=req.rank, prefix=f"{directory}/rail{rail}")
+                reply = worker.call(link.TraceStart(job=req.job, rank=req.rank, prefix=f"{directory}/rail{rail}"))
                 started.append(rail)
-                channels += len(reply.get("channels", []))
+                channels += len(reply.channels)
         except (WorkerError, RequestError) as exc:
             for rail in started:
                 self._stop_worker(rail, req.job, req.rank)
             shutil.rmtree(directory, ignore_errors=True)
-            raise RequestError("failed", f"trace start: {exc}") from None
+            raise RequestError(ReplyCode.FAILED, f"trace start: {exc}") from None
         self.active[key] = _Active(directory, req.out, ident.principal, time.time())
         log.info("trace of job %s rank %d started (%d channels)", req.job, req.rank, channels)
         return {"job": req.job, "rank": req.rank, "channels": channels, "out": req.out}
 
     def _stop_worker(self, rail: int, job: str, rank: int) -> dict[str, Any] | None:
         try:
-            return self.state.workers[rail].call("trace_stop", job=job, rank=rank)
+            return self.state.workers[rail].call(link.TraceStop(job=job, rank=rank))
         except WorkerError as exc:
             log.warning("trace stop on rail %d: %s", rail, exc)
             return None
@@ -84,8 +87,8 @@ class Tracing:
         key = (req.job, req.rank)
         active = self.active.get(key)
         if active is None:
-            raise RequestError("not_found", f"rank {req.rank} of job {req.job!r} is not traced on node "
-                                            f"{self.state.node}")
+            raise RequestError(ReplyCode.NOT_FOUND, f"rank {req.rank} of job {req.job!r} is not traced on node "
+                                                    f"{self.state.node}")
         if not ident.superuser and ident.principal != active.principal:
             raise RequestError(ReplyCode.FORBIDDEN, "another user started this trace")
         del self.active[key]

@@ -31,6 +31,7 @@ from transportd.backends import DEVICE_KINDS, FIXED_PROVIDERS, open_configured, 
 from transportd.backends import verbs as verbs_provider
 from transportd.backends.interface import MemoryKey
 from transportd.config import Config
+from transportd.dataplane import link_messages as link
 from transportd.dataplane.flag_publication import RailFlags
 from transportd.dataplane.flagfile import FlagFile
 from transportd.dataplane.gpu_memory import GpuMemory, IpcRegion
@@ -46,8 +47,9 @@ log = logging.getLogger("transportd.dataplane.worker")
 
 
 class RailService:
-    """The worker's request handlers (``op_<name>``) around one backend, its proxy and its flag publisher
-    (:class:`~transportd.dataplane.flag_publication.RailFlags`: the ranks' flag arrays on this rail)."""
+    """The worker's request handlers (:meth:`handlers`: one per worker-link request type) around one backend,
+    its proxy and its flag publisher (:class:`~transportd.dataplane.flag_publication.RailFlags`: the ranks'
+    flag arrays on this rail)."""
 
     def __init__(self, config: Config, rail: int) -> None:
         self.config = config
@@ -86,14 +88,34 @@ class RailService:
         # the rank's flag arrays and the rail's one flag publisher (its path chosen and logged once)
         self.flags = RailFlags.for_rail(config.flags, self.backend, self.gpu, self.conn_jobs, rail)
 
+    def handlers(self) -> dict[type[link.LinkRequest], Callable[..., Any]]:
+        """The worker link's dispatch table: request type -> handler (``link.RAIL_REQUESTS``, each once)."""
+        table: dict[type[link.LinkRequest], Callable[..., Any]] = {
+            link.MapRegion: self.map_region, link.UnmapRegion: self.unmap_region,
+            link.MapGpuRegion: self.map_gpu_region, link.MapFlags: self.map_flags, link.UnmapFlags: self.unmap_flags,
+            link.MapGpuFlags: self.map_gpu_flags, link.SetSourceRegion: self.set_source_region,
+            link.AddChannel: self.add_channel, link.RemoveChannel: self.remove_channel,
+            link.ForgetRank: self.forget_rank, link.SetRemoteRegion: self.set_remote_region,
+            link.SetRemoteFlags: self.set_remote_flags, link.BindPeer: self.bind_peer,
+            link.ForgetPeer: self.forget_peer, link.TraceStart: self.trace_start, link.TraceStop: self.trace_stop,
+            link.CreateEndpoint: self.create_endpoint, link.Connect: self.connect,
+            link.CloseConnection: self.close_connection, link.FailConnection: self.fail_connection,
+            link.HoldConnection: self.hold_connection, link.RetireConnection: self.retire_connection,
+            link.BrokenConnections: self.broken_connections, link.ConnectionsIdle: self.connections_idle,
+            link.OpenIbgdaDomain: self.open_ibgda_domain, link.CloseIbgdaDomain: self.close_ibgda_domain,
+            link.Stats: self.stats, link.Stop: self.stop,
+        }
+        assert set(table) == set(link.RAIL_REQUESTS)
+        return table
+
     # --- memory ---------------------------------------------------------------------------------------
-    def op_map_region(self, key: str, fds: list[int], offset: int, size: int, remote_write: bool,
-                      remote_atomic: bool, remote_read: bool = True) -> dict[str, Any]:
+    def map_region(self, req: link.MapRegion, fds: list[int]) -> link.RegionKey:
         """Map the client's memfd (passed by descriptor, never named by path) and register a range of it.
 
-        The descriptor is closed at once: the mapping keeps the memory. :meth:`op_unmap_region` unmaps it,
+        The descriptor is closed at once: the mapping keeps the memory. :meth:`unmap_region` unmaps it,
         so a registration costs no descriptor and no mapped byte after it ends.
         """
+        offset, size = req.offset, req.size
         try:
             (fd,) = fds
             shared = map_fd(fd)
@@ -104,50 +126,48 @@ class RailService:
             if offset + size > shared.size:
                 raise ValueError(f"region [{offset}, {offset + size}) is outside the client's memory "
                                  f"({shared.size} bytes)")
-            mkey = self.backend.register_memory(shared.address + offset, size, remote_write=remote_write,
-                                                remote_atomic=remote_atomic)
+            mkey = self.backend.register_memory(shared.address + offset, size, remote_write=req.remote_write,
+                                                remote_atomic=req.remote_atomic)
         except BaseException:
             shared.close()
             raise
-        self.regions[key] = (mkey, shared)
+        self.regions[req.key] = (mkey, shared)
         return _key(mkey)
 
-    def op_unmap_region(self, key: str) -> dict[str, Any]:
-        entry = self.regions.pop(key, None)
+    def unmap_region(self, req: link.UnmapRegion) -> link.Done:
+        entry = self.regions.pop(req.key, None)
         if entry is not None:
             self.backend.deregister_memory(entry[0])
             if isinstance(entry[1], SharedFile):
                 entry[1].close()  # the mapping (and the descriptor mmap holds) go now, not at some GC
             elif hasattr(entry[1], "release"):  # a GPU region: drop its IPC mapping
                 entry[1].release()
-        return {}
+        return link.Done()
 
-    def op_map_gpu_region(self, key: str, handle: bytes, offset: int, size: int, device: int, remote_write: bool,
-                          remote_atomic: bool, remote_read: bool = True) -> dict[str, Any]:
+    def map_gpu_region(self, req: link.MapGpuRegion) -> link.RegionKey:
         """Open a client's GPU buffer by CUDA IPC handle and register it; softverbs reaches it by copies."""
         gpu = self.gpu
-        region = gpu.open(handle, offset, size, device)
+        region = gpu.open(req.handle, req.offset, req.size, req.device)
         try:
-            mkey = self.backend.register_memory(region.addr, size, remote_write=remote_write,
-                                                remote_atomic=remote_atomic, accessor=gpu.accessor(device))
+            mkey = self.backend.register_memory(region.addr, req.size, remote_write=req.remote_write,
+                                                remote_atomic=req.remote_atomic, accessor=gpu.accessor(req.device))
         except BaseException:
             region.release()
             raise
-        self.regions[key] = (mkey, region)
+        self.regions[req.key] = (mkey, region)
         return _key(mkey)
 
-    def op_map_flags(self, job: str, rank: int, fds: list[int], count: int) -> dict[str, Any]:
+    def map_flags(self, req: link.MapFlags, fds: list[int]) -> link.RegionKey:
         """Map a rank's flag array (the daemon's memfd, by descriptor) and register it for remote atomics."""
         (fd,) = fds
-        return _key(self.flags.map_host(job, rank, FlagFile.from_fd(fd), count))
+        return _key(self.flags.map_host(req.job, req.rank, FlagFile.from_fd(fd), req.count))
 
-    def op_unmap_flags(self, job: str, rank: int) -> dict[str, Any]:
+    def unmap_flags(self, req: link.UnmapFlags) -> link.Done:
         """Drop a rank's flag array alone (its flags request failed on another rail)."""
-        self.flags.drop(job, rank)
-        return {}
+        self.flags.drop(req.job, req.rank)
+        return link.Done()
 
-    def op_map_gpu_flags(self, job: str, rank: int, handle: bytes, offset: int, count: int, device: int,
-                         fds: list[int]) -> dict[str, Any]:
+    def map_gpu_flags(self, req: link.MapGpuFlags, fds: list[int]) -> link.GpuFlagsKey:
         """A rank's flag words in GPU memory (allocated by the client): the NIC or this worker publishes.
 
         ``fds``: the rank's host flag file (the daemon's memfd), the shadow of the counters this worker
@@ -155,153 +175,153 @@ class RailService:
         (:class:`~transportd.dataplane.flag_publication.RailFlags`); a rail that has no way into GPU memory
         (``host-mapped``) copies, and says so.
         """
-        shadow = _shadow_file(fds, count)
-        mkey, publication = self.flags.map_gpu(job, rank, handle, offset, count, device, shadow)
-        return {**_key(mkey), "publication": publication}
+        shadow = _shadow_file(fds, req.count)
+        mkey, publication = self.flags.map_gpu(req.job, req.rank, req.handle, req.offset, req.count, req.device,
+                                               shadow)
+        return link.GpuFlagsKey(addr=mkey.addr, length=mkey.length, lkey=mkey.lkey, rkey=mkey.rkey,
+                                publication=publication)
 
     # --- tables -----------------------------------------------------------------------------------------
-    def op_set_source_region(self, job: str, rank: int, region: int, key: str) -> dict[str, Any]:
-        mkey = self.regions[key][0]
-        self.proxy.set_source_region(job, rank, region, mkey.addr, mkey.length, mkey.lkey)
-        return {}
+    def set_source_region(self, req: link.SetSourceRegion) -> link.Done:
+        mkey = self.regions[req.key][0]
+        self.proxy.set_source_region(req.job, req.rank, req.region, mkey.addr, mkey.length, mkey.lkey)
+        return link.Done()
 
-    def op_add_channel(self, channel: int, fds: list[int], job: str, rank: int, world: int) -> dict[str, Any]:
+    def add_channel(self, req: link.AddChannel, fds: list[int]) -> link.Done:
         """Drain the ring the daemon made (a memfd, by descriptor: mapped here, the descriptor closed)."""
         (fd,) = fds
         ring = RingFile.from_fd(fd)
         try:
-            self.proxy.add_channel(channel, ring, job, rank, world)
+            self.proxy.add_channel(req.channel, ring, req.job, req.rank, req.world)
         except BaseException:
             ring.close()
             raise
-        return {}
+        return link.Done()
 
-    def op_remove_channel(self, channel: int) -> dict[str, Any]:
-        self.proxy.remove_channel(channel)
-        return {}
+    def remove_channel(self, req: link.RemoveChannel) -> link.Done:
+        self.proxy.remove_channel(req.channel)
+        return link.Done()
 
-    def op_forget_rank(self, job: str, rank: int) -> dict[str, Any]:
-        self.proxy.forget_rank(job, rank)
-        self.flags.drop(job, rank)
-        return {}
+    def forget_rank(self, req: link.ForgetRank) -> link.Done:
+        self.proxy.forget_rank(req.job, req.rank)
+        self.flags.drop(req.job, req.rank)
+        return link.Done()
 
-    def op_set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int,
-                             rkey: int) -> dict[str, Any]:
-        self.proxy.set_remote_region(job, peer, region, addr, length, rkey)
-        return {}
+    def set_remote_region(self, req: link.SetRemoteRegion) -> link.Done:
+        self.proxy.set_remote_region(req.job, req.peer, req.region, req.addr, req.length, req.rkey)
+        return link.Done()
 
-    def op_set_remote_flags(self, job: str, peer: int, addr: int, count: int, rkey: int,
-                            seeds: bytes = b"") -> dict[str, Any]:
+    def set_remote_flags(self, req: link.SetRemoteFlags) -> link.Done:
         """``seeds``: the counters the peer's flag array holds already (a restart of either daemon kept
-        them), for the connection the peer is bound to next (:meth:`op_bind_peer`)."""
-        self.proxy.set_remote_flags(job, peer, addr, count, rkey)
-        self.seeds[(job, peer)] = (addr, rkey, bytes(seeds))
-        return {}
+        them), for the connection the peer is bound to next (:meth:`bind_peer`)."""
+        self.proxy.set_remote_flags(req.job, req.peer, req.addr, req.count, req.rkey)
+        self.seeds[(req.job, req.peer)] = (req.addr, req.rkey, bytes(req.seeds))
+        return link.Done()
 
-    def op_bind_peer(self, job: str, peer: int, conn: int) -> dict[str, Any]:
-        addr, rkey, seeds = self.seeds.pop((job, peer), (0, 0, b""))
+    def bind_peer(self, req: link.BindPeer) -> link.Done:
+        addr, rkey, seeds = self.seeds.pop((req.job, req.peer), (0, 0, b""))
         if seeds:
-            self.backend.seed_signals(conn, addr, rkey, seeds)
-        self.proxy.bind_peer(job, peer, conn)
-        return {}
+            self.backend.seed_signals(req.conn, addr, rkey, seeds)
+        self.proxy.bind_peer(req.job, req.peer, req.conn)
+        return link.Done()
 
-    def op_forget_peer(self, job: str, peer: int) -> dict[str, Any]:
-        self.proxy.forget_peer(job, peer)
-        return {}
+    def forget_peer(self, req: link.ForgetPeer) -> link.Done:
+        self.proxy.forget_peer(req.job, req.peer)
+        return link.Done()
 
     # --- trace record (docs/trace.md) -------------------------------------------------------------------
-    def op_trace_start(self, job: str, rank: int, prefix: str) -> dict[str, Any]:
+    def trace_start(self, req: link.TraceStart) -> link.TraceStarted:
         """Record what the rank's channels on this rail take into ``{prefix}.ch{channel}.part`` files."""
-        return {"channels": self.proxy.trace_start(job, rank, prefix)}
+        return link.TraceStarted(channels=self.proxy.trace_start(req.job, req.rank, req.prefix))
 
-    def op_trace_stop(self, job: str, rank: int) -> dict[str, Any]:
+    def trace_stop(self, req: link.TraceStop) -> dict[str, Any]:
         """End the rank's recording here: its part files, counts and replay context (``Proxy.trace_stop``)."""
-        return self.proxy.trace_stop(job, rank)
+        return self.proxy.trace_stop(req.job, req.rank)
 
     # --- connections ------------------------------------------------------------------------------------
-    def op_create_endpoint(self, conn: int, job: str, responder: bool = False) -> dict[str, Any]:
-        self.conn_jobs[conn] = job
-        endpoint = self.backend.create_endpoint(conn, job)
-        if responder:
-            self.responders.add(conn)
-        return {"endpoint": endpoint}
+    def create_endpoint(self, req: link.CreateEndpoint) -> link.Endpoint:
+        self.conn_jobs[req.conn] = req.job
+        endpoint = self.backend.create_endpoint(req.conn, req.job)
+        if req.responder:
+            self.responders.add(req.conn)
+        return link.Endpoint(endpoint=endpoint)
 
-    def op_connect(self, conn: int, remote: dict[str, Any]) -> dict[str, Any]:
-        self.backend.connect(conn, remote)
-        return {}
+    def connect(self, req: link.Connect) -> link.Done:
+        self.backend.connect(req.conn, req.remote)
+        return link.Done()
 
-    def op_close_connection(self, conn: int) -> dict[str, Any]:
-        """Close ``conn``; returns the payload ``bytes`` posted on it (the daemon keeps them per peer node)."""
+    def close_connection(self, req: link.CloseConnection) -> link.Closed:
+        """Close ``conn``; the reply says the payload bytes posted on it (the daemon keeps them per peer node)."""
+        conn = req.conn
         sent = sum(int(c["bytes"]) for c in self.proxy.queue_stats()["connections"] if c["conn"] == conn)
         self.proxy.fail_connection(conn, 0)
         self.backend.close_connection(conn)
         self.conn_jobs.pop(conn, None)
         self.responders.discard(conn)
-        return {"bytes": sent}
+        return link.Closed(sent=sent)
 
-    def op_fail_connection(self, conn: int, code: int) -> dict[str, Any]:
-        self.proxy.fail_connection(conn, code)
-        return {}
+    def fail_connection(self, req: link.FailConnection) -> link.Done:
+        self.proxy.fail_connection(req.conn, req.code)
+        return link.Done()
 
     # --- a peer daemon restarting (docs/restart.md) -------------------------------------------------------
-    def op_hold_connection(self, conn: int, on: bool = True) -> dict[str, Any]:
+    def hold_connection(self, req: link.HoldConnection) -> link.Done:
         """Keep records for ``conn``'s peers in their rings (or take them again); what waits still posts."""
-        self.proxy.hold_connection(conn, on)
-        return {}
+        self.proxy.hold_connection(req.conn, req.on)
+        return link.Done()
 
-    def op_retire_connection(self, conn: int, code: int) -> dict[str, Any]:
+    def retire_connection(self, req: link.RetireConnection) -> link.Done:
         """``conn``'s far end is gone: what is waiting or in flight on it completes with ``code``, its peers
         stay held on it until bound to the connection that replaces it."""
-        self.proxy.retire_connection(conn, code)
-        return {}
+        self.proxy.retire_connection(req.conn, req.code)
+        return link.Done()
 
-    def op_broken_connections(self) -> dict[str, Any]:
+    def broken_connections(self, req: link.BrokenConnections) -> link.Conns:
         """Connections whose far end stopped answering since the last call (the engine holds them)."""
-        return {"conns": self.proxy.broken_connections()}
+        return link.Conns(conns=self.proxy.broken_connections())
 
-    def op_connections_idle(self, conns: list[int]) -> dict[str, Any]:
+    def connections_idle(self, req: link.ConnectionsIdle) -> link.Idle:
         """Whether nothing waits or is in flight on any of ``conns`` (a restarting peer may stop then)."""
-        return {"idle": self.proxy.connections_idle(list(conns))}
+        return link.Idle(idle=self.proxy.connections_idle(list(req.conns)))
 
     # --- IBGDA domains: the client builds its queue pairs itself, on a domain this rail exports to it ------
-    def op_open_ibgda_domain(self, job: str, rank: int, regions: list[str], with_fd: bool = False
-                             ) -> dict[str, Any]:
+    def open_ibgda_domain(self, req: link.OpenIbgdaDomain) -> link.IbgdaDomain:
         """The rank's domain (``ibgda.domain``: a context of its own on this rail's device, a PD, a scratch
         page), made on first use, with the rank's ``regions`` (worker region keys) registered there; the
         reply is the grant and each region's lkey and handle, and with ``with_fd`` a copy of the context's
         command descriptor for the client."""
+        job, rank = req.job, req.rank
         domain = self.ibgda_domains.get((job, rank))
         if domain is None:
             if not traits_of(self.backend).ibgda:  # the backends that can serve one declare it
                 raise ValueError(f"IBGDA channels need an InfiniBand rail (mlx5); this one is {self.backend.name}")
             domain = self.ibgda_domains[(job, rank)] = self.backend.create_ibgda_domain()
         keys = {}
-        for key in regions:
+        for key in req.regions:
             entry = self.regions.get(key)
             if entry is None:
                 raise ValueError(f"no region {key!r} on this rail")
             mkey, memory = entry
             accessor = self.gpu.accessor(memory.device) if isinstance(memory, IpcRegion) else None
             keys[key] = domain.register(key, mkey.addr, mkey.length, accessor)
-        reply: dict[str, Any] = {"grant": domain.grant(), "regions": keys}
-        if with_fd:
-            reply["_send_fds"] = [domain.command_fd()]
-        return reply
+        # the command descriptor is sent before the reply and closed here (worker_link)
+        return link.IbgdaDomain(grant=domain.grant(), regions=keys,
+                                fds=[domain.command_fd()] if req.with_fd else [])
 
-    def op_close_ibgda_domain(self, job: str, rank: int) -> dict[str, Any]:
+    def close_ibgda_domain(self, req: link.CloseIbgdaDomain) -> link.Done:
         """Close the rank's domain: its MRs' keys stop working and, once the client's copy of the descriptor
         is closed too (leave, exit or kill), the NIC frees the queue pairs the client built in it."""
-        domain = self.ibgda_domains.pop((job, rank), None)
+        domain = self.ibgda_domains.pop((req.job, req.rank), None)
         if domain is not None:
             domain.close()
-        return {}
+        return link.Done()
 
     def ibgda_stats(self) -> list[dict[str, Any]]:
         return [{"job": job, "rank": rank, "regions": len(d.regions) - 1}
                 for (job, rank), d in self.ibgda_domains.items()]
 
     # --- reporting and shutdown -----------------------------------------------------------------------------
-    def op_stats(self) -> dict[str, Any]:
+    def stats(self, req: link.Stats) -> dict[str, Any]:
         address = self.backend.local_address()
         return {"rail": self.rail, "backend": self.backend.name, "verbs": self.verbs_name,
                 "verbs_fallback": self.verbs_fallback, "pid": os.getpid(), "device": address.get("device"),
@@ -328,15 +348,15 @@ class RailService:
         queues["connections"] = [c for c in queues["connections"] if c["conn"] in self.conn_jobs]
         return queues
 
-    def op_stop(self) -> dict[str, Any]:
+    def stop(self, req: link.Stop) -> link.Stopped:
         """Drain (every record committed so far is posted and completed, bounded), then exit."""
         drained = self.proxy.drain(timeout_s=5.0)
         self.stopping = True
-        return {"drained": drained}
+        return link.Stopped(drained=drained)
 
 
-def _key(mkey: MemoryKey) -> dict[str, int]:
-    return {"addr": mkey.addr, "length": mkey.length, "lkey": mkey.lkey, "rkey": mkey.rkey}
+def _key(mkey: MemoryKey) -> link.RegionKey:
+    return link.RegionKey(addr=mkey.addr, length=mkey.length, lkey=mkey.lkey, rkey=mkey.rkey)
 
 
 def _shadow_file(fds: list[int], count: int) -> FlagFile:
@@ -418,13 +438,13 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     cpus = pin_worker(rail, entry.numa_node if entry else -1, entry.device if entry else "")
     service = RailService(cfg, rail)
     service.cpus = list(cpus) if cpus is not None else None
-    link = WorkerEndpoint(link_endpoint, service)
-    link.send_ready(address=service.backend.local_address(), verbs=service.verbs_name,
-                    verbs_fallback=service.verbs_fallback, flag_publication=service.flags.path)
-    serve_loop(service.proxy, link, lambda: service.stopping)
-    link.close()
+    endpoint = WorkerEndpoint(link_endpoint, service.handlers())
+    endpoint.send_ready(address=service.backend.local_address(), verbs=service.verbs_name,
+                        verbs_fallback=service.verbs_fallback, flag_publication=service.flags.path)
+    serve_loop(service.proxy, endpoint, lambda: service.stopping)
+    endpoint.close()
     for job, rank in list(service.ibgda_domains):
-        service.op_close_ibgda_domain(job, rank)
+        service.close_ibgda_domain(link.CloseIbgdaDomain(job=job, rank=rank))
     service.flags.close()
     service.backend.close()
     service.flags.publication.close()

@@ -2,16 +2,20 @@
 
 The main process owns clients, jobs and peers; a worker owns its rail's verbs resources (context, PD,
 MRs, QPs) and the proxy loop, because work requests must be posted from the process that owns them.
-The main process sends requests (msgpack maps with an ``op``) over a zmq PAIR socket and waits for the
-reply; the worker serves them between proxy iterations, so a request costs the worker one poll.
+The main process sends requests over a zmq PAIR socket and waits for the reply; the worker serves them
+between proxy iterations, so a request costs the worker one poll. A request is one of the typed messages of
+:mod:`transportd.dataplane.link_messages`; the worker decodes it with a typed decoder over the requests it
+serves and calls the handler its table names for that type, so a malformed or unknown request is refused
+with a clear error (and the worker goes on serving). A frame is a msgpack map: a request
+``{"seq", "fds", "request"}``, a reply ``{"seq", "ok", "error", "fds", "reply"}``; ``seq`` pairs them.
 
 Descriptors (a client's memfd, later a dma-buf fd) cannot travel over zmq: a call with ``fds`` sends them
 first on a Unix ``SOCK_SEQPACKET`` socket beside the link (``fds`` in the same private directory, which
-the worker connects to at start, ``SCM_RIGHTS``), and the request says how many to take; the worker
-hands them to the op as ``fds``, which owns them from its call on, even when it fails. The other way, an
-op that returns ``_send_fds`` (descriptors it owns: an IBGDA domain's command descriptor) has them sent on
-that socket before its reply, closed there, and reaches the caller as the reply's ``fds``, which the
-caller then owns.
+the worker connects to at start, ``SCM_RIGHTS``), and the request says how many to take (as many as its
+type declares); the worker hands them to the handler, which owns them from its call on, even when it
+fails. The other way, a reply with ``fds`` (descriptors the handler owns: an IBGDA domain's command
+descriptor) has them sent on that socket before the reply, closed there, and reaches the caller as the
+reply's ``fds``, which the caller then owns.
 """
 
 from __future__ import annotations
@@ -22,17 +26,45 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from functools import cache
+from typing import Any, Union
 
+import msgspec
 import zmq
 
 from transportd.control import codec
+from transportd.dataplane.link_messages import LinkRequest, Stop
 from transportd.errors import WorkerError
 
 __all__ = ["WorkerEndpoint", "WorkerHandle"]
 
 log = logging.getLogger("transportd.worker")
+
+MAX_FRAME = 64 << 20  # bytes in one frame either way; a stats reply of a busy rail stays far below this
+
+
+class _RequestFrame(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    seq: int
+    fds: int
+    request: msgspec.Raw  # decoded apart, so a bad request still has its seq answered
+
+
+class _ReplyFrame(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    seq: int | None  # None: the ready message, and the answer to a frame that was not one
+    ok: bool
+    error: str = ""
+    fds: int = 0
+    reply: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack nil
+
+
+_request_frames = msgspec.msgpack.Decoder(_RequestFrame)
+_reply_frames = msgspec.msgpack.Decoder(_ReplyFrame)
+
+
+@cache
+def _reply_decoder(reply_type: Any) -> msgspec.msgpack.Decoder[Any]:
+    return msgspec.msgpack.Decoder(reply_type)
 
 
 def receive_fds(sock: socket.socket, op: str, count: int) -> list[int]:
@@ -82,13 +114,14 @@ class WorkerHandle:
             pass
         log.info("rail %d worker pid %d ready", rail, self.process.pid)
 
-    def call(self, op: str, timeout_s: float | None = None, fds: tuple[int, ...] = (), **fields: Any
-             ) -> dict[str, Any]:
-        """Run ``op`` in the worker and return its reply fields (raises WorkerError on refusal).
+    def call(self, request: LinkRequest, timeout_s: float | None = None, fds: tuple[int, ...] = ()) -> Any:
+        """Run ``request`` in the worker and return its reply, of the request's ``reply`` type (raises
+        WorkerError on refusal).
 
-        ``fds`` are sent to the worker (each a copy; the caller keeps and closes its own) and reach the op
-        as its ``fds`` argument.
+        ``fds`` are sent to the worker (each a copy; the caller keeps and closes its own): as many as the
+        request's type carries.
         """
+        op = request.op
         if not self.process.is_alive():
             raise WorkerError(f"rail {self.rail} worker is not running (exit code {self.process.exitcode})")
         if fds:
@@ -98,27 +131,41 @@ class WorkerHandle:
                 socket.send_fds(self._fd_sock, [op.encode()], list(fds))
             except OSError as exc:
                 raise WorkerError(f"rail {self.rail} worker: {op}: sending descriptors failed: {exc}") from exc
-            fields["_fds"] = len(fds)
         self._seq += 1
-        self._sock.send(codec.encode({"op": op, "seq": self._seq, **fields}))
-        return self._receive(self.call_timeout_s if timeout_s is None else timeout_s, op, self._seq)
+        self._sock.send(codec.encode({"seq": self._seq, "fds": len(fds), "request": request}))
+        return self._receive(self.call_timeout_s if timeout_s is None else timeout_s, op, self._seq,
+                             type(request).reply)
 
-    def _receive(self, timeout_s: float, op: str, seq: int | None = None) -> dict[str, Any]:
+    def _receive(self, timeout_s: float, op: str, seq: int | None = None, reply_type: Any = dict[str, Any]) -> Any:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._sock.poll(50):
-                reply = codec.decode(self._sock.recv(), max_size=64 << 20)
-                if reply.pop("seq", None) != seq:
+                data = self._sock.recv()
+                try:
+                    if len(data) > MAX_FRAME:
+                        raise msgspec.DecodeError(f"{len(data)} bytes, above the link's {MAX_FRAME}")
+                    frame = _reply_frames.decode(data)
+                except msgspec.DecodeError as exc:  # a worker of another build, or a bug: never a guess
+                    raise WorkerError(f"rail {self.rail} worker: {op}: malformed reply: {exc}") from None
+                if frame.seq != seq:
                     log.warning("rail %d worker: dropped a late reply to an earlier call", self.rail)
                     continue
-                count = int(reply.pop("_fds", 0))
-                if count:  # sent before the reply: already queued on the descriptor socket
-                    reply["fds"] = self._receive_fds(op, count)
-                if not reply.get("ok", False):
-                    for fd in reply.get("fds", ()):
-                        os.close(fd)
-                    raise WorkerError(f"rail {self.rail} worker: {op}: {reply.get('error', 'failed')}")
-                reply.pop("ok", None)
+                fds = self._receive_fds(op, frame.fds) if frame.fds else []  # sent before the reply: queued
+                if not frame.ok:
+                    _close(fds)
+                    raise WorkerError(f"rail {self.rail} worker: {op}: {frame.error or 'failed'}")
+                try:
+                    reply = _reply_decoder(reply_type).decode(frame.reply)
+                except msgspec.DecodeError as exc:
+                    _close(fds)
+                    raise WorkerError(f"rail {self.rail} worker: {op}: the reply does not fit {reply_type}: "
+                                      f"{exc}") from None
+                if fds:
+                    if "fds" not in getattr(reply_type, "__struct_fields__", ()):
+                        _close(fds)
+                        raise WorkerError(f"rail {self.rail} worker: {op}: descriptors came with a reply that "
+                                          "carries none")
+                    reply = msgspec.structs.replace(reply, fds=fds)
                 return reply
             if not self.process.is_alive():
                 raise WorkerError(f"rail {self.rail} worker died during {op} (exit code {self.process.exitcode})")
@@ -139,7 +186,7 @@ class WorkerHandle:
         """Ask the worker to drain and exit; kill it if it does not."""
         if self.process.is_alive():
             try:
-                self.call("stop", timeout_s=timeout_s)
+                self.call(Stop(), timeout_s=timeout_s)
             except WorkerError as exc:
                 log.warning("%s", exc)
             self.process.join(timeout_s)
@@ -159,14 +206,17 @@ class WorkerHandle:
 
 
 class WorkerEndpoint:
-    """The worker's end: serve requests from the main process by calling ``handler.op_<name>``."""
+    """The worker's end: serve requests from the main process by the handler ``handlers`` names for their
+    type. A handler takes the request (and, for a request type that carries descriptors, the list of them)
+    and returns the reply; a :class:`~transportd.dataplane.link_messages.Stop` ends the serving."""
 
-    def __init__(self, endpoint: str, handler: object) -> None:
+    def __init__(self, endpoint: str, handlers: Mapping[type[LinkRequest], Callable[..., Any]]) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PAIR)
         self._sock.linger = 1000
         self._sock.connect(endpoint)
-        self.handler = handler
+        self.handlers = dict(handlers)
+        self._decoder = msgspec.msgpack.Decoder(Union[tuple(self.handlers)])  # noqa: UP007 (a runtime tuple)
         self._fd_sock: socket.socket | None = None
         fd_path = os.path.join(os.path.dirname(endpoint[len("ipc://"):]), "fds")
         if endpoint.startswith("ipc://") and os.path.exists(fd_path):
@@ -174,7 +224,8 @@ class WorkerEndpoint:
             self._fd_sock.connect(fd_path)
 
     def send_ready(self, **fields: Any) -> None:
-        self._sock.send(codec.encode({"ok": True, **fields}))
+        """Tell the main process this worker is up; ``fields`` become its ``WorkerHandle.info``."""
+        self._sock.send(codec.encode({"seq": None, "ok": True, "reply": fields}))
 
     def wake_fd(self) -> int:
         """A descriptor that turns readable when a request may have arrived (zmq's ZMQ_FD of the link; it
@@ -191,42 +242,80 @@ class WorkerEndpoint:
                 data = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return stop
-            request = codec.decode(data, max_size=64 << 20)
-            op = request.pop("op", "")
-            seq = request.pop("seq", None)
-            reply = self._call(op, request)
-            stop = stop or op == "stop"
-            self._sock.send(codec.encode({**reply, "seq": seq}))
+            seq, stopping, reply = self._serve(data)
+            stop = stop or stopping
+            self._sock.send(codec.encode({"seq": seq, **reply}))
 
-    def _call(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
+    def _serve(self, data: bytes) -> tuple[int | None, bool, dict[str, Any]]:
+        """One request frame: its seq, whether it asks the worker to stop, and the reply frame's fields."""
+        try:
+            if len(data) > MAX_FRAME:
+                raise msgspec.DecodeError(f"{len(data)} bytes, above the link's {MAX_FRAME}")
+            frame = _request_frames.decode(data)
+        except msgspec.DecodeError as exc:  # nothing to pair the answer with: the caller times out, and says so
+            log.warning("worker link: refused a frame that is not a request frame: %s", exc)
+            return None, False, {"ok": False, "error": f"not a request frame: {exc}"}
+        try:
+            request = self._decoder.decode(frame.request)
+        except msgspec.DecodeError as exc:
+            self._drop_fds(frame.fds)
+            error = self._refusal(frame.request, exc)
+            log.warning("worker link: %s", error)
+            return frame.seq, False, {"ok": False, "error": error}
+        return frame.seq, isinstance(request, Stop), self._call(request, frame.fds)
+
+    def _refusal(self, raw: msgspec.Raw, exc: msgspec.DecodeError) -> str:
+        """Why a request did not decode, naming the op (or that it names none this worker serves)."""
+        try:
+            op = msgspec.msgpack.decode(raw).get("op")
+        except (msgspec.DecodeError, AttributeError):
+            return f"malformed request: {exc}"
+        known = sorted(cls.__struct_config__.tag for cls in self.handlers)
+        if op not in known:
+            return f"unknown worker op {op!r:.40} (this worker serves: {', '.join(known)})"
+        return f"malformed {op} request: {exc}"
+
+    def _call(self, request: LinkRequest, count: int) -> dict[str, Any]:
+        op = request.op
         fds: list[int] = []
         try:
-            count = request.pop("_fds", 0)
             if count:
                 fds = self._receive_fds(op, count)
-                request["fds"] = fds
-            method = getattr(self.handler, f"op_{op}", None)
-            if method is None:
-                return {"ok": False, "error": f"unknown worker op {op!r}"}
-            fds = []  # the op owns them from its call on, failing or not (it closes what it does not keep)
-            reply = {"ok": True, **(method(**request) or {})}
-            send = reply.pop("_send_fds", ())
+            wanted = type(request).fds
+            if len(fds) != wanted:
+                raise ValueError(f"{op} carries {wanted} descriptor(s), got {len(fds)}")
+            handler = self.handlers[type(request)]
+            if wanted:
+                given, fds = fds, []  # the handler owns them from its call on, failing or not
+                reply = handler(request, given)
+            else:
+                reply = handler(request)
+            send = list(getattr(reply, "fds", ()))
+            out: dict[str, Any] = {"ok": True, "reply": reply}
             if send:
                 try:
                     if self._fd_sock is None:
                         raise OSError(f"{op} returns descriptors, but this worker has no descriptor link")
-                    socket.send_fds(self._fd_sock, [op.encode()], list(send))
+                    socket.send_fds(self._fd_sock, [op.encode()], send)
                 finally:
-                    for fd in send:
-                        os.close(fd)
-                reply["_fds"] = len(send)
-            return reply
+                    _close(send)
+                out = {"ok": True, "fds": len(send), "reply": msgspec.structs.replace(reply, fds=[])}
+            return out
         except Exception as exc:  # a refused request must not kill the rail
             log.warning("worker op %s failed: %s", op, exc)
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
-            for fd in fds:
-                os.close(fd)
+            _close(fds)
+
+    def _drop_fds(self, count: int) -> None:
+        """Take and close the descriptors sent with a request that is refused before it is read."""
+        if count and self._fd_sock is not None:
+            try:
+                _name, fds, _flags, _addr = socket.recv_fds(self._fd_sock, 256, count)
+            except OSError as exc:
+                log.warning("worker link: could not take the descriptors of a refused request: %s", exc)
+                return
+            _close(fds)
 
     def _receive_fds(self, op: str, count: int) -> list[int]:
         if self._fd_sock is None:
@@ -238,3 +327,8 @@ class WorkerEndpoint:
         if self._fd_sock is not None:
             self._fd_sock.close()
         self._ctx.term()
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

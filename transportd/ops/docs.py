@@ -8,6 +8,7 @@ annotation states, through ``transportd.schema.type_doc``).
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -37,10 +38,24 @@ def _messages(registry: dict[str, type[protocol.Message]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_ROLE = re.compile(r":[a-z]+:(?=`)")  # Sphinx roles (:data:`V`) read as plain code in Markdown
+_CODE_LINE = re.compile(r'^\s+[A-Z_]+ = "(?P<code>[a-z_]+)"\s+#: (?P<doc>.*)$', re.M)
+
+
+def _reply_codes() -> str:
+    """Every :class:`~transportd.control.protocol.ReplyCode`, with the ``#:`` comment beside it."""
+    docs = {m.group("code"): m.group("doc") for m in _CODE_LINE.finditer(inspect.getsource(protocol.ReplyCode))}
+    lines = ["| code | when |", "|---|---|"]
+    lines += [f"| `{code.value}` | {_ROLE.sub('', docs.get(code.value, '')).replace('``', '`')} |"
+              for code in protocol.ReplyCode]
+    return "\n".join(lines) + "\n"
+
+
 #: block name -> the function that renders it
 GENERATORS: dict[str, Callable[[], str]] = {
     "config_keys": describe_keys,
     "control_requests": lambda: _messages(protocol.REQUESTS),
+    "reply_codes": _reply_codes,
     "side_messages": lambda: _messages(protocol.SIDE_MESSAGES),
     "peer_messages": lambda: _messages(protocol.PEER_MESSAGES),
 }

@@ -506,22 +506,30 @@ def test_rail_serve_loop_takes_sparse_records_and_serves_its_link_while_idle(tmp
     start here, with a minute-long watch: only the link's descriptor can end the wait for the request."""
     import threading
 
+    import msgspec
     import zmq
 
     from transportd.control import codec
     from transportd.dataplane import worker as rail
+    from transportd.dataplane.link_messages import LinkRequest, Stop, Stopped
     from transportd.dataplane.worker_link import WorkerEndpoint
+
+    class Pings(msgspec.Struct):
+        pings: int
+
+    class Ping(LinkRequest, frozen=True):
+        reply = Pings
 
     class Handler:
         def __init__(self) -> None:
             self.pings = 0
 
-        def op_ping(self) -> dict:
+        def ping(self, req: Ping) -> Pings:
             self.pings += 1
-            return {"pings": self.pings}
+            return Pings(self.pings)
 
-        def op_stop(self) -> dict:
-            return {}
+        def stop(self, req: Stop) -> Stopped:
+            return Stopped(drained=True)
 
     monkeypatch.setattr(rail, "DEEP_AFTER_S", 0.0)
     monkeypatch.setattr(rail, "DEEP_WATCH_S", 60.0)
@@ -530,24 +538,25 @@ def test_rail_serve_loop_takes_sparse_records_and_serves_its_link_while_idle(tmp
     main_end = ctx.socket(zmq.PAIR)
     main_end.linger = 0
     main_end.bind(f"ipc://{tmp_path}/link")
-    link = WorkerEndpoint(f"ipc://{tmp_path}/link", Handler())
+    handler = Handler()
+    link = WorkerEndpoint(f"ipc://{tmp_path}/link", {Ping: handler.ping, Stop: handler.stop})
     loop = threading.Thread(target=rail.serve_loop, args=(rig.proxy, link, lambda: False))
     try:
         rig.push(put(0))
         loop.start()
         wait_until(lambda: rig.ring.completion_pos == 1, "the record to be taken and completed")
         assert rig.chunks(1) == [0]
-        main_end.send(codec.encode({"op": "ping", "seq": 7}))
+        main_end.send(codec.encode({"seq": 7, "fds": 0, "request": Ping()}))
         assert main_end.poll(10_000), "a request to an idle worker was not served"
-        assert codec.decode(main_end.recv(), max_size=1 << 16) == {"ok": True, "pings": 1, "seq": 7}
+        assert codec.decode(main_end.recv(), max_size=1 << 16) == {"ok": True, "reply": {"pings": 1}, "seq": 7}
         rig.push(put(1))
         wait_until(lambda: rig.ring.completion_pos == 2, "the record after the idle to be taken")
-        main_end.send(codec.encode({"op": "stop", "seq": 8}))
+        main_end.send(codec.encode({"seq": 8, "fds": 0, "request": Stop()}))
         loop.join(10)
         assert not loop.is_alive()
     finally:
         if loop.is_alive():
-            main_end.send(codec.encode({"op": "stop", "seq": 9}))
+            main_end.send(codec.encode({"seq": 9, "fds": 0, "request": Stop()}))
             loop.join(10)
         link.close()
         main_end.close()
