@@ -6,7 +6,7 @@ kernels (``ch.device_handle()``), chunk plans on the GPU (``ChunkPlan.to_device`
 cuda-python, imported only when first used.
 """
 
-from gpuclient.compiler import compile, get_include
+from gpuclient.compiler import compile, get_include, get_include_dirs
 from gpuclient.device_channel import CHANNEL_DTYPE, DeviceChannel, DeviceFlags
 from gpuclient.errors import ChannelError, CompileError, HostBufferError, LauncherError, PlanError
 from gpuclient.host_memory import host_array
@@ -61,6 +61,7 @@ __all__ = [
     "connect",
     "from_environment",
     "get_include",
+    "get_include_dirs",
     "host_array",
 ]
 
