@@ -6,6 +6,7 @@ kernels (``ch.device_handle()``), chunk plans on the GPU (``ChunkPlan.to_device`
 cuda-python, imported only when first used.
 """
 
+from cmd_ring.errors import CudaError
 from gpuclient.compiler import compile, get_include, get_include_dirs
 from gpuclient.device_channel import CHANNEL_DTYPE, DeviceChannel, DeviceFlags
 from gpuclient.errors import ChannelError, CompileError, HostBufferError, LauncherError, PlanError
@@ -30,7 +31,6 @@ from gpuclient.session import (
     SignalOp,
     connect,
 )
-from transportd.errors import CudaError
 
 __all__ = [
     "CHANNEL_DTYPE",

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 import cmd_ring
+from cmd_ring.errors import CudaError
 from gpuclient.cuda_memory import check, compute_capability, driver, use_device
 from gpuclient.errors import CompileError
-from transportd.errors import CudaError
 
 __all__ = ["Kernel", "Module", "compile", "get_include", "get_include_dirs", "load_all_functions", "nvrtc_options"]
 
