@@ -8,8 +8,8 @@ inside a function is still a dependency); only ``if TYPE_CHECKING:`` blocks, whi
   logging, the moved modules' old names), then the backends and IBGDA (``ib``, ``efa``, ``ibgda``), the
   client library ``gpuclient``, and the command-line programs (``transportd_cli``) on top. A module imports
   only its own layer or those below.
-- Inside ``transportd`` the rooms stand in the same way (``ROOMS``): the shared base (errors, limits, the
-  schema mechanism, logging, CUDA driver access), the backend interface and registry, the config (above the
+- Inside ``transportd`` the rooms stand in the same way (``ROOMS``): the shared base (logging, CUDA driver
+  access, the old names of what moved into the contract), the backend interface and registry, the config (above the
   registry: each backend declares its own table), the control plane, the data plane, operations, and the
   daemon's main process on top. A package's ``__main__`` is an entry point and stands above them all.
 - ``import gpuclient``, run, loads none of the daemon's rooms (``DAEMON_ROOMS``): a client stands on the
