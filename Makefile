@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) gpuclient/include/transportd/cmd_ring.h
+CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) $(wildcard cmd_ring/include/transportd/*.h)
 
 .PHONY: venv test demo lint core fuzz-validate pyverbs-bridge asan-test
 venv: $(VENV)/.installed
@@ -30,7 +30,7 @@ demo: venv core
 # libFuzzer + AddressSanitizer/UBSan over the record validation (transportd/core/validate.h).
 fuzz-validate:
 	mkdir -p build && $${CC_FUZZ:-clang-14} -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-	    -o build/fuzz_validate transportd/core/fuzz_validate.c
+	    -I cmd_ring/include -o build/fuzz_validate transportd/core/fuzz_validate.c
 	build/fuzz_validate -max_total_time=$${FUZZ_SECONDS:-60} -print_final_stats=1
 
 # The compiled core under AddressSanitizer + UndefinedBehaviorSanitizer: a copy of the tree (build/asan-tree)

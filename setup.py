@@ -12,7 +12,9 @@ setup(
             depends=["transportd/core/validate.h", "transportd/core/pingpong.h", "transportd/core/poster.h",
                      "transportd/core/verbs_abi.h", "transportd/core/verbs_abi_members.h",
                      "transportd/core/efa_arrivals.h", "transportd/core/trace.h",
-                     "gpuclient/include/transportd/cmd_ring.h"],
+                     "cmd_ring/include/transportd/cmd_ring.h", "cmd_ring/include/transportd/errors.h"],
+            # the contract's C root: <transportd/cmd_ring.h> and <transportd/errors.h>, shared with the client
+            include_dirs=["cmd_ring/include"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers"],
         )

@@ -64,8 +64,9 @@ def build_null_nic(out_dir: Path) -> ctypes.CDLL:
     if not cxx:
         raise SystemExit("a C++ compiler (g++) is needed for the null NIC")
     lib = out_dir / "libibgda_null_nic.so"
-    subprocess.run([cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", f"-I{gpuclient.get_include()}",
-                    str(NULL_NIC), "-o", str(lib)], check=True)
+    includes = [f"-I{d}" for d in gpuclient.get_include_dirs()]
+    subprocess.run([cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", *includes, str(NULL_NIC), "-o", str(lib)],
+                   check=True)
     nic = ctypes.CDLL(str(lib))
     nic.tpd_null_nic_start.restype = ctypes.c_void_p
     nic.tpd_null_nic_start.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_uint32] * 3

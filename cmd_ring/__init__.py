@@ -1,9 +1,20 @@
-"""cmd_ring: the 48-byte command record and the shared-memory ring that carries it.
+"""cmd_ring: the contract between a client and the daemon — everything both sides must agree on, and nothing else.
 
-The ring knows nothing about RDMA: producers (GPU kernels, CPU clients) commit records, one consumer
-(a proxy worker) takes them. See ``record`` for the layout and ``ring`` for the commit protocol. The C
-twin of the layout, ``<transportd/cmd_ring.h>``, lives with every other device header under
-``gpuclient.get_include()`` (gpuclient/include/transportd/cmd_ring.h).
+- the 48-byte command record and the shared-memory ring that carries it (``record``, ``ring``; the ring knows
+  nothing about RDMA: producers commit records, one consumer, a proxy worker, takes them);
+- memfd plumbing (``shm``) and the flag file's layout (``flagfile``);
+- errors and the channel error word's codes (``errors``: ``ErrorCode``, ``TransportdError`` and its family);
+- the control protocol, sans-IO (``protocol``, with its ``schema`` mechanism and shared ``limits``), its
+  msgpack ``codec``, and where a client finds the daemon (``endpoints``);
+- the C include root ``cmd_ring/include``: ``<transportd/cmd_ring.h>`` (the record's C twin) and
+  ``<transportd/errors.h>`` (generated from ``ErrorCode``: the one ``tpd_error_code`` enum). The daemon's core
+  (setup.py) and the device API (``gpuclient.get_include_dirs()``) both put it on their include paths.
+
+Why here and not a new package: the top level is fixed by the product's design card, and this package already
+was the bottom layer both sides import, holding the record, the ring and the memfd plumbing; the rest of the
+contract joined it. It imports nothing of ``transportd`` or ``gpuclient`` (tests/test_import_layers.py), so
+``import gpuclient`` loads none of the daemon's rooms. The moved modules keep their old names
+(``transportd.errors``, ``transportd.control.protocol``, ...) as aliases of the same module objects.
 """
 
 from cmd_ring.errors import RingError, RingFullError, RingLayoutError, RingNotFoundError

@@ -1,6 +1,6 @@
 """The 48-byte command record: the one numpy dtype, its opcodes and flags, encode/decode helpers.
 
-Layout (little-endian, 8-byte aligned; the C twin is ``gpuclient/include/transportd/cmd_ring.h`` and a test
+Layout (little-endian, 8-byte aligned; the C twin is ``cmd_ring/include/transportd/cmd_ring.h`` and a test
 compiles a probe against it so the two can never drift apart)::
 
     word 0  | seq:u32            | opcode:u8 | flags:u8 | peer:u16 |   header, committed last

@@ -45,7 +45,7 @@ __all__ = [
 MAGIC = 0x31474E4952445054  # "TPDRING1"
 VERSION = 1
 CONTROL_BYTES = 4096
-# Control-word byte offsets; the C twin is gpuclient/include/transportd/cmd_ring.h (TPD_RING_OFF_*).
+# Control-word byte offsets; the C twin is cmd_ring/include/transportd/cmd_ring.h (TPD_RING_OFF_*).
 OFF_MAGIC = 0
 OFF_VERSION = 8
 OFF_RECORD_SIZE = 12

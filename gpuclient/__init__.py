@@ -6,7 +6,8 @@ kernels (``ch.device_handle()``), chunk plans on the GPU (``ChunkPlan.to_device`
 cuda-python, imported only when first used.
 """
 
-from gpuclient.compiler import compile, get_include
+from cmd_ring.errors import CudaError
+from gpuclient.compiler import compile, get_include, get_include_dirs
 from gpuclient.device_channel import CHANNEL_DTYPE, DeviceChannel, DeviceFlags
 from gpuclient.errors import ChannelError, CompileError, HostBufferError, LauncherError, PlanError
 from gpuclient.host_memory import host_array
@@ -30,7 +31,6 @@ from gpuclient.session import (
     SignalOp,
     connect,
 )
-from transportd.errors import CudaError
 
 __all__ = [
     "CHANNEL_DTYPE",
@@ -61,6 +61,7 @@ __all__ = [
     "connect",
     "from_environment",
     "get_include",
+    "get_include_dirs",
     "host_array",
 ]
 

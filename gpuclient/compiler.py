@@ -2,7 +2,7 @@
 
 ::
 
-    module = gpuclient.compile(source)                 # NVRTC, -I gpuclient.get_include(), this GPU's arch
+    module = gpuclient.compile(source)                 # NVRTC, -I each of gpuclient.get_include_dirs(), this GPU's arch
     kernel = module.function("stream_chunks")
     kernel.launch(grid=132, block=128, args=(ch.device_handle(), np.uint64(ptr), np.uint32(n)))
 
@@ -15,8 +15,8 @@ that spins on a flag another kernel of the same process will set (two ranks in o
 launched before its sender) can deadlock the first time.
 
 Only ``cuda.bindings`` is needed (``nvrtc`` and ``driver``); CuPy and PyTorch users can instead pass
-``get_include()`` to their own compilers and the handle's bytes to their own launchers (and should load
-their kernels before launching ones that wait on each other).
+every root of ``get_include_dirs()`` to their own compilers and the handle's bytes to their own launchers (and
+should load their kernels before launching ones that wait on each other).
 """
 
 from __future__ import annotations
@@ -29,18 +29,26 @@ from typing import Any
 
 import numpy as np
 
+import cmd_ring
+from cmd_ring.errors import CudaError
 from gpuclient.cuda_memory import check, compute_capability, driver, use_device
 from gpuclient.errors import CompileError
-from transportd.errors import CudaError
 
-__all__ = ["Kernel", "Module", "compile", "get_include", "load_all_functions", "nvrtc_options"]
+__all__ = ["Kernel", "Module", "compile", "get_include", "get_include_dirs", "load_all_functions", "nvrtc_options"]
 
 
 def get_include() -> str:
-    """The one include root of every device header: ``<transportd/client.cuh>`` (the proxy path),
-    ``<transportd/ibgda/ibgda.cuh>`` (the IBGDA path) and ``<transportd/cmd_ring.h>`` (the record layout,
-    which the C core and C/C++ host code include too)."""
+    """gpuclient's own include root, the device API: ``<transportd/client.cuh>`` (the proxy path) and
+    ``<transportd/ibgda/ibgda.cuh>`` (the IBGDA path). Its headers include the contract's too, so a build
+    needs every root of :func:`get_include_dirs`."""
     return str(Path(__file__).parent / "include")
+
+
+def get_include_dirs() -> list[str]:
+    """Every include root a build of the device API needs, in order: :func:`get_include`, then the contract's
+    (``cmd_ring/include``: ``<transportd/cmd_ring.h>``, the record layout, and ``<transportd/errors.h>``, the
+    error codes; the daemon's C core includes the same two). Pass each as ``-I``."""
+    return [get_include(), str(Path(cmd_ring.__file__).parent / "include")]
 
 
 def _nvrtc() -> Any:
@@ -62,7 +70,7 @@ def _nvrtc_check(result: Any, call: str) -> Any:
 def nvrtc_options(arch: str, *, debug: bool = False, defines: dict[str, object] | None = None,
                   include_dirs: Iterable[str] = (), options: Sequence[str] = ()) -> list[str]:
     """The NVRTC command line used by :func:`compile` (exposed for tests and other compilers)."""
-    opts = [f"-arch={arch}", "-std=c++17", f"-I{get_include()}", "-default-device"]
+    opts = [f"-arch={arch}", "-std=c++17", *(f"-I{d}" for d in get_include_dirs()), "-default-device"]
     opts += [f"-I{d}" for d in include_dirs]
     if debug:
         opts += ["-DTPD_DEBUG=1", "-lineinfo"]
@@ -168,7 +176,7 @@ class Module:
 def compile(source: str, *, device: int = 0, arch: str | None = None, name: str = "kernel.cu", debug: bool = False,
             defines: dict[str, object] | None = None, include_dirs: Iterable[str] = (),
             options: Sequence[str] = ()) -> Module:
-    """Compile ``source`` with NVRTC (include path set to :func:`get_include`) and load it on ``device``.
+    """Compile ``source`` with NVRTC (include path set to :func:`get_include_dirs`) and load it on ``device``.
 
     ``arch`` defaults to the device's own (``sm_90`` on an H100/H200); ``debug`` bounds every device spin
     (TPD_DEBUG) and adds line info. Kernels should be ``extern "C"`` so :meth:`Module.function` finds them.

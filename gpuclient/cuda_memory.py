@@ -18,8 +18,8 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any
 
+from cmd_ring.errors import CudaError
 from transportd.cuda_driver import check, driver, result_name, use_device
-from transportd.errors import CudaError
 
 __all__ = [
     "DeviceBuffer",

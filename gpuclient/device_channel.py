@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cmd_ring.flagfile import HEADER_BYTES, FlagFile
 from cmd_ring.ring import CONTROL_BYTES
-from transportd.dataplane.flagfile import HEADER_BYTES, FlagFile
 
 if TYPE_CHECKING:
     from gpuclient.cuda_memory import DeviceMemory, HostMapping

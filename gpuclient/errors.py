@@ -6,7 +6,7 @@ All but the buffer, launcher and chunk plan checks are TransportdErrors; ``Compi
 
 from __future__ import annotations
 
-from transportd.errors import CudaError, ErrorCode, TransportdError
+from cmd_ring.errors import CudaError, ErrorCode, TransportdError
 
 __all__ = ["ChannelError", "CompileError", "HostBufferError", "LauncherError", "PlanError"]
 

@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cmd_ring.errors import ErrorCode
+from cmd_ring.protocol import Channel as ChannelRequest
+from cmd_ring.protocol import ChannelClose, ChannelConnect, ChannelInfo, QueueEndpoint
 from ibgda.channel_tables import Alloc, ChannelTables, HostAlloc, build_channel
 from ibgda.device_handle import CHANNEL_DTYPE, SignalMode, queue_pair_record
 from ibgda.imported import ImportedDomain
-from transportd.control.protocol import Channel as ChannelRequest
-from transportd.control.protocol import ChannelClose, ChannelConnect, ChannelInfo, QueueEndpoint
-from transportd.errors import ErrorCode
 
 if TYPE_CHECKING:
     from gpuclient.cuda_memory import DeviceMemory, HostMapping

@@ -23,8 +23,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from cmd_ring.protocol import MAX_NAME_LEN
 from gpuclient.errors import LauncherError
-from transportd.control.protocol import MAX_NAME_LEN
 
 __all__ = ["LaunchInfo", "from_environment", "LAUNCHER_VARIABLES"]
 

@@ -35,9 +35,9 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from transportd.control.protocol import Channel as ChannelRequest
-from transportd.control.protocol import Exchange, Flags, Join, Register
-from transportd.errors import ErrorCode, TransportdError
+from cmd_ring.errors import ErrorCode, TransportdError
+from cmd_ring.protocol import Channel as ChannelRequest
+from cmd_ring.protocol import Exchange, Flags, Join, Register
 
 if TYPE_CHECKING:
     from gpuclient.session import Session

@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cmd_ring import RECORD_DTYPE, Flag, Opcode, RingFile, RingProducer
+from cmd_ring.errors import ErrorCode
+from cmd_ring.flagfile import FlagFile
+from cmd_ring.protocol import Channel as ChannelRequest
+from cmd_ring.protocol import Exchange, Flags, Join, Leave, Register, Stats
 from gpuclient.errors import ChannelError
 from gpuclient.host_memory import resolve_host_buffer
 from gpuclient.launcher import from_environment
 from transportd.control.client import ControlConnection
-from transportd.control.protocol import Channel as ChannelRequest
-from transportd.control.protocol import Exchange, Flags, Join, Leave, Register, Stats
-from transportd.dataplane.flagfile import FlagFile
-from transportd.errors import ErrorCode
 
 if TYPE_CHECKING:
     from gpuclient.ibgda_channel import IbgdaChannelHandle

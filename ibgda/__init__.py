@@ -1,6 +1,6 @@
 """ibgda: the GPU-initiated backend — the GPU builds mlx5 WQEs and rings the NIC's doorbell itself.
 
-* ``<transportd/ibgda/*.cuh>`` — the device side, in the one include root ``gpuclient.get_include()``
+* ``<transportd/ibgda/*.cuh>`` — the device side, in the device API's include root ``gpuclient.get_include()``
   (gpuclient/include/transportd/ibgda/): WQE builders, doorbells, CQ polling, multi-warp posting, and
   ``tpd::IbgdaChannel`` with the same calls as the proxy path.
 * :mod:`ibgda.mlx5_layout` — the mlx5 segments and CQE64 as numpy dtypes; a strict WQE decoder.

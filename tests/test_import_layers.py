@@ -2,19 +2,32 @@
 inside a function is still a dependency); only ``if TYPE_CHECKING:`` blocks, which never run, are left out.
 
 - No two modules import each other, around a loop or directly.
-- Packages stand in layers: ``cmd_ring`` and ``softverbs`` at the bottom, then ``transportd`` (the daemon
-  and what client and daemon share: protocol, codec, errors, CUDA driver access), then the backends and
-  IBGDA (``ib``, ``efa``, ``ibgda``), the client library ``gpuclient``, and the command-line programs
-  (``transportd_cli``) on top. A module imports only its own layer or those below.
-- Inside ``transportd`` the rooms stand in the same way (``ROOMS``): the shared base (errors, limits, the
-  schema mechanism, logging, CUDA driver access), the backend interface and registry, the config (above the
+- Packages stand in layers: ``cmd_ring`` (the contract between client and daemon: the record and ring, memfd
+  plumbing and the flag file, errors and error codes, the control protocol and its codec) and ``softverbs``
+  at the bottom, then ``transportd`` (the daemon, and the base it shares with tools: CUDA driver access,
+  logging, the moved modules' old names), then the backends and IBGDA (``ib``, ``efa``, ``ibgda``), the
+  client library ``gpuclient``, and the command-line programs (``transportd_cli``) on top. A module imports
+  only its own layer or those below.
+- Inside ``transportd`` the rooms stand in the same way (``ROOMS``): the shared base (logging, CUDA driver
+  access, the old names of what moved into the contract), the backend interface and registry, the config (above the
   registry: each backend declares its own table), the control plane, the data plane, operations, and the
-  daemon's main process on top. A package's ``__main__`` is an entry point and stands above them all."""
+  daemon's main process on top. A package's ``__main__`` is an entry point and stands above them all.
+- ``import gpuclient``, run, loads none of the daemon's rooms (``DAEMON_ROOMS``): a client stands on the
+  contract, not on the daemon's config, backends, data plane or main process.
+- The C and CUDA headers obey the same picture (``C_ROOTS``): the contract's include root includes only
+  itself; the daemon's core (``transportd/core``) and the device API (``gpuclient/include``) include
+  themselves and the contract, never each other; no include climbs out of its root with ``../``."""
 
 from __future__ import annotations
 
 import ast
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"cmd_ring": 0, "softverbs": 0, "transportd": 1, "ib": 2, "efa": 2, "ibgda": 2, "gpuclient": 3,
@@ -142,3 +155,86 @@ def test_transportd_rooms_import_only_their_own_room_or_lower() -> None:
 def test_every_transportd_subpackage_is_a_room() -> None:
     subpackages = {f"transportd.{p.parent.name}" for p in (ROOT / "transportd").glob("*/__init__.py")}
     assert subpackages <= set(ROOMS)
+
+
+# --- what a client process loads ----------------------------------------------------------------------------
+# The daemon's rooms a client must never load: each pulls in daemon-only state (the config's backend registry,
+# the rail workers' data plane, the main process).
+DAEMON_ROOMS = ("transportd.config", "transportd.backends", "transportd.dataplane", "transportd.daemon")
+
+
+def _daemon_rooms_loaded(statement: str) -> list[str]:
+    """The daemon-room modules in ``sys.modules`` after running ``statement`` in a fresh interpreter on this tree
+    (what an import really loads, a module's own imports of its imports included)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    code = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return [m for m in out.stdout.split() if any(m == room or m.startswith(room + ".") for room in DAEMON_ROOMS)]
+
+
+def test_importing_gpuclient_loads_no_daemon_room() -> None:
+    assert _daemon_rooms_loaded("import gpuclient") == []
+
+
+def test_the_daemon_room_check_sees_a_daemon_room() -> None:
+    assert "transportd.config" in _daemon_rooms_loaded("import transportd.config")
+
+
+# --- C and CUDA includes ------------------------------------------------------------------------------------
+# Each include root and the roots its files may include from. The contract's root is below both sides; the
+# device API's and the daemon core's stand beside each other and meet only in the contract.
+C_ROOTS = {"contract": Path("cmd_ring/include"), "client": Path("gpuclient/include"), "daemon": Path("transportd/core")}
+C_MAY_INCLUDE = {"contract": {"contract"}, "client": {"client", "contract"}, "daemon": {"daemon", "contract"}}
+C_SUFFIXES = {".h", ".c", ".cuh", ".cu", ".cpp", ".hpp", ".pyx"}
+_INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+
+
+def _include_problems(root: Path, roots: dict[str, Path] = C_ROOTS) -> tuple[list[str], list[tuple[str, str]]]:
+    """``(problems, edges)`` for every ``#include "..."`` and ``#include <...>`` under ``roots`` (paths relative
+    to ``root``). An include resolves as a compiler would: a quoted name next to its file first, then each
+    root; one found in no root is a system header and left alone. ``edges`` are the (from room, to room) pairs
+    found, so a test can tell that the check saw something."""
+    bases = {room: (root / rel).resolve() for room, rel in roots.items()}
+    problems: list[str] = []
+    edges: list[tuple[str, str]] = []
+    for room, base in bases.items():
+        for path in sorted(p for p in base.rglob("*") if p.suffix in C_SUFFIXES and p.is_file()):
+            where = path.relative_to(root).as_posix()
+            for quote, name in _INCLUDE.findall(path.read_text(errors="replace")):
+                if ".." in Path(name).parts and base not in (path.parent / name).resolve().parents:
+                    problems.append(f"{where}: #include {name!r} climbs out of {roots[room].as_posix()}")
+                    continue
+                candidates = ([path.parent / name] if quote == '"' else []) + [b / name for b in bases.values()]
+                found = next((c.resolve() for c in candidates if c.is_file()), None)
+                if found is None:
+                    continue
+                target = next(r for r, b in bases.items() if b in found.parents)
+                edges.append((room, target))
+                if target not in C_MAY_INCLUDE[room]:
+                    problems.append(f"{where}: #include {name!r} reaches the {target} ({roots[target].as_posix()})")
+    return problems, edges
+
+
+def test_c_includes_run_one_way() -> None:
+    problems, edges = _include_problems(ROOT)
+    assert problems == []
+    assert {("daemon", "contract"), ("client", "contract")} <= set(edges), "both sides include the contract"
+
+
+@pytest.mark.parametrize(("where", "line", "message"), [
+    ("cmd_ring/include/transportd/cmd_ring.h", '#include "../../../gpuclient/include/transportd/device.cuh"',
+     "climbs out"),
+    ("cmd_ring/include/transportd/errors.h", "#include <transportd/client.cuh>", "reaches the client"),
+    ("transportd/core/validate.h", "#include <transportd/device.cuh>", "reaches the client"),
+    ("gpuclient/include/transportd/device.cuh", '#include "../../../transportd/core/validate.h"', "climbs out"),
+])
+def test_the_include_check_finds_a_planted_violation(tmp_path: Path, where: str, line: str, message: str) -> None:
+    for rel in C_ROOTS.values():
+        for path in (ROOT / rel).rglob("*"):
+            if path.is_file() and path.suffix in C_SUFFIXES:
+                (tmp_path / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+                (tmp_path / path.relative_to(ROOT)).write_text(path.read_text(errors="replace"))
+    planted = tmp_path / where
+    planted.write_text(planted.read_text() + line + "\n")
+    problems, _ = _include_problems(tmp_path)
+    assert len(problems) == 1 and problems[0].startswith(where) and message in problems[0], problems

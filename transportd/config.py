@@ -25,6 +25,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from cmd_ring.endpoints import DEFAULT_SOCKET, SOCKET_ENV, check_control_endpoint
+from cmd_ring.endpoints import endpoint_check as _endpoint
+from cmd_ring.endpoints import host_port as _host_port
 from transportd import schema
 from transportd.backends import EfaOptions, IbOptions, config_problems
 from transportd.errors import ConfigError, Invalid
@@ -70,8 +73,6 @@ __all__ = [
     "load_config",
 ]
 
-DEFAULT_SOCKET = "ipc:///run/transportd/control.sock"
-SOCKET_ENV = "TRANSPORTD_SOCKET"
 DEFAULT_PEER_PORT = 18515
 
 
@@ -91,38 +92,6 @@ def _power_of_two(value: int) -> int:
 
 def _none_if_empty(value: str | None) -> str | None:
     return value or None
-
-
-def _host_port(value: str) -> str:
-    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d+)", value)
-    if not match:
-        raise ValueError(f"expected 'host:port' (IPv6 as '[addr]:port'), got {value!r}")
-    if not 1 <= int(match.group(2)) <= 65535:
-        raise ValueError(f"port must be 1..65535, got {match.group(2)}")
-    return value
-
-
-def _endpoint(*, ipc: bool) -> Check:
-    def check(value: str) -> str:
-        if value.startswith("tcp://"):
-            address = value[len("tcp://"):]
-            _host_port("0.0.0.0" + address[1:] if address.startswith("*:") else address)
-            return value
-        if ipc and value.startswith("ipc://"):
-            path = value[len("ipc://"):]
-            if not path.startswith("/") and not path.startswith("@"):
-                raise ValueError(f"ipc endpoint needs an absolute path (ipc:///...), got {value!r}")
-            return value
-        schemes = "'ipc:///path' or 'tcp://host:port'" if ipc else "'tcp://host:port'"
-        raise ValueError(f"expected {schemes}, got {value!r}")
-
-    return check
-
-
-def check_control_endpoint(value: str) -> str:
-    """``value`` if it is a control endpoint (``ipc:///path``, ``ipc://@abstract`` or ``tcp://host:port``);
-    else :class:`ValueError` saying what was expected. Clients check ``--socket`` with it before zmq sees it."""
-    return _endpoint(ipc=True)(value)
 
 
 def _mode(value: int | str) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from transportd.errors import CudaError, CudaUnavailableError
+from cmd_ring.errors import CudaError, CudaUnavailableError
 
 __all__ = ["check", "driver", "result_name", "use_device"]
 

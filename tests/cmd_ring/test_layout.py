@@ -1,5 +1,6 @@
 """The C header and the numpy dtype must agree byte for byte: compile a probe and compare. The header,
-``<transportd/cmd_ring.h>``, sits in the one device include root, ``gpuclient.get_include()``."""
+``<transportd/cmd_ring.h>``, sits in the contract's C root, ``cmd_ring/include``, which both the daemon's core and
+the device API (``gpuclient.get_include_dirs()``) put on their include paths; the probe uses that root alone."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+import cmd_ring
 from cmd_ring import RECORD_DTYPE, Flag, Opcode
 from cmd_ring import ring as ring_mod
-from gpuclient import get_include
+
+CONTRACT_INCLUDE = str(Path(cmd_ring.__file__).parent / "include")
 
 FIELDS = RECORD_DTYPE.names
 CONTROL = {
@@ -81,7 +84,7 @@ def test_c_probe_agrees_with_numpy(tmp_path: Path) -> None:
     src = tmp_path / "probe.c"
     src.write_text(probe_source())
     exe = tmp_path / "probe"
-    subprocess.run([cc, "-std=c99", "-Wall", "-Werror", "-I", get_include(), str(src), "-o", str(exe)],
+    subprocess.run([cc, "-std=c99", "-Wall", "-Werror", "-I", CONTRACT_INCLUDE, str(src), "-o", str(exe)],
                    check=True)
     assert parse(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout) == expected()
 
@@ -94,7 +97,7 @@ def test_header_compiles_as_cuda_with_nvcc(tmp_path: Path) -> None:
     src = tmp_path / "probe.cu"
     src.write_text(probe_source() + "__global__ void touch(tpd_cmd_record* r) { r->seq = TPD_OP_PUT; }\n")
     exe = tmp_path / "probe_cuda"
-    subprocess.run([str(nvcc), "-arch=sm_90", "-I", get_include(), str(src), "-o", str(exe)], check=True)
+    subprocess.run([str(nvcc), "-arch=sm_90", "-I", CONTRACT_INCLUDE, str(src), "-o", str(exe)], check=True)
     # Host code compiled by nvcc's host pass must see the same layout.
     assert parse(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout) == expected()
 
@@ -102,7 +105,7 @@ def test_header_compiles_as_cuda_with_nvcc(tmp_path: Path) -> None:
 def test_c_static_asserts_catch_a_drifted_layout(tmp_path: Path) -> None:
     # The header's own static_asserts must fire when a field moves: prove they are live.
     cc = shutil.which("cc") or shutil.which("gcc")
-    header = (Path(get_include()) / "transportd" / "cmd_ring.h").read_text()
+    header = (Path(CONTRACT_INCLUDE) / "transportd" / "cmd_ring.h").read_text()
     drifted = header.replace("    uint16_t peer;\n", "    uint16_t peer;\n    uint32_t extra;\n")
     assert drifted != header
     inc = tmp_path / "transportd"

@@ -1,6 +1,6 @@
 """The device API without a GPU: layouts agree with Python, the headers compile (cc/g++, nvcc, NVRTC), the
-error codes mirror ErrorCode, gpuclient's include dir is the one root of every device header (cmd_ring.h and
-IBGDA's included), and the host-side helpers behave."""
+error codes mirror ErrorCode, every device header lives in gpuclient's include root (IBGDA's included) or the
+contract's (cmd_ring.h, errors.h), and the host-side helpers behave."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from transportd.errors import error_code_c_enum
 
 ROOT = Path(__file__).resolve().parents[2]
 INCLUDE = Path(gpuclient.get_include())
+INCLUDE_FLAGS = [f"-I{d}" for d in gpuclient.get_include_dirs()]
+CONTRACT = Path(gpuclient.get_include_dirs()[1])  # cmd_ring/include: cmd_ring.h, errors.h
 HEADERS = sorted((INCLUDE / "transportd").rglob("*.cuh"))
 # every .cu in the project that includes the device API
 SOURCES = [ROOT / "tests" / "gpu" / "kernels.cu", ROOT / "tests" / "gpu" / "plan_kernels.cu",
@@ -100,7 +102,7 @@ def test_channel_dtype_ctypes_and_header_agree(tmp_path: Path) -> None:
     src = tmp_path / "probe.cpp"
     src.write_text(_probe_source())
     exe = tmp_path / "probe"
-    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-I", str(INCLUDE), str(src), "-o", str(exe)],
+    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", *INCLUDE_FLAGS, str(src), "-o", str(exe)],
                    check=True)
     assert _parse(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout) == _expected()
     assert CHANNEL_SIZE == 64 and ctypes.sizeof(ChannelStruct) == 64
@@ -117,7 +119,7 @@ def test_channel_layout_probe_under_nvcc(tmp_path: Path) -> None:
     src = tmp_path / "probe.cu"
     src.write_text(_probe_source() + USE_ALL)
     exe = tmp_path / "probe_cuda"
-    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-I", str(INCLUDE), str(src), "-o", str(exe)], check=True)
+    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", *INCLUDE_FLAGS, str(src), "-o", str(exe)], check=True)
     assert _parse(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout) == _expected()
 
 
@@ -127,7 +129,7 @@ def test_each_header_stands_alone_in_host_code(tmp_path: Path, header: Path) -> 
     cxx = shutil.which("c++") or shutil.which("g++")
     src = tmp_path / "one.cpp"
     src.write_text(f"#include <{header.relative_to(INCLUDE).as_posix()}>\nint main() {{ return 0; }}\n")
-    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-I", str(INCLUDE), "-c", str(src), "-o",
+    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", *INCLUDE_FLAGS, "-c", str(src), "-o",
                     str(tmp_path / "one.o")], check=True)
 
 
@@ -140,7 +142,7 @@ def test_device_api_compiles_with_nvcc(tmp_path: Path, commit: int, debug: bool)
     src = tmp_path / "use_all.cu"
     src.write_text(USE_ALL)
     flags = [f"-DTPD_COMMIT={commit}"] + (["-DTPD_DEBUG"] if debug else [])
-    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", *flags, "-I", str(INCLUDE),
+    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", *flags, *INCLUDE_FLAGS,
                     "-c", str(src), "-o", str(tmp_path / "use_all.o")], check=True)
 
 
@@ -149,7 +151,7 @@ def test_project_kernels_compile_with_nvcc(tmp_path: Path, source: Path) -> None
     compiler = nvcc()
     if not compiler:
         pytest.skip("nvcc not found: the CUDA compile checks run where the CUDA toolkit is installed")
-    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-DTPD_DEBUG", "-I", str(INCLUDE), "-c", str(source),
+    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-DTPD_DEBUG", *INCLUDE_FLAGS, "-c", str(source),
                     "-o", str(tmp_path / "k.o")], check=True)
 
 
@@ -189,27 +191,33 @@ def test_nvrtc_options_set_the_include_path_and_debug_bounds() -> None:
     opts = nvrtc_options("sm_90", debug=True, defines={"X": 1, "Y": None})
     assert f"-I{gpuclient.get_include()}" in opts and "-arch=sm_90" in opts
     assert "-DTPD_DEBUG=1" in opts and "-DX=1" in opts and "-DY" in opts
-    assert [o for o in opts if o.startswith("-I")] == [f"-I{gpuclient.get_include()}"], "one include root"
+    assert [o for o in opts if o.startswith("-I")] == INCLUDE_FLAGS, "the device API's root, then the contract's"
 
 
 # --- mirrors -------------------------------------------------------------------------------------------------------
 def test_error_codes_mirror_errorcode() -> None:
-    text = (INCLUDE / "transportd" / "errors.cuh").read_text()
+    text = (CONTRACT / "transportd" / "errors.h").read_text()
     block = text.split("/* BEGIN error_code_c_enum() */\n", 1)[1].split("/* END error_code_c_enum() */", 1)[0]
-    assert block == error_code_c_enum(), "regenerate errors.cuh's block from transportd.errors.error_code_c_enum()"
+    assert block == error_code_c_enum(), "regenerate errors.h's block from transportd.errors.error_code_c_enum()"
+    # the device API's name for it forwards to that one enum and defines none of its own
+    assert "enum tpd_error_code" not in (INCLUDE / "transportd" / "errors.cuh").read_text()
 
 
-def test_gpuclient_include_is_the_one_root_of_every_device_header() -> None:
-    # cmd_ring.h is a real file here (no link: a copy or a link elsewhere could drift or break on install)
-    header = INCLUDE / "transportd" / "cmd_ring.h"
-    assert header.is_file() and not header.is_symlink(), f"{header} must be the one cmd_ring.h, a plain file"
-    assert (INCLUDE / "transportd" / "ibgda" / "ibgda.cuh").is_file(), "the IBGDA headers live in the same root"
+def test_every_device_header_lives_in_one_of_the_two_include_roots() -> None:
+    assert CONTRACT == ROOT / "cmd_ring" / "include"
+    # cmd_ring.h and errors.h are real files in the contract's root (no link: a copy or a link elsewhere could
+    # drift or break on install); the device API's own headers, IBGDA's included, in gpuclient's
+    for name in ("cmd_ring.h", "errors.h"):
+        header = CONTRACT / "transportd" / name
+        assert header.is_file() and not header.is_symlink(), f"{header} must be the one {name}, a plain file"
+    assert (INCLUDE / "transportd" / "ibgda" / "ibgda.cuh").is_file(), "the IBGDA headers live in gpuclient's root"
+    assert not list(CONTRACT.rglob("*.cuh")), "the contract's root holds C headers only, no device API"
     elsewhere = [p.relative_to(ROOT).as_posix() for pkg in ("cmd_ring", "gpuclient", "ibgda", "ib", "efa", "transportd")
-                 for pattern in ("*.cuh", "cmd_ring.h") for p in (ROOT / pkg).rglob(pattern)
-                 if INCLUDE not in p.parents]
-    assert elsewhere == [], f"device headers outside {INCLUDE}: {elsewhere}"
+                 for pattern in ("*.cuh", "cmd_ring.h", "errors.h") for p in (ROOT / pkg).rglob(pattern)
+                 if INCLUDE not in p.parents and CONTRACT not in p.parents]
+    assert elsewhere == [], f"device headers outside {INCLUDE} and {CONTRACT}: {elsewhere}"
     assert not hasattr(cmd_ring, "get_include") and not hasattr(ibgda, "get_include"), (
-        "gpuclient.get_include() is the only include root")
+        "gpuclient.get_include_dirs() is the only list of include roots")
 
 
 def test_one_ordering_layer_for_the_proxy_and_the_ibgda_path() -> None:

@@ -37,6 +37,7 @@ from gpuclient.plan import (
 from tests.support.nvrtc import nvrtc_or_skip
 
 INCLUDE = Path(gpuclient.get_include())
+INCLUDE_FLAGS = [f"-I{d}" for d in gpuclient.get_include_dirs()]
 KINDS = ("all_gather", "reduce_scatter", "all_to_all", "ring")
 
 
@@ -462,7 +463,7 @@ def test_plan_dtypes_and_header_agree(tmp_path: Path) -> None:
     src = tmp_path / "probe.cpp"
     src.write_text(_probe_source())
     exe = tmp_path / "probe"
-    subprocess.run([cxx(), "-std=c++17", "-Wall", "-Werror", "-I", str(INCLUDE), str(src), "-o", str(exe)], check=True)
+    subprocess.run([cxx(), "-std=c++17", "-Wall", "-Werror", *INCLUDE_FLAGS, str(src), "-o", str(exe)], check=True)
     got = _parse(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
     assert got == _expected()
     assert set(gpuclient.__all__) >= {"ChunkPlan", "PlanError", "PLAN_DTYPE", "PLAN_CHUNK_DTYPE", "PLAN_SEND_DTYPE",
@@ -478,7 +479,7 @@ def test_plan_layout_probe_under_nvcc(tmp_path: Path) -> None:
                                            "#include <transportd/client.cuh>\n#include <transportd/plan_device.cuh>")
                    + USE_PLAN)
     exe = tmp_path / "probe_cuda"
-    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-I", str(INCLUDE), str(src), "-o", str(exe)], check=True)
+    subprocess.run([compiler, "-arch=sm_90", "-std=c++17", *INCLUDE_FLAGS, str(src), "-o", str(exe)], check=True)
     assert _parse(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout) == _expected()
 
 
@@ -623,8 +624,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     src = out / "model.cpp"
     src.write_text(MODEL)
     lib = out / "libplanmodel.so"
-    subprocess.run([cxx(), "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-pthread", "-I",
-                    str(INCLUDE), str(src), "-o", str(lib)], check=True)
+    subprocess.run([cxx(), "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-pthread",
+                    *INCLUDE_FLAGS, str(src), "-o", str(lib)], check=True)
     dll = ctypes.CDLL(str(lib))
     dll.run_tiles.restype = ctypes.c_uint32
     dll.run_tiles.argtypes = [P, P, ctypes.c_uint32, ctypes.c_uint32, P, P, ctypes.c_uint8, P, ctypes.c_uint64, P,

@@ -201,7 +201,7 @@ def test_device_path_compiles_under_nvrtc() -> None:
            b"extern \"C\" __global__ void k(tpd::IbgdaChannel ch) {\n"
            b"  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1);\n  tpd::quiet(ch);\n  tpd::wait(ch, 3, 1);\n}\n")
     err, prog = nvrtc.nvrtcCreateProgram(src, b"k.cu", 0, [], [])
-    opts = [f"-I{INCLUDE}".encode(), b"-arch=compute_90", b"-std=c++17"]
+    opts = [*(f.encode() for f in include_flags()), b"-arch=compute_90", b"-std=c++17"]
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -227,7 +227,7 @@ def test_static_asserts_catch_a_drifted_layout(tmp_path: Path, header: str, old:
     path.write_text(text.replace(old, new))
     src = tmp_path / "t.cpp"
     src.write_text("#include <transportd/ibgda/ibgda.cuh>\nint main() { return 0; }\n")
-    res = subprocess.run([compiler(), "-std=c++17", f"-I{inc}", str(src), "-o",
+    res = subprocess.run([compiler(), "-std=c++17", f"-I{inc}", *include_flags()[1:], str(src), "-o",
                           str(tmp_path / "t")], capture_output=True, text=True)
     assert res.returncode != 0 and message in res.stderr
 

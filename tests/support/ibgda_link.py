@@ -23,7 +23,8 @@ from tests.support.waiting import wait_until
 
 IBGDA_TESTS = Path(__file__).resolve().parents[1] / "ibgda"  # host_lib.cpp, probe.cpp, the GPU kernels
 GPU_KERNELS = IBGDA_TESTS / "gpu_kernels.cu"
-INCLUDE = gpuclient.get_include()  # the one device include root: transportd/ibgda/ beside the proxy API
+INCLUDE = gpuclient.get_include()  # the device API's root: transportd/ibgda/ beside the proxy API
+INCLUDE_DIRS = gpuclient.get_include_dirs()  # that root, then the contract's (cmd_ring.h, errors.h)
 DATA_BYTES = 1 << 20
 NFLAGS = 16
 # a soft queue's thread does the work: look often (every 0.5 ms), for up to 20 s
@@ -61,7 +62,7 @@ def compiler() -> str:
 
 
 def include_flags() -> list[str]:
-    return [f"-I{INCLUDE}"]
+    return [f"-I{d}" for d in INCLUDE_DIRS]
 
 
 class HostCq:

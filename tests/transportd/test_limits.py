@@ -1,4 +1,4 @@
-"""Limits two parts depend on (transportd/limits.py) agree: the config's proxy limits are the proxy's (a real
+"""Limits two parts depend on (cmd_ring/limits.py) agree: the config's proxy limits are the proxy's (a real
 proxy accepts each bound and refuses one step past it, and the config refuses the same values at load, so a
 worker never raises on a value the config took); the protocol's are those of the code serving it."""
 

@@ -1,4 +1,4 @@
-"""The one schema mechanism (transportd/schema.py) on Structs of its own: every failure is one Invalid with
+"""The one schema mechanism (cmd_ring/schema.py) on Structs of its own: every failure is one Invalid with
 the path to the value and the reason in the caller's words, checks run after msgspec's, and the docs come
 from the same annotations. The protocol's and the config's own tests cover their messages."""
 

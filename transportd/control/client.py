@@ -31,22 +31,25 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from transportd.config import DEFAULT_SOCKET, SOCKET_ENV, Config, check_control_endpoint
-from transportd.control import codec, protocol
-from transportd.control.curve import CurveClientKeys, configure_client
-from transportd.control.fdchannel import FdClient
-from transportd.control.protocol import Heartbeat, Hello, Request, SessionRules
-from transportd.errors import (
+from cmd_ring import codec, protocol
+from cmd_ring.endpoints import DEFAULT_SOCKET, SOCKET_ENV, check_control_endpoint
+from cmd_ring.errors import (
     DaemonTimeoutError,
     DaemonUnavailableError,
     RequestError,
     SessionLostError,
     TransportdError,
 )
+from cmd_ring.protocol import Heartbeat, Hello, Request, SessionRules
+from transportd.control.curve import CurveClientKeys, configure_client
+from transportd.control.fdchannel import FdClient
+
+if TYPE_CHECKING:  # an annotation only: a client never loads the daemon's config (or its backend registry)
+    from transportd.config import Config
 
 __all__ = ["ControlConnection", "not_a_socket", "pid_namespace", "resolve_endpoint"]
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from transportd.config import SecurityConfig
-from transportd.errors import ConfigError
+from cmd_ring.errors import ConfigError
+
+if TYPE_CHECKING:  # an annotation only: a client loading this module never loads the daemon's config
+    from transportd.config import SecurityConfig
 
 __all__ = [
     "CurveClientKeys",

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from transportd.control import codec, protocol
-from transportd.control.protocol import PassFd, ReplyCode, SideMessage, TakeFd, Vouch
-from transportd.errors import ProtocolError, RequestError, TransportdError
+from cmd_ring import codec, protocol
+from cmd_ring.errors import ProtocolError, RequestError, TransportdError
+from cmd_ring.protocol import PassFd, ReplyCode, SideMessage, TakeFd, Vouch
 
 __all__ = ["FD_SOCKET_SUFFIX", "FdClient", "FdServer", "PeerCredentials", "SideConnection", "SideHandler",
            "fd_socket_for", "is_memfd", "peer_credentials"]

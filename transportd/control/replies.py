@@ -1,59 +1,9 @@
-"""Replies on the control and descriptor sockets: ``{"v", "ok": true, ...}`` or ``{"v", "ok": false, "code",
-"message"}``, the code one of :class:`~transportd.control.wire.ReplyCode`'s members."""
+"""Moved to :mod:`cmd_ring.protocol.replies`, in the contract the client and the daemon both stand on; this name stays
+so the code that imports it here keeps working. The two names are one module object (not a copy of its
+names), so a monkeypatch or a private helper reached through either is the same."""
 
-from __future__ import annotations
+import sys
 
-from typing import Any
+import cmd_ring.protocol.replies as _contract
 
-from transportd.control.wire import ReplyCode, V
-from transportd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, RequestError
-
-__all__ = [
-    "error",
-    "error_reply_for",
-    "ok",
-    "parse_reply",
-]
-
-_REPLY_RESERVED = frozenset({"v", "ok", "code", "message"})
-
-
-def ok(**fields: Any) -> dict[str, Any]:
-    """A success reply carrying ``fields``."""
-    clash = _REPLY_RESERVED.intersection(fields)
-    if clash:
-        raise LocalProtocolError(f"reply field(s) {', '.join(sorted(clash))} are reserved")
-    return {"v": V, "ok": True, **fields}
-
-
-def error(code: str, message: str) -> dict[str, Any]:
-    """An error reply: stable ``code`` (see :class:`ReplyCode`) plus a message for humans."""
-    return {"v": V, "ok": False, "code": str(code), "message": message}
-
-
-def error_reply_for(exc: BaseException) -> dict[str, Any]:
-    """Map an exception raised while serving a request to its error reply (unknown ones are ``internal``)."""
-    if isinstance(exc, RequestError):
-        return error(exc.code, exc.message)
-    if isinstance(exc, ProtocolError):
-        return error(exc.code, str(exc))
-    return error(ReplyCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-
-
-def parse_reply(msg: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a success reply; raises :class:`RequestError` for an error reply.
-
-    A reply that is not a reply at all raises :class:`RemoteProtocolError`.
-    """
-    if type(msg.get("v")) is not int or msg.get("v") != V:
-        raise RemoteProtocolError(f"reply has protocol version {msg.get('v')!r:.20}, expected {V}",
-                                  code=ReplyCode.BAD_VERSION, field="v")
-    status = msg.get("ok")
-    if not isinstance(status, bool):
-        raise RemoteProtocolError("reply has no boolean 'ok'", field="ok")
-    if not status:
-        code, message = msg.get("code"), msg.get("message")
-        if not isinstance(code, str) or not isinstance(message, str):
-            raise RemoteProtocolError("error reply lacks string 'code' and 'message'", field="code")
-        raise RequestError(code, message)
-    return {k: v for k, v in msg.items() if k not in ("v", "ok")}
+sys.modules[__name__] = _contract

@@ -379,7 +379,7 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
         tpd_plan_row rows[3];
         int k = 0;
         int64_t conn = -1;
-        uint16_t code = gone ? TPD_CLIENT_GONE : tpd_translate(rec, &sv, &pv, max_length, rows, &k, &conn);
+        uint16_t code = gone ? TPD_ERR_CLIENT_GONE : tpd_translate(rec, &sv, &pv, max_length, rows, &k, &conn);
         if (k) {
             Conn *c = &e->conns[conn];
             if (c->holding) { /* its peer's daemon is restarting: this record and the rest wait in the ring */
@@ -762,7 +762,7 @@ enum { WC_LOC_PROT = 4, WC_FLUSH = 5, WC_REM_ACCESS = 10, WC_RETRY_EXC = 12, WC_
 
 static uint16_t completion_code(uint32_t status) {
     if (status == 0) return 0;
-    return (status == WC_LOC_PROT || status == WC_REM_ACCESS) ? TPD_REMOTE_ACCESS : TPD_TRANSPORT;
+    return (status == WC_LOC_PROT || status == WC_REM_ACCESS) ? TPD_ERR_REMOTE_ACCESS : TPD_ERR_TRANSPORT;
 }
 
 /* The far end not answering (RC retry exceeded, SRD response timeout: its daemon died, or the path) leaves
@@ -773,7 +773,7 @@ static int unanswered(uint32_t status) { return status == WC_RETRY_EXC || status
 
 /* A failed completion's code for the command's channel (after its group marked broken connections). */
 static uint16_t failed_code(const Conn *c, uint32_t status) {
-    if (unanswered(status) || (status == WC_FLUSH && c->broken)) return TPD_UNKNOWN_OUTCOME;
+    if (unanswered(status) || (status == WC_FLUSH && c->broken)) return TPD_ERR_UNKNOWN_OUTCOME;
     return completion_code(status);
 }
 
@@ -1429,7 +1429,7 @@ static PyObject *Engine_mark_gone(Engine *e, PyObject *arg) {
     Channel *ch = channel_arg(e, arg);
     if (!ch) return NULL;
     ch->gone = 1;
-    if (drop_waiting(e, ch->id, -1, TPD_CLIENT_GONE, 1)) return PyErr_NoMemory();
+    if (drop_waiting(e, ch->id, -1, TPD_ERR_CLIENT_GONE, 1)) return PyErr_NoMemory();
     advance_touched(e);
     Py_RETURN_NONE;
 }

@@ -51,7 +51,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     for (size_t r = 0; r < per_rank; r++) {
         conn[r] = r < rows && (take(&in, 1) & 3) ? (int64_t)(r % 3) : -1;
-        code[r] = conn[r] < 0 && (take(&in, 1) & 1) ? TPD_PEER_LOST : 0;
+        code[r] = conn[r] < 0 && (take(&in, 1) & 1) ? TPD_ERR_PEER_LOST : 0;
         fbase[r] = take(&in, 8) & ~7ull;
         fslots[r] = r < rows ? take(&in, 1) % 17 : 0;
         frkey[r] = (uint32_t)take(&in, 4);
@@ -75,7 +75,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         int n = -1;
         int64_t c = -2;
         uint16_t got = tpd_translate(&r, &src, &peers, max_length, out, &n, &c);
-        CHECK(got <= TPD_PEER_LOST && n >= 0 && n <= 2);
+        CHECK(got <= TPD_ERR_PEER_LOST && n >= 0 && n <= 2);
         if (got) {
             CHECK(n == 0 && c == -1);
             continue;

@@ -2,7 +2,7 @@
 #define TRANSPORTD_CORE_PINGPONG_H
 #include <stdint.h>
 
-#include "../../gpuclient/include/transportd/cmd_ring.h"
+#include <transportd/cmd_ring.h>
 
 /* Commit `count` PUTs one at a time into the mapped ring at `ring`, each to peer 1 + i % peers, stamped
  * into stamps[i]; each waits for the completion position to pass it. Returns how many completed before

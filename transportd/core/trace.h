@@ -28,7 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../../gpuclient/include/transportd/cmd_ring.h"
+#include <transportd/cmd_ring.h>
 
 #define TPD_TRACE_TAKEN 1
 #define TPD_TRACE_FAILED 2

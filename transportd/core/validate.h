@@ -27,22 +27,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../../gpuclient/include/transportd/cmd_ring.h"
-
-enum tpd_error_code {
-    TPD_OK = 0,
-    TPD_BAD_OPCODE = 1,
-    TPD_BAD_PEER = 2,
-    TPD_BAD_REGION = 3,
-    TPD_OUT_OF_BOUNDS = 4,
-    TPD_BAD_LENGTH = 5,
-    TPD_BAD_SLOT = 6,
-    TPD_CLIENT_GONE = 7,
-    TPD_PEER_LOST = 8,
-    TPD_REMOTE_ACCESS = 9,
-    TPD_TRANSPORT = 10,
-    TPD_UNKNOWN_OUTCOME = 14,
-};
+/* The record layout and the one error-code enum (TPD_ERR_*): the contract shared with the client
+ * (cmd_ring/include, on the include path from setup.py). */
+#include <transportd/cmd_ring.h>
+#include <transportd/errors.h>
 
 enum tpd_plan_op { TPD_PLAN_WRITE = 1, TPD_PLAN_SIGNAL = 2, TPD_PLAN_FENCE = 3 };
 enum tpd_signal_op { TPD_SIGNAL_ADD = 0, TPD_SIGNAL_SET = 1 };
@@ -93,12 +81,12 @@ static inline uint16_t tpd_translate(const tpd_cmd_record *r, const tpd_sources 
     *nrows = 0;
     *conn = -1;
     const unsigned op = r->opcode;
-    if (op < TPD_OP_PUT || op > TPD_OP_QUIET) return TPD_BAD_OPCODE;
-    if (op == TPD_OP_QUIET) return TPD_OK;
+    if (op < TPD_OP_PUT || op > TPD_OP_QUIET) return TPD_ERR_BAD_OPCODE;
+    if (op == TPD_OP_QUIET) return TPD_ERR_OK;
 
     const uint64_t pidx = (peers->world && r->peer < peers->rows) ? r->peer : peers->rows;
     const int64_t c = peers->conn[pidx];
-    if (c < 0) return peers->code[pidx] ? peers->code[pidx] : TPD_BAD_PEER;
+    if (c < 0) return peers->code[pidx] ? peers->code[pidx] : TPD_ERR_BAD_PEER;
 
     const int data = op == TPD_OP_PUT || op == TPD_OP_PUT_SIGNAL;
     const int needs_slot = op == TPD_OP_PUT_SIGNAL || op == TPD_OP_SIGNAL;
@@ -106,15 +94,15 @@ static inline uint16_t tpd_translate(const tpd_cmd_record *r, const tpd_sources 
     if (data) {
         const uint64_t limit = max_length < 0xFFFFFFFFull ? max_length : 0xFFFFFFFFull;
         const uint64_t length = r->length;
-        if (length == 0 || length > limit) return TPD_BAD_LENGTH;
+        if (length == 0 || length > limit) return TPD_ERR_BAD_LENGTH;
         sidx = r->src_region < src->size ? r->src_region : src->size;
         didx = pidx * (peers->cols + 1) + (r->dst_region < peers->cols ? r->dst_region : peers->cols);
-        if (!src->valid[sidx] || !peers->valid[didx]) return TPD_BAD_REGION;
+        if (!src->valid[sidx] || !peers->valid[didx]) return TPD_ERR_BAD_REGION;
         const uint64_t sl = src->length[sidx], dl = peers->length[didx];
         if (!(r->src_off <= sl && length <= sl - r->src_off && r->dst_off <= dl && length <= dl - r->dst_off))
-            return TPD_OUT_OF_BOUNDS;
+            return TPD_ERR_OUT_OF_BOUNDS;
     }
-    if (needs_slot && !((uint64_t)r->signal_slot < peers->flag_slots[pidx])) return TPD_BAD_SLOT;
+    if (needs_slot && !((uint64_t)r->signal_slot < peers->flag_slots[pidx])) return TPD_ERR_BAD_SLOT;
 
     tpd_plan_row *row = rows;
     if (data) {
@@ -139,7 +127,7 @@ static inline uint16_t tpd_translate(const tpd_cmd_record *r, const tpd_sources 
     }
     *nrows = (int)(row - rows);
     *conn = c;
-    return TPD_OK;
+    return TPD_ERR_OK;
 }
 
 #endif

@@ -1,7 +1,8 @@
 /*
  * transportd device API, umbrella header: include this from a kernel.
  *
- *   #include <transportd/client.cuh>     // nvcc -I$(python -c 'import gpuclient; print(gpuclient.get_include())')
+ *   #include <transportd/client.cuh>
+ *   // nvcc $(python -c 'import gpuclient; print(*("-I" + d for d in gpuclient.get_include_dirs()))')
  *
  *   __global__ void k(tpd::Channel ch, ...) {
  *       tpd::put_signal(ch, peer, dst_region, dst_off, src_region, src_off, bytes, slot, 1);

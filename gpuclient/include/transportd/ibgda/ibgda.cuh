@@ -4,7 +4,7 @@
  *
  *   #include <transportd/client.cuh>          // tpd::Channel (proxy path), optional
  *   #include <transportd/ibgda/ibgda.cuh>     // tpd::IbgdaChannel
- *   // nvcc -I$(python -c 'import gpuclient; print(gpuclient.get_include())')   (the one include root)
+ *   // nvcc $(python -c 'import gpuclient; print(*("-I" + d for d in gpuclient.get_include_dirs()))')
  *
  *   template <class Ch>
  *   __global__ void k(Ch ch, ...) {              // the same kernel body for either path
