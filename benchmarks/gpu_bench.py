@@ -353,6 +353,7 @@ class WorkerLoop:
     def __init__(self, proxy: Any) -> None:
         import zmq
 
+        from transportd.dataplane.link_messages import Stop
         from transportd.dataplane.worker import serve_loop
         from transportd.dataplane.worker_link import WorkerEndpoint
 
@@ -362,7 +363,8 @@ class WorkerLoop:
         self._main_end = self._ctx.socket(zmq.PAIR)
         self._main_end.linger = 0
         self._main_end.bind(f"ipc://{self._tmp.name}/link")
-        self._link = WorkerEndpoint(f"ipc://{self._tmp.name}/link", handler=object())
+        # the link only wakes the loop here: nothing is asked over it
+        self._link = WorkerEndpoint(f"ipc://{self._tmp.name}/link", {Stop: lambda request: None})
         self._stop = threading.Event()
         self._error: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, args=(serve_loop,), name="rail-worker-loop")

@@ -45,6 +45,7 @@ from cmd_ring.ring import RingConsumer, RingFile, RingProducer
 from transportd import _core
 from transportd.backends.interface import PlanOp
 from transportd.backends.null import NullBackend, apply_plans
+from transportd.dataplane.link_messages import Stop
 from transportd.dataplane.proxy import Proxy
 from transportd.dataplane.worker import DEEP_NAP_S, serve_loop
 from transportd.dataplane.worker_link import WorkerEndpoint
@@ -308,7 +309,8 @@ def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: f
         main_end = ctx.socket(zmq.PAIR)
         main_end.linger = 0
         main_end.bind(f"ipc://{tmp}/link")
-        link = WorkerEndpoint(f"ipc://{tmp}/link", handler=object())
+        # the link only wakes the loop here: nothing is asked over it
+        link = WorkerEndpoint(f"ipc://{tmp}/link", {Stop: lambda request: None})
         stop = threading.Event()
         loop = threading.Thread(target=serve_loop, args=(proxy, link, stop.is_set, nap_us / 1e6),
                                 name="idle-worker")
