@@ -29,7 +29,6 @@ never wait for a time slice; ``--no-mps`` (or ``TRANSPORTD_GPU_MPS=0``) runs wit
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -194,13 +193,13 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
          buffers: str) -> None:
     """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
-    from transportd_cli.mps import Mps, mps_wanted
+    from transportd_cli.mps import Mps
 
     if quick:
         writes, reps = 64, 1
-    server = Mps() if buffers == "gpu" and not no_mps and mps_wanted(os.environ) else None
-    if server is not None and not server.start():
-        click.echo(f"CUDA MPS: {server.describe()}")
+    mps = Mps()  # host buffers need no GPU, and --no-mps runs without
+    if buffers == "gpu" and not no_mps and not mps.start():
+        click.echo(mps.describe())
     try:
         results = []
         for spec in rows.split(","):
@@ -213,9 +212,8 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
                 results.append({"backend": backend, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
                 click.echo(f"  {spec}: failed: {exc}")
     finally:
-        mps_line = server.describe() if server is not None else "CUDA MPS: not used"
-        if server is not None:
-            server.stop()
+        mps_line = mps.describe()
+        mps.stop()
     click.echo(mps_line)
     click.echo(table(results))
     met = verdict(results)

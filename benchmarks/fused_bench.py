@@ -26,7 +26,6 @@ GPU with the kernels instead of waiting for time slices.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -165,18 +164,17 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(json_path: str | None, backends: str, shapes: str, m_local: int, n: int, k: int, chunk_rows: int,
          reps: int, quick: bool) -> None:
     """Overlap of AllGather+GEMM on two daemons sharing this GPU (see the module doc)."""
-    from transportd_cli.mps import Mps, mps_wanted
+    from transportd_cli.mps import Mps
 
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).touch()  # a bad path fails now, not after the run
     if quick:
         m_local, n, k, chunk_rows, reps = 512, 1024, 1024, 64, 2
-    server = Mps() if mps_wanted(os.environ) else None
-    if server is not None and not server.start():
-        click.echo(f"CUDA MPS: {server.describe()}")
     rows: list[dict[str, Any]] = []
-    try:
+    with Mps() as mps:  # started where wanted and present; describe() says which
+        if not mps.running:
+            click.echo(mps.describe())
         for backend in backends.split(","):
             for spec in shapes.split(","):
                 shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
@@ -185,10 +183,7 @@ def main(json_path: str | None, backends: str, shapes: str, m_local: int, n: int
                 except Exception as exc:  # keep what the other rows measured
                     rows.append({"backend": backend, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
                     click.echo(f"  {backend}:{shape}: failed: {exc}")
-    finally:
-        mps_line = server.describe() if server is not None else "CUDA MPS: not used"
-        if server is not None:
-            server.stop()
+        mps_line = mps.describe()
     click.echo(mps_line)
     click.echo(table(rows))
     if json_path:
