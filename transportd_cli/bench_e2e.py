@@ -39,7 +39,7 @@ from typing import Any
 import click
 import numpy as np
 
-from transportd.backends import RULES, TRANSPORTS
+from transportd.backends import TRAITS, TRANSPORTS
 from transportd_cli.cli_options import FiniteFloat, check_signal_mode
 
 __all__ = ["bench_e2e", "parse_size", "run_e2e_benchmark"]
@@ -213,7 +213,7 @@ def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: 
     }
     if poll_window_us is not None:
         overrides["proxy"] = {"poll_window_us": poll_window_us}
-    publishes = RULES[backend].receiver_publishes_flags  # then the signal mode does not apply
+    publishes = TRAITS[backend].publishes_flags  # then the signal mode does not apply
     config = {"backend": backend, "signal_mode": "receiver publishes" if publishes else signal_mode,
               "size": size, "seconds": seconds, "window": window, "samples": samples, "decoupled": decoupled,
               "adaptive_routing": adaptive_routing, "poll_window_us": poll_window_us, "producer": "cpu",

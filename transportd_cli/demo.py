@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 import gpuclient
-from transportd.backends import RULES
+from transportd.backends import TRAITS
 from transportd_cli.localcluster import LocalCluster
 
 __all__ = ["run_demo"]
@@ -34,7 +34,7 @@ def run_demo(total: int = 256 << 20, chunk: int = 1 << 20, backend: str = "ib", 
     chunks = total // chunk
     overrides = {"signal": {"mode": signal_mode}}
     with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
-        how = ("flags published by the receiving daemon" if RULES[backend].receiver_publishes_flags
+        how = ("flags published by the receiving daemon" if TRAITS[backend].publishes_flags
                else f"signal mode {signal_mode}")
         echo(f"started 2 daemons ({backend} over softverbs, {how}) in {cluster.workdir}")
         clients = [gpuclient.connect(cluster.socket(n)) for n in cluster.names]

@@ -174,7 +174,6 @@ class ConfigRules:
     signal_modes_why: str = ""  #: why a mode outside ``signal_modes`` does not apply
     decoupled: bool = True  #: honours ``signal.decoupled``
     decoupled_why: str = ""
-    receiver_publishes_flags: bool = False  #: the receiving daemon publishes flags (``flags.publication``)
     write_needs_in_order: bool = False  #: ``write`` signaling relies on in-order placement
 
 
@@ -191,8 +190,7 @@ RULES: dict[str, ConfigRules] = {
     "efa": ConfigRules(signal_modes=("write",),
                        signal_modes_why="the receiving daemon publishes a flag once every piece it covers arrived",
                        decoupled=False,
-                       decoupled_why="it would regroup SRD writes so a flag could cover less than it should",
-                       receiver_publishes_flags=True),
+                       decoupled_why="it would regroup SRD writes so a flag could cover less than it should"),
 }
 
 
@@ -209,8 +207,8 @@ def config_problems(kind: str, *, signal_mode: str, decoupled: bool, flags_publi
                                         f"({rules.signal_modes_why}); leave it at \"write\" (the default)"))
     if decoupled and not rules.decoupled:
         problems.append(("signal.decoupled", f"not supported with backend.kind = \"{kind}\" ({rules.decoupled_why})"))
-    if flags_publication != "auto" and not rules.receiver_publishes_flags:
-        publishers = " or ".join(f'"{k}"' for k, r in RULES.items() if r.receiver_publishes_flags)
+    if flags_publication != "auto" and not TRAITS.get(kind, Traits()).publishes_flags:
+        publishers = " or ".join(f'"{k}"' for k, t in TRAITS.items() if t.publishes_flags)
         problems.append(("flags.publication", f"{flags_publication!r} applies to backend.kind = {publishers} only, "
                                               f"where the receiving daemon publishes flags; on {kind!r} leave it "
                                               "at \"auto\""))

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from transportd.backends import BACKENDS, CAPABILITIES, IBGDA, RULES, TRAITS, Traits, traits_of
+from transportd.backends import BACKENDS, CAPABILITIES, IBGDA, TRAITS, Traits, traits_of
 
 # what each trait promises a backend class has
 PROMISES = {
@@ -37,10 +37,8 @@ def test_a_declared_trait_is_backed_by_its_methods_and_an_undeclared_one_is_not(
             assert hasattr(cls, method) == getattr(own, trait), (kind, trait, method)
 
 
-def test_the_main_process_capabilities_and_config_rules_agree_with_the_traits() -> None:
+def test_the_main_process_capabilities_agree_with_the_traits() -> None:
     assert CAPABILITIES == {kind: frozenset({IBGDA}) for kind, t in TRAITS.items() if t.ibgda}
-    for kind, rules in RULES.items():
-        assert rules.receiver_publishes_flags == TRAITS[kind].publishes_flags, kind
 
 
 def test_traits_are_looked_up_by_the_backend_name() -> None:
