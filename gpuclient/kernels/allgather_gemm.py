@@ -139,17 +139,19 @@ class AllGatherGemm:
         self._done = torch.zeros(1, dtype=torch.int32, device=self.gathered.device)  # monotonic, never reset
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.programs = self._programs or max(self.comm_programs + 1, sms // self.share)
-        b = torch.empty((self.k, self.n), dtype=torch.bfloat16, device=self.gathered.device)
-        out = torch.empty((self.world * self.m_local, self.n), dtype=self.out_dtype, device=self.gathered.device)
-        self._scratch = (b, out)
         self.preload()
 
     def preload(self, communicate: bool = True, compute: bool = True) -> None:
         """Compile and load the kernel variant that ``__call__(..., communicate=, compute=)`` launches
         (``prepare`` loads the default one): ranks in one process must load every variant they will run
         concurrently before the first launch of any."""
+        import torch
+
         self.prepare()
-        b, out = self._scratch
+        # stand-ins for B and C, held only while compiling: a compile specializes on a pointer's dtype and
+        # 16-byte alignment, not on what it points at
+        b = torch.empty(8, dtype=torch.bfloat16, device=self.gathered.device)
+        out = torch.empty(8, dtype=self.out_dtype, device=self.gathered.device)
         tpd.preload(_allgather_gemm, *self._args(1, b, out), grid=(self.programs,), **self._meta(communicate, compute))
 
     def _args(self, epoch: int, b: Any, out: Any) -> tuple:

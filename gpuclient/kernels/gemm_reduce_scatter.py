@@ -399,10 +399,11 @@ class GemmReduceScatter:
         self._done = torch.zeros(1, dtype=torch.int32, device=dev)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.programs = self._programs or max(1, sms // self.share)
-        a = torch.empty((self.m, self.k), dtype=torch.bfloat16, device=dev)
-        b = torch.empty((self.k, self.n), dtype=torch.bfloat16, device=dev)
-        tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, self._out_buffer(None)), grid=(self.programs,),
-                    **self._meta(True))
+        # stand-ins for A, B and the output, held only while compiling: a compile specializes on a pointer's
+        # dtype and 16-byte alignment, not on what it points at
+        a, b = (torch.empty(8, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        out = torch.empty(8, dtype=self.out_dtype, device=dev)
+        tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out), grid=(self.programs,), **self._meta(True))
 
     def _out_buffer(self, out: Any) -> Any:
         import torch
