@@ -9,10 +9,14 @@ own cost — WQE build and store over PCIe, slot claim, doorbell ticket, doorbel
 polling — not a transport's. On a real ConnectX the UAR is MMIO and the queue may live in GPU memory;
 expect the doorbell to cost more and the WQE stores less.
 
-single   one thread, n ops back to back: ns per put (1 WQE), put_signal (2, or 3 in fence mode), signal;
+single   one thread, n ops back to back: ns per put (1 WQE), put_signal (2, or 3 in fence mode), signal,
+         and the warp-aggregated warp_put / warp_put_signal called by one lane alone (their overhead);
          then the quiet that drains them
+warp     one warp of 32 threads, n ops each: ns per op of put / put_signal (32 posters on one ticket)
+         beside warp_put / warp_put_signal (one claim and one doorbell per warp call)
 rtt      one thread, (put, quiet) n times: the GPU -> host NIC -> CQE -> GPU round trip
-many     132 x 128 threads on one QP, 8 ops each: ops/s and WQEs/s (the doorbell ticket serialises them)
+many     132 x 128 threads on one QP, 8 ops each: ops/s, WQEs/s and WQEs per doorbell, per-thread calls (the
+         doorbell ticket serialises them) beside the warp-aggregated ones, in the same run
 versus   IBGDA against the proxy path in one run, same kernels (gpu_push.cu, built with and without
          -DTPD_IBGDA), two daemons over softverbs RC: put -> flag p50/p99 of 4 KiB and commands/s
          (64-byte puts from 32 blocks), and their ratios (ibgda over proxy), with buffers and flags in
@@ -42,7 +46,7 @@ if str(ROOT) not in sys.path:
 
 import gpuclient  # noqa: E402
 from ibgda.channel_tables import build_channel  # noqa: E402
-from ibgda.device_handle import QUEUE_PAIR_DTYPE, SignalMode  # noqa: E402
+from ibgda.device_handle import QP_STATE_DTYPE, QUEUE_PAIR_DTYPE, SignalMode  # noqa: E402
 from ibgda.queue_memory import QueueMemory  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -50,13 +54,14 @@ KERNELS = HERE / "ibgda_kernels.cu"
 NULL_NIC = HERE / "ibgda_null_nic.cpp"
 QPN = 0x4242
 REGION = 1 << 40  # the null NIC moves nothing: regions are only checked, never touched
-OPS = {"put": 0, "put_signal": 1, "signal": 2}
+OPS = {"put": 0, "put_signal": 1, "signal": 2, "warp_put": 3, "warp_put_signal": 4}
+POSTING = ("put", "put_signal", "warp_put", "warp_put_signal")  # the warp and many rows
 
 
 def wqes_per_op(op: str, mode: SignalMode) -> int:
     """WQEs one op posts (channel.cuh): fence mode adds the ordering read before a flag write."""
     fence = mode == SignalMode.FENCE
-    return {"put": 1, "signal": 2 if fence else 1, "put_signal": 3 if fence else 2}[op]
+    return {"put": 1, "signal": 2 if fence else 1, "put_signal": 3 if fence else 2}[op.removeprefix("warp_")]
 
 
 def build_null_nic(out_dir: Path) -> ctypes.CDLL:
@@ -103,11 +108,16 @@ class Setup:
                                queue_pairs={1: qp}, local_regions=[(0x10000, REGION, 1)],
                                remote_regions={1: [(0x20000, REGION, 2)]}, remote_flags={1: (0x40000, 64, 3)})
         self.arg = tables.record.tobytes()
+        self.state = next(m for m in self.blocks if m.ptr == tables.qp_states[1])
         a = self.mem.addresses()
         self.handle = nic.tpd_null_nic_start(a["sq"], a["dbrec"], a["cq"], a["cq_dbrec"], QPN, wqe_cnt, wqe_cnt)
 
     def read_out(self) -> np.ndarray:
         return np.frombuffer(self.out.read(0, 16), dtype=np.uint64)
+
+    def rings(self) -> int:
+        """Doorbells rung so far (QpState.rings)."""
+        return int(np.frombuffer(self.state.read(0, QP_STATE_DTYPE.itemsize), dtype=QP_STATE_DTYPE)[0]["rings"])
 
     def close(self) -> tuple[int, int]:
         cqes = ctypes.c_uint64()
@@ -124,9 +134,9 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
     use_device(0)
     drv = driver()
     module = gpuclient.compile(KERNELS.read_text(), device=0, name="ibgda_kernels.cu")
-    n_single, n_rtt, n_many = (200, 100, 4) if quick else (20000, 5000, 8)
+    n_single, n_warp, n_rtt, n_many = (200, 50, 100, 4) if quick else (20000, 2000, 5000, 8)
     grid, block = (8, 32) if quick else (132, 128)
-    results: dict[str, Any] = {"single": {}, "rtt": {}, "many": {}}
+    results: dict[str, Any] = {"single": {}, "warp": {}, "rtt": {}, "many": {}}
     with tempfile.TemporaryDirectory() as tmp:
         nic = build_null_nic(Path(tmp))
         for mode in SignalMode:
@@ -145,6 +155,23 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
                                           "cqes": cqes, "wqes_per_op": wqes_per_op(op, mode)}
                 echo(f"single  {key:22s} {post_ns / n_single:9.1f} ns/op   quiet {quiet_ns / 1e3:8.1f} us   "
                      f"{wqes} WQEs, {cqes} CQEs")
+        for mode in SignalMode:
+            for op in POSTING:
+                s = Setup(nic, mode, 1024)
+                try:
+                    module.function("bench_single").launch(1, 32, (s.arg, np.uint32(1), np.int32(n_warp),
+                                                                   np.int32(OPS[op]), np.uint32(4096),
+                                                                   np.uint64(s.out.ptr)))
+                    check(drv.cuCtxSynchronize(), "bench_single (one warp)")
+                    post_ns, _ = (int(x) for x in s.read_out())
+                    rings = s.rings()
+                finally:
+                    wqes, _ = s.close()
+                key = f"{op}/{mode.name.lower()}"
+                per_op = post_ns / (n_warp * 32)
+                results["warp"][key] = {"ns_per_op": per_op, "wqes": wqes, "doorbells": rings,
+                                        "wqes_per_doorbell": wqes / max(rings, 1)}
+                echo(f"warp    {key:22s} {per_op:9.1f} ns/op   {wqes / max(rings, 1):6.1f} WQEs/doorbell (32 lanes)")
         s = Setup(nic, SignalMode.WRITE, 1024)
         try:
             module.function("bench_round_trip").launch(1, 1, (s.arg, np.uint32(1), np.int32(n_rtt), np.uint32(64),
@@ -156,7 +183,7 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
         results["rtt"] = {"ns_per_round": rtt}
         echo(f"rtt     put + quiet            {rtt:9.1f} ns/round")
         for mode in SignalMode:
-            for op in ("put", "put_signal"):
+            for op in POSTING:
                 s = Setup(nic, mode, 4096)
                 try:
                     s.out.write(0, np.array([2**64 - 1, 0], dtype=np.uint64).tobytes())
@@ -165,14 +192,16 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
                                                                        np.uint64(s.out.ptr)))
                     check(drv.cuCtxSynchronize(), "bench_many")
                     start, end = (int(x) for x in s.read_out())
+                    rings = s.rings()
                 finally:
                     wqes, _ = s.close()
                 ops = grid * block * n_many
                 secs = (end - start) / 1e9
                 key = f"{op}/{mode.name.lower()}"
-                results["many"][key] = {"ops_per_s": ops / secs, "wqes_per_s": wqes / secs, "threads": grid * block}
+                results["many"][key] = {"ops_per_s": ops / secs, "wqes_per_s": wqes / secs, "threads": grid * block,
+                                        "doorbells": rings, "wqes_per_doorbell": wqes / max(rings, 1)}
                 echo(f"many    {key:22s} {ops / secs / 1e6:9.2f} M ops/s  {wqes / secs / 1e6:8.2f} M WQEs/s "
-                     f"({grid}x{block} threads)")
+                     f"{wqes / max(rings, 1):6.1f} WQEs/doorbell ({grid}x{block} threads)")
     vs = results["versus"] = versus_proxy(quick, echo)
     results["summary"] = {
         "put_ns_1thread": results["single"]["put/write"]["ns_per_op"],
@@ -182,6 +211,14 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
         "put_quiet_rtt_ns": rtt,
         "many_put_mops": results["many"]["put/write"]["ops_per_s"] / 1e6,
         "many_wqes_mps_put_signal_write": results["many"]["put_signal/write"]["wqes_per_s"] / 1e6,
+        "warp_put_ns_1thread": results["single"]["warp_put/write"]["ns_per_op"],
+        "warp_put_signal_ns_1thread_write": results["single"]["warp_put_signal/write"]["ns_per_op"],
+        "warp32_put_ns_per_op": results["warp"]["put/write"]["ns_per_op"],
+        "warp32_warp_put_ns_per_op": results["warp"]["warp_put/write"]["ns_per_op"],
+        "many_warp_put_mops": results["many"]["warp_put/write"]["ops_per_s"] / 1e6,
+        "many_warp_put_signal_mops_write": results["many"]["warp_put_signal/write"]["ops_per_s"] / 1e6,
+        "many_warp_put_over_put": results["many"]["warp_put/write"]["ops_per_s"]
+        / results["many"]["put/write"]["ops_per_s"],
         **vs["summary"],
     }
     return results

@@ -28,11 +28,11 @@ class SignalMode(IntEnum):
     FENCE = 2
 
 
-# QpState: three 128-byte lines, one per writer role (claim / ticket / CQ poller).
+# QpState: three 128-byte lines, one per writer role (claim / ticket / CQ poller); rings counts doorbells.
 QP_STATE_DTYPE = np.dtype({
-    "names": ["claimed", "posted", "signaled", "fence_next", "done", "cq_ci", "cq_lock", "error"],
-    "formats": ["<u8", "<u8", "<u8", "<u4", "<u8", "<u8", "<u4", "<u4"],
-    "offsets": [0, 128, 136, 144, 256, 264, 272, 276],
+    "names": ["claimed", "posted", "signaled", "fence_next", "rings", "done", "cq_ci", "cq_lock", "error"],
+    "formats": ["<u8", "<u8", "<u8", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4"],
+    "offsets": [0, 128, 136, 144, 148, 256, 264, 272, 276],
     "itemsize": 384,
 })
 

@@ -10,8 +10,10 @@ compiles its Triton kernel on first use. Tensors are PyTorch's (``torch`` and ``
     c = op(a_shard, b)                                           # C = all_gather(A) @ B, bf16 in, fp32 acc
 
 ``GemmReduceScatter`` (this rank's segment of ``sum_r A_r @ B_r``) and ``GemmAllReduce`` (all of it) follow
-the same contract; ``MoE`` (expert-parallel dispatch and combine, DeepEP low-latency style) too, with two
-calls per round. docs/kernels.md describes each op's math, layouts and launch contract.
+the same contract, as does ``RingAttention`` (sequence-parallel attention, forward: K and V pass around
+the ring while each rank attends to what has arrived); ``MoE`` (expert-parallel dispatch and combine,
+DeepEP low-latency style) too, with two calls per round. docs/kernels.md describes each op's math,
+layouts and launch contract.
 
 Flags: every kernel takes ``slot_base`` and needs ``op.slots`` flag words from there; a kernel that finds
 the session without flags allocates ``slot_base + op.slots`` of them in device memory.
@@ -20,5 +22,6 @@ the session without flags allocates ``slot_base + op.slots`` of them in device m
 from gpuclient.kernels.allgather_gemm import AllGatherGemm
 from gpuclient.kernels.gemm_reduce_scatter import GemmAllReduce, GemmReduceScatter
 from gpuclient.kernels.moe import MoE, MoEHandle
+from gpuclient.kernels.ring_attention import RingAttention
 
-__all__ = ["AllGatherGemm", "GemmAllReduce", "GemmReduceScatter", "MoE", "MoEHandle"]
+__all__ = ["AllGatherGemm", "GemmAllReduce", "GemmReduceScatter", "MoE", "MoEHandle", "RingAttention"]

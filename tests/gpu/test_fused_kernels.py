@@ -3,7 +3,8 @@
 Each kernel is checked against torch with owed data poisoned (NaN) before every launch, over several
 launches with no flag reset, on shapes where tiles, chunks and the shard (or segment) do not line up; the
 channels' error words must stay 0. AllGatherGemm, GemmReduceScatter (bf16 partials with fp32 output, fp32
-partials with bf16 output) and GemmAllReduce (bf16 throughout).
+partials with bf16 output), GemmAllReduce (bf16 throughout) and RingAttention (head_dim 64 and 128, causal
+or not, on two ranks and on three, where blocks are passed on).
 """
 
 from __future__ import annotations
@@ -183,5 +184,77 @@ def test_gemm_all_reduce_matches_torch(cuda_device, backend: str) -> None:
                     assert op.channel.status()[0] == 0, op.channel.status()
             for op in ops:  # each reduced chunk went to the peer once per launch
                 assert (op.ag_plan.to_device(cuda_device).counters() == LAUNCHES).all()
+        finally:
+            _close(sessions)
+
+
+def _attention(q: list, k: list, v: list, causal: bool):
+    """torch's scaled_dot_product_attention over the whole gathered sequence (ranks in order), in float64 on
+    the CPU: [heads, world * seq_local, head_dim]."""
+    full = [torch.cat([x.cpu().double() for x in xs], dim=1)[None] for xs in (q, k, v)]
+    return torch.nn.functional.scaled_dot_product_attention(*full, is_causal=causal)[0]
+
+
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+@pytest.mark.parametrize(("world", "head_dim", "causal", "out_dtype", "comm_programs"), [
+    (2, 64, False, "float32", 1),
+    (2, 128, False, "bfloat16", 1),
+    (2, 128, True, "float32", 1),
+    (3, 128, False, "float32", 2),  # three ranks: step 2 passes on what arrived at step 1
+    (3, 64, True, "bfloat16", 1),
+])
+def test_ring_attention_matches_torch(cuda_device, backend: str, world: int, head_dim: int, causal: bool,
+                                      out_dtype: str, comm_programs: int) -> None:
+    from gpuclient.kernels import RingAttention
+
+    # 200 positions per rank: no multiple of the 64-query tile or the 64-key step; chunks of 48 positions
+    # straddle heads (200 = 4 x 48 + 8); 12 tiles over 4 compute programs, so the running softmax state
+    # goes through the scratch between steps
+    heads, seq_local, chunk_rows = 3, 200, 48
+    odt = getattr(torch, out_dtype)
+    gen = torch.Generator(device="cpu").manual_seed(11 + world + head_dim)
+    dev = f"cuda:{cuda_device}"
+    with LocalCluster(world, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+        sessions = _ranks(cluster, f"fused-ring-attn-{world}", cuda_device)
+        try:
+            ops = [RingAttention(s, heads, seq_local, head_dim, causal=causal, chunk_rows=chunk_rows,
+                                 comm_programs=comm_programs, share=world, programs=comm_programs + 4,
+                                 out_dtype=odt) for _, s in sessions]
+            _exchange(sessions)
+            for op in ops:  # every rank's kernel loaded before any launches (one process, one GPU)
+                op.prepare()
+            streams = [torch.cuda.Stream(cuda_device) for _ in ops]
+            shape = (heads, seq_local, head_dim)
+            bad = torch.zeros(shape, dtype=torch.float32, device=dev)
+            with pytest.raises(ValueError, match=f"q must be {heads} x {seq_local} x {head_dim} torch.bfloat16"):
+                ops[0](bad, bad, bad)
+            for launch in range(1, LAUNCHES + 1):
+                q, k, v = ([torch.randn(shape, generator=gen).to(torch.bfloat16).to(dev) for _ in ops]
+                           for _ in range(3))
+                for op in ops:  # what the peers send, the own block (written by the kernel) and the scratch: NaN
+                    op.kv.fill_(float("nan"))
+                    op._acc.fill_(float("nan"))
+                    op._ml.fill_(float("nan"))
+                outs = [torch.full(shape, float("nan"), dtype=odt, device=dev) for _ in ops]
+                torch.cuda.synchronize(cuda_device)
+                for r, op in enumerate(ops):
+                    with torch.cuda.stream(streams[r]):
+                        op(q[r], k[r], v[r], outs[r], stream=streams[r])
+                torch.cuda.synchronize(cuda_device)
+                want = _attention(q, k, v, causal)
+                for r, op in enumerate(ops):
+                    got = outs[r].cpu().double()
+                    assert torch.isfinite(got).all(), f"rank {r} launch {launch}: read before arrival (NaN)"
+                    # bf16 inputs are exact in the float64 reference; what is left is P rounded to bf16 before
+                    # P V (2^-9 relative per weight: < 5e-3 here in the interpreter's run of the same kernel),
+                    # a bf16 output's own rounding (2^-9 relative) and fp32 summation order. A block missed,
+                    # read twice or from another launch moves outputs by 0.05 and more.
+                    torch.testing.assert_close(got, want[:, r * seq_local:(r + 1) * seq_local], rtol=1e-2,
+                                               atol=1.5e-2,
+                                               msg=lambda m, r=r, launch=launch: f"rank {r} launch {launch}: {m}")
+                    assert op.channel.status()[0] == 0, op.channel.status()
+            for op in ops:  # each chunk (own block's and forwarded) shipped once per launch
+                assert (op.plan.to_device(cuda_device).counters() == LAUNCHES).all()
+                assert op.launches == LAUNCHES
         finally:
             _close(sessions)

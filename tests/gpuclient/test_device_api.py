@@ -46,6 +46,8 @@ extern "C" __global__ void use_all(tpd::Channel ch, tpd::Plan plan, uint32_t* ou
     uint64_t seen = tpd::wait(ch, 0, 1);
     out[0] = code + (uint32_t)seen + tpd::chunk_arrive(counter, 4);
     tpd::block_wait(ch, 1, 2);
+    tpd::warp_put(ch, threadIdx.x % 2 == 0, 1, 2, 3, 4, 5, 6);
+    tpd::warp_put(ch, true, 1, 2, 3, 4, 5, 6, 7);
     tpd::warp_put_signal(ch, threadIdx.x % 3 == 0, 1, 2, 3, 4, 5, 6, 7, 8);
     tpd::warp_put_signal(ch, true, 1, 2, 3, 4, 5, 6, 7, 8, tpd::SignalOp::Set);
     out[1] = tpd::tile_done(ch, plan, threadIdx.x) + tpd::tile_done_warp(ch, plan, threadIdx.x % 2 == 0, threadIdx.x);

@@ -8,6 +8,12 @@
   the culprit; the chunks the kernel counts arrivals for are the plan's chunks, the arrival counts are what
   enumerating the tiles gives, each own tile's ``wait_range`` names exactly the chunks its rows touch, and
   the flag slots of every plan and release flag are disjoint and agree between sender and receiver.
+- RingAttention: its kernel compiles for sm_90 (head_dim 64 and 128, causal or not, sizes Triton turns into
+  constants), and compiled as a launch specializes it, the key loop over an arrived block is pipelined only
+  after its wait; RingAttentionLayout refuses bad shapes, and the ring plan ships, forwards and raises
+  exactly the chunks the kernel names; a model of the kernel's waits and sends on the plans' tables runs
+  three launches in random interleavings (no stall, no early forward, no overwrite of a block being read);
+  the compute programs and the own block's writer run in Triton's interpreter against float64 attention.
 
 The ops' GPU test is tests/gpu/test_fused_kernels.py. CI installs Triton; without it these tests skip here.
 """
@@ -15,7 +21,10 @@ The ops' GPU test is tests/gpu/test_fused_kernels.py. CI installs Triton; withou
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from itertools import product
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +39,8 @@ except ImportError:  # pragma: no cover - depends on the machine
 from gpuclient.errors import PlanError  # noqa: E402
 from gpuclient.kernels.allgather_gemm import _allgather_gemm  # noqa: E402
 from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout, _gemm_reduce_scatter  # noqa: E402
+from gpuclient.kernels.ring_attention import RingAttentionLayout, _ring_attention  # noqa: E402
+from gpuclient.plan import NO_RECV  # noqa: E402
 from tests.gpuclient.test_triton import compile_kernel, guarded_blocks, opcode, ptx_lines  # noqa: E402
 
 BLOCK = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
@@ -220,3 +231,256 @@ def test_flag_slots_are_disjoint_and_inside_the_ops_range(world: int) -> None:
     assert min(used) == lay.slot_base and max(used) == lay.slot_base + lay.slots - 1
     rs_only = ReduceScatterLayout(0, world, world * 90, 64, 64, chunk_rows=40, slot_base=7)
     assert rs_only.slots == rs_only.incoming_chunks + world
+
+
+# --- RingAttention ------------------------------------------------------------------------------------------------
+RA_SIG = {"ch": "*u64", "plan": "*u64", "epoch": "i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+          "kv_ptr": "*bf16", "out_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "done_ptr": "*i32",
+          "rank": "i32", "world": "i32", "heads": "i32", "seq": "i32", "chunk_elems": "i32",
+          "chunks_per_block": "i32", "release_slot": "i32", "qk_scale": "fp32"}
+
+
+def ra_meta(head_dim: int, causal: bool, communicate: bool = True) -> dict:
+    return {"COMM_PROGRAMS": 1, "HEAD_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "COPY_BLOCK": 1024,
+            "CAUSAL": causal, "COMMUNICATE": communicate}
+
+
+@pytest.mark.parametrize(("head_dim", "causal", "out"), [(64, False, "fp32"), (128, False, "bf16"), (64, True, "bf16"),
+                                                         (128, True, "fp32")])
+def test_the_ring_attention_kernel_compiles_for_sm90(head_dim: int, causal: bool, out: str) -> None:
+    compiled = compile_kernel(_ring_attention, {**RA_SIG, "out_ptr": f"*{out}"}, ra_meta(head_dim, causal))
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"
+    pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
+    assert any(op.startswith("wgmma") for op in code)  # Q K^T and P V on the tensor cores
+    assert not [op for op in code if ".nc" in op]  # kv is written by the NIC mid-launch
+    # pushes: tile_done of the own block's chunks, tile_done of a forwarded chunk, the release signal;
+    # waits: the release, the forwarded chunk's arrival, a head's range before the key loop; the closing quiet
+    assert (pushes, waits, quiets) == (3, 3, 1)
+
+
+def test_the_ring_attention_compute_only_variant_has_no_protocol() -> None:
+    compiled = compile_kernel(_ring_attention, RA_SIG, ra_meta(128, False, communicate=False))
+    pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
+    assert (pushes, waits, quiets) == (0, 0, 0)
+    assert not [op for op in code if op.startswith("atom")]
+
+
+def test_the_ring_attention_kernel_compiles_where_triton_makes_sizes_of_1_constants() -> None:
+    # Triton specializes an int argument equal to 1 into a constant: one head, one position, one rank
+    ones = {"world": 1, "heads": 1, "seq": 1, "chunks_per_block": 1}
+    for communicate in (True, False):
+        compiled = compile_kernel(_ring_attention, RA_SIG, {**ones, **ra_meta(64, True, communicate)})
+        assert compiled.asm["cubin"][:4] == b"\x7fELF"
+
+
+def test_the_ring_attention_arithmetic_in_the_interpreter() -> None:
+    """The compute programs and the own block's interleave, run by Triton's interpreter against float64
+    numpy (tests/gpuclient/ring_attention_interpreter.py says what and how)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, str(root / "tests/gpuclient/ring_attention_interpreter.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("ok"), run.stdout + run.stderr
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"head_dim": 96}, r"head_dim must be one of \(64, 128\)"),
+    ({"head_dim": 256}, r"head_dim must be one of \(64, 128\)"),
+    ({"heads": 0}, "heads must be an integer >= 1"),
+    ({"seq_local": -1}, "seq_local must be an integer >= 1"),
+    ({"seq_local": 2.0}, "seq_local must be an integer >= 1"),
+    ({"chunk_rows": 0}, "chunk_rows must be an integer >= 1"),
+    ({"world": 0}, "world must be an integer >= 1"),
+    ({"rank": 2}, r"rank must be in \[0, 2\)"),
+    ({"rank": -1}, r"rank must be in \[0, 2\)"),
+    ({"slot_base": -1}, "slot_base must be an integer >= 0"),
+    ({"block": (64, 48)}, r"powers of two in \[16, 256\]"),
+    ({"block": (8, 64)}, r"powers of two in \[16, 256\]"),
+    ({"block": (64,)}, r"powers of two in \[16, 256\]"),
+    ({"out_bytes": 1}, r"out_bytes must be 2 \(bf16\) or 4 \(fp32\)"),
+    ({"causal": 1}, "causal must be a bool"),
+    ({"heads": 64, "seq_local": 1 << 17}, "pass 2.31 elements"),  # (so a chunk always fits a put's 32 bits)
+])
+def test_ring_attention_refuses_bad_shapes_with_the_culprit_named(kwargs: dict, message: str) -> None:
+    args = {"rank": 0, "world": 2, "heads": 3, "seq_local": 200, "head_dim": 128, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        RingAttentionLayout(**args)
+
+
+RA_SHAPES = [  # (world, heads, seq_local, head_dim, chunk_rows): chunks out of line with heads and tiles
+    (2, 3, 200, 128, 48),
+    (3, 2, 77, 64, 30),
+    (4, 1, 64, 64, 64),  # everything in line
+    (3, 2, 50, 128, 1000),  # one chunk per block, longer than the block
+    (5, 3, 33, 64, 7),
+]
+
+
+@pytest.mark.parametrize("shape", RA_SHAPES)
+def test_the_ring_plan_carries_the_chunks_the_kernel_ships(shape: tuple) -> None:
+    world, heads, seq, head_dim, chunk_rows = shape
+    lays = [RingAttentionLayout(r, world, heads, seq, head_dim, chunk_rows=chunk_rows, slot_base=4)
+            for r in range(world)]
+    plans = [lay.plan(kv_region=2) for lay in lays]
+    cpb = lays[0].chunks_per_block
+    assert cpb == -(-lays[0].block_bytes // lays[0].chunk_bytes)
+    for r, (lay, plan) in enumerate(zip(lays, plans, strict=True)):
+        assert lay.block_bytes == heads * seq * 2 * head_dim * 2 and lay.kv_bytes == world * lay.block_bytes
+        for s in range(1, world):
+            # the kernel's chunk j of step s is plan chunk (and tile) (s - 1) * cpb + j, of the block sent at s
+            assert plan.step_chunks(s) == range(lay.plan_chunk(s, 0), lay.plan_chunk(s, cpb))
+            for j in range(cpb):
+                c = lay.plan_chunk(s, j)
+                assert int(plan.tile_chunk[c]) == c and int(plan.chunks["tiles"][c]) == 1
+                off, nbytes = lay.chunk_span(lay.sent_at(s), j)
+                chunk = plan.chunks[c]
+                assert (int(chunk["src_off"]), int(chunk["bytes"]), int(chunk["src_region"])) == (off, nbytes, 2)
+                (send,) = plan.sends[int(chunk["first_send"]):int(chunk["first_send"]) + int(chunk["send_count"])]
+                assert (int(send["peer"]), int(send["dst_region"]), int(send["dst_off"])) == (lay.right, 2, off)
+                # the right neighbour's wait for exactly these bytes raises on this send's slot
+                assert plans[lay.right].waits(r, off, nbytes, 3) == [(int(send["slot"]), 3)]
+                if s >= 2:  # the kernel's wait_range before forwarding names exactly the chunk the plan forwards
+                    first, end = plan.recv_span(lay.left, off, nbytes)
+                    assert (first, end) == (int(plan.forwards[c]), int(plan.forwards[c]) + 1)
+        # the compute's wait at step s, head h: the chunks from the left that intersect the head's K and V rows
+        for s, h in product(range(1, world), range(heads)):
+            origin = lay.origin_at(s)
+            off, nbytes = lay.head_span(origin, h)
+            first, end = plan.recv_span(lay.left, off, nbytes)
+            recvs = plan.recvs[first:end]
+            assert len(recvs) > 0 and (recvs["source"] == lay.left).all()
+            assert int(recvs["off"][0]) <= off and int(recvs["off"][-1] + recvs["bytes"][-1]) >= off + nbytes
+            inside = [(int(o), int(o + b)) for o, b in plan.recvs[["off", "bytes"]][int(plan.recv_index[lay.left]):
+                                                                                 int(plan.recv_index[lay.left + 1])]
+                      if o < off + nbytes and o + b > off]
+            assert inside == [(int(o), int(o + b)) for o, b in recvs[["off", "bytes"]]]
+            assert origin * lay.block_bytes <= int(recvs["off"][0]) < (origin + 1) * lay.block_bytes
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_ring_attention_flag_slots_are_disjoint_and_inside_the_ops_range(world: int) -> None:
+    lay = RingAttentionLayout(world - 1, world, 3, 40, 64, chunk_rows=16, slot_base=9)
+    plan = lay.plan(0)
+    used = [*plan.recvs["slot"].tolist(), lay.release_slot]
+    assert len(used) == len(set(used)) == lay.slots
+    assert min(used) == lay.slot_base and max(used) == lay.slot_base + lay.slots - 1
+    assert plan.recv_count == (world - 1) * lay.chunks_per_block  # every origin but ours, once per launch
+
+
+def test_causal_steps_skip_exactly_the_later_origins() -> None:
+    for world, rank in product(range(1, 5), range(4)):
+        if rank >= world:
+            continue
+        lay = RingAttentionLayout(rank, world, 2, 30, 64, causal=True)
+        read = {lay.origin_at(s) for s in range(1, world) if lay.keys_read(s)}
+        assert read == set(range(rank))  # origins before ours in full, ours on the diagonal (step 0)
+        assert {lay.origin_at(s) for s in range(world)} == set(range(world))
+
+
+@pytest.mark.parametrize(("world", "comm_programs"), [(2, 1), (3, 1), (3, 2), (4, 3)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_ring_schedule_completes_and_never_overwrites_what_is_read(world: int, comm_programs: int,
+                                                                       seed: int) -> None:
+    """A model of the kernel's waits and sends, on the plans' own tables, over three launches per rank and a
+    random interleaving: every program finishes (no deadlock), every wait is met by exactly the launch's
+    chunk, a chunk is passed on only once it arrived, and no chunk lands in a block its receiver may still
+    read (the release flag's back-pressure)."""
+    launches = 3
+    lays = [RingAttentionLayout(r, world, 2, 37, 64, chunk_rows=20) for r in range(world)]
+    plans = [lay.plan(0) for lay in lays]
+    cpb = lays[0].chunks_per_block
+    flags = [np.zeros(lays[0].slot_base + lays[0].slots, dtype=np.int64) for _ in range(world)]
+    landed = [{} for _ in range(world)]  # rank -> {incoming chunk index: launch whose bytes are there}
+    reading = [0] * world  # the launch whose blocks a rank may still read (0: none)
+
+    def ship(r: int, c: int, e: int) -> None:
+        chunk = plans[r].chunks[c]
+        if plans[r].forwards[c] != NO_RECV:  # passing on what came from the left: it must be this launch's
+            assert landed[r].get(int(plans[r].forwards[c])) == e, f"rank {r} forwards chunk {c} before it arrived"
+        for send in plans[r].sends[int(chunk["first_send"]):int(chunk["first_send"]) + int(chunk["send_count"])]:
+            dst = int(send["peer"])
+            assert reading[dst] in (0, e), f"rank {r} launch {e} overwrites rank {dst}'s launch {reading[dst]}"
+            (i,) = range(*plans[dst].recv_span(r, int(send["dst_off"]), int(chunk["bytes"])))
+            landed[dst][i] = e
+            flags[dst][int(send["slot"])] += int(send["value"])
+
+    def wait_range(r: int, e: int, off: int, nbytes: int):
+        for slot, target in plans[r].waits(lays[r].left, off, nbytes, e):
+            while flags[r][slot] < target:
+                yield
+        first, end = plans[r].recv_span(lays[r].left, off, nbytes)
+        assert all(landed[r].get(i) == e for i in range(first, end)), "a wait met by another launch's chunk"
+
+    def comm(r: int, p: int, e: int):
+        lay = lays[r]
+        while flags[r][lay.release_slot] < e - 1:
+            yield
+        for j in range(p, cpb, comm_programs):
+            ship(r, lay.plan_chunk(1, j), e)
+            yield
+        for s in range(2, world):
+            for j in range(p, cpb, comm_programs):
+                yield from wait_range(r, e, *lay.chunk_span(lay.sent_at(s), j))
+                ship(r, lay.plan_chunk(s, j), e)
+                yield
+
+    def compute(r: int, e: int):
+        lay = lays[r]
+        for s, h in product(range(1, world), range(lay.heads)):
+            yield from wait_range(r, e, *lay.head_span(lay.origin_at(s), h))
+
+    def launch(r: int, e: int):
+        reading[r] = e
+        programs = [comm(r, p, e) for p in range(comm_programs)] + [compute(r, e)]
+        while programs:
+            programs = [g for g in programs if next(g, StopIteration) is not StopIteration]
+            yield
+        reading[r] = 0  # everything read (the comm programs' quiet: their puts have read their sources)
+        flags[lays[r].left][lays[r].release_slot] += 1
+
+    def stream(r: int):
+        for e in range(1, launches + 1):
+            yield from launch(r, e)
+
+    rng = np.random.default_rng(seed)
+    streams = [stream(r) for r in range(world)]
+    for _ in range(100_000):
+        if not streams:
+            break
+        g = streams[int(rng.integers(len(streams)))]
+        if next(g, StopIteration) is StopIteration:
+            streams.remove(g)
+    assert not streams, "the schedule stalled: a wait that no send meets"
+    for r in range(world):  # every incoming chunk's flag raised once per launch
+        assert (flags[r][plans[r].recvs["slot"]] == launches).all()
+        assert flags[r][lays[r].release_slot] == launches
+
+
+def test_the_ring_attention_key_loop_is_pipelined_only_after_its_wait() -> None:
+    """Compiled as a launch specializes it (16-byte aligned tensors, chunk_elems a multiple of 16), the key
+    loops are software-pipelined (cp.async); the one over an arrived block starts its prologue after the
+    compute's wait and the barrier behind it, never before."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(_ring_attention.fn).parameters)
+    meta = ra_meta(128, False)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in RA_SIG if RA_SIG[n].startswith("*")}
+    attrs[(names.index("chunk_elems"),)] = [["tt.divisibility", 16]]
+    given = "constexprs" if "constexprs" in inspect.signature(ASTSource).parameters else "constants"
+    source = ASTSource(fn=_ring_attention, signature={**RA_SIG, **dict.fromkeys(meta, "constexpr")},
+                       attrs=attrs, **{given: meta})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    marks = []  # the PTX in order: protocol blocks, barriers and asynchronous copies
+    for line in ptx_lines(compiled.asm["ptx"]):
+        mark = ("wait" if line.startswith("TPD_WAIT_") else "push" if "st.release.sys" in line
+                else "bar" if opcode(line).startswith("bar.sync") else "cp" if opcode(line).startswith("cp.async.cg")
+                else None)
+        if mark and (not marks or marks[-1] != mark):
+            marks.append(mark)
+    assert "cp" in marks
+    after_wait = [marks[i:i + 3] for i, m in enumerate(marks) if m == "wait" and "cp" in marks[i:i + 3]]
+    assert after_wait == [["wait", "bar", "cp"]], marks

@@ -74,6 +74,40 @@ uint64_t tpd_test_wait(const IbgdaChannel* ch, uint32_t slot, uint64_t at_least)
 uint32_t tpd_test_status(const IbgdaChannel* ch) { return tpd::status(*ch); }
 uint32_t tpd_test_error_count(const IbgdaChannel* ch) { return tpd::error_count(*ch); }
 
+// One command of a group (tests/ibgda/test_group_post.py's GROUP_CMD_DTYPE): kind 0 put, 1 put_signal.
+struct GroupCmd {
+    uint32_t kind, peer;
+    uint64_t dst_off, src_off;
+    uint32_t bytes, slot;
+    uint64_t value;
+    uint32_t set, dst_region;
+};
+static_assert(sizeof(GroupCmd) == 48, "GroupCmd is 48 bytes");
+
+// Post ``count`` (<= 64) commands to ``cmds[0].peer`` as one group (post_group: one claim and one doorbell
+// per group_cap WQEBBs), each built by the channel's own builders, as the lanes of a warp build theirs.
+// first_of[i] receives command i's first WQEBB, or kNoWqe if it was refused.
+void tpd_test_post_group(const IbgdaChannel* ch, const GroupCmd* cmds, uint32_t count, uint64_t* first_of) {
+    Batch b[64];
+    Ordered o[64];
+    const QueuePair* qp = nullptr;
+    for (uint32_t i = 0; i < count && i < 64; ++i) {
+        const GroupCmd& c = cmds[i];
+        const uint16_t region = (uint16_t)c.dst_region;
+        const QueuePair* q =
+            c.kind == 0 ? tpd::ibgda::detail::build_put(*ch, c.peer, region, c.dst_off, 0, c.src_off, c.bytes, b[i])
+                        : tpd::ibgda::detail::build_put_signal(*ch, c.peer, region, c.dst_off, 0, c.src_off, c.bytes,
+                                                               c.slot, c.value, c.set ? SignalOp::Set : SignalOp::Add,
+                                                               b[i], o[i]);
+        if (q) qp = q;
+    }
+    if (qp) {
+        post_group(*qp, b, o, count < 64 ? count : 64, first_of);
+    } else {
+        for (uint32_t i = 0; i < count; ++i) first_of[i] = kNoWqe;
+    }
+}
+
 // ``threads`` native threads each post ``iters`` put_signals to ``peer``: thread t, iteration i writes
 // ``bytes`` at offset (t * iters + i) * bytes of region 0 (source and destination), then adds 1 to flag
 // slot ``t % slots`` and to the shared slot ``slots``; every thread quiets at the end.
@@ -85,6 +119,33 @@ void tpd_test_stress(const IbgdaChannel* ch, uint32_t peer, int threads, int ite
                 uint64_t off = ((uint64_t)t * iters + i) * bytes;
                 tpd::put_signal(*ch, peer, 0, off, 0, off, bytes, (uint32_t)t % slots, 1);
                 tpd::signal(*ch, peer, slots, 1);
+            }
+            tpd::quiet(*ch);
+        });
+    }
+    for (auto& th : pool) th.join();
+}
+
+// ``threads`` native threads each post ``iters`` groups of ``group`` (<= 64) put_signals with post_group (as
+// many warps post at once): thread t, group i, member k writes ``bytes`` at offset ((t * iters + i) * group
+// + k) * bytes of region 0 and adds 1 to flag (t + k) % slots; every thread quiets at the end.
+void tpd_test_group_stress(const IbgdaChannel* ch, uint32_t peer, int threads, int iters, uint32_t group,
+                           uint32_t bytes, uint32_t slots) {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([=] {
+            Batch b[64];
+            Ordered o[64];
+            for (int i = 0; i < iters; ++i) {
+                const QueuePair* qp = nullptr;
+                for (uint32_t k = 0; k < group && k < 64; ++k) {
+                    b[k] = Batch();
+                    o[k] = Ordered();
+                    uint64_t off = (((uint64_t)t * iters + i) * group + k) * bytes;
+                    qp = tpd::ibgda::detail::build_put_signal(*ch, peer, 0, off, 0, off, bytes, (t + k) % slots, 1,
+                                                              SignalOp::Add, b[k], o[k]);
+                }
+                if (qp) post_group(*qp, b, o, group < 64 ? group : 64);
             }
             tpd::quiet(*ch);
         });

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
     OFF(ErrCqe64, s_wqe_opcode_qpn_be); OFF(ErrCqe64, wqe_counter_be); OFF(ErrCqe64, signature);
     OFF(ErrCqe64, op_own);
     SIZE(QpState); OFF(QpState, claimed); OFF(QpState, posted); OFF(QpState, signaled); OFF(QpState, fence_next);
+    OFF(QpState, rings);
     OFF(QpState, done); OFF(QpState, cq_ci); OFF(QpState, cq_lock); OFF(QpState, error);
     SIZE(QueuePair); OFF(QueuePair, sq); OFF(QueuePair, dbrec); OFF(QueuePair, bf); OFF(QueuePair, cq);
     OFF(QueuePair, cq_dbrec); OFF(QueuePair, state); OFF(QueuePair, scratch); OFF(QueuePair, qpn);

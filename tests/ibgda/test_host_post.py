@@ -163,3 +163,18 @@ def test_wait_reads_this_ranks_flags(make_link, host_lib) -> None:
     chan.own_flags[4] = 9
     assert host_lib.tpd_test_wait(chan.ptr, 4, 9) == 9
     assert host_lib.tpd_test_wait(chan.ptr, 3, 2**64 - 2) == 2**64 - 1
+
+
+def test_quiet_after_a_cqe_inside_the_last_batch(make_link, host_lib) -> None:
+    """Three fenced put_signals on a 32-slot queue: WQEBB 7 ends a CQE period inside the third batch
+    [6, 9). signaled must say 8, not 9, so quiet posts its probe instead of waiting for a CQE that never
+    comes (it spun until the bound before)."""
+    link = make_link(wqe_cnt=32)
+    chan = link.channel(SignalMode.FENCE)
+    for i in range(3):
+        host_lib.tpd_test_put_signal(chan.ptr, 1, 0, 64 * i, 0, 64 * i, 64, 0, 1, 0)
+    assert counters(chan)["signaled"] == 8 and counters(chan)["posted"] == 9
+    host_lib.tpd_test_quiet(chan.ptr)
+    c = counters(chan)
+    assert c["posted"] == 10 and c["done"] == 10, "quiet posted its probe and waited for it"
+    assert int(link.flags[0]) == 3 and np.array_equal(link.dst[:192], link.src[:192])

@@ -48,6 +48,13 @@ CONSTANTS = {
                                          L.Syndrome.REMOTE_ACCESS_ERR)},
     **{f"mode.{m.name}": int(m) for m in H.SignalMode},
 }
+# the warp-aggregated calls as a kernel body uses them (lanes off, two peers in one warp, ADD and SET)
+WARP_CALLS = (
+    "  uint64_t at = tpd::warp_put(ch, threadIdx.x % 3 == 0, 1, 0, 64 * threadIdx.x, 0, 0, 64);\n"
+    "  at += tpd::warp_put(ch, true, 1 + (threadIdx.x & 1), 0, 0, 0, 0, 64, 9);\n"
+    "  at += tpd::warp_put_signal(ch, true, 1, 0, 0, 0, 0, 4096, 3, 1);\n"
+    "  at += tpd::warp_put_signal(ch, threadIdx.x < 7, 1, 0, 0, 0, 0, 4096, 3, 5, tpd::SignalOp::Set);\n"
+    "  if (at == 0) tpd::quiet(ch);\n")
 RECORD = 64 + 8 + 4 + 4  # probe output per case: WQE image, doorbell word, doorbell record, padding
 
 
@@ -182,7 +189,8 @@ def test_device_path_compiles_for_sm90(tmp_path: Path) -> None:
         "  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1);\n"
         "  tpd::signal(ch, 1, 3, 7, tpd::SignalOp::Set);\n"
         "  tpd::fence(ch, 1);\n  tpd::quiet(ch);\n  tpd::block_wait(ch, 3, 1);\n"
-        "  if (tpd::status(ch) || tpd::error_count(ch)) tpd::wait(ch, 3, 2);\n}\n"
+        "  if (tpd::status(ch) || tpd::error_count(ch)) tpd::wait(ch, 3, 2);\n"
+        f"{WARP_CALLS}}}\n"
         "template __global__ void k<tpd::Channel>(tpd::Channel);\n"
         "template __global__ void k<tpd::IbgdaChannel>(tpd::IbgdaChannel);\n")
     for extra in ([], ["-G"]):  # release, and debug (bounded spins)
@@ -190,16 +198,21 @@ def test_device_path_compiles_for_sm90(tmp_path: Path) -> None:
                               str(tmp_path / "k.ptx")], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
     ptx = (tmp_path / "k.ptx").read_text()
+    assert "match.any.sync.b32" in ptx, "the warp calls group lanes by peer"
     assert "st.mmio.relaxed.sys.global.u64" in ptx, "the doorbell is one MMIO store"
     assert "st.release.sys.global.u32" in ptx, "the doorbell record is a release store at system scope"
     assert "fence.sc.sys" in ptx
 
 
-def test_device_path_compiles_under_nvrtc() -> None:
+@pytest.mark.parametrize("channel", ["tpd::IbgdaChannel", "tpd::Channel"])
+def test_device_path_compiles_under_nvrtc(channel: str) -> None:
+    """The device calls, the warp-aggregated ones included (both signal ops, lanes inactive, lanes to
+    different peers), build under NVRTC for either handle type."""
     nvrtc = nvrtc_or_skip()
-    src = (b"#include <transportd/ibgda/ibgda.cuh>\n"
-           b"extern \"C\" __global__ void k(tpd::IbgdaChannel ch) {\n"
-           b"  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1);\n  tpd::quiet(ch);\n  tpd::wait(ch, 3, 1);\n}\n")
+    src = ("#include <transportd/client.cuh>\n#include <transportd/ibgda/ibgda.cuh>\n"
+           f"extern \"C\" __global__ void k({channel} ch) {{\n"
+           "  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1);\n  tpd::quiet(ch);\n  tpd::wait(ch, 3, 1);\n"
+           f"{WARP_CALLS}}}\n").encode()
     err, prog = nvrtc.nvrtcCreateProgram(src, b"k.cu", 0, [], [])
     opts = [*(f.encode() for f in include_flags()), b"-arch=compute_90", b"-std=c++17"]
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)

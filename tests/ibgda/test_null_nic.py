@@ -32,8 +32,11 @@ def null_nic(build_dir: Path) -> ctypes.CDLL:
     return nic
 
 
+@pytest.mark.parametrize("groups", [False, True], ids=["single-posts", "group-posts"])
 @pytest.mark.parametrize("mode", list(SignalMode))
-def test_null_nic_completes_the_posting_path(host_lib, null_nic, mode: SignalMode) -> None:
+def test_null_nic_completes_the_posting_path(host_lib, null_nic, mode: SignalMode, groups: bool) -> None:
+    """6 threads post through a 32-slot queue: single put_signal + signal each, or groups of 12 put_signals
+    (post_group, the warp calls' steps; one doorbell per claim of up to 16 + 2 WQEBBs)."""
     mem = QueueMemory(32, 32, with_uar_page=True)
     qp = np.zeros(1, dtype=QUEUE_PAIR_DTYPE)
     for name, addr in mem.addresses().items():
@@ -47,7 +50,10 @@ def test_null_nic_completes_the_posting_path(host_lib, null_nic, mode: SignalMod
     handle = null_nic.tpd_null_nic_start(a["sq"], a["dbrec"], a["cq"], a["cq_dbrec"], 0x4242, 32, 32)
     ch = tables.record.ctypes.data
     try:
-        host_lib.tpd_test_stress(ch, 1, 6, 150, 4096, 4)
+        if groups:
+            host_lib.tpd_test_group_stress(ch, 1, 6, 25, 12, 4096, 4)
+        else:
+            host_lib.tpd_test_stress(ch, 1, 6, 150, 4096, 4)
     finally:
         cqes = ctypes.c_uint64()
         wqes = null_nic.tpd_null_nic_stop(handle, ctypes.byref(cqes))

@@ -52,6 +52,8 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "tpd_test_status": (u32, [p]),
     "tpd_test_error_count": (u32, [p]),
     "tpd_test_stress": (None, [p, u32, ctypes.c_int, ctypes.c_int, u32, u32]),
+    "tpd_test_post_group": (None, [p, p, u32, p]),
+    "tpd_test_group_stress": (None, [p, u32, ctypes.c_int, ctypes.c_int, u32, u32, u32]),
 }
 
 

@@ -63,6 +63,17 @@ TPD_DEVICE void put(const Channel& ch, uint32_t peer, uint16_t dst_region, uint6
          make_body(src_off, dst_off, bytes, src_region, dst_region, chunk_id, 0, 0));
 }
 
+/**
+ * Warp-cooperative put: the lanes of a warp call it together, each with its own arguments, and those with
+ * ``active`` push one PUT each for one atomicAdd and one system-scope release per warp (warp_push). Same
+ * convergence rule as warp_put_signal. Returns the lane's ring position, or kNoPosition if inactive.
+ */
+TPD_DEVICE uint64_t warp_put(const Channel& ch, bool active, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
+                             uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0) {
+    return warp_push(ch.ring, active, Opcode::Put, 0, detail::peer_field(peer),
+                     make_body(src_off, dst_off, bytes, src_region, dst_region, chunk_id, 0, 0));
+}
+
 /** put, then update ``peer``'s flag ``slot`` (add or set ``value``) once the payload is placed there. */
 TPD_DEVICE void put_signal(const Channel& ch, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
                            uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t slot, uint64_t value,

@@ -195,42 +195,56 @@ TPD_HOST_DEVICE uint32_t error_code_of(uint32_t qp_error) {
 }  // namespace detail
 }  // namespace ibgda
 
+namespace ibgda {
+namespace detail {
+
+/** Check a put and build its WQE into ``b`` (refused: b.n stays 0, the code is reported). Returns the QP
+ *  to ``peer``, or nullptr for a bad peer. tpd::put and tpd::warp_put share it. */
+TPD_HOST_DEVICE const QueuePair* build_put(const IbgdaChannel& ch, uint32_t peer, uint16_t dst_region,
+                                           uint64_t dst_off, uint16_t src_region, uint64_t src_off, uint32_t bytes,
+                                           Batch& b) {
+    const QueuePair* qp = qp_to(ch, peer);
+    if (qp) add_put(ch, *qp, peer, dst_region, dst_off, src_region, src_off, bytes, b);
+    return qp;
+}
+
+/** The same for put_signal: the payload write, then the flag's WQEs, described in ``o``. */
+TPD_HOST_DEVICE const QueuePair* build_put_signal(const IbgdaChannel& ch, uint32_t peer, uint16_t dst_region,
+                                                  uint64_t dst_off, uint16_t src_region, uint64_t src_off,
+                                                  uint32_t bytes, uint32_t slot, uint64_t value, SignalOp op,
+                                                  Batch& b, Ordered& o) {
+    const QueuePair* qp = qp_to(ch, peer);
+    if (!qp) return nullptr;
+    uint64_t raddr;
+    uint32_t rkey;
+    if (!flag_target(ch, peer, slot, &raddr, &rkey)) return qp;
+    if (!add_put(ch, *qp, peer, dst_region, dst_off, src_region, src_off, bytes, b)) return qp;
+    add_signal(ch, *qp, peer, slot, raddr, rkey, value, op, b, o);
+    return qp;
+}
+
+}  // namespace detail
+}  // namespace ibgda
+
 /** Write ``bytes`` from our ``src_region`` at ``src_off`` to ``peer``'s ``dst_region`` at ``dst_off``. */
 TPD_HOST_DEVICE void put(const IbgdaChannel& ch, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
                          uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0) {
     (void)chunk_id;  // diagnostics on the proxy path; nothing travels with an RDMA write
-    const ibgda::QueuePair* qp = ibgda::detail::qp_to(ch, peer);
-    if (!qp) return;
     ibgda::Batch b;
-    if (!ibgda::detail::add_put(ch, *qp, peer, dst_region, dst_off, src_region, src_off, bytes, b)) return;
-    ibgda::post(*qp, b);
+    const ibgda::QueuePair* qp =
+        ibgda::detail::build_put(ch, peer, dst_region, dst_off, src_region, src_off, bytes, b);
+    if (qp && b.n) ibgda::post(*qp, b);
 }
 
 /** put, then update ``peer``'s flag ``slot`` (add or set ``value``) once the payload is placed there. */
 TPD_HOST_DEVICE void put_signal(const IbgdaChannel& ch, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
                                 uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t slot, uint64_t value,
                                 SignalOp op = SignalOp::Add) {
-    const ibgda::QueuePair* qp = ibgda::detail::qp_to(ch, peer);
-    if (!qp) return;
-    uint64_t raddr;
-    uint32_t rkey;
-    if (!ibgda::detail::flag_target(ch, peer, slot, &raddr, &rkey)) return;
     ibgda::Batch b;
     ibgda::Ordered o;
-    if (!ibgda::detail::add_put(ch, *qp, peer, dst_region, dst_off, src_region, src_off, bytes, b)) return;
-    ibgda::detail::add_signal(ch, *qp, peer, slot, raddr, rkey, value, op, b, o);
-    ibgda::post(*qp, b, o);
-}
-
-/**
- * The warp-cooperative form of put_signal, for kernels written once for both paths: on IBGDA each active
- * lane posts its own put_signal (the proxy path's form claims ring slots once per warp).
- */
-TPD_HOST_DEVICE uint64_t warp_put_signal(const IbgdaChannel& ch, bool active, uint32_t peer, uint16_t dst_region,
-                                         uint64_t dst_off, uint16_t src_region, uint64_t src_off, uint32_t bytes,
-                                         uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add) {
-    if (active) put_signal(ch, peer, dst_region, dst_off, src_region, src_off, bytes, slot, value, op);
-    return 0;
+    const ibgda::QueuePair* qp = ibgda::detail::build_put_signal(ch, peer, dst_region, dst_off, src_region, src_off,
+                                                                 bytes, slot, value, op, b, o);
+    if (qp && b.n) ibgda::post(*qp, b, o);
 }
 
 /** Update ``peer``'s flag ``slot`` after every earlier command of this channel to ``peer`` is placed. */

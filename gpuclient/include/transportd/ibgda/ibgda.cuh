@@ -28,8 +28,9 @@
  *   doorbell.cuh    doorbell record and doorbell, CQ consumer index
  *   queue_pair.cuh  QueuePair handle; multi-warp posting with a doorbell ticket; CQ progress; quiet
  *   channel.cuh     tpd::IbgdaChannel and put / put_signal / signal / fence / quiet / wait / status
+ *   warp.cuh        warp_put / warp_put_signal: one claim and one doorbell per warp (device only)
  *
- * Everything except block_wait is __host__ __device__: the CPU tests run this exact code against the
+ * Everything except block_wait and warp.cuh is __host__ __device__: the CPU tests run this exact code against the
  * soft NIC (ibgda/soft_mlx5.py). Compile mode macros come from <transportd/device.cuh>.
  */
 #ifndef TRANSPORTD_IBGDA_IBGDA_CUH
@@ -43,6 +44,7 @@
 #include <transportd/ibgda/doorbell.cuh>
 #include <transportd/ibgda/queue_pair.cuh>
 #include <transportd/ibgda/channel.cuh>
+#include <transportd/ibgda/warp.cuh>
 
 #if defined(TPD_IBGDA)
 namespace tpd {

@@ -16,6 +16,12 @@
  *   publish   fence.sc.sys; doorbell record := first + n; fence; doorbell (doorbell.cuh).
  *   hand on   posted := first + n (release): the next poster may ring.
  *
+ * A poster may be one thread with one command (post), one thread with several (post_group), or the lanes
+ * of a warp (ibgda/warp.cuh): then one lane claims and rings for all, every lane builds and stores its
+ * own WQEs at its offset in the claim, and the ticket holder applies the ordered step to each command in
+ * order. The WQEs are byte for byte what the same commands posted one by one would produce; only the
+ * number of claims, tickets and doorbells differs (QpState::rings counts doorbells).
+ *
  * Why it is right:
  *   - Doorbells and doorbell-record values rise monotonically: only the ticket holder writes them, and
  *     tickets go in claim order.
@@ -26,10 +32,14 @@
  *     its WQEs stored; the lowest unposted claim has the weakest space condition and owns the ticket,
  *     so it always proceeds.
  *   - done keeps advancing while work is outstanding: a WQE asks for a CQE (CQ_UPDATE) when it ends a
- *     period of wqe_cnt / 4 WQEBBs, so every window of wqe_cnt - 2 consecutive WQEBBs holds one (a post
- *     claims at most 3, one WQEBB per WQE); and quiet posts a signalled zero-length read when no CQE was
- *     asked for at or after the last posted WQE. RC completes in order: a CQE for WQEBB i retires every
- *     WQE before it, signalled or not.
+ *     period of wqe_cnt / 4 WQEBBs, and quiet posts a signalled zero-length read when no CQE was asked
+ *     for at or after the last posted WQE. RC completes in order: a CQE for WQEBB i retires every WQE
+ *     before it, signalled or not. A claim [first, first + n) needs done >= first + n - wqe_cnt; the last
+ *     period end before first is at most wqe_cnt / 4 back, and everything before first gets posted (by
+ *     induction on claim order), so done can reach first - wqe_cnt / 4 + 1: enough whenever
+ *     n <= 3 * wqe_cnt / 4 + 1. A single post claims at most 3 WQEBBs (one per WQE); a group is cut into
+ *     claims of at most group_cap(qp) + 2 = wqe_cnt / 2 + 2 (the cut is by offset, so a command never
+ *     straddles two claims), within the bound for every wqe_cnt >= 8.
  *   - The CQ never overflows: at most one CQE per WQE (errors and flushes included), at most wqe_cnt WQEs
  *     outstanding, ncqes >= wqe_cnt, and a slot is reused only after the CQE that freed it was consumed.
  *
@@ -54,7 +64,8 @@ namespace ibgda {
  *
  *   line 0  | claimed:u64     WQEBBs claimed (every poster atomically adds)                      |
  *   line 1  | posted:u64      WQEBBs rung (the ticket)  | signaled:u64  end of the last WQE that |
- *           |                 asked for a CQE           | fence_next:u32 | reserved:u32           |
+ *           |                 asked for a CQE           | fence_next:u32 | rings:u32  doorbells   |
+ *           |                 rung (diagnostics; wraps at 2^32; only the ticket holder writes it) |
  *   line 2  | done:u64        WQEBBs reported complete  | cq_ci:u64  CQEs consumed               |
  *           | cq_lock:u32     one CQ poller at a time   | error:u32  first error (0 = none)      |
  *
@@ -66,7 +77,7 @@ struct QpState {
     uint64_t posted;
     uint64_t signaled;
     uint32_t fence_next;
-    uint32_t reserved;
+    uint32_t rings;
     uint64_t pad1[13];
     uint64_t done;
     uint64_t cq_ci;
@@ -79,6 +90,7 @@ TPD_STATIC_ASSERT_OFFSET(offsetof(QpState, claimed) == 0, "claimed at 0");
 TPD_STATIC_ASSERT_OFFSET(offsetof(QpState, posted) == 128, "posted at 128");
 TPD_STATIC_ASSERT_OFFSET(offsetof(QpState, signaled) == 136, "signaled at 136");
 TPD_STATIC_ASSERT_OFFSET(offsetof(QpState, fence_next) == 144, "fence_next at 144");
+TPD_STATIC_ASSERT_OFFSET(offsetof(QpState, rings) == 148, "rings at 148");
 TPD_STATIC_ASSERT_OFFSET(offsetof(QpState, done) == 256, "done at 256");
 TPD_STATIC_ASSERT_OFFSET(offsetof(QpState, cq_ci) == 264, "cq_ci at 264");
 TPD_STATIC_ASSERT_OFFSET(offsetof(QpState, cq_lock) == 272, "cq_lock at 272");
@@ -202,42 +214,160 @@ TPD_HOST_DEVICE uint64_t reserve(const QueuePair& qp, uint32_t n) {
     return first;
 }
 
-/** Steps ticket .. hand on for WQEBBs [first, first + n), already stored. */
-TPD_HOST_DEVICE void submit(const QueuePair& qp, uint64_t first, uint32_t n, uint8_t first_fm_ce_se,
-                            uint64_t last_ctrl_word, bool completion, const Ordered& o) {
+/** What a warp lane or a group member that posted nothing gets instead of a WQEBB index. */
+constexpr uint64_t kNoWqe = ~0ull;
+
+/** The most WQEBBs a group (post_group, the warp calls) puts under one claim before it starts another:
+ *  a command goes to claim offset / group_cap, so one claim holds at most group_cap + 2 WQEBBs (the
+ *  space argument at the top needs n <= 3 * wqe_cnt / 4 + 1). */
+TPD_HOST_DEVICE uint32_t group_cap(const QueuePair& qp) { return qp.wqe_cnt >> 1; }
+
+/** Stamp batch ``b``'s WQEs with WQEBB indices from ``first``, ask for a CQE where a period ends (or on
+ *  the last WQE when ``b.completion``), and store them. Returns one past the last WQEBB that asked for a
+ *  CQE (what QpState::signaled records), or 0 if none did. */
+TPD_HOST_DEVICE uint64_t store_batch(const QueuePair& qp, Batch& b, uint64_t first) {
+    uint64_t cqe_end = 0;
+    for (uint32_t i = 0; i < b.n; ++i) {
+        Wqe& w = b.w[i];
+        stamp_index(w, first + i);
+        if (ends_period(qp, first + i) || (b.completion && i + 1 == b.n)) {
+            w.ctrl.fm_ce_se = (uint8_t)(w.ctrl.fm_ce_se | kCtrlCqUpdate);
+            cqe_end = first + i + 1;
+        }
+        store_wqe(wqe_slot(qp, first + i), w);
+    }
+    return cqe_end;
+}
+
+/** Step ticket: wait until every earlier claim has rung (posted == first, acquire). */
+TPD_HOST_DEVICE void wait_ticket(const QueuePair& qp, uint64_t first) {
     QpState* st = qp.state;
     if (ordering::ld_acquire_gpu(&st->posted) != first) {
         ordering::Spin spin;
         do spin.pause("ibgda: waiting for the doorbell ticket (an earlier poster has not rung yet)");
         while (ordering::ld_acquire_gpu(&st->posted) != first);
     }
+}
+
+/** Ordered step, fence part (ticket holder): a pending tpd::fence marks the WQE at ``first`` (whose
+ *  fm_ce_se byte, as stored, is ``first_fm_ce_se``); ``fence_after`` leaves one pending for the next. */
+TPD_HOST_DEVICE void take_fence(const QueuePair& qp, uint64_t first, uint8_t first_fm_ce_se, bool fence_after) {
+    QpState* st = qp.state;
     if (st->fence_next) set_fm_ce_se_in_slot(wqe_slot(qp, first), (uint8_t)(first_fm_ce_se | kCtrlFence));
-    st->fence_next = o.fence_after ? 1u : 0u;
-    if (o.flag_wqe >= 0) {
-        uint64_t v = o.set ? o.value : *o.shadow + o.value;
-        *o.shadow = v;
-        set_inline8_in_slot(wqe_slot(qp, first + (uint64_t)o.flag_wqe), v);
+    st->fence_next = fence_after ? 1u : 0u;
+}
+
+/**
+ * Ordered step, flag part (ticket holder): write-mode flag values in posting order. ADD adds to the
+ * (peer, slot) shadow counter, SET replaces it, and the inline flag write at WQEBB ``index`` carries
+ * the result. Consecutive flags on one counter read it once and store it once (flush).
+ */
+struct FlagRun {
+    uint64_t* shadow = nullptr;
+    uint64_t value = 0;
+
+    TPD_HOST_DEVICE void apply(const QueuePair& qp, uint64_t index, uint64_t* counter, uint64_t v, bool set) {
+        if (counter != shadow) {
+            flush();
+            shadow = counter;
+            value = *counter;
+        }
+        value = set ? v : value + v;
+        set_inline8_in_slot(wqe_slot(qp, index), value);
     }
-    if (completion) ordering::st_release_gpu(&st->signaled, first + n);
-    ring_send_doorbell(qp.dbrec, qp.bf, first + n, last_ctrl_word);
-    ordering::st_release_gpu(&st->posted, first + n);
+    TPD_HOST_DEVICE void flush() {
+        if (shadow) *shadow = value;
+        shadow = nullptr;
+    }
+};
+
+/** Steps publish and hand on (ticket holder): WQEBBs up to ``head`` are stored and ordered; ring once
+ *  with ``last_ctrl_word`` (doorbell_word of the last WQE), then pass the ticket on. ``cqe_end``: one
+ *  past the last of these WQEBBs that asked for a CQE (store_batch), 0 if none. signaled must not be the
+ *  batch's end: a CQE on a WQE before the last one retires only up to it, and quiet would wait forever
+ *  for the rest instead of posting its probe. */
+TPD_HOST_DEVICE void publish(const QueuePair& qp, uint64_t head, uint64_t last_ctrl_word, uint64_t cqe_end) {
+    QpState* st = qp.state;
+    if (cqe_end) ordering::st_release_gpu(&st->signaled, cqe_end);
+    ordering::fetch_add_relaxed_gpu(&st->rings, 1u);  // result unused: the GPU does not wait for it
+    ring_send_doorbell(qp.dbrec, qp.bf, head, last_ctrl_word);
+    ordering::st_release_gpu(&st->posted, head);
+}
+
+/** Steps ticket .. hand on for WQEBBs [first, first + n), already stored. */
+TPD_HOST_DEVICE void submit(const QueuePair& qp, uint64_t first, uint32_t n, uint8_t first_fm_ce_se,
+                            uint64_t last_ctrl_word, uint64_t cqe_end, const Ordered& o) {
+    wait_ticket(qp, first);
+    take_fence(qp, first, first_fm_ce_se, o.fence_after);
+    if (o.flag_wqe >= 0) {
+        FlagRun run;
+        run.apply(qp, first + (uint64_t)o.flag_wqe, o.shadow, o.value, o.set);
+        run.flush();
+    }
+    publish(qp, first + n, last_ctrl_word, cqe_end);
 }
 
 /** Post a batch: claim, stamp indices and CQE requests, store, submit. Returns one past its last WQEBB. */
 TPD_HOST_DEVICE uint64_t post(const QueuePair& qp, Batch& b, const Ordered& o = Ordered()) {
     uint64_t first = reserve(qp, b.n);
-    bool completion = false;
-    for (uint32_t i = 0; i < b.n; ++i) {
-        Wqe& w = b.w[i];
-        stamp_index(w, first + i);
-        if (ends_period(qp, first + i) || (b.completion && i + 1 == b.n)) {
-            w.ctrl.fm_ce_se = (uint8_t)(w.ctrl.fm_ce_se | kCtrlCqUpdate);
-            completion = true;
-        }
-        store_wqe(wqe_slot(qp, first + i), w);
-    }
-    submit(qp, first, b.n, b.w[0].ctrl.fm_ce_se, doorbell_word(b.w[b.n - 1]), completion, o);
+    const uint64_t cqe_end = store_batch(qp, b, first);
+    submit(qp, first, b.n, b.w[0].ctrl.fm_ce_se, doorbell_word(b.w[b.n - 1]), cqe_end, o);
     return first + b.n;
+}
+
+/**
+ * Post ``count`` batches from one thread as a group: one claim, one ticket and one doorbell per
+ * group_cap WQEBBs instead of one per batch (what the warp calls do across lanes, here in a loop).
+ * Batches with n == 0 post nothing. The WQEs are those ``count`` post() calls in a row would store; a
+ * batch's fence_after fences the next batch's first WQE. ``first_of[i]`` (optional) receives batch i's
+ * first WQEBB, or kNoWqe. Returns one past the last WQEBB posted (the QP's posted count if none).
+ */
+TPD_HOST_DEVICE uint64_t post_group(const QueuePair& qp, Batch* b, const Ordered* o, uint32_t count,
+                                    uint64_t* first_of = nullptr) {
+    const uint32_t cap = group_cap(qp);
+    uint64_t head = ordering::ld_acquire_gpu(&qp.state->posted);
+    uint32_t i = 0, off = 0;  // off: WQEBBs of the group before batch i
+    while (i < count) {
+        uint32_t end = i, n = 0;
+        while (end < count && (off + n) / cap == off / cap) n += b[end++].n;
+        if (n == 0) {  // nothing but empty batches left
+            for (; i < end; ++i)
+                if (first_of) first_of[i] = kNoWqe;
+            break;
+        }
+        const uint64_t first = reserve(qp, n);
+        uint64_t cqe_end = 0;
+        bool fence_after = false;
+        int first_batch = -1, last_batch = -1;
+        uint64_t at = first;
+        for (uint32_t k = i; k < end; ++k) {
+            if (first_of) first_of[k] = b[k].n ? at : kNoWqe;
+            if (b[k].n == 0) continue;
+            if (fence_after) b[k].w[0].ctrl.fm_ce_se = (uint8_t)(b[k].w[0].ctrl.fm_ce_se | kCtrlFence);
+            const uint64_t e = store_batch(qp, b[k], at);
+            if (e) cqe_end = e;
+            fence_after = o[k].fence_after;
+            at += b[k].n;
+            if (first_batch < 0) first_batch = (int)k;
+            last_batch = (int)k;
+        }
+        wait_ticket(qp, first);
+        take_fence(qp, first, b[first_batch].w[0].ctrl.fm_ce_se, fence_after);
+        FlagRun run;
+        at = first;
+        for (uint32_t k = i; k < end; ++k) {
+            if (o[k].flag_wqe >= 0 && b[k].n) run.apply(qp, at + (uint64_t)o[k].flag_wqe, o[k].shadow, o[k].value,
+                                                        o[k].set);
+            at += b[k].n;
+        }
+        run.flush();
+        const Batch& last = b[last_batch];
+        publish(qp, first + n, doorbell_word(last.w[last.n - 1]), cqe_end);
+        head = first + n;
+        off += n;
+        i = end;
+    }
+    return head;
 }
 
 /**
