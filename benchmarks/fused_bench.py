@@ -1,23 +1,35 @@
 """Overlap of the fused kernels: how much of the communication a fused launch hides behind its compute.
 
-    python benchmarks/fused_bench.py --json benchmarks/results/fused.json
+    python benchmarks/fused_bench.py --json benchmarks/results/fused.json [--kernels ...] [--quick]
 
 Two daemons (``LocalCluster`` over softverbs, ib RC and efa SRD), two ranks in this process sharing one GPU
 (each rank's kernel gets half the SMs: ``share=2``), the soft fabric's direct GPU copies on and the NIC
 model shaping each daemon's link like the NIC its backend stands for (ib: ConnectX-7 400 Gb/s, efa: EFA
-200 Gb/s; ``--shapes`` adds ``unshaped``). For AllGather+GEMM (``gpuclient.kernels.AllGatherGemm``,
-``C = all_gather(A) @ B``, bf16 in, fp32 accumulate) each row times, as the median of ``--reps`` launches
-of both ranks at once (host clock around launch and synchronize):
+200 Gb/s; ``--shapes`` adds ``unshaped``). The network is softverbs under that model, so every absolute
+number here is "on the soft fabric shaped as that NIC", not a cluster's.
 
-- ``compute``: the fused kernel with ``communicate=False`` (the GEMM alone, peers' rows as they are);
-- ``comm``: ``compute=False`` (the same kernel ships and waits on the same schedule, no GEMM);
+Kernels (``gpuclient.kernels``; two sizes each, picked so that communication and compute are within about
+2x of each other under the ib shape): AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce (bf16 in, fp32
+accumulate) and Ring Attention (forward, bf16). Each row times, as the median of ``--reps`` launches of
+both ranks at once (host clock around launch and synchronize):
+
+- ``compute``: the fused kernel with ``communicate=False`` (its compute on local data, waits satisfied);
+- ``comm``: ``compute=False`` (the same kernel ships and waits on the same schedule, no math);
 - ``fused``: both;
-- ``cublas``: ``torch.matmul`` of the whole gathered A by B on each rank's stream (the library GEMM);
+- ``torch``: the library compute on each rank's stream (cuBLAS ``matmul``; ``scaled_dot_product_attention``
+  over the gathered sequence for ring attention);
 
-and reports ``sequential = comm + compute`` (all-gather, then GEMM), the speedup ``sequential / fused``,
-the speedup over ``comm + cublas`` (the unfused pipeline with the library GEMM), and the overlap
-efficiency ``(comm + compute - fused) / min(comm, compute)``: 1 when the shorter of the two is hidden
-entirely, 0 when nothing overlaps. The first fused launch is checked against torch.
+and reports the overlap efficiency ``(comm + compute - fused) / min(comm, compute)`` (1: the shorter of the
+two is hidden entirely, 0: nothing overlaps), the speedup over ``comm + compute`` (the same kernel run
+unfused) and over ``comm + torch`` (the library compute, then the same transfers: the sequential baseline).
+The transfers of ``comm`` are the kernel's own, driven from the GPU: a host-driven sequence through the
+daemon would add a launch and a host round trip per step, so the baseline here is the kinder one. The first
+fused launch of each row is checked against torch (``max_abs_error``).
+
+MoE (``gpuclient.kernels.MoE``, DeepEP's low-latency shape: 128 tokens a rank, hidden 7168, top-8 of 64
+experts, uniform routing): dispatch and combine latency (both ranks at once, median), and per dispatch and
+destination the signals and fences the sending daemon posted (its counters), with decoupled signaling on
+and off (ib; efa refuses decoupled).
 
 CUDA MPS is started here (as ``benchmarks/fabric_bench.py`` does) so the rail workers' copies share the
 GPU with the kernels instead of waiting for time slices.
@@ -29,6 +41,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +55,44 @@ from benchmarks.fabric_bench import SHAPES  # noqa: E402
 
 #: the NIC model each backend is shaped like by default
 BACKEND_SHAPE = {"ib": "cx7-400g", "efa": "efa-200g"}
+WORLD = 2
+
+#: two sizes per kernel; comm and compute within ~2x of each other on the ib shape (H200, half the SMs a rank)
+SIZES: dict[str, list[dict[str, int]]] = {
+    "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 128},
+                       {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 128}],
+    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128},
+                            {"m": 4096, "n": 8192, "k": 4096, "chunk_rows": 128}],
+    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128},
+                        {"m": 4096, "n": 8192, "k": 4096, "chunk_rows": 128}],
+    "ring_attention": [{"heads": 32, "seq_local": 4096, "head_dim": 128, "chunk_rows": 256},
+                       {"heads": 32, "seq_local": 2048, "head_dim": 128, "chunk_rows": 256}],
+}
+QUICK_SIZES: dict[str, list[dict[str, int]]] = {
+    "allgather_gemm": [{"m_local": 512, "n": 1024, "k": 1024, "chunk_rows": 64}],
+    "gemm_reduce_scatter": [{"m": 1024, "n": 1024, "k": 1024, "chunk_rows": 64}],
+    "gemm_all_reduce": [{"m": 1024, "n": 1024, "k": 1024, "chunk_rows": 64}],
+    "ring_attention": [{"heads": 4, "seq_local": 512, "head_dim": 128, "chunk_rows": 128}],
+}
+KERNELS = tuple(SIZES)
+MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}
+QUICK_MOE = {"tokens": 32, "hidden": 1024, "topk": 4, "experts": 8}
 
 
-def _time(launch: Any, streams: list[Any], reps: int) -> float:
+@dataclass
+class Case:
+    """One kernel at one size, built on both ranks and ready to launch."""
+
+    launch: Callable[..., None]  # launch(communicate=True, compute=True): every rank's kernel on its stream
+    torch_compute: Callable[[], None]  # the library compute, every rank on its stream
+    error: Callable[[], float]  # max |fused - torch reference| after one fused launch
+    flops: float  # of one launch, all ranks
+    moved: int  # bytes the ranks send one another in one launch, all ranks
+    ops: list[Any]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _time(launch: Callable[[], None], streams: list[Any], reps: int) -> float:
     """Median seconds of ``launch()`` (every rank's kernel, each on its stream) until the GPU is idle."""
     import torch
 
@@ -57,132 +107,372 @@ def _time(launch: Any, streams: list[Any], reps: int) -> float:
     return statistics.median(samples)
 
 
-def allgather_gemm_row(backend: str, shape: str, m_local: int, n: int, k: int, chunk_rows: int, reps: int,
-                       device: int = 0, echo: Any = print) -> dict[str, Any]:
-    """One row: the four timings of AllGather+GEMM on ``backend`` daemons shaped as ``shape``."""
-    import torch
-
+@contextmanager
+def _sessions(backend: str, shape: str, job: str, device: int,
+              config: dict[str, Any] | None = None) -> Iterator[tuple[list[Any], list[Any]]]:
+    """``(clients, sessions)`` of WORLD ranks joined on ``backend`` daemons shaped as ``shape``."""
     import gpuclient
-    from gpuclient.kernels import AllGatherGemm
     from transportd_cli.localcluster import LocalCluster
 
-    nic = SHAPES.get(shape, {})
-    overrides = {"softverbs": {"direct_copy": True, **nic}, "peers": {"heartbeat_timeout_s": 20.0}}
-    world = 2
-    gen = torch.Generator(device="cpu").manual_seed(5)
-    with LocalCluster(world, backend=backend, overrides=overrides) as cluster:
+    overrides = {"softverbs": {"direct_copy": True, **SHAPES.get(shape, {})},
+                 "peers": {"heartbeat_timeout_s": 20.0}, **(config or {})}
+    with LocalCluster(WORLD, backend=backend, overrides=overrides) as cluster:
         clients = [gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names]
-        sessions = [c.join("fused-bench", rank=r, world=world, device=device) for r, c in enumerate(clients)]
+        sessions = [c.join(job, rank=r, world=WORLD, device=device) for r, c in enumerate(clients)]
         try:
-            ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=world) for s in sessions]
-            for s in sessions:
-                s.exchange(wait=False)
-            for s in sessions:
-                s.exchange(timeout=60)
-            for op in ops:  # every variant loaded before any launch: the ranks share this process
-                op.prepare()
-                op.preload(communicate=True, compute=False)
-                op.preload(communicate=False, compute=True)
-            streams = [torch.cuda.Stream(device) for _ in ops]
-            shards = [torch.randn(m_local, k, generator=gen).to(torch.bfloat16).cuda(device) for _ in ops]
-            bs = [torch.randn(k, n, generator=gen).to(torch.bfloat16).cuda(device) for _ in ops]
-            outs = [torch.empty(world * m_local, n, dtype=torch.float32, device=f"cuda:{device}") for _ in ops]
-            for op, shard in zip(ops, shards, strict=True):
-                op.local_rows().copy_(shard)
-            torch.cuda.synchronize()
-
-            def launch(**kw: bool) -> None:
-                for r, op in enumerate(ops):
-                    op(None, bs[r], outs[r], stream=streams[r], **kw)
-
-            launch()  # the first fused launch, checked
-            torch.cuda.synchronize()
-            a_full = torch.cat(shards).float()
-            error = max(float((outs[r] - a_full @ bs[r].float()).abs().max()) for r in range(world))
-            gathered = [op.gathered.clone() for op in ops]
-
-            def cublas() -> None:
-                for r in range(world):
-                    with torch.cuda.stream(streams[r]):
-                        torch.matmul(gathered[r], bs[r])
-
-            row: dict[str, Any] = {"kernel": "allgather_gemm", "backend": backend, "shape": shape, "nic": nic,
-                                   "m_local": m_local, "n": n, "k": k, "chunk_rows": chunk_rows, "world": world,
-                                   "programs": ops[0].programs, "max_abs_error": error}
-            row["compute_s"] = _time(lambda: launch(communicate=False), streams, reps)
-            row["comm_s"] = _time(lambda: launch(compute=False), streams, reps)
-            row["fused_s"] = _time(launch, streams, reps)
-            row["cublas_s"] = _time(cublas, streams, reps)
-            seq = row["comm_s"] + row["compute_s"]
-            row["sequential_s"] = seq
-            row["speedup"] = seq / row["fused_s"]
-            row["speedup_vs_comm_plus_cublas"] = (row["comm_s"] + row["cublas_s"]) / row["fused_s"]
-            row["overlap_efficiency"] = (seq - row["fused_s"]) / min(row["comm_s"], row["compute_s"])
-            flops = 2.0 * world * (world * m_local) * n * k
-            row["fused_tflops"] = flops / row["fused_s"] / 1e12
-            row["compute_tflops"] = flops / row["compute_s"] / 1e12
-            row["comm_gbps"] = (world * m_local * k * 2) / row["comm_s"] / 1e9  # both ranks' shards moved
-            for op in ops:
-                status = op.channel.status()
-                if status[0] != 0:
-                    raise RuntimeError(f"channel error {status}")
-            echo(f"  {backend} {shape:10s} compute {row['compute_s'] * 1e3:7.3f} ms  comm {row['comm_s'] * 1e3:7.3f} ms"
-                 f"  fused {row['fused_s'] * 1e3:7.3f} ms  cublas {row['cublas_s'] * 1e3:7.3f} ms  "
-                 f"overlap {row['overlap_efficiency']:.2f}  speedup {row['speedup']:.2f}x")
-            return row
+            yield clients, sessions
         finally:
             for c, s in zip(clients, sessions, strict=True):
                 s.leave()
                 c.close()
 
 
+def _exchange(sessions: list[Any]) -> None:
+    for s in sessions:
+        s.exchange(wait=False)
+    for s in sessions:
+        s.exchange(timeout=60)
+
+
+def _ready(ops: list[Any]) -> None:
+    """Every variant of every rank's op loaded before any launch: the ranks share this process."""
+    for op in ops:
+        op.prepare()
+        op.preload(communicate=True, compute=False)
+        op.preload(communicate=False, compute=True)
+
+
+def _randn(gen: Any, *shape: int, device: int) -> Any:
+    import torch
+
+    return torch.randn(*shape, generator=gen).to(torch.bfloat16).cuda(device)
+
+
+def _on_streams(streams: list[Any], work: Callable[[int], None]) -> None:
+    import torch
+
+    for r, s in enumerate(streams):
+        with torch.cuda.stream(s):
+            work(r)
+
+
+# --- the cases ---------------------------------------------------------------------------------------------------
+def allgather_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: int, m_local: int, n: int, k: int,
+                   chunk_rows: int) -> Case:
+    """``C = all_gather(A) @ B`` on every rank."""
+    import torch
+
+    from gpuclient.kernels import AllGatherGemm
+
+    ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=WORLD) for s in sessions]
+    _exchange(sessions)
+    _ready(ops)
+    shards = [_randn(gen, m_local, k, device=device) for _ in ops]
+    bs = [_randn(gen, k, n, device=device) for _ in ops]
+    outs = [torch.empty(WORLD * m_local, n, dtype=torch.float32, device=f"cuda:{device}") for _ in ops]
+    for op, shard in zip(ops, shards, strict=True):
+        op.local_rows().copy_(shard)
+    gathered = torch.cat(shards)
+    torch.cuda.synchronize()
+
+    def launch(**kw: bool) -> None:
+        for r, op in enumerate(ops):
+            op(None, bs[r], outs[r], stream=streams[r], **kw)
+
+    def error() -> float:
+        return max(float((outs[r] - gathered.float() @ bs[r].float()).abs().max()) for r in range(WORLD))
+
+    return Case(launch, lambda: _on_streams(streams, lambda r: torch.matmul(gathered, bs[r])), error,
+                flops=2.0 * WORLD * (WORLD * m_local) * n * k, moved=WORLD * (WORLD - 1) * m_local * k * 2, ops=ops,
+                params={"programs": ops[0].programs})
+
+
+def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen: Any, device: int, m: int, n: int,
+                 k: int, chunk_rows: int) -> Case:
+    """``reduce_scatter(A_r @ B_r)`` or ``all_reduce(A_r @ B_r)`` (bf16 partials; bf16 output for all-reduce,
+    whose result travels too, fp32 for reduce-scatter)."""
+    import torch
+
+    from gpuclient.kernels import GemmAllReduce, GemmReduceScatter
+
+    cls = GemmAllReduce if all_reduce else GemmReduceScatter
+    out_dtype = torch.bfloat16 if all_reduce else torch.float32
+    ops = [cls(s, m, n, k, chunk_rows=chunk_rows, share=WORLD, out_dtype=out_dtype) for s in sessions]
+    _exchange(sessions)
+    _ready(ops)
+    a = [_randn(gen, m, k, device=device) for _ in ops]
+    b = [_randn(gen, k, n, device=device) for _ in ops]
+    m_seg = m // WORLD
+    outs = [ops[r].result if all_reduce else torch.empty(m_seg, n, dtype=out_dtype, device=f"cuda:{device}")
+            for r in range(WORLD)]
+    torch.cuda.synchronize()
+
+    def launch(**kw: bool) -> None:
+        for r, op in enumerate(ops):
+            op(a[r], b[r], None if all_reduce else outs[r], stream=streams[r], **kw)
+
+    def error() -> float:
+        total = sum(a[r].float() @ b[r].float() for r in range(WORLD))
+        if all_reduce:
+            return max(float((outs[r].float() - total).abs().max()) for r in range(WORLD))
+        return max(float((outs[r].float() - total[r * m_seg:(r + 1) * m_seg]).abs().max()) for r in range(WORLD))
+
+    seg_bytes = m_seg * n * 2
+    moved = WORLD * (WORLD - 1) * seg_bytes * (2 if all_reduce else 1)
+    return Case(launch, lambda: _on_streams(streams, lambda r: torch.matmul(a[r], b[r])), error,
+                flops=2.0 * WORLD * m * n * k, moved=moved, ops=ops,
+                params={"programs": ops[0].programs, "out_dtype": str(out_dtype).removeprefix("torch.")})
+
+
+def gemm_reduce_scatter(*args: Any, **kw: Any) -> Case:
+    return _gemm_reduce(False, *args, **kw)
+
+
+def gemm_all_reduce(*args: Any, **kw: Any) -> Case:
+    return _gemm_reduce(True, *args, **kw)
+
+
+def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: int, heads: int, seq_local: int,
+                   head_dim: int, chunk_rows: int) -> Case:
+    """Forward attention of each rank's queries over the whole (non-causal) sequence."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    from gpuclient.kernels import RingAttention
+
+    ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, share=WORLD) for s in sessions]
+    _exchange(sessions)
+    _ready(ops)
+    q, k, v = ([_randn(gen, heads, seq_local, head_dim, device=device) for _ in ops] for _ in range(3))
+    outs = [torch.empty(heads, seq_local, head_dim, dtype=torch.float32, device=f"cuda:{device}") for _ in ops]
+    k_all, v_all = torch.cat(k, dim=1), torch.cat(v, dim=1)
+    torch.cuda.synchronize()
+
+    def launch(**kw: bool) -> None:
+        for r, op in enumerate(ops):
+            op(q[r], k[r], v[r], outs[r], stream=streams[r], **kw)
+
+    def error() -> float:
+        return max(float((outs[r] - F.scaled_dot_product_attention(q[r].float(), k_all.float(), v_all.float())
+                          ).abs().max()) for r in range(WORLD))
+
+    def sdpa(r: int) -> None:
+        F.scaled_dot_product_attention(q[r][None], k_all[None], v_all[None])
+
+    block_bytes = heads * seq_local * 2 * head_dim * 2
+    return Case(launch, lambda: _on_streams(streams, sdpa), error,
+                flops=4.0 * WORLD * heads * seq_local * (WORLD * seq_local) * head_dim,
+                moved=WORLD * (WORLD - 1) * block_bytes, ops=ops, params={"programs": ops[0].programs})
+
+
+CASES: dict[str, Callable[..., Case]] = {"allgather_gemm": allgather_gemm, "gemm_reduce_scatter": gemm_reduce_scatter,
+                                         "gemm_all_reduce": gemm_all_reduce, "ring_attention": ring_attention}
+
+
+def derive(row: dict[str, Any], flops: float, moved: int) -> dict[str, Any]:
+    """Add to a row with ``comm_s``, ``compute_s``, ``fused_s`` and ``torch_s`` what is derived from them."""
+    comm, compute, fused = row["comm_s"], row["compute_s"], row["fused_s"]
+    row["unfused_s"] = comm + compute
+    row["sequential_s"] = comm + row["torch_s"]
+    row["overlap_efficiency"] = (comm + compute - fused) / min(comm, compute)
+    row["speedup_vs_unfused"] = row["unfused_s"] / fused
+    row["speedup_vs_sequential"] = row["sequential_s"] / fused
+    row["comm_over_compute"] = comm / compute
+    row["fused_tflops"] = flops / fused / 1e12
+    row["comm_gbps"] = moved / comm / 1e9
+    return row
+
+
+def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
+              echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """One row: compute, comm, fused and torch times of ``kernel`` at ``dims`` on ``backend`` shaped as ``shape``."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    with _sessions(backend, shape, f"fused-bench-{kernel}", device) as (_, sessions):
+        streams = [torch.cuda.Stream(device) for _ in sessions]
+        case = CASES[kernel](sessions, streams, gen, device, **dims)
+        case.launch()  # the first fused launch, checked
+        torch.cuda.synchronize()
+        row: dict[str, Any] = {"kernel": kernel, "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
+                               "world": WORLD, **dims, **case.params, "max_abs_error": case.error()}
+        row["compute_s"] = _time(lambda: case.launch(communicate=False), streams, reps)
+        row["comm_s"] = _time(lambda: case.launch(compute=False), streams, reps)
+        row["fused_s"] = _time(case.launch, streams, reps)
+        row["torch_s"] = _time(case.torch_compute, streams, reps)
+        for op in case.ops:
+            status = op.channel.status()
+            if status[0] != 0:
+                raise RuntimeError(f"channel error {status}")
+    derive(row, case.flops, case.moved)
+    comm, compute, fused = row["comm_s"], row["compute_s"], row["fused_s"]
+    echo(f"  {kernel:20s} {backend} {shape:9s} {_dims(dims):28s} compute {compute * 1e3:7.3f}  comm {comm * 1e3:7.3f}"
+         f"  fused {fused * 1e3:7.3f}  torch {row['torch_s'] * 1e3:7.3f} ms  overlap {row['overlap_efficiency']:.2f}"
+         f"  vs sequential {row['speedup_vs_sequential']:.2f}x")
+    return row
+
+
+def _dims(dims: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in dims.items() if k != "chunk_rows")
+
+
+# --- MoE ---------------------------------------------------------------------------------------------------------
+_COUNTED = ("commands", "wrs", "writes", "signals", "signals_requested", "fences")
+
+
+def _counters(client: Any) -> dict[str, int]:
+    rails = [r for r in client.stats().get("rails", []) if "error" not in r]
+    return {key: sum(int(r.get(key, 0)) for r in rails) for key in _COUNTED}
+
+
+def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, hidden: int, topk: int, experts: int,
+            device: int = 0, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Dispatch and combine latency (both ranks at once) and what the sending daemons posted per dispatch."""
+    import torch
+
+    from gpuclient.kernels import MoE
+
+    config = {"signal": {"decoupled": True}} if decoupled else None
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    with _sessions(backend, shape, "fused-bench-moe", device, config) as (clients, sessions):
+        ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD) for s in sessions]
+        _exchange(sessions)
+        for op in ops:
+            op.prepare()
+        streams = [torch.cuda.Stream(device) for _ in ops]
+        xs = [_randn(gen, tokens, hidden, device=device) for _ in ops]
+        idx = [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).cuda(device)
+               for _ in ops]
+        weights = [torch.rand(tokens, topk, generator=gen).cuda(device) for _ in ops]
+        torch.cuda.synchronize()
+        dispatch_s, combine_s = [], []
+        posted = {"dispatch": dict.fromkeys(_COUNTED, 0), "combine": dict.fromkeys(_COUNTED, 0)}
+        for i in range(reps + 1):  # round 0 warms up; its counts and times are dropped
+            before = [_counters(c) for c in clients]
+            t0 = time.perf_counter()
+            handles = [op.dispatch(xs[r], idx[r], weights[r], stream=streams[r]) for r, op in enumerate(ops)]
+            for s in streams:
+                s.synchronize()
+            t1 = time.perf_counter()
+            mid = [_counters(c) for c in clients]
+            for r, op in enumerate(ops):
+                op.combine(handles[r][0], handles[r][2], stream=streams[r])  # the identity expert: y = x
+            for s in streams:
+                s.synchronize()
+            t2 = time.perf_counter()
+            after = [_counters(c) for c in clients]
+            if i > 0:
+                dispatch_s.append(t1 - t0)
+                combine_s.append(t2 - t1)
+                for key in _COUNTED:
+                    posted["dispatch"][key] += sum(m[key] - b[key] for b, m in zip(before, mid, strict=True))
+                    posted["combine"][key] += sum(a[key] - m[key] for m, a in zip(mid, after, strict=True))
+        # with y = x and weights summing per token, combine returns sum_k w_k * x: checked on the last round
+        out = ops[0].out[:tokens].float()
+        expect = xs[0].float() * weights[0].sum(dim=1, keepdim=True)
+        error = float((out - expect).abs().max())
+        for op in ops:
+            status = op.channel.status()
+            if status[0] != 0:
+                raise RuntimeError(f"channel error {status}")
+    rounds = len(dispatch_s)
+    per = WORLD * (WORLD - 1) * rounds  # (sender, destination) pairs over the counted rounds
+    row: dict[str, Any] = {"kernel": "moe", "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
+                           "decoupled": decoupled, "world": WORLD, "tokens": tokens, "hidden": hidden, "topk": topk,
+                           "experts": experts, "rounds": rounds, "max_abs_error": error,
+                           "dispatch_s": statistics.median(dispatch_s), "combine_s": statistics.median(combine_s)}
+    for phase, counts in posted.items():
+        for key in ("signals", "signals_requested", "fences", "writes"):
+            row[f"{phase}_{key}_per_dest"] = counts[key] / per
+    echo(f"  moe {backend} {shape:9s} decoupled={'on ' if decoupled else 'off'} "
+         f"dispatch {row['dispatch_s'] * 1e6:8.1f} us  combine {row['combine_s'] * 1e6:8.1f} us  "
+         f"per dispatch and destination: signals "
+         f"{row['dispatch_signals_per_dest']:.2f} (requested {row['dispatch_signals_requested_per_dest']:.2f}), "
+         f"fences {row['dispatch_fences_per_dest']:.2f}, writes {row['dispatch_writes_per_dest']:.1f}")
+    return row
+
+
+# --- report ------------------------------------------------------------------------------------------------------
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| backend | NIC model | compute ms | comm ms | fused ms | comm + compute ms | overlap efficiency | "
-             "speedup | vs comm + cuBLAS | cuBLAS ms |", "|" + "---|" * 10]
+    lines = ["| kernel | backend | NIC model | size | compute ms | comm ms | fused ms | torch ms | "
+             "overlap efficiency | vs unfused | vs sequential (comm + torch) | comm/compute |", "|" + "---|" * 12]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['backend']} | {r['shape']} | failed: {r['error']} |")
+        if r.get("kernel") == "moe":
             continue
-        shape = f"{r['shape']} ({r['nic']['nic_bandwidth'] / 1e9:g} GB/s)" if r["nic"] else r["shape"]
-        lines.append(f"| {r['backend']} | {shape} | {r['compute_s'] * 1e3:.3f} | {r['comm_s'] * 1e3:.3f} | "
-                     f"{r['fused_s'] * 1e3:.3f} | {r['sequential_s'] * 1e3:.3f} | {r['overlap_efficiency']:.2f} | "
-                     f"{r['speedup']:.2f}x | {r['speedup_vs_comm_plus_cublas']:.2f}x | {r['cublas_s'] * 1e3:.3f} |")
+        size = _dims({k: r[k] for k in SIZES.get(r.get("kernel", ""), [{}])[0] if k in r})
+        if "error" in r:
+            lines.append(f"| {r.get('kernel')} | {r['backend']} | {r['shape']} | {size} | failed: {r['error']} |")
+            continue
+        lines.append(f"| {r['kernel']} | {r['backend']} | {r['shape']} | {size} | {r['compute_s'] * 1e3:.3f} | "
+                     f"{r['comm_s'] * 1e3:.3f} | {r['fused_s'] * 1e3:.3f} | {r['torch_s'] * 1e3:.3f} | "
+                     f"{r['overlap_efficiency']:.2f} | {r['speedup_vs_unfused']:.2f}x | "
+                     f"{r['speedup_vs_sequential']:.2f}x | {r['comm_over_compute']:.2f} |")
+    moe = [r for r in rows if r.get("kernel") == "moe"]
+    if moe:
+        lines += ["", "| MoE | backend | NIC model | decoupled | dispatch us | combine us | signals / dest / dispatch "
+                  "(requested) | fences / dest / dispatch | writes / dest / dispatch |", "|" + "---|" * 9]
+        for r in moe:
+            if "error" in r:
+                lines.append(f"| moe | {r['backend']} | {r['shape']} | {r.get('decoupled')} | failed: {r['error']} |")
+                continue
+            lines.append(f"| {r['tokens']} tok, H {r['hidden']}, top-{r['topk']} of {r['experts']} | {r['backend']} | "
+                         f"{r['shape']} | {'on' if r['decoupled'] else 'off'} | {r['dispatch_s'] * 1e6:.1f} | "
+                         f"{r['combine_s'] * 1e6:.1f} | {r['dispatch_signals_per_dest']:.2f} "
+                         f"({r['dispatch_signals_requested_per_dest']:.2f}) | {r['dispatch_fences_per_dest']:.2f} | "
+                         f"{r['dispatch_writes_per_dest']:.1f} |")
     return "\n".join(lines)
 
 
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
+@click.option("--kernels", default=",".join((*KERNELS, "moe")), show_default=True,
+              help="comma-separated: " + ", ".join((*KERNELS, "moe")))
 @click.option("--backends", default="ib,efa", show_default=True)
 @click.option("--shapes", default="nic", show_default=True,
               help="comma-separated: nic (each backend's own NIC model), unshaped, or a NIC model name")
-@click.option("--m-local", default=4096, show_default=True, type=click.IntRange(min=1), help="A's rows per rank")
-@click.option("--n", default=8192, show_default=True, type=click.IntRange(min=1))
-@click.option("--k", default=8192, show_default=True, type=click.IntRange(min=1))
-@click.option("--chunk-rows", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--sizes", default=None, type=click.IntRange(min=1),
+              help="only the first N sizes of each kernel (default: all)")
 @click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1))
-@click.option("--quick", is_flag=True, help="small shapes, 2 reps (a smoke run)")
-def main(json_path: str | None, backends: str, shapes: str, m_local: int, n: int, k: int, chunk_rows: int,
-         reps: int, quick: bool) -> None:
-    """Overlap of AllGather+GEMM on two daemons sharing this GPU (see the module doc)."""
+@click.option("--quick", is_flag=True, help="one small size per kernel, 2 reps (a smoke run)")
+def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
+         quick: bool) -> None:
+    """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
+    wanted = [k for k in kernels.split(",") if k]
+    unknown = sorted(set(wanted) - {*KERNELS, "moe"})
+    if unknown:
+        raise click.BadParameter(f"unknown kernel(s) {', '.join(unknown)}", param_hint="--kernels")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).touch()  # a bad path fails now, not after the run
+    table_sizes = QUICK_SIZES if quick else SIZES
+    moe_dims = QUICK_MOE if quick else MOE
     if quick:
-        m_local, n, k, chunk_rows, reps = 512, 1024, 1024, 64, 2
+        reps = 2
     rows: list[dict[str, Any]] = []
+
+    def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:
+        try:
+            rows.append(fn(*args, echo=click.echo, **kw))
+        except Exception as exc:  # keep what the other rows measured
+            rows.append({**what, "error": f"{type(exc).__name__}: {exc}"})
+            click.echo(f"  {what}: failed: {exc}")
+
     with Mps() as mps:  # started where wanted and present; describe() says which
         if not mps.running:
             click.echo(mps.describe())
         for backend in backends.split(","):
             for spec in shapes.split(","):
                 shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
-                try:
-                    rows.append(allgather_gemm_row(backend, shape, m_local, n, k, chunk_rows, reps, echo=click.echo))
-                except Exception as exc:  # keep what the other rows measured
-                    rows.append({"backend": backend, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
-                    click.echo(f"  {backend}:{shape}: failed: {exc}")
+                for kernel in (k for k in wanted if k != "moe"):
+                    for dims in table_sizes[kernel][:sizes]:
+                        attempt({"kernel": kernel, "backend": backend, "shape": shape, **dims},
+                                fused_row, kernel, backend, shape, dims, reps)
+                if "moe" in wanted:
+                    for decoupled in ((False, True) if backend == "ib" else (False,)):
+                        attempt({"kernel": "moe", "backend": backend, "shape": shape, "decoupled": decoupled},
+                                moe_row, backend, shape, decoupled, reps, **moe_dims)
         mps_line = mps.describe()
     click.echo(mps_line)
     click.echo(table(rows))

@@ -86,7 +86,7 @@ def _arrive(ch, plan, counters, first_chunk, row0, rows, m_seg, chunk_rows, col_
 def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr, staging_ptr, out_ptr, arrive_ptr,
                          done_ptr, rank, world, m_seg, n, k, chunk_rows, chunks_per_segment, release_slot,
                          ag_release_slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PARTIAL_BYTES: tl.constexpr, COMMUNICATE: tl.constexpr,
+                         PARTIAL_BYTES: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr,
                          ALL_GATHER: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -113,12 +113,13 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
         offs_k = tl.arange(0, BLOCK_K)
         a_rows = a_ptr + (dest * m_seg + offs_m).to(tl.int64)[:, None] * k
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            a = tl.load(a_rows + (k0 + offs_k)[None, :],
-                        mask=(offs_m[:, None] < m_seg) & ((k0 + offs_k)[None, :] < k), other=0.0)
-            b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
-                        mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
-            acc = tl.dot(a, b, acc)
+        if COMPUTE:  # off: the same stores, shipments and waits with a zero partial (communication alone)
+            for k0 in range(0, k, BLOCK_K):
+                a = tl.load(a_rows + (k0 + offs_k)[None, :],
+                            mask=(offs_m[:, None] < m_seg) & ((k0 + offs_k)[None, :] < k), other=0.0)
+                b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
+                            mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
+                acc = tl.dot(a, b, acc)
         mask = (offs_m[:, None] < m_seg) & (offs_n[None, :] < n)
         if dest != rank:
             p = partial_ptr + (dest * m_seg + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
@@ -399,11 +400,21 @@ class GemmReduceScatter:
         self._done = torch.zeros(1, dtype=torch.int32, device=dev)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.programs = self._programs or max(1, sms // self.share)
-        # stand-ins for A, B and the output, held only while compiling: a compile specializes on a pointer's
-        # dtype and 16-byte alignment, not on what it points at
+        # stand-ins for A, B and the output (8 elements each), to compile with: a compile specializes on a
+        # pointer's dtype and 16-byte alignment, not on what it points at
         a, b = (torch.empty(8, dtype=torch.bfloat16, device=dev) for _ in range(2))
         out = torch.empty(8, dtype=self.out_dtype, device=dev)
-        tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out), grid=(self.programs,), **self._meta(True))
+        self._stand_ins = (a, b, out)
+        self.preload()
+
+    def preload(self, communicate: bool = True, compute: bool = True) -> None:
+        """Compile and load the kernel variant that ``__call__(..., communicate=, compute=)`` launches
+        (``prepare`` loads the default one): ranks in one process must load every variant they will run
+        concurrently before the first launch of any."""
+        self.prepare()
+        a, b, out = self._stand_ins
+        tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out), grid=(self.programs,),
+                    **self._meta(communicate, compute))
 
     def _out_buffer(self, out: Any) -> Any:
         import torch
@@ -418,10 +429,10 @@ class GemmReduceScatter:
                 self.rank, self.world, self.m_seg, self.n, self.k, lay.chunk_rows, lay.chunks_per_segment,
                 lay.release_slot, lay.ag_release_slot)
 
-    def _meta(self, communicate: bool) -> dict[str, Any]:
+    def _meta(self, communicate: bool, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.block
         return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PARTIAL_BYTES": self.layout.partial_bytes,
-                "COMMUNICATE": communicate, "ALL_GATHER": self._ALL_GATHER,
+                "COMMUNICATE": communicate, "COMPUTE": compute, "ALL_GATHER": self._ALL_GATHER,
                 "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def _check(self, name: str, tensor: Any, shape: tuple[int, int], dtype: Any) -> None:
@@ -434,7 +445,7 @@ class GemmReduceScatter:
             raise ValueError(f"{name} must be contiguous on {self.partial.device}, got "
                              f"{'a strided view' if not tensor.is_contiguous() else 'a tensor'} on {tensor.device}")
 
-    def _launch(self, a: Any, b: Any, out: Any, communicate: bool, stream: Any) -> None:
+    def _launch(self, a: Any, b: Any, out: Any, communicate: bool, compute: bool, stream: Any) -> None:
         import torch
 
         self._check("a", a, (self.m, self.k), torch.bfloat16)
@@ -444,16 +455,19 @@ class GemmReduceScatter:
             self.launches += 1
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             _gemm_reduce_scatter[(self.programs,)](*self._args(max(self.launches, 1), a, b, out),
-                                                   **self._meta(communicate))
+                                                   **self._meta(communicate, compute))
 
-    def __call__(self, a: Any, b: Any, out: Any = None, *, communicate: bool = True, stream: Any = None) -> Any:
+    def __call__(self, a: Any, b: Any, out: Any = None, *, communicate: bool = True, compute: bool = True,
+                 stream: Any = None) -> Any:
         """Launch once on ``stream`` (torch's current one by default); returns this rank's segment of the sum
         (``m/world x n``; into ``out`` when given). ``communicate=False`` neither ships nor waits: ``out`` is
-        then this rank's own partial of its segment (the compute alone, for timing)."""
+        then this rank's own partial of its segment (the compute alone, for timing). ``compute=False`` ships
+        and waits on the same schedule with zero partials (the communication alone, for timing). A variant
+        other than the default must be ``preload``-ed first where ranks share a process."""
         if out is not None:
             self._check("out", out, (self.m_seg, self.n), self.out_dtype)
         out = self._out_buffer(out)
-        self._launch(a, b, out, communicate, stream)
+        self._launch(a, b, out, communicate, compute, stream)
         return out
 
 
@@ -474,11 +488,12 @@ class GemmAllReduce(GemmReduceScatter):
     def _out_buffer(self, out: Any) -> Any:
         return self.result
 
-    def __call__(self, a: Any, b: Any, out: Any = None, *, communicate: bool = True, stream: Any = None) -> Any:
+    def __call__(self, a: Any, b: Any, out: Any = None, *, communicate: bool = True, compute: bool = True,
+                 stream: Any = None) -> Any:
         """Launch once on ``stream``; returns ``result`` (``m x n``). ``out`` is refused: the peers write into
         the registered buffer. ``communicate=False``: this rank's own segment holds its partial, the rest is
-        stale."""
+        stale. ``compute=False``: the communication alone, as for GemmReduceScatter."""
         if out is not None:
             raise ValueError("GemmAllReduce writes into its registered result buffer (op.result); copy from it")
-        self._launch(a, b, self.result, communicate, stream)
+        self._launch(a, b, self.result, communicate, compute, stream)
         return self.result

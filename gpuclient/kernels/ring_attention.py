@@ -129,7 +129,7 @@ def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_p
                     heads, seq, chunk_elems, chunks_per_block, release_slot, qk_scale,
                     COMM_PROGRAMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, COPY_BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-                    COMMUNICATE: tl.constexpr):
+                    COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr):
     pid = tl.program_id(0)
     left = (rank + world - 1) % world
     block_elems = heads * seq * (2 * HEAD_DIM)  # one origin's K and V, interleaved by row (< 2^31: the layout)
@@ -162,29 +162,30 @@ def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_p
         tiles = heads * q_blocks
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
-        # step 0: the own block, from the caller's k and v
-        for t in range(cp, tiles, compute):
-            h = t // q_blocks
-            rows = (t % q_blocks) * BLOCK_M + offs_m
-            mine = (h * seq + rows)[:, None] * HEAD_DIM + offs_d[None, :]
-            row_ok = (rows < seq)[:, None]
-            q = tl.load(q_ptr + mine, mask=row_ok, other=0.0)
-            acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-            m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: a fully masked row stays NaN-free
-            l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            n_hi = seq
-            if CAUSAL:
-                n_hi = tl.minimum(seq, (t % q_blocks) * BLOCK_M + BLOCK_M)
-            head = tl.cast(h * seq, tl.int64) * HEAD_DIM
-            acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr + head, v_ptr + head, rows, n_hi, seq, qk_scale,
-                                    HEAD_DIM, HEAD_DIM, BLOCK_N, CAUSAL)
-            state = h * seq + rows
-            if world > 1:
-                tl.store(acc_ptr + mine, acc, mask=row_ok)
-                tl.store(ml_ptr + state, m_i, mask=rows < seq)
-                tl.store(ml_ptr + heads * seq + state, l_i, mask=rows < seq)
-            else:
-                tl.store(out_ptr + mine, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok)
+        # step 0: the own block, from the caller's k and v (COMPUTE off: nothing; the steps below wait alone)
+        if COMPUTE:
+            for t in range(cp, tiles, compute):
+                h = t // q_blocks
+                rows = (t % q_blocks) * BLOCK_M + offs_m
+                mine = (h * seq + rows)[:, None] * HEAD_DIM + offs_d[None, :]
+                row_ok = (rows < seq)[:, None]
+                q = tl.load(q_ptr + mine, mask=row_ok, other=0.0)
+                acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+                m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: a fully masked row stays NaN-free
+                l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                n_hi = seq
+                if CAUSAL:
+                    n_hi = tl.minimum(seq, (t % q_blocks) * BLOCK_M + BLOCK_M)
+                head = tl.cast(h * seq, tl.int64) * HEAD_DIM
+                acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr + head, v_ptr + head, rows, n_hi, seq, qk_scale,
+                                        HEAD_DIM, HEAD_DIM, BLOCK_N, CAUSAL)
+                state = h * seq + rows
+                if world > 1:
+                    tl.store(acc_ptr + mine, acc, mask=row_ok)
+                    tl.store(ml_ptr + state, m_i, mask=rows < seq)
+                    tl.store(ml_ptr + heads * seq + state, l_i, mask=rows < seq)
+                else:
+                    tl.store(out_ptr + mine, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok)
         # steps 1 .. world-1: the block of origin (rank - s) % world, as it arrives from the left
         for s in range(1, world):
             origin = (rank - s + world) % world
@@ -199,24 +200,25 @@ def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_p
                 mine = (h * seq + rows)[:, None] * HEAD_DIM + offs_d[None, :]
                 row_ok = (rows < seq)[:, None]
                 state = h * seq + rows
-                q = tl.load(q_ptr + mine, mask=row_ok, other=0.0)
-                acc = tl.load(acc_ptr + mine, mask=row_ok, other=0.0)
-                m_i = tl.load(ml_ptr + state, mask=rows < seq, other=-1.0e30)
-                l_i = tl.load(ml_ptr + heads * seq + state, mask=rows < seq, other=1.0)
                 if COMMUNICATE:
                     # the chunks of this head's K and V rows (an empty range when masked out), before the key
                     # loop: no load of the block may be issued ahead of the wait, whatever the pipeliner does
                     tpd.wait_range(ch, plan, epoch, left, tl.cast(origin, tl.uint64) * block_bytes +
                                    tl.cast(h, tl.uint64) * head_bytes, tl.cast(n_hi, tl.uint64) * (4 * HEAD_DIM))
-                k_head = block + tl.cast(h * seq, tl.int64) * (2 * HEAD_DIM)
-                acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_head, k_head + HEAD_DIM, rows, n_hi, seq, qk_scale,
-                                        2 * HEAD_DIM, HEAD_DIM, BLOCK_N, False)
-                if s < world - 1:
-                    tl.store(acc_ptr + mine, acc, mask=row_ok)
-                    tl.store(ml_ptr + state, m_i, mask=rows < seq)
-                    tl.store(ml_ptr + heads * seq + state, l_i, mask=rows < seq)
-                else:
-                    tl.store(out_ptr + mine, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok)
+                if COMPUTE:
+                    q = tl.load(q_ptr + mine, mask=row_ok, other=0.0)
+                    acc = tl.load(acc_ptr + mine, mask=row_ok, other=0.0)
+                    m_i = tl.load(ml_ptr + state, mask=rows < seq, other=-1.0e30)
+                    l_i = tl.load(ml_ptr + heads * seq + state, mask=rows < seq, other=1.0)
+                    k_head = block + tl.cast(h * seq, tl.int64) * (2 * HEAD_DIM)
+                    acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_head, k_head + HEAD_DIM, rows, n_hi, seq, qk_scale,
+                                            2 * HEAD_DIM, HEAD_DIM, BLOCK_N, False)
+                    if s < world - 1:
+                        tl.store(acc_ptr + mine, acc, mask=row_ok)
+                        tl.store(ml_ptr + state, m_i, mask=rows < seq)
+                        tl.store(ml_ptr + heads * seq + state, l_i, mask=rows < seq)
+                    else:
+                        tl.store(out_ptr + mine, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok)
     if COMMUNICATE:
         # the last program to finish: every block this rank received was read by the compute and by the
         # forwarding puts (quieted before the count), so the left neighbour may write the next launch's
@@ -475,13 +477,14 @@ class RingAttention:
         self._scratch = (q, torch.empty(shape, dtype=self.out_dtype, device=dev))
         self.preload()
 
-    def preload(self, communicate: bool = True) -> None:
-        """Compile and load the kernel variant that ``__call__(..., communicate=)`` launches (``prepare``
-        loads the default one): ranks in one process must load every variant they will run concurrently
-        before the first launch of any."""
+    def preload(self, communicate: bool = True, compute: bool = True) -> None:
+        """Compile and load the kernel variant that ``__call__(..., communicate=, compute=)`` launches
+        (``prepare`` loads the default one): ranks in one process must load every variant they will run
+        concurrently before the first launch of any."""
         self.prepare()
         q, out = self._scratch
-        tpd.preload(_ring_attention, *self._args(1, q, q, q, out), grid=(self.programs,), **self._meta(communicate))
+        tpd.preload(_ring_attention, *self._args(1, q, q, q, out), grid=(self.programs,),
+                    **self._meta(communicate, compute))
 
     def _args(self, epoch: int, q: Any, k: Any, v: Any, out: Any) -> tuple:
         lay = self.layout
@@ -489,10 +492,11 @@ class RingAttention:
                 self.world, self.heads, self.seq_local, lay.chunk_elems, lay.chunks_per_block, lay.release_slot,
                 self.sm_scale * _LOG2E)
 
-    def _meta(self, communicate: bool) -> dict[str, Any]:
+    def _meta(self, communicate: bool, compute: bool = True) -> dict[str, Any]:
         bm, bn = self.block
         return {"COMM_PROGRAMS": self.comm_programs, "HEAD_DIM": self.head_dim, "BLOCK_M": bm, "BLOCK_N": bn,
                 "COPY_BLOCK": 1024, "CAUSAL": self.causal, "COMMUNICATE": communicate and self.world > 1,
+                "COMPUTE": compute,
                 "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def _check(self, name: str, tensor: Any, dtype: Any) -> None:
@@ -510,10 +514,13 @@ class RingAttention:
             raise ValueError(f"{name} must start on a 16-byte boundary (the kernel was loaded for aligned tensors)")
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any = None, *, communicate: bool = True,
-                 stream: Any = None) -> Any:
+                 compute: bool = True, stream: Any = None) -> Any:
         """Launch once on ``stream`` (torch's current one by default); returns the attention output of this
         rank's queries (``[heads, seq_local, head_dim]``; into ``out`` when given). ``communicate=False``
-        neither ships nor waits (the compute alone, for timing: the peers' blocks are whatever ``kv`` holds)."""
+        neither ships nor waits (the compute alone, for timing: the peers' blocks are whatever ``kv`` holds);
+        ``compute=False`` ships, forwards and waits for every head's chunks as the compute would, and computes
+        nothing (the communication alone; ``out`` is left as it was). A variant other than the default must be
+        ``preload``-ed first where ranks share a process."""
         import torch
 
         for name, tensor in (("q", q), ("k", k), ("v", v)):
@@ -527,5 +534,5 @@ class RingAttention:
             self.launches += 1
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             _ring_attention[(self.programs,)](*self._args(max(self.launches, 1), q, k, v, out),
-                                              **self._meta(communicate))
+                                              **self._meta(communicate, compute))
         return out

@@ -116,6 +116,7 @@ def test_gemm_reduce_scatter_matches_torch(cuda_device, backend: str, partial_dt
             _exchange(sessions)
             for op in ops:  # both ranks' kernels loaded before either launches (one process, one GPU)
                 op.prepare()
+                op.preload(compute=False)
             streams = [torch.cuda.Stream(cuda_device) for _ in ops]
             b = [torch.randn(k, n, generator=gen).to(torch.bfloat16).cuda(cuda_device) for _ in ops]
             bad = torch.zeros(m, k + 1, dtype=torch.bfloat16, device=f"cuda:{cuda_device}")
@@ -137,12 +138,24 @@ def test_gemm_reduce_scatter_matches_torch(cuda_device, backend: str, partial_dt
                     rows = slice(r * m_seg, (r + 1) * m_seg)
                     _assert_sum(outs[r], want[rows], magnitude[rows], f"rank {r} launch {launch}")
                     assert op.channel.status()[0] == 0, op.channel.status()
+            # the communication alone (what a benchmark times as T_comm): zero partials shipped, waited for and
+            # summed on the same schedule, so the output is exactly 0 and a read of unarrived staging is NaN
+            for op in ops:
+                op.staging.fill_(float("nan"))
+            outs = [torch.full((m_seg, n), float("nan"), dtype=odt, device=f"cuda:{cuda_device}") for _ in ops]
+            torch.cuda.synchronize(cuda_device)
+            for r, op in enumerate(ops):
+                op(a[r], b[r], outs[r], stream=streams[r], compute=False)
+            torch.cuda.synchronize(cuda_device)
+            for r in range(world):
+                assert (outs[r] == 0).all(), f"rank {r}: the communication-only launch summed {outs[r]}"
+            launches = LAUNCHES + 1
             for r, op in enumerate(ops):
                 lay = op.layout
                 shipped = op.rs_plan.to_device(cuda_device).counters().reshape(world, lay.chunks_per_segment)
-                assert (shipped[r] == 0).all() and (np.delete(shipped, r, axis=0) == LAUNCHES).all(), shipped
+                assert (shipped[r] == 0).all() and (np.delete(shipped, r, axis=0) == launches).all(), shipped
                 arrived = op._arrive.cpu().numpy()[:world * lay.chunks_per_segment].reshape(world, -1)
-                per_chunk = [LAUNCHES * lay.arrivals(c) for c in range(lay.chunks_per_segment)]
+                per_chunk = [launches * lay.arrivals(c) for c in range(lay.chunks_per_segment)]
                 assert (arrived[r] == 0).all() and (np.delete(arrived, r, axis=0) == per_chunk).all(), arrived
         finally:
             _close(sessions)

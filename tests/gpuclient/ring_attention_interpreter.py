@@ -132,7 +132,7 @@ def check_compute(world: int, heads: int, seq: int, head_dim: int, causal: bool,
                 HostTensor(np.zeros(1, np.int32), "int32"), rank, world, heads, seq, lay.chunk_elems,
                 lay.chunks_per_block, lay.release_slot, scale * _LOG2E)
         _ring_attention[(programs,)](*args, COMM_PROGRAMS=1, HEAD_DIM=head_dim, BLOCK_M=block[0], BLOCK_N=block[1],
-                                     COPY_BLOCK=64, CAUSAL=causal, COMMUNICATE=False)
+                                     COPY_BLOCK=64, CAUSAL=causal, COMMUNICATE=False, COMPUTE=True)
         assert np.isfinite(out).all(), f"world {world} rank {rank}: NaN in the output (a read of an unset block)"
         err = float(np.abs(out - attention(q, k, v, rank, causal, scale)).max())
         assert err < 1e-2, f"world {world} rank {rank} causal {causal} head_dim {head_dim}: off by {err}"

@@ -82,14 +82,18 @@ def test_the_allgather_gemm_kernel_compiles_for_sm90(communicate: bool, compute:
     assert (pushes, waits, quiets) == ((2, 2, 1) if communicate else (0, 0, 0))
 
 
-@pytest.mark.parametrize(("all_gather", "partial", "out"), [(False, "bf16", "fp32"), (False, "fp32", "bf16"),
-                                                            (True, "bf16", "bf16")])
-def test_the_gemm_reduce_scatter_kernels_compile_for_sm90(all_gather: bool, partial: str, out: str) -> None:
-    meta = {**BLOCK, "PARTIAL_BYTES": 2 if partial == "bf16" else 4, "COMMUNICATE": True, "ALL_GATHER": all_gather}
+@pytest.mark.parametrize(("all_gather", "partial", "out", "compute"), [
+    (False, "bf16", "fp32", True), (False, "fp32", "bf16", True), (True, "bf16", "bf16", True),
+    (False, "bf16", "fp32", False), (True, "bf16", "bf16", False)])
+def test_the_gemm_reduce_scatter_kernels_compile_for_sm90(all_gather: bool, partial: str, out: str,
+                                                         compute: bool) -> None:
+    meta = {**BLOCK, "PARTIAL_BYTES": 2 if partial == "bf16" else 4, "COMMUNICATE": True, "COMPUTE": compute,
+            "ALL_GATHER": all_gather}
     compiled = compile_kernel(_gemm_reduce_scatter, rs_signature(partial, out), meta, num_warps=8)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
     pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
-    assert any(op.startswith("wgmma") for op in code)
+    # bf16 tl.dot on the tensor cores, and none with compute off; the protocol is the same either way
+    assert any(op.startswith("wgmma") for op in code) == compute
     assert not [op for op in code if ".nc" in op]  # staging and result are written by the NIC mid-launch
     if all_gather:
         # pushes: both plans' tile_done, the result release at the start, the staging release at the end;
@@ -101,7 +105,7 @@ def test_the_gemm_reduce_scatter_kernels_compile_for_sm90(all_gather: bool, part
 
 
 def test_the_compute_only_variant_has_no_protocol_at_all() -> None:
-    meta = {**BLOCK, "PARTIAL_BYTES": 2, "COMMUNICATE": False, "ALL_GATHER": True}
+    meta = {**BLOCK, "PARTIAL_BYTES": 2, "COMMUNICATE": False, "COMPUTE": True, "ALL_GATHER": True}
     compiled = compile_kernel(_gemm_reduce_scatter, rs_signature("bf16", "fp32"), meta, num_warps=8)
     pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
     assert (pushes, waits, quiets) == (0, 0, 0)
@@ -240,9 +244,9 @@ RA_SIG = {"ch": "*u64", "plan": "*u64", "epoch": "i32", "q_ptr": "*bf16", "k_ptr
           "chunks_per_block": "i32", "release_slot": "i32", "qk_scale": "fp32"}
 
 
-def ra_meta(head_dim: int, causal: bool, communicate: bool = True) -> dict:
+def ra_meta(head_dim: int, causal: bool, communicate: bool = True, compute: bool = True) -> dict:
     return {"COMM_PROGRAMS": 1, "HEAD_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "COPY_BLOCK": 1024,
-            "CAUSAL": causal, "COMMUNICATE": communicate}
+            "CAUSAL": causal, "COMMUNICATE": communicate, "COMPUTE": compute}
 
 
 @pytest.mark.parametrize(("head_dim", "causal", "out"), [(64, False, "fp32"), (128, False, "bf16"), (64, True, "bf16"),
@@ -256,6 +260,13 @@ def test_the_ring_attention_kernel_compiles_for_sm90(head_dim: int, causal: bool
     # pushes: tile_done of the own block's chunks, tile_done of a forwarded chunk, the release signal;
     # waits: the release, the forwarded chunk's arrival, a head's range before the key loop; the closing quiet
     assert (pushes, waits, quiets) == (3, 3, 1)
+
+
+def test_the_ring_attention_communication_only_variant_ships_and_waits_without_tensor_cores() -> None:
+    compiled = compile_kernel(_ring_attention, RA_SIG, ra_meta(128, False, compute=False))
+    pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
+    assert not any(op.startswith("wgmma") for op in code)
+    assert (pushes, waits, quiets) == (3, 3, 1)  # the same protocol as the fused kernel's
 
 
 def test_the_ring_attention_compute_only_variant_has_no_protocol() -> None:
