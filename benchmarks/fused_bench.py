@@ -77,6 +77,8 @@ QUICK_SIZES: dict[str, list[dict[str, int]]] = {
 KERNELS = tuple(SIZES)
 MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}
 QUICK_MOE = {"tokens": 32, "hidden": 1024, "topk": 4, "experts": 8}
+#: programs per rank for every fused op (``--programs``; None: the op's default, the SMs over the ranks sharing)
+PROGRAMS: int | None = None
 
 
 @dataclass
@@ -164,7 +166,7 @@ def allgather_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: in
 
     from gpuclient.kernels import AllGatherGemm
 
-    ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=WORLD) for s in sessions]
+    ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=WORLD, programs=PROGRAMS) for s in sessions]
     _exchange(sessions)
     _ready(ops)
     shards = [_randn(gen, m_local, k, device=device) for _ in ops]
@@ -197,7 +199,8 @@ def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen:
 
     cls = GemmAllReduce if all_reduce else GemmReduceScatter
     out_dtype = torch.bfloat16 if all_reduce else torch.float32
-    ops = [cls(s, m, n, k, chunk_rows=chunk_rows, share=WORLD, out_dtype=out_dtype) for s in sessions]
+    ops = [cls(s, m, n, k, chunk_rows=chunk_rows, share=WORLD, out_dtype=out_dtype, programs=PROGRAMS)
+           for s in sessions]
     _exchange(sessions)
     _ready(ops)
     a = [_randn(gen, m, k, device=device) for _ in ops]
@@ -240,7 +243,8 @@ def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: in
 
     from gpuclient.kernels import RingAttention
 
-    ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, share=WORLD) for s in sessions]
+    ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, share=WORLD,
+                         programs=PROGRAMS) for s in sessions]
     _exchange(sessions)
     _ready(ops)
     q, k, v = ([_randn(gen, heads, seq_local, head_dim, device=device) for _ in ops] for _ in range(3))
@@ -433,11 +437,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 @click.option("--sizes", default=None, type=click.IntRange(min=1),
               help="only the first N sizes of each kernel (default: all)")
 @click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--programs", default=None, type=click.IntRange(min=2),
+              help="programs per rank for every fused op (default: the SMs over the two ranks)")
 @click.option("--quick", is_flag=True, help="one small size per kernel, 2 reps (a smoke run)")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
-         quick: bool) -> None:
+         programs: int | None, quick: bool) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
+
+    global PROGRAMS
+    PROGRAMS = programs
 
     wanted = [k for k in kernels.split(",") if k]
     unknown = sorted(set(wanted) - {*KERNELS, "moe"})
