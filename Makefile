@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) $(wildcard cmd_ring/include/transportd/*.h)
+CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h ib/csrc/*.c ib/csrc/*.h) \
+          $(wildcard cmd_ring/include/transportd/*.h)
 
 .PHONY: venv test demo lint core fuzz-validate pyverbs-bridge asan-test
 venv: $(VENV)/.installed

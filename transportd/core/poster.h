@@ -1,7 +1,7 @@
 /*
  * The C-level poster: how the engine reaches a backend's NIC without a Python call per pass.
  *
- * A backend that lowers plan rows in C (ib_post.c) hands the engine a tpd_poster in a PyCapsule named
+ * A backend that lowers plan rows in C (ib/csrc/ib_post.c) hands the engine a tpd_poster in a PyCapsule named
  * TPD_POSTER_CAPSULE; the engine then calls post/poll directly, with the GIL released, instead of the
  * backend's Python post/poll. Either call returns -1 on failure, after which the engine (holding the GIL
  * again) calls raise_error to set the Python exception. post/poll may take the GIL themselves
@@ -105,7 +105,7 @@ void tpd_shim_start(tpd_shim_session *s);
 void tpd_shim_abort(tpd_shim_session *s);
 int tpd_shim_complete(tpd_shim_session *s);
 
-/* The types ib_post.c and verbs_shim.c add to transportd._core (with a Python object argument). */
+/* The types ib/csrc/ib_post.c and verbs_shim.c add to transportd._core (with a Python object argument). */
 int tpd_ib_register(void *module);
 int tpd_shim_register(void *module);
 int tpd_efa_register(void *module); /* efa_post.c: EfaPoster, SrdShimQP */
