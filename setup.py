@@ -18,10 +18,12 @@ setup(
         Extension(
             "transportd._core",
             sources=[f"{CORE}/engine.c", f"{CORE}/poster.c", f"{CORE}/pingpong.c", f"{CORE}/verbs_shim.c",
-                     f"{CORE}/efa_post.c", f"{CORE}/efa_arrivals.c", f"{CORE}/efa_shim.c", f"{CORE}/trace.c",
-                     "ib/csrc/ib_post.c"],
+                     f"{CORE}/trace.c",
+                     "ib/csrc/ib_post.c",
+                     "efa/csrc/efa_post.c", "efa/csrc/efa_arrivals.c", "efa/csrc/efa_shim.c"],
             depends=[f"{CORE}/validate.h", f"{CORE}/pingpong.h", f"{CORE}/poster.h", f"{CORE}/verbs_abi.h",
-                     f"{CORE}/verbs_abi_members.h", f"{CORE}/efa_arrivals.h", f"{CORE}/trace.h",
+                     f"{CORE}/verbs_abi_members.h", f"{CORE}/trace.h",
+                     "efa/csrc/efa_arrivals.h",
                      f"{CONTRACT}/transportd/cmd_ring.h", f"{CONTRACT}/transportd/errors.h"],
             # the include roots: the contract's (<transportd/cmd_ring.h>, <transportd/errors.h>, shared with the
             # client) and the core's, whose poster interface and verbs ABI a backend's C includes by name

@@ -188,9 +188,9 @@ def test_the_daemon_room_check_sees_a_daemon_room() -> None:
 # stands on the core, and of it sees only what a backend is built against (C_CORE_INTERFACE); the core sees
 # no backend, and the backends do not see each other.
 C_ROOTS = {"contract": Path("cmd_ring/include"), "client": Path("gpuclient/include"), "daemon": Path("transportd/core"),
-           "ib": Path("ib/csrc")}
+           "ib": Path("ib/csrc"), "efa": Path("efa/csrc")}
 C_MAY_INCLUDE = {"contract": {"contract"}, "client": {"client", "contract"}, "daemon": {"daemon", "contract"},
-                 "ib": {"ib", "contract", "core interface"}}
+                 "ib": {"ib", "contract", "core interface"}, "efa": {"efa", "contract", "core interface"}}
 # The core's headers a backend's C may include ("core interface" above): the poster interface and the verbs
 # ABI. What they include in turn is the core's own business.
 C_CORE_INTERFACE = {"poster.h", "verbs_abi.h"}
@@ -233,7 +233,7 @@ def test_c_includes_run_one_way() -> None:
     problems, edges = _include_problems(ROOT)
     assert problems == []
     assert {("daemon", "contract"), ("client", "contract")} <= set(edges), "both sides include the contract"
-    assert ("ib", "daemon") in set(edges), "the backend's C includes the core's poster interface"
+    assert {("ib", "daemon"), ("efa", "daemon")} <= set(edges), "each backend's C includes the core's poster interface"
 
 
 @pytest.mark.parametrize(("where", "line", "message"), [
@@ -245,6 +245,10 @@ def test_c_includes_run_one_way() -> None:
     ("ib/csrc/ib_post.c", '#include "trace.h"', "beyond its poster interface"),
     ("ib/csrc/ib_post.c", '#include "../../transportd/core/poster.h"', "climbs out"),
     ("ib/csrc/ib_post.c", "#include <transportd/device.cuh>", "reaches the client"),
+    ("ib/csrc/ib_post.c", '#include "efa_arrivals.h"', "reaches the efa"),
+    ("efa/csrc/efa_post.c", '#include "validate.h"', "beyond its poster interface"),
+    ("transportd/core/engine.c", '#include "efa_arrivals.h"', "reaches the efa"),
+    ("transportd/core/poster.h", '#include "../../efa/csrc/efa_arrivals.h"', "climbs out"),
 ])
 def test_the_include_check_finds_a_planted_violation(tmp_path: Path, where: str, line: str, message: str) -> None:
     for rel in C_ROOTS.values():
