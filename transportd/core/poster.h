@@ -109,7 +109,7 @@ int tpd_shim_complete(tpd_shim_session *s);
 /* What each part linked into transportd._core adds to the module (with the module as argument): the core's
  * verbs shim (verbs_shim.c: ShimQP, ShimCQ, abi_layout) and each backend's C, which defines its hook where it
  * lives: ib/csrc/ib_post.c (IbPoster), efa/csrc/efa_post.c (EfaPoster, SrdShimQP, the flag functions). The
- * core's module init calls them; it is the one place the core names a backend, because they share one
+ * module's init (module.c) calls them; it is the one place the core names a backend, because they share one
  * extension (setup.py says why). The engine itself reaches a backend only through the capsule above. */
 int tpd_shim_register(void *module);
 int tpd_ib_register(void *module);
