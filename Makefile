@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) $(wildcard cmd_ring/include/transportd/*.h)
+CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) $(wildcard cmd_ring/include/transportd/*.h) \
+          $(wildcard ib/csrc/*.c ib/csrc/*.h efa/csrc/*.c efa/csrc/*.h)
 
 .PHONY: venv test demo lint core fuzz-validate pyverbs-bridge asan-test
 venv: $(VENV)/.installed
@@ -33,8 +34,9 @@ fuzz-validate:
 	    -I cmd_ring/include -o build/fuzz_validate transportd/core/fuzz_validate.c
 	build/fuzz_validate -max_total_time=$${FUZZ_SECONDS:-60} -print_final_stats=1
 
-# The compiled core under AddressSanitizer + UndefinedBehaviorSanitizer: a copy of the tree (build/asan-tree)
-# built with both, its data-path tests run with the runtimes preloaded into Python. Leak checking is off:
+# The compiled data path (transportd._core: the core and the backends' C, ib/csrc and efa/csrc) under
+# AddressSanitizer + UndefinedBehaviorSanitizer: a copy of the tree (build/asan-tree) built with both, its
+# data-path tests run with the runtimes preloaded into Python. Leak checking is off:
 # CPython's own allocations at exit would drown any report. The bridge's test is left out: the copy holds
 # no built bridge, and the bridge is Cython, not this C. CI runs it after `make test`.
 SANITIZE   := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -O1 -g

@@ -1,7 +1,7 @@
 """The counting scheme, both ends, with no verbs in it: which flag may be published when.
 
-This is the model: the daemon runs the same rules in C (``transportd/core/efa_post.c`` numbers the groups
-and builds the records, ``transportd/core/efa_arrivals.c`` counts the arrivals), and
+This is the model: the daemon runs the same rules in C (``efa/csrc/efa_post.c`` numbers the groups
+and builds the records, ``efa/csrc/efa_arrivals.c`` counts the arrivals), and
 ``tests/efa/test_efa_core.py`` compares the two. ``SenderGroups`` is the posting side of one connection: it
 numbers groups and builds control records (see :mod:`efa.wire` for the layout). ``ArrivalTracker`` is the
 receiving side of the same connection: it is fed the immediates and records as their completions come

@@ -1,6 +1,6 @@
 """The efa backend: one SRD QP per rail, write-with-immediate, flags published by the receiving daemon.
 
-The data path is compiled: ``transportd._core.EfaPoster`` (``transportd/core/efa_post.c``) lowers plan rows,
+The data path is compiled: ``transportd._core.EfaPoster`` (``efa/csrc/efa_post.c``) lowers plan rows,
 submits, tracks completions and counts arrivals; this module is its control plane (device, QP, address
 handles, staging memory, connections) and the Python end of the one call per poll that needs Python.
 The engine calls the poster directly (:attr:`EfaBackend.c_poster`); ``post``/``post_batches``/``poll`` are

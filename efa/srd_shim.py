@@ -1,6 +1,6 @@
 """The Python side of the SRD verbs shim: an ``ibv_qp_ex`` (``transportd._core.SrdShimQP``) for an SRD QP of a
 Python verbs provider, and an ``ibv_cq_ex`` (``transportd._core.ShimCQ``) for the rail's CQ, so the compiled
-efa lowering (``transportd/core/efa_post.c``) posts and polls through function pointers whatever the provider.
+efa lowering (``efa/csrc/efa_post.c``) posts and polls through function pointers whatever the provider.
 
 Per pass the shim makes one Python call each way:
 
@@ -34,7 +34,7 @@ from transportd.backends.verbs_shim import pyverbs_bridge
 __all__ = ["SRD_WR_DTYPE", "SET_SGE", "SET_UD", "AddressTable", "bridged", "post_soft", "replay_pyverbs",
            "shim_cq", "srd_shim_qp"]
 
-#: One collected WR (transportd/core/efa_shim.c SrdWr).
+#: One collected WR (efa/csrc/efa_shim.c SrdWr).
 SRD_WR_DTYPE = np.dtype(
     [
         ("wr_id", "<u8"),

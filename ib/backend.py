@@ -44,7 +44,7 @@ The ordering read has length zero, so it needs no remote key and touches no memo
 RDMA read carries no R_Key check); it is the same trick NVSHMEM and Perseus use before a fenced flag.
 
 Where it runs. The lowering above and the completion tracking are compiled (``transportd._core.IbPoster``,
-``transportd/core/ib_post.c``): plan rows become ``ibv_wr_*`` calls through the function pointers of a
+``ib/csrc/ib_post.c``): plan rows become ``ibv_wr_*`` calls through the function pointers of a
 ``struct ibv_qp_ex`` per connection, completions come from a ``struct ibv_cq_ex`` (the rail's CQ) through
 ``start_poll``/``next_poll``/``end_poll``. The proxy's engine calls it directly (:attr:`IbBackend.c_poster`),
 so no Python runs per record or per WR between the ring and those structs. For a Python verbs provider the
@@ -292,7 +292,7 @@ class IbBackend(PosterBackend):
         finally:
             self.rail.deregister(conn.staging.ctypes.data, conn.staging_lkey)
 
-    # --- data path (compiled: transportd/core/ib_post.c, ``transportd._core.IbPoster``; PosterBackend has
+    # --- data path (compiled: ib/csrc/ib_post.c, ``transportd._core.IbPoster``; PosterBackend has
     # post_batches, which sends consecutive batches for one connection in one wr_start/wr_complete session,
     # poll and inflight) -------------------------------------------------------------------------------
     @property

@@ -16,7 +16,9 @@ inside a function is still a dependency); only ``if TYPE_CHECKING:`` blocks, whi
   contract, not on the daemon's config, backends, data plane or main process.
 - The C and CUDA headers obey the same picture (``C_ROOTS``): the contract's include root includes only
   itself; the daemon's core (``transportd/core``) and the device API (``gpuclient/include``) include
-  themselves and the contract, never each other; no include climbs out of its root with ``../``."""
+  themselves and the contract, never each other; a backend's C (``ib/csrc``, ``efa/csrc``) includes itself,
+  the contract and, of the core, only its poster interface and verbs ABI (``C_CORE_INTERFACE``), never the
+  other backend; the core includes no backend; no include climbs out of its root with ``../``."""
 
 from __future__ import annotations
 
@@ -182,9 +184,16 @@ def test_the_daemon_room_check_sees_a_daemon_room() -> None:
 
 # --- C and CUDA includes ------------------------------------------------------------------------------------
 # Each include root and the roots its files may include from. The contract's root is below both sides; the
-# device API's and the daemon core's stand beside each other and meet only in the contract.
-C_ROOTS = {"contract": Path("cmd_ring/include"), "client": Path("gpuclient/include"), "daemon": Path("transportd/core")}
-C_MAY_INCLUDE = {"contract": {"contract"}, "client": {"client", "contract"}, "daemon": {"daemon", "contract"}}
+# device API's and the daemon core's stand beside each other and meet only in the contract. Each backend's C
+# stands on the core, and of it sees only what a backend is built against (C_CORE_INTERFACE); the core sees
+# no backend, and the backends do not see each other.
+C_ROOTS = {"contract": Path("cmd_ring/include"), "client": Path("gpuclient/include"), "daemon": Path("transportd/core"),
+           "ib": Path("ib/csrc"), "efa": Path("efa/csrc")}
+C_MAY_INCLUDE = {"contract": {"contract"}, "client": {"client", "contract"}, "daemon": {"daemon", "contract"},
+                 "ib": {"ib", "contract", "core interface"}, "efa": {"efa", "contract", "core interface"}}
+# The core's headers a backend's C may include ("core interface" above): the poster interface and the verbs
+# ABI. What they include in turn is the core's own business.
+C_CORE_INTERFACE = {"poster.h", "verbs_abi.h"}
 C_SUFFIXES = {".h", ".c", ".cuh", ".cu", ".cpp", ".hpp", ".pyx"}
 _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 
@@ -210,7 +219,12 @@ def _include_problems(root: Path, roots: dict[str, Path] = C_ROOTS) -> tuple[lis
                     continue
                 target = next(r for r, b in bases.items() if b in found.parents)
                 edges.append((room, target))
-                if target not in C_MAY_INCLUDE[room]:
+                allowed = C_MAY_INCLUDE[room]
+                if target == "daemon" and "core interface" in allowed:
+                    if found.relative_to(bases[target]).as_posix() not in C_CORE_INTERFACE:
+                        problems.append(f"{where}: #include {name!r} reaches the daemon ({roots[target].as_posix()}) "
+                                        f"beyond its poster interface and verbs ABI")
+                elif target not in allowed:
                     problems.append(f"{where}: #include {name!r} reaches the {target} ({roots[target].as_posix()})")
     return problems, edges
 
@@ -219,6 +233,7 @@ def test_c_includes_run_one_way() -> None:
     problems, edges = _include_problems(ROOT)
     assert problems == []
     assert {("daemon", "contract"), ("client", "contract")} <= set(edges), "both sides include the contract"
+    assert {("ib", "daemon"), ("efa", "daemon")} <= set(edges), "each backend's C includes the core's poster interface"
 
 
 @pytest.mark.parametrize(("where", "line", "message"), [
@@ -227,6 +242,13 @@ def test_c_includes_run_one_way() -> None:
     ("cmd_ring/include/transportd/errors.h", "#include <transportd/client.cuh>", "reaches the client"),
     ("transportd/core/validate.h", "#include <transportd/device.cuh>", "reaches the client"),
     ("gpuclient/include/transportd/device.cuh", '#include "../../../transportd/core/validate.h"', "climbs out"),
+    ("ib/csrc/ib_post.c", '#include "trace.h"', "beyond its poster interface"),
+    ("ib/csrc/ib_post.c", '#include "../../transportd/core/poster.h"', "climbs out"),
+    ("ib/csrc/ib_post.c", "#include <transportd/device.cuh>", "reaches the client"),
+    ("ib/csrc/ib_post.c", '#include "efa_arrivals.h"', "reaches the efa"),
+    ("efa/csrc/efa_post.c", '#include "validate.h"', "beyond its poster interface"),
+    ("transportd/core/engine.c", '#include "efa_arrivals.h"', "reaches the efa"),
+    ("transportd/core/poster.h", '#include "../../efa/csrc/efa_arrivals.h"', "climbs out"),
 ])
 def test_the_include_check_finds_a_planted_violation(tmp_path: Path, where: str, line: str, message: str) -> None:
     for rel in C_ROOTS.values():

@@ -905,7 +905,7 @@ def model_serve(proxy: Any, state: ModelLoopState, interrupted: Callable[[], boo
                 watch_s: float, nap_s: float, deep_after_s: float, deep_watch_s: float, deep_nap_s: float,
                 wake_fd: int = -1, link_every: int = 64) -> int:
     """The rail worker's serve loop in Python, pass by pass through ``proxy.run_once``: the model of the
-    engine's ``serve`` (``transportd/core/engine.c``, ``serve_loop``), as the worker ran it before the loop
+    engine's ``serve`` (``transportd/core/engine.c``, ``tpd_serve_loop``), as the worker ran it before the loop
     moved into C. The same policy, the same returns: :data:`MODEL_SERVE_LINK` when ``wake_fd`` is readable,
     :data:`MODEL_SERVE_INTERRUPTED` once ``interrupted()``. ``proxy`` is an engine
     :class:`~transportd.dataplane.proxy.Proxy` (its ``wait_ready`` takes a nap and a descriptor).

@@ -1,4 +1,4 @@
-"""The efa lowering in Python: the model the compiled one (transportd/core/efa_post.c) is checked against.
+"""The efa lowering in Python: the model the compiled one (efa/csrc/efa_post.c) is checked against.
 
 This is the rule set ``EfaBackend`` ran in Python before the lowering moved to C, kept only as a test
 oracle (the daemon never runs it): plan rows -> write-with-immediate WRs, splits at ``max_rdma_size``,

@@ -1,4 +1,4 @@
-"""The compiled efa path (transportd/core/efa_post.c) at the libibverbs ABI, against its Python models.
+"""The compiled efa path (efa/csrc/efa_post.c) at the libibverbs ABI, against its Python models.
 
 Sending: an ``EfaPoster`` drives an ``SrdShimQP``; every record reaching ``wr_rdma_write_imm`` /
 ``wr_set_sge`` / ``wr_set_ud_addr`` is compared, call by call, with ``tests/efa/lowering_oracle.py`` (the

@@ -1,6 +1,6 @@
 """Flag publication into "GPU" flag words without a CUDA context, on the paths that run without a GPU.
 
-- the host shadow and the mapped store (transportd/core/efa_post.c), also from two processes at once;
+- the host shadow and the mapped store (efa/csrc/efa_post.c), also from two processes at once;
 - the GDRCopy path with a stand-in libgdrapi (tests/efa/gdr_standin.c, built here) over host memory: pin,
   map through a second mapping of the same pages, and the compiled poster's own stores into it;
 - the loopback path: a real loopback SRD write through the soft EFA device into memory registered with an

@@ -1,5 +1,5 @@
 """The Python lowering of ib plan rows that IbBackend ran before the compiled core: now only the oracle the
-ABI shim tests compare transportd/core/ib_post.c with. Never used by the daemon.
+ABI shim tests compare ib/csrc/ib_post.c with. Never used by the daemon.
 
 :class:`OracleConn` is one connection's state (WR numbers, shadow values, fence_next, after_read) and
 :meth:`OracleConn.post` turns a plan into the ``ibv_wr_*`` calls it must make, as :data:`Call` tuples:

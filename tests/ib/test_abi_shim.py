@@ -1,4 +1,4 @@
-"""The compiled ib lowering (transportd/core/ib_post.c), call by call, at the libibverbs ABI.
+"""The compiled ib lowering (ib/csrc/ib_post.c), call by call, at the libibverbs ABI.
 
 A recording NIC: ShimQP / ShimCQ structs whose wr_complete hands each session's WRs to Python, where this
 file keeps them (and completes every signaled WR on the next poll). So what the tests see is exactly what

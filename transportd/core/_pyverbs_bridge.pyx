@@ -1,7 +1,7 @@
 # cython: language_level=3
 """The pyverbs bridge: the libibverbs structs behind pyverbs' extended QP and CQ objects, as capsules.
 
-The compiled data path (``ib_post.c``, ``poster.h``) posts through the function pointers of a
+The compiled data path (``ib/csrc/ib_post.c``, ``poster.h``) posts through the function pointers of a
 ``struct ibv_qp_ex`` and polls a ``struct ibv_cq_ex``. On a NIC those are the structs pyverbs created;
 pyverbs keeps them in ``cdef`` fields (``QPEx.qp_ex``, ``CQEX.cq``) that only a Cython module compiled
 against pyverbs' own ``.pxd`` files can read. This module is that reader and nothing more: it wraps the

@@ -1,5 +1,8 @@
 /*
- * transportd._core: the proxy's data path in C (docs/design.md, "No Python per record").
+ * The engine, the proxy's data path in C (docs/design.md, "No Python per record"): this file is its loop,
+ * the engine proper. engine.h holds its state; engine_type.c is the Python type around it
+ * (transportd._core.Engine: the constructor, the table, channel and connection calls, the stats); module.c
+ * puts the module together.
  *
  * One Engine per rail worker runs the whole iteration of transportd.dataplane.proxy.Proxy with the GIL released:
  *
@@ -38,186 +41,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <poll.h>
-#include <sys/prctl.h>
 #include <time.h>
 
-#include "pingpong.h"
-#include "poster.h"
-#include "trace.h"
-#include "validate.h"
-
-#define HIST 9 /* batch-size histogram: index = commands in the batch (batch_max <= 8) */
-
-enum {
-    C_ITERATIONS, C_COMMANDS, C_QUIETS, C_BYTES, C_WRS, C_WRITES, C_SIGNALS, C_SIGNALS_REQUESTED, C_FENCES,
-    C_BATCHES, C_BATCHES_FULL, C_BATCHES_PARTIAL, C_SIGNAL_DEST_BATCHES, C_STALLS, C_SIGNAL_STALLS, C_REJECTED,
-    C_COMPLETIONS, C_COMPLETION_ERRORS, C_UNKNOWN_COMPLETIONS, N_COUNTERS
-};
-
-/* What the serve loop did, for tests and stats: passes in all, those that did work, idle passes while
- * spinning, watches of the ring heads (and naps after them), long-idle watches, returns for the link and
- * for interrupt(). */
-enum { L_PASSES, L_BUSY, L_SPINS, L_WATCHES, L_NAPS, L_DEEP_WATCHES, L_LINK, L_INTERRUPTED, N_LOOP };
+#include "engine.h"
 
 static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000ll + ts.tv_nsec;
-}
-
-static uint32_t seq_for(uint64_t pos) { return (uint32_t)(pos % 0xFFFFFFFFull + 1); }
-
-/* ---- tables --------------------------------------------------------------------------------------- */
-typedef struct {
-    tpd_sources view;
-    Py_buffer bufs[4];
-    int held;
-} Sources;
-
-typedef struct {
-    tpd_peers view;
-    Py_buffer bufs[10];
-    int held;
-    int64_t *conns; /* distinct connection indexes this job's records may feed */
-    size_t nconns;
-} Job;
-
-/* A row waiting for its batch: the plan row and where it came from. */
-typedef struct {
-    tpd_plan_row row;
-    uint64_t pos;
-    int64_t t;
-    int64_t chan;
-    uint8_t first;  /* the row begins a command */
-    uint8_t closes; /* its command closes its batch (NO_BATCH or FENCE) */
-} Waiting;
-
-typedef struct {
-    int64_t id;
-    int64_t inflight; /* WRs posted and not completed */
-    uint64_t hist[HIST];
-    uint64_t bytes;
-    int holding;   /* its peer's daemon is restarting: records for it stay in the rings (rows still post) */
-    int broken;    /* the far end stopped answering (retry exceeded): held, until the control plane decides */
-    int broken_told;
-    Waiting *rows; /* FIFO: rows[head..count) wait */
-    size_t head, count, cap;
-} Conn;
-
-typedef struct {
-    int64_t id;
-    Py_buffer ring;
-    uint8_t *base;
-    uint64_t capacity, mask;
-    const tpd_cmd_record *records;
-    uint64_t position;  /* records taken */
-    uint64_t completed; /* published completion position */
-    int job, src;
-    int gone;
-    uint8_t *done; /* completed positions, mod track (a power of two: done[pos & (track - 1)]) */
-    uint64_t track;
-    int seen; /* the head record was seen waiting at seen_pos since seen_ns */
-    uint64_t seen_pos;
-    int64_t seen_ns;
-    int touched, quiet;
-    int blocked; /* the record at blocked_pos was for a held connection: wait_ready does not count it */
-    uint64_t blocked_pos;
-    uint64_t codes[256]; /* refused or failed records by ErrorCode: the error word keeps only the first */
-    tpd_trace *trace;    /* set while the channel is traced (trace.h); NULL costs one branch per pass */
-} Channel;
-
-/* A batch plan_post cut: waiting rows [start, end) of connection index `conn` (from its head), `cmds` commands. */
-typedef struct {
-    size_t conn, start, end, cmds;
-} Cut;
-
-/* The batches posted in one iteration: tokens first .. first+nb-1 and the commands they cover. */
-typedef struct {
-    uint64_t first;
-    size_t nb, ncmd, remaining;
-    int64_t *tok_conn, *tok_nwr;
-    uint8_t *done;
-    int64_t *cmd_tok, *cmd_chan;
-    uint64_t *cmd_pos;
-    int64_t *tok_cmds; /* batch t's commands are cmd_*[tok_cmds[t] .. tok_cmds[t + 1]) */
-} Group;
-
-typedef tpd_completion Completion;
-
-typedef struct {
-    PyObject_HEAD
-    int batch_max;
-    int64_t window_ns;
-    int64_t inflight_cap;
-    int decoupled;
-    uint64_t max_length;
-    uint64_t max_take;
-    int64_t poll_max;
-    PyObject *post_cb, *poll_cb; /* None: the engine is its own null NIC */
-    PyObject *poster_obj;        /* a backend's C poster (poster.h): post/poll without Python */
-    tpd_poster *poster;
-    int64_t *post_ids;
-    size_t post_ids_cap;
-    Completion *poll_buf;
-    int taking;
-
-    Sources *srcs;
-    size_t nsrcs, srcs_cap;
-    Job *jobs;
-    size_t njobs, jobs_cap;
-    Conn *conns;
-    size_t nconns, conns_cap;
-    Channel **chans;
-    size_t nchans, chans_cap;
-    Group **groups;
-    size_t ngroups, groups_cap;
-    uint64_t next_token;
-    size_t nwaiting;
-
-    uint64_t counters[N_COUNTERS];
-    uint64_t errors[256];
-    uint64_t batch_hist[HIST];
-
-    /* scratch for one post */
-    tpd_plan_row *plan;
-    size_t plan_cap;
-    int64_t *b_conn, *b_ncmds, *b_bounds, *b_nwr;
-    size_t b_cap;
-    Cut *cuts;
-    size_t cuts_cap;
-    tpd_cmd_record *recs; /* the records of one take, copied out of the ring */
-    size_t recs_cap;
-    uint16_t *tcode; /* their codes */
-    size_t t_cap;
-
-    /* the null NIC: tokens due on the next poll; optional log of (post ns, chunk id) per WRITE */
-    Completion *null_due;
-    size_t null_ndue, null_cap;
-    uint64_t *post_log;
-    size_t post_log_n, post_log_cap;
-
-    /* the GIL while a pass runs without it: the thread state it was released with, NULL while held */
-    PyThreadState *ts;
-    /* the serve loop (serve_loop below): interrupt() asks it to return; when the last pass that did work
-     * ended (-1: it was busy), kept across serve calls so a request served does not restart the back-off */
-    int interrupt;
-    int64_t idle_since;
-    uint64_t loop[N_LOOP];
-} Engine;
-
-/* ---- the GIL ------------------------------------------------------------------------------------------
- * A pass runs without the GIL (run_once releases it around one pass, serve around all of them) and takes
- * it back only for what is Python: a backend's post/poll callables, raising an error. A C poster that
- * calls Python (the softverbs shims, efa's one call per poll) takes the GIL itself (PyGILState_Ensure). */
-static void gil_take(Engine *e) {
-    if (e->ts) {
-        PyEval_RestoreThread(e->ts);
-        e->ts = NULL;
-    }
-}
-
-static void gil_drop(Engine *e) {
-    if (!e->ts) e->ts = PyEval_SaveThread();
 }
 
 /* MemoryError from a part that runs without the GIL; -1 for `return nomem(e)`. */
@@ -227,15 +58,6 @@ static int nomem(Engine *e) {
     PyErr_NoMemory();
     if (!held) gil_drop(e);
     return -1;
-}
-
-/* ---- channel words -------------------------------------------------------------------------------- */
-static volatile uint64_t *ring_u64(Channel *ch, size_t off) { return (volatile uint64_t *)(ch->base + off); }
-static volatile uint32_t *ring_u32(Channel *ch, size_t off) { return (volatile uint32_t *)(ch->base + off); }
-
-static int record_ready(Channel *ch, uint64_t pos) {
-    const volatile uint32_t *seq = (const volatile uint32_t *)&ch->records[pos & ch->mask].seq;
-    return __atomic_load_n(seq, __ATOMIC_ACQUIRE) == seq_for(pos);
 }
 
 static void report_error(Engine *e, Channel *ch, uint16_t code, uint64_t pos) {
@@ -255,30 +77,19 @@ static void report_late(Engine *e, Channel *ch, uint16_t code, uint64_t pos) {
     if (__builtin_expect(ch->trace != NULL, 0)) tpd_trace_failed(ch->trace, pos, code, now_ns());
 }
 
-static void publish_completion(Channel *ch, uint64_t pos) {
-    volatile uint64_t *word = ring_u64(ch, TPD_RING_OFF_COMPLETION_POS);
-    if (pos > *word) __atomic_store_n(word, pos, __ATOMIC_RELEASE);
-}
-
 static void mark_done(Channel *ch, uint64_t pos) {
     ch->done[pos & (ch->track - 1)] = 1;
     ch->touched = 1;
 }
 
-static Channel *find_channel(Engine *e, int64_t id) {
-    for (size_t i = 0; i < e->nchans; i++)
-        if (e->chans[i]->id == id) return e->chans[i];
-    return NULL;
-}
-
 /* Whatever held a channel's head record may have changed: wait_ready counts every head again. (Every pass
  * translates the head anew, so a table changed in place is seen at the next pass anyway.) */
-static void unblock_channels(Engine *e) {
+void tpd_unblock_channels(Engine *e) {
     for (size_t i = 0; i < e->nchans; i++) e->chans[i]->blocked = 0;
 }
 
 /* Publish each touched channel's completion position: the first position not yet complete. */
-static void advance_touched(Engine *e) {
+void tpd_advance_touched(Engine *e) {
     for (size_t i = 0; i < e->nchans; i++) {
         Channel *ch = e->chans[i];
         if (!ch->touched) continue;
@@ -293,7 +104,7 @@ static void advance_touched(Engine *e) {
     }
 }
 
-static void note_waiting(Channel *ch, int64_t now) {
+void tpd_note_waiting(Channel *ch, int64_t now) {
     if (!ch->seen || ch->seen_pos != ch->position) {
         ch->seen = 1;
         ch->seen_pos = ch->position;
@@ -307,8 +118,6 @@ static int ensure_take_scratch(Engine *e, size_t n) {
     if (tpd_grow((void **)&e->tcode, &e->t_cap, n, sizeof(uint16_t))) return -1;
     return 0;
 }
-
-static size_t conn_pending(const Conn *c) { return c->count - c->head; }
 
 /* Room for `k` more waiting rows at the back of the connection's FIFO (the consumed front is reused before
  * it grows); NULL when out of memory. */
@@ -355,7 +164,7 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     }
     if (budget <= 0) {
         *stalled = 1;
-        note_waiting(ch, now);
+        tpd_note_waiting(ch, now);
         return 0;
     }
     uint64_t limit = (uint64_t)budget < ch->capacity ? (uint64_t)budget : ch->capacity;
@@ -417,15 +226,15 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     ch->position = pos + n;
     if (overrun) {
         *stalled = 1;
-        note_waiting(ch, now);
+        tpd_note_waiting(ch, now);
     } else if (held) { /* until the peer is re-wired: not a stall, and wait_ready does not count this head */
         ch->blocked = 1;
         ch->blocked_pos = ch->position;
-        note_waiting(ch, now);
+        tpd_note_waiting(ch, now);
     } else if ((int64_t)n <= safe && (int64_t)n == budget && (uint64_t)budget < e->max_take &&
                record_ready(ch, ch->position)) {
         *stalled = 1;
-        note_waiting(ch, now);
+        tpd_note_waiting(ch, now);
     }
     if (n && __builtin_expect(ch->trace != NULL, 0)) tpd_trace_taken(ch->trace, recs, codes, n, pos, now);
     __atomic_store_n(ring_u64(ch, TPD_RING_OFF_CONSUMER_POS), ch->position, __ATOMIC_RELEASE);
@@ -922,7 +731,7 @@ static long poll_python(Engine *e) {
 }
 
 /* Drain the backend's completions (GIL released); returns how many came, -1 with a Python error set. */
-static long progress(Engine *e) {
+long tpd_progress(Engine *e) {
     if (e->poster) {
         tpd_poster *p = e->poster;
         long n = p->poll(p->ctx, (size_t)e->poll_max, e->poll_buf);
@@ -967,7 +776,7 @@ static int cmp_dropped(const void *a, const void *b) {
 /* Rows of channel `chan` (or of connection index `conn`) leave the waiting set. With `mark`, their
  * commands complete, with `code` in their channels' error words (none when 0), channel by channel in
  * position order; without, they are forgotten (a removed channel). -1: out of memory. */
-static int drop_waiting(Engine *e, int64_t chan, int64_t conn, uint16_t code, int mark) {
+int tpd_drop_waiting(Engine *e, int64_t chan, int64_t conn, uint16_t code, int mark) {
     Dropped *dropped = NULL;
     size_t nd = 0, cap = 0;
     for (size_t ci = 0; ci < e->nconns; ci++) {
@@ -1004,8 +813,8 @@ static int drop_waiting(Engine *e, int64_t chan, int64_t conn, uint16_t code, in
 
 /* Connection index `conn` is gone: its waiting rows are dropped and its posted batches completed here
  * with `code` (silently when 0); its inflight count returns to 0. */
-static int fail_connection(Engine *e, int64_t conn, uint16_t code) {
-    if (drop_waiting(e, -1, conn, code, 1)) return -1;
+int tpd_fail_connection(Engine *e, int64_t conn, uint16_t code) {
+    if (tpd_drop_waiting(e, -1, conn, code, 1)) return -1;
     for (size_t i = 0; i < e->ngroups; i++) {
         Group *g = e->groups[i];
         int64_t *buf = malloc(g->nb * (3 * sizeof(int64_t) + 1) + 1);
@@ -1025,13 +834,13 @@ static int fail_connection(Engine *e, int64_t conn, uint16_t code) {
     }
     drop_finished_groups(e);
     e->conns[conn].inflight = 0;
-    advance_touched(e);
+    tpd_advance_touched(e);
     return 0;
 }
 
 /* ---- one pass -------------------------------------------------------------------------------------- */
 /* Take, post, progress (GIL released: e->ts set); *did whether it did any work. -1 with a Python error set. */
-static int run_pass(Engine *e, int *did) {
+int tpd_run_pass(Engine *e, int *did) {
     e->counters[C_ITERATIONS]++;
     int64_t now = now_ns();
     for (size_t i = 0; i < e->nchans; i++) e->chans[i]->quiet = 0;
@@ -1043,14 +852,12 @@ static int run_pass(Engine *e, int *did) {
         if (posted < 0) return -1;
         *did |= posted;
     }
-    long n = progress(e);
+    long n = tpd_progress(e);
     if (n < 0) return -1;
     *did |= n > 0;
-    advance_touched(e);
+    tpd_advance_touched(e);
     return 0;
 }
-
-static int busy(const Engine *e) { return e->nwaiting || e->ngroups; }
 
 static int interrupted(Engine *e) { return __atomic_load_n(&e->interrupt, __ATOMIC_ACQUIRE); }
 
@@ -1059,15 +866,13 @@ static struct timespec ns_timespec(int64_t ns) {
     return (struct timespec){(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
 }
 
-enum { WATCH_TIMEOUT, WATCH_FOUND, WATCH_WOKEN };
-
 /* Look at the rings' head slots until one holds a committed record (WATCH_FOUND), timeout_ns passes
  * (WATCH_TIMEOUT), or wake_fd turns readable or interrupt() is called (WATCH_WOKEN); reads one seq word per
  * ring per look and takes nothing. nap_ns > 0 sleeps that long between looks (a long-idle worker: one short
  * sleep per look instead of a spinning core, a record still seen within about nap_ns); with wake_fd >= 0
  * each nap is a ppoll on it, so a request on the worker's link ends the wait at once however long it is.
  * WATCH_TIMEOUT at once while rows wait or work is in flight: the next pass is due anyway. */
-static int watch(Engine *e, int64_t timeout_ns, int64_t nap_ns, int wake_fd) {
+int tpd_watch(Engine *e, int64_t timeout_ns, int64_t nap_ns, int wake_fd) {
     if (!e->taking || busy(e)) return WATCH_TIMEOUT;
     int64_t deadline = now_ns() + timeout_ns;
     struct timespec pause = ns_timespec(nap_ns);
@@ -1121,15 +926,7 @@ static int link_ready(int wake_fd) {
  * pass, efa's per-poll call) runs inside the pass, the GIL taken for that call only. The constants and what
  * they cost are transportd/dataplane/worker.py's; transportd_cli/proxy_model.py's model_serve_loop is the
  * same policy in Python. */
-enum { SERVE_INTERRUPTED = 0, SERVE_LINK = 1 };
-
-typedef struct {
-    int64_t spin, watch, nap, deep_after, deep_watch, deep_nap;
-    int wake_fd;
-    uint64_t link_every;
-} Policy;
-
-static int serve_loop(Engine *e, const Policy *p, int *reason) {
+int tpd_serve_loop(Engine *e, const Policy *p, int *reason) {
     uint64_t *s = e->loop;
     for (uint64_t passes = 1;; passes++) {
         if (interrupted(e)) {
@@ -1140,7 +937,7 @@ static int serve_loop(Engine *e, const Policy *p, int *reason) {
         }
         int did = 0;
         s[L_PASSES]++;
-        if (run_pass(e, &did)) return -1;
+        if (tpd_run_pass(e, &did)) return -1;
         int look = passes % p->link_every == 0;
         if (did) {
             e->idle_since = -1;
@@ -1155,14 +952,14 @@ static int serve_loop(Engine *e, const Policy *p, int *reason) {
                 goto link;
             } else if (idle >= p->deep_after) {
                 s[L_DEEP_WATCHES]++;
-                if (watch(e, p->deep_watch, p->deep_nap, p->wake_fd) == WATCH_TIMEOUT && busy(e)) {
+                if (tpd_watch(e, p->deep_watch, p->deep_nap, p->wake_fd) == WATCH_TIMEOUT && busy(e)) {
                     s[L_NAPS]++;
                     nap(p->deep_nap, p->wake_fd);
                 }
                 look = 0; /* a readable descriptor ended the watch or nap: the next idle pass returns */
             } else {
                 s[L_WATCHES]++;
-                if (watch(e, p->watch, 0, -1) != WATCH_FOUND) {
+                if (tpd_watch(e, p->watch, 0, -1) != WATCH_FOUND) {
                     s[L_NAPS]++;
                     nap(p->nap, p->wake_fd);
                 }
@@ -1175,707 +972,4 @@ static int serve_loop(Engine *e, const Policy *p, int *reason) {
         *reason = SERVE_LINK;
         return 0;
     }
-}
-
-/* ---- the Python type ------------------------------------------------------------------------------ */
-static PyObject *Engine_run_once(Engine *e, PyObject *unused) {
-    int did = 0;
-    gil_drop(e);
-    int rc = run_pass(e, &did);
-    gil_take(e);
-    if (rc) return NULL;
-    return PyBool_FromLong(did);
-}
-
-/* serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every) -> reason */
-static PyObject *Engine_serve(Engine *e, PyObject *args) {
-    Policy p;
-    unsigned long long every;
-    if (!PyArg_ParseTuple(args, "LLLLLLiK", &p.spin, &p.watch, &p.nap, &p.deep_after, &p.deep_watch, &p.deep_nap,
-                          &p.wake_fd, &every))
-        return NULL;
-    if (every < 1) return PyErr_Format(PyExc_ValueError, "link_every must be >= 1");
-    p.link_every = every;
-    int reason = SERVE_INTERRUPTED;
-    gil_drop(e);
-    /* the default 50 us timer slack of a thread would more than double a 20 or 50 us nap */
-    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-    int rc = serve_loop(e, &p, &reason);
-    gil_take(e);
-    if (rc) return NULL;
-    return PyLong_FromLong(reason);
-}
-
-/* Ask a serve running in another thread to return (SERVE_INTERRUPTED), or the next one not to start. */
-static PyObject *Engine_interrupt(Engine *e, PyObject *unused) {
-    __atomic_store_n(&e->interrupt, 1, __ATOMIC_RELEASE);
-    Py_RETURN_NONE;
-}
-
-static PyObject *Engine_loop_stats(Engine *e, PyObject *unused) {
-    static const char *names[N_LOOP] = {"passes", "busy", "spins", "watches", "naps", "deep_watches", "link",
-                                        "interrupted"};
-    PyObject *out = PyDict_New();
-    for (int i = 0; out && i < N_LOOP; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(e->loop[i]);
-        if (!v || PyDict_SetItemString(out, names[i], v) < 0) Py_CLEAR(out);
-        Py_XDECREF(v);
-    }
-    return out;
-}
-
-static PyObject *Engine_progress(Engine *e, PyObject *unused) {
-    gil_drop(e);
-    long n = progress(e);
-    if (n >= 0) advance_touched(e);
-    gil_take(e);
-    if (n < 0) return NULL;
-    return PyLong_FromLong(n);
-}
-
-/* wait_ready(timeout_s, nap_s=0, wake_fd=-1): watch() from Python; True once a ring head holds a record.
- * An interrupt() that ends the wait is consumed by it, as a serve consumes one. */
-static PyObject *Engine_wait_ready(Engine *e, PyObject *args) {
-    double timeout, nap_s = 0.0;
-    int wake_fd = -1;
-    if (!PyArg_ParseTuple(args, "d|di", &timeout, &nap_s, &wake_fd)) return NULL;
-    int w;
-    Py_BEGIN_ALLOW_THREADS
-    if (nap_s > 0) prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-    w = watch(e, (int64_t)(timeout * 1e9), (int64_t)(nap_s * 1e9), wake_fd);
-    Py_END_ALLOW_THREADS
-    if (w == WATCH_WOKEN) __atomic_store_n(&e->interrupt, 0, __ATOMIC_RELEASE);
-    return PyBool_FromLong(w == WATCH_FOUND);
-}
-
-static PyObject *Engine_busy(Engine *e, PyObject *unused) { return PyBool_FromLong(busy(e)); }
-
-static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
-    if (itemsize && view->len % itemsize) {
-        PyBuffer_Release(view);
-        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items", what, view->len,
-                     itemsize);
-        return -1;
-    }
-    return 0;
-}
-
-/* set_sources(sid, addr u64[], length u64[], key u32[], valid bool[]): entries 0..n-2 ids, n-1 sentinel. */
-static PyObject *Engine_set_sources(Engine *e, PyObject *args) {
-    Py_ssize_t sid;
-    PyObject *obj[4];
-    if (!PyArg_ParseTuple(args, "nOOOO", &sid, &obj[0], &obj[1], &obj[2], &obj[3])) return NULL;
-    if (sid < 0 || sid > 1 << 24) return PyErr_Format(PyExc_ValueError, "source table id %zd", sid);
-    if ((size_t)sid >= e->nsrcs) {
-        if (tpd_grow((void **)&e->srcs, &e->srcs_cap, (size_t)sid + 1, sizeof(Sources))) return PyErr_NoMemory();
-        memset(e->srcs + e->nsrcs, 0, ((size_t)sid + 1 - e->nsrcs) * sizeof(Sources));
-        e->nsrcs = (size_t)sid + 1;
-    }
-    Py_buffer bufs[4];
-    const Py_ssize_t sizes[4] = {8, 8, 4, 1};
-    for (int i = 0; i < 4; i++) {
-        if (get_buffer(obj[i], &bufs[i], sizes[i], "source table")) {
-            while (i--) PyBuffer_Release(&bufs[i]);
-            return NULL;
-        }
-    }
-    Py_ssize_t n = bufs[0].len / 8;
-    for (int i = 1; i < 4; i++) {
-        if (bufs[i].len / sizes[i] != n || n < 1) {
-            for (int k = 0; k < 4; k++) PyBuffer_Release(&bufs[k]);
-            return PyErr_Format(PyExc_ValueError, "source table arrays disagree in length");
-        }
-    }
-    Sources *s = &e->srcs[sid];
-    if (s->held)
-        for (int i = 0; i < 4; i++) PyBuffer_Release(&s->bufs[i]);
-    memcpy(s->bufs, bufs, sizeof(bufs));
-    s->held = 1;
-    s->view = (tpd_sources){.addr = bufs[0].buf, .length = bufs[1].buf, .key = bufs[2].buf, .valid = bufs[3].buf,
-                            .size = (uint64_t)(n - 1)};
-    Py_RETURN_NONE;
-}
-
-/* set_peers(jid, world, rows, cols, conn i64[], code u16[], flag_base u64[], flag_slots u64[], flag_rkey
- * u32[], addr u64[], length u64[], rkey u32[], valid bool[], conns i64[]). */
-static PyObject *Engine_set_peers(Engine *e, PyObject *args) {
-    Py_ssize_t jid;
-    unsigned long long world, rows, cols;
-    PyObject *obj[10];
-    if (!PyArg_ParseTuple(args, "nKKKOOOOOOOOOO", &jid, &world, &rows, &cols, &obj[0], &obj[1], &obj[2], &obj[3],
-                          &obj[4], &obj[5], &obj[6], &obj[7], &obj[8], &obj[9]))
-        return NULL;
-    if (jid < 0 || jid > 1 << 24) return PyErr_Format(PyExc_ValueError, "job id %zd", jid);
-    if (rows >= 1u << 17 || cols >= 1u << 17) return PyErr_Format(PyExc_ValueError, "peer table too large");
-    if ((size_t)jid >= e->njobs) {
-        if (tpd_grow((void **)&e->jobs, &e->jobs_cap, (size_t)jid + 1, sizeof(Job))) return PyErr_NoMemory();
-        memset(e->jobs + e->njobs, 0, ((size_t)jid + 1 - e->njobs) * sizeof(Job));
-        e->njobs = (size_t)jid + 1;
-    }
-    /* per rank: conn, code, flag_base, flag_slots, flag_rkey; per (rank, region): addr, length, rkey, valid */
-    Py_buffer bufs[10];
-    const Py_ssize_t sizes[10] = {8, 2, 8, 8, 4, 8, 8, 4, 1, 8};
-    const Py_ssize_t per_rank = (Py_ssize_t)rows + 1, per_region = (Py_ssize_t)((rows + 1) * (cols + 1));
-    for (int i = 0; i < 10; i++) {
-        if (get_buffer(obj[i], &bufs[i], sizes[i], "peer table")) {
-            while (i--) PyBuffer_Release(&bufs[i]);
-            return NULL;
-        }
-        Py_ssize_t want = i < 5 ? per_rank : i < 9 ? per_region : 0;
-        if (bufs[i].len / sizes[i] < want) {
-            for (int k = 0; k <= i; k++) PyBuffer_Release(&bufs[k]);
-            return PyErr_Format(PyExc_ValueError, "peer table array %d is shorter than its %zd entries", i, want);
-        }
-    }
-    /* every connection index the table names must be one the engine has, before anything is installed */
-    const char *bad = NULL;
-    long long bad_index = 0;
-    const int64_t *listed = bufs[9].buf, *bound = bufs[0].buf;
-    size_t nconns = (size_t)bufs[9].len / 8;
-    for (size_t i = 0; !bad && i < nconns; i++)
-        if (listed[i] < 0 || (size_t)listed[i] >= e->nconns) bad = "names", bad_index = listed[i];
-    for (uint64_t r = 0; !bad && r <= rows; r++)
-        if (bound[r] >= (int64_t)e->nconns) bad = "binds a rank to", bad_index = bound[r];
-    int64_t *conns = bad ? NULL : malloc((nconns + 1) * sizeof(int64_t));
-    if (conns) memcpy(conns, listed, nconns * sizeof(int64_t));
-    PyBuffer_Release(&bufs[9]);
-    if (!conns) {
-        for (int k = 0; k < 9; k++) PyBuffer_Release(&bufs[k]);
-        if (bad)
-            return PyErr_Format(PyExc_ValueError, "job %zd's table %s connection index %lld, which was never added",
-                                jid, bad, bad_index);
-        return PyErr_NoMemory();
-    }
-    Job *j = &e->jobs[jid];
-    if (j->held)
-        for (int i = 0; i < 9; i++) PyBuffer_Release(&j->bufs[i]);
-    memcpy(j->bufs, bufs, 9 * sizeof(Py_buffer));
-    j->held = 1;
-    j->view = (tpd_peers){.world = world, .rows = rows, .cols = cols, .conn = bufs[0].buf, .code = bufs[1].buf,
-                          .flag_base = bufs[2].buf, .flag_slots = bufs[3].buf, .flag_rkey = bufs[4].buf,
-                          .addr = bufs[5].buf, .length = bufs[6].buf, .rkey = bufs[7].buf, .valid = bufs[8].buf};
-    free(j->conns);
-    j->conns = conns;
-    j->nconns = nconns;
-    unblock_channels(e); /* a held peer may be bound elsewhere now */
-    Py_RETURN_NONE;
-}
-
-static PyObject *Engine_add_connection(Engine *e, PyObject *arg) {
-    long long id = PyLong_AsLongLong(arg);
-    if (id == -1 && PyErr_Occurred()) return NULL;
-    if (tpd_grow((void **)&e->conns, &e->conns_cap, e->nconns + 1, sizeof(Conn))) return PyErr_NoMemory();
-    memset(&e->conns[e->nconns], 0, sizeof(Conn));
-    e->conns[e->nconns].id = id;
-    return PyLong_FromSize_t(e->nconns++);
-}
-
-/* add_channel(cid, ring buffer (the whole mapped file), job, src, track) */
-static PyObject *Engine_add_channel(Engine *e, PyObject *args) {
-    long long cid;
-    PyObject *ring;
-    Py_ssize_t job, src;
-    unsigned long long track;
-    if (!PyArg_ParseTuple(args, "LOnnK", &cid, &ring, &job, &src, &track)) return NULL;
-    if (find_channel(e, cid)) return PyErr_Format(PyExc_ValueError, "channel %lld already exists", cid);
-    if (job < 0 || (size_t)job >= e->njobs || !e->jobs[job].held || src < 0 || (size_t)src >= e->nsrcs ||
-        !e->srcs[src].held)
-        return PyErr_Format(PyExc_ValueError, "channel %lld: set its job's tables first", cid);
-    if (!track || track & (track - 1)) return PyErr_Format(PyExc_ValueError, "track must be a power of two");
-    Channel *ch = calloc(1, sizeof(Channel));
-    if (!ch) return PyErr_NoMemory();
-    if (PyObject_GetBuffer(ring, &ch->ring, PyBUF_WRITABLE) < 0) {
-        free(ch);
-        return NULL;
-    }
-    ch->base = ch->ring.buf;
-    uint64_t capacity = ch->ring.len >= TPD_RING_RECORDS_OFFSET ? *ring_u64(ch, TPD_RING_OFF_CAPACITY) : 0;
-    if (!capacity || capacity & (capacity - 1) ||
-        (uint64_t)ch->ring.len < TPD_RING_RECORDS_OFFSET + capacity * TPD_RECORD_SIZE) {
-        PyBuffer_Release(&ch->ring);
-        free(ch);
-        return PyErr_Format(PyExc_ValueError, "channel %lld: not a mapped ring", cid);
-    }
-    ch->done = calloc(track, 1);
-    if (!ch->done || tpd_grow((void **)&e->chans, &e->chans_cap, e->nchans + 1, sizeof(Channel *))) {
-        free(ch->done);
-        PyBuffer_Release(&ch->ring);
-        free(ch);
-        return PyErr_NoMemory();
-    }
-    ch->id = cid;
-    ch->capacity = capacity;
-    ch->mask = capacity - 1;
-    ch->records = (const tpd_cmd_record *)(ch->base + TPD_RING_RECORDS_OFFSET);
-    ch->position = ch->completed = *ring_u64(ch, TPD_RING_OFF_CONSUMER_POS); /* earlier ones were never ours */
-    ch->job = (int)job;
-    ch->src = (int)src;
-    ch->track = track;
-    publish_completion(ch, ch->completed);
-    e->chans[e->nchans++] = ch;
-    Py_RETURN_NONE;
-}
-
-static Channel *channel_arg(Engine *e, PyObject *arg) {
-    long long cid = PyLong_AsLongLong(arg);
-    if (cid == -1 && PyErr_Occurred()) return NULL;
-    Channel *ch = find_channel(e, cid);
-    if (!ch) PyErr_Format(PyExc_KeyError, "no channel %lld", cid);
-    return ch;
-}
-
-static PyObject *Engine_mark_gone(Engine *e, PyObject *arg) {
-    Channel *ch = channel_arg(e, arg);
-    if (!ch) return NULL;
-    ch->gone = 1;
-    if (drop_waiting(e, ch->id, -1, TPD_ERR_CLIENT_GONE, 1)) return PyErr_NoMemory();
-    advance_touched(e);
-    Py_RETURN_NONE;
-}
-
-static PyObject *Engine_remove_channel(Engine *e, PyObject *arg) {
-    Channel *ch = channel_arg(e, arg);
-    if (!ch) return NULL;
-    if (drop_waiting(e, ch->id, -1, 0, 0)) return PyErr_NoMemory();
-    size_t k = 0;
-    for (size_t i = 0; i < e->nchans; i++)
-        if (e->chans[i] != ch) e->chans[k++] = e->chans[i];
-    e->nchans = k;
-    tpd_trace_free(ch->trace);
-    PyBuffer_Release(&ch->ring);
-    free(ch->done);
-    free(ch);
-    Py_RETURN_NONE;
-}
-
-static PyObject *Engine_fail_connection(Engine *e, PyObject *args) {
-    Py_ssize_t idx;
-    int code;
-    if (!PyArg_ParseTuple(args, "ni", &idx, &code)) return NULL;
-    if (idx < 0 || (size_t)idx >= e->nconns) return PyErr_Format(PyExc_ValueError, "no connection index %zd", idx);
-    if (fail_connection(e, idx, (uint16_t)code)) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
-/* hold_connection(idx, on): while on, records for the peers bound to the connection stay in their rings
- * (the peer's daemon is restarting); rows already waiting for it still post, so it drains. */
-static PyObject *Engine_hold_connection(Engine *e, PyObject *args) {
-    Py_ssize_t idx;
-    int on;
-    if (!PyArg_ParseTuple(args, "np", &idx, &on)) return NULL;
-    if (idx < 0 || (size_t)idx >= e->nconns) return PyErr_Format(PyExc_ValueError, "no connection index %zd", idx);
-    e->conns[idx].holding = on;
-    unblock_channels(e);
-    Py_RETURN_NONE;
-}
-
-/* broken_connections() -> ids of connections newly broken (failed_code) since the last call. */
-static PyObject *Engine_broken_connections(Engine *e, PyObject *unused) {
-    PyObject *out = PyList_New(0);
-    for (size_t i = 0; out && i < e->nconns; i++) {
-        Conn *c = &e->conns[i];
-        if (!c->broken || c->broken_told) continue;
-        c->broken_told = 1;
-        PyObject *id = PyLong_FromLongLong(c->id);
-        if (!id || PyList_Append(out, id) < 0) Py_CLEAR(out);
-        Py_XDECREF(id);
-    }
-    return out;
-}
-
-static PyObject *Engine_set_taking(Engine *e, PyObject *arg) {
-    e->taking = PyObject_IsTrue(arg);
-    Py_RETURN_NONE;
-}
-
-static uint64_t ready_count(Channel *ch, uint64_t limit) {
-    uint64_t n = 0;
-    while (n < limit && record_ready(ch, ch->position + n)) n++;
-    return n;
-}
-
-/* (position, ready, completed, gone, oldest_age_ns, error code, error count, error position) of a channel;
- * with `now` >= 0 the head's waiting age is noted as queue statistics do. */
-static PyObject *Engine_channel_state(Engine *e, PyObject *args) {
-    PyObject *cid;
-    long long now;
-    if (!PyArg_ParseTuple(args, "OL", &cid, &now)) return NULL;
-    Channel *ch = channel_arg(e, cid);
-    if (!ch) return NULL;
-    uint64_t depth = ready_count(ch, ch->capacity);
-    long long age = 0;
-    if (depth && now >= 0) {
-        note_waiting(ch, now);
-        age = now - ch->seen_ns;
-    }
-    return Py_BuildValue("KKKiLIIK", (unsigned long long)ch->position, (unsigned long long)depth,
-                         (unsigned long long)ch->completed, ch->gone, age,
-                         (unsigned)*ring_u32(ch, TPD_RING_OFF_ERROR_CODE),
-                         (unsigned)*ring_u32(ch, TPD_RING_OFF_ERROR_COUNT),
-                         (unsigned long long)*ring_u64(ch, TPD_RING_OFF_ERROR_POS));
-}
-
-/* {code: count} of a channel's refused or failed records, nonzero codes only. */
-static PyObject *Engine_channel_codes(Engine *e, PyObject *arg) {
-    Channel *ch = channel_arg(e, arg);
-    if (!ch) return NULL;
-    PyObject *out = PyDict_New();
-    for (int code = 0; out && code < 256; code++) {
-        if (!ch->codes[code]) continue;
-        PyObject *k = PyLong_FromLong(code), *v = PyLong_FromUnsignedLongLong(ch->codes[code]);
-        if (!k || !v || PyDict_SetItem(out, k, v) < 0) Py_CLEAR(out);
-        Py_XDECREF(k);
-        Py_XDECREF(v);
-    }
-    return out;
-}
-
-/* ---- the trace recorder (trace.h): Python opens the file and hands its descriptor over --------------- */
-static PyObject *trace_state(const tpd_trace *t) {
-    return Py_BuildValue("KKKi", (unsigned long long)t->entries, (unsigned long long)t->written,
-                         (unsigned long long)t->dropped, t->last_errno);
-}
-
-/* trace_open(cid, fd, buffer_entries): record the channel's records into fd from the next pass on. */
-static PyObject *Engine_trace_open(Engine *e, PyObject *args) {
-    PyObject *cid;
-    int fd;
-    Py_ssize_t cap;
-    if (!PyArg_ParseTuple(args, "Oin", &cid, &fd, &cap)) return NULL;
-    Channel *ch = channel_arg(e, cid);
-    if (!ch) return NULL;
-    if (ch->trace) return PyErr_Format(PyExc_ValueError, "channel %lld is traced already", (long long)ch->id);
-    if (fd < 0 || cap < 1) return PyErr_Format(PyExc_ValueError, "trace_open needs a descriptor and a buffer >= 1");
-    ch->trace = tpd_trace_new(fd, (uint32_t)ch->id, (size_t)cap);
-    if (!ch->trace) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
-static Channel *traced_arg(Engine *e, PyObject *arg) {
-    Channel *ch = channel_arg(e, arg);
-    if (ch && !ch->trace) {
-        PyErr_Format(PyExc_ValueError, "channel %lld is not traced", (long long)ch->id);
-        return NULL;
-    }
-    return ch;
-}
-
-/* trace_flush(cid) -> (entries, written, dropped, errno): write out what is buffered. */
-static PyObject *Engine_trace_flush(Engine *e, PyObject *arg) {
-    Channel *ch = traced_arg(e, arg);
-    if (!ch) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    tpd_trace_flush(ch->trace);
-    Py_END_ALLOW_THREADS
-    return trace_state(ch->trace);
-}
-
-/* trace_close(cid) -> (entries, written, dropped, errno): flush and stop; the descriptor stays open. */
-static PyObject *Engine_trace_close(Engine *e, PyObject *arg) {
-    Channel *ch = traced_arg(e, arg);
-    if (!ch) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    tpd_trace_flush(ch->trace);
-    Py_END_ALLOW_THREADS
-    PyObject *state = trace_state(ch->trace);
-    if (!state) return NULL;
-    tpd_trace_free(ch->trace);
-    ch->trace = NULL;
-    return state;
-}
-
-static PyObject *u64_tuple(const uint64_t *v, size_t n) {
-    PyObject *t = PyTuple_New((Py_ssize_t)n);
-    if (!t) return NULL;
-    for (size_t i = 0; i < n; i++) {
-        PyObject *x = PyLong_FromUnsignedLongLong(v[i]);
-        if (!x) {
-            Py_DECREF(t);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(t, (Py_ssize_t)i, x);
-    }
-    return t;
-}
-
-static PyObject *Engine_counters(Engine *e, PyObject *unused) { return u64_tuple(e->counters, N_COUNTERS); }
-static PyObject *Engine_errors(Engine *e, PyObject *unused) { return u64_tuple(e->errors, 256); }
-static PyObject *Engine_batch_hist(Engine *e, PyObject *unused) { return u64_tuple(e->batch_hist, HIST); }
-
-/* [(conn id, inflight, pending, hist tuple, bytes)] by connection index */
-static PyObject *Engine_connections(Engine *e, PyObject *unused) {
-    PyObject *out = PyList_New((Py_ssize_t)e->nconns);
-    if (!out) return NULL;
-    for (size_t i = 0; i < e->nconns; i++) {
-        Conn *c = &e->conns[i];
-        PyObject *h = u64_tuple(c->hist, HIST);
-        PyObject *row = h ? Py_BuildValue("LLnNK", (long long)c->id, (long long)c->inflight,
-                                          (Py_ssize_t)conn_pending(c), h, (unsigned long long)c->bytes)
-                          : NULL;
-        if (!row) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, (Py_ssize_t)i, row);
-    }
-    return out;
-}
-
-static PyObject *Engine_pending_rows(Engine *e, PyObject *unused) { return PyLong_FromSize_t(e->nwaiting); }
-
-/* The null NIC's post log: keep (post ns, chunk id) of up to `capacity` WRITE rows from now on. */
-static PyObject *Engine_log_posts(Engine *e, PyObject *arg) {
-    Py_ssize_t cap = PyLong_AsSsize_t(arg);
-    if (cap < 0) return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "capacity must be >= 0");
-    free(e->post_log);
-    e->post_log = cap ? calloc((size_t)cap * 2, sizeof(uint64_t)) : NULL;
-    if (cap && !e->post_log) return PyErr_NoMemory();
-    e->post_log_cap = (size_t)cap * 2;
-    e->post_log_n = 0;
-    Py_RETURN_NONE;
-}
-
-static PyObject *Engine_post_log(Engine *e, PyObject *unused) {
-    return PyBytes_FromStringAndSize((const char *)e->post_log, (Py_ssize_t)(e->post_log_n * sizeof(uint64_t)));
-}
-
-static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
-    static char *names[] = {"batch_max", "window_ns", "inflight_cap", "decoupled", "max_length", "max_take",
-                            "poll_max", "post", "poll", "poster", NULL};
-    long long window, cap, poll_max;
-    unsigned long long max_length, max_take;
-    PyObject *post_cb, *poll_cb, *poster = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLpKKLOO|O", names, &e->batch_max, &window, &cap, &e->decoupled,
-                                     &max_length, &max_take, &poll_max, &post_cb, &poll_cb, &poster))
-        return -1;
-    if (e->batch_max < 1 || e->batch_max > 8) {
-        PyErr_Format(PyExc_ValueError, "batch_max must be in 1..8, got %d", e->batch_max);
-        return -1;
-    }
-    if (cap < 2 || max_take < 1 || poll_max < 1) {
-        PyErr_SetString(PyExc_ValueError, "inflight_cap must be >= 2, max_take and poll_max >= 1");
-        return -1;
-    }
-    if ((post_cb == Py_None) != (poll_cb == Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "post and poll are both callables, or both None (the null NIC)");
-        return -1;
-    }
-    if (poster != Py_None) {
-        /* a backend's C poster: its `poster` attribute is the tpd_poster capsule */
-        if (post_cb != Py_None) {
-            PyErr_SetString(PyExc_ValueError, "a poster replaces post and poll: pass None for both");
-            return -1;
-        }
-        PyObject *cap_obj = PyObject_GetAttrString(poster, "poster");
-        if (!cap_obj) return -1;
-        tpd_poster *p = PyCapsule_GetPointer(cap_obj, TPD_POSTER_CAPSULE);
-        Py_DECREF(cap_obj);
-        if (!p) return -1;
-        Completion *buf = realloc(e->poll_buf, (size_t)poll_max * sizeof(Completion));
-        if (!buf) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        e->poll_buf = buf;
-        e->poster = p;
-        Py_INCREF(poster);
-        Py_XSETREF(e->poster_obj, poster);
-    }
-    e->window_ns = window;
-    e->inflight_cap = cap;
-    e->max_length = max_length;
-    e->max_take = max_take;
-    e->poll_max = poll_max;
-    Py_INCREF(post_cb);
-    Py_INCREF(poll_cb);
-    Py_XSETREF(e->post_cb, post_cb);
-    Py_XSETREF(e->poll_cb, poll_cb);
-    e->taking = 1;
-    e->next_token = 1;
-    e->idle_since = -1;
-    return 0;
-}
-
-static void Engine_dealloc(Engine *e) {
-    for (size_t i = 0; i < e->nchans; i++) {
-        tpd_trace_free(e->chans[i]->trace);
-        PyBuffer_Release(&e->chans[i]->ring);
-        free(e->chans[i]->done);
-        free(e->chans[i]);
-    }
-    for (size_t i = 0; i < e->nsrcs; i++)
-        if (e->srcs[i].held)
-            for (int k = 0; k < 4; k++) PyBuffer_Release(&e->srcs[i].bufs[k]);
-    for (size_t i = 0; i < e->njobs; i++) {
-        if (e->jobs[i].held)
-            for (int k = 0; k < 9; k++) PyBuffer_Release(&e->jobs[i].bufs[k]);
-        free(e->jobs[i].conns);
-    }
-    for (size_t i = 0; i < e->nconns; i++) free(e->conns[i].rows);
-    for (size_t i = 0; i < e->ngroups; i++) free(e->groups[i]);
-    free(e->chans);
-    free(e->srcs);
-    free(e->jobs);
-    free(e->conns);
-    free(e->groups);
-    free(e->plan);
-    free(e->b_conn);
-    free(e->b_ncmds);
-    free(e->b_bounds);
-    free(e->b_nwr);
-    free(e->cuts);
-    free(e->recs);
-    free(e->tcode);
-    free(e->null_due);
-    free(e->post_log);
-    Py_XDECREF(e->post_cb);
-    Py_XDECREF(e->poll_cb);
-    Py_XDECREF(e->poster_obj);
-    free(e->post_ids);
-    free(e->poll_buf);
-    Py_TYPE(e)->tp_free((PyObject *)e);
-}
-
-static PyMethodDef Engine_methods[] = {
-    {"run_once", (PyCFunction)Engine_run_once, METH_NOARGS, "One pass: take, post, progress. True if it did work."},
-    {"serve", (PyCFunction)Engine_serve, METH_VARARGS,
-     "serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every): the "
-     "rail worker's loop, GIL released, until wake_fd is readable (SERVE_LINK) or interrupt() (SERVE_INTERRUPTED)."},
-    {"interrupt", (PyCFunction)Engine_interrupt, METH_NOARGS,
-     "Make a running serve or wait_ready return (or the next one)."},
-    {"loop_stats", (PyCFunction)Engine_loop_stats, METH_NOARGS, "What serve did: passes, spins, watches, naps, ..."},
-    {"progress", (PyCFunction)Engine_progress, METH_NOARGS, "Drain completions now; how many came."},
-    {"wait_ready", (PyCFunction)Engine_wait_ready, METH_VARARGS,
-     "wait_ready(timeout_s, nap_s=0, wake_fd=-1): watch the ring heads (GIL released), napping nap_s between "
-     "looks; a readable wake_fd ends the wait."},
-    {"busy", (PyCFunction)Engine_busy, METH_NOARGS, "Rows wait or batches are in flight."},
-    {"set_sources", (PyCFunction)Engine_set_sources, METH_VARARGS, "Install a rank's source region table."},
-    {"set_peers", (PyCFunction)Engine_set_peers, METH_VARARGS, "Install a job's peer table."},
-    {"add_connection", (PyCFunction)Engine_add_connection, METH_O, "A backend connection id -> its index."},
-    {"add_channel", (PyCFunction)Engine_add_channel, METH_VARARGS, "Start draining a mapped ring."},
-    {"mark_gone", (PyCFunction)Engine_mark_gone, METH_O, "The channel's client left."},
-    {"remove_channel", (PyCFunction)Engine_remove_channel, METH_O, "Forget a channel."},
-    {"fail_connection", (PyCFunction)Engine_fail_connection, METH_VARARGS, "A connection index is gone."},
-    {"set_taking", (PyCFunction)Engine_set_taking, METH_O, "Whether records are taken from the rings."},
-    {"broken_connections", (PyCFunction)Engine_broken_connections, METH_NOARGS,
-     "Ids of connections whose far end stopped answering, each reported once."},
-    {"hold_connection", (PyCFunction)Engine_hold_connection, METH_VARARGS,
-     "hold_connection(idx, on): keep records for the connection's peers in their rings (a peer restarting)."},
-    {"channel_state", (PyCFunction)Engine_channel_state, METH_VARARGS, "A channel's positions and error word."},
-    {"channel_codes", (PyCFunction)Engine_channel_codes, METH_O, "A channel's refused records by ErrorCode."},
-    {"trace_open", (PyCFunction)Engine_trace_open, METH_VARARGS,
-     "trace_open(cid, fd, buffer_entries): record what the channel takes into fd (trace.h)."},
-    {"trace_flush", (PyCFunction)Engine_trace_flush, METH_O, "Write a traced channel's buffer out; its state."},
-    {"trace_close", (PyCFunction)Engine_trace_close, METH_O, "Stop tracing a channel (fd left open); its state."},
-    {"counters", (PyCFunction)Engine_counters, METH_NOARGS, "The counters, in COUNTERS order."},
-    {"errors", (PyCFunction)Engine_errors, METH_NOARGS, "Rejected records by ErrorCode value."},
-    {"batch_hist", (PyCFunction)Engine_batch_hist, METH_NOARGS, "Batches by commands in them."},
-    {"connections", (PyCFunction)Engine_connections, METH_NOARGS, "Per connection index queue state."},
-    {"pending_rows", (PyCFunction)Engine_pending_rows, METH_NOARGS, "Rows waiting for their batch."},
-    {"log_posts", (PyCFunction)Engine_log_posts, METH_O, "Null NIC: log (ns, chunk id) of posted WRITEs."},
-    {"post_log", (PyCFunction)Engine_post_log, METH_NOARGS, "The null NIC's post log as u64 pairs."},
-    {NULL, NULL, 0, NULL},
-};
-
-/* pingpong_produce(ring buffer, count, peers, length, stamps int64 buffer, timeout_s) -> completed count */
-static PyObject *pingpong_produce(PyObject *mod, PyObject *args) {
-    PyObject *ring, *stamps;
-    unsigned long long count;
-    unsigned peers, length;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "OKIIOd", &ring, &count, &peers, &length, &stamps, &timeout)) return NULL;
-    Py_buffer rv, sv;
-    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(stamps, &sv, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&rv);
-        return NULL;
-    }
-    if ((uint64_t)sv.len < count * 8 || rv.len < TPD_RING_RECORDS_OFFSET || !peers) {
-        PyBuffer_Release(&rv);
-        PyBuffer_Release(&sv);
-        return PyErr_Format(PyExc_ValueError, "pingpong_produce: stamps too short, not a ring, or no peers");
-    }
-    int64_t done;
-    Py_BEGIN_ALLOW_THREADS
-    done = tpd_pingpong_produce(rv.buf, count, (uint16_t)peers, length, sv.buf, (int64_t)(timeout * 1e9));
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&rv);
-    PyBuffer_Release(&sv);
-    return PyLong_FromLongLong(done);
-}
-
-/* bare_drain(ring buffer, until, timeout_s) -> consumer position reached (pingpong.c), GIL released */
-static PyObject *bare_drain(PyObject *mod, PyObject *args) {
-    PyObject *ring;
-    unsigned long long until;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "OKd", &ring, &until, &timeout)) return NULL;
-    Py_buffer rv;
-    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
-    if (rv.len < TPD_RING_RECORDS_OFFSET) {
-        PyBuffer_Release(&rv);
-        return PyErr_Format(PyExc_ValueError, "bare_drain: not a ring");
-    }
-    uint64_t pos;
-    Py_BEGIN_ALLOW_THREADS
-    pos = tpd_bare_drain(rv.buf, until, (int64_t)(timeout * 1e9));
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&rv);
-    return PyLong_FromUnsignedLongLong(pos);
-}
-
-static PyMethodDef core_functions[] = {
-    {"bare_drain", bare_drain, METH_VARARGS, "Benchmark ceiling: the bare C consumer of a ring (pingpong.c)."},
-    {"pingpong_produce", pingpong_produce, METH_VARARGS, "Benchmark producer: one record at a time (pingpong.c)."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transportd._core.Engine",
-    .tp_basicsize = sizeof(Engine),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The proxy's data path: rings in, batches to a backend, completions back (see transportd.dataplane.proxy).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Engine_init,
-    .tp_dealloc = (destructor)Engine_dealloc,
-    .tp_methods = Engine_methods,
-};
-
-static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "transportd._core",
-                                         "The compiled data path of the proxy (see engine.c).", -1,
-                                         core_functions};
-
-PyMODINIT_FUNC PyInit__core(void) {
-    if (PyType_Ready(&EngineType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&core_module);
-    if (!m) return NULL;
-    Py_INCREF(&EngineType);
-    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
-        Py_DECREF(&EngineType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (tpd_ib_register(m) < 0 || tpd_shim_register(m) < 0 || tpd_efa_register(m) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    PyModule_AddIntConstant(m, "PLAN_ROW_SIZE", sizeof(tpd_plan_row));
-    PyModule_AddIntConstant(m, "SERVE_INTERRUPTED", SERVE_INTERRUPTED);
-    PyModule_AddIntConstant(m, "SERVE_LINK", SERVE_LINK);
-    PyModule_AddIntConstant(m, "COMPLETION_SIZE", sizeof(Completion));
-    PyModule_AddIntConstant(m, "RECORD_SIZE", sizeof(tpd_cmd_record));
-    PyModule_AddIntConstant(m, "TRACE_ENTRY_SIZE", sizeof(tpd_trace_entry));
-    const char *names[N_COUNTERS] = {"iterations", "commands", "quiets", "bytes", "wrs", "writes", "signals",
-                                     "signals_requested", "fences", "batches", "batches_full", "batches_partial",
-                                     "signal_dest_batches", "stalls", "signal_stalls", "rejected", "completions",
-                                     "completion_errors", "unknown_completions"};
-    PyObject *t = PyTuple_New(N_COUNTERS);
-    for (int i = 0; t && i < N_COUNTERS; i++) PyTuple_SET_ITEM(t, i, PyUnicode_FromString(names[i]));
-    if (!t || PyModule_AddObject(m, "COUNTERS", t) < 0) {
-        Py_XDECREF(t);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
 }

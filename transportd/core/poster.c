@@ -1,7 +1,7 @@
 /*
- * What the posters (ib_post.c, efa_post.c) and the verbs shims (verbs_shim.c, efa_shim.c) share: growing
- * arrays, exceptions raised inside callbacks, the Python entry point that posts batches, and the one
- * Python call a shim makes per wr_complete.
+ * What the backends' posters (ib/csrc/ib_post.c, efa/csrc/efa_post.c) and the verbs shims (verbs_shim.c here,
+ * efa/csrc/efa_shim.c) share: growing arrays, exceptions raised inside callbacks, the Python entry point that
+ * posts batches, and the one Python call a shim makes per wr_complete.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

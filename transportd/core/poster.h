@@ -1,9 +1,10 @@
 /*
  * The C-level poster: how the engine reaches a backend's NIC without a Python call per pass.
  *
- * A backend that lowers plan rows in C (ib_post.c) hands the engine a tpd_poster in a PyCapsule named
- * TPD_POSTER_CAPSULE; the engine then calls post/poll directly, with the GIL released, instead of the
- * backend's Python post/poll. Either call returns -1 on failure, after which the engine (holding the GIL
+ * A backend that lowers plan rows in C (ib/csrc/ib_post.c, efa/csrc/efa_post.c) hands the engine a
+ * tpd_poster in a PyCapsule named TPD_POSTER_CAPSULE; the engine then calls post/poll directly, with the GIL
+ * released, instead of the backend's Python post/poll. This header and verbs_abi.h are what a backend's C
+ * is built against (the only core headers it includes: tests/test_import_layers.py). Either call returns -1 on failure, after which the engine (holding the GIL
  * again) calls raise_error to set the Python exception. post/poll may take the GIL themselves
  * (PyGILState_Ensure: the softverbs shim does, once per pass), so they must be called without it.
  */
@@ -84,7 +85,7 @@ struct _object *tpd_post_batches_method(const tpd_poster *iface, struct _object 
  * the GIL released. */
 struct _object *tpd_poll_method(const tpd_poster *iface, struct _object *arg);
 
-/* A shim QP's posting session, the part the RC shim (verbs_shim.c) and the SRD shim (efa_shim.c) share:
+/* A shim QP's posting session, the part the RC shim (verbs_shim.c) and efa's SRD shim (efa_shim.c) share:
  * wr_start opens it, each wr_* call appends one fixed-size WR record (the shim fills it), wr_set_* calls fill
  * the last one, and wr_complete hands them all to the Python callable `post` in one call (taking the GIL); its
  * int result is the errno, EIO when it raised (the exception is stashed, see above). The first error of a
@@ -105,9 +106,13 @@ void tpd_shim_start(tpd_shim_session *s);
 void tpd_shim_abort(tpd_shim_session *s);
 int tpd_shim_complete(tpd_shim_session *s);
 
-/* The types ib_post.c and verbs_shim.c add to transportd._core (with a Python object argument). */
-int tpd_ib_register(void *module);
+/* What each part linked into transportd._core adds to the module (with the module as argument): the core's
+ * verbs shim (verbs_shim.c: ShimQP, ShimCQ, abi_layout) and each backend's C, which defines its hook where it
+ * lives: ib/csrc/ib_post.c (IbPoster), efa/csrc/efa_post.c (EfaPoster, SrdShimQP, the flag functions). The
+ * module's init (module.c) calls them; it is the one place the core names a backend, because they share one
+ * extension (setup.py says why). The engine itself reaches a backend only through the capsule above. */
 int tpd_shim_register(void *module);
-int tpd_efa_register(void *module); /* efa_post.c: EfaPoster, SrdShimQP */
+int tpd_ib_register(void *module);
+int tpd_efa_register(void *module);
 
 #endif

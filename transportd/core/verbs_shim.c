@@ -1,6 +1,6 @@
 /*
  * The verbs shim: a struct ibv_qp_ex and a struct ibv_cq_ex whose function pointers are ours, so the ib
- * lowering (ib_post.c) that drives a NIC through pyverbs' structs drives softverbs (or any Python verbs
+ * lowering (ib/csrc/ib_post.c) that drives a NIC through pyverbs' structs drives softverbs (or any Python verbs
  * provider) unchanged, with one Python call per pass each way (transportd._core.ShimQP / ShimCQ).
  *
  * ShimQP: wr_start() opens a session; every wr_<op>() appends one record (SHIM_WR below, the dtype

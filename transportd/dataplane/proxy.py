@@ -517,7 +517,7 @@ class Proxy:
 
     def serve(self, *, spin_s: float, watch_s: float, nap_s: float, deep_after_s: float, deep_watch_s: float,
               deep_nap_s: float, wake_fd: int = -1, link_every: int = 64) -> int:
-        """The rail worker's loop, all in C with the GIL released (``engine.c``, ``serve_loop``): pass after
+        """The rail worker's loop, all in C with the GIL released (``engine.c``, ``tpd_serve_loop``): pass after
         pass, then the idle back-off these times describe (``transportd.dataplane.worker``), until
         ``wake_fd`` turns readable (:data:`SERVE_LINK`: the worker's link has a request) or
         :meth:`interrupt` is called (:data:`SERVE_INTERRUPTED`). A backend's Python post/poll runs inside

@@ -1,4 +1,4 @@
-"""The rail worker's loop in the engine (``Proxy.serve``, ``engine.c``'s ``serve_loop``), against its Python
+"""The rail worker's loop in the engine (``Proxy.serve``, ``engine.c``'s ``tpd_serve_loop``), against its Python
 model (``transportd_cli.proxy_model.model_serve``, the loop the worker ran pass by pass before).
 
 Each scenario runs a serve loop in a thread over a real ring, with a pipe standing in for the worker link's

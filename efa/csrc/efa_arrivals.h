@@ -6,8 +6,8 @@
  * module stays as the model tests/efa/test_efa_core.py compares this one with over random completion
  * streams. The wire layout (immediates, the 32-byte record) is efa/wire.py's.
  */
-#ifndef TRANSPORTD_CORE_EFA_ARRIVALS_H
-#define TRANSPORTD_CORE_EFA_ARRIVALS_H
+#ifndef TRANSPORTD_EFA_ARRIVALS_H
+#define TRANSPORTD_EFA_ARRIVALS_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,8 +1,9 @@
 /*
  * The SRD verbs shim: a struct ibv_qp_ex whose function pointers collect a session's write-with-immediate
  * WRs (with their UD address) and hand them to a Python `post` callable in one call at wr_complete
- * (transportd._core.SrdShimQP). verbs_shim.c's ShimQP serves RC QPs and refuses wr_set_ud_addr; an SRD QP
- * needs the address handle, remote QPN and QKey of every WR, so its records carry them.
+ * (transportd._core.SrdShimQP). The core's verbs shim (transportd/core/verbs_shim.c) serves RC QPs and
+ * refuses wr_set_ud_addr; an SRD QP needs the address handle, remote QPN and QKey of every WR, so its
+ * records carry them. It builds its session on the core's shim helpers (poster.h, tpd_shim_*).
  *
  * Accepted calls: wr_rdma_write_imm (the only WR the efa lowering makes), wr_set_sge, wr_set_ud_addr,
  * wr_start/complete/abort. Anything else, or a setter without an open WR, fails the session as a provider

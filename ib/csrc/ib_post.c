@@ -5,8 +5,10 @@
  * This is the only lowering of ib plan rows (ib/backend.py documents the signal modes and why each is
  * correct); tests/ib/lowering_oracle.py is the Python model the shim tests compare it with. Everything goes
  * through the function pointers of the structs (verbs_abi.h), so the same code drives a NIC (structs from
- * pyverbs) and softverbs (structs filled by verbs_shim.c). No Python object is touched on the data path:
- * post and poll run without the GIL, and the engine calls them through a tpd_poster (poster.h).
+ * pyverbs) and softverbs (structs filled by transportd/core/verbs_shim.c). No Python object is touched on
+ * the data path: post and poll run without the GIL, and the engine calls them through a tpd_poster
+ * (poster.h). Of the core this file includes only its poster interface and verbs ABI (by name, from the
+ * core's include root that setup.py passes); it is linked into transportd._core with the core.
  *
  * Per connection, as IbBackend had it in Python:
  *   - WR numbers start after a random base; wr_id = key << SEQ_BITS | number (one CQ serves the rail);

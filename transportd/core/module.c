@@ -1,0 +1,82 @@
+/*
+ * transportd._core, the module: the engine's type (engine_type.c), the verbs shim's (verbs_shim.c), each
+ * backend's C linked into it (ib/csrc, efa/csrc: their register hooks, poster.h), the record and row sizes,
+ * and the benchmark's two C loops (pingpong.c).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "engine.h"
+#include "pingpong.h"
+
+/* pingpong_produce(ring buffer, count, peers, length, stamps int64 buffer, timeout_s) -> completed count */
+static PyObject *pingpong_produce(PyObject *mod, PyObject *args) {
+    PyObject *ring, *stamps;
+    unsigned long long count;
+    unsigned peers, length;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "OKIIOd", &ring, &count, &peers, &length, &stamps, &timeout)) return NULL;
+    Py_buffer rv, sv;
+    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(stamps, &sv, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&rv);
+        return NULL;
+    }
+    if ((uint64_t)sv.len < count * 8 || rv.len < TPD_RING_RECORDS_OFFSET || !peers) {
+        PyBuffer_Release(&rv);
+        PyBuffer_Release(&sv);
+        return PyErr_Format(PyExc_ValueError, "pingpong_produce: stamps too short, not a ring, or no peers");
+    }
+    int64_t done;
+    Py_BEGIN_ALLOW_THREADS
+    done = tpd_pingpong_produce(rv.buf, count, (uint16_t)peers, length, sv.buf, (int64_t)(timeout * 1e9));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rv);
+    PyBuffer_Release(&sv);
+    return PyLong_FromLongLong(done);
+}
+
+/* bare_drain(ring buffer, until, timeout_s) -> consumer position reached (pingpong.c), GIL released */
+static PyObject *bare_drain(PyObject *mod, PyObject *args) {
+    PyObject *ring;
+    unsigned long long until;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "OKd", &ring, &until, &timeout)) return NULL;
+    Py_buffer rv;
+    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
+    if (rv.len < TPD_RING_RECORDS_OFFSET) {
+        PyBuffer_Release(&rv);
+        return PyErr_Format(PyExc_ValueError, "bare_drain: not a ring");
+    }
+    uint64_t pos;
+    Py_BEGIN_ALLOW_THREADS
+    pos = tpd_bare_drain(rv.buf, until, (int64_t)(timeout * 1e9));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rv);
+    return PyLong_FromUnsignedLongLong(pos);
+}
+
+static PyMethodDef core_functions[] = {
+    {"bare_drain", bare_drain, METH_VARARGS, "Benchmark ceiling: the bare C consumer of a ring (pingpong.c)."},
+    {"pingpong_produce", pingpong_produce, METH_VARARGS, "Benchmark producer: one record at a time (pingpong.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "transportd._core",
+                                         "The compiled data path of the proxy (see engine.c).", -1,
+                                         core_functions};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    PyObject *m = PyModule_Create(&core_module);
+    if (!m) return NULL;
+    if (tpd_engine_register(m) < 0 || tpd_ib_register(m) < 0 || tpd_shim_register(m) < 0 ||
+        tpd_efa_register(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "PLAN_ROW_SIZE", sizeof(tpd_plan_row));
+    PyModule_AddIntConstant(m, "COMPLETION_SIZE", sizeof(tpd_completion));
+    PyModule_AddIntConstant(m, "RECORD_SIZE", sizeof(tpd_cmd_record));
+    PyModule_AddIntConstant(m, "TRACE_ENTRY_SIZE", sizeof(tpd_trace_entry));
+    return m;
+}
