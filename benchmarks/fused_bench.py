@@ -65,9 +65,16 @@ SIZES: dict[str, list[dict[str, int]]] = {
                             {"m": 4096, "n": 8192, "k": 4096, "chunk_rows": 128}],
     "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128},
                         {"m": 4096, "n": 8192, "k": 4096, "chunk_rows": 128}],
-    "ring_attention": [{"heads": 32, "seq_local": 4096, "head_dim": 128, "chunk_rows": 256},
-                       {"heads": 32, "seq_local": 2048, "head_dim": 128, "chunk_rows": 256}],
+    # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
+    # 128 KiB chunks made the communication 17-46x the compute
+    "ring_attention": [{"heads": 32, "seq_local": 4096, "head_dim": 128, "chunk_rows": 8192},
+                       {"heads": 32, "seq_local": 2048, "head_dim": 128, "chunk_rows": 8192}],
 }
+#: programs per rank of the ops whose every program may spin on a peer's (GEMM+RS/AR, 1 program an SM at these
+#: tiles): 66 + 66 filled the H200's 132 SMs and the 8192-row launch hung until its spin bound trapped, while
+#: 32 ran (and 66 ran at 1024 rows, a tile a program); the soft fabric's copies into the GPU seem to need SMs
+#: of their own. A ConnectX needs none.
+SPINNING_PROGRAMS = 48
 QUICK_SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 512, "n": 1024, "k": 1024, "chunk_rows": 64}],
     "gemm_reduce_scatter": [{"m": 1024, "n": 1024, "k": 1024, "chunk_rows": 64}],
@@ -199,8 +206,8 @@ def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen:
 
     cls = GemmAllReduce if all_reduce else GemmReduceScatter
     out_dtype = torch.bfloat16 if all_reduce else torch.float32
-    ops = [cls(s, m, n, k, chunk_rows=chunk_rows, share=WORLD, out_dtype=out_dtype, programs=PROGRAMS)
-           for s in sessions]
+    ops = [cls(s, m, n, k, chunk_rows=chunk_rows, share=WORLD, out_dtype=out_dtype,
+               programs=PROGRAMS or SPINNING_PROGRAMS) for s in sessions]
     _exchange(sessions)
     _ready(ops)
     a = [_randn(gen, m, k, device=device) for _ in ops]
@@ -243,7 +250,7 @@ def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: in
 
     from gpuclient.kernels import RingAttention
 
-    ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, share=WORLD,
+    ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, comm_programs=4, share=WORLD,
                          programs=PROGRAMS) for s in sessions]
     _exchange(sessions)
     _ready(ops)
@@ -266,7 +273,8 @@ def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: in
     block_bytes = heads * seq_local * 2 * head_dim * 2
     return Case(launch, lambda: _on_streams(streams, sdpa), error,
                 flops=4.0 * WORLD * heads * seq_local * (WORLD * seq_local) * head_dim,
-                moved=WORLD * (WORLD - 1) * block_bytes, ops=ops, params={"programs": ops[0].programs})
+                moved=WORLD * (WORLD - 1) * block_bytes, ops=ops,
+                params={"programs": ops[0].programs, "comm_programs": ops[0].comm_programs})
 
 
 CASES: dict[str, Callable[..., Case]] = {"allgather_gemm": allgather_gemm, "gemm_reduce_scatter": gemm_reduce_scatter,
