@@ -47,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -578,11 +579,12 @@ PLACEMENTS = {"device": ("device", "device"), "host": ("device", "host"), "pinne
 
 
 def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096, kind: str = "ring", wheres: tuple[str, ...] = ("device", "host"),
-                rate: tuple[int, int, int] | None = None, backend: str = "ib") -> dict[str, Any]:
+                rates: dict[str, list[RateRow]] | None = None, backend: str = "ib") -> dict[str, Any]:
     """put -> flag latency per placement (``wheres``, keys of PLACEMENTS) on a ``kind`` channel ("ring":
     the proxy path; "ibgda": the kernels built with -DTPD_IBGDA post to the daemon's queue pairs) between
-    two ``backend`` daemons. With ``rate`` = (blocks, commands per block, bytes): also commands/s,
-    ``put_burst`` launches timed by CUDA events. Each result names the receiving rail's flag publication."""
+    two ``backend`` daemons, one thread sending. With ``rates[where]``, a list of RateRow: also commands/s
+    for each row (``put_burst`` launches timed by CUDA events), in ``results[where]["rates"]``, on the same
+    daemons and channels. Each result names the receiving rail's flag publication."""
     from transportd_cli.localcluster import LocalCluster
 
     results: dict[str, Any] = {}
@@ -649,37 +651,80 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096, kind: str = "ring", wheres
             results[where] = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "mean_us": float(lat.mean()),
                               "n": n, "bytes": nbytes, "wall_s": wall, "backend": backend,
                               "flag_publication": rails[0].get("flag_publication") if rails else None}
-            if rate is not None:
-                results[where]["rate"] = command_rate(gpu, module, h0, s1, r_src.id, r_dst.id, *rate)
-                step(f"{where}: {results[where]['rate']['commands_per_s']:.0f} commands/s")
+            rows = (rates or {}).get(where, [])
+            if len(rows) > 7:
+                raise ValueError("at most 7 rate rows: each counts its signals in a flag slot of its own (1..7)")
+            if rows:
+                results[where]["rates"] = []
+            for slot, row in enumerate(rows, start=1):
+                r = command_rate(gpu, module, h0, s1, r_src.id, r_dst.id, row, slot=slot, span=1 << 20)
+                results[where]["rates"].append(r)
+                step(f"{where}: {r['threads']} threads, {r['commands_per_s']:.0f} commands/s "
+                     f"({r['reps']} launches, {r['seconds_all']:.2f} s)")
             for s, c in ((s0, c0), (s1, c1)):
                 s.leave()
                 c.close()
     return results
 
 
-def command_rate(gpu: Gpu, module: Any, handle: Any, receiver: Any, src_region: int, dst_region: int, blocks: int,
-                 per_block: int, nbytes: int, reps: int = 3) -> dict[str, Any]:
-    """Best of ``reps`` ``put_burst`` launches (each ends after its QUIETs): commands completed per second.
-    The receiver's flag slot 1 must count every block's signal, or the run is refused."""
-    assert blocks * per_block * nbytes <= 1 << 20, "the burst must fit the 1 MiB buffers"
+@dataclass(frozen=True)
+class RateRow:
+    """One command-rate row: ``blocks`` x ``threads`` threads, each putting ``per_thread`` commands of
+    ``nbytes``, then thread 0 of each block one signal and a QUIET (``put_burst``). ``budget_s``: launch
+    again (up to ``reps``, best one kept) only while the launches so far took less than this in all."""
+
+    blocks: int
+    threads: int
+    per_thread: int
+    nbytes: int = 64
+    reps: int = 3
+    budget_s: float = 4.0
+
+    @property
+    def posters(self) -> int:
+        return self.blocks * self.threads
+
+    @property
+    def commands(self) -> int:
+        """Commands one launch posts: every thread's puts, and each block's signal."""
+        return self.posters * self.per_thread + self.blocks
+
+
+def command_rate(gpu: Gpu, module: Any, handle: Any, receiver: Any, src_region: int, dst_region: int, row: RateRow,
+                 slot: int = 1, span: int = 1 << 20, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Best of up to ``row.reps`` ``put_burst`` launches (each ends after its QUIETs): commands completed
+    per second. The receiver's flag ``slot`` must count every block's signal, or the run is refused. A
+    launch that has not finished after ``timeout_s`` raises (the kernel's spins are unbounded)."""
+    assert span % row.nbytes == 0 and row.nbytes <= span, "stripes wrap at span: a whole number of puts"
     drv = gpu.drv
-    best = float("inf")
-    for rep in range(reps):
+    best, total, reps = float("inf"), 0.0, 0
+    while reps < row.reps and (reps == 0 or total < row.budget_s):
         start, end = (check(drv.cuEventCreate(0), "cuEventCreate") for _ in range(2))
         check(drv.cuEventRecord(start, gpu.stream), "cuEventRecord")
-        module.function("put_burst").launch(blocks, 32, (handle, np.uint32(1), np.uint32(dst_region),
-                                                         np.uint32(src_region), np.uint32(nbytes),
-                                                         np.uint32(per_block), np.uint32(1)), stream=gpu.stream)
+        module.function("put_burst").launch(row.blocks, row.threads,
+                                            (handle, np.uint32(1), np.uint32(dst_region), np.uint32(src_region),
+                                             np.uint32(row.nbytes), np.uint32(row.per_thread), np.uint32(slot),
+                                             np.uint64(span)), stream=gpu.stream)
         check(drv.cuEventRecord(end, gpu.stream), "cuEventRecord")
-        check(drv.cuEventSynchronize(end), "put_burst")
-        best = min(best, float(check(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime")) / 1e3)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            (err,) = drv.cuEventQuery(end)
+            if err == drv.CUresult.CUDA_SUCCESS:
+                break
+            if err != drv.CUresult.CUDA_ERROR_NOT_READY:
+                raise RuntimeError(f"put_burst ({row.posters} threads) failed: {err}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"put_burst ({row.posters} threads, {row.commands} commands) did not finish "
+                                   f"in {timeout_s:.0f} s")
+            time.sleep(0.001)
+        seconds = float(check(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime")) / 1e3
+        best, total, reps = min(best, seconds), total + seconds, reps + 1
         drv.cuEventDestroy(start)
         drv.cuEventDestroy(end)
-        receiver.wait(1, blocks * (rep + 1), timeout=30)  # every block's signal arrived
-    commands = blocks * (per_block + 1)
-    return {"commands_per_s": commands / best, "commands": commands, "seconds": best, "bytes": nbytes,
-            "blocks": blocks}
+        receiver.wait(slot, row.blocks * reps, timeout=30)  # every block's signal arrived
+    return {"commands_per_s": row.commands / best, "commands": row.commands, "seconds": best, "bytes": row.nbytes,
+            "blocks": row.blocks, "threads_per_block": row.threads, "threads": row.posters,
+            "per_thread": row.per_thread, "reps": reps, "seconds_all": total}
 
 
 # --- put -> flag, with and without MPS, one table --------------------------------------------------------------

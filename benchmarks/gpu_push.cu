@@ -238,15 +238,21 @@ extern "C" __global__ void flag_receiver(tpd::DefaultChannel ch, uint32_t slot, 
     }
 }
 
-// Command rate: thread 0 of every block puts `per_block` commands of `bytes` (block b writes its own
-// stripe), then one ADD signal to `slot`; the last QUIET makes the launch end when all completed locally.
+// Command rate: every thread of the launch puts `per_thread` commands of `bytes` (thread t writes its own
+// stripe, wrapped at `span` bytes: the payload is never read, so the stripes of thousands of threads may
+// overlap); once the block's threads have posted, its thread 0 adds 1 to `slot` (a signal follows every
+// earlier command of the channel to that peer, so it covers the block's puts) and QUIETs, so the launch
+// ends when every command completed locally. One thread per block is the rate from `blocks` posters; a
+// full block of threads is the rate from every thread of the GPU.
 extern "C" __global__ void put_burst(tpd::DefaultChannel ch, uint32_t peer, uint32_t dst_region, uint32_t src_region,
-                                     uint32_t bytes, uint32_t per_block, uint32_t slot) {
+                                     uint32_t bytes, uint32_t per_thread, uint32_t slot, uint64_t span) {
+    const uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (uint32_t i = 0; i < per_thread; ++i) {
+        const uint64_t off = ((t * per_thread + i) * bytes) % span;
+        tpd::put(ch, peer, (uint16_t)dst_region, off, (uint16_t)src_region, off, bytes);
+    }
+    __syncthreads();
     if (threadIdx.x != 0) return;
-    uint64_t base = (uint64_t)blockIdx.x * per_block * bytes;
-    for (uint32_t i = 0; i < per_block; ++i)
-        tpd::put(ch, peer, (uint16_t)dst_region, base + (uint64_t)i * bytes, (uint16_t)src_region,
-                 base + (uint64_t)i * bytes, bytes);
     tpd::signal(ch, peer, slot, 1);
     tpd::quiet(ch);
 }

@@ -18,11 +18,15 @@ rtt      one thread, (put, quiet) n times: the GPU -> host NIC -> CQE -> GPU rou
 many     132 x 128 threads on one QP, 8 ops each: ops/s, WQEs/s and WQEs per doorbell, per-thread calls (the
          doorbell ticket serialises them) beside the warp-aggregated ones, in the same run
 versus   IBGDA against the proxy path in one run, same kernels (gpu_push.cu, built with and without
-         -DTPD_IBGDA), two daemons over softverbs RC: put -> flag p50/p99 of 4 KiB and commands/s
-         (64-byte puts from 32 blocks), and their ratios (ibgda over proxy), with buffers and flags in
-         pinned host memory (the headline) and in GPU memory (bound by softverbs' GPU copies). Over softverbs
-         both transports are Python (the proxy loop; the client's soft mlx5 queue), so the ratio
-         says what taking the proxy out of the path saves here, not what a ConnectX would do.
+         -DTPD_IBGDA), two daemons over softverbs RC, at 1, 32 and 132 x 128 = 16896 posting threads (8 x 32
+         in --quick): commands/s of 64-byte puts (one thread; thread 0 of 32 blocks; every thread of 132
+         blocks of 128), put -> flag p50/p99 of 4 KiB from one thread, and their ratios (ibgda over proxy),
+         with buffers and flags in pinned host memory (the headline; every row) and in GPU memory (bound by
+         softverbs' GPU copies; latency and the 32-thread rate). A row posts at most VERSUS_CAP puts, one a
+         thread at 16896, and launches again only while its launches took under 4 s, so the soft mlx5
+         queue's rows finish. Over softverbs both transports are Python (the proxy loop; the client's soft
+         mlx5 queue), so the ratio says what taking the proxy out of the path saves here, not what a
+         ConnectX would do.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -224,30 +229,121 @@ def run(quick: bool = False, echo: Any = print) -> dict[str, Any]:
     return results
 
 
-def versus_proxy(quick: bool, echo: Any) -> dict[str, Any]:
-    """The same kernels on the proxy path and on the IBGDA path (see ``versus`` in the module doc)."""
-    sys.path.insert(0, str(HERE))
+VERSUS_CAP = 1024  # puts per versus rate row (--quick: 128): the soft mlx5 queue posts a few thousand a second
+VERSUS_THREADS = (1, 32, 132 * 128)
+VERSUS_WHERES = ("pinned", "device")
+
+
+def _gpu_bench() -> Any:
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     import gpu_bench
 
-    gpu = gpu_bench.Gpu(0)
-    n, rate = (50, (16, 32, 64)) if quick else (200, (32, 32, 64))
-    out: dict[str, Any] = {}
-    for kind in ("ring", "ibgda"):
-        out[kind] = gpu_bench.put_to_flag(gpu, n, 4096, kind=kind, wheres=("pinned", "device"), rate=rate)
-        for where, r in out[kind].items():
-            echo(f"versus  {kind:5s} {where:6s} put -> flag p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us  "
-                 f"{r['rate']['commands_per_s']:10.0f} commands/s")
-    # the headline compares the transports (pinned: no GPU-copy time slices, see gpu_bench.PLACEMENTS)
+    return gpu_bench
+
+
+def versus_rows(quick: bool) -> list[Any]:
+    """The rate rows of the versus section (gpu_bench.RateRow): one thread; thread 0 of each of 32 blocks
+    (the row earlier runs measured); every thread of 132 blocks of 128 (8 of 32 in --quick). Each thread
+    posts cap // threads puts, at least one."""
+    gb = _gpu_bench()
+    cap = 128 if quick else VERSUS_CAP
+    shapes = ((1, 1), (32, 1), (8, 32) if quick else (132, 128))
+    return [gb.RateRow(blocks=b, threads=t, per_thread=max(1, cap // (b * t))) for b, t in shapes]
+
+
+def versus_rows_table(out: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per placement and thread count measured on both paths: commands/s and their ratio; the
+    one-thread rows also carry put -> flag p50/p99 and the p50 ratio."""
+    rows = []
+    for where in VERSUS_WHERES:
+        ring, gda = out["ring"].get(where), out["ibgda"].get(where)
+        if not ring or not gda:
+            continue
+        by_threads = {r["threads"]: r for r in gda.get("rates", [])}
+        threads = [r["threads"] for r in ring.get("rates", []) if r["threads"] in by_threads]
+        if 1 not in threads:
+            threads = [1, *threads]  # put -> flag is one thread's even without a one-thread rate row
+        for t in threads:
+            p = next((r for r in ring.get("rates", []) if r["threads"] == t), None)
+            g = by_threads.get(t)
+            row: dict[str, Any] = {"where": where, "threads": t}
+            if p and g:
+                row.update(blocks=p["blocks"], threads_per_block=p["threads_per_block"], commands=p["commands"],
+                           proxy_commands_per_s=p["commands_per_s"], ibgda_commands_per_s=g["commands_per_s"],
+                           commands_per_s_ratio_ibgda_over_proxy=g["commands_per_s"] / p["commands_per_s"])
+            if t == 1:
+                row.update(proxy_put_to_flag_p50_us=ring["p50_us"], proxy_put_to_flag_p99_us=ring["p99_us"],
+                           ibgda_put_to_flag_p50_us=gda["p50_us"], ibgda_put_to_flag_p99_us=gda["p99_us"],
+                           put_to_flag_p50_ratio_ibgda_over_proxy=gda["p50_us"] / ring["p50_us"])
+            rows.append(row)
+    return rows
+
+
+def versus_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The versus rows as a Markdown table."""
+    lines = ["| buffers / flags | threads | proxy commands/s | IBGDA commands/s | IBGDA / proxy | "
+             "put -> flag p50 / p99 µs, proxy | IBGDA | IBGDA / proxy (p50) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r["where"], f"{r['threads']} ({r['blocks']}x{r['threads_per_block']})" if "blocks" in r
+                 else str(r["threads"])]
+        cells += ([f"{r['proxy_commands_per_s']:.0f}", f"{r['ibgda_commands_per_s']:.0f}",
+                   f"{r['commands_per_s_ratio_ibgda_over_proxy']:.2f}"] if "commands" in r else ["", "", ""])
+        cells += ([f"{r['proxy_put_to_flag_p50_us']:.1f} / {r['proxy_put_to_flag_p99_us']:.1f}",
+                   f"{r['ibgda_put_to_flag_p50_us']:.1f} / {r['ibgda_put_to_flag_p99_us']:.1f}",
+                   f"{r['put_to_flag_p50_ratio_ibgda_over_proxy']:.2f}"] if "proxy_put_to_flag_p50_us" in r
+                  else ["", "", ""])
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def versus_summary(out: dict[str, Any]) -> dict[str, float]:
+    """The headline numbers (pinned buffers and flags): one thread's put -> flag, commands/s at each thread
+    count and their ratios; the unsuffixed commands/s keys are the 32-thread row, as in earlier runs."""
     ring, gda = out["ring"]["pinned"], out["ibgda"]["pinned"]
-    out["summary"] = {
+    summary = {
         "proxy_put_to_flag_p50_us": ring["p50_us"], "proxy_put_to_flag_p99_us": ring["p99_us"],
         "ibgda_put_to_flag_p50_us": gda["p50_us"], "ibgda_put_to_flag_p99_us": gda["p99_us"],
-        "proxy_commands_per_s": ring["rate"]["commands_per_s"], "ibgda_commands_per_s": gda["rate"]["commands_per_s"],
         "put_to_flag_p50_ratio_ibgda_over_proxy": gda["p50_us"] / ring["p50_us"],
-        "commands_per_s_ratio_ibgda_over_proxy": gda["rate"]["commands_per_s"] / ring["rate"]["commands_per_s"],
     }
-    echo(f"versus  ibgda/proxy: put -> flag p50 x{out['summary']['put_to_flag_p50_ratio_ibgda_over_proxy']:.2f}, "
-         f"commands/s x{out['summary']['commands_per_s_ratio_ibgda_over_proxy']:.2f}")
+    for row in versus_rows_table(out):
+        if row["where"] != "pinned" or "commands" not in row:
+            continue
+        t = row["threads"]
+        summary[f"proxy_commands_per_s_{t}_threads"] = row["proxy_commands_per_s"]
+        summary[f"ibgda_commands_per_s_{t}_threads"] = row["ibgda_commands_per_s"]
+        summary[f"commands_per_s_ratio_ibgda_over_proxy_{t}_threads"] = row["commands_per_s_ratio_ibgda_over_proxy"]
+        if t == 32:
+            summary["proxy_commands_per_s"] = row["proxy_commands_per_s"]
+            summary["ibgda_commands_per_s"] = row["ibgda_commands_per_s"]
+            summary["commands_per_s_ratio_ibgda_over_proxy"] = row["commands_per_s_ratio_ibgda_over_proxy"]
+    return summary
+
+
+def versus_proxy(quick: bool, echo: Any) -> dict[str, Any]:
+    """The same kernels on the proxy path and on the IBGDA path (see ``versus`` in the module doc)."""
+    gb = _gpu_bench()
+    t0 = time.monotonic()
+    gpu = gb.Gpu(0)
+    n = 50 if quick else 200
+    rows = versus_rows(quick)
+    rates = {"pinned": rows, "device": [r for r in rows if r.posters == 32]}
+    out: dict[str, Any] = {}
+    for kind in ("ring", "ibgda"):
+        out[kind] = gb.put_to_flag(gpu, n, 4096, kind=kind, wheres=VERSUS_WHERES, rates=rates)
+        for where, r in out[kind].items():
+            echo(f"versus  {kind:5s} {where:6s} put -> flag p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us "
+                 "(1 thread, 4 KiB)")
+            for rr in r.get("rates", []):
+                echo(f"versus  {kind:5s} {where:6s} {rr['threads']:6d} threads {rr['commands_per_s']:10.0f} commands/s "
+                     f"({rr['commands']} commands, best of {rr['reps']}, {rr['seconds_all']:.2f} s in all)")
+    out["rows"] = versus_rows_table(out)
+    out["summary"] = versus_summary(out)
+    out["wall_s"] = time.monotonic() - t0
+    for line in versus_lines(out["rows"]):
+        echo(line)
+    echo(f"versus  {out['wall_s']:.1f} s")
     return out
 
 
@@ -259,6 +355,7 @@ def versus_proxy(quick: bool, echo: Any) -> dict[str, Any]:
 def main(json_path: str | None, quick: bool, only_versus: bool, no_mps: bool) -> None:
     from transportd_cli.mps import DISABLE_ENV, Mps
 
+    t0 = time.monotonic()
     if no_mps:
         os.environ[DISABLE_ENV] = "0"
     # MPS before this process (and the daemons it starts) makes a CUDA context: softverbs' copies into GPU
@@ -271,7 +368,9 @@ def main(json_path: str | None, quick: bool, only_versus: bool, no_mps: bool) ->
         else:
             results = run(quick=quick, echo=click.echo)
     results["mps"] = mps.describe()
+    results["wall_s"] = time.monotonic() - t0
     click.echo(mps.describe())
+    click.echo(f"{results['wall_s']:.1f} s in all")
     click.echo(json.dumps(results["summary"], indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")

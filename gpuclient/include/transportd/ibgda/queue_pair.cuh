@@ -14,7 +14,7 @@
  *             a tpd::fence left pending for "the next WQE", and write-mode flag values (the absolute
  *             value of a shadow counter: ADD by posting order, so the last flag write carries the sum).
  *   publish   fence.sc.sys; doorbell record := first + n; fence; doorbell (doorbell.cuh).
- *   hand on   posted := first + n (release): the next poster may ring.
+ *   hand on   posted := first + n (release): the next poster may ring. Then rings += 1 (diagnostics).
  *
  * A poster may be one thread with one command (post), one thread with several (post_group), or the lanes
  * of a warp (ibgda/warp.cuh): then one lane claims and rings for all, every lane builds and stores its
@@ -65,7 +65,8 @@ namespace ibgda {
  *   line 0  | claimed:u64     WQEBBs claimed (every poster atomically adds)                      |
  *   line 1  | posted:u64      WQEBBs rung (the ticket)  | signaled:u64  end of the last WQE that |
  *           |                 asked for a CQE           | fence_next:u32 | rings:u32  doorbells   |
- *           |                 rung (diagnostics; wraps at 2^32; only the ticket holder writes it) |
+ *           |                 rung (diagnostics; wraps at 2^32; each poster adds 1 atomically   |
+ *           |                 right after it hands the ticket on: read it when posting is over)  |
  *   line 2  | done:u64        WQEBBs reported complete  | cq_ci:u64  CQEs consumed               |
  *           | cq_lock:u32     one CQ poller at a time   | error:u32  first error (0 = none)      |
  *
@@ -108,6 +109,13 @@ TPD_STATIC_ASSERT_OFFSET(offsetof(QpState, error) == 276, "error at 276");
  *   word 6 | scratch:u64     8 local bytes under scratch_lkey: where fetch-and-add returns the old value |
  *   word 7 | qpn:u32                         | wqe_cnt:u32   power of two, 8 .. 32768           |
  *   word 8 | ncqes:u32 power of two >= wqe_cnt | scratch_lkey:u32                               |
+ *
+ * The handle does not change while kernels run, and the posting calls (post, post_group, quiet, the warp
+ * leader) copy it into a local first. Every acquire, release and fence below is a compiler barrier for
+ * memory (ordering.cuh), so a field read through a reference into the channel's table after one of them
+ * is a fresh load, and after an acquire (which invalidates L1) an L2 round trip on the ticket holder's
+ * path (read again in each of wait_ticket, take_fence and publish, ``state`` put two such dependent loads
+ * on every single put's way to its doorbell). The copy lives in registers.
  */
 struct QueuePair {
     uint8_t* sq;
@@ -289,9 +297,11 @@ struct FlagRun {
 TPD_HOST_DEVICE void publish(const QueuePair& qp, uint64_t head, uint64_t last_ctrl_word, uint64_t cqe_end) {
     QpState* st = qp.state;
     if (cqe_end) ordering::st_release_gpu(&st->signaled, cqe_end);
-    ordering::fetch_add_relaxed_gpu(&st->rings, 1u);  // result unused: the GPU does not wait for it
     ring_send_doorbell(qp.dbrec, qp.bf, head, last_ctrl_word);
     ordering::st_release_gpu(&st->posted, head);
+    // after the hand on, outside the critical section: placed before the doorbell record's release, the
+    // add was one more L2 round trip that release (and so every poster on this QP) waited for
+    ordering::fetch_add_relaxed_gpu(&st->rings, 1u);
 }
 
 /** Steps ticket .. hand on for WQEBBs [first, first + n), already stored. */
@@ -308,7 +318,8 @@ TPD_HOST_DEVICE void submit(const QueuePair& qp, uint64_t first, uint32_t n, uin
 }
 
 /** Post a batch: claim, stamp indices and CQE requests, store, submit. Returns one past its last WQEBB. */
-TPD_HOST_DEVICE uint64_t post(const QueuePair& qp, Batch& b, const Ordered& o = Ordered()) {
+TPD_HOST_DEVICE uint64_t post(const QueuePair& handle, Batch& b, const Ordered& o = Ordered()) {
+    const QueuePair qp = handle;  // in registers (see QueuePair)
     uint64_t first = reserve(qp, b.n);
     const uint64_t cqe_end = store_batch(qp, b, first);
     submit(qp, first, b.n, b.w[0].ctrl.fm_ce_se, doorbell_word(b.w[b.n - 1]), cqe_end, o);
@@ -322,8 +333,9 @@ TPD_HOST_DEVICE uint64_t post(const QueuePair& qp, Batch& b, const Ordered& o = 
  * batch's fence_after fences the next batch's first WQE. ``first_of[i]`` (optional) receives batch i's
  * first WQEBB, or kNoWqe. Returns one past the last WQEBB posted (the QP's posted count if none).
  */
-TPD_HOST_DEVICE uint64_t post_group(const QueuePair& qp, Batch* b, const Ordered* o, uint32_t count,
+TPD_HOST_DEVICE uint64_t post_group(const QueuePair& handle, Batch* b, const Ordered* o, uint32_t count,
                                     uint64_t* first_of = nullptr) {
+    const QueuePair qp = handle;  // in registers (see QueuePair)
     const uint32_t cap = group_cap(qp);
     uint64_t head = ordering::ld_acquire_gpu(&qp.state->posted);
     uint32_t i = 0, off = 0;  // off: WQEBBs of the group before batch i
@@ -374,7 +386,8 @@ TPD_HOST_DEVICE uint64_t post_group(const QueuePair& qp, Batch* b, const Ordered
  * Wait until every WQE posted to this QP before the call has completed (NIC-side: acknowledged by the
  * responder, reads and atomics answered). Returns the QP's first error word (0 = none; see QpState).
  */
-TPD_HOST_DEVICE uint32_t quiet(const QueuePair& qp) {
+TPD_HOST_DEVICE uint32_t quiet(const QueuePair& handle) {
+    const QueuePair qp = handle;  // in registers (see QueuePair)
     QpState* st = qp.state;
     uint64_t target = ordering::ld_acquire_gpu(&st->posted);
     if (ordering::ld_acquire_gpu(&st->done) < target) {

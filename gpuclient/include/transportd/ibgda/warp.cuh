@@ -71,10 +71,11 @@ TPD_DEVICE uint64_t warp_post(uint32_t members, const QueuePair* qp, uint32_t ke
     const uint32_t twos = __ballot_sync(group, (b.n & 2u) != 0u);
     const uint32_t posting = ones | twos;
     if (posting == 0u) return kNoWqe;  // the whole group (every kNoPeer group among them) leaves together
-    // from here on every lane of the group has the same, non-null qp
+    // from here on every lane of the group has the same, non-null qp; in registers (see QueuePair)
+    const QueuePair q = *qp;
     const uint32_t lane = ordering::lane_id();
     const uint32_t lt = ordering::lanemask_lt();
-    const uint32_t cap = group_cap(*qp);
+    const uint32_t cap = group_cap(q);
     const uint32_t off = (uint32_t)__popc(ones & lt) + 2u * (uint32_t)__popc(twos & lt);
     const uint32_t last_off = __shfl_sync(group, off, 31 - __clz(posting));
     const uint32_t claims = last_off / cap + 1u;
@@ -86,13 +87,13 @@ TPD_DEVICE uint64_t warp_post(uint32_t members, const QueuePair* qp, uint32_t ke
         const uint32_t n = (uint32_t)__popc(c1) + 2u * (uint32_t)__popc(c2);
         const uint32_t leader = (uint32_t)__ffs(members) - 1u;
         uint64_t first = 0;
-        if (lane == leader) first = reserve(*qp, n);
+        if (lane == leader) first = reserve(q, n);
         first = __shfl_sync(group, first, leader);
         uint64_t cqe_end = 0;
         uint64_t word = 0;
         if (in) {
             mine = first + (uint64_t)__popc(c1 & lt) + 2u * (uint64_t)__popc(c2 & lt);
-            cqe_end = store_batch(*qp, b, mine);
+            cqe_end = store_batch(q, b, mine);
             word = doorbell_word(b.w[b.n - 1u]);
         }
         const uint32_t asked = __ballot_sync(group, cqe_end != 0u);  // the highest such lane's is the last
@@ -101,8 +102,8 @@ TPD_DEVICE uint64_t warp_post(uint32_t members, const QueuePair* qp, uint32_t ke
         const uint32_t flagging = __ballot_sync(group, in && o.flag_wqe >= 0);
         __syncwarp(group);  // every lane's WQE stores before the leader's doorbell record (see the top)
         if (lane == leader) {
-            wait_ticket(*qp, first);
-            take_fence(*qp, first, b.w[0].ctrl.fm_ce_se, false);
+            wait_ticket(q, first);
+            take_fence(q, first, b.w[0].ctrl.fm_ce_se, false);
         }
         FlagRun run;
         for (uint32_t m = flagging; m != 0u; m &= m - 1u) {
@@ -112,11 +113,11 @@ TPD_DEVICE uint64_t warp_post(uint32_t members, const QueuePair* qp, uint32_t ke
             const unsigned long long value = __shfl_sync(group, (unsigned long long)o.value, j);
             const int set = __shfl_sync(group, o.set ? 1 : 0, j);
             const unsigned long long at = __shfl_sync(group, (unsigned long long)(mine + (uint64_t)o.flag_wqe), j);
-            if (lane == leader) run.apply(*qp, at, counter, value, set != 0);
+            if (lane == leader) run.apply(q, at, counter, value, set != 0);
         }
         if (lane == leader) {
             run.flush();
-            publish(*qp, first + n, word, cqe_end);
+            publish(q, first + n, word, cqe_end);
         }
     }
     return mine;
