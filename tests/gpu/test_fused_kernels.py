@@ -1,4 +1,5 @@
-"""The fused-kernel library (gpuclient.kernels) on two daemons, two ranks sharing the GPU, ib and efa.
+"""The fused-kernel library (gpuclient.kernels) on two daemons, two ranks sharing the GPU, ib and efa (and
+four ranks, two a daemon, for the tensor-parallel ops; three daemons for ring attention's pass-along).
 
 Each kernel is checked against torch with owed data poisoned (NaN) before every launch, over several
 launches with no flag reset, on shapes where tiles, chunks and the shard (or segment) do not line up; the
@@ -21,11 +22,14 @@ pytest.importorskip("triton")
 LAUNCHES = 3
 
 
-def _ranks(cluster: LocalCluster, job: str, device: int) -> list:
+def _ranks(cluster: LocalCluster, job: str, device: int, world: int | None = None) -> list:
+    """``(client, session)`` of ``world`` ranks (default: one per daemon), rank r on daemon ``r % nodes``: world
+    4 on two daemons puts two ranks on each, so peers are both on the same daemon and across."""
     sessions = []
-    for r, name in enumerate(cluster.names):
-        client = gpuclient.connect(cluster.socket(name), timeout=60)
-        sessions.append((client, client.join(job, rank=r, world=len(cluster.names), device=device)))
+    names = cluster.names
+    for r in range(world or len(names)):
+        client = gpuclient.connect(cluster.socket(names[r % len(names)]), timeout=60)
+        sessions.append((client, client.join(job, rank=r, world=world or len(names), device=device)))
     return sessions
 
 
@@ -43,13 +47,14 @@ def _close(sessions: list) -> None:
 
 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
-def test_allgather_gemm_matches_torch(cuda_device, backend: str) -> None:
+@pytest.mark.parametrize("world", [2, 4])  # 4: two ranks on each of the two daemons, all four on the GPU
+def test_allgather_gemm_matches_torch(cuda_device, backend: str, world: int) -> None:
     from gpuclient.kernels import AllGatherGemm
 
-    world, m_local, n, k = 2, 200, 384, 512  # m_local is no multiple of the 128-row tile nor of the 48-row chunk
+    m_local, n, k = 200, 384, 512  # m_local is no multiple of the 128-row tile nor of the 48-row chunk
     gen = torch.Generator(device="cpu").manual_seed(3)
-    with LocalCluster(world, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
-        sessions = _ranks(cluster, "fused-ag-gemm", cuda_device)
+    with LocalCluster(2, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+        sessions = _ranks(cluster, "fused-ag-gemm", cuda_device, world)
         try:
             ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=48, share=world, programs=24) for _, s in sessions]
             _exchange(sessions)
@@ -98,19 +103,23 @@ def _assert_sum(got, want, magnitude, what: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
-@pytest.mark.parametrize(("partial_dtype", "out_dtype"), [("bfloat16", "float32"), ("float32", "bfloat16")])
-def test_gemm_reduce_scatter_matches_torch(cuda_device, backend: str, partial_dtype: str, out_dtype: str) -> None:
+@pytest.mark.parametrize(("partial_dtype", "out_dtype", "world"), [
+    ("bfloat16", "float32", 2), ("float32", "bfloat16", 2),
+    ("bfloat16", "float32", 4)])  # 4: two ranks on each of the two daemons
+def test_gemm_reduce_scatter_matches_torch(cuda_device, backend: str, partial_dtype: str, out_dtype: str,
+                                           world: int) -> None:
     from gpuclient.kernels import GemmReduceScatter
 
-    # segments of 200 rows: no multiple of the 128-row tile nor of the 48-row chunk; n not of the 128-col tile
-    world, m, n, k = 2, 400, 320, 320
+    # segments of 200 rows (100 at world 4): no multiple of the 128-row tile nor of the 48-row chunk; n not of
+    # the 128-col tile
+    m, n, k = 400, 320, 320
     m_seg = m // world
     pdt, odt = getattr(torch, partial_dtype), getattr(torch, out_dtype)
     gen = torch.Generator(device="cpu").manual_seed(5)
-    with LocalCluster(world, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
-        sessions = _ranks(cluster, "fused-gemm-rs", cuda_device)
+    with LocalCluster(2, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+        sessions = _ranks(cluster, "fused-gemm-rs", cuda_device, world)
         try:
-            # programs=5: a program takes peer and own tiles (12 per rank), both ranks' grids resident at once
+            # programs=5: a program takes peer and own tiles, every rank's grid resident at once
             ops = [GemmReduceScatter(s, m, n, k, chunk_rows=48, share=world, programs=5, partial_dtype=pdt,
                                      out_dtype=odt) for _, s in sessions]
             _exchange(sessions)
@@ -162,14 +171,16 @@ def test_gemm_reduce_scatter_matches_torch(cuda_device, backend: str, partial_dt
 
 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
-def test_gemm_all_reduce_matches_torch(cuda_device, backend: str) -> None:
+@pytest.mark.parametrize("world", [2, 4])  # 4: two ranks on each of the two daemons
+def test_gemm_all_reduce_matches_torch(cuda_device, backend: str, world: int) -> None:
     from gpuclient.kernels import GemmAllReduce
 
-    # segments of 184 rows (128 + 56; 3 x 48 + 40), n = 128 + 72, k no multiple of the 64-wide k step
-    world, m, n, k = 2, 368, 200, 200
+    # segments of 184 rows (128 + 56; 3 x 48 + 40; 92 at world 4), n = 128 + 72, k no multiple of the 64-wide
+    # k step
+    m, n, k = 368, 200, 200
     gen = torch.Generator(device="cpu").manual_seed(7)
-    with LocalCluster(world, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
-        sessions = _ranks(cluster, "fused-gemm-ar", cuda_device)
+    with LocalCluster(2, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+        sessions = _ranks(cluster, "fused-gemm-ar", cuda_device, world)
         try:
             ops = [GemmAllReduce(s, m, n, k, chunk_rows=48, share=world, programs=5, out_dtype=torch.bfloat16)
                    for _, s in sessions]
