@@ -160,6 +160,142 @@ def _moe_finish(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, dispatch
     tl.store(recv_count_ptr + ls, tl.sum(c, axis=1), mask=ls < L)
 
 
+# ---- dispatch + grouped expert GEMM, fused ----------------------------------------------------------------------
+@triton.jit
+def _last_source(c, off, r0, r1, order):
+    """The latest step (in the compute programs' source order) among the sources with rows in [r0, r1)."""
+    return tl.max(tl.where((c > 0) & (off < r1) & (off + c > r0), order, -1), axis=0)
+
+
+@triton.jit(do_not_specialize=["epoch", "rank", "tokens"])
+def _moe_dispatch_gemm(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
+                       recv_src_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, done_ptr, count_region, recv_region,
+                       recv_src_region, send_x_region, send_src_region, count_slot, dispatch_slot,
+                       W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
+                       H: tl.constexpr, N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
+                       COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, COMMUNICATE: tl.constexpr,
+                       COMPUTE: tl.constexpr):
+    pid = tl.program_id(0)
+    ls = tl.arange(0, LP)
+    ss = tl.arange(0, WP)
+    inside = (ls[:, None] < L) & (ss[None, :] < W)
+    if pid < COMM_PROGRAMS:
+        if COMMUNICATE:
+            if pid == 0:  # our count row (written by _moe_route) to every peer's copy of the count matrix
+                for peer in range(0, W):
+                    if peer != rank:
+                        tpd.put_signal(ch, peer, count_region, rank * E * 4, count_region, rank * E * 4, E * 4,
+                                       count_slot + rank, 1)
+            for peer in range(0, W):  # the lower ranks' counts decide where our rows land
+                if peer != rank:
+                    tpd.wait(ch, count_slot + peer, epoch)
+            for i in range(pid, tokens * K, COMM_PROGRAMS):  # every row for a peer's expert: one put each
+                e = tl.load(idx32_ptr + i)
+                d = e // L
+                if (e >= 0) & (d != rank):
+                    row = ((e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E) + tl.load(pos_ptr + i))
+                    t = tl.cast(i // K, tl.int64)
+                    tpd.put(ch, d, recv_region, row.to(tl.int64) * (H * 2), send_x_region, t * (H * 2), H * 2)
+            for e in range(pid, E, COMM_PROGRAMS):  # each peer expert's handle words: one put
+                count = tl.load(count_ptr + rank * E + e)
+                d = e // L
+                if (count > 0) & (d != rank):
+                    row = ((e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E)).to(tl.int64)
+                    tpd.put(ch, d, recv_src_region, row * 4, send_src_region, tl.cast(e * T * 4, tl.int64), count * 4)
+            # the last communication program to get here signals every peer: every put above is earlier in the
+            # ring (each program's pushes precede its count on done_ptr), so on ib the signal covers them all,
+            # and on efa it covers those the count put_signal did not
+            tl.debug_barrier()
+            finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+            if (finished + 1) % COMM_PROGRAMS == 0:
+                for peer in range(0, W):
+                    if peer != rank:
+                        tpd.signal(ch, peer, dispatch_slot + rank, 1)
+            # our own experts' rows and handle words into recv_x and recv_src (the GEMM reads them from send_x:
+            # this copy is for the caller and for combine, and waits for nothing)
+            for local in range(0, L):
+                e = rank * L + local
+                base = local * (W * T) + _source_offset(count_ptr, rank, e, E)
+                for j in range(pid, tl.load(count_ptr + rank * E + e), COMM_PROGRAMS):
+                    word = tl.load(send_src_ptr + e * T + j)
+                    t = tl.cast(word // K - rank * T, tl.int64)
+                    _copy_row(send_x_ptr + t * H, recv_x_ptr + tl.cast(base + j, tl.int64) * H, H, BLOCK_H)
+                    tl.store(recv_src_ptr + base + j, word)
+        if pid == 0:  # recv_count and recv_layout, from the counts (this round's once the waits above passed)
+            c = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)
+            at = layout_ptr + (ls[:, None] * W + ss[None, :]) * 2
+            tl.store(at, tl.cumsum(c, axis=1) - c, mask=inside)
+            tl.store(at + 1, c, mask=inside)
+            tl.store(recv_count_ptr + ls, tl.sum(c, axis=1), mask=ls < L)
+    else:
+        cp = pid - COMM_PROGRAMS
+        progs = tl.num_programs(0) - COMM_PROGRAMS
+        if COMMUNICATE:  # every source's counts: where each source's rows sit in each expert's packed rows
+            for peer in range(0, W):
+                if peer != rank:
+                    tpd.wait(ch, count_slot + peer, epoch)
+        counts = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)  # [LP, WP]
+        order = (ss - rank + W) % W  # the step at which each source's rows are taken: our own first, then ring order
+        waited = (ss == rank) | (ss >= W)  # sources this program has waited for (our own rows need no wait)
+        col_blocks = tl.cdiv(N, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        item = 0  # running number of the (row block, column block) tiles, dealt round-robin to the programs
+        for step in range(0, W):
+            src = (rank + step) % W
+            for local in range(0, L):
+                c = tl.sum(tl.where(ls[:, None] == local, counts, 0), axis=0)  # [WP] rows from each source
+                off = tl.cumsum(c, axis=0) - c
+                n = tl.sum(c, axis=0)
+                c_src = tl.sum(tl.where(ss == src, c, 0), axis=0)
+                off_src = tl.sum(tl.where(ss == src, off, 0), axis=0)
+                if c_src > 0:
+                    # the row blocks over src's rows; the first and the last may also hold other sources' rows
+                    # and are taken at the step of the latest of them
+                    first = off_src // BLOCK_M
+                    last = (off_src + c_src - 1) // BLOCK_M
+                    lo = first + (_last_source(c, off, first * BLOCK_M, first * BLOCK_M + BLOCK_M, order) != step)
+                    hi = last + 1 - (_last_source(c, off, last * BLOCK_M, last * BLOCK_M + BLOCK_M, order) != step)
+                    tiles = tl.maximum(hi - lo, 0) * col_blocks
+                    c_own = tl.sum(tl.where(ss == rank, c, 0), axis=0)
+                    off_own = tl.sum(tl.where(ss == rank, off, 0), axis=0)
+                    e = rank * L + local
+                    for j in range((cp + progs - item % progs) % progs, tiles, progs):
+                        r0 = (lo + j // col_blocks) * BLOCK_M
+                        col0 = (j % col_blocks) * BLOCK_N
+                        if COMMUNICATE:  # each source with rows in the tile, once per program
+                            touch = (c > 0) & (off < r0 + BLOCK_M) & (off + c > r0)
+                            need = touch & (waited == 0)
+                            for s in range(0, W):
+                                if tl.sum(tl.where(ss == s, need.to(tl.int32), 0), axis=0) > 0:
+                                    tpd.wait(ch, dispatch_slot + s, epoch)
+                            waited = waited | touch
+                        if COMPUTE:
+                            rows = r0 + offs_m
+                            valid = rows < n
+                            mine = valid & (rows >= off_own) & (rows < off_own + c_own)
+                            # our own rows straight from send_x (staged by _moe_route, an earlier kernel); the
+                            # peers' from recv_x
+                            word = tl.load(send_src_ptr + e * T + (rows - off_own), mask=mine, other=0)
+                            a_row = tl.where(mine, send_x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
+                                             recv_x_ptr + tl.cast(local * (W * T) + rows, tl.int64) * H)
+                            cols = col0 + offs_n
+                            w_cols = w_ptr + tl.cast(local, tl.int64) * (H * N) + cols[None, :]
+                            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                            for k0 in range(0, H, BLOCK_K):
+                                ks = k0 + offs_k
+                                a = tl.load(a_row[:, None] + ks[None, :], mask=valid[:, None] & (ks[None, :] < H),
+                                            other=0.0)
+                                b = tl.load(w_cols + tl.cast(ks, tl.int64)[:, None] * N,
+                                            mask=(ks[:, None] < H) & (cols[None, :] < N), other=0.0)
+                                acc = tl.dot(a, b, acc)
+                            out = y_ptr + tl.cast(local * (W * T) + rows, tl.int64)[:, None] * N + cols[None, :]
+                            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+                    item += tiles
+
+
 @triton.jit(do_not_specialize=["rank"])
 def _moe_combine_send(ch, rank, y_ptr, recv_count_ptr, recv_src_ptr, send_y_ptr, comb_ptr, comb_region,
                       send_y_region, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
@@ -245,11 +381,23 @@ class MoE:
 
     def __init__(self, session: Any, hidden: int, num_experts: int, max_tokens: int, topk: int, *,
                  slot_base: int = 0, share: int = 1, programs: int | None = None, num_warps: int = 4,
-                 channel_capacity: int = 1024) -> None:
+                 channel_capacity: int = 1024, gemm_n: int | None = None, gemm_dtype: Any = None,
+                 gemm_block: tuple[int, int, int] = (64, 128, 64), comm_programs: int = 2,
+                 gemm_programs: int | None = None, gemm_warps: int = 4, gemm_stages: int = 3) -> None:
         import torch
 
         if share < 1 or (programs is not None and programs < 1):
             raise ValueError(f"share and programs must be >= 1, got share={share}, programs={programs}")
+        if gemm_n is not None:
+            if isinstance(gemm_n, bool) or not isinstance(gemm_n, int) or gemm_n < 1:
+                raise ValueError(f"gemm_n must be an integer >= 1, got {gemm_n!r}")
+            if comm_programs < 1 or (gemm_programs is not None and gemm_programs <= comm_programs):
+                raise ValueError(f"comm_programs must be >= 1 and gemm_programs more than it, got comm_programs="
+                                 f"{comm_programs}, gemm_programs={gemm_programs}")
+            if len(gemm_block) != 3 or min(gemm_block) < 16 or any(b & (b - 1) for b in gemm_block):
+                raise ValueError(f"gemm_block must be three powers of two >= 16 (tl.dot), got {gemm_block}")
+            if gemm_dtype not in (None, torch.bfloat16, torch.float32):
+                raise ValueError(f"gemm_dtype must be torch.bfloat16 or torch.float32, got {gemm_dtype}")
         self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base)
         self.session, self.rank, self.world = session, session.rank, session.world
         self.hidden, self.num_experts, self.max_tokens, self.topk = hidden, num_experts, max_tokens, topk
@@ -275,6 +423,13 @@ class MoE:
         self.recv_count = torch.zeros(L, dtype=torch.int32, device=dev)
         self.recv_layout = torch.zeros((L, W, 2), dtype=torch.int32, device=dev)
         self.out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        # the fused dispatch + expert GEMM (dispatch_gemm): its output, in recv_x's layout, and the count of
+        # communication programs that have finished a launch (monotonic, never reset)
+        self.gemm_n, self.gemm_dtype = gemm_n, gemm_dtype or torch.bfloat16
+        self.gemm_block, self.comm_programs, self._gemm_programs = tuple(gemm_block), comm_programs, gemm_programs
+        self.gemm_warps, self.gemm_stages = gemm_warps, gemm_stages
+        self.y = None if gemm_n is None else torch.empty((L, lay.capacity, gemm_n), dtype=self.gemm_dtype, device=dev)
+        self._gemm_done = torch.zeros(1, dtype=torch.int32, device=dev)
         self.slots = lay.slots
         if session.flag_array is None:
             session.flags(slot_base + self.slots, where="device")
@@ -313,7 +468,23 @@ class MoE:
                     **self._combine_send_meta())
         tpd.preload(_moe_combine_reduce, *self._reduce_args(1, 0, weights, self.out), grid=(self.programs,),
                     **self._reduce_meta())
+        if self.gemm_n is not None:
+            self.gemm_programs = self._gemm_programs or max(self.comm_programs + 1, sms // self.share)
+            self.preload_gemm()
         torch.cuda.synchronize(self.device)
+
+    def preload_gemm(self, communicate: bool = True, compute: bool = True) -> None:
+        """Compile and load the ``dispatch_gemm`` kernel variant that ``communicate=``, ``compute=`` launch
+        (``prepare`` loads the default one): ranks sharing a process must load every variant they will run
+        before the first launch of any (the preload rule)."""
+        import torch
+
+        if self.gemm_n is None:
+            raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no kernel")
+        self.prepare()
+        w = torch.empty(8, dtype=torch.bfloat16, device=self.recv_x.device)  # a stand-in: only dtype and alignment
+        tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, 0, w, self.y), grid=(self.gemm_programs,),
+                    **self._gemm_meta(communicate, compute))
 
     def _route_args(self, x: Any, idx: Any, tokens: int) -> tuple:
         return (x, idx, self.send_x, self.idx32, self.pos, self.counts_all, self.send_src, self.rank, tokens)
@@ -341,6 +512,21 @@ class MoE:
     def _finish_meta(self) -> dict[str, Any]:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "LP": _pow2(self.local_experts),
                 "WP": _pow2(self.world), "num_warps": self.num_warps}
+
+    def _gemm_args(self, epoch: int, tokens: int, w: Any, y: Any) -> tuple:
+        r = self.regions
+        return (self._ch, epoch, self.rank, tokens, self.idx32, self.pos, self.counts_all, self.send_x, self.send_src,
+                self.recv_x, self.recv_src, w, y, self.recv_count, self.recv_layout, self._gemm_done, r["counts_all"],
+                r["recv_x"], r["recv_src"], r["send_x"], r["send_src"], self.layout.count_slot,
+                self.layout.dispatch_slot)
+
+    def _gemm_meta(self, communicate: bool = True, compute: bool = True) -> dict[str, Any]:
+        bm, bn, bk = self.gemm_block
+        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "K": self.topk, "T": self.max_tokens,
+                "H": self.hidden, "N": self.gemm_n, "LP": _pow2(self.local_experts), "WP": _pow2(self.world),
+                "COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                "BLOCK_H": self.block_h, "COMMUNICATE": communicate, "COMPUTE": compute,
+                "num_warps": self.gemm_warps, "num_stages": self.gemm_stages}
 
     def _combine_send_args(self, y: Any) -> tuple:
         r = self.regions
@@ -384,14 +570,7 @@ class MoE:
         """
         import torch
 
-        if self._pending is not None:
-            raise RuntimeError("combine the previous dispatch first: its buffers are still in use")
-        tokens = int(x.shape[0]) if x.dim() == 2 else -1
-        if not 0 <= tokens <= self.max_tokens:
-            raise ValueError(f"x must be [tokens <= {self.max_tokens}, {self.hidden}], got {list(x.shape)}")
-        self._check("x", x, (tokens, self.hidden), (torch.bfloat16,))
-        self._check("topk_idx", topk_idx, (tokens, self.topk), (torch.int32, torch.int64))
-        self._check("topk_weights", topk_weights, (tokens, self.topk), (torch.float32,))
+        tokens = self._check_inputs(x, topk_idx, topk_weights)
         self.prepare()
         self.rounds += 1
         epoch = self.rounds
@@ -402,6 +581,62 @@ class MoE:
         self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
                                   self.idx32[:tokens], topk_weights)
         return self.recv_x, self.recv_count, self._pending
+
+    def _check_inputs(self, x: Any, topk_idx: Any, topk_weights: Any) -> int:
+        import torch
+
+        if self._pending is not None:
+            raise RuntimeError("combine the previous dispatch first: its buffers are still in use")
+        tokens = int(x.shape[0]) if x.dim() == 2 else -1
+        if not 0 <= tokens <= self.max_tokens:
+            raise ValueError(f"x must be [tokens <= {self.max_tokens}, {self.hidden}], got {list(x.shape)}")
+        self._check("x", x, (tokens, self.hidden), (torch.bfloat16,))
+        self._check("topk_idx", topk_idx, (tokens, self.topk), (torch.int32, torch.int64))
+        self._check("topk_weights", topk_weights, (tokens, self.topk), (torch.float32,))
+        return tokens
+
+    def dispatch_gemm(self, x: Any, topk_idx: Any, topk_weights: Any, w: Any, *, out: Any = None,
+                      stream: Any = None, communicate: bool = True,
+                      compute: bool = True) -> tuple[Any, Any, MoEHandle | None]:
+        """``dispatch`` fused with each local expert's GEMM: returns ``(y, recv_count, handle)`` with
+        ``y[l, :recv_count[l]] = recv_x[l, :recv_count[l]] @ w[l]`` (fp32 accumulation; ``gemm_dtype``).
+
+        Arguments as ``dispatch``, plus ``w`` [L, H, gemm_n] bf16 (the local experts' weights, contiguous).
+        ``y`` [L, W*T, gemm_n] is in ``recv_x``'s layout (the op's ``y`` buffer, or ``out``): expert l's first
+        ``recv_count[l]`` rows are written, the rest is left as it was. ``recv_x``, ``recv_count`` and the handle
+        are exactly ``dispatch``'s, so ``combine(y, handle)`` follows (it needs ``gemm_n == hidden`` and bf16).
+        The GEMM starts on a tile as soon as the sources of its rows have arrived (docs/kernels.md).
+
+        For timing: ``compute=False`` moves the rows and waits as usual but skips the GEMM (``y`` is not
+        written); ``communicate=False`` sends and waits for nothing, counts no round and returns no handle: it
+        runs the GEMM again over the latest round's rows and counts (``x``, ``topk_idx`` and ``topk_weights`` are
+        not read and may be None). Each variant must be preloaded (``preload_gemm``) where ranks share a process.
+        """
+        import torch
+
+        if self.gemm_n is None:
+            raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no kernel")
+        L, H, N = self.local_experts, self.hidden, self.gemm_n  # noqa: N806
+        tokens = self._check_inputs(x, topk_idx, topk_weights) if communicate else 0
+        self._check("w", w, (L, H, N), (torch.bfloat16,))
+        y = self.y if out is None else out
+        self._check("out", y, tuple(self.y.shape), (self.gemm_dtype,))
+        if not communicate and self.rounds == 0:
+            raise RuntimeError("communicate=False reruns the GEMM of the latest round: dispatch one first")
+        self.prepare()
+        if communicate:
+            self.rounds += 1
+        epoch = max(self.rounds, 1)
+        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
+            if communicate:
+                _moe_route[(self.programs,)](*self._route_args(x, topk_idx, tokens), **self._route_meta())
+            _moe_dispatch_gemm[(self.gemm_programs,)](*self._gemm_args(epoch, tokens, w, y),
+                                                      **self._gemm_meta(communicate, compute))
+        if not communicate:
+            return y, self.recv_count, None
+        self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
+                                  self.idx32[:tokens], topk_weights)
+        return y, self.recv_count, self._pending
 
     def combine(self, y: Any, handle: MoEHandle, *, out: Any = None, stream: Any = None) -> Any:
         """Send the experts' outputs home and sum them; returns [tokens, H] bf16 (into ``out`` when given,

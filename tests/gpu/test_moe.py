@@ -17,6 +17,8 @@ matmul runs only after a synchronize, when no MoE kernel is resident.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -155,5 +157,182 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, backend: 
                     assert (got[torch.from_numpy(empty)] == 0).all(), what
             for op in ops:
                 assert op.rounds == ROUNDS
+        finally:
+            _close(sessions)
+
+
+def _rows_of(lay: MoELayout, recv_src: np.ndarray, n: int, xs: list) -> Any:
+    """The received rows of one expert as the model says they are: each handle word's token row (float64)."""
+    rows = [xs[s][t] for s, t, _ in (lay.decode(w) for w in recv_src[:n])]
+    return torch.stack(rows).double() if rows else torch.zeros(0, lay.hidden, dtype=torch.float64)
+
+
+# dispatch_gemm's rounds: (call, pickable experts, rank 1 sends nothing, index dtype); world 2, 6 experts
+GEMM_ROUNDS = {1: ("gemm", 5, False, np.int64),  # expert 5 unpicked: an empty expert beside full ones; 1 hot
+               2: ("gemm", 3, False, np.int64),  # only rank 0's experts: rank 1 receives nothing
+               3: ("dispatch", 6, True, np.int32),  # the plain dispatch between fused rounds, on the same flags
+               4: ("gemm", 5, True, np.int32),  # rank 1 sends nothing; then the compute-only rerun
+               5: ("comm-only", 6, False, np.int64)}  # compute=False: the rows move, the GEMM is skipped
+
+
+@pytest.mark.parametrize(("backend", "out_dtype"), [("ib", "bf16"), ("efa", "bf16"), ("efa", "fp32")])
+def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, backend: str, out_dtype: str) -> None:
+    """``MoE.dispatch_gemm``: dispatch fused with each local expert's GEMM, then combine on its output.
+
+    Five rounds with no flag reset (``GEMM_ROUNDS``), each followed by ``combine``: three ``dispatch_gemm``
+    (an expert with zero tokens beside full ones and a hot expert; rank 1 receiving nothing; rank 1 sending
+    nothing, int32 indices), a plain ``dispatch`` between them (the two share the op's flags round by round),
+    and a ``compute=False`` round. Before each round everything a peer writes and the GEMM's output are
+    poisoned with NaN. Checked: counts, layout, handle words and received rows exactly against the model;
+    ``y`` against float64 ``recv_x @ w[e]`` per expert, with the rows past each count untouched; combine on
+    ``y`` against the model and a float64 torch MoE. The timing variants: ``communicate=False`` reruns round
+    4's GEMM bit for bit into another buffer; ``compute=False`` moves rows and counts exactly and leaves ``y``.
+
+    Tolerance of ``y`` (H = 200 products per element, fp32 accumulation): bf16 output, ``2^-8 |ref|`` (the
+    output's rounding is at most half an ulp, ``2^-9`` relative) plus ``2^-12 (|x| @ |w|)`` (the fp32 sum's
+    error, with a wide margin); fp32 output, the second term alone.
+    """
+    from gpuclient.kernels import MoE
+
+    world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
+    dev = f"cuda:{cuda_device}"
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[out_dtype]
+    rng = np.random.default_rng(12)
+    gen = torch.Generator(device="cpu").manual_seed(12)
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
+    local = lays[0].local_experts
+    nan = float("nan")
+    with LocalCluster(world, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+        sessions = _ranks(cluster, "moe-gemm", cuda_device)
+        try:
+            # gemm_n = hidden: combine takes y itself; 2 communication and 4 compute programs per rank, both
+            # ranks' grids resident together
+            ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4, gemm_n=hidden,
+                       gemm_dtype=dtype, comm_programs=2, gemm_programs=6) for _, s in sessions]
+            _exchange(sessions)
+            for op in ops:  # every kernel and variant of both ranks loaded before either launches
+                op.prepare()
+                op.preload_gemm(communicate=False)
+                op.preload_gemm(compute=False)
+            streams = [torch.cuda.Stream(cuda_device) for _ in ops]
+            weights_e = (torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
+            w_dev = weights_e.to(dev)
+            w_rank = [w_dev[r * local:(r + 1) * local] for r in range(world)]
+            bad = torch.zeros(max_tokens, hidden, dtype=torch.bfloat16, device=dev)
+            with pytest.raises(ValueError, match="w must be"):
+                ops[0].dispatch_gemm(bad, bad[:, :topk].long(), bad[:, :topk].float(), w_dev)
+            again = [torch.full_like(op.y, nan) for op in ops]  # the compute-only rerun's output
+            for rnd, (call, pickable, quiet_rank1, idx_type) in GEMM_ROUNDS.items():
+                tokens = [max_tokens - 3, 0] if quiet_rank1 else [max_tokens, max_tokens - 7]
+                idx = [_routing(rng, n, topk, np.arange(pickable), hot=1, dtype=idx_type) for n in tokens]
+                xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in tokens]
+                ws = [torch.rand(n, topk, generator=gen) for n in tokens]
+                x_dev = [x.to(dev) for x in xs]
+                idx_dev = [torch.from_numpy(i).to(dev) for i in idx]
+                w_in = [w.to(dev) for w in ws]
+                for op in ops:  # everything a peer owes, what is shipped from, and the GEMM's output: poisoned
+                    for buf in (op.recv_x, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
+                        buf.fill_(nan)
+                    op.recv_src.fill_(-1)
+                    op.recv_count.fill_(-1)
+                torch.cuda.synchronize(cuda_device)
+                handles = []
+                for r, op in enumerate(ops):
+                    with torch.cuda.stream(streams[r]):
+                        if call == "dispatch":
+                            handles.append(op.dispatch(x_dev[r], idx_dev[r], w_in[r], stream=streams[r]))
+                        else:
+                            handles.append(op.dispatch_gemm(x_dev[r], idx_dev[r], w_in[r], w_rank[r],
+                                                            stream=streams[r], compute=call == "gemm"))
+                torch.cuda.synchronize(cuda_device)
+
+                model = dispatch_model(lays, idx)
+                ys = []
+                for r, (op, (first, recv_count, handle)) in enumerate(zip(ops, handles, strict=True)):
+                    what = f"{backend} {out_dtype} round {rnd} rank {r}"
+                    assert op.channel.status()[0] == 0, (what, op.channel.status())
+                    assert first is (op.recv_x if call == "dispatch" else op.y), what
+                    assert recv_count.cpu().numpy().tolist() == model[r]["recv_count"].tolist(), what
+                    assert (handle.recv_layout.cpu().numpy() == model[r]["recv_layout"]).all(), what
+                    assert (handle.topk_idx.cpu().numpy() == model[r]["idx"]).all(), what
+                    src = handle.recv_src.cpu().numpy()
+                    rows, y = op.recv_x.cpu(), op.y.cpu()
+                    for le in range(local):
+                        n = int(model[r]["recv_count"][le])
+                        assert (src[le, :n] == model[r]["recv_src"][le, :n]).all(), (what, le)
+                        for p in range(n):  # every row is its token's row, bit for bit (NaN: never arrived)
+                            s, t, _ = lays[r].decode(src[le, p])
+                            assert torch.equal(rows[le, p].view(torch.int16), xs[s][t].view(torch.int16)), (
+                                what, le, p)
+                        if call == "dispatch":
+                            continue
+                        if call == "comm-only":  # compute=False: the GEMM wrote nothing
+                            assert torch.isnan(y[le].float()).all(), (what, le)
+                            continue
+                        # y against float64 x @ w of the expert, over exactly its received rows
+                        a = _rows_of(lays[r], src[le], n, xs)
+                        w64 = weights_e[r * local + le].double()
+                        ref, size = a @ w64, a.abs() @ w64.abs()
+                        got = y[le, :n].double()
+                        assert torch.isfinite(got).all(), f"{what} expert {le}: a row read before it arrived"
+                        bound = 2.0 ** -12 * size + (2.0 ** -8 * ref.abs() if out_dtype == "bf16" else 0.0)
+                        assert ((got - ref).abs() <= bound).all(), (what, le, float((got - ref).abs().max()))
+                        assert torch.isnan(y[le, n:].float()).all(), (what, le)  # no row past the count
+                    if call == "dispatch":  # the experts in torch, on the plain dispatch's rows
+                        ys.append(torch.bmm(op.recv_x, w_rank[r]))
+                    elif call == "comm-only":  # the rows alone: combine them as they came (an identity expert)
+                        ys.append(op.recv_x)
+                    else:  # combine takes bf16: y itself, or fp32 y rounded (while no MoE kernel runs)
+                        ys.append(op.y if out_dtype == "bf16" else op.y.to(torch.bfloat16))
+                torch.cuda.synchronize(cuda_device)
+
+                outs = []
+                for r, op in enumerate(ops):
+                    with torch.cuda.stream(streams[r]):
+                        outs.append(op.combine(ys[r], handles[r][2], stream=streams[r]))
+                torch.cuda.synchronize(cuda_device)
+
+                y_host = [y.double().cpu().numpy() for y in ys]
+                want = combine_model(lays, model, y_host, [w.double().numpy() for w in ws])
+                for r, op in enumerate(ops):
+                    what = f"{backend} {out_dtype} round {rnd} rank {r}"
+                    assert op.channel.status()[0] == 0, (what, op.channel.status())
+                    got = outs[r].double().cpu()
+                    assert tuple(got.shape) == (tokens[r], hidden), what
+                    assert torch.isfinite(got).all(), f"{what}: a slot read before it arrived (NaN)"
+                    magnitude = np.zeros((tokens[r], hidden))
+                    norm = model[r]["idx"]
+                    for t, k in zip(*np.nonzero(norm >= 0), strict=True):
+                        d, le = lays[r].owner(norm[t, k])
+                        p = int(np.nonzero(model[d]["recv_src"][le] == lays[r].encode(r, t, k))[0][0])
+                        magnitude[t] += abs(ws[r][t, k].item()) * np.abs(y_host[d][le, p])
+                    err = np.abs(got.numpy() - want[r])
+                    assert (err <= 2.0 ** -7 * (magnitude + np.abs(want[r])) + 1e-3).all(), (what, err.max())
+                    if call == "comm-only":
+                        continue
+                    # against a dense torch reference MoE in float64 (the same routing, normalised)
+                    ref = torch.zeros(tokens[r], hidden, dtype=torch.float64)
+                    for t, k in zip(*np.nonzero(norm >= 0), strict=True):
+                        e = int(norm[t, k])
+                        ref[t] += ws[r][t, k].double() * (xs[r][t].double() @ weights_e[e].double())
+                    bound = 2.0 ** -6 * (torch.from_numpy(magnitude) + ref.abs()) + 2e-2
+                    assert ((got - ref).abs() <= bound).all(), (what, float((got - ref).abs().max()))
+                    empty = np.nonzero((norm < 0).all(axis=1))[0]
+                    assert (got[torch.from_numpy(empty)] == 0).all(), what
+
+                if rnd == 4:  # compute alone: round 4's GEMM again, from its rows and counts, bit for bit
+                    for r, op in enumerate(ops):
+                        with torch.cuda.stream(streams[r]):
+                            y2, _, none = op.dispatch_gemm(None, None, None, w_rank[r], out=again[r],
+                                                                stream=streams[r], communicate=False)
+                        assert y2 is again[r] and none is None
+                    torch.cuda.synchronize(cuda_device)
+                    for r, op in enumerate(ops):
+                        for le in range(local):
+                            n = int(model[r]["recv_count"][le])
+                            assert torch.equal(again[r][le, :n].view(torch.uint8), op.y[le, :n].view(torch.uint8))
+                            assert torch.isnan(again[r][le, n:].float()).all()
+            for op in ops:
+                assert op.rounds == len(GEMM_ROUNDS)
         finally:
             _close(sessions)

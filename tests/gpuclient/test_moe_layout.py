@@ -10,6 +10,12 @@
   channel calls replaced by a model that moves the bytes and counts the flags: three rounds of dispatch,
   an expert function and combine, with no reset, checked against the model (received rows bit for bit,
   handle words exactly, the sums within bf16 rounding) and every wait satisfied by the signals sent.
+- The fused dispatch + expert GEMM (``_moe_dispatch_gemm``, ``MoE.dispatch_gemm``) compiles for sm_90 in
+  each variant (wgmma where the GEMM runs, every push and wait where the protocol runs), and runs in the
+  interpreter with one process per rank over shared memory, puts landing only with the signal that covers
+  them and late, every load of a peer's row or count checked against the waits of the program that made
+  it: rounds of dispatch_gemm and plain dispatch with combine, against the model and float64 ``x @ w``
+  (tests/gpuclient/moe_gemm_interpreted.py).
 
 The GPU test is tests/gpu/test_moe.py.
 """
@@ -189,13 +195,24 @@ SIGNATURES = {
     "_moe_combine_reduce": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
                              "weights_ptr": "*fp32", "comb_ptr": "*bf16", "out_ptr": "*bf16", "combine_slot": "i32"},
                             {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
+    "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
+                            "pos_ptr": "*i32", "count_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
+                            "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                            "recv_count_ptr": "*i32", "layout_ptr": "*i32", "done_ptr": "*i32", "count_region": "i32",
+                            "recv_region": "i32", "recv_src_region": "i32", "send_x_region": "i32",
+                            "send_src_region": "i32", "count_slot": "i32", "dispatch_slot": "i32"},
+                           {"W": W, "E": E, "L": L, "K": K, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
+                            "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 256,
+                            "COMMUNICATE": True, "COMPUTE": True}),
 }
 # Protocol call sites: (pushes per peer, waits per peer, other pushes). The loops over peers run W times (W is
 # a constexpr: the compiler unrolls them); per peer the count put_signal and the count wait, then the row put
 # and the handle-word put; a SIGNAL and a wait per peer; one put; a SIGNAL and a wait per peer. No kernel
-# quiets: each round's round trips order the reuse of the put sources (docs/kernels.md).
+# quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The fused dispatch +
+# GEMM: per peer the count put_signal and the dispatch SIGNAL; the row put and the handle-word put; per peer
+# the communication programs' count wait, the compute programs' count wait and their dispatch wait.
 SITES = {"_moe_route": (0, 0, 0), "_moe_send": (1, 1, 2), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
-         "_moe_combine_reduce": (1, 1, 0)}
+         "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (2, 3, 2)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -209,6 +226,27 @@ def test_every_moe_kernel_compiles_for_sm90(name: str, world: int) -> None:
     per_push, per_wait, other = SITES[name]
     assert (pushes, waits, quiets) == (per_push * world + other, per_wait * world, 0)
     assert not [op for op in code if ".nc" in op]  # counts, rows, handle words and outputs are NIC-written
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("communicate", "compute", "out"), [(True, True, "fp32"), (True, False, "bf16"),
+                                                             (False, True, "bf16")])
+def test_the_dispatch_gemm_variants_compile_for_sm90(world: int, communicate: bool, compute: bool, out: str) -> None:
+    """The GEMM on the tensor cores (wgmma) exactly where it runs; compute=False keeps every push and wait
+    (the communication alone, on the fused schedule); communicate=False has no protocol and no counting."""
+    signature, meta = SIGNATURES["_moe_dispatch_gemm"]
+    meta = {**meta, "W": world, "WP": 4 if world > 2 else 2, "COMMUNICATE": communicate, "COMPUTE": compute}
+    compiled = compile_kernel(moe_kernels._moe_dispatch_gemm, {**signature, "y_ptr": f"*{out}"}, meta, num_warps=4)
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"
+    pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
+    assert any(op.startswith("wgmma") for op in code) == compute
+    assert not [op for op in code if ".nc" in op]
+    if communicate:
+        # without the GEMM the compiler may duplicate a wait's block (world 2 gives 8 sites for 6 waits)
+        assert pushes == 2 * world + 2 and quiets == 0 and (waits == 3 * world if compute else waits >= 3 * world)
+    else:
+        assert (pushes, waits, quiets) == (0, 0, 0)
+        assert not [op for op in code if op.startswith("atom")]
 
 
 def test_the_route_kernel_compiles_for_int32_indices_and_one_expert_per_token() -> None:
@@ -237,3 +275,18 @@ def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) ->
     run = subprocess.run([sys.executable, "-m", "tests.gpuclient.moe_interpreted", *map(str, shape)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-4000:] + run.stderr[-8000:]
+
+
+@pytest.mark.parametrize("shape", [(2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16"),
+                                   (3, 9, 12, 4, 40, 24, 7, 2, 16, 16, 16, "fp32"),
+                                   (1, 2, 6, 2, 16, 16, 3, 1, 16, 16, 16, "bf16")],
+                         ids=["2ranks-bf16", "3ranks-fp32-narrow", "1rank"])
+def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tuple) -> None:
+    """(world, experts, max_tokens, topk, hidden, n_out, programs, comm_programs, block_m, block_n, block_k,
+    out): tests/gpuclient/moe_gemm_interpreted.py, one process per rank over shared memory. Tiles of 16 rows
+    straddle the sources' rows; hidden 40 and n_out 24 are no multiples of the 16-wide blocks."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "tests.gpuclient.moe_gemm_interpreted", *map(str, shape)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-8000:] + run.stderr[-8000:]

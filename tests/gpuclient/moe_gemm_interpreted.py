@@ -1,0 +1,410 @@
+"""MoE ``dispatch_gemm`` in Triton's interpreter: one process per rank, running at the same time over shared
+memory (run by tests/gpuclient/test_moe_layout.py; ``TRITON_INTERPRET=1`` is set before Triton is imported).
+
+The fused kernel's compute programs wait for what the peers' communication programs push in the same
+launch, so the ranks cannot run one after another as in ``moe_interpreted.py``: here each rank is a process
+of its own, its registered buffers and flags live in a file every rank maps, and :class:`SharedFabric`
+stands in for the channel calls with the weakest delivery the protocol allows (efa's): a put is only queued,
+and it lands in the peer's memory when this rank next signals that peer — a signal covers the writes since
+the previous one — and each signal first sleeps a little, so a tile that read a source's rows before
+waiting for a flag that covers them reads the NaN they were poisoned with. A wait spins on the shared flag.
+Within a rank the interpreter runs the programs in order (the communication programs first), so the ranks
+progress as the GPU's resident grids do.
+
+Rounds, with no reset: 1 ``dispatch_gemm``, 2 a plain ``dispatch`` with the expert GEMM in numpy (the two
+share flags round by round), 3 ``dispatch_gemm`` with one rank sending nothing, each followed by ``combine``
+on the GEMM's output; then the compute-only variant (``COMMUNICATE=False``) reruns round 3's GEMM into a
+fresh buffer. Routing is uneven: a hot expert, an expert nobody picks, the last rank receiving nothing.
+Each rank checks its own results against the numpy model (``moe_layout``): counts, per-source layout,
+handle words and received rows exactly, ``y`` against float64 ``x @ w`` per expert within the output
+dtype's rounding (rows past the counts untouched), combine against the weighted sum, and no queued put left
+uncovered by a signal at the end of a round.
+
+    python -m tests.gpuclient.moe_gemm_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN N PROGRAMS COMM BM BN BK OUT
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_model
+from tests.gpuclient.moe_interpreted import REGIONS, Buffer, bf16, f32
+from tests.gpuclient.test_moe_layout import uneven_routing
+
+NAN16 = 0x7FC0
+DELIVERY_DELAY_S = 0.5  # a signal and the writes it covers land this long after it is pushed
+WAIT_LIMIT_S = 300.0
+
+
+def buffers(lay: MoELayout, n_out: int, out: str) -> list[tuple[str, tuple, np.dtype]]:
+    """Every rank's shared buffers: the registered ones (in ``REGIONS`` order), its flags and its ``y``."""
+    W, E, L, T, K, H = lay.world, lay.num_experts, lay.local_experts, lay.max_tokens, lay.topk, lay.hidden  # noqa: N806
+    return [("counts_all", (W, E), np.dtype(np.int32)), ("recv_x", (L, lay.capacity, H), np.dtype(np.uint16)),
+            ("recv_src", (L, lay.capacity), np.dtype(np.int32)), ("send_x", (T, H), np.dtype(np.uint16)),
+            ("send_src", (E, T), np.dtype(np.int32)), ("combine_buf", (T, K, H), np.dtype(np.uint16)),
+            ("send_y", (L, lay.capacity, H), np.dtype(np.uint16)),
+            ("flags", (lay.slot_base + lay.slots,), np.dtype(np.int64)),
+            ("y", (L, lay.capacity, n_out), np.dtype(np.uint16 if out == "bf16" else np.float32))]
+
+
+def file_bytes(specs: list) -> int:
+    return sum(-(-int(np.prod(shape)) * dt.itemsize // 64) * 64 for _, shape, dt in specs)
+
+
+def attach(path: Path, specs: list) -> SimpleNamespace:
+    raw = np.memmap(path, dtype=np.uint8, mode="r+", shape=(file_bytes(specs),))
+    views, at = {}, 0
+    for name, shape, dt in specs:
+        n = int(np.prod(shape)) * dt.itemsize
+        views[name] = raw[at:at + n].view(dt).reshape(shape)
+        at += -(-n // 64) * 64
+    return SimpleNamespace(raw=raw, **views)
+
+
+class SharedFabric:
+    """The channel calls of one rank: puts queue per peer; this rank's next signal to that peer takes them, and
+    a delivery thread lands them and then the flag, in signal order, ``DELIVERY_DELAY_S`` after the signal."""
+
+    def __init__(self, me: int, ranks: list[SimpleNamespace]) -> None:
+        self.me, self.ranks = me, ranks
+        self.queued: dict[int, list[tuple[int, int, int, int, int]]] = {p: [] for p in range(len(ranks))}
+        self.deliveries: queue.Queue = queue.Queue()
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._deliver, daemon=True)
+        self.thread.start()
+
+    def _deliver(self) -> None:
+        while (item := self.deliveries.get()) is not None:
+            due, peer, puts, slot, value = item
+            try:
+                time.sleep(max(0.0, due - time.monotonic()))
+                for dr, do, sr, so, n in puts:  # the source is read now, as late as the protocol allows
+                    self._bytes(peer, dr)[do:do + n] = self._bytes(self.me, sr)[so:so + n]
+                self.ranks[peer].flags[slot] += value  # x86: the rows' stores are seen before the flag's
+            except BaseException as exc:  # noqa: BLE001  (reported by drain)
+                self.failure = exc
+
+    def drain(self) -> None:
+        """Every signal so far delivered (the thread stops after it)."""
+        self.deliveries.put(None)
+        self.thread.join()
+        assert self.failure is None, self.failure
+
+    @staticmethod
+    def value(x: object) -> int:
+        if hasattr(x, "handle"):
+            return int(np.asarray(x.handle.data).reshape(-1)[0])
+        return int(getattr(x, "value", x))
+
+    def _bytes(self, rank: int, region: int) -> np.ndarray:
+        return getattr(self.ranks[rank], REGIONS[region]).reshape(-1).view(np.uint8)
+
+    def put(self, ch, peer, dst_region, dst_off, src_region, src_off, nbytes, chunk_id=0):  # noqa: ANN001, ANN201
+        peer = self.value(peer)
+        assert peer != self.me, "a rank never puts to itself: its rows are copied"
+        n, so, do = self.value(nbytes), self.value(src_off), self.value(dst_off)
+        sr, dr = self.value(src_region), self.value(dst_region)
+        assert 0 < n and so + n <= self._bytes(self.me, sr).size and do + n <= self._bytes(peer, dr).size
+        self.queued[peer].append((dr, do, sr, so, n))  # the source is read when the put lands, not now
+
+    def put_signal(self, ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot, value, op=0):  # noqa: ANN001, ANN201
+        self.put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes)
+        self.signal(ch, peer, slot, value)
+
+    def signal(self, ch, peer, slot, value, op=0):  # noqa: ANN001, ANN201
+        peer = self.value(peer)
+        assert peer != self.me
+        self.deliveries.put((time.monotonic() + DELIVERY_DELAY_S, peer, self.queued[peer], self.value(slot),
+                             self.value(value)))
+        self.queued[peer] = []
+
+    def wait(self, ch, slot, at_least):  # noqa: ANN001, ANN201
+        slot, at_least = self.value(slot), self.value(at_least)
+        flags = self.ranks[self.me].flags
+        start = time.monotonic()
+        while flags[slot] < at_least:
+            assert time.monotonic() - start < WAIT_LIMIT_S, f"rank {self.me}: flag {slot} stuck below {at_least}"
+            time.sleep(0.001)
+
+    def uncovered(self) -> int:
+        return sum(len(q) for q in self.queued.values())
+
+
+class ReadCheck:
+    """While the fused kernel runs: every load of a peer's received row or of a peer's count row must come
+    after a wait, by the same program in the same launch, for the flag that covers it (the dispatch flag of
+    the row's source, the count flag of the row's rank) — whatever the timing."""
+
+    def __init__(self, rank: int, lay: MoELayout, me: SimpleNamespace) -> None:
+        self.rank, self.lay, self.me = rank, lay, me
+        self.active, self.epoch = False, 0
+        self.waited: dict[int, set[int]] = {}
+        self.source = np.full((lay.local_experts, lay.capacity), -1, np.int64)
+        self.loads = 0
+
+    def start(self, epoch: int, recv_layout: np.ndarray) -> None:
+        self.active, self.epoch, self.waited = True, epoch, {}
+        self.source[:] = -1
+        for local in range(self.lay.local_experts):
+            for s, (off, count) in enumerate(recv_layout[local]):
+                self.source[local, off:off + count] = s
+
+    def wait(self, pid: int, slot: int, at_least: int) -> None:
+        if self.active and at_least >= self.epoch:
+            self.waited.setdefault(pid, set()).add(slot)
+
+    def load(self, pid: int, addrs: np.ndarray, mask: np.ndarray) -> None:
+        if not self.active:
+            return
+        addrs = np.asarray(addrs, dtype=np.uint64)[np.asarray(mask, dtype=bool)]
+        waited = self.waited.get(pid, set())
+        lay, rows, counts = self.lay, self.me.recv_x, self.me.counts_all
+        base = rows.ctypes.data
+        inside = addrs[(addrs >= base) & (addrs < base + rows.nbytes)]
+        for row in np.unique((inside - base) // (lay.hidden * 2)):
+            src = int(self.source.reshape(-1)[row])
+            assert src >= 0, f"rank {self.rank}: received row {row} read past its expert's count"
+            assert src == self.rank or lay.dispatch_slot + src in waited, (
+                f"rank {self.rank} program {pid}: read a row from rank {src} before waiting for its dispatch flag")
+            self.loads += 1
+        base = counts.ctypes.data
+        inside = addrs[(addrs >= base) & (addrs < base + counts.nbytes)]
+        for s in np.unique((inside - base) // (lay.num_experts * 4)):
+            assert s == self.rank or lay.count_slot + int(s) in waited, (
+                f"rank {self.rank} program {pid}: read rank {s}'s counts before waiting for its count flag")
+
+
+def _b(arr: np.ndarray) -> Buffer:
+    kind = {np.dtype(np.uint16): "bfloat16", np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
+            np.dtype(np.float32): "float32", np.dtype(np.uint64): "uint64"}[arr.dtype]
+    return Buffer(arr, kind)
+
+
+def inputs(world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_out: int) -> dict:
+    """Every rank's inputs for every round (the same in each process: one seed)."""
+    rng = np.random.default_rng(world * 100 + topk)
+    local = experts // world
+    w = [bf16(rng.standard_normal((local, hidden, n_out)) / hidden ** 0.5) for _ in range(world)]
+    rounds = []
+    for rnd in range(1, 4):
+        tokens = [max_tokens - (r + rnd) % 3 for r in range(world)]
+        if rnd == 3 and world > 1:
+            tokens[-1] = 0  # a rank with nothing to send
+        idx = uneven_routing(rng, world, experts, max_tokens, topk, tokens, dtype=np.int32 if rnd % 2 else np.int64)
+        if local > 1:  # rank 0's last expert: nobody picks it (an empty expert beside full ones)
+            for i in idx:
+                i[i == local - 1] = -1
+        rounds.append({"tokens": tokens, "idx": idx, "x": [bf16(rng.standard_normal((n, hidden))) for n in tokens],
+                       "w": [rng.random((n, topk)).astype(np.float32) for n in tokens]})
+    return {"w": w, "rounds": rounds}
+
+
+def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_out: int,
+             programs: int, comm: int, block: tuple[int, int, int], out: str) -> None:
+    import triton.runtime.interpreter as interp
+
+    import gpuclient.kernels.moe as m
+
+    patch_tensor, create_dot = interp._patch_lang_tensor, interp.InterpreterBuilder.create_dot
+    cast = interp.InterpreterBuilder.cast_impl
+
+    def scalar_index(tensor: object, scope: object) -> None:  # numpy 2 refuses int() of the 1-element scalars
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    def widen(x: object) -> object:  # the interpreter's tl.dot would multiply bf16's raw uint16 storage
+        if x.dtype == interp.tl.bfloat16:
+            return interp.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), interp.tl.float32)
+        return x
+
+    def cast_rne(self: object, src: object, dst_type: object) -> object:  # the interpreter truncates to bf16;
+        if src.dtype.scalar == interp.tl.float32 and dst_type.scalar == interp.tl.bfloat16:  # the GPU rounds
+            return interp.TensorHandle(bf16(src.data), interp.tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    interp._patch_lang_tensor = scalar_index
+    interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: create_dot(self, widen(a), widen(b), d, *rest)
+    interp.InterpreterBuilder.cast_impl = cast_rne
+    masked_load = interp.InterpreterBuilder.create_masked_load
+
+    def checked_load(self: object, ptrs: object, mask: object, *rest: object) -> object:
+        check.load(self.grid_idx[0], ptrs.data, mask.data)
+        return masked_load(self, ptrs, mask, *rest)
+
+    interp.InterpreterBuilder.create_masked_load = checked_load
+
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, slot_base=2) for r in range(world)]
+    lay = lays[rank]
+    specs = buffers(lay, n_out, out)
+    ranks = [attach(where / f"rank{r}.bin", specs) for r in range(world)]
+    me = ranks[rank]
+    fabric = SharedFabric(rank, ranks)
+    check = ReadCheck(rank, lay, me)
+
+    def wait(ch: object, slot: object, at_least: object) -> None:
+        check.wait(interp.interpreter_builder.grid_idx[0], fabric.value(slot), fabric.value(at_least))
+        fabric.wait(ch, slot, at_least)
+
+    m.tpd = SimpleNamespace(put=fabric.put, put_signal=fabric.put_signal, signal=fabric.signal, wait=wait)
+    W_, E_, L_, K_, T_, H_ = world, experts, lay.local_experts, topk, max_tokens, hidden  # noqa: N806
+    me.recv_src[:] = -1
+    me.send_src[:] = -1
+    idx32, pos = np.full((T_, K_), -1, np.int32), np.full((T_, K_), -1, np.int32)
+    recv_count, recv_layout = np.zeros(L_, np.int32), np.zeros((L_, W_, 2), np.int32)
+    done, result, ch = np.zeros(1, np.int32), np.zeros((T_, H_), np.uint16), np.zeros(8, np.uint64)
+    regions = {name: i for i, name in enumerate(REGIONS)}
+    data = inputs(world, experts, max_tokens, topk, hidden, n_out)
+    w_mine = np.ascontiguousarray(data["w"][rank])
+    bm, bn, bk = block
+    poison_y = bf16(np.float32(np.nan)) if out == "bf16" else np.float32(np.nan)
+    as_f64 = (lambda a: f32(a).astype(np.float64)) if out == "bf16" else (lambda a: a.astype(np.float64))
+    rtol = 2.0 ** -8 if out == "bf16" else 1e-5
+
+    def gemm(epoch: int, tokens: int, y: np.ndarray, communicate: bool, recv_layout_model: np.ndarray) -> None:
+        if communicate:
+            check.start(epoch, recv_layout_model)
+        m._moe_dispatch_gemm[(programs,)](
+            _b(ch), epoch, rank, tokens, _b(idx32), _b(pos), _b(me.counts_all), _b(me.send_x), _b(me.send_src),
+            _b(me.recv_x), _b(me.recv_src), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout), _b(done),
+            *[regions[n] for n in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")], lay.count_slot,
+            lay.dispatch_slot, W=W_, E=E_, L=L_, K=K_, T=T_, H=H_, N=n_out, LP=m._pow2(L_), WP=m._pow2(W_),
+            COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=16, COMMUNICATE=communicate,
+            COMPUTE=True)
+        check.active = False
+
+    for rnd, data_r in enumerate(data["rounds"], start=1):
+        tokens, idx, x = data_r["tokens"], data_r["idx"], data_r["x"]
+        me.recv_x[:] = NAN16  # what the peers owe this round: poisoned (before our counts go out)
+        me.combine_buf[:] = NAN16
+        me.y[:] = poison_y
+        n = tokens[rank]
+        m._moe_route[(programs,)](_b(x[rank]), _b(idx[rank]), _b(me.send_x), _b(idx32), _b(pos), _b(me.counts_all),
+                                  _b(me.send_src), rank, n, E=E_, K=K_, KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4,
+                                  BLOCK_H=16)
+        if rnd == 2:  # the plain dispatch, on the same flags
+            m._moe_send[(programs,)](_b(ch), rnd, rank, n, _b(idx32), _b(pos), _b(me.counts_all), _b(me.send_x),
+                                     _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
+                                     *[regions[k] for k in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")],
+                                     lay.count_slot, W=W_, E=E_, L=L_, K=K_, T=T_, H=H_, BLOCK_H=16, BLOCK_R=4)
+            m._moe_finish[(1,)](_b(ch), rnd, rank, _b(me.counts_all), _b(recv_count), _b(recv_layout),
+                                lay.dispatch_slot, W=W_, E=E_, L=L_, LP=m._pow2(L_), WP=m._pow2(W_))
+            y64 = np.einsum("lph,lhn->lpn", f32(me.recv_x).astype(np.float64), f32(w_mine).astype(np.float64))
+            y = bf16(y64) if out == "bf16" else y64.astype(np.float32)
+            me.y[:] = y
+        else:
+            gemm(rnd, n, me.y, True, dispatch_model(lays, idx)[rank]["recv_layout"])
+        model = dispatch_model(lays, idx)[rank]
+        what = f"round {rnd} rank {rank}"
+        assert (idx32[:n] == model["idx"]).all(), what
+        assert (me.counts_all == model["counts_all"]).all(), what
+        assert (recv_count == model["recv_count"]).all() and (recv_layout == model["recv_layout"]).all(), what
+        for local in range(L_):
+            c = int(recv_count[local])
+            assert (me.recv_src[local, :c] == model["recv_src"][local, :c]).all(), (what, local)
+            w64 = f32(w_mine[local]).astype(np.float64)
+            want, scale = np.zeros((c, n_out)), np.zeros((c, n_out))
+            for p in range(c):  # every received row is its token's row, bit for bit; y is its row @ w
+                src, t, _ = lay.decode(me.recv_src[local, p])
+                assert (me.recv_x[local, p] == x[src][t]).all(), (what, local, p)
+                want[p] = f32(x[src][t]).astype(np.float64) @ w64
+                scale[p] = np.abs(f32(x[src][t]).astype(np.float64)) @ np.abs(w64)
+            got = as_f64(me.y[local, :c])
+            assert np.isfinite(got).all(), f"{what} expert {local}: a row read before its flag (NaN)"
+            # the output's rounding, plus fp32 accumulation (H terms) against the magnitude of the terms
+            err = np.abs(got - want)
+            bad = ~(err <= rtol * np.abs(want) + 1e-5 * scale + 1e-6)
+            assert not bad.any(), (what, local, float(err.max()), np.argwhere(bad)[:5].tolist())
+            if rnd != 2:  # the GEMM writes no row past the count
+                assert np.isnan(as_f64(me.y[local, c:])).all(), (what, local)
+        # combine: y itself where it is what combine takes (bf16, hidden wide), else the received rows (an
+        # identity expert), as a caller with a second projection would send its own output
+        if n_out == hidden:
+            y_send = me.y if out == "bf16" else bf16(me.y)
+        else:
+            y_send = me.recv_x.copy()
+        m._moe_combine_send[(programs,)](_b(ch), rank, _b(np.ascontiguousarray(y_send)), _b(recv_count),
+                                         _b(me.recv_src), _b(me.send_y), _b(me.combine_buf), regions["combine_buf"],
+                                         regions["send_y"], W=W_, L=L_, K=K_, T=T_, H=H_, BLOCK_H=16)
+        weights = np.ascontiguousarray(data_r["w"][rank])
+        m._moe_combine_reduce[(programs,)](_b(ch), rnd, rank, n, _b(idx32), _b(weights), _b(me.combine_buf),
+                                           _b(result), lay.combine_slot, W=W_, K=K_, H=H_, BLOCK_H=16)
+        everyone = dispatch_model(lays, idx)
+        expert_out = []
+        for d, lay_d in enumerate(lays):  # every rank's combine input, from the model
+            y_d = np.zeros((lay_d.local_experts, lay_d.capacity, hidden))
+            for local in range(lay_d.local_experts):
+                for p in range(int(everyone[d]["recv_count"][local])):
+                    src, t, _ = lay_d.decode(everyone[d]["recv_src"][local, p])
+                    row = f32(x[src][t]).astype(np.float64)
+                    y_d[local, p] = f32(bf16(row @ f32(data["w"][d][local]))) if n_out == hidden else row
+            expert_out.append(y_d)
+        weights64 = [a.astype(np.float64) for a in data_r["w"]]
+        want = combine_model(lays, everyone, expert_out, weights64)[rank]
+        magnitude = combine_model(lays, everyone, [np.abs(y) for y in expert_out], [np.abs(a) for a in weights64])[rank]
+        got = f32(result[:n]).astype(np.float64)
+        assert np.isfinite(got).all(), f"{what}: a combine slot read before it arrived"
+        # each y row may round to a neighbouring bf16 of the model's (fp32 sums in another order), then one
+        # rounding of the fp32 weighted sum
+        err = np.abs(got - want)
+        assert (err <= 2.0 ** -7 * (magnitude + np.abs(want)) + 1e-6).all(), (what, float(err.max()))
+        assert fabric.uncovered() == 0, f"{what}: a put no signal covered"
+        for base in (lay.count_slot, lay.dispatch_slot, lay.combine_slot):  # one per round from each peer
+            assert [int(me.flags[base + s]) for s in range(world)] == [rnd * (s != rank) for s in range(world)], what
+    # the compute-only variant: round 3's GEMM again, from the same rows and counts, into a fresh buffer
+    again = np.full_like(me.y, poison_y)
+    flags = me.flags.copy()
+    gemm(3, 0, again, False, recv_layout)
+    assert (again.view(np.uint8) == me.y.view(np.uint8)).all(), f"rank {rank}: the compute-only rerun differs"
+    assert (me.flags == flags).all() and fabric.uncovered() == 0
+    fabric.drain()
+    assert world == 1 or rank == world - 1 or check.loads > 0, "the read check saw no received row"
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "--rank":
+        rank, where, rest = int(argv[1]), Path(argv[2]), argv[3:]
+    else:
+        rank, where, rest = -1, None, argv
+    world, experts, max_tokens, topk, hidden, n_out, programs, comm, bm, bn, bk = (int(a) for a in rest[:11])
+    out = rest[11]
+    if rank >= 0:
+        run_rank(rank, where, world, experts, max_tokens, topk, hidden, n_out, programs, comm, (bm, bn, bk), out)
+        print(f"rank {rank} ok")
+        return
+    lay = MoELayout(0, world, experts, max_tokens, topk, hidden, slot_base=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(world):  # zeroed files: flags 0, the rest initialised by each rank before it sends
+            with open(Path(tmp) / f"rank{r}.bin", "wb") as f:
+                f.truncate(file_bytes(buffers(lay, n_out, out)))
+        logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(world)]  # noqa: SIM115
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.gpuclient.moe_gemm_interpreted", "--rank", str(r), tmp,
+                                   *rest], stdout=logs[r], stderr=subprocess.STDOUT, env=os.environ)
+                 for r in range(world)]
+        while any(p.poll() is None for p in procs):  # one rank failing leaves the others waiting: stop them
+            if any(p.returncode not in (None, 0) for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.2)
+        failed = []
+        for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+            log.seek(0)
+            text = log.read()
+            log.close()
+            if p.returncode != 0:
+                failed.append(f"--- rank {r} (exit {p.returncode}) ---\n{text[-6000:]}")
+    print("\n".join(failed) if failed else "ok")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
