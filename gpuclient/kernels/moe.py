@@ -167,10 +167,10 @@ def _last_source(c, off, r0, r1, order):
     return tl.max(tl.where((c > 0) & (off < r1) & (off + c > r0), order, -1), axis=0)
 
 
-@triton.jit(do_not_specialize=["epoch", "rank", "tokens"])
-def _moe_dispatch_gemm(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
-                       recv_src_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, done_ptr, count_region, recv_region,
-                       recv_src_region, send_x_region, send_src_region, count_slot, dispatch_slot,
+@triton.jit(do_not_specialize=["epoch", "rank"])
+def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, w_ptr, y_ptr,
+                       recv_count_ptr, layout_ptr, done_ptr, count_region, recv_region, recv_src_region,
+                       send_x_region, send_src_region, count_slot, dispatch_slot,
                        W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
                        H: tl.constexpr, N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
                        COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -190,28 +190,28 @@ def _moe_dispatch_gemm(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, s
             for peer in range(0, W):  # the lower ranks' counts decide where our rows land
                 if peer != rank:
                     tpd.wait(ch, count_slot + peer, epoch)
-            for i in range(pid, tokens * K, COMM_PROGRAMS):  # every row for a peer's expert: one put each
-                e = tl.load(idx32_ptr + i)
-                d = e // L
-                if (e >= 0) & (d != rank):
-                    row = ((e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E) + tl.load(pos_ptr + i))
-                    t = tl.cast(i // K, tl.int64)
-                    tpd.put(ch, d, recv_region, row.to(tl.int64) * (H * 2), send_x_region, t * (H * 2), H * 2)
-            for e in range(pid, E, COMM_PROGRAMS):  # each peer expert's handle words: one put
-                count = tl.load(count_ptr + rank * E + e)
-                d = e // L
-                if (count > 0) & (d != rank):
-                    row = ((e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E)).to(tl.int64)
-                    tpd.put(ch, d, recv_src_region, row * 4, send_src_region, tl.cast(e * T * 4, tl.int64), count * 4)
-            # the last communication program to get here signals every peer: every put above is earlier in the
-            # ring (each program's pushes precede its count on done_ptr), so on ib the signal covers them all,
-            # and on efa it covers those the count put_signal did not
-            tl.debug_barrier()
-            finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-            if (finished + 1) % COMM_PROGRAMS == 0:
-                for peer in range(0, W):
-                    if peer != rank:
-                        tpd.signal(ch, peer, dispatch_slot + rank, 1)
+            # peer by peer in ring order (rank + 1 first, which takes our rows first), expert by expert: one put
+            # per row, one per expert's handle words; then the last program done with a peer signals it
+            for step in range(1, W):
+                d = (rank + step) % W
+                for local in range(0, L):
+                    e = d * L + local
+                    count = tl.load(count_ptr + rank * E + e)
+                    base = local * (W * T) + _source_offset(count_ptr, rank, e, E)
+                    for j in range(pid, count, COMM_PROGRAMS):
+                        t = tl.load(send_src_ptr + e * T + j) // K - rank * T
+                        tpd.put(ch, d, recv_region, tl.cast(base + j, tl.int64) * (H * 2), send_x_region,
+                                tl.cast(t, tl.int64) * (H * 2), H * 2)
+                    if (count > 0) & (local % COMM_PROGRAMS == pid):
+                        tpd.put(ch, d, recv_src_region, tl.cast(base, tl.int64) * 4, send_src_region,
+                                tl.cast(e * T, tl.int64) * 4, count * 4)
+                # every put above precedes this program's count on done_ptr[d], so the signal of the last one
+                # is later in the ring than all of them: on ib it covers every row to d, on efa every row to d
+                # that the count put_signal did not (rows a program put before it)
+                tl.debug_barrier()
+                finished = tl.atomic_add(done_ptr + d, 1, sem="acq_rel", scope="gpu")
+                if (finished + 1) % COMM_PROGRAMS == 0:
+                    tpd.signal(ch, d, dispatch_slot + rank, 1)
             # our own experts' rows and handle words into recv_x and recv_src (the GEMM reads them from send_x:
             # this copy is for the caller and for combine, and waits for nothing)
             for local in range(0, L):
@@ -236,7 +236,9 @@ def _moe_dispatch_gemm(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, s
                 if peer != rank:
                     tpd.wait(ch, count_slot + peer, epoch)
         counts = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)  # [LP, WP]
-        order = (ss - rank + W) % W  # the step at which each source's rows are taken: our own first, then ring order
+        # the step at which each source's rows are taken: our own first, then rank - 1 (whose first peer we
+        # are), rank - 2, ... as each source sends to its peers in ring order
+        order = (rank - ss + W) % W
         waited = (ss == rank) | (ss >= W)  # sources this program has waited for (our own rows need no wait)
         col_blocks = tl.cdiv(N, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -244,7 +246,7 @@ def _moe_dispatch_gemm(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, s
         offs_k = tl.arange(0, BLOCK_K)
         item = 0  # running number of the (row block, column block) tiles, dealt round-robin to the programs
         for step in range(0, W):
-            src = (rank + step) % W
+            src = (rank - step + W) % W
             for local in range(0, L):
                 c = tl.sum(tl.where(ls[:, None] == local, counts, 0), axis=0)  # [WP] rows from each source
                 off = tl.cumsum(c, axis=0) - c
@@ -429,7 +431,7 @@ class MoE:
         self.gemm_block, self.comm_programs, self._gemm_programs = tuple(gemm_block), comm_programs, gemm_programs
         self.gemm_warps, self.gemm_stages = gemm_warps, gemm_stages
         self.y = None if gemm_n is None else torch.empty((L, lay.capacity, gemm_n), dtype=self.gemm_dtype, device=dev)
-        self._gemm_done = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._gemm_done = torch.zeros(W, dtype=torch.int32, device=dev)  # per peer
         self.slots = lay.slots
         if session.flag_array is None:
             session.flags(slot_base + self.slots, where="device")
@@ -483,7 +485,7 @@ class MoE:
             raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no kernel")
         self.prepare()
         w = torch.empty(8, dtype=torch.bfloat16, device=self.recv_x.device)  # a stand-in: only dtype and alignment
-        tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, 0, w, self.y), grid=(self.gemm_programs,),
+        tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, w, self.y), grid=(self.gemm_programs,),
                     **self._gemm_meta(communicate, compute))
 
     def _route_args(self, x: Any, idx: Any, tokens: int) -> tuple:
@@ -513,12 +515,11 @@ class MoE:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "LP": _pow2(self.local_experts),
                 "WP": _pow2(self.world), "num_warps": self.num_warps}
 
-    def _gemm_args(self, epoch: int, tokens: int, w: Any, y: Any) -> tuple:
+    def _gemm_args(self, epoch: int, w: Any, y: Any) -> tuple:
         r = self.regions
-        return (self._ch, epoch, self.rank, tokens, self.idx32, self.pos, self.counts_all, self.send_x, self.send_src,
-                self.recv_x, self.recv_src, w, y, self.recv_count, self.recv_layout, self._gemm_done, r["counts_all"],
-                r["recv_x"], r["recv_src"], r["send_x"], r["send_src"], self.layout.count_slot,
-                self.layout.dispatch_slot)
+        return (self._ch, epoch, self.rank, self.counts_all, self.send_x, self.send_src, self.recv_x, self.recv_src, w,
+                y, self.recv_count, self.recv_layout, self._gemm_done, r["counts_all"], r["recv_x"], r["recv_src"],
+                r["send_x"], r["send_src"], self.layout.count_slot, self.layout.dispatch_slot)
 
     def _gemm_meta(self, communicate: bool = True, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.gemm_block
@@ -630,7 +631,7 @@ class MoE:
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             if communicate:
                 _moe_route[(self.programs,)](*self._route_args(x, topk_idx, tokens), **self._route_meta())
-            _moe_dispatch_gemm[(self.gemm_programs,)](*self._gemm_args(epoch, tokens, w, y),
+            _moe_dispatch_gemm[(self.gemm_programs,)](*self._gemm_args(epoch, w, y),
                                                       **self._gemm_meta(communicate, compute))
         if not communicate:
             return y, self.recv_count, None

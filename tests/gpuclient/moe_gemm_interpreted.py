@@ -261,7 +261,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     me.send_src[:] = -1
     idx32, pos = np.full((T_, K_), -1, np.int32), np.full((T_, K_), -1, np.int32)
     recv_count, recv_layout = np.zeros(L_, np.int32), np.zeros((L_, W_, 2), np.int32)
-    done, result, ch = np.zeros(1, np.int32), np.zeros((T_, H_), np.uint16), np.zeros(8, np.uint64)
+    done, result, ch = np.zeros(W_, np.int32), np.zeros((T_, H_), np.uint16), np.zeros(8, np.uint64)
     regions = {name: i for i, name in enumerate(REGIONS)}
     data = inputs(world, experts, max_tokens, topk, hidden, n_out)
     w_mine = np.ascontiguousarray(data["w"][rank])
@@ -270,12 +270,12 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     as_f64 = (lambda a: f32(a).astype(np.float64)) if out == "bf16" else (lambda a: a.astype(np.float64))
     rtol = 2.0 ** -8 if out == "bf16" else 1e-5
 
-    def gemm(epoch: int, tokens: int, y: np.ndarray, communicate: bool, recv_layout_model: np.ndarray) -> None:
+    def gemm(epoch: int, y: np.ndarray, communicate: bool, recv_layout_model: np.ndarray) -> None:
         if communicate:
             check.start(epoch, recv_layout_model)
         m._moe_dispatch_gemm[(programs,)](
-            _b(ch), epoch, rank, tokens, _b(idx32), _b(pos), _b(me.counts_all), _b(me.send_x), _b(me.send_src),
-            _b(me.recv_x), _b(me.recv_src), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout), _b(done),
+            _b(ch), epoch, rank, _b(me.counts_all), _b(me.send_x), _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
+            _b(w_mine), _b(y), _b(recv_count), _b(recv_layout), _b(done),
             *[regions[n] for n in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")], lay.count_slot,
             lay.dispatch_slot, W=W_, E=E_, L=L_, K=K_, T=T_, H=H_, N=n_out, LP=m._pow2(L_), WP=m._pow2(W_),
             COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=16, COMMUNICATE=communicate,
@@ -302,7 +302,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             y = bf16(y64) if out == "bf16" else y64.astype(np.float32)
             me.y[:] = y
         else:
-            gemm(rnd, n, me.y, True, dispatch_model(lays, idx)[rank]["recv_layout"])
+            gemm(rnd, me.y, True, dispatch_model(lays, idx)[rank]["recv_layout"])
         model = dispatch_model(lays, idx)[rank]
         what = f"round {rnd} rank {rank}"
         assert (idx32[:n] == model["idx"]).all(), what
@@ -363,7 +363,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     # the compute-only variant: round 3's GEMM again, from the same rows and counts, into a fresh buffer
     again = np.full_like(me.y, poison_y)
     flags = me.flags.copy()
-    gemm(3, 0, again, False, recv_layout)
+    gemm(3, again, False, recv_layout)
     assert (again.view(np.uint8) == me.y.view(np.uint8)).all(), f"rank {rank}: the compute-only rerun differs"
     assert (me.flags == flags).all() and fabric.uncovered() == 0
     fabric.drain()

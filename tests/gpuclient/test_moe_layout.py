@@ -195,8 +195,8 @@ SIGNATURES = {
     "_moe_combine_reduce": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
                              "weights_ptr": "*fp32", "comb_ptr": "*bf16", "out_ptr": "*bf16", "combine_slot": "i32"},
                             {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
-    "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
-                            "pos_ptr": "*i32", "count_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
+    "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "send_x_ptr": "*bf16",
+                            "send_src_ptr": "*i32",
                             "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "w_ptr": "*bf16", "y_ptr": "*bf16",
                             "recv_count_ptr": "*i32", "layout_ptr": "*i32", "done_ptr": "*i32", "count_region": "i32",
                             "recv_region": "i32", "recv_src_region": "i32", "send_x_region": "i32",
@@ -209,10 +209,11 @@ SIGNATURES = {
 # a constexpr: the compiler unrolls them); per peer the count put_signal and the count wait, then the row put
 # and the handle-word put; a SIGNAL and a wait per peer; one put; a SIGNAL and a wait per peer. No kernel
 # quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The fused dispatch +
-# GEMM: per peer the count put_signal and the dispatch SIGNAL; the row put and the handle-word put; per peer
-# the communication programs' count wait, the compute programs' count wait and their dispatch wait.
+# GEMM: per peer the count put_signal; the row put, the handle-word put and the dispatch SIGNAL, in a loop over
+# the peers that is not unrolled; per peer the communication programs' count wait, the compute programs' count
+# wait and their dispatch wait.
 SITES = {"_moe_route": (0, 0, 0), "_moe_send": (1, 1, 2), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
-         "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (2, 3, 2)}
+         "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 3, 3)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -243,10 +244,42 @@ def test_the_dispatch_gemm_variants_compile_for_sm90(world: int, communicate: bo
     assert not [op for op in code if ".nc" in op]
     if communicate:
         # without the GEMM the compiler may duplicate a wait's block (world 2 gives 8 sites for 6 waits)
-        assert pushes == 2 * world + 2 and quiets == 0 and (waits == 3 * world if compute else waits >= 3 * world)
+        assert pushes == world + 3 and quiets == 0 and (waits == 3 * world if compute else waits >= 3 * world)
     else:
         assert (pushes, waits, quiets) == (0, 0, 0)
         assert not [op for op in code if op.startswith("atom")]
+
+
+def test_the_dispatch_gemm_k_loop_is_pipelined_only_after_the_tiles_waits() -> None:
+    """Compiled as a launch specializes it (16-byte aligned tensors, H and N multiples of 16), the GEMM's
+    k-loop is software-pipelined (cp.async), and its prologue comes after the tile's waits and the barrier
+    behind them: no load of a peer's rows is issued ahead of the flag that covers them."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tests.gpuclient.test_triton import opcode, ptx_lines
+
+    signature, meta = SIGNATURES["_moe_dispatch_gemm"]
+    meta = {**meta, "H": 256, "N": 256}
+    fn = moe_kernels._moe_dispatch_gemm
+    names = list(inspect.signature(fn.fn).parameters)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in signature if signature[n].startswith("*")}
+    given = "constexprs" if "constexprs" in inspect.signature(ASTSource).parameters else "constants"
+    source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(meta, "constexpr")}, attrs=attrs,
+                       **{given: meta})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    marks = []  # the PTX in order: protocol blocks, barriers and asynchronous copies
+    for line in ptx_lines(compiled.asm["ptx"]):
+        mark = ("wait" if line.startswith("TPD_WAIT_") else "push" if "st.release.sys" in line
+                else "bar" if opcode(line).startswith("bar.sync") else "cp" if opcode(line).startswith("cp.async")
+                else None)
+        if mark and (not marks or marks[-1] != mark):
+            marks.append(mark)
+    assert "cp" in marks
+    after_wait = [marks[i:i + 3] for i, m in enumerate(marks) if m == "wait" and "cp" in marks[i:i + 3]]
+    assert after_wait == [["wait", "bar", "cp"]], marks
 
 
 def test_the_route_kernel_compiles_for_int32_indices_and_one_expert_per_token() -> None:
