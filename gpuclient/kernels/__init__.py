@@ -12,7 +12,8 @@ compiles its Triton kernel on first use. Tensors are PyTorch's (``torch`` and ``
 ``GemmReduceScatter`` (this rank's segment of ``sum_r A_r @ B_r``) and ``GemmAllReduce`` (all of it) follow
 the same contract, as does ``RingAttention`` (sequence-parallel attention, forward: K and V pass around
 the ring while each rank attends to what has arrived); ``MoE`` (expert-parallel dispatch and combine,
-DeepEP low-latency style) too, with two calls per round. docs/kernels.md describes each op's math,
+DeepEP low-latency style) too, with two calls per round (``MoE.dispatch_gemm`` fuses the dispatch with
+each local expert's GEMM). docs/kernels.md describes each op's math,
 layouts and launch contract.
 
 Flags: every kernel takes ``slot_base`` and needs ``op.slots`` flag words from there; a kernel that finds

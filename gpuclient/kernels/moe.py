@@ -26,6 +26,15 @@ On efa a SIGNAL covers only the writes since the connection's previous signal: r
 before program 0's count put_signal are covered by the count flag instead, which the receiver waits for
 before the dispatch flag, so every row is covered by a flag the receiver waited for.
 
+dispatch_gemm round e (``gemm_n`` set): ``_moe_route``, then ``_moe_dispatch_gemm`` in place of 2 and 3, one
+persistent launch split by role. Its first ``comm_programs`` programs push what ``_moe_send`` pushes, peer by
+peer in ring order, and the last program done with a peer SIGNALs it at once (``dispatch_slot + rank``); the
+compute programs wait for the count flags, then walk each local expert's packed rows in (row block, column
+block) tiles, own rows first (read from ``send_x``: no wait), then the sources in the order they send to this
+rank, and before a tile wait for the dispatch flag of every source with rows in it (count flag and dispatch
+flag together cover every row on efa too). ``y = recv_x @ w[l]`` (bf16 tl.dot, fp32 accumulation) in
+``recv_x``'s layout, so ``combine`` follows as after ``dispatch``.
+
 No host sync, no host loop over tokens: the counts go GPU to GPU and every buffer has its worst-case size.
 Every wait is for something its peer pushes in the same-numbered kernel before that kernel waits, and no
 kernel waits for a later one, so two ranks progress as long as both grids are resident at once (``share``).
@@ -198,11 +207,13 @@ def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, send_x_ptr, send_src_ptr, rec
                     e = d * L + local
                     count = tl.load(count_ptr + rank * E + e)
                     base = local * (W * T) + _source_offset(count_ptr, rank, e, E)
-                    for j in range(pid, count, COMM_PROGRAMS):
+                    # row j goes to program (j + e) % COMM_PROGRAMS: an expert's first row does not always fall
+                    # to program 0; the handle words to program e % COMM_PROGRAMS
+                    for j in range((pid + COMM_PROGRAMS - e % COMM_PROGRAMS) % COMM_PROGRAMS, count, COMM_PROGRAMS):
                         t = tl.load(send_src_ptr + e * T + j) // K - rank * T
                         tpd.put(ch, d, recv_region, tl.cast(base + j, tl.int64) * (H * 2), send_x_region,
                                 tl.cast(t, tl.int64) * (H * 2), H * 2)
-                    if (count > 0) & (local % COMM_PROGRAMS == pid):
+                    if (count > 0) & (e % COMM_PROGRAMS == pid):
                         tpd.put(ch, d, recv_src_region, tl.cast(base, tl.int64) * 4, send_src_region,
                                 tl.cast(e * T, tl.int64) * 4, count * 4)
                 # every put above precedes this program's count on done_ptr[d], so the signal of the last one
