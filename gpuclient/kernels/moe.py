@@ -390,6 +390,12 @@ class MoE:
     [E, T] (put sources), ``combine_buf`` [T, K, H] bf16 (the experts' outputs of this rank's tokens) and
     ``send_y`` [L, W*T, H] (combine's put source). ``programs`` programs per kernel (default: SMs / share,
     at most 32): every rank sharing the GPU must have its grid resident at once (``share`` of them).
+
+    ``gemm_n`` (columns of each local expert's weight) builds ``dispatch_gemm``, the dispatch fused with the
+    expert GEMM: its output ``y`` [L, W*T, gemm_n] (``gemm_dtype``: bf16 or fp32) is allocated here too. Its one
+    kernel has ``gemm_programs`` programs (default: SMs / share), the first ``comm_programs`` of them moving
+    rows, the rest computing ``gemm_block`` = (block_m, block_n, block_k) tiles with ``gemm_warps`` warps and
+    ``gemm_stages`` pipeline stages.
     """
 
     def __init__(self, session: Any, hidden: int, num_experts: int, max_tokens: int, topk: int, *,
