@@ -81,6 +81,10 @@ QUICK_SIZES: dict[str, list[dict[str, int]]] = {
     "gemm_all_reduce": [{"m": 1024, "n": 1024, "k": 1024, "chunk_rows": 64}],
     "ring_attention": [{"heads": 4, "seq_local": 512, "head_dim": 128, "chunk_rows": 128}],
 }
+#: MoE Dispatch+GEMM (``MoE.dispatch_gemm``): 128 tokens a rank, top-8 of 64 experts; an expert's weight H x gemm_n
+MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 4096},
+                  {"tokens": 128, "hidden": 2048, "topk": 8, "experts": 64, "gemm_n": 8192}]
+QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "gemm_n": 512}]
 KERNELS = tuple(SIZES)
 MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}
 QUICK_MOE = {"tokens": 32, "hidden": 1024, "topk": 4, "experts": 8}
@@ -404,6 +408,92 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
     return row
 
 
+def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
+                 echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """MoE Dispatch+GEMM (``MoE.dispatch_gemm``): compute, comm, fused and torch times like ``fused_row``.
+    Every round with communication is followed by a ``combine`` (untimed): a round must close before the next."""
+    import torch
+
+    from gpuclient.kernels import MoE
+
+    tokens, hidden, topk, experts, gemm_n = (dims[k] for k in ("tokens", "hidden", "topk", "experts", "gemm_n"))
+    gen = torch.Generator(device="cpu").manual_seed(9)
+    with _sessions(backend, shape, "fused-bench-moe-gemm", device) as (_, sessions):
+        ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, gemm_n=gemm_n,
+                   gemm_programs=PROGRAMS or SPINNING_PROGRAMS) for s in sessions]
+        _exchange(sessions)
+        for op in ops:
+            op.prepare()
+            op.preload_gemm(communicate=True, compute=False)
+            op.preload_gemm(communicate=False, compute=True)
+        streams = [torch.cuda.Stream(device) for _ in ops]
+        local = ops[0].local_experts
+        xs = [_randn(gen, tokens, hidden, device=device) for _ in ops]
+        idx = [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).cuda(device)
+               for _ in ops]
+        weights = [torch.rand(tokens, topk, generator=gen).cuda(device) for _ in ops]
+        on_gpu = torch.Generator(device=f"cuda:{device}").manual_seed(9)  # weights of GiB: made on the GPU
+        ws = [torch.randn(local, hidden, gemm_n, generator=on_gpu, device=f"cuda:{device}", dtype=torch.bfloat16)
+              * hidden ** -0.5 for _ in ops]
+        torch.cuda.synchronize()
+
+        def launch(**kw: bool) -> float:
+            """Seconds from the launches until every rank's stream is idle; then the round's combine, untimed."""
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            handles = [op.dispatch_gemm(xs[r], idx[r], weights[r], ws[r], stream=streams[r], **kw)[2]
+                       for r, op in enumerate(ops)]
+            for s in streams:
+                s.synchronize()
+            seconds = time.perf_counter() - t0
+            if kw.get("communicate", True):  # close the round: the next dispatch needs it
+                for r, op in enumerate(ops):
+                    op.combine(op.recv_x, handles[r], stream=streams[r])
+                torch.cuda.synchronize()
+            return seconds
+
+        def timed(**kw: bool) -> float:
+            return statistics.median(launch(**kw) for _ in range(reps))
+
+        launch()  # the first fused round, checked below (its combine ran; y and recv_x stay until the next round)
+        torch.cuda.synchronize()
+        counts = [op.recv_count.cpu().tolist() for op in ops]
+        error = 0.0
+        for r, op in enumerate(ops):
+            for e, c in enumerate(counts[r]):
+                if c:
+                    ref = op.recv_x[e, :c].float() @ ws[r][e].float()
+                    error = max(error, float((op.y[e, :c].float() - ref).abs().max()))
+        layouts = [op.recv_layout.cpu() for op in ops]
+        remote_rows = sum(int(layouts[r][:, w, 1].sum()) for r in range(WORLD) for w in range(WORLD) if w != r)
+        rows = sum(sum(c) for c in counts)
+
+        def torch_compute() -> None:
+            for r, op in enumerate(ops):
+                with torch.cuda.stream(streams[r]):
+                    for e, c in enumerate(counts[r]):
+                        if c:
+                            torch.matmul(op.recv_x[e, :c], ws[r][e])
+
+        row: dict[str, Any] = {"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape,
+                               "nic": SHAPES.get(shape, {}), "world": WORLD, **dims, "rows": rows,
+                               "programs": ops[0].gemm_programs, "comm_programs": ops[0].comm_programs,
+                               "max_abs_error": error}
+        row["compute_s"] = timed(communicate=False)
+        row["comm_s"] = timed(compute=False)
+        row["fused_s"] = timed()
+        row["torch_s"] = _time(torch_compute, streams, reps)
+        for op in ops:
+            status = op.channel.status()
+            if status[0] != 0:
+                raise RuntimeError(f"channel error {status}")
+    derive(row, 2.0 * rows * hidden * gemm_n, remote_rows * hidden * 2)
+    echo(f"  moe_dispatch_gemm    {backend} {shape:9s} {_dims(dims):28s} compute {row['compute_s'] * 1e3:7.3f}  "
+         f"comm {row['comm_s'] * 1e3:7.3f}  fused {row['fused_s'] * 1e3:7.3f}  torch {row['torch_s'] * 1e3:7.3f} ms  "
+         f"overlap {row['overlap_efficiency']:.2f}  vs sequential {row['speedup_vs_sequential']:.2f}x")
+    return row
+
+
 # --- report ------------------------------------------------------------------------------------------------------
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| kernel | backend | NIC model | size | compute ms | comm ms | fused ms | torch ms | "
@@ -411,7 +501,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if r.get("kernel") == "moe":
             continue
-        size = _dims({k: r[k] for k in SIZES.get(r.get("kernel", ""), [{}])[0] if k in r})
+        keys = MOE_GEMM_SIZES[0] if r.get("kernel") == "moe_dispatch_gemm" else SIZES.get(r.get("kernel", ""), [{}])[0]
+        size = _dims({k: r[k] for k in keys if k in r})
         if "error" in r:
             lines.append(f"| {r.get('kernel')} | {r['backend']} | {r['shape']} | {size} | failed: {r['error']} |")
             continue
@@ -437,8 +528,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
-@click.option("--kernels", default=",".join((*KERNELS, "moe")), show_default=True,
-              help="comma-separated: " + ", ".join((*KERNELS, "moe")))
+@click.option("--kernels", default=",".join((*KERNELS, "moe", "moe_dispatch_gemm")), show_default=True,
+              help="comma-separated: " + ", ".join((*KERNELS, "moe", "moe_dispatch_gemm")))
 @click.option("--backends", default="ib,efa", show_default=True)
 @click.option("--shapes", default="nic", show_default=True,
               help="comma-separated: nic (each backend's own NIC model), unshaped, or a NIC model name")
@@ -457,7 +548,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     PROGRAMS = programs
 
     wanted = [k for k in kernels.split(",") if k]
-    unknown = sorted(set(wanted) - {*KERNELS, "moe"})
+    unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
     if unknown:
         raise click.BadParameter(f"unknown kernel(s) {', '.join(unknown)}", param_hint="--kernels")
     if json_path:
@@ -482,10 +573,14 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         for backend in backends.split(","):
             for spec in shapes.split(","):
                 shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
-                for kernel in (k for k in wanted if k != "moe"):
+                for kernel in (k for k in wanted if k in KERNELS):
                     for dims in table_sizes[kernel][:sizes]:
                         attempt({"kernel": kernel, "backend": backend, "shape": shape, **dims},
                                 fused_row, kernel, backend, shape, dims, reps)
+                if "moe_dispatch_gemm" in wanted:
+                    for dims in (QUICK_MOE_GEMM_SIZES if quick else MOE_GEMM_SIZES)[:sizes]:
+                        attempt({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims},
+                                moe_gemm_row, backend, shape, dims, reps)
                 if "moe" in wanted:
                     for decoupled in ((False, True) if backend == "ib" else (False,)):
                         attempt({"kernel": "moe", "backend": backend, "shape": shape, "decoupled": decoupled},
