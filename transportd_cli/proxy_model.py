@@ -51,7 +51,8 @@ from transportd.dataplane.batching import (
     decouple_signals,
     run_starts,
 )
-from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable, Translated, translate
+from transportd.dataplane.tables import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
+from transportd.dataplane.translate import Translated, translate
 from transportd.errors import ErrorCode
 from transportd.rows import compress_rows, concat_rows, take_rows
 

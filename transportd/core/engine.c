@@ -21,9 +21,9 @@
  * recorder; one branch per channel per pass when it is not traced.
  *
  * The control plane stays in Python (transportd/dataplane/proxy.py): it owns the region and peer tables (numpy
- * arrays in translate.py's layout) and hands the engine views of them between iterations; the engine
- * holds a buffer reference to every array it reads, so a table replaced in Python stays alive until the
- * engine is given its successor. The backend is reached through its C poster (poster.h: ib and efa post
+ * arrays in transportd/dataplane/tables.py's layout) and hands the engine views of them between iterations;
+ * the engine holds a buffer reference to every array it reads, so a table replaced in Python stays alive
+ * until the engine is given its successor. The backend is reached through its C poster (poster.h: ib and efa post
  * and poll from C, GIL released, no Python per pass), else through two callables (post, poll); with
  * neither the engine is its own null NIC, completing every batch on the next poll, for benchmarks.
  *

@@ -17,7 +17,7 @@ the GIL released. One iteration (:meth:`Proxy.run_once`):
    the error words of the channels it came from.
 
 This module is the control plane around the engine: it owns the job-scoped tables
-(:class:`~transportd.dataplane.translate.RegionTable`, :class:`~transportd.dataplane.translate.PeerTable`) and hands the
+(:class:`~transportd.dataplane.tables.RegionTable`, :class:`~transportd.dataplane.tables.PeerTable`) and hands the
 engine a view of a table after every change, maps backend connection ids to the engine's indexes, and
 turns the engine's counters into stats. Tables are job-scoped (docs/design.md, "Jobs are walled off"): a
 channel resolves source regions through its own rank's table and destinations through its job's peer table, so a job's
@@ -57,7 +57,7 @@ from cmd_ring.ring import RingFile
 from transportd import _core
 from transportd.backends import traits_of
 from transportd.backends.interface import COMPLETION_DTYPE, PLAN_DTYPE, Backend
-from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
+from transportd.dataplane.tables import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
 from transportd.errors import ErrorCode
 from transportd.limits import MAX_BATCH, MIN_BATCH, MIN_INFLIGHT_CAP
 

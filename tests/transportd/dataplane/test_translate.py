@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import transportd.dataplane.translate as translate_module
 from cmd_ring.record import Command, Flag, Opcode, records_from_commands
 from transportd.backends.interface import PlanOp, SignalOp
-from transportd.dataplane.translate import PeerTable, RegionTable, translate
+from transportd.dataplane.tables import PeerTable, RegionTable
+from transportd.dataplane.translate import translate
 from transportd.errors import ErrorCode
 
 U64_MAX = (1 << 64) - 1
