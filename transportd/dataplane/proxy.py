@@ -24,7 +24,7 @@ channel resolves source regions through its own rank's table and destinations th
 commands can only reach that job's regions.
 
 ``backend=None`` makes the engine its own null NIC (every batch completes on the next poll, nothing
-leaves C): what ``transportd bench proxy`` measures. :mod:`transportd_cli.proxy_model` is the same loop in
+leaves C): what ``transportd bench proxy`` measures. :mod:`transportd_models.engine` is the same loop in
 numpy, the oracle of the differential test; the daemon never runs it.
 
 Tracing (:meth:`Proxy.trace_start` / :meth:`Proxy.trace_stop`): the engine appends every record a traced

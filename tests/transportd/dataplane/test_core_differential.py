@@ -3,7 +3,7 @@
 Each trial builds random job tables (regions registered, replaced and removed; peers bound, unbound and
 lost), random knobs (batch_max, polling window, inflight cap, decoupled signaling, max_take) and streams
 of random records, valid and invalid mixed, into two identical rings: one drained by
-:class:`transportd.dataplane.proxy.Proxy` (the engine), one by :class:`transportd_cli.proxy_model.ModelProxy`. Between
+:class:`transportd.dataplane.proxy.Proxy` (the engine), one by :class:`transportd_models.engine.ModelProxy`. Between
 passes the null NIC is paused and resumed and made to fail batches, the same way on both sides. After
 every pass both must agree on every channel's error word, consumer and completion position, on every
 counter, and on what was posted: the same batches to the same connections in the same pass, row for
@@ -21,7 +21,7 @@ from cmd_ring.record import RECORD_DTYPE, Flag, Opcode
 from cmd_ring.ring import RingFile, RingProducer
 from transportd.backends.null import NullBackend
 from transportd.dataplane.proxy import Proxy
-from transportd_cli.proxy_model import ModelProxy
+from transportd_models.engine import ModelProxy
 
 JOB = "diff"
 SRC_LEN = 1 << 16

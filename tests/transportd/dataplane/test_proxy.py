@@ -20,7 +20,7 @@ from transportd.backends.interface import PlanOp
 from transportd.backends.null import NullBackend, apply_plans
 from transportd.dataplane.proxy import Proxy
 from transportd.errors import ErrorCode
-from transportd_cli.proxy_model import completion_error_code
+from transportd_models.engine import completion_error_code
 
 JOB = "job"
 WORLD = 4

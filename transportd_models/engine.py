@@ -6,16 +6,16 @@ the differential test (``tests/transportd/dataplane/test_core_differential.py``:
 through both must give the same codes, rows and completion positions) and as the baseline of
 ``transportd bench proxy``. A change to the loop's rules lands in both, or the differential test fails.
 
-One iteration (:meth:`Proxy.run_once`):
+One iteration (:meth:`ModelProxy.run_once`):
 
 1. **take** -- from every channel, take the records that are ready, as many as the connections its job
    feeds can still accept (``consume_ready(max_records=...)``): when a connection is full, records stay in
    the ring and the ring fills, so backpressure reaches the producer; nothing is dropped and nothing is
    buffered beyond the inflight cap. Records are validated and translated in one vectorized call
-   (:mod:`transportd.dataplane.translate`); a bad one is counted and reported through the channel's error word.
+   (:mod:`transportd_models.translate`); a bad one is counted and reported through the channel's error word.
 2. **post** -- rows wait per connection until a batch of ``batch_max`` commands fills, the polling
    window (``poll_window_us``) passes, or a NO_BATCH / FENCE / QUIET command asks for it; each ready batch
-   (decoupled if asked, :mod:`transportd.dataplane.batching`) is posted under the per-connection inflight cap.
+   (decoupled if asked, :mod:`transportd_models.batching`) is posted under the per-connection inflight cap.
 3. **progress** -- drain the backend's completions: each posted batch has one token; map it back to the
    ring positions it covered, free its inflight WRs, publish each channel's completion position (the first
    ring position not yet complete, so a kernel's QUIET at ``p`` is satisfied once it is ``> p``), and
@@ -45,16 +45,16 @@ import numpy as np
 from cmd_ring.record import RECORD_DTYPE, Flag, Opcode, seq_for
 from cmd_ring.ring import RingConsumer, RingFile
 from transportd.backends.interface import PLAN_DTYPE, Backend, PlanOp
-from transportd.dataplane.batching import (
+from transportd.dataplane.tables import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
+from transportd.errors import ErrorCode
+from transportd.rows import compress_rows, concat_rows, take_rows
+from transportd_models.batching import (
     cumsum_within,
     cut_batches,
     decouple_signals,
     run_starts,
 )
-from transportd.dataplane.tables import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
-from transportd.dataplane.translate import Translated, translate
-from transportd.errors import ErrorCode
-from transportd.rows import compress_rows, concat_rows, take_rows
+from transportd_models.translate import Translated, translate
 
 __all__ = ["ModelLoopState", "ModelProxy", "completion_error_code", "META_DTYPE", "MODEL_SERVE_INTERRUPTED",
            "MODEL_SERVE_LINK", "model_serve"]

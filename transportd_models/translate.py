@@ -1,6 +1,6 @@
 """Ring records -> validated plan rows, vectorized, through a job's resolved tables.
 
-The translate step of the proxy's numpy model (:mod:`transportd_cli.proxy_model`, the oracle the
+The translate step of the proxy's numpy model (:mod:`transportd_models.engine`, the oracle the
 differential test holds the compiled engine to); the daemon never runs it: its proxy validates and
 translates in C (``transportd/core/validate.h``), through the same tables
 (:mod:`transportd.dataplane.tables`, whose layout this code relies on). Everything is numpy over a whole
