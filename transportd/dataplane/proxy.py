@@ -388,16 +388,6 @@ class Proxy(ProxyBase):
         returns for the ``link`` and for an ``interrupted`` loop."""
         return self._core.loop_stats()
 
-    def run(self, stop: threading.Event | Callable[[], bool], *, check_every: int = 64,
-            idle_sleep_s: float = 0.0) -> None:
-        """Loop until ``stop`` is set (checked every ``check_every`` iterations); yields the CPU when idle."""
-        should_stop = stop.is_set if isinstance(stop, threading.Event) else stop
-        run_once = self.run_once
-        while not should_stop():
-            for _ in range(check_every):
-                if not run_once():
-                    time.sleep(idle_sleep_s)
-
     def wait_ready(self, timeout_s: float, nap_s: float = 0.0, wake_fd: int = -1) -> bool:
         """Watch the rings' head slots for up to ``timeout_s``: True as soon as one holds a committed record.
 
