@@ -182,6 +182,7 @@ class Proxy(ProxyBase):
                              p.flag_rkey, p.addr, p.length, p.rkey, p.valid, entry.conns)
 
     def _sources_changed(self, source: int, table: RegionTable) -> None:
+        # the engine's view of the table: it holds these arrays until it is handed their successors
         self._core.set_sources(source, table.addr, table.length, table.key, table.valid)
 
     def _tables_changed(self, job: str) -> None:

@@ -1,13 +1,14 @@
 """A job's resolve tables: one rank's source regions (:class:`RegionTable`) and the job's peers
 (:class:`PeerTable`: connections, flag arrays, remote regions).
 
-The proxy (:mod:`transportd.dataplane.proxy`) owns one per job and per local rank and hands the engine a
-view of a table's arrays after every change that may move them; the engine resolves records through those
-views in C (``transportd/core/validate.h``, which follows this layout). The numpy model resolves through the
-same tables (:mod:`transportd_models.translate`). These are views too: what a rank registered is recorded
-by the daemon's main process (:class:`transportd.daemon.state.LocalRank`, ``regions``), which tells each rail
-worker what to put here. Records carry small integer ids (peer rank, region ids, flag slot) and the tables
-resolve them to addresses and keys.
+The proxy keeps one per job and one per local rank (:class:`~transportd.dataplane.proxy_base.ProxyBase`)
+and hands the engine a view of a table's arrays after every change that may move them; the engine resolves
+records through those views in C (``transportd/core/validate.h``, which follows this layout). The numpy
+model resolves through the same tables (:mod:`transportd_models.translate`). The tables are views
+themselves: what a rank registered is recorded by the daemon's main process, the region registry's one
+owner (:class:`transportd.daemon.state.LocalRank`, ``regions``; a peer's, as its node announced them,
+:class:`transportd.daemon.state.RemoteRank`), which tells each rail worker what to put here. Records carry
+small integer ids (peer rank, region ids, flag slot) and the tables resolve them to addresses and keys.
 
 Layout (for speed): every table has one entry past its last id, a *sentinel* that is never valid (no
 connection, length 0, no flag slots). Ids out of range are clamped onto it, so one gather both checks and
@@ -39,6 +40,10 @@ def _capacity_for(index: int) -> int:
 
 class RegionTable:
     """One rank's local source regions by id: address, length and lkey, plus a valid mask.
+
+    A view, on one rail, of the main process's region registry (``LocalRank.regions``), filled through
+    the worker's ``SetSourceRegion``; the engine reads a view of these arrays in turn (the proxy hands it
+    the arrays again after a region is set, since setting one may grow them).
 
     Entries ``0 .. size-1`` hold ids; entry ``size`` is the sentinel. Arrays grow to the next power of two
     above the highest id registered.
