@@ -45,7 +45,7 @@ from cmd_ring.record import RECORD_DTYPE, Flag, Opcode, seq_for
 from cmd_ring.ring import RingConsumer, RingFile
 from transportd.backends.interface import PLAN_DTYPE, Backend, PlanOp
 from transportd.dataplane.proxy_base import JobTables, ProxyBase, RingChannel
-from transportd.dataplane.tables import DEFAULT_MAX_LENGTH, RegionTable
+from transportd.dataplane.tables import RegionTable
 from transportd.errors import ErrorCode
 from transportd.rows import compress_rows, concat_rows, take_rows
 from transportd_models.batching import (
@@ -133,20 +133,8 @@ class ModelProxy(ProxyBase):
     :class:`~transportd.dataplane.proxy_base.ProxyBase` (shared with the daemon's proxy) for the knobs, the
     table methods and the stats."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        batch_max: int = 8,
-        poll_window_us: float = 50.0,
-        inflight_cap: int = 256,
-        decoupled: bool = False,
-        max_length: int = DEFAULT_MAX_LENGTH,
-        max_take: int = 4096,
-        poll_max: int = 4096,
-    ) -> None:
-        super().__init__(batch_max=batch_max, poll_window_us=poll_window_us, inflight_cap=inflight_cap,
-                         decoupled=decoupled, max_length=max_length, max_take=max_take, poll_max=poll_max)
+    def __init__(self, backend: Backend, **knobs: Any) -> None:
+        super().__init__(**knobs)
         self.backend = backend
         self._lock = threading.Lock()
         self._channels: dict[int, _Channel] = {}

@@ -57,7 +57,7 @@ from transportd import _core
 from transportd.backends import traits_of
 from transportd.backends.interface import COMPLETION_DTYPE, PLAN_DTYPE, Backend
 from transportd.dataplane.proxy_base import JobTables, ProxyBase, RingChannel, code_name
-from transportd.dataplane.tables import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
+from transportd.dataplane.tables import PeerTable, RegionTable
 
 __all__ = ["Proxy", "COUNTERS", "SERVE_INTERRUPTED", "SERVE_LINK", "TRACE_BUFFER_ENTRIES"]
 
@@ -141,27 +141,16 @@ class Proxy(ProxyBase):
     pass: one posting path per backend.
     """
 
-    def __init__(
-        self,
-        backend: Backend | None,
-        *,
-        batch_max: int = 8,
-        poll_window_us: float = 50.0,
-        inflight_cap: int = 256,
-        decoupled: bool = False,
-        max_length: int = DEFAULT_MAX_LENGTH,
-        max_take: int = 4096,
-        poll_max: int = 4096,
-    ) -> None:
-        super().__init__(batch_max=batch_max, poll_window_us=poll_window_us, inflight_cap=inflight_cap,
-                         decoupled=decoupled, max_length=max_length, max_take=max_take, poll_max=poll_max)
+    def __init__(self, backend: Backend | None, **knobs: Any) -> None:
+        super().__init__(**knobs)
         self.backend = backend
         # a backend with a compiled poster (ib, efa) is posted to and polled from C, with no Python per pass
         poster = backend.c_poster if traits_of(backend).compiled_poster else None
         hooks = (None, None) if backend is None or poster is not None else (self._post, self._poll)
-        self._core = _core.Engine(batch_max=batch_max, window_ns=self.window_ns, inflight_cap=inflight_cap,
-                                  decoupled=decoupled, max_length=max_length, max_take=max_take,
-                                  poll_max=poll_max, post=hooks[0], poll=hooks[1], poster=poster)
+        self._core = _core.Engine(batch_max=self.batch_max, window_ns=self.window_ns,
+                                  inflight_cap=self.inflight_cap, decoupled=self.decoupled,
+                                  max_length=self.max_length, max_take=self.max_take, poll_max=self.poll_max,
+                                  post=hooks[0], poll=hooks[1], poster=poster)
         self._lock = _EngineLock(self._core.interrupt)
         self._traces: dict[tuple[str, int], _Trace] = {}
 

@@ -77,7 +77,7 @@ class ProxyBase:
     may wait for more; ``inflight_cap`` WRs posted and not completed per connection; ``decoupled`` turns
     on Perseus signal reduction; ``max_length`` is the largest PUT; ``max_take`` caps records taken from
     one ring per iteration (bounds the work, hence the latency, of one iteration); ``poll_max`` caps the
-    completions taken per poll.
+    completions taken per poll. The subclasses take these as keywords after their backend.
     """
 
     _lock: AbstractContextManager[Any]  # the subclass's: serializes the table methods with its loop
