@@ -28,8 +28,8 @@ overwritten before the receiver read it (``efa.wire``). A record is copied into 
 (one ring per connection, as many entries as the peer's ring) when it is submitted.
 
 Receiving. Arrivals come out of the same CQ as send completions. Each one is counted for its connection
-in C, rule for rule :class:`efa.arrivals.ArrivalTracker` (kept as the model the tests compare with);
-control records are copied out of the staging ring at once. Flags that became safe are stored by the C
+in C, rule for rule :class:`transportd_models.arrivals.ArrivalTracker` (the model the tests compare it
+with); control records are copied out of the staging ring at once. Flags that became safe are stored by the C
 code itself into host-mapped flag words registered with :meth:`EfaBackend.set_host_flags` (the daemon's
 flag files); the others (GPU flag words, ranks it does not know) go to the daemon's :class:`FlagPublisher`
 in one Python call per poll, after the optional visibility flush. Where the device supports unsolicited
@@ -129,10 +129,10 @@ class EfaBackend(PosterBackend):
     (capped by the device). ``staging_entries``: control records in flight per connection (a power of
     two; 32 bytes each, per connection, on the receiving side). ``cumulative``: every signal also waits for
     all earlier writes of the connection (ib semantics) instead of those since the previous signal
-    (``efa.arrivals``). ``visibility_flush``: call ``flush_hook`` (a no-op until the GPU path installs
-    ``cuFlushGPUDirectRDMAWrites``) once before publishing the flags of one poll. ``use_unsolicited``:
-    use unsolicited write receive where the device has it. ``max_rdma_size``: split writes at this size
-    (0: the device's limit). The daemon opens it with its ``[backend.efa]`` table and
+    (``transportd_models.arrivals``). ``visibility_flush``: call ``flush_hook`` (a no-op until the GPU path
+    installs ``cuFlushGPUDirectRDMAWrites``) once before publishing the flags of one poll.
+    ``use_unsolicited``: use unsolicited write receive where the device has it. ``max_rdma_size``: split
+    writes at this size (0: the device's limit). The daemon opens it with its ``[backend.efa]`` table and
     ``efa.visibility_flush`` only (``transportd.backends.open_configured``); it takes no signal mode: on efa
     the receiving daemon publishes every flag.
     """

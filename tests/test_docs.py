@@ -124,7 +124,8 @@ def test_design_rules_are_cited_from_the_projects_own_docs():
         assert heading.replace("\\", "") in headings, f"{name} cites docs/design.md, {heading!r}: no such heading"
 
 
-OUR_PACKAGES = ("transportd", "transportd_cli", "gpuclient", "cmd_ring", "softverbs", "ib", "efa", "ibgda")
+OUR_PACKAGES = ("transportd", "transportd_cli", "transportd_models", "gpuclient", "cmd_ring", "softverbs", "ib", "efa",
+                "ibgda")
 
 
 def test_the_imports_in_the_docs_python_examples_work():

@@ -6,8 +6,12 @@ inside a function is still a dependency); only ``if TYPE_CHECKING:`` blocks, whi
   plumbing and the flag file, errors and error codes, the control protocol and its codec) and ``softverbs``
   at the bottom, then ``transportd`` (the daemon, and the base it shares with tools: CUDA driver access,
   logging, the moved modules' old names), then the backends and IBGDA (``ib``, ``efa``, ``ibgda``), the
-  client library ``gpuclient``, and the command-line programs (``transportd_cli``) on top. A module imports
-  only its own layer or those below.
+  client library ``gpuclient`` and the models (``transportd_models``: parts of the daemon and of efa written
+  again in Python, which the tests hold the compiled parts to), and the command-line programs
+  (``transportd_cli``) on top. A module imports only its own layer or those below.
+- The models stand above what they model and nothing that runs in the daemon, a backend or a client imports
+  them: of the packages, only the commands do (``transportd bench proxy`` times the engine's model as its
+  baseline).
 - Inside ``transportd`` the rooms stand in the same way (``ROOMS``): the shared base (logging, CUDA driver
   access, the old names of what moved into the contract), the backend interface and registry, the config (above the
   registry: each backend declares its own table), the control plane, the data plane, operations, and the
@@ -33,7 +37,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"cmd_ring": 0, "softverbs": 0, "transportd": 1, "ib": 2, "efa": 2, "ibgda": 2, "gpuclient": 3,
-          "transportd_cli": 4}
+          "transportd_models": 3, "transportd_cli": 4}
+# The packages that may import the models (transportd_models): the models themselves and the commands.
+MODEL_USERS = {"transportd_models", "transportd_cli"}
 PACKAGES = tuple(LAYERS)
 # transportd's rooms, bottom to top: a module of a room imports only its own room or those below. The base is
 # every transportd module outside the named rooms.
@@ -140,6 +146,12 @@ def test_within_a_layer_packages_do_not_import_each_other_back() -> None:
            for p in PACKAGES}
     same_layer = {p: {d for d in deps if LAYERS[d] == LAYERS[p]} for p, deps in pkg.items()}
     assert _cycles(same_layer) == []
+
+
+def test_only_the_commands_import_the_models() -> None:
+    users = sorted(f"{module} -> {dep}" for module, deps in _graph().items() for dep in deps
+                   if dep.split(".")[0] == "transportd_models" and module.split(".")[0] not in MODEL_USERS)
+    assert users == []
 
 
 def _room(module: str) -> str:

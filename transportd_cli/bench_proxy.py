@@ -3,7 +3,7 @@
 proxy
     (a) drain: pre-filled rings, one proxy (one worker), until every record has completed: the compiled
         engine with its own null NIC (nothing leaves C), the engine over the Python null backend, and the
-        numpy model (:mod:`transportd_cli.proxy_model`) in the same run, beside a bare numpy
+        numpy model (:mod:`transportd_models.engine`) in the same run, beside a bare numpy
         ``consume_ready`` loop and a bare C consumer (``_core.bare_drain``: take, release, complete, no
         validation or posting) over the same kind of ring;
     (b) live: a producer process pushes records while the proxy drains them, unpaced (rate, latency under
@@ -51,7 +51,7 @@ from transportd.dataplane.worker import DEEP_NAP_S, serve_loop
 from transportd.dataplane.worker_link import WorkerEndpoint
 from transportd.limits import MAX_BATCH, MAX_INFLIGHT_CAP, MIN_BATCH, MIN_INFLIGHT_CAP
 from transportd_cli.cli_options import FiniteFloat
-from transportd_cli.proxy_model import ModelProxy
+from transportd_models.engine import ModelProxy
 
 __all__ = ["bench_proxy", "bench_signals", "run_proxy_benchmark", "run_signals_benchmark"]
 

@@ -1,7 +1,7 @@
 /*
- * efa arrival counting (efa_arrivals.h): efa/arrivals.py's ArrivalTracker with its dicts as hash maps and
- * its deque as a ring. Counters are int64 so that unwrapping near zero can go negative and be refused,
- * exactly as Python's unbounded ints are.
+ * efa arrival counting (efa_arrivals.h): transportd_models/arrivals.py's ArrivalTracker with its dicts as
+ * hash maps and its deque as a ring. Counters are int64 so that unwrapping near zero can go negative and be
+ * refused, exactly as Python's unbounded ints are.
  */
 #include "efa_arrivals.h"
 

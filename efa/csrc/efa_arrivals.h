@@ -2,9 +2,9 @@
  * The receiving side of efa's counting protocol in C: one tracker per connection counts the pieces of
  * each group, orders the control records, and releases the signals that became safe to publish.
  *
- * This is efa/arrivals.py's ArrivalTracker, rule for rule (its docstring states the three rules); that
- * module stays as the model tests/efa/test_efa_core.py compares this one with over random completion
- * streams. The wire layout (immediates, the 32-byte record) is efa/wire.py's.
+ * This is transportd_models/arrivals.py's ArrivalTracker, rule for rule (its docstring states the three
+ * rules); that module stays as the model tests/efa/test_efa_core.py compares this one with over random
+ * completion streams. The wire layout (immediates, the 32-byte record) is efa/wire.py's.
  */
 #ifndef TRANSPORTD_EFA_ARRIVALS_H
 #define TRANSPORTD_EFA_ARRIVALS_H
@@ -68,7 +68,7 @@ typedef struct {
     uint8_t op;
 } EfaSig;
 
-/* A flag update that became safe (efa.arrivals.FlagUpdate). */
+/* A flag update that became safe (transportd_models.arrivals.FlagUpdate). */
 typedef struct {
     uint64_t value;
     uint32_t slot;

@@ -107,7 +107,7 @@ typedef struct Conn {
     uint32_t send_lkey;
     const uint8_t *recv_staging;
     uint64_t recv_entries;
-    /* efa.arrivals.SenderGroups */
+    /* transportd_models.arrivals.SenderGroups */
     uint64_t g_group, g_pieces, g_after, g_seq;
     int g_closed;
     /* send bookkeeping */

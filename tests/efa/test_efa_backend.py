@@ -22,7 +22,7 @@ REM_ACCESS_ERR = 10
 class CoverageJudge:
     """Publisher hook: a flag may be published only when every write it covers has fully landed.
 
-    Coverage (efa.arrivals): the writes of the signal's group (posted since the previous SIGNAL or FENCE
+    Coverage (transportd_models.arrivals): the writes of the signal's group (posted since the previous SIGNAL or FENCE
     row), every write before the last FENCE, and whatever earlier signals to the same flag covered;
     ``cumulative``: every earlier write. Signals are told apart by their value (unique per trial).
     """

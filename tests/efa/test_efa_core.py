@@ -5,7 +5,7 @@ Sending: an ``EfaPoster`` drives an ``SrdShimQP``; every record reaching ``wr_rd
 Python lowering EfaBackend ran before): immediates, lengths, splits, the control records' bytes, flags.
 Receiving: scripted completion streams (split writes, records, reordered, never duplicated) reach the
 poster through a ``ShimCQ``'s ``read_*`` function pointers; the flags it publishes must be exactly those
-:class:`efa.arrivals.ArrivalTracker` releases for the same stream, poll by poll.
+:class:`transportd_models.arrivals.ArrivalTracker` releases for the same stream, poll by poll.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from efa.arrivals import ArrivalTracker, SenderGroups
 from efa.backend import PUB_DTYPE
 from efa.srd_shim import SET_SGE, SET_UD, SRD_WR_DTYPE
 from efa.wire import CTRL_DTYPE, CTRL_SIZE, KIND_CTRL, decode_imm
@@ -26,6 +25,7 @@ from transportd import _core
 from transportd.backends.interface import COMPLETION_DTYPE, PLAN_DTYPE, PlanOp, SignalOp
 from transportd.backends.verbs_common import WC_DTYPE
 from transportd.errors import BackendError, VerbsError
+from transportd_models.arrivals import ArrivalTracker, SenderGroups
 
 SIGNALED = 2
 RECV_RDMA_WITH_IMM = 129
@@ -251,7 +251,7 @@ def test_unknown_op_rolls_back_and_raises() -> None:
     check_against_oracle(h.posted(), h.records, want, c, c["base"])  # group 0 again: nothing half-applied
 
 
-# --- receiving: the C arrival counting against efa.arrivals ------------------------------------------------
+# --- receiving: the C arrival counting against transportd_models.arrivals ------------------------------------
 
 
 def arrival_stream(rng: random.Random, groups: SenderGroups, n_rows: int, index: int, entries: int,

@@ -11,7 +11,7 @@ from transportd.backends.null import NullBackend
 from transportd.config import load_config
 from transportd.control.protocol import Channel, Join
 from transportd.dataplane.proxy import Proxy
-from transportd.dataplane.translate import PeerTable
+from transportd.dataplane.tables import PeerTable
 from transportd.errors import ConfigError, LocalProtocolError
 from transportd.limits import (
     MAX_BATCH,

@@ -22,7 +22,6 @@ import os
 import shutil
 import socket as _socket
 import stat
-import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -365,11 +364,6 @@ class ControlServer:
             self._serve_one([p.bytes for p in parts], _user_id(parts[-1]))
             served += 1
         return served
-
-    def serve(self, stop: threading.Event, interval_ms: int = 50) -> None:
-        """Serve until ``stop`` is set (for tests and simple daemons; the real loop calls :meth:`poll`)."""
-        while not stop.is_set():
-            self.poll(interval_ms)
 
     def _serve_one(self, frames: list[bytes], user_id: str = "") -> None:
         envelope = tuple(frames[:-1])

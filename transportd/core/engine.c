@@ -21,19 +21,19 @@
  * recorder; one branch per channel per pass when it is not traced.
  *
  * The control plane stays in Python (transportd/dataplane/proxy.py): it owns the region and peer tables (numpy
- * arrays in translate.py's layout) and hands the engine views of them between iterations; the engine
- * holds a buffer reference to every array it reads, so a table replaced in Python stays alive until the
- * engine is given its successor. The backend is reached through its C poster (poster.h: ib and efa post
+ * arrays in transportd/dataplane/tables.py's layout) and hands the engine views of them between iterations;
+ * the engine holds a buffer reference to every array it reads, so a table replaced in Python stays alive
+ * until the engine is given its successor. The backend is reached through its C poster (poster.h: ib and efa post
  * and poll from C, GIL released, no Python per pass), else through two callables (post, poll); with
  * neither the engine is its own null NIC, completing every batch on the next poll, for benchmarks.
  *
  * Why C and not Cython: the core builds with only a C compiler on a fresh machine (no Cython at build
  * time), and the same validation header compiles into the fuzzer and the sanitizer build unchanged.
  *
- * Exactness: transportd_cli/proxy_model.py is the same loop in numpy. tests/transportd/dataplane/test_core_differential.py
- * feeds both the same random records, tables and knobs and requires the same codes, the same rows in the
- * same order per connection and the same completion positions; so the comments here do not repeat the
- * rules, they point at where each one is decided.
+ * Exactness: transportd_models/engine.py is the same loop in numpy.
+ * tests/transportd/dataplane/test_core_differential.py feeds both the same random records, tables and knobs
+ * and requires the same codes, the same rows in the same order per connection and the same completion
+ * positions; so the comments here do not repeat the rules, they point at where each one is decided.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -924,7 +924,7 @@ static int link_ready(int wake_fd) {
  * ZMQ_FD is readable until zmq processes its commands, which the Python side's poll of the link does) and
  * SERVE_INTERRUPTED after interrupt(). A backend's Python (a post/poll callable, a shim's one call per
  * pass, efa's per-poll call) runs inside the pass, the GIL taken for that call only. The constants and what
- * they cost are transportd/dataplane/worker.py's; transportd_cli/proxy_model.py's model_serve_loop is the
+ * they cost are transportd/dataplane/worker.py's; transportd_models/engine.py's model_serve is the
  * same policy in Python. */
 int tpd_serve_loop(Engine *e, const Policy *p, int *reason) {
     uint64_t *s = e->loop;

@@ -18,7 +18,7 @@
  * Rows: PUT -> WRITE; PUT_SIGNAL -> WRITE, SIGNAL; SIGNAL -> SIGNAL; FENCE -> FENCE; QUIET -> none.
  * A signal's address is `flag base + 8 * slot` and its length 8. Addresses wrap modulo 2^64.
  *
- * Tables follow transportd/dataplane/translate.py's layout (the control plane fills them): every table has one
+ * Tables follow transportd/dataplane/tables.py's layout (the control plane fills them): every table has one
  * entry past its last id, a sentinel that is never valid, and ids out of range resolve onto it.
  */
 #ifndef TRANSPORTD_CORE_VALIDATE_H

@@ -38,7 +38,17 @@ FLAGS_REGION_ID = 0xFFFF_FFFF  # the id a rank's flag array carries in peer_regi
 
 @dataclass
 class LocalRank:
-    """One client session that joined a job on this node (or the far side of a self-test)."""
+    """One client session that joined a job on this node (or the far side of a self-test).
+
+    ``regions`` is the region registry: the one record of the regions this rank registered, region id ->
+    rail -> key (address, length, lkey, rkey), which :class:`~transportd.daemon.memory.RankMemory` alone
+    adds to (once every rail has registered the region) and releases. What the rails keep are views of it,
+    made and dropped on its say: each rail worker's registration of the region
+    (:attr:`transportd.dataplane.worker.RailService.regions`, by :func:`region_key`), that worker's proxy's
+    source table for the rank (:class:`transportd.dataplane.tables.RegionTable`, through
+    ``SetSourceRegion``), and the engine's view of that table's arrays. A peer node learns them from
+    ``peer_regions`` (:class:`RemoteRank`).
+    """
 
     client_id: bytes
     job: str

@@ -16,15 +16,14 @@ the GIL released. One iteration (:meth:`Proxy.run_once`):
    QUIET at ``p`` is satisfied once it is ``> p``), and a failed one writes REMOTE_ACCESS / TRANSPORT into
    the error words of the channels it came from.
 
-This module is the control plane around the engine: it owns the job-scoped tables
-(:class:`~transportd.dataplane.translate.RegionTable`, :class:`~transportd.dataplane.translate.PeerTable`) and hands the
-engine a view of a table after every change, maps backend connection ids to the engine's indexes, and
-turns the engine's counters into stats. Tables are job-scoped (docs/design.md, "Jobs are walled off"): a
-channel resolves source regions through its own rank's table and destinations through its job's peer table, so a job's
-commands can only reach that job's regions.
+This module is the control plane around the engine. The job-scoped tables, the channel and connection
+maps and the stats are :class:`~transportd.dataplane.proxy_base.ProxyBase`'s, which the engine's model
+shares; here the engine is handed a view of a table
+(:class:`~transportd.dataplane.tables.RegionTable`, :class:`~transportd.dataplane.tables.PeerTable`) after
+every change, and its counters and per-channel and per-connection state are read for the stats.
 
 ``backend=None`` makes the engine its own null NIC (every batch completes on the next poll, nothing
-leaves C): what ``transportd bench proxy`` measures. :mod:`transportd_cli.proxy_model` is the same loop in
+leaves C): what ``transportd bench proxy`` measures. :mod:`transportd_models.engine` is the same loop in
 numpy, the oracle of the differential test; the daemon never runs it.
 
 Tracing (:meth:`Proxy.trace_start` / :meth:`Proxy.trace_stop`): the engine appends every record a traced
@@ -57,9 +56,8 @@ from cmd_ring.ring import RingFile
 from transportd import _core
 from transportd.backends import traits_of
 from transportd.backends.interface import COMPLETION_DTYPE, PLAN_DTYPE, Backend
-from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
-from transportd.errors import ErrorCode
-from transportd.limits import MAX_BATCH, MIN_BATCH, MIN_INFLIGHT_CAP
+from transportd.dataplane.proxy_base import JobTables, ProxyBase, RingChannel, code_name
+from transportd.dataplane.tables import PeerTable, RegionTable
 
 __all__ = ["Proxy", "COUNTERS", "SERVE_INTERRUPTED", "SERVE_LINK", "TRACE_BUFFER_ENTRIES"]
 
@@ -71,13 +69,6 @@ TRACE_BUFFER_ENTRIES = 4096  # entries a traced channel buffers before the engin
 
 COUNTERS: tuple[str, ...] = _core.COUNTERS
 assert _core.PLAN_ROW_SIZE == PLAN_DTYPE.itemsize and _core.COMPLETION_SIZE == COMPLETION_DTYPE.itemsize
-
-
-def _code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return str(code)
 
 
 class _EngineLock:
@@ -104,22 +95,6 @@ class _EngineLock:
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
-
-
-@dataclass(eq=False)
-class _Job:
-    id: int
-    name: str
-    peers: PeerTable = field(default_factory=PeerTable)
-    sources: dict[int, tuple[int, RegionTable]] = field(default_factory=dict)  # rank -> (engine id, table)
-
-
-@dataclass(eq=False)
-class _Channel:
-    ring: RingFile
-    job: _Job
-    rank: int
-    gone: bool = False
 
 
 @dataclass(eq=False)
@@ -157,52 +132,26 @@ def _merge_context(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str,
             "peers": peers}
 
 
-class Proxy:
-    """Drains command rings into one backend (one rail); see the module doc for the loop.
+class Proxy(ProxyBase):
+    """Drains command rings into one backend (one rail); see the module doc for the loop, and
+    :class:`~transportd.dataplane.proxy_base.ProxyBase` for the knobs, the table methods and the stats.
 
-    ``batch_max`` commands per connection per batch (<= 8); ``poll_window_us`` how long a partial batch
-    may wait for more; ``inflight_cap`` WRs posted and not completed per connection; ``decoupled`` turns
-    on Perseus signal reduction; ``max_length`` is the largest PUT; ``max_take`` caps records taken from
-    one ring per iteration (bounds the work, hence the latency, of one iteration); ``poll_max`` caps the
-    completions taken per poll. A backend whose traits declare a compiled poster (ib, efa:
-    :attr:`c_poster`) is posted to and polled from C directly; others (the null backend) through their
-    Python ``post_batches`` and ``poll``, once per pass: one posting path per backend.
+    A backend whose traits declare a compiled poster (ib, efa: :attr:`c_poster`) is posted to and polled
+    from C directly; others (the null backend) through their Python ``post_batches`` and ``poll``, once per
+    pass: one posting path per backend.
     """
 
-    def __init__(
-        self,
-        backend: Backend | None,
-        *,
-        batch_max: int = 8,
-        poll_window_us: float = 50.0,
-        inflight_cap: int = 256,
-        decoupled: bool = False,
-        max_length: int = DEFAULT_MAX_LENGTH,
-        max_take: int = 4096,
-        poll_max: int = 4096,
-    ) -> None:
-        if not MIN_BATCH <= batch_max <= MAX_BATCH:
-            raise ValueError(f"batch_max must be in {MIN_BATCH}..{MAX_BATCH}, got {batch_max}")
-        if inflight_cap < MIN_INFLIGHT_CAP or max_take < 1:
-            raise ValueError(f"inflight_cap must be >= {MIN_INFLIGHT_CAP} (a PUT_SIGNAL is two WRs) and max_take >= 1")
+    def __init__(self, backend: Backend | None, **knobs: Any) -> None:
+        super().__init__(**knobs)
         self.backend = backend
-        self.batch_max = batch_max
-        self.window_ns = int(poll_window_us * 1000)
-        self.inflight_cap = inflight_cap
-        self.decoupled = decoupled
-        self.max_length = max_length
-        self.max_take = max_take
         # a backend with a compiled poster (ib, efa) is posted to and polled from C, with no Python per pass
         poster = backend.c_poster if traits_of(backend).compiled_poster else None
         hooks = (None, None) if backend is None or poster is not None else (self._post, self._poll)
-        self._core = _core.Engine(batch_max=batch_max, window_ns=self.window_ns, inflight_cap=inflight_cap,
-                                  decoupled=decoupled, max_length=max_length, max_take=max_take,
-                                  poll_max=poll_max, post=hooks[0], poll=hooks[1], poster=poster)
+        self._core = _core.Engine(batch_max=self.batch_max, window_ns=self.window_ns,
+                                  inflight_cap=self.inflight_cap, decoupled=self.decoupled,
+                                  max_length=self.max_length, max_take=self.max_take, poll_max=self.poll_max,
+                                  post=hooks[0], poll=hooks[1], poster=poster)
         self._lock = _EngineLock(self._core.interrupt)
-        self._jobs: dict[str, _Job] = {}
-        self._channels: dict[int, _Channel] = {}
-        self._conn_index: dict[int, int] = {}
-        self._next_source = 0
         self._traces: dict[tuple[str, int], _Trace] = {}
 
     # -- the backend seam: one call per iteration each way -------------------------------------------------
@@ -215,154 +164,46 @@ class Proxy:
     def _poll(self, max_completions: int) -> np.ndarray:
         return np.ascontiguousarray(self.backend.poll(max_completions), dtype=COMPLETION_DTYPE)
 
-    # -- tables (the daemon calls these as clients join, register and leave) -------------------------------
-    def _job(self, job: str) -> _Job:
-        entry = self._jobs.get(job)
-        if entry is None:
-            entry = self._jobs[job] = _Job(len(self._jobs), job)
-            self._push_peers(entry)
-        return entry
-
-    def _push_peers(self, entry: _Job) -> None:
+    # -- the tables, as the engine sees them: a view of each after every change ----------------------------
+    def _peers_changed(self, entry: JobTables) -> None:
         p = entry.peers
         self._core.set_peers(entry.id, p.world, p.rows, p.cols, p.conn, p.code, p.flag_base, p.flag_slots,
-                             p.flag_rkey, p.addr, p.length, p.rkey, p.valid, p.connections())
+                             p.flag_rkey, p.addr, p.length, p.rkey, p.valid, entry.conns)
 
-    def _source(self, entry: _Job, rank: int) -> tuple[int, RegionTable]:
-        found = entry.sources.get(rank)
-        if found is None:
-            found = entry.sources[rank] = (self._next_source, RegionTable())
-            self._next_source += 1
-            self._push_sources(found)
-        return found
+    def _sources_changed(self, source: int, table: RegionTable) -> None:
+        # the engine's view of the table: it holds these arrays until it is handed their successors
+        self._core.set_sources(source, table.addr, table.length, table.key, table.valid)
 
-    def _push_sources(self, source: tuple[int, RegionTable]) -> None:
-        sid, t = source
-        self._core.set_sources(sid, t.addr, t.length, t.key, t.valid)
+    def _tables_changed(self, job: str) -> None:
+        self._snapshot_traces(job)
 
-    def add_channel(self, channel: int, ring: RingFile, job: str, rank: int, world: int) -> None:
-        """Start draining ``ring``: records of ``job``'s ``rank`` in a world of ``world`` ranks."""
-        with self._lock:
-            if channel in self._channels:
-                raise ValueError(f"channel {channel} already exists")
-            entry = self._job(job)
-            if entry.peers.world and entry.peers.world != world:
-                raise ValueError(f"job {job!r} has world {entry.peers.world}, channel says {world}")
-            if not 0 <= rank < world:
-                raise ValueError(f"rank {rank} is outside world {world}")
-            entry.peers.set_world(world)
-            self._push_peers(entry)
-            sid, _ = self._source(entry, rank)
-            track = 1 << max(4 * ring.capacity, 4 * self.max_take).bit_length()
-            self._core.add_channel(channel, ring._bytes, entry.id, sid, track)
-            self._channels[channel] = _Channel(ring, entry, rank)
-            trace = self._traces.get((job, rank))
-            if trace is not None:
-                self._trace_channel(channel, trace)
-            self._snapshot_traces(job)
+    def _open_channel(self, channel: int, ring: RingFile, entry: JobTables, rank: int, track: int) -> RingChannel:
+        sid, _ = self._source(entry, rank)
+        self._core.add_channel(channel, ring._bytes, entry.id, sid, track)
+        return RingChannel(ring, entry, rank)
 
-    def mark_gone(self, channel: int) -> None:
-        """The channel's client left: later records are rejected with CLIENT_GONE, waiting ones dropped.
+    def _channel_added(self, channel: int, ch: RingChannel) -> None:
+        trace = self._traces.get((ch.job.name, ch.rank))
+        if trace is not None:
+            self._trace_channel(channel, trace)
 
-        Work already posted completes as usual, so the daemon can wait for :meth:`busy` before reclaiming.
-        """
-        with self._lock:
-            ch = self._channels.get(channel)
-            if ch is not None:
-                ch.gone = True
-                self._core.mark_gone(channel)
+    def _channel_gone(self, channel: int) -> None:
+        self._core.mark_gone(channel)
 
-    def remove_channel(self, channel: int) -> None:
-        """Stop draining ``channel`` and forget it; completions still due for it are ignored."""
-        with self._lock:
-            ch = self._channels.pop(channel, None)
-            if ch is not None:
-                trace = self._traces.get((ch.job.name, ch.rank))
-                if trace is not None and channel in trace.fds:
-                    self._untrace_channel(channel, trace)
-                self._core.remove_channel(channel)
+    def _channel_removed(self, channel: int, ch: RingChannel) -> None:
+        trace = self._traces.get((ch.job.name, ch.rank))
+        if trace is not None and channel in trace.fds:
+            self._untrace_channel(channel, trace)
+        self._core.remove_channel(channel)
 
-    def forget_rank(self, job: str, rank: int) -> None:
-        """``rank`` left ``job``: its channels are marked gone and its source regions forgotten."""
-        for cid, ch in list(self._channels.items()):
-            if ch.job.name == job and ch.rank == rank:
-                self.mark_gone(cid)
-        with self._lock:
-            entry = self._jobs.get(job)
-            if entry is not None and rank in entry.sources:
-                entry.sources[rank][1].clear()
+    def _connection_added(self, conn: int) -> int:
+        return self._core.add_connection(conn)
 
-    def set_source_region(self, job: str, rank: int, region: int, addr: int, length: int, lkey: int) -> None:
-        """``rank`` of ``job`` registered local region ``region`` (a source for its PUTs)."""
-        with self._lock:
-            source = self._source(self._job(job), rank)
-            source[1].set(region, addr, length, lkey)
-            self._push_sources(source)
-            self._snapshot_traces(job)
+    def _connection_failed(self, index: int, code: int) -> None:
+        self._core.fail_connection(index, code)
 
-    def remove_source_region(self, job: str, rank: int, region: int) -> None:
-        with self._lock:
-            self._source(self._job(job), rank)[1].remove(region)
-
-    def _change_peers(self, job: str, change: Callable[[PeerTable], None]) -> None:
-        with self._lock:
-            entry = self._job(job)
-            change(entry.peers)
-            self._push_peers(entry)
-            self._snapshot_traces(job)
-
-    def set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int, rkey: int) -> None:
-        """Peer rank ``peer`` of ``job`` exposes region ``region`` (a destination for PUTs)."""
-        self._change_peers(job, lambda p: p.set_region(peer, region, addr, length, rkey))
-
-    def remove_remote_region(self, job: str, peer: int, region: int) -> None:
-        self._change_peers(job, lambda p: p.remove_region(peer, region))
-
-    def set_remote_flags(self, job: str, peer: int, addr: int, count: int, rkey: int) -> None:
-        """Peer rank ``peer``'s flag array: ``count`` u64 words at ``addr`` (slot s is at addr + 8*s)."""
-        self._change_peers(job, lambda p: p.set_flags(peer, addr, count, rkey))
-
-    def remove_remote_flags(self, job: str, peer: int) -> None:
-        self._change_peers(job, lambda p: p.remove_flags(peer))
-
-    def bind_peer(self, job: str, peer: int, conn: int) -> None:
-        """Send ``job``'s records for rank ``peer`` over backend connection ``conn``."""
-        with self._lock:
-            idx = self._connection_index(conn)
-        self._change_peers(job, lambda p: p.bind(peer, idx))
-
-    def unbind_peer(self, job: str, peer: int) -> None:
-        """No connection for ``peer`` any more; its records are rejected with BAD_PEER."""
-        self._change_peers(job, lambda p: p.unbind(peer))
-
-    def forget_peer(self, job: str, peer: int) -> None:
-        """Peer rank ``peer`` left ``job``: records for it are rejected with BAD_PEER until it is set again."""
-        self._change_peers(job, lambda p: p.forget(peer))
-
-    def fail_connection(self, conn: int, code: int) -> None:
-        """Connection ``conn`` is gone (``code``: usually PEER_LOST; 0 when it was closed on purpose).
-
-        Its waiting rows are dropped and its posted batches are completed here (the backend may never
-        report them), with ``code`` in the error words of the channels they came from; records for the
-        peers it served are rejected with ``code`` (BAD_PEER when 0) from now on.
-        """
-        with self._lock:
-            idx = self._conn_index.get(conn)
-            if idx is None:
-                return
-            for entry in self._jobs.values():
-                for rank in np.flatnonzero(entry.peers.conn == idx):
-                    entry.peers.unbind(int(rank), code)
-                self._push_peers(entry)
-            self._core.fail_connection(idx, code)
-
-    def hold_connection(self, conn: int, on: bool = True) -> None:
-        """While held, records for the peers bound to ``conn`` stay in their rings (their daemon is
-        restarting: backpressure, nothing refused); rows already waiting for it still post, so it drains."""
-        with self._lock:
-            idx = self._conn_index.get(conn)
-            if idx is not None:
-                self._core.hold_connection(idx, on)
+    def _connection_held(self, index: int, on: bool) -> None:
+        self._core.hold_connection(index, on)
 
     def retire_connection(self, conn: int, code: int) -> None:
         """The far end of ``conn`` is gone for good (its daemon's next life has other keys): what is still
@@ -389,12 +230,6 @@ class Proxy:
             busy = [i for i, (_cid, inflight, pending, *_rest) in enumerate(self._core.connections())
                     if i in wanted and (inflight or pending)]
             return not busy
-
-    def _connection_index(self, conn: int) -> int:
-        idx = self._conn_index.get(conn)
-        if idx is None:
-            idx = self._conn_index[conn] = self._core.add_connection(conn)
-        return idx
 
     # -- tracing (the recorder is the engine's; see trace.h) -------------------------------------------------
     def trace_start(self, job: str, rank: int, prefix: str, buffer_entries: int = TRACE_BUFFER_ENTRIES) -> list[int]:
@@ -543,16 +378,6 @@ class Proxy:
         returns for the ``link`` and for an ``interrupted`` loop."""
         return self._core.loop_stats()
 
-    def run(self, stop: threading.Event | Callable[[], bool], *, check_every: int = 64,
-            idle_sleep_s: float = 0.0) -> None:
-        """Loop until ``stop`` is set (checked every ``check_every`` iterations); yields the CPU when idle."""
-        should_stop = stop.is_set if isinstance(stop, threading.Event) else stop
-        run_once = self.run_once
-        while not should_stop():
-            for _ in range(check_every):
-                if not run_once():
-                    time.sleep(idle_sleep_s)
-
     def wait_ready(self, timeout_s: float, nap_s: float = 0.0, wake_fd: int = -1) -> bool:
         """Watch the rings' head slots for up to ``timeout_s``: True as soon as one holds a committed record.
 
@@ -576,39 +401,8 @@ class Proxy:
         with self._lock:
             return self._core.progress()
 
-    def drain(self, timeout_s: float = 5.0) -> bool:
-        """Shutdown: take every record committed so far, post it, wait for its completions.
-
-        Records committed while the first ones drain are taken too, until every ring has been emptied
-        once up to the head it had when the drain began; after that nothing more is taken (a client
-        that keeps producing cannot hold the daemon up), and what was taken is posted and completed.
-        Bounded by ``timeout_s``; True when nothing is left waiting or in flight.
-        """
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            targets = {cid: pos + depth for cid in self._channels
-                       for pos, depth, *_ in [self._core.channel_state(cid, -1)]}
-        while time.monotonic() < deadline:
-            with self._lock:
-                behind = [cid for cid, target in targets.items()
-                          if cid in self._channels and self._core.channel_state(cid, -1)[0] < target]
-            if not behind:
-                break
-            self.run_once()
-        with self._lock:
-            self._core.set_taking(False)
-        while self.busy() and time.monotonic() < deadline:
-            self.run_once()
-        # what peers wrote here is on the CQ by now (they waited for its acknowledgement before quiescing):
-        # a receiving backend (efa) publishes the flags it covers before this life ends
-        while self.progress() and time.monotonic() < deadline:
-            pass
-        return not self.busy()
-
-    def completion_position(self, channel: int) -> int:
-        """The channel's published completion position."""
-        with self._lock:
-            return self._core.channel_state(channel, -1)[2]
+    def _stop_taking(self) -> None:
+        self._core.set_taking(False)
 
     # -- the null NIC's post log (backend=None): what benchmarks time --------------------------------------
     def log_posts(self, capacity: int) -> None:
@@ -620,68 +414,33 @@ class Proxy:
         pairs = np.frombuffer(self._core.post_log(), dtype=np.uint64).reshape(-1, 2)
         return pairs[:, 0].astype(np.int64), pairs[:, 1].copy()
 
-    # -- reporting -----------------------------------------------------------------------------------------
+    # -- reporting (ProxyBase.stats and queue_stats ask these) --------------------------------------------
     @property
     def counters(self) -> dict[str, int]:
         """The engine's counters by name (see :meth:`stats`)."""
         return dict(zip(COUNTERS, self._core.counters(), strict=True))
 
-    def stats(self) -> dict[str, Any]:
-        """Counters as a plain dict (msgpack/JSON-able) for ``transportctl stats``.
+    def _counter_values(self) -> dict[str, int]:
+        return self.counters
 
-        ``commands`` good records taken (QUIETs included, ``quiets`` of them); ``rejected`` bad ones, by code
-        in ``errors`` (completion errors included); ``wrs``/``writes``/``signals``/``fences``/``bytes`` what
-        was posted (``signals_requested``: signals before decoupled reduction); ``batch_hist[i]`` batches
-        of ``i+1`` commands; ``signals_per_dest_batch`` signals per (batch, destination) pair that had one.
-        ``stalls``: iterations in which the inflight cap left ready records in a ring. ``signal_stalls``:
-        iterations in which a ready batch holding a signal had to wait for completions; the proxy never
-        drains a CQ to order a signal and admits records only with room for them, so this stays 0 unless
-        a backend turns rows into more WRs than the proxy counted.
-        """
-        with self._lock:
-            out: dict[str, Any] = dict(zip(COUNTERS, self._core.counters(), strict=True))
-            pairs = out["signal_dest_batches"]
-            out["signals_per_dest_batch"] = out["signals"] / pairs if pairs else 0.0
-            out["batch_hist"] = list(self._core.batch_hist()[1 : self.batch_max + 1])
-            out["errors"] = {_code_name(code): n for code, n in enumerate(self._core.errors()) if n}
-            out["pending_rows"] = self._core.pending_rows()
-            out["inflight"] = {str(cid): inflight for cid, inflight, *_ in self._core.connections() if inflight}
-            out["channels"] = len(self._channels)
-            out["channels_gone"] = sum(ch.gone for ch in self._channels.values())
-            out["decoupled"] = self.decoupled
-            out["batch_max"] = self.batch_max
-            out["inflight_cap"] = self.inflight_cap
-            out["poll_window_us"] = self.window_ns / 1000
-            return out
+    def _batch_hist(self) -> list[int]:
+        return list(self._core.batch_hist())
 
-    def queue_stats(self) -> dict[str, Any]:
-        """Per ring and per connection queue state (``transportctl queues``, metrics), msgpack/JSON-able.
+    def _error_counts(self) -> list[int]:
+        return list(self._core.errors())
 
-        ``rings``: ``depth`` records committed and not yet taken; ``credits`` slots producers may still
-        claim (capacity minus depth: a slot claimed but not yet committed is invisible to the host);
-        ``oldest_age_us`` how long the record at the head has waited, counted from when the proxy first
-        saw it committed and left it in the ring (0 for an empty ring); ``outstanding`` records taken but
-        not yet complete; ``errors_by_code`` the ring's refused or failed records by ErrorCode name (the
-        error word keeps only the first code); ``traced`` whether its rank is being traced.
-        ``connections``: ``inflight`` WRs posted and not completed, ``pending`` rows waiting for their batch,
-        batches full/partial, ``batch_hist`` (index i: batches of i+1 commands) and payload ``bytes`` posted.
-        """
-        with self._lock:
-            now = time.monotonic_ns()
-            rings = []
-            for cid, ch in self._channels.items():
-                pos, depth, completed, gone, age_ns, code, _count, _at = self._core.channel_state(cid, now)
-                capacity = ch.ring.capacity
-                by_code = {_code_name(c): n for c, n in sorted(self._core.channel_codes(cid).items())}
-                rings.append({"channel": cid, "job": ch.job.name, "rank": ch.rank, "capacity": capacity,
-                              "depth": depth, "credits": capacity - depth, "oldest_age_us": age_ns / 1000,
-                              "taken": pos, "outstanding": pos - completed, "gone": bool(gone), "error": code,
-                              "errors_by_code": by_code,
-                              "traced": (ch.job.name, ch.rank) in self._traces})
-            conns = []
-            for conn_id, inflight, pending, hist, nbytes in self._core.connections():
-                full = hist[self.batch_max]
-                conns.append({"conn": conn_id, "inflight": inflight, "pending": pending, "batches_full": full,
-                              "batches_partial": sum(hist[1:]) - full,
-                              "batch_hist": list(hist[1 : self.batch_max + 1]), "bytes": nbytes})
-            return {"rings": rings, "connections": conns}
+    def _pending_rows(self) -> int:
+        return self._core.pending_rows()
+
+    def _connection_rows(self) -> list[tuple[int, int, int, list[int], int]]:
+        return list(self._core.connections())
+
+    def _channel_state(self, channel: int, now: int) -> tuple[int, int, int, bool, int, int]:
+        taken, depth, completed, gone, age_ns, code, _count, _at = self._core.channel_state(channel, now)
+        return taken, depth, completed, gone, age_ns, code
+
+    def _ring_extras(self, channel: int, ch: RingChannel) -> dict[str, Any]:
+        """``errors_by_code``: the ring's refused or failed records by ErrorCode name (the error word keeps
+        only the first code); ``traced``: whether its rank is being traced."""
+        return {"errors_by_code": {code_name(c): n for c, n in sorted(self._core.channel_codes(channel).items())},
+                "traced": (ch.job.name, ch.rank) in self._traces}

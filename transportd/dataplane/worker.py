@@ -74,6 +74,9 @@ class RailService:
         self.proxy = Proxy(self.backend, batch_max=config.proxy.batch_max,
                            poll_window_us=config.proxy.poll_window_us, inflight_cap=config.proxy.inflight_cap,
                            decoupled=config.signal.decoupled)
+        # this rail's registrations of the ranks' regions, key (state.region_key) -> (memory key, mapping): a
+        # view of the main process's region registry (daemon.state.LocalRank.regions), mapped and unmapped
+        # only on its MapRegion / MapGpuRegion / UnmapRegion
         self.regions: dict[str, tuple[MemoryKey, Any]] = {}
         self.conn_jobs: dict[int, str] = {}
         self.responders: set[int] = set()  # connections this rail accepted for a peer's requester

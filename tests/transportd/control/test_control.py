@@ -86,11 +86,18 @@ def sock_dir():
 
 
 class Served:
+    """A server polled in a thread until closed, the way the daemon's main loop polls it
+    (``ControlServer.poll``)."""
+
     def __init__(self, server: ControlServer, handler: Handler) -> None:
         self.server, self.handler, self.endpoint = server, handler, server.endpoint
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=server.serve, args=(self.stop, 10), daemon=True)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            self.server.poll(10)
 
     def close(self) -> None:
         self.stop.set()

@@ -3,11 +3,11 @@
 Each trial builds random job tables (regions registered, replaced and removed; peers bound, unbound and
 lost), random knobs (batch_max, polling window, inflight cap, decoupled signaling, max_take) and streams
 of random records, valid and invalid mixed, into two identical rings: one drained by
-:class:`transportd.dataplane.proxy.Proxy` (the engine), one by :class:`transportd_cli.proxy_model.ModelProxy`. Between
-passes the null NIC is paused and resumed and made to fail batches, the same way on both sides. After
-every pass both must agree on every channel's error word, consumer and completion position, on every
-counter, and on what was posted: the same batches to the same connections in the same pass, row for
-row and token for token.
+:class:`transportd.dataplane.proxy.Proxy` (the engine), one by :class:`transportd_models.engine.ModelProxy`.
+Between passes the null NIC is paused and resumed and made to fail batches, the same way on both sides.
+After every pass both must agree on every channel's error word, consumer and completion position, on every
+counter, on the queue state they report (per ring and per connection), and on what was posted: the same
+batches to the same connections in the same pass, row for row and token for token.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from cmd_ring.record import RECORD_DTYPE, Flag, Opcode
 from cmd_ring.ring import RingFile, RingProducer
 from transportd.backends.null import NullBackend
 from transportd.dataplane.proxy import Proxy
-from transportd_cli.proxy_model import ModelProxy
+from transportd_models.engine import ModelProxy
 
 JOB = "diff"
 SRC_LEN = 1 << 16
@@ -60,7 +60,11 @@ class Side:
         rings = tuple((r.error, r.consumer_pos, r.completion_pos) for r in self.rings)
         counters = {k: v for k, v in self.proxy.counters.items() if k != "iterations"}
         stats = self.proxy.stats()
-        return rings, counters, stats["errors"], stats["inflight"], stats["batch_hist"], self.proxy.busy()
+        queues = self.proxy.queue_stats()  # less the head's age (a clock) and what only the daemon's proxy adds
+        queue_rings = [{k: v for k, v in ring.items() if k not in ("oldest_age_us", "errors_by_code", "traced")}
+                       for ring in queues["rings"]]
+        return (rings, counters, stats["errors"], stats["inflight"], stats["batch_hist"], self.proxy.busy(),
+                queue_rings, queues["connections"])
 
     def new_posts(self) -> list[tuple[bytes, bytes, bytes]]:
         """(connection ids, rows, batch bounds) of each post since the last call."""

@@ -28,7 +28,7 @@ signal it includes, also after decoupled signaling merged several into one. What
 the order the commands were pushed (what a producer knows):
 
 - ib (RC): every write posted before it on its connection;
-- efa (:mod:`efa.arrivals`): the writes of its group (those since the previous SIGNAL/FENCE of the
+- efa (:mod:`transportd_models.arrivals`): the writes of its group (those since the previous SIGNAL/FENCE of the
   connection, or that record's group when none came in between), every write before the last FENCE, and
   what earlier signals to the same flag covered.
 
@@ -69,8 +69,8 @@ import pytest
 from cmd_ring import Command, Flag, Opcode, RingFile, RingProducer, records_from_commands
 from transportd.backends import verbs as tverbs
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
-from transportd.dataplane.batching import decouple_signals
 from transportd.dataplane.proxy import Proxy
+from transportd_models.batching import decouple_signals
 
 JOB = "job"
 WORLD = 3  # rank 0 sends from this node; ranks 1 and 2 live on the other one, each on its own connection
@@ -562,7 +562,8 @@ def _main(argv: list[str]) -> None:
 
 
 def _efa_coverage(plan: np.ndarray) -> dict[int, frozenset[int]]:
-    """``efa.arrivals``' coverage on a posted row stream: signal chunk id -> the write chunk ids it covers."""
+    """``transportd_models.arrivals``' coverage on a posted row stream: signal chunk id -> the write chunk ids
+    it covers."""
     group: set[int] = set()
     closed = False
     written: set[int] = set()

@@ -18,9 +18,10 @@ from cmd_ring import Command, Flag, Opcode, RingFile, RingProducer, records_from
 from tests.support.waiting import wait_until
 from transportd.backends.interface import PlanOp
 from transportd.backends.null import NullBackend, apply_plans
+from transportd.dataplane import worker as rail
 from transportd.dataplane.proxy import Proxy
 from transportd.errors import ErrorCode
-from transportd_cli.proxy_model import completion_error_code
+from transportd_models.engine import completion_error_code
 
 JOB = "job"
 WORLD = 4
@@ -379,10 +380,29 @@ def test_two_channels_of_a_job_share_connections_and_keep_their_own_positions(ri
         rig.proxy.add_channel(3, other, JOB, 0, WORLD + 1)
 
 
-# --- the generic loop ---------------------------------------------------------------------------------------
-def test_run_until_stopped_in_a_thread(rig) -> None:
+# --- the rail worker's loop (worker.serve_loop, Proxy.serve), run in a thread --------------------------------
+class QuietLink:
+    """What ``serve_loop`` needs of a worker link, with no requests ever: a descriptor to watch (a pipe's read
+    end, readable once something is written to ``write_fd``) and nothing pending."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+
+    def wake_fd(self) -> int:
+        return self.read_fd
+
+    def serve_pending(self, timeout_ms: int = 0) -> bool:
+        return False
+
+    def close(self) -> None:
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+def test_serve_loop_runs_until_stopped_in_a_thread(rig) -> None:
     stop = threading.Event()
-    worker = threading.Thread(target=rig.proxy.run, args=(stop,), kwargs=dict(check_every=8))
+    link = QuietLink()
+    worker = threading.Thread(target=rail.serve_loop, args=(rig.proxy, link, stop.is_set))
     worker.start()
     try:
         for i in range(0, 300, 10):
@@ -390,15 +410,26 @@ def test_run_until_stopped_in_a_thread(rig) -> None:
         wait_until(lambda: rig.ring.completion_pos >= 300, "the loop to drain the ring", interval=0.001)
     finally:
         stop.set()
+        rig.proxy.interrupt()  # the engine's loop returns; serve_loop then sees stop set
         worker.join(5)
+        link.close()
     assert not worker.is_alive()
     assert rig.chunks(1) == list(range(300))
 
 
-def test_run_accepts_a_callable_stop(rig) -> None:
+def test_serve_loop_asks_a_callable_stop_around_each_serve(rig) -> None:
+    """``stopping`` is any callable, asked before each serve and again once the link's requests are served:
+    here it says stop on its fourth call, so the engine's loop ran once (returning for the link, whose
+    descriptor stays readable)."""
     calls = []
-    rig.proxy.run(lambda: calls.append(1) or len(calls) > 3, check_every=2)
-    assert rig.proxy.stats()["iterations"] == 6
+    link = QuietLink()
+    os.write(link.write_fd, b"r")
+    try:
+        rail.serve_loop(rig.proxy, link, lambda: calls.append(1) or len(calls) > 3)
+    finally:
+        link.close()
+    assert len(calls) == 4
+    assert rig.proxy.loop_stats()["link"] == 1
 
 
 def test_stats_are_plain_json(rig) -> None:
@@ -510,7 +541,6 @@ def test_rail_serve_loop_takes_sparse_records_and_serves_its_link_while_idle(tmp
     import zmq
 
     from transportd.control import codec
-    from transportd.dataplane import worker as rail
     from transportd.dataplane.link_messages import LinkRequest, Stop, Stopped
     from transportd.dataplane.worker_link import WorkerEndpoint
 

@@ -1,5 +1,5 @@
 """The rail worker's loop in the engine (``Proxy.serve``, ``engine.c``'s ``tpd_serve_loop``), against its Python
-model (``transportd_cli.proxy_model.model_serve``, the loop the worker ran pass by pass before).
+model (``transportd_models.engine.model_serve``, the loop the worker ran pass by pass before).
 
 Each scenario runs a serve loop in a thread over a real ring, with a pipe standing in for the worker link's
 descriptor (a byte written is a request; the loop must return ``SERVE_LINK`` for it, and the test "serves"
@@ -28,7 +28,7 @@ from transportd.backends.interface import PlanOp
 from transportd.backends.null import NullBackend
 from transportd.dataplane import worker as rail
 from transportd.dataplane.proxy import SERVE_INTERRUPTED, SERVE_LINK, Proxy
-from transportd_cli.proxy_model import (
+from transportd_models.engine import (
     MODEL_SERVE_INTERRUPTED,
     MODEL_SERVE_LINK,
     ModelLoopState,

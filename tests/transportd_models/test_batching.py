@@ -7,13 +7,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
-from transportd.dataplane import batching
-from transportd.dataplane.batching import (
+from transportd.rows import compress_rows, concat_rows, take_rows
+from transportd_models import batching
+from transportd_models.batching import (
     cumsum_within,
     cut_batches,
     decouple_signals,
 )
-from transportd.rows import compress_rows, concat_rows, take_rows
 
 W, S, F = int(PlanOp.WRITE), int(PlanOp.SIGNAL), int(PlanOp.FENCE)
 ADD, SET = int(SignalOp.ADD), int(SignalOp.SET)

@@ -6,26 +6,25 @@ the differential test (``tests/transportd/dataplane/test_core_differential.py``:
 through both must give the same codes, rows and completion positions) and as the baseline of
 ``transportd bench proxy``. A change to the loop's rules lands in both, or the differential test fails.
 
-One iteration (:meth:`Proxy.run_once`):
+One iteration (:meth:`ModelProxy.run_once`):
 
 1. **take** -- from every channel, take the records that are ready, as many as the connections its job
    feeds can still accept (``consume_ready(max_records=...)``): when a connection is full, records stay in
    the ring and the ring fills, so backpressure reaches the producer; nothing is dropped and nothing is
    buffered beyond the inflight cap. Records are validated and translated in one vectorized call
-   (:mod:`transportd.dataplane.translate`); a bad one is counted and reported through the channel's error word.
+   (:mod:`transportd_models.translate`); a bad one is counted and reported through the channel's error word.
 2. **post** -- rows wait per connection until a batch of ``batch_max`` commands fills, the polling
    window (``poll_window_us``) passes, or a NO_BATCH / FENCE / QUIET command asks for it; each ready batch
-   (decoupled if asked, :mod:`transportd.dataplane.batching`) is posted under the per-connection inflight cap.
+   (decoupled if asked, :mod:`transportd_models.batching`) is posted under the per-connection inflight cap.
 3. **progress** -- drain the backend's completions: each posted batch has one token; map it back to the
    ring positions it covered, free its inflight WRs, publish each channel's completion position (the first
    ring position not yet complete, so a kernel's QUIET at ``p`` is satisfied once it is ``> p``), and
    write REMOTE_ACCESS / TRANSPORT into the channel's error word for a completion with an error status.
 
 The ring knows nothing about RDMA and the backend knows nothing about rings: the proxy is the only place
-they meet (in the daemon :mod:`transportd.dataplane.proxy` and its engine; here, their model). Tables are
-job-scoped (docs/design.md, "Jobs are walled off"): a channel (one client's ring) resolves source regions
-through its own rank's table and destinations through its job's peer table, so a job's commands can only
-reach that job's regions.
+they meet (in the daemon :mod:`transportd.dataplane.proxy` and its engine; here, their model). The tables,
+the channel and connection maps and the stats are :class:`~transportd.dataplane.proxy_base.ProxyBase`'s,
+shared with the daemon's proxy; the model reads the tables directly where the engine is handed views.
 
 Threading: one thread runs the loop; the table methods may be called between iterations from the same
 thread (the rail worker does) or from another thread (a lock serializes them with ``run_once``).
@@ -45,15 +44,17 @@ import numpy as np
 from cmd_ring.record import RECORD_DTYPE, Flag, Opcode, seq_for
 from cmd_ring.ring import RingConsumer, RingFile
 from transportd.backends.interface import PLAN_DTYPE, Backend, PlanOp
-from transportd.dataplane.batching import (
+from transportd.dataplane.proxy_base import JobTables, ProxyBase, RingChannel
+from transportd.dataplane.tables import RegionTable
+from transportd.errors import ErrorCode
+from transportd.rows import compress_rows, concat_rows, take_rows
+from transportd_models.batching import (
     cumsum_within,
     cut_batches,
     decouple_signals,
     run_starts,
 )
-from transportd.dataplane.translate import DEFAULT_MAX_LENGTH, PeerTable, RegionTable, Translated, translate
-from transportd.errors import ErrorCode
-from transportd.rows import compress_rows, concat_rows, take_rows
+from transportd_models.translate import Translated, translate
 
 __all__ = ["ModelLoopState", "ModelProxy", "completion_error_code", "META_DTYPE", "MODEL_SERVE_INTERRUPTED",
            "MODEL_SERVE_LINK", "model_serve"]
@@ -79,13 +80,6 @@ def _truncated(tr: Translated, k: int) -> Translated:
     return Translated(tr.codes[:k], tr.plan[:m], tr.row_rec[:m], tr.row_conn[:m])
 
 
-def _code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return str(code)
-
-
 def completion_error_code(status: np.ndarray) -> np.ndarray:
     """ErrorCode per work-completion status: 0 stays 0, 4/10 -> REMOTE_ACCESS, anything else -> TRANSPORT."""
     status = np.asarray(status)
@@ -93,33 +87,17 @@ def completion_error_code(status: np.ndarray) -> np.ndarray:
     return np.where(status == 0, 0, code).astype(np.uint16)
 
 
-@dataclass(eq=False)
-class _Job:
-    name: str
-    peers: PeerTable = field(default_factory=PeerTable)
-    sources: dict[int, RegionTable] = field(default_factory=dict)
-    conns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-
-    def source_table(self, rank: int) -> RegionTable:
-        table = self.sources.get(rank)
-        if table is None:
-            table = self.sources[rank] = RegionTable()
-        return table
-
-
-class _Channel:
+class _Channel(RingChannel):
     """One client's ring and where its records resolve; ``done`` marks completed positions (mod its size)."""
 
-    __slots__ = ("id", "ring", "consumer", "job", "rank", "sources", "gone", "completed", "done", "seqs", "mask")
+    __slots__ = ("id", "consumer", "sources", "completed", "done", "seqs", "mask")
 
-    def __init__(self, cid: int, ring: RingFile, job: _Job, rank: int, track: int) -> None:
+    def __init__(self, cid: int, ring: RingFile, job: JobTables, rank: int, sources: RegionTable,
+                 track: int) -> None:
+        super().__init__(ring, job, rank)
         self.id = cid
-        self.ring = ring
         self.consumer = RingConsumer(ring)
-        self.job = job
-        self.rank = rank
-        self.sources = job.source_table(rank)
-        self.gone = False
+        self.sources = sources
         self.completed = self.consumer.position  # positions before it were never this proxy's
         ring.publish_completion(self.completed)
         self.done = np.zeros(track, dtype=bool)
@@ -150,44 +128,17 @@ _COUNTERS = (
 )
 
 
-class ModelProxy:
-    """Drains command rings into one backend (one rail); see the module doc for the loop.
+class ModelProxy(ProxyBase):
+    """Drains command rings into one backend (one rail); see the module doc for the loop, and
+    :class:`~transportd.dataplane.proxy_base.ProxyBase` (shared with the daemon's proxy) for the knobs, the
+    table methods and the stats."""
 
-    ``batch_max`` commands per connection per batch (<= 8); ``poll_window_us`` how long a partial batch
-    may wait for more; ``inflight_cap`` WRs posted and not completed per connection; ``decoupled`` turns
-    on Perseus signal reduction; ``max_length`` is the largest PUT; ``max_take`` caps records taken from
-    one ring per iteration (bounds the work, hence the latency, of one iteration).
-    """
-
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        batch_max: int = 8,
-        poll_window_us: float = 50.0,
-        inflight_cap: int = 256,
-        decoupled: bool = False,
-        max_length: int = DEFAULT_MAX_LENGTH,
-        max_take: int = 4096,
-        poll_max: int = 4096,
-    ) -> None:
-        if not 1 <= batch_max <= 8:
-            raise ValueError(f"batch_max must be in 1..8, got {batch_max}")
-        if inflight_cap < 2 or max_take < 1:
-            raise ValueError("inflight_cap must be >= 2 (a PUT_SIGNAL is two WRs) and max_take >= 1")
+    def __init__(self, backend: Backend, **knobs: Any) -> None:
+        super().__init__(**knobs)
         self.backend = backend
-        self.batch_max = batch_max
-        self.window_ns = int(poll_window_us * 1000)
-        self.inflight_cap = inflight_cap
-        self.decoupled = decoupled
-        self.max_length = max_length
-        self.max_take = max_take
-        self.poll_max = poll_max
         self._lock = threading.Lock()
-        self._jobs: dict[str, _Job] = {}
         self._channels: dict[int, _Channel] = {}
         self._conn_ids = np.zeros(0, dtype=np.int64)  # connection index -> backend conn_id
-        self._conn_index: dict[int, int] = {}
         self._holding = np.zeros(0, dtype=bool)  # records for its peers stay in the rings (a peer restarting)
         self._broken = np.zeros(0, dtype=bool)  # its far end stopped answering
         self._broken_told = np.zeros(0, dtype=bool)
@@ -209,152 +160,50 @@ class ModelProxy:
         self._taking = True  # False once drain() has emptied the rings: nothing more is taken
         self.errors = np.zeros(256, dtype=np.int64)  # by ErrorCode value
 
-    # -- tables (the daemon calls these as clients join, register and leave) -------------------------------
-    def _job(self, job: str) -> _Job:
-        entry = self._jobs.get(job)
-        if entry is None:
-            entry = self._jobs[job] = _Job(job)
-        return entry
+    # -- the tables, as the model sees them: read directly (ProxyBase keeps them) ---------------------------
+    def _peers_changed(self, entry: JobTables) -> None:
+        pass
 
-    def add_channel(self, channel: int, ring: RingFile, job: str, rank: int, world: int) -> None:
-        """Start draining ``ring``: records of ``job``'s ``rank`` in a world of ``world`` ranks."""
-        with self._lock:
-            if channel in self._channels:
-                raise ValueError(f"channel {channel} already exists")
-            entry = self._job(job)
-            if entry.peers.world and entry.peers.world != world:
-                raise ValueError(f"job {job!r} has world {entry.peers.world}, channel says {world}")
-            if not 0 <= rank < world:
-                raise ValueError(f"rank {rank} is outside world {world}")
-            entry.peers.set_world(world)
-            track = 1 << max(4 * ring.capacity, 4 * self.max_take).bit_length()
-            self._channels[channel] = _Channel(channel, ring, entry, rank, track)
+    def _sources_changed(self, source: int, table: RegionTable) -> None:
+        pass
 
-    def mark_gone(self, channel: int) -> None:
-        """The channel's client left: later records are rejected with CLIENT_GONE, waiting ones dropped.
+    def _open_channel(self, channel: int, ring: RingFile, entry: JobTables, rank: int, track: int) -> _Channel:
+        return _Channel(channel, ring, entry, rank, self._source(entry, rank)[1], track)
 
-        Work already posted completes as usual, so the daemon can wait for :meth:`busy` before reclaiming.
-        """
-        with self._lock:
-            ch = self._channels.get(channel)
-            if ch is not None:
-                ch.gone = True
-                self._drop_waiting(self._meta["chan"] == channel, ErrorCode.CLIENT_GONE)
+    def _channel_gone(self, channel: int) -> None:
+        self._drop_waiting(self._meta["chan"] == channel, ErrorCode.CLIENT_GONE)
 
-    def remove_channel(self, channel: int) -> None:
-        """Stop draining ``channel`` and forget it; completions still due for it are ignored."""
-        with self._lock:
-            ch = self._channels.pop(channel, None)
-            self._head_seen.pop(channel, None)
-            if ch is not None:
-                keep = self._meta["chan"] != channel
-                self._plan, self._meta = compress_rows(self._plan, keep), compress_rows(self._meta, keep)
-                self._recount_pending()
+    def _channel_removed(self, channel: int, ch: _Channel) -> None:
+        self._head_seen.pop(channel, None)
+        keep = self._meta["chan"] != channel
+        self._plan, self._meta = compress_rows(self._plan, keep), compress_rows(self._meta, keep)
+        self._recount_pending()
 
-    def forget_rank(self, job: str, rank: int) -> None:
-        """``rank`` left ``job``: its channels are marked gone and its source regions forgotten."""
-        for ch in list(self._channels.values()):
-            if ch.job.name == job and ch.rank == rank:
-                self.mark_gone(ch.id)
-        with self._lock:
-            entry = self._jobs.get(job)
-            if entry is not None and rank in entry.sources:
-                table = entry.sources[rank]
-                table.clear()
-
-    def set_source_region(self, job: str, rank: int, region: int, addr: int, length: int, lkey: int) -> None:
-        """``rank`` of ``job`` registered local region ``region`` (a source for its PUTs)."""
-        with self._lock:
-            self._job(job).source_table(rank).set(region, addr, length, lkey)
-
-    def remove_source_region(self, job: str, rank: int, region: int) -> None:
-        with self._lock:
-            self._job(job).source_table(rank).remove(region)
-
-    def set_remote_region(self, job: str, peer: int, region: int, addr: int, length: int, rkey: int) -> None:
-        """Peer rank ``peer`` of ``job`` exposes region ``region`` (a destination for PUTs)."""
-        with self._lock:
-            self._job(job).peers.set_region(peer, region, addr, length, rkey)
-
-    def remove_remote_region(self, job: str, peer: int, region: int) -> None:
-        with self._lock:
-            self._job(job).peers.remove_region(peer, region)
-
-    def set_remote_flags(self, job: str, peer: int, addr: int, count: int, rkey: int) -> None:
-        """Peer rank ``peer``'s flag array: ``count`` u64 words at ``addr`` (slot s is at addr + 8*s)."""
-        with self._lock:
-            self._job(job).peers.set_flags(peer, addr, count, rkey)
-
-    def remove_remote_flags(self, job: str, peer: int) -> None:
-        with self._lock:
-            self._job(job).peers.remove_flags(peer)
-
-    def bind_peer(self, job: str, peer: int, conn: int) -> None:
-        """Send ``job``'s records for rank ``peer`` over backend connection ``conn``."""
-        with self._lock:
-            entry = self._job(job)
-            entry.peers.bind(peer, self._connection_index(conn))
-            entry.conns = entry.peers.connections()
-
-    def unbind_peer(self, job: str, peer: int) -> None:
-        """No connection for ``peer`` any more; its records are rejected with BAD_PEER."""
-        with self._lock:
-            entry = self._job(job)
-            entry.peers.unbind(peer)
-            entry.conns = entry.peers.connections()
-
-    def forget_peer(self, job: str, peer: int) -> None:
-        """Peer rank ``peer`` left ``job``: records for it are rejected with BAD_PEER until it is set again."""
-        with self._lock:
-            entry = self._job(job)
-            entry.peers.forget(peer)
-            entry.conns = entry.peers.connections()
-
-    def fail_connection(self, conn: int, code: int) -> None:
-        """Connection ``conn`` is gone (``code``: usually PEER_LOST; 0 when it was closed on purpose).
-
-        Its waiting rows are dropped and its posted batches are completed here (the backend may never
-        report them), with ``code`` in the error words of the channels they came from; records for the
-        peers it served are rejected with ``code`` (BAD_PEER when 0) from now on.
-        """
-        with self._lock:
-            idx = self._conn_index.get(conn)
-            if idx is None:
-                return
-            for entry in self._jobs.values():
-                for rank in np.flatnonzero(entry.peers.conn == idx):
-                    entry.peers.unbind(int(rank), code)
-                entry.conns = entry.peers.connections()
-            self._drop_waiting(self._meta["conn"] == idx, code)
-            for posted in self._posted:
-                open_tokens = np.flatnonzero((posted.tok_conn == idx) & ~posted.done)
-                if open_tokens.size:
-                    status = np.full(open_tokens.size, -1 if code else 0, dtype=np.int64)
-                    self._complete(posted, open_tokens, status, forced_code=code)
-            self._posted = [p for p in self._posted if p.remaining]
-            self._inflight[idx] = 0
-            self._advance_touched()
-
-    def _connection_index(self, conn: int) -> int:
-        idx = self._conn_index.get(conn)
-        if idx is None:
-            idx = self._conn_index[conn] = len(self._conn_ids)
-            self._conn_ids = np.append(self._conn_ids, conn)
-            self._inflight = np.append(self._inflight, 0)
-            self._pending = np.append(self._pending, 0)
-            self._conn_hist = np.vstack([self._conn_hist, np.zeros((1, 9), dtype=np.int64)])
-            self._conn_bytes = np.append(self._conn_bytes, 0)
-            self._holding = np.append(self._holding, False)
-            self._broken = np.append(self._broken, False)
-            self._broken_told = np.append(self._broken_told, False)
+    def _connection_added(self, conn: int) -> int:
+        idx = len(self._conn_ids)
+        self._conn_ids = np.append(self._conn_ids, conn)
+        self._inflight = np.append(self._inflight, 0)
+        self._pending = np.append(self._pending, 0)
+        self._conn_hist = np.vstack([self._conn_hist, np.zeros((1, 9), dtype=np.int64)])
+        self._conn_bytes = np.append(self._conn_bytes, 0)
+        self._holding = np.append(self._holding, False)
+        self._broken = np.append(self._broken, False)
+        self._broken_told = np.append(self._broken_told, False)
         return idx
 
-    def hold_connection(self, conn: int, on: bool = True) -> None:
-        """While held, records for the peers bound to ``conn`` stay in their rings; waiting rows still post."""
-        with self._lock:
-            idx = self._conn_index.get(conn)
-            if idx is not None:
-                self._holding[idx] = on
+    def _connection_failed(self, index: int, code: int) -> None:
+        self._drop_waiting(self._meta["conn"] == index, code)
+        for posted in self._posted:
+            open_tokens = np.flatnonzero((posted.tok_conn == index) & ~posted.done)
+            if open_tokens.size:
+                status = np.full(open_tokens.size, -1 if code else 0, dtype=np.int64)
+                self._complete(posted, open_tokens, status, forced_code=code)
+        self._posted = [p for p in self._posted if p.remaining]
+        self._inflight[index] = 0
+        self._advance_touched()
+
+    def _connection_held(self, index: int, on: bool) -> None:
+        self._holding[index] = on
 
     def broken_connections(self) -> list[int]:
         """Connections whose far end stopped answering since the last call (each once)."""
@@ -380,16 +229,6 @@ class ModelProxy:
             did |= self._progress() > 0
             self._advance_touched()
             return did
-
-    def run(self, stop: threading.Event | Callable[[], bool], *, check_every: int = 64,
-            idle_sleep_s: float = 0.0) -> None:
-        """Loop until ``stop`` is set (checked every ``check_every`` iterations); yields the CPU when idle."""
-        should_stop = stop.is_set if isinstance(stop, threading.Event) else stop
-        run_once = self.run_once
-        while not should_stop():
-            for _ in range(check_every):
-                if not run_once():
-                    time.sleep(idle_sleep_s)
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Watch the rings' head slots for up to ``timeout_s``: True as soon as one holds a committed record.
@@ -782,99 +621,38 @@ class ModelProxy:
                 ch.ring.publish_completion(ch.completed)
         self._touched.clear()
 
-    # -- reporting ---------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Counters as a plain dict (msgpack/JSON-able) for ``transportctl stats``.
-
-        ``commands`` good records taken (QUIETs included, ``quiets`` of them); ``rejected`` bad ones, by code
-        in ``errors`` (completion errors included); ``wrs``/``writes``/``signals``/``fences``/``bytes`` what
-        was posted (``signals_requested``: signals before decoupled reduction); ``batch_hist[i]`` batches
-        of ``i+1`` commands; ``signals_per_dest_batch`` signals per (batch, destination) pair that had one.
-        ``stalls``: iterations in which the inflight cap left ready records in a ring. ``signal_stalls``:
-        iterations in which a ready batch holding a signal had to wait for completions; the proxy never
-        drains a CQ to order a signal and admits records only with room for them, so this stays 0 unless
-        a backend turns rows into more WRs than the proxy counted.
-        """
-        with self._lock:
-            out: dict[str, Any] = dict(self.counters)
-            pairs = out["signal_dest_batches"]
-            out["signals_per_dest_batch"] = out["signals"] / pairs if pairs else 0.0
-            out["batch_hist"] = [int(x) for x in self.batch_hist[1 : self.batch_max + 1]]
-            out["errors"] = {_code_name(int(code)): int(self.errors[code]) for code in np.flatnonzero(self.errors)}
-            out["pending_rows"] = len(self._plan)
-            out["inflight"] = {str(int(self._conn_ids[i])): int(v) for i, v in enumerate(self._inflight) if v}
-            out["channels"] = len(self._channels)
-            out["channels_gone"] = sum(ch.gone for ch in self._channels.values())
-            out["decoupled"] = self.decoupled
-            out["batch_max"] = self.batch_max
-            out["inflight_cap"] = self.inflight_cap
-            out["poll_window_us"] = self.window_ns / 1000
-            return out
-
-    def queue_stats(self) -> dict[str, Any]:
-        """Per ring and per connection queue state (``transportctl queues``, metrics), msgpack/JSON-able.
-
-        ``rings``: ``depth`` records committed and not yet taken; ``credits`` slots producers may still
-        claim (capacity minus depth: a slot claimed but not yet committed is invisible to the host);
-        ``oldest_age_us`` how long the record at the head has waited, counted from when the proxy first
-        saw it committed and left it in the ring (0 for an empty ring); ``outstanding`` records taken but
-        not yet complete. ``connections``: ``inflight`` WRs posted and not completed, ``pending`` rows
-        waiting for their batch, batches full/partial, ``batch_hist`` (index i: batches of i+1 commands)
-        and payload ``bytes`` posted.
-        """
-        with self._lock:
-            self._fold_conn_log()
-            now = time.monotonic_ns()
-            rings = []
-            for ch in self._channels.values():
-                pos = ch.consumer.position
-                depth = ch.consumer.ready_count()
-                age_us = 0.0
-                if depth:
-                    seen = self._head_seen.get(ch.id)
-                    if seen is None or seen[0] != pos:
-                        seen = self._head_seen[ch.id] = (pos, now)
-                    age_us = (now - seen[1]) / 1000
-                capacity = ch.ring.capacity
-                rings.append({"channel": ch.id, "job": ch.job.name, "rank": ch.rank, "capacity": capacity,
-                              "depth": depth, "credits": capacity - depth, "oldest_age_us": age_us, "taken": pos,
-                              "outstanding": pos - ch.completed, "gone": ch.gone, "error": ch.ring.error[0]})
-            conns = []
-            for idx, conn_id in enumerate(self._conn_ids.tolist()):
-                hist = self._conn_hist[idx]
-                full = int(hist[self.batch_max])
-                conns.append({"conn": conn_id, "inflight": int(self._inflight[idx]),
-                              "pending": int(self._pending[idx]), "batches_full": full,
-                              "batches_partial": int(hist[1:].sum()) - full,
-                              "batch_hist": [int(x) for x in hist[1 : self.batch_max + 1]],
-                              "bytes": int(self._conn_bytes[idx])})
-            return {"rings": rings, "connections": conns}
-
-    def drain(self, timeout_s: float = 5.0) -> bool:
-        """Shutdown: take every record committed so far, post it, wait for its completions.
-
-        Records committed while the first ones drain are taken too, until every ring has been emptied
-        once up to the head it had when the drain began; after that nothing more is taken (a client
-        that keeps producing cannot hold the daemon up), and what was taken is posted and completed.
-        Bounded by ``timeout_s``; True when nothing is left waiting or in flight.
-        """
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            targets = {c.id: c.consumer.position + c.consumer.ready_count() for c in self._channels.values()}
-        while time.monotonic() < deadline:
-            with self._lock:
-                behind = [c for c in self._channels.values() if c.consumer.position < targets.get(c.id, 0)]
-            if not behind:
-                break
-            self.run_once()
+    def _stop_taking(self) -> None:
         self._taking = False
-        while self.busy() and time.monotonic() < deadline:
-            self.run_once()
-        return not self.busy()
 
-    def completion_position(self, channel: int) -> int:
-        """The channel's published completion position."""
-        return self._channels[channel].completed
+    # -- reporting (ProxyBase.stats and queue_stats ask these) --------------------------------------------
+    def _counter_values(self) -> dict[str, int]:
+        return self.counters
+
+    def _batch_hist(self) -> np.ndarray:
+        return self.batch_hist
+
+    def _error_counts(self) -> list[int]:
+        return self.errors.tolist()
+
+    def _pending_rows(self) -> int:
+        return len(self._plan)
+
+    def _connection_rows(self) -> list[tuple[int, int, int, list[int], int]]:
+        self._fold_conn_log()
+        return [(conn_id, int(self._inflight[idx]), int(self._pending[idx]), self._conn_hist[idx].tolist(),
+                 int(self._conn_bytes[idx])) for idx, conn_id in enumerate(self._conn_ids.tolist())]
+
+    def _channel_state(self, channel: int, now: int) -> tuple[int, int, int, bool, int, int]:
+        ch = self._channels[channel]
+        taken = ch.consumer.position
+        depth = ch.consumer.ready_count()
+        age_ns = 0
+        if depth and now >= 0:
+            seen = self._head_seen.get(channel)
+            if seen is None or seen[0] != taken:
+                seen = self._head_seen[channel] = (taken, now)
+            age_ns = now - seen[1]
+        return taken, depth, ch.completed, ch.gone, age_ns, ch.ring.error[0]
 
 
 # -- the serve loop's model ----------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """Grouping plan rows into per-connection batches, and Perseus decoupled signaling, vectorized.
 
+The batching step of the proxy's numpy model (:mod:`transportd_models.engine`); the daemon never runs it:
+its engine batches in C (``transportd/core/engine.c``), by these rules.
+
 Batches. Rows arrive sorted by connection (stable, so each connection keeps its order). A *command* is
 one record's rows (a PUT_SIGNAL is one command of two rows, and its rows never split across batches). A
 connection's commands are cut into batches of at most ``batch_max`` commands; a command that must go out

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from efa.arrivals import ArrivalTracker, SenderGroups
 from efa.errors import ProtocolViolation
 from efa.wire import (
     CTRL_DTYPE,
@@ -25,6 +24,7 @@ from efa.wire import (
     unwrap,
 )
 from transportd.backends.interface import SignalOp
+from transportd_models.arrivals import ArrivalTracker, SenderGroups
 
 
 def test_imm_round_trip() -> None:
