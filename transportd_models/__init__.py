@@ -12,7 +12,9 @@ rules lands in both, or the differential test fails) and, for the engine, as the
 - :mod:`transportd_models.batching` -- batches per connection and decoupled signaling (the engine's
   batching);
 - :mod:`transportd_models.arrivals` -- efa's counting scheme, both ends (``efa/csrc/efa_post.c`` numbers
-  the groups, ``efa/csrc/efa_arrivals.c`` counts the arrivals).
+  the groups, ``efa/csrc/efa_arrivals.c`` counts the arrivals);
+- :mod:`transportd_models.ib_lowering` and :mod:`transportd_models.efa_lowering` -- plan rows to verbs calls,
+  the lowering each backend's C poster (``ib/csrc/ib_post.c``, ``efa/csrc/efa_post.c``) is compared with.
 
 This package stands above the daemon and the backends (it imports both) and below the commands; nothing
 the daemon, a backend or the client library runs imports it (``tests/test_import_layers.py``).

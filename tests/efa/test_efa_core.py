@@ -1,7 +1,7 @@
 """The compiled efa path (efa/csrc/efa_post.c) at the libibverbs ABI, against its Python models.
 
 Sending: an ``EfaPoster`` drives an ``SrdShimQP``; every record reaching ``wr_rdma_write_imm`` /
-``wr_set_sge`` / ``wr_set_ud_addr`` is compared, call by call, with ``tests/efa/lowering_oracle.py`` (the
+``wr_set_sge`` / ``wr_set_ud_addr`` is compared, call by call, with ``transportd_models/efa_lowering.py`` (the
 Python lowering EfaBackend ran before): immediates, lengths, splits, the control records' bytes, flags.
 Receiving: scripted completion streams (split writes, records, reordered, never duplicated) reach the
 poster through a ``ShimCQ``'s ``read_*`` function pointers; the flags it publishes must be exactly those
@@ -20,12 +20,12 @@ import pytest
 from efa.backend import PUB_DTYPE
 from efa.srd_shim import SET_SGE, SET_UD, SRD_WR_DTYPE
 from efa.wire import CTRL_DTYPE, CTRL_SIZE, KIND_CTRL, decode_imm
-from tests.efa.lowering_oracle import OracleWr, lower
 from transportd import _core
 from transportd.backends.interface import COMPLETION_DTYPE, PLAN_DTYPE, PlanOp, SignalOp
 from transportd.backends.verbs_common import WC_DTYPE
 from transportd.errors import BackendError, VerbsError
 from transportd_models.arrivals import ArrivalTracker, SenderGroups
+from transportd_models.efa_lowering import OracleWr, lower
 
 SIGNALED = 2
 RECV_RDMA_WITH_IMM = 129

@@ -4,7 +4,7 @@ A recording NIC: ShimQP / ShimCQ structs whose wr_complete hands each session's 
 file keeps them (and completes every signaled WR on the next poll). So what the tests see is exactly what
 reached ``wr_rdma_write``, ``wr_rdma_read``, ``wr_atomic_fetch_add``, ``wr_set_sge``,
 ``wr_set_inline_data``, ``wr_id`` and ``wr_flags``; it is compared with the Python lowering the backend
-used to run (tests/ib/lowering_oracle.py) for every signal mode, inline and not, and through the proxy's
+used to run (transportd_models/ib_lowering.py) for every signal mode, inline and not, and through the proxy's
 engine with decoupled signaling on and off.
 """
 
@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from cmd_ring import Command, Flag, Opcode, RingFile, RingProducer, records_from_commands
-from tests.ib.lowering_oracle import FENCE, SIGNALED, OracleConn, calls_of
 from tests.support.waiting import wait_until
 from transportd import _core
 from transportd.backends.interface import PLAN_DTYPE, PlanOp, SignalOp
@@ -31,6 +30,7 @@ from transportd.backends.verbs_shim import SHIM_WR_DTYPE, WR_OPCODES
 from transportd.dataplane.proxy import SERVE_INTERRUPTED, Proxy
 from transportd.dataplane.worker import serve_policy
 from transportd.errors import BackendError, SendQueueFullError, VerbsError
+from transportd_models.ib_lowering import FENCE, SIGNALED, OracleConn, calls_of
 
 MODES = ("write", "atomic", "fence")
 WRITE, READ, FADD = WR_OPCODES["wr_rdma_write"], WR_OPCODES["wr_rdma_read"], WR_OPCODES["wr_atomic_fetch_add"]

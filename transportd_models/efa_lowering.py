@@ -2,9 +2,9 @@
 
 This is the rule set ``EfaBackend`` ran in Python before the lowering moved to C, kept only as a test
 oracle (the daemon never runs it): plan rows -> write-with-immediate WRs, splits at ``max_rdma_size``,
-control records built by :class:`transportd_models.arrivals.SenderGroups`. A WR here is what the C lowering passes to
-``wr_rdma_write_imm`` / ``wr_set_sge`` / ``wr_set_ud_addr``, except the send staging address of a record
-(the C side picks the slot), so a record WR carries the record's 32 bytes instead.
+control records built by :class:`transportd_models.arrivals.SenderGroups`. A WR here is what the C
+lowering passes to ``wr_rdma_write_imm`` / ``wr_set_sge`` / ``wr_set_ud_addr``, except the send staging
+address of a record (the C side picks the slot), so a record WR carries the record's 32 bytes instead.
 """
 
 from __future__ import annotations
