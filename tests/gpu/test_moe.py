@@ -122,43 +122,55 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, backend: 
                     ys.append(torch.bmm(recv_x, w_dev[r * local:(r + 1) * local]))
                 torch.cuda.synchronize(cuda_device)
 
-                outs = []
-                for r, op in enumerate(ops):
-                    with torch.cuda.stream(streams[r]):
-                        outs.append(op.combine(ys[r], handles[r][2], stream=streams[r]))
-                torch.cuda.synchronize(cuda_device)
-
-                y_host = [y.double().cpu().numpy() for y in ys]
-                want = combine_model(lays, model, y_host, [w.double().numpy() for w in ws])
-                for r, op in enumerate(ops):
-                    what = f"{backend} round {rnd} rank {r}"
-                    assert op.channel.status()[0] == 0, (what, op.channel.status())
-                    got = outs[r].double().cpu()
-                    assert tuple(got.shape) == (tokens[r], hidden), what
-                    assert torch.isfinite(got).all(), f"{what}: a slot read before it arrived (NaN)"
-                    # against the model on the experts' actual outputs: one fp32 sum rounded to bf16
-                    magnitude = np.zeros((tokens[r], hidden))
-                    norm = model[r]["idx"]
-                    for t, k in zip(*np.nonzero(norm >= 0), strict=True):
-                        d, le = lays[r].owner(norm[t, k])
-                        p = int(np.nonzero(model[d]["recv_src"][le] == lays[r].encode(r, t, k))[0][0])
-                        magnitude[t] += abs(ws[r][t, k].item()) * np.abs(y_host[d][le, p])
-                    err = np.abs(got.numpy() - want[r])
-                    assert (err <= 2.0 ** -7 * (magnitude + np.abs(want[r])) + 1e-3).all(), (what, err.max())
-                    # against a dense torch reference MoE in float64 (the same routing, normalised)
-                    ref = torch.zeros(tokens[r], hidden, dtype=torch.float64)
-                    for t, k in zip(*np.nonzero(norm >= 0), strict=True):
-                        e = int(norm[t, k])
-                        ref[t] += ws[r][t, k].double() * (xs[r][t].double() @ weights_e[e].double())
-                    bound = 2.0 ** -6 * (torch.from_numpy(magnitude) + ref.abs()) + 2e-2
-                    assert ((got - ref).abs() <= bound).all(), (what, float((got - ref).abs().max()))
-                    # a token with no expert sums to exactly 0
-                    empty = np.nonzero((norm < 0).all(axis=1))[0]
-                    assert (got[torch.from_numpy(empty)] == 0).all(), what
+                _combine_and_check(ops, streams, handles, ys, lays, model, xs, ws, weights_e, tokens, hidden,
+                                   cuda_device, f"{backend} round {rnd}")
             for op in ops:
                 assert op.rounds == ROUNDS
         finally:
             _close(sessions)
+
+
+def _combine_and_check(ops: list, streams: list, handles: list, ys: list, lays: list, model: list, xs: list,
+                       ws: list, weights_e: Any, tokens: list, hidden: int, device: int, prefix: str,
+                       dense: bool = True) -> None:
+    """Combine every rank's ``ys`` and check each output: against the model on the experts' actual outputs (one
+    fp32 sum rounded to bf16), and, when ``dense``, against a float64 torch MoE whose expert e is ``x @
+    weights_e[e]``; a token with no expert sums to exactly 0."""
+    outs = []
+    for r, op in enumerate(ops):
+        with torch.cuda.stream(streams[r]):
+            outs.append(op.combine(ys[r], handles[r][2], stream=streams[r]))
+    torch.cuda.synchronize(device)
+
+    y_host = [y.double().cpu().numpy() for y in ys]
+    want = combine_model(lays, model, y_host, [w.double().numpy() for w in ws])
+    for r, op in enumerate(ops):
+        what = f"{prefix} rank {r}"
+        assert op.channel.status()[0] == 0, (what, op.channel.status())
+        got = outs[r].double().cpu()
+        assert tuple(got.shape) == (tokens[r], hidden), what
+        assert torch.isfinite(got).all(), f"{what}: a slot read before it arrived (NaN)"
+        # against the model on the experts' actual outputs: one fp32 sum rounded to bf16
+        magnitude = np.zeros((tokens[r], hidden))
+        norm = model[r]["idx"]
+        for t, k in zip(*np.nonzero(norm >= 0), strict=True):
+            d, le = lays[r].owner(norm[t, k])
+            p = int(np.nonzero(model[d]["recv_src"][le] == lays[r].encode(r, t, k))[0][0])
+            magnitude[t] += abs(ws[r][t, k].item()) * np.abs(y_host[d][le, p])
+        err = np.abs(got.numpy() - want[r])
+        assert (err <= 2.0 ** -7 * (magnitude + np.abs(want[r])) + 1e-3).all(), (what, err.max())
+        if not dense:
+            continue
+        # against a dense torch reference MoE in float64 (the same routing, normalised)
+        ref = torch.zeros(tokens[r], hidden, dtype=torch.float64)
+        for t, k in zip(*np.nonzero(norm >= 0), strict=True):
+            e = int(norm[t, k])
+            ref[t] += ws[r][t, k].double() * (xs[r][t].double() @ weights_e[e].double())
+        bound = 2.0 ** -6 * (torch.from_numpy(magnitude) + ref.abs()) + 2e-2
+        assert ((got - ref).abs() <= bound).all(), (what, float((got - ref).abs().max()))
+        # a token with no expert sums to exactly 0
+        empty = np.nonzero((norm < 0).all(axis=1))[0]
+        assert (got[torch.from_numpy(empty)] == 0).all(), what
 
 
 def _rows_of(lay: MoELayout, recv_src: np.ndarray, n: int, xs: list) -> Any:
@@ -286,39 +298,8 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, backend: str, 
                         ys.append(op.y if out_dtype == "bf16" else op.y.to(torch.bfloat16))
                 torch.cuda.synchronize(cuda_device)
 
-                outs = []
-                for r, op in enumerate(ops):
-                    with torch.cuda.stream(streams[r]):
-                        outs.append(op.combine(ys[r], handles[r][2], stream=streams[r]))
-                torch.cuda.synchronize(cuda_device)
-
-                y_host = [y.double().cpu().numpy() for y in ys]
-                want = combine_model(lays, model, y_host, [w.double().numpy() for w in ws])
-                for r, op in enumerate(ops):
-                    what = f"{backend} {out_dtype} round {rnd} rank {r}"
-                    assert op.channel.status()[0] == 0, (what, op.channel.status())
-                    got = outs[r].double().cpu()
-                    assert tuple(got.shape) == (tokens[r], hidden), what
-                    assert torch.isfinite(got).all(), f"{what}: a slot read before it arrived (NaN)"
-                    magnitude = np.zeros((tokens[r], hidden))
-                    norm = model[r]["idx"]
-                    for t, k in zip(*np.nonzero(norm >= 0), strict=True):
-                        d, le = lays[r].owner(norm[t, k])
-                        p = int(np.nonzero(model[d]["recv_src"][le] == lays[r].encode(r, t, k))[0][0])
-                        magnitude[t] += abs(ws[r][t, k].item()) * np.abs(y_host[d][le, p])
-                    err = np.abs(got.numpy() - want[r])
-                    assert (err <= 2.0 ** -7 * (magnitude + np.abs(want[r])) + 1e-3).all(), (what, err.max())
-                    if call == "comm-only":
-                        continue
-                    # against a dense torch reference MoE in float64 (the same routing, normalised)
-                    ref = torch.zeros(tokens[r], hidden, dtype=torch.float64)
-                    for t, k in zip(*np.nonzero(norm >= 0), strict=True):
-                        e = int(norm[t, k])
-                        ref[t] += ws[r][t, k].double() * (xs[r][t].double() @ weights_e[e].double())
-                    bound = 2.0 ** -6 * (torch.from_numpy(magnitude) + ref.abs()) + 2e-2
-                    assert ((got - ref).abs() <= bound).all(), (what, float((got - ref).abs().max()))
-                    empty = np.nonzero((norm < 0).all(axis=1))[0]
-                    assert (got[torch.from_numpy(empty)] == 0).all(), what
+                _combine_and_check(ops, streams, handles, ys, lays, model, xs, ws, weights_e, tokens, hidden,
+                                   cuda_device, f"{backend} {out_dtype} round {rnd}", dense=call != "comm-only")
 
                 if rnd == 4:  # compute alone: round 4's GEMM again, from its rows and counts, bit for bit
                     for r, op in enumerate(ops):
