@@ -185,10 +185,10 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
         if (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != want) break;
         tpd_cmd_record *rec = &recs[n];
         *rec = *slot;
-        tpd_plan_row rows[3];
+        tpd_resolved res;
         int k = 0;
         int64_t conn = -1;
-        uint16_t code = gone ? TPD_ERR_CLIENT_GONE : tpd_translate(rec, &sv, &pv, max_length, rows, &k, &conn);
+        uint16_t code = gone ? TPD_ERR_CLIENT_GONE : tpd_check(rec, &sv, &pv, max_length, &k, &conn, &res);
         if (k) {
             Conn *c = &e->conns[conn];
             if (c->holding) { /* its peer's daemon is restarting: this record and the rest wait in the ring */
@@ -202,9 +202,14 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
             Waiting *w = conn_reserve(c, (size_t)k);
             if (!w) return -1;
             uint8_t closes = (rec->flags & TPD_FLAG_NO_BATCH) || rec->opcode == TPD_OP_FENCE;
-            for (int j = 0; j < k; j++)
-                w[j] = (Waiting){.row = rows[j], .pos = pos + n, .t = now, .chan = chan, .first = j == 0,
-                                 .closes = closes};
+            tpd_emit(rec, &sv, &pv, &res, &w->row, sizeof(Waiting)); /* the rows straight into the FIFO */
+            for (int j = 0; j < k; j++) {
+                w[j].pos = pos + n;
+                w[j].t = now;
+                w[j].chan = chan;
+                w[j].first = j == 0;
+                w[j].closes = closes;
+            }
             c->count += (size_t)k;
             e->nwaiting += (size_t)k;
         }

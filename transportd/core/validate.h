@@ -75,9 +75,15 @@ typedef struct tpd_peers {
     const uint8_t *valid;
 } tpd_peers;
 
-/* Validate `r` and write its rows (at most two) to `rows`; returns the code, *nrows and *conn set. */
-static inline uint16_t tpd_translate(const tpd_cmd_record *r, const tpd_sources *src, const tpd_peers *peers,
-                                     uint64_t max_length, tpd_plan_row *rows, int *nrows, int64_t *conn) {
+/* Where a valid record's rows come from: its peer's row and its source and destination region entries. */
+typedef struct tpd_resolved {
+    uint64_t pidx, sidx, didx;
+} tpd_resolved;
+
+/* Validate `r`: returns the code; *nrows the rows it becomes (0 for QUIET and for a bad record), *conn its
+ * connection index (-1 for QUIET and for a bad record) and *res what tpd_emit needs. */
+static inline uint16_t tpd_check(const tpd_cmd_record *r, const tpd_sources *src, const tpd_peers *peers,
+                                 uint64_t max_length, int *nrows, int64_t *conn, tpd_resolved *res) {
     *nrows = 0;
     *conn = -1;
     const unsigned op = r->opcode;
@@ -104,30 +110,45 @@ static inline uint16_t tpd_translate(const tpd_cmd_record *r, const tpd_sources 
     }
     if (needs_slot && !((uint64_t)r->signal_slot < peers->flag_slots[pidx])) return TPD_ERR_BAD_SLOT;
 
+    *res = (tpd_resolved){.pidx = pidx, .sidx = sidx, .didx = didx};
+    *nrows = data + needs_slot + (op == TPD_OP_FENCE);
+    *conn = c;
+    return TPD_ERR_OK;
+}
+
+/* Write the rows of `r`, which tpd_check passed with `res`, `stride` bytes apart from `rows` (the engine
+ * writes them straight into its waiting FIFO, one row per entry: no copy of a row just built, whose narrow
+ * stores a wide load could not forward from). */
+static inline void tpd_emit(const tpd_cmd_record *r, const tpd_sources *src, const tpd_peers *peers,
+                            const tpd_resolved *res, tpd_plan_row *rows, size_t stride) {
+    const unsigned op = r->opcode;
+    const uint64_t pidx = res->pidx, sidx = res->sidx, didx = res->didx;
     tpd_plan_row *row = rows;
-    if (data) {
+    if (op == TPD_OP_PUT || op == TPD_OP_PUT_SIGNAL) {
         *row = (tpd_plan_row){.op = TPD_PLAN_WRITE, .signal_op = TPD_SIGNAL_ADD, .dst_rank = r->peer,
                               .length = r->length, .laddr = src->addr[sidx] + r->src_off,
                               .raddr = peers->addr[didx] + r->dst_off, .lkey = src->key[sidx],
                               .rkey = peers->rkey[didx], .chunk_id = r->chunk_id};
-        row++;
+        row = (tpd_plan_row *)((char *)row + stride);
     }
-    if (needs_slot) {
+    if (op == TPD_OP_PUT_SIGNAL || op == TPD_OP_SIGNAL) {
         *row = (tpd_plan_row){.op = TPD_PLAN_SIGNAL,
                               .signal_op = (r->flags & TPD_FLAG_SIGNAL_SET) ? TPD_SIGNAL_SET : TPD_SIGNAL_ADD,
                               .dst_rank = r->peer, .length = 8,
                               .raddr = peers->flag_base[pidx] + 8ull * r->signal_slot,
                               .rkey = peers->flag_rkey[pidx], .value = r->signal_value, .slot = r->signal_slot,
                               .chunk_id = r->chunk_id};
-        row++;
     }
-    if (op == TPD_OP_FENCE) {
-        *row = (tpd_plan_row){.op = TPD_PLAN_FENCE, .dst_rank = r->peer, .chunk_id = r->chunk_id};
-        row++;
-    }
-    *nrows = (int)(row - rows);
-    *conn = c;
-    return TPD_ERR_OK;
+    if (op == TPD_OP_FENCE) *row = (tpd_plan_row){.op = TPD_PLAN_FENCE, .dst_rank = r->peer, .chunk_id = r->chunk_id};
+}
+
+/* Validate `r` and write its rows (at most two) to `rows`; returns the code, *nrows and *conn set. */
+static inline uint16_t tpd_translate(const tpd_cmd_record *r, const tpd_sources *src, const tpd_peers *peers,
+                                     uint64_t max_length, tpd_plan_row *rows, int *nrows, int64_t *conn) {
+    tpd_resolved res;
+    const uint16_t code = tpd_check(r, src, peers, max_length, nrows, conn, &res);
+    if (!code && *nrows) tpd_emit(r, src, peers, &res, rows, sizeof(tpd_plan_row));
+    return code;
 }
 
 #endif
