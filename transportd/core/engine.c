@@ -95,8 +95,27 @@ void tpd_advance_touched(Engine *e) {
         if (!ch->touched) continue;
         ch->touched = 0;
         uint64_t p = ch->completed;
-        const uint64_t mask = ch->track - 1;
-        while (p < ch->position && ch->done[p & mask]) ch->done[p++ & mask] = 0;
+        const uint64_t mask = ch->track - 1, end = ch->position;
+        uint8_t *const done = ch->done; /* in a local: the byte stores below would otherwise reload it */
+        /* eight marks at a time where eight aligned ones lie before `end` (a track of at least 8, a power of
+         * two, holds whole aligned words), else one by one */
+        const int wide = mask >= 7;
+        for (;;) {
+            if (wide && !(p & 7) && end - p >= 8) {
+                uint64_t word;
+                memcpy(&word, done + (p & mask), 8);
+                if (word == 0x0101010101010101ull) {
+                    memset(done + (p & mask), 0, 8);
+                    p += 8;
+                    continue;
+                }
+            }
+            if (p < end && done[p & mask]) {
+                done[p++ & mask] = 0;
+                continue;
+            }
+            break;
+        }
         if (p != ch->completed) {
             ch->completed = p;
             publish_completion(ch, p);
@@ -178,7 +197,9 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     const tpd_peers pv = job->view;
     tpd_cmd_record *recs = e->recs;
     uint16_t *codes = e->tcode;
+    Conn *const conns = e->conns;
     uint64_t n = 0, commands = 0;
+    size_t added = 0; /* rows appended to the FIFOs: e->nwaiting once, after the walk */
     int overrun = 0, held = 0;
     for (; n < limit; n++) {
         const tpd_cmd_record *slot = &slots[(pos + n) & mask];
@@ -190,7 +211,7 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
         int64_t conn = -1;
         uint16_t code = gone ? TPD_ERR_CLIENT_GONE : tpd_check(rec, &sv, &pv, max_length, &k, &conn, &res);
         if (k) {
-            Conn *c = &e->conns[conn];
+            Conn *c = &conns[conn];
             if (c->holding) { /* its peer's daemon is restarting: this record and the rest wait in the ring */
                 held = 1;
                 break;
@@ -200,7 +221,10 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
                 break;
             }
             Waiting *w = conn_reserve(c, (size_t)k);
-            if (!w) return -1;
+            if (!w) {
+                e->nwaiting += added;
+                return -1;
+            }
             uint8_t closes = (rec->flags & TPD_FLAG_NO_BATCH) || rec->opcode == TPD_OP_FENCE;
             tpd_emit(rec, &sv, &pv, &res, &w->row, sizeof(Waiting)); /* the rows straight into the FIFO */
             for (int j = 0; j < k; j++) {
@@ -211,7 +235,7 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
                 w[j].closes = closes;
             }
             c->count += (size_t)k;
-            e->nwaiting += (size_t)k;
+            added += (size_t)k;
         }
         codes[n] = code;
         want = want == 0xFFFFFFFFu ? 1 : want + 1; /* seq_for(pos + n + 1) */
@@ -227,6 +251,7 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
             mark_done(ch, pos + n);
         }
     }
+    e->nwaiting += added;
     e->counters[C_COMMANDS] += commands;
     ch->position = pos + n;
     if (overrun) {
@@ -402,6 +427,10 @@ static long plan_post(Engine *e, int64_t now, Group **out_group) {
     g->nb = g->remaining = nb;
     g->ncmd = ncmd;
     size_t m = 0, k = 0;
+    /* the arrays in locals: the row copies (a struct with byte fields) would otherwise reload them each row */
+    tpd_plan_row *const plan = e->plan;
+    int64_t *const cmd_tok = g->cmd_tok, *const cmd_chan = g->cmd_chan;
+    uint64_t *const cmd_pos = g->cmd_pos;
     for (size_t b = 0; b < nb; b++) {
         const Cut *cut = &e->cuts[b];
         Conn *c = &e->conns[cut->conn];
@@ -411,15 +440,15 @@ static long plan_post(Engine *e, int64_t now, Group **out_group) {
         e->b_ncmds[b] = (int64_t)cut->cmds;
         e->b_bounds[b] = (int64_t)m;
         g->tok_cmds[b] = (int64_t)k;
-        for (size_t q = cut->start; q < cut->end; q++) {
+        for (size_t q = cut->start, end = cut->end; q < end; q++) {
             if (w[q].first) {
-                g->cmd_tok[k] = (int64_t)b;
-                g->cmd_chan[k] = w[q].chan;
-                g->cmd_pos[k] = w[q].pos;
+                cmd_tok[k] = (int64_t)b;
+                cmd_chan[k] = w[q].chan;
+                cmd_pos[k] = w[q].pos;
                 k++;
             }
-            e->plan[m] = w[q].row;
-            e->plan[m++].token = token;
+            plan[m] = w[q].row;
+            plan[m++].token = token;
         }
         if (b + 1 == nb || e->cuts[b + 1].conn != cut->conn) { /* the connection's last batch now */
             c->head += cut->end;
@@ -534,12 +563,15 @@ static int post(Engine *e, int64_t now) {
         free(g);
         return -1;
     }
+    /* the counters in locals over all batches (each row adds to a few of them), into e->counters after */
+    uint64_t wrs = 0, signals = 0, writes = 0, fences = 0, bytes = 0, dest_batches = 0;
+    const tpd_plan_row *const plan = e->plan;
     for (size_t b = 0; b < nb; b++) {
         Conn *cn = &e->conns[e->b_conn[b]];
         g->tok_conn[b] = e->b_conn[b];
         g->tok_nwr[b] = e->b_nwr[b];
         cn->inflight += e->b_nwr[b];
-        c[C_WRS] += (uint64_t)e->b_nwr[b];
+        wrs += (uint64_t)e->b_nwr[b];
         int64_t ncmds = e->b_ncmds[b];
         c[ncmds == e->batch_max ? C_BATCHES_FULL : C_BATCHES_PARTIAL]++;
         e->batch_hist[ncmds]++;
@@ -547,22 +579,31 @@ static int post(Engine *e, int64_t now) {
         /* distinct destinations signalled in this batch */
         uint16_t dests[64];
         size_t nd = 0;
-        for (size_t r = (size_t)e->b_bounds[b]; r < (size_t)e->b_bounds[b + 1]; r++) {
-            const tpd_plan_row *row = &e->plan[r];
+        uint64_t conn_bytes = 0;
+        for (size_t r = (size_t)e->b_bounds[b], end = (size_t)e->b_bounds[b + 1]; r < end; r++) {
+            const tpd_plan_row *row = &plan[r];
             if (row->op == TPD_PLAN_SIGNAL) {
-                c[C_SIGNALS]++;
-                if (!e->decoupled) c[C_SIGNALS_REQUESTED]++;
+                signals++;
                 size_t d = 0;
                 while (d < nd && dests[d] != row->dst_rank) d++;
                 if (d == nd) dests[nd++] = row->dst_rank;
             } else {
-                c[row->op == TPD_PLAN_WRITE ? C_WRITES : C_FENCES] += row->op == TPD_PLAN_WRITE || row->op == TPD_PLAN_FENCE;
-                c[C_BYTES] += row->length;
-                cn->bytes += row->length;
+                writes += row->op == TPD_PLAN_WRITE;
+                fences += row->op == TPD_PLAN_FENCE;
+                conn_bytes += row->length;
             }
         }
-        c[C_SIGNAL_DEST_BATCHES] += nd;
+        bytes += conn_bytes;
+        cn->bytes += conn_bytes;
+        dest_batches += nd;
     }
+    c[C_WRS] += wrs;
+    c[C_SIGNALS] += signals;
+    if (!e->decoupled) c[C_SIGNALS_REQUESTED] += signals;
+    c[C_WRITES] += writes;
+    c[C_FENCES] += fences;
+    c[C_BYTES] += bytes;
+    c[C_SIGNAL_DEST_BATCHES] += dest_batches;
     c[C_BATCHES] += nb;
     if (group_append(e, g)) {
         free(g);
@@ -604,24 +645,40 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
                     Conn *c = &e->conns[g->tok_conn[local[i]]];
                     c->holding = c->broken = 1;
                 }
+        /* the group's arrays and the channel's marks in locals: the byte stores (g->done, the marks) would
+         * otherwise reload every one of them after each store */
+        const int64_t *const tok_conn = g->tok_conn, *const tok_nwr = g->tok_nwr, *const tok_cmds = g->tok_cmds;
+        const int64_t *const cmd_chan = g->cmd_chan;
+        const uint64_t *const cmd_pos = g->cmd_pos;
+        uint8_t *const gdone = g->done;
+        Conn *const conns = e->conns;
         Channel *ch = NULL;
+        uint8_t *marks = NULL;
+        uint64_t mask = 0;
+        int64_t id = 0;
         size_t fresh = 0;
         for (size_t i = 0; i < n; i++) {
             int64_t t = local[i];
-            if (g->done[t]) continue;
-            g->done[t] = 1;
+            if (gdone[t]) continue;
+            gdone[t] = 1;
             fresh++;
-            e->conns[g->tok_conn[t]].inflight -= g->tok_nwr[t];
+            conns[tok_conn[t]].inflight -= tok_nwr[t];
             uint16_t code = 0;
             if (status[i]) {
                 e->counters[C_COMPLETION_ERRORS]++;
-                code = forced ? forced : failed_code(&e->conns[g->tok_conn[t]], (uint32_t)status[i]);
+                code = forced ? forced : failed_code(&conns[tok_conn[t]], (uint32_t)status[i]);
             }
-            for (int64_t k = g->tok_cmds[t]; k < g->tok_cmds[t + 1]; k++) {
-                if (!ch || ch->id != g->cmd_chan[k]) ch = find_channel(e, g->cmd_chan[k]);
-                if (!ch) continue;
-                if (code) report_late(e, ch, code, g->cmd_pos[k]);
-                mark_done(ch, g->cmd_pos[k]);
+            for (int64_t k = tok_cmds[t], end = tok_cmds[t + 1]; k < end; k++) {
+                if (!ch || id != cmd_chan[k]) { /* mark_done, with the channel's fields in locals */
+                    ch = find_channel(e, cmd_chan[k]);
+                    if (!ch) continue;
+                    id = ch->id;
+                    marks = ch->done;
+                    mask = ch->track - 1;
+                }
+                if (code) report_late(e, ch, code, cmd_pos[k]);
+                marks[cmd_pos[k] & mask] = 1;
+                ch->touched = 1;
             }
         }
         g->remaining -= fresh;
