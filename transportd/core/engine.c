@@ -187,7 +187,8 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
         return 0;
     }
     uint64_t limit = (uint64_t)budget < ch->capacity ? (uint64_t)budget : ch->capacity;
-    if (ensure_take_scratch(e, limit)) return -1;
+    tpd_trace *const trace = ch->trace; /* its records and codes are kept (e->recs, e->tcode) for the recorder */
+    if (trace && ensure_take_scratch(e, limit)) return -1;
     const int64_t cap = e->inflight_cap;
     const int64_t chan = ch->id;
     const int gone = ch->gone;
@@ -204,8 +205,12 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
     for (; n < limit; n++) {
         const tpd_cmd_record *slot = &slots[(pos + n) & mask];
         if (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != want) break;
-        tpd_cmd_record *rec = &recs[n];
-        *rec = *slot;
+        /* the record copied once out of the shared slot (its producer could still scribble on it) into a
+         * local, which the compiler keeps in registers: validation and translation read that, and the
+         * trace's copy (e->recs) is made only for a traced channel */
+        const tpd_cmd_record one = *slot;
+        if (trace) recs[n] = one;
+        const tpd_cmd_record *rec = &one;
         tpd_resolved res;
         int k = 0;
         int64_t conn = -1;
@@ -237,7 +242,7 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
             c->count += (size_t)k;
             added += (size_t)k;
         }
-        codes[n] = code;
+        if (trace) codes[n] = code;
         want = want == 0xFFFFFFFFu ? 1 : want + 1; /* seq_for(pos + n + 1) */
         if (code) {
             report_error(e, ch, code, pos + n);
@@ -266,7 +271,7 @@ static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
         *stalled = 1;
         tpd_note_waiting(ch, now);
     }
-    if (n && __builtin_expect(ch->trace != NULL, 0)) tpd_trace_taken(ch->trace, recs, codes, n, pos, now);
+    if (n && __builtin_expect(trace != NULL, 0)) tpd_trace_taken(trace, recs, codes, n, pos, now);
     __atomic_store_n(ring_u64(ch, TPD_RING_OFF_CONSUMER_POS), ch->position, __ATOMIC_RELEASE);
     return n != 0;
 }

@@ -148,9 +148,9 @@ typedef struct {
     size_t b_cap;
     Cut *cuts;
     size_t cuts_cap;
-    tpd_cmd_record *recs; /* the records of one take, copied out of the ring */
+    tpd_cmd_record *recs; /* the records of one take of a traced channel, copied out of the ring */
     size_t recs_cap;
-    uint16_t *tcode; /* their codes */
+    uint16_t *tcode;      /* their codes */
     size_t t_cap;
 
     /* the null NIC: tokens due on the next poll; optional log of (post ns, chunk id) per WRITE */
