@@ -316,20 +316,30 @@ def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps:
         row["comm_s"] = _time(lambda: case.launch(compute=False), streams, reps)
         row["fused_s"] = _time(case.launch, streams, reps)
         row["torch_s"] = _time(case.torch_compute, streams, reps)
-        for op in case.ops:
-            status = op.channel.status()
-            if status[0] != 0:
-                raise RuntimeError(f"channel error {status}")
+        _check_channels(case.ops)
     derive(row, case.flops, case.moved)
-    comm, compute, fused = row["comm_s"], row["compute_s"], row["fused_s"]
-    echo(f"  {kernel:20s} {backend} {shape:9s} {_dims(dims):28s} compute {compute * 1e3:7.3f}  comm {comm * 1e3:7.3f}"
-         f"  fused {fused * 1e3:7.3f}  torch {row['torch_s'] * 1e3:7.3f} ms  overlap {row['overlap_efficiency']:.2f}"
-         f"  vs sequential {row['speedup_vs_sequential']:.2f}x")
+    echo(_summary(row, dims))
     return row
 
 
 def _dims(dims: dict[str, int]) -> str:
     return " ".join(f"{k}={v}" for k, v in dims.items() if k != "chunk_rows")
+
+
+def _summary(row: dict[str, Any], dims: dict[str, int]) -> str:
+    """One printed line of a timed row (``derive`` done)."""
+    return (f"  {row['kernel']:20s} {row['backend']} {row['shape']:9s} {_dims(dims):28s} "
+            f"compute {row['compute_s'] * 1e3:7.3f}  comm {row['comm_s'] * 1e3:7.3f}  fused {row['fused_s'] * 1e3:7.3f}"
+            f"  torch {row['torch_s'] * 1e3:7.3f} ms  overlap {row['overlap_efficiency']:.2f}"
+            f"  vs sequential {row['speedup_vs_sequential']:.2f}x")
+
+
+def _check_channels(ops: list[Any]) -> None:
+    """Raise if any rank's channel reports an error (the row's numbers would be of a broken run)."""
+    for op in ops:
+        status = op.channel.status()
+        if status[0] != 0:
+            raise RuntimeError(f"channel error {status}")
 
 
 # --- MoE ---------------------------------------------------------------------------------------------------------
@@ -387,10 +397,7 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
         out = ops[0].out[:tokens].float()
         expect = xs[0].float() * weights[0].sum(dim=1, keepdim=True)
         error = float((out - expect).abs().max())
-        for op in ops:
-            status = op.channel.status()
-            if status[0] != 0:
-                raise RuntimeError(f"channel error {status}")
+        _check_channels(ops)
     rounds = len(dispatch_s)
     per = WORLD * (WORLD - 1) * rounds  # (sender, destination) pairs over the counted rounds
     row: dict[str, Any] = {"kernel": "moe", "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
@@ -483,14 +490,9 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
         row["comm_s"] = timed(compute=False)
         row["fused_s"] = timed()
         row["torch_s"] = _time(torch_compute, streams, reps)
-        for op in ops:
-            status = op.channel.status()
-            if status[0] != 0:
-                raise RuntimeError(f"channel error {status}")
+        _check_channels(ops)
     derive(row, 2.0 * rows * hidden * gemm_n, remote_rows * hidden * 2)
-    echo(f"  moe_dispatch_gemm    {backend} {shape:9s} {_dims(dims):28s} compute {row['compute_s'] * 1e3:7.3f}  "
-         f"comm {row['comm_s'] * 1e3:7.3f}  fused {row['fused_s'] * 1e3:7.3f}  torch {row['torch_s'] * 1e3:7.3f} ms  "
-         f"overlap {row['overlap_efficiency']:.2f}  vs sequential {row['speedup_vs_sequential']:.2f}x")
+    echo(_summary(row, dims))
     return row
 
 
