@@ -33,6 +33,16 @@ def _ranks(cluster: LocalCluster, job: str, device: int, world: int | None = Non
     return sessions
 
 
+def _cluster(nodes: int, fabric: str) -> LocalCluster:
+    """``nodes`` daemons on ``fabric``: ``ib`` (RC, the default ``write`` signal mode), ``ib-atomic`` and
+    ``ib-fence`` (ib in that signal mode: how the daemon orders a flag after its payload), or ``efa`` (SRD)."""
+    backend, _, mode = fabric.partition("-")
+    overrides: dict = {"peers": {"heartbeat_timeout_s": 20.0}}
+    if mode:
+        overrides["signal"] = {"mode": mode}
+    return LocalCluster(nodes, backend=backend, overrides=overrides)
+
+
 def _exchange(sessions: list) -> None:
     for _, session in sessions:
         session.exchange(wait=False)
@@ -46,14 +56,17 @@ def _close(sessions: list) -> None:
         client.close()
 
 
-@pytest.mark.parametrize("backend", ["ib", "efa"])
-@pytest.mark.parametrize("world", [2, 4])  # 4: two ranks on each of the two daemons, all four on the GPU
-def test_allgather_gemm_matches_torch(cuda_device, backend: str, world: int) -> None:
+# world 4: two ranks on each of the two daemons, all four on the GPU; ib's atomic and fence signal modes at 2
+TP_CASES = [("ib", 2), ("ib-atomic", 2), ("ib-fence", 2), ("efa", 2), ("ib", 4), ("efa", 4)]
+
+
+@pytest.mark.parametrize(("fabric", "world"), TP_CASES)
+def test_allgather_gemm_matches_torch(cuda_device, fabric: str, world: int) -> None:
     from gpuclient.kernels import AllGatherGemm
 
     m_local, n, k = 200, 384, 512  # m_local is no multiple of the 128-row tile nor of the 48-row chunk
     gen = torch.Generator(device="cpu").manual_seed(3)
-    with LocalCluster(2, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+    with _cluster(2, fabric) as cluster:
         sessions = _ranks(cluster, "fused-ag-gemm", cuda_device, world)
         try:
             ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=48, share=world, programs=24) for _, s in sessions]
@@ -102,11 +115,12 @@ def _assert_sum(got, want, magnitude, what: str) -> None:
                                   f"{float(got[row, col])} vs {float(want[row, col])}")
 
 
-@pytest.mark.parametrize("backend", ["ib", "efa"])
-@pytest.mark.parametrize(("partial_dtype", "out_dtype", "world"), [
-    ("bfloat16", "float32", 2), ("float32", "bfloat16", 2),
-    ("bfloat16", "float32", 4)])  # 4: two ranks on each of the two daemons
-def test_gemm_reduce_scatter_matches_torch(cuda_device, backend: str, partial_dtype: str, out_dtype: str,
+@pytest.mark.parametrize(("fabric", "partial_dtype", "out_dtype", "world"), [
+    *[(f, pdt, odt, w) for f in ("ib", "efa")
+      for pdt, odt, w in [("bfloat16", "float32", 2), ("float32", "bfloat16", 2),
+                          ("bfloat16", "float32", 4)]],  # 4: two ranks on each of the two daemons
+    ("ib-atomic", "bfloat16", "float32", 2), ("ib-fence", "float32", "bfloat16", 2)])
+def test_gemm_reduce_scatter_matches_torch(cuda_device, fabric: str, partial_dtype: str, out_dtype: str,
                                            world: int) -> None:
     from gpuclient.kernels import GemmReduceScatter
 
@@ -116,7 +130,7 @@ def test_gemm_reduce_scatter_matches_torch(cuda_device, backend: str, partial_dt
     m_seg = m // world
     pdt, odt = getattr(torch, partial_dtype), getattr(torch, out_dtype)
     gen = torch.Generator(device="cpu").manual_seed(5)
-    with LocalCluster(2, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+    with _cluster(2, fabric) as cluster:
         sessions = _ranks(cluster, "fused-gemm-rs", cuda_device, world)
         try:
             # programs=5: a program takes peer and own tiles, every rank's grid resident at once
@@ -170,16 +184,15 @@ def test_gemm_reduce_scatter_matches_torch(cuda_device, backend: str, partial_dt
             _close(sessions)
 
 
-@pytest.mark.parametrize("backend", ["ib", "efa"])
-@pytest.mark.parametrize("world", [2, 4])  # 4: two ranks on each of the two daemons
-def test_gemm_all_reduce_matches_torch(cuda_device, backend: str, world: int) -> None:
+@pytest.mark.parametrize(("fabric", "world"), TP_CASES)
+def test_gemm_all_reduce_matches_torch(cuda_device, fabric: str, world: int) -> None:
     from gpuclient.kernels import GemmAllReduce
 
     # segments of 184 rows (128 + 56; 3 x 48 + 40; 92 at world 4), n = 128 + 72, k no multiple of the 64-wide
     # k step
     m, n, k = 368, 200, 200
     gen = torch.Generator(device="cpu").manual_seed(7)
-    with LocalCluster(2, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+    with _cluster(2, fabric) as cluster:
         sessions = _ranks(cluster, "fused-gemm-ar", cuda_device, world)
         try:
             ops = [GemmAllReduce(s, m, n, k, chunk_rows=48, share=world, programs=5, out_dtype=torch.bfloat16)
@@ -219,15 +232,17 @@ def _attention(q: list, k: list, v: list, causal: bool):
     return torch.nn.functional.scaled_dot_product_attention(*full, is_causal=causal)[0]
 
 
-@pytest.mark.parametrize("backend", ["ib", "efa"])
-@pytest.mark.parametrize(("world", "head_dim", "causal", "out_dtype", "comm_programs"), [
-    (2, 64, False, "float32", 1),
-    (2, 128, False, "bfloat16", 1),
-    (2, 128, True, "float32", 1),
-    (3, 128, False, "float32", 2),  # three ranks: step 2 passes on what arrived at step 1
-    (3, 64, True, "bfloat16", 1),
+@pytest.mark.parametrize(("fabric", "world", "head_dim", "causal", "out_dtype", "comm_programs"), [
+    *[(f, *case) for f in ("ib", "efa") for case in [
+        (2, 64, False, "float32", 1),
+        (2, 128, False, "bfloat16", 1),
+        (2, 128, True, "float32", 1),
+        (3, 128, False, "float32", 2),  # three ranks: step 2 passes on what arrived at step 1
+        (3, 64, True, "bfloat16", 1)]],
+    ("ib-atomic", 2, 128, True, "float32", 1),
+    ("ib-fence", 3, 128, False, "float32", 2),
 ])
-def test_ring_attention_matches_torch(cuda_device, backend: str, world: int, head_dim: int, causal: bool,
+def test_ring_attention_matches_torch(cuda_device, fabric: str, world: int, head_dim: int, causal: bool,
                                       out_dtype: str, comm_programs: int) -> None:
     from gpuclient.kernels import RingAttention
 
@@ -238,7 +253,7 @@ def test_ring_attention_matches_torch(cuda_device, backend: str, world: int, hea
     odt = getattr(torch, out_dtype)
     gen = torch.Generator(device="cpu").manual_seed(11 + world + head_dim)
     dev = f"cuda:{cuda_device}"
-    with LocalCluster(world, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+    with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, f"fused-ring-attn-{world}", cuda_device)
         try:
             ops = [RingAttention(s, heads, seq_local, head_dim, causal=causal, chunk_rows=chunk_rows,

@@ -27,8 +27,7 @@ from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_mode
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from tests.gpu.test_fused_kernels import _close, _exchange, _ranks  # noqa: E402  (needs torch)
-from transportd_cli.localcluster import LocalCluster  # noqa: E402
+from tests.gpu.test_fused_kernels import _close, _cluster, _exchange, _ranks  # noqa: E402  (needs torch)
 
 ROUNDS = 3
 
@@ -46,8 +45,8 @@ def _routing(rng: np.random.Generator, tokens: int, topk: int, pickable: np.ndar
     return idx.astype(dtype)
 
 
-@pytest.mark.parametrize("backend", ["ib", "efa"])
-def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, backend: str) -> None:
+@pytest.mark.parametrize("fabric", ["ib", "ib-atomic", "ib-fence", "efa"])
+def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: str) -> None:
     from gpuclient.kernels import MoE
 
     # hidden 200: no multiple of the 256-wide copy block; 3 local experts per rank; 40 rows per rank at most
@@ -58,7 +57,7 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, backend: 
     lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
     local = lays[0].local_experts
     nan = float("nan")
-    with LocalCluster(world, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+    with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-ll", cuda_device)
         try:
             # programs=4: both ranks' grids resident together, several programs per kernel
@@ -72,6 +71,9 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, backend: 
             bad = torch.zeros(max_tokens + 1, hidden, dtype=torch.bfloat16, device=dev)
             with pytest.raises(ValueError, match="x must be"):
                 ops[0].dispatch(bad, bad[:, :topk].long(), bad[:, :topk].float())
+            with pytest.raises(RuntimeError, match="without gemm_n"):  # built without the fused GEMM
+                ops[0].dispatch_gemm(bad[:max_tokens], bad[:max_tokens, :topk].long(),
+                                     bad[:max_tokens, :topk].float(), w_dev)
             for rnd in range(1, ROUNDS + 1):
                 # round 1: expert 5 unpicked, expert 1 hot; round 2: only rank 0's experts (rank 1 receives
                 # nothing); round 3: rank 1 sends nothing, int32 indices
@@ -103,7 +105,7 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, backend: 
                 model = dispatch_model(lays, idx)
                 ys = []
                 for r, (op, (recv_x, recv_count, handle)) in enumerate(zip(ops, handles, strict=True)):
-                    what = f"{backend} round {rnd} rank {r}"
+                    what = f"{fabric} round {rnd} rank {r}"
                     assert op.channel.status()[0] == 0, (what, op.channel.status())
                     assert recv_count.cpu().numpy().tolist() == model[r]["recv_count"].tolist(), what
                     assert (handle.recv_layout.cpu().numpy() == model[r]["recv_layout"]).all(), what
@@ -123,7 +125,7 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, backend: 
                 torch.cuda.synchronize(cuda_device)
 
                 _combine_and_check(ops, streams, handles, ys, lays, model, xs, ws, weights_e, tokens, hidden,
-                                   cuda_device, f"{backend} round {rnd}")
+                                   cuda_device, f"{fabric} round {rnd}")
             for op in ops:
                 assert op.rounds == ROUNDS
         finally:
@@ -187,8 +189,9 @@ GEMM_ROUNDS = {1: ("gemm", 5, False, np.int64),  # expert 5 unpicked: an empty e
                5: ("comm-only", 6, False, np.int64)}  # compute=False: the rows move, the GEMM is skipped
 
 
-@pytest.mark.parametrize(("backend", "out_dtype"), [("ib", "bf16"), ("efa", "bf16"), ("efa", "fp32")])
-def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, backend: str, out_dtype: str) -> None:
+@pytest.mark.parametrize(("fabric", "out_dtype"), [("ib", "bf16"), ("ib-atomic", "bf16"), ("ib-fence", "fp32"),
+                                                   ("efa", "bf16"), ("efa", "fp32")])
+def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, out_dtype: str) -> None:
     """``MoE.dispatch_gemm``: dispatch fused with each local expert's GEMM, then combine on its output.
 
     Five rounds with no flag reset (``GEMM_ROUNDS``), each followed by ``combine``: three ``dispatch_gemm``
@@ -214,9 +217,24 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, backend: str, 
     lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
     local = lays[0].local_experts
     nan = float("nan")
-    with LocalCluster(world, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
+    with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-gemm", cuda_device)
         try:
+            # the fused GEMM's arguments, refused before anything is allocated or registered
+            session = sessions[0][1]
+            for kwargs, message in [
+                    ({"gemm_n": 0}, "gemm_n must be an integer >= 1"),
+                    ({"gemm_n": True}, "gemm_n must be an integer >= 1"),
+                    ({"gemm_n": 8.0}, "gemm_n must be an integer >= 1"),
+                    ({"gemm_n": 8, "comm_programs": 0}, "comm_programs must be >= 1"),
+                    ({"gemm_n": 8, "comm_programs": 2, "gemm_programs": 2}, "gemm_programs more than it"),
+                    ({"gemm_n": 8, "gemm_block": (64, 128)}, "gemm_block must be three powers of two"),
+                    ({"gemm_n": 8, "gemm_block": (64, 96, 64)}, "gemm_block must be three powers of two"),
+                    ({"gemm_n": 8, "gemm_block": (8, 128, 64)}, "gemm_block must be three powers of two"),
+                    ({"gemm_n": 8, "gemm_dtype": torch.float16}, "gemm_dtype must be")]:
+                with pytest.raises(ValueError, match=message):
+                    MoE(session, hidden, experts, max_tokens, topk, **kwargs)
+            assert session._registrations == [], "a refused MoE registered memory"
             # gemm_n = hidden: combine takes y itself; 2 communication and 4 compute programs per rank, both
             # ranks' grids resident together
             ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4, gemm_n=hidden,
@@ -261,7 +279,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, backend: str, 
                 model = dispatch_model(lays, idx)
                 ys = []
                 for r, (op, (first, recv_count, handle)) in enumerate(zip(ops, handles, strict=True)):
-                    what = f"{backend} {out_dtype} round {rnd} rank {r}"
+                    what = f"{fabric} {out_dtype} round {rnd} rank {r}"
                     assert op.channel.status()[0] == 0, (what, op.channel.status())
                     assert first is (op.recv_x if call == "dispatch" else op.y), what
                     assert recv_count.cpu().numpy().tolist() == model[r]["recv_count"].tolist(), what
@@ -299,7 +317,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, backend: str, 
                 torch.cuda.synchronize(cuda_device)
 
                 _combine_and_check(ops, streams, handles, ys, lays, model, xs, ws, weights_e, tokens, hidden,
-                                   cuda_device, f"{backend} {out_dtype} round {rnd}", dense=call != "comm-only")
+                                   cuda_device, f"{fabric} {out_dtype} round {rnd}", dense=call != "comm-only")
 
                 if rnd == 4:  # compute alone: round 4's GEMM again, from its rows and counts, bit for bit
                     for r, op in enumerate(ops):
