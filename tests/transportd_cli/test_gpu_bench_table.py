@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
 
 
@@ -36,3 +38,26 @@ def test_one_table_with_and_without_mps_for_both_backends() -> None:
     assert "| efa | no | device / device | loopback | 4767.0 | 4768.0 | 2.00 |" in table
     assert "| ib | no | failed: TimeoutError: stuck | | | | |" in table
     assert len(table) == 2 + 3 + 3 + 1 + 2
+
+
+def test_sweep_table_names_its_consumer_and_wait() -> None:
+    bench = _bench()
+    row = {"threads": 32, "avg_us": 4.0, "p50_us": 3.9, "p99_us": 5.5, "max_us": 20.0, "mops": 8.0,
+           "failed_threads": 0}
+    sweep = {"variant": "v2_split", "peers": 8, "poll_window_us": 0.0, "capacity": 4096, "errors": [0, 0, 0],
+             "rejected": 0, "by_threads": {"32": row}}
+    worker = bench.sweep_table({**sweep, "consumer": "worker", "wait": "thread"}).splitlines()
+    assert "the rail worker's loop, null NIC, thread polls" in worker[0]
+    assert worker[2].split() == ["32", "4.00", "3.90", "5.50", "20.0", "8.00"]
+    bare = bench.sweep_table({**sweep, "consumer": "bare", "wait": "warp"}).splitlines()
+    assert "the bare C consumer, warp polls" in bare[0]
+    failed = bench.sweep_table({**sweep, "rejected": 3}).splitlines()
+    assert failed[-1].startswith("ERRORS:")
+
+
+def test_sweep_refuses_an_unknown_consumer_or_wait() -> None:
+    bench = _bench()
+    with pytest.raises(ValueError, match="consumer must be one of"):
+        bench.roundtrip_sweep(None, "v2_split", consumer="fifo")
+    with pytest.raises(ValueError, match="consumer must be one of"):
+        bench.roundtrip_sweep(None, "v2_split", wait="block")
