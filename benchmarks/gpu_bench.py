@@ -484,7 +484,14 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
                 launch = functools.partial(_sweep_launch, gpu, kernel, dev, ring=None if proxy else ring)
                 launch(1, 100, peers)  # warm-up: the module, the mappings, the loop
                 for count in threads:
+                    before = proxy.loop_stats() if proxy is not None else None
                     rows[str(count)] = _sweep_row(count, iters, *launch(count, iters, peers))
+                    if before is not None:  # how the worker's passes went: records a busy pass, idle passes
+                        after = proxy.loop_stats()
+                        busy = after["busy"] - before["busy"]
+                        rows[str(count)]["records_per_busy_pass"] = count * iters / busy if busy else float("nan")
+                        rows[str(count)]["idle_passes_per_busy"] = (
+                            (after["passes"] - before["passes"] - busy) / busy if busy else float("nan"))
         finally:
             dev.release()
         errors = ring.error
@@ -550,6 +557,8 @@ def sweep_table(sweep: dict[str, Any]) -> str:
     for row in sweep["by_threads"].values():
         lines.append(f"{row['threads']:>8} {row['avg_us']:>9.2f} {row['p50_us']:>9.2f} {row['p99_us']:>9.2f} "
                      f"{row['max_us']:>9.1f} {row['mops']:>9.2f}" +
+                     (f"   {row['records_per_busy_pass']:.1f} records a busy pass, "
+                      f"{row['idle_passes_per_busy']:.1f} idle passes each" if "records_per_busy_pass" in row else "") +
                      (f"   ({row['failed_threads']} threads timed out)" if row["failed_threads"] else ""))
     if sweep["errors"][0] or sweep["rejected"]:
         lines.append(f"ERRORS: ring error word {sweep['errors']}, {sweep['rejected']} records rejected")

@@ -61,3 +61,12 @@ def test_sweep_refuses_an_unknown_consumer_or_wait() -> None:
         bench.roundtrip_sweep(None, "v2_split", consumer="fifo")
     with pytest.raises(ValueError, match="consumer must be one of"):
         bench.roundtrip_sweep(None, "v2_split", wait="block")
+
+
+def test_sweep_table_shows_the_workers_passes_when_measured() -> None:
+    bench = _bench()
+    row = {"threads": 1024, "avg_us": 60.0, "p50_us": 58.0, "p99_us": 120.0, "max_us": 200.0, "mops": 15.0,
+           "failed_threads": 0, "records_per_busy_pass": 12.5, "idle_passes_per_busy": 0.25}
+    sweep = {"variant": "v2_split", "peers": 8, "poll_window_us": 0.0, "capacity": 4096, "errors": [0, 0, 0],
+             "rejected": 0, "by_threads": {"1024": row}}
+    assert bench.sweep_table(sweep).splitlines()[2].endswith("12.5 records a busy pass, 0.2 idle passes each")
