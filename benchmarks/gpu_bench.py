@@ -452,7 +452,9 @@ SWEEP_TIMEOUT_NS = 5_000_000_000  # one record's round trip longer than this fai
 
 
 SWEEP_CONSUMERS = ("worker", "bare")  # the rail worker's loop over the engine; the bare C consumer
-SWEEP_WAITS = ("thread", "warp")  # each thread polls the completion word; one lane of a warp polls for it
+# each thread polls the completion word (acquire loads); one lane of a warp polls for it; each thread polls
+# with relaxed loads and fences once
+SWEEP_WAITS = ("thread", "warp", "relaxed")
 
 
 def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THREADS, iters: int = 2000,
@@ -467,13 +469,14 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
     ``consumer``: ``worker`` drains the ring with the rail worker's own loop (:class:`WorkerLoop`) over the
     engine as its own null NIC, one worker for the whole sweep (the row the targets name); ``bare`` with
     ``_core.bare_drain`` (take, release, complete, nothing else): the ceiling of the ring itself on this
-    machine. ``wait``: ``thread`` (every waiting thread polls the host word) or ``warp`` (one lane a warp
-    polls and hands the value on: ``roundtrip_sweep_warpwait_<variant>``)."""
+    machine. ``wait``: ``thread`` (every waiting thread polls the host word with acquire loads), ``warp`` (one
+    lane a warp polls and hands the value on: ``roundtrip_sweep_warpwait_<variant>``) or ``relaxed`` (relaxed
+    loads, one acquire fence after: ``roundtrip_sweep_relaxedwait_<variant>``)."""
     if consumer not in SWEEP_CONSUMERS or wait not in SWEEP_WAITS:
         raise ValueError(f"consumer must be one of {SWEEP_CONSUMERS} and wait one of {SWEEP_WAITS}")
     proxy = _null_nic_proxy(peers, poll_window_us) if consumer == "worker" else None
     rows: dict[str, Any] = {}
-    name = f"roundtrip_sweep_{'warpwait_' if wait == 'warp' else ''}{variant}"
+    name = f"roundtrip_sweep_{'' if wait == 'thread' else wait + 'wait_'}{variant}"
     with _ring(f"sweep-{variant}", capacity) as ring:
         if proxy is not None:
             proxy.add_channel(0, ring, NULL_NIC_JOB, 0, peers + 1)
@@ -510,11 +513,13 @@ FAILED = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 
 
 def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, peers: int,
-                  ring: RingFile | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  ring: RingFile | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One launch of ``count`` threads x ``n`` round trips: (round trip ns, zero where never reached and
-    FAILED where the thread timed out; (first push, last completion) per thread). With ``ring``, a thread
-    here drains it with the bare C consumer for the launch (GIL released) instead of a worker loop."""
+    FAILED where the thread timed out; the push's own ns of each; (first push, last completion) per thread).
+    With ``ring``, a thread here drains it with the bare C consumer for the launch (GIL released) instead of
+    a worker loop."""
     rtt, span = DeviceMemory(8 * count * n, gpu.device), DeviceMemory(16 * count, gpu.device)  # zeroed
+    pushed = DeviceMemory(8 * count * n, gpu.device)
     drainer = None
     try:
         if ring is not None:
@@ -525,26 +530,30 @@ def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, pe
         block = min(count, 32)
         kernel.launch((count + block - 1) // block, block,
                       (dev, np.uint32(count), np.uint32(n), np.uint32(peers), np.uint64(SWEEP_TIMEOUT_NS),
-                       np.uint64(rtt.ptr), np.uint64(span.ptr)), stream=gpu.stream)
+                       np.uint64(rtt.ptr), np.uint64(pushed.ptr), np.uint64(span.ptr)), stream=gpu.stream)
         gpu.sync()
         ns = np.frombuffer(rtt.read(0, 8 * count * n), dtype="<u8")
+        push_ns = np.frombuffer(pushed.read(0, 8 * count * n), dtype="<u8")
         ends = np.frombuffer(span.read(0, 16 * count), dtype="<u8").reshape(count, 2)
     finally:
         if drainer is not None:
             drainer.join()
         rtt.free()
+        pushed.free()
         span.free()
-    return ns, ends
+    return ns, push_ns, ends
 
 
-def _sweep_row(threads: int, n: int, ns: np.ndarray, ends: np.ndarray) -> dict[str, Any]:
-    us = ns[(ns != 0) & (ns != FAILED)].astype(np.float64) / 1e3
+def _sweep_row(threads: int, n: int, ns: np.ndarray, push_ns: np.ndarray, ends: np.ndarray) -> dict[str, Any]:
+    reached = (ns != 0) & (ns != FAILED)
+    us = ns[reached].astype(np.float64) / 1e3
+    push_us = push_ns[reached].astype(np.float64) / 1e3
     finished = ends[:, 1] != FAILED
     window_ns = float(ends[finished, 1].max()) - float(ends[:, 0].min()) if finished.any() else float("nan")
     return {"threads": threads, "iters": n, "round_trips": int(len(us)), "failed_threads": int((~finished).sum()),
             "avg_us": float(us.mean()) if len(us) else float("nan"), "p50_us": _pct(us, 50),
             "p99_us": _pct(us, 99), "max_us": float(us.max()) if len(us) else float("nan"),
-            "mops": len(us) / window_ns * 1e3 if window_ns > 0 else float("nan")}
+            "push_p50_us": _pct(push_us, 50), "mops": len(us) / window_ns * 1e3 if window_ns > 0 else float("nan")}
 
 
 def sweep_table(sweep: dict[str, Any]) -> str:
@@ -553,10 +562,11 @@ def sweep_table(sweep: dict[str, Any]) -> str:
     lines = [f"round trip under load: {sweep['variant']}, {sweep['peers']} peers, poll window "
              f"{sweep['poll_window_us']:g} us, ring of {sweep['capacity']}, {consumer}, "
              f"{sweep.get('wait', 'thread')} polls the completion word",
-             f"{'threads':>8} {'avg us':>9} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'M ops/s':>9}"]
+             f"{'threads':>8} {'avg us':>9} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'M ops/s':>9} "
+             f"{'push p50':>9}"]
     for row in sweep["by_threads"].values():
         lines.append(f"{row['threads']:>8} {row['avg_us']:>9.2f} {row['p50_us']:>9.2f} {row['p99_us']:>9.2f} "
-                     f"{row['max_us']:>9.1f} {row['mops']:>9.2f}" +
+                     f"{row['max_us']:>9.1f} {row['mops']:>9.2f} {row.get('push_p50_us', float('nan')):>9.2f}" +
                      (f"   {row['records_per_busy_pass']:.1f} records a busy pass, "
                       f"{row['idle_passes_per_busy']:.1f} idle passes each" if "records_per_busy_pass" in row else "") +
                      (f"   ({row['failed_threads']} threads timed out)" if row["failed_threads"] else ""))
