@@ -334,13 +334,13 @@ def commit_to_consumed(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: f
 NULL_NIC_JOB = "gpubench"
 
 
-def _null_nic_proxy(peers: int = 1, poll_window_us: float = 0.0) -> Any:
+def _null_nic_proxy(peers: int = 1, poll_window_us: float = 0.0, max_take: int = 4096) -> Any:
     """The compiled engine as its own null NIC (nothing leaves C), poll window 0 unless asked, with one job:
     rank 0 here, ranks 1..peers the peers the records go to, each on its own connection."""
     from transportd.dataplane.proxy import Proxy
 
     job, region = NULL_NIC_JOB, 1 << 30
-    proxy = Proxy(None, poll_window_us=poll_window_us)
+    proxy = Proxy(None, poll_window_us=poll_window_us, max_take=max_take)
     proxy.set_source_region(job, 0, 0, 0x1000_0000, region, 1)
     for peer in range(1, peers + 1):
         proxy.set_remote_region(job, peer, 0, 0x100_0000_0000 * peer, region, 100 + peer)
@@ -455,11 +455,12 @@ SWEEP_CONSUMERS = ("worker", "bare")  # the rail worker's loop over the engine; 
 # each thread polls the completion word (acquire loads); one lane of a warp polls for it; each thread polls
 # with relaxed loads and fences once
 SWEEP_WAITS = ("thread", "warp", "relaxed")
+SWEEP_COMPARE_MAX_TAKE = (256, 64, 16)  # the worker's pass capped at these many records (--sweep-compare)
 
 
 def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THREADS, iters: int = 2000,
                     peers: int = SWEEP_PEERS, poll_window_us: float = 0.0, capacity: int = 4096,
-                    consumer: str = "worker", wait: str = "thread") -> dict[str, Any]:
+                    consumer: str = "worker", wait: str = "thread", max_take: int = 4096) -> dict[str, Any]:
     """Round trips under load, on the GPU's clock alone: for each thread count, every thread pushes a 4 KiB PUT,
     waits until the completion position passes its own record, and pushes the next, ``iters`` times
     (``roundtrip_sweep_<variant>`` in gpu_push.cu). Per thread count: avg / p50 / p99 / max of every round trip
@@ -471,10 +472,11 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
     ``_core.bare_drain`` (take, release, complete, nothing else): the ceiling of the ring itself on this
     machine. ``wait``: ``thread`` (every waiting thread polls the host word with acquire loads), ``warp`` (one
     lane a warp polls and hands the value on: ``roundtrip_sweep_warpwait_<variant>``) or ``relaxed`` (relaxed
-    loads, one acquire fence after: ``roundtrip_sweep_relaxedwait_<variant>``)."""
+    loads, one acquire fence after: ``roundtrip_sweep_relaxedwait_<variant>``). ``max_take``: the most records
+    the worker's pass takes from the ring (the proxy's default, 4096, unless asked)."""
     if consumer not in SWEEP_CONSUMERS or wait not in SWEEP_WAITS:
         raise ValueError(f"consumer must be one of {SWEEP_CONSUMERS} and wait one of {SWEEP_WAITS}")
-    proxy = _null_nic_proxy(peers, poll_window_us) if consumer == "worker" else None
+    proxy = _null_nic_proxy(peers, poll_window_us, max_take) if consumer == "worker" else None
     rows: dict[str, Any] = {}
     name = f"roundtrip_sweep_{'' if wait == 'thread' else wait + 'wait_'}{variant}"
     with _ring(f"sweep-{variant}", capacity) as ring:
@@ -504,7 +506,7 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
     loop = ("transportd.dataplane.worker.serve_loop (Engine.serve), null NIC" if proxy is not None
             else "_core.bare_drain (take, release, complete)")
     return {"variant": variant, "peers": peers, "poll_window_us": poll_window_us, "capacity": capacity,
-            "iters": iters, "consumer": consumer, "wait": wait, "worker_loop": loop,
+            "iters": iters, "consumer": consumer, "wait": wait, "max_take": max_take, "worker_loop": loop,
             "errors": list(errors), "commands": stats["commands"], "rejected": stats["rejected"],
             "by_threads": rows}
 
@@ -559,8 +561,9 @@ def _sweep_row(threads: int, n: int, ns: np.ndarray, push_ns: np.ndarray, ends: 
 def sweep_table(sweep: dict[str, Any]) -> str:
     consumer = ("the rail worker's loop, null NIC" if sweep.get("consumer", "worker") == "worker"
                 else "the bare C consumer")
+    take = f" (max take {sweep['max_take']})" if sweep.get("max_take", 4096) != 4096 else ""
     lines = [f"round trip under load: {sweep['variant']}, {sweep['peers']} peers, poll window "
-             f"{sweep['poll_window_us']:g} us, ring of {sweep['capacity']}, {consumer}, "
+             f"{sweep['poll_window_us']:g} us, ring of {sweep['capacity']}, {consumer}{take}, "
              f"{sweep.get('wait', 'thread')} polls the completion word",
              f"{'threads':>8} {'avg us':>9} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'M ops/s':>9} "
              f"{'push p50':>9}"]
@@ -609,6 +612,11 @@ def run_sweep_only(quick: bool, threads: tuple[int, ...], iters: int, poll_windo
                                           consumer=consumer, wait=wait)
                     echo(sweep_table(row))
                     others[f"{consumer}_{wait}"] = row
+        for take in SWEEP_COMPARE_MAX_TAKE:  # smaller passes: completions published sooner
+            row = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us,
+                                  max_take=take)
+            echo(sweep_table(row))
+            others[f"worker_thread_max_take_{take}"] = row
     drain = drain_rows(quick)
     echo(f"drain, one worker, null NIC: {drain['commands_per_s'] / 1e6:.2f} M commands/s (median "
          f"{drain['commands_per_s_median'] / 1e6:.2f}); bare C consumer "
