@@ -40,6 +40,8 @@ put -> flag
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -62,6 +64,7 @@ import gpuclient  # noqa: E402
 from cmd_ring import RingConsumer, RingFile  # noqa: E402
 from gpuclient.cuda_memory import DeviceMemory, check, driver, map_host, use_device  # noqa: E402
 from gpuclient.device_channel import DeviceRing, map_ring  # noqa: E402
+from transportd import _core  # noqa: E402
 
 KERNELS = Path(__file__).with_name("gpu_push.cu")
 HEADER_LAST = ("release_sys", "fence_sys", "v2_release", "v2_split")
@@ -331,13 +334,13 @@ def commit_to_consumed(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: f
 NULL_NIC_JOB = "gpubench"
 
 
-def _null_nic_proxy(peers: int = 1, poll_window_us: float = 0.0) -> Any:
+def _null_nic_proxy(peers: int = 1, poll_window_us: float = 0.0, max_take: int = 4096) -> Any:
     """The compiled engine as its own null NIC (nothing leaves C), poll window 0 unless asked, with one job:
     rank 0 here, ranks 1..peers the peers the records go to, each on its own connection."""
     from transportd.dataplane.proxy import Proxy
 
     job, region = NULL_NIC_JOB, 1 << 30
-    proxy = Proxy(None, poll_window_us=poll_window_us)
+    proxy = Proxy(None, poll_window_us=poll_window_us, max_take=max_take)
     proxy.set_source_region(job, 0, 0, 0x1000_0000, region, 1)
     for peer in range(1, peers + 1):
         proxy.set_remote_region(job, peer, 0, 0x100_0000_0000 * peer, region, 100 + peer)
@@ -448,32 +451,62 @@ SWEEP_PEERS = 8  # connections the records spread over: 8 x the inflight cap (25
 SWEEP_TIMEOUT_NS = 5_000_000_000  # one record's round trip longer than this fails the thread (never a hang)
 
 
+SWEEP_CONSUMERS = ("worker", "bare")  # the rail worker's loop over the engine; the bare C consumer
+# each thread polls the completion word (acquire loads); one lane of a warp polls for it; each thread polls
+# with relaxed loads and fences once
+SWEEP_WAITS = ("thread", "warp", "relaxed")
+SWEEP_COMPARE_MAX_TAKE = (256, 64, 16)  # the worker's pass capped at these many records (--sweep-compare)
+
+
 def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THREADS, iters: int = 2000,
-                    peers: int = SWEEP_PEERS, poll_window_us: float = 0.0, capacity: int = 4096) -> dict[str, Any]:
+                    peers: int = SWEEP_PEERS, poll_window_us: float = 0.0, capacity: int = 4096,
+                    consumer: str = "worker", wait: str = "thread", max_take: int = 4096) -> dict[str, Any]:
     """Round trips under load, on the GPU's clock alone: for each thread count, every thread pushes a 4 KiB PUT,
     waits until the completion position passes its own record, and pushes the next, ``iters`` times
-    (``roundtrip_sweep_<variant>`` in gpu_push.cu). The ring is drained by the rail worker's own loop
-    (:class:`WorkerLoop`) over the engine as its own null NIC, one worker for the whole sweep. Per thread
-    count: avg / p50 / p99 / max of every round trip (µs), and M ops/s = round trips / (last completion seen
-    - first push) on the GPU's clock. Threads run 32 to a block (one block for 1)."""
-    proxy = _null_nic_proxy(peers, poll_window_us)
+    (``roundtrip_sweep_<variant>`` in gpu_push.cu). Per thread count: avg / p50 / p99 / max of every round trip
+    (µs), and M ops/s = round trips / (last completion seen - first push) on the GPU's clock. Threads run 32
+    to a block (one block for 1).
+
+    ``consumer``: ``worker`` drains the ring with the rail worker's own loop (:class:`WorkerLoop`) over the
+    engine as its own null NIC, one worker for the whole sweep (the row the targets name); ``bare`` with
+    ``_core.bare_drain`` (take, release, complete, nothing else): the ceiling of the ring itself on this
+    machine. ``wait``: ``thread`` (every waiting thread polls the host word with acquire loads), ``warp`` (one
+    lane a warp polls and hands the value on: ``roundtrip_sweep_warpwait_<variant>``) or ``relaxed`` (relaxed
+    loads, one acquire fence after: ``roundtrip_sweep_relaxedwait_<variant>``). ``max_take``: the most records
+    the worker's pass takes from the ring (the proxy's default, 4096, unless asked)."""
+    if consumer not in SWEEP_CONSUMERS or wait not in SWEEP_WAITS:
+        raise ValueError(f"consumer must be one of {SWEEP_CONSUMERS} and wait one of {SWEEP_WAITS}")
+    proxy = _null_nic_proxy(peers, poll_window_us, max_take) if consumer == "worker" else None
     rows: dict[str, Any] = {}
+    name = f"roundtrip_sweep_{'' if wait == 'thread' else wait + 'wait_'}{variant}"
     with _ring(f"sweep-{variant}", capacity) as ring:
-        proxy.add_channel(0, ring, NULL_NIC_JOB, 0, peers + 1)
+        if proxy is not None:
+            proxy.add_channel(0, ring, NULL_NIC_JOB, 0, peers + 1)
         dev = map_ring(ring, gpu.device)
-        kernel = gpu.module.function(f"roundtrip_sweep_{variant}")
+        kernel = gpu.module.function(name)
         try:
-            with WorkerLoop(proxy):
-                _sweep_launch(gpu, kernel, dev, 1, 100, peers)  # warm-up: the module, the mappings, the loop
+            with WorkerLoop(proxy) if proxy is not None else contextlib.nullcontext():
+                launch = functools.partial(_sweep_launch, gpu, kernel, dev, ring=None if proxy else ring)
+                launch(1, 100, peers)  # warm-up: the module, the mappings, the loop
                 for count in threads:
-                    rows[str(count)] = _sweep_row(count, iters, *_sweep_launch(gpu, kernel, dev, count, iters, peers))
+                    before = proxy.loop_stats() if proxy is not None else None
+                    rows[str(count)] = _sweep_row(count, iters, *launch(count, iters, peers))
+                    if before is not None:  # how the worker's passes went: records a busy pass, idle passes
+                        after = proxy.loop_stats()
+                        busy = after["busy"] - before["busy"]
+                        rows[str(count)]["records_per_busy_pass"] = count * iters / busy if busy else float("nan")
+                        rows[str(count)]["idle_passes_per_busy"] = (
+                            (after["passes"] - before["passes"] - busy) / busy if busy else float("nan"))
         finally:
             dev.release()
-        stats = proxy.stats()
         errors = ring.error
-        proxy.remove_channel(0)
+        stats = proxy.stats() if proxy is not None else {"commands": ring.consumer_pos, "rejected": 0}
+        if proxy is not None:
+            proxy.remove_channel(0)
+    loop = ("transportd.dataplane.worker.serve_loop (Engine.serve), null NIC" if proxy is not None
+            else "_core.bare_drain (take, release, complete)")
     return {"variant": variant, "peers": peers, "poll_window_us": poll_window_us, "capacity": capacity,
-            "iters": iters, "worker_loop": "transportd.dataplane.worker.serve_loop (Engine.serve), null NIC",
+            "iters": iters, "consumer": consumer, "wait": wait, "max_take": max_take, "worker_loop": loop,
             "errors": list(errors), "commands": stats["commands"], "rejected": stats["rejected"],
             "by_threads": rows}
 
@@ -481,42 +514,64 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
 FAILED = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 
 
-def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, peers: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, peers: int,
+                  ring: RingFile | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One launch of ``count`` threads x ``n`` round trips: (round trip ns, zero where never reached and
-    FAILED where the thread timed out; (first push, last completion) per thread)."""
+    FAILED where the thread timed out; the push's own ns of each; (first push, last completion) per thread).
+    With ``ring``, a thread here drains it with the bare C consumer for the launch (GIL released) instead of
+    a worker loop."""
     rtt, span = DeviceMemory(8 * count * n, gpu.device), DeviceMemory(16 * count, gpu.device)  # zeroed
+    pushed = DeviceMemory(8 * count * n, gpu.device)
+    drainer = None
     try:
+        if ring is not None:
+            until = ring.consumer_pos + count * n
+            drainer = threading.Thread(target=_core.bare_drain, args=(ring._bytes, until, SWEEP_TIMEOUT_NS / 1e9),
+                                       daemon=True)
+            drainer.start()
         block = min(count, 32)
         kernel.launch((count + block - 1) // block, block,
                       (dev, np.uint32(count), np.uint32(n), np.uint32(peers), np.uint64(SWEEP_TIMEOUT_NS),
-                       np.uint64(rtt.ptr), np.uint64(span.ptr)), stream=gpu.stream)
+                       np.uint64(rtt.ptr), np.uint64(pushed.ptr), np.uint64(span.ptr)), stream=gpu.stream)
         gpu.sync()
         ns = np.frombuffer(rtt.read(0, 8 * count * n), dtype="<u8")
+        push_ns = np.frombuffer(pushed.read(0, 8 * count * n), dtype="<u8")
         ends = np.frombuffer(span.read(0, 16 * count), dtype="<u8").reshape(count, 2)
     finally:
+        if drainer is not None:
+            drainer.join()
         rtt.free()
+        pushed.free()
         span.free()
-    return ns, ends
+    return ns, push_ns, ends
 
 
-def _sweep_row(threads: int, n: int, ns: np.ndarray, ends: np.ndarray) -> dict[str, Any]:
-    us = ns[(ns != 0) & (ns != FAILED)].astype(np.float64) / 1e3
+def _sweep_row(threads: int, n: int, ns: np.ndarray, push_ns: np.ndarray, ends: np.ndarray) -> dict[str, Any]:
+    reached = (ns != 0) & (ns != FAILED)
+    us = ns[reached].astype(np.float64) / 1e3
+    push_us = push_ns[reached].astype(np.float64) / 1e3
     finished = ends[:, 1] != FAILED
     window_ns = float(ends[finished, 1].max()) - float(ends[:, 0].min()) if finished.any() else float("nan")
     return {"threads": threads, "iters": n, "round_trips": int(len(us)), "failed_threads": int((~finished).sum()),
             "avg_us": float(us.mean()) if len(us) else float("nan"), "p50_us": _pct(us, 50),
             "p99_us": _pct(us, 99), "max_us": float(us.max()) if len(us) else float("nan"),
-            "mops": len(us) / window_ns * 1e3 if window_ns > 0 else float("nan")}
+            "push_p50_us": _pct(push_us, 50), "mops": len(us) / window_ns * 1e3 if window_ns > 0 else float("nan")}
 
 
 def sweep_table(sweep: dict[str, Any]) -> str:
+    consumer = ("the rail worker's loop, null NIC" if sweep.get("consumer", "worker") == "worker"
+                else "the bare C consumer")
+    take = f" (max take {sweep['max_take']})" if sweep.get("max_take", 4096) != 4096 else ""
     lines = [f"round trip under load: {sweep['variant']}, {sweep['peers']} peers, poll window "
-             f"{sweep['poll_window_us']:g} us, ring of {sweep['capacity']}, the rail worker's loop, null NIC",
-             f"{'threads':>8} {'avg us':>9} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'M ops/s':>9}"]
+             f"{sweep['poll_window_us']:g} us, ring of {sweep['capacity']}, {consumer}{take}, "
+             f"{sweep.get('wait', 'thread')} polls the completion word",
+             f"{'threads':>8} {'avg us':>9} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'M ops/s':>9} "
+             f"{'push p50':>9}"]
     for row in sweep["by_threads"].values():
         lines.append(f"{row['threads']:>8} {row['avg_us']:>9.2f} {row['p50_us']:>9.2f} {row['p99_us']:>9.2f} "
-                     f"{row['max_us']:>9.1f} {row['mops']:>9.2f}" +
+                     f"{row['max_us']:>9.1f} {row['mops']:>9.2f} {row.get('push_p50_us', float('nan')):>9.2f}" +
+                     (f"   {row['records_per_busy_pass']:.1f} records a busy pass, "
+                      f"{row['idle_passes_per_busy']:.1f} idle passes each" if "records_per_busy_pass" in row else "") +
                      (f"   ({row['failed_threads']} threads timed out)" if row["failed_threads"] else ""))
     if sweep["errors"][0] or sweep["rejected"]:
         lines.append(f"ERRORS: ring error word {sweep['errors']}, {sweep['rejected']} records rejected")
@@ -539,20 +594,37 @@ def sweep_summary(sweep: dict[str, Any]) -> dict[str, float]:
 
 
 def run_sweep_only(quick: bool, threads: tuple[int, ...], iters: int, poll_window_us: float,
-                   echo: Any = print) -> dict[str, Any]:
+                   compare: bool = False, echo: Any = print) -> dict[str, Any]:
     """``--only-sweep``: the round-trip sweep and, in the same run, ``bench proxy``'s drain beside the bare C
-    consumer: every row the loop's targets name, without the put -> flag table (no daemons, no MPS)."""
+    consumer: every row the loop's targets name, without the put -> flag table (no daemons, no MPS). With
+    ``compare``, the same sweep again for every other (consumer, wait) pair: what the ring and the GPU's
+    polling cost without the engine, and with one poller a warp."""
     gpu = Gpu(0)
     library = DEFAULT_VARIANT[_library_default()]
     sweep = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us)
     echo(sweep_table(sweep))
+    others = {}
+    if compare:
+        for consumer in SWEEP_CONSUMERS:
+            for wait in SWEEP_WAITS:
+                if (consumer, wait) != ("worker", "thread"):
+                    row = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us,
+                                          consumer=consumer, wait=wait)
+                    echo(sweep_table(row))
+                    others[f"{consumer}_{wait}"] = row
+        for take in SWEEP_COMPARE_MAX_TAKE:  # smaller passes: completions published sooner
+            row = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us,
+                                  max_take=take)
+            echo(sweep_table(row))
+            others[f"worker_thread_max_take_{take}"] = row
     drain = drain_rows(quick)
     echo(f"drain, one worker, null NIC: {drain['commands_per_s'] / 1e6:.2f} M commands/s (median "
          f"{drain['commands_per_s_median'] / 1e6:.2f}); bare C consumer "
          f"{drain['bare_c_consumer_records_per_s'] / 1e6:.1f} M/s; core / bare C {drain['core_vs_bare_c']:.3f}")
     summary = {"library_commit": library, **sweep_summary(sweep), "drain_commands_per_s": drain["commands_per_s"],
                "drain_vs_bare_c": drain["core_vs_bare_c"]}
-    return {"summary": summary, "roundtrip_sweep": sweep, "drain": drain, "device_sms": gpu.sms}
+    return {"summary": summary, "roundtrip_sweep": sweep, "sweep_compare": others, "drain": drain,
+            "device_sms": gpu.sms}
 
 
 def drain_rows(quick: bool = False) -> dict[str, Any]:
@@ -904,10 +976,12 @@ def _library_default() -> int:
               help="round trips per thread at each thread count")
 @click.option("--sweep-poll-window-us", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="the proxy's polling window in the sweep (the daemon's default is 50)")
+@click.option("--sweep-compare", is_flag=True,
+              help="with --only-sweep: also the bare C consumer, and one completion poller a warp")
 @click.option("--put-flag-child", type=int, default=None, hidden=True,
               help="internal: one MPS setting's put -> flag runs (N round trips) into --json")
 def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, only_sweep: bool, sweep_threads: str,
-         sweep_iters: int, sweep_poll_window_us: float, put_flag_child: int | None) -> None:
+         sweep_iters: int, sweep_poll_window_us: float, sweep_compare: bool, put_flag_child: int | None) -> None:
     """Push cost, commit -> posted, round trips under load and put -> flag on this machine's GPU (see the
     module doc)."""
     from transportd_cli.mps import mps_wanted
@@ -928,7 +1002,7 @@ def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, only
                                      param_hint="--sweep-threads") from None
         if not threads or min(threads) < 1:
             raise click.BadParameter("thread counts must be >= 1", param_hint="--sweep-threads")
-        result = run_sweep_only(quick, threads, sweep_iters, sweep_poll_window_us, click.echo)
+        result = run_sweep_only(quick, threads, sweep_iters, sweep_poll_window_us, sweep_compare, click.echo)
         click.echo(json.dumps(result["summary"], indent=2))
         if json_path:
             Path(json_path).write_text(json.dumps(result, indent=2))

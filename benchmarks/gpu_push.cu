@@ -107,15 +107,36 @@ __device__ void push_loop_warp(tpd::RingDevice ring, uint32_t iters, uint64_t* o
     }
 }
 
+// How a sweep thread waits for the completion position to pass its record. THREAD: every waiting thread
+// polls the host word itself (one PCIe read each per poll). WARP: the lowest waiting lane of the warp polls
+// and hands the value to the others (one PCIe read per warp per poll); a lane whose record is done leaves.
+// RELAXED: every waiting thread polls with relaxed loads and orders what follows with one acquire fence
+// once the position has passed (the acquire paid once, not on every PCIe read).
+constexpr int WAIT_THREAD = 0;
+constexpr int WAIT_WARP = 1;
+constexpr int WAIT_RELAXED = 2;
+
+template <int Wait>
+__device__ __forceinline__ uint64_t poll_done(const uint64_t* done) {
+    if (Wait == WAIT_THREAD) return tpd::ordering::ld_acquire_sys(done);
+    if (Wait == WAIT_RELAXED) return tpd::ordering::ld_relaxed_sys(done);
+    const uint32_t waiting = __activemask();
+    const uint32_t leader = (uint32_t)__ffs(waiting) - 1u;
+    uint64_t v = 0;
+    if (tpd::ordering::lane_id() == leader) v = tpd::ordering::ld_acquire_sys(done);
+    return __shfl_sync(waiting, v, leader);
+}
+
 // Round trips under load, on the GPU's clock alone: each of `threads` threads pushes a 4 KiB PUT (to peer
 // 1 + tid % peers), waits until the proxy's completion position passes its own record, and pushes the next,
-// `n` times, with no pause. rtt[tid * n + i] = ns from before push i to seeing its completion; span[2 * tid]
+// `n` times, with no pause. rtt[tid * n + i] = ns from before push i to seeing its completion, and
+// pushed[tid * n + i] the ns of the push alone (claim, credit, commit: the rest is the wait); span[2 * tid]
 // and span[2 * tid + 1] = the thread's first push and last completion (the launch's ops/s). The wait is
 // bounded in every build: a thread that waits longer than `timeout_ns` for one record stores ~0 as that
 // round trip and stops (the host counts them as failures).
-template <int Variant>
+template <int Variant, int Wait>
 __device__ void roundtrip_sweep(tpd::RingDevice ring, uint32_t threads, uint32_t n, uint32_t peers,
-                                uint64_t timeout_ns, uint64_t* rtt, uint64_t* span) {
+                                uint64_t timeout_ns, uint64_t* rtt, uint64_t* pushed, uint64_t* span) {
     uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
     if (tid >= threads) return;
     const uint64_t* done = tpd::control_word<uint64_t>(ring, TPD_RING_OFF_COMPLETION_POS);
@@ -126,8 +147,9 @@ __device__ void roundtrip_sweep(tpd::RingDevice ring, uint32_t threads, uint32_t
         uint64_t t = tpd::ordering::now_ns();
         tpd::Body b = tpd::make_body(off, off, 4096, 0, 0, tid * n + i, 0, t);
         uint64_t pos = tpd::push<Variant>(ring, tpd::Opcode::Put, 0, peer, b);
+        pushed[(uint64_t)tid * n + i] = tpd::ordering::now_ns() - t;
         uint32_t polls = 0;
-        while (tpd::ordering::ld_acquire_sys(done) <= pos) {
+        while (poll_done<Wait>(done) <= pos) {
             if ((++polls & 1023) == 0 && tpd::ordering::now_ns() - t > timeout_ns) {
                 rtt[(uint64_t)tid * n + i] = ~0ull;
                 span[2 * tid] = first;
@@ -135,6 +157,7 @@ __device__ void roundtrip_sweep(tpd::RingDevice ring, uint32_t threads, uint32_t
                 return;
             }
         }
+        if (Wait == WAIT_RELAXED) asm volatile("fence.acq_rel.sys;" ::: "memory");
         t1 = tpd::ordering::now_ns();
         rtt[(uint64_t)tid * n + i] = t1 - t;
     }
@@ -156,12 +179,16 @@ __device__ void roundtrip_sweep(tpd::RingDevice ring, uint32_t threads, uint32_t
     }
 
 // the sweep's records go to the proxy: header-last commits only (parity records need their own consumer)
-#define TPD_BENCH_SWEEP(name, v)                                                                        \
-    extern "C" __global__ void roundtrip_sweep_##name(tpd::RingDevice ring, uint32_t threads, uint32_t n,     \
-                                                      uint32_t peers, uint64_t timeout_ns, uint64_t* rt,      \
-                                                      uint64_t* span) {                                       \
-        bench::roundtrip_sweep<v>(ring, threads, n, peers, timeout_ns, rt, span);                         \
+#define TPD_BENCH_SWEEP_WAIT(name, v, prefix, wait)                                                     \
+    extern "C" __global__ void roundtrip_sweep_##prefix##name(tpd::RingDevice ring, uint32_t threads,         \
+                                                              uint32_t n, uint32_t peers, uint64_t timeout_ns, \
+                                                              uint64_t* rt, uint64_t* pushed, uint64_t* span) { \
+        bench::roundtrip_sweep<v, wait>(ring, threads, n, peers, timeout_ns, rt, pushed, span);           \
     }
+#define TPD_BENCH_SWEEP(name, v)                                  \
+    TPD_BENCH_SWEEP_WAIT(name, v, , bench::WAIT_THREAD)           \
+    TPD_BENCH_SWEEP_WAIT(name, v, warpwait_, bench::WAIT_WARP)    \
+    TPD_BENCH_SWEEP_WAIT(name, v, relaxedwait_, bench::WAIT_RELAXED)
 
 TPD_BENCH_VARIANT(release_sys, TPD_COMMIT_RELEASE_SYS)
 TPD_BENCH_VARIANT(fence_sys, TPD_COMMIT_FENCE_SYS)

@@ -6,6 +6,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
 
 
@@ -36,3 +39,46 @@ def test_one_table_with_and_without_mps_for_both_backends() -> None:
     assert "| efa | no | device / device | loopback | 4767.0 | 4768.0 | 2.00 |" in table
     assert "| ib | no | failed: TimeoutError: stuck | | | | |" in table
     assert len(table) == 2 + 3 + 3 + 1 + 2
+
+
+def test_sweep_table_names_its_consumer_and_wait() -> None:
+    bench = _bench()
+    row = {"threads": 32, "avg_us": 4.0, "p50_us": 3.9, "p99_us": 5.5, "max_us": 20.0, "mops": 8.0,
+           "failed_threads": 0}  # an older result: no push column
+    sweep = {"variant": "v2_split", "peers": 8, "poll_window_us": 0.0, "capacity": 4096, "errors": [0, 0, 0],
+             "rejected": 0, "by_threads": {"32": row}}
+    worker = bench.sweep_table({**sweep, "consumer": "worker", "wait": "thread"}).splitlines()
+    assert "the rail worker's loop, null NIC, thread polls" in worker[0]
+    assert worker[2].split() == ["32", "4.00", "3.90", "5.50", "20.0", "8.00", "nan"]
+    bare = bench.sweep_table({**sweep, "consumer": "bare", "wait": "warp"}).splitlines()
+    assert "the bare C consumer, warp polls" in bare[0]
+    failed = bench.sweep_table({**sweep, "rejected": 3}).splitlines()
+    assert failed[-1].startswith("ERRORS:")
+
+
+def test_sweep_refuses_an_unknown_consumer_or_wait() -> None:
+    bench = _bench()
+    with pytest.raises(ValueError, match="consumer must be one of"):
+        bench.roundtrip_sweep(None, "v2_split", consumer="fifo")
+    with pytest.raises(ValueError, match="consumer must be one of"):
+        bench.roundtrip_sweep(None, "v2_split", wait="block")
+
+
+def test_sweep_row_times_the_push_apart_and_drops_unreached_round_trips() -> None:
+    bench = _bench()
+    ns = np.array([3000, 4000, 0, bench.FAILED], dtype=np.uint64)
+    push_ns = np.array([900, 1100, 0, 0], dtype=np.uint64)
+    ends = np.array([[100, 10_100], [200, int(bench.FAILED)]], dtype=np.uint64)
+    row = bench._sweep_row(2, 2, ns, push_ns, ends)
+    assert row["round_trips"] == 2 and row["failed_threads"] == 1
+    assert row["p50_us"] == pytest.approx(3.5) and row["push_p50_us"] == pytest.approx(1.0)
+    assert row["mops"] == pytest.approx(2 / 10_000 * 1e3)
+
+
+def test_sweep_table_shows_the_workers_passes_when_measured() -> None:
+    bench = _bench()
+    row = {"threads": 1024, "avg_us": 60.0, "p50_us": 58.0, "p99_us": 120.0, "max_us": 200.0, "mops": 15.0,
+           "failed_threads": 0, "records_per_busy_pass": 12.5, "idle_passes_per_busy": 0.25}
+    sweep = {"variant": "v2_split", "peers": 8, "poll_window_us": 0.0, "capacity": 4096, "errors": [0, 0, 0],
+             "rejected": 0, "by_threads": {"1024": row}}
+    assert bench.sweep_table(sweep).splitlines()[2].endswith("12.5 records a busy pass, 0.2 idle passes each")
