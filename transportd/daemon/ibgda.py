@@ -36,7 +36,7 @@ from transportd.control.protocol import (
     PeerDisconnect,
     ReplyCode,
 )
-from transportd.daemon.clients import ClientSessions
+from transportd.daemon.clients import ControlClients
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import LocalRank, NodeState, quietly, region_key
 from transportd.dataplane import link_messages as link
@@ -71,7 +71,7 @@ class IbgdaChannels:
     (``domains``: the grant and the regions registered there) and the queues whose far end has not
     accepted yet (``waiting``, by (node, queue id))."""
 
-    def __init__(self, state: NodeState, clients: ClientSessions, peering: Peering) -> None:
+    def __init__(self, state: NodeState, clients: ControlClients, peering: Peering) -> None:
         self.state = state
         self.clients = clients
         self.peering = peering

@@ -75,7 +75,7 @@ from transportd.control.protocol import (
 )
 from transportd.control.server import ControlServer
 from transportd.daemon import stats
-from transportd.daemon.clients import ClientSessions
+from transportd.daemon.clients import ControlClients
 from transportd.daemon.ibgda import IbgdaChannels
 from transportd.daemon.memory import RankMemory
 from transportd.daemon.peering import Peering
@@ -109,7 +109,7 @@ class Daemon:
         self.failure: str | None = None  # why the daemon stopped on its own (the CLI exits non-zero)
         self.state = NodeState(config)
         self.peering = Peering(self.state)
-        self.clients = ClientSessions(self.state, self.peering)
+        self.clients = ControlClients(self.state, self.peering)
         self.memory = RankMemory(self.state, self.clients)
         self.ibgda = IbgdaChannels(self.state, self.clients, self.peering)
         self.selftests = SelftestJobs(self.state, self.peering, self.memory, self._release_rank)
