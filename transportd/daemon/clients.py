@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from transportd.control import protocol
-from transportd.control.fdchannel import SideConnection
+from transportd.control.fdsocket import SideConnection
 from transportd.control.protocol import Hello, Join, ReplyCode, Vouch
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import JobState, LocalRank, NodeState

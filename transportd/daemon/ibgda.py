@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transportd.backends import IBGDA, has_capability, kinds_with
-from transportd.control.fdchannel import SideConnection
+from transportd.control.fdsocket import SideConnection
 from transportd.control.protocol import (
     ChannelClose,
     ChannelConnect,

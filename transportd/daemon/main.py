@@ -40,7 +40,7 @@ from typing import Any
 
 from transportd.config import Config
 from transportd.control.curve import CurveServerKeys
-from transportd.control.fdchannel import FdServer, SideConnection, fd_socket_for
+from transportd.control.fdsocket import FdServer, SideConnection, fd_socket_for
 from transportd.control.peers import PeerPlane
 from transportd.control.protocol import (
     Channel,

@@ -21,7 +21,7 @@ from typing import Any
 
 from cmd_ring import RingError, RingFile
 from cmd_ring.shm import size_is_sealed
-from transportd.control.fdchannel import SideConnection, is_memfd
+from transportd.control.fdsocket import SideConnection, is_memfd
 from transportd.control.protocol import Flags, Register, ReplyCode
 from transportd.daemon.clients import ControlClients
 from transportd.daemon.state import LocalRank, NodeState, memfd_name, quietly, region_key
