@@ -317,7 +317,7 @@ static int post_plan(IbPoster *p, int64_t id, const tpd_plan_row *rows, size_t n
     return 0;
 }
 
-/* tpd_poster.post: consecutive batches of one connection go out in one wr_start/wr_complete session. */
+/* tpd_poster.post: consecutive batches of one connection go out in one WR list (one wr_start .. wr_complete). */
 static int ib_post(void *ctx, size_t nb, const int64_t *ids, const tpd_plan_row *plan, const int64_t *bounds,
                    int64_t *nwr) {
     IbPoster *p = ctx;
