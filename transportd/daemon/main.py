@@ -7,7 +7,7 @@ rail's verbs resources and posts; the main process tells it what to map, connect
 
 The parts, each owning its own state, over the resources they share (:class:`~transportd.daemon.state.NodeState`):
 
-- :mod:`~transportd.daemon.clients` — sessions, identities (hello, vouch), joining a job;
+- :mod:`~transportd.daemon.clients` — the control clients: who each is (hello, vouch), joining a job;
 - :mod:`~transportd.daemon.memory` — a rank's regions, flag array and rings in the rail workers;
 - :mod:`~transportd.daemon.ibgda` — IBGDA channels;
 - :mod:`~transportd.daemon.peering` — wiring a job across nodes (announcements, connections, peers up/down);
