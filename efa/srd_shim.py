@@ -4,8 +4,8 @@ efa lowering (``efa/csrc/efa_post.c``) posts and polls through function pointers
 
 Per pass the shim makes one Python call each way:
 
-- ``post``: the session's WRs as :data:`SRD_WR_DTYPE` records. On softverbs :func:`post_soft` feeds them
-  to the QP's session core directly (no Python call per WR into the verbs API); on pyverbs without the
+- ``post``: the WRs since ``wr_start`` as :data:`SRD_WR_DTYPE` records. On softverbs :func:`post_soft`
+  feeds them to the QP's requester directly (no Python call per WR into the verbs API); on pyverbs without the
   bridge (``make pyverbs-bridge``), :func:`replay_pyverbs` replays them through the QPEx ``wr_*`` methods
   (one binding call per WR, as before the compiled core). With the bridge there is no shim at all: the
   lowering calls pyverbs' own ``ibv_qp_ex`` and ``ibv_cq_ex``.
@@ -81,9 +81,9 @@ class AddressTable:
 
 
 def post_soft(qp: Any, table: AddressTable, wrs: bytes) -> int:
-    """Post ``wrs`` on a softverbs SRD ``qp`` as one session; returns wr_complete()'s errno.
+    """Post ``wrs`` on a softverbs SRD ``qp`` as one WR list; returns wr_complete()'s errno.
 
-    The same session calls ``wr_rdma_write_imm`` / ``wr_set_sge`` / ``wr_set_ud_addr`` make, with their
+    The same WR list that calls to ``wr_rdma_write_imm`` / ``wr_set_sge`` / ``wr_set_ud_addr`` make, with their
     checks (every WR signaled, queue space, state), all or nothing.
     """
     from softverbs import _wire as w
@@ -94,23 +94,23 @@ def post_soft(qp: Any, table: AddressTable, wrs: bytes) -> int:
     qp._op(w.OP_WRITE_IMM)  # raises as wr_rdma_write_imm would on a QP created without it
     core = qp._core
     ahs = table.ahs
-    core.session_start()
+    core.wr_start()
     try:
         for (wr_id, raddr, sge_addr, ah, sge_length, sge_lkey, rkey, flags, imm, qpn, qkey, _op, setters,
              _pad) in rows.tolist():
-            core.session_op(w.OP_WRITE_IMM, wr_id, flags, rkey, raddr, imm)
+            core.wr_op(w.OP_WRITE_IMM, wr_id, flags, rkey, raddr, imm)
             if setters & SET_SGE:
-                core.session_set_sge(sge_addr, sge_length, sge_lkey)
+                core.wr_set_sge(sge_addr, sge_length, sge_lkey)
             if setters & SET_UD:
-                core.session_set_ud(ahs[ah]._endpoint, qpn, qkey)
+                core.wr_set_ud(ahs[ah]._endpoint, qpn, qkey)
     except BaseException:
-        core.session_abort()
+        core.wr_abort()
         raise
-    return core.session_complete()
+    return core.wr_complete()
 
 
 def replay_pyverbs(v: Any, qp: Any, table: AddressTable, wrs: bytes) -> int:
-    """Replay ``wrs`` through a pyverbs ``qp``'s wr_* methods as one session; wr_complete()'s errno."""
+    """Replay ``wrs`` through a pyverbs ``qp``'s wr_* methods as one WR list; wr_complete()'s errno."""
     rows = np.frombuffer(wrs, dtype=SRD_WR_DTYPE)
     SGE = v.wr.SGE
     ntohl = socket.ntohl

@@ -293,7 +293,7 @@ class IbBackend(PosterBackend):
             self.rail.deregister(conn.staging.ctypes.data, conn.staging_lkey)
 
     # --- data path (compiled: ib/csrc/ib_post.c, ``transportd._core.IbPoster``; PosterBackend has
-    # post_batches, which sends consecutive batches for one connection in one wr_start/wr_complete session,
+    # post_batches, which sends consecutive batches for one connection in one WR list (one wr_start .. wr_complete),
     # poll and inflight) -------------------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, int]:

@@ -136,8 +136,8 @@ class QPRequester:
         self.unsig = 0
         self.tx_psn = 0
         self.tx_halted = False
-        self.sess: list[SendEntry] | None = None
-        self.sess_err = 0
+        self.wr_list: list[SendEntry] | None = None
+        self.wr_list_err = 0
         self.inbox: deque[list[tuple]] = deque()  # response batches not yet applied (see `rx_responses`)
 
     def _sq_full(self, extra: int) -> bool:
@@ -208,34 +208,34 @@ class QPRequester:
             self.drain_inbox()
         return err, bad
 
-    # -- extended API session (ibv_wr_start .. ibv_wr_complete)
-    def session_start(self) -> None:
-        self.sess = []
-        self.sess_err = 0
+    # -- the extended API's WR list (ibv_wr_start .. ibv_wr_complete)
+    def wr_start(self) -> None:
+        self.wr_list = []
+        self.wr_list_err = 0
 
-    def session_op(self, op: int, wr_id: int, flags: int, rkey: int = 0, raddr: int = 0, imm: int = 0,
-                   add: int = 0, swap: int = 0) -> None:
-        """One wr_* call inside a session; a refusal is remembered and reported by wr_complete()."""
-        sess = self.sess
-        if sess is None:
+    def wr_op(self, op: int, wr_id: int, flags: int, rkey: int = 0, raddr: int = 0, imm: int = 0,
+              add: int = 0, swap: int = 0) -> None:
+        """One wr_* call inside a WR list; a refusal is remembered and reported by wr_complete()."""
+        wrs = self.wr_list
+        if wrs is None:
             raise PyverbsUserError("wr_* called outside wr_start()/wr_complete()")
-        if self.sess_err:
+        if self.wr_list_err:
             return
-        full = self.sq_posted - self.sq_retired + len(sess) >= self.max_send_wr
+        full = self.sq_posted - self.sq_retired + len(wrs) >= self.max_send_wr
         if self.efa:  # efa_post_send_validate order: state, signaled, flags, queue space
             if self.state not in (RTS, SQD) or (not (flags & SIGNALED) and not self.sq_sig_all) \
                     or flags & ~(SIGNALED | INLINE):
-                self.sess_err = errno.EINVAL
+                self.wr_list_err = errno.EINVAL
                 return
             if full:
-                self.sess_err = errno.ENOMEM
+                self.wr_list_err = errno.ENOMEM
                 return
         else:
             if full:
-                self.sess_err = errno.ENOMEM
+                self.wr_list_err = errno.ENOMEM
                 return
             if self.state < RTS:
-                self.sess_err = errno.EINVAL
+                self.wr_list_err = errno.EINVAL
                 return
         e = SendEntry(wr_id, op, flags, self.sq_sig_all)
         if rkey:
@@ -248,85 +248,85 @@ class QPRequester:
             e.add = add
         if swap:
             e.swap = swap
-        sess.append(e)
+        wrs.append(e)
 
-    def session_set_sge(self, addr: int, length: int, lkey: int) -> None:
-        """wr_set_sge: the fast single-SGE form of session_set_sges."""
-        sess = self.sess
-        if sess and not self.sess_err:
-            e = sess[-1]
+    def wr_set_sge(self, addr: int, length: int, lkey: int) -> None:
+        """wr_set_sge: the fast single-SGE form of wr_set_sges."""
+        wrs = self.wr_list
+        if wrs and not self.wr_list_err:
+            e = wrs[-1]
             e.sges = ((addr, length, lkey),)
             e.inline = None
-        elif sess is None:
-            self._sess_cur()
+        elif wrs is None:
+            self._wr_cur()
 
-    def _sess_cur(self) -> SendEntry | None:
-        if self.sess is None:
+    def _wr_cur(self) -> SendEntry | None:
+        if self.wr_list is None:
             raise PyverbsUserError("wr_set_* called outside wr_start()/wr_complete()")
-        if self.sess_err or not self.sess:
+        if self.wr_list_err or not self.wr_list:
             return None
-        return self.sess[-1]
+        return self.wr_list[-1]
 
-    def session_set_sges(self, sges: list[tuple[int, int, int]]) -> None:
-        e = self._sess_cur()
+    def wr_set_sges(self, sges: list[tuple[int, int, int]]) -> None:
+        e = self._wr_cur()
         if e is None:
             return
         if self.efa:
             limit = 1 if e.op in (w.OP_WRITE, w.OP_WRITE_IMM, w.OP_READ) else self.max_send_sge
             if len(sges) > limit:
-                self.sess_err = errno.EINVAL
+                self.wr_list_err = errno.EINVAL
                 return
         elif len(sges) > self.max_send_sge:
-            self.sess_err = errno.ENOMEM
+            self.wr_list_err = errno.ENOMEM
             return
         e.sges = list(sges)
         e.inline = None
 
-    def session_set_inline(self, data: bytes) -> None:
-        e = self._sess_cur()
+    def wr_set_inline(self, data: bytes) -> None:
+        e = self._wr_cur()
         if e is None:
             return
         if len(data) > self.max_inline:
-            self.sess_err = errno.EINVAL if self.efa else errno.ENOMEM
+            self.wr_list_err = errno.EINVAL if self.efa else errno.ENOMEM
             return
         if self.efa and e.op not in (w.OP_SEND, w.OP_SEND_IMM):
             # rdma-core 59 would copy the bytes over the RDMA descriptor (the remote address); later
             # releases refuse it. Refuse, so a backend never relies on inline RDMA on EFA.
-            self.sess_err = errno.EINVAL
+            self.wr_list_err = errno.EINVAL
             return
         e.inline = data
         e.sges = []
 
-    def session_set_ud(self, dest: tuple[str, int] | None, qpn: int, qkey: int) -> None:
-        e = self._sess_cur()
+    def wr_set_ud(self, dest: tuple[str, int] | None, qpn: int, qkey: int) -> None:
+        e = self._wr_cur()
         if e is None:
             return
         e.dest, e.dest_qpn, e.qkey = dest, qpn, qkey
 
-    def session_complete(self) -> int:
+    def wr_complete(self) -> int:
         with self.lock:
-            sess, err = self.sess, self.sess_err
-            self.sess = None
-            if sess is None:
+            wrs, err = self.wr_list, self.wr_list_err
+            self.wr_list = None
+            if wrs is None:
                 raise PyverbsUserError("wr_complete() without wr_start()")
             if err:
                 return err
             seq = self.next_seq
-            for e in sess:
+            for e in wrs:
                 e.seq = seq
                 seq += 1
             self.next_seq = seq
-            self.sq_posted += len(sess)
+            self.sq_posted += len(wrs)
             if not self.srd:
-                self.order.extend(sess)
-            self.txq.extend(sess)
+                self.order.extend(wrs)
+            self.txq.extend(wrs)
             self._kick()
         if self.inbox:
             self.drain_inbox()
         return 0
 
-    def session_abort(self) -> None:
-        self.sess = None
+    def wr_abort(self) -> None:
+        self.wr_list = None
 
     # -- queueing and transmission
     def _enqueue(self, e: SendEntry) -> None:

@@ -562,55 +562,55 @@ class QPEx(QP):
     def wr_rdma_write(self, rkey: int, remote_addr: int) -> None:
         if not self._ex or not self._core.send_ops & 1:
             self._op(w.OP_WRITE)
-        self._core.session_op(w.OP_WRITE, self._wr_id, self._wr_flags, rkey, remote_addr)
+        self._core.wr_op(w.OP_WRITE, self._wr_id, self._wr_flags, rkey, remote_addr)
 
     def wr_rdma_write_imm(self, rkey: int, remote_addr: int, data: int) -> None:
         # pyverbs converts the immediate with htobe32(); the peer's WC.imm_data shows the converted value
         self._op(w.OP_WRITE_IMM)
-        self._core.session_op(w.OP_WRITE_IMM, self._wr_id, self._wr_flags, rkey, remote_addr, _htobe32(data))
+        self._core.wr_op(w.OP_WRITE_IMM, self._wr_id, self._wr_flags, rkey, remote_addr, _htobe32(data))
 
     def wr_send(self) -> None:
         self._op(w.OP_SEND)
-        self._core.session_op(w.OP_SEND, self._wr_id, self._wr_flags)
+        self._core.wr_op(w.OP_SEND, self._wr_id, self._wr_flags)
 
     def wr_send_imm(self, data: int) -> None:
         self._op(w.OP_SEND_IMM)
-        self._core.session_op(w.OP_SEND_IMM, self._wr_id, self._wr_flags, imm=_htobe32(data))
+        self._core.wr_op(w.OP_SEND_IMM, self._wr_id, self._wr_flags, imm=_htobe32(data))
 
     def wr_rdma_read(self, rkey: int, remote_addr: int) -> None:
         self._op(w.OP_READ)
-        self._core.session_op(w.OP_READ, self._wr_id, self._wr_flags, rkey, remote_addr)
+        self._core.wr_op(w.OP_READ, self._wr_id, self._wr_flags, rkey, remote_addr)
 
     def wr_atomic_fetch_add(self, rkey: int, remote_addr: int, add: int) -> None:
         self._op(w.OP_FADD)
-        self._core.session_op(w.OP_FADD, self._wr_id, self._wr_flags, rkey, remote_addr, add=add)
+        self._core.wr_op(w.OP_FADD, self._wr_id, self._wr_flags, rkey, remote_addr, add=add)
 
     def wr_atomic_cmp_swp(self, rkey: int, remote_addr: int, compare: int, swap: int) -> None:
         self._op(w.OP_CSWAP)
-        self._core.session_op(w.OP_CSWAP, self._wr_id, self._wr_flags, rkey, remote_addr, add=compare, swap=swap)
+        self._core.wr_op(w.OP_CSWAP, self._wr_id, self._wr_flags, rkey, remote_addr, add=compare, swap=swap)
 
     def wr_set_sge(self, sge: Any) -> None:
-        self._core.session_set_sge(sge.addr, sge.length, sge.lkey)
+        self._core.wr_set_sge(sge.addr, sge.length, sge.lkey)
 
     def wr_set_sge_list(self, num_sge: int, sg_list: Any) -> None:
-        self._core.session_set_sges([(s.addr, s.length, s.lkey) for s in list(sg_list)[:num_sge]])
+        self._core.wr_set_sges([(s.addr, s.length, s.lkey) for s in list(sg_list)[:num_sge]])
 
     def wr_set_inline_data(self, addr: int, length: int) -> None:
         """Inline data is copied now, as the provider copies it into the WQE."""
-        self._core.session_set_inline(bytes(host_view(addr, length)))
+        self._core.wr_set_inline(bytes(host_view(addr, length)))
 
     def wr_set_ud_addr(self, ah: Any, remote_qpn: int, remote_rkey: int) -> None:
-        self._core.session_set_ud(ah._endpoint, remote_qpn, remote_rkey)
+        self._core.wr_set_ud(ah._endpoint, remote_qpn, remote_rkey)
 
     def wr_start(self) -> None:
         if not self._ex:
             raise PyverbsUserError("qp_ex is not accessible: QP created without IBV_QP_INIT_ATTR_SEND_OPS_FLAGS")
-        self._core.session_start()
+        self._core.wr_start()
 
     def wr_complete(self) -> None:
-        rc = self._core.session_complete()
+        rc = self._core.wr_complete()
         if rc:
             raise PyverbsRDMAError("ibv_wr_complete failed.", rc)
 
     def wr_abort(self) -> None:
-        self._core.session_abort()
+        self._core.wr_abort()

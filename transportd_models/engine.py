@@ -44,7 +44,7 @@ import numpy as np
 from cmd_ring.record import RECORD_DTYPE, Flag, Opcode, seq_for
 from cmd_ring.ring import RingConsumer, RingFile
 from transportd.backends.interface import PLAN_DTYPE, Backend, PlanOp
-from transportd.dataplane.proxy_base import JobTables, ProxyBase, RingChannel
+from transportd.dataplane.proxy_base import DrainedRing, JobTables, ProxyBase
 from transportd.dataplane.tables import RegionTable
 from transportd.errors import ErrorCode
 from transportd.rows import compress_rows, concat_rows, take_rows
@@ -87,7 +87,7 @@ def completion_error_code(status: np.ndarray) -> np.ndarray:
     return np.where(status == 0, 0, code).astype(np.uint16)
 
 
-class _Channel(RingChannel):
+class _DrainedRing(DrainedRing):
     """One client's ring and where its records resolve; ``done`` marks completed positions (mod its size)."""
 
     __slots__ = ("id", "consumer", "sources", "completed", "done", "seqs", "mask")
@@ -137,7 +137,7 @@ class ModelProxy(ProxyBase):
         super().__init__(**knobs)
         self.backend = backend
         self._lock = threading.Lock()
-        self._channels: dict[int, _Channel] = {}
+        self._channels: dict[int, _DrainedRing] = {}
         self._conn_ids = np.zeros(0, dtype=np.int64)  # connection index -> backend conn_id
         self._holding = np.zeros(0, dtype=bool)  # records for its peers stay in the rings (a peer restarting)
         self._broken = np.zeros(0, dtype=bool)  # its far end stopped answering
@@ -167,13 +167,13 @@ class ModelProxy(ProxyBase):
     def _sources_changed(self, source: int, table: RegionTable) -> None:
         pass
 
-    def _open_channel(self, channel: int, ring: RingFile, entry: JobTables, rank: int, track: int) -> _Channel:
-        return _Channel(channel, ring, entry, rank, self._source(entry, rank)[1], track)
+    def _open_channel(self, channel: int, ring: RingFile, entry: JobTables, rank: int, track: int) -> _DrainedRing:
+        return _DrainedRing(channel, ring, entry, rank, self._source(entry, rank)[1], track)
 
     def _channel_gone(self, channel: int) -> None:
         self._drop_waiting(self._meta["chan"] == channel, ErrorCode.CLIENT_GONE)
 
-    def _channel_removed(self, channel: int, ch: _Channel) -> None:
+    def _channel_removed(self, channel: int, ch: _DrainedRing) -> None:
         self._head_seen.pop(channel, None)
         keep = self._meta["chan"] != channel
         self._plan, self._meta = compress_rows(self._plan, keep), compress_rows(self._meta, keep)
@@ -329,7 +329,7 @@ class ModelProxy(ProxyBase):
             self._meta = concat_rows(metas)
         return took, quiet
 
-    def _note_waiting(self, ch: _Channel, now: int) -> None:
+    def _note_waiting(self, ch: _DrainedRing, now: int) -> None:
         """The record at the channel's head is committed but stays in the ring: remember since when."""
         seen = self._head_seen.get(ch.id)
         if seen is None or seen[0] != ch.consumer.position:
@@ -351,7 +351,7 @@ class ModelProxy(ProxyBase):
             return n
         return int(tr.row_rec[order[over].min()])
 
-    def _translate(self, ch: _Channel, records: np.ndarray, tr: Translated, now: int,
+    def _translate(self, ch: _DrainedRing, records: np.ndarray, tr: Translated, now: int,
                    quiet: list[int]) -> tuple[np.ndarray, np.ndarray]:
         n = len(records)
         first_pos = ch.consumer.position - n
@@ -383,7 +383,7 @@ class ModelProxy(ProxyBase):
             meta["closes"] = ((rec["flags"] & _NO_BATCH) != 0) | (rec["opcode"] == _FENCE_OP)
         return plan, meta
 
-    def _reject(self, ch: _Channel, positions: np.ndarray, codes: np.ndarray) -> None:
+    def _reject(self, ch: _DrainedRing, positions: np.ndarray, codes: np.ndarray) -> None:
         """Count bad records and report each through the channel's error word (the first code sticks)."""
         self.counters["rejected"] += len(codes)
         np.add.at(self.errors, codes, 1)
@@ -592,7 +592,7 @@ class ModelProxy(ProxyBase):
             if ch is not None:
                 self._mark_done(ch, positions[chans == chan])
 
-    def _mark_done(self, ch: _Channel, positions: np.ndarray) -> None:
+    def _mark_done(self, ch: _DrainedRing, positions: np.ndarray) -> None:
         if len(positions):
             ch.done[positions % np.uint64(len(ch.done))] = True
             self._touched.add(ch.id)

@@ -27,7 +27,7 @@ _side = _message(SIDE_MESSAGES)
 # ---------------------------------------------------------------------------------------------------------
 # The descriptor socket: a Unix socket next to the control socket (zmq cannot carry descriptors). Its
 # messages are msgpack maps like the control plane's, with at most one descriptor attached (SCM_RIGHTS);
-# the kernel vouches for the sender (SO_PEERCRED). The I/O lives in ``transportd.control.fdchannel``.
+# the kernel vouches for the sender (SO_PEERCRED). The I/O lives in ``transportd.control.fdsocket``.
 
 
 class SideMessage(Message):

@@ -4,7 +4,7 @@
  * token completions and the receiver's flag publication.
  *
  * This is the only lowering of efa plan rows; efa/backend.py documents the protocol and
- * tests/efa/lowering_oracle.py is the Python model the shim tests compare it with. Everything goes through
+ * transportd_models/efa_lowering.py is the Python model the shim tests compare it with. Everything goes through
  * the structs' function pointers (verbs_abi.h), so the same code drives an EFA NIC (pyverbs' structs) and
  * softverbs (efa_shim.c's SrdShimQP and transportd/core/verbs_shim.c's ShimCQ). post and poll run without
  * the GIL. Of the core this file includes only its poster interface and verbs ABI (by name, from the core's

@@ -1,12 +1,12 @@
 /*
- * The SRD verbs shim: a struct ibv_qp_ex whose function pointers collect a session's write-with-immediate
- * WRs (with their UD address) and hand them to a Python `post` callable in one call at wr_complete
- * (transportd._core.SrdShimQP). The core's verbs shim (transportd/core/verbs_shim.c) serves RC QPs and
- * refuses wr_set_ud_addr; an SRD QP needs the address handle, remote QPN and QKey of every WR, so its
- * records carry them. It builds its session on the core's shim helpers (poster.h, tpd_shim_*).
+ * The SRD verbs shim: a struct ibv_qp_ex whose function pointers collect the write-with-immediate WRs
+ * (with their UD address) from wr_start on and hand them to a Python `post` callable in one call at
+ * wr_complete (transportd._core.SrdShimQP). The core's verbs shim (transportd/core/verbs_shim.c) serves RC
+ * QPs and refuses wr_set_ud_addr; an SRD QP needs the address handle, remote QPN and QKey of every WR, so
+ * its records carry them. It builds its WR list on the core's shim helpers (poster.h, tpd_shim_*).
  *
  * Accepted calls: wr_rdma_write_imm (the only WR the efa lowering makes), wr_set_sge, wr_set_ud_addr,
- * wr_start/complete/abort. Anything else, or a setter without an open WR, fails the session as a provider
+ * wr_start/complete/abort. Anything else, or a setter without an open WR, fails the WR list as a provider
  * would (EOPNOTSUPP / EINVAL from wr_complete). The records are also what the efa ABI tests read.
  */
 #define PY_SSIZE_T_CLEAN
@@ -37,15 +37,15 @@ _Static_assert(sizeof(SrdWr) == 64, "SrdWr layout");
 typedef struct {
     PyObject_HEAD
     struct ibv_qp_ex ex;
-    tpd_shim_session ses; /* of SrdWr records */
+    tpd_shim_wr_list wr_list; /* of SrdWr records */
 } SrdShimQP;
 
 static SrdShimQP *shim_of(struct ibv_qp_ex *qp) { return (SrdShimQP *)((char *)qp - offsetof(SrdShimQP, ex)); }
 
-static SrdWr *cur(struct ibv_qp_ex *qp) { return tpd_shim_cur_wr(&shim_of(qp)->ses); }
+static SrdWr *cur(struct ibv_qp_ex *qp) { return tpd_shim_cur_wr(&shim_of(qp)->wr_list); }
 
 static void srd_write_imm(struct ibv_qp_ex *qp, uint32_t rkey, uint64_t raddr, tpd_be32 imm) {
-    SrdWr *w = tpd_shim_new_wr(&shim_of(qp)->ses);
+    SrdWr *w = tpd_shim_new_wr(&shim_of(qp)->wr_list);
     if (w) *w = (SrdWr){.wr_id = qp->wr_id, .flags = qp->wr_flags, .rkey = rkey, .raddr = raddr, .imm = imm,
                              .opcode = SRD_WR_RDMA_WRITE_WITH_IMM};
 }
@@ -69,16 +69,16 @@ static void srd_set_ud_addr(struct ibv_qp_ex *qp, struct ibv_ah *ah, uint32_t qp
 }
 
 static void srd_set_inline(struct ibv_qp_ex *qp, void *addr, size_t length) {
-    shim_of(qp)->ses.err = EINVAL; /* EFA has no inline RDMA */
+    shim_of(qp)->wr_list.err = EINVAL; /* EFA has no inline RDMA */
 }
 static void srd_unsupported_rw(struct ibv_qp_ex *qp, uint32_t rkey, uint64_t raddr) {
-    shim_of(qp)->ses.err = EOPNOTSUPP;
+    shim_of(qp)->wr_list.err = EOPNOTSUPP;
 }
-static void srd_start(struct ibv_qp_ex *qp) { tpd_shim_start(&shim_of(qp)->ses); }
-static void srd_abort(struct ibv_qp_ex *qp) { tpd_shim_abort(&shim_of(qp)->ses); }
+static void srd_start(struct ibv_qp_ex *qp) { tpd_shim_start(&shim_of(qp)->wr_list); }
+static void srd_abort(struct ibv_qp_ex *qp) { tpd_shim_abort(&shim_of(qp)->wr_list); }
 
-/* The one Python call of a session: the records to `post`, which returns an errno. */
-static int srd_complete(struct ibv_qp_ex *qp) { return tpd_shim_complete(&shim_of(qp)->ses); }
+/* The one Python call of a WR list: the records to `post`, which returns an errno. */
+static int srd_complete(struct ibv_qp_ex *qp) { return tpd_shim_complete(&shim_of(qp)->wr_list); }
 
 static PyObject *SrdShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"post", "qp_num", NULL};
@@ -88,7 +88,7 @@ static PyObject *SrdShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (!PyCallable_Check(post)) return PyErr_Format(PyExc_TypeError, "post must be callable");
     SrdShimQP *s = (SrdShimQP *)type->tp_alloc(type, 0);
     if (!s) return NULL;
-    tpd_shim_init(&s->ses, post, sizeof(SrdWr));
+    tpd_shim_init(&s->wr_list, post, sizeof(SrdWr));
     struct ibv_qp_ex *x = &s->ex;
     x->qp_base.qp_num = qpn;
     x->wr_rdma_write_imm = srd_write_imm;
@@ -104,13 +104,13 @@ static PyObject *SrdShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 }
 
 static void SrdShimQP_dealloc(SrdShimQP *s) {
-    tpd_shim_release(&s->ses);
+    tpd_shim_release(&s->wr_list);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
 static PyObject *SrdShimQP_capsule(SrdShimQP *s, void *unused) { return PyCapsule_New(&s->ex, "ibv_qp_ex", NULL); }
-static PyObject *SrdShimQP_calls(SrdShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->ses.calls); }
-static PyObject *SrdShimQP_posted(SrdShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->ses.posted); }
+static PyObject *SrdShimQP_calls(SrdShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->wr_list.calls); }
+static PyObject *SrdShimQP_posted(SrdShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->wr_list.posted); }
 
 static PyGetSetDef SrdShimQP_getset[] = {
     {"ibv_qp_ex", (getter)SrdShimQP_capsule, NULL, "The struct ibv_qp_ex, as a capsule.", NULL},
@@ -123,8 +123,8 @@ static PyTypeObject SrdShimQPType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transportd._core.SrdShimQP",
     .tp_basicsize = sizeof(SrdShimQP),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "SrdShimQP(post, qp_num=0): an SRD ibv_qp_ex whose wr_complete hands the session's "
-              "write-with-imm WRs (with UD addresses) to post(bytes).",
+    .tp_doc = "SrdShimQP(post, qp_num=0): an SRD ibv_qp_ex whose wr_complete hands the "
+              "write-with-imm WRs since wr_start (with UD addresses) to post(bytes).",
     .tp_new = SrdShimQP_new,
     .tp_dealloc = (destructor)SrdShimQP_dealloc,
     .tp_getset = SrdShimQP_getset,

@@ -3,10 +3,10 @@
  * from a struct ibv_cq_ex -> the proxy's token completions (transportd._core.IbPoster).
  *
  * This is the only lowering of ib plan rows (ib/backend.py documents the signal modes and why each is
- * correct); tests/ib/lowering_oracle.py is the Python model the shim tests compare it with. Everything goes
- * through the function pointers of the structs (verbs_abi.h), so the same code drives a NIC (structs from
- * pyverbs) and softverbs (structs filled by transportd/core/verbs_shim.c). No Python object is touched on
- * the data path: post and poll run without the GIL, and the engine calls them through a tpd_poster
+ * correct); transportd_models/ib_lowering.py is the Python model the shim tests compare it with. Everything
+ * goes through the function pointers of the structs (verbs_abi.h), so the same code drives a NIC (structs
+ * from pyverbs) and softverbs (structs filled by transportd/core/verbs_shim.c). No Python object is touched
+ * on the data path: post and poll run without the GIL, and the engine calls them through a tpd_poster
  * (poster.h). Of the core this file includes only its poster interface and verbs ABI (by name, from the
  * core's include root that setup.py passes); it is linked into transportd._core with the core.
  *
@@ -21,8 +21,8 @@
  *     before is one, and fence the flag; a FENCE row is an ordering read and fences the next WR;
  *   - a post that would overrun the SQ is refused whole (nothing posted); a connection whose QP failed
  *     completes what is posted on it with IBV_WC_WR_FLUSH_ERR without touching the QP;
- *   - OrderedBatches (formerly ib/tracking.py): each token reported exactly once, with the status of the
- *     first completion seen for its batch; a failed WR flushes everything after it.
+ *   - OrderedBatches: each token reported exactly once, with the status of the first completion seen for
+ *     its batch; a failed WR flushes everything after it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -317,7 +317,7 @@ static int post_plan(IbPoster *p, int64_t id, const tpd_plan_row *rows, size_t n
     return 0;
 }
 
-/* tpd_poster.post: consecutive batches of one connection go out in one wr_start/wr_complete session. */
+/* tpd_poster.post: consecutive batches of one connection go out in one WR list (one wr_start .. wr_complete). */
 static int ib_post(void *ctx, size_t nb, const int64_t *ids, const tpd_plan_row *plan, const int64_t *bounds,
                    int64_t *nwr) {
     IbPoster *p = ctx;

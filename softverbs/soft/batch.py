@@ -1,4 +1,4 @@
-"""Batch entry points: one Python call posts a whole extended-API session, or takes a batch of completions.
+"""Batch entry points: one Python call posts a whole extended-API WR list, or takes a batch of completions.
 
 transportd's compiled core posts through the function pointers of a ``struct ibv_qp_ex`` and polls
 through a ``struct ibv_cq_ex``; on softverbs those structs are transportd's verbs shim, which collects a
@@ -67,10 +67,10 @@ _WITH_IMM = 1 << 1
 
 
 def post_wr_batch(qp: Any, wrs: bytes | np.ndarray) -> int:
-    """Post ``wrs`` (BATCH_WR_DTYPE) on ``qp`` (a QPEx) as one session; returns wr_complete()'s errno.
+    """Post ``wrs`` (BATCH_WR_DTYPE) on ``qp`` (a QPEx) as one WR list; returns wr_complete()'s errno.
 
     An operation the QP was not created for raises as the ``wr_*`` call would; a refusal inside the
-    session (queue full, state, inline too long) posts nothing and comes back as the errno.
+    WR list (queue full, state, inline too long) posts nothing and comes back as the errno.
     """
     rows = wrs if isinstance(wrs, np.ndarray) else np.frombuffer(wrs, dtype=BATCH_WR_DTYPE)
     if not qp._ex:
@@ -81,19 +81,19 @@ def post_wr_batch(qp: Any, wrs: bytes | np.ndarray) -> int:
     for op in ops:
         qp._op(op)
     core = qp._core
-    core.session_start()
+    core.wr_start()
     try:
         for (wr_id, raddr, add, swap, sge_addr, sge_length, sge_lkey, rkey, flags, imm, opcode, setters,
              inline_length, inline_data) in rows.tolist():
-            core.session_op(WR_TO_OP[opcode], wr_id, flags, rkey, raddr, imm, add, swap)
+            core.wr_op(WR_TO_OP[opcode], wr_id, flags, rkey, raddr, imm, add, swap)
             if setters & SET_INLINE and inline_length:
-                core.session_set_inline(bytes(inline_data[:inline_length]))
+                core.wr_set_inline(bytes(inline_data[:inline_length]))
             elif setters & (SET_SGE | SET_SGE_LIST):
-                core.session_set_sge(sge_addr, sge_length, sge_lkey)
+                core.wr_set_sge(sge_addr, sge_length, sge_lkey)
     except BaseException:
-        core.session_abort()
+        core.wr_abort()
         raise
-    return core.session_complete()
+    return core.wr_complete()
 
 
 def poll_wc_batch(cq: Any, max_entries: int) -> np.ndarray:

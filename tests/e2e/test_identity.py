@@ -21,7 +21,7 @@ from tests.support.cluster import close_ranks, join_ranks
 from tests.support.users import GROUP, run_as
 from tests.support.waiting import wait_until
 from transportd.control.client import ControlConnection
-from transportd.control.fdchannel import FdClient
+from transportd.control.fdsocket import FdClient
 from transportd.control.protocol import Hello, Inspect, Join, PassFd, Register, Stats
 from transportd.errors import ErrorCode, RequestError
 

@@ -148,7 +148,7 @@ def test_lowering_matches_the_python_oracle_call_by_call(cumulative: bool) -> No
     assert h.qp.calls == 200  # one Python call per post
 
 
-def test_post_batches_counts_and_one_session_per_pass() -> None:
+def test_post_batches_counts_and_one_wr_list_per_pass() -> None:
     h = Harness(max_rdma_size=1000)
     ca = h.add(1, index=0, key=1, peer_index=5)
     cb = h.add(2, index=1, key=2, peer_index=6, base=1 << 20)

@@ -1,6 +1,6 @@
 """The compiled ib lowering (ib/csrc/ib_post.c), call by call, at the libibverbs ABI.
 
-A recording NIC: ShimQP / ShimCQ structs whose wr_complete hands each session's WRs to Python, where this
+A recording NIC: ShimQP / ShimCQ structs whose wr_complete hands each WR list to Python, where this
 file keeps them (and completes every signaled WR on the next poll). So what the tests see is exactly what
 reached ``wr_rdma_write``, ``wr_rdma_read``, ``wr_atomic_fetch_add``, ``wr_set_sge``,
 ``wr_set_inline_data``, ``wr_id`` and ``wr_flags``; it is compared with the Python lowering the backend
@@ -139,7 +139,7 @@ def test_every_call_matches_the_python_lowering(mode: str, inline: bool) -> None
         bounds = np.cumsum([0] + [len(p) for p in plans])
         nic.posts.clear()
         nic.poster.post_batches(np.array(ids, dtype=np.int64), np.concatenate(plans), bounds.astype(np.int64))
-        # consecutive batches of one connection are one session
+        # consecutive batches of one connection are one WR list
         expect, i = [], 0
         while i < len(ids):
             j = i
@@ -288,8 +288,8 @@ def _fn(capsule: Any, name: str, member: str, restype: Any, *argtypes: Any) -> t
     return base, ctypes.CFUNCTYPE(restype, ctypes.c_void_p, *argtypes)(addr)
 
 
-def test_shim_sessions_are_all_or_nothing() -> None:
-    """Called through the struct's own pointers: a setter with no WR fails the session, nothing is posted."""
+def test_shim_wr_lists_are_all_or_nothing() -> None:
+    """Called through the struct's own pointers: a setter with no WR fails the WR list, nothing is posted."""
     got: list[bytes] = []
     qp = _core.ShimQP(lambda wrs: got.append(wrs) or 0)
     base, start = _fn(qp.ibv_qp_ex, "ibv_qp_ex", "wr_start", None)

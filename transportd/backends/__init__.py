@@ -185,8 +185,8 @@ RULES: dict[str, ConfigRules] = {
     # the receiving daemon once every piece it covers has arrived, whatever the mode says; accepting
     # atomic/fence would promise an ordering that is not what happens. Decoupling moves writes ahead of
     # signals, which regroups SRD writes and can shrink what a signal covers
-    # (tests/transportd/dataplane/test_batching.py documents the case): refused until batching keeps efa
-    # groups intact.
+    # (tests/transportd/dataplane/test_flag_order_property.py documents the case): refused until batching
+    # keeps efa groups intact.
     "efa": ConfigRules(signal_modes=("write",),
                        signal_modes_why="the receiving daemon publishes a flag once every piece it covers arrived",
                        decoupled=False,

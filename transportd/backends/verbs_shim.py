@@ -4,7 +4,7 @@ through function pointers whatever the provider.
 
 Per pass the shim makes one Python call each way:
 
-- ``post``: the session's WRs as :data:`SHIM_WR_DTYPE` records. On softverbs that is
+- ``post``: the WRs since ``wr_start`` as :data:`SHIM_WR_DTYPE` records. On softverbs that is
   :func:`softverbs.soft.batch.post_wr_batch` (no Python per WR).
 - ``poll``: completions as :data:`~transportd.backends.verbs_common.WC_DTYPE` rows: softverbs'
   :func:`~softverbs.soft.batch.poll_wc_batch`, or the rail's :class:`~transportd.backends.verbs_common.CqDrain`.
@@ -58,7 +58,7 @@ assert SHIM_WR_DTYPE.itemsize == _core.SHIM_WR_SIZE and WC_DTYPE.itemsize == _co
 
 
 def replay_wr_batch(v: Any, qp: Any, wrs: bytes) -> int:
-    """Replay ``wrs`` through ``qp``'s pyverbs wr_* methods as one session; wr_complete()'s errno."""
+    """Replay ``wrs`` through ``qp``'s pyverbs wr_* methods as one WR list; wr_complete()'s errno."""
     rows = np.frombuffer(wrs, dtype=SHIM_WR_DTYPE)
     err = v.pyverbs_error
     SGE = v.wr.SGE

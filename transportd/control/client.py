@@ -9,7 +9,7 @@ machine before they are sent, so ``register`` before ``join`` fails locally with
 Endpoint resolution: explicit argument > ``$TRANSPORTD_SOCKET`` > the config's ``control.socket``.
 
 Identity: over ipc the hello reply carries a one-time token and the path of the daemon's descriptor socket
-(:mod:`transportd.control.fdchannel`); :meth:`ControlConnection.hello` presents the token there, so the daemon
+(:mod:`transportd.control.fdsocket`); :meth:`ControlConnection.hello` presents the token there, so the daemon
 learns this process's uid, gid and pid from the kernel, and keeps that connection open for the session's
 lifetime: it carries memory descriptors both ways (:meth:`ControlConnection.pass_fd` hands over host memory,
 :meth:`ControlConnection.take_fd` takes the rings and flags the daemon made), and its end tells the daemon
@@ -46,7 +46,7 @@ from cmd_ring.errors import (
 )
 from cmd_ring.protocol import Heartbeat, Hello, Request, SessionRules
 from transportd.control.curve import CurveClientKeys, configure_client
-from transportd.control.fdchannel import FdClient
+from transportd.control.fdsocket import FdClient
 
 if TYPE_CHECKING:  # an annotation only: a client never loads the daemon's config (or its backend registry)
     from transportd.config import Config

@@ -60,7 +60,7 @@ static int nomem(Engine *e) {
     return -1;
 }
 
-static void report_error(Engine *e, Channel *ch, uint16_t code, uint64_t pos) {
+static void report_error(Engine *e, DrainedRing *ch, uint16_t code, uint64_t pos) {
     e->counters[C_REJECTED]++;
     e->errors[code & 0xFF]++;
     ch->codes[code & 0xFF]++;
@@ -72,12 +72,12 @@ static void report_error(Engine *e, Channel *ch, uint16_t code, uint64_t pos) {
 }
 
 /* A record taken earlier failed later (completion, lost peer, client gone): counted as above, and traced. */
-static void report_late(Engine *e, Channel *ch, uint16_t code, uint64_t pos) {
+static void report_late(Engine *e, DrainedRing *ch, uint16_t code, uint64_t pos) {
     report_error(e, ch, code, pos);
     if (__builtin_expect(ch->trace != NULL, 0)) tpd_trace_failed(ch->trace, pos, code, now_ns());
 }
 
-static void mark_done(Channel *ch, uint64_t pos) {
+static void mark_done(DrainedRing *ch, uint64_t pos) {
     ch->done[pos & (ch->track - 1)] = 1;
     ch->touched = 1;
 }
@@ -91,7 +91,7 @@ void tpd_unblock_channels(Engine *e) {
 /* Publish each touched channel's completion position: the first position not yet complete. */
 void tpd_advance_touched(Engine *e) {
     for (size_t i = 0; i < e->nchans; i++) {
-        Channel *ch = e->chans[i];
+        DrainedRing *ch = e->chans[i];
         if (!ch->touched) continue;
         ch->touched = 0;
         uint64_t p = ch->completed;
@@ -123,7 +123,7 @@ void tpd_advance_touched(Engine *e) {
     }
 }
 
-void tpd_note_waiting(Channel *ch, int64_t now) {
+void tpd_note_waiting(DrainedRing *ch, int64_t now) {
     if (!ch->seen || ch->seen_pos != ch->position) {
         ch->seen = 1;
         ch->seen_pos = ch->position;
@@ -158,7 +158,7 @@ static Waiting *conn_reserve(Conn *c, size_t k) {
  * record that is not committed, at the budget (the ring's tracking window, and the room the job's
  * connections have under the inflight cap), or at the first record whose rows would overrun its
  * connection's cap: that record and the rest stay in the ring, never released. */
-static int take_channel(Engine *e, Channel *ch, int64_t now, int *stalled) {
+static int take_channel(Engine *e, DrainedRing *ch, int64_t now, int *stalled) {
     uint64_t pos = ch->position;
     uint32_t want = seq_for(pos);
     const tpd_cmd_record *slots = ch->records;
@@ -350,7 +350,7 @@ static int ensure_post_scratch(Engine *e, size_t rows, size_t batches) {
 }
 
 static int channel_quiet(Engine *e, int64_t id) {
-    Channel *ch = find_channel(e, id);
+    DrainedRing *ch = find_channel(e, id);
     return ch && ch->quiet;
 }
 
@@ -657,7 +657,7 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
         const uint64_t *const cmd_pos = g->cmd_pos;
         uint8_t *const gdone = g->done;
         Conn *const conns = e->conns;
-        Channel *ch = NULL;
+        DrainedRing *ch = NULL;
         uint8_t *marks = NULL;
         uint64_t mask = 0;
         int64_t id = 0;
@@ -719,7 +719,7 @@ static void complete_group(Engine *e, Group *g, const int64_t *local, const int6
             }
         }
     }
-    Channel *ch = NULL; /* commands come in runs of one channel: look it up once per run */
+    DrainedRing *ch = NULL; /* commands come in runs of one channel: look it up once per run */
     for (size_t k = 0; k < g->ncmd; k++) {
         int64_t t = g->cmd_tok[k];
         if (!newly[t]) continue;
@@ -869,7 +869,7 @@ int tpd_drop_waiting(Engine *e, int64_t chan, int64_t conn, uint16_t code, int m
     }
     if (nd) qsort(dropped, nd, sizeof(Dropped), cmp_dropped);
     for (size_t i = 0; i < nd; i++) {
-        Channel *ch = find_channel(e, dropped[i].chan);
+        DrainedRing *ch = find_channel(e, dropped[i].chan);
         if (!ch) continue;
         if (code) report_late(e, ch, code, dropped[i].pos);
         mark_done(ch, dropped[i].pos);
@@ -946,7 +946,7 @@ int tpd_watch(Engine *e, int64_t timeout_ns, int64_t nap_ns, int wake_fd) {
     struct pollfd wake = {.fd = wake_fd, .events = POLLIN};
     for (;;) {
         for (size_t i = 0; i < e->nchans; i++) {
-            Channel *ch = e->chans[i];
+            DrainedRing *ch = e->chans[i];
             if (!(ch->blocked && ch->blocked_pos == ch->position) && record_ready(ch, ch->position))
                 return WATCH_FOUND;
         }

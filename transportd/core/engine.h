@@ -67,6 +67,8 @@ typedef struct {
     size_t head, count, cap;
 } Conn;
 
+/* A ring the engine drains: the consumer's side of one of a client's channels (`id`, the channel's id),
+ * not the client's handle (tpd::Channel, gpuclient's ChannelHandle). */
 typedef struct {
     int64_t id;
     Py_buffer ring;
@@ -87,7 +89,7 @@ typedef struct {
     uint64_t blocked_pos;
     uint64_t codes[256]; /* refused or failed records by ErrorCode: the error word keeps only the first */
     tpd_trace *trace;    /* set while the channel is traced (trace.h); NULL costs one branch per pass */
-} Channel;
+} DrainedRing;
 
 /* A batch plan_post cut: waiting rows [start, end) of connection index `conn` (from its head), `cmds` commands. */
 typedef struct {
@@ -130,7 +132,7 @@ typedef struct {
     size_t njobs, jobs_cap;
     Conn *conns;
     size_t nconns, conns_cap;
-    Channel **chans;
+    DrainedRing **chans;
     size_t nchans, chans_cap;
     Group **groups;
     size_t ngroups, groups_cap;
@@ -183,21 +185,21 @@ static inline void gil_drop(Engine *e) {
     if (!e->ts) e->ts = PyEval_SaveThread();
 }
 
-/* ---- channel words -------------------------------------------------------------------------------- */
-static inline volatile uint64_t *ring_u64(Channel *ch, size_t off) { return (volatile uint64_t *)(ch->base + off); }
-static inline volatile uint32_t *ring_u32(Channel *ch, size_t off) { return (volatile uint32_t *)(ch->base + off); }
+/* ---- ring words ----------------------------------------------------------------------------------- */
+static inline volatile uint64_t *ring_u64(DrainedRing *ch, size_t off) { return (volatile uint64_t *)(ch->base + off); }
+static inline volatile uint32_t *ring_u32(DrainedRing *ch, size_t off) { return (volatile uint32_t *)(ch->base + off); }
 
-static inline int record_ready(Channel *ch, uint64_t pos) {
+static inline int record_ready(DrainedRing *ch, uint64_t pos) {
     const volatile uint32_t *seq = (const volatile uint32_t *)&ch->records[pos & ch->mask].seq;
     return __atomic_load_n(seq, __ATOMIC_ACQUIRE) == seq_for(pos);
 }
 
-static inline void publish_completion(Channel *ch, uint64_t pos) {
+static inline void publish_completion(DrainedRing *ch, uint64_t pos) {
     volatile uint64_t *word = ring_u64(ch, TPD_RING_OFF_COMPLETION_POS);
     if (pos > *word) __atomic_store_n(word, pos, __ATOMIC_RELEASE);
 }
 
-static inline Channel *find_channel(Engine *e, int64_t id) {
+static inline DrainedRing *find_channel(Engine *e, int64_t id) {
     for (size_t i = 0; i < e->nchans; i++)
         if (e->chans[i]->id == id) return e->chans[i];
     return NULL;
@@ -233,7 +235,7 @@ long tpd_progress(Engine *e);                                /* drain completion
 int tpd_watch(Engine *e, int64_t timeout_ns, int64_t nap_ns, int wake_fd); /* WATCH_* */
 void tpd_advance_touched(Engine *e);
 void tpd_unblock_channels(Engine *e);
-void tpd_note_waiting(Channel *ch, int64_t now);
+void tpd_note_waiting(DrainedRing *ch, int64_t now);
 int tpd_drop_waiting(Engine *e, int64_t chan, int64_t conn, uint16_t code, int mark); /* -1: no memory */
 int tpd_fail_connection(Engine *e, int64_t conn, uint16_t code);                      /* -1: no memory */
 #pragma GCC visibility pop

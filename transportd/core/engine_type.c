@@ -219,7 +219,7 @@ static PyObject *Engine_add_channel(Engine *e, PyObject *args) {
         !e->srcs[src].held)
         return PyErr_Format(PyExc_ValueError, "channel %lld: set its job's tables first", cid);
     if (!track || track & (track - 1)) return PyErr_Format(PyExc_ValueError, "track must be a power of two");
-    Channel *ch = calloc(1, sizeof(Channel));
+    DrainedRing *ch = calloc(1, sizeof(DrainedRing));
     if (!ch) return PyErr_NoMemory();
     if (PyObject_GetBuffer(ring, &ch->ring, PyBUF_WRITABLE) < 0) {
         free(ch);
@@ -234,7 +234,7 @@ static PyObject *Engine_add_channel(Engine *e, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "channel %lld: not a mapped ring", cid);
     }
     ch->done = calloc(track, 1);
-    if (!ch->done || tpd_grow((void **)&e->chans, &e->chans_cap, e->nchans + 1, sizeof(Channel *))) {
+    if (!ch->done || tpd_grow((void **)&e->chans, &e->chans_cap, e->nchans + 1, sizeof(DrainedRing *))) {
         free(ch->done);
         PyBuffer_Release(&ch->ring);
         free(ch);
@@ -253,16 +253,16 @@ static PyObject *Engine_add_channel(Engine *e, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static Channel *channel_arg(Engine *e, PyObject *arg) {
+static DrainedRing *channel_arg(Engine *e, PyObject *arg) {
     long long cid = PyLong_AsLongLong(arg);
     if (cid == -1 && PyErr_Occurred()) return NULL;
-    Channel *ch = find_channel(e, cid);
+    DrainedRing *ch = find_channel(e, cid);
     if (!ch) PyErr_Format(PyExc_KeyError, "no channel %lld", cid);
     return ch;
 }
 
 static PyObject *Engine_mark_gone(Engine *e, PyObject *arg) {
-    Channel *ch = channel_arg(e, arg);
+    DrainedRing *ch = channel_arg(e, arg);
     if (!ch) return NULL;
     ch->gone = 1;
     if (tpd_drop_waiting(e, ch->id, -1, TPD_ERR_CLIENT_GONE, 1)) return PyErr_NoMemory();
@@ -271,7 +271,7 @@ static PyObject *Engine_mark_gone(Engine *e, PyObject *arg) {
 }
 
 static PyObject *Engine_remove_channel(Engine *e, PyObject *arg) {
-    Channel *ch = channel_arg(e, arg);
+    DrainedRing *ch = channel_arg(e, arg);
     if (!ch) return NULL;
     if (tpd_drop_waiting(e, ch->id, -1, 0, 0)) return PyErr_NoMemory();
     size_t k = 0;
@@ -325,7 +325,7 @@ static PyObject *Engine_set_taking(Engine *e, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static uint64_t ready_count(Channel *ch, uint64_t limit) {
+static uint64_t ready_count(DrainedRing *ch, uint64_t limit) {
     uint64_t n = 0;
     while (n < limit && record_ready(ch, ch->position + n)) n++;
     return n;
@@ -337,7 +337,7 @@ static PyObject *Engine_channel_state(Engine *e, PyObject *args) {
     PyObject *cid;
     long long now;
     if (!PyArg_ParseTuple(args, "OL", &cid, &now)) return NULL;
-    Channel *ch = channel_arg(e, cid);
+    DrainedRing *ch = channel_arg(e, cid);
     if (!ch) return NULL;
     uint64_t depth = ready_count(ch, ch->capacity);
     long long age = 0;
@@ -354,7 +354,7 @@ static PyObject *Engine_channel_state(Engine *e, PyObject *args) {
 
 /* {code: count} of a channel's refused or failed records, nonzero codes only. */
 static PyObject *Engine_channel_codes(Engine *e, PyObject *arg) {
-    Channel *ch = channel_arg(e, arg);
+    DrainedRing *ch = channel_arg(e, arg);
     if (!ch) return NULL;
     PyObject *out = PyDict_New();
     for (int code = 0; out && code < 256; code++) {
@@ -379,7 +379,7 @@ static PyObject *Engine_trace_open(Engine *e, PyObject *args) {
     int fd;
     Py_ssize_t cap;
     if (!PyArg_ParseTuple(args, "Oin", &cid, &fd, &cap)) return NULL;
-    Channel *ch = channel_arg(e, cid);
+    DrainedRing *ch = channel_arg(e, cid);
     if (!ch) return NULL;
     if (ch->trace) return PyErr_Format(PyExc_ValueError, "channel %lld is traced already", (long long)ch->id);
     if (fd < 0 || cap < 1) return PyErr_Format(PyExc_ValueError, "trace_open needs a descriptor and a buffer >= 1");
@@ -388,8 +388,8 @@ static PyObject *Engine_trace_open(Engine *e, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static Channel *traced_arg(Engine *e, PyObject *arg) {
-    Channel *ch = channel_arg(e, arg);
+static DrainedRing *traced_arg(Engine *e, PyObject *arg) {
+    DrainedRing *ch = channel_arg(e, arg);
     if (ch && !ch->trace) {
         PyErr_Format(PyExc_ValueError, "channel %lld is not traced", (long long)ch->id);
         return NULL;
@@ -399,7 +399,7 @@ static Channel *traced_arg(Engine *e, PyObject *arg) {
 
 /* trace_flush(cid) -> (entries, written, dropped, errno): write out what is buffered. */
 static PyObject *Engine_trace_flush(Engine *e, PyObject *arg) {
-    Channel *ch = traced_arg(e, arg);
+    DrainedRing *ch = traced_arg(e, arg);
     if (!ch) return NULL;
     Py_BEGIN_ALLOW_THREADS
     tpd_trace_flush(ch->trace);
@@ -409,7 +409,7 @@ static PyObject *Engine_trace_flush(Engine *e, PyObject *arg) {
 
 /* trace_close(cid) -> (entries, written, dropped, errno): flush and stop; the descriptor stays open. */
 static PyObject *Engine_trace_close(Engine *e, PyObject *arg) {
-    Channel *ch = traced_arg(e, arg);
+    DrainedRing *ch = traced_arg(e, arg);
     if (!ch) return NULL;
     Py_BEGIN_ALLOW_THREADS
     tpd_trace_flush(ch->trace);

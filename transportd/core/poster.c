@@ -141,22 +141,22 @@ void *tpd_handle_pointer(PyObject *owner, const char *name) {
     return ptr;
 }
 
-/* ---- a shim QP's posting session --------------------------------------------------------------------- */
-void tpd_shim_init(tpd_shim_session *s, PyObject *post, size_t wr_size) {
+/* ---- a shim QP's WR list ---------------------------------------------------------------------------- */
+void tpd_shim_init(tpd_shim_wr_list *s, PyObject *post, size_t wr_size) {
     memset(s, 0, sizeof *s);
     Py_INCREF(post);
     s->post = post;
     s->wr_size = wr_size;
 }
 
-void tpd_shim_release(tpd_shim_session *s) {
+void tpd_shim_release(tpd_shim_wr_list *s) {
     Py_CLEAR(s->post);
     free(s->wrs);
     s->wrs = NULL;
     s->n = s->cap = 0;
 }
 
-void *tpd_shim_new_wr(tpd_shim_session *s) {
+void *tpd_shim_new_wr(tpd_shim_wr_list *s) {
     if (!s->open || s->err) {
         if (!s->open) s->err = EINVAL; /* a WR outside wr_start .. wr_complete */
         return NULL;
@@ -170,7 +170,7 @@ void *tpd_shim_new_wr(tpd_shim_session *s) {
     return w;
 }
 
-void *tpd_shim_cur_wr(tpd_shim_session *s) {
+void *tpd_shim_cur_wr(tpd_shim_wr_list *s) {
     if (s->err) return NULL;
     if (!s->open || !s->n) { /* a wr_set_* with no WR to set */
         s->err = EINVAL;
@@ -179,19 +179,19 @@ void *tpd_shim_cur_wr(tpd_shim_session *s) {
     return (char *)s->wrs + (s->n - 1) * s->wr_size;
 }
 
-void tpd_shim_start(tpd_shim_session *s) {
+void tpd_shim_start(tpd_shim_wr_list *s) {
     s->open = 1;
     s->err = 0;
     s->n = 0;
 }
 
-void tpd_shim_abort(tpd_shim_session *s) {
+void tpd_shim_abort(tpd_shim_wr_list *s) {
     s->open = 0;
     s->n = 0;
 }
 
 /* The one Python call of a pass. */
-int tpd_shim_complete(tpd_shim_session *s) {
+int tpd_shim_complete(tpd_shim_wr_list *s) {
     int err = s->open ? s->err : EINVAL;
     size_t n = s->n;
     s->open = 0;

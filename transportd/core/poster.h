@@ -85,26 +85,27 @@ struct _object *tpd_post_batches_method(const tpd_poster *iface, struct _object 
  * the GIL released. */
 struct _object *tpd_poll_method(const tpd_poster *iface, struct _object *arg);
 
-/* A shim QP's posting session, the part the RC shim (verbs_shim.c) and efa's SRD shim (efa_shim.c) share:
- * wr_start opens it, each wr_* call appends one fixed-size WR record (the shim fills it), wr_set_* calls fill
- * the last one, and wr_complete hands them all to the Python callable `post` in one call (taking the GIL); its
- * int result is the errno, EIO when it raised (the exception is stashed, see above). The first error of a
- * session sticks and fails its wr_complete, as a provider fails the whole session. */
+/* A shim QP's WR list (the WRs between wr_start and wr_complete), the part the RC shim (verbs_shim.c) and
+ * efa's SRD shim (efa_shim.c) share: wr_start opens it, each wr_* call appends one fixed-size WR record (the
+ * shim fills it), wr_set_* calls fill the last one, and wr_complete hands them all to the Python callable
+ * `post` in one call (taking the GIL); its int result is the errno, EIO when it raised (the exception is
+ * stashed, see above). The first error of a WR list sticks and fails its wr_complete, as a provider fails the
+ * whole list. */
 typedef struct {
     struct _object *post; /* post(bytes) -> errno; a strong reference */
     void *wrs;            /* n records of wr_size bytes */
     size_t n, cap, wr_size;
     int open, err;
     unsigned long long calls, posted; /* post calls made; WRs they accepted */
-} tpd_shim_session;
+} tpd_shim_wr_list;
 
-void tpd_shim_init(tpd_shim_session *s, struct _object *post, size_t wr_size); /* takes a reference */
-void tpd_shim_release(tpd_shim_session *s);
-void *tpd_shim_new_wr(tpd_shim_session *s); /* a zeroed record to fill, or NULL with s->err set */
-void *tpd_shim_cur_wr(tpd_shim_session *s); /* the last record (for wr_set_*), or NULL with s->err set */
-void tpd_shim_start(tpd_shim_session *s);
-void tpd_shim_abort(tpd_shim_session *s);
-int tpd_shim_complete(tpd_shim_session *s);
+void tpd_shim_init(tpd_shim_wr_list *s, struct _object *post, size_t wr_size); /* takes a reference */
+void tpd_shim_release(tpd_shim_wr_list *s);
+void *tpd_shim_new_wr(tpd_shim_wr_list *s); /* a zeroed record to fill, or NULL with s->err set */
+void *tpd_shim_cur_wr(tpd_shim_wr_list *s); /* the last record (for wr_set_*), or NULL with s->err set */
+void tpd_shim_start(tpd_shim_wr_list *s);
+void tpd_shim_abort(tpd_shim_wr_list *s);
+int tpd_shim_complete(tpd_shim_wr_list *s);
 
 /* What each part linked into transportd._core adds to the module (with the module as argument): the core's
  * verbs shim (verbs_shim.c: ShimQP, ShimCQ, abi_layout) and each backend's C, which defines its hook where it

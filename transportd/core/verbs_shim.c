@@ -3,12 +3,12 @@
  * lowering (ib/csrc/ib_post.c) that drives a NIC through pyverbs' structs drives softverbs (or any Python verbs
  * provider) unchanged, with one Python call per pass each way (transportd._core.ShimQP / ShimCQ).
  *
- * ShimQP: wr_start() opens a session; every wr_<op>() appends one record (SHIM_WR below, the dtype
+ * ShimQP: wr_start() opens a WR list; every wr_<op>() appends one record (SHIM_WR below, the dtype
  * transportd.backends.verbs_shim.SHIM_WR_DTYPE) carrying wr_id and wr_flags as they were at that call; the
  * wr_set_*() calls fill the current record (inline data copied at the call, as providers copy it into the
  * WQE); wr_complete() hands the whole array to the Python `post` callable in ONE call and returns its
- * errno (all or nothing, as the session semantics of ibv_wr_complete(3)); wr_abort() drops it. A setter
- * with no open WR, or inline data longer than the record holds, fails the session (EINVAL).
+ * errno (all or nothing, as ibv_wr_complete(3) posts the WRs since ibv_wr_start); wr_abort() drops it. A
+ * setter with no open WR, or inline data longer than the record holds, fails the list (EINVAL).
  *
  * ShimCQ: start_poll() calls the Python `poll(n)` once when the shim holds no entries and keeps what it
  * returns (WC_DTYPE rows); next_poll() walks them in C. Entries a caller did not get to stay for the next
@@ -66,13 +66,13 @@ _Static_assert(sizeof(ShimWc) == 40, "ShimWc layout");
 typedef struct {
     PyObject_HEAD
     struct ibv_qp_ex ex;
-    tpd_shim_session ses; /* of ShimWr records */
+    tpd_shim_wr_list wr_list; /* of ShimWr records */
 } ShimQP;
 
 static ShimQP *qp_of(struct ibv_qp_ex *qp) { return container(qp, ShimQP, ex); }
 
 static ShimWr *new_wr(struct ibv_qp_ex *qp, uint8_t opcode, uint32_t rkey, uint64_t raddr) {
-    ShimWr *w = tpd_shim_new_wr(&qp_of(qp)->ses);
+    ShimWr *w = tpd_shim_new_wr(&qp_of(qp)->wr_list);
     if (!w) return NULL;
     w->wr_id = qp->wr_id;
     w->flags = qp->wr_flags;
@@ -82,7 +82,7 @@ static ShimWr *new_wr(struct ibv_qp_ex *qp, uint8_t opcode, uint32_t rkey, uint6
     return w;
 }
 
-static ShimWr *cur_wr(struct ibv_qp_ex *qp) { return tpd_shim_cur_wr(&qp_of(qp)->ses); }
+static ShimWr *cur_wr(struct ibv_qp_ex *qp) { return tpd_shim_cur_wr(&qp_of(qp)->wr_list); }
 
 static void shim_cmp_swp(struct ibv_qp_ex *qp, uint32_t rkey, uint64_t raddr, uint64_t compare, uint64_t swap) {
     ShimWr *w = new_wr(qp, WR_ATOMIC_CMP_AND_SWP, rkey, raddr);
@@ -121,7 +121,7 @@ static void shim_set_sge_list(struct ibv_qp_ex *qp, size_t num, const struct ibv
     ShimWr *w = cur_wr(qp);
     if (!w) return;
     if (num > 1) { /* one SGE per record: more is outside what the core posts */
-        qp_of(qp)->ses.err = EINVAL;
+        qp_of(qp)->wr_list.err = EINVAL;
         return;
     }
     w->setters |= SET_SGE_LIST;
@@ -135,7 +135,7 @@ static void shim_set_inline(struct ibv_qp_ex *qp, void *addr, size_t length) {
     ShimWr *w = cur_wr(qp);
     if (!w) return;
     if (length > SHIM_INLINE_MAX) {
-        qp_of(qp)->ses.err = EINVAL;
+        qp_of(qp)->wr_list.err = EINVAL;
         return;
     }
     memcpy(w->inline_data, addr, length); /* copied now, as the provider copies it into the WQE */
@@ -145,12 +145,12 @@ static void shim_set_inline(struct ibv_qp_ex *qp, void *addr, size_t length) {
     w->setters |= SET_INLINE;
 }
 static void shim_set_ud_addr(struct ibv_qp_ex *qp, struct ibv_ah *ah, uint32_t qpn, uint32_t qkey) {
-    qp_of(qp)->ses.err = EOPNOTSUPP; /* RC only */
+    qp_of(qp)->wr_list.err = EOPNOTSUPP; /* RC only */
 }
-static void shim_start(struct ibv_qp_ex *qp) { tpd_shim_start(&qp_of(qp)->ses); }
-static void shim_abort(struct ibv_qp_ex *qp) { tpd_shim_abort(&qp_of(qp)->ses); }
+static void shim_start(struct ibv_qp_ex *qp) { tpd_shim_start(&qp_of(qp)->wr_list); }
+static void shim_abort(struct ibv_qp_ex *qp) { tpd_shim_abort(&qp_of(qp)->wr_list); }
 /* The one Python call of a pass: the collected records to `post`, which returns an errno. */
-static int shim_complete(struct ibv_qp_ex *qp) { return tpd_shim_complete(&qp_of(qp)->ses); }
+static int shim_complete(struct ibv_qp_ex *qp) { return tpd_shim_complete(&qp_of(qp)->wr_list); }
 
 static PyObject *ShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"post", "qp_num", NULL};
@@ -160,7 +160,7 @@ static PyObject *ShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!PyCallable_Check(post)) return PyErr_Format(PyExc_TypeError, "post must be callable");
     ShimQP *s = (ShimQP *)type->tp_alloc(type, 0);
     if (!s) return NULL;
-    tpd_shim_init(&s->ses, post, sizeof(ShimWr));
+    tpd_shim_init(&s->wr_list, post, sizeof(ShimWr));
     struct ibv_qp_ex *x = &s->ex;
     x->qp_base.qp_num = qpn;
     x->wr_atomic_cmp_swp = shim_cmp_swp;
@@ -182,13 +182,13 @@ static PyObject *ShimQP_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void ShimQP_dealloc(ShimQP *s) {
-    tpd_shim_release(&s->ses);
+    tpd_shim_release(&s->wr_list);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
 static PyObject *ShimQP_capsule(ShimQP *s, void *unused) { return PyCapsule_New(&s->ex, "ibv_qp_ex", NULL); }
-static PyObject *ShimQP_calls(ShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->ses.calls); }
-static PyObject *ShimQP_posted(ShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->ses.posted); }
+static PyObject *ShimQP_calls(ShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->wr_list.calls); }
+static PyObject *ShimQP_posted(ShimQP *s, void *unused) { return PyLong_FromUnsignedLongLong(s->wr_list.posted); }
 
 static PyGetSetDef ShimQP_getset[] = {
     {"ibv_qp_ex", (getter)ShimQP_capsule, NULL, "The struct ibv_qp_ex, as a capsule.", NULL},
@@ -201,7 +201,7 @@ static PyTypeObject ShimQPType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transportd._core.ShimQP",
     .tp_basicsize = sizeof(ShimQP),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "ShimQP(post, qp_num=0): an ibv_qp_ex whose wr_complete hands the session's WRs to post(bytes).",
+    .tp_doc = "ShimQP(post, qp_num=0): an ibv_qp_ex whose wr_complete hands the WRs since wr_start to post(bytes).",
     .tp_new = ShimQP_new,
     .tp_dealloc = (destructor)ShimQP_dealloc,
     .tp_getset = ShimQP_getset,

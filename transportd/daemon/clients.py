@@ -1,4 +1,6 @@
-"""Local client sessions: who each one is, the job rank it joined, and what the daemon hands it by descriptor.
+"""The daemon's control clients: who each one is, the job rank it joined, and what the daemon hands it by
+descriptor. A client here is one control session (one connection, from ``hello`` on; docs/control-protocol.md),
+joined to a job or not: not gpuclient's ``Session``, which is one joined rank.
 
 Over ipc a session shows who it is on the descriptor socket: ``hello`` gives it a one-time token, and the
 descriptor connection presenting that token (``vouch``) binds the session to the kernel's credentials of
@@ -17,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from transportd.control import protocol
-from transportd.control.fdchannel import SideConnection
+from transportd.control.fdsocket import SideConnection
 from transportd.control.protocol import Hello, Join, ReplyCode, Vouch
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import JobState, LocalRank, NodeState
 from transportd.errors import RequestError
 
-__all__ = ["SESSION_ENDS", "ClientSessions", "Identity"]
+__all__ = ["SESSION_ENDS", "ControlClients", "Identity"]
 
 log = logging.getLogger("transportd")
 
@@ -54,9 +56,10 @@ class Identity:
         return self.superuser or job.owner == self.principal
 
 
-class ClientSessions:
-    """The control sessions: ``ranks`` (session -> the rank it joined, or None), their identities, the
-    kernel's pid of each vouched ipc client (``pids``), and their descriptor connections (``side``)."""
+class ControlClients:
+    """The daemon's record of each control client (by its zmq identity): ``ranks`` (client -> the rank it
+    joined, or None), their identities, the kernel's pid of each vouched ipc client (``pids``), and their
+    descriptor connections (``side``)."""
 
     def __init__(self, state: NodeState, peering: Peering) -> None:
         self.state = state

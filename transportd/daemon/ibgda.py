@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transportd.backends import IBGDA, has_capability, kinds_with
-from transportd.control.fdchannel import SideConnection
+from transportd.control.fdsocket import SideConnection
 from transportd.control.protocol import (
     ChannelClose,
     ChannelConnect,
@@ -36,13 +36,13 @@ from transportd.control.protocol import (
     PeerDisconnect,
     ReplyCode,
 )
-from transportd.daemon.clients import ClientSessions
+from transportd.daemon.clients import ControlClients
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import LocalRank, NodeState, quietly, region_key
 from transportd.dataplane import link_messages as link
 from transportd.errors import RequestError, WorkerError
 
-__all__ = ["IbgdaChannel", "IbgdaChannels", "IbgdaQueue"]
+__all__ = ["IbgdaChannelRecord", "IbgdaChannels", "IbgdaQueue"]
 
 
 @dataclass
@@ -59,7 +59,10 @@ class IbgdaQueue:
 
 
 @dataclass
-class IbgdaChannel:
+class IbgdaChannelRecord:
+    """The daemon's record of one IBGDA channel a client opened: its rail, its queues' depth and, per peer
+    rank, the queue and its far end (not the ``tpd::IbgdaChannel`` kernels take, which the client builds)."""
+
     channel_id: int
     rail: int
     wqe_cnt: int
@@ -71,11 +74,11 @@ class IbgdaChannels:
     (``domains``: the grant and the regions registered there) and the queues whose far end has not
     accepted yet (``waiting``, by (node, queue id))."""
 
-    def __init__(self, state: NodeState, clients: ClientSessions, peering: Peering) -> None:
+    def __init__(self, state: NodeState, clients: ControlClients, peering: Peering) -> None:
         self.state = state
         self.clients = clients
         self.peering = peering
-        self.channels: dict[tuple[str, int], dict[int, IbgdaChannel]] = {}
+        self.channels: dict[tuple[str, int], dict[int, IbgdaChannelRecord]] = {}
         self.domains: dict[tuple[str, int], dict[str, Any]] = {}
         self.waiting: dict[tuple[str, int], IbgdaQueue] = {}
 
@@ -116,7 +119,7 @@ class IbgdaChannels:
             raise RequestError(ReplyCode.CHANNEL_FAILED, str(exc)) from None
         (fd,) = domain.pop("fds")
         offer = self.clients.offer(rank, conn, fd, "ibgda")  # owned by the offer from here on
-        chan = IbgdaChannel(state.new_channel_id(), rank.rail, wqe_cnt)
+        chan = IbgdaChannelRecord(state.new_channel_id(), rank.rail, wqe_cnt)
         for peer in range(job.world):
             if peer != rank.rank:
                 chan.queues[peer] = IbgdaQueue(peer, state.node_of(job, peer))
@@ -124,7 +127,7 @@ class IbgdaChannels:
         return {"channel": chan.channel_id, "kind": "ibgda", "rail": rank.rail, "wqe_cnt": wqe_cnt,
                 "peers": sorted(chan.queues), "domain": {**domain["grant"], "fd": offer}, "ready": False}
 
-    def _channel(self, rank: LocalRank, channel: int) -> IbgdaChannel:
+    def _channel(self, rank: LocalRank, channel: int) -> IbgdaChannelRecord:
         chan = self.channels.get((rank.job, rank.rank), {}).get(channel)
         if chan is None:
             raise RequestError(ReplyCode.UNKNOWN_CHANNEL, f"this session has no IBGDA channel {channel}")
@@ -215,7 +218,7 @@ class IbgdaChannels:
             if rank.rail < len(self.state.workers):
                 quietly(self.state.workers[rank.rail].call, link.CloseIbgdaDomain(job=rank.job, rank=rank.rank))
 
-    def _close(self, rank: LocalRank, chan: IbgdaChannel) -> None:
+    def _close(self, rank: LocalRank, chan: IbgdaChannelRecord) -> None:
         state = self.state
         worker = state.workers[chan.rail] if chan.rail < len(state.workers) else None
         for queue in chan.queues.values():

@@ -7,7 +7,7 @@ rail's verbs resources and posts; the main process tells it what to map, connect
 
 The parts, each owning its own state, over the resources they share (:class:`~transportd.daemon.state.NodeState`):
 
-- :mod:`~transportd.daemon.clients` — sessions, identities (hello, vouch), joining a job;
+- :mod:`~transportd.daemon.clients` — the control clients: who each is (hello, vouch), joining a job;
 - :mod:`~transportd.daemon.memory` — a rank's regions, flag array and rings in the rail workers;
 - :mod:`~transportd.daemon.ibgda` — IBGDA channels;
 - :mod:`~transportd.daemon.peering` — wiring a job across nodes (announcements, connections, peers up/down);
@@ -40,7 +40,7 @@ from typing import Any
 
 from transportd.config import Config
 from transportd.control.curve import CurveServerKeys
-from transportd.control.fdchannel import FdServer, SideConnection, fd_socket_for
+from transportd.control.fdsocket import FdServer, SideConnection, fd_socket_for
 from transportd.control.peers import PeerPlane
 from transportd.control.protocol import (
     Channel,
@@ -75,7 +75,7 @@ from transportd.control.protocol import (
 )
 from transportd.control.server import ControlServer
 from transportd.daemon import stats
-from transportd.daemon.clients import ClientSessions
+from transportd.daemon.clients import ControlClients
 from transportd.daemon.ibgda import IbgdaChannels
 from transportd.daemon.memory import RankMemory
 from transportd.daemon.peering import Peering
@@ -109,7 +109,7 @@ class Daemon:
         self.failure: str | None = None  # why the daemon stopped on its own (the CLI exits non-zero)
         self.state = NodeState(config)
         self.peering = Peering(self.state)
-        self.clients = ClientSessions(self.state, self.peering)
+        self.clients = ControlClients(self.state, self.peering)
         self.memory = RankMemory(self.state, self.clients)
         self.ibgda = IbgdaChannels(self.state, self.clients, self.peering)
         self.selftests = SelftestJobs(self.state, self.peering, self.memory, self._release_rank)

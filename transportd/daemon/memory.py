@@ -21,9 +21,9 @@ from typing import Any
 
 from cmd_ring import RingError, RingFile
 from cmd_ring.shm import size_is_sealed
-from transportd.control.fdchannel import SideConnection, is_memfd
+from transportd.control.fdsocket import SideConnection, is_memfd
 from transportd.control.protocol import Flags, Register, ReplyCode
-from transportd.daemon.clients import ClientSessions
+from transportd.daemon.clients import ControlClients
 from transportd.daemon.state import LocalRank, NodeState, memfd_name, quietly, region_key
 from transportd.dataplane import link_messages as link
 from transportd.dataplane.flagfile import FlagFile
@@ -53,7 +53,7 @@ class GpuBuffer:
 class RankMemory:
     """Maps, registers and releases ranks' memory in the rail workers (the ranks record what they hold)."""
 
-    def __init__(self, state: NodeState, clients: ClientSessions) -> None:
+    def __init__(self, state: NodeState, clients: ControlClients) -> None:
         self.state = state
         self.clients = clients
 

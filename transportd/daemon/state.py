@@ -20,7 +20,7 @@ import numpy as np
 from cmd_ring import RingFile
 from transportd.backends.interface import FLAG_SEED_DTYPE
 from transportd.config import Config
-from transportd.control.fdchannel import FdServer
+from transportd.control.fdsocket import FdServer
 from transportd.control.peers import PeerPlane
 from transportd.control.protocol import RegionInfo
 from transportd.control.server import ControlServer

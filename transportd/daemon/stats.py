@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transportd.control.protocol import Inspect, ReplyCode
-from transportd.daemon.clients import ClientSessions, Identity
+from transportd.daemon.clients import ControlClients, Identity
 from transportd.daemon.peering import Peering
 from transportd.daemon.state import NodeState
 from transportd.dataplane import link_messages as link
@@ -19,7 +19,7 @@ from transportd.ops.metrics import job_traffic
 __all__ = ["collect_stats", "inspect_flags", "visible_stats"]
 
 
-def collect_stats(state: NodeState, peering: Peering, clients: ClientSessions, *, started: float,
+def collect_stats(state: NodeState, peering: Peering, clients: ControlClients, *, started: float,
                   ready: bool, ibgda: Callable[[int], list[dict[str, Any]]] | None = None) -> dict[str, Any]:
     """The node's stats: each rail worker's, with this process's view of jobs, connections and peers (and,
     given ``ibgda``, of the IBGDA queue pairs clients built on each rail)."""

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from transportd.control.fdchannel import SideConnection
+from transportd.control.fdsocket import SideConnection
 from transportd.control.protocol import ReplyCode, TraceStart, TraceStop
 from transportd.daemon.clients import Identity
 from transportd.daemon.state import NodeState

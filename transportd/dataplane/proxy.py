@@ -56,7 +56,7 @@ from cmd_ring.ring import RingFile
 from transportd import _core
 from transportd.backends import traits_of
 from transportd.backends.interface import COMPLETION_DTYPE, PLAN_DTYPE, Backend
-from transportd.dataplane.proxy_base import JobTables, ProxyBase, RingChannel, code_name
+from transportd.dataplane.proxy_base import DrainedRing, JobTables, ProxyBase, code_name
 from transportd.dataplane.tables import PeerTable, RegionTable
 
 __all__ = ["Proxy", "COUNTERS", "SERVE_INTERRUPTED", "SERVE_LINK", "TRACE_BUFFER_ENTRIES"]
@@ -177,12 +177,12 @@ class Proxy(ProxyBase):
     def _tables_changed(self, job: str) -> None:
         self._snapshot_traces(job)
 
-    def _open_channel(self, channel: int, ring: RingFile, entry: JobTables, rank: int, track: int) -> RingChannel:
+    def _open_channel(self, channel: int, ring: RingFile, entry: JobTables, rank: int, track: int) -> DrainedRing:
         sid, _ = self._source(entry, rank)
         self._core.add_channel(channel, ring._bytes, entry.id, sid, track)
-        return RingChannel(ring, entry, rank)
+        return DrainedRing(ring, entry, rank)
 
-    def _channel_added(self, channel: int, ch: RingChannel) -> None:
+    def _channel_added(self, channel: int, ch: DrainedRing) -> None:
         trace = self._traces.get((ch.job.name, ch.rank))
         if trace is not None:
             self._trace_channel(channel, trace)
@@ -190,7 +190,7 @@ class Proxy(ProxyBase):
     def _channel_gone(self, channel: int) -> None:
         self._core.mark_gone(channel)
 
-    def _channel_removed(self, channel: int, ch: RingChannel) -> None:
+    def _channel_removed(self, channel: int, ch: DrainedRing) -> None:
         trace = self._traces.get((ch.job.name, ch.rank))
         if trace is not None and channel in trace.fds:
             self._untrace_channel(channel, trace)
@@ -439,7 +439,7 @@ class Proxy(ProxyBase):
         taken, depth, completed, gone, age_ns, code, _count, _at = self._core.channel_state(channel, now)
         return taken, depth, completed, gone, age_ns, code
 
-    def _ring_extras(self, channel: int, ch: RingChannel) -> dict[str, Any]:
+    def _ring_extras(self, channel: int, ch: DrainedRing) -> dict[str, Any]:
         """``errors_by_code``: the ring's refused or failed records by ErrorCode name (the error word keeps
         only the first code); ``traced``: whether its rank is being traced."""
         return {"errors_by_code": {code_name(c): n for c, n in sorted(self._core.channel_codes(channel).items())},

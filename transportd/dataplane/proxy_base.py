@@ -35,7 +35,7 @@ from transportd.dataplane.tables import DEFAULT_MAX_LENGTH, PeerTable, RegionTab
 from transportd.errors import ErrorCode
 from transportd.limits import MAX_BATCH, MIN_BATCH, MIN_INFLIGHT_CAP
 
-__all__ = ["JobTables", "ProxyBase", "RingChannel", "code_name"]
+__all__ = ["DrainedRing", "JobTables", "ProxyBase", "code_name"]
 
 
 def code_name(code: int) -> str:
@@ -60,9 +60,9 @@ class JobTables:
 
 
 @dataclass(eq=False, slots=True)
-class RingChannel:
-    """A channel as the proxy sees it: one client's ring, drained for ``rank`` of ``job`` (a subclass's loop
-    may keep more on it). ``gone``: its client left."""
+class DrainedRing:
+    """A ring the proxy drains: the consumer's side of one client's channel (not the client's handle to it),
+    drained for ``rank`` of ``job`` (a subclass's loop may keep more on it). ``gone``: its client left."""
 
     ring: RingFile
     job: JobTables
@@ -97,7 +97,7 @@ class ProxyBase:
         self.max_take = max_take
         self.poll_max = poll_max
         self._jobs: dict[str, JobTables] = {}
-        self._channels: dict[int, Any] = {}  # channel -> its RingChannel (the subclass's kind of one)
+        self._channels: dict[int, Any] = {}  # channel -> its DrainedRing (the subclass's kind of one)
         self._conn_index: dict[int, int] = {}  # backend connection id -> the loop's connection index
         self._next_source = 0
 
@@ -115,7 +115,7 @@ class ProxyBase:
 
     def _open_channel(self, channel: int, ring: RingFile, entry: JobTables, rank: int, track: int) -> Any:
         """Start draining ``ring`` (``track``: how many positions to keep completion marks for); returns its
-        :class:`RingChannel`."""
+        :class:`DrainedRing`."""
         raise NotImplementedError
 
     def _channel_added(self, channel: int, ch: Any) -> None:

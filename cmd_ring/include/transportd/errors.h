@@ -3,7 +3,7 @@
  * for a bad record. Plain C99 that also compiles as C++/CUDA (NVRTC included); part of the contract both
  * sides share (cmd_ring/include), so the daemon's core and the device API use this one enum.
  *
- * ABI: these mirror ErrorCode (cmd_ring/faults.py, re-exported as transportd.errors.ErrorCode) value for
+ * ABI: these mirror ErrorCode (cmd_ring/errors.py, re-exported as transportd.errors.ErrorCode) value for
  * value; the block between the markers is the output of error_code_c_enum() and a test fails if the two
  * ever differ. A kernel reads the first bad record's code with tpd::status(ch) (0 = every record so far was
  * accepted).

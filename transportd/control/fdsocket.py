@@ -43,6 +43,7 @@ from cmd_ring.protocol import PassFd, ReplyCode, SideMessage, TakeFd, Vouch
 __all__ = ["FD_SOCKET_SUFFIX", "FdClient", "FdServer", "PeerCredentials", "SideConnection", "SideHandler",
            "fd_socket_for", "is_memfd", "peer_credentials"]
 
+# the logger keeps the name it had before this module was named for the descriptor socket: log queries select on it
 log = logging.getLogger("transportd.control.fdchannel")
 
 FD_SOCKET_SUFFIX = ".fds"
