@@ -34,6 +34,7 @@ pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run a
 
 GRACE_S = 60.0  # restart tests: long enough for a daemon to start on a loaded 2-core machine
 NBYTES = SLOTS * CHUNK
+RESENT_SLOT = 1  # the flag a test raises after re-sending what was in doubt (the streams count on slot 0)
 
 
 def _cluster(cluster_factory, backend: str, grace_s: float = GRACE_S) -> LocalCluster:
@@ -142,7 +143,9 @@ def test_a_crash_costs_a_pause_and_reports_only_the_records_in_doubt(cluster_fac
     assert bystander.src.channel.status() == (0, 0, 0)
     _exact(bystander)
 
-    # the application re-sends the data of every message in doubt (PUT: the flags are not re-counted)
+    # the application re-sends the data of every message in doubt (PUT: the flags are not re-counted), then
+    # signals a flag of its own and the receiver waits for it: a sender's completion says its NIC is done
+    # with the source; what tells a receiver its data is placed is a flag (EFA promises no more)
     resend = [(streams[1], first)] + ([(streams[0], a_first)] if code else [])
     for s, from_position in resend:
         for i, position in enumerate(s.positions):
@@ -150,7 +153,9 @@ def test_a_crash_costs_a_pause_and_reports_only_the_records_in_doubt(cluster_fac
                 off = (i % SLOTS) * CHUNK
                 s.src.channel.put(peer=s.peer, dst_region=s.dst.dst.id, dst_off=off, src_region=s.src.src.id,
                                   src_off=off, nbytes=CHUNK)
+        s.src.channel.signal(peer=s.peer, slot=RESENT_SLOT)
         s.settled()
+        wait_until(lambda s=s: s.dst.session.flag_array[RESENT_SLOT] >= 1, "the re-sent data's flag")
     for s in streams:
         assert s.data_arrived()
         # a flag counted every message that executed: at most all of them, at least those not in doubt
