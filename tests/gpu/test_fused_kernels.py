@@ -4,7 +4,8 @@ four ranks, two a daemon, for the tensor-parallel ops; three daemons for ring at
 Each kernel is checked against torch with owed data poisoned (NaN) before every launch, over several
 launches with no flag reset, on shapes where tiles, chunks and the shard (or segment) do not line up; the
 channels' error words must stay 0. AllGatherGemm, GemmReduceScatter (bf16 partials with fp32 output, fp32
-partials with bf16 output), GemmAllReduce (bf16 throughout) and RingAttention (head_dim 64 and 128, causal
+partials with bf16 output), GemmAllReduce (bf16 throughout; it and AllGatherGemm also with operands through
+tensor descriptors, ``tma=True``) and RingAttention (head_dim 64 and 128, causal
 or not, on two ranks and on three, where blocks are passed on).
 """
 
@@ -47,8 +48,9 @@ def _close(sessions: list) -> None:
 
 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
-@pytest.mark.parametrize("world", [2, 4])  # 4: two ranks on each of the two daemons, all four on the GPU
-def test_allgather_gemm_matches_torch(cuda_device, backend: str, world: int) -> None:
+# world 4: two ranks on each of the two daemons, all four on the GPU; tma: A and B through tensor descriptors
+@pytest.mark.parametrize(("world", "tma"), [(2, False), (4, False), (2, True)])
+def test_allgather_gemm_matches_torch(cuda_device, backend: str, world: int, tma: bool) -> None:
     from gpuclient.kernels import AllGatherGemm
 
     m_local, n, k = 200, 384, 512  # m_local is no multiple of the 128-row tile nor of the 48-row chunk
@@ -56,7 +58,8 @@ def test_allgather_gemm_matches_torch(cuda_device, backend: str, world: int) -> 
     with LocalCluster(2, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
         sessions = _ranks(cluster, "fused-ag-gemm", cuda_device, world)
         try:
-            ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=48, share=world, programs=24) for _, s in sessions]
+            ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=48, share=world, programs=24, tma=tma)
+                   for _, s in sessions]
             _exchange(sessions)
             for op in ops:  # both ranks' kernels loaded before either launches (one process, one GPU)
                 op.prepare()
@@ -171,8 +174,9 @@ def test_gemm_reduce_scatter_matches_torch(cuda_device, backend: str, partial_dt
 
 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
-@pytest.mark.parametrize("world", [2, 4])  # 4: two ranks on each of the two daemons
-def test_gemm_all_reduce_matches_torch(cuda_device, backend: str, world: int) -> None:
+# world 4: two ranks on each of the two daemons; tma: A and B through tensor descriptors
+@pytest.mark.parametrize(("world", "tma"), [(2, False), (4, False), (2, True)])
+def test_gemm_all_reduce_matches_torch(cuda_device, backend: str, world: int, tma: bool) -> None:
     from gpuclient.kernels import GemmAllReduce
 
     # segments of 184 rows (128 + 56; 3 x 48 + 40; 92 at world 4), n = 128 + 72, k no multiple of the 64-wide
@@ -182,8 +186,8 @@ def test_gemm_all_reduce_matches_torch(cuda_device, backend: str, world: int) ->
     with LocalCluster(2, backend=backend, overrides={"peers": {"heartbeat_timeout_s": 20.0}}) as cluster:
         sessions = _ranks(cluster, "fused-gemm-ar", cuda_device, world)
         try:
-            ops = [GemmAllReduce(s, m, n, k, chunk_rows=48, share=world, programs=5, out_dtype=torch.bfloat16)
-                   for _, s in sessions]
+            ops = [GemmAllReduce(s, m, n, k, chunk_rows=48, share=world, programs=5, out_dtype=torch.bfloat16,
+                                 tma=tma) for _, s in sessions]
             _exchange(sessions)
             for op in ops:
                 op.prepare()
