@@ -20,6 +20,11 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
+#: The GEMMs' default tiles, by measurement on the H200 (``fused_bench.py --tune``; docs/performance.md):
+#: 128 x 256 x 64, 8 warps, 3 stages, A and B through tensor descriptors where the shape allows, ran the
+#: compute 1.59-1.64x faster than the first choice (128 x 128 x 64, pointer loads) at the bench's sizes.
+GEMM_BLOCK = (128, 256, 64)
+
 #: bytes of one element of the bf16 operands
 _BF16 = 2
 
@@ -89,14 +94,16 @@ def check_tiles(block: Any, num_warps: Any, num_stages: Any, tma: Any, n: int,
                 k: int) -> tuple[tuple[int, int, int], int, int, bool]:
     """A GEMM op's tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` three
     powers of two >= 16 (``tl.dot``), ``check_launch``'s terms, ``tma`` a bool (True: rows of ``n`` and ``k``
-    elements that a tensor descriptor can step over)."""
+    elements that a tensor descriptor can step over) or None: True exactly when those rows allow it."""
     block = tuple(block)
     if len(block) != 3 or any(isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1)
                               for b in block):
         raise ValueError(f"block (block_m, block_n, block_k) must be powers of two >= 16 (tl.dot), got {block!r}")
     check_launch(num_warps, num_stages)
+    if tma is None:
+        tma = (n * _BF16) % 16 == 0 and (k * _BF16) % 16 == 0
     if not isinstance(tma, bool):
-        raise ValueError(f"tma must be a bool, got {tma!r}")
+        raise ValueError(f"tma must be a bool or None, got {tma!r}")
     if tma:
         check_rows("n", n)
         check_rows("k", k)

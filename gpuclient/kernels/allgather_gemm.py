@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._tiles import DescriptorScratch, check_aligned, check_tiles
+from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles
 from gpuclient.plan import ChunkPlan
 
 
@@ -120,13 +120,14 @@ class AllGatherGemm:
     together, since compute programs spin on the peers' chunks). Launch k of the op waits for flag values
     k: nothing is reset between calls. ``block`` (block_m, block_n, block_k), ``num_warps`` and
     ``num_stages`` are the GEMM's tiles (``retile`` changes them); ``tma=True`` loads A and B through tensor
-    descriptors (needs ``n`` and ``k`` multiples of 8) instead of pointers and masks.
+    descriptors (needs ``n`` and ``k`` multiples of 8) instead of pointers and masks, ``tma=None`` (the
+    default) does so exactly when ``n`` and ``k`` allow it.
     """
 
     def __init__(self, session: Any, m_local: int, n: int, k: int, *, chunk_rows: int = 64,
-                 comm_programs: int = 1, block: tuple[int, int, int] = (128, 128, 64), num_warps: int = 8,
+                 comm_programs: int = 1, block: tuple[int, int, int] = GEMM_BLOCK, num_warps: int = 8,
                  num_stages: int = 3, slot_base: int = 0, share: int = 1, programs: int | None = None,
-                 out_dtype: Any = None, channel_capacity: int = 256, tma: bool = False) -> None:
+                 out_dtype: Any = None, channel_capacity: int = 256, tma: bool | None = None) -> None:
         import torch
 
         if min(m_local, n, k, chunk_rows, comm_programs, share) < 1:

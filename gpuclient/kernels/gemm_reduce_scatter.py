@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._tiles import DescriptorScratch, check_aligned, check_tiles
+from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles
 from gpuclient.plan import U32_MAX, ChunkPlan
 
 __all__ = ["GemmAllReduce", "GemmReduceScatter", "ReduceScatterLayout"]
@@ -345,15 +345,15 @@ class GemmReduceScatter:
     spin on the peers' chunks). Launch e waits for flag values e: nothing is reset between calls.
     ``block`` (block_m, block_n, block_k), ``num_warps`` and ``num_stages`` are the GEMM's tiles (``retile``
     changes them); ``tma=True`` loads A and B through tensor descriptors (needs ``n`` and ``k`` multiples of
-    8) instead of pointers and masks.
+    8) instead of pointers and masks, ``tma=None`` (the default) does so exactly when ``n`` and ``k`` allow it.
     """
 
     _ALL_GATHER = False
 
     def __init__(self, session: Any, m: int, n: int, k: int, *, chunk_rows: int = 64,
-                 block: tuple[int, int, int] = (128, 128, 64), num_warps: int = 8, num_stages: int = 3,
+                 block: tuple[int, int, int] = GEMM_BLOCK, num_warps: int = 8, num_stages: int = 3,
                  slot_base: int = 0, share: int = 1, programs: int | None = None, out_dtype: Any = None,
-                 partial_dtype: Any = None, channel_capacity: int = 256, tma: bool = False) -> None:
+                 partial_dtype: Any = None, channel_capacity: int = 256, tma: bool | None = None) -> None:
         import torch
 
         out_dtype = out_dtype or torch.float32

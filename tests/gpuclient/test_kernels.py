@@ -193,7 +193,7 @@ def test_the_gemm_compute_in_the_interpreter() -> None:
     (((128, 128, 64), 6, 3, False), "num_warps must be a power of two"),
     (((128, 128, 64), True, 3, False), "num_warps must be a power of two"),
     (((128, 128, 64), 8, 0, False), "num_stages must be an integer >= 1"),
-    (((128, 128, 64), 8, 3, 1), "tma must be a bool"),
+    (((128, 128, 64), 8, 3, 1), "tma must be a bool or None"),
     (((128, 128, 64), 8, 3, True), "needs n to be a multiple of 8"),
 ])
 def test_bad_tiles_are_refused_with_the_culprit_named(args: tuple, message: str) -> None:
@@ -202,6 +202,13 @@ def test_bad_tiles_are_refused_with_the_culprit_named(args: tuple, message: str)
     assert check_tiles([64, 256, 64], 4, 4, True, n=96, k=64) == ((64, 256, 64), 4, 4, True)
     with pytest.raises(ValueError, match="needs k to be a multiple of 8"):
         check_tiles((128, 128, 64), 8, 3, True, n=96, k=100)
+
+
+def test_tma_none_takes_descriptors_exactly_where_the_rows_allow() -> None:
+    assert check_tiles((128, 256, 64), 8, 3, None, n=96, k=64)[3] is True
+    assert check_tiles((128, 256, 64), 8, 3, None, n=100, k=64)[3] is False
+    assert check_tiles((128, 256, 64), 8, 3, None, n=96, k=36)[3] is False
+    assert check_tiles((128, 256, 64), 8, 3, False, n=96, k=64)[3] is False
 
 
 # --- the layout: refusals ---------------------------------------------------------------------------------------
