@@ -33,6 +33,21 @@ and off (ib; efa refuses decoupled).
 
 CUDA MPS is started here (as ``benchmarks/fabric_bench.py`` does) so the rail workers' copies share the
 GPU with the kernels instead of waiting for time slices.
+
+Tuning the tiles (``--tune``; ``--json`` gets the results, rewritten after every session)::
+
+    python benchmarks/fused_bench.py --tune --json benchmarks/results/tune.json [--kernels ...] [--no-tma] [--quick]
+
+times instead the compute alone (``communicate=False``) of each kernel at its first size, with the bench's
+program counts, for each tile of ``TUNE_TILES`` (block, warps, stages and, for the GEMMs, operands through
+tensor descriptors: ``tma``): one session a kernel on the first backend and shape (the shape does not
+matter to the compute alone), the peers' data staged where the compute reads it (so every launch is checked
+against torch), every rank's op retiled and its variant preloaded before any launch (the ranks share this
+process), one checked warm-up launch, then the median of ``--reps``. The GEMMs' TMA tiles run in sessions of
+their own after every other (a fault there would take the CUDA context with it). Reported per config: median
+ms, TFLOP/s, speedup over the op's default tile, torch's time over it, the error, the registers, spills and
+shared memory of the compiled kernel, or why it did not run (refused by the op, out of resources, failed,
+or skipped past ``--tune-seconds``); per kernel the best config and torch's time in the same run.
 """
 
 from __future__ import annotations
@@ -103,6 +118,10 @@ class Case:
     moved: int  # bytes the ranks send one another in one launch, all ranks
     ops: list[Any]
     params: dict[str, Any] = field(default_factory=dict)
+    # for the compute alone (``--tune``): put where a ``communicate=False`` launch reads what the peers would have
+    # sent; then the max |output - torch reference| over what that launch defines
+    stage: Callable[[], None] = lambda: None
+    compute_error: Callable[[], float] | None = None
 
 
 def _time(launch: Callable[[], None], streams: list[Any], reps: int) -> float:
@@ -195,9 +214,13 @@ def allgather_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: in
     def error() -> float:
         return max(float((outs[r] - gathered.float() @ bs[r].float()).abs().max()) for r in range(WORLD))
 
+    def stage() -> None:  # every shard in every rank's gathered A: the compute alone then makes all of C
+        for op in ops:
+            op.gathered.copy_(gathered)
+
     return Case(launch, lambda: _on_streams(streams, lambda r: torch.matmul(gathered, bs[r])), error,
                 flops=2.0 * WORLD * (WORLD * m_local) * n * k, moved=WORLD * (WORLD - 1) * m_local * k * 2, ops=ops,
-                params={"programs": ops[0].programs})
+                params={"programs": ops[0].programs}, stage=stage, compute_error=error)
 
 
 def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen: Any, device: int, m: int, n: int,
@@ -231,11 +254,18 @@ def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen:
             return max(float((outs[r].float() - total).abs().max()) for r in range(WORLD))
         return max(float((outs[r].float() - total[r * m_seg:(r + 1) * m_seg]).abs().max()) for r in range(WORLD))
 
+    def compute_error() -> float:
+        """The compute alone leaves in the own segment's output rows the rank's own partial of them."""
+        rows = [slice(r * m_seg, (r + 1) * m_seg) for r in range(WORLD)]
+        own = [outs[r][rows[r]] if all_reduce else outs[r] for r in range(WORLD)]
+        return max(float((own[r].float() - a[r][rows[r]].float() @ b[r].float()).abs().max()) for r in range(WORLD))
+
     seg_bytes = m_seg * n * 2
     moved = WORLD * (WORLD - 1) * seg_bytes * (2 if all_reduce else 1)
     return Case(launch, lambda: _on_streams(streams, lambda r: torch.matmul(a[r], b[r])), error,
                 flops=2.0 * WORLD * m * n * k, moved=moved, ops=ops,
-                params={"programs": ops[0].programs, "out_dtype": str(out_dtype).removeprefix("torch.")})
+                params={"programs": ops[0].programs, "out_dtype": str(out_dtype).removeprefix("torch.")},
+                compute_error=compute_error)
 
 
 def gemm_reduce_scatter(*args: Any, **kw: Any) -> Case:
@@ -274,11 +304,17 @@ def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: in
     def sdpa(r: int) -> None:
         F.scaled_dot_product_attention(q[r][None], k_all[None], v_all[None])
 
+    def stage() -> None:  # every origin's K and V in every rank's kv blocks ([heads, seq, 2, head_dim] each)
+        blocks = torch.stack([torch.stack((k[o], v[o]), dim=2) for o in range(WORLD)])
+        for op in ops:
+            op.kv.copy_(blocks)
+
     block_bytes = heads * seq_local * 2 * head_dim * 2
     return Case(launch, lambda: _on_streams(streams, sdpa), error,
                 flops=4.0 * WORLD * heads * seq_local * (WORLD * seq_local) * head_dim,
                 moved=WORLD * (WORLD - 1) * block_bytes, ops=ops,
-                params={"programs": ops[0].programs, "comm_programs": ops[0].comm_programs})
+                params={"programs": ops[0].programs, "comm_programs": ops[0].comm_programs}, stage=stage,
+                compute_error=error)
 
 
 CASES: dict[str, Callable[..., Case]] = {"allgather_gemm": allgather_gemm, "gemm_reduce_scatter": gemm_reduce_scatter,
@@ -528,6 +564,261 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# --- tuning (--tune) ------------------------------------------------------------------------------------------
+#: the tiles each kernel's compute is timed with in ``--tune``, the ops' untuned first choice first (the row
+#: "default" and "vs default" name: the baseline the tuning is measured against; the ops now default to the
+#: winners, ``_tiles.GEMM_BLOCK`` with TMA and ``ring_attention.ATTENTION_BLOCK``). The GEMMs' grid: the
+#: 128x128x64 first choice beside the tile shapes and depths Hopper GEMMs usually settle on, and operands
+#: through tensor descriptors (TMA) at three of them; ring attention: block_m x block_n around 64x64.
+GEMM_TILES: list[dict[str, Any]] = [
+    {"block": (128, 128, 64), "num_warps": 8, "num_stages": 3, "tma": False},
+    {"block": (128, 128, 64), "num_warps": 4, "num_stages": 4, "tma": False},
+    {"block": (128, 256, 64), "num_warps": 8, "num_stages": 3, "tma": False},
+    {"block": (256, 128, 64), "num_warps": 8, "num_stages": 3, "tma": False},
+    {"block": (128, 128, 128), "num_warps": 8, "num_stages": 2, "tma": False},
+    {"block": (64, 256, 64), "num_warps": 4, "num_stages": 4, "tma": False},
+    {"block": (128, 128, 64), "num_warps": 8, "num_stages": 3, "tma": True},
+    {"block": (128, 128, 64), "num_warps": 8, "num_stages": 4, "tma": True},
+    {"block": (128, 256, 64), "num_warps": 8, "num_stages": 3, "tma": True},
+]
+RING_TILES: list[dict[str, Any]] = [
+    {"block": (64, 64), "num_warps": 4, "num_stages": 2},
+    {"block": (64, 64), "num_warps": 4, "num_stages": 3},
+    {"block": (128, 64), "num_warps": 4, "num_stages": 2},
+    {"block": (128, 64), "num_warps": 8, "num_stages": 2},
+    {"block": (128, 128), "num_warps": 8, "num_stages": 2},
+    {"block": (64, 128), "num_warps": 4, "num_stages": 2},
+]
+TUNE_TILES = {"allgather_gemm": GEMM_TILES, "gemm_reduce_scatter": GEMM_TILES, "gemm_all_reduce": GEMM_TILES,
+              "ring_attention": RING_TILES}
+#: seconds of tuning after which the configs left are recorded as skipped (the device's call is 10 minutes)
+TUNE_SECONDS = 300.0
+
+
+def tile_label(tile: dict[str, Any]) -> str:
+    """``128x256x64 w8 s3`` (``tma`` appended for descriptor loads)."""
+    return (f"{'x'.join(str(b) for b in tile['block'])} w{tile['num_warps']} s{tile['num_stages']}"
+            + (" tma" if tile.get("tma") else ""))
+
+
+def tune_candidates(kernel: str, dims: dict[str, int],
+                    tma: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(kept, refused)``: the kernel's candidate tiles at ``dims`` that its op's own checks accept, and a
+    config entry (``refused``: the op's ValueError) for each they refuse; TMA tiles are left out without
+    ``tma``. Pure (the checks the ops run before allocating)."""
+    from gpuclient.kernels._tiles import check_launch, check_tiles
+    from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout
+    from gpuclient.kernels.ring_attention import RingAttentionLayout
+
+    kept, refused = [], []
+    for tile in TUNE_TILES[kernel]:
+        if tile.get("tma") and not tma:
+            continue
+        try:
+            if kernel == "ring_attention":
+                check_launch(tile["num_warps"], tile["num_stages"])
+                RingAttentionLayout(0, WORLD, dims["heads"], dims["seq_local"], dims["head_dim"],
+                                    chunk_rows=dims["chunk_rows"], block=tuple(tile["block"]))
+            else:
+                check_tiles(tile["block"], tile["num_warps"], tile["num_stages"], tile["tma"], dims["n"], dims["k"])
+                if kernel != "allgather_gemm":
+                    ReduceScatterLayout(0, WORLD, dims["m"], dims["n"], dims["k"], chunk_rows=dims["chunk_rows"],
+                                        block=tuple(tile["block"]), all_gather=kernel == "gemm_all_reduce")
+        except ValueError as exc:
+            refused.append({**_tile_fields(tile), "refused": str(exc)})
+        else:
+            kept.append(tile)
+    return kept, refused
+
+
+def _tile_fields(tile: dict[str, Any]) -> dict[str, Any]:
+    return {"label": tile_label(tile), **tile, "block": list(tile["block"])}
+
+
+def tune_plan(kernels: list[str], sizes: dict[str, list[dict[str, int]]],
+              tma: bool = True) -> list[dict[str, Any]]:
+    """The sessions of a tuning run, in order: one a kernel (the first size) with its pointer tiles, then one a
+    GEMM with its TMA tiles (after every kernel's others: a fault in the descriptor path would take the CUDA
+    context, and every later measurement, with it). Each: ``kernel``, ``dims``, ``tiles`` (to time),
+    ``refused`` (entries, in the kernel's first session)."""
+    plan, later = [], []
+    for kernel in kernels:
+        dims = sizes[kernel][0]
+        kept, refused = tune_candidates(kernel, dims, tma)
+        plan.append({"kernel": kernel, "dims": dims, "tiles": [t for t in kept if not t.get("tma")],
+                     "refused": refused})
+        if any(t.get("tma") for t in kept):
+            later.append({"kernel": kernel, "dims": dims, "tiles": [t for t in kept if t.get("tma")], "refused": []})
+    return [p for p in plan + later if p["tiles"] or p["refused"]]
+
+
+def tune_session(kernel: str, backend: str, shape: str, dims: dict[str, int], tiles: list[dict[str, Any]], reps: int,
+                 deadline: float, reference: bool, device: int = 0,
+                 echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Time the compute alone (``communicate=False``) of ``kernel`` at ``dims`` with each of ``tiles``, in one
+    session: the case is built as ``fused_row`` builds it (its programs), the peers' data staged where the
+    compute reads it, and for each tile every rank's op retiled and its compute variant preloaded (compiled
+    and loaded before any launch: the ranks share this process), then one launch checked against torch and
+    the median of ``reps``. ``reference``: time torch's compute too. Configs the op refuses, that do not fit
+    the GPU (Triton's OutOfResources) or fail are recorded as such; past ``deadline`` (``time.monotonic``)
+    the rest are recorded as skipped."""
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    configs: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"kernel": kernel, "dims": dims, "configs": configs}
+    try:
+        with _sessions(backend, shape, f"fused-tune-{kernel}", device) as (_, sessions):
+            streams = [torch.cuda.Stream(device) for _ in sessions]
+            case = CASES[kernel](sessions, streams, gen, device, **dims)
+            case.stage()
+            torch.cuda.synchronize()
+            out.update(flops=case.flops, params=case.params)
+
+            def compute() -> None:
+                case.launch(communicate=False)
+
+            for tile in tiles:
+                entry = _tile_fields(tile)
+                configs.append(entry)
+                if time.monotonic() > deadline:
+                    entry["skipped"] = "past the time budget"
+                    continue
+                try:
+                    torch.cuda.synchronize()  # nothing runs while the variant loads
+                    for op in case.ops:
+                        op.retile(**tile)
+                    compiled = [op.preload(communicate=False, compute=True) for op in case.ops][0]
+                    entry.update(shared_bytes=int(compiled.metadata.shared), registers=int(compiled.n_regs),
+                                 spills=int(compiled.n_spills))
+                    compute()  # the warm-up, checked
+                    torch.cuda.synchronize()
+                    entry["max_abs_error"] = case.compute_error() if case.compute_error else None
+                    entry["median_s"] = _time(compute, streams, reps)
+                    entry["tflops"] = case.flops / entry["median_s"] / 1e12
+                except ValueError as exc:  # the op's checks
+                    entry["refused"] = str(exc)
+                except OutOfResources as exc:  # shared memory or threads past the GPU's, found at the load
+                    entry["out_of_resources"] = str(exc)
+                except Exception as exc:  # a compile or a launch that fails: recorded, the next tile goes on
+                    entry["failed"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                echo(f"  tune {kernel:20s} {entry['label']:22s} " + _tune_outcome(entry))
+            if reference:
+                case.torch_compute()  # its first call (library handles, module loads) is not timed
+                out["torch_s"] = _time(case.torch_compute, streams, reps)
+                echo(f"  tune {kernel:20s} {'torch':22s} {out['torch_s'] * 1e3:8.3f} ms "
+                     f"{case.flops / out['torch_s'] / 1e12:7.1f} TFLOP/s")
+            _check_channels(case.ops)
+    except Exception as exc:  # the session's (start, build, torch, teardown): what it measured is kept
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        echo(f"  tune {kernel}: failed: {out['error']}")
+    return out
+
+
+def _tune_outcome(entry: dict[str, Any]) -> str:
+    for key in ("refused", "out_of_resources", "failed", "skipped"):
+        if key in entry:
+            return f"{key.replace('_', ' ')}: {entry[key]}"
+    error = entry.get("max_abs_error")
+    return (f"{entry['median_s'] * 1e3:8.3f} ms {entry['tflops']:7.1f} TFLOP/s"
+            + ("" if error is None else f"  max abs error {error:.3g}"))
+
+
+def tune_summary(sessions: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kernel, from its sessions' results: ``dims``, ``params``, ``flops``, ``torch_s`` and
+    ``torch_tflops`` (the first session that timed torch), ``configs`` (every session's, in order; each timed
+    one with ``speedup_vs_default`` and ``vs_torch``: torch's time over its own), ``default`` (the label of
+    the op's default tile) and ``best`` (the timed config with the lowest median, or None)."""
+    out: dict[str, dict[str, Any]] = {}
+    for session in sessions:
+        kernel = session["kernel"]
+        row = out.setdefault(kernel, {"dims": session["dims"], "configs": [], "torch_s": None,
+                                      "default": tile_label(TUNE_TILES[kernel][0])})
+        for key in ("params", "flops"):
+            if key in session:
+                row.setdefault(key, session[key])
+        if row["torch_s"] is None and session.get("torch_s") is not None:
+            row["torch_s"] = session["torch_s"]
+        row["configs"].extend(session.get("configs", []))
+        if "error" in session:
+            row.setdefault("errors", []).append(session["error"])
+    for row in out.values():
+        timed = [c for c in row["configs"] if "median_s" in c]
+        default = next((c for c in timed if c["label"] == row["default"]), None)
+        for c in timed:
+            c["speedup_vs_default"] = default["median_s"] / c["median_s"] if default else None
+            c["vs_torch"] = row["torch_s"] / c["median_s"] if row["torch_s"] else None
+        row["torch_tflops"] = row["flops"] / row["torch_s"] / 1e12 if row["torch_s"] and row.get("flops") else None
+        row["best"] = min(timed, key=lambda c: c["median_s"]) if timed else None
+    return out
+
+
+def tune_table(summary: dict[str, dict[str, Any]]) -> str:
+    """One line a config (the default and the best marked), one a kernel for torch's time, and one a failed
+    session."""
+
+    def line(*cells: str) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    lines = [line("kernel", "size", "tiles", "compute ms", "TFLOP/s", "vs default", "torch / this", "max abs error",
+                  "note"), "|" + "---|" * 9]
+    for kernel, row in summary.items():
+        size = _dims(row["dims"])
+        best = row["best"]["label"] if row["best"] else None
+        for c in row["configs"]:
+            if "median_s" not in c:
+                note = next(f"{k.replace('_', ' ')}: {c[k]}" for k in ("refused", "out_of_resources", "failed",
+                                                                       "skipped") if k in c)
+                lines.append(line(kernel, size, c["label"], *[""] * 5, note))
+                continue
+            notes = [n for n in ("default" if c["label"] == row["default"] else "",
+                                 "**best**" if c["label"] == best else "",
+                                 f"{c['spills']} spills" if c.get("spills") else "") if n]
+            lines.append(line(kernel, size, c["label"], f"{c['median_s'] * 1e3:.3f}", f"{c['tflops']:.1f}",
+                              "" if c.get("speedup_vs_default") is None else f"{c['speedup_vs_default']:.2f}x",
+                              "" if c.get("vs_torch") is None else f"{c['vs_torch']:.2f}",
+                              "" if c.get("max_abs_error") is None else f"{c['max_abs_error']:.3g}", ", ".join(notes)))
+        if row["torch_s"]:
+            lines.append(line(kernel, size, "torch", f"{row['torch_s'] * 1e3:.3f}", f"{row['torch_tflops']:.1f}", "",
+                              "1.00", "", "reference"))
+        for error in row.get("errors", []):
+            lines.append(line(kernel, size, *[""] * 6, f"session failed: {error}"))
+    return "\n".join(lines)
+
+
+def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list[dict[str, int]]], reps: int, tma: bool,
+         seconds: float, json_path: str | None, how: str, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """The tuning run: ``tune_plan``'s sessions in order, the JSON rewritten after each (a run cut short keeps
+    what it measured), then the table."""
+    deadline = time.monotonic() + seconds
+    done: list[dict[str, Any]] = []
+    result: dict[str, Any] = {}
+    timed: set[str] = set()
+    for step in tune_plan(kernels, sizes, tma):
+        kernel, dims = step["kernel"], step["dims"]
+        if time.monotonic() > deadline:  # not even a session started: its tiles are recorded as skipped
+            session = {"kernel": kernel, "dims": dims,
+                       "configs": [{**_tile_fields(t), "skipped": "past the time budget"} for t in step["tiles"]]}
+        else:
+            try:
+                session = tune_session(kernel, backend, shape, dims, step["tiles"], reps, deadline,
+                                       reference=kernel not in timed, echo=echo)
+            except Exception as exc:  # keep what the other sessions measured
+                session = {"kernel": kernel, "dims": dims, "error": f"{type(exc).__name__}: {exc}"}
+                echo(f"  tune {kernel}: failed: {exc}")
+        if session.get("torch_s") is not None:
+            timed.add(kernel)
+        session["configs"] = step["refused"] + session.get("configs", [])
+        done.append(session)
+        result = {"how": how, "backend": backend, "shape": shape, "reps": reps, "world": WORLD,
+                  "kernels": tune_summary(done)}
+        if json_path:
+            Path(json_path).write_text(json.dumps(result, indent=2))
+    echo(tune_table(result.get("kernels", {})))
+    return result
+
+
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
 @click.option("--kernels", default=",".join((*KERNELS, "moe", "moe_dispatch_gemm")), show_default=True,
@@ -541,8 +832,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 @click.option("--programs", default=None, type=click.IntRange(min=2),
               help="programs per rank for every fused op (default: the SMs over the two ranks)")
 @click.option("--quick", is_flag=True, help="one small size per kernel, 2 reps (a smoke run)")
+@click.option("--tune", is_flag=True,
+              help="time each kernel's compute alone with candidate tiles instead (the first size, the first "
+                   "backend and shape; MoE left out)")
+@click.option("--tma/--no-tma", default=True, show_default=True, help="--tune: the GEMMs' TMA tiles too")
+@click.option("--tune-seconds", default=TUNE_SECONDS, show_default=True, type=click.FloatRange(min=0),
+              help="--tune: configs not started by then are recorded as skipped")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
-         programs: int | None, quick: bool) -> None:
+         programs: int | None, quick: bool, tune: bool, tma: bool, tune_seconds: float) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -572,6 +869,19 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     with Mps() as mps:  # started where wanted and present; describe() says which
         if not mps.running:
             click.echo(mps.describe())
+        if tune:
+            backend = backends.split(",")[0]
+            spec = shapes.split(",")[0]
+            shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
+            how = "python benchmarks/fused_bench.py " + " ".join(sys.argv[1:])
+            tune_kernels = [k for k in wanted if k in KERNELS]
+            result = run_tune(tune_kernels, backend, shape, table_sizes, reps, tma, tune_seconds, json_path, how,
+                              echo=click.echo)
+            mps_line = mps.describe()
+            if json_path:
+                Path(json_path).write_text(json.dumps({**result, "mps": mps_line}, indent=2))
+            click.echo(mps_line)
+            return
         for backend in backends.split(","):
             for spec in shapes.split(","):
                 shape = BACKEND_SHAPE[backend] if spec == "nic" else spec

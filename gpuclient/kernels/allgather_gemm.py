@@ -11,7 +11,12 @@ straddles two chunks waits for both.
 
 Compute: bf16 ``tl.dot`` (wgmma on sm_90) with fp32 accumulation, C in fp32 or bf16. Triton rather than
 CUTLASS/CuTe: the same language as the device calls (``gpuclient.triton``), no C++ template build at run
-time; a CuTe kernel was not measured against it.
+time; a CuTe kernel was not measured against it. Operands are loaded with pointer arithmetic and masks, or
+with ``tma=True`` through tensor descriptors made in the kernel (``tl.make_tensor_descriptor``: TMA on
+sm_90, out-of-bounds elements zero-filled by the copy engine). A descriptor spans the whole gathered A, so a
+tile that runs past a shard's last row reads the next shard's rows; those rows of C are not stored. After a
+``wait_range`` the TMA path issues ``fence.proxy.async.global``: the wait acquires the peer's rows in the
+generic proxy, and the descriptor loads read them through the async proxy.
 """
 
 from __future__ import annotations
@@ -22,14 +27,24 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
+from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles
 from gpuclient.plan import ChunkPlan
+
+
+@triton.jit
+def _async_proxy_fence():
+    """Order what this thread saw through the generic proxy (the rows a wait acquired) before its later
+    async-proxy accesses of global memory (tensor-descriptor loads)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global;\nmov.u32 $0, 0;", "=r,~{memory}", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 # no specialization on the launch number or the rank (Triton would compile again for launch 1 vs 2, rank 0 vs 1)
 @triton.jit(do_not_specialize=["epoch", "rank", "release_slot"])
 def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world, m_local, n, k, chunks, release_slot,
                     COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr,
+                    TMA: tl.constexpr = False):
     pid = tl.program_id(0)
     if pid < COMM_PROGRAMS:
         if COMMUNICATE:
@@ -47,6 +62,12 @@ def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world,
         row_blocks = tl.cdiv(m_local, BLOCK_M)
         col_blocks = tl.cdiv(n, BLOCK_N)
         per_rank = row_blocks * col_blocks
+        if COMPUTE:
+            if TMA:  # the whole gathered A and B, once per program
+                a_desc = tl.make_tensor_descriptor(a_ptr, shape=[world * m_local, k], strides=[k, 1],
+                                                   block_shape=[BLOCK_M, BLOCK_K])
+                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[k, n], strides=[n, 1],
+                                                   block_shape=[BLOCK_K, BLOCK_N])
         for t in range(pid - COMM_PROGRAMS, world * per_rank, compute):
             src = (rank + t // per_rank) % world  # the local shard's tiles first, then the peers' in ring order
             within = t % per_rank
@@ -57,18 +78,26 @@ def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world,
                 if src != rank:
                     tpd.wait_range(ch, plan, epoch, src, (src * m_local + row0).to(tl.uint64) * k * 2,
                                    rows.to(tl.uint64) * k * 2)
+                    if TMA:
+                        _async_proxy_fence()
             if COMPUTE:
                 offs_m = row0 + tl.arange(0, BLOCK_M)
                 offs_n = col0 + tl.arange(0, BLOCK_N)
-                offs_k = tl.arange(0, BLOCK_K)
-                a_rows = a_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * k
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k0 in range(0, k, BLOCK_K):
-                    a = tl.load(a_rows + (k0 + offs_k)[None, :],
-                                mask=(offs_m[:, None] < m_local) & ((k0 + offs_k)[None, :] < k), other=0.0)
-                    b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
-                                mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
-                    acc = tl.dot(a, b, acc)
+                if TMA:
+                    for k0 in range(0, k, BLOCK_K):
+                        a = a_desc.load([src * m_local + row0, k0])
+                        b = b_desc.load([k0, col0])
+                        acc = tl.dot(a, b, acc)
+                else:
+                    offs_k = tl.arange(0, BLOCK_K)
+                    a_rows = a_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * k
+                    for k0 in range(0, k, BLOCK_K):
+                        a = tl.load(a_rows + (k0 + offs_k)[None, :],
+                                    mask=(offs_m[:, None] < m_local) & ((k0 + offs_k)[None, :] < k), other=0.0)
+                        b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
+                                    mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
+                        acc = tl.dot(a, b, acc)
                 c = c_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
                 tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < m_local) & (offs_n[None, :] < n))
         if COMMUNICATE:
@@ -89,13 +118,16 @@ class AllGatherGemm:
     put_signal; ``comm_programs`` programs push, ``programs`` in all (default: this GPU's SMs divided by
     ``share``, the number of ranks that run on the GPU at once: every rank's programs must be resident
     together, since compute programs spin on the peers' chunks). Launch k of the op waits for flag values
-    k: nothing is reset between calls.
+    k: nothing is reset between calls. ``block`` (block_m, block_n, block_k), ``num_warps`` and
+    ``num_stages`` are the GEMM's tiles (``retile`` changes them); ``tma=True`` loads A and B through tensor
+    descriptors (needs ``n`` and ``k`` multiples of 8) instead of pointers and masks, ``tma=None`` (the
+    default) does so exactly when ``n`` and ``k`` allow it.
     """
 
     def __init__(self, session: Any, m_local: int, n: int, k: int, *, chunk_rows: int = 64,
-                 comm_programs: int = 1, block: tuple[int, int, int] = (128, 128, 64), num_warps: int = 8,
+                 comm_programs: int = 1, block: tuple[int, int, int] = GEMM_BLOCK, num_warps: int = 8,
                  num_stages: int = 3, slot_base: int = 0, share: int = 1, programs: int | None = None,
-                 out_dtype: Any = None, channel_capacity: int = 256) -> None:
+                 out_dtype: Any = None, channel_capacity: int = 256, tma: bool | None = None) -> None:
         import torch
 
         if min(m_local, n, k, chunk_rows, comm_programs, share) < 1:
@@ -103,7 +135,7 @@ class AllGatherGemm:
         self.session, self.rank, self.world = session, session.rank, session.world
         self.m_local, self.n, self.k = m_local, n, k
         self.device = session.device if session.device is not None and session.device >= 0 else 0
-        self.block, self.num_warps, self.num_stages = block, num_warps, num_stages
+        self.block, self.num_warps, self.num_stages, self.tma = check_tiles(block, num_warps, num_stages, tma, n, k)
         self.comm_programs, self.share, self._programs = comm_programs, share, programs
         self.out_dtype = out_dtype or torch.float32
         self.gathered = torch.empty((self.world * m_local, k), dtype=torch.bfloat16, device=f"cuda:{self.device}")
@@ -122,6 +154,16 @@ class AllGatherGemm:
         self.channel_capacity = channel_capacity
         self.launches = 0
         self._ch: Any = None
+        self._scratch = DescriptorScratch(self.gathered.device)
+
+    def retile(self, block: tuple[int, int, int] | None = None, *, num_warps: int | None = None,
+               num_stages: int | None = None, tma: bool | None = None) -> None:
+        """Change the GEMM's tiles (None: keep), checked as the constructor checks them. Launches after it
+        run the new variant: where ranks share a process, ``preload`` every variant they will run again
+        before the next launch of any. Between launches only (the flags do not depend on the tiles)."""
+        self.block, self.num_warps, self.num_stages, self.tma = check_tiles(
+            self.block if block is None else block, self.num_warps if num_warps is None else num_warps,
+            self.num_stages if num_stages is None else num_stages, self.tma if tma is None else tma, self.n, self.k)
 
     def prepare(self) -> None:
         """After the exchange, before the first launch (``__call__`` does it if not yet done): open the
@@ -141,10 +183,10 @@ class AllGatherGemm:
         self.programs = self._programs or max(self.comm_programs + 1, sms // self.share)
         self.preload()
 
-    def preload(self, communicate: bool = True, compute: bool = True) -> None:
+    def preload(self, communicate: bool = True, compute: bool = True) -> Any:
         """Compile and load the kernel variant that ``__call__(..., communicate=, compute=)`` launches
         (``prepare`` loads the default one): ranks in one process must load every variant they will run
-        concurrently before the first launch of any."""
+        concurrently before the first launch of any. Returns Triton's compiled kernel."""
         import torch
 
         self.prepare()
@@ -152,7 +194,10 @@ class AllGatherGemm:
         # 16-byte alignment, not on what it points at
         b = torch.empty(8, dtype=torch.bfloat16, device=self.gathered.device)
         out = torch.empty(8, dtype=self.out_dtype, device=self.gathered.device)
-        tpd.preload(_allgather_gemm, *self._args(1, b, out), grid=(self.programs,), **self._meta(communicate, compute))
+        compiled = tpd.preload(_allgather_gemm, *self._args(1, b, out), grid=(self.programs,),
+                               **self._meta(communicate, compute))
+        self._scratch.reserve_for(compiled, self.programs)  # the descriptors' memory (tma), before any launch
+        return compiled
 
     def _args(self, epoch: int, b: Any, out: Any) -> tuple:
         return (self._ch, self._plan, epoch, self.gathered, b, out, self._done, self.rank, self.world, self.m_local,
@@ -161,7 +206,7 @@ class AllGatherGemm:
     def _meta(self, communicate: bool, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.block
         return {"COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                "COMMUNICATE": communicate, "COMPUTE": compute, "num_warps": self.num_warps,
+                "COMMUNICATE": communicate, "COMPUTE": compute, "TMA": self.tma, "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
 
     def local_rows(self) -> Any:
@@ -185,9 +230,12 @@ class AllGatherGemm:
             self.local_rows().copy_(a_shard)
         if out is None:
             out = torch.empty((self.world * self.m_local, self.n), dtype=self.out_dtype, device=self.gathered.device)
+        if self.tma:
+            check_aligned("b", b)
         if communicate:
             self.launches += 1
+        args, meta = self._args(max(self.launches, 1), b, out), self._meta(communicate, compute)
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            _allgather_gemm[(self.programs,)](*self._args(max(self.launches, 1), b, out),
-                                              **self._meta(communicate, compute))
+            self._scratch.launch(lambda: _allgather_gemm[(self.programs,)](*args, **meta))
         return out
+

@@ -36,19 +36,22 @@ Back-pressure between launches (flags are monotonic: launch e waits for ``e * va
 * the sources: the last program to finish quiets the channel, so when the launch ends every put has read
   ``partial`` (and ``result``'s own rows) and the next launch may overwrite them.
 
-Compute: bf16 ``tl.dot`` with fp32 accumulation, like ``AllGatherGemm``; partials travel as
-``partial_dtype`` (bf16 by default: half the bytes of fp32, at bf16's rounding of each partial).
+Compute: bf16 ``tl.dot`` with fp32 accumulation, like ``AllGatherGemm`` (``tma=True`` loads A and B through
+tensor descriptors, as there; a descriptor spans the whole A, so a tile past a segment's last row reads the
+next segment's rows, which it does not store; staging is read with plain loads either way); partials travel
+as ``partial_dtype`` (bf16 by default: half the bytes of fp32, at bf16's rounding of each partial).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
+from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles
 from gpuclient.plan import U32_MAX, ChunkPlan
 
 __all__ = ["GemmAllReduce", "GemmReduceScatter", "ReduceScatterLayout"]
@@ -87,9 +90,14 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
                          done_ptr, rank, world, m_seg, n, k, chunk_rows, chunks_per_segment, release_slot,
                          ag_release_slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PARTIAL_BYTES: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr,
-                         ALL_GATHER: tl.constexpr):
+                         ALL_GATHER: tl.constexpr, TMA: tl.constexpr = False):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    if COMPUTE:
+        if TMA:  # the whole A and B, once per program (A and B are local: no wait precedes their loads)
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[world * m_seg, k], strides=[k, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[k, n], strides=[n, 1], block_shape=[BLOCK_K, BLOCK_N])
     col_blocks = tl.cdiv(n, BLOCK_N)
     per_segment = tl.cdiv(m_seg, BLOCK_M) * col_blocks
     partial_row = n.to(tl.uint64) * PARTIAL_BYTES  # bytes of one row of partials (the plan's offsets)
@@ -110,16 +118,22 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
         rows = tl.minimum(BLOCK_M, m_seg - row0)
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = col0 + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        a_rows = a_ptr + (dest * m_seg + offs_m).to(tl.int64)[:, None] * k
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if COMPUTE:  # off: the same stores, shipments and waits with a zero partial (communication alone)
-            for k0 in range(0, k, BLOCK_K):
-                a = tl.load(a_rows + (k0 + offs_k)[None, :],
-                            mask=(offs_m[:, None] < m_seg) & ((k0 + offs_k)[None, :] < k), other=0.0)
-                b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
-                            mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
-                acc = tl.dot(a, b, acc)
+            if TMA:
+                for k0 in range(0, k, BLOCK_K):
+                    a = a_desc.load([dest * m_seg + row0, k0])
+                    b = b_desc.load([k0, col0])
+                    acc = tl.dot(a, b, acc)
+            else:
+                offs_k = tl.arange(0, BLOCK_K)
+                a_rows = a_ptr + (dest * m_seg + offs_m).to(tl.int64)[:, None] * k
+                for k0 in range(0, k, BLOCK_K):
+                    a = tl.load(a_rows + (k0 + offs_k)[None, :],
+                                mask=(offs_m[:, None] < m_seg) & ((k0 + offs_k)[None, :] < k), other=0.0)
+                    b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
+                                mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
+                    acc = tl.dot(a, b, acc)
         mask = (offs_m[:, None] < m_seg) & (offs_n[None, :] < n)
         if dest != rank:
             p = partial_ptr + (dest * m_seg + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
@@ -329,14 +343,17 @@ class GemmReduceScatter:
     ``chunk_rows`` rows. ``programs`` programs in all (default: this GPU's SMs divided by ``share``, the number
     of ranks that run on the GPU at once: every rank's programs must be resident together, since programs
     spin on the peers' chunks). Launch e waits for flag values e: nothing is reset between calls.
+    ``block`` (block_m, block_n, block_k), ``num_warps`` and ``num_stages`` are the GEMM's tiles (``retile``
+    changes them); ``tma=True`` loads A and B through tensor descriptors (needs ``n`` and ``k`` multiples of
+    8) instead of pointers and masks, ``tma=None`` (the default) does so exactly when ``n`` and ``k`` allow it.
     """
 
     _ALL_GATHER = False
 
     def __init__(self, session: Any, m: int, n: int, k: int, *, chunk_rows: int = 64,
-                 block: tuple[int, int, int] = (128, 128, 64), num_warps: int = 8, num_stages: int = 3,
+                 block: tuple[int, int, int] = GEMM_BLOCK, num_warps: int = 8, num_stages: int = 3,
                  slot_base: int = 0, share: int = 1, programs: int | None = None, out_dtype: Any = None,
-                 partial_dtype: Any = None, channel_capacity: int = 256) -> None:
+                 partial_dtype: Any = None, channel_capacity: int = 256, tma: bool | None = None) -> None:
         import torch
 
         out_dtype = out_dtype or torch.float32
@@ -349,6 +366,7 @@ class GemmReduceScatter:
             sizes[name] = _ELEMENT_BYTES[key]
         if share < 1 or (programs is not None and programs < 1):
             raise ValueError(f"share and programs must be >= 1, got share={share}, programs={programs}")
+        tiles = check_tiles(block, num_warps, num_stages, tma, n, k)
         self.layout = ReduceScatterLayout(session.rank, session.world, m, n, k, chunk_rows=chunk_rows,
                                           block=tuple(block), partial_bytes=sizes["partial_dtype"],
                                           out_bytes=sizes["out_dtype"], slot_base=slot_base,
@@ -356,7 +374,7 @@ class GemmReduceScatter:
         self.session, self.rank, self.world = session, session.rank, session.world
         self.m, self.n, self.k, self.m_seg = m, n, k, self.layout.m_seg
         self.device = session.device if session.device is not None and session.device >= 0 else 0
-        self.block, self.num_warps, self.num_stages = tuple(block), num_warps, num_stages
+        self.block, self.num_warps, self.num_stages, self.tma = tiles
         self.share, self._programs = share, programs
         self.out_dtype, self.partial_dtype = out_dtype, partial_dtype
         dev = f"cuda:{self.device}"
@@ -379,6 +397,24 @@ class GemmReduceScatter:
         self.channel_capacity = channel_capacity
         self.launches = 0
         self._ch: Any = None
+        self._scratch = DescriptorScratch(self.partial.device)
+
+    def retile(self, block: tuple[int, int, int] | None = None, *, num_warps: int | None = None,
+               num_stages: int | None = None, tma: bool | None = None) -> None:
+        """Change the GEMM's tiles (None: keep), checked as the constructor checks them. Launches after it
+        run the new variant: where ranks share a process, ``preload`` every variant they will run again
+        before the next launch of any. ``block`` only before the first launch that communicates: a chunk's
+        arrival count (never reset) is in tiles of the block it was counted with."""
+        block = self.block if block is None else tuple(block)
+        tiles = check_tiles(block, self.num_warps if num_warps is None else num_warps,
+                            self.num_stages if num_stages is None else num_stages,
+                            self.tma if tma is None else tma, self.n, self.k)
+        if block != self.block:
+            if self.launches:
+                raise ValueError(f"block cannot change after a launch that communicated ({self.launches} so far): "
+                                 f"the chunks' arrival counts are in tiles of {self.block}")
+            self.layout = replace(self.layout, block=block)
+        self.block, self.num_warps, self.num_stages, self.tma = tiles
 
     def prepare(self) -> None:
         """After the exchange, before the first launch (``__call__`` does it if not yet done): open the
@@ -407,14 +443,16 @@ class GemmReduceScatter:
         self._stand_ins = (a, b, out)
         self.preload()
 
-    def preload(self, communicate: bool = True, compute: bool = True) -> None:
+    def preload(self, communicate: bool = True, compute: bool = True) -> Any:
         """Compile and load the kernel variant that ``__call__(..., communicate=, compute=)`` launches
         (``prepare`` loads the default one): ranks in one process must load every variant they will run
-        concurrently before the first launch of any."""
+        concurrently before the first launch of any. Returns Triton's compiled kernel."""
         self.prepare()
         a, b, out = self._stand_ins
-        tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out), grid=(self.programs,),
-                    **self._meta(communicate, compute))
+        compiled = tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out), grid=(self.programs,),
+                               **self._meta(communicate, compute))
+        self._scratch.reserve_for(compiled, self.programs)  # the descriptors' memory (tma), before any launch
+        return compiled
 
     def _out_buffer(self, out: Any) -> Any:
         import torch
@@ -432,7 +470,7 @@ class GemmReduceScatter:
     def _meta(self, communicate: bool, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.block
         return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PARTIAL_BYTES": self.layout.partial_bytes,
-                "COMMUNICATE": communicate, "COMPUTE": compute, "ALL_GATHER": self._ALL_GATHER,
+                "COMMUNICATE": communicate, "COMPUTE": compute, "ALL_GATHER": self._ALL_GATHER, "TMA": self.tma,
                 "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def _check(self, name: str, tensor: Any, shape: tuple[int, int], dtype: Any) -> None:
@@ -450,12 +488,15 @@ class GemmReduceScatter:
 
         self._check("a", a, (self.m, self.k), torch.bfloat16)
         self._check("b", b, (self.k, self.n), torch.bfloat16)
+        if self.tma:
+            check_aligned("a", a)
+            check_aligned("b", b)
         self.prepare()
         if communicate:
             self.launches += 1
+        args, meta = self._args(max(self.launches, 1), a, b, out), self._meta(communicate, compute)
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            _gemm_reduce_scatter[(self.programs,)](*self._args(max(self.launches, 1), a, b, out),
-                                                   **self._meta(communicate, compute))
+            self._scratch.launch(lambda: _gemm_reduce_scatter[(self.programs,)](*args, **meta))
 
     def __call__(self, a: Any, b: Any, out: Any = None, *, communicate: bool = True, compute: bool = True,
                  stream: Any = None) -> Any:

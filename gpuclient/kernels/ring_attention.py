@@ -67,16 +67,20 @@ r+1 blocks, the later ranks more), and the block sizes were not tuned on a GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
+from gpuclient.kernels._tiles import check_launch
 from gpuclient.plan import ChunkPlan
 
 __all__ = ["RingAttention", "RingAttentionLayout"]
+
+#: the compute tiles' default (block_m, block_n), by measurement: see RingAttention
+ATTENTION_BLOCK = (128, 128)
 
 _ELEMENT_BYTES = {"bfloat16": 2, "float32": 4}
 _HEAD_DIMS = (64, 128)
@@ -409,12 +413,14 @@ class RingAttention:
     ``chunk_rows`` positions; ``comm_programs`` programs forward, ``programs`` in all (default: this GPU's
     SMs divided by ``share``, the number of ranks that run on the GPU at once: every rank's programs must be
     resident together, since programs spin on the peers' chunks). Launch e waits for flag values e: nothing is
-    reset between calls.
+    reset between calls. ``block`` (block_m queries, block_n keys a step), ``num_warps`` and ``num_stages``
+    are the compute tiles (``retile`` changes them); the defaults, 128 x 128 with 8 warps and 2 stages, ran
+    1.8x faster than 64 x 64 with 4 warps on the H200 (``fused_bench.py --tune``, head_dim 128).
     """
 
     def __init__(self, session: Any, heads: int, seq_local: int, head_dim: int, *, causal: bool = False,
-                 sm_scale: float | None = None, chunk_rows: int = 256, block: tuple[int, int] = (64, 64),
-                 comm_programs: int = 1, num_warps: int = 4, num_stages: int = 2, slot_base: int = 0,
+                 sm_scale: float | None = None, chunk_rows: int = 256, block: tuple[int, int] = ATTENTION_BLOCK,
+                 comm_programs: int = 1, num_warps: int = 8, num_stages: int = 2, slot_base: int = 0,
                  share: int = 1, programs: int | None = None, out_dtype: Any = None,
                  channel_capacity: int = 256) -> None:
         import torch
@@ -452,6 +458,20 @@ class RingAttention:
         self.launches = 0
         self._ch: Any = None
 
+    def retile(self, block: tuple[int, int] | None = None, *, num_warps: int | None = None,
+               num_stages: int | None = None) -> None:
+        """Change the compute tiles (None: keep): ``block`` (block_m, block_n) checked as the constructor
+        checks it, ``num_warps`` a power of two in [1, 32], ``num_stages`` >= 1. Launches after it run the new
+        variant: where ranks share a process, ``preload`` every variant they will run again before the next
+        launch of any. Between launches only (the flags and the scratch do not depend on the tiles)."""
+        num_warps = self.num_warps if num_warps is None else num_warps
+        num_stages = self.num_stages if num_stages is None else num_stages
+        check_launch(num_warps, num_stages)
+        if block is not None:
+            self.layout = replace(self.layout, block=tuple(block))
+            self.block = self.layout.block
+        self.num_warps, self.num_stages = num_warps, num_stages
+
     def prepare(self) -> None:
         """After the exchange, before the first launch (``__call__`` does it if not yet done): open the
         channel, make the device copies of its handle and the plan, allocate the running-softmax scratch, and
@@ -477,14 +497,14 @@ class RingAttention:
         self._scratch = (q, torch.empty(shape, dtype=self.out_dtype, device=dev))
         self.preload()
 
-    def preload(self, communicate: bool = True, compute: bool = True) -> None:
+    def preload(self, communicate: bool = True, compute: bool = True) -> Any:
         """Compile and load the kernel variant that ``__call__(..., communicate=, compute=)`` launches
         (``prepare`` loads the default one): ranks in one process must load every variant they will run
-        concurrently before the first launch of any."""
+        concurrently before the first launch of any. Returns Triton's compiled kernel."""
         self.prepare()
         q, out = self._scratch
-        tpd.preload(_ring_attention, *self._args(1, q, q, q, out), grid=(self.programs,),
-                    **self._meta(communicate, compute))
+        return tpd.preload(_ring_attention, *self._args(1, q, q, q, out), grid=(self.programs,),
+                           **self._meta(communicate, compute))
 
     def _args(self, epoch: int, q: Any, k: Any, v: Any, out: Any) -> tuple:
         lay = self.layout

@@ -5,7 +5,9 @@ Each kernel is checked against torch with owed data poisoned (NaN) before every 
 launches with no flag reset, on shapes where tiles, chunks and the shard (or segment) do not line up; the
 channels' error words must stay 0. AllGatherGemm, GemmReduceScatter (bf16 partials with fp32 output, fp32
 partials with bf16 output), GemmAllReduce (bf16 throughout) and RingAttention (head_dim 64 and 128, causal
-or not, on two ranks and on three, where blocks are passed on).
+or not, on two ranks and on three, where blocks are passed on). The GEMMs run their default tiles, operands
+through tensor descriptors where the shape allows (every shape here); AllGatherGemm and GemmAllReduce also
+with pointer loads (``tma=False``).
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ def _close(sessions: list) -> None:
         client.close()
 
 
-# world 4: two ranks on each of the two daemons, all four on the GPU; ib's atomic and fence signal modes at 2
-TP_CASES = [("ib", 2), ("ib-atomic", 2), ("ib-fence", 2), ("efa", 2), ("ib", 4), ("efa", 4)]
+# world 4: two ranks on each of the two daemons, all four on the GPU; ib's atomic and fence signal modes at 2;
+# tma: A and B through tensor descriptors (None: the op's default, descriptors where the shape allows)
+TP_CASES = [("ib", 2, None), ("ib-atomic", 2, None), ("ib-fence", 2, None), ("efa", 2, None),
+            ("ib", 4, None), ("efa", 4, None), ("ib", 2, False), ("efa", 2, False)]
 
 
-@pytest.mark.parametrize(("fabric", "world"), TP_CASES)
-def test_allgather_gemm_matches_torch(cuda_device, fabric: str, world: int) -> None:
+@pytest.mark.parametrize(("fabric", "world", "tma"), TP_CASES)
+def test_allgather_gemm_matches_torch(cuda_device, fabric: str, world: int, tma: bool | None) -> None:
     from gpuclient.kernels import AllGatherGemm
 
     m_local, n, k = 200, 384, 512  # m_local is no multiple of the 128-row tile nor of the 48-row chunk
@@ -69,7 +73,8 @@ def test_allgather_gemm_matches_torch(cuda_device, fabric: str, world: int) -> N
     with _cluster(2, fabric) as cluster:
         sessions = _ranks(cluster, "fused-ag-gemm", cuda_device, world)
         try:
-            ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=48, share=world, programs=24) for _, s in sessions]
+            ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=48, share=world, programs=24, tma=tma)
+                   for _, s in sessions]
             _exchange(sessions)
             for op in ops:  # both ranks' kernels loaded before either launches (one process, one GPU)
                 op.prepare()
@@ -184,8 +189,8 @@ def test_gemm_reduce_scatter_matches_torch(cuda_device, fabric: str, partial_dty
             _close(sessions)
 
 
-@pytest.mark.parametrize(("fabric", "world"), TP_CASES)
-def test_gemm_all_reduce_matches_torch(cuda_device, fabric: str, world: int) -> None:
+@pytest.mark.parametrize(("fabric", "world", "tma"), TP_CASES)
+def test_gemm_all_reduce_matches_torch(cuda_device, fabric: str, world: int, tma: bool | None) -> None:
     from gpuclient.kernels import GemmAllReduce
 
     # segments of 184 rows (128 + 56; 3 x 48 + 40; 92 at world 4), n = 128 + 72, k no multiple of the 64-wide
@@ -195,8 +200,8 @@ def test_gemm_all_reduce_matches_torch(cuda_device, fabric: str, world: int) -> 
     with _cluster(2, fabric) as cluster:
         sessions = _ranks(cluster, "fused-gemm-ar", cuda_device, world)
         try:
-            ops = [GemmAllReduce(s, m, n, k, chunk_rows=48, share=world, programs=5, out_dtype=torch.bfloat16)
-                   for _, s in sessions]
+            ops = [GemmAllReduce(s, m, n, k, chunk_rows=48, share=world, programs=5, out_dtype=torch.bfloat16,
+                                 tma=tma) for _, s in sessions]
             _exchange(sessions)
             for op in ops:
                 op.prepare()
@@ -246,8 +251,8 @@ def test_ring_attention_matches_torch(cuda_device, fabric: str, world: int, head
                                       out_dtype: str, comm_programs: int) -> None:
     from gpuclient.kernels import RingAttention
 
-    # 200 positions per rank: no multiple of the 64-query tile or the 64-key step; chunks of 48 positions
-    # straddle heads (200 = 4 x 48 + 8); 12 tiles over 4 compute programs, so the running softmax state
+    # 200 positions per rank: no multiple of the 128-query tile or the 128-key step; chunks of 48 positions
+    # straddle heads (200 = 4 x 48 + 8); 6 tiles over 4 compute programs, so the running softmax state
     # goes through the scratch between steps
     heads, seq_local, chunk_rows = 3, 200, 48
     odt = getattr(torch, out_dtype)

@@ -3,7 +3,11 @@
 - AllGatherGemm's, GemmReduceScatter's and GemmAllReduce's kernels compile to PTX and a cubin for sm_90
   (Triton needs no GPU for that); the PTX is read back: tensor-core MMAs, no read-only-cache loads (the NIC
   writes what the kernels read mid-launch), and each device call site of the protocol once (pushes, waits,
-  the quiet), none at all with ``COMMUNICATE=False``.
+  the quiet), none at all with ``COMMUNICATE=False``. With ``TMA=True`` (operands through tensor
+  descriptors) the same protocol, bulk tensor copies instead of the operands' plain loads, and in the
+  all-gather kernel one async-proxy fence, after the peers' rows are waited for; both paths' compute runs in
+  Triton's interpreter against float64 on shapes whose rows, n and k do not line up with the tiles; the
+  tile checks (``check_tiles``) refuse what Triton or a descriptor cannot take.
 - ReduceScatterLayout (what the ops build first, torch-free): bad shapes are refused with an error naming
   the culprit; the chunks the kernel counts arrivals for are the plan's chunks, the arrival counts are what
   enumerating the tiles gives, each own tile's ``wait_range`` names exactly the chunks its rows touch, and
@@ -37,6 +41,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     pytest.skip("Triton is not installed here: pip install -e '.[triton]' (CI installs it)", allow_module_level=True)
 
 from gpuclient.errors import PlanError  # noqa: E402
+from gpuclient.kernels._tiles import DescriptorScratch, check_tiles  # noqa: E402
 from gpuclient.kernels.allgather_gemm import _allgather_gemm  # noqa: E402
 from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout, _gemm_reduce_scatter  # noqa: E402
 from gpuclient.kernels.ring_attention import RingAttentionLayout, _ring_attention  # noqa: E402
@@ -110,6 +115,100 @@ def test_the_compute_only_variant_has_no_protocol_at_all() -> None:
     pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
     assert (pushes, waits, quiets) == (0, 0, 0)
     assert not [op for op in code if op.startswith("atom")]  # no arrival or done counting either
+
+
+@pytest.mark.parametrize("communicate", [True, False])
+@pytest.mark.parametrize("block", [(128, 128, 64), (128, 256, 64)])
+def test_the_gemm_kernels_compile_with_tensor_descriptors_for_sm90(communicate: bool, block: tuple) -> None:
+    tiles = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), block, strict=True))
+    ag = compile_kernel(_allgather_gemm, AG_SIG, {"COMM_PROGRAMS": 1, **tiles, "COMMUNICATE": communicate,
+                                                  "COMPUTE": True, "TMA": True}, num_warps=8)
+    ar = compile_kernel(_gemm_reduce_scatter, rs_signature("bf16", "bf16"),
+                        {**tiles, "PARTIAL_BYTES": 2, "COMMUNICATE": communicate, "COMPUTE": True,
+                         "ALL_GATHER": True, "TMA": True}, num_warps=8)
+    for compiled, protocol in ((ag, (2, 2, 1)), (ar, (4, 4, 1))):
+        assert compiled.asm["cubin"][:4] == b"\x7fELF"
+        assert compiled.metadata.global_scratch_size > 0  # the descriptors Triton asks an allocator for
+        pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
+        assert (pushes, waits, quiets) == (protocol if communicate else (0, 0, 0))
+        assert any(op.startswith("wgmma") for op in code)
+        assert any(op.startswith("cp.async.bulk.tensor") for op in code)  # A and B through TMA
+        assert not [op for op in code if ".nc" in op]
+    lines = ptx_lines(ag.asm["ptx"])
+    if not communicate:  # the compute alone loads nothing but through the descriptors
+        assert not [opcode(line) for line in lines if opcode(line).startswith(("ld.global", "cp.async.c"))]
+    fences = [i for i, line in enumerate(lines) if opcode(line) == "fence.proxy.async.global"]
+    if communicate:  # one fence, after the wait for the peers' rows (the wait is the kernel's second)
+        waits = [i for i, line in enumerate(lines) if line.startswith("TPD_WAIT_")]
+        assert len(fences) == 1 and fences[0] > min(waits)
+    else:
+        assert fences == []
+    assert "fence.proxy.async.global" not in ar.asm["ptx"]  # A and B are local: nothing to order
+
+
+def test_the_descriptor_scratch_is_tritons_allocator_only_inside_the_ops_launch() -> None:
+    from types import SimpleNamespace
+
+    from triton.runtime import _allocation
+
+    class Reserved:  # a buffer reserved at preload (torch's, on the GPU)
+        def numel(self) -> int:
+            return 66 * 256
+
+        def data_ptr(self) -> int:
+            return 1 << 20
+
+    scratch = DescriptorScratch("cuda:0")
+    def compiled(size: int) -> SimpleNamespace:  # what preload returns, as far as the scratch reads it
+        return SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=size, num_ctas=1))
+
+    scratch.reserve_for(compiled(0), 66)  # no descriptors: nothing taken
+    assert scratch.nbytes == 0
+    scratch._buffers.append(Reserved())
+    scratch.reserve_for(compiled(256), 66)  # fits: nothing new
+    assert scratch.nbytes == 66 * 256
+    before = _allocation._allocator.get()
+
+    def launch():  # what Triton's launcher does for a kernel with global scratch
+        return _allocation._allocator.get()(66 * 256, 128, 0)
+
+    assert scratch.launch(launch) is scratch._buffers[-1]
+    assert _allocation._allocator.get() is before  # the caller's allocator is untouched
+
+
+def test_the_gemm_compute_in_the_interpreter() -> None:
+    """AllGatherGemm's and GemmReduceScatter's / GemmAllReduce's compute programs, pointers and descriptors,
+    run by Triton's interpreter against float64 numpy (tests/gpuclient/gemm_interpreted.py says what and how)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, str(root / "tests/gpuclient/gemm_interpreted.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("ok"), run.stdout + run.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (((128, 96, 64), 8, 3, False), "powers of two >= 16"),
+    (((128, 128), 8, 3, False), "powers of two >= 16"),
+    (((128, 128, 8), 8, 3, False), "powers of two >= 16"),
+    (((128, 128, 64), 6, 3, False), "num_warps must be a power of two"),
+    (((128, 128, 64), True, 3, False), "num_warps must be a power of two"),
+    (((128, 128, 64), 8, 0, False), "num_stages must be an integer >= 1"),
+    (((128, 128, 64), 8, 3, 1), "tma must be a bool or None"),
+    (((128, 128, 64), 8, 3, True), "needs n to be a multiple of 8"),
+])
+def test_bad_tiles_are_refused_with_the_culprit_named(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_tiles(*args, n=100, k=64)
+    assert check_tiles([64, 256, 64], 4, 4, True, n=96, k=64) == ((64, 256, 64), 4, 4, True)
+    with pytest.raises(ValueError, match="needs k to be a multiple of 8"):
+        check_tiles((128, 128, 64), 8, 3, True, n=96, k=100)
+
+
+def test_tma_none_takes_descriptors_exactly_where_the_rows_allow() -> None:
+    assert check_tiles((128, 256, 64), 8, 3, None, n=96, k=64)[3] is True
+    assert check_tiles((128, 256, 64), 8, 3, None, n=100, k=64)[3] is False
+    assert check_tiles((128, 256, 64), 8, 3, None, n=96, k=36)[3] is False
+    assert check_tiles((128, 256, 64), 8, 3, False, n=96, k=64)[3] is False
 
 
 # --- the layout: refusals ---------------------------------------------------------------------------------------

@@ -1,0 +1,110 @@
+"""What the fused ops share about their compute tiles: the checks of a tile configuration (``check_launch``
+for every op, ``check_tiles`` for the GEMMs), and what loading operands through tensor descriptors (TMA)
+made in the kernel needs.
+
+``tl.make_tensor_descriptor`` writes each program's descriptors into global scratch memory that Triton asks
+for at every launch, from the allocator set with ``triton.set_allocator`` (``programs x
+global_scratch_size`` bytes; 128 bytes a descriptor). ``DescriptorScratch`` is that allocator for one op:
+it hands out one buffer, reserved when a variant is preloaded, so a launch allocates nothing (a
+``cudaMalloc`` behind another rank's running kernel is the kind of wait preloading avoids), and it is set
+only around the op's own launches (in a context of their own: the caller's allocator is left as it was).
+The op's launches are ordered (one stream, flag epochs), so one buffer serves all of them.
+
+The hardware's terms for a descriptor, checked on the host: the base address 16-byte aligned and every
+stride but the last a multiple of 16 bytes (bf16 rows of a multiple of 8 elements).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import Any
+
+#: The GEMMs' default tiles, by measurement on the H200 (``fused_bench.py --tune``; docs/performance.md):
+#: 128 x 256 x 64, 8 warps, 3 stages, A and B through tensor descriptors where the shape allows, ran the
+#: compute 1.59-1.64x faster than the first choice (128 x 128 x 64, pointer loads) at the bench's sizes.
+GEMM_BLOCK = (128, 256, 64)
+
+#: bytes of one element of the bf16 operands
+_BF16 = 2
+
+
+def check_rows(what: str, elements: int) -> None:
+    """Refuse bf16 rows a descriptor cannot step over (its stride must be a multiple of 16 bytes)."""
+    if (elements * _BF16) % 16:
+        raise ValueError(f"tma=True needs {what} to be a multiple of 8 (a tensor descriptor's row stride is a "
+                         f"multiple of 16 bytes), got {elements}")
+
+
+def check_aligned(name: str, tensor: Any) -> None:
+    if tensor.data_ptr() % 16:
+        raise ValueError(f"tma=True needs {name} to start on a 16-byte boundary (a tensor descriptor's base)")
+
+
+class DescriptorScratch:
+    """The global scratch of one op's launches (see the module doc)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self._buffers: list[Any] = []  # the last one is handed out; earlier ones stay alive (a launch may use one)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._buffers[-1].numel()) if self._buffers else 0
+
+    def reserve(self, nbytes: int) -> None:
+        if nbytes > self.nbytes:
+            import torch
+
+            self._buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+
+    def reserve_for(self, compiled: Any, programs: int) -> None:
+        """Room for ``programs`` programs of a compiled kernel (Triton's CompiledKernel, as preload returns)."""
+        meta = compiled.metadata
+        self.reserve(int(getattr(meta, "global_scratch_size", 0)) * programs * int(getattr(meta, "num_ctas", 1)))
+
+    def __call__(self, size: int, alignment: int, stream: Any) -> Any:
+        self.reserve(size)  # a variant launched without a preload: it allocates here, once
+        buffer = self._buffers[-1]
+        if buffer.data_ptr() % max(alignment, 1):
+            raise RuntimeError(f"descriptor scratch at {buffer.data_ptr():#x} is not {alignment}-byte aligned")
+        return buffer
+
+    def launch(self, run: Callable[[], Any]) -> Any:
+        """``run()`` (a kernel launch) with this scratch as Triton's allocator, in a context of its own."""
+        import triton
+
+        def inner() -> Any:
+            triton.set_allocator(self)
+            return run()
+
+        return contextvars.copy_context().run(inner)
+
+
+def check_launch(num_warps: Any, num_stages: Any) -> None:
+    """Refuse launch parameters Triton cannot take: ``num_warps`` a power of two in [1, 32], ``num_stages``
+    an integer >= 1 (ValueError naming the culprit)."""
+    if isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps!r}")
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
+
+
+def check_tiles(block: Any, num_warps: Any, num_stages: Any, tma: Any, n: int,
+                k: int) -> tuple[tuple[int, int, int], int, int, bool]:
+    """A GEMM op's tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` three
+    powers of two >= 16 (``tl.dot``), ``check_launch``'s terms, ``tma`` a bool (True: rows of ``n`` and ``k``
+    elements that a tensor descriptor can step over) or None: True exactly when those rows allow it."""
+    block = tuple(block)
+    if len(block) != 3 or any(isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1)
+                              for b in block):
+        raise ValueError(f"block (block_m, block_n, block_k) must be powers of two >= 16 (tl.dot), got {block!r}")
+    check_launch(num_warps, num_stages)
+    if tma is None:
+        tma = (n * _BF16) % 16 == 0 and (k * _BF16) % 16 == 0
+    if not isinstance(tma, bool):
+        raise ValueError(f"tma must be a bool or None, got {tma!r}")
+    if tma:
+        check_rows("n", n)
+        check_rows("k", k)
+    return block, num_warps, num_stages, tma

@@ -1,0 +1,118 @@
+"""The fused GEMMs' compute in Triton's interpreter (numpy on the CPU), run by test_kernels.py in a process of
+its own (``TRITON_INTERPRET=1`` must be set before the kernels are decorated).
+
+What it checks, without a GPU and without torch: AllGatherGemm's and GemmReduceScatter's / GemmAllReduce's
+compute programs (``COMMUNICATE=False``: the protocol calls are inline PTX, which the interpreter cannot run),
+with operands loaded through pointers and masks and through tensor descriptors (``TMA``), on shapes where
+neither the rows of a shard or segment, nor n, nor k line up with the tiles: every output element a launch
+defines matches float64, and nothing past it is written. It is the descriptors' coordinates (a shard's or a
+segment's rows inside the whole A) and their zero fill past the edges that the TMA runs check; the hardware's
+terms (16-byte strides) are the ops' host checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+
+from gpuclient.kernels.allgather_gemm import _allgather_gemm  # noqa: E402
+from gpuclient.kernels.gemm_reduce_scatter import _gemm_reduce_scatter  # noqa: E402
+
+# the interpreter's patches (scalars as ints, bf16 tl.dot) and its host tensors
+from tests.gpuclient.ring_attention_interpreter import HostTensor, bf16, f32  # noqa: E402
+
+NAN_BF16 = 0x7FC0
+
+
+def _unused() -> tuple[HostTensor, HostTensor]:
+    """Stand-ins for the channel and plan handles (never read with COMMUNICATE=False)."""
+    return HostTensor(np.zeros(8, np.uint64), "uint64"), HostTensor(np.zeros(12, np.uint64), "uint64")
+
+
+def check_allgather(world: int, m_local: int, n: int, k: int, block: tuple[int, int, int], programs: int,
+                    tma: bool, seed: int) -> float:
+    """C = gathered A @ B for every rank's view (the rank only changes the tile order)."""
+    rng = np.random.default_rng(seed)
+    a = bf16(rng.standard_normal((world * m_local, k)))
+    b = bf16(rng.standard_normal((k, n)))
+    want = f32(a).astype(np.float64) @ f32(b).astype(np.float64)
+    worst = 0.0
+    for rank in range(world):
+        c = np.full((world * m_local + 3, n), np.nan, dtype=np.float32)  # 3 rows past C: must stay NaN
+        ch, plan = _unused()
+        _allgather_gemm[(programs,)](ch, plan, 1, HostTensor(a, "bfloat16"), HostTensor(b, "bfloat16"),
+                                     HostTensor(c, "float32"), HostTensor(np.zeros(1, np.int32), "int32"), rank,
+                                     world, m_local, n, k, 1, 0, COMM_PROGRAMS=1, BLOCK_M=block[0],
+                                     BLOCK_N=block[1], BLOCK_K=block[2], COMMUNICATE=False, COMPUTE=True, TMA=tma)
+        assert np.isnan(c[world * m_local:]).all(), f"allgather tma={tma}: wrote past C"
+        got = c[:world * m_local]
+        assert np.isfinite(got).all(), f"allgather tma={tma} rank {rank}: a tile left unwritten"
+        err = float(np.abs(got - want).max())
+        assert err < 1e-3 * max(1.0, np.abs(want).max()), f"allgather tma={tma} rank {rank}: off by {err}"
+        worst = max(worst, err)
+    return worst
+
+
+def check_reduce(world: int, m_seg: int, n: int, k: int, block: tuple[int, int, int], programs: int, tma: bool,
+                 all_gather: bool, seed: int) -> float:
+    """The compute alone: the peers' segments of A_r @ B_r in partial (bf16), the own one in the output."""
+    rng = np.random.default_rng(seed)
+    m = world * m_seg
+    a = bf16(rng.standard_normal((m, k)))
+    b = bf16(rng.standard_normal((k, n)))
+    want = f32(a).astype(np.float64) @ f32(b).astype(np.float64)
+    worst = 0.0
+    for rank in range(world):
+        partial = np.full((m, n), NAN_BF16, dtype=np.uint16)
+        staging = np.full((m, n), NAN_BF16, dtype=np.uint16)
+        out_rows = m if all_gather else m_seg
+        out = np.full((out_rows + 2, n), np.nan, dtype=np.float32)  # 2 rows past the output: must stay NaN
+        ch, plan = _unused()
+        _gemm_reduce_scatter[(programs,)](
+            ch, plan, plan, 1, HostTensor(a, "bfloat16"), HostTensor(b, "bfloat16"), HostTensor(partial, "bfloat16"),
+            HostTensor(staging, "bfloat16"), HostTensor(out, "float32"), HostTensor(np.zeros(8, np.int32), "int32"),
+            HostTensor(np.zeros(1, np.int32), "int32"), rank, world, m_seg, n, k, 16, 1, 0, 0, BLOCK_M=block[0],
+            BLOCK_N=block[1], BLOCK_K=block[2], PARTIAL_BYTES=2, COMMUNICATE=False, COMPUTE=True,
+            ALL_GATHER=all_gather, TMA=tma)
+        own = slice(rank * m_seg, (rank + 1) * m_seg)
+        got = out[own] if all_gather else out[:m_seg]
+        assert np.isnan(out[out_rows:]).all(), f"reduce tma={tma}: wrote past the output"
+        if all_gather:
+            assert np.isnan(np.delete(out[:m], np.s_[own], axis=0)).all(), "all-reduce: wrote the peers' rows"
+        err = float(np.abs(got - want[own]).max())
+        assert err < 1e-3 * max(1.0, np.abs(want).max()), f"reduce tma={tma} rank {rank}: off by {err}"
+        worst = max(worst, err)
+        for peer in range(world):  # the peers' partials, in bf16 (2^-7 relative: the interpreter may truncate)
+            if peer != rank:
+                rows = slice(peer * m_seg, (peer + 1) * m_seg)
+                sent = f32(partial[rows]).astype(np.float64)
+                assert np.isfinite(sent).all(), f"reduce tma={tma}: a peer's tile left unwritten"
+                assert (np.abs(sent - want[rows]) <= 2 ** -7 * np.abs(want[rows]) + 1e-6).all(), \
+                    f"reduce tma={tma} rank {rank}: a partial for rank {peer} is off"
+        assert (partial[own] == NAN_BF16).all(), "the own segment's partial is never written"
+    return worst
+
+
+def main() -> int:
+    for tma in (False, True):
+        # shards of 40 rows (tiles of 32 straddle shards: the descriptor reads the next shard's rows, not
+        # stored), n 48 and k 40 past the 32- and 16-wide tiles' last full one (zero fill)
+        err = check_allgather(2, 40, 48, 40, (32, 32, 16), 3, tma, seed=1)
+        print(f"allgather tma={tma}: max error {err:.2e}")
+        err = check_allgather(3, 24, 40, 56, (16, 32, 32), 2, tma, seed=2)
+        print(f"allgather world 3 tma={tma}: max error {err:.2e}")
+        for all_gather in (False, True):
+            err = check_reduce(2, 40, 48, 40, (32, 32, 16), 3, tma, all_gather, seed=3)
+            print(f"reduce all_gather={all_gather} tma={tma}: max error {err:.2e}")
+        err = check_reduce(3, 24, 40, 56, (16, 32, 32), 2, tma, False, seed=4)
+        print(f"reduce world 3 tma={tma}: max error {err:.2e}")
+    print("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
