@@ -2,8 +2,10 @@
 
 - ``moe_layout`` (the numpy model the host side and the GPU test use) against brute-force enumeration:
   normalisation (out-of-range and repeated experts dropped), counts, positions in token order, packed
-  receive rows source by source, the handle words, and combine's weighted sums; on uneven routing (a hot
-  expert, experts and a whole rank receiving nothing, tokens with no expert, fewer tokens than the maximum).
+  receive rows source by source, the handle words, the expert-major stage rows, the dispatch and combine
+  puts (one per (peer, expert) block, split past the largest put) and the records per destination, and
+  combine's weighted sums; on uneven routing (a hot expert, experts and a whole rank receiving nothing,
+  tokens with no expert, fewer tokens than the maximum).
 - Every MoE kernel compiles for sm_90 (PTX and cubin; Triton needs no GPU for it), with no read-only-cache
   loads (peers' NICs write what the kernels read) and each protocol call site once.
 - The five kernels run in Triton's interpreter on numpy buffers, several ranks in sequence, with the
@@ -117,6 +119,106 @@ def test_normalize_drops_out_of_range_and_repeats_and_keeps_the_first() -> None:
     assert pos[1].tolist() == [0, 0, -1, -1] and send_src[5, 0] == lay.encode(0, 1, 0)
 
 
+def brute_force_stage(lay: MoELayout, topk_idx: np.ndarray) -> list[tuple[int, int]]:
+    """A source's stage rows, the slow way: its valid (token, k) entries sorted by expert, then by token."""
+    entries = []
+    for t in range(topk_idx.shape[0]):
+        seen = set()
+        for k in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, k])
+            if 0 <= e < lay.num_experts and e not in seen:
+                seen.add(e)
+                entries.append((e, t, k))
+    return [(t, k) for _, t, k in sorted(entries)]
+
+
+@pytest.mark.parametrize(("world", "experts", "max_tokens", "topk", "put_rows"),
+                         [(2, 8, 16, 3, 16), (3, 9, 7, 4, 2), (4, 4, 5, 1, 1), (1, 4, 6, 2, 6), (2, 6, 20, 3, 3)])
+def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int, max_tokens: int, topk: int,
+                                                        put_rows: int) -> None:
+    """Staging is expert-major, each (source, expert) block lands packed at the expert's rank, the dispatch and
+    combine puts are exactly the remote blocks split at ``put_rows`` rows, and the writes per destination are
+    the count, a row put and a handle-word put per piece and the SIGNAL."""
+    rng = np.random.default_rng(world + put_rows)
+    hidden = 16
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, max_put_bytes=put_rows * hidden * 2 + 1)
+            for r in range(world)]
+    assert lays[0].put_rows == min(put_rows, max_tokens)
+    idx = uneven_routing(rng, world, experts, max_tokens, topk, [max_tokens - (r % 2) for r in range(world)])
+    got = dispatch_model(lays, idx)
+    want = brute_force(lays, idx)
+    counts_all = got[0]["counts_all"]
+    for src, lay in enumerate(lays):
+        stage = brute_force_stage(lay, idx[src])
+        assert [lay.decode(w)[1:] for w in got[src]["stage_src"][:len(stage)]] == stage
+        assert (got[src]["stage_src"][len(stage):] == -1).all()
+        rows = got[src]["stage_row"]
+        assert sorted((int(rows[t, k]), t, k) for t, k in stage) == [(i, t, k) for i, (t, k) in enumerate(stage)]
+        assert (rows[got[src]["idx"] < 0] == -1).all()
+        eoff = lay.stage_offsets(counts_all[src])
+        assert eoff.tolist() == [sum(1 for t, k in stage if got[src]["idx"][t, k] < e) for e in range(experts)]
+        # dispatch: the block of expert e is its stage rows, and lands as source src's rows at the expert
+        puts = lay.dispatch_puts(counts_all)
+        for d, e, first, dst, n in puts:
+            d_, local = lay.owner(e)
+            assert d == d_ != src and 1 <= n <= lay.put_rows
+            off = int(lay.source_offsets(counts_all)[src, e])
+            j = first - int(eoff[e])
+            assert dst == local * lay.capacity + off + j and 0 <= j and j + n <= counts_all[src, e]
+            assert [tuple(r) for r in stage[first:first + n]] == [
+                lay.decode(w)[1:] for w in got[d]["recv_src"][local, off + j:off + j + n]]
+            assert all(r[0] == src for r in want[(d, local)][off + j:off + j + n])
+        for e in range(experts):  # the chunks of a remote block tile it, in order
+            if lay.owner(e)[0] != src:
+                starts = [first for _, e2, first, _, _ in puts if e2 == e]
+                assert starts == list(range(int(eoff[e]), int(eoff[e] + counts_all[src, e]), lay.put_rows))
+        # combine, this rank as the experts' rank: each block back to its source's stage rows
+        for s, e, y_row, comb_row, n in lay.combine_puts(counts_all):
+            local = e - src * lay.local_experts
+            assert s != src and 0 <= local < lay.local_experts and 1 <= n <= lay.put_rows
+            p = y_row - local * lay.capacity
+            for i in range(n):  # the row's output goes home to the entry's stage row
+                s2, t, k = lay.decode(got[src]["recv_src"][local, p + i])
+                assert s2 == s and got[s]["stage_row"][t, k] == comb_row + i
+        # the records per destination
+        w = lay.writes(counts_all)
+        for d in range(world):
+            if d == src:
+                assert w["dispatch"][d] == w["combine"][d] == 0
+                continue
+            mine = range(d * lay.local_experts, (d + 1) * lay.local_experts)
+            blocks = [int(counts_all[src, e]) for e in mine if counts_all[src, e] > 0]
+            assert w["dispatch"][d] == 2 + 2 * sum(-(-n // lay.put_rows) for n in blocks)
+            back = [int(counts_all[d, e]) for e in range(src * lay.local_experts, (src + 1) * lay.local_experts)
+                    if counts_all[d, e] > 0]
+            assert w["combine"][d] == 1 + sum(-(-n // lay.put_rows) for n in back)
+
+
+def test_the_largest_put_is_the_daemons() -> None:
+    from gpuclient.kernels.moe_layout import MAX_PUT_BYTES
+    from transportd.dataplane.tables import DEFAULT_MAX_LENGTH
+
+    assert MAX_PUT_BYTES == DEFAULT_MAX_LENGTH <= 0xFFFF_FFFF
+    lay = MoELayout(0, 2, 64, 128, 8, 7168)
+    assert lay.put_rows == 128  # DeepEP-LL's shape: every block in one put
+    assert MoELayout(0, 2, 4, 1 << 16, 2, 1 << 15).put_rows == (1 << 31) // (1 << 16)  # 2 GiB of 64 KiB rows
+
+
+def test_writes_per_destination_at_deepep_low_latency_shape() -> None:
+    """128 tokens a rank, top-8 of 64 experts, two ranks, uniform routing: a dispatch pushes each peer its
+    count row, one put per expert block and one per block's handle words, and a SIGNAL (about 66 records,
+    against one per row before: about 530); combine one put per block and a SIGNAL."""
+    rng = np.random.default_rng(0)
+    lays = [MoELayout(r, 2, 64, 128, 8, 7168) for r in range(2)]
+    idx = [np.stack([rng.permutation(64)[:8] for _ in range(128)]) for _ in range(2)]
+    counts_all = dispatch_model(lays, idx)[0]["counts_all"]
+    for r, lay in enumerate(lays):
+        w = lay.writes(counts_all)
+        blocks = int((counts_all[r, (1 - r) * 32:(2 - r) * 32] > 0).sum())
+        back = int((counts_all[1 - r, r * 32:(r + 1) * 32] > 0).sum())
+        assert w["dispatch"][1 - r] == 2 + 2 * blocks <= 66 and w["combine"][1 - r] == 1 + back <= 33
+
+
 def test_the_combine_model_is_the_weighted_sum_of_each_tokens_experts() -> None:
     rng = np.random.default_rng(4)
     world, experts, max_tokens, topk, hidden = 3, 6, 10, 3, 5
@@ -151,7 +253,12 @@ def test_the_combine_model_is_the_weighted_sum_of_each_tokens_experts() -> None:
     ({"hidden": 2.0}, "hidden must be an integer >= 1"),
     ({"max_tokens": 1 << 29, "topk": 4}, "passes the int32 source word"),
     ({"slot_base": -1}, "slot_base must be an integer >= 0"),
-    ({"hidden": 1 << 31}, "32-bit length"),
+    ({"hidden": (1 << 30) + 1}, r"a row \(2147483650 bytes\) passes the largest put"),
+    ({"hidden": 64, "max_put_bytes": 100}, r"a row \(128 bytes\) passes the largest put \(100 bytes\)"),
+    ({"hidden": 1, "max_put_bytes": 3}, r"a row \(4 bytes\) passes"),
+    ({"num_experts": 64, "max_put_bytes": 200}, r"the count row \(256 bytes\) passes"),
+    ({"max_put_bytes": (1 << 31) + 1}, "more than the daemon takes"),
+    ({"max_put_bytes": 0}, "max_put_bytes must be an integer >= 1"),
 ])
 def test_bad_shapes_are_refused_with_the_culprit_named(kwargs: dict, message: str) -> None:
     args = {"rank": 0, "world": 2, "num_experts": 8, "max_tokens": 16, "topk": 2, "hidden": 64, **kwargs}
