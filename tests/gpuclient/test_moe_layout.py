@@ -10,14 +10,15 @@
   loads (peers' NICs write what the kernels read) and each protocol call site once.
 - The five kernels run in Triton's interpreter on numpy buffers, several ranks in sequence, with the
   channel calls replaced by a model that moves the bytes and counts the flags: three rounds of dispatch,
-  an expert function and combine, with no reset, checked against the model (received rows bit for bit,
-  handle words exactly, the sums within bf16 rounding) and every wait satisfied by the signals sent.
+  an expert function and combine, with no reset, checked against the model (staged and received rows bit
+  for bit, handle words exactly, every put's offsets and length, the records per destination, the sums
+  within bf16 rounding) and every wait satisfied by the signals sent; once with blocks split into pieces.
 - The fused dispatch + expert GEMM (``_moe_dispatch_gemm``, ``MoE.dispatch_gemm``) compiles for sm_90 in
   each variant (wgmma where the GEMM runs, every push and wait where the protocol runs), and runs in the
   interpreter with one process per rank over shared memory, puts landing only with the signal that covers
   them and late, every load of a peer's row or count checked against the waits of the program that made
-  it: rounds of dispatch_gemm and plain dispatch with combine, against the model and float64 ``x @ w``
-  (tests/gpuclient/moe_gemm_interpreted.py).
+  it: rounds of dispatch_gemm and plain dispatch with combine, against the model (puts included) and
+  float64 ``x @ w`` (tests/gpuclient/moe_gemm_interpreted.py); once with blocks split into pieces.
 
 The GPU test is tests/gpu/test_moe.py.
 """
@@ -284,41 +285,42 @@ from tests.gpuclient.test_triton import compile_kernel  # noqa: E402
 
 W, E, L, K, T, H = 2, 8, 4, 3, 100, 200
 SIGNATURES = {
-    "_moe_route": ({"x_ptr": "*bf16", "idx_ptr": "*i64", "send_x_ptr": "*bf16", "idx32_ptr": "*i32", "pos_ptr": "*i32",
-                    "count_ptr": "*i32", "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
-                   {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "BLOCK_H": 256}),
-    "_moe_send": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
-                   "pos_ptr": "*i32", "count_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
-                   "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "count_region": "i32", "recv_region": "i32",
-                   "recv_src_region": "i32", "send_x_region": "i32", "send_src_region": "i32", "count_slot": "i32"},
-                  {"W": W, "E": E, "L": L, "K": K, "T": T, "H": H, "BLOCK_H": 256, "BLOCK_R": 128}),
+    "_moe_route": ({"x_ptr": "*bf16", "idx_ptr": "*i64", "send_x_ptr": "*bf16", "idx32_ptr": "*i32", "row_ptr": "*i32",
+                    "count_ptr": "*i32", "eoff_ptr": "*i32", "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
+                   {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "COPY_ROWS": 16, "BLOCK_H": 256}),
+    "_moe_send": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
+                   "send_x_ptr": "*bf16", "send_src_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32",
+                   "count_region": "i32", "recv_region": "i32", "recv_src_region": "i32", "send_x_region": "i32",
+                   "send_src_region": "i32", "count_slot": "i32"},
+                  {"W": W, "E": E, "L": L, "T": T, "H": H, "COPY_ROWS": 16, "BLOCK_H": 256, "PUT_ROWS": T}),
     "_moe_finish": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "recv_count_ptr": "*i32",
                      "layout_ptr": "*i32", "dispatch_slot": "i32"},
                     {"W": W, "E": E, "L": L, "LP": 4, "WP": 2}),
-    "_moe_combine_send": ({"ch": "*u64", "rank": "i32", "y_ptr": "*bf16", "recv_count_ptr": "*i32",
-                           "recv_src_ptr": "*i32", "send_y_ptr": "*bf16", "comb_ptr": "*bf16", "comb_region": "i32",
-                           "send_y_region": "i32"},
-                          {"W": W, "L": L, "K": K, "T": T, "H": H, "BLOCK_H": 256}),
+    "_moe_combine_send": ({"ch": "*u64", "rank": "i32", "y_ptr": "*bf16", "count_ptr": "*i32", "send_y_ptr": "*bf16",
+                           "comb_ptr": "*bf16", "comb_region": "i32", "send_y_region": "i32"},
+                          {"W": W, "E": E, "L": L, "T": T, "H": H, "EP": E, "COPY_ROWS": 16, "BLOCK_H": 256,
+                           "PUT_ROWS": T}),
     "_moe_combine_reduce": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
-                             "weights_ptr": "*fp32", "comb_ptr": "*bf16", "out_ptr": "*bf16", "combine_slot": "i32"},
+                             "row_ptr": "*i32", "weights_ptr": "*fp32", "comb_ptr": "*bf16", "out_ptr": "*bf16",
+                             "combine_slot": "i32"},
                             {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
-    "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "send_x_ptr": "*bf16",
-                            "send_src_ptr": "*i32",
+    "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
+                            "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
                             "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "w_ptr": "*bf16", "y_ptr": "*bf16",
                             "recv_count_ptr": "*i32", "layout_ptr": "*i32", "done_ptr": "*i32", "count_region": "i32",
                             "recv_region": "i32", "recv_src_region": "i32", "send_x_region": "i32",
                             "send_src_region": "i32", "count_slot": "i32", "dispatch_slot": "i32"},
-                           {"W": W, "E": E, "L": L, "K": K, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
+                           {"W": W, "E": E, "L": L, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
                             "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 256,
-                            "COMMUNICATE": True, "COMPUTE": True}),
+                            "COPY_ROWS": 16, "PUT_ROWS": T, "COMMUNICATE": True, "COMPUTE": True}),
 }
 # Protocol call sites: (pushes per peer, waits per peer, other pushes). The loops over peers run W times (W is
-# a constexpr: the compiler unrolls them); per peer the count put_signal and the count wait, then the row put
-# and the handle-word put; a SIGNAL and a wait per peer; one put; a SIGNAL and a wait per peer. No kernel
-# quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The fused dispatch +
-# GEMM: per peer the count put_signal; the row put, the handle-word put and the dispatch SIGNAL, in a loop over
-# the peers that is not unrolled; per peer the communication programs' count wait, the compute programs' count
-# wait and their dispatch wait.
+# a constexpr: the compiler unrolls them); per peer the count put_signal and the count wait, then a block's row
+# put and its handle-word put; a SIGNAL and a wait per peer; a block's put; a SIGNAL and a wait per peer. No
+# kernel quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The fused
+# dispatch + GEMM: per peer the count put_signal; a block's row put, its handle-word put and the dispatch
+# SIGNAL, in a loop over the peers that is not unrolled; per peer the communication programs' count wait, the
+# compute programs' count wait and their dispatch wait.
 SITES = {"_moe_route": (0, 0, 0), "_moe_send": (1, 1, 2), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
          "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 3, 3)}
 
@@ -405,11 +407,13 @@ def test_the_kernels_do_not_specialize_on_round_rank_or_tokens() -> None:
 
 
 # --- the kernels in Triton's interpreter ----------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(2, 4, 9, 3, 40, 3), (3, 6, 5, 2, 24, 2), (1, 2, 6, 2, 16, 1)],
-                         ids=["2ranks", "3ranks", "1rank"])
+@pytest.mark.parametrize("shape", [(2, 4, 9, 3, 40, 3), (3, 6, 5, 2, 24, 2), (1, 2, 6, 2, 16, 1),
+                                   (2, 4, 9, 3, 40, 3, 2)],
+                         ids=["2ranks", "3ranks", "1rank", "2ranks-split"])
 def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) -> None:
-    """(world, experts, max_tokens, topk, hidden, programs): tests/gpuclient/moe_interpreted.py, in a process
-    of its own with TRITON_INTERPRET=1."""
+    """(world, experts, max_tokens, topk, hidden, programs[, put_rows]): tests/gpuclient/moe_interpreted.py, in a
+    process of its own with TRITON_INTERPRET=1; put_rows 2 splits every block of more than two rows into
+    pieces (as a block past the largest put is)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "tests.gpuclient.moe_interpreted", *map(str, shape)], cwd=ROOT,
@@ -419,12 +423,14 @@ def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) ->
 
 @pytest.mark.parametrize("shape", [(2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16"),
                                    (3, 9, 12, 4, 40, 24, 7, 2, 16, 16, 16, "fp32"),
-                                   (1, 2, 6, 2, 16, 16, 3, 1, 16, 16, 16, "bf16")],
-                         ids=["2ranks-bf16", "3ranks-fp32-narrow", "1rank"])
+                                   (1, 2, 6, 2, 16, 16, 3, 1, 16, 16, 16, "bf16"),
+                                   (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 3)],
+                         ids=["2ranks-bf16", "3ranks-fp32-narrow", "1rank", "2ranks-bf16-split"])
 def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tuple) -> None:
     """(world, experts, max_tokens, topk, hidden, n_out, programs, comm_programs, block_m, block_n, block_k,
-    out): tests/gpuclient/moe_gemm_interpreted.py, one process per rank over shared memory. Tiles of 16 rows
-    straddle the sources' rows; hidden 40 and n_out 24 are no multiples of the 16-wide blocks."""
+    out[, put_rows]): tests/gpuclient/moe_gemm_interpreted.py, one process per rank over shared memory. Tiles
+    of 16 rows straddle the sources' rows; hidden 40 and n_out 24 are no multiples of the 16-wide blocks;
+    put_rows 3 splits the blocks into pieces dealt over both communication programs."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "tests.gpuclient.moe_gemm_interpreted", *map(str, shape)], cwd=ROOT,
