@@ -18,9 +18,10 @@ fresh buffer. Routing is uneven: a hot expert, an expert nobody picks, the last 
 Each rank checks its own results against the numpy model (``moe_layout``): counts, per-source layout,
 handle words and received rows exactly, ``y`` against float64 ``x @ w`` per expert within the output
 dtype's rounding (rows past the counts untouched), combine against the weighted sum, no queued put left
-uncovered by a signal at the end of a round, and every put the rank made exactly the model's (one per
+uncovered by a signal at the end of a round, every put the rank made exactly the model's (one per
 (peer, expert) block and one of its handle words, pieces of at most ``PUT_ROWS`` rows; one per (expert,
-source) block back).
+source) block back), and every program of the plain kernels (send, finish, reduce) having waited for each
+peer's flag whose data it reads (the fused kernel's reads are checked load by load).
 
     python -m tests.gpuclient.moe_gemm_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN N PROGRAMS COMM BM BN BK OUT
         [PUT_ROWS]
@@ -265,9 +266,21 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     fabric = SharedFabric(rank, ranks, max_put)
     check = ReadCheck(rank, lay, me)
 
+    waits: set[tuple[int, int, int]] = set()  # (program, slot, at least) of the latest plain kernels
+
     def wait(ch: object, slot: object, at_least: object) -> None:
-        check.wait(interp.interpreter_builder.grid_idx[0], fabric.value(slot), fabric.value(at_least))
+        pid = int(interp.interpreter_builder.grid_idx[0])
+        check.wait(pid, fabric.value(slot), fabric.value(at_least))
+        waits.add((pid, fabric.value(slot), fabric.value(at_least)))
         fabric.wait(ch, slot, at_least)
+
+    def waited(slot: int, epoch: int, grid: int) -> None:
+        """Every program of the plain kernel just run waited for ``slot + s`` to reach ``epoch``, every peer s
+        (it reads what they push)."""
+        for pid in range(grid):
+            missing = [s for s in range(world) if s != rank and (pid, slot + s, epoch) not in waits]
+            assert not missing, f"rank {rank} program {pid}: read what ranks {missing} push unwaited"
+        waits.clear()
 
     m.tpd = SimpleNamespace(put=fabric.put, put_signal=fabric.put_signal, signal=fabric.signal, wait=wait)
     W_, E_, L_, K_, T_, H_ = world, experts, lay.local_experts, topk, max_tokens, hidden  # noqa: N806
@@ -314,13 +327,16 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
                                      *[regions[k] for k in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")],
                                      lay.count_slot, W=W_, E=E_, L=L_, T=T_, H=H_, COPY_ROWS=copy_rows, BLOCK_H=16,
                                      PUT_ROWS=put_rows_)
+            waited(lay.count_slot, rnd, programs)
             m._moe_finish[(1,)](_b(ch), rnd, rank, _b(me.counts_all), _b(recv_count), _b(recv_layout),
                                 lay.dispatch_slot, W=W_, E=E_, L=L_, LP=m._pow2(L_), WP=m._pow2(W_))
+            waited(lay.dispatch_slot, rnd, 1)
             y64 = np.einsum("lph,lhn->lpn", f32(me.recv_x).astype(np.float64), f32(w_mine).astype(np.float64))
             y = bf16(y64) if out == "bf16" else y64.astype(np.float32)
             me.y[:] = y
         else:
             gemm(rnd, me.y, True, dispatch_model(lays, idx)[rank]["recv_layout"])
+            waits.clear()  # the fused kernel's reads are checked load by load (ReadCheck)
         model = dispatch_model(lays, idx)[rank]
         what = f"round {rnd} rank {rank}"
         assert fabric.take() == planned_dispatch(lay, model["counts_all"]), f"{what}: the dispatch puts"
@@ -361,6 +377,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         m._moe_combine_reduce[(programs,)](_b(ch), rnd, rank, n, _b(idx32), _b(stage_row), _b(weights),
                                            _b(me.combine_buf), _b(result), lay.combine_slot, W=W_, K=K_, H=H_,
                                            BLOCK_H=16)
+        waited(lay.combine_slot, rnd, programs)
         assert fabric.take() == planned_combine(lay, model["counts_all"]), f"{what}: the combine puts"
         everyone = dispatch_model(lays, idx)
         expert_out = []
@@ -417,7 +434,7 @@ def main(argv: list[str]) -> None:
         procs = [subprocess.Popen([sys.executable, "-m", "tests.gpuclient.moe_gemm_interpreted", "--rank", str(r), tmp,
                                    *rest], stdout=logs[r], stderr=subprocess.STDOUT, env=os.environ)
                  for r in range(world)]
-        while any(p.poll() is None for p in procs):  # one rank failing leaves the others waiting: stop them
+        while any([p.poll() is None for p in procs]):  # one rank failing leaves the others waiting: stop them
             if any(p.returncode not in (None, 0) for p in procs):
                 for p in procs:
                     if p.poll() is None:

@@ -3,8 +3,10 @@ tests/gpuclient/test_moe_layout.py in a process of its own: ``TRITON_INTERPRET=1
 is imported, so Triton's own library functions are interpreted too).
 
 The channel calls are replaced by :class:`Fabric`, a model that moves a put's bytes into the peer's buffer at
-once, adds a signal to the peer's flag, and records each wait, checked once every rank has run the kernel,
-and each put, checked against the model's plan: one put per (peer, expert) block with rows and one of its handle words
+once, adds a signal to the peer's flag, and records each wait, checked once every rank has run the kernel
+(each satisfied by the signals sent, and every program of a kernel that reads what peers push waiting for
+every peer's flag: ranks take turns here, so a missing wait would still find its data), and each put,
+checked against the model's plan: one put per (peer, expert) block with rows and one of its handle words
 (pieces of at most ``put_rows`` rows), exactly the model's offsets and lengths, and the records per
 destination the model counts.
 
@@ -101,7 +103,7 @@ class Fabric:
 
     def __init__(self, ranks: list[SimpleNamespace]) -> None:
         self.ranks = ranks
-        self.waits: list[tuple[int, int, int]] = []
+        self.waits: list[tuple[int, int, int, int]] = []  # (rank, slot, at least, program)
         self.records: Counter = Counter()  # (rank, peer): records pushed
         self.puts: list[tuple[int, int, int, int, int, int, int]] = []  # (rank, peer, dst region, off, src ...)
 
@@ -139,11 +141,23 @@ class Fabric:
         self.records[me, self.value(peer)] += 1
 
     def wait(self, ch, slot, at_least):  # noqa: ANN001, ANN201
-        self.waits.append((self.rank_of(ch), self.value(slot), self.value(at_least)))
+        from triton.runtime import interpreter
 
-    def check_waits(self) -> None:
-        for rank, slot, at_least in self.waits:
-            assert self.ranks[rank].flags[slot] >= at_least, (rank, slot, at_least, self.ranks[rank].flags)
+        pid = int(interpreter.interpreter_builder.grid_idx[0])
+        self.waits.append((self.rank_of(ch), self.value(slot), self.value(at_least), pid))
+
+    def check_waits(self, slot: int | None = None, epoch: int = 0, programs: int = 0) -> None:
+        """Every wait satisfied; with ``slot``, every program of every rank waited for ``slot + s`` to reach
+        ``epoch`` for every peer s."""
+        for rank, at, at_least, _ in self.waits:
+            assert self.ranks[rank].flags[at] >= at_least, (rank, at, at_least, self.ranks[rank].flags)
+        if slot is not None:
+            world = len(self.ranks)
+            done = {(rank, at, pid) for rank, at, at_least, pid in self.waits if at_least >= epoch}
+            for rank in range(world):
+                for pid in range(programs):
+                    missing = [s for s in range(world) if s != rank and (rank, slot + s, pid) not in done]
+                    assert not missing, f"rank {rank} program {pid} read what ranks {missing} push unwaited"
         self.waits.clear()
 
     def take(self, rank: int) -> list[tuple[int, int, int, int, int, int]]:
@@ -259,7 +273,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
                                      *[regions[n] for n in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")],
                                      lays[r].count_slot, W=W_, E=E_, L=L_, T=T_, H=H_, COPY_ROWS=copy_rows,
                                      BLOCK_H=block_h, PUT_ROWS=put_rows_)
-        fabric.check_waits()
+        fabric.check_waits(lay0.count_slot, rnd, programs)  # every program reads the lower ranks' counts
         for r, lay in enumerate(lays):  # the puts are the model's, offset for offset and byte for byte
             assert fabric.take(r) == planned_dispatch(lay, model[r]["counts_all"]), (rnd, r)
         for r, st in enumerate(ranks):  # one count signal from each peer per round
@@ -268,7 +282,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
         for r, st in enumerate(ranks):
             m._moe_finish[(1,)](_b(st.ch), rnd, r, _b(st.counts_all), _b(st.recv_count), _b(st.recv_layout),
                                 lays[r].dispatch_slot, W=W_, E=E_, L=L_, LP=m._pow2(L_), WP=m._pow2(W_))
-        fabric.check_waits()
+        fabric.check_waits(lay0.dispatch_slot, rnd, 1)  # the caller reads the rows once it returns
         for r, lay in enumerate(lays):  # records per destination: the count, a row and a handle put per block
             want_records = lay.writes(model[r]["counts_all"])["dispatch"]
             assert [fabric.records[r, d] for d in range(world)] == want_records, (rnd, r)
@@ -301,7 +315,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             m._moe_combine_reduce[(programs,)](_b(st.ch), rnd, r, tokens[r], _b(st.idx32), _b(st.stage_row),
                                                _b(weights[r]), _b(st.combine_buf), _b(st.out), lays[r].combine_slot,
                                                W=W_, K=K_, H=H_, BLOCK_H=block_h)
-        fabric.check_waits()
+        fabric.check_waits(lay0.combine_slot, rnd, programs)  # every program reads the peers' outputs
         for r, lay in enumerate(lays):
             assert [fabric.records[r, d] for d in range(world)] == lay.writes(model[r]["counts_all"])["combine"]
         want = combine_model(lays, model, [f32(y).astype(np.float64) for y in ys], [a.astype(np.float64) for a in w])
