@@ -8,32 +8,42 @@ math is ``gpuclient.kernels.moe_layout`` (numpy; the tests' model); docs/kernels
 Kernels, in stream order (each a small grid; all Triton, all preloaded by ``prepare``):
 
 dispatch round e
-  1. ``_moe_route``   stage x into the registered ``send_x``; normalise topk_idx (invalid and repeated experts
-                      become -1); per expert: count, each entry's position (token order), the handle words.
+  1. ``_moe_route``   normalise topk_idx (invalid and repeated experts become -1); per expert: where its block
+                      starts in the stage (``eoff[e]``, the exclusive sum of this rank's counts over the lower
+                      experts), its count, each entry's stage row ``eoff[e] + position`` (token order), the
+                      handle words; then the block's rows copied from x into the registered ``send_x``, so
+                      this rank's rows for one expert are contiguous there (expert-major, ``T*K`` rows at most).
   2. ``_moe_send``    program 0 put_signals this rank's count row to every peer (``count_slot + rank``); every
-                      program waits for every peer's counts, derives where its rows land (the exclusive sum of
-                      the lower ranks' counts, plus the position), and puts each row (one put per (token,
-                      expert)) and, per expert, the handle words (one put); rows for this rank are copied.
+                      program waits for every peer's counts, derives where each block lands (the exclusive sum
+                      of the lower ranks' counts for the expert) and puts each remote expert's block in one put
+                      and its handle words in another (a block past the largest put, ``put_rows`` rows, goes
+                      in pieces, each with its words); blocks for this rank are copied.
   3. ``_moe_finish``  one SIGNAL per peer (``dispatch_slot + rank``: it covers every earlier put of this
                       channel to the peer), a wait for every peer's, then the per-expert receive counts.
 combine round e
-  4. ``_moe_combine_send``   every received row of y to its home rank's ``combine_buf[t, k]`` (copied into the
-                             registered ``send_y`` first: puts read registered memory only).
+  4. ``_moe_combine_send``   each (local expert, source) block of y, contiguous in recv_x's layout, as one put to
+                             the source's ``combine_buf`` at the source's stage rows for the expert (``eoff``
+                             from the source's count row, which every rank holds; copied into the registered
+                             ``send_y`` first: puts read registered memory only).
   5. ``_moe_combine_reduce`` one SIGNAL per peer (``combine_slot + rank``), a wait for every peer's, then the
-                             weighted sum in fp32 per token.
+                             weighted sum in fp32 per token, entry (t, k) read from its stage row.
 
-On efa a SIGNAL covers only the writes since the connection's previous signal: rows a program pushes
+So a dispatch pushes each peer its count row, two puts per expert with rows there and one SIGNAL, and a
+combine one put per (expert, source) block and one SIGNAL, whatever the number of rows.
+
+On efa a SIGNAL covers only the writes since the connection's previous signal: blocks a program pushes
 before program 0's count put_signal are covered by the count flag instead, which the receiver waits for
-before the dispatch flag, so every row is covered by a flag the receiver waited for.
+before the dispatch flag, so every block is covered by a flag the receiver waited for.
 
 dispatch_gemm round e (``gemm_n`` set): ``_moe_route``, then ``_moe_dispatch_gemm`` in place of 2 and 3, one
-persistent launch split by role. Its first ``comm_programs`` programs push what ``_moe_send`` pushes, peer by
-peer in ring order, and the last program done with a peer SIGNALs it at once (``dispatch_slot + rank``); the
-compute programs wait for the count flags, then walk each local expert's packed rows in (row block, column
-block) tiles, own rows first (read from ``send_x``: no wait), then the sources in the order they send to this
-rank, and before a tile wait for the dispatch flag of every source with rows in it (count flag and dispatch
-flag together cover every row on efa too). ``y = recv_x @ w[l]`` (bf16 tl.dot, fp32 accumulation) in
-``recv_x``'s layout, so ``combine`` follows as after ``dispatch``.
+persistent launch split by role. Its first ``comm_programs`` programs push what ``_moe_send`` pushes (a block
+per (peer, expert)), peer by peer in ring order, and the last program done with a peer SIGNALs it at once
+(``dispatch_slot + rank``); the compute programs wait for the count flags, then walk each local expert's
+packed rows in (row block, column block) tiles, own rows first (read from their block in ``send_x``: no
+wait), then the sources in the order they send to this rank, and before a tile wait for the dispatch flag
+of every source with rows in it (count flag and dispatch flag together cover every block on efa too).
+``y = recv_x @ w[l]`` (bf16 tl.dot, fp32 accumulation) in ``recv_x``'s layout, so ``combine`` follows as
+after ``dispatch``.
 
 No host sync, no host loop over tokens: the counts go GPU to GPU and every buffer has its worst-case size.
 Every wait is for something its peer pushes in the same-numbered kernel before that kernel waits, and no
@@ -59,25 +69,49 @@ from gpuclient.kernels.moe_layout import MoELayout
 # waiting kernel) again for another value.
 
 
+@triton.jit
+def _first_entries(tile, ks, KP: tl.constexpr):
+    """[rows, KP] of expert indices: where an entry is the first of its value in its row (a repeat is not)."""
+    repeat = tile != tile
+    for j in tl.static_range(KP):
+        col = tl.sum(tl.where(ks[None, :] == j, tile, 0), axis=1)
+        repeat = repeat | ((ks[None, :] > j) & (tile == col[:, None]))
+    return repeat == 0
+
+
+@triton.jit
+def _copy_rows(src, dst, rows, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row i of ``src`` to row i of ``dst`` (each a block of row pointers) where ``rows[i]``."""
+    hs = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        m = rows[:, None] & (h0 + hs[None, :] < H)
+        tl.store(dst[:, None] + h0 + hs[None, :], tl.load(src[:, None] + h0 + hs[None, :], mask=m), mask=m)
+
+
 @triton.jit(do_not_specialize=["rank", "tokens"])
-def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, pos_ptr, count_ptr, send_src_ptr, rank, tokens,
+def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_ptr, send_src_ptr, rank, tokens,
                E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+               BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     ks = tl.arange(0, KP)
-    hs = tl.arange(0, BLOCK_H)
-    # per token: the row into the registered send buffer, and the normalised expert list
+    rs = tl.arange(0, COPY_ROWS)
+    # per token: the normalised expert list
     for t in range(pid, tokens, progs):
-        row = tl.cast(t, tl.int64) * H
-        for h0 in range(0, H, BLOCK_H):
-            v = tl.load(x_ptr + row + h0 + hs, mask=h0 + hs < H)
-            tl.store(send_x_ptr + row + h0 + hs, v, mask=h0 + hs < H)
         e = tl.load(idx_ptr + t * K + ks, mask=ks < K, other=-1).to(tl.int32)
         repeat = tl.sum(((e[:, None] == e[None, :]) & (ks[None, :] < ks[:, None])).to(tl.int32), axis=1) > 0
         tl.store(idx32_ptr + t * K + ks, tl.where((e >= 0) & (e < E) & (repeat == 0), e, -1), mask=ks < K)
-    # per expert: the first hit of each token (a repeat is not counted), positions in token order
+    # per expert: where its block starts in the stage (eoff: the valid entries naming a lower expert), the first
+    # hit of each token (a repeat is not counted), each entry's stage row eoff + position (token order), the
+    # handle words, the count; then the block's rows staged from x into the registered send_x
     for e in range(pid, E, progs):
+        start = tl.zeros((), dtype=tl.int32)
+        for t0 in range(0, tokens, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            tile = tl.load(idx_ptr + ts[:, None] * K + ks[None, :], mask=(ts[:, None] < tokens) & (ks[None, :] < K),
+                           other=-1).to(tl.int32)
+            lower = _first_entries(tile, ks, KP) & (tile >= 0) & (tile < e)
+            start += tl.sum(tl.sum(lower.to(tl.int32), axis=1), axis=0)
         carry = tl.zeros((), dtype=tl.int32)
         for t0 in range(0, tokens, BLOCK_T):
             ts = t0 + tl.arange(0, BLOCK_T)
@@ -88,17 +122,17 @@ def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, pos_ptr, count_ptr, send_s
             took = tl.sum(first.to(tl.int32), axis=1)
             k_of = tl.sum(tl.where(first, ks[None, :], 0), axis=1)
             p = carry + tl.cumsum(took, axis=0) - took
-            tl.store(pos_ptr + ts * K + k_of, p, mask=took > 0)
+            tl.store(row_ptr + ts * K + k_of, start + p, mask=took > 0)
             tl.store(send_src_ptr + e * T + p, (rank * T + ts) * K + k_of, mask=took > 0)
             carry += tl.sum(took, axis=0)
         tl.store(count_ptr + rank * E + e, carry)
-
-
-@triton.jit
-def _copy_row(src_ptr, dst_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
-    hs = tl.arange(0, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
-        tl.store(dst_ptr + h0 + hs, tl.load(src_ptr + h0 + hs, mask=h0 + hs < H), mask=h0 + hs < H)
+        tl.store(eoff_ptr + e, start)
+        tl.debug_barrier()  # the handle words, read back below by other threads of the program
+        for j in range(0, carry, COPY_ROWS):
+            inside = j + rs < carry
+            word = tl.load(send_src_ptr + e * T + j + rs, mask=inside, other=0)
+            _copy_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
+                       send_x_ptr + tl.cast(start + j + rs, tl.int64) * H, inside, H, BLOCK_H)
 
 
 @triton.jit
@@ -110,11 +144,38 @@ def _source_offset(count_ptr, rank, e, E: tl.constexpr):
     return off
 
 
-@triton.jit(do_not_specialize=["epoch", "rank", "tokens"])
-def _moe_send(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
-              recv_src_ptr, count_region, recv_region, recv_src_region, send_x_region, send_src_region, count_slot,
-              W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
-              H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+@triton.jit
+def _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, start, row, count, first, step,
+              T: tl.constexpr, H: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This rank's block for its own expert e: stage rows ``start ...`` and their handle words to its receive
+    rows ``row ...``, in pieces of COPY_ROWS rows, piece ``first``, ``first + step``, ... of them."""
+    rs = tl.arange(0, COPY_ROWS)
+    for j in range(first * COPY_ROWS, count, step * COPY_ROWS):
+        inside = j + rs < count
+        _copy_rows(send_x_ptr + tl.cast(start + j + rs, tl.int64) * H,
+                   recv_x_ptr + tl.cast(row + j + rs, tl.int64) * H, inside, H, BLOCK_H)
+        tl.store(recv_src_ptr + row + j + rs, tl.load(send_src_ptr + e * T + j + rs, mask=inside), mask=inside)
+
+
+@triton.jit
+def _put_block(ch, d, recv_region, recv_src_region, send_x_region, send_src_region, e, start, row, count, first,
+               step, T: tl.constexpr, H: tl.constexpr, PUT_ROWS: tl.constexpr):
+    """This rank's block for expert e to its rank d: stage rows ``start ...`` to d's receive rows ``row ...``, a
+    put of at most PUT_ROWS rows and one of their handle words per piece, piece ``first``, ``first + step``, ...
+    of them (one piece unless the block passes the largest put)."""
+    for j in range(first * PUT_ROWS, count, step * PUT_ROWS):
+        n = tl.minimum(count - j, PUT_ROWS)
+        tpd.put(ch, d, recv_region, tl.cast(row + j, tl.int64) * (H * 2), send_x_region,
+                tl.cast(start + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2))
+        tpd.put(ch, d, recv_src_region, tl.cast(row + j, tl.int64) * 4, send_src_region,
+                tl.cast(e * T + j, tl.int64) * 4, n * 4)
+
+
+@triton.jit(do_not_specialize=["epoch", "rank"])
+def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, count_region,
+              recv_region, recv_src_region, send_x_region, send_src_region, count_slot, W: tl.constexpr,
+              E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, H: tl.constexpr, COPY_ROWS: tl.constexpr,
+              BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     if pid == 0:  # our count row (written by _moe_route) to every peer's copy of the count matrix
@@ -125,28 +186,21 @@ def _moe_send(ch, epoch, rank, tokens, idx32_ptr, pos_ptr, count_ptr, send_x_ptr
     for peer in range(0, W):  # every program: the lower ranks' counts decide where our rows land
         if peer != rank:
             tpd.wait(ch, count_slot + peer, epoch)
-    for i in range(pid, tokens * K, progs):  # one row per valid (token, expert)
-        e = tl.load(idx32_ptr + i)
-        if e >= 0:
-            d = e // L
-            row = ((e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E) + tl.load(pos_ptr + i)).to(tl.int64)
-            t = tl.cast(i // K, tl.int64)
-            if d == rank:
-                _copy_row(send_x_ptr + t * H, recv_x_ptr + row * H, H, BLOCK_H)
-            else:
-                tpd.put(ch, d, recv_region, row * (H * 2), send_x_region, t * (H * 2), H * 2)
-    rs = tl.arange(0, BLOCK_R)
-    for e in range(pid, E, progs):  # one put per expert: its handle words, contiguous on both sides
+    # expert by expert, its block (stage rows eoff[e] ..., staged by _moe_route): one put to the expert's rank
+    # (and one of the handle words), or copied for this rank; the pieces of expert e from program e % progs on
+    for e in range(0, E):
         count = tl.load(count_ptr + rank * E + e)
         if count > 0:
             d = e // L
-            row = ((e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E)).to(tl.int64)
+            row = (e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E)
+            start = tl.load(eoff_ptr + e)
+            first = (pid + progs - e % progs) % progs
             if d == rank:
-                for j in range(0, count, BLOCK_R):
-                    words = tl.load(send_src_ptr + e * T + j + rs, mask=j + rs < count)
-                    tl.store(recv_src_ptr + row + j + rs, words, mask=j + rs < count)
+                _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, start, row, count, first, progs,
+                          T, H, COPY_ROWS, BLOCK_H)
             else:
-                tpd.put(ch, d, recv_src_region, row * 4, send_src_region, tl.cast(e * T * 4, tl.int64), count * 4)
+                _put_block(ch, d, recv_region, recv_src_region, send_x_region, send_src_region, e, start, row, count,
+                           first, progs, T, H, PUT_ROWS)
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
@@ -177,14 +231,14 @@ def _last_source(c, off, r0, r1, order):
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
-def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, w_ptr, y_ptr,
-                       recv_count_ptr, layout_ptr, done_ptr, count_region, recv_region, recv_src_region,
+def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, w_ptr,
+                       y_ptr, recv_count_ptr, layout_ptr, done_ptr, count_region, recv_region, recv_src_region,
                        send_x_region, send_src_region, count_slot, dispatch_slot,
-                       W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
+                       W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
                        H: tl.constexpr, N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
                        COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, COMMUNICATE: tl.constexpr,
-                       COMPUTE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, COPY_ROWS: tl.constexpr,
+                       PUT_ROWS: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr):
     pid = tl.program_id(0)
     ls = tl.arange(0, LP)
     ss = tl.arange(0, WP)
@@ -199,23 +253,21 @@ def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, send_x_ptr, send_src_ptr, rec
             for peer in range(0, W):  # the lower ranks' counts decide where our rows land
                 if peer != rank:
                     tpd.wait(ch, count_slot + peer, epoch)
-            # peer by peer in ring order (rank + 1 first, which takes our rows first), expert by expert: one put
-            # per row, one per expert's handle words; then the last program done with a peer signals it
+            # peer by peer in ring order (rank + 1 first, which takes our rows first), expert by expert: each
+            # expert's block (stage rows eoff[e] ..., staged by _moe_route) as one put with one of its handle
+            # words, piece by piece if it passes the largest put, the pieces of expert e from program
+            # e % COMM_PROGRAMS on; then the last program done with a peer signals it
             for step in range(1, W):
                 d = (rank + step) % W
                 for local in range(0, L):
                     e = d * L + local
                     count = tl.load(count_ptr + rank * E + e)
-                    base = local * (W * T) + _source_offset(count_ptr, rank, e, E)
-                    # row j goes to program (j + e) % COMM_PROGRAMS: an expert's first row does not always fall
-                    # to program 0; the handle words to program e % COMM_PROGRAMS
-                    for j in range((pid + COMM_PROGRAMS - e % COMM_PROGRAMS) % COMM_PROGRAMS, count, COMM_PROGRAMS):
-                        t = tl.load(send_src_ptr + e * T + j) // K - rank * T
-                        tpd.put(ch, d, recv_region, tl.cast(base + j, tl.int64) * (H * 2), send_x_region,
-                                tl.cast(t, tl.int64) * (H * 2), H * 2)
-                    if (count > 0) & (e % COMM_PROGRAMS == pid):
-                        tpd.put(ch, d, recv_src_region, tl.cast(base, tl.int64) * 4, send_src_region,
-                                tl.cast(e * T, tl.int64) * 4, count * 4)
+                    if count > 0:
+                        row = local * (W * T) + _source_offset(count_ptr, rank, e, E)
+                        _put_block(ch, d, recv_region, recv_src_region, send_x_region, send_src_region, e,
+                                   tl.load(eoff_ptr + e), row, count,
+                                   (pid + COMM_PROGRAMS - e % COMM_PROGRAMS) % COMM_PROGRAMS, COMM_PROGRAMS, T, H,
+                                   PUT_ROWS)
                 # every put above precedes this program's count on done_ptr[d], so the signal of the last one
                 # is later in the ring than all of them: on ib it covers every row to d, on efa every row to d
                 # that the count put_signal did not (rows a program put before it)
@@ -223,16 +275,16 @@ def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, send_x_ptr, send_src_ptr, rec
                 finished = tl.atomic_add(done_ptr + d, 1, sem="acq_rel", scope="gpu")
                 if (finished + 1) % COMM_PROGRAMS == 0:
                     tpd.signal(ch, d, dispatch_slot + rank, 1)
-            # our own experts' rows and handle words into recv_x and recv_src (the GEMM reads them from send_x:
+            # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
             # this copy is for the caller and for combine, and waits for nothing)
             for local in range(0, L):
                 e = rank * L + local
-                base = local * (W * T) + _source_offset(count_ptr, rank, e, E)
-                for j in range(pid, tl.load(count_ptr + rank * E + e), COMM_PROGRAMS):
-                    word = tl.load(send_src_ptr + e * T + j)
-                    t = tl.cast(word // K - rank * T, tl.int64)
-                    _copy_row(send_x_ptr + t * H, recv_x_ptr + tl.cast(base + j, tl.int64) * H, H, BLOCK_H)
-                    tl.store(recv_src_ptr + base + j, word)
+                count = tl.load(count_ptr + rank * E + e)
+                if count > 0:
+                    row = local * (W * T) + _source_offset(count_ptr, rank, e, E)
+                    _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, tl.load(eoff_ptr + e), row,
+                              count, (pid + COMM_PROGRAMS - e % COMM_PROGRAMS) % COMM_PROGRAMS, COMM_PROGRAMS, T, H,
+                              COPY_ROWS, BLOCK_H)
         if pid == 0:  # recv_count and recv_layout, from the counts (this round's once the waits above passed)
             c = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)
             at = layout_ptr + (ls[:, None] * W + ss[None, :]) * 2
@@ -274,7 +326,7 @@ def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, send_x_ptr, send_src_ptr, rec
                     tiles = tl.maximum(hi - lo, 0) * col_blocks
                     c_own = tl.sum(tl.where(ss == rank, c, 0), axis=0)
                     off_own = tl.sum(tl.where(ss == rank, off, 0), axis=0)
-                    e = rank * L + local
+                    own_start = tl.load(eoff_ptr + rank * L + local)  # our block of the expert in send_x
                     for j in range((cp + progs - item % progs) % progs, tiles, progs):
                         r0 = (lo + j // col_blocks) * BLOCK_M
                         col0 = (j % col_blocks) * BLOCK_N
@@ -289,10 +341,9 @@ def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, send_x_ptr, send_src_ptr, rec
                             rows = r0 + offs_m
                             valid = rows < n
                             mine = valid & (rows >= off_own) & (rows < off_own + c_own)
-                            # our own rows straight from send_x (staged by _moe_route, an earlier kernel); the
-                            # peers' from recv_x
-                            word = tl.load(send_src_ptr + e * T + (rows - off_own), mask=mine, other=0)
-                            a_row = tl.where(mine, send_x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
+                            # our own rows straight from their block in send_x (staged by _moe_route, an
+                            # earlier kernel); the peers' from recv_x
+                            a_row = tl.where(mine, send_x_ptr + tl.cast(own_start + rows - off_own, tl.int64) * H,
                                              recv_x_ptr + tl.cast(local * (W * T) + rows, tl.int64) * H)
                             cols = col0 + offs_n
                             w_cols = w_ptr + tl.cast(local, tl.int64) * (H * N) + cols[None, :]
@@ -310,28 +361,41 @@ def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, send_x_ptr, send_src_ptr, rec
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _moe_combine_send(ch, rank, y_ptr, recv_count_ptr, recv_src_ptr, send_y_ptr, comb_ptr, comb_region,
-                      send_y_region, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
-                      H: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_combine_send(ch, rank, y_ptr, count_ptr, send_y_ptr, comb_ptr, comb_region, send_y_region,
+                      W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
+                      EP: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
-    for local in range(0, L):
-        n = tl.load(recv_count_ptr + local)
-        for p in range(pid, n, progs):
-            row = tl.cast(local * (W * T) + p, tl.int64)
-            word = tl.load(recv_src_ptr + row)
-            src = word // (T * K)
-            slot = (word - src * (T * K)).to(tl.int64)
-            if (word >= 0) & (src < W):  # a word that never arrived (-1) is skipped, not followed
-                if src == rank:
-                    _copy_row(y_ptr + row * H, comb_ptr + slot * H, H, BLOCK_H)
-                else:
-                    _copy_row(y_ptr + row * H, send_y_ptr + row * H, H, BLOCK_H)
-                    tpd.put(ch, src, comb_region, slot * (H * 2), send_y_region, row * (H * 2), H * 2)
+    es = tl.arange(0, EP)
+    rs = tl.arange(0, COPY_ROWS)
+    # block by block, (source s, local expert): y's rows of s for the expert, contiguous in recv_x's layout, to
+    # s's combine_buf at s's stage rows for the expert (eoff from s's count row), where s staged them; copied
+    # into the registered send_y first (puts read registered memory only); the pieces of block b from program
+    # b % progs on
+    for b in range(0, L * W):
+        s = b // L
+        e = rank * L + b - s * L
+        count = tl.load(count_ptr + s * E + e)
+        if count > 0:
+            row = (e - rank * L) * (W * T) + _source_offset(count_ptr, s, e, E)
+            home = tl.sum(tl.where(es < e, tl.load(count_ptr + s * E + es, mask=es < E, other=0), 0), axis=0)
+            first = (pid + progs - b % progs) % progs
+            if s == rank:
+                for j in range(first * COPY_ROWS, count, progs * COPY_ROWS):
+                    _copy_rows(y_ptr + tl.cast(row + j + rs, tl.int64) * H,
+                               comb_ptr + tl.cast(home + j + rs, tl.int64) * H, j + rs < count, H, BLOCK_H)
+            else:
+                for j in range(first * PUT_ROWS, count, progs * PUT_ROWS):
+                    n = tl.minimum(count - j, PUT_ROWS)
+                    for i in range(0, n, COPY_ROWS):
+                        at = tl.cast(row + j + i + rs, tl.int64) * H
+                        _copy_rows(y_ptr + at, send_y_ptr + at, i + rs < n, H, BLOCK_H)
+                    tpd.put(ch, s, comb_region, tl.cast(home + j, tl.int64) * (H * 2), send_y_region,
+                            tl.cast(row + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2))
 
 
 @triton.jit(do_not_specialize=["epoch", "rank", "tokens"])
-def _moe_combine_reduce(ch, epoch, rank, tokens, idx32_ptr, weights_ptr, comb_ptr, out_ptr, combine_slot,
+def _moe_combine_reduce(ch, epoch, rank, tokens, idx32_ptr, row_ptr, weights_ptr, comb_ptr, out_ptr, combine_slot,
                         W: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
@@ -349,7 +413,8 @@ def _moe_combine_reduce(ch, epoch, rank, tokens, idx32_ptr, weights_ptr, comb_pt
             for k in tl.static_range(K):
                 e = tl.load(idx32_ptr + t * K + k)
                 w = tl.load(weights_ptr + t * K + k)
-                v = tl.load(comb_ptr + tl.cast(t * K + k, tl.int64) * H + h0 + hs, mask=(h0 + hs < H) & (e >= 0),
+                row = tl.where(e >= 0, tl.load(row_ptr + t * K + k), 0)  # the entry's stage row (stale if none)
+                v = tl.load(comb_ptr + tl.cast(row, tl.int64) * H + h0 + hs, mask=(h0 + hs < H) & (e >= 0),
                             other=0.0)
                 acc += tl.where(e >= 0, w * v.to(tl.float32), 0.0)  # where, not a product: a dead slot holds NaN
             tl.store(out_ptr + tl.cast(t, tl.int64) * H + h0 + hs, acc.to(out_ptr.dtype.element_ty), mask=h0 + hs < H)
@@ -386,8 +451,9 @@ class MoE:
     Experts ``[rank * L, (rank + 1) * L)`` live on this rank (``L = num_experts / world``). Every buffer is
     allocated and registered here at its worst case, so a call registers and allocates nothing:
     ``recv_x`` [L, W*T, H] bf16 (a source sends an expert each token at most once), ``recv_src`` [L, W*T]
-    int32, ``counts_all`` [W, E] int32 (every rank's per-expert counts), ``send_x`` [T, H] and ``send_src``
-    [E, T] (put sources), ``combine_buf`` [T, K, H] bf16 (the experts' outputs of this rank's tokens) and
+    int32, ``counts_all`` [W, E] int32 (every rank's per-expert counts), ``send_x`` [T*K, H] (this rank's
+    rows staged expert-major, one contiguous block per expert) and ``send_src`` [E, T] (put sources),
+    ``combine_buf`` [T*K, H] bf16 (the experts' outputs of this rank's tokens, in ``send_x``'s order) and
     ``send_y`` [L, W*T, H] (combine's put source). ``programs`` programs per kernel (default: SMs / share,
     at most 32): every rank sharing the GPU must have its grid resident at once (``share`` of them).
 
@@ -429,16 +495,17 @@ class MoE:
         self.counts_all = torch.zeros((W, E), dtype=torch.int32, device=dev)
         self.recv_x = torch.empty((L, lay.capacity, H), dtype=torch.bfloat16, device=dev)
         self.recv_src = torch.full((L, lay.capacity), -1, dtype=torch.int32, device=dev)
-        self.send_x = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        self.send_x = torch.empty((lay.stage_capacity, H), dtype=torch.bfloat16, device=dev)
         self.send_src = torch.full((E, T), -1, dtype=torch.int32, device=dev)
-        self.combine_buf = torch.empty((T, K, H), dtype=torch.bfloat16, device=dev)
+        self.combine_buf = torch.empty((lay.stage_capacity, H), dtype=torch.bfloat16, device=dev)
         self.send_y = torch.empty((L, lay.capacity, H), dtype=torch.bfloat16, device=dev)
         self.regions = {name: session.register(getattr(self, name)).id
                         for name in ("counts_all", "recv_x", "recv_src", "send_x", "send_src", "combine_buf",
                                      "send_y")}
         # this rank's per-round state (not registered), allocated once: a call allocates nothing
         self.idx32 = torch.full((T, K), -1, dtype=torch.int32, device=dev)
-        self.pos = torch.full((T, K), -1, dtype=torch.int32, device=dev)
+        self.stage_row = torch.full((T, K), -1, dtype=torch.int32, device=dev)  # each entry's row in send_x
+        self.stage_off = torch.zeros(E, dtype=torch.int32, device=dev)  # each expert's block in send_x
         self.recv_count = torch.zeros(L, dtype=torch.int32, device=dev)
         self.recv_layout = torch.zeros((L, W, 2), dtype=torch.int32, device=dev)
         self.out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
@@ -456,6 +523,8 @@ class MoE:
             raise ValueError(f"MoE needs flag slots [{slot_base}, {slot_base + self.slots}); the session has "
                              f"{len(session.flag_array)}")
         self.block_h = min(_pow2(H), 1024)
+        self.copy_rows = max(1, 4096 // self.block_h)  # rows per tile of a block copy
+        self.put_rows = lay.put_rows  # rows per put of a block: all of them unless they pass the largest put
         self.channel_capacity = channel_capacity
         self.rounds = 0
         self._pending: MoEHandle | None = None
@@ -481,7 +550,7 @@ class MoE:
             idx = torch.full((self.max_tokens, self.topk), -1, dtype=dtype, device=dev)
             tpd.preload(_moe_route, *self._route_args(self.send_x, idx, 0), grid=(self.programs,),
                         **self._route_meta())
-        tpd.preload(_moe_send, *self._send_args(1, 0), grid=(self.programs,), **self._send_meta())
+        tpd.preload(_moe_send, *self._send_args(1), grid=(self.programs,), **self._send_meta())
         tpd.preload(_moe_finish, *self._finish_args(1), grid=(1,), **self._finish_meta())
         tpd.preload(_moe_combine_send, *self._combine_send_args(self.send_y), grid=(self.programs,),
                     **self._combine_send_meta())
@@ -506,23 +575,24 @@ class MoE:
                     **self._gemm_meta(communicate, compute))
 
     def _route_args(self, x: Any, idx: Any, tokens: int) -> tuple:
-        return (x, idx, self.send_x, self.idx32, self.pos, self.counts_all, self.send_src, self.rank, tokens)
+        return (x, idx, self.send_x, self.idx32, self.stage_row, self.counts_all, self.stage_off, self.send_src,
+                self.rank, tokens)
 
     def _route_meta(self) -> dict[str, Any]:
         return {"E": self.num_experts, "K": self.topk, "KP": _pow2(self.topk), "T": self.max_tokens,
-                "H": self.hidden, "BLOCK_T": min(_pow2(self.max_tokens), 256), "BLOCK_H": self.block_h,
-                "num_warps": self.num_warps}
+                "H": self.hidden, "BLOCK_T": min(_pow2(self.max_tokens), 256), "COPY_ROWS": self.copy_rows,
+                "BLOCK_H": self.block_h, "num_warps": self.num_warps}
 
-    def _send_args(self, epoch: int, tokens: int) -> tuple:
+    def _send_args(self, epoch: int) -> tuple:
         r = self.regions
-        return (self._ch, epoch, self.rank, tokens, self.idx32, self.pos, self.counts_all, self.send_x, self.send_src,
-                self.recv_x, self.recv_src, r["counts_all"], r["recv_x"], r["recv_src"], r["send_x"], r["send_src"],
+        return (self._ch, epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src, self.recv_x,
+                self.recv_src, r["counts_all"], r["recv_x"], r["recv_src"], r["send_x"], r["send_src"],
                 self.layout.count_slot)
 
     def _send_meta(self) -> dict[str, Any]:
-        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "K": self.topk,
-                "T": self.max_tokens, "H": self.hidden, "BLOCK_H": self.block_h,
-                "BLOCK_R": min(_pow2(self.max_tokens), 1024), "num_warps": self.num_warps}
+        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
+                "H": self.hidden, "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h, "PUT_ROWS": self.put_rows,
+                "num_warps": self.num_warps}
 
     def _finish_args(self, epoch: int) -> tuple:
         return (self._ch, epoch, self.rank, self.counts_all, self.recv_count, self.recv_layout,
@@ -534,29 +604,30 @@ class MoE:
 
     def _gemm_args(self, epoch: int, w: Any, y: Any) -> tuple:
         r = self.regions
-        return (self._ch, epoch, self.rank, self.counts_all, self.send_x, self.send_src, self.recv_x, self.recv_src, w,
-                y, self.recv_count, self.recv_layout, self._gemm_done, r["counts_all"], r["recv_x"], r["recv_src"],
-                r["send_x"], r["send_src"], self.layout.count_slot, self.layout.dispatch_slot)
+        return (self._ch, epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src, self.recv_x,
+                self.recv_src, w, y, self.recv_count, self.recv_layout, self._gemm_done, r["counts_all"], r["recv_x"],
+                r["recv_src"], r["send_x"], r["send_src"], self.layout.count_slot, self.layout.dispatch_slot)
 
     def _gemm_meta(self, communicate: bool = True, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.gemm_block
-        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "K": self.topk, "T": self.max_tokens,
+        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
                 "H": self.hidden, "N": self.gemm_n, "LP": _pow2(self.local_experts), "WP": _pow2(self.world),
                 "COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                "BLOCK_H": self.block_h, "COMMUNICATE": communicate, "COMPUTE": compute,
+                "BLOCK_H": self.block_h, "COPY_ROWS": self.copy_rows, "PUT_ROWS": self.put_rows,
+                "COMMUNICATE": communicate, "COMPUTE": compute,
                 "num_warps": self.gemm_warps, "num_stages": self.gemm_stages}
 
     def _combine_send_args(self, y: Any) -> tuple:
         r = self.regions
-        return (self._ch, self.rank, y, self.recv_count, self.recv_src, self.send_y, self.combine_buf,
-                r["combine_buf"], r["send_y"])
+        return (self._ch, self.rank, y, self.counts_all, self.send_y, self.combine_buf, r["combine_buf"], r["send_y"])
 
     def _combine_send_meta(self) -> dict[str, Any]:
-        return {"W": self.world, "L": self.local_experts, "K": self.topk, "T": self.max_tokens, "H": self.hidden,
-                "BLOCK_H": self.block_h, "num_warps": self.num_warps}
+        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
+                "H": self.hidden, "EP": _pow2(self.num_experts), "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h,
+                "PUT_ROWS": self.put_rows, "num_warps": self.num_warps}
 
     def _reduce_args(self, epoch: int, tokens: int, weights: Any, out: Any) -> tuple:
-        return (self._ch, epoch, self.rank, tokens, self.idx32, weights, self.combine_buf, out,
+        return (self._ch, epoch, self.rank, tokens, self.idx32, self.stage_row, weights, self.combine_buf, out,
                 self.layout.combine_slot)
 
     def _reduce_meta(self) -> dict[str, Any]:
@@ -594,7 +665,7 @@ class MoE:
         epoch = self.rounds
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             _moe_route[(self.programs,)](*self._route_args(x, topk_idx, tokens), **self._route_meta())
-            _moe_send[(self.programs,)](*self._send_args(epoch, tokens), **self._send_meta())
+            _moe_send[(self.programs,)](*self._send_args(epoch), **self._send_meta())
             _moe_finish[(1,)](*self._finish_args(epoch), **self._finish_meta())
         self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
                                   self.idx32[:tokens], topk_weights)

@@ -18,6 +18,16 @@ Receive layout (per rank, per local expert ``l``): ``W * T`` rows; the rows from
 ``offset[l, s] = sum over s' < s of count[s', e]`` (``e`` the global expert) and are packed, so the first
 ``recv_count[l]`` rows of expert ``l`` are its tokens, source by source in rank order, each source's in
 token order. ``recv_src[l, p] = s * T * K + t * K + k`` names the row's origin (-1 past the count).
+
+Staging, expert-major (per source rank): the source's valid entries sorted by expert, then by token. Entry
+``(t, k)`` for expert ``e`` has the *stage row* ``eoff[e] + pos[t, k]``, where ``eoff[e] = sum over e' < e
+of count[e']`` (an exclusive sum over the source's own counts): the source stages its rows there
+(``send_x``, at most ``T * K`` rows), so its rows for one expert are one contiguous block, which lands as
+one block at the expert's rank (rows ``offset[l, s] ...``). Combine is the same map backwards: the
+expert's rank puts each (local expert, source) block of its output, contiguous in the receive layout, to
+the source's ``combine_buf`` at the source's stage rows (``eoff`` from the source's count row, which every
+rank holds), and the source sums entry ``(t, k)`` from its stage row. A block longer than the largest put
+(``max_put_bytes``) goes as several puts of ``put_rows`` rows (and its handle words with them).
 """
 
 from __future__ import annotations
@@ -27,6 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 
 _INT32_MAX = (1 << 31) - 1
+
+#: The largest PUT the daemon takes (``transportd.dataplane.tables.DEFAULT_MAX_LENGTH``: a record's length is
+#: 32 bits, and the proxy refuses anything above its ``max_length``); a longer block is split.
+MAX_PUT_BYTES = 1 << 31
 
 
 def _positive(name: str, value: object) -> int:
@@ -46,9 +60,10 @@ class MoELayout:
     topk: int
     hidden: int
     slot_base: int = 0
+    max_put_bytes: int = MAX_PUT_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("world", "num_experts", "max_tokens", "topk", "hidden"):
+        for name in ("world", "num_experts", "max_tokens", "topk", "hidden", "max_put_bytes"):
             _positive(name, getattr(self, name))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world:
             raise ValueError(f"rank must be in [0, {self.world}), got {self.rank!r}")
@@ -64,8 +79,12 @@ class MoELayout:
                              "the int32 source word: lower max_tokens")
         if self.local_experts * self.capacity > _INT32_MAX:
             raise ValueError("local_experts * world * max_tokens receive rows pass int32: lower max_tokens")
-        if self.row_bytes > 0xFFFF_FFFF or self.num_experts * 4 > 0xFFFF_FFFF:
-            raise ValueError(f"a row of {self.row_bytes} bytes passes a put's 32-bit length")
+        if self.max_put_bytes > MAX_PUT_BYTES:
+            raise ValueError(f"max_put_bytes={self.max_put_bytes} is more than the daemon takes ({MAX_PUT_BYTES})")
+        # a row (and its handle word) and the count row (E int32) each go in one put
+        for what, size in (("a row", max(self.row_bytes, 4)), ("the count row", 4 * self.num_experts)):
+            if size > self.max_put_bytes:
+                raise ValueError(f"{what} ({size} bytes) passes the largest put ({self.max_put_bytes} bytes)")
 
     # --- geometry -------------------------------------------------------------------------------------------------
     @property
@@ -81,6 +100,17 @@ class MoELayout:
     def row_bytes(self) -> int:
         """One token row, bf16."""
         return self.hidden * 2
+
+    @property
+    def stage_capacity(self) -> int:
+        """Stage rows (``send_x``) and combine rows (``combine_buf``): every valid entry, ``T * K`` at most."""
+        return self.max_tokens * self.topk
+
+    @property
+    def put_rows(self) -> int:
+        """Rows per put of a block (and handle words per put of its words): all of an expert's rows from one
+        source (``T`` at most) unless they pass the largest put."""
+        return min(self.max_tokens, self.max_put_bytes // max(self.row_bytes, 4))
 
     def owner(self, expert: int) -> tuple[int, int]:
         """(rank, local expert) of global expert ``expert``."""
@@ -151,6 +181,69 @@ class MoELayout:
         assert counts.sum() == (idx >= 0).sum() and (counts <= tokens).all()
         return counts, pos, send_src
 
+    def stage_offsets(self, counts: np.ndarray) -> np.ndarray:
+        """``eoff`` [E] (or [W, E] from a count matrix): where each expert's block starts in a source's stage
+        rows, the exclusive sum over experts of that source's counts."""
+        c = np.asarray(counts, dtype=np.int64)
+        return (np.cumsum(c, axis=-1) - c).astype(np.int32)
+
+    def stage_rows(self, topk_idx: np.ndarray) -> np.ndarray:
+        """[tokens, K]: each valid entry's stage row ``eoff[e] + pos`` (-1 for invalid): where the source stages
+        its row and where combine returns its expert's output."""
+        counts, pos, _ = self.route(topk_idx)
+        idx = self.normalize(topk_idx)
+        eoff = self.stage_offsets(counts)
+        return np.where(idx >= 0, eoff[np.maximum(idx, 0)] + pos, -1).astype(np.int32)
+
+    def _chunks(self, rows: int) -> list[tuple[int, int]]:
+        return [(j, min(self.put_rows, rows - j)) for j in range(0, rows, self.put_rows)]
+
+    def dispatch_puts(self, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+        """This rank's dispatch row puts: ``(peer, expert, stage row, receive row, rows)``, the receive row
+        counted in the peer's ``recv_x`` as ``local * W * T + offset``; one per (peer, expert) block with rows,
+        split at ``put_rows``. Each goes with one put of the same rows' handle words (``send_src[expert, j:j +
+        rows]`` to ``recv_src`` at the receive row); rows for this rank are copied, not put."""
+        c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
+        eoff, off = self.stage_offsets(c[self.rank]), self.source_offsets(c)[self.rank]
+        puts = []
+        for e in range(self.num_experts):
+            d, local = self.owner(e)
+            if d != self.rank:
+                for j, n in self._chunks(int(c[self.rank, e])):
+                    puts.append((d, e, int(eoff[e]) + j, local * self.capacity + int(off[e]) + j, n))
+        return puts
+
+    def combine_puts(self, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+        """This rank's combine puts, as the experts' rank: ``(source, expert, y row, combine row, rows)``, the y
+        row counted in ``[L * W * T]`` (``local * W * T + offset``), the combine row in the source's stage
+        rows; one per (local expert, remote source) block with rows, split at ``put_rows``."""
+        c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
+        eoff, off = self.stage_offsets(c), self.source_offsets(c)
+        puts = []
+        for local in range(self.local_experts):
+            e = self.rank * self.local_experts + local
+            for s in range(self.world):
+                if s != self.rank:
+                    for j, n in self._chunks(int(c[s, e])):
+                        puts.append((s, e, local * self.capacity + int(off[s, e]) + j, int(eoff[s, e]) + j, n))
+        return puts
+
+    def writes(self, counts_all: np.ndarray) -> dict[str, list[int]]:
+        """Records this rank pushes per destination in a round (0 for itself): ``dispatch`` (the count
+        put_signal, a row put and a handle-word put per block, or per piece of a split block, the SIGNAL) and
+        ``combine`` (the output puts, the SIGNAL)."""
+        dispatch, combine = [0] * self.world, [0] * self.world
+        for peer in range(self.world):
+            if peer != self.rank:
+                dispatch[peer] = 2
+                combine[peer] = 1
+        c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
+        for d, _, _, _, _ in self.dispatch_puts(c):
+            dispatch[d] += 2
+        for s, _, _, _, _ in self.combine_puts(c):
+            combine[s] += 1
+        return {"dispatch": dispatch, "combine": combine}
+
     def source_offsets(self, counts_all: np.ndarray) -> np.ndarray:
         """[W, E]: where source s's rows start in expert e's receive rows (an exclusive sum over sources)."""
         c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
@@ -174,7 +267,10 @@ class MoELayout:
 
 def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
     """Every rank's dispatch, from every rank's ``topk_idx``: per rank ``counts_all`` [W, E], ``recv_count`` [L],
-    ``recv_layout`` [L, W, 2], ``recv_src`` [L, W*T] (-1 where no row lands) and its own ``idx``, ``pos``."""
+    ``recv_layout`` [L, W, 2], ``recv_src`` [L, W*T] (-1 where no row lands), its own ``idx``, ``pos`` and
+    ``stage_row`` [tokens, K], and ``stage_src`` [T*K] (the handle word of the entry each stage row holds, -1
+    past the valid entries). The rows move as the kernels move them: staged expert-major, then one block per
+    (source, expert), which must land each entry where :meth:`MoELayout.destination` says."""
     routes = [lay.route(idx) for lay, idx in zip(layouts, topk_idx, strict=True)]
     counts_all = np.stack([r[0] for r in routes])
     out = []
@@ -182,24 +278,63 @@ def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list
         recv_count, recv_layout = lay.receive(counts_all)
         out.append({"counts_all": counts_all, "recv_count": recv_count, "recv_layout": recv_layout,
                     "recv_src": np.full((lay.local_experts, lay.capacity), -1, dtype=np.int32),
-                    "idx": lay.normalize(topk_idx[lay.rank]), "pos": routes[lay.rank][1]})
-    for src, lay in enumerate(layouts):  # what each source's send kernel does, entry by entry
-        idx, pos = out[src]["idx"], out[src]["pos"]
+                    "idx": lay.normalize(topk_idx[lay.rank]), "pos": routes[lay.rank][1],
+                    "stage_row": lay.stage_rows(topk_idx[lay.rank])})
+    for src, lay in enumerate(layouts):  # what each source's route and send kernels do
+        idx, rows = out[src]["idx"], out[src]["stage_row"]
+        stage = np.full(lay.stage_capacity, -1, dtype=np.int32)
+        for t, k in zip(*np.nonzero(idx >= 0), strict=True):  # staging: entry by entry, expert-major
+            assert stage[rows[t, k]] == -1, "two entries staged on one row"
+            stage[rows[t, k]] = lay.encode(src, t, k)
+        out[src]["stage_src"] = stage
+        eoff, off = lay.stage_offsets(counts_all[src]), lay.source_offsets(counts_all)[src]
+        for e in range(lay.num_experts):  # one block per expert: stage rows [eoff, eoff + count) to its rank
+            d, local = lay.owner(e)
+            n = int(counts_all[src, e])
+            block = stage[eoff[e]:eoff[e] + n]
+            assert (block >= 0).all() and all(idx[lay.decode(w)[1:]] == e for w in block), "a block of other rows"
+            dst = out[d]["recv_src"][local, off[e]:off[e] + n]
+            assert (dst == -1).all(), "two rows landed on one slot"
+            dst[:] = block
+        # the puts cover exactly the remote blocks, and each entry lands where its destination says
+        remote = [(lay.owner(e)[0], e) for e in range(lay.num_experts) if counts_all[src, e] > 0
+                  and lay.owner(e)[0] != src]
+        puts = lay.dispatch_puts(counts_all)
+        assert sorted({(d, e) for d, e, *_ in puts}) == sorted(remote)
+        assert all(sum(n for d2, e2, *_, n in puts if e2 == e) == counts_all[src, e] for _, e in remote)
         for t, k in zip(*np.nonzero(idx >= 0), strict=True):
-            d, local, row = lay.destination(counts_all, idx[t, k], pos[t, k])
-            assert out[d]["recv_src"][local, row] == -1, "two rows landed on one slot"
-            out[d]["recv_src"][local, row] = lay.encode(src, t, k)
+            d, local, row = lay.destination(counts_all, idx[t, k], out[src]["pos"][t, k])
+            assert out[d]["recv_src"][local, row] == lay.encode(src, t, k)
     return out
 
 
 def combine_model(layouts: list[MoELayout], received: list[dict[str, np.ndarray]], expert_out: list[np.ndarray],
                   weights: list[np.ndarray]) -> list[np.ndarray]:
     """Every rank's combine: ``expert_out[r]`` is rank r's output in its receive layout [L, W*T, H]; returns per
-    rank [tokens, H] float64, the weighted sum over each token's valid entries of its experts' rows."""
-    outs = [np.zeros((w.shape[0], lay.hidden)) for lay, w in zip(layouts, weights, strict=True)]
-    for r, lay in enumerate(layouts):
+    rank [tokens, H] float64, the weighted sum over each token's valid entries of its experts' rows. The rows
+    move as the kernels move them: each (local expert, source) block of the output to the source's combine
+    rows at the source's stage rows, then each entry read back from its stage row."""
+    lay0 = layouts[0]
+    combine = [np.zeros((lay.stage_capacity, lay.hidden)) for lay in layouts]
+    written = [np.zeros(lay.stage_capacity, dtype=bool) for lay in layouts]
+    for d, lay in enumerate(layouts):  # the experts' rank: one block per (local expert, source)
+        c = np.asarray(received[d]["counts_all"], dtype=np.int64)
+        eoff, off = lay.stage_offsets(c), lay.source_offsets(c)
         for local in range(lay.local_experts):
-            for p in range(int(received[r]["recv_count"][local])):
-                src, t, k = lay.decode(received[r]["recv_src"][local, p])
-                outs[src][t] += weights[src][t, k] * np.asarray(expert_out[r][local, p], dtype=np.float64)
+            e = d * lay.local_experts + local
+            for s in range(lay.world):
+                n = int(c[s, e])
+                assert not written[s][eoff[s, e]:eoff[s, e] + n].any(), "two outputs on one combine row"
+                combine[s][eoff[s, e]:eoff[s, e] + n] = np.asarray(expert_out[d][local, off[s, e]:off[s, e] + n],
+                                                                   dtype=np.float64)
+                written[s][eoff[s, e]:eoff[s, e] + n] = True
+        assert sum(n for *_, n in lay.combine_puts(c)) == sum(
+            int(c[s, e]) for s in range(lay.world) if s != d
+            for e in range(d * lay.local_experts, (d + 1) * lay.local_experts))
+    outs = [np.zeros((w.shape[0], lay0.hidden)) for w in weights]
+    for r in range(len(layouts)):  # the home rank: each valid entry from its stage row
+        idx, rows = received[r]["idx"], received[r]["stage_row"]
+        for t, k in zip(*np.nonzero(idx >= 0), strict=True):
+            assert written[r][rows[t, k]], "a combine row nobody wrote"
+            outs[r][t] += weights[r][t, k] * combine[r][rows[t, k]]
     return outs

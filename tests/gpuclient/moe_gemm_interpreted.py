@@ -17,10 +17,14 @@ on the GEMM's output; then the compute-only variant (``COMMUNICATE=False``) reru
 fresh buffer. Routing is uneven: a hot expert, an expert nobody picks, the last rank receiving nothing.
 Each rank checks its own results against the numpy model (``moe_layout``): counts, per-source layout,
 handle words and received rows exactly, ``y`` against float64 ``x @ w`` per expert within the output
-dtype's rounding (rows past the counts untouched), combine against the weighted sum, and no queued put left
-uncovered by a signal at the end of a round.
+dtype's rounding (rows past the counts untouched), combine against the weighted sum, no queued put left
+uncovered by a signal at the end of a round, every put the rank made exactly the model's (one per
+(peer, expert) block and one of its handle words, pieces of at most ``PUT_ROWS`` rows; one per (expert,
+source) block back), and every program of the plain kernels (send, finish, reduce) having waited for each
+peer's flag whose data it reads (the fused kernel's reads are checked load by load).
 
     python -m tests.gpuclient.moe_gemm_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN N PROGRAMS COMM BM BN BK OUT
+        [PUT_ROWS]
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_model
-from tests.gpuclient.moe_interpreted import REGIONS, Buffer, bf16, f32
+from tests.gpuclient.moe_interpreted import REGIONS, Buffer, bf16, f32, planned_combine, planned_dispatch
 from tests.gpuclient.test_moe_layout import uneven_routing
 
 NAN16 = 0x7FC0
@@ -48,10 +52,11 @@ WAIT_LIMIT_S = 300.0
 
 def buffers(lay: MoELayout, n_out: int, out: str) -> list[tuple[str, tuple, np.dtype]]:
     """Every rank's shared buffers: the registered ones (in ``REGIONS`` order), its flags and its ``y``."""
-    W, E, L, T, K, H = lay.world, lay.num_experts, lay.local_experts, lay.max_tokens, lay.topk, lay.hidden  # noqa: N806
+    W, E, L, T, H = lay.world, lay.num_experts, lay.local_experts, lay.max_tokens, lay.hidden  # noqa: N806
+    S = lay.stage_capacity  # noqa: N806
     return [("counts_all", (W, E), np.dtype(np.int32)), ("recv_x", (L, lay.capacity, H), np.dtype(np.uint16)),
-            ("recv_src", (L, lay.capacity), np.dtype(np.int32)), ("send_x", (T, H), np.dtype(np.uint16)),
-            ("send_src", (E, T), np.dtype(np.int32)), ("combine_buf", (T, K, H), np.dtype(np.uint16)),
+            ("recv_src", (L, lay.capacity), np.dtype(np.int32)), ("send_x", (S, H), np.dtype(np.uint16)),
+            ("send_src", (E, T), np.dtype(np.int32)), ("combine_buf", (S, H), np.dtype(np.uint16)),
             ("send_y", (L, lay.capacity, H), np.dtype(np.uint16)),
             ("flags", (lay.slot_base + lay.slots,), np.dtype(np.int64)),
             ("y", (L, lay.capacity, n_out), np.dtype(np.uint16 if out == "bf16" else np.float32))]
@@ -75,8 +80,9 @@ class SharedFabric:
     """The channel calls of one rank: puts queue per peer; this rank's next signal to that peer takes them, and
     a delivery thread lands them and then the flag, in signal order, ``DELIVERY_DELAY_S`` after the signal."""
 
-    def __init__(self, me: int, ranks: list[SimpleNamespace]) -> None:
-        self.me, self.ranks = me, ranks
+    def __init__(self, me: int, ranks: list[SimpleNamespace], max_put: int) -> None:
+        self.me, self.ranks, self.max_put = me, ranks, max_put
+        self.log: list[tuple[int, int, int, int, int, int]] = []  # every put: (peer, dst region, off, src ...)
         self.queued: dict[int, list[tuple[int, int, int, int, int]]] = {p: [] for p in range(len(ranks))}
         self.deliveries: queue.Queue = queue.Queue()
         self.failure: BaseException | None = None
@@ -114,8 +120,10 @@ class SharedFabric:
         assert peer != self.me, "a rank never puts to itself: its rows are copied"
         n, so, do = self.value(nbytes), self.value(src_off), self.value(dst_off)
         sr, dr = self.value(src_region), self.value(dst_region)
-        assert 0 < n and so + n <= self._bytes(self.me, sr).size and do + n <= self._bytes(peer, dr).size
+        assert 0 < n <= self.max_put and so + n <= self._bytes(self.me, sr).size
+        assert do + n <= self._bytes(peer, dr).size
         self.queued[peer].append((dr, do, sr, so, n))  # the source is read when the put lands, not now
+        self.log.append((peer, dr, do, sr, so, n))
 
     def put_signal(self, ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot, value, op=0):  # noqa: ANN001, ANN201
         self.put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes)
@@ -138,6 +146,11 @@ class SharedFabric:
 
     def uncovered(self) -> int:
         return sum(len(q) for q in self.queued.values())
+
+    def take(self) -> list[tuple[int, int, int, int, int, int]]:
+        """The puts since the last take, sorted."""
+        log, self.log = sorted(self.log), []
+        return log
 
 
 class ReadCheck:
@@ -210,7 +223,7 @@ def inputs(world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_
 
 
 def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_out: int,
-             programs: int, comm: int, block: tuple[int, int, int], out: str) -> None:
+             programs: int, comm: int, block: tuple[int, int, int], out: str, put_rows: int) -> None:
     import triton.runtime.interpreter as interp
 
     import gpuclient.kernels.moe as m
@@ -243,23 +256,39 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
 
     interp.InterpreterBuilder.create_masked_load = checked_load
 
-    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, slot_base=2) for r in range(world)]
+    max_put = put_rows * hidden * 2
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, slot_base=2, max_put_bytes=max_put)
+            for r in range(world)]
     lay = lays[rank]
     specs = buffers(lay, n_out, out)
     ranks = [attach(where / f"rank{r}.bin", specs) for r in range(world)]
     me = ranks[rank]
-    fabric = SharedFabric(rank, ranks)
+    fabric = SharedFabric(rank, ranks, max_put)
     check = ReadCheck(rank, lay, me)
 
+    waits: set[tuple[int, int, int]] = set()  # (program, slot, at least) of the latest plain kernels
+
     def wait(ch: object, slot: object, at_least: object) -> None:
-        check.wait(interp.interpreter_builder.grid_idx[0], fabric.value(slot), fabric.value(at_least))
+        pid = int(interp.interpreter_builder.grid_idx[0])
+        check.wait(pid, fabric.value(slot), fabric.value(at_least))
+        waits.add((pid, fabric.value(slot), fabric.value(at_least)))
         fabric.wait(ch, slot, at_least)
+
+    def waited(slot: int, epoch: int, grid: int) -> None:
+        """Every program of the plain kernel just run waited for ``slot + s`` to reach ``epoch``, every peer s
+        (it reads what they push)."""
+        for pid in range(grid):
+            missing = [s for s in range(world) if s != rank and (pid, slot + s, epoch) not in waits]
+            assert not missing, f"rank {rank} program {pid}: read what ranks {missing} push unwaited"
+        waits.clear()
 
     m.tpd = SimpleNamespace(put=fabric.put, put_signal=fabric.put_signal, signal=fabric.signal, wait=wait)
     W_, E_, L_, K_, T_, H_ = world, experts, lay.local_experts, topk, max_tokens, hidden  # noqa: N806
     me.recv_src[:] = -1
     me.send_src[:] = -1
-    idx32, pos = np.full((T_, K_), -1, np.int32), np.full((T_, K_), -1, np.int32)
+    idx32, stage_row = np.full((T_, K_), -1, np.int32), np.full((T_, K_), -1, np.int32)
+    stage_off = np.zeros(E_, np.int32)
+    copy_rows, put_rows_ = 2, lay.put_rows
     recv_count, recv_layout = np.zeros(L_, np.int32), np.zeros((L_, W_, 2), np.int32)
     done, result, ch = np.zeros(W_, np.int32), np.zeros((T_, H_), np.uint16), np.zeros(8, np.uint64)
     regions = {name: i for i, name in enumerate(REGIONS)}
@@ -274,37 +303,45 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         if communicate:
             check.start(epoch, recv_layout_model)
         m._moe_dispatch_gemm[(programs,)](
-            _b(ch), epoch, rank, _b(me.counts_all), _b(me.send_x), _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
-            _b(w_mine), _b(y), _b(recv_count), _b(recv_layout), _b(done),
+            _b(ch), epoch, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x), _b(me.send_src), _b(me.recv_x),
+            _b(me.recv_src), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout), _b(done),
             *[regions[n] for n in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")], lay.count_slot,
-            lay.dispatch_slot, W=W_, E=E_, L=L_, K=K_, T=T_, H=H_, N=n_out, LP=m._pow2(L_), WP=m._pow2(W_),
-            COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=16, COMMUNICATE=communicate,
-            COMPUTE=True)
+            lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_, H=H_, N=n_out, LP=m._pow2(L_), WP=m._pow2(W_),
+            COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=16, COPY_ROWS=copy_rows,
+            PUT_ROWS=put_rows_, COMMUNICATE=communicate, COMPUTE=True)
         check.active = False
 
     for rnd, data_r in enumerate(data["rounds"], start=1):
         tokens, idx, x = data_r["tokens"], data_r["idx"], data_r["x"]
-        me.recv_x[:] = NAN16  # what the peers owe this round: poisoned (before our counts go out)
+        me.recv_x[:] = NAN16  # what the peers owe this round, and our stage: poisoned (before our counts go out)
         me.combine_buf[:] = NAN16
+        me.send_x[:] = NAN16
         me.y[:] = poison_y
         n = tokens[rank]
-        m._moe_route[(programs,)](_b(x[rank]), _b(idx[rank]), _b(me.send_x), _b(idx32), _b(pos), _b(me.counts_all),
-                                  _b(me.send_src), rank, n, E=E_, K=K_, KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4,
-                                  BLOCK_H=16)
+        m._moe_route[(programs,)](_b(x[rank]), _b(idx[rank]), _b(me.send_x), _b(idx32), _b(stage_row),
+                                  _b(me.counts_all), _b(stage_off), _b(me.send_src), rank, n, E=E_, K=K_,
+                                  KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows, BLOCK_H=16)
         if rnd == 2:  # the plain dispatch, on the same flags
-            m._moe_send[(programs,)](_b(ch), rnd, rank, n, _b(idx32), _b(pos), _b(me.counts_all), _b(me.send_x),
+            m._moe_send[(programs,)](_b(ch), rnd, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x),
                                      _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
                                      *[regions[k] for k in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")],
-                                     lay.count_slot, W=W_, E=E_, L=L_, K=K_, T=T_, H=H_, BLOCK_H=16, BLOCK_R=4)
+                                     lay.count_slot, W=W_, E=E_, L=L_, T=T_, H=H_, COPY_ROWS=copy_rows, BLOCK_H=16,
+                                     PUT_ROWS=put_rows_)
+            waited(lay.count_slot, rnd, programs)
             m._moe_finish[(1,)](_b(ch), rnd, rank, _b(me.counts_all), _b(recv_count), _b(recv_layout),
                                 lay.dispatch_slot, W=W_, E=E_, L=L_, LP=m._pow2(L_), WP=m._pow2(W_))
+            waited(lay.dispatch_slot, rnd, 1)
             y64 = np.einsum("lph,lhn->lpn", f32(me.recv_x).astype(np.float64), f32(w_mine).astype(np.float64))
             y = bf16(y64) if out == "bf16" else y64.astype(np.float32)
             me.y[:] = y
         else:
             gemm(rnd, me.y, True, dispatch_model(lays, idx)[rank]["recv_layout"])
+            waits.clear()  # the fused kernel's reads are checked load by load (ReadCheck)
         model = dispatch_model(lays, idx)[rank]
         what = f"round {rnd} rank {rank}"
+        assert fabric.take() == planned_dispatch(lay, model["counts_all"]), f"{what}: the dispatch puts"
+        valid = model["idx"] >= 0
+        assert (stage_row[:n][valid] == model["stage_row"][valid]).all(), what
         assert (idx32[:n] == model["idx"]).all(), what
         assert (me.counts_all == model["counts_all"]).all(), what
         assert (recv_count == model["recv_count"]).all() and (recv_layout == model["recv_layout"]).all(), what
@@ -332,12 +369,16 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             y_send = me.y if out == "bf16" else bf16(me.y)
         else:
             y_send = me.recv_x.copy()
-        m._moe_combine_send[(programs,)](_b(ch), rank, _b(np.ascontiguousarray(y_send)), _b(recv_count),
-                                         _b(me.recv_src), _b(me.send_y), _b(me.combine_buf), regions["combine_buf"],
-                                         regions["send_y"], W=W_, L=L_, K=K_, T=T_, H=H_, BLOCK_H=16)
+        m._moe_combine_send[(programs,)](_b(ch), rank, _b(np.ascontiguousarray(y_send)), _b(me.counts_all),
+                                         _b(me.send_y), _b(me.combine_buf), regions["combine_buf"], regions["send_y"],
+                                         W=W_, E=E_, L=L_, T=T_, H=H_, EP=m._pow2(E_), COPY_ROWS=copy_rows,
+                                         BLOCK_H=16, PUT_ROWS=put_rows_)
         weights = np.ascontiguousarray(data_r["w"][rank])
-        m._moe_combine_reduce[(programs,)](_b(ch), rnd, rank, n, _b(idx32), _b(weights), _b(me.combine_buf),
-                                           _b(result), lay.combine_slot, W=W_, K=K_, H=H_, BLOCK_H=16)
+        m._moe_combine_reduce[(programs,)](_b(ch), rnd, rank, n, _b(idx32), _b(stage_row), _b(weights),
+                                           _b(me.combine_buf), _b(result), lay.combine_slot, W=W_, K=K_, H=H_,
+                                           BLOCK_H=16)
+        waited(lay.combine_slot, rnd, programs)
+        assert fabric.take() == planned_combine(lay, model["counts_all"]), f"{what}: the combine puts"
         everyone = dispatch_model(lays, idx)
         expert_out = []
         for d, lay_d in enumerate(lays):  # every rank's combine input, from the model
@@ -364,6 +405,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     again = np.full_like(me.y, poison_y)
     flags = me.flags.copy()
     gemm(3, again, False, recv_layout)
+    assert fabric.take() == []
     assert (again.view(np.uint8) == me.y.view(np.uint8)).all(), f"rank {rank}: the compute-only rerun differs"
     assert (me.flags == flags).all() and fabric.uncovered() == 0
     fabric.drain()
@@ -377,8 +419,10 @@ def main(argv: list[str]) -> None:
         rank, where, rest = -1, None, argv
     world, experts, max_tokens, topk, hidden, n_out, programs, comm, bm, bn, bk = (int(a) for a in rest[:11])
     out = rest[11]
+    put_rows = int(rest[12]) if len(rest) > 12 else max_tokens
     if rank >= 0:
-        run_rank(rank, where, world, experts, max_tokens, topk, hidden, n_out, programs, comm, (bm, bn, bk), out)
+        run_rank(rank, where, world, experts, max_tokens, topk, hidden, n_out, programs, comm, (bm, bn, bk), out,
+                 put_rows)
         print(f"rank {rank} ok")
         return
     lay = MoELayout(0, world, experts, max_tokens, topk, hidden, slot_base=2)
@@ -390,7 +434,7 @@ def main(argv: list[str]) -> None:
         procs = [subprocess.Popen([sys.executable, "-m", "tests.gpuclient.moe_gemm_interpreted", "--rank", str(r), tmp,
                                    *rest], stdout=logs[r], stderr=subprocess.STDOUT, env=os.environ)
                  for r in range(world)]
-        while any(p.poll() is None for p in procs):  # one rank failing leaves the others waiting: stop them
+        while any([p.poll() is None for p in procs]):  # one rank failing leaves the others waiting: stop them
             if any(p.returncode not in (None, 0) for p in procs):
                 for p in procs:
                     if p.poll() is None:

@@ -3,12 +3,20 @@ tests/gpuclient/test_moe_layout.py in a process of its own: ``TRITON_INTERPRET=1
 is imported, so Triton's own library functions are interpreted too).
 
 The channel calls are replaced by :class:`Fabric`, a model that moves a put's bytes into the peer's buffer at
-once, adds a signal to the peer's flag, and records each wait, checked once every rank has run the kernel.
+once, adds a signal to the peer's flag, and records each wait, checked once every rank has run the kernel
+(each satisfied by the signals sent, and every program of a kernel that reads what peers push waiting for
+every peer's flag: ranks take turns here, so a missing wait would still find its data), and each put,
+checked against the model's plan: one put per (peer, expert) block with rows and one of its handle words
+(pieces of at most ``put_rows`` rows), exactly the model's offsets and lengths, and the records per
+destination the model counts.
+
+    python -m tests.gpuclient.moe_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN PROGRAMS [PUT_ROWS]
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -95,8 +103,9 @@ class Fabric:
 
     def __init__(self, ranks: list[SimpleNamespace]) -> None:
         self.ranks = ranks
-        self.waits: list[tuple[int, int, int]] = []
-        self.records = 0
+        self.waits: list[tuple[int, int, int, int]] = []  # (rank, slot, at least, program)
+        self.records: Counter = Counter()  # (rank, peer): records pushed
+        self.puts: list[tuple[int, int, int, int, int, int, int]] = []  # (rank, peer, dst region, off, src ...)
 
     @staticmethod
     def value(x: object) -> int:
@@ -116,26 +125,67 @@ class Fabric:
         assert peer != me, "a rank never puts to itself: its rows are copied"
         n, so, do = self.value(nbytes), self.value(src_off), self.value(dst_off)
         src, dst = self._bytes(me, self.value(src_region)), self._bytes(peer, self.value(dst_region))
-        assert 0 < n and so + n <= src.size and do + n <= dst.size, (me, peer, so, do, n)
+        assert 0 < n <= self.max_put and so + n <= src.size and do + n <= dst.size, (me, peer, so, do, n)
         dst[do:do + n] = src[so:so + n]
-        self.records += 1
+        self.records[me, peer] += 1
+        self.puts.append((me, peer, self.value(dst_region), do, self.value(src_region), so, n))
 
     def put_signal(self, ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot, value, op=0):  # noqa: ANN001, ANN201
         self.put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes)
-        self.signal(ch, peer, slot, value)
+        self.ranks[self.value(peer)].flags[self.value(slot)] += self.value(value)
 
     def signal(self, ch, peer, slot, value, op=0):  # noqa: ANN001, ANN201
-        assert self.value(peer) != self.rank_of(ch)
+        me = self.rank_of(ch)
+        assert self.value(peer) != me
         self.ranks[self.value(peer)].flags[self.value(slot)] += self.value(value)
-        self.records += 1
+        self.records[me, self.value(peer)] += 1
 
     def wait(self, ch, slot, at_least):  # noqa: ANN001, ANN201
-        self.waits.append((self.rank_of(ch), self.value(slot), self.value(at_least)))
+        from triton.runtime import interpreter
 
-    def check_waits(self) -> None:
-        for rank, slot, at_least in self.waits:
-            assert self.ranks[rank].flags[slot] >= at_least, (rank, slot, at_least, self.ranks[rank].flags)
+        pid = int(interpreter.interpreter_builder.grid_idx[0])
+        self.waits.append((self.rank_of(ch), self.value(slot), self.value(at_least), pid))
+
+    def check_waits(self, slot: int | None = None, epoch: int = 0, programs: int = 0) -> None:
+        """Every wait satisfied; with ``slot``, every program of every rank waited for ``slot + s`` to reach
+        ``epoch`` for every peer s."""
+        for rank, at, at_least, _ in self.waits:
+            assert self.ranks[rank].flags[at] >= at_least, (rank, at, at_least, self.ranks[rank].flags)
+        if slot is not None:
+            world = len(self.ranks)
+            done = {(rank, at, pid) for rank, at, at_least, pid in self.waits if at_least >= epoch}
+            for rank in range(world):
+                for pid in range(programs):
+                    missing = [s for s in range(world) if s != rank and (rank, slot + s, pid) not in done]
+                    assert not missing, f"rank {rank} program {pid} read what ranks {missing} push unwaited"
         self.waits.clear()
+
+    def take(self, rank: int) -> list[tuple[int, int, int, int, int, int]]:
+        """The puts ``rank`` made since the last take: (peer, dst region, dst off, src region, src off, bytes)."""
+        mine = sorted(p[1:] for p in self.puts if p[0] == rank)
+        self.puts = [p for p in self.puts if p[0] != rank]
+        return mine
+
+
+def planned_dispatch(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
+    """The model's dispatch puts of ``lay.rank``, as the fabric records them: the count row to every peer, and
+    per block piece its rows (stage rows to the expert's receive rows) and their handle words."""
+    r, row = {name: i for i, name in enumerate(REGIONS)}, lay.row_bytes
+    eoff = lay.stage_offsets(counts_all[lay.rank])
+    puts = [(peer, r["counts_all"], lay.rank * lay.num_experts * 4, r["counts_all"], lay.rank * lay.num_experts * 4,
+             lay.num_experts * 4) for peer in range(lay.world) if peer != lay.rank]
+    for d, e, first, dst, n in lay.dispatch_puts(counts_all):
+        puts.append((d, r["recv_x"], dst * row, r["send_x"], first * row, n * row))
+        puts.append((d, r["recv_src"], dst * 4, r["send_src"], (e * lay.max_tokens + first - int(eoff[e])) * 4, n * 4))
+    return sorted(puts)
+
+
+def planned_combine(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
+    """The model's combine puts of ``lay.rank``: per (local expert, source) block piece, y's rows (from send_y,
+    where they are copied first) to the source's combine rows at its stage rows."""
+    r, row = {name: i for i, name in enumerate(REGIONS)}, lay.row_bytes
+    return sorted((s, r["combine_buf"], home * row, r["send_y"], y_row * row, n * row)
+                  for s, _, y_row, home, n in lay.combine_puts(counts_all))
 
 
 def _rank_state(lay: MoELayout) -> SimpleNamespace:
@@ -144,11 +194,11 @@ def _rank_state(lay: MoELayout) -> SimpleNamespace:
     return SimpleNamespace(
         ch=np.zeros(8, dtype=np.uint64), flags=np.zeros(lay.slot_base + lay.slots, dtype=np.int64),
         counts_all=np.zeros((W, E), np.int32), recv_x=np.full((L, lay.capacity, H), nan, np.uint16),
-        recv_src=np.full((L, lay.capacity), -1, np.int32), send_x=np.zeros((T, H), np.uint16),
-        send_src=np.full((E, T), -1, np.int32), combine_buf=np.full((T, K, H), nan, np.uint16),
+        recv_src=np.full((L, lay.capacity), -1, np.int32), send_x=np.full((lay.stage_capacity, H), nan, np.uint16),
+        send_src=np.full((E, T), -1, np.int32), combine_buf=np.full((lay.stage_capacity, H), nan, np.uint16),
         send_y=np.zeros((L, lay.capacity, H), np.uint16), idx32=np.full((T, K), -1, np.int32),
-        pos=np.full((T, K), -1, np.int32), recv_count=np.zeros(L, np.int32), recv_layout=np.zeros((L, W, 2), np.int32),
-        out=np.zeros((T, H), np.uint16))
+        stage_row=np.full((T, K), -1, np.int32), stage_off=np.zeros(E, np.int32), recv_count=np.zeros(L, np.int32),
+        recv_layout=np.zeros((L, W, 2), np.int32), out=np.zeros((T, H), np.uint16))
 
 
 def _b(arr: np.ndarray) -> Buffer:
@@ -157,8 +207,10 @@ def _b(arr: np.ndarray) -> Buffer:
     return Buffer(arr, kind)
 
 
-def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, programs: int) -> None:
-    """Three rounds of dispatch, an expert function and combine, checked against the model."""
+def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, programs: int,
+             put_rows: int | None = None) -> None:
+    """Three rounds of dispatch, an expert function and combine, checked against the model; ``put_rows`` below
+    ``max_tokens`` splits the blocks (as a block past the largest put is)."""
     from triton.runtime import interpreter
 
     import gpuclient.kernels.moe as m
@@ -171,13 +223,16 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
 
     interpreter._patch_lang_tensor = scalar_index
     rng = np.random.default_rng(world * 10 + topk)
-    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, slot_base=2) for r in range(world)]
+    max_put = (put_rows or max_tokens) * hidden * 2
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, slot_base=2, max_put_bytes=max_put)
+            for r in range(world)]
     ranks = [_rank_state(lay) for lay in lays]
     fabric = Fabric(ranks)
+    fabric.max_put = max_put
     m.tpd = SimpleNamespace(put=fabric.put, put_signal=fabric.put_signal, signal=fabric.signal, wait=fabric.wait)
     lay0 = lays[0]
     W_, E_, L_, K_, T_, H_ = world, experts, lay0.local_experts, topk, max_tokens, hidden  # noqa: N806
-    block_h = 16
+    block_h, copy_rows, put_rows_ = 16, 2, lay0.put_rows
     regions = {name: i for i, name in enumerate(REGIONS)}
     scale = rng.choice([0.5, 1.0, 2.0, -1.0, 4.0], size=experts)  # exact in bf16: only the sum rounds
     for rnd in range(1, 4):
@@ -188,33 +243,49 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
                              dtype=np.int32 if rnd % 2 else np.int64)
         x = [bf16(rng.standard_normal((n, hidden))) for n in tokens]
         w = [rng.random((n, topk)).astype(np.float32) for n in tokens]
-        for st in ranks:  # what the peers owe: poisoned
+        for st in ranks:  # what the peers owe, and the stage: poisoned
             st.recv_x[:] = bf16(np.float32(np.nan))
             st.combine_buf[:] = bf16(np.float32(np.nan))
+            st.send_x[:] = bf16(np.float32(np.nan))
         for r, st in enumerate(ranks):
-            m._moe_route[(programs,)](_b(x[r]), _b(idx[r]), _b(st.send_x), _b(st.idx32), _b(st.pos),
-                                      _b(st.counts_all), _b(st.send_src), r, tokens[r], E=E_, K=K_,
-                                      KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, BLOCK_H=block_h)
+            m._moe_route[(programs,)](_b(x[r]), _b(idx[r]), _b(st.send_x), _b(st.idx32), _b(st.stage_row),
+                                      _b(st.counts_all), _b(st.stage_off), _b(st.send_src), r, tokens[r], E=E_,
+                                      K=K_, KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows,
+                                      BLOCK_H=block_h)
         fabric.check_waits()
+        model = dispatch_model(lays, idx)
+        for r, st in enumerate(ranks):  # the stage: expert-major, each row its entry's token row, bit for bit
+            valid = model[r]["idx"] >= 0
+            assert (st.stage_row[:tokens[r]][valid] == model[r]["stage_row"][valid]).all(), (rnd, r)
+            assert (st.stage_off == lays[r].stage_offsets(model[r]["counts_all"][r])).all(), (rnd, r)
+            for i, word in enumerate(model[r]["stage_src"]):
+                if word >= 0:
+                    assert (st.send_x[i] == x[r][lays[r].decode(word)[1]]).all(), (rnd, r, i)
         for r, st in enumerate(ranks):  # ranks run in turn: deliver the count rows _moe_send's program 0 puts
             for peer in ranks:
                 if peer is not st:
                     peer.counts_all[r] = st.counts_all[r]
         flags_before = [st.flags.copy() for st in ranks]
+        fabric.records.clear()
         for r, st in enumerate(ranks):
-            m._moe_send[(programs,)](_b(st.ch), rnd, r, tokens[r], _b(st.idx32), _b(st.pos), _b(st.counts_all),
-                                     _b(st.send_x), _b(st.send_src), _b(st.recv_x), _b(st.recv_src),
+            m._moe_send[(programs,)](_b(st.ch), rnd, r, _b(st.counts_all), _b(st.stage_off), _b(st.send_x),
+                                     _b(st.send_src), _b(st.recv_x), _b(st.recv_src),
                                      *[regions[n] for n in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")],
-                                     lays[r].count_slot, W=W_, E=E_, L=L_, K=K_, T=T_, H=H_, BLOCK_H=block_h, BLOCK_R=4)
-        fabric.check_waits()
+                                     lays[r].count_slot, W=W_, E=E_, L=L_, T=T_, H=H_, COPY_ROWS=copy_rows,
+                                     BLOCK_H=block_h, PUT_ROWS=put_rows_)
+        fabric.check_waits(lay0.count_slot, rnd, programs)  # every program reads the lower ranks' counts
+        for r, lay in enumerate(lays):  # the puts are the model's, offset for offset and byte for byte
+            assert fabric.take(r) == planned_dispatch(lay, model[r]["counts_all"]), (rnd, r)
         for r, st in enumerate(ranks):  # one count signal from each peer per round
             got = st.flags - flags_before[r]
             assert [int(got[lays[r].count_slot + s]) for s in range(world)] == [int(s != r) for s in range(world)]
         for r, st in enumerate(ranks):
             m._moe_finish[(1,)](_b(st.ch), rnd, r, _b(st.counts_all), _b(st.recv_count), _b(st.recv_layout),
                                 lays[r].dispatch_slot, W=W_, E=E_, L=L_, LP=m._pow2(L_), WP=m._pow2(W_))
-        fabric.check_waits()
-        model = dispatch_model(lays, idx)
+        fabric.check_waits(lay0.dispatch_slot, rnd, 1)  # the caller reads the rows once it returns
+        for r, lay in enumerate(lays):  # records per destination: the count, a row and a handle put per block
+            want_records = lay.writes(model[r]["counts_all"])["dispatch"]
+            assert [fabric.records[r, d] for d in range(world)] == want_records, (rnd, r)
         for r, st in enumerate(ranks):
             assert (st.idx32[:tokens[r]] == model[r]["idx"]).all()
             assert (st.counts_all == model[r]["counts_all"]).all()
@@ -230,17 +301,23 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
         for r, st in enumerate(ranks):
             y = f32(st.recv_x) * scale[r * L_:(r + 1) * L_, None, None].astype(np.float32)
             ys.append(bf16(y))
+        fabric.records.clear()
         for r, st in enumerate(ranks):
-            m._moe_combine_send[(programs,)](_b(st.ch), r, _b(ys[r]), _b(st.recv_count), _b(st.recv_src),
-                                             _b(st.send_y), _b(st.combine_buf), regions["combine_buf"],
-                                             regions["send_y"], W=W_, L=L_, K=K_, T=T_, H=H_, BLOCK_H=block_h)
+            m._moe_combine_send[(programs,)](_b(st.ch), r, _b(ys[r]), _b(st.counts_all), _b(st.send_y),
+                                             _b(st.combine_buf), regions["combine_buf"], regions["send_y"], W=W_,
+                                             E=E_, L=L_, T=T_, H=H_, EP=m._pow2(E_), COPY_ROWS=copy_rows,
+                                             BLOCK_H=block_h, PUT_ROWS=put_rows_)
         fabric.check_waits()
+        for r, lay in enumerate(lays):
+            assert fabric.take(r) == planned_combine(lay, model[r]["counts_all"]), (rnd, r)
         weights = [np.ascontiguousarray(a) for a in w]
         for r, st in enumerate(ranks):
-            m._moe_combine_reduce[(programs,)](_b(st.ch), rnd, r, tokens[r], _b(st.idx32), _b(weights[r]),
-                                               _b(st.combine_buf), _b(st.out), lays[r].combine_slot,
+            m._moe_combine_reduce[(programs,)](_b(st.ch), rnd, r, tokens[r], _b(st.idx32), _b(st.stage_row),
+                                               _b(weights[r]), _b(st.combine_buf), _b(st.out), lays[r].combine_slot,
                                                W=W_, K=K_, H=H_, BLOCK_H=block_h)
-        fabric.check_waits()
+        fabric.check_waits(lay0.combine_slot, rnd, programs)  # every program reads the peers' outputs
+        for r, lay in enumerate(lays):
+            assert [fabric.records[r, d] for d in range(world)] == lay.writes(model[r]["counts_all"])["combine"]
         want = combine_model(lays, model, [f32(y).astype(np.float64) for y in ys], [a.astype(np.float64) for a in w])
         for r, st in enumerate(ranks):
             got = f32(st.out[:tokens[r]]).astype(np.float64)

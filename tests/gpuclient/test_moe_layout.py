@@ -2,20 +2,23 @@
 
 - ``moe_layout`` (the numpy model the host side and the GPU test use) against brute-force enumeration:
   normalisation (out-of-range and repeated experts dropped), counts, positions in token order, packed
-  receive rows source by source, the handle words, and combine's weighted sums; on uneven routing (a hot
-  expert, experts and a whole rank receiving nothing, tokens with no expert, fewer tokens than the maximum).
+  receive rows source by source, the handle words, the expert-major stage rows, the dispatch and combine
+  puts (one per (peer, expert) block, split past the largest put) and the records per destination, and
+  combine's weighted sums; on uneven routing (a hot expert, experts and a whole rank receiving nothing,
+  tokens with no expert, fewer tokens than the maximum).
 - Every MoE kernel compiles for sm_90 (PTX and cubin; Triton needs no GPU for it), with no read-only-cache
   loads (peers' NICs write what the kernels read) and each protocol call site once.
 - The five kernels run in Triton's interpreter on numpy buffers, several ranks in sequence, with the
   channel calls replaced by a model that moves the bytes and counts the flags: three rounds of dispatch,
-  an expert function and combine, with no reset, checked against the model (received rows bit for bit,
-  handle words exactly, the sums within bf16 rounding) and every wait satisfied by the signals sent.
+  an expert function and combine, with no reset, checked against the model (staged and received rows bit
+  for bit, handle words exactly, every put's offsets and length, the records per destination, the sums
+  within bf16 rounding) and every wait satisfied by the signals sent; once with blocks split into pieces.
 - The fused dispatch + expert GEMM (``_moe_dispatch_gemm``, ``MoE.dispatch_gemm``) compiles for sm_90 in
   each variant (wgmma where the GEMM runs, every push and wait where the protocol runs), and runs in the
   interpreter with one process per rank over shared memory, puts landing only with the signal that covers
   them and late, every load of a peer's row or count checked against the waits of the program that made
-  it: rounds of dispatch_gemm and plain dispatch with combine, against the model and float64 ``x @ w``
-  (tests/gpuclient/moe_gemm_interpreted.py).
+  it: rounds of dispatch_gemm and plain dispatch with combine, against the model (puts included) and
+  float64 ``x @ w`` (tests/gpuclient/moe_gemm_interpreted.py); once with blocks split into pieces.
 
 The GPU test is tests/gpu/test_moe.py.
 """
@@ -117,6 +120,106 @@ def test_normalize_drops_out_of_range_and_repeats_and_keeps_the_first() -> None:
     assert pos[1].tolist() == [0, 0, -1, -1] and send_src[5, 0] == lay.encode(0, 1, 0)
 
 
+def brute_force_stage(lay: MoELayout, topk_idx: np.ndarray) -> list[tuple[int, int]]:
+    """A source's stage rows, the slow way: its valid (token, k) entries sorted by expert, then by token."""
+    entries = []
+    for t in range(topk_idx.shape[0]):
+        seen = set()
+        for k in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, k])
+            if 0 <= e < lay.num_experts and e not in seen:
+                seen.add(e)
+                entries.append((e, t, k))
+    return [(t, k) for _, t, k in sorted(entries)]
+
+
+@pytest.mark.parametrize(("world", "experts", "max_tokens", "topk", "put_rows"),
+                         [(2, 8, 16, 3, 16), (3, 9, 7, 4, 2), (4, 4, 5, 1, 1), (1, 4, 6, 2, 6), (2, 6, 20, 3, 3)])
+def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int, max_tokens: int, topk: int,
+                                                        put_rows: int) -> None:
+    """Staging is expert-major, each (source, expert) block lands packed at the expert's rank, the dispatch and
+    combine puts are exactly the remote blocks split at ``put_rows`` rows, and the writes per destination are
+    the count, a row put and a handle-word put per piece and the SIGNAL."""
+    rng = np.random.default_rng(world + put_rows)
+    hidden = 16
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, max_put_bytes=put_rows * hidden * 2 + 1)
+            for r in range(world)]
+    assert lays[0].put_rows == min(put_rows, max_tokens)
+    idx = uneven_routing(rng, world, experts, max_tokens, topk, [max_tokens - (r % 2) for r in range(world)])
+    got = dispatch_model(lays, idx)
+    want = brute_force(lays, idx)
+    counts_all = got[0]["counts_all"]
+    for src, lay in enumerate(lays):
+        stage = brute_force_stage(lay, idx[src])
+        assert [lay.decode(w)[1:] for w in got[src]["stage_src"][:len(stage)]] == stage
+        assert (got[src]["stage_src"][len(stage):] == -1).all()
+        rows = got[src]["stage_row"]
+        assert sorted((int(rows[t, k]), t, k) for t, k in stage) == [(i, t, k) for i, (t, k) in enumerate(stage)]
+        assert (rows[got[src]["idx"] < 0] == -1).all()
+        eoff = lay.stage_offsets(counts_all[src])
+        assert eoff.tolist() == [sum(1 for t, k in stage if got[src]["idx"][t, k] < e) for e in range(experts)]
+        # dispatch: the block of expert e is its stage rows, and lands as source src's rows at the expert
+        puts = lay.dispatch_puts(counts_all)
+        for d, e, first, dst, n in puts:
+            d_, local = lay.owner(e)
+            assert d == d_ != src and 1 <= n <= lay.put_rows
+            off = int(lay.source_offsets(counts_all)[src, e])
+            j = first - int(eoff[e])
+            assert dst == local * lay.capacity + off + j and 0 <= j and j + n <= counts_all[src, e]
+            assert [tuple(r) for r in stage[first:first + n]] == [
+                lay.decode(w)[1:] for w in got[d]["recv_src"][local, off + j:off + j + n]]
+            assert all(r[0] == src for r in want[(d, local)][off + j:off + j + n])
+        for e in range(experts):  # the chunks of a remote block tile it, in order
+            if lay.owner(e)[0] != src:
+                starts = [first for _, e2, first, _, _ in puts if e2 == e]
+                assert starts == list(range(int(eoff[e]), int(eoff[e] + counts_all[src, e]), lay.put_rows))
+        # combine, this rank as the experts' rank: each block back to its source's stage rows
+        for s, e, y_row, comb_row, n in lay.combine_puts(counts_all):
+            local = e - src * lay.local_experts
+            assert s != src and 0 <= local < lay.local_experts and 1 <= n <= lay.put_rows
+            p = y_row - local * lay.capacity
+            for i in range(n):  # the row's output goes home to the entry's stage row
+                s2, t, k = lay.decode(got[src]["recv_src"][local, p + i])
+                assert s2 == s and got[s]["stage_row"][t, k] == comb_row + i
+        # the records per destination
+        w = lay.writes(counts_all)
+        for d in range(world):
+            if d == src:
+                assert w["dispatch"][d] == w["combine"][d] == 0
+                continue
+            mine = range(d * lay.local_experts, (d + 1) * lay.local_experts)
+            blocks = [int(counts_all[src, e]) for e in mine if counts_all[src, e] > 0]
+            assert w["dispatch"][d] == 2 + 2 * sum(-(-n // lay.put_rows) for n in blocks)
+            back = [int(counts_all[d, e]) for e in range(src * lay.local_experts, (src + 1) * lay.local_experts)
+                    if counts_all[d, e] > 0]
+            assert w["combine"][d] == 1 + sum(-(-n // lay.put_rows) for n in back)
+
+
+def test_the_largest_put_is_the_daemons() -> None:
+    from gpuclient.kernels.moe_layout import MAX_PUT_BYTES
+    from transportd.dataplane.tables import DEFAULT_MAX_LENGTH
+
+    assert MAX_PUT_BYTES == DEFAULT_MAX_LENGTH <= 0xFFFF_FFFF
+    lay = MoELayout(0, 2, 64, 128, 8, 7168)
+    assert lay.put_rows == 128  # DeepEP-LL's shape: every block in one put
+    assert MoELayout(0, 2, 4, 1 << 16, 2, 1 << 15).put_rows == (1 << 31) // (1 << 16)  # 2 GiB of 64 KiB rows
+
+
+def test_writes_per_destination_at_deepep_low_latency_shape() -> None:
+    """128 tokens a rank, top-8 of 64 experts, two ranks, uniform routing: a dispatch pushes each peer its
+    count row, one put per expert block and one per block's handle words, and a SIGNAL (about 66 records,
+    against one per row before: about 530); combine one put per block and a SIGNAL."""
+    rng = np.random.default_rng(0)
+    lays = [MoELayout(r, 2, 64, 128, 8, 7168) for r in range(2)]
+    idx = [np.stack([rng.permutation(64)[:8] for _ in range(128)]) for _ in range(2)]
+    counts_all = dispatch_model(lays, idx)[0]["counts_all"]
+    for r, lay in enumerate(lays):
+        w = lay.writes(counts_all)
+        blocks = int((counts_all[r, (1 - r) * 32:(2 - r) * 32] > 0).sum())
+        back = int((counts_all[1 - r, r * 32:(r + 1) * 32] > 0).sum())
+        assert w["dispatch"][1 - r] == 2 + 2 * blocks <= 66 and w["combine"][1 - r] == 1 + back <= 33
+
+
 def test_the_combine_model_is_the_weighted_sum_of_each_tokens_experts() -> None:
     rng = np.random.default_rng(4)
     world, experts, max_tokens, topk, hidden = 3, 6, 10, 3, 5
@@ -151,7 +254,12 @@ def test_the_combine_model_is_the_weighted_sum_of_each_tokens_experts() -> None:
     ({"hidden": 2.0}, "hidden must be an integer >= 1"),
     ({"max_tokens": 1 << 29, "topk": 4}, "passes the int32 source word"),
     ({"slot_base": -1}, "slot_base must be an integer >= 0"),
-    ({"hidden": 1 << 31}, "32-bit length"),
+    ({"hidden": (1 << 30) + 1}, r"a row \(2147483650 bytes\) passes the largest put"),
+    ({"hidden": 64, "max_put_bytes": 100}, r"a row \(128 bytes\) passes the largest put \(100 bytes\)"),
+    ({"hidden": 1, "max_put_bytes": 3}, r"a row \(4 bytes\) passes"),
+    ({"num_experts": 64, "max_put_bytes": 200}, r"the count row \(256 bytes\) passes"),
+    ({"max_put_bytes": (1 << 31) + 1}, "more than the daemon takes"),
+    ({"max_put_bytes": 0}, "max_put_bytes must be an integer >= 1"),
 ])
 def test_bad_shapes_are_refused_with_the_culprit_named(kwargs: dict, message: str) -> None:
     args = {"rank": 0, "world": 2, "num_experts": 8, "max_tokens": 16, "topk": 2, "hidden": 64, **kwargs}
@@ -177,41 +285,42 @@ from tests.gpuclient.test_triton import compile_kernel  # noqa: E402
 
 W, E, L, K, T, H = 2, 8, 4, 3, 100, 200
 SIGNATURES = {
-    "_moe_route": ({"x_ptr": "*bf16", "idx_ptr": "*i64", "send_x_ptr": "*bf16", "idx32_ptr": "*i32", "pos_ptr": "*i32",
-                    "count_ptr": "*i32", "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
-                   {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "BLOCK_H": 256}),
-    "_moe_send": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
-                   "pos_ptr": "*i32", "count_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
-                   "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "count_region": "i32", "recv_region": "i32",
-                   "recv_src_region": "i32", "send_x_region": "i32", "send_src_region": "i32", "count_slot": "i32"},
-                  {"W": W, "E": E, "L": L, "K": K, "T": T, "H": H, "BLOCK_H": 256, "BLOCK_R": 128}),
+    "_moe_route": ({"x_ptr": "*bf16", "idx_ptr": "*i64", "send_x_ptr": "*bf16", "idx32_ptr": "*i32", "row_ptr": "*i32",
+                    "count_ptr": "*i32", "eoff_ptr": "*i32", "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
+                   {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "COPY_ROWS": 16, "BLOCK_H": 256}),
+    "_moe_send": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
+                   "send_x_ptr": "*bf16", "send_src_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32",
+                   "count_region": "i32", "recv_region": "i32", "recv_src_region": "i32", "send_x_region": "i32",
+                   "send_src_region": "i32", "count_slot": "i32"},
+                  {"W": W, "E": E, "L": L, "T": T, "H": H, "COPY_ROWS": 16, "BLOCK_H": 256, "PUT_ROWS": T}),
     "_moe_finish": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "recv_count_ptr": "*i32",
                      "layout_ptr": "*i32", "dispatch_slot": "i32"},
                     {"W": W, "E": E, "L": L, "LP": 4, "WP": 2}),
-    "_moe_combine_send": ({"ch": "*u64", "rank": "i32", "y_ptr": "*bf16", "recv_count_ptr": "*i32",
-                           "recv_src_ptr": "*i32", "send_y_ptr": "*bf16", "comb_ptr": "*bf16", "comb_region": "i32",
-                           "send_y_region": "i32"},
-                          {"W": W, "L": L, "K": K, "T": T, "H": H, "BLOCK_H": 256}),
+    "_moe_combine_send": ({"ch": "*u64", "rank": "i32", "y_ptr": "*bf16", "count_ptr": "*i32", "send_y_ptr": "*bf16",
+                           "comb_ptr": "*bf16", "comb_region": "i32", "send_y_region": "i32"},
+                          {"W": W, "E": E, "L": L, "T": T, "H": H, "EP": E, "COPY_ROWS": 16, "BLOCK_H": 256,
+                           "PUT_ROWS": T}),
     "_moe_combine_reduce": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "tokens": "i32", "idx32_ptr": "*i32",
-                             "weights_ptr": "*fp32", "comb_ptr": "*bf16", "out_ptr": "*bf16", "combine_slot": "i32"},
+                             "row_ptr": "*i32", "weights_ptr": "*fp32", "comb_ptr": "*bf16", "out_ptr": "*bf16",
+                             "combine_slot": "i32"},
                             {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
-    "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "send_x_ptr": "*bf16",
-                            "send_src_ptr": "*i32",
+    "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
+                            "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
                             "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "w_ptr": "*bf16", "y_ptr": "*bf16",
                             "recv_count_ptr": "*i32", "layout_ptr": "*i32", "done_ptr": "*i32", "count_region": "i32",
                             "recv_region": "i32", "recv_src_region": "i32", "send_x_region": "i32",
                             "send_src_region": "i32", "count_slot": "i32", "dispatch_slot": "i32"},
-                           {"W": W, "E": E, "L": L, "K": K, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
+                           {"W": W, "E": E, "L": L, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
                             "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 256,
-                            "COMMUNICATE": True, "COMPUTE": True}),
+                            "COPY_ROWS": 16, "PUT_ROWS": T, "COMMUNICATE": True, "COMPUTE": True}),
 }
 # Protocol call sites: (pushes per peer, waits per peer, other pushes). The loops over peers run W times (W is
-# a constexpr: the compiler unrolls them); per peer the count put_signal and the count wait, then the row put
-# and the handle-word put; a SIGNAL and a wait per peer; one put; a SIGNAL and a wait per peer. No kernel
-# quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The fused dispatch +
-# GEMM: per peer the count put_signal; the row put, the handle-word put and the dispatch SIGNAL, in a loop over
-# the peers that is not unrolled; per peer the communication programs' count wait, the compute programs' count
-# wait and their dispatch wait.
+# a constexpr: the compiler unrolls them); per peer the count put_signal and the count wait, then a block's row
+# put and its handle-word put; a SIGNAL and a wait per peer; a block's put; a SIGNAL and a wait per peer. No
+# kernel quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The fused
+# dispatch + GEMM: per peer the count put_signal; a block's row put, its handle-word put and the dispatch
+# SIGNAL, in a loop over the peers that is not unrolled; per peer the communication programs' count wait, the
+# compute programs' count wait and their dispatch wait.
 SITES = {"_moe_route": (0, 0, 0), "_moe_send": (1, 1, 2), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
          "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 3, 3)}
 
@@ -298,11 +407,13 @@ def test_the_kernels_do_not_specialize_on_round_rank_or_tokens() -> None:
 
 
 # --- the kernels in Triton's interpreter ----------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(2, 4, 9, 3, 40, 3), (3, 6, 5, 2, 24, 2), (1, 2, 6, 2, 16, 1)],
-                         ids=["2ranks", "3ranks", "1rank"])
+@pytest.mark.parametrize("shape", [(2, 4, 9, 3, 40, 3), (3, 6, 5, 2, 24, 2), (1, 2, 6, 2, 16, 1),
+                                   (2, 4, 9, 3, 40, 3, 2)],
+                         ids=["2ranks", "3ranks", "1rank", "2ranks-split"])
 def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) -> None:
-    """(world, experts, max_tokens, topk, hidden, programs): tests/gpuclient/moe_interpreted.py, in a process
-    of its own with TRITON_INTERPRET=1."""
+    """(world, experts, max_tokens, topk, hidden, programs[, put_rows]): tests/gpuclient/moe_interpreted.py, in a
+    process of its own with TRITON_INTERPRET=1; put_rows 2 splits every block of more than two rows into
+    pieces (as a block past the largest put is)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "tests.gpuclient.moe_interpreted", *map(str, shape)], cwd=ROOT,
@@ -312,12 +423,14 @@ def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) ->
 
 @pytest.mark.parametrize("shape", [(2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16"),
                                    (3, 9, 12, 4, 40, 24, 7, 2, 16, 16, 16, "fp32"),
-                                   (1, 2, 6, 2, 16, 16, 3, 1, 16, 16, 16, "bf16")],
-                         ids=["2ranks-bf16", "3ranks-fp32-narrow", "1rank"])
+                                   (1, 2, 6, 2, 16, 16, 3, 1, 16, 16, 16, "bf16"),
+                                   (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 3)],
+                         ids=["2ranks-bf16", "3ranks-fp32-narrow", "1rank", "2ranks-bf16-split"])
 def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tuple) -> None:
     """(world, experts, max_tokens, topk, hidden, n_out, programs, comm_programs, block_m, block_n, block_k,
-    out): tests/gpuclient/moe_gemm_interpreted.py, one process per rank over shared memory. Tiles of 16 rows
-    straddle the sources' rows; hidden 40 and n_out 24 are no multiples of the 16-wide blocks."""
+    out[, put_rows]): tests/gpuclient/moe_gemm_interpreted.py, one process per rank over shared memory. Tiles
+    of 16 rows straddle the sources' rows; hidden 40 and n_out 24 are no multiples of the 16-wide blocks;
+    put_rows 3 splits the blocks into pieces dealt over both communication programs."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "tests.gpuclient.moe_gemm_interpreted", *map(str, shape)], cwd=ROOT,
