@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -71,7 +72,8 @@ def probe(device: int, blocks: int, way: str, wait_ms: float) -> dict[str, Any]:
         check(drv.cuMemsetD8(src.ptr, 0x5A, NBYTES), "cuMemsetD8")
         check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
         if blocks:
-            module.function("spin").launch(blocks, 1024, (host.device_ptr, host.device_ptr + mmap.PAGESIZE),
+            module.function("spin").launch(blocks, 1024, (np.uint64(host.device_ptr),
+                                                          np.uint64(host.device_ptr + mmap.PAGESIZE)),
                                            stream=spin_stream)
             deadline = time.monotonic() + 5  # all of them, or as many as fit
             while sum(resident[:blocks]) < blocks and time.monotonic() < deadline:

@@ -85,10 +85,11 @@ SIZES: dict[str, list[dict[str, int]]] = {
     "ring_attention": [{"heads": 32, "seq_local": 4096, "head_dim": 128, "chunk_rows": 8192},
                        {"heads": 32, "seq_local": 2048, "head_dim": 128, "chunk_rows": 8192}],
 }
-#: programs per rank of the ops whose every program may spin on a peer's (GEMM+RS/AR, 1 program an SM at these
-#: tiles): 66 + 66 filled the H200's 132 SMs and the 8192-row launch hung until its spin bound trapped, while
-#: 32 ran (and 66 ran at 1024 rows, a tile a program); the soft fabric's copies into the GPU seem to need SMs
-#: of their own. A ConnectX needs none.
+#: programs per rank of the ops whose programs spin on a peer's data at one program an SM (GEMM+RS/AR, and ring
+#: attention at its 128x128, 8-warp tiles): 66 + 66 fill the H200's 132 SMs and the launch hangs until its spin
+#: bound traps, because the soft fabric places a GPU write with a device-to-device copy that runs on SMs
+#: (benchmarks/copy_needs_sms.py: a 64 MiB copy does not complete while spinning blocks hold every SM). A
+#: ConnectX needs none.
 SPINNING_PROGRAMS = 48
 QUICK_SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 512, "n": 1024, "k": 1024, "chunk_rows": 64}],
@@ -285,7 +286,7 @@ def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: in
     from gpuclient.kernels import RingAttention
 
     ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, comm_programs=4, share=WORLD,
-                         programs=PROGRAMS) for s in sessions]
+                         programs=PROGRAMS or SPINNING_PROGRAMS) for s in sessions]
     _exchange(sessions)
     _ready(ops)
     q, k, v = ([_randn(gen, heads, seq_local, head_dim, device=device) for _ in ops] for _ in range(3))
