@@ -37,18 +37,34 @@ before the dispatch flag, so every block is covered by a flag the receiver waite
 
 dispatch_gemm round e (``gemm_n`` set): ``_moe_route``, then ``_moe_dispatch_gemm`` in place of 2 and 3, one
 persistent launch split by role. Its first ``comm_programs`` programs push what ``_moe_send`` pushes (a block
-per (peer, expert)), peer by peer in ring order, and the last program done with a peer SIGNALs it at once
-(``dispatch_slot + rank``); the compute programs wait for the count flags, then walk each local expert's
-packed rows in (row block, column block) tiles, own rows first (read from their block in ``send_x``: no
-wait), then the sources in the order they send to this rank, and before a tile wait for the dispatch flag
-of every source with rows in it (count flag and dispatch flag together cover every block on efa too).
-``y = recv_x @ w[l]`` (bf16 tl.dot, fp32 accumulation) in ``recv_x``'s layout, so ``combine`` follows as
-after ``dispatch``.
+per (peer, expert)), peer by peer in ring order, each peer served by one program (``(step - 1) %
+comm_programs``), which ends every block with a put_signal of the peer's *expert flag* (``expert_slot + rank
+* L + local``: the block's last handle-word put, the last piece's when it is split), SIGNALs the flag of each
+empty block, and then SIGNALs the peer's dispatch flag (``dispatch_slot + rank``). The compute programs wait
+for the count flags, then walk each local expert's packed rows in (row block, column block) tiles, own rows
+first (read from their block in ``send_x``: no wait), then the sources in the order they send to this rank,
+and before a tile of expert l wait for the expert flag ``(s, l)`` of every source s with rows in it: a tile
+starts once its own expert's blocks are in, not the sources' whole transfers. ``y = recv_x @ w[l]`` (bf16
+tl.dot, fp32 accumulation) in ``recv_x``'s layout, so ``combine`` follows as after ``dispatch``.
+
+Expert flags count dispatch_gemm rounds: every (peer, expert) pair gets exactly one signal per fused round
+(the put_signal, or the SIGNAL of an empty block), so after n fused rounds each is n, rows or none, and the
+compute programs wait for ``gemm_epoch`` = the op's count of fused rounds that communicated (``gemm_rounds``;
+``compute=False`` counts, ``communicate=False`` neither counts nor waits). Plain ``dispatch`` leaves them
+alone, so the two alternate freely. What covers a row, on efa too (a signal covers the writes since the
+connection's previous signal): only the program serving a peer pushes to it, besides program 0's count
+put_signal, so a block's puts and its put_signal are consecutive on the connection unless the count
+put_signal falls between them; then the rows before it are covered by the count flag, which the compute
+programs wait for first. So a row is covered by its expert flag or the count flag, both waited for; the
+handle words of the put_signal itself by the expert flag. On ib the put_signal comes after every put of the
+block in the ring. The price: ``2 + L`` signals per destination and fused round (count, L expert flags,
+dispatch) where plain dispatch sends 2; the records grow by one per empty block only.
 
 No host sync, no host loop over tokens: the counts go GPU to GPU and every buffer has its worst-case size.
 Every wait is for something its peer pushes in the same-numbered kernel before that kernel waits, and no
 kernel waits for a later one, so two ranks progress as long as both grids are resident at once (``share``).
-Flags are monotonic (ADD 1 per round, round e waits for e); nothing is reset. Buffer reuse between rounds
+Flags are monotonic (ADD 1 per round, round e waits for e; an expert flag per fused round); nothing is
+reset. Buffer reuse between rounds
 needs no release flags: each round's dispatch and combine form a round trip with every peer (see the reuse
 argument in docs/kernels.md), which is why a dispatch must be followed by its combine before the next.
 """
@@ -225,15 +241,32 @@ def _moe_finish(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, dispatch
 
 # ---- dispatch + grouped expert GEMM, fused ----------------------------------------------------------------------
 @triton.jit
+def _put_block_signal(ch, d, recv_region, recv_src_region, send_x_region, send_src_region, e, start, row, count,
+                      slot, T: tl.constexpr, H: tl.constexpr, PUT_ROWS: tl.constexpr):
+    """``_put_block`` for one program, every piece in order: the last piece's handle-word put is a put_signal
+    (ADD 1 to d's ``slot``), after every other put of the block in this program's order."""
+    for j in range(0, count, PUT_ROWS):
+        n = tl.minimum(count - j, PUT_ROWS)
+        tpd.put(ch, d, recv_region, tl.cast(row + j, tl.int64) * (H * 2), send_x_region,
+                tl.cast(start + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2))
+        if j + PUT_ROWS < count:
+            tpd.put(ch, d, recv_src_region, tl.cast(row + j, tl.int64) * 4, send_src_region,
+                    tl.cast(e * T + j, tl.int64) * 4, n * 4)
+        else:
+            tpd.put_signal(ch, d, recv_src_region, tl.cast(row + j, tl.int64) * 4, send_src_region,
+                           tl.cast(e * T + j, tl.int64) * 4, n * 4, slot, 1)
+
+
+@triton.jit
 def _last_source(c, off, r0, r1, order):
     """The latest step (in the compute programs' source order) among the sources with rows in [r0, r1)."""
     return tl.max(tl.where((c > 0) & (off < r1) & (off + c > r0), order, -1), axis=0)
 
 
-@triton.jit(do_not_specialize=["epoch", "rank"])
-def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, w_ptr,
-                       y_ptr, recv_count_ptr, layout_ptr, done_ptr, count_region, recv_region, recv_src_region,
-                       send_x_region, send_src_region, count_slot, dispatch_slot,
+@triton.jit(do_not_specialize=["epoch", "gemm_epoch", "rank"])
+def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
+                       recv_src_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, count_region, recv_region,
+                       recv_src_region, send_x_region, send_src_region, count_slot, dispatch_slot, expert_slot,
                        W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
                        H: tl.constexpr, N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
                        COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -253,27 +286,25 @@ def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_sr
             for peer in range(0, W):  # the lower ranks' counts decide where our rows land
                 if peer != rank:
                     tpd.wait(ch, count_slot + peer, epoch)
-            # peer by peer in ring order (rank + 1 first, which takes our rows first), expert by expert: each
-            # expert's block (stage rows eoff[e] ..., staged by _moe_route) as one put with one of its handle
-            # words, piece by piece if it passes the largest put, the pieces of expert e from program
-            # e % COMM_PROGRAMS on; then the last program done with a peer signals it
+            # peer by peer in ring order (rank + 1 first, which takes our rows first), each peer served by one
+            # program (step - 1) % COMM_PROGRAMS, the only one that pushes to it besides program 0's count
+            # put_signal: expert by expert, its block (stage rows eoff[e] ..., staged by _moe_route) as one put
+            # with one of its handle words (piece by piece if it passes the largest put), the last handle put a
+            # put_signal of the peer's expert flag (expert_slot + rank * L + local); an empty block a SIGNAL of
+            # it, so each flag rises exactly once per dispatch_gemm round. Then the dispatch SIGNAL to the peer.
             for step in range(1, W):
                 d = (rank + step) % W
-                for local in range(0, L):
-                    e = d * L + local
-                    count = tl.load(count_ptr + rank * E + e)
-                    if count > 0:
-                        row = local * (W * T) + _source_offset(count_ptr, rank, e, E)
-                        _put_block(ch, d, recv_region, recv_src_region, send_x_region, send_src_region, e,
-                                   tl.load(eoff_ptr + e), row, count,
-                                   (pid + COMM_PROGRAMS - e % COMM_PROGRAMS) % COMM_PROGRAMS, COMM_PROGRAMS, T, H,
-                                   PUT_ROWS)
-                # every put above precedes this program's count on done_ptr[d], so the signal of the last one
-                # is later in the ring than all of them: on ib it covers every row to d, on efa every row to d
-                # that the count put_signal did not (rows a program put before it)
-                tl.debug_barrier()
-                finished = tl.atomic_add(done_ptr + d, 1, sem="acq_rel", scope="gpu")
-                if (finished + 1) % COMM_PROGRAMS == 0:
+                if (step - 1) % COMM_PROGRAMS == pid:
+                    for local in range(0, L):
+                        e = d * L + local
+                        count = tl.load(count_ptr + rank * E + e)
+                        if count > 0:
+                            row = local * (W * T) + _source_offset(count_ptr, rank, e, E)
+                            _put_block_signal(ch, d, recv_region, recv_src_region, send_x_region, send_src_region,
+                                              e, tl.load(eoff_ptr + e), row, count, expert_slot + rank * L + local,
+                                              T, H, PUT_ROWS)
+                        else:
+                            tpd.signal(ch, d, expert_slot + rank * L + local, 1)
                     tpd.signal(ch, d, dispatch_slot + rank, 1)
             # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
             # this copy is for the caller and for combine, and waits for nothing)
@@ -302,7 +333,8 @@ def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_sr
         # the step at which each source's rows are taken: our own first, then rank - 1 (whose first peer we
         # are), rank - 2, ... as each source sends to its peers in ring order
         order = (rank - ss + W) % W
-        waited = (ss == rank) | (ss >= W)  # sources this program has waited for (our own rows need no wait)
+        # the (local expert, source) flags this program has waited for (our own rows need no wait)
+        waited = (ss[None, :] == rank) | (ss[None, :] >= W) | (ls[:, None] >= L)  # [LP, WP]
         col_blocks = tl.cdiv(N, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
@@ -330,13 +362,14 @@ def _moe_dispatch_gemm(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_sr
                     for j in range((cp + progs - item % progs) % progs, tiles, progs):
                         r0 = (lo + j // col_blocks) * BLOCK_M
                         col0 = (j % col_blocks) * BLOCK_N
-                        if COMMUNICATE:  # each source with rows in the tile, once per program
+                        if COMMUNICATE:  # the expert flag of each source with rows in the tile, once per program
                             touch = (c > 0) & (off < r0 + BLOCK_M) & (off + c > r0)
-                            need = touch & (waited == 0)
+                            had = tl.sum(tl.where(ls[:, None] == local, waited.to(tl.int32), 0), axis=0)  # [WP]
+                            need = touch & (had == 0)
                             for s in range(0, W):
                                 if tl.sum(tl.where(ss == s, need.to(tl.int32), 0), axis=0) > 0:
-                                    tpd.wait(ch, dispatch_slot + s, epoch)
-                            waited = waited | touch
+                                    tpd.wait(ch, expert_slot + s * L + local, gemm_epoch)
+                            waited = waited | ((ls[:, None] == local) & touch[None, :])
                         if COMPUTE:
                             rows = r0 + offs_m
                             valid = rows < n
@@ -509,13 +542,11 @@ class MoE:
         self.recv_count = torch.zeros(L, dtype=torch.int32, device=dev)
         self.recv_layout = torch.zeros((L, W, 2), dtype=torch.int32, device=dev)
         self.out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
-        # the fused dispatch + expert GEMM (dispatch_gemm): its output, in recv_x's layout, and the count of
-        # communication programs that have finished a launch (monotonic, never reset)
+        # the fused dispatch + expert GEMM (dispatch_gemm): its output, in recv_x's layout
         self.gemm_n, self.gemm_dtype = gemm_n, gemm_dtype or torch.bfloat16
         self.gemm_block, self.comm_programs, self._gemm_programs = tuple(gemm_block), comm_programs, gemm_programs
         self.gemm_warps, self.gemm_stages = gemm_warps, gemm_stages
         self.y = None if gemm_n is None else torch.empty((L, lay.capacity, gemm_n), dtype=self.gemm_dtype, device=dev)
-        self._gemm_done = torch.zeros(W, dtype=torch.int32, device=dev)  # per peer
         self.slots = lay.slots
         if session.flag_array is None:
             session.flags(slot_base + self.slots, where="device")
@@ -527,6 +558,7 @@ class MoE:
         self.put_rows = lay.put_rows  # rows per put of a block: all of them unless they pass the largest put
         self.channel_capacity = channel_capacity
         self.rounds = 0
+        self.gemm_rounds = 0  # the dispatch_gemm rounds that communicated: the expert flags' epoch
         self._pending: MoEHandle | None = None
         self._ch: Any = None
 
@@ -571,7 +603,7 @@ class MoE:
             raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no kernel")
         self.prepare()
         w = torch.empty(8, dtype=torch.bfloat16, device=self.recv_x.device)  # a stand-in: only dtype and alignment
-        tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, w, self.y), grid=(self.gemm_programs,),
+        tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, 1, w, self.y), grid=(self.gemm_programs,),
                     **self._gemm_meta(communicate, compute))
 
     def _route_args(self, x: Any, idx: Any, tokens: int) -> tuple:
@@ -602,11 +634,12 @@ class MoE:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "LP": _pow2(self.local_experts),
                 "WP": _pow2(self.world), "num_warps": self.num_warps}
 
-    def _gemm_args(self, epoch: int, w: Any, y: Any) -> tuple:
+    def _gemm_args(self, epoch: int, gemm_epoch: int, w: Any, y: Any) -> tuple:
         r = self.regions
-        return (self._ch, epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src, self.recv_x,
-                self.recv_src, w, y, self.recv_count, self.recv_layout, self._gemm_done, r["counts_all"], r["recv_x"],
-                r["recv_src"], r["send_x"], r["send_src"], self.layout.count_slot, self.layout.dispatch_slot)
+        return (self._ch, epoch, gemm_epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src,
+                self.recv_x, self.recv_src, w, y, self.recv_count, self.recv_layout, r["counts_all"], r["recv_x"],
+                r["recv_src"], r["send_x"], r["send_src"], self.layout.count_slot, self.layout.dispatch_slot,
+                self.layout.expert_slot)
 
     def _gemm_meta(self, communicate: bool = True, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.gemm_block
@@ -713,13 +746,15 @@ class MoE:
         if not communicate and self.rounds == 0:
             raise RuntimeError("communicate=False reruns the GEMM of the latest round: dispatch one first")
         self.prepare()
-        if communicate:
+        if communicate:  # compute=False too: its rows move and its flags rise like any fused round's
             self.rounds += 1
-        epoch = max(self.rounds, 1)
+            self.gemm_rounds += 1
+        # communicate=False waits for nothing: the epochs are only there to fill the arguments
+        epoch, gemm_epoch = max(self.rounds, 1), max(self.gemm_rounds, 1)
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             if communicate:
                 _moe_route[(self.programs,)](*self._route_args(x, topk_idx, tokens), **self._route_meta())
-            _moe_dispatch_gemm[(self.gemm_programs,)](*self._gemm_args(epoch, w, y),
+            _moe_dispatch_gemm[(self.gemm_programs,)](*self._gemm_args(epoch, gemm_epoch, w, y),
                                                       **self._gemm_meta(communicate, compute))
         if not communicate:
             return y, self.recv_count, None

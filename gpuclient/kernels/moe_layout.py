@@ -143,8 +143,16 @@ class MoELayout:
         return self.slot_base + 2 * self.world
 
     @property
+    def expert_slot(self) -> int:
+        """``+ s * L + l``: every row and handle word rank s sends our local expert l in a ``dispatch_gemm`` round
+        is placed (a put_signal with the block's last handle words, or a SIGNAL where the block is empty: one
+        per (source, expert) and fused round, so the flag counts ``dispatch_gemm`` rounds; plain ``dispatch``
+        leaves it alone)."""
+        return self.slot_base + 3 * self.world
+
+    @property
     def slots(self) -> int:
-        return 3 * self.world
+        return 3 * self.world + self.world * self.local_experts
 
     # --- the model -------------------------------------------------------------------------------------------------
     def check_topk(self, topk_idx: np.ndarray) -> np.ndarray:
@@ -230,8 +238,9 @@ class MoELayout:
 
     def writes(self, counts_all: np.ndarray) -> dict[str, list[int]]:
         """Records this rank pushes per destination in a round (0 for itself): ``dispatch`` (the count
-        put_signal, a row put and a handle-word put per block, or per piece of a split block, the SIGNAL) and
-        ``combine`` (the output puts, the SIGNAL)."""
+        put_signal, a row put and a handle-word put per block, or per piece of a split block, the SIGNAL),
+        ``dispatch_gemm`` (the same, the last handle-word put of each block a put_signal of its expert flag,
+        plus a SIGNAL of the flag per empty block) and ``combine`` (the output puts, the SIGNAL)."""
         dispatch, combine = [0] * self.world, [0] * self.world
         for peer in range(self.world):
             if peer != self.rank:
@@ -242,7 +251,18 @@ class MoELayout:
             dispatch[d] += 2
         for s, _, _, _, _ in self.combine_puts(c):
             combine[s] += 1
-        return {"dispatch": dispatch, "combine": combine}
+        gemm = list(dispatch)
+        for e in range(self.num_experts):
+            d, _ = self.owner(e)
+            if d != self.rank and c[self.rank, e] == 0:
+                gemm[d] += 1
+        return {"dispatch": dispatch, "dispatch_gemm": gemm, "combine": combine}
+
+    def signals(self, gemm: bool = False) -> list[int]:
+        """Signals this rank pushes per destination in a dispatch round (0 for itself): the count put_signal
+        and the dispatch SIGNAL, plus, for ``dispatch_gemm``, one per expert there (its expert flag)."""
+        per = 2 + (self.local_experts if gemm else 0)
+        return [per * (peer != self.rank) for peer in range(self.world)]
 
     def source_offsets(self, counts_all: np.ndarray) -> np.ndarray:
         """[W, E]: where source s's rows start in expert e's receive rows (an exclusive sum over sources)."""

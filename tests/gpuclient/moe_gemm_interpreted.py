@@ -11,16 +11,20 @@ waiting for a flag that covers them reads the NaN they were poisoned with. A wai
 Within a rank the interpreter runs the programs in order (the communication programs first), so the ranks
 progress as the GPU's resident grids do.
 
-Rounds, with no reset: 1 ``dispatch_gemm``, 2 a plain ``dispatch`` with the expert GEMM in numpy (the two
-share flags round by round), 3 ``dispatch_gemm`` with one rank sending nothing, each followed by ``combine``
-on the GEMM's output; then the compute-only variant (``COMMUNICATE=False``) reruns round 3's GEMM into a
+Rounds, with no reset: 1 ``dispatch_gemm`` (an expert nobody picks: its blocks are empty), 2 a plain
+``dispatch`` with the expert GEMM in numpy (the two share flags round by round; the expert flags stay), 3
+``dispatch_gemm`` with every source picking that expert (flags rising with rows after rounds without), 4
+``dispatch_gemm`` with one rank sending nothing, each followed by ``combine``
+on the GEMM's output; then the compute-only variant (``COMMUNICATE=False``) reruns round 4's GEMM into a
 fresh buffer. Routing is uneven: a hot expert, an expert nobody picks, the last rank receiving nothing.
 Each rank checks its own results against the numpy model (``moe_layout``): counts, per-source layout,
 handle words and received rows exactly, ``y`` against float64 ``x @ w`` per expert within the output
 dtype's rounding (rows past the counts untouched), combine against the weighted sum, no queued put left
 uncovered by a signal at the end of a round, every put the rank made exactly the model's (one per
 (peer, expert) block and one of its handle words, pieces of at most ``PUT_ROWS`` rows; one per (expert,
-source) block back), and every program of the plain kernels (send, finish, reduce) having waited for each
+source) block back), the records and signals per destination (``2 + L`` signals a fused round, 2 a plain one),
+one program of the fused kernel pushing each peer, every expert flag at the number of fused rounds, and
+every program of the plain kernels (send, finish, reduce) having waited for each
 peer's flag whose data it reads (the fused kernel's reads are checked load by load).
 
     python -m tests.gpuclient.moe_gemm_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN N PROGRAMS COMM BM BN BK OUT
@@ -46,8 +50,9 @@ from tests.gpuclient.moe_interpreted import REGIONS, Buffer, bf16, f32, planned_
 from tests.gpuclient.test_moe_layout import uneven_routing
 
 NAN16 = 0x7FC0
+ROUNDS = 4  # 1, 3, 4 dispatch_gemm; 2 a plain dispatch
 DELIVERY_DELAY_S = 0.5  # a signal and the writes it covers land this long after it is pushed
-WAIT_LIMIT_S = 300.0
+WAIT_LIMIT_S = float(os.environ.get("MOE_GEMM_WAIT_LIMIT_S", "300"))
 
 
 def buffers(lay: MoELayout, n_out: int, out: str) -> list[tuple[str, tuple, np.dtype]]:
@@ -59,6 +64,7 @@ def buffers(lay: MoELayout, n_out: int, out: str) -> list[tuple[str, tuple, np.d
             ("send_src", (E, T), np.dtype(np.int32)), ("combine_buf", (S, H), np.dtype(np.uint16)),
             ("send_y", (L, lay.capacity, H), np.dtype(np.uint16)),
             ("flags", (lay.slot_base + lay.slots,), np.dtype(np.int64)),
+            ("cover", (L, lay.capacity, 2), np.dtype(np.int64)),
             ("y", (L, lay.capacity, n_out), np.dtype(np.uint16 if out == "bf16" else np.float32))]
 
 
@@ -80,8 +86,13 @@ class SharedFabric:
     """The channel calls of one rank: puts queue per peer; this rank's next signal to that peer takes them, and
     a delivery thread lands them and then the flag, in signal order, ``DELIVERY_DELAY_S`` after the signal."""
 
-    def __init__(self, me: int, ranks: list[SimpleNamespace], max_put: int) -> None:
-        self.me, self.ranks, self.max_put = me, ranks, max_put
+    def __init__(self, me: int, ranks: list[SimpleNamespace], max_put: int, lay: MoELayout) -> None:
+        self.me, self.ranks, self.max_put, self.lay = me, ranks, max_put, lay
+        self.sent: dict[tuple[int, int], int] = {}  # (peer, slot): what this rank has added to it, in all
+        self.records = [0] * len(ranks)  # per peer, since the last counts()
+        self.signals = [0] * len(ranks)
+        self.writers: dict[int, set[int]] = {}  # per peer: the programs that pushed it (the fused kernel)
+        self.fused = False
         self.log: list[tuple[int, int, int, int, int, int]] = []  # every put: (peer, dst region, off, src ...)
         self.queued: dict[int, list[tuple[int, int, int, int, int]]] = {p: [] for p in range(len(ranks))}
         self.deliveries: queue.Queue = queue.Queue()
@@ -115,9 +126,25 @@ class SharedFabric:
     def _bytes(self, rank: int, region: int) -> np.ndarray:
         return getattr(self.ranks[rank], REGIONS[region]).reshape(-1).view(np.uint8)
 
-    def put(self, ch, peer, dst_region, dst_off, src_region, src_off, nbytes, chunk_id=0):  # noqa: ANN001, ANN201
+    def _pushed(self, peer: int, slot: int | None) -> None:
+        """Count a record, and note which program of the fused kernel pushed it (program 0's count put_signal
+        aside: the count flag is waited for before anything it could cover is read)."""
+        from triton.runtime import interpreter
+
+        self.records[peer] += 1
+        if self.fused and slot != self.lay.count_slot + self.me:
+            self.writers.setdefault(peer, set()).add(int(interpreter.interpreter_builder.grid_idx[0]))
+
+    def counts(self) -> tuple[list[int], list[int]]:
+        """(records, signals) per peer since the last call."""
+        got = (self.records, self.signals)
+        self.records, self.signals = [0] * len(self.ranks), [0] * len(self.ranks)
+        return got
+
+    def put(self, ch, peer, dst_region, dst_off, src_region, src_off, nbytes, chunk_id=0, slot=None):  # noqa: ANN001, ANN201
         peer = self.value(peer)
         assert peer != self.me, "a rank never puts to itself: its rows are copied"
+        self._pushed(peer, slot)
         n, so, do = self.value(nbytes), self.value(src_off), self.value(dst_off)
         sr, dr = self.value(src_region), self.value(dst_region)
         assert 0 < n <= self.max_put and so + n <= self._bytes(self.me, sr).size
@@ -126,14 +153,27 @@ class SharedFabric:
         self.log.append((peer, dr, do, sr, so, n))
 
     def put_signal(self, ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot, value, op=0):  # noqa: ANN001, ANN201
-        self.put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes)
-        self.signal(ch, peer, slot, value)
+        self.put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot=self.value(slot))
+        self._signal(self.value(peer), self.value(slot), self.value(value))
 
     def signal(self, ch, peer, slot, value, op=0):  # noqa: ANN001, ANN201
-        peer = self.value(peer)
+        peer, slot = self.value(peer), self.value(slot)
         assert peer != self.me
-        self.deliveries.put((time.monotonic() + DELIVERY_DELAY_S, peer, self.queued[peer], self.value(slot),
-                             self.value(value)))
+        self._pushed(peer, slot)
+        self._signal(peer, slot, self.value(value))
+
+    def _signal(self, peer: int, slot: int, value: int) -> None:
+        """Close the connection's group: the puts queued since the previous signal land with this one. The
+        received rows among them are marked, in the peer's ``cover`` table, with the flag and the value that
+        says they are placed (marked now, before the signal is due: the peer checks its reads against it)."""
+        self.signals[peer] += 1
+        self.sent[peer, slot] = self.sent.get((peer, slot), 0) + value
+        recv_x, row = REGIONS.index("recv_x"), self.lay.row_bytes
+        cover = self.ranks[peer].cover.reshape(-1, 2)
+        for dr, do, _, _, n in self.queued[peer]:
+            if dr == recv_x:
+                cover[do // row:(do + n) // row] = (slot, self.sent[peer, slot])
+        self.deliveries.put((time.monotonic() + DELIVERY_DELAY_S, peer, self.queued[peer], slot, value))
         self.queued[peer] = []
 
     def wait(self, ch, slot, at_least):  # noqa: ANN001, ANN201
@@ -155,45 +195,63 @@ class SharedFabric:
 
 class ReadCheck:
     """While the fused kernel runs: every load of a peer's received row or of a peer's count row must come
-    after a wait, by the same program in the same launch, for the flag that covers it (the dispatch flag of
-    the row's source, the count flag of the row's rank) — whatever the timing."""
+    after a wait, by the same program in the same launch, for the flag that covers it — whatever the timing.
+    A row of source s for local expert l needs the expert flag ``expert_slot + s * L + l`` at this round's
+    fused epoch (the dispatch_gemm rounds so far), and the flag and value its sender's signal marked in the
+    ``cover`` table (the one whose group the row's put fell in); a count row of rank s, ``count_slot + s`` at
+    the round. A wait for more than the round gives (it would never return) fails at once."""
 
     def __init__(self, rank: int, lay: MoELayout, me: SimpleNamespace) -> None:
         self.rank, self.lay, self.me = rank, lay, me
-        self.active, self.epoch = False, 0
-        self.waited: dict[int, set[int]] = {}
+        self.active, self.epoch, self.gemm_epoch = False, 0, 0
+        self.waited: dict[int, dict[int, int]] = {}  # program: {slot: the most it waited for}
         self.source = np.full((lay.local_experts, lay.capacity), -1, np.int64)
         self.loads = 0
 
-    def start(self, epoch: int, recv_layout: np.ndarray) -> None:
-        self.active, self.epoch, self.waited = True, epoch, {}
+    def start(self, epoch: int, gemm_epoch: int, recv_layout: np.ndarray) -> None:
+        self.active, self.epoch, self.gemm_epoch, self.waited = True, epoch, gemm_epoch, {}
         self.source[:] = -1
         for local in range(self.lay.local_experts):
             for s, (off, count) in enumerate(recv_layout[local]):
                 self.source[local, off:off + count] = s
 
     def wait(self, pid: int, slot: int, at_least: int) -> None:
-        if self.active and at_least >= self.epoch:
-            self.waited.setdefault(pid, set()).add(slot)
+        if not self.active:
+            return
+        lay = self.lay
+        expert = lay.expert_slot <= slot < lay.expert_slot + lay.world * lay.local_experts
+        most = self.gemm_epoch if expert else self.epoch
+        assert at_least <= most, (f"rank {self.rank} program {pid}: waits for flag {slot} to reach {at_least}, "
+                                  f"which this round raises to {most} only")
+        mine = self.waited.setdefault(pid, {})
+        mine[slot] = max(mine.get(slot, 0), at_least)
 
     def load(self, pid: int, addrs: np.ndarray, mask: np.ndarray) -> None:
         if not self.active:
             return
         addrs = np.asarray(addrs, dtype=np.uint64)[np.asarray(mask, dtype=bool)]
-        waited = self.waited.get(pid, set())
+        waited = self.waited.get(pid, {})
         lay, rows, counts = self.lay, self.me.recv_x, self.me.counts_all
         base = rows.ctypes.data
         inside = addrs[(addrs >= base) & (addrs < base + rows.nbytes)]
         for row in np.unique((inside - base) // (lay.hidden * 2)):
-            src = int(self.source.reshape(-1)[row])
+            src, local = int(self.source.reshape(-1)[row]), int(row) // lay.capacity
             assert src >= 0, f"rank {self.rank}: received row {row} read past its expert's count"
-            assert src == self.rank or lay.dispatch_slot + src in waited, (
-                f"rank {self.rank} program {pid}: read a row from rank {src} before waiting for its dispatch flag")
+            if src == self.rank:
+                continue
+            flag = lay.expert_slot + src * lay.local_experts + local
+            assert waited.get(flag, 0) >= self.gemm_epoch, (
+                f"rank {self.rank} program {pid}: read a row of rank {src} for expert {local} before waiting for "
+                f"its expert flag {flag} to reach {self.gemm_epoch} (waited: {waited})")
+            slot, value = (int(v) for v in self.me.cover.reshape(-1, 2)[row])
+            assert slot >= 0 and waited.get(slot, 0) >= value, (
+                f"rank {self.rank} program {pid}: read row {row} (rank {src}, expert {local}), which lands with "
+                f"flag {slot} at {value}, a flag it did not wait for (waited: {waited})")
             self.loads += 1
         base = counts.ctypes.data
         inside = addrs[(addrs >= base) & (addrs < base + counts.nbytes)]
         for s in np.unique((inside - base) // (lay.num_experts * 4)):
-            assert s == self.rank or lay.count_slot + int(s) in waited, (
+            assert s == self.rank or waited.get(lay.count_slot + int(s), 0) >= self.epoch, (
                 f"rank {self.rank} program {pid}: read rank {s}'s counts before waiting for its count flag")
 
 
@@ -209,14 +267,18 @@ def inputs(world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_
     local = experts // world
     w = [bf16(rng.standard_normal((local, hidden, n_out)) / hidden ** 0.5) for _ in range(world)]
     rounds = []
-    for rnd in range(1, 4):
+    for rnd in range(1, ROUNDS + 1):
         tokens = [max_tokens - (r + rnd) % 3 for r in range(world)]
-        if rnd == 3 and world > 1:
+        if rnd == ROUNDS and world > 1:
             tokens[-1] = 0  # a rank with nothing to send
         idx = uneven_routing(rng, world, experts, max_tokens, topk, tokens, dtype=np.int32 if rnd % 2 else np.int64)
-        if local > 1:  # rank 0's last expert: nobody picks it (an empty expert beside full ones)
+        if local > 1 and rnd != 3:  # rank 0's last expert: nobody picks it (an empty expert beside full ones)
             for i in idx:
                 i[i == local - 1] = -1
+        if rnd == 3:  # every source picks it: its expert flags rise with rows after rounds without
+            for i in idx:
+                if len(i):
+                    i[0, 0] = local - 1
         rounds.append({"tokens": tokens, "idx": idx, "x": [bf16(rng.standard_normal((n, hidden))) for n in tokens],
                        "w": [rng.random((n, topk)).astype(np.float32) for n in tokens]})
     return {"w": w, "rounds": rounds}
@@ -263,7 +325,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     specs = buffers(lay, n_out, out)
     ranks = [attach(where / f"rank{r}.bin", specs) for r in range(world)]
     me = ranks[rank]
-    fabric = SharedFabric(rank, ranks, max_put)
+    fabric = SharedFabric(rank, ranks, max_put, lay)
     check = ReadCheck(rank, lay, me)
 
     waits: set[tuple[int, int, int]] = set()  # (program, slot, at least) of the latest plain kernels
@@ -290,7 +352,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     stage_off = np.zeros(E_, np.int32)
     copy_rows, put_rows_ = 2, lay.put_rows
     recv_count, recv_layout = np.zeros(L_, np.int32), np.zeros((L_, W_, 2), np.int32)
-    done, result, ch = np.zeros(W_, np.int32), np.zeros((T_, H_), np.uint16), np.zeros(8, np.uint64)
+    result, ch = np.zeros((T_, H_), np.uint16), np.zeros(8, np.uint64)
     regions = {name: i for i, name in enumerate(REGIONS)}
     data = inputs(world, experts, max_tokens, topk, hidden, n_out)
     w_mine = np.ascontiguousarray(data["w"][rank])
@@ -299,21 +361,29 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     as_f64 = (lambda a: f32(a).astype(np.float64)) if out == "bf16" else (lambda a: a.astype(np.float64))
     rtol = 2.0 ** -8 if out == "bf16" else 1e-5
 
-    def gemm(epoch: int, y: np.ndarray, communicate: bool, recv_layout_model: np.ndarray) -> None:
+    def gemm(epoch: int, gemm_epoch: int, y: np.ndarray, communicate: bool, recv_layout_model: np.ndarray) -> None:
         if communicate:
-            check.start(epoch, recv_layout_model)
+            check.start(epoch, gemm_epoch, recv_layout_model)
+        fabric.fused, fabric.writers = True, {}
         m._moe_dispatch_gemm[(programs,)](
-            _b(ch), epoch, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x), _b(me.send_src), _b(me.recv_x),
-            _b(me.recv_src), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout), _b(done),
+            _b(ch), epoch, gemm_epoch, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x), _b(me.send_src),
+            _b(me.recv_x), _b(me.recv_src), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout),
             *[regions[n] for n in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")], lay.count_slot,
-            lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_, H=H_, N=n_out, LP=m._pow2(L_), WP=m._pow2(W_),
-            COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=16, COPY_ROWS=copy_rows,
+            lay.dispatch_slot, lay.expert_slot, W=W_, E=E_, L=L_, T=T_, H=H_, N=n_out, LP=m._pow2(L_),
+            WP=m._pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=16, COPY_ROWS=copy_rows,
             PUT_ROWS=put_rows_, COMMUNICATE=communicate, COMPUTE=True)
-        check.active = False
+        fabric.fused = check.active = False
+        # one writer per connection (besides program 0's count put_signal): a block's puts and its put_signal
+        # are in one program's order, with no other program's signal between them on the connection
+        assert all(len(w) == 1 for w in fabric.writers.values()), f"rank {rank}: several programs push a peer: " \
+            f"{fabric.writers}"
+
+    gemm_rounds = 0
 
     for rnd, data_r in enumerate(data["rounds"], start=1):
         tokens, idx, x = data_r["tokens"], data_r["idx"], data_r["x"]
         me.recv_x[:] = NAN16  # what the peers owe this round, and our stage: poisoned (before our counts go out)
+        me.cover[:] = -1  # no received row covered yet (the peers mark it when they signal, after our counts)
         me.combine_buf[:] = NAN16
         me.send_x[:] = NAN16
         me.y[:] = poison_y
@@ -335,10 +405,17 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             y = bf16(y64) if out == "bf16" else y64.astype(np.float32)
             me.y[:] = y
         else:
-            gemm(rnd, me.y, True, dispatch_model(lays, idx)[rank]["recv_layout"])
+            gemm_rounds += 1
+            gemm(rnd, gemm_rounds, me.y, True, dispatch_model(lays, idx)[rank]["recv_layout"])
             waits.clear()  # the fused kernel's reads are checked load by load (ReadCheck)
         model = dispatch_model(lays, idx)[rank]
         what = f"round {rnd} rank {rank}"
+        # records and signals per destination: the plain dispatch's 2 signals, the fused round's 2 + L (an
+        # expert flag per (peer, expert), by a put_signal or, for an empty block, a SIGNAL)
+        records, signals = fabric.counts()
+        fused = rnd != 2
+        assert records == lay.writes(model["counts_all"])["dispatch_gemm" if fused else "dispatch"], (what, records)
+        assert signals == lay.signals(gemm=fused), (what, signals)
         assert fabric.take() == planned_dispatch(lay, model["counts_all"]), f"{what}: the dispatch puts"
         valid = model["idx"] >= 0
         assert (stage_row[:n][valid] == model["stage_row"][valid]).all(), what
@@ -379,6 +456,9 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
                                            BLOCK_H=16)
         waited(lay.combine_slot, rnd, programs)
         assert fabric.take() == planned_combine(lay, model["counts_all"]), f"{what}: the combine puts"
+        records, signals = fabric.counts()
+        assert records == lay.writes(model["counts_all"])["combine"], (what, records)
+        assert signals == [int(s != rank) for s in range(world)], (what, signals)
         everyone = dispatch_model(lays, idx)
         expert_out = []
         for d, lay_d in enumerate(lays):  # every rank's combine input, from the model
@@ -401,10 +481,15 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         assert fabric.uncovered() == 0, f"{what}: a put no signal covered"
         for base in (lay.count_slot, lay.dispatch_slot, lay.combine_slot):  # one per round from each peer
             assert [int(me.flags[base + s]) for s in range(world)] == [rnd * (s != rank) for s in range(world)], what
-    # the compute-only variant: round 3's GEMM again, from the same rows and counts, into a fresh buffer
+        # the expert flags: one rise per fused round from each peer, rows or none; the plain dispatch none
+        got = me.flags[lay.expert_slot:lay.expert_slot + world * L_].reshape(world, L_)
+        assert (got == np.array([[gemm_rounds * (s != rank)] * L_ for s in range(world)])).all(), (what, got)
+    # the compute-only variant: the last round's GEMM again, from the same rows and counts, into a fresh buffer
+    # (it waits for nothing: no flag of a round that never ran)
     again = np.full_like(me.y, poison_y)
     flags = me.flags.copy()
-    gemm(3, again, False, recv_layout)
+    gemm(ROUNDS, gemm_rounds, again, False, recv_layout)
+    assert fabric.counts() == ([0] * world, [0] * world)
     assert fabric.take() == []
     assert (again.view(np.uint8) == me.y.view(np.uint8)).all(), f"rank {rank}: the compute-only rerun differs"
     assert (me.flags == flags).all() and fabric.uncovered() == 0

@@ -185,11 +185,16 @@ def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int
         w = lay.writes(counts_all)
         for d in range(world):
             if d == src:
-                assert w["dispatch"][d] == w["combine"][d] == 0
+                assert w["dispatch"][d] == w["dispatch_gemm"][d] == w["combine"][d] == 0
+                assert lay.signals()[d] == lay.signals(gemm=True)[d] == 0
                 continue
             mine = range(d * lay.local_experts, (d + 1) * lay.local_experts)
             blocks = [int(counts_all[src, e]) for e in mine if counts_all[src, e] > 0]
             assert w["dispatch"][d] == 2 + 2 * sum(-(-n // lay.put_rows) for n in blocks)
+            # the fused round: the same puts (the last handle put of a block a put_signal), a SIGNAL per empty
+            # block, so every expert flag there rises once: 2 + L signals against the plain dispatch's 2
+            assert w["dispatch_gemm"][d] == w["dispatch"][d] + lay.local_experts - len(blocks)
+            assert lay.signals()[d] == 2 and lay.signals(gemm=True)[d] == 2 + lay.local_experts
             back = [int(counts_all[d, e]) for e in range(src * lay.local_experts, (src + 1) * lay.local_experts)
                     if counts_all[d, e] > 0]
             assert w["combine"][d] == 1 + sum(-(-n // lay.put_rows) for n in back)
@@ -270,8 +275,8 @@ def test_bad_shapes_are_refused_with_the_culprit_named(kwargs: dict, message: st
 def test_flag_slots_are_disjoint_and_the_handle_word_round_trips() -> None:
     lay = MoELayout(1, 3, 6, 7, 2, 16, slot_base=5)
     used = [lay.count_slot + s for s in range(3)] + [lay.dispatch_slot + s for s in range(3)] + [
-        lay.combine_slot + s for s in range(3)]
-    assert sorted(used) == list(range(5, 5 + lay.slots))
+        lay.combine_slot + s for s in range(3)] + [lay.expert_slot + s * 2 + e for s in range(3) for e in range(2)]
+    assert sorted(used) == list(range(5, 5 + lay.slots)) and lay.slots == 3 * 3 + 3 * 2
     for src, t, k in [(0, 0, 0), (2, 6, 1), (1, 3, 0)]:
         assert lay.decode(lay.encode(src, t, k)) == (src, t, k)
 
@@ -304,12 +309,13 @@ SIGNATURES = {
                              "row_ptr": "*i32", "weights_ptr": "*fp32", "comb_ptr": "*bf16", "out_ptr": "*bf16",
                              "combine_slot": "i32"},
                             {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
-    "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
-                            "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
+    "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "gemm_epoch": "i32", "rank": "i32", "count_ptr": "*i32",
+                            "eoff_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
                             "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                            "recv_count_ptr": "*i32", "layout_ptr": "*i32", "done_ptr": "*i32", "count_region": "i32",
+                            "recv_count_ptr": "*i32", "layout_ptr": "*i32", "count_region": "i32",
                             "recv_region": "i32", "recv_src_region": "i32", "send_x_region": "i32",
-                            "send_src_region": "i32", "count_slot": "i32", "dispatch_slot": "i32"},
+                            "send_src_region": "i32", "count_slot": "i32", "dispatch_slot": "i32",
+                            "expert_slot": "i32"},
                            {"W": W, "E": E, "L": L, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
                             "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 256,
                             "COPY_ROWS": 16, "PUT_ROWS": T, "COMMUNICATE": True, "COMPUTE": True}),
@@ -318,11 +324,12 @@ SIGNATURES = {
 # a constexpr: the compiler unrolls them); per peer the count put_signal and the count wait, then a block's row
 # put and its handle-word put; a SIGNAL and a wait per peer; a block's put; a SIGNAL and a wait per peer. No
 # kernel quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The fused
-# dispatch + GEMM: per peer the count put_signal; a block's row put, its handle-word put and the dispatch
-# SIGNAL, in a loop over the peers that is not unrolled; per peer the communication programs' count wait, the
-# compute programs' count wait and their dispatch wait.
+# dispatch + GEMM: per peer the count put_signal; a block's row put, its handle-word put (a piece before the
+# last), the last piece's handle-word put_signal of the expert flag, an empty block's SIGNAL of it and the
+# dispatch SIGNAL, in a loop over the peers that is not unrolled; per peer the communication programs' count
+# wait, the compute programs' count wait and their expert-flag wait.
 SITES = {"_moe_route": (0, 0, 0), "_moe_send": (1, 1, 2), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
-         "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 3, 3)}
+         "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 3, 5)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -353,7 +360,7 @@ def test_the_dispatch_gemm_variants_compile_for_sm90(world: int, communicate: bo
     assert not [op for op in code if ".nc" in op]
     if communicate:
         # without the GEMM the compiler may duplicate a wait's block (world 2 gives 8 sites for 6 waits)
-        assert pushes == world + 3 and quiets == 0 and (waits == 3 * world if compute else waits >= 3 * world)
+        assert pushes == world + 5 and quiets == 0 and (waits == 3 * world if compute else waits >= 3 * world)
     else:
         assert (pushes, waits, quiets) == (0, 0, 0)
         assert not [op for op in code if op.startswith("atom")]
@@ -402,7 +409,7 @@ def test_the_kernels_do_not_specialize_on_round_rank_or_tokens() -> None:
     for name in SIGNATURES:
         fn = getattr(moe_kernels, name)
         for p in fn.params:
-            if p.name in ("epoch", "rank", "tokens"):
+            if p.name in ("epoch", "gemm_epoch", "rank", "tokens"):
                 assert p.do_not_specialize, (name, p.name)
 
 
