@@ -20,6 +20,9 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
+import triton
+import triton.language as tl
+
 #: The GEMMs' default tiles, by measurement on the H200 (``fused_bench.py --tune``; docs/performance.md):
 #: 128 x 256 x 64, 8 warps, 3 stages, A and B through tensor descriptors where the shape allows, ran the
 #: compute 1.59-1.64x faster than the first choice (128 x 128 x 64, pointer loads) at the bench's sizes.
@@ -108,3 +111,41 @@ def check_tiles(block: Any, num_warps: Any, num_stages: Any, tma: Any, n: int,
         check_rows("n", n)
         check_rows("k", k)
     return block, num_warps, num_stages, tma
+
+
+# --- the GEMMs' compute, shared by AllGatherGemm and GemmReduceScatter / GemmAllReduce ---------------------------
+@triton.jit
+def gemm_operands(a_ptr, b_ptr, a_rows, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  TMA: tl.constexpr):
+    """A (``a_rows x k``) and B (``k x n``), bf16 row-major, as ``gemm_tile`` reads them: with TMA one tensor
+    descriptor over each (made once per program), else the pointers themselves."""
+    if TMA:
+        a = tl.make_tensor_descriptor(a_ptr, shape=[a_rows, k], strides=[k, 1], block_shape=[BLOCK_M, BLOCK_K])
+        b = tl.make_tensor_descriptor(b_ptr, shape=[k, n], strides=[n, 1], block_shape=[BLOCK_K, BLOCK_N])
+        return a, b
+    else:
+        return a_ptr, b_ptr
+
+
+@triton.jit
+def gemm_tile(a, b, base, row0, rows, col0, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """The fp32 product of A's rows ``base + row0 ...`` (BLOCK_M of them, those past ``row0 + rows`` read as 0
+    on the pointer path; through a descriptor they are the next rows of A, or 0 past its end, and the caller
+    does not store them) with B's columns ``col0 ...`` (past ``n``: 0), over all of ``k``."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        for k0 in range(0, k, BLOCK_K):
+            acc = tl.dot(a.load([base + row0, k0]), b.load([k0, col0]), acc)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_rows = a + (base + row0 + offs_m).to(tl.int64)[:, None] * k
+        for k0 in range(0, k, BLOCK_K):
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=(offs_m[:, None] < rows) & ((k0 + offs_k)[None, :] < k),
+                        other=0.0)
+            y = tl.load(b + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
+                        mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
+            acc = tl.dot(x, y, acc)
+    return acc

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles
+from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles, gemm_operands, gemm_tile
 from gpuclient.plan import ChunkPlan
 
 
@@ -62,12 +62,8 @@ def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world,
         row_blocks = tl.cdiv(m_local, BLOCK_M)
         col_blocks = tl.cdiv(n, BLOCK_N)
         per_rank = row_blocks * col_blocks
-        if COMPUTE:
-            if TMA:  # the whole gathered A and B, once per program
-                a_desc = tl.make_tensor_descriptor(a_ptr, shape=[world * m_local, k], strides=[k, 1],
-                                                   block_shape=[BLOCK_M, BLOCK_K])
-                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[k, n], strides=[n, 1],
-                                                   block_shape=[BLOCK_K, BLOCK_N])
+        if COMPUTE:  # the whole gathered A and B, once per program
+            a_in, b_in = gemm_operands(a_ptr, b_ptr, world * m_local, n, k, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         for t in range(pid - COMM_PROGRAMS, world * per_rank, compute):
             src = (rank + t // per_rank) % world  # the local shard's tiles first, then the peers' in ring order
             within = t % per_rank
@@ -83,21 +79,8 @@ def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world,
             if COMPUTE:
                 offs_m = row0 + tl.arange(0, BLOCK_M)
                 offs_n = col0 + tl.arange(0, BLOCK_N)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                if TMA:
-                    for k0 in range(0, k, BLOCK_K):
-                        a = a_desc.load([src * m_local + row0, k0])
-                        b = b_desc.load([k0, col0])
-                        acc = tl.dot(a, b, acc)
-                else:
-                    offs_k = tl.arange(0, BLOCK_K)
-                    a_rows = a_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * k
-                    for k0 in range(0, k, BLOCK_K):
-                        a = tl.load(a_rows + (k0 + offs_k)[None, :],
-                                    mask=(offs_m[:, None] < m_local) & ((k0 + offs_k)[None, :] < k), other=0.0)
-                        b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
-                                    mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
-                        acc = tl.dot(a, b, acc)
+                acc = gemm_tile(a_in, b_in, src * m_local, row0, m_local - row0, col0, n, k, BLOCK_M, BLOCK_N,
+                                BLOCK_K, TMA)
                 c = c_ptr + (src * m_local + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
                 tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < m_local) & (offs_n[None, :] < n))
         if COMMUNICATE:

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles
+from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles, gemm_operands, gemm_tile
 from gpuclient.plan import U32_MAX, ChunkPlan
 
 __all__ = ["GemmAllReduce", "GemmReduceScatter", "ReduceScatterLayout"]
@@ -93,11 +93,8 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
                          ALL_GATHER: tl.constexpr, TMA: tl.constexpr = False):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    if COMPUTE:
-        if TMA:  # the whole A and B, once per program (A and B are local: no wait precedes their loads)
-            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[world * m_seg, k], strides=[k, 1],
-                                               block_shape=[BLOCK_M, BLOCK_K])
-            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[k, n], strides=[n, 1], block_shape=[BLOCK_K, BLOCK_N])
+    if COMPUTE:  # the whole A and B, once per program (A and B are local: no wait precedes their loads)
+        a_in, b_in = gemm_operands(a_ptr, b_ptr, world * m_seg, n, k, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
     col_blocks = tl.cdiv(n, BLOCK_N)
     per_segment = tl.cdiv(m_seg, BLOCK_M) * col_blocks
     partial_row = n.to(tl.uint64) * PARTIAL_BYTES  # bytes of one row of partials (the plan's offsets)
@@ -118,22 +115,11 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
         rows = tl.minimum(BLOCK_M, m_seg - row0)
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = col0 + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if COMPUTE:  # off: the same stores, shipments and waits with a zero partial (communication alone)
-            if TMA:
-                for k0 in range(0, k, BLOCK_K):
-                    a = a_desc.load([dest * m_seg + row0, k0])
-                    b = b_desc.load([k0, col0])
-                    acc = tl.dot(a, b, acc)
-            else:
-                offs_k = tl.arange(0, BLOCK_K)
-                a_rows = a_ptr + (dest * m_seg + offs_m).to(tl.int64)[:, None] * k
-                for k0 in range(0, k, BLOCK_K):
-                    a = tl.load(a_rows + (k0 + offs_k)[None, :],
-                                mask=(offs_m[:, None] < m_seg) & ((k0 + offs_k)[None, :] < k), other=0.0)
-                    b = tl.load(b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :],
-                                mask=((k0 + offs_k)[:, None] < k) & (offs_n[None, :] < n), other=0.0)
-                    acc = tl.dot(a, b, acc)
+            acc = gemm_tile(a_in, b_in, dest * m_seg, row0, m_seg - row0, col0, n, k, BLOCK_M, BLOCK_N, BLOCK_K,
+                            TMA)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         mask = (offs_m[:, None] < m_seg) & (offs_n[None, :] < n)
         if dest != rank:
             p = partial_ptr + (dest * m_seg + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
