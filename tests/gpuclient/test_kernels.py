@@ -25,10 +25,7 @@ The ops' GPU test is tests/gpu/test_fused_kernels.py. CI installs Triton; withou
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from itertools import product
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,6 +44,7 @@ from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout, _gemm_red
 from gpuclient.kernels.ring_attention import RingAttentionLayout, _ring_attention  # noqa: E402
 from gpuclient.plan import NO_RECV  # noqa: E402
 from tests.gpuclient.test_triton import compile_kernel, guarded_blocks, opcode, ptx_lines  # noqa: E402
+from tests.support.interpreted import run_interpreted  # noqa: E402
 
 BLOCK = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
 
@@ -179,10 +177,7 @@ def test_the_descriptor_scratch_is_tritons_allocator_only_inside_the_ops_launch(
 def test_the_gemm_compute_in_the_interpreter() -> None:
     """AllGatherGemm's and GemmReduceScatter's / GemmAllReduce's compute programs, pointers and descriptors,
     run by Triton's interpreter against float64 numpy (tests/gpuclient/gemm_interpreted.py says what and how)."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, str(root / "tests/gpuclient/gemm_interpreted.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = run_interpreted("tests.gpuclient.gemm_interpreted")
     assert run.returncode == 0 and run.stdout.rstrip().endswith("ok"), run.stdout + run.stderr
 
 
@@ -386,10 +381,7 @@ def test_the_ring_attention_kernel_compiles_where_triton_makes_sizes_of_1_consta
 def test_the_ring_attention_arithmetic_in_the_interpreter() -> None:
     """The compute programs and the own block's interleave, run by Triton's interpreter against float64
     numpy (tests/gpuclient/ring_attention_interpreter.py says what and how)."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, str(root / "tests/gpuclient/ring_attention_interpreter.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = run_interpreted("tests.gpuclient.ring_attention_interpreter")
     assert run.returncode == 0 and run.stdout.rstrip().endswith("ok"), run.stdout + run.stderr
 
 

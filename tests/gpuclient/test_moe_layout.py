@@ -25,9 +25,6 @@ The GPU test is tests/gpu/test_moe.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -287,6 +284,7 @@ triton = pytest.importorskip("triton")
 from gpuclient.kernels import moe as moe_kernels  # noqa: E402
 from tests.gpuclient.test_kernels import protocol_sites  # noqa: E402
 from tests.gpuclient.test_triton import compile_kernel  # noqa: E402
+from tests.support.interpreted import run_interpreted  # noqa: E402
 
 W, E, L, K, T, H = 2, 8, 4, 3, 100, 200
 SIGNATURES = {
@@ -421,10 +419,7 @@ def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) ->
     """(world, experts, max_tokens, topk, hidden, programs[, put_rows]): tests/gpuclient/moe_interpreted.py, in a
     process of its own with TRITON_INTERPRET=1; put_rows 2 splits every block of more than two rows into
     pieces (as a block past the largest put is)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "tests.gpuclient.moe_interpreted", *map(str, shape)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = run_interpreted("tests.gpuclient.moe_interpreted", *shape)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-4000:] + run.stderr[-8000:]
 
 
@@ -438,8 +433,5 @@ def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tupl
     out[, put_rows]): tests/gpuclient/moe_gemm_interpreted.py, one process per rank over shared memory. Tiles
     of 16 rows straddle the sources' rows; hidden 40 and n_out 24 are no multiples of the 16-wide blocks;
     put_rows 3 splits the blocks into pieces dealt over both communication programs."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "tests.gpuclient.moe_gemm_interpreted", *map(str, shape)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=900)
+    run = run_interpreted("tests.gpuclient.moe_gemm_interpreted", *shape, timeout=900)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-8000:] + run.stderr[-8000:]
