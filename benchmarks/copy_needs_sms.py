@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 
 import gpuclient  # noqa: E402
 from gpuclient.cuda_memory import DeviceMemory, check, driver, map_host, use_device  # noqa: E402
+from transportd_cli.cli_options import FiniteFloat  # noqa: E402
 
 SPIN = r"""
 extern "C" __global__ void spin(const volatile unsigned long long* release, volatile unsigned char* resident) {
@@ -110,7 +111,7 @@ def probe(device: int, blocks: int, way: str, wait_ms: float) -> dict[str, Any]:
 @click.option("--device", default=0, show_default=True)
 @click.option("--blocks", type=click.IntRange(min=1), default=None,
               help="spinning 1024-thread blocks for the full-GPU rows (default: two per SM)")
-@click.option("--wait-ms", type=click.FloatRange(min=1.0), default=2000.0, show_default=True,
+@click.option("--wait-ms", type=FiniteFloat(min=1.0), default=2000.0, show_default=True,
               help="how long a copy may take before it counts as waiting for SMs")
 def main(json_path: str | None, device: int, blocks: int | None, wait_ms: float) -> None:
     """A 64 MiB device-to-device copy beside no kernel, one spinning block, and every SM held (module doc)."""

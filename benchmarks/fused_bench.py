@@ -67,6 +67,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fabric_bench import SHAPES  # noqa: E402
+from transportd_cli.cli_options import FiniteFloat  # noqa: E402
 
 #: the NIC model each backend is shaped like by default
 BACKEND_SHAPE = {"ib": "cx7-400g", "efa": "efa-200g"}
@@ -837,7 +838,7 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
               help="time each kernel's compute alone with candidate tiles instead (the first size, the first "
                    "backend and shape; MoE left out)")
 @click.option("--tma/--no-tma", default=True, show_default=True, help="--tune: the GEMMs' TMA tiles too")
-@click.option("--tune-seconds", default=TUNE_SECONDS, show_default=True, type=click.FloatRange(min=0),
+@click.option("--tune-seconds", default=TUNE_SECONDS, show_default=True, type=FiniteFloat(min=0),
               help="--tune: configs not started by then are recorded as skipped")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, tune: bool, tma: bool, tune_seconds: float) -> None:
