@@ -7,7 +7,8 @@ CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) $(wildcar
 
 .PHONY: venv test demo lint core fuzz-validate pyverbs-bridge asan-test
 venv: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml
+# a new top-level package (a new */__init__.py) re-installs too: the editable install maps packages by name
+$(VENV)/.installed: pyproject.toml $(wildcard */__init__.py)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=77'
 	$(PY) -m pip install -q -e '.[dev]'
