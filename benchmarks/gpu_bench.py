@@ -593,50 +593,85 @@ def sweep_summary(sweep: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def pcie_read(gpu: Gpu, rounds: int = 20000) -> dict[str, float]:
+    """One GPU thread's read of a word in pinned host memory, each read waited for before the next: what a
+    poll of the completion word costs, and so how late one poller sees a new value (~1 round trip)."""
+    with _ring("pcie", 64) as ring:
+        dev = map_ring(ring, gpu.device)
+        out = DeviceMemory(24, gpu.device)
+        try:
+            word = np.uint64(dev.ring_map.device_ptr + 1024)  # an unused line of the control page (zeros)
+            gpu.module.function("pcie_read").launch(1, 1, (word, np.uint32(rounds), np.uint64(out.ptr)),
+                                                    stream=gpu.stream)
+            gpu.sync()
+            acquire_ns, relaxed_ns, _ = np.frombuffer(out.read(0, 24), dtype="<u8")
+        finally:
+            out.free()
+            dev.release()
+    return {"rounds": rounds, "acquire_read_ns": float(acquire_ns) / rounds,
+            "relaxed_read_ns": float(relaxed_ns) / rounds}
+
+
 def run_sweep_only(quick: bool, threads: tuple[int, ...], iters: int, poll_window_us: float,
-                   compare: bool = False, echo: Any = print) -> dict[str, Any]:
+                   compare: bool = False, echo: Any = print, waits: tuple[str, ...] = SWEEP_WAITS,
+                   max_takes: tuple[int, ...] = SWEEP_COMPARE_MAX_TAKE) -> dict[str, Any]:
     """``--only-sweep``: the round-trip sweep and, in the same run, ``bench proxy``'s drain beside the bare C
     consumer: every row the loop's targets name, without the put -> flag table (no daemons, no MPS). With
     ``compare``, the same sweep again for every other (consumer, wait) pair: what the ring and the GPU's
-    polling cost without the engine, and with one poller a warp."""
+    polling cost without the engine, and with one poller a warp (``waits`` and ``max_takes`` narrow it)."""
     gpu = Gpu(0)
     library = DEFAULT_VARIANT[_library_default()]
+    read = pcie_read(gpu)
+    echo(f"PCIe read of a host word, one thread: {read['acquire_read_ns']:.0f} ns acquire, "
+         f"{read['relaxed_read_ns']:.0f} ns relaxed")
     sweep = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us)
     echo(sweep_table(sweep))
     others = {}
     if compare:
         for consumer in SWEEP_CONSUMERS:
-            for wait in SWEEP_WAITS:
+            for wait in waits:
                 if (consumer, wait) != ("worker", "thread"):
                     row = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us,
                                           consumer=consumer, wait=wait)
                     echo(sweep_table(row))
                     others[f"{consumer}_{wait}"] = row
-        for take in SWEEP_COMPARE_MAX_TAKE:  # smaller passes: completions published sooner
+        for take in max_takes:  # smaller passes: completions published sooner
             row = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us,
                                   max_take=take)
             echo(sweep_table(row))
             others[f"worker_thread_max_take_{take}"] = row
-    drain = drain_rows(quick)
+    drain = drain_rows(quick, max_takes if compare else ())
     echo(f"drain, one worker, null NIC: {drain['commands_per_s'] / 1e6:.2f} M commands/s (median "
-         f"{drain['commands_per_s_median'] / 1e6:.2f}); bare C consumer "
+         f"{drain['commands_per_s_median'] / 1e6:.2f}); through the worker's own loop "
+         f"{drain['worker_loop_commands_per_s'] / 1e6:.2f} (median "
+         f"{drain['worker_loop_commands_per_s_median'] / 1e6:.2f}); bare C consumer "
          f"{drain['bare_c_consumer_records_per_s'] / 1e6:.1f} M/s; core / bare C {drain['core_vs_bare_c']:.3f}")
+    for take, rate in drain["worker_loop_commands_per_s_by_max_take"].items():
+        echo(f"drain through the worker's own loop, max take {take}: {rate / 1e6:.2f} M commands/s")
     summary = {"library_commit": library, **sweep_summary(sweep), "drain_commands_per_s": drain["commands_per_s"],
+               "drain_worker_loop_commands_per_s": drain["worker_loop_commands_per_s"],
                "drain_vs_bare_c": drain["core_vs_bare_c"]}
     return {"summary": summary, "roundtrip_sweep": sweep, "sweep_compare": others, "drain": drain,
-            "device_sms": gpu.sms}
+            "pcie_read": read, "device_sms": gpu.sms}
 
 
-def drain_rows(quick: bool = False) -> dict[str, Any]:
+def drain_rows(quick: bool = False, max_takes: tuple[int, ...] = ()) -> dict[str, Any]:
     """``transportd bench proxy``'s drain on this host in the same run: the engine as its own null NIC (one
-    worker, 8 peers, pre-filled ring) beside the bare C consumer of the same kind of ring."""
+    worker, 8 peers, pre-filled ring), passes called from Python and through the worker's own loop, beside
+    the bare C consumer of the same kind of ring; the worker-loop drain again at each of ``max_takes``."""
     from transportd_cli import bench_proxy
 
     capacity, repeats = 1 << (14 if quick else 16), 3 if quick else 5
     opts = dict(batch_max=8, poll_window_us=50.0, inflight_cap=256)
     core = bench_proxy._drain(capacity, repeats, 8, 1, opts, "core")
+    loop = bench_proxy._drain_loop(capacity, repeats, 8, opts)
     bare_c = bench_proxy._bare_c_drain(capacity, repeats, 8)
+    by_take = {str(take): bench_proxy._drain_loop(capacity, repeats, 8, dict(opts, max_take=take))["records_per_s"]
+               for take in max_takes}
     return {"commands_per_s": core["records_per_s"], "commands_per_s_median": core["records_per_s_median"],
+            "worker_loop_commands_per_s": loop["records_per_s"],
+            "worker_loop_commands_per_s_median": loop["records_per_s_median"],
+            "worker_loop_commands_per_s_by_max_take": by_take,
             "bare_c_consumer_records_per_s": bare_c, "core_vs_bare_c": core["records_per_s"] / bare_c,
             "batch_hist": core["batch_hist"]}
 
@@ -978,10 +1013,15 @@ def _library_default() -> int:
               help="the proxy's polling window in the sweep (the daemon's default is 50)")
 @click.option("--sweep-compare", is_flag=True,
               help="with --only-sweep: also the bare C consumer, and one completion poller a warp")
+@click.option("--sweep-waits", default=",".join(SWEEP_WAITS), show_default=True,
+              help="with --sweep-compare: the ways the GPU waits to compare, comma-separated")
+@click.option("--sweep-max-takes", default=",".join(map(str, SWEEP_COMPARE_MAX_TAKE)), show_default=True,
+              help="with --sweep-compare: smaller worker passes to compare, comma-separated (empty: none)")
 @click.option("--put-flag-child", type=int, default=None, hidden=True,
               help="internal: one MPS setting's put -> flag runs (N round trips) into --json")
 def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, only_sweep: bool, sweep_threads: str,
-         sweep_iters: int, sweep_poll_window_us: float, sweep_compare: bool, put_flag_child: int | None) -> None:
+         sweep_iters: int, sweep_poll_window_us: float, sweep_compare: bool, sweep_waits: str, sweep_max_takes: str,
+         put_flag_child: int | None) -> None:
     """Push cost, commit -> posted, round trips under load and put -> flag on this machine's GPU (see the
     module doc)."""
     from transportd_cli.mps import mps_wanted
@@ -1002,7 +1042,19 @@ def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, only
                                      param_hint="--sweep-threads") from None
         if not threads or min(threads) < 1:
             raise click.BadParameter("thread counts must be >= 1", param_hint="--sweep-threads")
-        result = run_sweep_only(quick, threads, sweep_iters, sweep_poll_window_us, sweep_compare, click.echo)
+        waits = tuple(w for w in sweep_waits.split(",") if w)
+        if not waits or not set(waits) <= set(SWEEP_WAITS):
+            raise click.BadParameter(f"{sweep_waits!r}: name some of {', '.join(SWEEP_WAITS)}",
+                                     param_hint="--sweep-waits")
+        try:
+            takes = tuple(int(t) for t in sweep_max_takes.split(",") if t)
+        except ValueError:
+            raise click.BadParameter(f"{sweep_max_takes!r} is not a comma-separated list of counts",
+                                     param_hint="--sweep-max-takes") from None
+        if takes and min(takes) < 1:
+            raise click.BadParameter("max takes must be >= 1", param_hint="--sweep-max-takes")
+        result = run_sweep_only(quick, threads, sweep_iters, sweep_poll_window_us, sweep_compare, click.echo,
+                                waits=waits, max_takes=takes)
         click.echo(json.dumps(result["summary"], indent=2))
         if json_path:
             Path(json_path).write_text(json.dumps(result, indent=2))

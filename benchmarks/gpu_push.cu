@@ -232,6 +232,20 @@ extern "C" __global__ void plan_overhead(tpd::Channel ch, tpd::Plan plan, uint32
     out[2] = t2 - t1;
 }
 
+// A PCIe read's round trip: one thread reads a host word `rounds` times, each read waited for before the
+// next (acquire, then relaxed); out = {ns for the acquire reads, ns for the relaxed reads, their sum}.
+extern "C" __global__ void pcie_read(const uint64_t* word, uint32_t rounds, uint64_t* out) {
+    uint64_t sum = 0;
+    const uint64_t t0 = tpd::ordering::now_ns();
+    for (uint32_t r = 0; r < rounds; ++r) sum += tpd::ordering::ld_acquire_sys(word + (sum & 1));
+    const uint64_t t1 = tpd::ordering::now_ns();
+    for (uint32_t r = 0; r < rounds; ++r) sum += tpd::ordering::ld_relaxed_sys(word + (sum & 1));
+    const uint64_t t2 = tpd::ordering::now_ns();
+    out[0] = t1 - t0;
+    out[1] = t2 - t1;
+    out[2] = sum;
+}
+
 // Clock calibration: the host writes ping = r; the GPU answers with its global timer in pong[1] and r in
 // pong[0]. The host brackets each round with its own clock; the tightest round gives the offset.
 extern "C" __global__ void clock_pingpong(const uint64_t* ping, uint64_t* pong, uint32_t rounds) {

@@ -23,6 +23,8 @@ __all__ = [
     "MIN_CHANNEL_CAPACITY",
     "MIN_IBGDA_WQES",
     "MIN_INFLIGHT_CAP",
+    "MAX_TAKE",
+    "MIN_TAKE",
 ]
 
 #: Commands per connection per batch: at least one; at most 8 (the batch-size histogram has 8 buckets,
@@ -34,6 +36,10 @@ MAX_BATCH = 8
 #: (payload, then flag) and must fit as a whole; at most 65536 (the send queue is sized from it).
 MIN_INFLIGHT_CAP = 2
 MAX_INFLIGHT_CAP = 1 << 16
+
+#: Records a worker takes from one ring in one pass: at least one; at most what the largest ring holds.
+MIN_TAKE = 1
+MAX_TAKE = 1 << 20
 
 #: Ranks in one job: a command record names its peer as a u16, and 0xFFFF is what the device API (and the
 #: Triton calls) write for a rank that does not fit, which must never address a rank: ranks are 0..65534.

@@ -37,9 +37,11 @@ from transportd.limits import (
     MAX_DEVICE,
     MAX_INFLIGHT_CAP,
     MAX_RAILS,
+    MAX_TAKE,
     MIN_BATCH,
     MIN_CHANNEL_CAPACITY,
     MIN_INFLIGHT_CAP,
+    MIN_TAKE,
 )
 
 __all__ = [
@@ -265,6 +267,10 @@ class ProxyConfig(Section):
                                        ge=0, le=1_000_000)] = 50
     inflight_cap: Annotated[int, key("Most unacknowledged work requests per connection (at least 2: a PUT_SIGNAL "
                                      "is two).", ge=MIN_INFLIGHT_CAP, le=MAX_INFLIGHT_CAP)] = 256
+    max_take: Annotated[int, key(
+        "Most records a worker takes from one ring in a pass before posting them: fewer publish completions "
+        "sooner when many GPU threads each wait for their own record, more drain a backlog in fewer passes "
+        "(docs/performance.md, \"What bounds the sweep\").", ge=MIN_TAKE, le=MAX_TAKE)] = 4096
     ring_capacity: Annotated[int, key(
         "Command-ring slots of a channel a client opens without naming a capacity (a power of two).",
         check=_power_of_two, ge=MIN_CHANNEL_CAPACITY, le=MAX_CHANNEL_CAPACITY)] = 4096

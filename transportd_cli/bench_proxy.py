@@ -17,6 +17,10 @@ proxy
         link that stays quiet)
         sits idle; a producer process commits one record after each second of silence. Reported: the
         loop thread's CPU use while idle, and each first record's record -> posted latency.
+    (e) bursts: a C producer thread commits 1, 32 or 128 records back to back and waits for the completion
+        position to pass the last, again and again, against the rail worker's own loop (as in (c)) and
+        against the bare C consumer: each burst's round trip, p50 / p99. The CPU's twin of
+        ``benchmarks/gpu_bench.py``'s thread sweep, where the GPU's warps are the producer.
 signals
     The same stream of PUT_SIGNALs to a few destinations, through a naive proxy (one signal per command)
     and a decoupled one (one per destination and flag per batch): signals and fences per destination per
@@ -27,12 +31,14 @@ Numbers from a shared machine are noisy: compare the ratios printed in one run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +148,37 @@ def _drain(capacity: int, repeats: int, peers: int, channels: int, opts: dict[st
             "records_per_s_min": min(rates), "repeats": repeats, "capacity": capacity, "channels": channels,
             "peers": peers, "batch_hist": stats["batch_hist"], "stalls": stats["stalls"],
             "iterations": stats["iterations"]}
+
+
+def _drain_loop(capacity: int, repeats: int, peers: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """The drain again, through the rail worker's own loop (``rail.serve_loop``, all in C) instead of passes
+    called one by one from Python (each of which pays a Python call and a lock, ~3 us here, which is what a
+    small ``max_take`` multiplies): the ring is filled, the loop started, and the rate timed between its
+    first and last post (the engine's post log) so the thread's start is not counted."""
+    with RingFile.create(_ring_name("loopdrain"), capacity) as ring:
+        proxy = Proxy(None, **opts)
+        proxy.log_posts(capacity * repeats)
+        _setup(proxy, peers)
+        proxy.add_channel(0, ring, JOB, 0, peers + 1)
+        producer = RingProducer(ring)
+        for rep in range(repeats):
+            producer.push_records(put_records(rep * capacity, capacity, peers))
+            with _worker_loop(proxy):
+                deadline = time.monotonic() + 120
+                while ring.completion_pos < (rep + 1) * capacity:
+                    if time.monotonic() > deadline:
+                        raise click.ClickException(f"the worker loop did not drain in 120 s: {proxy.stats()}")
+                    time.sleep(1e-4)
+        post_t, chunks = proxy.post_log()
+    if len(chunks) != capacity * repeats:
+        raise click.ClickException(f"worker-loop drain: {len(chunks)} of {capacity * repeats} posts logged")
+    rates = []
+    for rep in range(repeats):
+        t = post_t[(chunks >= rep * capacity) & (chunks < (rep + 1) * capacity)]
+        rates.append(float((capacity - 1) / ((t.max() - t.min()) / 1e9)))
+    return {"engine": "core", "loop": "worker", "records_per_s": max(rates),
+            "records_per_s_median": float(np.median(rates)), "repeats": repeats, "capacity": capacity,
+            "peers": peers, "max_take": opts.get("max_take", 4096)}
 
 
 def _trace_summary(stopped: dict[str, Any], expected: int) -> dict[str, Any]:
@@ -292,19 +329,13 @@ def produce_after_idle(ring_name: str, count: int, peers: int, idle_s: float, st
     ring.close()
 
 
-def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: float = DEEP_NAP_S * 1e6
-          ) -> dict[str, Any]:
-    """(c) above: the worker loop's idle CPU use and the latency of a record after ``idle_s`` of silence,
-    with ``nap_us`` between the long-idle worker's looks at the ring headers."""
+@contextlib.contextmanager
+def _worker_loop(proxy: Proxy, nap_us: float = DEEP_NAP_S * 1e6) -> Iterator[threading.Thread]:
+    """The rail worker's own loop (``rail.serve_loop``: the engine's serve loop) over ``proxy`` in a thread,
+    with a real worker link that stays quiet; stopped on exit. Yields the thread (its CPU clock)."""
     import zmq
 
-    name = _ring_name("idle")
-    with RingFile.create(name, 4096) as ring, tempfile.TemporaryDirectory() as tmp:
-        stamps_path = str(Path(tmp) / "stamps.npy")
-        proxy = Proxy(None, **opts)
-        proxy.log_posts(count)
-        _setup(proxy, peers)
-        proxy.add_channel(0, ring, JOB, 0, peers + 1)
+    with tempfile.TemporaryDirectory() as tmp:
         ctx = zmq.Context()
         main_end = ctx.socket(zmq.PAIR)
         main_end.linger = 0
@@ -312,26 +343,42 @@ def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: f
         # the link only wakes the loop here: nothing is asked over it
         link = WorkerEndpoint(f"ipc://{tmp}/link", {Stop: lambda request: None})
         stop = threading.Event()
-        loop = threading.Thread(target=serve_loop, args=(proxy, link, stop.is_set, nap_us / 1e6),
-                                name="idle-worker")
+        loop = threading.Thread(target=serve_loop, args=(proxy, link, stop.is_set, nap_us / 1e6), name="worker")
         loop.start()
-        cpu_clock = time.pthread_getcpuclockid(loop.ident)  # type: ignore[arg-type]
-        proc = mp.get_context("spawn").Process(target=produce_after_idle,
-                                               args=(name, count, peers, idle_s, stamps_path))
-        t0, c0 = time.monotonic(), time.clock_gettime(cpu_clock)
-        proc.start()
         try:
-            proc.join(count * (idle_s + 60) + 60)
+            yield loop
         finally:
-            wall, cpu = time.monotonic() - t0, time.clock_gettime(cpu_clock) - c0
             stop.set()
             proxy.interrupt()  # the loop runs in C until its link or this says otherwise
             loop.join(10)
-            if proc.is_alive():
-                proc.kill()
             link.close()
             main_end.close()
             ctx.term()
+
+
+def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: float = DEEP_NAP_S * 1e6
+          ) -> dict[str, Any]:
+    """(c) above: the worker loop's idle CPU use and the latency of a record after ``idle_s`` of silence,
+    with ``nap_us`` between the long-idle worker's looks at the ring headers."""
+    name = _ring_name("idle")
+    with RingFile.create(name, 4096) as ring, tempfile.TemporaryDirectory() as tmp:
+        stamps_path = str(Path(tmp) / "stamps.npy")
+        proxy = Proxy(None, **opts)
+        proxy.log_posts(count)
+        _setup(proxy, peers)
+        proxy.add_channel(0, ring, JOB, 0, peers + 1)
+        with _worker_loop(proxy, nap_us) as loop:
+            cpu_clock = time.pthread_getcpuclockid(loop.ident)  # type: ignore[arg-type]
+            proc = mp.get_context("spawn").Process(target=produce_after_idle,
+                                                   args=(name, count, peers, idle_s, stamps_path))
+            t0, c0 = time.monotonic(), time.clock_gettime(cpu_clock)
+            proc.start()
+            try:
+                proc.join(count * (idle_s + 60) + 60)
+            finally:
+                wall, cpu = time.monotonic() - t0, time.clock_gettime(cpu_clock) - c0
+                if proc.is_alive():
+                    proc.kill()
         stamps = np.load(stamps_path)
         post_t, _chunks = proxy.post_log()
     if len(stamps) != count or len(post_t) != count:
@@ -343,16 +390,54 @@ def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: f
             "max_us": float(lat_us.max())}
 
 
+# --- proxy: bursts -----------------------------------------------------------------------------------------
+BURSTS = (1, 32, 128)  # records committed back to back before the producer waits (a thread, a warp, four)
+BURST_CONSUMERS = ("worker", "bare")
+
+
+def _bursts(burst: int, rounds: int, peers: int, opts: dict[str, Any], consumer: str = "worker") -> dict[str, Any]:
+    """(e) below: a C producer commits ``burst`` PUTs back to back and waits for the completion position to
+    pass the last, ``rounds`` times; each burst's round trip on the producer's clock. ``consumer``: the rail
+    worker's own loop over the engine with its null NIC, or the bare C consumer (take, release, complete)."""
+    if consumer not in BURST_CONSUMERS:
+        raise ValueError(f"consumer must be one of {BURST_CONSUMERS}")
+    rtt = np.zeros(rounds, dtype=np.int64)
+    with RingFile.create(_ring_name("burst"), 4096) as ring:
+        if consumer == "worker":
+            proxy = Proxy(None, **opts)
+            _setup(proxy, peers)
+            proxy.add_channel(0, ring, JOB, 0, peers + 1)
+            with _worker_loop(proxy):
+                done = _core.burst_produce(ring._bytes, rounds, burst, peers, LENGTH, rtt, 60.0)
+            loop = proxy.loop_stats()
+        else:
+            drainer = threading.Thread(target=_core.bare_drain, args=(ring._bytes, rounds * burst, 60.0))
+            drainer.start()
+            done = _core.burst_produce(ring._bytes, rounds, burst, peers, LENGTH, rtt, 60.0)
+            drainer.join()
+            loop = None
+    if done != rounds:
+        raise click.ClickException(f"bursts of {burst}: {done} of {rounds} completed ({consumer})")
+    us = rtt[rounds // 10 :] / 1e3  # the first tenth warms the loop and the caches
+    out = {"consumer": consumer, "burst": burst, "rounds": rounds, "p50_us": float(np.percentile(us, 50)),
+           "p99_us": float(np.percentile(us, 99)), "records_per_s": float(burst * len(us) / us.sum() * 1e6)}
+    if loop is not None:
+        out["records_per_busy_pass"] = rounds * burst / max(loop["busy"], 1)
+    return out
+
+
 def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int = 8, poll_window_us: float = 50.0,
                         inflight_cap: int = 256, channels: int = 1,
-                        idle_naps_us: tuple[float, ...] = (DEEP_NAP_S * 1e6,), trace: bool = False) -> dict[str, Any]:
+                        idle_naps_us: tuple[float, ...] = (DEEP_NAP_S * 1e6,), trace: bool = False,
+                        max_take: int = 4096) -> dict[str, Any]:
     """All parts of ``bench proxy``; returns the JSON document (``trace``: also the traced runs, part t)."""
-    opts = dict(batch_max=batch_max, poll_window_us=poll_window_us, inflight_cap=inflight_cap)
+    opts = dict(batch_max=batch_max, poll_window_us=poll_window_us, inflight_cap=inflight_cap, max_take=max_take)
     capacity = 1 << (14 if quick else 16)
     repeats = 3 if quick else 5
     bare = _bare_drain(capacity, repeats, peers)
     bare_c = _bare_c_drain(capacity, repeats, peers)
     drains = {engine: _drain(capacity, repeats, peers, channels, opts, engine) for engine in ENGINES}
+    loop_drain = _drain_loop(capacity, repeats, peers, opts)
     core, model = drains["core"], drains["model"]
     live = _live(50_000 if quick else 1_000_000, 4096, peers, 256, 0, opts)
     paced_total = 2_000 if quick else 20_000
@@ -362,6 +447,8 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
     pingpong = _live(5_000 if quick else 100_000, 4096, peers, 1, 0, window0, pingpong=True)
     pingpong_model = _live(500 if quick else 5_000, 4096, peers, 1, 0, window0, engine="model", pingpong=True)
     idles = [_idle(3 if quick else 10, 1.0, peers, window0, nap) for nap in idle_naps_us]
+    bursts = {f"{consumer}_{size}": _bursts(size, 2_000 if quick else 20_000, peers, window0, consumer)
+              for size in BURSTS for consumer in BURST_CONSUMERS}
     idle = idles[0]
     traced: dict[str, Any] = {}
     traced_summary: dict[str, Any] = {}
@@ -381,6 +468,7 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
         "config": {**opts, "peers": peers, "channels": channels, "length": LENGTH},
         "summary": {
             "commands_per_s": core["records_per_s"],
+            "worker_loop_commands_per_s": loop_drain["records_per_s"],
             "model_commands_per_s": model["records_per_s"],
             "core_vs_model": core["records_per_s"] / model["records_per_s"],
             "core_python_nic_commands_per_s": drains["core_python_nic"]["records_per_s"],
@@ -397,11 +485,14 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
             "idle_cpu_fraction": idle["cpu_fraction"],
             "after_idle_p50_us": idle["p50_us"],
             "after_idle_max_us": idle["max_us"],
+            **{f"burst_{size}_p50_us": bursts[f"worker_{size}"]["p50_us"] for size in BURSTS},
+            **{f"burst_{size}_p99_us": bursts[f"worker_{size}"]["p99_us"] for size in BURSTS},
             **traced_summary,
         },
         "bare_consumer_records_per_s": bare,
         "bare_c_consumer_records_per_s": bare_c,
         "drain": drains,
+        "drain_worker_loop": loop_drain,
         "live_unpaced": live,
         "live_paced_window_0": paced,
         "live_paced_window": paced_window,
@@ -409,6 +500,7 @@ def run_proxy_benchmark(*, quick: bool = False, peers: int = 8, batch_max: int =
         "pingpong_model": pingpong_model,
         "idle": idle,
         "idle_naps": idles,
+        "bursts": bursts,
         **({"traced": traced} if trace else {}),
     }
 
@@ -436,11 +528,15 @@ def _echo_table(rows: list[tuple[str, str]]) -> None:
               help="the long-idle worker's sleep between looks at the rings; repeat to compare several")
 @click.option("--trace", is_flag=True,
               help="also run the core drain and the one-record round trip with the trace recorder on")
+@click.option("--max-take", default=4096, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="the most records one pass takes from a ring (the proxy's max_take)")
 def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, batch_max: int,
-                poll_window_us: float, inflight_cap: int, idle_naps_us: tuple[float, ...], trace: bool) -> None:
+                poll_window_us: float, inflight_cap: int, idle_naps_us: tuple[float, ...], trace: bool,
+                max_take: int) -> None:
     """Ring -> post with the null backend: commands/s per worker, batch sizes, record-to-post latency."""
     r = run_proxy_benchmark(quick=quick, peers=peers, batch_max=batch_max, poll_window_us=poll_window_us,
-                            inflight_cap=inflight_cap, channels=channels, idle_naps_us=idle_naps_us, trace=trace)
+                            inflight_cap=inflight_cap, channels=channels, idle_naps_us=idle_naps_us, trace=trace,
+                            max_take=max_take)
     d, sm, lv = r["drain"], r["summary"], r["live_unpaced"]
     p0, pw, pp, pm = r["live_paced_window_0"], r["live_paced_window"], r["pingpong"], r["pingpong_model"]
     c = d["core"]
@@ -450,6 +546,9 @@ def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, 
          f"   (core drain {sm['proxy_vs_bare_c_consumer']:.3f}x)"),
         (f"drain, core + C null NIC, {c['channels']} ring(s), {c['peers']} peers",
          f"{c['records_per_s'] / 1e6:8.2f} M/s   (median {c['records_per_s_median'] / 1e6:.2f})"),
+        ("drain, core + C null NIC, the worker's own loop",
+         f"{r['drain_worker_loop']['records_per_s'] / 1e6:8.2f} M/s   "
+         f"(median {r['drain_worker_loop']['records_per_s_median'] / 1e6:.2f})"),
         ("drain, core + Python null backend", f"{d['core_python_nic']['records_per_s'] / 1e6:8.2f} M/s"),
         ("drain, numpy model + Python null backend", f"{d['model']['records_per_s'] / 1e6:8.2f} M/s"
          f"   (core {sm['core_vs_model']:.1f}x model)"),
@@ -464,6 +563,10 @@ def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, 
         *[(f"idle worker, {i['nap_us']:g} us naps: CPU / first record after {i['idle_s']:g} s p50 / max",
            f"{100 * i['cpu_fraction']:8.1f} % of a core   {i['p50_us']:.1f} / {i['max_us']:.1f} us")
           for i in r["idle_naps"]],
+        *[(f"bursts of {size} (C producer), worker loop / bare C: p50 / p99",
+           f"{r['bursts'][f'worker_{size}']['p50_us']:8.2f} / {r['bursts'][f'worker_{size}']['p99_us']:.2f} us   "
+           f"{r['bursts'][f'bare_{size}']['p50_us']:.2f} / {r['bursts'][f'bare_{size}']['p99_us']:.2f} us")
+          for size in BURSTS],
         *([("drain, core + C null NIC, trace recorder on",
             f"{sm['traced_commands_per_s'] / 1e6:8.2f} M/s   ({sm['traced_vs_off']:.2f}x off)"),
            ("one record at a time (C producer), traced: p50 / p99",

@@ -681,7 +681,7 @@ def _readable(fd: int, timeout_s: float) -> bool:
 
 def model_serve(proxy: Any, state: ModelLoopState, interrupted: Callable[[], bool], *, spin_s: float,
                 watch_s: float, nap_s: float, deep_after_s: float, deep_watch_s: float, deep_nap_s: float,
-                wake_fd: int = -1, link_every: int = 64) -> int:
+                wake_fd: int = -1, link_every_s: float = 50e-6) -> int:
     """The rail worker's serve loop in Python, pass by pass through ``proxy.run_once``: the model of the
     engine's ``serve`` (``transportd/core/engine.c``, ``tpd_serve_loop``), as the worker ran it before the loop
     moved into C. The same policy, the same returns: :data:`MODEL_SERVE_LINK` when ``wake_fd`` is readable,
@@ -689,19 +689,18 @@ def model_serve(proxy: Any, state: ModelLoopState, interrupted: Callable[[], boo
     :class:`~transportd.dataplane.proxy.Proxy` (its ``wait_ready`` takes a nap and a descriptor).
     ``tests/transportd/dataplane/test_serve_loop.py`` runs both over the same scenarios."""
     s = state.stats
-    passes = 0
+    looked = time.perf_counter()
     while True:
         if interrupted():
             s["interrupted"] += 1
             return MODEL_SERVE_INTERRUPTED
-        passes += 1
         s["passes"] += 1
-        look = passes % link_every == 0
+        now = time.perf_counter()
+        look = now - looked >= link_every_s
         if proxy.run_once():
             state.idle_since = -1.0
             s["busy"] += 1
         else:
-            now = time.perf_counter()
             if state.idle_since < 0:
                 state.idle_since = now
             idle = now - state.idle_since
@@ -722,9 +721,11 @@ def model_serve(proxy: Any, state: ModelLoopState, interrupted: Callable[[], boo
                     s["naps"] += 1
                     _readable(wake_fd, nap_s)
                 look = False
-        if look and _readable(wake_fd, 0):
-            s["link"] += 1
-            return MODEL_SERVE_LINK
+        if look:
+            looked = now
+            if _readable(wake_fd, 0):
+                s["link"] += 1
+                return MODEL_SERVE_LINK
 
 
 assert RECORD_DTYPE.itemsize == 48

@@ -18,11 +18,13 @@ from transportd.limits import (
     MAX_CHANNEL_CAPACITY,
     MAX_IBGDA_WQES,
     MAX_INFLIGHT_CAP,
+    MAX_TAKE,
     MAX_WORLD,
     MIN_BATCH,
     MIN_CHANNEL_CAPACITY,
     MIN_IBGDA_WQES,
     MIN_INFLIGHT_CAP,
+    MIN_TAKE,
 )
 
 
@@ -30,6 +32,8 @@ from transportd.limits import (
     ("batch_max", MIN_BATCH, MIN_BATCH - 1),
     ("batch_max", MAX_BATCH, MAX_BATCH + 1),
     ("inflight_cap", MIN_INFLIGHT_CAP, MIN_INFLIGHT_CAP - 1),
+    ("max_take", MIN_TAKE, MIN_TAKE - 1),
+    ("max_take", MAX_TAKE, MAX_TAKE + 1),
 ])
 def test_the_proxy_and_the_config_agree_on_each_bound(tmp_path, key: str, good: int, bad: int) -> None:
     Proxy(NullBackend(), **{key: good})

@@ -67,3 +67,42 @@ def test_idle_part_posts_each_record_after_its_silence() -> None:
 def test_a_negative_idle_nap_is_refused_before_anything_runs() -> None:
     result = CliRunner().invoke(main, ["bench", "proxy", "--idle-nap-us", "-1"])
     assert result.exit_code == 2 and "--idle-nap-us" in result.output and "x>=0" in result.output
+
+
+@pytest.mark.parametrize("consumer", bench_proxy.BURST_CONSUMERS)
+@pytest.mark.parametrize("burst", [1, 32])
+def test_bursts_complete_through_the_worker_loop_and_the_bare_consumer(consumer: str, burst: int) -> None:
+    """Every burst's round trip is measured (none timed out); the worker loop took each burst as it came."""
+    out = bench_proxy._bursts(burst, 200, peers=4, opts=dict(poll_window_us=0), consumer=consumer)
+    assert out["rounds"] == 200 and 0 < out["p50_us"] <= out["p99_us"] and out["records_per_s"] > 0
+    if consumer == "worker":
+        assert 1 <= out["records_per_busy_pass"] <= burst
+
+
+def test_bursts_refuse_an_unknown_consumer() -> None:
+    with pytest.raises(ValueError, match="consumer"):
+        bench_proxy._bursts(1, 10, peers=2, opts={}, consumer="nobody")
+
+
+def test_burst_producer_refuses_what_it_cannot_run() -> None:
+    from cmd_ring.ring import RingFile
+    from transportd import _core
+
+    with RingFile.create(bench_proxy._ring_name("refuse"), 64) as ring:
+        out = np.zeros(4, dtype=np.int64)
+        for bursts, burst, peers, into in ((4, 0, 2, out), (4, 65, 2, out), (4, 1, 0, out), (5, 1, 2, out)):
+            with pytest.raises(ValueError, match="burst_produce"):
+                _core.burst_produce(ring._bytes, bursts, burst, peers, 64, into, 1.0)
+        # nobody consumes: the first burst waits out its timeout and none is counted as done
+        assert _core.burst_produce(ring._bytes, 4, 8, 2, 64, out, 0.01) == 0
+
+
+@pytest.mark.parametrize("max_take", [4096, 16])
+def test_the_worker_loop_drain_posts_every_record_once(max_take: int) -> None:
+    out = bench_proxy._drain_loop(2048, 2, peers=4, opts=dict(poll_window_us=0, max_take=max_take))
+    assert out["max_take"] == max_take and out["records_per_s"] > 0
+
+
+def test_a_max_take_outside_its_range_is_refused_before_anything_runs() -> None:
+    result = CliRunner().invoke(main, ["bench", "proxy", "--max-take", "0"])
+    assert result.exit_code == 2 and "--max-take" in result.output

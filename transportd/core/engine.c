@@ -376,6 +376,38 @@ static size_t cut_batch(Engine *e, const Waiting *w, size_t have, size_t start, 
     return r;
 }
 
+/* A group of `bytes` (its arrays after it): a kept one that is large enough, else a new one; NULL when out of
+ * memory. */
+static Group *group_alloc(Engine *e, size_t bytes) {
+    for (size_t i = e->nspare; i-- > 0;) {
+        Group *g = e->spare[i];
+        if (g->bytes < bytes) continue;
+        e->spare[i] = e->spare[--e->nspare];
+        return g;
+    }
+    Group *g = malloc(bytes);
+    if (g) g->bytes = bytes;
+    return g;
+}
+
+/* A group done with: kept for group_alloc while there is room, else freed (the smallest kept one makes way). */
+static void group_release(Engine *e, Group *g) {
+    const size_t room = sizeof e->spare / sizeof e->spare[0];
+    if (e->nspare < room) {
+        e->spare[e->nspare++] = g;
+        return;
+    }
+    size_t smallest = 0;
+    for (size_t i = 1; i < room; i++)
+        if (e->spare[i]->bytes < e->spare[smallest]->bytes) smallest = i;
+    if (e->spare[smallest]->bytes < g->bytes) {
+        free(e->spare[smallest]);
+        e->spare[smallest] = g;
+    } else {
+        free(g);
+    }
+}
+
 /* Cut each connection's waiting rows into batches and move the ones to post now into e->plan (grouped by
  * connection, each connection a prefix of its batches that fits under the inflight cap; the first batch
  * of an idle connection always fits). Fills e->b_* and a new group's command arrays; returns the number
@@ -417,7 +449,7 @@ static long plan_post(Engine *e, int64_t now, Group **out_group) {
     /* move them into e->plan, tokens set (one per batch), and their commands into a new group */
     if (ensure_post_scratch(e, nrows, nb)) return -1;
     size_t words = 3 * nb + 1 + 3 * ncmd;
-    Group *g = malloc(sizeof(Group) + words * sizeof(int64_t) + nb); /* every array is filled but done */
+    Group *g = group_alloc(e, sizeof(Group) + words * sizeof(int64_t) + nb); /* every array is filled but done */
     if (!g) return -1;
     int64_t *p = (int64_t *)(g + 1);
     g->tok_conn = p;
@@ -565,7 +597,7 @@ static int post(Engine *e, int64_t now) {
     e->b_bounds[nb] = (int64_t)m;
     e->next_token += nb; /* plan_post set the rows' tokens from it: g->first */
     if (post_to_backend(e, nb, m) < 0) {
-        free(g);
+        group_release(e, g);
         return -1;
     }
     /* the counters in locals over all batches (each row adds to a few of them), into e->counters after */
@@ -611,7 +643,7 @@ static int post(Engine *e, int64_t now) {
     c[C_SIGNAL_DEST_BATCHES] += dest_batches;
     c[C_BATCHES] += nb;
     if (group_append(e, g)) {
-        free(g);
+        group_release(e, g);
         return nomem(e);
     }
     return 1;
@@ -736,7 +768,7 @@ static void drop_finished_groups(Engine *e) {
     size_t k = 0;
     for (size_t i = 0; i < e->ngroups; i++) {
         if (e->groups[i]->remaining) e->groups[k++] = e->groups[i];
-        else free(e->groups[i]);
+        else group_release(e, e->groups[i]);
     }
     e->ngroups = k;
 }
@@ -744,8 +776,10 @@ static void drop_finished_groups(Engine *e) {
 static int complete_tokens(Engine *e, const Completion *comps, size_t n) {
     size_t maxnb = 0;
     for (size_t i = 0; i < e->ngroups; i++) maxnb = e->groups[i]->nb > maxnb ? e->groups[i]->nb : maxnb;
-    int64_t *local = malloc((n + 1) * 2 * sizeof(int64_t) + maxnb * (1 + sizeof(int64_t)) + 1);
-    if (!local) return -1;
+    if (tpd_grow((void **)&e->done_scratch, &e->done_scratch_cap,
+                 (n + 1) * 2 * sizeof(int64_t) + maxnb * (1 + sizeof(int64_t)) + 1, 1))
+        return -1;
+    int64_t *local = (int64_t *)e->done_scratch;
     int64_t *status = local + n + 1;
     int64_t *tok_status = status + n + 1;
     uint8_t *newly = (uint8_t *)(tok_status + maxnb);
@@ -766,7 +800,6 @@ static int complete_tokens(Engine *e, const Completion *comps, size_t n) {
         }
     }
     e->counters[C_UNKNOWN_COMPLETIONS] += n - matched;
-    free(local);
     drop_finished_groups(e);
     return 0;
 }
@@ -909,7 +942,7 @@ int tpd_fail_connection(Engine *e, int64_t conn, uint16_t code) {
 /* Take, post, progress (GIL released: e->ts set); *did whether it did any work. -1 with a Python error set. */
 int tpd_run_pass(Engine *e, int *did) {
     e->counters[C_ITERATIONS]++;
-    int64_t now = now_ns();
+    int64_t now = e->pass_ns = now_ns();
     for (size_t i = 0; i < e->nchans; i++) e->chans[i]->quiet = 0;
     int took = take(e, now);
     if (took < 0) return nomem(e);
@@ -979,14 +1012,16 @@ static int link_ready(int wake_fd) {
 }
 
 /* ---- the serve loop: the rail worker's whole loop, GIL released ---------------------------------------
- * Pass after pass while there is work, the link's descriptor looked at every link_every passes. When a pass
+ * Pass after pass while there is work, the link's descriptor looked at once link_every ns have passed since
+ * the last look (a poll() costs about what three idle passes do, so it is timed, not counted). When a pass
  * finds nothing, the back-off, timed from the end of the last pass that did work (e->idle_since, which a
  * return to Python does not reset):
  *   idle >= deep_after a pass, the link looked at, up to deep_watch of looks deep_nap apart, each nap a
  *                      ppoll on the link's descriptor; a nap after a pass that left work in flight;
  *   idle >= spin       a pass, the link looked at, the ring heads watched for up to watch (spinning; a
  *                      committed record ends it), then a nap (a ppoll on the link's descriptor);
- *   else               passes back to back (the link looked at every link_every passes).
+ *   else               passes back to back (the link looked at every link_every ns).
+ * Every phase times itself by the clock its pass read (e->pass_ns): one clock read a pass.
  * It returns SERVE_LINK when the descriptor is readable (the worker's link has a request, or may have: zmq's
  * ZMQ_FD is readable until zmq processes its commands, which the Python side's poll of the link does) and
  * SERVE_INTERRUPTED after interrupt(). A backend's Python (a post/poll callable, a shim's one call per
@@ -995,7 +1030,8 @@ static int link_ready(int wake_fd) {
  * same policy in Python. */
 int tpd_serve_loop(Engine *e, const Policy *p, int *reason) {
     uint64_t *s = e->loop;
-    for (uint64_t passes = 1;; passes++) {
+    int64_t looked = now_ns(); /* the last look at the link */
+    for (;;) {
         if (interrupted(e)) {
             __atomic_store_n(&e->interrupt, 0, __ATOMIC_RELEASE);
             s[L_INTERRUPTED]++;
@@ -1005,12 +1041,12 @@ int tpd_serve_loop(Engine *e, const Policy *p, int *reason) {
         int did = 0;
         s[L_PASSES]++;
         if (tpd_run_pass(e, &did)) return -1;
-        int look = passes % p->link_every == 0;
+        const int64_t now = e->pass_ns;
+        int look = now - looked >= p->link_every;
         if (did) {
             e->idle_since = -1;
             s[L_BUSY]++;
         } else {
-            int64_t now = now_ns();
             if (e->idle_since < 0) e->idle_since = now;
             int64_t idle = now - e->idle_since;
             if (idle < p->spin && idle < p->deep_after) {
@@ -1033,7 +1069,9 @@ int tpd_serve_loop(Engine *e, const Policy *p, int *reason) {
                 look = 0;
             }
         }
-        if (!look || !link_ready(p->wake_fd)) continue;
+        if (!look) continue;
+        looked = now;
+        if (!link_ready(p->wake_fd)) continue;
     link:
         s[L_LINK]++;
         *reason = SERVE_LINK;

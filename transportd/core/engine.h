@@ -98,6 +98,7 @@ typedef struct {
 
 /* The batches posted in one iteration: tokens first .. first+nb-1 and the commands they cover. */
 typedef struct {
+    size_t bytes; /* allocated, with the arrays after the struct: a finished group is kept for reuse */
     uint64_t first;
     size_t nb, ncmd, remaining;
     int64_t *tok_conn, *tok_nwr;
@@ -136,6 +137,10 @@ typedef struct {
     size_t nchans, chans_cap;
     Group **groups;
     size_t ngroups, groups_cap;
+    Group *spare[4]; /* finished groups kept for the next posts: no malloc and free a pass */
+    size_t nspare;
+    uint8_t *done_scratch; /* complete_tokens' arrays, kept across passes */
+    size_t done_scratch_cap;
     uint64_t next_token;
     size_t nwaiting;
 
@@ -167,6 +172,7 @@ typedef struct {
      * ended (-1: it was busy), kept across serve calls so a request served does not restart the back-off */
     int interrupt;
     int64_t idle_since;
+    int64_t pass_ns; /* the clock when the last pass began: the serve loop times its phases by it */
     uint64_t loop[N_LOOP];
 } Engine;
 
@@ -219,7 +225,7 @@ enum { SERVE_INTERRUPTED = 0, SERVE_LINK = 1 };
 typedef struct {
     int64_t spin, watch, nap, deep_after, deep_watch, deep_nap;
     int wake_fd;
-    uint64_t link_every;
+    int64_t link_every; /* ns between looks at the link's descriptor while busy or spinning */
 } Policy;
 
 /* ---- the loop's entry points (engine.c), for the Python type -----------------------------------------

@@ -23,15 +23,13 @@ static PyObject *Engine_run_once(Engine *e, PyObject *unused) {
     return PyBool_FromLong(did);
 }
 
-/* serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every) -> reason */
+/* serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every_ns) -> reason */
 static PyObject *Engine_serve(Engine *e, PyObject *args) {
     Policy p;
-    unsigned long long every;
-    if (!PyArg_ParseTuple(args, "LLLLLLiK", &p.spin, &p.watch, &p.nap, &p.deep_after, &p.deep_watch, &p.deep_nap,
-                          &p.wake_fd, &every))
+    if (!PyArg_ParseTuple(args, "LLLLLLiL", &p.spin, &p.watch, &p.nap, &p.deep_after, &p.deep_watch, &p.deep_nap,
+                          &p.wake_fd, &p.link_every))
         return NULL;
-    if (every < 1) return PyErr_Format(PyExc_ValueError, "link_every must be >= 1");
-    p.link_every = every;
+    if (p.link_every < 0) return PyErr_Format(PyExc_ValueError, "link_every_ns must be >= 0");
     int reason = SERVE_INTERRUPTED;
     gil_drop(e);
     /* the default 50 us timer slack of a thread would more than double a 20 or 50 us nap */
@@ -550,6 +548,8 @@ static void Engine_dealloc(Engine *e) {
     }
     for (size_t i = 0; i < e->nconns; i++) free(e->conns[i].rows);
     for (size_t i = 0; i < e->ngroups; i++) free(e->groups[i]);
+    for (size_t i = 0; i < e->nspare; i++) free(e->spare[i]);
+    free(e->done_scratch);
     free(e->chans);
     free(e->srcs);
     free(e->jobs);
@@ -576,7 +576,7 @@ static void Engine_dealloc(Engine *e) {
 static PyMethodDef Engine_methods[] = {
     {"run_once", (PyCFunction)Engine_run_once, METH_NOARGS, "One pass: take, post, progress. True if it did work."},
     {"serve", (PyCFunction)Engine_serve, METH_VARARGS,
-     "serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every): the "
+     "serve(spin_ns, watch_ns, nap_ns, deep_after_ns, deep_watch_ns, deep_nap_ns, wake_fd, link_every_ns): the "
      "rail worker's loop, GIL released, until wake_fd is readable (SERVE_LINK) or interrupt() (SERVE_INTERRUPTED)."},
     {"interrupt", (PyCFunction)Engine_interrupt, METH_NOARGS,
      "Make a running serve or wait_ready return (or the next one)."},

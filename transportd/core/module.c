@@ -36,6 +36,36 @@ static PyObject *pingpong_produce(PyObject *mod, PyObject *args) {
     return PyLong_FromLongLong(done);
 }
 
+/* burst_produce(ring buffer, bursts, burst, peers, length, round-trip int64 buffer, timeout_s) -> completed
+ * bursts (pingpong.c), GIL released */
+static PyObject *burst_produce(PyObject *mod, PyObject *args) {
+    PyObject *ring, *out;
+    unsigned long long bursts, burst;
+    unsigned peers, length;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "OKKIIOd", &ring, &bursts, &burst, &peers, &length, &out, &timeout)) return NULL;
+    Py_buffer rv, ov;
+    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(out, &ov, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&rv);
+        return NULL;
+    }
+    const uint64_t capacity = rv.len >= TPD_RING_RECORDS_OFFSET ? *(uint64_t *)((uint8_t *)rv.buf + TPD_RING_OFF_CAPACITY) : 0;
+    if ((uint64_t)ov.len < bursts * 8 || !capacity || !peers || !burst || burst > capacity) {
+        PyBuffer_Release(&rv);
+        PyBuffer_Release(&ov);
+        return PyErr_Format(PyExc_ValueError,
+                            "burst_produce: round trips too short, not a ring, no peers, or a burst of 0 or over the capacity");
+    }
+    int64_t done;
+    Py_BEGIN_ALLOW_THREADS
+    done = tpd_burst_produce(rv.buf, bursts, burst, (uint16_t)peers, length, ov.buf, (int64_t)(timeout * 1e9));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rv);
+    PyBuffer_Release(&ov);
+    return PyLong_FromLongLong(done);
+}
+
 /* bare_drain(ring buffer, until, timeout_s) -> consumer position reached (pingpong.c), GIL released */
 static PyObject *bare_drain(PyObject *mod, PyObject *args) {
     PyObject *ring;
@@ -59,6 +89,7 @@ static PyObject *bare_drain(PyObject *mod, PyObject *args) {
 static PyMethodDef core_functions[] = {
     {"bare_drain", bare_drain, METH_VARARGS, "Benchmark ceiling: the bare C consumer of a ring (pingpong.c)."},
     {"pingpong_produce", pingpong_produce, METH_VARARGS, "Benchmark producer: one record at a time (pingpong.c)."},
+    {"burst_produce", burst_produce, METH_VARARGS, "Benchmark producer: bursts, each waited for (pingpong.c)."},
     {NULL, NULL, 0, NULL},
 };
 

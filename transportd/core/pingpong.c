@@ -5,6 +5,9 @@
  * header with release order), stamped with CLOCK_MONOTONIC, and wait for the proxy's completion position to
  * pass it before the next. numpy's per-call cost (~13 us) would otherwise be what the benchmark measured;
  *
+ * a producer for its burst round trips, the CPU's twin of gpu_bench's thread sweep: commit `burst` PUTs
+ * back to back (a warp's worth, say), wait for the completion position to pass the last, time it;
+ *
  * the bare C consumer its drain is compared with: take what is committed (the lap-stamped seq read with
  * acquire, the record copied out), release the slots and publish the completion position, block by block,
  * and nothing else: no validation, translation, batching or posting. What a pass costs beyond that is the
@@ -20,6 +23,21 @@ static int64_t mono_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000ll + ts.tv_nsec;
 }
 
+/* One PUT at ring position `pos` (chunk `chunk`, to peer 1 + chunk % peers), body first, header last. */
+static void commit_put(tpd_cmd_record *records, uint64_t capacity, uint64_t pos, uint64_t chunk, uint16_t peers,
+                       uint32_t length, int64_t stamp) {
+    tpd_cmd_record *r = &records[pos & (capacity - 1)];
+    r->src_off = r->dst_off = 0;
+    r->length = length;
+    r->src_region = r->dst_region = 0;
+    r->chunk_id = (uint32_t)chunk;
+    r->signal_slot = 0;
+    r->signal_value = (uint64_t)stamp;
+    uint64_t header = (uint64_t)(pos % 0xFFFFFFFFull + 1) | (uint64_t)TPD_OP_PUT << 32 |
+                      (uint64_t)(1 + chunk % peers) << 48;
+    __atomic_store_n((uint64_t *)r, header, __ATOMIC_RELEASE);
+}
+
 int64_t tpd_pingpong_produce(uint8_t *ring, uint64_t count, uint16_t peers, uint32_t length, int64_t *stamps,
                              int64_t timeout_ns) {
     const uint64_t capacity = *(volatile uint64_t *)(ring + TPD_RING_OFF_CAPACITY);
@@ -27,17 +45,8 @@ int64_t tpd_pingpong_produce(uint8_t *ring, uint64_t count, uint16_t peers, uint
     volatile uint64_t *completion = (volatile uint64_t *)(ring + TPD_RING_OFF_COMPLETION_POS);
     uint64_t pos = *(volatile uint64_t *)(ring + TPD_RING_OFF_PRODUCER_POS);
     for (uint64_t i = 0; i < count; i++, pos++) {
-        tpd_cmd_record *r = &records[pos & (capacity - 1)];
-        r->src_off = r->dst_off = 0;
-        r->length = length;
-        r->src_region = r->dst_region = 0;
-        r->chunk_id = (uint32_t)i;
-        r->signal_slot = 0;
         int64_t t = mono_ns();
-        r->signal_value = (uint64_t)t;
-        uint64_t header = (uint64_t)(pos % 0xFFFFFFFFull + 1) | (uint64_t)TPD_OP_PUT << 32 |
-                          (uint64_t)(1 + i % peers) << 48;
-        __atomic_store_n((uint64_t *)r, header, __ATOMIC_RELEASE);
+        commit_put(records, capacity, pos, i, peers, length, t);
         stamps[i] = t;
         int64_t deadline = t + timeout_ns;
         while (__atomic_load_n(completion, __ATOMIC_ACQUIRE) <= pos)
@@ -45,6 +54,31 @@ int64_t tpd_pingpong_produce(uint8_t *ring, uint64_t count, uint16_t peers, uint
     }
     *(volatile uint64_t *)(ring + TPD_RING_OFF_PRODUCER_POS) = pos;
     return (int64_t)count;
+}
+
+int64_t tpd_burst_produce(uint8_t *ring, uint64_t bursts, uint64_t burst, uint16_t peers, uint32_t length,
+                          int64_t *round_trip_ns, int64_t timeout_ns) {
+    const uint64_t capacity = *(volatile uint64_t *)(ring + TPD_RING_OFF_CAPACITY);
+    tpd_cmd_record *records = (tpd_cmd_record *)(ring + TPD_RING_RECORDS_OFFSET);
+    volatile uint64_t *completion = (volatile uint64_t *)(ring + TPD_RING_OFF_COMPLETION_POS);
+    volatile uint64_t *consumer = (volatile uint64_t *)(ring + TPD_RING_OFF_CONSUMER_POS);
+    uint64_t pos = *(volatile uint64_t *)(ring + TPD_RING_OFF_PRODUCER_POS);
+    int64_t done = (int64_t)bursts;
+    for (uint64_t b = 0; b < bursts; b++) {
+        const int64_t t = mono_ns(), deadline = t + timeout_ns;
+        while (pos + burst > __atomic_load_n(consumer, __ATOMIC_ACQUIRE) + capacity) /* credit for the burst */
+            if (mono_ns() > deadline) return (int64_t)b;
+        for (uint64_t j = 0; j < burst; j++, pos++) commit_put(records, capacity, pos, pos, peers, length, t);
+        while (__atomic_load_n(completion, __ATOMIC_ACQUIRE) < pos)
+            if (mono_ns() > deadline) {
+                done = (int64_t)b;
+                goto out;
+            }
+        round_trip_ns[b] = mono_ns() - t;
+    }
+out:
+    *(volatile uint64_t *)(ring + TPD_RING_OFF_PRODUCER_POS) = pos;
+    return done;
 }
 
 enum { BLOCK = 4096 };

@@ -10,6 +10,13 @@
 int64_t tpd_pingpong_produce(uint8_t *ring, uint64_t count, uint16_t peers, uint32_t length, int64_t *stamps,
                              int64_t timeout_ns);
 
+/* Commit `bursts` times `burst` PUTs back to back (chunk = ring position, to peer 1 + chunk % peers) and wait
+ * for the completion position to pass the last of each burst before the next; round_trip_ns[b] = from
+ * before burst b's first commit to seeing it complete. Returns how many bursts completed before one took
+ * longer than timeout_ns. */
+int64_t tpd_burst_produce(uint8_t *ring, uint64_t bursts, uint64_t burst, uint16_t peers, uint32_t length,
+                          int64_t *round_trip_ns, int64_t timeout_ns);
+
 /* The bare consumer: take committed records from the mapped ring at `ring` (copied out, block by block),
  * release their slots and publish the completion position, until the consumer position reaches `until` or
  * nothing new came for timeout_ns. Returns the consumer position reached. */

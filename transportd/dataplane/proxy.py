@@ -351,7 +351,7 @@ class Proxy(ProxyBase):
             return self._core.run_once()
 
     def serve(self, *, spin_s: float, watch_s: float, nap_s: float, deep_after_s: float, deep_watch_s: float,
-              deep_nap_s: float, wake_fd: int = -1, link_every: int = 64) -> int:
+              deep_nap_s: float, wake_fd: int = -1, link_every_s: float = 50e-6) -> int:
         """The rail worker's loop, all in C with the GIL released (``engine.c``, ``tpd_serve_loop``): pass after
         pass, then the idle back-off these times describe (``transportd.dataplane.worker``), until
         ``wake_fd`` turns readable (:data:`SERVE_LINK`: the worker's link has a request) or
@@ -364,7 +364,7 @@ class Proxy(ProxyBase):
             try:
                 return self._core.serve(int(spin_s * 1e9), int(watch_s * 1e9), int(nap_s * 1e9),
                                         int(deep_after_s * 1e9), int(deep_watch_s * 1e9), int(deep_nap_s * 1e9),
-                                        int(wake_fd), int(link_every))
+                                        int(wake_fd), int(link_every_s * 1e9))
             finally:
                 self._lock.serving = False
 

@@ -33,7 +33,7 @@ import numpy as np
 from cmd_ring.ring import RingFile
 from transportd.dataplane.tables import DEFAULT_MAX_LENGTH, PeerTable, RegionTable
 from transportd.errors import ErrorCode
-from transportd.limits import MAX_BATCH, MIN_BATCH, MIN_INFLIGHT_CAP
+from transportd.limits import MAX_BATCH, MAX_TAKE, MIN_BATCH, MIN_INFLIGHT_CAP, MIN_TAKE
 
 __all__ = ["DrainedRing", "JobTables", "ProxyBase", "code_name"]
 
@@ -87,8 +87,11 @@ class ProxyBase:
                  poll_max: int = 4096) -> None:
         if not MIN_BATCH <= batch_max <= MAX_BATCH:
             raise ValueError(f"batch_max must be in {MIN_BATCH}..{MAX_BATCH}, got {batch_max}")
-        if inflight_cap < MIN_INFLIGHT_CAP or max_take < 1:
-            raise ValueError(f"inflight_cap must be >= {MIN_INFLIGHT_CAP} (a PUT_SIGNAL is two WRs) and max_take >= 1")
+        if inflight_cap < MIN_INFLIGHT_CAP:
+            raise ValueError(f"inflight_cap must be >= {MIN_INFLIGHT_CAP} (a PUT_SIGNAL is two WRs), "
+                             f"got {inflight_cap}")
+        if not MIN_TAKE <= max_take <= MAX_TAKE:
+            raise ValueError(f"max_take must be in {MIN_TAKE}..{MAX_TAKE}, got {max_take}")
         self.batch_max = batch_max
         self.window_ns = int(poll_window_us * 1000)
         self.inflight_cap = inflight_cap

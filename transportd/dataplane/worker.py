@@ -73,7 +73,7 @@ class RailService:
         self.backend = open_configured(config, device=device or None, verbs=verbs)  # only what the kind takes
         self.proxy = Proxy(self.backend, batch_max=config.proxy.batch_max,
                            poll_window_us=config.proxy.poll_window_us, inflight_cap=config.proxy.inflight_cap,
-                           decoupled=config.signal.decoupled)
+                           max_take=config.proxy.max_take, decoupled=config.signal.decoupled)
         # this rail's registrations of the ranks' regions, key (state.region_key) -> (memory key, mapping): a
         # view of the main process's region registry (daemon.state.LocalRank.regions), mapped and unmapped
         # only on its MapRegion / MapGpuRegion / UnmapRegion
@@ -382,7 +382,9 @@ NAP_S = 20e-6
 DEEP_AFTER_S = 0.15  # idle this long: between passes, watch the ring headers for up to DEEP_WATCH_S with
 DEEP_WATCH_S = 10e-3  # DEEP_NAP_S waits on the link between looks: a record is seen within ~DEEP_NAP_S, a
 DEEP_NAP_S = 50e-6  # request at once; what it costs in CPU: `transportd bench proxy --idle-nap-us N`
-LINK_EVERY = 64  # while busy or spinning, the link's descriptor is looked at every this many passes
+# while busy or spinning, the link's descriptor is looked at this often: a look is a poll() (~0.5 us, about
+# three idle passes), so counting passes put one in every ~10 us of spinning, in the way of a record arriving
+LINK_EVERY_S = 50e-6
 
 
 def deep_watch_s(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> float:
@@ -395,14 +397,15 @@ def deep_watch_s(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> float:
 def serve_policy(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> dict[str, float | int]:
     """The back-off :meth:`Proxy.serve` runs, from this module's constants (read at call time)."""
     return {"spin_s": SPIN_S, "watch_s": WATCH_S, "nap_s": NAP_S, "deep_after_s": DEEP_AFTER_S,
-            "deep_watch_s": deep_watch_s(backend, deep_nap_s), "deep_nap_s": deep_nap_s, "link_every": LINK_EVERY}
+            "deep_watch_s": deep_watch_s(backend, deep_nap_s), "deep_nap_s": deep_nap_s,
+            "link_every_s": LINK_EVERY_S}
 
 
 def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s: float = DEEP_NAP_S) -> None:
     """Run the proxy and serve the main process's requests until ``stopping()`` or a stop request.
 
     The loop itself runs in the engine with the GIL released (:meth:`Proxy.serve`): while the proxy has
-    work it runs pass after pass, looking at the link's descriptor every ``LINK_EVERY`` passes. When a pass
+    work it runs pass after pass, looking at the link's descriptor every ``LINK_EVERY_S``. When a pass
     finds nothing to do the worker keeps spinning for ``SPIN_S``, then alternates a pass (which also drains
     completions) with watching the ring headers for ``WATCH_S`` (a committed record ends the wait at once)
     and a ``NAP_S`` wait on the link's descriptor; after ``DEEP_AFTER_S`` each pass is followed by up to

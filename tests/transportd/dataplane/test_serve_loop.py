@@ -45,7 +45,7 @@ assert (SERVE_LINK, SERVE_INTERRUPTED) == (MODEL_SERVE_LINK, MODEL_SERVE_INTERRU
 
 def policy(**overrides: float) -> dict[str, float]:
     """The worker's policy (``dataplane.worker``'s constants) with ``overrides``."""
-    out: dict[str, float] = {k: float(v) for k, v in rail.serve_policy(None).items() if k != "link_every"}
+    out: dict[str, float] = {k: float(v) for k, v in rail.serve_policy(None).items() if k != "link_every_s"}
     out.update(overrides)
     return out
 
@@ -65,7 +65,7 @@ class Loop:
     way ``worker.serve_loop`` runs it: after a ``SERVE_LINK`` the requests are served (the pipe drained)."""
 
     def __init__(self, model: bool = False, backend: NullBackend | None = None, capacity: int = 256,
-                 link_every: int = 64, **pol: float) -> None:
+                 link_every_s: float = 50e-6, **pol: float) -> None:
         self.model = model
         self.backend = backend
         self.proxy = Proxy(backend, poll_window_us=0.0)
@@ -80,7 +80,7 @@ class Loop:
         self.producer = RingProducer(self.ring)
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
-        self.policy = {**(pol or SPIN_ONLY), "link_every": link_every}
+        self.policy = {**(pol or SPIN_ONLY), "link_every_s": link_every_s}
         self.reasons: list[int] = []
         self.served = 0
         self.state = ModelLoopState()
@@ -187,11 +187,18 @@ def test_an_interrupt_before_serve_makes_the_next_serve_return_at_once(loops) ->
     assert loop.proxy.loop_stats()["passes"] == 0  # it returned before a pass
 
 
+def test_a_negative_link_look_interval_is_refused(loops) -> None:
+    loop = loops(**SPIN_ONLY)
+    with pytest.raises(ValueError, match="link_every_ns"):
+        loop.proxy.serve(wake_fd=loop.read_fd, **{**SPIN_ONLY, "link_every_s": -1e-6})
+    assert loop.proxy.loop_stats()["passes"] == 0
+
+
 @SIDES
 @pytest.mark.parametrize("phase", PHASES)
 def test_a_request_on_the_link_returns_from_every_phase(loops, model: bool, phase: str) -> None:
     """Only the link's descriptor can end the deep phase's minute-long watch here; the spin phase looks at
-    it every link_every passes, the watch phase every pass and during its naps."""
+    it every link_every_s, the watch phase every pass and during its naps."""
     loop = loops(model, **PHASES[phase]).start()
     key = {"spin": "spins", "watch": "watches", "deep": "deep_watches"}[phase]
     for n in (1, 2, 3):
@@ -206,7 +213,7 @@ def test_a_request_on_the_link_returns_from_every_phase(loops, model: bool, phas
 def test_a_request_while_busy_is_served_between_passes(loops, model: bool) -> None:
     """A producer keeps the loop busy (records arriving all the time); a request is still served, and
     every record taken before and after it completes."""
-    loop = loops(model, capacity=64, link_every=4, **SPIN_ONLY).start()
+    loop = loops(model, capacity=64, link_every_s=0.0, **SPIN_ONLY).start()
     total, stop = 3000, threading.Event()
 
     def produce() -> None:
