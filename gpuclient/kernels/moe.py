@@ -16,10 +16,11 @@ dispatch round e
   2. ``_moe_send``    program 0 put_signals this rank's count row to every peer (``count_slot + rank``); every
                       program waits for every peer's counts, derives where each block lands (the exclusive sum
                       of the lower ranks' counts for the expert) and puts each remote expert's block in one put
-                      and its handle words in another (a block past the largest put, ``put_rows`` rows, goes
-                      in pieces, each with its words); blocks for this rank are copied.
+                      (a block past the largest put, ``put_rows`` rows, goes in pieces), and the handle words of
+                      each peer's experts in one put into its ``src_stage``; blocks for this rank are copied.
   3. ``_moe_finish``  one SIGNAL per peer (``dispatch_slot + rank``: it covers every earlier put of this
-                      channel to the peer), a wait for every peer's, then the per-expert receive counts.
+                      channel to the peer), a wait for every peer's, then the per-expert receive counts and each
+                      peer's staged handle words scattered into ``recv_src``.
 combine round e
   4. ``_moe_combine_send``   each (local expert, source) block of y, contiguous in recv_x's layout, as one put to
                              the source's ``combine_buf`` at the source's stage rows for the expert (``eoff``
@@ -28,8 +29,8 @@ combine round e
   5. ``_moe_combine_reduce`` one SIGNAL per peer (``combine_slot + rank``), a wait for every peer's, then the
                              weighted sum in fp32 per token, entry (t, k) read from its stage row.
 
-So a dispatch pushes each peer its count row, two puts per expert with rows there and one SIGNAL, and a
-combine one put per (expert, source) block and one SIGNAL, whatever the number of rows.
+So a dispatch pushes each peer its count row, one put per expert with rows there, one of the handle words
+and one SIGNAL, and a combine one put per (expert, source) block and one SIGNAL, whatever the number of rows.
 
 On efa a SIGNAL covers only the writes since the connection's previous signal: blocks a program pushes
 before program 0's count put_signal are covered by the count flag instead, which the receiver waits for
@@ -38,9 +39,12 @@ before the dispatch flag, so every block is covered by a flag the receiver waite
 dispatch_gemm round e (``gemm_n`` set): ``_moe_route``, then ``_moe_dispatch_gemm`` in place of 2 and 3, one
 persistent launch split by role. Its first ``comm_programs`` programs push what ``_moe_send`` pushes (a block
 per (peer, expert)), peer by peer in ring order, each peer served by one program (``(step - 1) %
-comm_programs``), which ends every block with a put_signal of the peer's *expert flag* (``expert_slot + rank
-* L + local``: the block's last handle-word put, the last piece's when it is split), SIGNALs the flag of each
-empty block, and then SIGNALs the peer's dispatch flag (``dispatch_slot + rank``). The compute programs wait
+comm_programs``), which sends every block as a put_signal of the peer's *expert flag* (``expert_slot + rank
+* L + local``: the last piece's put when it is split), SIGNALs the flag of each empty block, puts the
+peer's handle words and then SIGNALs the peer's dispatch flag (``dispatch_slot + rank``); the last
+communication program then waits for every peer's dispatch flag and scatters their handle words into
+``recv_src`` (last, by one program: it waits on the peers' communication programs, which wait for nothing
+but the counts). The compute programs wait
 for the count flags, then walk each local expert's packed rows in (row block, column block) tiles, own rows
 first (read from their block in ``send_x``: no wait), then the sources in the order they send to this rank,
 and before a tile of expert l wait for the expert flag ``(s, l)`` of every source s with rows in it: a tile
@@ -56,9 +60,9 @@ connection's previous signal): only the program serving a peer pushes to it, bes
 put_signal, so a block's puts and its put_signal are consecutive on the connection unless the count
 put_signal falls between them; then the rows before it are covered by the count flag, which the compute
 programs wait for first. So a row is covered by its expert flag or the count flag, both waited for; the
-handle words of the put_signal itself by the expert flag. On ib the put_signal comes after every put of the
-block in the ring. The price: ``2 + L`` signals per destination and fused round (count, L expert flags,
-dispatch) where plain dispatch sends 2; the records grow by one per empty block only.
+handle words by the dispatch SIGNAL right after them (or the count flag). On ib the put_signal comes after
+every put of the block in the ring. The price: ``2 + L`` signals per destination and fused round (count, L
+expert flags, dispatch) where plain dispatch sends 2; the records grow by one per empty block only.
 
 No host sync, no host loop over tokens: the counts go GPU to GPU and every buffer has its worst-case size.
 Every wait is for something its peer pushes in the same-numbered kernel before that kernel waits, and no
@@ -174,24 +178,52 @@ def _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, start, row,
 
 
 @triton.jit
-def _put_block(ch, d, recv_region, recv_src_region, send_x_region, send_src_region, e, start, row, count, first,
-               step, T: tl.constexpr, H: tl.constexpr, PUT_ROWS: tl.constexpr):
-    """This rank's block for expert e to its rank d: stage rows ``start ...`` to d's receive rows ``row ...``, a
-    put of at most PUT_ROWS rows and one of their handle words per piece, piece ``first``, ``first + step``, ...
-    of them (one piece unless the block passes the largest put)."""
+def _put_block(ch, d, recv_region, send_x_region, start, row, count, first, step, H: tl.constexpr,
+               PUT_ROWS: tl.constexpr):
+    """This rank's block for an expert of rank d: stage rows ``start ...`` to d's receive rows ``row ...``, a put
+    of at most PUT_ROWS rows per piece, piece ``first``, ``first + step``, ... of them (one piece unless the
+    block passes the largest put)."""
     for j in range(first * PUT_ROWS, count, step * PUT_ROWS):
         n = tl.minimum(count - j, PUT_ROWS)
         tpd.put(ch, d, recv_region, tl.cast(row + j, tl.int64) * (H * 2), send_x_region,
                 tl.cast(start + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2))
-        tpd.put(ch, d, recv_src_region, tl.cast(row + j, tl.int64) * 4, send_src_region,
-                tl.cast(e * T + j, tl.int64) * 4, n * 4)
+
+
+@triton.jit
+def _put_handles(ch, d, rank, src_stage_region, send_src_region, L: tl.constexpr, T: tl.constexpr,
+                 HANDLE_WORDS: tl.constexpr):
+    """The handle words of every expert of rank d (``send_src`` rows ``d * L ...``, ``L * T`` words, past the counts
+    too) to d's ``src_stage`` slice for this rank, in one put (pieces of HANDLE_WORDS words where they pass the
+    largest put); d scatters them into ``recv_src``."""
+    for j in range(0, L * T, HANDLE_WORDS):
+        n = tl.minimum(L * T - j, HANDLE_WORDS)
+        tpd.put(ch, d, src_stage_region, (tl.cast(rank, tl.int64) * (L * T) + j) * 4, send_src_region,
+                (tl.cast(d, tl.int64) * (L * T) + j) * 4, tl.cast(n, tl.int64) * 4)
+
+
+@triton.jit
+def _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W: tl.constexpr, E: tl.constexpr,
+                     L: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Each peer's handle words, staged by its ``_put_handles``, into ``recv_src`` at its rows' receive rows
+    (this rank's own were copied with its rows)."""
+    ts = tl.arange(0, BLOCK_T)
+    for local in range(0, L):
+        off = tl.zeros((), dtype=tl.int32)
+        for s in range(0, W):
+            c = tl.load(count_ptr + s * E + rank * L + local)
+            if s != rank:
+                for j in range(0, c, BLOCK_T):
+                    inside = j + ts < c
+                    word = tl.load(src_stage_ptr + (s * L + local) * T + j + ts, mask=inside)
+                    tl.store(recv_src_ptr + local * (W * T) + off + j + ts, word, mask=inside)
+            off += c
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
 def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, count_region,
-              recv_region, recv_src_region, send_x_region, send_src_region, count_slot, W: tl.constexpr,
+              recv_region, src_stage_region, send_x_region, send_src_region, count_slot, W: tl.constexpr,
               E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, H: tl.constexpr, COPY_ROWS: tl.constexpr,
-              BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr):
+              BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     if pid == 0:  # our count row (written by _moe_route) to every peer's copy of the count matrix
@@ -202,8 +234,10 @@ def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, re
     for peer in range(0, W):  # every program: the lower ranks' counts decide where our rows land
         if peer != rank:
             tpd.wait(ch, count_slot + peer, epoch)
-    # expert by expert, its block (stage rows eoff[e] ..., staged by _moe_route): one put to the expert's rank
-    # (and one of the handle words), or copied for this rank; the pieces of expert e from program e % progs on
+            if peer % progs == pid:  # the handle words of the peer's experts, one put (program peer % progs)
+                _put_handles(ch, peer, rank, src_stage_region, send_src_region, L, T, HANDLE_WORDS)
+    # expert by expert, its block (stage rows eoff[e] ..., staged by _moe_route): one put to the expert's rank,
+    # or copied for this rank (with its handle words); the pieces of expert e from program e % progs on
     for e in range(0, E):
         count = tl.load(count_ptr + rank * E + e)
         if count > 0:
@@ -215,20 +249,21 @@ def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, re
                 _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, start, row, count, first, progs,
                           T, H, COPY_ROWS, BLOCK_H)
             else:
-                _put_block(ch, d, recv_region, recv_src_region, send_x_region, send_src_region, e, start, row, count,
-                           first, progs, T, H, PUT_ROWS)
+                _put_block(ch, d, recv_region, send_x_region, start, row, count, first, progs, H, PUT_ROWS)
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
-def _moe_finish(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, dispatch_slot, W: tl.constexpr,
-                E: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr):
-    # stream order put every row of _moe_send ahead of this SIGNAL in the ring: it covers them all
+def _moe_finish(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, src_stage_ptr, recv_src_ptr, dispatch_slot,
+                W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, LP: tl.constexpr,
+                WP: tl.constexpr, BLOCK_T: tl.constexpr):
+    # stream order put every row and handle word of _moe_send ahead of this SIGNAL in the ring: it covers them all
     for peer in range(0, W):
         if peer != rank:
             tpd.signal(ch, peer, dispatch_slot + rank, 1)
     for peer in range(0, W):
         if peer != rank:
             tpd.wait(ch, dispatch_slot + peer, epoch)
+    _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W, E, L, T, BLOCK_T)
     ls = tl.arange(0, LP)
     ss = tl.arange(0, WP)
     inside = (ls[:, None] < L) & (ss[None, :] < W)
@@ -241,20 +276,18 @@ def _moe_finish(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, dispatch
 
 # ---- dispatch + grouped expert GEMM, fused ----------------------------------------------------------------------
 @triton.jit
-def _put_block_signal(ch, d, recv_region, recv_src_region, send_x_region, send_src_region, e, start, row, count,
-                      slot, T: tl.constexpr, H: tl.constexpr, PUT_ROWS: tl.constexpr):
-    """``_put_block`` for one program, every piece in order: the last piece's handle-word put is a put_signal
-    (ADD 1 to d's ``slot``), after every other put of the block in this program's order."""
+def _put_block_signal(ch, d, recv_region, send_x_region, start, row, count, slot, H: tl.constexpr,
+                      PUT_ROWS: tl.constexpr):
+    """``_put_block`` for one program, every piece in order: the last piece's put is a put_signal (ADD 1 to d's
+    ``slot``), after every other put of the block in this program's order."""
     for j in range(0, count, PUT_ROWS):
         n = tl.minimum(count - j, PUT_ROWS)
-        tpd.put(ch, d, recv_region, tl.cast(row + j, tl.int64) * (H * 2), send_x_region,
-                tl.cast(start + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2))
         if j + PUT_ROWS < count:
-            tpd.put(ch, d, recv_src_region, tl.cast(row + j, tl.int64) * 4, send_src_region,
-                    tl.cast(e * T + j, tl.int64) * 4, n * 4)
+            tpd.put(ch, d, recv_region, tl.cast(row + j, tl.int64) * (H * 2), send_x_region,
+                    tl.cast(start + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2))
         else:
-            tpd.put_signal(ch, d, recv_src_region, tl.cast(row + j, tl.int64) * 4, send_src_region,
-                           tl.cast(e * T + j, tl.int64) * 4, n * 4, slot, 1)
+            tpd.put_signal(ch, d, recv_region, tl.cast(row + j, tl.int64) * (H * 2), send_x_region,
+                           tl.cast(start + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2), slot, 1)
 
 
 @triton.jit
@@ -265,13 +298,14 @@ def _last_source(c, off, r0, r1, order):
 
 @triton.jit(do_not_specialize=["epoch", "gemm_epoch", "rank"])
 def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
-                       recv_src_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, count_region, recv_region,
-                       recv_src_region, send_x_region, send_src_region, count_slot, dispatch_slot, expert_slot,
-                       W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
+                       recv_src_ptr, src_stage_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, count_region,
+                       recv_region, src_stage_region, send_x_region, send_src_region, count_slot, dispatch_slot,
+                       expert_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
                        H: tl.constexpr, N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
                        COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, COPY_ROWS: tl.constexpr,
-                       PUT_ROWS: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr,
+                       PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, COMMUNICATE: tl.constexpr,
+                       COMPUTE: tl.constexpr):
     pid = tl.program_id(0)
     ls = tl.arange(0, LP)
     ss = tl.arange(0, WP)
@@ -289,9 +323,10 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
             # peer by peer in ring order (rank + 1 first, which takes our rows first), each peer served by one
             # program (step - 1) % COMM_PROGRAMS, the only one that pushes to it besides program 0's count
             # put_signal: expert by expert, its block (stage rows eoff[e] ..., staged by _moe_route) as one put
-            # with one of its handle words (piece by piece if it passes the largest put), the last handle put a
-            # put_signal of the peer's expert flag (expert_slot + rank * L + local); an empty block a SIGNAL of
-            # it, so each flag rises exactly once per dispatch_gemm round. Then the dispatch SIGNAL to the peer.
+            # (piece by piece if it passes the largest put), the last a put_signal of the peer's expert flag
+            # (expert_slot + rank * L + local); an empty block a SIGNAL of it, so each flag rises exactly once per
+            # dispatch_gemm round. Then the handle words of all the peer's experts in one put, and the dispatch
+            # SIGNAL to the peer, which covers them.
             for step in range(1, W):
                 d = (rank + step) % W
                 if (step - 1) % COMM_PROGRAMS == pid:
@@ -300,11 +335,11 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                         count = tl.load(count_ptr + rank * E + e)
                         if count > 0:
                             row = local * (W * T) + _source_offset(count_ptr, rank, e, E)
-                            _put_block_signal(ch, d, recv_region, recv_src_region, send_x_region, send_src_region,
-                                              e, tl.load(eoff_ptr + e), row, count, expert_slot + rank * L + local,
-                                              T, H, PUT_ROWS)
+                            _put_block_signal(ch, d, recv_region, send_x_region, tl.load(eoff_ptr + e), row, count,
+                                              expert_slot + rank * L + local, H, PUT_ROWS)
                         else:
                             tpd.signal(ch, d, expert_slot + rank * L + local, 1)
+                    _put_handles(ch, d, rank, src_stage_region, send_src_region, L, T, HANDLE_WORDS)
                     tpd.signal(ch, d, dispatch_slot + rank, 1)
             # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
             # this copy is for the caller and for combine, and waits for nothing)
@@ -316,6 +351,15 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                     _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, tl.load(eoff_ptr + e), row,
                               count, (pid + COMM_PROGRAMS - e % COMM_PROGRAMS) % COMM_PROGRAMS, COMM_PROGRAMS, T, H,
                               COPY_ROWS, BLOCK_H)
+            # the peers' handle words into recv_src once each peer's dispatch flag says they are placed (the
+            # GEMM needs none: the handle is for the caller and for combine), by the last communication
+            # program after its own pushes: a peer's dispatch flag may come from any of its communication
+            # programs, and those wait for nothing but counts, so no program waits on one that waits on it
+            if pid == COMM_PROGRAMS - 1:
+                for peer in range(0, W):
+                    if peer != rank:
+                        tpd.wait(ch, dispatch_slot + peer, epoch)
+                _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W, E, L, T, BLOCK_T)
         if pid == 0:  # recv_count and recv_layout, from the counts (this round's once the waits above passed)
             c = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)
             at = layout_ptr + (ls[:, None] * W + ss[None, :]) * 2
@@ -530,10 +574,11 @@ class MoE:
         self.recv_src = torch.full((L, lay.capacity), -1, dtype=torch.int32, device=dev)
         self.send_x = torch.empty((lay.stage_capacity, H), dtype=torch.bfloat16, device=dev)
         self.send_src = torch.full((E, T), -1, dtype=torch.int32, device=dev)
+        self.src_stage = torch.full((W, L, T), -1, dtype=torch.int32, device=dev)  # each source's handle words
         self.combine_buf = torch.empty((lay.stage_capacity, H), dtype=torch.bfloat16, device=dev)
         self.send_y = torch.empty((L, lay.capacity, H), dtype=torch.bfloat16, device=dev)
         self.regions = {name: session.register(getattr(self, name)).id
-                        for name in ("counts_all", "recv_x", "recv_src", "send_x", "send_src", "combine_buf",
+                        for name in ("counts_all", "recv_x", "src_stage", "send_x", "send_src", "combine_buf",
                                      "send_y")}
         # this rank's per-round state (not registered), allocated once: a call allocates nothing
         self.idx32 = torch.full((T, K), -1, dtype=torch.int32, device=dev)
@@ -554,6 +599,7 @@ class MoE:
             raise ValueError(f"MoE needs flag slots [{slot_base}, {slot_base + self.slots}); the session has "
                              f"{len(session.flag_array)}")
         self.block_h = min(_pow2(H), 1024)
+        self.block_t = min(_pow2(T), 1024)  # handle words per step of the scatter into recv_src
         self.copy_rows = max(1, 4096 // self.block_h)  # rows per tile of a block copy
         self.put_rows = lay.put_rows  # rows per put of a block: all of them unless they pass the largest put
         self.channel_capacity = channel_capacity
@@ -618,35 +664,37 @@ class MoE:
     def _send_args(self, epoch: int) -> tuple:
         r = self.regions
         return (self._ch, epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src, self.recv_x,
-                self.recv_src, r["counts_all"], r["recv_x"], r["recv_src"], r["send_x"], r["send_src"],
+                self.recv_src, r["counts_all"], r["recv_x"], r["src_stage"], r["send_x"], r["send_src"],
                 self.layout.count_slot)
 
     def _send_meta(self) -> dict[str, Any]:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
                 "H": self.hidden, "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h, "PUT_ROWS": self.put_rows,
-                "num_warps": self.num_warps}
+                "HANDLE_WORDS": self.layout.handle_words, "num_warps": self.num_warps}
 
     def _finish_args(self, epoch: int) -> tuple:
-        return (self._ch, epoch, self.rank, self.counts_all, self.recv_count, self.recv_layout,
-                self.layout.dispatch_slot)
+        return (self._ch, epoch, self.rank, self.counts_all, self.recv_count, self.recv_layout, self.src_stage,
+                self.recv_src, self.layout.dispatch_slot)
 
     def _finish_meta(self) -> dict[str, Any]:
-        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "LP": _pow2(self.local_experts),
-                "WP": _pow2(self.world), "num_warps": self.num_warps}
+        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
+                "LP": _pow2(self.local_experts), "WP": _pow2(self.world), "BLOCK_T": self.block_t,
+                "num_warps": self.num_warps}
 
     def _gemm_args(self, epoch: int, gemm_epoch: int, w: Any, y: Any) -> tuple:
         r = self.regions
         return (self._ch, epoch, gemm_epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src,
-                self.recv_x, self.recv_src, w, y, self.recv_count, self.recv_layout, r["counts_all"], r["recv_x"],
-                r["recv_src"], r["send_x"], r["send_src"], self.layout.count_slot, self.layout.dispatch_slot,
-                self.layout.expert_slot)
+                self.recv_x, self.recv_src, self.src_stage, w, y, self.recv_count, self.recv_layout, r["counts_all"],
+                r["recv_x"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
+                self.layout.dispatch_slot, self.layout.expert_slot)
 
     def _gemm_meta(self, communicate: bool = True, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.gemm_block
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
                 "H": self.hidden, "N": self.gemm_n, "LP": _pow2(self.local_experts), "WP": _pow2(self.world),
                 "COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                "BLOCK_H": self.block_h, "COPY_ROWS": self.copy_rows, "PUT_ROWS": self.put_rows,
+                "BLOCK_H": self.block_h, "BLOCK_T": self.block_t, "COPY_ROWS": self.copy_rows,
+                "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words,
                 "COMMUNICATE": communicate, "COMPUTE": compute,
                 "num_warps": self.gemm_warps, "num_stages": self.gemm_stages}
 

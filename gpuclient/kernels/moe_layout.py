@@ -27,7 +27,13 @@ one block at the expert's rank (rows ``offset[l, s] ...``). Combine is the same 
 expert's rank puts each (local expert, source) block of its output, contiguous in the receive layout, to
 the source's ``combine_buf`` at the source's stage rows (``eoff`` from the source's count row, which every
 rank holds), and the source sums entry ``(t, k)`` from its stage row. A block longer than the largest put
-(``max_put_bytes``) goes as several puts of ``put_rows`` rows (and its handle words with them).
+(``max_put_bytes``) goes as several puts of ``put_rows`` rows.
+
+Handle words: a source's ``send_src`` [E, T] holds, for each expert, the handle word of its j-th row; the
+rows of one destination's experts (``L * T`` words, past the counts too) travel in one put per destination
+(pieces of ``handle_words`` words where they pass the largest put) into the destination's
+``src_stage[source]`` [L, T], and the destination scatters each (expert, source) run to ``recv_src`` at the
+rows where that source's rows landed.
 """
 
 from __future__ import annotations
@@ -81,8 +87,8 @@ class MoELayout:
             raise ValueError("local_experts * world * max_tokens receive rows pass int32: lower max_tokens")
         if self.max_put_bytes > MAX_PUT_BYTES:
             raise ValueError(f"max_put_bytes={self.max_put_bytes} is more than the daemon takes ({MAX_PUT_BYTES})")
-        # a row (and its handle word) and the count row (E int32) each go in one put
-        for what, size in (("a row", max(self.row_bytes, 4)), ("the count row", 4 * self.num_experts)):
+        # a row and the count row (E int32) each go in one put
+        for what, size in (("a row", self.row_bytes), ("the count row", 4 * self.num_experts)):
             if size > self.max_put_bytes:
                 raise ValueError(f"{what} ({size} bytes) passes the largest put ({self.max_put_bytes} bytes)")
 
@@ -108,9 +114,14 @@ class MoELayout:
 
     @property
     def put_rows(self) -> int:
-        """Rows per put of a block (and handle words per put of its words): all of an expert's rows from one
-        source (``T`` at most) unless they pass the largest put."""
-        return min(self.max_tokens, self.max_put_bytes // max(self.row_bytes, 4))
+        """Rows per put of a block: all of an expert's rows from one source (``T`` at most) unless they pass the
+        largest put."""
+        return min(self.max_tokens, self.max_put_bytes // self.row_bytes)
+
+    @property
+    def handle_words(self) -> int:
+        """Handle words per put of a destination's ``L * T``: all of them unless they pass the largest put."""
+        return min(self.local_experts * self.max_tokens, self.max_put_bytes // 4)
 
     def owner(self, expert: int) -> tuple[int, int]:
         """(rank, local expert) of global expert ``expert``."""
@@ -134,7 +145,8 @@ class MoELayout:
 
     @property
     def dispatch_slot(self) -> int:
-        """``+ s``: every row and handle word rank s sends us in a round is placed (a SIGNAL after them)."""
+        """``+ s``: every row and handle word rank s sends us in a round is placed (a SIGNAL after them; in a
+        ``dispatch_gemm`` round, after its handle words)."""
         return self.slot_base + self.world
 
     @property
@@ -144,10 +156,9 @@ class MoELayout:
 
     @property
     def expert_slot(self) -> int:
-        """``+ s * L + l``: every row and handle word rank s sends our local expert l in a ``dispatch_gemm`` round
-        is placed (a put_signal with the block's last handle words, or a SIGNAL where the block is empty: one
-        per (source, expert) and fused round, so the flag counts ``dispatch_gemm`` rounds; plain ``dispatch``
-        leaves it alone)."""
+        """``+ s * L + l``: every row rank s sends our local expert l in a ``dispatch_gemm`` round is placed (a
+        put_signal with the block's last rows, or a SIGNAL where the block is empty: one per (source, expert)
+        and fused round, so the flag counts ``dispatch_gemm`` rounds; plain ``dispatch`` leaves it alone)."""
         return self.slot_base + 3 * self.world
 
     @property
@@ -209,8 +220,8 @@ class MoELayout:
     def dispatch_puts(self, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int]]:
         """This rank's dispatch row puts: ``(peer, expert, stage row, receive row, rows)``, the receive row
         counted in the peer's ``recv_x`` as ``local * W * T + offset``; one per (peer, expert) block with rows,
-        split at ``put_rows``. Each goes with one put of the same rows' handle words (``send_src[expert, j:j +
-        rows]`` to ``recv_src`` at the receive row); rows for this rank are copied, not put."""
+        split at ``put_rows``; rows for this rank are copied, not put. The handle words go apart, one put per
+        peer (:meth:`handle_puts`)."""
         c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
         eoff, off = self.stage_offsets(c[self.rank]), self.source_offsets(c)[self.rank]
         puts = []
@@ -220,6 +231,14 @@ class MoELayout:
                 for j, n in self._chunks(int(c[self.rank, e])):
                     puts.append((d, e, int(eoff[e]) + j, local * self.capacity + int(off[e]) + j, n))
         return puts
+
+    def handle_puts(self) -> list[tuple[int, int, int, int]]:
+        """This rank's handle-word puts of a dispatch: ``(peer, send_src word, src_stage word, words)``, one per
+        peer (split at ``handle_words``): ``send_src`` rows ``peer * L ...`` (``L * T`` words) to the peer's
+        ``src_stage`` slice for this rank, whatever the counts."""
+        n = self.local_experts * self.max_tokens
+        return [(peer, peer * n + j, self.rank * n + j, min(self.handle_words, n - j))
+                for peer in range(self.world) if peer != self.rank for j in range(0, n, self.handle_words)]
 
     def combine_puts(self, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int]]:
         """This rank's combine puts, as the experts' rank: ``(source, expert, y row, combine row, rows)``, the y
@@ -238,17 +257,19 @@ class MoELayout:
 
     def writes(self, counts_all: np.ndarray) -> dict[str, list[int]]:
         """Records this rank pushes per destination in a round (0 for itself): ``dispatch`` (the count
-        put_signal, a row put and a handle-word put per block, or per piece of a split block, the SIGNAL),
-        ``dispatch_gemm`` (the same, the last handle-word put of each block a put_signal of its expert flag,
-        plus a SIGNAL of the flag per empty block) and ``combine`` (the output puts, the SIGNAL)."""
+        put_signal, a row put per block, or per piece of a split block, the handle-word put, the SIGNAL),
+        ``dispatch_gemm`` (the same, the last row put of each block a put_signal of its expert flag, plus a
+        SIGNAL of the flag per empty block) and ``combine`` (the output puts, the SIGNAL)."""
         dispatch, combine = [0] * self.world, [0] * self.world
         for peer in range(self.world):
             if peer != self.rank:
                 dispatch[peer] = 2
                 combine[peer] = 1
+        for peer, _, _, _ in self.handle_puts():
+            dispatch[peer] += 1
         c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
         for d, _, _, _, _ in self.dispatch_puts(c):
-            dispatch[d] += 2
+            dispatch[d] += 1
         for s, _, _, _, _ in self.combine_puts(c):
             combine[s] += 1
         gemm = list(dispatch)
@@ -325,6 +346,25 @@ def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list
         for t, k in zip(*np.nonzero(idx >= 0), strict=True):
             d, local, row = lay.destination(counts_all, idx[t, k], out[src]["pos"][t, k])
             assert out[d]["recv_src"][local, row] == lay.encode(src, t, k)
+    # the handle words as the kernels move them: one put per (source, destination) of the source's send_src rows
+    # of the destination's experts into the destination's src_stage, then each (expert, source) run scattered to
+    # where that source's rows landed (a rank's own words go with its rows): the same recv_src as the blocks
+    stages = [np.full((lay.world, lay.local_experts * lay.max_tokens), -1, dtype=np.int32) for lay in layouts]
+    for src, lay in enumerate(layouts):
+        words = routes[src][2].reshape(-1)
+        for peer, at, to, n in lay.handle_puts():
+            stages[peer].reshape(-1)[to:to + n] = words[at:at + n]
+    for d, lay in enumerate(layouts):
+        stage = stages[d].reshape(lay.world, lay.local_experts, lay.max_tokens)
+        off = lay.source_offsets(counts_all)
+        scattered = np.full_like(out[d]["recv_src"], -1)
+        for local in range(lay.local_experts):
+            e = d * lay.local_experts + local
+            for s in range(lay.world):
+                n = int(counts_all[s, e])
+                run = routes[s][2][e, :n] if s == d else stage[s, local, :n]
+                scattered[local, off[s, e]:off[s, e] + n] = run
+        assert (scattered == out[d]["recv_src"]).all(), "the staged handle words scatter elsewhere"
     return out
 
 

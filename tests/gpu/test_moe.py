@@ -90,6 +90,7 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: s
                 for op in ops:
                     op.recv_x.fill_(nan)
                     op.recv_src.fill_(-1)
+                    op.src_stage.fill_(-1)
                     op.send_x.fill_(nan)
                     op.send_y.fill_(nan)
                     op.combine_buf.fill_(nan)
@@ -264,6 +265,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
                     for buf in (op.recv_x, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
                         buf.fill_(nan)
                     op.recv_src.fill_(-1)
+                    op.src_stage.fill_(-1)
                     op.recv_count.fill_(-1)
                 torch.cuda.synchronize(cuda_device)
                 handles = []

@@ -21,11 +21,11 @@ Each rank checks its own results against the numpy model (``moe_layout``): count
 handle words and received rows exactly, ``y`` against float64 ``x @ w`` per expert within the output
 dtype's rounding (rows past the counts untouched), combine against the weighted sum, no queued put left
 uncovered by a signal at the end of a round, every put the rank made exactly the model's (one per
-(peer, expert) block and one of its handle words, pieces of at most ``PUT_ROWS`` rows; one per (expert,
-source) block back), the records and signals per destination (``2 + L`` signals a fused round, 2 a plain one),
-one program of the fused kernel pushing each peer, every expert flag at the number of fused rounds, and
-every program of the plain kernels (send, finish, reduce) having waited for each
-peer's flag whose data it reads (the fused kernel's reads are checked load by load).
+(peer, expert) block, pieces of at most ``PUT_ROWS`` rows, and one of the handle words of all the peer's
+experts; one per (expert, source) block back), the records and signals per destination (``2 + L`` signals
+a fused round, 2 a plain one), one program of the fused kernel pushing each peer, every expert flag at the
+number of fused rounds, and every program of the plain kernels (send, finish, reduce) having waited for
+each peer's flag whose data it reads (the fused kernel's reads are checked load by load).
 
     python -m tests.gpuclient.moe_gemm_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN N PROGRAMS COMM BM BN BK OUT
         [PUT_ROWS]
@@ -56,13 +56,15 @@ WAIT_LIMIT_S = float(os.environ.get("MOE_GEMM_WAIT_LIMIT_S", "300"))
 
 
 def buffers(lay: MoELayout, n_out: int, out: str) -> list[tuple[str, tuple, np.dtype]]:
-    """Every rank's shared buffers: the registered ones (in ``REGIONS`` order), its flags and its ``y``."""
+    """Every rank's shared buffers: the registered ones (in ``REGIONS`` order), its ``recv_src``, its flags and its
+    ``y``."""
     W, E, L, T, H = lay.world, lay.num_experts, lay.local_experts, lay.max_tokens, lay.hidden  # noqa: N806
     S = lay.stage_capacity  # noqa: N806
     return [("counts_all", (W, E), np.dtype(np.int32)), ("recv_x", (L, lay.capacity, H), np.dtype(np.uint16)),
-            ("recv_src", (L, lay.capacity), np.dtype(np.int32)), ("send_x", (S, H), np.dtype(np.uint16)),
+            ("src_stage", (W, L, T), np.dtype(np.int32)), ("send_x", (S, H), np.dtype(np.uint16)),
             ("send_src", (E, T), np.dtype(np.int32)), ("combine_buf", (S, H), np.dtype(np.uint16)),
             ("send_y", (L, lay.capacity, H), np.dtype(np.uint16)),
+            ("recv_src", (L, lay.capacity), np.dtype(np.int32)),
             ("flags", (lay.slot_base + lay.slots,), np.dtype(np.int64)),
             ("cover", (L, lay.capacity, 2), np.dtype(np.int64)),
             ("y", (L, lay.capacity, n_out), np.dtype(np.uint16 if out == "bf16" else np.float32))]
@@ -367,11 +369,12 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         fabric.fused, fabric.writers = True, {}
         m._moe_dispatch_gemm[(programs,)](
             _b(ch), epoch, gemm_epoch, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x), _b(me.send_src),
-            _b(me.recv_x), _b(me.recv_src), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout),
-            *[regions[n] for n in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")], lay.count_slot,
+            _b(me.recv_x), _b(me.recv_src), _b(me.src_stage), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout),
+            *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")], lay.count_slot,
             lay.dispatch_slot, lay.expert_slot, W=W_, E=E_, L=L_, T=T_, H=H_, N=n_out, LP=m._pow2(L_),
-            WP=m._pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=16, COPY_ROWS=copy_rows,
-            PUT_ROWS=put_rows_, COMMUNICATE=communicate, COMPUTE=True)
+            WP=m._pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=16, BLOCK_T=4,
+            COPY_ROWS=copy_rows, PUT_ROWS=put_rows_, HANDLE_WORDS=lay.handle_words, COMMUNICATE=communicate,
+            COMPUTE=True)
         fabric.fused = check.active = False
         # one writer per connection (besides program 0's count put_signal): a block's puts and its put_signal
         # are in one program's order, with no other program's signal between them on the connection
@@ -383,6 +386,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     for rnd, data_r in enumerate(data["rounds"], start=1):
         tokens, idx, x = data_r["tokens"], data_r["idx"], data_r["x"]
         me.recv_x[:] = NAN16  # what the peers owe this round, and our stage: poisoned (before our counts go out)
+        me.src_stage[:] = -1
         me.cover[:] = -1  # no received row covered yet (the peers mark it when they signal, after our counts)
         me.combine_buf[:] = NAN16
         me.send_x[:] = NAN16
@@ -394,12 +398,13 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         if rnd == 2:  # the plain dispatch, on the same flags
             m._moe_send[(programs,)](_b(ch), rnd, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x),
                                      _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
-                                     *[regions[k] for k in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")],
+                                     *[regions[k] for k in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
                                      lay.count_slot, W=W_, E=E_, L=L_, T=T_, H=H_, COPY_ROWS=copy_rows, BLOCK_H=16,
-                                     PUT_ROWS=put_rows_)
+                                     PUT_ROWS=put_rows_, HANDLE_WORDS=lay.handle_words)
             waited(lay.count_slot, rnd, programs)
             m._moe_finish[(1,)](_b(ch), rnd, rank, _b(me.counts_all), _b(recv_count), _b(recv_layout),
-                                lay.dispatch_slot, W=W_, E=E_, L=L_, LP=m._pow2(L_), WP=m._pow2(W_))
+                                _b(me.src_stage), _b(me.recv_src), lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_,
+                                LP=m._pow2(L_), WP=m._pow2(W_), BLOCK_T=4)
             waited(lay.dispatch_slot, rnd, 1)
             y64 = np.einsum("lph,lhn->lpn", f32(me.recv_x).astype(np.float64), f32(w_mine).astype(np.float64))
             y = bf16(y64) if out == "bf16" else y64.astype(np.float32)

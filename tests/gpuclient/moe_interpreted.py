@@ -6,9 +6,9 @@ The channel calls are replaced by :class:`Fabric`, a model that moves a put's by
 once, adds a signal to the peer's flag, and records each wait, checked once every rank has run the kernel
 (each satisfied by the signals sent, and every program of a kernel that reads what peers push waiting for
 every peer's flag: ranks take turns here, so a missing wait would still find its data), and each put,
-checked against the model's plan: one put per (peer, expert) block with rows and one of its handle words
-(pieces of at most ``put_rows`` rows), exactly the model's offsets and lengths, and the records per
-destination the model counts.
+checked against the model's plan: one put per (peer, expert) block with rows (pieces of at most ``put_rows``
+rows) and one of the handle words of all the peer's experts, exactly the model's offsets and lengths, and the
+records per destination the model counts.
 
     python -m tests.gpuclient.moe_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN PROGRAMS [PUT_ROWS]
 """
@@ -94,7 +94,7 @@ class Buffer:
         pass
 
 
-REGIONS = ("counts_all", "recv_x", "recv_src", "send_x", "send_src", "combine_buf", "send_y")
+REGIONS = ("counts_all", "recv_x", "src_stage", "send_x", "send_src", "combine_buf", "send_y")
 
 
 class Fabric:
@@ -168,15 +168,16 @@ class Fabric:
 
 
 def planned_dispatch(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
-    """The model's dispatch puts of ``lay.rank``, as the fabric records them: the count row to every peer, and
-    per block piece its rows (stage rows to the expert's receive rows) and their handle words."""
+    """The model's dispatch puts of ``lay.rank``, as the fabric records them: the count row to every peer, per
+    block piece its rows (stage rows to the expert's receive rows), and per peer the handle words of its
+    experts (send_src to the peer's src_stage slice for this rank)."""
     r, row = {name: i for i, name in enumerate(REGIONS)}, lay.row_bytes
-    eoff = lay.stage_offsets(counts_all[lay.rank])
     puts = [(peer, r["counts_all"], lay.rank * lay.num_experts * 4, r["counts_all"], lay.rank * lay.num_experts * 4,
              lay.num_experts * 4) for peer in range(lay.world) if peer != lay.rank]
-    for d, e, first, dst, n in lay.dispatch_puts(counts_all):
+    for d, _, first, dst, n in lay.dispatch_puts(counts_all):
         puts.append((d, r["recv_x"], dst * row, r["send_x"], first * row, n * row))
-        puts.append((d, r["recv_src"], dst * 4, r["send_src"], (e * lay.max_tokens + first - int(eoff[e])) * 4, n * 4))
+    for d, at, to, n in lay.handle_puts():
+        puts.append((d, r["src_stage"], to * 4, r["send_src"], at * 4, n * 4))
     return sorted(puts)
 
 
@@ -194,7 +195,8 @@ def _rank_state(lay: MoELayout) -> SimpleNamespace:
     return SimpleNamespace(
         ch=np.zeros(8, dtype=np.uint64), flags=np.zeros(lay.slot_base + lay.slots, dtype=np.int64),
         counts_all=np.zeros((W, E), np.int32), recv_x=np.full((L, lay.capacity, H), nan, np.uint16),
-        recv_src=np.full((L, lay.capacity), -1, np.int32), send_x=np.full((lay.stage_capacity, H), nan, np.uint16),
+        recv_src=np.full((L, lay.capacity), -1, np.int32), src_stage=np.full((W, L, T), -1, np.int32),
+        send_x=np.full((lay.stage_capacity, H), nan, np.uint16),
         send_src=np.full((E, T), -1, np.int32), combine_buf=np.full((lay.stage_capacity, H), nan, np.uint16),
         send_y=np.zeros((L, lay.capacity, H), np.uint16), idx32=np.full((T, K), -1, np.int32),
         stage_row=np.full((T, K), -1, np.int32), stage_off=np.zeros(E, np.int32), recv_count=np.zeros(L, np.int32),
@@ -245,6 +247,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
         w = [rng.random((n, topk)).astype(np.float32) for n in tokens]
         for st in ranks:  # what the peers owe, and the stage: poisoned
             st.recv_x[:] = bf16(np.float32(np.nan))
+            st.src_stage[:] = -1
             st.combine_buf[:] = bf16(np.float32(np.nan))
             st.send_x[:] = bf16(np.float32(np.nan))
         for r, st in enumerate(ranks):
@@ -270,9 +273,9 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
         for r, st in enumerate(ranks):
             m._moe_send[(programs,)](_b(st.ch), rnd, r, _b(st.counts_all), _b(st.stage_off), _b(st.send_x),
                                      _b(st.send_src), _b(st.recv_x), _b(st.recv_src),
-                                     *[regions[n] for n in ("counts_all", "recv_x", "recv_src", "send_x", "send_src")],
+                                     *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
                                      lays[r].count_slot, W=W_, E=E_, L=L_, T=T_, H=H_, COPY_ROWS=copy_rows,
-                                     BLOCK_H=block_h, PUT_ROWS=put_rows_)
+                                     BLOCK_H=block_h, PUT_ROWS=put_rows_, HANDLE_WORDS=lay0.handle_words)
         fabric.check_waits(lay0.count_slot, rnd, programs)  # every program reads the lower ranks' counts
         for r, lay in enumerate(lays):  # the puts are the model's, offset for offset and byte for byte
             assert fabric.take(r) == planned_dispatch(lay, model[r]["counts_all"]), (rnd, r)
@@ -281,9 +284,10 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             assert [int(got[lays[r].count_slot + s]) for s in range(world)] == [int(s != r) for s in range(world)]
         for r, st in enumerate(ranks):
             m._moe_finish[(1,)](_b(st.ch), rnd, r, _b(st.counts_all), _b(st.recv_count), _b(st.recv_layout),
-                                lays[r].dispatch_slot, W=W_, E=E_, L=L_, LP=m._pow2(L_), WP=m._pow2(W_))
+                                _b(st.src_stage), _b(st.recv_src), lays[r].dispatch_slot, W=W_, E=E_, L=L_, T=T_,
+                                LP=m._pow2(L_), WP=m._pow2(W_), BLOCK_T=4)
         fabric.check_waits(lay0.dispatch_slot, rnd, 1)  # the caller reads the rows once it returns
-        for r, lay in enumerate(lays):  # records per destination: the count, a row and a handle put per block
+        for r, lay in enumerate(lays):  # records per destination: the count, a put per block, the handle words
             want_records = lay.writes(model[r]["counts_all"])["dispatch"]
             assert [fabric.records[r, d] for d in range(world)] == want_records, (rnd, r)
         for r, st in enumerate(ranks):

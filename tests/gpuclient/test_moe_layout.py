@@ -136,7 +136,7 @@ def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int
                                                         put_rows: int) -> None:
     """Staging is expert-major, each (source, expert) block lands packed at the expert's rank, the dispatch and
     combine puts are exactly the remote blocks split at ``put_rows`` rows, and the writes per destination are
-    the count, a row put and a handle-word put per piece and the SIGNAL."""
+    the count, a row put per piece, one handle-word put and the SIGNAL."""
     rng = np.random.default_rng(world + put_rows)
     hidden = 16
     lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, max_put_bytes=put_rows * hidden * 2 + 1)
@@ -187,8 +187,13 @@ def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int
                 continue
             mine = range(d * lay.local_experts, (d + 1) * lay.local_experts)
             blocks = [int(counts_all[src, e]) for e in mine if counts_all[src, e] > 0]
-            assert w["dispatch"][d] == 2 + 2 * sum(-(-n // lay.put_rows) for n in blocks)
-            # the fused round: the same puts (the last handle put of a block a put_signal), a SIGNAL per empty
+            # the handle words of d's experts, all of them, to d's slice for this rank: one put unless they pass
+            # the largest put
+            n, step = lay.local_experts * max_tokens, lay.handle_words
+            handles = [(p, at, to, k) for p, at, to, k in lay.handle_puts() if p == d]
+            assert handles == [(d, d * n + j, src * n + j, min(step, n - j)) for j in range(0, n, step)]
+            assert w["dispatch"][d] == 2 + len(handles) + sum(-(-n // lay.put_rows) for n in blocks)
+            # the fused round: the same puts (the last row put of a block a put_signal), a SIGNAL per empty
             # block, so every expert flag there rises once: 2 + L signals against the plain dispatch's 2
             assert w["dispatch_gemm"][d] == w["dispatch"][d] + lay.local_experts - len(blocks)
             assert lay.signals()[d] == 2 and lay.signals(gemm=True)[d] == 2 + lay.local_experts
@@ -209,8 +214,9 @@ def test_the_largest_put_is_the_daemons() -> None:
 
 def test_writes_per_destination_at_deepep_low_latency_shape() -> None:
     """128 tokens a rank, top-8 of 64 experts, two ranks, uniform routing: a dispatch pushes each peer its
-    count row, one put per expert block and one per block's handle words, and a SIGNAL (about 66 records,
-    against one per row before: about 530); combine one put per block and a SIGNAL."""
+    count row, one put per expert block, one of the handle words of all its experts, and a SIGNAL (about 35
+    records; 66 with a handle-word put per block, about 530 with a put per row); combine one put per block and
+    a SIGNAL."""
     rng = np.random.default_rng(0)
     lays = [MoELayout(r, 2, 64, 128, 8, 7168) for r in range(2)]
     idx = [np.stack([rng.permutation(64)[:8] for _ in range(128)]) for _ in range(2)]
@@ -219,7 +225,7 @@ def test_writes_per_destination_at_deepep_low_latency_shape() -> None:
         w = lay.writes(counts_all)
         blocks = int((counts_all[r, (1 - r) * 32:(2 - r) * 32] > 0).sum())
         back = int((counts_all[1 - r, r * 32:(r + 1) * 32] > 0).sum())
-        assert w["dispatch"][1 - r] == 2 + 2 * blocks <= 66 and w["combine"][1 - r] == 1 + back <= 33
+        assert w["dispatch"][1 - r] == 3 + blocks <= 35 and w["combine"][1 - r] == 1 + back <= 33
 
 
 def test_the_combine_model_is_the_weighted_sum_of_each_tokens_experts() -> None:
@@ -258,7 +264,7 @@ def test_the_combine_model_is_the_weighted_sum_of_each_tokens_experts() -> None:
     ({"slot_base": -1}, "slot_base must be an integer >= 0"),
     ({"hidden": (1 << 30) + 1}, r"a row \(2147483650 bytes\) passes the largest put"),
     ({"hidden": 64, "max_put_bytes": 100}, r"a row \(128 bytes\) passes the largest put \(100 bytes\)"),
-    ({"hidden": 1, "max_put_bytes": 3}, r"a row \(4 bytes\) passes"),
+    ({"hidden": 1, "max_put_bytes": 1}, r"a row \(2 bytes\) passes the largest put \(1 bytes\)"),
     ({"num_experts": 64, "max_put_bytes": 200}, r"the count row \(256 bytes\) passes"),
     ({"max_put_bytes": (1 << 31) + 1}, "more than the daemon takes"),
     ({"max_put_bytes": 0}, "max_put_bytes must be an integer >= 1"),
@@ -293,12 +299,13 @@ SIGNATURES = {
                    {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "COPY_ROWS": 16, "BLOCK_H": 256}),
     "_moe_send": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
                    "send_x_ptr": "*bf16", "send_src_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32",
-                   "count_region": "i32", "recv_region": "i32", "recv_src_region": "i32", "send_x_region": "i32",
+                   "count_region": "i32", "recv_region": "i32", "src_stage_region": "i32", "send_x_region": "i32",
                    "send_src_region": "i32", "count_slot": "i32"},
-                  {"W": W, "E": E, "L": L, "T": T, "H": H, "COPY_ROWS": 16, "BLOCK_H": 256, "PUT_ROWS": T}),
+                  {"W": W, "E": E, "L": L, "T": T, "H": H, "COPY_ROWS": 16, "BLOCK_H": 256, "PUT_ROWS": T,
+                   "HANDLE_WORDS": L * T}),
     "_moe_finish": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "recv_count_ptr": "*i32",
-                     "layout_ptr": "*i32", "dispatch_slot": "i32"},
-                    {"W": W, "E": E, "L": L, "LP": 4, "WP": 2}),
+                     "layout_ptr": "*i32", "src_stage_ptr": "*i32", "recv_src_ptr": "*i32", "dispatch_slot": "i32"},
+                    {"W": W, "E": E, "L": L, "T": T, "LP": 4, "WP": 2, "BLOCK_T": 128}),
     "_moe_combine_send": ({"ch": "*u64", "rank": "i32", "y_ptr": "*bf16", "count_ptr": "*i32", "send_y_ptr": "*bf16",
                            "comb_ptr": "*bf16", "comb_region": "i32", "send_y_region": "i32"},
                           {"W": W, "E": E, "L": L, "T": T, "H": H, "EP": E, "COPY_ROWS": 16, "BLOCK_H": 256,
@@ -309,25 +316,26 @@ SIGNATURES = {
                             {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
     "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "gemm_epoch": "i32", "rank": "i32", "count_ptr": "*i32",
                             "eoff_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
-                            "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                            "recv_count_ptr": "*i32", "layout_ptr": "*i32", "count_region": "i32",
-                            "recv_region": "i32", "recv_src_region": "i32", "send_x_region": "i32",
+                            "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "src_stage_ptr": "*i32", "w_ptr": "*bf16",
+                            "y_ptr": "*bf16", "recv_count_ptr": "*i32", "layout_ptr": "*i32", "count_region": "i32",
+                            "recv_region": "i32", "src_stage_region": "i32", "send_x_region": "i32",
                             "send_src_region": "i32", "count_slot": "i32", "dispatch_slot": "i32",
                             "expert_slot": "i32"},
                            {"W": W, "E": E, "L": L, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
                             "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 256,
-                            "COPY_ROWS": 16, "PUT_ROWS": T, "COMMUNICATE": True, "COMPUTE": True}),
+                            "BLOCK_T": 128, "COPY_ROWS": 16, "PUT_ROWS": T, "HANDLE_WORDS": L * T,
+                            "COMMUNICATE": True, "COMPUTE": True}),
 }
 # Protocol call sites: (pushes per peer, waits per peer, other pushes). The loops over peers run W times (W is
-# a constexpr: the compiler unrolls them); per peer the count put_signal and the count wait, then a block's row
-# put and its handle-word put; a SIGNAL and a wait per peer; a block's put; a SIGNAL and a wait per peer. No
-# kernel quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The fused
-# dispatch + GEMM: per peer the count put_signal; a block's row put, its handle-word put (a piece before the
-# last), the last piece's handle-word put_signal of the expert flag, an empty block's SIGNAL of it and the
+# a constexpr: the compiler unrolls them); per peer the count put_signal, the count wait and the peer's
+# handle-word put, then a block's row put; a SIGNAL and a wait per peer; a block's put; a SIGNAL and a wait per
+# peer. No kernel quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The
+# fused dispatch + GEMM: per peer the count put_signal; a block's row put (a piece before the last), the last
+# piece's put_signal of the expert flag, an empty block's SIGNAL of it, the peer's handle-word put and the
 # dispatch SIGNAL, in a loop over the peers that is not unrolled; per peer the communication programs' count
-# wait, the compute programs' count wait and their expert-flag wait.
-SITES = {"_moe_route": (0, 0, 0), "_moe_send": (1, 1, 2), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
-         "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 3, 5)}
+# and dispatch waits, the compute programs' count wait and their expert-flag wait.
+SITES = {"_moe_route": (0, 0, 0), "_moe_send": (2, 1, 1), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
+         "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 4, 5)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -358,7 +366,7 @@ def test_the_dispatch_gemm_variants_compile_for_sm90(world: int, communicate: bo
     assert not [op for op in code if ".nc" in op]
     if communicate:
         # without the GEMM the compiler may duplicate a wait's block (world 2 gives 8 sites for 6 waits)
-        assert pushes == world + 5 and quiets == 0 and (waits == 3 * world if compute else waits >= 3 * world)
+        assert pushes == world + 5 and quiets == 0 and (waits == 4 * world if compute else waits >= 4 * world)
     else:
         assert (pushes, waits, quiets) == (0, 0, 0)
         assert not [op for op in code if op.startswith("atom")]
