@@ -354,8 +354,12 @@ class WorkerLoop:
     with the GIL released) over ``proxy``, in a thread, with a real worker link that stays quiet, as
     ``transportd bench proxy``'s idle part runs it. Not a benchmark-only loop: what the daemon runs."""
 
-    def __init__(self, proxy: Any) -> None:
+    def __init__(self, proxy: Any, cpu: int | None = None) -> None:
         import zmq
+
+        self.cpu, self._mask = cpu, os.sched_getaffinity(0)
+        if cpu is not None:  # threads started from here on (zmq's, the loop's) keep off the worker's CPU
+            os.sched_setaffinity(0, self._mask - {cpu})
 
         from transportd.dataplane.link_messages import Stop
         from transportd.dataplane.worker import serve_loop
@@ -375,6 +379,8 @@ class WorkerLoop:
 
     def _run(self, serve_loop: Any) -> None:
         try:
+            if self.cpu is not None:
+                os.sched_setaffinity(0, {self.cpu})  # this thread alone
             serve_loop(self.proxy, self._link, self._stop.is_set)
         except BaseException as exc:  # reported by __exit__
             self._error.append(exc)
@@ -394,6 +400,7 @@ class WorkerLoop:
         if not alive:
             self._ctx.term()
             self._tmp.cleanup()
+        os.sched_setaffinity(0, self._mask)
         if alive:
             raise RuntimeError("the worker loop did not stop")
         if self._error:
@@ -460,7 +467,8 @@ SWEEP_COMPARE_MAX_TAKE = (256, 64, 16)  # the worker's pass capped at these many
 
 def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THREADS, iters: int = 2000,
                     peers: int = SWEEP_PEERS, poll_window_us: float = 0.0, capacity: int = 4096,
-                    consumer: str = "worker", wait: str = "thread", max_take: int = 4096) -> dict[str, Any]:
+                    consumer: str = "worker", wait: str = "thread", max_take: int = 4096,
+                    cpu: int | None = None) -> dict[str, Any]:
     """Round trips under load, on the GPU's clock alone: for each thread count, every thread pushes a 4 KiB PUT,
     waits until the completion position passes its own record, and pushes the next, ``iters`` times
     (``roundtrip_sweep_<variant>`` in gpu_push.cu). Per thread count: avg / p50 / p99 / max of every round trip
@@ -473,7 +481,8 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
     machine. ``wait``: ``thread`` (every waiting thread polls the host word with acquire loads), ``warp`` (one
     lane a warp polls and hands the value on: ``roundtrip_sweep_warpwait_<variant>``) or ``relaxed`` (relaxed
     loads, one acquire fence after: ``roundtrip_sweep_relaxedwait_<variant>``). ``max_take``: the most records
-    the worker's pass takes from the ring (the proxy's default, 4096, unless asked)."""
+    the worker's pass takes from the ring (the proxy's default, 4096, unless asked). ``cpu``: the consumer's
+    thread alone on that CPU, every other thread of this process off it (None: wherever the OS puts them)."""
     if consumer not in SWEEP_CONSUMERS or wait not in SWEEP_WAITS:
         raise ValueError(f"consumer must be one of {SWEEP_CONSUMERS} and wait one of {SWEEP_WAITS}")
     proxy = _null_nic_proxy(peers, poll_window_us, max_take) if consumer == "worker" else None
@@ -485,8 +494,8 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
         dev = map_ring(ring, gpu.device)
         kernel = gpu.module.function(name)
         try:
-            with WorkerLoop(proxy) if proxy is not None else contextlib.nullcontext():
-                launch = functools.partial(_sweep_launch, gpu, kernel, dev, ring=None if proxy else ring)
+            with WorkerLoop(proxy, cpu) if proxy is not None else contextlib.nullcontext():
+                launch = functools.partial(_sweep_launch, gpu, kernel, dev, ring=None if proxy else ring, cpu=cpu)
                 launch(1, 100, peers)  # warm-up: the module, the mappings, the loop
                 for count in threads:
                     before = proxy.loop_stats() if proxy is not None else None
@@ -506,7 +515,7 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
     loop = ("transportd.dataplane.worker.serve_loop (Engine.serve), null NIC" if proxy is not None
             else "_core.bare_drain (take, release, complete)")
     return {"variant": variant, "peers": peers, "poll_window_us": poll_window_us, "capacity": capacity,
-            "iters": iters, "consumer": consumer, "wait": wait, "max_take": max_take, "worker_loop": loop,
+            "iters": iters, "consumer": consumer, "wait": wait, "max_take": max_take, "cpu": cpu, "worker_loop": loop,
             "errors": list(errors), "commands": stats["commands"], "rejected": stats["rejected"],
             "by_threads": rows}
 
@@ -515,19 +524,23 @@ FAILED = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 
 
 def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, peers: int,
-                  ring: RingFile | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  ring: RingFile | None = None, cpu: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One launch of ``count`` threads x ``n`` round trips: (round trip ns, zero where never reached and
     FAILED where the thread timed out; the push's own ns of each; (first push, last completion) per thread).
     With ``ring``, a thread here drains it with the bare C consumer for the launch (GIL released) instead of
-    a worker loop."""
+    a worker loop (on ``cpu`` alone when given)."""
     rtt, span = DeviceMemory(8 * count * n, gpu.device), DeviceMemory(16 * count, gpu.device)  # zeroed
     pushed = DeviceMemory(8 * count * n, gpu.device)
     drainer = None
     try:
         if ring is not None:
             until = ring.consumer_pos + count * n
-            drainer = threading.Thread(target=_core.bare_drain, args=(ring._bytes, until, SWEEP_TIMEOUT_NS / 1e9),
-                                       daemon=True)
+            def drain() -> None:
+                if cpu is not None:
+                    os.sched_setaffinity(0, {cpu})
+                _core.bare_drain(ring._bytes, until, SWEEP_TIMEOUT_NS / 1e9)
+
+            drainer = threading.Thread(target=drain, daemon=True)
             drainer.start()
         block = min(count, 32)
         kernel.launch((count + block - 1) // block, block,
@@ -562,6 +575,7 @@ def sweep_table(sweep: dict[str, Any]) -> str:
     consumer = ("the rail worker's loop, null NIC" if sweep.get("consumer", "worker") == "worker"
                 else "the bare C consumer")
     take = f" (max take {sweep['max_take']})" if sweep.get("max_take", 4096) != 4096 else ""
+    take += f" on CPU {sweep['cpu']} alone" if sweep.get("cpu") is not None else ""
     lines = [f"round trip under load: {sweep['variant']}, {sweep['peers']} peers, poll window "
              f"{sweep['poll_window_us']:g} us, ring of {sweep['capacity']}, {consumer}{take}, "
              f"{sweep.get('wait', 'thread')} polls the completion word",
@@ -614,11 +628,12 @@ def pcie_read(gpu: Gpu, rounds: int = 20000) -> dict[str, float]:
 
 def run_sweep_only(quick: bool, threads: tuple[int, ...], iters: int, poll_window_us: float,
                    compare: bool = False, echo: Any = print, waits: tuple[str, ...] = SWEEP_WAITS,
-                   max_takes: tuple[int, ...] = SWEEP_COMPARE_MAX_TAKE) -> dict[str, Any]:
+                   max_takes: tuple[int, ...] = SWEEP_COMPARE_MAX_TAKE, cpu: int | None = None) -> dict[str, Any]:
     """``--only-sweep``: the round-trip sweep and, in the same run, ``bench proxy``'s drain beside the bare C
     consumer: every row the loop's targets name, without the put -> flag table (no daemons, no MPS). With
     ``compare``, the same sweep again for every other (consumer, wait) pair: what the ring and the GPU's
-    polling cost without the engine, and with one poller a warp (``waits`` and ``max_takes`` narrow it)."""
+    polling cost without the engine, and with one poller a warp (``waits`` and ``max_takes`` narrow it). With
+    ``cpu``, the worker's sweep again with its loop alone on that CPU, and the bare consumer's likewise."""
     gpu = Gpu(0)
     library = DEFAULT_VARIANT[_library_default()]
     read = pcie_read(gpu)
@@ -640,6 +655,12 @@ def run_sweep_only(quick: bool, threads: tuple[int, ...], iters: int, poll_windo
                                   max_take=take)
             echo(sweep_table(row))
             others[f"worker_thread_max_take_{take}"] = row
+    if cpu is not None:  # the consumer on a CPU of its own: what the OS's placement costs the tail
+        for consumer in SWEEP_CONSUMERS if compare else ("worker",):
+            row = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us,
+                                  consumer=consumer, cpu=cpu)
+            echo(sweep_table(row))
+            others[f"{consumer}_thread_cpu_{cpu}"] = row
     drain = drain_rows(quick, max_takes if compare else ())
     echo(f"drain, one worker, null NIC: {drain['commands_per_s'] / 1e6:.2f} M commands/s (median "
          f"{drain['commands_per_s_median'] / 1e6:.2f}); through the worker's own loop "
@@ -1017,11 +1038,13 @@ def _library_default() -> int:
               help="with --sweep-compare: the ways the GPU waits to compare, comma-separated")
 @click.option("--sweep-max-takes", default=",".join(map(str, SWEEP_COMPARE_MAX_TAKE)), show_default=True,
               help="with --sweep-compare: smaller worker passes to compare, comma-separated (empty: none)")
+@click.option("--sweep-worker-cpu", type=click.IntRange(min=0), default=None,
+              help="with --only-sweep: also the sweep with the consumer's thread alone on this CPU")
 @click.option("--put-flag-child", type=int, default=None, hidden=True,
               help="internal: one MPS setting's put -> flag runs (N round trips) into --json")
 def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, only_sweep: bool, sweep_threads: str,
          sweep_iters: int, sweep_poll_window_us: float, sweep_compare: bool, sweep_waits: str, sweep_max_takes: str,
-         put_flag_child: int | None) -> None:
+         sweep_worker_cpu: int | None, put_flag_child: int | None) -> None:
     """Push cost, commit -> posted, round trips under load and put -> flag on this machine's GPU (see the
     module doc)."""
     from transportd_cli.mps import mps_wanted
@@ -1053,8 +1076,11 @@ def main(json_path: str | None, quick: bool, only_flag: bool, no_mps: bool, only
                                      param_hint="--sweep-max-takes") from None
         if takes and min(takes) < 1:
             raise click.BadParameter("max takes must be >= 1", param_hint="--sweep-max-takes")
+        if sweep_worker_cpu is not None and sweep_worker_cpu not in os.sched_getaffinity(0):
+            raise click.BadParameter(f"CPU {sweep_worker_cpu} is not one this process may run on",
+                                     param_hint="--sweep-worker-cpu")
         result = run_sweep_only(quick, threads, sweep_iters, sweep_poll_window_us, sweep_compare, click.echo,
-                                waits=waits, max_takes=takes)
+                                waits=waits, max_takes=takes, cpu=sweep_worker_cpu)
         click.echo(json.dumps(result["summary"], indent=2))
         if json_path:
             Path(json_path).write_text(json.dumps(result, indent=2))

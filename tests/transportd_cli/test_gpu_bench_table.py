@@ -82,3 +82,28 @@ def test_sweep_table_shows_the_workers_passes_when_measured() -> None:
     sweep = {"variant": "v2_split", "peers": 8, "poll_window_us": 0.0, "capacity": 4096, "errors": [0, 0, 0],
              "rejected": 0, "by_threads": {"1024": row}}
     assert bench.sweep_table(sweep).splitlines()[2].endswith("12.5 records a busy pass, 0.2 idle passes each")
+
+
+@pytest.mark.parametrize(("args", "culprit"), [
+    (["--sweep-waits", "thread,spin"], "--sweep-waits"),
+    (["--sweep-waits", ""], "--sweep-waits"),
+    (["--sweep-max-takes", "256,lots"], "--sweep-max-takes"),
+    (["--sweep-max-takes", "0"], "--sweep-max-takes"),
+    (["--sweep-worker-cpu", "100000"], "--sweep-worker-cpu"),
+])
+def test_sweep_options_are_refused_before_anything_runs(args: list[str], culprit: str) -> None:
+    """Each bad value ends the run with a usage error naming its option, before a GPU is touched."""
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(_bench().main, ["--only-sweep", *args])
+    assert result.exit_code == 2 and culprit in result.output, result.output
+
+
+def test_the_sweep_table_names_a_pinned_consumer() -> None:
+    bench = _bench()
+    row = {"threads": 1, "avg_us": 3.0, "p50_us": 3.0, "p99_us": 4.0, "max_us": 9.0, "mops": 0.3, "push_p50_us": 0.9,
+           "failed_threads": 0}
+    sweep = {"variant": "v2_split", "peers": 8, "poll_window_us": 0.0, "capacity": 4096, "consumer": "worker",
+             "max_take": 4096, "cpu": 3, "errors": [0, 0, 0], "rejected": 0, "by_threads": {"1": row}}
+    assert "on CPU 3 alone" in bench.sweep_table(sweep).splitlines()[0]
+    assert "alone" not in bench.sweep_table({**sweep, "cpu": None}).splitlines()[0]
