@@ -234,6 +234,10 @@ class RailConfig(Section):
     numa_node: Annotated[int, key(
         "NUMA node of the NIC; the rail's worker is pinned to its CPUs. -1: the NIC's sysfs numa_node, "
         "else not pinned.", ge=-1, le=1023)] = -1
+    loop_cpu: Annotated[int, key(
+        "A CPU for the rail worker's loop alone (one of the worker's CPUs): its other threads, and those a "
+        "request starts, run on the rest, which steadies the loop's latency under load (docs/performance.md). "
+        "-1: the loop shares the worker's CPUs.", ge=-1, le=4095)] = -1
 
 
 class BackendConfig(Section):
@@ -530,7 +534,8 @@ def example_config() -> str:
         if name == "rails":
             tables = [f"# {info.meaning}", "# [[backend.rails]]", "# device = \"mlx5_0\"   # verbs device name",
                       "# gpu = 0              # local GPU closest to this NIC",
-                      "# numa_node = 0        # NUMA node of the NIC", ""]
+                      "# numa_node = 0        # NUMA node of the NIC",
+                      "# loop_cpu = -1        # a CPU of the worker's for its loop alone (-1: none)", ""]
             continue
         out.append(f"# {info.meaning}")
         if info.example is not None:

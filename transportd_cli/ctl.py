@@ -203,9 +203,11 @@ def _status_text(s: dict[str, Any]) -> str:
             lines.append(f"rail      ERROR {rail['error']}")
             continue
         errors = sum(rail.get("errors", {}).values())
-        cpus = rail.get("cpus")
+        cpus, loop = rail.get("cpus"), rail.get("loop_cpu")
+        pinned = "CPUs " + _cpulist(cpus) if cpus else "not pinned"
+        pinned += f", its loop alone on CPU {loop}" if loop is not None else ""
         lines.append(f"rail {rail.get('rail', '?')}    {rail.get('backend', '?')} on {rail.get('device') or '?'}, "
-                     f"worker pid {rail.get('pid', '?')} ({'CPUs ' + _cpulist(cpus) if cpus else 'not pinned'}), "
+                     f"worker pid {rail.get('pid', '?')} ({pinned}), "
                      f"{rail.get('channels', 0)} ring(s), {rail.get('commands', 0)} commands, {errors} errors, "
                      f"flags by {rail.get('flag_publication', '?')}")
     return "\n".join(lines)

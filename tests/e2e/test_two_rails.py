@@ -174,6 +174,9 @@ def test_transportctl_queues_shows_both_rails_busy(cluster_factory) -> None:
     chunk, window = 4096, 64
     config = rails("ib")
     config[0]["numa_node"] = 0  # rail 0's worker pins itself to node 0's CPUs where the machine has them
+    mine = sorted(os.sched_getaffinity(0))
+    loop_cpu = mine[-1] if len(mine) > 1 else -1
+    config[1]["loop_cpu"] = loop_cpu  # rail 1's loop gets a CPU of its own, its other threads the rest
     cluster = cluster_factory(backend="ib", overrides={"backend": {"rails": config}})
     ranks = join_gpus(cluster, chunk * window)
     by_rank = {r.rank: r for r in ranks}
@@ -230,9 +233,24 @@ def test_transportctl_queues_shows_both_rails_busy(cluster_factory) -> None:
         assert workers[1]["cpus"] is None  # numa_node -1 and a soft NIC: nothing says where it sits
         text = CliRunner().invoke(ctl_main, ["status", "--socket", cluster.socket("nodea")]).output
         assert "ib on softib0" in text and "ib on softib1" in text and "not pinned" in text, text
+        if loop_cpu >= 0:  # the loop (the worker's main thread) alone on its CPU, every other thread off it
+            pid = workers[1]["pid"]
+            assert workers[1]["loop_cpu"] == loop_cpu and f"its loop alone on CPU {loop_cpu}" in text, text
+            others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+            assert os.sched_getaffinity(pid) == {loop_cpu} and others
+            assert not [t for t in others if loop_cpu in _affinity(t)]
+        assert workers[0]["loop_cpu"] is None
     finally:
         stop.set()
         close_gpus(ranks)
+
+
+def _affinity(tid: int) -> set[int]:
+    """A thread's CPUs; none once it has ended (between listing it and asking)."""
+    try:
+        return os.sched_getaffinity(tid)
+    except ProcessLookupError:
+        return set()
 
 
 def _both_rails_moved(before: dict[tuple[int, str], int], after: dict[tuple[int, str], int]) -> bool:

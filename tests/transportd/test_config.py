@@ -100,7 +100,7 @@ def test_full_file(write):
     assert cfg.backend.rails == (RailConfig("rdmap16s27", 0, 0), RailConfig("rdmap32s27"))
     assert cfg.logging.level == "debug"
     as_dict = cfg.to_dict()
-    assert as_dict["backend"]["rails"][1] == {"device": "rdmap32s27", "gpu": -1, "numa_node": -1}
+    assert as_dict["backend"]["rails"][1] == {"device": "rdmap32s27", "gpu": -1, "numa_node": -1, "loop_cpu": -1}
     assert as_dict["signal"] == {"mode": "fence", "decoupled": True}
     assert set(as_dict) == {k.split(".")[0] for k in KEYS}
 

@@ -11,17 +11,24 @@ and the worker runs unpinned.
 
 The worker pins itself before it opens its device, so the threads the verbs provider starts inherit the
 mask.
+
+A rail's ``loop_cpu`` then gives the worker's loop a CPU of its own (:func:`isolate_loop`): the loop's thread
+runs there alone, every other thread of the worker is moved to the rest of its CPUs, and the loop's thread
+steps onto the rest while it serves a request (:class:`LoopCpu`), so threads a request starts do not land on
+the loop's CPU. Advice as well: every reason not to is logged and the loop runs where it is.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PinDecision", "choose_cpus", "format_cpulist", "nic_numa_node", "parse_cpulist", "pin_worker"]
+__all__ = ["LoopCpu", "PinDecision", "choose_cpus", "format_cpulist", "isolate_loop", "nic_numa_node", "parse_cpulist",
+           "pin_worker"]
 
 log = logging.getLogger("transportd.dataplane.worker")
 
@@ -112,6 +119,54 @@ def pin_worker(rail: int, numa_node: int, device: str, *, sysfs: str | Path = "/
     log.info("rail %d (%s): worker pinned to CPUs %s, %s", rail, device or "first device",
              format_cpulist(decision.cpus), decision.reason)
     return decision.cpus
+
+
+@dataclass(frozen=True)
+class LoopCpu:
+    """The worker's loop on a CPU of its own: ``cpu`` for the loop's thread, ``others`` for every other thread."""
+
+    cpu: int
+    others: frozenset[int]
+
+    def loop(self) -> None:
+        """The calling thread (the loop's) back on its own CPU, before the loop goes in again."""
+        os.sched_setaffinity(0, {self.cpu})
+
+    def requests(self) -> None:
+        """The calling thread onto the other CPUs while it serves requests: what they start starts there."""
+        os.sched_setaffinity(0, self.others)
+
+
+def isolate_loop(rail: int, cpu: int, *, tasks: str | Path = "/proc/self/task") -> LoopCpu | None:
+    """Give the calling thread, the worker's loop, CPU ``cpu`` alone, and move every other thread of the process
+    (listed in ``tasks``) to the rest of the calling thread's CPUs. None when ``cpu`` is -1, or (logged) not one
+    of those CPUs, the only one, or refused. Never raises."""
+    if cpu < 0:
+        return None
+    try:
+        mine = os.sched_getaffinity(0)
+        if cpu not in mine or len(mine) < 2:
+            why = ("it is the worker's only CPU" if mine == {cpu}
+                   else f"the worker runs on CPUs {format_cpulist(sorted(mine))}")
+            log.warning("rail %d: loop_cpu %d not given to the loop: %s", rail, cpu, why)
+            return None
+        placed = LoopCpu(cpu, frozenset(mine - {cpu}))
+        me = threading.get_native_id()
+        for name in os.listdir(tasks):
+            tid = int(name)
+            if tid == me:
+                continue
+            try:
+                os.sched_setaffinity(tid, placed.others)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+        placed.loop()
+    except Exception as exc:  # noqa: BLE001  (advice: the loop runs where it is)
+        log.warning("rail %d: loop_cpu %d not given to the loop: %s", rail, cpu, exc)
+        return None
+    log.info("rail %d: the loop has CPU %d to itself; the worker's other threads run on %s", rail, cpu,
+             format_cpulist(sorted(placed.others)))
+    return placed
 
 
 def format_cpulist(cpus: Iterable[int]) -> str:

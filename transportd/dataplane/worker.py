@@ -35,7 +35,7 @@ from transportd.dataplane import link_messages as link
 from transportd.dataplane.flag_publication import RailFlags
 from transportd.dataplane.flagfile import FlagFile
 from transportd.dataplane.gpu_memory import GpuMemory, IpcRegion
-from transportd.dataplane.pinning import pin_worker
+from transportd.dataplane.pinning import LoopCpu, isolate_loop, pin_worker
 from transportd.dataplane.proxy import Proxy
 from transportd.dataplane.worker_link import WorkerEndpoint
 from transportd.lifetime import die_with_parent
@@ -88,6 +88,7 @@ class RailService:
             # peers on this host place writes between GPU buffers by one device-to-device copy
             self.soft.set_direct_copier(self.gpu)
         self.cpus: list[int] | None = None  # the CPUs rail_main pinned this worker to (None: not pinned)
+        self.loop_cpu: int | None = None  # the CPU its loop has to itself (None: it shares the worker's)
         # the rank's flag arrays and the rail's one flag publisher (its path chosen and logged once)
         self.flags = RailFlags.for_rail(config.flags, self.backend, self.gpu, self.conn_jobs, rail)
 
@@ -328,7 +329,8 @@ class RailService:
         address = self.backend.local_address()
         return {"rail": self.rail, "backend": self.backend.name, "verbs": self.verbs_name,
                 "verbs_fallback": self.verbs_fallback, "pid": os.getpid(), "device": address.get("device"),
-                "gid": address.get("gid"), "cpus": self.cpus, "flag_publication": self.flags.path,
+                "gid": address.get("gid"), "cpus": self.cpus, "loop_cpu": self.loop_cpu,
+                "flag_publication": self.flags.path,
                 "flag_publication_detail": self.flags.publication.describe(), **self.proxy.stats(),
                 "queues": self._open_queues(),
                 "ibgda_domains": self.ibgda_stats(), "responders": sorted(self.responders),
@@ -401,7 +403,8 @@ def serve_policy(backend: Any, deep_nap_s: float = DEEP_NAP_S) -> dict[str, floa
             "link_every_s": LINK_EVERY_S}
 
 
-def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s: float = DEEP_NAP_S) -> None:
+def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s: float = DEEP_NAP_S,
+               loop_cpu: LoopCpu | None = None) -> None:
     """Run the proxy and serve the main process's requests until ``stopping()`` or a stop request.
 
     The loop itself runs in the engine with the GIL released (:meth:`Proxy.serve`): while the proxy has
@@ -417,6 +420,8 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s
     The engine returns here only when the link's descriptor turns readable (the requests are served, then
     the loop goes back in) or when :meth:`Proxy.interrupt` is called; ``stopping()`` is checked then. A
     backend's one Python call per pass (softverbs' shims, efa's flag copies) runs inside the engine's loop.
+    With ``loop_cpu`` (:func:`~transportd.dataplane.pinning.isolate_loop`) the loop runs on its CPU alone and
+    the requests on the worker's other CPUs.
     """
     serve_pending = link.serve_pending
     link_fd = link.wake_fd()
@@ -424,8 +429,12 @@ def serve_loop(proxy: Proxy, link: Any, stopping: Callable[[], bool], deep_nap_s
     while not stopping():
         # every request waiting is served before the engine goes back in: after that, a new one makes the
         # link's descriptor readable (zmq signals it when a drained pipe gets a message)
+        if loop_cpu is not None:
+            loop_cpu.requests()
         if serve_pending(0) or stopping():
             break
+        if loop_cpu is not None:
+            loop_cpu.loop()
         proxy.serve(wake_fd=link_fd, **policy)
 
 
@@ -445,9 +454,12 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     service = RailService(cfg, rail)
     service.cpus = list(cpus) if cpus is not None else None
     endpoint = WorkerEndpoint(link_endpoint, service.handlers())
+    # once the device and the link have started their threads: those move off the loop's CPU
+    loop_cpu = isolate_loop(rail, entry.loop_cpu if entry else -1)
+    service.loop_cpu = loop_cpu.cpu if loop_cpu is not None else None
     endpoint.send_ready(address=service.backend.local_address(), verbs=service.verbs_name,
                         verbs_fallback=service.verbs_fallback, flag_publication=service.flags.path)
-    serve_loop(service.proxy, endpoint, lambda: service.stopping)
+    serve_loop(service.proxy, endpoint, lambda: service.stopping, loop_cpu=loop_cpu)
     endpoint.close()
     for job, rank in list(service.ibgda_domains):
         service.close_ibgda_domain(link.CloseIbgdaDomain(job=job, rank=rank))

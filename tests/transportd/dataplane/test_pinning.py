@@ -98,3 +98,64 @@ def test_pin_worker_sets_the_affinity_and_never_raises(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(os, "sched_setaffinity", refuse)
     assert pin_worker(0, 0, "softib0", sysfs=sysfs) is None
+
+
+# isolate_loop rearranges every thread of its process: it runs in a child interpreter of its own
+LOOP_CHILD = r"""
+import json, os, sys, threading
+from transportd.dataplane.pinning import isolate_loop
+
+cpu = int(sys.argv[1])
+stop = threading.Event()
+helpers = [threading.Thread(target=stop.wait) for _ in range(2)]  # like the provider's and the link's threads
+for t in helpers:
+    t.start()
+placed = isolate_loop(0, cpu)
+out = {"placed": None if placed is None else [placed.cpu, sorted(placed.others)],
+       "loop": sorted(os.sched_getaffinity(0)), "helpers": [sorted(os.sched_getaffinity(t.native_id)) for t in helpers]}
+if placed is not None:
+    placed.requests()  # a request's thread starts off the loop's CPU
+    late = threading.Thread(target=stop.wait)
+    late.start()
+    out["during_requests"] = sorted(os.sched_getaffinity(0))
+    out["started_by_a_request"] = sorted(os.sched_getaffinity(late.native_id))
+    placed.loop()
+    out["back_in_the_loop"] = sorted(os.sched_getaffinity(0))
+    helpers.append(late)
+stop.set()
+for t in helpers:
+    t.join()
+print(json.dumps(out))
+"""
+
+
+def _isolate_in_child(cpu: int, cpus: set[int] | None = None) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    pre = [] if cpus is None else ["taskset", "-c", format_cpulist(sorted(cpus))]
+    run = subprocess.run([*pre, sys.executable, "-c", LOOP_CHILD, str(cpu)], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parents[3])
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a loop CPU of its own needs two CPUs to choose from")
+def test_isolate_loop_gives_the_loop_its_cpu_and_the_other_threads_the_rest() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    cpu, rest = allowed[-1], allowed[:-1]
+    got = _isolate_in_child(cpu)
+    assert got["placed"] == [cpu, rest] and got["loop"] == [cpu]
+    assert got["helpers"] == [rest, rest]
+    assert got["during_requests"] == rest and got["started_by_a_request"] == rest
+    assert got["back_in_the_loop"] == [cpu]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU the child may not use")
+def test_isolate_loop_leaves_the_loop_where_it_is_when_it_cannot() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    for cpu, cpus in ((-1, None), (max(allowed) + 1000, None), (allowed[0], {allowed[0]}), (allowed[1], {allowed[0]})):
+        got = _isolate_in_child(cpu, cpus)
+        mask = allowed if cpus is None else sorted(cpus)
+        assert got["placed"] is None and got["loop"] == mask and got["helpers"] == [mask, mask], (cpu, cpus, got)
