@@ -93,8 +93,16 @@ def test_burst_producer_refuses_what_it_cannot_run() -> None:
         for bursts, burst, peers, into in ((4, 0, 2, out), (4, 65, 2, out), (4, 1, 0, out), (5, 1, 2, out)):
             with pytest.raises(ValueError, match="burst_produce"):
                 _core.burst_produce(ring._bytes, bursts, burst, peers, 64, into, 1.0)
-        # nobody consumes: the first burst waits out its timeout and none is counted as done
+        # nobody consumes: the first burst waits out its timeout and none is counted as done; its records are
+        # committed, so the ring's producer position says so
         assert _core.burst_produce(ring._bytes, 4, 8, 2, 64, out, 0.01) == 0
+        assert ring.producer_pos == 8
+    with RingFile.create(bench_proxy._ring_name("credit"), 64) as ring:
+        # completions come (published here by hand) but no slot is released: the second burst of 40 has no
+        # credit, times out, and the first one's records are still in the producer position
+        ring.publish_completion(1 << 40)
+        assert _core.burst_produce(ring._bytes, 4, 40, 2, 64, out, 0.01) == 1
+        assert ring.producer_pos == 40 and out[0] > 0
 
 
 @pytest.mark.parametrize("max_take", [4096, 16])

@@ -9,6 +9,23 @@
 #include "engine.h"
 #include "pingpong.h"
 
+/* A producer's two buffers, both writable: a mapped ring (its capacity in *capacity) and `n` int64 results.
+ * -1 with an error set, both released, when either cannot be had or does not fit (`what` names the caller). */
+static int producer_buffers(const char *what, PyObject *ring, PyObject *out, uint64_t n, Py_buffer *rv,
+                            Py_buffer *ov, uint64_t *capacity) {
+    if (PyObject_GetBuffer(ring, rv, PyBUF_WRITABLE) < 0) return -1;
+    if (PyObject_GetBuffer(out, ov, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(rv);
+        return -1;
+    }
+    *capacity = rv->len >= TPD_RING_RECORDS_OFFSET ? *(uint64_t *)((uint8_t *)rv->buf + TPD_RING_OFF_CAPACITY) : 0;
+    if ((uint64_t)ov->len >= n * 8 && *capacity) return 0;
+    PyBuffer_Release(rv);
+    PyBuffer_Release(ov);
+    PyErr_Format(PyExc_ValueError, "%s: results buffer too short, or not a ring", what);
+    return -1;
+}
+
 /* pingpong_produce(ring buffer, count, peers, length, stamps int64 buffer, timeout_s) -> completed count */
 static PyObject *pingpong_produce(PyObject *mod, PyObject *args) {
     PyObject *ring, *stamps;
@@ -16,17 +33,10 @@ static PyObject *pingpong_produce(PyObject *mod, PyObject *args) {
     unsigned peers, length;
     double timeout;
     if (!PyArg_ParseTuple(args, "OKIIOd", &ring, &count, &peers, &length, &stamps, &timeout)) return NULL;
+    if (!peers) return PyErr_Format(PyExc_ValueError, "pingpong_produce: no peers");
     Py_buffer rv, sv;
-    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(stamps, &sv, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&rv);
-        return NULL;
-    }
-    if ((uint64_t)sv.len < count * 8 || rv.len < TPD_RING_RECORDS_OFFSET || !peers) {
-        PyBuffer_Release(&rv);
-        PyBuffer_Release(&sv);
-        return PyErr_Format(PyExc_ValueError, "pingpong_produce: stamps too short, not a ring, or no peers");
-    }
+    uint64_t capacity;
+    if (producer_buffers("pingpong_produce", ring, stamps, count, &rv, &sv, &capacity)) return NULL;
     int64_t done;
     Py_BEGIN_ALLOW_THREADS
     done = tpd_pingpong_produce(rv.buf, count, (uint16_t)peers, length, sv.buf, (int64_t)(timeout * 1e9));
@@ -44,18 +54,15 @@ static PyObject *burst_produce(PyObject *mod, PyObject *args) {
     unsigned peers, length;
     double timeout;
     if (!PyArg_ParseTuple(args, "OKKIIOd", &ring, &bursts, &burst, &peers, &length, &out, &timeout)) return NULL;
+    if (!peers || !burst) return PyErr_Format(PyExc_ValueError, "burst_produce: no peers, or a burst of 0");
     Py_buffer rv, ov;
-    if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(out, &ov, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&rv);
-        return NULL;
-    }
-    const uint64_t capacity = rv.len >= TPD_RING_RECORDS_OFFSET ? *(uint64_t *)((uint8_t *)rv.buf + TPD_RING_OFF_CAPACITY) : 0;
-    if ((uint64_t)ov.len < bursts * 8 || !capacity || !peers || !burst || burst > capacity) {
+    uint64_t capacity;
+    if (producer_buffers("burst_produce", ring, out, bursts, &rv, &ov, &capacity)) return NULL;
+    if (burst > capacity) {
         PyBuffer_Release(&rv);
         PyBuffer_Release(&ov);
-        return PyErr_Format(PyExc_ValueError,
-                            "burst_produce: round trips too short, not a ring, no peers, or a burst of 0 or over the capacity");
+        return PyErr_Format(PyExc_ValueError, "burst_produce: a burst of %llu passes the ring's %llu slots", burst,
+                            (unsigned long long)capacity);
     }
     int64_t done;
     Py_BEGIN_ALLOW_THREADS

@@ -67,7 +67,10 @@ int64_t tpd_burst_produce(uint8_t *ring, uint64_t bursts, uint64_t burst, uint16
     for (uint64_t b = 0; b < bursts; b++) {
         const int64_t t = mono_ns(), deadline = t + timeout_ns;
         while (pos + burst > __atomic_load_n(consumer, __ATOMIC_ACQUIRE) + capacity) /* credit for the burst */
-            if (mono_ns() > deadline) return (int64_t)b;
+            if (mono_ns() > deadline) {
+                done = (int64_t)b;
+                goto out;
+            }
         for (uint64_t j = 0; j < burst; j++, pos++) commit_put(records, capacity, pos, pos, peers, length, t);
         while (__atomic_load_n(completion, __ATOMIC_ACQUIRE) < pos)
             if (mono_ns() > deadline) {
