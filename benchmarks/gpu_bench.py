@@ -65,6 +65,7 @@ from cmd_ring import RingConsumer, RingFile  # noqa: E402
 from gpuclient.cuda_memory import DeviceMemory, check, driver, map_host, use_device  # noqa: E402
 from gpuclient.device_channel import DeviceRing, map_ring  # noqa: E402
 from transportd import _core  # noqa: E402
+from transportd_cli.bench_proxy import _worker_loop  # noqa: E402
 
 KERNELS = Path(__file__).with_name("gpu_push.cu")
 HEADER_LAST = ("release_sys", "fence_sys", "v2_release", "v2_split")
@@ -349,64 +350,6 @@ def _null_nic_proxy(peers: int = 1, poll_window_us: float = 0.0, max_take: int =
     return proxy
 
 
-class WorkerLoop:
-    """The rail worker's own loop (``transportd.dataplane.worker.serve_loop``: the engine's ``serve``, all in C
-    with the GIL released) over ``proxy``, in a thread, with a real worker link that stays quiet, as
-    ``transportd bench proxy``'s idle part runs it. Not a benchmark-only loop: what the daemon runs."""
-
-    def __init__(self, proxy: Any, cpu: int | None = None) -> None:
-        import zmq
-
-        self.cpu, self._mask = cpu, os.sched_getaffinity(0)
-        if cpu is not None:  # threads started from here on (zmq's, the loop's) keep off the worker's CPU
-            os.sched_setaffinity(0, self._mask - {cpu})
-
-        from transportd.dataplane.link_messages import Stop
-        from transportd.dataplane.worker import serve_loop
-        from transportd.dataplane.worker_link import WorkerEndpoint
-
-        self.proxy = proxy
-        self._tmp = tempfile.TemporaryDirectory(prefix="tpd-gpubench-link-")
-        self._ctx = zmq.Context()
-        self._main_end = self._ctx.socket(zmq.PAIR)
-        self._main_end.linger = 0
-        self._main_end.bind(f"ipc://{self._tmp.name}/link")
-        # the link only wakes the loop here: nothing is asked over it
-        self._link = WorkerEndpoint(f"ipc://{self._tmp.name}/link", {Stop: lambda request: None})
-        self._stop = threading.Event()
-        self._error: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, args=(serve_loop,), name="rail-worker-loop")
-
-    def _run(self, serve_loop: Any) -> None:
-        try:
-            if self.cpu is not None:
-                os.sched_setaffinity(0, {self.cpu})  # this thread alone
-            serve_loop(self.proxy, self._link, self._stop.is_set)
-        except BaseException as exc:  # reported by __exit__
-            self._error.append(exc)
-
-    def __enter__(self) -> WorkerLoop:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self.proxy.interrupt()  # the loop runs in C until its link or this says otherwise
-        self._thread.join(10)
-        alive = self._thread.is_alive()
-        if not alive:
-            self._link.close()
-        self._main_end.close()
-        if not alive:
-            self._ctx.term()
-            self._tmp.cleanup()
-        os.sched_setaffinity(0, self._mask)
-        if alive:
-            raise RuntimeError("the worker loop did not stop")
-        if self._error:
-            raise self._error[0]
-
-
 def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: float) -> tuple[np.ndarray, dict]:
     proxy = _null_nic_proxy()
     proxy.log_posts(n)
@@ -475,7 +418,8 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
     (µs), and M ops/s = round trips / (last completion seen - first push) on the GPU's clock. Threads run 32
     to a block (one block for 1).
 
-    ``consumer``: ``worker`` drains the ring with the rail worker's own loop (:class:`WorkerLoop`) over the
+    ``consumer``: ``worker`` drains the ring with the rail worker's own loop (``bench proxy``'s ``_worker_loop``,
+    what the daemon runs, with a real worker link that stays quiet) over the
     engine as its own null NIC, one worker for the whole sweep (the row the targets name); ``bare`` with
     ``_core.bare_drain`` (take, release, complete, nothing else): the ceiling of the ring itself on this
     machine. ``wait``: ``thread`` (every waiting thread polls the host word with acquire loads), ``warp`` (one
@@ -494,7 +438,7 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
         dev = map_ring(ring, gpu.device)
         kernel = gpu.module.function(name)
         try:
-            with WorkerLoop(proxy, cpu) if proxy is not None else contextlib.nullcontext():
+            with _worker_loop(proxy, cpu=cpu) if proxy is not None else contextlib.nullcontext():
                 launch = functools.partial(_sweep_launch, gpu, kernel, dev, ring=None if proxy else ring, cpu=cpu)
                 launch(1, 100, peers)  # warm-up: the module, the mappings, the loop
                 for count in threads:

@@ -55,7 +55,7 @@ from transportd.dataplane.link_messages import Stop
 from transportd.dataplane.proxy import Proxy
 from transportd.dataplane.worker import DEEP_NAP_S, serve_loop
 from transportd.dataplane.worker_link import WorkerEndpoint
-from transportd.limits import MAX_BATCH, MAX_INFLIGHT_CAP, MIN_BATCH, MIN_INFLIGHT_CAP
+from transportd.limits import MAX_BATCH, MAX_INFLIGHT_CAP, MAX_TAKE, MIN_BATCH, MIN_INFLIGHT_CAP, MIN_TAKE
 from transportd_cli.cli_options import FiniteFloat
 from transportd_models.engine import ModelProxy
 
@@ -330,30 +330,53 @@ def produce_after_idle(ring_name: str, count: int, peers: int, idle_s: float, st
 
 
 @contextlib.contextmanager
-def _worker_loop(proxy: Proxy, nap_us: float = DEEP_NAP_S * 1e6) -> Iterator[threading.Thread]:
+def _worker_loop(proxy: Proxy, nap_us: float = DEEP_NAP_S * 1e6, cpu: int | None = None
+                 ) -> Iterator[threading.Thread]:
     """The rail worker's own loop (``rail.serve_loop``: the engine's serve loop) over ``proxy`` in a thread,
-    with a real worker link that stays quiet; stopped on exit. Yields the thread (its CPU clock)."""
+    with a real worker link that stays quiet; stopped on exit, where an error the loop raised is raised
+    again. Yields the thread (its CPU clock). ``cpu``: the loop's thread alone on that CPU, and every thread
+    this process starts meanwhile (zmq's among them) off it."""
     import zmq
 
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = zmq.Context()
-        main_end = ctx.socket(zmq.PAIR)
-        main_end.linger = 0
-        main_end.bind(f"ipc://{tmp}/link")
-        # the link only wakes the loop here: nothing is asked over it
-        link = WorkerEndpoint(f"ipc://{tmp}/link", {Stop: lambda request: None})
-        stop = threading.Event()
-        loop = threading.Thread(target=serve_loop, args=(proxy, link, stop.is_set, nap_us / 1e6), name="worker")
-        loop.start()
+    mask = os.sched_getaffinity(0)
+    if cpu is not None:
+        os.sched_setaffinity(0, mask - {cpu})
+    errors: list[BaseException] = []
+
+    def run(link: WorkerEndpoint, stopping: Any) -> None:
         try:
-            yield loop
-        finally:
-            stop.set()
-            proxy.interrupt()  # the loop runs in C until its link or this says otherwise
-            loop.join(10)
-            link.close()
-            main_end.close()
-            ctx.term()
+            if cpu is not None:
+                os.sched_setaffinity(0, {cpu})  # this thread alone
+            serve_loop(proxy, link, stopping, nap_us / 1e6)
+        except BaseException as exc:  # raised again on exit
+            errors.append(exc)
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            ctx = zmq.Context()
+            main_end = ctx.socket(zmq.PAIR)
+            main_end.linger = 0
+            main_end.bind(f"ipc://{tmp}/link")
+            # the link only wakes the loop here: nothing is asked over it
+            link = WorkerEndpoint(f"ipc://{tmp}/link", {Stop: lambda request: None})
+            stop = threading.Event()
+            loop = threading.Thread(target=run, args=(link, stop.is_set), name="worker")
+            loop.start()
+            try:
+                yield loop
+            finally:
+                stop.set()
+                proxy.interrupt()  # the loop runs in C until its link or this says otherwise
+                loop.join(10)
+                main_end.close()
+                if loop.is_alive():  # its link and context stay open: closing them under it would hang
+                    raise RuntimeError("the worker loop did not stop")
+                link.close()
+                ctx.term()
+    finally:
+        os.sched_setaffinity(0, mask)
+    if errors:
+        raise errors[0]
 
 
 def _idle(count: int, idle_s: float, peers: int, opts: dict[str, Any], nap_us: float = DEEP_NAP_S * 1e6
@@ -396,7 +419,7 @@ BURST_CONSUMERS = ("worker", "bare")
 
 
 def _bursts(burst: int, rounds: int, peers: int, opts: dict[str, Any], consumer: str = "worker") -> dict[str, Any]:
-    """(e) below: a C producer commits ``burst`` PUTs back to back and waits for the completion position to
+    """(e) above: a C producer commits ``burst`` PUTs back to back and waits for the completion position to
     pass the last, ``rounds`` times; each burst's round trip on the producer's clock. ``consumer``: the rail
     worker's own loop over the engine with its null NIC, or the bare C consumer (take, release, complete)."""
     if consumer not in BURST_CONSUMERS:
@@ -528,7 +551,7 @@ def _echo_table(rows: list[tuple[str, str]]) -> None:
               help="the long-idle worker's sleep between looks at the rings; repeat to compare several")
 @click.option("--trace", is_flag=True,
               help="also run the core drain and the one-record round trip with the trace recorder on")
-@click.option("--max-take", default=4096, show_default=True, type=click.IntRange(1, 1 << 20),
+@click.option("--max-take", default=4096, show_default=True, type=click.IntRange(MIN_TAKE, MAX_TAKE),
               help="the most records one pass takes from a ring (the proxy's max_take)")
 def bench_proxy(json_path: Path | None, quick: bool, peers: int, channels: int, batch_max: int,
                 poll_window_us: float, inflight_cap: int, idle_naps_us: tuple[float, ...], trace: bool,

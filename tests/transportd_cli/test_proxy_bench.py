@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -114,3 +115,25 @@ def test_the_worker_loop_drain_posts_every_record_once(max_take: int) -> None:
 def test_a_max_take_outside_its_range_is_refused_before_anything_runs() -> None:
     result = CliRunner().invoke(main, ["bench", "proxy", "--max-take", "0"])
     assert result.exit_code == 2 and "--max-take" in result.output
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a loop CPU of its own needs two CPUs to choose from")
+def test_the_worker_loop_runs_alone_on_its_cpu_and_gives_the_rest_back() -> None:
+    """gpu_bench's pinned sweep: the loop's thread on its CPU alone, this thread off it meanwhile, and this
+    thread's CPUs as they were once the loop has stopped; records still complete through the pinned loop."""
+    from cmd_ring.ring import RingFile
+    from transportd import _core
+    from transportd.dataplane.proxy import Proxy
+
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    with RingFile.create(bench_proxy._ring_name("pinned"), 64) as ring:
+        proxy = Proxy(None, poll_window_us=0)
+        bench_proxy._setup(proxy, 2)
+        proxy.add_channel(0, ring, bench_proxy.JOB, 0, 3)
+        with bench_proxy._worker_loop(proxy, cpu=cpu) as loop:
+            assert os.sched_getaffinity(loop.native_id) == {cpu}
+            assert os.sched_getaffinity(0) == mine - {cpu}
+            rtt = np.zeros(50, dtype=np.int64)
+            assert _core.burst_produce(ring._bytes, 50, 4, 2, 64, rtt, 30.0) == 50
+    assert os.sched_getaffinity(0) == mine and (rtt > 0).all()
