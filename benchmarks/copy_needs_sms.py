@@ -9,7 +9,9 @@ measures it: a spinning kernel (``--blocks`` blocks of 1024 threads, default two
 thread slots) holds the GPU until a host-mapped flag is set; meanwhile a 64 MiB copy between two device
 buffers is issued on another stream, with ``cuMemcpyAsync`` and with ``cuMemcpyBatchAsync`` asking the
 driver to prefer copy engines (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``), and polled for up to
-``--wait-ms``. Then the flag releases the kernel, the copy finishes and its bytes are checked. Rows: the
+``--wait-ms``; and the soft fabric's other placement, ``softverbs.direct_copy_via = "host"``
+(``GpuAccessor.copy_through_host``: device -> pinned host -> device in chunks), called in a thread and
+awaited as long. Then the flag releases the kernel, the copy finishes and its bytes are checked. Rows: the
 copy alone, beside one spinning block, and beside a full GPU; ms to complete, or that it did not within
 the wait. A ConnectX writes GPU memory through PCIe with no SM at all.
 """
@@ -20,6 +22,7 @@ import ctypes
 import json
 import mmap
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,15 +40,24 @@ from transportd_cli.cli_options import FiniteFloat  # noqa: E402
 
 SPIN = r"""
 extern "C" __global__ void spin(const volatile unsigned long long* release, volatile unsigned char* resident) {
-    if (threadIdx.x == 0) resident[blockIdx.x] = 1;  // host-mapped: the host counts the blocks running
-    while (*release == 0) __nanosleep(1000);
+    if (threadIdx.x == 0) {  // one poller a block: 270k threads reading a host word would fill PCIe
+        resident[blockIdx.x] = 1;  // host-mapped: the host counts the blocks running
+        while (*release == 0) __nanosleep(1000);
+    }
+    __syncthreads();  // the other threads hold their slots until then
 }
 """
 NBYTES = 64 << 20
-WAYS = ("memcpy", "batch_prefer_copy_engine")
+WAYS = ("memcpy", "batch_prefer_copy_engine", "through_host")
 
 
-def _issue(drv: Any, way: str, dst: int, src: int, stream: Any) -> None:
+def _issue(drv: Any, way: str, dst: int, src: int, stream: Any, accessor: Any) -> threading.Thread | None:
+    """Start the copy; a thread that is alive until it completes, or None for a copy on ``stream``."""
+    if way == "through_host":
+        thread = threading.Thread(target=accessor.copy_through_host, args=(dst, src, NBYTES), name="through-host",
+                                  daemon=True)
+        thread.start()
+        return thread
     if way == "memcpy":
         check(drv.cuMemcpyAsync(dst, src, NBYTES, stream), "cuMemcpyAsync")
         return
@@ -54,6 +66,7 @@ def _issue(drv: Any, way: str, dst: int, src: int, stream: Any) -> None:
     attr.flags = drv.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
     check(drv.cuMemcpyBatchAsync([drv.CUdeviceptr(dst)], [drv.CUdeviceptr(src)], [NBYTES], 1, [attr], [0], 1,
                                  stream), "cuMemcpyBatchAsync")
+    return None
 
 
 def probe(device: int, blocks: int, way: str, wait_ms: float) -> dict[str, Any]:
@@ -68,6 +81,11 @@ def probe(device: int, blocks: int, way: str, wait_ms: float) -> dict[str, Any]:
     host = map_host(ctypes.addressof(release), size, device)
     src, dst = DeviceMemory(NBYTES, device), DeviceMemory(NBYTES, device)
     spin_stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+    accessor = None
+    if way == "through_host":  # its pinned staging allocated before the kernel spins, as the rail worker's is
+        from transportd.dataplane.gpu_memory import GpuAccessor
+
+        accessor = GpuAccessor(device, stage=True)
     copy_stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
     try:
         check(drv.cuMemsetD8(src.ptr, 0x5A, NBYTES), "cuMemsetD8")
@@ -81,13 +99,19 @@ def probe(device: int, blocks: int, way: str, wait_ms: float) -> dict[str, Any]:
                 pass
         held = sum(resident[:blocks])
         t0 = time.perf_counter()
-        _issue(drv, way, dst.ptr, src.ptr, copy_stream)
+        thread = _issue(drv, way, dst.ptr, src.ptr, copy_stream, accessor)
         done_ms = None
-        while (time.perf_counter() - t0) * 1e3 < wait_ms:
+        if thread is not None:  # joined, not polled: a spinning poll would hold the GIL the copy needs
+            thread.join(wait_ms / 1e3)
+            if not thread.is_alive():
+                done_ms = (time.perf_counter() - t0) * 1e3
+        while thread is None and (time.perf_counter() - t0) * 1e3 < wait_ms:
             if drv.cuStreamQuery(copy_stream)[0] == drv.CUresult.CUDA_SUCCESS:
                 done_ms = (time.perf_counter() - t0) * 1e3
                 break
         release.value = 1
+        if thread is not None:
+            thread.join()
         check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
         copied = dst.read(NBYTES - 4096, 4096) == b"\x5a" * 4096
     finally:
@@ -95,6 +119,8 @@ def probe(device: int, blocks: int, way: str, wait_ms: float) -> dict[str, Any]:
         drv.cuCtxSynchronize()
         for stream in (spin_stream, copy_stream):
             drv.cuStreamDestroy(stream)
+        if accessor is not None:
+            accessor.close()
         for mem in (src, dst):
             mem.free()
         host.unmap()

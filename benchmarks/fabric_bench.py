@@ -18,6 +18,9 @@ when shaped, the sending rail's link schedule: the modeled GB/s (bytes / busy ti
 Targets on the H200 (issue 25, item 0): unshaped >= 25 GB/s (an EFA port), so shaped runs up to that rate
 are faithful; shaped within 10 % of the configured rate.
 
+``--copy-via host`` places each direct copy through pinned host memory with the copy engines
+(``softverbs.direct_copy_via``: no SM, PCIe's rate) instead of one device-to-device copy.
+
 ``--buffers host`` runs the same rows on pinned-free host memory (no GPU needed): the path's own overhead
 and the NIC model, not the direct copy (host writes always cross the wire).
 
@@ -77,10 +80,10 @@ class HostBuffer:
 
 def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, device: int = 0,
                echo: Any = print, buffers: str = "gpu", chunk: int = CHUNK,
-               nic: dict[str, float] | None = None) -> dict[str, Any]:
+               nic: dict[str, float] | None = None, copy_via: str = "device") -> dict[str, Any]:
     """One row: ``writes`` PUTs of ``chunk`` bytes, GPU to GPU (or host to host), between two ``backend``
     daemons shaped as ``shape`` ("unshaped", a key of SHAPES, or "wire": unshaped with direct copies off),
-    or by ``nic`` (NIC-model keys) where given."""
+    or by ``nic`` (NIC-model keys) where given; direct copies placed ``copy_via``."""
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
@@ -90,7 +93,7 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
         Buffer = HostBuffer  # noqa: N806
 
     nic = SHAPES.get(shape, {}) if nic is None else nic
-    softverbs: dict[str, Any] = {"direct_copy": shape != "wire", **nic}
+    softverbs: dict[str, Any] = {"direct_copy": shape != "wire", "direct_copy_via": copy_via, **nic}
     overrides = {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
     nbytes = slots * chunk
     rng = np.random.default_rng(len(backend) * 7 + len(shape))
@@ -134,7 +137,7 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
                 "gbps_median": writes * chunk / statistics.median(times) / 1e9,
                 "seconds": times, "intact": intact, "direct_placed": placed,
                 "direct_placed_per_write": placed / (writes * reps),
-                "imports_opened": after.get("imports_opened"), "nic": nic or None,
+                "imports_opened": after.get("imports_opened"), "nic": nic or None, "copy_via": copy_via,
             }
             busy = link.get("busy_s", 0.0) - c0_before.get("busy_s", 0.0)
             if busy > 0:
@@ -190,8 +193,10 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 @click.option("--no-mps", is_flag=True, help="without CUDA MPS (as TRANSPORTD_GPU_MPS=0)")
 @click.option("--buffers", type=click.Choice(["gpu", "host"]), default="gpu", show_default=True,
               help="host: the same rows on host memory, no GPU needed (no direct copies)")
+@click.option("--copy-via", type=click.Choice(["device", "host"]), default="device", show_default=True,
+              help="softverbs.direct_copy_via: one device-to-device copy, or through pinned host memory")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
-         buffers: str) -> None:
+         buffers: str, copy_via: str) -> None:
     """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -207,7 +212,7 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
             n = max(slots, writes // 8) if shape == "wire" else writes
             try:
                 results.append(fabric_row(backend, shape or "unshaped", n, slots, reps, echo=click.echo,
-                                          buffers=buffers))
+                                          buffers=buffers, copy_via=copy_via))
             except Exception as exc:  # keep what the other rows measured
                 results.append({"backend": backend, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
                 click.echo(f"  {spec}: failed: {exc}")

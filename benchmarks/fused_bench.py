@@ -73,14 +73,16 @@ from transportd_cli.cli_options import FiniteFloat  # noqa: E402
 BACKEND_SHAPE = {"ib": "cx7-400g", "efa": "efa-200g"}
 WORLD = 2
 
-#: two sizes per kernel; comm and compute within ~2x of each other on the ib shape (H200, half the SMs a rank)
+#: two sizes per kernel; the first has comm and compute within ~2x of each other on the ib shape (H200, half the
+#: SMs a rank; the GEMMs' reductions move M x N whatever K is, so K sets the balance), the second is
+#: communication-bound on the soft fabric
 SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 128},
                        {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 128}],
-    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128},
-                            {"m": 4096, "n": 8192, "k": 4096, "chunk_rows": 128}],
-    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128},
-                        {"m": 4096, "n": 8192, "k": 4096, "chunk_rows": 128}],
+    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 128},
+                            {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128}],
+    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 32768, "chunk_rows": 128},
+                        {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128}],
     # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
     # 128 KiB chunks made the communication 17-46x the compute
     "ring_attention": [{"heads": 32, "seq_local": 4096, "head_dim": 128, "chunk_rows": 8192},
@@ -99,14 +101,16 @@ QUICK_SIZES: dict[str, list[dict[str, int]]] = {
     "ring_attention": [{"heads": 4, "seq_local": 512, "head_dim": 128, "chunk_rows": 128}],
 }
 #: MoE Dispatch+GEMM (``MoE.dispatch_gemm``): 128 tokens a rank, top-8 of 64 experts; an expert's weight H x gemm_n
-MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 4096},
-                  {"tokens": 128, "hidden": 2048, "topk": 8, "experts": 64, "gemm_n": 8192}]
+MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 16384},
+                  {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 4096}]
 QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "gemm_n": 512}]
 KERNELS = tuple(SIZES)
 MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}
 QUICK_MOE = {"tokens": 32, "hidden": 1024, "topk": 4, "experts": 8}
 #: programs per rank for every fused op (``--programs``; None: the op's default, the SMs over the ranks sharing)
 PROGRAMS: int | None = None
+#: how the soft fabric places a GPU write (``--copy-via``, ``softverbs.direct_copy_via``)
+COPY_VIA = "device"
 
 
 @dataclass
@@ -148,7 +152,7 @@ def _sessions(backend: str, shape: str, job: str, device: int,
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
-    overrides = {"softverbs": {"direct_copy": True, **SHAPES.get(shape, {})},
+    overrides = {"softverbs": {"direct_copy": True, "direct_copy_via": COPY_VIA, **SHAPES.get(shape, {})},
                  "peers": {"heartbeat_timeout_s": 20.0}, **(config or {})}
     with LocalCluster(WORLD, backend=backend, overrides=overrides) as cluster:
         clients = [gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names]
@@ -834,6 +838,9 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
 @click.option("--programs", default=None, type=click.IntRange(min=2),
               help="programs per rank for every fused op (default: the SMs over the two ranks)")
 @click.option("--quick", is_flag=True, help="one small size per kernel, 2 reps (a smoke run)")
+@click.option("--copy-via", type=click.Choice(["device", "host"]), default="device", show_default=True,
+              help="softverbs.direct_copy_via: the soft fabric places a GPU write with one device-to-device copy "
+                   "(on SMs, beside the fused op's programs) or through pinned host memory (copy engines, no SM)")
 @click.option("--tune", is_flag=True,
               help="time each kernel's compute alone with candidate tiles instead (the first size, the first "
                    "backend and shape; MoE left out)")
@@ -841,12 +848,12 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
 @click.option("--tune-seconds", default=TUNE_SECONDS, show_default=True, type=FiniteFloat(min=0),
               help="--tune: configs not started by then are recorded as skipped")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
-         programs: int | None, quick: bool, tune: bool, tma: bool, tune_seconds: float) -> None:
+         programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS
-    PROGRAMS = programs
+    global PROGRAMS, COPY_VIA
+    PROGRAMS, COPY_VIA = programs, copy_via
 
     wanted = [k for k in kernels.split(",") if k]
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
@@ -903,7 +910,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     click.echo(mps_line)
     click.echo(table(rows))
     if json_path:
-        Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line}, indent=2))
+        Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
+                                               "programs": programs}, indent=2))
 
 
 if __name__ == "__main__":

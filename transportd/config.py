@@ -333,6 +333,12 @@ class SoftverbsConfig(Section):
         "Place a write from GPU memory into a peer daemon's memory on this host with one copy from the "
         "client's buffer (CUDA IPC, run by the receiving worker) instead of over TCP; rkey, bounds and "
         "ordering rules are kept. On by default (the GPU suite runs with it); false: every write crosses TCP.")] = True
+    direct_copy_via: Annotated[Literal["device", "host"], key(
+        "How a direct copy between two GPU buffers is placed. device: one device-to-device copy (about "
+        "1 TB/s on an H200, but the driver runs it on SMs, so it waits while kernels hold every SM and "
+        "competes with a fused op's compute). host: device -> pinned host -> device with the copy engines "
+        "in pipelined chunks, no SM, at PCIe's rate (about 30 GB/s for 4 MiB writes on an H200), as a "
+        "NIC's DMA would.")] = "device"
     nic_bandwidth: Annotated[float, key(
         "NIC model: bytes/s each soft device sends at (ConnectX-7 400 Gb/s: 50e9; EFA 200 Gb/s: 25e9); "
         "0: unshaped.", ge=0.0, le=1e13)] = 0.0

@@ -264,6 +264,14 @@ def _moe_finish(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, src_stag
         if peer != rank:
             tpd.wait(ch, dispatch_slot + peer, epoch)
     _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W, E, L, T, BLOCK_T)
+    _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W, E, L, LP, WP)
+
+
+@triton.jit
+def _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W: tl.constexpr, E: tl.constexpr,
+                          L: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr):
+    """``recv_layout`` [L, W, 2] (each source's first row and row count in each local expert's packed rows) and
+    ``recv_count`` [L], from the count matrix [W, E] every source filled in."""
     ls = tl.arange(0, LP)
     ss = tl.arange(0, WP)
     inside = (ls[:, None] < L) & (ss[None, :] < W)
@@ -361,11 +369,7 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                         tpd.wait(ch, dispatch_slot + peer, epoch)
                 _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W, E, L, T, BLOCK_T)
         if pid == 0:  # recv_count and recv_layout, from the counts (this round's once the waits above passed)
-            c = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)
-            at = layout_ptr + (ls[:, None] * W + ss[None, :]) * 2
-            tl.store(at, tl.cumsum(c, axis=1) - c, mask=inside)
-            tl.store(at + 1, c, mask=inside)
-            tl.store(recv_count_ptr + ls, tl.sum(c, axis=1), mask=ls < L)
+            _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W, E, L, LP, WP)
     else:
         cp = pid - COMM_PROGRAMS
         progs = tl.num_programs(0) - COMM_PROGRAMS

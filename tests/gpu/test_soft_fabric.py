@@ -9,10 +9,16 @@ that never shows before its data, and softverbs' ordering trials with GPU buffer
   placement by cuMemcpyAsync): the adaptive-routing hazards and safeties of tests/softverbs/
   test_adaptive_routing.py and the SRD completion rule of tests/softverbs/test_direct.py hold as on host
   memory.
+- Each of those runs with both placements of a GPU-to-GPU copy (``softverbs.direct_copy_via``: one
+  device-to-device copy, or through pinned host memory), and the copy through host memory completes while
+  spinning kernels hold every SM (the reason it exists: a device-to-device copy does not).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +28,7 @@ from tests.support.rank_process import SLOW_START
 
 CHUNK = 4 << 20
 SLOTS = 4
+VIAS = ["device", "host"]  # softverbs.direct_copy_via
 
 
 def _ranks(cluster: Any, where: str = "host") -> tuple[Any, ...]:
@@ -54,10 +61,15 @@ def _soft(client: Any) -> dict[str, Any]:
     return client.stats()["rails"][0]["softverbs"]
 
 
+def _direct(via: str) -> dict[str, Any]:
+    return {**SLOW_START, "softverbs": {"direct_copy": True, "direct_copy_via": via}}
+
+
+@pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize("backend", ["ib", "efa"])
 def test_4mib_gpu_writes_between_two_daemons_arrive_by_direct_copy(cuda_device, cluster_factory,
-                                                                    backend: str) -> None:
-    cluster = cluster_factory(backend=backend, overrides={**SLOW_START, "softverbs": {"direct_copy": True}})
+                                                                    backend: str, via: str) -> None:
+    cluster = cluster_factory(backend=backend, overrides=_direct(via))
     c0, c1, s0, s1, src, dst, r_src, r_dst, ch = _ranks(cluster)
     try:
         rng = np.random.default_rng(5)
@@ -84,11 +96,12 @@ def test_4mib_gpu_writes_between_two_daemons_arrive_by_direct_copy(cuda_device, 
         _close(c0, c1, s0, s1, src, dst)
 
 
+@pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("backend", ["ib", "efa"])
 def test_put_signal_the_flag_counts_chunks_whose_bytes_are_all_there(cuda_device, cluster_factory, backend: str,
-                                                                     where: str) -> None:
-    cluster = cluster_factory(backend=backend, overrides={**SLOW_START, "softverbs": {"direct_copy": True}})
+                                                                     where: str, via: str) -> None:
+    cluster = cluster_factory(backend=backend, overrides=_direct(via))
     c0, c1, s0, s1, src, dst, r_src, r_dst, ch = _ranks(cluster, where)
     try:
         rng = np.random.default_rng(6)
@@ -110,11 +123,11 @@ def test_put_signal_the_flag_counts_chunks_whose_bytes_are_all_there(cuda_device
 
 
 # --- softverbs' ordering trials on GPU memory (one process) ---------------------------------------------------
-@pytest.fixture
-def gpu_memory(cuda_device: int) -> Any:
+@pytest.fixture(params=VIAS)
+def gpu_memory(cuda_device: int, request: pytest.FixtureRequest) -> Any:
     from tests.support.device_memory import CudaDeviceMemory
 
-    with CudaDeviceMemory(cuda_device) as memory:
+    with CudaDeviceMemory(cuda_device, via=request.param) as memory:
         yield memory
 
 
@@ -156,3 +169,19 @@ def test_gpu_srd_write_imm_completes_after_all_its_packets_in_any_order(gpu_memo
     order, stats = srd_write_imm_order(gpu_memory, **packets)
     assert sorted(order) == list(range(48)) and order != sorted(order)
     assert stats["direct_sent"] == 48
+
+
+def test_a_copy_through_host_memory_completes_while_spinning_kernels_hold_every_sm(cuda_device) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "copy_needs_sms", Path(__file__).resolve().parents[2] / "benchmarks" / "copy_needs_sms.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    from gpuclient.cuda_memory import check, driver
+
+    drv = driver()
+    sms = int(check(drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                             cuda_device), "cuDeviceGetAttribute"))
+    row = bench.probe(cuda_device, 2 * sms, "through_host", wait_ms=30_000.0)
+    assert row["resident_blocks"] == 2 * sms, row  # every SM's thread slots held while it copied
+    assert row["completed_ms"] is not None and row["bytes_checked"], row

@@ -9,7 +9,7 @@ the memory's direct copier installed while the ``with`` block runs, so writes fr
   the direct path, between processes too, on any machine.
 - :class:`CudaDeviceMemory`: ``cuMemAlloc`` on GPU 0 behind transportd's ``GpuAccessor``; pairs live in
   one process, so a peer "opens" an allocation by its address and placement is a ``cuMemcpyAsync``
-  between the two buffers on the accessor's stream.
+  between the two buffers on the accessor's stream (``via="host"``: its copy through pinned host memory).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ShmDeviceMemory:
 class CudaDeviceMemory:
     """GPU 0's memory (cuMemAlloc) behind a GpuAccessor; copies on the accessor's stream."""
 
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self, device: int = 0, via: str = "device") -> None:
         from transportd.cuda_driver import check, driver, use_device
         from transportd.dataplane.gpu_memory import GpuAccessor
 
@@ -54,6 +54,7 @@ class CudaDeviceMemory:
         use_device(device)
         self.device = device
         self.accessor = GpuAccessor(device)
+        self.via = via  # softverbs.direct_copy_via: one device-to-device copy, or through pinned host memory
         self._sizes: dict[int, int] = {}
         self.copier = self
 
@@ -84,7 +85,10 @@ class CudaDeviceMemory:
         pass
 
     def copy(self, dst: int, src: int, length: int) -> None:
-        self.accessor.copy(dst, src, length)
+        if self.via == "host":
+            self.accessor.copy_through_host(dst, src, length)
+        else:
+            self.accessor.copy(dst, src, length)
 
     def __enter__(self) -> CudaDeviceMemory:
         soft.set_direct_copier(self)

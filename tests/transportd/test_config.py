@@ -107,13 +107,15 @@ def test_full_file(write):
 
 def test_the_nic_model_and_direct_copy_keys(write):
     cfg = load_config(write("[softverbs]\nnic_bandwidth = 50000000000\nnic_latency_s = 2e-6\n"
-                            "nic_message_rate = 2e8\ndirect_copy = false\n"), env={})
+                            "nic_message_rate = 2e8\ndirect_copy = false\ndirect_copy_via = 'host'\n"), env={})
     sv = cfg.softverbs
     assert (sv.nic_bandwidth, sv.nic_latency_s, sv.nic_message_rate, sv.direct_copy) == (50e9, 2e-6, 2e8, False)
+    assert sv.direct_copy_via == "host"
     assert isinstance(sv.nic_bandwidth, float)  # an integer in TOML is still bytes/s
     defaults = Config().softverbs
     assert (defaults.nic_bandwidth, defaults.nic_latency_s, defaults.nic_message_rate) == (0.0, 0.0, 0.0)
     assert defaults.direct_copy  # on: the GPU suite runs with it
+    assert defaults.direct_copy_via == "device"
 
 
 def test_mode_as_octal_string(write):
@@ -184,6 +186,8 @@ BAD = [
     ("[softverbs]\nnic_latency_s = 2.0\n", "softverbs.nic_latency_s", r"must be in \[0.0, 1.0\], got 2.0"),
     ("[softverbs]\nnic_message_rate = 'fast'\n", "softverbs.nic_message_rate", "expected float, got string"),
     ("[softverbs]\ndirect_copy = 1\n", "softverbs.direct_copy", "expected boolean, got integer"),
+    ("[softverbs]\ndirect_copy_via = 'pcie'\n", "softverbs.direct_copy_via",
+     "must be one of 'device', 'host', got 'pcie'"),
     ("[softverbs]\nnic_bandwidh = 1e9\n", "softverbs.nic_bandwidh", "unknown key"),
     ("[security]\ncurve_public_key_file = 'pub.key'\n", "security.curve_secret_key_file", "required when"),
     ("[security]\ncurve_secret_key_file = 'missing.key_secret'\n", "security.curve_secret_key_file",

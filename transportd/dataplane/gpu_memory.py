@@ -20,7 +20,12 @@ so a CPU-only daemon never needs it.
   peer's write with one ``cuMemcpyAsync`` on the destination device's worker stream, synchronized before
   it returns. It opens nothing until this worker serves GPU memory of its own, so a CPU-only daemon never
   starts CUDA for a peer. Under CUDA MPS those copies run while client kernels are resident; without it
-  each waits for a time slice of this worker's context.
+  each waits for a time slice of this worker's context. A device-to-device copy runs on SMs (the driver
+  launches it like a kernel: ``benchmarks/copy_needs_sms.py``), so it waits while a fused op's programs
+  hold every SM and competes with their compute. ``GpuMemory(via="host")`` (config
+  ``softverbs.direct_copy_via``) places a GPU-to-GPU write through a pinned host staging buffer instead:
+  device -> host, then host -> device, with the copy engines, in pipelined chunks. That needs no SM, like a
+  NIC's DMA over PCIe, and runs at PCIe's rate.
 
 Publishing flags into this memory is :mod:`transportd.dataplane.flag_publication`'s job.
 """
@@ -37,18 +42,28 @@ from typing import Any
 from transportd.cuda_driver import check, driver, use_device
 from transportd.errors import CudaError, GdrCopyError
 
-__all__ = ["GPU_PAGE_SIZE", "GdrCopy", "GdrMapping", "GpuAccessor", "GpuMemory", "IpcRegion"]
+__all__ = ["COPY_VIA", "GPU_PAGE_SIZE", "GdrCopy", "GdrMapping", "GpuAccessor", "GpuMemory", "IpcRegion"]
 
 #: gdrdrv pins GPU memory in pages of this size (gdrapi.h GPU_PAGE_SIZE).
 GPU_PAGE_SIZE = 1 << 16
+
+#: a copy through host memory moves chunks of this size through this many pinned staging slots, so one
+#: chunk's device -> host copy overlaps the previous chunk's host -> device copy
+STAGE_CHUNK = 512 << 10  # H200: 21.6 GB/s for 1 MiB copies, 30.7 for 4 MiB (1 MiB chunks: 18.7, 33.3)
+STAGE_SLOTS = 8
+
+#: ``GpuMemory(via=...)`` values: how a GPU-to-GPU direct copy is placed (see the module's docstring)
+COPY_VIA = ("device", "host")
 
 _DEFAULT_LIBRARIES = ("libgdrapi.so.2", "libgdrapi.so")
 
 
 class GpuAccessor:
-    """Reads and writes device memory with synchronous copies on one stream (thread-safe)."""
+    """Reads and writes device memory with synchronous copies on one stream (thread-safe). ``stage``: the
+    pinned staging slots of :meth:`copy_through_host` are allocated now, not at its first call (pinning host
+    memory waits for the context's kernels, and a fused op's programs may be spinning on that copy)."""
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, *, stage: bool = False) -> None:
         self._drv = driver()
         self._check = check
         self._use = use_device
@@ -58,6 +73,12 @@ class GpuAccessor:
         flags = self._drv.CUstream_flags.CU_STREAM_NON_BLOCKING
         self._stream = check(self._drv.cuStreamCreate(flags), "cuStreamCreate")
         self._bound: set[int] = set()  # threads whose current context is already set
+        self._stage: int | None = None  # copy_through_host's pinned slots, stream and events, on first use
+        self._up: Any = None
+        self._filled: list[Any] = []
+        self._drained: list[Any] = []
+        if stage:
+            self._open_stage()
         self.reads = 0
         self.writes = 0
         self.copies = 0
@@ -102,11 +123,52 @@ class GpuAccessor:
             check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
             self.copies += 1
 
+    def copy_through_host(self, dst: int, src: int, length: int) -> None:
+        """Copy between two device addresses through pinned host memory with the copy engines (no SM):
+        device -> host on the worker stream, host -> device on a second stream, chunk by chunk through
+        ``STAGE_SLOTS`` staging slots; complete on return."""
+        if length == 0:
+            return
+        with self._lock:
+            self._enter()
+            drv, check = self._drv, self._check
+            if self._stage is None:
+                self._open_stage()
+            down, up = self._stream, self._up
+            for i, off in enumerate(range(0, length, STAGE_CHUNK)):
+                n, slot = min(STAGE_CHUNK, length - off), i % STAGE_SLOTS
+                buf = self._stage + slot * STAGE_CHUNK
+                if i >= STAGE_SLOTS:  # the slot's last chunk must have left it
+                    check(drv.cuStreamWaitEvent(down, self._drained[slot], 0), "cuStreamWaitEvent")
+                check(drv.cuMemcpyDtoHAsync(buf, src + off, n, down), "cuMemcpyDtoHAsync")
+                check(drv.cuEventRecord(self._filled[slot], down), "cuEventRecord")
+                check(drv.cuStreamWaitEvent(up, self._filled[slot], 0), "cuStreamWaitEvent")
+                check(drv.cuMemcpyHtoDAsync(dst + off, buf, n, up), "cuMemcpyHtoDAsync")
+                check(drv.cuEventRecord(self._drained[slot], up), "cuEventRecord")
+            check(drv.cuStreamSynchronize(up), "cuStreamSynchronize")
+            self.copies += 1
+
+    def _open_stage(self) -> None:
+        """The staging slots (pinned, portable), the host -> device stream and the slots' events."""
+        drv, check = self._drv, self._check
+        self._stage = int(check(drv.cuMemHostAlloc(STAGE_SLOTS * STAGE_CHUNK, 0), "cuMemHostAlloc"))
+        self._up = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        timing_off = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._filled = [check(drv.cuEventCreate(timing_off), "cuEventCreate") for _ in range(STAGE_SLOTS)]
+        self._drained = [check(drv.cuEventCreate(timing_off), "cuEventCreate") for _ in range(STAGE_SLOTS)]
+
     def close(self) -> None:
+        """Free the stream and staging (freeing pinned memory waits for the context's kernels: close at the end)."""
         if self._stream is not None:
             self._use(self.device)
             self._drv.cuStreamDestroy(self._stream)
             self._stream = None
+        if self._stage is not None:
+            for event in (*self._filled, *self._drained):
+                self._drv.cuEventDestroy(event)
+            self._drv.cuStreamDestroy(self._up)
+            self._drv.cuMemFreeHost(self._stage)
+            self._stage = None
 
 
 @dataclass
@@ -150,7 +212,10 @@ class GpuMemory:
     softverbs' direct copier (see the module's docstring). Creating it touches no CUDA: the first
     :meth:`open` or :meth:`accessor` does."""
 
-    def __init__(self) -> None:
+    def __init__(self, via: str = "device") -> None:
+        if via not in COPY_VIA:
+            raise ValueError(f"direct copies go via one of {COPY_VIA}, not {via!r}")
+        self.via = via
         self.accessors: dict[int, GpuAccessor] = {}
         self._table_lock = threading.Lock()
         self._starts: list[int] = []  # bases of self._allocs, sorted
@@ -160,7 +225,7 @@ class GpuMemory:
     def accessor(self, device: int) -> GpuAccessor:
         acc = self.accessors.get(device)
         if acc is None:
-            acc = self.accessors[device] = GpuAccessor(device)
+            acc = self.accessors[device] = GpuAccessor(device, stage=self.via == "host")
         return acc
 
     def open(self, handle: bytes, offset: int, size: int, device: int) -> IpcRegion:
@@ -295,11 +360,16 @@ class GpuMemory:
         drv.cuIpcCloseMemHandle(alloc.base)
 
     def copy(self, dst: int, src: int, length: int) -> None:
-        """Place ``length`` bytes: one copy on the worker stream of the destination's GPU (else the
-        source's), synchronized before it returns."""
-        alloc = self._find(dst, length) or self._find(src, length)
+        """Place ``length`` bytes on the worker stream of the destination's GPU (else the source's),
+        complete when it returns: one copy, or, ``via="host"`` between two GPU allocations, through host
+        memory (a copy from or to host memory is the copy engines' already)."""
+        to, source = self._find(dst, length), self._find(src, length)
+        alloc = to or source
         device = alloc.device if alloc is not None else next(iter(self.accessors), 0)
-        self.accessor(device).copy(dst, src, length)
+        if self.via == "host" and to is not None and source is not None:
+            self.accessor(device).copy_through_host(dst, src, length)
+        else:
+            self.accessor(device).copy(dst, src, length)
 
 
 def _pci_location(device: int) -> tuple[int, int, int]:

@@ -83,9 +83,9 @@ class RailService:
         self.ibgda_domains: dict[tuple[str, int], Any] = {}  # (job, rank) -> its ibgda.domain.ImportDomain
         self.seeds: dict[tuple[str, int], tuple[int, int, bytes]] = {}  # (job, peer) -> flags' seeds, to bind
         self.stopping = False
-        self.gpu = GpuMemory()  # CUDA starts only when a client brings GPU memory
+        self.gpu = GpuMemory(via=config.softverbs.direct_copy_via)  # CUDA starts when a client brings GPU memory
         if self.soft is not None and config.softverbs.direct_copy:
-            # peers on this host place writes between GPU buffers by one device-to-device copy
+            # peers on this host place writes between GPU buffers by one copy (through host memory: via=host)
             self.soft.set_direct_copier(self.gpu)
         self.cpus: list[int] | None = None  # the CPUs rail_main pinned this worker to (None: not pinned)
         self.loop_cpu: int | None = None  # the CPU its loop has to itself (None: it shares the worker's)

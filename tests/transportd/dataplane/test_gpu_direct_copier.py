@@ -11,10 +11,12 @@ import pytest
 
 from softverbs import soft
 from transportd import cuda_driver
-from transportd.dataplane.gpu_memory import GpuMemory
+from transportd.dataplane import gpu_memory
+from transportd.dataplane.gpu_memory import STAGE_SLOTS, GpuMemory
 
 HANDLE_A = bytes(range(64))
 HANDLE_PEER = bytes(range(64, 128))
+STAGE_CHUNK = 1 << 16
 
 
 class FakeDriver:
@@ -23,6 +25,7 @@ class FakeDriver:
 
     CUresult = SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_INVALID_VALUE=1)
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+    CUevent_flags = SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
     CUipcMem_flags = SimpleNamespace(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS=1)
     CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID="domain",
                                          CU_DEVICE_ATTRIBUTE_PCI_BUS_ID="bus",
@@ -37,6 +40,10 @@ class FakeDriver:
         self.opens: list[tuple[bytes, Any]] = []
         self.closes: list[int] = []
         self.copies: list[tuple[int, int, int, Any]] = []
+        self.staged: list[tuple[Any, ...]] = []  # copy_through_host's calls, in order
+        self.streams: dict[Any, int] = {}  # streams made in each context
+        self.events = 0
+        self.pinned: list[int] = []
 
     def cuDeviceGetCount(self) -> tuple[int, int]:
         return 0, 2
@@ -55,7 +62,39 @@ class FakeDriver:
         return (0,)
 
     def cuStreamCreate(self, flags: int) -> tuple[int, str]:
-        return 0, f"stream@{self.current}"
+        made = self.streams[self.current] = self.streams.get(self.current, 0) + 1
+        return 0, f"stream@{self.current}" + ("" if made == 1 else f"#{made}")
+
+    def cuMemHostAlloc(self, size: int, flags: int) -> tuple[int, int]:
+        self.pinned.append(size)
+        return 0, 0x5000_0000
+
+    def cuMemFreeHost(self, ptr: int) -> tuple[int]:
+        self.staged.append(("free_host", ptr))
+        return (0,)
+
+    def cuEventCreate(self, flags: int) -> tuple[int, str]:
+        self.events += 1
+        return 0, f"event{self.events}"
+
+    def cuEventDestroy(self, event: str) -> tuple[int]:
+        return (0,)
+
+    def cuEventRecord(self, event: str, stream: str) -> tuple[int]:
+        self.staged.append(("record", event, stream))
+        return (0,)
+
+    def cuStreamWaitEvent(self, stream: str, event: str, flags: int) -> tuple[int]:
+        self.staged.append(("wait", stream, event))
+        return (0,)
+
+    def cuMemcpyDtoHAsync(self, dst: int, src: int, n: int, stream: str) -> tuple[int]:
+        self.staged.append(("down", dst, src, n, stream))
+        return (0,)
+
+    def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, stream: str) -> tuple[int]:
+        self.staged.append(("up", dst, src, n, stream))
+        return (0,)
 
     def cuStreamDestroy(self, stream: str) -> tuple[int]:
         return (0,)
@@ -142,3 +181,43 @@ def test_each_copy_runs_on_the_destination_gpu_s_stream_and_is_synchronized(drv:
     assert gpu.accessors[0].copies == 1 and gpu.accessors[1].copies == 1
     gpu.shutdown()
     assert 0x9000_0000 in drv.closes
+
+
+def test_via_host_a_gpu_to_gpu_copy_goes_down_and_up_through_the_staging_slots_in_order(
+        drv: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_memory, "STAGE_CHUNK", STAGE_CHUNK)  # small: several chunks fit the 1 MiB buffer
+    gpu = GpuMemory(via="host")
+    region = gpu.open(HANDLE_A, 0, 1 << 20, device=0)
+    gpu.accessor(0)
+    src, _ = gpu.open_export(_descriptor(HANDLE_PEER, 0x10))  # the peer's buffer, on GPU 0 too
+    chunks = STAGE_SLOTS + 2
+    length = chunks * STAGE_CHUNK - 100  # the last chunk short
+    gpu.copy(region.addr, src, length)
+    stage = 0x5000_0000
+    assert drv.pinned == [STAGE_SLOTS * STAGE_CHUNK] and drv.copies == []
+    moves = [c for c in drv.staged if c[0] in ("down", "up")]
+    expected = []
+    for i in range(chunks):
+        n = min(STAGE_CHUNK, length - i * STAGE_CHUNK)
+        slot = stage + (i % STAGE_SLOTS) * STAGE_CHUNK
+        expected += [("down", slot, src + i * STAGE_CHUNK, n, "stream@ctx0"),
+                     ("up", region.addr + i * STAGE_CHUNK, slot, n, "stream@ctx0#2")]
+    assert moves == expected
+    # each chunk's up waits for its down; a slot is filled again only after its last chunk went up
+    for i, step in enumerate(c for c in drv.staged if c[0] == "down"):
+        at = drv.staged.index(step)
+        filled = drv.staged[at + 1]
+        assert filled[0] == "record" and drv.staged[at + 2] == ("wait", "stream@ctx0#2", filled[1])
+        if i >= STAGE_SLOTS:
+            drained = drv.staged[drv.staged.index(expected[2 * (i - STAGE_SLOTS) + 1]) + 1]
+            assert drained[0] == "record" and drv.staged[at - 1] == ("wait", "stream@ctx0", drained[1])
+    assert gpu.accessors[0].copies == 1
+    gpu.copy(0x1234_0000, src, 8)  # into host memory: one copy, the copy engines' already
+    assert [(d, s, n) for d, s, n, _ in drv.copies] == [(0x1234_0000, src, 8)]
+    gpu.shutdown()
+    assert ("free_host", stage) in drv.staged
+
+
+def test_an_unknown_placement_is_refused() -> None:
+    with pytest.raises(ValueError, match="device.*host.*not 'sm'"):
+        GpuMemory(via="sm")
