@@ -394,8 +394,9 @@ def _counters(client: Any) -> dict[str, int]:
 
 
 def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, hidden: int, topk: int, experts: int,
-            device: int = 0, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Dispatch and combine latency (both ranks at once) and what the sending daemons posted per dispatch."""
+            device: int = 0, echo: Callable[[str], None] = print, fp8: bool = False) -> dict[str, Any]:
+    """Dispatch and combine latency (both ranks at once) and what the sending daemons posted per dispatch;
+    ``fp8``: the rows go as e4m3 with a scale per 128 values, and combine takes them dequantized (untimed)."""
     import torch
 
     from gpuclient.kernels import MoE
@@ -403,7 +404,7 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
     config = {"signal": {"decoupled": True}} if decoupled else None
     gen = torch.Generator(device="cpu").manual_seed(7)
     with _sessions(backend, shape, "fused-bench-moe", device, config) as (clients, sessions):
-        ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD) for s in sessions]
+        ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, fp8=fp8) for s in sessions]
         _exchange(sessions)
         for op in ops:
             op.prepare()
@@ -423,8 +424,12 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
                 s.synchronize()
             t1 = time.perf_counter()
             mid = [_counters(c) for c in clients]
+            ys = [_dequantized(h[0]) if fp8 else h[0] for h in handles]  # the identity expert: y = x
+            if fp8:
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
             for r, op in enumerate(ops):
-                op.combine(handles[r][0], handles[r][2], stream=streams[r])  # the identity expert: y = x
+                op.combine(ys[r], handles[r][2], stream=streams[r])
             for s in streams:
                 s.synchronize()
             t2 = time.perf_counter()
@@ -443,18 +448,27 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
     rounds = len(dispatch_s)
     per = WORLD * (WORLD - 1) * rounds  # (sender, destination) pairs over the counted rounds
     row: dict[str, Any] = {"kernel": "moe", "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
-                           "decoupled": decoupled, "world": WORLD, "tokens": tokens, "hidden": hidden, "topk": topk,
+                           "decoupled": decoupled, "fp8": fp8, "world": WORLD, "tokens": tokens, "hidden": hidden,
+                           "topk": topk,
                            "experts": experts, "rounds": rounds, "max_abs_error": error,
                            "dispatch_s": statistics.median(dispatch_s), "combine_s": statistics.median(combine_s)}
     for phase, counts in posted.items():
         for key in ("signals", "signals_requested", "fences", "writes"):
             row[f"{phase}_{key}_per_dest"] = counts[key] / per
-    echo(f"  moe {backend} {shape:9s} decoupled={'on ' if decoupled else 'off'} "
+    echo(f"  moe {backend} {shape:9s} decoupled={'on ' if decoupled else 'off'}{' fp8' if fp8 else ''} "
          f"dispatch {row['dispatch_s'] * 1e6:8.1f} us  combine {row['combine_s'] * 1e6:8.1f} us  "
          f"per dispatch and destination: signals "
          f"{row['dispatch_signals_per_dest']:.2f} (requested {row['dispatch_signals_requested_per_dest']:.2f}), "
          f"fences {row['dispatch_fences_per_dest']:.2f}, writes {row['dispatch_writes_per_dest']:.1f}")
     return row
+
+
+def _dequantized(received: tuple[Any, Any]) -> Any:
+    """bf16 rows from fp8 dispatch's (values, scales per 128)."""
+    import torch
+
+    q, scales = received
+    return (q.float().unflatten(-1, (-1, 128)) * scales[..., None]).flatten(-2).to(torch.bfloat16)
 
 
 def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
@@ -556,14 +570,15 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"{r['speedup_vs_sequential']:.2f}x | {r['comm_over_compute']:.2f} |")
     moe = [r for r in rows if r.get("kernel") == "moe"]
     if moe:
-        lines += ["", "| MoE | backend | NIC model | decoupled | dispatch us | combine us | signals / dest / dispatch "
-                  "(requested) | fences / dest / dispatch | writes / dest / dispatch |", "|" + "---|" * 9]
+        lines += ["", "| MoE | backend | NIC model | decoupled | rows | dispatch us | combine us | signals / dest / "
+                  "dispatch (requested) | fences / dest / dispatch | writes / dest / dispatch |", "|" + "---|" * 10]
         for r in moe:
             if "error" in r:
                 lines.append(f"| moe | {r['backend']} | {r['shape']} | {r.get('decoupled')} | failed: {r['error']} |")
                 continue
             lines.append(f"| {r['tokens']} tok, H {r['hidden']}, top-{r['topk']} of {r['experts']} | {r['backend']} | "
-                         f"{r['shape']} | {'on' if r['decoupled'] else 'off'} | {r['dispatch_s'] * 1e6:.1f} | "
+                         f"{r['shape']} | {'on' if r['decoupled'] else 'off'} | {'fp8' if r.get('fp8') else 'bf16'} | "
+                         f"{r['dispatch_s'] * 1e6:.1f} | "
                          f"{r['combine_s'] * 1e6:.1f} | {r['dispatch_signals_per_dest']:.2f} "
                          f"({r['dispatch_signals_requested_per_dest']:.2f}) | {r['dispatch_fences_per_dest']:.2f} | "
                          f"{r['dispatch_writes_per_dest']:.1f} |")
@@ -906,6 +921,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                     for decoupled in ((False, True) if backend == "ib" else (False,)):
                         attempt({"kernel": "moe", "backend": backend, "shape": shape, "decoupled": decoupled},
                                 moe_row, backend, shape, decoupled, reps, **moe_dims)
+                    attempt({"kernel": "moe", "backend": backend, "shape": shape, "decoupled": False, "fp8": True},
+                            moe_row, backend, shape, False, reps, fp8=True, **moe_dims)
         mps_line = mps.describe()
     click.echo(mps_line)
     click.echo(table(rows))

@@ -12,7 +12,8 @@ dispatch round e
                       starts in the stage (``eoff[e]``, the exclusive sum of this rank's counts over the lower
                       experts), its count, each entry's stage row ``eoff[e] + position`` (token order), the
                       handle words; then the block's rows copied from x into the registered ``send_x``, so
-                      this rank's rows for one expert are contiguous there (expert-major, ``T*K`` rows at most).
+                      this rank's rows for one expert are contiguous there (expert-major, ``T*K`` rows at most;
+                      with ``fp8`` quantized on the way: H e4m3 bytes and H/128 fp32 scales a row).
   2. ``_moe_send``    program 0 put_signals this rank's count row to every peer (``count_slot + rank``); every
                       program waits for every peer's counts, derives where each block lands (the exclusive sum
                       of the lower ranks' counts for the expert) and puts each remote expert's block in one put
@@ -108,10 +109,24 @@ def _copy_rows(src, dst, rows, H: tl.constexpr, BLOCK_H: tl.constexpr):
         tl.store(dst[:, None] + h0 + hs[None, :], tl.load(src[:, None] + h0 + hs[None, :], mask=m), mask=m)
 
 
+@triton.jit
+def _quantize_rows(src, dst, rows, H: tl.constexpr):
+    """Row i of bf16 ``src`` to fp8 row i of ``dst`` (bytes; each a block of row pointers) where ``rows[i]``: every
+    block of 128 values scaled by 448 / its largest magnitude (e4m3's largest finite), the H fp8 bytes, then the
+    H / 128 fp32 scales (value = fp8 * scale)."""
+    gs = tl.arange(0, 128)
+    for g in range(0, H // 128):
+        v = tl.load(src[:, None] + g * 128 + gs[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)  # an all-zero block still gets a finite scale
+        q = (v * (448.0 / amax)[:, None]).to(tl.float8e4nv)
+        tl.store(dst[:, None] + g * 128 + gs[None, :], q.to(tl.uint8, bitcast=True), mask=rows[:, None])
+        tl.store((dst + H + g * 4).to(tl.pointer_type(tl.float32)), amax / 448.0, mask=rows)
+
+
 @triton.jit(do_not_specialize=["rank", "tokens"])
 def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_ptr, send_src_ptr, rank, tokens,
                E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
-               BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+               BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr = False):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     ks = tl.arange(0, KP)
@@ -151,8 +166,12 @@ def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_p
         for j in range(0, carry, COPY_ROWS):
             inside = j + rs < carry
             word = tl.load(send_src_ptr + e * T + j + rs, mask=inside, other=0)
-            _copy_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
-                       send_x_ptr + tl.cast(start + j + rs, tl.int64) * H, inside, H, BLOCK_H)
+            if FP8:  # send_x holds bytes: each row its H fp8 values and H / 128 fp32 scales
+                _quantize_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
+                               send_x_ptr + tl.cast(start + j + rs, tl.int64) * (H + H // 32), inside, H)
+            else:
+                _copy_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
+                           send_x_ptr + tl.cast(start + j + rs, tl.int64) * H, inside, H, BLOCK_H)
 
 
 @triton.jit
@@ -178,15 +197,15 @@ def _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, start, row,
 
 
 @triton.jit
-def _put_block(ch, d, recv_region, send_x_region, start, row, count, first, step, H: tl.constexpr,
+def _put_block(ch, d, recv_region, send_x_region, start, row, count, first, step, ROW_BYTES: tl.constexpr,
                PUT_ROWS: tl.constexpr):
-    """This rank's block for an expert of rank d: stage rows ``start ...`` to d's receive rows ``row ...``, a put
-    of at most PUT_ROWS rows per piece, piece ``first``, ``first + step``, ... of them (one piece unless the
-    block passes the largest put)."""
+    """This rank's block for an expert of rank d: stage rows ``start ...`` to d's receive rows ``row ...`` (rows of
+    ROW_BYTES bytes), a put of at most PUT_ROWS rows per piece, piece ``first``, ``first + step``, ... of them
+    (one piece unless the block passes the largest put)."""
     for j in range(first * PUT_ROWS, count, step * PUT_ROWS):
         n = tl.minimum(count - j, PUT_ROWS)
-        tpd.put(ch, d, recv_region, tl.cast(row + j, tl.int64) * (H * 2), send_x_region,
-                tl.cast(start + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2))
+        tpd.put(ch, d, recv_region, tl.cast(row + j, tl.int64) * ROW_BYTES, send_x_region,
+                tl.cast(start + j, tl.int64) * ROW_BYTES, tl.cast(n, tl.int64) * ROW_BYTES)
 
 
 @triton.jit
@@ -223,7 +242,7 @@ def _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W: tl.constex
 def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, count_region,
               recv_region, src_stage_region, send_x_region, send_src_region, count_slot, W: tl.constexpr,
               E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, H: tl.constexpr, COPY_ROWS: tl.constexpr,
-              BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr):
+              BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, FP8: tl.constexpr = False):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     if pid == 0:  # our count row (written by _moe_route) to every peer's copy of the count matrix
@@ -245,11 +264,13 @@ def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, re
             row = (e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E)
             start = tl.load(eoff_ptr + e)
             first = (pid + progs - e % progs) % progs
+            # FP8: the staged and received rows are bytes, H fp8 values and H / 128 fp32 scales each
             if d == rank:
                 _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, start, row, count, first, progs,
-                          T, H, COPY_ROWS, BLOCK_H)
+                          T, H + H // 32 if FP8 else H, COPY_ROWS, BLOCK_H)
             else:
-                _put_block(ch, d, recv_region, send_x_region, start, row, count, first, progs, H, PUT_ROWS)
+                _put_block(ch, d, recv_region, send_x_region, start, row, count, first, progs,
+                           H + H // 32 if FP8 else H * 2, PUT_ROWS)
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
@@ -538,6 +559,12 @@ class MoE:
     ``send_y`` [L, W*T, H] (combine's put source). ``programs`` programs per kernel (default: SMs / share,
     at most 32): every rank sharing the GPU must have its grid resident at once (``share`` of them).
 
+    ``fp8=True`` sends the rows as fp8 (e4m3) with one fp32 scale per 128 values (DeepEP's low-latency FP8
+    dispatch: about half the bytes); ``hidden`` must be a multiple of 128, ``recv_x`` and ``send_x`` hold bytes
+    ([.., H + H/32]: a row's H fp8 values, then its H/128 scales) and ``dispatch`` returns the pair
+    ``(recv_x_fp8 [L, W*T, H] float8_e4m3fn, recv_scales [L, W*T, H/128] fp32)``, views of ``recv_x``, where a
+    value is ``fp8 * scale``. ``combine`` is bf16 either way; ``dispatch_gemm`` is bf16 only.
+
     ``gemm_n`` (columns of each local expert's weight) builds ``dispatch_gemm``, the dispatch fused with the
     expert GEMM: its output ``y`` [L, W*T, gemm_n] (``gemm_dtype``: bf16 or fp32) is allocated here too. Its one
     kernel has ``gemm_programs`` programs (default: SMs / share), the first ``comm_programs`` of them moving
@@ -549,7 +576,11 @@ class MoE:
                  slot_base: int = 0, share: int = 1, programs: int | None = None, num_warps: int = 4,
                  channel_capacity: int = 1024, gemm_n: int | None = None, gemm_dtype: Any = None,
                  gemm_block: tuple[int, int, int] = (64, 128, 64), comm_programs: int = 2,
-                 gemm_programs: int | None = None, gemm_warps: int = 4, gemm_stages: int = 3) -> None:
+                 gemm_programs: int | None = None, gemm_warps: int = 4, gemm_stages: int = 3,
+                 fp8: bool = False) -> None:
+        if fp8 and (hidden % 128 or gemm_n is not None):
+            raise ValueError(f"fp8 dispatch needs hidden a multiple of 128 (one scale per 128 values) and no gemm_n "
+                             f"(dispatch_gemm is bf16), got hidden={hidden}, gemm_n={gemm_n}")
         import torch
 
         if share < 1 or (programs is not None and programs < 1):
@@ -573,10 +604,12 @@ class MoE:
         dev = f"cuda:{self.device}"
         W, E, L, T, K, H = self.world, num_experts, lay.local_experts, max_tokens, topk, hidden  # noqa: N806
         # registered in this order on every rank, so region ids agree across ranks (kernels name the peers')
+        self.fp8 = fp8
+        row, row_dtype = (H + H // 32, torch.uint8) if fp8 else (H, torch.bfloat16)  # a staged / received row
         self.counts_all = torch.zeros((W, E), dtype=torch.int32, device=dev)
-        self.recv_x = torch.empty((L, lay.capacity, H), dtype=torch.bfloat16, device=dev)
+        self.recv_x = torch.empty((L, lay.capacity, row), dtype=row_dtype, device=dev)
         self.recv_src = torch.full((L, lay.capacity), -1, dtype=torch.int32, device=dev)
-        self.send_x = torch.empty((lay.stage_capacity, H), dtype=torch.bfloat16, device=dev)
+        self.send_x = torch.empty((lay.stage_capacity, row), dtype=row_dtype, device=dev)
         self.send_src = torch.full((E, T), -1, dtype=torch.int32, device=dev)
         self.src_stage = torch.full((W, L, T), -1, dtype=torch.int32, device=dev)  # each source's handle words
         self.combine_buf = torch.empty((lay.stage_capacity, H), dtype=torch.bfloat16, device=dev)
@@ -630,7 +663,7 @@ class MoE:
         weights = torch.zeros((self.max_tokens, self.topk), dtype=torch.float32, device=dev)
         for dtype in (torch.int32, torch.int64):
             idx = torch.full((self.max_tokens, self.topk), -1, dtype=dtype, device=dev)
-            tpd.preload(_moe_route, *self._route_args(self.send_x, idx, 0), grid=(self.programs,),
+            tpd.preload(_moe_route, *self._route_args(self.out, idx, 0), grid=(self.programs,),  # out: bf16 like x
                         **self._route_meta())
         tpd.preload(_moe_send, *self._send_args(1), grid=(self.programs,), **self._send_meta())
         tpd.preload(_moe_finish, *self._finish_args(1), grid=(1,), **self._finish_meta())
@@ -663,7 +696,7 @@ class MoE:
     def _route_meta(self) -> dict[str, Any]:
         return {"E": self.num_experts, "K": self.topk, "KP": _pow2(self.topk), "T": self.max_tokens,
                 "H": self.hidden, "BLOCK_T": min(_pow2(self.max_tokens), 256), "COPY_ROWS": self.copy_rows,
-                "BLOCK_H": self.block_h, "num_warps": self.num_warps}
+                "BLOCK_H": self.block_h, "FP8": self.fp8, "num_warps": self.num_warps}
 
     def _send_args(self, epoch: int) -> tuple:
         r = self.regions
@@ -674,7 +707,7 @@ class MoE:
     def _send_meta(self) -> dict[str, Any]:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
                 "H": self.hidden, "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h, "PUT_ROWS": self.put_rows,
-                "HANDLE_WORDS": self.layout.handle_words, "num_warps": self.num_warps}
+                "HANDLE_WORDS": self.layout.handle_words, "FP8": self.fp8, "num_warps": self.num_warps}
 
     def _finish_args(self, epoch: int) -> tuple:
         return (self._ch, epoch, self.rank, self.counts_all, self.recv_count, self.recv_layout, self.src_stage,
@@ -733,7 +766,8 @@ class MoE:
 
     # --- the API -----------------------------------------------------------------------------------------------------
     def dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None) -> tuple[Any, Any, MoEHandle]:
-        """Send each token to its top-k experts; returns ``(recv_x, recv_count, handle)``.
+        """Send each token to its top-k experts; returns ``(recv_x, recv_count, handle)`` (with ``fp8``, ``recv_x``
+        is the pair ``(fp8 values, scales)``: see the class).
 
         ``x`` [tokens, H] bf16 (tokens <= max_tokens), ``topk_idx`` [tokens, K] int32 or int64 (-1, or any
         index outside [0, E), is no expert; a repeated expert in a row counts once, at its first k),
@@ -754,7 +788,16 @@ class MoE:
             _moe_finish[(1,)](*self._finish_args(epoch), **self._finish_meta())
         self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
                                   self.idx32[:tokens], topk_weights)
-        return self.recv_x, self.recv_count, self._pending
+        return self.received(), self.recv_count, self._pending
+
+    def received(self) -> Any:
+        """The received rows: ``recv_x``, or with ``fp8`` the pair (fp8 values, fp32 scales), views of it."""
+        import torch
+
+        if not self.fp8:
+            return self.recv_x
+        H = self.hidden  # noqa: N806
+        return self.recv_x[..., :H].view(torch.float8_e4m3fn), self.recv_x[..., H:].view(torch.float32)
 
     def _check_inputs(self, x: Any, topk_idx: Any, topk_weights: Any) -> int:
         import torch
@@ -825,7 +868,7 @@ class MoE:
 
         if handle is not self._pending:
             raise RuntimeError("combine takes the handle of the op's latest dispatch, once")
-        self._check("y", y, tuple(self.recv_x.shape), (torch.bfloat16,))
+        self._check("y", y, (*self.recv_x.shape[:2], self.hidden), (torch.bfloat16,))
         if out is None:
             out = self.out[:handle.tokens]
         self._check("out", out, (handle.tokens, self.hidden), (torch.bfloat16,))

@@ -26,6 +26,7 @@ The GPU test is tests/gpu/test_moe.py.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -409,6 +410,41 @@ def test_the_route_kernel_compiles_for_int32_indices_and_one_expert_per_token() 
     compiled = compile_kernel(moe_kernels._moe_route, {**signature, "idx_ptr": "*i32"},
                               {**meta, "K": 1, "KP": 1, "T": 1, "BLOCK_T": 1}, num_warps=4)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_fp8_dispatch_kernels_compile_for_sm90(world: int) -> None:
+    """fp8=True: the route kernel quantizes with the hardware's saturating e4m3 conversion into byte rows; the
+    send kernel keeps its protocol sites (its puts are the same puts of shorter rows)."""
+    signature, meta = SIGNATURES["_moe_route"]
+    compiled = compile_kernel(moe_kernels._moe_route, {**signature, "send_x_ptr": "*u8"},
+                              {**meta, "H": 256, "FP8": True}, num_warps=4)
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"
+    assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
+    signature, meta = SIGNATURES["_moe_send"]
+    meta = {**meta, "W": world, "H": 256, "FP8": True}
+    compiled = compile_kernel(moe_kernels._moe_send, {**signature, "send_x_ptr": "*u8", "recv_x_ptr": "*u8"}, meta,
+                              num_warps=4)
+    pushes, waits, quiets, _ = protocol_sites(compiled.asm["ptx"])
+    per_push, per_wait, other = SITES["_moe_send"]
+    assert (pushes, waits, quiets) == (per_push * world + other, per_wait * world, 0)
+
+
+def test_fp8_rows_quantize_in_the_interpreter() -> None:
+    """tests/gpuclient/moe_fp8_interpreted.py, with TRITON_INTERPRET=1: scales bit for bit, bytes as numpy's
+    e4m3 encoding (within the interpreter's known rounding defects), a masked row untouched."""
+    run = run_interpreted("tests.gpuclient.moe_fp8_interpreted")
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-4000:] + run.stderr[-8000:]
+
+
+def test_fp8_is_refused_where_it_cannot_work() -> None:
+    from gpuclient.kernels import MoE
+
+    session = SimpleNamespace(rank=0, world=2, device=0)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        MoE(session, 200, 8, 16, 2, fp8=True)
+    with pytest.raises(ValueError, match="dispatch_gemm is bf16"):
+        MoE(session, 256, 8, 16, 2, fp8=True, gemm_n=128)
 
 
 def test_the_kernels_do_not_specialize_on_round_rank_or_tokens() -> None:

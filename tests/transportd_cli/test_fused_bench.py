@@ -60,7 +60,7 @@ def test_the_table_has_a_line_per_row_and_keeps_failures() -> None:
            "1.40x | 1.30x | 0.75 |" in lines
     assert "| ring_attention | efa | efa-200g | heads=32 seq_local=2048 head_dim=128 | failed: RuntimeError: " \
            "channel error |" in lines
-    assert "| 128 tok, H 7168, top-8 of 64 | ib | cx7-400g | on | 250.0 | 300.0 | 2.00 (2.00) | 0.00 | 640.0 |" \
+    assert "| 128 tok, H 7168, top-8 of 64 | ib | cx7-400g | on | bf16 | 250.0 | 300.0 | 2.00 (2.00) | 0.00 | 640.0 |" \
            in lines
 
 
