@@ -47,8 +47,6 @@ def _routing(rng: np.random.Generator, tokens: int, topk: int, pickable: np.ndar
 
 @pytest.mark.parametrize("fabric", ["ib", "ib-atomic", "ib-fence", "efa"])
 def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: str) -> None:
-    from gpuclient.kernels import MoE
-
     # hidden 200: no multiple of the 256-wide copy block; 3 local experts per rank; 40 rows per rank at most
     world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
     dev = f"cuda:{cuda_device}"
@@ -56,16 +54,10 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: s
     gen = torch.Generator(device="cpu").manual_seed(11)
     lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
     local = lays[0].local_experts
-    nan = float("nan")
     with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-ll", cuda_device)
         try:
-            # programs=4: both ranks' grids resident together, several programs per kernel
-            ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4) for _, s in sessions]
-            _exchange(sessions)
-            for op in ops:  # every kernel of both ranks loaded before either launches (one process, one GPU)
-                op.prepare()
-            streams = [torch.cuda.Stream(cuda_device) for _ in ops]
+            ops, streams = _prepared(sessions, hidden, experts, max_tokens, topk, cuda_device)
             weights_e = (torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
             w_dev = weights_e.to(dev)
             bad = torch.zeros(max_tokens + 1, hidden, dtype=torch.bfloat16, device=dev)
@@ -87,21 +79,7 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: s
                 x_dev = [x.to(dev) for x in xs]
                 idx_dev = [torch.from_numpy(i).to(dev) for i in idx]
                 w_in = [w.to(dev) for w in ws]
-                for op in ops:
-                    op.recv_x.fill_(nan)
-                    op.recv_src.fill_(-1)
-                    op.src_stage.fill_(-1)
-                    op.send_x.fill_(nan)
-                    op.send_y.fill_(nan)
-                    op.combine_buf.fill_(nan)
-                    op.out.fill_(nan)
-                    op.recv_count.fill_(-1)
-                torch.cuda.synchronize(cuda_device)
-                handles = []
-                for r, op in enumerate(ops):
-                    with torch.cuda.stream(streams[r]):
-                        handles.append(op.dispatch(x_dev[r], idx_dev[r], w_in[r], stream=streams[r]))
-                torch.cuda.synchronize(cuda_device)
+                handles = _poison_and_dispatch(ops, streams, x_dev, idx_dev, w_in, cuda_device)
 
                 model = dispatch_model(lays, idx)
                 ys = []
@@ -131,6 +109,37 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: s
                 assert op.rounds == ROUNDS
         finally:
             _close(sessions)
+
+
+def _prepared(sessions: list, hidden: int, experts: int, max_tokens: int, topk: int, device: int,
+              **kwargs: Any) -> tuple[list, list]:
+    """Every rank's MoE (4 programs: both ranks' grids resident together, several programs per kernel), the
+    exchange, every kernel of both ranks loaded before either launches (one process, one GPU), a stream each."""
+    from gpuclient.kernels import MoE
+
+    ops = [MoE(s, hidden, experts, max_tokens, topk, share=len(sessions), programs=4, **kwargs) for _, s in sessions]
+    _exchange(sessions)
+    for op in ops:
+        op.prepare()
+    return ops, [torch.cuda.Stream(device) for _ in ops]
+
+
+def _poison_and_dispatch(ops: list, streams: list, xs: list, idx: list, weights: list, device: int) -> list:
+    """Poison everything a peer writes and what is shipped from (NaN; 0xFF bytes in fp8 rows: NaN as e4m3 and as
+    the fp32 scales), then every rank's dispatch on its stream; the results once the GPU is idle."""
+    for op in ops:
+        for buf in (op.recv_x, op.send_x, op.send_y, op.combine_buf, op.out):
+            buf.fill_(0xFF if buf.dtype == torch.uint8 else float("nan"))
+        op.recv_src.fill_(-1)
+        op.src_stage.fill_(-1)
+        op.recv_count.fill_(-1)
+    torch.cuda.synchronize(device)
+    handles = []
+    for r, op in enumerate(ops):
+        with torch.cuda.stream(streams[r]):
+            handles.append(op.dispatch(xs[r], idx[r], weights[r], stream=streams[r]))
+    torch.cuda.synchronize(device)
+    return handles
 
 
 def _combine_and_check(ops: list, streams: list, handles: list, ys: list, lays: list, model: list, xs: list,
@@ -351,8 +360,6 @@ def test_moe_fp8_dispatch_matches_a_torch_quantization(cuda_device, fabric: str)
     near-tie); every value back as ``fp8 * scale`` within e4m3's rounding. Then the experts run on the
     dequantized rows and ``combine`` is checked against the model on their outputs.
     """
-    from gpuclient.kernels import MoE
-
     world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 384
     dev = f"cuda:{cuda_device}"
     rng = np.random.default_rng(13)
@@ -362,11 +369,7 @@ def test_moe_fp8_dispatch_matches_a_torch_quantization(cuda_device, fabric: str)
     with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-fp8", cuda_device)
         try:
-            ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4, fp8=True) for _, s in sessions]
-            _exchange(sessions)
-            for op in ops:
-                op.prepare()
-            streams = [torch.cuda.Stream(cuda_device) for _ in ops]
+            ops, streams = _prepared(sessions, hidden, experts, max_tokens, topk, cuda_device, fp8=True)
             weights_e = (torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
             w_dev = weights_e.to(dev)
             for rnd in range(1, ROUNDS + 1):
@@ -381,20 +384,7 @@ def test_moe_fp8_dispatch_matches_a_torch_quantization(cuda_device, fabric: str)
                 x_dev = [x.to(dev) for x in xs]
                 idx_dev = [torch.from_numpy(i).to(dev) for i in idx]
                 w_in = [w.to(dev) for w in ws]
-                for op in ops:
-                    op.recv_x.fill_(0xFF)
-                    op.send_x.fill_(0xFF)
-                    for buf in (op.send_y, op.combine_buf, op.out):
-                        buf.fill_(float("nan"))
-                    op.recv_src.fill_(-1)
-                    op.src_stage.fill_(-1)
-                    op.recv_count.fill_(-1)
-                torch.cuda.synchronize(cuda_device)
-                handles = []
-                for r, op in enumerate(ops):
-                    with torch.cuda.stream(streams[r]):
-                        handles.append(op.dispatch(x_dev[r], idx_dev[r], w_in[r], stream=streams[r]))
-                torch.cuda.synchronize(cuda_device)
+                handles = _poison_and_dispatch(ops, streams, x_dev, idx_dev, w_in, cuda_device)
 
                 model = dispatch_model(lays, idx)
                 ys = []
