@@ -200,8 +200,10 @@ def _baseline(backend: str, size: int, seconds: float) -> dict[str, Any]:
 def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: int = 4096, seconds: float = 3.0,
                       window: int = 64, samples: int = 1000, decoupled: bool = False, adaptive_routing: bool = False,
                       poll_window_us: int | None = None, baseline: bool = True, timeout_s: float = 60.0,
-                      gap_ms: float = 0.0, echo: Any = None) -> dict[str, Any]:
-    """Start two daemons, measure (stream, latency, baseline), stop them; returns the JSON document."""
+                      gap_ms: float = 0.0, loop_cpus: tuple[int, int] | None = None,
+                      echo: Any = None) -> dict[str, Any]:
+    """Start two daemons, measure (stream, latency, baseline), stop them; returns the JSON document.
+    ``loop_cpus``: node a's and node b's rail loop each on that CPU alone (``backend.rails[].loop_cpu``)."""
     from transportd_cli.localcluster import LocalCluster
 
     if window < 1 or samples < 0 or seconds <= 0 or gap_ms < 0:
@@ -213,14 +215,19 @@ def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: 
     }
     if poll_window_us is not None:
         overrides["proxy"] = {"poll_window_us": poll_window_us}
+    per_node: dict[str, dict[str, Any]] = {}
+    if loop_cpus is not None:  # the soft device a daemon's one rail opens by default, named so it can be configured
+        device = f"{'softefa' if backend == 'efa' else 'softib'}0"
+        per_node = {name: {"backend": {"rails": [{"device": device, "loop_cpu": cpu}]}}
+                    for name, cpu in zip(("nodea", "nodeb"), loop_cpus, strict=True)}
     publishes = TRAITS[backend].publishes_flags  # then the signal mode does not apply
     config = {"backend": backend, "signal_mode": "receiver publishes" if publishes else signal_mode,
               "size": size, "seconds": seconds, "window": window, "samples": samples, "decoupled": decoupled,
               "adaptive_routing": adaptive_routing, "poll_window_us": poll_window_us, "producer": "cpu",
-              "gap_ms": gap_ms,
+              "gap_ms": gap_ms, "loop_cpus": list(loop_cpus) if loop_cpus else None,
               "direction": "rank 0 (node a) -> rank 1 (node b)"}
     result: dict[str, Any] = {"config": config}
-    with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
+    with LocalCluster(2, backend=backend, overrides=overrides, per_node=per_node) as cluster:
         pair = StreamPair([cluster.socket(n) for n in cluster.names], JOB, size, window)
         try:
             if echo:
@@ -232,6 +239,7 @@ def run_e2e_benchmark(*, backend: str = "ib", signal_mode: str = "write", size: 
             if not np.array_equal(pair.recv[:used], pair.send[:used]):
                 raise click.ClickException("received data differs from what was sent")
             result["daemon_a"] = _daemon_counters(pair.clients[0].stats())
+            result["loop_cpus"] = [c.stats()["rails"][0].get("loop_cpu") for c in pair.clients]  # as the daemons say
         finally:
             pair.close()
     result["stream"] = stream
@@ -283,6 +291,8 @@ def print_table(res: dict[str, Any], echo: Any = click.echo) -> None:
     if "baseline" in res:
         raw = f"raw softverbs {res['baseline']['qp'].upper()} GB/s (same size)"
         rows += [(raw, f"{s['raw_softverbs_gbytes_per_s']:.3f}"), ("e2e / raw", f"{s['e2e_over_raw']:.2f}")]
+    if c.get("loop_cpus"):
+        rows.append(("rail loops alone on CPUs (a, b)", ", ".join(str(x) for x in res.get("loop_cpus") or [])))
     d = res.get("daemon_a")
     if d:
         rows.append(("node a proxy: batches full/partial", f"{d['batches_full']:,}/{d['batches_partial']:,}"))
@@ -321,19 +331,28 @@ def stream_options(*, samples: int, per: str) -> Callable[[Callable[..., Any]], 
               help="daemon proxy polling window [default: config's]")
 @click.option("--gap-ms", type=FiniteFloat(min=0, max=60_000), default=0.0, show_default=True,
               help="idle time before each latency sample (the first command after a pause)")
+@click.option("--loop-cpus", "loop_cpus_text", default=None, metavar="A,B",
+              help="node a's and node b's rail loop each alone on that CPU (backend.rails[].loop_cpu)")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="also measure the bare softverbs stream of the same size (e2e / raw ratio)")
 @click.option("--quick", is_flag=True, help="smoke run: 0.5 s stream, 50 samples, no baseline (unless given)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write the results as JSON here")
 def bench_e2e(backend: str, signal_mode: str, size_text: str, seconds: float, window: int, samples: int,
-              decoupled: bool, adaptive_routing: bool, poll_window_us: int | None, gap_ms: float, baseline: bool,
-              quick: bool, json_path: Path | None) -> None:
+              decoupled: bool, adaptive_routing: bool, poll_window_us: int | None, gap_ms: float,
+              loop_cpus_text: str | None, baseline: bool, quick: bool, json_path: Path | None) -> None:
     """Two daemons over softverbs, CPU producer: commands/s, GB/s, put-to-flag latency."""
     try:
         size = parse_size(size_text)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--size") from None
+    loop_cpus = None
+    if loop_cpus_text is not None:
+        parts = loop_cpus_text.split(",")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[0]) == int(parts[1]):
+            raise click.BadParameter(f"two different CPU numbers, A,B; got {loop_cpus_text!r}",
+                                     param_hint="--loop-cpus")
+        loop_cpus = (int(parts[0]), int(parts[1]))
     check_signal_mode(backend, signal_mode, adaptive_routing)
     if quick:  # shorter defaults; what the command line says explicitly still holds
         source = click.get_current_context().get_parameter_source
@@ -348,7 +367,7 @@ def bench_e2e(backend: str, signal_mode: str, size_text: str, seconds: float, wi
         res = run_e2e_benchmark(backend=backend, signal_mode=signal_mode, size=size, seconds=seconds,
                                 window=window, samples=samples, decoupled=decoupled,
                                 adaptive_routing=adaptive_routing, poll_window_us=poll_window_us,
-                                gap_ms=gap_ms, baseline=baseline, echo=click.echo)
+                                gap_ms=gap_ms, baseline=baseline, loop_cpus=loop_cpus, echo=click.echo)
     except (RuntimeError, TimeoutError, ValueError, TransportdError) as exc:
         raise click.ClickException(str(exc)) from None
     print_table(res)

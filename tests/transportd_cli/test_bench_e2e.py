@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -72,3 +73,22 @@ def test_quick_keeps_an_explicit_seconds_and_adaptive_routing_runs_with_atomic(t
     assert result.exit_code == 0, result.output + repr(result.exception)
     config = json.loads(path.read_text())["config"]
     assert config["seconds"] == 0.8 and config["samples"] == 50 and config["adaptive_routing"] is True
+
+
+def test_each_daemon_s_loop_runs_alone_on_the_cpu_given(tmp_path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    path = tmp_path / "e2e.json"
+    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--samples", "20", "--loop-cpus",
+                                       f"{cpus[0]},{cpus[1]}", "--json", str(path)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    doc = json.loads(path.read_text())
+    assert doc["loop_cpus"] == cpus and doc["config"]["loop_cpus"] == cpus  # what the daemons report
+    assert doc["summary"]["commands_per_s"] > 0 and doc["latency"]["samples"] == 20
+
+
+@pytest.mark.parametrize("text", ["1", "1,2,3", "a,b", "2,2", "-1,2"])
+def test_bad_loop_cpus_are_refused(text) -> None:
+    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--loop-cpus", text])
+    assert result.exit_code == 2 and "--loop-cpus" in result.output, result.output
