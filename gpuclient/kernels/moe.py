@@ -110,17 +110,22 @@ def _copy_rows(src, dst, rows, H: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(src, dst, rows, H: tl.constexpr):
+def _quantize_rows(src, dst, rows, H: tl.constexpr, BLOCK_H: tl.constexpr):
     """Row i of bf16 ``src`` to fp8 row i of ``dst`` (bytes; each a block of row pointers) where ``rows[i]``: every
     block of 128 values scaled by 448 / its largest magnitude (e4m3's largest finite), the H fp8 bytes, then the
-    H / 128 fp32 scales (value = fp8 * scale)."""
-    gs = tl.arange(0, 128)
-    for g in range(0, H // 128):
-        v = tl.load(src[:, None] + g * 128 + gs[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)  # an all-zero block still gets a finite scale
-        q = (v * (448.0 / amax)[:, None]).to(tl.float8e4nv)
-        tl.store(dst[:, None] + g * 128 + gs[None, :], q.to(tl.uint8, bitcast=True), mask=rows[:, None])
-        tl.store((dst + H + g * 4).to(tl.pointer_type(tl.float32)), amax / 448.0, mask=rows)
+    H / 128 fp32 scales (value = fp8 * scale). BLOCK_H values (a multiple of 128) a step, as [rows, groups, 128]."""
+    gs = tl.arange(0, BLOCK_H // 128)
+    cs = tl.arange(0, 128)
+    for h0 in range(0, H, BLOCK_H):
+        col = h0 + gs[:, None] * 128 + cs[None, :]
+        inside = rows[:, None, None] & (col[None, :, :] < H)
+        v = tl.load(src[:, None, None] + col[None, :, :], mask=inside, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(v), axis=2), 1e-4)  # an all-zero block still gets a finite scale
+        q = (v * (448.0 / amax)[:, :, None]).to(tl.float8e4nv)
+        tl.store(dst[:, None, None] + col[None, :, :], q.to(tl.uint8, bitcast=True), mask=inside)
+        g = h0 // 128 + gs
+        tl.store((dst[:, None] + H + g[None, :] * 4).to(tl.pointer_type(tl.float32)), amax / 448.0,
+                 mask=rows[:, None] & (g[None, :] < H // 128))
 
 
 @triton.jit(do_not_specialize=["rank", "tokens"])
@@ -168,7 +173,7 @@ def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_p
             word = tl.load(send_src_ptr + e * T + j + rs, mask=inside, other=0)
             if FP8:  # send_x holds bytes: each row its H fp8 values and H / 128 fp32 scales
                 _quantize_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
-                               send_x_ptr + tl.cast(start + j + rs, tl.int64) * (H + H // 32), inside, H)
+                               send_x_ptr + tl.cast(start + j + rs, tl.int64) * (H + H // 32), inside, H, BLOCK_H)
             else:
                 _copy_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
                            send_x_ptr + tl.cast(start + j + rs, tl.int64) * H, inside, H, BLOCK_H)
