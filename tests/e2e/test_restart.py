@@ -24,7 +24,7 @@ from tests.support.cluster import Rank, close_ranks, join_ranks
 from tests.support.ctl import ctl
 from tests.support.streams import CHUNK, SLOTS, Stream
 from tests.support.users import run_as
-from tests.support.waiting import wait_until
+from tests.support.waiting import process_state, wait_until
 from transportd.control.protocol import Channel, Flags, Register
 from transportd.dataplane.flagfile import FlagFile
 from transportd.errors import ErrorCode, RequestError
@@ -113,8 +113,12 @@ def test_a_crash_costs_a_pause_and_reports_only_the_records_in_doubt(cluster_fac
         worker_a = a.client.stats()["rails"][0]["pid"]
         os.kill(worker_a, signal.SIGSTOP)
         try:
+            wait_until(lambda: process_state(worker_a) == "T", "nodea's rail worker to stop")
+            # records nodeb takes from now on go to a worker that cannot answer: they stay in flight (those
+            # taken before may still complete, as acknowledgements already sent arrive)
             ring = b.channel.ring
-            wait_until(lambda: ring.consumer_pos > ring.completion_pos, "nodeb to have records in flight")
+            taken = ring.consumer_pos
+            wait_until(lambda: ring.consumer_pos > taken, "nodeb to take records nodea cannot answer")
             cluster.kill("nodeb")
         finally:
             os.kill(worker_a, signal.SIGCONT)

@@ -10,18 +10,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.ctl import ctl
-from tests.support.waiting import wait_until
+from tests.support.waiting import process_state, wait_until
 
 pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
 
 def _running(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (a zombie has exited; only its parent's reaping is due)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
+    return process_state(pid) not in (None, "Z", "X")
 
 
 def test_kill_9_of_the_daemon_ends_its_rail_workers(cluster_factory) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -25,3 +26,11 @@ def wait_until(cond: Callable[[], T], what: str | Callable[[], str] = "condition
             pytest.fail(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
         if interval:
             time.sleep(interval)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, T stopped, Z zombie, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
