@@ -385,12 +385,16 @@ def _check_channels(ops: list[Any]) -> None:
 
 
 # --- MoE ---------------------------------------------------------------------------------------------------------
-_COUNTED = ("commands", "wrs", "writes", "signals", "signals_requested", "fences")
+_COUNTED = ("commands", "wrs", "writes", "signals", "signals_requested", "fences", "direct_placed")
 
 
 def _counters(client: Any) -> dict[str, int]:
+    """A daemon's rails' counters, and the writes its soft devices placed by direct copy (``direct_placed``: the
+    rest of what they received crossed TCP)."""
     rails = [r for r in client.stats().get("rails", []) if "error" not in r]
-    return {key: sum(int(r.get(key, 0)) for r in rails) for key in _COUNTED}
+    out = {key: sum(int(r.get(key, 0)) for r in rails) for key in _COUNTED}
+    out["direct_placed"] = sum(int((r.get("softverbs") or {}).get("direct_placed", 0)) for r in rails)
+    return out
 
 
 def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, hidden: int, topk: int, experts: int,
@@ -453,13 +457,14 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
                            "experts": experts, "rounds": rounds, "max_abs_error": error,
                            "dispatch_s": statistics.median(dispatch_s), "combine_s": statistics.median(combine_s)}
     for phase, counts in posted.items():
-        for key in ("signals", "signals_requested", "fences", "writes"):
+        for key in ("signals", "signals_requested", "fences", "writes", "direct_placed"):
             row[f"{phase}_{key}_per_dest"] = counts[key] / per
     echo(f"  moe {backend} {shape:9s} decoupled={'on ' if decoupled else 'off'}{' fp8' if fp8 else ''} "
          f"dispatch {row['dispatch_s'] * 1e6:8.1f} us  combine {row['combine_s'] * 1e6:8.1f} us  "
          f"per dispatch and destination: signals "
          f"{row['dispatch_signals_per_dest']:.2f} (requested {row['dispatch_signals_requested_per_dest']:.2f}), "
-         f"fences {row['dispatch_fences_per_dest']:.2f}, writes {row['dispatch_writes_per_dest']:.1f}")
+         f"fences {row['dispatch_fences_per_dest']:.2f}, writes {row['dispatch_writes_per_dest']:.1f} "
+         f"({row['dispatch_direct_placed_per_dest']:.1f} placed by direct copy)")
     return row
 
 
