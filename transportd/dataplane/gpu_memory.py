@@ -60,8 +60,10 @@ _DEFAULT_LIBRARIES = ("libgdrapi.so.2", "libgdrapi.so")
 
 class GpuAccessor:
     """Reads and writes device memory with synchronous copies on one stream (thread-safe). ``stage``: the
-    pinned staging slots of :meth:`copy_through_host` are allocated now, not at its first call (pinning host
-    memory waits for the context's kernels, and a fused op's programs may be spinning on that copy)."""
+    pinned staging slots of :meth:`copy_through_host` are allocated now, not at its first call: allocating
+    and freeing pinned memory can wait for the context's kernels (on the H200 a copy that pinned its own
+    staging and freed it after did not complete beside one spinning block), and a fused op's programs may
+    be spinning on that very copy."""
 
     def __init__(self, device: int, *, stage: bool = False) -> None:
         self._drv = driver()
@@ -73,7 +75,7 @@ class GpuAccessor:
         flags = self._drv.CUstream_flags.CU_STREAM_NON_BLOCKING
         self._stream = check(self._drv.cuStreamCreate(flags), "cuStreamCreate")
         self._bound: set[int] = set()  # threads whose current context is already set
-        self._stage: int | None = None  # copy_through_host's pinned slots, stream and events, on first use
+        self._stage: int | None = None  # copy_through_host's pinned slots, stream and events
         self._up: Any = None
         self._filled: list[Any] = []
         self._drained: list[Any] = []
@@ -149,7 +151,7 @@ class GpuAccessor:
             self.copies += 1
 
     def _open_stage(self) -> None:
-        """The staging slots (pinned, portable), the host -> device stream and the slots' events."""
+        """The pinned staging slots, the host -> device stream and the slots' events."""
         drv, check = self._drv, self._check
         self._stage = int(check(drv.cuMemHostAlloc(STAGE_SLOTS * STAGE_CHUNK, 0), "cuMemHostAlloc"))
         self._up = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
@@ -158,9 +160,11 @@ class GpuAccessor:
         self._drained = [check(drv.cuEventCreate(timing_off), "cuEventCreate") for _ in range(STAGE_SLOTS)]
 
     def close(self) -> None:
-        """Free the stream and staging (freeing pinned memory waits for the context's kernels: close at the end)."""
+        """Free the streams and the staging (freeing pinned memory can wait for the context's kernels)."""
+        if self._stream is None and self._stage is None:
+            return
+        self._use(self.device)
         if self._stream is not None:
-            self._use(self.device)
             self._drv.cuStreamDestroy(self._stream)
             self._stream = None
         if self._stage is not None:
