@@ -20,7 +20,7 @@ import pytest
 from tests.support.cluster import close_ranks, join_ranks, started_clusters
 from tests.support.ctl import assert_one_line, ctl, ctl_process
 from tests.support.ops_cluster import BACK, CHUNK, INFLIGHT_CAP, JOB, PUTS, SET_VALUE, OpsCluster
-from tests.support.waiting import wait_until
+from tests.support.waiting import process_state, wait_until
 from transportd.control.client import ControlConnection
 from transportd.control.protocol import Stats
 from transportd.ops.metrics import render_metrics
@@ -107,6 +107,8 @@ def test_queues_show_backpressure_from_a_stalled_peer(ops_cluster: OpsCluster) -
 
     os.kill(worker_pid, signal.SIGSTOP)
     try:
+        # stopped before the first push: no record may be answered, or the in-flight counts below would move
+        wait_until(lambda: process_state(worker_pid) == "T", "node b's rail worker to stop")
         for i in range(n):
             a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=base + i * CHUNK, src_region=a.src.id,
                                  src_off=base + i * CHUNK, nbytes=CHUNK, slot=slot, value=1)
