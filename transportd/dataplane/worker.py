@@ -337,13 +337,16 @@ class RailService:
                 "endpoints": sorted(self.conn_jobs), "softverbs": self._soft_stats(address.get("device"))}
 
     def _soft_stats(self, device: Any) -> dict[str, Any] | None:
-        """The soft device's direct-copy counters and NIC-model schedule (None on a real NIC)."""
+        """The soft device's direct-copy counters and NIC-model schedule, and how its direct copies between GPU
+        buffers are placed (``direct_copy_via``; None with direct copies off); None on a real NIC."""
         if self.soft is None or not device:
             return None
         try:
-            return self.soft.device_stats(device)
+            out = self.soft.device_stats(device)
         except KeyError:
             return None
+        out["direct_copy_via"] = self.gpu.via if self.config.softverbs.direct_copy else None
+        return out
 
     def _open_queues(self) -> dict[str, Any]:
         """The proxy's queue state, less connections already closed here: the proxy keeps a closed

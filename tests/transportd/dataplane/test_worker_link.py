@@ -118,6 +118,17 @@ def test_a_real_rail_worker_refuses_bad_requests_and_goes_on_serving() -> None:
     assert handle.process.exitcode == 0
 
 
+@pytest.mark.parametrize(("softverbs", "placed"), [({}, "device"), ({"direct_copy_via": "host"}, "host"),
+                                                   ({"direct_copy": False, "direct_copy_via": "host"}, None)])
+def test_a_soft_rail_reports_how_its_direct_copies_are_placed(softverbs: dict, placed: str | None) -> None:
+    config = Config(softverbs=msgspec.structs.replace(Config().softverbs, **softverbs))
+    handle = WorkerHandle(0, rail_main, {"config": config})
+    try:
+        assert handle.call(link.Stats())["softverbs"]["direct_copy_via"] == placed
+    finally:
+        handle.stop()
+
+
 def test_the_rail_serves_every_request_type_once() -> None:
     tags = [cls.__struct_config__.tag for cls in link.RAIL_REQUESTS]
     assert len(set(tags)) == len(tags) == len(set(link.RAIL_REQUESTS))
