@@ -21,10 +21,13 @@ both ranks at once (host clock around launch and synchronize):
 
 and reports the overlap efficiency ``(comm + compute - fused) / min(comm, compute)`` (1: the shorter of the
 two is hidden entirely, 0: nothing overlaps), the speedup over ``comm + compute`` (the same kernel run
-unfused) and over ``comm + torch`` (the library compute, then the same transfers: the sequential baseline).
-The transfers of ``comm`` are the kernel's own, driven from the GPU: a host-driven sequence through the
-daemon would add a launch and a host round trip per step, so the baseline here is the kinder one. The first
-fused launch of each row is checked against torch (``max_abs_error``).
+unfused) and over ``comm + torch`` (the library compute, then the same transfers: the sequential baseline),
+beside what a launch that hid the shorter part entirely would gain over it, ``(comm + torch) / max(comm,
+compute)`` (``ideal``: where the communication dominates, no overlap buys more than that; a launch can still
+come in under it when the communication ran slower alone than inside the fused launch). The transfers of
+``comm`` are the kernel's own, driven from the GPU: a host-driven sequence through the daemon would add a
+launch and a host round trip per step, so the baseline here is the kinder one. The first fused launch of
+each row is checked against torch (``max_abs_error``).
 
 MoE (``gpuclient.kernels.MoE``, DeepEP's low-latency shape: 128 tokens a rank, hidden 7168, top-8 of 64
 experts, uniform routing): dispatch and combine latency (both ranks at once, median), and per dispatch and
@@ -335,6 +338,8 @@ def derive(row: dict[str, Any], flops: float, moved: int) -> dict[str, Any]:
     row["overlap_efficiency"] = (comm + compute - fused) / min(comm, compute)
     row["speedup_vs_unfused"] = row["unfused_s"] / fused
     row["speedup_vs_sequential"] = row["sequential_s"] / fused
+    # what a launch that hid the shorter of its parts entirely would gain over the sequential baseline
+    row["sequential_ideal"] = row["sequential_s"] / max(comm, compute)
     row["comm_over_compute"] = comm / compute
     row["fused_tflops"] = flops / fused / 1e12
     row["comm_gbps"] = moved / comm / 1e9
@@ -560,7 +565,8 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
 # --- report ------------------------------------------------------------------------------------------------------
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| kernel | backend | NIC model | size | compute ms | comm ms | fused ms | torch ms | "
-             "overlap efficiency | vs unfused | vs sequential (comm + torch) | comm/compute |", "|" + "---|" * 12]
+             "overlap efficiency | vs unfused | vs sequential (comm + torch) | ideal | comm/compute |",
+             "|" + "---|" * 13]
     for r in rows:
         if r.get("kernel") == "moe":
             continue
@@ -572,7 +578,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['kernel']} | {r['backend']} | {r['shape']} | {size} | {r['compute_s'] * 1e3:.3f} | "
                      f"{r['comm_s'] * 1e3:.3f} | {r['fused_s'] * 1e3:.3f} | {r['torch_s'] * 1e3:.3f} | "
                      f"{r['overlap_efficiency']:.2f} | {r['speedup_vs_unfused']:.2f}x | "
-                     f"{r['speedup_vs_sequential']:.2f}x | {r['comm_over_compute']:.2f} |")
+                     f"{r['speedup_vs_sequential']:.2f}x | {r['sequential_ideal']:.2f}x | "
+                     f"{r['comm_over_compute']:.2f} |")
     moe = [r for r in rows if r.get("kernel") == "moe"]
     if moe:
         lines += ["", "| MoE | backend | NIC model | decoupled | rows | dispatch us | combine us | signals / dest / "
