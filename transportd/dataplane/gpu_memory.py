@@ -367,13 +367,13 @@ class GpuMemory:
         """Place ``length`` bytes on the worker stream of the destination's GPU (else the source's),
         complete when it returns: one copy, or, ``via="host"`` between two GPU allocations, through host
         memory (a copy from or to host memory is the copy engines' already)."""
-        to, source = self._find(dst, length), self._find(src, length)
-        alloc = to or source
+        to = self._find(dst, length)
+        if self.via == "host" and to is not None and self._find(src, length) is not None:
+            self.accessor(to.device).copy_through_host(dst, src, length)
+            return
+        alloc = to or self._find(src, length)
         device = alloc.device if alloc is not None else next(iter(self.accessors), 0)
-        if self.via == "host" and to is not None and source is not None:
-            self.accessor(device).copy_through_host(dst, src, length)
-        else:
-            self.accessor(device).copy(dst, src, length)
+        self.accessor(device).copy(dst, src, length)
 
 
 def _pci_location(device: int) -> tuple[int, int, int]:
