@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
 from tests.support.ctl import ctl
-from tests.support.waiting import process_state, wait_until
+from tests.support.waiting import proc_stat, process_state, wait_until
 
 pytestmark = pytest.mark.multiprocess  # several processes: the unit tests run apart with -m 'not multiprocess'
 
@@ -28,7 +27,7 @@ def test_kill_9_of_the_daemon_ends_its_rail_workers(cluster_factory) -> None:
     daemon_pid = status.json()["pid"]
     workers = [r["pid"] for r in status.json()["rails"]]
     assert len(workers) == 2 and all(_running(p) for p in workers)
-    assert all(int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == daemon_pid for p in workers)
+    assert all(int(proc_stat(p)[1]) == daemon_pid for p in workers)  # each worker's parent is the daemon
     os.kill(daemon_pid, signal.SIGKILL)  # the daemon alone, not its process group
     cluster.nodes["nodea"].process.wait(10)
     wait_until(lambda: not any(_running(p) for p in workers), what="the rail workers to end with their daemon",

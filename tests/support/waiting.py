@@ -28,9 +28,15 @@ def wait_until(cond: Callable[[], T], what: str | Callable[[], str] = "condition
             time.sleep(interval)
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` in /proc (R, S, T stopped, Z zombie, ...); None once it is gone."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); None once ``pid`` is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` (R, S, T stopped, Z zombie, ...); None once it is gone."""
+    fields = proc_stat(pid)
+    return fields[0] if fields else None
