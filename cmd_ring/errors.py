@@ -307,7 +307,9 @@ class TraceFormatError(ValueError):
 class ErrorCode(IntEnum):
     """Codes a proxy writes into a channel's error word; 0 means no error.
 
-    The first bad record's code is kept (later ones only raise counters), so a kernel sees the root cause.
+    The code of the lowest bad position is kept (later ones only raise counters), so a kernel sees the root
+    cause, and every record before that position executed. A record taken earlier can fail later (a
+    completion out of ring order, on SRD or from a failed connection): then the position moves down to it.
     Values fit in 16 bits and are mirrored by ``TPD_ERR_*`` in the CUDA header.
     """
 

@@ -252,18 +252,19 @@ class RingFile:
             self._completion_pos[0] = position
 
     def report_error(self, code: int, position: int, count: int = 1) -> None:
-        """Record ``count`` bad records from ``position``: the first code (and its position) stick, the count
-        grows."""
+        """Record ``count`` bad records from ``position``: the lowest bad position and its code are kept (a
+        record taken earlier can fail later: completions need not come in ring order), the count grows."""
         if code == 0:
             raise ValueError("error code 0 means 'no error'")
-        if self._error[0] == 0:
+        if self._error[0] == 0 or position < self._error_pos[0]:
             self._error_pos[0] = position
             self._error[0] = code
         self._error[1] += count
 
     @property
     def error(self) -> tuple[int, int, int]:
-        """``(first_code, count, first_position)``; code 0 means no error has been reported."""
+        """``(code, count, position)``: the lowest bad position and its code; code 0 means no error has been
+        reported."""
         return int(self._error[0]), int(self._error[1]), int(self._error_pos[0])
 
     def close(self) -> None:

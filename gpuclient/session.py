@@ -230,7 +230,8 @@ class ChannelHandle:
         self.raise_for_status()
 
     def status(self) -> tuple[int, int, int]:
-        """The error word: ``(first_code, count, first_position)``; code 0 means no error."""
+        """The error word: ``(code, count, position)``, the lowest bad position and its code; code 0 means no
+        error."""
         return self.ring.error
 
     def device_handle(self, device: int | None = None) -> Any:

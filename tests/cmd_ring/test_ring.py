@@ -139,6 +139,11 @@ def test_error_word_and_completion_position(make_ring) -> None:
     ring.report_error(3, 17)
     ring.report_error(5, 18)
     assert ring.error == (3, 2, 17)
+    # a record taken earlier that fails later (a completion out of ring order) moves the position down to it
+    ring.report_error(14, 12, count=2)
+    assert ring.error == (14, 4, 12)
+    ring.report_error(5, 13)
+    assert ring.error == (14, 5, 12)
     ring.publish_completion(10)
     ring.publish_completion(4)
     assert ring.completion_pos == 10

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 
+import numpy as np
 import pytest
 
 import gpuclient
@@ -161,7 +162,7 @@ def test_a_crash_costs_a_pause_and_reports_only_the_records_in_doubt(cluster_fac
         s.settled()
         wait_until(lambda s=s: s.dst.session.flag_array[RESENT_SLOT] >= 1, "the re-sent data's flag")
     for s in streams:
-        assert s.data_arrived()
+        assert s.data_arrived(), _missing(s, first, end, code, a_first)
         # a flag counted every message that executed: at most all of them, at least those not in doubt
         value = s.dst.session.flag_array[s.slot]
         assert value <= s.committed
@@ -296,3 +297,15 @@ def test_what_a_session_passes_back_must_be_what_a_daemon_made_and_refusals_chan
         assert flags.status == 0 and ch.status()[0] == ErrorCode.BAD_PEER  # to itself: refused, as ever
     finally:
         client.close()
+
+
+def _missing(s: Stream, first: int, end: int, code: int, a_first: int) -> str:
+    """The receive slots of a stream that do not hold their data, each with the last message sent to it (its
+    index and ring position), and what was reported in doubt."""
+    bad = []
+    for slot in range(min(s.committed, SLOTS)):
+        if not np.array_equal(s.dst.recv[slot * CHUNK:(slot + 1) * CHUNK], s.src.send[slot * CHUNK:(slot + 1) * CHUNK]):
+            last = slot + (s.committed - 1 - slot) // SLOTS * SLOTS
+            bad.append((slot, last, s.positions[last]))
+    return (f"stream to rank {s.peer}: {len(bad)} slots wrong of {min(s.committed, SLOTS)} (slot, last message, its "
+            f"position) {bad[:8]}; nodeb's ring in doubt [{first}, {end}), nodea's code {code} from {a_first}")

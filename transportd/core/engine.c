@@ -64,7 +64,9 @@ static void report_error(Engine *e, DrainedRing *ch, uint16_t code, uint64_t pos
     e->counters[C_REJECTED]++;
     e->errors[code & 0xFF]++;
     ch->codes[code & 0xFF]++;
-    if (*ring_u32(ch, TPD_RING_OFF_ERROR_CODE) == 0) {
+    /* the lowest bad position and its code: completions out of post order (SRD, a failed connection's
+     * flush) can report a later record first, and the client re-sends from this position */
+    if (*ring_u32(ch, TPD_RING_OFF_ERROR_CODE) == 0 || pos < *ring_u64(ch, TPD_RING_OFF_ERROR_POS)) {
         *ring_u64(ch, TPD_RING_OFF_ERROR_POS) = pos;
         *ring_u32(ch, TPD_RING_OFF_ERROR_CODE) = code;
     }

@@ -104,9 +104,9 @@ TPD_STATIC_ASSERT_OFFSET(offsetof(tpd_cmd_record, signal_value) == 40, "signal_v
 #define TPD_RING_OFF_CONSUMER_POS 64  /* u64, written by the consumer: records taken (credits) */
 #define TPD_RING_OFF_PRODUCER_POS 128 /* u64, written by a host producer: records committed */
 #define TPD_RING_OFF_COMPLETION_POS 192 /* u64, written by the proxy: QUIET completion position */
-#define TPD_RING_OFF_ERROR_CODE 256   /* u32, first error code seen (sticky), 0 = none */
+#define TPD_RING_OFF_ERROR_CODE 256   /* u32, the code of the bad record at ERROR_POS, 0 = none */
 #define TPD_RING_OFF_ERROR_COUNT 260  /* u32, bad records seen */
-#define TPD_RING_OFF_ERROR_POS 264    /* u64, ring position of the first bad record */
+#define TPD_RING_OFF_ERROR_POS 264    /* u64, lowest ring position of a bad record seen so far */
 #define TPD_RING_RECORDS_OFFSET 4096
 
 #endif /* TRANSPORTD_CMD_RING_H */

@@ -130,7 +130,7 @@ TPD_DEVICE void quiet(const Channel& ch) {
     TPD_SPIN_UNTIL(ordering::ld_acquire_sys(done) > pos);
 }
 
-/** The channel's error word: the first bad record's ErrorCode (0 = every record so far accepted). */
+/** The channel's error word: the ErrorCode of the lowest bad position (0 = every record so far accepted). */
 TPD_DEVICE uint32_t status(const Channel& ch) {
     return ordering::ld_acquire_sys(control_word<uint32_t>(ch.ring, TPD_RING_OFF_ERROR_CODE));
 }
@@ -140,7 +140,7 @@ TPD_DEVICE uint32_t error_count(const Channel& ch) {
     return ordering::ld_acquire_sys(control_word<uint32_t>(ch.ring, TPD_RING_OFF_ERROR_COUNT));
 }
 
-/** Ring position of the first refused record (meaningful when status(ch) != 0). */
+/** Lowest ring position of a refused or failed record (meaningful when status(ch) != 0). */
 TPD_DEVICE uint64_t error_position(const Channel& ch) {
     return ordering::ld_acquire_sys(control_word<uint64_t>(ch.ring, TPD_RING_OFF_ERROR_POS));
 }
