@@ -82,21 +82,22 @@ WORLD = 2
 SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 128},
                        {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 128}],
-    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 128},
+    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 128},
                             {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128}],
     "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 32768, "chunk_rows": 128},
                         {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128}],
     # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
     # 128 KiB chunks made the communication 17-46x the compute
-    "ring_attention": [{"heads": 32, "seq_local": 4096, "head_dim": 128, "chunk_rows": 8192},
-                       {"heads": 32, "seq_local": 2048, "head_dim": 128, "chunk_rows": 8192}],
+    "ring_attention": [{"heads": 32, "seq_local": 8192, "head_dim": 128, "chunk_rows": 8192},
+                       {"heads": 32, "seq_local": 4096, "head_dim": 128, "chunk_rows": 8192}],
 }
-#: programs per rank of the ops whose programs spin on a peer's data at one program an SM (GEMM+RS/AR, and ring
-#: attention at its 128x128, 8-warp tiles): 66 + 66 fill the H200's 132 SMs and the launch hangs until its spin
-#: bound traps, because the soft fabric places a GPU write with a device-to-device copy that runs on SMs
-#: (benchmarks/copy_needs_sms.py: a 64 MiB copy does not complete while spinning blocks hold every SM). A
-#: ConnectX needs none.
-SPINNING_PROGRAMS = 48
+#: programs per rank of the ops whose programs spin on a peer's data at one program an SM (GEMM+RS/AR, MoE
+#: Dispatch+GEMM's expert GEMM, and ring attention at its 128x128, 8-warp tiles): 66 + 66 fill the H200's 132 SMs
+#: and the launch hangs until its spin bound traps, because the soft fabric places a GPU write with a
+#: device-to-device copy that runs on SMs (benchmarks/copy_needs_sms.py: a 64 MiB copy does not complete while
+#: spinning blocks hold every SM). 60 + 60 leave 12 SMs for those copies; against 48 it ran ring attention's
+#: compute 1.26x faster in one call (h200-2026-12-02-fused-ring-attention-{48,60}-programs.json). A ConnectX needs none.
+SPINNING_PROGRAMS = 60
 QUICK_SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 512, "n": 1024, "k": 1024, "chunk_rows": 64}],
     "gemm_reduce_scatter": [{"m": 1024, "n": 1024, "k": 1024, "chunk_rows": 64}],
@@ -602,7 +603,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 #: "default" and "vs default" name: the baseline the tuning is measured against; the ops now default to the
 #: winners, ``_tiles.GEMM_BLOCK`` with TMA and ``ring_attention.ATTENTION_BLOCK``). The GEMMs' grid: the
 #: 128x128x64 first choice beside the tile shapes and depths Hopper GEMMs usually settle on, and operands
-#: through tensor descriptors (TMA) at three of them; ring attention: block_m x block_n around 64x64.
+#: through tensor descriptors (TMA) at three of them; ring attention: block_m x block_n around 64x64, and
+#: its 8-warp tiles at 3 stages (4 do not fit 128 x 128 in shared memory).
 GEMM_TILES: list[dict[str, Any]] = [
     {"block": (128, 128, 64), "num_warps": 8, "num_stages": 3, "tma": False},
     {"block": (128, 128, 64), "num_warps": 4, "num_stages": 4, "tma": False},
@@ -621,6 +623,8 @@ RING_TILES: list[dict[str, Any]] = [
     {"block": (128, 64), "num_warps": 8, "num_stages": 2},
     {"block": (128, 128), "num_warps": 8, "num_stages": 2},
     {"block": (64, 128), "num_warps": 4, "num_stages": 2},
+    {"block": (128, 64), "num_warps": 8, "num_stages": 3},
+    {"block": (128, 128), "num_warps": 8, "num_stages": 3},
 ]
 TUNE_TILES = {"allgather_gemm": GEMM_TILES, "gemm_reduce_scatter": GEMM_TILES, "gemm_all_reduce": GEMM_TILES,
               "ring_attention": RING_TILES}

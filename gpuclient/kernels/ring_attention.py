@@ -62,7 +62,7 @@ chunks (steps <= s), so induction on (step, position in the program's order) shi
 waits only for chunks, and the release of launch e-1 needs only that launch to finish.
 
 Why not more: there is no backward pass, the blocks are not balanced for causal masking (rank r computes
-r+1 blocks, the later ranks more), and the block sizes were not tuned on a GPU.
+r+1 blocks, the later ranks more).
 """
 
 from __future__ import annotations
@@ -89,13 +89,39 @@ _I32_MAX = (1 << 31) - 1
 
 
 @triton.jit
-def _attend(q, acc, m_i, l_i, k_base, v_base, q_pos, n_hi, seq, qk_scale, STRIDE: tl.constexpr,
+def _fold(q, acc, m_i, l_i, k, v, valid, qk_scale, MASKED: tl.constexpr):
+    """One key block into a tile's online softmax state (MASKED: ``valid`` [1 or BLOCK_M, BLOCK_N] says
+    which scores count). The scale is folded into the exponent's one multiply-add, and P V accumulates
+    in place in the dot."""
+    qk = tl.dot(q, tl.trans(k))
+    if MASKED:
+        qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend(q, acc, m_i, l_i, k_base, v_base, q0, q_pos, n_hi, seq, qk_scale, STRIDE: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
-    """Fold keys [0, n_hi) of one head (K row n at ``k_base + n * STRIDE``, V likewise) into a tile's online
-    softmax state; DIAGONAL masks key n > query q_pos (the causal diagonal block)."""
+    """Fold keys [0, n_hi) of one head (K row n at ``k_base + n * STRIDE``, V likewise; n_hi <= seq) into a
+    tile's online softmax state; DIAGONAL masks key n > query q_pos (the causal diagonal block; q0 is the
+    tile's first query). Whole key blocks that every query of the tile sees run without masks; the rest (the
+    diagonal, a last partial block) masked."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for n0 in range(0, n_hi, BLOCK_N):
+    n_full = n_hi // BLOCK_N * BLOCK_N
+    if DIAGONAL:
+        n_full = tl.minimum(n_full, (q0 + 1) // BLOCK_N * BLOCK_N)  # blocks wholly at or below the first query
+    for n0 in range(0, n_full, BLOCK_N):
+        keys = n0 + offs_n
+        k = tl.load(k_base + keys[:, None] * STRIDE + offs_d[None, :])
+        v = tl.load(v_base + keys[:, None] * STRIDE + offs_d[None, :])
+        acc, m_i, l_i = _fold(q, acc, m_i, l_i, k, v, None, qk_scale, False)
+    for n0 in range(n_full, n_hi, BLOCK_N):
         keys = n0 + offs_n
         inside = keys < seq
         k = tl.load(k_base + keys[:, None] * STRIDE + offs_d[None, :], mask=inside[:, None], other=0.0)
@@ -103,13 +129,7 @@ def _attend(q, acc, m_i, l_i, k_base, v_base, q_pos, n_hi, seq, qk_scale, STRIDE
         valid = inside[None, :]
         if DIAGONAL:
             valid = valid & (keys[None, :] <= q_pos[:, None])
-        qk = tl.where(valid, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
-        m_i = m_new
+        acc, m_i, l_i = _fold(q, acc, m_i, l_i, k, v, valid, qk_scale, True)
     return acc, m_i, l_i
 
 
@@ -181,8 +201,8 @@ def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_p
                 if CAUSAL:
                     n_hi = tl.minimum(seq, (t % q_blocks) * BLOCK_M + BLOCK_M)
                 head = tl.cast(h * seq, tl.int64) * HEAD_DIM
-                acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr + head, v_ptr + head, rows, n_hi, seq, qk_scale,
-                                        HEAD_DIM, HEAD_DIM, BLOCK_N, CAUSAL)
+                acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr + head, v_ptr + head, (t % q_blocks) * BLOCK_M, rows,
+                                        n_hi, seq, qk_scale, HEAD_DIM, HEAD_DIM, BLOCK_N, CAUSAL)
                 state = h * seq + rows
                 if world > 1:
                     tl.store(acc_ptr + mine, acc, mask=row_ok)
@@ -215,8 +235,8 @@ def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_p
                     m_i = tl.load(ml_ptr + state, mask=rows < seq, other=-1.0e30)
                     l_i = tl.load(ml_ptr + heads * seq + state, mask=rows < seq, other=1.0)
                     k_head = block + tl.cast(h * seq, tl.int64) * (2 * HEAD_DIM)
-                    acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_head, k_head + HEAD_DIM, rows, n_hi, seq, qk_scale,
-                                            2 * HEAD_DIM, HEAD_DIM, BLOCK_N, False)
+                    acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_head, k_head + HEAD_DIM, 0, rows, n_hi, seq,
+                                            qk_scale, 2 * HEAD_DIM, HEAD_DIM, BLOCK_N, False)
                     if s < world - 1:
                         tl.store(acc_ptr + mine, acc, mask=row_ok)
                         tl.store(ml_ptr + state, m_i, mask=rows < seq)
@@ -414,13 +434,16 @@ class RingAttention:
     SMs divided by ``share``, the number of ranks that run on the GPU at once: every rank's programs must be
     resident together, since programs spin on the peers' chunks). Launch e waits for flag values e: nothing is
     reset between calls. ``block`` (block_m queries, block_n keys a step), ``num_warps`` and ``num_stages``
-    are the compute tiles (``retile`` changes them); the defaults, 128 x 128 with 8 warps and 2 stages, ran
-    1.8x faster than 64 x 64 with 4 warps on the H200 (``fused_bench.py --tune``, head_dim 128).
+    are the compute tiles (``retile`` changes them). The defaults, 128 x 128 with 8 warps and 3 stages, by
+    measurement on the H200 (head_dim 128): at 2 stages 1.8x faster than 64 x 64 with 4 warps, and the third
+    stage 1.10x faster again (``fused_bench.py --tune``, 32 heads x 8192 a rank); a fourth does not fit 128 x
+    128 tiles in shared memory. The key loop's unmasked whole blocks and the scale folded into the exponent
+    took the compute at 32 heads x 4096 a rank, 48 programs, from 4.60 to 3.53 ms (``fused_bench.py``).
     """
 
     def __init__(self, session: Any, heads: int, seq_local: int, head_dim: int, *, causal: bool = False,
                  sm_scale: float | None = None, chunk_rows: int = 256, block: tuple[int, int] = ATTENTION_BLOCK,
-                 comm_programs: int = 1, num_warps: int = 8, num_stages: int = 2, slot_base: int = 0,
+                 comm_programs: int = 1, num_warps: int = 8, num_stages: int = 3, slot_base: int = 0,
                  share: int = 1, programs: int | None = None, out_dtype: Any = None,
                  channel_capacity: int = 256) -> None:
         import torch
