@@ -48,6 +48,7 @@ log = logging.getLogger("softverbs")
 _BUF_SIZE = 1 << 20
 _DIRECT_MIN = 16 << 10  # receive straight into the destination when this much of a payload is missing
 _IOV_MAX = 512
+INBOX_RETRY_S = 1e-4  # how soon the I/O thread looks again at responses a held QP could not take
 
 
 @dataclass
@@ -403,6 +404,7 @@ class SoftDevice:
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
         self._dirty_rsp: set[Conn] = set()
+        self.inbox_waiting: set[Any] = set()  # QPs whose queued responses the I/O thread could not apply yet
         self._running = False
         self._thread: threading.Thread | None = None
         self._sel: selectors.BaseSelector | None = None
@@ -472,6 +474,7 @@ class SoftDevice:
         self._sel = None
         self._actions.clear()
         self._timers.clear()
+        self.inbox_waiting.clear()
         with self._dep_lock:
             self._departures.clear()
         self.port = 0
@@ -520,6 +523,13 @@ class SoftDevice:
             except (KeyError, ValueError, OSError):
                 pass
 
+    def retry_inboxes(self) -> None:
+        """I/O thread: apply the responses queued for QPs that were held when they arrived (see
+        `QPRequester.rx_responses`); a QP still held stays for the next pass."""
+        for qp in list(self.inbox_waiting):
+            if qp.drain_inbox():
+                self.inbox_waiting.discard(qp)
+
     def mark_responses(self, conn: Conn) -> None:
         """I/O thread: `conn` has responses to frame before the thread sleeps."""
         self._dirty_rsp.add(conn)
@@ -550,6 +560,8 @@ class SoftDevice:
                 timeout = due if timeout is None else min(timeout, due)
             if self._actions:
                 timeout = 0.0
+            elif self.inbox_waiting:  # a thread holds such a QP: look again soon
+                timeout = INBOX_RETRY_S if timeout is None else min(timeout, INBOX_RETRY_S)
             try:
                 events = sel.select(timeout)
             except OSError:
@@ -576,6 +588,8 @@ class SoftDevice:
                 while self._actions:
                     self._actions.popleft()()
                 self.request_handler.on_idle()
+                if self.inbox_waiting:
+                    self.retry_inboxes()
                 now = time.monotonic()
                 while self._timers and self._timers[0][0] <= now:
                     heapq.heappop(self._timers)[2]()

@@ -606,22 +606,29 @@ class QPRequester:
         """Responses arrived for our requests (I/O thread): (descriptor, data, placed_directly) each.
 
         They are queued and applied by whichever thread holds the QP lock: if a posting thread holds it,
-        that thread applies them before it lets go (see `drain_inbox`), so the I/O thread never waits.
+        that thread applies them when it lets go (see `drain_inbox`), so the I/O thread never waits. Not
+        every holder looks at the queue when it lets go (the I/O thread itself, placing a request that
+        arrived for this QP, takes the lock a posting thread just released), so a queue left behind is
+        retried by the I/O thread until applied (`SoftDevice.retry_inboxes`): else the last responses of a
+        stream could wait for a post that never comes.
         """
         self.inbox.append(items)
-        self.drain_inbox()
+        if not self.drain_inbox():
+            self.device.inbox_waiting.add(self)
 
-    def drain_inbox(self) -> None:
+    def drain_inbox(self) -> bool:
+        """Apply the queued responses unless another thread holds the QP; False when some are left."""
         inbox = self.inbox
         lock = self.lock
         while inbox:
             if not lock.acquire(blocking=False):
-                return
+                return False
             try:
                 while inbox:
                     self._apply_responses(inbox.popleft())
             finally:
                 lock.release()
+        return True
 
     def _apply_responses(self, items: list[tuple]) -> None:
         inflight = self.inflight

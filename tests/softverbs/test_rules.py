@@ -361,3 +361,28 @@ def test_last_close_does_not_stall_when_the_io_thread_is_handling_a_lost_peer(so
     assert not [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()]
     assert took < 2.0, f"closing took {took:.1f} s"
     assert dev._thread is None and not dev.out_conns
+
+
+# --- responses and the QP lock -----------------------------------------------------------------------------
+
+def test_a_response_queued_while_the_qp_is_held_is_applied_once_it_is_let_go(soft) -> None:
+    """The I/O thread queues a response for a QP another thread holds (it never waits for a QP); a posting
+    thread applies what is queued when it lets go. A holder that lets go without looking (the I/O thread
+    itself, placing a request on the same QP, as every bidirectional SRD stream does) must not strand it: the
+    write completes with nothing more posted and no other response to come. Before this was mended, the
+    restart tests' last records stayed in flight (the ack queued, nobody applying it) about 1 run in 30."""
+    with soft.rc_pair() as pair:
+        e = pair.v.enums
+        core = pair.client.qp._core
+        for attempt in range(20):
+            core.lock.acquire()  # held: the acknowledgement can only queue
+            try:
+                pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8), wr_id=attempt))
+                wait_until(lambda: core.inbox or core.scq.entries, "the write's acknowledgement")
+                queued = bool(core.inbox)  # else it came back before the post returned, and was applied there
+            finally:
+                core.lock.release()  # a plain release, as a holder that does not look at the queue lets go
+            assert poll(pair.client.cq, 1, timeout=5.0)[0].wr_id == attempt
+            if queued:
+                break
+        assert queued, "the acknowledgement never arrived while the QP was held"
