@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
+
 CHUNK = 4 << 20
 #: the NIC each backend stands for: [softverbs] NIC-model keys
 SHAPES = {
@@ -193,7 +195,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 @click.option("--no-mps", is_flag=True, help="without CUDA MPS (as TRANSPORTD_GPU_MPS=0)")
 @click.option("--buffers", type=click.Choice(["gpu", "host"]), default="gpu", show_default=True,
               help="host: the same rows on host memory, no GPU needed (no direct copies)")
-@click.option("--copy-via", type=click.Choice(["device", "host"]), default="device", show_default=True,
+@click.option("--copy-via", type=click.Choice(DIRECT_COPY_PLACEMENTS), default="device", show_default=True,
               help="softverbs.direct_copy_via: one device-to-device copy, or through pinned host memory")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
          buffers: str, copy_via: str) -> None:

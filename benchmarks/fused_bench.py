@@ -70,6 +70,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fabric_bench import SHAPES  # noqa: E402
+from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
 from transportd_cli.cli_options import FiniteFloat  # noqa: E402
 
 #: the NIC model each backend is shaped like by default
@@ -869,7 +870,7 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
 @click.option("--programs", default=None, type=click.IntRange(min=2),
               help="programs per rank for every fused op (default: the SMs over the two ranks)")
 @click.option("--quick", is_flag=True, help="one small size per kernel, 2 reps (a smoke run)")
-@click.option("--copy-via", type=click.Choice(["device", "host"]), default="device", show_default=True,
+@click.option("--copy-via", type=click.Choice(DIRECT_COPY_PLACEMENTS), default="device", show_default=True,
               help="softverbs.direct_copy_via: the soft fabric places a GPU write with one device-to-device copy "
                    "(on SMs, beside the fused op's programs) or through pinned host memory (copy engines, no SM)")
 @click.option("--tune", is_flag=True,
