@@ -2,6 +2,8 @@
 
     python benchmarks/fused_bench.py --json benchmarks/results/fused.json [--kernels ...] [--quick]
 
+(``--json`` is rewritten after every row, so a run cut short keeps what it measured.)
+
 Two daemons (``LocalCluster`` over softverbs, ib RC and efa SRD), two ranks in this process sharing one GPU
 (each rank's kernel gets half the SMs: ``share=2``), the soft fabric's direct GPU copies on and the NIC
 model shaping each daemon's link like the NIC its backend stands for (ib: ConnectX-7 400 Gb/s, efa: EFA
@@ -900,12 +902,18 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         reps = 2
     rows: list[dict[str, Any]] = []
 
+    def save(mps_line: str) -> None:
+        if json_path:
+            Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
+                                                   "programs": programs}, indent=2))
+
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:
         try:
             rows.append(fn(*args, echo=click.echo, **kw))
         except Exception as exc:  # keep what the other rows measured
             rows.append({**what, "error": f"{type(exc).__name__}: {exc}"})
             click.echo(f"  {what}: failed: {exc}")
+        save(mps.describe())  # after every row: a run cut short keeps what it measured
 
     with Mps() as mps:  # started where wanted and present; describe() says which
         if not mps.running:
@@ -943,9 +951,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         mps_line = mps.describe()
     click.echo(mps_line)
     click.echo(table(rows))
-    if json_path:
-        Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
-                                               "programs": programs}, indent=2))
+    save(mps_line)
 
 
 if __name__ == "__main__":

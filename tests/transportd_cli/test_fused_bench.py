@@ -249,3 +249,28 @@ def test_the_tune_flag_runs_the_tuning_on_the_first_backend_and_shape_and_saves_
     assert json.loads(out.read_text())["mps"] == "MPS: stand-in"
     CliRunner().invoke(bench.main, ["--tune", "--quick"])
     assert seen["sizes"] is bench.QUICK_SIZES and seen["reps"] == 2 and seen["tma"] is True
+
+
+def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Path, monkeypatch) -> None:
+    """A run the device's time limit cuts short keeps the rows it measured."""
+    bench = _bench()
+    out = tmp_path / "fused.json"
+    seen: list[int] = []
+
+    def row(kernel, backend, shape, dims, reps, echo=print):
+        seen.append(len(json.loads(out.read_text())["rows"]) if out.stat().st_size else 0)
+        if kernel == "ring_attention":
+            raise RuntimeError("spin bound")
+        times = {"compute_s": 2e-3, "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}
+        return bench.derive({"kernel": kernel, "backend": backend, "shape": shape, **dims, **times}, 1e9, 1 << 20)
+
+    monkeypatch.setattr(bench, "fused_row", row)
+    result = CliRunner().invoke(bench.main, ["--json", str(out), "--kernels", "allgather_gemm,ring_attention",
+                                             "--backends", "ib,efa", "--quick"])
+    assert result.exit_code == 0, result.output
+    assert seen == [0, 1, 2, 3]  # each row found every row before it already written
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["backend"], "error" in r) for r in rows] == [
+        ("allgather_gemm", "ib", False), ("ring_attention", "ib", True),
+        ("allgather_gemm", "efa", False), ("ring_attention", "efa", True)]
+    assert rows[1]["error"] == "RuntimeError: spin bound"
