@@ -45,6 +45,20 @@ def _routing(rng: np.random.Generator, tokens: int, topk: int, pickable: np.ndar
     return idx.astype(dtype)
 
 
+def _expert_weights(gen: Any, experts: int, hidden: int, device: str) -> tuple[Any, Any]:
+    """Every expert's ``hidden x hidden`` bf16 weight (scaled to keep outputs near unit size): on the CPU for
+    the references, and a copy on ``device``."""
+    weights = (torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
+    return weights, weights.to(device)
+
+
+def _round_shape(rnd: int, local: int, experts: int, max_tokens: int) -> tuple[np.ndarray, list[int]]:
+    """(the experts a round picks from, each rank's token count): round 1 leaves expert 5 unpicked, round 2
+    picks only rank 0's experts (rank 1 receives nothing), round 3 has rank 1 send nothing."""
+    pickable = {1: np.arange(5), 2: np.arange(local), 3: np.arange(experts)}[rnd]
+    return pickable, ([max_tokens, max_tokens - 7] if rnd < 3 else [max_tokens - 3, 0])
+
+
 @pytest.mark.parametrize("fabric", ["ib", "ib-atomic", "ib-fence", "efa"])
 def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: str) -> None:
     # hidden 200: no multiple of the 256-wide copy block; 3 local experts per rank; 40 rows per rank at most
@@ -58,8 +72,7 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: s
         sessions = _ranks(cluster, "moe-ll", cuda_device)
         try:
             ops, streams = _prepared(sessions, hidden, experts, max_tokens, topk, cuda_device)
-            weights_e = (torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
-            w_dev = weights_e.to(dev)
+            weights_e, w_dev = _expert_weights(gen, experts, hidden, dev)
             bad = torch.zeros(max_tokens + 1, hidden, dtype=torch.bfloat16, device=dev)
             with pytest.raises(ValueError, match="x must be"):
                 ops[0].dispatch(bad, bad[:, :topk].long(), bad[:, :topk].float())
@@ -69,8 +82,7 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: s
             for rnd in range(1, ROUNDS + 1):
                 # round 1: expert 5 unpicked, expert 1 hot; round 2: only rank 0's experts (rank 1 receives
                 # nothing); round 3: rank 1 sends nothing, int32 indices
-                pickable = {1: np.arange(5), 2: np.arange(local), 3: np.arange(experts)}[rnd]
-                tokens = [max_tokens, max_tokens - 7] if rnd < 3 else [max_tokens - 3, 0]
+                pickable, tokens = _round_shape(rnd, local, experts, max_tokens)
                 dtype = np.int64 if rnd < 3 else np.int32
                 idx = [_routing(rng, n, topk, pickable, hot=1, dtype=dtype) for n in tokens]
                 xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in tokens]
@@ -255,8 +267,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
                 op.preload_gemm(communicate=False)
                 op.preload_gemm(compute=False)
             streams = [torch.cuda.Stream(cuda_device) for _ in ops]
-            weights_e = (torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
-            w_dev = weights_e.to(dev)
+            weights_e, w_dev = _expert_weights(gen, experts, hidden, dev)
             w_rank = [w_dev[r * local:(r + 1) * local] for r in range(world)]
             bad = torch.zeros(max_tokens, hidden, dtype=torch.bfloat16, device=dev)
             with pytest.raises(ValueError, match="w must be"):
@@ -370,11 +381,9 @@ def test_moe_fp8_dispatch_matches_a_torch_quantization(cuda_device, fabric: str)
         sessions = _ranks(cluster, "moe-fp8", cuda_device)
         try:
             ops, streams = _prepared(sessions, hidden, experts, max_tokens, topk, cuda_device, fp8=True)
-            weights_e = (torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
-            w_dev = weights_e.to(dev)
+            weights_e, w_dev = _expert_weights(gen, experts, hidden, dev)
             for rnd in range(1, ROUNDS + 1):
-                pickable = {1: np.arange(5), 2: np.arange(local), 3: np.arange(experts)}[rnd]
-                tokens = [max_tokens, max_tokens - 7] if rnd < 3 else [max_tokens - 3, 0]
+                pickable, tokens = _round_shape(rnd, local, experts, max_tokens)
                 idx = [_routing(rng, n, topk, pickable, hot=1, dtype=np.int64) for n in tokens]
                 xs = [(torch.randn(n, hidden, generator=gen) * torch.logspace(-3, 3, hidden)).to(torch.bfloat16)
                       for n in tokens]
