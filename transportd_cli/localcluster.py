@@ -250,13 +250,17 @@ class LocalCluster:
 
     def _wait_ready(self, node: LocalNode, deadline: float, peers_up: int | None = None) -> None:
         want = len(self.nodes) - 1 if peers_up is None else peers_up
+        # with every peer up, also ready as the daemon says it (systemd's READY=1, `status`): it decides that
+        # on its next liveness check after the peers are up, and a test that asks at once must find it so
+        # (with fewer peers it would say so only after peers.ready_wait_s)
+        want_ready = peers_up is None
         while True:
             if node.process is not None and node.process.poll() is not None:
                 raise RuntimeError(f"daemon {node.name} exited with {node.process.returncode}:\n{self.log(node.name)}")
             try:
                 with ControlConnection(node.socket, timeout_ms=2000, handshake_timeout_ms=500) as conn:
                     stats = conn.request(Stats())
-                if sum(1 for p in stats["peers"].values() if p["up"]) >= want:
+                if (stats["ready"] or not want_ready) and sum(1 for p in stats["peers"].values() if p["up"]) >= want:
                     return
             except DaemonUnavailableError:
                 pass

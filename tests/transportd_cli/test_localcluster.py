@@ -98,3 +98,17 @@ def test_a_local_cluster_interrupted_while_starting_stops_its_daemons(monkeypatc
         cluster.start()
     assert all(node.process is not None and node.process.poll() is not None for node in cluster.nodes.values())
     assert not cluster.workdir.exists()
+
+
+def test_a_started_cluster_is_ready_as_every_daemon_says_it() -> None:
+    """``start`` returns once each daemon reports ready (``status``, systemd's READY=1), not only once it sees
+    its peers: a daemon decides it is ready on its next liveness check after that, and a test that asked at
+    once found it not ready (test_ctl's test_status, about one run in a dozen)."""
+    cluster = LocalCluster(2, backend="ib").start()
+    try:
+        for name in cluster.names:
+            result = ctl("status", "--json", "--socket", cluster.socket(name))
+            assert result.exit_code == 0, result.stderr
+            assert result.json()["ready"] is True
+    finally:
+        cluster.stop()
