@@ -112,6 +112,7 @@ MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gem
                   {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 4096}]
 QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "gemm_n": 512}]
 KERNELS = tuple(SIZES)
+SIZES_KEYS = tuple(dict.fromkeys(key for sizes in SIZES.values() for dims in sizes for key in dims))
 MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}
 QUICK_MOE = {"tokens": 32, "hidden": 1024, "topk": 4, "experts": 8}
 #: programs per rank for every fused op (``--programs``; None: the op's default, the SMs over the ranks sharing)
@@ -135,6 +136,8 @@ class Case:
     # sent; then the max |output - torch reference| over what that launch defines
     stage: Callable[[], None] = lambda: None
     compute_error: Callable[[], float] | None = None
+    # ``launch(timelines=[one per rank], ...)`` records each rank's timeline (``--timeline``): the ops that have one
+    timelines: bool = False
 
 
 def _time(launch: Callable[[], None], streams: list[Any], reps: int) -> float:
@@ -257,9 +260,10 @@ def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen:
             for r in range(WORLD)]
     torch.cuda.synchronize()
 
-    def launch(**kw: bool) -> None:
+    def launch(timelines: list[Any] | None = None, **kw: bool) -> None:
         for r, op in enumerate(ops):
-            op(a[r], b[r], None if all_reduce else outs[r], stream=streams[r], **kw)
+            op(a[r], b[r], None if all_reduce else outs[r], stream=streams[r],
+               timeline=None if timelines is None else timelines[r], **kw)
 
     def error() -> float:
         total = sum(a[r].float() @ b[r].float() for r in range(WORLD))
@@ -278,7 +282,7 @@ def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen:
     return Case(launch, lambda: _on_streams(streams, lambda r: torch.matmul(a[r], b[r])), error,
                 flops=2.0 * WORLD * m * n * k, moved=moved, ops=ops,
                 params={"programs": ops[0].programs, "out_dtype": str(out_dtype).removeprefix("torch.")},
-                compute_error=compute_error)
+                compute_error=compute_error, timelines=True)
 
 
 def gemm_reduce_scatter(*args: Any, **kw: Any) -> Case:
@@ -350,13 +354,90 @@ def derive(row: dict[str, Any], flops: float, moved: int) -> dict[str, Any]:
     return row
 
 
+# --- timelines (``--timeline``) ------------------------------------------------------------------------------------
+TIMELINE_MODES = {"compute": {"communicate": False}, "comm": {"compute": False}, "fused": {}}
+
+
+def rs_timeline_events(layout: Any, programs: int, words: Any) -> dict[str, Any]:
+    """One rank's GemmReduceScatter / GemmAllReduce timeline (``ReduceScatterLayout.timeline_words``), split:
+    ``tiles`` (tiles x 4: start, computed, waited (own tiles; else 0), end) with each tile's ``step`` (0 ..
+    world-1; world-1 is the own segment) and segment row ``band``; ``chunks`` (counters x 2: completed,
+    shipped; 0: not shipped by this rank); ``program_ends``."""
+    import numpy as np
+
+    words = np.asarray(words, dtype=np.int64)
+    per_segment = layout.row_blocks * layout.col_blocks
+    tiles = words[:4 * layout.tiles].reshape(layout.tiles, 4)
+    chunk_words = 2 * (layout.world + 1) * layout.chunks_per_segment
+    chunks = words[4 * layout.tiles:4 * layout.tiles + chunk_words].reshape(-1, 2)
+    t = np.arange(layout.tiles)
+    return {"tiles": tiles, "step": t // per_segment, "band": (t % per_segment) // layout.col_blocks,
+            "chunks": chunks, "program_ends": words[4 * layout.tiles + chunk_words:][:programs]}
+
+
+def rs_timeline_summary(layout: Any, events: dict[str, Any], t0: int) -> dict[str, Any]:
+    """Milliseconds from ``t0`` (the earliest start over the ranks) of what a launch's timeline says: when the
+    peers' tiles and the own tiles started and were computed, how long the own tiles waited for the peers'
+    chunks (summed over tiles, and the share of tiles that waited at all), when this rank's chunks completed and
+    shipped, and when its programs ended."""
+    import numpy as np
+
+    def ms(x: Any) -> float:
+        return round(float(x - t0) / 1e6, 4)
+
+    tiles, own = events["tiles"], events["step"] == layout.world - 1
+    out: dict[str, Any] = {"end_ms": ms(events["program_ends"].max())}
+    for name, which in (("peer_tiles", ~own), ("own_tiles", own)):
+        part = tiles[which]
+        if len(part):
+            out[name] = {"first_start_ms": ms(part[:, 0].min()), "last_computed_ms": ms(part[:, 1].max()),
+                         "last_end_ms": ms(part[:, 3].max()),
+                         "compute_us_median": round(float(np.median(part[:, 1] - part[:, 0])) / 1e3, 2)}
+    waited = tiles[own & (tiles[:, 2] > 0)]
+    if len(waited):
+        stall = waited[:, 2] - waited[:, 1]
+        out["own_waits"] = {"sum_ms": round(float(stall.sum()) / 1e6, 3), "max_ms": round(float(stall.max()) / 1e6, 3),
+                            "share_over_10us": round(float((stall > 10_000).mean()), 3),
+                            "last_satisfied_ms": ms(waited[:, 2].max())}
+    shipped = events["chunks"][events["chunks"][:, 1] > 0]
+    if len(shipped):
+        out["chunks"] = {"count": len(shipped), "first_shipped_ms": ms(shipped[:, 1].min()),
+                         "last_shipped_ms": ms(shipped[:, 1].max()),
+                         "gate_wait_ms_max": round(float((shipped[:, 1] - shipped[:, 0]).max()) / 1e6, 3),
+                         "shipped_ms": [ms(x) for x in np.sort(shipped[:, 1])]}
+    return out
+
+
+def timeline_runs(case: Case, streams: list[Any]) -> dict[str, Any]:
+    """One launch of each of compute, comm and fused with every rank's timeline (after a plain launch of each, so
+    the variants' first runs are not the ones read): per mode, each rank's summary and the raw words."""
+    import torch
+
+    ops = case.ops
+    for op in ops:
+        for kw in TIMELINE_MODES.values():
+            op.preload(timeline=True, **kw)
+    out: dict[str, Any] = {}
+    for mode, kw in TIMELINE_MODES.items():
+        timelines = [op.timeline() for op in ops]
+        torch.cuda.synchronize()
+        case.launch(timelines=timelines, **kw)
+        torch.cuda.synchronize()
+        events = [rs_timeline_events(op.layout, op.programs, tl.cpu().numpy()) for op, tl in zip(ops, timelines,
+                                                                                                 strict=True)]
+        t0 = min(int(e["tiles"][:, 0][e["tiles"][:, 0] > 0].min()) for e in events)
+        out[mode] = {"ranks": [rs_timeline_summary(op.layout, e, t0) for op, e in zip(ops, events, strict=True)],
+                     "raw": [tl.cpu().tolist() for tl in timelines]}
+    return out
+
+
 def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
-              echo: Callable[[str], None] = print) -> dict[str, Any]:
+              echo: Callable[[str], None] = print, timeline: bool = False) -> dict[str, Any]:
     """One row: compute, comm, fused and torch times of ``kernel`` at ``dims`` on ``backend`` shaped as ``shape``."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(5)
-    with _sessions(backend, shape, f"fused-bench-{kernel}", device) as (_, sessions):
+    with _sessions(backend, shape, f"fused-bench-{kernel}", device) as (clients, sessions):
         streams = [torch.cuda.Stream(device) for _ in sessions]
         case = CASES[kernel](sessions, streams, gen, device, **dims)
         case.launch()  # the first fused launch, checked
@@ -364,9 +445,19 @@ def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps:
         row: dict[str, Any] = {"kernel": kernel, "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
                                "world": WORLD, **dims, **case.params, "max_abs_error": case.error()}
         row["compute_s"] = _time(lambda: case.launch(communicate=False), streams, reps)
+        before = [_direct_copies(c) for c in clients]
         row["comm_s"] = _time(lambda: case.launch(compute=False), streams, reps)
+        middle = [_direct_copies(c) for c in clients]
         row["fused_s"] = _time(case.launch, streams, reps)
+        after = [_direct_copies(c) for c in clients]
+        # per launch and daemon: the time its soft devices spent placing direct copies (each blocks their thread)
+        row["comm_direct_copy_ms"] = [round((m - b) / reps / 1e6, 3) for b, m in zip(before, middle, strict=True)]
+        row["fused_direct_copy_ms"] = [round((a - m) / reps / 1e6, 3) for m, a in zip(middle, after, strict=True)]
         row["torch_s"] = _time(case.torch_compute, streams, reps)
+        if timeline and case.timelines:
+            runs = timeline_runs(case, streams)
+            row["timeline"] = {mode: run["ranks"] for mode, run in runs.items()}
+            row["timeline_raw"] = {mode: run["raw"] for mode, run in runs.items()}  # main moves it to its own file
         _check_channels(case.ops)
     derive(row, case.flops, case.moved)
     echo(_summary(row, dims))
@@ -404,6 +495,12 @@ def _counters(client: Any) -> dict[str, int]:
     out = {key: sum(int(r.get(key, 0)) for r in rails) for key in _COUNTED}
     out["direct_placed"] = sum(int((r.get("softverbs") or {}).get("direct_placed", 0)) for r in rails)
     return out
+
+
+def _direct_copies(client: Any) -> int:
+    """Nanoseconds a daemon's soft devices have spent placing direct copies (``direct_ns``), all rails."""
+    rails = [r for r in client.stats().get("rails", []) if "error" not in r]
+    return sum(int((r.get("softverbs") or {}).get("direct_ns", 0)) for r in rails)
 
 
 def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, hidden: int, topk: int, experts: int,
@@ -875,6 +972,9 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
 @click.option("--copy-via", type=click.Choice(DIRECT_COPY_PLACEMENTS), default="device", show_default=True,
               help="softverbs.direct_copy_via: the soft fabric places a GPU write with one device-to-device copy "
                    "(on SMs, beside the fused op's programs) or through pinned host memory (copy engines, no SM)")
+@click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
+              help="also run one launch of each mode with the kernels' timelines (GEMM+RS, GEMM+AR): a summary in "
+                   "each row, every recorded event here")
 @click.option("--tune", is_flag=True,
               help="time each kernel's compute alone with candidate tiles instead (the first size, the first "
                    "backend and shape; MoE left out)")
@@ -882,7 +982,8 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
 @click.option("--tune-seconds", default=TUNE_SECONDS, show_default=True, type=FiniteFloat(min=0),
               help="--tune: configs not started by then are recorded as skipped")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
-         programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float) -> None:
+         programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
+         timeline_path: str | None = None) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -896,13 +997,24 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).touch()  # a bad path fails now, not after the run
+    if timeline_path:
+        Path(timeline_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(timeline_path).touch()
     table_sizes = QUICK_SIZES if quick else SIZES
     moe_dims = QUICK_MOE if quick else MOE
     if quick:
         reps = 2
     rows: list[dict[str, Any]] = []
+    raw_timelines: list[dict[str, Any]] = []
 
     def save(mps_line: str) -> None:
+        for row in rows:
+            raw = row.pop("timeline_raw", None)
+            if raw is not None:
+                raw_timelines.append({key: row.get(key) for key in ("kernel", "backend", "shape", *SIZES_KEYS)}
+                                     | {"modes": raw})
+        if timeline_path:
+            Path(timeline_path).write_text(json.dumps(raw_timelines))
         if json_path:
             Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
                                                    "programs": programs}, indent=2))
@@ -937,7 +1049,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                 for kernel in (k for k in wanted if k in KERNELS):
                     for dims in table_sizes[kernel][:sizes]:
                         attempt({"kernel": kernel, "backend": backend, "shape": shape, **dims},
-                                fused_row, kernel, backend, shape, dims, reps)
+                                fused_row, kernel, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe_dispatch_gemm" in wanted:
                     for dims in (QUICK_MOE_GEMM_SIZES if quick else MOE_GEMM_SIZES)[:sizes]:
                         attempt({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims},

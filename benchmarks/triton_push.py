@@ -42,19 +42,14 @@ _CREDIT_PRESET = 1 << 62  # credits never run out: the bare push, as gpu_bench p
 
 
 @triton.jit
-def _globaltimer():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.uint64, is_pure=False, pack=1)
-
-
-@triton.jit
 def push_loop(ch, pushes, out):
     """One program pushes ``pushes`` PUT records (4 KiB at offsets that walk the region, as gpu_push.cu's);
     ``out[0]``/``out[1]`` are %globaltimer before and after the loop."""
-    t0 = _globaltimer()
+    t0 = tdt.globaltimer()
     for i in range(pushes):
         off = i.to(tl.uint64) << 12
         tdt.put(ch, 1, 0, off, 0, off, 4096, i)
-    t1 = _globaltimer()
+    t1 = tdt.globaltimer()
     tl.store(out, t0)
     tl.store(out + 1, t1)
 

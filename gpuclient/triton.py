@@ -110,6 +110,7 @@ __all__ = [
     "channel_pointer",
     "device_pointer",
     "fence",
+    "globaltimer",
     "header_word",
     "body_words",
     "plan_pointer",
@@ -437,6 +438,13 @@ def _word(handle, index):
 @triton.jit
 def _ptr32(address):
     return address.to(tl.pointer_type(tl.uint32))
+
+
+@triton.jit
+def globaltimer():
+    """Nanoseconds of the GPU's %globaltimer, in every thread: one clock for every SM and every kernel on the
+    device (coarse, about 1 us a tick on some parts, and not the host's clock), for timelines of a launch."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.uint64, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -16,7 +16,8 @@ payload: the responder places it with one copy from the requester's device memor
 
 Shaping. A device with a NIC model (`nic_bandwidth`, `nic_latency_s`, `nic_message_rate`; `softverbs._link`)
 hands each outgoing request to its departure queue with the time the model says it lands; the I/O thread
-sends it then. Acknowledgements and read responses are not shaped.
+sends it then, in its loop and also between two direct placements (`send_due`), so a stream it is placing
+does not hold its own requests back. Acknowledgements and read responses are not shaped.
 """
 
 from __future__ import annotations
@@ -356,6 +357,7 @@ STAT_NAMES = (
     "direct_sent",  # requester: writes sent as a reference to device memory instead of their bytes
     "direct_placed",  # responder: direct writes (or packets of them) placed by a copy
     "direct_bytes",  # responder: bytes placed so
+    "direct_ns",  # responder: time its thread spent in those copies (each complete when it returns)
     "imports_opened",  # responder: peers' allocations opened for direct writes
     "imports_refused",  # responder: ... that could not be (another host, no copier, the open failed)
     "device_wire_writes",  # requester: writes from device memory that crossed the wire (no agreement yet)
@@ -611,6 +613,15 @@ class SoftDevice:
             heapq.heappush(deps, (when, next(self._dep_seq), conn, qp, desc, payloads))
         if first:
             self.wake()
+
+    def send_due(self) -> None:
+        """I/O thread, between two placements of a stream of incoming requests (each a copy that can take tens
+        of microseconds on a busy GPU): send this device's requests whose time has come, as the loop would.
+        Else the loop reaches its departures only once the socket has no more input, and a device that is
+        placing a peer's stream holds back its own: the two directions of an exchange take turns."""
+        deps = self._departures
+        if deps and deps[0][0] <= time.monotonic():
+            self._send_departures(time.monotonic())
 
     def departing(self) -> bool:
         """Requests wait in the departure queue, or are being sent from it: later ones must queue behind

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -234,6 +235,7 @@ class QPResponder:
         if imp.closed:  # its exporter let go before the write completed (or the connection is gone)
             m.status = REM_OP
             return
+        start = time.perf_counter_ns()
         try:
             imp.copier.copy(m.raddr + off, imp.base + m.src_off + off, n)
         except Exception:
@@ -243,7 +245,9 @@ class QPResponder:
         stats = self.device.stats
         stats["direct_placed"] += 1
         stats["direct_bytes"] += n
+        stats["direct_ns"] += time.perf_counter_ns() - start
         handler.observe(self, m.raddr + off, n)
+        self.device.send_due()  # a copy takes a while: this device's own requests may be due meanwhile
 
     def _scatter_recv(self, m: Msg, handler: RequestFrameHandler) -> bool:
         """Deliver a send into its receive WR's buffers; failures complete both sides with errors."""

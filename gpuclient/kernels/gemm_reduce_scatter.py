@@ -61,10 +61,11 @@ _ELEMENT_BYTES = {"bfloat16": 2, "float32": 4}
 
 @triton.jit
 def _arrive(ch, plan, counters, first_chunk, row0, rows, m_seg, chunk_rows, col_blocks, gate_slot, gate_at, rank,
-            world, BLOCK_M: tl.constexpr, BROADCAST: tl.constexpr):
+            world, timeline, BLOCK_M: tl.constexpr, BROADCAST: tl.constexpr, TIMELINE: tl.constexpr):
     """Count a finished tile (segment rows [row0, row0 + rows)) at every chunk it touches; the arrival that
     completes a chunk waits for the destinations' release (BROADCAST: every peer's ``gate_slot + peer``, else
-    ``gate_slot``) to reach ``gate_at``, then ships the chunk (plan tile ``first_chunk + c``)."""
+    ``gate_slot``) to reach ``gate_at``, then ships the chunk (plan tile ``first_chunk + c``). TIMELINE: the
+    chunk's completion and its shipping times at ``timeline[2 * (counter index)]`` and the next word."""
     tl.debug_barrier()  # every thread's stores of the tile before thread 0's count
     for c in range(row0 // chunk_rows, (row0 + rows - 1) // chunk_rows + 1):
         lo = c * chunk_rows
@@ -74,6 +75,8 @@ def _arrive(ch, plan, counters, first_chunk, row0, rows, m_seg, chunk_rows, col_
         # orders its pushes after every tile's (tile_done's argument, one level up)
         old = tl.atomic_add(counters + first_chunk + c, 1, sem="acq_rel", scope="gpu")
         if (old + 1) % expected == 0:
+            if TIMELINE:
+                tl.store(timeline + 2 * (first_chunk + c), tpd.globaltimer().to(tl.int64))
             if BROADCAST:
                 for peer in range(0, world):
                     if peer != rank:
@@ -81,6 +84,8 @@ def _arrive(ch, plan, counters, first_chunk, row0, rows, m_seg, chunk_rows, col_
             else:
                 tpd.wait(ch, gate_slot, gate_at)
             tpd.tile_done(ch, plan, first_chunk + c)
+            if TIMELINE:
+                tl.store(timeline + 2 * (first_chunk + c) + 1, tpd.globaltimer().to(tl.int64))
 
 
 # no specialization on the launch number or the rank (Triton would compile again for launch 1 vs 2, rank 0 vs 1,
@@ -88,11 +93,16 @@ def _arrive(ch, plan, counters, first_chunk, row0, rows, m_seg, chunk_rows, col_
 @triton.jit(do_not_specialize=["epoch", "rank", "release_slot", "ag_release_slot"])
 def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr, staging_ptr, out_ptr, arrive_ptr,
                          done_ptr, rank, world, m_seg, n, k, chunk_rows, chunks_per_segment, release_slot,
-                         ag_release_slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PARTIAL_BYTES: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr,
-                         ALL_GATHER: tl.constexpr, TMA: tl.constexpr = False):
+                         ag_release_slot, timeline, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PARTIAL_BYTES: tl.constexpr, COMMUNICATE: tl.constexpr,
+                         COMPUTE: tl.constexpr, ALL_GATHER: tl.constexpr, TMA: tl.constexpr = False,
+                         TIMELINE: tl.constexpr = False):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    # TIMELINE (ReduceScatterLayout.timeline_words): %globaltimer at 4 events of every tile, then 2 of every
+    # chunk (_arrive), then each program's end
+    chunk_times = timeline + 4 * world * tl.cdiv(m_seg, BLOCK_M) * tl.cdiv(n, BLOCK_N)
+    program_ends = chunk_times + 2 * (world + 1) * chunks_per_segment
     if COMPUTE:  # the whole A and B, once per program (A and B are local: no wait precedes their loads)
         a_in, b_in = gemm_operands(a_ptr, b_ptr, world * m_seg, n, k, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
     col_blocks = tl.cdiv(n, BLOCK_N)
@@ -115,18 +125,22 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
         rows = tl.minimum(BLOCK_M, m_seg - row0)
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = col0 + tl.arange(0, BLOCK_N)
+        if TIMELINE:
+            tl.store(timeline + 4 * t, tpd.globaltimer().to(tl.int64))
         if COMPUTE:  # off: the same stores, shipments and waits with a zero partial (communication alone)
             acc = gemm_tile(a_in, b_in, dest * m_seg, row0, m_seg - row0, col0, n, k, BLOCK_M, BLOCK_N, BLOCK_K,
                             TMA)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if TIMELINE:
+            tl.store(timeline + 4 * t + 1, tpd.globaltimer().to(tl.int64))
         mask = (offs_m[:, None] < m_seg) & (offs_n[None, :] < n)
         if dest != rank:
             p = partial_ptr + (dest * m_seg + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
             tl.store(p, acc.to(partial_ptr.dtype.element_ty), mask=mask)
             if COMMUNICATE:
                 _arrive(ch, rs_plan, arrive_ptr, dest * chunks_per_segment, row0, rows, m_seg, chunk_rows, col_blocks,
-                        release_slot + dest, epoch - 1, rank, world, BLOCK_M, False)
+                        release_slot + dest, epoch - 1, rank, world, chunk_times, BLOCK_M, False, TIMELINE)
         else:
             if COMMUNICATE:
                 # every peer's chunks over these rows first (a separate loop: no load of staging may be issued
@@ -135,6 +149,8 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
                     if src != rank:
                         tpd.wait_range(ch, rs_plan, epoch, src, (src * m_seg + row0).to(tl.uint64) * partial_row,
                                        rows.to(tl.uint64) * partial_row)
+                if TIMELINE:
+                    tl.store(timeline + 4 * t + 2, tpd.globaltimer().to(tl.int64))
                 for src in range(0, world):
                     if src != rank:
                         s = staging_ptr + (src * m_seg + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
@@ -143,8 +159,11 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
             tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
             if ALL_GATHER:
                 if COMMUNICATE:
+                    ag_times = chunk_times + 2 * world * chunks_per_segment
                     _arrive(ch, ag_plan, arrive_ptr + world * chunks_per_segment, 0, row0, rows, m_seg, chunk_rows,
-                            col_blocks, ag_release_slot, epoch, rank, world, BLOCK_M, True)
+                            col_blocks, ag_release_slot, epoch, rank, world, ag_times, BLOCK_M, True, TIMELINE)
+        if TIMELINE:
+            tl.store(timeline + 4 * t + 3, tpd.globaltimer().to(tl.int64))
     if COMMUNICATE:
         if ALL_GATHER:
             # the peers' reduced rows must be in result when the launch ends: each program waits for a share
@@ -161,6 +180,8 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
                 if peer != rank:
                     tpd.signal(ch, peer, release_slot + rank, 1)
             tpd.quiet(ch)
+    if TIMELINE:
+        tl.store(program_ends + pid, tpd.globaltimer().to(tl.int64))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -255,6 +276,11 @@ class ReduceScatterLayout:
     def tile_chunks(self, row0: int, rows: int) -> range:
         """The segment chunks that a tile of rows [row0, row0 + rows) touches (the kernel's loop)."""
         return range(row0 // self.chunk_rows, (row0 + rows - 1) // self.chunk_rows + 1)
+
+    def timeline_words(self, programs: int) -> int:
+        """int64 words of a launch's timeline (``timeline=`` of a call): 4 per tile (``tiles``, in the kernel's
+        order: segment step, then row block, then column block), 2 per chunk counter, 1 per program."""
+        return 4 * self.tiles + 2 * (self.world + 1) * self.chunks_per_segment + programs
 
     # --- bytes ----------------------------------------------------------------------------------------------------
     @property
@@ -429,14 +455,14 @@ class GemmReduceScatter:
         self._stand_ins = (a, b, out)
         self.preload()
 
-    def preload(self, communicate: bool = True, compute: bool = True) -> Any:
-        """Compile and load the kernel variant that ``__call__(..., communicate=, compute=)`` launches
-        (``prepare`` loads the default one): ranks in one process must load every variant they will run
-        concurrently before the first launch of any. Returns Triton's compiled kernel."""
+    def preload(self, communicate: bool = True, compute: bool = True, timeline: bool = False) -> Any:
+        """Compile and load the kernel variant that ``__call__(..., communicate=, compute=, timeline=)``
+        launches (``prepare`` loads the default one): ranks in one process must load every variant they will
+        run concurrently before the first launch of any. Returns Triton's compiled kernel."""
         self.prepare()
         a, b, out = self._stand_ins
-        compiled = tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out), grid=(self.programs,),
-                               **self._meta(communicate, compute))
+        compiled = tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out, None), grid=(self.programs,),
+                               **self._meta(communicate, compute, timeline))
         self._scratch.reserve_for(compiled, self.programs)  # the descriptors' memory (tma), before any launch
         return compiled
 
@@ -447,17 +473,25 @@ class GemmReduceScatter:
             return torch.empty((self.m_seg, self.n), dtype=self.out_dtype, device=self.partial.device)
         return out
 
-    def _args(self, epoch: int, a: Any, b: Any, out: Any) -> tuple:
+    def _args(self, epoch: int, a: Any, b: Any, out: Any, timeline: Any) -> tuple:
         lay = self.layout
         return (self._ch, self._rs, self._ag, epoch, a, b, self.partial, self.staging, out, self._arrive, self._done,
                 self.rank, self.world, self.m_seg, self.n, self.k, lay.chunk_rows, lay.chunks_per_segment,
-                lay.release_slot, lay.ag_release_slot)
+                lay.release_slot, lay.ag_release_slot, self._done if timeline is None else timeline)
 
-    def _meta(self, communicate: bool, compute: bool = True) -> dict[str, Any]:
+    def _meta(self, communicate: bool, compute: bool = True, timeline: bool = False) -> dict[str, Any]:
         bm, bn, bk = self.block
         return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PARTIAL_BYTES": self.layout.partial_bytes,
                 "COMMUNICATE": communicate, "COMPUTE": compute, "ALL_GATHER": self._ALL_GATHER, "TMA": self.tma,
-                "num_warps": self.num_warps, "num_stages": self.num_stages}
+                "TIMELINE": timeline, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def timeline(self) -> Any:
+        """A zeroed int64 tensor for one launch's timeline (``timeline=`` of a call; the layout's
+        ``timeline_words`` says where each event is; 0: the event did not happen in that launch)."""
+        import torch
+
+        self.prepare()
+        return torch.zeros(self.layout.timeline_words(self.programs), dtype=torch.int64, device=self.partial.device)
 
     def _check(self, name: str, tensor: Any, shape: tuple[int, int], dtype: Any) -> None:
         """Refuse an operand the kernel would misread (no conversion here: a torch kernel launched between the
@@ -469,7 +503,8 @@ class GemmReduceScatter:
             raise ValueError(f"{name} must be contiguous on {self.partial.device}, got "
                              f"{'a strided view' if not tensor.is_contiguous() else 'a tensor'} on {tensor.device}")
 
-    def _launch(self, a: Any, b: Any, out: Any, communicate: bool, compute: bool, stream: Any) -> None:
+    def _launch(self, a: Any, b: Any, out: Any, communicate: bool, compute: bool, stream: Any,
+                timeline: Any = None) -> None:
         import torch
 
         self._check("a", a, (self.m, self.k), torch.bfloat16)
@@ -480,21 +515,26 @@ class GemmReduceScatter:
         self.prepare()
         if communicate:
             self.launches += 1
-        args, meta = self._args(max(self.launches, 1), a, b, out), self._meta(communicate, compute)
+        if timeline is not None:
+            self._check("timeline", timeline, (self.layout.timeline_words(self.programs),), torch.int64)
+        args = self._args(max(self.launches, 1), a, b, out, timeline)
+        meta = self._meta(communicate, compute, timeline is not None)
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             self._scratch.launch(lambda: _gemm_reduce_scatter[(self.programs,)](*args, **meta))
 
     def __call__(self, a: Any, b: Any, out: Any = None, *, communicate: bool = True, compute: bool = True,
-                 stream: Any = None) -> Any:
+                 stream: Any = None, timeline: Any = None) -> Any:
         """Launch once on ``stream`` (torch's current one by default); returns this rank's segment of the sum
         (``m/world x n``; into ``out`` when given). ``communicate=False`` neither ships nor waits: ``out`` is
         then this rank's own partial of its segment (the compute alone, for timing). ``compute=False`` ships
-        and waits on the same schedule with zero partials (the communication alone, for timing). A variant
-        other than the default must be ``preload``-ed first where ranks share a process."""
+        and waits on the same schedule with zero partials (the communication alone, for timing).
+        ``timeline`` (from ``timeline()``): the launch also writes the %globaltimer of each tile's start,
+        compute, waits and end, each chunk's completion and shipping, and each program's end into it. A
+        variant other than the default must be ``preload``-ed first where ranks share a process."""
         if out is not None:
             self._check("out", out, (self.m_seg, self.n), self.out_dtype)
         out = self._out_buffer(out)
-        self._launch(a, b, out, communicate, compute, stream)
+        self._launch(a, b, out, communicate, compute, stream, timeline)
         return out
 
 
@@ -516,11 +556,11 @@ class GemmAllReduce(GemmReduceScatter):
         return self.result
 
     def __call__(self, a: Any, b: Any, out: Any = None, *, communicate: bool = True, compute: bool = True,
-                 stream: Any = None) -> Any:
+                 stream: Any = None, timeline: Any = None) -> Any:
         """Launch once on ``stream``; returns ``result`` (``m x n``). ``out`` is refused: the peers write into
         the registered buffer. ``communicate=False``: this rank's own segment holds its partial, the rest is
-        stale. ``compute=False``: the communication alone, as for GemmReduceScatter."""
+        stale. ``compute=False`` and ``timeline``: as for GemmReduceScatter."""
         if out is not None:
             raise ValueError("GemmAllReduce writes into its registered result buffer (op.result); copy from it")
-        self._launch(a, b, self.result, communicate, compute, stream)
+        self._launch(a, b, self.result, communicate, compute, stream, timeline)
         return self.result

@@ -230,6 +230,60 @@ def test_gemm_all_reduce_matches_torch(cuda_device, fabric: str, world: int, tma
             _close(sessions)
 
 
+@pytest.mark.parametrize("fabric", ["ib", "efa"])
+def test_a_gemm_all_reduce_timeline_orders_every_event_and_changes_nothing(cuda_device, fabric: str) -> None:
+    """``timeline=``: the launch still matches torch, and what it recorded is ordered the way the kernel runs:
+    each tile's start <= computed <= (own tiles) waited <= end, every chunk this rank owes shipped after it
+    completed, nothing shipped for its own segment, and each program ends after its last tile."""
+    from gpuclient.kernels import GemmAllReduce
+
+    m, n, k, world, programs = 368, 200, 200, 2, 5
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    with _cluster(2, fabric) as cluster:
+        sessions = _ranks(cluster, "fused-gemm-ar-timeline", cuda_device, world)
+        try:
+            ops = [GemmAllReduce(s, m, n, k, chunk_rows=48, share=world, programs=programs,
+                                 out_dtype=torch.bfloat16) for _, s in sessions]
+            _exchange(sessions)
+            for op in ops:
+                op.prepare()
+                op.preload(timeline=True)
+            streams = [torch.cuda.Stream(cuda_device) for _ in ops]
+            b = [torch.randn(k, n, generator=gen).to(torch.bfloat16).cuda(cuda_device) for _ in ops]
+            for launch in range(1, LAUNCHES + 1):
+                a = [torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda(cuda_device) for _ in ops]
+                for op in ops:
+                    op.staging.fill_(float("nan"))
+                    op.result.fill_(float("nan"))
+                timelines = [op.timeline() for op in ops]
+                torch.cuda.synchronize(cuda_device)
+                for r, op in enumerate(ops):
+                    op(a[r], b[r], stream=streams[r], timeline=timelines[r])
+                torch.cuda.synchronize(cuda_device)
+                want, magnitude = _reference(a, b)
+                for r, op in enumerate(ops):
+                    _assert_sum(op.result, want, magnitude, f"rank {r} launch {launch}")
+                    assert op.channel.status()[0] == 0, op.channel.status()
+                    lay, words = op.layout, timelines[r].cpu().numpy()
+                    tiles = words[:4 * lay.tiles].reshape(-1, 4)
+                    own = np.arange(lay.tiles) >= (world - 1) * lay.row_blocks * lay.col_blocks
+                    assert (tiles[:, 0] > 0).all() and (np.diff(tiles[:, [0, 1, 3]], axis=1) >= 0).all()
+                    assert (tiles[~own, 2] == 0).all()
+                    assert (tiles[own, 1] <= tiles[own, 2]).all() and (tiles[own, 2] <= tiles[own, 3]).all()
+                    cps = lay.chunks_per_segment
+                    chunks = words[4 * lay.tiles:4 * lay.tiles + 2 * (world + 1) * cps].reshape(world + 1, cps, 2)
+                    owed = [peer for peer in range(world) if peer != r] + [world]  # peers' segments, all-gather's
+                    assert (chunks[owed, :, 0] > 0).all() and (chunks[owed, :, 1] >= chunks[owed, :, 0]).all()
+                    assert (chunks[r] == 0).all()
+                    ends = words[4 * lay.tiles + 2 * (world + 1) * cps:]
+                    assert len(ends) == programs
+                    assert (ends > 0).all()  # programs with no tile (5 programs, 4 tiles here) end too
+                    for pid in range(min(programs, lay.tiles)):
+                        assert ends[pid] >= tiles[pid::programs, 3].max()
+        finally:
+            _close(sessions)
+
+
 def _attention(q: list, k: list, v: list, causal: bool):
     """torch's scaled_dot_product_attention over the whole gathered sequence (ranks in order), in float64 on
     the CPU: [heads, world * seq_local, head_dim]."""

@@ -75,7 +75,8 @@ def check_reduce(world: int, m_seg: int, n: int, k: int, block: tuple[int, int, 
         _gemm_reduce_scatter[(programs,)](
             ch, plan, plan, 1, HostTensor(a, "bfloat16"), HostTensor(b, "bfloat16"), HostTensor(partial, "bfloat16"),
             HostTensor(staging, "bfloat16"), HostTensor(out, "float32"), HostTensor(np.zeros(8, np.int32), "int32"),
-            HostTensor(np.zeros(1, np.int32), "int32"), rank, world, m_seg, n, k, 16, 1, 0, 0, BLOCK_M=block[0],
+            HostTensor(np.zeros(1, np.int32), "int32"), rank, world, m_seg, n, k, 16, 1, 0, 0,
+            HostTensor(np.zeros(1, np.int64), "int64"), BLOCK_M=block[0],
             BLOCK_N=block[1], BLOCK_K=block[2], PARTIAL_BYTES=2, COMMUNICATE=False, COMPUTE=True,
             ALL_GATHER=all_gather, TMA=tma)
         own = slice(rank * m_seg, (rank + 1) * m_seg)

@@ -69,7 +69,8 @@ def rs_signature(partial: str, out: str) -> dict[str, str]:
     return {"ch": "*u64", "rs_plan": "*u64", "ag_plan": "*u64", "epoch": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16",
             "partial_ptr": f"*{partial}", "staging_ptr": f"*{partial}", "out_ptr": f"*{out}", "arrive_ptr": "*i32",
             "done_ptr": "*i32", "rank": "i32", "world": "i32", "m_seg": "i32", "n": "i32", "k": "i32",
-            "chunk_rows": "i32", "chunks_per_segment": "i32", "release_slot": "i32", "ag_release_slot": "i32"}
+            "chunk_rows": "i32", "chunks_per_segment": "i32", "release_slot": "i32", "ag_release_slot": "i32",
+            "timeline": "*i64"}
 
 
 @pytest.mark.parametrize(("communicate", "compute"), [(True, True), (False, True), (True, False)])
@@ -105,6 +106,23 @@ def test_the_gemm_reduce_scatter_kernels_compile_for_sm90(all_gather: bool, part
     else:
         # pushes: tile_done, the staging release; waits: the staging release, wait_range over staging
         assert (pushes, waits, quiets) == (2, 2, 1)
+
+
+@pytest.mark.parametrize("all_gather", [False, True])
+def test_a_timeline_adds_clock_reads_and_nothing_to_the_protocol(all_gather: bool) -> None:
+    meta = {**BLOCK, "PARTIAL_BYTES": 2, "COMMUNICATE": True, "COMPUTE": True, "ALL_GATHER": all_gather}
+    plain, timed = (compile_kernel(_gemm_reduce_scatter, rs_signature("bf16", "bf16"), {**meta, "TIMELINE": on},
+                                   num_warps=8) for on in (False, True))
+    clock_reads = [sum("%globaltimer" in line for line in ptx_lines(c.asm["ptx"])) for c in (plain, timed)]
+    # tile start, computed, waited, end, program end, and a chunk's completion and shipping per _arrive site
+    assert clock_reads[1] - clock_reads[0] == 5 + 2 * (2 if all_gather else 1)
+    assert protocol_sites(timed.asm["ptx"])[:3] == protocol_sites(plain.asm["ptx"])[:3]
+
+
+def test_the_timeline_layout_counts_every_event() -> None:
+    lay = ReduceScatterLayout(0, 2, m=300, n=200, k=64, chunk_rows=64, block=(128, 128, 64))
+    # 2 segments x 2 row blocks x 2 column blocks, 3 chunk counters per segment and one more set, 7 programs
+    assert lay.timeline_words(7) == 4 * 8 + 2 * 3 * 3 + 7
 
 
 def test_the_compute_only_variant_has_no_protocol_at_all() -> None:

@@ -58,11 +58,15 @@ def compile_kernel(fn, signature: dict[str, str], constexprs: dict[str, object] 
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
+        # every constexpr with a default, given: Triton's compile cache keys constexprs by their values in
+        # parameter order, not by name, so {A: True} and {B: True} (the other left to its default) collide
+        constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
+                      **(constexprs or {})}
         sig = dict(signature)
-        for name in constexprs or {}:
+        for name in constexprs:
             sig[name] = "constexpr"
         given = "constexprs" if "constexprs" in inspect.signature(ASTSource).parameters else "constants"
-        source = ASTSource(fn=fn, signature=sig, **{given: dict(constexprs or {})})
+        source = ASTSource(fn=fn, signature=sig, **{given: constexprs})
         _COMPILED[key] = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     return _COMPILED[key]
 

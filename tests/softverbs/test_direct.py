@@ -66,6 +66,7 @@ def test_device_writes_go_direct_once_the_peer_opened_their_allocation(provider,
         # the first crossed the wire with the IMPORT; the peer (this process) answered before its ack
         assert stats["device_wire_writes"] == 1 and stats["imports_opened"] == 1
         assert stats["direct_sent"] == 7 and stats["direct_placed"] == 7 and stats["direct_bytes"] == 7 * SIZE
+        assert stats["direct_ns"] > 0  # the time the responder spent placing them
 
 
 def test_host_memory_never_goes_direct(provider, shm) -> None:

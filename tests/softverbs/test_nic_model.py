@@ -16,7 +16,7 @@ import pytest
 
 from softverbs import soft
 from softverbs._link import LinkModel
-from tests.support.verbs_resources import open_provider, poll
+from tests.support.verbs_resources import open_provider, poll, wait_until
 
 
 # --- the model's arithmetic ---------------------------------------------------------------------------------
@@ -139,3 +139,72 @@ def test_configure_takes_the_nic_model_and_device_options_say_so(shaped) -> None
     assert not soft.device_options("softefa0").shaped()
     with pytest.raises(TypeError, match="nic_bandwith"):
         soft.configure("softefa0", nic_bandwith=1.0)
+
+
+# --- both directions at once --------------------------------------------------------------------------------
+class _SlowCopier:
+    """The emulated device memory's copier, each copy taking ``seconds`` (a GPU copy waiting for SMs): what
+    holds a responder's I/O thread while it places a stream of direct writes."""
+
+    def __init__(self, inner: Any, seconds: float) -> None:
+        self.inner, self.seconds, self.copies = inner, seconds, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def copy(self, dst: int, src: int, length: int) -> None:
+        time.sleep(self.seconds)
+        self.inner.copy(dst, src, length)
+        self.copies += 1
+
+
+def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests_on_time(shaped) -> None:
+    """Two shaped devices; A streams direct writes to B, whose I/O thread places each by a slow copy, and B
+    posts one write back meanwhile. B's write leaves when the model says it lands, between two placements,
+    not once A's whole stream is placed: the I/O thread that places also sends. So it lands in A's memory
+    while B is still placing (its completion comes later: the acknowledgement queues behind A's stream on
+    the connection). Before this was mended the two directions of a fused kernel's exchange took turns."""
+    import uuid
+
+    from tests.support.device_memory import ShmDeviceMemory
+    from tests.support.verbs_resources import RCPair
+
+    name = f"softib-{uuid.uuid4().hex[:6]}"
+    soft.add_device(name, "ib")
+    for dev in ("softib0", name):
+        soft.configure(dev, nic_bandwidth=1e9, nic_latency_s=1e-4)
+    size, stream, copy_s = 64 << 10, 12, 0.02
+    memory = ShmDeviceMemory()
+    slow = _SlowCopier(memory.copier, copy_s)
+    try:
+        with memory, RCPair(shaped, "softib0", connect=False, client_memory=memory, server_memory=memory) as a, \
+                RCPair(shaped, name, connect=False, client_memory=memory, server_memory=memory) as b:
+            soft.set_direct_copier(slow)  # B opens A's allocation with it
+            e = a.v.enums
+            a.connect(a.client, b.server)
+            b.connect(b.server, a.client)
+            b.connect(b.client, a.server)
+            a.connect(a.server, b.client)
+
+            def write(pair: RCPair, src: Any, dst: Any, wr_id: int, off: int = 0) -> None:
+                src.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, src.sge(off, size), wr_id=wr_id,
+                                              rkey=dst.mr.rkey, raddr=dst.mr.buf + off))
+
+            write(a, a.client, b.server, 0)  # the first crosses the wire while B opens A's allocation
+            assert poll(a.client.cq)[0].status == e.IBV_WC_SUCCESS
+            for i in range(1, stream + 1):
+                write(a, a.client, b.server, i, (i * size) % a.client.mr.length)
+            wait_until(lambda: slow.copies, "B placing A's stream")
+            b.client.write_buf(0, b"B to A" * 1000)
+            write(b, b.client, a.server, 100)
+            wait_until(lambda: a.server.read_buf(0, 6000) == b"B to A" * 1000, "B's write in A's memory",
+                       interval=0.002)
+            placed_then = slow.copies
+            assert [wc.status for wc in poll(b.client.cq, timeout=30)] == [e.IBV_WC_SUCCESS]
+            assert [wc.status for wc in poll(a.client.cq, stream, timeout=30)] == [e.IBV_WC_SUCCESS] * stream
+            # B's write went out between two of the 12 placements (each 20 ms), not after the last of them
+            assert placed_then < stream, f"B's write landed only after all {placed_then} of A's were placed"
+    finally:
+        soft.set_direct_copier(None)
+        for dev in ("softib0", name):
+            soft.configure(dev, nic_bandwidth=None, nic_latency_s=0.0, nic_message_rate=None)

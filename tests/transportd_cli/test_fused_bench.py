@@ -257,7 +257,8 @@ def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Pa
     out = tmp_path / "fused.json"
     seen: list[int] = []
 
-    def row(kernel, backend, shape, dims, reps, echo=print):
+    def row(kernel, backend, shape, dims, reps, echo=print, timeline=False):
+        assert not timeline  # no --timeline
         seen.append(len(json.loads(out.read_text())["rows"]) if out.stat().st_size else 0)
         if kernel == "ring_attention":
             raise RuntimeError("spin bound")
@@ -274,3 +275,33 @@ def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Pa
         ("allgather_gemm", "ib", False), ("ring_attention", "ib", True),
         ("allgather_gemm", "efa", False), ("ring_attention", "efa", True)]
     assert rows[1]["error"] == "RuntimeError: spin bound"
+
+
+def test_a_reduce_scatter_timeline_splits_into_tiles_chunks_and_ends_and_summarizes_in_ms() -> None:
+    from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout
+
+    bench = _bench()
+    # 2 segments of 2 x 2 tiles; 2 chunks a segment (3 counter sets: rs to each segment, then all-gather's)
+    lay = ReduceScatterLayout(0, 2, m=512, n=256, k=64, chunk_rows=128, block=(128, 128, 64))
+    ms = 1_000_000
+    t0 = 50 * ms
+    tiles = []
+    for t in range(lay.tiles):  # peer tiles compute 1 ms each from t0; own tiles wait 2 ms after computing
+        start = t0 + t * ms
+        own = t >= 4
+        tiles += [start, start + ms, start + 3 * ms if own else 0, start + (3 if own else 1) * ms]
+    chunks = [0, 0] * 6
+    chunks[2 * 2:2 * 2 + 4] = [t0 + 2 * ms, t0 + 2 * ms + ms // 2, t0 + 4 * ms, t0 + 5 * ms]  # segment 1's chunks
+    ends = [t0 + 10 * ms, t0 + 11 * ms, t0 + 9 * ms]
+    words = tiles + chunks + ends
+    assert len(words) == lay.timeline_words(3)
+    events = bench.rs_timeline_events(lay, 3, words)
+    assert list(events["step"]) == [0, 0, 0, 0, 1, 1, 1, 1] and list(events["band"]) == [0, 0, 1, 1] * 2
+    summary = bench.rs_timeline_summary(lay, events, t0)
+    assert summary["end_ms"] == 11.0
+    assert summary["peer_tiles"] == {"first_start_ms": 0.0, "last_computed_ms": 4.0, "last_end_ms": 4.0,
+                                     "compute_us_median": 1000.0}
+    assert summary["own_tiles"]["last_end_ms"] == 10.0
+    assert summary["own_waits"] == {"sum_ms": 8.0, "max_ms": 2.0, "share_over_10us": 1.0, "last_satisfied_ms": 10.0}
+    assert summary["chunks"] == {"count": 2, "first_shipped_ms": 2.5, "last_shipped_ms": 5.0, "gate_wait_ms_max": 1.0,
+                                 "shipped_ms": [2.5, 5.0]}
