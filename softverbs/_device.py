@@ -15,9 +15,10 @@ so a 1 MiB write costs one kernel copy on each side. A direct write (`softverbs.
 payload: the responder places it with one copy from the requester's device memory.
 
 Shaping. A device with a NIC model (`nic_bandwidth`, `nic_latency_s`, `nic_message_rate`; `softverbs._link`)
-hands each outgoing request to its departure queue with the time the model says it lands; the I/O thread
-sends it then, in its loop and also between two direct placements (`send_due`), so a stream it is placing
-does not hold its own requests back. Acknowledgements and read responses are not shaped.
+hands each outgoing request to its departure queue with the time the model says it lands (a request to
+the device itself excepted: a NIC loops it back without taking the wire); the I/O thread sends it then,
+in its loop and also between two direct placements (`send_due`), so a stream it is placing does not hold
+its own requests back. Acknowledgements and read responses are not shaped.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class Conn:
         self.sock = sock
         self.role = role
         self.peer = peer
+        # a requester connection to this device itself: a NIC loops such requests back inside and they never
+        # take the wire, so the NIC model does not shape them (an EFA rail's flag writes into its own GPU)
+        self.loopback = role == "req" and peer[1] == device.port and peer[0] in (device.advertise, device.host)
         self.handler = device.request_handler if role == "rsp" else device.response_handler
         self.lock = threading.Lock()
         self.outq: deque[memoryview] = deque()

@@ -380,8 +380,9 @@ class QPRequester:
         """Transmit queued WRs in order, as far as fence and outstanding-read limits allow (lock held).
 
         A shaped device (or one whose departure queue is not empty) hands each request to its departure
-        queue instead of a frame; a write from exported device memory that the peer has opened goes as a
-        reference (F_DIRECT) instead of its bytes.
+        queue instead of a frame, but for one to the device itself (`Conn.loopback`: never on the wire);
+        a write from exported device memory that the peer has opened goes as a reference (F_DIRECT)
+        instead of its bytes.
         """
         txq = self.txq
         if not txq or self.tx_halted:
@@ -428,7 +429,7 @@ class QPRequester:
                     desc = pack(self.dest_qpn, qpn, e.seq, 1, base_flags | w.F_DIRECT, mtu_code, 0, e.rkey, 0,
                                 e.raddr, length, psn, ref[0], ref[1])
                 inflight[e.seq] = e
-                if shaped:
+                if shaped and not conn.loopback:
                     dev.depart(conn, self, desc, [] if ref is not None else _payload(e), length)
                     continue
                 descs.append(desc)
@@ -505,7 +506,7 @@ class QPRequester:
             inflight[e.seq] = e
             if is_rd:
                 self.rd_out += 1
-            if shaped:
+            if shaped and not conn.loopback:
                 dev.depart(conn, self, desc, pieces, length if op in data_ops else 0)
                 continue
             descs.append(desc)

@@ -15,7 +15,8 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
 - The NIC model (`softverbs._link`): `nic_bandwidth` (bytes/s), `nic_latency_s` (s) and
   `nic_message_rate` (messages/s) shape what a device sends: each request lands when a link of that
   bandwidth and message rate, taking requests one after another, has carried it, plus the latency.
-  None / 0: unshaped. Per-QP order is kept; acknowledgements and read responses are not shaped.
+  None / 0: unshaped. Per-QP order is kept; acknowledgements, read responses and requests to the device
+  itself (loopback: never on the wire) are not shaped.
 - `set_direct_copier(copier)`: a `DirectCopier` (export, open, close, copy) lets this process's devices
   place writes from device memory between processes on one host with one copy, agreed per connection and
   allocation (`softverbs._direct`); `ShmCopier` does it for host memory in /dev/shm (tests).

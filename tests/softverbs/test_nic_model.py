@@ -1,5 +1,6 @@
 """The NIC model (softverbs._link): a shaped device lands a stream of writes at the configured bandwidth and
-message rate, each request at least the base latency late, and keeps every QP's order.
+message rate, each request at least the base latency late, and keeps every QP's order; a request to the
+device itself (loopback) is not shaped, and a device placing a peer's stream still sends its own on time.
 
 The schedule is asserted exactly (the model's arithmetic); wall-clock measurements only where the brief
 is the point, at rates far below what this machine does unshaped (about 100 MB/s against GB/s), and with
@@ -10,13 +11,17 @@ a band that a loaded machine cannot miss from below (the model never lets a writ
 from __future__ import annotations
 
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from softverbs import soft
 from softverbs._link import LinkModel
-from tests.support.verbs_resources import open_provider, poll, wait_until
+from tests.support.verbs_resources import RCPair, open_provider, poll, wait_until
 
 
 # --- the model's arithmetic ---------------------------------------------------------------------------------
@@ -53,6 +58,24 @@ def shaped() -> Any:
     soft.configure("softib0", nic_bandwidth=None, nic_latency_s=0.0, nic_message_rate=None)
 
 
+@contextmanager
+def _across(provider: Any, **options: Any) -> Iterator[SimpleNamespace]:
+    """A client QP on softib0 (the device the tests shape) and its server on a second device: what a pair on
+    one device sends is loopback, which never takes the wire and which the model leaves unshaped. Looks like
+    an RCPair: ``client``, ``server``, ``send_wr`` (onto the server's MR), ``v``, and the server's ``ctx``."""
+    name = f"softib-{uuid.uuid4().hex[:6]}"
+    soft.add_device(name, "ib")
+    with RCPair(provider, "softib0", connect=False, **options) as a, \
+            RCPair(provider, name, connect=False, **options) as b:
+        a.connect(a.client, b.server)
+        b.connect(b.server, a.client)
+
+        def send_wr(opcode: Any, sge: Any, **kw: Any) -> Any:
+            return a.send_wr(opcode, sge, **{"rkey": b.server.mr.rkey, "raddr": b.server.mr.buf, **kw})
+
+        yield SimpleNamespace(v=a.v, client=a.client, server=b.server, send_wr=send_wr, ctx=b.ctx)
+
+
 def _stream(pair: Any, n: int, size: int, nap: float = 0.0) -> float:
     """Post ``n`` writes of ``size`` bytes at once (the last signaled); seconds until its completion. The
     poll spins: ``nap`` seconds of sleep before it leave the device's I/O thread the interpreter."""
@@ -78,7 +101,7 @@ def test_a_shaped_stream_lands_at_the_configured_bandwidth(shaped) -> None:
     expected = n * size / bandwidth  # 0.25 s
     soft.configure("softib0", nic_bandwidth=bandwidth)
     ratios = []
-    with shaped.rc_pair(max_send_wr=128, mr_size=4 << 20) as pair:
+    with _across(shaped, max_send_wr=128, mr_size=4 << 20) as pair:
         for _ in range(3):
             soft.device_stats("softib0", reset=True)
             elapsed = _stream(pair, n, size, nap=0.9 * expected)
@@ -95,13 +118,13 @@ def test_a_shaped_stream_lands_at_the_configured_bandwidth(shaped) -> None:
 
 def test_base_latency_delays_every_write_by_at_least_the_configured_time(shaped) -> None:
     soft.configure("softib0", nic_latency_s=0.05)
-    with shaped.rc_pair() as pair:
+    with _across(shaped) as pair:
         assert all(_stream(pair, 1, 64) >= 0.05 for _ in range(3))
 
 
 def test_the_message_rate_spaces_small_writes(shaped) -> None:
     soft.configure("softib0", nic_message_rate=400.0)
-    with shaped.rc_pair(max_send_wr=128) as pair:
+    with _across(shaped, max_send_wr=128) as pair:
         elapsed = _stream(pair, 80, 64)  # 0.2 s at 400 writes/s
         link = soft.device_stats("softib0")["link"]
     assert link["span_s"] == pytest.approx(0.2) and elapsed >= 0.2 * 0.999
@@ -111,7 +134,7 @@ def test_a_shaped_qp_keeps_its_order_and_unshaping_lets_no_write_pass_a_queued_o
     """Data then flag, shaped: the flag lands after every data byte. Unshaping while writes wait in the
     departure queue: later writes queue behind them."""
     soft.configure("softib0", nic_bandwidth=20e6, nic_latency_s=0.01)
-    with shaped.rc_pair(max_send_wr=64) as pair:
+    with _across(shaped, max_send_wr=64) as pair:
         e = pair.v.enums
         log: list[int] = []
         soft.set_placement_observer(pair.ctx, lambda qpn, addr, length: log.append(addr - pair.server.mr.buf))
@@ -126,6 +149,16 @@ def test_a_shaped_qp_keeps_its_order_and_unshaping_lets_no_write_pass_a_queued_o
         finally:
             soft.set_placement_observer(pair.ctx, None)
     assert log[-1] == 512 << 10 and log[0] == 0
+
+
+def test_a_request_to_the_device_itself_is_loopback_and_never_shaped(shaped) -> None:
+    """A NIC loops a request to itself back inside (an EFA rail's flag writes into its own GPU): it does
+    not wait behind what the link carries to peers, and the link never counts it."""
+    soft.configure("softib0", nic_bandwidth=1e3, nic_latency_s=30.0)  # a shaped write would take 30 s
+    with shaped.rc_pair() as pair:
+        soft.device_stats("softib0", reset=True)
+        assert _stream(pair, 4, 4096) < 30.0
+        assert soft.device_stats("softib0")["link"]["messages"] == 0
 
 
 def test_configure_takes_the_nic_model_and_device_options_say_so(shaped) -> None:
@@ -164,10 +197,7 @@ def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests
     not once A's whole stream is placed: the I/O thread that places also sends. So it lands in A's memory
     while B is still placing (its completion comes later: the acknowledgement queues behind A's stream on
     the connection). Before this was mended the two directions of a fused kernel's exchange took turns."""
-    import uuid
-
     from tests.support.device_memory import ShmDeviceMemory
-    from tests.support.verbs_resources import RCPair
 
     name = f"softib-{uuid.uuid4().hex[:6]}"
     soft.add_device(name, "ib")
