@@ -79,16 +79,18 @@ from transportd_cli.cli_options import FiniteFloat  # noqa: E402
 BACKEND_SHAPE = {"ib": "cx7-400g", "efa": "efa-200g"}
 WORLD = 2
 
-#: two sizes per kernel; the first has comm and compute within ~2x of each other on the ib shape (H200, half the
-#: SMs a rank; the GEMMs' reductions move M x N whatever K is, so K sets the balance), the second is
-#: communication-bound on the soft fabric
+#: two sizes per kernel (H200, half the SMs a rank; the GEMMs' reductions move M x N whatever K is, so K sets the
+#: balance). AllGather+GEMM and ring attention: the first has comm and compute within ~2x of each other on the ib
+#: shape, the second is communication-bound. GEMM+RS and GEMM+AR: since the soft fabric sends both directions at
+#: once (h200-2026-12-02-fused-bench-both-directions.json) their comm halved on ib, so the second size halves K
+#: and is the balanced one there, the first stays the balanced one on efa
 SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 128},
                        {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 128}],
     "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 128},
-                            {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128}],
+                            {"m": 8192, "n": 8192, "k": 8192, "chunk_rows": 128}],
     "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 32768, "chunk_rows": 128},
-                        {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128}],
+                        {"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 128}],
     # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
     # 128 KiB chunks made the communication 17-46x the compute
     "ring_attention": [{"heads": 32, "seq_local": 8192, "head_dim": 128, "chunk_rows": 8192},

@@ -9,7 +9,8 @@ lock of their own that the I/O thread never takes, so stopping may wait for the 
 the device lock (a lost connection updates the connection table) while it winds down.
 
 Receive side. Each connection runs a small state machine (header -> descriptors -> payload per item) over
-a non-blocking socket. Payload bytes are copied from the connection's buffer or, when the rest of a large
+a non-blocking socket, for a time slice a turn (`PUMP_SLICE_S`), so one busy peer cannot hold the others'
+input back. Payload bytes are copied from the connection's buffer or, when the rest of a large
 payload has not arrived yet, received straight into its destination (`recv_into` the registered memory),
 so a 1 MiB write costs one kernel copy on each side. A direct write (`softverbs._direct`) carries no
 payload: the responder places it with one copy from the requester's device memory.
@@ -51,6 +52,10 @@ _BUF_SIZE = 1 << 20
 _DIRECT_MIN = 16 << 10  # receive straight into the destination when this much of a payload is missing
 _IOV_MAX = 512
 INBOX_RETRY_S = 1e-4  # how soon the I/O thread looks again at responses a held QP could not take
+#: how long the I/O thread works through one connection's input before the other connections get a turn: a
+#: request placed by a copy can take tens of microseconds on a busy GPU, and a peer streaming them would else
+#: hold back every acknowledgement and loopback write on the device's other connections until it stopped
+PUMP_SLICE_S = 2e-4
 
 
 @dataclass
@@ -206,12 +211,18 @@ class Conn:
             self.device.post_action(lambda: self.device.conn_lost(self, exc))
 
     # ------------------------------------------------------------- receive side
-    def pump(self) -> None:
-        """I/O thread: consume whatever the socket has, driving the frame state machine."""
+    def pump(self) -> bool:
+        """I/O thread: consume what the socket has, driving the frame state machine, for at most
+        ``PUMP_SLICE_S``; True when the slice ran out first (input may be left, buffered here where the
+        selector does not see it: the loop comes back to this connection on its next pass)."""
+        end = time.perf_counter() + PUMP_SLICE_S
         while not self.closed:
             if not self._advance():
                 if not self._fill():
-                    return
+                    return False
+            elif time.perf_counter() >= end:
+                return True
+        return False
 
     def _fill(self) -> bool:
         """Read more bytes; False when the socket has none now (or closed)."""
@@ -315,6 +326,8 @@ class Conn:
             self.sink = None
             self.idx += 1
             handler.on_item(self, d, None if isinstance(sink, _Discard) else sink)
+            if self.idx < len(descs):
+                return True  # one item a call: pump looks at its time slice between two
         self.state = 0
         self.descs = []
         handler.end_frame(self)
@@ -411,6 +424,7 @@ class SoftDevice:
         self._timer_seq = itertools.count()
         self._dirty_rsp: set[Conn] = set()
         self.inbox_waiting: set[Any] = set()  # QPs whose queued responses the I/O thread could not apply yet
+        self._unfinished: set[Conn] = set()  # connections whose pump ran out of its slice (Conn.pump)
         self._running = False
         self._thread: threading.Thread | None = None
         self._sel: selectors.BaseSelector | None = None
@@ -481,6 +495,7 @@ class SoftDevice:
         self._actions.clear()
         self._timers.clear()
         self.inbox_waiting.clear()
+        self._unfinished.clear()
         with self._dep_lock:
             self._departures.clear()
         self.port = 0
@@ -564,7 +579,7 @@ class SoftDevice:
             if self._departures:
                 due = max(0.0, self._departures[0][0] - time.monotonic())
                 timeout = due if timeout is None else min(timeout, due)
-            if self._actions:
+            if self._actions or self._unfinished:
                 timeout = 0.0
             elif self.inbox_waiting:  # a thread holds such a QP: look again soon
                 timeout = INBOX_RETRY_S if timeout is None else min(timeout, INBOX_RETRY_S)
@@ -575,6 +590,9 @@ class SoftDevice:
                     return
                 raise
             try:
+                unfinished = self._unfinished
+                resume = list(unfinished)
+                unfinished.clear()
                 for key, mask in events:
                     data = key.data
                     if data is _LISTENER:
@@ -589,8 +607,11 @@ class SoftDevice:
                         if mask & selectors.EVENT_WRITE:
                             data.flush()
                             self._want_write(data)
-                        if mask & selectors.EVENT_READ:
-                            data.pump()
+                        if mask & selectors.EVENT_READ and data.pump():
+                            unfinished.add(data)
+                for conn in resume:  # their turn again, input or not (what they buffered the selector cannot see)
+                    if conn not in unfinished and conn.pump():
+                        unfinished.add(conn)
                 while self._actions:
                     self._actions.popleft()()
                 self.request_handler.on_idle()

@@ -193,10 +193,11 @@ class _SlowCopier:
 
 def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests_on_time(shaped) -> None:
     """Two shaped devices; A streams direct writes to B, whose I/O thread places each by a slow copy, and B
-    posts one write back meanwhile. B's write leaves when the model says it lands, between two placements,
-    not once A's whole stream is placed: the I/O thread that places also sends. So it lands in A's memory
-    while B is still placing (its completion comes later: the acknowledgement queues behind A's stream on
-    the connection). Before this was mended the two directions of a fused kernel's exchange took turns."""
+    posts one write back and one to itself (loopback, as an efa rail's flags) meanwhile. While B is still
+    placing A's stream: B's write leaves when the model says it lands (the thread that places also sends),
+    its acknowledgement is read off its own connection, and B's loopback write is placed (the thread takes
+    its connections in turns, a slice each, instead of draining one before the next). Before this was
+    mended the two directions of a fused kernel's exchange took turns, and efa's flags came in bursts."""
     from tests.support.device_memory import ShmDeviceMemory
 
     name = f"softib-{uuid.uuid4().hex[:6]}"
@@ -229,11 +230,21 @@ def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests
             write(b, b.client, a.server, 100)
             wait_until(lambda: a.server.read_buf(0, 6000) == b"B to A" * 1000, "B's write in A's memory",
                        interval=0.002)
-            placed_then = slow.copies
+            landed = slow.copies
             assert [wc.status for wc in poll(b.client.cq, timeout=30)] == [e.IBV_WC_SUCCESS]
+            completed = slow.copies
+            with RCPair(shaped, name) as loop:  # B to itself
+                loop.client.write_buf(0, b"B to B" * 1000)
+                write(loop, loop.client, loop.server, 200)
+                wait_until(lambda: loop.server.read_buf(0, 6000) == b"B to B" * 1000, "B's write to itself",
+                           interval=0.002)
+                looped = slow.copies
+                assert [wc.status for wc in poll(loop.client.cq, timeout=30)] == [e.IBV_WC_SUCCESS]
             assert [wc.status for wc in poll(a.client.cq, stream, timeout=30)] == [e.IBV_WC_SUCCESS] * stream
-            # B's write went out between two of the 12 placements (each 20 ms), not after the last of them
-            assert placed_then < stream, f"B's write landed only after all {placed_then} of A's were placed"
+            # each went through between two of the 12 placements (20 ms each), not after the last of them
+            assert max(landed, completed, looped) < stream, \
+                f"of A's {stream} writes, B had placed {landed} when its write landed, {completed} when it " \
+                f"completed, {looped} when its loopback write landed"
     finally:
         soft.set_direct_copier(None)
         for dev in ("softib0", name):
