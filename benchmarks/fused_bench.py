@@ -26,7 +26,14 @@ two is hidden entirely, 0: nothing overlaps), the speedup over ``comm + compute`
 unfused) and over ``comm + torch`` (the library compute, then the same transfers: the sequential baseline),
 beside what a launch that hid the shorter part entirely would gain over it, ``(comm + torch) / max(comm,
 compute)`` (``ideal``: where the communication dominates, no overlap buys more than that; a launch can still
-come in under it when the communication ran slower alone than inside the fused launch). The transfers of
+come in under it when the communication ran slower alone than inside the fused launch). Each row also has
+``comm_direct_copy_ms`` and ``fused_direct_copy_ms``: per launch and daemon, the time its soft devices spent
+placing direct copies (softverbs' ``direct_ns``).
+
+``--timeline RAW``: each GEMM+RS / GEMM+AR row also runs one launch of each of compute, comm and fused with
+the op's timeline (``timeline=``, docs/kernels.md) and summarizes it per rank in the row (``timeline``: when
+the peers' tiles and the own tiles ran, the own tiles' waits, when this rank's chunks shipped, its programs'
+ends, in ms from the first tile's start over both ranks); ``RAW`` gets every recorded event. The transfers of
 ``comm`` are the kernel's own, driven from the GPU: a host-driven sequence through the daemon would add a
 launch and a host round trip per step, so the baseline here is the kinder one. The first fused launch of
 each row is checked against torch (``max_abs_error``).
