@@ -37,12 +37,15 @@ class CQCore:
             entries = self.entries
             out = []
             while entries and len(out) < n:
-                cqe = entries.popleft()
-                qp = cqe[9]
-                if qp is not None:
-                    if cqe[10]:
-                        qp.sq_retired += cqe[10]
-                    if cqe[11]:
-                        qp.rq_retired += cqe[11]
-                out.append(cqe)
-            return out
+                out.append(entries.popleft())
+        # the slots they free are counted on their QPs under each QP's lock, where the QP's own threads read
+        # and add to the same counters (an SRD QP retires an unsignaled WR there): under this CQ's lock alone,
+        # the two read-add-writes could interleave and lose a slot for good. After this CQ's lock, not inside
+        # it: a QP's holder takes the CQ's lock after its own (lock order QP -> CQ).
+        for cqe in out:
+            qp = cqe[9]
+            if qp is not None and (cqe[10] or cqe[11]):
+                with qp.lock:
+                    qp.sq_retired += cqe[10]
+                    qp.rq_retired += cqe[11]
+        return out

@@ -204,7 +204,7 @@ def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests
     soft.add_device(name, "ib")
     for dev in ("softib0", name):
         soft.configure(dev, nic_bandwidth=1e9, nic_latency_s=1e-4)
-    size, stream, copy_s = 64 << 10, 12, 0.02
+    size, stream, copy_s = 64 << 10, 24, 0.02  # 0.48 s of placing: room for a loaded machine
     memory = ShmDeviceMemory()
     slow = _SlowCopier(memory.copier, copy_s)
     try:
@@ -221,27 +221,26 @@ def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests
                 src.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, src.sge(off, size), wr_id=wr_id,
                                               rkey=dst.mr.rkey, raddr=dst.mr.buf + off))
 
+            def placed_when_it_lands(pair: RCPair, src: Any, dst: Any, marker: bytes) -> int:
+                """Write ``marker`` from src to dst; how many of A's writes B had placed when it landed."""
+                src.write_buf(0, marker)
+                write(pair, src, dst, 100)
+                wait_until(lambda: dst.read_buf(0, len(marker)) == marker, f"{marker[:6]!r} landed", interval=0.002)
+                return slow.copies
+
             write(a, a.client, b.server, 0)  # the first crosses the wire while B opens A's allocation
             assert poll(a.client.cq)[0].status == e.IBV_WC_SUCCESS
             for i in range(1, stream + 1):
                 write(a, a.client, b.server, i, (i * size) % a.client.mr.length)
             wait_until(lambda: slow.copies, "B placing A's stream")
-            b.client.write_buf(0, b"B to A" * 1000)
-            write(b, b.client, a.server, 100)
-            wait_until(lambda: a.server.read_buf(0, 6000) == b"B to A" * 1000, "B's write in A's memory",
-                       interval=0.002)
-            landed = slow.copies
+            landed = placed_when_it_lands(b, b.client, a.server, b"B to A" * 1000)
             assert [wc.status for wc in poll(b.client.cq, timeout=30)] == [e.IBV_WC_SUCCESS]
             completed = slow.copies
             with RCPair(shaped, name) as loop:  # B to itself
-                loop.client.write_buf(0, b"B to B" * 1000)
-                write(loop, loop.client, loop.server, 200)
-                wait_until(lambda: loop.server.read_buf(0, 6000) == b"B to B" * 1000, "B's write to itself",
-                           interval=0.002)
-                looped = slow.copies
+                looped = placed_when_it_lands(loop, loop.client, loop.server, b"B to B" * 1000)
                 assert [wc.status for wc in poll(loop.client.cq, timeout=30)] == [e.IBV_WC_SUCCESS]
             assert [wc.status for wc in poll(a.client.cq, stream, timeout=30)] == [e.IBV_WC_SUCCESS] * stream
-            # each went through between two of the 12 placements (20 ms each), not after the last of them
+            # each went through between two of the 24 placements (20 ms each), not after the last of them
             assert max(landed, completed, looped) < stream, \
                 f"of A's {stream} writes, B had placed {landed} when its write landed, {completed} when it " \
                 f"completed, {looped} when its loopback write landed"

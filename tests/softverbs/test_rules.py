@@ -386,3 +386,30 @@ def test_a_response_queued_while_the_qp_is_held_is_applied_once_it_is_let_go(sof
             if queued:
                 break
         assert queued, "the acknowledgement never arrived while the QP was held"
+
+
+def test_polling_frees_send_queue_slots_only_under_the_qps_lock(soft) -> None:
+    """A poll frees the polled WR's send-queue slot on its QP, and counts it under the QP's lock, where the
+    QP's own threads count too (an SRD QP retires unsignaled WRs there): counted under the CQ's lock alone,
+    the two read-add-writes could interleave and lose a slot for good. So while another thread holds the
+    QP, a poll returns nothing until it lets go, and the slot is counted then."""
+    import threading
+
+    with soft.rc_pair() as pair:
+        e = pair.v.enums
+        core = pair.client.qp._core
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
+        wait_until(lambda: core.scq.entries, "the write's completion")
+        before = core.sq_retired
+        polled: list = []
+        core.lock.acquire()
+        try:
+            poller = threading.Thread(target=lambda: polled.extend(poll(pair.client.cq)))
+            poller.start()
+            wait_until(lambda: not core.scq.entries, "the poller taking the entry")
+            assert core.sq_retired == before and not polled  # it waits for the QP to count the slot
+        finally:
+            core.lock.release()
+        poller.join(timeout=10)
+        assert [wc.status for wc in polled] == [e.IBV_WC_SUCCESS]
+        assert core.sq_retired == before + 1
