@@ -305,3 +305,26 @@ def test_a_reduce_scatter_timeline_splits_into_tiles_chunks_and_ends_and_summari
     assert summary["own_waits"] == {"sum_ms": 8.0, "max_ms": 2.0, "share_over_10us": 1.0, "last_satisfied_ms": 10.0}
     assert summary["chunks"] == {"count": 2, "first_shipped_ms": 2.5, "last_shipped_ms": 5.0, "gate_wait_ms_max": 1.0,
                                  "shipped_ms": [2.5, 5.0]}
+
+
+def test_timeline_events_go_to_their_own_file_and_the_rows_keep_the_summaries(tmp_path: Path, monkeypatch) -> None:
+    bench = _bench()
+    out, raw = tmp_path / "fused.json", tmp_path / "raw.json"
+    asked: list[bool] = []
+
+    def row(kernel, backend, shape, dims, reps, echo=print, timeline=False):
+        asked.append(timeline)
+        times = {"compute_s": 2e-3, "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}
+        done = bench.derive({"kernel": kernel, "backend": backend, "shape": shape, **dims, **times}, 1e9, 1 << 20)
+        return {**done, "timeline": {"fused": [{"end_ms": 3.0}]}, "timeline_raw": {"fused": [[1, 2, 3]]}}
+
+    monkeypatch.setattr(bench, "fused_row", row)
+    result = CliRunner().invoke(bench.main, ["--json", str(out), "--timeline", str(raw), "--kernels",
+                                             "gemm_reduce_scatter", "--backends", "ib", "--quick"])
+    assert result.exit_code == 0, result.output
+    assert asked == [True]
+    (kept,) = json.loads(out.read_text())["rows"]
+    assert kept["timeline"] == {"fused": [{"end_ms": 3.0}]} and "timeline_raw" not in kept
+    (events,) = json.loads(raw.read_text())
+    assert events["kernel"] == "gemm_reduce_scatter" and events["backend"] == "ib" and events["m"] == 1024
+    assert events["modes"] == {"fused": [[1, 2, 3]]}
