@@ -591,7 +591,7 @@ class SoftDevice:
                 raise
             try:
                 unfinished = self._unfinished
-                resume = list(unfinished)
+                resume = set(unfinished)  # pumped below unless an event pumps them first
                 unfinished.clear()
                 for key, mask in events:
                     data = key.data
@@ -607,10 +607,12 @@ class SoftDevice:
                         if mask & selectors.EVENT_WRITE:
                             data.flush()
                             self._want_write(data)
-                        if mask & selectors.EVENT_READ and data.pump():
-                            unfinished.add(data)
+                        if mask & selectors.EVENT_READ:
+                            resume.discard(data)
+                            if data.pump():
+                                unfinished.add(data)
                 for conn in resume:  # their turn again, input or not (what they buffered the selector cannot see)
-                    if conn not in unfinished and conn.pump():
+                    if conn.pump():
                         unfinished.add(conn)
                 while self._actions:
                     self._actions.popleft()()
@@ -620,8 +622,7 @@ class SoftDevice:
                 now = time.monotonic()
                 while self._timers and self._timers[0][0] <= now:
                     heapq.heappop(self._timers)[2]()
-                if self._departures and self._departures[0][0] <= now:
-                    self._send_departures(now)
+                self.send_due()
                 self.flush_responses()
             except Exception:  # keep serving other peers; the fault is logged with its traceback
                 log.exception("softverbs device %s: I/O loop error", self.name)
@@ -640,10 +641,10 @@ class SoftDevice:
             self.wake()
 
     def send_due(self) -> None:
-        """I/O thread, between two placements of a stream of incoming requests (each a copy that can take tens
-        of microseconds on a busy GPU): send this device's requests whose time has come, as the loop would.
-        Else the loop reaches its departures only once the socket has no more input, and a device that is
-        placing a peer's stream holds back its own: the two directions of an exchange take turns."""
+        """I/O thread: send this device's requests whose time has come. The loop calls it every pass, and the
+        responder between two placements of a stream of incoming requests (each a copy that can take tens of
+        microseconds on a busy GPU): else a device placing a peer's stream holds back its own until its slice
+        ends, and the two directions of an exchange take turns."""
         deps = self._departures
         if deps and deps[0][0] <= time.monotonic():
             self._send_departures(time.monotonic())
