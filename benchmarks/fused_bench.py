@@ -374,14 +374,11 @@ def rs_timeline_events(layout: Any, programs: int, words: Any) -> dict[str, Any]
     shipped; 0: not shipped by this rank); ``program_ends``."""
     import numpy as np
 
-    words = np.asarray(words, dtype=np.int64)
+    tiles, chunks, ends = layout.split_timeline(words, programs)
     per_segment = layout.row_blocks * layout.col_blocks
-    tiles = words[:4 * layout.tiles].reshape(layout.tiles, 4)
-    chunk_words = 2 * (layout.world + 1) * layout.chunks_per_segment
-    chunks = words[4 * layout.tiles:4 * layout.tiles + chunk_words].reshape(-1, 2)
     t = np.arange(layout.tiles)
     return {"tiles": tiles, "step": t // per_segment, "band": (t % per_segment) // layout.col_blocks,
-            "chunks": chunks, "program_ends": words[4 * layout.tiles + chunk_words:][:programs]}
+            "chunks": chunks.reshape(-1, 2), "program_ends": ends}
 
 
 def rs_timeline_summary(layout: Any, events: dict[str, Any], t0: int) -> dict[str, Any]:
@@ -432,11 +429,11 @@ def timeline_runs(case: Case, streams: list[Any]) -> dict[str, Any]:
         torch.cuda.synchronize()
         case.launch(timelines=timelines, **kw)
         torch.cuda.synchronize()
-        events = [rs_timeline_events(op.layout, op.programs, tl.cpu().numpy()) for op, tl in zip(ops, timelines,
-                                                                                                 strict=True)]
+        words = [tl.cpu().numpy() for tl in timelines]
+        events = [rs_timeline_events(op.layout, op.programs, w) for op, w in zip(ops, words, strict=True)]
         t0 = min(int(e["tiles"][:, 0][e["tiles"][:, 0] > 0].min()) for e in events)
         out[mode] = {"ranks": [rs_timeline_summary(op.layout, e, t0) for op, e in zip(ops, events, strict=True)],
-                     "raw": [tl.cpu().tolist() for tl in timelines]}
+                     "raw": [w.tolist() for w in words]}
     return out
 
 
@@ -454,11 +451,11 @@ def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps:
         row: dict[str, Any] = {"kernel": kernel, "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
                                "world": WORLD, **dims, **case.params, "max_abs_error": case.error()}
         row["compute_s"] = _time(lambda: case.launch(communicate=False), streams, reps)
-        before = [_direct_copies(c) for c in clients]
+        before = [_counters(c)["direct_ns"] for c in clients]
         row["comm_s"] = _time(lambda: case.launch(compute=False), streams, reps)
-        middle = [_direct_copies(c) for c in clients]
+        middle = [_counters(c)["direct_ns"] for c in clients]
         row["fused_s"] = _time(case.launch, streams, reps)
-        after = [_direct_copies(c) for c in clients]
+        after = [_counters(c)["direct_ns"] for c in clients]
         # per launch and daemon: the time its soft devices spent placing direct copies (each blocks their thread)
         row["comm_direct_copy_ms"] = [round((m - b) / reps / 1e6, 3) for b, m in zip(before, middle, strict=True)]
         row["fused_direct_copy_ms"] = [round((a - m) / reps / 1e6, 3) for m, a in zip(middle, after, strict=True)]
@@ -498,18 +495,13 @@ _COUNTED = ("commands", "wrs", "writes", "signals", "signals_requested", "fences
 
 
 def _counters(client: Any) -> dict[str, int]:
-    """A daemon's rails' counters, and the writes its soft devices placed by direct copy (``direct_placed``: the
-    rest of what they received crossed TCP)."""
+    """A daemon's rails' counters, the writes its soft devices placed by direct copy (``direct_placed``: the
+    rest of what they received crossed TCP) and the nanoseconds they spent placing them (``direct_ns``)."""
     rails = [r for r in client.stats().get("rails", []) if "error" not in r]
     out = {key: sum(int(r.get(key, 0)) for r in rails) for key in _COUNTED}
-    out["direct_placed"] = sum(int((r.get("softverbs") or {}).get("direct_placed", 0)) for r in rails)
+    for key in ("direct_placed", "direct_ns"):
+        out[key] = sum(int((r.get("softverbs") or {}).get(key, 0)) for r in rails)
     return out
-
-
-def _direct_copies(client: Any) -> int:
-    """Nanoseconds a daemon's soft devices have spent placing direct copies (``direct_ns``), all rails."""
-    rails = [r for r in client.stats().get("rails", []) if "error" not in r]
-    return sum(int((r.get("softverbs") or {}).get("direct_ns", 0)) for r in rails)
 
 
 def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, hidden: int, topk: int, experts: int,

@@ -282,6 +282,22 @@ class ReduceScatterLayout:
         order: segment step, then row block, then column block), 2 per chunk counter, 1 per program."""
         return 4 * self.tiles + 2 * (self.world + 1) * self.chunks_per_segment + programs
 
+    def split_timeline(self, words: Any, programs: int) -> tuple[Any, Any, Any]:
+        """A launch's timeline (``timeline_words(programs)`` int64 words, any array-like) as numpy arrays:
+        ``tiles`` (tiles x 4: start, computed, waited (own tiles; else 0), end), ``chunks`` (world + 1 counter
+        sets x chunks_per_segment x 2: completed, shipped; the reduce-scatter chunks of each segment, then the
+        all-gather's; 0: this rank shipped no such chunk) and each program's end."""
+        import numpy as np
+
+        words = np.asarray(words, dtype=np.int64)
+        if words.shape != (self.timeline_words(programs),):
+            raise ValueError(f"a timeline of {programs} programs is {self.timeline_words(programs)} words, got "
+                             f"shape {words.shape}")
+        chunk0 = 4 * self.tiles
+        end0 = chunk0 + 2 * (self.world + 1) * self.chunks_per_segment
+        return (words[:chunk0].reshape(self.tiles, 4),
+                words[chunk0:end0].reshape(self.world + 1, self.chunks_per_segment, 2), words[end0:])
+
     # --- bytes ----------------------------------------------------------------------------------------------------
     @property
     def segment_bytes(self) -> int:

@@ -264,18 +264,15 @@ def test_a_gemm_all_reduce_timeline_orders_every_event_and_changes_nothing(cuda_
                 for r, op in enumerate(ops):
                     _assert_sum(op.result, want, magnitude, f"rank {r} launch {launch}")
                     assert op.channel.status()[0] == 0, op.channel.status()
-                    lay, words = op.layout, timelines[r].cpu().numpy()
-                    tiles = words[:4 * lay.tiles].reshape(-1, 4)
+                    lay = op.layout
+                    tiles, chunks, ends = lay.split_timeline(timelines[r].cpu().numpy(), programs)
                     own = np.arange(lay.tiles) >= (world - 1) * lay.row_blocks * lay.col_blocks
                     assert (tiles[:, 0] > 0).all() and (np.diff(tiles[:, [0, 1, 3]], axis=1) >= 0).all()
                     assert (tiles[~own, 2] == 0).all()
                     assert (tiles[own, 1] <= tiles[own, 2]).all() and (tiles[own, 2] <= tiles[own, 3]).all()
-                    cps = lay.chunks_per_segment
-                    chunks = words[4 * lay.tiles:4 * lay.tiles + 2 * (world + 1) * cps].reshape(world + 1, cps, 2)
                     owed = [peer for peer in range(world) if peer != r] + [world]  # peers' segments, all-gather's
                     assert (chunks[owed, :, 0] > 0).all() and (chunks[owed, :, 1] >= chunks[owed, :, 0]).all()
                     assert (chunks[r] == 0).all()
-                    ends = words[4 * lay.tiles + 2 * (world + 1) * cps:]
                     assert len(ends) == programs
                     assert (ends > 0).all()  # programs with no tile (5 programs, 4 tiles here) end too
                     for pid in range(min(programs, lay.tiles)):

@@ -123,6 +123,11 @@ def test_the_timeline_layout_counts_every_event() -> None:
     lay = ReduceScatterLayout(0, 2, m=300, n=200, k=64, chunk_rows=64, block=(128, 128, 64))
     # 2 segments x 2 row blocks x 2 column blocks, 3 chunk counters per segment and one more set, 7 programs
     assert lay.timeline_words(7) == 4 * 8 + 2 * 3 * 3 + 7
+    tiles, chunks, ends = lay.split_timeline(np.arange(lay.timeline_words(7)), 7)
+    assert tiles.shape == (8, 4) and chunks.shape == (3, 3, 2) and list(ends) == list(range(50, 57))
+    assert tiles[1, 0] == 4 and chunks[0, 0, 0] == 32 and chunks[2, 2, 1] == 49  # in the kernel's order
+    with pytest.raises(ValueError, match="a timeline of 7 programs is 57 words"):
+        lay.split_timeline(np.zeros(56), 7)
 
 
 def test_the_compute_only_variant_has_no_protocol_at_all() -> None:
