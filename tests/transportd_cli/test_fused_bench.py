@@ -71,6 +71,8 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
     (tmp_path / "file").write_text("")  # a parent that is a file: refused at once, not after the run
     result = CliRunner().invoke(bench.main, ["--json", str(tmp_path / "file" / "x.json"), "--kernels", "moe"])
     assert result.exit_code != 0 and not (tmp_path / "file" / "x.json").exists()
+    result = CliRunner().invoke(bench.main, ["--timeline", str(tmp_path / "file" / "raw.json"), "--kernels", "moe"])
+    assert result.exit_code != 0 and isinstance(result.exception, OSError)  # before any session starts
     for seconds in ("nan", "inf", "-1"):  # a NaN budget would pass every comparison and never skip
         result = CliRunner().invoke(bench.main, ["--tune", "--tune-seconds", seconds])
         assert result.exit_code == 2 and "--tune-seconds" in result.output, result.output
