@@ -69,6 +69,7 @@ class DeviceOptions:
     adaptive_routing: bool = False
     reorder_seed: int | None = None
     reorder_window: int = 64
+    reorder_window_bytes: int = 64 * 8192  # a window of SRD packets' bytes: it also bounds large direct packets
     packet_size: int | None = None
     srd_packet_size: int = 8192
     srd_rnr_timer_ms: float = 1.0

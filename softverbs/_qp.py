@@ -76,4 +76,5 @@ class QPCore(QPRequester, QPResponder):
         self.stalled = False
         self.rnr_wait.clear()
         self.pool.clear()
+        self.pool_bytes = 0
         self.pend.clear()

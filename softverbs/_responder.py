@@ -4,7 +4,8 @@ Requests are checked on arrival (QP state, source QP, PSN, rkey, bounds, access 
 of the QP). In-order RC places each write as it arrives (straight from the socket into the registered
 memory). With adaptive routing (RC) and always on SRD, each message is cut into packets that go into a
 per-QP pool and are placed in a seeded random order, also across messages; the pool keeps at most
-`reorder_window` packets while traffic is streaming and drains when the connection goes idle. RC reads and
+`reorder_window` packets and `reorder_window_bytes` bytes (always one packet) while traffic is streaming,
+and drains when the connection goes idle. RC reads and
 atomics drain the pool first (they execute after all earlier writes are placed); RC write-with-imm and send
 completions are produced in message order once every byte of the message and of all earlier messages is
 placed. SRD completes each message as soon as its own bytes are placed.
@@ -110,6 +111,7 @@ class QPResponder:
         self.stalled = False
         self.rnr_wait: list[Msg] = []
         self.pool: list[tuple[Msg, int, memoryview]] = []
+        self.pool_bytes = 0  # what the pool's packets hold (a direct packet: its length)
         self.pend: deque[Msg] = deque()
         self.rx_order = 0
 
@@ -313,12 +315,14 @@ class QPResponder:
                 pool.append((m, off, min(size, m.length - off)))  # type: ignore[arg-type]
                 n += 1
             m.pkts_left = n
+            self.pool_bytes += m.length
             if not self.srd:
                 self.pend.append(m)
             handler.dirty.add(self)
             return
         size = opts.packet_size or (opts.srd_packet_size if self.srd else mtu_bytes(m.mtu))
         data = m.data if m.data is not None else memoryview(b"")
+        self.pool_bytes += len(data)
         if m.op in (w.OP_SEND, w.OP_SEND_IMM) or len(data) <= size:
             pool.append((m, 0, data))
             m.pkts_left = 1
@@ -472,22 +476,27 @@ class RequestFrameHandler:
                 qp.rx_exec(m, self)
 
     def end_frame(self, conn: Conn) -> None:
-        window = self.dev.options.reorder_window
+        # a fabric reorders within a bounded time, i.e. a bounded number of bytes in flight: a window of 1 MiB
+        # direct packets counted only in packets held 64 MiB, and a message's completion waited for ~64 MiB
+        # of later traffic or the link going idle
+        opts = self.dev.options
+        window, window_bytes = opts.reorder_window, opts.reorder_window_bytes
         for qp in list(self.dirty):
             with qp.lock:
                 pool = qp.pool
-                while len(pool) > window:
-                    qp.place_packet(self._take(pool), self)
+                while len(pool) > window or (qp.pool_bytes > window_bytes and len(pool) > 1):
+                    qp.place_packet(self._take(qp), self)
         conn.ro_qpns = None
         self.dev.flush_responses()
 
-    def _take(self, pool: list[tuple[Msg, int, memoryview]]) -> tuple[Msg, int, memoryview]:
-        """Remove a random packet that may be placed now.
+    def _take(self, qp: QPCore) -> tuple[Msg, int, memoryview]:
+        """Remove a random packet of ``qp``'s pool that may be placed now.
 
         A packet of a message that is not `free` (an in-order write next to relaxed-ordering ones) goes
         only once every earlier packet is placed; free packets (adaptive routing, SRD, writes into an
         IBV_ACCESS_RELAXED_ORDERING region) may go any time.
         """
+        pool = qp.pool
         rng = self.dev.rng
         i = rng.randrange(len(pool))
         if not pool[i][0].free:
@@ -495,7 +504,10 @@ class RequestFrameHandler:
             candidates = [k for k in range(len(pool)) if pool[k][0].free or k == first]
             i = candidates[rng.randrange(len(candidates))]
         pool[i], pool[-1] = pool[-1], pool[i]
-        return pool.pop()
+        pkt = pool.pop()
+        held = pkt[2]
+        qp.pool_bytes -= held if isinstance(held, int) else len(held)
+        return pkt
 
     def on_idle(self) -> None:
         """No more input right now: place every held packet (in random order)."""
@@ -507,7 +519,7 @@ class RequestFrameHandler:
     def drain_pool(self, qp: QPCore) -> None:
         pool = qp.pool
         while pool:
-            qp.place_packet(self._take(pool), self)
+            qp.place_packet(self._take(qp), self)
         self.dirty.discard(qp)
 
     def _arrive(self, conn: Conn, d: tuple) -> Msg:

@@ -301,6 +301,7 @@ def _reset(core: QPCore) -> None:
     core.rq.clear()
     core.backlog.clear()
     core.pool.clear()
+    core.pool_bytes = 0
     core.pend.clear()
     core.rnr_wait.clear()
     core.stalled = core.tx_halted = False

@@ -258,3 +258,35 @@ def test_srd_direct_write_imm_completes_after_all_its_packets_in_any_order(shm, 
     assert sorted(order) == list(range(48)) and order != sorted(order)
     per_message = -(-6000 // next(iter(packets.values())))
     assert stats["direct_sent"] == 48 and stats["direct_placed"] == 48 * per_message  # one copy per packet
+
+
+def test_srd_reordering_of_a_stream_holds_a_bounded_number_of_bytes(shm) -> None:
+    """While a stream goes on, the reorder pool holds at most ``reorder_window_bytes`` (and always one packet):
+    a fabric reorders within a bounded time. Counted only in packets, a window of 1 MiB direct packets held
+    64 MiB, and each message completed only after ~64 MiB more traffic or once the link went idle."""
+    n, size, packet, window_packets = 48, 6000, 1024, 2
+    provider = open_provider("soft")
+    soft.configure("softefa0", reorder_seed=11, direct_packet_size=packet, reorder_window_bytes=window_packets * packet)
+    try:
+        with provider.srd_pair(max_send_wr=128, client_memory=shm, server_memory=shm) as pair:
+            e = pair.v.enums
+            base = pair.server.mr.buf
+            pair.post(pair.client, "write", pair.client.sge(n * size, 8), raddr=base + n * size)
+            assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS  # the agreement: later writes go direct
+            placed: list[int] = []
+            soft.set_placement_observer(pair.ctx, lambda qpn, addr, length: placed.append(addr - base)
+                                        if base <= addr < base + n * size else None)
+            for i in range(n):
+                pair.post(pair.client, "write_imm", pair.client.sge(i * size, size), wr_id=i, raddr=base + i * size,
+                          imm=i)
+            assert all(w.status == e.IBV_WC_SUCCESS for w in poll(pair.server.cq, n))
+            soft.set_placement_observer(pair.ctx, None)
+    finally:
+        soft.configure("softefa0", reorder_seed=None, direct_packet_size=1 << 20, reorder_window_bytes=64 * 8192)
+    per_message = -(-size // packet)
+    arrival = [(off // size) * per_message + (off % size) // packet for off in placed]
+    assert sorted(arrival) == list(range(n * per_message))
+    assert arrival != sorted(arrival)  # still reordered
+    # the k-th packet placed arrived while at most the held window plus the frame's own message were pooled
+    late = max(a - k for k, a in enumerate(arrival))
+    assert late < window_packets + per_message, f"a packet was placed {late} arrivals after it came in"
