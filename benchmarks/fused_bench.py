@@ -28,7 +28,8 @@ beside what a launch that hid the shorter part entirely would gain over it, ``(c
 compute)`` (``ideal``: where the communication dominates, no overlap buys more than that; a launch can still
 come in under it when the communication ran slower alone than inside the fused launch). Each row also has
 ``comm_direct_copy_ms`` and ``fused_direct_copy_ms``: per launch and daemon, the time its soft devices spent
-placing direct copies (softverbs' ``direct_ns``).
+placing direct copies (softverbs' ``direct_ns``); ``comm_loopback_wait_ms`` and ``fused_loopback_wait_ms``: the
+time its efa workers waited for their flags' loopback writes (each rail's ``flag_loopback``).
 
 ``--timeline RAW``: each GEMM+RS / GEMM+AR row also runs one launch of each of compute, comm and fused with
 the op's timeline (``timeline=``, docs/kernels.md) and summarizes it per rank in the row (``timeline``: when
@@ -451,14 +452,17 @@ def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps:
         row: dict[str, Any] = {"kernel": kernel, "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
                                "world": WORLD, **dims, **case.params, "max_abs_error": case.error()}
         row["compute_s"] = _time(lambda: case.launch(communicate=False), streams, reps)
-        before = [_counters(c)["direct_ns"] for c in clients]
+        before = [_counters(c) for c in clients]
         row["comm_s"] = _time(lambda: case.launch(compute=False), streams, reps)
-        middle = [_counters(c)["direct_ns"] for c in clients]
+        middle = [_counters(c) for c in clients]
         row["fused_s"] = _time(case.launch, streams, reps)
-        after = [_counters(c)["direct_ns"] for c in clients]
-        # per launch and daemon: the time its soft devices spent placing direct copies (each blocks their thread)
-        row["comm_direct_copy_ms"] = [round((m - b) / reps / 1e6, 3) for b, m in zip(before, middle, strict=True)]
-        row["fused_direct_copy_ms"] = [round((a - m) / reps / 1e6, 3) for m, a in zip(middle, after, strict=True)]
+        after = [_counters(c) for c in clients]
+        # per launch and daemon: the time its soft devices spent placing direct copies (each blocks their thread),
+        # and the time its flag loopback writes held its workers (efa without GDRCopy; each batch is waited for)
+        for key, name in (("direct_ns", "direct_copy_ms"), ("loopback_ns", "loopback_wait_ms")):
+            for mode, (start, end) in (("comm", (before, middle)), ("fused", (middle, after))):
+                row[f"{mode}_{name}"] = [round((e[key] - b[key]) / reps / 1e6, 3)
+                                         for b, e in zip(start, end, strict=True)]
         row["torch_s"] = _time(case.torch_compute, streams, reps)
         if timeline and case.timelines:
             runs = timeline_runs(case, streams)
@@ -496,11 +500,13 @@ _COUNTED = ("commands", "wrs", "writes", "signals", "signals_requested", "fences
 
 def _counters(client: Any) -> dict[str, int]:
     """A daemon's rails' counters, the writes its soft devices placed by direct copy (``direct_placed``: the
-    rest of what they received crossed TCP) and the nanoseconds they spent placing them (``direct_ns``)."""
+    rest of what they received crossed TCP), the nanoseconds they spent placing them (``direct_ns``) and those
+    its workers waited for flag loopback writes (``loopback_ns``)."""
     rails = [r for r in client.stats().get("rails", []) if "error" not in r]
     out = {key: sum(int(r.get(key, 0)) for r in rails) for key in _COUNTED}
     for key in ("direct_placed", "direct_ns"):
         out[key] = sum(int((r.get("softverbs") or {}).get(key, 0)) for r in rails)
+    out["loopback_ns"] = sum(int((r.get("flag_loopback") or {}).get("wait_ns", 0)) for r in rails)
     return out
 
 

@@ -60,13 +60,23 @@ class LoopbackWriter:
             self.qkey = qkey
             self.qpn = int(self.qp.qp_num)
             self.signaled = int(e.ibv_send_flags.IBV_SEND_SIGNALED)
-            self.writes = 0
+            self.writes = 0  # flag writes completed
+            self.batches = 0  # write() calls: the worker waits for each
+            self.wait_ns = 0  # time write() held the worker, posting and waiting
         except BaseException:
             self.close()
             raise
 
     def write(self, targets: list[tuple[int, int, int]]) -> None:
         """Write each ``(addr, rkey, value)`` (distinct addresses) and wait until all have completed."""
+        start = time.perf_counter_ns()
+        try:
+            self._write(targets)
+        finally:
+            self.batches += 1
+            self.wait_ns += time.perf_counter_ns() - start
+
+    def _write(self, targets: list[tuple[int, int, int]]) -> None:
         v = self.v
         for start in range(0, len(targets), self.depth):
             chunk = targets[start:start + self.depth]

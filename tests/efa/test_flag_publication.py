@@ -236,6 +236,7 @@ def test_loopback_write_puts_the_shadow_value_into_the_flag_word(make_link) -> N
         assert target[3] == 20 and target[4] == 77 and words.shadow.values[3] == 20
         assert words.loopback.writes == 2  # one write per slot per pass, whatever the number of ADDs
         assert accessor.writes == 2 and accessor.reads == 0  # written through the "GPU" accessor, never read
+        assert words.loopback.batches == 1 and words.loopback.wait_ns > 0  # one batch, waited for
     finally:
         words.loopback.close()
         words.release()

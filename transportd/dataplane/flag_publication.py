@@ -364,6 +364,14 @@ class RailFlags:
         else:
             values[slot] += value
 
+    def loopback_stats(self) -> dict[str, int] | None:
+        """The loopback writer's flag writes, its batches and the time they held the worker (each batch is
+        waited for); None where this rail writes no flags by loopback."""
+        lb = self.loopback
+        if lb is None:
+            return None
+        return {"writes": lb.writes, "batches": lb.batches, "wait_ns": lb.wait_ns}
+
     def end_pass(self) -> None:
         """After a poll's flags (efa): loopback words write what their publishes queued."""
         passed, self._passed = self._passed, set()
