@@ -161,7 +161,8 @@ class EfaBackend(PosterBackend):
         self._jobs: dict[str, int] = {}
         self._retired: list[np.ndarray] = []  # send staging of closed connections, until the SQ drains
         self._publisher: FlagPublisher | None = None
-        self._end_pass: Callable[[], None] | None = None
+        self._end_pass: Callable[[], bool | None] | None = None
+        self._want_pass = False  # end_pass asked to be called after every poll (loopback writes in flight)
         self._unpublished: list[tuple[int, int, int, SignalOp, int]] = []
         self._poster: Any = None
         self.qp: Any = None
@@ -373,7 +374,9 @@ class EfaBackend(PosterBackend):
 
     def _on_pass(self, pubs: bytes, failures: list[tuple[int, str]], replenish: int, flush: bool) -> None:
         """The one Python call of a poll that needs one (efa_post.c): in this order, the visibility flush,
-        protocol errors to log, flags the C code could not store itself, receive WRs to repost."""
+        protocol errors to log, flags the C code could not store itself and the end of the pass's publishing
+        (loopback writes reaped and posted; while some are on the wire, every poll calls), receive WRs to
+        repost."""
         if flush and self._flush_hook is not None:
             self._flush_hook()
         for conn_id, why in failures:
@@ -387,8 +390,8 @@ class EfaBackend(PosterBackend):
                     self._unpublished.append((conn_id, rank, slot, SignalOp(op), value))
                 else:
                     publisher(conn_id, rank, slot, SignalOp(op), value)
-            if publisher is not None and self._end_pass is not None:
-                self._end_pass()
+        if self._end_pass is not None and ((pubs and self._publisher is not None) or self._want_pass):
+            self._after_pass(self._end_pass())
         if replenish:
             self._replenish(replenish)
 
@@ -404,16 +407,23 @@ class EfaBackend(PosterBackend):
         with translate_verbs_errors(f"posting {n} receive WRs", v):
             self.qp.post_recv(head)
 
-    def set_flag_publisher(self, publisher: FlagPublisher, end_pass: Callable[[], None] | None = None) -> None:
+    def _after_pass(self, again: bool | None) -> None:
+        if bool(again) != self._want_pass:
+            self._poster.want_pass(bool(again))
+            self._want_pass = bool(again)
+
+    def set_flag_publisher(self, publisher: FlagPublisher,
+                           end_pass: Callable[[], bool | None] | None = None) -> None:
         """Install the daemon's publisher; flags that became ready before it was installed go out now.
-        ``end_pass`` is called after the flags of each poll that had any (the loopback path writes then)."""
+        ``end_pass`` is called after the flags of each poll that had any (the loopback path posts its writes
+        then); while it returns True, after every poll (its writes are on the wire)."""
         self._publisher = publisher
         self._end_pass = end_pass
         pending, self._unpublished = self._unpublished, []
         for args in pending:
             publisher(*args)
         if pending and end_pass is not None:
-            end_pass()
+            self._after_pass(end_pass())
 
     def close_resources(self) -> None:
         """After the connections, before the rail: the poster, the SRD QP and the address handles."""

@@ -7,9 +7,11 @@ flags were mapped, so a write lands in them through GPUDirect on a NIC, and thro
 GPU accessor over softverbs. Values come from a registered staging array: each write carries the value
 the shadow had when it was posted.
 
-SRD may deliver two writes to one word in either order, so a word never has two writes in flight: one
-:meth:`LoopbackWriter.write` call posts at most one write per word and waits for all of them to complete
-before it returns (the caller re-reads the shadow and writes again if it moved meanwhile).
+Writes are posted and not waited for: :meth:`LoopbackWriter.post` returns at once and
+:meth:`LoopbackWriter.reap` hands back those that completed, so the worker goes on polling and posting
+while its flags are on the wire (waiting for each batch held a worker on the soft fabric for most of a
+launch). SRD may deliver two writes to one word in either order, so the caller keeps at most one write per
+word in flight (:class:`transportd.dataplane.flag_publication.GpuFlagWords`).
 """
 
 from __future__ import annotations
@@ -61,57 +63,98 @@ class LoopbackWriter:
             self.qpn = int(self.qp.qp_num)
             self.signaled = int(e.ibv_send_flags.IBV_SEND_SIGNALED)
             self.writes = 0  # flag writes completed
-            self.batches = 0  # write() calls: the worker waits for each
-            self.wait_ns = 0  # time write() held the worker, posting and waiting
+            self.batches = 0  # post() calls
+            self.wait_ns = 0  # time post() and reap() held the worker (post waits only for a free staging entry)
+            self._free = list(range(depth))  # staging entries, and so wr_ids, not in flight
+            self._pending: dict[int, tuple[Any, int, int, float]] = {}  # wr_id -> (owner, slot, value, posted)
+            self._reaped: list[tuple[Any, int, int]] = []  # completions a post reaped while waiting for an entry
         except BaseException:
             self.close()
             raise
 
-    def write(self, targets: list[tuple[int, int, int]]) -> None:
-        """Write each ``(addr, rkey, value)`` (distinct addresses) and wait until all have completed."""
+    @property
+    def inflight(self) -> int:
+        """Writes posted and not yet reaped."""
+        return len(self._pending)
+
+    def post(self, writes: list[tuple[Any, int, int, int, int]]) -> None:
+        """Post each ``(owner, slot, addr, rkey, value)`` (at most one per word in flight) without waiting for
+        it; :meth:`reap` returns ``(owner, slot, value)`` once it completed. Waits only for a staging entry
+        when ``depth`` writes are already in flight."""
         start = time.perf_counter_ns()
         try:
-            self._write(targets)
-        finally:
+            v = self.v
+            done = 0
+            while done < len(writes):
+                if not self._free:
+                    self._reaped.extend(self._reap(block=True))
+                chunk = writes[done:done + len(self._free)]
+                qp = self.qp
+                entries = [self._free.pop() for _ in chunk]
+                with translate_verbs_errors("posting loopback flag writes", v):
+                    qp.wr_start()
+                    try:
+                        for i, (_owner, _slot, addr, rkey, value) in zip(entries, chunk, strict=True):
+                            self.staging[i] = value
+                            qp.wr_id = i
+                            qp.wr_flags = self.signaled  # EFA: every WR signaled
+                            qp.wr_rdma_write(rkey, addr)
+                            qp.wr_set_ud_addr(self.ah, self.qpn, self.qkey)
+                            qp.wr_set_sge(v.wr.SGE(int(self.staging.ctypes.data) + 8 * i, 8, int(self.mr.lkey)))
+                    except BaseException:
+                        qp.wr_abort()
+                        self._free.extend(entries)
+                        raise
+                    qp.wr_complete()
+                now = time.monotonic()
+                for i, (owner, slot, _addr, _rkey, value) in zip(entries, chunk, strict=True):
+                    self._pending[i] = (owner, slot, value, now)
+                done += len(chunk)
             self.batches += 1
+        finally:
             self.wait_ns += time.perf_counter_ns() - start
 
-    def _write(self, targets: list[tuple[int, int, int]]) -> None:
-        v = self.v
-        for start in range(0, len(targets), self.depth):
-            chunk = targets[start:start + self.depth]
-            qp = self.qp
-            with translate_verbs_errors("posting loopback flag writes", v):
-                qp.wr_start()
-                try:
-                    for i, (addr, rkey, value) in enumerate(chunk):
-                        self.staging[i] = value
-                        qp.wr_id = i
-                        qp.wr_flags = self.signaled  # EFA: every WR signaled
-                        qp.wr_rdma_write(rkey, addr)
-                        qp.wr_set_ud_addr(self.ah, self.qpn, self.qkey)
-                        qp.wr_set_sge(v.wr.SGE(int(self.staging.ctypes.data) + 8 * i, 8, int(self.mr.lkey)))
-                except BaseException:
-                    qp.wr_abort()
-                    raise
-                qp.wr_complete()
-            self._wait(len(chunk))
-            self.writes += len(chunk)
+    def reap(self, wait: bool = False) -> list[tuple[Any, int, int]]:
+        """The writes that completed since the last call, as ``(owner, slot, value)``; with ``wait``, at least
+        one if any is in flight. Raises :class:`BackendError` for a failed write (the others that completed
+        with it come with the next call), or one still in flight after 5 s."""
+        start = time.perf_counter_ns()
+        try:
+            done, self._reaped = self._reaped, []
+            return done + self._reap(block=wait and not done)
+        finally:
+            self.wait_ns += time.perf_counter_ns() - start
 
-    def _wait(self, n: int) -> None:
-        deadline = time.monotonic() + _TIMEOUT_S
-        done = 0
-        while done < n:
-            rows = self.twin.drain.poll(n - done)
-            bad = rows[rows["status"] != 0]
-            if len(bad):
-                raise BackendError(f"loopback flag write failed: status {int(bad[0]['status'])} "
-                                   f"(vendor error {int(bad[0]['vendor_err'])})")
-            done += len(rows)
-            if done < n:
-                if time.monotonic() > deadline:
-                    raise BackendError(f"{n - done} loopback flag writes did not complete in {_TIMEOUT_S} s")
-                time.sleep(0)  # yield the GIL: over softverbs the device's I/O thread completes them
+    def _reap(self, block: bool) -> list[tuple[Any, int, int]]:
+        out: list[tuple[Any, int, int]] = []
+        while True:
+            if self._pending:
+                rows = self.twin.drain.poll(len(self._pending))
+                failed = None
+                for i, status, vendor in zip(rows["wr_id"].tolist(), rows["status"].tolist(),
+                                             rows["vendor_err"].tolist(), strict=True):
+                    owner, slot, value, _posted = self._pending.pop(i)
+                    self._free.append(i)
+                    if status:
+                        failed = failed or (status, vendor)
+                    else:
+                        out.append((owner, slot, value))
+                        self.writes += 1
+                if failed:
+                    self._reaped.extend(out)
+                    raise BackendError(f"loopback flag write failed: status {failed[0]} (vendor error {failed[1]})")
+            if out or not block or not self._pending:
+                break
+            time.sleep(0)  # yield the GIL: over softverbs the device's I/O thread completes them
+            self._check_deadline()
+        if not block and self._pending:
+            self._check_deadline()
+        return out
+
+    def _check_deadline(self) -> None:
+        oldest = min(posted for _o, _s, _v, posted in self._pending.values())
+        if time.monotonic() - oldest > _TIMEOUT_S:
+            raise BackendError(f"{len(self._pending)} loopback flag writes did not complete in {_TIMEOUT_S} s")
 
     def close(self) -> None:
         if self.ah is not None:

@@ -31,7 +31,8 @@
  * process through the GPU's BAR (GDRCopy; set_mapped_flags): those keep a host shadow of each counter
  * and get one 8-byte store of the new value, never a read across PCIe. The rest (GPU flags published
  * another way, unknown ranks), the optional visibility flush, protocol-error reports and receive-WR
- * replenishing go to Python in at most one call per poll (the `on_pass` callable).
+ * replenishing go to Python in at most one call per poll (the `on_pass` callable), and so does every poll
+ * while Python asks for it (`want_pass`: its loopback flag writes are in flight).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -155,6 +156,7 @@ typedef struct {
     PyObject *exc_backend, *exc_verbs;
     uint64_t max_rdma_size, sq_depth, submitted;
     int cumulative, unsolicited, visibility_flush, has_hook;
+    int want_pass; /* Python asked for on_pass on every poll (its loopback flag writes are still in flight) */
     uint64_t rq_depth, rq_missing;
     Conn **conns;
     size_t nconns, conns_cap;
@@ -684,7 +686,7 @@ static long efa_poll(void *ctx, size_t max, tpd_completion *out) {
     uint64_t replenish = 0;
     if (p->rq_depth && p->rq_missing >= (p->rq_depth / 8 > 1 ? p->rq_depth / 8 : 1)) replenish = p->rq_missing;
     int prc = 0;
-    if (flush || p->npypubs || p->nfail || replenish) {
+    if (flush || p->npypubs || p->nfail || replenish || p->want_pass) {
         prc = call_python(p, flush, replenish);
         if (!prc) p->rq_missing -= replenish;
     }
@@ -947,6 +949,13 @@ static PyObject *EfaPoster_set_flush_hook(EfaPoster *p, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *EfaPoster_want_pass(EfaPoster *p, PyObject *arg) {
+    int v = PyObject_IsTrue(arg);
+    if (v < 0) return NULL;
+    p->want_pass = v;
+    Py_RETURN_NONE;
+}
+
 static PyObject *EfaPoster_stats(EfaPoster *p, PyObject *unused) {
     PyObject *d = PyDict_New();
     for (int i = 0; d && i < N_STATS; i++) {
@@ -986,6 +995,8 @@ static PyMethodDef EfaPoster_methods[] = {
      "clear_host_flags(job, rank): (job, rank)'s flags go to on_pass again."},
     {"set_flush_hook", (PyCFunction)EfaPoster_set_flush_hook, METH_O,
      "Whether on_pass is called with flush=True before flags are published."},
+    {"want_pass", (PyCFunction)EfaPoster_want_pass, METH_O,
+     "Whether on_pass is called on every poll, with or without flags (until called with False)."},
     {"stats", (PyCFunction)EfaPoster_stats, METH_NOARGS, "Counters, by name."},
     {NULL, NULL, 0, NULL},
 };

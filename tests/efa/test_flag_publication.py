@@ -33,6 +33,8 @@ from transportd.dataplane.flag_publication import (
     LOOPBACK,
     NIC,
     GpuFlagWords,
+    PublicationChoice,
+    RailFlags,
     choose_publication,
     words_path,
 )
@@ -224,6 +226,18 @@ def _loopback_words(link: Link, count: int = 8) -> tuple[GpuFlagWords, np.ndarra
     return words, target, accessor
 
 
+def _settle(words: GpuFlagWords) -> None:
+    """Hand completed loopback writes back and post what is owed until nothing is (RailFlags.end_pass, for one
+    array of words)."""
+    def done() -> bool:
+        for w, slot, value in words.loopback.reap():
+            w.written(slot, value)
+        words.end_pass()
+        return not words.busy
+
+    wait_until(done, "the loopback writes", 10, interval=0)
+
+
 def test_loopback_write_puts_the_shadow_value_into_the_flag_word(make_link) -> None:
     link: Link = make_link()
     words, target, accessor = _loopback_words(link)
@@ -233,28 +247,56 @@ def test_loopback_write_puts_the_shadow_value_into_the_flag_word(make_link) -> N
         words.publish(4, SignalOp.SET, 77)
         assert target.tolist() == [0] * 8  # queued until the end of the pass
         words.end_pass()
+        assert words.inflight == 2 and words.loopback.inflight == 2  # posted, not waited for
+        _settle(words)
         assert target[3] == 20 and target[4] == 77 and words.shadow.values[3] == 20
         assert words.loopback.writes == 2  # one write per slot per pass, whatever the number of ADDs
         assert accessor.writes == 2 and accessor.reads == 0  # written through the "GPU" accessor, never read
-        assert words.loopback.batches == 1 and words.loopback.wait_ns > 0  # one batch, waited for
+        assert words.loopback.batches == 1 and words.loopback.wait_ns > 0
+    finally:
+        words.loopback.close()
+        words.release()
+
+
+def test_a_slot_published_while_its_write_is_on_the_wire_is_written_after_that_one(make_link) -> None:
+    """SRD may deliver two writes of one word in either order: the second waits for the first's completion,
+    then carries the shadow's value of that moment."""
+    link: Link = make_link()
+    words, target, _accessor = _loopback_words(link)
+    try:
+        words.publish(3, SignalOp.ADD, 2)
+        words.end_pass()
+        words.publish(3, SignalOp.ADD, 5)
+        words.publish(5, SignalOp.ADD, 1)
+        words.end_pass()  # slot 5 goes; slot 3 waits: its first write is still on the wire (nothing reaped)
+        assert words.inflight == 2 and words.loopback.batches == 2
+        _settle(words)
+        assert target[3] == 7 and target[5] == 1
+        assert words.loopback.writes == 3 and words.loopback.batches == 3
     finally:
         words.loopback.close()
         words.release()
 
 
 def test_loopback_flags_of_arrivals_through_the_backend(make_link) -> None:
-    """End to end on the soft NIC: arrivals -> on_pass -> shadow -> loopback write at the end of the poll."""
+    """End to end on the soft NIC: arrivals -> on_pass -> shadow -> loopback writes posted at the end of the poll,
+    reaped on the polls after it (the backend calls every poll while some are on the wire)."""
     link: Link = make_link()
     words, target, _accessor = _loopback_words(link)
-    link.b.set_flag_publisher(lambda conn, rank, slot, op, value: words.publish(slot, op, value), words.end_pass)
+    rail_flags = RailFlags(link.b, PublicationChoice(LOOPBACK, "test"), gpu=None, conn_jobs={link.conn: "job"},
+                           rail=0)
+    rail_flags.loopback = words.loopback
+    rail_flags.arrays[("job", 1)] = (words, None)
     try:
         for i in range(20):
             link.post([link.write(i * 4096, 4096, 0), link.signal(1, 1, i + 1)])
         link.post([link.signal(6, 1234, 99, SignalOp.SET)])
-        wait_until(lambda: link.poll() >= 0 and target[1] == 20 and target[6] == 1234, "the loopback flags", 20,
-                   interval=0)
+        wait_until(lambda: link.poll() >= 0 and target[1] == 20 and target[6] == 1234 and not words.busy,
+                   "the loopback flags", 20, interval=0)
         assert bytes(link.dst[:20 * 4096]) == bytes(link.src[:20 * 4096])
         assert words.loopback.writes <= 21
+        wait_until(lambda: link.poll() >= 0 and not link.b._want_pass, "the last poll that wanted a pass", 10,
+                   interval=0)
     finally:
         words.loopback.close()
         words.release()
@@ -266,8 +308,10 @@ def test_a_failed_loopback_falls_back_to_copies(make_link) -> None:
     try:
         words.rkey ^= 0x5A5A  # a bad key: the loopback write fails with a remote access error
         words.publish(0, SignalOp.ADD, 3)
+        words.end_pass()  # posted: the failure comes with its completion
         with pytest.raises(Exception, match="loopback flag write failed"):
-            words.end_pass()
+            words.loopback.reap(wait=True)
+        assert words.loopback.inflight == 0  # the failed write's entry is free again
         copier = HostAccessor()
         words.fall_back_to_copy(copier)  # what RailFlags.end_pass does: the queued slot is copied
         assert words.path == CUDA_COPY and target[0] == 3 and copier.writes == 1

@@ -167,6 +167,7 @@ class GpuFlagWords:
         self.mapping = mapping
         self.rkey = 0
         self._dirty: dict[int, None] = {}  # loopback: slots whose shadow moved since their last write
+        self._inflight: dict[int, int] = {}  # loopback: slot -> the value its write on the wire carries
         self.copies = 0
 
     def publish(self, slot: int, op: SignalOp, value: int) -> None:
@@ -189,28 +190,49 @@ class GpuFlagWords:
                 return
             value = now
 
+    @property
+    def busy(self) -> bool:
+        """Loopback: a write is on the wire or owed."""
+        return bool(self._dirty or self._inflight)
+
+    @property
+    def inflight(self) -> int:
+        """Loopback: writes on the wire."""
+        return len(self._inflight)
+
     def end_pass(self) -> None:
-        """Loopback: write each queued slot's current shadow value, one write per slot in flight, until no
-        slot's shadow moved while its write was on the wire."""
+        """Loopback: post a write of each queued slot's current shadow value, except a slot whose last write is
+        still on the wire (SRD may deliver two writes of one word in either order): it goes once that one
+        completed (:meth:`written`)."""
+        ready = [s for s in self._dirty if s not in self._inflight]
+        if not ready:
+            return
         values = self.shadow.values
-        while self._dirty:
-            slots = list(self._dirty)
-            self._dirty.clear()
-            written = [int(values[s]) for s in slots]
-            try:
-                self.loopback.write([(self.address + 8 * s, self.rkey, v)
-                                     for s, v in zip(slots, written, strict=True)])
-            except BaseException:
-                self._dirty.update(dict.fromkeys(slots))  # still owed: fall_back_to_copy writes them
-                raise
-            for s, v in zip(slots, written, strict=True):
-                if int(values[s]) != v:
-                    self._dirty[s] = None
+        writes = []
+        for s in ready:
+            del self._dirty[s]
+            value = self._inflight[s] = int(values[s])
+            writes.append((self, s, self.address + 8 * s, self.rkey, value))
+        try:
+            self.loopback.post(writes)
+        except BaseException:
+            for s in ready:  # still owed: fall_back_to_copy writes them
+                del self._inflight[s]
+                self._dirty[s] = None
+            raise
+
+    def written(self, slot: int, value: int) -> None:
+        """Loopback: the write of ``value`` into ``slot`` completed; write again if the shadow moved meanwhile
+        (another rail's worker publishes through it too)."""
+        self._inflight.pop(slot, None)
+        if int(self.shadow.values[slot]) != value:
+            self._dirty[slot] = None
 
     def fall_back_to_copy(self, accessor: Any) -> None:
         """The loopback path failed: publish by copies from now on, starting with the slots still queued."""
         self.path, self.accessor = CUDA_COPY, accessor
-        pending, self._dirty = list(self._dirty), {}
+        pending = list(dict.fromkeys([*self._dirty, *self._inflight]))
+        self._dirty, self._inflight = {}, {}
         for s in pending:
             self._copy(s, int(self.shadow.values[s]))
 
@@ -241,7 +263,7 @@ class RailFlags:
         self.rail = rail
         self.arrays: dict[tuple[str, int], tuple[FlagFile | GpuFlagWords, MemoryKey]] = {}
         self.loopback: Any = None  # the backend's LoopbackWriter, opened with the first GPU flags it serves
-        self._passed: set[GpuFlagWords] = set()  # GPU flag words published during this poll
+        self._busy: set[GpuFlagWords] = set()  # loopback words with a write owed or on the wire
         if traits_of(backend).publishes_flags:
             backend.set_flag_publisher(self.publish, self.end_pass)
         else:
@@ -337,6 +359,9 @@ class RailFlags:
         """Deregister and release a rank's flag array (if this rail has one)."""
         entry = self.arrays.pop((job, rank), None)
         if entry is not None:
+            if isinstance(entry[0], GpuFlagWords) and entry[0] in self._busy:
+                self._busy.discard(entry[0])
+                self._settle(entry[0])
             if traits_of(self.backend).publishes_flags:
                 self.backend.clear_host_flags(job, rank)
             self.backend.deregister_memory(entry[1])
@@ -344,6 +369,16 @@ class RailFlags:
                 entry[0].close()
             else:
                 entry[0].release()
+
+    def _settle(self, words: GpuFlagWords) -> None:
+        """Wait for ``words``' loopback writes on the wire: its memory is about to be deregistered, and a write
+        that then failed would fail the writer for every rank."""
+        try:
+            while words.inflight:
+                for w, slot, value in self.loopback.reap(wait=True):
+                    w.written(slot, value)
+        except Exception as exc:
+            log.warning("rail %d: loopback flag writes of a leaving rank did not complete (%s)", self.rail, exc)
 
     # --- publishing (the backend calls these) -----------------------------------------------------------
     def publish(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None:
@@ -356,7 +391,8 @@ class RailFlags:
         target = entry[0]
         if isinstance(target, GpuFlagWords):  # GPU flag words publish themselves
             target.publish(slot, op, value)
-            self._passed.add(target)
+            if target.path == LOOPBACK:
+                self._busy.add(target)
             return
         values = target.values
         if op == SignalOp.SET:
@@ -372,18 +408,25 @@ class RailFlags:
             return None
         return {"writes": lb.writes, "batches": lb.batches, "wait_ns": lb.wait_ns}
 
-    def end_pass(self) -> None:
-        """After a poll's flags (efa): loopback words write what their publishes queued."""
-        passed, self._passed = self._passed, set()
-        for words in passed:
-            if words.path != LOOPBACK:
-                continue
-            try:
+    def end_pass(self) -> bool:
+        """After a poll (efa): hand the loopback writes that completed back to their words, then post what the
+        words owe. True while a write is owed or on the wire: the backend calls again after its next poll."""
+        busy = self._busy
+        if not busy:
+            return False
+        try:
+            if self.loopback is not None and self.loopback.inflight:
+                for words, slot, value in self.loopback.reap():
+                    words.written(slot, value)
+            for words in list(busy):
                 words.end_pass()
-            except Exception as exc:  # the flag must still arrive: by copy, and say what that costs
-                log.error("rail %d: loopback flag write failed (%s); these flags fall back to cuda-copy: %s",
-                          self.rail, exc, COPY_COST)
+        except Exception as exc:  # the flags must still arrive: by copy, and say what that costs
+            log.error("rail %d: loopback flag write failed (%s); these flags fall back to cuda-copy: %s",
+                      self.rail, exc, COPY_COST)
+            for words in busy:
                 words.fall_back_to_copy(self.gpu.accessor(words.region.device) if words.region else None)
+        self._busy = {words for words in busy if words.path == LOOPBACK and words.busy}
+        return bool(self._busy)
 
     def close(self) -> None:
         """Close the loopback writer (before the backend, whose QP it writes through)."""
