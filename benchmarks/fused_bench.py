@@ -29,7 +29,9 @@ compute)`` (``ideal``: where the communication dominates, no overlap buys more t
 come in under it when the communication ran slower alone than inside the fused launch). Each row also has
 ``comm_direct_copy_ms`` and ``fused_direct_copy_ms``: per launch and daemon, the time its soft devices spent
 placing direct copies (softverbs' ``direct_ns``); ``comm_loopback_wait_ms`` and ``fused_loopback_wait_ms``: the
-time its efa workers waited for their flags' loopback writes (each rail's ``flag_loopback``).
+time its efa workers spent posting and reaping their flags' loopback writes (each rail's ``flag_loopback``);
+``comm_link_busy_ms`` and ``fused_link_busy_ms``: the time its NIC model's link was busy (against the launch's
+time, how much of it the modeled wire bounds).
 
 ``--timeline RAW``: each GEMM+RS / GEMM+AR row also runs one launch of each of compute, comm and fused with
 the op's timeline (``timeline=``, docs/kernels.md) and summarizes it per rank in the row (``timeline``: when
@@ -458,8 +460,9 @@ def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps:
         row["fused_s"] = _time(case.launch, streams, reps)
         after = [_counters(c) for c in clients]
         # per launch and daemon: the time its soft devices spent placing direct copies (each blocks their thread),
-        # and the time its flag loopback writes held its workers (efa without GDRCopy; each batch is waited for)
-        for key, name in (("direct_ns", "direct_copy_ms"), ("loopback_ns", "loopback_wait_ms")):
+        # its workers spent in flag loopback writes (efa without GDRCopy), and its NIC model's link was busy
+        for key, name in (("direct_ns", "direct_copy_ms"), ("loopback_ns", "loopback_wait_ms"),
+                          ("link_busy_ns", "link_busy_ms")):
             for mode, (start, end) in (("comm", (before, middle)), ("fused", (middle, after))):
                 row[f"{mode}_{name}"] = [round((e[key] - b[key]) / reps / 1e6, 3)
                                          for b, e in zip(start, end, strict=True)]
@@ -500,13 +503,16 @@ _COUNTED = ("commands", "wrs", "writes", "signals", "signals_requested", "fences
 
 def _counters(client: Any) -> dict[str, int]:
     """A daemon's rails' counters, the writes its soft devices placed by direct copy (``direct_placed``: the
-    rest of what they received crossed TCP), the nanoseconds they spent placing them (``direct_ns``) and those
-    its workers waited for flag loopback writes (``loopback_ns``)."""
+    rest of what they received crossed TCP), the nanoseconds they spent placing them (``direct_ns``), those its
+    workers spent in flag loopback writes (``loopback_ns``) and those its NIC model's links were busy
+    (``link_busy_ns``)."""
     rails = [r for r in client.stats().get("rails", []) if "error" not in r]
     out = {key: sum(int(r.get(key, 0)) for r in rails) for key in _COUNTED}
     for key in ("direct_placed", "direct_ns"):
         out[key] = sum(int((r.get("softverbs") or {}).get(key, 0)) for r in rails)
     out["loopback_ns"] = sum(int((r.get("flag_loopback") or {}).get("wait_ns", 0)) for r in rails)
+    out["link_busy_ns"] = sum(int(1e9 * ((r.get("softverbs") or {}).get("link") or {}).get("busy_s", 0.0))
+                              for r in rails)
     return out
 
 

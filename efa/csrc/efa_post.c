@@ -32,7 +32,7 @@
  * and get one 8-byte store of the new value, never a read across PCIe. The rest (GPU flags published
  * another way, unknown ranks), the optional visibility flush, protocol-error reports and receive-WR
  * replenishing go to Python in at most one call per poll (the `on_pass` callable), and so does every poll
- * while Python asks for it (`want_pass`: its loopback flag writes are in flight).
+ * while Python asks for it (`want_pass`: its loopback flag writes are in flight), at most every WANT_PASS_NS.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -43,6 +43,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "efa_arrivals.h"
 #include "poster.h"
@@ -157,6 +158,7 @@ typedef struct {
     uint64_t max_rdma_size, sq_depth, submitted;
     int cumulative, unsolicited, visibility_flush, has_hook;
     int want_pass; /* Python asked for on_pass on every poll (its loopback flag writes are still in flight) */
+    int64_t want_next_ns; /* ... but at most once per WANT_PASS_NS when nothing else needs the call */
     uint64_t rq_depth, rq_missing;
     Conn **conns;
     size_t nconns, conns_cap;
@@ -193,6 +195,16 @@ typedef struct {
     uint64_t stats[N_STATS];
     tpd_poster_error error;
 } EfaPoster;
+
+/* A want_pass alone calls Python at most this often: a loopback write completes in microseconds on a NIC, and
+ * every call takes the GIL from the process's other threads (over softverbs, the soft device's I/O thread). */
+#define WANT_PASS_NS 20000
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
 
 static Conn *find_conn(EfaPoster *p, int64_t id) {
     for (size_t i = 0; i < p->nconns; i++)
@@ -686,7 +698,13 @@ static long efa_poll(void *ctx, size_t max, tpd_completion *out) {
     uint64_t replenish = 0;
     if (p->rq_depth && p->rq_missing >= (p->rq_depth / 8 > 1 ? p->rq_depth / 8 : 1)) replenish = p->rq_missing;
     int prc = 0;
-    if (flush || p->npypubs || p->nfail || replenish || p->want_pass) {
+    int wanted = 0;
+    if (p->want_pass && !(flush || p->npypubs || p->nfail || replenish)) {
+        int64_t now = now_ns();
+        wanted = now >= p->want_next_ns;
+        if (wanted) p->want_next_ns = now + WANT_PASS_NS;
+    }
+    if (flush || p->npypubs || p->nfail || replenish || wanted) {
         prc = call_python(p, flush, replenish);
         if (!prc) p->rq_missing -= replenish;
     }
@@ -996,7 +1014,8 @@ static PyMethodDef EfaPoster_methods[] = {
     {"set_flush_hook", (PyCFunction)EfaPoster_set_flush_hook, METH_O,
      "Whether on_pass is called with flush=True before flags are published."},
     {"want_pass", (PyCFunction)EfaPoster_want_pass, METH_O,
-     "Whether on_pass is called on every poll, with or without flags (until called with False)."},
+     "Whether on_pass is called on every poll (at most every 20 us when it has nothing else to do), until "
+     "called with False."},
     {"stats", (PyCFunction)EfaPoster_stats, METH_NOARGS, "Counters, by name."},
     {NULL, NULL, 0, NULL},
 };
