@@ -375,7 +375,7 @@ class EfaBackend(PosterBackend):
     def _on_pass(self, pubs: bytes, failures: list[tuple[int, str]], replenish: int, flush: bool) -> None:
         """The one Python call of a poll that needs one (efa_post.c): in this order, the visibility flush,
         protocol errors to log, flags the C code could not store itself and the end of the pass's publishing
-        (loopback writes reaped and posted; while some are on the wire, a poll calls every 20 us), receive WRs to
+        (loopback writes reaped and posted; while some are on the wire, at most once every 20 us), receive WRs to
         repost."""
         if flush and self._flush_hook is not None:
             self._flush_hook()
