@@ -302,6 +302,31 @@ def test_loopback_flags_of_arrivals_through_the_backend(make_link) -> None:
         words.release()
 
 
+def test_a_rank_that_leaves_with_loopback_writes_on_the_wire_waits_for_them(make_link) -> None:
+    """Its flag words are deregistered as it leaves: a write still on the wire would then fail, and a failed
+    write fails the rail's loopback for every rank, so the writes are waited for first."""
+    link: Link = make_link()
+    target = np.zeros(8, dtype=np.uint64)
+    key = link.b.register_memory(int(target.ctypes.data), target.nbytes, remote_write=True, remote_atomic=True,
+                                 accessor=HostAccessor())
+    shadow, fd = FlagFile.create_memfd(8)
+    os.close(fd)
+    words = GpuFlagWords(int(target.ctypes.data), 8, shadow, LOOPBACK, loopback=link.b.open_flag_loopback())
+    words.rkey = key.rkey
+    rail_flags = RailFlags(link.b, PublicationChoice(LOOPBACK, "test"), gpu=None, conn_jobs={link.conn: "job"},
+                           rail=0)
+    rail_flags.loopback = words.loopback
+    rail_flags.arrays[("job", 1)] = (words, key)
+    try:
+        rail_flags.publish(link.conn, 1, 2, SignalOp.ADD, 5)
+        assert rail_flags.end_pass() is True and words.inflight == 1  # posted, not reaped
+        rail_flags.drop("job", 1)
+        assert words.loopback.inflight == 0 and target[2] == 5 and ("job", 1) not in rail_flags.arrays
+        assert rail_flags.end_pass() is False  # nothing owed any more
+    finally:
+        words.loopback.close()
+
+
 def test_a_failed_loopback_falls_back_to_copies(make_link) -> None:
     link: Link = make_link()
     words, target, _accessor = _loopback_words(link)
