@@ -278,6 +278,32 @@ def test_a_slot_published_while_its_write_is_on_the_wire_is_written_after_that_o
         words.release()
 
 
+def test_a_rail_whose_write_completes_after_the_shadow_moved_writes_again(make_link) -> None:
+    """Two rails' workers publish one counter through the shared shadow, each with its own loopback QP, and
+    their writes may land in either order: a write that completes after the shadow moved is followed by
+    another carrying the shadow's value."""
+    link: Link = make_link()
+    words_a, target, _accessor = _loopback_words(link)
+    words_b = GpuFlagWords(words_a.address, words_a.count, words_a.shadow, LOOPBACK,
+                           loopback=link.b.open_flag_loopback())
+    words_b.rkey = words_a.rkey
+    try:
+        words_a.publish(0, SignalOp.ADD, 1)
+        words_a.end_pass()  # carries 1
+        wait_until(lambda: target[0] == 1, "rail a's write", 10, interval=0)
+        words_b.publish(0, SignalOp.ADD, 1)
+        _settle(words_b)  # carries 2
+        assert target[0] == 2 and words_a.busy  # a's completion not reaped yet
+        target[0] = 1  # as if a's write had landed after b's
+        _settle(words_a)
+        assert target[0] == 2 == words_a.shadow.values[0]
+        assert words_a.loopback.writes == 2  # its first, then the shadow's value once it moved
+    finally:
+        words_a.loopback.close()
+        words_b.loopback.close()
+        words_a.release()
+
+
 def test_loopback_flags_of_arrivals_through_the_backend(make_link) -> None:
     """End to end on the soft NIC: arrivals -> on_pass -> shadow -> loopback writes posted at the end of the poll,
     reaped on the polls after it (the backend calls every poll while some are on the wire)."""
