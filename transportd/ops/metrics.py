@@ -153,6 +153,12 @@ def _families(stats: dict[str, Any]) -> list[Metric]:
 
     for key, (name, unit, help_text) in _RAIL_COUNTERS.items():
         w.family(name, "counter", help_text, [({}, sum(int(r.get(key, 0)) for r in rails))], unit=unit)
+    loopback = [r.get("flag_loopback") or {} for r in rails]  # efa rails with no GDRCopy (docs/transports.md)
+    w.family("transportd_flag_loopback_writes", "counter", "Flag writes into GPU memory by loopback RDMA write "
+             "(efa without GDRCopy), completed.", [({}, sum(int(lb.get("writes", 0)) for lb in loopback))])
+    w.family("transportd_flag_loopback_seconds", "counter", "Time the rail workers spent posting and reaping "
+             "their loopback flag writes.", [({}, sum(int(lb.get("wait_ns", 0)) for lb in loopback) / 1e9)],
+             unit="seconds")
     by_code: dict[str, int] = {}
     for rail in rails:
         for code, count in rail.get("errors", {}).items():
