@@ -143,13 +143,16 @@ class LoopbackWriter:
                 if failed:
                     self._reaped.extend(out)
                     raise BackendError(f"loopback flag write failed: status {failed[0]} (vendor error {failed[1]})")
-            if out or not block or not self._pending:
-                break
+            if (out and block) or not self._pending:
+                return out
+            try:
+                self._check_deadline()
+            except BackendError:
+                self._reaped.extend(out)  # completed all the same: the next call hands them back
+                raise
+            if not block:
+                return out
             time.sleep(0)  # yield the GIL: over softverbs the device's I/O thread completes them
-            self._check_deadline()
-        if not block and self._pending:
-            self._check_deadline()
-        return out
 
     def _check_deadline(self) -> None:
         oldest = min(posted for _o, _s, _v, posted in self._pending.values())
