@@ -370,13 +370,17 @@ class RailFlags:
             else:
                 entry[0].release()
 
+    def _hand_back(self, wait: bool = False) -> None:
+        """Give the loopback writes that completed back to their words (``wait``: at least one)."""
+        for words, slot, value in self.loopback.reap(wait):
+            words.written(slot, value)
+
     def _settle(self, words: GpuFlagWords) -> None:
         """Wait for ``words``' loopback writes on the wire: its memory is about to be deregistered, and a write
         that then failed would fail the writer for every rank."""
         try:
             while words.inflight:
-                for w, slot, value in self.loopback.reap(wait=True):
-                    w.written(slot, value)
+                self._hand_back(wait=True)
         except Exception as exc:
             log.warning("rail %d: loopback flag writes of a leaving rank did not complete (%s)", self.rail, exc)
 
@@ -416,8 +420,7 @@ class RailFlags:
             return False
         try:
             if self.loopback is not None and self.loopback.inflight:
-                for words, slot, value in self.loopback.reap():
-                    words.written(slot, value)
+                self._hand_back()
             for words in list(busy):
                 words.end_pass()
         except Exception as exc:  # the flags must still arrive: by copy, and say what that costs
