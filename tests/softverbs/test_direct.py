@@ -249,7 +249,8 @@ def srd_write_imm_order(memory: Any, n: int = 48, size: int = 6000, **packets: A
             assert sorted(w.wr_id for w in poll(pair.client.cq, n)) == list(range(n))
             return order, soft.device_stats("softefa0")
     finally:
-        soft.configure("softefa0", reorder_seed=None, packet_size=None, direct_packet_size=1 << 20)
+        defaults = soft.DeviceOptions()
+        soft.configure("softefa0", reorder_seed=None, packet_size=None, direct_packet_size=defaults.direct_packet_size)
 
 
 @pytest.mark.parametrize("packets", [{"packet_size": 512}, {"direct_packet_size": 1024}], ids=["packet", "direct"])
@@ -282,7 +283,9 @@ def test_srd_reordering_of_a_stream_holds_a_bounded_number_of_bytes(shm) -> None
             assert all(w.status == e.IBV_WC_SUCCESS for w in poll(pair.server.cq, n))
             soft.set_placement_observer(pair.ctx, None)
     finally:
-        soft.configure("softefa0", reorder_seed=None, direct_packet_size=1 << 20, reorder_window_bytes=64 * 8192)
+        defaults = soft.DeviceOptions()
+        soft.configure("softefa0", reorder_seed=None, direct_packet_size=defaults.direct_packet_size,
+                       reorder_window_bytes=defaults.reorder_window_bytes)
     per_message = -(-size // packet)
     arrival = [(off // size) * per_message + (off % size) // packet for off in placed]
     assert sorted(arrival) == list(range(n * per_message))
