@@ -25,7 +25,9 @@ round trips under load (the thread sweep; ``--only-sweep`` runs it alone)
     the GPU's clock. The ring is drained by the rail worker's own loop (``worker.serve_loop``: the engine's
     ``serve``, GIL released) over the engine as its own null NIC, poll window 0 (``--sweep-poll-window-us``),
     records spread over 8 peers. ``--only-sweep`` also runs ``transportd bench proxy``'s drain beside the
-    bare C consumer in the same run.
+    bare C consumer in the same run; ``--sweep-compare`` adds the bare C consumer, one poller a warp, the
+    warp-cooperative push, per-word-parity records (bare consumer only), and the threads spread over 2 and
+    4 rings (``split_ring_sweep``: a bare consumer a ring, a worker a ring, one worker for all of them).
 put -> flag
     two daemons (``LocalCluster`` over softverbs, ib RC and efa SRD), ranks 0 and 1 in one process on one
     GPU: rank 0's kernel put_signals 4 KiB, rank 1's kernel (resident, spinning) waits for the flag and
@@ -405,13 +407,14 @@ SWEEP_CONSUMERS = ("worker", "bare")  # the rail worker's loop over the engine; 
 # each thread polls the completion word (acquire loads); one lane of a warp polls for it; each thread polls
 # with relaxed loads and fences once
 SWEEP_WAITS = ("thread", "warp", "relaxed")
+SWEEP_PUSHES = ("thread", "warp")  # each thread's own push; the warp-cooperative push of the lanes together
 SWEEP_COMPARE_MAX_TAKE = (256, 64, 16)  # the worker's pass capped at these many records (--sweep-compare)
 
 
 def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THREADS, iters: int = 2000,
                     peers: int = SWEEP_PEERS, poll_window_us: float = 0.0, capacity: int = 4096,
                     consumer: str = "worker", wait: str = "thread", max_take: int = 4096,
-                    cpu: int | None = None) -> dict[str, Any]:
+                    cpu: int | None = None, push: str = "thread") -> dict[str, Any]:
     """Round trips under load, on the GPU's clock alone: for each thread count, every thread pushes a 4 KiB PUT,
     waits until the completion position passes its own record, and pushes the next, ``iters`` times
     (``roundtrip_sweep_<variant>`` in gpu_push.cu). Per thread count: avg / p50 / p99 / max of every round trip
@@ -426,12 +429,20 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
     lane a warp polls and hands the value on: ``roundtrip_sweep_warpwait_<variant>``) or ``relaxed`` (relaxed
     loads, one acquire fence after: ``roundtrip_sweep_relaxedwait_<variant>``). ``max_take``: the most records
     the worker's pass takes from the ring (the proxy's default, 4096, unless asked). ``cpu``: the consumer's
-    thread alone on that CPU, every other thread of this process off it (None: wherever the OS puts them)."""
+    thread alone on that CPU, every other thread of this process off it (None: wherever the OS puts them).
+    ``push``: ``thread`` (each thread's own ``tpd::push``) or ``warp`` (``tpd::warp_push``: the lanes that push
+    together share one slot claim and one system-scope release: ``roundtrip_sweep_warppush_<variant>``,
+    header-last and ``thread`` waits only). ``variant`` may be a per-word parity one (``PARITY``) with the
+    bare consumer only."""
     if consumer not in SWEEP_CONSUMERS or wait not in SWEEP_WAITS:
         raise ValueError(f"consumer must be one of {SWEEP_CONSUMERS} and wait one of {SWEEP_WAITS}")
+    if variant in PARITY and consumer != "bare":
+        raise ValueError("per-word parity records have only the bare consumer (the engine takes header-last)")
+    if push not in SWEEP_PUSHES or (push == "warp" and (wait != "thread" or variant in PARITY)):
+        raise ValueError(f"push must be one of {SWEEP_PUSHES}; the warp push waits per thread, header-last only")
     proxy = _null_nic_proxy(peers, poll_window_us, max_take) if consumer == "worker" else None
     rows: dict[str, Any] = {}
-    name = f"roundtrip_sweep_{'' if wait == 'thread' else wait + 'wait_'}{variant}"
+    name = f"roundtrip_sweep_{'warppush_' if push == 'warp' else '' if wait == 'thread' else wait + 'wait_'}{variant}"
     with _ring(f"sweep-{variant}", capacity) as ring:
         if proxy is not None:
             proxy.add_channel(0, ring, NULL_NIC_JOB, 0, peers + 1)
@@ -439,7 +450,8 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
         kernel = gpu.module.function(name)
         try:
             with _worker_loop(proxy, cpu=cpu) if proxy is not None else contextlib.nullcontext():
-                launch = functools.partial(_sweep_launch, gpu, kernel, dev, ring=None if proxy else ring, cpu=cpu)
+                launch = functools.partial(_sweep_launch, gpu, kernel, dev, ring=None if proxy else ring, cpu=cpu,
+                                           parity=variant in PARITY)
                 launch(1, 100, peers)  # warm-up: the module, the mappings, the loop
                 for count in threads:
                     before = proxy.loop_stats() if proxy is not None else None
@@ -457,9 +469,10 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
         if proxy is not None:
             proxy.remove_channel(0)
     loop = ("transportd.dataplane.worker.serve_loop (Engine.serve), null NIC" if proxy is not None
-            else "_core.bare_drain (take, release, complete)")
+            else f"_core.bare_drain{'(parity=True)' if variant in PARITY else ''} (take, release, complete)")
     return {"variant": variant, "peers": peers, "poll_window_us": poll_window_us, "capacity": capacity,
-            "iters": iters, "consumer": consumer, "wait": wait, "max_take": max_take, "cpu": cpu, "worker_loop": loop,
+            "iters": iters, "consumer": consumer, "wait": wait, "push": push, "max_take": max_take, "cpu": cpu,
+            "worker_loop": loop,
             "errors": list(errors), "commands": stats["commands"], "rejected": stats["rejected"],
             "by_threads": rows}
 
@@ -468,11 +481,12 @@ FAILED = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 
 
 def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, peers: int,
-                  ring: RingFile | None = None, cpu: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  ring: RingFile | None = None, cpu: int | None = None,
+                  parity: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One launch of ``count`` threads x ``n`` round trips: (round trip ns, zero where never reached and
     FAILED where the thread timed out; the push's own ns of each; (first push, last completion) per thread).
     With ``ring``, a thread here drains it with the bare C consumer for the launch (GIL released) instead of
-    a worker loop (on ``cpu`` alone when given)."""
+    a worker loop (on ``cpu`` alone when given; ``parity``: of per-word-parity records)."""
     rtt, span = DeviceMemory(8 * count * n, gpu.device), DeviceMemory(16 * count, gpu.device)  # zeroed
     pushed = DeviceMemory(8 * count * n, gpu.device)
     drainer = None
@@ -482,7 +496,7 @@ def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, pe
             def drain() -> None:
                 if cpu is not None:
                     os.sched_setaffinity(0, {cpu})
-                _core.bare_drain(ring._bytes, until, SWEEP_TIMEOUT_NS / 1e9)
+                _core.bare_drain(ring._bytes, until, SWEEP_TIMEOUT_NS / 1e9, parity)
 
             drainer = threading.Thread(target=drain, daemon=True)
             drainer.start()
@@ -503,6 +517,83 @@ def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, pe
     return ns, push_ns, ends
 
 
+SPLIT_CONSUMERS = ("bare", "workers", "worker")  # split_ring_sweep: who drains the rings
+SWEEP_RINGS = (1, 2, 4)  # --sweep-compare: the same threads over this many rings, each with its own bare consumer
+
+
+def split_ring_sweep(gpu: Gpu, rings: int, threads: tuple[int, ...] = SWEEP_THREADS, iters: int = 2000,
+                     peers: int = SWEEP_PEERS, capacity: int = 4096, idle_pauses: int = 0,
+                     consumer: str = "bare") -> dict[str, Any]:
+    """The sweep with the threads spread warp by warp over ``rings`` rings (library commit ``v2_split``):
+    whether one ring, or one consumer, is what bounds the rate under load (``roundtrip_sweep_rings_v2_split``).
+    ``consumer``: ``bare`` (a bare C consumer a ring, each on its own thread; ``idle_pauses``: its spin-wait
+    hints between looks at a slot not committed yet), ``workers`` (a rail worker's loop a ring, each over its
+    own engine as null NIC: what as many rails would run) or ``worker`` (one worker's loop drains every ring,
+    one channel each, as the daemon's worker drains its clients' channels)."""
+    if not 1 <= rings <= 4 or consumer not in SPLIT_CONSUMERS:
+        raise ValueError(f"1 to 4 rings, and consumer one of {SPLIT_CONSUMERS}")
+    kernel = gpu.module.function("roundtrip_sweep_rings_v2_split")
+    rows: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(_ring(f"split-{i}", capacity)) for i in range(rings)]
+        if consumer != "bare":
+            proxies = [_null_nic_proxy(peers) for _ in (files if consumer == "workers" else files[:1])]
+            for i, f in enumerate(files):  # channel i of the one worker, or channel 0 of worker i
+                proxy, channel = (proxies[i], 0) if consumer == "workers" else (proxies[0], i)
+                proxy.add_channel(channel, f, NULL_NIC_JOB, 0, peers + 1)
+                stack.callback(proxy.remove_channel, channel)
+            for proxy in proxies:
+                stack.enter_context(_worker_loop(proxy))
+        devs = [map_ring(f, gpu.device) for f in files]
+
+        def launch(count: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            warps = (count + 31) // 32  # warp w pushes into ring w % rings
+            records = [n * sum(min(32, count - 32 * w) for w in range(i, warps, rings)) for i in range(rings)]
+            rtt, span = DeviceMemory(8 * count * n, gpu.device), DeviceMemory(16 * count, gpu.device)
+            pushed = DeviceMemory(8 * count * n, gpu.device)
+            drains = [threading.Thread(target=_core.bare_drain, daemon=True,
+                                       args=(f._bytes, f.consumer_pos + k, SWEEP_TIMEOUT_NS / 1e9, False,
+                                             idle_pauses))
+                      for f, k in zip(files, records, strict=True) if k and consumer == "bare"]
+            try:
+                for t in drains:
+                    t.start()
+                block = min(count, 32)
+                args = (*devs, *[devs[0]] * (4 - rings), np.uint32(rings), np.uint32(count), np.uint32(n),
+                        np.uint32(peers), np.uint64(SWEEP_TIMEOUT_NS), np.uint64(rtt.ptr), np.uint64(pushed.ptr),
+                        np.uint64(span.ptr))
+                kernel.launch((count + block - 1) // block, block, args, stream=gpu.stream)
+                gpu.sync()
+                return (np.frombuffer(rtt.read(0, 8 * count * n), dtype="<u8"),
+                        np.frombuffer(pushed.read(0, 8 * count * n), dtype="<u8"),
+                        np.frombuffer(span.read(0, 16 * count), dtype="<u8").reshape(count, 2))
+            finally:
+                for t in drains:
+                    t.join()
+                rtt.free()
+                pushed.free()
+                span.free()
+
+        try:
+            launch(1, 100)  # warm-up: the module, the mappings
+            for count in threads:
+                rows[str(count)] = _sweep_row(count, iters, *launch(count, iters))
+        finally:
+            for d in devs:
+                d.release()
+        errors = files[0].error
+        commands = sum(f.consumer_pos for f in files)
+    return {"variant": "v2_split", "peers": peers, "poll_window_us": 0.0, "capacity": capacity, "iters": iters,
+            "consumer": consumer, "wait": "thread", "push": "thread", "rings": rings, "idle_pauses": idle_pauses,
+            "max_take": 4096, "cpu": None,
+            "worker_loop": (f"_core.bare_drain, one thread a ring, {rings} rings" if consumer == "bare" else
+                            f"transportd.dataplane.worker.serve_loop, one worker a ring, {rings} rings"
+                            if consumer == "workers" else
+                            f"transportd.dataplane.worker.serve_loop, one worker, {rings} rings (channels)"),
+            "errors": list(errors),
+            "commands": commands, "rejected": 0, "by_threads": rows}
+
+
 def _sweep_row(threads: int, n: int, ns: np.ndarray, push_ns: np.ndarray, ends: np.ndarray) -> dict[str, Any]:
     reached = (ns != 0) & (ns != FAILED)
     us = ns[reached].astype(np.float64) / 1e3
@@ -516,13 +607,17 @@ def _sweep_row(threads: int, n: int, ns: np.ndarray, push_ns: np.ndarray, ends: 
 
 
 def sweep_table(sweep: dict[str, Any]) -> str:
-    consumer = ("the rail worker's loop, null NIC" if sweep.get("consumer", "worker") == "worker"
-                else "the bare C consumer")
+    consumer = {"worker": "the rail worker's loop, null NIC", "workers": "a rail worker's loop a ring, null NIC",
+                "bare": "the bare C consumer" + (" a ring" if sweep.get("rings", 1) > 1 else "")
+                }[sweep.get("consumer", "worker")]
     take = f" (max take {sweep['max_take']})" if sweep.get("max_take", 4096) != 4096 else ""
     take += f" on CPU {sweep['cpu']} alone" if sweep.get("cpu") is not None else ""
     lines = [f"round trip under load: {sweep['variant']}, {sweep['peers']} peers, poll window "
-             f"{sweep['poll_window_us']:g} us, ring of {sweep['capacity']}, {consumer}{take}, "
-             f"{sweep.get('wait', 'thread')} polls the completion word",
+             f"{sweep['poll_window_us']:g} us, ring of {sweep['capacity']}"
+             f"{' x ' + str(sweep['rings']) + ' rings' if sweep.get('rings', 1) > 1 else ''}, "
+             f"{consumer}{take}, "
+             f"{sweep.get('wait', 'thread')} polls the completion word"
+             + (", warp-cooperative push" if sweep.get("push") == "warp" else ""),
              f"{'threads':>8} {'avg us':>9} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'M ops/s':>9} "
              f"{'push p50':>9}"]
     for row in sweep["by_threads"].values():
@@ -594,6 +689,20 @@ def run_sweep_only(quick: bool, threads: tuple[int, ...], iters: int, poll_windo
                                           consumer=consumer, wait=wait)
                     echo(sweep_table(row))
                     others[f"{consumer}_{wait}"] = row
+        for consumer in SWEEP_CONSUMERS:  # the lanes of a warp pushing together: one claim, one release
+            row = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us,
+                                  consumer=consumer, push="warp")
+            echo(sweep_table(row))
+            others[f"{consumer}_thread_warp_push"] = row
+        for consumer in SPLIT_CONSUMERS:  # the threads over more rings: one ring, or one consumer, the bound?
+            for count in SWEEP_RINGS[1:]:
+                row = split_ring_sweep(gpu, count, threads=threads, iters=iters, consumer=consumer)
+                echo(sweep_table(row))
+                others[f"{consumer}_thread_{count}_rings"] = row
+        for variant in PARITY:  # the design's other commit, where only the bare consumer can take it
+            row = roundtrip_sweep(gpu, variant, threads=threads, iters=iters, consumer="bare")
+            echo(sweep_table(row))
+            others[f"bare_thread_{variant}"] = row
         for take in max_takes:  # smaller passes: completions published sooner
             row = roundtrip_sweep(gpu, library, threads=threads, iters=iters, poll_window_us=poll_window_us,
                                   max_take=take)
@@ -977,7 +1086,8 @@ def _library_default() -> int:
 @click.option("--sweep-poll-window-us", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="the proxy's polling window in the sweep (the daemon's default is 50)")
 @click.option("--sweep-compare", is_flag=True,
-              help="with --only-sweep: also the bare C consumer, and one completion poller a warp")
+              help="with --only-sweep: also the bare C consumer, one completion poller a warp, the warp "
+                   "push, and per-word parity records (bare consumer)")
 @click.option("--sweep-waits", default=",".join(SWEEP_WAITS), show_default=True,
               help="with --sweep-compare: the ways the GPU waits to compare, comma-separated")
 @click.option("--sweep-max-takes", default=",".join(map(str, SWEEP_COMPARE_MAX_TAKE)), show_default=True,

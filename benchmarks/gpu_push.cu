@@ -13,33 +13,45 @@ namespace bench {
 constexpr int PARITY = 100;     // six 8-byte relaxed .sys stores
 constexpr int PARITY_V2 = 101;  // three 16-byte relaxed .sys stores
 
+// One per-word-parity PUT of 4 KiB to `peer` (offsets from `chunk`, `value` in the last word): the lap parity in
+// byte 0 of every word, relaxed system-scope stores, no fence. Returns the ring position it took.
+template <int Variant>
+__device__ __forceinline__ uint64_t push_parity(const tpd::RingDevice& ring, uint16_t peer, uint32_t chunk,
+                                                uint64_t value) {
+    uint64_t pos = tpd::ordering::fetch_add_relaxed_gpu(ring.head, 1);
+    tpd::acquire_credit(ring, pos);
+    uint64_t* slot = reinterpret_cast<uint64_t*>(ring.records + (pos & (uint64_t)(ring.capacity - 1)));
+    uint64_t par = (pos & ring.capacity) ? 2 : 1;  // lap parity, never 0
+    uint64_t w0 = ((uint64_t)TPD_OP_PUT << 8) | ((uint64_t)peer << 24) | par;
+    uint64_t w1 = ((uint64_t)chunk << 8) | par;
+    uint64_t w2 = ((uint64_t)chunk << 20) | par, w3 = (4096ull << 8) | par, w4 = par, w5 = (value << 8) | par;
+    if (Variant == PARITY) {
+        tpd::ordering::st_relaxed_sys(slot + 1, w1);
+        tpd::ordering::st_relaxed_sys(slot + 2, w2);
+        tpd::ordering::st_relaxed_sys(slot + 3, w3);
+        tpd::ordering::st_relaxed_sys(slot + 4, w4);
+        tpd::ordering::st_relaxed_sys(slot + 5, w5);
+        tpd::ordering::st_relaxed_sys(slot, w0);
+    } else {
+        tpd::ordering::st_relaxed_sys_v2(slot + 2, w2, w3);
+        tpd::ordering::st_relaxed_sys_v2(slot + 4, w4, w5);
+        tpd::ordering::st_relaxed_sys_v2(slot, w0, w1);
+    }
+    return pos;
+}
+
+// One 4 KiB PUT to `peer` with the commit `Variant` (a library header-last one, or per-word parity).
+template <int Variant>
+__device__ __forceinline__ uint64_t push_put(const tpd::RingDevice& ring, uint16_t peer, uint64_t off,
+                                             uint32_t chunk, uint64_t value) {
+    if (Variant == PARITY || Variant == PARITY_V2) return push_parity<Variant>(ring, peer, chunk, value);
+    tpd::Body b = tpd::make_body(off, off, 4096, 0, 0, chunk, 0, value);
+    return tpd::push<Variant>(ring, tpd::Opcode::Put, 0, peer, b);
+}
+
 template <int Variant>
 __device__ __forceinline__ uint64_t push_one(const tpd::RingDevice& ring, uint32_t chunk, uint64_t value) {
-    if (Variant == PARITY || Variant == PARITY_V2) {
-        uint64_t pos = tpd::ordering::fetch_add_relaxed_gpu(ring.head, 1);
-        tpd::acquire_credit(ring, pos);
-        uint64_t* slot = reinterpret_cast<uint64_t*>(ring.records + (pos & (uint64_t)(ring.capacity - 1)));
-        uint64_t par = (pos & ring.capacity) ? 2 : 1;  // lap parity, never 0
-        uint64_t w0 = ((uint64_t)TPD_OP_PUT << 8) | ((uint64_t)1 << 24) | par;
-        uint64_t w1 = ((uint64_t)chunk << 8) | par;
-        uint64_t w2 = ((uint64_t)chunk << 20) | par, w3 = (4096ull << 8) | par, w4 = par, w5 = (value << 8) | par;
-        if (Variant == PARITY) {
-            tpd::ordering::st_relaxed_sys(slot + 1, w1);
-            tpd::ordering::st_relaxed_sys(slot + 2, w2);
-            tpd::ordering::st_relaxed_sys(slot + 3, w3);
-            tpd::ordering::st_relaxed_sys(slot + 4, w4);
-            tpd::ordering::st_relaxed_sys(slot + 5, w5);
-            tpd::ordering::st_relaxed_sys(slot, w0);
-        } else {
-            tpd::ordering::st_relaxed_sys_v2(slot + 2, w2, w3);
-            tpd::ordering::st_relaxed_sys_v2(slot + 4, w4, w5);
-            tpd::ordering::st_relaxed_sys_v2(slot, w0, w1);
-        }
-        return pos;
-    } else {
-        tpd::Body b = tpd::make_body((uint64_t)chunk << 12, (uint64_t)chunk << 12, 4096, 0, 0, chunk, 0, value);
-        return tpd::push<Variant>(ring, tpd::Opcode::Put, 0, 1, b);
-    }
+    return push_put<Variant>(ring, 1, (uint64_t)chunk << 12, chunk, value);
 }
 
 // Every thread pushes `iters` records; thread (0,0) stamps the global timer around its loop.
@@ -134,7 +146,7 @@ __device__ __forceinline__ uint64_t poll_done(const uint64_t* done) {
 // and span[2 * tid + 1] = the thread's first push and last completion (the launch's ops/s). The wait is
 // bounded in every build: a thread that waits longer than `timeout_ns` for one record stores ~0 as that
 // round trip and stops (the host counts them as failures).
-template <int Variant, int Wait>
+template <int Variant, int Wait, bool WarpPush>
 __device__ void roundtrip_sweep(tpd::RingDevice ring, uint32_t threads, uint32_t n, uint32_t peers,
                                 uint64_t timeout_ns, uint64_t* rtt, uint64_t* pushed, uint64_t* span) {
     uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
@@ -145,8 +157,13 @@ __device__ void roundtrip_sweep(tpd::RingDevice ring, uint32_t threads, uint32_t
     uint64_t first = tpd::ordering::now_ns(), t1 = first;
     for (uint32_t i = 0; i < n; ++i) {
         uint64_t t = tpd::ordering::now_ns();
-        tpd::Body b = tpd::make_body(off, off, 4096, 0, 0, tid * n + i, 0, t);
-        uint64_t pos = tpd::push<Variant>(ring, tpd::Opcode::Put, 0, peer, b);
+        uint64_t pos;
+        if (WarpPush) {  // the lanes that reach this together share one slot claim and one release
+            tpd::Body b = tpd::make_body(off, off, 4096, 0, 0, tid * n + i, 0, t);
+            pos = tpd::warp_push<Variant>(ring, true, tpd::Opcode::Put, 0, peer, b);
+        } else {
+            pos = push_put<Variant>(ring, peer, off, tid * n + i, t);
+        }
         pushed[(uint64_t)tid * n + i] = tpd::ordering::now_ns() - t;
         uint32_t polls = 0;
         while (poll_done<Wait>(done) <= pos) {
@@ -165,7 +182,27 @@ __device__ void roundtrip_sweep(tpd::RingDevice ring, uint32_t threads, uint32_t
     span[2 * tid + 1] = t1;
 }
 
+// The sweep over up to four rings: warp w of the launch pushes into ring w % rings (each ring drained by a
+// consumer of its own), every thread as in roundtrip_sweep. What one consumer costs the rate: the same
+// threads over 1, 2 or 4 rings.
+template <int Variant>
+__device__ void roundtrip_sweep_rings(const tpd::RingDevice* rings, uint32_t count, uint32_t threads, uint32_t n,
+                                      uint32_t peers, uint64_t timeout_ns, uint64_t* rtt, uint64_t* pushed,
+                                      uint64_t* span) {
+    const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32u;
+    roundtrip_sweep<Variant, WAIT_THREAD, false>(rings[warp % count], threads, n, peers, timeout_ns, rtt, pushed,
+                                                 span);
+}
+
 }  // namespace bench
+
+extern "C" __global__ void roundtrip_sweep_rings_v2_split(tpd::RingDevice r0, tpd::RingDevice r1, tpd::RingDevice r2,
+                                                          tpd::RingDevice r3, uint32_t count, uint32_t threads,
+                                                          uint32_t n, uint32_t peers, uint64_t timeout_ns,
+                                                          uint64_t* rt, uint64_t* pushed, uint64_t* span) {
+    const tpd::RingDevice rings[4] = {r0, r1, r2, r3};
+    bench::roundtrip_sweep_rings<TPD_COMMIT_V2_SPLIT>(rings, count, threads, n, peers, timeout_ns, rt, pushed, span);
+}
 
 #define TPD_BENCH_VARIANT(name, v)                                                                      \
     extern "C" __global__ void push_loop_##name(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {    \
@@ -178,17 +215,19 @@ __device__ void roundtrip_sweep(tpd::RingDevice ring, uint32_t threads, uint32_t
         bench::roundtrip<v>(ring, n, gap, rt);                                                            \
     }
 
-// the sweep's records go to the proxy: header-last commits only (parity records need their own consumer)
-#define TPD_BENCH_SWEEP_WAIT(name, v, prefix, wait)                                                     \
+// the sweep's records go to the proxy (header-last commits) or to the bare parity consumer (parity ones)
+#define TPD_BENCH_SWEEP_WAIT(name, v, prefix, wait, warp_push)                                          \
     extern "C" __global__ void roundtrip_sweep_##prefix##name(tpd::RingDevice ring, uint32_t threads,         \
                                                               uint32_t n, uint32_t peers, uint64_t timeout_ns, \
                                                               uint64_t* rt, uint64_t* pushed, uint64_t* span) { \
-        bench::roundtrip_sweep<v, wait>(ring, threads, n, peers, timeout_ns, rt, pushed, span);           \
+        bench::roundtrip_sweep<v, wait, warp_push>(ring, threads, n, peers, timeout_ns, rt, pushed, span); \
     }
-#define TPD_BENCH_SWEEP(name, v)                                  \
-    TPD_BENCH_SWEEP_WAIT(name, v, , bench::WAIT_THREAD)           \
-    TPD_BENCH_SWEEP_WAIT(name, v, warpwait_, bench::WAIT_WARP)    \
-    TPD_BENCH_SWEEP_WAIT(name, v, relaxedwait_, bench::WAIT_RELAXED)
+#define TPD_BENCH_SWEEP(name, v)                                         \
+    TPD_BENCH_SWEEP_WAIT(name, v, , bench::WAIT_THREAD, false)           \
+    TPD_BENCH_SWEEP_WAIT(name, v, warpwait_, bench::WAIT_WARP, false)    \
+    TPD_BENCH_SWEEP_WAIT(name, v, relaxedwait_, bench::WAIT_RELAXED, false)
+// the warp-cooperative push (tpd::warp_push): header-last commits only
+#define TPD_BENCH_SWEEP_WARP_PUSH(name, v) TPD_BENCH_SWEEP_WAIT(name, v, warppush_, bench::WAIT_THREAD, true)
 
 TPD_BENCH_VARIANT(release_sys, TPD_COMMIT_RELEASE_SYS)
 TPD_BENCH_VARIANT(fence_sys, TPD_COMMIT_FENCE_SYS)
@@ -200,6 +239,12 @@ TPD_BENCH_SWEEP(release_sys, TPD_COMMIT_RELEASE_SYS)
 TPD_BENCH_SWEEP(fence_sys, TPD_COMMIT_FENCE_SYS)
 TPD_BENCH_SWEEP(v2_release, TPD_COMMIT_V2_RELEASE)
 TPD_BENCH_SWEEP(v2_split, TPD_COMMIT_V2_SPLIT)
+TPD_BENCH_SWEEP_WARP_PUSH(release_sys, TPD_COMMIT_RELEASE_SYS)
+TPD_BENCH_SWEEP_WARP_PUSH(fence_sys, TPD_COMMIT_FENCE_SYS)
+TPD_BENCH_SWEEP_WARP_PUSH(v2_release, TPD_COMMIT_V2_RELEASE)
+TPD_BENCH_SWEEP_WARP_PUSH(v2_split, TPD_COMMIT_V2_SPLIT)
+TPD_BENCH_SWEEP(parity, bench::PARITY)
+TPD_BENCH_SWEEP(parity_v2, bench::PARITY_V2)
 
 extern "C" __global__ void push_loop_warp32(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {
     bench::push_loop_warp(ring, iters, out);

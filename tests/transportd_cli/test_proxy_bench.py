@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -137,3 +138,42 @@ def test_the_worker_loop_runs_alone_on_its_cpu_and_gives_the_rest_back() -> None
             rtt = np.zeros(50, dtype=np.int64)
             assert _core.burst_produce(ring._bytes, 50, 4, 2, 64, rtt, 30.0) == 50
     assert os.sched_getaffinity(0) == mine and (rtt > 0).all()
+
+
+def _parity_words(ring, pos: int, parities: tuple[int, ...]) -> None:
+    """Write slot ``pos``'s six words with byte 0 of word k = parities[k] (the rest: the position)."""
+    capacity = ring.capacity
+    words = np.frombuffer(ring._bytes, dtype="<u8")
+    first = 4096 // 8 + (pos % capacity) * 6
+    words[first:first + 6] = [(pos << 8) | p for p in parities]
+
+
+def test_the_bare_parity_consumer_takes_a_slot_only_when_all_six_words_carry_its_laps_parity() -> None:
+    """gpu_bench's per-word-parity sweep: a slot is committed when every word's byte 0 is its lap's parity (1
+    on even laps, 2 on odd); a slot with one word of the old lap, or a zeroed one, stops the drain there."""
+    from cmd_ring.ring import RingFile
+    from transportd import _core
+
+    with RingFile.create(bench_proxy._ring_name("parity"), 4) as ring:
+        for pos in range(3):
+            _parity_words(ring, pos, (1,) * 6)
+        _parity_words(ring, 3, (1, 1, 1, 2, 1, 1))  # word 3 not landed yet (still another lap's parity)
+        assert _core.bare_drain(ring._bytes, 8, 0.01, True) == 3
+        assert ring.consumer_pos == 3 and ring.completion_pos == 3
+        _parity_words(ring, 3, (1,) * 6)
+        for pos in (4, 5):  # the second lap: parity 2; slot 6 still holds lap one's parity 1
+            _parity_words(ring, pos, (2,) * 6)
+        assert _core.bare_drain(ring._bytes, 8, 0.01, True) == 6
+
+
+def test_the_bare_consumer_with_idle_pauses_still_takes_what_is_committed() -> None:
+    from cmd_ring.ring import RingFile
+    from transportd import _core
+
+    with RingFile.create(bench_proxy._ring_name("pauses"), 64) as ring:
+        rtt = np.zeros(20, dtype=np.int64)
+        drain = threading.Thread(target=_core.bare_drain, args=(ring._bytes, 80, 30.0, False, 64))
+        drain.start()
+        assert _core.burst_produce(ring._bytes, 20, 4, 2, 64, rtt, 30.0) == 20
+        drain.join()
+        assert ring.consumer_pos == 80 and (rtt > 0).all()

@@ -73,12 +73,16 @@ static PyObject *burst_produce(PyObject *mod, PyObject *args) {
     return PyLong_FromLongLong(done);
 }
 
-/* bare_drain(ring buffer, until, timeout_s) -> consumer position reached (pingpong.c), GIL released */
+/* bare_drain(ring buffer, until, timeout_s, parity=False, idle_pauses=0) -> consumer position reached
+ * (pingpong.c), GIL released; parity: the records are per-word parity, not header-last; idle_pauses: spin-wait
+ * hints between looks at a slot not committed yet */
 static PyObject *bare_drain(PyObject *mod, PyObject *args) {
     PyObject *ring;
     unsigned long long until;
     double timeout;
-    if (!PyArg_ParseTuple(args, "OKd", &ring, &until, &timeout)) return NULL;
+    int parity = 0;
+    unsigned pauses = 0;
+    if (!PyArg_ParseTuple(args, "OKd|pI", &ring, &until, &timeout, &parity, &pauses)) return NULL;
     Py_buffer rv;
     if (PyObject_GetBuffer(ring, &rv, PyBUF_WRITABLE) < 0) return NULL;
     if (rv.len < TPD_RING_RECORDS_OFFSET) {
@@ -87,7 +91,8 @@ static PyObject *bare_drain(PyObject *mod, PyObject *args) {
     }
     uint64_t pos;
     Py_BEGIN_ALLOW_THREADS
-    pos = tpd_bare_drain(rv.buf, until, (int64_t)(timeout * 1e9));
+    pos = parity ? tpd_bare_drain_parity(rv.buf, until, (int64_t)(timeout * 1e9), pauses)
+                 : tpd_bare_drain(rv.buf, until, (int64_t)(timeout * 1e9), pauses);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&rv);
     return PyLong_FromUnsignedLongLong(pos);

@@ -12,9 +12,13 @@
  * acquire, the record copied out), release the slots and publish the completion position, block by block,
  * and nothing else: no validation, translation, batching or posting. What a pass costs beyond that is the
  * engine's.
+ *
+ * and its twin for per-word-parity records (the design's alternative commit, measured by the benchmark
+ * only): a slot is committed when byte 0 of each of its six words carries its lap's parity.
  */
 #include "pingpong.h"
 
+#include <string.h>
 #include <time.h>
 
 static int64_t mono_ns(void) {
@@ -85,10 +89,21 @@ out:
 }
 
 enum { BLOCK = 4096 };
+
+/* `n` spin-wait hints between looks at a slot that was not committed yet (0: look again at once) */
+static inline void idle_pause(unsigned n) {
+    for (unsigned i = 0; i < n; i++) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#else
+        __asm__ __volatile__("" ::: "memory");
+#endif
+    }
+}
 /* where the bare consumer copies its records (kept: the copies are part of what it costs) */
 __attribute__((used)) static tpd_cmd_record taken[BLOCK];
 
-uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns) {
+uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses) {
     const uint64_t capacity = *(volatile uint64_t *)(ring + TPD_RING_OFF_CAPACITY), mask = capacity - 1;
     const tpd_cmd_record *records = (const tpd_cmd_record *)(ring + TPD_RING_RECORDS_OFFSET);
     volatile uint64_t *consumer = (volatile uint64_t *)(ring + TPD_RING_OFF_CONSUMER_POS);
@@ -104,6 +119,45 @@ uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns) {
         }
         if (!n) {
             if (mono_ns() > deadline) break;
+            idle_pause(idle_pauses);
+            continue;
+        }
+        pos += n;
+        __atomic_store_n(consumer, pos, __ATOMIC_RELEASE);
+        __atomic_store_n(completion, pos, __ATOMIC_RELEASE);
+    }
+    return pos;
+}
+
+/* Lap parity of a slot at `pos` in per-word-parity records: 1 on even laps, 2 on odd ones, never 0 (a zeroed
+ * ring holds no record). */
+static inline uint8_t lap_parity(uint64_t pos, uint64_t capacity) { return (pos & capacity) ? 2 : 1; }
+
+uint64_t tpd_bare_drain_parity(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses) {
+    const uint64_t capacity = *(volatile uint64_t *)(ring + TPD_RING_OFF_CAPACITY), mask = capacity - 1;
+    const uint64_t *words = (const uint64_t *)(ring + TPD_RING_RECORDS_OFFSET);
+    volatile uint64_t *consumer = (volatile uint64_t *)(ring + TPD_RING_OFF_CONSUMER_POS);
+    volatile uint64_t *completion = (volatile uint64_t *)(ring + TPD_RING_OFF_COMPLETION_POS);
+    uint64_t pos = *consumer;
+    int64_t deadline = mono_ns() + timeout_ns;
+    while (pos < until) {
+        uint64_t n = 0;
+        while (n < BLOCK && pos + n < until) {
+            const uint64_t *w = &words[((pos + n) & mask) * 6];
+            const uint64_t par = lap_parity(pos + n, capacity);
+            uint64_t copy[6];
+            int whole = 1;
+            for (int k = 0; k < 6; k++) {  /* each word lands whole (one 8-byte store) but in any order */
+                copy[k] = __atomic_load_n(&w[k], __ATOMIC_RELAXED);
+                whole &= (copy[k] & 0xFF) == par;
+            }
+            if (!whole) break;
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            memcpy(&taken[n++], copy, sizeof copy);
+        }
+        if (!n) {
+            if (mono_ns() > deadline) break;
+            idle_pause(idle_pauses);
             continue;
         }
         pos += n;
