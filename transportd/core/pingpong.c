@@ -103,20 +103,40 @@ static inline void idle_pause(unsigned n) {
 /* where the bare consumer copies its records (kept: the copies are part of what it costs) */
 __attribute__((used)) static tpd_cmd_record taken[BLOCK];
 
-uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses) {
-    const uint64_t capacity = *(volatile uint64_t *)(ring + TPD_RING_OFF_CAPACITY), mask = capacity - 1;
-    const tpd_cmd_record *records = (const tpd_cmd_record *)(ring + TPD_RING_RECORDS_OFFSET);
+/* Lap parity of a slot at `pos` in per-word-parity records: 1 on even laps, 2 on odd ones, never 0 (a zeroed
+ * ring holds no record). */
+static inline uint8_t lap_parity(uint64_t pos, uint64_t capacity) { return (pos & capacity) ? 2 : 1; }
+
+/* Copy the record at ring position `pos` into *out if it is committed: header-last, its lap-stamped seq (read
+ * with acquire); per-word parity, all six words carrying the lap's parity (each word lands whole, as one
+ * 8-byte store, but in any order). */
+static inline int take_slot(const uint8_t *ring, uint64_t capacity, uint64_t pos, int parity, tpd_cmd_record *out) {
+    const tpd_cmd_record *r = (const tpd_cmd_record *)(ring + TPD_RING_RECORDS_OFFSET) + (pos & (capacity - 1));
+    if (!parity) {
+        if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != (uint32_t)(pos % 0xFFFFFFFFull + 1)) return 0;
+        *out = *r;
+        return 1;
+    }
+    const uint64_t *w = (const uint64_t *)r, par = lap_parity(pos, capacity);
+    uint64_t copy[6];
+    for (int k = 0; k < 6; k++) {
+        copy[k] = __atomic_load_n(&w[k], __ATOMIC_RELAXED);
+        if ((copy[k] & 0xFF) != par) return 0;
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    memcpy(out, copy, sizeof copy);
+    return 1;
+}
+
+static uint64_t bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses, int parity) {
+    const uint64_t capacity = *(volatile uint64_t *)(ring + TPD_RING_OFF_CAPACITY);
     volatile uint64_t *consumer = (volatile uint64_t *)(ring + TPD_RING_OFF_CONSUMER_POS);
     volatile uint64_t *completion = (volatile uint64_t *)(ring + TPD_RING_OFF_COMPLETION_POS);
     uint64_t pos = *consumer;
     int64_t deadline = mono_ns() + timeout_ns;
     while (pos < until) {
         uint64_t n = 0;
-        while (n < BLOCK && pos + n < until) {
-            const tpd_cmd_record *r = &records[(pos + n) & mask];
-            if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != (uint32_t)((pos + n) % 0xFFFFFFFFull + 1)) break;
-            taken[n++] = *r;
-        }
+        while (n < BLOCK && pos + n < until && take_slot(ring, capacity, pos + n, parity, &taken[n])) n++;
         if (!n) {
             if (mono_ns() > deadline) break;
             idle_pause(idle_pauses);
@@ -129,40 +149,10 @@ uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsig
     return pos;
 }
 
-/* Lap parity of a slot at `pos` in per-word-parity records: 1 on even laps, 2 on odd ones, never 0 (a zeroed
- * ring holds no record). */
-static inline uint8_t lap_parity(uint64_t pos, uint64_t capacity) { return (pos & capacity) ? 2 : 1; }
+uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses) {
+    return bare_drain(ring, until, timeout_ns, idle_pauses, 0);
+}
 
 uint64_t tpd_bare_drain_parity(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses) {
-    const uint64_t capacity = *(volatile uint64_t *)(ring + TPD_RING_OFF_CAPACITY), mask = capacity - 1;
-    const uint64_t *words = (const uint64_t *)(ring + TPD_RING_RECORDS_OFFSET);
-    volatile uint64_t *consumer = (volatile uint64_t *)(ring + TPD_RING_OFF_CONSUMER_POS);
-    volatile uint64_t *completion = (volatile uint64_t *)(ring + TPD_RING_OFF_COMPLETION_POS);
-    uint64_t pos = *consumer;
-    int64_t deadline = mono_ns() + timeout_ns;
-    while (pos < until) {
-        uint64_t n = 0;
-        while (n < BLOCK && pos + n < until) {
-            const uint64_t *w = &words[((pos + n) & mask) * 6];
-            const uint64_t par = lap_parity(pos + n, capacity);
-            uint64_t copy[6];
-            int whole = 1;
-            for (int k = 0; k < 6; k++) {  /* each word lands whole (one 8-byte store) but in any order */
-                copy[k] = __atomic_load_n(&w[k], __ATOMIC_RELAXED);
-                whole &= (copy[k] & 0xFF) == par;
-            }
-            if (!whole) break;
-            __atomic_thread_fence(__ATOMIC_ACQUIRE);
-            memcpy(&taken[n++], copy, sizeof copy);
-        }
-        if (!n) {
-            if (mono_ns() > deadline) break;
-            idle_pause(idle_pauses);
-            continue;
-        }
-        pos += n;
-        __atomic_store_n(consumer, pos, __ATOMIC_RELEASE);
-        __atomic_store_n(completion, pos, __ATOMIC_RELEASE);
-    }
-    return pos;
+    return bare_drain(ring, until, timeout_ns, idle_pauses, 1);
 }
