@@ -33,6 +33,11 @@ time its efa workers spent posting and reaping their flags' loopback writes (eac
 ``comm_link_busy_ms`` and ``fused_link_busy_ms``: the time its NIC model's link was busy (against the launch's
 time, how much of it the modeled wire bounds).
 
+``--flags host``: each rank's flag words in a host flag file (pinned, mapped into the GPU) made before the
+ops, which take the session's flags when it has them, instead of the GPU memory they allocate by default: on
+efa the receiving daemon then stores each flag from the compiled data path instead of writing it into GPU
+memory with a loopback RDMA write (no GDRCopy here); the kernels poll host memory over PCIe.
+
 ``--timeline RAW``: each GEMM+RS / GEMM+AR row also runs one launch of each of compute, comm and fused with
 the op's timeline (``timeline=``, docs/kernels.md) and summarizes it per rank in the row (``timeline``: when
 the peers' tiles and the own tiles ran, the own tiles' waits, when this rank's chunks shipped, its programs'
@@ -131,6 +136,10 @@ QUICK_MOE = {"tokens": 32, "hidden": 1024, "topk": 4, "experts": 8}
 PROGRAMS: int | None = None
 #: how the soft fabric places a GPU write (``--copy-via``, ``softverbs.direct_copy_via``)
 COPY_VIA = "device"
+#: where each rank's flag words live (``--flags``): the ops' own device flags, or a host flag file made first
+FLAGS = "device"
+FLAG_PLACEMENTS = ("device", "host")
+HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
 
 
 @dataclass
@@ -179,6 +188,9 @@ def _sessions(backend: str, shape: str, job: str, device: int,
     with LocalCluster(WORLD, backend=backend, overrides=overrides) as cluster:
         clients = [gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names]
         sessions = [c.join(job, rank=r, world=WORLD, device=device) for r, c in enumerate(clients)]
+        if FLAGS == "host":  # the ops take the session's flag array when it has one
+            for s in sessions:
+                s.flags(HOST_FLAG_WORDS, where="host")
         try:
             yield clients, sessions
         finally:
@@ -985,6 +997,10 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
 @click.option("--copy-via", type=click.Choice(DIRECT_COPY_PLACEMENTS), default="device", show_default=True,
               help="softverbs.direct_copy_via: the soft fabric places a GPU write with one device-to-device copy "
                    "(on SMs, beside the fused op's programs) or through pinned host memory (copy engines, no SM)")
+@click.option("--flags", "flags_where", type=click.Choice(FLAG_PLACEMENTS), default="device", show_default=True,
+              help="each rank's flag words: in GPU memory (the ops' default; on efa the receiving daemon writes them "
+                   "with a loopback RDMA write where there is no GDRCopy) or in a host flag file the kernels read "
+                   "mapped (the daemon stores them)")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
               help="also run one launch of each mode with the kernels' timelines (GEMM+RS, GEMM+AR): a summary in "
                    "each row, every recorded event here")
@@ -996,12 +1012,12 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
               help="--tune: configs not started by then are recorded as skipped")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
-         timeline_path: str | None = None) -> None:
+         timeline_path: str | None = None, flags_where: str = "device") -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, COPY_VIA
-    PROGRAMS, COPY_VIA = programs, copy_via
+    global PROGRAMS, COPY_VIA, FLAGS
+    PROGRAMS, COPY_VIA, FLAGS = programs, copy_via, flags_where
 
     wanted = [k for k in kernels.split(",") if k]
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
@@ -1030,7 +1046,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             Path(timeline_path).write_text(json.dumps(raw_timelines))
         if json_path:
             Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
-                                                   "programs": programs}, indent=2))
+                                                   "flags": flags_where, "programs": programs}, indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:
         try:

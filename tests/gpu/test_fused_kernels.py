@@ -24,21 +24,31 @@ pytest.importorskip("triton")
 LAUNCHES = 3
 
 
-def _ranks(cluster: LocalCluster, job: str, device: int, world: int | None = None) -> list:
+HOST_FLAGS = ":host-flags"  # a fabric with this suffix: every rank's flags in a host flag file, not GPU memory
+
+
+def _ranks(cluster: LocalCluster, job: str, device: int, world: int | None = None, fabric: str = "") -> list:
     """``(client, session)`` of ``world`` ranks (default: one per daemon), rank r on daemon ``r % nodes``: world
-    4 on two daemons puts two ranks on each, so peers are both on the same daemon and across."""
+    4 on two daemons puts two ranks on each, so peers are both on the same daemon and across. A ``fabric``
+    ending in ``HOST_FLAGS``: each session's flags are a host flag file made before the op (which takes the
+    session's flags when it has them), read by the kernels mapped; the receiving daemon stores them (efa) or
+    the sending NIC writes them (ib)."""
     sessions = []
     names = cluster.names
     for r in range(world or len(names)):
         client = gpuclient.connect(cluster.socket(names[r % len(names)]), timeout=60)
-        sessions.append((client, client.join(job, rank=r, world=world or len(names), device=device)))
+        session = client.join(job, rank=r, world=world or len(names), device=device)
+        if fabric.endswith(HOST_FLAGS):
+            session.flags(4096, where="host")
+        sessions.append((client, session))
     return sessions
 
 
 def _cluster(nodes: int, fabric: str) -> LocalCluster:
     """``nodes`` daemons on ``fabric``: ``ib`` (RC, the default ``write`` signal mode), ``ib-atomic`` and
-    ``ib-fence`` (ib in that signal mode: how the daemon orders a flag after its payload), or ``efa`` (SRD)."""
-    backend, _, mode = fabric.partition("-")
+    ``ib-fence`` (ib in that signal mode: how the daemon orders a flag after its payload), or ``efa`` (SRD);
+    a ``HOST_FLAGS`` suffix is the ranks' business (``_ranks``)."""
+    backend, _, mode = fabric.removesuffix(HOST_FLAGS).partition("-")
     overrides: dict = {"peers": {"heartbeat_timeout_s": 20.0}}
     if mode:
         overrides["signal"] = {"mode": mode}
@@ -124,7 +134,8 @@ def _assert_sum(got, want, magnitude, what: str) -> None:
     *[(f, pdt, odt, w) for f in ("ib", "efa")
       for pdt, odt, w in [("bfloat16", "float32", 2), ("float32", "bfloat16", 2),
                           ("bfloat16", "float32", 4)]],  # 4: two ranks on each of the two daemons
-    ("ib-atomic", "bfloat16", "float32", 2), ("ib-fence", "float32", "bfloat16", 2)])
+    ("ib-atomic", "bfloat16", "float32", 2), ("ib-fence", "float32", "bfloat16", 2),
+    ("efa" + HOST_FLAGS, "bfloat16", "float32", 2), ("ib" + HOST_FLAGS, "float32", "bfloat16", 2)])
 def test_gemm_reduce_scatter_matches_torch(cuda_device, fabric: str, partial_dtype: str, out_dtype: str,
                                            world: int) -> None:
     from gpuclient.kernels import GemmReduceScatter
@@ -136,7 +147,7 @@ def test_gemm_reduce_scatter_matches_torch(cuda_device, fabric: str, partial_dty
     pdt, odt = getattr(torch, partial_dtype), getattr(torch, out_dtype)
     gen = torch.Generator(device="cpu").manual_seed(5)
     with _cluster(2, fabric) as cluster:
-        sessions = _ranks(cluster, "fused-gemm-rs", cuda_device, world)
+        sessions = _ranks(cluster, "fused-gemm-rs", cuda_device, world, fabric)
         try:
             # programs=5: a program takes peer and own tiles, every rank's grid resident at once
             ops = [GemmReduceScatter(s, m, n, k, chunk_rows=48, share=world, programs=5, partial_dtype=pdt,
@@ -297,6 +308,8 @@ def _attention(q: list, k: list, v: list, causal: bool):
         (3, 64, True, "bfloat16", 1)]],
     ("ib-atomic", 2, 128, True, "float32", 1),
     ("ib-fence", 3, 128, False, "float32", 2),
+    ("efa" + HOST_FLAGS, 3, 128, False, "float32", 2),
+    ("ib" + HOST_FLAGS, 2, 128, True, "float32", 1),
 ])
 def test_ring_attention_matches_torch(cuda_device, fabric: str, world: int, head_dim: int, causal: bool,
                                       out_dtype: str, comm_programs: int) -> None:
@@ -310,7 +323,7 @@ def test_ring_attention_matches_torch(cuda_device, fabric: str, world: int, head
     gen = torch.Generator(device="cpu").manual_seed(11 + world + head_dim)
     dev = f"cuda:{cuda_device}"
     with _cluster(world, fabric) as cluster:
-        sessions = _ranks(cluster, f"fused-ring-attn-{world}", cuda_device)
+        sessions = _ranks(cluster, f"fused-ring-attn-{world}", cuda_device, fabric=fabric)
         try:
             ops = [RingAttention(s, heads, seq_local, head_dim, causal=causal, chunk_rows=chunk_rows,
                                  comm_programs=comm_programs, share=world, programs=comm_programs + 4,
