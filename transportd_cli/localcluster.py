@@ -8,6 +8,7 @@ port on 127.0.0.1; every node lists every other one as a static peer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -16,7 +17,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,27 @@ __all__ = ["LocalCluster", "free_port", "localcluster"]
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM this daemon when the process that started it dies (Linux)."""
     die_with_parent(signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _signals_held(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Ctrl-C or SIGTERM that arrives inside the block is held and delivered once it ends, to the handler that
+    was there before (main thread only: Python runs signal handlers there). Starting a daemon forks, and a
+    handler that raises in the middle of it does harm: inside the logging module's at-fork hook it skips the
+    lock's acquire, so the hook's release after the fork fails (a traceback on stderr); inside ``Popen``
+    after the fork it loses the handle of a daemon that is already running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
 
 
 _handed_out: set[int] = set()
@@ -243,10 +267,12 @@ class LocalCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("TRANSPORTD_SOCKET", None)
         node.log_file = open(node.log_path, "ab")
-        node.process = subprocess.Popen([sys.executable, "-m", "transportd", "run", "--config", str(node.config_path)],
-                                        stdout=node.log_file, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
-        node.groups.add(node.process.pid)  # its own session and group: a successor it starts stays in it
+        with _signals_held():  # an interrupt now is acted on once the daemon's handle is kept
+            node.process = subprocess.Popen(
+                [sys.executable, "-m", "transportd", "run", "--config", str(node.config_path)],
+                stdout=node.log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=_die_with_parent)
+            node.groups.add(node.process.pid)  # its own session and group: a successor it starts stays in it
 
     def _wait_ready(self, node: LocalNode, deadline: float, peers_up: int | None = None) -> None:
         want = len(self.nodes) - 1 if peers_up is None else peers_up
@@ -319,8 +345,8 @@ class LocalCluster:
 # --- `transportd localcluster N` ----------------------------------------------------------------------------
 class _StopRequest:
     """Ctrl-C or SIGTERM, remembered as well as raised: a signal that lands inside a callback whose
-    exceptions Python ignores (the logging module's at-fork hook, while a daemon is being forked) would
-    otherwise be lost, and the command would run on with nobody to stop it."""
+    exceptions Python ignores (a finalizer, a weakref callback; a daemon's fork holds signals, see
+    ``_signals_held``) would otherwise be lost, and the command would run on with nobody to stop it."""
 
     def __init__(self) -> None:
         self.requested = False

@@ -87,6 +87,30 @@ def test_ctrl_c_during_start_up_leaves_nothing_behind() -> None:
     assert not workdir.exists()
 
 
+def test_ctrl_c_while_a_daemon_is_forked_is_acted_on_once_its_handle_is_kept(monkeypatch: pytest.MonkeyPatch,
+                                                                             capfd: pytest.CaptureFixture) -> None:
+    """A Ctrl-C that lands while a daemon is being started (here: just before the fork) is held until the
+    daemon's handle is kept, then raised: every daemon started is stopped, nothing is printed about the
+    logging module's fork hook, and the work directory goes."""
+    import transportd_cli.localcluster as lc
+
+    real_popen = subprocess.Popen
+    forked: list[subprocess.Popen] = []
+
+    def popen_after_ctrl_c(*args: object, **kwargs: object) -> subprocess.Popen:
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at the next bytecode: here, unless held
+        forked.append(real_popen(*args, **kwargs))
+        return forked[-1]
+
+    monkeypatch.setattr(lc.subprocess, "Popen", popen_after_ctrl_c)
+    cluster = LocalCluster(2)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.start()
+    assert len(forked) == 1 and cluster.nodes[cluster.names[0]].process is forked[0]
+    assert forked[0].poll() is not None and not cluster.workdir.exists()
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_a_local_cluster_interrupted_while_starting_stops_its_daemons(monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = LocalCluster(2)
 
