@@ -42,6 +42,9 @@ class LoopbackWriter:
             e, ee = v.libibverbs_enums, v.efa_enums
             self.staging = np.zeros(depth, dtype=np.uint64)
             self.mr = self.twin.register(int(self.staging.ctypes.data), self.staging.nbytes, access_flags(v))
+            # one scatter entry per staging entry, made once: a post only names it (wr_set_sge copies its fields)
+            base, lkey = int(self.staging.ctypes.data), int(self.mr.lkey)
+            self._sges = [v.wr.SGE(base + 8 * i, 8, lkey) for i in range(depth)]
             cap = v.qp.QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1, max_inline_data=0)
             init = v.qp.QPInitAttrEx(
                 qp_type=e.ibv_qp_type.IBV_QPT_DRIVER, scq=self.twin.cq, rcq=self.twin.cq, cap=cap, pd=rail.pd,
@@ -100,7 +103,7 @@ class LoopbackWriter:
                             qp.wr_flags = self.signaled  # EFA: every WR signaled
                             qp.wr_rdma_write(rkey, addr)
                             qp.wr_set_ud_addr(self.ah, self.qpn, self.qkey)
-                            qp.wr_set_sge(v.wr.SGE(int(self.staging.ctypes.data) + 8 * i, 8, int(self.mr.lkey)))
+                            qp.wr_set_sge(self._sges[i])
                     except BaseException:
                         qp.wr_abort()
                         self._free.extend(entries)
