@@ -56,6 +56,7 @@ def receiver(n: int) -> None:
     kd = be.register_memory(dst.ctypes.data, dst.nbytes, remote_write=True, remote_atomic=False)
     say({"endpoint": be.create_endpoint(CONN, "mp"), "dst": [kd.addr, kd.rkey]})
     be.connect(CONN, hear()["endpoint"])
+    say({"connected": True})  # ready to receive: only now may the sender post
     # poll() takes the arrivals and publishes the flags: spin
     wait_until(lambda: be.poll() is not None and int(flags[0]) >= n, f"flag 0 to reach {n}", 30, interval=0)
     say({"flag": int(flags[0]), "data_ok": bool(np.array_equal(dst, expect)), "early": early})

@@ -25,3 +25,12 @@ def test_put_signal_between_processes(mode: str) -> None:
     assert sent["inflight"] == 0
     assert got == {"flag": n, "data_ok": True}
     assert tx.proc.returncode == 0 and rx.proc.returncode == 0
+
+
+def test_a_receiver_slow_to_connect_loses_nothing() -> None:
+    """The sender learns the receiver's endpoint only once the receiver has connected: a write that reached
+    a QP not yet ready to receive would be dropped and fail the sender's QP (as on an HCA)."""
+    n = 8
+    rx, tx = Node("receiver", "write", n, 0.5), Node("sender", "write", n)
+    sent, got = run_pair(rx, tx)
+    assert all(s == 0 for _, s in sent["tokens"]) and got == {"flag": n, "data_ok": True}

@@ -48,12 +48,15 @@ class NodeProcess:
 
 
 def run_pair(receiver: NodeProcess, sender: NodeProcess) -> tuple[dict, dict]:
-    """The mp_node handshake: each node reports its endpoint, the receiver learns the sender's and the
-    sender the receiver's, the transfer runs; returns (sender's report, receiver's report) once both exit."""
+    """The mp_node handshake: each node reports its endpoint; the receiver learns the sender's, connects and
+    says so; only then does the sender learn the receiver's (a request that reaches a QP not yet ready to
+    receive is dropped, as an HCA drops it, and fails the sender's QP); the transfer runs. Returns (sender's
+    report, receiver's report) once both exit."""
     try:
         rinfo = receiver.recv()
         tinfo = sender.recv()
         receiver.send({"endpoint": tinfo["endpoint"]})
+        assert receiver.recv() == {"connected": True}
         sender.send(rinfo)
         sent = sender.recv()
         got = receiver.recv()
