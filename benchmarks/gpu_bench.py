@@ -483,34 +483,45 @@ FAILED = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 def _sweep_launch(gpu: Gpu, kernel: Any, dev: DeviceRing, count: int, n: int, peers: int,
                   ring: RingFile | None = None, cpu: int | None = None,
                   parity: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One launch of ``count`` threads x ``n`` round trips: (round trip ns, zero where never reached and
-    FAILED where the thread timed out; the push's own ns of each; (first push, last completion) per thread).
-    With ``ring``, a thread here drains it with the bare C consumer for the launch (GIL released) instead of
-    a worker loop (on ``cpu`` alone when given; ``parity``: of per-word-parity records)."""
+    """One launch of ``count`` threads x ``n`` round trips (``_run_sweep_kernel``). With ``ring``, a thread here
+    drains it with the bare C consumer for the launch (GIL released) instead of a worker loop (on ``cpu``
+    alone when given; ``parity``: of per-word-parity records)."""
+    drains = []
+    if ring is not None:
+        until = ring.consumer_pos + count * n
+
+        def drain() -> None:
+            if cpu is not None:
+                os.sched_setaffinity(0, {cpu})
+            _core.bare_drain(ring._bytes, until, SWEEP_TIMEOUT_NS / 1e9, parity)
+
+        drains.append(threading.Thread(target=drain, daemon=True))
+    return _run_sweep_kernel(gpu, kernel, (dev,), count, n, peers, drains)
+
+
+def _run_sweep_kernel(gpu: Gpu, kernel: Any, rings: tuple[Any, ...], count: int, n: int, peers: int,
+                      drains: list[threading.Thread]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Launch a sweep kernel (its ring arguments ``rings`` first) of ``count`` threads x ``n`` round trips, with
+    ``drains`` running for the launch: (round trip ns, zero where never reached and FAILED where the thread
+    timed out; the push's own ns of each; (first push, last completion) per thread)."""
     rtt, span = DeviceMemory(8 * count * n, gpu.device), DeviceMemory(16 * count, gpu.device)  # zeroed
     pushed = DeviceMemory(8 * count * n, gpu.device)
-    drainer = None
+    started: list[threading.Thread] = []
     try:
-        if ring is not None:
-            until = ring.consumer_pos + count * n
-            def drain() -> None:
-                if cpu is not None:
-                    os.sched_setaffinity(0, {cpu})
-                _core.bare_drain(ring._bytes, until, SWEEP_TIMEOUT_NS / 1e9, parity)
-
-            drainer = threading.Thread(target=drain, daemon=True)
-            drainer.start()
+        for t in drains:
+            t.start()
+            started.append(t)
         block = min(count, 32)
         kernel.launch((count + block - 1) // block, block,
-                      (dev, np.uint32(count), np.uint32(n), np.uint32(peers), np.uint64(SWEEP_TIMEOUT_NS),
+                      (*rings, np.uint32(count), np.uint32(n), np.uint32(peers), np.uint64(SWEEP_TIMEOUT_NS),
                        np.uint64(rtt.ptr), np.uint64(pushed.ptr), np.uint64(span.ptr)), stream=gpu.stream)
         gpu.sync()
         ns = np.frombuffer(rtt.read(0, 8 * count * n), dtype="<u8")
         push_ns = np.frombuffer(pushed.read(0, 8 * count * n), dtype="<u8")
         ends = np.frombuffer(span.read(0, 16 * count), dtype="<u8").reshape(count, 2)
     finally:
-        if drainer is not None:
-            drainer.join()
+        for t in started:
+            t.join()
         rtt.free()
         pushed.free()
         span.free()
@@ -549,30 +560,12 @@ def split_ring_sweep(gpu: Gpu, rings: int, threads: tuple[int, ...] = SWEEP_THRE
         def launch(count: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             warps = (count + 31) // 32  # warp w pushes into ring w % rings
             records = [n * sum(min(32, count - 32 * w) for w in range(i, warps, rings)) for i in range(rings)]
-            rtt, span = DeviceMemory(8 * count * n, gpu.device), DeviceMemory(16 * count, gpu.device)
-            pushed = DeviceMemory(8 * count * n, gpu.device)
             drains = [threading.Thread(target=_core.bare_drain, daemon=True,
                                        args=(f._bytes, f.consumer_pos + k, SWEEP_TIMEOUT_NS / 1e9, False,
                                              idle_pauses))
                       for f, k in zip(files, records, strict=True) if k and consumer == "bare"]
-            try:
-                for t in drains:
-                    t.start()
-                block = min(count, 32)
-                args = (*devs, *[devs[0]] * (4 - rings), np.uint32(rings), np.uint32(count), np.uint32(n),
-                        np.uint32(peers), np.uint64(SWEEP_TIMEOUT_NS), np.uint64(rtt.ptr), np.uint64(pushed.ptr),
-                        np.uint64(span.ptr))
-                kernel.launch((count + block - 1) // block, block, args, stream=gpu.stream)
-                gpu.sync()
-                return (np.frombuffer(rtt.read(0, 8 * count * n), dtype="<u8"),
-                        np.frombuffer(pushed.read(0, 8 * count * n), dtype="<u8"),
-                        np.frombuffer(span.read(0, 16 * count), dtype="<u8").reshape(count, 2))
-            finally:
-                for t in drains:
-                    t.join()
-                rtt.free()
-                pushed.free()
-                span.free()
+            ring_args = (*devs, *[devs[0]] * (4 - rings), np.uint32(rings))  # unused slots repeat ring 0
+            return _run_sweep_kernel(gpu, kernel, ring_args, count, n, peers, drains)
 
         try:
             launch(1, 100)  # warm-up: the module, the mappings
