@@ -91,8 +91,7 @@ static PyObject *bare_drain(PyObject *mod, PyObject *args) {
     }
     uint64_t pos;
     Py_BEGIN_ALLOW_THREADS
-    pos = parity ? tpd_bare_drain_parity(rv.buf, until, (int64_t)(timeout * 1e9), pauses)
-                 : tpd_bare_drain(rv.buf, until, (int64_t)(timeout * 1e9), pauses);
+    pos = tpd_bare_drain(rv.buf, until, (int64_t)(timeout * 1e9), pauses, parity);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&rv);
     return PyLong_FromUnsignedLongLong(pos);

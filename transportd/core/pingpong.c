@@ -13,8 +13,8 @@
  * and nothing else: no validation, translation, batching or posting. What a pass costs beyond that is the
  * engine's.
  *
- * and its twin for per-word-parity records (the design's alternative commit, measured by the benchmark
- * only): a slot is committed when byte 0 of each of its six words carries its lap's parity.
+ * and, with `parity`, the same loop over per-word-parity records (the design's alternative commit, measured
+ * by the benchmark only): a slot is committed when byte 0 of each of its six words carries its lap's parity.
  */
 #include "pingpong.h"
 
@@ -128,7 +128,7 @@ static inline int take_slot(const uint8_t *ring, uint64_t capacity, uint64_t pos
     return 1;
 }
 
-static uint64_t bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses, int parity) {
+uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses, int parity) {
     const uint64_t capacity = *(volatile uint64_t *)(ring + TPD_RING_OFF_CAPACITY);
     volatile uint64_t *consumer = (volatile uint64_t *)(ring + TPD_RING_OFF_CONSUMER_POS);
     volatile uint64_t *completion = (volatile uint64_t *)(ring + TPD_RING_OFF_COMPLETION_POS);
@@ -147,12 +147,4 @@ static uint64_t bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, un
         __atomic_store_n(completion, pos, __ATOMIC_RELEASE);
     }
     return pos;
-}
-
-uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses) {
-    return bare_drain(ring, until, timeout_ns, idle_pauses, 0);
-}
-
-uint64_t tpd_bare_drain_parity(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses) {
-    return bare_drain(ring, until, timeout_ns, idle_pauses, 1);
 }

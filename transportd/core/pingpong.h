@@ -20,10 +20,8 @@ int64_t tpd_burst_produce(uint8_t *ring, uint64_t bursts, uint64_t burst, uint16
 /* The bare consumer: take committed records from the mapped ring at `ring` (copied out, block by block),
  * release their slots and publish the completion position, until the consumer position reaches `until` or
  * nothing new came for timeout_ns; `idle_pauses` spin-wait hints between looks at a slot not yet committed.
- * Returns the consumer position reached. */
-uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses);
-
-/* The same for per-word-parity records (benchmarks/gpu_push.cu's PARITY push): a slot is committed when
- * byte 0 of each of its six words is its lap's parity (1 on even laps, 2 on odd). */
-uint64_t tpd_bare_drain_parity(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses);
+ * `parity`: the records are per-word parity (benchmarks/gpu_push.cu's PARITY push), committed when byte 0 of
+ * each of a slot's six words is its lap's parity (1 on even laps, 2 on odd), not header-last. Returns the
+ * consumer position reached. */
+uint64_t tpd_bare_drain(uint8_t *ring, uint64_t until, int64_t timeout_ns, unsigned idle_pauses, int parity);
 #endif
