@@ -76,6 +76,8 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
     for seconds in ("nan", "inf", "-1"):  # a NaN budget would pass every comparison and never skip
         result = CliRunner().invoke(bench.main, ["--tune", "--tune-seconds", seconds])
         assert result.exit_code == 2 and "--tune-seconds" in result.output, result.output
+    result = CliRunner().invoke(bench.main, ["--flags", "gpu", "--kernels", "moe"])  # device or host only
+    assert result.exit_code == 2 and "--flags" in result.output and bench.FLAGS == "device", result.output
 
 
 # --- the tuning mode (--tune): what it times, in which order, and how it reports ------------------------------
