@@ -47,13 +47,12 @@ def _us(ns: list[int], q: float) -> float:
     return float(np.percentile(np.asarray(ns, dtype=np.float64), q)) / 1e3
 
 
-def loopback_cost(writes: int = 2000, in_process: bool = True) -> dict[str, Any]:
+def loopback_cost(writes: int = 2000) -> dict[str, Any]:
     """One flag word at a time, ``writes`` times: the post, post -> reaped, and the writer's time per write (µs);
-    checks that every word holds its shadow's value at the end. ``in_process``: the device's
-    ``loopback_in_process`` (False: through a TCP connection to its own listener and I/O thread)."""
+    checks that every word holds its shadow's value at the end."""
     verbs = tverbs.load("soft")
     name = f"efa{uuid.uuid4().hex[:8]}"
-    verbs.soft.add_device(name, "efa", reorder_seed=1, loopback_in_process=in_process)
+    verbs.soft.add_device(name, "efa", reorder_seed=1)
     backend = EfaBackend(name, verbs=verbs)
     target = np.zeros(WORDS, dtype=np.uint64)
     key = backend.register_memory(int(target.ctypes.data), target.nbytes, remote_write=True, remote_atomic=True,
@@ -83,8 +82,7 @@ def loopback_cost(writes: int = 2000, in_process: bool = True) -> dict[str, Any]
             reaped_ns.append(time.perf_counter_ns() - t1)
             reaps.append(calls)
         landed = bool((target == shadow.values).all())
-        result = {"writes": writes, "landed": landed, "loopback": "in-process" if in_process else "socket",
-                  "loopback_writes": writer.writes,
+        result = {"writes": writes, "landed": landed, "loopback_writes": writer.writes,
                   "post_p50_us": _us(post_ns, 50), "post_p99_us": _us(post_ns, 99),
                   "reaped_p50_us": _us(reaped_ns, 50), "reaped_p99_us": _us(reaped_ns, 99),
                   "reap_calls_p50": float(np.median(reaps)),
@@ -99,8 +97,7 @@ def loopback_cost(writes: int = 2000, in_process: bool = True) -> dict[str, Any]
 
 def table(r: dict[str, Any]) -> str:
     return "\n".join([
-        f"loopback flag writes over softverbs ({r['loopback']}), one at a time, {r['writes']} writes "
-        f"({r['cpus']} CPUs)",
+        f"loopback flag writes over softverbs, one at a time, {r['writes']} writes ({r['cpus']} CPUs)",
         f"  post (end_pass)            p50 {r['post_p50_us']:8.1f} us   p99 {r['post_p99_us']:8.1f} us",
         f"  post -> reaped             p50 {r['reaped_p50_us']:8.1f} us   p99 {r['reaped_p99_us']:8.1f} us "
         f"({r['reap_calls_p50']:.0f} reap calls)",
@@ -111,17 +108,12 @@ def table(r: dict[str, Any]) -> str:
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
 @click.option("--writes", type=click.IntRange(min=1), default=2000, show_default=True)
-@click.option("--loopback", "modes", type=click.Choice(["in-process", "socket"]), multiple=True,
-              default=["in-process", "socket"], show_default=True,
-              help="how the soft device reaches itself (softverbs.loopback_in_process); each one given, in turn")
-def main(json_path: str | None, writes: int, modes: tuple[str, ...]) -> None:
+def main(json_path: str | None, writes: int) -> None:
     """Time one loopback flag write on the soft EFA device (see the module doc)."""
-    results = []
-    for mode in modes:
-        results.append(loopback_cost(writes, in_process=mode == "in-process"))
-        click.echo(table(results[-1]))
+    result = loopback_cost(writes)
+    click.echo(table(result))
     if json_path:
-        Path(json_path).write_text(json.dumps(results, indent=2))
+        Path(json_path).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
