@@ -138,9 +138,6 @@ PROGRAMS: int | None = None
 COPY_VIA = "device"
 #: where each rank's flag words live (``--flags``): the ops' own device flags, or a host flag file made first
 FLAGS = "device"
-#: how a soft device reaches itself (``--loopback``, ``softverbs.loopback_in_process``): efa's flag writes
-LOOPBACK = "in-process"
-LOOPBACKS = ("in-process", "socket")
 FLAG_PLACEMENTS = ("device", "host")
 HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
 
@@ -186,8 +183,7 @@ def _sessions(backend: str, shape: str, job: str, device: int,
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
-    overrides = {"softverbs": {"direct_copy": True, "direct_copy_via": COPY_VIA,
-                               "loopback_in_process": LOOPBACK == "in-process", **SHAPES.get(shape, {})},
+    overrides = {"softverbs": {"direct_copy": True, "direct_copy_via": COPY_VIA, **SHAPES.get(shape, {})},
                  "peers": {"heartbeat_timeout_s": 20.0}, **(config or {})}
     with LocalCluster(WORLD, backend=backend, overrides=overrides) as cluster:
         clients = [gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names]
@@ -1005,9 +1001,6 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
               help="each rank's flag words: in GPU memory (the ops' default; on efa the receiving daemon writes them "
                    "with a loopback RDMA write where there is no GDRCopy) or in a host flag file the kernels read "
                    "mapped (the daemon stores them)")
-@click.option("--loopback", type=click.Choice(LOOPBACKS), default="in-process", show_default=True,
-              help="softverbs.loopback_in_process: a soft device's requests to itself (efa's flag writes into its "
-                   "own GPU) pass in the process, or through a TCP connection to its own listener and I/O thread")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
               help="also run one launch of each mode with the kernels' timelines (GEMM+RS, GEMM+AR): a summary in "
                    "each row, every recorded event here")
@@ -1019,12 +1012,12 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
               help="--tune: configs not started by then are recorded as skipped")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
-         timeline_path: str | None = None, flags_where: str = "device", loopback: str = "in-process") -> None:
+         timeline_path: str | None = None, flags_where: str = "device") -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, COPY_VIA, FLAGS, LOOPBACK
-    PROGRAMS, COPY_VIA, FLAGS, LOOPBACK = programs, copy_via, flags_where, loopback
+    global PROGRAMS, COPY_VIA, FLAGS
+    PROGRAMS, COPY_VIA, FLAGS = programs, copy_via, flags_where
 
     wanted = [k for k in kernels.split(",") if k]
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
@@ -1053,8 +1046,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             Path(timeline_path).write_text(json.dumps(raw_timelines))
         if json_path:
             Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
-                                                   "flags": flags_where, "loopback": loopback, "programs": programs},
-                                                  indent=2))
+                                                   "flags": flags_where, "programs": programs}, indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:
         try:

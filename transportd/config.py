@@ -339,10 +339,6 @@ class SoftverbsConfig(Section):
         "competes with a fused op's compute). host: device -> pinned host -> device with the copy engines "
         "in pipelined chunks, no SM, at PCIe's rate (about 30 GB/s for 4 MiB writes on an H200), as a "
         "NIC's DMA would.")] = "device"
-    loopback_in_process: Annotated[bool, key(
-        "A request from a soft device to itself (two ranks on one daemon; an efa rail's flag writes into its "
-        "own GPU) passes in the process, run by the posting thread, as a NIC loops it back inside; false: "
-        "through a TCP connection to the device's own listener and its I/O thread, as a peer's.")] = True
     nic_bandwidth: Annotated[float, key(
         "NIC model: bytes/s each soft device sends at (ConnectX-7 400 Gb/s: 50e9; EFA 200 Gb/s: 25e9); "
         "0: unshaped.", ge=0.0, le=1e13)] = 0.0

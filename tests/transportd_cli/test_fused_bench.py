@@ -78,8 +78,6 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
         assert result.exit_code == 2 and "--tune-seconds" in result.output, result.output
     result = CliRunner().invoke(bench.main, ["--flags", "gpu", "--kernels", "moe"])  # device or host only
     assert result.exit_code == 2 and "--flags" in result.output and bench.FLAGS == "device", result.output
-    result = CliRunner().invoke(bench.main, ["--loopback", "pipe", "--kernels", "moe"])  # in-process or socket
-    assert result.exit_code == 2 and "--loopback" in result.output and bench.LOOPBACK == "in-process", result.output
 
 
 # --- the tuning mode (--tune): what it times, in which order, and how it reports ------------------------------

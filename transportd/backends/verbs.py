@@ -88,9 +88,8 @@ def pyverbs_devices() -> list[str] | None:
 
 
 def configure_soft(options: Mapping[str, Any] | Any) -> None:
-    """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed, loopback_in_process, the NIC
-    model's nic_bandwidth, nic_latency_s and nic_message_rate; a mapping or the config dataclass) to the
-    default soft devices.
+    """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed, the NIC model's nic_bandwidth,
+    nic_latency_s and nic_message_rate; a mapping or the config dataclass) to the default soft devices.
     The listen host takes effect when a device is next opened. (``direct_copy`` and ``direct_copy_via`` are the
     rail worker's: it installs its GPU memory, which places copies one way or the other, as the process's
     direct copier.)
@@ -109,9 +108,8 @@ def configure_soft(options: Mapping[str, Any] | Any) -> None:
     if host:
         changes["host"] = host
         changes["advertise"] = None if host in ("0.0.0.0", "") else host
-    for name in ("adaptive_routing", "loopback_in_process"):
-        if get(name, None) is not None:
-            changes[name] = bool(get(name))
+    if get("adaptive_routing", None) is not None:
+        changes["adaptive_routing"] = bool(get("adaptive_routing"))
     seed = get("reorder_seed", None)
     if seed is not None:
         changes["reorder_seed"] = None if seed < 0 else int(seed)

@@ -60,18 +60,6 @@ def test_the_nic_model_reaches_every_soft_device_and_zero_means_unshaped(cleanup
         verbs.configure_soft({"nic_bandwidth": 0.0, "nic_latency_s": 0.0, "nic_message_rate": 0.0})
 
 
-def test_loopback_in_process_reaches_every_soft_device(cleanup: list[str]) -> None:
-    from softverbs import soft
-
-    cleanup.append("softtest-efa3")
-    try:
-        verbs.configure_soft({"devices": {"softtest-efa3": "efa"}, "loopback_in_process": False})
-        assert not any(soft.device_options(n).loopback_in_process for n in ("softib0", "softefa0", "softtest-efa3"))
-    finally:
-        verbs.configure_soft({"loopback_in_process": True})
-    assert soft.device_options("softefa0").loopback_in_process
-
-
 def test_a_created_device_opens_like_the_defaults(cleanup: list[str]) -> None:
     from ib.backend import IbBackend
 
