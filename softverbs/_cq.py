@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any
 
 
 class CQCore:
@@ -15,7 +14,7 @@ class CQCore:
     WR and of the unsignaled WRs before it, as mlx5 advances its SQ tail) and `retire_rq` receive slots.
     """
 
-    __slots__ = ("capacity", "entries", "lock", "overrun", "wc_flags", "efa_wc_flags", "closed", "device")
+    __slots__ = ("capacity", "entries", "lock", "overrun", "wc_flags", "efa_wc_flags", "closed")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -25,7 +24,6 @@ class CQCore:
         self.wc_flags = 0
         self.efa_wc_flags = 0
         self.closed = False
-        self.device: Any = None  # the SoftDevice whose QPs complete here: an empty poll lets its loopback go idle
 
     def push(self, cqe: tuple) -> None:
         with self.lock:
@@ -35,12 +33,11 @@ class CQCore:
             self.entries.append(cqe)
 
     def take(self, n: int) -> list[tuple]:
-        out = self._take(n)
-        if not out:
-            dev = self.device
-            if dev is not None and (dev.local_input or dev.request_handler.dirty):
-                dev.run_loopback(idle=True)  # what the device sent itself is placed and acknowledged now
-                out = self._take(n)
+        with self.lock:
+            entries = self.entries
+            out = []
+            while entries and len(out) < n:
+                out.append(entries.popleft())
         # the slots they free are counted on their QPs under each QP's lock, where the QP's own threads read
         # and add to the same counters (an SRD QP retires an unsignaled WR there): under this CQ's lock alone,
         # the two read-add-writes could interleave and lose a slot for good. After this CQ's lock, not inside
@@ -51,12 +48,4 @@ class CQCore:
                 with qp.lock:
                     qp.sq_retired += cqe[10]
                     qp.rq_retired += cqe[11]
-        return out
-
-    def _take(self, n: int) -> list[tuple]:
-        with self.lock:
-            entries = self.entries
-            out = []
-            while entries and len(out) < n:
-                out.append(entries.popleft())
         return out

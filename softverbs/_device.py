@@ -8,11 +8,6 @@ Lock order: QP -> device -> connection -> CQ. Opening and closing the device (`a
 lock of their own that the I/O thread never takes, so stopping may wait for the thread: the thread may need
 the device lock (a lost connection updates the connection table) while it winds down.
 
-The pass. What the receive side does (pump frames, place, the reorder pool, timers, frame the responses)
-runs under the device's pass lock, taken with nothing else held: by the I/O thread for each pass after its
-select, or by a thread that just posted to the device itself or polled a CQ empty (`run_loopback`: the
-device's connection to itself is in-process, `LocalConn`). Only the I/O thread ever waits for it.
-
 Receive side. Each connection runs a small state machine (header -> descriptors -> payload per item) over
 a non-blocking socket, for a time slice a turn (`PUMP_SLICE_S`), so one busy peer cannot hold the others'
 input back. Payload bytes are copied from the connection's buffer or, when the rest of a large
@@ -61,9 +56,6 @@ INBOX_RETRY_S = 1e-4  # how soon the I/O thread looks again at responses a held 
 #: request placed by a copy can take tens of microseconds on a busy GPU, and a peer streaming them would else
 #: hold back every acknowledgement and loopback write on the device's other connections until it stopped
 PUMP_SLICE_S = 2e-4
-#: how long requests a device sent itself may sit in the reorder pool when no CQ of the device is polled (a
-#: poll that finds its CQ empty places them at once: `SoftDevice.run_loopback`)
-LOOPBACK_IDLE_S = 2e-4
 
 
 @dataclass
@@ -94,9 +86,6 @@ class DeviceOptions:
     nic_message_rate: float | None = None
     # the reorder pool's packet for direct writes when packet_size is not set: one copy per packet
     direct_packet_size: int = 1 << 20
-    # requests to the device itself pass in this process (`LocalConn`), as a NIC loops them back inside;
-    # False sends them through a TCP connection to its own listener and its I/O thread, as a peer's
-    loopback_in_process: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def shaped(self) -> bool:
@@ -106,10 +95,9 @@ class DeviceOptions:
 class Conn:
     """One TCP connection between two soft devices, in one role: requester (outgoing) or responder."""
 
-    def __init__(self, device: SoftDevice, sock: socket.socket | None, role: str, peer: tuple[str, int]) -> None:
-        if sock is not None:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, device: SoftDevice, sock: socket.socket, role: str, peer: tuple[str, int]) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.device = device
         self.sock = sock
         self.role = role
@@ -156,7 +144,12 @@ class Conn:
         ``count`` is the descriptors' (a control frame's argument where given). False when the connection
         is gone.
         """
-        bufs, payload_len = _frame(kind, descs, payloads, count, flags)
+        payload_len = 0
+        for p in payloads:
+            payload_len += len(p)
+        bufs = [w.HDR.pack(w.MAGIC, kind, flags, len(descs) if count is None else count, payload_len),
+                b"".join(descs)]
+        bufs += payloads
         with self.lock:
             if self.closed:
                 return False
@@ -237,8 +230,15 @@ class Conn:
         if self.state == 2 and isinstance(self.sink, memoryview) and self.start == self.end:
             missing = self.sink_len - self.sink_pos
             if missing >= _DIRECT_MIN:
-                n = self._recv_into(self.sink[self.sink_pos:])
-                if n <= 0:
+                try:
+                    n = self.sock.recv_into(self.sink[self.sink_pos:])
+                except (BlockingIOError, InterruptedError):
+                    return False
+                except OSError as exc:
+                    self.device.conn_lost(self, exc)
+                    return False
+                if n == 0:
+                    self.device.conn_lost(self, None)
                     return False
                 self.sink_pos += n
                 return True
@@ -248,26 +248,18 @@ class Conn:
             leftover = self.end - self.start
             self.mv[:leftover] = self.mv[self.start:self.end]
             self.start, self.end = 0, leftover
-        n = self._recv_into(self.mv[self.end:self.end + self.read_cap])
-        if n <= 0:
+        try:
+            n = self.sock.recv_into(self.mv[self.end:self.end + self.read_cap])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            self.device.conn_lost(self, exc)
+            return False
+        if n == 0:
+            self.device.conn_lost(self, None)
             return False
         self.end += n
         return True
-
-    def _recv_into(self, dst: memoryview) -> int:
-        """Bytes received into ``dst``: 0 when none are there now, -1 when the connection is gone (reported)."""
-        assert self.sock is not None
-        try:
-            n = self.sock.recv_into(dst)
-        except (BlockingIOError, InterruptedError):
-            return 0
-        except OSError as exc:
-            self.device.conn_lost(self, exc)
-            return -1
-        if n == 0:
-            self.device.conn_lost(self, None)
-            return -1
-        return n
 
     def _advance(self) -> bool:
         """Make progress with buffered bytes; False when more input is needed."""
@@ -365,61 +357,6 @@ class Conn:
         return True
 
 
-def _frame(kind: int, descs: list[bytes], payloads: list[Any], count: int | None,
-           flags: int) -> tuple[list[Any], int]:
-    """The buffers of one frame (header, descriptors, payloads) and its payload's length."""
-    payload_len = 0
-    for p in payloads:
-        payload_len += len(p)
-    bufs = [w.HDR.pack(w.MAGIC, kind, flags, len(descs) if count is None else count, payload_len),
-            b"".join(descs)]
-    bufs += payloads
-    return bufs, payload_len
-
-
-class LocalConn(Conn):
-    """One side of a device's connection to itself. A NIC loops a request to itself back inside, so here a
-    frame goes straight to the other side's inbound queue, in this process: no socket, and no wait for the
-    I/O thread. Whoever holds the device's pass lock pumps it (`SoftDevice.run_loopback`: the posting
-    thread right after its post, or the I/O thread in its pass), through the same receive state machine,
-    admission, placement, reorder pool and responses as a peer's frames."""
-
-    def __init__(self, device: SoftDevice, role: str, peer: tuple[str, int]) -> None:
-        super().__init__(device, None, role, peer)
-        self.partner: LocalConn = self
-        self.inbound: deque[memoryview] = deque()
-
-    def send_frame(self, kind: int, descs: list[bytes], payloads: list[Any], count: int | None = None,
-                   flags: int = 0) -> bool:
-        """Queue one frame on the other side. Its bytes are copied now, as a socket send would: a read's
-        response must carry the memory as it was when the read executed, not when the requester pumps it."""
-        bufs, _ = _frame(kind, descs, payloads, count, flags)
-        frame = memoryview(b"".join(bufs))
-        other = self.partner
-        with other.lock:
-            if other.closed or self.closed:
-                return False
-            other.inbound.append(frame)
-        self.device.local_input = True
-        return True
-
-    def _recv_into(self, dst: memoryview) -> int:
-        got = 0
-        room = len(dst)
-        with self.lock:
-            inbound = self.inbound
-            while inbound and got < room:
-                head = inbound[0]
-                take = min(len(head), room - got)
-                dst[got:got + take] = head[:take]
-                got += take
-                if take == len(head):
-                    inbound.popleft()
-                else:
-                    inbound[0] = head[take:]
-        return got
-
-
 class _Discard:
     """A payload sink that drops bytes (the request was refused)."""
 
@@ -489,13 +426,6 @@ class SoftDevice:
         self._dirty_rsp: set[Conn] = set()
         self.inbox_waiting: set[Any] = set()  # QPs whose queued responses the I/O thread could not apply yet
         self._unfinished: set[Conn] = set()  # connections whose pump ran out of its slice (Conn.pump)
-        # the receive side's pass (frames, responses, timers, the reorder pool): the I/O thread's after each
-        # select, or a posting thread's over this device's connections to itself (`run_loopback`)
-        self.pass_lock = threading.Lock()
-        self.local_conns: list[LocalConn] = []  # the two sides of the connection to itself, once made
-        self.local_input = False  # a LocalConn has frames queued (set by any sender, cleared by a pass)
-        self._wake_after_pass = False  # a posting thread's pass armed a timer or left work the loop must see
-        self._idle_armed = False  # a timer will run a pass that drains what a loopback pass left pooled
         self._running = False
         self._thread: threading.Thread | None = None
         self._sel: selectors.BaseSelector | None = None
@@ -552,13 +482,9 @@ class SoftDevice:
             conns = list(self.out_conns.values()) + list(self.in_conns)
             self.out_conns.clear()
             self.in_conns.clear()
-        self.local_conns = []
-        self.local_input = False
-        self._idle_armed = False
         for conn in conns:
             conn.closed = True
-            if conn.sock is not None:
-                conn.sock.close()
+            conn.sock.close()
             self._close_imports(conn)
         for s in (self._listener, self._wake_r, self._wake_w):
             if s is not None:
@@ -600,10 +526,8 @@ class SoftDevice:
         self.wake()
 
     def add_timer(self, delay_s: float, fn: Callable[[], None]) -> None:
-        """Holder of the pass lock only: call `fn` on the I/O thread after `delay_s` seconds."""
+        """I/O thread only: call `fn` after `delay_s` seconds."""
         heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_seq), fn))
-        if threading.current_thread() is not self._thread:
-            self._wake_after_pass = True  # its select() does not know of this timer yet
 
     def request_write(self, conn: Conn) -> None:
         self.post_action(lambda: self._want_write(conn))
@@ -656,7 +580,7 @@ class SoftDevice:
             if self._departures:
                 due = max(0.0, self._departures[0][0] - time.monotonic())
                 timeout = due if timeout is None else min(timeout, due)
-            if self._actions or self._unfinished or self.local_input:
+            if self._actions or self._unfinished:
                 timeout = 0.0
             elif self.inbox_waiting:  # a thread holds such a QP: look again soon
                 timeout = INBOX_RETRY_S if timeout is None else min(timeout, INBOX_RETRY_S)
@@ -666,7 +590,6 @@ class SoftDevice:
                 if not self._running:
                     return
                 raise
-            self.pass_lock.acquire()
             try:
                 unfinished = self._unfinished
                 resume = set(unfinished)  # pumped below unless an event pumps them first
@@ -692,7 +615,6 @@ class SoftDevice:
                 for conn in resume:  # their turn again, input or not (what they buffered the selector cannot see)
                     if conn.pump():
                         unfinished.add(conn)
-                self._pump_local()
                 while self._actions:
                     self._actions.popleft()()
                 self.request_handler.on_idle()
@@ -705,59 +627,6 @@ class SoftDevice:
                 self.flush_responses()
             except Exception:  # keep serving other peers; the fault is logged with its traceback
                 log.exception("softverbs device %s: I/O loop error", self.name)
-            finally:
-                self.pass_lock.release()
-
-    def _pump_local(self) -> None:
-        """Pass lock held: pump the frames the device sent itself (a side whose slice ran out leaves
-        `local_input` set, so the next pass goes on with it)."""
-        if not self.local_input:
-            return
-        self.local_input = False  # before pumping: a frame queued meanwhile sets it again
-        for conn in self.local_conns:  # each, input or not: a frame's items left when a slice ran out need none
-            if conn.pump():
-                self.local_input = True
-
-    def run_loopback(self, idle: bool = False) -> None:
-        """Process the frames this device sent itself on the calling thread, as a NIC loops a request back
-        inside without the wire: admission, placement and the acknowledgement, so an in-order RC write's
-        completion is in its CQ when this returns. A posting thread calls it right after its post, and a
-        poll that finds its CQ empty with ``idle`` (holding no QP, CQ or connection lock either way).
-
-        What the reorder pool holds (SRD, adaptive routing, relaxed ordering) is placed only when the link
-        goes idle, as for a peer's frames: here when a CQ of the device is polled empty (``idle``), or
-        `LOOPBACK_IDLE_S` after the pass if nobody polls (the I/O thread's next pass). So requests posted
-        back to back still pass each other, and a poll for their completions places them.
-
-        If the I/O thread (or another poster) is in its pass, this returns at once and that pass, or the I/O
-        thread's next, takes them: nobody waits for the pass lock here."""
-        handler = self.request_handler
-        if not (self.local_input or idle and handler.dirty) or not self.pass_lock.acquire(blocking=False):
-            return
-        try:
-            for _ in range(4):  # the requests; the responses they make; what applying those lets go
-                self._pump_local()
-                if idle:
-                    handler.on_idle()
-                if self.inbox_waiting:
-                    self.retry_inboxes()
-                self.flush_responses()
-                if not self.local_input:
-                    break
-            if handler.dirty and not self._idle_armed:
-                self._idle_armed = True
-                self.add_timer(LOOPBACK_IDLE_S, self._idle_passed)
-        except Exception:  # the posting thread must not see a device fault: the loop would have logged it too
-            log.exception("softverbs device %s: loopback pass error", self.name)
-        finally:
-            self.pass_lock.release()
-        if self.local_input or self.inbox_waiting or self._wake_after_pass:
-            self._wake_after_pass = False
-            self.wake()
-
-    def _idle_passed(self) -> None:
-        """I/O thread timer: the pass that follows places what the loopback left in the pool (`on_idle`)."""
-        self._idle_armed = False
 
     # ------------------------------------------------------------ NIC model
     def depart(self, conn: Conn, qp: Any, desc: bytes, payloads: list[Any], nbytes: int) -> None:
@@ -869,9 +738,6 @@ class SoftDevice:
             conn = self.out_conns.get(endpoint)
             if conn is not None and not conn.closed:
                 return conn
-            if self.options.loopback_in_process and endpoint[1] == self.port \
-                    and endpoint[0] in (self.advertise, self.host):
-                return self._connect_to_itself(endpoint)
             retry_at = self._unreachable.get(endpoint)
             if retry_at is not None and time.monotonic() < retry_at:
                 return None
@@ -894,17 +760,6 @@ class SoftDevice:
         self.post_action(lambda: self._register(conn))
         return conn
 
-    def _connect_to_itself(self, endpoint: tuple[str, int]) -> Conn:
-        """Device lock held: the two sides of the device's connection to itself (`LocalConn`)."""
-        req = LocalConn(self, "req", endpoint)
-        rsp = LocalConn(self, "rsp", endpoint)
-        req.partner, rsp.partner = rsp, req
-        req.peer_lid = rsp.peer_lid = self.port & 0xFFFF
-        self.in_conns.add(rsp)
-        self.out_conns[endpoint] = req
-        self.local_conns = [rsp, req]  # requests first: a pass then pumps the responses they make
-        return req
-
     def _register(self, conn: Conn) -> None:
         if self._sel is None or conn.closed:
             return
@@ -918,13 +773,12 @@ class SoftDevice:
         with conn.lock:
             conn.closed = True
             conn.outq.clear()
-        if conn.sock is not None:
-            if self._sel is not None:
-                try:
-                    self._sel.unregister(conn.sock)
-                except (KeyError, ValueError):
-                    pass
-            conn.sock.close()
+        if self._sel is not None:
+            try:
+                self._sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
+        conn.sock.close()
         if exc is not None and not isinstance(exc, ConnectionError):
             log.warning("softverbs %s: connection to %s dropped: %s", self.name, conn.peer, exc)
         if conn.role == "req":
@@ -939,8 +793,6 @@ class SoftDevice:
             self.in_conns.discard(conn)
             self._dirty_rsp.discard(conn)
             self._close_imports(conn)
-        if isinstance(conn, LocalConn) and not conn.partner.closed:
-            self.conn_lost(conn.partner, None)  # as a socket's other end sees it close
 
 
 def errno_name(code: int) -> str:

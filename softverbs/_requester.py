@@ -206,7 +206,6 @@ class QPRequester:
             self._kick()
         if self.inbox:
             self.drain_inbox()
-        self.device.run_loopback()
         return err, bad
 
     # -- the extended API's WR list (ibv_wr_start .. ibv_wr_complete)
@@ -324,7 +323,6 @@ class QPRequester:
             self._kick()
         if self.inbox:
             self.drain_inbox()
-        self.device.run_loopback()
         return 0
 
     def wr_abort(self) -> None:
@@ -606,7 +604,7 @@ class QPRequester:
 
 
     def rx_responses(self, items: list[tuple]) -> None:
-        """Responses arrived for our requests (the device's pass): (descriptor, data, placed_directly) each.
+        """Responses arrived for our requests (I/O thread): (descriptor, data, placed_directly) each.
 
         They are queued and applied by whichever thread holds the QP lock: if a posting thread holds it,
         that thread applies them when it lets go (see `drain_inbox`), so the I/O thread never waits. Not

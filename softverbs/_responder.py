@@ -407,7 +407,7 @@ class QPResponder:
 
 
 class RequestFrameHandler:
-    """Frame handler for requests arriving at this device (run in the device's pass: see `_device`)."""
+    """Frame handler for requests arriving at this device (runs on its I/O thread)."""
 
     def __init__(self, dev: SoftDevice) -> None:
         self.dev = dev

@@ -63,7 +63,6 @@ class _CQBase(SoftCM):
         _check_cqe(context, cqe, int(comp_vector))
         self._ctx = context
         self._core = CQCore(cqe)
-        self._core.device = context._dev
         self._closed = False
         context._children.add(self)
 

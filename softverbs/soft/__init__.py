@@ -10,11 +10,8 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
 - `configure(device, **options)`: change a device's `DeviceOptions` (adaptive_routing, reorder_seed,
   reorder_window, reorder_window_bytes, packet_size, srd_packet_size, efa_device_caps, max_rdma_size,
   max_qp_wr, max_cqe, max_inline_data, connect_timeout_s, reconnect_backoff_s, srd_rnr_timer_ms,
-  direct_packet_size, loopback_in_process, and the NIC model below). Listen address options apply at next
-  open. After a failed connect, WRs toward that endpoint fail at once for `reconnect_backoff_s`.
-  `loopback_in_process` (default True) passes requests to the device itself in the process, run by the
-  posting thread or an empty poll (`SoftDevice.run_loopback`); False sends them through a TCP connection
-  to the device's own listener, as a peer's (it applies to connections made after it).
+  direct_packet_size, and the NIC model below). Listen address options apply at next open. After a failed
+  connect, WRs toward that endpoint fail at once for `reconnect_backoff_s`.
 - The NIC model (`softverbs._link`): `nic_bandwidth` (bytes/s), `nic_latency_s` (s) and
   `nic_message_rate` (messages/s) shape what a device sends: each request lands when a link of that
   bandwidth and message rate, taking requests one after another, has carried it, plus the latency.
@@ -27,9 +24,8 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
   schedule (messages, bytes, busy time, span).
 - `set_adaptive_routing(ctx_or_qp, on)`: RC adaptive routing for a whole device or one QP (the requester's
   setting decides how its packets are placed). `SOFTVERBS_ADAPTIVE_ROUTING=1` turns it on for the defaults.
-- `set_placement_observer(ctx, fn)`: `fn(qp_num, addr, length)` runs after each placement of inbound data
-  into memory, on the thread running the device's pass (its I/O thread, or a thread whose post or poll ran
-  the loopback's); tests use it to see the order in which bytes land.
+- `set_placement_observer(ctx, fn)`: `fn(qp_num, addr, length)` runs on the device's I/O thread after
+  each placement of inbound data into memory; tests use it to see the order in which bytes land.
 - `register_memory(base, length, accessor)`: memory the CPU cannot address (GPU memory) is read and
   written through `accessor` (a `MemoryAccessor`); MRs inside that range use it. `HostAccessor` is a
   host-memory implementation for tests.

@@ -27,8 +27,6 @@ import pytest
 from tests.support.device_memory import ShmDeviceMemory
 from tests.support.verbs_resources import RCPair, open_provider, poll
 
-pytestmark = pytest.mark.usefixtures("loopback_via")  # conftest: in-process and socket loopback
-
 TRIALS = 40
 DATA = 4096  # 16 packets of 256 bytes
 DATA_OFF, FLAG_OFF, SCRATCH_OFF, WARM_OFF = 0, 65536, 131072, 196608

@@ -23,8 +23,6 @@ from tests.softverbs import direct_node
 from tests.support.device_memory import ShmDeviceMemory
 from tests.support.verbs_resources import RCPair, access, open_provider, poll
 
-pytestmark = pytest.mark.usefixtures("loopback_via")  # conftest: in-process and socket loopback
-
 SIZE = 64 << 10
 
 

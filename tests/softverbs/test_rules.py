@@ -12,8 +12,6 @@ import pytest
 from tests.support.verbs_resources import RCPair, no_completion, open_provider, poll, raises_errno
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.usefixtures("loopback_via")  # conftest: in-process and socket loopback
-
 
 @pytest.fixture
 def soft():
@@ -367,8 +365,7 @@ def test_last_close_does_not_stall_when_the_io_thread_is_handling_a_lost_peer(so
 
 # --- responses and the QP lock -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("loopback_via", ["socket"], indirect=True)  # the I/O thread delivers the ack
-def test_a_response_queued_while_the_qp_is_held_is_applied_once_it_is_let_go(soft, loopback_via) -> None:
+def test_a_response_queued_while_the_qp_is_held_is_applied_once_it_is_let_go(soft) -> None:
     """The I/O thread queues a response for a QP another thread holds (it never waits for a QP); a posting
     thread applies what is queued when it lets go. A holder that lets go without looking (the I/O thread
     itself, placing a request on the same QP, as every bidirectional SRD stream does) must not strand it: the
@@ -389,42 +386,6 @@ def test_a_response_queued_while_the_qp_is_held_is_applied_once_it_is_let_go(sof
             if queued:
                 break
         assert queued, "the acknowledgement never arrived while the QP was held"
-
-
-@pytest.mark.parametrize("loopback_via", ["in-process"], indirect=True)
-def test_an_ack_the_loopback_pass_makes_for_a_held_qp_is_applied_once_it_is_let_go(soft, loopback_via) -> None:
-    """In-process loopback: whichever thread runs the pass (a poster, a poll, the I/O thread) hands an
-    acknowledgement to a QP another thread holds through the same queue, and the I/O thread applies it once
-    the holder lets go without looking. The test holds the pass lock while posting, so that the request
-    waits, then lets the pass run while a second thread holds the requester."""
-    import threading
-
-    with soft.rc_pair() as pair:
-        e = pair.v.enums
-        core = pair.client.qp._core
-        dev = pair.ctx._dev
-        hold, letgo = threading.Event(), threading.Event()
-
-        def holder() -> None:
-            core.lock.acquire()
-            hold.set()
-            letgo.wait(10)
-            core.lock.release()  # a plain release, as a holder that does not look at the queue lets go
-
-        with dev.pass_lock:  # the post's own pass cannot run: its request waits in the queue
-            pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8), wr_id=7))
-            assert dev.local_input and core.inflight
-        thread = threading.Thread(target=holder)
-        thread.start()
-        try:
-            assert hold.wait(10)
-            dev.run_loopback()  # here, or the I/O thread's pass if it took the lock first
-            wait_until(lambda: core.inbox, "the acknowledgement queued for the held QP")
-            assert not core.scq.entries
-        finally:
-            letgo.set()
-            thread.join(10)
-        assert poll(pair.client.cq, 1, timeout=5.0)[0].wr_id == 7
 
 
 def test_polling_frees_send_queue_slots_only_under_the_qps_lock(soft) -> None:
