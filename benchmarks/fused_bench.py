@@ -60,10 +60,11 @@ Tuning the tiles (``--tune``; ``--json`` gets the results, rewritten after every
 
 times instead the compute alone (``communicate=False``) of each kernel at its first size, with the bench's
 program counts, for each tile of ``TUNE_TILES`` (block, warps, stages and, for the GEMMs, operands through
-tensor descriptors: ``tma``): one session a kernel on the first backend and shape (the shape does not
-matter to the compute alone), the peers' data staged where the compute reads it (so every launch is checked
-against torch), every rank's op retiled and its variant preloaded before any launch (the ranks share this
-process), one checked warm-up launch, then the median of ``--reps``. The GEMMs' TMA tiles run in sessions of
+tensor descriptors: ``tma``; MoE Dispatch+GEMM's expert GEMM over the rows of one staged round): one
+session a kernel on the first backend and shape (the shape does not matter to the compute alone), the
+peers' data staged where the compute reads it (so every launch is checked against torch), every rank's op
+retiled and its variant preloaded before any launch (the ranks share this process), one checked warm-up
+launch, then the median of ``--reps``. The GEMMs' TMA tiles run in sessions of
 their own after every other (a fault there would take the CUDA context with it). Reported per config: median
 ms, TFLOP/s, speedup over the op's default tile, torch's time over it, the error, the registers, spills and
 shared memory of the compiled kernel, or why it did not run (refused by the op, out of resources, failed,
@@ -159,6 +160,9 @@ class Case:
     compute_error: Callable[[], float] | None = None
     # ``launch(timelines=[one per rank], ...)`` records each rank's timeline (``--timeline``): the ops that have one
     timelines: bool = False
+    # ``retile(tile)`` (``--tune``): every rank's op retiled and its compute variant preloaded, the compiled kernel
+    # returned; None: the ops' own ``retile(**tile)`` and ``preload(communicate=False, compute=True)``
+    retile: Callable[[dict[str, Any]], Any] | None = None
 
 
 def _time(launch: Callable[[], None], streams: list[Any], reps: int) -> float:
@@ -358,8 +362,6 @@ def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: in
                 compute_error=error)
 
 
-CASES: dict[str, Callable[..., Case]] = {"allgather_gemm": allgather_gemm, "gemm_reduce_scatter": gemm_reduce_scatter,
-                                         "gemm_all_reduce": gemm_all_reduce, "ring_attention": ring_attention}
 
 
 def derive(row: dict[str, Any], flops: float, moved: int) -> dict[str, Any]:
@@ -607,72 +609,132 @@ def _dequantized(received: tuple[Any, Any]) -> Any:
     return (q.float().unflatten(-1, (-1, 128)) * scales[..., None]).flatten(-2).to(torch.bfloat16)
 
 
+class _MoeGemm:
+    """Every rank's ``MoE`` with ``dispatch_gemm`` (both timing variants loaded) and its inputs: uniform routing of
+    ``tokens`` a rank, top-``topk`` of ``experts``, and each local expert's ``hidden`` x ``gemm_n`` weight."""
+
+    def __init__(self, sessions: list[Any], device: int, gen: Any, tokens: int, hidden: int, topk: int,
+                 experts: int, gemm_n: int, streams: list[Any] | None = None) -> None:
+        import torch
+
+        from gpuclient.kernels import MoE
+
+        self.ops = ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, gemm_n=gemm_n,
+                              gemm_programs=PROGRAMS or SPINNING_PROGRAMS) for s in sessions]
+        _exchange(sessions)
+        for op in ops:
+            op.prepare()
+        self.preload()
+        self.streams = streams or [torch.cuda.Stream(device) for _ in ops]
+        local = ops[0].local_experts
+        self.xs = [_randn(gen, tokens, hidden, device=device) for _ in ops]
+        self.idx = [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).cuda(device)
+                    for _ in ops]
+        self.weights = [torch.rand(tokens, topk, generator=gen).cuda(device) for _ in ops]
+        on_gpu = torch.Generator(device=f"cuda:{device}").manual_seed(9)  # weights of GiB: made on the GPU
+        self.ws = [torch.randn(local, hidden, gemm_n, generator=on_gpu, device=f"cuda:{device}",
+                               dtype=torch.bfloat16) * hidden ** -0.5 for _ in ops]
+        torch.cuda.synchronize()
+
+    def preload(self) -> Any:
+        """Both ranks' timing variants (communication alone, compute alone) loaded; the compute one returned."""
+        for op in self.ops:
+            op.preload_gemm(communicate=True, compute=False)
+        return [op.preload_gemm(communicate=False, compute=True) for op in self.ops][0]
+
+    def round(self, **kw: bool) -> float:
+        """Seconds from the launches until every rank's stream is idle; then the round's combine, untimed."""
+        import torch
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        handles = [op.dispatch_gemm(self.xs[r], self.idx[r], self.weights[r], self.ws[r], stream=self.streams[r],
+                                    **kw)[2] for r, op in enumerate(self.ops)]
+        for s in self.streams:
+            s.synchronize()
+        seconds = time.perf_counter() - t0
+        if kw.get("communicate", True):  # close the round: the next dispatch needs it
+            for r, op in enumerate(self.ops):
+                op.combine(op.recv_x, handles[r], stream=self.streams[r])
+            torch.cuda.synchronize()
+            self._counts = [op.recv_count.cpu().tolist() for op in self.ops]
+        return seconds
+
+    def counts(self) -> list[list[int]]:
+        """The latest round's rows per local expert, every rank (read once, after the round)."""
+        return self._counts
+
+    def error(self) -> float:
+        """max |y - recv_x @ w| over the latest round's rows (y as the latest launch left it)."""
+        error = 0.0
+        for r, (op, counts) in enumerate(zip(self.ops, self.counts(), strict=True)):
+            for e, c in enumerate(counts):
+                if c:
+                    ref = op.recv_x[e, :c].float() @ self.ws[r][e].float()
+                    error = max(error, float((op.y[e, :c].float() - ref).abs().max()))
+        return error
+
+    def torch_compute(self) -> None:
+        """Each local expert's rows times its weight (torch.matmul), every rank on its stream."""
+        import torch
+
+        for r, (op, counts) in enumerate(zip(self.ops, self.counts(), strict=True)):
+            with torch.cuda.stream(self.streams[r]):
+                for e, c in enumerate(counts):
+                    if c:
+                        torch.matmul(op.recv_x[e, :c], self.ws[r][e])
+
+
+def moe_dispatch_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: int, tokens: int, hidden: int,
+                      topk: int, experts: int, gemm_n: int) -> Case:
+    """The compute of MoE Dispatch+GEMM alone, for ``--tune`` (the fused row is ``moe_gemm_row``: its rounds
+    close with an untimed combine): staged by one whole round, after which ``dispatch_gemm(communicate=False)``
+    reruns the GEMM over that round's rows; its flops are counted then."""
+    moe = _MoeGemm(sessions, device, gen, tokens, hidden, topk, experts, gemm_n, streams)
+
+    def stage() -> None:
+        moe.round()
+        case.flops = 2.0 * sum(sum(c) for c in moe.counts()) * hidden * gemm_n
+
+    def retile(tile: dict[str, Any]) -> Any:
+        for op in moe.ops:
+            op.retile_gemm(tile["block"], num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+        return [op.preload_gemm(communicate=False, compute=True) for op in moe.ops][0]
+
+    case = Case(moe.round, moe.torch_compute, moe.error, flops=0.0, moved=0, ops=moe.ops,
+                params={"programs": moe.ops[0].gemm_programs}, stage=stage, compute_error=moe.error, retile=retile)
+    return case
+
+
+#: each kernel's Case builder (``fused_row`` and ``--tune``; MoE Dispatch+GEMM's for ``--tune`` only)
+CASES: dict[str, Callable[..., Case]] = {"allgather_gemm": allgather_gemm, "gemm_reduce_scatter": gemm_reduce_scatter,
+                                         "gemm_all_reduce": gemm_all_reduce, "ring_attention": ring_attention,
+                                         "moe_dispatch_gemm": moe_dispatch_gemm}
+
+
 def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
                  echo: Callable[[str], None] = print) -> dict[str, Any]:
     """MoE Dispatch+GEMM (``MoE.dispatch_gemm``): compute, comm, fused and torch times like ``fused_row``.
     Every round with communication is followed by a ``combine`` (untimed): a round must close before the next."""
     import torch
 
-    from gpuclient.kernels import MoE
-
-    tokens, hidden, topk, experts, gemm_n = (dims[k] for k in ("tokens", "hidden", "topk", "experts", "gemm_n"))
     gen = torch.Generator(device="cpu").manual_seed(9)
     with _sessions(backend, shape, "fused-bench-moe-gemm", device) as (_, sessions):
-        ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, gemm_n=gemm_n,
-                   gemm_programs=PROGRAMS or SPINNING_PROGRAMS) for s in sessions]
-        _exchange(sessions)
-        for op in ops:
-            op.prepare()
-            op.preload_gemm(communicate=True, compute=False)
-            op.preload_gemm(communicate=False, compute=True)
-        streams = [torch.cuda.Stream(device) for _ in ops]
-        local = ops[0].local_experts
-        xs = [_randn(gen, tokens, hidden, device=device) for _ in ops]
-        idx = [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).cuda(device)
-               for _ in ops]
-        weights = [torch.rand(tokens, topk, generator=gen).cuda(device) for _ in ops]
-        on_gpu = torch.Generator(device=f"cuda:{device}").manual_seed(9)  # weights of GiB: made on the GPU
-        ws = [torch.randn(local, hidden, gemm_n, generator=on_gpu, device=f"cuda:{device}", dtype=torch.bfloat16)
-              * hidden ** -0.5 for _ in ops]
-        torch.cuda.synchronize()
-
-        def launch(**kw: bool) -> float:
-            """Seconds from the launches until every rank's stream is idle; then the round's combine, untimed."""
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            handles = [op.dispatch_gemm(xs[r], idx[r], weights[r], ws[r], stream=streams[r], **kw)[2]
-                       for r, op in enumerate(ops)]
-            for s in streams:
-                s.synchronize()
-            seconds = time.perf_counter() - t0
-            if kw.get("communicate", True):  # close the round: the next dispatch needs it
-                for r, op in enumerate(ops):
-                    op.combine(op.recv_x, handles[r], stream=streams[r])
-                torch.cuda.synchronize()
-            return seconds
+        moe = _MoeGemm(sessions, device, gen, **dims)
+        ops, streams = moe.ops, moe.streams
+        hidden, gemm_n = dims["hidden"], dims["gemm_n"]
+        launch = moe.round
 
         def timed(**kw: bool) -> float:
             return statistics.median(launch(**kw) for _ in range(reps))
 
         launch()  # the first fused round, checked below (its combine ran; y and recv_x stay until the next round)
         torch.cuda.synchronize()
-        counts = [op.recv_count.cpu().tolist() for op in ops]
-        error = 0.0
-        for r, op in enumerate(ops):
-            for e, c in enumerate(counts[r]):
-                if c:
-                    ref = op.recv_x[e, :c].float() @ ws[r][e].float()
-                    error = max(error, float((op.y[e, :c].float() - ref).abs().max()))
+        counts = moe.counts()
+        error = moe.error()
         layouts = [op.recv_layout.cpu() for op in ops]
         remote_rows = sum(int(layouts[r][:, w, 1].sum()) for r in range(WORLD) for w in range(WORLD) if w != r)
         rows = sum(sum(c) for c in counts)
-
-        def torch_compute() -> None:
-            for r, op in enumerate(ops):
-                with torch.cuda.stream(streams[r]):
-                    for e, c in enumerate(counts[r]):
-                        if c:
-                            torch.matmul(op.recv_x[e, :c], ws[r][e])
 
         row: dict[str, Any] = {"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape,
                                "nic": SHAPES.get(shape, {}), "world": WORLD, **dims, "rows": rows,
@@ -681,7 +743,7 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
         row["compute_s"] = timed(communicate=False)
         row["comm_s"] = timed(compute=False)
         row["fused_s"] = timed()
-        row["torch_s"] = _time(torch_compute, streams, reps)
+        row["torch_s"] = _time(moe.torch_compute, streams, reps)
         _check_channels(ops)
     derive(row, 2.0 * rows * hidden * gemm_n, remote_rows * hidden * 2)
     echo(_summary(row, dims))
@@ -751,8 +813,24 @@ RING_TILES: list[dict[str, Any]] = [
     {"block": (128, 64), "num_warps": 8, "num_stages": 3},
     {"block": (128, 128), "num_warps": 8, "num_stages": 3},
 ]
+#: MoE Dispatch+GEMM's expert GEMM: a few rows an expert (128 tokens x top-8 over 64 experts: ~32 a rank's
+#: expert) against a wide weight, so it streams the weights: narrower row blocks, wider column blocks, deeper
+#: pipelines around the op's first choice (64x128x64, 4 warps, 3 stages)
+MOE_GEMM_TILES: list[dict[str, Any]] = [
+    {"block": (64, 128, 64), "num_warps": 4, "num_stages": 3},
+    {"block": (64, 128, 64), "num_warps": 4, "num_stages": 4},
+    {"block": (64, 256, 64), "num_warps": 4, "num_stages": 3},
+    {"block": (64, 256, 64), "num_warps": 8, "num_stages": 3},
+    {"block": (32, 256, 64), "num_warps": 4, "num_stages": 4},
+    {"block": (64, 128, 128), "num_warps": 4, "num_stages": 3},
+    {"block": (32, 128, 128), "num_warps": 4, "num_stages": 4},
+    {"block": (64, 256, 128), "num_warps": 8, "num_stages": 2},
+    {"block": (32, 256, 128), "num_warps": 8, "num_stages": 3},
+]
 TUNE_TILES = {"allgather_gemm": GEMM_TILES, "gemm_reduce_scatter": GEMM_TILES, "gemm_all_reduce": GEMM_TILES,
-              "ring_attention": RING_TILES}
+              "ring_attention": RING_TILES, "moe_dispatch_gemm": MOE_GEMM_TILES}
+#: the kernels ``--tune`` can time (each with a ``CASES`` entry)
+TUNABLE = tuple(TUNE_TILES)
 #: seconds of tuning after which the configs left are recorded as skipped (the device's call is 10 minutes)
 TUNE_SECONDS = 300.0
 
@@ -770,6 +848,7 @@ def tune_candidates(kernel: str, dims: dict[str, int],
     ``tma``. Pure (the checks the ops run before allocating)."""
     from gpuclient.kernels._tiles import check_launch, check_tiles
     from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout
+    from gpuclient.kernels.moe import check_gemm_tiles
     from gpuclient.kernels.ring_attention import RingAttentionLayout
 
     kept, refused = [], []
@@ -777,7 +856,9 @@ def tune_candidates(kernel: str, dims: dict[str, int],
         if tile.get("tma") and not tma:
             continue
         try:
-            if kernel == "ring_attention":
+            if kernel == "moe_dispatch_gemm":
+                check_gemm_tiles(tile["block"], tile["num_warps"], tile["num_stages"])
+            elif kernel == "ring_attention":
                 check_launch(tile["num_warps"], tile["num_stages"])
                 RingAttentionLayout(0, WORLD, dims["heads"], dims["seq_local"], dims["head_dim"],
                                     chunk_rows=dims["chunk_rows"], block=tuple(tile["block"]))
@@ -849,9 +930,12 @@ def tune_session(kernel: str, backend: str, shape: str, dims: dict[str, int], ti
                     continue
                 try:
                     torch.cuda.synchronize()  # nothing runs while the variant loads
-                    for op in case.ops:
-                        op.retile(**tile)
-                    compiled = [op.preload(communicate=False, compute=True) for op in case.ops][0]
+                    if case.retile is not None:
+                        compiled = case.retile(tile)
+                    else:
+                        for op in case.ops:
+                            op.retile(**tile)
+                        compiled = [op.preload(communicate=False, compute=True) for op in case.ops][0]
                     entry.update(shared_bytes=int(compiled.metadata.shared), registers=int(compiled.n_regs),
                                  spills=int(compiled.n_spills))
                     compute()  # the warm-up, checked
@@ -1006,7 +1090,7 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
                    "each row, every recorded event here")
 @click.option("--tune", is_flag=True,
               help="time each kernel's compute alone with candidate tiles instead (the first size, the first "
-                   "backend and shape; MoE left out)")
+                   "backend and shape; MoE Dispatch+GEMM's expert GEMM too, MoE dispatch/combine left out)")
 @click.option("--tma/--no-tma", default=True, show_default=True, help="--tune: the GEMMs' TMA tiles too")
 @click.option("--tune-seconds", default=TUNE_SECONDS, show_default=True, type=FiniteFloat(min=0),
               help="--tune: configs not started by then are recorded as skipped")
@@ -1064,8 +1148,9 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             spec = shapes.split(",")[0]
             shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
             how = "python benchmarks/fused_bench.py " + " ".join(sys.argv[1:])
-            tune_kernels = [k for k in wanted if k in KERNELS]
-            result = run_tune(tune_kernels, backend, shape, table_sizes, reps, tma, tune_seconds, json_path, how,
+            tune_kernels = [k for k in wanted if k in TUNABLE]
+            tune_sizes = {**table_sizes, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES if quick else MOE_GEMM_SIZES}
+            result = run_tune(tune_kernels, backend, shape, tune_sizes, reps, tma, tune_seconds, json_path, how,
                               echo=click.echo)
             mps_line = mps.describe()
             if json_path:

@@ -83,6 +83,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
+from gpuclient.kernels._tiles import check_launch
 from gpuclient.kernels.moe_layout import MoELayout
 
 # ---- kernels ---------------------------------------------------------------------------------------------------
@@ -532,6 +533,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def check_gemm_tiles(block: Any, num_warps: Any, num_stages: Any) -> tuple[tuple[int, int, int], int, int]:
+    """``dispatch_gemm``'s tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` =
+    (block_m, block_n, block_k), three powers of two >= 16 (``tl.dot``), and ``check_launch``'s terms."""
+    block = tuple(block)
+    if len(block) != 3 or any(isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1) for b in block):
+        raise ValueError(f"gemm_block must be three powers of two >= 16 (tl.dot), got {block}")
+    check_launch(num_warps, num_stages)
+    return block, num_warps, num_stages
+
+
 @dataclass
 class MoEHandle:
     """What ``combine`` needs from a ``dispatch`` (valid until the op's next dispatch).
@@ -586,6 +597,8 @@ class MoE:
         if fp8 and (hidden % 128 or gemm_n is not None):
             raise ValueError(f"fp8 dispatch needs hidden a multiple of 128 (one scale per 128 values) and no gemm_n "
                              f"(dispatch_gemm is bf16), got hidden={hidden}, gemm_n={gemm_n}")
+        if gemm_n is not None:
+            gemm_block, gemm_warps, gemm_stages = check_gemm_tiles(gemm_block, gemm_warps, gemm_stages)
         import torch
 
         if share < 1 or (programs is not None and programs < 1):
@@ -596,8 +609,6 @@ class MoE:
             if comm_programs < 1 or (gemm_programs is not None and gemm_programs <= comm_programs):
                 raise ValueError(f"comm_programs must be >= 1 and gemm_programs more than it, got comm_programs="
                                  f"{comm_programs}, gemm_programs={gemm_programs}")
-            if len(gemm_block) != 3 or min(gemm_block) < 16 or any(b & (b - 1) for b in gemm_block):
-                raise ValueError(f"gemm_block must be three powers of two >= 16 (tl.dot), got {gemm_block}")
             if gemm_dtype not in (None, torch.bfloat16, torch.float32):
                 raise ValueError(f"gemm_dtype must be torch.bfloat16 or torch.float32, got {gemm_dtype}")
         self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base)
@@ -681,18 +692,29 @@ class MoE:
             self.preload_gemm()
         torch.cuda.synchronize(self.device)
 
-    def preload_gemm(self, communicate: bool = True, compute: bool = True) -> None:
+    def retile_gemm(self, block: tuple[int, int, int] | None = None, *, num_warps: int | None = None,
+                    num_stages: int | None = None) -> None:
+        """Change ``dispatch_gemm``'s GEMM tiles (None: keep), checked as the constructor checks them. Between
+        rounds only; where ranks share a process, ``preload_gemm`` every variant they will run again before the
+        next launch of any (the flags and the rows do not depend on the tiles)."""
+        if self.gemm_n is None:
+            raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no tiles")
+        self.gemm_block, self.gemm_warps, self.gemm_stages = check_gemm_tiles(
+            self.gemm_block if block is None else block, self.gemm_warps if num_warps is None else num_warps,
+            self.gemm_stages if num_stages is None else num_stages)
+
+    def preload_gemm(self, communicate: bool = True, compute: bool = True) -> Any:
         """Compile and load the ``dispatch_gemm`` kernel variant that ``communicate=``, ``compute=`` launch
         (``prepare`` loads the default one): ranks sharing a process must load every variant they will run
-        before the first launch of any (the preload rule)."""
+        before the first launch of any (the preload rule). Returns Triton's compiled kernel."""
         import torch
 
         if self.gemm_n is None:
             raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no kernel")
         self.prepare()
         w = torch.empty(8, dtype=torch.bfloat16, device=self.recv_x.device)  # a stand-in: only dtype and alignment
-        tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, 1, w, self.y), grid=(self.gemm_programs,),
-                    **self._gemm_meta(communicate, compute))
+        return tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, 1, w, self.y), grid=(self.gemm_programs,),
+                           **self._gemm_meta(communicate, compute))
 
     def _route_args(self, x: Any, idx: Any, tokens: int) -> tuple:
         return (x, idx, self.send_x, self.idx32, self.stage_row, self.counts_all, self.stage_off, self.send_src,

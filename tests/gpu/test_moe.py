@@ -239,6 +239,18 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
     lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
     local = lays[0].local_experts
     nan = float("nan")
+
+    def expert_rows_ok(y: torch.Tensor, r: int, le: int, n: int, src: np.ndarray, what: str) -> None:
+        """Rank r's local expert le: its n rows of y against float64 x @ w, and nothing past them (NaN)."""
+        a = _rows_of(lays[r], src[le], n, xs)
+        w64 = weights_e[r * local + le].double()
+        ref, size = a @ w64, a.abs() @ w64.abs()
+        got = y[le, :n].double()
+        assert torch.isfinite(got).all(), f"{what} expert {le}: a row read before it arrived"
+        bound = 2.0 ** -12 * size + (2.0 ** -8 * ref.abs() if out_dtype == "bf16" else 0.0)
+        assert ((got - ref).abs() <= bound).all(), (what, le, float((got - ref).abs().max()))
+        assert torch.isnan(y[le, n:].float()).all(), (what, le)  # no row past the count
+
     with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-gemm", cuda_device)
         try:
@@ -321,15 +333,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
                         if call == "comm-only":  # compute=False: the GEMM wrote nothing
                             assert torch.isnan(y[le].float()).all(), (what, le)
                             continue
-                        # y against float64 x @ w of the expert, over exactly its received rows
-                        a = _rows_of(lays[r], src[le], n, xs)
-                        w64 = weights_e[r * local + le].double()
-                        ref, size = a @ w64, a.abs() @ w64.abs()
-                        got = y[le, :n].double()
-                        assert torch.isfinite(got).all(), f"{what} expert {le}: a row read before it arrived"
-                        bound = 2.0 ** -12 * size + (2.0 ** -8 * ref.abs() if out_dtype == "bf16" else 0.0)
-                        assert ((got - ref).abs() <= bound).all(), (what, le, float((got - ref).abs().max()))
-                        assert torch.isnan(y[le, n:].float()).all(), (what, le)  # no row past the count
+                        expert_rows_ok(y, r, le, n, src, what)
                     if call == "dispatch":  # the experts in torch, on the plain dispatch's rows
                         ys.append(torch.bmm(op.recv_x, w_rank[r]))
                     elif call == "comm-only":  # the rows alone: combine them as they came (an identity expert)
@@ -353,6 +357,24 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
                             n = int(model[r]["recv_count"][le])
                             assert torch.equal(again[r][le, :n].view(torch.uint8), op.y[le, :n].view(torch.uint8))
                             assert torch.isnan(again[r][le, n:].float()).all()
+                    # other tiles (retile_gemm; both ranks' variants loaded before either launches: this rerun's
+                    # and round 5's): the same products, within the GEMM's tolerance, over exactly the round's rows
+                    for op in ops:
+                        op.retile_gemm((32, 256, 128), num_warps=8, num_stages=2)
+                    for op in ops:
+                        op.preload_gemm(communicate=False)
+                        op.preload_gemm(compute=False)
+                    for r, op in enumerate(ops):
+                        again[r].fill_(nan)
+                        with torch.cuda.stream(streams[r]):
+                            op.dispatch_gemm(None, None, None, w_rank[r], out=again[r], stream=streams[r],
+                                             communicate=False)
+                    torch.cuda.synchronize(cuda_device)
+                    for r in range(world):
+                        src = handles[r][2].recv_src.cpu().numpy()
+                        for le in range(local):
+                            expert_rows_ok(again[r].cpu(), r, le, int(model[r]["recv_count"][le]), src,
+                                           f"{fabric} {out_dtype} retiled rank {r}")
             for op in ops:
                 assert op.rounds == len(GEMM_ROUNDS)
         finally:

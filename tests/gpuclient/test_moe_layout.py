@@ -447,6 +447,20 @@ def test_fp8_is_refused_where_it_cannot_work() -> None:
         MoE(session, 256, 8, 16, 2, fp8=True, gemm_n=128)
 
 
+def test_dispatch_gemm_tiles_are_checked_before_anything_is_allocated() -> None:
+    from gpuclient.kernels import MoE
+    from gpuclient.kernels.moe import check_gemm_tiles
+
+    session = SimpleNamespace(rank=0, world=2, device=0)  # no daemon, no GPU: refused before either is used
+    for kwargs, message in [({"gemm_block": (64, 96, 64)}, "gemm_block must be three powers of two"),
+                            ({"gemm_block": (64, 128, True)}, "gemm_block must be three powers of two"),
+                            ({"gemm_warps": 3}, "num_warps must be a power of two"),
+                            ({"gemm_stages": 0}, "num_stages must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            MoE(session, 256, 8, 16, 2, gemm_n=128, **kwargs)
+    assert check_gemm_tiles([32, 256, 64], 8, 4) == ((32, 256, 64), 8, 4)
+
+
 def test_the_kernels_do_not_specialize_on_round_rank_or_tokens() -> None:
     for name in SIGNATURES:
         fn = getattr(moe_kernels, name)

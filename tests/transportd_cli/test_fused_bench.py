@@ -4,6 +4,7 @@ times, the table of kernel and MoE rows with failures kept, and the refusals mad
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -89,6 +90,19 @@ def test_tune_candidates_keep_what_the_ops_accept_and_name_what_they_refuse(monk
         assert kept == bench.TUNE_TILES[kernel] and refused == []
     assert bench.tile_label(bench.GEMM_TILES[0]) == "128x128x64 w8 s3"
     assert bench.tile_label(bench.RING_TILES[0]) == "64x64 w4 s2"
+    # MoE Dispatch+GEMM: every candidate accepted, the op's own default first; one its op refuses is named
+    kept, refused = bench.tune_candidates("moe_dispatch_gemm", bench.MOE_GEMM_SIZES[0])
+    assert kept == bench.MOE_GEMM_TILES and refused == [] and set(bench.TUNABLE) == set(bench.CASES)
+    from gpuclient.kernels import MoE
+    default = inspect.signature(MoE).parameters
+    assert bench.MOE_GEMM_TILES[0] == {"block": default["gemm_block"].default,
+                                       "num_warps": default["gemm_warps"].default,
+                                       "num_stages": default["gemm_stages"].default}
+    monkeypatch.setitem(bench.TUNE_TILES, "moe_dispatch_gemm",
+                        [*bench.MOE_GEMM_TILES, {"block": (64, 128, 48), "num_warps": 4, "num_stages": 3}])
+    kept, refused = bench.tune_candidates("moe_dispatch_gemm", bench.MOE_GEMM_SIZES[0])
+    assert kept == bench.MOE_GEMM_TILES and [r["label"] for r in refused] == ["64x128x48 w4 s3"]
+    assert "gemm_block must be three powers of two" in refused[0]["refused"]
     # without --tma the descriptor tiles are left out, not refused
     kept, refused = bench.tune_candidates("gemm_all_reduce", bench.SIZES["gemm_all_reduce"][0], tma=False)
     assert kept and not any(t["tma"] for t in kept) and refused == []
@@ -122,6 +136,9 @@ def test_tune_plan_times_every_kernels_pointer_tiles_before_any_tma_tile() -> No
     assert plan[0]["tiles"][0] == bench.GEMM_TILES[0]  # the default first: its compile is prepare's
     assert [p["kernel"] for p in bench.tune_plan(["ring_attention", "gemm_all_reduce"], bench.QUICK_SIZES,
                                                  tma=False)] == ["ring_attention", "gemm_all_reduce"]
+    moe = bench.tune_plan(["moe_dispatch_gemm"], {"moe_dispatch_gemm": bench.MOE_GEMM_SIZES})
+    assert [(p["kernel"], p["dims"], len(p["tiles"])) for p in moe] == [
+        ("moe_dispatch_gemm", bench.MOE_GEMM_SIZES[0], len(bench.MOE_GEMM_TILES))]
 
 
 def _config(bench, tile: dict, **kw) -> dict:
@@ -246,13 +263,16 @@ def test_the_tune_flag_runs_the_tuning_on_the_first_backend_and_shape_and_saves_
     monkeypatch.setattr(bench, "run_tune", run_tune)
     out = tmp_path / "tune.json"
     result = CliRunner().invoke(bench.main, ["--tune", "--json", str(out), "--backends", "efa,ib", "--no-tma",
-                                             "--kernels", "moe,ring_attention,allgather_gemm", "--tune-seconds", "60"])
+                                             "--kernels", "moe,ring_attention,allgather_gemm,moe_dispatch_gemm",
+                                             "--tune-seconds", "60"])
     assert result.exit_code == 0, result.output
-    assert seen == {"kernels": ["ring_attention", "allgather_gemm"], "backend": "efa", "shape": "efa-200g",
-                    "sizes": bench.SIZES, "reps": 5, "tma": False, "seconds": 60.0}
+    assert seen == {"kernels": ["ring_attention", "allgather_gemm", "moe_dispatch_gemm"], "backend": "efa",
+                    "shape": "efa-200g", "sizes": {**bench.SIZES, "moe_dispatch_gemm": bench.MOE_GEMM_SIZES},
+                    "reps": 5, "tma": False, "seconds": 60.0}
     assert json.loads(out.read_text())["mps"] == "MPS: stand-in"
     CliRunner().invoke(bench.main, ["--tune", "--quick"])
-    assert seen["sizes"] is bench.QUICK_SIZES and seen["reps"] == 2 and seen["tma"] is True
+    assert seen["sizes"] == {**bench.QUICK_SIZES, "moe_dispatch_gemm": bench.QUICK_MOE_GEMM_SIZES}
+    assert seen["reps"] == 2 and seen["tma"] is True
 
 
 def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Path, monkeypatch) -> None:
