@@ -817,8 +817,13 @@ RING_TILES: list[dict[str, Any]] = [
 #: expert) against a wide weight, so it streams the weights: narrower row blocks, wider column blocks, deeper
 #: pipelines around the op's first choice (64x128x64, 4 warps, 3 stages)
 MOE_GEMM_TILES: list[dict[str, Any]] = [
+    {"block": (64, 128, 64), "num_warps": 4, "num_stages": 5},
     {"block": (64, 128, 64), "num_warps": 4, "num_stages": 3},
     {"block": (64, 128, 64), "num_warps": 4, "num_stages": 4},
+    {"block": (64, 128, 64), "num_warps": 4, "num_stages": 6},
+    {"block": (64, 128, 64), "num_warps": 8, "num_stages": 4},
+    {"block": (64, 128, 128), "num_warps": 4, "num_stages": 4},
+    {"block": (64, 64, 128), "num_warps": 4, "num_stages": 4},
     {"block": (64, 256, 64), "num_warps": 4, "num_stages": 3},
     {"block": (64, 256, 64), "num_warps": 8, "num_stages": 3},
     {"block": (32, 256, 64), "num_warps": 4, "num_stages": 4},
