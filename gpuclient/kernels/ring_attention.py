@@ -190,7 +190,8 @@ def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_p
         if COMPUTE:
             for t in range(cp, tiles, compute):
                 h = t // q_blocks
-                rows = (t % q_blocks) * BLOCK_M + offs_m
+                row0 = (t % q_blocks) * BLOCK_M  # the tile's first query row
+                rows = row0 + offs_m
                 mine = (h * seq + rows)[:, None] * HEAD_DIM + offs_d[None, :]
                 row_ok = (rows < seq)[:, None]
                 q = tl.load(q_ptr + mine, mask=row_ok, other=0.0)
@@ -199,10 +200,10 @@ def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_p
                 l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
                 n_hi = seq
                 if CAUSAL:
-                    n_hi = tl.minimum(seq, (t % q_blocks) * BLOCK_M + BLOCK_M)
+                    n_hi = tl.minimum(seq, row0 + BLOCK_M)
                 head = tl.cast(h * seq, tl.int64) * HEAD_DIM
-                acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr + head, v_ptr + head, (t % q_blocks) * BLOCK_M, rows,
-                                        n_hi, seq, qk_scale, HEAD_DIM, HEAD_DIM, BLOCK_N, CAUSAL)
+                acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr + head, v_ptr + head, row0, rows, n_hi, seq,
+                                        qk_scale, HEAD_DIM, HEAD_DIM, BLOCK_N, CAUSAL)
                 state = h * seq + rows
                 if world > 1:
                     tl.store(acc_ptr + mine, acc, mask=row_ok)
