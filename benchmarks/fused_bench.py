@@ -362,8 +362,6 @@ def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: in
                 compute_error=error)
 
 
-
-
 def derive(row: dict[str, Any], flops: float, moved: int) -> dict[str, Any]:
     """Add to a row with ``comm_s``, ``compute_s``, ``fused_s`` and ``torch_s`` what is derived from them."""
     comm, compute, fused = row["comm_s"], row["compute_s"], row["fused_s"]
