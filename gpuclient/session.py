@@ -352,6 +352,16 @@ class Session:
             self._flags_request = (count, where, b"", 0)
             return self.flag_array
 
+    def flag_slots(self, first: int, count: int, owner: str) -> None:
+        """Make sure flag words ``[first, first + count)`` exist for an op (``owner`` names it in the error): a
+        session without flags gets ``first + count`` of them in GPU memory (where the fused ops want them); a
+        session whose flags are fewer is refused (ValueError), and one with enough keeps them."""
+        if self.flag_array is None:
+            self.flags(first + count, where="device")
+        elif len(self.flag_array) < first + count:
+            raise ValueError(f"{owner} needs flag slots [{first}, {first + count}); the session has "
+                             f"{len(self.flag_array)}")
+
     def _take_flags(self, reply: dict[str, Any]) -> FlagFile:
         """Map the flag array the daemon made: a memfd it hands over by descriptor (no path to open). A copy
         of the descriptor is kept, to hand the same file to a restarted daemon."""

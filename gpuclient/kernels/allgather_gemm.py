@@ -129,11 +129,7 @@ class AllGatherGemm:
         # the plan's slots, then one per rank: "rank r has read launch k's rows" (back-pressure between launches)
         self.release_slot = slot_base + self.plan.slot_count
         self.slots = self.plan.slot_count + self.world
-        if session.flag_array is None:
-            session.flags(slot_base + self.slots, where="device")
-        elif len(session.flag_array) < slot_base + self.slots:
-            raise ValueError(f"AllGatherGemm needs flag slots [{slot_base}, {slot_base + self.slots}); the session "
-                             f"has {len(session.flag_array)}")
+        session.flag_slots(slot_base, self.slots, type(self).__name__)
         self.channel_capacity = channel_capacity
         self.launches = 0
         self._ch: Any = None

@@ -417,11 +417,7 @@ class GemmReduceScatter:
             result_region = session.register(self.result).id
         self.rs_plan, self.ag_plan = self.layout.plans(partial_region, staging_region, result_region)
         self.slots = self.layout.slots
-        if session.flag_array is None:
-            session.flags(slot_base + self.slots, where="device")
-        elif len(session.flag_array) < slot_base + self.slots:
-            raise ValueError(f"{type(self).__name__} needs flag slots [{slot_base}, {slot_base + self.slots}); "
-                             f"the session has {len(session.flag_array)}")
+        session.flag_slots(slot_base, self.slots, type(self).__name__)
         self.channel_capacity = channel_capacity
         self.launches = 0
         self._ch: Any = None

@@ -646,11 +646,7 @@ class MoE:
         self.gemm_warps, self.gemm_stages = gemm_warps, gemm_stages
         self.y = None if gemm_n is None else torch.empty((L, lay.capacity, gemm_n), dtype=self.gemm_dtype, device=dev)
         self.slots = lay.slots
-        if session.flag_array is None:
-            session.flags(slot_base + self.slots, where="device")
-        elif len(session.flag_array) < slot_base + self.slots:
-            raise ValueError(f"MoE needs flag slots [{slot_base}, {slot_base + self.slots}); the session has "
-                             f"{len(session.flag_array)}")
+        session.flag_slots(slot_base, self.slots, type(self).__name__)
         self.block_h = min(_pow2(H), 1024)
         self.block_t = min(_pow2(T), 1024)  # handle words per step of the scatter into recv_src
         self.copy_rows = max(1, 4096 // self.block_h)  # rows per tile of a block copy

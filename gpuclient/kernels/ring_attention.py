@@ -473,11 +473,7 @@ class RingAttention:
                               device=f"cuda:{self.device}")
         self.plan = self.layout.plan(session.register(self.kv).id)
         self.slots = self.layout.slots
-        if session.flag_array is None:
-            session.flags(slot_base + self.slots, where="device")
-        elif len(session.flag_array) < slot_base + self.slots:
-            raise ValueError(f"RingAttention needs flag slots [{slot_base}, {slot_base + self.slots}); the session "
-                             f"has {len(session.flag_array)}")
+        session.flag_slots(slot_base, self.slots, type(self).__name__)
         self.channel_capacity = channel_capacity
         self.launches = 0
         self._ch: Any = None

@@ -85,6 +85,11 @@ def test_session_flags_defaults_to_the_daemons_placement(cluster: LocalCluster, 
         assert type(flags) is gpuclient.FlagArray and len(flags) == 4
         with pytest.raises(ValueError, match="where"):
             cpu.flags(4, where="gpu")
+        # an op's slots (the fused ops' check): inside the array it is kept, past its end refused
+        cpu.flag_slots(1, 3, "SomeOp")
+        assert cpu.flag_array is flags
+        with pytest.raises(ValueError, match=r"SomeOp needs flag slots \[2, 6\); the session has 4"):
+            cpu.flag_slots(2, 4, "SomeOp")
         cpu.leave()
 
 
