@@ -93,14 +93,20 @@ def check_launch(num_warps: Any, num_stages: Any) -> None:
         raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
 
 
+def is_dot_block(block: tuple[Any, ...]) -> bool:
+    """``block`` is a GEMM tile ``(block_m, block_n, block_k)`` ``tl.dot`` takes: three integers (not bools),
+    each a power of two >= 16."""
+    return len(block) == 3 and all(not isinstance(b, bool) and isinstance(b, int) and b >= 16 and not b & (b - 1)
+                                   for b in block)
+
+
 def check_tiles(block: Any, num_warps: Any, num_stages: Any, tma: Any, n: int,
                 k: int) -> tuple[tuple[int, int, int], int, int, bool]:
     """A GEMM op's tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` three
     powers of two >= 16 (``tl.dot``), ``check_launch``'s terms, ``tma`` a bool (True: rows of ``n`` and ``k``
     elements that a tensor descriptor can step over) or None: True exactly when those rows allow it."""
     block = tuple(block)
-    if len(block) != 3 or any(isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1)
-                              for b in block):
+    if not is_dot_block(block):
         raise ValueError(f"block (block_m, block_n, block_k) must be powers of two >= 16 (tl.dot), got {block!r}")
     check_launch(num_warps, num_stages)
     if tma is None:

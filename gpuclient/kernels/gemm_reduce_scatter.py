@@ -51,7 +51,15 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles, gemm_operands, gemm_tile
+from gpuclient.kernels._tiles import (
+    GEMM_BLOCK,
+    DescriptorScratch,
+    check_aligned,
+    check_tiles,
+    gemm_operands,
+    gemm_tile,
+    is_dot_block,
+)
 from gpuclient.plan import U32_MAX, ChunkPlan
 
 __all__ = ["GemmAllReduce", "GemmReduceScatter", "ReduceScatterLayout"]
@@ -224,7 +232,7 @@ class ReduceScatterLayout:
         if self.m % self.world:
             raise ValueError(f"m={self.m} rows do not split into {self.world} equal segments (one per rank): "
                              f"make m a multiple of world")
-        if len(self.block) != 3 or any(not isinstance(b, int) or b < 16 or b & (b - 1) for b in self.block):
+        if not is_dot_block(tuple(self.block)):
             raise ValueError(f"block (block_m, block_n, block_k) must be powers of two >= 16 (tl.dot), got "
                              f"{self.block!r}")
         for name in ("partial_bytes", "out_bytes"):

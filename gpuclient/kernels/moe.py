@@ -83,7 +83,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._tiles import check_launch
+from gpuclient.kernels._tiles import check_launch, is_dot_block
 from gpuclient.kernels.moe_layout import MoELayout
 
 # ---- kernels ---------------------------------------------------------------------------------------------------
@@ -537,7 +537,7 @@ def check_gemm_tiles(block: Any, num_warps: Any, num_stages: Any) -> tuple[tuple
     """``dispatch_gemm``'s tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` =
     (block_m, block_n, block_k), three powers of two >= 16 (``tl.dot``), and ``check_launch``'s terms."""
     block = tuple(block)
-    if len(block) != 3 or any(isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1) for b in block):
+    if not is_dot_block(block):
         raise ValueError(f"gemm_block must be three powers of two >= 16 (tl.dot), got {block}")
     check_launch(num_warps, num_stages)
     return block, num_warps, num_stages
