@@ -624,6 +624,7 @@ class _MoeGemm:
             op.prepare()
         self.preload()
         self.streams = streams or [torch.cuda.Stream(device) for _ in ops]
+        self._counts: list[list[int]] = []  # the latest round's rows per local expert (``round``)
         local = ops[0].local_experts
         self.xs = [_randn(gen, tokens, hidden, device=device) for _ in ops]
         self.idx = [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).cuda(device)
@@ -634,10 +635,12 @@ class _MoeGemm:
                                dtype=torch.bfloat16) * hidden ** -0.5 for _ in ops]
         torch.cuda.synchronize()
 
-    def preload(self) -> Any:
-        """Both ranks' timing variants (communication alone, compute alone) loaded; the compute one returned."""
-        for op in self.ops:
-            op.preload_gemm(communicate=True, compute=False)
+    def preload(self, communication: bool = True) -> Any:
+        """Every rank's compute-alone variant loaded (and first, with ``communication``, its communication-alone
+        one): the ranks share this process. The compute variant's compiled kernel returned."""
+        if communication:
+            for op in self.ops:
+                op.preload_gemm(communicate=True, compute=False)
         return [op.preload_gemm(communicate=False, compute=True) for op in self.ops][0]
 
     def round(self, **kw: bool) -> float:
@@ -694,10 +697,10 @@ def moe_dispatch_gemm(sessions: list[Any], streams: list[Any], gen: Any, device:
         moe.round()
         case.flops = 2.0 * sum(sum(c) for c in moe.counts()) * hidden * gemm_n
 
-    def retile(tile: dict[str, Any]) -> Any:
+    def retile(tile: dict[str, Any]) -> Any:  # only the compute variant runs after it
         for op in moe.ops:
             op.retile_gemm(tile["block"], num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-        return [op.preload_gemm(communicate=False, compute=True) for op in moe.ops][0]
+        return moe.preload(communication=False)
 
     case = Case(moe.round, moe.torch_compute, moe.error, flops=0.0, moved=0, ops=moe.ops,
                 params={"programs": moe.ops[0].gemm_programs}, stage=stage, compute_error=moe.error, retile=retile)
