@@ -10,10 +10,10 @@ model shaping each daemon's link like the NIC its backend stands for (ib: Connec
 200 Gb/s; ``--shapes`` adds ``unshaped``). The network is softverbs under that model, so every absolute
 number here is "on the soft fabric shaped as that NIC", not a cluster's.
 
-Kernels (``gpuclient.kernels``; two sizes each, picked so that communication and compute are within about
-2x of each other under the ib shape): AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce (bf16 in, fp32
-accumulate) and Ring Attention (forward, bf16). Each row times, as the median of ``--reps`` launches of
-both ranks at once (host clock around launch and synchronize):
+Kernels (``gpuclient.kernels``; two sizes each and backend, the first picked so that communication and compute
+are within about 2x of each other under that backend's shape: ``SIZES``, ``EFA_SIZES``): AllGather+GEMM,
+GEMM+ReduceScatter, GEMM+AllReduce (bf16 in, fp32 accumulate) and Ring Attention (forward, bf16). Each row
+times, as the median of ``--reps`` launches of both ranks at once (host clock around launch and synchronize):
 
 - ``compute``: the fused kernel with ``communicate=False`` (its compute on local data, waits satisfied);
 - ``comm``: ``compute=False`` (the same kernel ships and waits on the same schedule, no math);
@@ -129,8 +129,33 @@ QUICK_SIZES: dict[str, list[dict[str, int]]] = {
 MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 16384},
                   {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 4096}]
 QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "gemm_n": 512}]
+#: efa's sizes. Its model is half ib's rate and each flag costs the soft fabric a loopback write, so at ib's sizes
+#: its communication ran 2.0-4.6x the compute (h200-2026-12-03-fused-bench-all-sizes1.json) and no efa row was
+#: inside the band the targets name. The first size grows what only the compute grows with (AllGather+GEMM's and
+#: the MoE expert's N, the reductions' K; ring attention's sequence, whose compute grows with its square and its
+#: communication linearly) to bring the two within 2x of each other on the efa shape; the second is ib's first,
+#: communication-bound there.
+EFA_SIZES: dict[str, list[dict[str, int]]] = {
+    "allgather_gemm": [{**SIZES["allgather_gemm"][0], "n": 32768}, SIZES["allgather_gemm"][0]],
+    "gemm_reduce_scatter": [{**SIZES["gemm_reduce_scatter"][0], "k": 32768}, SIZES["gemm_reduce_scatter"][0]],
+    "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "k": 65536}, SIZES["gemm_all_reduce"][0]],
+    "ring_attention": [{**SIZES["ring_attention"][0], "seq_local": 16384}, SIZES["ring_attention"][0]],
+}
+EFA_MOE_GEMM_SIZES = [{**MOE_GEMM_SIZES[0], "gemm_n": 40960}, MOE_GEMM_SIZES[0]]
 KERNELS = tuple(SIZES)
 SIZES_KEYS = tuple(dict.fromkeys(key for sizes in SIZES.values() for dims in sizes for key in dims))
+
+
+def backend_sizes(backend: str, quick: bool = False) -> dict[str, list[dict[str, int]]]:
+    """The sizes a run measures on ``backend``, MoE Dispatch+GEMM's under ``moe_dispatch_gemm`` (``--quick``: the
+    same small ones on every backend)."""
+    if quick:
+        return {**QUICK_SIZES, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES}
+    if backend == "efa":
+        return {**EFA_SIZES, "moe_dispatch_gemm": EFA_MOE_GEMM_SIZES}
+    return {**SIZES, "moe_dispatch_gemm": MOE_GEMM_SIZES}
+
+
 MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}
 QUICK_MOE = {"tokens": 32, "hidden": 1024, "topk": 4, "experts": 8}
 #: programs per rank for every fused op (``--programs``; None: the op's default, the SMs over the ranks sharing)
@@ -1120,7 +1145,6 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     if timeline_path:
         Path(timeline_path).parent.mkdir(parents=True, exist_ok=True)
         Path(timeline_path).touch()
-    table_sizes = QUICK_SIZES if quick else SIZES
     moe_dims = QUICK_MOE if quick else MOE
     if quick:
         reps = 2
@@ -1156,7 +1180,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
             how = "python benchmarks/fused_bench.py " + " ".join(sys.argv[1:])
             tune_kernels = [k for k in wanted if k in TUNABLE]
-            tune_sizes = {**table_sizes, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES if quick else MOE_GEMM_SIZES}
+            tune_sizes = backend_sizes("ib", quick)  # the defaults' sizes: the compute alone, on either backend
             result = run_tune(tune_kernels, backend, shape, tune_sizes, reps, tma, tune_seconds, json_path, how,
                               echo=click.echo)
             mps_line = mps.describe()
@@ -1167,12 +1191,13 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         for backend in backends.split(","):
             for spec in shapes.split(","):
                 shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
+                run_sizes = backend_sizes(backend, quick)
                 for kernel in (k for k in wanted if k in KERNELS):
-                    for dims in table_sizes[kernel][:sizes]:
+                    for dims in run_sizes[kernel][:sizes]:
                         attempt({"kernel": kernel, "backend": backend, "shape": shape, **dims},
                                 fused_row, kernel, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe_dispatch_gemm" in wanted:
-                    for dims in (QUICK_MOE_GEMM_SIZES if quick else MOE_GEMM_SIZES)[:sizes]:
+                    for dims in run_sizes["moe_dispatch_gemm"][:sizes]:
                         attempt({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims},
                                 moe_gemm_row, backend, shape, dims, reps)
                 if "moe" in wanted:

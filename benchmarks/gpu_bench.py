@@ -71,7 +71,7 @@ from transportd_cli.bench_proxy import _worker_loop  # noqa: E402
 
 KERNELS = Path(__file__).with_name("gpu_push.cu")
 HEADER_LAST = ("release_sys", "fence_sys", "v2_release", "v2_split")
-PARITY = ("parity", "parity_v2")
+PARITY = ("parity", "parity_v2", "parity_fenced")  # parity_fenced: a system-scope fence first (gpu_push.cu)
 GAP_NS = 200_000  # pushes paced 200 us apart: every latency sample finds the consumer idle
 DEFAULT_VARIANT = {0: "release_sys", 1: "fence_sys", 2: "v2_release", 3: "v2_split"}
 

@@ -12,6 +12,10 @@ namespace bench {
 
 constexpr int PARITY = 100;     // six 8-byte relaxed .sys stores
 constexpr int PARITY_V2 = 101;  // three 16-byte relaxed .sys stores
+// fence.sc.sys, then PARITY's six stores: what a parity record costs when it publishes data the kernel wrote
+// just before (a PUT of a fresh tile). Header-last's release store orders those writes for the NIC too;
+// parity's relaxed stores order nothing, so such a record needs this fence first.
+constexpr int PARITY_FENCED = 102;
 
 // One per-word-parity PUT of 4 KiB to `peer` (offsets from `chunk`, `value` in the last word): the lap parity in
 // byte 0 of every word, relaxed system-scope stores, no fence. Returns the ring position it took.
@@ -25,7 +29,8 @@ __device__ __forceinline__ uint64_t push_parity(const tpd::RingDevice& ring, uin
     uint64_t w0 = ((uint64_t)TPD_OP_PUT << 8) | ((uint64_t)peer << 24) | par;
     uint64_t w1 = ((uint64_t)chunk << 8) | par;
     uint64_t w2 = ((uint64_t)chunk << 20) | par, w3 = (4096ull << 8) | par, w4 = par, w5 = (value << 8) | par;
-    if (Variant == PARITY) {
+    if (Variant == PARITY_FENCED) tpd::ordering::fence_sys();
+    if (Variant == PARITY || Variant == PARITY_FENCED) {
         tpd::ordering::st_relaxed_sys(slot + 1, w1);
         tpd::ordering::st_relaxed_sys(slot + 2, w2);
         tpd::ordering::st_relaxed_sys(slot + 3, w3);
@@ -44,7 +49,7 @@ __device__ __forceinline__ uint64_t push_parity(const tpd::RingDevice& ring, uin
 template <int Variant>
 __device__ __forceinline__ uint64_t push_put(const tpd::RingDevice& ring, uint16_t peer, uint64_t off,
                                              uint32_t chunk, uint64_t value) {
-    if (Variant == PARITY || Variant == PARITY_V2) return push_parity<Variant>(ring, peer, chunk, value);
+    if (Variant >= PARITY) return push_parity<Variant>(ring, peer, chunk, value);
     tpd::Body b = tpd::make_body(off, off, 4096, 0, 0, chunk, 0, value);
     return tpd::push<Variant>(ring, tpd::Opcode::Put, 0, peer, b);
 }
@@ -235,6 +240,7 @@ TPD_BENCH_VARIANT(v2_release, TPD_COMMIT_V2_RELEASE)
 TPD_BENCH_VARIANT(v2_split, TPD_COMMIT_V2_SPLIT)
 TPD_BENCH_VARIANT(parity, bench::PARITY)
 TPD_BENCH_VARIANT(parity_v2, bench::PARITY_V2)
+TPD_BENCH_VARIANT(parity_fenced, bench::PARITY_FENCED)
 TPD_BENCH_SWEEP(release_sys, TPD_COMMIT_RELEASE_SYS)
 TPD_BENCH_SWEEP(fence_sys, TPD_COMMIT_FENCE_SYS)
 TPD_BENCH_SWEEP(v2_release, TPD_COMMIT_V2_RELEASE)
@@ -245,6 +251,7 @@ TPD_BENCH_SWEEP_WARP_PUSH(v2_release, TPD_COMMIT_V2_RELEASE)
 TPD_BENCH_SWEEP_WARP_PUSH(v2_split, TPD_COMMIT_V2_SPLIT)
 TPD_BENCH_SWEEP(parity, bench::PARITY)
 TPD_BENCH_SWEEP(parity_v2, bench::PARITY_V2)
+TPD_BENCH_SWEEP(parity_fenced, bench::PARITY_FENCED)
 
 extern "C" __global__ void push_loop_warp32(tpd::RingDevice ring, uint32_t iters, uint64_t* out) {
     bench::push_loop_warp(ring, iters, out);

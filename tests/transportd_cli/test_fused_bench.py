@@ -301,6 +301,35 @@ def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Pa
     assert rows[1]["error"] == "RuntimeError: spin bound"
 
 
+def test_each_backend_runs_its_own_sizes_and_efa_grows_only_what_the_compute_grows_with(monkeypatch) -> None:
+    """efa's first sizes keep the communication of ib's first (the same shards, chunks, tokens) and grow the
+    compute's dimension; its second is ib's first. A run measures each backend's own."""
+    bench = _bench()
+    moves = {"allgather_gemm": ("n",), "gemm_reduce_scatter": ("k",), "gemm_all_reduce": ("k",),
+             "ring_attention": ("seq_local",), "moe_dispatch_gemm": ("gemm_n",)}
+    ib, efa = bench.backend_sizes("ib"), bench.backend_sizes("efa")
+    assert set(ib) == set(efa) == set(moves)
+    for kernel, grown in moves.items():
+        assert len(efa[kernel]) == 2 and efa[kernel][1] == ib[kernel][0]
+        first, base = efa[kernel][0], ib[kernel][0]
+        assert first.keys() == base.keys()
+        assert {key for key in first if first[key] != base[key]} == set(grown)
+        assert all(first[key] > base[key] for key in grown)
+    assert bench.backend_sizes("efa", quick=True) == bench.backend_sizes("ib", quick=True)
+    seen: list[tuple[str, str, dict[str, int]]] = []
+
+    def row(kernel, backend, shape, dims, reps, echo=print, timeline=False):
+        seen.append((kernel, backend, dims))
+        return bench.derive({"kernel": kernel, "backend": backend, "shape": shape, **dims, "compute_s": 2e-3,
+                             "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}, 1e9, 1 << 20)
+
+    monkeypatch.setattr(bench, "fused_row", row)
+    result = CliRunner().invoke(bench.main, ["--kernels", "gemm_all_reduce", "--backends", "ib,efa"])
+    assert result.exit_code == 0, result.output
+    assert seen == [("gemm_all_reduce", "ib", dims) for dims in ib["gemm_all_reduce"]] + [
+        ("gemm_all_reduce", "efa", dims) for dims in efa["gemm_all_reduce"]]
+
+
 def test_a_reduce_scatter_timeline_splits_into_tiles_chunks_and_ends_and_summarizes_in_ms() -> None:
     from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout
 
