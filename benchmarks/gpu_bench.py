@@ -26,7 +26,8 @@ round trips under load (the thread sweep; ``--only-sweep`` runs it alone)
     ``serve``, GIL released) over the engine as its own null NIC, poll window 0 (``--sweep-poll-window-us``),
     records spread over 8 peers. ``--only-sweep`` also runs ``transportd bench proxy``'s drain beside the
     bare C consumer in the same run; ``--sweep-compare`` adds the bare C consumer, one poller a warp, the
-    warp-cooperative push, per-word-parity records (bare consumer only), and the threads spread over 2 and
+    warp-cooperative push, per-word-parity records (bare consumer only; ``parity_fenced`` with the system fence
+    a record shipping fresh data needs, which header-last's release already is), and the threads spread over 2 and
     4 rings (``split_ring_sweep``: a bare consumer a ring, a worker a ring, one worker for all of them).
 put -> flag
     two daemons (``LocalCluster`` over softverbs, ib RC and efa SRD), ranks 0 and 1 in one process on one

@@ -43,8 +43,10 @@
  * 2.5-3.2x cheaper per thread and 1.9-4.4x in aggregate (its aggregate varied most between runs), and it
  * is the only commit that came near the design's 300 ns per push. It needs a different record layout and
  * consumer (cmd_ring.h, record.py, ring.py, the proxy's translation), so it is measured side by side by
- * the benchmark only (benchmarks/gpu_push.cu) and the whole chain stays header-last for now; switching is
- * the lever when push cost matters more than 6 bytes of record.
+ * the benchmark only (benchmarks/gpu_push.cu) and the whole chain stays header-last. Its saving is the
+ * missing release, and that release is also what carries the kernel's earlier stores (the tile a PUT ships)
+ * to the proxy and the NIC: a parity record that ships fresh data needs a fence.sc.sys first, and then
+ * its round trip through the bare consumer is header-last's (3.26 against 3.23 us, docs/performance.md).
  */
 #ifndef TRANSPORTD_RING_DEVICE_CUH
 #define TRANSPORTD_RING_DEVICE_CUH
