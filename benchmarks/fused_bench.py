@@ -426,14 +426,16 @@ def rs_timeline_summary(layout: Any, events: dict[str, Any], t0: int) -> dict[st
     """Milliseconds from ``t0`` (the earliest start over the ranks) of what a launch's timeline says: when the
     peers' tiles and the own tiles started and were computed, how long the own tiles waited for the peers'
     chunks (summed over tiles, and the share of tiles that waited at all), when this rank's chunks completed and
-    shipped, and when its programs ended."""
+    shipped, and when its programs ended (the last, and the median: a last program far past the median is the
+    launch's tail, its final waits and quiet)."""
     import numpy as np
 
     def ms(x: Any) -> float:
         return round(float(x - t0) / 1e6, 4)
 
     tiles, own = events["tiles"], events["step"] == layout.world - 1
-    out: dict[str, Any] = {"end_ms": ms(events["program_ends"].max())}
+    out: dict[str, Any] = {"end_ms": ms(events["program_ends"].max()),
+                           "median_end_ms": ms(np.median(events["program_ends"]))}
     for name, which in (("peer_tiles", ~own), ("own_tiles", own)):
         part = tiles[which]
         if len(part):
