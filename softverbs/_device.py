@@ -225,41 +225,36 @@ class Conn:
                 return True
         return False
 
+    def _recv(self, into: memoryview) -> int:
+        """``recv_into(into)``: the bytes read, or 0 when the socket has none now or is gone (reported here)."""
+        try:
+            n = self.sock.recv_into(into)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            self.device.conn_lost(self, exc)
+            return 0
+        if n == 0:
+            self.device.conn_lost(self, None)
+        return n
+
     def _fill(self) -> bool:
         """Read more bytes; False when the socket has none now (or closed)."""
         if self.state == 2 and isinstance(self.sink, memoryview) and self.start == self.end:
             missing = self.sink_len - self.sink_pos
             if missing >= _DIRECT_MIN:
-                try:
-                    n = self.sock.recv_into(self.sink[self.sink_pos:])
-                except (BlockingIOError, InterruptedError):
-                    return False
-                except OSError as exc:
-                    self.device.conn_lost(self, exc)
-                    return False
-                if n == 0:
-                    self.device.conn_lost(self, None)
-                    return False
+                n = self._recv(self.sink[self.sink_pos:])
                 self.sink_pos += n
-                return True
+                return n > 0
         if self.start == self.end:
             self.start = self.end = 0
         elif len(self.buf) - self.end < 65536:
             leftover = self.end - self.start
             self.mv[:leftover] = self.mv[self.start:self.end]
             self.start, self.end = 0, leftover
-        try:
-            n = self.sock.recv_into(self.mv[self.end:self.end + self.read_cap])
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as exc:
-            self.device.conn_lost(self, exc)
-            return False
-        if n == 0:
-            self.device.conn_lost(self, None)
-            return False
+        n = self._recv(self.mv[self.end:self.end + self.read_cap])
         self.end += n
-        return True
+        return n > 0
 
     def _advance(self) -> bool:
         """Make progress with buffered bytes; False when more input is needed."""
