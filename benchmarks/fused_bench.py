@@ -165,6 +165,10 @@ COPY_VIA = "device"
 #: where each rank's flag words live (``--flags``): the ops' own device flags, or a host flag file made first
 FLAGS = "device"
 FLAG_PLACEMENTS = ("device", "host")
+#: how an efa daemon publishes flags into GPU memory (``--publication``, ``flags.publication``): ``auto`` (here, with
+#: no GDRCopy: a loopback RDMA write) or ``cuda-copy`` (word copies posted on the worker's stream)
+PUBLICATION = "auto"
+PUBLICATIONS = ("auto", "loopback", "cuda-copy")
 HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
 
 
@@ -214,6 +218,8 @@ def _sessions(backend: str, shape: str, job: str, device: int,
 
     overrides = {"softverbs": {"direct_copy": True, "direct_copy_via": COPY_VIA, **SHAPES.get(shape, {})},
                  "peers": {"heartbeat_timeout_s": 20.0}, **(config or {})}
+    if PUBLICATION != "auto" and backend == "efa":
+        overrides["flags"] = {**overrides.get("flags", {}), "publication": PUBLICATION}
     with LocalCluster(WORLD, backend=backend, overrides=overrides) as cluster:
         clients = [gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names]
         sessions = [c.join(job, rank=r, world=WORLD, device=device) for r, c in enumerate(clients)]
@@ -1120,6 +1126,9 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
               help="each rank's flag words: in GPU memory (the ops' default; on efa the receiving daemon writes them "
                    "with a loopback RDMA write where there is no GDRCopy) or in a host flag file the kernels read "
                    "mapped (the daemon stores them)")
+@click.option("--publication", type=click.Choice(PUBLICATIONS), default="auto", show_default=True,
+              help="efa's flags.publication: how the receiving daemon writes flags into GPU memory (auto: a loopback "
+                   "RDMA write here, with no GDRCopy; cuda-copy: word copies on its worker's stream, not waited for)")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
               help="also run one launch of each mode with the kernels' timelines (GEMM+RS, GEMM+AR): a summary in "
                    "each row, every recorded event here")
@@ -1131,12 +1140,12 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
               help="--tune: configs not started by then are recorded as skipped")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
-         timeline_path: str | None = None, flags_where: str = "device") -> None:
+         timeline_path: str | None = None, flags_where: str = "device", publication: str = "auto") -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, COPY_VIA, FLAGS
-    PROGRAMS, COPY_VIA, FLAGS = programs, copy_via, flags_where
+    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION
+    PROGRAMS, COPY_VIA, FLAGS, PUBLICATION = programs, copy_via, flags_where, publication
 
     wanted = [k for k in kernels.split(",") if k]
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
@@ -1164,7 +1173,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             Path(timeline_path).write_text(json.dumps(raw_timelines))
         if json_path:
             Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
-                                                   "flags": flags_where, "programs": programs}, indent=2))
+                                                   "flags": flags_where, "publication": publication,
+                                                   "programs": programs}, indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:
         try:

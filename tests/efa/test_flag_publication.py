@@ -3,6 +3,9 @@
 - the host shadow and the mapped store (efa/csrc/efa_post.c), also from two processes at once;
 - the GDRCopy path with a stand-in libgdrapi (tests/efa/gdr_standin.c, built here) over host memory: pin,
   map through a second mapping of the same pages, and the compiled poster's own stores into it;
+- the cuda-copy path's bookkeeping over a stand-in for the accessor's word copies whose batches land when
+  the test says (`GpuAccessor.post_words` itself: tests/transportd/dataplane/test_gpu_direct_copier.py and,
+  on a GPU, tests/gpu/test_fused_kernels.py);
 - the loopback path: a real loopback SRD write through the soft EFA device into memory registered with an
   accessor (what GPU memory is to softverbs), one write per slot per pass;
 - the choice of path (gdrdrv absent, stand-in library, forced values and what a forced path that cannot
@@ -16,6 +19,7 @@ import mmap
 import multiprocessing as mp
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +56,38 @@ def standin_library(tmp_path_factory: pytest.TempPathFactory) -> str:
     subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-Wno-unused-parameter", "-o", str(out),
                     str(STANDIN_SOURCE)], check=True)
     return str(out)
+
+
+class WordCopies:
+    """Stands in for `GpuAccessor.post_words` / `landed` over host memory: a posted batch lands only when the
+    test calls :meth:`land`, so it can be late, or land after a later batch of another writer."""
+
+    def __init__(self) -> None:
+        self.posts: list[list[tuple[int, int]]] = []
+        self.pending: list[tuple[int, list[tuple[int, int]]]] = []
+        self.rings = 0
+
+    def open_word_ring(self) -> None:
+        self.rings += 1
+
+    def post_words(self, writes: list[tuple[int, int]]) -> int:
+        self.posts.append(list(writes))
+        self.pending.append((len(self.posts), list(writes)))
+        return len(self.posts)
+
+    def landed(self, ticket: int) -> bool:
+        return all(t != ticket for t, _ in self.pending)
+
+    def wait_landed(self, ticket: int) -> None:
+        self.land(sum(1 for t, _ in self.pending if t <= ticket))
+
+    def land(self, count: int | None = None) -> None:
+        """Land the oldest ``count`` batches (all by default), in order, as one stream copies them."""
+        n = len(self.pending) if count is None else count
+        for _ticket, writes in self.pending[:n]:
+            for addr, value in writes:
+                ctypes.c_uint64.from_address(addr).value = value
+        del self.pending[:n]
 
 
 def _u64(addr: int, count: int) -> np.ndarray:
@@ -353,6 +389,107 @@ def test_a_rank_that_leaves_with_loopback_writes_on_the_wire_waits_for_them(make
         words.loopback.close()
 
 
+def _copy_words(target: np.ndarray, shadow: FlagFile, copier: WordCopies) -> GpuFlagWords:
+    return GpuFlagWords(int(target.ctypes.data), len(target), shadow, CUDA_COPY, accessor=copier)
+
+
+@pytest.fixture
+def shadow() -> Iterator[FlagFile]:
+    flags, fd = FlagFile.create_memfd(8)
+    os.close(fd)
+    yield flags
+    flags.close()
+
+
+def test_cuda_copy_posts_a_pass_of_flags_as_one_batch_and_waits_for_none(shadow: FlagFile) -> None:
+    """Updates go to the shadow; the end of the pass posts each queued slot's value once (adjacent slots
+    together) without waiting; the words stay busy until their batch landed."""
+    target = np.zeros(8, dtype=np.uint64)
+    copier = WordCopies()
+    words = _copy_words(target, shadow, copier)
+    for _ in range(3):
+        words.publish(2, SignalOp.ADD, 1)
+    words.publish(3, SignalOp.SET, 7)
+    words.publish(6, SignalOp.ADD, 5)
+    assert copier.posts == [] and words.busy
+    words.end_pass()
+    base = words.address
+    assert copier.posts == [[(base + 16, 3), (base + 24, 7), (base + 48, 5)]] and target.sum() == 0
+    words.end_pass()  # nothing new: nothing posted, still waiting for the batch
+    assert len(copier.posts) == 1 and words.busy
+    copier.land()
+    words.end_pass()
+    assert target.tolist() == [0, 0, 3, 7, 0, 0, 5, 0] and not words.busy and words.copies == 3
+
+
+def test_a_cuda_copy_of_a_value_the_shadow_passed_is_written_again(shadow: FlagFile) -> None:
+    """Two rails' workers publish one counter through the shared shadow, each with its own copy stream: a
+    batch that lands after the other's newer value is followed by the shadow's value. A worker's own
+    later batch of the slot does not cause a rewrite."""
+    target = np.zeros(8, dtype=np.uint64)
+    copier_a, copier_b = WordCopies(), WordCopies()
+    words_a, words_b = _copy_words(target, shadow, copier_a), _copy_words(target, shadow, copier_b)
+    words_a.publish(0, SignalOp.ADD, 1)
+    words_a.end_pass()  # carries 1
+    words_b.publish(0, SignalOp.ADD, 1)
+    words_b.end_pass()  # carries 2
+    copier_b.land()
+    copier_a.land()  # a's lands last: the word went back to 1
+    assert target[0] == 1
+    words_b.end_pass()
+    assert not words_b.busy and len(copier_b.posts) == 1  # b's value was the shadow's
+    words_a.end_pass()  # a's landed with 1, the shadow holds 2: written again
+    assert copier_a.posts[-1] == [(words_a.address, 2)]
+    copier_a.land()
+    words_a.end_pass()
+    assert target[0] == 2 and not words_a.busy
+    for _ in range(2):  # a's own two batches of one slot: the older one's value is passed, no rewrite
+        words_a.publish(1, SignalOp.ADD, 1)
+        words_a.end_pass()
+    copier_a.land()
+    words_a.end_pass()
+    assert target[1] == 2 and len(copier_a.posts) == 4 and not words_a.busy
+
+
+def test_cuda_copy_words_keep_the_pass_asking_until_they_landed(make_link, shadow: FlagFile) -> None:
+    """RailFlags: a rank's cuda-copy words are busy from the publish until their batch landed, so the backend
+    keeps calling end_pass after its polls, and then stops."""
+    target = np.zeros(8, dtype=np.uint64)
+    copier = WordCopies()
+    words = _copy_words(target, shadow, copier)
+    link: Link = make_link()
+    rail_flags = RailFlags(link.b, PublicationChoice(CUDA_COPY, "test"), gpu=None, conn_jobs={5: "job"}, rail=0)
+    rail_flags.arrays[("job", 1)] = (words, None)
+    rail_flags.publish(5, 1, 4, SignalOp.ADD, 9)
+    assert rail_flags.end_pass() is True and copier.posts == [[(words.address + 32, 9)]]
+    assert rail_flags.end_pass() is True  # not landed yet
+    copier.land()
+    assert rail_flags.end_pass() is False and target[4] == 9
+
+
+def test_a_rank_that_leaves_with_flag_copies_posted_waits_for_them(make_link) -> None:
+    """Its flag words' memory is closed as it leaves: a copy still queued would write into memory that is
+    gone, so the posted batches land first (owed slots, which nobody waits for any more, are dropped)."""
+    link: Link = make_link()
+    target = np.zeros(8, dtype=np.uint64)
+    key = link.b.register_memory(int(target.ctypes.data), target.nbytes, remote_write=True, remote_atomic=True,
+                                 accessor=HostAccessor())
+    flags, fd = FlagFile.create_memfd(8)
+    os.close(fd)
+    copier = WordCopies()
+    words = _copy_words(target, flags, copier)
+    rail_flags = RailFlags(link.b, PublicationChoice(CUDA_COPY, "test"), gpu=None, conn_jobs={link.conn: "job"},
+                           rail=0)
+    rail_flags.arrays[("job", 1)] = (words, key)
+    rail_flags.publish(link.conn, 1, 2, SignalOp.ADD, 5)
+    assert rail_flags.end_pass() is True and copier.pending
+    rail_flags.publish(link.conn, 1, 3, SignalOp.ADD, 1)  # owed, not posted
+    rail_flags.drop("job", 1)
+    assert copier.pending == [] and target[2] == 5 and target[3] == 0 and len(copier.posts) == 1
+    assert ("job", 1) not in rail_flags.arrays and rail_flags.end_pass() is False
+    assert rail_flags.copied_words() == 1
+
+
 def test_a_failed_loopback_falls_back_to_copies(make_link) -> None:
     link: Link = make_link()
     words, target, _accessor = _loopback_words(link)
@@ -363,11 +500,15 @@ def test_a_failed_loopback_falls_back_to_copies(make_link) -> None:
         with pytest.raises(Exception, match="loopback flag write failed"):
             words.loopback.reap(wait=True)
         assert words.loopback.inflight == 0  # the failed write's entry is free again
-        copier = HostAccessor()
-        words.fall_back_to_copy(copier)  # what RailFlags.end_pass does: the queued slot is copied
-        assert words.path == CUDA_COPY and target[0] == 3 and copier.writes == 1
+        copier = WordCopies()
+        words.fall_back_to_copy(copier)  # what RailFlags.end_pass does: the queued slot is posted
+        assert words.path == CUDA_COPY and copier.posts == [[(words.address, 3)]] and target[0] == 0
+        copier.land()
+        assert target[0] == 3
         words.publish(0, SignalOp.ADD, 4)
-        assert target[0] == 7 and copier.writes == 2
+        words.end_pass()
+        copier.land()
+        assert target[0] == 7 and len(copier.posts) == 2
     finally:
         words.loopback.close()
         words.release()

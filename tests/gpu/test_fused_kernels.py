@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import gpuclient
+from tests.support.ctl import ctl
 from transportd_cli.localcluster import LocalCluster
 
 torch = pytest.importorskip("torch")
@@ -25,6 +26,7 @@ LAUNCHES = 3
 
 
 HOST_FLAGS = ":host-flags"  # a fabric with this suffix: every rank's flags in a host flag file, not GPU memory
+CUDA_COPY = ":cuda-copy"  # efa with this suffix: the daemons publish GPU flags by posted word copies, not loopback
 
 
 def _ranks(cluster: LocalCluster, job: str, device: int, world: int | None = None, fabric: str = "") -> list:
@@ -47,11 +49,14 @@ def _ranks(cluster: LocalCluster, job: str, device: int, world: int | None = Non
 def _cluster(nodes: int, fabric: str) -> LocalCluster:
     """``nodes`` daemons on ``fabric``: ``ib`` (RC, the default ``write`` signal mode), ``ib-atomic`` and
     ``ib-fence`` (ib in that signal mode: how the daemon orders a flag after its payload), or ``efa`` (SRD);
-    a ``HOST_FLAGS`` suffix is the ranks' business (``_ranks``)."""
-    backend, _, mode = fabric.removesuffix(HOST_FLAGS).partition("-")
+    a ``HOST_FLAGS`` suffix is the ranks' business (``_ranks``); a ``CUDA_COPY`` suffix forces
+    ``flags.publication = "cuda-copy"``."""
+    backend, _, mode = fabric.removesuffix(HOST_FLAGS).removesuffix(CUDA_COPY).partition("-")
     overrides: dict = {"peers": {"heartbeat_timeout_s": 20.0}}
     if mode:
         overrides["signal"] = {"mode": mode}
+    if fabric.endswith(CUDA_COPY):
+        overrides["flags"] = {"publication": "cuda-copy"}
     return LocalCluster(nodes, backend=backend, overrides=overrides)
 
 
@@ -71,7 +76,7 @@ def _close(sessions: list) -> None:
 # world 4: two ranks on each of the two daemons, all four on the GPU; ib's atomic and fence signal modes at 2;
 # tma: A and B through tensor descriptors (None: the op's default, descriptors where the shape allows)
 TP_CASES = [("ib", 2, None), ("ib-atomic", 2, None), ("ib-fence", 2, None), ("efa", 2, None),
-            ("ib", 4, None), ("efa", 4, None), ("ib", 2, False), ("efa", 2, False)]
+            ("ib", 4, None), ("efa", 4, None), ("ib", 2, False), ("efa", 2, False), ("efa" + CUDA_COPY, 4, None)]
 
 
 @pytest.mark.parametrize(("fabric", "world", "tma"), TP_CASES)
@@ -135,7 +140,8 @@ def _assert_sum(got, want, magnitude, what: str) -> None:
       for pdt, odt, w in [("bfloat16", "float32", 2), ("float32", "bfloat16", 2),
                           ("bfloat16", "float32", 4)]],  # 4: two ranks on each of the two daemons
     ("ib-atomic", "bfloat16", "float32", 2), ("ib-fence", "float32", "bfloat16", 2),
-    ("efa" + HOST_FLAGS, "bfloat16", "float32", 2), ("ib" + HOST_FLAGS, "float32", "bfloat16", 2)])
+    ("efa" + HOST_FLAGS, "bfloat16", "float32", 2), ("ib" + HOST_FLAGS, "float32", "bfloat16", 2),
+    ("efa" + CUDA_COPY, "bfloat16", "float32", 2), ("efa" + CUDA_COPY, "float32", "bfloat16", 4)])
 def test_gemm_reduce_scatter_matches_torch(cuda_device, fabric: str, partial_dtype: str, out_dtype: str,
                                            world: int) -> None:
     from gpuclient.kernels import GemmReduceScatter
@@ -196,6 +202,11 @@ def test_gemm_reduce_scatter_matches_torch(cuda_device, fabric: str, partial_dty
                 arrived = op._arrive.cpu().numpy()[:world * lay.chunks_per_segment].reshape(world, -1)
                 per_chunk = [launches * lay.arrivals(c) for c in range(lay.chunks_per_segment)]
                 assert (arrived[r] == 0).all() and (np.delete(arrived, r, axis=0) == per_chunk).all(), arrived
+            if fabric.endswith(CUDA_COPY):  # the flags went the forced way
+                for name in cluster.names:
+                    (rail,) = ctl("status", "--json", "--socket", cluster.socket(name)).json()["rails"]
+                    assert rail["flag_publication"] == "cuda-copy" and rail["flag_copies"] > 0, rail
+                    assert rail["flag_loopback"] is None
         finally:
             _close(sessions)
 
@@ -310,6 +321,7 @@ def _attention(q: list, k: list, v: list, causal: bool):
     ("ib-fence", 3, 128, False, "float32", 2),
     ("efa" + HOST_FLAGS, 3, 128, False, "float32", 2),
     ("ib" + HOST_FLAGS, 2, 128, True, "float32", 1),
+    ("efa" + CUDA_COPY, 3, 128, True, "float32", 2),
 ])
 def test_ring_attention_matches_torch(cuda_device, fabric: str, world: int, head_dim: int, causal: bool,
                                       out_dtype: str, comm_programs: int) -> None:

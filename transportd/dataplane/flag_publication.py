@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,7 +146,9 @@ class GpuFlagWords:
     published: ``path`` is ``gdrcopy`` (``mapping`` holds the BAR mapping; the backend's compiled path
     stores, :meth:`publish` is not called), ``loopback`` (``loopback``: the rail's
     :class:`~efa.loopback.LoopbackWriter`; :meth:`end_pass` writes what :meth:`publish` queued) or
-    ``cuda-copy`` (``accessor``: anything with ``write(addr, bytes)``).
+    ``cuda-copy`` (``accessor``: a :class:`~transportd.dataplane.gpu_memory.GpuAccessor`, whose
+    ``post_words`` copies the words in order without waiting; :meth:`end_pass` posts what :meth:`publish`
+    queued).
 
     ``shadow``: the host words holding each counter's current value (the rank's flag file, mapped in
     every rail worker, which all publish through it). ``rkey`` is set once the words are registered.
@@ -166,34 +169,21 @@ class GpuFlagWords:
         self.loopback = loopback
         self.mapping = mapping
         self.rkey = 0
-        self._dirty: dict[int, None] = {}  # loopback: slots whose shadow moved since their last write
+        self._dirty: dict[int, None] = {}  # slots whose shadow moved since their last write
         self._inflight: dict[int, int] = {}  # loopback: slot -> the value its write on the wire carries
+        self._posted: deque[tuple[Any, dict[int, int]]] = deque()  # cuda-copy: (ticket, slot -> value), in order
+        self._latest: dict[int, Any] = {}  # cuda-copy: slot -> the ticket of the last batch that carries it
         self.copies = 0
 
     def publish(self, slot: int, op: SignalOp, value: int) -> None:
-        """Apply one update to the shadow; copy the new value now (cuda-copy) or queue the slot (loopback)."""
-        new = _core.flag_shadow_publish(0, self.shadow.address + 8 * slot, int(op), value)
-        if self.path == LOOPBACK:
-            self._dirty[slot] = None
-        else:
-            self._copy(slot, new)
-
-    def _copy(self, slot: int, value: int) -> None:
-        # as the compiled mapped store: rewrite until the value written is the shadow's (another rail's
-        # worker may have moved it meanwhile, and its own copy may land before ours)
-        values = self.shadow.values
-        while True:
-            self.accessor.write(self.address + 8 * slot, memoryview(value.to_bytes(8, "little")))
-            self.copies += 1
-            now = int(values[slot])
-            if now == value:
-                return
-            value = now
+        """Apply one update to the shadow and queue the slot: :meth:`end_pass` writes it."""
+        _core.flag_shadow_publish(0, self.shadow.address + 8 * slot, int(op), value)
+        self._dirty[slot] = None
 
     @property
     def busy(self) -> bool:
-        """Loopback: a write is on the wire or owed."""
-        return bool(self._dirty or self._inflight)
+        """A write is owed, on the wire (loopback) or not yet landed (cuda-copy)."""
+        return bool(self._dirty or self._inflight or self._posted)
 
     @property
     def inflight(self) -> int:
@@ -201,9 +191,12 @@ class GpuFlagWords:
         return len(self._inflight)
 
     def end_pass(self) -> None:
-        """Loopback: post a write of each queued slot's current shadow value, except a slot whose last write is
-        still on the wire (SRD may deliver two writes of one word in either order): it goes once that one
-        completed (:meth:`written`)."""
+        """Write each queued slot's current shadow value: by :meth:`_post_copies` (cuda-copy), or (loopback) by a
+        write posted now, except for a slot whose last write is still on the wire (SRD may deliver two writes
+        of one word in either order): it goes once that one completed (:meth:`written`)."""
+        if self.path == CUDA_COPY:
+            self._post_copies()
+            return
         ready = [s for s in self._dirty if s not in self._inflight]
         if not ready:
             return
@@ -221,6 +214,31 @@ class GpuFlagWords:
                 self._dirty[s] = None
             raise
 
+    def _post_copies(self) -> None:
+        """cuda-copy: post the queued slots' shadow values as one batch of word copies, which land in order
+        behind the earlier batches (nothing waits for them). A batch that landed with a value the shadow has
+        since passed, and no later batch of this worker carrying the slot, is written again: another rail's
+        worker publishes through the same shadow, and its copy of the newer value may have landed first."""
+        values = self.shadow.values
+        posted = self._posted
+        while posted and self.accessor.landed(posted[0][0]):
+            ticket, carried = posted.popleft()
+            for s, value in carried.items():
+                if self._latest.get(s) is ticket:
+                    del self._latest[s]
+                    if int(values[s]) != value:
+                        self._dirty[s] = None
+        if not self._dirty:
+            return
+        slots = sorted(self._dirty)
+        carried = {s: int(values[s]) for s in slots}
+        ticket = self.accessor.post_words([(self.address + 8 * s, carried[s]) for s in slots])
+        self._dirty = {}
+        posted.append((ticket, carried))
+        for s in slots:
+            self._latest[s] = ticket
+        self.copies += len(slots)
+
     def written(self, slot: int, value: int) -> None:
         """Loopback: the write of ``value`` into ``slot`` completed; write again if the shadow moved meanwhile
         (another rail's worker publishes through it too)."""
@@ -228,13 +246,22 @@ class GpuFlagWords:
         if int(self.shadow.values[slot]) != value:
             self._dirty[slot] = None
 
+    def wait_landed(self) -> None:
+        """cuda-copy: wait for the batches posted so far (the words' memory is about to go); owed slots are
+        dropped with them."""
+        self._dirty = {}
+        if self._posted:
+            self.accessor.wait_landed(self._posted[-1][0])
+            self._posted.clear()
+            self._latest.clear()
+
     def fall_back_to_copy(self, accessor: Any) -> None:
         """The loopback path failed: publish by copies from now on, starting with the slots still queued."""
         self.path, self.accessor = CUDA_COPY, accessor
-        pending = list(dict.fromkeys([*self._dirty, *self._inflight]))
-        self._dirty, self._inflight = {}, {}
-        for s in pending:
-            self._copy(s, int(self.shadow.values[s]))
+        accessor.open_word_ring()
+        self._dirty = dict.fromkeys([*self._dirty, *self._inflight])
+        self._inflight = {}
+        self._post_copies()
 
     def release(self) -> None:
         if self.mapping is not None:
@@ -263,7 +290,8 @@ class RailFlags:
         self.rail = rail
         self.arrays: dict[tuple[str, int], tuple[FlagFile | GpuFlagWords, MemoryKey]] = {}
         self.loopback: Any = None  # the backend's LoopbackWriter, opened with the first GPU flags it serves
-        self._busy: set[GpuFlagWords] = set()  # loopback words with a write owed or on the wire
+        self._busy: set[GpuFlagWords] = set()  # words with a write owed, on the wire or not landed
+        self._copied = 0  # cuda-copy words posted for arrays that have left
         if traits_of(backend).publishes_flags:
             backend.set_flag_publisher(self.publish, self.end_pass)
         else:
@@ -323,6 +351,8 @@ class RailFlags:
             mapping, path = self._gdr_map(job, rank, region, count, device)
         words = GpuFlagWords(region.addr, count, shadow, path, region=region, accessor=accessor, mapping=mapping)
         try:
+            if path == CUDA_COPY:
+                accessor.open_word_ring()
             mkey = self.backend.register_memory(words.address, words.nbytes, remote_write=True, remote_atomic=True,
                                                 accessor=accessor)
             words.rkey = mkey.rkey
@@ -368,6 +398,7 @@ class RailFlags:
             if isinstance(entry[0], FlagFile):
                 entry[0].close()
             else:
+                self._copied += entry[0].copies
                 entry[0].release()
 
     def _hand_back(self, wait: bool = False) -> None:
@@ -376,13 +407,15 @@ class RailFlags:
             words.written(slot, value)
 
     def _settle(self, words: GpuFlagWords) -> None:
-        """Wait for ``words``' loopback writes on the wire: its memory is about to be deregistered, and a write
-        that then failed would fail the writer for every rank."""
+        """Wait for ``words``' writes on the wire (loopback) or posted (cuda-copy): its memory is about to be
+        deregistered and closed, and a loopback write that then failed would fail the writer for every rank."""
         try:
+            if words.path == CUDA_COPY:
+                words.wait_landed()
             while words.inflight:
                 self._hand_back(wait=True)
         except Exception as exc:
-            log.warning("rail %d: loopback flag writes of a leaving rank did not complete (%s)", self.rail, exc)
+            log.warning("rail %d: flag writes of a leaving rank did not complete (%s)", self.rail, exc)
 
     # --- publishing (the backend calls these) -----------------------------------------------------------
     def publish(self, conn_id: int, dst_rank: int, slot: int, op: SignalOp, value: int) -> None:
@@ -393,10 +426,9 @@ class RailFlags:
             log.warning("flag update for unknown rank %d on connection %d dropped", dst_rank, conn_id)
             return
         target = entry[0]
-        if isinstance(target, GpuFlagWords):  # GPU flag words publish themselves
+        if isinstance(target, GpuFlagWords):  # GPU flag words publish themselves, at the end of the pass
             target.publish(slot, op, value)
-            if target.path == LOOPBACK:
-                self._busy.add(target)
+            self._busy.add(target)
             return
         values = target.values
         if op == SignalOp.SET:
@@ -412,9 +444,15 @@ class RailFlags:
             return None
         return {"writes": lb.writes, "batches": lb.batches, "wait_ns": lb.wait_ns}
 
+    def copied_words(self) -> int:
+        """Flag words this rail has posted by cuda-copy (with the ones its words' arrays that left posted)."""
+        return self._copied + sum(entry[0].copies for entry in self.arrays.values()
+                                  if isinstance(entry[0], GpuFlagWords) and entry[0].path == CUDA_COPY)
+
     def end_pass(self) -> bool:
         """After a poll (efa): hand the loopback writes that completed back to their words, then post what the
-        words owe. True while a write is owed or on the wire: the backend calls again after its next poll."""
+        words owe. True while a write is owed, on the wire or not yet landed: the backend calls again after its
+        next poll."""
         busy = self._busy
         if not busy:
             return False
@@ -423,12 +461,16 @@ class RailFlags:
                 self._hand_back()
             for words in list(busy):
                 words.end_pass()
-        except Exception as exc:  # the flags must still arrive: by copy, and say what that costs
+        except Exception as exc:
+            if not any(words.path == LOOPBACK for words in busy):
+                raise  # a copy failed: the CUDA context is unusable, and the worker says so
+            # the flags must still arrive: by copy, and say what that costs
             log.error("rail %d: loopback flag write failed (%s); these flags fall back to cuda-copy: %s",
                       self.rail, exc, COPY_COST)
             for words in busy:
-                words.fall_back_to_copy(self.gpu.accessor(words.region.device) if words.region else None)
-        self._busy = {words for words in busy if words.path == LOOPBACK and words.busy}
+                if words.path == LOOPBACK:
+                    words.fall_back_to_copy(self.gpu.accessor(words.region.device) if words.region else None)
+        self._busy = {words for words in busy if words.busy}
         return bool(self._busy)
 
     def close(self) -> None:

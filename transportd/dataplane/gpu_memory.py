@@ -36,6 +36,7 @@ import bisect
 import ctypes
 import struct
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,9 @@ GPU_PAGE_SIZE = 1 << 16
 #: chunk's device -> host copy overlaps the previous chunk's host -> device copy
 STAGE_CHUNK = 512 << 10  # H200: 21.6 GB/s for 1 MiB copies, 30.7 for 4 MiB (1 MiB chunks: 18.7, 33.3)
 STAGE_SLOTS = 8
+
+#: words in an accessor's pinned ring for :meth:`GpuAccessor.post_words` (a write holds its word until its copy ran)
+WORD_RING = 8192
 
 #: ``GpuMemory(via=...)`` values: how a GPU-to-GPU direct copy is placed (see the module's docstring)
 COPY_VIA = ("device", "host")
@@ -81,9 +85,17 @@ class GpuAccessor:
         self._drained: list[Any] = []
         if stage:
             self._open_stage()
+        self._ring: int | None = None  # post_words: the pinned word ring, its stream, and the batches in it
+        self._ring_stream: Any = None
+        self._ring_head = 0
+        self._batches: deque[tuple[int, Any, int, int]] = deque()  # (ticket, event, first word, end word)
+        self._spare_events: list[Any] = []  # events of retired batches, used again (tickets are numbers)
+        self._tickets = 0  # the last ticket handed out; every batch up to self._landed has been copied
+        self._landed = 0
         self.reads = 0
         self.writes = 0
         self.copies = 0
+        self.words_posted = 0
 
     def _enter(self) -> None:
         ident = threading.get_ident()
@@ -125,6 +137,97 @@ class GpuAccessor:
             check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
             self.copies += 1
 
+    def open_word_ring(self) -> None:
+        """Allocate :meth:`post_words`' pinned ring and stream now, before kernels that wait on its words run
+        (pinning memory can wait for the context's work); idempotent."""
+        with self._lock:
+            if self._ring is not None:
+                return
+            self._enter()
+            drv, check = self._drv, self._check
+            self._ring = int(check(drv.cuMemHostAlloc(8 * WORD_RING, 0), "cuMemHostAlloc"))
+            self._ring_stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                                      "cuStreamCreate")
+
+    def post_words(self, writes: list[tuple[int, int]]) -> int:
+        """Write 64-bit ``(address, value)`` words into device memory without waiting: each value is staged
+        in the pinned ring and copied by this accessor's word stream, in order, behind every earlier post.
+        Returns the batch's ticket for :meth:`landed` (tickets increase). The caller orders what the words
+        cover before posting (a flag is posted once its data is in place), so nothing here waits for the GPU,
+        except a ring that wrapped onto a batch not yet copied."""
+        n = len(writes)
+        if not 0 < n <= WORD_RING:
+            raise ValueError(f"post 1..{WORD_RING} words, not {n}")
+        with self._lock:
+            if self._ring is None:
+                raise RuntimeError("post_words before open_word_ring")
+            self._enter()
+            drv, check = self._drv, self._check
+            start = self._ring_head if self._ring_head + n <= WORD_RING else 0
+            self._free_ring(start, start + n)
+            ring = (ctypes.c_uint64 * n).from_address(self._ring + 8 * start)
+            stream = self._ring_stream
+            i = 0
+            while i < n:  # one copy per run of adjacent words
+                j = i + 1
+                while j < n and writes[j][0] == writes[j - 1][0] + 8:
+                    j += 1
+                for k in range(i, j):
+                    ring[k] = writes[k][1]
+                check(drv.cuMemcpyHtoDAsync(writes[i][0], self._ring + 8 * (start + i), 8 * (j - i), stream),
+                      "cuMemcpyHtoDAsync")
+                i = j
+            event = self._spare_events.pop() if self._spare_events else check(
+                drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            check(drv.cuEventRecord(event, stream), "cuEventRecord")
+            self._tickets += 1
+            self._batches.append((self._tickets, event, start, start + n))
+            self._ring_head = start + n
+            self.words_posted += n
+            return self._tickets
+
+    def landed(self, ticket: int) -> bool:
+        """Whether the words of the :meth:`post_words` batch ``ticket`` are in device memory."""
+        with self._lock:
+            if ticket <= self._landed:
+                return True
+            batch = next(b for b in self._batches if b[0] == ticket)
+            self._enter()
+            done = self._drv.cuEventQuery(batch[1])
+            done = done[0] if isinstance(done, tuple) else done
+            if done == self._drv.CUresult.CUDA_ERROR_NOT_READY:
+                return False
+            self._check(done, "cuEventQuery")
+            self._retire(ticket)  # one stream copies the batches in order: every one before it landed too
+            return True
+
+    def wait_landed(self, ticket: int) -> None:
+        """Wait until the :meth:`post_words` batch ``ticket`` is in device memory (before that memory goes)."""
+        with self._lock:
+            if ticket <= self._landed:
+                return
+            batch = next(b for b in self._batches if b[0] == ticket)
+            self._enter()
+            self._check(self._drv.cuEventSynchronize(batch[1]), "cuEventSynchronize")
+            self._retire(ticket)
+
+    def _retire(self, ticket: int) -> None:
+        while self._batches and self._batches[0][0] <= ticket:
+            self._spare_events.append(self._batches.popleft()[1])
+        self._landed = max(self._landed, ticket)
+
+    def _free_ring(self, start: int, end: int) -> None:
+        """Wait until no batch still to be copied holds a word of ``[start, end)`` (lock held). One stream
+        copies the batches in order, so waiting for the newest such batch retires every batch before it."""
+        newest = None
+        for ticket, event, s, e in self._batches:
+            if s < end and e > start:
+                newest = ticket, event
+        if newest is None:
+            return
+        self._check(self._drv.cuEventSynchronize(newest[1]), "cuEventSynchronize")
+        self._retire(newest[0])
+
     def copy_through_host(self, dst: int, src: int, length: int) -> None:
         """Copy between two device addresses through pinned host memory with the copy engines (no SM):
         device -> host on the worker stream, host -> device on a second stream, chunk by chunk through
@@ -161,9 +264,18 @@ class GpuAccessor:
 
     def close(self) -> None:
         """Free the streams and the staging (freeing pinned memory can wait for the context's kernels)."""
-        if self._stream is None and self._stage is None:
+        if self._stream is None and self._stage is None and self._ring is None:
             return
         self._use(self.device)
+        if self._ring is not None:
+            self._drv.cuStreamSynchronize(self._ring_stream)
+            for event in (*(b[1] for b in self._batches), *self._spare_events):
+                self._drv.cuEventDestroy(event)
+            self._batches.clear()
+            self._spare_events.clear()
+            self._drv.cuStreamDestroy(self._ring_stream)
+            self._drv.cuMemFreeHost(self._ring)
+            self._ring = None
         if self._stream is not None:
             self._drv.cuStreamDestroy(self._stream)
             self._stream = None

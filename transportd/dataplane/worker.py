@@ -332,7 +332,8 @@ class RailService:
                 "gid": address.get("gid"), "cpus": self.cpus, "loop_cpu": self.loop_cpu,
                 "flag_publication": self.flags.path,
                 "flag_publication_detail": self.flags.publication.describe(),
-                "flag_loopback": self.flags.loopback_stats(), **self.proxy.stats(),
+                "flag_loopback": self.flags.loopback_stats(), "flag_copies": self.flags.copied_words(),
+                **self.proxy.stats(),
                 "queues": self._open_queues(),
                 "ibgda_domains": self.ibgda_stats(), "responders": sorted(self.responders),
                 "endpoints": sorted(self.conn_jobs), "softverbs": self._soft_stats(address.get("device"))}

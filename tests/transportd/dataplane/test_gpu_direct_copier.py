@@ -4,6 +4,7 @@ it opens and closes a peer's handle, and which GPU's worker stream each copy run
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,7 +24,7 @@ class FakeDriver:
     """The cuda.bindings.driver calls GpuMemory makes: two GPUs at PCI buses 0x10 and 0x20, IPC handles
     mapped at fixed addresses, every open, close and copy recorded."""
 
-    CUresult = SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_INVALID_VALUE=1)
+    CUresult = SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_INVALID_VALUE=1, CUDA_ERROR_NOT_READY=600)
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CUevent_flags = SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
     CUipcMem_flags = SimpleNamespace(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS=1)
@@ -44,6 +45,7 @@ class FakeDriver:
         self.streams: dict[Any, int] = {}  # streams made in each context
         self.events = 0
         self.pinned: list[int] = []
+        self.done: set[str] = set()  # events whose work ran (cuEventQuery), set by the test
 
     def cuDeviceGetCount(self) -> tuple[int, int]:
         return 0, 2
@@ -82,6 +84,15 @@ class FakeDriver:
 
     def cuEventRecord(self, event: str, stream: str) -> tuple[int]:
         self.staged.append(("record", event, stream))
+        self.done.discard(event)  # recorded again: not run until the test says
+        return (0,)
+
+    def cuEventQuery(self, event: str) -> tuple[int]:
+        return (0 if event in self.done else 600,)
+
+    def cuEventSynchronize(self, event: str) -> tuple[int]:
+        self.staged.append(("sync", event))
+        self.done.add(event)
         return (0,)
 
     def cuStreamWaitEvent(self, stream: str, event: str, flags: int) -> tuple[int]:
@@ -216,6 +227,43 @@ def test_via_host_a_gpu_to_gpu_copy_goes_down_and_up_through_the_staging_slots_i
     assert [(d, s, n) for d, s, n, _ in drv.copies] == [(0x1234_0000, src, 8)]
     gpu.shutdown()
     assert ("free_host", stage) in drv.staged
+
+
+def test_posted_words_are_copied_in_runs_from_a_pinned_ring_without_waiting(
+        drv: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """post_words stages each value in the pinned ring, copies each run of adjacent words once on the word
+    stream and records the batch's event; nothing waits until the ring wraps onto a batch not yet copied,
+    and then it waits for that batch's event (and no later one)."""
+    ring = (ctypes.c_uint64 * 16)()
+    monkeypatch.setattr(gpu_memory, "WORD_RING", 16)
+    def pin(size: int, flags: int) -> tuple[int, int]:
+        drv.pinned.append(size)
+        return 0, ctypes.addressof(ring)
+
+    monkeypatch.setattr(drv, "cuMemHostAlloc", pin)
+    acc = GpuMemory().accessor(0)
+    with pytest.raises(RuntimeError, match="open_word_ring"):
+        acc.post_words([(0x7000_0000, 1)])
+    acc.open_word_ring()
+    acc.open_word_ring()
+    assert drv.pinned == [8 * 16]
+    base = ctypes.addressof(ring)
+    first = acc.post_words([(0x7000_0000, 5), (0x7000_0008, 6), (0x7000_0040, 7)])
+    ups = [c for c in drv.staged if c[0] == "up"]
+    assert ups == [("up", 0x7000_0000, base, 16, "stream@ctx0#2"), ("up", 0x7000_0040, base + 16, 8, "stream@ctx0#2")]
+    assert list(ring[:3]) == [5, 6, 7] and drv.staged[-1] == ("record", "event1", "stream@ctx0#2")
+    assert not acc.landed(first)
+    second = acc.post_words([(0x7000_0100 + 8 * i, i) for i in range(12)])  # fills the ring to its end
+    assert not any(c[0] == "sync" for c in drv.staged)
+    third = acc.post_words([(0x7000_0200, 9)] * 2)  # wraps onto the first batch: waits for it alone
+    assert [c for c in drv.staged if c[0] == "sync"] == [("sync", "event1")] and list(ring[:2]) == [9, 9]
+    assert drv.staged[-1] == ("record", "event1", "stream@ctx0#2")  # the first batch's event, used again
+    assert first < second < third and acc.landed(first) and not acc.landed(second) and not acc.landed(third)
+    drv.done.add("event1")  # the third batch ran
+    assert acc.landed(third) and acc.landed(second)  # batches land in order: the third retires the second
+    assert acc.words_posted == 17
+    with pytest.raises(ValueError, match="1..16"):
+        acc.post_words([])
 
 
 def test_an_unknown_placement_is_refused() -> None:
