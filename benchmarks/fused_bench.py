@@ -129,19 +129,20 @@ QUICK_SIZES: dict[str, list[dict[str, int]]] = {
 MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 16384},
                   {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 4096}]
 QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "gemm_n": 512}]
-#: efa's sizes. Its model is half ib's rate and each flag costs the soft fabric a loopback write, so at ib's sizes
-#: its communication ran 2.0-4.6x the compute (h200-2026-12-03-fused-bench-all-sizes1.json) and no efa row was
-#: inside the band the targets name. The first size grows what only the compute grows with (AllGather+GEMM's and
-#: the MoE expert's N, the reductions' K; ring attention's sequence, whose compute grows with its square and its
-#: communication linearly) to bring the two within 2x of each other on the efa shape; the second is ib's first,
-#: communication-bound there.
+#: efa's sizes. Its model is half ib's rate and the receiving daemon, not the NIC, publishes each flag, so at ib's
+#: second sizes its communication is 2-5x the compute. Both efa sizes keep the communication of ib's first (the
+#: same shards, chunks, tokens) and grow only what the compute grows with (AllGather+GEMM's and the MoE expert's
+#: N, the reductions' K; ring attention's sequence, whose compute grows with its square and its communication
+#: linearly), so that the two stay within 2x of each other with the flags published by cuda-copy (``--publication``;
+#: h200-2026-12-03-efa-publication-cuda-copy-both-sizes.json: comm / compute 1.16-1.74 at ib's first sizes, 0.49-0.84
+#: at the grown ones). AllGather+GEMM's N is 16384 and 32768: at ib's 8192 its communication was 2.6x its compute.
 EFA_SIZES: dict[str, list[dict[str, int]]] = {
-    "allgather_gemm": [{**SIZES["allgather_gemm"][0], "n": 32768}, SIZES["allgather_gemm"][0]],
-    "gemm_reduce_scatter": [{**SIZES["gemm_reduce_scatter"][0], "k": 32768}, SIZES["gemm_reduce_scatter"][0]],
-    "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "k": 65536}, SIZES["gemm_all_reduce"][0]],
-    "ring_attention": [{**SIZES["ring_attention"][0], "seq_local": 16384}, SIZES["ring_attention"][0]],
+    "allgather_gemm": [{**SIZES["allgather_gemm"][0], "n": 16384}, {**SIZES["allgather_gemm"][0], "n": 32768}],
+    "gemm_reduce_scatter": [SIZES["gemm_reduce_scatter"][0], {**SIZES["gemm_reduce_scatter"][0], "k": 32768}],
+    "gemm_all_reduce": [SIZES["gemm_all_reduce"][0], {**SIZES["gemm_all_reduce"][0], "k": 49152}],
+    "ring_attention": [SIZES["ring_attention"][0], {**SIZES["ring_attention"][0], "seq_local": 16384}],
 }
-EFA_MOE_GEMM_SIZES = [{**MOE_GEMM_SIZES[0], "gemm_n": 40960}, MOE_GEMM_SIZES[0]]
+EFA_MOE_GEMM_SIZES = [MOE_GEMM_SIZES[0], {**MOE_GEMM_SIZES[0], "gemm_n": 40960}]
 KERNELS = tuple(SIZES)
 SIZES_KEYS = tuple(dict.fromkeys(key for sizes in SIZES.values() for dims in sizes for key in dims))
 
@@ -165,9 +166,10 @@ COPY_VIA = "device"
 #: where each rank's flag words live (``--flags``): the ops' own device flags, or a host flag file made first
 FLAGS = "device"
 FLAG_PLACEMENTS = ("device", "host")
-#: how an efa daemon publishes flags into GPU memory (``--publication``, ``flags.publication``): ``auto`` (here, with
-#: no GDRCopy: a loopback RDMA write) or ``cuda-copy`` (word copies posted on the worker's stream)
-PUBLICATION = "auto"
+#: how an efa daemon publishes flags into GPU memory (``--publication``, ``flags.publication``): ``cuda-copy`` (word
+#: copies posted on the worker's stream, under the MPS this bench starts) or ``auto`` (here, with no GDRCopy: a
+#: loopback RDMA write, which over softverbs is a whole soft-fabric round trip in Python: docs/performance.md)
+PUBLICATION = "cuda-copy"
 PUBLICATIONS = ("auto", "loopback", "cuda-copy")
 HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
 
@@ -1126,9 +1128,9 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
               help="each rank's flag words: in GPU memory (the ops' default; on efa the receiving daemon writes them "
                    "with a loopback RDMA write where there is no GDRCopy) or in a host flag file the kernels read "
                    "mapped (the daemon stores them)")
-@click.option("--publication", type=click.Choice(PUBLICATIONS), default="auto", show_default=True,
-              help="efa's flags.publication: how the receiving daemon writes flags into GPU memory (auto: a loopback "
-                   "RDMA write here, with no GDRCopy; cuda-copy: word copies on its worker's stream, not waited for)")
+@click.option("--publication", type=click.Choice(PUBLICATIONS), default=PUBLICATION, show_default=True,
+              help="efa's flags.publication: how the receiving daemon writes flags into GPU memory (cuda-copy: word "
+                   "copies on its worker's stream, not waited for; auto: a loopback RDMA write here, with no GDRCopy)")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
               help="also run one launch of each mode with the kernels' timelines (GEMM+RS, GEMM+AR): a summary in "
                    "each row, every recorded event here")
@@ -1140,7 +1142,7 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
               help="--tune: configs not started by then are recorded as skipped")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
-         timeline_path: str | None = None, flags_where: str = "device", publication: str = "auto") -> None:
+         timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
