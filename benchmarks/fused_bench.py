@@ -38,6 +38,12 @@ ops, which take the session's flags when it has them, instead of the GPU memory 
 efa the receiving daemon then stores each flag from the compiled data path instead of writing it into GPU
 memory with a loopback RDMA write (no GDRCopy here); the kernels poll host memory over PCIe.
 
+``--publication``: how the efa daemons publish flags into GPU memory (``flags.publication``). The default,
+``cuda-copy``, posts each poll's flag words as host-to-device copies on the worker's stream, which under the MPS
+started here run beside the kernels; ``auto`` is what a node with no GDRCopy picks, a loopback RDMA write, which
+over softverbs costs a whole soft-fabric round trip in Python per batch (a NIC's takes a few µs), and made efa's
+communication up to 1.8x slower (docs/performance.md).
+
 ``--timeline RAW``: each GEMM+RS / GEMM+AR row also runs one launch of each of compute, comm and fused with
 the op's timeline (``timeline=``, docs/kernels.md) and summarizes it per rank in the row (``timeline``: when
 the peers' tiles and the own tiles ran, the own tiles' waits, when this rank's chunks shipped, its programs'

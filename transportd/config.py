@@ -304,7 +304,8 @@ class FlagsConfig(Section):
         "How an efa rail's worker publishes flags into GPU flag words. auto: gdrcopy where the gdrdrv "
         "module is loaded and libgdrapi loads, else loopback (an RDMA write through the rail's own NIC), "
         "else host-mapped (flags default to host memory). cuda-copy: copies through the daemon's CUDA "
-        "context (~2.4 ms per flag while a client kernel runs; the last resort). Naming a path forces it "
+        "context, posted each poll and not waited for; a flag lands when its copy runs (~2.4 ms while a "
+        "client kernel runs without CUDA MPS; under MPS the cheaper path over softverbs). Naming a path forces it "
         "(start fails if it cannot work). Only efa rails publish flags; ib NICs write them.")] = "auto"
     gdrdrv_device: Annotated[str, key(
         "The gdrdrv device node; GDRCopy is used only where it exists (the gdrdrv kernel module is "

@@ -7,7 +7,8 @@ channels' error words must stay 0. AllGatherGemm, GemmReduceScatter (bf16 partia
 partials with bf16 output), GemmAllReduce (bf16 throughout) and RingAttention (head_dim 64 and 128, causal
 or not, on two ranks and on three, where blocks are passed on). The GEMMs run their default tiles, operands
 through tensor descriptors where the shape allows (every shape here); AllGatherGemm and GemmAllReduce also
-with pointer loads (``tma=False``).
+with pointer loads (``tma=False``). On efa the daemons publish the GPU flags by loopback write (the default
+here) and, forced, by posted CUDA copies (``CUDA_COPY``).
 """
 
 from __future__ import annotations

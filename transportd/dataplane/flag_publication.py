@@ -19,7 +19,8 @@ rail picks, at start, by what the node has (:func:`choose_publication`):
     neither is possible: ``session.flags()`` defaults to host flags (pinned host memory mapped into the
     GPU) on this node; a client that asks for device flags explicitly gets ``cuda-copy``.
 ``cuda-copy``
-    the copy through the daemon's CUDA context, the last resort; the log says what it costs.
+    copies through the daemon's CUDA context, posted at the end of each poll and waited for by nobody
+    (:meth:`GpuFlagWords._post_copies`); a flag lands when its copy runs. The log says what that costs.
 
 Every path keeps a host shadow of each counter (the rank's host flag file, shared by the rails' workers):
 an ADD is one atomic add on the shadow and one store (or write) of the new value, never a read of GPU
@@ -65,9 +66,10 @@ log = logging.getLogger("transportd.flags")
 GDRCOPY, LOOPBACK, HOST_MAPPED, CUDA_COPY, NIC = "gdrcopy", "loopback", "host-mapped", "cuda-copy", "nic"
 
 #: What the last resort costs, for the log line that announces it.
-COPY_COST = ("each flag is a copy through the daemon's CUDA context, which waits for a time slice while the "
-             "client's kernel runs: 2.38 ms per flag measured on an H200 (about 0.5 ms with CUDA MPS running); "
-             "load gdrdrv (GDRCopy) or use host flags to avoid it")
+COPY_COST = ("each flag is a copy through the daemon's CUDA context, which runs only in a time slice of that "
+             "context while the client's kernel runs: 2.38 ms per flag measured on an H200 without CUDA MPS (the "
+             "worker does not wait for it; under MPS the copies run beside the kernel); load gdrdrv (GDRCopy) or "
+             "use host flags to avoid it")
 
 
 @dataclass
