@@ -45,6 +45,7 @@ from ._ibv import ERR
 from ._link import LinkModel
 from ._requester import ResponseFrameHandler
 from ._responder import RequestFrameHandler
+from ._waketimer import WakeTimer, open_wake_timer, tighten_timer_slack
 
 log = logging.getLogger("softverbs")
 
@@ -378,6 +379,7 @@ STAT_NAMES = (
 
 _LISTENER = object()
 _WAKE = object()
+_TIMER = object()
 
 
 class SoftDevice:
@@ -423,6 +425,7 @@ class SoftDevice:
         self._unfinished: set[Conn] = set()  # connections whose pump ran out of its slice (Conn.pump)
         self._running = False
         self._thread: threading.Thread | None = None
+        self._timer: WakeTimer | None = None  # wakes the I/O loop at its next timer or departure
         self._sel: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
         self._wake_r: socket.socket | None = None
@@ -458,6 +461,9 @@ class SoftDevice:
         self._sel = selectors.DefaultSelector()
         self._sel.register(lst, selectors.EVENT_READ, _LISTENER)
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._timer = open_wake_timer()
+        if self._timer is not None:
+            self._sel.register(self._timer, selectors.EVENT_READ, _TIMER)
         self.rng = random.Random(self.options.reorder_seed)
         self.host = self.options.host
         self.advertise = self.options.advertise or (self.host if self.host not in ("", "0.0.0.0") else "127.0.0.1")
@@ -481,11 +487,12 @@ class SoftDevice:
             conn.closed = True
             conn.sock.close()
             self._close_imports(conn)
-        for s in (self._listener, self._wake_r, self._wake_w):
+        for s in (self._listener, self._wake_r, self._wake_w, self._timer):
             if s is not None:
                 s.close()
         if self._sel is not None:
             self._sel.close()
+        self._timer = None
         self._listener = self._wake_r = self._wake_w = None
         self._sel = None
         self._actions.clear()
@@ -568,17 +575,27 @@ class SoftDevice:
     def _loop(self) -> None:
         sel = self._sel
         assert sel is not None
+        timer = self._timer
+        tighten_timer_slack()
         while self._running:
-            timeout = None
+            at = None  # the earliest timer or departure, in time.monotonic() seconds
             if self._timers:
-                timeout = max(0.0, self._timers[0][0] - time.monotonic())
+                at = self._timers[0][0]
             if self._departures:
-                due = max(0.0, self._departures[0][0] - time.monotonic())
-                timeout = due if timeout is None else min(timeout, due)
+                due = self._departures[0][0]
+                at = due if at is None else min(at, due)
+            if self.inbox_waiting:  # a thread holds such a QP: look again soon
+                retry = time.monotonic() + INBOX_RETRY_S
+                at = retry if at is None else min(at, retry)
             if self._actions or self._unfinished:
-                timeout = 0.0
-            elif self.inbox_waiting:  # a thread holds such a QP: look again soon
-                timeout = INBOX_RETRY_S if timeout is None else min(timeout, INBOX_RETRY_S)
+                timeout: float | None = 0.0
+            elif at is None:
+                timeout = None
+            elif timer is not None:  # the timerfd wakes the select at ``at`` itself, not at the next millisecond
+                timer.arm(at)
+                timeout = None
+            else:
+                timeout = max(0.0, at - time.monotonic())
             try:
                 events = sel.select(timeout)
             except OSError:
@@ -593,6 +610,8 @@ class SoftDevice:
                     data = key.data
                     if data is _LISTENER:
                         self._accept()
+                    elif data is _TIMER:
+                        timer.clear()  # type: ignore[union-attr]
                     elif data is _WAKE:
                         try:
                             while self._wake_r is not None and self._wake_r.recv(4096):
