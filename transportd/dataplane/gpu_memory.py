@@ -85,7 +85,10 @@ class GpuAccessor:
         self._drained: list[Any] = []
         if stage:
             self._open_stage()
-        self._ring: int | None = None  # post_words: the pinned word ring, its stream, and the batches in it
+        # post_words: the pinned word ring, its stream and the batches in it, under a lock of their own (a flag's
+        # post must not wait behind a placement copy's synchronize)
+        self._ring_lock = threading.Lock()
+        self._ring: int | None = None
         self._ring_stream: Any = None
         self._ring_head = 0
         self._batches: deque[tuple[int, Any, int, int]] = deque()  # (ticket, event, first word, end word)
@@ -140,7 +143,7 @@ class GpuAccessor:
     def open_word_ring(self) -> None:
         """Allocate :meth:`post_words`' pinned ring and stream now, before kernels that wait on its words run
         (pinning memory can wait for the context's work); idempotent."""
-        with self._lock:
+        with self._ring_lock:
             if self._ring is not None:
                 return
             self._enter()
@@ -158,7 +161,7 @@ class GpuAccessor:
         n = len(writes)
         if not 0 < n <= WORD_RING:
             raise ValueError(f"post 1..{WORD_RING} words, not {n}")
-        with self._lock:
+        with self._ring_lock:
             if self._ring is None:
                 raise RuntimeError("post_words before open_word_ring")
             self._enter()
@@ -188,7 +191,7 @@ class GpuAccessor:
 
     def landed(self, ticket: int) -> bool:
         """Whether the words of the :meth:`post_words` batch ``ticket`` are in device memory."""
-        with self._lock:
+        with self._ring_lock:
             if ticket <= self._landed:
                 return True
             batch = next(b for b in self._batches if b[0] == ticket)
@@ -203,7 +206,7 @@ class GpuAccessor:
 
     def wait_landed(self, ticket: int) -> None:
         """Wait until the :meth:`post_words` batch ``ticket`` is in device memory (before that memory goes)."""
-        with self._lock:
+        with self._ring_lock:
             if ticket <= self._landed:
                 return
             batch = next(b for b in self._batches if b[0] == ticket)
