@@ -4,7 +4,8 @@ A responder process and this process each open a soft device, connect an RC QP (
 EFA SRD QP) over loopback TCP, and this process streams RDMA writes into the responder's memory through the
 extended post API (wr_start / wr_rdma_write / wr_set_sge / wr_complete), keeping a window of WRs in flight
 and signaling the last WR of each batch (every WR on SRD, as EFA requires). Reported: GB/s for 4 KiB,
-64 KiB and 1 MiB writes, and small-write WRs/s. Timings are wall-clock on a shared machine: compare runs
+64 KiB and 1 MiB writes, small-write WRs/s, and (RC) the time a 2 MiB write takes one at a time on a link
+shaped as an EFA port (``shaped_chain``). Timings are wall-clock on a shared machine: compare runs
 on the same host, not across hosts.
 """
 
@@ -137,6 +138,26 @@ def _stream(r: dict[str, Any], remote: dict[str, Any], ah: Any, size: int, secon
             "seconds": elapsed}
 
 
+#: ``shaped_chain``: one write at a time through the NIC model of an EFA port, each posted once the last completed
+CHAIN_SIZE, CHAIN_BANDWIDTH, CHAIN_LATENCY_S = 2 << 20, 25e9, 15e-6
+
+
+def _shaped_chain(r: dict[str, Any], remote: dict[str, Any], ah: Any, seconds: float) -> dict[str, float]:
+    """2 MiB writes one at a time on a link shaped as an EFA port: each should take the model's 99 µs (84 of
+    bytes, 15 of latency) plus what the machine adds; an I/O loop that slept to epoll's next millisecond
+    for each landing added about 1 ms."""
+    from softverbs import soft
+
+    name = "softib0"  # the RC rows' device (_open)
+    soft.configure(name, nic_bandwidth=CHAIN_BANDWIDTH, nic_latency_s=CHAIN_LATENCY_S)
+    try:
+        got = _stream(r, remote, ah, CHAIN_SIZE, seconds, 1, 1)
+    finally:
+        soft.configure(name, nic_bandwidth=None, nic_latency_s=0.0)
+    return {"size": CHAIN_SIZE, "model_us": (CHAIN_SIZE / CHAIN_BANDWIDTH + CHAIN_LATENCY_S) * 1e6,
+            "per_write_us": 1e6 / got["wr_per_s"], "wrs": got["wrs"]}
+
+
 def _run_kind(kind: str, sizes: list[int], seconds: float, rate_size: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -154,6 +175,8 @@ def _run_kind(kind: str, sizes: list[int], seconds: float, rate_size: int) -> di
             batch = 1 if size >= (256 << 10) else (8 if size >= (16 << 10) else 32)
             out[str(size)] = _stream(r, remote, ah, size, seconds, batch, window)
         out["rate"] = _stream(r, remote, ah, rate_size, seconds, 64, 2048)
+        if kind == "rc":
+            out["shaped_chain"] = _shaped_chain(r, remote, ah, seconds)
         return out
     finally:
         parent.send("done")
@@ -171,6 +194,7 @@ def run_softverbs_benchmark(seconds: float = 2.0, srd: bool = True) -> dict[str,
             "gbps_64kib": rc[str(64 << 10)]["bytes_per_s"] / 1e9,
             "gbps_1mib": rc[str(1 << 20)]["bytes_per_s"] / 1e9,
             "wr_per_s": rc["rate"]["wr_per_s"],
+            "shaped_chain_us": rc["shaped_chain"]["per_write_us"],
         },
         "rc": rc,
         "seconds_per_point": seconds,
@@ -195,6 +219,9 @@ def bench_softverbs(seconds: float, srd: bool, json_path: Path | None) -> None:
     for name, d in rows:
         g4, g64, g1m = (d[str(s)]["bytes_per_s"] / 1e9 for s in (4 << 10, 64 << 10, 1 << 20))
         click.echo(f"{name:<5}{g4:>12.2f}{g64:>13.2f}{g1m:>12.2f}{d['rate']['wr_per_s']:>13,.0f}")
+    chain = res["rc"]["shaped_chain"]
+    click.echo(f"RC, 2 MiB writes one at a time shaped as an EFA port: {chain['per_write_us']:.0f} us a write "
+               f"(model {chain['model_us']:.0f} us)")
     if json_path is not None:
         json_path.write_text(json.dumps(res, indent=2))
         click.echo(f"wrote {json_path}")

@@ -16,5 +16,8 @@ def test_bench_writes_the_summary(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "1 MiB GB/s" in result.output
     summary = json.loads(out.read_text())["summary"]
-    assert set(summary) == {"gbps_4kib", "gbps_64kib", "gbps_1mib", "wr_per_s"}
+    assert set(summary) == {"gbps_4kib", "gbps_64kib", "gbps_1mib", "wr_per_s", "shaped_chain_us"}
     assert all(v > 0 for v in summary.values())
+    chain = json.loads(out.read_text())["rc"]["shaped_chain"]
+    assert chain["wrs"] > 0 and chain["per_write_us"] >= chain["model_us"] > 0  # never faster than the model
+    assert "shaped as an EFA port" in result.output
