@@ -173,8 +173,8 @@ class GpuFlagWords:
         self.rkey = 0
         self._dirty: dict[int, None] = {}  # slots whose shadow moved since their last write
         self._inflight: dict[int, int] = {}  # loopback: slot -> the value its write on the wire carries
-        self._posted: deque[tuple[Any, dict[int, int]]] = deque()  # cuda-copy: (ticket, slot -> value), in order
-        self._latest: dict[int, Any] = {}  # cuda-copy: slot -> the ticket of the last batch that carries it
+        self._posted: deque[tuple[int, dict[int, int]]] = deque()  # cuda-copy: (ticket, slot -> value), in order
+        self._latest: dict[int, int] = {}  # cuda-copy: slot -> the ticket of the last batch that carries it
         self.copies = 0
 
     def publish(self, slot: int, op: SignalOp, value: int) -> None:
@@ -226,7 +226,7 @@ class GpuFlagWords:
         while posted and self.accessor.landed(posted[0][0]):
             ticket, carried = posted.popleft()
             for s, value in carried.items():
-                if self._latest.get(s) is ticket:
+                if self._latest.get(s) == ticket:
                     del self._latest[s]
                     if int(values[s]) != value:
                         self._dirty[s] = None

@@ -155,39 +155,45 @@ class GpuAccessor:
     def post_words(self, writes: list[tuple[int, int]]) -> int:
         """Write 64-bit ``(address, value)`` words into device memory without waiting: each value is staged
         in the pinned ring and copied by this accessor's word stream, in order, behind every earlier post.
-        Returns the batch's ticket for :meth:`landed` (tickets increase). The caller orders what the words
-        cover before posting (a flag is posted once its data is in place), so nothing here waits for the GPU,
-        except a ring that wrapped onto a batch not yet copied."""
-        n = len(writes)
-        if not 0 < n <= WORD_RING:
-            raise ValueError(f"post 1..{WORD_RING} words, not {n}")
+        Returns a ticket for :meth:`landed` (tickets increase; more words than the ring holds go as several
+        batches, and the last one's ticket covers them all). The caller orders what the words cover before
+        posting (a flag is posted once its data is in place), so nothing here waits for the GPU, except a
+        ring that wrapped onto a batch not yet copied."""
+        if not writes:
+            raise ValueError("post at least one word")
         with self._ring_lock:
             if self._ring is None:
                 raise RuntimeError("post_words before open_word_ring")
             self._enter()
-            drv, check = self._drv, self._check
-            start = self._ring_head if self._ring_head + n <= WORD_RING else 0
-            self._free_ring(start, start + n)
-            ring = (ctypes.c_uint64 * n).from_address(self._ring + 8 * start)
-            stream = self._ring_stream
-            i = 0
-            while i < n:  # one copy per run of adjacent words
-                j = i + 1
-                while j < n and writes[j][0] == writes[j - 1][0] + 8:
-                    j += 1
-                for k in range(i, j):
-                    ring[k] = writes[k][1]
-                check(drv.cuMemcpyHtoDAsync(writes[i][0], self._ring + 8 * (start + i), 8 * (j - i), stream),
-                      "cuMemcpyHtoDAsync")
-                i = j
-            event = self._spare_events.pop() if self._spare_events else check(
-                drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-            check(drv.cuEventRecord(event, stream), "cuEventRecord")
-            self._tickets += 1
-            self._batches.append((self._tickets, event, start, start + n))
-            self._ring_head = start + n
-            self.words_posted += n
+            for first in range(0, len(writes), WORD_RING):
+                self._post_batch(writes[first:first + WORD_RING])
             return self._tickets
+
+    def _post_batch(self, writes: list[tuple[int, int]]) -> None:
+        """One batch of at most WORD_RING words (ring lock held)."""
+        drv, check = self._drv, self._check
+        n = len(writes)
+        start = self._ring_head if self._ring_head + n <= WORD_RING else 0
+        self._free_ring(start, start + n)
+        ring = (ctypes.c_uint64 * n).from_address(self._ring + 8 * start)
+        stream = self._ring_stream
+        i = 0
+        while i < n:  # one copy per run of adjacent words
+            j = i + 1
+            while j < n and writes[j][0] == writes[j - 1][0] + 8:
+                j += 1
+            for k in range(i, j):
+                ring[k] = writes[k][1]
+            check(drv.cuMemcpyHtoDAsync(writes[i][0], self._ring + 8 * (start + i), 8 * (j - i), stream),
+                  "cuMemcpyHtoDAsync")
+            i = j
+        event = self._spare_events.pop() if self._spare_events else check(
+            drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        check(drv.cuEventRecord(event, stream), "cuEventRecord")
+        self._tickets += 1
+        self._batches.append((self._tickets, event, start, start + n))
+        self._ring_head = start + n
+        self.words_posted += n
 
     def landed(self, ticket: int) -> bool:
         """Whether the words of the :meth:`post_words` batch ``ticket`` are in device memory."""

@@ -262,8 +262,11 @@ def test_posted_words_are_copied_in_runs_from_a_pinned_ring_without_waiting(
     drv.done.add("event1")  # the third batch ran
     assert acc.landed(third) and acc.landed(second)  # batches land in order: the third retires the second
     assert acc.words_posted == 17
-    with pytest.raises(ValueError, match="1..16"):
+    with pytest.raises(ValueError, match="at least one"):
         acc.post_words([])
+    last = acc.post_words([(0x7000_1000 + 8 * i, 100 + i) for i in range(20)])  # more than the ring: two batches
+    assert last == third + 2 and acc.words_posted == 37
+    assert [c[3] for c in drv.staged if c[0] == "up"][-2:] == [8 * 16, 8 * 4]
 
 
 def test_an_unknown_placement_is_refused() -> None:
