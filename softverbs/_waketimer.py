@@ -11,7 +11,7 @@ timeout.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import time
 
@@ -32,9 +32,11 @@ class _Itimerspec(ctypes.Structure):
     _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library this process already runs on (no search: ``find_library`` would run ldconfig)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
 
