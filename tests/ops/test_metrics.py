@@ -125,8 +125,8 @@ def test_render_is_exact_and_strict_for_any_snapshot() -> None:
         "jobs": {'we"ird\\job': {"local": [0, 1]}},
         "rails": [{"commands": big, "bytes": 7, "errors": {"BAD_PEER": 2},
                    "queues": {"rings": [{"job": 'we"ird\\job', "rank": 0, "depth": 3, "oldest_age_us": 2500.0}]},
-                   "flag_loopback": {"writes": 40, "batches": 9, "wait_ns": 1_500_000}},
-                  {"flag_loopback": None}, {"error": "rail 1 worker died"}],
+                   "flag_loopback": {"writes": 40, "batches": 9, "wait_ns": 1_500_000}, "flag_copies": 0},
+                  {"flag_loopback": None, "flag_copies": 12}, {"error": "rail 1 worker died"}],
     }
     text = render_metrics(stats)
     families = _parse(text)
@@ -138,6 +138,7 @@ def test_render_is_exact_and_strict_for_any_snapshot() -> None:
     assert _value(families, "transportd_rails") == 2
     assert _value(families, "transportd_flag_loopback_writes") == 40
     assert _value(families, "transportd_flag_loopback_seconds") == 0.0015
+    assert _value(families, "transportd_flag_copies") == 12
     _parse(render_metrics({"node": "n1"}))  # the daemon's snapshot before its first refresh is still valid
 
 

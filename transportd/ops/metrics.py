@@ -159,6 +159,8 @@ def _families(stats: dict[str, Any]) -> list[Metric]:
     w.family("transportd_flag_loopback_seconds", "counter", "Time the rail workers spent posting and reaping "
              "their loopback flag writes.", [({}, sum(int(lb.get("wait_ns", 0)) for lb in loopback) / 1e9)],
              unit="seconds")
+    w.family("transportd_flag_copies", "counter", "Flag words posted into GPU memory as CUDA copies (efa rails on "
+             "flags.publication = \"cuda-copy\").", [({}, sum(int(r.get("flag_copies") or 0) for r in rails))])
     by_code: dict[str, int] = {}
     for rail in rails:
         for code, count in rail.get("errors", {}).items():
