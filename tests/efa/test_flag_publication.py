@@ -29,7 +29,7 @@ from softverbs._memory import HostAccessor
 from tests.support.efa_link import Link
 from tests.support.waiting import wait_until
 from transportd import _core
-from transportd.backends.interface import SignalOp
+from transportd.backends.interface import MemoryKey, SignalOp
 from transportd.dataplane.flag_publication import (
     CUDA_COPY,
     GDRCOPY,
@@ -249,12 +249,19 @@ def test_gdrcopy_flags_are_stored_by_the_compiled_path(make_link, standin_librar
 
 
 # --- loopback ------------------------------------------------------------------------------------------------
-def _loopback_words(link: Link, count: int = 8) -> tuple[GpuFlagWords, np.ndarray, HostAccessor]:
-    """Flag words in memory the soft device reaches only through an accessor (as GPU memory), loopback path."""
+def _accessor_memory(link: Link, count: int = 8) -> tuple[np.ndarray, MemoryKey, HostAccessor]:
+    """``count`` words the soft device reaches only through an accessor (as GPU memory), registered for remote
+    writes and atomics: the words, their key, the accessor."""
     target = np.zeros(count, dtype=np.uint64)
     accessor = HostAccessor()
     key = link.b.register_memory(int(target.ctypes.data), target.nbytes, remote_write=True, remote_atomic=True,
                                  accessor=accessor)
+    return target, key, accessor
+
+
+def _loopback_words(link: Link, count: int = 8) -> tuple[GpuFlagWords, np.ndarray, HostAccessor]:
+    """Flag words in memory the soft device reaches only through an accessor (as GPU memory), loopback path."""
+    target, key, accessor = _accessor_memory(link, count)
     shadow, fd = FlagFile.create_memfd(count)
     os.close(fd)
     words = GpuFlagWords(int(target.ctypes.data), count, shadow, LOOPBACK, loopback=link.b.open_flag_loopback())
@@ -368,9 +375,7 @@ def test_a_rank_that_leaves_with_loopback_writes_on_the_wire_waits_for_them(make
     """Its flag words are deregistered as it leaves: a write still on the wire would then fail, and a failed
     write fails the rail's loopback for every rank, so the writes are waited for first."""
     link: Link = make_link()
-    target = np.zeros(8, dtype=np.uint64)
-    key = link.b.register_memory(int(target.ctypes.data), target.nbytes, remote_write=True, remote_atomic=True,
-                                 accessor=HostAccessor())
+    target, key, _accessor = _accessor_memory(link)
     shadow, fd = FlagFile.create_memfd(8)
     os.close(fd)
     words = GpuFlagWords(int(target.ctypes.data), 8, shadow, LOOPBACK, loopback=link.b.open_flag_loopback())
@@ -467,17 +472,13 @@ def test_cuda_copy_words_keep_the_pass_asking_until_they_landed(make_link, shado
     assert rail_flags.end_pass() is False and target[4] == 9
 
 
-def test_a_rank_that_leaves_with_flag_copies_posted_waits_for_them(make_link) -> None:
+def test_a_rank_that_leaves_with_flag_copies_posted_waits_for_them(make_link, shadow: FlagFile) -> None:
     """Its flag words' memory is closed as it leaves: a copy still queued would write into memory that is
     gone, so the posted batches land first (owed slots, which nobody waits for any more, are dropped)."""
     link: Link = make_link()
-    target = np.zeros(8, dtype=np.uint64)
-    key = link.b.register_memory(int(target.ctypes.data), target.nbytes, remote_write=True, remote_atomic=True,
-                                 accessor=HostAccessor())
-    flags, fd = FlagFile.create_memfd(8)
-    os.close(fd)
+    target, key, _accessor = _accessor_memory(link)
     copier = WordCopies()
-    words = _copy_words(target, flags, copier)
+    words = _copy_words(target, shadow, copier)
     rail_flags = RailFlags(link.b, PublicationChoice(CUDA_COPY, "test"), gpu=None, conn_jobs={link.conn: "job"},
                            rail=0)
     rail_flags.arrays[("job", 1)] = (words, key)
