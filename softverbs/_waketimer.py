@@ -91,7 +91,7 @@ def open_wake_timer() -> WakeTimer | None:
     if fd < 0:
         return None
     timer = WakeTimer(libc, fd)
-    try:  # the clock must be time.monotonic()'s: a timer armed just ahead of now fires within a second
+    try:  # timerfd_settime must take our itimerspec here (the one wake-up this costs the loop is harmless)
         timer.arm(time.monotonic() + 1e-6)
     except OSError:
         timer.close()

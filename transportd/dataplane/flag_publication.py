@@ -448,8 +448,8 @@ class RailFlags:
 
     def copied_words(self) -> int:
         """Flag words this rail has posted by cuda-copy (with the ones its words' arrays that left posted)."""
-        return self._copied + sum(entry[0].copies for entry in self.arrays.values()
-                                  if isinstance(entry[0], GpuFlagWords) and entry[0].path == CUDA_COPY)
+        arrays = (entry[0] for entry in self.arrays.values())
+        return self._copied + sum(words.copies for words in arrays if isinstance(words, GpuFlagWords))
 
     def end_pass(self) -> bool:
         """After a poll (efa): hand the loopback writes that completed back to their words, then post what the

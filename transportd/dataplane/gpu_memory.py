@@ -93,8 +93,7 @@ class GpuAccessor:
         self._ring_head = 0
         self._batches: deque[tuple[int, Any, int, int]] = deque()  # (ticket, event, first word, end word)
         self._spare_events: list[Any] = []  # events of retired batches, used again (tickets are numbers)
-        self._tickets = 0  # the last ticket handed out; every batch up to self._landed has been copied
-        self._landed = 0
+        self._tickets = 0  # the last ticket handed out; a ticket no longer in _batches has been copied
         self.reads = 0
         self.writes = 0
         self.copies = 0
@@ -198,12 +197,11 @@ class GpuAccessor:
     def landed(self, ticket: int) -> bool:
         """Whether the words of the :meth:`post_words` batch ``ticket`` are in device memory."""
         with self._ring_lock:
-            if ticket <= self._landed:
+            event = self._pending_event(ticket)
+            if event is None:
                 return True
-            batch = next(b for b in self._batches if b[0] == ticket)
             self._enter()
-            done = self._drv.cuEventQuery(batch[1])
-            done = done[0] if isinstance(done, tuple) else done
+            (done,) = self._drv.cuEventQuery(event)
             if done == self._drv.CUresult.CUDA_ERROR_NOT_READY:
                 return False
             self._check(done, "cuEventQuery")
@@ -213,17 +211,19 @@ class GpuAccessor:
     def wait_landed(self, ticket: int) -> None:
         """Wait until the :meth:`post_words` batch ``ticket`` is in device memory (before that memory goes)."""
         with self._ring_lock:
-            if ticket <= self._landed:
-                return
-            batch = next(b for b in self._batches if b[0] == ticket)
-            self._enter()
-            self._check(self._drv.cuEventSynchronize(batch[1]), "cuEventSynchronize")
-            self._retire(ticket)
+            event = self._pending_event(ticket)
+            if event is not None:
+                self._enter()
+                self._check(self._drv.cuEventSynchronize(event), "cuEventSynchronize")
+                self._retire(ticket)
+
+    def _pending_event(self, ticket: int) -> Any:
+        """The event of batch ``ticket`` while it is still to be copied; None once it was (retired)."""
+        return next((event for t, event, _s, _e in self._batches if t == ticket), None)
 
     def _retire(self, ticket: int) -> None:
         while self._batches and self._batches[0][0] <= ticket:
             self._spare_events.append(self._batches.popleft()[1])
-        self._landed = max(self._landed, ticket)
 
     def _free_ring(self, start: int, end: int) -> None:
         """Wait until no batch still to be copied holds a word of ``[start, end)`` (lock held). One stream
