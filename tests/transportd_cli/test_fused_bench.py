@@ -79,6 +79,8 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
         assert result.exit_code == 2 and "--tune-seconds" in result.output, result.output
     result = CliRunner().invoke(bench.main, ["--flags", "gpu", "--kernels", "moe"])  # device or host only
     assert result.exit_code == 2 and "--flags" in result.output and bench.FLAGS == "device", result.output
+    result = CliRunner().invoke(bench.main, ["--publication", "gdr", "--kernels", "moe"])  # a path the bench names
+    assert result.exit_code == 2 and "--publication" in result.output and bench.PUBLICATION == "cuda-copy"
 
 
 # --- the tuning mode (--tune): what it times, in which order, and how it reports ------------------------------
