@@ -84,7 +84,7 @@ import triton.language as tl
 
 from gpuclient import triton as tpd
 from gpuclient.kernels._tiles import check_launch, is_dot_block
-from gpuclient.kernels.moe_layout import MoELayout
+from gpuclient.kernels.moe_layout import MoELayout, dispatch_row
 
 # ---- kernels ---------------------------------------------------------------------------------------------------
 # No specialization on the round, the rank or the token count: Triton would compile (and load, behind a
@@ -132,7 +132,8 @@ def _quantize_rows(src, dst, rows, H: tl.constexpr, BLOCK_H: tl.constexpr):
 @triton.jit(do_not_specialize=["rank", "tokens"])
 def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_ptr, send_src_ptr, rank, tokens,
                E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
-               BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr = False):
+               BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ROW: tl.constexpr,
+               FP8: tl.constexpr = False):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     ks = tl.arange(0, KP)
@@ -174,7 +175,7 @@ def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_p
             word = tl.load(send_src_ptr + e * T + j + rs, mask=inside, other=0)
             if FP8:  # send_x holds bytes: each row its H fp8 values and H / 128 fp32 scales
                 _quantize_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
-                               send_x_ptr + tl.cast(start + j + rs, tl.int64) * (H + H // 32), inside, H, BLOCK_H)
+                               send_x_ptr + tl.cast(start + j + rs, tl.int64) * ROW, inside, H, BLOCK_H)
             else:
                 _copy_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
                            send_x_ptr + tl.cast(start + j + rs, tl.int64) * H, inside, H, BLOCK_H)
@@ -247,8 +248,8 @@ def _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W: tl.constex
 @triton.jit(do_not_specialize=["epoch", "rank"])
 def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, count_region,
               recv_region, src_stage_region, send_x_region, send_src_region, count_slot, W: tl.constexpr,
-              E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, H: tl.constexpr, COPY_ROWS: tl.constexpr,
-              BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, FP8: tl.constexpr = False):
+              E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, ROW: tl.constexpr, ROW_BYTES: tl.constexpr,
+              COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     if pid == 0:  # our count row (written by _moe_route) to every peer's copy of the count matrix
@@ -270,13 +271,13 @@ def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, re
             row = (e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E)
             start = tl.load(eoff_ptr + e)
             first = (pid + progs - e % progs) % progs
-            # FP8: the staged and received rows are bytes, H fp8 values and H / 128 fp32 scales each
+            # a staged / received row: ROW elements of ROW_BYTES bytes (moe_layout.dispatch_row)
             if d == rank:
                 _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, start, row, count, first, progs,
-                          T, H + H // 32 if FP8 else H, COPY_ROWS, BLOCK_H)
+                          T, ROW, COPY_ROWS, BLOCK_H)
             else:
                 _put_block(ch, d, recv_region, send_x_region, start, row, count, first, progs,
-                           H + H // 32 if FP8 else H * 2, PUT_ROWS)
+                           ROW_BYTES, PUT_ROWS)
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
@@ -621,11 +622,12 @@ class MoE:
         W, E, L, T, K, H = self.world, num_experts, lay.local_experts, max_tokens, topk, hidden  # noqa: N806
         # registered in this order on every rank, so region ids agree across ranks (kernels name the peers')
         self.fp8 = fp8
-        row, row_dtype = (H + H // 32, torch.uint8) if fp8 else (H, torch.bfloat16)  # a staged / received row
+        self.row, self.row_bytes = dispatch_row(H, fp8)  # a staged / received row: elements, bytes
+        row_dtype = torch.uint8 if fp8 else torch.bfloat16
         self.counts_all = torch.zeros((W, E), dtype=torch.int32, device=dev)
-        self.recv_x = torch.empty((L, lay.capacity, row), dtype=row_dtype, device=dev)
+        self.recv_x = torch.empty((L, lay.capacity, self.row), dtype=row_dtype, device=dev)
         self.recv_src = torch.full((L, lay.capacity), -1, dtype=torch.int32, device=dev)
-        self.send_x = torch.empty((lay.stage_capacity, row), dtype=row_dtype, device=dev)
+        self.send_x = torch.empty((lay.stage_capacity, self.row), dtype=row_dtype, device=dev)
         self.send_src = torch.full((E, T), -1, dtype=torch.int32, device=dev)
         self.src_stage = torch.full((W, L, T), -1, dtype=torch.int32, device=dev)  # each source's handle words
         self.combine_buf = torch.empty((lay.stage_capacity, H), dtype=torch.bfloat16, device=dev)
@@ -719,7 +721,7 @@ class MoE:
     def _route_meta(self) -> dict[str, Any]:
         return {"E": self.num_experts, "K": self.topk, "KP": _pow2(self.topk), "T": self.max_tokens,
                 "H": self.hidden, "BLOCK_T": min(_pow2(self.max_tokens), 256), "COPY_ROWS": self.copy_rows,
-                "BLOCK_H": self.block_h, "FP8": self.fp8, "num_warps": self.num_warps}
+                "BLOCK_H": self.block_h, "ROW": self.row, "FP8": self.fp8, "num_warps": self.num_warps}
 
     def _send_args(self, epoch: int) -> tuple:
         r = self.regions
@@ -729,8 +731,8 @@ class MoE:
 
     def _send_meta(self) -> dict[str, Any]:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
-                "H": self.hidden, "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h, "PUT_ROWS": self.put_rows,
-                "HANDLE_WORDS": self.layout.handle_words, "FP8": self.fp8, "num_warps": self.num_warps}
+                "ROW": self.row, "ROW_BYTES": self.row_bytes, "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h,
+                "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words, "num_warps": self.num_warps}
 
     def _finish_args(self, epoch: int) -> tuple:
         return (self._ch, epoch, self.rank, self.counts_all, self.recv_count, self.recv_layout, self.src_stage,

@@ -49,6 +49,14 @@ _INT32_MAX = (1 << 31) - 1
 MAX_PUT_BYTES = 1 << 31
 
 
+def dispatch_row(hidden: int, fp8: bool) -> tuple[int, int]:
+    """A staged / received dispatch row as (elements, bytes): ``hidden`` bf16 values, or with ``fp8`` bytes:
+    ``hidden`` e4m3 values, then one fp32 scale per 128 of them (``hidden / 32`` bytes)."""
+    if fp8:
+        return hidden + hidden // 32, hidden + hidden // 32
+    return hidden, 2 * hidden
+
+
 def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

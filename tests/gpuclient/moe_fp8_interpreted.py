@@ -18,15 +18,16 @@ import triton
 import triton.language as tl
 
 from gpuclient.kernels import moe as m
+from gpuclient.kernels.moe_layout import dispatch_row
 from tests.gpuclient.moe_interpreted import Buffer, bf16
 
 R, H = 8, 384
 
 
 @triton.jit
-def _quantize(src, dst, live, R: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+def _quantize(src, dst, live, R: tl.constexpr, H: tl.constexpr, ROW: tl.constexpr, BLOCK_H: tl.constexpr):
     rs = tl.arange(0, R)
-    m._quantize_rows(src + rs * H, dst + rs * (H + H // 32), rs < live, H, BLOCK_H)
+    m._quantize_rows(src + rs * H, dst + rs * ROW, rs < live, H, BLOCK_H)
 
 
 def to_e4m3(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -60,9 +61,9 @@ def main() -> None:
     x[4] = -np.abs(x[4])
     xb = bf16(x)
     exact = (xb.astype(np.uint32) << 16).view(np.float32).astype(np.float64)  # the bf16 values
-    out = np.full((R, H + H // 32), 0xA5, np.uint8)
+    out = np.full((R, dispatch_row(H, True)[0]), 0xA5, np.uint8)
     # 256 values a step: the second step's last two groups lie past H and must write nothing
-    _quantize[(1,)](Buffer(xb, "bfloat16"), Buffer(out, "uint8"), R - 1, R=R, H=H, BLOCK_H=256)
+    _quantize[(1,)](Buffer(xb, "bfloat16"), Buffer(out, "uint8"), R - 1, R=R, H=H, ROW=out.shape[1], BLOCK_H=256)
     assert (out[R - 1] == 0xA5).all(), "a masked row was written"
     live = slice(0, R - 1)
     got = out[live, :H].reshape(R - 1, H // 128, 128)

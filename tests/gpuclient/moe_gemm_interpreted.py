@@ -394,13 +394,15 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         n = tokens[rank]
         m._moe_route[(programs,)](_b(x[rank]), _b(idx[rank]), _b(me.send_x), _b(idx32), _b(stage_row),
                                   _b(me.counts_all), _b(stage_off), _b(me.send_src), rank, n, E=E_, K=K_,
-                                  KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows, BLOCK_H=16)
+                                  KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows, BLOCK_H=16,
+                                  ROW=H_)
         if rnd == 2:  # the plain dispatch, on the same flags
             m._moe_send[(programs,)](_b(ch), rnd, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x),
                                      _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
                                      *[regions[k] for k in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
-                                     lay.count_slot, W=W_, E=E_, L=L_, T=T_, H=H_, COPY_ROWS=copy_rows, BLOCK_H=16,
-                                     PUT_ROWS=put_rows_, HANDLE_WORDS=lay.handle_words)
+                                     lay.count_slot, W=W_, E=E_, L=L_, T=T_, ROW=H_, ROW_BYTES=2 * H_,
+                                     COPY_ROWS=copy_rows, BLOCK_H=16, PUT_ROWS=put_rows_,
+                                     HANDLE_WORDS=lay.handle_words)
             waited(lay.count_slot, rnd, programs)
             m._moe_finish[(1,)](_b(ch), rnd, rank, _b(me.counts_all), _b(recv_count), _b(recv_layout),
                                 _b(me.src_stage), _b(me.recv_src), lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_,

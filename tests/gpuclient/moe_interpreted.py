@@ -254,7 +254,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             m._moe_route[(programs,)](_b(x[r]), _b(idx[r]), _b(st.send_x), _b(st.idx32), _b(st.stage_row),
                                       _b(st.counts_all), _b(st.stage_off), _b(st.send_src), r, tokens[r], E=E_,
                                       K=K_, KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows,
-                                      BLOCK_H=block_h)
+                                      BLOCK_H=block_h, ROW=H_)
         fabric.check_waits()
         model = dispatch_model(lays, idx)
         for r, st in enumerate(ranks):  # the stage: expert-major, each row its entry's token row, bit for bit
@@ -274,8 +274,9 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             m._moe_send[(programs,)](_b(st.ch), rnd, r, _b(st.counts_all), _b(st.stage_off), _b(st.send_x),
                                      _b(st.send_src), _b(st.recv_x), _b(st.recv_src),
                                      *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
-                                     lays[r].count_slot, W=W_, E=E_, L=L_, T=T_, H=H_, COPY_ROWS=copy_rows,
-                                     BLOCK_H=block_h, PUT_ROWS=put_rows_, HANDLE_WORDS=lay0.handle_words)
+                                     lays[r].count_slot, W=W_, E=E_, L=L_, T=T_, ROW=H_, ROW_BYTES=2 * H_,
+                                     COPY_ROWS=copy_rows, BLOCK_H=block_h, PUT_ROWS=put_rows_,
+                                     HANDLE_WORDS=lay0.handle_words)
         fabric.check_waits(lay0.count_slot, rnd, programs)  # every program reads the lower ranks' counts
         for r, lay in enumerate(lays):  # the puts are the model's, offset for offset and byte for byte
             assert fabric.take(r) == planned_dispatch(lay, model[r]["counts_all"]), (rnd, r)

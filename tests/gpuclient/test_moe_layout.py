@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_model
+from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_model, dispatch_row
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -297,13 +297,14 @@ W, E, L, K, T, H = 2, 8, 4, 3, 100, 200
 SIGNATURES = {
     "_moe_route": ({"x_ptr": "*bf16", "idx_ptr": "*i64", "send_x_ptr": "*bf16", "idx32_ptr": "*i32", "row_ptr": "*i32",
                     "count_ptr": "*i32", "eoff_ptr": "*i32", "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
-                   {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "COPY_ROWS": 16, "BLOCK_H": 256}),
+                   {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "COPY_ROWS": 16, "BLOCK_H": 256,
+                    "ROW": H}),
     "_moe_send": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
                    "send_x_ptr": "*bf16", "send_src_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32",
                    "count_region": "i32", "recv_region": "i32", "src_stage_region": "i32", "send_x_region": "i32",
                    "send_src_region": "i32", "count_slot": "i32"},
-                  {"W": W, "E": E, "L": L, "T": T, "H": H, "COPY_ROWS": 16, "BLOCK_H": 256, "PUT_ROWS": T,
-                   "HANDLE_WORDS": L * T}),
+                  {"W": W, "E": E, "L": L, "T": T, "ROW": H, "ROW_BYTES": 2 * H, "COPY_ROWS": 16, "BLOCK_H": 256,
+                   "PUT_ROWS": T, "HANDLE_WORDS": L * T}),
     "_moe_finish": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "recv_count_ptr": "*i32",
                      "layout_ptr": "*i32", "src_stage_ptr": "*i32", "recv_src_ptr": "*i32", "dispatch_slot": "i32"},
                     {"W": W, "E": E, "L": L, "T": T, "LP": 4, "WP": 2, "BLOCK_T": 128}),
@@ -418,11 +419,12 @@ def test_the_fp8_dispatch_kernels_compile_for_sm90(world: int) -> None:
     send kernel keeps its protocol sites (its puts are the same puts of shorter rows)."""
     signature, meta = SIGNATURES["_moe_route"]
     compiled = compile_kernel(moe_kernels._moe_route, {**signature, "send_x_ptr": "*u8"},
-                              {**meta, "H": 256, "FP8": True}, num_warps=4)
+                              {**meta, "H": 256, "ROW": dispatch_row(256, True)[0], "FP8": True}, num_warps=4)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
     assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
     signature, meta = SIGNATURES["_moe_send"]
-    meta = {**meta, "W": world, "H": 256, "FP8": True}
+    row, row_bytes = dispatch_row(256, True)
+    meta = {**meta, "W": world, "ROW": row, "ROW_BYTES": row_bytes}
     compiled = compile_kernel(moe_kernels._moe_send, {**signature, "send_x_ptr": "*u8", "recv_x_ptr": "*u8"}, meta,
                               num_warps=4)
     pushes, waits, quiets, _ = protocol_sites(compiled.asm["ptx"])
@@ -493,3 +495,9 @@ def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tupl
     put_rows 3 splits the blocks into pieces dealt over both communication programs."""
     run = run_interpreted("tests.gpuclient.moe_gemm_interpreted", *shape, timeout=900)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-8000:] + run.stderr[-8000:]
+
+
+def test_a_dispatch_row_is_bf16_values_or_fp8_bytes_and_their_scales() -> None:
+    assert dispatch_row(7168, False) == (7168, 2 * 7168)
+    row, nbytes = dispatch_row(7168, True)
+    assert row == nbytes == 7168 + (7168 // 128) * 4  # one e4m3 byte a value, one fp32 scale per 128 values
