@@ -103,16 +103,16 @@ WORLD = 2
 
 #: two sizes per kernel (H200, half the SMs a rank; the GEMMs' reductions move M x N whatever K is, so K sets the
 #: balance). AllGather+GEMM and ring attention: the first has comm and compute within ~2x of each other on the ib
-#: shape, the second is communication-bound. GEMM+RS and GEMM+AR: since the soft fabric sends both directions at
-#: once (h200-2026-12-02-fused-bench-both-directions.json) their comm halved on ib, so the second size halves K
-#: and is the balanced one there, the first stays the balanced one on efa
+#: shape, the second is communication-bound. GEMM+RS and GEMM+AR ship chunks of 512 rows (8 MiB): the soft fabric
+#: pays a fixed cost per message, so 2 MiB chunks made their communication 2.2-2.3x that of 8 MiB ones on ib and
+#: 1.5-1.6x on efa (h200-2026-12-03-chunk-rows-{128,256,512}.json); at 8 MiB, K 12288-16384 balances them on ib
 SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 128},
                        {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 128}],
-    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 128},
-                            {"m": 8192, "n": 8192, "k": 8192, "chunk_rows": 128}],
-    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 32768, "chunk_rows": 128},
-                        {"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 128}],
+    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 8192, "chunk_rows": 512},
+                            {"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512}],
+    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 512},
+                        {"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512}],
     # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
     # 128 KiB chunks made the communication 17-46x the compute
     "ring_attention": [{"heads": 32, "seq_local": 8192, "head_dim": 128, "chunk_rows": 8192},
@@ -142,10 +142,13 @@ QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "
 #: linearly), so that the two stay within 2x of each other with the flags published by cuda-copy (``--publication``;
 #: h200-2026-12-03-efa-publication-cuda-copy-both-sizes.json: comm / compute 1.16-1.74 at ib's first sizes, 0.49-0.84
 #: at the grown ones). AllGather+GEMM's N is 16384 and 32768: at ib's 8192 its communication was 2.6x its compute.
+#: GEMM+RS's K is 12288 and 16384, GEMM+AR's 24576 and 32768: with 8 MiB chunks their communication on efa was 6.3
+#: and 12.4 ms, against compute of 7.6 ms at RS's K 16384 and 15.6 ms at AR's K 32768.
 EFA_SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{**SIZES["allgather_gemm"][0], "n": 16384}, {**SIZES["allgather_gemm"][0], "n": 32768}],
-    "gemm_reduce_scatter": [SIZES["gemm_reduce_scatter"][0], {**SIZES["gemm_reduce_scatter"][0], "k": 32768}],
-    "gemm_all_reduce": [SIZES["gemm_all_reduce"][0], {**SIZES["gemm_all_reduce"][0], "k": 49152}],
+    "gemm_reduce_scatter": [{**SIZES["gemm_reduce_scatter"][0], "k": 12288},
+                            {**SIZES["gemm_reduce_scatter"][0], "k": 16384}],
+    "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "k": 24576}, {**SIZES["gemm_all_reduce"][0], "k": 32768}],
     "ring_attention": [SIZES["ring_attention"][0], {**SIZES["ring_attention"][0], "seq_local": 16384}],
 }
 EFA_MOE_GEMM_SIZES = [MOE_GEMM_SIZES[0], {**MOE_GEMM_SIZES[0], "gemm_n": 40960}]
@@ -570,10 +573,26 @@ def _counters(client: Any) -> dict[str, int]:
     return out
 
 
+def _settle(clients: list[Any], timeout: float = 30.0) -> None:
+    """Wait until no rail of any daemon has a work request posted and not completed or a record waiting for its
+    batch, so that a timed phase does not pay for what the phase before it left the daemons to finish (and both
+    row types start each phase from the same state: fp8's untimed dequantization is a pause bf16 has not)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rails = [r for c in clients for r in c.stats().get("rails", []) if "error" not in r]
+        if not any(r.get("inflight") or r.get("pending_rows") for r in rails):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the daemons did not settle in {timeout} s: "
+                               f"{[(r.get('inflight'), r.get('pending_rows')) for r in rails]}")
+
+
 def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, hidden: int, topk: int, experts: int,
             device: int = 0, echo: Callable[[str], None] = print, fp8: bool = False) -> dict[str, Any]:
     """Dispatch and combine latency (both ranks at once) and what the sending daemons posted per dispatch;
-    ``fp8``: the rows go as e4m3 with a scale per 128 values, and combine takes them dequantized (untimed)."""
+    ``fp8``: the rows go as e4m3 with a scale per 128 values, and combine takes them dequantized (untimed). Each
+    phase starts once the daemons have settled (``_settle``) and the counters are read outside the timed
+    windows."""
     import torch
 
     from gpuclient.kernels import MoE
@@ -594,26 +613,28 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
         dispatch_s, combine_s = [], []
         posted = {"dispatch": dict.fromkeys(_COUNTED, 0), "combine": dict.fromkeys(_COUNTED, 0)}
         for i in range(reps + 1):  # round 0 warms up; its counts and times are dropped
+            _settle(clients)
             before = [_counters(c) for c in clients]
             t0 = time.perf_counter()
             handles = [op.dispatch(xs[r], idx[r], weights[r], stream=streams[r]) for r, op in enumerate(ops)]
             for s in streams:
                 s.synchronize()
             t1 = time.perf_counter()
-            mid = [_counters(c) for c in clients]
             ys = [_dequantized(h[0]) if fp8 else h[0] for h in handles]  # the identity expert: y = x
-            if fp8:
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            _settle(clients)
+            mid = [_counters(c) for c in clients]
+            t2 = time.perf_counter()
             for r, op in enumerate(ops):
                 op.combine(ys[r], handles[r][2], stream=streams[r])
             for s in streams:
                 s.synchronize()
-            t2 = time.perf_counter()
+            t3 = time.perf_counter()
+            _settle(clients)
             after = [_counters(c) for c in clients]
             if i > 0:
                 dispatch_s.append(t1 - t0)
-                combine_s.append(t2 - t1)
+                combine_s.append(t3 - t2)
                 for key in _COUNTED:
                     posted["dispatch"][key] += sum(m[key] - b[key] for b, m in zip(before, mid, strict=True))
                     posted["combine"][key] += sum(a[key] - m[key] for m, a in zip(mid, after, strict=True))
@@ -1114,6 +1135,21 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
     return result
 
 
+def parse_chunk_rows(text: str) -> dict[str, int]:
+    """``--chunk-rows``: ``KERNEL=ROWS`` pairs, comma-separated, for kernels whose sizes have chunk rows."""
+    out: dict[str, int] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        kernel, _, value = item.partition("=")
+        if kernel not in KERNELS:
+            raise click.BadParameter(f"{kernel!r} is not one of {', '.join(KERNELS)}", param_hint="--chunk-rows")
+        if not value.isdigit() or int(value) < 1:
+            raise click.BadParameter(f"{item!r}: rows must be an integer >= 1", param_hint="--chunk-rows")
+        out[kernel] = int(value)
+    return out
+
+
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
 @click.option("--kernels", default=",".join((*KERNELS, "moe", "moe_dispatch_gemm")), show_default=True,
@@ -1140,6 +1176,9 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
               help="also run one launch of each mode with the kernels' timelines (GEMM+RS, GEMM+AR): a summary in "
                    "each row, every recorded event here")
+@click.option("--chunk-rows", "chunk_rows", default="", metavar="KERNEL=ROWS,...",
+              help="override the chunk rows of a kernel's sizes (e.g. gemm_all_reduce=256): the messages' size, "
+                   "against the soft fabric's cost per message")
 @click.option("--tune", is_flag=True,
               help="time each kernel's compute alone with candidate tiles instead (the first size, the first "
                    "backend and shape; MoE Dispatch+GEMM's expert GEMM too, MoE dispatch/combine left out)")
@@ -1148,7 +1187,8 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
               help="--tune: configs not started by then are recorded as skipped")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
-         timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION) -> None:
+         timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
+         chunk_rows: str = "") -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -1159,6 +1199,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
     if unknown:
         raise click.BadParameter(f"unknown kernel(s) {', '.join(unknown)}", param_hint="--kernels")
+    rows_of = parse_chunk_rows(chunk_rows)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).touch()  # a bad path fails now, not after the run
@@ -1215,6 +1256,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                 run_sizes = backend_sizes(backend, quick)
                 for kernel in (k for k in wanted if k in KERNELS):
                     for dims in run_sizes[kernel][:sizes]:
+                        if kernel in rows_of:
+                            dims = {**dims, "chunk_rows": rows_of[kernel]}
                         attempt({"kernel": kernel, "backend": backend, "shape": shape, **dims},
                                 fused_row, kernel, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe_dispatch_gemm" in wanted:

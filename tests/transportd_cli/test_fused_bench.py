@@ -81,6 +81,11 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
     assert result.exit_code == 2 and "--flags" in result.output and bench.FLAGS == "device", result.output
     result = CliRunner().invoke(bench.main, ["--publication", "gdr", "--kernels", "moe"])  # a path the bench names
     assert result.exit_code == 2 and "--publication" in result.output and bench.PUBLICATION == "cuda-copy"
+    for bad in ("moe=128", "gemm_all_reduce=0", "gemm_all_reduce=x", "gemm_all_reduce"):  # MoE has no chunks
+        result = CliRunner().invoke(bench.main, ["--chunk-rows", bad, "--kernels", "moe"])
+        assert result.exit_code == 2 and "--chunk-rows" in result.output, (bad, result.output)
+    assert bench.parse_chunk_rows("gemm_all_reduce=256, gemm_reduce_scatter=512,") == {
+        "gemm_all_reduce": 256, "gemm_reduce_scatter": 512}
 
 
 # --- the tuning mode (--tune): what it times, in which order, and how it reports ------------------------------
