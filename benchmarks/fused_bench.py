@@ -102,17 +102,18 @@ BACKEND_SHAPE = {"ib": "cx7-400g", "efa": "efa-200g"}
 WORLD = 2
 
 #: two sizes per kernel (H200, half the SMs a rank; the GEMMs' reductions move M x N whatever K is, so K sets the
-#: balance). AllGather+GEMM and ring attention: the first has comm and compute within ~2x of each other on the ib
-#: shape, the second is communication-bound. GEMM+RS and GEMM+AR ship chunks of 512 rows (8 MiB): the soft fabric
-#: pays a fixed cost per message, so 2 MiB chunks made their communication 2.2-2.3x that of 8 MiB ones on ib and
-#: 1.5-1.6x on efa (h200-2026-12-03-chunk-rows-{128,256,512}.json); at 8 MiB, K 12288-16384 balances them on ib
+#: balance). The GEMMs ship chunks of 512 rows (8 MiB at N 8192): the soft fabric pays a fixed cost per message, so
+#: 2 MiB chunks made the reductions' communication 2.2-2.3x that of 8 MiB ones on ib and 1.5-1.6x on efa, and
+#: AllGather+GEMM's 2.2x on ib (h200-2026-12-03-chunk-rows-{128,256,512}.json,
+#: h200-2026-12-03-allgather-chunk-rows-512.json). At 8 MiB: AllGather+GEMM's comm / compute on ib is 0.8 and 1.3;
+#: the reductions balance at K 8192-16384 on ib; ring attention's first is balanced, its second comm-bound
 SIZES: dict[str, list[dict[str, int]]] = {
-    "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 128},
-                       {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 128}],
+    "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 512},
+                       {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 512}],
     "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 8192, "chunk_rows": 512},
                             {"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512}],
     "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 512},
-                        {"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512}],
+                        {"m": 8192, "n": 8192, "k": 24576, "chunk_rows": 512}],
     # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
     # 128 KiB chunks made the communication 17-46x the compute
     "ring_attention": [{"heads": 32, "seq_local": 8192, "head_dim": 128, "chunk_rows": 8192},
@@ -141,11 +142,11 @@ QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "
 #: N, the reductions' K; ring attention's sequence, whose compute grows with its square and its communication
 #: linearly), so that the two stay within 2x of each other with the flags published by cuda-copy (``--publication``;
 #: h200-2026-12-03-efa-publication-cuda-copy-both-sizes.json: comm / compute 1.16-1.74 at ib's first sizes, 0.49-0.84
-#: at the grown ones). AllGather+GEMM's N is 16384 and 32768: at ib's 8192 its communication was 2.6x its compute.
-#: GEMM+RS's K is 12288 and 16384, GEMM+AR's 24576 and 32768: with 8 MiB chunks their communication on efa was 6.3
-#: and 12.4 ms, against compute of 7.6 ms at RS's K 16384 and 15.6 ms at AR's K 32768.
+#: at the grown ones). With 8 MiB chunks: AllGather+GEMM's N is ib's 8192 and 16384 (comm 6.4 ms against 8.9 of
+#: compute at 16384; at 32768 the comm was 0.31x the compute); GEMM+RS's K is 12288 and 16384, GEMM+AR's 24576
+#: and 32768 (comm 6.3 and 12.4 ms, against compute of 7.6 ms at RS's K 16384 and 15.6 ms at AR's K 32768).
 EFA_SIZES: dict[str, list[dict[str, int]]] = {
-    "allgather_gemm": [{**SIZES["allgather_gemm"][0], "n": 16384}, {**SIZES["allgather_gemm"][0], "n": 32768}],
+    "allgather_gemm": [SIZES["allgather_gemm"][0], {**SIZES["allgather_gemm"][0], "n": 16384}],
     "gemm_reduce_scatter": [{**SIZES["gemm_reduce_scatter"][0], "k": 12288},
                             {**SIZES["gemm_reduce_scatter"][0], "k": 16384}],
     "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "k": 24576}, {**SIZES["gemm_all_reduce"][0], "k": 32768}],
