@@ -105,15 +105,17 @@ WORLD = 2
 #: balance). The GEMMs ship chunks of 512 rows (8 MiB at N 8192): the soft fabric pays a fixed cost per message, so
 #: 2 MiB chunks made the reductions' communication 2.2-2.3x that of 8 MiB ones on ib and 1.5-1.6x on efa, and
 #: AllGather+GEMM's 2.2x on ib (h200-2026-12-03-chunk-rows-{128,256,512}.json,
-#: h200-2026-12-03-allgather-chunk-rows-512.json). At 8 MiB: AllGather+GEMM's comm / compute on ib is 0.8 and 1.3;
-#: the reductions balance at K 8192-16384 on ib; ring attention's first is balanced, its second comm-bound
+#: h200-2026-12-03-allgather-chunk-rows-512.json). At 8 MiB: AllGather+GEMM's comm / compute on ib is 0.8-1.1 at
+#: both sizes; the reductions' comm was 2.7-3.1 ms (GEMM+RS) and 4.3-6.0 ms (GEMM+AR) on ib, so K 6144 and 12288
+#: balance them (h200-2026-12-03-fused-bench-8mib-{1,2}.json: 0.5-0.75 at K 8192 and 16384, the second sizes);
+#: ring attention's first is balanced, its second comm-bound
 SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 512},
                        {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 512}],
-    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 8192, "chunk_rows": 512},
-                            {"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512}],
-    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 512},
-                        {"m": 8192, "n": 8192, "k": 24576, "chunk_rows": 512}],
+    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 6144, "chunk_rows": 512},
+                            {"m": 8192, "n": 8192, "k": 8192, "chunk_rows": 512}],
+    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512},
+                        {"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 512}],
     # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
     # 128 KiB chunks made the communication 17-46x the compute
     "ring_attention": [{"heads": 32, "seq_local": 8192, "head_dim": 128, "chunk_rows": 8192},
