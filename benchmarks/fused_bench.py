@@ -577,17 +577,23 @@ def _counters(client: Any) -> dict[str, int]:
 
 
 def _settle(clients: list[Any], timeout: float = 30.0) -> None:
-    """Wait until no rail of any daemon has a work request posted and not completed or a record waiting for its
-    batch, so that a timed phase does not pay for what the phase before it left the daemons to finish (and both
-    row types start each phase from the same state: fp8's untimed dequantization is a pause bf16 has not)."""
+    """Wait until no rail of any daemon has a record in a ring, a record taken and not complete, a work request
+    in flight or a record waiting for its batch, so that a timed phase does not pay for what the phase before it
+    left the daemons to finish (and both row types start each phase from the same state: fp8's untimed
+    dequantization is a pause bf16 has not)."""
+    def busy(rail: dict[str, Any]) -> bool:
+        rings = rail.get("queues", {}).get("rings", [])
+        return bool(rail.get("inflight") or rail.get("pending_rows")
+                    or any(ring["depth"] or ring["outstanding"] for ring in rings))
+
     deadline = time.monotonic() + timeout
     while True:
         rails = [r for c in clients for r in c.stats().get("rails", []) if "error" not in r]
-        if not any(r.get("inflight") or r.get("pending_rows") for r in rails):
+        if not any(busy(r) for r in rails):
             return
-        if time.monotonic() > deadline:
+        if time.monotonic() >= deadline:
             raise TimeoutError(f"the daemons did not settle in {timeout} s: "
-                               f"{[(r.get('inflight'), r.get('pending_rows')) for r in rails]}")
+                               f"{[(r.get('inflight'), r.get('pending_rows')) for r in rails if busy(r)]}")
 
 
 def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, hidden: int, topk: int, experts: int,
