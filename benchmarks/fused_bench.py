@@ -105,7 +105,7 @@ WORLD = 2
 #: balance). The GEMMs ship chunks of 512 rows (8 MiB at N 8192): the soft fabric pays a fixed cost per message, so
 #: 2 MiB chunks made the reductions' communication 2.2-2.3x that of 8 MiB ones on ib and 1.5-1.6x on efa, and
 #: AllGather+GEMM's 2.2x on ib (h200-2026-12-03-chunk-rows-{128,256,512}.json,
-#: h200-2026-12-03-allgather-chunk-rows-512.json). At 8 MiB: AllGather+GEMM's comm / compute on ib is 0.8-1.1 at
+#: h200-2026-12-03-allgather-chunk-rows-512.json). At 8 MiB: AllGather+GEMM's comm / compute on ib is 0.8-1.3 at
 #: both sizes; the reductions' comm was 2.7-3.1 ms (GEMM+RS) and 4.3-6.0 ms (GEMM+AR) on ib, so K 6144 and 12288
 #: balance them (h200-2026-12-03-fused-bench-8mib-{1,2}.json: 0.5-0.75 at K 8192 and 16384, the second sizes);
 #: ring attention's first is balanced, its second comm-bound
