@@ -31,7 +31,9 @@ come in under it when the communication ran slower alone than inside the fused l
 placing direct copies (softverbs' ``direct_ns``); ``comm_loopback_wait_ms`` and ``fused_loopback_wait_ms``: the
 time its efa workers spent posting and reaping their flags' loopback writes (each rail's ``flag_loopback``);
 ``comm_link_busy_ms`` and ``fused_link_busy_ms``: the time its NIC model's link was busy (against the launch's
-time, how much of it the modeled wire bounds).
+time, how much of it the modeled wire bounds); ``comm_flag_copies`` and ``fused_flag_copies``: the flag words its
+efa workers copied into GPU memory (``flags.publication = "cuda-copy"``). MoE Dispatch+GEMM rows have the same
+columns, each round's untimed combine included.
 
 ``--flags host``: each rank's flag words in a host flag file (pinned, mapped into the GPU) made before the
 ops, which take the session's flags when it has them, instead of the GPU memory they allocate by default: on
@@ -500,6 +502,23 @@ def timeline_runs(case: Case, streams: list[Any]) -> dict[str, Any]:
     return out
 
 
+#: per launch and daemon, from ``_counters``: (counter, row column, scale): the time its soft devices spent placing
+#: direct copies (each blocks their thread), its workers spent in flag loopback writes (efa without GDRCopy), its
+#: NIC model's link was busy, and the flag words its workers copied into GPU memory (efa, cuda-copy)
+PER_LAUNCH = (("direct_ns", "direct_copy_ms", 1e-6), ("loopback_ns", "loopback_wait_ms", 1e-6),
+              ("link_busy_ns", "link_busy_ms", 1e-6), ("flag_copies", "flag_copies", 1.0))
+
+
+def per_launch(row: dict[str, Any], phases: dict[str, tuple[list[dict[str, int]], list[dict[str, int]]]],
+               reps: int) -> None:
+    """``row[f"{mode}_{column}"]``: each daemon's counters (``_counters``) from a phase's start to its end, per
+    launch (``reps`` of them), for every ``PER_LAUNCH`` column."""
+    for key, name, scale in PER_LAUNCH:
+        for mode, (start, end) in phases.items():
+            row[f"{mode}_{name}"] = [round((e[key] - b[key]) / reps * scale, 3)
+                                     for b, e in zip(start, end, strict=True)]
+
+
 def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
               echo: Callable[[str], None] = print, timeline: bool = False) -> dict[str, Any]:
     """One row: compute, comm, fused and torch times of ``kernel`` at ``dims`` on ``backend`` shaped as ``shape``."""
@@ -519,13 +538,7 @@ def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps:
         middle = [_counters(c) for c in clients]
         row["fused_s"] = _time(case.launch, streams, reps)
         after = [_counters(c) for c in clients]
-        # per launch and daemon: the time its soft devices spent placing direct copies (each blocks their thread),
-        # its workers spent in flag loopback writes (efa without GDRCopy), and its NIC model's link was busy
-        for key, name in (("direct_ns", "direct_copy_ms"), ("loopback_ns", "loopback_wait_ms"),
-                          ("link_busy_ns", "link_busy_ms")):
-            for mode, (start, end) in (("comm", (before, middle)), ("fused", (middle, after))):
-                row[f"{mode}_{name}"] = [round((e[key] - b[key]) / reps / 1e6, 3)
-                                         for b, e in zip(start, end, strict=True)]
+        per_launch(row, {"comm": (before, middle), "fused": (middle, after)}, reps)
         row["torch_s"] = _time(case.torch_compute, streams, reps)
         if timeline and case.timelines:
             runs = timeline_runs(case, streams)
@@ -564,13 +577,14 @@ _COUNTED = ("commands", "wrs", "writes", "signals", "signals_requested", "fences
 def _counters(client: Any) -> dict[str, int]:
     """A daemon's rails' counters, the writes its soft devices placed by direct copy (``direct_placed``: the
     rest of what they received crossed TCP), the nanoseconds they spent placing them (``direct_ns``), those its
-    workers spent in flag loopback writes (``loopback_ns``) and those its NIC model's links were busy
-    (``link_busy_ns``)."""
+    workers spent in flag loopback writes (``loopback_ns``), those its NIC model's links were busy
+    (``link_busy_ns``) and the flag words its workers copied into GPU memory (``flag_copies``)."""
     rails = [r for r in client.stats().get("rails", []) if "error" not in r]
     out = {key: sum(int(r.get(key, 0)) for r in rails) for key in _COUNTED}
     for key in ("direct_placed", "direct_ns"):
         out[key] = sum(int((r.get("softverbs") or {}).get(key, 0)) for r in rails)
     out["loopback_ns"] = sum(int((r.get("flag_loopback") or {}).get("wait_ns", 0)) for r in rails)
+    out["flag_copies"] = sum(int(r.get("flag_copies", 0)) for r in rails)
     out["link_busy_ns"] = sum(int(1e9 * ((r.get("softverbs") or {}).get("link") or {}).get("busy_s", 0.0))
                               for r in rails)
     return out
@@ -792,7 +806,7 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(9)
-    with _sessions(backend, shape, "fused-bench-moe-gemm", device) as (_, sessions):
+    with _sessions(backend, shape, "fused-bench-moe-gemm", device) as (clients, sessions):
         moe = _MoeGemm(sessions, device, gen, **dims)
         ops, streams = moe.ops, moe.streams
         hidden, gemm_n = dims["hidden"], dims["gemm_n"]
@@ -814,8 +828,12 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
                                "programs": ops[0].gemm_programs, "comm_programs": ops[0].comm_programs,
                                "max_abs_error": error}
         row["compute_s"] = timed(communicate=False)
+        before = [_counters(c) for c in clients]
         row["comm_s"] = timed(compute=False)
+        middle = [_counters(c) for c in clients]
         row["fused_s"] = timed()
+        after = [_counters(c) for c in clients]
+        per_launch(row, {"comm": (before, middle), "fused": (middle, after)}, reps)
         row["torch_s"] = _time(moe.torch_compute, streams, reps)
         _check_channels(ops)
     derive(row, 2.0 * rows * hidden * gemm_n, remote_rows * hidden * 2)

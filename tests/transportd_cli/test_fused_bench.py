@@ -431,3 +431,17 @@ def test_settle_waits_until_no_rail_has_work_in_flight() -> None:
             for s, c in zip(sessions, clients, strict=True):
                 s.leave()
                 c.close()
+
+
+def test_per_launch_columns_are_each_daemons_counters_over_a_phase_divided_by_its_launches() -> None:
+    bench = _bench()
+    zero = dict.fromkeys((key for key, _, _ in bench.PER_LAUNCH), 0)
+    before = [zero, {**zero, "direct_ns": 1_000_000}]
+    middle = [{**zero, "direct_ns": 6_000_000, "flag_copies": 30}, {**zero, "direct_ns": 3_000_000}]
+    after = [{**middle[0], "link_busy_ns": 9_000_000}, middle[1]]
+    row: dict = {}
+    bench.per_launch(row, {"comm": (before, middle), "fused": (middle, after)}, reps=3)
+    assert row["comm_direct_copy_ms"] == [2.0, pytest.approx(0.667)]
+    assert row["comm_flag_copies"] == [10.0, 0.0] and row["fused_flag_copies"] == [0.0, 0.0]
+    assert row["fused_link_busy_ms"] == [3.0, 0.0] and row["comm_loopback_wait_ms"] == [0.0, 0.0]
+    assert set(row) == {f"{mode}_{name}" for mode in ("comm", "fused") for _, name, _ in bench.PER_LAUNCH}
