@@ -46,6 +46,9 @@ started here run beside the kernels; ``auto`` is what a node with no GDRCopy pic
 over softverbs costs a whole soft-fabric round trip in Python per batch (a NIC's takes a few µs), and made efa's
 communication up to 1.8x slower (docs/performance.md).
 
+``--chunk-rows KERNEL=ROWS,...``: the chunk rows of a kernel's sizes (every size of it, both backends), to weigh
+the messages' size against the soft fabric's cost per message (``SIZES`` says what the defaults were chosen by).
+
 ``--timeline RAW``: each GEMM+RS / GEMM+AR row also runs one launch of each of compute, comm and fused with
 the op's timeline (``timeline=``, docs/kernels.md) and summarizes it per rank in the row (``timeline``: when
 the peers' tiles and the own tiles ran, the own tiles' waits, when this rank's chunks shipped, its programs'
@@ -55,9 +58,9 @@ launch and a host round trip per step, so the baseline here is the kinder one. T
 each row is checked against torch (``max_abs_error``).
 
 MoE (``gpuclient.kernels.MoE``, DeepEP's low-latency shape: 128 tokens a rank, hidden 7168, top-8 of 64
-experts, uniform routing): dispatch and combine latency (both ranks at once, median), and per dispatch and
-destination the signals and fences the sending daemon posted (its counters), with decoupled signaling on
-and off (ib; efa refuses decoupled).
+experts, uniform routing): dispatch and combine latency (both ranks at once, median; each phase starts from
+settled daemons: ``_settle``), and per dispatch and destination the signals and fences the sending daemon
+posted (its counters), with decoupled signaling on and off (ib; efa refuses decoupled).
 
 CUDA MPS is started here (as ``benchmarks/fabric_bench.py`` does) so the rail workers' copies share the
 GPU with the kernels instead of waiting for time slices.
