@@ -598,10 +598,11 @@ def _settle(clients: list[Any], timeout: float = 30.0) -> None:
     in flight or a record waiting for its batch, so that a timed phase does not pay for what the phase before it
     left the daemons to finish (and both row types start each phase from the same state: fp8's untimed
     dequantization is a pause bf16 has not)."""
+    def rings(rail: dict[str, Any]) -> list[tuple[int, int]]:
+        return [(ring["depth"], ring["outstanding"]) for ring in rail.get("queues", {}).get("rings", [])]
+
     def busy(rail: dict[str, Any]) -> bool:
-        rings = rail.get("queues", {}).get("rings", [])
-        return bool(rail.get("inflight") or rail.get("pending_rows")
-                    or any(ring["depth"] or ring["outstanding"] for ring in rings))
+        return bool(rail.get("inflight") or rail.get("pending_rows") or any(any(ring) for ring in rings(rail)))
 
     deadline = time.monotonic() + timeout
     while True:
@@ -609,8 +610,9 @@ def _settle(clients: list[Any], timeout: float = 30.0) -> None:
         if not any(busy(r) for r in rails):
             return
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"the daemons did not settle in {timeout} s: "
-                               f"{[(r.get('inflight'), r.get('pending_rows')) for r in rails if busy(r)]}")
+            left = [{"inflight": r.get("inflight"), "pending_rows": r.get("pending_rows"), "rings": rings(r)}
+                    for r in rails if busy(r)]
+            raise TimeoutError(f"the daemons did not settle in {timeout} s: {left}")
 
 
 def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, hidden: int, topk: int, experts: int,

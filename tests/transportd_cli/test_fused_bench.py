@@ -398,26 +398,19 @@ def test_settle_waits_until_no_rail_has_work_in_flight() -> None:
     """``_settle`` on two real daemons over a slow modeled link: while a burst of PUTs is in a ring or on the wire
     it gives up after its timeout, and once it returns no rail has a record in a ring or taken and not complete,
     a work request in flight or a record waiting for its batch."""
-    import gpuclient
+    from tests.support.cluster import close_ranks, join_ranks
     from transportd_cli.localcluster import LocalCluster
 
     bench = _bench()
     nbytes, puts = 1 << 16, 16  # 1 MiB at 20 MB/s: the link is busy for ~50 ms after the last push
     overrides = {"softverbs": {"nic_bandwidth": 20e6, "nic_latency_s": 1e-3}}
     with LocalCluster(2, backend="ib", overrides=overrides) as cluster:
-        clients = [gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names]
-        sessions = [c.join("settle", rank=r, world=2) for r, c in enumerate(clients)]
+        ranks = join_ranks(cluster, "settle", nbytes=nbytes, flags=8)
+        clients = [r.client for r in ranks]
         try:
-            src, dst = gpuclient.host_array(nbytes), gpuclient.host_array(nbytes)
-            r_src, r_dst = sessions[0].register(src), sessions[1].register(dst)
-            for s in sessions:
-                s.flags(8)
-                s.exchange(wait=False)
-            for s in sessions:
-                s.exchange(timeout=60)
-            ch = sessions[0].channel(256)
+            sender, receiver = ranks
             for _ in range(puts):
-                ch.put(1, r_dst.id, 0, r_src.id, 0, nbytes)
+                sender.channel.put(1, receiver.dst.id, 0, sender.src.id, 0, nbytes)
             with pytest.raises(TimeoutError, match="did not settle"):
                 bench._settle(clients, timeout=0.0)
             bench._settle(clients)
@@ -426,11 +419,9 @@ def test_settle_waits_until_no_rail_has_work_in_flight() -> None:
             rings = [ring for r in rails for ring in r["queues"]["rings"]]
             assert rings and not any(ring["depth"] or ring["outstanding"] for ring in rings)
             assert sum(r["commands"] for r in rails) >= puts  # the burst was taken, not lost
-            ch.quiet(timeout=10)
+            sender.channel.quiet(timeout=10)
         finally:
-            for s, c in zip(sessions, clients, strict=True):
-                s.leave()
-                c.close()
+            close_ranks(ranks)
 
 
 def test_per_launch_columns_are_each_daemons_counters_over_a_phase_divided_by_its_launches() -> None:
