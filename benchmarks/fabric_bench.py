@@ -55,6 +55,7 @@ SHAPES = {
 }
 ROWS = ("ib:unshaped", "ib:cx7-400g", "ib:wire", "efa:unshaped", "efa:efa-200g", "efa:wire")
 TARGET_UNSHAPED_GBPS = 25.0
+MAX_LATENCY_BYTES = 64 << 20
 
 
 def _softverbs(stats: dict[str, Any]) -> dict[str, Any]:
@@ -80,12 +81,45 @@ class HostBuffer:
         pass
 
 
+def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, buffers: str, sizes: list[int],
+                writes: int, chunk: int, ch: Any, src_region: int, dst_region: int, c0: Any, c1: Any,
+                echo: Any = print) -> dict[str, Any]:
+    """One write at a time: PUT of each size, then QUIET (the write placed and acknowledged), ``writes``
+    times a size. Per size: p50 / p90 / min microseconds, the NIC model's least (bytes / bandwidth +
+    latency), and per write the receiver's direct-copy time and the rest of the path (p50 - model - copy)."""
+    out: dict[str, Any] = {"backend": backend, "shape": shape, "buffers": buffers, "nic": nic or None,
+                           "copy_via": copy_via, "writes": writes, "latency": []}
+    for size in sizes:
+        before = _softverbs(c1.stats())
+        times = []
+        for _ in range(writes):
+            t0 = time.perf_counter()
+            ch.put(1, dst_region, 0, src_region, 0, size)
+            ch.quiet(timeout=60)
+            times.append(time.perf_counter() - t0)
+        after = _softverbs(c1.stats())
+        us = np.array(times) * 1e6
+        model_us = (size / nic["nic_bandwidth"] + nic["nic_latency_s"]) * 1e6 if nic else 0.0
+        placed = after.get("direct_placed", 0) - before.get("direct_placed", 0)
+        copy_us = (after.get("direct_ns", 0) - before.get("direct_ns", 0)) / 1e3 / max(placed, 1)
+        entry = {"bytes": size, "p50_us": float(np.percentile(us, 50)), "p90_us": float(np.percentile(us, 90)),
+                 "min_us": float(us.min()), "model_us": model_us, "direct_placed_per_write": placed / writes,
+                 "copy_us_per_write": copy_us}
+        entry["rest_us"] = entry["p50_us"] - model_us - copy_us
+        out["latency"].append(entry)
+        echo(f"  {backend:3s} {shape:9s} {size:>9d} B  p50 {entry['p50_us']:8.1f} us  p90 {entry['p90_us']:8.1f}  "
+             f"model {model_us:7.1f}  copy {copy_us:6.1f}  rest {entry['rest_us']:7.1f}")
+    return out
+
+
 def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, device: int = 0,
                echo: Any = print, buffers: str = "gpu", chunk: int = CHUNK,
-               nic: dict[str, float] | None = None, copy_via: str = "device") -> dict[str, Any]:
+               nic: dict[str, float] | None = None, copy_via: str = "device",
+               latency_sizes: list[int] | None = None) -> dict[str, Any]:
     """One row: ``writes`` PUTs of ``chunk`` bytes, GPU to GPU (or host to host), between two ``backend``
     daemons shaped as ``shape`` ("unshaped", a key of SHAPES, or "wire": unshaped with direct copies off),
-    or by ``nic`` (NIC-model keys) where given; direct copies placed ``copy_via``."""
+    or by ``nic`` (NIC-model keys) where given; direct copies placed ``copy_via``. With ``latency_sizes``,
+    instead one write at a time of each size (``latency_row``), ``writes`` a size."""
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
@@ -125,6 +159,9 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
                 return time.perf_counter() - t0
 
             burst(slots)  # every slot once: the receiver opens the allocation, the path is warm
+            if latency_sizes:
+                return latency_row(backend, shape, nic, copy_via, buffers, latency_sizes, writes, chunk, ch,
+                                   r_src.id, r_dst.id, c0, c1, echo)
             before = _softverbs(c1.stats())
             c0_before = _softverbs(c0.stats()).get("link", {})
             times = [burst(writes) for _ in range(reps)]
@@ -171,6 +208,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def latency_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| backend | NIC model | bytes | p50 us | p90 us | model us | direct copy us | rest us |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['backend']} | {r['shape']} | failed: {r['error']} | | | | | |")
+            continue
+        for e in r["latency"]:
+            lines.append(f"| {r['backend']} | {r['shape']} | {e['bytes']} | {e['p50_us']:.1f} | {e['p90_us']:.1f} | "
+                         f"{e['model_us']:.1f} | {e['copy_us_per_write']:.1f} | {e['rest_us']:.1f} |")
+    return "\n".join(lines)
+
+
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The targets, row by row: unshaped >= 25 GB/s, shaped within 10 % of the configured rate."""
     out = {}
@@ -197,13 +247,21 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
               help="host: the same rows on host memory, no GPU needed (no direct copies)")
 @click.option("--copy-via", type=click.Choice(DIRECT_COPY_PLACEMENTS), default="device", show_default=True,
               help="softverbs.direct_copy_via: one device-to-device copy, or through pinned host memory")
+@click.option("--latency", "latency", default="", metavar="BYTES,...",
+              help="instead of the rate: one write at a time of each size (PUT, then QUIET), --writes a size")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
-         buffers: str, copy_via: str) -> None:
+         buffers: str, copy_via: str, latency: str = "") -> None:
     """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
     from transportd_cli.mps import Mps
 
     if quick:
         writes, reps = 64, 1
+    try:
+        latency_sizes = [int(x, 0) for x in latency.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"--latency takes byte counts, got {latency!r}") from None
+    if any(n < 1 or n > MAX_LATENCY_BYTES for n in latency_sizes):
+        raise click.BadParameter(f"--latency sizes must be in [1, {MAX_LATENCY_BYTES}]")
     mps = Mps()  # host buffers need no GPU, and --no-mps runs without
     if buffers == "gpu" and not no_mps and not mps.start():
         click.echo(mps.describe())
@@ -211,10 +269,15 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         results = []
         for spec in rows.split(","):
             backend, _, shape = spec.strip().partition(":")
-            n = max(slots, writes // 8) if shape == "wire" else writes
+            n = max(slots, writes // 8) if shape == "wire" and not latency_sizes else writes
             try:
-                results.append(fabric_row(backend, shape or "unshaped", n, slots, reps, echo=click.echo,
-                                          buffers=buffers, copy_via=copy_via))
+                if latency_sizes:  # one slot the size of the largest write
+                    results.append(fabric_row(backend, shape or "unshaped", n, 1, reps, echo=click.echo,
+                                              buffers=buffers, chunk=max(latency_sizes), copy_via=copy_via,
+                                              latency_sizes=latency_sizes))
+                else:
+                    results.append(fabric_row(backend, shape or "unshaped", n, slots, reps, echo=click.echo,
+                                              buffers=buffers, copy_via=copy_via))
             except Exception as exc:  # keep what the other rows measured
                 results.append({"backend": backend, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
                 click.echo(f"  {spec}: failed: {exc}")
@@ -222,8 +285,12 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         mps_line = mps.describe()
         mps.stop()
     click.echo(mps_line)
-    click.echo(table(results))
-    met = verdict(results)
+    if latency_sizes:
+        click.echo(latency_table(results))
+        met = {}
+    else:
+        click.echo(table(results))
+        met = verdict(results)
     click.echo(json.dumps({"targets_met": met}, indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line}, indent=2))

@@ -48,3 +48,20 @@ def test_a_shaped_row_on_host_buffers_never_beats_its_link() -> None:
     assert row["intact"] and row["direct_placed"] == 0  # host memory: every write crossed the wire
     assert row["gbps_modeled"] == pytest.approx(0.1)  # the sending rail's schedule, through the daemon's stats
     assert row["of_configured"] <= 1.0 + 1e-3  # nothing lands before the link has carried it
+
+
+@pytest.mark.multiprocess
+def test_one_write_at_a_time_never_lands_before_the_model_says() -> None:
+    bench = _bench()
+    nic = {"nic_bandwidth": 100e6, "nic_latency_s": 1e-3}
+    sizes = [4096, 256 << 10]
+    row = bench.fabric_row("ib", "shaped", 4, 1, 1, buffers="host", chunk=max(sizes), nic=nic,
+                           echo=lambda *a: None, latency_sizes=sizes)
+    assert [e["bytes"] for e in row["latency"]] == sizes
+    for e in row["latency"]:
+        assert e["model_us"] == pytest.approx((e["bytes"] / 100e6 + 1e-3) * 1e6)
+        assert e["min_us"] >= e["model_us"] * 0.999  # a write and its acknowledgement: never under one way
+        assert e["rest_us"] == pytest.approx(e["p50_us"] - e["model_us"] - e["copy_us_per_write"])
+    table = bench.latency_table([row, {"backend": "efa", "shape": "x", "error": "TimeoutError: stuck"}]).splitlines()
+    assert table[0].startswith("| backend | NIC model | bytes | p50 us")
+    assert len(table) == 2 + len(sizes) + 1 and "failed: TimeoutError" in table[-1]
