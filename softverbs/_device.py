@@ -1,5 +1,9 @@
 """A soft device: a TCP listener, one I/O thread, its QP and MR tables, and connections to peer devices.
 
+Connections. A device listens on TCP and, unless ``local_sockets`` is off, on an abstract Unix socket named
+after its advertised address and port (`local_name`); a requester reaches a peer of its own user on this
+host there, and any other peer over TCP. Both carry the same frames.
+
 Threading. The I/O thread owns every socket's receive side and the selector. Posting threads send frames
 themselves (non-blocking `sendmsg`, no thread hop on the fast path); whatever the kernel does not take
 stays queued on the connection and the I/O thread flushes it when the socket is writable. Nobody ever
@@ -32,6 +36,7 @@ import os
 import random
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -76,6 +81,8 @@ class DeviceOptions:
     srd_rnr_timer_ms: float = 1.0
     connect_timeout_s: float = 5.0
     reconnect_backoff_s: float = 0.5  # after a failed connect, WRs to that endpoint fail at once this long
+    # peers on this host over an abstract Unix socket (local_name) instead of TCP loopback; False: TCP always
+    local_sockets: bool = True
     efa_device_caps: int | None = None
     max_rdma_size: int = 1 << 30
     max_qp_wr: int | None = None
@@ -93,12 +100,24 @@ class DeviceOptions:
         return bool(self.nic_bandwidth or self.nic_latency_s or self.nic_message_rate)
 
 
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def local_name(host: str, port: int) -> str:
+    """The abstract Unix socket a device advertising ``host:port`` also listens on: a peer in the same network
+    namespace (this host) reaches it there without the TCP stack, whose loopback costs several times a Unix
+    socket's per frame (a frame each way per message)."""
+    return f"\0softverbs-{host}:{port}"
+
+
 class Conn:
-    """One TCP connection between two soft devices, in one role: requester (outgoing) or responder."""
+    """One connection between two soft devices (TCP, or a Unix socket on one host), in one role: requester
+    (outgoing) or responder."""
 
     def __init__(self, device: SoftDevice, sock: socket.socket, role: str, peer: tuple[str, int]) -> None:
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.device = device
         self.sock = sock
         self.role = role
@@ -428,6 +447,7 @@ class SoftDevice:
         self._timer: WakeTimer | None = None  # wakes the I/O loop at its next timer or departure
         self._sel: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
+        self._local_listener: socket.socket | None = None  # local_name(advertise, port), where it could bind
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self.request_handler = RequestFrameHandler(self)  # frames on connections peers opened to us
@@ -467,6 +487,10 @@ class SoftDevice:
         self.rng = random.Random(self.options.reorder_seed)
         self.host = self.options.host
         self.advertise = self.options.advertise or (self.host if self.host not in ("", "0.0.0.0") else "127.0.0.1")
+        if self.options.local_sockets:
+            self._local_listener = self._listen_local()
+            if self._local_listener is not None:
+                self._sel.register(self._local_listener, selectors.EVENT_READ, _LISTENER)
         self._running = True
         self._thread = threading.Thread(target=self._loop, name=f"softverbs-{self.name}", daemon=True)
         self._thread.start()
@@ -487,13 +511,13 @@ class SoftDevice:
             conn.closed = True
             conn.sock.close()
             self._close_imports(conn)
-        for s in (self._listener, self._wake_r, self._wake_w, self._timer):
+        for s in (self._listener, self._local_listener, self._wake_r, self._wake_w, self._timer):
             if s is not None:
                 s.close()
         if self._sel is not None:
             self._sel.close()
         self._timer = None
-        self._listener = self._wake_r = self._wake_w = None
+        self._listener = self._local_listener = self._wake_r = self._wake_w = None
         self._sel = None
         self._actions.clear()
         self._timers.clear()
@@ -609,7 +633,7 @@ class SoftDevice:
                 for key, mask in events:
                     data = key.data
                     if data is _LISTENER:
-                        self._accept()
+                        self._accept(key.fileobj)  # type: ignore[arg-type]
                     elif data is _TIMER:
                         timer.clear()  # type: ignore[union-attr]
                     elif data is _WAKE:
@@ -731,14 +755,46 @@ class SoftDevice:
             except Exception:  # closing must not stop the others from closing
                 log.exception("softverbs %s: closing an imported allocation", self.name)
 
-    def _accept(self) -> None:
-        assert self._listener is not None and self._sel is not None
+    def _listen_local(self) -> socket.socket | None:
+        """The same-host listener (``local_name``), or None where the name is taken or Unix sockets are not."""
+        lst = None
+        try:
+            lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            lst.bind(local_name(self.advertise, self.port))
+            lst.listen(128)
+            lst.setblocking(False)
+            return lst
+        except OSError as exc:
+            if lst is not None:
+                lst.close()
+            log.info("softverbs %s: peers on this host connect over TCP (no local socket: %s)", self.name, exc)
+            return None
+
+    def _connect(self, endpoint: tuple[str, int]) -> socket.socket:
+        """A connected socket to ``endpoint``: its local name where a device of this user on this host listens
+        there, else TCP."""
+        if self.options.local_sockets:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.options.connect_timeout_s)
+            try:
+                sock.connect(local_name(*endpoint))
+                _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   _PEERCRED.size))
+                if uid == os.getuid():  # another user's socket under that name is not the device
+                    return sock
+            except OSError:  # no such device here: another host, or one without the local listener
+                pass
+            sock.close()
+        return socket.create_connection(endpoint, timeout=self.options.connect_timeout_s)
+
+    def _accept(self, listener: socket.socket) -> None:
+        assert self._sel is not None
         while True:
             try:
-                sock, addr = self._listener.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            conn = Conn(self, sock, "rsp", addr[:2])
+            conn = Conn(self, sock, "rsp", addr[:2] if isinstance(addr, tuple) else ("local", 0))
             self.in_conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -756,7 +812,7 @@ class SoftDevice:
             if retry_at is not None and time.monotonic() < retry_at:
                 return None
             try:
-                sock = socket.create_connection(endpoint, timeout=self.options.connect_timeout_s)
+                sock = self._connect(endpoint)
             except OSError as exc:
                 if retry_at is None:  # logged once until it is reachable again
                     log.warning("softverbs %s: cannot reach %s:%d (%s); trying again at most every %g s", self.name,
