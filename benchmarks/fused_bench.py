@@ -13,7 +13,8 @@ number here is "on the soft fabric shaped as that NIC", not a cluster's.
 Kernels (``gpuclient.kernels``; two sizes each and backend, the first picked so that communication and compute
 are within about 2x of each other under that backend's shape: ``SIZES``, ``EFA_SIZES``): AllGather+GEMM,
 GEMM+ReduceScatter, GEMM+AllReduce (bf16 in, fp32 accumulate) and Ring Attention (forward, bf16). Each row
-times, as the median of ``--reps`` launches of both ranks at once (host clock around launch and synchronize):
+times, as the median of ``--reps`` launches of both ranks at once (host clock around launch and synchronize;
+the modes in turn within each of ``--reps`` rounds, so a drift over the row weighs on all of them: ``interleaved``):
 
 - ``compute``: the fused kernel with ``communicate=False`` (its compute on local data, waits satisfied);
 - ``comm``: ``compute=False`` (the same kernel ships and waits on the same schedule, no math);
@@ -213,19 +214,45 @@ class Case:
     retile: Callable[[dict[str, Any]], Any] | None = None
 
 
-def _time(launch: Callable[[], None], streams: list[Any], reps: int) -> float:
-    """Median seconds of ``launch()`` (every rank's kernel, each on its stream) until the GPU is idle."""
+def _time_once(launch: Callable[[], None], streams: list[Any]) -> float:
+    """Seconds of one ``launch()`` (every rank's kernel, each on its stream) until the GPU is idle."""
     import torch
 
-    samples = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    launch()
+    for s in streams:
+        s.synchronize()
+    return time.perf_counter() - t0
+
+
+def _time(launch: Callable[[], None], streams: list[Any], reps: int) -> float:
+    """Median seconds of ``reps`` launches (``_time_once``)."""
+    return statistics.median(_time_once(launch, streams) for _ in range(reps))
+
+
+def interleaved(launches: dict[str, Callable[[], float]], reps: int, clients: list[Any],
+                counted: tuple[str, ...] = ("comm", "fused")) -> tuple[dict[str, float], dict[str, Any]]:
+    """Each mode's median seconds over ``reps`` rounds, a round running every mode's launch once in turn (so a
+    drift of the soft fabric or the GPU over the row weighs on every mode alike, where timing each mode's launches
+    in a block left it to whichever mode ran then); and, for the ``counted`` modes, each daemon's counters
+    (``_counters``) summed over their launches, read just before and after each one, outside its time:
+    ``per_launch``'s phases, as (zeros, sums)."""
+    samples: dict[str, list[float]] = {mode: [] for mode in launches}
+    sums: dict[str, list[dict[str, int]]] = {mode: [] for mode in counted}
     for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        launch()
-        for s in streams:
-            s.synchronize()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for mode, launch in launches.items():
+            before = [_counters(c) for c in clients] if mode in counted else []
+            samples[mode].append(launch())
+            if mode in counted:
+                after = [_counters(c) for c in clients]
+                if not sums[mode]:
+                    sums[mode] = [dict.fromkeys(b, 0) for b in before]
+                for total, b, a in zip(sums[mode], before, after, strict=True):
+                    for key in total:
+                        total[key] += a[key] - b[key]
+    phases = {mode: ([dict.fromkeys(t, 0) for t in sums[mode]], sums[mode]) for mode in counted}
+    return {mode: statistics.median(v) for mode, v in samples.items()}, phases
 
 
 @contextmanager
@@ -514,8 +541,9 @@ PER_LAUNCH = (("direct_ns", "direct_copy_ms", 1e-6), ("loopback_ns", "loopback_w
 
 def per_launch(row: dict[str, Any], phases: dict[str, tuple[list[dict[str, int]], list[dict[str, int]]]],
                reps: int) -> None:
-    """``row[f"{mode}_{column}"]``: each daemon's counters (``_counters``) from a phase's start to its end, per
-    launch (``reps`` of them), for every ``PER_LAUNCH`` column."""
+    """``row[f"{mode}_{column}"]``: each daemon's counters (``_counters``) from a phase's start to its end (or, from
+    ``interleaved``, zeros to the sums over a mode's launches), per launch (``reps`` of them), for every
+    ``PER_LAUNCH`` column."""
     for key, name, scale in PER_LAUNCH:
         for mode, (start, end) in phases.items():
             row[f"{mode}_{name}"] = [round((e[key] - b[key]) / reps * scale, 3)
@@ -535,14 +563,13 @@ def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps:
         torch.cuda.synchronize()
         row: dict[str, Any] = {"kernel": kernel, "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
                                "world": WORLD, **dims, **case.params, "max_abs_error": case.error()}
-        row["compute_s"] = _time(lambda: case.launch(communicate=False), streams, reps)
-        before = [_counters(c) for c in clients]
-        row["comm_s"] = _time(lambda: case.launch(compute=False), streams, reps)
-        middle = [_counters(c) for c in clients]
-        row["fused_s"] = _time(case.launch, streams, reps)
-        after = [_counters(c) for c in clients]
-        per_launch(row, {"comm": (before, middle), "fused": (middle, after)}, reps)
-        row["torch_s"] = _time(case.torch_compute, streams, reps)
+        seconds, phases = interleaved({
+            "compute": lambda: _time_once(lambda: case.launch(communicate=False), streams),
+            "comm": lambda: _time_once(lambda: case.launch(compute=False), streams),
+            "fused": lambda: _time_once(case.launch, streams),
+            "torch": lambda: _time_once(case.torch_compute, streams)}, reps, clients)
+        row.update({f"{mode}_s": t for mode, t in seconds.items()})
+        per_launch(row, phases, reps)
         if timeline and case.timelines:
             runs = timeline_runs(case, streams)
             row["timeline"] = {mode: run["ranks"] for mode, run in runs.items()}
@@ -816,10 +843,6 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
         ops, streams = moe.ops, moe.streams
         hidden, gemm_n = dims["hidden"], dims["gemm_n"]
         launch = moe.round
-
-        def timed(**kw: bool) -> float:
-            return statistics.median(launch(**kw) for _ in range(reps))
-
         launch()  # the first fused round, checked below (its combine ran; y and recv_x stay until the next round)
         torch.cuda.synchronize()
         counts = moe.counts()
@@ -832,14 +855,11 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
                                "nic": SHAPES.get(shape, {}), "world": WORLD, **dims, "rows": rows,
                                "programs": ops[0].gemm_programs, "comm_programs": ops[0].comm_programs,
                                "max_abs_error": error}
-        row["compute_s"] = timed(communicate=False)
-        before = [_counters(c) for c in clients]
-        row["comm_s"] = timed(compute=False)
-        middle = [_counters(c) for c in clients]
-        row["fused_s"] = timed()
-        after = [_counters(c) for c in clients]
-        per_launch(row, {"comm": (before, middle), "fused": (middle, after)}, reps)
-        row["torch_s"] = _time(moe.torch_compute, streams, reps)
+        seconds, phases = interleaved({
+            "compute": lambda: launch(communicate=False), "comm": lambda: launch(compute=False), "fused": launch,
+            "torch": lambda: _time_once(moe.torch_compute, streams)}, reps, clients)
+        row.update({f"{mode}_s": t for mode, t in seconds.items()})
+        per_launch(row, phases, reps)
         _check_channels(ops)
     derive(row, 2.0 * rows * hidden * gemm_n, remote_rows * hidden * 2)
     echo(_summary(row, dims))

@@ -436,3 +436,33 @@ def test_per_launch_columns_are_each_daemons_counters_over_a_phase_divided_by_it
     assert row["comm_flag_copies"] == [10.0, 0.0] and row["fused_flag_copies"] == [0.0, 0.0]
     assert row["fused_link_busy_ms"] == [3.0, 0.0] and row["comm_loopback_wait_ms"] == [0.0, 0.0]
     assert set(row) == {f"{mode}_{name}" for mode in ("comm", "fused") for _, name, _ in bench.PER_LAUNCH}
+
+
+def test_interleaved_runs_the_modes_in_turn_and_counts_only_around_the_counted_ones() -> None:
+    """Each round runs every mode once, in order; the medians are per mode; the counted modes' columns are what
+    the daemons counted across their own launches alone (a counter that moves only during ``comm`` launches lands
+    in comm's column, none in fused's)."""
+    bench = _bench()
+    calls: list[str] = []
+    placed = [0]
+
+    class Daemon:  # a client whose one rail counts direct copies
+        def stats(self) -> dict:
+            return {"rails": [{"softverbs": {"direct_placed": placed[0], "direct_ns": 1000 * placed[0]}}]}
+
+    def launch(mode: str, seconds: list[float]):
+        def run() -> float:
+            calls.append(mode)
+            if mode == "comm":
+                placed[0] += 4
+            return seconds[sum(1 for c in calls if c == mode) - 1]
+        return run
+
+    times = {"compute": [3.0, 1.0, 2.0], "comm": [5.0, 6.0, 4.0], "fused": [7.0, 9.0, 8.0], "torch": [1.0, 1.0, 1.0]}
+    seconds, phases = bench.interleaved({mode: launch(mode, t) for mode, t in times.items()}, 3, [Daemon(), Daemon()])
+    assert calls == ["compute", "comm", "fused", "torch"] * 3
+    assert seconds == {"compute": 2.0, "comm": 5.0, "fused": 8.0, "torch": 1.0}
+    row: dict = {}
+    bench.per_launch(row, phases, reps=3)
+    assert row["comm_direct_copy_ms"] == [pytest.approx(0.004)] * 2  # 4 copies of 1 µs a launch, each daemon
+    assert row["fused_direct_copy_ms"] == [0.0, 0.0]
