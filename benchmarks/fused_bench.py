@@ -237,7 +237,10 @@ def interleaved(launches: dict[str, Callable[[], float]], reps: int, clients: li
     drift of the soft fabric or the GPU over the row weighs on every mode alike, where timing each mode's launches
     in a block left it to whichever mode ran then); and, for the ``counted`` modes, each daemon's counters
     (``_counters``) summed over their launches, read just before and after each one, outside its time:
-    ``per_launch``'s phases, as (zeros, sums)."""
+    ``per_launch``'s phases, as (zeros, sums). One untimed round first: a mode's first launch may compile its
+    variant or initialize a library (cuBLAS), which a median of two would still carry."""
+    for launch in launches.values():
+        launch()
     samples: dict[str, list[float]] = {mode: [] for mode in launches}
     sums: dict[str, list[dict[str, int]]] = {mode: [] for mode in counted}
     for _ in range(reps):

@@ -439,9 +439,9 @@ def test_per_launch_columns_are_each_daemons_counters_over_a_phase_divided_by_it
 
 
 def test_interleaved_runs_the_modes_in_turn_and_counts_only_around_the_counted_ones() -> None:
-    """Each round runs every mode once, in order; the medians are per mode; the counted modes' columns are what
-    the daemons counted across their own launches alone (a counter that moves only during ``comm`` launches lands
-    in comm's column, none in fused's)."""
+    """Each round runs every mode once, in order, after one untimed round; the medians are per mode; the counted
+    modes' columns are what the daemons counted across their own timed launches alone (a counter that moves only
+    during ``comm`` launches lands in comm's column, none in fused's)."""
     bench = _bench()
     calls: list[str] = []
     placed = [0]
@@ -458,9 +458,11 @@ def test_interleaved_runs_the_modes_in_turn_and_counts_only_around_the_counted_o
             return seconds[sum(1 for c in calls if c == mode) - 1]
         return run
 
-    times = {"compute": [3.0, 1.0, 2.0], "comm": [5.0, 6.0, 4.0], "fused": [7.0, 9.0, 8.0], "torch": [1.0, 1.0, 1.0]}
+    # the first of each: the untimed round (a compile, say)
+    times = {"compute": [90.0, 3.0, 1.0, 2.0], "comm": [90.0, 5.0, 6.0, 4.0], "fused": [90.0, 7.0, 9.0, 8.0],
+             "torch": [90.0, 1.0, 1.0, 1.0]}
     seconds, phases = bench.interleaved({mode: launch(mode, t) for mode, t in times.items()}, 3, [Daemon(), Daemon()])
-    assert calls == ["compute", "comm", "fused", "torch"] * 3
+    assert calls == ["compute", "comm", "fused", "torch"] * 4
     assert seconds == {"compute": 2.0, "comm": 5.0, "fused": 8.0, "torch": 1.0}
     row: dict = {}
     bench.per_launch(row, phases, reps=3)
