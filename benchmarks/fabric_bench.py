@@ -24,6 +24,11 @@ are faithful; shaped within 10 % of the configured rate.
 ``--buffers host`` runs the same rows on pinned-free host memory (no GPU needed): the path's own overhead
 and the NIC model, not the direct copy (host writes always cross the wire).
 
+``--latency BYTES,...`` times one write at a time instead (a PUT, then a QUIET: placed and acknowledged),
+``--writes`` of each size, beside the NIC model's least and the receiver's direct copy (``latency_row``);
+``--trace DIR`` also has every process stamp each write's steps (``SOFTVERBS_TRACE``, `softverbs._trace`)
+and puts their medians in the JSON (`softverbs.soft.trace.summarize`).
+
 CUDA MPS: started here (a private control daemon, ``transportd_cli.mps``) before this process makes a
 CUDA context, so the daemons' workers and this process share one server context and the workers' copies
 never wait for a time slice; ``--no-mps`` (or ``TRANSPORTD_GPU_MPS=0``) runs without.
@@ -32,6 +37,7 @@ never wait for a time slice; ``--no-mps`` (or ``TRANSPORTD_GPU_MPS=0``) runs wit
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -87,16 +93,22 @@ def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, 
     """One write at a time: PUT of each size, then QUIET (the write placed and acknowledged), ``writes``
     times a size. Per size: p50 / p90 / min microseconds, the NIC model's least (bytes / bandwidth +
     latency), and per write the receiver's direct-copy time and the rest of the path (p50 - model - copy)."""
+    from softverbs import _trace
+
     out: dict[str, Any] = {"backend": backend, "shape": shape, "buffers": buffers, "nic": nic or None,
                            "copy_via": copy_via, "writes": writes, "latency": []}
     for size in sizes:
         before = _softverbs(c1.stats())
         times = []
         for _ in range(writes):
+            if _trace.DIR:  # --trace: the cycle's start and end for softverbs.soft.trace.summarize
+                _trace.stamp(f"start {backend}:{shape}:{size}")
             t0 = time.perf_counter()
             ch.put(1, dst_region, 0, src_region, 0, size)
             ch.quiet(timeout=60)
             times.append(time.perf_counter() - t0)
+            if _trace.DIR:
+                _trace.stamp("done")
         after = _softverbs(c1.stats())
         us = np.array(times) * 1e6
         model_us = (size / nic["nic_bandwidth"] + nic["nic_latency_s"]) * 1e6 if nic else 0.0
@@ -221,6 +233,16 @@ def latency_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def trace_table(trace: dict[str, list[dict[str, Any]]]) -> str:
+    """``softverbs.soft.trace.summarize``'s steps, a block per row and size."""
+    lines = []
+    for label, steps in trace.items():
+        lines += [f"steps of {label} (µs from the write's start; p0 is this process)", "| step | n | median | p10 |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['step']} | {r['n']} | {r['median_us']:.1f} | {r['p10_us']:.1f} |" for r in steps]
+    return "\n".join(lines)
+
+
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The targets, row by row: unshaped >= 25 GB/s, shaped within 10 % of the configured rate."""
     out = {}
@@ -249,8 +271,11 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
               help="softverbs.direct_copy_via: one device-to-device copy, or through pinned host memory")
 @click.option("--latency", "latency", default="", metavar="BYTES,...",
               help="instead of the rate: one write at a time of each size (PUT, then QUIET), --writes a size")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None,
+              help="--latency: every process stamps each write's steps here (SOFTVERBS_TRACE), summarized per row "
+                   "and size (the stamps add a few microseconds a step)")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
-         buffers: str, copy_via: str, latency: str = "") -> None:
+         buffers: str, copy_via: str, latency: str = "", trace_dir: str | None = None) -> None:
     """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -262,6 +287,13 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         raise click.BadParameter(f"--latency takes byte counts, got {latency!r}") from None
     if any(n < 1 or n > MAX_LATENCY_BYTES for n in latency_sizes):
         raise click.BadParameter(f"--latency sizes must be in [1, {MAX_LATENCY_BYTES}]")
+    if trace_dir and not latency_sizes:
+        raise click.BadParameter("--trace stamps the writes of --latency: give --latency too")
+    if trace_dir:
+        from softverbs import _trace
+
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        os.environ["SOFTVERBS_TRACE"] = _trace.DIR = str(Path(trace_dir).resolve())  # the daemons inherit it
     mps = Mps()  # host buffers need no GPU, and --no-mps runs without
     if buffers == "gpu" and not no_mps and not mps.start():
         click.echo(mps.describe())
@@ -285,15 +317,22 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         mps_line = mps.describe()
         mps.stop()
     click.echo(mps_line)
+    trace: dict[str, Any] = {}
     if latency_sizes:
         click.echo(latency_table(results))
         met = {}
+        if trace_dir:
+            from softverbs.soft.trace import summarize
+
+            trace = summarize(trace_dir, skip=writes // 10)
+            click.echo(trace_table(trace))
     else:
         click.echo(table(results))
         met = verdict(results)
     click.echo(json.dumps({"targets_met": met}, indent=2))
     if json_path:
-        Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line}, indent=2))
+        Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line,
+                                               **({"trace": trace} if trace else {})}, indent=2))
 
 
 if __name__ == "__main__":

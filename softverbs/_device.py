@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _direct
+from . import _direct, _trace
 from . import _wire as w
 from ._ibv import ERR
 from ._link import LinkModel
@@ -179,6 +179,8 @@ class Conn:
                     self._flush_locked()
             else:
                 try:
+                    if _trace.DIR:
+                        _trace.stamp(f"send {kind}")
                     n = self.sock.sendmsg(bufs)
                 except (BlockingIOError, InterruptedError):
                     n = 0
@@ -256,6 +258,8 @@ class Conn:
             return 0
         if n == 0:
             self.device.conn_lost(self, None)
+        elif _trace.DIR:
+            _trace.stamp("read")
         return n
 
     def _fill(self) -> bool:

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from . import _direct
+from . import _direct, _trace
 from . import _wire as w
 from ._ibv import (
     ERR,
@@ -666,6 +666,8 @@ class RequestFrameHandler:
                 off = raddr - base
                 view[off:off + length] = mv[pos:pos + length]
                 pos += length
+                if _trace.DIR:
+                    _trace.stamp("placed")
                 if obs is not None:
                     obs(qpn, raddr, length)
                 exp = (psn + max(1, -(-length // (256 << (mtu_code - 1))))) & 0xFFFFFF
@@ -702,6 +704,9 @@ class RequestFrameHandler:
             imp.close()
 
     def observe(self, qp: QPCore, addr: int, length: int) -> None:
+        """After each placement of inbound bytes: the trace's ``placed`` step, and the placement observer."""
+        if _trace.DIR:
+            _trace.stamp("placed")
         obs = self.dev.placement_observer
         if obs is not None:
             obs(qp.qpn, addr, length)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from softverbs import _trace
 from softverbs._requester import WR_TO_OP
 from softverbs.pyverbs_error import PyverbsUserError
 
@@ -72,6 +73,8 @@ def post_wr_batch(qp: Any, wrs: bytes | np.ndarray) -> int:
     An operation the QP was not created for raises as the ``wr_*`` call would; a refusal inside the
     WR list (queue full, state, inline too long) posts nothing and comes back as the errno.
     """
+    if _trace.DIR:
+        _trace.stamp("post")
     rows = wrs if isinstance(wrs, np.ndarray) else np.frombuffer(wrs, dtype=BATCH_WR_DTYPE)
     if not qp._ex:
         raise PyverbsUserError("qp_ex is not accessible: QP created without IBV_QP_INIT_ATTR_SEND_OPS_FLAGS")
@@ -105,6 +108,8 @@ def poll_wc_batch(cq: Any, max_entries: int) -> np.ndarray:
     if not got:
         time.sleep(0)  # as CQEX.start_poll on an empty CQ: let the provider's threads run
         return np.zeros(0, dtype=WC_BATCH_DTYPE)
+    if _trace.DIR:
+        _trace.stamp("polled")
     ntohl = socket.ntohl
     return np.array([(c[0], c[1], c[2], 0, ntohl(c[6]) if c[7] & _WITH_IMM else 0, c[3], c[4], c[7], c[12])
                      if c[1] == 0 else (c[0], c[1], 0, 0, 0, 0, c[4], 0, 0) for c in got], dtype=WC_BATCH_DTYPE)

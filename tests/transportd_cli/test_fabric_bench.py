@@ -5,6 +5,7 @@ rail's schedule read back through transportctl's stats."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,35 @@ def test_one_write_at_a_time_never_lands_before_the_model_says() -> None:
     table = bench.latency_table([row, {"backend": "efa", "shape": "x", "error": "TimeoutError: stuck"}]).splitlines()
     assert table[0].startswith("| backend | NIC model | bytes | p50 us")
     assert len(table) == 2 + len(sizes) + 1 and "failed: TimeoutError" in table[-1]
+
+
+@pytest.mark.multiprocess
+def test_a_traced_latency_run_summarizes_the_steps_of_every_process(tmp_path: Path, monkeypatch) -> None:
+    """--trace: the daemons and their rail workers inherit SOFTVERBS_TRACE and stamp their steps; the JSON gets
+    each step's median from the write's start, the sender's post first and this process's done last."""
+    from click.testing import CliRunner
+
+    from softverbs import _trace
+
+    monkeypatch.setattr(_trace, "DIR", None)  # main sets it (and the environment) for this run only
+    monkeypatch.delenv("SOFTVERBS_TRACE", raising=False)
+    bench = _bench()
+    out = tmp_path / "x.json"
+    result = CliRunner().invoke(bench.main, ["--buffers", "host", "--rows", "ib:unshaped", "--latency", "4096",
+                                             "--writes", "10", "--trace", str(tmp_path / "trace"), "--json",
+                                             str(out)])
+    assert result.exit_code == 0, result.output
+    steps = json.loads(out.read_text())["trace"]["ib:unshaped:4096"]
+    names = [s["step"].split("#")[0] for s in steps]
+    assert names[-1] == "p0:done" and steps[-1]["n"] == 9  # 10 writes, the first left out
+    firsts = {s["step"].split(":", 1)[1] for s in steps if s["step"].endswith("#1") and s["n"] == 9}
+    assert {"post#1", "send 1#1", "read#1", "placed#1", "send 2#1", "polled#1"} <= firsts
+    assert len({n.split(":")[0] for n in names}) >= 3  # this process, the sending and the receiving worker
+    assert "| step | n | median | p10 |" in result.output
+
+
+def test_trace_needs_latency() -> None:
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(_bench().main, ["--buffers", "host", "--trace", "/tmp/unused-trace"])
+    assert result.exit_code != 0 and "--trace stamps the writes of --latency" in result.output

@@ -1,0 +1,34 @@
+"""Stamps of a message's steps through the soft fabric, for finding where its time goes (off by default).
+
+``SOFTVERBS_TRACE=DIR`` in a process's environment (inherited by the daemons and rail workers a test or a
+benchmark starts) makes each process append one line a step to ``DIR/trace-<pid>.txt``: ``CLOCK_MONOTONIC``
+nanoseconds (one clock for every process on the host), the pid and the step. The steps stamped: a post call
+on a soft QP (``post``), a frame about to go to its socket (``send <kind>``: 1 a request, 2 a response),
+bytes read from one (``read``), inbound bytes placed (``placed``), completions taken by a poll (``polled``);
+a caller adds its own (``fabric_bench --latency --trace`` stamps ``start`` before each write and ``done``
+after its QUIET).
+`softverbs.soft.trace.summarize` turns the files into each step's median time from ``start``. Off, a step
+costs one module-attribute test. A line is one ``write``: a few microseconds a step when on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+__all__ = ["DIR", "stamp"]
+
+#: where the trace files go; None: tracing is off
+DIR: str | None = os.environ.get("SOFTVERBS_TRACE") or None
+_file: list[Any] = [None, -1]  # (pid, DIR) the file was opened for, its descriptor
+
+
+def stamp(step: str) -> None:
+    """Append ``step`` with the time now to this process's trace file (call only when ``DIR`` is set)."""
+    key = (os.getpid(), DIR)
+    if _file[0] != key:  # first stamp, a forked child, or another DIR: a file of its own
+        assert DIR is not None
+        _file[1] = os.open(os.path.join(DIR, f"trace-{key[0]}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        _file[0] = key
+    os.write(_file[1], f"{time.monotonic_ns()} {key[0]} {step}\n".encode())

@@ -1,0 +1,59 @@
+"""Summaries of ``SOFTVERBS_TRACE`` files (`softverbs._trace`): where a message's time goes, step by step.
+
+A caller stamps ``start <label>`` before each message it times and ``done`` after it; every process of the
+fabric stamps its own steps in between. `summarize` splits the merged stamps into cycles at each ``start``
+and gives, per label, each step's median and 10th-percentile time from its cycle's start. A step is named
+``p<i>:<step>#<n>``: the i-th process to stamp in that label's cycles (p0 is the one that stamps ``start``),
+its n-th such step in the cycle.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["read", "summarize"]
+
+
+def read(directory: str | Path) -> list[tuple[int, int, str]]:
+    """Every stamp of every ``trace-*.txt`` under ``directory``, as (ns, pid, step), in time order."""
+    stamps = []
+    for path in Path(directory).glob("trace-*.txt"):
+        for line in path.read_text().splitlines():
+            ns, pid, step = line.split(" ", 2)
+            stamps.append((int(ns), int(pid), step))
+    stamps.sort()
+    return stamps
+
+
+def summarize(directory: str | Path, skip: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """Per ``start`` label, its steps in the order of their median time (µs from the cycle's start):
+    ``{"step", "n", "median_us", "p10_us"}``; the first ``skip`` cycles of each label are left out (warm-up)."""
+    cycles: dict[str, list[list[tuple[int, int, str]]]] = defaultdict(list)
+    current: list[tuple[int, int, str]] | None = None
+    for ns, pid, step in read(directory):
+        if step.startswith("start"):
+            current = [(ns, pid, step)]
+            cycles[step.partition(" ")[2]].append(current)
+        elif current is not None:
+            current.append((ns, pid, step))
+    out: dict[str, list[dict[str, Any]]] = {}
+    for label, runs in cycles.items():
+        runs = runs[skip:]
+        order: dict[int, int] = {}
+        times: dict[str, list[float]] = defaultdict(list)
+        for run in runs:
+            t0 = run[0][0]
+            seen: Counter[str] = Counter()
+            for ns, pid, step in run:
+                name = f"p{order.setdefault(pid, len(order))}:{step}"
+                seen[name] += 1
+                if step.startswith("start"):
+                    continue
+                times[f"{name}#{seen[name]}"].append((ns - t0) / 1e3)
+        rows = [{"step": name, "n": len(v), "median_us": statistics.median(v),
+                 "p10_us": sorted(v)[len(v) // 10]} for name, v in times.items()]
+        out[label] = sorted(rows, key=lambda r: r["median_us"])
+    return out

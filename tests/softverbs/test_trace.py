@@ -1,0 +1,65 @@
+"""``SOFTVERBS_TRACE``: the steps a write's processes stamp, and their summary (`softverbs.soft.trace`)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from softverbs import _trace, soft
+from softverbs.soft.trace import read, summarize
+from tests.support.verbs_resources import RCPair, open_provider, poll
+
+
+def test_summarize_times_each_step_from_its_cycles_start_and_names_processes_in_order(tmp_path: Path) -> None:
+    lines = {7: [], 9: []}
+    for cycle, t0 in enumerate((1_000_000, 2_000_000, 3_000_000)):
+        lines[7].append(f"{t0} 7 start ib:x:4096")
+        lines[9].append(f"{t0 + 10_000 * (cycle + 1)} 9 sent 1")  # 10, 20, 30 µs
+        lines[9].append(f"{t0 + 50_000} 9 read")
+        lines[9].append(f"{t0 + 60_000} 9 read")  # a second read in the same cycle: read#2
+        lines[7].append(f"{t0 + 90_000} 7 done")
+    lines[7].append("4000000 7 start efa:y:1")
+    lines[7].append("4005000 7 done")
+    for pid, text in lines.items():
+        (tmp_path / f"trace-{pid}.txt").write_text("\n".join(text) + "\n")
+    assert len(read(tmp_path)) == sum(len(v) for v in lines.values())
+    out = summarize(tmp_path)
+    assert [r["step"] for r in out["ib:x:4096"]] == ["p1:sent 1#1", "p1:read#1", "p1:read#2", "p0:done#1"]
+    sent = out["ib:x:4096"][0]
+    assert sent["n"] == 3 and sent["median_us"] == pytest.approx(20.0) and sent["p10_us"] == pytest.approx(10.0)
+    assert out["efa:y:1"] == [{"step": "p0:done#1", "n": 1, "median_us": pytest.approx(5.0),
+                              "p10_us": pytest.approx(5.0)}]
+    skipped = summarize(tmp_path, skip=2)["ib:x:4096"][0]
+    assert skipped["n"] == 1 and skipped["median_us"] == pytest.approx(30.0)
+
+
+def test_a_traced_write_stamps_its_frame_its_reads_and_its_placement_and_an_untraced_one_nothing(
+        tmp_path: Path, monkeypatch) -> None:
+    provider = open_provider("soft")
+    name = f"softib-{uuid.uuid4().hex[:6]}"
+    soft.add_device(name, "ib")
+    with RCPair(provider, "softib0", connect=False) as a, RCPair(provider, name, connect=False) as b:
+        a.connect(a.client, b.server)
+        b.connect(b.server, a.client)
+        e = a.v.enums
+
+        def write() -> None:
+            a.client.qp.post_send(a.send_wr(e.IBV_WR_RDMA_WRITE, a.client.sge(0, 4096), rkey=b.server.mr.rkey,
+                                            raddr=b.server.mr.buf, flags=int(e.IBV_SEND_SIGNALED)))
+            (wc,) = poll(a.client.cq, timeout=30)
+            assert wc.status == e.IBV_WC_SUCCESS
+
+        write()  # the connection is up before the traced write
+        monkeypatch.setattr(_trace, "DIR", str(tmp_path))
+        write()
+        monkeypatch.setattr(_trace, "DIR", None)
+        write()
+    steps = [step for _, _, step in read(tmp_path)]
+    # this process holds both devices: the request frame, the responder's read and placement, the ack's frame and
+    # its read by the requester; nothing after tracing went off
+    assert steps[0] == "send 1" and "placed" in steps and steps.count("read") >= 2
+    assert steps.index("placed") < len(steps) - 1 - steps[::-1].index("read")
+    assert all(s in ("send 1", "send 2", "read", "placed") for s in steps)
+    assert len(steps) <= 8
