@@ -14,7 +14,7 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
   After a failed connect, WRs toward that endpoint fail at once for `reconnect_backoff_s`. `local_sockets`
   (default on): a device also listens on an abstract Unix socket named after its advertised address and
   port, and connects to a peer there when one on this host (the same network namespace) listens, else over
-  TCP; a frame costs a fraction of TCP loopback's.
+  TCP, whose loopback costs more per frame.
 - The NIC model (`softverbs._link`): `nic_bandwidth` (bytes/s), `nic_latency_s` (s) and
   `nic_message_rate` (messages/s) shape what a device sends: each request lands when a link of that
   bandwidth and message rate, taking requests one after another, has carried it, plus the latency.
