@@ -89,6 +89,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -232,30 +233,28 @@ def _time(launch: Callable[[], None], streams: list[Any], reps: int) -> float:
 
 
 def interleaved(launches: dict[str, Callable[[], float]], reps: int, clients: list[Any],
-                counted: tuple[str, ...] = ("comm", "fused")) -> tuple[dict[str, float], dict[str, Any]]:
+                counted: tuple[str, ...] = ("comm", "fused")
+                ) -> tuple[dict[str, float], dict[str, list[Counter[str]]]]:
     """Each mode's median seconds over ``reps`` rounds, a round running every mode's launch once in turn (so a
     drift of the soft fabric or the GPU over the row weighs on every mode alike, where timing each mode's launches
-    in a block left it to whichever mode ran then); and, for the ``counted`` modes, each daemon's counters
-    (``_counters``) summed over their launches, read just before and after each one, outside its time:
-    ``per_launch``'s phases, as (zeros, sums). One untimed round first: a mode's first launch may compile its
-    variant or initialize a library (cuBLAS), which a median of two would still carry."""
+    in a block left it to whichever mode ran then); and, for the ``counted`` modes, what each daemon counted
+    (``_counters``) over their launches, read just before and after each one, outside its time (``per_launch``
+    takes it). One untimed round first: a mode's first launch may compile its variant or initialize a library
+    (cuBLAS), which a median of two would still carry."""
     for launch in launches.values():
         launch()
     samples: dict[str, list[float]] = {mode: [] for mode in launches}
-    sums: dict[str, list[dict[str, int]]] = {mode: [] for mode in counted}
+    counted_by: dict[str, list[Counter[str]]] = {mode: [Counter() for _ in clients] for mode in counted}
     for _ in range(reps):
         for mode, launch in launches.items():
-            before = [_counters(c) for c in clients] if mode in counted else []
+            if mode not in counted:
+                samples[mode].append(launch())
+                continue
+            before = [_counters(c) for c in clients]
             samples[mode].append(launch())
-            if mode in counted:
-                after = [_counters(c) for c in clients]
-                if not sums[mode]:
-                    sums[mode] = [dict.fromkeys(b, 0) for b in before]
-                for total, b, a in zip(sums[mode], before, after, strict=True):
-                    for key in total:
-                        total[key] += a[key] - b[key]
-    phases = {mode: ([dict.fromkeys(t, 0) for t in sums[mode]], sums[mode]) for mode in counted}
-    return {mode: statistics.median(v) for mode, v in samples.items()}, phases
+            for total, b, a in zip(counted_by[mode], before, [_counters(c) for c in clients], strict=True):
+                total.update({key: a[key] - b[key] for key in a})
+    return {mode: statistics.median(v) for mode, v in samples.items()}, counted_by
 
 
 @contextmanager
@@ -542,15 +541,12 @@ PER_LAUNCH = (("direct_ns", "direct_copy_ms", 1e-6), ("loopback_ns", "loopback_w
               ("link_busy_ns", "link_busy_ms", 1e-6), ("flag_copies", "flag_copies", 1.0))
 
 
-def per_launch(row: dict[str, Any], phases: dict[str, tuple[list[dict[str, int]], list[dict[str, int]]]],
-               reps: int) -> None:
-    """``row[f"{mode}_{column}"]``: each daemon's counters (``_counters``) from a phase's start to its end (or, from
-    ``interleaved``, zeros to the sums over a mode's launches), per launch (``reps`` of them), for every
-    ``PER_LAUNCH`` column."""
+def per_launch(row: dict[str, Any], counted_by: dict[str, list[Counter[str]]], reps: int) -> None:
+    """``row[f"{mode}_{column}"]``: what each daemon counted over a mode's ``reps`` launches (``interleaved``), per
+    launch, for every ``PER_LAUNCH`` column."""
     for key, name, scale in PER_LAUNCH:
-        for mode, (start, end) in phases.items():
-            row[f"{mode}_{name}"] = [round((e[key] - b[key]) / reps * scale, 3)
-                                     for b, e in zip(start, end, strict=True)]
+        for mode, daemons in counted_by.items():
+            row[f"{mode}_{name}"] = [round(counted[key] / reps * scale, 3) for counted in daemons]
 
 
 def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
@@ -566,13 +562,13 @@ def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps:
         torch.cuda.synchronize()
         row: dict[str, Any] = {"kernel": kernel, "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
                                "world": WORLD, **dims, **case.params, "max_abs_error": case.error()}
-        seconds, phases = interleaved({
+        seconds, counted_by = interleaved({
             "compute": lambda: _time_once(lambda: case.launch(communicate=False), streams),
             "comm": lambda: _time_once(lambda: case.launch(compute=False), streams),
             "fused": lambda: _time_once(case.launch, streams),
             "torch": lambda: _time_once(case.torch_compute, streams)}, reps, clients)
         row.update({f"{mode}_s": t for mode, t in seconds.items()})
-        per_launch(row, phases, reps)
+        per_launch(row, counted_by, reps)
         if timeline and case.timelines:
             runs = timeline_runs(case, streams)
             row["timeline"] = {mode: run["ranks"] for mode, run in runs.items()}
@@ -858,11 +854,11 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
                                "nic": SHAPES.get(shape, {}), "world": WORLD, **dims, "rows": rows,
                                "programs": ops[0].gemm_programs, "comm_programs": ops[0].comm_programs,
                                "max_abs_error": error}
-        seconds, phases = interleaved({
+        seconds, counted_by = interleaved({
             "compute": lambda: launch(communicate=False), "comm": lambda: launch(compute=False), "fused": launch,
             "torch": lambda: _time_once(moe.torch_compute, streams)}, reps, clients)
         row.update({f"{mode}_s": t for mode, t in seconds.items()})
-        per_launch(row, phases, reps)
+        per_launch(row, counted_by, reps)
         _check_channels(ops)
     derive(row, 2.0 * rows * hidden * gemm_n, remote_rows * hidden * 2)
     echo(_summary(row, dims))

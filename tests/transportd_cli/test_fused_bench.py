@@ -7,6 +7,7 @@ import importlib.util
 import inspect
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -431,7 +432,11 @@ def test_per_launch_columns_are_each_daemons_counters_over_a_phase_divided_by_it
     middle = [{**zero, "direct_ns": 6_000_000, "flag_copies": 30}, {**zero, "direct_ns": 3_000_000}]
     after = [{**middle[0], "link_busy_ns": 9_000_000}, middle[1]]
     row: dict = {}
-    bench.per_launch(row, {"comm": (before, middle), "fused": (middle, after)}, reps=3)
+
+    def counted(start: list[dict], end: list[dict]) -> list:  # what each daemon counted from start to end
+        return [Counter({key: e[key] - b[key] for key in b}) for b, e in zip(start, end, strict=True)]
+
+    bench.per_launch(row, {"comm": counted(before, middle), "fused": counted(middle, after)}, reps=3)
     assert row["comm_direct_copy_ms"] == [2.0, pytest.approx(0.667)]
     assert row["comm_flag_copies"] == [10.0, 0.0] and row["fused_flag_copies"] == [0.0, 0.0]
     assert row["fused_link_busy_ms"] == [3.0, 0.0] and row["comm_loopback_wait_ms"] == [0.0, 0.0]
@@ -461,10 +466,11 @@ def test_interleaved_runs_the_modes_in_turn_and_counts_only_around_the_counted_o
     # the first of each: the untimed round (a compile, say)
     times = {"compute": [90.0, 3.0, 1.0, 2.0], "comm": [90.0, 5.0, 6.0, 4.0], "fused": [90.0, 7.0, 9.0, 8.0],
              "torch": [90.0, 1.0, 1.0, 1.0]}
-    seconds, phases = bench.interleaved({mode: launch(mode, t) for mode, t in times.items()}, 3, [Daemon(), Daemon()])
+    launches = {mode: launch(mode, t) for mode, t in times.items()}
+    seconds, counted_by = bench.interleaved(launches, 3, [Daemon(), Daemon()])
     assert calls == ["compute", "comm", "fused", "torch"] * 4
     assert seconds == {"compute": 2.0, "comm": 5.0, "fused": 8.0, "torch": 1.0}
     row: dict = {}
-    bench.per_launch(row, phases, reps=3)
+    bench.per_launch(row, counted_by, reps=3)
     assert row["comm_direct_copy_ms"] == [pytest.approx(0.004)] * 2  # 4 copies of 1 µs a launch, each daemon
     assert row["fused_direct_copy_ms"] == [0.0, 0.0]
