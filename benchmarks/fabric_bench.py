@@ -41,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -206,31 +207,37 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
             dst.free()
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| backend | NIC model | GB/s best | GB/s median | of configured | direct copies / write | data |",
-             "|---|---|---|---|---|---|---|"]
+def _markdown(columns: list[str], rows: list[dict[str, Any]],
+              lines_of: Callable[[dict[str, Any]], list[list[str]]]) -> str:
+    """A table of ``columns``: ``lines_of(row)``'s lines for each row, one "failed" line for a row with an error."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['backend']} | {r['shape']} | failed: {r['error']} | | | | |")
-            continue
+            lines.append(f"| {r['backend']} | {r['shape']} | failed: {r['error']} |" + " |" * (len(columns) - 3))
+        else:
+            lines += ["| " + " | ".join(cells) + " |" for cells in lines_of(r)]
+    return "\n".join(lines)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def line(r: dict[str, Any]) -> list[list[str]]:
         of = f"{100 * r['of_configured']:.1f} %" if "of_configured" in r else "—"
         shape = f"{r['shape']} ({r['nic']['nic_bandwidth'] / 1e9:g} GB/s)" if r.get("nic") else r["shape"]
-        lines.append(f"| {r['backend']} | {shape} | {r['gbps_best']:.2f} | {r['gbps_median']:.2f} | {of} | "
-                     f"{r['direct_placed_per_write']:.2f} | {'intact' if r['intact'] else 'CORRUPT'} |")
-    return "\n".join(lines)
+        return [[r["backend"], shape, f"{r['gbps_best']:.2f}", f"{r['gbps_median']:.2f}", of,
+                 f"{r['direct_placed_per_write']:.2f}", "intact" if r["intact"] else "CORRUPT"]]
+
+    return _markdown(["backend", "NIC model", "GB/s best", "GB/s median", "of configured", "direct copies / write",
+                      "data"], rows, line)
 
 
 def latency_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| backend | NIC model | bytes | p50 us | p90 us | model us | direct copy us | rest us |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['backend']} | {r['shape']} | failed: {r['error']} | | | | | |")
-            continue
-        for e in r["latency"]:
-            lines.append(f"| {r['backend']} | {r['shape']} | {e['bytes']} | {e['p50_us']:.1f} | {e['p90_us']:.1f} | "
-                         f"{e['model_us']:.1f} | {e['copy_us_per_write']:.1f} | {e['rest_us']:.1f} |")
-    return "\n".join(lines)
+    def lines(r: dict[str, Any]) -> list[list[str]]:
+        return [[r["backend"], r["shape"], str(e["bytes"]), f"{e['p50_us']:.1f}", f"{e['p90_us']:.1f}",
+                 f"{e['model_us']:.1f}", f"{e['copy_us_per_write']:.1f}", f"{e['rest_us']:.1f}"]
+                for e in r["latency"]]
+
+    return _markdown(["backend", "NIC model", "bytes", "p50 us", "p90 us", "model us", "direct copy us", "rest us"],
+                     rows, lines)
 
 
 def trace_table(trace: dict[str, list[dict[str, Any]]]) -> str:
