@@ -13,11 +13,14 @@ costs one module-attribute test. A line is one ``write``: a few microseconds a s
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
 __all__ = ["DIR", "stamp"]
+
+log = logging.getLogger("softverbs.trace")
 
 #: where the trace files go; None: tracing is off
 DIR: str | None = os.environ.get("SOFTVERBS_TRACE") or None
@@ -25,10 +28,17 @@ _file: list[Any] = [None, -1]  # (pid, DIR) the file was opened for, its descrip
 
 
 def stamp(step: str) -> None:
-    """Append ``step`` with the time now to this process's trace file (call only when ``DIR`` is set)."""
+    """Append ``step`` with the time now to this process's trace file (call only when ``DIR`` is set). A file
+    that cannot be opened or written turns tracing off in this process, with a warning: the fabric goes on."""
+    global DIR
     key = (os.getpid(), DIR)
-    if _file[0] != key:  # first stamp, a forked child, or another DIR: a file of its own
-        assert DIR is not None
-        _file[1] = os.open(os.path.join(DIR, f"trace-{key[0]}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        _file[0] = key
-    os.write(_file[1], f"{time.monotonic_ns()} {key[0]} {step}\n".encode())
+    try:
+        if _file[0] != key:  # first stamp, a forked child, or another DIR: a file of its own
+            assert DIR is not None
+            _file[1] = os.open(os.path.join(DIR, f"trace-{key[0]}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                               0o644)
+            _file[0] = key
+        os.write(_file[1], f"{time.monotonic_ns()} {key[0]} {step}\n".encode())
+    except OSError as exc:
+        log.warning("SOFTVERBS_TRACE=%s: cannot write the trace (%s); tracing is off in this process", DIR, exc)
+        DIR = None

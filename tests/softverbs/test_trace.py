@@ -63,3 +63,24 @@ def test_a_traced_write_stamps_its_frame_its_reads_and_its_placement_and_an_untr
     assert steps.index("placed") < len(steps) - 1 - steps[::-1].index("read")
     assert all(s in ("send 1", "send 2", "read", "placed") for s in steps)
     assert len(steps) <= 8
+
+
+def test_a_trace_directory_that_cannot_be_written_turns_tracing_off_and_the_write_still_lands(
+        tmp_path: Path, monkeypatch, caplog) -> None:
+    provider = open_provider("soft")
+    name = f"softib-{uuid.uuid4().hex[:6]}"
+    soft.add_device(name, "ib")
+    missing = tmp_path / "no-such-dir"
+    with RCPair(provider, "softib0", connect=False) as a, RCPair(provider, name, connect=False) as b:
+        a.connect(a.client, b.server)
+        b.connect(b.server, a.client)
+        e = a.v.enums
+        a.client.mr.write(b"\x5a" * 4096, 4096, 0)
+        monkeypatch.setattr(_trace, "DIR", str(missing))
+        with caplog.at_level("WARNING", logger="softverbs.trace"):
+            a.client.qp.post_send(a.send_wr(e.IBV_WR_RDMA_WRITE, a.client.sge(0, 4096), rkey=b.server.mr.rkey,
+                                            raddr=b.server.mr.buf, flags=int(e.IBV_SEND_SIGNALED)))
+            (wc,) = poll(a.client.cq, timeout=30)
+        assert wc.status == e.IBV_WC_SUCCESS and b.server.mr.read(4096, 0) == b"\x5a" * 4096
+        assert _trace.DIR is None and not missing.exists()
+        assert "cannot write the trace" in caplog.text
