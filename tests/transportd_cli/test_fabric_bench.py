@@ -98,3 +98,12 @@ def test_trace_needs_latency() -> None:
 
     result = CliRunner().invoke(_bench().main, ["--buffers", "host", "--trace", "/tmp/unused-trace"])
     assert result.exit_code != 0 and "--trace stamps the writes of --latency" in result.output
+
+
+@pytest.mark.parametrize(("value", "says"), [("abc", "--latency takes byte counts"), ("4096,0", "must be in [1,"),
+                                             (str((64 << 20) + 1), "must be in [1,")])
+def test_latency_refuses_what_is_not_a_size_before_any_work(value: str, says: str) -> None:
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(_bench().main, ["--buffers", "host", "--latency", value])
+    assert result.exit_code == 2 and says in result.output
