@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from softverbs.soft.batch import poll_wc_batch
+from softverbs.soft.batch import doorbell, poll_wc_batch
 from transportd import _core
 from transportd.backends.verbs_common import Rail
 from transportd.backends.verbs_shim import pyverbs_bridge
@@ -158,9 +158,8 @@ def shim_cq(rail: Rail, fetch: int = 4096) -> Any:
     else a ``ShimCQ`` over it."""
     if bridged(rail.v) and rail.drain.extended:
         return pyverbs_bridge().CQHandle(rail.cq)
-    if rail.v.name == "soft":
-        poll = functools.partial(poll_wc_batch, rail.cq)
-    else:
-        def poll(n: int) -> np.ndarray:
-            return np.ascontiguousarray(rail.drain.poll(n))  # a copy: the drain reuses its buffer
+    if rail.v.name == "soft":  # idle passes look at the CQ's doorbell, not into Python
+        return _core.ShimCQ(functools.partial(poll_wc_batch, rail.cq), fetch, doorbell(rail.cq))
+    def poll(n: int) -> np.ndarray:
+        return np.ascontiguousarray(rail.drain.poll(n))  # a copy: the drain reuses its buffer
     return _core.ShimCQ(poll, fetch)

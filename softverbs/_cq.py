@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import deque
 
 
@@ -12,9 +13,12 @@ class CQCore:
     Entry: (wr_id, status, opcode, byte_len, qp_num, src_qp, imm, wc_flags, slid, qp, retire_sq,
     retire_rq, unsolicited). Polling an entry frees `retire_sq` send-queue slots of `qp` (the slots of the
     WR and of the unsignaled WRs before it, as mlx5 advances its SQ tail) and `retire_rq` receive slots.
+
+    `pushed` counts the pushes (an overrun too) in one 8-byte word, bumped after the entry is queued: a
+    poller in C reads it without the GIL and calls in only when it moved (`softverbs.soft.batch.doorbell`).
     """
 
-    __slots__ = ("capacity", "entries", "lock", "overrun", "wc_flags", "efa_wc_flags", "closed")
+    __slots__ = ("capacity", "entries", "lock", "overrun", "wc_flags", "efa_wc_flags", "closed", "pushed")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -24,13 +28,15 @@ class CQCore:
         self.wc_flags = 0
         self.efa_wc_flags = 0
         self.closed = False
+        self.pushed = array("Q", [0])
 
     def push(self, cqe: tuple) -> None:
         with self.lock:
             if len(self.entries) >= self.capacity:
                 self.overrun = True  # the hardware would raise IBV_EVENT_CQ_ERR; polling reports it
-                return
-            self.entries.append(cqe)
+            else:
+                self.entries.append(cqe)
+            self.pushed[0] += 1
 
     def take(self, n: int) -> list[tuple]:
         with self.lock:

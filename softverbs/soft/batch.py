@@ -25,7 +25,7 @@ from softverbs._requester import WR_TO_OP
 from softverbs.pyverbs_error import PyverbsUserError
 
 __all__ = ["BATCH_WR_DTYPE", "WC_BATCH_DTYPE", "SET_SGE", "SET_INLINE", "SET_SGE_LIST", "post_wr_batch",
-           "poll_wc_batch"]
+           "poll_wc_batch", "doorbell"]
 
 #: One work request: what the wr_<op>() call and the wr_set_*() calls after it carried.
 BATCH_WR_DTYPE = np.dtype(
@@ -113,3 +113,10 @@ def poll_wc_batch(cq: Any, max_entries: int) -> np.ndarray:
     ntohl = socket.ntohl
     return np.array([(c[0], c[1], c[2], 0, ntohl(c[6]) if c[7] & _WITH_IMM else 0, c[3], c[4], c[7], c[12])
                      if c[1] == 0 else (c[0], c[1], 0, 0, 0, 0, c[4], 0, 0) for c in got], dtype=WC_BATCH_DTYPE)
+
+
+def doorbell(cq: Any) -> memoryview:
+    """The 8-byte word (native uint64) that counts what was queued on ``cq`` (a CQEX or CQ): completions and
+    overruns. A poller that reads it without calling in skips an empty CQ's :func:`poll_wc_batch`, and so
+    leaves the GIL to the provider's threads while it spins; a changed count says a poll is due."""
+    return memoryview(cq._core.pushed).cast("B")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from softverbs.soft.batch import poll_wc_batch, post_wr_batch
+from softverbs.soft.batch import doorbell, poll_wc_batch, post_wr_batch
 from transportd import _core
 from transportd.backends.verbs_common import WC_DTYPE, Rail
 
@@ -120,8 +120,8 @@ def shim_cq(rail: Rail) -> Any:
     if bridge is not None:
         return bridge.CQHandle(rail.cq)
     if rail.v.name == "soft" and rail.drain.extended:
-        poll = functools.partial(poll_wc_batch, rail.cq)
-    else:
-        def poll(n: int) -> np.ndarray:
-            return np.ascontiguousarray(rail.drain.poll(n))  # a copy: the drain reuses its buffer
+        # idle passes look at the CQ's doorbell, not into Python (the GIL stays with softverbs' threads)
+        return _core.ShimCQ(functools.partial(poll_wc_batch, rail.cq), doorbell=doorbell(rail.cq))
+    def poll(n: int) -> np.ndarray:
+        return np.ascontiguousarray(rail.drain.poll(n))  # a copy: the drain reuses its buffer
     return _core.ShimCQ(poll)

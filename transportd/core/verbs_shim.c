@@ -12,7 +12,10 @@
  *
  * ShimCQ: start_poll() calls the Python `poll(n)` once when the shim holds no entries and keeps what it
  * returns (WC_DTYPE rows); next_poll() walks them in C. Entries a caller did not get to stay for the next
- * start_poll, as they stay in a hardware CQ.
+ * start_poll, as they stay in a hardware CQ. With `doorbell` (an 8-byte count the provider bumps after it
+ * queues a completion: softverbs.soft.batch.doorbell) an unchanged count since the last poll that drained
+ * the CQ answers ENOENT without the GIL: a spinning worker's idle passes then leave the GIL to the
+ * provider's threads, whose every step (a frame read, a copy placed, an ack) needs it.
  *
  * The records are also what the ABI tests read: what reached wr_rdma_write, wr_set_sge, ... call by call.
  */
@@ -217,6 +220,8 @@ typedef struct {
     size_t head, n, cap;
     int polling;
     unsigned long long calls, entries;
+    Py_buffer doorbell; /* .buf NULL without one */
+    uint64_t rung;      /* the doorbell's count when a poll last drained the CQ */
 } ShimCQ;
 
 static ShimCQ *cq_of(struct ibv_cq_ex *cq) { return container(cq, ShimCQ, ex); }
@@ -231,6 +236,11 @@ static int shim_start_poll(struct ibv_cq_ex *cq, struct ibv_poll_cq_attr *attr) 
     if (s->polling || (attr && attr->comp_mask)) return EINVAL;
     if (s->head == s->n) {
         s->head = s->n = 0;
+        uint64_t rung = 0;
+        if (s->doorbell.buf) {
+            rung = __atomic_load_n((const uint64_t *)s->doorbell.buf, __ATOMIC_ACQUIRE);
+            if (rung == s->rung) return ENOENT; /* nothing queued since a poll found the CQ empty */
+        }
         PyGILState_STATE g = PyGILState_Ensure();
         int rc = 0;
         PyObject *res = PyObject_CallFunction(s->poll, "n", (Py_ssize_t)s->fetch);
@@ -253,6 +263,8 @@ static int shim_start_poll(struct ibv_cq_ex *cq, struct ibv_poll_cq_attr *attr) 
         s->calls++;
         PyGILState_Release(g);
         if (rc) return rc;
+        /* fewer than asked: everything queued by the count read above was taken */
+        if (s->doorbell.buf && s->n < s->fetch) s->rung = rung;
     }
     if (s->head == s->n) return ENOENT;
     s->polling = 1;
@@ -289,13 +301,23 @@ static uint32_t shim_read_qp_num(struct ibv_cq_ex *cq) { return cur_wc(cq)->qp_n
 static unsigned int shim_read_wc_flags(struct ibv_cq_ex *cq) { return cur_wc(cq)->wc_flags; }
 
 static PyObject *ShimCQ_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"poll", "fetch", NULL};
-    PyObject *poll;
+    static char *kwlist[] = {"poll", "fetch", "doorbell", NULL};
+    PyObject *poll, *doorbell = Py_None;
     Py_ssize_t fetch = 1024;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|n", kwlist, &poll, &fetch)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|nO", kwlist, &poll, &fetch, &doorbell)) return NULL;
     if (!PyCallable_Check(poll) || fetch < 1) return PyErr_Format(PyExc_ValueError, "poll callable, fetch >= 1");
     ShimCQ *s = (ShimCQ *)type->tp_alloc(type, 0);
     if (!s) return NULL;
+    if (doorbell != Py_None) {
+        if (PyObject_GetBuffer(doorbell, &s->doorbell, PyBUF_SIMPLE) < 0) {
+            Py_DECREF(s);
+            return NULL;
+        }
+        if (s->doorbell.len != sizeof(uint64_t) || (uintptr_t)s->doorbell.buf % sizeof(uint64_t)) {
+            Py_DECREF(s);
+            return PyErr_Format(PyExc_ValueError, "doorbell: one aligned 8-byte word");
+        }
+    }
     s->wcs = calloc((size_t)fetch, sizeof(ShimWc));
     if (!s->wcs) {
         Py_DECREF(s);
@@ -319,6 +341,7 @@ static PyObject *ShimCQ_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void ShimCQ_dealloc(ShimCQ *s) {
+    if (s->doorbell.obj) PyBuffer_Release(&s->doorbell);
     Py_XDECREF(s->poll);
     free(s->wcs);
     Py_TYPE(s)->tp_free((PyObject *)s);
@@ -339,7 +362,8 @@ static PyTypeObject ShimCQType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transportd._core.ShimCQ",
     .tp_basicsize = sizeof(ShimCQ),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "ShimCQ(poll, fetch=1024): an ibv_cq_ex whose start_poll fills itself from poll(n) (WC_DTYPE rows).",
+    .tp_doc = "ShimCQ(poll, fetch=1024, doorbell=None): an ibv_cq_ex whose start_poll fills itself from poll(n) "
+               "(WC_DTYPE rows), and skips the call while the doorbell's count has not moved.",
     .tp_new = ShimCQ_new,
     .tp_dealloc = (destructor)ShimCQ_dealloc,
     .tp_getset = ShimCQ_getset,
