@@ -28,9 +28,11 @@ the target MR, the QP's access flags: failures complete with the same remote-acc
 QP to the error state), and its source range must lie inside the opened allocation (else a remote
 operational error). It is placed where a wire write's bytes would be stored: whole (RC in order), or in
 packets through the reorder pool (adaptive routing, SRD, relaxed ordering). `DirectCopier.copy` returns
-only once the copy is complete (the GPU copier synchronizes its stream), so whatever the responder does
-next on that QP -- the next write, a flag, an atomic, a receive completion, the acknowledgement that
-becomes the requester's completion -- comes after the bytes are in place, as on the wire path.
+only once the copy is complete (the GPU copier synchronizes its stream), and so does `copy_many`, which
+places the pool's direct packets taken back to back (queued in order on one stream, one wait for all), so
+whatever the responder does next on that QP -- the next write, a flag, an atomic, a receive completion, the
+acknowledgement that becomes the requester's completion -- comes after the bytes are in place, as on the wire
+path.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class DirectCopier(Protocol):
     def copy(self, dst: int, src: int, length: int) -> None:
         """Copy ``length`` bytes between two addresses of this process (device or host memory); the copy is
         complete when this returns."""
+        ...
+
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        """``(dst, src, length)`` copies, each complete before the next starts and all complete when this
+        returns: as `copy` one by one, with one wait for the GPU where it can (a run of SRD packets)."""
         ...
 
 
@@ -193,6 +200,7 @@ class ShmCopier:
         self._opened: dict[bytes, list[Any]] = {}  # descriptor -> [mapping, pin, base, size, refs]
         self.copies = 0
         self.copied = 0
+        self.runs = 0  # copy_many calls: runs of copies that share one wait on a GPU
 
     def allocate(self, size: int) -> int:
         fd, path = tempfile.mkstemp(prefix="softverbs-", dir=self.directory)
@@ -257,3 +265,8 @@ class ShmCopier:
         ctypes.memmove(dst, src, length)
         self.copies += 1
         self.copied += length
+
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        self.runs += 1
+        for dst, src, length in copies:
+            self.copy(dst, src, length)

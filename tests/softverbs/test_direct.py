@@ -261,6 +261,18 @@ def test_srd_direct_write_imm_completes_after_all_its_packets_in_any_order(shm, 
     assert stats["direct_sent"] == 48 and stats["direct_placed"] == 48 * per_message  # one copy per packet
 
 
+def test_srd_direct_packets_taken_together_are_copied_as_one_run(shm) -> None:
+    """The pool's direct packets given up back to back are placed by one ``copy_many`` (one wait on a GPU),
+    still one copy a packet in the pool's shuffled order, and each message still completes only after all of
+    its bytes are in place (``srd_write_imm_order`` checks every message at its completion)."""
+    shm.copier.runs = shm.copier.copies = 0
+    order, stats = srd_write_imm_order(shm, direct_packet_size=1024)
+    assert sorted(order) == list(range(48))
+    packets = 48 * -(-6000 // 1024)
+    assert stats["direct_placed"] == packets and shm.copier.copies == packets
+    assert 1 <= shm.copier.runs < packets / 2, f"{shm.copier.runs} runs for {packets} packets"
+
+
 def test_srd_reordering_of_a_stream_holds_a_bounded_number_of_bytes(shm) -> None:
     """While a stream goes on, the reorder pool holds at most ``reorder_window_bytes`` (and always one packet):
     a fabric reorders within a bounded time. Counted only in packets, a window of 1 MiB direct packets held

@@ -190,6 +190,10 @@ class _SlowCopier:
         self.inner.copy(dst, src, length)
         self.copies += 1
 
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        for dst, src, length in copies:
+            self.copy(dst, src, length)
+
 
 def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests_on_time(shaped) -> None:
     """Two shaped devices; A streams direct writes to B, whose I/O thread places each by a slow copy, and B

@@ -90,6 +90,13 @@ class CudaDeviceMemory:
         else:
             self.accessor.copy(dst, src, length)
 
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        if self.via == "host":
+            for dst, src, length in copies:
+                self.accessor.copy_through_host(dst, src, length)
+        else:
+            self.accessor.copy_many(copies)
+
     def __enter__(self) -> CudaDeviceMemory:
         soft.set_direct_copier(self)
         return self

@@ -139,6 +139,18 @@ class GpuAccessor:
             check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
             self.copies += 1
 
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        """``(dst, src, length)`` copies queued in order on the worker stream, one wait for them all: each
+        lands before the next starts, and all have when this returns."""
+        with self._lock:
+            self._enter()
+            drv, check = self._drv, self._check
+            for dst, src, length in copies:
+                if length:
+                    check(drv.cuMemcpyAsync(dst, src, length, self._stream), "cuMemcpyAsync")
+            check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+            self.copies += len(copies)
+
     def open_word_ring(self) -> None:
         """Allocate :meth:`post_words`' pinned ring and stream now, before kernels that wait on its words run
         (pinning memory can wait for the context's work); idempotent."""
@@ -492,9 +504,35 @@ class GpuMemory:
         if self.via == "host" and to is not None and self._find(src, length) is not None:
             self.accessor(to.device).copy_through_host(dst, src, length)
             return
+        self.accessor(self._copy_device(to, src, length)).copy(dst, src, length)
+
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        """Several copies, complete on return, each after the one before: as :meth:`copy` one by one, but
+        copies back to back on one GPU's worker stream share one wait (a wait is most of a small copy's
+        cost on a busy GPU)."""
+        run: list[tuple[int, int, int]] = []
+        run_device = -1
+        for dst, src, length in copies:
+            to = self._find(dst, length)
+            if self.via == "host" and to is not None and self._find(src, length) is not None:
+                device = -1  # through host memory: a copy of its own
+            else:
+                device = self._copy_device(to, src, length)
+            if run and device != run_device:
+                self.accessor(run_device).copy_many(run)
+                run = []
+            if device < 0:
+                self.copy(dst, src, length)
+                continue
+            run.append((dst, src, length))
+            run_device = device
+        if run:
+            self.accessor(run_device).copy_many(run)
+
+    def _copy_device(self, to: _Allocation | None, src: int, length: int) -> int:
+        """The GPU whose worker stream places a copy: the destination's, else the source's, else the first."""
         alloc = to or self._find(src, length)
-        device = alloc.device if alloc is not None else next(iter(self.accessors), 0)
-        self.accessor(device).copy(dst, src, length)
+        return alloc.device if alloc is not None else next(iter(self.accessors), 0)
 
 
 def _pci_location(device: int) -> tuple[int, int, int]:

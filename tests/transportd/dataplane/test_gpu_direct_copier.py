@@ -42,6 +42,7 @@ class FakeDriver:
         self.closes: list[int] = []
         self.copies: list[tuple[int, int, int, Any]] = []
         self.staged: list[tuple[Any, ...]] = []  # copy_through_host's calls, in order
+        self.syncs: list[tuple[int, str]] = []  # (copies issued by then, stream) per cuStreamSynchronize
         self.streams: dict[Any, int] = {}  # streams made in each context
         self.events = 0
         self.pinned: list[int] = []
@@ -111,6 +112,7 @@ class FakeDriver:
         return (0,)
 
     def cuStreamSynchronize(self, stream: str) -> tuple[int]:
+        self.syncs.append((len(self.copies), stream))
         return (0,)
 
     def cuIpcOpenMemHandle(self, ipc: Any, flags: int) -> tuple[int, int]:
@@ -192,6 +194,22 @@ def test_each_copy_runs_on_the_destination_gpu_s_stream_and_is_synchronized(drv:
     assert gpu.accessors[0].copies == 1 and gpu.accessors[1].copies == 1
     gpu.shutdown()
     assert 0x9000_0000 in drv.closes
+
+
+def test_copies_back_to_back_on_one_gpu_share_one_wait_and_keep_their_order(drv: FakeDriver) -> None:
+    """copy_many: the copies in the order given, each on its GPU's stream as copy() would place it, one
+    synchronize per run on one stream, and a run ends (synchronized) before the next GPU's copies start."""
+    gpu = GpuMemory()
+    region = gpu.open(HANDLE_A, 0, 1 << 20, device=0)
+    gpu.accessor(0)
+    src, _ = gpu.open_export(_descriptor(HANDLE_PEER, 0x20))
+    copies = [(region.addr + 4096 * i, src + 4096 * i, 4096) for i in range(3)]
+    copies += [(0x1234_0000, src, 8), (region.addr, src + 64, 64)]  # host memory: GPU 1's; then GPU 0 again
+    gpu.copy_many(copies)
+    assert [(d, s, n) for d, s, n, _ in drv.copies] == copies
+    assert [stream for *_, stream in drv.copies] == ["stream@ctx0"] * 3 + ["stream@ctx1", "stream@ctx0"]
+    assert drv.syncs == [(3, "stream@ctx0"), (4, "stream@ctx1"), (5, "stream@ctx0")]
+    assert gpu.accessors[0].copies == 4 and gpu.accessors[1].copies == 1
 
 
 def test_via_host_a_gpu_to_gpu_copy_goes_down_and_up_through_the_staging_slots_in_order(
