@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CORE   := setup.py $(wildcard transportd/core/*.c transportd/core/*.h) $(wildcard cmd_ring/include/transportd/*.h) \
-          $(wildcard ib/csrc/*.c ib/csrc/*.h efa/csrc/*.c efa/csrc/*.h)
+          $(wildcard ib/csrc/*.c ib/csrc/*.h efa/csrc/*.c efa/csrc/*.h softverbs/csrc/*.c)
 
 .PHONY: venv test demo lint core fuzz-validate pyverbs-bridge asan-test
 venv: $(VENV)/.installed

@@ -1,4 +1,5 @@
-"""Build of the compiled data path (transportd._core); everything else is in pyproject.toml.
+"""Build of the compiled data path (transportd._core) and softverbs' spin wait (softverbs._spin); everything
+else is in pyproject.toml.
 
 One extension holds the core and both backends' C. The core (transportd/core) is the engine, validation,
 the poster interface, the verbs ABI and shim, and the trace recorder; each backend's C lives beside its
@@ -31,6 +32,9 @@ setup(
             include_dirs=[CONTRACT, CORE],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers"],
-        )
+        ),
+        # softverbs' one C piece: its I/O thread's spin before it sleeps (DeviceOptions.io_spin_s)
+        Extension("softverbs._spin", sources=["softverbs/csrc/spin.c"],
+                  extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"]),
     ]
 )

@@ -128,11 +128,12 @@ def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, 
 def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, device: int = 0,
                echo: Any = print, buffers: str = "gpu", chunk: int = CHUNK,
                nic: dict[str, float] | None = None, copy_via: str = "device",
-               latency_sizes: list[int] | None = None) -> dict[str, Any]:
+               latency_sizes: list[int] | None = None, io_spin_s: float = 0.0) -> dict[str, Any]:
     """One row: ``writes`` PUTs of ``chunk`` bytes, GPU to GPU (or host to host), between two ``backend``
     daemons shaped as ``shape`` ("unshaped", a key of SHAPES, or "wire": unshaped with direct copies off),
-    or by ``nic`` (NIC-model keys) where given; direct copies placed ``copy_via``. With ``latency_sizes``,
-    instead one write at a time of each size (``latency_row``), ``writes`` a size."""
+    or by ``nic`` (NIC-model keys) where given; direct copies placed ``copy_via``; the soft devices' I/O threads
+    awake ``io_spin_s`` after their last event. With ``latency_sizes``, instead one write at a time of each size
+    (``latency_row``), ``writes`` a size."""
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
@@ -142,7 +143,8 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
         Buffer = HostBuffer  # noqa: N806
 
     nic = SHAPES.get(shape, {}) if nic is None else nic
-    softverbs: dict[str, Any] = {"direct_copy": shape != "wire", "direct_copy_via": copy_via, **nic}
+    softverbs: dict[str, Any] = {"direct_copy": shape != "wire", "direct_copy_via": copy_via, "io_spin_s": io_spin_s,
+                                 **nic}
     overrides = {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
     nbytes = slots * chunk
     rng = np.random.default_rng(len(backend) * 7 + len(shape))
@@ -281,8 +283,11 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None,
               help="--latency: every process stamps each write's steps here (SOFTVERBS_TRACE), summarized per row "
                    "and size (the stamps add a few microseconds a step)")
+@click.option("--io-spin-us", default=0.0, show_default=True, type=click.FloatRange(min=0, max=1e6),
+              help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
+                   "event instead of sleeping at once (a core each while traffic flows)")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
-         buffers: str, copy_via: str, latency: str = "", trace_dir: str | None = None) -> None:
+         buffers: str, copy_via: str, latency: str = "", trace_dir: str | None = None, io_spin_us: float = 0.0) -> None:
     """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -313,10 +318,10 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
                 if latency_sizes:  # one slot the size of the largest write
                     results.append(fabric_row(backend, shape or "unshaped", n, 1, reps, echo=click.echo,
                                               buffers=buffers, chunk=max(latency_sizes), copy_via=copy_via,
-                                              latency_sizes=latency_sizes))
+                                              latency_sizes=latency_sizes, io_spin_s=io_spin_us / 1e6))
                 else:
                     results.append(fabric_row(backend, shape or "unshaped", n, slots, reps, echo=click.echo,
-                                              buffers=buffers, copy_via=copy_via))
+                                              buffers=buffers, copy_via=copy_via, io_spin_s=io_spin_us / 1e6))
             except Exception as exc:  # keep what the other rows measured
                 results.append({"backend": backend, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
                 click.echo(f"  {spec}: failed: {exc}")
@@ -339,7 +344,8 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
     click.echo(json.dumps({"targets_met": met}, indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line,
-                                               **({"trace": trace} if trace else {})}, indent=2))
+                                               "io_spin_us": io_spin_us, **({"trace": trace} if trace else {})},
+                                              indent=2))
 
 
 if __name__ == "__main__":

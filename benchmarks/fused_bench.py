@@ -190,6 +190,9 @@ FLAG_PLACEMENTS = ("device", "host")
 #: loopback RDMA write, which over softverbs is a whole soft-fabric round trip in Python: docs/performance.md)
 PUBLICATION = "cuda-copy"
 PUBLICATIONS = ("auto", "loopback", "cuda-copy")
+#: how long the soft devices' I/O threads stay awake after their last event (``--io-spin-us``,
+#: ``softverbs.io_spin_s``); 0: they sleep in epoll at once
+IO_SPIN_S = 0.0
 HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
 
 
@@ -264,7 +267,8 @@ def _sessions(backend: str, shape: str, job: str, device: int,
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
-    overrides = {"softverbs": {"direct_copy": True, "direct_copy_via": COPY_VIA, **SHAPES.get(shape, {})},
+    overrides = {"softverbs": {"direct_copy": True, "direct_copy_via": COPY_VIA, "io_spin_s": IO_SPIN_S,
+                               **SHAPES.get(shape, {})},
                  "peers": {"heartbeat_timeout_s": 20.0}, **(config or {})}
     if PUBLICATION != "auto" and backend == "efa":
         overrides["flags"] = {**overrides.get("flags", {}), "publication": PUBLICATION}
@@ -1236,15 +1240,18 @@ def parse_chunk_rows(text: str) -> dict[str, int]:
 @click.option("--tma/--no-tma", default=True, show_default=True, help="--tune: the GEMMs' TMA tiles too")
 @click.option("--tune-seconds", default=TUNE_SECONDS, show_default=True, type=FiniteFloat(min=0),
               help="--tune: configs not started by then are recorded as skipped")
+@click.option("--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
+              help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
+                   "event instead of sleeping at once (a core each while traffic flows)")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
-         chunk_rows: str = "") -> None:
+         chunk_rows: str = "", io_spin_us: float = 0.0) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION
-    PROGRAMS, COPY_VIA, FLAGS, PUBLICATION = programs, copy_via, flags_where, publication
+    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S
+    PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S = programs, copy_via, flags_where, publication, io_spin_us / 1e6
 
     wanted = [k for k in kernels.split(",") if k]
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
@@ -1274,7 +1281,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         if json_path:
             Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
                                                    "flags": flags_where, "publication": publication,
-                                                   "programs": programs}, indent=2))
+                                                   "programs": programs, "io_spin_us": io_spin_us}, indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:
         try:

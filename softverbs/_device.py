@@ -19,6 +19,9 @@ payload has not arrived yet, received straight into its destination (`recv_into`
 so a 1 MiB write costs one kernel copy on each side. A direct write (`softverbs._direct`) carries no
 payload: the responder places it with one copy from the requester's device memory.
 
+Waking. The I/O thread sleeps in epoll when it has nothing to do, and a step that waits for it pays the
+host's wake-up; with ``io_spin_s`` it first stays awake that long after its last event (`_loop`).
+
 Shaping. A device with a NIC model (`nic_bandwidth`, `nic_latency_s`, `nic_message_rate`; `softverbs._link`)
 hands each outgoing request to its departure queue with the time the model says it lands (a request to
 the device itself excepted: a NIC loops it back without taking the wire); the I/O thread sends it then,
@@ -51,6 +54,11 @@ from ._link import LinkModel
 from ._requester import ResponseFrameHandler
 from ._responder import RequestFrameHandler
 from ._waketimer import WakeTimer, open_wake_timer, tighten_timer_slack
+
+try:  # built with the package (setup.py); without it a device sleeps at once, whatever io_spin_s says
+    from . import _spin
+except ImportError:  # pragma: no cover - a source tree not built yet
+    _spin = None  # type: ignore[assignment]
 
 log = logging.getLogger("softverbs")
 
@@ -94,6 +102,9 @@ class DeviceOptions:
     nic_message_rate: float | None = None
     # the reorder pool's packet for direct writes when packet_size is not set: one copy per packet
     direct_packet_size: int = 1 << 20
+    # how long the I/O thread stays awake after it last had something to do, polling its sockets without
+    # sleeping (GIL released) before it sleeps in epoll: 0 sleeps at once (see `_loop`)
+    io_spin_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def shaped(self) -> bool:
@@ -398,6 +409,7 @@ STAT_NAMES = (
     "imports_opened",  # responder: peers' allocations opened for direct writes
     "imports_refused",  # responder: ... that could not be (another host, no copier, the open failed)
     "device_wire_writes",  # requester: writes from device memory that crossed the wire (no agreement yet)
+    "io_spin_ready",  # I/O thread: spins (io_spin_s) that found input ready, so no sleep and wake-up
 )
 
 _LISTENER = object()
@@ -601,10 +613,16 @@ class SoftDevice:
                     conn.send_frame(w.KIND_RSP, descs[i:j], [p for p in payloads[i:j] if p is not None])
 
     def _loop(self) -> None:
+        """The I/O thread. With ``io_spin_s`` it stays awake that long after it last had something to do:
+        before sleeping in epoll it polls the same set, GIL released (`softverbs._spin`), so a frame that
+        arrives meanwhile is taken at once instead of after the host's wake-up (20-50 µs on a busy host,
+        once per step of a write's way there and back). It costs a core while traffic flows."""
         sel = self._sel
         assert sel is not None
         timer = self._timer
         tighten_timer_slack()
+        epfd = sel.fileno() if _spin is not None and isinstance(sel, selectors.EpollSelector) else -1
+        busy_ns = 0  # time.monotonic_ns() when the loop last had events
         while self._running:
             at = None  # the earliest timer or departure, in time.monotonic() seconds
             if self._timers:
@@ -625,11 +643,25 @@ class SoftDevice:
             else:
                 timeout = max(0.0, at - time.monotonic())
             try:
+                spin_ns = int(self.options.io_spin_s * 1e9) if epfd >= 0 and timeout != 0.0 else 0
+                if spin_ns:
+                    now_ns = time.monotonic_ns()
+                    left = busy_ns + spin_ns - now_ns
+                    if timeout is not None:
+                        left = min(left, int(timeout * 1e9))
+                    if left > 0:
+                        if _spin.wait_readable(epfd, left):
+                            timeout = 0.0
+                            self.stats["io_spin_ready"] += 1
+                        elif timeout is not None:
+                            timeout = max(0.0, timeout - (time.monotonic_ns() - now_ns) / 1e9)
                 events = sel.select(timeout)
             except OSError:
                 if not self._running:
                     return
                 raise
+            if events:
+                busy_ns = time.monotonic_ns()
             try:
                 unfinished = self._unfinished
                 resume = set(unfinished)  # pumped below unless an event pumps them first

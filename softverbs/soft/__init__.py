@@ -10,11 +10,14 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
 - `configure(device, **options)`: change a device's `DeviceOptions` (adaptive_routing, reorder_seed,
   reorder_window, reorder_window_bytes, packet_size, srd_packet_size, efa_device_caps, max_rdma_size,
   max_qp_wr, max_cqe, max_inline_data, connect_timeout_s, reconnect_backoff_s, srd_rnr_timer_ms,
-  direct_packet_size, local_sockets, and the NIC model below). Listen address options apply at next open.
+  direct_packet_size, local_sockets, io_spin_s, and the NIC model below). Listen address options apply at
+  next open.
   After a failed connect, WRs toward that endpoint fail at once for `reconnect_backoff_s`. `local_sockets`
   (default on): a device also listens on an abstract Unix socket named after its advertised address and
   port, and connects to a peer there when one on this host (the same network namespace) listens, else over
-  TCP, whose loopback costs more per frame.
+  TCP, whose loopback costs more per frame. `io_spin_s` (default 0): the device's I/O thread stays awake
+  that long after its last event, polling its sockets with the GIL released before it sleeps in epoll, so
+  the next frame does not wait for a wake-up; it costs a core per device while traffic flows.
 - The NIC model (`softverbs._link`): `nic_bandwidth` (bytes/s), `nic_latency_s` (s) and
   `nic_message_rate` (messages/s) shape what a device sends: each request lands when a link of that
   bandwidth and message rate, taking requests one after another, has carried it, plus the latency.

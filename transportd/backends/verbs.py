@@ -89,8 +89,8 @@ def pyverbs_devices() -> list[str] | None:
 
 def configure_soft(options: Mapping[str, Any] | Any) -> None:
     """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed, the NIC model's nic_bandwidth,
-    nic_latency_s and nic_message_rate; a mapping or the config dataclass) to the default soft devices.
-    The listen host takes effect when a device is next opened. (``direct_copy`` and ``direct_copy_via`` are the
+    nic_latency_s and nic_message_rate, io_spin_s; a mapping or the config dataclass) to the default soft
+    devices. The listen host takes effect when a device is next opened. (``direct_copy`` and ``direct_copy_via`` are the
     rail worker's: it installs its GPU memory, which places copies one way or the other, as the process's
     direct copier.)
 
@@ -117,9 +117,10 @@ def configure_soft(options: Mapping[str, Any] | Any) -> None:
         value = get(name, None)
         if value is not None:
             changes[name] = float(value) or None
-    latency = get("nic_latency_s", None)
-    if latency is not None:
-        changes["nic_latency_s"] = float(latency)
+    for name in ("nic_latency_s", "io_spin_s"):
+        value = get(name, None)
+        if value is not None:
+            changes[name] = float(value)
     wanted = get("devices", None) or {}
     if not isinstance(wanted, Mapping):
         wanted = dict.fromkeys(wanted, "ib")

@@ -1,0 +1,67 @@
+"""The I/O thread's spin (``DeviceOptions.io_spin_s``): awake for a while after its last event, it takes the next
+frame from a poll of its epoll set (``softverbs._spin.wait_readable``, GIL released) instead of sleeping first."""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from softverbs import _spin, soft
+from tests.softverbs.test_local_sockets import _two_devices, _write_and_check
+from tests.support.verbs_resources import open_provider
+
+
+@pytest.fixture
+def provider() -> Any:
+    return open_provider("soft")
+
+
+def test_wait_readable_returns_when_a_descriptor_is_ready_and_leaves_the_event() -> None:
+    ep = select.epoll()
+    epfd = ep.fileno()
+    r, w = os.pipe()
+    try:
+        ep.register(r, select.EPOLLIN)
+        start = time.monotonic()
+        assert _spin.wait_readable(ep.fileno(), 20_000_000) is False  # nothing ready: the whole spin
+        assert time.monotonic() - start >= 0.019
+        threading.Timer(0.01, os.write, (w, b"x")).start()
+        start = time.monotonic()
+        assert _spin.wait_readable(ep.fileno(), 5_000_000_000) is True  # ready within the spin: at once
+        assert time.monotonic() - start < 2.0
+        assert ep.poll(0) == [(r, select.EPOLLIN)], "the selector still sees the event"
+    finally:
+        ep.close()
+        os.close(r)
+        os.close(w)
+    with pytest.raises(OSError):
+        _spin.wait_readable(epfd, 1000)  # a closed epoll set (EBADF)
+
+
+def _ready(*pairs: Any) -> int:
+    return sum(soft.device_stats(p.ctx.name)["io_spin_ready"] for p in pairs)
+
+
+def test_an_awake_io_thread_takes_the_next_frame_without_sleeping(provider) -> None:
+    spin = {"io_spin_s": 0.5}  # long: the steps of one write come well within it even on a loaded host
+    with _two_devices(provider, spin, spin) as (a, b):
+        for _ in range(10):
+            _write_and_check(a, b, 4096)
+        assert _ready(a, b) >= 1
+
+
+def test_without_io_spin_the_io_thread_sleeps(provider) -> None:
+    with _two_devices(provider, {}, {}) as (a, b):
+        for _ in range(10):
+            _write_and_check(a, b, 4096)
+        assert _ready(a, b) == 0
+        soft.configure(a.ctx.name, io_spin_s=0.5)  # applies to the running thread from its next wait
+        soft.configure(b.ctx.name, io_spin_s=0.5)
+        for _ in range(10):
+            _write_and_check(a, b, 4096)
+        assert _ready(a, b) >= 1
