@@ -386,7 +386,7 @@ static long ib_poll(void *ctx, size_t max, tpd_completion *out) {
         struct ibv_poll_cq_attr attr = {0};
         int rc = cq->start_poll(cq, &attr);
         if (rc != 0 && rc != ENOENT) {
-            memcpy(p->carry, p->work, nw * sizeof(tpd_completion)); /* nothing lost */
+            if (nw) memcpy(p->carry, p->work, nw * sizeof(tpd_completion)); /* nothing lost (carry may be NULL) */
             p->ncarry = nw;
             return tpd_fail(&p->error, TPD_E_POLL, rc, "polling the CQ: ibv_start_poll failed: %s", strerror(rc));
         }
