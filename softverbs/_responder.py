@@ -224,32 +224,42 @@ class QPResponder:
         op = m.op
         if op in (w.OP_WRITE, w.OP_WRITE_IMM):
             if m.src is not None:
-                self._place_direct(m, 0, m.length, handler)
+                self._copy_direct([(m, 0, m.length)], handler)  # one copy, complete when it returns
             elif m.length:
                 m.mr.write(m.raddr, m.data)
                 handler.observe(self, m.raddr, m.length)
             return True
         return self._scatter_recv(m, handler)
 
-    def _place_direct(self, m: Msg, off: int, n: int, handler: RequestFrameHandler) -> None:
-        """Place ``n`` bytes of direct write ``m`` from ``off``: one copy, complete when it returns."""
-        imp = m.src
-        assert imp is not None
-        if imp.closed:  # its exporter let go before the write completed (or the connection is gone)
-            m.status = REM_OP
+    def _copy_direct(self, run: list[tuple[Msg, int, int]], handler: RequestFrameHandler) -> None:
+        """Copy direct writes' ``(message, offset, length)`` pieces in order, one wait for all
+        (`DirectCopier.copy_many`), complete on return; a piece whose exporter let go (or whose copy failed)
+        sets its message's status to a remote operational error instead."""
+        live = []
+        for m, off, n in run:
+            if m.src is None or m.src.closed:  # its exporter let go before the write completed
+                m.status = REM_OP
+            else:
+                live.append((m, off, n))
+        if not live:
             return
+        copier = live[0][0].src.copier  # type: ignore[union-attr]  # the process's one copier
         start = time.perf_counter_ns()
         try:
-            imp.copier.copy(m.raddr + off, imp.base + m.src_off + off, n)
+            copier.copy_many([(m.raddr + off, m.src.base + m.src_off + off, n)  # type: ignore[union-attr]
+                              for m, off, n in live])
         except Exception:
-            log.exception("softverbs %s: direct copy of %d bytes to %#x failed", self.device.name, n, m.raddr + off)
-            m.status = REM_OP
+            log.exception("softverbs %s: direct copy of %d piece(s) to %#x... failed", self.device.name, len(live),
+                          live[0][0].raddr + live[0][1])
+            for m, _off, _n in live:
+                m.status = REM_OP
             return
         stats = self.device.stats
-        stats["direct_placed"] += 1
-        stats["direct_bytes"] += n
+        stats["direct_placed"] += len(live)
+        stats["direct_bytes"] += sum(n for _m, _off, n in live)
         stats["direct_ns"] += time.perf_counter_ns() - start
-        handler.observe(self, m.raddr + off, n)
+        for m, off, n in live:
+            handler.observe(self, m.raddr + off, n)
         self.device.send_due()  # a copy takes a while: this device's own requests may be due meanwhile
 
     def _scatter_recv(self, m: Msg, handler: RequestFrameHandler) -> bool:
@@ -353,44 +363,19 @@ class QPResponder:
             i = j
 
     def _place_direct_run(self, run: list[tuple[Msg, int, int]], handler: RequestFrameHandler) -> None:
-        """Direct packets (message, offset, length): their copies queued in order with one wait for all
-        (`DirectCopier.copy_many`: an 8 MiB SRD write is eight packets, and each wait costs about what a
-        copy does on a busy GPU); only then is each counted placed, so nothing later on the QP overtakes
-        them."""
-        live = []
-        for m, off, n in run:
-            if m.src is None or m.src.closed:  # its exporter let go before the write completed
-                m.status = REM_OP
-            else:
-                live.append((m, off, n))
-        if live:
-            copier = live[0][0].src.copier  # type: ignore[union-attr]  # one per process
-            start = time.perf_counter_ns()
-            try:
-                copier.copy_many([(m.raddr + off, m.src.base + m.src_off + off, n)  # type: ignore[union-attr]
-                                  for m, off, n in live])
-            except Exception:
-                log.exception("softverbs %s: %d direct copies failed", self.device.name, len(live))
-                for m, _off, _n in live:
-                    m.status = REM_OP
-            else:
-                stats = self.device.stats
-                stats["direct_placed"] += len(live)
-                stats["direct_bytes"] += sum(n for _m, _off, n in live)
-                stats["direct_ns"] += time.perf_counter_ns() - start
-                for m, off, n in live:
-                    handler.observe(self, m.raddr + off, n)
-            self.device.send_due()
+        """Direct packets (message, offset, length) copied as one run (`_copy_direct`: an 8 MiB SRD write is
+        eight packets, and each wait costs about what a copy does on a busy GPU); only then is each counted
+        placed, so nothing later on the QP overtakes them."""
+        self._copy_direct(run, handler)
         for m, _off, _n in run:
             self._packet_placed(m, handler)
 
     def place_packet(self, pkt: tuple[Msg, int, memoryview], handler: RequestFrameHandler) -> None:
+        """Place one packet that carries its bytes (direct packets go by `_place_direct_run`)."""
         m, off, view = pkt
         if m.op in (w.OP_SEND, w.OP_SEND_IMM):
             if not self._scatter_recv(m, handler):
                 return
-        elif m.src is not None:
-            self._place_direct(m, off, view, handler)  # type: ignore[arg-type]  # a direct packet's length
         elif len(view):
             m.mr.write(m.raddr + off, view)
             handler.observe(self, m.raddr + off, len(view))
