@@ -65,3 +65,24 @@ def test_without_io_spin_the_io_thread_sleeps(provider) -> None:
         for _ in range(10):
             _write_and_check(a, b, 4096)
         assert _ready(a, b) >= 1
+
+
+@pytest.mark.multiprocess
+def test_the_config_key_reaches_the_rail_workers_devices() -> None:
+    """``softverbs.io_spin_s`` in two daemons' config: their rail workers' devices spin (their stats count
+    frames caught awake) and the writes land."""
+    from tests.support.cluster import close_ranks, join_ranks
+    from transportd_cli.localcluster import LocalCluster
+
+    with LocalCluster(2, backend="ib", overrides={"softverbs": {"io_spin_s": 0.5}}) as cluster:
+        ranks = join_ranks(cluster, "spin", nbytes=1 << 16, flags=8)
+        try:
+            sender, receiver = ranks
+            for _ in range(8):
+                sender.channel.put(1, receiver.dst.id, 0, sender.src.id, 0, 1 << 16)
+                sender.channel.quiet(timeout=30)
+            assert bytes(receiver.recv) == bytes(sender.send)
+            rails = [r for rank in ranks for r in rank.client.stats()["rails"]]
+            assert sum(r["softverbs"]["io_spin_ready"] for r in rails) >= 1
+        finally:
+            close_ranks(ranks)
