@@ -48,11 +48,12 @@ from typing import Any
 
 import numpy as np
 
-from efa.srd_shim import AddressTable, bridged, shim_cq, srd_shim_qp
+from efa.srd_shim import AddressTable, bridged, srd_shim_qp
 from efa.wire import CTRL_DTYPE, INDEX_BITS, MAX_CONNS
 from transportd import _core
 from transportd.backends.interface import FlagPublisher, MemoryKey, SignalOp
 from transportd.backends.verbs_common import CqDrain, PosterBackend, Rail, access_flags, translate_verbs_errors
+from transportd.backends.verbs_shim import shim_cq
 from transportd.errors import BackendError, VerbsError
 
 __all__ = ["PUB_DTYPE", "EfaBackend", "EfaRail"]
@@ -62,6 +63,7 @@ log = logging.getLogger("transportd.efa")
 _SEQ_BITS = 48
 _RECV_TAG = 1 << 63  # wr_id of a posted receive WR
 _QKEY = 0x11111111
+SRD_CQ_FETCH = 4096  # completions the shim CQ takes from the provider in one call
 
 #: A flag update the compiled path hands to Python (efa_post.c PyPub): GPU flag words, unknown ranks.
 PUB_DTYPE = np.dtype([("conn", "<i8"), ("rank", "<u4"), ("slot", "<u4"), ("op", "<u4"), ("pad", "<u4"),
@@ -216,7 +218,7 @@ class EfaBackend(PosterBackend):
         # pyverbs' own with the bridge, where address handles are their ibv_ah pointers)
         self._addresses = AddressTable(bridged=bridged(v))
         self._shim_qp = srd_shim_qp(v, self.qp, self._addresses)
-        self._shim_cq = shim_cq(self.rail)
+        self._shim_cq = shim_cq(self.rail, fetch=SRD_CQ_FETCH)
         self._poster = _core.EfaPoster(
             self._shim_qp, self._shim_cq, max_rdma_size=self.max_rdma_size, sq_depth=self.sq_depth,
             rq_depth=self.rq_depth, cumulative=self.cumulative, unsolicited=self.rail.unsolicited,

@@ -1,17 +1,15 @@
 """The Python side of the SRD verbs shim: an ``ibv_qp_ex`` (``transportd._core.SrdShimQP``) for an SRD QP of a
-Python verbs provider, and an ``ibv_cq_ex`` (``transportd._core.ShimCQ``) for the rail's CQ, so the compiled
-efa lowering (``efa/csrc/efa_post.c``) posts and polls through function pointers whatever the provider.
+Python verbs provider, so the compiled efa lowering (``efa/csrc/efa_post.c``) posts through function pointers
+whatever the provider; it polls the rail's CQ through the ib backend's ``ibv_cq_ex``
+(``transportd.backends.verbs_shim.shim_cq``).
 
-Per pass the shim makes one Python call each way:
+Per pass the shim makes one Python call to post:
 
 - ``post``: the WRs since ``wr_start`` as :data:`SRD_WR_DTYPE` records. On softverbs :func:`post_soft`
   feeds them to the QP's requester directly (no Python call per WR into the verbs API); on pyverbs without the
   bridge (``make pyverbs-bridge``), :func:`replay_pyverbs` replays them through the QPEx ``wr_*`` methods
   (one binding call per WR, as before the compiled core). With the bridge there is no shim at all: the
   lowering calls pyverbs' own ``ibv_qp_ex`` and ``ibv_cq_ex``.
-- ``poll``: completions as :data:`~transportd.backends.verbs_common.WC_DTYPE` rows
-  (:func:`softverbs.soft.batch.poll_wc_batch` on softverbs, the rail's
-  :class:`~transportd.backends.verbs_common.CqDrain` elsewhere).
 
 Address handles: the lowering passes ``wr_set_ud_addr`` the ``ah`` it was given per connection. Through the
 shim that is a small integer naming an entry of an :class:`AddressTable`; with the bridge it is the
@@ -26,13 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from softverbs.soft.batch import doorbell, poll_wc_batch
 from transportd import _core
-from transportd.backends.verbs_common import Rail
 from transportd.backends.verbs_shim import pyverbs_bridge
 
 __all__ = ["SRD_WR_DTYPE", "SET_SGE", "SET_UD", "AddressTable", "bridged", "post_soft", "replay_pyverbs",
-           "shim_cq", "srd_shim_qp"]
+           "srd_shim_qp"]
 
 #: One collected WR (efa/csrc/efa_shim.c SrdWr).
 SRD_WR_DTYPE = np.dtype(
@@ -151,15 +147,3 @@ def srd_shim_qp(v: Any, qp: Any, table: AddressTable) -> Any:
     else:
         post = functools.partial(replay_pyverbs, v, qp, table)
     return _core.SrdShimQP(post, int(qp.qp_num))
-
-
-def shim_cq(rail: Rail, fetch: int = 4096) -> Any:
-    """What the compiled poller reads ``rail``'s CQ through: pyverbs' own ``ibv_cq_ex`` through the bridge,
-    else a ``ShimCQ`` over it."""
-    if bridged(rail.v) and rail.drain.extended:
-        return pyverbs_bridge().CQHandle(rail.cq)
-    if rail.v.name == "soft":  # idle passes look at the CQ's doorbell, not into Python
-        return _core.ShimCQ(functools.partial(poll_wc_batch, rail.cq), fetch, doorbell(rail.cq))
-    def poll(n: int) -> np.ndarray:
-        return np.ascontiguousarray(rail.drain.poll(n))  # a copy: the drain reuses its buffer
-    return _core.ShimCQ(poll, fetch)

@@ -113,15 +113,16 @@ def shim_qp(v: Any, qp: Any) -> Any:
     return _core.ShimQP(post, int(qp.qp_num))
 
 
-def shim_cq(rail: Rail) -> Any:
-    """What the compiled poller reads ``rail``'s CQ (shared by every connection of the rail) through: the
-    bridge's handle of pyverbs' ``ibv_cq_ex``, else a ``ShimCQ``."""
+def shim_cq(rail: Rail, fetch: int = 1024) -> Any:
+    """What the compiled poller (ib's or efa's) reads ``rail``'s CQ (shared by every connection of the rail)
+    through: the bridge's handle of pyverbs' ``ibv_cq_ex``, else a ``ShimCQ`` taking up to ``fetch``
+    completions a Python call."""
     bridge = pyverbs_bridge() if rail.v.name == "pyverbs" and rail.drain.extended else None
     if bridge is not None:
         return bridge.CQHandle(rail.cq)
     if rail.v.name == "soft" and rail.drain.extended:
         # idle passes look at the CQ's doorbell, not into Python (the GIL stays with softverbs' threads)
-        return _core.ShimCQ(functools.partial(poll_wc_batch, rail.cq), doorbell=doorbell(rail.cq))
+        return _core.ShimCQ(functools.partial(poll_wc_batch, rail.cq), fetch, doorbell(rail.cq))
     def poll(n: int) -> np.ndarray:
         return np.ascontiguousarray(rail.drain.poll(n))  # a copy: the drain reuses its buffer
-    return _core.ShimCQ(poll)
+    return _core.ShimCQ(poll, fetch)
