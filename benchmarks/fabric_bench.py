@@ -53,6 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
+from transportd_cli.cli_options import FiniteFloat  # noqa: E402
 
 CHUNK = 4 << 20
 #: the NIC each backend stands for: [softverbs] NIC-model keys
@@ -283,7 +284,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None,
               help="--latency: every process stamps each write's steps here (SOFTVERBS_TRACE), summarized per row "
                    "and size (the stamps add a few microseconds a step)")
-@click.option("--io-spin-us", default=0.0, show_default=True, type=click.FloatRange(min=0, max=1e6),
+@click.option("--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
               help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
                    "event instead of sleeping at once (a core each while traffic flows)")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,

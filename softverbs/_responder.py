@@ -237,7 +237,8 @@ class QPResponder:
         sets its message's status to a remote operational error instead."""
         live = []
         for m, off, n in run:
-            if m.src is None or m.src.closed:  # its exporter let go before the write completed
+            assert m.src is not None  # only direct writes come here
+            if m.src.closed:  # its exporter let go before the write completed
                 m.status = REM_OP
             else:
                 live.append((m, off, n))

@@ -132,3 +132,14 @@ def test_completions_queued_while_polling_are_all_taken(soft_cq: Any) -> None:
     t.join(5)
     assert got == list(range(total))
     assert p.take() == errno.ENOENT
+
+
+def test_a_doorbell_that_is_not_one_aligned_8_byte_word_is_refused() -> None:
+    def poll(n: int) -> bytes:
+        return b""
+
+    for bad in (bytearray(4), bytearray(16), memoryview(bytearray(9))[1:]):
+        with pytest.raises(ValueError, match="one aligned 8-byte word"):
+            _core.ShimCQ(poll, 8, bad)
+    with pytest.raises(TypeError):
+        _core.ShimCQ(poll, 8, 12345)  # not a buffer

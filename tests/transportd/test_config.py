@@ -107,9 +107,11 @@ def test_full_file(write):
 
 def test_the_nic_model_and_direct_copy_keys(write):
     cfg = load_config(write("[softverbs]\nnic_bandwidth = 50000000000\nnic_latency_s = 2e-6\n"
-                            "nic_message_rate = 2e8\ndirect_copy = false\ndirect_copy_via = 'host'\n"), env={})
+                            "nic_message_rate = 2e8\ndirect_copy = false\ndirect_copy_via = 'host'\n"
+                            "io_spin_s = 0.001\n"), env={})
     sv = cfg.softverbs
     assert (sv.nic_bandwidth, sv.nic_latency_s, sv.nic_message_rate, sv.direct_copy) == (50e9, 2e-6, 2e8, False)
+    assert sv.io_spin_s == 0.001 and Config().softverbs.io_spin_s == 0.0  # off unless asked for
     assert sv.direct_copy_via == "host"
     assert isinstance(sv.nic_bandwidth, float)  # an integer in TOML is still bytes/s
     defaults = Config().softverbs
@@ -184,6 +186,8 @@ BAD = [
     ("[softverbs]\nnic_bandwidth = -1.0\n", "softverbs.nic_bandwidth", r"must be in \[0.0, "),
     ("[softverbs]\nnic_bandwidth = nan\n", "softverbs.nic_bandwidth", "must be finite"),
     ("[softverbs]\nnic_latency_s = 2.0\n", "softverbs.nic_latency_s", r"must be in \[0.0, 1.0\], got 2.0"),
+    ("[softverbs]\nio_spin_s = -0.001\n", "softverbs.io_spin_s", r"must be in \[0.0, 1.0\]"),
+    ("[softverbs]\nio_spin_s = nan\n", "softverbs.io_spin_s", "must be finite"),
     ("[softverbs]\nnic_message_rate = 'fast'\n", "softverbs.nic_message_rate", "expected float, got string"),
     ("[softverbs]\ndirect_copy = 1\n", "softverbs.direct_copy", "expected boolean, got integer"),
     ("[softverbs]\ndirect_copy_via = 'pcie'\n", "softverbs.direct_copy_via",

@@ -107,3 +107,11 @@ def test_latency_refuses_what_is_not_a_size_before_any_work(value: str, says: st
 
     result = CliRunner().invoke(_bench().main, ["--buffers", "host", "--latency", value])
     assert result.exit_code == 2 and says in result.output
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "2e6", "x"])
+def test_io_spin_refuses_what_is_not_a_finite_time_in_range(value: str) -> None:
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(_bench().main, ["--buffers", "host", "--latency", "4096", "--io-spin-us", value])
+    assert result.exit_code == 2 and "--io-spin-us" in result.output
