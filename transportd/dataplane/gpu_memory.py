@@ -130,14 +130,8 @@ class GpuAccessor:
     def copy(self, dst: int, src: int, length: int) -> None:
         """One copy between two addresses of this process (unified addressing: device or host memory, this
         GPU or a peer), complete on return: nothing the caller does next can overtake it."""
-        if length == 0:
-            return
-        with self._lock:
-            self._enter()
-            drv, check = self._drv, self._check
-            check(drv.cuMemcpyAsync(dst, src, length, self._stream), "cuMemcpyAsync")
-            check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
-            self.copies += 1
+        if length:
+            self.copy_many([(dst, src, length)])
 
     def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
         """``(dst, src, length)`` copies queued in order on the worker stream, one wait for them all: each
@@ -500,11 +494,7 @@ class GpuMemory:
         """Place ``length`` bytes on the worker stream of the destination's GPU (else the source's),
         complete when it returns: one copy, or, ``via="host"`` between two GPU allocations, through host
         memory (a copy from or to host memory is the copy engines' already)."""
-        to = self._find(dst, length)
-        if self.via == "host" and to is not None and self._find(src, length) is not None:
-            self.accessor(to.device).copy_through_host(dst, src, length)
-            return
-        self.accessor(self._copy_device(to, src, length)).copy(dst, src, length)
+        self.copy_many([(dst, src, length)])
 
     def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
         """Several copies, complete on return, each after the one before: as :meth:`copy` one by one, but
@@ -513,26 +503,29 @@ class GpuMemory:
         run: list[tuple[int, int, int]] = []
         run_device = -1
         for dst, src, length in copies:
-            to = self._find(dst, length)
-            if self.via == "host" and to is not None and self._find(src, length) is not None:
-                device = -1  # through host memory: a copy of its own
-            else:
-                device = self._copy_device(to, src, length)
-            if run and device != run_device:
+            if not length:
+                continue
+            device, through_host = self._placement(dst, src, length)
+            if run and (through_host or device != run_device):
                 self.accessor(run_device).copy_many(run)
                 run = []
-            if device < 0:
-                self.copy(dst, src, length)
+            if through_host:  # a copy of its own, down and up through the staging slots
+                self.accessor(device).copy_through_host(dst, src, length)
                 continue
             run.append((dst, src, length))
             run_device = device
         if run:
             self.accessor(run_device).copy_many(run)
 
-    def _copy_device(self, to: _Allocation | None, src: int, length: int) -> int:
-        """The GPU whose worker stream places a copy: the destination's, else the source's, else the first."""
+    def _placement(self, dst: int, src: int, length: int) -> tuple[int, bool]:
+        """(the GPU whose worker stream places a copy, whether it goes through host memory): the destination's
+        GPU, else the source's, else the first this worker serves; through host memory only with
+        ``via="host"`` between two GPU allocations."""
+        to = self._find(dst, length)
+        if self.via == "host" and to is not None and self._find(src, length) is not None:
+            return to.device, True
         alloc = to or self._find(src, length)
-        return alloc.device if alloc is not None else next(iter(self.accessors), 0)
+        return (alloc.device if alloc is not None else next(iter(self.accessors), 0)), False
 
 
 def _pci_location(device: int) -> tuple[int, int, int]:
