@@ -24,6 +24,7 @@ with an admitted request.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import time
 from collections import deque
@@ -349,30 +350,22 @@ class QPResponder:
         handler.dirty.add(self)
 
     def place_packets(self, pkts: list[tuple[Msg, int, Any]], handler: RequestFrameHandler) -> None:
-        """Place packets taken from the pool, in the order taken. Direct packets taken back to back are
-        copied as one run (`_place_direct_run`), the rest one by one."""
-        i = 0
-        while i < len(pkts):
-            if pkts[i][0].src is None:
-                self.place_packet(pkts[i], handler)
-                i += 1
+        """Place packets taken from the pool, in the order taken. Direct packets (message, offset, length)
+        taken back to back are copied as one run (`_copy_direct`: an 8 MiB SRD write is eight packets, and
+        each wait costs about what a copy does on a busy GPU), and only then is each counted placed, so
+        nothing later on the QP overtakes them; the rest are placed one by one."""
+        for direct, group in itertools.groupby(pkts, key=lambda pkt: pkt[0].src is not None):
+            if not direct:
+                for pkt in group:
+                    self.place_packet(pkt, handler)
                 continue
-            j = i + 1
-            while j < len(pkts) and pkts[j][0].src is not None:
-                j += 1
-            self._place_direct_run(pkts[i:j], handler)
-            i = j
-
-    def _place_direct_run(self, run: list[tuple[Msg, int, int]], handler: RequestFrameHandler) -> None:
-        """Direct packets (message, offset, length) copied as one run (`_copy_direct`: an 8 MiB SRD write is
-        eight packets, and each wait costs about what a copy does on a busy GPU); only then is each counted
-        placed, so nothing later on the QP overtakes them."""
-        self._copy_direct(run, handler)
-        for m, _off, _n in run:
-            self._packet_placed(m, handler)
+            run = list(group)
+            self._copy_direct(run, handler)
+            for m, _off, _n in run:
+                self._packet_placed(m, handler)
 
     def place_packet(self, pkt: tuple[Msg, int, memoryview], handler: RequestFrameHandler) -> None:
-        """Place one packet that carries its bytes (direct packets go by `_place_direct_run`)."""
+        """Place one packet that carries its bytes (direct packets go by `place_packets`' runs)."""
         m, off, view = pkt
         if m.op in (w.OP_SEND, w.OP_SEND_IMM):
             if not self._scatter_recv(m, handler):
