@@ -47,18 +47,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _direct, _trace
+from . import _direct, _spin, _trace
 from . import _wire as w
 from ._ibv import ERR
 from ._link import LinkModel
 from ._requester import ResponseFrameHandler
 from ._responder import RequestFrameHandler
 from ._waketimer import WakeTimer, open_wake_timer, tighten_timer_slack
-
-try:  # built with the package (setup.py); without it a device sleeps at once, whatever io_spin_s says
-    from . import _spin
-except ImportError:  # pragma: no cover - a source tree not built yet
-    _spin = None  # type: ignore[assignment]
 
 log = logging.getLogger("softverbs")
 
@@ -621,7 +616,7 @@ class SoftDevice:
         assert sel is not None
         timer = self._timer
         tighten_timer_slack()
-        epfd = sel.fileno() if _spin is not None and isinstance(sel, selectors.EpollSelector) else -1
+        epfd = sel.fileno() if isinstance(sel, selectors.EpollSelector) else -1  # the spin polls an epoll set
         busy_ns = 0  # time.monotonic_ns() when the loop last had events
         while self._running:
             at = None  # the earliest timer or departure, in time.monotonic() seconds
