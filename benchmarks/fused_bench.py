@@ -50,6 +50,9 @@ communication up to 1.8x slower (docs/performance.md).
 ``--chunk-rows KERNEL=ROWS,...``: the chunk rows of a kernel's sizes (every size of it, both backends), to weigh
 the messages' size against the soft fabric's cost per message (``SIZES`` says what the defaults were chosen by).
 
+``--group-m KERNEL=N,...``: a GEMM's tile order, N row blocks at a time (``_tiles.tile_at``; 1 is row-major),
+to compare orders in one call; the row's dims then name it.
+
 ``--timeline RAW``: each GEMM+RS / GEMM+AR row also runs one launch of each of compute, comm and fused with
 the op's timeline (``timeline=``, docs/kernels.md) and summarizes it per rank in the row (``timeline``: when
 the peers' tiles and the own tiles ran, the own tiles' waits, when this rank's chunks shipped, its programs'
@@ -317,13 +320,15 @@ def _on_streams(streams: list[Any], work: Callable[[int], None]) -> None:
 
 # --- the cases ---------------------------------------------------------------------------------------------------
 def allgather_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: int, m_local: int, n: int, k: int,
-                   chunk_rows: int) -> Case:
-    """``C = all_gather(A) @ B`` on every rank."""
+                   chunk_rows: int, group_m: int | None = None) -> Case:
+    """``C = all_gather(A) @ B`` on every rank (``group_m``: the tile order; None: the op's)."""
     import torch
 
     from gpuclient.kernels import AllGatherGemm
 
-    ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=WORLD, programs=PROGRAMS) for s in sessions]
+    order = {} if group_m is None else {"group_m": group_m}
+    ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=WORLD, programs=PROGRAMS, **order)
+           for s in sessions]
     _exchange(sessions)
     _ready(ops)
     shards = [_randn(gen, m_local, k, device=device) for _ in ops]
@@ -351,17 +356,18 @@ def allgather_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: in
 
 
 def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen: Any, device: int, m: int, n: int,
-                 k: int, chunk_rows: int) -> Case:
+                 k: int, chunk_rows: int, group_m: int | None = None) -> Case:
     """``reduce_scatter(A_r @ B_r)`` or ``all_reduce(A_r @ B_r)`` (bf16 partials; bf16 output for all-reduce,
-    whose result travels too, fp32 for reduce-scatter)."""
+    whose result travels too, fp32 for reduce-scatter; ``group_m``: the tile order, None: the op's)."""
     import torch
 
     from gpuclient.kernels import GemmAllReduce, GemmReduceScatter
 
     cls = GemmAllReduce if all_reduce else GemmReduceScatter
     out_dtype = torch.bfloat16 if all_reduce else torch.float32
+    order = {} if group_m is None else {"group_m": group_m}
     ops = [cls(s, m, n, k, chunk_rows=chunk_rows, share=WORLD, out_dtype=out_dtype,
-               programs=PROGRAMS or SPINNING_PROGRAMS) for s in sessions]
+               programs=PROGRAMS or SPINNING_PROGRAMS, **order) for s in sessions]
     _exchange(sessions)
     _ready(ops)
     a = [_randn(gen, m, k, device=device) for _ in ops]
@@ -474,9 +480,8 @@ def rs_timeline_events(layout: Any, programs: int, words: Any) -> dict[str, Any]
     import numpy as np
 
     tiles, chunks, ends = layout.split_timeline(words, programs)
-    per_segment = layout.row_blocks * layout.col_blocks
-    t = np.arange(layout.tiles)
-    return {"tiles": tiles, "step": t // per_segment, "band": (t % per_segment) // layout.col_blocks,
+    order = np.array(layout.tile_order(), dtype=np.int64).reshape(-1, 3)
+    return {"tiles": tiles, "step": order[:, 0], "band": order[:, 1],
             "chunks": chunks.reshape(-1, 2), "program_ends": ends}
 
 
@@ -921,6 +926,9 @@ GEMM_TILES: list[dict[str, Any]] = [
     {"block": (128, 128, 64), "num_warps": 8, "num_stages": 3, "tma": True},
     {"block": (128, 128, 64), "num_warps": 8, "num_stages": 4, "tma": True},
     {"block": (128, 256, 64), "num_warps": 8, "num_stages": 3, "tma": True},
+    {"block": (128, 256, 64), "num_warps": 8, "num_stages": 3, "tma": True, "group_m": 4},
+    {"block": (128, 256, 64), "num_warps": 8, "num_stages": 3, "tma": True, "group_m": 8},
+    {"block": (128, 256, 64), "num_warps": 8, "num_stages": 3, "tma": True, "group_m": 16},
 ]
 RING_TILES: list[dict[str, Any]] = [
     {"block": (64, 64), "num_warps": 4, "num_stages": 2},
@@ -961,9 +969,9 @@ TUNE_SECONDS = 300.0
 
 
 def tile_label(tile: dict[str, Any]) -> str:
-    """``128x256x64 w8 s3`` (``tma`` appended for descriptor loads)."""
+    """``128x256x64 w8 s3`` (``tma`` appended for descriptor loads, ``g4`` for a grouped tile order)."""
     return (f"{'x'.join(str(b) for b in tile['block'])} w{tile['num_warps']} s{tile['num_stages']}"
-            + (" tma" if tile.get("tma") else ""))
+            + (" tma" if tile.get("tma") else "") + (f" g{tile['group_m']}" if tile.get("group_m", 1) > 1 else ""))
 
 
 def tune_candidates(kernel: str, dims: dict[str, int],
@@ -971,7 +979,7 @@ def tune_candidates(kernel: str, dims: dict[str, int],
     """``(kept, refused)``: the kernel's candidate tiles at ``dims`` that its op's own checks accept, and a
     config entry (``refused``: the op's ValueError) for each they refuse; TMA tiles are left out without
     ``tma``. Pure (the checks the ops run before allocating)."""
-    from gpuclient.kernels._tiles import check_launch, check_tiles
+    from gpuclient.kernels._tiles import check_group, check_launch, check_tiles
     from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout
     from gpuclient.kernels.moe import check_gemm_tiles
     from gpuclient.kernels.ring_attention import RingAttentionLayout
@@ -989,9 +997,11 @@ def tune_candidates(kernel: str, dims: dict[str, int],
                                     chunk_rows=dims["chunk_rows"], block=tuple(tile["block"]))
             else:
                 check_tiles(tile["block"], tile["num_warps"], tile["num_stages"], tile["tma"], dims["n"], dims["k"])
+                check_group(tile.get("group_m", 1))
                 if kernel != "allgather_gemm":
                     ReduceScatterLayout(0, WORLD, dims["m"], dims["n"], dims["k"], chunk_rows=dims["chunk_rows"],
-                                        block=tuple(tile["block"]), all_gather=kernel == "gemm_all_reduce")
+                                        block=tuple(tile["block"]), all_gather=kernel == "gemm_all_reduce",
+                                        group_m=tile.get("group_m", 1))
         except ValueError as exc:
             refused.append({**_tile_fields(tile), "refused": str(exc)})
         else:
@@ -1058,8 +1068,10 @@ def tune_session(kernel: str, backend: str, shape: str, dims: dict[str, int], ti
                     if case.retile is not None:
                         compiled = case.retile(tile)
                     else:
+                        # a GEMM tile without an order is timed row-major, not in the order of the tile before it
+                        order = {"group_m": 1} if kernel in GEMMS else {}
                         for op in case.ops:
-                            op.retile(**tile)
+                            op.retile(**{**order, **tile})
                         compiled = [op.preload(communicate=False, compute=True) for op in case.ops][0]
                     entry.update(shared_bytes=int(compiled.metadata.shared), registers=int(compiled.n_regs),
                                  spills=int(compiled.n_spills))
@@ -1190,17 +1202,23 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
     return result
 
 
-def parse_chunk_rows(text: str) -> dict[str, int]:
-    """``--chunk-rows``: ``KERNEL=ROWS`` pairs, comma-separated, for kernels whose sizes have chunk rows."""
+#: the kernels whose tile order ``--group-m`` sets (``_tiles.tile_at``)
+GEMMS = ("allgather_gemm", "gemm_reduce_scatter", "gemm_all_reduce")
+
+
+def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str, ...] = KERNELS,
+                     what: str = "rows") -> dict[str, int]:
+    """``KERNEL=N`` pairs, comma-separated, each N an integer >= 1 (``--chunk-rows``: every kernel of
+    ``KERNELS`` has chunk rows; ``--group-m``: the GEMMs)."""
     out: dict[str, int] = {}
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
         kernel, _, value = item.partition("=")
-        if kernel not in KERNELS:
-            raise click.BadParameter(f"{kernel!r} is not one of {', '.join(KERNELS)}", param_hint="--chunk-rows")
+        if kernel not in kernels:
+            raise click.BadParameter(f"{kernel!r} is not one of {', '.join(kernels)}", param_hint=option)
         if not value.isdigit() or int(value) < 1:
-            raise click.BadParameter(f"{item!r}: rows must be an integer >= 1", param_hint="--chunk-rows")
+            raise click.BadParameter(f"{item!r}: {what} must be an integer >= 1", param_hint=option)
         out[kernel] = int(value)
     return out
 
@@ -1234,6 +1252,9 @@ def parse_chunk_rows(text: str) -> dict[str, int]:
 @click.option("--chunk-rows", "chunk_rows", default="", metavar="KERNEL=ROWS,...",
               help="override the chunk rows of a kernel's sizes (e.g. gemm_all_reduce=256): the messages' size, "
                    "against the soft fabric's cost per message")
+@click.option("--group-m", "group_m", default="", metavar="KERNEL=N,...",
+              help="the tile order of a GEMM (allgather_gemm, gemm_reduce_scatter, gemm_all_reduce): N row blocks "
+                   "at a time, column by column (1: row-major; default: the op's)")
 @click.option("--tune", is_flag=True,
               help="time each kernel's compute alone with candidate tiles instead (the first size, the first "
                    "backend and shape; MoE Dispatch+GEMM's expert GEMM too, MoE dispatch/combine left out)")
@@ -1246,7 +1267,7 @@ def parse_chunk_rows(text: str) -> dict[str, int]:
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
-         chunk_rows: str = "", io_spin_us: float = 0.0) -> None:
+         chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "") -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -1257,7 +1278,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
     if unknown:
         raise click.BadParameter(f"unknown kernel(s) {', '.join(unknown)}", param_hint="--kernels")
-    rows_of = parse_chunk_rows(chunk_rows)
+    rows_of = parse_per_kernel(chunk_rows)
+    group_of = parse_per_kernel(group_m, "--group-m", GEMMS, "N")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).touch()  # a bad path fails now, not after the run
@@ -1316,6 +1338,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                     for dims in run_sizes[kernel][:sizes]:
                         if kernel in rows_of:
                             dims = {**dims, "chunk_rows": rows_of[kernel]}
+                        if kernel in group_of:
+                            dims = {**dims, "group_m": group_of[kernel]}
                         attempt({"kernel": kernel, "backend": backend, "shape": shape, **dims},
                                 fused_row, kernel, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe_dispatch_gemm" in wanted:

@@ -10,6 +10,10 @@ it hands out one buffer, reserved when a variant is preloaded, so a launch alloc
 only around the op's own launches (in a context of their own: the caller's allocator is left as it was).
 The op's launches are ordered (one stream, flag epochs), so one buffer serves all of them.
 
+The GEMMs walk their tiles grouped (``tile_at``, ``group_m`` row blocks at a time, column by column): the
+programs running at once then read a few row bands of A and a few column blocks of B, which they can
+share in L2, where row-major order reads all of B for every row band or two.
+
 The hardware's terms for a descriptor, checked on the host: the base address 16-byte aligned and every
 stride but the last a multiple of 16 bytes (bf16 rows of a multiple of 8 elements).
 """
@@ -27,6 +31,9 @@ import triton.language as tl
 #: 128 x 256 x 64, 8 warps, 3 stages, A and B through tensor descriptors where the shape allows, ran the
 #: compute 1.59-1.64x faster than the first choice (128 x 128 x 64, pointer loads) at the bench's sizes.
 GEMM_BLOCK = (128, 256, 64)
+
+#: The GEMMs' default tile order: row blocks a group of tiles spans (``tile_at``; 1 is row-major).
+GROUP_M = 1
 
 #: bytes of one element of the bf16 operands
 _BF16 = 2
@@ -100,6 +107,24 @@ def is_dot_block(block: tuple[Any, ...]) -> bool:
                                    for b in block)
 
 
+def check_group(group_m: Any) -> int:
+    """Refuse a tile order the kernels cannot take: ``group_m`` (row blocks a group of tiles spans) an
+    integer >= 1; returned as stored."""
+    if isinstance(group_m, bool) or not isinstance(group_m, int) or group_m < 1:
+        raise ValueError(f"group_m must be an integer >= 1, got {group_m!r}")
+    return group_m
+
+
+def tile_order(row_blocks: int, col_blocks: int, group_m: int) -> list[tuple[int, int]]:
+    """The ``(row block, column block)`` of each tile index in the order :func:`tile_at` walks a ``row_blocks
+    x col_blocks`` grid: the model the timelines read and the tests check the kernel's helper against."""
+    order = []
+    for first in range(0, row_blocks, group_m):
+        size = min(group_m, row_blocks - first)
+        order += [(first + r, c) for c in range(col_blocks) for r in range(size)]
+    return order
+
+
 def check_tiles(block: Any, num_warps: Any, num_stages: Any, tma: Any, n: int,
                 k: int) -> tuple[tuple[int, int, int], int, int, bool]:
     """A GEMM op's tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` three
@@ -120,6 +145,18 @@ def check_tiles(block: Any, num_warps: Any, num_stages: Any, tma: Any, n: int,
 
 
 # --- the GEMMs' compute, shared by AllGatherGemm and GemmReduceScatter / GemmAllReduce ---------------------------
+@triton.jit
+def tile_at(t, row_blocks, col_blocks, GROUP_M: tl.constexpr):
+    """``(row block, column block)`` of tile ``t`` of a ``row_blocks x col_blocks`` grid, grouped: GROUP_M row
+    blocks at a time (fewer in the last group), column by column within a group; ``GROUP_M = 1`` is row-major
+    order. A group of one chunk's row blocks completes each chunk after as many tiles as row-major order."""
+    per_group = GROUP_M * col_blocks
+    first = (t // per_group) * GROUP_M
+    size = tl.minimum(row_blocks - first, GROUP_M)
+    within = t % per_group
+    return first + within % size, within // size
+
+
 @triton.jit
 def gemm_operands(a_ptr, b_ptr, a_rows, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   TMA: tl.constexpr):

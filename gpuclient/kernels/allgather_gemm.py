@@ -5,9 +5,10 @@ of a tensor-parallel weight) and computes all ``world * m_local`` rows of C. The
 Triton launch with SM specialization: the first ``comm_programs`` programs ship the local shard to every
 peer, chunk by chunk (``tile_done`` on an all-gather plan whose tiles are the chunks, so each ships at
 once), while the compute programs walk C's tiles ordered by input availability (the local shard's rows
-first, then each peer's in ring order) and wait, before a tile, only for the chunks its rows touch
-(``wait_range``). Chunks are ``chunk_rows`` rows, independent of the tile's ``block_m``: a tile that
-straddles two chunks waits for both.
+first, then each peer's in ring order; within a shard ``group_m`` row blocks at a time, column by column:
+``_tiles.tile_at``) and wait, before a tile, only for the chunks its rows touch (``wait_range``). Chunks
+are ``chunk_rows`` rows, independent of the tile's ``block_m``: a tile that straddles two chunks waits for
+both.
 
 Compute: bf16 ``tl.dot`` (wgmma on sm_90) with fp32 accumulation, C in fp32 or bf16. Triton rather than
 CUTLASS/CuTe: the same language as the device calls (``gpuclient.triton``), no C++ template build at run
@@ -27,7 +28,17 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._tiles import GEMM_BLOCK, DescriptorScratch, check_aligned, check_tiles, gemm_operands, gemm_tile
+from gpuclient.kernels._tiles import (
+    GEMM_BLOCK,
+    GROUP_M,
+    DescriptorScratch,
+    check_aligned,
+    check_group,
+    check_tiles,
+    gemm_operands,
+    gemm_tile,
+    tile_at,
+)
 from gpuclient.plan import ChunkPlan
 
 
@@ -44,7 +55,7 @@ def _async_proxy_fence():
 def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world, m_local, n, k, chunks, release_slot,
                     COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr,
-                    TMA: tl.constexpr = False):
+                    TMA: tl.constexpr = False, GROUP_M: tl.constexpr = 1):
     pid = tl.program_id(0)
     if pid < COMM_PROGRAMS:
         if COMMUNICATE:
@@ -66,9 +77,9 @@ def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world,
             a_in, b_in = gemm_operands(a_ptr, b_ptr, world * m_local, n, k, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         for t in range(pid - COMM_PROGRAMS, world * per_rank, compute):
             src = (rank + t // per_rank) % world  # the local shard's tiles first, then the peers' in ring order
-            within = t % per_rank
-            row0 = (within // col_blocks) * BLOCK_M
-            col0 = (within % col_blocks) * BLOCK_N
+            row_block, col_block = tile_at(t % per_rank, row_blocks, col_blocks, GROUP_M)
+            row0 = row_block * BLOCK_M
+            col0 = col_block * BLOCK_N
             rows = tl.minimum(BLOCK_M, m_local - row0)
             if COMMUNICATE:
                 if src != rank:
@@ -104,13 +115,15 @@ class AllGatherGemm:
     k: nothing is reset between calls. ``block`` (block_m, block_n, block_k), ``num_warps`` and
     ``num_stages`` are the GEMM's tiles (``retile`` changes them); ``tma=True`` loads A and B through tensor
     descriptors (needs ``n`` and ``k`` multiples of 8) instead of pointers and masks, ``tma=None`` (the
-    default) does so exactly when ``n`` and ``k`` allow it.
+    default) does so exactly when ``n`` and ``k`` allow it. ``group_m``: the tile order within a shard,
+    that many row blocks at a time (1: row-major).
     """
 
     def __init__(self, session: Any, m_local: int, n: int, k: int, *, chunk_rows: int = 64,
                  comm_programs: int = 1, block: tuple[int, int, int] = GEMM_BLOCK, num_warps: int = 8,
                  num_stages: int = 3, slot_base: int = 0, share: int = 1, programs: int | None = None,
-                 out_dtype: Any = None, channel_capacity: int = 256, tma: bool | None = None) -> None:
+                 out_dtype: Any = None, channel_capacity: int = 256, tma: bool | None = None,
+                 group_m: int = GROUP_M) -> None:
         import torch
 
         if min(m_local, n, k, chunk_rows, comm_programs, share) < 1:
@@ -119,6 +132,7 @@ class AllGatherGemm:
         self.m_local, self.n, self.k = m_local, n, k
         self.device = session.device if session.device is not None and session.device >= 0 else 0
         self.block, self.num_warps, self.num_stages, self.tma = check_tiles(block, num_warps, num_stages, tma, n, k)
+        self.group_m = check_group(group_m)
         self.comm_programs, self.share, self._programs = comm_programs, share, programs
         self.out_dtype = out_dtype or torch.float32
         self.gathered = torch.empty((self.world * m_local, k), dtype=torch.bfloat16, device=f"cuda:{self.device}")
@@ -136,13 +150,15 @@ class AllGatherGemm:
         self._scratch = DescriptorScratch(self.gathered.device)
 
     def retile(self, block: tuple[int, int, int] | None = None, *, num_warps: int | None = None,
-               num_stages: int | None = None, tma: bool | None = None) -> None:
-        """Change the GEMM's tiles (None: keep), checked as the constructor checks them. Launches after it
-        run the new variant: where ranks share a process, ``preload`` every variant they will run again
-        before the next launch of any. Between launches only (the flags do not depend on the tiles)."""
+               num_stages: int | None = None, tma: bool | None = None, group_m: int | None = None) -> None:
+        """Change the GEMM's tiles and order (None: keep), checked as the constructor checks them. Launches
+        after it run the new variant: where ranks share a process, ``preload`` every variant they will run
+        again before the next launch of any. Between launches only (the flags do not depend on the tiles)."""
+        group_m = check_group(self.group_m if group_m is None else group_m)
         self.block, self.num_warps, self.num_stages, self.tma = check_tiles(
             self.block if block is None else block, self.num_warps if num_warps is None else num_warps,
             self.num_stages if num_stages is None else num_stages, self.tma if tma is None else tma, self.n, self.k)
+        self.group_m = group_m
 
     def prepare(self) -> None:
         """After the exchange, before the first launch (``__call__`` does it if not yet done): open the
@@ -185,7 +201,8 @@ class AllGatherGemm:
     def _meta(self, communicate: bool, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.block
         return {"COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                "COMMUNICATE": communicate, "COMPUTE": compute, "TMA": self.tma, "num_warps": self.num_warps,
+                "COMMUNICATE": communicate, "COMPUTE": compute, "TMA": self.tma, "GROUP_M": self.group_m,
+                "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
 
     def local_rows(self) -> Any:

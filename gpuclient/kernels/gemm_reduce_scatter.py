@@ -5,7 +5,8 @@ Each rank r holds ``A_r`` (``m x k``, bf16) and ``B_r`` (``k x n``, bf16), ``k``
 ``world`` equal segments of ``m_seg = m / world`` rows; segment j of the sum belongs to rank j.
 
 One persistent Triton launch per rank. Its programs walk the partial product's tiles (``block_m x
-block_n``, cut per segment, so no tile straddles two segments) in steps: step s (0 .. world-2) is the
+block_n``, cut per segment, so no tile straddles two segments; within a segment ``group_m`` row blocks at a
+time, column by column: ``_tiles.tile_at``) in steps: step s (0 .. world-2) is the
 segment of rank ``(r + 1 + s) % world`` — at every step each rank feeds a different peer, so no receiver is
 hit by every sender at once and the first chunks ship after the first row band — and the last step is the
 rank's own segment.
@@ -53,12 +54,16 @@ import triton.language as tl
 from gpuclient import triton as tpd
 from gpuclient.kernels._tiles import (
     GEMM_BLOCK,
+    GROUP_M,
     DescriptorScratch,
     check_aligned,
+    check_group,
     check_tiles,
     gemm_operands,
     gemm_tile,
     is_dot_block,
+    tile_at,
+    tile_order,
 )
 from gpuclient.plan import U32_MAX, ChunkPlan
 
@@ -104,7 +109,7 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
                          ag_release_slot, timeline, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PARTIAL_BYTES: tl.constexpr, COMMUNICATE: tl.constexpr,
                          COMPUTE: tl.constexpr, ALL_GATHER: tl.constexpr, TMA: tl.constexpr = False,
-                         TIMELINE: tl.constexpr = False):
+                         TIMELINE: tl.constexpr = False, GROUP_M: tl.constexpr = 1):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     # TIMELINE (ReduceScatterLayout.timeline_words): %globaltimer at 4 events of every tile, then 2 of every
@@ -113,8 +118,9 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
     program_ends = chunk_times + 2 * (world + 1) * chunks_per_segment
     if COMPUTE:  # the whole A and B, once per program (A and B are local: no wait precedes their loads)
         a_in, b_in = gemm_operands(a_ptr, b_ptr, world * m_seg, n, k, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+    row_blocks = tl.cdiv(m_seg, BLOCK_M)
     col_blocks = tl.cdiv(n, BLOCK_N)
-    per_segment = tl.cdiv(m_seg, BLOCK_M) * col_blocks
+    per_segment = row_blocks * col_blocks
     partial_row = n.to(tl.uint64) * PARTIAL_BYTES  # bytes of one row of partials (the plan's offsets)
     if ALL_GATHER:
         out_row0 = rank * m_seg  # the whole m x n result, our segment at our rows
@@ -127,9 +133,9 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
         out_row0 = 0  # our segment alone
     for t in range(pid, world * per_segment, programs):
         dest = (rank + 1 + t // per_segment) % world  # the peers' segments in ring order, our own last
-        within = t % per_segment
-        row0 = (within // col_blocks) * BLOCK_M  # rows within the segment
-        col0 = (within % col_blocks) * BLOCK_N
+        row_block, col_block = tile_at(t % per_segment, row_blocks, col_blocks, GROUP_M)
+        row0 = row_block * BLOCK_M  # rows within the segment
+        col0 = col_block * BLOCK_N
         rows = tl.minimum(BLOCK_M, m_seg - row0)
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = col0 + tl.arange(0, BLOCK_N)
@@ -204,8 +210,9 @@ class ReduceScatterLayout:
 
     ``m``: rows of the product (``world`` segments of ``m // world``); ``k``: this rank's slice of the
     contraction; ``partial_bytes`` / ``out_bytes``: the element size of partials on the wire and of the
-    output (2: bf16, 4: fp32). Flag slots from ``slot_base``: the reduce-scatter plan's, ``world`` release
-    flags, and for ``all_gather`` the all-gather plan's and ``world`` more.
+    output (2: bf16, 4: fp32); ``group_m``: the tile order within a segment (``tile_order``). Flag slots
+    from ``slot_base``: the reduce-scatter plan's, ``world`` release flags, and for ``all_gather`` the
+    all-gather plan's and ``world`` more.
     """
 
     rank: int
@@ -219,8 +226,10 @@ class ReduceScatterLayout:
     out_bytes: int = 4
     slot_base: int = 0
     all_gather: bool = False
+    group_m: int = GROUP_M
 
     def __post_init__(self) -> None:
+        check_group(self.group_m)
         for name in ("world", "m", "n", "k", "chunk_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -281,13 +290,19 @@ class ReduceScatterLayout:
         bm = self.block[0]
         return ((hi - 1) // bm - lo // bm + 1) * self.col_blocks
 
+    def tile_order(self) -> list[tuple[int, int, int]]:
+        """``(segment step, row block, column block)`` of each tile index, in the kernel's order (step s is the
+        segment of rank ``(rank + 1 + s) % world``; the last is the own one)."""
+        within = tile_order(self.row_blocks, self.col_blocks, self.group_m)
+        return [(step, r, c) for step in range(self.world) for r, c in within]
+
     def tile_chunks(self, row0: int, rows: int) -> range:
         """The segment chunks that a tile of rows [row0, row0 + rows) touches (the kernel's loop)."""
         return range(row0 // self.chunk_rows, (row0 + rows - 1) // self.chunk_rows + 1)
 
     def timeline_words(self, programs: int) -> int:
         """int64 words of a launch's timeline (``timeline=`` of a call): 4 per tile (``tiles``, in the kernel's
-        order: segment step, then row block, then column block), 2 per chunk counter, 1 per program."""
+        order: ``tile_order``), 2 per chunk counter, 1 per program."""
         return 4 * self.tiles + 2 * (self.world + 1) * self.chunks_per_segment + programs
 
     def split_timeline(self, words: Any, programs: int) -> tuple[Any, Any, Any]:
@@ -382,6 +397,7 @@ class GemmReduceScatter:
     ``block`` (block_m, block_n, block_k), ``num_warps`` and ``num_stages`` are the GEMM's tiles (``retile``
     changes them); ``tma=True`` loads A and B through tensor descriptors (needs ``n`` and ``k`` multiples of
     8) instead of pointers and masks, ``tma=None`` (the default) does so exactly when ``n`` and ``k`` allow it.
+    ``group_m``: the tile order within a segment, that many row blocks at a time (1: row-major).
     """
 
     _ALL_GATHER = False
@@ -389,7 +405,8 @@ class GemmReduceScatter:
     def __init__(self, session: Any, m: int, n: int, k: int, *, chunk_rows: int = 64,
                  block: tuple[int, int, int] = GEMM_BLOCK, num_warps: int = 8, num_stages: int = 3,
                  slot_base: int = 0, share: int = 1, programs: int | None = None, out_dtype: Any = None,
-                 partial_dtype: Any = None, channel_capacity: int = 256, tma: bool | None = None) -> None:
+                 partial_dtype: Any = None, channel_capacity: int = 256, tma: bool | None = None,
+                 group_m: int = GROUP_M) -> None:
         import torch
 
         out_dtype = out_dtype or torch.float32
@@ -406,7 +423,7 @@ class GemmReduceScatter:
         self.layout = ReduceScatterLayout(session.rank, session.world, m, n, k, chunk_rows=chunk_rows,
                                           block=tuple(block), partial_bytes=sizes["partial_dtype"],
                                           out_bytes=sizes["out_dtype"], slot_base=slot_base,
-                                          all_gather=self._ALL_GATHER)
+                                          all_gather=self._ALL_GATHER, group_m=group_m)
         self.session, self.rank, self.world = session, session.rank, session.world
         self.m, self.n, self.k, self.m_seg = m, n, k, self.layout.m_seg
         self.device = session.device if session.device is not None and session.device >= 0 else 0
@@ -432,12 +449,13 @@ class GemmReduceScatter:
         self._scratch = DescriptorScratch(self.partial.device)
 
     def retile(self, block: tuple[int, int, int] | None = None, *, num_warps: int | None = None,
-               num_stages: int | None = None, tma: bool | None = None) -> None:
-        """Change the GEMM's tiles (None: keep), checked as the constructor checks them. Launches after it
+               num_stages: int | None = None, tma: bool | None = None, group_m: int | None = None) -> None:
+        """Change the GEMM's tiles and order (None: keep), checked as the constructor checks them. Launches after it
         run the new variant: where ranks share a process, ``preload`` every variant they will run again
         before the next launch of any. ``block`` only before the first launch that communicates: a chunk's
         arrival count (never reset) is in tiles of the block it was counted with."""
         block = self.block if block is None else tuple(block)
+        group_m = check_group(self.layout.group_m if group_m is None else group_m)
         tiles = check_tiles(block, self.num_warps if num_warps is None else num_warps,
                             self.num_stages if num_stages is None else num_stages,
                             self.tma if tma is None else tma, self.n, self.k)
@@ -445,7 +463,7 @@ class GemmReduceScatter:
             if self.launches:
                 raise ValueError(f"block cannot change after a launch that communicated ({self.launches} so far): "
                                  f"the chunks' arrival counts are in tiles of {self.block}")
-            self.layout = replace(self.layout, block=block)
+        self.layout = replace(self.layout, block=block, group_m=group_m)
         self.block, self.num_warps, self.num_stages, self.tma = tiles
 
     def prepare(self) -> None:
@@ -503,7 +521,8 @@ class GemmReduceScatter:
         bm, bn, bk = self.block
         return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PARTIAL_BYTES": self.layout.partial_bytes,
                 "COMMUNICATE": communicate, "COMPUTE": compute, "ALL_GATHER": self._ALL_GATHER, "TMA": self.tma,
-                "TIMELINE": timeline, "num_warps": self.num_warps, "num_stages": self.num_stages}
+                "TIMELINE": timeline, "GROUP_M": self.layout.group_m, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
 
     def timeline(self) -> Any:
         """A zeroed int64 tensor for one launch's timeline (``timeline=`` of a call; the layout's

@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     pytest.skip("Triton is not installed here: pip install -e '.[triton]' (CI installs it)", allow_module_level=True)
 
 from gpuclient.errors import PlanError  # noqa: E402
-from gpuclient.kernels._tiles import DescriptorScratch, check_tiles  # noqa: E402
+from gpuclient.kernels._tiles import DescriptorScratch, check_group, check_tiles, tile_order  # noqa: E402
 from gpuclient.kernels.allgather_gemm import _allgather_gemm  # noqa: E402
 from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout, _gemm_reduce_scatter  # noqa: E402
 from gpuclient.kernels.ring_attention import RingAttentionLayout, _ring_attention  # noqa: E402
@@ -167,6 +167,19 @@ def test_the_gemm_kernels_compile_with_tensor_descriptors_for_sm90(communicate: 
     assert "fence.proxy.async.global" not in ar.asm["ptx"]  # A and B are local: nothing to order
 
 
+def test_a_grouped_tile_order_compiles_with_the_same_protocol() -> None:
+    tiles = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "TMA": True, "GROUP_M": 4}
+    ag = compile_kernel(_allgather_gemm, AG_SIG, {"COMM_PROGRAMS": 1, **tiles, "COMMUNICATE": True, "COMPUTE": True},
+                        num_warps=8)
+    ar = compile_kernel(_gemm_reduce_scatter, rs_signature("bf16", "bf16"),
+                        {**tiles, "PARTIAL_BYTES": 2, "COMMUNICATE": True, "COMPUTE": True, "ALL_GATHER": True},
+                        num_warps=8)
+    for compiled, protocol in ((ag, (2, 2, 1)), (ar, (4, 4, 1))):
+        pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
+        assert (pushes, waits, quiets) == protocol
+        assert any(op.startswith("wgmma") for op in code)
+
+
 def test_the_descriptor_scratch_is_tritons_allocator_only_inside_the_ops_launch() -> None:
     from types import SimpleNamespace
 
@@ -222,6 +235,42 @@ def test_bad_tiles_are_refused_with_the_culprit_named(args: tuple, message: str)
         check_tiles((128, 128, 64), 8, 3, True, n=96, k=100)
 
 
+@pytest.mark.parametrize("group_m", [0, -1, True, 1.0, "4", None])
+def test_a_bad_tile_order_is_refused_with_the_culprit_named(group_m: object) -> None:
+    with pytest.raises(ValueError, match="group_m must be an integer >= 1"):
+        check_group(group_m)
+    assert check_group(3) == 3
+
+
+@pytest.mark.parametrize(("row_blocks", "col_blocks", "group_m"), [(5, 3, 1), (5, 3, 2), (8, 4, 4), (3, 7, 8)])
+def test_the_tile_order_visits_every_tile_once_group_by_group(row_blocks: int, col_blocks: int, group_m: int) -> None:
+    order = tile_order(row_blocks, col_blocks, group_m)
+    assert sorted(order) == list(product(range(row_blocks), range(col_blocks)))
+    if group_m == 1:
+        assert order == list(product(range(row_blocks), range(col_blocks)))  # row-major
+    for i, (r, c) in enumerate(order):  # group by group, column by column inside one
+        first = r // group_m * group_m
+        size = min(group_m, row_blocks - first)
+        assert i == first * col_blocks + c * size + (r - first)
+
+
+@pytest.mark.parametrize("shape", [(2, 4096, 8192, 512, 128), (3, 3 * 700, 1024, 256, 64), (2, 1000, 640, 96, 32)])
+def test_a_group_of_one_chunks_rows_completes_each_chunk_as_row_major_order_does(shape: tuple) -> None:
+    """A GEMM+RS chunk ships with its last tile: grouped by one chunk's row blocks, that tile comes at the same
+    index of the kernel's order as in row-major order, so every chunk ships as early."""
+    world, m, n, chunk_rows, bm = shape
+    def last_tile(group_m: int) -> list[int]:
+        layout = ReduceScatterLayout(0, world, m, n, 64, chunk_rows=chunk_rows, block=(bm, 128, 64), group_m=group_m)
+        last = [0] * layout.chunks_per_segment
+        for i, (step, r, _c) in enumerate(layout.tile_order()):
+            if step == 0:
+                for chunk in layout.tile_chunks(r * bm, min(bm, layout.m_seg - r * bm)):
+                    last[chunk] = i
+        return last
+    assert last_tile(chunk_rows // bm) == last_tile(1)
+    assert last_tile(2 * chunk_rows // bm) != last_tile(1)  # two chunks a group: the first ships later
+
+
 def test_tma_none_takes_descriptors_exactly_where_the_rows_allow() -> None:
     assert check_tiles((128, 256, 64), 8, 3, None, n=96, k=64)[3] is True
     assert check_tiles((128, 256, 64), 8, 3, None, n=100, k=64)[3] is False
@@ -243,6 +292,8 @@ def test_tma_none_takes_descriptors_exactly_where_the_rows_allow() -> None:
     ({"block": (8, 128, 64)}, "powers of two >= 16"),
     ({"block": (128, 128)}, "powers of two >= 16"),
     ({"partial_bytes": 1}, "partial_bytes must be 2 .bf16. or 4 .fp32."),
+    ({"group_m": 0}, "group_m must be an integer >= 1"),
+    ({"group_m": 2.0}, "group_m must be an integer >= 1"),
     ({"out_bytes": 8}, "out_bytes must be 2 .bf16. or 4 .fp32."),
     ({"n": 1 << 26, "chunk_rows": 64}, "passes a put's 32-bit length: lower chunk_rows"),
     ({"n": 1 << 26, "chunk_rows": 1, "out_bytes": 4, "partial_bytes": 2, "all_gather": True},

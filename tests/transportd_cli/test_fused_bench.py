@@ -88,8 +88,13 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
     for bad in ("moe=128", "gemm_all_reduce=0", "gemm_all_reduce=x", "gemm_all_reduce"):  # MoE has no chunks
         result = CliRunner().invoke(bench.main, ["--chunk-rows", bad, "--kernels", "moe"])
         assert result.exit_code == 2 and "--chunk-rows" in result.output, (bad, result.output)
-    assert bench.parse_chunk_rows("gemm_all_reduce=256, gemm_reduce_scatter=512,") == {
+    assert bench.parse_per_kernel("gemm_all_reduce=256, gemm_reduce_scatter=512,") == {
         "gemm_all_reduce": 256, "gemm_reduce_scatter": 512}
+    for bad in ("ring_attention=4", "allgather_gemm=0", "allgather_gemm=-2", "allgather_gemm=x", "gemm_all_reduce"):
+        result = CliRunner().invoke(bench.main, ["--group-m", bad, "--kernels", "moe"])  # the GEMMs only
+        assert result.exit_code == 2 and "--group-m" in result.output, (bad, result.output)
+    assert bench.parse_per_kernel("allgather_gemm=8,gemm_all_reduce=1", "--group-m", bench.GEMMS, "N") == {
+        "allgather_gemm": 8, "gemm_all_reduce": 1}
 
 
 # --- the tuning mode (--tune): what it times, in which order, and how it reports ------------------------------
