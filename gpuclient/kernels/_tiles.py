@@ -32,8 +32,11 @@ import triton.language as tl
 #: compute 1.59-1.64x faster than the first choice (128 x 128 x 64, pointer loads) at the bench's sizes.
 GEMM_BLOCK = (128, 256, 64)
 
-#: The GEMMs' default tile order: row blocks a group of tiles spans (``tile_at``; 1 is row-major).
-GROUP_M = 1
+#: The GEMMs' default tile order: row blocks a group of tiles spans (``tile_at``; 1 is row-major). By
+#: measurement on the H200 (``fused_bench.py --group-m``; docs/performance.md, "GEMM tile order"): 4 or 8 ran
+#: the compute 11-32 % faster than row-major at the bench's sizes; 4 is one 512-row chunk of 128-row tiles, so a
+#: chunk's last tile comes as early as in row-major order, where 8 made tiles wait on two chunks at once.
+GROUP_M = 4
 
 #: bytes of one element of the bf16 operands
 _BF16 = 2

@@ -8,6 +8,7 @@ import inspect
 import json
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -368,7 +369,10 @@ def test_a_reduce_scatter_timeline_splits_into_tiles_chunks_and_ends_and_summari
     words = tiles + chunks + ends
     assert len(words) == lay.timeline_words(3)
     events = bench.rs_timeline_events(lay, 3, words)
-    assert list(events["step"]) == [0, 0, 0, 0, 1, 1, 1, 1] and list(events["band"]) == [0, 0, 1, 1] * 2
+    # the kernel's order: the default groups both row blocks, column by column; row-major goes row by row
+    assert list(events["step"]) == [0, 0, 0, 0, 1, 1, 1, 1] and list(events["band"]) == [0, 1, 0, 1] * 2
+    row_major = bench.rs_timeline_events(replace(lay, group_m=1), 3, words)
+    assert list(row_major["band"]) == [0, 0, 1, 1] * 2
     summary = bench.rs_timeline_summary(lay, events, t0)
     assert summary["end_ms"] == 11.0 and summary["median_end_ms"] == 10.0
     assert summary["peer_tiles"] == {"first_start_ms": 0.0, "last_computed_ms": 4.0, "last_end_ms": 4.0,
