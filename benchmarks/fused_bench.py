@@ -50,6 +50,9 @@ communication up to 1.8x slower (docs/performance.md).
 ``--chunk-rows KERNEL=ROWS,...``: the chunk rows of a kernel's sizes (every size of it, both backends), to weigh
 the messages' size against the soft fabric's cost per message (``SIZES`` says what the defaults were chosen by).
 
+``--ring-pointers``: ring attention loads its key blocks through pointers, not tensor descriptors (its default
+since 2026-12-04, when ``--ring-tma`` turned them on); the row's dims say ``tma=0``.
+
 ``--group-m KERNEL=N,...``: a GEMM's tile order, N row blocks at a time (``_tiles.tile_at``; 1 is row-major),
 to compare orders in one call; the row's dims then name it.
 
@@ -118,7 +121,7 @@ WORLD = 2
 #: h200-2026-12-03-allgather-chunk-rows-512.json). At 8 MiB: AllGather+GEMM's comm / compute on ib is 0.8-1.3 at
 #: both sizes; the reductions' comm was 2.7-3.1 ms (GEMM+RS) and 4.3-6.0 ms (GEMM+AR) on ib, so K 6144 and 12288
 #: balance them (h200-2026-12-03-fused-bench-8mib-{1,2}.json: 0.5-0.75 at K 8192 and 16384, the second sizes);
-#: ring attention's first is balanced, its second comm-bound
+#: ring attention's first is balanced, its second nearer the comm-bound side (below)
 SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 512},
                        {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 512}],
@@ -127,9 +130,11 @@ SIZES: dict[str, list[dict[str, int]]] = {
     "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512},
                         {"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 512}],
     # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
-    # 128 KiB chunks made the communication 17-46x the compute
+    # 128 KiB chunks made the communication 17-46x the compute. The second size was 4096 a rank, comm-bound (comm /
+    # compute 1.8-1.9, even perfect overlap under 1.35x the sequential baseline); 6144 (compute x 0.56 of 8192's,
+    # comm x 0.75) sits between
     "ring_attention": [{"heads": 32, "seq_local": 8192, "head_dim": 128, "chunk_rows": 8192},
-                       {"heads": 32, "seq_local": 4096, "head_dim": 128, "chunk_rows": 8192}],
+                       {"heads": 32, "seq_local": 6144, "head_dim": 128, "chunk_rows": 8192}],
 }
 #: programs per rank of the ops whose programs spin on a peer's data at one program an SM (GEMM+RS/AR, MoE
 #: Dispatch+GEMM's expert GEMM, and ring attention at its 128x128, 8-warp tiles): 66 + 66 fill the H200's 132 SMs
@@ -144,9 +149,12 @@ QUICK_SIZES: dict[str, list[dict[str, int]]] = {
     "gemm_all_reduce": [{"m": 1024, "n": 1024, "k": 1024, "chunk_rows": 64}],
     "ring_attention": [{"heads": 4, "seq_local": 512, "head_dim": 128, "chunk_rows": 128}],
 }
-#: MoE Dispatch+GEMM (``MoE.dispatch_gemm``): 128 tokens a rank, top-8 of 64 experts; an expert's weight H x gemm_n
+#: MoE Dispatch+GEMM (``MoE.dispatch_gemm``): 128 tokens a rank, top-8 of 64 experts; an expert's weight H x gemm_n.
+#: The communication is the dispatch's whatever gemm_n is (4.9-6.1 ms on ib), so gemm_n sets the balance: at 16384
+#: the compute was 4.7 ms (comm / compute 1.3), at 4096 1.5 ms (3.3: outside the band in every call), so the second
+#: size is 24576 (about 7 ms of compute)
 MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 16384},
-                  {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 4096}]
+                  {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 24576}]
 QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "gemm_n": 512}]
 #: efa's sizes. Its model is half ib's rate and the receiving daemon, not the NIC, publishes each flag, so at ib's
 #: second sizes its communication is 2-5x the compute. Both efa sizes keep the communication of ib's first (the
@@ -411,15 +419,16 @@ def gemm_all_reduce(*args: Any, **kw: Any) -> Case:
 
 
 def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: int, heads: int, seq_local: int,
-                   head_dim: int, chunk_rows: int) -> Case:
-    """Forward attention of each rank's queries over the whole (non-causal) sequence."""
+                   head_dim: int, chunk_rows: int, tma: int = 1) -> Case:
+    """Forward attention of each rank's queries over the whole (non-causal) sequence (``tma``: 1, the op's
+    default, loads the whole key blocks through tensor descriptors; 0, ``--ring-pointers``, through pointers)."""
     import torch
     import torch.nn.functional as F  # noqa: N812
 
     from gpuclient.kernels import RingAttention
 
     ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, comm_programs=4, share=WORLD,
-                         programs=PROGRAMS or SPINNING_PROGRAMS) for s in sessions]
+                         programs=PROGRAMS or SPINNING_PROGRAMS, tma=bool(tma)) for s in sessions]
     _exchange(sessions)
     _ready(ops)
     q, k, v = ([_randn(gen, heads, seq_local, head_dim, device=device) for _ in ops] for _ in range(3))
@@ -1255,6 +1264,8 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 @click.option("--group-m", "group_m", default="", metavar="KERNEL=N,...",
               help="the tile order of a GEMM (allgather_gemm, gemm_reduce_scatter, gemm_all_reduce): N row blocks "
                    "at a time, column by column (1: row-major; default: the op's)")
+@click.option("--ring-pointers", is_flag=True,
+              help="ring attention loads its key blocks through pointers (RingAttention(tma=False)), not descriptors")
 @click.option("--tune", is_flag=True,
               help="time each kernel's compute alone with candidate tiles instead (the first size, the first "
                    "backend and shape; MoE Dispatch+GEMM's expert GEMM too, MoE dispatch/combine left out)")
@@ -1267,7 +1278,7 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
-         chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "") -> None:
+         chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -1340,6 +1351,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                             dims = {**dims, "chunk_rows": rows_of[kernel]}
                         if kernel in group_of:
                             dims = {**dims, "group_m": group_of[kernel]}
+                        if ring_pointers and kernel == "ring_attention":
+                            dims = {**dims, "tma": 0}
                         attempt({"kernel": kernel, "backend": backend, "shape": shape, **dims},
                                 fused_row, kernel, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe_dispatch_gemm" in wanted:

@@ -147,6 +147,14 @@ def check_tiles(block: Any, num_warps: Any, num_stages: Any, tma: Any, n: int,
     return block, num_warps, num_stages, tma
 
 
+@triton.jit
+def async_proxy_fence():
+    """Order what this thread saw through the generic proxy (the rows a wait acquired) before its later
+    async-proxy accesses of global memory (tensor-descriptor loads)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global;\nmov.u32 $0, 0;", "=r,~{memory}", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 # --- the GEMMs' compute, shared by AllGatherGemm and GemmReduceScatter / GemmAllReduce ---------------------------
 @triton.jit
 def tile_at(t, row_blocks, col_blocks, GROUP_M: tl.constexpr):

@@ -32,6 +32,7 @@ from gpuclient.kernels._tiles import (
     GEMM_BLOCK,
     GROUP_M,
     DescriptorScratch,
+    async_proxy_fence,
     check_aligned,
     check_group,
     check_tiles,
@@ -40,14 +41,6 @@ from gpuclient.kernels._tiles import (
     tile_at,
 )
 from gpuclient.plan import ChunkPlan
-
-
-@triton.jit
-def _async_proxy_fence():
-    """Order what this thread saw through the generic proxy (the rows a wait acquired) before its later
-    async-proxy accesses of global memory (tensor-descriptor loads)."""
-    tl.inline_asm_elementwise("fence.proxy.async.global;\nmov.u32 $0, 0;", "=r,~{memory}", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 # no specialization on the launch number or the rank (Triton would compile again for launch 1 vs 2, rank 0 vs 1)
@@ -86,7 +79,7 @@ def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world,
                     tpd.wait_range(ch, plan, epoch, src, (src * m_local + row0).to(tl.uint64) * k * 2,
                                    rows.to(tl.uint64) * k * 2)
                     if TMA:
-                        _async_proxy_fence()
+                        async_proxy_fence()
             if COMPUTE:
                 offs_m = row0 + tl.arange(0, BLOCK_M)
                 offs_n = col0 + tl.arange(0, BLOCK_N)

@@ -311,21 +311,25 @@ def _attention(q: list, k: list, v: list, causal: bool):
     return torch.nn.functional.scaled_dot_product_attention(*full, is_causal=causal)[0]
 
 
-@pytest.mark.parametrize(("fabric", "world", "head_dim", "causal", "out_dtype", "comm_programs"), [
-    *[(f, *case) for f in ("ib", "efa") for case in [
+# tma: the whole key blocks through tensor descriptors (RingAttention's default), behind a wait then an
+# async-proxy fence for an arrived block; False: pointer loads
+@pytest.mark.parametrize(("fabric", "world", "head_dim", "causal", "out_dtype", "comm_programs", "tma"), [
+    *[(f, *case, True) for f in ("ib", "efa") for case in [
         (2, 64, False, "float32", 1),
         (2, 128, False, "bfloat16", 1),
         (2, 128, True, "float32", 1),
         (3, 128, False, "float32", 2),  # three ranks: step 2 passes on what arrived at step 1
         (3, 64, True, "bfloat16", 1)]],
-    ("ib-atomic", 2, 128, True, "float32", 1),
-    ("ib-fence", 3, 128, False, "float32", 2),
-    ("efa" + HOST_FLAGS, 3, 128, False, "float32", 2),
-    ("ib" + HOST_FLAGS, 2, 128, True, "float32", 1),
-    ("efa" + CUDA_COPY, 3, 128, True, "float32", 2),
+    ("ib-atomic", 2, 128, True, "float32", 1, True),
+    ("ib-fence", 3, 128, False, "float32", 2, True),
+    ("efa" + HOST_FLAGS, 3, 128, False, "float32", 2, True),
+    ("ib" + HOST_FLAGS, 2, 128, True, "float32", 1, True),
+    ("efa" + CUDA_COPY, 3, 128, True, "float32", 2, True),
+    ("ib", 2, 128, False, "float32", 1, False),
+    ("efa", 3, 64, True, "bfloat16", 2, False),
 ])
 def test_ring_attention_matches_torch(cuda_device, fabric: str, world: int, head_dim: int, causal: bool,
-                                      out_dtype: str, comm_programs: int) -> None:
+                                      out_dtype: str, comm_programs: int, tma: bool) -> None:
     from gpuclient.kernels import RingAttention
 
     # 200 positions per rank: no multiple of the 128-query tile or the 128-key step; chunks of 48 positions
@@ -340,7 +344,7 @@ def test_ring_attention_matches_torch(cuda_device, fabric: str, world: int, head
         try:
             ops = [RingAttention(s, heads, seq_local, head_dim, causal=causal, chunk_rows=chunk_rows,
                                  comm_programs=comm_programs, share=world, programs=comm_programs + 4,
-                                 out_dtype=odt) for _, s in sessions]
+                                 out_dtype=odt, tma=tma) for _, s in sessions]
             _exchange(sessions)
             for op in ops:  # every rank's kernel loaded before any launches (one process, one GPU)
                 op.prepare()

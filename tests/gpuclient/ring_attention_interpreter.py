@@ -111,8 +111,9 @@ def attention(q, k, v, rank: int, causal: bool, scale: float) -> np.ndarray:
 
 
 def check_compute(world: int, heads: int, seq: int, head_dim: int, causal: bool, block: tuple[int, int],
-                  programs: int, seed: int) -> float:
-    """Every rank's output against float64 attention; returns the largest error."""
+                  programs: int, seed: int, tma: bool = False) -> float:
+    """Every rank's output against float64 attention (``tma``: whole key blocks through tensor descriptors);
+    returns the largest error."""
     rng = np.random.default_rng(seed)
     q, k, v = (bf16(rng.standard_normal((world, heads, seq, head_dim))) for _ in range(3))
     scale = head_dim ** -0.5
@@ -132,7 +133,7 @@ def check_compute(world: int, heads: int, seq: int, head_dim: int, causal: bool,
                 HostTensor(np.zeros(1, np.int32), "int32"), rank, world, heads, seq, lay.chunk_elems,
                 lay.chunks_per_block, lay.release_slot, scale * _LOG2E)
         _ring_attention[(programs,)](*args, COMM_PROGRAMS=1, HEAD_DIM=head_dim, BLOCK_M=block[0], BLOCK_N=block[1],
-                                     COPY_BLOCK=64, CAUSAL=causal, COMMUNICATE=False, COMPUTE=True)
+                                     COPY_BLOCK=64, CAUSAL=causal, COMMUNICATE=False, COMPUTE=True, TMA=tma)
         assert np.isfinite(out).all(), f"world {world} rank {rank}: NaN in the output (a read of an unset block)"
         err = float(np.abs(out - attention(q, k, v, rank, causal, scale)).max())
         assert err < 1e-2, f"world {world} rank {rank} causal {causal} head_dim {head_dim}: off by {err}"
@@ -172,8 +173,10 @@ def main() -> int:
             (3, 1, 37, 64, True, (16, 32), 4),  # seq no multiple of either block; causal over three ranks
             (2, 2, 23, 128, True, (32, 16), 2),
             (3, 1, 20, 128, False, (16, 16), 5)):  # more compute programs than tiles
-        err = check_compute(world, heads, seq, head_dim, causal, block, programs, seed=world * 10 + seq)
-        print(f"world {world} heads {heads} seq {seq} head_dim {head_dim} causal {causal}: max error {err:.2e}")
+        for tma in (False, True):
+            err = check_compute(world, heads, seq, head_dim, causal, block, programs, seed=world * 10 + seq, tma=tma)
+            print(f"world {world} heads {heads} seq {seq} head_dim {head_dim} causal {causal} tma {tma}: "
+                  f"max error {err:.2e}")
     print("ok")
     return 0
 

@@ -430,6 +430,28 @@ def test_the_ring_attention_kernel_compiles_for_sm90(head_dim: int, causal: bool
     assert (pushes, waits, quiets) == (3, 3, 1)
 
 
+@pytest.mark.parametrize("communicate", [True, False])
+def test_the_ring_attention_kernel_compiles_with_tensor_descriptors_for_sm90(communicate: bool) -> None:
+    meta = {**ra_meta(128, False, communicate), "BLOCK_M": 128, "BLOCK_N": 128, "TMA": True}
+    compiled = compile_kernel(_ring_attention, RA_SIG, meta, num_warps=8)
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"
+    assert compiled.metadata.global_scratch_size > 0  # the descriptors Triton asks an allocator for
+    pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
+    assert (pushes, waits, quiets) == ((3, 3, 1) if communicate else (0, 0, 0))  # the protocol as without
+    assert any(op.startswith("wgmma") for op in code)
+    assert any(op.startswith("cp.async.bulk.tensor") for op in code)  # the whole key blocks through TMA
+    assert not [op for op in code if ".nc" in op]
+    lines = ptx_lines(compiled.asm["ptx"])
+    fences = [i for i, line in enumerate(lines) if opcode(line) == "fence.proxy.async.global"]
+    if communicate:  # after the wait for a head's range of an arrived block, before any descriptor load
+        waits_at = [i for i, line in enumerate(lines) if line.startswith("TPD_WAIT_")]
+        assert len(fences) == 1 and fences[0] > min(waits_at)
+        wait = max(i for i in waits_at if i < fences[0])
+        assert not [line for line in lines[wait:fences[0]] if opcode(line).startswith("cp.async.bulk.tensor")]
+    else:
+        assert fences == []
+
+
 def test_the_ring_attention_communication_only_variant_ships_and_waits_without_tensor_cores() -> None:
     compiled = compile_kernel(_ring_attention, RA_SIG, ra_meta(128, False, compute=False))
     pushes, waits, quiets, code = protocol_sites(compiled.asm["ptx"])
