@@ -923,8 +923,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 #: "default" and "vs default" name: the baseline the tuning is measured against; the ops now default to the
 #: winners, ``_tiles.GEMM_BLOCK`` with TMA and ``ring_attention.ATTENTION_BLOCK``). The GEMMs' grid: the
 #: 128x128x64 first choice beside the tile shapes and depths Hopper GEMMs usually settle on, and operands
-#: through tensor descriptors (TMA) at three of them; ring attention: block_m x block_n around 64x64, and
-#: its 8-warp tiles at 3 stages (4 do not fit 128 x 128 in shared memory).
+#: through tensor descriptors (TMA) at three of them, and the last in grouped tile orders (``group_m``; a tile
+#: without one is timed row-major); ring attention: block_m x block_n around 64x64, its 8-warp tiles at 3 stages
+#: (4 do not fit 128 x 128 in shared memory), and the op's default tile through descriptors (``tma``; the others
+#: are timed with pointer loads).
 GEMM_TILES: list[dict[str, Any]] = [
     {"block": (128, 128, 64), "num_warps": 8, "num_stages": 3, "tma": False},
     {"block": (128, 128, 64), "num_warps": 4, "num_stages": 4, "tma": False},
@@ -948,6 +950,7 @@ RING_TILES: list[dict[str, Any]] = [
     {"block": (64, 128), "num_warps": 4, "num_stages": 2},
     {"block": (128, 64), "num_warps": 8, "num_stages": 3},
     {"block": (128, 128), "num_warps": 8, "num_stages": 3},
+    {"block": (128, 128), "num_warps": 8, "num_stages": 3, "tma": True},
 ]
 #: MoE Dispatch+GEMM's expert GEMM: a few rows an expert (128 tokens x top-8 over 64 experts: ~32 a rank's
 #: expert) against a wide weight, so it streams the weights: narrower row blocks, wider column blocks, deeper
@@ -1077,8 +1080,10 @@ def tune_session(kernel: str, backend: str, shape: str, dims: dict[str, int], ti
                     if case.retile is not None:
                         compiled = case.retile(tile)
                     else:
-                        # a GEMM tile without an order is timed row-major, not in the order of the tile before it
-                        order = {"group_m": 1} if kernel in GEMMS else {}
+                        # a tile without an order (GEMMs) or a load path (ring attention) is timed row-major and
+                        # through pointers, not as the tile before it or the op's default
+                        order = {"group_m": 1} if kernel in GEMMS else {"tma": False} if kernel == "ring_attention" \
+                            else {}
                         for op in case.ops:
                             op.retile(**{**order, **tile})
                         compiled = [op.preload(communicate=False, compute=True) for op in case.ops][0]

@@ -148,7 +148,8 @@ def test_tune_plan_times_every_kernels_pointer_tiles_before_any_tma_tile() -> No
     assert [(p["kernel"], {t.get("tma", False) for t in p["tiles"]}) for p in plan] == [
         ("allgather_gemm", {False}), ("gemm_reduce_scatter", {False}), ("gemm_all_reduce", {False}),
         ("ring_attention", {False}),
-        ("allgather_gemm", {True}), ("gemm_reduce_scatter", {True}), ("gemm_all_reduce", {True})]
+        ("allgather_gemm", {True}), ("gemm_reduce_scatter", {True}), ("gemm_all_reduce", {True}),
+        ("ring_attention", {True})]
     assert all(p["dims"] == bench.SIZES[p["kernel"]][0] for p in plan)  # the larger size
     assert plan[0]["tiles"][0] == bench.GEMM_TILES[0]  # the default first: its compile is prepare's
     assert [p["kernel"] for p in bench.tune_plan(["ring_attention", "gemm_all_reduce"], bench.QUICK_SIZES,
@@ -225,9 +226,10 @@ def test_a_tuning_run_writes_its_json_after_every_session_and_keeps_failures(tmp
                             bench.QUICK_SIZES, 2, True, 60.0, str(out), "python benchmarks/fused_bench.py --tune",
                             echo=lines.append)
     g, tma = len([t for t in bench.GEMM_TILES if not t["tma"]]), len([t for t in bench.GEMM_TILES if t["tma"]])
-    ring = len(bench.RING_TILES)
+    ring = len([t for t in bench.RING_TILES if not t.get("tma")])
     assert calls == [("allgather_gemm", g, True), ("gemm_all_reduce", g, True), ("ring_attention", ring, True),
-                     ("allgather_gemm", tma, False), ("gemm_all_reduce", tma, True)]  # torch until one session ran
+                     ("allgather_gemm", tma, False), ("gemm_all_reduce", tma, True),  # torch until one session ran
+                     ("ring_attention", len(bench.RING_TILES) - ring, False)]
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
     ag = written["kernels"]["allgather_gemm"]
