@@ -59,7 +59,10 @@ to compare orders in one call; the row's dims then name it.
 ``--timeline RAW``: each GEMM+RS / GEMM+AR row also runs one launch of each of compute, comm and fused with
 the op's timeline (``timeline=``, docs/kernels.md) and summarizes it per rank in the row (``timeline``: when
 the peers' tiles and the own tiles ran, the own tiles' waits, when this rank's chunks shipped, its programs'
-ends, in ms from the first tile's start over both ranks); ``RAW`` gets every recorded event. The transfers of
+ends, in ms from the first tile's start over both ranks); each MoE Dispatch+GEMM row does the same with
+``dispatch_gemm``'s (``moe_timeline_summary``: when each rank pushed its blocks, when the peer's blocks were
+seen and how long after their push, how the expert tiles kept up with the arrivals); ``RAW`` gets every
+recorded event. The transfers of
 ``comm`` are the kernel's own, driven from the GPU: a host-driven sequence through the daemon would add a
 launch and a host round trip per step, so the baseline here is the kinder one. The first fused launch of
 each row is checked against torch (``max_abs_error``).
@@ -174,7 +177,8 @@ EFA_SIZES: dict[str, list[dict[str, int]]] = {
 }
 EFA_MOE_GEMM_SIZES = [MOE_GEMM_SIZES[0], {**MOE_GEMM_SIZES[0], "gemm_n": 40960}]
 KERNELS = tuple(SIZES)
-SIZES_KEYS = tuple(dict.fromkeys(key for sizes in SIZES.values() for dims in sizes for key in dims))
+SIZES_KEYS = tuple(dict.fromkeys(key for sizes in (*SIZES.values(), MOE_GEMM_SIZES) for dims in sizes
+                                  for key in dims))
 
 
 def backend_sizes(backend: str, quick: bool = False) -> dict[str, list[dict[str, int]]]:
@@ -552,6 +556,72 @@ def timeline_runs(case: Case, streams: list[Any]) -> dict[str, Any]:
     return out
 
 
+def moe_timeline_summary(lay: Any, events: list[dict[str, Any]], rank: int, t0: int) -> dict[str, Any]:
+    """Milliseconds from ``t0`` (the earliest event over the ranks) of what rank ``rank``'s ``dispatch_gemm``
+    timeline says, beside its peers' (``events``: every rank's ``MoELayout.split_timeline``, one GPU clock for
+    all): when it pushed its blocks; when its compute programs saw each peer's block arrive, and how long after
+    the peer pushed it (``latency_us``: the transfer through the daemons, flag included); when its tiles ran,
+    how long an expert's tiles took once its rows were in (``expert_us_median``), and how much of the compute
+    came after the last arrival (``after_last_ready_ms``, and the (source, expert) groups still computing
+    then: a backlog, where the compute could not keep up with the arrivals); its programs' ends."""
+    import numpy as np
+
+    def ms(x: Any) -> float:
+        return round(float(x - t0) / 1e6, 4)
+
+    me = events[rank]
+    peers = np.arange(lay.world) != rank
+    out: dict[str, Any] = {"end_ms": ms(me["program_ends"].max()),
+                           "median_end_ms": ms(np.median(me["program_ends"]))}
+    sent = me["sent"][peers]
+    if (sent > 0).any():
+        out["sent"] = {"first_ms": ms(sent[sent > 0].min()), "last_ms": ms(sent.max()), "count": int((sent > 0).sum())}
+    ready = me["ready"]
+    pushed = np.stack([events[s]["sent"][rank] for s in range(lay.world)])  # [source, local]: when s pushed it
+    seen = (ready > 0) & (pushed > 0)
+    if seen.any():
+        latency = (ready[seen] - pushed[seen]) / 1e3
+        out["arrivals"] = {"count": int(seen.sum()), "first_ready_ms": ms(ready[seen].min()),
+                           "last_ready_ms": ms(ready[seen].max()),
+                           "latency_us": {"median": round(float(np.median(latency)), 1),
+                                          "max": round(float(latency.max()), 1)}}
+    done, start = me["done"], me["start"]
+    if (done > 0).any():
+        began = np.maximum(start, ready)  # an expert's tiles from when its rows were in
+        ran = done > 0
+        out["compute"] = {"first_start_ms": ms(start[ran].min()), "last_done_ms": ms(done.max()),
+                          "expert_us_median": round(float(np.median(done[ran] - began[ran])) / 1e3, 1)}
+        if seen.any():
+            last_ready = ready[seen].max()
+            out["compute"]["after_last_ready_ms"] = round(float(done.max() - last_ready) / 1e6, 4)
+            out["compute"]["groups_after_last_ready"] = int((done > last_ready).sum())
+    return out
+
+
+def moe_timeline_runs(moe: Any) -> dict[str, Any]:
+    """One round of each of compute, comm and fused with every rank's ``dispatch_gemm`` timeline (every timeline
+    variant loaded first: the ranks share this process; the rounds timed before ran each mode already): per mode,
+    each rank's summary (``moe_timeline_summary``) and the raw words."""
+    import numpy as np
+    import torch
+
+    for kw in TIMELINE_MODES.values():
+        for op in moe.ops:
+            op.preload_gemm(timeline=True, **kw)
+    out: dict[str, Any] = {}
+    for mode, kw in TIMELINE_MODES.items():
+        timelines = [op.gemm_timeline() for op in moe.ops]
+        torch.cuda.synchronize()
+        moe.round(timelines=timelines, **kw)
+        words = [t.cpu().numpy() for t in timelines]
+        events = [op.layout.split_timeline(w, op.gemm_programs) for op, w in zip(moe.ops, words, strict=True)]
+        firsts = [e[name][e[name] > 0].min() for e in events for name in ("sent", "start") if (e[name] > 0).any()]
+        t0 = int(min(firsts))
+        out[mode] = {"ranks": [moe_timeline_summary(op.layout, events, r, t0) for r, op in enumerate(moe.ops)],
+                     "raw": [np.asarray(w).tolist() for w in words]}
+    return out
+
+
 #: per launch and daemon, from ``_counters``: (counter, row column, scale): the time its soft devices spent placing
 #: direct copies (each blocks their thread), its workers spent in flag loopback writes (efa without GDRCopy), its
 #: NIC model's link was busy, and the flag words its workers copied into GPU memory (efa, cuda-copy)
@@ -778,14 +848,16 @@ class _MoeGemm:
                 op.preload_gemm(communicate=True, compute=False)
         return [op.preload_gemm(communicate=False, compute=True) for op in self.ops][0]
 
-    def round(self, **kw: bool) -> float:
-        """Seconds from the launches until every rank's stream is idle; then the round's combine, untimed."""
+    def round(self, timelines: list[Any] | None = None, **kw: bool) -> float:
+        """Seconds from the launches until every rank's stream is idle; then the round's combine, untimed.
+        ``timelines``: one ``gemm_timeline()`` a rank, recorded by this round's launches."""
         import torch
 
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         handles = [op.dispatch_gemm(self.xs[r], self.idx[r], self.weights[r], self.ws[r], stream=self.streams[r],
-                                    **kw)[2] for r, op in enumerate(self.ops)]
+                                    timeline=None if timelines is None else timelines[r], **kw)[2]
+                   for r, op in enumerate(self.ops)]
         for s in self.streams:
             s.synchronize()
         seconds = time.perf_counter() - t0
@@ -849,9 +921,10 @@ CASES: dict[str, Callable[..., Case]] = {"allgather_gemm": allgather_gemm, "gemm
 
 
 def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
-                 echo: Callable[[str], None] = print) -> dict[str, Any]:
+                 echo: Callable[[str], None] = print, timeline: bool = False) -> dict[str, Any]:
     """MoE Dispatch+GEMM (``MoE.dispatch_gemm``): compute, comm, fused and torch times like ``fused_row``.
-    Every round with communication is followed by a ``combine`` (untimed): a round must close before the next."""
+    Every round with communication is followed by a ``combine`` (untimed): a round must close before the next.
+    ``timeline``: then one round of each mode with every rank's timeline (``moe_timeline_runs``)."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(9)
@@ -877,6 +950,10 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
             "torch": lambda: _time_once(moe.torch_compute, streams)}, reps, clients)
         row.update({f"{mode}_s": t for mode, t in seconds.items()})
         per_launch(row, counted_by, reps)
+        if timeline:
+            runs = moe_timeline_runs(moe)
+            row["timeline"] = {mode: run["ranks"] for mode, run in runs.items()}
+            row["timeline_raw"] = {mode: run["raw"] for mode, run in runs.items()}  # main moves it to its own file
         _check_channels(ops)
     derive(row, 2.0 * rows * hidden * gemm_n, remote_rows * hidden * 2)
     echo(_summary(row, dims))
@@ -1261,8 +1338,8 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
               help="efa's flags.publication: how the receiving daemon writes flags into GPU memory (cuda-copy: word "
                    "copies on its worker's stream, not waited for; auto: a loopback RDMA write here, with no GDRCopy)")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
-              help="also run one launch of each mode with the kernels' timelines (GEMM+RS, GEMM+AR): a summary in "
-                   "each row, every recorded event here")
+              help="also run one launch of each mode with the kernels' timelines (GEMM+RS, GEMM+AR, MoE "
+                   "Dispatch+GEMM): a summary in each row, every recorded event here")
 @click.option("--chunk-rows", "chunk_rows", default="", metavar="KERNEL=ROWS,...",
               help="override the chunk rows of a kernel's sizes (e.g. gemm_all_reduce=256): the messages' size, "
                    "against the soft fabric's cost per message")
@@ -1363,7 +1440,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                 if "moe_dispatch_gemm" in wanted:
                     for dims in run_sizes["moe_dispatch_gemm"][:sizes]:
                         attempt({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims},
-                                moe_gemm_row, backend, shape, dims, reps)
+                                moe_gemm_row, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe" in wanted:
                     for decoupled in ((False, True) if backend == "ib" else (False,)):
                         attempt({"kernel": "moe", "backend": backend, "shape": shape, "decoupled": decoupled},

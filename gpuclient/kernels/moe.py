@@ -336,12 +336,15 @@ def _last_source(c, off, r0, r1, order):
 def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
                        recv_src_ptr, src_stage_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, count_region,
                        recv_region, src_stage_region, send_x_region, send_src_region, count_slot, dispatch_slot,
-                       expert_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
+                       expert_slot, timeline, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
                        H: tl.constexpr, N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
                        COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr,
                        PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, COMMUNICATE: tl.constexpr,
-                       COMPUTE: tl.constexpr):
+                       COMPUTE: tl.constexpr, TIMELINE: tl.constexpr = False):
+    # TIMELINE (MoELayout.timeline_words): %globaltimer when each (peer, expert) block was pushed, and per (source,
+    # expert) the first pass of its flag's wait, the first start and the last end of the tiles taken at its step
+    # (atomic min / max over the programs), then each program's end
     pid = tl.program_id(0)
     ls = tl.arange(0, LP)
     ss = tl.arange(0, WP)
@@ -375,6 +378,8 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                                               expert_slot + rank * L + local, H, PUT_ROWS)
                         else:
                             tpd.signal(ch, d, expert_slot + rank * L + local, 1)
+                        if TIMELINE:
+                            tl.store(timeline + d * L + local, tpd.globaltimer().to(tl.int64))
                     _put_handles(ch, d, rank, src_stage_region, send_src_region, L, T, HANDLE_WORDS)
                     tpd.signal(ch, d, dispatch_slot + rank, 1)
             # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
@@ -435,9 +440,17 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                     c_own = tl.sum(tl.where(ss == rank, c, 0), axis=0)
                     off_own = tl.sum(tl.where(ss == rank, off, 0), axis=0)
                     own_start = tl.load(eoff_ptr + rank * L + local)  # our block of the expert in send_x
-                    for j in range((cp + progs - item % progs) % progs, tiles, progs):
+                    # this program's tiles of the group: j = j0, j0 + progs, ... (j0 rotates with item, so the
+                    # groups' odd tiles fall on every program in turn). The loop starts at 0: Triton 3.6 drops a
+                    # loop-carried value that only an inner loop's lower bound reads (the deal then never rotated,
+                    # and the first (tiles % progs) programs took one tile more in every group)
+                    j0 = (cp + progs - item % progs) % progs
+                    for jj in range(0, tiles - j0, progs):
+                        j = j0 + jj
                         r0 = (lo + j // col_blocks) * BLOCK_M
                         col0 = (j % col_blocks) * BLOCK_N
+                        if TIMELINE:
+                            tl.atomic_min(timeline + 2 * W * L + src * L + local, tpd.globaltimer().to(tl.int64))
                         if COMMUNICATE:  # the expert flag of each source with rows in the tile, once per program
                             touch = (c > 0) & (off < r0 + BLOCK_M) & (off + c > r0)
                             had = tl.sum(tl.where(ls[:, None] == local, waited.to(tl.int32), 0), axis=0)  # [WP]
@@ -445,6 +458,9 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                             for s in range(0, W):
                                 if tl.sum(tl.where(ss == s, need.to(tl.int32), 0), axis=0) > 0:
                                     tpd.wait(ch, expert_slot + s * L + local, gemm_epoch)
+                                    if TIMELINE:
+                                        tl.atomic_min(timeline + W * L + s * L + local,
+                                                      tpd.globaltimer().to(tl.int64))
                             waited = waited | ((ls[:, None] == local) & touch[None, :])
                         if COMPUTE:
                             rows = r0 + offs_m
@@ -466,7 +482,11 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                                 acc = tl.dot(a, b, acc)
                             out = y_ptr + tl.cast(local * (W * T) + rows, tl.int64)[:, None] * N + cols[None, :]
                             tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+                        if TIMELINE:
+                            tl.atomic_max(timeline + 3 * W * L + src * L + local, tpd.globaltimer().to(tl.int64))
                     item += tiles
+    if TIMELINE:
+        tl.store(timeline + 4 * W * L + pid, tpd.globaltimer().to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -647,6 +667,7 @@ class MoE:
         self.gemm_block, self.comm_programs, self._gemm_programs = tuple(gemm_block), comm_programs, gemm_programs
         self.gemm_warps, self.gemm_stages = gemm_warps, gemm_stages
         self.y = None if gemm_n is None else torch.empty((L, lay.capacity, gemm_n), dtype=self.gemm_dtype, device=dev)
+        self._no_timeline = torch.zeros(1, dtype=torch.int64, device=dev)  # the argument of a launch without one
         self.slots = lay.slots
         session.flag_slots(slot_base, self.slots, type(self).__name__)
         self.block_h = min(_pow2(H), 1024)
@@ -701,18 +722,32 @@ class MoE:
             self.gemm_block if block is None else block, self.gemm_warps if num_warps is None else num_warps,
             self.gemm_stages if num_stages is None else num_stages)
 
-    def preload_gemm(self, communicate: bool = True, compute: bool = True) -> Any:
-        """Compile and load the ``dispatch_gemm`` kernel variant that ``communicate=``, ``compute=`` launch
-        (``prepare`` loads the default one): ranks sharing a process must load every variant they will run
-        before the first launch of any (the preload rule). Returns Triton's compiled kernel."""
+    def preload_gemm(self, communicate: bool = True, compute: bool = True, timeline: bool = False) -> Any:
+        """Compile and load the ``dispatch_gemm`` kernel variant that ``communicate=``, ``compute=`` and (with a
+        timeline or not) ``timeline=`` launch (``prepare`` loads the default one): ranks sharing a process must
+        load every variant they will run before the first launch of any (the preload rule). Returns Triton's
+        compiled kernel."""
         import torch
 
         if self.gemm_n is None:
             raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no kernel")
         self.prepare()
         w = torch.empty(8, dtype=torch.bfloat16, device=self.recv_x.device)  # a stand-in: only dtype and alignment
-        return tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, 1, w, self.y), grid=(self.gemm_programs,),
-                           **self._gemm_meta(communicate, compute))
+        return tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, 1, w, self.y, None), grid=(self.gemm_programs,),
+                           **self._gemm_meta(communicate, compute, timeline))
+
+    def gemm_timeline(self) -> Any:
+        """A fresh int64 tensor for one ``dispatch_gemm`` launch's timeline (``timeline=``): what each event of the
+        launch was, on the GPU's %globaltimer (``MoELayout.split_timeline`` reads it, ``timeline_words`` sizes it;
+        docs/kernels.md). Made before the launch: a torch kernel between the ranks' launches could wait behind
+        a spinning one."""
+        import torch
+
+        if self.gemm_n is None:
+            raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no timeline")
+        self.prepare()
+        start = self.layout.timeline_start(self.gemm_programs)
+        return torch.from_numpy(start).to(self.recv_x.device)
 
     def _route_args(self, x: Any, idx: Any, tokens: int) -> tuple:
         return (x, idx, self.send_x, self.idx32, self.stage_row, self.counts_all, self.stage_off, self.send_src,
@@ -743,21 +778,22 @@ class MoE:
                 "LP": _pow2(self.local_experts), "WP": _pow2(self.world), "BLOCK_T": self.block_t,
                 "num_warps": self.num_warps}
 
-    def _gemm_args(self, epoch: int, gemm_epoch: int, w: Any, y: Any) -> tuple:
+    def _gemm_args(self, epoch: int, gemm_epoch: int, w: Any, y: Any, timeline: Any) -> tuple:
         r = self.regions
         return (self._ch, epoch, gemm_epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src,
                 self.recv_x, self.recv_src, self.src_stage, w, y, self.recv_count, self.recv_layout, r["counts_all"],
                 r["recv_x"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
-                self.layout.dispatch_slot, self.layout.expert_slot)
+                self.layout.dispatch_slot, self.layout.expert_slot,
+                self._no_timeline if timeline is None else timeline)
 
-    def _gemm_meta(self, communicate: bool = True, compute: bool = True) -> dict[str, Any]:
+    def _gemm_meta(self, communicate: bool = True, compute: bool = True, timeline: bool = False) -> dict[str, Any]:
         bm, bn, bk = self.gemm_block
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
                 "H": self.hidden, "N": self.gemm_n, "LP": _pow2(self.local_experts), "WP": _pow2(self.world),
                 "COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                 "BLOCK_H": self.block_h, "BLOCK_T": self.block_t, "COPY_ROWS": self.copy_rows,
                 "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words,
-                "COMMUNICATE": communicate, "COMPUTE": compute,
+                "COMMUNICATE": communicate, "COMPUTE": compute, "TIMELINE": timeline,
                 "num_warps": self.gemm_warps, "num_stages": self.gemm_stages}
 
     def _combine_send_args(self, y: Any) -> tuple:
@@ -838,8 +874,8 @@ class MoE:
         return tokens
 
     def dispatch_gemm(self, x: Any, topk_idx: Any, topk_weights: Any, w: Any, *, out: Any = None,
-                      stream: Any = None, communicate: bool = True,
-                      compute: bool = True) -> tuple[Any, Any, MoEHandle | None]:
+                      stream: Any = None, communicate: bool = True, compute: bool = True,
+                      timeline: Any = None) -> tuple[Any, Any, MoEHandle | None]:
         """``dispatch`` fused with each local expert's GEMM: returns ``(y, recv_count, handle)`` with
         ``y[l, :recv_count[l]] = recv_x[l, :recv_count[l]] @ w[l]`` (fp32 accumulation; ``gemm_dtype``).
 
@@ -852,7 +888,9 @@ class MoE:
         For timing: ``compute=False`` moves the rows and waits as usual but skips the GEMM (``y`` is not
         written); ``communicate=False`` sends and waits for nothing, counts no round and returns no handle: it
         runs the GEMM again over the latest round's rows and counts (``x``, ``topk_idx`` and ``topk_weights`` are
-        not read and may be None). Each variant must be preloaded (``preload_gemm``) where ranks share a process.
+        not read and may be None). ``timeline``: a ``gemm_timeline()`` tensor, to record when this launch pushed
+        each block, saw each source's rows arrive and computed each expert's tiles (a variant of its own). Each
+        variant must be preloaded (``preload_gemm``) where ranks share a process.
         """
         import torch
 
@@ -863,6 +901,9 @@ class MoE:
         self._check("w", w, (L, H, N), (torch.bfloat16,))
         y = self.y if out is None else out
         self._check("out", y, tuple(self.y.shape), (self.gemm_dtype,))
+        if timeline is not None:
+            self.prepare()
+            self._check("timeline", timeline, (self.layout.timeline_words(self.gemm_programs),), (torch.int64,))
         if not communicate and self.rounds == 0:
             raise RuntimeError("communicate=False reruns the GEMM of the latest round: dispatch one first")
         self.prepare()
@@ -874,8 +915,8 @@ class MoE:
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             if communicate:
                 _moe_route[(self.programs,)](*self._route_args(x, topk_idx, tokens), **self._route_meta())
-            _moe_dispatch_gemm[(self.gemm_programs,)](*self._gemm_args(epoch, gemm_epoch, w, y),
-                                                      **self._gemm_meta(communicate, compute))
+            _moe_dispatch_gemm[(self.gemm_programs,)](*self._gemm_args(epoch, gemm_epoch, w, y, timeline),
+                                                      **self._gemm_meta(communicate, compute, timeline is not None))
         if not communicate:
             return y, self.recv_count, None
         self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,

@@ -39,6 +39,7 @@ rows where that source's rows landed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -172,6 +173,45 @@ class MoELayout:
     @property
     def slots(self) -> int:
         return 3 * self.world + self.world * self.local_experts
+
+    # --- dispatch_gemm's timeline (``timeline=``) -----------------------------------------------------------------
+    #: the events of each (rank, local expert) pair, in the timeline's order (``split_timeline``)
+    TIMELINE_EVENTS = ("sent", "ready", "start", "done")
+    #: the value of a ``ready`` or ``start`` word (an atomic min) that no program wrote: read back as 0
+    TIMELINE_UNSET = np.iinfo(np.int64).max
+
+    def timeline_words(self, programs: int) -> int:
+        """int64 words of a ``dispatch_gemm`` launch's timeline: ``world x L`` per event of ``TIMELINE_EVENTS``,
+        then one per program."""
+        return len(self.TIMELINE_EVENTS) * self.world * self.local_experts + programs
+
+    def split_timeline(self, words: Any, programs: int) -> dict[str, np.ndarray]:
+        """A launch's timeline (``timeline_words(programs)`` int64 words, any array-like) as ``world x L`` arrays
+        of %globaltimer ns (0: it did not happen in that launch), and ``program_ends``:
+
+        - ``sent[d, l]``: this rank pushed the last record of its block for peer d's local expert l (the
+          put_signal of its expert flag, or the SIGNAL of an empty block);
+        - ``ready[s, l]``: a compute program first got past the wait for source s's block of local expert l;
+        - ``start[s, l]`` / ``done[s, l]``: the first start and the last end of the tiles taken at source s's
+          step for local expert l (a tile holding rows of several sources is taken at the latest one's).
+        """
+        words = np.asarray(words, dtype=np.int64)
+        if words.shape != (self.timeline_words(programs),):
+            raise ValueError(f"a timeline of {programs} programs is {self.timeline_words(programs)} words, got "
+                             f"shape {words.shape}")
+        per = self.world * self.local_experts
+        out = {name: np.where(words[i * per:(i + 1) * per] == self.TIMELINE_UNSET, 0,
+                              words[i * per:(i + 1) * per]).reshape(self.world, self.local_experts)
+               for i, name in enumerate(self.TIMELINE_EVENTS)}
+        out["program_ends"] = words[len(self.TIMELINE_EVENTS) * per:]
+        return out
+
+    def timeline_start(self, programs: int) -> np.ndarray:
+        """A launch's timeline before it runs: 0, and ``TIMELINE_UNSET`` under the atomic minima."""
+        words = np.zeros(self.timeline_words(programs), dtype=np.int64)
+        per = self.world * self.local_experts
+        words[per:3 * per] = self.TIMELINE_UNSET
+        return words
 
     # --- the model -------------------------------------------------------------------------------------------------
     def check_topk(self, topk_idx: np.ndarray) -> np.ndarray:

@@ -382,6 +382,91 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
 
 
 @pytest.mark.parametrize("fabric", ["ib", "efa"])
+def test_a_dispatch_gemm_timeline_orders_every_event_and_changes_nothing(cuda_device, fabric: str) -> None:
+    """``dispatch_gemm(timeline=)``, three fused rounds with no flag reset (uneven routing, a hot expert), each
+    followed by combine: ``y`` still matches float64 ``x @ w`` with the peers' rows and ``y`` poisoned first, and
+    what the timeline recorded is ordered the way the kernel runs, on the one GPU clock both ranks share: a
+    block pushed to every peer's every expert; each source's rows seen only after that source pushed them, and
+    never a wait for the own rows; every expert with rows computed, its last tile after its rows arrived; a
+    tile's start before its end; every program's end after the tiles."""
+    from gpuclient.kernels import MoE
+
+    world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
+    dev = f"cuda:{cuda_device}"
+    rng = np.random.default_rng(13)
+    gen = torch.Generator(device="cpu").manual_seed(13)
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
+    local = lays[0].local_experts
+    with _cluster(world, fabric) as cluster:
+        sessions = _ranks(cluster, "moe-gemm-timeline", cuda_device)
+        try:
+            ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4, gemm_n=hidden,
+                       comm_programs=2, gemm_programs=6) for _, s in sessions]
+            _exchange(sessions)
+            for op in ops:  # both ranks' every variant loaded before either launches
+                op.prepare()
+                op.preload_gemm(timeline=True)
+            streams = [torch.cuda.Stream(cuda_device) for _ in ops]
+            weights_e, w_dev = _expert_weights(gen, experts, hidden, dev)
+            w_rank = [w_dev[r * local:(r + 1) * local] for r in range(world)]
+            with pytest.raises(ValueError, match="timeline must be"):
+                ops[0].dispatch_gemm(None, None, None, w_rank[0], communicate=False,
+                                     timeline=torch.zeros(3, dtype=torch.int64, device=dev))
+            for rnd in range(1, ROUNDS + 1):
+                tokens = [max_tokens, max_tokens - 5]
+                idx = [_routing(rng, n, topk, np.arange(experts), hot=1, dtype=np.int64) for n in tokens]
+                xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in tokens]
+                ws = [torch.rand(n, topk, generator=gen) for n in tokens]
+                x_dev, w_in = [x.to(dev) for x in xs], [w.to(dev) for w in ws]
+                idx_dev = [torch.from_numpy(i).to(dev) for i in idx]
+                for op in ops:
+                    for buf in (op.recv_x, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
+                        buf.fill_(float("nan"))
+                timelines = [op.gemm_timeline() for op in ops]
+                torch.cuda.synchronize(cuda_device)
+                handles = []
+                for r, op in enumerate(ops):
+                    with torch.cuda.stream(streams[r]):
+                        handles.append(op.dispatch_gemm(x_dev[r], idx_dev[r], w_in[r], w_rank[r], stream=streams[r],
+                                                        timeline=timelines[r]))
+                torch.cuda.synchronize(cuda_device)
+                model = dispatch_model(lays, idx)
+                events = [lay.split_timeline(t.cpu().numpy(), op.gemm_programs)
+                          for lay, t, op in zip(lays, timelines, ops, strict=True)]
+                for r, op in enumerate(ops):
+                    what = f"{fabric} round {rnd} rank {r}"
+                    assert op.channel.status()[0] == 0, (what, op.channel.status())
+                    src, y = handles[r][2].recv_src.cpu().numpy(), op.y.cpu()
+                    ev, counts = events[r], model[r]["recv_layout"][:, :, 1]  # [local, source] rows
+                    assert (ev["sent"][np.arange(world) != r] > 0).all() and not ev["sent"][r].any(), what
+                    assert not ev["ready"][r].any(), what  # the own rows: no wait
+                    for le in range(local):
+                        n = int(model[r]["recv_count"][le])
+                        a = _rows_of(lays[r], src[le], n, xs)
+                        w64 = weights_e[r * local + le].double()
+                        ref, size = a @ w64, a.abs() @ w64.abs()
+                        got = y[le, :n].double()
+                        assert torch.isfinite(got).all(), f"{what} expert {le}: a row read before it arrived"
+                        assert ((got - ref).abs() <= 2.0 ** -12 * size + 2.0 ** -8 * ref.abs()).all(), (what, le)
+                        for s in range(world):
+                            if s != r and counts[le, s]:  # seen after its source pushed it
+                                assert ev["ready"][s, le] > events[s]["sent"][r, le] > 0, (what, le, s)
+                        if n:
+                            assert ev["done"][:, le].max() >= ev["ready"][:, le].max(), (what, le)
+                    ran = ev["done"] > 0
+                    assert (ev["start"][ran] > 0).all() and (ev["start"][ran] <= ev["done"][ran]).all(), what
+                    assert (ev["program_ends"] > 0).all() and ev["program_ends"].max() >= ev["done"].max(), what
+                outs = []
+                for r, op in enumerate(ops):
+                    with torch.cuda.stream(streams[r]):
+                        outs.append(op.combine(op.y, handles[r][2], stream=streams[r]))
+                torch.cuda.synchronize(cuda_device)
+                assert all(torch.isfinite(out.float()).all() for out in outs), f"{fabric} round {rnd}"
+        finally:
+            _close(sessions)
+
+
+@pytest.mark.parametrize("fabric", ["ib", "efa"])
 def test_moe_fp8_dispatch_matches_a_torch_quantization(cuda_device, fabric: str) -> None:
     """``MoE(fp8=True)``: rows travel as e4m3 with an fp32 scale per 128 values (DeepEP's low-latency FP8).
 

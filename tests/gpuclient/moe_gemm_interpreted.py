@@ -371,8 +371,9 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             _b(ch), epoch, gemm_epoch, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x), _b(me.send_src),
             _b(me.recv_x), _b(me.recv_src), _b(me.src_stage), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout),
             *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")], lay.count_slot,
-            lay.dispatch_slot, lay.expert_slot, W=W_, E=E_, L=L_, T=T_, H=H_, N=n_out, LP=m._pow2(L_),
-            WP=m._pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=16, BLOCK_T=4,
+            lay.dispatch_slot, lay.expert_slot, _b(np.zeros(1, dtype=np.int64)), W=W_, E=E_, L=L_, T=T_, H=H_,
+            N=n_out, LP=m._pow2(L_), WP=m._pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            BLOCK_H=16, BLOCK_T=4,
             COPY_ROWS=copy_rows, PUT_ROWS=put_rows_, HANDLE_WORDS=lay.handle_words, COMMUNICATE=communicate,
             COMPUTE=True)
         fabric.fused = check.active = False

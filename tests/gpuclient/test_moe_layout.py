@@ -322,7 +322,7 @@ SIGNATURES = {
                             "y_ptr": "*bf16", "recv_count_ptr": "*i32", "layout_ptr": "*i32", "count_region": "i32",
                             "recv_region": "i32", "src_stage_region": "i32", "send_x_region": "i32",
                             "send_src_region": "i32", "count_slot": "i32", "dispatch_slot": "i32",
-                            "expert_slot": "i32"},
+                            "expert_slot": "i32", "timeline": "*i64"},
                            {"W": W, "E": E, "L": L, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
                             "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 256,
                             "BLOCK_T": 128, "COPY_ROWS": 16, "PUT_ROWS": T, "HANDLE_WORDS": L * T,
@@ -372,6 +372,60 @@ def test_the_dispatch_gemm_variants_compile_for_sm90(world: int, communicate: bo
     else:
         assert (pushes, waits, quiets) == (0, 0, 0)
         assert not [op for op in code if op.startswith("atom")]
+
+
+@pytest.mark.parametrize(("communicate", "compute"), [(True, True), (True, False), (False, True)])
+def test_a_dispatch_gemm_timeline_adds_clock_reads_and_nothing_to_the_protocol(communicate: bool,
+                                                                               compute: bool) -> None:
+    from tests.gpuclient.test_triton import ptx_lines
+
+    signature, meta = SIGNATURES["_moe_dispatch_gemm"]
+    meta = {**meta, "COMMUNICATE": communicate, "COMPUTE": compute}
+    plain, timed = (compile_kernel(moe_kernels._moe_dispatch_gemm, signature, {**meta, "TIMELINE": on}, num_warps=4)
+                    for on in (False, True))
+    reads = [sum("%globaltimer" in line for line in ptx_lines(c.asm["ptx"])) for c in (plain, timed)]
+    # a tile's start and end and a program's end at least, and where it communicates a block pushed and a flag's
+    # wait passed (the plain kernel reads the clock too, for the waits' spin bound, in blocks that the compiler
+    # may duplicate without the GEMM)
+    assert reads[1] - reads[0] >= (5 if communicate and compute else 3), reads
+    (pushes, waits, quiets), (pushes0, waits0, quiets0) = (protocol_sites(c.asm["ptx"])[:3] for c in (timed, plain))
+    assert (pushes, quiets) == (pushes0, quiets0)
+    # without the GEMM the compiler may duplicate a wait's block, more or less often (the variants test above)
+    assert waits == waits0 if compute else min(waits, waits0) >= 4 * W
+
+
+def test_the_dispatch_gemm_timeline_layout_names_every_word() -> None:
+    lay = MoELayout(1, 3, 6, 8, 2, 16)  # 3 ranks x 2 local experts, 4 events, 5 programs
+    assert lay.timeline_words(5) == 4 * 6 + 5
+    start = lay.timeline_start(5)
+    assert (start[6:18] == MoELayout.TIMELINE_UNSET).all() and not start[:6].any() and not start[18:].any()
+    words = np.arange(lay.timeline_words(5))
+    words[7] = MoELayout.TIMELINE_UNSET  # a ready word no program wrote
+    got = lay.split_timeline(words, 5)
+    assert sorted(got) == ["done", "program_ends", "ready", "sent", "start"]
+    assert got["sent"].tolist() == [[0, 1], [2, 3], [4, 5]] and got["ready"][0].tolist() == [6, 0]
+    assert got["start"][2, 1] == 17 and got["done"][0, 0] == 18 and got["program_ends"].tolist() == [24, 25, 26, 27, 28]
+    with pytest.raises(ValueError, match="a timeline of 5 programs is 29 words"):
+        lay.split_timeline(np.zeros(28), 5)
+
+
+@pytest.mark.parametrize("communicate", [False, True])
+def test_the_compiled_tile_deal_carries_its_running_count_through_both_loops(communicate: bool) -> None:
+    """The compute programs deal each (source step, expert) group's tiles from where the previous group's deal
+    ended (``item``, a running tile count), so a group's odd tiles fall on every program in turn. Written as a
+    loop whose lower bound alone read it, Triton 3.6 dropped the count from the step and expert loops: every
+    group started at program 0, and on the H200 the first ``tiles % programs`` programs ended about 1 ms after
+    the rest (docs/performance.md, "MoE Dispatch+GEMM's timeline"). Compiled as a launch specializes it, both
+    loops still carry an i32."""
+    import re
+
+    signature, meta = SIGNATURES["_moe_dispatch_gemm"]
+    meta = {**meta, "L": 32, "E": 64, "LP": 32, "H": 256, "N": 16384, "COMMUNICATE": communicate}
+    compiled = compile_kernel(moe_kernels._moe_dispatch_gemm, signature, meta, num_warps=4)
+    carried = re.findall(r"scf\.for %\w+ = %c0_i32 to %c(\d+)_i32 step %c1_i32 iter_args\([^)]*\) -> \(([^)]*)\)",
+                         compiled.asm["ttgir"])
+    loops = {int(trip): types for trip, types in carried}
+    assert "i32" in loops.get(W, "").split(", ") and "i32" in loops.get(32, "").split(", "), carried
 
 
 def test_the_dispatch_gemm_k_loop_is_pipelined_only_after_the_tiles_waits() -> None:

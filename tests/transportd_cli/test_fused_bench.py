@@ -385,6 +385,37 @@ def test_a_reduce_scatter_timeline_splits_into_tiles_chunks_and_ends_and_summari
                                  "shipped_ms": [2.5, 5.0]}
 
 
+def test_a_moe_gemm_timeline_summary_reads_the_peers_pushes_beside_the_arrivals() -> None:
+    """Rank 0 of two, two local experts: the peer's blocks seen 200 and 300 us after their push, the second
+    expert's tiles still running after the last arrival."""
+    from gpuclient.kernels.moe_layout import MoELayout
+
+    bench = _bench()
+    ms, t0 = 1_000_000, 100_000_000
+    lays = [MoELayout(r, 2, 4, 8, 2, 16) for r in range(2)]
+
+    def words(sent: list, ready: list, start: list, done: list, ends: list) -> list[int]:
+        # [rank or source][local expert], in ms from t0 (None: never happened)
+        flat = [x for event in (sent, ready, start, done) for per in event for x in per]
+        return [0 if x is None else t0 + round(x * ms) for x in flat] + [t0 + round(x * ms) for x in ends]
+
+    rank0 = words(sent=[[None, None], [1.0, 2.0]], ready=[[None, None], [1.7, 3.3]],
+                  start=[[0.0, 0.1], [1.0, 1.1]], done=[[0.5, 0.6], [2.0, 3.5]], ends=[3.6, 3.4, 3.5])
+    rank1 = words(sent=[[1.5, 3.0], [None, None]], ready=[[1.2, 2.4], [None, None]],
+                  start=[[1.0, 1.0], [0.2, 0.2]], done=[[1.5, 2.9], [0.4, 0.4]], ends=[3.0, 3.0, 3.0])
+    events = [lay.split_timeline(w, 3) for lay, w in zip(lays, (rank0, rank1), strict=True)]
+    got = bench.moe_timeline_summary(lays[0], events, 0, t0)
+    assert got["end_ms"] == 3.6 and got["median_end_ms"] == 3.5
+    assert got["sent"] == {"first_ms": 1.0, "last_ms": 2.0, "count": 2}
+    assert got["arrivals"] == {"count": 2, "first_ready_ms": 1.7, "last_ready_ms": 3.3,
+                               "latency_us": {"median": 250.0, "max": 300.0}}
+    # an expert's tiles from when its rows were in: own 500 and 500 us, the peer's 300 and 200
+    assert got["compute"] == {"first_start_ms": 0.0, "last_done_ms": 3.5, "expert_us_median": 400.0,
+                              "after_last_ready_ms": 0.2, "groups_after_last_ready": 1}
+    alone = [{**e, "sent": 0 * e["sent"], "ready": 0 * e["ready"]} for e in events]  # the compute alone
+    assert set(bench.moe_timeline_summary(lays[1], alone, 1, t0)) == {"end_ms", "median_end_ms", "compute"}
+
+
 def test_timeline_events_go_to_their_own_file_and_the_rows_keep_the_summaries(tmp_path: Path, monkeypatch) -> None:
     bench = _bench()
     out, raw = tmp_path / "fused.json", tmp_path / "raw.json"
@@ -396,16 +427,23 @@ def test_timeline_events_go_to_their_own_file_and_the_rows_keep_the_summaries(tm
         done = bench.derive({"kernel": kernel, "backend": backend, "shape": shape, **dims, **times}, 1e9, 1 << 20)
         return {**done, "timeline": {"fused": [{"end_ms": 3.0}]}, "timeline_raw": {"fused": [[1, 2, 3]]}}
 
+    def moe_row(backend, shape, dims, reps, echo=print, timeline=False):
+        return row("moe_dispatch_gemm", backend, shape, dims, reps, echo, timeline)
+
     monkeypatch.setattr(bench, "fused_row", row)
+    monkeypatch.setattr(bench, "moe_gemm_row", moe_row)
     result = CliRunner().invoke(bench.main, ["--json", str(out), "--timeline", str(raw), "--kernels",
-                                             "gemm_reduce_scatter", "--backends", "ib", "--quick"])
+                                             "gemm_reduce_scatter,moe_dispatch_gemm", "--backends", "ib", "--quick"])
     assert result.exit_code == 0, result.output
-    assert asked == [True]
-    (kept,) = json.loads(out.read_text())["rows"]
-    assert kept["timeline"] == {"fused": [{"end_ms": 3.0}]} and "timeline_raw" not in kept
-    (events,) = json.loads(raw.read_text())
+    assert asked == [True, True]
+    kept, kept_moe = json.loads(out.read_text())["rows"]
+    for r in (kept, kept_moe):
+        assert r["timeline"] == {"fused": [{"end_ms": 3.0}]} and "timeline_raw" not in r
+    events, moe_events = json.loads(raw.read_text())
     assert events["kernel"] == "gemm_reduce_scatter" and events["backend"] == "ib" and events["m"] == 1024
-    assert events["modes"] == {"fused": [[1, 2, 3]]}
+    assert events["modes"] == moe_events["modes"] == {"fused": [[1, 2, 3]]}
+    assert moe_events["kernel"] == "moe_dispatch_gemm"
+    assert moe_events["gemm_n"] == bench.QUICK_MOE_GEMM_SIZES[0]["gemm_n"]
 
 
 @pytest.mark.multiprocess
