@@ -62,7 +62,9 @@ the peers' tiles and the own tiles ran, the own tiles' waits, when this rank's c
 ends, in ms from the first tile's start over both ranks); each MoE Dispatch+GEMM row does the same with
 ``dispatch_gemm``'s (``moe_timeline_summary``: when each rank pushed its blocks, when the peer's blocks were
 seen and how long after their push, how the expert tiles kept up with the arrivals); ``RAW`` gets every
-recorded event. The transfers of
+recorded event. ``--trace DIR`` (with ``--timeline``) also has every process stamp each message's steps through
+the soft fabric during those launches (``SOFTVERBS_TRACE``; a few microseconds a step) and writes them per
+launch to ``DIR/steps.json`` (``softverbs.soft.trace.steps``). The transfers of
 ``comm`` are the kernel's own, driven from the GPU: a host-driven sequence through the daemon would add a
 launch and a host round trip per step, so the baseline here is the kinder one. The first fused launch of
 each row is checked against torch (``max_abs_error``).
@@ -95,6 +97,7 @@ or skipped past ``--tune-seconds``); per kernel the best config and torch's time
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -533,9 +536,25 @@ def rs_timeline_summary(layout: Any, events: dict[str, Any], t0: int) -> dict[st
     return out
 
 
-def timeline_runs(case: Case, streams: list[Any]) -> dict[str, Any]:
+def _trace_start(label: str) -> None:
+    """``--trace``: every process's softverbs stamps from here to ``_trace_done`` are the cycle ``label``."""
+    from softverbs import _trace
+
+    if _trace.DIR:
+        _trace.stamp(f"start {label}")
+
+
+def _trace_done() -> None:
+    from softverbs import _trace
+
+    if _trace.DIR:
+        _trace.stamp("done")
+
+
+def timeline_runs(case: Case, streams: list[Any], label: str = "") -> dict[str, Any]:
     """One launch of each of compute, comm and fused with every rank's timeline (after a plain launch of each, so
-    the variants' first runs are not the ones read): per mode, each rank's summary and the raw words."""
+    the variants' first runs are not the ones read): per mode, each rank's summary and the raw words. With
+    ``--trace``, each launch is a traced cycle ``label:mode``."""
     import torch
 
     ops = case.ops
@@ -546,8 +565,10 @@ def timeline_runs(case: Case, streams: list[Any]) -> dict[str, Any]:
     for mode, kw in TIMELINE_MODES.items():
         timelines = [op.timeline() for op in ops]
         torch.cuda.synchronize()
+        _trace_start(f"{label}:{mode}")
         case.launch(timelines=timelines, **kw)
         torch.cuda.synchronize()
+        _trace_done()
         words = [tl.cpu().numpy() for tl in timelines]
         events = [rs_timeline_events(op.layout, op.programs, w) for op, w in zip(ops, words, strict=True)]
         t0 = min(int(e["tiles"][:, 0][e["tiles"][:, 0] > 0].min()) for e in events)
@@ -598,10 +619,11 @@ def moe_timeline_summary(lay: Any, events: list[dict[str, Any]], rank: int, t0: 
     return out
 
 
-def moe_timeline_runs(moe: Any) -> dict[str, Any]:
+def moe_timeline_runs(moe: Any, label: str = "moe_dispatch_gemm") -> dict[str, Any]:
     """One round of each of compute, comm and fused with every rank's ``dispatch_gemm`` timeline (every timeline
     variant loaded first: the ranks share this process; the rounds timed before ran each mode already): per mode,
-    each rank's summary (``moe_timeline_summary``) and the raw words."""
+    each rank's summary (``moe_timeline_summary``) and the raw words. With ``--trace``, each round is a traced
+    cycle ``label:mode``."""
     import numpy as np
     import torch
 
@@ -612,6 +634,7 @@ def moe_timeline_runs(moe: Any) -> dict[str, Any]:
     for mode, kw in TIMELINE_MODES.items():
         timelines = [op.gemm_timeline() for op in moe.ops]
         torch.cuda.synchronize()
+        _trace_start(f"{label}:{mode}")
         moe.round(timelines=timelines, **kw)
         words = [t.cpu().numpy() for t in timelines]
         events = [op.layout.split_timeline(w, op.gemm_programs) for op, w in zip(moe.ops, words, strict=True)]
@@ -658,7 +681,7 @@ def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps:
         row.update({f"{mode}_s": t for mode, t in seconds.items()})
         per_launch(row, counted_by, reps)
         if timeline and case.timelines:
-            runs = timeline_runs(case, streams)
+            runs = timeline_runs(case, streams, f"{kernel}:{backend}:{_dims(dims)}")
             row["timeline"] = {mode: run["ranks"] for mode, run in runs.items()}
             row["timeline_raw"] = {mode: run["raw"] for mode, run in runs.items()}  # main moves it to its own file
         _check_channels(case.ops)
@@ -861,6 +884,8 @@ class _MoeGemm:
         for s in self.streams:
             s.synchronize()
         seconds = time.perf_counter() - t0
+        if timelines is not None:
+            _trace_done()  # the traced cycle (--trace) is the launch, not the combine after it
         if kw.get("communicate", True):  # close the round: the next dispatch needs it
             for r, op in enumerate(self.ops):
                 op.combine(op.recv_x, handles[r], stream=self.streams[r])
@@ -951,7 +976,7 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
         row.update({f"{mode}_s": t for mode, t in seconds.items()})
         per_launch(row, counted_by, reps)
         if timeline:
-            runs = moe_timeline_runs(moe)
+            runs = moe_timeline_runs(moe, f"moe_dispatch_gemm:{backend}:{_dims(dims)}")
             row["timeline"] = {mode: run["ranks"] for mode, run in runs.items()}
             row["timeline_raw"] = {mode: run["raw"] for mode, run in runs.items()}  # main moves it to its own file
         _check_channels(ops)
@@ -1340,6 +1365,9 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
               help="also run one launch of each mode with the kernels' timelines (GEMM+RS, GEMM+AR, MoE "
                    "Dispatch+GEMM): a summary in each row, every recorded event here")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None,
+              help="with --timeline: every process stamps each message's steps through the soft fabric during the "
+                   "timeline launches (SOFTVERBS_TRACE), and DIR/steps.json lists them per launch")
 @click.option("--chunk-rows", "chunk_rows", default="", metavar="KERNEL=ROWS,...",
               help="override the chunk rows of a kernel's sizes (e.g. gemm_all_reduce=256): the messages' size, "
                    "against the soft fabric's cost per message")
@@ -1360,7 +1388,8 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
-         chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False) -> None:
+         chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
+         trace_dir: str | None = None) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -1379,6 +1408,13 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     if timeline_path:
         Path(timeline_path).parent.mkdir(parents=True, exist_ok=True)
         Path(timeline_path).touch()
+    if trace_dir and not timeline_path:
+        raise click.BadParameter("--trace stamps the timeline launches: give --timeline too")
+    if trace_dir:
+        from softverbs import _trace
+
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        os.environ["SOFTVERBS_TRACE"] = _trace.DIR = str(Path(trace_dir).resolve())  # the daemons inherit it
     moe_dims = QUICK_MOE if quick else MOE
     if quick:
         reps = 2
@@ -1451,6 +1487,10 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     click.echo(mps_line)
     click.echo(table(rows))
     save(mps_line)
+    if trace_dir:
+        from softverbs.soft.trace import steps
+
+        (Path(trace_dir) / "steps.json").write_text(json.dumps(steps(trace_dir)))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read", "summarize"]
+__all__ = ["read", "steps", "summarize"]
 
 
 def read(directory: str | Path) -> list[tuple[int, int, str]]:
@@ -56,4 +56,25 @@ def summarize(directory: str | Path, skip: int = 0) -> dict[str, list[dict[str, 
         rows = [{"step": name, "n": len(v), "median_us": statistics.median(v),
                  "p10_us": sorted(v)[len(v) // 10]} for name, v in times.items()]
         out[label] = sorted(rows, key=lambda r: r["median_us"])
+    return out
+
+
+def steps(directory: str | Path) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Every stamp of each label's last cycle, from its ``start`` to the ``done`` of the process that started it
+    (stamps after that belong to no cycle): ``{label: {"p<i>": {step: [µs from the start, in order]}}}``, the
+    processes numbered as in `summarize`. For a cycle that carries many messages (a whole kernel launch), where
+    `summarize`'s medians over cycles would mix them."""
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    label: str | None = None
+    t0 = owner = 0
+    order: dict[int, int] = {}
+    for ns, pid, step in read(directory):
+        if step.startswith("start"):
+            label, t0, owner, order = step.partition(" ")[2], ns, pid, {pid: 0}
+            out[label] = {}
+        elif label is not None:
+            name = f"p{order.setdefault(pid, len(order))}"
+            out[label].setdefault(name, {}).setdefault(step, []).append((ns - t0) / 1e3)
+            if step == "done" and pid == owner:
+                label = None
     return out

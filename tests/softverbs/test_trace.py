@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from softverbs import _trace, soft
-from softverbs.soft.trace import read, summarize
+from softverbs.soft.trace import read, steps, summarize
 from tests.support.verbs_resources import RCPair, open_provider, poll
 
 
@@ -84,3 +84,16 @@ def test_a_trace_directory_that_cannot_be_written_turns_tracing_off_and_the_writ
         assert wc.status == e.IBV_WC_SUCCESS and b.server.mr.read(4096, 0) == b"\x5a" * 4096
         assert _trace.DIR is None and not missing.exists()
         assert "cannot write the trace" in caplog.text
+
+
+def test_steps_lists_every_stamp_of_a_labels_last_cycle_until_its_done(tmp_path: Path) -> None:
+    lines = {7: ["1000000 7 start moe:comm", "1090000 7 done", "2000000 7 start moe:comm", "2100000 7 done",
+                 "3000000 7 start moe:fused", "3200000 7 done"],
+             9: ["1010000 9 send 1", "2010000 9 send 1", "2020000 9 send 1", "2050000 9 placed",
+                 "2150000 9 placed",  # after the cycle's done: in no cycle
+                 "3100000 9 send 1"]}
+    for pid, text in lines.items():
+        (tmp_path / f"trace-{pid}.txt").write_text("\n".join(text) + "\n")
+    out = steps(tmp_path)
+    assert out["moe:comm"] == {"p0": {"done": [100.0]}, "p1": {"send 1": [10.0, 20.0], "placed": [50.0]}}
+    assert out["moe:fused"] == {"p1": {"send 1": [100.0]}, "p0": {"done": [200.0]}}

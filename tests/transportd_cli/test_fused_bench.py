@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import os
 import sys
 from collections import Counter
 from dataclasses import replace
@@ -526,3 +527,32 @@ def test_interleaved_runs_the_modes_in_turn_and_counts_only_around_the_counted_o
     bench.per_launch(row, counted_by, reps=3)
     assert row["comm_direct_copy_ms"] == [pytest.approx(0.004)] * 2  # 4 copies of 1 µs a launch, each daemon
     assert row["fused_direct_copy_ms"] == [0.0, 0.0]
+
+
+def test_trace_needs_a_timeline_and_leaves_every_launchs_steps_in_its_directory(tmp_path: Path, monkeypatch) -> None:
+    """``--trace`` without ``--timeline`` is a usage error before anything runs; with it, the daemons inherit
+    ``SOFTVERBS_TRACE`` and what the timeline launches stamped lands in ``DIR/steps.json``."""
+    from softverbs import _trace
+
+    bench = _bench()
+    refused = CliRunner().invoke(bench.main, ["--trace", str(tmp_path / "t"), "--kernels", "gemm_reduce_scatter"])
+    assert refused.exit_code == 2 and "give --timeline too" in refused.output
+    assert not (tmp_path / "t").exists()
+    trace = tmp_path / "trace"
+
+    def row(kernel, backend, shape, dims, reps, echo=print, timeline=False):
+        assert timeline and os.environ["SOFTVERBS_TRACE"] == str(trace.resolve())
+        bench._trace_start(f"{kernel}:{backend}:fused")
+        _trace.stamp("send 1")
+        bench._trace_done()
+        times = {"compute_s": 2e-3, "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}
+        return bench.derive({"kernel": kernel, "backend": backend, "shape": shape, **dims, **times}, 1e9, 1 << 20)
+
+    monkeypatch.setattr(bench, "fused_row", row)
+    monkeypatch.setattr(_trace, "DIR", None)  # both restored after the test: main sets them
+    monkeypatch.setenv("SOFTVERBS_TRACE", "")
+    result = CliRunner().invoke(bench.main, ["--timeline", str(tmp_path / "raw.json"), "--trace", str(trace),
+                                             "--kernels", "gemm_reduce_scatter", "--backends", "ib", "--quick"])
+    assert result.exit_code == 0, result.output
+    (label, cycle), = json.loads((trace / "steps.json").read_text()).items()
+    assert label == "gemm_reduce_scatter:ib:fused" and sorted(cycle["p0"]) == ["done", "send 1"]
