@@ -613,7 +613,7 @@ class MoE:
                  slot_base: int = 0, share: int = 1, programs: int | None = None, num_warps: int = 4,
                  channel_capacity: int = 1024, gemm_n: int | None = None, gemm_dtype: Any = None,
                  gemm_block: tuple[int, int, int] = (64, 128, 64), comm_programs: int = 2,
-                 gemm_programs: int | None = None, gemm_warps: int = 4, gemm_stages: int = 5,
+                 gemm_programs: int | None = None, gemm_warps: int = 4, gemm_stages: int = 6,
                  fp8: bool = False) -> None:
         if fp8 and (hidden % 128 or gemm_n is not None):
             raise ValueError(f"fp8 dispatch needs hidden a multiple of 128 (one scale per 128 values) and no gemm_n "
