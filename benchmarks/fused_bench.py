@@ -1056,8 +1056,8 @@ RING_TILES: list[dict[str, Any]] = [
 ]
 #: MoE Dispatch+GEMM's expert GEMM: a few rows an expert (128 tokens x top-8 over 64 experts: ~32 a rank's
 #: expert) against a wide weight, so it streams the weights: narrower row blocks, wider column blocks, deeper
-#: pipelines around the op's default, first (64x128x64, 4 warps, 5 stages: the winner of the first two runs,
-#: where 3 stages, the first choice, was 1.39x slower)
+#: pipelines around the op's default, first (64x128x64, 4 warps, 6 stages: 5 won the first two runs, where 3
+#: stages, the first choice, was 1.39x slower; 6 won on average once the tile deal rotated, 2026-12-04)
 MOE_GEMM_TILES: list[dict[str, Any]] = [
     {"block": (64, 128, 64), "num_warps": 4, "num_stages": 6},
     {"block": (64, 128, 64), "num_warps": 4, "num_stages": 5},
