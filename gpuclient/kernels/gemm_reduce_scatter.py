@@ -486,11 +486,11 @@ class GemmReduceScatter:
         self._done = torch.zeros(1, dtype=torch.int32, device=dev)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.programs = self._programs or max(1, sms // self.share)
-        # stand-ins for A, B and the output (8 elements each), to compile with: a compile specializes on a
-        # pointer's dtype and 16-byte alignment, not on what it points at
+        # stand-ins for A, B, the output and a timeline (8 elements each), to compile with: a compile specializes
+        # on a pointer's dtype and 16-byte alignment, not on what it points at
         a, b = (torch.empty(8, dtype=torch.bfloat16, device=dev) for _ in range(2))
         out = torch.empty(8, dtype=self.out_dtype, device=dev)
-        self._stand_ins = (a, b, out)
+        self._stand_ins = (a, b, out, torch.empty(8, dtype=torch.int64, device=dev))
         self.preload()
 
     def preload(self, communicate: bool = True, compute: bool = True, timeline: bool = False) -> Any:
@@ -498,9 +498,12 @@ class GemmReduceScatter:
         launches (``prepare`` loads the default one): ranks in one process must load every variant they will
         run concurrently before the first launch of any. Returns Triton's compiled kernel."""
         self.prepare()
-        a, b, out = self._stand_ins
-        compiled = tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out, None), grid=(self.programs,),
-                               **self._meta(communicate, compute, timeline))
+        a, b, out, words = self._stand_ins
+        # a launch with a timeline passes its int64 words: the preloaded variant must specialize on them too (with
+        # the int32 placeholder of a launch without one, the first timeline launch compiled and loaded another
+        # variant beside the peers' running kernels)
+        compiled = tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out, words if timeline else None),
+                               grid=(self.programs,), **self._meta(communicate, compute, timeline))
         self._scratch.reserve_for(compiled, self.programs)  # the descriptors' memory (tma), before any launch
         return compiled
 
