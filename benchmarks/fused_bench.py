@@ -624,7 +624,6 @@ def moe_timeline_runs(moe: Any, label: str = "moe_dispatch_gemm") -> dict[str, A
     variant loaded first: the ranks share this process; the rounds timed before ran each mode already): per mode,
     each rank's summary (``moe_timeline_summary``) and the raw words. With ``--trace``, each round is a traced
     cycle ``label:mode``."""
-    import numpy as np
     import torch
 
     for kw in TIMELINE_MODES.values():
@@ -641,7 +640,7 @@ def moe_timeline_runs(moe: Any, label: str = "moe_dispatch_gemm") -> dict[str, A
         firsts = [e[name][e[name] > 0].min() for e in events for name in ("sent", "start") if (e[name] > 0).any()]
         t0 = int(min(firsts))
         out[mode] = {"ranks": [moe_timeline_summary(op.layout, events, r, t0) for r, op in enumerate(moe.ops)],
-                     "raw": [np.asarray(w).tolist() for w in words]}
+                     "raw": [w.tolist() for w in words]}
     return out
 
 

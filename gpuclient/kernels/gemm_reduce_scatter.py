@@ -484,13 +484,16 @@ class GemmReduceScatter:
         # chunk arrivals (reduce-scatter's, then all-gather's) and finished programs: monotonic, never reset
         self._arrive = torch.zeros((self.world + 1) * self.layout.chunks_per_segment, dtype=torch.int32, device=dev)
         self._done = torch.zeros(1, dtype=torch.int32, device=dev)
+        # the timeline argument of a launch without one: int64 like a timeline's words, so a launch with one and
+        # the preloaded variant specialize alike
+        self._no_timeline = torch.zeros(1, dtype=torch.int64, device=dev)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.programs = self._programs or max(1, sms // self.share)
-        # stand-ins for A, B, the output and a timeline (8 elements each), to compile with: a compile specializes
-        # on a pointer's dtype and 16-byte alignment, not on what it points at
+        # stand-ins for A, B and the output (8 elements each), to compile with: a compile specializes on a
+        # pointer's dtype and 16-byte alignment, not on what it points at
         a, b = (torch.empty(8, dtype=torch.bfloat16, device=dev) for _ in range(2))
         out = torch.empty(8, dtype=self.out_dtype, device=dev)
-        self._stand_ins = (a, b, out, torch.empty(8, dtype=torch.int64, device=dev))
+        self._stand_ins = (a, b, out)
         self.preload()
 
     def preload(self, communicate: bool = True, compute: bool = True, timeline: bool = False) -> Any:
@@ -498,12 +501,9 @@ class GemmReduceScatter:
         launches (``prepare`` loads the default one): ranks in one process must load every variant they will
         run concurrently before the first launch of any. Returns Triton's compiled kernel."""
         self.prepare()
-        a, b, out, words = self._stand_ins
-        # a launch with a timeline passes its int64 words: the preloaded variant must specialize on them too (with
-        # the int32 placeholder of a launch without one, the first timeline launch compiled and loaded another
-        # variant beside the peers' running kernels)
-        compiled = tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out, words if timeline else None),
-                               grid=(self.programs,), **self._meta(communicate, compute, timeline))
+        a, b, out = self._stand_ins
+        compiled = tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out, None), grid=(self.programs,),
+                               **self._meta(communicate, compute, timeline))
         self._scratch.reserve_for(compiled, self.programs)  # the descriptors' memory (tma), before any launch
         return compiled
 
@@ -518,7 +518,7 @@ class GemmReduceScatter:
         lay = self.layout
         return (self._ch, self._rs, self._ag, epoch, a, b, self.partial, self.staging, out, self._arrive, self._done,
                 self.rank, self.world, self.m_seg, self.n, self.k, lay.chunk_rows, lay.chunks_per_segment,
-                lay.release_slot, lay.ag_release_slot, self._done if timeline is None else timeline)
+                lay.release_slot, lay.ag_release_slot, self._no_timeline if timeline is None else timeline)
 
     def _meta(self, communicate: bool, compute: bool = True, timeline: bool = False) -> dict[str, Any]:
         bm, bn, bk = self.block

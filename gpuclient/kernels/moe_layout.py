@@ -199,12 +199,10 @@ class MoELayout:
         if words.shape != (self.timeline_words(programs),):
             raise ValueError(f"a timeline of {programs} programs is {self.timeline_words(programs)} words, got "
                              f"shape {words.shape}")
-        per = self.world * self.local_experts
-        out = {name: np.where(words[i * per:(i + 1) * per] == self.TIMELINE_UNSET, 0,
-                              words[i * per:(i + 1) * per]).reshape(self.world, self.local_experts)
-               for i, name in enumerate(self.TIMELINE_EVENTS)}
-        out["program_ends"] = words[len(self.TIMELINE_EVENTS) * per:]
-        return out
+        n = len(self.TIMELINE_EVENTS) * self.world * self.local_experts
+        events = words[:n].reshape(-1, self.world, self.local_experts)
+        events = np.where(events == self.TIMELINE_UNSET, 0, events)
+        return {**dict(zip(self.TIMELINE_EVENTS, events, strict=True)), "program_ends": words[n:]}
 
     def timeline_start(self, programs: int) -> np.ndarray:
         """A launch's timeline before it runs: 0, and ``TIMELINE_UNSET`` under the atomic minima."""
