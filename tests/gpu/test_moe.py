@@ -203,6 +203,21 @@ def _rows_of(lay: MoELayout, recv_src: np.ndarray, n: int, xs: list) -> Any:
     return torch.stack(rows).double() if rows else torch.zeros(0, lay.hidden, dtype=torch.float64)
 
 
+def _expert_rows_ok(y: Any, lay: MoELayout, le: int, n: int, src: np.ndarray, xs: list, w: Any, bf16_out: bool,
+                    what: str) -> None:
+    """A rank's local expert ``le``: its ``n`` rows of ``y`` against float64 ``x @ w`` (each row's token from the
+    handle words ``src``), and nothing past them (NaN). Tolerance: ``2^-12 (|x| @ |w|)`` (the fp32 sum), plus
+    ``2^-8 |ref|`` for bf16 output (its rounding)."""
+    a = _rows_of(lay, src[le], n, xs)
+    w64 = w.double()
+    ref, size = a @ w64, a.abs() @ w64.abs()
+    got = y[le, :n].double()
+    assert torch.isfinite(got).all(), f"{what} expert {le}: a row read before it arrived"
+    bound = 2.0 ** -12 * size + (2.0 ** -8 * ref.abs() if bf16_out else 0.0)
+    assert ((got - ref).abs() <= bound).all(), (what, le, float((got - ref).abs().max()))
+    assert torch.isnan(y[le, n:].float()).all(), (what, le)  # no row past the count
+
+
 # dispatch_gemm's rounds: (call, pickable experts, rank 1 sends nothing, index dtype); world 2, 6 experts
 GEMM_ROUNDS = {1: ("gemm", 5, False, np.int64),  # expert 5 unpicked: an empty expert beside full ones; 1 hot
                2: ("gemm", 3, False, np.int64),  # only rank 0's experts: rank 1 receives nothing
@@ -241,15 +256,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
     nan = float("nan")
 
     def expert_rows_ok(y: torch.Tensor, r: int, le: int, n: int, src: np.ndarray, what: str) -> None:
-        """Rank r's local expert le: its n rows of y against float64 x @ w, and nothing past them (NaN)."""
-        a = _rows_of(lays[r], src[le], n, xs)
-        w64 = weights_e[r * local + le].double()
-        ref, size = a @ w64, a.abs() @ w64.abs()
-        got = y[le, :n].double()
-        assert torch.isfinite(got).all(), f"{what} expert {le}: a row read before it arrived"
-        bound = 2.0 ** -12 * size + (2.0 ** -8 * ref.abs() if out_dtype == "bf16" else 0.0)
-        assert ((got - ref).abs() <= bound).all(), (what, le, float((got - ref).abs().max()))
-        assert torch.isnan(y[le, n:].float()).all(), (what, le)  # no row past the count
+        _expert_rows_ok(y, lays[r], le, n, src, xs, weights_e[r * local + le], out_dtype == "bf16", what)
 
     with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-gemm", cuda_device)
@@ -389,8 +396,6 @@ def test_a_dispatch_gemm_timeline_orders_every_event_and_changes_nothing(cuda_de
     block pushed to every peer's every expert; each source's rows seen only after that source pushed them, and
     never a wait for the own rows; every expert with rows computed, its last tile after its rows arrived; a
     tile's start before its end; every program's end after the tiles."""
-    from gpuclient.kernels import MoE
-
     world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
     dev = f"cuda:{cuda_device}"
     rng = np.random.default_rng(13)
@@ -400,13 +405,10 @@ def test_a_dispatch_gemm_timeline_orders_every_event_and_changes_nothing(cuda_de
     with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-gemm-timeline", cuda_device)
         try:
-            ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4, gemm_n=hidden,
-                       comm_programs=2, gemm_programs=6) for _, s in sessions]
-            _exchange(sessions)
+            ops, streams = _prepared(sessions, hidden, experts, max_tokens, topk, cuda_device, gemm_n=hidden,
+                                     comm_programs=2, gemm_programs=6)
             for op in ops:  # both ranks' every variant loaded before either launches
-                op.prepare()
                 op.preload_gemm(timeline=True)
-            streams = [torch.cuda.Stream(cuda_device) for _ in ops]
             weights_e, w_dev = _expert_weights(gen, experts, hidden, dev)
             w_rank = [w_dev[r * local:(r + 1) * local] for r in range(world)]
             with pytest.raises(ValueError, match="timeline must be"):
@@ -442,12 +444,7 @@ def test_a_dispatch_gemm_timeline_orders_every_event_and_changes_nothing(cuda_de
                     assert not ev["ready"][r].any(), what  # the own rows: no wait
                     for le in range(local):
                         n = int(model[r]["recv_count"][le])
-                        a = _rows_of(lays[r], src[le], n, xs)
-                        w64 = weights_e[r * local + le].double()
-                        ref, size = a @ w64, a.abs() @ w64.abs()
-                        got = y[le, :n].double()
-                        assert torch.isfinite(got).all(), f"{what} expert {le}: a row read before it arrived"
-                        assert ((got - ref).abs() <= 2.0 ** -12 * size + 2.0 ** -8 * ref.abs()).all(), (what, le)
+                        _expert_rows_ok(y, lays[r], le, n, src, xs, weights_e[r * local + le], True, what)
                         for s in range(world):
                             if s != r and counts[le, s]:  # seen after its source pushed it
                                 assert ev["ready"][s, le] > events[s]["sent"][r, le] > 0, (what, le, s)

@@ -538,6 +538,11 @@ def test_trace_needs_a_timeline_and_leaves_every_launchs_steps_in_its_directory(
     refused = CliRunner().invoke(bench.main, ["--trace", str(tmp_path / "t"), "--kernels", "gemm_reduce_scatter"])
     assert refused.exit_code == 2 and "give --timeline too" in refused.output
     assert not (tmp_path / "t").exists()
+    (tmp_path / "a-file").write_text("kept")
+    refused = CliRunner().invoke(bench.main, ["--timeline", str(tmp_path / "raw.json"), "--trace",
+                                              str(tmp_path / "a-file")])
+    assert refused.exit_code == 2 and "is a file" in refused.output
+    assert (tmp_path / "a-file").read_text() == "kept"
     trace = tmp_path / "trace"
 
     def row(kernel, backend, shape, dims, reps, echo=print, timeline=False):
