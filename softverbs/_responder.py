@@ -13,8 +13,11 @@ placed. SRD completes each message as soon as its own bytes are placed.
 A direct write (`softverbs._direct`) is admitted by the same checks, then placed by a copy from the
 requester's device memory (opened here for its connection) at the point where a wire write's bytes would
 be stored: whole, or packet by packet from the pool (`direct_packet_size` bytes unless `packet_size` is
-set; direct packets the pool gives up back to back are copied as one run, in order, with one wait). The copy
-is complete before anything later on the QP is placed, completed or acknowledged.
+set; direct packets the pool gives up back to back are copied as one run, in order, with one wait). In-order
+RC direct writes are held as the QP's run (`QPResponder.flush_direct`) until anything else happens on that QP
+or the I/O loop has read what its connections had (`RequestFrameHandler.on_idle`), then copied in order with
+one wait: a wait is most of a small copy's cost on a busy GPU, and a stream of writes otherwise paid one
+each. Either way the copy is complete before anything later on the QP is placed, completed or acknowledged.
 
 `RequestFrameHandler` is the device's handler for frames on the connections peers opened to it: admission
 (`_arrive`), placement, the reorder pool, RNR timers and the responses; `QPResponder` is what one QP does
@@ -68,6 +71,9 @@ if TYPE_CHECKING:  # annotations only: the device owns the QPs, and a QP is both
 
 log = logging.getLogger("softverbs")
 
+#: in-order direct writes a QP holds before it copies them (`QPResponder.flush_direct`) even with more input
+DIRECT_RUN_MAX = 64
+
 
 class Msg:
     """A request as the responder sees it."""
@@ -116,6 +122,7 @@ class QPResponder:
         self.pool_bytes = 0  # what the pool's packets hold (a direct packet: its length)
         self.pend: deque[Msg] = deque()
         self.rx_order = 0
+        self.direct_run: list[Msg] = []  # admitted in-order direct writes, not copied yet (`flush_direct`)
 
     def post_recv(self, wrs: list[tuple]) -> tuple[int, int]:
         with self.lock:
@@ -195,6 +202,13 @@ class QPResponder:
     def rx_exec(self, m: Msg, handler: RequestFrameHandler) -> None:
         """Execute an accepted request (lock held)."""
         op = m.op
+        if m.src is not None and not m.reorder and not self.pool and not self.pend:
+            self.direct_run.append(m)  # copied, then completed, with the rest of the run
+            handler.runs.add(self)
+            if len(self.direct_run) >= DIRECT_RUN_MAX:
+                self.flush_direct(handler)
+            return
+        self.flush_direct(handler)  # whatever comes next on the QP comes after the run's bytes
         if op in w.DATA_OPS:
             if m.reorder:
                 self._pool_add(m, handler)
@@ -232,15 +246,33 @@ class QPResponder:
             return True
         return self._scatter_recv(m, handler)
 
+    def flush_direct(self, handler: RequestFrameHandler) -> None:
+        """Copy the QP's run of in-order direct writes (lock held): one `_copy_direct` for all, then each
+        completes in order. After one that failed (its QP now in error) the rest are answered as a QP in
+        error answers what arrives, and their acknowledgements never go."""
+        run = self.direct_run
+        if not run:
+            return
+        self.direct_run = []
+        self._copy_direct([(m, 0, m.length) for m in run], handler)
+        for m in run:
+            if self.state == ERR:
+                handler.respond(m, RETRY_EXC)
+            else:
+                self._finish(m, handler)
+
     def _copy_direct(self, run: list[tuple[Msg, int, int]], handler: RequestFrameHandler) -> None:
         """Copy direct writes' ``(message, offset, length)`` pieces in order, one wait for all
         (`DirectCopier.copy_many`), complete on return; a piece whose exporter let go (or whose copy failed)
-        sets its message's status to a remote operational error instead."""
+        sets its message's status to a remote operational error instead, and one whose target MR was
+        deregistered since its admission a remote access error."""
         live = []
         for m, off, n in run:
-            assert m.src is not None  # only direct writes come here
+            assert m.src is not None and m.mr is not None  # only admitted direct writes come here
             if m.src.closed:  # its exporter let go before the write completed
                 m.status = REM_OP
+            elif not m.mr.valid:
+                m.status = REM_ACCESS
             else:
                 live.append((m, off, n))
         if not live:
@@ -391,37 +423,44 @@ class QPResponder:
         """I/O thread: receive WRs were posted; retry requests waiting for one (RNR)."""
         handler = self.device.request_handler
         with self.lock:
-            if self.state == ERR:
-                return
-            if self.srd:
-                still = []
-                for m in self.rnr_wait:
-                    if self._reserve_recv(m):
-                        self.rx_exec(m, handler)
-                    else:
-                        still.append(m)
-                self.rnr_wait = still
-                return
-            backlog = self.backlog
-            while backlog:
-                m = backlog[0]
-                if m.deferred:
-                    m.deferred = False
-                    self.rx_validate(m)
-                    if m.status:
-                        backlog.popleft()
-                        handler.fail(self, m)
-                        return
-                if m.op in w.RECV_OPS and m.recv is None and not self._reserve_recv(m):
-                    if not self.stalled:
-                        self.stalled = True
-                        handler.arm_rnr(self, m)
-                    return
-                backlog.popleft()
-                self.stalled = False
-                self.rx_exec(m, handler)
-            self.stalled = False
+            try:
+                self._resume(handler)
+            finally:
+                self.flush_direct(handler)
         handler.dev.flush_responses()
+
+    def _resume(self, handler: RequestFrameHandler) -> None:
+        """`rx_resume`'s work, lock held."""
+        if self.state == ERR:
+            return
+        if self.srd:
+            still = []
+            for m in self.rnr_wait:
+                if self._reserve_recv(m):
+                    self.rx_exec(m, handler)
+                else:
+                    still.append(m)
+            self.rnr_wait = still
+            return
+        backlog = self.backlog
+        while backlog:
+            m = backlog[0]
+            if m.deferred:
+                m.deferred = False
+                self.rx_validate(m)
+                if m.status:
+                    backlog.popleft()
+                    handler.fail(self, m)
+                    return
+            if m.op in w.RECV_OPS and m.recv is None and not self._reserve_recv(m):
+                if not self.stalled:
+                    self.stalled = True
+                    handler.arm_rnr(self, m)
+                return
+            backlog.popleft()
+            self.stalled = False
+            self.rx_exec(m, handler)
+        self.stalled = False
 
     def rnr_expired(self, m: Msg) -> None:
         handler = self.device.request_handler
@@ -443,6 +482,7 @@ class RequestFrameHandler:
     def __init__(self, dev: SoftDevice) -> None:
         self.dev = dev
         self.dirty: set[QPCore] = set()
+        self.runs: set[QPCore] = set()  # QPs holding in-order direct writes not copied yet
 
     def begin_frame(self, conn: Conn, kind: int) -> None:
         if kind != w.KIND_REQ:
@@ -470,7 +510,12 @@ class RequestFrameHandler:
         conn.plan = m
         if m.status:
             return None
-        if m.direct:
+        if m.direct:  # its bytes go straight into the target: the QP's run of direct writes lands first
+            qp = m.qp
+            assert qp is not None
+            if qp.direct_run:
+                with qp.lock:
+                    qp.flush_direct(self)
             return m.data
         m.data = memoryview(bytearray(n))
         return m.data
@@ -490,6 +535,8 @@ class RequestFrameHandler:
             return
         assert qp is not None
         with qp.lock:
+            if qp.state == ERR or m.deferred or m.rnr:
+                qp.flush_direct(self)  # the run came first: its bytes land and its acknowledgements go first
             if qp.state == ERR:
                 self.respond(m, RETRY_EXC if not qp.srd else RESP_TIMEOUT)
             elif m.deferred:
@@ -543,7 +590,12 @@ class RequestFrameHandler:
         return pkt
 
     def on_idle(self) -> None:
-        """No more input right now: place every held packet (in random order)."""
+        """No more input right now: copy every QP's run of direct writes, place every held packet (in random
+        order)."""
+        while self.runs:
+            qp = self.runs.pop()
+            with qp.lock:
+                qp.flush_direct(self)
         while self.dirty:
             qp = self.dirty.pop()
             with qp.lock:
@@ -621,6 +673,7 @@ class RequestFrameHandler:
 
     def fail(self, qp: QPCore, m: Msg) -> None:
         """An admitted-or-not request failed (lock held): NAK it and, for RC access errors, fail the QP."""
+        qp.flush_direct(self)  # earlier writes were accepted: their bytes land and they complete first
         if not qp.srd and m.status in (REM_ACCESS, REM_INV_REQ, REM_OP) and not m.silent:
             if qp.pool or qp.pend:
                 self.drain_pool(qp)  # earlier messages were accepted; their bytes still land
@@ -676,6 +729,7 @@ class RequestFrameHandler:
         with qp.lock:
             if qp.state not in (RTR, RTS, SQD) or qp.backlog or qp.stalled or not qp.access_flags & REMOTE_WRITE:
                 return 0, pos
+            qp.flush_direct(self)  # the QP's run of direct writes lands before these
             qpn, dest, exp, path_mtu, pd = qp.qpn, qp.dest_qpn, qp.exp_psn, qp.path_mtu, qp.pd
             mrs = self.dev.mrs_by_rkey
             obs = self.dev.placement_observer

@@ -11,6 +11,7 @@ mapping; and between two processes the same holds.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import multiprocessing as mp
 import socket
 from typing import Any
@@ -220,6 +221,108 @@ def test_between_two_processes_the_responder_copies_from_the_requester_s_shared_
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+# --- RC in order: a run of direct writes, copied with one wait -------------------------------------------------
+def _post_chain(pair: RCPair, wrs: list) -> None:
+    """Post ``wrs`` linked in one call, so they travel in one frame."""
+    for a, b in itertools.pairwise(wrs):
+        a.next_wr = b
+    pair.client.qp.post_send(wrs[0])
+
+
+def _agree(pair: RCPair) -> None:
+    """One write from the client's device memory: the peer opens the allocation, later writes go direct."""
+    assert _write(pair, 0, 64, wr_id=99).status == pair.v.enums.IBV_WC_SUCCESS
+
+
+@pytest.mark.parametrize("target", ["device", "host"])
+def test_rc_direct_writes_posted_together_are_copied_as_one_run(provider, shm, target: str) -> None:
+    """In-order RC direct writes arriving together are copied by one ``copy_many`` (one wait on a GPU), in
+    order, and each completes only after the run's bytes are in place: the write-with-immediate that ends the
+    chain has every earlier write's bytes there when its receive completion appears."""
+    n = 16
+    with provider.rc_pair(client_memory=shm, server_memory=shm if target == "device" else None) as pair:
+        e = pair.v.enums
+        _agree(pair)
+        image = _image(n * 4096, 5)
+        pair.client.write_buf(0, image)
+        pair.server.qp.post_recv(pair.v.wr.RecvWR(wr_id=7, num_sge=0))
+        shm.copier.runs = shm.copier.copies = 0
+        wrs = [pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(i * 4096, 4096), wr_id=i,
+                            raddr=pair.server.mr.buf + i * 4096) for i in range(n - 1)]
+        wrs.append(pair.send_wr(e.IBV_WR_RDMA_WRITE_WITH_IMM, pair.client.sge((n - 1) * 4096, 4096), wr_id=n - 1,
+                                raddr=pair.server.mr.buf + (n - 1) * 4096, imm=5))
+        _post_chain(pair, wrs)
+        (recv,) = poll(pair.server.cq)
+        assert recv.status == e.IBV_WC_SUCCESS and recv.wr_id == 7
+        assert pair.server.read_buf(0, n * 4096) == image  # read at the receive completion
+        done = poll(pair.client.cq, n)
+        assert [w.wr_id for w in done] == list(range(n)) and all(w.status == e.IBV_WC_SUCCESS for w in done)
+        assert shm.copier.copies == n
+        assert 1 <= shm.copier.runs < n / 2, f"{shm.copier.runs} runs for {n} writes"
+
+
+@pytest.mark.parametrize("target", ["device", "host"])
+def test_a_run_of_direct_writes_lands_before_what_follows_it_on_the_qp(provider, shm, target: str) -> None:
+    """A wire write posted after direct writes (from host memory: into a host target its bytes go straight
+    from the socket) is not visible before them, a direct write after it lands after it, and an atomic after
+    them all reads the run's value: the run is copied before anything later on the QP is placed."""
+    with provider.rc_pair(client_memory=shm, server_memory=shm if target == "device" else None) as pair:
+        e = pair.v.enums
+        _agree(pair)
+        base = pair.server.mr.buf
+        first, second, value = _image(4096, 6), _image(4096, 7), (0x1234_5678_9ABC).to_bytes(8, "little")
+        pair.client.write_buf(0, first)
+        pair.client.write_buf(4096, second)
+        pair.client.write_buf(8192, value)
+        pair.server.write_buf(0, bytes(3 * 4096))
+        flag_seen: list[bool] = []  # at each placement of the first two direct writes: was the flag already there?
+        soft.set_placement_observer(pair.ctx, lambda qpn, addr, length: flag_seen.append(
+            pair.server.read_buf(3 * 4096 - 8, 8) == b"FLAGFLAG") if addr in (base, base + 4096) else None)
+        host = pair.v.mr.MR(pair.pd, 64, access(pair.v, "IBV_ACCESS_LOCAL_WRITE"))  # a wire write's source
+        host.write(b"FLAGFLAG", 8, 0)
+        try:
+            wrs = [pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 4096), wr_id=0, raddr=base),
+                   pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(4096, 4096), wr_id=1, raddr=base + 4096),
+                   pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8, mr=host), wr_id=2,
+                                raddr=base + 3 * 4096 - 8)]
+            _post_chain(pair, wrs)
+            wrs = [pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(4096, 4096), wr_id=3, raddr=base),
+                   pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(8192, 8), wr_id=4, raddr=base + 2 * 4096),
+                   pair.send_wr(e.IBV_WR_ATOMIC_FETCH_AND_ADD, pair.client.sge(8192 + 64, 8), wr_id=5,
+                                raddr=base + 2 * 4096, add=1)]
+            _post_chain(pair, wrs)
+            done = poll(pair.client.cq, 6)
+        finally:
+            soft.set_placement_observer(pair.ctx, None)
+            host.close()
+        assert [w.status for w in done] == [e.IBV_WC_SUCCESS] * 6
+        assert flag_seen == [False, False, True]  # the third: the direct write posted after the flag
+        assert pair.server.read_buf(0, 4096) == second  # the direct write after the flag landed after the first
+        assert pair.server.read_buf(4096, 4096) == second
+        assert pair.client.read_buf(8192 + 64, 8) == value  # the atomic read what the run wrote before it
+        assert int.from_bytes(pair.server.read_buf(2 * 4096, 8), "little") == int.from_bytes(value, "little") + 1
+
+
+def test_a_refused_write_after_a_run_fails_after_the_run_completes(provider, shm) -> None:
+    """Direct writes held in a run, then one the target refuses: the run's bytes land and its writes succeed,
+    the refused one fails with a remote access error, and what was posted after it is flushed unplaced."""
+    with provider.rc_pair(client_memory=shm, server_memory=shm) as pair:
+        e = pair.v.enums
+        _agree(pair)
+        image = _image(4 * 4096, 8)
+        pair.client.write_buf(0, image)
+        pair.server.write_buf(0, bytes(4 * 4096))
+        base = pair.server.mr.buf
+        wrs = [pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(i * 4096, 4096), wr_id=i, raddr=base + i * 4096,
+                            rkey=pair.server.mr.rkey ^ (0x100 if i == 2 else 0)) for i in range(4)]
+        _post_chain(pair, wrs)
+        done = poll(pair.client.cq, 4)
+        assert [w.status for w in done] == [e.IBV_WC_SUCCESS, e.IBV_WC_SUCCESS, e.IBV_WC_REM_ACCESS_ERR,
+                                            e.IBV_WC_WR_FLUSH_ERR]
+        assert pair.server.read_buf(0, 2 * 4096) == image[:2 * 4096]
+        assert pair.server.read_buf(2 * 4096, 2 * 4096) == bytes(2 * 4096)
 
 
 # --- SRD: unordered at packet granularity, direct or not ----------------------------------------------------
