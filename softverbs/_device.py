@@ -401,6 +401,7 @@ STAT_NAMES = (
     "direct_placed",  # responder: direct writes (or packets of them) placed by a copy
     "direct_bytes",  # responder: bytes placed so
     "direct_ns",  # responder: time its thread spent in those copies (each complete when it returns)
+    "run_wire_writes",  # responder: wire writes into device memory placed with a run of direct writes
     "imports_opened",  # responder: peers' allocations opened for direct writes
     "imports_refused",  # responder: ... that could not be (another host, no copier, the open failed)
     "device_wire_writes",  # requester: writes from device memory that crossed the wire (no agreement yet)

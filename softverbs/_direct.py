@@ -46,6 +46,8 @@ import threading
 import uuid
 from typing import Any, Protocol, runtime_checkable
 
+from ._memory import host_view
+
 __all__ = ["DirectCopier", "Export", "Imported", "ShmCopier", "boot_id", "copier", "open_import", "process_token",
            "set_copier"]
 
@@ -83,9 +85,11 @@ class DirectCopier(Protocol):
         complete when this returns."""
         ...
 
-    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+    def copy_many(self, copies: list[tuple[int, int | memoryview, int]]) -> None:
         """``(dst, src, length)`` copies, each complete before the next starts and all complete when this
-        returns: as `copy` one by one, with one wait for the GPU where it can (a run of SRD packets)."""
+        returns: as `copy` one by one, with one wait for the GPU where it can (a run of SRD packets, or of
+        RC writes). A ``src`` that is a buffer, not an address, holds bytes to store at ``dst`` (a wire write
+        into device memory placed in its run's order)."""
         ...
 
 
@@ -266,7 +270,10 @@ class ShmCopier:
         self.copies += 1
         self.copied += length
 
-    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+    def copy_many(self, copies: list[tuple[int, int | memoryview, int]]) -> None:
         self.runs += 1
         for dst, src, length in copies:
-            self.copy(dst, src, length)
+            if isinstance(src, int):
+                self.copy(dst, src, length)
+            else:
+                host_view(dst, length)[:] = src

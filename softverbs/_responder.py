@@ -17,7 +17,9 @@ set; direct packets the pool gives up back to back are copied as one run, in ord
 RC direct writes are held as the QP's run (`QPResponder.flush_direct`) until anything else happens on that QP
 or the I/O loop has read what its connections had (`RequestFrameHandler.on_idle`), then copied in order with
 one wait: a wait is most of a small copy's cost on a busy GPU, and a stream of writes otherwise paid one
-each. Either way the copy is complete before anything later on the QP is placed, completed or acknowledged.
+each. A wire write into device memory joins the run (its bytes copied in by the same `copy_many`, in its
+place in the order), so a put's data and the flag write after it share the wait too. Either way the copy is
+complete before anything later on the QP is placed, completed or acknowledged.
 
 `RequestFrameHandler` is the device's handler for frames on the connections peers opened to it: admission
 (`_arrive`), placement, the reorder pool, RNR timers and the responses; `QPResponder` is what one QP does
@@ -72,7 +74,7 @@ if TYPE_CHECKING:  # annotations only: the device owns the QPs, and a QP is both
 log = logging.getLogger("softverbs")
 
 #: in-order direct writes a QP holds before it copies them (`QPResponder.flush_direct`) even with more input
-DIRECT_RUN_MAX = 64
+DIRECT_RUN_MAX = 16
 
 
 class Msg:
@@ -202,7 +204,9 @@ class QPResponder:
     def rx_exec(self, m: Msg, handler: RequestFrameHandler) -> None:
         """Execute an accepted request (lock held)."""
         op = m.op
-        if m.src is not None and not m.reorder and not self.pool and not self.pend:
+        if not m.reorder and not self.pool and not self.pend and (
+                m.src is not None or m.length and op in (w.OP_WRITE, w.OP_WRITE_IMM) and not m.direct
+                and m.mr.accessor is not None and _direct.copier() is not None):
             self.direct_run.append(m)  # copied, then completed, with the rest of the run
             handler.runs.add(self)
             if len(self.direct_run) >= DIRECT_RUN_MAX:
@@ -247,9 +251,9 @@ class QPResponder:
         return self._scatter_recv(m, handler)
 
     def flush_direct(self, handler: RequestFrameHandler) -> None:
-        """Copy the QP's run of in-order direct writes (lock held): one `_copy_direct` for all, then each
-        completes in order. After one that failed (its QP now in error) the rest are answered as a QP in
-        error answers what arrives, and their acknowledgements never go."""
+        """Copy the QP's run of in-order writes (lock held): direct writes, and wire writes into device
+        memory, one `_copy_direct` for all, then each completes in order. After one that failed (its QP now
+        in error) the rest are answered as a QP in error answers what arrives: no acknowledgement."""
         run = self.direct_run
         if not run:
             return
@@ -262,14 +266,14 @@ class QPResponder:
                 self._finish(m, handler)
 
     def _copy_direct(self, run: list[tuple[Msg, int, int]], handler: RequestFrameHandler) -> None:
-        """Copy direct writes' ``(message, offset, length)`` pieces in order, one wait for all
-        (`DirectCopier.copy_many`), complete on return; a piece whose exporter let go (or whose copy failed)
-        sets its message's status to a remote operational error instead, and one whose target MR was
-        deregistered since its admission a remote access error."""
+        """Copy ``(message, offset, length)`` pieces in order, one wait for all (`DirectCopier.copy_many`),
+        complete on return: a direct write's from its source, a wire write's (a run's) from its bytes here. A
+        piece whose exporter let go (or whose copy failed) sets its message's status to a remote operational
+        error instead, and one whose target MR was deregistered since its admission a remote access error."""
         live = []
         for m, off, n in run:
-            assert m.src is not None and m.mr is not None  # only admitted direct writes come here
-            if m.src.closed:  # its exporter let go before the write completed
+            assert m.mr is not None  # only admitted writes come here
+            if m.src is not None and m.src.closed:  # its exporter let go before the write completed
                 m.status = REM_OP
             elif not m.mr.valid:
                 m.status = REM_ACCESS
@@ -277,11 +281,13 @@ class QPResponder:
                 live.append((m, off, n))
         if not live:
             return
-        copier = live[0][0].src.copier  # type: ignore[union-attr]  # the process's one copier
+        # what opened the direct writes' sources (the process's one copier), else the one installed now
+        copier = next((m.src.copier for m, _off, _n in live if m.src is not None), None) or _direct.copier()
+        assert copier is not None
         start = time.perf_counter_ns()
         try:
-            copier.copy_many([(m.raddr + off, m.src.base + m.src_off + off, n)  # type: ignore[union-attr]
-                              for m, off, n in live])
+            copier.copy_many([(m.raddr + off, m.data[off:off + n] if m.src is None  # type: ignore[index]
+                               else m.src.base + m.src_off + off, n) for m, off, n in live])
         except Exception:
             log.exception("softverbs %s: direct copy of %d piece(s) to %#x... failed", self.device.name, len(live),
                           live[0][0].raddr + live[0][1])
@@ -289,8 +295,10 @@ class QPResponder:
                 m.status = REM_OP
             return
         stats = self.device.stats
-        stats["direct_placed"] += len(live)
-        stats["direct_bytes"] += sum(n for _m, _off, n in live)
+        direct = [n for m, _off, n in live if m.src is not None]
+        stats["direct_placed"] += len(direct)
+        stats["direct_bytes"] += sum(direct)
+        stats["run_wire_writes"] += len(live) - len(direct)
         stats["direct_ns"] += time.perf_counter_ns() - start
         for m, off, n in live:
             handler.observe(self, m.raddr + off, n)

@@ -7,8 +7,8 @@ that never shows before its data, and softverbs' ordering trials with GPU buffer
   device words) counts a launch's chunks, every byte of them is there, three launches without a reset.
 - In one process, softverbs pairs over GPU memory (``CudaDeviceMemory``: cuMemAlloc behind a GpuAccessor,
   placement by cuMemcpyAsync): the adaptive-routing hazards and safeties of tests/softverbs/
-  test_adaptive_routing.py and the SRD completion rule of tests/softverbs/test_direct.py hold as on host
-  memory.
+  test_adaptive_routing.py, and the SRD completion rule and the RC run of direct writes with a flag write in
+  it of tests/softverbs/test_direct.py, hold as on host memory.
 - Each of those runs with both placements of a GPU-to-GPU copy (``softverbs.direct_copy_via``: one
   device-to-device copy, or through pinned host memory), and the copy through host memory completes while
   spinning kernels hold every SM (the reason it exists: a device-to-device copy does not).
@@ -169,6 +169,21 @@ def test_gpu_srd_write_imm_completes_after_all_its_packets_in_any_order(gpu_memo
     order, stats = srd_write_imm_order(gpu_memory, **packets)
     assert sorted(order) == list(range(48)) and order != sorted(order)
     assert stats["direct_sent"] == 48
+
+
+def test_gpu_flag_write_joins_the_run_of_direct_writes_before_it(gpu_memory) -> None:
+    """On GPU memory a wire write joins the run of direct writes before it (its bytes staged in pinned memory,
+    one stream, one wait) and what follows still sees the run's bytes: tests/softverbs/test_direct.py's trial."""
+    from softverbs import soft
+    from tests.softverbs.test_direct import _agree, run_flag_run_atomic
+    from tests.support.verbs_resources import open_provider
+
+    with open_provider("soft").rc_pair(client_memory=gpu_memory, server_memory=gpu_memory) as pair:
+        _agree(pair)
+        soft.device_stats("softib0", reset=True)
+        run_flag_run_atomic(pair)
+        stats = soft.device_stats("softib0")
+        assert stats["run_wire_writes"] == 1 and stats["direct_placed"] == 4
 
 
 def test_a_copy_through_host_memory_completes_while_spinning_kernels_hold_every_sm(cuda_device) -> None:

@@ -263,46 +263,70 @@ def test_rc_direct_writes_posted_together_are_copied_as_one_run(provider, shm, t
         assert 1 <= shm.copier.runs < n / 2, f"{shm.copier.runs} runs for {n} writes"
 
 
+FLAG_AT = 3 * 4096 - 8  # where run_flag_run_atomic's flag goes in the server's MR
+
+
+def run_flag_run_atomic(pair: RCPair) -> None:
+    """Two direct writes, a flag write from host memory, then a direct write over the first, an 8-byte direct
+    write and an atomic on it, posted as two chains; checks every completion and what each write left: the
+    later write won, the flag is there, the atomic read the direct write before it and added to it."""
+    e = pair.v.enums
+    base = pair.server.mr.buf
+    second, value = _image(4096, 7), (0x1234_5678_9ABC).to_bytes(8, "little")
+    pair.client.write_buf(0, _image(4096, 6))
+    pair.client.write_buf(4096, second)
+    pair.client.write_buf(8192, value)
+    host = pair.v.mr.MR(pair.pd, 64, access(pair.v, "IBV_ACCESS_LOCAL_WRITE"))  # the flag write's source
+    host.write(b"FLAGFLAG", 8, 0)
+    try:
+        _post_chain(pair, [
+            pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 4096), wr_id=0, raddr=base),
+            pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(4096, 4096), wr_id=1, raddr=base + 4096),
+            pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8, mr=host), wr_id=2, raddr=base + FLAG_AT)])
+        _post_chain(pair, [
+            pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(4096, 4096), wr_id=3, raddr=base),
+            pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(8192, 8), wr_id=4, raddr=base + 2 * 4096),
+            pair.send_wr(e.IBV_WR_ATOMIC_FETCH_AND_ADD, pair.client.sge(8192 + 64, 8), wr_id=5,
+                         raddr=base + 2 * 4096, add=1)])
+        done = poll(pair.client.cq, 6)
+    finally:
+        host.close()
+    assert [w.status for w in done] == [e.IBV_WC_SUCCESS] * 6
+    assert pair.server.read_buf(0, 4096) == second  # the direct write after the flag landed after the first
+    assert pair.server.read_buf(4096, 4096) == second
+    assert pair.server.read_buf(FLAG_AT, 8) == b"FLAGFLAG"
+    assert pair.client.read_buf(8192 + 64, 8) == value  # the atomic read what the run wrote before it
+    assert int.from_bytes(pair.server.read_buf(2 * 4096, 8), "little") == int.from_bytes(value, "little") + 1
+
+
 @pytest.mark.parametrize("target", ["device", "host"])
-def test_a_run_of_direct_writes_lands_before_what_follows_it_on_the_qp(provider, shm, target: str) -> None:
-    """A wire write posted after direct writes (from host memory: into a host target its bytes go straight
-    from the socket) is not visible before them, a direct write after it lands after it, and an atomic after
-    them all reads the run's value: the run is copied before anything later on the QP is placed."""
+def test_a_run_of_direct_writes_lands_before_what_follows_it_on_the_qp(provider, shm, target: str,
+                                                                       monkeypatch) -> None:
+    """A wire write (a flag) posted after direct writes is not visible before them: into device memory it joins
+    their run, in its place; into a host target its bytes go straight from the socket, after the run was
+    copied. A direct write after it lands after it, and an atomic after them all reads the run's value."""
     with provider.rc_pair(client_memory=shm, server_memory=shm if target == "device" else None) as pair:
-        e = pair.v.enums
         _agree(pair)
         base = pair.server.mr.buf
-        first, second, value = _image(4096, 6), _image(4096, 7), (0x1234_5678_9ABC).to_bytes(8, "little")
-        pair.client.write_buf(0, first)
-        pair.client.write_buf(4096, second)
-        pair.client.write_buf(8192, value)
         pair.server.write_buf(0, bytes(3 * 4096))
-        flag_seen: list[bool] = []  # at each placement of the first two direct writes: was the flag already there?
-        soft.set_placement_observer(pair.ctx, lambda qpn, addr, length: flag_seen.append(
-            pair.server.read_buf(3 * 4096 - 8, 8) == b"FLAGFLAG") if addr in (base, base + 4096) else None)
-        host = pair.v.mr.MR(pair.pd, 64, access(pair.v, "IBV_ACCESS_LOCAL_WRITE"))  # a wire write's source
-        host.write(b"FLAGFLAG", 8, 0)
-        try:
-            wrs = [pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 4096), wr_id=0, raddr=base),
-                   pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(4096, 4096), wr_id=1, raddr=base + 4096),
-                   pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8, mr=host), wr_id=2,
-                                raddr=base + 3 * 4096 - 8)]
-            _post_chain(pair, wrs)
-            wrs = [pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(4096, 4096), wr_id=3, raddr=base),
-                   pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(8192, 8), wr_id=4, raddr=base + 2 * 4096),
-                   pair.send_wr(e.IBV_WR_ATOMIC_FETCH_AND_ADD, pair.client.sge(8192 + 64, 8), wr_id=5,
-                                raddr=base + 2 * 4096, add=1)]
-            _post_chain(pair, wrs)
-            done = poll(pair.client.cq, 6)
-        finally:
-            soft.set_placement_observer(pair.ctx, None)
-            host.close()
-        assert [w.status for w in done] == [e.IBV_WC_SUCCESS] * 6
+        copied: list[int] = []  # what the copier placed, in order (offsets into the server's MR)
+        flag_seen: list[bool] = []  # as each piece for the first 8 KiB was copied: was the flag there already?
+        copy_many = shm.copier.copy_many
+
+        def one_by_one(copies: list) -> None:
+            for dst, src, n in copies:
+                if dst in (base, base + 4096):
+                    flag_seen.append(pair.server.read_buf(FLAG_AT, 8) == b"FLAGFLAG")
+                copied.append(dst - base)
+                copy_many([(dst, src, n)])
+
+        monkeypatch.setattr(shm.copier, "copy_many", one_by_one)
+        soft.device_stats("softib0", reset=True)
+        run_flag_run_atomic(pair)
         assert flag_seen == [False, False, True]  # the third: the direct write posted after the flag
-        assert pair.server.read_buf(0, 4096) == second  # the direct write after the flag landed after the first
-        assert pair.server.read_buf(4096, 4096) == second
-        assert pair.client.read_buf(8192 + 64, 8) == value  # the atomic read what the run wrote before it
-        assert int.from_bytes(pair.server.read_buf(2 * 4096, 8), "little") == int.from_bytes(value, "little") + 1
+        in_run = target == "device"
+        assert copied == [0, 4096] + [FLAG_AT] * in_run + [0, 2 * 4096]
+        assert soft.device_stats("softib0")["run_wire_writes"] == in_run
 
 
 def test_a_refused_write_after_a_run_fails_after_the_run_completes(provider, shm) -> None:

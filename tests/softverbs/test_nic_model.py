@@ -21,6 +21,7 @@ import pytest
 
 from softverbs import soft
 from softverbs._link import LinkModel
+from softverbs._responder import DIRECT_RUN_MAX
 from tests.support.verbs_resources import RCPair, open_provider, poll, wait_until
 
 
@@ -176,8 +177,8 @@ def test_configure_takes_the_nic_model_and_device_options_say_so(shaped) -> None
 
 # --- both directions at once --------------------------------------------------------------------------------
 class _SlowCopier:
-    """The emulated device memory's copier, each copy taking ``seconds`` (a GPU copy waiting for SMs): what
-    holds a responder's I/O thread while it places a stream of direct writes."""
+    """The emulated device memory's copier, each ``copy_many`` taking ``seconds`` (the wait for a GPU's copies,
+    one for a run of them): what holds a responder's I/O thread while it places a stream of direct writes."""
 
     def __init__(self, inner: Any, seconds: float) -> None:
         self.inner, self.seconds, self.copies = inner, seconds, 0
@@ -186,13 +187,12 @@ class _SlowCopier:
         return getattr(self.inner, name)
 
     def copy(self, dst: int, src: int, length: int) -> None:
-        time.sleep(self.seconds)
-        self.inner.copy(dst, src, length)
-        self.copies += 1
+        self.copy_many([(dst, src, length)])
 
-    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
-        for dst, src, length in copies:
-            self.copy(dst, src, length)
+    def copy_many(self, copies: list[tuple[int, int | memoryview, int]]) -> None:
+        time.sleep(self.seconds)
+        self.inner.copy_many(copies)
+        self.copies += len(copies)
 
 
 def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests_on_time(shaped) -> None:
@@ -208,11 +208,13 @@ def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests
     soft.add_device(name, "ib")
     for dev in ("softib0", name):
         soft.configure(dev, nic_bandwidth=1e9, nic_latency_s=1e-4)
-    size, stream, copy_s = 64 << 10, 24, 0.02  # 0.48 s of placing: room for a loaded machine
+    # runs of at most DIRECT_RUN_MAX writes share a wait: at least 0.6 s of placing, room for a loaded machine
+    size, stream, copy_s = 16 << 10, 6 * DIRECT_RUN_MAX, 0.1
     memory = ShmDeviceMemory()
     slow = _SlowCopier(memory.copier, copy_s)
     try:
-        with memory, RCPair(shaped, "softib0", connect=False, client_memory=memory, server_memory=memory) as a, \
+        with memory, RCPair(shaped, "softib0", connect=False, client_memory=memory, server_memory=memory,
+                            max_send_wr=2 * stream) as a, \
                 RCPair(shaped, name, connect=False, client_memory=memory, server_memory=memory) as b:
             soft.set_direct_copier(slow)  # B opens A's allocation with it
             e = a.v.enums
@@ -244,7 +246,7 @@ def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests
                 looped = placed_when_it_lands(loop, loop.client, loop.server, b"B to B" * 1000)
                 assert [wc.status for wc in poll(loop.client.cq, timeout=30)] == [e.IBV_WC_SUCCESS]
             assert [wc.status for wc in poll(a.client.cq, stream, timeout=30)] == [e.IBV_WC_SUCCESS] * stream
-            # each went through between two of the 24 placements (20 ms each), not after the last of them
+            # each went through between two runs of the stream's placements, not after the last of them
             assert max(landed, completed, looped) < stream, \
                 f"of A's {stream} writes, B had placed {landed} when its write landed, {completed} when it " \
                 f"completed, {looped} when its loopback write landed"

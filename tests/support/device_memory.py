@@ -90,10 +90,13 @@ class CudaDeviceMemory:
         else:
             self.accessor.copy(dst, src, length)
 
-    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
-        if self.via == "host":
+    def copy_many(self, copies: list[tuple[int, int | memoryview, int]]) -> None:
+        if self.via == "host":  # device to device through host memory; host bytes go in as they are
             for dst, src, length in copies:
-                self.accessor.copy_through_host(dst, src, length)
+                if isinstance(src, int):
+                    self.accessor.copy_through_host(dst, src, length)
+                else:
+                    self.accessor.copy_many([(dst, src, length)])
         else:
             self.accessor.copy_many(copies)
 

@@ -56,6 +56,10 @@ STAGE_SLOTS = 8
 #: words in an accessor's pinned ring for :meth:`GpuAccessor.post_words` (a write holds its word until its copy ran)
 WORD_RING = 8192
 
+#: pinned bytes an accessor stages the host bytes of one :meth:`GpuAccessor.copy_many` in (a run's flag writes):
+#: a copy from pageable memory may wait for the stream's earlier copies, which is the wait a run shares
+RUN_STAGE = 64 << 10
+
 #: ``GpuMemory(via=...)`` values: how a GPU-to-GPU direct copy is placed (see the module's docstring)
 COPY_VIA = ("device", "host")
 
@@ -78,6 +82,8 @@ class GpuAccessor:
         self._use(device)
         flags = self._drv.CUstream_flags.CU_STREAM_NON_BLOCKING
         self._stream = check(self._drv.cuStreamCreate(flags), "cuStreamCreate")
+        # pinned now, not at a run's first flag: pinning can wait for the kernels that wait for that flag
+        self._run_stage = int(check(self._drv.cuMemHostAlloc(RUN_STAGE, 0), "cuMemHostAlloc"))
         self._bound: set[int] = set()  # threads whose current context is already set
         self._stage: int | None = None  # copy_through_host's pinned slots, stream and events
         self._up: Any = None
@@ -133,15 +139,26 @@ class GpuAccessor:
         if length:
             self.copy_many([(dst, src, length)])
 
-    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+    def copy_many(self, copies: list[tuple[int, int | memoryview, int]]) -> None:
         """``(dst, src, length)`` copies queued in order on the worker stream, one wait for them all: each
-        lands before the next starts, and all have when this returns."""
+        lands before the next starts, and all have when this returns. A ``src`` that is a buffer holds host
+        bytes to store at ``dst``, staged in pinned memory while it has room (else copied from where they are)."""
         with self._lock:
             self._enter()
             drv, check = self._drv, self._check
+            staged = 0
             for dst, src, length in copies:
-                if length:
+                if not length:
+                    continue
+                if isinstance(src, int):
                     check(drv.cuMemcpyAsync(dst, src, length, self._stream), "cuMemcpyAsync")
+                elif staged + length <= RUN_STAGE:
+                    ctypes.memmove(self._run_stage + staged, bytes(src), length)
+                    check(drv.cuMemcpyHtoDAsync(dst, self._run_stage + staged, length, self._stream),
+                          "cuMemcpyHtoDAsync")
+                    staged += length
+                else:
+                    check(drv.cuMemcpyHtoDAsync(dst, src, length, self._stream), "cuMemcpyHtoDAsync")
             check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
             self.copies += len(copies)
 
@@ -294,6 +311,7 @@ class GpuAccessor:
         if self._stream is not None:
             self._drv.cuStreamDestroy(self._stream)
             self._stream = None
+            self._drv.cuMemFreeHost(self._run_stage)
         if self._stage is not None:
             for event in (*self._filled, *self._drained):
                 self._drv.cuEventDestroy(event)
@@ -496,11 +514,12 @@ class GpuMemory:
         memory (a copy from or to host memory is the copy engines' already)."""
         self.copy_many([(dst, src, length)])
 
-    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+    def copy_many(self, copies: list[tuple[int, int | memoryview, int]]) -> None:
         """Several copies, complete on return, each after the one before: as :meth:`copy` one by one, but
         copies back to back on one GPU's worker stream share one wait (a wait is most of a small copy's
-        cost on a busy GPU)."""
-        run: list[tuple[int, int, int]] = []
+        cost on a busy GPU). A ``src`` that is a buffer holds host bytes to store at ``dst``
+        (:meth:`GpuAccessor.copy_many`)."""
+        run: list[tuple[int, int | memoryview, int]] = []
         run_device = -1
         for dst, src, length in copies:
             if not length:
@@ -510,6 +529,7 @@ class GpuMemory:
                 self.accessor(run_device).copy_many(run)
                 run = []
             if through_host:  # a copy of its own, down and up through the staging slots
+                assert isinstance(src, int)  # only a copy between two GPU allocations goes through host memory
                 self.accessor(device).copy_through_host(dst, src, length)
                 continue
             run.append((dst, src, length))
@@ -517,14 +537,15 @@ class GpuMemory:
         if run:
             self.accessor(run_device).copy_many(run)
 
-    def _placement(self, dst: int, src: int, length: int) -> tuple[int, bool]:
+    def _placement(self, dst: int, src: int | memoryview, length: int) -> tuple[int, bool]:
         """(the GPU whose worker stream places a copy, whether it goes through host memory): the destination's
         GPU, else the source's, else the first this worker serves; through host memory only with
-        ``via="host"`` between two GPU allocations."""
+        ``via="host"`` between two GPU allocations (host bytes never: they are host memory already)."""
         to = self._find(dst, length)
-        if self.via == "host" and to is not None and self._find(src, length) is not None:
+        source = self._find(src, length) if isinstance(src, int) else None
+        if self.via == "host" and to is not None and source is not None:
             return to.device, True
-        alloc = to or self._find(src, length)
+        alloc = to or source
         return (alloc.device if alloc is not None else next(iter(self.accessors), 0)), False
 
 

@@ -13,7 +13,7 @@ import pytest
 from softverbs import soft
 from transportd import cuda_driver
 from transportd.dataplane import gpu_memory
-from transportd.dataplane.gpu_memory import STAGE_SLOTS, GpuMemory
+from transportd.dataplane.gpu_memory import RUN_STAGE, STAGE_SLOTS, GpuMemory
 
 HANDLE_A = bytes(range(64))
 HANDLE_PEER = bytes(range(64, 128))
@@ -212,6 +212,32 @@ def test_copies_back_to_back_on_one_gpu_share_one_wait_and_keep_their_order(drv:
     assert gpu.accessors[0].copies == 4 and gpu.accessors[1].copies == 1
 
 
+def test_host_bytes_in_a_run_are_staged_in_pinned_memory_and_copied_in_their_place(
+        drv: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """copy_many with host bytes among device copies (a flag write in a run of direct writes): each piece is
+    queued in the order given on the one stream, the bytes staged in the accessor's pinned buffer while it
+    has room (else copied from where they are), and one synchronize ends the run."""
+    stage = (ctypes.c_char * RUN_STAGE)()
+    monkeypatch.setattr(drv, "cuMemHostAlloc", lambda size, flags: (0, ctypes.addressof(stage)))
+    gpu = GpuMemory()
+    region = gpu.open(HANDLE_A, 0, 1 << 20, device=0)
+    gpu.accessor(0)
+    src, _ = gpu.open_export(_descriptor(HANDLE_PEER, 0x10))
+    big = memoryview(bytearray(b"b" * RUN_STAGE))
+    gpu.copy_many([(region.addr, src, 4096), (region.addr + 4096, memoryview(b"FLAGFLAG"), 8),
+                   (region.addr + 8192, src + 4096, 4096), (region.addr + 8200, memoryview(b"flag"), 4),
+                   (region.addr + 16384, big, RUN_STAGE)])
+    base = ctypes.addressof(stage)
+    assert [(d, s, n) for d, s, n, _ in drv.copies] == [(region.addr, src, 4096),
+                                                          (region.addr + 8192, src + 4096, 4096)]
+    ups = [c[1:] for c in drv.staged if c[0] == "up"]
+    assert ups[:2] == [(region.addr + 4096, base, 8, "stream@ctx0"),
+                       (region.addr + 8200, base + 8, 4, "stream@ctx0")]
+    assert ups[2][0] == region.addr + 16384 and ups[2][1] is big  # no room left: from where it is
+    assert stage.raw[:12] == b"FLAGFLAGflag"
+    assert drv.syncs == [(2, "stream@ctx0")]  # one wait, after every piece was queued
+
+
 def test_via_host_a_gpu_to_gpu_copy_goes_down_and_up_through_the_staging_slots_in_order(
         drv: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu_memory, "STAGE_CHUNK", STAGE_CHUNK)  # small: several chunks fit the 1 MiB buffer
@@ -223,7 +249,7 @@ def test_via_host_a_gpu_to_gpu_copy_goes_down_and_up_through_the_staging_slots_i
     length = chunks * STAGE_CHUNK - 100  # the last chunk short
     gpu.copy(region.addr, src, length)
     stage = 0x5000_0000
-    assert drv.pinned == [STAGE_SLOTS * STAGE_CHUNK] and drv.copies == []
+    assert drv.pinned == [RUN_STAGE, STAGE_SLOTS * STAGE_CHUNK] and drv.copies == []  # a run's, then these
     moves = [c for c in drv.staged if c[0] in ("down", "up")]
     expected = []
     for i in range(chunks):
@@ -264,7 +290,7 @@ def test_posted_words_are_copied_in_runs_from_a_pinned_ring_without_waiting(
         acc.post_words([(0x7000_0000, 1)])
     acc.open_word_ring()
     acc.open_word_ring()
-    assert drv.pinned == [8 * 16]
+    assert drv.pinned == [RUN_STAGE, 8 * 16]  # the accessor's run staging, then the ring
     base = ctypes.addressof(ring)
     first = acc.post_words([(0x7000_0000, 5), (0x7000_0008, 6), (0x7000_0040, 7)])
     ups = [c for c in drv.staged if c[0] == "up"]
