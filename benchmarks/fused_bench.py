@@ -29,8 +29,9 @@ beside what a launch that hid the shorter part entirely would gain over it, ``(c
 compute)`` (``ideal``: where the communication dominates, no overlap buys more than that; a launch can still
 come in under it when the communication ran slower alone than inside the fused launch). Each row also has
 ``comm_direct_copy_ms`` and ``fused_direct_copy_ms``: per launch and daemon, the time its soft devices spent
-placing direct copies (softverbs' ``direct_ns``); ``comm_loopback_wait_ms`` and ``fused_loopback_wait_ms``: the
-time its efa workers spent posting and reaping their flags' loopback writes (each rail's ``flag_loopback``);
+placing direct copies and the wire writes into GPU memory that joined their runs (softverbs' ``direct_ns``);
+``comm_loopback_wait_ms`` and ``fused_loopback_wait_ms``: the time its efa workers spent posting and reaping their
+flags' loopback writes (each rail's ``flag_loopback``);
 ``comm_link_busy_ms`` and ``fused_link_busy_ms``: the time its NIC model's link was busy (against the launch's
 time, how much of it the modeled wire bounds); ``comm_flag_copies`` and ``fused_flag_copies``: the flag words its
 efa workers copied into GPU memory (``flags.publication = "cuda-copy"``). MoE Dispatch+GEMM rows have the same

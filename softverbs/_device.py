@@ -400,7 +400,7 @@ STAT_NAMES = (
     "direct_sent",  # requester: writes sent as a reference to device memory instead of their bytes
     "direct_placed",  # responder: direct writes (or packets of them) placed by a copy
     "direct_bytes",  # responder: bytes placed so
-    "direct_ns",  # responder: time its thread spent in those copies (each complete when it returns)
+    "direct_ns",  # responder: time its thread spent in those copies and runs (each complete when it returns)
     "run_wire_writes",  # responder: wire writes into device memory placed with a run of direct writes
     "imports_opened",  # responder: peers' allocations opened for direct writes
     "imports_refused",  # responder: ... that could not be (another host, no copier, the open failed)
