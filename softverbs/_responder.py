@@ -14,7 +14,7 @@ A direct write (`softverbs._direct`) is admitted by the same checks, then placed
 requester's device memory (opened here for its connection) at the point where a wire write's bytes would
 be stored: whole, or packet by packet from the pool (`direct_packet_size` bytes unless `packet_size` is
 set; direct packets the pool gives up back to back are copied as one run, in order, with one wait). In-order
-RC direct writes are held as the QP's run (`QPResponder.flush_direct`) until anything else happens on that QP
+RC direct writes are held as the QP's run (`QPResponder.flush_run`) until anything else happens on that QP
 or the I/O loop has read what its connections had (`RequestFrameHandler.on_idle`), then copied in order with
 one wait: a wait is most of a small copy's cost on a busy GPU, and a stream of writes otherwise paid one
 each. A wire write into device memory joins the run (its bytes copied in by the same `copy_many`, in its
@@ -73,8 +73,9 @@ if TYPE_CHECKING:  # annotations only: the device owns the QPs, and a QP is both
 
 log = logging.getLogger("softverbs")
 
-#: in-order direct writes a QP holds before it copies them (`QPResponder.flush_direct`) even with more input
-DIRECT_RUN_MAX = 16
+#: in-order writes into device memory (direct, or wire writes) a QP holds before it copies them
+#: (`QPResponder.flush_run`) even with more input
+WRITE_RUN_MAX = 16
 
 
 class Msg:
@@ -124,7 +125,7 @@ class QPResponder:
         self.pool_bytes = 0  # what the pool's packets hold (a direct packet: its length)
         self.pend: deque[Msg] = deque()
         self.rx_order = 0
-        self.direct_run: list[Msg] = []  # admitted in-order direct writes, not copied yet (`flush_direct`)
+        self.write_run: list[Msg] = []  # admitted in-order writes into device memory, not copied yet (`flush_run`)
 
     def post_recv(self, wrs: list[tuple]) -> tuple[int, int]:
         with self.lock:
@@ -207,12 +208,12 @@ class QPResponder:
         if not m.reorder and not self.pool and not self.pend and (
                 m.src is not None or m.length and op in (w.OP_WRITE, w.OP_WRITE_IMM) and not m.direct
                 and m.mr.accessor is not None and _direct.copier() is not None):
-            self.direct_run.append(m)  # copied, then completed, with the rest of the run
+            self.write_run.append(m)  # copied, then completed, with the rest of the run
             handler.runs.add(self)
-            if len(self.direct_run) >= DIRECT_RUN_MAX:
-                self.flush_direct(handler)
+            if len(self.write_run) >= WRITE_RUN_MAX:
+                self.flush_run(handler)
             return
-        self.flush_direct(handler)  # whatever comes next on the QP comes after the run's bytes
+        self.flush_run(handler)  # whatever comes next on the QP comes after the run's bytes
         if op in w.DATA_OPS:
             if m.reorder:
                 self._pool_add(m, handler)
@@ -250,14 +251,14 @@ class QPResponder:
             return True
         return self._scatter_recv(m, handler)
 
-    def flush_direct(self, handler: RequestFrameHandler) -> None:
+    def flush_run(self, handler: RequestFrameHandler) -> None:
         """Copy the QP's run of in-order writes (lock held): direct writes, and wire writes into device
         memory, one `_copy_direct` for all, then each completes in order. After one that failed (its QP now
         in error) the rest are answered as a QP in error answers what arrives: no acknowledgement."""
-        run = self.direct_run
+        run = self.write_run
         if not run:
             return
-        self.direct_run = []
+        self.write_run = []
         self._copy_direct([(m, 0, m.length) for m in run], handler)
         for m in run:
             if self.state == ERR:
@@ -434,7 +435,7 @@ class QPResponder:
             try:
                 self._resume(handler)
             finally:
-                self.flush_direct(handler)
+                self.flush_run(handler)
         handler.dev.flush_responses()
 
     def _resume(self, handler: RequestFrameHandler) -> None:
@@ -490,7 +491,7 @@ class RequestFrameHandler:
     def __init__(self, dev: SoftDevice) -> None:
         self.dev = dev
         self.dirty: set[QPCore] = set()
-        self.runs: set[QPCore] = set()  # QPs holding in-order direct writes not copied yet
+        self.runs: set[QPCore] = set()  # QPs holding a run of writes not copied yet
 
     def begin_frame(self, conn: Conn, kind: int) -> None:
         if kind != w.KIND_REQ:
@@ -521,9 +522,9 @@ class RequestFrameHandler:
         if m.direct:  # its bytes go straight into the target: the QP's run of direct writes lands first
             qp = m.qp
             assert qp is not None
-            if qp.direct_run:
+            if qp.write_run:
                 with qp.lock:
-                    qp.flush_direct(self)
+                    qp.flush_run(self)
             return m.data
         m.data = memoryview(bytearray(n))
         return m.data
@@ -544,7 +545,7 @@ class RequestFrameHandler:
         assert qp is not None
         with qp.lock:
             if qp.state == ERR or m.deferred or m.rnr:
-                qp.flush_direct(self)  # the run came first: its bytes land and its acknowledgements go first
+                qp.flush_run(self)  # the run came first: its bytes land and its acknowledgements go first
             if qp.state == ERR:
                 self.respond(m, RETRY_EXC if not qp.srd else RESP_TIMEOUT)
             elif m.deferred:
@@ -603,7 +604,7 @@ class RequestFrameHandler:
         while self.runs:
             qp = self.runs.pop()
             with qp.lock:
-                qp.flush_direct(self)
+                qp.flush_run(self)
         while self.dirty:
             qp = self.dirty.pop()
             with qp.lock:
@@ -681,7 +682,7 @@ class RequestFrameHandler:
 
     def fail(self, qp: QPCore, m: Msg) -> None:
         """An admitted-or-not request failed (lock held): NAK it and, for RC access errors, fail the QP."""
-        qp.flush_direct(self)  # earlier writes were accepted: their bytes land and they complete first
+        qp.flush_run(self)  # earlier writes were accepted: their bytes land and they complete first
         if not qp.srd and m.status in (REM_ACCESS, REM_INV_REQ, REM_OP) and not m.silent:
             if qp.pool or qp.pend:
                 self.drain_pool(qp)  # earlier messages were accepted; their bytes still land
@@ -737,7 +738,7 @@ class RequestFrameHandler:
         with qp.lock:
             if qp.state not in (RTR, RTS, SQD) or qp.backlog or qp.stalled or not qp.access_flags & REMOTE_WRITE:
                 return 0, pos
-            qp.flush_direct(self)  # the QP's run of direct writes lands before these
+            qp.flush_run(self)  # the QP's run of direct writes lands before these
             qpn, dest, exp, path_mtu, pd = qp.qpn, qp.dest_qpn, qp.exp_psn, qp.path_mtu, qp.pd
             mrs = self.dev.mrs_by_rkey
             obs = self.dev.placement_observer

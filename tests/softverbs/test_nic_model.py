@@ -21,7 +21,7 @@ import pytest
 
 from softverbs import soft
 from softverbs._link import LinkModel
-from softverbs._responder import DIRECT_RUN_MAX
+from softverbs._responder import WRITE_RUN_MAX
 from tests.support.verbs_resources import RCPair, open_provider, poll, wait_until
 
 
@@ -208,8 +208,8 @@ def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests
     soft.add_device(name, "ib")
     for dev in ("softib0", name):
         soft.configure(dev, nic_bandwidth=1e9, nic_latency_s=1e-4)
-    # runs of at most DIRECT_RUN_MAX writes share a wait: at least 0.6 s of placing, room for a loaded machine
-    size, stream, copy_s = 16 << 10, 6 * DIRECT_RUN_MAX, 0.1
+    # runs of at most WRITE_RUN_MAX writes share a wait: at least 0.6 s of placing, room for a loaded machine
+    size, stream, copy_s = 16 << 10, 6 * WRITE_RUN_MAX, 0.1
     memory = ShmDeviceMemory()
     slow = _SlowCopier(memory.copier, copy_s)
     try:
