@@ -52,6 +52,14 @@ def _expert_weights(gen: Any, experts: int, hidden: int, device: str) -> tuple[A
     return weights, weights.to(device)
 
 
+def _seeded(seed: int, world: int, experts: int, max_tokens: int, topk: int,
+            hidden: int) -> tuple[np.random.Generator, Any, list[MoELayout], int]:
+    """A test's numpy generator and torch CPU generator seeded alike, each rank's layout and the experts a rank
+    holds."""
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
+    return np.random.default_rng(seed), torch.Generator(device="cpu").manual_seed(seed), lays, lays[0].local_experts
+
+
 def _round_shape(rnd: int, local: int, experts: int, max_tokens: int) -> tuple[np.ndarray, list[int]]:
     """(the experts a round picks from, each rank's token count): round 1 leaves expert 5 unpicked, round 2
     picks only rank 0's experts (rank 1 receives nothing), round 3 has rank 1 send nothing."""
@@ -64,10 +72,7 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: s
     # hidden 200: no multiple of the 256-wide copy block; 3 local experts per rank; 40 rows per rank at most
     world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
     dev = f"cuda:{cuda_device}"
-    rng = np.random.default_rng(11)
-    gen = torch.Generator(device="cpu").manual_seed(11)
-    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
-    local = lays[0].local_experts
+    rng, gen, lays, local = _seeded(11, world, experts, max_tokens, topk, hidden)
     with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-ll", cuda_device)
         try:
@@ -249,10 +254,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
     world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
     dev = f"cuda:{cuda_device}"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[out_dtype]
-    rng = np.random.default_rng(12)
-    gen = torch.Generator(device="cpu").manual_seed(12)
-    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
-    local = lays[0].local_experts
+    rng, gen, lays, local = _seeded(12, world, experts, max_tokens, topk, hidden)
     nan = float("nan")
 
     def expert_rows_ok(y: torch.Tensor, r: int, le: int, n: int, src: np.ndarray, what: str) -> None:
@@ -398,10 +400,7 @@ def test_a_dispatch_gemm_timeline_orders_every_event_and_changes_nothing(cuda_de
     tile's start before its end; every program's end after the tiles."""
     world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
     dev = f"cuda:{cuda_device}"
-    rng = np.random.default_rng(13)
-    gen = torch.Generator(device="cpu").manual_seed(13)
-    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
-    local = lays[0].local_experts
+    rng, gen, lays, local = _seeded(13, world, experts, max_tokens, topk, hidden)
     with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-gemm-timeline", cuda_device)
         try:
@@ -477,10 +476,7 @@ def test_moe_fp8_dispatch_matches_a_torch_quantization(cuda_device, fabric: str)
     """
     world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 384
     dev = f"cuda:{cuda_device}"
-    rng = np.random.default_rng(13)
-    gen = torch.Generator(device="cpu").manual_seed(13)
-    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden) for r in range(world)]
-    local = lays[0].local_experts
+    rng, gen, lays, local = _seeded(13, world, experts, max_tokens, topk, hidden)
     with _cluster(world, fabric) as cluster:
         sessions = _ranks(cluster, "moe-fp8", cuda_device)
         try:
