@@ -248,7 +248,7 @@ class Daemon:
     def request_restart(self) -> None:
         """Start this daemon's command line again (the config and the code read anew) and hand the jobs over
         to it once it is ready (:mod:`~transportd.daemon.succession`); if it cannot start, serve on."""
-        self.restart_requested = True
+        self.restart_requested, self.restart_error = True, ""
 
     def _succession(self) -> None:
         if self.successor is None:
@@ -457,6 +457,8 @@ class Daemon:
         """For stats: a restart under way (``preparing``: the successor starts) or why the last one failed."""
         if self.successor is not None:
             return {"state": self.successor.state, "successor": self.successor.process.pid}
+        if self.restart_requested:  # asked for, the successor not started yet (the next turn of the loop)
+            return {"state": "preparing"}
         return {"state": "failed", "error": self.restart_error} if self.restart_error else {"state": "none"}
 
     def on_leave(self, client_id: bytes, req: Leave) -> dict[str, Any]:
