@@ -426,7 +426,7 @@ def restart(timeout: float, socket: str | None, as_json: bool) -> None:
     The daemon starts its successor (the same command line: the config and the installed code are read
     anew) and, once that is ready, hands its jobs over to it: the clients re-attach by themselves while
     the peers wait (docs/restart.md). A successor that cannot start (a bad config) changes nothing: the
-    daemon serves on, and this exits 1 with the reason. Returns once the new daemon answers. Root or the
+    daemon serves on, and this exits 1 with the reason. Returns once the new daemon answers (another pid). Root or the
     daemon's user only."""
     from transportd.control.protocol import Restart
 

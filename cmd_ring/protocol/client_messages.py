@@ -343,8 +343,9 @@ class TraceStop(Request):
 class Restart(Request):
     """``transportctl restart``: start a new daemon of the same command line and hand the jobs over to it once
     it is ready; they keep their rings, flags and regions (docs/restart.md). Root or the daemon's own user
-    only. The reply comes at once; ``stats`` says ``restart`` ``failed`` (with the reason) if the new daemon
-    cannot start, and the daemon serves on."""
+    only. The reply comes at once, with the daemon's ``pid``; from then on ``stats`` says ``restart``
+    ``preparing`` while the new daemon starts, or ``failed`` (with the reason) if it cannot, and the daemon
+    serves on. The new daemon is the one that answers with another ``pid``."""
 
     op: ClassVar[str] = "restart"
 
