@@ -244,7 +244,7 @@ class QPResponder:
         op = m.op
         if op in (w.OP_WRITE, w.OP_WRITE_IMM):
             if m.src is not None:
-                self._copy_direct([(m, 0, m.length)], handler)  # one copy, complete when it returns
+                self._copy_pieces([(m, 0, m.length)], handler)  # one copy, complete when it returns
             elif m.length:
                 m.mr.write(m.raddr, m.data)
                 handler.observe(self, m.raddr, m.length)
@@ -253,20 +253,20 @@ class QPResponder:
 
     def flush_run(self, handler: RequestFrameHandler) -> None:
         """Copy the QP's run of in-order writes (lock held): direct writes, and wire writes into device
-        memory, one `_copy_direct` for all, then each completes in order. After one that failed (its QP now
+        memory, one `_copy_pieces` for all, then each completes in order. After one that failed (its QP now
         in error) the rest are answered as a QP in error answers what arrives: no acknowledgement."""
         run = self.write_run
         if not run:
             return
         self.write_run = []
-        self._copy_direct([(m, 0, m.length) for m in run], handler)
+        self._copy_pieces([(m, 0, m.length) for m in run], handler)
         for m in run:
             if self.state == ERR:
                 handler.respond(m, RETRY_EXC)
             else:
                 self._finish(m, handler)
 
-    def _copy_direct(self, run: list[tuple[Msg, int, int]], handler: RequestFrameHandler) -> None:
+    def _copy_pieces(self, run: list[tuple[Msg, int, int]], handler: RequestFrameHandler) -> None:
         """Copy ``(message, offset, length)`` pieces in order, one wait for all (`DirectCopier.copy_many`),
         complete on return: a direct write's from its source, a wire write's (a run's) from its bytes here. A
         piece whose exporter let go (or whose copy failed) sets its message's status to a remote operational
@@ -392,7 +392,7 @@ class QPResponder:
 
     def place_packets(self, pkts: list[tuple[Msg, int, Any]], handler: RequestFrameHandler) -> None:
         """Place packets taken from the pool, in the order taken. Direct packets (message, offset, length)
-        taken back to back are copied as one run (`_copy_direct`: an 8 MiB SRD write is eight packets, and
+        taken back to back are copied as one run (`_copy_pieces`: an 8 MiB SRD write is eight packets, and
         each wait costs about what a copy does on a busy GPU), and only then is each counted placed, so
         nothing later on the QP overtakes them; the rest are placed one by one."""
         for direct, group in itertools.groupby(pkts, key=lambda pkt: pkt[0].src is not None):
@@ -401,7 +401,7 @@ class QPResponder:
                     self.place_packet(pkt, handler)
                 continue
             run = list(group)
-            self._copy_direct(run, handler)
+            self._copy_pieces(run, handler)
             for m, _off, _n in run:
                 self._packet_placed(m, handler)
 
