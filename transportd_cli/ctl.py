@@ -426,12 +426,12 @@ def restart(timeout: float, socket: str | None, as_json: bool) -> None:
     The daemon starts its successor (the same command line: the config and the installed code are read
     anew) and, once that is ready, hands its jobs over to it: the clients re-attach by themselves while
     the peers wait (docs/restart.md). A successor that cannot start (a bad config) changes nothing: the
-    daemon serves on, and this exits 1 with the reason. Returns once the new daemon answers (another pid). Root or the
-    daemon's user only."""
+    daemon serves on, and this exits 1 with the reason. Returns once the new daemon answers (another pid).
+    Root or the daemon's user only."""
     from transportd.control.protocol import Restart
 
     reply = _fetch(socket, Restart)
-    old_pid = reply.get("pid")
+    old_pid = reply["pid"]  # always in the reply: a missing one must not pass the old daemon off as new
     deadline = time.monotonic() + timeout
     endpoint = resolve_endpoint(socket)
     while True:
@@ -439,20 +439,20 @@ def restart(timeout: float, socket: str | None, as_json: bool) -> None:
             with ControlConnection(endpoint, timeout_ms=2000, handshake_timeout_ms=500, name="transportctl",
                                    curve=_curve_keys()) as conn:
                 after = conn.request(Stats())
-            if after.get("pid") != old_pid:  # the successor is a child of the daemon: another pid, same host
+            if after["pid"] != old_pid:  # the successor is a child of the daemon: another pid, same host
                 break
             restart = after.get("restart", {})
             if restart.get("state") == "failed":
-                _fail(f"restart refused, pid {reply.get('pid')} serves on: the new daemon "
+                _fail(f"restart refused, pid {old_pid} serves on: the new daemon "
                       f"{restart.get('error', 'did not start')}; `journalctl -u transportd` says why", EXIT_REFUSED)
         except TransportdError:
             pass
         if time.monotonic() > deadline:
-            _fail(f"the daemon (pid {reply.get('pid')}) did not come back within {timeout:.0f}s: "
+            _fail(f"the daemon (pid {old_pid}) did not come back within {timeout:.0f}s: "
                   "`journalctl -u transportd` says why; its peers hold its jobs for peers.restart_grace_s")
         time.sleep(0.1)
     took = timeout - (deadline - time.monotonic())
-    _emit({"pid": after.get("pid"), "restarted_in_s": took, "clients": after.get("clients"), "peers": {
+    _emit({"pid": after["pid"], "restarted_in_s": took, "clients": after.get("clients"), "peers": {
         n: p.get("state") for n, p in after.get("peers", {}).items()}}, as_json,
         lambda d: f"restarted in {d['restarted_in_s']:.1f}s (pid {d['pid']}): {d['clients']} client(s) "
                   "re-attached so far")

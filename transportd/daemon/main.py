@@ -251,8 +251,7 @@ class Daemon:
         self.restart_requested, self.restart_error = True, ""
 
     def _succession(self) -> None:
-        if self.successor is None:
-            self.restart_error = ""
+        if self.successor is None:  # restart_error was cleared by the request
             try:
                 self.successor = Successor.start()
             except OSError as exc:
