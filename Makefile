@@ -42,7 +42,8 @@ fuzz-validate:
 # no built bridge, and the bridge is Cython, not this C. CI runs it after `make test`.
 SANITIZE   := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -O1 -g
 ASAN_TESTS ?= tests/transportd/dataplane/test_core_differential.py tests/transportd/dataplane/test_proxy.py \
-              tests/transportd/dataplane/test_serve_loop.py tests/ib tests/efa
+              tests/transportd/dataplane/test_serve_loop.py tests/transportd/dataplane/test_gpu_direct_copier.py \
+              tests/ib tests/efa
 asan-test: venv
 	rm -rf build/asan-tree && mkdir -p build/asan-tree
 	git ls-files -z --cached --others --exclude-standard \

@@ -19,11 +19,11 @@ setup(
         Extension(
             "transportd._core",
             sources=[f"{CORE}/module.c", f"{CORE}/engine.c", f"{CORE}/engine_type.c", f"{CORE}/poster.c",
-                     f"{CORE}/pingpong.c", f"{CORE}/verbs_shim.c", f"{CORE}/trace.c",
+                     f"{CORE}/pingpong.c", f"{CORE}/verbs_shim.c", f"{CORE}/trace.c", f"{CORE}/copy_run.c",
                      "ib/csrc/ib_post.c",
                      "efa/csrc/efa_post.c", "efa/csrc/efa_arrivals.c", "efa/csrc/efa_shim.c"],
-            depends=[f"{CORE}/engine.h", f"{CORE}/validate.h", f"{CORE}/pingpong.h", f"{CORE}/poster.h",
-                     f"{CORE}/verbs_abi.h", f"{CORE}/verbs_abi_members.h", f"{CORE}/trace.h",
+            depends=[f"{CORE}/engine.h", f"{CORE}/validate.h", f"{CORE}/pingpong.h", f"{CORE}/copy_run.h",
+                     f"{CORE}/poster.h", f"{CORE}/verbs_abi.h", f"{CORE}/verbs_abi_members.h", f"{CORE}/trace.h",
                      "efa/csrc/efa_arrivals.h",
                      f"{CONTRACT}/transportd/cmd_ring.h", f"{CONTRACT}/transportd/errors.h"],
             # the include roots: the contract's (<transportd/cmd_ring.h>, <transportd/errors.h>, shared with the

@@ -8,12 +8,13 @@ cuda-python is imported only on first use, so CPU-only processes never need it.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
 from cmd_ring.errors import CudaError, CudaUnavailableError
 
-__all__ = ["check", "driver", "result_name", "use_device"]
+__all__ = ["check", "driver", "entry_point", "result_name", "use_device"]
 
 _lock = threading.Lock()
 _driver: Any = None
@@ -39,6 +40,19 @@ def driver() -> Any:
                     raise CudaUnavailableError("cuInit", result_name(err))
                 _driver = drv
     return _driver
+
+
+def entry_point(name: str) -> int:
+    """The address of the driver function ``name`` in libcuda (which :func:`driver` has loaded), for compiled
+    code that calls the driver with the GIL released (``transportd._core.copy_run``)."""
+    driver()
+    try:
+        fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    except (OSError, AttributeError) as exc:
+        raise CudaUnavailableError(f"libcuda {name}", str(exc)) from None
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    assert address  # dlsym found it
+    return address
 
 
 def result_name(err: Any) -> str:

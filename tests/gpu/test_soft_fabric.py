@@ -200,3 +200,36 @@ def test_a_copy_through_host_memory_completes_while_spinning_kernels_hold_every_
     row = bench.probe(cuda_device, 2 * sms, "through_host", wait_ms=30_000.0)
     assert row["resident_blocks"] == 2 * sms, row  # every SM's thread slots held while it copied
     assert row["completed_ms"] is not None and row["bytes_checked"], row
+
+
+def test_a_run_of_copies_lands_in_order_with_its_host_bytes_staged_or_not(cuda_device) -> None:
+    """GpuAccessor.copy_many on the GPU (the compiled run: ``transportd._core.copy_run``): device-to-device
+    copies, host bytes staged in pinned memory, host bytes too large for the stage copied from where they
+    are, and a later piece over an earlier one's bytes, all in one run: what lands is what placing them one
+    after another in the given order leaves."""
+    from tests.support.device_memory import CudaDeviceMemory
+    from transportd.dataplane.gpu_memory import RUN_STAGE
+
+    rng = np.random.default_rng(7)
+    size = 4 * RUN_STAGE
+    with CudaDeviceMemory(cuda_device) as memory:
+        src, dst = memory.allocate(size), memory.allocate(size)
+        acc = memory.accessor
+        source = rng.integers(0, 256, size, dtype=np.uint8)
+        acc.write(src, memoryview(source.tobytes()))
+        flag, big = b"FLAG0001", rng.integers(0, 256, RUN_STAGE + 100, dtype=np.uint8).tobytes()
+        run = [(dst, src, 3 * RUN_STAGE), (dst + 64, memoryview(flag), 8), (dst + 4096, src + 8192, 0),
+               (dst + RUN_STAGE, memoryview(big), len(big)), (dst + RUN_STAGE + 8, src, 8)]
+        expected = np.zeros(size, dtype=np.uint8)
+        for i in range(3):  # no reset between runs: each run over the last one's bytes
+            acc.copy_many(run)
+            expected[:3 * RUN_STAGE] = source[:3 * RUN_STAGE]
+            expected[64:72] = np.frombuffer(flag, np.uint8)
+            expected[RUN_STAGE:RUN_STAGE + len(big)] = np.frombuffer(big, np.uint8)
+            expected[RUN_STAGE + 8:RUN_STAGE + 16] = source[:8]
+            got = np.frombuffer(acc.read(dst, size), np.uint8)
+            assert np.array_equal(got, expected), f"run {i}: first wrong byte at {np.flatnonzero(got != expected)[:1]}"
+            flag = b"FLAG%04d" % (i + 2)
+            run[1] = (dst + 64, memoryview(flag), 8)
+        memory.free(src)
+        memory.free(dst)

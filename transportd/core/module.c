@@ -1,11 +1,12 @@
 /*
  * transportd._core, the module: the engine's type (engine_type.c), the verbs shim's (verbs_shim.c), each
  * backend's C linked into it (ib/csrc, efa/csrc: their register hooks, poster.h), the record and row sizes,
- * and the benchmark's two C loops (pingpong.c).
+ * the benchmark's two C loops (pingpong.c), and the soft fabric's run of GPU copies (copy_run.c).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "copy_run.h"
 #include "engine.h"
 #include "pingpong.h"
 
@@ -101,6 +102,7 @@ static PyMethodDef core_functions[] = {
     {"bare_drain", bare_drain, METH_VARARGS, "Benchmark ceiling: the bare C consumer of a ring (pingpong.c)."},
     {"pingpong_produce", pingpong_produce, METH_VARARGS, "Benchmark producer: one record at a time (pingpong.c)."},
     {"burst_produce", burst_produce, METH_VARARGS, "Benchmark producer: bursts, each waited for (pingpong.c)."},
+    {"copy_run", tpd_copy_run, METH_VARARGS, "A run of copies into GPU memory, queued and waited for without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -40,7 +40,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from transportd.cuda_driver import check, driver, use_device
+from transportd import _core
+from transportd.cuda_driver import check, driver, entry_point, result_name, use_device
 from transportd.errors import CudaError, GdrCopyError
 
 __all__ = ["COPY_VIA", "GPU_PAGE_SIZE", "GdrCopy", "GdrMapping", "GpuAccessor", "GpuMemory", "IpcRegion"]
@@ -82,6 +83,8 @@ class GpuAccessor:
         self._use(device)
         flags = self._drv.CUstream_flags.CU_STREAM_NON_BLOCKING
         self._stream = check(self._drv.cuStreamCreate(flags), "cuStreamCreate")
+        # copy_many queues and waits in compiled code, GIL released, through these two driver functions
+        self._queue_copy, self._wait_stream = entry_point("cuMemcpyAsync"), entry_point("cuStreamSynchronize")
         # pinned now, not at a run's first flag: pinning can wait for the kernels that wait for that flag
         self._run_stage = int(check(self._drv.cuMemHostAlloc(RUN_STAGE, 0), "cuMemHostAlloc"))
         self._bound: set[int] = set()  # threads whose current context is already set
@@ -142,24 +145,16 @@ class GpuAccessor:
     def copy_many(self, copies: list[tuple[int, int | memoryview, int]]) -> None:
         """``(dst, src, length)`` copies queued in order on the worker stream, one wait for them all: each
         lands before the next starts, and all have when this returns. A ``src`` that is a buffer holds host
-        bytes to store at ``dst``, staged in pinned memory while it has room (else copied from where they are)."""
+        bytes to store at ``dst``, staged in pinned memory while it has room (else copied from where they are).
+        Queued and waited for by ``transportd._core.copy_run``, with the GIL released throughout: one call
+        per run, where a driver call each would hand the GIL over twice a copy."""
         with self._lock:
             self._enter()
-            drv, check = self._drv, self._check
-            staged = 0
-            for dst, src, length in copies:
-                if not length:
-                    continue
-                if isinstance(src, int):
-                    check(drv.cuMemcpyAsync(dst, src, length, self._stream), "cuMemcpyAsync")
-                elif staged + length <= RUN_STAGE:
-                    ctypes.memmove(self._run_stage + staged, bytes(src), length)
-                    check(drv.cuMemcpyHtoDAsync(dst, self._run_stage + staged, length, self._stream),
-                          "cuMemcpyHtoDAsync")
-                    staged += length
-                else:
-                    check(drv.cuMemcpyHtoDAsync(dst, src, length, self._stream), "cuMemcpyHtoDAsync")
-            check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+            err, at = _core.copy_run(self._queue_copy, self._wait_stream, int(self._stream), copies,
+                                     self._run_stage, RUN_STAGE)
+            if err:
+                raise CudaError("cuStreamSynchronize" if at < 0 else f"cuMemcpyAsync (copy {at} of a run)",
+                                result_name(self._drv.CUresult(err)))
             self.copies += len(copies)
 
     def open_word_ring(self) -> None:

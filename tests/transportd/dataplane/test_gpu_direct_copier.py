@@ -5,6 +5,7 @@ it opens and closes a peer's handle, and which GPU's worker stream each copy run
 from __future__ import annotations
 
 import ctypes
+import enum
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,17 +15,43 @@ from softverbs import soft
 from transportd import cuda_driver
 from transportd.dataplane import gpu_memory
 from transportd.dataplane.gpu_memory import RUN_STAGE, STAGE_SLOTS, GpuMemory
+from transportd.errors import CudaError
 
 HANDLE_A = bytes(range(64))
 HANDLE_PEER = bytes(range(64, 128))
 STAGE_CHUNK = 1 << 16
 
 
+class FakeResult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700
+    CUDA_ERROR_NOT_READY = 600
+
+
+class FakeStream(str):
+    """A stream as the fake driver hands it out: its name, and a handle (``int()``) for compiled code."""
+
+    handles: dict[int, FakeStream] = {}
+
+    def __int__(self) -> int:
+        handle = 0x100 + list(FakeStream.handles.values()).index(self) if self in FakeStream.handles.values() \
+            else 0x100 + len(FakeStream.handles)
+        FakeStream.handles[handle] = self
+        return handle
+
+
+# the two driver functions `_core.copy_run` calls, as C sees them
+QUEUE_COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+WAIT_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
 class FakeDriver:
     """The cuda.bindings.driver calls GpuMemory makes: two GPUs at PCI buses 0x10 and 0x20, IPC handles
-    mapped at fixed addresses, every open, close and copy recorded."""
+    mapped at fixed addresses, every open, close and copy recorded. The copies and waits the compiled copy
+    run makes reach the same records through C-callable entry points (:meth:`entry_point`)."""
 
-    CUresult = SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_INVALID_VALUE=1, CUDA_ERROR_NOT_READY=600)
+    CUresult = FakeResult
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CUevent_flags = SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
     CUipcMem_flags = SimpleNamespace(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS=1)
@@ -47,6 +74,7 @@ class FakeDriver:
         self.events = 0
         self.pinned: list[int] = []
         self.done: set[str] = set()  # events whose work ran (cuEventQuery), set by the test
+        self.entry_points: list[Any] = []
 
     def cuDeviceGetCount(self) -> tuple[int, int]:
         return 0, 2
@@ -66,7 +94,7 @@ class FakeDriver:
 
     def cuStreamCreate(self, flags: int) -> tuple[int, str]:
         made = self.streams[self.current] = self.streams.get(self.current, 0) + 1
-        return 0, f"stream@{self.current}" + ("" if made == 1 else f"#{made}")
+        return 0, FakeStream(f"stream@{self.current}" + ("" if made == 1 else f"#{made}"))
 
     def cuMemHostAlloc(self, size: int, flags: int) -> tuple[int, int]:
         self.pinned.append(size)
@@ -129,13 +157,30 @@ class FakeDriver:
 
     def cuMemcpyAsync(self, dst: int, src: int, n: int, stream: str) -> tuple[int]:
         self.copies.append((dst, src, n, stream))
-        return (0,)
+        return (self.copy_error if len(self.copies) == self.fail_copy else 0,)
+
+    fail_copy = 0  # the copy (counting from 1) that fails with copy_error; 0: none
+    copy_error = 0
+
+    def entry_point(self, name: str) -> int:
+        """The address of a C-callable stand-in for libcuda's ``name`` (kept alive by this driver)."""
+        if name == "cuMemcpyAsync":
+            fn: Any = QUEUE_COPY(lambda dst, src, n, stream: self.cuMemcpyAsync(
+                dst, src, n, FakeStream.handles[stream])[0])
+        else:
+            assert name == "cuStreamSynchronize"
+            fn = WAIT_STREAM(lambda stream: self.cuStreamSynchronize(FakeStream.handles[stream])[0])
+        self.entry_points.append(fn)
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+        assert address
+        return address
 
 
 @pytest.fixture
 def drv(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
     fake = FakeDriver()
     monkeypatch.setattr(cuda_driver, "_driver", fake)
+    monkeypatch.setattr(gpu_memory, "entry_point", fake.entry_point)
     monkeypatch.setattr(cuda_driver, "_contexts", {})
     return fake
 
@@ -228,14 +273,41 @@ def test_host_bytes_in_a_run_are_staged_in_pinned_memory_and_copied_in_their_pla
                    (region.addr + 8192, src + 4096, 4096), (region.addr + 8200, memoryview(b"flag"), 4),
                    (region.addr + 16384, big, RUN_STAGE)])
     base = ctypes.addressof(stage)
-    assert [(d, s, n) for d, s, n, _ in drv.copies] == [(region.addr, src, 4096),
-                                                          (region.addr + 8192, src + 4096, 4096)]
-    ups = [c[1:] for c in drv.staged if c[0] == "up"]
-    assert ups[:2] == [(region.addr + 4096, base, 8, "stream@ctx0"),
-                       (region.addr + 8200, base + 8, 4, "stream@ctx0")]
-    assert ups[2][0] == region.addr + 16384 and ups[2][1] is big  # no room left: from where it is
+    big_at = ctypes.addressof(ctypes.c_char.from_buffer(big))  # no room left: copied from where it is
+    assert drv.copies == [(region.addr, src, 4096, "stream@ctx0"), (region.addr + 4096, base, 8, "stream@ctx0"),
+                          (region.addr + 8192, src + 4096, 4096, "stream@ctx0"),
+                          (region.addr + 8200, base + 8, 4, "stream@ctx0"),
+                          (region.addr + 16384, big_at, RUN_STAGE, "stream@ctx0")]
     assert stage.raw[:12] == b"FLAGFLAGflag"
-    assert drv.syncs == [(2, "stream@ctx0")]  # one wait, after every piece was queued
+    assert drv.syncs == [(5, "stream@ctx0")]  # one wait, after every piece was queued
+
+
+def test_a_copy_the_driver_refuses_names_itself_and_the_run_is_still_waited_for(drv: FakeDriver) -> None:
+    """A run whose second copy the driver refuses raises CudaError naming that copy, after the stream's
+    synchronize (the first copy, queued, may still read the staging buffer); empty copies queue nothing."""
+    gpu = GpuMemory()
+    region = gpu.open(HANDLE_A, 0, 1 << 20, device=0)
+    gpu.accessor(0)
+    drv.fail_copy, drv.copy_error = 2, FakeResult.CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(CudaError, match=r"cuMemcpyAsync \(copy 1 of a run\) failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        gpu.copy_many([(region.addr, 0x1234_0000, 64), (region.addr + 64, 0, 0),
+                       (region.addr + 128, 0x1234_0040, 64), (region.addr + 192, 0x1234_0080, 64)])
+    assert [d for d, *_ in drv.copies] == [region.addr, region.addr + 128]
+    assert drv.syncs == [(2, "stream@ctx0")]
+
+
+@pytest.mark.parametrize("copies, error", [
+    ([(0x7000_0000, 0x1234_0000)], "each copy is"),
+    ([(0x7000_0000, memoryview(b"flag"), 8)], "has 4 host bytes, not 8"),
+    ([(0x7000_0000, "not an address", 8)], "bytes-like"),
+])
+def test_a_malformed_run_is_refused_before_anything_is_queued(drv: FakeDriver, copies: list[Any],
+                                                               error: str) -> None:
+    gpu = GpuMemory()
+    gpu.open(HANDLE_A, 0, 1 << 20, device=0)
+    with pytest.raises((TypeError, ValueError), match=error):
+        gpu.accessor(0).copy_many([(0x7000_0040, 0x1234_0000, 8), *copies])
+    assert drv.copies == [] and drv.syncs == []
 
 
 def test_via_host_a_gpu_to_gpu_copy_goes_down_and_up_through_the_staging_slots_in_order(
