@@ -1,12 +1,13 @@
 """Build of the compiled data path (transportd._core) and softverbs' spin wait (softverbs._spin); everything
 else is in pyproject.toml.
 
-One extension holds the core and both backends' C. The core (transportd/core) is the engine, validation,
-the poster interface, the verbs ABI and shim, and the trace recorder; each backend's C lives beside its
-Python (ib/csrc, efa/csrc) and reaches the core only through its poster interface (poster.h) and verbs ABI
-(verbs_abi.h). They share one extension because a backend's poster and the core's verbs shim share state
-at link time (poster.c: the per-thread exception a shim's Python call stashes for the poster to raise);
-a backend built as its own module would need the core to export that through a capsule, which it does not.
+One extension holds the core and both backends' C. The core (transportd/core) is the engine, validation, the
+poster interface, the verbs ABI and shim, the trace recorder and the soft fabric's run of GPU copies; each
+backend's C lives beside its Python (ib/csrc, efa/csrc) and reaches the core only through its poster interface
+(poster.h) and verbs ABI (verbs_abi.h). They share one extension because a backend's poster and the core's
+verbs shim share state at link time (poster.c: the per-thread exception a shim's Python call stashes for the
+poster to raise); a backend built as its own module would need the core to export that through a capsule,
+which it does not.
 """
 
 from setuptools import Extension, setup
