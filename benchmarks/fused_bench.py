@@ -1382,6 +1382,9 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 @click.option("--tma/--no-tma", default=True, show_default=True, help="--tune: the GEMMs' TMA tiles too")
 @click.option("--tune-seconds", default=TUNE_SECONDS, show_default=True, type=FiniteFloat(min=0),
               help="--tune: configs not started by then are recorded as skipped")
+@click.option("--moe-experts", default=None, type=click.IntRange(min=1),
+              help="MoE Dispatch+GEMM's experts in place of its sizes' 64: the same tokens and bytes in fewer, larger "
+                   "blocks (a block per (peer, expert)), against the soft fabric's cost per message")
 @click.option("--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
               help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
                    "event instead of sleeping at once (a core each while traffic flows)")
@@ -1389,7 +1392,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
          chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
-         trace_dir: str | None = None) -> None:
+         trace_dir: str | None = None, moe_experts: int | None = None) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -1475,6 +1478,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                                 fused_row, kernel, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe_dispatch_gemm" in wanted:
                     for dims in run_sizes["moe_dispatch_gemm"][:sizes]:
+                        if moe_experts is not None:
+                            dims = {**dims, "experts": moe_experts}
                         attempt({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims},
                                 moe_gemm_row, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe" in wanted:

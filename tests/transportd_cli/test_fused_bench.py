@@ -561,3 +561,23 @@ def test_trace_needs_a_timeline_and_leaves_every_launchs_steps_in_its_directory(
     assert result.exit_code == 0, result.output
     (label, cycle), = json.loads((trace / "steps.json").read_text()).items()
     assert label == "gemm_reduce_scatter:ib:fused" and sorted(cycle["p0"]) == ["done", "send 1"]
+
+
+def test_moe_experts_overrides_only_the_moe_gemm_sizes_experts(monkeypatch) -> None:
+    """--moe-experts: MoE Dispatch+GEMM's sizes with that many experts, everything else as it was."""
+    bench = _bench()
+    seen: list[dict[str, int]] = []
+
+    def row(backend, shape, dims, reps, echo=print, timeline=False):
+        seen.append(dims)
+        return bench.derive({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims,
+                             "compute_s": 2e-3, "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}, 1e9, 1 << 20)
+
+    monkeypatch.setattr(bench, "moe_gemm_row", row)
+    result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", "ib",
+                                             "--moe-experts", "16"])
+    assert result.exit_code == 0, result.output
+    assert seen == [{**dims, "experts": 16} for dims in bench.MOE_GEMM_SIZES]
+    assert all(dims["experts"] == 64 for dims in bench.MOE_GEMM_SIZES)  # the module's sizes are left alone
+    result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--moe-experts", "0"])
+    assert result.exit_code == 2 and "--moe-experts" in result.output
