@@ -1057,7 +1057,8 @@ RING_TILES: list[dict[str, Any]] = [
 #: MoE Dispatch+GEMM's expert GEMM: a few rows an expert (128 tokens x top-8 over 64 experts: ~32 a rank's
 #: expert) against a wide weight, so it streams the weights: narrower row blocks, wider column blocks, deeper
 #: pipelines around the op's default, first (64x128x64, 4 warps, 6 stages: 5 won the first two runs, where 3
-#: stages, the first choice, was 1.39x slower; 6 won on average once the tile deal rotated, 2026-12-04)
+#: stages, the first choice, was 1.39x slower; 6 won on average once the tile deal rotated, 2026-12-04); the
+#: 128-row tiles last, for more rows an expert (--moe-experts): the op's default from 128 rows on
 MOE_GEMM_TILES: list[dict[str, Any]] = [
     {"block": (64, 128, 64), "num_warps": 4, "num_stages": 6},
     {"block": (64, 128, 64), "num_warps": 4, "num_stages": 5},
@@ -1073,6 +1074,11 @@ MOE_GEMM_TILES: list[dict[str, Any]] = [
     {"block": (32, 128, 128), "num_warps": 4, "num_stages": 4},
     {"block": (64, 256, 128), "num_warps": 8, "num_stages": 2},
     {"block": (32, 256, 128), "num_warps": 8, "num_stages": 3},
+    # more rows an expert (fewer experts, --moe-experts): the wider row blocks a dense GEMM takes
+    {"block": (128, 128, 64), "num_warps": 4, "num_stages": 4},
+    {"block": (128, 128, 64), "num_warps": 8, "num_stages": 4},
+    {"block": (128, 256, 64), "num_warps": 8, "num_stages": 3},
+    {"block": (128, 128, 128), "num_warps": 8, "num_stages": 3},
 ]
 TUNE_TILES = {"allgather_gemm": GEMM_TILES, "gemm_reduce_scatter": GEMM_TILES, "gemm_all_reduce": GEMM_TILES,
               "ring_attention": RING_TILES, "moe_dispatch_gemm": MOE_GEMM_TILES}
@@ -1384,7 +1390,8 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
               help="--tune: configs not started by then are recorded as skipped")
 @click.option("--moe-experts", default=None, type=click.IntRange(min=1),
               help="MoE Dispatch+GEMM's experts in place of its sizes' 64: the same tokens and bytes in fewer, larger "
-                   "blocks (a block per (peer, expert)), against the soft fabric's cost per message")
+                   "blocks (a block per (peer, expert)), against the soft fabric's cost per message; with --tune, "
+                   "the expert GEMM's tiles at that many")
 @click.option("--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
               help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
                    "event instead of sleeping at once (a core each while traffic flows)")
@@ -1455,6 +1462,9 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             how = "python benchmarks/fused_bench.py " + " ".join(sys.argv[1:])
             tune_kernels = [k for k in wanted if k in TUNABLE]
             tune_sizes = backend_sizes("ib", quick)  # the defaults' sizes: the compute alone, on either backend
+            if moe_experts is not None:
+                tune_sizes["moe_dispatch_gemm"] = [{**d, "experts": moe_experts}
+                                                   for d in tune_sizes["moe_dispatch_gemm"]]
             result = run_tune(tune_kernels, backend, shape, tune_sizes, reps, tma, tune_seconds, json_path, how,
                               echo=click.echo)
             mps_line = mps.describe()

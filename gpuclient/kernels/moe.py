@@ -554,6 +554,20 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+#: ``dispatch_gemm``'s default tiles, by the rows a local expert gets under even routing (``max_tokens * topk *
+#: world / num_experts``), tuned on the H200 (docs/performance.md, "MoE's expert GEMM with more rows an expert"):
+#: with a few rows an expert (128 tokens x top-8 over 64 experts: 32) narrow row blocks stream the weights; from
+#: ``MANY_ROWS`` on, a dense GEMM's wide tiles (1.41x the narrow ones at 128 rows, 1.64x at 256).
+FEW_ROWS_TILES = ((64, 128, 64), 4, 6)
+MANY_ROWS_TILES = ((128, 256, 64), 8, 3)
+MANY_ROWS = 128
+
+
+def default_gemm_tiles(rows_per_expert: float) -> tuple[tuple[int, int, int], int, int]:
+    """``(gemm_block, gemm_warps, gemm_stages)`` for experts of about ``rows_per_expert`` rows each."""
+    return MANY_ROWS_TILES if rows_per_expert >= MANY_ROWS else FEW_ROWS_TILES
+
+
 def check_gemm_tiles(block: Any, num_warps: Any, num_stages: Any) -> tuple[tuple[int, int, int], int, int]:
     """``dispatch_gemm``'s tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` =
     (block_m, block_n, block_k), three powers of two >= 16 (``tl.dot``), and ``check_launch``'s terms."""
@@ -606,18 +620,26 @@ class MoE:
     expert GEMM: its output ``y`` [L, W*T, gemm_n] (``gemm_dtype``: bf16 or fp32) is allocated here too. Its one
     kernel has ``gemm_programs`` programs (default: SMs / share), the first ``comm_programs`` of them moving
     rows, the rest computing ``gemm_block`` = (block_m, block_n, block_k) tiles with ``gemm_warps`` warps and
-    ``gemm_stages`` pipeline stages.
+    ``gemm_stages`` pipeline stages; each left out comes from :func:`default_gemm_tiles` for the rows an expert
+    gets under even routing.
     """
 
     def __init__(self, session: Any, hidden: int, num_experts: int, max_tokens: int, topk: int, *,
                  slot_base: int = 0, share: int = 1, programs: int | None = None, num_warps: int = 4,
                  channel_capacity: int = 1024, gemm_n: int | None = None, gemm_dtype: Any = None,
-                 gemm_block: tuple[int, int, int] = (64, 128, 64), comm_programs: int = 2,
-                 gemm_programs: int | None = None, gemm_warps: int = 4, gemm_stages: int = 6,
+                 gemm_block: tuple[int, int, int] | None = None, comm_programs: int = 2,
+                 gemm_programs: int | None = None, gemm_warps: int | None = None, gemm_stages: int | None = None,
                  fp8: bool = False) -> None:
         if fp8 and (hidden % 128 or gemm_n is not None):
             raise ValueError(f"fp8 dispatch needs hidden a multiple of 128 (one scale per 128 values) and no gemm_n "
                              f"(dispatch_gemm is bf16), got hidden={hidden}, gemm_n={gemm_n}")
+        # what the caller leaves out, from the tiles for this many rows an expert (MoELayout refuses bad counts)
+        counts = (max_tokens, topk, session.world, num_experts)
+        even = all(isinstance(v, int) and v > 0 for v in counts)
+        block0, warps0, stages0 = default_gemm_tiles(max_tokens * topk * session.world / num_experts if even else 0)
+        gemm_block = block0 if gemm_block is None else gemm_block
+        gemm_warps = warps0 if gemm_warps is None else gemm_warps
+        gemm_stages = stages0 if gemm_stages is None else gemm_stages
         if gemm_n is not None:
             gemm_block, gemm_warps, gemm_stages = check_gemm_tiles(gemm_block, gemm_warps, gemm_stages)
         import torch

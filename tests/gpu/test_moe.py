@@ -243,13 +243,15 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
     poisoned with NaN. Checked: counts, layout, handle words and received rows exactly against the model;
     ``y`` against float64 ``recv_x @ w[e]`` per expert, with the rows past each count untouched; combine on
     ``y`` against the model and a float64 torch MoE. The timing variants: ``communicate=False`` reruns round
-    4's GEMM bit for bit into another buffer; ``compute=False`` moves rows and counts exactly and leaves ``y``.
+    4's GEMM bit for bit into another buffer, then with other tiles (the fp32 cases: the default tiles for many
+    rows an expert) within tolerance; ``compute=False`` moves rows and counts exactly and leaves ``y``.
 
     Tolerance of ``y`` (H = 200 products per element, fp32 accumulation): bf16 output, ``2^-8 |ref|`` (the
     output's rounding is at most half an ulp, ``2^-9`` relative) plus ``2^-12 (|x| @ |w|)`` (the fp32 sum's
     error, with a wide margin); fp32 output, the second term alone.
     """
     from gpuclient.kernels import MoE
+    from gpuclient.kernels.moe import FEW_ROWS_TILES, MANY_ROWS_TILES
 
     world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
     dev = f"cuda:{cuda_device}"
@@ -282,6 +284,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
             # ranks' grids resident together
             ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4, gemm_n=hidden,
                        gemm_dtype=dtype, comm_programs=2, gemm_programs=6) for _, s in sessions]
+            assert (ops[0].gemm_block, ops[0].gemm_warps, ops[0].gemm_stages) == FEW_ROWS_TILES  # ~40 rows an expert
             _exchange(sessions)
             for op in ops:  # every kernel and variant of both ranks loaded before either launches
                 op.prepare()
@@ -368,8 +371,10 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
                             assert torch.isnan(again[r][le, n:].float()).all()
                     # other tiles (retile_gemm; both ranks' variants loaded before either launches: this rerun's
                     # and round 5's): the same products, within the GEMM's tolerance, over exactly the round's rows
+                    # (the fp32 cases: the default tiles for many rows an expert, 128-row blocks over ~40 rows)
+                    block, warps, stages = MANY_ROWS_TILES if out_dtype == "fp32" else ((32, 256, 128), 8, 2)
                     for op in ops:
-                        op.retile_gemm((32, 256, 128), num_warps=8, num_stages=2)
+                        op.retile_gemm(block, num_warps=warps, num_stages=stages)
                     for op in ops:
                         op.preload_gemm(communicate=False)
                         op.preload_gemm(compute=False)

@@ -517,6 +517,18 @@ def test_dispatch_gemm_tiles_are_checked_before_anything_is_allocated() -> None:
     assert check_gemm_tiles([32, 256, 64], 8, 4) == ((32, 256, 64), 8, 4)
 
 
+def test_dispatch_gemm_tiles_default_by_the_rows_an_expert_gets() -> None:
+    """Narrow row blocks for a few rows an expert (the tuned 64-expert shape: 32), a dense GEMM's wide tiles from
+    MANY_ROWS on; both pass the op's checks."""
+    from gpuclient.kernels.moe import FEW_ROWS_TILES, MANY_ROWS, MANY_ROWS_TILES, check_gemm_tiles, default_gemm_tiles
+
+    assert default_gemm_tiles(128 * 8 * 2 / 64) == FEW_ROWS_TILES == ((64, 128, 64), 4, 6)
+    assert default_gemm_tiles(MANY_ROWS - 1) == FEW_ROWS_TILES
+    assert default_gemm_tiles(MANY_ROWS) == default_gemm_tiles(128 * 8 * 2 / 8) == MANY_ROWS_TILES
+    for tiles in (FEW_ROWS_TILES, MANY_ROWS_TILES):
+        assert check_gemm_tiles(*tiles) == tiles
+
+
 def test_the_kernels_do_not_specialize_on_round_rank_or_tokens() -> None:
     for name in SIGNATURES:
         fn = getattr(moe_kernels, name)

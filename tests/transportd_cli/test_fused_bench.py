@@ -4,7 +4,6 @@ times, the table of kernel and MoE rows with failures kept, and the refusals mad
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import os
 import sys
@@ -111,11 +110,10 @@ def test_tune_candidates_keep_what_the_ops_accept_and_name_what_they_refuse(monk
     # MoE Dispatch+GEMM: every candidate accepted, the op's own default first; one its op refuses is named
     kept, refused = bench.tune_candidates("moe_dispatch_gemm", bench.MOE_GEMM_SIZES[0])
     assert kept == bench.MOE_GEMM_TILES and refused == [] and set(bench.TUNABLE) == set(bench.CASES)
-    from gpuclient.kernels import MoE
-    default = inspect.signature(MoE).parameters
-    assert bench.MOE_GEMM_TILES[0] == {"block": default["gemm_block"].default,
-                                       "num_warps": default["gemm_warps"].default,
-                                       "num_stages": default["gemm_stages"].default}
+    from gpuclient.kernels.moe import default_gemm_tiles
+    dims = bench.MOE_GEMM_SIZES[0]
+    block, warps, stages = default_gemm_tiles(dims["tokens"] * dims["topk"] * bench.WORLD / dims["experts"])
+    assert bench.MOE_GEMM_TILES[0] == {"block": block, "num_warps": warps, "num_stages": stages}
     monkeypatch.setitem(bench.TUNE_TILES, "moe_dispatch_gemm",
                         [*bench.MOE_GEMM_TILES, {"block": (64, 128, 48), "num_warps": 4, "num_stages": 3}])
     kept, refused = bench.tune_candidates("moe_dispatch_gemm", bench.MOE_GEMM_SIZES[0])
@@ -293,6 +291,9 @@ def test_the_tune_flag_runs_the_tuning_on_the_first_backend_and_shape_and_saves_
     CliRunner().invoke(bench.main, ["--tune", "--quick"])
     assert seen["sizes"] == {**bench.QUICK_SIZES, "moe_dispatch_gemm": bench.QUICK_MOE_GEMM_SIZES}
     assert seen["reps"] == 2 and seen["tma"] is True
+    CliRunner().invoke(bench.main, ["--tune", "--kernels", "moe_dispatch_gemm", "--moe-experts", "8"])
+    assert seen["sizes"]["moe_dispatch_gemm"] == [{**dims, "experts": 8} for dims in bench.MOE_GEMM_SIZES]
+    assert seen["sizes"]["allgather_gemm"] == bench.SIZES["allgather_gemm"]
 
 
 def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Path, monkeypatch) -> None:
