@@ -558,17 +558,22 @@ def _pow2(n: int) -> int:
 #: world / num_experts``), tuned on the H200 (docs/performance.md, "MoE's expert GEMM with more rows an expert"):
 #: with a few rows an expert (128 tokens x top-8 over 64 experts: 32) narrow row blocks stream the weights; from
 #: ``MANY_ROWS`` on, a dense GEMM's wide tiles (1.41x the narrow ones at 128 rows, 1.64x at 256).
-FEW_ROWS_TILES = ((64, 128, 64), 4, 6)
-MANY_ROWS_TILES = ((128, 256, 64), 8, 3)
+GemmTiles = tuple[tuple[int, int, int], int, int]  # (block_m, block_n, block_k), warps, stages
+FEW_ROWS_TILES: GemmTiles = ((64, 128, 64), 4, 6)
+MANY_ROWS_TILES: GemmTiles = ((128, 256, 64), 8, 3)
 MANY_ROWS = 128
 
 
-def default_gemm_tiles(rows_per_expert: float) -> tuple[tuple[int, int, int], int, int]:
-    """``(gemm_block, gemm_warps, gemm_stages)`` for experts of about ``rows_per_expert`` rows each."""
-    return MANY_ROWS_TILES if rows_per_expert >= MANY_ROWS else FEW_ROWS_TILES
+def default_gemm_tiles(max_tokens: int, topk: int, world: int, num_experts: int) -> GemmTiles:
+    """``(gemm_block, gemm_warps, gemm_stages)`` for the rows a local expert gets under even routing; counts that
+    are not positive integers get the few-rows tiles (``MoELayout`` refuses them with the reason)."""
+    counts = (max_tokens, topk, world, num_experts)
+    if not all(isinstance(v, int) and v > 0 for v in counts):
+        return FEW_ROWS_TILES
+    return MANY_ROWS_TILES if max_tokens * topk * world / num_experts >= MANY_ROWS else FEW_ROWS_TILES
 
 
-def check_gemm_tiles(block: Any, num_warps: Any, num_stages: Any) -> tuple[tuple[int, int, int], int, int]:
+def check_gemm_tiles(block: Any, num_warps: Any, num_stages: Any) -> GemmTiles:
     """``dispatch_gemm``'s tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` =
     (block_m, block_n, block_k), three powers of two >= 16 (``tl.dot``), and ``check_launch``'s terms."""
     block = tuple(block)
@@ -633,10 +638,8 @@ class MoE:
         if fp8 and (hidden % 128 or gemm_n is not None):
             raise ValueError(f"fp8 dispatch needs hidden a multiple of 128 (one scale per 128 values) and no gemm_n "
                              f"(dispatch_gemm is bf16), got hidden={hidden}, gemm_n={gemm_n}")
-        # what the caller leaves out, from the tiles for this many rows an expert (MoELayout refuses bad counts)
-        counts = (max_tokens, topk, session.world, num_experts)
-        even = all(isinstance(v, int) and v > 0 for v in counts)
-        block0, warps0, stages0 = default_gemm_tiles(max_tokens * topk * session.world / num_experts if even else 0)
+        # what the caller leaves out, from the tiles for the rows an expert gets
+        block0, warps0, stages0 = default_gemm_tiles(max_tokens, topk, session.world, num_experts)
         gemm_block = block0 if gemm_block is None else gemm_block
         gemm_warps = warps0 if gemm_warps is None else gemm_warps
         gemm_stages = stages0 if gemm_stages is None else gemm_stages

@@ -522,9 +522,11 @@ def test_dispatch_gemm_tiles_default_by_the_rows_an_expert_gets() -> None:
     MANY_ROWS on; both pass the op's checks."""
     from gpuclient.kernels.moe import FEW_ROWS_TILES, MANY_ROWS, MANY_ROWS_TILES, check_gemm_tiles, default_gemm_tiles
 
-    assert default_gemm_tiles(128 * 8 * 2 / 64) == FEW_ROWS_TILES == ((64, 128, 64), 4, 6)
-    assert default_gemm_tiles(MANY_ROWS - 1) == FEW_ROWS_TILES
-    assert default_gemm_tiles(MANY_ROWS) == default_gemm_tiles(128 * 8 * 2 / 8) == MANY_ROWS_TILES
+    assert default_gemm_tiles(128, 8, 2, 64) == FEW_ROWS_TILES == ((64, 128, 64), 4, 6)  # 32 rows an expert
+    assert default_gemm_tiles(MANY_ROWS - 1, 1, 1, 1) == FEW_ROWS_TILES
+    assert default_gemm_tiles(MANY_ROWS, 1, 1, 1) == default_gemm_tiles(128, 8, 2, 8) == MANY_ROWS_TILES
+    for bad in ((0, 8, 2, 8), (128, 8, 2, 0), ("128", 8, 2, 8)):  # refused later, by MoELayout
+        assert default_gemm_tiles(*bad) == FEW_ROWS_TILES
     for tiles in (FEW_ROWS_TILES, MANY_ROWS_TILES):
         assert check_gemm_tiles(*tiles) == tiles
 

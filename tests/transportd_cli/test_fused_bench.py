@@ -112,7 +112,7 @@ def test_tune_candidates_keep_what_the_ops_accept_and_name_what_they_refuse(monk
     assert kept == bench.MOE_GEMM_TILES and refused == [] and set(bench.TUNABLE) == set(bench.CASES)
     from gpuclient.kernels.moe import default_gemm_tiles
     dims = bench.MOE_GEMM_SIZES[0]
-    block, warps, stages = default_gemm_tiles(dims["tokens"] * dims["topk"] * bench.WORLD / dims["experts"])
+    block, warps, stages = default_gemm_tiles(dims["tokens"], dims["topk"], bench.WORLD, dims["experts"])
     assert bench.MOE_GEMM_TILES[0] == {"block": block, "num_warps": warps, "num_stages": stages}
     monkeypatch.setitem(bench.TUNE_TILES, "moe_dispatch_gemm",
                         [*bench.MOE_GEMM_TILES, {"block": (64, 128, 48), "num_warps": 4, "num_stages": 3}])
