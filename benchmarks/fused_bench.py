@@ -185,14 +185,19 @@ SIZES_KEYS = tuple(dict.fromkeys(key for sizes in (*SIZES.values(), MOE_GEMM_SIZ
                                   for key in dims))
 
 
-def backend_sizes(backend: str, quick: bool = False) -> dict[str, list[dict[str, int]]]:
+def backend_sizes(backend: str, quick: bool = False,
+                  moe_experts: int | None = None) -> dict[str, list[dict[str, int]]]:
     """The sizes a run measures on ``backend``, MoE Dispatch+GEMM's under ``moe_dispatch_gemm`` (``--quick``: the
-    same small ones on every backend)."""
+    same small ones on every backend; ``moe_experts``: those with that many experts, ``--moe-experts``)."""
     if quick:
-        return {**QUICK_SIZES, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES}
-    if backend == "efa":
-        return {**EFA_SIZES, "moe_dispatch_gemm": EFA_MOE_GEMM_SIZES}
-    return {**SIZES, "moe_dispatch_gemm": MOE_GEMM_SIZES}
+        sizes = {**QUICK_SIZES, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES}
+    elif backend == "efa":
+        sizes = {**EFA_SIZES, "moe_dispatch_gemm": EFA_MOE_GEMM_SIZES}
+    else:
+        sizes = {**SIZES, "moe_dispatch_gemm": MOE_GEMM_SIZES}
+    if moe_experts is not None:
+        sizes["moe_dispatch_gemm"] = [{**dims, "experts": moe_experts} for dims in sizes["moe_dispatch_gemm"]]
+    return sizes
 
 
 MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}
@@ -1461,10 +1466,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
             how = "python benchmarks/fused_bench.py " + " ".join(sys.argv[1:])
             tune_kernels = [k for k in wanted if k in TUNABLE]
-            tune_sizes = backend_sizes("ib", quick)  # the defaults' sizes: the compute alone, on either backend
-            if moe_experts is not None:
-                tune_sizes["moe_dispatch_gemm"] = [{**d, "experts": moe_experts}
-                                                   for d in tune_sizes["moe_dispatch_gemm"]]
+            # the defaults' sizes: the compute alone, on either backend
+            tune_sizes = backend_sizes("ib", quick, moe_experts)
             result = run_tune(tune_kernels, backend, shape, tune_sizes, reps, tma, tune_seconds, json_path, how,
                               echo=click.echo)
             mps_line = mps.describe()
@@ -1475,7 +1478,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         for backend in backends.split(","):
             for spec in shapes.split(","):
                 shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
-                run_sizes = backend_sizes(backend, quick)
+                run_sizes = backend_sizes(backend, quick, moe_experts)
                 for kernel in (k for k in wanted if k in KERNELS):
                     for dims in run_sizes[kernel][:sizes]:
                         if kernel in rows_of:
@@ -1488,8 +1491,6 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                                 fused_row, kernel, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe_dispatch_gemm" in wanted:
                     for dims in run_sizes["moe_dispatch_gemm"][:sizes]:
-                        if moe_experts is not None:
-                            dims = {**dims, "experts": moe_experts}
                         attempt({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims},
                                 moe_gemm_row, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe" in wanted:
