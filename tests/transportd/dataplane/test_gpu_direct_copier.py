@@ -32,13 +32,10 @@ class FakeResult(enum.IntEnum):
 class FakeStream(str):
     """A stream as the fake driver hands it out: its name, and a handle (``int()``) for compiled code."""
 
-    handles: dict[int, FakeStream] = {}
+    handle = 0
 
     def __int__(self) -> int:
-        handle = 0x100 + list(FakeStream.handles.values()).index(self) if self in FakeStream.handles.values() \
-            else 0x100 + len(FakeStream.handles)
-        FakeStream.handles[handle] = self
-        return handle
+        return self.handle
 
 
 # the two driver functions `_core.copy_run` calls, as C sees them
@@ -75,6 +72,7 @@ class FakeDriver:
         self.pinned: list[int] = []
         self.done: set[str] = set()  # events whose work ran (cuEventQuery), set by the test
         self.entry_points: list[Any] = []
+        self.by_handle: dict[int, FakeStream] = {}  # the streams made, by the handle compiled code passes
 
     def cuDeviceGetCount(self) -> tuple[int, int]:
         return 0, 2
@@ -94,7 +92,10 @@ class FakeDriver:
 
     def cuStreamCreate(self, flags: int) -> tuple[int, str]:
         made = self.streams[self.current] = self.streams.get(self.current, 0) + 1
-        return 0, FakeStream(f"stream@{self.current}" + ("" if made == 1 else f"#{made}"))
+        stream = FakeStream(f"stream@{self.current}" + ("" if made == 1 else f"#{made}"))
+        stream.handle = 0x100 + len(self.by_handle)
+        self.by_handle[stream.handle] = stream
+        return 0, stream
 
     def cuMemHostAlloc(self, size: int, flags: int) -> tuple[int, int]:
         self.pinned.append(size)
@@ -166,10 +167,10 @@ class FakeDriver:
         """The address of a C-callable stand-in for libcuda's ``name`` (kept alive by this driver)."""
         if name == "cuMemcpyAsync":
             fn: Any = QUEUE_COPY(lambda dst, src, n, stream: self.cuMemcpyAsync(
-                dst, src, n, FakeStream.handles[stream])[0])
+                dst, src, n, self.by_handle[stream])[0])
         else:
             assert name == "cuStreamSynchronize"
-            fn = WAIT_STREAM(lambda stream: self.cuStreamSynchronize(FakeStream.handles[stream])[0])
+            fn = WAIT_STREAM(lambda stream: self.cuStreamSynchronize(self.by_handle[stream])[0])
         self.entry_points.append(fn)
         address = ctypes.cast(fn, ctypes.c_void_p).value
         assert address
