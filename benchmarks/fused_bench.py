@@ -185,10 +185,11 @@ SIZES_KEYS = tuple(dict.fromkeys(key for sizes in (*SIZES.values(), MOE_GEMM_SIZ
                                   for key in dims))
 
 
-def backend_sizes(backend: str, quick: bool = False,
-                  moe_experts: int | None = None) -> dict[str, list[dict[str, int]]]:
+def backend_sizes(backend: str, quick: bool = False, moe_experts: int | None = None,
+                  moe_experts_per_put: int | None = None) -> dict[str, list[dict[str, int]]]:
     """The sizes a run measures on ``backend``, MoE Dispatch+GEMM's under ``moe_dispatch_gemm`` (``--quick``: the
-    same small ones on every backend; ``moe_experts``: those with that many experts, ``--moe-experts``)."""
+    same small ones on every backend; ``moe_experts``: those with that many experts, ``--moe-experts``;
+    ``moe_experts_per_put``: their puts of that many experts each, ``--moe-experts-per-put``)."""
     if quick:
         sizes = {**QUICK_SIZES, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES}
     elif backend == "efa":
@@ -197,6 +198,9 @@ def backend_sizes(backend: str, quick: bool = False,
         sizes = {**SIZES, "moe_dispatch_gemm": MOE_GEMM_SIZES}
     if moe_experts is not None:
         sizes["moe_dispatch_gemm"] = [{**dims, "experts": moe_experts} for dims in sizes["moe_dispatch_gemm"]]
+    if moe_experts_per_put is not None:
+        sizes["moe_dispatch_gemm"] = [{**dims, "experts_per_put": moe_experts_per_put}
+                                      for dims in sizes["moe_dispatch_gemm"]]
     return sizes
 
 
@@ -845,13 +849,15 @@ class _MoeGemm:
     ``tokens`` a rank, top-``topk`` of ``experts``, and each local expert's ``hidden`` x ``gemm_n`` weight."""
 
     def __init__(self, sessions: list[Any], device: int, gen: Any, tokens: int, hidden: int, topk: int,
-                 experts: int, gemm_n: int, streams: list[Any] | None = None) -> None:
+                 experts: int, gemm_n: int, streams: list[Any] | None = None,
+                 experts_per_put: int | None = None) -> None:
         import torch
 
         from gpuclient.kernels import MoE
 
         self.ops = ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, gemm_n=gemm_n,
-                              gemm_programs=PROGRAMS or SPINNING_PROGRAMS) for s in sessions]
+                              gemm_programs=PROGRAMS or SPINNING_PROGRAMS, experts_per_put=experts_per_put)
+                          for s in sessions]
         _exchange(sessions)
         for op in ops:
             op.prepare()
@@ -924,11 +930,11 @@ class _MoeGemm:
 
 
 def moe_dispatch_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: int, tokens: int, hidden: int,
-                      topk: int, experts: int, gemm_n: int) -> Case:
+                      topk: int, experts: int, gemm_n: int, experts_per_put: int | None = None) -> Case:
     """The compute of MoE Dispatch+GEMM alone, for ``--tune`` (the fused row is ``moe_gemm_row``: its rounds
     close with an untimed combine): staged by one whole round, after which ``dispatch_gemm(communicate=False)``
     reruns the GEMM over that round's rows; its flops are counted then."""
-    moe = _MoeGemm(sessions, device, gen, tokens, hidden, topk, experts, gemm_n, streams)
+    moe = _MoeGemm(sessions, device, gen, tokens, hidden, topk, experts, gemm_n, streams, experts_per_put)
 
     def stage() -> None:
         moe.round()
@@ -974,7 +980,7 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
         row: dict[str, Any] = {"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape,
                                "nic": SHAPES.get(shape, {}), "world": WORLD, **dims, "rows": rows,
                                "programs": ops[0].gemm_programs, "comm_programs": ops[0].comm_programs,
-                               "max_abs_error": error}
+                               "experts_per_put": ops[0].layout.experts_per_put, "max_abs_error": error}
         seconds, counted_by = interleaved({
             "compute": lambda: launch(communicate=False), "comm": lambda: launch(compute=False), "fused": launch,
             "torch": lambda: _time_once(moe.torch_compute, streams)}, reps, clients)
@@ -1397,6 +1403,9 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
               help="MoE Dispatch+GEMM's experts in place of its sizes' 64: the same tokens and bytes in fewer, larger "
                    "blocks (a block per (peer, expert)), against the soft fabric's cost per message; with --tune, "
                    "the expert GEMM's tiles at that many")
+@click.option("--moe-experts-per-put", default=None, type=click.IntRange(min=1),
+              help="MoE Dispatch+GEMM sends each peer the rows of this many of its experts in one put and one flag "
+                   "(default: the op's, four puts a peer; 1: a put and a flag per expert)")
 @click.option("--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
               help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
                    "event instead of sleeping at once (a core each while traffic flows)")
@@ -1404,7 +1413,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
          chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
-         trace_dir: str | None = None, moe_experts: int | None = None) -> None:
+         trace_dir: str | None = None, moe_experts: int | None = None,
+         moe_experts_per_put: int | None = None) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -1467,7 +1477,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             how = "python benchmarks/fused_bench.py " + " ".join(sys.argv[1:])
             tune_kernels = [k for k in wanted if k in TUNABLE]
             # the defaults' sizes: the compute alone, on either backend
-            tune_sizes = backend_sizes("ib", quick, moe_experts)
+            tune_sizes = backend_sizes("ib", quick, moe_experts, moe_experts_per_put)
             result = run_tune(tune_kernels, backend, shape, tune_sizes, reps, tma, tune_seconds, json_path, how,
                               echo=click.echo)
             mps_line = mps.describe()
@@ -1478,7 +1488,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         for backend in backends.split(","):
             for spec in shapes.split(","):
                 shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
-                run_sizes = backend_sizes(backend, quick, moe_experts)
+                run_sizes = backend_sizes(backend, quick, moe_experts, moe_experts_per_put)
                 for kernel in (k for k in wanted if k in KERNELS):
                     for dims in run_sizes[kernel][:sizes]:
                         if kernel in rows_of:

@@ -334,13 +334,14 @@ def _last_source(c, off, r0, r1, order):
 
 @triton.jit(do_not_specialize=["epoch", "gemm_epoch", "rank"])
 def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
-                       recv_src_ptr, src_stage_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, count_region,
-                       recv_region, src_stage_region, send_x_region, send_src_region, count_slot, dispatch_slot,
-                       expert_slot, timeline, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
-                       H: tl.constexpr, N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
+                       recv_src_ptr, src_stage_ptr, gemm_stage_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr,
+                       count_region, gemm_stage_region, src_stage_region, send_x_region, send_src_region, count_slot,
+                       dispatch_slot, expert_slot, timeline, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+                       T: tl.constexpr, H: tl.constexpr, N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
                        COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr,
-                       PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, COMMUNICATE: tl.constexpr,
+                       EXPERTS_PER_PUT: tl.constexpr, GROUPS: tl.constexpr, SOURCE_ROWS: tl.constexpr,
+                       GROUP_PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, COMMUNICATE: tl.constexpr,
                        COMPUTE: tl.constexpr, TIMELINE: tl.constexpr = False):
     # TIMELINE (MoELayout.timeline_words): %globaltimer when each (peer, expert) block was pushed, and per (source,
     # expert) the first pass of its flag's wait, the first start and the last end of the tiles taken at its step
@@ -361,29 +362,37 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                     tpd.wait(ch, count_slot + peer, epoch)
             # peer by peer in ring order (rank + 1 first, which takes our rows first), each peer served by one
             # program (step - 1) % COMM_PROGRAMS, the only one that pushes to it besides program 0's count
-            # put_signal: expert by expert, its block (stage rows eoff[e] ..., staged by _moe_route) as one put
-            # (piece by piece if it passes the largest put), the last a put_signal of the peer's expert flag
-            # (expert_slot + rank * L + local); an empty block a SIGNAL of it, so each flag rises exactly once per
-            # dispatch_gemm round. Then the handle words of all the peer's experts in one put, and the dispatch
-            # SIGNAL to the peer, which covers them.
+            # put_signal: group by group (EXPERTS_PER_PUT of its experts), the group's rows (stage rows from
+            # eoff[first expert], contiguous: staged expert-major by _moe_route) as one put into our slice of
+            # the peer's gemm_stage (piece by piece if it passes the largest put), the last a put_signal of the
+            # peer's group flag (expert_slot + rank * L + group); an empty group a SIGNAL of it, so each flag
+            # rises exactly once per dispatch_gemm round. Then the handle words of all the peer's experts in one
+            # put, and the dispatch SIGNAL to the peer, which covers them.
             for step in range(1, W):
                 d = (rank + step) % W
                 if (step - 1) % COMM_PROGRAMS == pid:
-                    for local in range(0, L):
-                        e = d * L + local
-                        count = tl.load(count_ptr + rank * E + e)
+                    peer_start = tl.load(eoff_ptr + d * L)
+                    for g in range(0, GROUPS):
+                        local0 = g * EXPERTS_PER_PUT
+                        count = tl.zeros((), dtype=tl.int32)
+                        for j in range(local0, tl.minimum(local0 + EXPERTS_PER_PUT, L)):
+                            count += tl.load(count_ptr + rank * E + d * L + j)
+                        start = tl.load(eoff_ptr + d * L + local0)
                         if count > 0:
-                            row = local * (W * T) + _source_offset(count_ptr, rank, e, E)
-                            _put_block_signal(ch, d, recv_region, send_x_region, tl.load(eoff_ptr + e), row, count,
-                                              expert_slot + rank * L + local, H, PUT_ROWS)
+                            _put_block_signal(ch, d, gemm_stage_region, send_x_region, start,
+                                              rank * SOURCE_ROWS + start - peer_start, count,
+                                              expert_slot + rank * L + g, H, GROUP_PUT_ROWS)
                         else:
-                            tpd.signal(ch, d, expert_slot + rank * L + local, 1)
+                            tpd.signal(ch, d, expert_slot + rank * L + g, 1)
                         if TIMELINE:
-                            tl.store(timeline + d * L + local, tpd.globaltimer().to(tl.int64))
+                            now = tpd.globaltimer().to(tl.int64)
+                            for j in range(local0, tl.minimum(local0 + EXPERTS_PER_PUT, L)):
+                                tl.store(timeline + d * L + j, now)
                     _put_handles(ch, d, rank, src_stage_region, send_src_region, L, T, HANDLE_WORDS)
                     tpd.signal(ch, d, dispatch_slot + rank, 1)
             # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
-            # this copy is for the caller and for combine, and waits for nothing)
+            # this copy is for the caller and for combine, and waits for nothing; the peers' rows reach recv_x
+            # through the compute programs, from gemm_stage)
             for local in range(0, L):
                 e = rank * L + local
                 count = tl.load(count_ptr + rank * E + e)
@@ -426,6 +435,7 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
             for local in range(0, L):
                 c = tl.sum(tl.where(ls[:, None] == local, counts, 0), axis=0)  # [WP] rows from each source
                 off = tl.cumsum(c, axis=0) - c
+                below = tl.sum(tl.where(ls[:, None] < local, counts, 0), axis=0)  # [WP] each source's lower experts'
                 n = tl.sum(c, axis=0)
                 c_src = tl.sum(tl.where(ss == src, c, 0), axis=0)
                 off_src = tl.sum(tl.where(ss == src, off, 0), axis=0)
@@ -451,25 +461,36 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                         col0 = (j % col_blocks) * BLOCK_N
                         if TIMELINE:
                             tl.atomic_min(timeline + 2 * W * L + src * L + local, tpd.globaltimer().to(tl.int64))
-                        if COMMUNICATE:  # the expert flag of each source with rows in the tile, once per program
+                        if COMMUNICATE:  # the group flag of each source with rows in the tile, once per program
                             touch = (c > 0) & (off < r0 + BLOCK_M) & (off + c > r0)
                             had = tl.sum(tl.where(ls[:, None] == local, waited.to(tl.int32), 0), axis=0)  # [WP]
                             need = touch & (had == 0)
                             for s in range(0, W):
                                 if tl.sum(tl.where(ss == s, need.to(tl.int32), 0), axis=0) > 0:
-                                    tpd.wait(ch, expert_slot + s * L + local, gemm_epoch)
+                                    tpd.wait(ch, expert_slot + s * L + local // EXPERTS_PER_PUT, gemm_epoch)
                                     if TIMELINE:
                                         tl.atomic_min(timeline + W * L + s * L + local,
                                                       tpd.globaltimer().to(tl.int64))
                             waited = waited | ((ls[:, None] == local) & touch[None, :])
+                        rows = r0 + offs_m
+                        valid = rows < n
+                        mine = valid & (rows >= off_own) & (rows < off_own + c_own)
+                        received = recv_x_ptr + tl.cast(local * (W * T) + rows, tl.int64) * H
+                        if COMMUNICATE:
+                            # a peer's row from its gemm_stage slice (where its group put landed: its rows for our
+                            # lower experts first); the tiles of the first column block also store it into recv_x,
+                            # where dispatch would have put it
+                            row_source = tl.sum(((off + c)[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+                            at_source = ss[None, :] == row_source[:, None]  # [BLOCK_M, WP]
+                            staged = tl.sum(tl.where(at_source, (below - off)[None, :], 0), axis=1) + rows
+                            a_row = gemm_stage_ptr + tl.cast(row_source * SOURCE_ROWS + staged, tl.int64) * H
+                            copy = valid & (mine == 0) & (col0 == 0)
+                        else:  # a rerun: the latest round's rows, in recv_x
+                            a_row = received
+                        # our own rows straight from their block in send_x (staged by _moe_route, an earlier
+                        # kernel)
+                        a_row = tl.where(mine, send_x_ptr + tl.cast(own_start + rows - off_own, tl.int64) * H, a_row)
                         if COMPUTE:
-                            rows = r0 + offs_m
-                            valid = rows < n
-                            mine = valid & (rows >= off_own) & (rows < off_own + c_own)
-                            # our own rows straight from their block in send_x (staged by _moe_route, an
-                            # earlier kernel); the peers' from recv_x
-                            a_row = tl.where(mine, send_x_ptr + tl.cast(own_start + rows - off_own, tl.int64) * H,
-                                             recv_x_ptr + tl.cast(local * (W * T) + rows, tl.int64) * H)
                             cols = col0 + offs_n
                             w_cols = w_ptr + tl.cast(local, tl.int64) * (H * N) + cols[None, :]
                             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -477,11 +498,20 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                                 ks = k0 + offs_k
                                 a = tl.load(a_row[:, None] + ks[None, :], mask=valid[:, None] & (ks[None, :] < H),
                                             other=0.0)
+                                if COMMUNICATE:
+                                    tl.store(received[:, None] + ks[None, :], a, mask=copy[:, None] & (ks[None, :] < H))
                                 b = tl.load(w_cols + tl.cast(ks, tl.int64)[:, None] * N,
                                             mask=(ks[:, None] < H) & (cols[None, :] < N), other=0.0)
                                 acc = tl.dot(a, b, acc)
                             out = y_ptr + tl.cast(local * (W * T) + rows, tl.int64)[:, None] * N + cols[None, :]
                             tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+                        elif COMMUNICATE:  # rows moved, no GEMM: still into recv_x
+                            if col0 == 0:
+                                for k0 in range(0, H, BLOCK_K):
+                                    ks = k0 + offs_k
+                                    moved = copy[:, None] & (ks[None, :] < H)
+                                    tl.store(received[:, None] + ks[None, :],
+                                             tl.load(a_row[:, None] + ks[None, :], mask=moved), mask=moved)
                         if TIMELINE:
                             tl.atomic_max(timeline + 3 * W * L + src * L + local, tpd.globaltimer().to(tl.int64))
                     item += tiles
@@ -573,6 +603,21 @@ def default_gemm_tiles(max_tokens: int, topk: int, world: int, num_experts: int)
     return MANY_ROWS_TILES if max_tokens * topk * world / num_experts >= MANY_ROWS else FEW_ROWS_TILES
 
 
+#: ``dispatch_gemm`` sends each destination its rows in this many puts (and flags) by default: a put of every
+#: expert there would cost the soft fabric ~70 us each (docs/performance.md), one put of all of them would let
+#: no tile start before the last row.
+PUT_GROUPS = 4
+
+
+def default_experts_per_put(num_experts: int, world: int) -> int:
+    """``experts_per_put`` for ``PUT_GROUPS`` puts a destination; 1 for counts that are not positive integers
+    (``MoELayout`` refuses them with the reason)."""
+    counts = (num_experts, world)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in counts):
+        return 1
+    return max(1, -(-(num_experts // world) // PUT_GROUPS))
+
+
 def check_gemm_tiles(block: Any, num_warps: Any, num_stages: Any) -> GemmTiles:
     """``dispatch_gemm``'s tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` =
     (block_m, block_n, block_k), three powers of two >= 16 (``tl.dot``), and ``check_launch``'s terms."""
@@ -634,7 +679,7 @@ class MoE:
                  channel_capacity: int = 1024, gemm_n: int | None = None, gemm_dtype: Any = None,
                  gemm_block: tuple[int, int, int] | None = None, comm_programs: int = 2,
                  gemm_programs: int | None = None, gemm_warps: int | None = None, gemm_stages: int | None = None,
-                 fp8: bool = False) -> None:
+                 experts_per_put: int | None = None, fp8: bool = False) -> None:
         if fp8 and (hidden % 128 or gemm_n is not None):
             raise ValueError(f"fp8 dispatch needs hidden a multiple of 128 (one scale per 128 values) and no gemm_n "
                              f"(dispatch_gemm is bf16), got hidden={hidden}, gemm_n={gemm_n}")
@@ -657,7 +702,10 @@ class MoE:
                                  f"{comm_programs}, gemm_programs={gemm_programs}")
             if gemm_dtype not in (None, torch.bfloat16, torch.float32):
                 raise ValueError(f"gemm_dtype must be torch.bfloat16 or torch.float32, got {gemm_dtype}")
-        self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base)
+        if experts_per_put is None:
+            experts_per_put = default_experts_per_put(num_experts, session.world)
+        self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base,
+                                      experts_per_put=experts_per_put)
         self.session, self.rank, self.world = session, session.rank, session.world
         self.hidden, self.num_experts, self.max_tokens, self.topk = hidden, num_experts, max_tokens, topk
         self.local_experts = lay.local_experts
@@ -677,9 +725,12 @@ class MoE:
         self.src_stage = torch.full((W, L, T), -1, dtype=torch.int32, device=dev)  # each source's handle words
         self.combine_buf = torch.empty((lay.stage_capacity, H), dtype=torch.bfloat16, device=dev)
         self.send_y = torch.empty((L, lay.capacity, H), dtype=torch.bfloat16, device=dev)
+        # dispatch_gemm's landing rows: each source's puts of several experts at once (MoELayout.gemm_puts)
+        self.gemm_stage = None if gemm_n is None else torch.empty((W, lay.source_rows, H), dtype=torch.bfloat16,
+                                                                  device=dev)
         self.regions = {name: session.register(getattr(self, name)).id
                         for name in ("counts_all", "recv_x", "src_stage", "send_x", "send_src", "combine_buf",
-                                     "send_y")}
+                                     "send_y", "gemm_stage") if getattr(self, name) is not None}
         # this rank's per-round state (not registered), allocated once: a call allocates nothing
         self.idx32 = torch.full((T, K), -1, dtype=torch.int32, device=dev)
         self.stage_row = torch.full((T, K), -1, dtype=torch.int32, device=dev)  # each entry's row in send_x
@@ -806,8 +857,8 @@ class MoE:
     def _gemm_args(self, epoch: int, gemm_epoch: int, w: Any, y: Any, timeline: Any) -> tuple:
         r = self.regions
         return (self._ch, epoch, gemm_epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src,
-                self.recv_x, self.recv_src, self.src_stage, w, y, self.recv_count, self.recv_layout, r["counts_all"],
-                r["recv_x"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
+                self.recv_x, self.recv_src, self.src_stage, self.gemm_stage, w, y, self.recv_count, self.recv_layout,
+                r["counts_all"], r["gemm_stage"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
                 self.layout.dispatch_slot, self.layout.expert_slot,
                 self._no_timeline if timeline is None else timeline)
 
@@ -817,7 +868,9 @@ class MoE:
                 "H": self.hidden, "N": self.gemm_n, "LP": _pow2(self.local_experts), "WP": _pow2(self.world),
                 "COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                 "BLOCK_H": self.block_h, "BLOCK_T": self.block_t, "COPY_ROWS": self.copy_rows,
-                "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words,
+                "HANDLE_WORDS": self.layout.handle_words,
+                "EXPERTS_PER_PUT": self.layout.experts_per_put, "GROUPS": self.layout.put_groups,
+                "SOURCE_ROWS": self.layout.source_rows, "GROUP_PUT_ROWS": self.layout.group_put_rows,
                 "COMMUNICATE": communicate, "COMPUTE": compute, "TIMELINE": timeline,
                 "num_warps": self.gemm_warps, "num_stages": self.gemm_stages}
 

@@ -29,6 +29,16 @@ the source's ``combine_buf`` at the source's stage rows (``eoff`` from the sourc
 rank holds), and the source sums entry ``(t, k)`` from its stage row. A block longer than the largest put
 (``max_put_bytes``) goes as several puts of ``put_rows`` rows.
 
+``dispatch_gemm`` sends a destination's rows in fewer, larger puts: ``experts_per_put`` of its local experts
+(a *group*: ``g = local // experts_per_put``) at a time. A source's rows for one destination are contiguous
+in its stage (its experts are consecutive), so a group's rows are one block of the stage, which lands in the
+destination's ``gemm_stage`` slice for that source (``source_rows`` rows: every row one source can send one
+rank), at the rows the source staged before the group: ``gemm_stage[s]`` holds source ``s``'s rows for the
+destination's experts packed expert by expert (:meth:`MoELayout.gemm_stage_offsets`). The GEMM reads the
+peers' rows from there and writes them into ``recv_x`` as it goes, so ``recv_x`` ends as after ``dispatch``.
+A group longer than the largest put goes in pieces of ``group_put_rows`` rows; its last piece is the
+put_signal of the group's flag.
+
 Handle words: a source's ``send_src`` [E, T] holds, for each expert, the handle word of its j-th row; the
 rows of one destination's experts (``L * T`` words, past the counts too) travel in one put per destination
 (pieces of ``handle_words`` words where they pass the largest put) into the destination's
@@ -76,9 +86,10 @@ class MoELayout:
     hidden: int
     slot_base: int = 0
     max_put_bytes: int = MAX_PUT_BYTES
+    experts_per_put: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world", "num_experts", "max_tokens", "topk", "hidden", "max_put_bytes"):
+        for name in ("world", "num_experts", "max_tokens", "topk", "hidden", "max_put_bytes", "experts_per_put"):
             _positive(name, getattr(self, name))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world:
             raise ValueError(f"rank must be in [0, {self.world}), got {self.rank!r}")
@@ -128,6 +139,26 @@ class MoELayout:
         return min(self.max_tokens, self.max_put_bytes // self.row_bytes)
 
     @property
+    def source_rows(self) -> int:
+        """Rows one source can send one rank in a round (a token reaches an expert once, and at most K of them):
+        the rows of each source's slice of ``gemm_stage``."""
+        return self.max_tokens * min(self.topk, self.local_experts)
+
+    @property
+    def put_groups(self) -> int:
+        """Groups of a destination's local experts that ``dispatch_gemm`` sends as one put (and one flag) each."""
+        return -(-self.local_experts // self.experts_per_put)
+
+    @property
+    def group_put_rows(self) -> int:
+        """Rows per put of a group: all of them unless they pass the largest put."""
+        return min(self.max_tokens * min(self.topk, self.experts_per_put), self.max_put_bytes // self.row_bytes)
+
+    def group_of(self, local: int) -> int:
+        """The put group of local expert ``local``."""
+        return int(local) // self.experts_per_put
+
+    @property
     def handle_words(self) -> int:
         """Handle words per put of a destination's ``L * T``: all of them unless they pass the largest put."""
         return min(self.local_experts * self.max_tokens, self.max_put_bytes // 4)
@@ -165,10 +196,15 @@ class MoELayout:
 
     @property
     def expert_slot(self) -> int:
-        """``+ s * L + l``: every row rank s sends our local expert l in a ``dispatch_gemm`` round is placed (a
-        put_signal with the block's last rows, or a SIGNAL where the block is empty: one per (source, expert)
-        and fused round, so the flag counts ``dispatch_gemm`` rounds; plain ``dispatch`` leaves it alone)."""
+        """``+ s * L + g``: every row rank s sends the local experts of our put group g in a ``dispatch_gemm``
+        round is placed (a put_signal with the group's last rows, or a SIGNAL where the group is empty: one per
+        (source, group) and fused round, so the flag counts ``dispatch_gemm`` rounds; plain ``dispatch`` leaves
+        it alone). ``L`` slots per source; the first ``put_groups`` are used."""
         return self.slot_base + 3 * self.world
+
+    def group_slot(self, source: int, local: int) -> int:
+        """The flag that says source ``source``'s rows for our local expert ``local`` are placed."""
+        return self.expert_slot + int(source) * self.local_experts + self.group_of(local)
 
     @property
     def slots(self) -> int:
@@ -278,6 +314,32 @@ class MoELayout:
                     puts.append((d, e, int(eoff[e]) + j, local * self.capacity + int(off[e]) + j, n))
         return puts
 
+    def gemm_stage_offsets(self, counts_all: np.ndarray) -> np.ndarray:
+        """[W, L]: where source s's rows for our local expert l start in its ``gemm_stage`` slice (the rows it sends
+        us for our lower experts: an exclusive sum over l)."""
+        c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
+        mine = c[:, self.rank * self.local_experts:(self.rank + 1) * self.local_experts]
+        return (np.cumsum(mine, axis=1) - mine).astype(np.int32)
+
+    def gemm_puts(self, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+        """This rank's ``dispatch_gemm`` row puts: ``(peer, group, stage row, gemm_stage row, rows)``, the second row
+        counted in the peer's ``gemm_stage`` as ``rank * source_rows + offset``; one per (peer, group) with rows,
+        split at ``group_put_rows``. A group's rows are the stage rows of its experts, one contiguous block."""
+        c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
+        eoff, L, epp = self.stage_offsets(c[self.rank]), self.local_experts, self.experts_per_put  # noqa: N806
+        puts = []
+        for d in range(self.world):
+            if d == self.rank:
+                continue
+            for g in range(self.put_groups):
+                first, last = d * L + g * epp, min(d * L + (g + 1) * epp, (d + 1) * L)
+                rows = int(c[self.rank, first:last].sum())
+                at = int(eoff[first]) - int(eoff[d * L])
+                for j in range(0, rows, self.group_put_rows):
+                    n = min(self.group_put_rows, rows - j)
+                    puts.append((d, g, int(eoff[first]) + j, self.rank * self.source_rows + at + j, n))
+        return puts
+
     def handle_puts(self) -> list[tuple[int, int, int, int]]:
         """This rank's handle-word puts of a dispatch: ``(peer, send_src word, src_stage word, words)``, one per
         peer (split at ``handle_words``): ``send_src`` rows ``peer * L ...`` (``L * T`` words) to the peer's
@@ -304,8 +366,9 @@ class MoELayout:
     def writes(self, counts_all: np.ndarray) -> dict[str, list[int]]:
         """Records this rank pushes per destination in a round (0 for itself): ``dispatch`` (the count
         put_signal, a row put per block, or per piece of a split block, the handle-word put, the SIGNAL),
-        ``dispatch_gemm`` (the same, the last row put of each block a put_signal of its expert flag, plus a
-        SIGNAL of the flag per empty block) and ``combine`` (the output puts, the SIGNAL)."""
+        ``dispatch_gemm`` (the count put_signal, a row put per group piece, the last of a group a put_signal of
+        its flag, a SIGNAL of the flag per empty group, the handle-word put, the SIGNAL) and ``combine`` (the
+        output puts, the SIGNAL)."""
         dispatch, combine = [0] * self.world, [0] * self.world
         for peer in range(self.world):
             if peer != self.rank:
@@ -318,17 +381,22 @@ class MoELayout:
             dispatch[d] += 1
         for s, _, _, _, _ in self.combine_puts(c):
             combine[s] += 1
-        gemm = list(dispatch)
-        for e in range(self.num_experts):
-            d, _ = self.owner(e)
-            if d != self.rank and c[self.rank, e] == 0:
-                gemm[d] += 1
+        gemm = [0] * self.world
+        for peer in range(self.world):
+            if peer != self.rank:
+                gemm[peer] = 2 + self.put_groups  # count, dispatch, and each group's flag (put_signal or SIGNAL)
+        for peer, _, _, _ in self.handle_puts():
+            gemm[peer] += 1
+        last: set[tuple[int, int]] = set()
+        for d, g, _, _, _ in self.gemm_puts(c):  # a group's last piece is its flag's put_signal, counted above
+            gemm[d] += (d, g) in last
+            last.add((d, g))
         return {"dispatch": dispatch, "dispatch_gemm": gemm, "combine": combine}
 
     def signals(self, gemm: bool = False) -> list[int]:
         """Signals this rank pushes per destination in a dispatch round (0 for itself): the count put_signal
-        and the dispatch SIGNAL, plus, for ``dispatch_gemm``, one per expert there (its expert flag)."""
-        per = 2 + (self.local_experts if gemm else 0)
+        and the dispatch SIGNAL, plus, for ``dispatch_gemm``, one per put group there (its flag)."""
+        per = 2 + (self.put_groups if gemm else 0)
         return [per * (peer != self.rank) for peer in range(self.world)]
 
     def source_offsets(self, counts_all: np.ndarray) -> np.ndarray:

@@ -283,7 +283,8 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
             # gemm_n = hidden: combine takes y itself; 2 communication and 4 compute programs per rank, both
             # ranks' grids resident together
             ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4, gemm_n=hidden,
-                       gemm_dtype=dtype, comm_programs=2, gemm_programs=6) for _, s in sessions]
+                       gemm_dtype=dtype, comm_programs=2, gemm_programs=6, experts_per_put=2) for _, s in sessions]
+            assert ops[0].layout.put_groups == 2  # experts {0, 1} in one put, {2} in another
             assert (ops[0].gemm_block, ops[0].gemm_warps, ops[0].gemm_stages) == FEW_ROWS_TILES  # ~40 rows an expert
             _exchange(sessions)
             for op in ops:  # every kernel and variant of both ranks loaded before either launches
@@ -306,7 +307,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
                 idx_dev = [torch.from_numpy(i).to(dev) for i in idx]
                 w_in = [w.to(dev) for w in ws]
                 for op in ops:  # everything a peer owes, what is shipped from, and the GEMM's output: poisoned
-                    for buf in (op.recv_x, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
+                    for buf in (op.recv_x, op.gemm_stage, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
                         buf.fill_(nan)
                     op.recv_src.fill_(-1)
                     op.src_stage.fill_(-1)
@@ -426,7 +427,7 @@ def test_a_dispatch_gemm_timeline_orders_every_event_and_changes_nothing(cuda_de
                 x_dev, w_in = [x.to(dev) for x in xs], [w.to(dev) for w in ws]
                 idx_dev = [torch.from_numpy(i).to(dev) for i in idx]
                 for op in ops:
-                    for buf in (op.recv_x, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
+                    for buf in (op.recv_x, op.gemm_stage, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
                         buf.fill_(float("nan"))
                 timelines = [op.gemm_timeline() for op in ops]
                 torch.cuda.synchronize(cuda_device)

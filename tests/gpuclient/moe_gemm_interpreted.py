@@ -49,6 +49,9 @@ from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_mode
 from tests.gpuclient.moe_interpreted import REGIONS, Buffer, bf16, f32, planned_combine, planned_dispatch
 from tests.gpuclient.test_moe_layout import uneven_routing
 
+#: the plain op's regions, then the fused kernel's landing rows (registered last, as ``MoE`` does)
+FUSED_REGIONS = (*REGIONS, "gemm_stage")
+
 NAN16 = 0x7FC0
 ROUNDS = 4  # 1, 3, 4 dispatch_gemm; 2 a plain dispatch
 DELIVERY_DELAY_S = 0.5  # a signal and the writes it covers land this long after it is pushed
@@ -64,9 +67,11 @@ def buffers(lay: MoELayout, n_out: int, out: str) -> list[tuple[str, tuple, np.d
             ("src_stage", (W, L, T), np.dtype(np.int32)), ("send_x", (S, H), np.dtype(np.uint16)),
             ("send_src", (E, T), np.dtype(np.int32)), ("combine_buf", (S, H), np.dtype(np.uint16)),
             ("send_y", (L, lay.capacity, H), np.dtype(np.uint16)),
+            ("gemm_stage", (W, lay.source_rows, H), np.dtype(np.uint16)),
             ("recv_src", (L, lay.capacity), np.dtype(np.int32)),
             ("flags", (lay.slot_base + lay.slots,), np.dtype(np.int64)),
             ("cover", (L, lay.capacity, 2), np.dtype(np.int64)),
+            ("stage_cover", (W, lay.source_rows, 2), np.dtype(np.int64)),
             ("y", (L, lay.capacity, n_out), np.dtype(np.uint16 if out == "bf16" else np.float32))]
 
 
@@ -126,7 +131,7 @@ class SharedFabric:
         return int(getattr(x, "value", x))
 
     def _bytes(self, rank: int, region: int) -> np.ndarray:
-        return getattr(self.ranks[rank], REGIONS[region]).reshape(-1).view(np.uint8)
+        return getattr(self.ranks[rank], FUSED_REGIONS[region]).reshape(-1).view(np.uint8)
 
     def _pushed(self, peer: int, slot: int | None) -> None:
         """Count a record, and note which program of the fused kernel pushed it (program 0's count put_signal
@@ -170,11 +175,12 @@ class SharedFabric:
         says they are placed (marked now, before the signal is due: the peer checks its reads against it)."""
         self.signals[peer] += 1
         self.sent[peer, slot] = self.sent.get((peer, slot), 0) + value
-        recv_x, row = REGIONS.index("recv_x"), self.lay.row_bytes
-        cover = self.ranks[peer].cover.reshape(-1, 2)
+        row = self.lay.row_bytes
+        covers = {FUSED_REGIONS.index("recv_x"): self.ranks[peer].cover.reshape(-1, 2),
+                  FUSED_REGIONS.index("gemm_stage"): self.ranks[peer].stage_cover.reshape(-1, 2)}
         for dr, do, _, _, n in self.queued[peer]:
-            if dr == recv_x:
-                cover[do // row:(do + n) // row] = (slot, self.sent[peer, slot])
+            if dr in covers:
+                covers[dr][do // row:(do + n) // row] = (slot, self.sent[peer, slot])
         self.deliveries.put((time.monotonic() + DELIVERY_DELAY_S, peer, self.queued[peer], slot, value))
         self.queued[peer] = []
 
@@ -198,24 +204,30 @@ class SharedFabric:
 class ReadCheck:
     """While the fused kernel runs: every load of a peer's received row or of a peer's count row must come
     after a wait, by the same program in the same launch, for the flag that covers it — whatever the timing.
-    A row of source s for local expert l needs the expert flag ``expert_slot + s * L + l`` at this round's
-    fused epoch (the dispatch_gemm rounds so far), and the flag and value its sender's signal marked in the
-    ``cover`` table (the one whose group the row's put fell in); a count row of rank s, ``count_slot + s`` at
-    the round. A wait for more than the round gives (it would never return) fails at once."""
+    A row of source s for local expert l (in ``gemm_stage``, or in ``recv_x``) needs its group flag
+    ``expert_slot + s * L + l // experts_per_put`` at this round's fused epoch (the dispatch_gemm rounds so
+    far), and the flag and value its sender's signal marked in the ``stage_cover`` (``cover``) table (the
+    one whose group the row's put fell in); a count row of rank s, ``count_slot + s`` at the round. A wait
+    for more than the round gives (it would never return) fails at once."""
 
     def __init__(self, rank: int, lay: MoELayout, me: SimpleNamespace) -> None:
         self.rank, self.lay, self.me = rank, lay, me
         self.active, self.epoch, self.gemm_epoch = False, 0, 0
         self.waited: dict[int, dict[int, int]] = {}  # program: {slot: the most it waited for}
         self.source = np.full((lay.local_experts, lay.capacity), -1, np.int64)
+        self.staged = np.full((lay.world, lay.source_rows), -1, np.int64)  # the local expert of a gemm_stage row
         self.loads = 0
 
-    def start(self, epoch: int, gemm_epoch: int, recv_layout: np.ndarray) -> None:
+    def start(self, epoch: int, gemm_epoch: int, counts_all: np.ndarray) -> None:
         self.active, self.epoch, self.gemm_epoch, self.waited = True, epoch, gemm_epoch, {}
         self.source[:] = -1
+        self.staged[:] = -1
+        _, recv_layout = self.lay.receive(counts_all)
+        at = self.lay.gemm_stage_offsets(counts_all)
         for local in range(self.lay.local_experts):
             for s, (off, count) in enumerate(recv_layout[local]):
                 self.source[local, off:off + count] = s
+                self.staged[s, at[s, local]:at[s, local] + count] = local
 
     def wait(self, pid: int, slot: int, at_least: int) -> None:
         if not self.active:
@@ -233,7 +245,22 @@ class ReadCheck:
             return
         addrs = np.asarray(addrs, dtype=np.uint64)[np.asarray(mask, dtype=bool)]
         waited = self.waited.get(pid, {})
-        lay, rows, counts = self.lay, self.me.recv_x, self.me.counts_all
+        lay, rows, counts, stage = self.lay, self.me.recv_x, self.me.counts_all, self.me.gemm_stage
+        base = stage.ctypes.data
+        inside = addrs[(addrs >= base) & (addrs < base + stage.nbytes)]
+        for row in np.unique((inside - base) // (lay.hidden * 2)):
+            src, local = divmod(int(row), lay.source_rows)[0], int(self.staged.reshape(-1)[row])
+            assert src != self.rank, f"rank {self.rank}: read its own gemm_stage slice (its rows are in send_x)"
+            assert local >= 0, f"rank {self.rank}: read gemm_stage row {row}, past what rank {src} sent"
+            flag = lay.group_slot(src, local)
+            assert waited.get(flag, 0) >= self.gemm_epoch, (
+                f"rank {self.rank} program {pid}: read a staged row of rank {src} for expert {local} before waiting "
+                f"for its group flag {flag} to reach {self.gemm_epoch} (waited: {waited})")
+            slot, value = (int(v) for v in self.me.stage_cover.reshape(-1, 2)[row])
+            assert slot >= 0 and waited.get(slot, 0) >= value, (
+                f"rank {self.rank} program {pid}: read staged row {row} (rank {src}, expert {local}), which lands "
+                f"with flag {slot} at {value}, a flag it did not wait for (waited: {waited})")
+            self.loads += 1
         base = rows.ctypes.data
         inside = addrs[(addrs >= base) & (addrs < base + rows.nbytes)]
         for row in np.unique((inside - base) // (lay.hidden * 2)):
@@ -241,10 +268,10 @@ class ReadCheck:
             assert src >= 0, f"rank {self.rank}: received row {row} read past its expert's count"
             if src == self.rank:
                 continue
-            flag = lay.expert_slot + src * lay.local_experts + local
+            flag = lay.group_slot(src, local)
             assert waited.get(flag, 0) >= self.gemm_epoch, (
                 f"rank {self.rank} program {pid}: read a row of rank {src} for expert {local} before waiting for "
-                f"its expert flag {flag} to reach {self.gemm_epoch} (waited: {waited})")
+                f"its group flag {flag} to reach {self.gemm_epoch} (waited: {waited})")
             slot, value = (int(v) for v in self.me.cover.reshape(-1, 2)[row])
             assert slot >= 0 and waited.get(slot, 0) >= value, (
                 f"rank {self.rank} program {pid}: read row {row} (rank {src}, expert {local}), which lands with "
@@ -255,6 +282,19 @@ class ReadCheck:
         for s in np.unique((inside - base) // (lay.num_experts * 4)):
             assert s == self.rank or waited.get(lay.count_slot + int(s), 0) >= self.epoch, (
                 f"rank {self.rank} program {pid}: read rank {s}'s counts before waiting for its count flag")
+
+
+def planned_dispatch_gemm(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
+    """The model's puts of a fused round, as the fabric records them: the count row to every peer, per group
+    piece its rows (stage rows to the peer's ``gemm_stage`` rows), and per peer the handle words."""
+    r, row = {name: i for i, name in enumerate(FUSED_REGIONS)}, lay.row_bytes
+    puts = [(peer, r["counts_all"], lay.rank * lay.num_experts * 4, r["counts_all"], lay.rank * lay.num_experts * 4,
+             lay.num_experts * 4) for peer in range(lay.world) if peer != lay.rank]
+    for d, _, first, dst, n in lay.gemm_puts(counts_all):
+        puts.append((d, r["gemm_stage"], dst * row, r["send_x"], first * row, n * row))
+    for d, at, to, n in lay.handle_puts():
+        puts.append((d, r["src_stage"], to * 4, r["send_src"], at * 4, n * 4))
+    return sorted(puts)
 
 
 def _b(arr: np.ndarray) -> Buffer:
@@ -287,7 +327,8 @@ def inputs(world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_
 
 
 def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_out: int,
-             programs: int, comm: int, block: tuple[int, int, int], out: str, put_rows: int) -> None:
+             programs: int, comm: int, block: tuple[int, int, int], out: str, put_rows: int,
+             experts_per_put: int) -> None:
     import triton.runtime.interpreter as interp
 
     import gpuclient.kernels.moe as m
@@ -321,8 +362,8 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     interp.InterpreterBuilder.create_masked_load = checked_load
 
     max_put = put_rows * hidden * 2
-    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, slot_base=2, max_put_bytes=max_put)
-            for r in range(world)]
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, slot_base=2, max_put_bytes=max_put,
+                      experts_per_put=experts_per_put) for r in range(world)]
     lay = lays[rank]
     specs = buffers(lay, n_out, out)
     ranks = [attach(where / f"rank{r}.bin", specs) for r in range(world)]
@@ -355,7 +396,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     copy_rows, put_rows_ = 2, lay.put_rows
     recv_count, recv_layout = np.zeros(L_, np.int32), np.zeros((L_, W_, 2), np.int32)
     result, ch = np.zeros((T_, H_), np.uint16), np.zeros(8, np.uint64)
-    regions = {name: i for i, name in enumerate(REGIONS)}
+    regions = {name: i for i, name in enumerate(FUSED_REGIONS)}
     data = inputs(world, experts, max_tokens, topk, hidden, n_out)
     w_mine = np.ascontiguousarray(data["w"][rank])
     bm, bn, bk = block
@@ -363,19 +404,21 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     as_f64 = (lambda a: f32(a).astype(np.float64)) if out == "bf16" else (lambda a: a.astype(np.float64))
     rtol = 2.0 ** -8 if out == "bf16" else 1e-5
 
-    def gemm(epoch: int, gemm_epoch: int, y: np.ndarray, communicate: bool, recv_layout_model: np.ndarray) -> None:
+    def gemm(epoch: int, gemm_epoch: int, y: np.ndarray, communicate: bool, counts_model: np.ndarray) -> None:
         if communicate:
-            check.start(epoch, gemm_epoch, recv_layout_model)
+            check.start(epoch, gemm_epoch, counts_model)
         fabric.fused, fabric.writers = True, {}
         m._moe_dispatch_gemm[(programs,)](
             _b(ch), epoch, gemm_epoch, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x), _b(me.send_src),
-            _b(me.recv_x), _b(me.recv_src), _b(me.src_stage), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout),
-            *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")], lay.count_slot,
+            _b(me.recv_x), _b(me.recv_src), _b(me.src_stage), _b(me.gemm_stage), _b(w_mine), _b(y), _b(recv_count),
+            _b(recv_layout), *[regions[n] for n in ("counts_all", "gemm_stage", "src_stage", "send_x", "send_src")],
+            lay.count_slot,
             lay.dispatch_slot, lay.expert_slot, _b(np.zeros(1, dtype=np.int64)), W=W_, E=E_, L=L_, T=T_, H=H_,
             N=n_out, LP=m._pow2(L_), WP=m._pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             BLOCK_H=16, BLOCK_T=4,
-            COPY_ROWS=copy_rows, PUT_ROWS=put_rows_, HANDLE_WORDS=lay.handle_words, COMMUNICATE=communicate,
-            COMPUTE=True)
+            COPY_ROWS=copy_rows, EXPERTS_PER_PUT=lay.experts_per_put, GROUPS=lay.put_groups,
+            SOURCE_ROWS=lay.source_rows, GROUP_PUT_ROWS=lay.group_put_rows, HANDLE_WORDS=lay.handle_words,
+            COMMUNICATE=communicate, COMPUTE=True)
         fabric.fused = check.active = False
         # one writer per connection (besides program 0's count put_signal): a block's puts and its put_signal
         # are in one program's order, with no other program's signal between them on the connection
@@ -388,7 +431,9 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         tokens, idx, x = data_r["tokens"], data_r["idx"], data_r["x"]
         me.recv_x[:] = NAN16  # what the peers owe this round, and our stage: poisoned (before our counts go out)
         me.src_stage[:] = -1
+        me.gemm_stage[:] = NAN16
         me.cover[:] = -1  # no received row covered yet (the peers mark it when they signal, after our counts)
+        me.stage_cover[:] = -1
         me.combine_buf[:] = NAN16
         me.send_x[:] = NAN16
         me.y[:] = poison_y
@@ -414,17 +459,18 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             me.y[:] = y
         else:
             gemm_rounds += 1
-            gemm(rnd, gemm_rounds, me.y, True, dispatch_model(lays, idx)[rank]["recv_layout"])
+            gemm(rnd, gemm_rounds, me.y, True, dispatch_model(lays, idx)[rank]["counts_all"])
             waits.clear()  # the fused kernel's reads are checked load by load (ReadCheck)
         model = dispatch_model(lays, idx)[rank]
         what = f"round {rnd} rank {rank}"
-        # records and signals per destination: the plain dispatch's 2 signals, the fused round's 2 + L (an
-        # expert flag per (peer, expert), by a put_signal or, for an empty block, a SIGNAL)
+        # records and signals per destination: the plain dispatch's 2 signals, the fused round's 2 + groups (a
+        # group flag per (peer, group), by a put_signal or, for an empty group, a SIGNAL)
         records, signals = fabric.counts()
         fused = rnd != 2
         assert records == lay.writes(model["counts_all"])["dispatch_gemm" if fused else "dispatch"], (what, records)
         assert signals == lay.signals(gemm=fused), (what, signals)
-        assert fabric.take() == planned_dispatch(lay, model["counts_all"]), f"{what}: the dispatch puts"
+        planned = (planned_dispatch_gemm if fused else planned_dispatch)(lay, model["counts_all"])
+        assert fabric.take() == planned, f"{what}: the dispatch puts"
         valid = model["idx"] >= 0
         assert (stage_row[:n][valid] == model["stage_row"][valid]).all(), what
         assert (idx32[:n] == model["idx"]).all(), what
@@ -489,14 +535,16 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         assert fabric.uncovered() == 0, f"{what}: a put no signal covered"
         for base in (lay.count_slot, lay.dispatch_slot, lay.combine_slot):  # one per round from each peer
             assert [int(me.flags[base + s]) for s in range(world)] == [rnd * (s != rank) for s in range(world)], what
-        # the expert flags: one rise per fused round from each peer, rows or none; the plain dispatch none
+        # the group flags: one rise per fused round from each peer, rows or none; the plain dispatch none; the
+        # slots past the groups never
         got = me.flags[lay.expert_slot:lay.expert_slot + world * L_].reshape(world, L_)
-        assert (got == np.array([[gemm_rounds * (s != rank)] * L_ for s in range(world)])).all(), (what, got)
+        want = [[gemm_rounds * (s != rank) * (g < lay.put_groups) for g in range(L_)] for s in range(world)]
+        assert (got == np.array(want)).all(), (what, got)
     # the compute-only variant: the last round's GEMM again, from the same rows and counts, into a fresh buffer
     # (it waits for nothing: no flag of a round that never ran)
     again = np.full_like(me.y, poison_y)
     flags = me.flags.copy()
-    gemm(ROUNDS, gemm_rounds, again, False, recv_layout)
+    gemm(ROUNDS, gemm_rounds, again, False, me.counts_all)
     assert fabric.counts() == ([0] * world, [0] * world)
     assert fabric.take() == []
     assert (again.view(np.uint8) == me.y.view(np.uint8)).all(), f"rank {rank}: the compute-only rerun differs"
@@ -512,10 +560,11 @@ def main(argv: list[str]) -> None:
         rank, where, rest = -1, None, argv
     world, experts, max_tokens, topk, hidden, n_out, programs, comm, bm, bn, bk = (int(a) for a in rest[:11])
     out = rest[11]
-    put_rows = int(rest[12]) if len(rest) > 12 else max_tokens
+    put_rows = int(rest[12]) if len(rest) > 12 else max_tokens * topk
+    experts_per_put = int(rest[13]) if len(rest) > 13 else 1
     if rank >= 0:
         run_rank(rank, where, world, experts, max_tokens, topk, hidden, n_out, programs, comm, (bm, bn, bk), out,
-                 put_rows)
+                 put_rows, experts_per_put)
         print(f"rank {rank} ok")
         return
     lay = MoELayout(0, world, experts, max_tokens, topk, hidden, slot_base=2)

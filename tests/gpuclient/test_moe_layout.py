@@ -203,6 +203,69 @@ def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int
             assert w["combine"][d] == 1 + sum(-(-n // lay.put_rows) for n in back)
 
 
+@pytest.mark.parametrize(("world", "experts", "max_tokens", "topk", "experts_per_put", "put_rows"),
+                         [(2, 8, 16, 3, 2, 1 << 10), (3, 12, 7, 4, 3, 5), (4, 8, 5, 2, 4, 1), (2, 6, 20, 3, 4, 7),
+                          (1, 4, 6, 2, 2, 6), (2, 8, 9, 3, 1, 9)])
+def test_dispatch_gemm_groups_land_where_the_gemm_reads_them(world: int, experts: int, max_tokens: int, topk: int,
+                                                             experts_per_put: int, put_rows: int) -> None:
+    """``dispatch_gemm`` sends a destination ``experts_per_put`` experts' rows per put: each group is one block of
+    the source's stage, split at ``group_put_rows``, and lands in the destination's ``gemm_stage`` slice for the
+    source, where ``gemm_stage_offsets`` says each expert's rows are (the same rows, in the same order, as
+    ``dispatch`` lands in ``recv_x``). The records per destination are the count, a put per group piece (the last
+    the group flag's put_signal), a SIGNAL per empty group, the handle words and the dispatch SIGNAL."""
+    rng = np.random.default_rng(world * 10 + experts_per_put)
+    hidden = 16
+    lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, max_put_bytes=put_rows * hidden * 2,
+                      experts_per_put=experts_per_put) for r in range(world)]
+    lay0 = lays[0]
+    assert lay0.put_groups == -(-lay0.local_experts // experts_per_put)
+    assert lay0.group_put_rows == min(max_tokens * min(topk, experts_per_put), put_rows)
+    idx = uneven_routing(rng, world, experts, max_tokens, topk, [max_tokens - (r % 2) for r in range(world)])
+    got = dispatch_model(lays, idx)
+    counts_all = got[0]["counts_all"]
+    L = lay0.local_experts  # noqa: N806
+    landed = [np.full((world, lay0.source_rows), -1, dtype=np.int64) for _ in range(world)]
+    for src, lay in enumerate(lays):
+        puts = lay.gemm_puts(counts_all)
+        eoff = lay.stage_offsets(counts_all[src])
+        for d in range(world):
+            for g in range(lay.put_groups):
+                members = range(d * L + g * experts_per_put, min(d * L + (g + 1) * experts_per_put, (d + 1) * L))
+                rows = int(counts_all[src, list(members)].sum())
+                pieces = [(first, dst, n) for d2, g2, first, dst, n in puts if (d2, g2) == (d, g)]
+                if d == src or rows == 0:
+                    assert pieces == [], (src, d, g)
+                    continue
+                # the group's rows: one block of the stage from its first expert's, in pieces of group_put_rows
+                assert [first for first, _, _ in pieces] == list(range(int(eoff[members[0]]),
+                                                                       int(eoff[members[0]]) + rows,
+                                                                       lay.group_put_rows))
+                assert all(1 <= n <= lay.group_put_rows for _, _, n in pieces) and sum(n for *_, n in pieces) == rows
+                for first, dst, n in pieces:
+                    s_, row = divmod(dst, lay.source_rows)
+                    assert s_ == src and row + n <= lay.source_rows
+                    landed[d][src, row:row + n] = got[src]["stage_src"][first:first + n]
+        w, signals = lay.writes(counts_all)["dispatch_gemm"], lay.signals(gemm=True)
+        for d in range(world):
+            if d == src:
+                assert w[d] == signals[d] == 0
+                continue
+            pieces = sum(1 for d2, *_ in puts if d2 == d)
+            groups_with_rows = len({g for d2, g, *_ in puts if d2 == d})
+            handles = sum(1 for p, *_ in lay.handle_puts() if p == d)
+            assert w[d] == 2 + handles + lay.put_groups + pieces - groups_with_rows
+            assert signals[d] == 2 + lay.put_groups
+    for d, lay in enumerate(lays):  # each peer's rows for each expert where the GEMM reads them, as dispatch lands them
+        at, (_, recv_layout) = lay.gemm_stage_offsets(counts_all), lay.receive(counts_all)
+        for local in range(L):
+            assert len({lay.group_slot(s, local) for s in range(world)}) == world
+            assert lay.expert_slot <= lay.group_slot(world - 1, local) < lay.expert_slot + world * L
+            for s in range(world):
+                if s != d:
+                    off, n = recv_layout[local, s]
+                    assert (landed[d][s, at[s, local]:at[s, local] + n] == got[d]["recv_src"][local, off:off + n]).all()
+
+
 def test_the_largest_put_is_the_daemons() -> None:
     from gpuclient.kernels.moe_layout import MAX_PUT_BYTES
     from transportd.dataplane.tables import DEFAULT_MAX_LENGTH
@@ -318,24 +381,25 @@ SIGNATURES = {
                             {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
     "_moe_dispatch_gemm": ({"ch": "*u64", "epoch": "i32", "gemm_epoch": "i32", "rank": "i32", "count_ptr": "*i32",
                             "eoff_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
-                            "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "src_stage_ptr": "*i32", "w_ptr": "*bf16",
-                            "y_ptr": "*bf16", "recv_count_ptr": "*i32", "layout_ptr": "*i32", "count_region": "i32",
-                            "recv_region": "i32", "src_stage_region": "i32", "send_x_region": "i32",
-                            "send_src_region": "i32", "count_slot": "i32", "dispatch_slot": "i32",
-                            "expert_slot": "i32", "timeline": "*i64"},
+                            "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "src_stage_ptr": "*i32",
+                            "gemm_stage_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "recv_count_ptr": "*i32",
+                            "layout_ptr": "*i32", "count_region": "i32", "gemm_stage_region": "i32",
+                            "src_stage_region": "i32", "send_x_region": "i32", "send_src_region": "i32",
+                            "count_slot": "i32", "dispatch_slot": "i32", "expert_slot": "i32", "timeline": "*i64"},
                            {"W": W, "E": E, "L": L, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
                             "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 256,
-                            "BLOCK_T": 128, "COPY_ROWS": 16, "PUT_ROWS": T, "HANDLE_WORDS": L * T,
+                            "BLOCK_T": 128, "COPY_ROWS": 16, "EXPERTS_PER_PUT": 1, "GROUPS": 4,
+                            "SOURCE_ROWS": T * K, "GROUP_PUT_ROWS": T * K, "HANDLE_WORDS": L * T,
                             "COMMUNICATE": True, "COMPUTE": True}),
 }
 # Protocol call sites: (pushes per peer, waits per peer, other pushes). The loops over peers run W times (W is
 # a constexpr: the compiler unrolls them); per peer the count put_signal, the count wait and the peer's
 # handle-word put, then a block's row put; a SIGNAL and a wait per peer; a block's put; a SIGNAL and a wait per
 # peer. No kernel quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The
-# fused dispatch + GEMM: per peer the count put_signal; a block's row put (a piece before the last), the last
-# piece's put_signal of the expert flag, an empty block's SIGNAL of it, the peer's handle-word put and the
+# fused dispatch + GEMM: per peer the count put_signal; a group's row put (a piece before the last), the last
+# piece's put_signal of the group flag, an empty group's SIGNAL of it, the peer's handle-word put and the
 # dispatch SIGNAL, in a loop over the peers that is not unrolled; per peer the communication programs' count
-# and dispatch waits, the compute programs' count wait and their expert-flag wait.
+# and dispatch waits, the compute programs' count wait and their group-flag wait.
 SITES = {"_moe_route": (0, 0, 0), "_moe_send": (2, 1, 1), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
          "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 4, 5)}
 
@@ -551,16 +615,19 @@ def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) ->
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-4000:] + run.stderr[-8000:]
 
 
-@pytest.mark.parametrize("shape", [(2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16"),
-                                   (3, 9, 12, 4, 40, 24, 7, 2, 16, 16, 16, "fp32"),
+@pytest.mark.parametrize("shape", [(2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 60, 1),
+                                   (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 60, 2),
+                                   (3, 9, 12, 4, 40, 24, 7, 2, 16, 16, 16, "fp32", 48, 3),
                                    (1, 2, 6, 2, 16, 16, 3, 1, 16, 16, 16, "bf16"),
-                                   (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 3)],
-                         ids=["2ranks-bf16", "3ranks-fp32-narrow", "1rank", "2ranks-bf16-split"])
+                                   (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 3, 2)],
+                         ids=["2ranks-bf16", "2ranks-bf16-groups", "3ranks-fp32-narrow-one-group", "1rank",
+                              "2ranks-bf16-split-groups"])
 def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tuple) -> None:
     """(world, experts, max_tokens, topk, hidden, n_out, programs, comm_programs, block_m, block_n, block_k,
-    out[, put_rows]): tests/gpuclient/moe_gemm_interpreted.py, one process per rank over shared memory. Tiles
-    of 16 rows straddle the sources' rows; hidden 40 and n_out 24 are no multiples of the 16-wide blocks;
-    put_rows 3 splits the blocks into pieces dealt over both communication programs."""
+    out[, put_rows, experts_per_put]): tests/gpuclient/moe_gemm_interpreted.py, one process per rank over shared
+    memory. Tiles of 16 rows straddle the sources' rows; hidden 40 and n_out 24 are no multiples of the 16-wide
+    blocks; an expert a put, groups of two of three experts (the last group one), all three in one group;
+    put_rows 3 splits the groups into pieces dealt over both communication programs."""
     run = run_interpreted("tests.gpuclient.moe_gemm_interpreted", *shape, timeout=900)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-8000:] + run.stderr[-8000:]
 

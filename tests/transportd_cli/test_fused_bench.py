@@ -582,3 +582,28 @@ def test_moe_experts_overrides_only_the_moe_gemm_sizes_experts(monkeypatch) -> N
     assert all(dims["experts"] == 64 for dims in bench.MOE_GEMM_SIZES)  # the module's sizes are left alone
     result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--moe-experts", "0"])
     assert result.exit_code == 2 and "--moe-experts" in result.output
+
+
+def test_moe_experts_per_put_reaches_only_the_moe_gemm_sizes(monkeypatch) -> None:
+    """--moe-experts-per-put: MoE Dispatch+GEMM's sizes with that group, with --moe-experts too; the op's default
+    otherwise (no key)."""
+    bench = _bench()
+    seen: list[dict[str, int]] = []
+
+    def row(backend, shape, dims, reps, echo=print, timeline=False):
+        seen.append(dims)
+        return bench.derive({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims,
+                             "compute_s": 2e-3, "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}, 1e9, 1 << 20)
+
+    monkeypatch.setattr(bench, "moe_gemm_row", row)
+    for args, want in [([], bench.MOE_GEMM_SIZES),
+                       (["--moe-experts-per-put", "2"], [{**d, "experts_per_put": 2} for d in bench.MOE_GEMM_SIZES]),
+                       (["--moe-experts-per-put", "1", "--moe-experts", "16"],
+                        [{**d, "experts": 16, "experts_per_put": 1} for d in bench.MOE_GEMM_SIZES])]:
+        seen.clear()
+        result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", "ib", *args])
+        assert result.exit_code == 0, result.output
+        assert seen == want, args
+    assert all("experts_per_put" not in dims for dims in bench.MOE_GEMM_SIZES)
+    result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--moe-experts-per-put", "0"])
+    assert result.exit_code == 2 and "--moe-experts-per-put" in result.output
