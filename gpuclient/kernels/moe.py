@@ -490,6 +490,13 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                         # our own rows straight from their block in send_x (staged by _moe_route, an earlier
                         # kernel)
                         a_row = tl.where(mine, send_x_ptr + tl.cast(own_start + rows - off_own, tl.int64) * H, a_row)
+                        if COMMUNICATE:  # the first column block's tiles: the peers' rows into recv_x first
+                            if col0 == 0:  # (a loop of its own: a store of the GEMM's A tile in its k-loop broke
+                                for k0 in range(0, H, BLOCK_K):  # the tensor-core results on sm_90)
+                                    ks = k0 + offs_k
+                                    moved = copy[:, None] & (ks[None, :] < H)
+                                    tl.store(received[:, None] + ks[None, :],
+                                             tl.load(a_row[:, None] + ks[None, :], mask=moved), mask=moved)
                         if COMPUTE:
                             cols = col0 + offs_n
                             w_cols = w_ptr + tl.cast(local, tl.int64) * (H * N) + cols[None, :]
@@ -498,20 +505,11 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                                 ks = k0 + offs_k
                                 a = tl.load(a_row[:, None] + ks[None, :], mask=valid[:, None] & (ks[None, :] < H),
                                             other=0.0)
-                                if COMMUNICATE:
-                                    tl.store(received[:, None] + ks[None, :], a, mask=copy[:, None] & (ks[None, :] < H))
                                 b = tl.load(w_cols + tl.cast(ks, tl.int64)[:, None] * N,
                                             mask=(ks[:, None] < H) & (cols[None, :] < N), other=0.0)
                                 acc = tl.dot(a, b, acc)
                             out = y_ptr + tl.cast(local * (W * T) + rows, tl.int64)[:, None] * N + cols[None, :]
                             tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
-                        elif COMMUNICATE:  # rows moved, no GEMM: still into recv_x
-                            if col0 == 0:
-                                for k0 in range(0, H, BLOCK_K):
-                                    ks = k0 + offs_k
-                                    moved = copy[:, None] & (ks[None, :] < H)
-                                    tl.store(received[:, None] + ks[None, :],
-                                             tl.load(a_row[:, None] + ks[None, :], mask=moved), mask=moved)
                         if TIMELINE:
                             tl.atomic_max(timeline + 3 * W * L + src * L + local, tpd.globaltimer().to(tl.int64))
                     item += tiles
