@@ -38,37 +38,41 @@ before program 0's count put_signal are covered by the count flag instead, which
 before the dispatch flag, so every block is covered by a flag the receiver waited for.
 
 dispatch_gemm round e (``gemm_n`` set): ``_moe_route``, then ``_moe_dispatch_gemm`` in place of 2 and 3, one
-persistent launch split by role. Its first ``comm_programs`` programs push what ``_moe_send`` pushes (a block
-per (peer, expert)), peer by peer in ring order, each peer served by one program (``(step - 1) %
-comm_programs``), which sends every block as a put_signal of the peer's *expert flag* (``expert_slot + rank
-* L + local``: the last piece's put when it is split), SIGNALs the flag of each empty block, puts the
-peer's handle words and then SIGNALs the peer's dispatch flag (``dispatch_slot + rank``); the last
-communication program then waits for every peer's dispatch flag and scatters their handle words into
-``recv_src`` (last, by one program: it waits on the peers' communication programs, which wait for nothing
-but the counts). The compute programs wait
-for the count flags, then walk each local expert's packed rows in (row block, column block) tiles, own rows
-first (read from their block in ``send_x``: no wait), then the sources in the order they send to this rank,
-and before a tile of expert l wait for the expert flag ``(s, l)`` of every source s with rows in it: a tile
-starts once its own expert's blocks are in, not the sources' whole transfers. ``y = recv_x @ w[l]`` (bf16
-tl.dot, fp32 accumulation) in ``recv_x``'s layout, so ``combine`` follows as after ``dispatch``.
+persistent launch split by role. Its first ``comm_programs`` programs push each peer its rows, peer by peer in
+ring order, each peer served by one program (``(step - 1) % comm_programs``), in *groups* of ``experts_per_put``
+of the peer's experts: a group's rows are one block of ``send_x`` (staged expert-major), put into our slice of
+the peer's ``gemm_stage`` [W, source_rows, H] (``MoELayout.gemm_puts``: at the rows we sent its lower experts),
+the last piece a put_signal of the peer's *group flag* (``expert_slot + rank * L + group``); an empty group
+SIGNALs its flag. Then the peer's handle words in one put and a SIGNAL of its dispatch flag
+(``dispatch_slot + rank``); the last communication program then waits for every peer's dispatch flag and
+scatters their handle words into ``recv_src`` (last, by one program: it waits on the peers' communication
+programs, which wait for nothing but the counts). The compute programs wait for the count flags, then walk
+each local expert's packed rows in (row block, column block) tiles, own rows first (read from their block in
+``send_x``: no wait), then the sources in the order they send to this rank, and before a tile of expert l
+wait for the group flag ``(s, l // experts_per_put)`` of every source s with rows in it: a tile starts once
+its own expert's group is in, not the sources' whole transfers. A peer's rows are gathered from its
+``gemm_stage`` slice (``gemm_stage_offsets``); the first column block's tiles copy them into ``recv_x`` first,
+so ``recv_x`` ends as after ``dispatch``. ``y = rows @ w[l]`` (bf16 tl.dot, fp32 accumulation) in ``recv_x``'s
+layout, so ``combine`` follows as after ``dispatch``. Why groups: the soft fabric costs ~70-135 us a message
+whatever its size, and a put per expert made 32 of them a peer (docs/kernels.md, "Puts and signals").
 
-Expert flags count dispatch_gemm rounds: every (peer, expert) pair gets exactly one signal per fused round
-(the put_signal, or the SIGNAL of an empty block), so after n fused rounds each is n, rows or none, and the
+Group flags count dispatch_gemm rounds: every (peer, group) pair gets exactly one signal per fused round
+(the put_signal, or the SIGNAL of an empty group), so after n fused rounds each is n, rows or none, and the
 compute programs wait for ``gemm_epoch`` = the op's count of fused rounds that communicated (``gemm_rounds``;
-``compute=False`` counts, ``communicate=False`` neither counts nor waits). Plain ``dispatch`` leaves them
-alone, so the two alternate freely. What covers a row, on efa too (a signal covers the writes since the
-connection's previous signal): only the program serving a peer pushes to it, besides program 0's count
-put_signal, so a block's puts and its put_signal are consecutive on the connection unless the count
-put_signal falls between them; then the rows before it are covered by the count flag, which the compute
-programs wait for first. So a row is covered by its expert flag or the count flag, both waited for; the
-handle words by the dispatch SIGNAL right after them (or the count flag). On ib the put_signal comes after
-every put of the block in the ring. The price: ``2 + L`` signals per destination and fused round (count, L
-expert flags, dispatch) where plain dispatch sends 2; the records grow by one per empty block only.
+``compute=False`` counts, ``communicate=False`` neither counts nor waits, and reads the rows from ``recv_x``).
+Plain ``dispatch`` leaves them alone, so the two alternate freely. What covers a row, on efa too (a signal
+covers the writes since the connection's previous signal): only the program serving a peer pushes to it,
+besides program 0's count put_signal, so a group's puts and its put_signal are consecutive on the connection
+unless the count put_signal falls between them; then the rows before it are covered by the count flag, which
+the compute programs wait for first. So a row is covered by its group flag or the count flag, both waited
+for; the handle words by the dispatch SIGNAL right after them (or the count flag). On ib the put_signal comes
+after every put of the group in the ring. The price: ``2 + groups`` signals per destination and fused round
+(count, a flag per group, dispatch) where plain dispatch sends 2.
 
 No host sync, no host loop over tokens: the counts go GPU to GPU and every buffer has its worst-case size.
 Every wait is for something its peer pushes in the same-numbered kernel before that kernel waits, and no
 kernel waits for a later one, so two ranks progress as long as both grids are resident at once (``share``).
-Flags are monotonic (ADD 1 per round, round e waits for e; an expert flag per fused round); nothing is
+Flags are monotonic (ADD 1 per round, round e waits for e; a group flag per fused round); nothing is
 reset. Buffer reuse between rounds
 needs no release flags: each round's dispatch and combine form a round trip with every peer (see the reuse
 argument in docs/kernels.md), which is why a dispatch must be followed by its combine before the next.
@@ -669,7 +673,9 @@ class MoE:
     kernel has ``gemm_programs`` programs (default: SMs / share), the first ``comm_programs`` of them moving
     rows, the rest computing ``gemm_block`` = (block_m, block_n, block_k) tiles with ``gemm_warps`` warps and
     ``gemm_stages`` pipeline stages; each left out comes from :func:`default_gemm_tiles` for the rows an expert
-    gets under even routing.
+    gets under even routing. It sends a peer the rows of ``experts_per_put`` of its experts per put and flag
+    (default :func:`default_experts_per_put`: four puts a peer) into ``gemm_stage`` [W, T*min(K, L), H] bf16,
+    allocated and registered here too.
     """
 
     def __init__(self, session: Any, hidden: int, num_experts: int, max_tokens: int, topk: int, *,

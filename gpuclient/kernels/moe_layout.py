@@ -225,8 +225,8 @@ class MoELayout:
         """A launch's timeline (``timeline_words(programs)`` int64 words, any array-like) as ``world x L`` arrays
         of %globaltimer ns (0: it did not happen in that launch), and ``program_ends``:
 
-        - ``sent[d, l]``: this rank pushed the last record of its block for peer d's local expert l (the
-          put_signal of its expert flag, or the SIGNAL of an empty block);
+        - ``sent[d, l]``: this rank pushed the last record of the put group holding peer d's local expert l
+          (the put_signal of its group flag, or the SIGNAL of an empty group);
         - ``ready[s, l]``: a compute program first got past the wait for source s's block of local expert l;
         - ``start[s, l]`` / ``done[s, l]``: the first start and the last end of the tiles taken at source s's
           step for local expert l (a tile holding rows of several sources is taken at the latest one's).

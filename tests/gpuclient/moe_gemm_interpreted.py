@@ -20,15 +20,17 @@ fresh buffer. Routing is uneven: a hot expert, an expert nobody picks, the last 
 Each rank checks its own results against the numpy model (``moe_layout``): counts, per-source layout,
 handle words and received rows exactly, ``y`` against float64 ``x @ w`` per expert within the output
 dtype's rounding (rows past the counts untouched), combine against the weighted sum, no queued put left
-uncovered by a signal at the end of a round, every put the rank made exactly the model's (one per
-(peer, expert) block, pieces of at most ``PUT_ROWS`` rows, and one of the handle words of all the peer's
-experts; one per (expert, source) block back), the records and signals per destination (``2 + L`` signals
-a fused round, 2 a plain one), one program of the fused kernel pushing each peer, every expert flag at the
-number of fused rounds, and every program of the plain kernels (send, finish, reduce) having waited for
-each peer's flag whose data it reads (the fused kernel's reads are checked load by load).
+uncovered by a signal at the end of a round, every put the rank made exactly the model's (a fused round:
+one per (peer, group of ``EXPERTS_PER_PUT`` experts) into the peer's ``gemm_stage``, pieces of at most the
+group's put rows; a plain one: one per (peer, expert) block, pieces of at most ``PUT_ROWS`` rows; and one of
+the handle words of all the peer's experts; one per (expert, source) block back), the records and signals
+per destination (``2 + groups`` signals a fused round, 2 a plain one), one program of the fused kernel
+pushing each peer, every group flag at the number of fused rounds (the slots past the groups at 0), and
+every program of the plain kernels (send, finish, reduce) having waited for each peer's flag whose data it
+reads (the fused kernel's reads, in ``gemm_stage`` and ``recv_x``, are checked load by load).
 
     python -m tests.gpuclient.moe_gemm_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN N PROGRAMS COMM BM BN BK OUT
-        [PUT_ROWS]
+        [PUT_ROWS [EXPERTS_PER_PUT]]
 """
 
 from __future__ import annotations
