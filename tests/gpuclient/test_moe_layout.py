@@ -595,6 +595,22 @@ def test_dispatch_gemm_tiles_default_by_the_rows_an_expert_gets() -> None:
         assert check_gemm_tiles(*tiles) == tiles
 
 
+def test_dispatch_gemm_sends_a_peer_four_puts_by_default() -> None:
+    """``default_experts_per_put``: PUT_GROUPS puts a destination (the last may hold fewer experts), one expert a
+    put where a rank has fewer; counts that are not positive integers get 1 (MoELayout refuses them)."""
+    from gpuclient.kernels.moe import PUT_GROUPS, default_experts_per_put
+
+    assert PUT_GROUPS == 4
+    assert default_experts_per_put(64, 2) == 8  # DeepEP-LL's shape: 32 experts a rank, 8 a put
+    for experts, world in [(64, 2), (6, 2), (9, 3), (8, 8), (40, 4), (1, 1)]:
+        lay = MoELayout(0, world, experts, 8, 1, 16, experts_per_put=default_experts_per_put(experts, world))
+        assert lay.put_groups == min(PUT_GROUPS, lay.local_experts), (experts, world)
+    for bad in ((0, 2), (64, 0), (True, 2), ("64", 2)):
+        assert default_experts_per_put(*bad) == 1
+    with pytest.raises(ValueError, match="experts_per_put must be an integer >= 1"):
+        MoELayout(0, 2, 8, 16, 2, 64, experts_per_put=0)
+
+
 def test_the_kernels_do_not_specialize_on_round_rank_or_tokens() -> None:
     for name in SIGNATURES:
         fn = getattr(moe_kernels, name)
