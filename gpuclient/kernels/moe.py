@@ -756,7 +756,7 @@ class MoE:
         self.put_rows = lay.put_rows  # rows per put of a block: all of them unless they pass the largest put
         self.channel_capacity = channel_capacity
         self.rounds = 0
-        self.gemm_rounds = 0  # the dispatch_gemm rounds that communicated: the expert flags' epoch
+        self.gemm_rounds = 0  # the dispatch_gemm rounds that communicated: the group flags' epoch
         self._pending: MoEHandle | None = None
         self._ch: Any = None
 

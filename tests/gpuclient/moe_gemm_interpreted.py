@@ -12,7 +12,7 @@ Within a rank the interpreter runs the programs in order (the communication prog
 progress as the GPU's resident grids do.
 
 Rounds, with no reset: 1 ``dispatch_gemm`` (an expert nobody picks: its blocks are empty), 2 a plain
-``dispatch`` with the expert GEMM in numpy (the two share flags round by round; the expert flags stay), 3
+``dispatch`` with the expert GEMM in numpy (the two share flags round by round; the group flags stay), 3
 ``dispatch_gemm`` with every source picking that expert (flags rising with rows after rounds without), 4
 ``dispatch_gemm`` with one rank sending nothing, each followed by ``combine``
 on the GEMM's output; then the compute-only variant (``COMMUNICATE=False``) reruns round 4's GEMM into a
@@ -319,7 +319,7 @@ def inputs(world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_
         if local > 1 and rnd != 3:  # rank 0's last expert: nobody picks it (an empty expert beside full ones)
             for i in idx:
                 i[i == local - 1] = -1
-        if rnd == 3:  # every source picks it: its expert flags rise with rows after rounds without
+        if rnd == 3:  # every source picks it: its group flags rise with rows after rounds without
             for i in idx:
                 if len(i):
                     i[0, 0] = local - 1

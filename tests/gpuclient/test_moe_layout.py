@@ -194,8 +194,9 @@ def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int
             handles = [(p, at, to, k) for p, at, to, k in lay.handle_puts() if p == d]
             assert handles == [(d, d * n + j, src * n + j, min(step, n - j)) for j in range(0, n, step)]
             assert w["dispatch"][d] == 2 + len(handles) + sum(-(-n // lay.put_rows) for n in blocks)
-            # the fused round: the same puts (the last row put of a block a put_signal), a SIGNAL per empty
-            # block, so every expert flag there rises once: 2 + L signals against the plain dispatch's 2
+            # the fused round at one expert a put (the layout's default): the same puts (the last row put of a
+            # block a put_signal of its group flag), a SIGNAL per empty block, so every flag there rises once:
+            # 2 + L signals against the plain dispatch's 2
             assert w["dispatch_gemm"][d] == w["dispatch"][d] + lay.local_experts - len(blocks)
             assert lay.signals()[d] == 2 and lay.signals(gemm=True)[d] == 2 + lay.local_experts
             back = [int(counts_all[d, e]) for e in range(src * lay.local_experts, (src + 1) * lay.local_experts)
