@@ -594,7 +594,9 @@ def moe_timeline_summary(lay: Any, events: list[dict[str, Any]], rank: int, t0: 
     the peer pushed it (``latency_us``: the transfer through the daemons, flag included); when its tiles ran,
     how long an expert's tiles took once its rows were in (``expert_us_median``), and how much of the compute
     came after the last arrival (``after_last_ready_ms``, and the (source, expert) groups still computing
-    then: a backlog, where the compute could not keep up with the arrivals); its programs' ends."""
+    then: a backlog, where the compute could not keep up with the arrivals); when the peers' groups landed
+    (``landed``: seen by a communication program, apart from when the compute programs got to them); its
+    programs' ends."""
     import numpy as np
 
     def ms(x: Any) -> float:
@@ -609,6 +611,10 @@ def moe_timeline_summary(lay: Any, events: list[dict[str, Any]], rank: int, t0: 
         out["sent"] = {"first_ms": ms(sent[sent > 0].min()), "last_ms": ms(sent.max()), "count": int((sent > 0).sum())}
     ready = me["ready"]
     pushed = np.stack([events[s]["sent"][rank] for s in range(lay.world)])  # [source, local]: when s pushed it
+    landed = (me["arrived"] > 0) & (pushed > 0)
+    if landed.any():  # when the groups landed, whether or not a compute program was there yet
+        out["landed"] = {"first_ms": ms(me["arrived"][landed].min()), "last_ms": ms(me["arrived"][landed].max()),
+                         "latency_us_median": round(float(np.median(me["arrived"][landed] - pushed[landed])) / 1e3, 1)}
     seen = (ready > 0) & (pushed > 0)
     if seen.any():
         latency = (ready[seen] - pushed[seen]) / 1e3

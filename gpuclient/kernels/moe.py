@@ -347,9 +347,10 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                        EXPERTS_PER_PUT: tl.constexpr, GROUPS: tl.constexpr, SOURCE_ROWS: tl.constexpr,
                        GROUP_PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, COMMUNICATE: tl.constexpr,
                        COMPUTE: tl.constexpr, TIMELINE: tl.constexpr = False):
-    # TIMELINE (MoELayout.timeline_words): %globaltimer when each (peer, expert) block was pushed, and per (source,
+    # TIMELINE (MoELayout.timeline_words): %globaltimer when each (peer, expert)'s group was pushed, and per (source,
     # expert) the first pass of its flag's wait, the first start and the last end of the tiles taken at its step
-    # (atomic min / max over the programs), then each program's end
+    # (atomic min / max over the programs), when the last communication program saw its group land, then each
+    # program's end
     pid = tl.program_id(0)
     ls = tl.arange(0, LP)
     ss = tl.arange(0, WP)
@@ -394,6 +395,15 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                                 tl.store(timeline + d * L + j, now)
                     _put_handles(ch, d, rank, src_stage_region, send_src_region, L, T, HANDLE_WORDS)
                     tpd.signal(ch, d, dispatch_slot + rank, 1)
+            if TIMELINE:  # when each peer's groups land, apart from when the compute programs get to them
+                if pid == COMM_PROGRAMS - 1:
+                    for step in range(1, W):
+                        s = (rank - step + W) % W
+                        for g in range(0, GROUPS):
+                            tpd.wait(ch, expert_slot + s * L + g, gemm_epoch)
+                            now = tpd.globaltimer().to(tl.int64)
+                            for j in range(g * EXPERTS_PER_PUT, tl.minimum(g * EXPERTS_PER_PUT + EXPERTS_PER_PUT, L)):
+                                tl.store(timeline + 4 * W * L + s * L + j, now)
             # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
             # this copy is for the caller and for combine, and waits for nothing; the peers' rows reach recv_x
             # through the compute programs, from gemm_stage)
@@ -518,7 +528,7 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                             tl.atomic_max(timeline + 3 * W * L + src * L + local, tpd.globaltimer().to(tl.int64))
                     item += tiles
     if TIMELINE:
-        tl.store(timeline + 4 * W * L + pid, tpd.globaltimer().to(tl.int64))
+        tl.store(timeline + 5 * W * L + pid, tpd.globaltimer().to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["rank"])

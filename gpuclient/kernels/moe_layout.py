@@ -212,7 +212,7 @@ class MoELayout:
 
     # --- dispatch_gemm's timeline (``timeline=``) -----------------------------------------------------------------
     #: the events of each (rank, local expert) pair, in the timeline's order (``split_timeline``)
-    TIMELINE_EVENTS = ("sent", "ready", "start", "done")
+    TIMELINE_EVENTS = ("sent", "ready", "start", "done", "arrived")
     #: the value of a ``ready`` or ``start`` word (an atomic min) that no program wrote: read back as 0
     TIMELINE_UNSET = np.iinfo(np.int64).max
 
@@ -229,7 +229,10 @@ class MoELayout:
           (the put_signal of its group flag, or the SIGNAL of an empty group);
         - ``ready[s, l]``: a compute program first got past the wait for source s's block of local expert l;
         - ``start[s, l]`` / ``done[s, l]``: the first start and the last end of the tiles taken at source s's
-          step for local expert l (a tile holding rows of several sources is taken at the latest one's).
+          step for local expert l (a tile holding rows of several sources is taken at the latest one's);
+        - ``arrived[s, l]``: the last communication program, watching source s's group flags in order once
+          its own pushes are out, saw the group holding local expert l land (``ready`` waits for a compute
+          program to get there; this does not).
         """
         words = np.asarray(words, dtype=np.int64)
         if words.shape != (self.timeline_words(programs),):

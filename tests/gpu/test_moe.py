@@ -446,7 +446,11 @@ def test_a_dispatch_gemm_timeline_orders_every_event_and_changes_nothing(cuda_de
                     src, y = handles[r][2].recv_src.cpu().numpy(), op.y.cpu()
                     ev, counts = events[r], model[r]["recv_layout"][:, :, 1]  # [local, source] rows
                     assert (ev["sent"][np.arange(world) != r] > 0).all() and not ev["sent"][r].any(), what
-                    assert not ev["ready"][r].any(), what  # the own rows: no wait
+                    assert not ev["ready"][r].any() and not ev["arrived"][r].any(), what  # the own rows: no wait
+                    for s in range(world):  # every peer's group lands, rows or none, after the peer pushed it
+                        if s != r:
+                            assert (ev["arrived"][s] >= events[s]["sent"][r]).all(), (what, s)
+                            assert (events[s]["sent"][r] > 0).all(), (what, s)
                     for le in range(local):
                         n = int(model[r]["recv_count"][le])
                         _expert_rows_ok(y, lays[r], le, n, src, xs, weights_e[r * local + le], True, what)

@@ -396,25 +396,30 @@ def test_a_moe_gemm_timeline_summary_reads_the_peers_pushes_beside_the_arrivals(
     ms, t0 = 1_000_000, 100_000_000
     lays = [MoELayout(r, 2, 4, 8, 2, 16) for r in range(2)]
 
-    def words(sent: list, ready: list, start: list, done: list, ends: list) -> list[int]:
+    def words(sent: list, ready: list, start: list, done: list, arrived: list, ends: list) -> list[int]:
         # [rank or source][local expert], in ms from t0 (None: never happened)
-        flat = [x for event in (sent, ready, start, done) for per in event for x in per]
+        flat = [x for event in (sent, ready, start, done, arrived) for per in event for x in per]
         return [0 if x is None else t0 + round(x * ms) for x in flat] + [t0 + round(x * ms) for x in ends]
 
     rank0 = words(sent=[[None, None], [1.0, 2.0]], ready=[[None, None], [1.7, 3.3]],
-                  start=[[0.0, 0.1], [1.0, 1.1]], done=[[0.5, 0.6], [2.0, 3.5]], ends=[3.6, 3.4, 3.5])
+                  start=[[0.0, 0.1], [1.0, 1.1]], done=[[0.5, 0.6], [2.0, 3.5]], arrived=[[None, None], [1.6, 3.2]],
+                  ends=[3.6, 3.4, 3.5])
     rank1 = words(sent=[[1.5, 3.0], [None, None]], ready=[[1.2, 2.4], [None, None]],
-                  start=[[1.0, 1.0], [0.2, 0.2]], done=[[1.5, 2.9], [0.4, 0.4]], ends=[3.0, 3.0, 3.0])
+                  start=[[1.0, 1.0], [0.2, 0.2]], done=[[1.5, 2.9], [0.4, 0.4]], arrived=[[1.1, 1.2], [None, None]],
+                  ends=[3.0, 3.0, 3.0])
     events = [lay.split_timeline(w, 3) for lay, w in zip(lays, (rank0, rank1), strict=True)]
     got = bench.moe_timeline_summary(lays[0], events, 0, t0)
     assert got["end_ms"] == 3.6 and got["median_end_ms"] == 3.5
     assert got["sent"] == {"first_ms": 1.0, "last_ms": 2.0, "count": 2}
     assert got["arrivals"] == {"count": 2, "first_ready_ms": 1.7, "last_ready_ms": 3.3,
                                "latency_us": {"median": 250.0, "max": 300.0}}
+    # landed 100 and 200 us after the peer pushed them: each ahead of the compute programs getting there
+    assert got["landed"] == {"first_ms": 1.6, "last_ms": 3.2, "latency_us_median": 150.0}
     # an expert's tiles from when its rows were in: own 500 and 500 us, the peer's 300 and 200
     assert got["compute"] == {"first_start_ms": 0.0, "last_done_ms": 3.5, "expert_us_median": 400.0,
                               "after_last_ready_ms": 0.2, "groups_after_last_ready": 1}
-    alone = [{**e, "sent": 0 * e["sent"], "ready": 0 * e["ready"]} for e in events]  # the compute alone
+    alone = [{**e, "sent": 0 * e["sent"], "ready": 0 * e["ready"], "arrived": 0 * e["arrived"]}
+             for e in events]  # the compute alone
     assert set(bench.moe_timeline_summary(lays[1], alone, 1, t0)) == {"end_ms", "median_end_ms", "compute"}
 
 
