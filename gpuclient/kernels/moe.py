@@ -362,9 +362,9 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                     if peer != rank:
                         tpd.put_signal(ch, peer, count_region, rank * E * 4, count_region, rank * E * 4, E * 4,
                                        count_slot + rank, 1)
-            for peer in range(0, W):  # the lower ranks' counts decide where our rows land
-                if peer != rank:
-                    tpd.wait(ch, count_slot + peer, epoch)
+            # No wait for the peers' counts first: our rows land in our own slice of each peer's gemm_stage, where
+            # our counts alone place them (the peers' finished reading it last round: our combine of that round
+            # waited for theirs, which followed their GEMM). So the rows leave a fabric round trip sooner.
             # peer by peer in ring order (rank + 1 first, which takes our rows first), each peer served by one
             # program (step - 1) % COMM_PROGRAMS, the only one that pushes to it besides program 0's count
             # put_signal: group by group (EXPERTS_PER_PUT of its experts), the group's rows (stage rows from
@@ -404,6 +404,9 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                             now = tpd.globaltimer().to(tl.int64)
                             for j in range(g * EXPERTS_PER_PUT, tl.minimum(g * EXPERTS_PER_PUT + EXPERTS_PER_PUT, L)):
                                 tl.store(timeline + 4 * W * L + s * L + j, now)
+            for peer in range(0, W):  # the lower ranks' counts decide where our own rows go in recv_x
+                if peer != rank:
+                    tpd.wait(ch, count_slot + peer, epoch)
             # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
             # this copy is for the caller and for combine, and waits for nothing; the peers' rows reach recv_x
             # through the compute programs, from gemm_stage)

@@ -286,6 +286,15 @@ class ReadCheck:
                 f"rank {self.rank} program {pid}: read rank {s}'s counts before waiting for its count flag")
 
 
+def poison_early_buffers(rank: SimpleNamespace) -> None:
+    """What a peer's fused kernel fills before it waits for this rank's counts (its rows, in ``gemm_stage``, and
+    its handle words, in ``src_stage``), poisoned with nothing covered: before the ranks start, and after each
+    round's dispatch kernels, before the combine that lets a peer start the next round."""
+    rank.gemm_stage[:] = NAN16
+    rank.stage_cover[:] = -1
+    rank.src_stage[:] = -1
+
+
 def planned_dispatch_gemm(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
     """The model's puts of a fused round, as the fabric records them: the count row to every peer, per group
     piece its rows (stage rows to the peer's ``gemm_stage`` rows), and per peer the handle words."""
@@ -431,11 +440,11 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
 
     for rnd, data_r in enumerate(data["rounds"], start=1):
         tokens, idx, x = data_r["tokens"], data_r["idx"], data_r["x"]
-        me.recv_x[:] = NAN16  # what the peers owe this round, and our stage: poisoned (before our counts go out)
-        me.src_stage[:] = -1
-        me.gemm_stage[:] = NAN16
+        # what the peers owe this round into recv_x, and our stage: poisoned (before our counts go out); gemm_stage
+        # and src_stage were poisoned at the end of the last round (a fused round's peers fill them before our
+        # counts arrive)
+        me.recv_x[:] = NAN16
         me.cover[:] = -1  # no received row covered yet (the peers mark it when they signal, after our counts)
-        me.stage_cover[:] = -1
         me.combine_buf[:] = NAN16
         me.send_x[:] = NAN16
         me.y[:] = poison_y
@@ -463,6 +472,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             gemm_rounds += 1
             gemm(rnd, gemm_rounds, me.y, True, dispatch_model(lays, idx)[rank]["counts_all"])
             waits.clear()  # the fused kernel's reads are checked load by load (ReadCheck)
+        poison_early_buffers(me)  # read by now; no peer sends the next round before our combine below
         model = dispatch_model(lays, idx)[rank]
         what = f"round {rnd} rank {rank}"
         # records and signals per destination: the plain dispatch's 2 signals, the fused round's 2 + groups (a
@@ -571,9 +581,10 @@ def main(argv: list[str]) -> None:
         return
     lay = MoELayout(0, world, experts, max_tokens, topk, hidden, slot_base=2)
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(world):  # zeroed files: flags 0, the rest initialised by each rank before it sends
-            with open(Path(tmp) / f"rank{r}.bin", "wb") as f:
+        for r in range(world):  # zeroed files: flags 0, the rest initialised by each rank before it sends, but
+            with open(Path(tmp) / f"rank{r}.bin", "wb") as f:  # what a peer may fill first
                 f.truncate(file_bytes(buffers(lay, n_out, out)))
+            poison_early_buffers(attach(Path(tmp) / f"rank{r}.bin", buffers(lay, n_out, out)))
         logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(world)]  # noqa: SIM115
         procs = [subprocess.Popen([sys.executable, "-m", "tests.gpuclient.moe_gemm_interpreted", "--rank", str(r), tmp,
                                    *rest], stdout=logs[r], stderr=subprocess.STDOUT, env=os.environ)
