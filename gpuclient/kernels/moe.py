@@ -38,7 +38,8 @@ before program 0's count put_signal are covered by the count flag instead, which
 before the dispatch flag, so every block is covered by a flag the receiver waited for.
 
 dispatch_gemm round e (``gemm_n`` set): ``_moe_route``, then ``_moe_dispatch_gemm`` in place of 2 and 3, one
-persistent launch split by role. Its first ``comm_programs`` programs push each peer its rows, peer by peer in
+persistent launch split by role. Its first ``comm_programs`` programs push each peer its rows at once (no wait
+for the peers' counts: our own counts place them in our slice of the peer's ``gemm_stage``), peer by peer in
 ring order, each peer served by one program (``(step - 1) % comm_programs``), in *groups* of ``experts_per_put``
 of the peer's experts: a group's rows are one block of ``send_x`` (staged expert-major), put into our slice of
 the peer's ``gemm_stage`` [W, source_rows, H] (``MoELayout.gemm_puts``: at the rows we sent its lower experts),
