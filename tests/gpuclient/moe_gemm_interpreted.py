@@ -48,7 +48,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_model
-from tests.gpuclient.moe_interpreted import REGIONS, Buffer, bf16, f32, planned_combine, planned_dispatch
+from tests.gpuclient.moe_interpreted import REGIONS, Buffer, bf16, f32, planned_combine, planned_dispatch, planned_puts
 from tests.gpuclient.test_moe_layout import uneven_routing
 
 #: the plain op's regions, then the fused kernel's landing rows (registered last, as ``MoE`` does)
@@ -247,43 +247,42 @@ class ReadCheck:
             return
         addrs = np.asarray(addrs, dtype=np.uint64)[np.asarray(mask, dtype=bool)]
         waited = self.waited.get(pid, {})
-        lay, rows, counts, stage = self.lay, self.me.recv_x, self.me.counts_all, self.me.gemm_stage
-        base = stage.ctypes.data
-        inside = addrs[(addrs >= base) & (addrs < base + stage.nbytes)]
-        for row in np.unique((inside - base) // (lay.hidden * 2)):
+        lay, counts = self.lay, self.me.counts_all
+        for row in self._rows_in(addrs, self.me.gemm_stage):
             src, local = divmod(int(row), lay.source_rows)[0], int(self.staged.reshape(-1)[row])
             assert src != self.rank, f"rank {self.rank}: read its own gemm_stage slice (its rows are in send_x)"
             assert local >= 0, f"rank {self.rank}: read gemm_stage row {row}, past what rank {src} sent"
-            flag = lay.group_slot(src, local)
-            assert waited.get(flag, 0) >= self.gemm_epoch, (
-                f"rank {self.rank} program {pid}: read a staged row of rank {src} for expert {local} before waiting "
-                f"for its group flag {flag} to reach {self.gemm_epoch} (waited: {waited})")
-            slot, value = (int(v) for v in self.me.stage_cover.reshape(-1, 2)[row])
-            assert slot >= 0 and waited.get(slot, 0) >= value, (
-                f"rank {self.rank} program {pid}: read staged row {row} (rank {src}, expert {local}), which lands "
-                f"with flag {slot} at {value}, a flag it did not wait for (waited: {waited})")
-            self.loads += 1
-        base = rows.ctypes.data
-        inside = addrs[(addrs >= base) & (addrs < base + rows.nbytes)]
-        for row in np.unique((inside - base) // (lay.hidden * 2)):
+            self._covered(pid, waited, f"staged row {row}", src, local, self.me.stage_cover.reshape(-1, 2)[row])
+        for row in self._rows_in(addrs, self.me.recv_x):
             src, local = int(self.source.reshape(-1)[row]), int(row) // lay.capacity
             assert src >= 0, f"rank {self.rank}: received row {row} read past its expert's count"
-            if src == self.rank:
-                continue
-            flag = lay.group_slot(src, local)
-            assert waited.get(flag, 0) >= self.gemm_epoch, (
-                f"rank {self.rank} program {pid}: read a row of rank {src} for expert {local} before waiting for "
-                f"its group flag {flag} to reach {self.gemm_epoch} (waited: {waited})")
-            slot, value = (int(v) for v in self.me.cover.reshape(-1, 2)[row])
-            assert slot >= 0 and waited.get(slot, 0) >= value, (
-                f"rank {self.rank} program {pid}: read row {row} (rank {src}, expert {local}), which lands with "
-                f"flag {slot} at {value}, a flag it did not wait for (waited: {waited})")
-            self.loads += 1
+            if src != self.rank:
+                self._covered(pid, waited, f"row {row}", src, local, self.me.cover.reshape(-1, 2)[row])
         base = counts.ctypes.data
         inside = addrs[(addrs >= base) & (addrs < base + counts.nbytes)]
         for s in np.unique((inside - base) // (lay.num_experts * 4)):
             assert s == self.rank or waited.get(lay.count_slot + int(s), 0) >= self.epoch, (
                 f"rank {self.rank} program {pid}: read rank {s}'s counts before waiting for its count flag")
+
+
+    def _rows_in(self, addrs: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The rows of ``rows`` (rows of ``hidden`` bf16) that the loaded addresses fall in."""
+        base = rows.ctypes.data
+        inside = addrs[(addrs >= base) & (addrs < base + rows.nbytes)]
+        return np.unique((inside - base) // (self.lay.hidden * 2))
+
+    def _covered(self, pid: int, waited: dict[int, int], what: str, src: int, local: int, cover: np.ndarray) -> None:
+        """A peer's row read by program ``pid``: after its group flag at the fused round, and after the flag and
+        value of the signal that covered its put (``cover``)."""
+        flag = self.lay.group_slot(src, local)
+        assert waited.get(flag, 0) >= self.gemm_epoch, (
+            f"rank {self.rank} program {pid}: read {what} of rank {src} for expert {local} before waiting for its "
+            f"group flag {flag} to reach {self.gemm_epoch} (waited: {waited})")
+        slot, value = (int(v) for v in cover)
+        assert slot >= 0 and waited.get(slot, 0) >= value, (
+            f"rank {self.rank} program {pid}: read {what} (rank {src}, expert {local}), which lands with flag "
+            f"{slot} at {value}, a flag it did not wait for (waited: {waited})")
+        self.loads += 1
 
 
 def poison_early_buffers(rank: SimpleNamespace) -> None:
@@ -296,16 +295,9 @@ def poison_early_buffers(rank: SimpleNamespace) -> None:
 
 
 def planned_dispatch_gemm(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
-    """The model's puts of a fused round, as the fabric records them: the count row to every peer, per group
-    piece its rows (stage rows to the peer's ``gemm_stage`` rows), and per peer the handle words."""
-    r, row = {name: i for i, name in enumerate(FUSED_REGIONS)}, lay.row_bytes
-    puts = [(peer, r["counts_all"], lay.rank * lay.num_experts * 4, r["counts_all"], lay.rank * lay.num_experts * 4,
-             lay.num_experts * 4) for peer in range(lay.world) if peer != lay.rank]
-    for d, _, first, dst, n in lay.gemm_puts(counts_all):
-        puts.append((d, r["gemm_stage"], dst * row, r["send_x"], first * row, n * row))
-    for d, at, to, n in lay.handle_puts():
-        puts.append((d, r["src_stage"], to * 4, r["send_src"], at * 4, n * 4))
-    return sorted(puts)
+    """The model's puts of a fused round, as the fabric records them: ``planned_dispatch``'s, the rows by group
+    piece (stage rows to the peer's ``gemm_stage`` rows)."""
+    return planned_puts(lay, FUSED_REGIONS, "gemm_stage", lay.gemm_puts(counts_all))
 
 
 def _b(arr: np.ndarray) -> Buffer:

@@ -171,11 +171,19 @@ def planned_dispatch(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, 
     """The model's dispatch puts of ``lay.rank``, as the fabric records them: the count row to every peer, per
     block piece its rows (stage rows to the expert's receive rows), and per peer the handle words of its
     experts (send_src to the peer's src_stage slice for this rank)."""
-    r, row = {name: i for i, name in enumerate(REGIONS)}, lay.row_bytes
+    return planned_puts(lay, REGIONS, "recv_x", lay.dispatch_puts(counts_all))
+
+
+def planned_puts(lay: MoELayout, regions: tuple[str, ...], rows_to: str,
+                 row_puts: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int, int]]:
+    """A dispatch's puts as the fabric records them (peer, dst region, dst byte, src region, src byte, bytes),
+    sorted: the count row to every peer, ``row_puts`` ((peer, _, stage row, row there, rows) from ``send_x`` into
+    the peer's ``rows_to``), and the handle-word puts; region ids as ``regions`` numbers them."""
+    r, row = {name: i for i, name in enumerate(regions)}, lay.row_bytes
     puts = [(peer, r["counts_all"], lay.rank * lay.num_experts * 4, r["counts_all"], lay.rank * lay.num_experts * 4,
              lay.num_experts * 4) for peer in range(lay.world) if peer != lay.rank]
-    for d, _, first, dst, n in lay.dispatch_puts(counts_all):
-        puts.append((d, r["recv_x"], dst * row, r["send_x"], first * row, n * row))
+    for d, _, first, dst, n in row_puts:
+        puts.append((d, r[rows_to], dst * row, r["send_x"], first * row, n * row))
     for d, at, to, n in lay.handle_puts():
         puts.append((d, r["src_stage"], to * 4, r["send_src"], at * 4, n * 4))
     return sorted(puts)
