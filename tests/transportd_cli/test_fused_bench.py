@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -569,9 +570,8 @@ def test_trace_needs_a_timeline_and_leaves_every_launchs_steps_in_its_directory(
     assert label == "gemm_reduce_scatter:ib:fused" and sorted(cycle["p0"]) == ["done", "send 1"]
 
 
-def test_moe_experts_overrides_only_the_moe_gemm_sizes_experts(monkeypatch) -> None:
-    """--moe-experts: MoE Dispatch+GEMM's sizes with that many experts, everything else as it was."""
-    bench = _bench()
+def _moe_gemm_sizes_seen(bench: Any, monkeypatch: Any) -> list[dict[str, int]]:
+    """The sizes each MoE Dispatch+GEMM row of a run is asked for, recorded by a stand-in for ``moe_gemm_row``."""
     seen: list[dict[str, int]] = []
 
     def row(backend, shape, dims, reps, echo=print, timeline=False):
@@ -580,6 +580,13 @@ def test_moe_experts_overrides_only_the_moe_gemm_sizes_experts(monkeypatch) -> N
                              "compute_s": 2e-3, "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}, 1e9, 1 << 20)
 
     monkeypatch.setattr(bench, "moe_gemm_row", row)
+    return seen
+
+
+def test_moe_experts_overrides_only_the_moe_gemm_sizes_experts(monkeypatch) -> None:
+    """--moe-experts: MoE Dispatch+GEMM's sizes with that many experts, everything else as it was."""
+    bench = _bench()
+    seen = _moe_gemm_sizes_seen(bench, monkeypatch)
     result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", "ib",
                                              "--moe-experts", "16"])
     assert result.exit_code == 0, result.output
@@ -593,14 +600,7 @@ def test_moe_experts_per_put_reaches_only_the_moe_gemm_sizes(monkeypatch) -> Non
     """--moe-experts-per-put: MoE Dispatch+GEMM's sizes with that group, with --moe-experts too; the op's default
     otherwise (no key)."""
     bench = _bench()
-    seen: list[dict[str, int]] = []
-
-    def row(backend, shape, dims, reps, echo=print, timeline=False):
-        seen.append(dims)
-        return bench.derive({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims,
-                             "compute_s": 2e-3, "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}, 1e9, 1 << 20)
-
-    monkeypatch.setattr(bench, "moe_gemm_row", row)
+    seen = _moe_gemm_sizes_seen(bench, monkeypatch)
     for args, want in [([], bench.MOE_GEMM_SIZES),
                        (["--moe-experts-per-put", "2"], [{**d, "experts_per_put": 2} for d in bench.MOE_GEMM_SIZES]),
                        (["--moe-experts-per-put", "1", "--moe-experts", "16"],
