@@ -708,6 +708,11 @@ class MoE:
         gemm_stages = stages0 if gemm_stages is None else gemm_stages
         if gemm_n is not None:
             gemm_block, gemm_warps, gemm_stages = check_gemm_tiles(gemm_block, gemm_warps, gemm_stages)
+        if experts_per_put is None:
+            experts_per_put = default_experts_per_put(num_experts, session.world)
+        # the shapes, refused here with the culprit named (before torch is needed)
+        self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base,
+                                      experts_per_put=experts_per_put)
         import torch
 
         if share < 1 or (programs is not None and programs < 1):
@@ -720,10 +725,6 @@ class MoE:
                                  f"{comm_programs}, gemm_programs={gemm_programs}")
             if gemm_dtype not in (None, torch.bfloat16, torch.float32):
                 raise ValueError(f"gemm_dtype must be torch.bfloat16 or torch.float32, got {gemm_dtype}")
-        if experts_per_put is None:
-            experts_per_put = default_experts_per_put(num_experts, session.world)
-        self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base,
-                                      experts_per_put=experts_per_put)
         self.session, self.rank, self.world = session, session.rank, session.world
         self.hidden, self.num_experts, self.max_tokens, self.topk = hidden, num_experts, max_tokens, topk
         self.local_experts = lay.local_experts

@@ -616,6 +616,12 @@ def test_dispatch_gemm_sends_a_peer_four_puts_by_default() -> None:
         assert default_experts_per_put(*bad) == 1
     with pytest.raises(ValueError, match="experts_per_put must be an integer >= 1"):
         MoELayout(0, 2, 8, 16, 2, 64, experts_per_put=0)
+    from gpuclient.kernels import MoE
+
+    session = SimpleNamespace(rank=0, world=2, device=0)  # refused before a daemon or a GPU is used
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=f"experts_per_put must be an integer >= 1, got {bad!r}"):
+            MoE(session, 256, 8, 16, 2, gemm_n=128, experts_per_put=bad)
 
 
 def test_the_kernels_do_not_specialize_on_round_rank_or_tokens() -> None:
