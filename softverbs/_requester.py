@@ -380,7 +380,8 @@ class QPRequester:
         """Transmit queued WRs in order, as far as fence and outstanding-read limits allow (lock held).
 
         A shaped device (or one whose departure queue is not empty) hands each request to its departure
-        queue instead of a frame, but for one to the device itself (`Conn.loopback`: never on the wire);
+        queue instead of a frame, or sends it itself once it lands when that is soon (`SoftDevice.depart`),
+        but for one to the device itself (`Conn.loopback`: never on the wire);
         a write from exported device memory that the peer has opened goes as a reference (F_DIRECT)
         instead of its bytes.
         """
@@ -400,6 +401,7 @@ class QPRequester:
         rd_ops = w.RD_ATOMIC_OPS
         max_rdma = dev.options.max_rdma_size
         shaped = dev.options.shaped() or dev.departing()
+        soon: list[tuple] | None = [] if shaped and dev.options.nic_post_wait_s > 0 else None
         direct = _direct.copier() is not None
         failed: list[SendEntry] = []
         last_dest: Any = None
@@ -430,7 +432,7 @@ class QPRequester:
                                 e.raddr, length, psn, ref[0], ref[1])
                 inflight[e.seq] = e
                 if shaped and not conn.loopback:
-                    dev.depart(conn, self, desc, [] if ref is not None else _payload(e), length)
+                    dev.depart(conn, self, desc, [] if ref is not None else _payload(e), length, soon)
                     continue
                 descs.append(desc)
                 if ref is None:
@@ -507,7 +509,7 @@ class QPRequester:
             if is_rd:
                 self.rd_out += 1
             if shaped and not conn.loopback:
-                dev.depart(conn, self, desc, pieces, length if op in data_ops else 0)
+                dev.depart(conn, self, desc, pieces, length if op in data_ops else 0, soon)
                 continue
             descs.append(desc)
             payloads.extend(pieces)
@@ -517,6 +519,8 @@ class QPRequester:
                 if not conn.send_frame(w.KIND_REQ, descs, payloads):
                     failed.extend(x for x in list(inflight.values()) if x.conn is conn)
                 last_dest = None
+        if soon:
+            dev.send_now(soon)
         for fconn, (fdescs, fpayloads) in frames.items():
             if fdescs and not fconn.send_frame(w.KIND_REQ, fdescs, fpayloads):
                 failed.extend(x for x in list(inflight.values()) if x.conn is fconn)

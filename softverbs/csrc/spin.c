@@ -4,6 +4,10 @@
  * passed (False). It takes nothing off the set: the selector's own select() reads the events next (level
  * triggered). A thread that is awake takes the next frame at once, where one asleep in epoll pays the host's
  * wake-up first (tens of microseconds a step); see softverbs._device, DeviceOptions.io_spin_s.
+ *
+ * spin_until(deadline_ns) waits, awake and with the GIL released, until CLOCK_MONOTONIC (Python's
+ * time.monotonic_ns) reaches deadline_ns: a posting thread holding a shaped request until the NIC model says
+ * it lands (DeviceOptions.nic_post_wait_s), a few microseconds, where a sleep would overshoot by tens.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -55,17 +59,29 @@ static PyObject *wait_readable(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ready);
 }
 
+static PyObject *spin_until(PyObject *self, PyObject *args) {
+    long long deadline_ns;
+    if (!PyArg_ParseTuple(args, "L", &deadline_ns)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    while (now_ns() < deadline_ns) cpu_relax();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"wait_readable", wait_readable, METH_VARARGS,
      "wait_readable(epfd, spin_ns) -> bool: poll the epoll set without sleeping, GIL released, until one of its "
      "descriptors is ready (True) or spin_ns pass (False); consumes no event."},
+    {"spin_until", spin_until, METH_VARARGS,
+     "spin_until(deadline_ns): wait awake, GIL released, until time.monotonic_ns() >= deadline_ns."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "softverbs._spin",
-    .m_doc = "The soft device's I/O thread waits here, awake, before it sleeps in epoll.",
+    .m_doc = "Waits without sleeping: the soft device's I/O thread before it sleeps in epoll, a posting thread "
+              "until a shaped request lands.",
     .m_size = -1,
     .m_methods = methods,
 };

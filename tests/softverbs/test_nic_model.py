@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from softverbs import soft
+from softverbs._device import DeviceOptions
 from softverbs._link import LinkModel
 from softverbs._responder import WRITE_RUN_MAX
 from tests.support.verbs_resources import RCPair, open_provider, poll, wait_until
@@ -56,7 +57,8 @@ def shaped() -> Any:
     provider = open_provider("soft")
     soft.device_stats("softib0", reset=True)
     yield provider
-    soft.configure("softib0", nic_bandwidth=None, nic_latency_s=0.0, nic_message_rate=None)
+    soft.configure("softib0", nic_bandwidth=None, nic_latency_s=0.0, nic_message_rate=None,
+                   nic_post_wait_s=DeviceOptions().nic_post_wait_s)
 
 
 @contextmanager
@@ -150,6 +152,72 @@ def test_a_shaped_qp_keeps_its_order_and_unshaping_lets_no_write_pass_a_queued_o
         finally:
             soft.set_placement_observer(pair.ctx, None)
     assert log[-1] == 512 << 10 and log[0] == 0
+
+
+# --- who sends a shaped request: the posting thread when it lands soon, else the I/O thread -------------------
+def _post_logged(pair: Any, writes: list[tuple[int, int]]) -> tuple[float, float, list[tuple[float, int]]]:
+    """Post ``writes`` ((offset, bytes) from the client's MR to the same offset of the server's; the last
+    signaled) in one chain; wait for its completion. (post time, when post_send returned, [(time, offset)] of
+    each placement at the server, in order)."""
+    e = pair.v.enums
+    log: list[tuple[float, int]] = []
+    soft.set_placement_observer(pair.ctx, lambda qpn, addr, length: log.append((time.monotonic(),
+                                                                              addr - pair.server.mr.buf)))
+    try:
+        wrs = [pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(off, n), wr_id=i, raddr=pair.server.mr.buf + off,
+                            flags=int(e.IBV_SEND_SIGNALED) if i == len(writes) - 1 else 0)
+               for i, (off, n) in enumerate(writes)]
+        for a, b in zip(wrs, wrs[1:], strict=False):
+            a.next_wr = b
+        t0 = time.monotonic()
+        pair.client.qp.post_send(wrs[0])
+        returned = time.monotonic()
+        assert [wc.status for wc in poll(pair.client.cq, timeout=30)] == [e.IBV_WC_SUCCESS]
+    finally:
+        soft.set_placement_observer(pair.ctx, None)
+    return t0, returned, log
+
+
+def test_requests_that_land_within_the_wait_leave_from_the_posting_thread_once_they_land(shaped) -> None:
+    """Latency 20 ms, ``nic_post_wait_s`` 50 ms: three small writes in one post land within it, so the posting
+    thread sends them itself: its post returns only once they land (it waited for the model), none went through
+    the departure queue, and each is placed no earlier than the model says, in order. With the wait 0 the same
+    post hands them to the queue (the I/O thread sends them), and they still land no earlier."""
+    latency = 0.02
+    soft.configure("softib0", nic_latency_s=latency, nic_post_wait_s=0.05)
+    writes = [(0, 64), (4096, 64), (8192, 8)]
+    with _across(shaped) as pair:
+        soft.device_stats("softib0", reset=True)
+        t0, returned, log = _post_logged(pair, writes)
+        stats = soft.device_stats("softib0")
+        assert (stats["sent_at_post"], stats["departed"]) == (3, 0)
+        assert returned - t0 >= latency, "the posting thread sent a request before the model let it land"
+        assert [off for _, off in log] == [off for off, _ in writes]
+        assert all(t - t0 >= latency for t, _ in log)
+
+        soft.configure("softib0", nic_post_wait_s=0.0)
+        soft.device_stats("softib0", reset=True)
+        t0, _, log = _post_logged(pair, writes)
+        stats = soft.device_stats("softib0")
+        assert (stats["sent_at_post"], stats["departed"]) == (0, 3)
+        assert [off for _, off in log] == [off for off, _ in writes]
+        assert all(t - t0 >= latency for t, _ in log)
+
+
+def test_a_post_that_sends_one_request_itself_and_queues_the_next_keeps_its_order(shaped) -> None:
+    """One post on a 20 MB/s link with 1 ms latency and a 5 ms wait: a flag (lands in 1 ms: the posting thread
+    sends it), 256 KiB (lands 13 ms later: queued, so the flag must leave before it can), another flag (lands
+    after the 256 KiB, the link carrying one message after another: queued behind it). RC places them in that
+    order, and every write completes (a request overtaking another would be out of sequence)."""
+    soft.configure("softib0", nic_bandwidth=20e6, nic_latency_s=0.001, nic_post_wait_s=0.005)
+    writes = [(512 << 10, 8), (0, 256 << 10), ((512 << 10) + 64, 8)]
+    with _across(shaped, max_send_wr=64) as pair:
+        soft.device_stats("softib0", reset=True)
+        t0, _, log = _post_logged(pair, writes)
+        stats = soft.device_stats("softib0")
+    assert (stats["sent_at_post"], stats["departed"]) == (1, 2)
+    assert [off for _, off in log] == [off for off, _ in writes]
+    assert log[1][0] - t0 >= (256 << 10) / 20e6 + 0.001  # the large write: no earlier than the link carried it
 
 
 def test_a_request_to_the_device_itself_is_loopback_and_never_shaped(shaped) -> None:
