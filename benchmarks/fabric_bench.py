@@ -96,7 +96,8 @@ def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, 
     times a size. Per size: p50 / p90 / min microseconds, the NIC model's least (bytes / bandwidth +
     latency), per write the receiver's direct-copy time and the rest of the path (p50 - model - copy), and
     how the sender's shaped requests left: by its posting thread (``sent_at_post``, within
-    ``nic_post_wait_s``) or through its departure queue (``departed``)."""
+    ``nic_spin_s``) or through its departure queue (``departed``; ``departures_awaited`` of them waited for
+    awake by its I/O thread)."""
     from softverbs import _trace
 
     out: dict[str, Any] = {"backend": backend, "shape": shape, "buffers": buffers, "nic": nic or None,
@@ -121,7 +122,8 @@ def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, 
         entry = {"bytes": size, "p50_us": float(np.percentile(us, 50)), "p90_us": float(np.percentile(us, 90)),
                  "min_us": float(us.min()), "model_us": model_us, "direct_placed_per_write": placed / writes,
                  "copy_us_per_write": copy_us,
-                 **{k: sender.get(k, 0) - sender_before.get(k, 0) for k in ("sent_at_post", "departed")}}
+                 **{k: sender.get(k, 0) - sender_before.get(k, 0) for k in ("sent_at_post", "departed",
+                                                                       "departures_awaited")}}
         entry["rest_us"] = entry["p50_us"] - model_us - copy_us
         out["latency"].append(entry)
         echo(f"  {backend:3s} {shape:9s} {size:>9d} B  p50 {entry['p50_us']:8.1f} us  p90 {entry['p90_us']:8.1f}  "
@@ -133,12 +135,12 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
                echo: Any = print, buffers: str = "gpu", chunk: int = CHUNK,
                nic: dict[str, float] | None = None, copy_via: str = "device",
                latency_sizes: list[int] | None = None, io_spin_s: float = 0.0,
-               post_wait_s: float | None = None) -> dict[str, Any]:
+               nic_spin_s: float | None = None) -> dict[str, Any]:
     """One row: ``writes`` PUTs of ``chunk`` bytes, GPU to GPU (or host to host), between two ``backend``
     daemons shaped as ``shape`` ("unshaped", a key of SHAPES, or "wire": unshaped with direct copies off),
     or by ``nic`` (NIC-model keys) where given; direct copies placed ``copy_via``; the soft devices' I/O threads
-    awake ``io_spin_s`` after their last event; ``post_wait_s`` (None: the default) as
-    ``softverbs.nic_post_wait_s``. With ``latency_sizes``, instead one write at a time of each size
+    awake ``io_spin_s`` after their last event; ``nic_spin_s`` (None: the default) as
+    ``softverbs.nic_spin_s``. With ``latency_sizes``, instead one write at a time of each size
     (``latency_row``), ``writes`` a size."""
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
@@ -151,8 +153,8 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
     nic = SHAPES.get(shape, {}) if nic is None else nic
     softverbs: dict[str, Any] = {"direct_copy": shape != "wire", "direct_copy_via": copy_via, "io_spin_s": io_spin_s,
                                  **nic}
-    if post_wait_s is not None:
-        softverbs["nic_post_wait_s"] = post_wait_s
+    if nic_spin_s is not None:
+        softverbs["nic_spin_s"] = nic_spin_s
     overrides = {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
     nbytes = slots * chunk
     rng = np.random.default_rng(len(backend) * 7 + len(shape))
@@ -294,12 +296,12 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 @click.option("--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
               help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
                    "event instead of sleeping at once (a core each while traffic flows)")
-@click.option("--nic-post-wait-us", default=None, type=FiniteFloat(min=0, max=1e4),
-              help="softverbs.nic_post_wait_s in µs (default: the config's): a shaped request landing within this "
+@click.option("--nic-spin-us", default=None, type=FiniteFloat(min=0, max=1e4),
+              help="softverbs.nic_spin_s in µs (default: the config's): a shaped request landing within this "
                    "long of its post leaves from the posting thread; 0: always through the I/O thread")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
          buffers: str, copy_via: str, latency: str = "", trace_dir: str | None = None, io_spin_us: float = 0.0,
-         nic_post_wait_us: float | None = None) -> None:
+         nic_spin_us: float | None = None) -> None:
     """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -318,7 +320,7 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
 
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         os.environ["SOFTVERBS_TRACE"] = _trace.DIR = str(Path(trace_dir).resolve())  # the daemons inherit it
-    post_wait_s = None if nic_post_wait_us is None else nic_post_wait_us / 1e6
+    nic_spin_s = None if nic_spin_us is None else nic_spin_us / 1e6
     mps = Mps()  # host buffers need no GPU, and --no-mps runs without
     if buffers == "gpu" and not no_mps and not mps.start():
         click.echo(mps.describe())
@@ -332,11 +334,11 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
                     results.append(fabric_row(backend, shape or "unshaped", n, 1, reps, echo=click.echo,
                                               buffers=buffers, chunk=max(latency_sizes), copy_via=copy_via,
                                               latency_sizes=latency_sizes, io_spin_s=io_spin_us / 1e6,
-                                              post_wait_s=post_wait_s))
+                                              nic_spin_s=nic_spin_s))
                 else:
                     results.append(fabric_row(backend, shape or "unshaped", n, slots, reps, echo=click.echo,
                                               buffers=buffers, copy_via=copy_via, io_spin_s=io_spin_us / 1e6,
-                                              post_wait_s=post_wait_s))
+                                              nic_spin_s=nic_spin_s))
             except Exception as exc:  # keep what the other rows measured
                 results.append({"backend": backend, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
                 click.echo(f"  {spec}: failed: {exc}")
@@ -359,7 +361,7 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
     click.echo(json.dumps({"targets_met": met}, indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line,
-                                               "io_spin_us": io_spin_us, "nic_post_wait_us": nic_post_wait_us,
+                                               "io_spin_us": io_spin_us, "nic_spin_us": nic_spin_us,
                                                **({"trace": trace} if trace else {})},
                                               indent=2))
 

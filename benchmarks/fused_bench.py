@@ -221,9 +221,9 @@ PUBLICATIONS = ("auto", "loopback", "cuda-copy")
 #: how long the soft devices' I/O threads stay awake after their last event (``--io-spin-us``,
 #: ``softverbs.io_spin_s``); 0: they sleep in epoll at once
 IO_SPIN_S = 0.0
-#: the daemons' ``softverbs.nic_post_wait_s`` (``--nic-post-wait-us``) and ``proxy.poll_window_us``
+#: the daemons' ``softverbs.nic_spin_s`` (``--nic-spin-us``) and ``proxy.poll_window_us``
 #: (``--poll-window-us``); None: their config defaults
-NIC_POST_WAIT_S: float | None = None
+NIC_SPIN_S: float | None = None
 POLL_WINDOW_US: int | None = None
 HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
 
@@ -294,11 +294,11 @@ def interleaved(launches: dict[str, Callable[[], float]], reps: int, clients: li
 
 def daemon_overrides(backend: str, shape: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config the bench's daemons run with: the soft fabric shaped as ``shape``, this run's options
-    (``--copy-via``, ``--io-spin-us``, ``--nic-post-wait-us``, ``--poll-window-us``, ``--publication``), and
+    (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--poll-window-us``, ``--publication``), and
     ``config``'s sections on top."""
     softverbs = {"direct_copy": True, "direct_copy_via": COPY_VIA, "io_spin_s": IO_SPIN_S, **SHAPES.get(shape, {})}
-    if NIC_POST_WAIT_S is not None:
-        softverbs["nic_post_wait_s"] = NIC_POST_WAIT_S
+    if NIC_SPIN_S is not None:
+        softverbs["nic_spin_s"] = NIC_SPIN_S
     overrides: dict[str, Any] = {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
     if POLL_WINDOW_US is not None:
         overrides["proxy"] = {"poll_window_us": POLL_WINDOW_US}
@@ -1431,8 +1431,8 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 @click.option("--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
               help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
                    "event instead of sleeping at once (a core each while traffic flows)")
-@click.option("--nic-post-wait-us", default=None, type=FiniteFloat(min=0, max=1e4),
-              help="softverbs.nic_post_wait_s in µs (default: the config's): a shaped request landing within this "
+@click.option("--nic-spin-us", default=None, type=FiniteFloat(min=0, max=1e4),
+              help="softverbs.nic_spin_s in µs (default: the config's): a shaped request landing within this "
                    "long of its post leaves from the posting thread; 0: always through the I/O thread")
 @click.option("--poll-window-us", default=None, type=click.IntRange(min=0, max=1_000_000),
               help="proxy.poll_window_us (default: the config's): how long a worker waits to fill a batch before "
@@ -1442,14 +1442,14 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
          chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
          trace_dir: str | None = None, moe_experts: int | None = None,
-         moe_experts_per_put: int | None = None, nic_post_wait_us: float | None = None,
+         moe_experts_per_put: int | None = None, nic_spin_us: float | None = None,
          poll_window_us: int | None = None) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S, NIC_POST_WAIT_S, POLL_WINDOW_US
+    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S, NIC_SPIN_S, POLL_WINDOW_US
     PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S = programs, copy_via, flags_where, publication, io_spin_us / 1e6
-    NIC_POST_WAIT_S = None if nic_post_wait_us is None else nic_post_wait_us / 1e6
+    NIC_SPIN_S = None if nic_spin_us is None else nic_spin_us / 1e6
     POLL_WINDOW_US = poll_window_us
 
     wanted = [k for k in kernels.split(",") if k]
@@ -1489,7 +1489,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
                                                    "flags": flags_where, "publication": publication,
                                                    "programs": programs, "io_spin_us": io_spin_us,
-                                                   "nic_post_wait_us": nic_post_wait_us,
+                                                   "nic_spin_us": nic_spin_us,
                                                    "poll_window_us": poll_window_us}, indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:

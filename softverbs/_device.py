@@ -26,10 +26,11 @@ Shaping. A device with a NIC model (`nic_bandwidth`, `nic_latency_s`, `nic_messa
 hands each outgoing request to its departure queue with the time the model says it lands (a request to
 the device itself excepted: a NIC loops it back without taking the wire); the I/O thread sends it then,
 in its loop and also between two direct placements (`send_due`), so a stream it is placing does not hold
-its own requests back. A request that lands within ``nic_post_wait_s`` of its post, with none queued
-ahead, is sent by the posting thread itself once it lands (`depart`, `send_now`): the hop to the I/O thread
-costs one or two of the host's wake-ups, tens of microseconds each, which would make a modeled 2 µs link
-slower than an unshaped one. Acknowledgements and read responses are not shaped.
+its own requests back. A thread that sleeps until a landing time pays the host's wake-up after it (tens of
+microseconds), which would make a modeled 2 µs link slower than an unshaped one, so the last ``nic_spin_s``
+before a landing are waited awake, GIL released: a request that lands within that of its post, with none
+queued ahead, is sent by the posting thread itself once it lands (`depart`, `send_now`), and the I/O thread
+wakes that long before a queued one lands (`_loop`). Acknowledgements and read responses are not shaped.
 """
 
 from __future__ import annotations
@@ -98,9 +99,10 @@ class DeviceOptions:
     nic_bandwidth: float | None = None
     nic_latency_s: float = 0.0
     nic_message_rate: float | None = None
-    # a shaped request that lands within this long of its post (none queued ahead) leaves from the posting
-    # thread, which waits for its landing time awake, GIL released; later ones go through the departure queue
-    nic_post_wait_s: float = 30e-6
+    # the last this-long before a shaped request lands is waited awake (GIL released), not asleep: one landing
+    # within it of its post (none queued ahead) leaves from the posting thread, and the I/O thread wakes this
+    # long before a queued one lands; 0: the I/O thread sleeps until each landing (and wakes after it)
+    nic_spin_s: float = 30e-6
     # the reorder pool's packet for direct writes when packet_size is not set: one copy per packet
     direct_packet_size: int = 1 << 20
     # how long the I/O thread stays awake after it last had something to do, polling its sockets without
@@ -412,8 +414,9 @@ STAT_NAMES = (
     "imports_refused",  # responder: ... that could not be (another host, no copier, the open failed)
     "device_wire_writes",  # requester: writes from device memory that crossed the wire (no agreement yet)
     "io_spin_ready",  # I/O thread: spins (io_spin_s) that found input ready, so no sleep and wake-up
-    "sent_at_post",  # shaped requests the posting thread sent itself once they landed (nic_post_wait_s)
+    "sent_at_post",  # shaped requests the posting thread sent itself once they landed (nic_spin_s)
     "departed",  # shaped requests the departure queue held until they landed (the I/O thread sent them)
+    "departures_awaited",  # I/O thread: queued departures it waited for awake (nic_spin_s), not woken for
 )
 
 _LISTENER = object()
@@ -620,7 +623,10 @@ class SoftDevice:
         """The I/O thread. With ``io_spin_s`` it stays awake that long after it last had something to do:
         before sleeping in epoll it polls the same set, GIL released (`softverbs._spin`), so a frame that
         arrives meanwhile is taken at once instead of after the host's wake-up (20-50 µs on a busy host,
-        once per step of a write's way there and back). It costs a core while traffic flows."""
+        once per step of a write's way there and back). It costs a core while traffic flows.
+
+        A queued departure wakes it ``nic_spin_s`` before it lands, and it waits the rest the same way,
+        taking any input that comes meanwhile, so the request leaves when it lands, not a wake-up after."""
         sel = self._sel
         assert sel is not None
         timer = self._timer
@@ -631,9 +637,17 @@ class SoftDevice:
             at = None  # the earliest timer or departure, in time.monotonic() seconds
             if self._timers:
                 at = self._timers[0][0]
+            lands = None  # a departure due within nic_spin_s: waited for awake below, not on the timer
             if self._departures:
                 due = self._departures[0][0]
-                at = due if at is None else min(at, due)
+                if epfd >= 0:  # wake nic_spin_s early (a wake-up would land it late) and spin the rest
+                    early = due - self.options.nic_spin_s
+                    if early <= time.monotonic():
+                        lands, due = due, None
+                    else:
+                        due = early
+                if due is not None:
+                    at = due if at is None else min(at, due)
             if self.inbox_waiting:  # a thread holds such a QP: look again soon
                 retry = time.monotonic() + INBOX_RETRY_S
                 at = retry if at is None else min(at, retry)
@@ -647,6 +661,12 @@ class SoftDevice:
             else:
                 timeout = max(0.0, at - time.monotonic())
             try:
+                if lands is not None and timeout != 0.0:
+                    left = int(lands * 1e9) - time.monotonic_ns()
+                    if left > 0:  # until it lands, or input comes first (its turn, then back here)
+                        if not _spin.wait_readable(epfd, left):
+                            self.stats["departures_awaited"] += 1
+                    timeout = 0.0
                 spin_ns = int(self.options.io_spin_s * 1e9) if epfd >= 0 and timeout != 0.0 else 0
                 if spin_ns:
                     now_ns = time.monotonic_ns()
@@ -712,14 +732,14 @@ class SoftDevice:
         """Send one request when the link model says it lands (any posting thread, its QP's lock held).
 
         With ``soon`` (the post's own list, sent by `send_now` before the QP's lock is let go): a request that
-        lands within ``nic_post_wait_s`` with nothing queued ahead joins it instead of the departure queue. A
+        lands within ``nic_spin_s`` with nothing queued ahead joins it instead of the departure queue. A
         request queued here lands after everything in ``soon``, which is therefore sent first."""
         opts = self.options
         with self._dep_lock:
             now = time.monotonic()
             when = self.link.schedule(now, nbytes, opts.nic_bandwidth, opts.nic_latency_s, opts.nic_message_rate)
             deps = self._departures
-            if soon is not None and not deps and when - now <= opts.nic_post_wait_s:
+            if soon is not None and not deps and when - now <= opts.nic_spin_s:
                 soon.append((when, conn, desc, payloads))
                 return
             if soon:

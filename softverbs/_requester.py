@@ -401,7 +401,7 @@ class QPRequester:
         rd_ops = w.RD_ATOMIC_OPS
         max_rdma = dev.options.max_rdma_size
         shaped = dev.options.shaped() or dev.departing()
-        soon: list[tuple] | None = [] if shaped and dev.options.nic_post_wait_s > 0 else None
+        soon: list[tuple] | None = [] if shaped and dev.options.nic_spin_s > 0 else None
         direct = _direct.copier() is not None
         failed: list[SendEntry] = []
         last_dest: Any = None

@@ -348,11 +348,11 @@ class SoftverbsConfig(Section):
         ge=0.0, le=1.0)] = 0.0
     nic_message_rate: Annotated[float, key(
         "NIC model: requests/s each soft device sends at most; 0: unlimited.", ge=0.0, le=1e10)] = 0.0
-    nic_post_wait_s: Annotated[float, key(
-        "NIC model: a request that lands within this many seconds of its post, with none queued ahead, is sent "
-        "by the posting thread itself once it lands (it waits awake) instead of by the I/O thread, whose "
-        "wake-up (tens of us on a busy host) would make a modeled 2 us link slower than an unshaped one. "
-        "0: every shaped request goes through the I/O thread.", ge=0.0, le=0.01)] = 30e-6
+    nic_spin_s: Annotated[float, key(
+        "NIC model: seconds before a request lands that a soft device waits for it awake instead of asleep, so "
+        "no wake-up (tens of us on a busy host) is added to the modeled latency: a request landing within it "
+        "of its post, none queued ahead, is sent by the posting thread itself, and the I/O thread wakes this "
+        "long before a queued one lands. 0: the I/O thread sleeps until each landing.", ge=0.0, le=0.01)] = 30e-6
     io_spin_s: Annotated[float, key(
         "Seconds a soft device's I/O thread stays awake after its last event, polling its sockets instead of "
         "sleeping, so the next frame is taken without waiting for a thread wake-up (20-50 us a step on a busy "

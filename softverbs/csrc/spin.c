@@ -7,7 +7,7 @@
  *
  * spin_until(deadline_ns) waits, awake and with the GIL released, until CLOCK_MONOTONIC (Python's
  * time.monotonic_ns) reaches deadline_ns: a posting thread holding a shaped request until the NIC model says
- * it lands (DeviceOptions.nic_post_wait_s), a few microseconds, where a sleep would overshoot by tens.
+ * it lands (DeviceOptions.nic_spin_s), a few microseconds, where a sleep would overshoot by tens.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -22,9 +22,10 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
   `nic_message_rate` (messages/s) shape what a device sends: each request lands when a link of that
   bandwidth and message rate, taking requests one after another, has carried it, plus the latency.
   None / 0: unshaped. Per-QP order is kept; acknowledgements, read responses and requests to the device
-  itself (loopback: never on the wire) are not shaped. `nic_post_wait_s` (default 30 µs): a request that
-  lands within that long of its post, none queued ahead, leaves from the posting thread once it lands (it
-  waits awake, GIL released) instead of through the I/O thread's wake-up; 0: always the I/O thread.
+  itself (loopback: never on the wire) are not shaped. `nic_spin_s` (default 30 µs): how long before a request
+  lands a thread waits for it awake (GIL released) instead of asleep: one landing within that of its post,
+  none queued ahead, leaves from the posting thread; the I/O thread wakes that long before a queued one
+  lands. 0: the I/O thread sleeps until each landing.
 - `set_direct_copier(copier)`: a `DirectCopier` (export, open, close, copy) lets this process's devices
   place writes from device memory between processes on one host with one copy, agreed per connection and
   allocation (`softverbs._direct`); `ShmCopier` does it for host memory in /dev/shm (tests).

@@ -58,7 +58,7 @@ def shaped() -> Any:
     soft.device_stats("softib0", reset=True)
     yield provider
     soft.configure("softib0", nic_bandwidth=None, nic_latency_s=0.0, nic_message_rate=None,
-                   nic_post_wait_s=DeviceOptions().nic_post_wait_s)
+                   nic_spin_s=DeviceOptions().nic_spin_s)
 
 
 @contextmanager
@@ -179,12 +179,12 @@ def _post_logged(pair: Any, writes: list[tuple[int, int]]) -> tuple[float, float
 
 
 def test_requests_that_land_within_the_wait_leave_from_the_posting_thread_once_they_land(shaped) -> None:
-    """Latency 20 ms, ``nic_post_wait_s`` 50 ms: three small writes in one post land within it, so the posting
+    """Latency 20 ms, ``nic_spin_s`` 50 ms: three small writes in one post land within it, so the posting
     thread sends them itself: its post returns only once they land (it waited for the model), none went through
     the departure queue, and each is placed no earlier than the model says, in order. With the wait 0 the same
     post hands them to the queue (the I/O thread sends them), and they still land no earlier."""
     latency = 0.02
-    soft.configure("softib0", nic_latency_s=latency, nic_post_wait_s=0.05)
+    soft.configure("softib0", nic_latency_s=latency, nic_spin_s=0.05)
     writes = [(0, 64), (4096, 64), (8192, 8)]
     with _across(shaped) as pair:
         soft.device_stats("softib0", reset=True)
@@ -195,7 +195,7 @@ def test_requests_that_land_within_the_wait_leave_from_the_posting_thread_once_t
         assert [off for _, off in log] == [off for off, _ in writes]
         assert all(t - t0 >= latency for t, _ in log)
 
-        soft.configure("softib0", nic_post_wait_s=0.0)
+        soft.configure("softib0", nic_spin_s=0.0)
         soft.device_stats("softib0", reset=True)
         t0, _, log = _post_logged(pair, writes)
         stats = soft.device_stats("softib0")
@@ -209,7 +209,7 @@ def test_a_post_that_sends_one_request_itself_and_queues_the_next_keeps_its_orde
     sends it), 256 KiB (lands 13 ms later: queued, so the flag must leave before it can), another flag (lands
     after the 256 KiB, the link carrying one message after another: queued behind it). RC places them in that
     order, and every write completes (a request overtaking another would be out of sequence)."""
-    soft.configure("softib0", nic_bandwidth=20e6, nic_latency_s=0.001, nic_post_wait_s=0.005)
+    soft.configure("softib0", nic_bandwidth=20e6, nic_latency_s=0.001, nic_spin_s=0.005)
     writes = [(512 << 10, 8), (0, 256 << 10), ((512 << 10) + 64, 8)]
     with _across(shaped, max_send_wr=64) as pair:
         soft.device_stats("softib0", reset=True)
@@ -326,3 +326,39 @@ def test_a_device_placing_a_stream_of_direct_writes_still_sends_its_own_requests
         soft.set_direct_copier(None)
         for dev in ("softib0", name):
             soft.configure(dev, nic_bandwidth=None, nic_latency_s=0.0, nic_message_rate=None)
+
+
+def test_the_io_thread_waits_awake_for_a_queued_departure_and_takes_input_meanwhile(shaped) -> None:
+    """A (softib0) queues a write that lands 0.4 s after its post, and waits the last 0.3 s of it awake
+    (``nic_spin_s``). A write from B posted inside that wait completes before A's lands: the waiting thread took
+    B's request, placed it and acknowledged it in between. A's write lands no earlier than the model says, and
+    A counts one departure waited for awake; with ``nic_spin_s`` 0 it counts none."""
+    name = f"softib-{uuid.uuid4().hex[:6]}"
+    soft.add_device(name, "ib")
+    latency = 0.4
+    with RCPair(shaped, "softib0", connect=False) as a, RCPair(shaped, name, connect=False) as b:
+        e = a.v.enums
+        a.connect(a.client, b.server)
+        b.connect(b.server, a.client)
+        b.connect(b.client, a.server)
+        a.connect(a.server, b.client)
+
+        def write(src: Any, dst: Any, pair: RCPair) -> None:
+            src.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, src.sge(0, 64), rkey=dst.mr.rkey, raddr=dst.mr.buf))
+
+        for spin, awaited in ((0.3, 1), (0.0, 0)):
+            soft.configure("softib0", nic_latency_s=latency, nic_spin_s=spin)
+            soft.device_stats("softib0", reset=True)
+            t0 = time.monotonic()
+            write(a.client, b.server, a)  # lands at t0 + 0.4: queued (beyond the spin), A awake from t0 + 0.1
+            if spin:
+                time.sleep(0.2)  # B's write goes in the middle of A's wait, not a condition waited for
+                write(b.client, a.server, b)
+                assert poll(b.client.cq)[0].status == e.IBV_WC_SUCCESS
+                b_done = time.monotonic()
+            assert poll(a.client.cq)[0].status == e.IBV_WC_SUCCESS
+            assert time.monotonic() - t0 >= latency
+            if spin:
+                assert b_done - t0 < latency, "B's write waited for A's departure"
+            stats = soft.device_stats("softib0")
+            assert (stats["departed"], stats["sent_at_post"], stats["departures_awaited"]) == (1, 0, awaited)

@@ -94,16 +94,18 @@ def test_a_traced_latency_run_summarizes_the_steps_of_every_process(tmp_path: Pa
 
 
 @pytest.mark.multiprocess
-def test_the_post_wait_decides_which_thread_sends_a_shaped_write() -> None:
-    """``post_wait_s`` reaches the daemons' soft devices: with 5 ms (1 ms of latency) the sending worker's
-    posting thread sends every write itself once it lands; with 0 each goes through its departure queue."""
+def test_the_spin_decides_which_thread_sends_a_shaped_write() -> None:
+    """``nic_spin_s`` reaches the daemons' soft devices. 5 ms of latency: with an 8 ms spin the sending
+    worker's posting thread sends every write itself once it lands; with 4 ms each is queued and its I/O
+    thread waits the last 4 ms awake (woken that early); with 0 each is queued and slept for. Never before
+    the model lets it land."""
     bench = _bench()
-    nic = {"nic_bandwidth": 100e6, "nic_latency_s": 1e-3}
-    for wait, way in ((5e-3, "sent_at_post"), (0.0, "departed")):
+    nic = {"nic_bandwidth": 100e6, "nic_latency_s": 5e-3}
+    for spin, ways in ((8e-3, (4, 0, 0)), (4e-3, (0, 4, 4)), (0.0, (0, 4, 0))):
         row = bench.fabric_row("ib", "shaped", 4, 1, 1, buffers="host", chunk=4096, nic=nic, echo=lambda *a: None,
-                               latency_sizes=[4096], post_wait_s=wait)
+                               latency_sizes=[4096], nic_spin_s=spin)
         (entry,) = row["latency"]
-        assert entry[way] == 4 and entry["sent_at_post" if way == "departed" else "departed"] == 0
+        assert (entry["sent_at_post"], entry["departed"], entry["departures_awaited"]) == ways, spin
         assert entry["min_us"] >= entry["model_us"] * 0.999
 
 
@@ -123,7 +125,7 @@ def test_latency_refuses_what_is_not_a_size_before_any_work(value: str, says: st
     assert result.exit_code == 2 and says in result.output
 
 
-@pytest.mark.parametrize("option", ["--io-spin-us", "--nic-post-wait-us"])
+@pytest.mark.parametrize("option", ["--io-spin-us", "--nic-spin-us"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "2e6", "x"])
 def test_the_wait_options_refuse_what_is_not_a_finite_time_in_range(option: str, value: str) -> None:
     from click.testing import CliRunner

@@ -615,7 +615,7 @@ def test_moe_experts_per_put_reaches_only_the_moe_gemm_sizes(monkeypatch) -> Non
 
 
 def test_the_daemons_run_with_the_shape_the_options_and_the_rows_own_sections(tmp_path: Path, monkeypatch) -> None:
-    """--nic-post-wait-us and --poll-window-us reach the daemons' config beside the NIC shape and the run's other
+    """--nic-spin-us and --poll-window-us reach the daemons' config beside the NIC shape and the run's other
     options, a row's own sections (MoE's decoupled signaling) merge in, and the JSON says what the run used;
     without them the daemons keep their defaults (no key)."""
     bench = _bench()
@@ -629,20 +629,20 @@ def test_the_daemons_run_with_the_shape_the_options_and_the_rows_own_sections(tm
 
     monkeypatch.setattr(bench, "fused_row", row)
     result = CliRunner().invoke(bench.main, ["--json", str(out), "--kernels", "allgather_gemm", "--backends", "efa",
-                                             "--quick", "--nic-post-wait-us", "12", "--poll-window-us", "5"])
+                                             "--quick", "--nic-spin-us", "12", "--poll-window-us", "5"])
     assert result.exit_code == 0, result.output
     config = seen[0]
     assert config["softverbs"] == {"direct_copy": True, "direct_copy_via": "device", "io_spin_s": 0.0,
-                                   **bench.SHAPES["efa-200g"], "nic_post_wait_s": pytest.approx(12e-6)}
+                                   **bench.SHAPES["efa-200g"], "nic_spin_s": pytest.approx(12e-6)}
     assert config["proxy"] == {"poll_window_us": 5, "max_take": 64}
     assert config["signal"] == {"decoupled": True} and config["flags"] == {"publication": "cuda-copy"}
     saved = json.loads(out.read_text())
-    assert (saved["nic_post_wait_us"], saved["poll_window_us"]) == (12.0, 5)
+    assert (saved["nic_spin_us"], saved["poll_window_us"]) == (12.0, 5)
 
     bench = _bench()
-    assert "nic_post_wait_s" not in bench.daemon_overrides("ib", "cx7-400g")["softverbs"]
+    assert "nic_spin_s" not in bench.daemon_overrides("ib", "cx7-400g")["softverbs"]
     assert "proxy" not in bench.daemon_overrides("ib", "cx7-400g")
-    for option, bad in (("--nic-post-wait-us", "nan"), ("--nic-post-wait-us", "-1"), ("--nic-post-wait-us", "2e4"),
+    for option, bad in (("--nic-spin-us", "nan"), ("--nic-spin-us", "-1"), ("--nic-spin-us", "2e4"),
                         ("--poll-window-us", "-1"), ("--poll-window-us", "x")):
         result = CliRunner().invoke(bench.main, [option, bad, "--kernels", "moe"])
         assert result.exit_code == 2 and option in result.output, (option, bad, result.output)

@@ -89,7 +89,7 @@ def pyverbs_devices() -> list[str] | None:
 
 def configure_soft(options: Mapping[str, Any] | Any) -> None:
     """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed, the NIC model's nic_bandwidth,
-    nic_latency_s, nic_message_rate and nic_post_wait_s, io_spin_s; a mapping or the config dataclass) to the
+    nic_latency_s, nic_message_rate and nic_spin_s, io_spin_s; a mapping or the config dataclass) to the
     default soft devices. The listen host takes effect when a device is next opened. (``direct_copy`` and
     ``direct_copy_via`` are the rail worker's: it installs its GPU memory, which places copies one way or the
     other, as the process's direct copier.)
@@ -117,7 +117,7 @@ def configure_soft(options: Mapping[str, Any] | Any) -> None:
         value = get(name, None)
         if value is not None:
             changes[name] = float(value) or None
-    for name in ("nic_latency_s", "nic_post_wait_s", "io_spin_s"):
+    for name in ("nic_latency_s", "nic_spin_s", "io_spin_s"):
         value = get(name, None)
         if value is not None:
             changes[name] = float(value)

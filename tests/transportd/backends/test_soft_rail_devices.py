@@ -51,16 +51,16 @@ def test_the_nic_model_reaches_every_soft_device_and_zero_means_unshaped(cleanup
     cleanup.append("softtest-efa2")
     try:
         verbs.configure_soft({"devices": {"softtest-efa2": "efa"}, "nic_bandwidth": 25e9, "nic_latency_s": 15e-6,
-                              "nic_message_rate": 0.0, "nic_post_wait_s": 0.0})
+                              "nic_message_rate": 0.0, "nic_spin_s": 0.0})
         for name in ("softib0", "softefa0", "softtest-efa2"):
             opts = soft.device_options(name)
             assert (opts.nic_bandwidth, opts.nic_latency_s, opts.nic_message_rate) == (25e9, 15e-6, None)
-            assert opts.nic_post_wait_s == 0.0
+            assert opts.nic_spin_s == 0.0
         verbs.configure_soft({"nic_bandwidth": 0.0, "nic_latency_s": 0.0})
         assert not soft.device_options("softefa0").shaped()
     finally:
         verbs.configure_soft({"nic_bandwidth": 0.0, "nic_latency_s": 0.0, "nic_message_rate": 0.0,
-                              "nic_post_wait_s": Config().softverbs.nic_post_wait_s})
+                              "nic_spin_s": Config().softverbs.nic_spin_s})
 
 
 def test_a_created_device_opens_like_the_defaults(cleanup: list[str]) -> None:
