@@ -401,6 +401,7 @@ class QPRequester:
         rd_ops = w.RD_ATOMIC_OPS
         max_rdma = dev.options.max_rdma_size
         shaped = dev.options.shaped() or dev.departing()
+        # this post's requests that land within nic_spin_s: sent by this thread once they land (`depart`)
         soon: list[tuple] | None = [] if shaped and dev.options.nic_spin_s > 0 else None
         direct = _direct.copier() is not None
         failed: list[SendEntry] = []
