@@ -73,7 +73,7 @@ each row is checked against torch (``max_abs_error``).
 MoE (``gpuclient.kernels.MoE``, DeepEP's low-latency shape: 128 tokens a rank, hidden 7168, top-8 of 64
 experts, uniform routing): dispatch and combine latency (both ranks at once, median; each phase starts from
 settled daemons: ``_settle``), and per dispatch and destination the signals and fences the sending daemon
-posted (its counters), with decoupled signaling on and off (ib; efa refuses decoupled).
+posted (its counters), with decoupled signaling on and off.
 
 CUDA MPS is started here (as ``benchmarks/fabric_bench.py`` does) so the rail workers' copies share the
 GPU with the kernels instead of waiting for time slices.
@@ -1537,7 +1537,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                         attempt({"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape, **dims},
                                 moe_gemm_row, backend, shape, dims, reps, timeline=timeline_path is not None)
                 if "moe" in wanted:
-                    for decoupled in ((False, True) if backend == "ib" else (False,)):
+                    for decoupled in (False, True):
                         attempt({"kernel": "moe", "backend": backend, "shape": shape, "decoupled": decoupled},
                                 moe_row, backend, shape, decoupled, reps, **moe_dims)
                     attempt({"kernel": "moe", "backend": backend, "shape": shape, "decoupled": False, "fp8": True},

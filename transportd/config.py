@@ -654,7 +654,7 @@ def _validate(loader: _Loader, cfg: Config) -> Config:
     # what the backend cannot honour is the registry's to say (docs/design.md, "One backend registry": no branch
     # on the kind here)
     for key_name, reason in config_problems(cfg.backend.kind, signal_mode=cfg.signal.mode,
-                                            decoupled=cfg.signal.decoupled, flags_publication=cfg.flags.publication,
+                                            flags_publication=cfg.flags.publication,
                                             adaptive_routing=cfg.softverbs.adaptive_routing):
         loader.fail(key_name, reason)
     return msgspec.structs.replace(cfg, security=_validate_security(loader, cfg.security))

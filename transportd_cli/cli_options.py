@@ -39,7 +39,7 @@ def check_signal_mode(backend: str, signal_mode: str, adaptive_routing: bool = F
     """Refuse, naming the flags, the --backend/--signal-mode/--adaptive-routing combinations the daemons'
     config would refuse (before anything starts). Which those are is the backend registry's to say
     (``transportd.backends.config_problems``, what the config loader asks too)."""
-    problems = dict(config_problems(backend, signal_mode=signal_mode, decoupled=False, flags_publication="auto",
+    problems = dict(config_problems(backend, signal_mode=signal_mode, flags_publication="auto",
                                     adaptive_routing=adaptive_routing))
     if "signal.mode" not in problems:
         return

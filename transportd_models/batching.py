@@ -18,6 +18,13 @@ raddr, rkey)``. The reduced signal carries the chunk id of the last signal it re
 receiver equals applying the original signals in order, and no signal becomes visible before a write that
 preceded it: the backend orders a connection's WRs (WR flags or an ordered QP), the proxy never waits on a
 completion queue to do so.
+
+Two ends of a segment stay in place, reduced on their own: its leading signals (before its first WRITE) and
+its trailing writes (after its last SIGNAL). On efa a signal covers the writes since the connection's previous
+signal (``transportd_models.arrivals``). A leading signal covers writes of an earlier batch, and moved behind
+this batch's writes it would cover those instead; a trailing write belongs to a signal of a later batch, and
+moved ahead of this batch's signals it would leave that one's group. Kept so, every reduced signal covers at
+least what the last signal it replaces covered as pushed. (On ib a signal follows every earlier write anyway.)
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import numpy as np
 from transportd.backends.interface import PlanOp, SignalOp
 from transportd.rows import concat_rows, take_rows
 
-_SIGNAL, _FENCE = int(PlanOp.SIGNAL), int(PlanOp.FENCE)
+_WRITE, _SIGNAL, _FENCE = int(PlanOp.WRITE), int(PlanOp.SIGNAL), int(PlanOp.FENCE)
 _ADD, _SET = int(SignalOp.ADD), int(SignalOp.SET)
 
 __all__ = [
@@ -175,6 +182,16 @@ def decouple_signals(plan: np.ndarray, row_batch: np.ndarray) -> tuple[np.ndarra
     seg_start = run_starts(row_batch)
     seg_start[1:] |= is_fence[1:] | is_fence[:-1]  # a FENCE is a segment of its own
     seg = np.cumsum(seg_start) - 1
+    # Leading signals (before a segment's first write) and trailing writes (after its last signal) stay where
+    # they are, each a part of its own: moved, an efa signal would cover other writes than it did
+    pos = np.arange(n)
+    nseg = int(seg[-1]) + 1
+    first_write = np.full(nseg, n)
+    np.minimum.at(first_write, seg[op == _WRITE], pos[op == _WRITE])
+    last_signal = np.full(nseg, -1)
+    np.maximum.at(last_signal, seg[is_sig], pos[is_sig])
+    part = np.where(pos < first_write[seg], 0, np.where(pos > last_signal[seg], 2, 1))
+    seg = seg * 3 + part
 
     sig_rows = np.flatnonzero(is_sig)
     sig = take_rows(plan, sig_rows)

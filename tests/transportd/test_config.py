@@ -305,12 +305,12 @@ def test_every_documented_key_can_be_written_back(write):
     assert os.fspath(cfg.source).endswith(".toml")
 
 
-def test_decoupled_signaling_is_refused_on_efa(tmp_path) -> None:
-    # decoupling regroups SRD writes (see test_flag_order_property's xfail): the config must refuse it
+def test_decoupled_signaling_is_taken_on_efa(tmp_path) -> None:
+    # decoupling keeps what every efa signal covers (test_flag_order_property, transportd_models.batching)
     path = tmp_path / "efa.toml"
     path.write_text('[backend]\nkind = "efa"\n[signal]\ndecoupled = true\n')
-    with pytest.raises(ConfigError, match="signal.decoupled: not supported with backend.kind"):
-        load_config(path)
+    cfg = load_config(path)
+    assert cfg.backend.kind == "efa" and cfg.signal.decoupled
 
 
 def test_the_docs_config_table_is_the_generated_one():
@@ -341,12 +341,11 @@ def test_bad_backend_tables(write, text, key, reason):
 
 def test_the_registry_says_what_each_backend_cannot_honour():
     # the config asks transportd.backends instead of branching on backend.kind
-    ok = {"signal_mode": "write", "decoupled": False, "flags_publication": "auto", "adaptive_routing": False}
+    ok = {"signal_mode": "write", "flags_publication": "auto", "adaptive_routing": False}
     for kind in ("ib", "soft", "efa"):
         assert config_problems(kind, **ok) == []
     assert [k for k, _ in config_problems("soft", **{**ok, "adaptive_routing": True})] == ["signal.mode"]
     assert config_problems("efa", **{**ok, "adaptive_routing": True}) == []  # SRD: the receiver publishes
-    assert [k for k, _ in config_problems("efa", **{**ok, "decoupled": True})] == ["signal.decoupled"]
     assert [k for k, _ in config_problems("ib", **{**ok, "flags_publication": "gdrcopy"})] == ["flags.publication"]
     assert config_problems("efa", **{**ok, "flags_publication": "gdrcopy"}) == []
 

@@ -31,6 +31,21 @@ def test_quick_run_writes_positive_numbers(tmp_path) -> None:
     assert doc["daemon_a"]["rejected"] == doc["daemon_a"]["completion_errors"] == 0
 
 
+def test_efa_daemons_take_decoupled_signaling_and_send_one_signal_a_batch(tmp_path) -> None:
+    """efa with signal.decoupled through two real daemons: the stream's PUT_SIGNALs to one flag become one
+    signal a batch, and every flag the latency phase waits for is published (else its samples never end)."""
+    path = tmp_path / "e2e.json"
+    result = CliRunner().invoke(main, ["bench", "e2e", "--quick", "--backend", "efa", "--decoupled", "--json",
+                                       str(path)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    doc = json.loads(path.read_text())
+    assert doc["config"]["backend"] == "efa" and doc["config"]["decoupled"] is True
+    daemon = doc["daemon_a"]
+    assert daemon["rejected"] == daemon["completion_errors"] == 0
+    assert daemon["signals"] == daemon["batches"] < daemon["commands"]
+    assert doc["latency"]["samples"] == 50 and doc["summary"]["put_to_flag_p50_us"] > 0
+
+
 @pytest.mark.parametrize(("text", "size"), [("4096", 4096), ("4k", 4096), ("4KiB", 4096), ("64KB", 65536),
                                              ("1MiB", 1 << 20), ("1m", 1 << 20), (512, 512)])
 def test_sizes_parse(text, size) -> None:

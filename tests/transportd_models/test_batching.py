@@ -168,7 +168,22 @@ def test_adds_wrap_modulo_2_64() -> None:
 
 def test_nothing_moves_across_a_fence() -> None:
     got = reduce((W, 1), (S, 0, 0, ADD, 1), (W, 2), (F,), (W, 3), (S, 0, 0, ADD, 1), (W, 4), (S, 0, 0, ADD, 1))
-    assert got == [("W", 1), ("W", 2), ("S", 0, 0, "ADD", 1), ("F",), ("W", 3), ("W", 4), ("S", 0, 0, "ADD", 2)]
+    assert got == [("W", 1), ("S", 0, 0, "ADD", 1), ("W", 2), ("F",), ("W", 3), ("W", 4), ("S", 0, 0, "ADD", 2)]
+
+
+def test_trailing_writes_stay_behind_the_last_signal() -> None:
+    """A write after a segment's last signal belongs to a later signal's group (on efa): it is not moved ahead."""
+    got = reduce((W, 1), (S, 0, 0, ADD, 1), (W, 2), (S, 1, 0, ADD, 1), (W, 3), (W, 4))
+    assert got == [("W", 1), ("W", 2), ("S", 0, 0, "ADD", 1), ("S", 1, 0, "ADD", 1), ("W", 3), ("W", 4)]
+
+
+def test_leading_signals_stay_ahead_of_the_first_write_and_are_reduced_on_their_own() -> None:
+    """Signals before a segment's first write cover the writes before the batch (on efa): they are reduced among
+    themselves and stay first, and the same flag's signals after the writes make a second one."""
+    got = reduce((S, 0, 0, ADD, 1), (S, 0, 0, ADD, 2), (S, 1, 0, SET, 5), (W, 1), (S, 0, 0, ADD, 4), (W, 2),
+                 (S, 1, 0, ADD, 1))
+    assert got == [("S", 0, 0, "ADD", 3), ("S", 1, 0, "SET", 5), ("W", 1), ("W", 2), ("S", 0, 0, "ADD", 4),
+                   ("S", 1, 0, "ADD", 1)]
 
 
 def test_batches_are_reduced_separately() -> None:
@@ -228,12 +243,25 @@ def test_decoupled_equals_naive_order_at_every_segment_boundary(batches: list[li
         before, after = plan[ns], out[ds]
         # the same writes and fences, in the same order
         assert summary(before[before["op"] != S]) == summary(after[after["op"] != S])
-        sig = after["op"] == S
-        # every write of the segment before any of its signals
-        assert not sig.any() or (after["op"][np.argmax(sig):] == S).all()
-        # one signal per flag word
-        words = after["raddr"][sig]
-        assert len(set(words.tolist())) == len(words)
+        # the pushed segment's leading signals (before its first write) and trailing writes (after its last
+        # signal) keep their places; between them every write goes before the signals
+        ops = before["op"]
+        first_write = int(np.argmax(ops != S)) if (ops != S).any() else len(ops)
+        last_signal = len(ops) - 1 - int(np.argmax(ops[::-1] == S)) if (ops == S).any() else -1
+        body = before[first_write:max(last_signal + 1, first_write)]
+        parts = [before[:first_write], body[body["op"] != S], body[body["op"] == S],
+                 before[max(last_signal + 1, first_write):]]
+        at = 0
+        for k, part in enumerate(parts):
+            if k in (0, 2):  # signals: one per flag word
+                words = sorted(set(part["raddr"].tolist()))
+                got = after[at:at + len(words)]
+                assert (got["op"] == S).all() and sorted(got["raddr"].tolist()) == words
+                at += len(words)
+            else:
+                assert summary(after[at:at + len(part)]) == summary(part)
+                at += len(part)
+        assert at == len(after)
         apply_in_order(before, naive_flags)
         apply_in_order(after, dec_flags)
         assert dec_flags == naive_flags

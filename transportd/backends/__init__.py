@@ -172,8 +172,6 @@ class ConfigRules:
 
     signal_modes: tuple[str, ...] = ("write", "atomic", "fence")
     signal_modes_why: str = ""  #: why a mode outside ``signal_modes`` does not apply
-    decoupled: bool = True  #: honours ``signal.decoupled``
-    decoupled_why: str = ""
     write_needs_in_order: bool = False  #: ``write`` signaling relies on in-order placement
 
 
@@ -183,18 +181,15 @@ RULES: dict[str, ConfigRules] = {
     "soft": _RC,
     # SRD has no ordered flag write, no fence and no atomics to order with: an efa signal is published by
     # the receiving daemon once every piece it covers has arrived, whatever the mode says; accepting
-    # atomic/fence would promise an ordering that is not what happens. Decoupling moves writes ahead of
-    # signals, which regroups SRD writes and can shrink what a signal covers
-    # (tests/transportd/dataplane/test_flag_order_property.py documents the case): refused until batching
-    # keeps efa groups intact.
+    # atomic/fence would promise an ordering that is not what happens. Decoupling keeps each batch's
+    # leading signals and trailing writes in place, so no efa signal covers less than it did as pushed
+    # (transportd_models/batching.py; tests/transportd/dataplane/test_flag_order_property.py).
     "efa": ConfigRules(signal_modes=("write",),
-                       signal_modes_why="the receiving daemon publishes a flag once every piece it covers arrived",
-                       decoupled=False,
-                       decoupled_why="it would regroup SRD writes so a flag could cover less than it should"),
+                       signal_modes_why="the receiving daemon publishes a flag once every piece it covers arrived"),
 }
 
 
-def config_problems(kind: str, *, signal_mode: str, decoupled: bool, flags_publication: str,
+def config_problems(kind: str, *, signal_mode: str, flags_publication: str,
                     adaptive_routing: bool) -> list[tuple[str, str]]:
     """``(config key, reason)`` for each shared setting backend ``kind`` cannot honour ([] when it can)."""
     rules = RULES.get(kind, ConfigRules())
@@ -205,8 +200,6 @@ def config_problems(kind: str, *, signal_mode: str, decoupled: bool, flags_publi
     if signal_mode not in rules.signal_modes:
         problems.append(("signal.mode", f"{signal_mode!r} does not apply to backend.kind = \"{kind}\" "
                                         f"({rules.signal_modes_why}); leave it at \"write\" (the default)"))
-    if decoupled and not rules.decoupled:
-        problems.append(("signal.decoupled", f"not supported with backend.kind = \"{kind}\" ({rules.decoupled_why})"))
     if flags_publication != "auto" and not TRAITS.get(kind, Traits()).publishes_flags:
         publishers = " or ".join(f'"{k}"' for k, t in TRAITS.items() if t.publishes_flags)
         problems.append(("flags.publication", f"{flags_publication!r} applies to backend.kind = {publishers} only, "

@@ -291,27 +291,15 @@ static int take(Engine *e, int64_t now) {
 }
 
 /* ---- batches -------------------------------------------------------------------------------------- */
-/* Perseus decoupled signaling on one batch's rows, in place; returns the new row count. Within each
- * FENCE-delimited segment the WRITEs go first, in order, then one SIGNAL per flag word (dst_rank, raddr,
- * rkey), in the order of each word's first signal: ADDs summed, a SET resetting the sum; the last signal
- * of the word is the template. */
-static size_t decouple(tpd_plan_row *rows, size_t n) {
-    tpd_plan_row out[64], sig[64];
+/* Rows [from, to) of a segment: its WRITEs in order, then one SIGNAL per flag word (dst_rank, raddr, rkey),
+ * in the order of each word's first signal: ADDs summed, a SET resetting the sum; the last signal of the word
+ * is the template. Appended to out at m; returns the new count. */
+static size_t reduce_part(const tpd_plan_row *rows, size_t from, size_t to, tpd_plan_row *out, size_t m) {
+    tpd_plan_row sig[64];
     uint64_t value[64];
     uint8_t has_set[64];
-    size_t m = 0, s = 0;
-    for (size_t i = 0; i <= n; i++) {
-        int boundary = i == n || rows[i].op == TPD_PLAN_FENCE;
-        if (boundary) {
-            for (size_t k = 0; k < s; k++) {
-                sig[k].value = value[k];
-                sig[k].signal_op = has_set[k] ? TPD_SIGNAL_SET : TPD_SIGNAL_ADD;
-                out[m++] = sig[k];
-            }
-            s = 0;
-            if (i < n) out[m++] = rows[i];
-            continue;
-        }
+    size_t s = 0;
+    for (size_t i = from; i < to; i++) {
         if (rows[i].op != TPD_PLAN_SIGNAL) {
             out[m++] = rows[i];
             continue;
@@ -332,6 +320,41 @@ static size_t decouple(tpd_plan_row *rows, size_t n) {
         } else {
             value[k] += rows[i].value;
         }
+    }
+    for (size_t k = 0; k < s; k++) {
+        sig[k].value = value[k];
+        sig[k].signal_op = has_set[k] ? TPD_SIGNAL_SET : TPD_SIGNAL_ADD;
+        out[m++] = sig[k];
+    }
+    return m;
+}
+
+/* Perseus decoupled signaling on one batch's rows, in place; returns the new row count. Within each
+ * FENCE-delimited segment the WRITEs go first, then the reduced SIGNALs (reduce_part), except at its two
+ * ends: the signals before its first WRITE and the writes after its last SIGNAL stay where they are (the
+ * signals reduced among themselves). On efa a signal covers the writes since the connection's previous
+ * signal, so a leading signal moved behind this batch's writes, or a trailing write moved ahead of its
+ * signals, would change what a signal covers (transportd_models/batching.py says how). */
+static size_t decouple(tpd_plan_row *rows, size_t n) {
+    tpd_plan_row out[64];
+    size_t m = 0, a = 0;
+    while (a < n) {
+        if (rows[a].op == TPD_PLAN_FENCE) {
+            out[m++] = rows[a++];
+            continue;
+        }
+        size_t b = a;
+        while (b < n && rows[b].op != TPD_PLAN_FENCE) b++;
+        size_t first_write = b, body_end = a; /* leading signals [a, first_write), trailing writes [body_end, b) */
+        for (size_t i = a; i < b; i++) {
+            if (rows[i].op == TPD_PLAN_WRITE && first_write == b) first_write = i;
+            if (rows[i].op == TPD_PLAN_SIGNAL) body_end = i + 1;
+        }
+        if (body_end < first_write) body_end = first_write;
+        m = reduce_part(rows, a, first_write, out, m);
+        m = reduce_part(rows, first_write, body_end, out, m);
+        for (size_t i = body_end; i < b; i++) out[m++] = rows[i];
+        a = b;
     }
     memcpy(rows, out, m * sizeof(tpd_plan_row));
     return m;

@@ -485,16 +485,21 @@ def _check_naive_and_decoupled_agree(rigs: list[Rig], commands: list[Command]) -
     for peer in range(1, WORLD):
         assert naive.chunks(peer) == dec.chunks(peer)
     assert naive.ring.error == dec.ring.error
-    for plan in all_plans[dec]:  # one signal per flag word per FENCE-delimited segment of each batch
-        segment: set[int] = set()
+    # each FENCE-delimited segment of a batch: its leading signals, its writes, its signals, its trailing writes
+    # (phases 0-3), one signal per flag word in each run of signals
+    for plan in all_plans[dec]:
+        phase, words = 0, set()
         for row in plan:
             if row["op"] == PlanOp.FENCE:
-                segment = set()
+                phase, words = 0, set()
             elif row["op"] == PlanOp.SIGNAL:
-                assert int(row["raddr"]) not in segment
-                segment.add(int(row["raddr"]))
+                assert phase != 3, "a signal after the segment's trailing writes"
+                if phase == 1:
+                    phase, words = 2, set()
+                assert int(row["raddr"]) not in words
+                words.add(int(row["raddr"]))
             else:
-                assert not segment, "a WRITE after a signal of its segment"
+                phase = 1 if phase in (0, 1) else 3
 
 
 def test_wait_ready_watches_the_ring_heads_without_taking(rig) -> None:
