@@ -28,6 +28,7 @@ LAUNCHES = 3
 
 HOST_FLAGS = ":host-flags"  # a fabric with this suffix: every rank's flags in a host flag file, not GPU memory
 CUDA_COPY = ":cuda-copy"  # efa with this suffix: the daemons publish GPU flags by posted word copies, not loopback
+DECOUPLED = ":decoupled"  # a fabric with this suffix: the daemons run Perseus decoupled signaling
 
 
 def _ranks(cluster: LocalCluster, job: str, device: int, world: int | None = None, fabric: str = "") -> list:
@@ -51,11 +52,13 @@ def _cluster(nodes: int, fabric: str) -> LocalCluster:
     """``nodes`` daemons on ``fabric``: ``ib`` (RC, the default ``write`` signal mode), ``ib-atomic`` and
     ``ib-fence`` (ib in that signal mode: how the daemon orders a flag after its payload), or ``efa`` (SRD);
     a ``HOST_FLAGS`` suffix is the ranks' business (``_ranks``); a ``CUDA_COPY`` suffix forces
-    ``flags.publication = "cuda-copy"``."""
-    backend, _, mode = fabric.removesuffix(HOST_FLAGS).removesuffix(CUDA_COPY).partition("-")
+    ``flags.publication = "cuda-copy"``; a ``DECOUPLED`` suffix turns on ``signal.decoupled``."""
+    backend, _, mode = fabric.removesuffix(DECOUPLED).removesuffix(HOST_FLAGS).removesuffix(CUDA_COPY).partition("-")
     overrides: dict = {"peers": {"heartbeat_timeout_s": 20.0}}
     if mode:
         overrides["signal"] = {"mode": mode}
+    if fabric.endswith(DECOUPLED):
+        overrides["signal"] = {**overrides.get("signal", {}), "decoupled": True}
     if fabric.endswith(CUDA_COPY):
         overrides["flags"] = {"publication": "cuda-copy"}
     return LocalCluster(nodes, backend=backend, overrides=overrides)

@@ -27,7 +27,7 @@ from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_mode
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from tests.gpu.test_fused_kernels import _close, _cluster, _exchange, _ranks  # noqa: E402  (needs torch)
+from tests.gpu.test_fused_kernels import DECOUPLED, _close, _cluster, _exchange, _ranks  # noqa: E402  (needs torch)
 
 ROUNDS = 3
 
@@ -67,7 +67,7 @@ def _round_shape(rnd: int, local: int, experts: int, max_tokens: int) -> tuple[n
     return pickable, ([max_tokens, max_tokens - 7] if rnd < 3 else [max_tokens - 3, 0])
 
 
-@pytest.mark.parametrize("fabric", ["ib", "ib-atomic", "ib-fence", "efa"])
+@pytest.mark.parametrize("fabric", ["ib", "ib-atomic", "ib-fence", "efa", "ib" + DECOUPLED, "efa" + DECOUPLED])
 def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: str) -> None:
     # hidden 200: no multiple of the 256-wide copy block; 3 local experts per rank; 40 rows per rank at most
     world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
