@@ -42,7 +42,7 @@ error word are checked as well.
 Decoupled signaling is drawn on both (efa since its batches keep their leading signals and trailing writes
 in place). What it must keep on efa is checked plan by plan too
 (``test_decoupled_signaling_keeps_every_efa_signal_covering_what_it_covered``): the end-to-end runs here
-did not catch the old regrouping in 25 seeds, as the soft SRD seldom delays an earlier batch's write past a
+did not catch the old regrouping in 23 seeds, as the soft SRD seldom delays an earlier batch's write past a
 later batch's signal.
 
 Running. The configurations run in parallel subprocesses (one per configuration, as many at a time as
