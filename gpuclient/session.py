@@ -192,21 +192,24 @@ class ChannelHandle:
         return position
 
     def put(self, peer: int, dst_region: int, dst_off: int, src_region: int, src_off: int, nbytes: int,
-            chunk_id: int = 0) -> int:
-        """Write ``nbytes`` from our ``src_region`` to ``peer``'s ``dst_region``; returns the ring position."""
+            chunk_id: int = 0, now: bool = False) -> int:
+        """Write ``nbytes`` from our ``src_region`` to ``peer``'s ``dst_region``; returns the ring position.
+
+        ``now``: the proxy posts it at once, with the commands before it, instead of with its connection's
+        batch (which waits up to ``proxy.poll_window_us`` to fill); as for ``put_signal`` and ``signal``."""
         return self._push(Opcode.PUT, peer=peer, dst_region=dst_region, dst_off=dst_off, src_region=src_region,
-                          src_off=src_off, nbytes=nbytes, chunk_id=chunk_id)
+                          src_off=src_off, nbytes=nbytes, chunk_id=chunk_id, flags=_post_flag(now))
 
     def put_signal(self, peer: int, dst_region: int, dst_off: int, src_region: int, src_off: int, nbytes: int,
-                   slot: int, value: int = 1, op: str = SignalOp.ADD, chunk_id: int = 0) -> int:
+                   slot: int, value: int = 1, op: str = SignalOp.ADD, chunk_id: int = 0, now: bool = False) -> int:
         """``put``, then update ``peer``'s flag ``slot`` once the payload is placed there."""
         return self._push(Opcode.PUT_SIGNAL, peer=peer, dst_region=dst_region, dst_off=dst_off,
                           src_region=src_region, src_off=src_off, nbytes=nbytes, chunk_id=chunk_id, slot=slot,
-                          value=value, flags=_signal_flag(op))
+                          value=value, flags=_signal_flag(op) | _post_flag(now))
 
-    def signal(self, peer: int, slot: int, value: int = 1, op: str = SignalOp.ADD) -> int:
+    def signal(self, peer: int, slot: int, value: int = 1, op: str = SignalOp.ADD, now: bool = False) -> int:
         """Update ``peer``'s flag ``slot`` after every earlier command to that peer is placed."""
-        return self._push(Opcode.SIGNAL, peer=peer, slot=slot, value=value, flags=_signal_flag(op))
+        return self._push(Opcode.SIGNAL, peer=peer, slot=slot, value=value, flags=_signal_flag(op) | _post_flag(now))
 
     def fence(self, peer: int) -> int:
         """Later commands to ``peer`` are delivered after earlier ones are placed."""
@@ -247,6 +250,10 @@ class ChannelHandle:
 
 
 _U64_MASK = (1 << 64) - 1
+
+
+def _post_flag(now: bool) -> Flag:
+    return Flag.NO_BATCH if now else Flag.NONE
 
 
 def _signal_flag(op: str) -> Flag:

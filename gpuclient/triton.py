@@ -6,9 +6,9 @@ Optional dependency (``pip install 'transportd[triton]'``); ``import gpuclient``
 Device calls (each is a ``@triton.jit`` function; call it from every thread of a program, as any Triton
 code runs, and it does its side effects once)::
 
-    put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes, chunk_id=0)
-    put_signal(ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot, value, op=SIGNAL_ADD)
-    signal(ch, peer, slot, value, op=SIGNAL_ADD)
+    put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes, chunk_id=0, now=False)
+    put_signal(ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot, value, op=SIGNAL_ADD, now=False)
+    signal(ch, peer, slot, value, op=SIGNAL_ADD, now=False)
     fence(ch, peer)
     wait(ch, slot, at_least) -> the flag value seen (>= at_least)
     quiet(ch)
@@ -134,6 +134,9 @@ _PLAN_OFF_ABI = PLAN_DTYPE.fields["abi"][1]
 #: Signal kinds (the record's flags byte): ADD the value to the peer's flag, or store it.
 SIGNAL_ADD = tl.constexpr(0)
 SIGNAL_SET = tl.constexpr(int(Flag.SIGNAL_SET))
+#: ``now=True`` on a put, put_signal or signal: the proxy posts it at once, closing its connection's batch
+#: (the CUDA header's ``tpd::Post::Now``), instead of waiting up to ``proxy.poll_window_us`` for the batch to fill
+_NO_BATCH = tl.constexpr(int(Flag.NO_BATCH))
 
 #: The bound of every device spin, in ns of %globaltimer (0: unbounded); past it the spinning thread traps.
 SPIN_TIMEOUT_NS = int(os.environ.get("TPD_TRITON_SPIN_TIMEOUT_NS", 20_000_000_000))
@@ -498,29 +501,34 @@ def _push(ch, opcode, flags, peer, w1, w2, w3, w4, w5):
 
 # --- the channel calls ------------------------------------------------------------------------------------------
 @triton.jit
-def put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes, chunk_id=0):
+def put(ch, peer, dst_region, dst_off, src_region, src_off, nbytes, chunk_id=0, now: tl.constexpr = False):
     """Write ``nbytes`` from our ``src_region`` at ``src_off`` to ``peer``'s ``dst_region`` at ``dst_off``.
 
     Every store the program made before the call is ordered before the record (a barrier, then thread 0's
-    system-scope release), so a put may ship what the program just wrote.
+    system-scope release), so a put may ship what the program just wrote. ``now``: the proxy posts it at once,
+    with the commands before it, instead of with its connection's batch (for the last record of a burst that
+    a reader waits on), as for put_signal and signal.
     """
     tl.debug_barrier()
-    _push(ch, _OP_PUT, 0, peer, src_off, dst_off, _w3(nbytes, src_region, dst_region), _w4(chunk_id, 0), 0)
+    _push(ch, _OP_PUT, _NO_BATCH if now else 0, peer, src_off, dst_off, _w3(nbytes, src_region, dst_region),
+          _w4(chunk_id, 0), 0)
 
 
 @triton.jit
-def put_signal(ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot, value, op: tl.constexpr = 0):
+def put_signal(ch, peer, dst_region, dst_off, src_region, src_off, nbytes, slot, value, op: tl.constexpr = 0,
+               now: tl.constexpr = False):
     """put, then update ``peer``'s flag ``slot`` (``op``: SIGNAL_ADD adds ``value``, SIGNAL_SET stores it) once
     the payload is placed there."""
     tl.debug_barrier()
-    _push(ch, _OP_PUT_SIGNAL, op, peer, src_off, dst_off, _w3(nbytes, src_region, dst_region), _w4(0, slot), value)
+    _push(ch, _OP_PUT_SIGNAL, op | _NO_BATCH if now else op, peer, src_off, dst_off,
+          _w3(nbytes, src_region, dst_region), _w4(0, slot), value)
 
 
 @triton.jit
-def signal(ch, peer, slot, value, op: tl.constexpr = 0):
+def signal(ch, peer, slot, value, op: tl.constexpr = 0, now: tl.constexpr = False):
     """Update ``peer``'s flag ``slot`` after every earlier command of this channel to ``peer`` is placed."""
     tl.debug_barrier()
-    _push(ch, _OP_SIGNAL, op, peer, 0, 0, 0, _w4(0, slot), value)
+    _push(ch, _OP_SIGNAL, op | _NO_BATCH if now else op, peer, 0, 0, 0, _w4(0, slot), value)
 
 
 @triton.jit

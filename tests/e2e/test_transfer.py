@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -55,6 +57,32 @@ def test_every_opcode_moves_verified_data(cluster_factory, backend: str, mode: s
         b.channel.signal(peer=0, slot=5, value=4)
         assert a.session.wait(slot=5, at_least=7, timeout=30) == 7
         assert np.array_equal(a.recv[:4096], b.send[:4096])
+    finally:
+        close_ranks([a, b])
+
+
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_a_command_posted_now_takes_the_batch_before_it_without_waiting_for_the_window(
+        cluster_factory, backend: str) -> None:
+    """With the proxy's polling window at its longest (1 s), a lone PUT_SIGNAL waits it out before the daemon
+    posts it; a PUT then a PUT_SIGNAL pushed with ``now`` (the record's NO_BATCH) go at once, both."""
+    window_s = 1.0
+    cluster = cluster_factory(backend=backend, overrides={"proxy": {"poll_window_us": int(window_s * 1e6)}})
+    a, b = join_ranks(cluster, nbytes=1 << 16)
+    try:
+        t0 = time.monotonic()
+        a.channel.put(peer=1, dst_region=b.dst.id, dst_off=0, src_region=a.src.id, src_off=0, nbytes=4096)
+        a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=4096, src_region=a.src.id, src_off=4096,
+                             nbytes=4096, slot=0, value=1, now=True)
+        assert b.session.wait(slot=0, at_least=1, timeout=30) == 1
+        at_once = time.monotonic() - t0
+        assert np.array_equal(b.recv[:8192], a.send[:8192])
+        t0 = time.monotonic()
+        a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=8192, src_region=a.src.id, src_off=8192,
+                             nbytes=4096, slot=1, value=1)
+        assert b.session.wait(slot=1, at_least=1, timeout=30) == 1
+        batched = time.monotonic() - t0
+        assert batched >= window_s > at_once, (batched, at_once)
     finally:
         close_ranks([a, b])
 

@@ -40,6 +40,9 @@ extern "C" __global__ void use_all(tpd::Channel ch, tpd::Plan plan, uint32_t* ou
     tpd::put_signal(ch, 1, 2, 3, 4, 5, 6, 7, 8, tpd::SignalOp::Set);
     tpd::signal(ch, 1, 7, 8);
     tpd::signal(ch, 1, 7, 8, tpd::SignalOp::Set);
+    tpd::put(ch, 1, 2, 3, 4, 5, 6, 7, tpd::Post::Now);
+    tpd::put_signal(ch, 1, 2, 3, 4, 5, 6, 7, 8, tpd::SignalOp::Set, tpd::Post::Now);
+    tpd::signal(ch, 1, 7, 8, tpd::SignalOp::Add, tpd::Post::Now);
     tpd::fence(ch, 1);
     tpd::quiet(ch);
     uint32_t code = tpd::status(ch);
@@ -50,6 +53,8 @@ extern "C" __global__ void use_all(tpd::Channel ch, tpd::Plan plan, uint32_t* ou
     tpd::warp_put(ch, true, 1, 2, 3, 4, 5, 6, 7);
     tpd::warp_put_signal(ch, threadIdx.x % 3 == 0, 1, 2, 3, 4, 5, 6, 7, 8);
     tpd::warp_put_signal(ch, true, 1, 2, 3, 4, 5, 6, 7, 8, tpd::SignalOp::Set);
+    tpd::warp_put(ch, true, 1, 2, 3, 4, 5, 6, 7, tpd::Post::Now);
+    tpd::warp_put_signal(ch, true, 1, 2, 3, 4, 5, 6, 7, 8, tpd::SignalOp::Add, tpd::Post::Now);
     out[1] = tpd::tile_done(ch, plan, threadIdx.x) + tpd::tile_done_warp(ch, plan, threadIdx.x % 2 == 0, threadIdx.x);
     tpd::wait_chunk(ch, plan, 1, 0);
     tpd::wait_range(ch, plan, 1, 100, 1000);

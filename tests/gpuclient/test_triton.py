@@ -113,6 +113,9 @@ def k_pushes(ch):
     tdt.signal(ch, 2, 10, 3)
     tdt.signal(ch, 70000, 11, 1 << 40, tdt.SIGNAL_SET)  # a rank past u16: the proxy refuses peer 0xFFFF
     tdt.fence(ch, 2)
+    tdt.put(ch, 3, 5, 0, 6, 0, 64, 78, now=True)  # post at once: the record carries NO_BATCH
+    tdt.put_signal(ch, 1, 2, 64, 4, 128, 4096, 9, 6, tdt.SIGNAL_SET, now=True)
+    tdt.signal(ch, 2, 10, 4, now=True)
 
 
 PUSHES = [
@@ -125,6 +128,10 @@ PUSHES = [
     Command(Opcode.SIGNAL, peer=2, signal_slot=10, signal_value=3),
     Command(Opcode.SIGNAL, peer=0xFFFF, signal_slot=11, signal_value=1 << 40, flags=Flag.SIGNAL_SET),
     Command(Opcode.FENCE, peer=2),
+    Command(Opcode.PUT, peer=3, dst_region=5, src_region=6, length=64, chunk_id=78, flags=Flag.NO_BATCH),
+    Command(Opcode.PUT_SIGNAL, peer=1, dst_region=2, dst_off=64, src_region=4, src_off=128, length=4096,
+            signal_slot=9, signal_value=6, flags=Flag.SIGNAL_SET | Flag.NO_BATCH),
+    Command(Opcode.SIGNAL, peer=2, signal_slot=10, signal_value=4, flags=Flag.NO_BATCH),
 ]
 
 

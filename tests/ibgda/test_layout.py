@@ -188,6 +188,11 @@ def test_device_path_compiles_for_sm90(tmp_path: Path) -> None:
         "  tpd::put(ch, 1, 0, 0, 0, 0, 64);\n"
         "  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1);\n"
         "  tpd::signal(ch, 1, 3, 7, tpd::SignalOp::Set);\n"
+        "  tpd::put(ch, 1, 0, 0, 0, 0, 64, 0, tpd::Post::Now);\n"  # both channels take the post hint
+        "  tpd::put_signal(ch, 1, 0, 0, 0, 0, 4096, 3, 1, tpd::SignalOp::Add, tpd::Post::Now);\n"
+        "  tpd::signal(ch, 1, 3, 7, tpd::SignalOp::Set, tpd::Post::Now);\n"
+        "  tpd::warp_put(ch, true, 1, 0, 0, 0, 0, 64, 0, tpd::Post::Now);\n"
+        "  tpd::warp_put_signal(ch, true, 1, 0, 0, 0, 0, 64, 3, 1, tpd::SignalOp::Add, tpd::Post::Now);\n"
         "  tpd::fence(ch, 1);\n  tpd::quiet(ch);\n  tpd::block_wait(ch, 3, 1);\n"
         "  if (tpd::status(ch) || tpd::error_count(ch)) tpd::wait(ch, 3, 2);\n"
         f"{WARP_CALLS}}}\n"

@@ -56,10 +56,11 @@ namespace detail {
 TPD_DEVICE uint16_t peer_field(uint32_t peer) { return peer > 0xFFFFu ? (uint16_t)0xFFFFu : (uint16_t)peer; }
 }  // namespace detail
 
-/** Write ``bytes`` from our ``src_region`` at ``src_off`` to ``peer``'s ``dst_region`` at ``dst_off``. */
+/** Write ``bytes`` from our ``src_region`` at ``src_off`` to ``peer``'s ``dst_region`` at ``dst_off``. ``post``: with
+ * the connection's batch, or at once (command.cuh's Post), as for every call below. */
 TPD_DEVICE void put(const Channel& ch, uint32_t peer, uint16_t dst_region, uint64_t dst_off, uint16_t src_region,
-                    uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0) {
-    push(ch.ring, Opcode::Put, 0, detail::peer_field(peer),
+                    uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0, Post post = Post::Batched) {
+    push(ch.ring, Opcode::Put, (uint8_t)post, detail::peer_field(peer),
          make_body(src_off, dst_off, bytes, src_region, dst_region, chunk_id, 0, 0));
 }
 
@@ -69,16 +70,17 @@ TPD_DEVICE void put(const Channel& ch, uint32_t peer, uint16_t dst_region, uint6
  * convergence rule as warp_put_signal. Returns the lane's ring position, or kNoPosition if inactive.
  */
 TPD_DEVICE uint64_t warp_put(const Channel& ch, bool active, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
-                             uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0) {
-    return warp_push(ch.ring, active, Opcode::Put, 0, detail::peer_field(peer),
+                             uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0,
+                             Post post = Post::Batched) {
+    return warp_push(ch.ring, active, Opcode::Put, (uint8_t)post, detail::peer_field(peer),
                      make_body(src_off, dst_off, bytes, src_region, dst_region, chunk_id, 0, 0));
 }
 
 /** put, then update ``peer``'s flag ``slot`` (add or set ``value``) once the payload is placed there. */
 TPD_DEVICE void put_signal(const Channel& ch, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
                            uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t slot, uint64_t value,
-                           SignalOp op = SignalOp::Add) {
-    push(ch.ring, Opcode::PutSignal, (uint8_t)op, detail::peer_field(peer),
+                           SignalOp op = SignalOp::Add, Post post = Post::Batched) {
+    push(ch.ring, Opcode::PutSignal, (uint8_t)((uint8_t)op | (uint8_t)post), detail::peer_field(peer),
          make_body(src_off, dst_off, bytes, src_region, dst_region, 0, slot, value));
 }
 
@@ -90,15 +92,18 @@ TPD_DEVICE void put_signal(const Channel& ch, uint32_t peer, uint16_t dst_region
  */
 TPD_DEVICE uint64_t warp_put_signal(const Channel& ch, bool active, uint32_t peer, uint16_t dst_region,
                                     uint64_t dst_off, uint16_t src_region, uint64_t src_off, uint32_t bytes,
-                                    uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add) {
-    return warp_push(ch.ring, active, Opcode::PutSignal, (uint8_t)op, detail::peer_field(peer),
+                                    uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add,
+                                    Post post = Post::Batched) {
+    return warp_push(ch.ring, active, Opcode::PutSignal, (uint8_t)((uint8_t)op | (uint8_t)post),
+                     detail::peer_field(peer),
                      make_body(src_off, dst_off, bytes, src_region, dst_region, 0, slot, value));
 }
 
 /** Update ``peer``'s flag ``slot`` after every earlier command of this channel to ``peer`` is placed. */
 TPD_DEVICE void signal(const Channel& ch, uint32_t peer, uint32_t slot, uint64_t value,
-                       SignalOp op = SignalOp::Add) {
-    push(ch.ring, Opcode::Signal, (uint8_t)op, detail::peer_field(peer), make_body(0, 0, 0, 0, 0, 0, slot, value));
+                       SignalOp op = SignalOp::Add, Post post = Post::Batched) {
+    push(ch.ring, Opcode::Signal, (uint8_t)((uint8_t)op | (uint8_t)post), detail::peer_field(peer),
+         make_body(0, 0, 0, 0, 0, 0, slot, value));
 }
 
 /** Wait until this rank's flag ``slot`` reaches ``at_least`` (wraparound-safe, acquire); returns the value seen. */

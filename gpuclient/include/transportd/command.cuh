@@ -35,6 +35,17 @@ enum class SignalOp : uint8_t {
     Set = TPD_FLAG_SIGNAL_SET,
 };
 
+/**
+ * When the proxy posts a command: with its connection's batch (once batch_max commands have gathered, or
+ * proxy.poll_window_us after the batch's first, or at a QUIET or FENCE), or at once, closing the batch and
+ * posting the commands before it with it (TPD_FLAG_NO_BATCH): for the last record of a burst a reader
+ * waits on, which would otherwise wait out the window.
+ */
+enum class Post : uint8_t {
+    Batched = 0,
+    Now = TPD_FLAG_NO_BATCH,
+};
+
 /** A record's five body words (1..5); the header word is built at commit time, when seq is known. */
 struct Body {
     uint64_t w1, w2, w3, w4, w5;

@@ -228,8 +228,10 @@ TPD_HOST_DEVICE const QueuePair* build_put_signal(const IbgdaChannel& ch, uint32
 
 /** Write ``bytes`` from our ``src_region`` at ``src_off`` to ``peer``'s ``dst_region`` at ``dst_off``. */
 TPD_HOST_DEVICE void put(const IbgdaChannel& ch, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
-                         uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0) {
+                         uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0,
+                         Post post = Post::Batched) {
     (void)chunk_id;  // diagnostics on the proxy path; nothing travels with an RDMA write
+    (void)post;      // the GPU rings the doorbell at every call: there is no batch to wait for
     ibgda::Batch b;
     const ibgda::QueuePair* qp =
         ibgda::detail::build_put(ch, peer, dst_region, dst_off, src_region, src_off, bytes, b);
@@ -239,7 +241,8 @@ TPD_HOST_DEVICE void put(const IbgdaChannel& ch, uint32_t peer, uint16_t dst_reg
 /** put, then update ``peer``'s flag ``slot`` (add or set ``value``) once the payload is placed there. */
 TPD_HOST_DEVICE void put_signal(const IbgdaChannel& ch, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
                                 uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t slot, uint64_t value,
-                                SignalOp op = SignalOp::Add) {
+                                SignalOp op = SignalOp::Add, Post post = Post::Batched) {
+    (void)post;
     ibgda::Batch b;
     ibgda::Ordered o;
     const ibgda::QueuePair* qp = ibgda::detail::build_put_signal(ch, peer, dst_region, dst_off, src_region, src_off,
@@ -249,7 +252,8 @@ TPD_HOST_DEVICE void put_signal(const IbgdaChannel& ch, uint32_t peer, uint16_t 
 
 /** Update ``peer``'s flag ``slot`` after every earlier command of this channel to ``peer`` is placed. */
 TPD_HOST_DEVICE void signal(const IbgdaChannel& ch, uint32_t peer, uint32_t slot, uint64_t value,
-                            SignalOp op = SignalOp::Add) {
+                            SignalOp op = SignalOp::Add, Post post = Post::Batched) {
+    (void)post;
     const ibgda::QueuePair* qp = ibgda::detail::qp_to(ch, peer);
     if (!qp) return;
     uint64_t raddr;

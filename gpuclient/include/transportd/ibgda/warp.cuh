@@ -134,8 +134,10 @@ TPD_DEVICE uint64_t warp_post(uint32_t members, const QueuePair* qp, uint32_t ke
  * refused: the code lands in the error word as for tpd::put).
  */
 TPD_DEVICE uint64_t warp_put(const IbgdaChannel& ch, bool active, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
-                             uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0) {
+                             uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0,
+                             Post post = Post::Batched) {
     (void)chunk_id;
+    (void)post;  // IBGDA posts at every call
     const uint32_t members = __activemask();  // before any lane branches on its own arguments
     ibgda::Batch b;
     const ibgda::QueuePair* qp =
@@ -151,7 +153,9 @@ TPD_DEVICE uint64_t warp_put(const IbgdaChannel& ch, bool active, uint32_t peer,
  */
 TPD_DEVICE uint64_t warp_put_signal(const IbgdaChannel& ch, bool active, uint32_t peer, uint16_t dst_region,
                                     uint64_t dst_off, uint16_t src_region, uint64_t src_off, uint32_t bytes,
-                                    uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add) {
+                                    uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add,
+                                    Post post = Post::Batched) {
+    (void)post;
     const uint32_t members = __activemask();  // before any lane branches on its own arguments
     ibgda::Batch b;
     ibgda::Ordered o;
