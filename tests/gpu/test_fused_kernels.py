@@ -78,9 +78,11 @@ def _close(sessions: list) -> None:
 
 
 # world 4: two ranks on each of the two daemons, all four on the GPU; ib's atomic and fence signal modes at 2;
-# tma: A and B through tensor descriptors (None: the op's default, descriptors where the shape allows)
+# decoupled signaling on efa at 2; tma: A and B through tensor descriptors (None: the op's default, descriptors
+# where the shape allows)
 TP_CASES = [("ib", 2, None), ("ib-atomic", 2, None), ("ib-fence", 2, None), ("efa", 2, None),
-            ("ib", 4, None), ("efa", 4, None), ("ib", 2, False), ("efa", 2, False), ("efa" + CUDA_COPY, 4, None)]
+            ("efa" + DECOUPLED, 2, None), ("ib", 4, None), ("efa", 4, None), ("ib", 2, False), ("efa", 2, False),
+            ("efa" + CUDA_COPY, 4, None)]
 
 
 @pytest.mark.parametrize(("fabric", "world", "tma"), TP_CASES)
@@ -145,7 +147,8 @@ def _assert_sum(got, want, magnitude, what: str) -> None:
                           ("bfloat16", "float32", 4)]],  # 4: two ranks on each of the two daemons
     ("ib-atomic", "bfloat16", "float32", 2), ("ib-fence", "float32", "bfloat16", 2),
     ("efa" + HOST_FLAGS, "bfloat16", "float32", 2), ("ib" + HOST_FLAGS, "float32", "bfloat16", 2),
-    ("efa" + CUDA_COPY, "bfloat16", "float32", 2), ("efa" + CUDA_COPY, "float32", "bfloat16", 4)])
+    ("efa" + CUDA_COPY, "bfloat16", "float32", 2), ("efa" + CUDA_COPY, "float32", "bfloat16", 4),
+    ("efa" + DECOUPLED, "bfloat16", "float32", 2)])
 def test_gemm_reduce_scatter_matches_torch(cuda_device, fabric: str, partial_dtype: str, out_dtype: str,
                                            world: int) -> None:
     from gpuclient.kernels import GemmReduceScatter
@@ -328,6 +331,7 @@ def _attention(q: list, k: list, v: list, causal: bool):
     ("efa" + HOST_FLAGS, 3, 128, False, "float32", 2, True),
     ("ib" + HOST_FLAGS, 2, 128, True, "float32", 1, True),
     ("efa" + CUDA_COPY, 3, 128, True, "float32", 2, True),
+    ("efa" + DECOUPLED, 3, 128, False, "float32", 2, True),
     ("ib", 2, 128, False, "float32", 1, False),
     ("efa", 3, 64, True, "bfloat16", 2, False),
 ])

@@ -232,7 +232,7 @@ GEMM_ROUNDS = {1: ("gemm", 5, False, np.int64),  # expert 5 unpicked: an empty e
 
 
 @pytest.mark.parametrize(("fabric", "out_dtype"), [("ib", "bf16"), ("ib-atomic", "bf16"), ("ib-fence", "fp32"),
-                                                   ("efa", "bf16"), ("efa", "fp32")])
+                                                   ("efa", "bf16"), ("efa", "fp32"), ("efa" + DECOUPLED, "bf16")])
 def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, out_dtype: str) -> None:
     """``MoE.dispatch_gemm``: dispatch fused with each local expert's GEMM, then combine on its output.
 
