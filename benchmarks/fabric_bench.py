@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
-from transportd_cli.cli_options import FiniteFloat  # noqa: E402
+from transportd_cli.cli_options import io_spin_us_option, nic_spin_us_option  # noqa: E402
 
 CHUNK = 4 << 20
 #: the NIC each backend stands for: [softverbs] NIC-model keys
@@ -293,12 +293,8 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None,
               help="--latency: every process stamps each write's steps here (SOFTVERBS_TRACE), summarized per row "
                    "and size (the stamps add a few microseconds a step)")
-@click.option("--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
-              help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
-                   "event instead of sleeping at once (a core each while traffic flows)")
-@click.option("--nic-spin-us", default=None, type=FiniteFloat(min=0, max=1e4),
-              help="softverbs.nic_spin_s in µs (default: the config's): a shaped request landing within this "
-                   "long of its post leaves from the posting thread; 0: always through the I/O thread")
+@io_spin_us_option
+@nic_spin_us_option
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
          buffers: str, copy_via: str, latency: str = "", trace_dir: str | None = None, io_spin_us: float = 0.0,
          nic_spin_us: float | None = None) -> None:

@@ -115,7 +115,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fabric_bench import SHAPES  # noqa: E402
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
-from transportd_cli.cli_options import FiniteFloat  # noqa: E402
+from transportd_cli.cli_options import FiniteFloat, io_spin_us_option, nic_spin_us_option  # noqa: E402
 
 #: the NIC model each backend is shaped like by default
 BACKEND_SHAPE = {"ib": "cx7-400g", "efa": "efa-200g"}
@@ -1428,12 +1428,8 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 @click.option("--moe-experts-per-put", default=None, type=click.IntRange(min=1),
               help="MoE Dispatch+GEMM sends each peer the rows of this many of its experts in one put and one flag "
                    "(default: the op's, four puts a peer; 1: a put and a flag per expert)")
-@click.option("--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
-              help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last "
-                   "event instead of sleeping at once (a core each while traffic flows)")
-@click.option("--nic-spin-us", default=None, type=FiniteFloat(min=0, max=1e4),
-              help="softverbs.nic_spin_s in µs (default: the config's): a shaped request landing within this "
-                   "long of its post leaves from the posting thread; 0: always through the I/O thread")
+@io_spin_us_option
+@nic_spin_us_option
 @click.option("--poll-window-us", default=None, type=click.IntRange(min=0, max=1_000_000),
               help="proxy.poll_window_us (default: the config's): how long a worker waits to fill a batch before "
                    "posting a partial one")

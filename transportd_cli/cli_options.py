@@ -1,6 +1,7 @@
 """Checks of command-line options the `transportd` and `transportctl` commands share: the flag combinations
 the daemons' config would refuse (refused first with the flags' own names), numbers that must be finite, and
-output files that must be writable before any work starts."""
+output files that must be writable before any work starts; and the soft fabric's timing options the
+benchmarks share (`io_spin_us_option`, `nic_spin_us_option`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import click
 from transportd.backends import RULES, config_problems
 from transportd_cli.errors import ProgramError
 
-__all__ = ["FiniteFloat", "Program", "available_memory", "check_signal_mode", "harden", "writable_output",
-           "writable_problem"]
+__all__ = ["FiniteFloat", "Program", "available_memory", "check_signal_mode", "harden", "io_spin_us_option",
+           "nic_spin_us_option", "writable_output", "writable_problem"]
 
 
 class Program(click.Group):
@@ -71,6 +72,20 @@ class FiniteFloat(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return super().convert(number, param, ctx)
+
+
+#: ``--io-spin-us`` (``softverbs.io_spin_s`` in µs), as ``fabric_bench.py`` and ``fused_bench.py`` take it
+io_spin_us_option = click.option(
+    "--io-spin-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
+    help="softverbs.io_spin_s in µs: the soft devices' I/O threads stay awake this long after their last event "
+         "instead of sleeping at once (a core each while traffic flows)")
+
+#: ``--nic-spin-us`` (``softverbs.nic_spin_s`` in µs; None: the config's), as the benchmarks take it
+nic_spin_us_option = click.option(
+    "--nic-spin-us", default=None, type=FiniteFloat(min=0, max=1e4),
+    help="softverbs.nic_spin_s in µs (default: the config's): how long before a shaped request lands a soft "
+         "device waits for it awake (sent from the posting thread when it lands that soon, else the I/O thread "
+         "wakes that early); 0: the I/O thread sleeps until each landing")
 
 
 def writable_problem(path: str) -> str | None:
