@@ -86,6 +86,10 @@ def _probe_source() -> str:
     for name in CHANNEL_DTYPE.names[len(RING_DTYPE.names):]:
         lines.append(f'  std::printf("offset.{name} %zu\\n", offsetof(tpd::Channel, {name}));')
         lines.append(f'  std::printf("size.{name} %zu\\n", sizeof(((tpd::Channel*)0)->{name}));')
+    for op in ("Add", "Set"):  # the flags byte every push writes: signal op and post hint
+        for post in ("Batched", "Now"):
+            lines.append(f'  std::printf("flags.{op}.{post} %u\\n", '
+                         f'(unsigned)tpd::record_flags(tpd::SignalOp::{op}, tpd::Post::{post}));')
     lines += ["  return 0;", "}"]
     return "\n".join(lines) + "\n"
 
@@ -96,6 +100,9 @@ def _expected() -> dict[str, int]:
         dtype, offset = CHANNEL_DTYPE.fields[name][:2]
         out[f"offset.{name}"] = offset
         out[f"size.{name}"] = dtype.itemsize
+    for op, op_bits in (("Add", 0), ("Set", cmd_ring.Flag.SIGNAL_SET)):
+        for post, post_bits in (("Batched", 0), ("Now", cmd_ring.Flag.NO_BATCH)):
+            out[f"flags.{op}.{post}"] = int(op_bits | post_bits)
     return out
 
 

@@ -60,7 +60,7 @@ TPD_DEVICE uint16_t peer_field(uint32_t peer) { return peer > 0xFFFFu ? (uint16_
  * the connection's batch, or at once (command.cuh's Post), as for every call below. */
 TPD_DEVICE void put(const Channel& ch, uint32_t peer, uint16_t dst_region, uint64_t dst_off, uint16_t src_region,
                     uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0, Post post = Post::Batched) {
-    push(ch.ring, Opcode::Put, (uint8_t)post, detail::peer_field(peer),
+    push(ch.ring, Opcode::Put, record_flags(SignalOp::Add, post), detail::peer_field(peer),
          make_body(src_off, dst_off, bytes, src_region, dst_region, chunk_id, 0, 0));
 }
 
@@ -72,7 +72,7 @@ TPD_DEVICE void put(const Channel& ch, uint32_t peer, uint16_t dst_region, uint6
 TPD_DEVICE uint64_t warp_put(const Channel& ch, bool active, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
                              uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t chunk_id = 0,
                              Post post = Post::Batched) {
-    return warp_push(ch.ring, active, Opcode::Put, (uint8_t)post, detail::peer_field(peer),
+    return warp_push(ch.ring, active, Opcode::Put, record_flags(SignalOp::Add, post), detail::peer_field(peer),
                      make_body(src_off, dst_off, bytes, src_region, dst_region, chunk_id, 0, 0));
 }
 
@@ -80,7 +80,7 @@ TPD_DEVICE uint64_t warp_put(const Channel& ch, bool active, uint32_t peer, uint
 TPD_DEVICE void put_signal(const Channel& ch, uint32_t peer, uint16_t dst_region, uint64_t dst_off,
                            uint16_t src_region, uint64_t src_off, uint32_t bytes, uint32_t slot, uint64_t value,
                            SignalOp op = SignalOp::Add, Post post = Post::Batched) {
-    push(ch.ring, Opcode::PutSignal, (uint8_t)((uint8_t)op | (uint8_t)post), detail::peer_field(peer),
+    push(ch.ring, Opcode::PutSignal, record_flags(op, post), detail::peer_field(peer),
          make_body(src_off, dst_off, bytes, src_region, dst_region, 0, slot, value));
 }
 
@@ -94,15 +94,14 @@ TPD_DEVICE uint64_t warp_put_signal(const Channel& ch, bool active, uint32_t pee
                                     uint64_t dst_off, uint16_t src_region, uint64_t src_off, uint32_t bytes,
                                     uint32_t slot, uint64_t value, SignalOp op = SignalOp::Add,
                                     Post post = Post::Batched) {
-    return warp_push(ch.ring, active, Opcode::PutSignal, (uint8_t)((uint8_t)op | (uint8_t)post),
-                     detail::peer_field(peer),
+    return warp_push(ch.ring, active, Opcode::PutSignal, record_flags(op, post), detail::peer_field(peer),
                      make_body(src_off, dst_off, bytes, src_region, dst_region, 0, slot, value));
 }
 
 /** Update ``peer``'s flag ``slot`` after every earlier command of this channel to ``peer`` is placed. */
 TPD_DEVICE void signal(const Channel& ch, uint32_t peer, uint32_t slot, uint64_t value,
                        SignalOp op = SignalOp::Add, Post post = Post::Batched) {
-    push(ch.ring, Opcode::Signal, (uint8_t)((uint8_t)op | (uint8_t)post), detail::peer_field(peer),
+    push(ch.ring, Opcode::Signal, record_flags(op, post), detail::peer_field(peer),
          make_body(0, 0, 0, 0, 0, 0, slot, value));
 }
 

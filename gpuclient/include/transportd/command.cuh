@@ -46,6 +46,9 @@ enum class Post : uint8_t {
     Now = TPD_FLAG_NO_BATCH,
 };
 
+/** A record's flags byte: how its signal updates the flag (a PUT's is Add: no bit), and when it is posted. */
+TPD_HOST_DEVICE uint8_t record_flags(SignalOp op, Post post) { return (uint8_t)((uint8_t)op | (uint8_t)post); }
+
 /** A record's five body words (1..5); the header word is built at commit time, when seq is known. */
 struct Body {
     uint64_t w1, w2, w3, w4, w5;
