@@ -351,9 +351,9 @@ static size_t decouple(tpd_plan_row *rows, size_t n) {
             if (rows[i].op == TPD_PLAN_SIGNAL) body_end = i + 1;
         }
         if (body_end < first_write) body_end = first_write;
-        m = reduce_part(rows, a, first_write, out, m);
-        m = reduce_part(rows, first_write, body_end, out, m);
-        for (size_t i = body_end; i < b; i++) out[m++] = rows[i];
+        m = reduce_part(rows, a, first_write, out, m);        /* signals only */
+        m = reduce_part(rows, first_write, body_end, out, m); /* writes, then the reduced signals */
+        m = reduce_part(rows, body_end, b, out, m);           /* writes only */
         a = b;
     }
     memcpy(rows, out, m * sizeof(tpd_plan_row));
