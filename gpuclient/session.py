@@ -253,6 +253,8 @@ _U64_MASK = (1 << 64) - 1
 
 
 def _post_flag(now: bool) -> Flag:
+    if not isinstance(now, bool):  # "no" would be true: refused, not guessed
+        raise TypeError(f"now must be True or False, got {now!r}")
     return Flag.NO_BATCH if now else Flag.NONE
 
 

@@ -83,6 +83,15 @@ def test_a_command_posted_now_takes_the_batch_before_it_without_waiting_for_the_
         assert b.session.wait(slot=1, at_least=1, timeout=30) == 1
         batched = time.monotonic() - t0
         assert batched >= window_s > at_once, (batched, at_once)
+        # a hint that is not a bool, or an op that is not add/set, is refused before anything is pushed
+        with pytest.raises(TypeError, match="now must be True or False, got 'no'"):
+            a.channel.put_signal(peer=1, dst_region=b.dst.id, dst_off=0, src_region=a.src.id, src_off=0,
+                                 nbytes=64, slot=2, value=1, now="no")
+        with pytest.raises(ValueError, match="signal op must be 'add' or 'set'"):
+            a.channel.signal(peer=1, slot=2, value=1, op="mul", now=True)
+        last = a.channel.signal(peer=1, slot=2, value=5, now=True)
+        assert b.session.wait(slot=2, at_least=5, timeout=30) == 5  # only this one reached the flag
+        assert last == a.channel.fence(peer=1) - 1  # and the refused calls took no ring slot
     finally:
         close_ranks([a, b])
 
