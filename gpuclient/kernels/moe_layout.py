@@ -48,6 +48,7 @@ rows where that source's rows landed.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -390,10 +391,9 @@ class MoELayout:
                 gemm[peer] = 2 + self.put_groups  # count, dispatch, and each group's flag (put_signal or SIGNAL)
         for peer, _, _, _ in self.handle_puts():
             gemm[peer] += 1
-        last: set[tuple[int, int]] = set()
-        for d, g, _, _, _ in self.gemm_puts(c):  # a group's last piece is its flag's put_signal, counted above
-            gemm[d] += (d, g) in last
-            last.add((d, g))
+        # a group's last piece is its flag's put_signal, counted above: its other pieces are plain puts
+        for (d, _), pieces in Counter((d, g) for d, g, _, _, _ in self.gemm_puts(c)).items():
+            gemm[d] += pieces - 1
         return {"dispatch": dispatch, "dispatch_gemm": gemm, "combine": combine}
 
     def signals(self, gemm: bool = False) -> list[int]:
