@@ -29,6 +29,14 @@ and the NIC model, not the direct copy (host writes always cross the wire).
 ``--trace DIR`` also has every process stamp each write's steps (``SOFTVERBS_TRACE``, `softverbs._trace`)
 and puts their medians in the JSON (`softverbs.soft.trace.summarize`).
 
+``--burst GROUPS,BYTES`` sends what a MoE dispatch sends instead (``burst_row``): each round both ranks push the
+other, in one ring push each, a count row put_signal, GROUPS put_signals of BYTES (each its own flag), a
+handle-word put and a dispatch SIGNAL, as ``MoE.dispatch_gemm``'s communication programs do at once; the
+table gives when each flag landed after the push (p50 / p90 / min over ``--writes`` rounds and both ranks)
+beside the NIC model's least. It tells the soft fabric's own time for a kernel's burst from what a launch
+adds to it; ``--post-now`` marks the last record ``NO_BATCH`` (``tpd::Post::Now``). The flags are host
+flags (polled here), where the kernel's are in GPU memory.
+
 CUDA MPS: started here (a private control daemon, ``transportd_cli.mps``) before this process makes a
 CUDA context, so the daemons' workers and this process share one server context and the workers' copies
 never wait for a time slice; ``--no-mps`` (or ``TRANSPORTD_GPU_MPS=0``) runs without.
@@ -64,6 +72,7 @@ SHAPES = {
 ROWS = ("ib:unshaped", "ib:cx7-400g", "ib:wire", "efa:unshaped", "efa:efa-200g", "efa:wire")
 TARGET_UNSHAPED_GBPS = 25.0
 MAX_LATENCY_BYTES = 64 << 20
+MAX_BURST_GROUPS = 64
 
 
 def _softverbs(stats: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +96,17 @@ class HostBuffer:
 
     def free(self) -> None:
         pass
+
+
+def _cluster_config(shape: str, nic: dict[str, float] | None, copy_via: str, io_spin_s: float,
+                    nic_spin_s: float | None) -> tuple[dict[str, float], dict[str, Any]]:
+    """The NIC model of ``shape`` (``nic`` where given) and the daemons' config overrides for a row."""
+    nic = SHAPES.get(shape, {}) if nic is None else nic
+    softverbs: dict[str, Any] = {"direct_copy": shape != "wire", "direct_copy_via": copy_via, "io_spin_s": io_spin_s,
+                                 **nic}
+    if nic_spin_s is not None:
+        softverbs["nic_spin_s"] = nic_spin_s
+    return nic, {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
 
 
 def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, buffers: str, sizes: list[int],
@@ -150,12 +170,7 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
     else:
         Buffer = HostBuffer  # noqa: N806
 
-    nic = SHAPES.get(shape, {}) if nic is None else nic
-    softverbs: dict[str, Any] = {"direct_copy": shape != "wire", "direct_copy_via": copy_via, "io_spin_s": io_spin_s,
-                                 **nic}
-    if nic_spin_s is not None:
-        softverbs["nic_spin_s"] = nic_spin_s
-    overrides = {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
+    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s)
     nbytes = slots * chunk
     rng = np.random.default_rng(len(backend) * 7 + len(shape))
     with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
@@ -219,6 +234,126 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
             dst.free()
 
 
+#: a burst's layout in each rank's buffer: the count row, then the handle words, then the groups (each half:
+#: what the rank sends, then where the peer's burst lands)
+BURST_COUNT_BYTES, BURST_HANDLE_OFFSET, BURST_HANDLE_BYTES, BURST_GROUPS_OFFSET = 256, 4096, 1024, 8192
+BURST_WARMUP = 3
+
+
+def burst_records(peer: int, src_region: int, dst_region: int, groups: int, group_bytes: int, half: int,
+                  post_now: bool = False) -> np.ndarray:
+    """One rank's burst to ``peer`` (RECORD_DTYPE), in push order: the count row put_signal (flag 0), each
+    group's put_signal (flags 1..groups), the handle words' put and the dispatch SIGNAL (flag groups + 1),
+    ADD 1 each. Sources lie in the sender's first ``half`` bytes, destinations in the peer's second half.
+    ``post_now``: the last record is ``NO_BATCH``, so the proxy posts the burst without its polling window."""
+    from cmd_ring.record import RECORD_DTYPE, Flag, Opcode
+
+    def put(opcode: Opcode, offset: int, nbytes: int, slot: int, value: int) -> tuple:
+        return (0, int(opcode), 0, peer, offset, half + offset, nbytes, src_region, dst_region, 0, slot, value)
+
+    rows = [put(Opcode.PUT_SIGNAL, 0, BURST_COUNT_BYTES, 0, 1)]
+    rows += [put(Opcode.PUT_SIGNAL, BURST_GROUPS_OFFSET + g * group_bytes, group_bytes, 1 + g, 1)
+             for g in range(groups)]
+    rows += [put(Opcode.PUT, BURST_HANDLE_OFFSET, BURST_HANDLE_BYTES, 0, 0),
+             (0, int(Opcode.SIGNAL), int(Flag.NO_BATCH) if post_now else 0, peer, 0, 0, 0, 0, 0, 0, groups + 1, 1)]
+    return np.array(rows, dtype=RECORD_DTYPE)
+
+
+def burst_model_us(nic: dict[str, float], groups: int, group_bytes: int) -> list[float]:
+    """The NIC model's least time from the push to each flag of a burst (count, groups, dispatch): the bytes the
+    sender's link carries up to that message, then the latency; 0 each when unshaped."""
+    if not nic:
+        return [0.0] * (groups + 2)
+    sent = [BURST_COUNT_BYTES + g * group_bytes for g in range(groups + 1)]
+    sent.append(sent[-1] + BURST_HANDLE_BYTES)
+    return [(b / nic["nic_bandwidth"] + nic["nic_latency_s"]) * 1e6 for b in sent]
+
+
+def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: int, device: int = 0,
+              echo: Any = print, buffers: str = "gpu", nic: dict[str, float] | None = None, copy_via: str = "device",
+              io_spin_s: float = 0.0, nic_spin_s: float | None = None, post_now: bool = False,
+              gap_s: float = 2e-3, timeout_s: float = 60.0) -> dict[str, Any]:
+    """A MoE dispatch's messages both ways at once (`burst_records`), ``rounds`` times after
+    ``BURST_WARMUP`` (the receivers open the allocations), ``gap_s`` apart: per flag, µs from the round's push
+    to its landing (p50 / p90 / min over rounds and both ranks) beside `burst_model_us`, and every landing
+    (``landed_us[round][rank][flag]``, the receiving rank); ``intact`` whether what the bursts wrote of each rank's
+    receive half holds the peer's bytes."""
+    import gpuclient
+    from softverbs import _trace
+    from transportd_cli.localcluster import LocalCluster
+
+    if buffers == "gpu":
+        from gpuclient.cuda_memory import DeviceMemory as Buffer
+    else:
+        Buffer = HostBuffer  # noqa: N806
+    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s)
+    half = BURST_GROUPS_OFFSET + groups * group_bytes
+    flags = groups + 2
+    label = f"{backend}:{shape}:burst"
+    with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
+        clients = [gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names]
+        sessions = [c.join("burst", rank=r, world=2, device=device) for r, c in enumerate(clients)]
+        bufs = [Buffer(2 * half, device) for _ in range(2)]
+        try:
+            rng = np.random.default_rng(groups * 7919 + group_bytes)
+            images = [rng.integers(0, 256, half, dtype=np.uint8).tobytes() for _ in range(2)]
+            for buf, image in zip(bufs, images, strict=True):
+                buf.write(0, image)
+            regions = [s.register(b if buffers == "gpu" else b.array) for s, b in zip(sessions, bufs, strict=True)]
+            arrays = [s.flags(flags, where="host") for s in sessions]
+            for s in sessions:
+                s.exchange(wait=False)
+            for s in sessions:
+                s.exchange(timeout=60)
+            channels = [s.channel(4096) for s in sessions]
+            records = [burst_records(1 - r, regions[r].id, regions[1 - r].id, groups, group_bytes, half, post_now)
+                       for r in range(2)]
+            landed = np.zeros((rounds, 2, flags))
+            for n in range(1, BURST_WARMUP + rounds + 1):
+                if _trace.DIR and n > BURST_WARMUP:
+                    _trace.stamp(f"start {label}")
+                t0 = time.perf_counter()
+                for ch, recs in zip(channels, records, strict=True):
+                    ch.push_records(recs)
+                seen = np.zeros((2, flags))
+                while not seen.all():
+                    now = time.perf_counter()
+                    for r, fl in enumerate(arrays):
+                        up = (fl.values[:flags] >= n) & (seen[r] == 0)
+                        seen[r][up] = now - t0
+                    if now - t0 > timeout_s:
+                        raise TimeoutError(f"burst {n}: flags still low after {timeout_s} s (landed: {seen.tolist()})")
+                    time.sleep(10e-6)
+                if _trace.DIR and n > BURST_WARMUP:
+                    _trace.stamp("done")
+                if n > BURST_WARMUP:
+                    landed[n - 1 - BURST_WARMUP] = seen
+                time.sleep(gap_s)
+            spans = [(0, BURST_COUNT_BYTES), (BURST_HANDLE_OFFSET, BURST_HANDLE_BYTES),
+                     (BURST_GROUPS_OFFSET, groups * group_bytes)]  # what a burst writes of the half
+            intact = all(bufs[r].read(half + off, n) == images[1 - r][off:off + n] for r in range(2)
+                         for off, n in spans)
+        finally:
+            for s, c in zip(sessions, clients, strict=True):
+                s.leave()
+                c.close()
+            for b in bufs:
+                b.free()
+    us = landed.reshape(rounds * 2, flags) * 1e6
+    names = ["count"] + [f"group {g + 1}" for g in range(groups)] + ["dispatch"]
+    model = burst_model_us(nic, groups, group_bytes)
+    messages = [{"message": name, "p50_us": float(np.percentile(us[:, k], 50)),
+                 "p90_us": float(np.percentile(us[:, k], 90)), "min_us": float(us[:, k].min()), "model_us": model[k]}
+                for k, name in enumerate(names)]
+    row = {"backend": backend, "shape": shape, "buffers": buffers, "nic": nic or None, "copy_via": copy_via,
+           "groups": groups, "group_bytes": group_bytes, "rounds": rounds, "post_now": post_now, "intact": intact,
+           "burst": messages, "landed_us": np.round(landed * 1e6, 1).tolist()}
+    for m in messages:
+        echo(f"  {backend:3s} {shape:9s} {m['message']:>9s}  p50 {m['p50_us']:8.1f} us  p90 {m['p90_us']:8.1f}  "
+             f"min {m['min_us']:8.1f}  model {m['model_us']:7.1f}")
+    return row
+
+
 def _markdown(columns: list[str], rows: list[dict[str, Any]],
               lines_of: Callable[[dict[str, Any]], list[list[str]]]) -> str:
     """A table of ``columns``: ``lines_of(row)``'s lines for each row, one "failed" line for a row with an error."""
@@ -252,11 +387,19 @@ def latency_table(rows: list[dict[str, Any]]) -> str:
                      rows, lines)
 
 
+def burst_table(rows: list[dict[str, Any]]) -> str:
+    def lines(r: dict[str, Any]) -> list[list[str]]:
+        return [[r["backend"], r["shape"], m["message"], f"{m['p50_us']:.1f}", f"{m['p90_us']:.1f}",
+                 f"{m['min_us']:.1f}", f"{m['model_us']:.1f}"] for m in r["burst"]]
+
+    return _markdown(["backend", "NIC model", "flag", "p50 us", "p90 us", "min us", "model us"], rows, lines)
+
+
 def trace_table(trace: dict[str, list[dict[str, Any]]]) -> str:
     """``softverbs.soft.trace.summarize``'s steps, a block per row and size."""
     lines = []
     for label, steps in trace.items():
-        lines += [f"steps of {label} (µs from the write's start; p0 is this process)", "| step | n | median | p10 |",
+        lines += [f"steps of {label} (µs from the cycle's start; p0 is this process)", "| step | n | median | p10 |",
                   "|---|---|---|---|"]
         lines += [f"| {r['step']} | {r['n']} | {r['median_us']:.1f} | {r['p10_us']:.1f} |" for r in steps]
     return "\n".join(lines)
@@ -276,6 +419,19 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _burst_spec(burst: str) -> tuple[int, int]:
+    """``--burst GROUPS,BYTES`` as (groups, bytes); (0, 0) when not given."""
+    if not burst:
+        return 0, 0
+    try:
+        groups, group_bytes = (int(x, 0) for x in burst.split(","))
+    except ValueError:
+        raise click.BadParameter(f"--burst takes GROUPS,BYTES (say 4,1835008), got {burst!r}") from None
+    if not 1 <= groups <= MAX_BURST_GROUPS or not 1 <= group_bytes <= MAX_LATENCY_BYTES:
+        raise click.BadParameter(f"--burst: GROUPS in [1, {MAX_BURST_GROUPS}], BYTES in [1, {MAX_LATENCY_BYTES}]")
+    return groups, group_bytes
+
+
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
 @click.option("--rows", default=",".join(ROWS), show_default=True, help="backend:shape, comma-separated")
@@ -290,14 +446,18 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
               help="softverbs.direct_copy_via: one device-to-device copy, or through pinned host memory")
 @click.option("--latency", "latency", default="", metavar="BYTES,...",
               help="instead of the rate: one write at a time of each size (PUT, then QUIET), --writes a size")
+@click.option("--burst", "burst", default="", metavar="GROUPS,BYTES",
+              help="instead of the rate: a MoE dispatch's messages both ways at once (count row, GROUPS put_signals "
+                   "of BYTES, handle words, dispatch signal), --writes rounds; when each flag lands")
+@click.option("--post-now", is_flag=True, help="--burst: the last record of each burst is NO_BATCH (tpd::Post::Now)")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None,
-              help="--latency: every process stamps each write's steps here (SOFTVERBS_TRACE), summarized per row "
-                   "and size (the stamps add a few microseconds a step)")
+              help="--latency or --burst: every process stamps each message's steps here (SOFTVERBS_TRACE), "
+                   "summarized per row (the stamps add a few microseconds a step)")
 @io_spin_us_option
 @nic_spin_us_option
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
-         buffers: str, copy_via: str, latency: str = "", trace_dir: str | None = None, io_spin_us: float = 0.0,
-         nic_spin_us: float | None = None) -> None:
+         buffers: str, copy_via: str, latency: str = "", burst: str = "", post_now: bool = False,
+         trace_dir: str | None = None, io_spin_us: float = 0.0, nic_spin_us: float | None = None) -> None:
     """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -309,8 +469,13 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         raise click.BadParameter(f"--latency takes byte counts, got {latency!r}") from None
     if any(n < 1 or n > MAX_LATENCY_BYTES for n in latency_sizes):
         raise click.BadParameter(f"--latency sizes must be in [1, {MAX_LATENCY_BYTES}]")
-    if trace_dir and not latency_sizes:
-        raise click.BadParameter("--trace stamps the writes of --latency: give --latency too")
+    groups, group_bytes = _burst_spec(burst)
+    if burst and latency_sizes:
+        raise click.BadParameter("--burst and --latency are two ways to time messages: give one")
+    if trace_dir and not (latency_sizes or burst):
+        raise click.BadParameter("--trace stamps the messages of --latency or --burst: give one of them")
+    if post_now and not burst:
+        raise click.BadParameter("--post-now marks the last record of a --burst: give --burst too")
     if trace_dir:
         from softverbs import _trace
 
@@ -326,7 +491,11 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
             backend, _, shape = spec.strip().partition(":")
             n = max(slots, writes // 8) if shape == "wire" and not latency_sizes else writes
             try:
-                if latency_sizes:  # one slot the size of the largest write
+                if burst:
+                    results.append(burst_row(backend, shape or "unshaped", groups, group_bytes, writes,
+                                             echo=click.echo, buffers=buffers, copy_via=copy_via,
+                                             io_spin_s=io_spin_us / 1e6, nic_spin_s=nic_spin_s, post_now=post_now))
+                elif latency_sizes:  # one slot the size of the largest write
                     results.append(fabric_row(backend, shape or "unshaped", n, 1, reps, echo=click.echo,
                                               buffers=buffers, chunk=max(latency_sizes), copy_via=copy_via,
                                               latency_sizes=latency_sizes, io_spin_s=io_spin_us / 1e6,
@@ -343,13 +512,13 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         mps.stop()
     click.echo(mps_line)
     trace: dict[str, Any] = {}
-    if latency_sizes:
-        click.echo(latency_table(results))
+    if latency_sizes or burst:
+        click.echo(burst_table(results) if burst else latency_table(results))
         met = {}
         if trace_dir:
             from softverbs.soft.trace import summarize
 
-            trace = summarize(trace_dir, skip=writes // 10)
+            trace = summarize(trace_dir, skip=0 if burst else writes // 10)  # a burst's warm-up is not stamped
             click.echo(trace_table(trace))
     else:
         click.echo(table(results))
@@ -358,6 +527,7 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line,
                                                "io_spin_us": io_spin_us, "nic_spin_us": nic_spin_us,
+                                               "post_now": post_now,
                                                **({"trace": trace} if trace else {})},
                                               indent=2))
 

@@ -109,11 +109,68 @@ def test_the_spin_decides_which_thread_sends_a_shaped_write() -> None:
         assert entry["min_us"] >= entry["model_us"] * 0.999
 
 
-def test_trace_needs_latency() -> None:
+def test_trace_needs_messages_to_time() -> None:
     from click.testing import CliRunner
 
     result = CliRunner().invoke(_bench().main, ["--buffers", "host", "--trace", "/tmp/unused-trace"])
-    assert result.exit_code != 0 and "--trace stamps the writes of --latency" in result.output
+    assert result.exit_code != 0 and "--trace stamps the messages of --latency or --burst" in result.output
+
+
+def test_a_burst_is_a_dispatch_in_push_order() -> None:
+    """What `MoE.dispatch_gemm`'s communication program pushes a peer: the count row, each group, the handle words,
+    the dispatch SIGNAL; sources in the sender's first half, destinations in the peer's second."""
+    from cmd_ring.record import Flag, Opcode
+
+    bench = _bench()
+    half = bench.BURST_GROUPS_OFFSET + 3 * 1000
+    recs = bench.burst_records(1, 7, 9, 3, 1000, half)
+    assert recs["opcode"].tolist() == [Opcode.PUT_SIGNAL] * 4 + [Opcode.PUT, Opcode.SIGNAL]
+    assert recs["signal_slot"].tolist() == [0, 1, 2, 3, 0, 4]
+    assert recs["signal_value"].tolist() == [1, 1, 1, 1, 0, 1]
+    assert recs["length"].tolist() == [bench.BURST_COUNT_BYTES, 1000, 1000, 1000, bench.BURST_HANDLE_BYTES, 0]
+    assert recs["src_off"].tolist()[1:4] == [bench.BURST_GROUPS_OFFSET + g * 1000 for g in range(3)]
+    assert (recs["dst_off"][:5] == recs["src_off"][:5] + half).all() and (recs["peer"] == 1).all()
+    assert (recs["src_region"][:5] == 7).all() and (recs["dst_region"][:5] == 9).all()
+    assert (recs["flags"] == 0).all()
+    now = bench.burst_records(1, 7, 9, 3, 1000, half, post_now=True)["flags"].tolist()
+    assert now == [0] * 5 + [int(Flag.NO_BATCH)]
+    nic = {"nic_bandwidth": 1e6, "nic_latency_s": 1e-3}
+    assert bench.burst_model_us(nic, 3, 1000) == pytest.approx([1256, 2256, 3256, 4256, 5280])
+    assert bench.burst_model_us({}, 3, 1000) == [0.0] * 5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_a_burst_both_ways_lands_whole_and_never_before_its_link_carries_it(backend: str) -> None:
+    """Both ranks push each other a burst at once, round after round, the flags never reset: every flag rises
+    each round, no sooner than the sender's link model lets its bytes land; each rank ends with the other's
+    bytes. On ib (RC) a later flag never lands before an earlier one."""
+    bench = _bench()
+    nic = {"nic_bandwidth": 100e6, "nic_latency_s": 1e-3}
+    groups, nbytes = 3, 48 << 10
+    row = bench.burst_row(backend, "shaped", groups, nbytes, 3, buffers="host", nic=nic, echo=lambda *a: None)
+    assert row["intact"]
+    model = bench.burst_model_us(nic, groups, nbytes)
+    assert [m["message"] for m in row["burst"]] == ["count", "group 1", "group 2", "group 3", "dispatch"]
+    for m, least in zip(row["burst"], model, strict=True):
+        assert m["model_us"] == least and m["min_us"] >= least * 0.999, m
+    landed = row["landed_us"]
+    assert len(landed) == 3 and all(len(r) == 2 and len(r[0]) == groups + 2 for r in landed)
+    if backend == "ib":
+        assert all(rank == sorted(rank) for rnd in landed for rank in rnd)
+    table = bench.burst_table([row]).splitlines()
+    assert table[0].startswith("| backend | NIC model | flag | p50 us") and len(table) == 2 + groups + 2
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--burst", "4"], "--burst takes GROUPS,BYTES"), (["--burst", "0,4096"], "GROUPS in [1, 64]"),
+    (["--burst", "4,0"], "BYTES in [1,"), (["--burst", "4,4096", "--latency", "4096"], "give one"),
+    (["--post-now"], "--post-now marks the last record of a --burst")])
+def test_burst_refuses_what_it_cannot_run_before_any_work(args: list[str], says: str) -> None:
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(_bench().main, ["--buffers", "host", *args])
+    assert result.exit_code == 2 and says in result.output
 
 
 @pytest.mark.parametrize(("value", "says"), [("abc", "--latency takes byte counts"), ("4096,0", "must be in [1,"),
