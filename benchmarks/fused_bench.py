@@ -65,7 +65,11 @@ ends, in ms from the first tile's start over both ranks); each MoE Dispatch+GEMM
 seen and how long after their push, how the expert tiles kept up with the arrivals); ``RAW`` gets every
 recorded event. ``--trace DIR`` (with ``--timeline``) also has every process stamp each message's steps through
 the soft fabric during those launches (``SOFTVERBS_TRACE``; a few microseconds a step) and writes them per
-launch to ``DIR/steps.json`` (``softverbs.soft.trace.steps``). The transfers of
+launch to ``DIR/steps.json`` (``softverbs.soft.trace.steps``); a MoE Dispatch+GEMM row then also maps the GPU's
+clock onto the trace's (``gpu_clock``: the tightest of 64 one-program launches that read ``%globaltimer``, its
+window in the JSON) and gives each rank's pushes and group landings in the same µs from the launch's start
+(``timeline_on_trace``), so a group's way from the GPU's push through each daemon's steps reads in one line.
+The transfers of
 ``comm`` are the kernel's own, driven from the GPU: a host-driven sequence through the daemon would add a
 launch and a host round trip per step, so the baseline here is the kinder one. The first fused launch of
 each row is checked against torch (``max_abs_error``).
@@ -97,6 +101,7 @@ or skipped past ``--tune-seconds``); per kernel the best config and torch's time
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -562,12 +567,73 @@ def rs_timeline_summary(layout: Any, events: dict[str, Any], t0: int) -> dict[st
     return out
 
 
-def _trace_start(label: str) -> None:
-    """``--trace``: every process's softverbs stamps from here to ``_trace_done`` are the cycle ``label``."""
+def _trace_start(label: str) -> int | None:
+    """``--trace``: every process's softverbs stamps from here to ``_trace_done`` are the cycle ``label``; returns
+    the cycle's start on the trace's clock (``time.monotonic_ns``), None when not tracing."""
     from softverbs import _trace
 
-    if _trace.DIR:
-        _trace.stamp(f"start {label}")
+    if not _trace.DIR:
+        return None
+    start = time.monotonic_ns()
+    _trace.stamp(f"start {label}")
+    return start
+
+
+#: samples of the GPU clock against the host's (``gpu_clock``): the tightest one is kept
+CLOCK_SAMPLES = 64
+
+
+def clock_offset(samples: list[tuple[int, int, int]]) -> dict[str, int]:
+    """From ``(host before, GPU clock, host after)`` samples (the host's ``time.monotonic_ns`` around a launch that
+    read ``%globaltimer``), the one with the least time between its host readings: the GPU clock read then lies
+    in that window, so ``offset_ns`` (GPU minus host at the window's middle) is off by at most half of it
+    (``window_ns``)."""
+    before, gpu, after = min(samples, key=lambda s: s[2] - s[0])
+    return {"offset_ns": gpu - (before + after) // 2, "window_ns": after - before}
+
+
+@functools.cache
+def _clock_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    import gpuclient.triton as tdt
+
+    @triton.jit
+    def read_clock(out):
+        tl.store(out, tdt.globaltimer().to(tl.int64))
+
+    return read_clock
+
+
+def gpu_clock(device: int) -> dict[str, int]:
+    """How the GPU's ``%globaltimer`` (the timelines' clock) maps onto the soft fabric trace's
+    (``time.monotonic_ns``): ``clock_offset`` of ``CLOCK_SAMPLES`` one-program launches that read it."""
+    import torch
+
+    kernel = _clock_kernel()
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    kernel[(1,)](out)  # compiled and loaded before the samples
+    torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(CLOCK_SAMPLES):
+        before = time.monotonic_ns()
+        kernel[(1,)](out)
+        torch.cuda.synchronize(device)
+        after = time.monotonic_ns()
+        samples.append((before, int(out.item()), after))
+    return clock_offset(samples)
+
+
+def on_trace_us(gpu_ns: Any, clock: dict[str, int], start_ns: int) -> list:
+    """GPU timeline words (%globaltimer ns, 0: no event) as µs from a traced cycle's start on the trace's clock,
+    the shape kept, None where no event."""
+    import numpy as np
+
+    words = np.asarray(gpu_ns, dtype=np.int64)
+    us = np.round((words - clock["offset_ns"] - start_ns) / 1e3, 1).astype(object)
+    us[words <= 0] = None
+    return us.tolist()
 
 
 def _trace_done() -> None:
@@ -655,17 +721,22 @@ def moe_timeline_runs(moe: Any, label: str = "moe_dispatch_gemm") -> dict[str, A
     """One round of each of compute, comm and fused with every rank's ``dispatch_gemm`` timeline (every timeline
     variant loaded first: the ranks share this process; the rounds timed before ran each mode already): per mode,
     each rank's summary (``moe_timeline_summary``) and the raw words. With ``--trace``, each round is a traced
-    cycle ``label:mode``."""
+    cycle ``label:mode``, and its ``on_trace`` gives each rank's pushes and landings (``sent``, ``arrived``:
+    ``MoELayout.split_timeline``) as µs from the cycle's start on the trace's clock (``gpu_clock``), beside the
+    soft fabric's steps of the same launch in ``steps.json``."""
     import torch
 
     for kw in TIMELINE_MODES.values():
         for op in moe.ops:
             op.preload_gemm(timeline=True, **kw)
+    from softverbs import _trace
+
+    clock = gpu_clock(moe.ops[0].device) if _trace.DIR else None
     out: dict[str, Any] = {}
     for mode, kw in TIMELINE_MODES.items():
         timelines = [op.gemm_timeline() for op in moe.ops]
         torch.cuda.synchronize()
-        _trace_start(f"{label}:{mode}")
+        start = _trace_start(f"{label}:{mode}")
         moe.round(timelines=timelines, **kw)
         words = [t.cpu().numpy() for t in timelines]
         events = [op.layout.split_timeline(w, op.gemm_programs) for op, w in zip(moe.ops, words, strict=True)]
@@ -673,6 +744,9 @@ def moe_timeline_runs(moe: Any, label: str = "moe_dispatch_gemm") -> dict[str, A
         t0 = int(min(firsts))
         out[mode] = {"ranks": [moe_timeline_summary(op.layout, events, r, t0) for r, op in enumerate(moe.ops)],
                      "raw": [w.tolist() for w in words]}
+        if clock is not None and start is not None:
+            out[mode]["on_trace"] = {"clock": clock, "ranks": [
+                {name: on_trace_us(e[name], clock, start) for name in ("sent", "arrived")} for e in events]}
     return out
 
 
@@ -1012,6 +1086,8 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
             runs = moe_timeline_runs(moe, f"moe_dispatch_gemm:{backend}:{_dims(dims)}")
             row["timeline"] = {mode: run["ranks"] for mode, run in runs.items()}
             row["timeline_raw"] = {mode: run["raw"] for mode, run in runs.items()}  # main moves it to its own file
+            if any("on_trace" in run for run in runs.values()):
+                row["timeline_on_trace"] = {mode: run.get("on_trace") for mode, run in runs.items()}
         _check_channels(ops)
     derive(row, 2.0 * rows * hidden * gemm_n, remote_rows * hidden * 2)
     echo(_summary(row, dims))
