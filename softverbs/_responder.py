@@ -286,6 +286,8 @@ class QPResponder:
         copier = next((m.src.copier for m, _off, _n in live if m.src is not None), None) or _direct.copier()
         assert copier is not None
         start = time.perf_counter_ns()
+        if _trace.DIR:  # the run's copies start: ``placed`` follows each once the run's one wait returned
+            _trace.stamp(f"copy {len(live)}")
         try:
             copier.copy_many([(m.raddr + off, m.data[off:off + n] if m.src is None  # type: ignore[index]
                                else m.src.base + m.src_off + off, n) for m, off, n in live])

@@ -79,6 +79,24 @@ def test_host_memory_never_goes_direct(provider, shm) -> None:
         assert stats["direct_sent"] == stats["device_wire_writes"] == stats["imports_opened"] == 0
 
 
+def test_a_trace_stamps_each_run_of_copies_before_its_placements(provider, shm, tmp_path, monkeypatch) -> None:
+    """``SOFTVERBS_TRACE``: a run of copies into device memory stamps ``copy <pieces>`` as it is issued, and each
+    piece ``placed`` once the run's wait returned, so a trace tells the copy's time from the steps around it."""
+    from softverbs import _trace
+    from softverbs.soft.trace import read
+
+    with provider.rc_pair(client_memory=shm, server_memory=shm) as pair:
+        pair.client.write_buf(0, _image(4 * SIZE, 4))
+        assert _write(pair, 0, SIZE, wr_id=0).status == pair.v.enums.IBV_WC_SUCCESS  # the IMPORT's, on the wire
+        monkeypatch.setattr(_trace, "DIR", str(tmp_path))
+        for i in range(1, 4):
+            assert _write(pair, i * SIZE, SIZE, wr_id=i).status == pair.v.enums.IBV_WC_SUCCESS
+        monkeypatch.setattr(_trace, "DIR", None)
+    steps = [step for _ns, _pid, step in read(tmp_path) if step in ("copy 1", "placed")]
+    assert steps == ["copy 1", "placed"] * 3
+    assert soft.device_stats("softib0")["direct_placed"] == 3
+
+
 def _failures(provider: Any, memory: Any) -> list[tuple[int, int]]:
     """(status of the bad write, status of the write posted after it) for each way a target refuses."""
     out = []
