@@ -190,22 +190,19 @@ SIZES_KEYS = tuple(dict.fromkeys(key for sizes in (*SIZES.values(), MOE_GEMM_SIZ
                                   for key in dims))
 
 
-def backend_sizes(backend: str, quick: bool = False, moe_experts: int | None = None,
-                  moe_experts_per_put: int | None = None) -> dict[str, list[dict[str, int]]]:
+def backend_sizes(backend: str, quick: bool = False,
+                  moe: dict[str, int] | None = None) -> dict[str, list[dict[str, int]]]:
     """The sizes a run measures on ``backend``, MoE Dispatch+GEMM's under ``moe_dispatch_gemm`` (``--quick``: the
-    same small ones on every backend; ``moe_experts``: those with that many experts, ``--moe-experts``;
-    ``moe_experts_per_put``: their puts of that many experts each, ``--moe-experts-per-put``)."""
+    same small ones on every backend); ``moe`` sets keys of every MoE Dispatch+GEMM size (``--moe-tokens``:
+    ``tokens``, ``--moe-experts``: ``experts``, ``--moe-experts-per-put``: ``experts_per_put``)."""
     if quick:
         sizes = {**QUICK_SIZES, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES}
     elif backend == "efa":
         sizes = {**EFA_SIZES, "moe_dispatch_gemm": EFA_MOE_GEMM_SIZES}
     else:
         sizes = {**SIZES, "moe_dispatch_gemm": MOE_GEMM_SIZES}
-    if moe_experts is not None:
-        sizes["moe_dispatch_gemm"] = [{**dims, "experts": moe_experts} for dims in sizes["moe_dispatch_gemm"]]
-    if moe_experts_per_put is not None:
-        sizes["moe_dispatch_gemm"] = [{**dims, "experts_per_put": moe_experts_per_put}
-                                      for dims in sizes["moe_dispatch_gemm"]]
+    if moe:
+        sizes["moe_dispatch_gemm"] = [{**dims, **moe} for dims in sizes["moe_dispatch_gemm"]]
     return sizes
 
 
@@ -1501,6 +1498,9 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
               help="MoE Dispatch+GEMM's experts in place of its sizes' 64: the same tokens and bytes in fewer, larger "
                    "blocks (a block per (peer, expert)), against the soft fabric's cost per message; with --tune, "
                    "the expert GEMM's tiles at that many")
+@click.option("--moe-tokens", default=None, type=click.IntRange(min=1),
+              help="MoE Dispatch+GEMM's tokens a rank in place of its sizes' 128: more rows an expert, so that a row "
+                   "block of the expert GEMM can hold this rank's rows alone and start before the peers' land")
 @click.option("--moe-experts-per-put", default=None, type=click.IntRange(min=1),
               help="MoE Dispatch+GEMM sends each peer the rows of this many of its experts in one put and one flag "
                    "(default: the op's, four puts a peer; 1: a put and a flag per expert)")
@@ -1513,7 +1513,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
          chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
-         trace_dir: str | None = None, moe_experts: int | None = None,
+         trace_dir: str | None = None, moe_experts: int | None = None, moe_tokens: int | None = None,
          moe_experts_per_put: int | None = None, nic_spin_us: float | None = None,
          poll_window_us: int | None = None) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
@@ -1544,6 +1544,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         os.environ["SOFTVERBS_TRACE"] = _trace.DIR = str(Path(trace_dir).resolve())  # the daemons inherit it
     moe_dims = QUICK_MOE if quick else MOE
+    moe_sizes = {key: value for key, value in (("tokens", moe_tokens), ("experts", moe_experts),
+                                                ("experts_per_put", moe_experts_per_put)) if value is not None}
     if quick:
         reps = 2
     rows: list[dict[str, Any]] = []
@@ -1582,7 +1584,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             how = "python benchmarks/fused_bench.py " + " ".join(sys.argv[1:])
             tune_kernels = [k for k in wanted if k in TUNABLE]
             # the defaults' sizes: the compute alone, on either backend
-            tune_sizes = backend_sizes("ib", quick, moe_experts, moe_experts_per_put)
+            tune_sizes = backend_sizes("ib", quick, moe_sizes)
             result = run_tune(tune_kernels, backend, shape, tune_sizes, reps, tma, tune_seconds, json_path, how,
                               echo=click.echo)
             mps_line = mps.describe()
@@ -1593,7 +1595,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         for backend in backends.split(","):
             for spec in shapes.split(","):
                 shape = BACKEND_SHAPE[backend] if spec == "nic" else spec
-                run_sizes = backend_sizes(backend, quick, moe_experts, moe_experts_per_put)
+                run_sizes = backend_sizes(backend, quick, moe_sizes)
                 for kernel in (k for k in wanted if k in KERNELS):
                     for dims in run_sizes[kernel][:sizes]:
                         if kernel in rows_of:

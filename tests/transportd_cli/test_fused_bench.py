@@ -631,22 +631,29 @@ def test_moe_experts_overrides_only_the_moe_gemm_sizes_experts(monkeypatch) -> N
     assert result.exit_code == 2 and "--moe-experts" in result.output
 
 
-def test_moe_experts_per_put_reaches_only_the_moe_gemm_sizes(monkeypatch) -> None:
-    """--moe-experts-per-put: MoE Dispatch+GEMM's sizes with that group, with --moe-experts too; the op's default
-    otherwise (no key)."""
+@pytest.mark.parametrize("backend", ["ib", "efa"])
+def test_moe_tokens_and_experts_per_put_reach_only_the_moe_gemm_sizes(monkeypatch, backend: str) -> None:
+    """--moe-experts-per-put and --moe-tokens: every MoE Dispatch+GEMM size of the backend with that group or
+    that many tokens a rank, with --moe-experts too; the sizes' own otherwise (no experts_per_put key: the op's
+    default); the module's sizes left alone."""
     bench = _bench()
+    sizes = bench.EFA_MOE_GEMM_SIZES if backend == "efa" else bench.MOE_GEMM_SIZES
     seen = _moe_gemm_sizes_seen(bench, monkeypatch)
-    for args, want in [([], bench.MOE_GEMM_SIZES),
-                       (["--moe-experts-per-put", "2"], [{**d, "experts_per_put": 2} for d in bench.MOE_GEMM_SIZES]),
+    for args, want in [([], sizes),
+                       (["--moe-experts-per-put", "2"], [{**d, "experts_per_put": 2} for d in sizes]),
                        (["--moe-experts-per-put", "1", "--moe-experts", "16"],
-                        [{**d, "experts": 16, "experts_per_put": 1} for d in bench.MOE_GEMM_SIZES])]:
+                        [{**d, "experts": 16, "experts_per_put": 1} for d in sizes]),
+                       (["--moe-tokens", "1024"], [{**d, "tokens": 1024} for d in sizes]),
+                       (["--moe-tokens", "512", "--moe-experts", "32"],
+                        [{**d, "tokens": 512, "experts": 32} for d in sizes])]:
         seen.clear()
-        result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", "ib", *args])
+        result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", backend, *args])
         assert result.exit_code == 0, result.output
         assert seen == want, args
-    assert all("experts_per_put" not in dims for dims in bench.MOE_GEMM_SIZES)
-    result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--moe-experts-per-put", "0"])
-    assert result.exit_code == 2 and "--moe-experts-per-put" in result.output
+    assert all("experts_per_put" not in dims and dims["tokens"] == 128 for dims in sizes)
+    for option in ("--moe-experts-per-put", "--moe-tokens"):
+        result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", option, "0"])
+        assert result.exit_code == 2 and option in result.output
 
 
 def test_the_daemons_run_with_the_shape_the_options_and_the_rows_own_sections(tmp_path: Path, monkeypatch) -> None:
