@@ -66,8 +66,8 @@ seen and how long after their push, how the expert tiles kept up with the arriva
 recorded event. ``--trace DIR`` (with ``--timeline``) also has every process stamp each message's steps through
 the soft fabric during those launches (``SOFTVERBS_TRACE``; a few microseconds a step) and writes them per
 launch to ``DIR/steps.json`` (``softverbs.soft.trace.steps``); a MoE Dispatch+GEMM row then also maps the GPU's
-clock onto the trace's (``gpu_clock``: the tightest of 64 one-program launches that read ``%globaltimer``, its
-window in the JSON) and gives each rank's pushes and group landings in the same µs from the launch's start
+clock onto the trace's (``gpu_clock``: gpu_bench's ping-pong through mapped host memory, its error bound in the
+JSON) and gives each rank's pushes and group landings in the same µs from the launch's start
 (``timeline_on_trace``), so a group's way from the GPU's push through each daemon's steps reads in one line.
 The transfers of
 ``comm`` are the kernel's own, driven from the GPU: a host-driven sequence through the daemon would add a
@@ -101,7 +101,6 @@ or skipped past ``--tune-seconds``); per kernel the best config and torch's time
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
@@ -576,50 +575,13 @@ def _trace_start(label: str) -> int | None:
     return start
 
 
-#: samples of the GPU clock against the host's (``gpu_clock``): the tightest one is kept
-CLOCK_SAMPLES = 64
-
-
-def clock_offset(samples: list[tuple[int, int, int]]) -> dict[str, int]:
-    """From ``(host before, GPU clock, host after)`` samples (the host's ``time.monotonic_ns`` around a launch that
-    read ``%globaltimer``), the one with the least time between its host readings: the GPU clock read then lies
-    in that window, so ``offset_ns`` (GPU minus host at the window's middle) is off by at most half of it
-    (``window_ns``)."""
-    before, gpu, after = min(samples, key=lambda s: s[2] - s[0])
-    return {"offset_ns": gpu - (before + after) // 2, "window_ns": after - before}
-
-
-@functools.cache
-def _clock_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    import gpuclient.triton as tdt
-
-    @triton.jit
-    def read_clock(out):
-        tl.store(out, tdt.globaltimer().to(tl.int64))
-
-    return read_clock
-
-
-def gpu_clock(device: int) -> dict[str, int]:
+def gpu_clock(device: int) -> dict[str, float]:
     """How the GPU's ``%globaltimer`` (the timelines' clock) maps onto the soft fabric trace's
-    (``time.monotonic_ns``): ``clock_offset`` of ``CLOCK_SAMPLES`` one-program launches that read it."""
-    import torch
+    (``time.monotonic_ns``): gpu_bench's ping-pong through mapped host memory (``offset_ns``: GPU minus host;
+    ``error_bound_ns``: half the tightest round trip)."""
+    from benchmarks.gpu_bench import Gpu, calibrate
 
-    kernel = _clock_kernel()
-    out = torch.zeros(1, dtype=torch.int64, device=device)
-    kernel[(1,)](out)  # compiled and loaded before the samples
-    torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(CLOCK_SAMPLES):
-        before = time.monotonic_ns()
-        kernel[(1,)](out)
-        torch.cuda.synchronize(device)
-        after = time.monotonic_ns()
-        samples.append((before, int(out.item()), after))
-    return clock_offset(samples)
+    return calibrate(Gpu(device))
 
 
 def on_trace_us(gpu_ns: Any, clock: dict[str, int], start_ns: int) -> list:
@@ -628,7 +590,7 @@ def on_trace_us(gpu_ns: Any, clock: dict[str, int], start_ns: int) -> list:
     import numpy as np
 
     words = np.asarray(gpu_ns, dtype=np.int64)
-    us = np.round((words - clock["offset_ns"] - start_ns) / 1e3, 1).astype(object)
+    us = np.round((words - int(clock["offset_ns"]) - start_ns) / 1e3, 1).astype(object)
     us[words <= 0] = None
     return us.tolist()
 
