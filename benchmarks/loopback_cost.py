@@ -12,7 +12,7 @@ nothing else running (one soft EFA device, flag words in host memory it reaches 
 as it reaches GPU memory): per write, the post (``end_pass``), post -> reaped (``reap`` called until the
 completion is back, yielding the GIL between calls) and the writer's own ``wait_ns`` (the time its ``post``
 and ``reap`` calls took). A fused kernel's comm launch on efa publishes about 33 flags a daemon
-(docs/performance.md, "What an efa comm launch's workers count").
+(docs/performance-log.md, "What an efa comm launch's workers count").
 """
 
 from __future__ import annotations

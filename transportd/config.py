@@ -274,7 +274,7 @@ class ProxyConfig(Section):
     max_take: Annotated[int, key(
         "Most records a worker takes from one ring in a pass before posting them: fewer publish completions "
         "sooner when many GPU threads each wait for their own record, more drain a backlog in fewer passes "
-        "(docs/performance.md, \"What bounds the sweep\").", ge=MIN_TAKE, le=MAX_TAKE)] = 4096
+        "(docs/performance-log.md, \"What bounds the sweep\").", ge=MIN_TAKE, le=MAX_TAKE)] = 4096
     ring_capacity: Annotated[int, key(
         "Command-ring slots of a channel a client opens without naming a capacity (a power of two).",
         check=_power_of_two, ge=MIN_CHANNEL_CAPACITY, le=MAX_CHANNEL_CAPACITY)] = 4096

@@ -33,7 +33,7 @@ import triton.language as tl
 GEMM_BLOCK = (128, 256, 64)
 
 #: The GEMMs' default tile order: row blocks a group of tiles spans (``tile_at``; 1 is row-major). By
-#: measurement on the H200 (``fused_bench.py --group-m``; docs/performance.md, "GEMM tile order"): with 4 or 8
+#: measurement on the H200 (``fused_bench.py --group-m``; docs/performance-log.md, "GEMM tile order"): with 4 or 8
 #: the compute took 11-32 % less time than row-major at the bench's sizes; 4 is one 512-row chunk of 128-row tiles, so a
 #: chunk's last tile comes as early as in row-major order, where 8 made tiles wait on two chunks at once.
 GROUP_M = 4

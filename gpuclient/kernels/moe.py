@@ -601,7 +601,7 @@ def _pow2(n: int) -> int:
 
 
 #: ``dispatch_gemm``'s default tiles, by the rows a local expert gets under even routing (``max_tokens * topk *
-#: world / num_experts``), tuned on the H200 (docs/performance.md, "MoE's expert GEMM with more rows an expert"):
+#: world / num_experts``), tuned on the H200 (docs/performance-log.md, "MoE's expert GEMM with more rows an expert"):
 #: with a few rows an expert (128 tokens x top-8 over 64 experts: 32) narrow row blocks stream the weights; from
 #: ``MANY_ROWS`` on, a dense GEMM's wide tiles (1.41x the narrow ones at 128 rows, 1.64x at 256).
 GemmTiles = tuple[tuple[int, int, int], int, int]  # (block_m, block_n, block_k), warps, stages

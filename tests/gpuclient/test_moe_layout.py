@@ -486,7 +486,7 @@ def test_the_compiled_tile_deal_carries_its_running_count_through_both_loops(com
     ended (``item``, a running tile count), so a group's odd tiles fall on every program in turn. Written as a
     loop whose lower bound alone read it, Triton 3.6 dropped the count from the step and expert loops: every
     group started at program 0, and on the H200 the first ``tiles % programs`` programs ended about 1 ms after
-    the rest (docs/performance.md, "MoE Dispatch+GEMM's timeline"). Compiled as a launch specializes it, both
+    the rest (docs/performance-log.md, "MoE Dispatch+GEMM's timeline"). Compiled as a launch specializes it, both
     loops still carry an i32."""
     import re
 
