@@ -1,4 +1,5 @@
-"""gpuclient.kernels.MoE on two daemons (ib and efa), two ranks sharing the GPU in one process.
+"""gpuclient.kernels.MoE on two daemons (ib and efa), two ranks sharing the GPU in one process (dispatch and
+combine also with four, two a daemon).
 
 Three rounds of dispatch -> per-expert matmul in torch -> combine, with no flag reset, each on uneven
 routing: a hot expert, an expert no token picks, -1 entries and repeated experts; round 2 sends every token
@@ -60,21 +61,30 @@ def _seeded(seed: int, world: int, experts: int, max_tokens: int, topk: int,
     return np.random.default_rng(seed), torch.Generator(device="cpu").manual_seed(seed), lays, lays[0].local_experts
 
 
-def _round_shape(rnd: int, local: int, experts: int, max_tokens: int) -> tuple[np.ndarray, list[int]]:
+def _round_shape(rnd: int, local: int, experts: int, max_tokens: int,
+                 world: int = 2) -> tuple[np.ndarray, list[int]]:
     """(the experts a round picks from, each rank's token count): round 1 leaves expert 5 unpicked, round 2
-    picks only rank 0's experts (rank 1 receives nothing), round 3 has rank 1 send nothing."""
+    picks only rank 0's experts (the other ranks receive nothing), round 3 has rank 1 send nothing."""
     pickable = {1: np.arange(5), 2: np.arange(local), 3: np.arange(experts)}[rnd]
-    return pickable, ([max_tokens, max_tokens - 7] if rnd < 3 else [max_tokens - 3, 0])
+    if rnd < 3:
+        return pickable, [max_tokens - 7 * r for r in range(world)]
+    return pickable, [max_tokens - 3] + [0] + [max_tokens - r for r in range(2, world)]
 
 
-@pytest.mark.parametrize("fabric", ["ib", "ib-atomic", "ib-fence", "efa", "ib" + DECOUPLED, "efa" + DECOUPLED])
-def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: str) -> None:
-    # hidden 200: no multiple of the 256-wide copy block; 3 local experts per rank; 40 rows per rank at most
-    world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
+# (fabric, world, experts): world 4 is two ranks on each of the two daemons, all four on the GPU
+LL_CASES = [(fabric, 2, 6) for fabric in ("ib", "ib-atomic", "ib-fence", "efa", "ib" + DECOUPLED,
+                                         "efa" + DECOUPLED)] + [("ib", 4, 12), ("efa", 4, 12)]
+
+
+@pytest.mark.parametrize(("fabric", "world", "experts"), LL_CASES)
+def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: str, world: int, experts: int) -> None:
+    # hidden 200: no multiple of the 256-wide copy block; 3 local experts per rank (round 2's top-3 picks among
+    # rank 0's); 40 rows per rank at most
+    max_tokens, topk, hidden = 40, 3, 200
     dev = f"cuda:{cuda_device}"
     rng, gen, lays, local = _seeded(11, world, experts, max_tokens, topk, hidden)
-    with _cluster(world, fabric) as cluster:
-        sessions = _ranks(cluster, "moe-ll", cuda_device)
+    with _cluster(2, fabric) as cluster:
+        sessions = _ranks(cluster, "moe-ll", cuda_device, world)
         try:
             ops, streams = _prepared(sessions, hidden, experts, max_tokens, topk, cuda_device)
             weights_e, w_dev = _expert_weights(gen, experts, hidden, dev)
@@ -87,7 +97,7 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: s
             for rnd in range(1, ROUNDS + 1):
                 # round 1: expert 5 unpicked, expert 1 hot; round 2: only rank 0's experts (rank 1 receives
                 # nothing); round 3: rank 1 sends nothing, int32 indices
-                pickable, tokens = _round_shape(rnd, local, experts, max_tokens)
+                pickable, tokens = _round_shape(rnd, local, experts, max_tokens, world)
                 dtype = np.int64 if rnd < 3 else np.int32
                 idx = [_routing(rng, n, topk, pickable, hot=1, dtype=dtype) for n in tokens]
                 xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in tokens]
