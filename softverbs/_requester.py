@@ -23,7 +23,7 @@ import errno
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from . import _direct
+from . import _direct, _trace
 from . import _wire as w
 from ._ibv import (
     ERR,
@@ -388,6 +388,8 @@ class QPRequester:
         txq = self.txq
         if not txq or self.tx_halted:
             return
+        if _trace.DIR:  # the post's WRs are queued: what follows is framing them (or their departures)
+            _trace.stamp("pump")
         frames: dict[Conn, tuple[list[bytes], list[Any]]] = {}
         dev = self.device
         srd = self.srd

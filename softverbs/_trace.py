@@ -3,7 +3,8 @@
 ``SOFTVERBS_TRACE=DIR`` in a process's environment (inherited by the daemons and rail workers a test or a
 benchmark starts) makes each process append one line a step to ``DIR/trace-<pid>.txt``: ``CLOCK_MONOTONIC``
 nanoseconds (one clock for every process on the host), the pid and the step. The steps stamped: a post call
-on a soft QP (``post``), a frame about to go to its socket (``send <kind>``: 1 a request, 2 a response),
+on a soft QP (``post``), its WRs queued and their transmission starting (``pump``), a frame about to go to its
+socket (``send <kind>``: 1 a request, 2 a response),
 bytes read from one (``read``), a run of copies into device memory issued (``copy <pieces>``), inbound bytes
 placed (``placed``), completions taken by a poll (``polled``);
 a caller adds its own (``fabric_bench --latency --trace`` stamps ``start`` before each write and ``done``

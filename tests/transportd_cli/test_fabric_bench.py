@@ -88,7 +88,10 @@ def test_a_traced_latency_run_summarizes_the_steps_of_every_process(tmp_path: Pa
     names = [s["step"].split("#")[0] for s in steps]
     assert names[-1] == "p0:done" and steps[-1]["n"] == 9  # 10 writes, the first left out
     firsts = {s["step"].split(":", 1)[1] for s in steps if s["step"].endswith("#1") and s["n"] == 9}
-    assert {"post#1", "send 1#1", "read#1", "placed#1", "send 2#1", "polled#1"} <= firsts
+    assert {"post#1", "pump#1", "send 1#1", "read#1", "placed#1", "send 2#1", "polled#1"} <= firsts
+    at = {s["step"]: s["median_us"] for s in steps}
+    sender = next(n.split(":")[0] for n in at if n.endswith(":post#1"))
+    assert at[f"{sender}:post#1"] <= at[f"{sender}:pump#1"] <= at[f"{sender}:send 1#1"]  # one post, in order
     assert len({n.split(":")[0] for n in names}) >= 3  # this process, the sending and the receiving worker
     assert "| step | n | median | p10 |" in result.output
 
