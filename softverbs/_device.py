@@ -39,6 +39,7 @@ import errno
 import heapq
 import itertools
 import logging
+import math
 import os
 import random
 import selectors
@@ -679,7 +680,15 @@ class SoftDevice:
                             self.stats["io_spin_ready"] += 1
                         elif timeout is not None:
                             timeout = max(0.0, timeout - (time.monotonic_ns() - now_ns) / 1e9)
-                events = sel.select(timeout)
+                if _trace.DIR and epfd >= 0 and timeout != 0.0:
+                    # traced: sleep in an epoll wait that says when the set became ready before the GIL is taken
+                    # back (``ready``), then take the events; a trace then tells the wait for the GIL apart
+                    ready = _spin.wait_ready(epfd, -1 if timeout is None else max(1, math.ceil(timeout * 1e3)))
+                    if ready:
+                        _trace.stamp("ready", ready)
+                    events = sel.select(0)
+                else:
+                    events = sel.select(timeout)
             except OSError:
                 if not self._running:
                     return

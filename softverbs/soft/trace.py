@@ -1,7 +1,8 @@
 """Summaries of ``SOFTVERBS_TRACE`` files (`softverbs._trace`): where a message's time goes, step by step.
 
 A caller stamps ``start <label>`` before each message it times and ``done`` after it; every process of the
-fabric stamps its own steps in between. `summarize` splits the merged stamps into cycles at each ``start``
+fabric stamps its own steps in between (what any process stamps after the starter's ``done``, an I/O thread's
+later wake-up say, belongs to no cycle). `summarize` splits the merged stamps into cycles at each ``start``
 and gives, per label, each step's median and 10th-percentile time from its cycle's start. A step is named
 ``p<i>:<step>#<n>``: the i-th process to stamp in that label's cycles (p0 is the one that stamps ``start``),
 its n-th such step in the cycle.
@@ -39,6 +40,8 @@ def summarize(directory: str | Path, skip: int = 0) -> dict[str, list[dict[str, 
             cycles[step.partition(" ")[2]].append(current)
         elif current is not None:
             current.append((ns, pid, step))
+            if step == "done" and pid == current[0][1]:  # what comes after its done belongs to no cycle
+                current = None
     out: dict[str, list[dict[str, Any]]] = {}
     for label, runs in cycles.items():
         runs = runs[skip:]

@@ -43,6 +43,29 @@ def test_wait_readable_returns_when_a_descriptor_is_ready_and_leaves_the_event()
         _spin.wait_readable(epfd, 1000)  # a closed epoll set (EBADF)
 
 
+def test_wait_ready_sleeps_until_a_descriptor_is_ready_and_says_when_before_taking_the_gil() -> None:
+    ep = select.epoll()
+    epfd = ep.fileno()
+    r, w = os.pipe()
+    try:
+        ep.register(r, select.EPOLLIN)
+        start = time.monotonic()
+        assert _spin.wait_ready(epfd, 20) == 0  # nothing ready: the timeout, then 0
+        assert time.monotonic() - start >= 0.019
+        wrote: list[int] = []
+        threading.Timer(0.01, lambda: (wrote.append(time.monotonic_ns()), os.write(w, b"x"))).start()
+        at = _spin.wait_ready(epfd, -1)
+        back = time.monotonic_ns()
+        assert wrote and wrote[0] <= at <= back  # ready once written, read before the call returned
+        assert ep.poll(0) == [(r, select.EPOLLIN)], "the selector still sees the event"
+    finally:
+        ep.close()
+        os.close(r)
+        os.close(w)
+    with pytest.raises(OSError):
+        _spin.wait_ready(epfd, 0)  # a closed epoll set (EBADF)
+
+
 def _ready(*pairs: Any) -> int:
     return sum(soft.device_stats(p.ctx.name)["io_spin_ready"] for p in pairs)
 

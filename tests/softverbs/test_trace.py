@@ -20,6 +20,7 @@ def test_summarize_times_each_step_from_its_cycles_start_and_names_processes_in_
         lines[9].append(f"{t0 + 50_000} 9 read")
         lines[9].append(f"{t0 + 60_000} 9 read")  # a second read in the same cycle: read#2
         lines[7].append(f"{t0 + 90_000} 7 done")
+        lines[9].append(f"{t0 + 95_000} 9 ready")  # after the starter's done: in no cycle
     lines[7].append("4000000 7 start efa:y:1")
     lines[7].append("4005000 7 done")
     for pid, text in lines.items():
@@ -51,18 +52,25 @@ def test_a_traced_write_stamps_its_frame_its_reads_and_its_placement_and_an_untr
             (wc,) = poll(a.client.cq, timeout=30)
             assert wc.status == e.IBV_WC_SUCCESS
 
-        write()  # the connection is up before the traced write
+        write()  # the connection is up before the traced writes
         monkeypatch.setattr(_trace, "DIR", str(tmp_path))
+        write()  # the I/O threads were asleep in an untraced wait: from their next one on, they stamp it
         write()
         monkeypatch.setattr(_trace, "DIR", None)
         write()
-    steps = [step for _, _, step in read(tmp_path)]
-    # this process holds both devices: the request frame, the responder's read and placement, the ack's frame and
-    # its read by the requester; nothing after tracing went off
-    assert steps[0] == "send 1" and "placed" in steps and steps.count("read") >= 2
-    assert steps.index("placed") < len(steps) - 1 - steps[::-1].index("read")
-    assert all(s in ("send 1", "send 2", "read", "placed") for s in steps)
-    assert len(steps) <= 8
+    stamps = read(tmp_path)
+    steps = [step for _, _, step in stamps]
+    # this process holds both devices: the post's WRs queued, the request frame, the responder's read and
+    # placement, the ack's frame and its read by the requester; nothing after tracing went off
+    assert steps[0] == "pump" and steps.count("pump") == 2
+    assert all(s in ("pump", "send 1", "send 2", "ready", "read", "placed") for s in steps)
+    second = steps[len(steps) - 1 - steps[::-1].index("pump"):]
+    sent = second.index("send 1")
+    got = second.index("read", sent)  # the responder's read of the request
+    assert "placed" in second[got:] and second.index("send 2") > second.index("placed", got)
+    # by the second write the I/O threads wait through the traced epoll wait, which stamps when it returns
+    assert "ready" in second and second.index("pump") < sent
+    assert len(steps) <= 24
 
 
 def test_a_trace_directory_that_cannot_be_written_turns_tracing_off_and_the_write_still_lands(
