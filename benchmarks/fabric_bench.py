@@ -27,7 +27,8 @@ and the NIC model, not the direct copy (host writes always cross the wire).
 ``--latency BYTES,...`` times one write at a time instead (a PUT, then a QUIET: placed and acknowledged),
 ``--writes`` of each size, beside the NIC model's least and the receiver's direct copy (``latency_row``);
 ``--trace DIR`` also has every process stamp each write's steps (``SOFTVERBS_TRACE``, `softverbs._trace`)
-and puts their medians in the JSON (`softverbs.soft.trace.summarize`).
+and puts their medians in the JSON (`softverbs.soft.trace.summarize`), with each process's I/O thread's
+waits from an epoll return to its read, the GIL's among them (``ready_waits``, `softverbs.soft.trace.ready_waits`).
 
 ``--burst GROUPS,BYTES`` sends what a MoE dispatch sends instead (``burst_row``): each round both ranks push the
 other, in one ring push each, a count row put_signal, GROUPS put_signals of BYTES (each its own flag), a
@@ -512,14 +513,19 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         mps.stop()
     click.echo(mps_line)
     trace: dict[str, Any] = {}
+    waits: dict[int, Any] = {}  # --trace: each process's I/O thread, from a wait's return to its read
     if latency_sizes or burst:
         click.echo(burst_table(results) if burst else latency_table(results))
         met = {}
         if trace_dir:
-            from softverbs.soft.trace import summarize
+            from softverbs.soft.trace import ready_waits, summarize
 
             trace = summarize(trace_dir, skip=0 if burst else writes // 10)  # a burst's warm-up is not stamped
             click.echo(trace_table(trace))
+            waits = ready_waits(trace_dir)
+            for pid, w in waits.items():
+                click.echo(f"pid {pid}: ready -> read p50 {w['p50_us']} us, p90 {w['p90_us']} us; {w['slow']} of "
+                           f"{w['n']} over 50 us, {w['slow_in_own_post']} of those during its own post")
     else:
         click.echo(table(results))
         met = verdict(results)
@@ -528,7 +534,7 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line,
                                                "io_spin_us": io_spin_us, "nic_spin_us": nic_spin_us,
                                                "post_now": post_now,
-                                               **({"trace": trace} if trace else {})},
+                                               **({"trace": trace, "ready_waits": waits} if trace else {})},
                                               indent=2))
 
 

@@ -1583,9 +1583,10 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     click.echo(table(rows))
     save(mps_line)
     if trace_dir:
-        from softverbs.soft.trace import steps
+        from softverbs.soft.trace import ready_waits, steps
 
         (Path(trace_dir) / "steps.json").write_text(json.dumps(steps(trace_dir)))
+        (Path(trace_dir) / "ready_waits.json").write_text(json.dumps(ready_waits(trace_dir)))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read", "steps", "summarize"]
+__all__ = ["read", "ready_waits", "steps", "summarize"]
 
 
 def read(directory: str | Path) -> list[tuple[int, int, str]]:
@@ -81,3 +81,47 @@ def steps(directory: str | Path) -> dict[str, dict[str, dict[str, list[float]]]]
             if step == "done" and pid == owner:
                 label = None
     return out
+
+
+#: a read this long after its thread's ``ready`` counts as a wait (the loop's own Python is ~10-20 µs)
+SLOW_READ_US = 50.0
+
+
+def ready_waits(directory: str | Path) -> dict[int, dict[str, float | int]]:
+    """Per process, how long its I/O thread took from an epoll wait's return (``ready``, stamped before the GIL is
+    taken back) to the ``read`` that followed: the wait for the GIL plus the loop's Python. ``{pid: {"n",
+    "p50_us", "p90_us", "slow", "slow_in_own_post"}}``: ``slow`` of them took over ``SLOW_READ_US``, and
+    ``slow_in_own_post`` of those overlapped a post of the same process (from its ``post`` to the last ``send 1``
+    before its next post), which held the GIL meanwhile. Processes with no such pair are left out."""
+    per: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for ns, pid, step in read(directory):
+        per[pid].append((ns, step))
+    out: dict[int, dict[str, float | int]] = {}
+    for pid, seq in per.items():
+        posts: list[list[int]] = []  # [post, its last request frame] (the stamps are in time order)
+        pairs = []  # (ready, the read after it)
+        ready = None
+        for ns, step in seq:
+            if step == "post":
+                posts.append([ns, ns])
+            elif step == "send 1" and posts:
+                posts[-1][1] = ns
+            elif step == "ready":
+                ready = ns
+            elif step == "read" and ready is not None:
+                pairs.append((ready, ns))
+                ready = None
+        gaps, slow_in_post, first = [], 0, 0
+        for ready_ns, read_ns in pairs:
+            gap = (read_ns - ready_ns) / 1e3
+            gaps.append(gap)
+            while first < len(posts) and posts[first][1] < ready_ns:
+                first += 1  # posts that ended before this wait began overlap no later one either
+            if gap > SLOW_READ_US and any(a <= read_ns for a, _ in posts[first:first + 8]):
+                slow_in_post += 1
+        if gaps:
+            out[pid] = {"n": len(gaps), "p50_us": round(statistics.median(gaps), 1),
+                        "p90_us": round(sorted(gaps)[int(0.9 * (len(gaps) - 1))], 1),
+                        "slow": sum(g > SLOW_READ_US for g in gaps), "slow_in_own_post": slow_in_post}
+    return out
+

@@ -99,6 +99,11 @@ def test_a_traced_latency_run_summarizes_the_steps_of_every_process(tmp_path: Pa
     assert at[f"{sender}:post#1"] <= at[f"{sender}:pump#1"] <= at[f"{sender}:send 1#1"]  # one post, in order
     assert len({n.split(":")[0] for n in names}) >= 3  # this process, the sending and the receiving worker
     assert "| step | n | median | p10 |" in result.output
+    # both workers' I/O threads read frames after waits (the requests, their acknowledgements; one still busy
+    # when the next frame came reads it without a wait)
+    waits = json.loads(out.read_text())["ready_waits"]
+    assert len(waits) == 2 and all(1 <= w["n"] <= 40 and w["slow"] <= w["n"] for w in waits.values()), waits
+    assert "ready -> read p50" in result.output
 
 
 @pytest.mark.multiprocess
