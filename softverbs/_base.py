@@ -7,12 +7,14 @@ from typing import Any
 
 
 class SoftObject:
-    """Like PyverbsObject: carries a logger whose level can be set."""
+    """Like PyverbsObject: carries a logger whose level can be set (looked up on first use: an SGE or a WR is
+    made per post, and ``logging.getLogger`` takes a lock)."""
 
-    __slots__ = ("__weakref__", "_logger")
+    __slots__ = ("__weakref__",)
 
-    def __init__(self) -> None:
-        self._logger = logging.getLogger(type(self).__name__)
+    @property
+    def _logger(self) -> logging.Logger:
+        return logging.getLogger(type(self).__name__)
 
     def set_log_level(self, val: int) -> None:
         self._logger.setLevel(val)
