@@ -96,7 +96,10 @@ def post_wr_batch(qp: Any, wrs: bytes | np.ndarray) -> int:
     except BaseException:
         core.wr_abort()
         raise
-    return core.wr_complete()
+    err = core.wr_complete()
+    if _trace.DIR:  # the post's end: what it held the GIL for ends here (`softverbs.soft.trace.ready_waits`)
+        _trace.stamp("posted")
+    return err
 
 
 def poll_wc_batch(cq: Any, max_entries: int) -> np.ndarray:

@@ -91,20 +91,20 @@ def ready_waits(directory: str | Path) -> dict[int, dict[str, float | int]]:
     """Per process, how long its I/O thread took from an epoll wait's return (``ready``, stamped before the GIL is
     taken back) to the ``read`` that followed: the wait for the GIL plus the loop's Python. ``{pid: {"n",
     "p50_us", "p90_us", "slow", "slow_in_own_post"}}``: ``slow`` of them took over ``SLOW_READ_US``, and
-    ``slow_in_own_post`` of those overlapped a post of the same process (from its ``post`` to the last ``send 1``
-    before its next post), which held the GIL meanwhile. Processes with no such pair are left out."""
+    ``slow_in_own_post`` of those overlapped a batch post of the same process (from its ``post`` to its
+    ``posted``), which held the GIL meanwhile. Processes with no such pair are left out."""
     per: dict[int, list[tuple[int, str]]] = defaultdict(list)
     for ns, pid, step in read(directory):
         per[pid].append((ns, step))
     out: dict[int, dict[str, float | int]] = {}
     for pid, seq in per.items():
-        posts: list[list[int]] = []  # [post, its last request frame] (the stamps are in time order)
+        posts: list[list[int]] = []  # [post, posted] (the stamps are in time order; one posting thread)
         pairs = []  # (ready, the read after it)
         ready = None
         for ns, step in seq:
             if step == "post":
                 posts.append([ns, ns])
-            elif step == "send 1" and posts:
+            elif step == "posted" and posts:
                 posts[-1][1] = ns
             elif step == "ready":
                 ready = ns

@@ -110,11 +110,12 @@ def test_steps_lists_every_stamp_of_a_labels_last_cycle_until_its_done(tmp_path:
 
 def test_ready_waits_time_each_read_from_its_threads_wake_and_tell_the_ones_inside_a_post(tmp_path: Path) -> None:
     """Process 5: a read 10 µs after its wake, one 200 µs after (while the process posted: 150 -> 400 µs), one
-    90 µs after with no post then; a wake followed by another (a timer) pairs nothing. Process 6 never reads."""
+    90 µs after with no post then (a request its I/O thread sent meanwhile is no post); a wake followed by
+    another (a timer) pairs nothing. Process 6 never reads."""
     us = 1_000
     lines = {5: [(0, "ready"), (10, "read"), (100, "ready"), (150, "post"), (250, "pump"), (300, "read"),
-                 (400, "send 1"), (1000, "ready"), (1050, "ready"), (1140, "read"), (2000, "post"),
-                 (2100, "send 1")],
+                 (400, "posted"), (1000, "ready"), (1050, "ready"), (1100, "send 1"), (1140, "read"), (2000, "post"),
+                 (2100, "posted")],
              6: [(5, "ready"), (7, "send 2")]}
     for pid, stamps in lines.items():
         (tmp_path / f"trace-{pid}.txt").write_text("".join(f"{t * us} {pid} {step}\n" for t, step in stamps))
