@@ -21,47 +21,50 @@ def provider() -> Any:
     return open_provider("soft")
 
 
-def test_wait_readable_returns_when_a_descriptor_is_ready_and_leaves_the_event() -> None:
+@pytest.fixture
+def pipe_set() -> Any:
+    """An epoll set watching a pipe's read end: ``(the set, read end, write end)``; the set is closed after the
+    test body (a test may close it first, to call on a closed set)."""
     ep = select.epoll()
-    epfd = ep.fileno()
     r, w = os.pipe()
+    ep.register(r, select.EPOLLIN)
     try:
-        ep.register(r, select.EPOLLIN)
-        start = time.monotonic()
-        assert _spin.wait_readable(ep.fileno(), 20_000_000) is False  # nothing ready: the whole spin
-        assert time.monotonic() - start >= 0.019
-        threading.Timer(0.01, os.write, (w, b"x")).start()
-        start = time.monotonic()
-        assert _spin.wait_readable(ep.fileno(), 5_000_000_000) is True  # ready within the spin: at once
-        assert time.monotonic() - start < 2.0
-        assert ep.poll(0) == [(r, select.EPOLLIN)], "the selector still sees the event"
+        yield ep, r, w
     finally:
         ep.close()
         os.close(r)
         os.close(w)
+
+
+def test_wait_readable_returns_when_a_descriptor_is_ready_and_leaves_the_event(pipe_set) -> None:
+    ep, r, w = pipe_set
+    start = time.monotonic()
+    assert _spin.wait_readable(ep.fileno(), 20_000_000) is False  # nothing ready: the whole spin
+    assert time.monotonic() - start >= 0.019
+    threading.Timer(0.01, os.write, (w, b"x")).start()
+    start = time.monotonic()
+    assert _spin.wait_readable(ep.fileno(), 5_000_000_000) is True  # ready within the spin: at once
+    assert time.monotonic() - start < 2.0
+    assert ep.poll(0) == [(r, select.EPOLLIN)], "the selector still sees the event"
+    epfd = ep.fileno()
+    ep.close()
     with pytest.raises(OSError):
         _spin.wait_readable(epfd, 1000)  # a closed epoll set (EBADF)
 
 
-def test_wait_ready_sleeps_until_a_descriptor_is_ready_and_says_when_before_taking_the_gil() -> None:
-    ep = select.epoll()
+def test_wait_ready_sleeps_until_a_descriptor_is_ready_and_says_when_before_taking_the_gil(pipe_set) -> None:
+    ep, r, w = pipe_set
+    start = time.monotonic()
+    assert _spin.wait_ready(ep.fileno(), 20) == 0  # nothing ready: the timeout, then 0
+    assert time.monotonic() - start >= 0.019
+    wrote: list[int] = []
+    threading.Timer(0.01, lambda: (wrote.append(time.monotonic_ns()), os.write(w, b"x"))).start()
+    at = _spin.wait_ready(ep.fileno(), -1)
+    back = time.monotonic_ns()
+    assert wrote and wrote[0] <= at <= back  # ready once written, read before the call returned
+    assert ep.poll(0) == [(r, select.EPOLLIN)], "the selector still sees the event"
     epfd = ep.fileno()
-    r, w = os.pipe()
-    try:
-        ep.register(r, select.EPOLLIN)
-        start = time.monotonic()
-        assert _spin.wait_ready(epfd, 20) == 0  # nothing ready: the timeout, then 0
-        assert time.monotonic() - start >= 0.019
-        wrote: list[int] = []
-        threading.Timer(0.01, lambda: (wrote.append(time.monotonic_ns()), os.write(w, b"x"))).start()
-        at = _spin.wait_ready(epfd, -1)
-        back = time.monotonic_ns()
-        assert wrote and wrote[0] <= at <= back  # ready once written, read before the call returned
-        assert ep.poll(0) == [(r, select.EPOLLIN)], "the selector still sees the event"
-    finally:
-        ep.close()
-        os.close(r)
-        os.close(w)
+    ep.close()
     with pytest.raises(OSError):
         _spin.wait_ready(epfd, 0)  # a closed epoll set (EBADF)
 
