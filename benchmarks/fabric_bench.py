@@ -99,6 +99,29 @@ class HostBuffer:
         pass
 
 
+def buffer_type(buffers: str) -> Any:
+    """The buffer class of ``--buffers``: GPU memory (``DeviceMemory``), or a ``HostBuffer``."""
+    if buffers == "gpu":
+        from gpuclient.cuda_memory import DeviceMemory
+
+        return DeviceMemory
+    return HostBuffer
+
+
+def registrable(buf: Any) -> Any:
+    """What ``session.register`` takes for a buffer of ``buffer_type``: GPU memory itself, a host buffer's array."""
+    return buf.array if isinstance(buf, HostBuffer) else buf
+
+
+def exchange_all(sessions: list[Any]) -> None:
+    """Every session publishes its regions and flags, then waits until the job is wired (several ranks in one
+    process: none may wait before all have published)."""
+    for s in sessions:
+        s.exchange(wait=False)
+    for s in sessions:
+        s.exchange(timeout=60)
+
+
 def _cluster_config(shape: str, nic: dict[str, float] | None, copy_via: str, io_spin_s: float,
                     nic_spin_s: float | None) -> tuple[dict[str, float], dict[str, Any]]:
     """The NIC model of ``shape`` (``nic`` where given) and the daemons' config overrides for a row."""
@@ -166,11 +189,7 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
-    if buffers == "gpu":
-        from gpuclient.cuda_memory import DeviceMemory as Buffer
-    else:
-        Buffer = HostBuffer  # noqa: N806
-
+    Buffer = buffer_type(buffers)  # noqa: N806
     nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s)
     nbytes = slots * chunk
     rng = np.random.default_rng(len(backend) * 7 + len(shape))
@@ -182,13 +201,10 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
         try:
             image = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
             src.write(0, image)
-            r_src, r_dst = (s0.register(src), s1.register(dst)) if buffers == "gpu" else \
-                (s0.register(src.array), s1.register(dst.array))
+            r_src, r_dst = s0.register(registrable(src)), s1.register(registrable(dst))
             for s in (s0, s1):
                 s.flags(8)
-                s.exchange(wait=False)
-            s0.exchange(timeout=60)
-            s1.exchange(timeout=60)
+            exchange_all([s0, s1])
             ch = s0.channel(4096)
 
             def burst(n: int) -> float:
@@ -283,10 +299,7 @@ def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: i
     from softverbs import _trace
     from transportd_cli.localcluster import LocalCluster
 
-    if buffers == "gpu":
-        from gpuclient.cuda_memory import DeviceMemory as Buffer
-    else:
-        Buffer = HostBuffer  # noqa: N806
+    Buffer = buffer_type(buffers)  # noqa: N806
     nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s)
     half = BURST_GROUPS_OFFSET + groups * group_bytes
     flags = groups + 2
@@ -300,12 +313,9 @@ def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: i
             images = [rng.integers(0, 256, half, dtype=np.uint8).tobytes() for _ in range(2)]
             for buf, image in zip(bufs, images, strict=True):
                 buf.write(0, image)
-            regions = [s.register(b if buffers == "gpu" else b.array) for s, b in zip(sessions, bufs, strict=True)]
+            regions = [s.register(registrable(b)) for s, b in zip(sessions, bufs, strict=True)]
             arrays = [s.flags(flags, where="host") for s in sessions]
-            for s in sessions:
-                s.exchange(wait=False)
-            for s in sessions:
-                s.exchange(timeout=60)
+            exchange_all(sessions)
             channels = [s.channel(4096) for s in sessions]
             records = [burst_records(1 - r, regions[r].id, regions[1 - r].id, groups, group_bytes, half, post_now)
                        for r in range(2)]

@@ -117,7 +117,7 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fabric_bench import SHAPES  # noqa: E402
+from benchmarks.fabric_bench import SHAPES, exchange_all  # noqa: E402
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
 from transportd_cli.cli_options import FiniteFloat, io_spin_us_option, nic_spin_us_option  # noqa: E402
 
@@ -331,13 +331,6 @@ def _sessions(backend: str, shape: str, job: str, device: int,
                 c.close()
 
 
-def _exchange(sessions: list[Any]) -> None:
-    for s in sessions:
-        s.exchange(wait=False)
-    for s in sessions:
-        s.exchange(timeout=60)
-
-
 def _ready(ops: list[Any]) -> None:
     """Every variant of every rank's op loaded before any launch: the ranks share this process."""
     for op in ops:
@@ -371,7 +364,7 @@ def allgather_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: in
     order = {} if group_m is None else {"group_m": group_m}
     ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=WORLD, programs=PROGRAMS, **order)
            for s in sessions]
-    _exchange(sessions)
+    exchange_all(sessions)
     _ready(ops)
     shards = [_randn(gen, m_local, k, device=device) for _ in ops]
     bs = [_randn(gen, k, n, device=device) for _ in ops]
@@ -410,7 +403,7 @@ def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen:
     order = {} if group_m is None else {"group_m": group_m}
     ops = [cls(s, m, n, k, chunk_rows=chunk_rows, share=WORLD, out_dtype=out_dtype,
                programs=PROGRAMS or SPINNING_PROGRAMS, **order) for s in sessions]
-    _exchange(sessions)
+    exchange_all(sessions)
     _ready(ops)
     a = [_randn(gen, m, k, device=device) for _ in ops]
     b = [_randn(gen, k, n, device=device) for _ in ops]
@@ -463,7 +456,7 @@ def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: in
 
     ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, comm_programs=4, share=WORLD,
                          programs=PROGRAMS or SPINNING_PROGRAMS, tma=bool(tma)) for s in sessions]
-    _exchange(sessions)
+    exchange_all(sessions)
     _ready(ops)
     q, k, v = ([_randn(gen, heads, seq_local, head_dim, device=device) for _ in ops] for _ in range(3))
     outs = [torch.empty(heads, seq_local, head_dim, dtype=torch.float32, device=f"cuda:{device}") for _ in ops]
@@ -830,7 +823,7 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
     gen = torch.Generator(device="cpu").manual_seed(7)
     with _sessions(backend, shape, "fused-bench-moe", device, config) as (clients, sessions):
         ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, fp8=fp8) for s in sessions]
-        _exchange(sessions)
+        exchange_all(sessions)
         for op in ops:
             op.prepare()
         streams = [torch.cuda.Stream(device) for _ in ops]
@@ -913,7 +906,7 @@ class _MoeGemm:
         self.ops = ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, gemm_n=gemm_n,
                               gemm_programs=PROGRAMS or SPINNING_PROGRAMS, experts_per_put=experts_per_put)
                           for s in sessions]
-        _exchange(sessions)
+        exchange_all(sessions)
         for op in ops:
             op.prepare()
         self.preload()
