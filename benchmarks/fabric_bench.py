@@ -122,15 +122,24 @@ def exchange_all(sessions: list[Any]) -> None:
         s.exchange(timeout=60)
 
 
-def _cluster_config(shape: str, nic: dict[str, float] | None, copy_via: str, io_spin_s: float,
-                    nic_spin_s: float | None) -> tuple[dict[str, float], dict[str, Any]]:
-    """The NIC model of ``shape`` (``nic`` where given) and the daemons' config overrides for a row."""
-    nic = SHAPES.get(shape, {}) if nic is None else nic
-    softverbs: dict[str, Any] = {"direct_copy": shape != "wire", "direct_copy_via": copy_via, "io_spin_s": io_spin_s,
+def daemon_config(nic: dict[str, float], direct_copy: bool, copy_via: str, io_spin_s: float,
+                  nic_spin_s: float | None) -> dict[str, Any]:
+    """The config overrides a benchmark's daemons run with: the soft fabric shaped by ``nic`` (NIC-model keys;
+    empty: unshaped), its direct copies on or off and placed ``copy_via``, its I/O threads awake ``io_spin_s``,
+    ``nic_spin_s`` (None: the default), and a heartbeat timeout that survives a loaded host."""
+    softverbs: dict[str, Any] = {"direct_copy": direct_copy, "direct_copy_via": copy_via, "io_spin_s": io_spin_s,
                                  **nic}
     if nic_spin_s is not None:
         softverbs["nic_spin_s"] = nic_spin_s
-    return nic, {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
+    return {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
+
+
+def _cluster_config(shape: str, nic: dict[str, float] | None, copy_via: str, io_spin_s: float,
+                    nic_spin_s: float | None) -> tuple[dict[str, float], dict[str, Any]]:
+    """The NIC model of ``shape`` (``nic`` where given) and the daemons' config for a row ("wire": direct copies
+    off)."""
+    nic = SHAPES.get(shape, {}) if nic is None else nic
+    return nic, daemon_config(nic, shape != "wire", copy_via, io_spin_s, nic_spin_s)
 
 
 def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, buffers: str, sizes: list[int],

@@ -117,7 +117,7 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fabric_bench import SHAPES, exchange_all  # noqa: E402
+from benchmarks.fabric_bench import SHAPES, daemon_config, exchange_all  # noqa: E402
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
 from transportd_cli.cli_options import FiniteFloat, io_spin_us_option, nic_spin_us_option  # noqa: E402
 
@@ -297,10 +297,7 @@ def daemon_overrides(backend: str, shape: str, config: dict[str, Any] | None = N
     """The config the bench's daemons run with: the soft fabric shaped as ``shape``, this run's options
     (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--poll-window-us``, ``--publication``), and
     ``config``'s sections on top."""
-    softverbs = {"direct_copy": True, "direct_copy_via": COPY_VIA, "io_spin_s": IO_SPIN_S, **SHAPES.get(shape, {})}
-    if NIC_SPIN_S is not None:
-        softverbs["nic_spin_s"] = NIC_SPIN_S
-    overrides: dict[str, Any] = {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
+    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S)
     if POLL_WINDOW_US is not None:
         overrides["proxy"] = {"poll_window_us": POLL_WINDOW_US}
     if PUBLICATION != "auto" and backend == "efa":
@@ -577,7 +574,7 @@ def gpu_clock(device: int) -> dict[str, float]:
     return calibrate(Gpu(device))
 
 
-def on_trace_us(gpu_ns: Any, clock: dict[str, int], start_ns: int) -> list:
+def on_trace_us(gpu_ns: Any, clock: dict[str, float], start_ns: int) -> list:
     """GPU timeline words (%globaltimer ns, 0: no event) as µs from a traced cycle's start on the trace's clock,
     the shape kept, None where no event."""
     import numpy as np
@@ -678,11 +675,11 @@ def moe_timeline_runs(moe: Any, label: str = "moe_dispatch_gemm") -> dict[str, A
     soft fabric's steps of the same launch in ``steps.json``."""
     import torch
 
+    from softverbs import _trace
+
     for kw in TIMELINE_MODES.values():
         for op in moe.ops:
             op.preload_gemm(timeline=True, **kw)
-    from softverbs import _trace
-
     clock = gpu_clock(moe.ops[0].device) if _trace.DIR else None
     out: dict[str, Any] = {}
     for mode, kw in TIMELINE_MODES.items():
