@@ -14,20 +14,21 @@ dispatch round e
                       handle words; then the block's rows copied from x into the registered ``send_x``, so
                       this rank's rows for one expert are contiguous there (expert-major, ``T*K`` rows at most;
                       with ``fp8`` quantized on the way: H e4m3 bytes and H/128 fp32 scales a row).
-  2. ``_moe_send``    program 0 put_signals this rank's count row to every peer (``count_slot + rank``); every
-                      program waits for every peer's counts, derives where each block lands (the exclusive sum
-                      of the lower ranks' counts for the expert) and puts each remote expert's block in one put
-                      (a block past the largest put, ``put_rows`` rows, goes in pieces), and the handle words of
-                      each peer's experts in one put into its ``src_stage``; blocks for this rank are copied.
-  3. ``_moe_finish``  one SIGNAL per peer (``dispatch_slot + rank``: it covers every earlier put of this
-                      channel to the peer), a wait for every peer's, then the per-expert receive counts and each
-                      peer's staged handle words scattered into ``recv_src``.
+  2. ``_moe_dispatch`` every program sends: program 0 put_signals this rank's count row to every peer
+                      (``count_slot + rank``); every program waits for every peer's counts, derives where each
+                      block lands (the exclusive sum of the lower ranks' counts for the expert) and puts each
+                      remote expert's block in one put (a block past the largest put, ``put_rows`` rows, goes in
+                      pieces), and the handle words of each peer's experts in one put into its ``src_stage``;
+                      blocks for this rank are copied. Then the last program to finish its pushes sends one
+                      SIGNAL per peer (``dispatch_slot + rank``: it covers every earlier put of this channel to
+                      the peer), waits for every peer's, writes the per-expert receive counts and scatters
+                      each peer's staged handle words into ``recv_src``.
 combine round e
-  4. ``_moe_combine_send``   each (local expert, source) block of y, contiguous in recv_x's layout, as one put to
+  3. ``_moe_combine_send``   each (local expert, source) block of y, contiguous in recv_x's layout, as one put to
                              the source's ``combine_buf`` at the source's stage rows for the expert (``eoff``
                              from the source's count row, which every rank holds; copied into the registered
                              ``send_y`` first: puts read registered memory only).
-  5. ``_moe_combine_reduce`` one SIGNAL per peer (``combine_slot + rank``), a wait for every peer's, then the
+  4. ``_moe_combine_reduce`` one SIGNAL per peer (``combine_slot + rank``), a wait for every peer's, then the
                              weighted sum in fp32 per token, entry (t, k) read from its stage row.
 
 So a dispatch pushes each peer its count row, one put per expert with rows there, one of the handle words
@@ -37,7 +38,7 @@ On efa a SIGNAL covers only the writes since the connection's previous signal: b
 before program 0's count put_signal are covered by the count flag instead, which the receiver waits for
 before the dispatch flag, so every block is covered by a flag the receiver waited for.
 
-dispatch_gemm round e (``gemm_n`` set): ``_moe_route``, then ``_moe_dispatch_gemm`` in place of 2 and 3, one
+dispatch_gemm round e (``gemm_n`` set): ``_moe_route``, then ``_moe_dispatch_gemm`` in place of 2, one
 persistent launch split by role. Its first ``comm_programs`` programs push each peer its rows at once (no wait
 for the peers' counts: our own counts place them in our slice of the peer's ``gemm_stage``), peer by peer in
 ring order, each peer served by one program (``(step - 1) % comm_programs``), in *groups* of ``experts_per_put``
@@ -73,6 +74,9 @@ after every put of the group in the ring. The price: ``2 + groups`` signals per 
 No host sync, no host loop over tokens: the counts go GPU to GPU and every buffer has its worst-case size.
 Every wait is for something its peer pushes in the same-numbered kernel before that kernel waits, and no
 kernel waits for a later one, so two ranks progress as long as both grids are resident at once (``share``).
+And no call queues a kernel behind one of its own that waits (the kernel before a waiting one waits for
+nothing): ranks sharing a process launch on streams that may share a hardware work queue (under MPS a client
+gets few), where a kernel waiting for its stream's waiting kernel would hold back a peer's launch behind it.
 Flags are monotonic (ADD 1 per round, round e waits for e; a group flag per fused round); nothing is
 reset. Buffer reuse between rounds
 needs no release flags: each round's dispatch and combine form a round trip with every peer (see the reuse
@@ -251,10 +255,37 @@ def _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W: tl.constex
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
-def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, count_region,
-              recv_region, src_stage_region, send_x_region, send_src_region, count_slot, W: tl.constexpr,
-              E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, ROW: tl.constexpr, ROW_BYTES: tl.constexpr,
-              COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr):
+def _moe_dispatch(ch, epoch, rank, done_ptr, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr,
+                  src_stage_ptr, recv_count_ptr, layout_ptr, count_region, recv_region, src_stage_region, send_x_region,
+                  send_src_region, count_slot, dispatch_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+                  T: tl.constexpr, ROW: tl.constexpr, ROW_BYTES: tl.constexpr, COPY_ROWS: tl.constexpr,
+                  BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, LP: tl.constexpr,
+                  WP: tl.constexpr, BLOCK_T: tl.constexpr, SEND: tl.constexpr = True, FINISH: tl.constexpr = True):
+    """dispatch after ``_moe_route``, one launch: every program sends (``_send_blocks``), then the last to finish
+    its pushes signals and receives (``_finish_dispatch``). One launch, not a send kernel and a finish kernel:
+    ranks sharing a process and GPU launch on streams that may share a hardware work queue (under MPS a
+    client has few), and a finish kernel queued behind its waiting send kernel would hold back a peer's send
+    kernel queued behind it. ``SEND`` / ``FINISH`` False leave a phase out, for a model that runs the ranks in
+    turn (the finish then one program: ``done_ptr`` counts programs, so each launch's last is a multiple)."""
+    if SEND:
+        _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr,
+                     count_region, recv_region, src_stage_region, send_x_region, send_src_region, count_slot, W, E, L,
+                     T, ROW, ROW_BYTES, COPY_ROWS, BLOCK_H, PUT_ROWS, HANDLE_WORDS)
+    if FINISH:
+        # every program's pushes are in the ring before the last one's SIGNALs, which cover them
+        tl.debug_barrier()
+        finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+        if (finished + 1) % tl.num_programs(0) == 0:
+            _finish_dispatch(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, src_stage_ptr, recv_src_ptr,
+                             dispatch_slot, W, E, L, T, LP, WP, BLOCK_T)
+
+
+@triton.jit
+def _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, count_region,
+                 recv_region, src_stage_region, send_x_region, send_src_region, count_slot, W: tl.constexpr,
+                 E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, ROW: tl.constexpr, ROW_BYTES: tl.constexpr,
+                 COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr):
+    """The send phase, every program: the count row, the handle words and every remote expert's block."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     if pid == 0:  # our count row (written by _moe_route) to every peer's copy of the count matrix
@@ -285,11 +316,13 @@ def _moe_send(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, re
                            ROW_BYTES, PUT_ROWS)
 
 
-@triton.jit(do_not_specialize=["epoch", "rank"])
-def _moe_finish(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, src_stage_ptr, recv_src_ptr, dispatch_slot,
-                W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, LP: tl.constexpr,
-                WP: tl.constexpr, BLOCK_T: tl.constexpr):
-    # stream order put every row and handle word of _moe_send ahead of this SIGNAL in the ring: it covers them all
+@triton.jit
+def _finish_dispatch(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, src_stage_ptr, recv_src_ptr, dispatch_slot,
+                     W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, LP: tl.constexpr,
+                     WP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The finish phase, one program: a SIGNAL per peer (after every row and handle word of the send phase in
+    the ring: it covers them all), a wait for every peer's, then the receive counts and layout and the peers'
+    handle words scattered into ``recv_src``."""
     for peer in range(0, W):
         if peer != rank:
             tpd.signal(ch, peer, dispatch_slot + rank, 1)
@@ -763,6 +796,7 @@ class MoE:
         self.gemm_warps, self.gemm_stages = gemm_warps, gemm_stages
         self.y = None if gemm_n is None else torch.empty((L, lay.capacity, gemm_n), dtype=self.gemm_dtype, device=dev)
         self._no_timeline = torch.zeros(1, dtype=torch.int64, device=dev)  # the argument of a launch without one
+        self._dispatched = torch.zeros(1, dtype=torch.int32, device=dev)  # _moe_dispatch's programs: monotonic
         self.slots = lay.slots
         session.flag_slots(slot_base, self.slots, type(self).__name__)
         self.block_h = min(_pow2(H), 1024)
@@ -795,8 +829,7 @@ class MoE:
             idx = torch.full((self.max_tokens, self.topk), -1, dtype=dtype, device=dev)
             tpd.preload(_moe_route, *self._route_args(self.out, idx, 0), grid=(self.programs,),  # out: bf16 like x
                         **self._route_meta())
-        tpd.preload(_moe_send, *self._send_args(1), grid=(self.programs,), **self._send_meta())
-        tpd.preload(_moe_finish, *self._finish_args(1), grid=(1,), **self._finish_meta())
+        tpd.preload(_moe_dispatch, *self._dispatch_args(1), grid=(self.programs,), **self._dispatch_meta())
         tpd.preload(_moe_combine_send, *self._combine_send_args(self.send_y), grid=(self.programs,),
                     **self._combine_send_meta())
         tpd.preload(_moe_combine_reduce, *self._reduce_args(1, 0, weights, self.out), grid=(self.programs,),
@@ -853,25 +886,18 @@ class MoE:
                 "H": self.hidden, "BLOCK_T": min(_pow2(self.max_tokens), 256), "COPY_ROWS": self.copy_rows,
                 "BLOCK_H": self.block_h, "ROW": self.row, "FP8": self.fp8, "num_warps": self.num_warps}
 
-    def _send_args(self, epoch: int) -> tuple:
+    def _dispatch_args(self, epoch: int) -> tuple:
         r = self.regions
-        return (self._ch, epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src, self.recv_x,
-                self.recv_src, r["counts_all"], r["recv_x"], r["src_stage"], r["send_x"], r["send_src"],
-                self.layout.count_slot)
+        return (self._ch, epoch, self.rank, self._dispatched, self.counts_all, self.stage_off, self.send_x,
+                self.send_src, self.recv_x, self.recv_src, self.src_stage, self.recv_count, self.recv_layout,
+                r["counts_all"], r["recv_x"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
+                self.layout.dispatch_slot)
 
-    def _send_meta(self) -> dict[str, Any]:
+    def _dispatch_meta(self) -> dict[str, Any]:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
                 "ROW": self.row, "ROW_BYTES": self.row_bytes, "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h,
-                "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words, "num_warps": self.num_warps}
-
-    def _finish_args(self, epoch: int) -> tuple:
-        return (self._ch, epoch, self.rank, self.counts_all, self.recv_count, self.recv_layout, self.src_stage,
-                self.recv_src, self.layout.dispatch_slot)
-
-    def _finish_meta(self) -> dict[str, Any]:
-        return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
-                "LP": _pow2(self.local_experts), "WP": _pow2(self.world), "BLOCK_T": self.block_t,
-                "num_warps": self.num_warps}
+                "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words, "LP": _pow2(self.local_experts),
+                "WP": _pow2(self.world), "BLOCK_T": self.block_t, "num_warps": self.num_warps}
 
     def _gemm_args(self, epoch: int, gemm_epoch: int, w: Any, y: Any, timeline: Any) -> tuple:
         r = self.regions
@@ -942,8 +968,7 @@ class MoE:
         epoch = self.rounds
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             _moe_route[(self.programs,)](*self._route_args(x, topk_idx, tokens), **self._route_meta())
-            _moe_send[(self.programs,)](*self._send_args(epoch), **self._send_meta())
-            _moe_finish[(1,)](*self._finish_args(epoch), **self._finish_meta())
+            _moe_dispatch[(self.programs,)](*self._dispatch_args(epoch), **self._dispatch_meta())
         self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
                                   self.idx32[:tokens], topk_weights)
         return self.received(), self.recv_count, self._pending

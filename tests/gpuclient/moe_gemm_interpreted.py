@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -382,19 +383,21 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         waits.add((pid, fabric.value(slot), fabric.value(at_least)))
         fabric.wait(ch, slot, at_least)
 
-    def waited(slot: int, epoch: int, grid: int) -> None:
-        """Every program of the plain kernel just run waited for ``slot + s`` to reach ``epoch``, every peer s
-        (it reads what they push)."""
-        for pid in range(grid):
+    def waited(slot: int, epoch: int, pids: Iterable[int], clear: bool = True) -> None:
+        """Each program ``pids`` of the plain kernel just run waited for ``slot + s`` to reach ``epoch``, every
+        peer s (it reads what they push)."""
+        for pid in pids:
             missing = [s for s in range(world) if s != rank and (pid, slot + s, epoch) not in waits]
             assert not missing, f"rank {rank} program {pid}: read what ranks {missing} push unwaited"
-        waits.clear()
+        if clear:
+            waits.clear()
 
     m.tpd = SimpleNamespace(put=fabric.put, put_signal=fabric.put_signal, signal=fabric.signal, wait=wait)
     W_, E_, L_, K_, T_, H_ = world, experts, lay.local_experts, topk, max_tokens, hidden  # noqa: N806
     me.recv_src[:] = -1
     me.send_src[:] = -1
     idx32, stage_row = np.full((T_, K_), -1, np.int32), np.full((T_, K_), -1, np.int32)
+    dispatched = np.zeros(1, np.int32)  # _moe_dispatch's programs, over the rounds
     stage_off = np.zeros(E_, np.int32)
     copy_rows, put_rows_ = 2, lay.put_rows
     recv_count, recv_layout = np.zeros(L_, np.int32), np.zeros((L_, W_, 2), np.int32)
@@ -446,17 +449,17 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
                                   KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows, BLOCK_H=16,
                                   ROW=H_)
         if rnd == 2:  # the plain dispatch, on the same flags
-            m._moe_send[(programs,)](_b(ch), rnd, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x),
-                                     _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
-                                     *[regions[k] for k in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
-                                     lay.count_slot, W=W_, E=E_, L=L_, T=T_, ROW=H_, ROW_BYTES=2 * H_,
-                                     COPY_ROWS=copy_rows, BLOCK_H=16, PUT_ROWS=put_rows_,
-                                     HANDLE_WORDS=lay.handle_words)
-            waited(lay.count_slot, rnd, programs)
-            m._moe_finish[(1,)](_b(ch), rnd, rank, _b(me.counts_all), _b(recv_count), _b(recv_layout),
-                                _b(me.src_stage), _b(me.recv_src), lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_,
-                                LP=m._pow2(L_), WP=m._pow2(W_), BLOCK_T=4)
-            waited(lay.dispatch_slot, rnd, 1)
+            m._moe_dispatch[(programs,)](_b(ch), rnd, rank, _b(dispatched), _b(me.counts_all), _b(stage_off),
+                                         _b(me.send_x), _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
+                                         _b(me.src_stage), _b(recv_count), _b(recv_layout),
+                                         *[regions[k] for k in ("counts_all", "recv_x", "src_stage", "send_x",
+                                                                "send_src")],
+                                         lay.count_slot, lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_, ROW=H_,
+                                         ROW_BYTES=2 * H_, COPY_ROWS=copy_rows, BLOCK_H=16, PUT_ROWS=put_rows_,
+                                         HANDLE_WORDS=lay.handle_words, LP=m._pow2(L_), WP=m._pow2(W_), BLOCK_T=4)
+            # every program read the peers' counts; the last (programs run in order here) their handle words
+            waited(lay.count_slot, rnd, range(programs), clear=False)
+            waited(lay.dispatch_slot, rnd, [programs - 1])
             y64 = np.einsum("lph,lhn->lpn", f32(me.recv_x).astype(np.float64), f32(w_mine).astype(np.float64))
             y = bf16(y64) if out == "bf16" else y64.astype(np.float32)
             me.y[:] = y
@@ -512,7 +515,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         m._moe_combine_reduce[(programs,)](_b(ch), rnd, rank, n, _b(idx32), _b(stage_row), _b(weights),
                                            _b(me.combine_buf), _b(result), lay.combine_slot, W=W_, K=K_, H=H_,
                                            BLOCK_H=16)
-        waited(lay.combine_slot, rnd, programs)
+        waited(lay.combine_slot, rnd, range(programs))
         assert fabric.take() == planned_combine(lay, model["counts_all"]), f"{what}: the combine puts"
         records, signals = fabric.counts()
         assert records == lay.writes(model["counts_all"])["combine"], (what, records)

@@ -208,7 +208,8 @@ def _rank_state(lay: MoELayout) -> SimpleNamespace:
         send_src=np.full((E, T), -1, np.int32), combine_buf=np.full((lay.stage_capacity, H), nan, np.uint16),
         send_y=np.zeros((L, lay.capacity, H), np.uint16), idx32=np.full((T, K), -1, np.int32),
         stage_row=np.full((T, K), -1, np.int32), stage_off=np.zeros(E, np.int32), recv_count=np.zeros(L, np.int32),
-        recv_layout=np.zeros((L, W, 2), np.int32), out=np.zeros((T, H), np.uint16))
+        recv_layout=np.zeros((L, W, 2), np.int32), out=np.zeros((T, H), np.uint16),
+        dispatched=np.zeros(1, np.int32))
 
 
 def _b(arr: np.ndarray) -> Buffer:
@@ -245,6 +246,17 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
     block_h, copy_rows, put_rows_ = 16, 2, lay0.put_rows
     regions = {name: i for i, name in enumerate(REGIONS)}
     scale = rng.choice([0.5, 1.0, 2.0, -1.0, 4.0], size=experts)  # exact in bf16: only the sum rounds
+    # _moe_dispatch in its two phases, each rank's in turn: every rank's sends, then every rank's finish
+    dispatch_meta = {"W": W_, "E": E_, "L": L_, "T": T_, "ROW": H_, "ROW_BYTES": 2 * H_, "COPY_ROWS": copy_rows,
+                     "BLOCK_H": block_h, "PUT_ROWS": put_rows_, "HANDLE_WORDS": lay0.handle_words,
+                     "LP": m._pow2(L_), "WP": m._pow2(W_), "BLOCK_T": 4}
+
+    def dispatch_args(rnd: int, r: int, st: SimpleNamespace) -> tuple:
+        return (_b(st.ch), rnd, r, _b(st.dispatched), _b(st.counts_all), _b(st.stage_off), _b(st.send_x),
+                _b(st.send_src), _b(st.recv_x), _b(st.recv_src), _b(st.src_stage), _b(st.recv_count),
+                _b(st.recv_layout), *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
+                lays[r].count_slot, lays[r].dispatch_slot)
+
     for rnd in range(1, 4):
         tokens = [max_tokens - (r + rnd) % 3 for r in range(world)]
         if rnd == 3 and world > 1:
@@ -272,19 +284,14 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             for i, word in enumerate(model[r]["stage_src"]):
                 if word >= 0:
                     assert (st.send_x[i] == x[r][lays[r].decode(word)[1]]).all(), (rnd, r, i)
-        for r, st in enumerate(ranks):  # ranks run in turn: deliver the count rows _moe_send's program 0 puts
+        for r, st in enumerate(ranks):  # ranks run in turn: deliver the count rows _moe_dispatch's program 0 puts
             for peer in ranks:
                 if peer is not st:
                     peer.counts_all[r] = st.counts_all[r]
         flags_before = [st.flags.copy() for st in ranks]
         fabric.records.clear()
         for r, st in enumerate(ranks):
-            m._moe_send[(programs,)](_b(st.ch), rnd, r, _b(st.counts_all), _b(st.stage_off), _b(st.send_x),
-                                     _b(st.send_src), _b(st.recv_x), _b(st.recv_src),
-                                     *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
-                                     lays[r].count_slot, W=W_, E=E_, L=L_, T=T_, ROW=H_, ROW_BYTES=2 * H_,
-                                     COPY_ROWS=copy_rows, BLOCK_H=block_h, PUT_ROWS=put_rows_,
-                                     HANDLE_WORDS=lay0.handle_words)
+            m._moe_dispatch[(programs,)](*dispatch_args(rnd, r, st), **dispatch_meta, SEND=True, FINISH=False)
         fabric.check_waits(lay0.count_slot, rnd, programs)  # every program reads the lower ranks' counts
         for r, lay in enumerate(lays):  # the puts are the model's, offset for offset and byte for byte
             assert fabric.take(r) == planned_dispatch(lay, model[r]["counts_all"]), (rnd, r)
@@ -292,9 +299,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             got = st.flags - flags_before[r]
             assert [int(got[lays[r].count_slot + s]) for s in range(world)] == [int(s != r) for s in range(world)]
         for r, st in enumerate(ranks):
-            m._moe_finish[(1,)](_b(st.ch), rnd, r, _b(st.counts_all), _b(st.recv_count), _b(st.recv_layout),
-                                _b(st.src_stage), _b(st.recv_src), lays[r].dispatch_slot, W=W_, E=E_, L=L_, T=T_,
-                                LP=m._pow2(L_), WP=m._pow2(W_), BLOCK_T=4)
+            m._moe_dispatch[(1,)](*dispatch_args(rnd, r, st), **dispatch_meta, SEND=False, FINISH=True)
         fabric.check_waits(lay0.dispatch_slot, rnd, 1)  # the caller reads the rows once it returns
         for r, lay in enumerate(lays):  # records per destination: the count, a put per block, the handle words
             want_records = lay.writes(model[r]["counts_all"])["dispatch"]

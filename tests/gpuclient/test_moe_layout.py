@@ -363,15 +363,14 @@ SIGNATURES = {
                     "count_ptr": "*i32", "eoff_ptr": "*i32", "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
                    {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "COPY_ROWS": 16, "BLOCK_H": 256,
                     "ROW": H}),
-    "_moe_send": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
-                   "send_x_ptr": "*bf16", "send_src_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32",
-                   "count_region": "i32", "recv_region": "i32", "src_stage_region": "i32", "send_x_region": "i32",
-                   "send_src_region": "i32", "count_slot": "i32"},
-                  {"W": W, "E": E, "L": L, "T": T, "ROW": H, "ROW_BYTES": 2 * H, "COPY_ROWS": 16, "BLOCK_H": 256,
-                   "PUT_ROWS": T, "HANDLE_WORDS": L * T}),
-    "_moe_finish": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "count_ptr": "*i32", "recv_count_ptr": "*i32",
-                     "layout_ptr": "*i32", "src_stage_ptr": "*i32", "recv_src_ptr": "*i32", "dispatch_slot": "i32"},
-                    {"W": W, "E": E, "L": L, "T": T, "LP": 4, "WP": 2, "BLOCK_T": 128}),
+    "_moe_dispatch": ({"ch": "*u64", "epoch": "i32", "rank": "i32", "done_ptr": "*i32", "count_ptr": "*i32",
+                       "eoff_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32", "recv_x_ptr": "*bf16",
+                       "recv_src_ptr": "*i32", "src_stage_ptr": "*i32", "recv_count_ptr": "*i32",
+                       "layout_ptr": "*i32", "count_region": "i32", "recv_region": "i32", "src_stage_region": "i32",
+                       "send_x_region": "i32", "send_src_region": "i32", "count_slot": "i32",
+                       "dispatch_slot": "i32"},
+                      {"W": W, "E": E, "L": L, "T": T, "ROW": H, "ROW_BYTES": 2 * H, "COPY_ROWS": 16, "BLOCK_H": 256,
+                       "PUT_ROWS": T, "HANDLE_WORDS": L * T, "LP": 4, "WP": 2, "BLOCK_T": 128}),
     "_moe_combine_send": ({"ch": "*u64", "rank": "i32", "y_ptr": "*bf16", "count_ptr": "*i32", "send_y_ptr": "*bf16",
                            "comb_ptr": "*bf16", "comb_region": "i32", "send_y_region": "i32"},
                           {"W": W, "E": E, "L": L, "T": T, "H": H, "EP": E, "COPY_ROWS": 16, "BLOCK_H": 256,
@@ -394,14 +393,14 @@ SIGNATURES = {
                             "COMMUNICATE": True, "COMPUTE": True}),
 }
 # Protocol call sites: (pushes per peer, waits per peer, other pushes). The loops over peers run W times (W is
-# a constexpr: the compiler unrolls them); per peer the count put_signal, the count wait and the peer's
-# handle-word put, then a block's row put; a SIGNAL and a wait per peer; a block's put; a SIGNAL and a wait per
-# peer. No kernel quiets: each round's round trips order the reuse of the put sources (docs/kernels.md). The
-# fused dispatch + GEMM: per peer the count put_signal; a group's row put (a piece before the last), the last
-# piece's put_signal of the group flag, an empty group's SIGNAL of it, the peer's handle-word put and the
-# dispatch SIGNAL, in a loop over the peers that is not unrolled; per peer the communication programs' count
-# and dispatch waits, the compute programs' count wait and their group-flag wait.
-SITES = {"_moe_route": (0, 0, 0), "_moe_send": (2, 1, 1), "_moe_finish": (1, 1, 0), "_moe_combine_send": (0, 0, 1),
+# a constexpr: the compiler unrolls them); the dispatch: per peer the count put_signal, the count wait and the
+# peer's handle-word put, then a block's row put, then (its finish) a SIGNAL and a wait per peer; the combine: a
+# block's put; a SIGNAL and a wait per peer. No kernel quiets: each round's round trips order the reuse of the
+# put sources (docs/kernels.md). The fused dispatch + GEMM: per peer the count put_signal; a group's row put (a
+# piece before the last), the last piece's put_signal of the group flag, an empty group's SIGNAL of it, the
+# peer's handle-word put and the dispatch SIGNAL, in a loop over the peers that is not unrolled; per peer the
+# communication programs' count and dispatch waits, the compute programs' count wait and their group-flag wait.
+SITES = {"_moe_route": (0, 0, 0), "_moe_dispatch": (3, 2, 1), "_moe_combine_send": (0, 0, 1),
          "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 4, 5)}
 
 
@@ -541,19 +540,19 @@ def test_the_route_kernel_compiles_for_int32_indices_and_one_expert_per_token() 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_fp8_dispatch_kernels_compile_for_sm90(world: int) -> None:
     """fp8=True: the route kernel quantizes with the hardware's saturating e4m3 conversion into byte rows; the
-    send kernel keeps its protocol sites (its puts are the same puts of shorter rows)."""
+    dispatch kernel keeps its protocol sites (its puts are the same puts of shorter rows)."""
     signature, meta = SIGNATURES["_moe_route"]
     compiled = compile_kernel(moe_kernels._moe_route, {**signature, "send_x_ptr": "*u8"},
                               {**meta, "H": 256, "ROW": dispatch_row(256, True)[0], "FP8": True}, num_warps=4)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
     assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
-    signature, meta = SIGNATURES["_moe_send"]
+    signature, meta = SIGNATURES["_moe_dispatch"]
     row, row_bytes = dispatch_row(256, True)
-    meta = {**meta, "W": world, "ROW": row, "ROW_BYTES": row_bytes}
-    compiled = compile_kernel(moe_kernels._moe_send, {**signature, "send_x_ptr": "*u8", "recv_x_ptr": "*u8"}, meta,
-                              num_warps=4)
+    meta = {**meta, "W": world, "WP": 4, "ROW": row, "ROW_BYTES": row_bytes}
+    compiled = compile_kernel(moe_kernels._moe_dispatch, {**signature, "send_x_ptr": "*u8", "recv_x_ptr": "*u8"},
+                              meta, num_warps=4)
     pushes, waits, quiets, _ = protocol_sites(compiled.asm["ptx"])
-    per_push, per_wait, other = SITES["_moe_send"]
+    per_push, per_wait, other = SITES["_moe_dispatch"]
     assert (pushes, waits, quiets) == (per_push * world + other, per_wait * world, 0)
 
 
