@@ -113,15 +113,6 @@ def registrable(buf: Any) -> Any:
     return buf.array if isinstance(buf, HostBuffer) else buf
 
 
-def exchange_all(sessions: list[Any]) -> None:
-    """Every session publishes its regions and flags, then waits until the job is wired (several ranks in one
-    process: none may wait before all have published)."""
-    for s in sessions:
-        s.exchange(wait=False)
-    for s in sessions:
-        s.exchange(timeout=60)
-
-
 def daemon_config(nic: dict[str, float], direct_copy: bool, copy_via: str, io_spin_s: float,
                   nic_spin_s: float | None) -> dict[str, Any]:
     """The config overrides a benchmark's daemons run with: the soft fabric shaped by ``nic`` (NIC-model keys;
@@ -213,7 +204,7 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
             r_src, r_dst = s0.register(registrable(src)), s1.register(registrable(dst))
             for s in (s0, s1):
                 s.flags(8)
-            exchange_all([s0, s1])
+            gpuclient.exchange_all([s0, s1], timeout=60)
             ch = s0.channel(4096)
 
             def burst(n: int) -> float:
@@ -324,7 +315,7 @@ def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: i
                 buf.write(0, image)
             regions = [s.register(registrable(b)) for s, b in zip(sessions, bufs, strict=True)]
             arrays = [s.flags(flags, where="host") for s in sessions]
-            exchange_all(sessions)
+            gpuclient.exchange_all(sessions, timeout=60)
             channels = [s.channel(4096) for s in sessions]
             records = [burst_records(1 - r, regions[r].id, regions[1 - r].id, groups, group_bytes, half, post_now)
                        for r in range(2)]

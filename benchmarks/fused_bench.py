@@ -117,7 +117,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fabric_bench import SHAPES, daemon_config, exchange_all  # noqa: E402
+from benchmarks.fabric_bench import SHAPES, daemon_config  # noqa: E402
+from gpuclient import exchange_all  # noqa: E402
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
 from transportd_cli.cli_options import FiniteFloat, io_spin_us_option, nic_spin_us_option  # noqa: E402
 
@@ -361,7 +362,7 @@ def allgather_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: in
     order = {} if group_m is None else {"group_m": group_m}
     ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=WORLD, programs=PROGRAMS, **order)
            for s in sessions]
-    exchange_all(sessions)
+    exchange_all(sessions, timeout=60)
     _ready(ops)
     shards = [_randn(gen, m_local, k, device=device) for _ in ops]
     bs = [_randn(gen, k, n, device=device) for _ in ops]
@@ -400,7 +401,7 @@ def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen:
     order = {} if group_m is None else {"group_m": group_m}
     ops = [cls(s, m, n, k, chunk_rows=chunk_rows, share=WORLD, out_dtype=out_dtype,
                programs=PROGRAMS or SPINNING_PROGRAMS, **order) for s in sessions]
-    exchange_all(sessions)
+    exchange_all(sessions, timeout=60)
     _ready(ops)
     a = [_randn(gen, m, k, device=device) for _ in ops]
     b = [_randn(gen, k, n, device=device) for _ in ops]
@@ -453,7 +454,7 @@ def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: in
 
     ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, comm_programs=4, share=WORLD,
                          programs=PROGRAMS or SPINNING_PROGRAMS, tma=bool(tma)) for s in sessions]
-    exchange_all(sessions)
+    exchange_all(sessions, timeout=60)
     _ready(ops)
     q, k, v = ([_randn(gen, heads, seq_local, head_dim, device=device) for _ in ops] for _ in range(3))
     outs = [torch.empty(heads, seq_local, head_dim, dtype=torch.float32, device=f"cuda:{device}") for _ in ops]
@@ -820,7 +821,7 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
     gen = torch.Generator(device="cpu").manual_seed(7)
     with _sessions(backend, shape, "fused-bench-moe", device, config) as (clients, sessions):
         ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, fp8=fp8) for s in sessions]
-        exchange_all(sessions)
+        exchange_all(sessions, timeout=60)
         for op in ops:
             op.prepare()
         streams = [torch.cuda.Stream(device) for _ in ops]
@@ -903,7 +904,7 @@ class _MoeGemm:
         self.ops = ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, gemm_n=gemm_n,
                               gemm_programs=PROGRAMS or SPINNING_PROGRAMS, experts_per_put=experts_per_put)
                           for s in sessions]
-        exchange_all(sessions)
+        exchange_all(sessions, timeout=60)
         for op in ops:
             op.prepare()
         self.preload()

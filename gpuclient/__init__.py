@@ -30,6 +30,7 @@ from gpuclient.session import (
     Session,
     SignalOp,
     connect,
+    exchange_all,
 )
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "SignalOp",
     "compile",
     "connect",
+    "exchange_all",
     "from_environment",
     "get_include",
     "get_include_dirs",

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -252,6 +252,16 @@ class ChannelHandle:
 _U64_MASK = (1 << 64) - 1
 
 
+def exchange_all(sessions: Iterable[Session], timeout: float = 30.0) -> None:
+    """``Session.exchange`` for the ranks one process drives: every session publishes first, then each waits
+    until its job is wired (a rank that waited before the others published would wait for itself)."""
+    sessions = list(sessions)
+    for s in sessions:
+        s.exchange(wait=False)
+    for s in sessions:
+        s.exchange(timeout=timeout)
+
+
 def _post_flag(now: bool) -> Flag:
     if not isinstance(now, bool):  # "no" would be true: refused, not guessed
         raise TypeError(f"now must be True or False, got {now!r}")
@@ -382,7 +392,7 @@ class Session:
         """Publish this rank's regions and flags; return once every rank of the job has done so.
 
         With ``wait=False`` it publishes and returns at once (``reply["complete"]`` says whether the job
-        is wired yet) — for a process that drives several ranks.
+        is wired yet) — for a process that drives several ranks (``exchange_all`` publishes them all, then waits).
         """
         deadline = time.monotonic() + timeout
         self._await_attached()

@@ -103,10 +103,7 @@ class StreamPair:
         self.dst = self.sessions[1].register(self.recv)
         for s in self.sessions:
             s.flags(4)
-        for s in self.sessions:
-            s.exchange(wait=False)
-        for s in self.sessions:
-            s.exchange(timeout=exchange_timeout_s)
+        gpuclient.exchange_all(self.sessions, timeout=exchange_timeout_s)
         self.peer = recv_rank
         self.channel = self.sessions[0].channel(capacity=1 << max(10, (2 * window - 1).bit_length()))
         flags = self.sessions[1].flag_array

@@ -48,10 +48,7 @@ def run_demo(total: int = 256 << 20, chunk: int = 1 << 20, backend: str = "ib", 
         dst = [s.register(b) for s, b in zip(sessions, recv, strict=True)]
         for s in sessions:
             s.flags(16)
-        for s in sessions:
-            s.exchange(wait=False)
-        for s in sessions:
-            s.exchange(timeout=30)
+        gpuclient.exchange_all(sessions)
         channels = [s.channel(capacity=1024) for s in sessions]
         t0 = time.perf_counter()
         sent = [0, 0]

@@ -235,10 +235,7 @@ def run_replay(path: str, sockets: list[str], *, pace: str = "fast", timeout: fl
             # every rank that exchanged had flags; the traced rank's own count is not in its worker's peer
             # table (its records cannot signal itself), so it takes one
             rank.session.flags(max(1, ctx.peers.get(r, _PeerContext()).flags))
-        for rank in ranks.values():
-            rank.session.exchange(wait=False)
-        for rank in ranks.values():
-            rank.session.exchange(timeout=timeout)
+        gpuclient.exchange_all((rank.session for rank in ranks.values()), timeout=timeout)
         me = ranks[traced]
         handles = {cid: me.session.channel(capacity=max(cap, 64)) for cid, cap in channels.items()}
         control = ControlConnection(sockets[0], timeout_ms=int(timeout * 1000), name="transportd-replay", curve=curve)

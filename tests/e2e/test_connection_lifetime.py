@@ -197,9 +197,7 @@ def test_two_ranks_on_one_node_close_their_loopback_pair(cluster_factory) -> Non
         sessions = [c.join("local", rank=i, world=2) for i, c in enumerate((client, other))]
         for s in sessions:
             s.flags(4)
-            s.exchange(wait=False)
-        for s in sessions:
-            s.exchange(timeout=30)
+        gpuclient.exchange_all(sessions)
         assert len(_endpoints(cluster)["nodea"][0]) >= 2
         for s in sessions:
             s.leave()

@@ -65,10 +65,7 @@ def _cluster(nodes: int, fabric: str) -> LocalCluster:
 
 
 def _exchange(sessions: list) -> None:
-    for _, session in sessions:
-        session.exchange(wait=False)
-    for _, session in sessions:
-        session.exchange(timeout=60)
+    gpuclient.exchange_all((session for _, session in sessions), timeout=60)
 
 
 def _close(sessions: list) -> None:

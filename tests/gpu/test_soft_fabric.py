@@ -42,10 +42,7 @@ def _ranks(cluster: Any, where: str = "host") -> tuple[Any, ...]:
     r_src, r_dst = s0.register(src), s1.register(dst)
     s0.flags(8, where=where)
     s1.flags(8, where=where)
-    for s in (s0, s1):
-        s.exchange(wait=False)
-    s0.exchange(timeout=60)
-    s1.exchange(timeout=60)
+    gpuclient.exchange_all([s0, s1], timeout=60)
     return c0, c1, s0, s1, src, dst, r_src, r_dst, s0.channel(256)
 
 

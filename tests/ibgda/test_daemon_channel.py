@@ -53,10 +53,7 @@ class Pair:
         self.dst = gpuclient.host_array(CHUNK * NCHUNKS)
         self.regions = [self.sessions[0].register(self.src), self.sessions[1].register(self.dst)]
         self.flags = [s.flags(SLOTS + 1, where="host") for s in self.sessions]
-        for s in self.sessions:
-            s.exchange(wait=False)
-        for s in self.sessions:
-            s.exchange(timeout=30)
+        gpuclient.exchange_all(self.sessions)
         self.left: set[int] = set()
 
     def close(self) -> None:

@@ -32,10 +32,8 @@ def join_ranks(cluster: LocalCluster, job: str = "job", nbytes: int = 1 << 20, f
     rng = np.random.default_rng(seed)
     nodes = nodes or cluster.names
     ranks = [join_rank(cluster, node, job, i, len(nodes), nbytes, flags, rng) for i, node in enumerate(nodes)]
+    gpuclient.exchange_all(r.session for r in ranks)
     for r in ranks:
-        r.session.exchange(wait=False)
-    for r in ranks:
-        r.session.exchange(timeout=30)
         r.channel = r.session.channel(capacity=256)
     return ranks
 

@@ -62,9 +62,7 @@ def test_module_runs_daemons_until_ctrl_c_and_prints_what_to_use() -> None:
             for s in sessions:
                 s.register(gpuclient.host_array(4096))
                 s.flags(4)
-                s.exchange(wait=False)
-            for s in sessions:
-                s.exchange(timeout=30)
+            gpuclient.exchange_all(sessions)
             assert [(s.job, s.rank, s.world) for s in sessions] == [("local", 0, 2), ("local", 1, 2)]
         finally:
             for c in clients:
