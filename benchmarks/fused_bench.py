@@ -120,7 +120,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.fabric_bench import SHAPES, daemon_config  # noqa: E402
 from gpuclient import exchange_all  # noqa: E402
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
-from transportd_cli.cli_options import FiniteFloat, io_spin_us_option, nic_spin_us_option  # noqa: E402
+from transportd_cli.cli_options import (  # noqa: E402
+    FiniteFloat,
+    gil_switch_us_option,
+    io_spin_us_option,
+    nic_spin_us_option,
+)
 
 #: the NIC model each backend is shaped like by default
 BACKEND_SHAPE = {"ib": "cx7-400g", "efa": "efa-200g"}
@@ -226,6 +231,8 @@ IO_SPIN_S = 0.0
 #: the daemons' ``softverbs.nic_spin_s`` (``--nic-spin-us``) and ``proxy.poll_window_us``
 #: (``--poll-window-us``); None: their config defaults
 NIC_SPIN_S: float | None = None
+#: the rail workers' GIL switch interval (``--gil-switch-us``, ``softverbs.gil_switch_interval_s``); 0: Python's
+GIL_SWITCH_S = 0.0
 POLL_WINDOW_US: int | None = None
 HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
 
@@ -296,9 +303,9 @@ def interleaved(launches: dict[str, Callable[[], float]], reps: int, clients: li
 
 def daemon_overrides(backend: str, shape: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config the bench's daemons run with: the soft fabric shaped as ``shape``, this run's options
-    (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--poll-window-us``, ``--publication``), and
-    ``config``'s sections on top."""
-    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S)
+    (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--gil-switch-us``, ``--poll-window-us``,
+    ``--publication``), and ``config``'s sections on top."""
+    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S)
     if POLL_WINDOW_US is not None:
         overrides["proxy"] = {"poll_window_us": POLL_WINDOW_US}
     if PUBLICATION != "auto" and backend == "efa":
@@ -1459,6 +1466,7 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
                    "(default: the op's, four puts a peer; 1: a put and a flag per expert)")
 @io_spin_us_option
 @nic_spin_us_option
+@gil_switch_us_option
 @click.option("--poll-window-us", default=None, type=click.IntRange(min=0, max=1_000_000),
               help="proxy.poll_window_us (default: the config's): how long a worker waits to fill a batch before "
                    "posting a partial one")
@@ -1468,13 +1476,14 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
          trace_dir: str | None = None, moe_experts: int | None = None, moe_tokens: int | None = None,
          moe_experts_per_put: int | None = None, nic_spin_us: float | None = None,
-         poll_window_us: int | None = None) -> None:
+         gil_switch_us: float = 0.0, poll_window_us: int | None = None) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S, NIC_SPIN_S, POLL_WINDOW_US
+    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S, POLL_WINDOW_US
     PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S = programs, copy_via, flags_where, publication, io_spin_us / 1e6
     NIC_SPIN_S = None if nic_spin_us is None else nic_spin_us / 1e6
+    GIL_SWITCH_S = gil_switch_us / 1e6
     POLL_WINDOW_US = poll_window_us
 
     wanted = [k for k in kernels.split(",") if k]
@@ -1516,7 +1525,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
                                                    "flags": flags_where, "publication": publication,
                                                    "programs": programs, "io_spin_us": io_spin_us,
-                                                   "nic_spin_us": nic_spin_us,
+                                                   "nic_spin_us": nic_spin_us, "gil_switch_us": gil_switch_us,
                                                    "poll_window_us": poll_window_us}, indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:

@@ -358,6 +358,11 @@ class SoftverbsConfig(Section):
         "sleeping, so the next frame is taken without waiting for a thread wake-up (20-50 us a step on a busy "
         "host); it costs a core per rail while traffic flows. 0: sleep at once. For benchmarks on a host with "
         "cores to spare.", ge=0.0, le=1.0)] = 0.0
+    gil_switch_interval_s: Annotated[float, key(
+        "Python's thread switch interval (sys.setswitchinterval) in a process that opens soft devices, the rail "
+        "worker: how long a thread that wants the GIL waits before the holder must let it go. A soft device's "
+        "I/O thread reading a peer's frame waits so for the worker's own post or poll to finish (Python's "
+        "default 5 ms bounds nothing shorter than the post). 0: Python's default.", ge=0.0, le=0.1)] = 0.0
 
 
 class LoggingConfig(Section):

@@ -1,7 +1,7 @@
 """Checks of command-line options the `transportd` and `transportctl` commands share: the flag combinations
 the daemons' config would refuse (refused first with the flags' own names), numbers that must be finite, and
 output files that must be writable before any work starts; and the soft fabric's timing options the
-benchmarks share (`io_spin_us_option`, `nic_spin_us_option`)."""
+benchmarks share (`io_spin_us_option`, `nic_spin_us_option`, `gil_switch_us_option`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import click
 from transportd.backends import RULES, config_problems
 from transportd_cli.errors import ProgramError
 
-__all__ = ["FiniteFloat", "Program", "available_memory", "check_signal_mode", "harden", "io_spin_us_option",
-           "nic_spin_us_option", "writable_output", "writable_problem"]
+__all__ = ["FiniteFloat", "Program", "available_memory", "check_signal_mode", "gil_switch_us_option", "harden",
+           "io_spin_us_option", "nic_spin_us_option", "writable_output", "writable_problem"]
 
 
 class Program(click.Group):
@@ -86,6 +86,13 @@ nic_spin_us_option = click.option(
     help="softverbs.nic_spin_s in µs (default: the config's): how long before a shaped request lands a soft "
          "device waits for it awake (sent from the posting thread when it lands that soon, else the I/O thread "
          "wakes that early); 0: the I/O thread sleeps until each landing")
+
+#: ``--gil-switch-us`` (``softverbs.gil_switch_interval_s`` in µs; 0: Python's own), as the benchmarks take it
+gil_switch_us_option = click.option(
+    "--gil-switch-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e5),
+    help="softverbs.gil_switch_interval_s in µs: the rail workers' Python switch interval, how long a soft "
+         "device's I/O thread waits for the GIL while the worker posts or polls before it gets it; 0: Python's "
+         "5 ms")
 
 
 def writable_problem(path: str) -> str | None:

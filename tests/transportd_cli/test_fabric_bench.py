@@ -195,7 +195,17 @@ def test_latency_refuses_what_is_not_a_size_before_any_work(value: str, says: st
     assert result.exit_code == 2 and says in result.output
 
 
-@pytest.mark.parametrize("option", ["--io-spin-us", "--nic-spin-us"])
+def test_the_gil_switch_interval_reaches_the_daemons_config(tmp_path: Path) -> None:
+    from transportd.config import load_config
+    from transportd_cli.localcluster import render_toml
+
+    overrides = _bench().daemon_config({}, True, "device", 0.0, None, gil_switch_s=5e-5)
+    path = tmp_path / "node.toml"
+    path.write_text(render_toml(overrides))
+    assert load_config(path, env={}).softverbs.gil_switch_interval_s == 5e-5
+
+
+@pytest.mark.parametrize("option", ["--io-spin-us", "--nic-spin-us", "--gil-switch-us"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "2e6", "x"])
 def test_the_wait_options_refuse_what_is_not_a_finite_time_in_range(option: str, value: str) -> None:
     from click.testing import CliRunner

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -90,7 +91,8 @@ def pyverbs_devices() -> list[str] | None:
 def configure_soft(options: Mapping[str, Any] | Any) -> None:
     """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed, the NIC model's nic_bandwidth,
     nic_latency_s, nic_message_rate and nic_spin_s, io_spin_s; a mapping or the config dataclass) to the
-    default soft devices. The listen host takes effect when a device is next opened. (``direct_copy`` and
+    default soft devices, and ``gil_switch_interval_s`` (0: left as it is) to this process. The listen host
+    takes effect when a device is next opened. (``direct_copy`` and
     ``direct_copy_via`` are the rail worker's: it installs its GPU memory, which places copies one way or the
     other, as the process's direct copier.)
 
@@ -121,6 +123,9 @@ def configure_soft(options: Mapping[str, Any] | Any) -> None:
         value = get(name, None)
         if value is not None:
             changes[name] = float(value)
+    switch = get("gil_switch_interval_s", None)
+    if switch:  # process-wide: the soft devices' threads and the worker's share one GIL
+        sys.setswitchinterval(float(switch))
     wanted = get("devices", None) or {}
     if not isinstance(wanted, Mapping):
         wanted = dict.fromkeys(wanted, "ib")

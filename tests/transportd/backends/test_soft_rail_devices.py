@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from transportd.backends import DEVICE_KINDS, verbs
@@ -61,6 +63,20 @@ def test_the_nic_model_reaches_every_soft_device_and_zero_means_unshaped(cleanup
     finally:
         verbs.configure_soft({"nic_bandwidth": 0.0, "nic_latency_s": 0.0, "nic_message_rate": 0.0,
                               "nic_spin_s": Config().softverbs.nic_spin_s})
+
+
+def test_the_gil_switch_interval_is_the_process_s_and_zero_leaves_it() -> None:
+    before = sys.getswitchinterval()
+    try:
+        section = msgspec.structs.replace(Config().softverbs, gil_switch_interval_s=5e-5)
+        verbs.configure_soft(section)  # the config section itself
+        assert sys.getswitchinterval() == pytest.approx(5e-5)
+        verbs.configure_soft({"gil_switch_interval_s": 0.0})  # 0: Python's own, left as it is
+        assert sys.getswitchinterval() == pytest.approx(5e-5)
+        verbs.configure_soft({"gil_switch_interval_s": 2e-4})  # the rail worker's way: the section as a mapping
+        assert sys.getswitchinterval() == pytest.approx(2e-4)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_a_created_device_opens_like_the_defaults(cleanup: list[str]) -> None:
