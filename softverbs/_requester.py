@@ -181,6 +181,8 @@ class QPRequester:
     def post_legacy(self, wrs: list[tuple]) -> tuple[int, int]:
         """ibv_post_send: WRs before the first bad one are posted; returns (errno, index of the bad WR)."""
         with self.lock:
+            if _trace.DIR:
+                _trace.stamp("locked")
             err, bad = 0, -1
             for i, wr in enumerate(wrs):
                 err = self.validate_legacy(wr, 0)  # earlier WRs of the chain are already counted as posted
@@ -305,6 +307,8 @@ class QPRequester:
 
     def wr_complete(self) -> int:
         with self.lock:
+            if _trace.DIR:  # the QP's lock, which its I/O thread holds while it places the peer's requests
+                _trace.stamp("locked")
             wrs, err = self.wr_list, self.wr_list_err
             self.wr_list = None
             if wrs is None:

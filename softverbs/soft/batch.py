@@ -96,6 +96,8 @@ def post_wr_batch(qp: Any, wrs: bytes | np.ndarray) -> int:
     except BaseException:
         core.wr_abort()
         raise
+    if _trace.DIR:
+        _trace.stamp("listed")
     err = core.wr_complete()
     if _trace.DIR:  # the post's end: what it held the GIL for ends here (`softverbs.soft.trace.ready_waits`)
         _trace.stamp("posted")

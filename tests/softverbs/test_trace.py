@@ -62,8 +62,8 @@ def test_a_traced_write_stamps_its_frame_its_reads_and_its_placement_and_an_untr
     steps = [step for _, _, step in stamps]
     # this process holds both devices: the post's WRs queued, the request frame, the responder's read and
     # placement, the ack's frame and its read by the requester; nothing after tracing went off
-    assert steps[0] == "pump" and steps.count("pump") == 2
-    assert all(s in ("pump", "send 1", "send 2", "ready", "read", "placed") for s in steps)
+    assert steps[:2] == ["locked", "pump"] and steps.count("pump") == steps.count("locked") == 2
+    assert all(s in ("locked", "pump", "send 1", "send 2", "ready", "read", "placed") for s in steps)
     second = steps[len(steps) - 1 - steps[::-1].index("pump"):]
     sent = second.index("send 1")
     got = second.index("read", sent)  # the responder's read of the request
