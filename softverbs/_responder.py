@@ -728,55 +728,90 @@ class RequestFrameHandler:
         self.dev.mark_responses(conn)
 
     def fast_frame(self, conn: Conn, descs: list[tuple], mv: memoryview, pos: int) -> tuple[int, int]:
-        """Whole frame buffered: place the leading run of plain in-order RC writes in one pass.
+        """Whole frame buffered: admit the leading run of plain in-order RC writes in one pass, one lock.
 
-        Returns (descriptors handled, buffer position after their payloads); the rest of the frame goes
-        through the general per-request path.
+        A write into host memory is placed here and acknowledged with the others at the end; one into device
+        memory (a direct write, or bytes from the wire) joins the QP's run of writes, copied and acknowledged
+        by `QPResponder.flush_run`, as `rx_exec` does. Host placements stop once the run holds a write: the
+        run's bytes land first. A full run is copied and ends the pass (a copy can take a while). The checks
+        are `_arrive`'s and `rx_validate`'s for such a write; anything else ends the pass. Returns
+        (descriptors handled, buffer position after their payloads); the rest of the frame goes through the
+        general per-request path.
         """
         qp = self.dev.qps.get(descs[0][0])
         if qp is None or qp.srd or qp.closed or conn.ro_qpns:
             return 0, pos
         done = 0
+        first_seq, placed = -1, 0  # the host placements: acknowledged as one range, before any of the run's
         with qp.lock:
-            if qp.state not in (RTR, RTS, SQD) or qp.backlog or qp.stalled or not qp.access_flags & REMOTE_WRITE:
+            if qp.state not in (RTR, RTS, SQD) or qp.backlog or qp.stalled or qp.pool or qp.pend \
+                    or not qp.access_flags & REMOTE_WRITE:
                 return 0, pos
-            qp.flush_run(self)  # the QP's run of direct writes lands before these
+            qp.flush_run(self)  # the QP's run of writes lands before these
             qpn, dest, exp, path_mtu, pd = qp.qpn, qp.dest_qpn, qp.exp_psn, qp.path_mtu, qp.pd
             mrs = self.dev.mrs_by_rkey
-            obs = self.dev.placement_observer
+            imports = conn.imports
+            run = qp.write_run
+            wire_run = _direct.copier() is not None  # wire writes into device memory go by the run's copy
             cur_rkey = -1
+            mr: MRCore | None = None
             base = limit = 0
             view: memoryview | None = None
-            first_seq = -1
-            src = dest
             for d in descs:
-                dst, src, seq, op, flags, mtu_code, _imm, rkey, _qk, raddr, length, psn, _a, _s = d
+                dst, src, seq, op, flags, mtu_code, _imm, rkey, _qk, raddr, length, psn, add, swap = d
                 if op != w.OP_WRITE or dst != qpn or src != dest or psn != exp \
-                        or flags & (w.F_AR | w.F_SRD | w.F_DIRECT) \
-                        or mtu_code > path_mtu or length == 0:
+                        or flags & (w.F_AR | w.F_SRD) or mtu_code > path_mtu or length == 0:
                     break
                 if rkey != cur_rkey:
                     mr = mrs.get(rkey)
-                    if mr is None or not mr.valid or mr.pd is not pd or not mr.access & REMOTE_WRITE \
-                            or mr.view is None:
+                    if mr is None or not mr.valid or mr.pd is not pd or not mr.access & REMOTE_WRITE:
                         break
                     cur_rkey, base, limit, view = rkey, mr.addr, mr.addr + mr.length, mr.view
                 if raddr < base or raddr + length > limit:
                     break
-                off = raddr - base
-                view[off:off + length] = mv[pos:pos + length]
-                pos += length
-                if _trace.DIR:
-                    _trace.stamp("placed")
-                if obs is not None:
-                    obs(qpn, raddr, length)
-                exp = (psn + max(1, -(-length // (256 << (mtu_code - 1))))) & 0xFFFFFF
-                if first_seq < 0:
-                    first_seq = seq
+                if flags & w.F_DIRECT:
+                    imp = imports.get(add)
+                    if imp is None or imp.closed or swap + length > imp.size:
+                        break
+                elif view is None and not (mr.accessor is not None and wire_run):  # type: ignore[union-attr]
+                    break
+                if view is not None and not flags & w.F_DIRECT:  # host memory: placed now, unless a run waits
+                    if run:
+                        break
+                    exp = (psn + max(1, -(-length // mtu_bytes(mtu_code)))) & 0xFFFFFF
+                    done += 1
+                    off = raddr - base
+                    view[off:off + length] = mv[pos:pos + length]
+                    pos += length
+                    if _trace.DIR:
+                        _trace.stamp("placed")
+                    obs = self.dev.placement_observer
+                    if obs is not None:
+                        obs(qpn, raddr, length)
+                    if first_seq < 0:
+                        first_seq = seq
+                    placed += 1
+                    continue
+                exp = (psn + max(1, -(-length // mtu_bytes(mtu_code)))) & 0xFFFFFF
                 done += 1
+                if placed:  # acknowledged before the run's, which come once it is copied
+                    self.ack(conn, dest, first_seq, placed)
+                    first_seq, placed = -1, 0
+                m = Msg(conn, d)
+                m.qp, m.mr = qp, mr
+                if flags & w.F_DIRECT:
+                    m.src, m.src_off = imp, swap
+                else:  # its bytes, out of the receive buffer the next read reuses
+                    m.data = memoryview(bytearray(mv[pos:pos + length]))
+                    pos += length
+                run.append(m)
+                self.runs.add(qp)
+                if len(run) >= WRITE_RUN_MAX:  # copied now; the rest of the frame goes request by request, so
+                    qp.flush_run(self)  # the I/O thread's other connections get their turn between two runs
+                    break
             qp.exp_psn = exp
-        if done:
-            self.ack(conn, dest, first_seq, done)
+        if placed:
+            self.ack(conn, dest, first_seq, placed)
         return done, pos
 
     # -- direct writes: the allocations a requester asks this side to open (`softverbs._direct`)

@@ -4,8 +4,12 @@ A responder process and this process each open a soft device, connect an RC QP (
 EFA SRD QP) over loopback TCP, and this process streams RDMA writes into the responder's memory through the
 extended post API (wr_start / wr_rdma_write / wr_set_sge / wr_complete), keeping a window of WRs in flight
 and signaling the last WR of each batch (every WR on SRD, as EFA requires). Reported: GB/s for 4 KiB,
-64 KiB and 1 MiB writes, small-write WRs/s, and (RC) the time a 2 MiB write takes one at a time on a link
-shaped as an EFA port (``shaped_chain``). Timings are wall-clock on a shared machine: compare runs
+64 KiB and 1 MiB writes, small-write WRs/s, (RC) the time a 2 MiB write takes one at a time on a link
+shaped as an EFA port (``shaped_chain``), and (RC) 4 KiB writes from device memory into device memory in
+batches of 8 (``direct``): memory that /dev/shm files emulate (`softverbs.soft.ShmCopier`), so each write
+goes as a reference and the responder places it by a copy from the requester's allocation, as a GPU
+buffer's write does between two daemons on one host. Its WRs/s is the soft fabric's own cost per write on
+the path every fused kernel's bytes take, without a GPU. Timings are wall-clock on a shared machine: compare runs
 on the same host, not across hosts.
 """
 
@@ -22,10 +26,13 @@ import click
 __all__ = ["bench_softverbs", "run_softverbs_benchmark"]
 
 _MR_SIZE = 64 << 20
+_DIRECT_MR_SIZE = 4 << 20  # the direct row's: /dev/shm files, one each side
 _QKEY = 0x11111111
 
 
-def _open(kind: str) -> dict[str, Any]:
+def _open(kind: str, direct: bool = False) -> dict[str, Any]:
+    """A device, PD, CQ, MR and QP of ``kind``; with ``direct``, the MR over emulated device memory (a
+    `ShmCopier` allocation behind a `HostAccessor`, the copier installed for this process)."""
     from softverbs import addr as am
     from softverbs import cq as cqm
     from softverbs import device as dm
@@ -43,7 +50,16 @@ def _open(kind: str) -> dict[str, Any]:
         ctx = efadv.EfaContext(name="softefa0")
     pd = pdm.PD(ctx)
     cq = cqm.CQ(ctx, 8192)
-    mr = mrm.MR(pd, _MR_SIZE, acc)
+    copier = base = None
+    if direct:
+        from softverbs import soft
+
+        copier = soft.ShmCopier()
+        soft.set_direct_copier(copier)
+        base = copier.allocate(_DIRECT_MR_SIZE)
+        mr = mrm.MR(pd, _DIRECT_MR_SIZE, acc, address=base, soft_accessor=soft.HostAccessor())
+    else:
+        mr = mrm.MR(pd, _MR_SIZE, acc)
     cap = qpm.QPCap(max_send_wr=4096, max_recv_wr=4096, max_send_sge=1, max_recv_sge=1)
     ops = int(e.IBV_QP_EX_WITH_RDMA_WRITE | e.IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM)
     mask = int(e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS)
@@ -61,7 +77,17 @@ def _open(kind: str) -> dict[str, Any]:
     info = {"qpn": qp.qp_num, "gid": str(ctx.query_gid(1, 0)), "lid": ctx.query_port(1).lid,
             "addr": mr.buf, "rkey": mr.rkey}
     return {"ctx": ctx, "pd": pd, "cq": cq, "mr": mr, "qp": qp, "info": info, "kind": kind, "e": e, "am": am,
-            "qpm": qpm, "acc": acc}
+            "qpm": qpm, "acc": acc, "copier": copier, "base": base,
+            "mr_size": _DIRECT_MR_SIZE if direct else _MR_SIZE}
+
+
+def _close(r: dict[str, Any]) -> None:
+    r["ctx"].close()
+    if r["copier"] is not None:
+        from softverbs import soft
+
+        soft.set_direct_copier(None)
+        r["copier"].free(r["base"])
 
 
 def _connect(r: dict[str, Any], remote: dict[str, Any]) -> Any:
@@ -81,12 +107,13 @@ def _connect(r: dict[str, Any], remote: dict[str, Any]) -> Any:
     return am.AH(r["pd"], attr=am.AHAttr(is_global=1, gr=am.GlobalRoute(dgid=am.GID(remote["gid"]))))
 
 
-def _responder(conn: Any, kind: str) -> None:
-    r = _open(kind)
+def _responder(conn: Any, kind: str, direct: bool = False) -> None:
+    r = _open(kind, direct)
     conn.send(r["info"])
     _connect(r, conn.recv())
+    conn.send("ready")  # its QP takes requests: a write sent before would be dropped, and retried until it failed
     conn.recv()  # "done"
-    r["ctx"].close()
+    _close(r)
 
 
 def _stream(r: dict[str, Any], remote: dict[str, Any], ah: Any, size: int, seconds: float, batch: int,
@@ -98,7 +125,7 @@ def _stream(r: dict[str, Any], remote: dict[str, Any], ah: Any, size: int, secon
     e = r["e"]
     srd = r["kind"] == "srd"
     signaled = int(e.IBV_SEND_SIGNALED)
-    slots = max(1, _MR_SIZE // size)
+    slots = max(1, r["mr_size"] // size)
     sges = [wrm.SGE(mr.buf + (i % slots) * size, size, mr.lkey) for i in range(min(slots, 4096))]
     rkey, raddr = remote["rkey"], remote["addr"]
     posted = completed = 0
@@ -158,6 +185,36 @@ def _shaped_chain(r: dict[str, Any], remote: dict[str, Any], ah: Any, seconds: f
             "per_write_us": 1e6 / got["wr_per_s"], "wrs": got["wrs"]}
 
 
+#: ``direct``: 4 KiB writes from emulated device memory in batches of 8, the fused kernels' puts over the soft fabric
+DIRECT_SIZE, DIRECT_BATCH = 4096, 8
+
+
+def _run_direct(seconds: float) -> dict[str, Any]:
+    """RC writes between two processes' emulated device memory (`_open` with ``direct``): the first write of the
+    allocation crosses the wire while the peer opens it, the rest go as references, placed by a copy."""
+    from softverbs import soft
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_responder, args=(child, "rc", True), daemon=True)
+    proc.start()
+    r = _open("rc", direct=True)
+    try:
+        remote = parent.recv()
+        parent.send(r["info"])
+        _connect(r, remote)
+        parent.recv()  # "ready"
+        name = r["ctx"].name
+        before = soft.device_stats(name)["direct_sent"]
+        got = _stream(r, remote, None, DIRECT_SIZE, seconds, DIRECT_BATCH, 256)
+        got["direct_sent"] = soft.device_stats(name)["direct_sent"] - before
+        return got
+    finally:
+        parent.send("done")
+        proc.join(10)
+        _close(r)
+
+
 def _run_kind(kind: str, sizes: list[int], seconds: float, rate_size: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -168,7 +225,7 @@ def _run_kind(kind: str, sizes: list[int], seconds: float, rate_size: int) -> di
         remote = parent.recv()
         parent.send(r["info"])
         ah = _connect(r, remote)
-        time.sleep(0.05)
+        parent.recv()  # "ready"
         out: dict[str, Any] = {}
         for size in sizes:
             window = max(4, min(1024, (64 << 20) // size))
@@ -181,13 +238,14 @@ def _run_kind(kind: str, sizes: list[int], seconds: float, rate_size: int) -> di
     finally:
         parent.send("done")
         proc.join(10)
-        r["ctx"].close()
+        _close(r)
 
 
 def run_softverbs_benchmark(seconds: float = 2.0, srd: bool = True) -> dict[str, Any]:
     """Measure RC (and SRD) loopback write throughput and WR rate between two processes."""
     sizes = [4 << 10, 64 << 10, 1 << 20]
     rc = _run_kind("rc", sizes, seconds, 64)
+    rc["direct"] = _run_direct(seconds)
     result: dict[str, Any] = {
         "summary": {
             "gbps_4kib": rc[str(4 << 10)]["bytes_per_s"] / 1e9,
@@ -195,6 +253,7 @@ def run_softverbs_benchmark(seconds: float = 2.0, srd: bool = True) -> dict[str,
             "gbps_1mib": rc[str(1 << 20)]["bytes_per_s"] / 1e9,
             "wr_per_s": rc["rate"]["wr_per_s"],
             "shaped_chain_us": rc["shaped_chain"]["per_write_us"],
+            "direct_wr_per_s": rc["direct"]["wr_per_s"],
         },
         "rc": rc,
         "seconds_per_point": seconds,
@@ -222,6 +281,9 @@ def bench_softverbs(seconds: float, srd: bool, json_path: Path | None) -> None:
     chain = res["rc"]["shaped_chain"]
     click.echo(f"RC, 2 MiB writes one at a time shaped as an EFA port: {chain['per_write_us']:.0f} us a write "
                f"(model {chain['model_us']:.0f} us)")
+    direct = res["rc"]["direct"]
+    click.echo(f"RC, 4 KiB writes between emulated device memories (direct, batches of {DIRECT_BATCH}): "
+               f"{direct['wr_per_s']:,.0f} WRs/s ({1e6 / direct['wr_per_s']:.1f} us a write)")
     if json_path is not None:
         json_path.write_text(json.dumps(res, indent=2))
         click.echo(f"wrote {json_path}")

@@ -347,6 +347,56 @@ def test_a_run_of_direct_writes_lands_before_what_follows_it_on_the_qp(provider,
         assert soft.device_stats("softib0")["run_wire_writes"] == in_run
 
 
+def test_a_frame_of_runs_and_host_placements_lands_and_completes_in_post_order(provider, shm) -> None:
+    """One frame of writes: one into the server's host memory, a run's worth of direct writes (copied in the
+    middle of the frame), host memory again, more direct writes, one over the first device bytes, and host
+    memory a third time. Every write is placed once, in post order (a host write only after the run before
+    it), completes in post order, and every byte is the last write's."""
+    from softverbs._responder import WRITE_RUN_MAX
+
+    n = WRITE_RUN_MAX + 3  # device writes, each 4 KiB at its own offset
+    with provider.rc_pair(client_memory=shm, server_memory=shm) as pair:
+        e = pair.v.enums
+        _agree(pair)
+        image = _image((n + 1) * 4096, 11)
+        pair.client.write_buf(0, image)
+        base = pair.server.mr.buf
+        pair.server.write_buf(0, bytes((n + 1) * 4096))
+        host_src = pair.v.mr.MR(pair.pd, 64, access(pair.v, "IBV_ACCESS_LOCAL_WRITE"))
+        host_dst = pair.v.mr.MR(pair.pd, 64, access(pair.v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE"))
+        host_src.write(b"FIRST...SECOND..THIRD...", 24, 0)
+        placed: list[int] = []  # the server's placements in order: device offsets, -1 / -2 / -3 the host writes
+        host_at = {host_dst.buf + 8 * i: -1 - i for i in range(3)}
+        soft.set_placement_observer(pair.ctx, lambda _qpn, addr, _n: placed.append(host_at.get(addr, addr - base)))
+        write = e.IBV_WR_RDMA_WRITE
+
+        def host(i: int) -> Any:
+            return pair.send_wr(write, pair.client.sge(8 * i, 8, mr=host_src), rkey=host_dst.rkey,
+                                raddr=host_dst.buf + 8 * i)
+
+        def device(src: int, dst: int) -> Any:
+            return pair.send_wr(write, pair.client.sge(src * 4096, 4096), raddr=base + dst * 4096)
+
+        wrs = [host(0), *(device(i, i) for i in range(WRITE_RUN_MAX)), host(1),
+               *(device(i, i) for i in range(WRITE_RUN_MAX, n)), device(n, 0), host(2)]
+        for i, wr in enumerate(wrs):
+            wr.wr_id = i
+        try:
+            _post_chain(pair, wrs)
+            done = poll(pair.client.cq, len(wrs))
+            assert [w.wr_id for w in done] == list(range(len(wrs)))
+            assert all(w.status == e.IBV_WC_SUCCESS for w in done)
+            assert host_dst.read(24, 0) == b"FIRST...SECOND..THIRD..."
+        finally:
+            soft.set_placement_observer(pair.ctx, None)
+            host_src.close()
+            host_dst.close()
+        assert pair.server.read_buf(0, 4096) == image[n * 4096:]  # the later write over offset 0 won
+        assert pair.server.read_buf(4096, (n - 1) * 4096) == image[4096:n * 4096]
+        run = [i * 4096 for i in range(WRITE_RUN_MAX)]
+        assert placed == [-1, *run, -2, *(i * 4096 for i in range(WRITE_RUN_MAX, n)), 0, -3]
+
+
 def test_a_refused_write_after_a_run_fails_after_the_run_completes(provider, shm) -> None:
     """Direct writes held in a run, then one the target refuses: the run's bytes land and its writes succeed,
     the refused one fails with a remote access error, and what was posted after it is flushed unplaced."""
