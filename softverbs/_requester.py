@@ -412,6 +412,8 @@ class QPRequester:
         direct = _direct.copier() is not None
         failed: list[SendEntry] = []
         last_dest: Any = None
+        remote = self.remote
+        dest_qpn = self.dest_qpn
         conn: Conn | None = None
         descs: list[bytes] = []
         payloads: list[Any] = []
@@ -419,7 +421,7 @@ class QPRequester:
             e = txq[0]
             op = e.op
             if op == 1 and not srd and not e.fence and e.status is None and conn is not None \
-                    and self.remote == last_dest:
+                    and remote == last_dest:
                 # fast path: an RC write to the connection of the previous WR
                 txq.popleft()
                 if self._check_local(e):
@@ -431,13 +433,13 @@ class QPRequester:
                 self.tx_psn = (psn + (-(-length // mtu) or 1)) & 0xFFFFFF
                 e.conn = conn
                 ref = self._direct_ref(conn, e) if direct and e.inline is None else None
+                seq = e.seq
                 if ref is None:
-                    desc = pack(self.dest_qpn, qpn, e.seq, 1, base_flags, mtu_code, 0, e.rkey, 0, e.raddr, length,
-                                psn, 0, 0)
+                    desc = pack(dest_qpn, qpn, seq, 1, base_flags, mtu_code, 0, e.rkey, 0, e.raddr, length, psn, 0, 0)
                 else:
-                    desc = pack(self.dest_qpn, qpn, e.seq, 1, base_flags | w.F_DIRECT, mtu_code, 0, e.rkey, 0,
-                                e.raddr, length, psn, ref[0], ref[1])
-                inflight[e.seq] = e
+                    desc = pack(dest_qpn, qpn, seq, 1, base_flags | w.F_DIRECT, mtu_code, 0, e.rkey, 0, e.raddr, length,
+                                psn, ref[0], ref[1])
+                inflight[seq] = e
                 if shaped and not conn.loopback:
                     dev.depart(conn, self, desc, [] if ref is not None else _payload(e), length, soon)
                     continue
@@ -483,7 +485,7 @@ class QPRequester:
                 dest, dst_qpn = e.dest, e.dest_qpn
                 psn = 0
             else:
-                dest, dst_qpn = self.remote, self.dest_qpn
+                dest, dst_qpn = remote, dest_qpn
                 psn = self.tx_psn
                 npkts = 1 if op in (w.OP_FADD, w.OP_CSWAP) else max(1, -(-length // mtu))
                 self.tx_psn = (psn + npkts) & 0xFFFFFF

@@ -753,7 +753,8 @@ class RequestFrameHandler:
             imports = conn.imports
             run = qp.write_run
             wire_run = _direct.copier() is not None  # wire writes into device memory go by the run's copy
-            cur_rkey = -1
+            cur_rkey = cur_mtu = -1
+            mtu = 0
             mr: MRCore | None = None
             base = limit = 0
             view: memoryview | None = None
@@ -769,6 +770,8 @@ class RequestFrameHandler:
                     cur_rkey, base, limit, view = rkey, mr.addr, mr.addr + mr.length, mr.view
                 if raddr < base or raddr + length > limit:
                     break
+                if mtu_code != cur_mtu:
+                    cur_mtu, mtu = mtu_code, mtu_bytes(mtu_code)
                 if flags & w.F_DIRECT:
                     imp = imports.get(add)
                     if imp is None or imp.closed or swap + length > imp.size:
@@ -778,7 +781,7 @@ class RequestFrameHandler:
                 if view is not None and not flags & w.F_DIRECT:  # host memory: placed now, unless a run waits
                     if run:
                         break
-                    exp = (psn + max(1, -(-length // mtu_bytes(mtu_code)))) & 0xFFFFFF
+                    exp = (psn + max(1, -(-length // mtu))) & 0xFFFFFF
                     done += 1
                     off = raddr - base
                     view[off:off + length] = mv[pos:pos + length]
@@ -792,7 +795,7 @@ class RequestFrameHandler:
                         first_seq = seq
                     placed += 1
                     continue
-                exp = (psn + max(1, -(-length // mtu_bytes(mtu_code)))) & 0xFFFFFF
+                exp = (psn + max(1, -(-length // mtu))) & 0xFFFFFF
                 done += 1
                 if placed:  # acknowledged before the run's, which come once it is copied
                     self.ack(conn, dest, first_seq, placed)
