@@ -12,7 +12,8 @@ class CQCore:
 
     Entry: (wr_id, status, opcode, byte_len, qp_num, src_qp, imm, wc_flags, slid, qp, retire_sq,
     retire_rq, unsolicited). Polling an entry frees `retire_sq` send-queue slots of `qp` (the slots of the
-    WR and of the unsignaled WRs before it, as mlx5 advances its SQ tail) and `retire_rq` receive slots.
+    WR and of the unsignaled WRs before it, as mlx5 advances its SQ tail) and `retire_rq` receive slots,
+    counted in the QP's `sq_polled` / `rq_polled` under this CQ's lock (see `take`).
 
     `pushed` counts the pushes (an overrun too) in one 8-byte word, bumped after the entry is queued: a
     poller in C reads it without the GIL and calls in only when it moved (`softverbs.soft.batch.doorbell`).
@@ -39,19 +40,21 @@ class CQCore:
             self.pushed[0] += 1
 
     def take(self, n: int) -> list[tuple]:
+        """Up to ``n`` entries, oldest first. The slots they free are counted in counters of their QPs that
+        only pollers write (`sq_polled` for the send CQ's entries, `rq_polled` for the receive CQ's), under
+        this CQ's lock: the QP's own threads count what they retire (an SRD QP's unsignaled WR) in
+        `sq_retired`, under the QP's lock, so no two read-add-writes meet, and a poll never waits for a QP
+        its I/O thread holds (while a run of copies lands, say)."""
         with self.lock:
             entries = self.entries
             out = []
             while entries and len(out) < n:
-                out.append(entries.popleft())
-        # the slots they free are counted on their QPs under each QP's lock, where the QP's own threads read
-        # and add to the same counters (an SRD QP retires an unsignaled WR there): under this CQ's lock alone,
-        # the two read-add-writes could interleave and lose a slot for good. After this CQ's lock, not inside
-        # it: a QP's holder takes the CQ's lock after its own (lock order QP -> CQ).
-        for cqe in out:
-            qp = cqe[9]
-            if qp is not None and (cqe[10] or cqe[11]):
-                with qp.lock:
-                    qp.sq_retired += cqe[10]
-                    qp.rq_retired += cqe[11]
+                cqe = entries.popleft()
+                out.append(cqe)
+                qp = cqe[9]
+                if qp is not None:
+                    if cqe[10]:
+                        qp.sq_polled += cqe[10]
+                    if cqe[11]:
+                        qp.rq_polled += cqe[11]
         return out

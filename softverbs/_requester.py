@@ -128,7 +128,8 @@ class QPRequester:
     def _init_requester(self) -> None:
         self.next_seq = 1
         self.sq_posted = 0
-        self.sq_retired = 0
+        self.sq_retired = 0  # slots the QP's own threads freed, under its lock
+        self.sq_polled = 0  # slots polls freed, under the send CQ's lock (`CQCore.take`)
         self.order: deque[SendEntry] = deque()
         self.txq: deque[SendEntry] = deque()
         self.inflight: dict[int, SendEntry] = {}
@@ -141,7 +142,7 @@ class QPRequester:
         self.inbox: deque[list[tuple]] = deque()  # response batches not yet applied (see `rx_responses`)
 
     def _sq_full(self, extra: int) -> bool:
-        return max(0, self.sq_posted - self.sq_retired) + extra >= self.max_send_wr
+        return max(0, self.sq_posted - self.sq_retired - self.sq_polled) + extra >= self.max_send_wr
 
     def validate_legacy(self, wr: tuple, nreq: int) -> int:
         """post_send checks, per provider, returning an errno (0 = accepted)."""
@@ -223,7 +224,7 @@ class QPRequester:
             raise PyverbsUserError("wr_* called outside wr_start()/wr_complete()")
         if self.wr_list_err:
             return
-        full = self.sq_posted - self.sq_retired + len(wrs) >= self.max_send_wr
+        full = self.sq_posted - self.sq_retired - self.sq_polled + len(wrs) >= self.max_send_wr
         if self.efa:  # efa_post_send_validate order: state, signaled, flags, queue space
             if self.state not in (RTS, SQD) or (not (flags & SIGNALED) and not self.sq_sig_all) \
                     or flags & ~(SIGNALED | INLINE):

@@ -116,7 +116,8 @@ class QPResponder:
     def _init_responder(self) -> None:
         self.rq: deque[tuple] = deque()
         self.rq_posted = 0
-        self.rq_retired = 0
+        self.rq_retired = 0  # as sq_retired / sq_polled (`QPRequester`)
+        self.rq_polled = 0
         self.exp_psn = 0
         self.backlog: deque[Msg] = deque()
         self.stalled = False
@@ -134,7 +135,7 @@ class QPResponder:
                     return errno.EINVAL, i
                 if len(sges) > self.max_recv_sge:
                     return errno.EINVAL, i
-                if max(0, self.rq_posted - self.rq_retired) >= self.max_recv_wr:
+                if max(0, self.rq_posted - self.rq_retired - self.rq_polled) >= self.max_recv_wr:
                     return errno.ENOMEM, i
                 self.rq_posted += 1
                 self.rq.append((wr_id, list(sges)))

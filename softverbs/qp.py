@@ -306,8 +306,8 @@ def _reset(core: QPCore) -> None:
     core.rnr_wait.clear()
     core.stalled = core.tx_halted = False
     core.rd_out = core.unsig = 0
-    core.sq_retired = core.sq_posted
-    core.rq_retired = core.rq_posted
+    core.sq_retired = core.sq_posted - core.sq_polled  # every slot free again
+    core.rq_retired = core.rq_posted - core.rq_polled
 
 
 class QP(SoftCM):

@@ -388,28 +388,40 @@ def test_a_response_queued_while_the_qp_is_held_is_applied_once_it_is_let_go(sof
         assert queued, "the acknowledgement never arrived while the QP was held"
 
 
-def test_polling_frees_send_queue_slots_only_under_the_qps_lock(soft) -> None:
-    """A poll frees the polled WR's send-queue slot on its QP, and counts it under the QP's lock, where the
-    QP's own threads count too (an SRD QP retires unsignaled WRs there): counted under the CQ's lock alone,
-    the two read-add-writes could interleave and lose a slot for good. So while another thread holds the
-    QP, a poll returns nothing until it lets go, and the slot is counted then."""
+def test_a_poll_frees_send_queue_slots_without_waiting_for_the_qp(soft) -> None:
+    """A poll frees the polled WR's send-queue slot on its QP while another thread holds the QP (its I/O
+    thread copying a run, say): pollers count slots in a counter of their own (`sq_polled`, under the CQ's
+    lock), the QP's threads in theirs (`sq_retired`, under the QP's lock: an SRD QP retires unsignaled WRs
+    there), so neither waits for the other and no two read-add-writes on one counter can lose a slot. The
+    slots add up: a queue filled to its depth takes no more WRs until a poll, then takes one."""
     import threading
 
-    with soft.rc_pair() as pair:
+    with soft.rc_pair(max_send_wr=4) as pair:
         e = pair.v.enums
         core = pair.client.qp._core
-        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
+
+        def write(wr_id: int) -> None:
+            pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8), wr_id=wr_id))
+
+        write(0)
         wait_until(lambda: core.scq.entries, "the write's completion")
-        before = core.sq_retired
+        before = core.sq_polled
         polled: list = []
         core.lock.acquire()
         try:
             poller = threading.Thread(target=lambda: polled.extend(poll(pair.client.cq)))
             poller.start()
-            wait_until(lambda: not core.scq.entries, "the poller taking the entry")
-            assert core.sq_retired == before and not polled  # it waits for the QP to count the slot
+            poller.join(timeout=10)  # returns with the QP still held
+            assert not poller.is_alive() and [wc.status for wc in polled] == [e.IBV_WC_SUCCESS]
+            assert core.sq_polled == before + 1
         finally:
             core.lock.release()
-        poller.join(timeout=10)
-        assert [wc.status for wc in polled] == [e.IBV_WC_SUCCESS]
-        assert core.sq_retired == before + 1
+        depth = core.max_send_wr
+        for i in range(depth):
+            write(1 + i)
+        raises_errno(pair.v, errno.ENOMEM, write, 99)  # full: every slot taken
+        assert [wc.wr_id for wc in poll(pair.client.cq, depth)] == list(range(1, 1 + depth))
+        write(100)  # the polls freed them
+        assert [wc.wr_id for wc in poll(pair.client.cq)] == [100]
+
+
