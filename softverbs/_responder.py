@@ -261,6 +261,23 @@ class QPResponder:
             return
         self.write_run = []
         self._copy_pieces([(m, 0, m.length) for m in run], handler)
+        self._complete_run(run, handler)
+
+    def flush_run_released(self, handler: RequestFrameHandler) -> None:
+        """`flush_run` for the I/O thread with nothing else to do on the QP (`RequestFrameHandler.on_idle`):
+        the run's copies go with the QP's lock let go, so a post on the QP does not wait for them (a copy into
+        GPU memory can take a hundred microseconds). Nothing can come between the run and what follows it:
+        only this thread admits requests. The run then completes as `flush_run`'s does: acknowledged, or
+        answered as a QP in error answers if another thread moved the QP to the error state meanwhile."""
+        with self.lock:
+            run, self.write_run = self.write_run, []
+        if not run:
+            return
+        self._copy_pieces([(m, 0, m.length) for m in run], handler)
+        with self.lock:
+            self._complete_run(run, handler)
+
+    def _complete_run(self, run: list[Msg], handler: RequestFrameHandler) -> None:
         for m in run:
             if self.state == ERR:
                 handler.respond(m, RETRY_EXC)
@@ -605,9 +622,7 @@ class RequestFrameHandler:
         """No more input right now: copy every QP's run of direct writes, place every held packet (in random
         order)."""
         while self.runs:
-            qp = self.runs.pop()
-            with qp.lock:
-                qp.flush_run(self)
+            self.runs.pop().flush_run_released(self)
         while self.dirty:
             qp = self.dirty.pop()
             with qp.lock:

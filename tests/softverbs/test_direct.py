@@ -397,6 +397,42 @@ def test_a_frame_of_runs_and_host_placements_lands_and_completes_in_post_order(p
         assert placed == [-1, *run, -2, *(i * 4096 for i in range(WRITE_RUN_MAX, n)), 0, -3]
 
 
+def test_a_post_on_the_qp_does_not_wait_for_its_run_s_copy(provider, shm, monkeypatch) -> None:
+    """While the I/O thread copies a QP's run of direct writes (a copy into GPU memory can take a hundred
+    microseconds), the QP's lock is let go: a post on the same QP goes out at once instead of waiting for
+    the copy. Once the copy ends, the run completes as before, and so does the post."""
+    import threading
+
+    with provider.rc_pair(client_memory=shm, server_memory=shm) as pair:
+        e = pair.v.enums
+        _agree(pair)
+        pair.client.write_buf(0, _image(4096, 12))
+        copying, release = threading.Event(), threading.Event()
+        copy_many = shm.copier.copy_many
+
+        def gated(copies: list) -> None:
+            copying.set()
+            assert release.wait(30), "the test never let the copy go"
+            copy_many(copies)
+
+        monkeypatch.setattr(shm.copier, "copy_many", gated)
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 4096), wr_id=1))
+        try:
+            assert copying.wait(10), "the run's copy never started"
+            back = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.server.sge(8192, 64), wr_id=2,
+                                rkey=pair.client.mr.rkey, raddr=pair.client.mr.buf + 8192)
+            posted = threading.Thread(target=pair.server.qp.post_send, args=(back,))
+            posted.start()
+            posted.join(timeout=10)  # with the copy still held by the gate
+            assert not posted.is_alive(), "the post waited for the run's copy"
+            assert not release.is_set()
+        finally:
+            release.set()
+        assert [w.status for w in poll(pair.client.cq)] == [e.IBV_WC_SUCCESS]
+        assert [w.status for w in poll(pair.server.cq)] == [e.IBV_WC_SUCCESS]
+        assert pair.server.read_buf(0, 4096) == _image(4096, 12)
+
+
 def test_a_refused_write_after_a_run_fails_after_the_run_completes(provider, shm) -> None:
     """Direct writes held in a run, then one the target refuses: the run's bytes land and its writes succeed,
     the refused one fails with a remote access error, and what was posted after it is flushed unplaced."""
