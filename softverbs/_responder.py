@@ -410,20 +410,40 @@ class QPResponder:
             self.pend.append(m)
         handler.dirty.add(self)
 
-    def place_packets(self, pkts: list[tuple[Msg, int, Any]], handler: RequestFrameHandler) -> None:
+    def place_packets(self, pkts: list[tuple[Msg, int, Any]], handler: RequestFrameHandler,
+                      released: bool = False) -> None:
         """Place packets taken from the pool, in the order taken. Direct packets (message, offset, length)
         taken back to back are copied as one run (`_copy_pieces`: an 8 MiB SRD write is eight packets, and
         each wait costs about what a copy does on a busy GPU), and only then is each counted placed, so
-        nothing later on the QP overtakes them; the rest are placed one by one."""
+        nothing later on the QP overtakes them; the rest are placed one by one.
+
+        ``released``: the I/O thread calls without the QP's lock, which it takes for each placement but not
+        for a run's copies, so a post on the QP (efa's one SRD QP carries both directions) does not wait for
+        them; only this thread places, so the order holds. A message whose last packet lands after another
+        thread moved the QP to the error state is answered as a QP in error answers (`on_item`)."""
         for direct, group in itertools.groupby(pkts, key=lambda pkt: pkt[0].src is not None):
             if not direct:
                 for pkt in group:
-                    self.place_packet(pkt, handler)
+                    if released:
+                        with self.lock:
+                            self.place_packet(pkt, handler)
+                    else:
+                        self.place_packet(pkt, handler)
                 continue
             run = list(group)
             self._copy_pieces(run, handler)
-            for m, _off, _n in run:
-                self._packet_placed(m, handler)
+            if not released:
+                for m, _off, _n in run:
+                    self._packet_placed(m, handler)
+                continue
+            with self.lock:
+                for m, _off, _n in run:
+                    if self.state != ERR:
+                        self._packet_placed(m, handler)
+                        continue
+                    m.pkts_left -= 1
+                    if not m.pkts_left:
+                        handler.respond(m, RESP_TIMEOUT if self.srd else RETRY_EXC)
 
     def place_packet(self, pkt: tuple[Msg, int, memoryview], handler: RequestFrameHandler) -> None:
         """Place one packet that carries its bytes (direct packets go by `place_packets`' runs)."""
@@ -594,7 +614,7 @@ class RequestFrameHandler:
                 taken = []
                 while len(pool) > window or (qp.pool_bytes > window_bytes and len(pool) > 1):
                     taken.append(self._take(qp))
-                qp.place_packets(taken, self)
+            qp.place_packets(taken, self, released=True)
         conn.ro_qpns = None
         self.dev.flush_responses()
 
@@ -626,15 +646,20 @@ class RequestFrameHandler:
         while self.dirty:
             qp = self.dirty.pop()
             with qp.lock:
-                self.drain_pool(qp)
+                taken = self._take_all(qp)
+            qp.place_packets(taken, self, released=True)
 
     def drain_pool(self, qp: QPCore) -> None:
-        pool = qp.pool
+        """Place every packet ``qp``'s pool holds (lock held)."""
+        qp.place_packets(self._take_all(qp), self)
+
+    def _take_all(self, qp: QPCore) -> list[tuple[Msg, int, Any]]:
+        """Every packet of ``qp``'s pool, in the order they may be placed (lock held)."""
         taken = []
-        while pool:
+        while qp.pool:
             taken.append(self._take(qp))
-        qp.place_packets(taken, self)
         self.dirty.discard(qp)
+        return taken
 
     def _arrive(self, conn: Conn, d: tuple) -> Msg:
         """Admission checks for one request, in arrival (PSN) order."""

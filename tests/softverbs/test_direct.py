@@ -504,6 +504,46 @@ def test_srd_direct_packets_taken_together_are_copied_as_one_run(shm) -> None:
     assert 1 <= shm.copier.runs < packets / 2, f"{shm.copier.runs} runs for {packets} packets"
 
 
+def test_a_post_on_the_srd_qp_does_not_wait_for_the_pool_s_copy(shm, monkeypatch) -> None:
+    """efa's one SRD QP carries both directions of a rail. While the I/O thread copies the reorder pool's
+    direct packets into place, the QP's lock is let go: a post on the same QP goes out at once. Once the copy
+    ends, the write-with-immediate completes on both sides and its bytes are there."""
+    import threading
+
+    provider = open_provider("soft")
+    with provider.srd_pair(client_memory=shm, server_memory=shm) as pair:
+        e = pair.v.enums
+        pair.post(pair.client, "write", pair.client.sge(8192, 8), raddr=pair.server.mr.buf + 8192)
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS  # the peer opens the allocation
+        image = _image(4096, 13)
+        pair.client.write_buf(0, image)
+        copying, release = threading.Event(), threading.Event()
+        copy_many = shm.copier.copy_many
+
+        def gated(copies: list) -> None:
+            copying.set()
+            assert release.wait(30), "the test never let the copy go"
+            copy_many(copies)
+
+        monkeypatch.setattr(shm.copier, "copy_many", gated)
+        pair.post(pair.client, "write_imm", pair.client.sge(0, 4096), wr_id=1, raddr=pair.server.mr.buf, imm=7)
+        try:
+            assert copying.wait(10), "the pool's copy never started"
+            back = threading.Thread(target=pair.post, args=(pair.server, "write", pair.server.sge(8192, 8)),
+                                    kwargs={"wr_id": 2, "raddr": pair.client.mr.buf + 8192})
+            back.start()
+            back.join(timeout=10)  # with the copy still held by the gate
+            assert not back.is_alive(), "the post waited for the pool's copy"
+            assert not release.is_set()
+        finally:
+            release.set()
+        by_id = {w.wr_id: w for w in poll(pair.server.cq, 2)}  # the arrival (unsolicited: 0) and the post back
+        assert by_id[2].status == e.IBV_WC_SUCCESS
+        assert by_id[0].status == e.IBV_WC_SUCCESS and socket.ntohl(by_id[0].imm_data) == 7
+        assert pair.server.read_buf(0, 4096) == image
+        assert [(w.wr_id, w.status) for w in poll(pair.client.cq)] == [(1, e.IBV_WC_SUCCESS)]
+
+
 def test_srd_reordering_of_a_stream_holds_a_bounded_number_of_bytes(shm) -> None:
     """While a stream goes on, the reorder pool holds at most ``reorder_window_bytes`` (and always one packet):
     a fabric reorders within a bounded time. Counted only in packets, a window of 1 MiB direct packets held
