@@ -22,7 +22,7 @@ import pytest
 from softverbs import _direct, soft
 from tests.softverbs import direct_node
 from tests.support.device_memory import ShmDeviceMemory
-from tests.support.verbs_resources import RCPair, access, open_provider, poll
+from tests.support.verbs_resources import RCPair, access, no_completion, open_provider, poll
 
 SIZE = 64 << 10
 
@@ -431,6 +431,52 @@ def test_a_post_on_the_qp_does_not_wait_for_its_run_s_copy(provider, shm, monkey
         assert [w.status for w in poll(pair.client.cq)] == [e.IBV_WC_SUCCESS]
         assert [w.status for w in poll(pair.server.cq)] == [e.IBV_WC_SUCCESS]
         assert pair.server.read_buf(0, 4096) == _image(4096, 12)
+
+
+def _gate(monkeypatch: Any, copier: Any) -> tuple[Any, Any]:
+    """Hold ``copier``'s runs: (set when a run starts, set to let it go)."""
+    import threading
+
+    copying, release = threading.Event(), threading.Event()
+    copy_many = copier.copy_many
+
+    def gated(copies: list) -> None:
+        copying.set()
+        assert release.wait(30), "the test never let the copy go"
+        copy_many(copies)
+
+    monkeypatch.setattr(copier, "copy_many", gated)
+    return copying, release
+
+
+@pytest.mark.parametrize("qp_type", ["rc", "srd"])
+def test_a_qp_failed_during_its_copy_answers_what_the_copy_placed_as_a_failed_qp(shm, monkeypatch,
+                                                                              qp_type: str) -> None:
+    """The copy goes with the QP's lock let go, so another thread can move the QP to the error state
+    meanwhile; what the copy then completes is answered as a QP in error answers a request: the requester's
+    write fails, and the failed QP queues no receive completion for it."""
+    provider = open_provider("soft")
+    pairs = provider.rc_pair if qp_type == "rc" else provider.srd_pair
+    with pairs(client_memory=shm, server_memory=shm) as pair:
+        e = pair.v.enums
+        if qp_type == "rc":
+            _agree(pair)
+        else:
+            pair.post(pair.client, "write", pair.client.sge(8192, 8), raddr=pair.server.mr.buf + 8192)
+            assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS  # the peer opens the allocation
+        copying, release = _gate(monkeypatch, shm.copier)
+        if qp_type == "rc":
+            pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 4096), wr_id=1))
+        else:
+            pair.post(pair.client, "write_imm", pair.client.sge(0, 4096), wr_id=1, raddr=pair.server.mr.buf, imm=7)
+        try:
+            assert copying.wait(10), "the copy never started"
+            pair.server.qp.modify(pair.v.qp.QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
+        finally:
+            release.set()
+        (done,) = poll(pair.client.cq)
+        assert done.wr_id == 1 and done.status != e.IBV_WC_SUCCESS
+        assert no_completion(pair.server.cq)
 
 
 def test_a_refused_write_after_a_run_fails_after_the_run_completes(provider, shm) -> None:
