@@ -14,6 +14,7 @@ import ctypes
 import itertools
 import multiprocessing as mp
 import socket
+import threading
 from typing import Any
 
 import numpy as np
@@ -397,46 +398,8 @@ def test_a_frame_of_runs_and_host_placements_lands_and_completes_in_post_order(p
         assert placed == [-1, *run, -2, *(i * 4096 for i in range(WRITE_RUN_MAX, n)), 0, -3]
 
 
-def test_a_post_on_the_qp_does_not_wait_for_its_run_s_copy(provider, shm, monkeypatch) -> None:
-    """While the I/O thread copies a QP's run of direct writes (a copy into GPU memory can take a hundred
-    microseconds), the QP's lock is let go: a post on the same QP goes out at once instead of waiting for
-    the copy. Once the copy ends, the run completes as before, and so does the post."""
-    import threading
-
-    with provider.rc_pair(client_memory=shm, server_memory=shm) as pair:
-        e = pair.v.enums
-        _agree(pair)
-        pair.client.write_buf(0, _image(4096, 12))
-        copying, release = threading.Event(), threading.Event()
-        copy_many = shm.copier.copy_many
-
-        def gated(copies: list) -> None:
-            copying.set()
-            assert release.wait(30), "the test never let the copy go"
-            copy_many(copies)
-
-        monkeypatch.setattr(shm.copier, "copy_many", gated)
-        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 4096), wr_id=1))
-        try:
-            assert copying.wait(10), "the run's copy never started"
-            back = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.server.sge(8192, 64), wr_id=2,
-                                rkey=pair.client.mr.rkey, raddr=pair.client.mr.buf + 8192)
-            posted = threading.Thread(target=pair.server.qp.post_send, args=(back,))
-            posted.start()
-            posted.join(timeout=10)  # with the copy still held by the gate
-            assert not posted.is_alive(), "the post waited for the run's copy"
-            assert not release.is_set()
-        finally:
-            release.set()
-        assert [w.status for w in poll(pair.client.cq)] == [e.IBV_WC_SUCCESS]
-        assert [w.status for w in poll(pair.server.cq)] == [e.IBV_WC_SUCCESS]
-        assert pair.server.read_buf(0, 4096) == _image(4096, 12)
-
-
 def _gate(monkeypatch: Any, copier: Any) -> tuple[Any, Any]:
-    """Hold ``copier``'s runs: (set when a run starts, set to let it go)."""
-    import threading
-
+    """Hold ``copier``'s runs at a gate: (an event set when a run starts, the event that lets it go)."""
     copying, release = threading.Event(), threading.Event()
     copy_many = copier.copy_many
 
@@ -449,6 +412,44 @@ def _gate(monkeypatch: Any, copier: Any) -> tuple[Any, Any]:
     return copying, release
 
 
+def _returns_while_the_copy_is_held(copying: Any, release: Any, post: Any, what: str) -> None:
+    """``post()``, a post on the QP whose copy the gate (`_gate`) holds, returns before the copy is let go;
+    then the copy goes on."""
+    try:
+        assert copying.wait(10), f"the {what}'s copy never started"
+        thread = threading.Thread(target=post)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), f"the post waited for the {what}'s copy"
+        assert not release.is_set()
+    finally:
+        release.set()
+
+
+def _agree_srd(pair: Any) -> None:
+    """`_agree` on an SRD pair."""
+    pair.post(pair.client, "write", pair.client.sge(8192, 8), raddr=pair.server.mr.buf + 8192)
+    assert poll(pair.client.cq)[0].status == pair.v.enums.IBV_WC_SUCCESS
+
+
+def test_a_post_on_the_qp_does_not_wait_for_its_run_s_copy(provider, shm, monkeypatch) -> None:
+    """While the I/O thread copies a QP's run of direct writes (a copy into GPU memory can take a hundred
+    microseconds), the QP's lock is let go: a post on the same QP goes out at once instead of waiting for
+    the copy. Once the copy ends, the run completes as before, and so does the post."""
+    with provider.rc_pair(client_memory=shm, server_memory=shm) as pair:
+        e = pair.v.enums
+        _agree(pair)
+        pair.client.write_buf(0, _image(4096, 12))
+        copying, release = _gate(monkeypatch, shm.copier)
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 4096), wr_id=1))
+        back = pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.server.sge(8192, 64), wr_id=2, rkey=pair.client.mr.rkey,
+                            raddr=pair.client.mr.buf + 8192)
+        _returns_while_the_copy_is_held(copying, release, lambda: pair.server.qp.post_send(back), "run")
+        assert [w.status for w in poll(pair.client.cq)] == [e.IBV_WC_SUCCESS]
+        assert [w.status for w in poll(pair.server.cq)] == [e.IBV_WC_SUCCESS]
+        assert pair.server.read_buf(0, 4096) == _image(4096, 12)
+
+
 @pytest.mark.parametrize("qp_type", ["rc", "srd"])
 def test_a_qp_failed_during_its_copy_answers_what_the_copy_placed_as_a_failed_qp(shm, monkeypatch,
                                                                               qp_type: str) -> None:
@@ -459,11 +460,7 @@ def test_a_qp_failed_during_its_copy_answers_what_the_copy_placed_as_a_failed_qp
     pairs = provider.rc_pair if qp_type == "rc" else provider.srd_pair
     with pairs(client_memory=shm, server_memory=shm) as pair:
         e = pair.v.enums
-        if qp_type == "rc":
-            _agree(pair)
-        else:
-            pair.post(pair.client, "write", pair.client.sge(8192, 8), raddr=pair.server.mr.buf + 8192)
-            assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS  # the peer opens the allocation
+        (_agree if qp_type == "rc" else _agree_srd)(pair)
         copying, release = _gate(monkeypatch, shm.copier)
         if qp_type == "rc":
             pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 4096), wr_id=1))
@@ -554,35 +551,17 @@ def test_a_post_on_the_srd_qp_does_not_wait_for_the_pool_s_copy(shm, monkeypatch
     """efa's one SRD QP carries both directions of a rail. While the I/O thread copies the reorder pool's
     direct packets into place, the QP's lock is let go: a post on the same QP goes out at once. Once the copy
     ends, the write-with-immediate completes on both sides and its bytes are there."""
-    import threading
-
     provider = open_provider("soft")
     with provider.srd_pair(client_memory=shm, server_memory=shm) as pair:
         e = pair.v.enums
-        pair.post(pair.client, "write", pair.client.sge(8192, 8), raddr=pair.server.mr.buf + 8192)
-        assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS  # the peer opens the allocation
+        _agree_srd(pair)
         image = _image(4096, 13)
         pair.client.write_buf(0, image)
-        copying, release = threading.Event(), threading.Event()
-        copy_many = shm.copier.copy_many
-
-        def gated(copies: list) -> None:
-            copying.set()
-            assert release.wait(30), "the test never let the copy go"
-            copy_many(copies)
-
-        monkeypatch.setattr(shm.copier, "copy_many", gated)
+        copying, release = _gate(monkeypatch, shm.copier)
         pair.post(pair.client, "write_imm", pair.client.sge(0, 4096), wr_id=1, raddr=pair.server.mr.buf, imm=7)
-        try:
-            assert copying.wait(10), "the pool's copy never started"
-            back = threading.Thread(target=pair.post, args=(pair.server, "write", pair.server.sge(8192, 8)),
-                                    kwargs={"wr_id": 2, "raddr": pair.client.mr.buf + 8192})
-            back.start()
-            back.join(timeout=10)  # with the copy still held by the gate
-            assert not back.is_alive(), "the post waited for the pool's copy"
-            assert not release.is_set()
-        finally:
-            release.set()
+        _returns_while_the_copy_is_held(
+            copying, release, lambda: pair.post(pair.server, "write", pair.server.sge(8192, 8), wr_id=2,
+                                                raddr=pair.client.mr.buf + 8192), "pool")
         by_id = {w.wr_id: w for w in poll(pair.server.cq, 2)}  # the arrival (unsolicited: 0) and the post back
         assert by_id[2].status == e.IBV_WC_SUCCESS
         assert by_id[0].status == e.IBV_WC_SUCCESS and socket.ntohl(by_id[0].imm_data) == 7
