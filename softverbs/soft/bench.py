@@ -15,9 +15,11 @@ on the same host, not across hosts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,43 +191,42 @@ def _shaped_chain(r: dict[str, Any], remote: dict[str, Any], ah: Any, seconds: f
 DIRECT_SIZE, DIRECT_BATCH = 4096, 8
 
 
-def _run_direct(seconds: float) -> dict[str, Any]:
-    """RC writes between two processes' emulated device memory (`_open` with ``direct``): the first write of the
-    allocation crosses the wire while the peer opens it, the rest go as references, placed by a copy."""
-    from softverbs import soft
-
+@contextlib.contextmanager
+def _connected_pair(kind: str, direct: bool = False) -> Iterator[tuple[dict[str, Any], dict[str, Any], Any]]:
+    """This process's side (`_open`) connected to a responder process's, both ready for requests:
+    (this side, the responder's info, the address handle of an SRD pair or None)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_responder, args=(child, "rc", True), daemon=True)
+    proc = ctx.Process(target=_responder, args=(child, kind, direct), daemon=True)
     proc.start()
-    r = _open("rc", direct=True)
+    r = _open(kind, direct)
     try:
         remote = parent.recv()
         parent.send(r["info"])
-        _connect(r, remote)
+        ah = _connect(r, remote)
         parent.recv()  # "ready"
-        name = r["ctx"].name
-        before = soft.device_stats(name)["direct_sent"]
-        got = _stream(r, remote, None, DIRECT_SIZE, seconds, DIRECT_BATCH, 256)
-        got["direct_sent"] = soft.device_stats(name)["direct_sent"] - before
-        return got
+        yield r, remote, ah
     finally:
         parent.send("done")
         proc.join(10)
         _close(r)
 
 
+def _run_direct(seconds: float) -> dict[str, Any]:
+    """RC writes between two processes' emulated device memory (`_open` with ``direct``): the first write of the
+    allocation crosses the wire while the peer opens it, the rest go as references, placed by a copy."""
+    from softverbs import soft
+
+    with _connected_pair("rc", direct=True) as (r, remote, ah):
+        name = r["ctx"].name
+        before = soft.device_stats(name)["direct_sent"]
+        got = _stream(r, remote, ah, DIRECT_SIZE, seconds, DIRECT_BATCH, 256)
+        got["direct_sent"] = soft.device_stats(name)["direct_sent"] - before
+        return got
+
+
 def _run_kind(kind: str, sizes: list[int], seconds: float, rate_size: int) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_responder, args=(child, kind), daemon=True)
-    proc.start()
-    r = _open(kind)
-    try:
-        remote = parent.recv()
-        parent.send(r["info"])
-        ah = _connect(r, remote)
-        parent.recv()  # "ready"
+    with _connected_pair(kind) as (r, remote, ah):
         out: dict[str, Any] = {}
         for size in sizes:
             window = max(4, min(1024, (64 << 20) // size))
@@ -235,10 +236,6 @@ def _run_kind(kind: str, sizes: list[int], seconds: float, rate_size: int) -> di
         if kind == "rc":
             out["shaped_chain"] = _shaped_chain(r, remote, ah, seconds)
         return out
-    finally:
-        parent.send("done")
-        proc.join(10)
-        _close(r)
 
 
 def run_softverbs_benchmark(seconds: float = 2.0, srd: bool = True) -> dict[str, Any]:
