@@ -28,6 +28,7 @@ with an admitted request.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -421,24 +422,18 @@ class QPResponder:
         for a run's copies, so a post on the QP (efa's one SRD QP carries both directions) does not wait for
         them; only this thread places, so the order holds. A message whose last packet lands after another
         thread moved the QP to the error state is answered as a QP in error answers (`on_item`)."""
+        held = self.lock if released else contextlib.nullcontext()  # the caller's hold, or this one's
         for direct, group in itertools.groupby(pkts, key=lambda pkt: pkt[0].src is not None):
             if not direct:
                 for pkt in group:
-                    if released:
-                        with self.lock:
-                            self.place_packet(pkt, handler)
-                    else:
+                    with held:
                         self.place_packet(pkt, handler)
                 continue
             run = list(group)
             self._copy_pieces(run, handler)
-            if not released:
+            with held:
                 for m, _off, _n in run:
-                    self._packet_placed(m, handler)
-                continue
-            with self.lock:
-                for m, _off, _n in run:
-                    if self.state != ERR:
+                    if not released or self.state != ERR:
                         self._packet_placed(m, handler)
                         continue
                     m.pkts_left -= 1
@@ -819,11 +814,12 @@ class RequestFrameHandler:
                         break
                 elif view is None and not (mr.accessor is not None and wire_run):  # type: ignore[union-attr]
                     break
-                if view is not None and not flags & w.F_DIRECT:  # host memory: placed now, unless a run waits
-                    if run:
-                        break
-                    exp = (psn + max(1, -(-length // mtu))) & 0xFFFFFF
-                    done += 1
+                host = view is not None and not flags & w.F_DIRECT  # placed now: after the run, if one waits
+                if host and run:
+                    break
+                exp = (psn + max(1, -(-length // mtu))) & 0xFFFFFF
+                done += 1
+                if host:
                     off = raddr - base
                     view[off:off + length] = mv[pos:pos + length]
                     pos += length
@@ -836,11 +832,9 @@ class RequestFrameHandler:
                         first_seq = seq
                     placed += 1
                     continue
-                exp = (psn + max(1, -(-length // mtu))) & 0xFFFFFF
-                done += 1
-                if placed:  # acknowledged before the run's, which come once it is copied
+                if placed:  # acknowledged before the run's, which come once it is copied; none follow in this pass
                     self.ack(conn, dest, first_seq, placed)
-                    first_seq, placed = -1, 0
+                    placed = 0
                 m = Msg(conn, d)
                 m.qp, m.mr = qp, mr
                 if flags & w.F_DIRECT:
