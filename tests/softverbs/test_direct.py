@@ -349,13 +349,14 @@ def test_a_run_of_direct_writes_lands_before_what_follows_it_on_the_qp(provider,
 
 
 def test_a_frame_of_runs_and_host_placements_lands_and_completes_in_post_order(provider, shm) -> None:
-    """One frame of writes: one into the server's host memory, a run's worth of direct writes (copied in the
-    middle of the frame), host memory again, more direct writes, one over the first device bytes, and host
-    memory a third time. Every write is placed once, in post order (a host write only after the run before
-    it), completes in post order, and every byte is the last write's."""
+    """Two frames of writes. The first: one into the server's host memory, a few direct writes, and host
+    memory again (it waits for those direct writes' run). The second: more than a run's worth of direct writes
+    (a full run copied in the middle of the frame), one over the first device bytes, and host memory a third
+    time. Every write is placed once, in post order (a host write only after the run before it), completes
+    in post order, and every byte is the last write's."""
     from softverbs._responder import WRITE_RUN_MAX
 
-    n = WRITE_RUN_MAX + 3  # device writes, each 4 KiB at its own offset
+    n = WRITE_RUN_MAX + 5  # device writes, each 4 KiB at its own offset
     with provider.rc_pair(client_memory=shm, server_memory=shm) as pair:
         e = pair.v.enums
         _agree(pair)
@@ -378,12 +379,14 @@ def test_a_frame_of_runs_and_host_placements_lands_and_completes_in_post_order(p
         def device(src: int, dst: int) -> Any:
             return pair.send_wr(write, pair.client.sge(src * 4096, 4096), raddr=base + dst * 4096)
 
-        wrs = [host(0), *(device(i, i) for i in range(WRITE_RUN_MAX)), host(1),
-               *(device(i, i) for i in range(WRITE_RUN_MAX, n)), device(n, 0), host(2)]
+        frames = [[host(0), *(device(i, i) for i in range(3)), host(1)],
+                  [*(device(i, i) for i in range(3, n)), device(n, 0), host(2)]]
+        wrs = [wr for frame in frames for wr in frame]
         for i, wr in enumerate(wrs):
             wr.wr_id = i
         try:
-            _post_chain(pair, wrs)
+            for frame in frames:
+                _post_chain(pair, frame)
             done = poll(pair.client.cq, len(wrs))
             assert [w.wr_id for w in done] == list(range(len(wrs)))
             assert all(w.status == e.IBV_WC_SUCCESS for w in done)
@@ -394,8 +397,7 @@ def test_a_frame_of_runs_and_host_placements_lands_and_completes_in_post_order(p
             host_dst.close()
         assert pair.server.read_buf(0, 4096) == image[n * 4096:]  # the later write over offset 0 won
         assert pair.server.read_buf(4096, (n - 1) * 4096) == image[4096:n * 4096]
-        run = [i * 4096 for i in range(WRITE_RUN_MAX)]
-        assert placed == [-1, *run, -2, *(i * 4096 for i in range(WRITE_RUN_MAX, n)), 0, -3]
+        assert placed == [-1, 0, 4096, 8192, -2, *(i * 4096 for i in range(3, n)), 0, -3]
 
 
 def _gate(monkeypatch: Any, copier: Any) -> tuple[Any, Any]:
