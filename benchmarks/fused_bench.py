@@ -199,7 +199,8 @@ def backend_sizes(backend: str, quick: bool = False,
                   moe: dict[str, int] | None = None) -> dict[str, list[dict[str, int]]]:
     """The sizes a run measures on ``backend``, MoE Dispatch+GEMM's under ``moe_dispatch_gemm`` (``--quick``: the
     same small ones on every backend); ``moe`` sets keys of every MoE Dispatch+GEMM size (``--moe-tokens``:
-    ``tokens``, ``--moe-experts``: ``experts``, ``--moe-experts-per-put``: ``experts_per_put``)."""
+    ``tokens``, ``--moe-experts``: ``experts``, ``--moe-experts-per-put``: ``experts_per_put``,
+    ``--moe-split-experts``: ``split_experts``)."""
     if quick:
         sizes = {**QUICK_SIZES, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES}
     elif backend == "efa":
@@ -903,13 +904,14 @@ class _MoeGemm:
 
     def __init__(self, sessions: list[Any], device: int, gen: Any, tokens: int, hidden: int, topk: int,
                  experts: int, gemm_n: int, streams: list[Any] | None = None,
-                 experts_per_put: int | None = None) -> None:
+                 experts_per_put: int | None = None, split_experts: int | None = None) -> None:
         import torch
 
         from gpuclient.kernels import MoE
 
         self.ops = ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, gemm_n=gemm_n,
-                              gemm_programs=PROGRAMS or SPINNING_PROGRAMS, experts_per_put=experts_per_put)
+                              gemm_programs=PROGRAMS or SPINNING_PROGRAMS, experts_per_put=experts_per_put,
+                              split_experts=split_experts)
                           for s in sessions]
         exchange_all(sessions, timeout=60)
         for op in ops:
@@ -983,11 +985,13 @@ class _MoeGemm:
 
 
 def moe_dispatch_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: int, tokens: int, hidden: int,
-                      topk: int, experts: int, gemm_n: int, experts_per_put: int | None = None) -> Case:
+                      topk: int, experts: int, gemm_n: int, experts_per_put: int | None = None,
+                      split_experts: int | None = None) -> Case:
     """The compute of MoE Dispatch+GEMM alone, for ``--tune`` (the fused row is ``moe_gemm_row``: its rounds
     close with an untimed combine): staged by one whole round, after which ``dispatch_gemm(communicate=False)``
     reruns the GEMM over that round's rows; its flops are counted then."""
-    moe = _MoeGemm(sessions, device, gen, tokens, hidden, topk, experts, gemm_n, streams, experts_per_put)
+    moe = _MoeGemm(sessions, device, gen, tokens, hidden, topk, experts, gemm_n, streams, experts_per_put,
+                   split_experts)
 
     def stage() -> None:
         moe.round()
@@ -1033,7 +1037,8 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
         row: dict[str, Any] = {"kernel": "moe_dispatch_gemm", "backend": backend, "shape": shape,
                                "nic": SHAPES.get(shape, {}), "world": WORLD, **dims, "rows": rows,
                                "programs": ops[0].gemm_programs, "comm_programs": ops[0].comm_programs,
-                               "experts_per_put": ops[0].layout.experts_per_put, "max_abs_error": error}
+                               "experts_per_put": ops[0].layout.experts_per_put,
+                               "split_experts": ops[0].split_experts, "max_abs_error": error}
         seconds, counted_by = interleaved({
             "compute": lambda: launch(communicate=False), "comm": lambda: launch(compute=False), "fused": launch,
             "torch": lambda: _time_once(moe.torch_compute, streams)}, reps, clients)
@@ -1464,6 +1469,10 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 @click.option("--moe-experts-per-put", default=None, type=click.IntRange(min=1),
               help="MoE Dispatch+GEMM sends each peer the rows of this many of its experts in one put and one flag "
                    "(default: the op's, four puts a peer; 1: a put and a flag per expert)")
+@click.option("--moe-split-experts", default=None, type=click.IntRange(min=0),
+              help="MoE Dispatch+GEMM takes the first this many local experts' row blocks source by source (own rows "
+                   "first, each source's step reading the expert's weights again) and the others' whole once all "
+                   "their rows are in (default: the op's, the first put group's experts)")
 @io_spin_us_option
 @nic_spin_us_option
 @gil_switch_us_option
@@ -1475,8 +1484,9 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
          chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
          trace_dir: str | None = None, moe_experts: int | None = None, moe_tokens: int | None = None,
-         moe_experts_per_put: int | None = None, nic_spin_us: float | None = None,
-         gil_switch_us: float = 0.0, poll_window_us: int | None = None) -> None:
+         moe_experts_per_put: int | None = None, moe_split_experts: int | None = None,
+         nic_spin_us: float | None = None, gil_switch_us: float = 0.0,
+         poll_window_us: int | None = None) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -1507,7 +1517,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         os.environ["SOFTVERBS_TRACE"] = _trace.DIR = str(Path(trace_dir).resolve())  # the daemons inherit it
     moe_dims = QUICK_MOE if quick else MOE
     moe_sizes = {key: value for key, value in (("tokens", moe_tokens), ("experts", moe_experts),
-                                                ("experts_per_put", moe_experts_per_put)) if value is not None}
+                                                ("experts_per_put", moe_experts_per_put),
+                                                ("split_experts", moe_split_experts)) if value is not None}
     if quick:
         reps = 2
     rows: list[dict[str, Any]] = []

@@ -380,7 +380,7 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                        BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr,
                        EXPERTS_PER_PUT: tl.constexpr, GROUPS: tl.constexpr, SOURCE_ROWS: tl.constexpr,
                        GROUP_PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, COMMUNICATE: tl.constexpr,
-                       COMPUTE: tl.constexpr, TIMELINE: tl.constexpr = False):
+                       COMPUTE: tl.constexpr, SPLIT_EXPERTS: tl.constexpr, TIMELINE: tl.constexpr = False):
     # TIMELINE (MoELayout.timeline_words): %globaltimer when each (peer, expert)'s group was pushed, and per (source,
     # expert) the first pass of its flag's wait, the first start and the last end of the tiles taken at its step
     # (atomic min / max over the programs), when the last communication program saw its group land, then each
@@ -491,12 +491,19 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                 c_src = tl.sum(tl.where(ss == src, c, 0), axis=0)
                 off_src = tl.sum(tl.where(ss == src, off, 0), axis=0)
                 if c_src > 0:
-                    # the row blocks over src's rows; the first and the last may also hold other sources' rows
-                    # and are taken at the step of the latest of them
-                    first = off_src // BLOCK_M
-                    last = (off_src + c_src - 1) // BLOCK_M
-                    lo = first + (_last_source(c, off, first * BLOCK_M, first * BLOCK_M + BLOCK_M, order) != step)
-                    hi = last + 1 - (_last_source(c, off, last * BLOCK_M, last * BLOCK_M + BLOCK_M, order) != step)
+                    # an expert past SPLIT_EXPERTS: all its row blocks at its latest source's step (its weights
+                    # read once: at large N the GEMM is bound by the weights' reads). One below it: the row blocks
+                    # over src's rows, the first and the last (which may hold other sources' rows too) at the
+                    # step of the latest of them, so own rows start at once
+                    if local >= SPLIT_EXPERTS:
+                        lo = 0
+                        hi = tl.where(_last_source(c, off, 0, n, order) == step, tl.cdiv(n, BLOCK_M), 0)
+                    else:
+                        first = off_src // BLOCK_M
+                        last = (off_src + c_src - 1) // BLOCK_M
+                        lo = first + (_last_source(c, off, first * BLOCK_M, first * BLOCK_M + BLOCK_M, order) != step)
+                        hi = last + 1 - (_last_source(c, off, last * BLOCK_M, last * BLOCK_M + BLOCK_M, order) != step)
+                    row_blocks = tl.maximum(hi - lo, 1)
                     tiles = tl.maximum(hi - lo, 0) * col_blocks
                     c_own = tl.sum(tl.where(ss == rank, c, 0), axis=0)
                     off_own = tl.sum(tl.where(ss == rank, off, 0), axis=0)
@@ -507,9 +514,9 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                     # and the first (tiles % progs) programs took one tile more in every group)
                     j0 = (cp + progs - item % progs) % progs
                     for jj in range(0, tiles - j0, progs):
-                        j = j0 + jj
-                        r0 = (lo + j // col_blocks) * BLOCK_M
-                        col0 = (j % col_blocks) * BLOCK_N
+                        j = j0 + jj  # row block first: the programs running at once share a column block of the
+                        r0 = (lo + j % row_blocks) * BLOCK_M  # weights, read from HBM once and then from L2
+                        col0 = (j // row_blocks) * BLOCK_N
                         if TIMELINE:
                             tl.atomic_min(timeline + 2 * W * L + src * L + local, tpd.globaltimer().to(tl.int64))
                         if COMMUNICATE:  # the group flag of each source with rows in the tile, once per program
@@ -722,7 +729,11 @@ class MoE:
     ``gemm_stages`` pipeline stages; each left out comes from :func:`default_gemm_tiles` for the rows an expert
     gets under even routing. It sends a peer the rows of ``experts_per_put`` of its experts per put and flag
     (default :func:`default_experts_per_put`: four puts a peer) into ``gemm_stage`` [W, T*min(K, L), H] bf16,
-    allocated and registered here too.
+    allocated and registered here too. Its GEMM takes the row blocks of the first ``split_experts`` local experts
+    source by source, this rank's own rows first, so it starts before any peer's rows land, at the cost of
+    reading such an expert's weights once per source step; every other expert's row blocks go at once, after
+    all of its sources' rows are in, and read its weights once (default: the first put group's experts, the
+    compute that fills the wait for the first group).
     """
 
     def __init__(self, session: Any, hidden: int, num_experts: int, max_tokens: int, topk: int, *,
@@ -730,7 +741,7 @@ class MoE:
                  channel_capacity: int = 1024, gemm_n: int | None = None, gemm_dtype: Any = None,
                  gemm_block: tuple[int, int, int] | None = None, comm_programs: int = 2,
                  gemm_programs: int | None = None, gemm_warps: int | None = None, gemm_stages: int | None = None,
-                 experts_per_put: int | None = None, fp8: bool = False) -> None:
+                 experts_per_put: int | None = None, split_experts: int | None = None, fp8: bool = False) -> None:
         if fp8 and (hidden % 128 or gemm_n is not None):
             raise ValueError(f"fp8 dispatch needs hidden a multiple of 128 (one scale per 128 values) and no gemm_n "
                              f"(dispatch_gemm is bf16), got hidden={hidden}, gemm_n={gemm_n}")
@@ -746,6 +757,12 @@ class MoE:
         # the shapes, refused here with the culprit named (before torch is needed)
         self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base,
                                       experts_per_put=experts_per_put)
+        if split_experts is None:
+            split_experts = min(lay.experts_per_put, lay.local_experts)
+        if isinstance(split_experts, bool) or not isinstance(split_experts, int) \
+                or not 0 <= split_experts <= lay.local_experts:
+            raise ValueError(f"split_experts must be an integer in [0, {lay.local_experts}] (the local experts), "
+                             f"got {split_experts!r}")
         import torch
 
         if share < 1 or (programs is not None and programs < 1):
@@ -760,7 +777,7 @@ class MoE:
                 raise ValueError(f"gemm_dtype must be torch.bfloat16 or torch.float32, got {gemm_dtype}")
         self.session, self.rank, self.world = session, session.rank, session.world
         self.hidden, self.num_experts, self.max_tokens, self.topk = hidden, num_experts, max_tokens, topk
-        self.local_experts = lay.local_experts
+        self.local_experts, self.split_experts = lay.local_experts, split_experts
         self.device = session.device if session.device is not None and session.device >= 0 else 0
         self.share, self._programs, self.num_warps = share, programs, num_warps
         dev = f"cuda:{self.device}"
@@ -917,6 +934,7 @@ class MoE:
                 "EXPERTS_PER_PUT": self.layout.experts_per_put, "GROUPS": self.layout.put_groups,
                 "SOURCE_ROWS": self.layout.source_rows, "GROUP_PUT_ROWS": self.layout.group_put_rows,
                 "COMMUNICATE": communicate, "COMPUTE": compute, "TIMELINE": timeline,
+                "SPLIT_EXPERTS": self.split_experts,
                 "num_warps": self.gemm_warps, "num_stages": self.gemm_stages}
 
     def _combine_send_args(self, y: Any) -> tuple:

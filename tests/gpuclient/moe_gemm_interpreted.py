@@ -30,7 +30,10 @@ every program of the plain kernels (send, finish, reduce) having waited for each
 reads (the fused kernel's reads, in ``gemm_stage`` and ``recv_x``, are checked load by load).
 
     python -m tests.gpuclient.moe_gemm_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN N PROGRAMS COMM BM BN BK OUT
-        [PUT_ROWS [EXPERTS_PER_PUT]]
+        [PUT_ROWS [EXPERTS_PER_PUT [SPLIT_EXPERTS]]]
+
+``SPLIT_EXPERTS`` (default: ``MoE``'s, the first group's experts) local experts have their row blocks taken
+source by source, the others whole at their latest source's step.
 """
 
 from __future__ import annotations
@@ -332,7 +335,7 @@ def inputs(world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_
 
 def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, topk: int, hidden: int, n_out: int,
              programs: int, comm: int, block: tuple[int, int, int], out: str, put_rows: int,
-             experts_per_put: int) -> None:
+             experts_per_put: int, split_experts: int | None) -> None:
     import triton.runtime.interpreter as interp
 
     import gpuclient.kernels.moe as m
@@ -424,7 +427,8 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             BLOCK_H=16, BLOCK_T=4,
             COPY_ROWS=copy_rows, EXPERTS_PER_PUT=lay.experts_per_put, GROUPS=lay.put_groups,
             SOURCE_ROWS=lay.source_rows, GROUP_PUT_ROWS=lay.group_put_rows, HANDLE_WORDS=lay.handle_words,
-            COMMUNICATE=communicate, COMPUTE=True)
+            COMMUNICATE=communicate, COMPUTE=True,
+            SPLIT_EXPERTS=min(lay.experts_per_put, L_) if split_experts is None else split_experts)
         fabric.fused = check.active = False
         # one writer per connection (besides program 0's count put_signal): a block's puts and its put_signal
         # are in one program's order, with no other program's signal between them on the connection
@@ -569,9 +573,10 @@ def main(argv: list[str]) -> None:
     out = rest[11]
     put_rows = int(rest[12]) if len(rest) > 12 else max_tokens * topk
     experts_per_put = int(rest[13]) if len(rest) > 13 else 1
+    split_experts = int(rest[14]) if len(rest) > 14 else None
     if rank >= 0:
         run_rank(rank, where, world, experts, max_tokens, topk, hidden, n_out, programs, comm, (bm, bn, bk), out,
-                 put_rows, experts_per_put)
+                 put_rows, experts_per_put, split_experts)
         print(f"rank {rank} ok")
         return
     lay = MoELayout(0, world, experts, max_tokens, topk, hidden, slot_base=2)

@@ -390,7 +390,7 @@ SIGNATURES = {
                             "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 256,
                             "BLOCK_T": 128, "COPY_ROWS": 16, "EXPERTS_PER_PUT": 1, "GROUPS": 4,
                             "SOURCE_ROWS": T * K, "GROUP_PUT_ROWS": T * K, "HANDLE_WORDS": L * T,
-                            "COMMUNICATE": True, "COMPUTE": True}),
+                            "COMMUNICATE": True, "COMPUTE": True, "SPLIT_EXPERTS": 1}),
 }
 # Protocol call sites: (pushes per peer, waits per peer, other pushes). The loops over peers run W times (W is
 # a constexpr: the compiler unrolls them); the dispatch: per peer the count put_signal, the count wait and the
@@ -581,7 +581,10 @@ def test_dispatch_gemm_tiles_are_checked_before_anything_is_allocated() -> None:
     for kwargs, message in [({"gemm_block": (64, 96, 64)}, "gemm_block must be three powers of two"),
                             ({"gemm_block": (64, 128, True)}, "gemm_block must be three powers of two"),
                             ({"gemm_warps": 3}, "num_warps must be a power of two"),
-                            ({"gemm_stages": 0}, "num_stages must be an integer >= 1")]:
+                            ({"gemm_stages": 0}, "num_stages must be an integer >= 1"),
+                            ({"split_experts": 5}, r"split_experts must be an integer in \[0, 4\]"),
+                            ({"split_experts": -1}, r"split_experts must be an integer in \[0, 4\]"),
+                            ({"split_experts": True}, r"split_experts must be an integer in \[0, 4\]")]:
         with pytest.raises(ValueError, match=message):
             MoE(session, 256, 8, 16, 2, gemm_n=128, **kwargs)
     assert check_gemm_tiles([32, 256, 64], 8, 4) == ((32, 256, 64), 8, 4)
@@ -647,15 +650,21 @@ def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) ->
                                    (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 60, 2),
                                    (3, 9, 12, 4, 40, 24, 7, 2, 16, 16, 16, "fp32", 48, 3),
                                    (1, 2, 6, 2, 16, 16, 3, 1, 16, 16, 16, "bf16"),
-                                   (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 3, 2)],
+                                   (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 3, 2),
+                                   (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 60, 1, 0),
+                                   (3, 9, 12, 4, 40, 24, 7, 2, 16, 16, 16, "fp32", 48, 1, 2)],
                          ids=["2ranks-bf16", "2ranks-bf16-groups", "3ranks-fp32-narrow-one-group", "1rank",
-                              "2ranks-bf16-split-groups"])
+                              "2ranks-bf16-split-groups", "2ranks-bf16-whole-experts", "3ranks-fp32-split-two"])
 def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tuple) -> None:
     """(world, experts, max_tokens, topk, hidden, n_out, programs, comm_programs, block_m, block_n, block_k,
-    out[, put_rows, experts_per_put]): tests/gpuclient/moe_gemm_interpreted.py, one process per rank over shared
-    memory. Tiles of 16 rows straddle the sources' rows; hidden 40 and n_out 24 are no multiples of the 16-wide
-    blocks; an expert a put, groups of two of three experts (the last group one), all three in one group;
-    put_rows 3 splits the groups into pieces dealt over both communication programs."""
+    out[, put_rows, experts_per_put[, split_experts]]): tests/gpuclient/moe_gemm_interpreted.py, one process per
+    rank over shared memory. Tiles of 16 rows straddle the sources' rows, and an expert has several row blocks
+    (dealt row block first, column block by column block); hidden 40 and n_out 24 are no multiples of the
+    16-wide blocks; an expert a put, groups of two of three experts (the last group one), all three in one
+    group; put_rows 3 splits the groups into pieces dealt over both communication programs. The local experts
+    below split_experts (default: the first group's) are taken source by source, own rows first; the others
+    whole, at their latest source's step: every expert whole, every expert by source (one group of three),
+    and two of three by source."""
     run = run_interpreted("tests.gpuclient.moe_gemm_interpreted", *shape, timeout=900)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-8000:] + run.stderr[-8000:]
 
