@@ -732,8 +732,7 @@ class MoE:
     allocated and registered here too. Its GEMM takes the row blocks of the first ``split_experts`` local experts
     source by source, this rank's own rows first, so it starts before any peer's rows land, at the cost of
     reading such an expert's weights once per source step; every other expert's row blocks go at once, after
-    all of its sources' rows are in, and read its weights once (default: the first put group's experts, the
-    compute that fills the wait for the first group).
+    all of its sources' rows are in, and read its weights once (default: every local expert by source).
     """
 
     def __init__(self, session: Any, hidden: int, num_experts: int, max_tokens: int, topk: int, *,
@@ -758,7 +757,7 @@ class MoE:
         self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base,
                                       experts_per_put=experts_per_put)
         if split_experts is None:
-            split_experts = min(lay.experts_per_put, lay.local_experts)
+            split_experts = lay.local_experts
         if isinstance(split_experts, bool) or not isinstance(split_experts, int) \
                 or not 0 <= split_experts <= lay.local_experts:
             raise ValueError(f"split_experts must be an integer in [0, {lay.local_experts}] (the local experts), "

@@ -241,9 +241,11 @@ GEMM_ROUNDS = {1: ("gemm", 5, False, np.int64),  # expert 5 unpicked: an empty e
                5: ("comm-only", 6, False, np.int64)}  # compute=False: the rows move, the GEMM is skipped
 
 
-@pytest.mark.parametrize(("fabric", "out_dtype"), [("ib", "bf16"), ("ib-atomic", "bf16"), ("ib-fence", "fp32"),
-                                                   ("efa", "bf16"), ("efa", "fp32"), ("efa" + DECOUPLED, "bf16")])
-def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, out_dtype: str) -> None:
+@pytest.mark.parametrize(("fabric", "out_dtype", "split"),
+                         [("ib", "bf16", None), ("ib-atomic", "bf16", 0), ("ib-fence", "fp32", 1),
+                          ("efa", "bf16", None), ("efa", "fp32", 0), ("efa" + DECOUPLED, "bf16", 1)])
+def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, out_dtype: str,
+                                                     split: int | None) -> None:
     """``MoE.dispatch_gemm``: dispatch fused with each local expert's GEMM, then combine on its output.
 
     Five rounds with no flag reset (``GEMM_ROUNDS``), each followed by ``combine``: three ``dispatch_gemm``
@@ -258,7 +260,8 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
 
     Tolerance of ``y`` (H = 200 products per element, fp32 accumulation): bf16 output, ``2^-8 |ref|`` (the
     output's rounding is at most half an ulp, ``2^-9`` relative) plus ``2^-12 (|x| @ |w|)`` (the fp32 sum's
-    error, with a wide margin); fp32 output, the second term alone.
+    error, with a wide margin); fp32 output, the second term alone. ``split``: the op's ``split_experts`` (None:
+    its default, every expert by source; 0 every expert whole; 1 the first by source, the others whole).
     """
     from gpuclient.kernels import MoE
     from gpuclient.kernels.moe import FEW_ROWS_TILES, MANY_ROWS_TILES
@@ -286,14 +289,17 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
                     ({"gemm_n": 8, "gemm_block": (64, 128)}, "gemm_block must be three powers of two"),
                     ({"gemm_n": 8, "gemm_block": (64, 96, 64)}, "gemm_block must be three powers of two"),
                     ({"gemm_n": 8, "gemm_block": (8, 128, 64)}, "gemm_block must be three powers of two"),
-                    ({"gemm_n": 8, "gemm_dtype": torch.float16}, "gemm_dtype must be")]:
+                    ({"gemm_n": 8, "gemm_dtype": torch.float16}, "gemm_dtype must be"),
+                    ({"gemm_n": 8, "split_experts": 4}, "split_experts must be an integer in")]:
                 with pytest.raises(ValueError, match=message):
                     MoE(session, hidden, experts, max_tokens, topk, **kwargs)
             assert session._registrations == [], "a refused MoE registered memory"
             # gemm_n = hidden: combine takes y itself; 2 communication and 4 compute programs per rank, both
             # ranks' grids resident together
             ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4, gemm_n=hidden,
-                       gemm_dtype=dtype, comm_programs=2, gemm_programs=6, experts_per_put=2) for _, s in sessions]
+                       gemm_dtype=dtype, comm_programs=2, gemm_programs=6, experts_per_put=2, split_experts=split)
+                   for _, s in sessions]
+            assert ops[0].split_experts == (local if split is None else split)
             assert ops[0].layout.put_groups == 2  # experts {0, 1} in one put, {2} in another
             assert (ops[0].gemm_block, ops[0].gemm_warps, ops[0].gemm_stages) == FEW_ROWS_TILES  # ~40 rows an expert
             _exchange(sessions)

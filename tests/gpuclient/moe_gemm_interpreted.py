@@ -32,7 +32,7 @@ reads (the fused kernel's reads, in ``gemm_stage`` and ``recv_x``, are checked l
     python -m tests.gpuclient.moe_gemm_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN N PROGRAMS COMM BM BN BK OUT
         [PUT_ROWS [EXPERTS_PER_PUT [SPLIT_EXPERTS]]]
 
-``SPLIT_EXPERTS`` (default: ``MoE``'s, the first group's experts) local experts have their row blocks taken
+``SPLIT_EXPERTS`` (default: the first group's experts) local experts have their row blocks taken
 source by source, the others whole at their latest source's step.
 """
 

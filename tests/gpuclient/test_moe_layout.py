@@ -662,7 +662,7 @@ def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tupl
     (dealt row block first, column block by column block); hidden 40 and n_out 24 are no multiples of the
     16-wide blocks; an expert a put, groups of two of three experts (the last group one), all three in one
     group; put_rows 3 splits the groups into pieces dealt over both communication programs. The local experts
-    below split_experts (default: the first group's) are taken source by source, own rows first; the others
+    below split_experts (here by default the first group's) are taken source by source, own rows first; the others
     whole, at their latest source's step: every expert whole, every expert by source (one group of three),
     and two of three by source."""
     run = run_interpreted("tests.gpuclient.moe_gemm_interpreted", *shape, timeout=900)
