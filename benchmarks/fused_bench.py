@@ -1150,6 +1150,10 @@ MOE_GEMM_TILES: list[dict[str, Any]] = [
     {"block": (128, 128, 64), "num_warps": 8, "num_stages": 4},
     {"block": (128, 256, 64), "num_warps": 8, "num_stages": 3},
     {"block": (128, 128, 128), "num_warps": 8, "num_stages": 3},
+    # deeper pipelines for the row-block-first deal, where a column block of the weights comes from L2 for all
+    # but one of an expert's row blocks (--moe-tokens 1024: two to three 128-row blocks, four to five 64-row)
+    {"block": (64, 256, 64), "num_warps": 8, "num_stages": 4},
+    {"block": (128, 256, 64), "num_warps": 8, "num_stages": 4},
 ]
 TUNE_TILES = {"allgather_gemm": GEMM_TILES, "gemm_reduce_scatter": GEMM_TILES, "gemm_all_reduce": GEMM_TILES,
               "ring_attention": RING_TILES, "moe_dispatch_gemm": MOE_GEMM_TILES}
