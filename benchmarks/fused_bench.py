@@ -35,7 +35,9 @@ flags' loopback writes (each rail's ``flag_loopback``);
 ``comm_link_busy_ms`` and ``fused_link_busy_ms``: the time its NIC model's link was busy (against the launch's
 time, how much of it the modeled wire bounds); ``comm_flag_copies`` and ``fused_flag_copies``: the flag words its
 efa workers copied into GPU memory (``flags.publication = "cuda-copy"``). MoE Dispatch+GEMM rows have the same
-columns, each round's untimed combine included.
+columns, each round's untimed combine included, and what the expert GEMM's deal costs at the round's counts
+(``moe_gemm_work``): ``weight_passes`` (how many times each local expert's weights are streamed, 1.0 once) and
+``row_block_fill`` (the received rows over the rows its row blocks span).
 
 ``--flags host``: each rank's flag words in a host flag file (pinned, mapped into the GPU) made before the
 ops, which take the session's flags when it has them, instead of the GPU memory they allocate by default: on
@@ -1013,6 +1015,20 @@ CASES: dict[str, Callable[..., Case]] = {"allgather_gemm": allgather_gemm, "gemm
                                          "moe_dispatch_gemm": moe_dispatch_gemm}
 
 
+def moe_gemm_work(layouts: list[Any], counts_all: list[Any], block_m: int, split_experts: int) -> dict[str, float]:
+    """What the expert GEMM's deal costs at a round's counts (each rank's ``MoELayout`` and ``counts_all``;
+    ``MoELayout.gemm_work``), over the ranks: ``weight_passes``, the times each local expert with rows has its
+    weights streamed (1.0: once; a split expert's once per source step), and ``row_block_fill``, the received
+    rows over the rows its row blocks span (the tensor cores' work that is not padding)."""
+    passes = experts = rows = spanned = 0
+    for lay, counts in zip(layouts, counts_all, strict=True):
+        p, span = lay.gemm_work(counts, block_m, split_experts)
+        recv, _ = lay.receive(counts)
+        passes, spanned = passes + p, spanned + span
+        experts, rows = experts + int((recv > 0).sum()), rows + int(recv.sum())
+    return {"weight_passes": round(passes / max(experts, 1), 3), "row_block_fill": round(rows / max(spanned, 1), 3)}
+
+
 def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
                  echo: Callable[[str], None] = print, timeline: bool = False) -> dict[str, Any]:
     """MoE Dispatch+GEMM (``MoE.dispatch_gemm``): compute, comm, fused and torch times like ``fused_row``.
@@ -1038,7 +1054,9 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
                                "nic": SHAPES.get(shape, {}), "world": WORLD, **dims, "rows": rows,
                                "programs": ops[0].gemm_programs, "comm_programs": ops[0].comm_programs,
                                "experts_per_put": ops[0].layout.experts_per_put,
-                               "split_experts": ops[0].split_experts, "max_abs_error": error}
+                               "split_experts": ops[0].split_experts, "max_abs_error": error,
+                               **moe_gemm_work([op.layout for op in ops], [op.counts_all.cpu().numpy() for op in ops],
+                                               ops[0].gemm_block[0], ops[0].split_experts)}
         seconds, counted_by = interleaved({
             "compute": lambda: launch(communicate=False), "comm": lambda: launch(compute=False), "fused": launch,
             "torch": lambda: _time_once(moe.torch_compute, streams)}, reps, clients)

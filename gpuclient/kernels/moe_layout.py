@@ -344,6 +344,51 @@ class MoELayout:
                     puts.append((d, g, int(eoff[first]) + j, self.rank * self.source_rows + at + j, n))
         return puts
 
+    def gemm_row_blocks(self, counts_all: np.ndarray, block_m: int,
+                        split_experts: int) -> list[tuple[int, int, int, int]]:
+        """The expert GEMM's row blocks in the order ``_moe_dispatch_gemm``'s compute programs take them: ``(step,
+        local expert, first block, end block)`` (blocks of ``block_m`` of the expert's packed rows, every source's
+        end to end), step s taking source ``(rank - s) % W``'s rows (this rank's own first). A local expert below
+        ``split_experts`` is taken source by source: at each step the blocks over that source's rows, a block
+        that also holds other sources' rows at the step of the latest of them. Every other expert's blocks all
+        go at its latest source's step. Each block of each expert appears once; each column block of the output
+        is a tile of it."""
+        c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
+        L, W = self.local_experts, self.world  # noqa: N806
+        mine = c[:, self.rank * L:(self.rank + 1) * L]  # [W, L]
+        order = (self.rank - np.arange(W)) % W  # the step at which each source's rows are taken
+
+        def last_step(counts: np.ndarray, off: np.ndarray, r0: int, r1: int) -> int:
+            inside = (counts > 0) & (off < r1) & (off + counts > r0)
+            return int(order[inside].max()) if inside.any() else -1
+
+        blocks = []
+        for step in range(W):
+            src = (self.rank - step) % W
+            for local in range(L):
+                counts = mine[:, local]
+                off = np.cumsum(counts) - counts
+                n, c_src, off_src = int(counts.sum()), int(counts[src]), int(off[src])
+                if c_src == 0:
+                    continue
+                if local >= split_experts:
+                    lo, hi = 0, -(-n // block_m) if last_step(counts, off, 0, n) == step else 0
+                else:
+                    first, last = off_src // block_m, (off_src + c_src - 1) // block_m
+                    lo = first + (last_step(counts, off, first * block_m, (first + 1) * block_m) != step)
+                    hi = last + 1 - (last_step(counts, off, last * block_m, (last + 1) * block_m) != step)
+                if hi > lo:
+                    blocks.append((step, local, lo, hi))
+        return blocks
+
+    def gemm_work(self, counts_all: np.ndarray, block_m: int, split_experts: int) -> tuple[int, int]:
+        """``(weight passes, row-block rows)`` of the expert GEMM (:meth:`gemm_row_blocks`): how many times the
+        local experts' weights are streamed in all (one per expert and step that takes some of its blocks: the
+        programs then run its column blocks, each read once from HBM) and the rows its blocks span (``block_m``
+        a block; the received rows over it is the tensor cores' fill)."""
+        blocks = self.gemm_row_blocks(counts_all, block_m, split_experts)
+        return len({(step, local) for step, local, _, _ in blocks}), sum(hi - lo for *_, lo, hi in blocks) * block_m
+
     def handle_puts(self) -> list[tuple[int, int, int, int]]:
         """This rank's handle-word puts of a dispatch: ``(peer, send_src word, src_stage word, words)``, one per
         peer (split at ``handle_words``): ``send_src`` rows ``peer * L ...`` (``L * T`` words) to the peer's

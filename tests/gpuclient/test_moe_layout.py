@@ -204,6 +204,55 @@ def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int
             assert w["combine"][d] == 1 + sum(-(-n // lay.put_rows) for n in back)
 
 
+
+@pytest.mark.parametrize(("world", "block_m"), [(2, 16), (3, 8), (4, 32), (1, 16)])
+def test_the_gemm_takes_every_row_block_once_at_the_step_of_its_latest_source(world: int, block_m: int) -> None:
+    """``MoELayout.gemm_row_blocks``, the compute programs' deal: every (local expert, row block) exactly once, at
+    the step of the latest source with rows in it when the expert is split (so a block of own rows alone goes at
+    step 0, before any peer's rows land), and all of an expert's blocks at its latest source's step when it is
+    whole; uneven counts, empty experts and a source that sends nothing."""
+    rng = np.random.default_rng(world * 100 + block_m)
+    experts = 4 * world
+    for split in range(0, 5):
+        for rank in range(world):
+            lay = MoELayout(rank, world, experts, 64, 4, 16)
+            counts_all = rng.integers(0, 3 * block_m, size=(world, experts))
+            counts_all[:, rank * 4 + 1] = 0  # an empty expert
+            counts_all[world - 1] = 0 if world > 1 else counts_all[world - 1]  # the last rank sends nothing
+            mine = counts_all[:, rank * 4:(rank + 1) * 4]
+            order = (rank - np.arange(world)) % world
+            taken: dict[int, list[tuple[int, int]]] = {local: [] for local in range(4)}
+            for step, local, lo, hi in lay.gemm_row_blocks(counts_all, block_m, split):
+                assert 0 <= lo < hi and 0 <= step < world
+                taken[local] += [(b, step) for b in range(lo, hi)]
+            for local in range(4):
+                counts = mine[:, local]
+                n, off = int(counts.sum()), np.cumsum(counts) - counts
+                blocks = sorted(taken[local])
+                assert [b for b, _ in blocks] == list(range(-(-n // block_m))), (split, rank, local)
+                for b, step in blocks:
+                    inside = (counts > 0) & (off < (b + 1) * block_m) & (off + counts > b * block_m)
+                    latest = int(order[inside].max()) if local < split else int(order[counts > 0].max())
+                    assert step == latest, (split, rank, local, b)
+            passes, rows = lay.gemm_work(counts_all, block_m, split)
+            assert rows == sum(-(-int(n) // block_m) for n in mine.sum(axis=0)) * block_m
+            steps = {(st, lo_) for st, lo_, _, _ in lay.gemm_row_blocks(counts_all, block_m, split)}
+            assert passes == len(steps) and passes >= int((mine.sum(axis=0) > 0).sum())
+
+
+def test_split_experts_read_their_weights_once_a_step_and_whole_ones_once() -> None:
+    """Two ranks, 128 rows of each an expert, 128-row blocks: split, the own block goes first (step 0) and the
+    peer's at step 1, two passes over the weights; whole, both blocks at step 1, one pass. 130 + 130 rows
+    take three blocks either way (384 rows of tensor-core work for 260). Four local experts, the first two split."""
+    lay = MoELayout(0, 2, 8, 256, 2, 16)
+    even = np.full((2, 8), 128)
+    assert lay.gemm_row_blocks(even, 128, 2) == [(0, 0, 0, 1), (0, 1, 0, 1), (1, 0, 1, 2), (1, 1, 1, 2),
+                                                 (1, 2, 0, 2), (1, 3, 0, 2)]
+    assert lay.gemm_work(even, 128, 2) == (2 * 2 + 2, 4 * 256)
+    assert lay.gemm_row_blocks(even, 128, 0) == [(1, local, 0, 2) for local in range(4)]
+    assert lay.gemm_work(even, 128, 0) == (4, 4 * 256)
+    assert lay.gemm_work(np.full((2, 8), 130), 128, 0) == (4, 4 * 384)
+
 @pytest.mark.parametrize(("world", "experts", "max_tokens", "topk", "experts_per_put", "put_rows"),
                          [(2, 8, 16, 3, 2, 1 << 10), (3, 12, 7, 4, 3, 5), (4, 8, 5, 2, 4, 1), (2, 6, 20, 3, 4, 7),
                           (1, 4, 6, 2, 2, 6), (2, 8, 9, 3, 1, 9)])

@@ -632,15 +632,37 @@ def test_moe_tokens_and_experts_per_put_reach_only_the_moe_gemm_sizes(monkeypatc
                         [{**d, "experts": 16, "experts_per_put": 1} for d in sizes]),
                        (["--moe-tokens", "1024"], [{**d, "tokens": 1024} for d in sizes]),
                        (["--moe-tokens", "512", "--moe-experts", "32"],
-                        [{**d, "tokens": 512, "experts": 32} for d in sizes])]:
+                        [{**d, "tokens": 512, "experts": 32} for d in sizes]),
+                       (["--moe-split-experts", "0"], [{**d, "split_experts": 0} for d in sizes])]:
         seen.clear()
         result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", backend, *args])
         assert result.exit_code == 0, result.output
         assert seen == want, args
-    assert all("experts_per_put" not in dims and dims["tokens"] == 128 for dims in sizes)
+    assert all("experts_per_put" not in dims and "split_experts" not in dims and dims["tokens"] == 128
+               for dims in sizes)
     for option in ("--moe-experts-per-put", "--moe-tokens"):
         result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", option, "0"])
         assert result.exit_code == 2 and option in result.output
+
+
+def test_moe_gemm_work_counts_weight_passes_and_row_block_fill() -> None:
+    """The MoE row's ``weight_passes`` and ``row_block_fill``, from each rank's layout and counts: two ranks of
+    two local experts, 130 rows from each rank for expert 0 of each rank and none for expert 1. Split, an
+    expert's weights stream once per source step (the own block first, then the peer's two), whole once; three
+    128-row blocks span the 260 rows either way."""
+    import numpy as np
+
+    from gpuclient.kernels.moe_layout import MoELayout
+
+    bench = _bench()
+    lays = [MoELayout(r, 2, 4, 256, 2, 16) for r in range(2)]
+    counts = np.zeros((2, 4), dtype=np.int32)
+    counts[:, [0, 2]] = 130
+    assert bench.moe_gemm_work(lays, [counts, counts], 128, 2) == {"weight_passes": 2.0,
+                                                                  "row_block_fill": round(260 / 384, 3)}
+    assert bench.moe_gemm_work(lays, [counts, counts], 128, 0) == {"weight_passes": 1.0,
+                                                                  "row_block_fill": round(260 / 384, 3)}
+    assert bench.moe_gemm_work(lays, [counts, counts], 64, 0)["row_block_fill"] == round(260 / 320, 3)
 
 
 def test_the_daemons_run_with_the_shape_the_options_and_the_rows_own_sections(tmp_path: Path, monkeypatch) -> None:
