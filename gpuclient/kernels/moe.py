@@ -494,7 +494,8 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                     # an expert past SPLIT_EXPERTS: all its row blocks at its latest source's step (its weights
                     # read once: at large N the GEMM is bound by the weights' reads). One below it: the row blocks
                     # over src's rows, the first and the last (which may hold other sources' rows too) at the
-                    # step of the latest of them, so own rows start at once
+                    # step of the latest of them, so own rows start at once (MoELayout.gemm_row_blocks models
+                    # this deal: change both together)
                     if local >= SPLIT_EXPERTS:
                         lo = 0
                         hi = tl.where(_last_source(c, off, 0, n, order) == step, tl.cdiv(n, BLOCK_M), 0)
