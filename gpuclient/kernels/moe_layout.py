@@ -351,11 +351,12 @@ class MoELayout:
         end to end), step s taking source ``(rank - s) % W``'s rows (this rank's own first). A local expert below
         ``split_experts`` is taken source by source: at each step the blocks over that source's rows, a block
         that also holds other sources' rows at the step of the latest of them. Every other expert's blocks all
-        go at its latest source's step. Each block of each expert appears once; each column block of the output
-        is a tile of it."""
+        go at its latest source's step. Each block of each expert appears once, and each (step, expert) at most
+        once; each column block of the output is a tile of it."""
         c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
         L, W = self.local_experts, self.world  # noqa: N806
         mine = c[:, self.rank * L:(self.rank + 1) * L]  # [W, L]
+        offsets = self.source_offsets(c)[:, self.rank * L:(self.rank + 1) * L]
         order = (self.rank - np.arange(W)) % W  # the step at which each source's rows are taken
 
         def last_step(counts: np.ndarray, off: np.ndarray, r0: int, r1: int) -> int:
@@ -366,8 +367,7 @@ class MoELayout:
         for step in range(W):
             src = (self.rank - step) % W
             for local in range(L):
-                counts = mine[:, local]
-                off = np.cumsum(counts) - counts
+                counts, off = mine[:, local], offsets[:, local]
                 n, c_src, off_src = int(counts.sum()), int(counts[src]), int(off[src])
                 if c_src == 0:
                     continue
@@ -386,8 +386,8 @@ class MoELayout:
         local experts' weights are streamed in all (one per expert and step that takes some of its blocks: the
         programs then run its column blocks, each read once from HBM) and the rows its blocks span (``block_m``
         a block; the received rows over it is the tensor cores' fill)."""
-        blocks = self.gemm_row_blocks(counts_all, block_m, split_experts)
-        return len({(step, local) for step, local, _, _ in blocks}), sum(hi - lo for *_, lo, hi in blocks) * block_m
+        blocks = self.gemm_row_blocks(counts_all, block_m, split_experts)  # one entry per (step, expert) pass
+        return len(blocks), sum(hi - lo for *_, lo, hi in blocks) * block_m
 
     def handle_puts(self) -> list[tuple[int, int, int, int]]:
         """This rank's handle-word puts of a dispatch: ``(peer, send_src word, src_stage word, words)``, one per

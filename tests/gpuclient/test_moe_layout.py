@@ -236,8 +236,8 @@ def test_the_gemm_takes_every_row_block_once_at_the_step_of_its_latest_source(wo
                     assert step == latest, (split, rank, local, b)
             passes, rows = lay.gemm_work(counts_all, block_m, split)
             assert rows == sum(-(-int(n) // block_m) for n in mine.sum(axis=0)) * block_m
-            steps = {(st, lo_) for st, lo_, _, _ in lay.gemm_row_blocks(counts_all, block_m, split)}
-            assert passes == len(steps) and passes >= int((mine.sum(axis=0) > 0).sum())
+            passes_taken = {(step, local) for step, local, _, _ in lay.gemm_row_blocks(counts_all, block_m, split)}
+            assert passes == len(passes_taken) and passes >= int((mine.sum(axis=0) > 0).sum())
 
 
 def test_split_experts_read_their_weights_once_a_step_and_whole_ones_once() -> None:
