@@ -1494,7 +1494,7 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 @click.option("--moe-split-experts", default=None, type=click.IntRange(min=0),
               help="MoE Dispatch+GEMM takes the first this many local experts' row blocks source by source (own rows "
                    "first, each source's step reading the expert's weights again) and the others' whole once all "
-                   "their rows are in (default: the op's, every local expert by source)")
+                   "their rows are in (default: the op's, the first put group's experts)")
 @io_spin_us_option
 @nic_spin_us_option
 @gil_switch_us_option

@@ -675,6 +675,13 @@ def default_experts_per_put(num_experts: int, world: int) -> int:
     return max(1, -(-(num_experts // world) // PUT_GROUPS))
 
 
+def default_split_experts(layout: MoELayout) -> int:
+    """``split_experts`` left out: the first put group's local experts. Their rows land first, and the compute of
+    this rank's own rows of them runs while those fly; the other experts are read once each, whole. The fastest
+    fused launch of the three measured at 1024 tokens a rank (docs/performance-log.md)."""
+    return min(layout.experts_per_put, layout.local_experts)
+
+
 def check_gemm_tiles(block: Any, num_warps: Any, num_stages: Any) -> GemmTiles:
     """``dispatch_gemm``'s tiles, checked (ValueError naming the culprit) and returned as stored: ``block`` =
     (block_m, block_n, block_k), three powers of two >= 16 (``tl.dot``), and ``check_launch``'s terms."""
@@ -733,7 +740,8 @@ class MoE:
     allocated and registered here too. Its GEMM takes the row blocks of the first ``split_experts`` local experts
     source by source, this rank's own rows first, so it starts before any peer's rows land, at the cost of
     reading such an expert's weights once per source step; every other expert's row blocks go at once, after
-    all of its sources' rows are in, and read its weights once (default: every local expert by source).
+    all of its sources' rows are in, and read its weights once (default: the first put group's experts, the
+    fastest fused launch measured at 1024 tokens a rank).
     """
 
     def __init__(self, session: Any, hidden: int, num_experts: int, max_tokens: int, topk: int, *,
@@ -758,7 +766,7 @@ class MoE:
         self.layout = lay = MoELayout(session.rank, session.world, num_experts, max_tokens, topk, hidden, slot_base,
                                       experts_per_put=experts_per_put)
         if split_experts is None:
-            split_experts = lay.local_experts
+            split_experts = default_split_experts(lay)
         if isinstance(split_experts, bool) or not isinstance(split_experts, int) \
                 or not 0 <= split_experts <= lay.local_experts:
             raise ValueError(f"split_experts must be an integer in [0, {lay.local_experts}] (the local experts), "

@@ -243,7 +243,7 @@ GEMM_ROUNDS = {1: ("gemm", 5, False, np.int64),  # expert 5 unpicked: an empty e
 
 @pytest.mark.parametrize(("fabric", "out_dtype", "split"),
                          [("ib", "bf16", None), ("ib-atomic", "bf16", 0), ("ib-fence", "fp32", 1),
-                          ("efa", "bf16", None), ("efa", "fp32", 0), ("efa" + DECOUPLED, "bf16", 1)])
+                          ("efa", "bf16", 3), ("efa", "fp32", 0), ("efa" + DECOUPLED, "bf16", 1)])
 def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, out_dtype: str,
                                                      split: int | None) -> None:
     """``MoE.dispatch_gemm``: dispatch fused with each local expert's GEMM, then combine on its output.
@@ -261,7 +261,8 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
     Tolerance of ``y`` (H = 200 products per element, fp32 accumulation): bf16 output, ``2^-8 |ref|`` (the
     output's rounding is at most half an ulp, ``2^-9`` relative) plus ``2^-12 (|x| @ |w|)`` (the fp32 sum's
     error, with a wide margin); fp32 output, the second term alone. ``split``: the op's ``split_experts`` (None:
-    its default, every expert by source; 0 every expert whole; 1 the first by source, the others whole).
+    its default, the first put group's two experts by source, the third whole; 3 every expert by source; 0
+    every expert whole; 1 the first by source, the others whole).
     """
     from gpuclient.kernels import MoE
     from gpuclient.kernels.moe import FEW_ROWS_TILES, MANY_ROWS_TILES
@@ -299,7 +300,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
             ops = [MoE(s, hidden, experts, max_tokens, topk, share=world, programs=4, gemm_n=hidden,
                        gemm_dtype=dtype, comm_programs=2, gemm_programs=6, experts_per_put=2, split_experts=split)
                    for _, s in sessions]
-            assert ops[0].split_experts == (local if split is None else split)
+            assert ops[0].split_experts == (2 if split is None else split)
             assert ops[0].layout.put_groups == 2  # experts {0, 1} in one put, {2} in another
             assert (ops[0].gemm_block, ops[0].gemm_warps, ops[0].gemm_stages) == FEW_ROWS_TILES  # ~40 rows an expert
             _exchange(sessions)

@@ -653,6 +653,15 @@ def test_dispatch_gemm_tiles_default_by_the_rows_an_expert_gets() -> None:
         assert check_gemm_tiles(*tiles) == tiles
 
 
+def test_dispatch_gemm_splits_the_first_put_group_s_experts_by_default() -> None:
+    from gpuclient.kernels.moe import default_experts_per_put, default_split_experts
+
+    wide = MoELayout(0, 2, 64, 1024, 8, 7168, experts_per_put=default_experts_per_put(64, 2))
+    assert (wide.experts_per_put, default_split_experts(wide)) == (8, 8)  # 32 local experts, four groups
+    assert default_split_experts(MoELayout(1, 2, 6, 40, 3, 200, experts_per_put=2)) == 2
+    assert default_split_experts(MoELayout(0, 2, 6, 40, 3, 200, experts_per_put=5)) == 3  # one group: all
+
+
 def test_dispatch_gemm_sends_a_peer_four_puts_by_default() -> None:
     """``default_experts_per_put``: PUT_GROUPS puts a destination (the last may hold fewer experts), one expert a
     put where a rank has fewer; counts that are not positive integers get 1 (MoELayout refuses them)."""
