@@ -64,7 +64,8 @@ the op's timeline (``timeline=``, docs/kernels.md) and summarizes it per rank in
 the peers' tiles and the own tiles ran, the own tiles' waits, when this rank's chunks shipped, its programs'
 ends, in ms from the first tile's start over both ranks); each MoE Dispatch+GEMM row does the same with
 ``dispatch_gemm``'s (``moe_timeline_summary``: when each rank pushed its blocks, when the peer's blocks were
-seen and how long after their push, how the expert tiles kept up with the arrivals); ``RAW`` gets every
+seen and how long after their push, how the expert tiles kept up with the arrivals; and
+``gemm_span_fused_over_alone``, each rank's expert GEMM span fused over alone); ``RAW`` gets every
 recorded event. ``--trace DIR`` (with ``--timeline``) also has every process stamp each message's steps through
 the soft fabric during those launches (``SOFTVERBS_TRACE``; a few microseconds a step) and writes them per
 launch to ``DIR/steps.json`` (``softverbs.soft.trace.steps``); a MoE Dispatch+GEMM row then also maps the GPU's
@@ -636,7 +637,8 @@ def moe_timeline_summary(lay: Any, events: list[dict[str, Any]], rank: int, t0: 
     the peer pushed it (``latency_us``: the transfer through the daemons, flag included); when its tiles ran,
     how long an expert's tiles took once its rows were in (``expert_us_median``), and how much of the compute
     came after the last arrival (``after_last_ready_ms``, and the (source, expert) groups still computing
-    then: a backlog, where the compute could not keep up with the arrivals); when the peers' groups landed
+    then: a backlog, where the compute could not keep up with the arrivals), and ``span_ms`` from its first tile's
+    start to its last tile's end (the waits for rows inside it, in a fused launch); when the peers' groups landed
     (``landed``: seen by a communication program, apart from when the compute programs got to them); its
     programs' ends."""
     import numpy as np
@@ -669,12 +671,27 @@ def moe_timeline_summary(lay: Any, events: list[dict[str, Any]], rank: int, t0: 
         began = np.maximum(start, ready)  # an expert's tiles from when its rows were in
         ran = done > 0
         out["compute"] = {"first_start_ms": ms(start[ran].min()), "last_done_ms": ms(done.max()),
+                          "span_ms": round(float(done.max() - start[ran].min()) / 1e6, 4),
                           "expert_us_median": round(float(np.median(done[ran] - began[ran])) / 1e3, 1)}
         if seen.any():
             last_ready = ready[seen].max()
             out["compute"]["after_last_ready_ms"] = round(float(done.max() - last_ready) / 1e6, 4)
             out["compute"]["groups_after_last_ready"] = int((done > last_ready).sum())
     return out
+
+
+def gemm_span_ratio(timeline: dict[str, list[dict[str, Any]]]) -> list[float | None]:
+    """Per rank, the expert GEMM's span in the fused launch over its span alone (``compute.span_ms`` of the
+    ``fused`` and ``compute`` modes' summaries): 1.0 when the transfers cost the GEMM nothing but its waits for
+    rows; None where a mode ran no tile."""
+    def span(mode: str, rank: int) -> float | None:
+        return timeline[mode][rank].get("compute", {}).get("span_ms")
+
+    ratios: list[float | None] = []
+    for rank in range(len(timeline["fused"])):
+        fused, alone = span("fused", rank), span("compute", rank)
+        ratios.append(round(fused / alone, 3) if fused and alone else None)
+    return ratios
 
 
 def moe_timeline_runs(moe: Any, label: str = "moe_dispatch_gemm") -> dict[str, Any]:
@@ -1065,6 +1082,7 @@ def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, devi
         if timeline:
             runs = moe_timeline_runs(moe, f"moe_dispatch_gemm:{backend}:{_dims(dims)}")
             row["timeline"] = {mode: run["ranks"] for mode, run in runs.items()}
+            row["gemm_span_fused_over_alone"] = gemm_span_ratio(row["timeline"])
             row["timeline_raw"] = {mode: run["raw"] for mode, run in runs.items()}  # main moves it to its own file
             if any("on_trace" in run for run in runs.values()):
                 row["timeline_on_trace"] = {mode: run.get("on_trace") for mode, run in runs.items()}

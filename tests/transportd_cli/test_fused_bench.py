@@ -417,11 +417,16 @@ def test_a_moe_gemm_timeline_summary_reads_the_peers_pushes_beside_the_arrivals(
     # landed 100 and 200 us after the peer pushed them: each ahead of the compute programs getting there
     assert got["landed"] == {"first_ms": 1.6, "last_ms": 3.2, "latency_us_median": 150.0}
     # an expert's tiles from when its rows were in: own 500 and 500 us, the peer's 300 and 200
-    assert got["compute"] == {"first_start_ms": 0.0, "last_done_ms": 3.5, "expert_us_median": 400.0,
+    assert got["compute"] == {"first_start_ms": 0.0, "last_done_ms": 3.5, "span_ms": 3.5, "expert_us_median": 400.0,
                               "after_last_ready_ms": 0.2, "groups_after_last_ready": 1}
     alone = [{**e, "sent": 0 * e["sent"], "ready": 0 * e["ready"], "arrived": 0 * e["arrived"]}
              for e in events]  # the compute alone
     assert set(bench.moe_timeline_summary(lays[1], alone, 1, t0)) == {"end_ms", "median_end_ms", "compute"}
+    # the GEMM's span fused over alone, per rank: rank 1 ran tiles from 0.2 to 2.9 ms; a mode with no tile: None
+    timeline = {"fused": [got, bench.moe_timeline_summary(lays[1], events, 1, t0)],
+                "compute": [{"compute": {"span_ms": 2.5}}, {"end_ms": 3.0}]}
+    assert bench.gemm_span_ratio(timeline) == [1.4, None]
+    assert bench.moe_timeline_summary(lays[1], events, 1, t0)["compute"]["span_ms"] == 2.7
 
 
 def test_timeline_events_go_to_their_own_file_and_the_rows_keep_the_summaries(tmp_path: Path, monkeypatch) -> None:
