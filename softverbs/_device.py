@@ -256,7 +256,7 @@ class Conn:
         end = time.perf_counter() + PUMP_SLICE_S
         while not self.closed:
             if not self._advance():
-                if not self._fill():
+                if self.closed or not self._fill():  # closed: the frame was refused (`conn_lost`)
                     return False
             elif time.perf_counter() >= end:
                 return True
@@ -302,11 +302,12 @@ class Conn:
             if avail < 16:
                 return False
             magic, kind, flags, count, payload_len = w.HDR.unpack_from(self.buf, self.start)
-            if magic != w.MAGIC or kind not in (w.KIND_REQ, w.KIND_RSP) and kind not in w.CONTROL_KINDS:
-                self.device.conn_lost(self, ValueError("bad frame header"))
-                return False
-            if kind in w.CONTROL_KINDS:
+            if kind in w.CONTROL_KINDS and magic == w.MAGIC:
                 return self._control(kind, flags, count, payload_len, avail)
+            refused = w.frame_refusal(magic, kind, count, self.role)
+            if refused:  # a peer that breaks the framing loses its connection, and only that
+                self.device.conn_lost(self, ValueError(f"bad frame header: {refused}"))
+                return False
             self.start += 16
             self.kind, self.count, self.payload_len = kind, count, payload_len
             self.state = 1
@@ -717,10 +718,10 @@ class SoftDevice:
                             self._want_write(data)
                         if mask & selectors.EVENT_READ:
                             resume.discard(data)
-                            if data.pump():
+                            if self._pump(data):
                                 unfinished.add(data)
                 for conn in resume:  # their turn again, input or not (what they buffered the selector cannot see)
-                    if conn.pump():
+                    if self._pump(conn):
                         unfinished.add(conn)
                 while self._actions:
                     self._actions.popleft()()
@@ -734,6 +735,18 @@ class SoftDevice:
                 self.flush_responses()
             except Exception:  # keep serving other peers; the fault is logged with its traceback
                 log.exception("softverbs device %s: I/O loop error", self.name)
+
+    def _pump(self, conn: Conn) -> bool:
+        """I/O thread: `Conn.pump`, a fault in it confined to its connection. What a peer's frames do that
+        the handlers did not foresee drops that peer's connection, as a frame that breaks the framing does,
+        and the loop goes on serving the others (whose turn in this pass it would otherwise take)."""
+        try:
+            return conn.pump()
+        except Exception as exc:
+            log.exception("softverbs device %s: frame from %s failed", self.name, conn.peer)
+            if not conn.closed:
+                self.conn_lost(conn, exc)
+            return False
 
     # ------------------------------------------------------------ NIC model
     def depart(self, conn: Conn, qp: Any, desc: bytes, payloads: list[Any], nbytes: int,
@@ -938,7 +951,9 @@ class SoftDevice:
         conn.registered_write = want
 
     def conn_lost(self, conn: Conn, exc: BaseException | None) -> None:
-        """I/O thread: a connection closed or broke; requests in flight on it fail as on a dead link."""
+        """I/O thread: a connection closed or broke; requests in flight on it fail as on a dead link (once)."""
+        if conn.sock.fileno() < 0:  # already lost: this closed its socket
+            return
         with conn.lock:
             conn.closed = True
             conn.outq.clear()

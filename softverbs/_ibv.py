@@ -12,6 +12,7 @@ LOC_LEN = 1
 LOC_QP_OP = 2
 LOC_PROT = 4
 FLUSH = 5
+BAD_RESP = 7
 REM_INV_REQ = 9
 REM_ACCESS = 10
 REM_OP = 11
@@ -19,6 +20,8 @@ RETRY_EXC = 12
 RNR_EXC = 13
 REM_INV_RD_REQ = 15
 RESP_TIMEOUT = 20
+#: what a responder's answer can say of a request; a response saying anything else is a bad response (BAD_RESP)
+REMOTE_STATUSES = frozenset((OK, REM_INV_REQ, REM_ACCESS, REM_OP, RETRY_EXC, RNR_EXC, REM_INV_RD_REQ, RESP_TIMEOUT))
 
 # ibv_qp_state
 RESET, INIT, RTR, RTS, SQD, SQE, ERR = range(7)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from . import _direct, _trace
 from . import _wire as w
 from ._ibv import (
+    BAD_RESP,
     ERR,
     FENCE,
     FLUSH,
@@ -36,6 +37,7 @@ from ._ibv import (
     LOC_QP_OP,
     LOCAL_WRITE,
     OK,
+    REMOTE_STATUSES,
     RESET,
     RESP_TIMEOUT,
     RETRY_EXC,
@@ -119,6 +121,14 @@ def _payload(e: SendEntry) -> list[Any]:
     return out
 
 
+def _read_length(e: SendEntry) -> int:
+    """The bytes read ``e`` asked for: its local SGEs' (resolved at transmission)."""
+    n = 0
+    for _mr, _addr, length in e.local:
+        n += length
+    return n
+
+
 class QPRequester:
     """The requester half of `QPCore` (posting, transmission, completions, responses), mixed into it.
 
@@ -139,7 +149,8 @@ class QPRequester:
         self.tx_halted = False
         self.wr_list: list[SendEntry] | None = None
         self.wr_list_err = 0
-        self.inbox: deque[list[tuple]] = deque()  # response batches not yet applied (see `rx_responses`)
+        # response batches not yet applied, with the connection each came on (see `rx_responses`)
+        self.inbox: deque[tuple[Conn, list[tuple]]] = deque()
 
     def _sq_full(self, extra: int) -> bool:
         return max(0, self.sq_posted - self.sq_retired - self.sq_polled) + extra >= self.max_send_wr
@@ -617,8 +628,8 @@ class QPRequester:
             self.unsig = 0
 
 
-    def rx_responses(self, items: list[tuple]) -> None:
-        """Responses arrived for our requests (I/O thread): (descriptor, data, placed_directly) each.
+    def rx_responses(self, conn: Conn, items: list[tuple]) -> None:
+        """Responses arrived on ``conn`` for our requests (I/O thread): (descriptor, data, placed_directly) each.
 
         They are queued and applied by whichever thread holds the QP lock: if a posting thread holds it,
         that thread applies them when it lets go (see `drain_inbox`), so the I/O thread never waits. Not
@@ -627,7 +638,7 @@ class QPRequester:
         retried by the I/O thread until applied (`SoftDevice.retry_inboxes`): else the last responses of a
         stream could wait for a post that never comes.
         """
-        self.inbox.append(items)
+        self.inbox.append((conn, items))
         if not self.drain_inbox():
             self.device.inbox_waiting.add(self)
 
@@ -640,37 +651,53 @@ class QPRequester:
                 return False
             try:
                 while inbox:
-                    self._apply_responses(inbox.popleft())
+                    self._apply_responses(*inbox.popleft())
             finally:
                 lock.release()
         return True
 
-    def _apply_responses(self, items: list[tuple]) -> None:
+    def _apply_responses(self, conn: Conn, items: list[tuple]) -> None:
+        """Apply responses that came on ``conn``. A response answers only a request in flight that went out on
+        that connection, as a NIC takes only the responses of its own connection's outstanding PSNs; any other
+        is a ghost and dropped. One that answers a request with another operation, an unknown status or read
+        data of the wrong length fails that request as a bad response (IBV_WC_BAD_RESP_ERR)."""
         inflight = self.inflight
         srd = self.srd
         for d, data, direct in items:
             _qpn, status, op, _r, seq, length, _p, value = d
             if op == w.OP_ACK:
-                for s in range(seq, seq + length):
-                    e = inflight.pop(s, None)
-                    if e is not None:
+                if status != OK:
+                    continue
+                # at most the requests in flight: a peer's range of 2**32 must not cost 2**32 steps
+                acked = range(seq, seq + length) if length <= len(inflight) else \
+                    [s for s in inflight if seq <= s < seq + length]
+                for s in acked:
+                    e = inflight.get(s)
+                    if e is not None and e.conn is conn and e.op in w.DATA_OPS:
+                        del inflight[s]
                         e.status = OK
                         if srd:
                             self._complete(e)
                 continue
-            e = inflight.pop(seq, None)
-            if e is None:
+            e = inflight.get(seq)
+            if e is None or e.conn is not conn:
                 continue
-            if status == OK:
+            del inflight[seq]
+            if op != e.op or status not in REMOTE_STATUSES:
+                status = BAD_RESP
+            elif status == OK:
                 if op == w.OP_READ:
-                    if not direct and data is not None:
-                        scatter(e.local, data)
-                    e.byte_len = length
+                    if length != _read_length(e) or length and not direct and data is None:
+                        status = BAD_RESP
+                    else:
+                        if data is not None and not direct:
+                            scatter(e.local, data)
+                        e.byte_len = length
                 elif op in (w.OP_FADD, w.OP_CSWAP):
                     scatter(e.local, (value & w.MASK64).to_bytes(8, "little"))
                     e.byte_len = 8
             e.status = status
-            if op in w.RD_ATOMIC_OPS:
+            if e.op in w.RD_ATOMIC_OPS:
                 self.rd_out -= 1
             if srd:
                 self._complete(e)
@@ -710,13 +737,17 @@ class ResponseFrameHandler:
         return d[5] if d[2] == w.OP_READ and d[1] == OK else 0
 
     def sink_for(self, conn: Conn, d: tuple, n: int) -> memoryview | None:
+        """Where a read response's ``n`` bytes go: the read's own memory, a buffer to scatter, or None (dropped)
+        when they answer no read of this connection or not its length."""
         qp = self.dev.qps.get(d[0])
         e = qp.inflight.get(d[4]) if qp is not None else None
-        if e is not None and len(e.local) == 1 and e.local[0][2] == n and e.local[0][0].view is not None:
+        conn.plan = False
+        if e is None or e.conn is not conn or e.op != w.OP_READ or _read_length(e) != n:
+            return None
+        if len(e.local) == 1 and e.local[0][0].view is not None:
             mr, addr, _ = e.local[0]
             conn.plan = True
             return mr.view_at(addr, n)
-        conn.plan = False
         return memoryview(bytearray(n))
 
     def on_item(self, conn: Conn, d: tuple, data: memoryview | None) -> None:
@@ -730,7 +761,7 @@ class ResponseFrameHandler:
         if items and all(it[0][0] == items[0][0][0] for it in items):
             qp = qps.get(items[0][0][0])
             if qp is not None:
-                qp.rx_responses(items)
+                qp.rx_responses(conn, items)
             return
         by_qp: dict[int, list[tuple]] = {}
         for it in items:
@@ -738,7 +769,7 @@ class ResponseFrameHandler:
         for qpn, group in by_qp.items():
             qp = qps.get(qpn)
             if qp is not None:
-                qp.rx_responses(group)
+                qp.rx_responses(conn, group)
 
     @staticmethod
     def fast_frame(conn: Conn, descs: list[tuple], mv: memoryview, pos: int) -> tuple[int, int]:

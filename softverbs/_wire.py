@@ -63,5 +63,22 @@ F_DIRECT = 1 << 5
 RNR_SHIFT = 1
 
 MAX_DESCS_PER_FRAME = 4096
+#: the frame kind each role of a connection receives: requests on the responder's, responses on the requester's
+KIND_RECEIVED = {"rsp": KIND_REQ, "req": KIND_RSP}
+
+
+def frame_refusal(magic: int, kind: int, count: int, role: str) -> str | None:
+    """Why a REQ/RSP frame header received on a connection of ``role`` breaks the framing, or None.
+
+    A sender never puts more than MAX_DESCS_PER_FRAME descriptors in a frame, so a larger count is refused
+    before anything is buffered for it.
+    """
+    if magic != MAGIC:
+        return f"magic {magic:#06x}"
+    if kind != KIND_RECEIVED[role]:
+        return f"kind {kind} on a {role} connection"
+    if count > MAX_DESCS_PER_FRAME:
+        return f"{count} descriptors (at most {MAX_DESCS_PER_FRAME})"
+    return None
 
 MASK64 = (1 << 64) - 1  # the u64 fields (add, swap, value) wrap as the hardware's 64-bit atomics do
