@@ -12,6 +12,7 @@ requests in flight. The peers here are plain sockets speaking the frame layout.
 from __future__ import annotations
 
 import logging
+import random
 import socket
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from softverbs import _wire as w
 from softverbs.addr import gid_for_endpoint
 from tests.support.verbs_resources import QKEY, RCPair, no_completion, open_provider, poll
+from tests.support.waiting import wait_until
 
 ROW = 64
 
@@ -263,3 +265,92 @@ def test_an_srd_response_answers_only_requests_sent_on_its_connection(soft) -> N
     finally:
         for peer in peers:
             peer.close()
+
+
+# --- random frames: whatever a peer sends, only it pays ------------------------------------------------------
+
+def _random_request(rnd: random.Random, qpns: list[int], rkey: int, raddr: int) -> tuple[bytes, bytes]:
+    """One request descriptor of fields drawn around a real QP's and MR's values, and the payload it says."""
+    op = rnd.choice([0, w.OP_WRITE, w.OP_WRITE_IMM, w.OP_SEND, w.OP_SEND_IMM, w.OP_READ, w.OP_FADD, w.OP_CSWAP, 99])
+    flags = rnd.choice([0, w.F_AR, w.F_SRD, w.F_DIRECT, w.F_DIRECT | w.F_AR, 0xFF])
+    length = rnd.choice([0, 1, 8, 64, 4096, 5000, 1 << 20])
+    desc = w.REQ.pack(rnd.choice(qpns + [0, 999_999]), rnd.choice([qpns[0], 0, 7]), rnd.randint(0, 5), op, flags,
+                      rnd.choice([0, 1, 3, 5, 6, 255]), rnd.getrandbits(32), rnd.choice([rkey, rkey, 0]),
+                      rnd.getrandbits(32), rnd.choice([raddr, raddr + 8, raddr + (1 << 16) - 8, 0, (1 << 64) - 1]),
+                      length, rnd.choice([0, 1, rnd.getrandbits(24)]), rnd.getrandbits(64),
+                      rnd.choice([0, 8, rnd.getrandbits(64)]))
+    carries = op in w.DATA_OPS and not flags & w.F_DIRECT
+    return desc, bytes(min(length, 1 << 16)) if carries else b""
+
+
+@pytest.mark.parametrize("kind", ["rc", "srd"])
+def test_random_request_frames_cost_only_their_senders(soft, caplog, kind: str) -> None:
+    """Frames of random requests (some cut short) from peers that come and go: the device's handlers foresee
+    each of them (nothing fails in the I/O loop) and a good pair on the device keeps working."""
+    rnd = random.Random(2026)
+    make = soft.rc_pair if kind == "rc" else soft.srd_pair
+    with make(mr_size=1 << 16) as pair, caplog.at_level(logging.WARNING, logger="softverbs"):
+        port = pair.ctx.query_port(1).lid
+        qpns = [pair.server.qp.qp_num, pair.client.qp.qp_num]
+
+        def good_write(tag: int) -> None:
+            pair.client.write_buf(0, _image(tag))
+            if kind == "rc":
+                pair.client.qp.post_send(pair.send_wr(pair.v.enums.IBV_WR_RDMA_WRITE, pair.client.sge(0, ROW)))
+            else:
+                pair.post(pair.client, "write", pair.client.sge(0, ROW))
+            (wc,) = poll(pair.client.cq)
+            assert wc.status == 0
+            assert pair.server.read_buf(0, ROW) == _image(tag)
+
+        for i in range(120):
+            pieces = [_random_request(rnd, qpns, pair.server.mr.rkey, pair.server.mr.buf)
+                      for _ in range(rnd.randint(1, 6))]
+            payload = b"".join(p for _, p in pieces)
+            frame = w.HDR.pack(w.MAGIC, w.KIND_REQ, 0, len(pieces), len(payload)) + b"".join(d for d, _ in pieces) \
+                + payload
+            if rnd.random() < 0.2:
+                frame = frame[:rnd.randint(0, len(frame))]
+            with socket.create_connection(("127.0.0.1", port)) as peer:
+                peer.sendall(_hello(rnd.choice([port, 4242])) + frame)
+            if i % 30 == 29:
+                good_write(i)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_random_responses_cost_only_the_requests_they_answer(soft, fake_peer, caplog) -> None:
+    """A peer answering a QP's writes, reads and atomics with random responses: the device's handlers foresee
+    each of them, and a good pair on the same device keeps working."""
+    rnd = random.Random(2026)
+    with soft.rc_pair(mr_size=1 << 16) as good, caplog.at_level(logging.WARNING, logger="softverbs"):
+        e = good.v.enums
+        conns = good.ctx._dev.out_conns  # the device's (every context of softib0 shares it)
+        for i in range(30):
+            with _rc_to(soft, fake_peer) as pair:
+                op = rnd.choice([e.IBV_WR_RDMA_WRITE, e.IBV_WR_RDMA_READ, e.IBV_WR_ATOMIC_FETCH_AND_ADD])
+                n = 8 if op == e.IBV_WR_ATOMIC_FETCH_AND_ADD else ROW
+                for wr_id in range(rnd.randint(1, 3)):
+                    pair.client.qp.post_send(pair.send_wr(op, pair.client.sge(0, n), wr_id=wr_id))
+                descs = fake_peer.requests()
+                src, seq = descs[0][1], descs[0][2]
+                answers, payload = [], b""
+                for _ in range(rnd.randint(1, 4)):
+                    length = rnd.choice([0, 1, 2, 8, ROW, 1 << 31])
+                    rop = rnd.choice([w.OP_ACK, w.OP_ACK, w.OP_WRITE, w.OP_READ, w.OP_FADD, w.OP_CSWAP, 99])
+                    status = rnd.choice([0, 0, 1, 5, 9, 10, 12, 200])
+                    answers.append(w.RSP.pack(rnd.choice([src, src, 0, 77]), status, rop, 0,
+                                              rnd.choice([seq, seq, seq + 1, 0, (1 << 64) - 1]), length, 0,
+                                              rnd.getrandbits(64)))
+                    if rop == w.OP_READ and status == 0 and length <= ROW:
+                        payload += bytes(length)
+                fake_peer.answer(answers, payload)
+                fake_peer.sock.close()  # the next pair's device connects anew, once it saw this one go
+                fake_peer.sock = None
+                wait_until(lambda: getattr(conns.get(("127.0.0.1", fake_peer.port)), "closed", True),
+                           "the device to drop the fake peer's connection")
+            good.client.write_buf(0, _image(i))
+            good.client.qp.post_send(good.send_wr(e.IBV_WR_RDMA_WRITE, good.client.sge(0, ROW)))
+            (wc,) = poll(good.client.cq)
+            assert wc.status == 0
+            assert good.server.read_buf(0, ROW) == _image(i)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
