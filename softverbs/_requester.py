@@ -121,14 +121,6 @@ def _payload(e: SendEntry) -> list[Any]:
     return out
 
 
-def _read_length(e: SendEntry) -> int:
-    """The bytes read ``e`` asked for: its local SGEs' (resolved at transmission)."""
-    n = 0
-    for _mr, _addr, length in e.local:
-        n += length
-    return n
-
-
 class QPRequester:
     """The requester half of `QPCore` (posting, transmission, completions, responses), mixed into it.
 
@@ -687,7 +679,7 @@ class QPRequester:
                 status = BAD_RESP
             elif status == OK:
                 if op == w.OP_READ:
-                    if length != _read_length(e) or length and not direct and data is None:
+                    if length != e.length() or length and not direct and data is None:
                         status = BAD_RESP
                     else:
                         if data is not None and not direct:
@@ -742,7 +734,7 @@ class ResponseFrameHandler:
         qp = self.dev.qps.get(d[0])
         e = qp.inflight.get(d[4]) if qp is not None else None
         conn.plan = False
-        if e is None or e.conn is not conn or e.op != w.OP_READ or _read_length(e) != n:
+        if e is None or e.conn is not conn or e.op != w.OP_READ or e.length() != n:
             return None
         if len(e.local) == 1 and e.local[0][0].view is not None:
             mr, addr, _ = e.local[0]
