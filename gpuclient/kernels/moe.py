@@ -53,10 +53,11 @@ each local expert's packed rows in (row block, column block) tiles, own rows fir
 ``send_x``: no wait), then the sources in the order they send to this rank, and before a tile of expert l
 wait for the group flag ``(s, l // experts_per_put)`` of every source s with rows in it: a tile starts once
 its own expert's group is in, not the sources' whole transfers. A peer's rows are gathered from its
-``gemm_stage`` slice (``gemm_stage_offsets``); the first column block's tiles copy them into ``recv_x`` first,
-so ``recv_x`` ends as after ``dispatch``. ``y = rows @ w[l]`` (bf16 tl.dot, fp32 accumulation) in ``recv_x``'s
-layout, so ``combine`` follows as after ``dispatch``. Why groups: the soft fabric costs ~70-135 us a message
-whatever its size, and a put per expert made 32 of them a peer (docs/kernels.md, "Puts and signals").
+``gemm_stage`` slice (``gemm_stage_offsets``); each tile of a row block copies a share of their columns into
+``recv_x`` first, so ``recv_x`` ends as after ``dispatch``. ``y = rows @ w[l]`` (bf16 tl.dot, fp32
+accumulation) in ``recv_x``'s layout, so ``combine`` follows as after ``dispatch``. Why groups: the soft
+fabric costs ~70-135 us a message whatever its size, and a put per expert made 32 of them a peer
+(docs/kernels.md, "Puts and signals").
 
 Group flags count dispatch_gemm rounds: every (peer, group) pair gets exactly one signal per fused round
 (the put_signal, or the SIGNAL of an empty group), so after n fused rounds each is n, rows or none, and the
@@ -537,25 +538,32 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                         received = recv_x_ptr + tl.cast(local * (W * T) + rows, tl.int64) * H
                         if COMMUNICATE:
                             # a peer's row from its gemm_stage slice (where its group put landed: its rows for our
-                            # lower experts first); the tiles of the first column block also store it into recv_x,
-                            # where dispatch would have put it
+                            # lower experts first); the row block's tiles also store it into recv_x, where dispatch
+                            # would have put it, each a share of its columns (below)
                             row_source = tl.sum(((off + c)[None, :] <= rows[:, None]).to(tl.int32), axis=1)
                             at_source = ss[None, :] == row_source[:, None]  # [BLOCK_M, WP]
                             staged = tl.sum(tl.where(at_source, (below - off)[None, :], 0), axis=1) + rows
                             a_row = gemm_stage_ptr + tl.cast(row_source * SOURCE_ROWS + staged, tl.int64) * H
-                            copy = valid & (mine == 0) & (col0 == 0)
+                            copy = valid & (mine == 0)
                         else:  # a rerun: the latest round's rows, in recv_x
                             a_row = received
                         # our own rows straight from their block in send_x (staged by _moe_route, an earlier
                         # kernel)
                         a_row = tl.where(mine, send_x_ptr + tl.cast(own_start + rows - off_own, tl.int64) * H, a_row)
-                        if COMMUNICATE:  # the first column block's tiles: the peers' rows into recv_x first
-                            if col0 == 0:  # (a loop of its own: a store of the GEMM's A tile in its k-loop broke
-                                for k0 in range(0, H, BLOCK_K):  # the tensor-core results on sm_90)
-                                    ks = k0 + offs_k
-                                    moved = copy[:, None] & (ks[None, :] < H)
-                                    tl.store(received[:, None] + ks[None, :],
-                                             tl.load(a_row[:, None] + ks[None, :], mask=moved), mask=moved)
+                        if COMMUNICATE:
+                            # the peers' rows into recv_x, column block b's tile taking columns [b * share, ...) of
+                            # them: spread so, no program runs behind the others (the first column block's tiles
+                            # took the whole copy, and the programs holding them fell out of step with the rest: the
+                            # programs share a column block of the weights through L2 only while they run in step).
+                            # A loop of its own: a store of the GEMM's A tile in its k-loop broke the tensor-core
+                            # results on sm_90
+                            share = tl.cdiv(tl.cdiv(H, BLOCK_K), col_blocks) * BLOCK_K
+                            k_lo = (col0 // BLOCK_N) * share
+                            for k0 in range(k_lo, tl.minimum(k_lo + share, H), BLOCK_K):
+                                ks = k0 + offs_k
+                                moved = copy[:, None] & (ks[None, :] < H)
+                                tl.store(received[:, None] + ks[None, :],
+                                         tl.load(a_row[:, None] + ks[None, :], mask=moved), mask=moved)
                         if COMPUTE:
                             cols = col0 + offs_n
                             w_cols = w_ptr + tl.cast(local, tl.int64) * (H * N) + cols[None, :]
