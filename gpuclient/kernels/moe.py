@@ -16,7 +16,8 @@ dispatch round e
                       with ``fp8`` quantized on the way: H e4m3 bytes and H/128 fp32 scales a row).
   2. ``_moe_dispatch`` every program sends: program 0 put_signals this rank's count row to every peer
                       (``count_slot + rank``); every program waits for every peer's counts, derives where each
-                      block lands (the exclusive sum of the lower ranks' counts for the expert) and puts each
+                      block lands (the counts for the expert of the sources before this rank in the
+                      receiver's order: its own rows first, then its ring predecessors') and puts each
                       remote expert's block in one put (a block past the largest put, ``put_rows`` rows, goes in
                       pieces), and the handle words of each peer's experts in one put into its ``src_stage``;
                       blocks for this rank are copied. Then the last program to finish its pushes sends one
@@ -192,11 +193,15 @@ def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_p
 
 
 @triton.jit
-def _source_offset(count_ptr, rank, e, E: tl.constexpr):
-    """Where this rank's rows for expert e start at the expert's rank: the lower ranks' counts for e."""
+def _source_offset(count_ptr, src, e, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr):
+    """Where source src's rows for expert e start at the expert's rank d: the counts for e of the sources before
+    src in d's order (its own first, then d - 1, d - 2, ...: MoELayout.source_offsets)."""
+    d = e // L
+    step = (d - src + W) % W
     off = tl.zeros((), dtype=tl.int32)
-    for s in range(0, rank):
-        off += tl.load(count_ptr + s * E + e)
+    for s in range(0, W):
+        if (d - s + W) % W < step:
+            off += tl.load(count_ptr + s * E + e)
     return off
 
 
@@ -245,7 +250,8 @@ def _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W: tl.constex
     ts = tl.arange(0, BLOCK_T)
     for local in range(0, L):
         off = tl.zeros((), dtype=tl.int32)
-        for s in range(0, W):
+        for step in range(0, W):  # the sources in receive order: this rank's own rows first (MoELayout)
+            s = (rank - step + W) % W
             c = tl.load(count_ptr + s * E + rank * L + local)
             if s != rank:
                 for j in range(0, c, BLOCK_T):
@@ -305,7 +311,7 @@ def _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr,
         count = tl.load(count_ptr + rank * E + e)
         if count > 0:
             d = e // L
-            row = (e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, E)
+            row = (e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, W, E, L)
             start = tl.load(eoff_ptr + e)
             first = (pid + progs - e % progs) % progs
             # a staged / received row: ROW elements of ROW_BYTES bytes (moe_layout.dispatch_row)
@@ -343,8 +349,13 @@ def _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W: tl.con
     ss = tl.arange(0, WP)
     inside = (ls[:, None] < L) & (ss[None, :] < W)
     c = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)
+    order = (rank - ss + W) % W  # each source's place in the receive rows: this rank's own first
+    off = tl.zeros((LP, WP), dtype=tl.int32)
+    for s in range(0, W):
+        c_s = tl.sum(tl.where(ss[None, :] == s, c, 0), axis=1)  # [LP]
+        off += tl.where((rank - s + W) % W < order[None, :], c_s[:, None], 0)
     at = layout_ptr + (ls[:, None] * W + ss[None, :]) * 2
-    tl.store(at, tl.cumsum(c, axis=1) - c, mask=inside)
+    tl.store(at, off, mask=inside)
     tl.store(at + 1, c, mask=inside)
     tl.store(recv_count_ptr + ls, tl.sum(c, axis=1), mask=ls < L)
 
@@ -363,6 +374,25 @@ def _put_block_signal(ch, d, recv_region, send_x_region, start, row, count, slot
         else:
             tpd.put_signal(ch, d, recv_region, tl.cast(row + j, tl.int64) * (H * 2), send_x_region,
                            tl.cast(start + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2), slot, 1)
+
+
+@triton.jit
+def _expert_tile(a_row, rows, valid, w_ptr, y_ptr, local, col0, W: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
+                 N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of local expert ``local``'s GEMM: ``y[local, rows, col0 ...] = A @ w[local][:, col0 ...]``, row i of
+    A at ``a_row[i]`` (the ``valid`` ones; the others are zero and not stored), fp32 accumulation."""
+    offs_k = tl.arange(0, BLOCK_K)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    w_cols = w_ptr + tl.cast(local, tl.int64) * (H * N) + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + offs_k
+        a = tl.load(a_row[:, None] + ks[None, :], mask=valid[:, None] & (ks[None, :] < H), other=0.0)
+        b = tl.load(w_cols + tl.cast(ks, tl.int64)[:, None] * N, mask=(ks[:, None] < H) & (cols[None, :] < N),
+                    other=0.0)
+        acc = tl.dot(a, b, acc)
+    out = y_ptr + tl.cast(local * (W * T) + rows, tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
 @triton.jit
@@ -439,7 +469,7 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                             now = tpd.globaltimer().to(tl.int64)
                             for j in range(g * EXPERTS_PER_PUT, tl.minimum(g * EXPERTS_PER_PUT + EXPERTS_PER_PUT, L)):
                                 tl.store(timeline + 4 * W * L + s * L + j, now)
-            for peer in range(0, W):  # the lower ranks' counts decide where our own rows go in recv_x
+            for peer in range(0, W):  # the counts, for recv_layout (program 0, below) and the handle words
                 if peer != rank:
                     tpd.wait(ch, count_slot + peer, epoch)
             # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
@@ -449,7 +479,7 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                 e = rank * L + local
                 count = tl.load(count_ptr + rank * E + e)
                 if count > 0:
-                    row = local * (W * T) + _source_offset(count_ptr, rank, e, E)
+                    row = local * (W * T) + _source_offset(count_ptr, rank, e, W, E, L)
                     _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, tl.load(eoff_ptr + e), row,
                               count, (pid + COMM_PROGRAMS - e % COMM_PROGRAMS) % COMM_PROGRAMS, COMM_PROGRAMS, T, H,
                               COPY_ROWS, BLOCK_H)
@@ -467,26 +497,44 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
     else:
         cp = pid - COMM_PROGRAMS
         progs = tl.num_programs(0) - COMM_PROGRAMS
+        col_blocks = tl.cdiv(N, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        item = 0  # running number of the (row block, column block) tiles, dealt round-robin to the programs
+        # Before any peer's count: the split experts' full row blocks of our own rows. They lead each expert's
+        # packed rows (the receive order puts our own first), so our own counts alone place them, and the GEMM
+        # runs while the counts fly (MoELayout.gemm_row_blocks' step -1)
+        for local in range(0, SPLIT_EXPERTS):
+            early = tl.load(count_ptr + rank * E + rank * L + local) // BLOCK_M
+            tiles = early * col_blocks
+            own_start = tl.load(eoff_ptr + rank * L + local)
+            j0 = (cp + progs - item % progs) % progs
+            for jj in range(0, tiles - j0, progs):
+                j = j0 + jj
+                rows = (j % early) * BLOCK_M + offs_m
+                if TIMELINE:
+                    tl.atomic_min(timeline + 2 * W * L + rank * L + local, tpd.globaltimer().to(tl.int64))
+                if COMPUTE:
+                    _expert_tile(send_x_ptr + tl.cast(own_start + rows, tl.int64) * H, rows, rows < BLOCK_M * early,
+                                 w_ptr, y_ptr, local, (j // early) * BLOCK_N, W, T, H, N, BLOCK_M, BLOCK_N, BLOCK_K)
+                if TIMELINE:
+                    tl.atomic_max(timeline + 3 * W * L + rank * L + local, tpd.globaltimer().to(tl.int64))
+            item += tiles
         if COMMUNICATE:  # every source's counts: where each source's rows sit in each expert's packed rows
             for peer in range(0, W):
                 if peer != rank:
                     tpd.wait(ch, count_slot + peer, epoch)
         counts = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)  # [LP, WP]
         # the step at which each source's rows are taken: our own first, then rank - 1 (whose first peer we
-        # are), rank - 2, ... as each source sends to its peers in ring order
+        # are), rank - 2, ... as each source sends to its peers in ring order; the receive rows follow it
         order = (rank - ss + W) % W
         # the (local expert, source) flags this program has waited for (our own rows need no wait)
         waited = (ss[None, :] == rank) | (ss[None, :] >= W) | (ls[:, None] >= L)  # [LP, WP]
-        col_blocks = tl.cdiv(N, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        item = 0  # running number of the (row block, column block) tiles, dealt round-robin to the programs
         for step in range(0, W):
             src = (rank - step + W) % W
             for local in range(0, L):
                 c = tl.sum(tl.where(ls[:, None] == local, counts, 0), axis=0)  # [WP] rows from each source
-                off = tl.cumsum(c, axis=0) - c
+                off = tl.sum(tl.where(order[None, :] < order[:, None], c[None, :], 0), axis=1)  # [WP], receive order
                 below = tl.sum(tl.where(ls[:, None] < local, counts, 0), axis=0)  # [WP] each source's lower experts'
                 n = tl.sum(c, axis=0)
                 c_src = tl.sum(tl.where(ss == src, c, 0), axis=0)
@@ -505,6 +553,8 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                         last = (off_src + c_src - 1) // BLOCK_M
                         lo = first + (_last_source(c, off, first * BLOCK_M, first * BLOCK_M + BLOCK_M, order) != step)
                         hi = last + 1 - (_last_source(c, off, last * BLOCK_M, last * BLOCK_M + BLOCK_M, order) != step)
+                        if src == rank:  # our own full blocks went before the counts
+                            lo = tl.maximum(lo, c_src // BLOCK_M)
                     row_blocks = tl.maximum(hi - lo, 1)
                     tiles = tl.maximum(hi - lo, 0) * col_blocks
                     c_own = tl.sum(tl.where(ss == rank, c, 0), axis=0)
@@ -540,8 +590,9 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                             # a peer's row from its gemm_stage slice (where its group put landed: its rows for our
                             # lower experts first); the row block's tiles also store it into recv_x, where dispatch
                             # would have put it, each a share of its columns (below)
-                            row_source = tl.sum(((off + c)[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-                            at_source = ss[None, :] == row_source[:, None]  # [BLOCK_M, WP]
+                            at_source = (c > 0)[None, :] & (off[None, :] <= rows[:, None]) \
+                                & (rows[:, None] < (off + c)[None, :])  # [BLOCK_M, WP]: the row's source
+                            row_source = tl.sum(tl.where(at_source, ss[None, :], 0), axis=1)
                             staged = tl.sum(tl.where(at_source, (below - off)[None, :], 0), axis=1) + rows
                             a_row = gemm_stage_ptr + tl.cast(row_source * SOURCE_ROWS + staged, tl.int64) * H
                             copy = valid & (mine == 0)
@@ -565,18 +616,8 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                                 tl.store(received[:, None] + ks[None, :],
                                          tl.load(a_row[:, None] + ks[None, :], mask=moved), mask=moved)
                         if COMPUTE:
-                            cols = col0 + offs_n
-                            w_cols = w_ptr + tl.cast(local, tl.int64) * (H * N) + cols[None, :]
-                            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                            for k0 in range(0, H, BLOCK_K):
-                                ks = k0 + offs_k
-                                a = tl.load(a_row[:, None] + ks[None, :], mask=valid[:, None] & (ks[None, :] < H),
-                                            other=0.0)
-                                b = tl.load(w_cols + tl.cast(ks, tl.int64)[:, None] * N,
-                                            mask=(ks[:, None] < H) & (cols[None, :] < N), other=0.0)
-                                acc = tl.dot(a, b, acc)
-                            out = y_ptr + tl.cast(local * (W * T) + rows, tl.int64)[:, None] * N + cols[None, :]
-                            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+                            _expert_tile(a_row, rows, valid, w_ptr, y_ptr, local, col0, W, T, H, N, BLOCK_M, BLOCK_N,
+                                         BLOCK_K)
                         if TIMELINE:
                             tl.atomic_max(timeline + 3 * W * L + src * L + local, tpd.globaltimer().to(tl.int64))
                     item += tiles
@@ -601,7 +642,7 @@ def _moe_combine_send(ch, rank, y_ptr, count_ptr, send_y_ptr, comb_ptr, comb_reg
         e = rank * L + b - s * L
         count = tl.load(count_ptr + s * E + e)
         if count > 0:
-            row = (e - rank * L) * (W * T) + _source_offset(count_ptr, s, e, E)
+            row = (e - rank * L) * (W * T) + _source_offset(count_ptr, s, e, W, E, L)
             home = tl.sum(tl.where(es < e, tl.load(count_ptr + s * E + es, mask=es < E, other=0), 0), axis=0)
             first = (pid + progs - b % progs) % progs
             if s == rank:

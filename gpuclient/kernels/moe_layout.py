@@ -14,10 +14,13 @@ gets each token at most once and a source sends an expert at most ``T`` rows. Ea
 as one row, to its expert (per (token, expert), not per (token, rank): see docs/kernels.md). Its *position*
 is its rank among the source's tokens routed to the same expert, in token order.
 
-Receive layout (per rank, per local expert ``l``): ``W * T`` rows; the rows from source ``s`` start at
-``offset[l, s] = sum over s' < s of count[s', e]`` (``e`` the global expert) and are packed, so the first
-``recv_count[l]`` rows of expert ``l`` are its tokens, source by source in rank order, each source's in
-token order. ``recv_src[l, p] = s * T * K + t * K + k`` names the row's origin (-1 past the count).
+Receive layout (per rank ``d``, per local expert ``l``): ``W * T`` rows, packed source by source in the order
+the sources send to ``d``: ``d``'s own rows first, then ``d - 1``'s, ``d - 2``'s, ... (mod ``W``; the *step*
+of source ``s`` at ``d`` is ``(d - s) mod W``). The rows from source ``s`` start at ``offset[l, s] = sum of
+count[s', e]`` over the sources ``s'`` of a lower step (``e`` the global expert), so the first
+``recv_count[l]`` rows of expert ``l`` are its tokens, each source's in token order, and a rank's own rows
+start at 0 whatever its peers send: the fused GEMM starts on them before any peer's count is in.
+``recv_src[l, p] = s * T * K + t * K + k`` names the row's origin (-1 past the count).
 
 Staging, expert-major (per source rank): the source's valid entries sorted by expert, then by token. Entry
 ``(t, k)`` for expert ``e`` has the *stage row* ``eoff[e] + pos[t, k]``, where ``eoff[e] = sum over e' < e
@@ -348,11 +351,12 @@ class MoELayout:
                         split_experts: int) -> list[tuple[int, int, int, int]]:
         """The expert GEMM's row blocks in the order ``_moe_dispatch_gemm``'s compute programs take them: ``(step,
         local expert, first block, end block)`` (blocks of ``block_m`` of the expert's packed rows, every source's
-        end to end), step s taking source ``(rank - s) % W``'s rows (this rank's own first). A local expert below
-        ``split_experts`` is taken source by source: at each step the blocks over that source's rows, a block
-        that also holds other sources' rows at the step of the latest of them. Every other expert's blocks all
-        go at its latest source's step. Each block of each expert appears once, and each (step, expert) at most
-        once; each column block of the output is a tile of it."""
+        end to end in step order), step s taking source ``(rank - s) % W``'s rows (this rank's own first). A local
+        expert below ``split_experts`` is taken source by source: first, at step -1 (before any peer's count is
+        in), the full blocks of this rank's own rows, which lead the expert's rows; then at each step the blocks
+        over that source's rows, a block that also holds other sources' rows at the step of the latest of them.
+        Every other expert's blocks all go at its latest source's step. Each block of each expert appears once,
+        and each (step, expert) at most once; each column block of the output is a tile of it."""
         c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
         L, W = self.local_experts, self.world  # noqa: N806
         mine = c[:, self.rank * L:(self.rank + 1) * L]  # [W, L]
@@ -363,7 +367,8 @@ class MoELayout:
             inside = (counts > 0) & (off < r1) & (off + counts > r0)
             return int(order[inside].max()) if inside.any() else -1
 
-        blocks = []
+        early = [int(mine[self.rank, local]) // block_m if local < split_experts else 0 for local in range(L)]
+        blocks = [(-1, local, 0, early[local]) for local in range(L) if early[local]]
         for step in range(W):
             src = (self.rank - step) % W
             for local in range(L):
@@ -377,6 +382,7 @@ class MoELayout:
                     first, last = off_src // block_m, (off_src + c_src - 1) // block_m
                     lo = first + (last_step(counts, off, first * block_m, (first + 1) * block_m) != step)
                     hi = last + 1 - (last_step(counts, off, last * block_m, (last + 1) * block_m) != step)
+                    lo = max(lo, early[local])  # the own full blocks went at step -1
                 if hi > lo:
                     blocks.append((step, local, lo, hi))
         return blocks
@@ -448,9 +454,12 @@ class MoELayout:
         return [per * (peer != self.rank) for peer in range(self.world)]
 
     def source_offsets(self, counts_all: np.ndarray) -> np.ndarray:
-        """[W, E]: where source s's rows start in expert e's receive rows (an exclusive sum over sources)."""
+        """[W, E]: where source s's rows start in expert e's receive rows (the counts of the sources that come
+        before s at the expert's rank: its own rows first, then its ring predecessors')."""
         c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
-        return (np.cumsum(c, axis=0) - c).astype(np.int32)
+        step = (np.arange(self.num_experts)[None, :] // self.local_experts - np.arange(self.world)[:, None]) \
+            % self.world  # [W, E]: source s's step at expert e's rank
+        return np.stack([(c * (step < step[s])).sum(axis=0) for s in range(self.world)]).astype(np.int32)
 
     def destination(self, counts_all: np.ndarray, expert: int, pos: int) -> tuple[int, int, int]:
         """(rank, local expert, row) where this rank's entry with ``pos`` for ``expert`` lands."""
@@ -461,8 +470,9 @@ class MoELayout:
         """This rank's receive side from every source's counts ([W, E]): ``recv_count`` [L] and ``recv_layout``
         [L, W, 2] (offset, count of the rows from each source)."""
         c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
-        mine = c[:, self.rank * self.local_experts:(self.rank + 1) * self.local_experts].T  # [L, W]
-        layout = np.stack([np.cumsum(mine, axis=1) - mine, mine], axis=-1).astype(np.int32)
+        local = slice(self.rank * self.local_experts, (self.rank + 1) * self.local_experts)
+        mine = c[:, local].T  # [L, W]
+        layout = np.stack([self.source_offsets(c)[:, local].T, mine], axis=-1).astype(np.int32)
         recv_count = mine.sum(axis=1).astype(np.int32)
         assert (recv_count <= self.capacity).all()
         return recv_count, layout

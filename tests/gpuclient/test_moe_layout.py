@@ -64,7 +64,8 @@ def uneven_routing(rng: np.random.Generator, world: int, experts: int, max_token
 
 
 def brute_force(lays: list[MoELayout], topk_idx: list[np.ndarray]) -> dict:
-    """Receive rows per (rank, local expert), enumerated the slow way: list of (src, token, k)."""
+    """Receive rows per (rank, local expert), enumerated the slow way: list of (src, token, k), the rank's own
+    rows first, then those of rank - 1, rank - 2, ... (each source's in token order)."""
     lay0 = lays[0]
     rows: dict = {(d, local): [] for d in range(lay0.world) for local in range(lay0.local_experts)}
     for src, idx in enumerate(topk_idx):
@@ -76,8 +77,8 @@ def brute_force(lays: list[MoELayout], topk_idx: list[np.ndarray]) -> dict:
                     continue
                 seen.add(e)
                 rows[lay0.owner(e)].append((src, t, k))
-    for key in rows:
-        rows[key].sort(key=lambda r: (r[0], r[1]))
+    for (d, _local), found in rows.items():
+        found.sort(key=lambda r: ((d - r[0]) % lay0.world, r[1]))
     return rows
 
 
@@ -207,10 +208,10 @@ def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int
 
 @pytest.mark.parametrize(("world", "block_m"), [(2, 16), (3, 8), (4, 32), (1, 16)])
 def test_the_gemm_takes_every_row_block_once_at_the_step_of_its_latest_source(world: int, block_m: int) -> None:
-    """``MoELayout.gemm_row_blocks``, the compute programs' deal: every (local expert, row block) exactly once, at
-    the step of the latest source with rows in it when the expert is split (so a block of own rows alone goes at
-    step 0, before any peer's rows land), and all of an expert's blocks at its latest source's step when it is
-    whole; uneven counts, empty experts and a source that sends nothing."""
+    """``MoELayout.gemm_row_blocks``, the compute programs' deal: every (local expert, row block) exactly once; when
+    the expert is split, a full block of own rows (they lead the expert's rows) at step -1, before any peer's
+    count is in, and any other at the step of the latest source with rows in it; all of an expert's blocks at
+    its latest source's step when it is whole; uneven counts, empty experts and a source that sends nothing."""
     rng = np.random.default_rng(world * 100 + block_m)
     experts = 4 * world
     for split in range(0, 5):
@@ -222,18 +223,23 @@ def test_the_gemm_takes_every_row_block_once_at_the_step_of_its_latest_source(wo
             mine = counts_all[:, rank * 4:(rank + 1) * 4]
             order = (rank - np.arange(world)) % world
             taken: dict[int, list[tuple[int, int]]] = {local: [] for local in range(4)}
-            for step, local, lo, hi in lay.gemm_row_blocks(counts_all, block_m, split):
-                assert 0 <= lo < hi and 0 <= step < world
+            deal = lay.gemm_row_blocks(counts_all, block_m, split)
+            assert [step for step, *_ in deal] == sorted(step for step, *_ in deal)  # in the programs' order
+            for step, local, lo, hi in deal:
+                assert 0 <= lo < hi and -1 <= step < world
                 taken[local] += [(b, step) for b in range(lo, hi)]
             for local in range(4):
                 counts = mine[:, local]
-                n, off = int(counts.sum()), np.cumsum(counts) - counts
+                n = int(counts.sum())
+                off = np.array([counts[order < order[s]].sum() for s in range(world)])  # own rows first
+                assert off[rank] == 0
                 blocks = sorted(taken[local])
                 assert [b for b, _ in blocks] == list(range(-(-n // block_m))), (split, rank, local)
                 for b, step in blocks:
                     inside = (counts > 0) & (off < (b + 1) * block_m) & (off + counts > b * block_m)
                     latest = int(order[inside].max()) if local < split else int(order[counts > 0].max())
-                    assert step == latest, (split, rank, local, b)
+                    own_full = local < split and (b + 1) * block_m <= counts[rank]
+                    assert step == (-1 if own_full else latest), (split, rank, local, b)
             passes, rows = lay.gemm_work(counts_all, block_m, split)
             assert rows == sum(-(-int(n) // block_m) for n in mine.sum(axis=0)) * block_m
             passes_taken = {(step, local) for step, local, _, _ in lay.gemm_row_blocks(counts_all, block_m, split)}
@@ -241,13 +247,16 @@ def test_the_gemm_takes_every_row_block_once_at_the_step_of_its_latest_source(wo
 
 
 def test_split_experts_read_their_weights_once_a_step_and_whole_ones_once() -> None:
-    """Two ranks, 128 rows of each an expert, 128-row blocks: split, the own block goes first (step 0) and the
-    peer's at step 1, two passes over the weights; whole, both blocks at step 1, one pass. 130 + 130 rows
-    take three blocks either way (384 rows of tensor-core work for 260). Four local experts, the first two split."""
-    lay = MoELayout(0, 2, 8, 256, 2, 16)
+    """Two ranks, 128 rows of each an expert, 128-row blocks: split, the own block goes first (step -1, before
+    the counts) and the peer's at step 1, two passes over the weights; whole, both blocks at step 1, one pass.
+    130 + 130 rows take three blocks either way (384 rows of tensor-core work for 260). Four local experts, the
+    first two split. Rank 1 too: its own rows lead each expert's rows as rank 0's do."""
     even = np.full((2, 8), 128)
-    assert lay.gemm_row_blocks(even, 128, 2) == [(0, 0, 0, 1), (0, 1, 0, 1), (1, 0, 1, 2), (1, 1, 1, 2),
-                                                 (1, 2, 0, 2), (1, 3, 0, 2)]
+    for rank in (0, 1):
+        lay = MoELayout(rank, 2, 8, 256, 2, 16)
+        assert lay.gemm_row_blocks(even, 128, 2) == [(-1, 0, 0, 1), (-1, 1, 0, 1), (1, 0, 1, 2), (1, 1, 1, 2),
+                                                     (1, 2, 0, 2), (1, 3, 0, 2)]
+    lay = MoELayout(0, 2, 8, 256, 2, 16)
     assert lay.gemm_work(even, 128, 2) == (2 * 2 + 2, 4 * 256)
     assert lay.gemm_row_blocks(even, 128, 0) == [(1, local, 0, 2) for local in range(4)]
     assert lay.gemm_work(even, 128, 0) == (4, 4 * 256)
