@@ -719,9 +719,11 @@ def test_the_kernels_run_in_the_interpreter_and_match_the_model(shape: tuple) ->
                                    (1, 2, 6, 2, 16, 16, 3, 1, 16, 16, 16, "bf16"),
                                    (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 3, 2),
                                    (2, 6, 20, 3, 40, 40, 4, 2, 16, 16, 16, "bf16", 60, 1, 0),
-                                   (3, 9, 12, 4, 40, 24, 7, 2, 16, 16, 16, "fp32", 48, 1, 2)],
+                                   (3, 9, 12, 4, 40, 24, 7, 2, 16, 16, 16, "fp32", 48, 1, 2),
+                                   (2, 4, 40, 2, 40, 24, 4, 2, 16, 16, 16, "bf16", 60, 2)],
                          ids=["2ranks-bf16", "2ranks-bf16-groups", "3ranks-fp32-narrow-one-group", "1rank",
-                              "2ranks-bf16-split-groups", "2ranks-bf16-whole-experts", "3ranks-fp32-split-two"])
+                              "2ranks-bf16-split-groups", "2ranks-bf16-whole-experts", "3ranks-fp32-split-two",
+                              "2ranks-bf16-own-blocks"])
 def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tuple) -> None:
     """(world, experts, max_tokens, topk, hidden, n_out, programs, comm_programs, block_m, block_n, block_k,
     out[, put_rows, experts_per_put[, split_experts]]): tests/gpuclient/moe_gemm_interpreted.py, one process per
@@ -731,7 +733,8 @@ def test_dispatch_gemm_runs_in_the_interpreter_and_matches_the_model(shape: tupl
     group; put_rows 3 splits the groups into pieces dealt over both communication programs. The local experts
     below split_experts (here by default the first group's) are taken source by source, own rows first; the others
     whole, at their latest source's step: every expert whole, every expert by source (one group of three),
-    and two of three by source."""
+    and two of three by source. With 20 rows an expert from each source (own-blocks), most split experts have
+    a full block of own rows, which the compute programs take before the peers' counts are in."""
     run = run_interpreted("tests.gpuclient.moe_gemm_interpreted", *shape, timeout=900)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-8000:] + run.stderr[-8000:]
 
