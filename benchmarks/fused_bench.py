@@ -170,11 +170,11 @@ QUICK_SIZES: dict[str, list[dict[str, int]]] = {
     "ring_attention": [{"heads": 4, "seq_local": 512, "head_dim": 128, "chunk_rows": 128}],
 }
 #: MoE Dispatch+GEMM (``MoE.dispatch_gemm``): 128 tokens a rank, top-8 of 64 experts; an expert's weight H x gemm_n.
-#: The communication is the dispatch's whatever gemm_n is (4.9-6.1 ms on ib), so gemm_n sets the balance: at 16384
-#: the compute was 4.7 ms (comm / compute 1.3), at 4096 1.5 ms (3.3: outside the band in every call), so the second
-#: size is 24576 (about 7 ms of compute)
-MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 16384},
-                  {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 24576}]
+#: The communication is the dispatch's whatever gemm_n is, so gemm_n sets the balance (``--moe-gemm-n``). On an H100
+#: with the soft fabric of 2026-12-05 the dispatch took 1.8-2.0 ms on ib and 2.6-3.2 on efa, and the compute 5.6 ms
+#: at 16384 (comm / compute 0.32-0.56: outside the 2x band) and 1.6 ms at 4096, so the sizes are 4096 and 8192
+MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 4096},
+                  {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 8192}]
 QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "gemm_n": 512}]
 #: efa's sizes. Its model is half ib's rate and the receiving daemon, not the NIC, publishes each flag, so at ib's
 #: second sizes its communication is 2-5x the compute. Both efa sizes keep the communication of ib's first (the
@@ -192,7 +192,8 @@ EFA_SIZES: dict[str, list[dict[str, int]]] = {
     "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "k": 24576}, {**SIZES["gemm_all_reduce"][0], "k": 32768}],
     "ring_attention": [SIZES["ring_attention"][0], {**SIZES["ring_attention"][0], "seq_local": 16384}],
 }
-EFA_MOE_GEMM_SIZES = [MOE_GEMM_SIZES[0], {**MOE_GEMM_SIZES[0], "gemm_n": 40960}]
+#: MoE Dispatch+GEMM's dispatch on efa now takes 1.4-1.7x ib's, within 2x of the compute at ib's sizes
+EFA_MOE_GEMM_SIZES = MOE_GEMM_SIZES
 KERNELS = tuple(SIZES)
 SIZES_KEYS = tuple(dict.fromkeys(key for sizes in (*SIZES.values(), MOE_GEMM_SIZES) for dims in sizes
                                   for key in dims))
@@ -202,8 +203,8 @@ def backend_sizes(backend: str, quick: bool = False,
                   moe: dict[str, int] | None = None) -> dict[str, list[dict[str, int]]]:
     """The sizes a run measures on ``backend``, MoE Dispatch+GEMM's under ``moe_dispatch_gemm`` (``--quick``: the
     same small ones on every backend); ``moe`` sets keys of every MoE Dispatch+GEMM size (``--moe-tokens``:
-    ``tokens``, ``--moe-experts``: ``experts``, ``--moe-experts-per-put``: ``experts_per_put``,
-    ``--moe-split-experts``: ``split_experts``)."""
+    ``tokens``, ``--moe-experts``: ``experts``, ``--moe-gemm-n``: ``gemm_n``, ``--moe-experts-per-put``:
+    ``experts_per_put``, ``--moe-split-experts``: ``split_experts``)."""
     if quick:
         sizes = {**QUICK_SIZES, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES}
     elif backend == "efa":
@@ -1506,6 +1507,9 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 @click.option("--moe-tokens", default=None, type=click.IntRange(min=1),
               help="MoE Dispatch+GEMM's tokens a rank in place of its sizes' 128: more rows an expert, so that a row "
                    "block of the expert GEMM can hold this rank's rows alone and start before the peers' land")
+@click.option("--moe-gemm-n", default=None, type=click.IntRange(min=1),
+              help="MoE Dispatch+GEMM's expert width (each local expert's weight is hidden x N) in place of its "
+                   "sizes': the compute grows with it and the communication does not, so it sets their balance")
 @click.option("--moe-experts-per-put", default=None, type=click.IntRange(min=1),
               help="MoE Dispatch+GEMM sends each peer the rows of this many of its experts in one put and one flag "
                    "(default: the op's, four puts a peer; 1: a put and a flag per expert)")
@@ -1524,7 +1528,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
          chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
          trace_dir: str | None = None, moe_experts: int | None = None, moe_tokens: int | None = None,
-         moe_experts_per_put: int | None = None, moe_split_experts: int | None = None,
+         moe_gemm_n: int | None = None, moe_experts_per_put: int | None = None, moe_split_experts: int | None = None,
          nic_spin_us: float | None = None, gil_switch_us: float = 0.0,
          poll_window_us: int | None = None) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
@@ -1557,7 +1561,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         os.environ["SOFTVERBS_TRACE"] = _trace.DIR = str(Path(trace_dir).resolve())  # the daemons inherit it
     moe_dims = QUICK_MOE if quick else MOE
     moe_sizes = {key: value for key, value in (("tokens", moe_tokens), ("experts", moe_experts),
-                                                ("experts_per_put", moe_experts_per_put),
+                                                ("gemm_n", moe_gemm_n), ("experts_per_put", moe_experts_per_put),
                                                 ("split_experts", moe_split_experts)) if value is not None}
     if quick:
         reps = 2

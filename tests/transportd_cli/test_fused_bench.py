@@ -625,9 +625,9 @@ def test_moe_experts_overrides_only_the_moe_gemm_sizes_experts(monkeypatch) -> N
 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
 def test_moe_tokens_and_experts_per_put_reach_only_the_moe_gemm_sizes(monkeypatch, backend: str) -> None:
-    """--moe-experts-per-put and --moe-tokens: every MoE Dispatch+GEMM size of the backend with that group or
-    that many tokens a rank, with --moe-experts too; the sizes' own otherwise (no experts_per_put key: the op's
-    default); the module's sizes left alone."""
+    """--moe-experts-per-put, --moe-tokens, --moe-split-experts and --moe-gemm-n: every MoE Dispatch+GEMM size of
+    the backend with that group, that many tokens a rank, that split or that expert width, with --moe-experts too;
+    the sizes' own otherwise (no experts_per_put key: the op's default); the module's sizes left alone."""
     bench = _bench()
     sizes = bench.EFA_MOE_GEMM_SIZES if backend == "efa" else bench.MOE_GEMM_SIZES
     seen = _moe_gemm_sizes_seen(bench, monkeypatch)
@@ -638,7 +638,8 @@ def test_moe_tokens_and_experts_per_put_reach_only_the_moe_gemm_sizes(monkeypatc
                        (["--moe-tokens", "1024"], [{**d, "tokens": 1024} for d in sizes]),
                        (["--moe-tokens", "512", "--moe-experts", "32"],
                         [{**d, "tokens": 512, "experts": 32} for d in sizes]),
-                       (["--moe-split-experts", "0"], [{**d, "split_experts": 0} for d in sizes])]:
+                       (["--moe-split-experts", "0"], [{**d, "split_experts": 0} for d in sizes]),
+                       (["--moe-gemm-n", "6144"], [{**d, "gemm_n": 6144} for d in sizes])]:
         seen.clear()
         result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", backend, *args])
         assert result.exit_code == 0, result.output
