@@ -300,7 +300,7 @@ def _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr,
             if peer != rank:
                 tpd.put_signal(ch, peer, count_region, rank * E * 4, count_region, rank * E * 4, E * 4,
                                count_slot + rank, 1)
-    for peer in range(0, W):  # every program: the lower ranks' counts decide where our rows land
+    for peer in range(0, W):  # every program: the counts of the sources before us at a receiver place our rows
         if peer != rank:
             tpd.wait(ch, count_slot + peer, epoch)
             if peer % progs == pid:  # the handle words of the peer's experts, one put (program peer % progs)
