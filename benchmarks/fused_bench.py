@@ -178,8 +178,8 @@ MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gem
 QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "gemm_n": 512}]
 #: efa's sizes. Its model is half ib's rate and the receiving daemon, not the NIC, publishes each flag, so at ib's
 #: second sizes its communication is 2-5x the compute. Both efa sizes keep the communication of ib's first (the
-#: same shards, chunks, tokens) and grow only what the compute grows with (AllGather+GEMM's and the MoE expert's
-#: N, the reductions' K; ring attention's sequence, whose compute grows with its square and its communication
+#: same shards, chunks, tokens) and grow only what the compute grows with (AllGather+GEMM's N, the reductions'
+#: K; ring attention's sequence, whose compute grows with its square and its communication
 #: linearly), so that the two stay within 2x of each other with the flags published by cuda-copy (``--publication``;
 #: h200-2026-12-03-efa-publication-cuda-copy-both-sizes.json: comm / compute 1.16-1.74 at ib's first sizes, 0.49-0.84
 #: at the grown ones). With 8 MiB chunks: AllGather+GEMM's N is ib's 8192 and 16384 (comm 6.4 ms against 8.9 of
