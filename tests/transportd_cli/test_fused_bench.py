@@ -644,6 +644,10 @@ def test_moe_tokens_and_experts_per_put_reach_only_the_moe_gemm_sizes(monkeypatc
         result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", backend, *args])
         assert result.exit_code == 0, result.output
         assert seen == want, args
+    for bad in (["--moe-gemm-n", "0"], ["--moe-gemm-n", "wide"]):  # refused before any row runs
+        seen.clear()
+        result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", backend, *bad])
+        assert result.exit_code == 2 and "--moe-gemm-n" in result.output and seen == [], bad
     assert all("experts_per_put" not in dims and "split_experts" not in dims and dims["tokens"] == 128
                for dims in sizes)
     for option in ("--moe-experts-per-put", "--moe-tokens"):
