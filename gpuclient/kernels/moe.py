@@ -193,14 +193,29 @@ def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_p
 
 
 @triton.jit
+def _receive_place(d, s, W: tl.constexpr):
+    """Source s's place in rank d's receive rows (0: d's own, then d - 1, d - 2, ...: the order the sources send
+    to d in; MoELayout.source_offsets). The one rule every kernel packs and reads the receive rows by; its own
+    inverse, so ``_receive_place(d, p, W)`` is also the source at place p."""
+    return (d - s + W) % W
+
+
+@triton.jit
+def _receive_offsets(counts, place):
+    """Each source's first row in each local expert's receive rows: ``counts`` [LP, WP] (an expert's rows from
+    each source) summed over the sources placed before it (``place`` [WP], `_receive_place`)."""
+    return tl.sum(tl.where(place[None, None, :] < place[None, :, None], counts[:, None, :], 0), axis=2)
+
+
+@triton.jit
 def _source_offset(count_ptr, src, e, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr):
-    """Where source src's rows for expert e start at the expert's rank d: the counts for e of the sources before
-    src in d's order (its own first, then d - 1, d - 2, ...: MoELayout.source_offsets)."""
+    """Where source src's rows for expert e start at the expert's rank d: the counts for e of the sources placed
+    before src in d's receive rows (`_receive_place`)."""
     d = e // L
-    step = (d - src + W) % W
+    place = _receive_place(d, src, W)
     off = tl.zeros((), dtype=tl.int32)
     for s in range(0, W):
-        if (d - s + W) % W < step:
+        if _receive_place(d, s, W) < place:
             off += tl.load(count_ptr + s * E + e)
     return off
 
@@ -251,7 +266,7 @@ def _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W: tl.constex
     for local in range(0, L):
         off = tl.zeros((), dtype=tl.int32)
         for step in range(0, W):  # the sources in receive order: this rank's own rows first (MoELayout)
-            s = (rank - step + W) % W
+            s = _receive_place(rank, step, W)
             c = tl.load(count_ptr + s * E + rank * L + local)
             if s != rank:
                 for j in range(0, c, BLOCK_T):
@@ -349,11 +364,7 @@ def _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W: tl.con
     ss = tl.arange(0, WP)
     inside = (ls[:, None] < L) & (ss[None, :] < W)
     c = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)
-    order = (rank - ss + W) % W  # each source's place in the receive rows: this rank's own first
-    off = tl.zeros((LP, WP), dtype=tl.int32)
-    for s in range(0, W):
-        c_s = tl.sum(tl.where(ss[None, :] == s, c, 0), axis=1)  # [LP]
-        off += tl.where((rank - s + W) % W < order[None, :], c_s[:, None], 0)
+    off = _receive_offsets(c, _receive_place(rank, ss, W))
     at = layout_ptr + (ls[:, None] * W + ss[None, :]) * 2
     tl.store(at, off, mask=inside)
     tl.store(at + 1, c, mask=inside)
@@ -463,7 +474,7 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
             if TIMELINE:  # when each peer's groups land, apart from when the compute programs get to them
                 if pid == COMM_PROGRAMS - 1:
                     for step in range(1, W):
-                        s = (rank - step + W) % W
+                        s = _receive_place(rank, step, W)
                         for g in range(0, GROUPS):
                             tpd.wait(ch, expert_slot + s * L + g, gemm_epoch)
                             now = tpd.globaltimer().to(tl.int64)
@@ -526,15 +537,16 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
         counts = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)  # [LP, WP]
         # the step at which each source's rows are taken: our own first, then rank - 1 (whose first peer we
         # are), rank - 2, ... as each source sends to its peers in ring order; the receive rows follow it
-        order = (rank - ss + W) % W
+        order = _receive_place(rank, ss, W)
+        offsets = _receive_offsets(counts, order)  # [LP, WP]: each source's first row in each expert's rows
         # the (local expert, source) flags this program has waited for (our own rows need no wait)
         waited = (ss[None, :] == rank) | (ss[None, :] >= W) | (ls[:, None] >= L)  # [LP, WP]
         offs_k = tl.arange(0, BLOCK_K)
         for step in range(0, W):
-            src = (rank - step + W) % W
+            src = _receive_place(rank, step, W)
             for local in range(0, L):
                 c = tl.sum(tl.where(ls[:, None] == local, counts, 0), axis=0)  # [WP] rows from each source
-                off = tl.sum(tl.where(order[None, :] < order[:, None], c[None, :], 0), axis=1)  # [WP], receive order
+                off = tl.sum(tl.where(ls[:, None] == local, offsets, 0), axis=0)  # [WP]
                 below = tl.sum(tl.where(ls[:, None] < local, counts, 0), axis=0)  # [WP] each source's lower experts'
                 n = tl.sum(c, axis=0)
                 c_src = tl.sum(tl.where(ss == src, c, 0), axis=0)
