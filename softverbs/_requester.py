@@ -256,6 +256,55 @@ class QPRequester:
             e.swap = swap
         wrs.append(e)
 
+    def wr_rows(self, ops: list[int], wr_ids: list[int], flags: list[int], rkeys: list[int], raddrs: list[int],
+                imms: list[int], adds: list[int], swaps: list[int], sges: list[tuple[int, int, int] | None]) -> None:
+        """Many ``wr_op`` calls inside a WR list, each followed by ``wr_set_sge(*sge)`` where its SGE is not None:
+        the same checks in the same order, the first refusal remembered for wr_complete(), without a call per WR
+        (`softverbs.soft.batch.post_wr_batch`: a pass's list in one)."""
+        wrs = self.wr_list
+        if wrs is None:
+            raise PyverbsUserError("wr_* called outside wr_start()/wr_complete()")
+        if self.wr_list_err:
+            return
+        # a WR is refused ENOMEM from the first one past the queue's room (wr_op's `full`, WR by WR)
+        room = self.max_send_wr - (self.sq_posted - self.sq_retired - self.sq_polled + len(wrs))
+        sig_all = self.sq_sig_all
+        if self.efa:  # efa_post_send_validate order: state, signaled, flags, queue space
+            state_ok = self.state in (RTS, SQD)
+            for i, f in enumerate(flags):
+                if not state_ok or (not (f & SIGNALED) and not sig_all) or f & ~(SIGNALED | INLINE):
+                    self.wr_list_err = errno.EINVAL
+                    break
+                if i >= room:
+                    self.wr_list_err = errno.ENOMEM
+                    break
+        elif flags:  # mlx5: queue space, then state, WR by WR; the state is the same for every WR
+            if room <= 0:
+                self.wr_list_err = errno.ENOMEM
+            elif self.state < RTS:
+                self.wr_list_err = errno.EINVAL
+            elif len(flags) > room:
+                self.wr_list_err = errno.ENOMEM
+        if self.wr_list_err:
+            return
+        append = wrs.append
+        for op, wr_id, f, rkey, raddr, imm, add, swap, sge in zip(ops, wr_ids, flags, rkeys, raddrs, imms, adds, swaps,
+                                                                  sges, strict=True):
+            e = SendEntry(wr_id, op, f, sig_all)
+            if rkey:
+                e.rkey = rkey
+            if raddr:
+                e.raddr = raddr
+            if imm:
+                e.imm = imm
+            if add:
+                e.add = add
+            if swap:
+                e.swap = swap
+            if sge is not None:
+                e.sges = (sge,)
+            append(e)
+
     def wr_set_sge(self, addr: int, length: int, lkey: int) -> None:
         """wr_set_sge: the fast single-SGE form of wr_set_sges."""
         wrs = self.wr_list

@@ -4,8 +4,8 @@
 benchmark starts) makes each process append one line a step to ``DIR/trace-<pid>.txt``: ``CLOCK_MONOTONIC``
 nanoseconds (one clock for every process on the host), the pid and the step. The steps stamped:
 
-- ``post``: a batch post call on a soft QP (`softverbs.soft.batch.post_wr_batch`); ``listed``: its WR list
-  built (the ``wr_*`` calls of every record); ``locked``: the QP's lock taken to queue them (any post);
+- ``post``: a batch post call on a soft QP (`softverbs.soft.batch.post_wr_batch`); ``listed <n>``: its WR
+  list of n WRs built; ``locked``: the QP's lock taken to queue them (any post);
   ``pump``: its WRs queued and their transmission starting; ``posted``: the call returning;
 - ``send <kind>``: a frame about to go to its socket (1 a request, 2 a response);
 - ``ready``: an idle I/O thread's epoll wait returning, timed before the thread takes the GIL back (until
