@@ -67,7 +67,7 @@ ends, in ms from the first tile's start over both ranks); each MoE Dispatch+GEMM
 seen and how long after their push, how the expert tiles kept up with the arrivals; and
 ``gemm_span_fused_over_alone``, each rank's expert GEMM span fused over alone); ``RAW`` gets every
 recorded event. ``--trace DIR`` (with ``--timeline``) also has every process stamp each message's steps through
-the soft fabric during those launches (``SOFTVERBS_TRACE``; a few microseconds a step) and writes them per
+the soft fabric during those launches (``SOFTVERBS_TRACE``; about a microsecond a step) and writes them per
 launch to ``DIR/steps.json`` (``softverbs.soft.trace.steps``); a MoE Dispatch+GEMM row then also maps the GPU's
 clock onto the trace's (``gpu_clock``: gpu_bench's ping-pong through mapped host memory, its error bound in the
 JSON) and gives each rank's pushes and group landings in the same µs from the launch's start

@@ -324,6 +324,8 @@ class Conn:
             if avail < need:
                 return False
             self.descs = list(st.iter_unpack(self.mv[self.start:self.start + need]))
+            if _trace.DIR:  # a frame's descriptors in: its items' admission and placement follow
+                _trace.stamp(f"frame {self.kind} {self.count}")
             self.start += need
             self.idx = 0
             self.sink = None

@@ -594,6 +594,8 @@ class QPRequester:
                 self._complete(e)
         if not srd:
             self._rc_retire()
+        if _trace.DIR:  # framed and sent (or queued to depart): what is left of the post is letting go of the lock
+            _trace.stamp("pumped")
 
     def _direct_ref(self, conn: Conn, e: SendEntry) -> tuple[int, int] | None:
         """(export id, offset) when write ``e`` can go as a reference to its device memory on ``conn``.

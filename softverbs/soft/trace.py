@@ -19,10 +19,11 @@ __all__ = ["read", "ready_waits", "steps", "summarize"]
 
 
 def read(directory: str | Path) -> list[tuple[int, int, str]]:
-    """Every stamp of every ``trace-*.txt`` under ``directory``, as (ns, pid, step), in time order."""
+    """Every stamp of every ``trace-*.txt`` under ``directory``, as (ns, pid, step), in time order (a file's
+    zero-filled room past its last line is not read)."""
     stamps = []
     for path in Path(directory).glob("trace-*.txt"):
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().rstrip(b"\0").decode().splitlines():
             ns, pid, step = line.split(" ", 2)
             stamps.append((int(ns), int(pid), step))
     stamps.sort()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -60,14 +62,18 @@ def test_a_traced_write_stamps_its_frame_its_reads_and_its_placement_and_an_untr
         write()
     stamps = read(tmp_path)
     steps = [step for _, _, step in stamps]
-    # this process holds both devices: the post's WRs queued, the request frame, the responder's read and
-    # placement, the ack's frame and its read by the requester; nothing after tracing went off
+    # this process holds both devices: the post's WRs queued and framed, the request frame, the responder's read,
+    # parse and placement, the ack's frame and its read and parse by the requester; nothing after tracing went off
     assert steps[:2] == ["locked", "pump"] and steps.count("pump") == steps.count("locked") == 2
-    assert all(s in ("locked", "pump", "send 1", "send 2", "ready", "read", "placed") for s in steps)
+    assert steps.count("pumped") == 2
+    assert all(s in ("locked", "pump", "pumped", "send 1", "send 2", "ready", "read", "frame 1 1", "frame 2 1",
+                     "placed") for s in steps), steps
     second = steps[len(steps) - 1 - steps[::-1].index("pump"):]
     sent = second.index("send 1")
+    assert second.index("pumped") > sent
     got = second.index("read", sent)  # the responder's read of the request
-    assert "placed" in second[got:] and second.index("send 2") > second.index("placed", got)
+    assert second.index("frame 1 1", got) < second.index("placed", got) < second.index("send 2")
+    assert second.index("frame 2 1") > second.index("send 2")
     # by the second write the I/O threads wait through the traced epoll wait, which stamps when it returns
     assert "ready" in second and second.index("pump") < sent
     # two traced writes, and nothing of the third (a wake-up may stamp ``ready`` any time while on)
@@ -123,3 +129,47 @@ def test_ready_waits_time_each_read_from_its_threads_wake_and_tell_the_ones_insi
     assert list(waits) == [5]
     assert waits[5] == {"n": 3, "p50_us": 90.0, "p90_us": 90.0, "slow": 2, "slow_in_own_post": 1}
 
+
+
+def test_stamps_are_stores_into_a_mapped_file_whole_lines_from_every_thread(tmp_path: Path, monkeypatch) -> None:
+    """After the file is opened a stamp makes no write (a write would hand the GIL over mid-step); lines from
+    threads stamping at once come out whole, and the file's zero-filled room is not read as stamps."""
+    monkeypatch.setattr(_trace, "DIR", str(tmp_path))
+    _trace.stamp("first")  # opens and maps the file
+
+    def no_write(*_args: object) -> None:
+        raise AssertionError("a stamp made a write")
+
+    monkeypatch.setattr(os, "write", no_write)
+
+    def stamps(name: str) -> None:
+        for i in range(2000):
+            _trace.stamp(f"{name} {i}")
+
+    threads = [threading.Thread(target=stamps, args=(f"t{k}",)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = read(tmp_path)
+    assert _trace.DIR == str(tmp_path), "no stamp failed"
+    assert {pid for _, pid, _ in got} == {os.getpid()}
+    steps = [step for _, _, step in got]
+    assert steps[0] == "first" and len(steps) == 8001
+    for k in range(4):
+        mine = [int(s.split()[1]) for s in steps if s.startswith(f"t{k} ")]
+        assert mine == list(range(2000)), "each thread's lines whole and in its order"
+    (path,) = tmp_path.glob("trace-*.txt")
+    assert path.stat().st_size == _trace.FILE_BYTES
+
+
+def test_a_full_trace_file_turns_tracing_off_with_a_warning(tmp_path: Path, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(_trace, "DIR", str(tmp_path))
+    monkeypatch.setattr(_trace, "FILE_BYTES", 4096)
+    monkeypatch.setattr(_trace, "_file", [None, None, 0])
+    with caplog.at_level("WARNING", logger="softverbs.trace"):
+        for i in range(1000):
+            _trace.stamp(f"step {i}")
+    assert _trace.DIR is None and "tracing is off" in caplog.text
+    got = [step for _, _, step in read(tmp_path)]
+    assert 0 < len(got) < 1000 and got == [f"step {i}" for i in range(len(got))], "what fitted, whole"
