@@ -144,8 +144,10 @@ class GpuAccessor:
 
     def copy_many(self, copies: list[tuple[int, int | memoryview, int]]) -> None:
         """``(dst, src, length)`` copies queued in order on the worker stream, one wait for them all: each
-        lands before the next starts, and all have when this returns. A ``src`` that is a buffer holds host
-        bytes to store at ``dst``, staged in pinned memory while it has room (else copied from where they are).
+        lands before the next starts, and all have when this returns (pieces that continue each other at both
+        ends go as one copy, where it does not overlap itself: the same bytes, one kernel). A ``src`` that is a
+        buffer holds host bytes to store at ``dst``, staged in pinned memory while it has room (else copied from
+        where they are).
         Queued and waited for by ``transportd._core.copy_run``, with the GIL released throughout: one call
         per run, where a driver call each would hand the GIL over twice a copy."""
         with self._lock:

@@ -249,7 +249,7 @@ def test_copies_back_to_back_on_one_gpu_share_one_wait_and_keep_their_order(drv:
     region = gpu.open(HANDLE_A, 0, 1 << 20, device=0)
     gpu.accessor(0)
     src, _ = gpu.open_export(_descriptor(HANDLE_PEER, 0x20))
-    copies = [(region.addr + 4096 * i, src + 4096 * i, 4096) for i in range(3)]
+    copies = [(region.addr + 4096 * i, src + 8192 * i, 4096) for i in range(3)]  # not continuing each other
     copies += [(0x1234_0000, src, 8), (region.addr, src + 64, 64)]  # host memory: GPU 1's; then GPU 0 again
     gpu.copy_many(copies)
     assert [(d, s, n) for d, s, n, _ in drv.copies] == copies
@@ -281,6 +281,32 @@ def test_host_bytes_in_a_run_are_staged_in_pinned_memory_and_copied_in_their_pla
                           (region.addr + 16384, big_at, RUN_STAGE, "stream@ctx0")]
     assert stage.raw[:12] == b"FLAGFLAGflag"
     assert drv.syncs == [(5, "stream@ctx0")]  # one wait, after every piece was queued
+
+
+def test_pieces_that_continue_each_other_go_as_one_copy_where_that_copy_does_not_overlap_itself(
+        drv: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's pieces whose source and destination both continue the previous piece's are queued as one copy
+    (a MoE group's rows come as several writes that do); a gap at either end, or a joined copy whose source
+    would overlap its destination, keeps them apart (an empty piece between does not: it queues nothing). Host
+    bytes staged back to back join too, and the copies are queued in the pieces' order."""
+    stage = (ctypes.c_char * RUN_STAGE)()
+    monkeypatch.setattr(drv, "cuMemHostAlloc", lambda size, flags: (0, ctypes.addressof(stage)))
+    gpu = GpuMemory()
+    region = gpu.open(HANDLE_A, 0, 1 << 20, device=0)
+    acc = gpu.accessor(0)
+    src, _ = gpu.open_export(_descriptor(HANDLE_PEER, 0x10))
+    a = region.addr
+    base = ctypes.addressof(stage)
+    acc.copy_many([(a, src, 4096), (a + 4096, src + 4096, 4096), (a + 8192, src + 8192, 100),  # one copy
+                   (a + 8292, src + 8292 + 1, 10),  # the source has a gap: apart
+                   (a + 9000, src + 9000, 8), (a + 9008, src + 9008, 0), (a + 9008, src + 9008, 8),  # empty: joins
+                   (a + 20000, memoryview(b"AAAA"), 4), (a + 20004, memoryview(b"BBBB"), 4),  # staged: one copy
+                   (a + 30000, a + 29000, 600), (a + 30600, a + 29600, 600)])  # joined, they would overlap
+    assert [(d, s, n) for d, s, n, _ in drv.copies] == [
+        (a, src, 8292), (a + 8292, src + 8293, 10), (a + 9000, src + 9000, 16), (a + 20000, base, 8),
+        (a + 30000, a + 29000, 600), (a + 30600, a + 29600, 600)]
+    assert stage.raw[:8] == b"AAAABBBB"
+    assert drv.syncs == [(6, "stream@ctx0")] and acc.copies == 11
 
 
 def test_a_copy_the_driver_refuses_names_itself_and_the_run_is_still_waited_for(drv: FakeDriver) -> None:
