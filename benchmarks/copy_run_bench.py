@@ -14,8 +14,11 @@ and waiting for it once:
 
 Each way runs quiet and beside ``--gil-threads`` Python threads that wake every ~20 µs for a few µs of
 Python (a rail worker's other threads wanting the GIL now and then: softverbs' I/O thread, the requester,
-the serve loop's Python passes). Rows: µs per
-run from the first queue call to the wait's return, p50 / p90 over ``--runs`` runs, after ``--warmup``.
+the serve loop's Python passes). Two more rows, compiled and quiet, place the same blocks with no flags
+between them: ``continuing`` (each block's source and destination continue the previous block's, as a MoE
+group's rows written in several puts: ``copy_run`` joins them into one copy) and ``gapped`` (4 KiB between
+blocks at both ends: a copy each). Rows: µs per run from the first queue call to the wait's return, p50 /
+p90 over ``--runs`` runs, after ``--warmup``.
 """
 
 from __future__ import annotations
@@ -68,14 +71,33 @@ def measure(device: int, blocks: int, block_bytes: int, runs: int, warmup: int, 
     stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
     stage = int(check(drv.cuMemHostAlloc(RUN_STAGE, 0), "cuMemHostAlloc"))
     size = blocks * block_bytes
-    src = int(check(drv.cuMemAlloc(size), "cuMemAlloc"))
-    dst = int(check(drv.cuMemAlloc(size + 8 * blocks), "cuMemAlloc"))
+    gap = 4096  # the gapped layout's room between blocks
+    src = int(check(drv.cuMemAlloc(size + gap * blocks), "cuMemAlloc"))
+    dst = int(check(drv.cuMemAlloc(size + (8 + gap) * blocks), "cuMemAlloc"))
     flags = [memoryview(i.to_bytes(8, "little")) for i in range(1, blocks + 1)]
     run: list[tuple[int, Any, int]] = []
     for i in range(blocks):
         run += [(dst + i * block_bytes, src + i * block_bytes, block_bytes), (dst + size + 8 * i, flags[i], 8)]
+    layouts = {"continuing": [(dst + i * block_bytes, src + i * block_bytes, block_bytes) for i in range(blocks)],
+               "gapped": [(dst + i * (block_bytes + gap), src + i * (block_bytes + gap), block_bytes)
+                          for i in range(blocks)]}
     rows = []
+
+    def timed(place: Any) -> dict[str, float]:
+        took = []
+        for i in range(warmup + runs):
+            start = time.perf_counter_ns()
+            place()
+            if i >= warmup:
+                took.append((time.perf_counter_ns() - start) / 1e3)
+        took.sort()
+        return {"p50_us": round(statistics.median(took), 1), "p90_us": round(took[int(0.9 * (len(took) - 1))], 1),
+                "min_us": round(took[0], 1)}
+
     try:
+        for layout, copies in layouts.items():
+            rows.append({"way": "compiled", "layout": layout, "gil_threads": 0, "pieces": len(copies), "runs": runs,
+                         **timed(lambda copies=copies: acc.copy_many(copies))})
         for threads in (0, gil_threads):
             for way in WAYS:
                 place = (lambda: acc.copy_many(run)) if way == "compiled" else (
@@ -84,20 +106,12 @@ def measure(device: int, blocks: int, block_bytes: int, runs: int, warmup: int, 
                 spinners = [threading.Thread(target=_busy, args=(stop,), daemon=True) for _ in range(threads)]
                 for t in spinners:
                     t.start()
-                took = []
-                for i in range(warmup + runs):
-                    start = time.perf_counter_ns()
-                    place()
-                    if i >= warmup:
-                        took.append((time.perf_counter_ns() - start) / 1e3)
+                took = timed(place)
                 stop.set()
                 for t in spinners:
                     t.join()
-                took.sort()
-                rows.append({"way": way, "gil_threads": threads, "pieces": len(run), "runs": runs,
-                             "p50_us": round(statistics.median(took), 1),
-                             "p90_us": round(took[int(0.9 * (len(took) - 1))], 1),
-                             "min_us": round(took[0], 1)})
+                rows.append({"way": way, "layout": "flags", "gil_threads": threads, "pieces": len(run), "runs": runs,
+                             **took})
             if not gil_threads:
                 break
     finally:
@@ -122,12 +136,13 @@ def measure(device: int, blocks: int, block_bytes: int, runs: int, warmup: int, 
 def main(json_path: str | None, device: int, blocks: int, block_bytes: int, runs: int, warmup: int,
          gil_threads: int) -> None:
     rows = measure(device, blocks, block_bytes, runs, warmup, gil_threads)
-    click.echo(f"one run: {blocks} copies of {block_bytes} B device -> device, each followed by an 8 B flag")
-    click.echo(f"{'way':>9} {'GIL threads':>11} {'p50 µs':>8} {'p90 µs':>8} {'min µs':>8}")
+    click.echo(f"one run: {blocks} copies of {block_bytes} B device -> device (flags: each followed by an 8 B flag)")
+    click.echo(f"{'way':>9} {'layout':>10} {'GIL threads':>11} {'p50 µs':>8} {'p90 µs':>8} {'min µs':>8}")
     for r in rows:
-        click.echo(f"{r['way']:>9} {r['gil_threads']:>11} {r['p50_us']:>8} {r['p90_us']:>8} {r['min_us']:>8}")
+        click.echo(f"{r['way']:>9} {r['layout']:>10} {r['gil_threads']:>11} {r['p50_us']:>8} {r['p90_us']:>8} "
+                   f"{r['min_us']:>8}")
     if json_path:
-        summary = {f"{r['way']}_{r['gil_threads']}_threads_p50_us": r["p50_us"] for r in rows}
+        summary = {f"{r['way']}_{r['layout']}_{r['gil_threads']}_threads_p50_us": r["p50_us"] for r in rows}
         Path(json_path).write_text(json.dumps({"benchmark": "copy_run", "blocks": blocks, "block_bytes": block_bytes,
                                                "rows": rows, "summary": summary}, indent=2) + "\n")
 

@@ -91,11 +91,22 @@ class SendEntry:
     conn: Conn | None = None
     local: list[tuple[MRCore, int, int]] = []
 
-    def __init__(self, wr_id: int, op: int, flags: int, sig_all: bool) -> None:
+    def __init__(self, wr_id: int, op: int, flags: int, sig_all: bool, rkey: int = 0, raddr: int = 0, imm: int = 0,
+                 add: int = 0, swap: int = 0) -> None:
         self.wr_id = wr_id
         self.op = op
         self.signaled = sig_all or bool(flags & SIGNALED)
         self.fence = bool(flags & FENCE)
+        if rkey:  # the rest only where set: the class's defaults stand for zero
+            self.rkey = rkey
+        if raddr:
+            self.raddr = raddr
+        if imm:
+            self.imm = imm
+        if add:
+            self.add = add
+        if swap:
+            self.swap = swap
 
     def length(self) -> int:
         if self.inline is not None:
@@ -243,18 +254,7 @@ class QPRequester:
             if self.state < RTS:
                 self.wr_list_err = errno.EINVAL
                 return
-        e = SendEntry(wr_id, op, flags, self.sq_sig_all)
-        if rkey:
-            e.rkey = rkey
-        if raddr:
-            e.raddr = raddr
-        if imm:
-            e.imm = imm
-        if add:
-            e.add = add
-        if swap:
-            e.swap = swap
-        wrs.append(e)
+        wrs.append(SendEntry(wr_id, op, flags, self.sq_sig_all, rkey, raddr, imm, add, swap))
 
     def wr_rows(self, ops: list[int], wr_ids: list[int], flags: list[int], rkeys: list[int], raddrs: list[int],
                 imms: list[int], adds: list[int], swaps: list[int], sges: list[tuple[int, int, int] | None]) -> None:
@@ -290,17 +290,7 @@ class QPRequester:
         append = wrs.append
         for op, wr_id, f, rkey, raddr, imm, add, swap, sge in zip(ops, wr_ids, flags, rkeys, raddrs, imms, adds, swaps,
                                                                   sges, strict=True):
-            e = SendEntry(wr_id, op, f, sig_all)
-            if rkey:
-                e.rkey = rkey
-            if raddr:
-                e.raddr = raddr
-            if imm:
-                e.imm = imm
-            if add:
-                e.add = add
-            if swap:
-                e.swap = swap
+            e = SendEntry(wr_id, op, f, sig_all, rkey, raddr, imm, add, swap)
             if sge is not None:
                 e.sges = (sge,)
             append(e)

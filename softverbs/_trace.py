@@ -53,8 +53,9 @@ def stamp(step: str, ns: int | None = None) -> None:
     directory = DIR
     if directory is None:  # turned off since the caller looked (another thread, or a full file)
         return
-    line = f"{time.monotonic_ns() if ns is None else ns} {os.getpid()} {step}\n".encode()
-    key = (os.getpid(), directory)
+    pid = os.getpid()
+    line = f"{time.monotonic_ns() if ns is None else ns} {pid} {step}\n".encode()
+    key = (pid, directory)
     with _lock:
         try:
             if _file[0] != key:  # first stamp, a forked child, or another DIR: a file of its own
