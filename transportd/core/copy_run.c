@@ -22,6 +22,7 @@ typedef int (*stream_sync_fn)(void *stream);
 
 typedef struct {
     uint64_t dst, src, length;
+    int host; /* src is host bytes (staged or held), not an address the caller gave */
 } piece;
 
 /* copy_run(memcpy_fn, sync_fn, stream, copies, stage, stage_size) -> (CUresult, index)
@@ -68,6 +69,7 @@ PyObject *tpd_copy_run(PyObject *mod, PyObject *args) {
             p->src = PyLong_AsUnsignedLongLong(src);
             if (PyErr_Occurred()) goto out;
         } else {
+            p->host = 1;
             Py_buffer *view = &held[nheld];
             if (PyObject_GetBuffer(src, view, PyBUF_C_CONTIGUOUS) < 0) goto out;
             if ((unsigned long long)view->len < length) {
@@ -92,7 +94,8 @@ PyObject *tpd_copy_run(PyObject *mod, PyObject *args) {
      * (3-4 us apiece on an H100, and each needs room on an SM beside a running GEMM), and a MoE group's rows
      * arrive as several writes that do continue each other. Only where the joined source and destination do
      * not overlap: then no piece reads what an earlier one of the same copy writes, and the bytes that land
-     * are those of the pieces one by one. first[j]: the piece copy j starts with. */
+     * are those of the pieces one by one. Host bytes join host bytes only, addresses addresses (a staged piece
+     * that happened to end where a device source begins stays apart). first[j]: the piece copy j starts with. */
     Py_ssize_t *first = PyMem_Calloc(count ? count : 1, sizeof(Py_ssize_t));
     if (!first) {
         PyErr_NoMemory();
@@ -103,7 +106,8 @@ PyObject *tpd_copy_run(PyObject *mod, PyObject *args) {
         if (joined) {
             piece *last = &pieces[joined - 1];
             uint64_t length = last->length + pieces[i].length;
-            if (last->dst + last->length == pieces[i].dst && last->src + last->length == pieces[i].src
+            if (last->host == pieces[i].host && last->dst + last->length == pieces[i].dst
+                && last->src + last->length == pieces[i].src
                 && (last->src + length <= last->dst || last->dst + length <= last->src)) {
                 last->length = length;
                 continue;

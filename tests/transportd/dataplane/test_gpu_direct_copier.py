@@ -288,7 +288,8 @@ def test_pieces_that_continue_each_other_go_as_one_copy_where_that_copy_does_not
     """A run's pieces whose source and destination both continue the previous piece's are queued as one copy
     (a MoE group's rows come as several writes that do); a gap at either end, or a joined copy whose source
     would overlap its destination, keeps them apart (an empty piece between does not: it queues nothing). Host
-    bytes staged back to back join too, and the copies are queued in the pieces' order."""
+    bytes staged back to back join too, but never with an address piece, and the copies are queued in the
+    pieces' order."""
     stage = (ctypes.c_char * RUN_STAGE)()
     monkeypatch.setattr(drv, "cuMemHostAlloc", lambda size, flags: (0, ctypes.addressof(stage)))
     gpu = GpuMemory()
@@ -301,12 +302,14 @@ def test_pieces_that_continue_each_other_go_as_one_copy_where_that_copy_does_not
                    (a + 8292, src + 8292 + 1, 10),  # the source has a gap: apart
                    (a + 9000, src + 9000, 8), (a + 9008, src + 9008, 0), (a + 9008, src + 9008, 8),  # empty: joins
                    (a + 20000, memoryview(b"AAAA"), 4), (a + 20004, memoryview(b"BBBB"), 4),  # staged: one copy
+                   # addresses that continue the staged bytes at both ends: apart from them, joined to each other
+                   (a + 20008, base + 8, 4), (a + 20012, base + 12, 4),
                    (a + 30000, a + 29000, 600), (a + 30600, a + 29600, 600)])  # joined, they would overlap
     assert [(d, s, n) for d, s, n, _ in drv.copies] == [
         (a, src, 8292), (a + 8292, src + 8293, 10), (a + 9000, src + 9000, 16), (a + 20000, base, 8),
-        (a + 30000, a + 29000, 600), (a + 30600, a + 29600, 600)]
+        (a + 20008, base + 8, 8), (a + 30000, a + 29000, 600), (a + 30600, a + 29600, 600)]
     assert stage.raw[:8] == b"AAAABBBB"
-    assert drv.syncs == [(6, "stream@ctx0")] and acc.copies == 11
+    assert drv.syncs == [(7, "stream@ctx0")] and acc.copies == 13
 
 
 def test_a_copy_the_driver_refuses_names_itself_and_the_run_is_still_waited_for(drv: FakeDriver) -> None:
