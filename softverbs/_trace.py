@@ -43,6 +43,17 @@ _file: list[Any] = [None, None, 0]  # (pid, DIR) the file was opened for, its ma
 _lock = threading.Lock()
 
 
+def _after_fork() -> None:
+    """A forked child stamps into a file of its own, under a lock of its own: the parent's may have been held
+    by a thread that does not exist in the child."""
+    global _lock
+    _lock = threading.Lock()
+    _file[:] = [None, None, 0]
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def stamp(step: str, ns: int | None = None) -> None:
     """Append ``step`` with the time now (or ``ns``, ``time.monotonic_ns``) to this process's trace file (call
     only when ``DIR`` is set). The file is mapped, so a stamp is a store, not a system call: a write would let the

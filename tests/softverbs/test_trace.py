@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import uuid
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from softverbs import _trace, soft
 from softverbs.soft.trace import read, ready_waits, steps, summarize
 from tests.support.verbs_resources import RCPair, open_provider, poll
+from tests.support.waiting import wait_until
 
 
 def test_summarize_times_each_step_from_its_cycles_start_and_names_processes_in_order(tmp_path: Path) -> None:
@@ -173,3 +175,36 @@ def test_a_full_trace_file_turns_tracing_off_with_a_warning(tmp_path: Path, monk
     assert _trace.DIR is None and "tracing is off" in caplog.text
     got = [step for _, _, step in read(tmp_path)]
     assert 0 < len(got) < 1000 and got == [f"step {i}" for i in range(len(got))], "what fitted, whole"
+
+
+def test_a_forked_child_stamps_into_its_own_file_even_if_the_lock_was_held(tmp_path: Path, monkeypatch) -> None:
+    """fork() while another thread held the stamp lock: the child's first stamp neither waits forever nor lands
+    in the parent's file."""
+    monkeypatch.setattr(_trace, "DIR", str(tmp_path))
+    _trace.stamp("parent")
+    with _trace._lock:  # as a thread mid-stamp would hold it
+        pid = os.fork()
+        if pid == 0:  # the child: stamp, then leave at once (no pytest teardown in the child)
+            try:
+                _trace.stamp("child")
+            finally:
+                os._exit(0)
+    done: list[int] = []
+
+    def exited() -> bool:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            done.append(status)
+        return bool(got)
+
+    try:
+        wait_until(exited, "the forked child to stamp and exit (a lock held at the fork would hang it)")
+    finally:
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(done[0]) == 0
+    got = read(tmp_path)
+    assert sorted(step for _, _, step in got) == ["child", "parent"]
+    assert {p for _, p, s in got if s == "child"} == {pid}
+    assert len(list(tmp_path.glob("trace-*.txt"))) == 2
