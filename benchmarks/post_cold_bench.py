@@ -4,18 +4,16 @@
 
 A rail worker posts a fused launch's first records after sitting idle between launches, so the post's Python
 (`softverbs.soft.batch.post_wr_batch`: the WR list, its checks and queueing) runs with the thread's caches
-cold. This times that part of a post, ``--wrs`` RDMA writes on an RC QP between two soft devices in this
-process (``wr_complete`` left out: no frame is sent, so only the post's own Python is timed): ``warm``, posts
+cold. This times that part of a post, ``--wrs`` RDMA writes on a connected soft RC QP in this process
+(``wr_complete`` left out: no frame is sent, so only the post's own Python is timed): ``warm``, posts
 back to back; ``cold``, each after the thread slept ``--idle-ms``. Rows: µs per post, p50 / p90.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,55 +24,24 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from softverbs import addr as am  # noqa: E402
-from softverbs import cq as cqm  # noqa: E402
-from softverbs import device as dm  # noqa: E402
-from softverbs import libibverbs_enums as e  # noqa: E402
-from softverbs import mr as mrm  # noqa: E402
-from softverbs import pd as pdm  # noqa: E402
-from softverbs import qp as qpm  # noqa: E402
-from softverbs import soft  # noqa: E402
 from softverbs.soft.batch import BATCH_WR_DTYPE, SET_SGE, post_wr_batch  # noqa: E402
+from softverbs.soft.bench import _close, _connect, _open  # noqa: E402  (transportd bench softverbs' endpoints)
 
 
-def _connected_qp(wrs: int) -> tuple[Any, np.ndarray, list[Any]]:
-    """A client QP on one new soft device, connected to a server QP on another, and ``wrs`` 64-byte writes."""
-    access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-    ops = int(e.ibv_qp_create_send_ops_flags.IBV_QP_EX_WITH_RDMA_WRITE)
-    sides, keep = [], []
-    for _ in range(2):
-        name = f"softib-post-{uuid.uuid4().hex[:6]}"
-        soft.add_device(name, "ib")
-        ctx = dm.Context(name=name)
-        pd = pdm.PD(ctx)
-        mr = mrm.MR(pd, 64 * wrs + 4096, access)
-        cq = cqm.CQ(ctx, 4 * wrs)
-        cap = qpm.QPCap(max_send_wr=4 * wrs, max_recv_wr=4, max_send_sge=1, max_recv_sge=1)
-        init = qpm.QPInitAttrEx(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, pd=pd, sq_sig_all=0,
-                                comp_mask=int(e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS),
-                                send_ops_flags=ops)
-        qp = qpm.QPEx(ctx, init)
-        port = ctx.query_port(1)
-        sides.append({"qp": qp, "mr": mr, "lid": port.lid, "mtu": port.active_mtu, "gid": ctx.query_gid(1, 0),
-                      "psn": random.getrandbits(24)})
-        keep += [ctx, pd, mr, cq, qp]
-    for me, peer in (sides, sides[::-1]):
-        attr = qpm.QPAttr(port_num=1)
-        attr.qp_access_flags, attr.path_mtu, attr.dest_qp_num = access, me["mtu"], peer["qp"].qp_num
-        attr.rq_psn, attr.sq_psn = peer["psn"], me["psn"]
-        attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
-        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
-        attr.ah_attr = am.AHAttr(port_num=1, is_global=1, gr=am.GlobalRoute(dgid=peer["gid"], sgid_index=0),
-                                 dlid=peer["lid"])
-        me["qp"].to_rts(attr)
-    client, server = sides
+def _connected_qp(wrs: int) -> tuple[Any, np.ndarray, list[dict[str, Any]]]:
+    """A client RC QP connected to a server QP (`transportd bench softverbs`' endpoints, both on softib0), and
+    ``wrs`` 64-byte writes from the client's memory into the server's."""
+    client, server = _open("rc"), _open("rc")
+    _connect(client, server["info"])
+    _connect(server, client["info"])
     rows = np.zeros(wrs, dtype=BATCH_WR_DTYPE)
     rows["wr_id"] = np.arange(wrs)
     rows["opcode"], rows["setters"] = 0, SET_SGE  # IBV_WR_RDMA_WRITE, one SGE
     rows["sge_addr"] = client["mr"].buf + 64 * np.arange(wrs)
     rows["sge_length"], rows["sge_lkey"] = 64, client["mr"].lkey
-    rows["raddr"], rows["rkey"] = server["mr"].buf + 64 * np.arange(wrs), server["mr"].rkey
-    return client["qp"], rows, keep
+    rows["raddr"] = server["info"]["addr"] + 64 * np.arange(wrs)
+    rows["rkey"] = server["info"]["rkey"]
+    return client["qp"], rows, [client, server]
 
 
 def measure(wrs: int, posts: int, idle_ms: float) -> list[dict[str, Any]]:
@@ -103,8 +70,8 @@ def measure(wrs: int, posts: int, idle_ms: float) -> list[dict[str, Any]]:
             out.append({"mode": mode, "wrs": wrs, "posts": posts, "idle_ms": idle_ms if mode == "cold" else 0.0,
                         "p50_us": round(took[len(took) // 2], 1), "p90_us": round(took[9 * len(took) // 10], 1)})
     finally:
-        for obj in reversed(keep):
-            obj.close()
+        for endpoint in keep:
+            _close(endpoint)
     return out
 
 
