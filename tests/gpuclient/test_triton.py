@@ -31,6 +31,7 @@ from cmd_ring.record import RECORD_DTYPE, Command, Flag, Opcode, decode, encode
 from cmd_ring.record import seq_for as ring_seq_for
 from cmd_ring.ring import RingConsumer, RingFile
 from gpuclient.device_channel import CHANNEL_DTYPE, RING_DTYPE
+from tests.support.benchmarks import load_benchmark
 from tests.support.ptxsim import Kernel, Stuck
 
 try:
@@ -618,11 +619,7 @@ def test_the_gpu_tests_allgather_kernel_compiles_for_sm90() -> None:
 
 
 def test_the_push_benchmark_kernel_pushes_with_a_preset_credit(chan) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("triton_push_bench", ROOT / "benchmarks" / "triton_push.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("triton_push")
     compiled = compile_kernel(bench.push_loop, {"ch": "*u64", "pushes": "i32", "out": "*u64"}, num_warps=1)
     c = chan(capacity=16, credit=1 << 62)  # as measure_push presets it: no consumer needed
     out = np.zeros(2, np.uint64)

@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 from click.testing import CliRunner
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "copy_needs_sms.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("copy_needs_sms", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.support.benchmarks import load_benchmark
 
 
 @pytest.mark.parametrize(("args", "option"), [
@@ -27,5 +15,5 @@ def _bench():
     (["--blocks", "0"], "--blocks"),
 ])
 def test_bad_options_are_refused(args: list[str], option: str) -> None:
-    result = CliRunner().invoke(_bench().main, args)
+    result = CliRunner().invoke(load_benchmark("copy_needs_sms").main, args)
     assert result.exit_code == 2 and option in result.output, result.output

@@ -4,20 +4,12 @@ rail's schedule read back through transportctl's stats."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fabric_bench.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("fabric_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support.benchmarks import load_benchmark
 
 
 def _row(backend: str, shape: str, gbps: float, configured: float | None = None, intact: bool = True) -> dict:
@@ -29,7 +21,7 @@ def _row(backend: str, shape: str, gbps: float, configured: float | None = None,
 
 
 def test_the_verdict_holds_each_row_to_its_target() -> None:
-    bench = _bench()
+    bench = load_benchmark("fabric_bench")
     rows = [_row("ib", "unshaped", 31.0), _row("efa", "unshaped", 24.0), _row("ib", "cx7-400g", 46.0, 50.0),
             _row("efa", "efa-200g", 24.4, 25.0, intact=False), _row("ib", "wire", 1.2),
             {"backend": "efa", "shape": "wire", "error": "TimeoutError: stuck"}]
@@ -43,7 +35,7 @@ def test_the_verdict_holds_each_row_to_its_target() -> None:
 
 @pytest.mark.multiprocess
 def test_a_shaped_row_on_host_buffers_never_beats_its_link() -> None:
-    bench = _bench()
+    bench = load_benchmark("fabric_bench")
     nic = {"nic_bandwidth": 100e6, "nic_latency_s": 1e-3}
     row = bench.fabric_row("efa", "shaped", 16, 4, 1, buffers="host", chunk=1 << 20, nic=nic, echo=lambda *a: None)
     assert row["intact"] and row["direct_placed"] == 0  # host memory: every write crossed the wire
@@ -53,7 +45,7 @@ def test_a_shaped_row_on_host_buffers_never_beats_its_link() -> None:
 
 @pytest.mark.multiprocess
 def test_one_write_at_a_time_never_lands_before_the_model_says() -> None:
-    bench = _bench()
+    bench = load_benchmark("fabric_bench")
     nic = {"nic_bandwidth": 100e6, "nic_latency_s": 1e-3}
     sizes = [4096, 256 << 10]
     row = bench.fabric_row("ib", "shaped", 4, 1, 1, buffers="host", chunk=max(sizes), nic=nic,
@@ -79,7 +71,7 @@ def test_a_traced_latency_run_summarizes_the_steps_of_every_process(tmp_path: Pa
 
     monkeypatch.setattr(_trace, "DIR", None)  # main sets it (and the environment) for this run only
     monkeypatch.delenv("SOFTVERBS_TRACE", raising=False)
-    bench = _bench()
+    bench = load_benchmark("fabric_bench")
     out = tmp_path / "x.json"
     result = CliRunner().invoke(bench.main, ["--buffers", "host", "--rows", "ib:unshaped", "--latency", "4096",
                                              "--writes", "10", "--trace", str(tmp_path / "trace"), "--json",
@@ -112,7 +104,7 @@ def test_the_spin_decides_which_thread_sends_a_shaped_write() -> None:
     worker's posting thread sends every write itself once it lands; with 4 ms each is queued and its I/O
     thread waits the last 4 ms awake (woken that early); with 0 each is queued and slept for. Never before
     the model lets it land."""
-    bench = _bench()
+    bench = load_benchmark("fabric_bench")
     nic = {"nic_bandwidth": 100e6, "nic_latency_s": 5e-3}
     for spin, ways in ((8e-3, (4, 0, 0)), (4e-3, (0, 4, 4)), (0.0, (0, 4, 0))):
         row = bench.fabric_row("ib", "shaped", 4, 1, 1, buffers="host", chunk=4096, nic=nic, echo=lambda *a: None,
@@ -125,7 +117,8 @@ def test_the_spin_decides_which_thread_sends_a_shaped_write() -> None:
 def test_trace_needs_messages_to_time() -> None:
     from click.testing import CliRunner
 
-    result = CliRunner().invoke(_bench().main, ["--buffers", "host", "--trace", "/tmp/unused-trace"])
+    result = CliRunner().invoke(load_benchmark("fabric_bench").main,
+                                ["--buffers", "host", "--trace", "/tmp/unused-trace"])
     assert result.exit_code != 0 and "--trace stamps the messages of --latency or --burst" in result.output
 
 
@@ -134,7 +127,7 @@ def test_a_burst_is_a_dispatch_in_push_order() -> None:
     the dispatch SIGNAL; sources in the sender's first half, destinations in the peer's second."""
     from cmd_ring.record import Flag, Opcode
 
-    bench = _bench()
+    bench = load_benchmark("fabric_bench")
     half = bench.BURST_GROUPS_OFFSET + 3 * 1000
     recs = bench.burst_records(1, 7, 9, 3, 1000, half)
     assert recs["opcode"].tolist() == [Opcode.PUT_SIGNAL] * 4 + [Opcode.PUT, Opcode.SIGNAL]
@@ -158,7 +151,7 @@ def test_a_burst_both_ways_lands_whole_and_never_before_its_link_carries_it(back
     """Both ranks push each other a burst at once, round after round, the flags never reset: every flag rises
     each round, no sooner than the sender's link model lets its bytes land; each rank ends with the other's
     bytes. On ib (RC) a later flag never lands before an earlier one."""
-    bench = _bench()
+    bench = load_benchmark("fabric_bench")
     nic = {"nic_bandwidth": 100e6, "nic_latency_s": 1e-3}
     groups, nbytes = 3, 48 << 10
     row = bench.burst_row(backend, "shaped", groups, nbytes, 3, buffers="host", nic=nic, echo=lambda *a: None)
@@ -182,7 +175,7 @@ def test_a_burst_both_ways_lands_whole_and_never_before_its_link_carries_it(back
 def test_burst_refuses_what_it_cannot_run_before_any_work(args: list[str], says: str) -> None:
     from click.testing import CliRunner
 
-    result = CliRunner().invoke(_bench().main, ["--buffers", "host", *args])
+    result = CliRunner().invoke(load_benchmark("fabric_bench").main, ["--buffers", "host", *args])
     assert result.exit_code == 2 and says in result.output
 
 
@@ -191,7 +184,7 @@ def test_burst_refuses_what_it_cannot_run_before_any_work(args: list[str], says:
 def test_latency_refuses_what_is_not_a_size_before_any_work(value: str, says: str) -> None:
     from click.testing import CliRunner
 
-    result = CliRunner().invoke(_bench().main, ["--buffers", "host", "--latency", value])
+    result = CliRunner().invoke(load_benchmark("fabric_bench").main, ["--buffers", "host", "--latency", value])
     assert result.exit_code == 2 and says in result.output
 
 
@@ -199,7 +192,7 @@ def test_the_gil_switch_interval_reaches_the_daemons_config(tmp_path: Path) -> N
     from transportd.config import load_config
     from transportd_cli.localcluster import render_toml
 
-    overrides = _bench().daemon_config({}, True, "device", 0.0, None, gil_switch_s=5e-5)
+    overrides = load_benchmark("fabric_bench").daemon_config({}, True, "device", 0.0, None, gil_switch_s=5e-5)
     path = tmp_path / "node.toml"
     path.write_text(render_toml(overrides))
     assert load_config(path, env={}).softverbs.gil_switch_interval_s == 5e-5
@@ -210,5 +203,6 @@ def test_the_gil_switch_interval_reaches_the_daemons_config(tmp_path: Path) -> N
 def test_the_wait_options_refuse_what_is_not_a_finite_time_in_range(option: str, value: str) -> None:
     from click.testing import CliRunner
 
-    result = CliRunner().invoke(_bench().main, ["--buffers", "host", "--latency", "4096", option, value])
+    result = CliRunner().invoke(load_benchmark("fabric_bench").main,
+                                ["--buffers", "host", "--latency", "4096", option, value])
     assert result.exit_code == 2 and option in result.output

@@ -3,10 +3,8 @@ times, the table of kernel and MoE rows with failures kept, and the refusals mad
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -15,19 +13,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_bench.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("fused_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.support.benchmarks import load_benchmark
 
 
 def test_overlap_efficiency_and_speedups_follow_their_definitions() -> None:
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     # compute 4 ms, comm 3 ms, fused 5 ms: 2 of the 3 ms of communication hidden
     row = bench.derive({"compute_s": 4e-3, "comm_s": 3e-3, "fused_s": 5e-3, "torch_s": 3.5e-3}, flops=1e12,
                        moved=6_000_000)
@@ -45,7 +35,7 @@ def test_overlap_efficiency_and_speedups_follow_their_definitions() -> None:
 
 
 def test_the_table_has_a_line_per_row_and_keeps_failures() -> None:
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     ok = bench.derive({"kernel": "gemm_reduce_scatter", "backend": "ib", "shape": "cx7-400g", "m": 8192, "n": 8192,
                        "k": 4096, "chunk_rows": 128, "compute_s": 4e-3, "comm_s": 3e-3, "fused_s": 5e-3,
                        "torch_s": 3.5e-3}, 1e12, 1)
@@ -69,7 +59,7 @@ def test_the_table_has_a_line_per_row_and_keeps_failures() -> None:
 
 
 def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_path: Path) -> None:
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     result = CliRunner().invoke(bench.main, ["--kernels", "allgather_gemm,flash"])
     assert result.exit_code == 2 and "unknown kernel(s) flash" in result.output
     (tmp_path / "file").write_text("")  # a parent that is a file: refused at once, not after the run
@@ -102,7 +92,7 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
 # --- the tuning mode (--tune): what it times, in which order, and how it reports ------------------------------
 def test_tune_candidates_keep_what_the_ops_accept_and_name_what_they_refuse(monkeypatch) -> None:
     pytest.importorskip("triton")  # the ops' checks live beside their kernels
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     for kernel in bench.KERNELS:  # at the bench's sizes every candidate is accepted, the op's default first
         kept, refused = bench.tune_candidates(kernel, bench.SIZES[kernel][0])
         assert kept == bench.TUNE_TILES[kernel] and refused == []
@@ -143,7 +133,7 @@ def test_tune_candidates_keep_what_the_ops_accept_and_name_what_they_refuse(monk
 
 def test_tune_plan_times_every_kernels_pointer_tiles_before_any_tma_tile() -> None:
     pytest.importorskip("triton")
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     plan = bench.tune_plan(list(bench.KERNELS), bench.SIZES)
     assert [(p["kernel"], {t.get("tma", False) for t in p["tiles"]}) for p in plan] == [
         ("allgather_gemm", {False}), ("gemm_reduce_scatter", {False}), ("gemm_all_reduce", {False}),
@@ -164,7 +154,7 @@ def _config(bench, tile: dict, **kw) -> dict:
 
 
 def test_tune_summary_picks_the_fastest_and_the_table_keeps_every_outcome() -> None:
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     g = bench.GEMM_TILES
     flops = 2.0e12
     pointer = {"kernel": "gemm_reduce_scatter", "dims": {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128},
@@ -206,7 +196,7 @@ def test_tune_summary_picks_the_fastest_and_the_table_keeps_every_outcome() -> N
 
 def test_a_tuning_run_writes_its_json_after_every_session_and_keeps_failures(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("triton")
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     calls = []
 
     def session(kernel, backend, shape, dims, tiles, reps, deadline, reference, echo=print):
@@ -241,7 +231,7 @@ def test_a_tuning_run_writes_its_json_after_every_session_and_keeps_failures(tmp
 
 def test_past_the_time_budget_no_session_starts_and_every_tile_is_recorded_as_skipped(monkeypatch) -> None:
     pytest.importorskip("triton")
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
 
     def session(*args, **kw):
         raise AssertionError("no session may start past the budget")
@@ -259,7 +249,7 @@ def test_the_tune_flag_runs_the_tuning_on_the_first_backend_and_shape_and_saves_
         tmp_path: Path, monkeypatch) -> None:
     import transportd_cli.mps
 
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     seen = {}
 
     class NoMps:
@@ -299,7 +289,7 @@ def test_the_tune_flag_runs_the_tuning_on_the_first_backend_and_shape_and_saves_
 
 def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Path, monkeypatch) -> None:
     """A run the device's time limit cuts short keeps the rows it measured."""
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     out = tmp_path / "fused.json"
     seen: list[int] = []
 
@@ -327,7 +317,7 @@ def test_each_backend_runs_its_own_sizes_and_efa_grows_only_what_the_compute_gro
     """Both efa sizes keep the communication of ib's first (the same shards, chunks, tokens) and differ from it
     at most in the compute's dimension, grown, the second more than the first. A run measures each backend's
     own."""
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     moves = {"allgather_gemm": ("n",), "gemm_reduce_scatter": ("k",), "gemm_all_reduce": ("k",),
              "ring_attention": ("seq_local",), "moe_dispatch_gemm": ("gemm_n",)}
     ib, efa = bench.backend_sizes("ib"), bench.backend_sizes("efa")
@@ -358,7 +348,7 @@ def test_each_backend_runs_its_own_sizes_and_efa_grows_only_what_the_compute_gro
 def test_a_reduce_scatter_timeline_splits_into_tiles_chunks_and_ends_and_summarizes_in_ms() -> None:
     from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout
 
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     # 2 segments of 2 x 2 tiles; 2 chunks a segment (3 counter sets: rs to each segment, then all-gather's)
     lay = ReduceScatterLayout(0, 2, m=512, n=256, k=64, chunk_rows=128, block=(128, 128, 64))
     ms = 1_000_000
@@ -393,7 +383,7 @@ def test_a_moe_gemm_timeline_summary_reads_the_peers_pushes_beside_the_arrivals(
     expert's tiles still running after the last arrival."""
     from gpuclient.kernels.moe_layout import MoELayout
 
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     ms, t0 = 1_000_000, 100_000_000
     lays = [MoELayout(r, 2, 4, 8, 2, 16) for r in range(2)]
 
@@ -430,7 +420,7 @@ def test_a_moe_gemm_timeline_summary_reads_the_peers_pushes_beside_the_arrivals(
 
 
 def test_timeline_events_go_to_their_own_file_and_the_rows_keep_the_summaries(tmp_path: Path, monkeypatch) -> None:
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     out, raw = tmp_path / "fused.json", tmp_path / "raw.json"
     asked: list[bool] = []
 
@@ -467,7 +457,7 @@ def test_settle_waits_until_no_rail_has_work_in_flight() -> None:
     from tests.support.cluster import close_ranks, join_ranks
     from transportd_cli.localcluster import LocalCluster
 
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     nbytes, puts = 1 << 16, 16  # 1 MiB at 20 MB/s: the link is busy for ~50 ms after the last push
     overrides = {"softverbs": {"nic_bandwidth": 20e6, "nic_latency_s": 1e-3}}
     with LocalCluster(2, backend="ib", overrides=overrides) as cluster:
@@ -491,7 +481,7 @@ def test_settle_waits_until_no_rail_has_work_in_flight() -> None:
 
 
 def test_per_launch_columns_are_each_daemons_counters_over_a_phase_divided_by_its_launches() -> None:
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     zero = dict.fromkeys((key for key, _, _ in bench.PER_LAUNCH), 0)
     before = [zero, {**zero, "direct_ns": 1_000_000}]
     middle = [{**zero, "direct_ns": 6_000_000, "flag_copies": 30}, {**zero, "direct_ns": 3_000_000}]
@@ -512,7 +502,7 @@ def test_interleaved_runs_the_modes_in_turn_and_counts_only_around_the_counted_o
     """Each round runs every mode once, in order, after one untimed round; the medians are per mode; the counted
     modes' columns are what the daemons counted across their own timed launches alone (a counter that moves only
     during ``comm`` launches lands in comm's column, none in fused's)."""
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     calls: list[str] = []
     placed = [0]
 
@@ -546,7 +536,7 @@ def test_trace_needs_a_timeline_and_leaves_every_launchs_steps_in_its_directory(
     ``SOFTVERBS_TRACE`` and what the timeline launches stamped lands in ``DIR/steps.json``."""
     from softverbs import _trace
 
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     refused = CliRunner().invoke(bench.main, ["--trace", str(tmp_path / "t"), "--kernels", "gemm_reduce_scatter"])
     assert refused.exit_code == 2 and "give --timeline too" in refused.output
     assert not (tmp_path / "t").exists()
@@ -582,7 +572,7 @@ def test_gpu_timeline_words_go_onto_a_traced_cycles_clock(tmp_path: Path, monkey
     from softverbs import _trace
     from softverbs.soft.trace import read
 
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     clock = {"offset_ns": 5_000.0, "round_trip_ns": 800.0, "error_bound_ns": 400.0}
     start = 1_000_000
     words = [[start + 5_000 + 1_500, 0], [start + 5_000 - 2_000, start + 5_000 + 123_456]]
@@ -612,7 +602,7 @@ def _moe_gemm_sizes_seen(bench: Any, monkeypatch: Any) -> list[dict[str, int]]:
 
 def test_moe_experts_overrides_only_the_moe_gemm_sizes_experts(monkeypatch) -> None:
     """--moe-experts: MoE Dispatch+GEMM's sizes with that many experts, everything else as it was."""
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     seen = _moe_gemm_sizes_seen(bench, monkeypatch)
     result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", "ib",
                                              "--moe-experts", "16"])
@@ -628,7 +618,7 @@ def test_moe_tokens_and_experts_per_put_reach_only_the_moe_gemm_sizes(monkeypatc
     """--moe-experts-per-put, --moe-tokens, --moe-split-experts and --moe-gemm-n: every MoE Dispatch+GEMM size of
     the backend with that group, that many tokens a rank, that split or that expert width, with --moe-experts too;
     the sizes' own otherwise (no experts_per_put key: the op's default); the module's sizes left alone."""
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     sizes = bench.EFA_MOE_GEMM_SIZES if backend == "efa" else bench.MOE_GEMM_SIZES
     seen = _moe_gemm_sizes_seen(bench, monkeypatch)
     for args, want in [([], sizes),
@@ -664,7 +654,7 @@ def test_moe_gemm_work_counts_weight_passes_and_row_block_fill() -> None:
 
     from gpuclient.kernels.moe_layout import MoELayout
 
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     lays = [MoELayout(r, 2, 4, 256, 2, 16) for r in range(2)]
     counts = np.zeros((2, 4), dtype=np.int32)
     counts[:, [0, 2]] = 130
@@ -679,7 +669,7 @@ def test_the_daemons_run_with_the_shape_the_options_and_the_rows_own_sections(tm
     """--nic-spin-us, --gil-switch-us and --poll-window-us reach the daemons' config beside the NIC shape and the
     run's other options, a row's own sections (MoE's decoupled signaling) merge in, and the JSON says what the run
     used; without them the daemons keep their defaults (no key, or 0 for the switch interval: Python's)."""
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     out = tmp_path / "fused.json"
     seen: list[dict[str, Any]] = []
 
@@ -702,7 +692,7 @@ def test_the_daemons_run_with_the_shape_the_options_and_the_rows_own_sections(tm
     saved = json.loads(out.read_text())
     assert (saved["nic_spin_us"], saved["poll_window_us"], saved["gil_switch_us"]) == (12.0, 5, 50.0)
 
-    bench = _bench()
+    bench = load_benchmark("fused_bench")
     assert "nic_spin_s" not in bench.daemon_overrides("ib", "cx7-400g")["softverbs"]
     assert bench.daemon_overrides("ib", "cx7-400g")["softverbs"]["gil_switch_interval_s"] == 0.0  # Python's own
     assert "proxy" not in bench.daemon_overrides("ib", "cx7-400g")

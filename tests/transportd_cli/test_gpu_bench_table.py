@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.support.benchmarks import load_benchmark
 
 
 def test_one_table_with_and_without_mps_for_both_backends() -> None:
-    bench = _bench()
+    bench = load_benchmark("gpu_bench")
 
     def row(p50: float, publication: str) -> dict:
         return {"p50_us": p50, "p99_us": p50 + 1, "flag_publication": publication}
@@ -42,7 +30,7 @@ def test_one_table_with_and_without_mps_for_both_backends() -> None:
 
 
 def test_sweep_table_names_its_consumer_and_wait() -> None:
-    bench = _bench()
+    bench = load_benchmark("gpu_bench")
     row = {"threads": 32, "avg_us": 4.0, "p50_us": 3.9, "p99_us": 5.5, "max_us": 20.0, "mops": 8.0,
            "failed_threads": 0}  # an older result: no push column
     sweep = {"variant": "v2_split", "peers": 8, "poll_window_us": 0.0, "capacity": 4096, "errors": [0, 0, 0],
@@ -57,7 +45,7 @@ def test_sweep_table_names_its_consumer_and_wait() -> None:
 
 
 def test_sweep_refuses_an_unknown_consumer_or_wait() -> None:
-    bench = _bench()
+    bench = load_benchmark("gpu_bench")
     with pytest.raises(ValueError, match="consumer must be one of"):
         bench.roundtrip_sweep(None, "v2_split", consumer="fifo")
     with pytest.raises(ValueError, match="consumer must be one of"):
@@ -65,7 +53,7 @@ def test_sweep_refuses_an_unknown_consumer_or_wait() -> None:
 
 
 def test_sweep_row_times_the_push_apart_and_drops_unreached_round_trips() -> None:
-    bench = _bench()
+    bench = load_benchmark("gpu_bench")
     ns = np.array([3000, 4000, 0, bench.FAILED], dtype=np.uint64)
     push_ns = np.array([900, 1100, 0, 0], dtype=np.uint64)
     ends = np.array([[100, 10_100], [200, int(bench.FAILED)]], dtype=np.uint64)
@@ -76,7 +64,7 @@ def test_sweep_row_times_the_push_apart_and_drops_unreached_round_trips() -> Non
 
 
 def test_sweep_table_shows_the_workers_passes_when_measured() -> None:
-    bench = _bench()
+    bench = load_benchmark("gpu_bench")
     row = {"threads": 1024, "avg_us": 60.0, "p50_us": 58.0, "p99_us": 120.0, "max_us": 200.0, "mops": 15.0,
            "failed_threads": 0, "records_per_busy_pass": 12.5, "idle_passes_per_busy": 0.25}
     sweep = {"variant": "v2_split", "peers": 8, "poll_window_us": 0.0, "capacity": 4096, "errors": [0, 0, 0],
@@ -95,12 +83,12 @@ def test_sweep_options_are_refused_before_anything_runs(args: list[str], culprit
     """Each bad value ends the run with a usage error naming its option, before a GPU is touched."""
     from click.testing import CliRunner
 
-    result = CliRunner().invoke(_bench().main, ["--only-sweep", *args])
+    result = CliRunner().invoke(load_benchmark("gpu_bench").main, ["--only-sweep", *args])
     assert result.exit_code == 2 and culprit in result.output, result.output
 
 
 def test_the_sweep_table_names_a_pinned_consumer() -> None:
-    bench = _bench()
+    bench = load_benchmark("gpu_bench")
     row = {"threads": 1, "avg_us": 3.0, "p50_us": 3.0, "p99_us": 4.0, "max_us": 9.0, "mops": 0.3, "push_p50_us": 0.9,
            "failed_threads": 0}
     sweep = {"variant": "v2_split", "peers": 8, "poll_window_us": 0.0, "capacity": 4096, "consumer": "worker",

@@ -3,28 +3,20 @@ against the kernel's parameters, and the table, ratios and summary from recorded
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.support.benchmarks import BENCHMARKS, load_benchmark
 
 
 def _load(name: str) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # ibgda_bench imports gpu_bench by name: one module object for both
-    spec.loader.exec_module(module)
-    return module
+    """The loaded benchmark, once: ibgda_bench imports gpu_bench by name, one module object for both."""
+    return sys.modules.get(name) or load_benchmark(name)
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from typing import Any
-
 from click.testing import CliRunner
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "loopback_cost.py"
-
-
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("loopback_cost", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+from tests.support.benchmarks import load_benchmark
 
 
 def test_loopback_cost_writes_every_word_and_reports_each_part() -> None:
-    bench = _bench()
+    bench = load_benchmark("loopback_cost")
     result = bench.loopback_cost(40)
     assert result["landed"] is True and result["loopback_writes"] == 40 == result["writes"]
     assert 0 < result["post_p50_us"] <= result["post_p99_us"]
@@ -30,5 +18,5 @@ def test_loopback_cost_writes_every_word_and_reports_each_part() -> None:
 
 def test_a_write_count_below_one_is_refused_before_any_device_opens() -> None:
     for writes in ("0", "-3", "many"):
-        result = CliRunner().invoke(_bench().main, ["--writes", writes])
+        result = CliRunner().invoke(load_benchmark("loopback_cost").main, ["--writes", writes])
         assert result.exit_code == 2 and "--writes" in result.output, result.output

@@ -3,7 +3,6 @@ timings asserted)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -11,16 +10,7 @@ from typing import Any
 from click.testing import CliRunner
 
 from softverbs.soft import batch
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "post_cold_bench.py"
-
-
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("post_cold_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+from tests.support.benchmarks import load_benchmark
 
 
 def test_every_timed_post_builds_its_list_and_both_rows_are_written(tmp_path: Path, monkeypatch) -> None:
@@ -34,7 +24,8 @@ def test_every_timed_post_builds_its_list_and_both_rows_are_written(tmp_path: Pa
 
     monkeypatch.setattr(batch, "list_by_columns", counting)
     out = tmp_path / "post-cold.json"
-    result = CliRunner().invoke(_bench().main, ["--wrs", "5", "--posts", "4", "--idle-ms", "0", "--json", str(out)])
+    result = CliRunner().invoke(load_benchmark("post_cold_bench").main,
+                                ["--wrs", "5", "--posts", "4", "--idle-ms", "0", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert built == [5] * 28, "10 untimed and 4 timed posts a row, each a list of 5 WRs"
     doc = json.loads(out.read_text())
@@ -44,5 +35,5 @@ def test_every_timed_post_builds_its_list_and_both_rows_are_written(tmp_path: Pa
 
 
 def test_a_post_of_no_writes_is_refused() -> None:
-    result = CliRunner().invoke(_bench().main, ["--wrs", "0"])
+    result = CliRunner().invoke(load_benchmark("post_cold_bench").main, ["--wrs", "0"])
     assert result.exit_code == 2 and "--wrs" in result.output
