@@ -90,42 +90,31 @@ PyObject *tpd_copy_run(PyObject *mod, PyObject *args) {
         }
         count++;
     }
-    /* Pieces that continue each other at both ends go as one copy: each cuMemcpyAsync is a kernel of its own
-     * (3-4 us apiece on an H100, and each needs room on an SM beside a running GEMM), and a MoE group's rows
-     * arrive as several writes that do continue each other. Only where the joined source and destination do
-     * not overlap: then no piece reads what an earlier one of the same copy writes, and the bytes that land
-     * are those of the pieces one by one. Host bytes join host bytes only, addresses addresses (a staged piece
-     * that happened to end where a device source begins stays apart). first[j]: the piece copy j starts with. */
-    Py_ssize_t *first = PyMem_Calloc(count ? count : 1, sizeof(Py_ssize_t));
-    if (!first) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    Py_ssize_t joined = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (joined) {
-            piece *last = &pieces[joined - 1];
-            uint64_t length = last->length + pieces[i].length;
-            if (last->host == pieces[i].host && last->dst + last->length == pieces[i].dst
-                && last->src + last->length == pieces[i].src
-                && (last->src + length <= last->dst || last->dst + length <= last->src)) {
-                last->length = length;
-                continue;
-            }
-        }
-        first[joined] = i;
-        pieces[joined++] = pieces[i];
-    }
     memcpy_async_fn queue = (memcpy_async_fn)(uintptr_t)memcpy_addr;
     stream_sync_fn wait = (stream_sync_fn)(uintptr_t)sync_addr;
     void *s = (void *)(uintptr_t)stream;
     int err = 0;
     Py_ssize_t at = count;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t j = 0; j < joined; j++) {
-        err = queue(pieces[j].dst, pieces[j].src, (size_t)pieces[j].length, s);
+    for (Py_ssize_t i = 0, next; i < count; i = next) {
+        /* Pieces that continue piece i at both ends go with it as one copy: each cuMemcpyAsync is a kernel of
+         * its own (3-4 us apiece on an H100, and each needs room on an SM beside a running GEMM), and a MoE
+         * group's rows arrive as several writes that do continue each other. Only where the joined source and
+         * destination do not overlap: then no piece reads what an earlier one of the same copy writes, and the
+         * bytes that land are those of the pieces one by one. Host bytes join host bytes only, addresses
+         * addresses (a staged piece that happened to end where a device source begins stays apart). */
+        piece joined = pieces[i];
+        for (next = i + 1; next < count; next++) {
+            const piece *p = &pieces[next];
+            uint64_t length = joined.length + p->length;
+            if (p->host != joined.host || joined.dst + joined.length != p->dst || joined.src + joined.length != p->src
+                || (joined.src < joined.dst + length && joined.dst < joined.src + length))
+                break;
+            joined.length = length;
+        }
+        err = queue(joined.dst, joined.src, (size_t)joined.length, s);
         if (err) {
-            at = first[j];
+            at = i;
             break;
         }
     }
@@ -135,7 +124,6 @@ PyObject *tpd_copy_run(PyObject *mod, PyObject *args) {
         at = -1;
     }
     Py_END_ALLOW_THREADS
-    PyMem_Free(first);
     result = Py_BuildValue("(in)", err, at);
 out:
     for (Py_ssize_t i = 0; i < nheld; i++) PyBuffer_Release(&held[i]);
