@@ -20,7 +20,8 @@ class Stream:
     """``src`` sends message after message to ``dst`` (rank ``peer``): PUT_SIGNAL of chunk ``i % SLOTS`` to the
     same offset, ADD 1 on flag ``slot``. Backpressure (a full ring) is waited out, never dropped: ``committed``
     counts the records the ring took, ``positions[i]`` is message i's ring position, ``completions`` the time
-    of each rise of the channel's completion position the thread saw (the pause a client sees)."""
+    of each rise of the channel's completion position the thread saw (the pause a client sees). :meth:`pause`
+    holds the thread between two pushes until :meth:`resume`."""
 
     def __init__(self, src: Rank, dst: Rank, peer: int, slot: int = 0, interval_s: float = 0.001) -> None:
         self.src, self.dst, self.peer, self.slot = src, dst, peer, slot
@@ -29,6 +30,9 @@ class Stream:
         self.positions: list[int] = []
         self.completions: list[tuple[float, int]] = []  # (monotonic time, completion position) when it rose
         self._stop = threading.Event()
+        self._gate = threading.Condition()
+        self._pause_asked = False  # pause() asked the thread to hold
+        self._held = False  # the thread holds between two pushes
         self._thread = threading.Thread(target=self._run, name=f"stream-{peer}", daemon=True)
         src.channel.timeout = 0.02  # a full ring raises soon, and the thread tries again
 
@@ -41,6 +45,7 @@ class Stream:
         seen = ring.completion_pos
         i = 0
         while not self._stop.is_set():
+            self._hold_while_paused()
             off = (i % SLOTS) * CHUNK
             try:
                 position = ch.put_signal(peer=self.peer, dst_region=self.dst.dst.id, dst_off=off,
@@ -58,6 +63,28 @@ class Stream:
             self.committed = i
             time.sleep(self.interval_s)
 
+    def _hold_while_paused(self) -> None:
+        with self._gate:
+            if not self._pause_asked:
+                return
+            self._held = True
+            self._gate.notify_all()
+            self._gate.wait_for(lambda: not self._pause_asked or self._stop.is_set())
+            self._held = False
+
+    def pause(self, timeout: float = 30.0) -> None:
+        """Push nothing more until :meth:`resume`: returns once the thread holds between two pushes, so
+        ``committed`` and ``positions`` stay as they are."""
+        with self._gate:
+            self._pause_asked = True
+            held = self._gate.wait_for(lambda: self._held or not self._thread.is_alive(), timeout)
+        assert held and self._thread.is_alive(), "the streaming thread did not pause"
+
+    def resume(self) -> None:
+        with self._gate:
+            self._pause_asked = False
+            self._gate.notify_all()
+
     def flowing_beyond(self, count: int, what: str, timeout: float = 120.0) -> None:
         """Wait until more than ``count`` messages were committed *and* completed."""
         def moved() -> bool:
@@ -69,6 +96,8 @@ class Stream:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._gate:
+            self._gate.notify_all()  # a paused thread stops too
         self._thread.join(30)
         assert not self._thread.is_alive(), "the streaming thread did not stop"
         self.src.channel.timeout = 30.0  # the caller's pushes from now on wait out backpressure
