@@ -6,7 +6,9 @@ A rail worker posts a fused launch's first records after sitting idle between la
 (`softverbs.soft.batch.post_wr_batch`: the WR list, its checks and queueing) runs with the thread's caches
 cold. This times that part of a post, ``--wrs`` RDMA writes on a connected soft RC QP in this process
 (``wr_complete`` left out: no frame is sent, so only the post's own Python is timed): ``warm``, posts
-back to back; ``cold``, each after the thread slept ``--idle-ms``. Rows: µs per post, p50 / p90.
+back to back; ``spun``, each after the thread spun ``--idle-ms`` awake on the clock; ``cold``, each after it
+slept that long. Rows: µs per post, p50 / p90. Spun near warm says the cold cost is the idle core's (its sleep
+state and clock), not caches other work filled; spun near cold says the reverse.
 """
 
 from __future__ import annotations
@@ -58,16 +60,20 @@ def measure(wrs: int, posts: int, idle_ms: float) -> list[dict[str, Any]]:
 
     out = []
     try:
-        for mode in ("warm", "cold"):
+        for mode in ("warm", "spun", "cold"):
             took = []
             for i in range(posts + 10):
                 if mode == "cold":
                     time.sleep(idle_ms / 1e3)
+                elif mode == "spun":
+                    until = time.perf_counter() + idle_ms / 1e3
+                    while time.perf_counter() < until:
+                        pass
                 t = once()
                 if i >= 10:
                     took.append(t)
             took.sort()
-            out.append({"mode": mode, "wrs": wrs, "posts": posts, "idle_ms": idle_ms if mode == "cold" else 0.0,
+            out.append({"mode": mode, "wrs": wrs, "posts": posts, "idle_ms": idle_ms if mode != "warm" else 0.0,
                         "p50_us": round(took[len(took) // 2], 1), "p90_us": round(took[9 * len(took) // 10], 1)})
     finally:
         for endpoint in keep:
@@ -81,7 +87,7 @@ def measure(wrs: int, posts: int, idle_ms: float) -> list[dict[str, Any]]:
               help="writes a post (a MoE dispatch's post to one peer: 12)")
 @click.option("--posts", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--idle-ms", type=click.FloatRange(min=0.0, max=1000.0), default=20.0, show_default=True,
-              help="how long the thread sleeps before each cold post")
+              help="how long the thread sleeps (cold) or spins (spun) before each such post")
 def main(json_path: str | None, wrs: int, posts: int, idle_ms: float) -> None:
     rows = measure(wrs, posts, idle_ms)
     click.echo(f"post_wr_batch of {wrs} RDMA writes (its Python, no frame sent)")

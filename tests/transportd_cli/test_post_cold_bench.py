@@ -1,4 +1,4 @@
-"""benchmarks/post_cold_bench.py at a tiny size: both rows come out and each timed post built its WR list (no
+"""benchmarks/post_cold_bench.py at a tiny size: every row comes out and each timed post built its WR list (no
 timings asserted)."""
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ def test_every_timed_post_builds_its_list_and_both_rows_are_written(tmp_path: Pa
     result = CliRunner().invoke(load_benchmark("post_cold_bench").main,
                                 ["--wrs", "5", "--posts", "4", "--idle-ms", "0", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert built == [5] * 28, "10 untimed and 4 timed posts a row, each a list of 5 WRs"
+    assert built == [5] * 42, "10 untimed and 4 timed posts a row, each a list of 5 WRs"
     doc = json.loads(out.read_text())
-    assert [r["mode"] for r in doc["rows"]] == ["warm", "cold"]
+    assert [r["mode"] for r in doc["rows"]] == ["warm", "spun", "cold"]
     assert all(r["wrs"] == 5 and r["posts"] == 4 and 0 < r["p50_us"] <= r["p90_us"] for r in doc["rows"])
-    assert set(doc["summary"]) == {"warm_p50_us", "cold_p50_us"}
+    assert set(doc["summary"]) == {"warm_p50_us", "spun_p50_us", "cold_p50_us"}
 
 
 def test_a_post_of_no_writes_is_refused() -> None:
