@@ -169,13 +169,18 @@ QUICK_SIZES: dict[str, list[dict[str, int]]] = {
     "gemm_all_reduce": [{"m": 1024, "n": 1024, "k": 1024, "chunk_rows": 64}],
     "ring_attention": [{"heads": 4, "seq_local": 512, "head_dim": 128, "chunk_rows": 128}],
 }
-#: MoE Dispatch+GEMM (``MoE.dispatch_gemm``): 128 tokens a rank, top-8 of 64 experts; an expert's weight H x gemm_n.
-#: The communication is the dispatch's whatever gemm_n is, so gemm_n sets the balance (``--moe-gemm-n``). On an H100
-#: with the soft fabric of 2026-12-05 the dispatch took 1.8-2.0 ms on ib and 2.6-3.2 on efa, and the compute 5.6 ms
-#: at 16384 (comm / compute 0.32-0.56: outside the 2x band) and 1.6 ms at 4096, so the sizes are 4096 and 8192
+#: MoE Dispatch+GEMM (``MoE.dispatch_gemm``): top-8 of 64 experts; an expert's weight H x gemm_n. The communication is
+#: the dispatch's whatever gemm_n is, so gemm_n sets the balance (``--moe-gemm-n``). On an H100 with the soft fabric
+#: of 2026-12-05 the dispatch of 128 tokens a rank took 1.8-2.0 ms on ib and 2.6-3.2 on efa, and the compute 5.6 ms
+#: at 16384 (comm / compute 0.32-0.56: outside the 2x band) and 1.6 ms at 4096, so the first size is 4096. The
+#: second is 1024 tokens a rank at 6144 (comm / compute 0.8-1.1), where an expert's own rows fill whole row blocks
+#: that can run before the peer's rows land; every expert split by source (``split_experts``) fills the soft
+#: fabric's ~1.3 ms to its first landing with them (overlap 0.77-0.86 on ib against 0.56-0.57 with the default 8,
+#: three runs each, the fused launch no slower: docs/performance-log.md)
 MOE_GEMM_SIZES = [{"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 4096},
-                  {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 8192}]
+                  {"tokens": 1024, "hidden": 7168, "topk": 8, "experts": 64, "gemm_n": 6144, "split_experts": 32}]
 QUICK_MOE_GEMM_SIZES = [{"tokens": 32, "hidden": 512, "topk": 4, "experts": 8, "gemm_n": 512}]
+MOE_SIZE_KEYS = tuple(dict.fromkeys(key for dims in MOE_GEMM_SIZES for key in dims))  # a row's size column
 #: efa's sizes. Its model is half ib's rate and the receiving daemon, not the NIC, publishes each flag, so at ib's
 #: second sizes its communication is 2-5x the compute. Both efa sizes keep the communication of ib's first (the
 #: same shards, chunks, tokens) and grow only what the compute grows with (AllGather+GEMM's N, the reductions'
@@ -1101,7 +1106,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if r.get("kernel") == "moe":
             continue
-        keys = MOE_GEMM_SIZES[0] if r.get("kernel") == "moe_dispatch_gemm" else SIZES.get(r.get("kernel", ""), [{}])[0]
+        keys = MOE_SIZE_KEYS if r.get("kernel") == "moe_dispatch_gemm" else SIZES.get(r.get("kernel", ""), [{}])[0]
         size = _dims({k: r[k] for k in keys if k in r})
         if "error" in r:
             lines.append(f"| {r.get('kernel')} | {r['backend']} | {r['shape']} | {size} | failed: {r['error']} |")

@@ -739,7 +739,9 @@ def default_experts_per_put(num_experts: int, world: int) -> int:
 def default_split_experts(layout: MoELayout) -> int:
     """``split_experts`` left out: the first put group's local experts. Their rows land first, and the compute of
     this rank's own rows of them runs while those fly; the other experts are read once each, whole. The fastest
-    fused launch of the three measured at 1024 tokens a rank (docs/performance-log.md)."""
+    fused launch of the three measured at 1024 tokens a rank and N 16384 (docs/performance-log.md). A fabric whose
+    first landing takes long against an expert's own rows wants more (docs/kernels.md: every expert at N 6144 over
+    softverbs)."""
     return min(layout.experts_per_put, layout.local_experts)
 
 

@@ -314,14 +314,15 @@ def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Pa
 
 
 def test_each_backend_runs_its_own_sizes_and_efa_grows_only_what_the_compute_grows_with(monkeypatch) -> None:
-    """Both efa sizes keep the communication of ib's first (the same shards, chunks, tokens) and differ from it
-    at most in the compute's dimension, grown, the second more than the first. A run measures each backend's
-    own."""
+    """Both efa sizes of the four tensor- and sequence-parallel kernels keep the communication of ib's first (the
+    same shards, chunks, tokens) and differ from it at most in the compute's dimension, grown, the second more
+    than the first; MoE Dispatch+GEMM measures ib's sizes on efa too. A run measures each backend's own."""
     bench = load_benchmark("fused_bench")
     moves = {"allgather_gemm": ("n",), "gemm_reduce_scatter": ("k",), "gemm_all_reduce": ("k",),
-             "ring_attention": ("seq_local",), "moe_dispatch_gemm": ("gemm_n",)}
+             "ring_attention": ("seq_local",)}
     ib, efa = bench.backend_sizes("ib"), bench.backend_sizes("efa")
-    assert set(ib) == set(efa) == set(moves)
+    assert set(ib) == set(efa) == {*moves, "moe_dispatch_gemm"}
+    assert efa["moe_dispatch_gemm"] == ib["moe_dispatch_gemm"] and len(ib["moe_dispatch_gemm"]) == 2
     for kernel, grown in moves.items():
         base = ib[kernel][0]
         assert len(efa[kernel]) == 2
@@ -620,6 +621,7 @@ def test_moe_tokens_and_experts_per_put_reach_only_the_moe_gemm_sizes(monkeypatc
     the sizes' own otherwise (no experts_per_put key: the op's default); the module's sizes left alone."""
     bench = load_benchmark("fused_bench")
     sizes = bench.EFA_MOE_GEMM_SIZES if backend == "efa" else bench.MOE_GEMM_SIZES
+    before = [dict(d) for d in sizes]
     seen = _moe_gemm_sizes_seen(bench, monkeypatch)
     for args, want in [([], sizes),
                        (["--moe-experts-per-put", "2"], [{**d, "experts_per_put": 2} for d in sizes]),
@@ -638,8 +640,7 @@ def test_moe_tokens_and_experts_per_put_reach_only_the_moe_gemm_sizes(monkeypatc
         seen.clear()
         result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", backend, *bad])
         assert result.exit_code == 2 and "--moe-gemm-n" in result.output and seen == [], bad
-    assert all("experts_per_put" not in dims and "split_experts" not in dims and dims["tokens"] == 128
-               for dims in sizes)
+    assert sizes == before and all("experts_per_put" not in dims for dims in sizes)
     for option in ("--moe-experts-per-put", "--moe-tokens"):
         result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", option, "0"])
         assert result.exit_code == 2 and option in result.output
