@@ -209,7 +209,8 @@ def backend_sizes(backend: str, quick: bool = False,
     """The sizes a run measures on ``backend``, MoE Dispatch+GEMM's under ``moe_dispatch_gemm`` (``--quick``: the
     same small ones on every backend); ``moe`` sets keys of every MoE Dispatch+GEMM size (``--moe-tokens``:
     ``tokens``, ``--moe-experts``: ``experts``, ``--moe-gemm-n``: ``gemm_n``, ``--moe-experts-per-put``:
-    ``experts_per_put``, ``--moe-split-experts``: ``split_experts``)."""
+    ``experts_per_put``, ``--moe-split-experts``: ``split_experts``). A size that splits every local expert
+    keeps splitting every one under another ``experts``."""
     if quick:
         sizes = {**QUICK_SIZES, "moe_dispatch_gemm": QUICK_MOE_GEMM_SIZES}
     elif backend == "efa":
@@ -217,8 +218,17 @@ def backend_sizes(backend: str, quick: bool = False,
     else:
         sizes = {**SIZES, "moe_dispatch_gemm": MOE_GEMM_SIZES}
     if moe:
-        sizes["moe_dispatch_gemm"] = [{**dims, **moe} for dims in sizes["moe_dispatch_gemm"]]
+        sizes["moe_dispatch_gemm"] = [_moe_size(dims, moe) for dims in sizes["moe_dispatch_gemm"]]
     return sizes
+
+
+def _moe_size(dims: dict[str, int], moe: dict[str, int]) -> dict[str, int]:
+    """``dims`` with ``moe``'s keys; a split of every local expert (``split_experts`` = experts / WORLD) follows a
+    new expert count unless ``moe`` names the split itself."""
+    out = {**dims, **moe}
+    if "split_experts" in dims and "split_experts" not in moe and dims["split_experts"] == dims["experts"] // WORLD:
+        out["split_experts"] = out["experts"] // WORLD
+    return out
 
 
 MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}

@@ -283,7 +283,8 @@ def test_the_tune_flag_runs_the_tuning_on_the_first_backend_and_shape_and_saves_
     assert seen["sizes"] == {**bench.QUICK_SIZES, "moe_dispatch_gemm": bench.QUICK_MOE_GEMM_SIZES}
     assert seen["reps"] == 2 and seen["tma"] is True
     CliRunner().invoke(bench.main, ["--tune", "--kernels", "moe_dispatch_gemm", "--moe-experts", "8"])
-    assert seen["sizes"]["moe_dispatch_gemm"] == [{**dims, "experts": 8} for dims in bench.MOE_GEMM_SIZES]
+    assert seen["sizes"]["moe_dispatch_gemm"] == [{**dims, "experts": 8} | _all_split(dims, 8)
+                                                  for dims in bench.MOE_GEMM_SIZES]
     assert seen["sizes"]["allgather_gemm"] == bench.SIZES["allgather_gemm"]
 
 
@@ -602,16 +603,23 @@ def _moe_gemm_sizes_seen(bench: Any, monkeypatch: Any) -> list[dict[str, int]]:
 
 
 def test_moe_experts_overrides_only_the_moe_gemm_sizes_experts(monkeypatch) -> None:
-    """--moe-experts: MoE Dispatch+GEMM's sizes with that many experts, everything else as it was."""
+    """--moe-experts: MoE Dispatch+GEMM's sizes with that many experts, everything else as it was (a split of
+    every local expert stays a split of every one)."""
     bench = load_benchmark("fused_bench")
     seen = _moe_gemm_sizes_seen(bench, monkeypatch)
     result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--backends", "ib",
                                              "--moe-experts", "16"])
     assert result.exit_code == 0, result.output
-    assert seen == [{**dims, "experts": 16} for dims in bench.MOE_GEMM_SIZES]
+    assert seen == [{**dims, "experts": 16} | _all_split(dims, 16) for dims in bench.MOE_GEMM_SIZES]
+    assert any(_all_split(dims, 16) for dims in bench.MOE_GEMM_SIZES), "a size splits every expert"
     assert all(dims["experts"] == 64 for dims in bench.MOE_GEMM_SIZES)  # the module's sizes are left alone
     result = CliRunner().invoke(bench.main, ["--kernels", "moe_dispatch_gemm", "--moe-experts", "0"])
     assert result.exit_code == 2 and "--moe-experts" in result.output
+
+
+def _all_split(dims: dict[str, int], experts: int) -> dict[str, int]:
+    """A size that splits every local expert (two ranks) splits every one of ``experts`` too."""
+    return {"split_experts": experts // 2} if dims.get("split_experts") == dims["experts"] // 2 else {}
 
 
 @pytest.mark.parametrize("backend", ["ib", "efa"])
@@ -626,10 +634,12 @@ def test_moe_tokens_and_experts_per_put_reach_only_the_moe_gemm_sizes(monkeypatc
     for args, want in [([], sizes),
                        (["--moe-experts-per-put", "2"], [{**d, "experts_per_put": 2} for d in sizes]),
                        (["--moe-experts-per-put", "1", "--moe-experts", "16"],
-                        [{**d, "experts": 16, "experts_per_put": 1} for d in sizes]),
+                        [{**d, "experts": 16, "experts_per_put": 1} | _all_split(d, 16) for d in sizes]),
                        (["--moe-tokens", "1024"], [{**d, "tokens": 1024} for d in sizes]),
                        (["--moe-tokens", "512", "--moe-experts", "32"],
-                        [{**d, "tokens": 512, "experts": 32} for d in sizes]),
+                        [{**d, "tokens": 512, "experts": 32} | _all_split(d, 32) for d in sizes]),
+                       (["--moe-experts", "16", "--moe-split-experts", "3"],
+                        [{**d, "experts": 16, "split_experts": 3} for d in sizes]),
                        (["--moe-split-experts", "0"], [{**d, "split_experts": 0} for d in sizes]),
                        (["--moe-gemm-n", "6144"], [{**d, "gemm_n": 6144} for d in sizes])]:
         seen.clear()
