@@ -1472,6 +1472,26 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
     return out
 
 
+def parse_dims(text: str) -> dict[str, dict[str, int]]:
+    """``KERNEL.KEY=N`` triples, comma-separated (``--dims``): N, an integer >= 1, in place of KEY in every size of
+    KERNEL, one of ``KERNELS``; KEY must be one of that kernel's size keys (``SIZES``)."""
+    out: dict[str, dict[str, int]] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, _, value = item.partition("=")
+        kernel, _, key = name.partition(".")
+        if kernel not in KERNELS:
+            raise click.BadParameter(f"{kernel!r} is not one of {', '.join(KERNELS)}", param_hint="--dims")
+        if key not in SIZES[kernel][0]:
+            raise click.BadParameter(f"{item!r}: {kernel}'s sizes have {', '.join(SIZES[kernel][0])}",
+                                     param_hint="--dims")
+        if not value.isdigit() or int(value) < 1:
+            raise click.BadParameter(f"{item!r}: {key} must be an integer >= 1", param_hint="--dims")
+        out.setdefault(kernel, {})[key] = int(value)
+    return out
+
+
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
 @click.option("--kernels", default=",".join((*KERNELS, "moe", "moe_dispatch_gemm")), show_default=True,
@@ -1504,6 +1524,9 @@ def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str
 @click.option("--chunk-rows", "chunk_rows", default="", metavar="KERNEL=ROWS,...",
               help="override the chunk rows of a kernel's sizes (e.g. gemm_all_reduce=256): the messages' size, "
                    "against the soft fabric's cost per message")
+@click.option("--dims", "dims_text", default="", metavar="KERNEL.KEY=N,...",
+              help="set a size key in every size of a kernel (e.g. gemm_all_reduce.m=16384): a larger problem at "
+                   "the same balance, over which the soft fabric's fixed cost per message weighs less")
 @click.option("--group-m", "group_m", default="", metavar="KERNEL=N,...",
               help="the tile order of a GEMM (allgather_gemm, gemm_reduce_scatter, gemm_all_reduce): N row blocks "
                    "at a time, column by column (1: row-major; default: the op's)")
@@ -1545,7 +1568,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          trace_dir: str | None = None, moe_experts: int | None = None, moe_tokens: int | None = None,
          moe_gemm_n: int | None = None, moe_experts_per_put: int | None = None, moe_split_experts: int | None = None,
          nic_spin_us: float | None = None, gil_switch_us: float = 0.0,
-         poll_window_us: int | None = None) -> None:
+         poll_window_us: int | None = None, dims_text: str = "") -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -1561,6 +1584,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         raise click.BadParameter(f"unknown kernel(s) {', '.join(unknown)}", param_hint="--kernels")
     rows_of = parse_per_kernel(chunk_rows)
     group_of = parse_per_kernel(group_m, "--group-m", GEMMS, "N")
+    dims_of = parse_dims(dims_text)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).touch()  # a bad path fails now, not after the run
@@ -1632,6 +1656,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                     for dims in run_sizes[kernel][:sizes]:
                         if kernel in rows_of:
                             dims = {**dims, "chunk_rows": rows_of[kernel]}
+                        dims = {**dims, **dims_of.get(kernel, {})}
                         if kernel in group_of:
                             dims = {**dims, "group_m": group_of[kernel]}
                         if ring_pointers and kernel == "ring_attention":

@@ -87,6 +87,12 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
         assert result.exit_code == 2 and "--group-m" in result.output, (bad, result.output)
     assert bench.parse_per_kernel("allgather_gemm=8,gemm_all_reduce=1", "--group-m", bench.GEMMS, "N") == {
         "allgather_gemm": 8, "gemm_all_reduce": 1}
+    for bad in ("moe.tokens=8", "gemm_all_reduce.tokens=8", "gemm_all_reduce.m=0", "gemm_all_reduce.m",
+                "gemm_all_reduce=16384"):  # a kernel of KERNELS, one of its size keys, an integer >= 1
+        result = CliRunner().invoke(bench.main, ["--dims", bad, "--kernels", "moe"])
+        assert result.exit_code == 2 and "--dims" in result.output, (bad, result.output)
+    assert bench.parse_dims("gemm_all_reduce.m=16384, gemm_all_reduce.k=4096,ring_attention.seq_local=512") == {
+        "gemm_all_reduce": {"m": 16384, "k": 4096}, "ring_attention": {"seq_local": 512}}
 
 
 # --- the tuning mode (--tune): what it times, in which order, and how it reports ------------------------------
