@@ -353,6 +353,29 @@ def test_each_backend_runs_its_own_sizes_and_efa_grows_only_what_the_compute_gro
         ("gemm_all_reduce", "efa", dims) for dims in efa["gemm_all_reduce"]]
 
 
+def test_chunk_rows_and_dims_reach_every_size_of_their_kernel_only_and_dims_wins(monkeypatch) -> None:
+    """--chunk-rows and --dims set keys in every size of the kernels they name, no other; a key both set takes
+    --dims' value; the module's sizes are left alone."""
+    bench = load_benchmark("fused_bench")
+    before = {kernel: [dict(d) for d in sizes] for kernel, sizes in bench.SIZES.items()}
+    seen: list[tuple[str, dict[str, int]]] = []
+
+    def row(kernel, backend, shape, dims, reps, echo=print, timeline=False):
+        seen.append((kernel, dims))
+        return bench.derive({"kernel": kernel, "backend": backend, "shape": shape, **dims, "compute_s": 2e-3,
+                             "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}, 1e9, 1 << 20)
+
+    monkeypatch.setattr(bench, "fused_row", row)
+    result = CliRunner().invoke(bench.main, [
+        "--kernels", "gemm_all_reduce,gemm_reduce_scatter", "--backends", "ib",
+        "--chunk-rows", "gemm_all_reduce=256,gemm_reduce_scatter=128",
+        "--dims", "gemm_all_reduce.m=16384,gemm_reduce_scatter.chunk_rows=64"])
+    assert result.exit_code == 0, result.output
+    assert seen == [("gemm_all_reduce", {**d, "m": 16384, "chunk_rows": 256}) for d in before["gemm_all_reduce"]] + [
+        ("gemm_reduce_scatter", {**d, "chunk_rows": 64}) for d in before["gemm_reduce_scatter"]]
+    assert bench.SIZES == before
+
+
 def test_a_reduce_scatter_timeline_splits_into_tiles_chunks_and_ends_and_summarizes_in_ms() -> None:
     from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout
 
