@@ -1455,20 +1455,29 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
 GEMMS = ("allgather_gemm", "gemm_reduce_scatter", "gemm_all_reduce")
 
 
+def _assignments(text: str) -> Iterator[tuple[str, str, str]]:
+    """Each comma-separated ``NAME=VALUE`` of an option's text, as (the item, NAME, VALUE); empty items skipped."""
+    for item in (part.strip() for part in text.split(",")):
+        if item:
+            name, _, value = item.partition("=")
+            yield item, name, value
+
+
+def _positive_int(item: str, value: str, what: str, option: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(f"{item!r}: {what} must be an integer >= 1", param_hint=option)
+    return int(value)
+
+
 def parse_per_kernel(text: str, option: str = "--chunk-rows", kernels: tuple[str, ...] = KERNELS,
                      what: str = "rows") -> dict[str, int]:
     """``KERNEL=N`` pairs, comma-separated, each N an integer >= 1 (``--chunk-rows``: every kernel of
     ``KERNELS`` has chunk rows; ``--group-m``: the GEMMs)."""
     out: dict[str, int] = {}
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        kernel, _, value = item.partition("=")
+    for item, kernel, value in _assignments(text):
         if kernel not in kernels:
             raise click.BadParameter(f"{kernel!r} is not one of {', '.join(kernels)}", param_hint=option)
-        if not value.isdigit() or int(value) < 1:
-            raise click.BadParameter(f"{item!r}: {what} must be an integer >= 1", param_hint=option)
-        out[kernel] = int(value)
+        out[kernel] = _positive_int(item, value, what, option)
     return out
 
 
@@ -1476,19 +1485,14 @@ def parse_dims(text: str) -> dict[str, dict[str, int]]:
     """``KERNEL.KEY=N`` triples, comma-separated (``--dims``): N, an integer >= 1, in place of KEY in every size of
     KERNEL, one of ``KERNELS``; KEY must be one of that kernel's size keys (``SIZES``)."""
     out: dict[str, dict[str, int]] = {}
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        name, _, value = item.partition("=")
+    for item, name, value in _assignments(text):
         kernel, _, key = name.partition(".")
         if kernel not in KERNELS:
             raise click.BadParameter(f"{kernel!r} is not one of {', '.join(KERNELS)}", param_hint="--dims")
         if key not in SIZES[kernel][0]:
             raise click.BadParameter(f"{item!r}: {kernel}'s sizes have {', '.join(SIZES[kernel][0])}",
                                      param_hint="--dims")
-        if not value.isdigit() or int(value) < 1:
-            raise click.BadParameter(f"{item!r}: {key} must be an integer >= 1", param_hint="--dims")
-        out.setdefault(kernel, {})[key] = int(value)
+        out.setdefault(kernel, {})[key] = _positive_int(item, value, key, "--dims")
     return out
 
 
@@ -1582,9 +1586,10 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
     if unknown:
         raise click.BadParameter(f"unknown kernel(s) {', '.join(unknown)}", param_hint="--kernels")
-    rows_of = parse_per_kernel(chunk_rows)
     group_of = parse_per_kernel(group_m, "--group-m", GEMMS, "N")
-    dims_of = parse_dims(dims_text)
+    dims_of = {kernel: {"chunk_rows": rows} for kernel, rows in parse_per_kernel(chunk_rows).items()}
+    for kernel, keys in parse_dims(dims_text).items():  # --dims' chunk_rows over --chunk-rows'
+        dims_of[kernel] = {**dims_of.get(kernel, {}), **keys}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).touch()  # a bad path fails now, not after the run
@@ -1654,8 +1659,6 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                 run_sizes = backend_sizes(backend, quick, moe_sizes)
                 for kernel in (k for k in wanted if k in KERNELS):
                     for dims in run_sizes[kernel][:sizes]:
-                        if kernel in rows_of:
-                            dims = {**dims, "chunk_rows": rows_of[kernel]}
                         dims = {**dims, **dims_of.get(kernel, {})}
                         if kernel in group_of:
                             dims = {**dims, "group_m": group_of[kernel]}
