@@ -141,14 +141,18 @@ WORLD = 2
 #: h200-2026-12-03-allgather-chunk-rows-512.json). At 8 MiB: AllGather+GEMM's comm / compute on ib is 0.8-1.3 at
 #: both sizes; the reductions' comm was 2.7-3.1 ms (GEMM+RS) and 4.3-6.0 ms (GEMM+AR) on ib, so K 6144 and 12288
 #: balance them (h200-2026-12-03-fused-bench-8mib-{1,2}.json: 0.5-0.75 at K 8192 and 16384, the second sizes);
-#: ring attention's first is balanced, its second nearer the comm-bound side (below)
+#: ring attention's first is balanced, its second nearer the comm-bound side (below). The reductions run at M 32768
+#: on ib: at 8192 the soft fabric's cost after the last tile (a chunk's trip, 0.5-0.6 ms) and its copies' drag on
+#: the compute held their overlap to 0.45-0.80 (GEMM+AR) and 0.53-0.80 (GEMM+RS) in three calls, 0.76-0.85 and
+#: 0.84-0.85 at 32768, where a problem of the same balance outweighs them (h200-2026-12-06-reductions-m-*.json);
+#: GEMM+AR's second K is 8192 there, as 16384 put its comm / compute at the band's edge (0.5)
 SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 512},
                        {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 512}],
-    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 6144, "chunk_rows": 512},
-                            {"m": 8192, "n": 8192, "k": 8192, "chunk_rows": 512}],
-    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512},
-                        {"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 512}],
+    "gemm_reduce_scatter": [{"m": 32768, "n": 8192, "k": 6144, "chunk_rows": 512},
+                            {"m": 32768, "n": 8192, "k": 8192, "chunk_rows": 512}],
+    "gemm_all_reduce": [{"m": 32768, "n": 8192, "k": 12288, "chunk_rows": 512},
+                        {"m": 32768, "n": 8192, "k": 8192, "chunk_rows": 512}],
     # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
     # 128 KiB chunks made the communication 17-46x the compute. The second size was 4096 a rank, comm-bound (comm /
     # compute 1.8-1.9, even perfect overlap under 1.35x the sequential baseline); 6144 (compute x 0.56 of 8192's,
@@ -192,9 +196,11 @@ MOE_SIZE_KEYS = tuple(dict.fromkeys(key for dims in MOE_GEMM_SIZES for key in di
 #: and 32768 (comm 6.3 and 12.4 ms, against compute of 7.6 ms at RS's K 16384 and 15.6 ms at AR's K 32768).
 EFA_SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [SIZES["allgather_gemm"][0], {**SIZES["allgather_gemm"][0], "n": 16384}],
-    "gemm_reduce_scatter": [{**SIZES["gemm_reduce_scatter"][0], "k": 12288},
-                            {**SIZES["gemm_reduce_scatter"][0], "k": 16384}],
-    "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "k": 24576}, {**SIZES["gemm_all_reduce"][0], "k": 32768}],
+    # the reductions stay at M 8192 here, where efa's slower wire balances them and they met both targets more often
+    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512},
+                            {"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 512}],
+    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 24576, "chunk_rows": 512},
+                        {"m": 8192, "n": 8192, "k": 32768, "chunk_rows": 512}],
     "ring_attention": [SIZES["ring_attention"][0], {**SIZES["ring_attention"][0], "seq_local": 16384}],
 }
 #: MoE Dispatch+GEMM's dispatch on efa now takes 1.4-1.7x ib's, within 2x of the compute at ib's sizes
