@@ -143,7 +143,7 @@ WORLD = 2
 #: balance them (h200-2026-12-03-fused-bench-8mib-{1,2}.json: 0.5-0.75 at K 8192 and 16384, the second sizes);
 #: ring attention's first is balanced, its second nearer the comm-bound side (below). The reductions run at M 32768
 #: on ib: at 8192 the soft fabric's cost after the last tile (a chunk's trip, 0.5-0.6 ms) and its copies' drag on
-#: the compute held their overlap to 0.45-0.80 (GEMM+AR) and 0.53-0.80 (GEMM+RS) in three calls, 0.76-0.85 and
+#: the compute held their overlap to 0.45-0.80 (GEMM+AR) and 0.53-0.80 (GEMM+RS) in three calls, 0.77-0.84 and
 #: 0.84-0.85 at 32768, where a problem of the same balance outweighs them (h200-2026-12-06-reductions-m-*.json);
 #: GEMM+AR's second K is 8192 there, as 16384 put its comm / compute at the band's edge (0.5)
 SIZES: dict[str, list[dict[str, int]]] = {
