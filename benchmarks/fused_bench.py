@@ -27,7 +27,9 @@ two is hidden entirely, 0: nothing overlaps), the speedup over ``comm + compute`
 unfused) and over ``comm + torch`` (the library compute, then the same transfers: the sequential baseline),
 beside what a launch that hid the shorter part entirely would gain over it, ``(comm + torch) / max(comm,
 compute)`` (``ideal``: where the communication dominates, no overlap buys more than that; a launch can still
-come in under it when the communication ran slower alone than inside the fused launch). Each row also has
+come in under it when the communication ran slower alone than inside the fused launch), and whether the row is
+inside the band where the targets apply and met both (``in_band``, ``meets_targets``: ``fused_standing.judge``;
+``benchmarks/fused_standing.py`` counts them over calls). Each row also has
 ``comm_direct_copy_ms`` and ``fused_direct_copy_ms``: per launch and daemon, the time its soft devices spent
 placing direct copies and the wire writes into GPU memory that joined their runs (softverbs' ``direct_ns``);
 ``comm_loopback_wait_ms`` and ``fused_loopback_wait_ms``: the time its efa workers spent posting and reaping their
@@ -121,6 +123,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fabric_bench import SHAPES, daemon_config  # noqa: E402
+from benchmarks.fused_standing import judge  # noqa: E402
 from gpuclient import exchange_all  # noqa: E402
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
 from transportd_cli.cli_options import (  # noqa: E402
@@ -143,9 +146,9 @@ WORLD = 2
 #: balance them (h200-2026-12-03-fused-bench-8mib-{1,2}.json: 0.5-0.75 at K 8192 and 16384, the second sizes);
 #: ring attention's first is balanced, its second nearer the comm-bound side (below). The reductions run at M 32768
 #: on ib: at 8192 the soft fabric's cost after the last tile (a chunk's trip, 0.5-0.6 ms) and its copies' drag on
-#: the compute held their overlap to 0.45-0.80 (GEMM+AR) and 0.53-0.80 (GEMM+RS) in three calls, 0.77-0.84 and
-#: 0.84-0.85 at 32768, where a problem of the same balance outweighs them (h200-2026-12-06-reductions-m-*.json);
-#: GEMM+AR's second K is 8192 there, as 16384 put its comm / compute at the band's edge (0.5)
+#: the compute let GEMM+AR meet both targets in 1 of 3 rows and GEMM+RS in 0 of 3 in three calls; at 32768, where a
+#: problem of the same balance outweighs them, in 2 of 3 and 3 of 3 (h200-2026-12-06-reductions-m-*.json,
+#: fused_standing.py); GEMM+AR's second K is 8192 there, as 16384 put its comm / compute at the band's edge (0.5)
 SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 512},
                        {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 512}],
@@ -532,6 +535,7 @@ def derive(row: dict[str, Any], flops: float, moved: int) -> dict[str, Any]:
     row["comm_over_compute"] = comm / compute
     row["fused_tflops"] = flops / fused / 1e12
     row["comm_gbps"] = moved / comm / 1e9
+    row.update(judge(row))  # in the band, and both targets met (fused_standing.py counts them over calls)
     return row
 
 
@@ -803,7 +807,11 @@ def _summary(row: dict[str, Any], dims: dict[str, int]) -> str:
     return (f"  {row['kernel']:20s} {row['backend']} {row['shape']:9s} {_dims(dims):28s} "
             f"compute {row['compute_s'] * 1e3:7.3f}  comm {row['comm_s'] * 1e3:7.3f}  fused {row['fused_s'] * 1e3:7.3f}"
             f"  torch {row['torch_s'] * 1e3:7.3f} ms  overlap {row['overlap_efficiency']:.2f}"
-            f"  vs sequential {row['speedup_vs_sequential']:.2f}x")
+            f"  vs sequential {row['speedup_vs_sequential']:.2f}x"
+            f"  {_VERDICT[row['meets_targets']]}")
+
+
+_VERDICT = {True: "meets both", False: "misses", None: "outside the band"}
 
 
 def _check_channels(ops: list[Any]) -> None:

@@ -48,7 +48,7 @@ def test_the_table_has_a_line_per_row_and_keeps_failures() -> None:
     line = bench._summary(ok, {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128})
     assert line.split() == ["gemm_reduce_scatter", "ib", "cx7-400g", "m=8192", "n=8192", "k=4096", "compute", "4.000",
                             "comm", "3.000", "fused", "5.000", "torch", "3.500", "ms", "overlap", "0.67",
-                            "vs", "sequential", "1.30x"]
+                            "vs", "sequential", "1.30x", "misses"]
     lines = bench.table([ok, failed, moe]).splitlines()
     assert "| gemm_reduce_scatter | ib | cx7-400g | m=8192 n=8192 k=4096 | 4.000 | 3.000 | 5.000 | 3.500 | 0.67 | " \
            "1.40x | 1.30x | 1.62x | 0.75 |" in lines  # ideal: (3 + 3.5) / max(3, 4)

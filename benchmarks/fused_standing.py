@@ -1,0 +1,106 @@
+"""Which fused-kernel rows met the targets, counted over calls: the standing tables of docs/performance.md.
+
+    python benchmarks/fused_standing.py benchmarks/results/h200-2026-12-06-reductions-m-*.json [--json PATH]
+
+Reads the JSONs ``fused_bench.py`` wrote (each file one call) and counts, per kernel, backend, NIC shape and size,
+the rows inside the band (communication and compute within ``BAND``x of each other: the targets apply there
+alone) and those of them that met both targets (overlap efficiency >= ``TARGET_OVERLAP`` and the fused launch
+>= ``TARGET_SPEEDUP``x the sequential baseline), with the overlap and the speedup's range over the rows in the
+band. Rows without an overlap (MoE's dispatch and combine latency) are not counted; files with no rows are named.
+A row's verdict is ``judge``'s, which ``fused_bench.py`` also writes into every row it times.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import click
+
+#: the targets of issue 25 (docs/performance.md)
+TARGET_OVERLAP = 0.8
+TARGET_SPEEDUP = 1.3
+#: the targets apply where communication and compute are within this factor of each other
+BAND = 2.0
+#: what names a row's size: every key a fused_bench size may set, and the tile order or loads it ran with
+SIZE_KEYS = ("m", "m_local", "n", "k", "heads", "seq_local", "head_dim", "tokens", "hidden", "topk", "experts",
+             "gemm_n", "experts_per_put", "split_experts", "chunk_rows", "group_m", "tma")
+
+
+def judge(row: dict[str, Any]) -> dict[str, Any]:
+    """``in_band`` (comm / compute within ``BAND``x) and ``meets_targets`` (both targets met; None outside the
+    band, where they do not apply) of a row with ``comm_s``, ``compute_s``, ``overlap_efficiency`` and
+    ``speedup_vs_sequential``."""
+    ratio = row["comm_s"] / row["compute_s"]
+    in_band = 1.0 / BAND <= ratio <= BAND
+    meets = row["overlap_efficiency"] >= TARGET_OVERLAP and row["speedup_vs_sequential"] >= TARGET_SPEEDUP
+    return {"in_band": in_band, "meets_targets": meets if in_band else None}
+
+
+def size_of(row: dict[str, Any]) -> str:
+    """The row's size as ``key=value`` words, in ``SIZE_KEYS``' order."""
+    return " ".join(f"{key}={row[key]}" for key in SIZE_KEYS if key in row)
+
+
+def standing(calls: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One entry per kernel, backend, shape and size, in the order first seen: ``rows`` (timed), ``in_band``,
+    ``met``, the overlap's and the speedup's ``[min, max]`` over the rows in the band (None if none was), and the
+    ``calls`` (file names) the rows came from."""
+    groups: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for name, call in calls:
+        for row in call.get("rows") or []:
+            if "overlap_efficiency" not in row:
+                continue
+            key = (row["kernel"], row["backend"], row.get("shape", ""), size_of(row))
+            group = groups.setdefault(key, {"kernel": key[0], "backend": key[1], "shape": key[2], "size": key[3],
+                                            "rows": 0, "in_band": 0, "met": 0, "overlap": None, "speedup": None,
+                                            "calls": []})
+            verdict = judge(row)
+            group["rows"] += 1
+            if name not in group["calls"]:
+                group["calls"].append(name)
+            if not verdict["in_band"]:
+                continue
+            group["in_band"] += 1
+            group["met"] += bool(verdict["meets_targets"])
+            for field, value in (("overlap", row["overlap_efficiency"]), ("speedup", row["speedup_vs_sequential"])):
+                low, high = group[field] or (value, value)
+                group[field] = [min(low, value), max(high, value)]
+    return list(groups.values())
+
+
+def table(entries: list[dict[str, Any]]) -> str:
+    """The standing as a markdown table."""
+    def span(pair: list[float] | None, unit: str = "") -> str:
+        return "—" if pair is None else f"{pair[0]:.2f}–{pair[1]:.2f}{unit}"
+
+    lines = ["| kernel | backend | shape | size | met / in band | rows | overlap | vs sequential |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {e['kernel']} | {e['backend']} | {e['shape']} | {e['size']} | {e['met']} / {e['in_band']} | "
+              f"{e['rows']} | {span(e['overlap'])} | {span(e['speedup'], '×')} |" for e in entries]
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="also write the standing here, with the targets it was judged by")
+def main(files: tuple[Path, ...], json_path: Path | None) -> None:
+    """Count the rows of fused_bench JSONs FILES that met both targets, per kernel, backend, shape and size."""
+    calls = []
+    for path in files:
+        call = json.loads(path.read_text())
+        if not call.get("rows"):
+            click.echo(f"{path.name}: no rows")
+        calls.append((path.name, call))
+    entries = standing(calls)
+    click.echo(table(entries))
+    if json_path is not None:
+        json_path.write_text(json.dumps({"targets": {"overlap": TARGET_OVERLAP, "speedup": TARGET_SPEEDUP,
+                                                     "band": BAND}, "standing": entries}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""benchmarks/fused_standing.py: a row's verdict against the targets, and the counts over calls that the standing
+tables of docs/performance.md quote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.support.benchmarks import load_benchmark
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _row(comm: float, compute: float, overlap: float, speedup: float, **dims: object) -> dict[str, object]:
+    return {"kernel": "gemm_all_reduce", "backend": "ib", "shape": "cx7-400g", "m": 8192, "n": 8192, "k": 12288,
+            "chunk_rows": 512, "comm_s": comm, "compute_s": compute, "overlap_efficiency": overlap,
+            "speedup_vs_sequential": speedup, **dims}
+
+
+@pytest.mark.parametrize(("comm", "overlap", "speedup", "verdict"), [
+    (1.0, 0.8, 1.3, {"in_band": True, "meets_targets": True}),     # both targets met at their bounds
+    (1.0, 0.79, 1.5, {"in_band": True, "meets_targets": False}),
+    (1.0, 0.9, 1.29, {"in_band": True, "meets_targets": False}),
+    (2.0, 0.9, 1.5, {"in_band": True, "meets_targets": True}),     # comm twice the compute: the band's edge
+    (0.5, 0.9, 1.5, {"in_band": True, "meets_targets": True}),
+    (2.01, 0.9, 1.5, {"in_band": False, "meets_targets": None}),   # outside the band the targets do not apply
+    (0.49, 0.1, 1.0, {"in_band": False, "meets_targets": None}),
+])
+def test_a_row_meets_the_targets_only_inside_the_band(comm, overlap, speedup, verdict) -> None:
+    standing = load_benchmark("fused_standing")
+    assert standing.judge(_row(comm, 1.0, overlap, speedup)) == verdict
+
+
+def test_fused_bench_writes_the_verdict_into_every_row() -> None:
+    bench = load_benchmark("fused_bench")
+    row = bench.derive({"compute_s": 4e-3, "comm_s": 3e-3, "fused_s": 3.5e-3, "torch_s": 3.5e-3}, 1, 1)
+    assert (row["in_band"], row["meets_targets"]) == (True, True)  # overlap 3.5 / 3, 1.86x
+    row = bench.derive({"compute_s": 4e-3, "comm_s": 9e-3, "fused_s": 9e-3, "torch_s": 3.5e-3}, 1, 1)
+    assert (row["in_band"], row["meets_targets"]) == (False, None)
+
+
+def test_the_standing_counts_rows_per_size_over_calls(tmp_path) -> None:
+    standing = load_benchmark("fused_standing")
+    calls = [
+        ("a.json", {"rows": [_row(1.0, 1.0, 0.85, 1.4), _row(1.0, 1.0, 0.70, 1.5, m=32768),
+                             {"kernel": "moe", "backend": "ib", "dispatch_s": 1e-4}]}),  # latency: not counted
+        ("b.json", {"rows": [_row(1.0, 1.0, 0.75, 1.35), _row(3.0, 1.0, 0.99, 1.9),  # the second: outside the band
+                             _row(1.0, 1.0, 0.9, 1.6, backend="efa", shape="efa-200g")]}),
+        ("c.json", {"rows": []}),
+    ]
+    entries = standing.standing(calls)
+    by = {(e["backend"], e["size"]): e for e in entries}
+    assert len(entries) == 3
+    base = by[("ib", "m=8192 n=8192 k=12288 chunk_rows=512")]
+    assert (base["rows"], base["in_band"], base["met"]) == (3, 2, 1)
+    assert base["overlap"] == [0.75, 0.85] and base["speedup"] == [1.35, 1.4]  # the band's rows alone
+    assert base["calls"] == ["a.json", "b.json"]
+    big = by[("ib", "m=32768 n=8192 k=12288 chunk_rows=512")]
+    assert (big["rows"], big["in_band"], big["met"]) == (1, 1, 0)
+    assert (by[("efa", base["size"])]["met"], by[("efa", base["size"])]["shape"]) == (1, "efa-200g")
+    table = standing.table(entries).splitlines()
+    assert "| gemm_all_reduce | ib | cx7-400g | m=8192 n=8192 k=12288 chunk_rows=512 | 1 / 2 | 3 | 0.75–0.85 | " \
+           "1.35–1.40× |" in table
+    for name, call in calls:
+        (tmp_path / name).write_text(json.dumps(call))
+    out = tmp_path / "standing.json"
+    result = CliRunner().invoke(standing.main, [str(tmp_path / name) for name, _ in calls] + ["--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "c.json: no rows" in result.output
+    written = json.loads(out.read_text())
+    assert written["targets"] == {"overlap": 0.8, "speedup": 1.3, "band": 2.0}
+    assert written["standing"] == entries
+
+
+def test_the_reductions_at_m_32768_stand_as_the_docs_say() -> None:
+    """docs/performance.md's counts for the reductions' ib sizes, from the calls they were measured in."""
+    standing = load_benchmark("fused_standing")
+    files = sorted(RESULTS.glob("h200-2026-12-06-reductions-m-*.json"))
+    entries = standing.standing((path.name, json.loads(path.read_text())) for path in files)
+    met = {(e["kernel"], e["size"].split()[0]): (e["met"], e["in_band"]) for e in entries}
+    assert met[("gemm_reduce_scatter", "m=32768")] == (3, 3)
+    assert met[("gemm_all_reduce", "m=32768")] == (2, 3)
+    assert met[("gemm_reduce_scatter", "m=8192")] == (0, 3)  # 0.797 once: printed 0.80, a miss
+    assert met[("gemm_all_reduce", "m=8192")] == (1, 3)
