@@ -200,10 +200,10 @@ MOE_SIZE_KEYS = tuple(dict.fromkeys(key for dims in MOE_GEMM_SIZES for key in di
 EFA_SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [SIZES["allgather_gemm"][0], {**SIZES["allgather_gemm"][0], "n": 16384}],
     # the reductions stay at M 8192 here, where efa's slower wire balances them and they met both targets more often
-    "gemm_reduce_scatter": [{"m": 8192, "n": 8192, "k": 12288, "chunk_rows": 512},
-                            {"m": 8192, "n": 8192, "k": 16384, "chunk_rows": 512}],
-    "gemm_all_reduce": [{"m": 8192, "n": 8192, "k": 24576, "chunk_rows": 512},
-                        {"m": 8192, "n": 8192, "k": 32768, "chunk_rows": 512}],
+    "gemm_reduce_scatter": [{**SIZES["gemm_reduce_scatter"][0], "m": 8192, "k": 12288},
+                            {**SIZES["gemm_reduce_scatter"][0], "m": 8192, "k": 16384}],
+    "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "m": 8192, "k": 24576},
+                        {**SIZES["gemm_all_reduce"][0], "m": 8192, "k": 32768}],
     "ring_attention": [SIZES["ring_attention"][0], {**SIZES["ring_attention"][0], "seq_local": 16384}],
 }
 #: MoE Dispatch+GEMM's dispatch on efa now takes 1.4-1.7x ib's, within 2x of the compute at ib's sizes
