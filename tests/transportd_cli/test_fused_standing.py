@@ -42,6 +42,13 @@ def test_fused_bench_writes_the_verdict_into_every_row() -> None:
     assert (row["in_band"], row["meets_targets"]) == (False, None)
 
 
+def test_a_size_is_named_by_every_key_fused_bench_sets() -> None:
+    """fused_standing.SIZE_KEYS restates fused_bench's size keys (it cannot import the benchmark, which imports it):
+    a key the benchmark gains and the standing lacks would lump two sizes into one."""
+    bench, standing = load_benchmark("fused_bench"), load_benchmark("fused_standing")
+    assert {*bench.SIZES_KEYS, "group_m", "tma"} <= set(standing.SIZE_KEYS)
+
+
 def test_the_standing_counts_rows_per_size_over_calls(tmp_path) -> None:
     standing = load_benchmark("fused_standing")
     calls = [
