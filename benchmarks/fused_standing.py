@@ -29,6 +29,10 @@ SIZE_KEYS = ("m", "m_local", "n", "k", "heads", "seq_local", "head_dim", "tokens
              "gemm_n", "experts_per_put", "split_experts", "chunk_rows", "group_m", "tma")
 
 
+#: what a timed row must have to be counted
+ROW_KEYS = ("kernel", "backend", "comm_s", "compute_s", "overlap_efficiency", "speedup_vs_sequential")
+
+
 def judge(row: dict[str, Any]) -> dict[str, Any]:
     """``in_band`` (comm / compute within ``BAND``x) and ``meets_targets`` (both targets met; None outside the
     band, where they do not apply) of a row with ``comm_s``, ``compute_s``, ``overlap_efficiency`` and
@@ -53,6 +57,9 @@ def standing(calls: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]
         for row in call.get("rows") or []:
             if "overlap_efficiency" not in row:
                 continue
+            missing = [key for key in ROW_KEYS if key not in row]
+            if missing:
+                raise ValueError(f"{name}: a row with an overlap has no {', '.join(missing)}")
             key = (row["kernel"], row["backend"], row.get("shape", ""), size_of(row))
             group = groups.setdefault(key, {"kernel": key[0], "backend": key[1], "shape": key[2], "size": key[3],
                                             "rows": 0, "in_band": 0, "met": 0, "overlap": None, "speedup": None,
@@ -91,11 +98,20 @@ def main(files: tuple[Path, ...], json_path: Path | None) -> None:
     """Count the rows of fused_bench JSONs FILES that met both targets, per kernel, backend, shape and size."""
     calls = []
     for path in files:
-        call = json.loads(path.read_text())
+        try:
+            call = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise click.BadParameter(f"{path}: not JSON ({exc})", param_hint="FILES") from None
+        if not isinstance(call, dict) or not isinstance(call.get("rows", []), list):
+            raise click.BadParameter(f"{path}: not a fused_bench JSON (an object with a list of rows)",
+                                     param_hint="FILES")
         if not call.get("rows"):
             click.echo(f"{path.name}: no rows")
         calls.append((path.name, call))
-    entries = standing(calls)
+    try:
+        entries = standing(calls)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="FILES") from None
     click.echo(table(entries))
     if json_path is not None:
         json_path.write_text(json.dumps({"targets": {"overlap": TARGET_OVERLAP, "speedup": TARGET_SPEEDUP,

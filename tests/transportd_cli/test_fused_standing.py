@@ -108,3 +108,23 @@ def test_moe_stands_as_the_docs_say() -> None:
                                                                pytest.approx(0.86, abs=0.005)])
     assert met[("efa", "tokens=1024", "gemm_n=6144")][:2] == (2, 4)
     assert met[("ib", "tokens=128", "gemm_n=4096")][:2] == met[("efa", "tokens=128", "gemm_n=4096")][:2] == (0, 2)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{not json", "not JSON"),
+    (b"\xff\xfe\x00garbage", "not JSON"),
+    ("[1, 2]", "not a fused_bench JSON"),
+    ('{"rows": 3}', "not a fused_bench JSON"),
+    ('{"rows": [{"kernel": "gemm_all_reduce", "backend": "ib", "overlap_efficiency": 0.9}]}',
+     "has no comm_s, compute_s, speedup_vs_sequential"),
+])
+def test_a_file_that_is_not_a_fused_bench_json_is_refused_by_name(tmp_path, text, message) -> None:
+    standing = load_benchmark("fused_standing")
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"rows": [_row(1.0, 1.0, 0.9, 1.5)]}))
+    bad.write_bytes(text if isinstance(text, bytes) else text.encode())
+    out = tmp_path / "standing.json"
+    result = CliRunner().invoke(standing.main, [str(good), str(bad), "--json", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "bad.json" in result.output and message in result.output
+    assert "Traceback" not in result.output and not out.exists()  # nothing half written
