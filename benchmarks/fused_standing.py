@@ -6,7 +6,8 @@ Reads the JSONs ``fused_bench.py`` wrote (each file one call) and counts, per ke
 the rows inside the band (communication and compute within ``BAND``x of each other: the targets apply there
 alone) and those of them that met both targets (overlap efficiency >= ``TARGET_OVERLAP`` and the fused launch
 >= ``TARGET_SPEEDUP``x the sequential baseline), with the overlap and the speedup's range over the rows in the
-band. Rows without an overlap (MoE's dispatch and combine latency) are not counted; files with no rows are named.
+band. Rows without an overlap (MoE's dispatch and combine latency) are not counted; files with no rows are named,
+and a file that is not a fused_bench JSON is refused by name before anything is written.
 A row's verdict is ``judge``'s, which ``fused_bench.py`` also writes into every row it times.
 """
 
