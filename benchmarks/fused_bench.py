@@ -1510,6 +1510,16 @@ def parse_dims(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def gpu_name() -> str | None:
+    """The GPU a call runs on, recorded beside its rows (fused_standing counts each card apart); None where torch or
+    a GPU is absent, as in the CPU tests' stand-in rows."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
 @click.option("--kernels", default=",".join((*KERNELS, "moe", "moe_dispatch_gemm")), show_default=True,
@@ -1635,7 +1645,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         if timeline_path:
             Path(timeline_path).write_text(json.dumps(raw_timelines))
         if json_path:
-            Path(json_path).write_text(json.dumps({"rows": rows, "mps": mps_line, "copy_via": copy_via,
+            Path(json_path).write_text(json.dumps({"rows": rows, "gpu": gpu_name(),
+                                                   "mps": mps_line, "copy_via": copy_via,
                                                    "flags": flags_where, "publication": publication,
                                                    "programs": programs, "io_spin_us": io_spin_us,
                                                    "nic_spin_us": nic_spin_us, "gil_switch_us": gil_switch_us,

@@ -2,12 +2,14 @@
 
     python benchmarks/fused_standing.py benchmarks/results/h200-2026-12-06-reductions-m-*.json [--json PATH]
 
-Reads the JSONs ``fused_bench.py`` wrote (each file one call) and counts, per kernel, backend, NIC shape and size,
-the rows inside the band (communication and compute within ``BAND``x of each other: the targets apply there
+Reads the JSONs ``fused_bench.py`` wrote (each file one call) and counts, per GPU, kernel, backend, NIC shape and
+size, the rows inside the band (communication and compute within ``BAND``x of each other: the targets apply there
 alone) and those of them that met both targets (overlap efficiency >= ``TARGET_OVERLAP`` and the fused launch
 >= ``TARGET_SPEEDUP``x the sequential baseline), with the overlap and the speedup's range over the rows in the
-band. Rows without an overlap (MoE's dispatch and combine latency) are not counted; files with no rows are named,
-and a file that is not a fused_bench JSON is refused by name before anything is written.
+band. A call run with a setting off fused_bench's defaults (``--copy-via host``, ``--programs 48``...) is counted
+apart, its size naming the departure. An older call, which does not record its GPU, counts under ``—``; its file
+name says the card. Rows without an overlap (MoE's dispatch and combine latency) are not counted; files with no
+rows are named, and a file that is not a fused_bench JSON is refused by name before anything is written.
 A row's verdict is ``judge``'s, which ``fused_bench.py`` also writes into every row it times.
 """
 
@@ -30,6 +32,14 @@ SIZE_KEYS = ("m", "m_local", "n", "k", "heads", "seq_local", "head_dim", "tokens
              "gemm_n", "experts_per_put", "split_experts", "chunk_rows", "group_m", "tma")
 
 
+#: the settings fused_bench records beside its rows, at its defaults (its options' defaults): a call with any other
+#: measured something else, so its rows are counted apart
+CALL_DEFAULTS: dict[str, Any] = {"copy_via": "device", "flags": "device", "publication": "cuda-copy",
+                                 "programs": None, "io_spin_us": 0.0, "nic_spin_us": None, "gil_switch_us": 0.0,
+                                 "poll_window_us": None}
+#: the GPU of a call that does not record one
+UNRECORDED_GPU = "—"
+
 #: what a timed row must have to be counted
 ROW_KEYS = ("kernel", "backend", "comm_s", "compute_s", "overlap_efficiency", "speedup_vs_sequential")
 
@@ -44,27 +54,32 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
     return {"in_band": in_band, "meets_targets": meets if in_band else None}
 
 
-def size_of(row: dict[str, Any]) -> str:
-    """The row's size as ``key=value`` words, in ``SIZE_KEYS``' order."""
-    return " ".join(f"{key}={row[key]}" for key in SIZE_KEYS if key in row)
+def size_of(row: dict[str, Any], call: dict[str, Any] | None = None) -> str:
+    """The row's size as ``key=value`` words, in ``SIZE_KEYS``' order, then the call's settings that are off
+    ``CALL_DEFAULTS``."""
+    words = [f"{key}={row[key]}" for key in SIZE_KEYS if key in row]
+    words += [f"{key}={call[key]}" for key, default in CALL_DEFAULTS.items()
+              if call is not None and call.get(key, default) != default]
+    return " ".join(words)
 
 
 def standing(calls: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One entry per kernel, backend, shape and size, in the order first seen: ``rows`` (timed), ``in_band``,
+    """One entry per GPU, kernel, backend, shape and size, in the order first seen: ``rows`` (timed), ``in_band``,
     ``met``, the overlap's and the speedup's ``[min, max]`` over the rows in the band (None if none was), and the
     ``calls`` (file names) the rows came from."""
-    groups: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    groups: dict[tuple[str, str, str, str, str], dict[str, Any]] = {}
     for name, call in calls:
+        gpu = call.get("gpu") or UNRECORDED_GPU
         for row in call.get("rows") or []:
             if "overlap_efficiency" not in row:
                 continue
             missing = [key for key in ROW_KEYS if key not in row]
             if missing:
                 raise ValueError(f"{name}: a row with an overlap has no {', '.join(missing)}")
-            key = (row["kernel"], row["backend"], row.get("shape", ""), size_of(row))
-            group = groups.setdefault(key, {"kernel": key[0], "backend": key[1], "shape": key[2], "size": key[3],
-                                            "rows": 0, "in_band": 0, "met": 0, "overlap": None, "speedup": None,
-                                            "calls": []})
+            key = (gpu, row["kernel"], row["backend"], row.get("shape", ""), size_of(row, call))
+            group = groups.setdefault(key, {"gpu": gpu, "kernel": key[1], "backend": key[2], "shape": key[3],
+                                            "size": key[4], "rows": 0, "in_band": 0, "met": 0, "overlap": None,
+                                            "speedup": None, "calls": []})
             verdict = judge(row)
             group["rows"] += 1
             if name not in group["calls"]:
@@ -84,10 +99,11 @@ def table(entries: list[dict[str, Any]]) -> str:
     def span(pair: list[float] | None, unit: str = "") -> str:
         return "—" if pair is None else f"{pair[0]:.2f}–{pair[1]:.2f}{unit}"
 
-    lines = ["| kernel | backend | shape | size | met / in band | rows | overlap | vs sequential |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {e['kernel']} | {e['backend']} | {e['shape']} | {e['size']} | {e['met']} / {e['in_band']} | "
-              f"{e['rows']} | {span(e['overlap'])} | {span(e['speedup'], '×')} |" for e in entries]
+    lines = ["| gpu | kernel | backend | shape | size | met / in band | rows | overlap | vs sequential |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {e['gpu']} | {e['kernel']} | {e['backend']} | {e['shape']} | {e['size']} | "
+              f"{e['met']} / {e['in_band']} | {e['rows']} | {span(e['overlap'])} | {span(e['speedup'], '×')} |"
+              for e in entries]
     return "\n".join(lines)
 
 
@@ -96,7 +112,7 @@ def table(entries: list[dict[str, Any]]) -> str:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="also write the standing here, with the targets it was judged by")
 def main(files: tuple[Path, ...], json_path: Path | None) -> None:
-    """Count the rows of fused_bench JSONs FILES that met both targets, per kernel, backend, shape and size."""
+    """Count the rows of fused_bench JSONs FILES that met both targets, per GPU, kernel, backend, shape and size."""
     calls = []
     for path in files:
         try:

@@ -318,6 +318,11 @@ def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Pa
         ("allgather_gemm", "ib", False), ("ring_attention", "ib", True),
         ("allgather_gemm", "efa", False), ("ring_attention", "efa", True)]
     assert rows[1]["error"] == "RuntimeError: spin bound"
+    # beside the rows, what fused_standing counts them by: the GPU (none here) and the settings, at their defaults
+    call = json.loads(out.read_text())
+    defaults = load_benchmark("fused_standing").CALL_DEFAULTS
+    assert call.keys() == {"rows", "gpu", "mps", *defaults} and call["gpu"] is None
+    assert {key: call[key] for key in defaults} == defaults
 
 
 def test_each_backend_runs_its_own_sizes_and_efa_grows_only_what_the_compute_grows_with(monkeypatch) -> None:

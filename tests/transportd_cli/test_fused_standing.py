@@ -49,6 +49,36 @@ def test_a_size_is_named_by_every_key_fused_bench_sets() -> None:
     assert {*bench.SIZES_KEYS, "group_m", "tma"} <= set(standing.SIZE_KEYS)
 
 
+def test_the_call_defaults_are_fused_bench_s() -> None:
+    """fused_standing.CALL_DEFAULTS restates the settings fused_bench records beside its rows at its options'
+    defaults: a default it misstated would count every plain call as a departure, one it lacked would lump a
+    departure in with them."""
+    bench, standing = load_benchmark("fused_bench"), load_benchmark("fused_standing")
+    option = {"flags": "flags_where"}  # a recorded setting whose option is named otherwise
+    defaults = {param.name: param.default for param in bench.main.params}
+    assert {key: defaults[option.get(key, key)] for key in standing.CALL_DEFAULTS} == standing.CALL_DEFAULTS
+
+
+def test_a_call_off_the_defaults_or_on_another_gpu_is_counted_apart() -> None:
+    standing = load_benchmark("fused_standing")
+    plain = {"rows": [_row(1.0, 1.0, 0.85, 1.4)], "copy_via": "device", "programs": None, "gpu": "NVIDIA H200"}
+    entries = standing.standing([
+        ("a.json", plain),
+        ("b.json", {**plain, "copy_via": "host", "programs": 48}),
+        ("c.json", {**plain, "gpu": "NVIDIA H100 80GB HBM3"}),
+        ("d.json", {"rows": plain["rows"]}),  # an older call: no settings recorded (the defaults), no GPU
+        ("e.json", {**plain, "rows": [_row(1.0, 1.0, 0.7, 1.4)]}),
+    ])
+    got = {(e["gpu"], e["size"]): (e["rows"], e["met"], e["calls"]) for e in entries}
+    size = "m=8192 n=8192 k=12288 chunk_rows=512"
+    assert got == {("NVIDIA H200", size): (2, 1, ["a.json", "e.json"]),
+                   ("NVIDIA H200", f"{size} copy_via=host programs=48"): (1, 1, ["b.json"]),
+                   ("NVIDIA H100 80GB HBM3", size): (1, 1, ["c.json"]),
+                   (standing.UNRECORDED_GPU, size): (1, 1, ["d.json"])}
+    assert "| NVIDIA H200 | gemm_all_reduce | ib | cx7-400g | " + size + " copy_via=host programs=48 | 1 / 1 |" \
+        in standing.table(entries)
+
+
 def test_the_standing_counts_rows_per_size_over_calls(tmp_path) -> None:
     standing = load_benchmark("fused_standing")
     calls = [
@@ -69,7 +99,7 @@ def test_the_standing_counts_rows_per_size_over_calls(tmp_path) -> None:
     assert (big["rows"], big["in_band"], big["met"]) == (1, 1, 0)
     assert (by[("efa", base["size"])]["met"], by[("efa", base["size"])]["shape"]) == (1, "efa-200g")
     table = standing.table(entries).splitlines()
-    assert "| gemm_all_reduce | ib | cx7-400g | m=8192 n=8192 k=12288 chunk_rows=512 | 1 / 2 | 3 | 0.75–0.85 | " \
+    assert "| — | gemm_all_reduce | ib | cx7-400g | m=8192 n=8192 k=12288 chunk_rows=512 | 1 / 2 | 3 | 0.75–0.85 | " \
            "1.35–1.40× |" in table
     for name, call in calls:
         (tmp_path / name).write_text(json.dumps(call))
