@@ -148,12 +148,13 @@ WORLD = 2
 #: on ib: at 8192 the soft fabric's cost after the last tile (a chunk's trip, 0.5-0.6 ms) and its copies' drag on
 #: the compute let GEMM+AR meet both targets in 1 of 3 rows and GEMM+RS in 0 of 3 in three calls; at 32768, where a
 #: problem of the same balance outweighs them, in 2 of 3 and 3 of 3 (h200-2026-12-06-reductions-m-*.json,
-#: fused_standing.py); GEMM+AR's second K is 8192 there, as 16384 put its comm / compute at the band's edge (0.5)
+#: fused_standing.py). The second Ks there keep comm / compute off the band's edge (0.5): GEMM+AR's is 8192, as
+#: 16384 put it near 0.5, and GEMM+RS's 7168, as 8192 put it at 0.49 (h100-2026-12-06-reductions-ib-both-sizes-a.json)
 SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [{"m_local": 4096, "n": 8192, "k": 8192, "chunk_rows": 512},
                        {"m_local": 2048, "n": 8192, "k": 4096, "chunk_rows": 512}],
     "gemm_reduce_scatter": [{"m": 32768, "n": 8192, "k": 6144, "chunk_rows": 512},
-                            {"m": 32768, "n": 8192, "k": 8192, "chunk_rows": 512}],
+                            {"m": 32768, "n": 8192, "k": 7168, "chunk_rows": 512}],
     "gemm_all_reduce": [{"m": 32768, "n": 8192, "k": 12288, "chunk_rows": 512},
                         {"m": 32768, "n": 8192, "k": 8192, "chunk_rows": 512}],
     # chunks of 4 MiB (8192 K+V rows of 512 bytes, spanning heads): the soft fabric pays ~150 us a put, so
@@ -196,14 +197,16 @@ MOE_SIZE_KEYS = tuple(dict.fromkeys(key for dims in MOE_GEMM_SIZES for key in di
 #: h200-2026-12-03-efa-publication-cuda-copy-both-sizes.json: comm / compute 1.16-1.74 at ib's first sizes, 0.49-0.84
 #: at the grown ones). With 8 MiB chunks: AllGather+GEMM's N is ib's 8192 and 16384 (comm 6.4 ms against 8.9 of
 #: compute at 16384; at 32768 the comm was 0.31x the compute); GEMM+RS's K is 12288 and 16384, GEMM+AR's 24576
-#: and 32768 (comm 6.3 and 12.4 ms, against compute of 7.6 ms at RS's K 16384 and 15.6 ms at AR's K 32768).
+#: and 32768 (at M 8192 comm 6.3 and 12.4 ms, against compute of 7.6 ms at RS's K 16384 and 15.6 ms at AR's K 32768;
+#: at M 32768 on an H100, 13.6 and 32.4 ms against 25.4 and 50.9).
 EFA_SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [SIZES["allgather_gemm"][0], {**SIZES["allgather_gemm"][0], "n": 16384}],
-    # the reductions stay at M 8192 here, where efa's slower wire balances them and they met both targets more often
-    "gemm_reduce_scatter": [{**SIZES["gemm_reduce_scatter"][0], "m": 8192, "k": 12288},
-                            {**SIZES["gemm_reduce_scatter"][0], "m": 8192, "k": 16384}],
-    "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "m": 8192, "k": 24576},
-                        {**SIZES["gemm_all_reduce"][0], "m": 8192, "k": 32768}],
+    # the reductions at ib's M 32768 too: at the first sizes both met in 3 of 3 calls there, against 6 of 9 and 4 of 8
+    # at M 8192 (h100-2026-12-06-reductions-efa-m-32768-*.json)
+    "gemm_reduce_scatter": [{**SIZES["gemm_reduce_scatter"][0], "k": 12288},
+                            {**SIZES["gemm_reduce_scatter"][0], "k": 16384}],
+    "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "k": 24576},
+                        {**SIZES["gemm_all_reduce"][0], "k": 32768}],
     "ring_attention": [SIZES["ring_attention"][0], {**SIZES["ring_attention"][0], "seq_local": 16384}],
 }
 #: MoE Dispatch+GEMM's dispatch on efa now takes 1.4-1.7x ib's, within 2x of the compute at ib's sizes
