@@ -128,16 +128,32 @@ def test_the_reductions_at_m_32768_stand_as_the_docs_say() -> None:
     assert met[("gemm_all_reduce", "m=8192")] == (1, 3)
 
 
+def test_the_reductions_on_the_h100_stand_as_the_docs_say() -> None:
+    """docs/performance.md's and the README's H100 counts for the reductions' first sizes at M 32768, at fused_bench's
+    default settings (GEMM+AR's --chunk-rows and --copy-via host calls are counted apart)."""
+    entries = _standing_of("h100-2026-12-06-reductions-*.json", "h100-2026-12-06-ar-ib-chunk-rows-512.json")
+    met: dict[tuple[str, str, int], tuple[int, int]] = {}
+    for e in entries:  # the same size, with and without a recorded GPU, summed
+        key = (e["kernel"], e["backend"], int(e["size"].split()[2].removeprefix("k=")))
+        met[key] = tuple(a + b for a, b in zip(met.get(key, (0, 0)), (e["met"], e["in_band"]), strict=True))
+    assert met[("gemm_reduce_scatter", "ib", 6144)] == (3, 3)
+    assert met[("gemm_all_reduce", "ib", 12288)] == (2, 4)
+    assert met[("gemm_reduce_scatter", "efa", 12288)] == (4, 4)
+    assert met[("gemm_all_reduce", "efa", 24576)] == (4, 4)
+    assert {e["gpu"] for e in entries} == {"NVIDIA H100 80GB HBM3", load_benchmark("fused_standing").UNRECORDED_GPU}
+
+
 def test_moe_stands_as_the_docs_say() -> None:
     """docs/performance.md's and the README's MoE Dispatch+GEMM counts, from the H100 calls they quote."""
     entries = _standing_of("h100-2026-12-05-moe-1024-n6144-split-32-*.json",
-                           "h100-2026-12-05-fused-bench-moe-sizes-*.json")
+                           "h100-2026-12-05-fused-bench-moe-sizes-*.json",
+                           "h100-2026-12-06-fused-allgather-ring-moe.json")
     met = {(e["backend"], e["size"].split()[0], e["size"].split()[4]): (e["met"], e["in_band"], e["overlap"])
-           for e in entries}
-    assert met[("ib", "tokens=1024", "gemm_n=6144")] == (2, 4, [pytest.approx(0.77, abs=0.005),
+           for e in entries if e["kernel"] == "moe_dispatch_gemm"}
+    assert met[("ib", "tokens=1024", "gemm_n=6144")] == (2, 5, [pytest.approx(0.77, abs=0.005),
                                                                pytest.approx(0.86, abs=0.005)])
-    assert met[("efa", "tokens=1024", "gemm_n=6144")][:2] == (2, 4)
-    assert met[("ib", "tokens=128", "gemm_n=4096")][:2] == met[("efa", "tokens=128", "gemm_n=4096")][:2] == (0, 2)
+    assert met[("efa", "tokens=1024", "gemm_n=6144")][:2] == (3, 5)
+    assert met[("ib", "tokens=128", "gemm_n=4096")][:2] == met[("efa", "tokens=128", "gemm_n=4096")][:2] == (0, 3)
 
 
 @pytest.mark.parametrize(("text", "message"), [
