@@ -201,8 +201,8 @@ MOE_SIZE_KEYS = tuple(dict.fromkeys(key for dims in MOE_GEMM_SIZES for key in di
 #: at M 32768 on an H100, 13.6 and 32.4 ms against 25.4 and 50.9).
 EFA_SIZES: dict[str, list[dict[str, int]]] = {
     "allgather_gemm": [SIZES["allgather_gemm"][0], {**SIZES["allgather_gemm"][0], "n": 16384}],
-    # the reductions at ib's M 32768 too: at the first sizes both met in 3 of 3 calls there, against 6 of 9 and 4 of 8
-    # at M 8192 (h100-2026-12-06-reductions-efa-m-32768-*.json)
+    # the reductions at ib's M 32768 too: at the first sizes both met in 4 of 4 calls there on an H100, against 6 of 9
+    # and 4 of 8 at M 8192 on the H200 (h100-2026-12-06-reductions-efa-*.json)
     "gemm_reduce_scatter": [{**SIZES["gemm_reduce_scatter"][0], "k": 12288},
                             {**SIZES["gemm_reduce_scatter"][0], "k": 16384}],
     "gemm_all_reduce": [{**SIZES["gemm_all_reduce"][0], "k": 24576},

@@ -129,8 +129,9 @@ def test_the_reductions_at_m_32768_stand_as_the_docs_say() -> None:
 
 
 def test_the_reductions_on_the_h100_stand_as_the_docs_say() -> None:
-    """docs/performance.md's and the README's H100 counts for the reductions' first sizes at M 32768, at fused_bench's
-    default settings (GEMM+AR's --chunk-rows and --copy-via host calls are counted apart)."""
+    """docs/performance.md's and the README's H100 counts for the reductions' first sizes at M 32768, from the calls at
+    fused_bench's default settings and chunks (GEMM+AR's calls with --chunk-rows 1024 and 2048 or --copy-via host are
+    not counted)."""
     entries = _standing_of("h100-2026-12-06-reductions-*.json", "h100-2026-12-06-ar-ib-chunk-rows-512.json")
     met: dict[tuple[str, str, int], tuple[int, int]] = {}
     for e in entries:  # the same size, with and without a recorded GPU, summed
