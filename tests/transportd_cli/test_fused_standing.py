@@ -128,6 +128,44 @@ def test_the_reductions_at_m_32768_stand_as_the_docs_say() -> None:
     assert met[("gemm_all_reduce", "m=8192")] == (1, 3)
 
 
+#: the H200 calls with the GEMMs in a grouped tile order that docs/performance.md's standing counts (2026-12-04)
+GROUPED_CALLS = ("h200-2026-12-04-gemm-order-a-8.json", "h200-2026-12-04-gemm-order-b-4.json",
+                 "h200-2026-12-04-gemm-order-b-8.json", "h200-2026-12-04-fused-bench-all.json",
+                 "h200-2026-12-04-trace.json", "h200-2026-12-04-fused-bench-all-2.json",
+                 "h200-2026-12-04-fused-bench-runs.json", "h200-2026-12-04-fused-bench-last.json",
+                 "h200-2026-12-04-fused-bench-copy-run-tp.json")
+#: the H200 calls of ring attention at its current sizes that the same standing counts (2026-12-03 and -04)
+RING_CALLS = ("h200-2026-12-03-fused-bench-8mib-1.json", "h200-2026-12-03-fused-bench-8mib-2.json",
+              "h200-2026-12-03-fused-bench-8mib-chunks.json", "h200-2026-12-03-fused-bench-local-sockets-all.json",
+              "h200-2026-12-03-fused-bench-interleaved-all.json", "h200-2026-12-04-ring-attention-tma.json",
+              "h200-2026-12-04-ring-attention-pointers.json", *GROUPED_CALLS[3:4], *GROUPED_CALLS[5:])
+
+
+def _met_by_size(entries: list[dict[str, object]], kernel: str, backend: str, size: str) -> tuple[int, int]:
+    """(met, in band) over the entries of a size whatever their tile order or loads (group_m, tma), as the docs sum
+    them."""
+    met = [(e["met"], e["in_band"]) for e in entries if (e["kernel"], e["backend"]) == (kernel, backend)
+           and e["size"].split(" group_m=")[0].split(" tma=")[0] == size]
+    return sum(m for m, _ in met), sum(b for _, b in met)
+
+
+def test_the_hand_counted_standing_holds() -> None:
+    """docs/performance.md's and the README's counts made by hand before fused_standing existed, recounted from the
+    calls they cover: AllGather+GEMM's and ring attention's first sizes, the reductions at M 8192."""
+    grouped = _standing_of(*GROUPED_CALLS)
+    assert _met_by_size(grouped, "allgather_gemm", "ib", "m_local=4096 n=8192 k=8192 chunk_rows=512") == (8, 8)
+    assert _met_by_size(grouped, "allgather_gemm", "efa", "m_local=4096 n=8192 k=8192 chunk_rows=512") == (7, 8)
+    assert _met_by_size(grouped, "gemm_reduce_scatter", "efa", "m=8192 n=8192 k=12288 chunk_rows=512") == (6, 9)
+    assert _met_by_size(grouped, "gemm_all_reduce", "efa", "m=8192 n=8192 k=24576 chunk_rows=512") == (4, 8)
+    with_later = _standing_of(*GROUPED_CALLS, "h200-2026-12-06-reductions-m-8192-*.json")
+    assert _met_by_size(with_later, "gemm_reduce_scatter", "ib", "m=8192 n=8192 k=6144 chunk_rows=512") == (3, 12)
+    assert _met_by_size(with_later, "gemm_all_reduce", "ib", "m=8192 n=8192 k=12288 chunk_rows=512") == (1, 11)
+    ring = _standing_of(*RING_CALLS)
+    size = "heads=32 seq_local=8192 head_dim=128 chunk_rows=8192"
+    assert _met_by_size(ring, "ring_attention", "ib", size) == (12, 12)
+    assert _met_by_size(ring, "ring_attention", "efa", size) == (11, 12)
+
+
 def test_the_reductions_on_the_h100_stand_as_the_docs_say() -> None:
     """docs/performance.md's and the README's H100 counts for the reductions' first sizes at M 32768, from the calls at
     fused_bench's default settings and chunks (GEMM+AR's calls with --chunk-rows 1024 and 2048 or --copy-via host are
