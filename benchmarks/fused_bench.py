@@ -1514,8 +1514,8 @@ def parse_dims(text: str) -> dict[str, dict[str, int]]:
 
 
 def gpu_name() -> str | None:
-    """The GPU a call runs on, recorded beside its rows (fused_standing counts each card apart); None where torch or
-    a GPU is absent, as in the CPU tests' stand-in rows."""
+    """The GPU a call runs on, recorded beside its rows (fused_standing counts each card apart) or a ``--tune`` call's
+    tiles; None where torch or a GPU is absent, as in the CPU tests' stand-in runs."""
     try:
         import torch
     except ImportError:
@@ -1678,7 +1678,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                               echo=click.echo)
             mps_line = mps.describe()
             if json_path:
-                Path(json_path).write_text(json.dumps({**result, "mps": mps_line}, indent=2))
+                Path(json_path).write_text(json.dumps({**result, "gpu": gpu_name(), "mps": mps_line}, indent=2))
             click.echo(mps_line)
             return
         for backend in backends.split(","):

@@ -284,7 +284,8 @@ def test_the_tune_flag_runs_the_tuning_on_the_first_backend_and_shape_and_saves_
     assert seen == {"kernels": ["ring_attention", "allgather_gemm", "moe_dispatch_gemm"], "backend": "efa",
                     "shape": "efa-200g", "sizes": {**bench.SIZES, "moe_dispatch_gemm": bench.MOE_GEMM_SIZES},
                     "reps": 5, "tma": False, "seconds": 60.0}
-    assert json.loads(out.read_text())["mps"] == "MPS: stand-in"
+    written = json.loads(out.read_text())
+    assert written["mps"] == "MPS: stand-in" and written["gpu"] is None  # the card beside the tiles, none here
     CliRunner().invoke(bench.main, ["--tune", "--quick"])
     assert seen["sizes"] == {**bench.QUICK_SIZES, "moe_dispatch_gemm": bench.QUICK_MOE_GEMM_SIZES}
     assert seen["reps"] == 2 and seen["tma"] is True
