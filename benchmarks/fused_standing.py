@@ -54,12 +54,11 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
     return {"in_band": in_band, "meets_targets": meets if in_band else None}
 
 
-def size_of(row: dict[str, Any], call: dict[str, Any] | None = None) -> str:
-    """The row's size as ``key=value`` words, in ``SIZE_KEYS``' order, then the call's settings that are off
+def size_of(row: dict[str, Any], call: dict[str, Any]) -> str:
+    """The row's size as ``key=value`` words, in ``SIZE_KEYS``' order, then its call's settings that are off
     ``CALL_DEFAULTS``."""
     words = [f"{key}={row[key]}" for key in SIZE_KEYS if key in row]
-    words += [f"{key}={call[key]}" for key, default in CALL_DEFAULTS.items()
-              if call is not None and call.get(key, default) != default]
+    words += [f"{key}={call[key]}" for key, default in CALL_DEFAULTS.items() if call.get(key, default) != default]
     return " ".join(words)
 
 
