@@ -118,14 +118,31 @@ def _standing_of(*patterns: str) -> list[dict[str, object]]:
     return load_benchmark("fused_standing").standing((path.name, json.loads(path.read_text())) for path in files)
 
 
+def _met_by_size(entries: list[dict[str, object]], kernel: str, backend: str, size: str) -> tuple[int, int]:
+    """(met, in band) over the entries of a size whatever their GPU, tile order or loads (group_m, tma), as the docs
+    sum them; a call off fused_bench's default settings stays apart (its size names the departure)."""
+    def plain(entry_size: str) -> str:
+        return " ".join(word for word in entry_size.split() if not word.startswith(("group_m=", "tma=")))
+
+    met = [(e["met"], e["in_band"]) for e in entries
+           if (e["kernel"], e["backend"]) == (kernel, backend) and plain(e["size"]) == size]
+    return sum(m for m, _ in met), sum(b for _, b in met)
+
+
+#: the first sizes the standing counts: AllGather+GEMM's, ring attention's, and the reductions' at M and K
+AG_FIRST = "m_local=4096 n=8192 k=8192 chunk_rows=512"
+RING_FIRST = "heads=32 seq_local=8192 head_dim=128 chunk_rows=8192"
+REDUCTION = "m={m} n=8192 k={k} chunk_rows=512"
+
+
 def test_the_reductions_at_m_32768_stand_as_the_docs_say() -> None:
     """docs/performance.md's counts for the reductions' ib sizes, from the calls they were measured in."""
     entries = _standing_of("h200-2026-12-06-reductions-m-*.json")
-    met = {(e["kernel"], e["size"].split()[0]): (e["met"], e["in_band"]) for e in entries}
-    assert met[("gemm_reduce_scatter", "m=32768")] == (3, 3)
-    assert met[("gemm_all_reduce", "m=32768")] == (2, 3)
-    assert met[("gemm_reduce_scatter", "m=8192")] == (0, 3)  # 0.797 once: printed 0.80, a miss
-    assert met[("gemm_all_reduce", "m=8192")] == (1, 3)
+    assert _met_by_size(entries, "gemm_reduce_scatter", "ib", REDUCTION.format(m=32768, k=6144)) == (3, 3)
+    assert _met_by_size(entries, "gemm_all_reduce", "ib", REDUCTION.format(m=32768, k=12288)) == (2, 3)
+    # 0.797 once: printed 0.80, a miss
+    assert _met_by_size(entries, "gemm_reduce_scatter", "ib", REDUCTION.format(m=8192, k=6144)) == (0, 3)
+    assert _met_by_size(entries, "gemm_all_reduce", "ib", REDUCTION.format(m=8192, k=12288)) == (1, 3)
 
 
 #: the H200 calls with the GEMMs in a grouped tile order that docs/performance.md's standing counts (2026-12-04)
@@ -141,32 +158,20 @@ RING_CALLS = ("h200-2026-12-03-fused-bench-8mib-1.json", "h200-2026-12-03-fused-
               "h200-2026-12-04-ring-attention-pointers.json", *GROUPED_CALLS[3:4], *GROUPED_CALLS[5:])
 
 
-def _met_by_size(entries: list[dict[str, object]], kernel: str, backend: str, size: str) -> tuple[int, int]:
-    """(met, in band) over the entries of a size whatever their GPU, tile order or loads (group_m, tma), as the docs
-    sum them; a call off fused_bench's default settings stays apart (its size names the departure)."""
-    def plain(entry_size: str) -> str:
-        return " ".join(word for word in entry_size.split() if not word.startswith(("group_m=", "tma=")))
-
-    met = [(e["met"], e["in_band"]) for e in entries
-           if (e["kernel"], e["backend"]) == (kernel, backend) and plain(e["size"]) == size]
-    return sum(m for m, _ in met), sum(b for _, b in met)
-
-
 def test_the_hand_counted_standing_holds() -> None:
     """docs/performance.md's and the README's counts made by hand before fused_standing existed, recounted from the
     calls they cover: AllGather+GEMM's and ring attention's first sizes, the reductions at M 8192."""
     grouped = _standing_of(*GROUPED_CALLS)
-    assert _met_by_size(grouped, "allgather_gemm", "ib", "m_local=4096 n=8192 k=8192 chunk_rows=512") == (8, 8)
-    assert _met_by_size(grouped, "allgather_gemm", "efa", "m_local=4096 n=8192 k=8192 chunk_rows=512") == (7, 8)
-    assert _met_by_size(grouped, "gemm_reduce_scatter", "efa", "m=8192 n=8192 k=12288 chunk_rows=512") == (6, 9)
-    assert _met_by_size(grouped, "gemm_all_reduce", "efa", "m=8192 n=8192 k=24576 chunk_rows=512") == (4, 8)
+    assert _met_by_size(grouped, "allgather_gemm", "ib", AG_FIRST) == (8, 8)
+    assert _met_by_size(grouped, "allgather_gemm", "efa", AG_FIRST) == (7, 8)
+    assert _met_by_size(grouped, "gemm_reduce_scatter", "efa", REDUCTION.format(m=8192, k=12288)) == (6, 9)
+    assert _met_by_size(grouped, "gemm_all_reduce", "efa", REDUCTION.format(m=8192, k=24576)) == (4, 8)
     with_later = _standing_of(*GROUPED_CALLS, "h200-2026-12-06-reductions-m-8192-*.json")
-    assert _met_by_size(with_later, "gemm_reduce_scatter", "ib", "m=8192 n=8192 k=6144 chunk_rows=512") == (3, 12)
-    assert _met_by_size(with_later, "gemm_all_reduce", "ib", "m=8192 n=8192 k=12288 chunk_rows=512") == (1, 11)
+    assert _met_by_size(with_later, "gemm_reduce_scatter", "ib", REDUCTION.format(m=8192, k=6144)) == (3, 12)
+    assert _met_by_size(with_later, "gemm_all_reduce", "ib", REDUCTION.format(m=8192, k=12288)) == (1, 11)
     ring = _standing_of(*RING_CALLS)
-    size = "heads=32 seq_local=8192 head_dim=128 chunk_rows=8192"
-    assert _met_by_size(ring, "ring_attention", "ib", size) == (12, 12)
-    assert _met_by_size(ring, "ring_attention", "efa", size) == (11, 12)
+    assert _met_by_size(ring, "ring_attention", "ib", RING_FIRST) == (12, 12)
+    assert _met_by_size(ring, "ring_attention", "efa", RING_FIRST) == (11, 12)
 
 
 def test_the_reductions_on_the_h100_stand_as_the_docs_say() -> None:
@@ -174,11 +179,11 @@ def test_the_reductions_on_the_h100_stand_as_the_docs_say() -> None:
     fused_bench's default settings and chunks (GEMM+AR's calls with --chunk-rows 1024 and 2048 or --copy-via host are
     not counted)."""
     entries = _standing_of("h100-2026-12-06-reductions-*.json", "h100-2026-12-06-ar-ib-chunk-rows-512.json")
-    size = "m=32768 n=8192 k={} chunk_rows=512"  # summed with and without a recorded GPU
-    assert _met_by_size(entries, "gemm_reduce_scatter", "ib", size.format(6144)) == (4, 5)
-    assert _met_by_size(entries, "gemm_all_reduce", "ib", size.format(12288)) == (4, 7)
-    assert _met_by_size(entries, "gemm_reduce_scatter", "efa", size.format(12288)) == (5, 5)
-    assert _met_by_size(entries, "gemm_all_reduce", "efa", size.format(24576)) == (5, 5)
+    # summed with and without a recorded GPU
+    assert _met_by_size(entries, "gemm_reduce_scatter", "ib", REDUCTION.format(m=32768, k=6144)) == (4, 5)
+    assert _met_by_size(entries, "gemm_all_reduce", "ib", REDUCTION.format(m=32768, k=12288)) == (4, 7)
+    assert _met_by_size(entries, "gemm_reduce_scatter", "efa", REDUCTION.format(m=32768, k=12288)) == (5, 5)
+    assert _met_by_size(entries, "gemm_all_reduce", "efa", REDUCTION.format(m=32768, k=24576)) == (5, 5)
     assert {e["gpu"] for e in entries} == {"NVIDIA H100 80GB HBM3", load_benchmark("fused_standing").UNRECORDED_GPU}
 
 
@@ -186,9 +191,8 @@ def test_allgather_and_ring_attention_on_the_h100_stand_as_the_docs_say() -> Non
     """docs/performance.md's and the README's H100 counts for AllGather+GEMM's and ring attention's first sizes."""
     entries = _standing_of("h100-2026-12-06-fused-allgather-ring-moe.json", "h100-2026-12-06-ag-ring-first-size-*.json")
     for backend in ("ib", "efa"):
-        assert _met_by_size(entries, "allgather_gemm", backend, "m_local=4096 n=8192 k=8192 chunk_rows=512") == (3, 3)
-        assert _met_by_size(entries, "ring_attention", backend,
-                            "heads=32 seq_local=8192 head_dim=128 chunk_rows=8192") == (3, 3)
+        assert _met_by_size(entries, "allgather_gemm", backend, AG_FIRST) == (3, 3)
+        assert _met_by_size(entries, "ring_attention", backend, RING_FIRST) == (3, 3)
 
 
 def test_moe_stands_as_the_docs_say() -> None:
