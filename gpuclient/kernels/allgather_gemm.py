@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
+from gpuclient.kernels._launch import KernelLauncher, launch_stream
 from gpuclient.kernels._tiles import (
     GEMM_BLOCK,
     GROUP_M,
@@ -141,6 +142,7 @@ class AllGatherGemm:
         self.launches = 0
         self._ch: Any = None
         self._scratch = DescriptorScratch(self.gathered.device)
+        self._launcher = KernelLauncher(self.device)
 
     def retile(self, block: tuple[int, int, int] | None = None, *, num_warps: int | None = None,
                num_stages: int | None = None, tma: bool | None = None, group_m: int | None = None) -> None:
@@ -214,6 +216,7 @@ class AllGatherGemm:
         """
         import torch
 
+        stream = launch_stream(stream, self.device)
         self.prepare()
         if a_shard is not None and a_shard.data_ptr() != self.local_rows().data_ptr():
             self.local_rows().copy_(a_shard)
@@ -224,7 +227,6 @@ class AllGatherGemm:
         if communicate:
             self.launches += 1
         args, meta = self._args(max(self.launches, 1), b, out), self._meta(communicate, compute)
-        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            self._scratch.launch(lambda: _allgather_gemm[(self.programs,)](*args, **meta))
+        self._scratch.launch(lambda: self._launcher(_allgather_gemm, (self.programs,), stream, args, meta))
         return out
 

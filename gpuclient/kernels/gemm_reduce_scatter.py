@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
+from gpuclient.kernels._launch import KernelLauncher, launch_stream
 from gpuclient.kernels._tiles import (
     GEMM_BLOCK,
     GROUP_M,
@@ -447,6 +448,7 @@ class GemmReduceScatter:
         self.launches = 0
         self._ch: Any = None
         self._scratch = DescriptorScratch(self.partial.device)
+        self._launcher = KernelLauncher(self.device)
 
     def retile(self, block: tuple[int, int, int] | None = None, *, num_warps: int | None = None,
                num_stages: int | None = None, tma: bool | None = None, group_m: int | None = None) -> None:
@@ -549,6 +551,7 @@ class GemmReduceScatter:
                 timeline: Any = None) -> None:
         import torch
 
+        stream = launch_stream(stream, self.device)
         self._check("a", a, (self.m, self.k), torch.bfloat16)
         self._check("b", b, (self.k, self.n), torch.bfloat16)
         if self.tma:
@@ -561,8 +564,7 @@ class GemmReduceScatter:
             self._check("timeline", timeline, (self.layout.timeline_words(self.programs),), torch.int64)
         args = self._args(max(self.launches, 1), a, b, out, timeline)
         meta = self._meta(communicate, compute, timeline is not None)
-        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            self._scratch.launch(lambda: _gemm_reduce_scatter[(self.programs,)](*args, **meta))
+        self._scratch.launch(lambda: self._launcher(_gemm_reduce_scatter, (self.programs,), stream, args, meta))
 
     def __call__(self, a: Any, b: Any, out: Any = None, *, communicate: bool = True, compute: bool = True,
                  stream: Any = None, timeline: Any = None) -> Any:

@@ -94,6 +94,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
+from gpuclient.kernels._launch import KernelLauncher, launch_stream
 from gpuclient.kernels._tiles import check_launch, is_dot_block
 from gpuclient.kernels.moe_layout import MoELayout, dispatch_row
 
@@ -896,6 +897,7 @@ class MoE:
         self.gemm_rounds = 0  # the dispatch_gemm rounds that communicated: the group flags' epoch
         self._pending: MoEHandle | None = None
         self._ch: Any = None
+        self._launcher = KernelLauncher(self.device)
 
     # --- launch plumbing ------------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -1049,15 +1051,14 @@ class MoE:
         rest is stale). It and the handle stay valid until this round's ``combine`` is launched; the
         expert computation must be ordered before it (same stream, or synchronised).
         """
-        import torch
-
         tokens = self._check_inputs(x, topk_idx, topk_weights)
+        stream = launch_stream(stream, self.device)
         self.prepare()
         self.rounds += 1
         epoch = self.rounds
-        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            _moe_route[(self.programs,)](*self._route_args(x, topk_idx, tokens), **self._route_meta())
-            _moe_dispatch[(self.programs,)](*self._dispatch_args(epoch), **self._dispatch_meta())
+        grid = (self.programs,)
+        self._launcher(_moe_route, grid, stream, self._route_args(x, topk_idx, tokens), self._route_meta())
+        self._launcher(_moe_dispatch, grid, stream, self._dispatch_args(epoch), self._dispatch_meta())
         self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
                                   self.idx32[:tokens], topk_weights)
         return self.received(), self.recv_count, self._pending
@@ -1117,17 +1118,19 @@ class MoE:
             self._check("timeline", timeline, (self.layout.timeline_words(self.gemm_programs),), (torch.int64,))
         if not communicate and self.rounds == 0:
             raise RuntimeError("communicate=False reruns the GEMM of the latest round: dispatch one first")
+        stream = launch_stream(stream, self.device)
         self.prepare()
         if communicate:  # compute=False too: its rows move and its flags rise like any fused round's
             self.rounds += 1
             self.gemm_rounds += 1
         # communicate=False waits for nothing: the epochs are only there to fill the arguments
         epoch, gemm_epoch = max(self.rounds, 1), max(self.gemm_rounds, 1)
-        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            if communicate:
-                _moe_route[(self.programs,)](*self._route_args(x, topk_idx, tokens), **self._route_meta())
-            _moe_dispatch_gemm[(self.gemm_programs,)](*self._gemm_args(epoch, gemm_epoch, w, y, timeline),
-                                                      **self._gemm_meta(communicate, compute, timeline is not None))
+        if communicate:
+            self._launcher(_moe_route, (self.programs,), stream, self._route_args(x, topk_idx, tokens),
+                           self._route_meta())
+        self._launcher(_moe_dispatch_gemm, (self.gemm_programs,), stream,
+                       self._gemm_args(epoch, gemm_epoch, w, y, timeline),
+                       self._gemm_meta(communicate, compute, timeline is not None))
         if not communicate:
             return y, self.recv_count, None
         self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
@@ -1149,10 +1152,10 @@ class MoE:
         if out is None:
             out = self.out[:handle.tokens]
         self._check("out", out, (handle.tokens, self.hidden), (torch.bfloat16,))
-        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            _moe_combine_send[(self.programs,)](*self._combine_send_args(y), **self._combine_send_meta())
-            _moe_combine_reduce[(self.programs,)](*self._reduce_args(handle.round, handle.tokens,
-                                                                     handle.topk_weights, out),
-                                                  **self._reduce_meta())
+        stream = launch_stream(stream, self.device)
+        grid = (self.programs,)
+        self._launcher(_moe_combine_send, grid, stream, self._combine_send_args(y), self._combine_send_meta())
+        self._launcher(_moe_combine_reduce, grid, stream,
+                       self._reduce_args(handle.round, handle.tokens, handle.topk_weights, out), self._reduce_meta())
         self._pending = None
         return out

@@ -77,6 +77,7 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
+from gpuclient.kernels._launch import KernelLauncher, launch_stream
 from gpuclient.kernels._tiles import DescriptorScratch, async_proxy_fence, check_launch
 from gpuclient.plan import ChunkPlan
 
@@ -509,6 +510,7 @@ class RingAttention:
         self.launches = 0
         self._ch: Any = None
         self._descriptors = DescriptorScratch(self.kv.device)
+        self._launcher = KernelLauncher(self.device)
 
     def retile(self, block: tuple[int, int] | None = None, *, num_warps: int | None = None,
                num_stages: int | None = None, tma: bool | None = None) -> None:
@@ -600,6 +602,7 @@ class RingAttention:
         ``preload``-ed first where ranks share a process."""
         import torch
 
+        stream = launch_stream(stream, self.device)
         for name, tensor in (("q", q), ("k", k), ("v", v)):
             self._check(name, tensor, torch.bfloat16)
         if out is not None:
@@ -610,6 +613,5 @@ class RingAttention:
         if communicate and self.world > 1:
             self.launches += 1
         args, meta = self._args(max(self.launches, 1), q, k, v, out), self._meta(communicate, compute)
-        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            self._descriptors.launch(lambda: _ring_attention[(self.programs,)](*args, **meta))
+        self._descriptors.launch(lambda: self._launcher(_ring_attention, (self.programs,), stream, args, meta))
         return out

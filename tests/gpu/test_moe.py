@@ -94,6 +94,14 @@ def test_moe_dispatch_and_combine_match_a_torch_reference(cuda_device, fabric: s
             with pytest.raises(RuntimeError, match="without gemm_n"):  # built without the fused GEMM
                 ops[0].dispatch_gemm(bad[:max_tokens], bad[:max_tokens, :topk].long(),
                                      bad[:max_tokens, :topk].float(), w_dev)
+            # a CUDA graph would replay the round number: refused before the op counts the call (op.rounds,
+            # checked below, stays the rounds that ran)
+            inputs = (bad[:max_tokens], bad[:max_tokens, :topk].long(), bad[:max_tokens, :topk].float())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                bad.add_(1)  # a graph of something
+                with pytest.raises(RuntimeError, match="CUDA graph"):
+                    ops[0].dispatch(*inputs)
             for rnd in range(1, ROUNDS + 1):
                 # round 1: expert 5 unpicked, expert 1 hot; round 2: only rank 0's experts (rank 1 receives
                 # nothing); round 3: rank 1 sends nothing, int32 indices

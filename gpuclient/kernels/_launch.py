@@ -1,0 +1,96 @@
+"""How the fused ops launch their Triton kernels: little host time per call, and never inside a CUDA graph.
+
+**Host time.** ``kernel[grid](*args, **meta)`` binds every argument again at each launch: Triton types and
+specializes each one, formats the options into its cache key, asks torch for the device and stream, and checks
+the kernel's globals. For the ops' kernels (10-25 arguments and as many constexprs) that took 45-70 us of host
+time per launch on an H100 host, against 11-13 us for the compiled kernel's own launch
+(``benchmarks/launch_bench.py``). :class:`KernelLauncher` keeps the compiled kernel that Triton launched for a
+call, under a key of everything Triton specializes on, and launches it itself when a later call has the same
+key. A new key goes through Triton once, which compiles only what it has not compiled before, exactly as a
+plain launch would.
+
+The key (:func:`specialization` of each argument, with the grid, the constexprs and the options) is never
+coarser than Triton's: a pointer's dtype and whether its address is a multiple of 16, an integer's type (i32,
+i64 or u64 by its range), whether it is 1 and whether it is a multiple of 16 (Triton 3's
+``BaseBackend.get_*_specialization``; ``tests/gpuclient/test_kernel_launch.py`` holds the key to Triton's own
+specialization of the same values). An argument of any other kind sends the call through Triton every time.
+
+**CUDA graphs.** Each launch of an op carries its round number (``epoch``), and its waits compare flags with
+it. A graph would replay the captured number, and a replayed wait would find its flags already past it and
+read before the data arrived, so :func:`launch_stream` refuses a stream that is capturing, before the op
+counts the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KernelLauncher", "launch_stream", "specialization"]
+
+_I32 = range(-(1 << 31), 1 << 31)
+_UNKNOWN = object()  # an argument the key cannot describe: such a call is Triton's every time
+
+
+def specialization(arg: Any) -> Any:
+    """What a Triton launch could specialize on in ``arg``, as a hashable key (``_UNKNOWN`` for an argument
+    that is neither a pointer, an integer, a float, a bool nor None)."""
+    data_ptr = getattr(arg, "data_ptr", None)
+    if data_ptr is not None:
+        return arg.dtype, data_ptr() & 15 == 0
+    kind = arg.__class__
+    if kind is int:
+        return arg in _I32, arg >= 1 << 63, arg == 1, arg & 15 == 0
+    if kind is float or kind is bool or arg is None:
+        return kind
+    return _UNKNOWN
+
+
+def launch_stream(stream: Any, device: int) -> Any:
+    """The torch stream a call launches on: ``stream``, else torch's current stream on ``device``. Raises
+    RuntimeError for a stream that is capturing a CUDA graph (see the module doc)."""
+    import torch
+
+    from transportd.cuda_driver import check, driver
+
+    stream = stream or torch.cuda.current_stream(device)
+    drv = driver()
+    status = check(drv.cuStreamIsCapturing(drv.CUstream(stream.cuda_stream)), "cuStreamIsCapturing")
+    if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+        raise RuntimeError("the fused ops cannot be captured in a CUDA graph: each launch carries its round "
+                           "number, which a replay would repeat (launch them outside the capture)")
+    return stream
+
+
+class KernelLauncher:
+    """One op's launches on ``device``: each call's compiled kernel kept by its key and launched directly when
+    the key comes again (see the module doc)."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.direct = True  # False: every launch is Triton's own (the reference of benchmarks/launch_bench.py)
+        self._runs: dict[tuple, tuple[Any, tuple]] = {}  # key -> (the compiled kernel's runner, the constexprs)
+
+    def __call__(self, kernel: Any, grid: tuple[int, ...], stream: Any, args: tuple, meta: dict[str, Any]) -> None:
+        """Launch ``kernel[grid](*args, **meta)`` on ``stream`` (a torch stream, from :func:`launch_stream`):
+        ``args`` are the kernel's leading parameters, ``meta`` its constexprs (every one after ``args``) and
+        launch options."""
+        import torch
+
+        if not self.direct:
+            with torch.cuda.stream(stream):
+                kernel[grid](*args, **meta)
+            return
+        specs = tuple(map(specialization, args))
+        key = (kernel, grid, tuple(meta.items()), specs)
+        run = self._runs.get(key)
+        if run is not None and torch.cuda.current_device() == self.device:
+            runner, constexprs = run
+            runner(*args, *constexprs, stream=stream.cuda_stream)
+            return
+        with torch.cuda.stream(stream):  # Triton's own launch: it binds, compiles if it must, and launches
+            compiled = kernel[grid](*args, **meta)
+        if _UNKNOWN in specs or not hasattr(compiled, "packed_metadata"):
+            return  # not a key this can hold, or not a compiled kernel (Triton's interpreter)
+        params = kernel.params[len(args):]
+        constexprs = tuple(meta[p.name] if p.name in meta else p.default for p in params)
+        self._runs[key] = (compiled[(*grid, 1, 1)[:3]], constexprs)  # its runner takes all three dimensions
