@@ -12,19 +12,16 @@ CI installs Triton (.[triton]); without it these tests skip here and fail under 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-try:
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.nvidia.compiler import CUDABackend
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise ImportError("CI must install Triton (pip install -e '.[cuda,triton]' in .ci/run)") from None
-    pytest.skip("Triton is not installed here: pip install -e '.[triton]' (CI installs it)", allow_module_level=True)
+from tests.support.triton_required import require_triton
+
+require_triton()
+
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 
 from gpuclient.kernels._launch import _UNKNOWN, specialization  # noqa: E402
 from gpuclient.triton import DevicePointer  # noqa: E402

@@ -24,18 +24,14 @@ The ops' GPU test is tests/gpu/test_fused_kernels.py. CI installs Triton; withou
 
 from __future__ import annotations
 
-import os
 from itertools import product
 
 import numpy as np
 import pytest
 
-try:
-    import triton  # noqa: F401
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise ImportError("CI must install Triton (pip install -e '.[cuda,triton]' in .ci/run)") from None
-    pytest.skip("Triton is not installed here: pip install -e '.[triton]' (CI installs it)", allow_module_level=True)
+from tests.support.triton_required import require_triton
+
+require_triton()
 
 from gpuclient.errors import PlanError  # noqa: E402
 from gpuclient.kernels._tiles import DescriptorScratch, check_group, check_tiles, tile_order  # noqa: E402

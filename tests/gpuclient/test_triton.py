@@ -33,14 +33,12 @@ from cmd_ring.ring import RingConsumer, RingFile
 from gpuclient.device_channel import CHANNEL_DTYPE, RING_DTYPE
 from tests.support.benchmarks import load_benchmark
 from tests.support.ptxsim import Kernel, Stuck
+from tests.support.triton_required import require_triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise ImportError("CI must install Triton (pip install -e '.[cuda,triton]' in .ci/run)") from None
-    pytest.skip("Triton is not installed here: pip install -e '.[triton]' (CI installs it)", allow_module_level=True)
+require_triton()
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import gpuclient.triton as tdt  # noqa: E402
 from gpuclient.plan import PLAN_DTYPE, ChunkPlan  # noqa: E402
