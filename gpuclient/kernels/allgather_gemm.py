@@ -207,6 +207,7 @@ class AllGatherGemm:
     def __call__(self, a_shard: Any, b: Any, out: Any = None, *, communicate: bool = True, compute: bool = True,
                  stream: Any = None) -> Any:
         """Launch once on ``stream`` (torch's current one by default); returns C (``world*m_local x n``).
+        ``a_shard`` is copied into ``local_rows()`` on ``stream`` too, before the kernel (None: the rows are there).
 
         Between launches nothing needs resetting or synchronizing: a launch ships its shard to a peer only
         once that peer has said it finished reading the previous launch's rows (a flag per rank).
@@ -219,7 +220,8 @@ class AllGatherGemm:
         stream = launch_stream(stream, self.device)
         self.prepare()
         if a_shard is not None and a_shard.data_ptr() != self.local_rows().data_ptr():
-            self.local_rows().copy_(a_shard)
+            with torch.cuda.stream(stream):  # in the launch's stream, ahead of the kernel that reads and ships it
+                self.local_rows().copy_(a_shard)
         if out is None:
             out = torch.empty((self.world * self.m_local, self.n), dtype=self.out_dtype, device=self.gathered.device)
         if self.tma:

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 LAUNCHES = 3
+SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep: ~25 ms of a busy stream at the H100's and H200's ~2 GHz
 
 
 HOST_FLAGS = ":host-flags"  # a fabric with this suffix: every rank's flags in a host flag file, not GPU memory
@@ -97,6 +98,8 @@ def test_allgather_gemm_matches_torch(cuda_device, fabric: str, world: int, tma:
             for op in ops:  # both ranks' kernels loaded before either launches (one process, one GPU)
                 op.prepare()
             streams = [torch.cuda.Stream(cuda_device) for _ in ops]
+            busy = torch.cuda.Stream(cuda_device)
+            torch.cuda._sleep(1)  # its module loaded now, while no kernel of the ops runs (the preload rule)
             b = [torch.randn(k, n, generator=gen).to(torch.bfloat16).cuda(cuda_device) for _ in ops]
             for launch in range(1, LAUNCHES + 1):
                 shards = [torch.randn(m_local, k, generator=gen).to(torch.bfloat16).cuda(cuda_device) for _ in ops]
@@ -105,7 +108,12 @@ def test_allgather_gemm_matches_torch(cuda_device, fabric: str, world: int, tma:
                 torch.cuda.synchronize(cuda_device)
                 outs = []
                 for r, op in enumerate(ops):
-                    with torch.cuda.stream(streams[r]):
+                    # the last launch with torch's current stream busy elsewhere: the shard's copy into the
+                    # gathered rows must still come before the kernel, in the launch's stream
+                    current = busy if launch == LAUNCHES else streams[r]
+                    with torch.cuda.stream(current):
+                        if current is busy:
+                            torch.cuda._sleep(SLEEP_CYCLES)
                         outs.append(op(shards[r], b[r], stream=streams[r]))
                 torch.cuda.synchronize(cuda_device)
                 a_full = torch.cat(shards).float()
