@@ -223,7 +223,9 @@ class AllGatherGemm:
             with torch.cuda.stream(stream):  # in the launch's stream, ahead of the kernel that reads and ships it
                 self.local_rows().copy_(a_shard)
         if out is None:
-            out = torch.empty((self.world * self.m_local, self.n), dtype=self.out_dtype, device=self.gathered.device)
+            with torch.cuda.stream(stream):  # allocated on the stream that writes it
+                out = torch.empty((self.world * self.m_local, self.n), dtype=self.out_dtype,
+                                  device=self.gathered.device)
         if self.tma:
             check_aligned("b", b)
         if communicate:

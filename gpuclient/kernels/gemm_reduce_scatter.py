@@ -509,11 +509,12 @@ class GemmReduceScatter:
         self._scratch.reserve_for(compiled, self.programs)  # the descriptors' memory (tma), before any launch
         return compiled
 
-    def _out_buffer(self, out: Any) -> Any:
+    def _out_buffer(self, out: Any, stream: Any) -> Any:
         import torch
 
         if out is None:
-            return torch.empty((self.m_seg, self.n), dtype=self.out_dtype, device=self.partial.device)
+            with torch.cuda.stream(stream):  # allocated on the stream that writes it
+                return torch.empty((self.m_seg, self.n), dtype=self.out_dtype, device=self.partial.device)
         return out
 
     def _args(self, epoch: int, a: Any, b: Any, out: Any, timeline: Any) -> tuple:
@@ -549,9 +550,9 @@ class GemmReduceScatter:
 
     def _launch(self, a: Any, b: Any, out: Any, communicate: bool, compute: bool, stream: Any,
                 timeline: Any = None) -> None:
+        """The launch on ``stream`` (the caller's ``launch_stream``, resolved before anything is counted)."""
         import torch
 
-        stream = launch_stream(stream, self.device)
         self._check("a", a, (self.m, self.k), torch.bfloat16)
         self._check("b", b, (self.k, self.n), torch.bfloat16)
         if self.tma:
@@ -575,9 +576,10 @@ class GemmReduceScatter:
         ``timeline`` (from ``timeline()``): the launch also writes the %globaltimer of each tile's start,
         compute, waits and end, each chunk's completion and shipping, and each program's end into it. A
         variant other than the default must be ``preload``-ed first where ranks share a process."""
+        stream = launch_stream(stream, self.device)
         if out is not None:
             self._check("out", out, (self.m_seg, self.n), self.out_dtype)
-        out = self._out_buffer(out)
+        out = self._out_buffer(out, stream)
         self._launch(a, b, out, communicate, compute, stream, timeline)
         return out
 
@@ -596,9 +598,6 @@ class GemmAllReduce(GemmReduceScatter):
 
     _ALL_GATHER = True
 
-    def _out_buffer(self, out: Any) -> Any:
-        return self.result
-
     def __call__(self, a: Any, b: Any, out: Any = None, *, communicate: bool = True, compute: bool = True,
                  stream: Any = None, timeline: Any = None) -> Any:
         """Launch once on ``stream``; returns ``result`` (``m x n``). ``out`` is refused: the peers write into
@@ -606,5 +605,5 @@ class GemmAllReduce(GemmReduceScatter):
         stale. ``compute=False`` and ``timeline``: as for GemmReduceScatter."""
         if out is not None:
             raise ValueError("GemmAllReduce writes into its registered result buffer (op.result); copy from it")
-        self._launch(a, b, self.result, communicate, compute, stream, timeline)
+        self._launch(a, b, self.result, communicate, compute, launch_stream(stream, self.device), timeline)
         return self.result

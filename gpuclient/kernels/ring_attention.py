@@ -609,7 +609,9 @@ class RingAttention:
             self._check("out", out, self.out_dtype)
         self.prepare()
         if out is None:
-            out = torch.empty((self.heads, self.seq_local, self.head_dim), dtype=self.out_dtype, device=self.kv.device)
+            with torch.cuda.stream(stream):  # allocated on the stream that writes it
+                out = torch.empty((self.heads, self.seq_local, self.head_dim), dtype=self.out_dtype,
+                                  device=self.kv.device)
         if communicate and self.world > 1:
             self.launches += 1
         args, meta = self._args(max(self.launches, 1), q, k, v, out), self._meta(communicate, compute)
