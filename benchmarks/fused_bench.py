@@ -106,6 +106,7 @@ or skipped past ``--tune-seconds``); per kernel the best config and torch's time
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -120,7 +121,8 @@ from typing import Any
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from benchmarks.fabric_bench import SHAPES, daemon_config  # noqa: E402
 from benchmarks.fused_standing import judge  # noqa: E402
@@ -1513,6 +1515,20 @@ def parse_dims(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+#: the sources a call's ``kernel_source`` digest covers: the ops, their Triton device calls and their plans
+KERNEL_SOURCES = ("gpuclient/kernels/*.py", "gpuclient/triton.py", "gpuclient/plan.py")
+
+
+def kernel_source(root: Path = ROOT) -> str:
+    """The first 12 hex digits of a SHA-256 over ``KERNEL_SOURCES`` (each file's path and bytes, in path order),
+    written beside a call's rows: calls with one digest ran the same kernels, and a variant under test has its own
+    (``fused_standing.py --source`` counts by it)."""
+    digest = hashlib.sha256()
+    for path in sorted({p for pattern in KERNEL_SOURCES for p in root.glob(pattern)}):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def gpu_name() -> str | None:
     """The GPU a call runs on, recorded beside its rows (fused_standing counts each card apart) or a ``--tune`` call's
     tiles; None where torch or a GPU is absent, as in the CPU tests' stand-in runs."""
@@ -1638,6 +1654,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         reps = 2
     rows: list[dict[str, Any]] = []
     raw_timelines: list[dict[str, Any]] = []
+    source = kernel_source()  # read before the run: an edit during it is not what ran
 
     def save(mps_line: str) -> None:
         for row in rows:
@@ -1648,7 +1665,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
         if timeline_path:
             Path(timeline_path).write_text(json.dumps(raw_timelines))
         if json_path:
-            Path(json_path).write_text(json.dumps({"rows": rows, "gpu": gpu_name(),
+            Path(json_path).write_text(json.dumps({"rows": rows, "gpu": gpu_name(), "kernel_source": source,
                                                    "mps": mps_line, "copy_via": copy_via,
                                                    "flags": flags_where, "publication": publication,
                                                    "programs": programs, "io_spin_us": io_spin_us,
@@ -1678,7 +1695,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                               echo=click.echo)
             mps_line = mps.describe()
             if json_path:
-                Path(json_path).write_text(json.dumps({**result, "gpu": gpu_name(), "mps": mps_line}, indent=2))
+                Path(json_path).write_text(json.dumps({**result, "gpu": gpu_name(), "kernel_source": source,
+                                                       "mps": mps_line}, indent=2))
             click.echo(mps_line)
             return
         for backend in backends.split(","):

@@ -8,8 +8,10 @@ alone) and those of them that met both targets (overlap efficiency >= ``TARGET_O
 >= ``TARGET_SPEEDUP``x the sequential baseline), with the overlap and the speedup's range over the rows in the
 band. A call run with a setting off fused_bench's defaults (``--copy-via host``, ``--programs 48``...) is counted
 apart, its size naming the departure. An older call, which does not record its GPU, counts under ``—``; its file
-name says the card. Rows without an overlap (MoE's dispatch and combine latency) are not counted; files with no
-rows are named, and a file that is not a fused_bench JSON is refused by name before anything is written.
+name says the card. Each entry lists the ``sources`` (``kernel_source`` digests) of the calls it counts, and
+``--source PREFIX`` counts only the calls whose digest starts so (a variant's calls, or the tree's). Rows without
+an overlap (MoE's dispatch and combine latency) are not counted; files with no rows are named, and a file that is
+not a fused_bench JSON is refused by name before anything is written.
 A row's verdict is ``judge``'s, which ``fused_bench.py`` also writes into every row it times.
 """
 
@@ -37,8 +39,9 @@ SIZE_KEYS = ("m", "m_local", "n", "k", "heads", "seq_local", "head_dim", "tokens
 CALL_DEFAULTS: dict[str, Any] = {"copy_via": "device", "flags": "device", "publication": "cuda-copy",
                                  "programs": None, "io_spin_us": 0.0, "nic_spin_us": None, "gil_switch_us": 0.0,
                                  "poll_window_us": None}
-#: the GPU of a call that does not record one
+#: the GPU of a call that does not record one, and the kernel source of one that does not record its digest
 UNRECORDED_GPU = "—"
+UNRECORDED_SOURCE = "—"
 
 #: what a timed row must have to be counted
 ROW_KEYS = ("kernel", "backend", "comm_s", "compute_s", "overlap_efficiency", "speedup_vs_sequential")
@@ -65,10 +68,11 @@ def size_of(row: dict[str, Any], call: dict[str, Any]) -> str:
 def standing(calls: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One entry per GPU, kernel, backend, shape and size, in the order first seen: ``rows`` (timed), ``in_band``,
     ``met``, the overlap's and the speedup's ``[min, max]`` over the rows in the band (None if none was), and the
-    ``calls`` (file names) the rows came from."""
+    ``calls`` (file names) the rows came from and their ``sources`` (kernel digests)."""
     groups: dict[tuple[str, str, str, str, str], dict[str, Any]] = {}
     for name, call in calls:
         gpu = call.get("gpu") or UNRECORDED_GPU
+        source = call.get("kernel_source") or UNRECORDED_SOURCE
         for row in call.get("rows") or []:
             if "overlap_efficiency" not in row:
                 continue
@@ -78,11 +82,13 @@ def standing(calls: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]
             key = (gpu, row["kernel"], row["backend"], row.get("shape", ""), size_of(row, call))
             group = groups.setdefault(key, {"gpu": gpu, "kernel": key[1], "backend": key[2], "shape": key[3],
                                             "size": key[4], "rows": 0, "in_band": 0, "met": 0, "overlap": None,
-                                            "speedup": None, "calls": []})
+                                            "speedup": None, "calls": [], "sources": []})
             verdict = judge(row)
             group["rows"] += 1
             if name not in group["calls"]:
                 group["calls"].append(name)
+            if source not in group["sources"]:
+                group["sources"].append(source)
             if not verdict["in_band"]:
                 continue
             group["in_band"] += 1
@@ -110,7 +116,9 @@ def table(entries: list[dict[str, Any]]) -> str:
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="also write the standing here, with the targets it was judged by")
-def main(files: tuple[Path, ...], json_path: Path | None) -> None:
+@click.option("--source", "sources", multiple=True, metavar="PREFIX",
+              help="count only the calls whose kernel_source digest starts with PREFIX (repeatable)")
+def main(files: tuple[Path, ...], json_path: Path | None, sources: tuple[str, ...] = ()) -> None:
     """Count the rows of fused_bench JSONs FILES that met both targets, per GPU, kernel, backend, shape and size."""
     calls = []
     for path in files:
@@ -121,6 +129,9 @@ def main(files: tuple[Path, ...], json_path: Path | None) -> None:
         if not isinstance(call, dict) or not isinstance(call.get("rows", []), list):
             raise click.BadParameter(f"{path}: not a fused_bench JSON (an object with a list of rows)",
                                      param_hint="FILES")
+        if sources and not str(call.get("kernel_source") or "").startswith(sources):
+            click.echo(f"{path.name}: kernel source {call.get('kernel_source') or UNRECORDED_SOURCE}, not counted")
+            continue
         if not call.get("rows"):
             click.echo(f"{path.name}: no rows")
         calls.append((path.name, call))

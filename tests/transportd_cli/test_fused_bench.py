@@ -322,8 +322,28 @@ def test_a_run_rewrites_its_json_after_every_row_and_keeps_failures(tmp_path: Pa
     # beside the rows, what fused_standing counts them by: the GPU (none here) and the settings, at their defaults
     call = json.loads(out.read_text())
     defaults = load_benchmark("fused_standing").CALL_DEFAULTS
-    assert call.keys() == {"rows", "gpu", "mps", *defaults} and call["gpu"] is None
+    assert call.keys() == {"rows", "gpu", "mps", "kernel_source", *defaults} and call["gpu"] is None
     assert {key: call[key] for key in defaults} == defaults
+    assert call["kernel_source"] == bench.kernel_source()  # the tree's kernels, as the run read them
+
+
+def test_the_kernel_source_digest_follows_the_kernels_sources_and_nothing_else(tmp_path: Path) -> None:
+    bench = load_benchmark("fused_bench")
+    kernels = tmp_path / "gpuclient" / "kernels"
+    kernels.mkdir(parents=True)
+    (kernels / "op.py").write_text("TILE = 128\n")
+    (tmp_path / "gpuclient" / "triton.py").write_text("calls\n")
+    first = bench.kernel_source(tmp_path)
+    assert len(first) == 12 and int(first, 16) >= 0
+    (tmp_path / "gpuclient" / "session.py").write_text("not a kernel\n")  # outside KERNEL_SOURCES
+    (tmp_path / "README.md").write_text("docs\n")
+    assert bench.kernel_source(tmp_path) == first
+    (kernels / "op.py").write_text("TILE = 64\n")  # a variant
+    assert bench.kernel_source(tmp_path) != first
+    (kernels / "op.py").write_text("TILE = 128\n")
+    (tmp_path / "gpuclient" / "plan.py").write_text("plans\n")  # a covered file added
+    assert bench.kernel_source(tmp_path) != first
+    assert bench.kernel_source() != first  # the tree's own
 
 
 def test_each_backend_runs_its_own_sizes_and_efa_grows_only_what_the_compute_grows_with(monkeypatch) -> None:

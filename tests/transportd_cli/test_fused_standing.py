@@ -79,6 +79,29 @@ def test_a_call_off_the_defaults_or_on_another_gpu_is_counted_apart() -> None:
         in standing.table(entries)
 
 
+def test_an_entry_names_its_calls_kernel_sources_and_source_counts_only_those_calls(tmp_path) -> None:
+    standing = load_benchmark("fused_standing")
+    row = _row(1.0, 1.0, 0.85, 1.4)
+    calls = {"tree-a.json": {"rows": [row], "kernel_source": "0123456789ab"},
+             "variant.json": {"rows": [_row(1.0, 1.0, 0.70, 1.4)], "kernel_source": "fedcba987654"},
+             "tree-b.json": {"rows": [row], "kernel_source": "0123456789ab"},
+             "older.json": {"rows": [row]}}  # no digest recorded
+    (entry,) = standing.standing(calls.items())
+    assert entry["sources"] == ["0123456789ab", "fedcba987654", standing.UNRECORDED_SOURCE]
+    assert (entry["rows"], entry["met"]) == (4, 3)
+    for name, call in calls.items():
+        (tmp_path / name).write_text(json.dumps(call))
+    out = tmp_path / "standing.json"
+    result = CliRunner().invoke(standing.main, [*sorted(str(p) for p in tmp_path.glob("*.json")), "--source", "0123",
+                                                "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "variant.json: kernel source fedcba987654, not counted" in result.output
+    assert "older.json: kernel source —, not counted" in result.output
+    (counted,) = json.loads(out.read_text())["standing"]
+    assert (counted["rows"], counted["met"], counted["sources"]) == (2, 2, ["0123456789ab"])
+    assert counted["calls"] == ["tree-a.json", "tree-b.json"]
+
+
 def test_the_standing_counts_rows_per_size_over_calls(tmp_path) -> None:
     standing = load_benchmark("fused_standing")
     calls = [
