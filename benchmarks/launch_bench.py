@@ -6,7 +6,8 @@ A call of a fused op spends host time before its kernels run: checks, arguments,
 The ops launch through ``gpuclient.kernels._launch.KernelLauncher``, which launches the compiled kernel Triton
 chose for an earlier call with the same specialization (``launcher``). The reference, ``triton``, is the
 same op with every launch through Triton's own ``kernel[grid](...)`` (the launcher's ``direct = False``), as
-the ops launched before. The two alternate call by call.
+the ops launched before. The two alternate call by call. For MoE, ``graph`` is the same calls captured in a CUDA
+graph per rank and call (``docs/kernels.md``, launch contract 6), each sample one ``graph.replay()``.
 
 Each op runs two ranks on soft-fabric daemons on one GPU, as ``fused_bench.py`` runs them, at its ``--quick``
 size (a call's host time does not depend on the size). A sample is one call's host time, from the call until
@@ -40,6 +41,7 @@ from benchmarks.fused_bench import (  # noqa: E402
 )
 
 MODES = ("launcher", "triton")
+GRAPH = "graph"  # MoE's calls captured in CUDA graphs, replayed
 OPS = (*QUICK_SIZES, "moe")
 
 
@@ -115,7 +117,47 @@ def moe_rows(backend: str, calls: int, device: int) -> list[dict[str, Any]]:
             for call in ("dispatch", "dispatch_gemm"):
                 for mode in MODES:
                     round_of(call, mode, timed=i > 0)
+        _set_mode(ops, "launcher")
+        for call in ("dispatch", "dispatch_gemm"):
+            for (which, _), us in _graph_replays(moe, call, calls).items():
+                if which == call or call == "dispatch":  # combine's samples once, after the plain dispatch
+                    samples[(which, GRAPH)] = us
     return [_row("moe", call, mode, us) for (call, mode), us in samples.items()]
+
+
+def _graph_replays(moe: Any, call: str, calls: int) -> dict[tuple[str, str], list[float]]:
+    """``call`` and combine captured in a CUDA graph per rank each, then replayed ``calls`` times after an untimed
+    replay: µs a replay, one rank's at a time (keys as ``moe_rows``' samples)."""
+    import torch
+
+    def captured(make: Callable[[int], Any]) -> tuple[list[Any], list[Any]]:
+        graphs, results = [], []
+        for r, stream in enumerate(moe.streams):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                results.append(make(r))
+            graphs.append(graph)
+        return graphs, results
+
+    def dispatch(r: int) -> Any:
+        op, args = moe.ops[r], (moe.xs[r], moe.idx[r], moe.weights[r])
+        if call == "dispatch":
+            return op.dispatch(*args, stream=moe.streams[r])
+        return op.dispatch_gemm(*args, moe.ws[r], stream=moe.streams[r])
+
+    dispatches, results = captured(dispatch)
+    combines, _ = captured(lambda r: moe.ops[r].combine(moe.ops[r].recv_x, results[r][2]))
+    samples: dict[tuple[str, str], list[float]] = {(call, GRAPH): [], ("combine", GRAPH): []}
+    for i in range(calls + 1):
+        for which, graphs in ((call, dispatches), ("combine", combines)):
+            torch.cuda.synchronize()
+            for graph, stream in zip(graphs, moe.streams, strict=True):
+                with torch.cuda.stream(stream):
+                    us, _ = _timed(graph.replay)
+                if i:
+                    samples[(which, GRAPH)].append(us)
+        torch.cuda.synchronize()
+    return samples
 
 
 def measure(ops: tuple[str, ...], backend: str, calls: int, device: int = 0) -> list[dict[str, Any]]:
@@ -126,7 +168,7 @@ def measure(ops: tuple[str, ...], backend: str, calls: int, device: int = 0) -> 
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Each call's p50 in both modes, and what the launcher saves."""
+    """Each call's p50 in each mode it ran (``graph``: MoE's only), and what the launcher saves."""
     out: dict[str, dict[str, float]] = {}
     for r in rows:
         out.setdefault(f"{r['op']}.{r['call']}", {})[f"{r['mode']}_p50_us"] = r["p50_us"]
@@ -149,8 +191,9 @@ def main(json_path: str | None, ops: str, backend: str, calls: int) -> None:
     click.echo(f"host time of a call, µs ({backend}, {gpu_name()}): launcher / triton, p50 (p90)")
     for key, entry in summary(rows).items():
         p90 = {r["mode"]: r["p90_us"] for r in rows if f"{r['op']}.{r['call']}" == key}
+        graph = f"  graph replay {entry['graph_p50_us']:6.1f} ({p90[GRAPH]:6.1f})" if GRAPH in p90 else ""
         click.echo(f"  {key:<28} {entry['launcher_p50_us']:7.1f} ({p90['launcher']:7.1f})  "
-                   f"{entry['triton_p50_us']:7.1f} ({p90['triton']:7.1f})  saved {entry['saved_p50_us']:6.1f}")
+                   f"{entry['triton_p50_us']:7.1f} ({p90['triton']:7.1f})  saved {entry['saved_p50_us']:6.1f}{graph}")
     if json_path:
         doc = {"benchmark": "launch", "gpu": gpu_name(), "backend": backend, "rows": rows, "summary": summary(rows)}
         Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")

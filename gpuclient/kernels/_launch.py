@@ -16,17 +16,17 @@ i64 or u64 by its range), whether it is 1 and whether it is a multiple of 16 (Tr
 ``BaseBackend.get_*_specialization``; ``tests/gpuclient/test_kernel_launch.py`` holds the key to Triton's own
 specialization of the same values). An argument of any other kind sends the call through Triton every time.
 
-**CUDA graphs.** Each launch of an op carries its round number (``epoch``), and its waits compare flags with
-it. A graph would replay the captured number, and a replayed wait would find its flags already past it and
-read before the data arrived, so :func:`launch_stream` refuses a stream that is capturing, before the op
-counts the call.
+**CUDA graphs.** An op's launches may be captured in a CUDA graph and replayed: a launch reads its round
+number from device memory, not from its arguments (``gpuclient.kernels._rounds``). What a capture cannot hold is
+the op's first call, which opens the channel and loads the kernels (an allocation, a daemon round trip and a
+module load), so :func:`launch_stream` refuses a capturing stream until the op is prepared.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KernelLauncher", "launch_stream", "specialization"]
+__all__ = ["KernelLauncher", "launch_stream", "output", "specialization"]
 
 _I32 = range(-(1 << 31), 1 << 31)
 _UNKNOWN = object()  # an argument the key cannot describe: such a call is Triton's every time
@@ -46,20 +46,33 @@ def specialization(arg: Any) -> Any:
     return _UNKNOWN
 
 
-def launch_stream(stream: Any, device: int) -> Any:
+def launch_stream(stream: Any, device: int, prepared: bool) -> Any:
     """The torch stream a call launches on: ``stream``, else torch's current stream on ``device``. Raises
-    RuntimeError for a stream that is capturing a CUDA graph (see the module doc)."""
+    ValueError for a stream on another device, and RuntimeError for a stream capturing a CUDA graph while the
+    op is not ``prepared`` (see the module doc)."""
     import torch
 
     from transportd.cuda_driver import check, driver
 
     stream = stream or torch.cuda.current_stream(device)
-    drv = driver()
-    status = check(drv.cuStreamIsCapturing(drv.CUstream(stream.cuda_stream)), "cuStreamIsCapturing")
-    if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-        raise RuntimeError("the fused ops cannot be captured in a CUDA graph: each launch carries its round "
-                           "number, which a replay would repeat (launch them outside the capture)")
+    if stream.device.index != device:
+        raise ValueError(f"the op runs on cuda:{device}; the stream given is on {stream.device}")
+    if not prepared:
+        drv = driver()
+        status = check(drv.cuStreamIsCapturing(drv.CUstream(stream.cuda_stream)), "cuStreamIsCapturing")
+        if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            raise RuntimeError("prepare() the op before capturing it in a CUDA graph: its first call opens the "
+                               "channel and loads the kernels, which a capture cannot hold")
     return stream
+
+
+def output(shape: tuple[int, ...], dtype: Any, device: Any, stream: Any) -> Any:
+    """A fresh tensor for a launch to write, allocated on the launch's ``stream``: torch's caching allocator then
+    hands its memory to no other stream's work until the launch's stream is past it."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
 class KernelLauncher:

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._launch import KernelLauncher, launch_stream
+from gpuclient.kernels._launch import KernelLauncher, launch_stream, output
+from gpuclient.kernels._rounds import last_to_finish, round_words, this_round
 from gpuclient.kernels._tiles import (
     GEMM_BLOCK,
     GROUP_M,
@@ -44,13 +45,15 @@ from gpuclient.kernels._tiles import (
 from gpuclient.plan import ChunkPlan
 
 
-# no specialization on the launch number or the rank (Triton would compile again for launch 1 vs 2, rank 0 vs 1)
-@triton.jit(do_not_specialize=["epoch", "rank", "release_slot"])
-def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world, m_local, n, k, chunks, release_slot,
+# no specialization on the rank (Triton would compile again for rank 0 vs 1)
+@triton.jit(do_not_specialize=["rank", "release_slot"])
+def _allgather_gemm(ch, plan, rounds_ptr, a_ptr, b_ptr, c_ptr, done_ptr, rank, world, m_local, n, k, chunks,
+                    release_slot,
                     COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr,
                     TMA: tl.constexpr = False, GROUP_M: tl.constexpr = 1):
     pid = tl.program_id(0)
+    epoch = this_round(rounds_ptr)  # launch e waits for flag values of e (_rounds: the round in device memory)
     if pid < COMM_PROGRAMS:
         if COMMUNICATE:
             # a peer reads our last launch's rows until it says so: wait for every peer's release first
@@ -96,6 +99,9 @@ def _allgather_gemm(ch, plan, epoch, a_ptr, b_ptr, c_ptr, done_ptr, rank, world,
                 for peer in range(0, world):
                     if peer != rank:
                         tpd.signal(ch, peer, release_slot + rank, 1)
+    if COMMUNICATE:
+        if last_to_finish(rounds_ptr):
+            tl.store(rounds_ptr, epoch)
 
 
 class AllGatherGemm:
@@ -169,6 +175,7 @@ class AllGatherGemm:
         self._ch = tpd.channel_pointer(self._handle)
         self._plan = tpd.plan_pointer(self.plan, self.device)
         self._done = torch.zeros(1, dtype=torch.int32, device=self.gathered.device)  # monotonic, never reset
+        self._rounds = round_words(self.gathered.device)  # the rounds run (_rounds)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.programs = self._programs or max(self.comm_programs + 1, sms // self.share)
         self.preload()
@@ -184,14 +191,14 @@ class AllGatherGemm:
         # 16-byte alignment, not on what it points at
         b = torch.empty(8, dtype=torch.bfloat16, device=self.gathered.device)
         out = torch.empty(8, dtype=self.out_dtype, device=self.gathered.device)
-        compiled = tpd.preload(_allgather_gemm, *self._args(1, b, out), grid=(self.programs,),
+        compiled = tpd.preload(_allgather_gemm, *self._args(b, out), grid=(self.programs,),
                                **self._meta(communicate, compute))
         self._scratch.reserve_for(compiled, self.programs)  # the descriptors' memory (tma), before any launch
         return compiled
 
-    def _args(self, epoch: int, b: Any, out: Any) -> tuple:
-        return (self._ch, self._plan, epoch, self.gathered, b, out, self._done, self.rank, self.world, self.m_local,
-                self.n, self.k, self.plan.chunk_count, self.release_slot)
+    def _args(self, b: Any, out: Any) -> tuple:
+        return (self._ch, self._plan, self._rounds, self.gathered, b, out, self._done, self.rank, self.world,
+                self.m_local, self.n, self.k, self.plan.chunk_count, self.release_slot)
 
     def _meta(self, communicate: bool, compute: bool = True) -> dict[str, Any]:
         bm, bn, bk = self.block
@@ -217,20 +224,18 @@ class AllGatherGemm:
         """
         import torch
 
-        stream = launch_stream(stream, self.device)
+        stream = launch_stream(stream, self.device, self._ch is not None)
         self.prepare()
         if a_shard is not None and a_shard.data_ptr() != self.local_rows().data_ptr():
             with torch.cuda.stream(stream):  # in the launch's stream, ahead of the kernel that reads and ships it
                 self.local_rows().copy_(a_shard)
         if out is None:
-            with torch.cuda.stream(stream):  # allocated on the stream that writes it
-                out = torch.empty((self.world * self.m_local, self.n), dtype=self.out_dtype,
-                                  device=self.gathered.device)
+            out = output((self.world * self.m_local, self.n), self.out_dtype, self.gathered.device, stream)
         if self.tma:
             check_aligned("b", b)
         if communicate:
             self.launches += 1
-        args, meta = self._args(max(self.launches, 1), b, out), self._meta(communicate, compute)
+        args, meta = self._args(b, out), self._meta(communicate, compute)
         self._scratch.launch(lambda: self._launcher(_allgather_gemm, (self.programs,), stream, args, meta))
         return out
 

@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._launch import KernelLauncher, launch_stream
+from gpuclient.kernels._launch import KernelLauncher, launch_stream, output
+from gpuclient.kernels._rounds import last_to_finish, round_words, this_round
 from gpuclient.kernels._tiles import (
     GEMM_BLOCK,
     GROUP_M,
@@ -102,17 +103,18 @@ def _arrive(ch, plan, counters, first_chunk, row0, rows, m_seg, chunk_rows, col_
                 tl.store(timeline + 2 * (first_chunk + c) + 1, tpd.globaltimer().to(tl.int64))
 
 
-# no specialization on the launch number or the rank (Triton would compile again for launch 1 vs 2, rank 0 vs 1,
-# and a second compile's module load waits behind the peer's running kernel)
-@triton.jit(do_not_specialize=["epoch", "rank", "release_slot", "ag_release_slot"])
-def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr, staging_ptr, out_ptr, arrive_ptr,
-                         done_ptr, rank, world, m_seg, n, k, chunk_rows, chunks_per_segment, release_slot,
+# no specialization on the rank (Triton would compile again for rank 0 vs 1, and a second compile's module load
+# waits behind the peer's running kernel)
+@triton.jit(do_not_specialize=["rank", "release_slot", "ag_release_slot"])
+def _gemm_reduce_scatter(ch, rs_plan, ag_plan, rounds_ptr, a_ptr, b_ptr, partial_ptr, staging_ptr, out_ptr, arrive_ptr,
+                         rank, world, m_seg, n, k, chunk_rows, chunks_per_segment, release_slot,
                          ag_release_slot, timeline, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PARTIAL_BYTES: tl.constexpr, COMMUNICATE: tl.constexpr,
                          COMPUTE: tl.constexpr, ALL_GATHER: tl.constexpr, TMA: tl.constexpr = False,
                          TIMELINE: tl.constexpr = False, GROUP_M: tl.constexpr = 1):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    epoch = this_round(rounds_ptr)  # launch e waits for flag values of e (_rounds: the round in device memory)
     # TIMELINE (ReduceScatterLayout.timeline_words): %globaltimer at 4 events of every tile, then 2 of every
     # chunk (_arrive), then each program's end
     chunk_times = timeline + 4 * world * tl.cdiv(m_seg, BLOCK_M) * tl.cdiv(n, BLOCK_N)
@@ -187,14 +189,13 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, epoch, a_ptr, b_ptr, partial_ptr,
                 if src != rank:
                     tpd.wait_chunk(ch, ag_plan, epoch, src, q % chunks_per_segment)
         # the last program to finish: every own tile has read its staging (release it to the peers), and every
-        # chunk was pushed before its count, so one quiet covers all of this launch's puts
-        tl.debug_barrier()
-        finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-        if (finished + 1) % programs == 0:
+        # chunk was pushed before its count, so one quiet covers all of this launch's puts; then the round is run
+        if last_to_finish(rounds_ptr):
             for peer in range(0, world):
                 if peer != rank:
                     tpd.signal(ch, peer, release_slot + rank, 1)
             tpd.quiet(ch)
+            tl.store(rounds_ptr, epoch)
     if TIMELINE:
         tl.store(program_ends + pid, tpd.globaltimer().to(tl.int64))
 
@@ -483,9 +484,9 @@ class GemmReduceScatter:
         self._rs = tpd.plan_pointer(self.rs_plan, self.device)
         self._ag = tpd.plan_pointer(self.ag_plan, self.device) if self.ag_plan is not None else self._rs
         dev = self.partial.device
-        # chunk arrivals (reduce-scatter's, then all-gather's) and finished programs: monotonic, never reset
+        # chunk arrivals (reduce-scatter's, then all-gather's): monotonic, never reset
         self._arrive = torch.zeros((self.world + 1) * self.layout.chunks_per_segment, dtype=torch.int32, device=dev)
-        self._done = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._rounds = round_words(dev)  # the rounds run and the launch's finished programs (_rounds)
         # the timeline argument of a launch without one: int64 like a timeline's words, so a launch with one and
         # the preloaded variant specialize alike
         self._no_timeline = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -504,22 +505,14 @@ class GemmReduceScatter:
         run concurrently before the first launch of any. Returns Triton's compiled kernel."""
         self.prepare()
         a, b, out = self._stand_ins
-        compiled = tpd.preload(_gemm_reduce_scatter, *self._args(1, a, b, out, None), grid=(self.programs,),
+        compiled = tpd.preload(_gemm_reduce_scatter, *self._args(a, b, out, None), grid=(self.programs,),
                                **self._meta(communicate, compute, timeline))
         self._scratch.reserve_for(compiled, self.programs)  # the descriptors' memory (tma), before any launch
         return compiled
 
-    def _out_buffer(self, out: Any, stream: Any) -> Any:
-        import torch
-
-        if out is None:
-            with torch.cuda.stream(stream):  # allocated on the stream that writes it
-                return torch.empty((self.m_seg, self.n), dtype=self.out_dtype, device=self.partial.device)
-        return out
-
-    def _args(self, epoch: int, a: Any, b: Any, out: Any, timeline: Any) -> tuple:
+    def _args(self, a: Any, b: Any, out: Any, timeline: Any) -> tuple:
         lay = self.layout
-        return (self._ch, self._rs, self._ag, epoch, a, b, self.partial, self.staging, out, self._arrive, self._done,
+        return (self._ch, self._rs, self._ag, self._rounds, a, b, self.partial, self.staging, out, self._arrive,
                 self.rank, self.world, self.m_seg, self.n, self.k, lay.chunk_rows, lay.chunks_per_segment,
                 lay.release_slot, lay.ag_release_slot, self._no_timeline if timeline is None else timeline)
 
@@ -563,7 +556,7 @@ class GemmReduceScatter:
             self.launches += 1
         if timeline is not None:
             self._check("timeline", timeline, (self.layout.timeline_words(self.programs),), torch.int64)
-        args = self._args(max(self.launches, 1), a, b, out, timeline)
+        args = self._args(a, b, out, timeline)
         meta = self._meta(communicate, compute, timeline is not None)
         self._scratch.launch(lambda: self._launcher(_gemm_reduce_scatter, (self.programs,), stream, args, meta))
 
@@ -576,10 +569,11 @@ class GemmReduceScatter:
         ``timeline`` (from ``timeline()``): the launch also writes the %globaltimer of each tile's start,
         compute, waits and end, each chunk's completion and shipping, and each program's end into it. A
         variant other than the default must be ``preload``-ed first where ranks share a process."""
-        stream = launch_stream(stream, self.device)
+        stream = launch_stream(stream, self.device, self._ch is not None)
         if out is not None:
             self._check("out", out, (self.m_seg, self.n), self.out_dtype)
-        out = self._out_buffer(out, stream)
+        else:
+            out = output((self.m_seg, self.n), self.out_dtype, self.partial.device, stream)
         self._launch(a, b, out, communicate, compute, stream, timeline)
         return out
 
@@ -605,5 +599,6 @@ class GemmAllReduce(GemmReduceScatter):
         stale. ``compute=False`` and ``timeline``: as for GemmReduceScatter."""
         if out is not None:
             raise ValueError("GemmAllReduce writes into its registered result buffer (op.result); copy from it")
-        self._launch(a, b, self.result, communicate, compute, launch_stream(stream, self.device), timeline)
+        stream = launch_stream(stream, self.device, self._ch is not None)
+        self._launch(a, b, self.result, communicate, compute, stream, timeline)
         return self.result

@@ -95,6 +95,7 @@ import triton.language as tl
 
 from gpuclient import triton as tpd
 from gpuclient.kernels._launch import KernelLauncher, launch_stream
+from gpuclient.kernels._rounds import last_to_finish, round_words, this_round
 from gpuclient.kernels._tiles import check_launch, is_dot_block
 from gpuclient.kernels.moe_layout import MoELayout, dispatch_row
 
@@ -277,8 +278,8 @@ def _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W: tl.constex
             off += c
 
 
-@triton.jit(do_not_specialize=["epoch", "rank"])
-def _moe_dispatch(ch, epoch, rank, done_ptr, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr,
+@triton.jit(do_not_specialize=["rank"])
+def _moe_dispatch(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr,
                   src_stage_ptr, recv_count_ptr, layout_ptr, count_region, recv_region, src_stage_region, send_x_region,
                   send_src_region, count_slot, dispatch_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                   T: tl.constexpr, ROW: tl.constexpr, ROW_BYTES: tl.constexpr, COPY_ROWS: tl.constexpr,
@@ -289,18 +290,19 @@ def _moe_dispatch(ch, epoch, rank, done_ptr, count_ptr, eoff_ptr, send_x_ptr, se
     ranks sharing a process and GPU launch on streams that may share a hardware work queue (under MPS a
     client has few), and a finish kernel queued behind its waiting send kernel would hold back a peer's send
     kernel queued behind it. ``SEND`` / ``FINISH`` False leave a phase out, for a model that runs the ranks in
-    turn (the finish then one program: ``done_ptr`` counts programs, so each launch's last is a multiple)."""
+    turn (the finish then one program, the last to finish: ``_rounds.last_to_finish``)."""
+    epoch = this_round(rounds_ptr)
     if SEND:
         _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr,
                      count_region, recv_region, src_stage_region, send_x_region, send_src_region, count_slot, W, E, L,
                      T, ROW, ROW_BYTES, COPY_ROWS, BLOCK_H, PUT_ROWS, HANDLE_WORDS)
     if FINISH:
-        # every program's pushes are in the ring before the last one's SIGNALs, which cover them
-        tl.debug_barrier()
-        finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-        if (finished + 1) % tl.num_programs(0) == 0:
+        # every program's pushes are in the ring before the last one's SIGNALs, which cover them; then the round
+        # is run
+        if last_to_finish(rounds_ptr):
             _finish_dispatch(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, src_stage_ptr, recv_src_ptr,
                              dispatch_slot, W, E, L, T, LP, WP, BLOCK_T)
+            tl.store(rounds_ptr, epoch)
 
 
 @triton.jit
@@ -413,8 +415,8 @@ def _last_source(c, off, r0, r1, order):
     return tl.max(tl.where((c > 0) & (off < r1) & (off + c > r0), order, -1), axis=0)
 
 
-@triton.jit(do_not_specialize=["epoch", "gemm_epoch", "rank"])
-def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
+@triton.jit(do_not_specialize=["rank"])
+def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
                        recv_src_ptr, src_stage_ptr, gemm_stage_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr,
                        count_region, gemm_stage_region, src_stage_region, send_x_region, send_src_region, count_slot,
                        dispatch_slot, expert_slot, timeline, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
@@ -429,6 +431,8 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
     # (atomic min / max over the programs), when the last communication program saw its group land, then each
     # program's end
     pid = tl.program_id(0)
+    epoch = this_round(rounds_ptr)  # the count and dispatch flags' round (shared with dispatch)
+    gemm_epoch = tl.load(rounds_ptr + 2) + 1  # the group flags' round: the fused rounds that communicated
     ls = tl.arange(0, LP)
     ss = tl.arange(0, WP)
     inside = (ls[:, None] < L) & (ss[None, :] < W)
@@ -636,6 +640,10 @@ def _moe_dispatch_gemm(ch, epoch, gemm_epoch, rank, count_ptr, eoff_ptr, send_x_
                     item += tiles
     if TIMELINE:
         tl.store(timeline + 5 * W * L + pid, tpd.globaltimer().to(tl.int64))
+    if COMMUNICATE:
+        if last_to_finish(rounds_ptr):
+            tl.store(rounds_ptr, epoch)
+            tl.store(rounds_ptr + 2, gemm_epoch)
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -672,11 +680,12 @@ def _moe_combine_send(ch, rank, y_ptr, count_ptr, send_y_ptr, comb_ptr, comb_reg
                             tl.cast(row + j, tl.int64) * (H * 2), tl.cast(n, tl.int64) * (H * 2))
 
 
-@triton.jit(do_not_specialize=["epoch", "rank", "tokens"])
-def _moe_combine_reduce(ch, epoch, rank, tokens, idx32_ptr, row_ptr, weights_ptr, comb_ptr, out_ptr, combine_slot,
+@triton.jit(do_not_specialize=["rank", "tokens"])
+def _moe_combine_reduce(ch, rounds_ptr, rank, tokens, idx32_ptr, row_ptr, weights_ptr, comb_ptr, out_ptr, combine_slot,
                         W: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
+    epoch = tl.load(rounds_ptr)  # the round of the dispatch before, which advanced it
     if pid == 0:  # covers every put of _moe_combine_send (earlier in the ring: stream order)
         for peer in range(0, W):
             if peer != rank:
@@ -764,10 +773,9 @@ class MoEHandle:
     token index, the top-k entry; -1 where no row landed); ``recv_count`` [L] and ``recv_layout`` [L, W, 2]
     (offset, count of each source's rows per local expert); ``topk_idx`` [tokens, K] int32, normalised
     (invalid and repeated experts -1) and ``topk_weights`` (the caller's tensor: keep it unchanged until
-    combine); ``round`` the op's round number (the flag epoch).
+    combine).
     """
 
-    round: int
     tokens: int
     recv_src: Any
     recv_count: Any
@@ -885,7 +893,8 @@ class MoE:
         self.gemm_warps, self.gemm_stages = gemm_warps, gemm_stages
         self.y = None if gemm_n is None else torch.empty((L, lay.capacity, gemm_n), dtype=self.gemm_dtype, device=dev)
         self._no_timeline = torch.zeros(1, dtype=torch.int64, device=dev)  # the argument of a launch without one
-        self._dispatched = torch.zeros(1, dtype=torch.int32, device=dev)  # _moe_dispatch's programs: monotonic
+        # the rounds run, a launch's finished programs, and the dispatch_gemm rounds that communicated (_rounds)
+        self._rounds = round_words(dev, 3)
         self.slots = lay.slots
         session.flag_slots(slot_base, self.slots, type(self).__name__)
         self.block_h = min(_pow2(H), 1024)
@@ -893,8 +902,8 @@ class MoE:
         self.copy_rows = max(1, 4096 // self.block_h)  # rows per tile of a block copy
         self.put_rows = lay.put_rows  # rows per put of a block: all of them unless they pass the largest put
         self.channel_capacity = channel_capacity
-        self.rounds = 0
-        self.gemm_rounds = 0  # the dispatch_gemm rounds that communicated: the group flags' epoch
+        self.rounds = 0  # the dispatches called (a graph replay runs one uncounted): the device keeps the rounds run
+        self.gemm_rounds = 0  # of them, the dispatch_gemm calls that communicated
         self._pending: MoEHandle | None = None
         self._ch: Any = None
         self._launcher = KernelLauncher(self.device)
@@ -919,10 +928,10 @@ class MoE:
             idx = torch.full((self.max_tokens, self.topk), -1, dtype=dtype, device=dev)
             tpd.preload(_moe_route, *self._route_args(self.out, idx, 0), grid=(self.programs,),  # out: bf16 like x
                         **self._route_meta())
-        tpd.preload(_moe_dispatch, *self._dispatch_args(1), grid=(self.programs,), **self._dispatch_meta())
+        tpd.preload(_moe_dispatch, *self._dispatch_args(), grid=(self.programs,), **self._dispatch_meta())
         tpd.preload(_moe_combine_send, *self._combine_send_args(self.send_y), grid=(self.programs,),
                     **self._combine_send_meta())
-        tpd.preload(_moe_combine_reduce, *self._reduce_args(1, 0, weights, self.out), grid=(self.programs,),
+        tpd.preload(_moe_combine_reduce, *self._reduce_args(0, weights, self.out), grid=(self.programs,),
                     **self._reduce_meta())
         if self.gemm_n is not None:
             self.gemm_programs = self._gemm_programs or max(self.comm_programs + 1, sms // self.share)
@@ -951,7 +960,7 @@ class MoE:
             raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no kernel")
         self.prepare()
         w = torch.empty(8, dtype=torch.bfloat16, device=self.recv_x.device)  # a stand-in: only dtype and alignment
-        return tpd.preload(_moe_dispatch_gemm, *self._gemm_args(1, 1, w, self.y, None), grid=(self.gemm_programs,),
+        return tpd.preload(_moe_dispatch_gemm, *self._gemm_args(w, self.y, None), grid=(self.gemm_programs,),
                            **self._gemm_meta(communicate, compute, timeline))
 
     def gemm_timeline(self) -> Any:
@@ -976,9 +985,9 @@ class MoE:
                 "H": self.hidden, "BLOCK_T": min(_pow2(self.max_tokens), 256), "COPY_ROWS": self.copy_rows,
                 "BLOCK_H": self.block_h, "ROW": self.row, "FP8": self.fp8, "num_warps": self.num_warps}
 
-    def _dispatch_args(self, epoch: int) -> tuple:
+    def _dispatch_args(self) -> tuple:
         r = self.regions
-        return (self._ch, epoch, self.rank, self._dispatched, self.counts_all, self.stage_off, self.send_x,
+        return (self._ch, self._rounds, self.rank, self.counts_all, self.stage_off, self.send_x,
                 self.send_src, self.recv_x, self.recv_src, self.src_stage, self.recv_count, self.recv_layout,
                 r["counts_all"], r["recv_x"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
                 self.layout.dispatch_slot)
@@ -989,9 +998,9 @@ class MoE:
                 "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words, "LP": _pow2(self.local_experts),
                 "WP": _pow2(self.world), "BLOCK_T": self.block_t, "num_warps": self.num_warps}
 
-    def _gemm_args(self, epoch: int, gemm_epoch: int, w: Any, y: Any, timeline: Any) -> tuple:
+    def _gemm_args(self, w: Any, y: Any, timeline: Any) -> tuple:
         r = self.regions
-        return (self._ch, epoch, gemm_epoch, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src,
+        return (self._ch, self._rounds, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src,
                 self.recv_x, self.recv_src, self.src_stage, self.gemm_stage, w, y, self.recv_count, self.recv_layout,
                 r["counts_all"], r["gemm_stage"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
                 self.layout.dispatch_slot, self.layout.expert_slot,
@@ -1019,8 +1028,8 @@ class MoE:
                 "H": self.hidden, "EP": _pow2(self.num_experts), "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h,
                 "PUT_ROWS": self.put_rows, "num_warps": self.num_warps}
 
-    def _reduce_args(self, epoch: int, tokens: int, weights: Any, out: Any) -> tuple:
-        return (self._ch, epoch, self.rank, tokens, self.idx32, self.stage_row, weights, self.combine_buf, out,
+    def _reduce_args(self, tokens: int, weights: Any, out: Any) -> tuple:
+        return (self._ch, self._rounds, self.rank, tokens, self.idx32, self.stage_row, weights, self.combine_buf, out,
                 self.layout.combine_slot)
 
     def _reduce_meta(self) -> dict[str, Any]:
@@ -1052,14 +1061,13 @@ class MoE:
         expert computation must be ordered before it (same stream, or synchronised).
         """
         tokens = self._check_inputs(x, topk_idx, topk_weights)
-        stream = launch_stream(stream, self.device)
+        stream = launch_stream(stream, self.device, self._ch is not None)
         self.prepare()
         self.rounds += 1
-        epoch = self.rounds
         grid = (self.programs,)
         self._launcher(_moe_route, grid, stream, self._route_args(x, topk_idx, tokens), self._route_meta())
-        self._launcher(_moe_dispatch, grid, stream, self._dispatch_args(epoch), self._dispatch_meta())
-        self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
+        self._launcher(_moe_dispatch, grid, stream, self._dispatch_args(), self._dispatch_meta())
+        self._pending = MoEHandle(tokens, self.recv_src, self.recv_count, self.recv_layout,
                                   self.idx32[:tokens], topk_weights)
         return self.received(), self.recv_count, self._pending
 
@@ -1118,22 +1126,20 @@ class MoE:
             self._check("timeline", timeline, (self.layout.timeline_words(self.gemm_programs),), (torch.int64,))
         if not communicate and self.rounds == 0:
             raise RuntimeError("communicate=False reruns the GEMM of the latest round: dispatch one first")
-        stream = launch_stream(stream, self.device)
+        stream = launch_stream(stream, self.device, self._ch is not None)
         self.prepare()
         if communicate:  # compute=False too: its rows move and its flags rise like any fused round's
             self.rounds += 1
             self.gemm_rounds += 1
-        # communicate=False waits for nothing: the epochs are only there to fill the arguments
-        epoch, gemm_epoch = max(self.rounds, 1), max(self.gemm_rounds, 1)
         if communicate:
             self._launcher(_moe_route, (self.programs,), stream, self._route_args(x, topk_idx, tokens),
                            self._route_meta())
         self._launcher(_moe_dispatch_gemm, (self.gemm_programs,), stream,
-                       self._gemm_args(epoch, gemm_epoch, w, y, timeline),
+                       self._gemm_args(w, y, timeline),
                        self._gemm_meta(communicate, compute, timeline is not None))
         if not communicate:
             return y, self.recv_count, None
-        self._pending = MoEHandle(epoch, tokens, self.recv_src, self.recv_count, self.recv_layout,
+        self._pending = MoEHandle(tokens, self.recv_src, self.recv_count, self.recv_layout,
                                   self.idx32[:tokens], topk_weights)
         return y, self.recv_count, self._pending
 
@@ -1152,10 +1158,10 @@ class MoE:
         if out is None:
             out = self.out[:handle.tokens]
         self._check("out", out, (handle.tokens, self.hidden), (torch.bfloat16,))
-        stream = launch_stream(stream, self.device)
+        stream = launch_stream(stream, self.device, self._ch is not None)
         grid = (self.programs,)
         self._launcher(_moe_combine_send, grid, stream, self._combine_send_args(y), self._combine_send_meta())
         self._launcher(_moe_combine_reduce, grid, stream,
-                       self._reduce_args(handle.round, handle.tokens, handle.topk_weights, out), self._reduce_meta())
+                       self._reduce_args(handle.tokens, handle.topk_weights, out), self._reduce_meta())
         self._pending = None
         return out

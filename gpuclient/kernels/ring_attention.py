@@ -77,7 +77,8 @@ import triton
 import triton.language as tl
 
 from gpuclient import triton as tpd
-from gpuclient.kernels._launch import KernelLauncher, launch_stream
+from gpuclient.kernels._launch import KernelLauncher, launch_stream, output
+from gpuclient.kernels._rounds import last_to_finish, round_words, this_round
 from gpuclient.kernels._tiles import DescriptorScratch, async_proxy_fence, check_launch
 from gpuclient.plan import ChunkPlan
 
@@ -156,15 +157,16 @@ def _interleave(k_ptr, v_ptr, block, lo, hi, HEAD_DIM: tl.constexpr, COPY_BLOCK:
         tl.store(block + idx, tl.where(col < HEAD_DIM, kk, vv), mask=inside)
 
 
-# no specialization on the launch number or the rank (Triton would compile again for launch 1 vs 2, rank 0 vs 1,
-# and a second compile's module load waits behind the peer's running kernel)
-@triton.jit(do_not_specialize=["epoch", "rank", "release_slot"])
-def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_ptr, ml_ptr, done_ptr, rank, world,
+# no specialization on the rank (Triton would compile again for rank 0 vs 1, and a second compile's module load
+# waits behind the peer's running kernel)
+@triton.jit(do_not_specialize=["rank", "release_slot"])
+def _ring_attention(ch, plan, rounds_ptr, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_ptr, ml_ptr, rank, world,
                     heads, seq, chunk_elems, chunks_per_block, release_slot, qk_scale,
                     COMM_PROGRAMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, COPY_BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
                     COMMUNICATE: tl.constexpr, COMPUTE: tl.constexpr, TMA: tl.constexpr = False):
     pid = tl.program_id(0)
+    epoch = this_round(rounds_ptr)  # launch e waits for flag values of e (_rounds: the round in device memory)
     left = (rank + world - 1) % world
     block_elems = heads * seq * (2 * HEAD_DIM)  # one origin's K and V, interleaved by row (< 2^31: the layout)
     block_bytes = tl.cast(block_elems, tl.uint64) * 2
@@ -272,11 +274,11 @@ def _ring_attention(ch, plan, epoch, q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr, acc_p
                         tl.store(out_ptr + mine, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok)
     if COMMUNICATE:
         # the last program to finish: every block this rank received was read by the compute and by the
-        # forwarding puts (quieted before the count), so the left neighbour may write the next launch's
-        tl.debug_barrier()
-        finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-        if (finished + 1) % tl.num_programs(0) == 0:
+        # forwarding puts (quieted before the count), so the left neighbour may write the next launch's; then
+        # the round is run
+        if last_to_finish(rounds_ptr):
             tpd.signal(ch, left, release_slot, 1)
+            tl.store(rounds_ptr, epoch)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -548,7 +550,7 @@ class RingAttention:
         # a tile's running state between steps: the fp32 accumulator, then the running max and sum per query
         self._acc = torch.empty(shape, dtype=torch.float32, device=dev)
         self._ml = torch.empty((2, self.heads, self.seq_local), dtype=torch.float32, device=dev)
-        self._done = torch.zeros(1, dtype=torch.int32, device=dev)  # finished programs: monotonic, never reset
+        self._rounds = round_words(dev)  # the rounds run and the launch's finished programs (_rounds)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.programs = self._programs or max(self.comm_programs + 1, sms // self.share)
         q = torch.empty(shape, dtype=torch.bfloat16, device=dev)
@@ -561,14 +563,14 @@ class RingAttention:
         concurrently before the first launch of any. Returns Triton's compiled kernel."""
         self.prepare()
         q, out = self._scratch
-        compiled = tpd.preload(_ring_attention, *self._args(1, q, q, q, out), grid=(self.programs,),
+        compiled = tpd.preload(_ring_attention, *self._args(q, q, q, out), grid=(self.programs,),
                                **self._meta(communicate, compute))
         self._descriptors.reserve_for(compiled, self.programs)  # the descriptors' memory (tma), before any launch
         return compiled
 
-    def _args(self, epoch: int, q: Any, k: Any, v: Any, out: Any) -> tuple:
+    def _args(self, q: Any, k: Any, v: Any, out: Any) -> tuple:
         lay = self.layout
-        return (self._ch, self._plan, epoch, q, k, v, self.kv, out, self._acc, self._ml, self._done, self.rank,
+        return (self._ch, self._plan, self._rounds, q, k, v, self.kv, out, self._acc, self._ml, self.rank,
                 self.world, self.heads, self.seq_local, lay.chunk_elems, lay.chunks_per_block, lay.release_slot,
                 self.sm_scale * _LOG2E)
 
@@ -602,18 +604,16 @@ class RingAttention:
         ``preload``-ed first where ranks share a process."""
         import torch
 
-        stream = launch_stream(stream, self.device)
+        stream = launch_stream(stream, self.device, self._ch is not None)
         for name, tensor in (("q", q), ("k", k), ("v", v)):
             self._check(name, tensor, torch.bfloat16)
         if out is not None:
             self._check("out", out, self.out_dtype)
         self.prepare()
         if out is None:
-            with torch.cuda.stream(stream):  # allocated on the stream that writes it
-                out = torch.empty((self.heads, self.seq_local, self.head_dim), dtype=self.out_dtype,
-                                  device=self.kv.device)
+            out = output((self.heads, self.seq_local, self.head_dim), self.out_dtype, self.kv.device, stream)
         if communicate and self.world > 1:
             self.launches += 1
-        args, meta = self._args(max(self.launches, 1), q, k, v, out), self._meta(communicate, compute)
+        args, meta = self._args(q, k, v, out), self._meta(communicate, compute)
         self._descriptors.launch(lambda: self._launcher(_ring_attention, (self.programs,), stream, args, meta))
         return out

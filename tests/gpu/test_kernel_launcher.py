@@ -1,6 +1,6 @@
 """gpuclient.kernels._launch on the GPU: a kept kernel computes what Triton's own launch does, on the stream it is
 given; an argument Triton would specialize apart (a pointer off 16 bytes, an integer of 1) goes through Triton and
-gets its own kernel; and a capturing stream is refused.
+gets its own kernel; and a capture before the op is prepared, or a stream on another device, is refused.
 
 Which launches went through Triton is read from the kernel's pre-run hook, which only Triton's own launch runs.
 """
@@ -45,7 +45,7 @@ def test_a_kept_kernel_computes_as_triton_does_and_a_new_specialization_goes_thr
              (base[:4096], 4000, 7), (base[1:4097], 4000, 7)]
     for view, n, step in calls:
         y = torch.full_like(view, float("nan"))
-        launcher(_scaled_plus, (16,), launch_stream(stream, cuda_device), (view, y, n, step), meta)
+        launcher(_scaled_plus, (16,), launch_stream(stream, cuda_device, True), (view, y, n, step), meta)
         stream.synchronize()
         torch.testing.assert_close(y[:n], view[:n] * 2 + step, rtol=0, atol=0)
         assert torch.isnan(y[n:]).all(), "the kernel wrote past n"
@@ -55,7 +55,7 @@ def test_a_kept_kernel_computes_as_triton_does_and_a_new_specialization_goes_thr
 
 def test_a_constexpr_left_to_its_default_and_one_given_are_kernels_apart(cuda_device, through_triton) -> None:
     launcher = KernelLauncher(cuda_device)
-    stream = launch_stream(None, cuda_device)
+    stream = launch_stream(None, cuda_device, True)
     x = torch.arange(64, dtype=torch.float32, device=f"cuda:{cuda_device}")
     for scale in (None, 3, None, 3):
         y = torch.empty_like(x)
@@ -72,17 +72,21 @@ def test_without_direct_launches_every_launch_is_tritons(cuda_device, through_tr
     x = torch.ones(32, device=f"cuda:{cuda_device}")
     y = torch.empty_like(x)
     for _ in range(3):
-        launcher(_scaled_plus, (1,), launch_stream(None, cuda_device), (x, y, 32, 1), {"BLOCK": 32})
+        launcher(_scaled_plus, (1,), launch_stream(None, cuda_device, True), (x, y, 32, 1), {"BLOCK": 32})
     torch.cuda.synchronize(cuda_device)
     assert (y == 3).all() and len(through_triton) == 3
 
 
-def test_a_capturing_stream_is_refused(cuda_device) -> None:
+def test_a_capture_before_the_op_is_prepared_and_a_stream_on_another_device_are_refused(cuda_device) -> None:
     x = torch.zeros(8, device=f"cuda:{cuda_device}")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         x.add_(1)
-        with pytest.raises(RuntimeError, match="CUDA graph"):
-            launch_stream(None, cuda_device)
+        with pytest.raises(RuntimeError, match="prepare"):
+            launch_stream(None, cuda_device, prepared=False)
+        # a prepared op's launches are captured: the stream is the capture's
+        assert launch_stream(None, cuda_device, prepared=True) == torch.cuda.current_stream(cuda_device)
     side = torch.cuda.Stream(cuda_device)
-    assert launch_stream(side, cuda_device) is side  # a stream that is not capturing is the one used
+    assert launch_stream(side, cuda_device, False) is side  # a stream that is not capturing is the one used
+    with pytest.raises(ValueError, match=f"the op runs on cuda:{cuda_device + 1}; the stream given is on cuda:"):
+        launch_stream(side, cuda_device + 1, True)

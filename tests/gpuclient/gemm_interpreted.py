@@ -68,12 +68,15 @@ def check_allgather(world: int, m_local: int, n: int, k: int, block: tuple[int, 
     for rank in range(world):
         c = np.full((world * m_local + 3, n), np.nan, dtype=np.float32)  # 3 rows past C: must stay NaN
         ch, plan = _unused()
-        _allgather_gemm[(programs,)](ch, plan, 1, HostTensor(a, "bfloat16"), HostTensor(b, "bfloat16"),
-                                     HostTensor(c, "float32"), HostTensor(np.zeros(1, np.int32), "int32"), rank,
+        rounds = np.zeros(2, np.int32)  # a launch that moves nothing leaves the round as it was
+        _allgather_gemm[(programs,)](ch, plan, HostTensor(rounds, "int32"), HostTensor(a, "bfloat16"),
+                                     HostTensor(b, "bfloat16"), HostTensor(c, "float32"),
+                                     HostTensor(np.zeros(1, np.int32), "int32"), rank,
                                      world, m_local, n, k, 1, 0, COMM_PROGRAMS=1, BLOCK_M=block[0],
                                      BLOCK_N=block[1], BLOCK_K=block[2], COMMUNICATE=False, COMPUTE=True, TMA=tma,
                                      GROUP_M=group_m)
         assert np.isnan(c[world * m_local:]).all(), f"allgather tma={tma}: wrote past C"
+        assert (rounds == 0).all(), f"allgather: a launch with COMMUNICATE=False moved the round: {rounds}"
         got = c[:world * m_local]
         assert np.isfinite(got).all(), f"allgather tma={tma} rank {rank}: a tile left unwritten"
         err = float(np.abs(got - want).max())
@@ -97,16 +100,19 @@ def check_reduce(world: int, m_seg: int, n: int, k: int, block: tuple[int, int, 
         out_rows = m if all_gather else m_seg
         out = np.full((out_rows + 2, n), np.nan, dtype=np.float32)  # 2 rows past the output: must stay NaN
         ch, plan = _unused()
+        rounds = np.zeros(2, np.int32)
         _gemm_reduce_scatter[(programs,)](
-            ch, plan, plan, 1, HostTensor(a, "bfloat16"), HostTensor(b, "bfloat16"), HostTensor(partial, "bfloat16"),
+            ch, plan, plan, HostTensor(rounds, "int32"), HostTensor(a, "bfloat16"), HostTensor(b, "bfloat16"),
+            HostTensor(partial, "bfloat16"),
             HostTensor(staging, "bfloat16"), HostTensor(out, "float32"), HostTensor(np.zeros(8, np.int32), "int32"),
-            HostTensor(np.zeros(1, np.int32), "int32"), rank, world, m_seg, n, k, 16, 1, 0, 0,
+            rank, world, m_seg, n, k, 16, 1, 0, 0,
             HostTensor(np.zeros(1, np.int64), "int64"), BLOCK_M=block[0],
             BLOCK_N=block[1], BLOCK_K=block[2], PARTIAL_BYTES=2, COMMUNICATE=False, COMPUTE=True,
             ALL_GATHER=all_gather, TMA=tma, GROUP_M=group_m)
         own = slice(rank * m_seg, (rank + 1) * m_seg)
         got = out[own] if all_gather else out[:m_seg]
         assert np.isnan(out[out_rows:]).all(), f"reduce tma={tma}: wrote past the output"
+        assert (rounds == 0).all(), f"reduce: a launch with COMMUNICATE=False moved the round: {rounds}"
         if all_gather:
             assert np.isnan(np.delete(out[:m], np.s_[own], axis=0)).all(), "all-reduce: wrote the peers' rows"
         err = float(np.abs(got - want[own]).max())

@@ -401,7 +401,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     me.recv_src[:] = -1
     me.send_src[:] = -1
     idx32, stage_row = np.full((T_, K_), -1, np.int32), np.full((T_, K_), -1, np.int32)
-    dispatched = np.zeros(1, np.int32)  # _moe_dispatch's programs, over the rounds
+    rounds = np.zeros(3, np.int32)  # the op's round words (gpuclient.kernels._rounds): the kernels' epochs
     stage_off = np.zeros(E_, np.int32)
     copy_rows, put_rows_ = 2, lay.put_rows
     recv_count, recv_layout = np.zeros(L_, np.int32), np.zeros((L_, W_, 2), np.int32)
@@ -418,8 +418,9 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         if communicate:
             check.start(epoch, gemm_epoch, counts_model)
         fabric.fused, fabric.writers = True, {}
+        before = rounds.copy()
         m._moe_dispatch_gemm[(programs,)](
-            _b(ch), epoch, gemm_epoch, rank, _b(me.counts_all), _b(stage_off), _b(me.send_x), _b(me.send_src),
+            _b(ch), _b(rounds), rank, _b(me.counts_all), _b(stage_off), _b(me.send_x), _b(me.send_src),
             _b(me.recv_x), _b(me.recv_src), _b(me.src_stage), _b(me.gemm_stage), _b(w_mine), _b(y), _b(recv_count),
             _b(recv_layout), *[regions[n] for n in ("counts_all", "gemm_stage", "src_stage", "send_x", "send_src")],
             lay.count_slot,
@@ -431,6 +432,8 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             COMMUNICATE=communicate, COMPUTE=True,
             SPLIT_EXPERTS=min(lay.experts_per_put, L_) if split_experts is None else split_experts)
         fabric.fused = check.active = False
+        # a round that communicates is run once all its programs finished; a rerun leaves the words alone
+        assert list(rounds) == ([epoch, 0, gemm_epoch] if communicate else list(before)), (list(rounds), epoch)
         # one writer per connection (besides program 0's count put_signal): a block's puts and its put_signal
         # are in one program's order, with no other program's signal between them on the connection
         assert all(len(w) == 1 for w in fabric.writers.values()), f"rank {rank}: several programs push a peer: " \
@@ -455,7 +458,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
                                   KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows, BLOCK_H=16,
                                   ROW=H_)
         if rnd == 2:  # the plain dispatch, on the same flags
-            m._moe_dispatch[(programs,)](_b(ch), rnd, rank, _b(dispatched), _b(me.counts_all), _b(stage_off),
+            m._moe_dispatch[(programs,)](_b(ch), _b(rounds), rank, _b(me.counts_all), _b(stage_off),
                                          _b(me.send_x), _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
                                          _b(me.src_stage), _b(recv_count), _b(recv_layout),
                                          *[regions[k] for k in ("counts_all", "recv_x", "src_stage", "send_x",
@@ -466,6 +469,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             # every program read the peers' counts; the last (programs run in order here) their handle words
             waited(lay.count_slot, rnd, range(programs), clear=False)
             waited(lay.dispatch_slot, rnd, [programs - 1])
+            assert list(rounds) == [rnd, 0, gemm_rounds], list(rounds)
             y64 = np.einsum("lph,lhn->lpn", f32(me.recv_x).astype(np.float64), f32(w_mine).astype(np.float64))
             y = bf16(y64) if out == "bf16" else y64.astype(np.float32)
             me.y[:] = y
@@ -518,7 +522,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
                                          W=W_, E=E_, L=L_, T=T_, H=H_, EP=m._pow2(E_), COPY_ROWS=copy_rows,
                                          BLOCK_H=16, PUT_ROWS=put_rows_)
         weights = np.ascontiguousarray(data_r["w"][rank])
-        m._moe_combine_reduce[(programs,)](_b(ch), rnd, rank, n, _b(idx32), _b(stage_row), _b(weights),
+        m._moe_combine_reduce[(programs,)](_b(ch), _b(rounds), rank, n, _b(idx32), _b(stage_row), _b(weights),
                                            _b(me.combine_buf), _b(result), lay.combine_slot, W=W_, K=K_, H=H_,
                                            BLOCK_H=16)
         waited(lay.combine_slot, rnd, range(programs))

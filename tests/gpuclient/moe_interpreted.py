@@ -209,7 +209,7 @@ def _rank_state(lay: MoELayout) -> SimpleNamespace:
         send_y=np.zeros((L, lay.capacity, H), np.uint16), idx32=np.full((T, K), -1, np.int32),
         stage_row=np.full((T, K), -1, np.int32), stage_off=np.zeros(E, np.int32), recv_count=np.zeros(L, np.int32),
         recv_layout=np.zeros((L, W, 2), np.int32), out=np.zeros((T, H), np.uint16),
-        dispatched=np.zeros(1, np.int32))
+        rounds=np.zeros(3, np.int32))  # the op's round words (gpuclient.kernels._rounds)
 
 
 def _b(arr: np.ndarray) -> Buffer:
@@ -251,8 +251,8 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
                      "BLOCK_H": block_h, "PUT_ROWS": put_rows_, "HANDLE_WORDS": lay0.handle_words,
                      "LP": m._pow2(L_), "WP": m._pow2(W_), "BLOCK_T": 4}
 
-    def dispatch_args(rnd: int, r: int, st: SimpleNamespace) -> tuple:
-        return (_b(st.ch), rnd, r, _b(st.dispatched), _b(st.counts_all), _b(st.stage_off), _b(st.send_x),
+    def dispatch_args(r: int, st: SimpleNamespace) -> tuple:
+        return (_b(st.ch), _b(st.rounds), r, _b(st.counts_all), _b(st.stage_off), _b(st.send_x),
                 _b(st.send_src), _b(st.recv_x), _b(st.recv_src), _b(st.src_stage), _b(st.recv_count),
                 _b(st.recv_layout), *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
                 lays[r].count_slot, lays[r].dispatch_slot)
@@ -291,16 +291,19 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
         flags_before = [st.flags.copy() for st in ranks]
         fabric.records.clear()
         for r, st in enumerate(ranks):
-            m._moe_dispatch[(programs,)](*dispatch_args(rnd, r, st), **dispatch_meta, SEND=True, FINISH=False)
+            m._moe_dispatch[(programs,)](*dispatch_args(r, st), **dispatch_meta, SEND=True, FINISH=False)
         fabric.check_waits(lay0.count_slot, rnd, programs)  # every program reads the lower ranks' counts
+        # the send phase alone leaves the round where it was: only the finish, last, runs it
+        assert all(list(st.rounds) == [rnd - 1, 0, 0] for st in ranks), [list(st.rounds) for st in ranks]
         for r, lay in enumerate(lays):  # the puts are the model's, offset for offset and byte for byte
             assert fabric.take(r) == planned_dispatch(lay, model[r]["counts_all"]), (rnd, r)
         for r, st in enumerate(ranks):  # one count signal from each peer per round
             got = st.flags - flags_before[r]
             assert [int(got[lays[r].count_slot + s]) for s in range(world)] == [int(s != r) for s in range(world)]
         for r, st in enumerate(ranks):
-            m._moe_dispatch[(1,)](*dispatch_args(rnd, r, st), **dispatch_meta, SEND=False, FINISH=True)
+            m._moe_dispatch[(1,)](*dispatch_args(r, st), **dispatch_meta, SEND=False, FINISH=True)
         fabric.check_waits(lay0.dispatch_slot, rnd, 1)  # the caller reads the rows once it returns
+        assert all(list(st.rounds) == [rnd, 0, 0] for st in ranks), [list(st.rounds) for st in ranks]
         for r, lay in enumerate(lays):  # records per destination: the count, a put per block, the handle words
             want_records = lay.writes(model[r]["counts_all"])["dispatch"]
             assert [fabric.records[r, d] for d in range(world)] == want_records, (rnd, r)
@@ -330,7 +333,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             assert fabric.take(r) == planned_combine(lay, model[r]["counts_all"]), (rnd, r)
         weights = [np.ascontiguousarray(a) for a in w]
         for r, st in enumerate(ranks):
-            m._moe_combine_reduce[(programs,)](_b(st.ch), rnd, r, tokens[r], _b(st.idx32), _b(st.stage_row),
+            m._moe_combine_reduce[(programs,)](_b(st.ch), _b(st.rounds), r, tokens[r], _b(st.idx32), _b(st.stage_row),
                                                _b(weights[r]), _b(st.combine_buf), _b(st.out), lays[r].combine_slot,
                                                W=W_, K=K_, H=H_, BLOCK_H=block_h)
         fabric.check_waits(lay0.combine_slot, rnd, programs)  # every program reads the peers' outputs

@@ -127,14 +127,16 @@ def check_compute(world: int, heads: int, seq: int, head_dim: int, causal: bool,
         out = np.full((heads, seq, head_dim), np.nan, dtype=np.float32)
         acc = np.full((heads, seq, head_dim), np.nan, dtype=np.float32)
         ml = np.full((2, heads, seq), np.nan, dtype=np.float32)
-        args = (HostTensor(np.zeros(8, np.uint64), "uint64"), HostTensor(np.zeros(12, np.uint64), "uint64"), 1,
+        rounds = np.zeros(2, np.int32)  # a launch that moves nothing leaves the round as it was
+        args = (HostTensor(np.zeros(8, np.uint64), "uint64"), HostTensor(np.zeros(12, np.uint64), "uint64"),
+                HostTensor(rounds, "int32"),
                 *(HostTensor(np.ascontiguousarray(x[rank]), "bfloat16") for x in (q, k, v)), HostTensor(kv, "bfloat16"),
-                HostTensor(out, "float32"), HostTensor(acc, "float32"), HostTensor(ml, "float32"),
-                HostTensor(np.zeros(1, np.int32), "int32"), rank, world, heads, seq, lay.chunk_elems,
-                lay.chunks_per_block, lay.release_slot, scale * _LOG2E)
+                HostTensor(out, "float32"), HostTensor(acc, "float32"), HostTensor(ml, "float32"), rank, world, heads,
+                seq, lay.chunk_elems, lay.chunks_per_block, lay.release_slot, scale * _LOG2E)
         _ring_attention[(programs,)](*args, COMM_PROGRAMS=1, HEAD_DIM=head_dim, BLOCK_M=block[0], BLOCK_N=block[1],
                                      COPY_BLOCK=64, CAUSAL=causal, COMMUNICATE=False, COMPUTE=True, TMA=tma)
         assert np.isfinite(out).all(), f"world {world} rank {rank}: NaN in the output (a read of an unset block)"
+        assert (rounds == 0).all(), f"world {world}: a launch with COMMUNICATE=False moved the round: {rounds}"
         err = float(np.abs(out - attention(q, k, v, rank, causal, scale)).max())
         assert err < 1e-2, f"world {world} rank {rank} causal {causal} head_dim {head_dim}: off by {err}"
         worst = max(worst, err)

@@ -56,15 +56,16 @@ def protocol_sites(ptx: str) -> tuple[int, int, int, list[str]]:
     return len(pushes), len(waits), len(quiets), [opcode(s) for s in lines]
 
 
-AG_SIG = {"ch": "*u64", "plan": "*u64", "epoch": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32",
+AG_SIG = {"ch": "*u64", "plan": "*u64", "rounds_ptr": "*i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32",
           "done_ptr": "*i32", "rank": "i32", "world": "i32", "m_local": "i32", "n": "i32", "k": "i32",
           "chunks": "i32", "release_slot": "i32"}
 
 
 def rs_signature(partial: str, out: str) -> dict[str, str]:
-    return {"ch": "*u64", "rs_plan": "*u64", "ag_plan": "*u64", "epoch": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16",
+    return {"ch": "*u64", "rs_plan": "*u64", "ag_plan": "*u64", "rounds_ptr": "*i32", "a_ptr": "*bf16",
+            "b_ptr": "*bf16",
             "partial_ptr": f"*{partial}", "staging_ptr": f"*{partial}", "out_ptr": f"*{out}", "arrive_ptr": "*i32",
-            "done_ptr": "*i32", "rank": "i32", "world": "i32", "m_seg": "i32", "n": "i32", "k": "i32",
+            "rank": "i32", "world": "i32", "m_seg": "i32", "n": "i32", "k": "i32",
             "chunk_rows": "i32", "chunks_per_segment": "i32", "release_slot": "i32", "ag_release_slot": "i32",
             "timeline": "*i64"}
 
@@ -402,8 +403,8 @@ def test_flag_slots_are_disjoint_and_inside_the_ops_range(world: int) -> None:
 
 
 # --- RingAttention ------------------------------------------------------------------------------------------------
-RA_SIG = {"ch": "*u64", "plan": "*u64", "epoch": "i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-          "kv_ptr": "*bf16", "out_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "done_ptr": "*i32",
+RA_SIG = {"ch": "*u64", "plan": "*u64", "rounds_ptr": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+          "kv_ptr": "*bf16", "out_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
           "rank": "i32", "world": "i32", "heads": "i32", "seq": "i32", "chunk_elems": "i32",
           "chunks_per_block": "i32", "release_slot": "i32", "qk_scale": "fp32"}
 

@@ -1,0 +1,262 @@
+"""The fused ops captured in CUDA graphs and replayed: two ranks on two daemons sharing the GPU, ib and efa.
+
+A launch reads its round from the op's round words in device memory (``gpuclient/kernels/_rounds.py``), so a
+replay runs the next round as a call would. Each test makes one eager call; captures each rank's call in a graph
+of its own (the capture runs nothing); replays the graphs ``REPLAYS`` times, with new inputs copied into the
+captured input tensors and everything a peer owes, and the captured outputs, poisoned (NaN) before each; then
+makes one more eager call. Every launch is checked against torch, and the rounds the device ran after each,
+with no flag reset anywhere. MoE's dispatch and combine are graphs of their own, with the expert matmul between
+them outside (no kernel of a rank is queued behind a waiting kernel of its own: test_moe.py's launch discipline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpuclient.kernels.moe_layout import dispatch_model
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from tests.gpu.test_fused_kernels import (  # noqa: E402  (needs torch)
+    _assert_sum,
+    _attention,
+    _close,
+    _cluster,
+    _exchange,
+    _ranks,
+    _reference,
+)
+from tests.gpu.test_moe import _expert_weights, _prepared, _routing, _seeded  # noqa: E402
+
+REPLAYS = 3
+NAN = float("nan")
+
+
+def _eager(streams: list, call: Callable[[int], Any], device: int) -> list:
+    """Every rank's ``call(r)`` on its stream, from an idle GPU; the results once the GPU is idle again."""
+    torch.cuda.synchronize(device)
+    results = []
+    for r, stream in enumerate(streams):
+        with torch.cuda.stream(stream):
+            results.append(call(r))
+    torch.cuda.synchronize(device)
+    return results
+
+
+def _capture(streams: list, call: Callable[[int], Any]) -> tuple[list, list]:
+    """A graph per rank, capturing ``call(r)`` on the rank's stream; the graphs and what the calls returned."""
+    graphs, results = [], []
+    for r, stream in enumerate(streams):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            results.append(call(r))
+        graphs.append(graph)
+    return graphs, results
+
+
+def _replay(graphs: list, streams: list, device: int) -> None:
+    """Every rank's graph replayed on its stream, from an idle GPU to an idle GPU."""
+    torch.cuda.synchronize(device)
+    for graph, stream in zip(graphs, streams, strict=True):
+        with torch.cuda.stream(stream):
+            graph.replay()
+    torch.cuda.synchronize(device)
+
+
+def _random_into(tensors: list, gen: Any) -> None:
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+
+
+@pytest.mark.parametrize("fabric", ["ib", "efa"])
+@pytest.mark.parametrize("kind", ["allgather_gemm", "gemm_reduce_scatter", "gemm_all_reduce", "ring_attention"])
+def test_the_fused_ops_replay_from_cuda_graphs(cuda_device, fabric: str, kind: str) -> None:
+    from gpuclient.kernels import AllGatherGemm, GemmAllReduce, GemmReduceScatter, RingAttention
+
+    world, bf16, dev = 2, torch.bfloat16, f"cuda:{cuda_device}"
+    gen = torch.Generator(device="cpu").manual_seed(21)
+    # the shapes of test_fused_kernels.py: no multiple of the tiles nor of the 48-row chunks
+    heads, seq_local, head_dim = 3, 200, 128
+    m_local, m, n, k = 200, 368, 200, 200
+    with _cluster(2, fabric) as cluster:
+        sessions = _ranks(cluster, f"graph-{kind}", cuda_device, world)
+        try:
+            if kind == "allgather_gemm":
+                ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=48, share=world, programs=24) for _, s in sessions]
+                inputs = [[torch.empty(m_local, k, dtype=bf16, device=dev), torch.empty(k, n, dtype=bf16, device=dev)]
+                          for _ in ops]
+            elif kind == "ring_attention":
+                ops = [RingAttention(s, heads, seq_local, head_dim, causal=True, chunk_rows=48, share=world,
+                                     programs=5) for _, s in sessions]
+                inputs = [[torch.empty(heads, seq_local, head_dim, dtype=bf16, device=dev) for _ in range(3)]
+                          for _ in ops]
+            else:
+                cls = GemmAllReduce if kind == "gemm_all_reduce" else GemmReduceScatter
+                ops = [cls(s, m, n, k, chunk_rows=48, share=world, programs=5, out_dtype=bf16) for _, s in sessions]
+                inputs = [[torch.empty(m, k, dtype=bf16, device=dev), torch.empty(k, n, dtype=bf16, device=dev)]
+                          for _ in ops]
+            _exchange(sessions)
+            for op in ops:  # both ranks' kernels loaded before either launches, and before any capture
+                op.prepare()
+            streams = [torch.cuda.Stream(cuda_device) for _ in ops]
+
+            def call(r: int) -> Any:
+                return ops[r](*inputs[r], stream=streams[r])
+
+            def fresh(outputs: list) -> None:
+                """New inputs in the tensors a graph reads; what the peers owe and the outputs poisoned."""
+                _random_into([t for per_rank in inputs for t in per_rank], gen)
+                for op in ops:
+                    owed = {"allgather_gemm": ["gathered"], "ring_attention": ["kv", "_acc", "_ml"]}.get(
+                        kind, ["staging", "partial"] + (["result"] if kind == "gemm_all_reduce" else []))
+                    for name in owed:
+                        getattr(op, name).fill_(NAN)
+                for out in outputs:
+                    out.fill_(NAN)
+
+            def check(outs: list, what: str) -> None:
+                if kind == "ring_attention":
+                    want = _attention(*[[x[i] for x in inputs] for i in range(3)], causal=True)
+                elif kind != "allgather_gemm":
+                    want, magnitude = _reference([x[0] for x in inputs], [x[1] for x in inputs])
+                for r, op in enumerate(ops):
+                    where = f"{fabric} {kind} rank {r}, {what}"
+                    assert op.channel.status()[0] == 0, (where, op.channel.status())
+                    assert torch.isfinite(outs[r]).all(), f"{where}: read before arrival (NaN)"
+                    if kind == "allgather_gemm":
+                        want = torch.cat([x[0] for x in inputs]).float() @ inputs[r][1].float()
+                        torch.testing.assert_close(outs[r], want, rtol=1e-3, atol=2e-2,
+                                                   msg=lambda s, where=where: f"{where}: {s}")
+                    elif kind == "ring_attention":
+                        torch.testing.assert_close(outs[r].cpu().double(), want[:, r * seq_local:(r + 1) * seq_local],
+                                                   rtol=1e-2, atol=1.5e-2, msg=lambda s, where=where: f"{where}: {s}")
+                    elif kind == "gemm_all_reduce":
+                        _assert_sum(outs[r], want, magnitude, where)
+                    else:
+                        rows = slice(r * m // world, (r + 1) * m // world)
+                        _assert_sum(outs[r], want[rows], magnitude[rows], where)
+
+            def rounds_run() -> list[int]:
+                return [int(op._rounds[0]) for op in ops]
+
+            fresh([])
+            check(_eager(streams, call, cuda_device), "eager launch 1")
+            assert rounds_run() == [1, 1]
+            graphs, outs = _capture(streams, call)
+            assert rounds_run() == [1, 1], "a capture ran a round"
+            for replay in range(1, REPLAYS + 1):
+                fresh(outs)
+                _replay(graphs, streams, cuda_device)
+                check(outs, f"replay {replay}")
+                assert rounds_run() == [1 + replay] * world
+            fresh([])
+            check(_eager(streams, call, cuda_device), "the eager launch after the replays")
+            assert rounds_run() == [2 + REPLAYS] * world
+        finally:
+            _close(sessions)
+
+
+@pytest.mark.parametrize("fabric", ["ib", "efa"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_moe_dispatch_and_combine_replay_from_cuda_graphs(cuda_device, fabric: str, fused: bool) -> None:
+    """``dispatch`` (or ``dispatch_gemm``) and ``combine`` each in a graph per rank; the combined output of every
+    launch against a float64 torch MoE on the same routing (uneven, -1 entries, repeats), as in test_moe.py."""
+    world, experts, max_tokens, topk, hidden = 2, 6, 40, 3, 200
+    dev = f"cuda:{cuda_device}"
+    rng, gen, lays, local = _seeded(31, world, experts, max_tokens, topk, hidden)
+    tokens = [max_tokens, max_tokens - 7]
+    with _cluster(2, fabric) as cluster:
+        sessions = _ranks(cluster, "graph-moe", cuda_device, world)
+        try:
+            extra = {"gemm_n": hidden, "comm_programs": 2, "gemm_programs": 6} if fused else {}
+            ops, streams = _prepared(sessions, hidden, experts, max_tokens, topk, cuda_device, **extra)
+            weights_e, w_dev = _expert_weights(gen, experts, hidden, dev)
+            w_rank = [w_dev[r * local:(r + 1) * local] for r in range(world)]
+            x = [torch.empty(n, hidden, dtype=torch.bfloat16, device=dev) for n in tokens]
+            idx = [torch.empty(n, topk, dtype=torch.int64, device=dev) for n in tokens]
+            weights = [torch.empty(n, topk, dtype=torch.float32, device=dev) for n in tokens]
+            ys = [op.y if fused else torch.empty_like(op.recv_x) for op in ops]  # combine's input
+            case: dict[str, Any] = {}
+
+            def fresh(outputs: list) -> None:
+                """A new routing and new tokens in the tensors a graph reads; all a peer writes poisoned."""
+                case["idx"] = [_routing(rng, n, topk, np.arange(experts), hot=1, dtype=np.int64) for n in tokens]
+                case["xs"] = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in tokens]
+                case["ws"] = [torch.rand(n, topk, generator=gen) for n in tokens]
+                for r in range(world):
+                    idx[r].copy_(torch.from_numpy(case["idx"][r]))
+                    x[r].copy_(case["xs"][r])
+                    weights[r].copy_(case["ws"][r])
+                for op, y in zip(ops, ys, strict=True):
+                    for buf in (op.recv_x, op.send_x, op.send_y, op.combine_buf, op.out, y):
+                        buf.fill_(NAN)
+                    op.recv_src.fill_(-1)
+                    op.src_stage.fill_(-1)
+                for out in outputs:
+                    out.fill_(NAN)
+
+            def dispatch(r: int) -> tuple:
+                if fused:
+                    return ops[r].dispatch_gemm(x[r], idx[r], weights[r], w_rank[r], stream=streams[r])
+                return ops[r].dispatch(x[r], idx[r], weights[r], stream=streams[r])
+
+            def experts_between() -> None:  # the plain dispatch's experts, on an idle GPU
+                if not fused:
+                    for r, op in enumerate(ops):
+                        torch.bmm(op.recv_x, w_rank[r], out=ys[r])
+                    torch.cuda.synchronize(cuda_device)
+
+            def check(outs: list, what: str) -> None:
+                model = dispatch_model(lays, case["idx"])
+                for r, op in enumerate(ops):
+                    where = f"{fabric} {'dispatch_gemm' if fused else 'dispatch'} rank {r}, {what}"
+                    assert op.channel.status()[0] == 0, (where, op.channel.status())
+                    got = outs[r].double().cpu()
+                    assert torch.isfinite(got).all(), f"{where}: a slot read before it arrived (NaN)"
+                    ref = torch.zeros(tokens[r], hidden, dtype=torch.float64)
+                    magnitude = torch.zeros_like(ref)
+                    norm = model[r]["idx"]
+                    for t, j in zip(*np.nonzero(norm >= 0), strict=True):
+                        term = case["ws"][r][t, j].double() * (case["xs"][r][t].double() @
+                                                              weights_e[int(norm[t, j])].double())
+                        ref[t] += term
+                        magnitude[t] += term.abs()
+                    # bf16 expert outputs (2^-8 each) and a bf16 sum, with test_moe.py's margin
+                    bound = 2.0 ** -6 * (magnitude + ref.abs()) + 2e-2
+                    assert ((got - ref).abs() <= bound).all(), (where, float((got - ref).abs().max()))
+
+            def rounds_run() -> list[list[int]]:
+                return [op._rounds.tolist() for op in ops]
+
+            def ran(n: int) -> list[list[int]]:  # the rounds run, no launch half done, the fused ones
+                return [[n, 0, n if fused else 0]] * world
+
+            fresh([])
+            handles = _eager(streams, dispatch, cuda_device)
+            experts_between()
+            check(_eager(streams, lambda r: ops[r].combine(ys[r], handles[r][2], stream=streams[r]), cuda_device),
+                  "eager round 1")
+            assert rounds_run() == ran(1)
+            dispatch_graphs, captured = _capture(streams, dispatch)
+            combine_graphs, outs = _capture(streams, lambda r: ops[r].combine(ys[r], captured[r][2]))
+            assert rounds_run() == ran(1), "a capture ran a round"
+            for replay in range(1, REPLAYS + 1):
+                fresh(outs)
+                _replay(dispatch_graphs, streams, cuda_device)
+                experts_between()
+                _replay(combine_graphs, streams, cuda_device)
+                check(outs, f"replay {replay}")
+                assert rounds_run() == ran(1 + replay)
+            fresh([])
+            handles = _eager(streams, dispatch, cuda_device)
+            experts_between()
+            check(_eager(streams, lambda r: ops[r].combine(ys[r], handles[r][2], stream=streams[r]), cuda_device),
+                  "the eager round after the replays")
+            assert rounds_run() == ran(2 + REPLAYS)
+        finally:
+            _close(sessions)
