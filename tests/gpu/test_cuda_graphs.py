@@ -5,12 +5,16 @@ replay runs the next round as a call would. Each test makes one eager call; capt
 of its own (the capture runs nothing); replays the graphs ``REPLAYS`` times, with new inputs copied into the
 captured input tensors and everything a peer owes, and the captured outputs, poisoned (NaN) before each; then
 makes one more eager call. Every launch is checked against torch, and the rounds the device ran after each,
-with no flag reset anywhere. MoE's dispatch and combine are graphs of their own, with the expert matmul between
-them outside (no kernel of a rank is queued behind a waiting kernel of its own: test_moe.py's launch discipline).
+with no flag reset anywhere. Where the two ranks share a process, MoE's dispatch and combine are graphs of their
+own, with the expert matmul between them outside (no kernel of a rank is queued behind a waiting kernel of its
+own: test_moe.py's launch discipline); with a process per rank, as ranks run on a cluster, one graph holds a
+whole MoE layer: dispatch, the experts' matmul and combine.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import queue
 from collections.abc import Callable
 from typing import Any
 
@@ -260,3 +264,119 @@ def test_moe_dispatch_and_combine_replay_from_cuda_graphs(cuda_device, fabric: s
             assert rounds_run() == ran(2 + REPLAYS)
         finally:
             _close(sessions)
+
+
+LAYER = {"world": 2, "experts": 6, "max_tokens": 40, "topk": 3, "hidden": 200}
+
+
+def _moe_layer_rank(rank: int, socket: str, device: int, results: Any) -> None:
+    """One rank in a process of its own: a MoE layer (dispatch, each local expert's matmul, combine) called once,
+    captured whole in one CUDA graph and replayed ``REPLAYS`` times with new tokens and routing, then called once
+    more. Puts ``(rank, {"errors": [the worst error against the float64 reference's bound, per launch], "rounds":
+    the op's round words, "status": its channel's status})``, or ``(rank, the exception)``."""
+    try:
+        import torch
+
+        import gpuclient
+        from gpuclient.kernels import MoE
+
+        world, experts, max_tokens, topk, hidden = (LAYER[k] for k in ("world", "experts", "max_tokens", "topk",
+                                                                        "hidden"))
+        torch.cuda.set_device(device)
+        dev = f"cuda:{device}"
+        client = gpuclient.connect(socket, timeout=60)
+        session = client.join("graph-moe-layer", rank=rank, world=world, device=device)
+        op = MoE(session, hidden, experts, max_tokens, topk, share=world, programs=4)
+        session.exchange(timeout=60)
+        op.prepare()
+        local = experts // world
+        rng, gen = np.random.default_rng(40 + rank), torch.Generator(device="cpu").manual_seed(40 + rank)
+        weights_e = (torch.randn(experts, hidden, hidden, generator=torch.Generator().manual_seed(7)) /
+                     hidden ** 0.5).to(torch.bfloat16)  # every process draws every expert alike
+        w_local = weights_e[rank * local:(rank + 1) * local].to(dev)
+        tokens = max_tokens - 5 * rank
+        x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=dev)
+        idx = torch.empty(tokens, topk, dtype=torch.int64, device=dev)
+        weights = torch.empty(tokens, topk, dtype=torch.float32, device=dev)
+        y = torch.empty_like(op.recv_x)
+
+        def layer() -> Any:
+            recv_x, _, handle = op.dispatch(x, idx, weights)
+            torch.bmm(recv_x, w_local, out=y)
+            return op.combine(y, handle)
+
+        def fresh() -> tuple[Any, Any, Any]:
+            """New tokens and routing in the tensors the graph reads; all a peer writes poisoned (no peer writes
+            into them before this rank's dispatch sends its counts)."""
+            idx_np = _routing(rng, tokens, topk, np.arange(experts), hot=1, dtype=np.int64)
+            xs, ws = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16), torch.rand(tokens, topk,
+                                                                                             generator=gen)
+            idx.copy_(torch.from_numpy(idx_np))
+            x.copy_(xs)
+            weights.copy_(ws)
+            for buf in (op.recv_x, op.send_x, op.send_y, op.combine_buf, op.out, y):
+                buf.fill_(NAN)
+            torch.cuda.synchronize(device)
+            return idx_np, xs, ws
+
+        def worst(out: Any, idx_np: np.ndarray, xs: Any, ws: Any) -> float:
+            """max(|out - ref| / bound) against a float64 MoE (repeats count once, -1 is no expert)."""
+            got = out.double().cpu()
+            ref, magnitude = torch.zeros(tokens, hidden, dtype=torch.float64), torch.zeros(tokens, hidden,
+                                                                                          dtype=torch.float64)
+            for t in range(tokens):
+                for e in {int(e) for e in idx_np[t] if 0 <= e < experts}:
+                    j = int(np.nonzero(idx_np[t] == e)[0][0])
+                    term = ws[t, j].double() * (xs[t].double() @ weights_e[e].double())
+                    ref[t] += term
+                    magnitude[t] += term.abs()
+            return float(((got - ref).abs() / (2.0 ** -6 * (magnitude + ref.abs()) + 2e-2)).max())
+
+        errors = []
+        case = fresh()
+        errors.append(worst(layer(), *case))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = layer()
+        for _ in range(REPLAYS):
+            case = fresh()
+            graph.replay()
+            torch.cuda.synchronize(device)
+            errors.append(worst(out, *case))
+        case = fresh()
+        errors.append(worst(layer(), *case))
+        torch.cuda.synchronize(device)
+        results.put((rank, {"errors": errors, "rounds": op._rounds.tolist(), "status": list(op.channel.status())}))
+        session.leave()
+        client.close()
+    except BaseException as exc:  # the parent reports it
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.parametrize("fabric", ["ib", "efa"])
+def test_a_whole_moe_layer_replays_from_one_graph_in_each_rank_s_process(cuda_device, fabric: str) -> None:
+    """Two rank processes on the GPU (under the suite's MPS, their kernels run side by side): each captures its
+    MoE layer, dispatch -> expert matmul -> combine, in one graph. Every launch's output within the bound (<= 1),
+    NaN-poisoned before each, and every rank ran REPLAYS + 2 rounds."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with _cluster(2, fabric) as cluster:
+        procs = [context.Process(target=_moe_layer_rank, args=(r, cluster.socket(name), cuda_device, results))
+                 for r, name in enumerate(cluster.names)]
+        for proc in procs:
+            proc.start()
+        try:
+            got = dict(results.get(timeout=200) for _ in procs)
+        except queue.Empty:
+            got = {}
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+    assert sorted(got) == [0, 1], f"{fabric}: a rank process reported nothing: {got}"
+    for rank, report in sorted(got.items()):
+        assert isinstance(report, dict), f"{fabric} rank {rank}: {report}"
+        errors = report["errors"]  # NaN (read before arrival) compares false
+        assert len(errors) == REPLAYS + 2 and all(e <= 1.0 for e in errors), (fabric, rank, report)
+        assert report["rounds"] == [REPLAYS + 2, 0, 0] and report["status"][0] == 0, (fabric, rank, report)
