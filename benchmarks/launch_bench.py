@@ -39,6 +39,7 @@ from benchmarks.fused_bench import (  # noqa: E402
     _sessions,
     gpu_name,
 )
+from tests.support.cuda_graphs import capture_per_rank  # noqa: E402
 
 MODES = ("launcher", "triton")
 GRAPH = "graph"  # MoE's calls captured in CUDA graphs, replayed
@@ -130,23 +131,14 @@ def _graph_replays(moe: Any, call: str, calls: int) -> dict[tuple[str, str], lis
     replay: µs a replay, one rank's at a time (keys as ``moe_rows``' samples)."""
     import torch
 
-    def captured(make: Callable[[int], Any]) -> tuple[list[Any], list[Any]]:
-        graphs, results = [], []
-        for r, stream in enumerate(moe.streams):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                results.append(make(r))
-            graphs.append(graph)
-        return graphs, results
-
     def dispatch(r: int) -> Any:
         op, args = moe.ops[r], (moe.xs[r], moe.idx[r], moe.weights[r])
         if call == "dispatch":
             return op.dispatch(*args, stream=moe.streams[r])
         return op.dispatch_gemm(*args, moe.ws[r], stream=moe.streams[r])
 
-    dispatches, results = captured(dispatch)
-    combines, _ = captured(lambda r: moe.ops[r].combine(moe.ops[r].recv_x, results[r][2]))
+    dispatches, results = capture_per_rank(moe.streams, dispatch)
+    combines, _ = capture_per_rank(moe.streams, lambda r: moe.ops[r].combine(moe.ops[r].recv_x, results[r][2]))
     samples: dict[tuple[str, str], list[float]] = {(call, GRAPH): [], ("combine", GRAPH): []}
     for i in range(calls + 1):
         for which, graphs in ((call, dispatches), ("combine", combines)):

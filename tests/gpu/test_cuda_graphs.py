@@ -36,6 +36,7 @@ from tests.gpu.test_fused_kernels import (  # noqa: E402  (needs torch)
     _reference,
 )
 from tests.gpu.test_moe import _expert_weights, _prepared, _routing, _seeded  # noqa: E402
+from tests.support.cuda_graphs import capture_per_rank  # noqa: E402
 
 REPLAYS = 3
 NAN = float("nan")
@@ -50,17 +51,6 @@ def _eager(streams: list, call: Callable[[int], Any], device: int) -> list:
             results.append(call(r))
     torch.cuda.synchronize(device)
     return results
-
-
-def _capture(streams: list, call: Callable[[int], Any]) -> tuple[list, list]:
-    """A graph per rank, capturing ``call(r)`` on the rank's stream; the graphs and what the calls returned."""
-    graphs, results = [], []
-    for r, stream in enumerate(streams):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            results.append(call(r))
-        graphs.append(graph)
-    return graphs, results
 
 
 def _replay(graphs: list, streams: list, device: int) -> None:
@@ -151,7 +141,7 @@ def test_the_fused_ops_replay_from_cuda_graphs(cuda_device, fabric: str, kind: s
             fresh([])
             check(_eager(streams, call, cuda_device), "eager launch 1")
             assert rounds_run() == [1, 1]
-            graphs, outs = _capture(streams, call)
+            graphs, outs = capture_per_rank(streams, call)
             assert rounds_run() == [1, 1], "a capture ran a round"
             for replay in range(1, REPLAYS + 1):
                 fresh(outs)
@@ -246,8 +236,8 @@ def test_moe_dispatch_and_combine_replay_from_cuda_graphs(cuda_device, fabric: s
             check(_eager(streams, lambda r: ops[r].combine(ys[r], handles[r][2], stream=streams[r]), cuda_device),
                   "eager round 1")
             assert rounds_run() == ran(1)
-            dispatch_graphs, captured = _capture(streams, dispatch)
-            combine_graphs, outs = _capture(streams, lambda r: ops[r].combine(ys[r], captured[r][2]))
+            dispatch_graphs, captured = capture_per_rank(streams, dispatch)
+            combine_graphs, outs = capture_per_rank(streams, lambda r: ops[r].combine(ys[r], captured[r][2]))
             assert rounds_run() == ran(1), "a capture ran a round"
             for replay in range(1, REPLAYS + 1):
                 fresh(outs)
