@@ -1,4 +1,4 @@
-"""How the fused ops launch their Triton kernels: little host time per call, and never inside a CUDA graph.
+"""How the fused ops launch their Triton kernels: little host time per call, and CUDA graphs once prepared.
 
 **Host time.** ``kernel[grid](*args, **meta)`` binds every argument again at each launch: Triton types and
 specializes each one, formats the options into its cache key, asks torch for the device and stream, and checks

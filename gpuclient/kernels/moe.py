@@ -62,7 +62,7 @@ fabric costs ~70-135 us a message whatever its size, and a put per expert made 3
 
 Group flags count dispatch_gemm rounds: every (peer, group) pair gets exactly one signal per fused round
 (the put_signal, or the SIGNAL of an empty group), so after n fused rounds each is n, rows or none, and the
-compute programs wait for ``gemm_epoch`` = the op's count of fused rounds that communicated (``gemm_rounds``;
+compute programs wait for ``gemm_epoch`` = the op's count of fused rounds that communicated (its third round word;
 ``compute=False`` counts, ``communicate=False`` neither counts nor waits, and reads the rows from ``recv_x``).
 Plain ``dispatch`` leaves them alone, so the two alternate freely. What covers a row, on efa too (a signal
 covers the writes since the connection's previous signal): only the program serving a peer pushes to it,
@@ -903,7 +903,6 @@ class MoE:
         self.put_rows = lay.put_rows  # rows per put of a block: all of them unless they pass the largest put
         self.channel_capacity = channel_capacity
         self.rounds = 0  # the dispatches called (a graph replay runs one uncounted): the device keeps the rounds run
-        self.gemm_rounds = 0  # of them, the dispatch_gemm calls that communicated
         self._pending: MoEHandle | None = None
         self._ch: Any = None
         self._launcher = KernelLauncher(self.device)
@@ -1130,8 +1129,6 @@ class MoE:
         self.prepare()
         if communicate:  # compute=False too: its rows move and its flags rise like any fused round's
             self.rounds += 1
-            self.gemm_rounds += 1
-        if communicate:
             self._launcher(_moe_route, (self.programs,), stream, self._route_args(x, topk_idx, tokens),
                            self._route_meta())
         self._launcher(_moe_dispatch_gemm, (self.gemm_programs,), stream,
