@@ -81,8 +81,11 @@ each row is checked against torch (``max_abs_error``).
 
 MoE (``gpuclient.kernels.MoE``, DeepEP's low-latency shape: 128 tokens a rank, hidden 7168, top-8 of 64
 experts, uniform routing): dispatch and combine latency (both ranks at once, median; each phase starts from
-settled daemons: ``_settle``), and per dispatch and destination the signals and fences the sending daemon
-posted (its counters), with decoupled signaling on and off.
+settled daemons: ``_settle``), each phase from calls and (bf16) from CUDA graph replays, one graph a rank and
+phase (``dispatch_graph_s``, ``combine_graph_s``: a replay's few microseconds of host time in place of a call's,
+as a framework that captures its MoE layer sees it; the graph rounds run after the call rounds), and per dispatch
+and destination the signals and fences the sending daemon posted (its counters), with decoupled signaling on and
+off.
 
 CUDA MPS is started here (as ``benchmarks/fabric_bench.py`` does) so the rail workers' copies share the
 GPU with the kernels instead of waiting for time slices.
@@ -127,6 +130,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.fabric_bench import SHAPES, daemon_config  # noqa: E402
 from benchmarks.fused_standing import judge  # noqa: E402
 from gpuclient import exchange_all  # noqa: E402
+from tests.support.cuda_graphs import capture_per_rank  # noqa: E402
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
 from transportd_cli.cli_options import (  # noqa: E402
     FiniteFloat,
@@ -924,6 +928,8 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
         out = ops[0].out[:tokens].float()
         expect = xs[0].float() * weights[0].sum(dim=1, keepdim=True)
         error = float((out - expect).abs().max())
+        # the same rounds replayed from CUDA graphs (bf16: fp8's dequantization runs between the phases)
+        graph_s = ([], []) if fp8 else _moe_graph_latency(ops, streams, xs, idx, weights, clients, reps)
         _check_channels(ops)
     rounds = len(dispatch_s)
     per = WORLD * (WORLD - 1) * rounds  # (sender, destination) pairs over the counted rounds
@@ -931,17 +937,58 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
                            "decoupled": decoupled, "fp8": fp8, "world": WORLD, "tokens": tokens, "hidden": hidden,
                            "topk": topk,
                            "experts": experts, "rounds": rounds, "max_abs_error": error,
-                           "dispatch_s": statistics.median(dispatch_s), "combine_s": statistics.median(combine_s)}
+                           "dispatch_s": statistics.median(dispatch_s), "combine_s": statistics.median(combine_s),
+                           "dispatch_graph_s": statistics.median(graph_s[0]) if graph_s[0] else None,
+                           "combine_graph_s": statistics.median(graph_s[1]) if graph_s[1] else None}
     for phase, counts in posted.items():
         for key in ("signals", "signals_requested", "fences", "writes", "direct_placed"):
             row[f"{phase}_{key}_per_dest"] = counts[key] / per
     echo(f"  moe {backend} {shape:9s} decoupled={'on ' if decoupled else 'off'}{' fp8' if fp8 else ''} "
          f"dispatch {row['dispatch_s'] * 1e6:8.1f} us  combine {row['combine_s'] * 1e6:8.1f} us  "
+         f"{_graph_us(row)}"
          f"per dispatch and destination: signals "
          f"{row['dispatch_signals_per_dest']:.2f} (requested {row['dispatch_signals_requested_per_dest']:.2f}), "
          f"fences {row['dispatch_fences_per_dest']:.2f}, writes {row['dispatch_writes_per_dest']:.1f} "
          f"({row['dispatch_direct_placed_per_dest']:.1f} placed by direct copy)")
     return row
+
+
+def _moe_graph_latency(ops: list[Any], streams: list[Any], xs: list[Any], idx: list[Any], weights: list[Any],
+                       clients: list[Any], reps: int) -> tuple[list[float], list[float]]:
+    """``moe_row``'s rounds with dispatch and combine each captured in a graph per rank and replayed: seconds of
+    each phase, both ranks at once from settled daemons as there, with a replay's ~4 us of host time in place of
+    a call's (the first round is dropped)."""
+    import torch
+
+    dispatches, handles = capture_per_rank(streams, lambda r: ops[r].dispatch(xs[r], idx[r], weights[r]))
+    combines, _ = capture_per_rank(streams, lambda r: ops[r].combine(handles[r][0], handles[r][2]))
+    dispatch_s: list[float] = []
+    combine_s: list[float] = []
+    for i in range(reps + 1):
+        for graphs, samples in ((dispatches, dispatch_s), (combines, combine_s)):
+            _settle(clients)
+            start = time.perf_counter()
+            for graph, stream in zip(graphs, streams, strict=True):
+                with torch.cuda.stream(stream):
+                    graph.replay()
+            for stream in streams:
+                stream.synchronize()
+            if i > 0:
+                samples.append(time.perf_counter() - start)
+    return dispatch_s, combine_s
+
+
+def _graph_us(row: dict[str, Any]) -> str:
+    """A MoE row's graph-replayed latencies, for the echo ("" where it has none)."""
+    if row.get("dispatch_graph_s") is None:
+        return ""
+    return f"graphs: dispatch {row['dispatch_graph_s'] * 1e6:8.1f} us  combine {row['combine_graph_s'] * 1e6:8.1f} us  "
+
+
+def _graph_cell(row: dict[str, Any]) -> str:
+    if row.get("dispatch_graph_s") is None:
+        return "—"
+    return f"{row['dispatch_graph_s'] * 1e6:.1f} / {row['combine_graph_s'] * 1e6:.1f}"
 
 
 def _dequantized(received: tuple[Any, Any]) -> Any:
@@ -1147,8 +1194,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"{r['comm_over_compute']:.2f} |")
     moe = [r for r in rows if r.get("kernel") == "moe"]
     if moe:
-        lines += ["", "| MoE | backend | NIC model | decoupled | rows | dispatch us | combine us | signals / dest / "
-                  "dispatch (requested) | fences / dest / dispatch | writes / dest / dispatch |", "|" + "---|" * 10]
+        lines += ["", "| MoE | backend | NIC model | decoupled | rows | dispatch us | combine us | from graphs: "
+                  "dispatch / combine us | signals / dest / dispatch (requested) | fences / dest / dispatch | "
+                  "writes / dest / dispatch |", "|" + "---|" * 11]
         for r in moe:
             if "error" in r:
                 lines.append(f"| moe | {r['backend']} | {r['shape']} | {r.get('decoupled')} | failed: {r['error']} |")
@@ -1156,7 +1204,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['tokens']} tok, H {r['hidden']}, top-{r['topk']} of {r['experts']} | {r['backend']} | "
                          f"{r['shape']} | {'on' if r['decoupled'] else 'off'} | {'fp8' if r.get('fp8') else 'bf16'} | "
                          f"{r['dispatch_s'] * 1e6:.1f} | "
-                         f"{r['combine_s'] * 1e6:.1f} | {r['dispatch_signals_per_dest']:.2f} "
+                         f"{r['combine_s'] * 1e6:.1f} | {_graph_cell(r)} | {r['dispatch_signals_per_dest']:.2f} "
                          f"({r['dispatch_signals_requested_per_dest']:.2f}) | {r['dispatch_fences_per_dest']:.2f} | "
                          f"{r['dispatch_writes_per_dest']:.1f} |")
     return "\n".join(lines)
