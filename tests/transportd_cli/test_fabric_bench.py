@@ -100,17 +100,28 @@ def test_a_traced_latency_run_summarizes_the_steps_of_every_process(tmp_path: Pa
 
 @pytest.mark.multiprocess
 def test_the_spin_decides_which_thread_sends_a_shaped_write() -> None:
-    """``nic_spin_s`` reaches the daemons' soft devices. 5 ms of latency: with an 8 ms spin the sending
-    worker's posting thread sends every write itself once it lands; with 4 ms each is queued and its I/O
-    thread waits the last 4 ms awake (woken that early); with 0 each is queued and slept for. Never before
-    the model lets it land."""
+    """``nic_spin_s`` reaches the daemons' soft devices. A write lands 9.04 ms after its post (9 ms of latency,
+    41 us on the link): with a 10 ms spin the sending worker's posting thread sends every write itself once it
+    lands; with 8 ms each is queued, and its I/O thread, woken 8 ms before the landing, waits the rest awake;
+    with 0 each is queued and slept for. Never before the model lets it land.
+
+    Which thread sends is decided at the post, from the model alone. Whether the I/O thread woke in time to
+    wait awake depends on the host: a wake-up more than the spin late (a loaded two-core host, where each rail
+    worker's loop takes a core, once made a 4 ms spin miss two of four) finds the write due and sends it at
+    once. So that case asserts at least one awake wait, with a margin of 8 ms for the wake-up."""
     bench = load_benchmark("fabric_bench")
-    nic = {"nic_bandwidth": 100e6, "nic_latency_s": 5e-3}
-    for spin, ways in ((8e-3, (4, 0, 0)), (4e-3, (0, 4, 4)), (0.0, (0, 4, 0))):
+    nic = {"nic_bandwidth": 100e6, "nic_latency_s": 9e-3}
+    for spin in (10e-3, 8e-3, 0.0):
         row = bench.fabric_row("ib", "shaped", 4, 1, 1, buffers="host", chunk=4096, nic=nic, echo=lambda *a: None,
                                latency_sizes=[4096], nic_spin_s=spin)
         (entry,) = row["latency"]
-        assert (entry["sent_at_post"], entry["departed"], entry["departures_awaited"]) == ways, spin
+        sent_at_post, departed, awaited = entry["sent_at_post"], entry["departed"], entry["departures_awaited"]
+        if spin == 10e-3:
+            assert (sent_at_post, departed, awaited) == (4, 0, 0)
+        elif spin:
+            assert (sent_at_post, departed) == (0, 4) and 1 <= awaited <= 4, entry
+        else:
+            assert (sent_at_post, departed, awaited) == (0, 4, 0)
         assert entry["min_us"] >= entry["model_us"] * 0.999
 
 
