@@ -130,7 +130,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.fabric_bench import SHAPES, daemon_config  # noqa: E402
 from benchmarks.fused_standing import judge  # noqa: E402
 from gpuclient import exchange_all  # noqa: E402
-from tests.support.cuda_graphs import capture_per_rank  # noqa: E402
+from tests.support.cuda_graphs import capture_per_rank, replay_per_rank  # noqa: E402
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
 from transportd_cli.cli_options import (  # noqa: E402
     FiniteFloat,
@@ -958,8 +958,6 @@ def _moe_graph_latency(ops: list[Any], streams: list[Any], xs: list[Any], idx: l
     """``moe_row``'s rounds with dispatch and combine each captured in a graph per rank and replayed: seconds of
     each phase, both ranks at once from settled daemons as there, with a replay's ~4 us of host time in place of
     a call's (the first round is dropped)."""
-    import torch
-
     dispatches, handles = capture_per_rank(streams, lambda r: ops[r].dispatch(xs[r], idx[r], weights[r]))
     combines, _ = capture_per_rank(streams, lambda r: ops[r].combine(handles[r][0], handles[r][2]))
     dispatch_s: list[float] = []
@@ -968,9 +966,7 @@ def _moe_graph_latency(ops: list[Any], streams: list[Any], xs: list[Any], idx: l
         for graphs, samples in ((dispatches, dispatch_s), (combines, combine_s)):
             _settle(clients)
             start = time.perf_counter()
-            for graph, stream in zip(graphs, streams, strict=True):
-                with torch.cuda.stream(stream):
-                    graph.replay()
+            replay_per_rank(graphs, streams)
             for stream in streams:
                 stream.synchronize()
             if i > 0:

@@ -36,7 +36,7 @@ from tests.gpu.test_fused_kernels import (  # noqa: E402  (needs torch)
     _reference,
 )
 from tests.gpu.test_moe import _expert_weights, _prepared, _routing, _seeded  # noqa: E402
-from tests.support.cuda_graphs import capture_per_rank  # noqa: E402
+from tests.support.cuda_graphs import capture_per_rank, replay_per_rank  # noqa: E402
 
 REPLAYS = 3
 NAN = float("nan")
@@ -56,9 +56,7 @@ def _eager(streams: list, call: Callable[[int], Any], device: int) -> list:
 def _replay(graphs: list, streams: list, device: int) -> None:
     """Every rank's graph replayed on its stream, from an idle GPU to an idle GPU."""
     torch.cuda.synchronize(device)
-    for graph, stream in zip(graphs, streams, strict=True):
-        with torch.cuda.stream(stream):
-            graph.replay()
+    replay_per_rank(graphs, streams)
     torch.cuda.synchronize(device)
 
 

@@ -19,3 +19,13 @@ def capture_per_rank(streams: list[Any], make: Callable[[int], Any]) -> tuple[li
             results.append(make(r))
         graphs.append(graph)
     return graphs, results
+
+
+def replay_per_rank(graphs: list[Any], streams: list[Any]) -> None:
+    """Every rank's graph replayed on its stream, queued and not waited for (the caller synchronizes as its
+    measurement needs)."""
+    import torch
+
+    for graph, stream in zip(graphs, streams, strict=True):
+        with torch.cuda.stream(stream):
+            graph.replay()
