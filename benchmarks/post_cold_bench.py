@@ -6,9 +6,12 @@ A rail worker posts a fused launch's first records after sitting idle between la
 (`softverbs.soft.batch.post_wr_batch`: the WR list, its checks and queueing) runs with the thread's caches
 cold. This times that part of a post, ``--wrs`` RDMA writes on a connected soft RC QP in this process
 (``wr_complete`` left out: no frame is sent, so only the post's own Python is timed): ``warm``, posts
-back to back; ``spun``, each after the thread spun ``--idle-ms`` awake on the clock; ``cold``, each after it
-slept that long. Rows: µs per post, p50 / p90. Spun near warm says the cold cost is the idle core's (its sleep
-state and clock), not caches other work filled; spun near cold says the reverse.
+back to back; ``spun``, each after the thread spun ``--idle-ms`` awake on the clock; ``c_spun``, each after
+it spun as long in C with the GIL let go (`softverbs._spin.spin_until`: no Python runs, almost no memory is
+touched); ``thrashed``, each after it wrote a ``--thrash-mib`` MiB buffer over and over for as long (more than
+the last-level cache holds, the core busy); ``cold``, each after it slept ``--idle-ms``. Rows: µs per post,
+p50 / p90. Spun near warm says the cold cost is the idle core's (its sleep state and clock); ``c_spun`` and
+``thrashed`` alike say it is the time away from the post's code and data, whatever the thread does meanwhile.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from softverbs._spin import spin_until  # noqa: E402
 
 from softverbs.soft.batch import BATCH_WR_DTYPE, SET_SGE, post_wr_batch  # noqa: E402
 from softverbs.soft.bench import _close, _connect, _open  # noqa: E402  (transportd bench softverbs' endpoints)
@@ -46,11 +51,28 @@ def _connected_qp(wrs: int) -> tuple[Any, np.ndarray, list[dict[str, Any]]]:
     return client["qp"], rows, [client, server]
 
 
-def measure(wrs: int, posts: int, idle_ms: float) -> list[dict[str, Any]]:
+MODES = ("warm", "spun", "c_spun", "thrashed", "cold")
+
+
+def _idle(mode: str, seconds: float, scratch: np.ndarray) -> None:
+    """What the thread does for ``seconds`` before a post of ``mode`` (`MODES`; warm: nothing)."""
+    if mode == "cold":
+        time.sleep(seconds)
+    elif mode == "c_spun":
+        spin_until(time.monotonic_ns() + int(seconds * 1e9))
+    elif mode != "warm":
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            if mode == "thrashed":
+                scratch += 1
+
+
+def measure(wrs: int, posts: int, idle_ms: float, thrash_mib: int = 64) -> list[dict[str, Any]]:
     qp, rows, keep = _connected_qp(wrs)
     core = qp._core
     core.wr_complete = lambda: 0  # the list is built and checked, then dropped: no frame, no completion
     wire = rows.tobytes()  # as the verbs shim hands it over
+    scratch = np.zeros(thrash_mib << 20, dtype=np.uint8)
 
     def once() -> float:
         start = time.perf_counter_ns()
@@ -60,15 +82,10 @@ def measure(wrs: int, posts: int, idle_ms: float) -> list[dict[str, Any]]:
 
     out = []
     try:
-        for mode in ("warm", "spun", "cold"):
+        for mode in MODES:
             took = []
             for i in range(posts + 10):
-                if mode == "cold":
-                    time.sleep(idle_ms / 1e3)
-                elif mode == "spun":
-                    until = time.perf_counter() + idle_ms / 1e3
-                    while time.perf_counter() < until:
-                        pass
+                _idle(mode, idle_ms / 1e3, scratch)
                 t = once()
                 if i >= 10:
                     took.append(t)
@@ -87,12 +104,15 @@ def measure(wrs: int, posts: int, idle_ms: float) -> list[dict[str, Any]]:
               help="writes a post (a MoE dispatch's post to one peer: 12)")
 @click.option("--posts", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--idle-ms", type=click.FloatRange(min=0.0, max=1000.0), default=20.0, show_default=True,
-              help="how long the thread sleeps (cold) or spins (spun) before each such post")
-def main(json_path: str | None, wrs: int, posts: int, idle_ms: float) -> None:
-    rows = measure(wrs, posts, idle_ms)
+              help="how long the thread sleeps (cold), spins (spun, c_spun) or writes memory (thrashed) before each "
+                   "such post")
+@click.option("--thrash-mib", type=click.IntRange(min=1, max=4096), default=64, show_default=True,
+              help="the buffer the thrashed row writes (larger than the last-level cache)")
+def main(json_path: str | None, wrs: int, posts: int, idle_ms: float, thrash_mib: int) -> None:
+    rows = measure(wrs, posts, idle_ms, thrash_mib)
     click.echo(f"post_wr_batch of {wrs} RDMA writes (its Python, no frame sent)")
     for r in rows:
-        click.echo(f"  {r['mode']:>4}  p50 {r['p50_us']:8.1f} µs  p90 {r['p90_us']:8.1f} µs")
+        click.echo(f"  {r['mode']:>8}  p50 {r['p50_us']:8.1f} µs  p90 {r['p90_us']:8.1f} µs")
     if json_path:
         summary = {f"{r['mode']}_p50_us": r["p50_us"] for r in rows}
         Path(json_path).write_text(json.dumps({"benchmark": "post_cold", "rows": rows, "summary": summary},

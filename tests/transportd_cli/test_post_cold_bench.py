@@ -13,7 +13,7 @@ from softverbs.soft import batch
 from tests.support.benchmarks import load_benchmark
 
 
-def test_every_timed_post_builds_its_list_and_both_rows_are_written(tmp_path: Path, monkeypatch) -> None:
+def test_every_timed_post_builds_its_list_and_every_row_is_written(tmp_path: Path, monkeypatch) -> None:
     built: list[int] = []
     real = batch.list_by_columns
 
@@ -25,13 +25,14 @@ def test_every_timed_post_builds_its_list_and_both_rows_are_written(tmp_path: Pa
     monkeypatch.setattr(batch, "list_by_columns", counting)
     out = tmp_path / "post-cold.json"
     result = CliRunner().invoke(load_benchmark("post_cold_bench").main,
-                                ["--wrs", "5", "--posts", "4", "--idle-ms", "0", "--json", str(out)])
+                                ["--wrs", "5", "--posts", "4", "--idle-ms", "0", "--thrash-mib", "1", "--json",
+                                 str(out)])
     assert result.exit_code == 0, result.output
-    assert built == [5] * 42, "10 untimed and 4 timed posts a row, each a list of 5 WRs"
+    assert built == [5] * 70, "10 untimed and 4 timed posts a row, five rows, each a list of 5 WRs"
     doc = json.loads(out.read_text())
-    assert [r["mode"] for r in doc["rows"]] == ["warm", "spun", "cold"]
+    assert [r["mode"] for r in doc["rows"]] == ["warm", "spun", "c_spun", "thrashed", "cold"]
     assert all(r["wrs"] == 5 and r["posts"] == 4 and 0 < r["p50_us"] <= r["p90_us"] for r in doc["rows"])
-    assert set(doc["summary"]) == {"warm_p50_us", "spun_p50_us", "cold_p50_us"}
+    assert set(doc["summary"]) == {f"{m}_p50_us" for m in ("warm", "spun", "c_spun", "thrashed", "cold")}
 
 
 def test_a_post_of_no_writes_is_refused() -> None:
