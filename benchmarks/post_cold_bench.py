@@ -3,15 +3,17 @@
     python benchmarks/post_cold_bench.py --json benchmarks/results/post-cold.json
 
 A rail worker posts a fused launch's first records after sitting idle between launches, so the post's Python
-(`softverbs.soft.batch.post_wr_batch`: the WR list, its checks and queueing) runs with the thread's caches
-cold. This times that part of a post, ``--wrs`` RDMA writes on a connected soft RC QP in this process
-(``wr_complete`` left out: no frame is sent, so only the post's own Python is timed): ``warm``, posts
-back to back; ``spun``, each after the thread spun ``--idle-ms`` awake on the clock; ``c_spun``, each after
-it spun as long in C with the GIL let go (`softverbs._spin.spin_until`: no Python runs, almost no memory is
-touched); ``thrashed``, each after it wrote a ``--thrash-mib`` MiB buffer over and over for as long (more than
-the last-level cache holds, the core busy); ``cold``, each after it slept ``--idle-ms``. Rows: µs per post,
-p50 / p90. Spun near warm says the cold cost is the idle core's (its sleep state and clock); ``c_spun`` and
-``thrashed`` alike say it is the time away from the post's code and data, whatever the thread does meanwhile.
+(`softverbs.soft.batch.post_wr_batch`: the WR list, its checks and queueing) runs with the thread's caches cold.
+This times that part of a post, ``--wrs`` RDMA writes on a connected soft RC QP in this process (``wr_complete``
+left out: no frame is sent, so only the post's own Python is timed): ``warm``, posts back to back; ``spun``, each
+after the thread spun ``--idle-ms`` awake on the clock; ``c_spun``, each after it spun as long in C with the GIL let
+go (`softverbs._spin.spin_until`: no Python runs, almost no memory is touched); ``thrashed``, each after it wrote a
+``--thrash-mib`` MiB buffer over and over for as long (more than the last-level cache holds, the core busy);
+``rehearsed``, each after it slept as long in steps of ``--rehearse-ms``, posting the same list on a second QP of
+the device after each (the same code, other objects); ``cold``, each after it slept ``--idle-ms``. Rows: µs per
+post, p50 / p90. Spun near warm says the cold cost is the idle core's (its sleep state and clock); ``c_spun`` and
+``thrashed`` alike say it is the time away from the post's code and data, whatever the thread does meanwhile;
+``rehearsed`` near warm says running the same code now and then keeps most of it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +38,10 @@ from softverbs.soft.batch import BATCH_WR_DTYPE, SET_SGE, post_wr_batch  # noqa:
 from softverbs.soft.bench import _close, _connect, _open  # noqa: E402  (transportd bench softverbs' endpoints)
 
 
-def _connected_qp(wrs: int) -> tuple[Any, np.ndarray, list[dict[str, Any]]]:
-    """A client RC QP connected to a server QP (`transportd bench softverbs`' endpoints, both on softib0), and
-    ``wrs`` 64-byte writes from the client's memory into the server's."""
+def _connected_qp(wrs: int) -> tuple[Callable[[], None], list[dict[str, Any]]]:
+    """A client RC QP connected to a server QP (`transportd bench softverbs`' endpoints, both on softib0), and a
+    call that posts ``wrs`` 64-byte writes from the client's memory into the server's on it (``wr_complete`` left
+    out: the list is built and checked, then dropped, so no frame is sent and nothing completes)."""
     client, server = _open("rc"), _open("rc")
     _connect(client, server["info"])
     _connect(server, client["info"])
@@ -48,18 +52,32 @@ def _connected_qp(wrs: int) -> tuple[Any, np.ndarray, list[dict[str, Any]]]:
     rows["sge_length"], rows["sge_lkey"] = 64, client["mr"].lkey
     rows["raddr"] = server["info"]["addr"] + 64 * np.arange(wrs)
     rows["rkey"] = server["info"]["rkey"]
-    return client["qp"], rows, [client, server]
+    qp = client["qp"]
+    core = qp._core
+    core.wr_complete = lambda: 0
+    wire = rows.tobytes()  # as the verbs shim hands it over
+
+    def post() -> None:
+        post_wr_batch(qp, wire)
+        core.wr_list = None
+
+    return post, [client, server]
 
 
-MODES = ("warm", "spun", "c_spun", "thrashed", "cold")
+MODES = ("warm", "spun", "c_spun", "thrashed", "rehearsed", "cold")
 
 
-def _idle(mode: str, seconds: float, scratch: np.ndarray) -> None:
+def _idle(mode: str, seconds: float, scratch: np.ndarray, rehearse: Callable[[], None], every: float) -> None:
     """What the thread does for ``seconds`` before a post of ``mode`` (`MODES`; warm: nothing)."""
     if mode == "cold":
         time.sleep(seconds)
     elif mode == "c_spun":
         spin_until(time.monotonic_ns() + int(seconds * 1e9))
+    elif mode == "rehearsed":
+        until = time.perf_counter() + seconds
+        while (left := until - time.perf_counter()) > 0:
+            time.sleep(min(every, left))
+            rehearse()
     elif mode != "warm":
         until = time.perf_counter() + seconds
         while time.perf_counter() < until:
@@ -67,17 +85,16 @@ def _idle(mode: str, seconds: float, scratch: np.ndarray) -> None:
                 scratch += 1
 
 
-def measure(wrs: int, posts: int, idle_ms: float, thrash_mib: int = 64) -> list[dict[str, Any]]:
-    qp, rows, keep = _connected_qp(wrs)
-    core = qp._core
-    core.wr_complete = lambda: 0  # the list is built and checked, then dropped: no frame, no completion
-    wire = rows.tobytes()  # as the verbs shim hands it over
+def measure(wrs: int, posts: int, idle_ms: float, thrash_mib: int = 64,
+            rehearse_ms: float = 1.0) -> list[dict[str, Any]]:
+    post, keep = _connected_qp(wrs)
+    rehearse, keep_other = _connected_qp(wrs)
+    keep += keep_other
     scratch = np.zeros(thrash_mib << 20, dtype=np.uint8)
 
     def once() -> float:
         start = time.perf_counter_ns()
-        post_wr_batch(qp, wire)
-        core.wr_list = None
+        post()
         return (time.perf_counter_ns() - start) / 1e3
 
     out = []
@@ -85,7 +102,7 @@ def measure(wrs: int, posts: int, idle_ms: float, thrash_mib: int = 64) -> list[
         for mode in MODES:
             took = []
             for i in range(posts + 10):
-                _idle(mode, idle_ms / 1e3, scratch)
+                _idle(mode, idle_ms / 1e3, scratch, rehearse, rehearse_ms / 1e3)
                 t = once()
                 if i >= 10:
                     took.append(t)
@@ -108,11 +125,13 @@ def measure(wrs: int, posts: int, idle_ms: float, thrash_mib: int = 64) -> list[
                    "such post")
 @click.option("--thrash-mib", type=click.IntRange(min=1, max=4096), default=64, show_default=True,
               help="the buffer the thrashed row writes (larger than the last-level cache)")
-def main(json_path: str | None, wrs: int, posts: int, idle_ms: float, thrash_mib: int) -> None:
-    rows = measure(wrs, posts, idle_ms, thrash_mib)
+@click.option("--rehearse-ms", type=click.FloatRange(min=0.01, max=1000.0), default=1.0, show_default=True,
+              help="how often the rehearsed row's thread posts on the second QP while it idles")
+def main(json_path: str | None, wrs: int, posts: int, idle_ms: float, thrash_mib: int, rehearse_ms: float) -> None:
+    rows = measure(wrs, posts, idle_ms, thrash_mib, rehearse_ms)
     click.echo(f"post_wr_batch of {wrs} RDMA writes (its Python, no frame sent)")
     for r in rows:
-        click.echo(f"  {r['mode']:>8}  p50 {r['p50_us']:8.1f} µs  p90 {r['p90_us']:8.1f} µs")
+        click.echo(f"  {r['mode']:>9}  p50 {r['p50_us']:8.1f} µs  p90 {r['p90_us']:8.1f} µs")
     if json_path:
         summary = {f"{r['mode']}_p50_us": r["p50_us"] for r in rows}
         Path(json_path).write_text(json.dumps({"benchmark": "post_cold", "rows": rows, "summary": summary},

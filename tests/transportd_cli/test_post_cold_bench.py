@@ -28,11 +28,12 @@ def test_every_timed_post_builds_its_list_and_every_row_is_written(tmp_path: Pat
                                 ["--wrs", "5", "--posts", "4", "--idle-ms", "0", "--thrash-mib", "1", "--json",
                                  str(out)])
     assert result.exit_code == 0, result.output
-    assert built == [5] * 70, "10 untimed and 4 timed posts a row, five rows, each a list of 5 WRs"
+    assert built == [5] * 84, (
+        "10 untimed and 4 timed posts a row, six rows, each a list of 5 WRs (no idle: nothing rehearsed)")
     doc = json.loads(out.read_text())
-    assert [r["mode"] for r in doc["rows"]] == ["warm", "spun", "c_spun", "thrashed", "cold"]
+    assert [r["mode"] for r in doc["rows"]] == ["warm", "spun", "c_spun", "thrashed", "rehearsed", "cold"]
     assert all(r["wrs"] == 5 and r["posts"] == 4 and 0 < r["p50_us"] <= r["p90_us"] for r in doc["rows"])
-    assert set(doc["summary"]) == {f"{m}_p50_us" for m in ("warm", "spun", "c_spun", "thrashed", "cold")}
+    assert set(doc["summary"]) == {f"{m}_p50_us" for m in ("warm", "spun", "c_spun", "thrashed", "rehearsed", "cold")}
 
 
 def test_a_post_of_no_writes_is_refused() -> None:
