@@ -39,6 +39,7 @@ WRITES = 12  # a rehearsal's writes: a MoE dispatch's post to one peer
 WRITE_BYTES = 64
 COMPLETION_TIMEOUT_S = 1.0
 POLL_NAP_S = 20e-6  # between two empty polls of the rehearsal's CQ
+PAUSED_LOOK_S = 0.05  # how often a rehearsal configured off (rehearse_s 0) looks whether it is on again
 _QKEY = 0x5EA5E
 
 _RUNNING: dict[str, Rehearsal] = {}
@@ -62,6 +63,7 @@ class Rehearsal:
         self.device = device
         self.srd = device.is_efa
         self.checks = 0  # times the thread woke and looked whether the device had idled long enough
+        self.paused_looks = 0  # times it looked whether rehearse_s, set to 0, was set again
         self._stop = threading.Event()
         ctx = self._ctx = Context(name=name)
         try:
@@ -127,6 +129,11 @@ class Rehearsal:
         dev = self.device
         while True:
             every = dev.options.rehearse_s
+            if every <= 0:  # configured off meanwhile: paused until set again or stopped
+                self.paused_looks += 1
+                if self._stop.wait(PAUSED_LOOK_S):
+                    return
+                continue
             if self._stop.wait(every):
                 return
             self.checks += 1

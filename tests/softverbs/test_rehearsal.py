@@ -91,3 +91,18 @@ def test_users_writes_land_intact_and_complete_beside_rehearsals(provider, devic
             _write_and_check(a, b, size)
             time.sleep(0.002)  # idle spells between the writes: rehearsals come between them
         assert all(soft.device_stats(n)["rehearsals"] > 0 for n in names)
+
+
+def test_a_rehearsal_configured_off_pauses_and_resumes(device) -> None:
+    name = device("ib", 0.002)
+    soft.start_rehearsals(name)
+    running = rehearsal._RUNNING[name]
+    _until(lambda: soft.device_stats(name)["rehearsals"] >= 1)
+    soft.configure(name, rehearse_s=0.0)
+    looks = running.checks
+    ran = soft.device_stats(name)["rehearsals"]
+    _until(lambda: running.paused_looks >= 4)
+    # at most the look (and rehearsal) that was under way when it was turned off; none since, and no busy loop
+    assert running.checks <= looks + 1 and soft.device_stats(name)["rehearsals"] <= ran + 1
+    soft.configure(name, rehearse_s=0.002)
+    _until(lambda: soft.device_stats(name)["rehearsals"] >= ran + 3)
