@@ -62,12 +62,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
-from transportd_cli.cli_options import (  # noqa: E402
-    gil_switch_us_option,
-    io_spin_us_option,
-    nic_spin_us_option,
-    rehearse_us_option,
-)
+from transportd_cli.cli_options import gil_switch_us_option, io_spin_us_option, nic_spin_us_option  # noqa: E402
 
 CHUNK = 4 << 20
 #: the NIC each backend stands for: [softverbs] NIC-model keys
@@ -119,26 +114,24 @@ def registrable(buf: Any) -> Any:
 
 
 def daemon_config(nic: dict[str, float], direct_copy: bool, copy_via: str, io_spin_s: float,
-                  nic_spin_s: float | None, gil_switch_s: float = 0.0, rehearse_s: float = 0.0) -> dict[str, Any]:
+                  nic_spin_s: float | None, gil_switch_s: float = 0.0) -> dict[str, Any]:
     """The config overrides a benchmark's daemons run with: the soft fabric shaped by ``nic`` (NIC-model keys;
     empty: unshaped), its direct copies on or off and placed ``copy_via``, its I/O threads awake ``io_spin_s``,
-    ``nic_spin_s`` (None: the default), the rail workers' GIL switch interval ``gil_switch_s`` (0: Python's), their
-    soft devices' rehearsals every ``rehearse_s`` idle (0: none),
+    ``nic_spin_s`` (None: the default), the rail workers' GIL switch interval ``gil_switch_s`` (0: Python's),
     and a heartbeat timeout that survives a loaded host."""
     softverbs: dict[str, Any] = {"direct_copy": direct_copy, "direct_copy_via": copy_via, "io_spin_s": io_spin_s,
-                                 "gil_switch_interval_s": gil_switch_s, "rehearse_s": rehearse_s, **nic}
+                                 "gil_switch_interval_s": gil_switch_s, **nic}
     if nic_spin_s is not None:
         softverbs["nic_spin_s"] = nic_spin_s
     return {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
 
 
 def _cluster_config(shape: str, nic: dict[str, float] | None, copy_via: str, io_spin_s: float,
-                    nic_spin_s: float | None, gil_switch_s: float = 0.0,
-                    rehearse_s: float = 0.0) -> tuple[dict[str, float], dict[str, Any]]:
+                    nic_spin_s: float | None, gil_switch_s: float = 0.0) -> tuple[dict[str, float], dict[str, Any]]:
     """The NIC model of ``shape`` (``nic`` where given) and the daemons' config for a row ("wire": direct copies
     off)."""
     nic = SHAPES.get(shape, {}) if nic is None else nic
-    return nic, daemon_config(nic, shape != "wire", copy_via, io_spin_s, nic_spin_s, gil_switch_s, rehearse_s)
+    return nic, daemon_config(nic, shape != "wire", copy_via, io_spin_s, nic_spin_s, gil_switch_s)
 
 
 def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, buffers: str, sizes: list[int],
@@ -187,19 +180,18 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
                echo: Any = print, buffers: str = "gpu", chunk: int = CHUNK,
                nic: dict[str, float] | None = None, copy_via: str = "device",
                latency_sizes: list[int] | None = None, io_spin_s: float = 0.0,
-               nic_spin_s: float | None = None, gil_switch_s: float = 0.0, rehearse_s: float = 0.0) -> dict[str, Any]:
+               nic_spin_s: float | None = None, gil_switch_s: float = 0.0) -> dict[str, Any]:
     """One row: ``writes`` PUTs of ``chunk`` bytes, GPU to GPU (or host to host), between two ``backend``
     daemons shaped as ``shape`` ("unshaped", a key of SHAPES, or "wire": unshaped with direct copies off),
     or by ``nic`` (NIC-model keys) where given; direct copies placed ``copy_via``; the soft devices' I/O threads
     awake ``io_spin_s`` after their last event; ``nic_spin_s`` (None: the default) as
-    ``softverbs.nic_spin_s``; ``gil_switch_s`` as ``softverbs.gil_switch_interval_s``; ``rehearse_s`` as
-    ``softverbs.rehearse_s``. With ``latency_sizes``,
+    ``softverbs.nic_spin_s``; ``gil_switch_s`` as ``softverbs.gil_switch_interval_s``. With ``latency_sizes``,
     instead one write at a time of each size (``latency_row``), ``writes`` a size."""
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
     Buffer = buffer_type(buffers)  # noqa: N806
-    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s, rehearse_s)
+    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s)
     nbytes = slots * chunk
     rng = np.random.default_rng(len(backend) * 7 + len(shape))
     with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
@@ -295,11 +287,13 @@ def burst_model_us(nic: dict[str, float], groups: int, group_bytes: int) -> list
     return [(b / nic["nic_bandwidth"] + nic["nic_latency_s"]) * 1e6 for b in sent]
 
 
+BURST_GAP_MS = 2.0  # how long both ranks idle between two rounds of a burst (--gap-ms)
+
+
 def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: int, device: int = 0,
               echo: Any = print, buffers: str = "gpu", nic: dict[str, float] | None = None, copy_via: str = "device",
               io_spin_s: float = 0.0, nic_spin_s: float | None = None, post_now: bool = False,
-              gil_switch_s: float = 0.0, gap_s: float = 2e-3, timeout_s: float = 60.0,
-              rehearse_s: float = 0.0) -> dict[str, Any]:
+              gil_switch_s: float = 0.0, gap_s: float = BURST_GAP_MS / 1e3, timeout_s: float = 60.0) -> dict[str, Any]:
     """A MoE dispatch's messages both ways at once (`burst_records`), ``rounds`` times after
     ``BURST_WARMUP`` (the receivers open the allocations), ``gap_s`` apart: per flag, µs from the round's push
     to its landing (p50 / p90 / min over rounds and both ranks) beside `burst_model_us`, and every landing
@@ -310,7 +304,7 @@ def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: i
     from transportd_cli.localcluster import LocalCluster
 
     Buffer = buffer_type(buffers)  # noqa: N806
-    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s, rehearse_s)
+    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s)
     half = BURST_GROUPS_OFFSET + groups * group_bytes
     flags = groups + 2
     label = f"{backend}:{shape}:burst"
@@ -477,13 +471,12 @@ def _burst_spec(burst: str) -> tuple[int, int]:
 @io_spin_us_option
 @nic_spin_us_option
 @gil_switch_us_option
-@rehearse_us_option
-@click.option("--gap-ms", default=2.0, show_default=True, type=click.FloatRange(min=0.0, max=1000.0),
-              help="--burst: how long both ranks idle between two rounds")
+@click.option("--gap-ms", default=None, type=click.FloatRange(min=0.0, max=1000.0),
+              help="--burst: how long both ranks idle between two rounds (default 2)")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
          buffers: str, copy_via: str, latency: str = "", burst: str = "", post_now: bool = False,
          trace_dir: str | None = None, io_spin_us: float = 0.0, nic_spin_us: float | None = None,
-         gil_switch_us: float = 0.0, rehearse_us: float = 0.0, gap_ms: float = 2.0) -> None:
+         gil_switch_us: float = 0.0, gap_ms: float | None = None) -> None:
     """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -502,14 +495,16 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         raise click.BadParameter("--trace stamps the messages of --latency or --burst: give one of them")
     if post_now and not burst:
         raise click.BadParameter("--post-now marks the last record of a --burst: give --burst too")
+    if gap_ms is not None and not burst:
+        raise click.BadParameter("--gap-ms spaces the rounds of a --burst: give --burst too")
+    gap_ms = BURST_GAP_MS if gap_ms is None else gap_ms
     if trace_dir:
         from softverbs import _trace
 
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         os.environ["SOFTVERBS_TRACE"] = _trace.DIR = str(Path(trace_dir).resolve())  # the daemons inherit it
     nic_spin_s = None if nic_spin_us is None else nic_spin_us / 1e6
-    soft = {"io_spin_s": io_spin_us / 1e6, "nic_spin_s": nic_spin_s, "gil_switch_s": gil_switch_us / 1e6,
-            "rehearse_s": rehearse_us / 1e6}
+    soft = {"io_spin_s": io_spin_us / 1e6, "nic_spin_s": nic_spin_s, "gil_switch_s": gil_switch_us / 1e6}
     mps = Mps()  # host buffers need no GPU, and --no-mps runs without
     if buffers == "gpu" and not no_mps and not mps.start():
         click.echo(mps.describe())
@@ -558,7 +553,7 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line,
                                                "io_spin_us": io_spin_us, "nic_spin_us": nic_spin_us,
-                                               "gil_switch_us": gil_switch_us, "rehearse_us": rehearse_us,
+                                               "gil_switch_us": gil_switch_us,
                                                "post_now": post_now, "gap_ms": gap_ms,
                                                **({"trace": trace, "ready_waits": waits} if trace else {})},
                                               indent=2))

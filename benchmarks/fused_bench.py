@@ -137,7 +137,6 @@ from transportd_cli.cli_options import (  # noqa: E402
     gil_switch_us_option,
     io_spin_us_option,
     nic_spin_us_option,
-    rehearse_us_option,
 )
 
 #: the NIC model each backend is shaped like by default
@@ -272,8 +271,6 @@ IO_SPIN_S = 0.0
 NIC_SPIN_S: float | None = None
 #: the rail workers' GIL switch interval (``--gil-switch-us``, ``softverbs.gil_switch_interval_s``); 0: Python's
 GIL_SWITCH_S = 0.0
-#: the rail workers' soft devices rehearse after this long idle (``--rehearse-us``, ``softverbs.rehearse_s``); 0: never
-REHEARSE_S = 0.0
 POLL_WINDOW_US: int | None = None
 HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
 
@@ -346,7 +343,7 @@ def daemon_overrides(backend: str, shape: str, config: dict[str, Any] | None = N
     """The config the bench's daemons run with: the soft fabric shaped as ``shape``, this run's options
     (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--gil-switch-us``, ``--poll-window-us``,
     ``--publication``), and ``config``'s sections on top."""
-    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S, REHEARSE_S)
+    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S)
     if POLL_WINDOW_US is not None:
         overrides["proxy"] = {"poll_window_us": POLL_WINDOW_US}
     if PUBLICATION != "auto" and backend == "efa":
@@ -1652,7 +1649,6 @@ def gpu_name() -> str | None:
 @io_spin_us_option
 @nic_spin_us_option
 @gil_switch_us_option
-@rehearse_us_option
 @click.option("--poll-window-us", default=None, type=click.IntRange(min=0, max=1_000_000),
               help="proxy.poll_window_us (default: the config's): how long a worker waits to fill a batch before "
                    "posting a partial one")
@@ -1662,16 +1658,15 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
          trace_dir: str | None = None, moe_experts: int | None = None, moe_tokens: int | None = None,
          moe_gemm_n: int | None = None, moe_experts_per_put: int | None = None, moe_split_experts: int | None = None,
-         nic_spin_us: float | None = None, gil_switch_us: float = 0.0, rehearse_us: float = 0.0,
+         nic_spin_us: float | None = None, gil_switch_us: float = 0.0,
          poll_window_us: int | None = None, dims_text: str = "") -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S, REHEARSE_S, POLL_WINDOW_US
+    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S, POLL_WINDOW_US
     PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S = programs, copy_via, flags_where, publication, io_spin_us / 1e6
     NIC_SPIN_S = None if nic_spin_us is None else nic_spin_us / 1e6
     GIL_SWITCH_S = gil_switch_us / 1e6
-    REHEARSE_S = rehearse_us / 1e6
     POLL_WINDOW_US = poll_window_us
 
     wanted = [k for k in kernels.split(",") if k]
@@ -1719,7 +1714,6 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                                                    "flags": flags_where, "publication": publication,
                                                    "programs": programs, "io_spin_us": io_spin_us,
                                                    "nic_spin_us": nic_spin_us, "gil_switch_us": gil_switch_us,
-                                                   "rehearse_us": rehearse_us,
                                                    "poll_window_us": poll_window_us}, indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:

@@ -109,9 +109,6 @@ class DeviceOptions:
     # how long the I/O thread stays awake after it last had something to do, polling its sockets without
     # sleeping (GIL released) before it sleeps in epoll: 0 sleeps at once (see `_loop`)
     io_spin_s: float = 0.0
-    # after this long without an event, the device runs a rehearsal (`softverbs.soft.rehearsal`): a few writes
-    # between two QPs of its own, so its Python is warm when the next burst comes; 0: never
-    rehearse_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def shaped(self) -> bool:
@@ -424,7 +421,6 @@ STAT_NAMES = (
     "sent_at_post",  # shaped requests the posting thread sent itself once they landed (nic_spin_s)
     "departed",  # shaped requests the departure queue held until they landed (the I/O thread sent them)
     "departures_awaited",  # I/O thread: queued departures it waited for awake (nic_spin_s), not woken for
-    "rehearsals",  # rehearsals run (rehearse_s): writes between two QPs of the device's own, while it was idle
 )
 
 _LISTENER = object()
@@ -473,7 +469,6 @@ class SoftDevice:
         self._dirty_rsp: set[Conn] = set()
         self.inbox_waiting: set[Any] = set()  # QPs whose queued responses the I/O thread could not apply yet
         self._unfinished: set[Conn] = set()  # connections whose pump ran out of its slice (Conn.pump)
-        self.last_event_ns = 0  # time.monotonic_ns() when the I/O loop last had events (rehearse_s)
         self._running = False
         self._thread: threading.Thread | None = None
         self._timer: WakeTimer | None = None  # wakes the I/O loop at its next timer or departure
@@ -702,7 +697,7 @@ class SoftDevice:
                     return
                 raise
             if events:
-                busy_ns = self.last_event_ns = time.monotonic_ns()
+                busy_ns = time.monotonic_ns()
             try:
                 unfinished = self._unfinished
                 resume = set(unfinished)  # pumped below unless an event pumps them first

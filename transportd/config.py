@@ -363,12 +363,6 @@ class SoftverbsConfig(Section):
         "worker: how long a thread that wants the GIL waits before the holder must let it go. A soft device's "
         "I/O thread reading a peer's frame waits so for the worker's own post or poll to finish (Python's "
         "default 5 ms bounds nothing shorter than the post). 0: Python's default.", ge=0.0, le=0.1)] = 0.0
-    rehearse_s: Annotated[float, key(
-        "Seconds without traffic after which a soft device rehearses: a few writes between two QPs of its own, "
-        "through its own listener, so its Python (post, frames, admission, acknowledgement, poll) is warm when "
-        "the next burst comes instead of three to eight times slower after an idle spell, as a NIC's data path "
-        "never is. It costs tens of microseconds of CPU per rehearsal while idle. 0: never.",
-        ge=0.0, le=1.0)] = 0.0
 
 
 class LoggingConfig(Section):

@@ -1,7 +1,7 @@
 """Checks of command-line options the `transportd` and `transportctl` commands share: the flag combinations
 the daemons' config would refuse (refused first with the flags' own names), numbers that must be finite, and
 output files that must be writable before any work starts; and the soft fabric's timing options the
-benchmarks share (`io_spin_us_option`, `nic_spin_us_option`, `gil_switch_us_option`, `rehearse_us_option`)."""
+benchmarks share (`io_spin_us_option`, `nic_spin_us_option`, `gil_switch_us_option`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from transportd.backends import RULES, config_problems
 from transportd_cli.errors import ProgramError
 
 __all__ = ["FiniteFloat", "Program", "available_memory", "check_signal_mode", "gil_switch_us_option", "harden",
-           "io_spin_us_option", "nic_spin_us_option", "rehearse_us_option", "writable_output", "writable_problem"]
+           "io_spin_us_option", "nic_spin_us_option", "writable_output", "writable_problem"]
 
 
 class Program(click.Group):
@@ -93,12 +93,6 @@ gil_switch_us_option = click.option(
     help="softverbs.gil_switch_interval_s in µs: the rail workers' Python switch interval, how long a soft "
          "device's I/O thread waits for the GIL while the worker posts or polls before it gets it; 0: Python's "
          "5 ms")
-
-#: ``--rehearse-us`` (``softverbs.rehearse_s`` in µs; 0: never), as the benchmarks take it
-rehearse_us_option = click.option(
-    "--rehearse-us", default=0.0, show_default=True, type=FiniteFloat(min=0, max=1e6),
-    help="softverbs.rehearse_s in µs: after this long without traffic each rail's soft device rehearses (a few "
-         "writes between two QPs of its own), so its Python is warm when the next burst comes; 0: never")
 
 
 def writable_problem(path: str) -> str | None:

@@ -10,7 +10,7 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
 - `configure(device, **options)`: change a device's `DeviceOptions` (adaptive_routing, reorder_seed,
   reorder_window, reorder_window_bytes, packet_size, srd_packet_size, efa_device_caps, max_rdma_size,
   max_qp_wr, max_cqe, max_inline_data, connect_timeout_s, reconnect_backoff_s, srd_rnr_timer_ms,
-  direct_packet_size, local_sockets, io_spin_s, rehearse_s, and the NIC model below). Listen address options apply at
+  direct_packet_size, local_sockets, io_spin_s, and the NIC model below). Listen address options apply at
   next open.
   After a failed connect, WRs toward that endpoint fail at once for `reconnect_backoff_s`. `local_sockets`
   (default on): a device also listens on an abstract Unix socket named after its advertised address and
@@ -18,10 +18,6 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
   TCP, whose loopback costs more per frame. `io_spin_s` (default 0): the device's I/O thread stays awake
   that long after its last event, polling its sockets with the GIL released before it sleeps in epoll, so
   the next frame does not wait for a wake-up; it costs a core per device while traffic flows.
-- `start_rehearsals(device)` / `stop_rehearsals(device)`: with `rehearse_s` > 0, after that long without an
-  event the device rehearses, a few writes between two QPs of its own through its own listener, so its
-  Python is warm when the next burst comes (`softverbs.soft.rehearsal`; `device_stats()["rehearsals"]`
-  counts them). Starting opens the device (the rehearsal's own context) until they stop.
 - The NIC model (`softverbs._link`): `nic_bandwidth` (bytes/s), `nic_latency_s` (s) and
   `nic_message_rate` (messages/s) shape what a device sends: each request lands when a link of that
   bandwidth and message rate, taking requests one after another, has carried it, plus the latency.
@@ -58,8 +54,7 @@ from ..addr import endpoint_from_gid, gid_for_endpoint
 __all__ = [
     "DeviceOptions", "DirectCopier", "HostAccessor", "MemoryAccessor", "ShmCopier", "add_device", "configure",
     "device_options", "device_stats", "direct_copier", "endpoint_from_gid", "endpoint_of", "gid_for_endpoint",
-    "register_memory", "set_adaptive_routing", "set_direct_copier", "set_placement_observer", "start_rehearsals",
-    "stop_rehearsals", "unregister_memory",
+    "register_memory", "set_adaptive_routing", "set_direct_copier", "set_placement_observer", "unregister_memory",
 ]
 
 _OPTION_NAMES = {f.name for f in fields(DeviceOptions)}
@@ -107,25 +102,6 @@ def configure(target: Any, **options: Any) -> None:
         setattr(dev.options, key, val)
     if "reorder_seed" in options:
         dev.rng.seed(options["reorder_seed"])
-
-
-
-def start_rehearsals(target: Any) -> None:
-    """Rehearse on a device (by name, or a Context/PD/QP on it) every ``rehearse_s`` it idles, until
-    `stop_rehearsals` (`softverbs.soft.rehearsal`); ValueError unless its ``rehearse_s`` > 0."""
-    from . import rehearsal
-
-    dev = _device(target)
-    if not dev.options.rehearse_s > 0:
-        raise ValueError(f"soft device {dev.name!r}: rehearse_s must be > 0 to rehearse")
-    rehearsal.start(dev)
-
-
-def stop_rehearsals(target: Any) -> None:
-    """No more rehearsals on a device; its rehearsal's context is closed (nothing if it did not rehearse)."""
-    from . import rehearsal
-
-    rehearsal.stop(_device(target))
 
 
 def device_options(target: Any) -> DeviceOptions:

@@ -114,7 +114,6 @@ def test_the_nic_model_and_direct_copy_keys(write):
     assert (sv.nic_bandwidth, sv.nic_latency_s, sv.nic_message_rate, sv.direct_copy) == (50e9, 2e-6, 2e8, False)
     assert sv.io_spin_s == 0.001 and Config().softverbs.io_spin_s == 0.0  # off unless asked for
     assert Config().softverbs.gil_switch_interval_s == 0.0  # Python's own unless asked for
-    assert Config().softverbs.rehearse_s == 0.0  # no rehearsals unless asked for
     assert sv.nic_spin_s == Config().softverbs.nic_spin_s == DeviceOptions().nic_spin_s == 30e-6
     assert sv.direct_copy_via == "host"
     assert isinstance(sv.nic_bandwidth, float)  # an integer in TOML is still bytes/s
@@ -194,7 +193,6 @@ BAD = [
     ("[softverbs]\nio_spin_s = nan\n", "softverbs.io_spin_s", "must be finite"),
     ("[softverbs]\nnic_spin_s = 0.5\n", "softverbs.nic_spin_s", r"must be in \[0.0, 0.01\]"),
     ("[softverbs]\ngil_switch_interval_s = 1.0\n", "softverbs.gil_switch_interval_s", r"must be in \[0.0, 0.1\]"),
-    ("[softverbs]\nrehearse_s = 2.0\n", "softverbs.rehearse_s", r"must be in \[0.0, 1.0\]"),
     ("[softverbs]\nnic_message_rate = 'fast'\n", "softverbs.nic_message_rate", "expected float, got string"),
     ("[softverbs]\ndirect_copy = 1\n", "softverbs.direct_copy", "expected boolean, got integer"),
     ("[softverbs]\ndirect_copy_via = 'pcie'\n", "softverbs.direct_copy_via",

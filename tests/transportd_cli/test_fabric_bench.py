@@ -182,7 +182,9 @@ def test_a_burst_both_ways_lands_whole_and_never_before_its_link_carries_it(back
 @pytest.mark.parametrize(("args", "says"), [
     (["--burst", "4"], "--burst takes GROUPS,BYTES"), (["--burst", "0,4096"], "GROUPS in [1, 64]"),
     (["--burst", "4,0"], "BYTES in [1,"), (["--burst", "4,4096", "--latency", "4096"], "give one"),
-    (["--post-now"], "--post-now marks the last record of a --burst")])
+    (["--post-now"], "--post-now marks the last record of a --burst"),
+    (["--gap-ms", "5"], "--gap-ms spaces the rounds of a --burst"),
+    (["--burst", "4,4096", "--gap-ms", "-1"], "--gap-ms")])
 def test_burst_refuses_what_it_cannot_run_before_any_work(args: list[str], says: str) -> None:
     from click.testing import CliRunner
 
@@ -217,3 +219,23 @@ def test_the_wait_options_refuse_what_is_not_a_finite_time_in_range(option: str,
     result = CliRunner().invoke(load_benchmark("fabric_bench").main,
                                 ["--buffers", "host", "--latency", "4096", option, value])
     assert result.exit_code == 2 and option in result.output
+
+
+@pytest.mark.parametrize(("args", "gap_s"), [([], 2e-3), (["--gap-ms", "20"], 20e-3)])
+def test_the_burst_rounds_are_spaced_as_asked_and_the_json_says_so(tmp_path, monkeypatch, args, gap_s) -> None:
+    from click.testing import CliRunner
+
+    bench = load_benchmark("fabric_bench")
+    seen: list[float] = []
+
+    def row(backend, shape, groups, group_bytes, rounds, **kw):
+        seen.append(kw["gap_s"])
+        return {"backend": backend, "shape": shape, "burst": []}
+
+    monkeypatch.setattr(bench, "burst_row", row)
+    out = tmp_path / "burst.json"
+    result = CliRunner().invoke(bench.main, ["--buffers", "host", "--rows", "ib:unshaped", "--burst", "2,4096",
+                                             "--json", str(out), *args])
+    assert result.exit_code == 0, result.output
+    assert seen == [pytest.approx(gap_s)]
+    assert json.loads(out.read_text())["gap_ms"] == pytest.approx(gap_s * 1e3)

@@ -90,7 +90,7 @@ def pyverbs_devices() -> list[str] | None:
 
 def configure_soft(options: Mapping[str, Any] | Any) -> None:
     """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed, the NIC model's nic_bandwidth,
-    nic_latency_s, nic_message_rate and nic_spin_s, io_spin_s, rehearse_s; a mapping or the config dataclass) to the
+    nic_latency_s, nic_message_rate and nic_spin_s, io_spin_s; a mapping or the config dataclass) to the
     default soft devices, and ``gil_switch_interval_s`` (0: left as it is) to this process. The listen host
     takes effect when a device is next opened. (``direct_copy`` and
     ``direct_copy_via`` are the rail worker's: it installs its GPU memory, which places copies one way or the
@@ -119,7 +119,7 @@ def configure_soft(options: Mapping[str, Any] | Any) -> None:
         value = get(name, None)
         if value is not None:
             changes[name] = float(value) or None
-    for name in ("nic_latency_s", "nic_spin_s", "io_spin_s", "rehearse_s"):
+    for name in ("nic_latency_s", "nic_spin_s", "io_spin_s"):
         value = get(name, None)
         if value is not None:
             changes[name] = float(value)

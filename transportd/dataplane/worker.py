@@ -91,11 +91,6 @@ class RailService:
         self.loop_cpu: int | None = None  # the CPU its loop has to itself (None: it shares the worker's)
         # the rank's flag arrays and the rail's one flag publisher (its path chosen and logged once)
         self.flags = RailFlags.for_rail(config.flags, self.backend, self.gpu, self.conn_jobs, rail)
-        # the soft device's Python kept warm between a job's bursts (softverbs.rehearse_s; 0: never)
-        self.rehearsing: str | None = None
-        if self.soft is not None and config.softverbs.rehearse_s > 0:
-            self.rehearsing = self.backend.local_address().get("device")
-            self.soft.start_rehearsals(self.rehearsing)
 
     def handlers(self) -> dict[type[link.LinkRequest], Callable[..., Any]]:
         """The worker link's dispatch table: request type -> handler (``link.RAIL_REQUESTS``, each once)."""
@@ -473,8 +468,6 @@ def rail_main(config: Config, rail: int, link_endpoint: str) -> None:
     endpoint.close()
     for job, rank in list(service.ibgda_domains):
         service.close_ibgda_domain(link.CloseIbgdaDomain(job=job, rank=rank))
-    if service.rehearsing:
-        service.soft.stop_rehearsals(service.rehearsing)
     service.flags.close()
     service.backend.close()
     service.flags.publication.close()

@@ -6,7 +6,6 @@ the real link, against the stand-in worker and a real rail worker (softverbs).""
 from __future__ import annotations
 
 import os
-import time
 import typing
 from collections.abc import Iterator
 
@@ -128,22 +127,6 @@ def test_a_soft_rail_reports_how_its_direct_copies_are_placed(softverbs: dict, p
         assert handle.call(link.Stats())["softverbs"]["direct_copy_via"] == placed
     finally:
         handle.stop()
-
-
-@pytest.mark.parametrize("rehearse_s", [0.0, 0.002])
-def test_a_soft_rail_rehearses_while_idle_when_configured_and_stops_with_the_worker(rehearse_s: float) -> None:
-    config = Config(softverbs=msgspec.structs.replace(Config().softverbs, rehearse_s=rehearse_s))
-    handle = WorkerHandle(0, rail_main, {"config": config})
-    try:
-        deadline = time.monotonic() + 30
-        while rehearse_s and handle.call(link.Stats())["softverbs"]["rehearsals"] < 3:
-            assert time.monotonic() < deadline, "an idle rail that rehearses every 2 ms ran no three rehearsals"
-            time.sleep(0.01)
-        if not rehearse_s:  # its devices never rehearse: none ran, none will
-            assert handle.call(link.Stats())["softverbs"]["rehearsals"] == 0
-    finally:
-        handle.stop()
-    assert handle.process.exitcode == 0
 
 
 def test_the_rail_serves_every_request_type_once() -> None:
