@@ -83,7 +83,7 @@ MoE (``gpuclient.kernels.MoE``, DeepEP's low-latency shape: 128 tokens a rank, h
 experts, uniform routing): dispatch and combine latency (both ranks at once, median; each phase starts from
 settled daemons: ``_settle``), each phase from calls and (bf16) from CUDA graph replays, one graph a rank and
 phase (``dispatch_graph_s``, ``combine_graph_s``: a replay's few microseconds of host time in place of a call's,
-as a framework that captures its MoE layer sees it; the graph rounds run after the call rounds), and per dispatch
+as a framework that captures its MoE layer sees it; each round replays after its calls), and per dispatch
 and destination the signals and fences the sending daemon posted (its counters), with decoupled signaling on and
 off.
 
@@ -897,7 +897,15 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
         weights = [torch.rand(tokens, topk, generator=gen).cuda(device) for _ in ops]
         torch.cuda.synchronize()
         dispatch_s, combine_s = [], []
+        graph_s: tuple[list[float], list[float]] = ([], [])
+        graphs: tuple[list[Any], list[Any]] | None = None
         posted = {"dispatch": dict.fromkeys(_COUNTED, 0), "combine": dict.fromkeys(_COUNTED, 0)}
+
+        def combine_error() -> float:  # with y = x and weights summing per token, combine returns sum_k w_k * x
+            expect = xs[0].float() * weights[0].sum(dim=1, keepdim=True)
+            return float((ops[0].out[:tokens].float() - expect).abs().max())
+
+        errors = []  # the last round's, from its calls and from its graphs
         for i in range(reps + 1):  # round 0 warms up; its counts and times are dropped
             _settle(clients)
             before = [_counters(c) for c in clients]
@@ -916,6 +924,8 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
             for s in streams:
                 s.synchronize()
             t3 = time.perf_counter()
+            if i == reps:
+                errors.append(combine_error())
             _settle(clients)
             after = [_counters(c) for c in clients]
             if i > 0:
@@ -924,12 +934,17 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
                 for key in _COUNTED:
                     posted["dispatch"][key] += sum(m[key] - b[key] for b, m in zip(before, mid, strict=True))
                     posted["combine"][key] += sum(a[key] - m[key] for m, a in zip(mid, after, strict=True))
-        # with y = x and weights summing per token, combine returns sum_k w_k * x: checked on the last round
-        out = ops[0].out[:tokens].float()
-        expect = xs[0].float() * weights[0].sum(dim=1, keepdim=True)
-        error = float((out - expect).abs().max())
-        # the same rounds replayed from CUDA graphs (bf16: fp8's dequantization runs between the phases)
-        graph_s = ([], []) if fp8 else _moe_graph_latency(ops, streams, xs, idx, weights, clients, reps)
+            # the same round replayed from CUDA graphs, captured after the warm-up's calls (bf16: fp8's
+            # dequantization runs between the phases); in the same round, so a drift weighs on both alike
+            if not fp8:
+                graphs = graphs or _moe_graphs(ops, streams, xs, idx, weights)
+                for phase, samples in zip(graphs, graph_s, strict=True):
+                    seconds = _replayed(phase, streams, clients)
+                    if i > 0:
+                        samples.append(seconds)
+        if graphs:
+            errors.append(combine_error())
+        error = max(errors)
         _check_channels(ops)
     rounds = len(dispatch_s)
     per = WORLD * (WORLD - 1) * rounds  # (sender, destination) pairs over the counted rounds
@@ -953,25 +968,24 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
     return row
 
 
-def _moe_graph_latency(ops: list[Any], streams: list[Any], xs: list[Any], idx: list[Any], weights: list[Any],
-                       clients: list[Any], reps: int) -> tuple[list[float], list[float]]:
-    """``moe_row``'s rounds with dispatch and combine each captured in a graph per rank and replayed: seconds of
-    each phase, both ranks at once from settled daemons as there, with a replay's ~4 us of host time in place of
-    a call's (the first round is dropped)."""
+def _moe_graphs(ops: list[Any], streams: list[Any], xs: list[Any], idx: list[Any],
+                weights: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``moe_row``'s round captured: a graph per rank of its dispatch, and one of its combine (the identity expert:
+    the received rows combined as they are)."""
     dispatches, handles = capture_per_rank(streams, lambda r: ops[r].dispatch(xs[r], idx[r], weights[r]))
     combines, _ = capture_per_rank(streams, lambda r: ops[r].combine(handles[r][0], handles[r][2]))
-    dispatch_s: list[float] = []
-    combine_s: list[float] = []
-    for i in range(reps + 1):
-        for graphs, samples in ((dispatches, dispatch_s), (combines, combine_s)):
-            _settle(clients)
-            start = time.perf_counter()
-            replay_per_rank(graphs, streams)
-            for stream in streams:
-                stream.synchronize()
-            if i > 0:
-                samples.append(time.perf_counter() - start)
-    return dispatch_s, combine_s
+    return dispatches, combines
+
+
+def _replayed(graphs: list[Any], streams: list[Any], clients: list[Any]) -> float:
+    """Seconds of one phase replayed, every rank's graph on its stream at once, from settled daemons (a replay's
+    ~4 us of host time in place of a call's)."""
+    _settle(clients)
+    start = time.perf_counter()
+    replay_per_rank(graphs, streams)
+    for stream in streams:
+        stream.synchronize()
+    return time.perf_counter() - start
 
 
 def _graph_us(row: dict[str, Any]) -> str:
