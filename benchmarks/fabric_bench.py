@@ -30,13 +30,13 @@ and the NIC model, not the direct copy (host writes always cross the wire).
 and puts their medians in the JSON (`softverbs.soft.trace.summarize`), with each process's I/O thread's
 waits from an epoll return to its read, the GIL's among them (``ready_waits``, `softverbs.soft.trace.ready_waits`).
 
-``--burst GROUPS,BYTES`` sends what a MoE dispatch sends instead (``burst_row``): each round both ranks push the
-other, in one ring push each, a count row put_signal, GROUPS put_signals of BYTES (each its own flag), a
-handle-word put and a dispatch SIGNAL, as ``MoE.dispatch_gemm``'s communication programs do at once; the
-table gives when each flag landed after the push (p50 / p90 / min over ``--writes`` rounds and both ranks)
-beside the NIC model's least. It tells the soft fabric's own time for a kernel's burst from what a launch
-adds to it; ``--post-now`` marks the last record ``NO_BATCH`` (``tpd::Post::Now``). The flags are host
-flags (polled here), where the kernel's are in GPU memory.
+``--burst GROUPS,BYTES`` sends what a MoE dispatch sends instead (``burst_row``): each round (``--gap-ms`` after the
+last, 2 ms by default) both ranks push the other, in one ring push each, a count row put_signal, GROUPS put_signals
+of BYTES (each its own flag), a handle-word put and a dispatch SIGNAL, as ``MoE.dispatch_gemm``'s communication
+programs do at once; the table gives when each flag landed after the push (p50 / p90 / min over ``--writes`` rounds
+and both ranks) beside the NIC model's least. It tells the soft fabric's own time for a kernel's burst from what a
+launch adds to it; ``--post-now`` marks the last record ``NO_BATCH`` (``tpd::Post::Now``). The flags are host flags
+(polled here), where the kernel's are in GPU memory.
 
 CUDA MPS: started here (a private control daemon, ``transportd_cli.mps``) before this process makes a
 CUDA context, so the daemons' workers and this process share one server context and the workers' copies
