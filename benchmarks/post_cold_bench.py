@@ -32,8 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from softverbs._spin import spin_until  # noqa: E402
-
+from softverbs import _spin  # noqa: E402
 from softverbs.soft.batch import BATCH_WR_DTYPE, SET_SGE, post_wr_batch  # noqa: E402
 from softverbs.soft.bench import _close, _connect, _open  # noqa: E402  (transportd bench softverbs' endpoints)
 
@@ -72,7 +71,7 @@ def _idle(mode: str, seconds: float, scratch: np.ndarray, rehearse: Callable[[],
     if mode == "cold":
         time.sleep(seconds)
     elif mode == "c_spun":
-        spin_until(time.monotonic_ns() + int(seconds * 1e9))
+        _spin.spin_until(time.monotonic_ns() + int(seconds * 1e9))
     elif mode == "rehearsed":
         until = time.perf_counter() + seconds
         while (left := until - time.perf_counter()) > 0:
@@ -134,7 +133,8 @@ def main(json_path: str | None, wrs: int, posts: int, idle_ms: float, thrash_mib
         click.echo(f"  {r['mode']:>9}  p50 {r['p50_us']:8.1f} µs  p90 {r['p90_us']:8.1f} µs")
     if json_path:
         summary = {f"{r['mode']}_p50_us": r["p50_us"] for r in rows}
-        Path(json_path).write_text(json.dumps({"benchmark": "post_cold", "rows": rows, "summary": summary},
+        Path(json_path).write_text(json.dumps({"benchmark": "post_cold", "rows": rows, "summary": summary,
+                                               "thrash_mib": thrash_mib, "rehearse_ms": rehearse_ms},
                                               indent=2) + "\n")
 
 

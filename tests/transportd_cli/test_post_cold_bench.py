@@ -34,6 +34,7 @@ def test_every_timed_post_builds_its_list_and_every_row_is_written(tmp_path: Pat
     assert [r["mode"] for r in doc["rows"]] == ["warm", "spun", "c_spun", "thrashed", "rehearsed", "cold"]
     assert all(r["wrs"] == 5 and r["posts"] == 4 and 0 < r["p50_us"] <= r["p90_us"] for r in doc["rows"])
     assert set(doc["summary"]) == {f"{m}_p50_us" for m in ("warm", "spun", "c_spun", "thrashed", "rehearsed", "cold")}
+    assert (doc["thrash_mib"], doc["rehearse_ms"]) == (1, 1.0)
 
 
 def test_a_post_of_no_writes_is_refused() -> None:
