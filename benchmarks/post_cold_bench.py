@@ -77,11 +77,14 @@ def _idle(mode: str, seconds: float, scratch: np.ndarray, rehearse: Callable[[],
         while (left := until - time.perf_counter()) > 0:
             time.sleep(min(every, left))
             rehearse()
-    elif mode != "warm":
+    elif mode == "spun":
         until = time.perf_counter() + seconds
         while time.perf_counter() < until:
-            if mode == "thrashed":
-                scratch += 1
+            pass
+    elif mode == "thrashed":
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            scratch += 1
 
 
 def measure(wrs: int, posts: int, idle_ms: float, thrash_mib: int = 64,
@@ -120,8 +123,8 @@ def measure(wrs: int, posts: int, idle_ms: float, thrash_mib: int = 64,
               help="writes a post (a MoE dispatch's post to one peer: 12)")
 @click.option("--posts", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--idle-ms", type=click.FloatRange(min=0.0, max=1000.0), default=20.0, show_default=True,
-              help="how long the thread sleeps (cold), spins (spun, c_spun) or writes memory (thrashed) before each "
-                   "such post")
+              help="how long the thread sleeps (cold), spins (spun, c_spun), writes memory (thrashed) or sleeps in "
+                   "steps between posts on the second QP (rehearsed) before each such post")
 @click.option("--thrash-mib", type=click.IntRange(min=1, max=4096), default=64, show_default=True,
               help="the buffer the thrashed row writes (larger than the last-level cache)")
 @click.option("--rehearse-ms", type=click.FloatRange(min=0.01, max=1000.0), default=1.0, show_default=True,
