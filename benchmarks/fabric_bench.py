@@ -62,7 +62,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
-from transportd_cli.cli_options import gil_switch_us_option, io_spin_us_option, nic_spin_us_option  # noqa: E402
+from transportd_cli.cli_options import (  # noqa: E402
+    FiniteFloat,
+    gil_switch_us_option,
+    io_spin_us_option,
+    nic_spin_us_option,
+)
 
 CHUNK = 4 << 20
 #: the NIC each backend stands for: [softverbs] NIC-model keys
@@ -471,7 +476,7 @@ def _burst_spec(burst: str) -> tuple[int, int]:
 @io_spin_us_option
 @nic_spin_us_option
 @gil_switch_us_option
-@click.option("--gap-ms", default=None, type=click.FloatRange(min=0.0, max=1000.0),
+@click.option("--gap-ms", default=None, type=FiniteFloat(min=0.0, max=1000.0),
               help="--burst: how long both ranks idle between two rounds (default 2)")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
          buffers: str, copy_via: str, latency: str = "", burst: str = "", post_now: bool = False,

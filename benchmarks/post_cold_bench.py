@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 from softverbs import _spin  # noqa: E402
 from softverbs.soft.batch import BATCH_WR_DTYPE, SET_SGE, post_wr_batch  # noqa: E402
 from softverbs.soft.bench import _close, _connect, _open  # noqa: E402  (transportd bench softverbs' endpoints)
+from transportd_cli.cli_options import FiniteFloat  # noqa: E402
 
 
 def _connected_qp(wrs: int) -> tuple[Callable[[], None], list[dict[str, Any]]]:
@@ -122,12 +123,12 @@ def measure(wrs: int, posts: int, idle_ms: float, thrash_mib: int = 64,
 @click.option("--wrs", type=click.IntRange(min=1, max=1024), default=12, show_default=True,
               help="writes a post (a MoE dispatch's post to one peer: 12)")
 @click.option("--posts", type=click.IntRange(min=1), default=200, show_default=True)
-@click.option("--idle-ms", type=click.FloatRange(min=0.0, max=1000.0), default=20.0, show_default=True,
+@click.option("--idle-ms", type=FiniteFloat(min=0.0, max=1000.0), default=20.0, show_default=True,
               help="how long the thread sleeps (cold), spins (spun, c_spun), writes memory (thrashed) or sleeps in "
                    "steps between posts on the second QP (rehearsed) before each such post")
 @click.option("--thrash-mib", type=click.IntRange(min=1, max=4096), default=64, show_default=True,
               help="the buffer the thrashed row writes (larger than the last-level cache)")
-@click.option("--rehearse-ms", type=click.FloatRange(min=0.01, max=1000.0), default=1.0, show_default=True,
+@click.option("--rehearse-ms", type=FiniteFloat(min=0.01, max=1000.0), default=1.0, show_default=True,
               help="how often the rehearsed row's thread posts on the second QP while it idles")
 def main(json_path: str | None, wrs: int, posts: int, idle_ms: float, thrash_mib: int, rehearse_ms: float) -> None:
     rows = measure(wrs, posts, idle_ms, thrash_mib, rehearse_ms)

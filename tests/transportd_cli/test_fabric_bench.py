@@ -184,7 +184,7 @@ def test_a_burst_both_ways_lands_whole_and_never_before_its_link_carries_it(back
     (["--burst", "4,0"], "BYTES in [1,"), (["--burst", "4,4096", "--latency", "4096"], "give one"),
     (["--post-now"], "--post-now marks the last record of a --burst"),
     (["--gap-ms", "5"], "--gap-ms spaces the rounds of a --burst"),
-    (["--burst", "4,4096", "--gap-ms", "-1"], "--gap-ms")])
+    (["--burst", "4,4096", "--gap-ms", "-1"], "--gap-ms"), (["--burst", "4,4096", "--gap-ms", "nan"], "--gap-ms")])
 def test_burst_refuses_what_it_cannot_run_before_any_work(args: list[str], says: str) -> None:
     from click.testing import CliRunner
 

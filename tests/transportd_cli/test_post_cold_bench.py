@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from softverbs.soft import batch
@@ -37,6 +38,11 @@ def test_every_timed_post_builds_its_list_and_every_row_is_written(tmp_path: Pat
     assert (doc["thrash_mib"], doc["rehearse_ms"]) == (1, 1.0)
 
 
-def test_a_post_of_no_writes_is_refused() -> None:
-    result = CliRunner().invoke(load_benchmark("post_cold_bench").main, ["--wrs", "0"])
-    assert result.exit_code == 2 and "--wrs" in result.output
+@pytest.mark.parametrize(("args", "option"), [(["--wrs", "0"], "--wrs"), (["--thrash-mib", "0"], "--thrash-mib"),
+                                             (["--thrash-mib", "x"], "--thrash-mib"),
+                                             (["--rehearse-ms", "0"], "--rehearse-ms"),
+                                             (["--rehearse-ms", "nan"], "--rehearse-ms"),
+                                             (["--idle-ms", "nan"], "--idle-ms"), (["--idle-ms", "-1"], "--idle-ms")])
+def test_what_it_cannot_run_is_refused_before_any_work(args: list[str], option: str) -> None:
+    result = CliRunner().invoke(load_benchmark("post_cold_bench").main, args)
+    assert result.exit_code == 2 and option in result.output
