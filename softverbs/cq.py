@@ -11,8 +11,9 @@ import errno
 import time
 from typing import Any
 
-from ._base import SoftCM, SoftObject
+from ._base import SoftObject
 from ._cq import CQCore
+from ._dropped import SoftResource
 from .pyverbs_error import PyverbsRDMAError, PyverbsUserError
 
 __all__ = ["CQ", "CQEX", "CqInitAttrEx", "PollCqAttr", "WC"]
@@ -56,7 +57,7 @@ def _check_cqe(ctx: Any, cqe: int, comp_vector: int) -> None:
                                f"(num_comp_vectors {ctx.num_comp_vectors})", errno.EINVAL)
 
 
-class _CQBase(SoftCM):
+class _CQBase(SoftResource):
     __slots__ = ("_ctx", "_core", "_closed")
 
     def _attach(self, context: Any, cqe: int, comp_vector: int) -> None:

@@ -18,8 +18,9 @@ import zlib
 from typing import Any
 
 from . import libibverbs_enums as e
-from ._base import SoftCM, SoftObject
+from ._base import SoftObject
 from ._device import DeviceOptions, SoftDevice
+from ._dropped import SoftResource
 from .addr import GID, gid_for_endpoint
 from .pyverbs_error import PyverbsRDMAError, PyverbsUserError
 
@@ -244,7 +245,7 @@ def device_limits(dev: SoftDevice) -> dict[str, int]:
             "max_rd_atom": IB_MAX_RD_ATOM}
 
 
-class Context(SoftCM):
+class Context(SoftResource):
     """An open soft device (ibv_context). Closing it closes the PDs, CQs and QPs created on it.
 
     ``Context(cmd_fd=fd)`` imports another context through its command descriptor (``ibv_import_device``;

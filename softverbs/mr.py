@@ -17,7 +17,7 @@ import errno
 from typing import Any
 
 from . import libibverbs_enums as e
-from ._base import SoftCM
+from ._dropped import SoftResource
 from ._memory import ACCESSORS, alloc_host, host_view
 from ._mr import MRCore
 from .pyverbs_error import PyverbsRDMAError, PyverbsUserError
@@ -29,7 +29,7 @@ _NEEDS_LW = int(e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC)
 _RO = int(e.IBV_ACCESS_RELAXED_ORDERING)
 
 
-class MR(SoftCM):
+class MR(SoftResource):
     """A registered memory region: `buf` (its address), `length`, `lkey`, `rkey`."""
 
     _kind = "mr"  # what softverbs._export looks for among a context's objects

@@ -12,14 +12,15 @@ import errno
 import weakref
 from typing import Any
 
-from ._base import SoftCM
+from ._dropped import SoftResource
 from .pyverbs_error import PyverbsRDMAError, PyverbsUserError
 
 __all__ = ["PD"]
 
 
-class _ImportedPD:
-    """What QPs and MRs of an imported PD compare: one per (context, handle), shared by every import."""
+class _PDIdentity:
+    """What QPs and MRs compare to tell PDs apart: one per PD, shared by every import of it (a token, not the
+    PD itself, so a PD refers to nothing that refers back and goes as soon as its last reference does)."""
 
     __slots__ = ("__weakref__", "handle")
 
@@ -27,7 +28,7 @@ class _ImportedPD:
         self.handle = handle
 
 
-class PD(SoftCM):
+class PD(SoftResource):
     """A protection domain on a Context; closing it closes its MRs, AHs and QPs."""
 
     _kind = "pd"  # what softverbs._export looks for among a context's objects
@@ -48,7 +49,7 @@ class PD(SoftCM):
         if handle is None:
             self._imported = False
             self._handle = next(creator._handles)
-            self._ident: Any = self
+            self._ident: Any = _PDIdentity(self._handle)
         else:
             self._imported = True
             self._handle = int(handle)
@@ -67,7 +68,7 @@ class PD(SoftCM):
         if link is None:  # the context's own PD, by another name
             for child in list(ctx._children):
                 if isinstance(child, PD) and not child._closed and not child._imported and child._handle == handle:
-                    return child
+                    return child._ident
             raise PyverbsRDMAError("Failed to import PD", errno.EINVAL)
         from ._export import LinkError
 
@@ -80,7 +81,7 @@ class PD(SoftCM):
             return PD._import(exporter, handle)
         for pd in ctx._imports["pd"].get(handle, ()):
             return pd._ident
-        return _ImportedPD(handle)
+        return _PDIdentity(handle)
 
     def close(self) -> None:
         if getattr(self, "_closed", True):

@@ -14,7 +14,8 @@ from typing import Any
 
 from . import _wire as w
 from . import libibverbs_enums as e
-from ._base import SoftCM, SoftObject
+from ._base import SoftObject
+from ._dropped import SoftResource
 from ._ibv import ERR, INIT, QPT_RC, RESET, RTR, RTS
 from ._memory import host_view
 from ._qp import QPCore
@@ -310,7 +311,7 @@ def _reset(core: QPCore) -> None:
     core.rq_retired = core.rq_posted - core.rq_polled
 
 
-class QP(SoftCM):
+class QP(SoftResource):
     """A queue pair. Created from a PD (QPInitAttr) or a Context (QPInitAttrEx)."""
 
     __slots__ = ("_core", "_pd", "_ctx", "_scq", "_rcq", "_closed", "_ex")

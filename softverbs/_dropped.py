@@ -1,0 +1,106 @@
+"""Resources dropped without close(): closed as pyverbs closes them, when their object goes.
+
+pyverbs destroys a QP, deregisters an MR, destroys a CQ, deallocates a PD and closes a context when the
+Python object is deallocated (its ``__dealloc__`` calls ``close``). A soft resource does the same from
+``__del__`` (`SoftResource`), so a key dropped by its owner stops working here as it does on a NIC.
+
+Where the close runs. Dropped by the last reference on an ordinary thread, the resource is closed there and
+then, as ``ibv_dereg_mr`` returns before the caller goes on. Two cases wait for a thread of their own (the
+reaper), because the thread that finds the object dead may hold a lock the close takes:
+- the cyclic collector found it: a collection runs wherever an allocation triggers it, inside a softverbs
+  call that holds a QP's or a connection's lock included;
+- a softverbs thread dropped it (the I/O thread, which closing a context would also wait for).
+`wait_closed` waits until the reaper has nothing left to close.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import queue
+import sys
+import threading
+from typing import Any
+
+from ._base import SoftCM
+
+__all__ = ["SoftResource", "wait_closed"]
+
+_log = logging.getLogger("softverbs")
+
+# the cyclic collector is running (set and cleared by its callback; a drop meanwhile goes to the reaper)
+_COLLECTING = [False]
+
+
+def _on_collection(phase: str, info: dict[str, Any]) -> None:
+    _COLLECTING[0] = phase == "start"
+
+
+gc.callbacks.append(_on_collection)
+
+
+class _Reaper:
+    """A thread that closes what could not be closed where it was dropped."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.pending: queue.Queue[Any] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="softverbs-reaper", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            obj = self.pending.get()
+            try:
+                _close(obj)
+            finally:
+                del obj  # the last reference: the object goes now, not at the next one's arrival
+                self.pending.task_done()
+
+
+_REAPER: list[_Reaper | None] = [None]
+_REAPER_LOCK = threading.Lock()
+
+
+def _reaper() -> _Reaper:
+    with _REAPER_LOCK:
+        reaper = _REAPER[0]
+        if reaper is None or reaper.pid != os.getpid():  # a forked child has no thread of its parent's
+            reaper = _REAPER[0] = _Reaper()
+        return reaper
+
+
+def _close(obj: SoftCM) -> None:
+    try:
+        obj.close()
+    except Exception:  # noqa: BLE001 -- a finalizer has no caller to raise to
+        _log.exception("closing a dropped %s failed", type(obj).__name__)
+
+
+def _here_is_safe() -> bool:
+    return not _COLLECTING[0] and not threading.current_thread().name.startswith("softverbs")
+
+
+def wait_closed(timeout: float | None = None) -> bool:
+    """Wait until every dropped resource handed to the reaper is closed; False if ``timeout`` passed first."""
+    reaper = _REAPER[0]
+    if reaper is None or reaper.pid != os.getpid():
+        return True
+    pending = reaper.pending
+    with pending.all_tasks_done:
+        return pending.all_tasks_done.wait_for(lambda: not pending.unfinished_tasks, timeout)
+
+
+class SoftResource(SoftCM):
+    """A resource that closes itself when its object goes without ``close()`` (pyverbs' ``__dealloc__``)."""
+
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or sys.is_finalizing():  # at exit the process's end frees it all
+            return
+        if _here_is_safe():
+            _close(self)
+        else:
+            _reaper().pending.put(self)  # kept alive until the reaper closes it; __del__ does not run again

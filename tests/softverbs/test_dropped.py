@@ -1,0 +1,113 @@
+"""Where a dropped resource is closed (softverbs._dropped): on the dropping thread when it is an ordinary
+one outside a collection, else on the reaper; and what closing a dropped context releases."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+
+from softverbs._dropped import SoftResource, wait_closed
+from tests.support.verbs_resources import access, open_provider, poll
+
+
+class Probe(SoftResource):
+    """A resource that records the thread its close ran on (``block``: the close waits for it)."""
+
+    __slots__ = ("_closed", "closes", "block")
+
+    def __init__(self, closes: list[str], block: threading.Event | None = None) -> None:
+        self._closed = False
+        self.closes = closes
+        self.block = block
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.block is not None:
+            self.block.wait(10)
+        self.closes.append(threading.current_thread().name)
+
+
+def test_a_drop_on_an_ordinary_thread_closes_there_at_once() -> None:
+    closes: list[str] = []
+    probe = Probe(closes)
+    del probe
+    assert closes == [threading.current_thread().name]
+
+
+def test_a_closed_resource_is_not_closed_again_when_it_goes() -> None:
+    closes: list[str] = []
+    probe = Probe(closes)
+    probe.close()
+    del probe
+    assert wait_closed(5)
+    assert closes == [threading.current_thread().name]
+
+
+def test_a_resource_the_collector_finds_is_closed_by_the_reaper() -> None:
+    closes: list[str] = []
+    probe = Probe(closes)
+    cycle: list = [probe]
+    cycle.append(cycle)
+    del probe, cycle
+    gc.collect()
+    assert wait_closed(5)
+    assert closes == ["softverbs-reaper"]
+
+
+def test_a_drop_on_a_softverbs_thread_is_closed_by_the_reaper() -> None:
+    closes: list[str] = []
+    box = [Probe(closes)]
+    thread = threading.Thread(target=box.clear, name="softverbs-test")
+    thread.start()
+    thread.join()
+    assert wait_closed(5)
+    assert closes == ["softverbs-reaper"]
+
+
+def test_wait_closed_waits_for_a_close_in_progress() -> None:
+    closes: list[str] = []
+    release = threading.Event()
+    box = [Probe(closes, release)]
+    thread = threading.Thread(target=box.clear, name="softverbs-test")
+    thread.start()
+    thread.join()
+    assert not wait_closed(0.05)  # the reaper is inside the close, waiting for release
+    assert closes == []
+    release.set()
+    assert wait_closed(5)
+    assert closes == ["softverbs-reaper"]
+
+
+def test_an_mr_in_a_reference_cycle_stops_answering_once_collected() -> None:
+    soft = open_provider("soft")
+    with soft.rc_pair() as rc:
+        v, e = rc.v, rc.v.enums
+        mr = v.mr.MR(rc.pd, 4096, access(v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE"))
+        rkey, raddr = mr.rkey, mr.buf
+        cycle: list = [mr]
+        cycle.append(cycle)
+        del mr, cycle
+        gc.collect()
+        assert wait_closed(5)
+        rc.client.qp.post_send(rc.send_wr(e.IBV_WR_RDMA_WRITE, rc.client.sge(0, 64), wr_id=1, rkey=rkey, raddr=raddr))
+        assert [(w.wr_id, w.status) for w in poll(rc.client.cq)] == [(1, e.IBV_WC_REM_ACCESS_ERR)]
+
+
+@pytest.mark.parametrize("name", ["softib0", "softefa0"])
+def test_a_dropped_context_closes_its_resources_and_releases_the_device(name: str) -> None:
+    from softverbs.device import registry
+
+    v = open_provider("soft").v
+    dev = registry()[name]
+    refs = dev.refs
+    ctx = v.device.Context(name=name)
+    pd = v.pd.PD(ctx)
+    mr = v.mr.MR(pd, 4096, access(v, "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE"))
+    rkey = mr.rkey
+    assert dev.refs == refs + 1 and rkey in dev.mrs_by_rkey
+    del mr, pd, ctx  # the MR holds its PD, the PD its context: each goes when the one above it does
+    assert dev.refs == refs and rkey not in dev.mrs_by_rkey
