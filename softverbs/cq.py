@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import time
+import weakref
 from typing import Any
 
 from ._base import SoftObject
@@ -58,18 +59,23 @@ def _check_cqe(ctx: Any, cqe: int, comp_vector: int) -> None:
 
 
 class _CQBase(SoftResource):
-    __slots__ = ("_ctx", "_core", "_closed")
+    __slots__ = ("_ctx", "_core", "_closed", "_children")
 
     def _attach(self, context: Any, cqe: int, comp_vector: int) -> None:
         _check_cqe(context, cqe, int(comp_vector))
         self._ctx = context
         self._core = CQCore(cqe)
+        self._children: weakref.WeakSet[Any] = weakref.WeakSet()  # the QPs completing here
         self._closed = False
         context._children.add(self)
 
     def close(self) -> None:
+        """Close the CQ, and first the QPs that complete on it (as pyverbs does: ibv_destroy_cq refuses a CQ
+        that a QP still uses)."""
         if getattr(self, "_closed", True):
             return
+        for qp in list(self._children):
+            qp.close()
         self._closed = True
         self._core.closed = True
 

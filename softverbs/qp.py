@@ -389,6 +389,8 @@ class QP(SoftResource):
         self._closed = False
         pd._children.add(self)
         ctx._children.add(self)
+        scq._children.add(self)
+        rcq._children.add(self)
 
     def close(self) -> None:
         if getattr(self, "_closed", True):

@@ -1,5 +1,5 @@
-"""A resource dropped without close() is released when its object goes, as pyverbs' ``__dealloc__`` does:
-its keys and its QP number stop answering."""
+"""When a resource goes, as pyverbs has it: one dropped without close() is released when its object goes
+(``__dealloc__``), so its keys and its QP number stop answering; closing a CQ closes the QPs on it first."""
 
 from __future__ import annotations
 
@@ -29,3 +29,11 @@ def test_a_qp_dropped_without_close_stops_answering(provider: Provider) -> None:
         rc.server.qp = None  # the only reference: the server's QP is destroyed
         rc.client.qp.post_send(rc.send_wr(e.IBV_WR_RDMA_WRITE, rc.client.sge(0, 8), wr_id=2))
         assert [(w.wr_id, w.status) for w in poll(rc.client.cq)] == [(2, e.IBV_WC_RETRY_EXC_ERR)]
+
+
+def test_closing_a_cq_closes_the_qps_that_complete_on_it(provider: Provider) -> None:
+    with provider.rc_pair() as rc:
+        e = rc.v.enums
+        rc.server.cq.close()  # pyverbs closes the server's QP first: ibv_destroy_cq refuses a CQ in use
+        rc.client.qp.post_send(rc.send_wr(e.IBV_WR_RDMA_WRITE, rc.client.sge(0, 8), wr_id=1))
+        assert [(w.wr_id, w.status) for w in poll(rc.client.cq)] == [(1, e.IBV_WC_RETRY_EXC_ERR)]
