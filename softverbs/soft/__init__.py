@@ -35,6 +35,9 @@ compiled data path's one-call-per-pass entry points, `post_wr_batch` and `poll_w
   setting decides how its packets are placed). `SOFTVERBS_ADAPTIVE_ROUTING=1` turns it on for the defaults.
 - `set_placement_observer(ctx, fn)`: `fn(qp_num, addr, length)` runs on the device's I/O thread after
   each placement of inbound data into memory; tests use it to see the order in which bytes land.
+- `wait_closed(timeout=None)`: wait until every resource dropped without `close()` that the cyclic
+  collector or a softverbs thread found is closed (`softverbs._dropped`: those close on a thread of their
+  own; a resource whose last reference goes on an ordinary thread closes there at once).
 - `register_memory(base, length, accessor)`: memory the CPU cannot address (GPU memory) is read and
   written through `accessor` (a `MemoryAccessor`); MRs inside that range use it. `HostAccessor` is a
   host-memory implementation for tests.
@@ -48,6 +51,7 @@ from typing import Any
 
 from .._device import STAT_NAMES, DeviceOptions, SoftDevice
 from .._direct import DirectCopier, ShmCopier, copier, set_copier
+from .._dropped import wait_closed
 from .._memory import ACCESSORS, HostAccessor, MemoryAccessor
 from ..addr import endpoint_from_gid, gid_for_endpoint
 
@@ -55,6 +59,7 @@ __all__ = [
     "DeviceOptions", "DirectCopier", "HostAccessor", "MemoryAccessor", "ShmCopier", "add_device", "configure",
     "device_options", "device_stats", "direct_copier", "endpoint_from_gid", "endpoint_of", "gid_for_endpoint",
     "register_memory", "set_adaptive_routing", "set_direct_copier", "set_placement_observer", "unregister_memory",
+    "wait_closed",
 ]
 
 _OPTION_NAMES = {f.name for f in fields(DeviceOptions)}

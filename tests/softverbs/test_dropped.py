@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from softverbs._dropped import SoftResource, wait_closed
+from softverbs._dropped import SoftResource
+from softverbs.soft import wait_closed
 from tests.support.verbs_resources import access, open_provider, poll
 
 
