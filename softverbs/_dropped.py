@@ -44,7 +44,6 @@ class _Reaper:
     """A thread that closes what could not be closed where it was dropped."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self.pending: queue.Queue[Any] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="softverbs-reaper", daemon=True)
         self.thread.start()
@@ -60,15 +59,23 @@ class _Reaper:
 
 
 _REAPER: list[_Reaper | None] = [None]
-_REAPER_LOCK = threading.Lock()
+_REAPER_LOCK = [threading.Lock()]
+
+
+def _after_fork() -> None:
+    """A forked child has none of its parent's threads, nor a hold on the lock a parent's thread had."""
+    _REAPER[0] = None
+    _REAPER_LOCK[0] = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _reaper() -> _Reaper:
-    with _REAPER_LOCK:
-        reaper = _REAPER[0]
-        if reaper is None or reaper.pid != os.getpid():  # a forked child has no thread of its parent's
-            reaper = _REAPER[0] = _Reaper()
-        return reaper
+    with _REAPER_LOCK[0]:
+        if _REAPER[0] is None:
+            _REAPER[0] = _Reaper()
+        return _REAPER[0]
 
 
 def _close(obj: SoftCM) -> None:
@@ -85,7 +92,7 @@ def _here_is_safe() -> bool:
 def wait_closed(timeout: float | None = None) -> bool:
     """Wait until every dropped resource handed to the reaper is closed; False if ``timeout`` passed first."""
     reaper = _REAPER[0]
-    if reaper is None or reaper.pid != os.getpid():
+    if reaper is None:
         return True
     pending = reaper.pending
     with pending.all_tasks_done:

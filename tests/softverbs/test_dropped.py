@@ -4,6 +4,7 @@ one outside a collection, else on the reaper; and what closing a dropped context
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -112,3 +113,22 @@ def test_a_dropped_context_closes_its_resources_and_releases_the_device(name: st
     assert dev.refs == refs + 1 and rkey in dev.mrs_by_rkey
     del mr, pd, ctx  # the MR holds its PD, the PD its context: each goes when the one above it does
     assert dev.refs == refs and rkey not in dev.mrs_by_rkey
+
+
+def _reaped_on_a_softverbs_thread() -> bool:
+    """A Probe dropped on a softverbs thread, then closed by the reaper."""
+    closes: list[str] = []
+    box = [Probe(closes)]
+    thread = threading.Thread(target=box.clear, name="softverbs-test")
+    thread.start()
+    thread.join()
+    return wait_closed(5) and closes == ["softverbs-reaper"]
+
+
+def test_a_forked_child_closes_on_a_reaper_of_its_own() -> None:
+    assert _reaped_on_a_softverbs_thread()  # the parent's reaper runs
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's reaper thread does not exist here
+        os._exit(0 if _reaped_on_a_softverbs_thread() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
