@@ -54,6 +54,7 @@ from typing import Any
 
 from . import _direct, _spin, _trace
 from . import _wire as w
+from ._dropped import own_thread
 from ._ibv import ERR
 from ._link import LinkModel
 from ._requester import ResponseFrameHandler
@@ -519,7 +520,7 @@ class SoftDevice:
             if self._local_listener is not None:
                 self._sel.register(self._local_listener, selectors.EVENT_READ, _LISTENER)
         self._running = True
-        self._thread = threading.Thread(target=self._loop, name=f"softverbs-{self.name}", daemon=True)
+        self._thread = own_thread(self._loop, f"softverbs-{self.name}")
         self._thread.start()
 
     def _stop(self) -> None:

@@ -9,7 +9,8 @@ then, as ``ibv_dereg_mr`` returns before the caller goes on. Two cases wait for 
 reaper), because the thread that finds the object dead may hold a lock the close takes:
 - the cyclic collector found it: a collection runs wherever an allocation triggers it, inside a softverbs
   call that holds a QP's or a connection's lock included;
-- a softverbs thread dropped it (the I/O thread, which closing a context would also wait for).
+- a softverbs thread dropped it (the I/O thread, which closing a context would also wait for). softverbs
+  starts its threads through `own_thread`, which marks them; a user's thread is never taken for one.
 `wait_closed` waits until the reaper has nothing left to close.
 """
 
@@ -21,16 +22,31 @@ import os
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ._base import SoftCM
 
-__all__ = ["SoftResource", "wait_closed"]
+__all__ = ["SoftResource", "own_thread", "wait_closed"]
 
 _log = logging.getLogger("softverbs")
 
 # the cyclic collector is running (set and cleared by its callback; a drop meanwhile goes to the reaper)
 _COLLECTING = [False]
+
+
+# marks softverbs' own threads (`own_thread`): a resource one of them drops is closed on the reaper
+_OWN = threading.local()
+
+
+def own_thread(target: Callable[[], Any], name: str) -> threading.Thread:
+    """A daemon thread of softverbs' own running ``target`` (not started): what it drops goes to the reaper."""
+
+    def run() -> None:
+        _OWN.marked = True
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 def _on_collection(phase: str, info: dict[str, Any]) -> None:
@@ -45,7 +61,7 @@ class _Reaper:
 
     def __init__(self) -> None:
         self.pending: queue.Queue[Any] = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="softverbs-reaper", daemon=True)
+        self.thread = own_thread(self._run, "softverbs-reaper")
         self.thread.start()
 
     def _run(self) -> None:
@@ -86,7 +102,7 @@ def _close(obj: SoftCM) -> None:
 
 
 def _here_is_safe() -> bool:
-    return not _COLLECTING[0] and not threading.current_thread().name.startswith("softverbs")
+    return not _COLLECTING[0] and not getattr(_OWN, "marked", False)
 
 
 def wait_closed(timeout: float | None = None) -> bool:

@@ -45,6 +45,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ._dropped import own_thread
+
 log = logging.getLogger("softverbs")
 
 _HDR = struct.Struct("<II")  # header bytes, payload bytes
@@ -112,7 +114,7 @@ class ExportService:
         self._sel.register(self._mine, selectors.EVENT_READ, "attach")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._running = True
-        self._thread = threading.Thread(target=self._loop, name=f"softverbs-export-{self.device_name}", daemon=True)
+        self._thread = own_thread(self._loop, f"softverbs-export-{self.device_name}")
         self._thread.start()
 
     # the exporter's objects, found by handle among the context's own
@@ -311,7 +313,7 @@ class ImportLink:
         self._waiting: dict[int, list[Any]] = {}  # id -> [event, reply, payload]
         self.alive = True
         self.on_gone: Callable[[str, int | None], None] = lambda kind, handle: None
-        self._reader = threading.Thread(target=self._read, name="softverbs-import", daemon=True)
+        self._reader = own_thread(self._read, "softverbs-import")
         self._reader.start()
 
     def _read(self) -> None:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from softverbs._dropped import SoftResource
+from softverbs._dropped import SoftResource, own_thread
 from softverbs.soft import wait_closed
 from tests.support.verbs_resources import access, open_provider, poll
 
@@ -63,18 +63,27 @@ def test_a_resource_the_collector_finds_is_closed_by_the_reaper() -> None:
 def test_a_drop_on_a_softverbs_thread_is_closed_by_the_reaper() -> None:
     closes: list[str] = []
     box = [Probe(closes)]
-    thread = threading.Thread(target=box.clear, name="softverbs-test")
+    thread = own_thread(box.clear, "softverbs-test")
     thread.start()
     thread.join()
     assert wait_closed(5)
     assert closes == ["softverbs-reaper"]
 
 
+def test_a_user_thread_is_not_taken_for_a_softverbs_one_by_its_name() -> None:
+    closes: list[str] = []
+    box = [Probe(closes)]
+    thread = threading.Thread(target=box.clear, name="softverbs-lookalike")
+    thread.start()
+    thread.join()
+    assert closes == ["softverbs-lookalike"]  # closed there and then, as on any ordinary thread
+
+
 def test_wait_closed_waits_for_a_close_in_progress() -> None:
     closes: list[str] = []
     release = threading.Event()
     box = [Probe(closes, release)]
-    thread = threading.Thread(target=box.clear, name="softverbs-test")
+    thread = own_thread(box.clear, "softverbs-test")
     thread.start()
     thread.join()
     assert not wait_closed(0.05)  # the reaper is inside the close, waiting for release
@@ -119,7 +128,7 @@ def _reaped_on_a_softverbs_thread() -> bool:
     """A Probe dropped on a softverbs thread, then closed by the reaper."""
     closes: list[str] = []
     box = [Probe(closes)]
-    thread = threading.Thread(target=box.clear, name="softverbs-test")
+    thread = own_thread(box.clear, "softverbs-test")
     thread.start()
     thread.join()
     return wait_closed(5) and closes == ["softverbs-reaper"]
