@@ -23,8 +23,9 @@ Waking. The I/O thread sleeps in epoll when it has nothing to do, and a step tha
 host's wake-up; with ``io_spin_s`` it first stays awake that long after its last event (`_loop`).
 
 Shaping. A device with a NIC model (`nic_bandwidth`, `nic_latency_s`, `nic_message_rate`; `softverbs._link`)
-hands each outgoing request to its departure queue with the time the model says it lands (a request to
-the device itself excepted: a NIC loops it back without taking the wire); the I/O thread sends it then,
+hands each outgoing request to its departure queue with the time the model says it lands, or its first
+byte does for an RC direct write, copied as the link carries it (`LinkModel.departure`; a request to the
+device itself excepted: a NIC loops it back without taking the wire); the I/O thread sends it then,
 in its loop and also between two direct placements (`send_due`), so a stream it is placing does not hold
 its own requests back. A thread that sleeps until a landing time pays the host's wake-up after it (tens of
 microseconds), which would make a modeled 2 µs link slower than an unshaped one, so the last ``nic_spin_s``
@@ -422,6 +423,7 @@ STAT_NAMES = (
     "sent_at_post",  # shaped requests the posting thread sent itself once they landed (nic_spin_s)
     "departed",  # shaped requests the departure queue held until they landed (the I/O thread sent them)
     "departures_awaited",  # I/O thread: queued departures it waited for awake (nic_spin_s), not woken for
+    "streamed",  # shaped RC direct writes sent as their first byte landed (`LinkModel.departure`)
 )
 
 _LISTENER = object()
@@ -753,20 +755,26 @@ class SoftDevice:
 
     # ------------------------------------------------------------ NIC model
     def depart(self, conn: Conn, qp: Any, desc: bytes, payloads: list[Any], nbytes: int,
-               soon: list[tuple] | None = None) -> None:
-        """Send one request when the link model says it lands (any posting thread, its QP's lock held).
+               soon: list[tuple] | None = None, streamed: bool = False) -> float:
+        """Send one request when the link model says it lands (any posting thread, its QP's lock held), or,
+        ``streamed`` (its bytes are placed as the link carries them: `LinkModel.departure`), when its first
+        byte lands; returns its landing time.
 
         With ``soon`` (the post's own list, sent by `send_now` before the QP's lock is let go): a request that
-        lands within ``nic_spin_s`` with nothing queued ahead joins it instead of the departure queue. A
-        request queued here lands after everything in ``soon``, which is therefore sent first."""
+        leaves within ``nic_spin_s`` with nothing queued ahead joins it instead of the departure queue. A
+        request queued here leaves after everything in ``soon``, which is therefore sent first."""
         opts = self.options
         with self._dep_lock:
             now = time.monotonic()
-            when = self.link.schedule(now, nbytes, opts.nic_bandwidth, opts.nic_latency_s, opts.nic_message_rate)
+            link = self.link
+            land = link.schedule(now, nbytes, opts.nic_bandwidth, opts.nic_latency_s, opts.nic_message_rate)
+            when = link.departure(land, opts.nic_latency_s, streamed)
+            if streamed:
+                self.stats["streamed"] += 1
             deps = self._departures
             if soon is not None and not deps and when - now <= opts.nic_spin_s:
                 soon.append((when, conn, desc, payloads))
-                return
+                return land
             if soon:
                 self._send_now(soon)
             first = not deps or when < deps[0][0]
@@ -774,6 +782,7 @@ class SoftDevice:
             self.stats["departed"] += 1
         if first:
             self.wake()
+        return land
 
     def send_now(self, soon: list[tuple]) -> None:
         """The posting thread: wait, awake, until the last of ``soon`` lands, then send them all (`depart`)."""
@@ -781,7 +790,7 @@ class SoftDevice:
             self._send_now(soon)
 
     def _send_now(self, soon: list[tuple]) -> None:
-        _spin.spin_until(int(soon[-1][0] * 1e9))  # landing times never decrease: the last is the latest
+        _spin.spin_until(int(soon[-1][0] * 1e9))  # departure times never decrease: the last is the latest
         self.stats["sent_at_post"] += len(soon)
         frames: dict[Conn, list[tuple[bytes, list[Any]]]] = {}
         for _when, conn, desc, payloads in soon:

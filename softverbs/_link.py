@@ -7,6 +7,11 @@ the machine's own speed (which must be higher), and each message is at least ``l
 times never decrease, so the departure queue that holds messages until then (``SoftDevice.depart``)
 keeps every QP's order.
 
+A message leaves for its peer when it lands, or, where its bytes are placed as the link carries them
+(`departure`: an RC direct write, whose bytes the responder copies from the requester's memory), when its
+first byte lands, so the copy runs while the link carries the rest, as a NIC places a write packet by
+packet. Departure times never decrease either.
+
 What a message costs the link: a write or send its payload (direct writes included: the modeled NIC
 carries the bytes the soft wire does not); a read or an atomic its request alone (read responses and
 acknowledgements travel unshaped).
@@ -20,11 +25,13 @@ __all__ = ["LinkModel"]
 class LinkModel:
     """Next-free-time schedule of one link; the caller serializes calls."""
 
-    __slots__ = ("free", "last", "first_start", "messages", "bytes", "busy")
+    __slots__ = ("free", "last", "started", "departed", "first_start", "messages", "bytes", "busy")
 
     def __init__(self) -> None:
         self.free = 0.0  # when the link can start the next message
         self.last = 0.0  # the latest landing time handed out
+        self.started = 0.0  # when the message scheduled last starts on the link
+        self.departed = 0.0  # the latest departure time handed out (`departure`)
         self.first_start = -1.0  # start of the first message scheduled since the last reset
         self.messages = 0
         self.bytes = 0
@@ -42,6 +49,7 @@ class LinkModel:
                  message_rate: float | None) -> float:
         """Reserve the link for one message posted at ``now``; when it lands."""
         start = self.free if self.free > now else now
+        self.started = start
         occ = self.occupancy(nbytes, bandwidth, message_rate)
         self.free = start + occ
         land = self.free + latency
@@ -54,6 +62,16 @@ class LinkModel:
         self.bytes += nbytes
         self.busy += occ
         return land
+
+    def departure(self, land: float, latency: float, streamed: bool) -> float:
+        """When the message `schedule` just placed (landing at ``land``) leaves for its peer: at its landing,
+        or, ``streamed``, as its first byte lands (``latency`` after its start); never before a message
+        scheduled earlier leaves, so the departures keep the order of the landings."""
+        leave = self.started + latency if streamed else land
+        if leave < self.departed:
+            leave = self.departed
+        self.departed = leave
+        return leave
 
     def reset_stats(self) -> None:
         self.first_start = -1.0

@@ -20,6 +20,7 @@ frame's responses to their QPs.
 from __future__ import annotations
 
 import errno
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,7 @@ class SendEntry:
     qkey = 0
     conn: Conn | None = None
     local: list[tuple[MRCore, int, int]] = []
+    land = 0.0  # a streamed write's modeled landing (`SoftDevice.depart`): its completion waits for it
 
     def __init__(self, wr_id: int, op: int, flags: int, sig_all: bool, rkey: int = 0, raddr: int = 0, imm: int = 0,
                  add: int = 0, swap: int = 0) -> None:
@@ -150,6 +152,7 @@ class QPRequester:
         self.unsig = 0
         self.tx_psn = 0
         self.tx_halted = False
+        self.retire_due = 0.0  # when `_retire_timer` runs next (0: not armed)
         self.wr_list: list[SendEntry] | None = None
         self.wr_list_err = 0
         # response batches not yet applied, with the connection each came on (see `rx_responses`)
@@ -484,7 +487,10 @@ class QPRequester:
                                 psn, ref[0], ref[1])
                 inflight[seq] = e
                 if shaped and not conn.loopback:
-                    dev.depart(conn, self, desc, [] if ref is not None else _payload(e), length, soon)
+                    if ref is None:
+                        dev.depart(conn, self, desc, _payload(e), length, soon)
+                    else:  # its bytes are copied as the link carries them; its completion waits for the last
+                        e.land = dev.depart(conn, self, desc, [], length, soon, streamed=True)
                     continue
                 descs.append(desc)
                 if ref is None:
@@ -561,7 +567,10 @@ class QPRequester:
             if is_rd:
                 self.rd_out += 1
             if shaped and not conn.loopback:
-                dev.depart(conn, self, desc, pieces, length if op in data_ops else 0, soon)
+                land = dev.depart(conn, self, desc, pieces, length if op in data_ops else 0, soon,
+                                  streamed=ref is not None and op == w.OP_WRITE and not srd)
+                if ref is not None and op == w.OP_WRITE and not srd:
+                    e.land = land
                 continue
             descs.append(desc)
             payloads.extend(pieces)
@@ -630,11 +639,17 @@ class QPRequester:
             self.sq_retired += 1
 
     def _rc_retire(self) -> None:
-        """RC: completions in post order; the first error fails the QP."""
+        """RC: completions in post order; the first error fails the QP. A streamed write acknowledged before
+        its modeled landing (its copy ran while the link carried it) completes at the landing, and the
+        completions after it wait with it (`_retire_at`)."""
         order = self.order
         push = self.scq.push
         while order and order[0].status is not None:
-            e = order.popleft()
+            e = order[0]
+            if e.land and e.status == OK and e.land > time.monotonic():
+                self._retire_at(e.land)
+                return
+            order.popleft()
             self.unsig += 1
             if e.status != OK:
                 push((e.wr_id, e.status, self._wc_opcode(e.op), 0, self.qpn, 0, 0, 0, 0, self, self.unsig, 0,
@@ -646,6 +661,20 @@ class QPRequester:
                 push((e.wr_id, OK, _RC_WC_OPCODE[e.op], e.byte_len, self.qpn, 0, 0, 0, 0, self, self.unsig, 0,
                       False))
                 self.unsig = 0
+
+    def _retire_at(self, when: float) -> None:
+        """Retire again at ``when`` (the I/O thread's timer), unless a retirement is due by then already."""
+        if 0.0 < self.retire_due <= when:
+            return
+        self.retire_due = when
+        dev = self.device
+        dev.post_action(lambda: dev.add_timer(when - time.monotonic(), self._retire_timer))
+
+    def _retire_timer(self) -> None:
+        with self.lock:
+            self.retire_due = 0.0
+            if not self.closed:
+                self._rc_retire()
 
     def _flush_sq(self) -> None:
         push = self.scq.push

@@ -23,6 +23,7 @@ from softverbs import soft
 from softverbs._device import DeviceOptions
 from softverbs._link import LinkModel
 from softverbs._responder import WRITE_RUN_MAX
+from tests.support.device_memory import ShmDeviceMemory
 from tests.support.verbs_resources import RCPair, open_provider, poll, wait_until
 
 
@@ -49,6 +50,16 @@ def test_an_idle_link_starts_at_once_and_landing_never_goes_back() -> None:
     assert link.stats()["span_s"] == pytest.approx(5.001)  # span > busy: the link went idle
     assert link.schedule(5.0, 1000, 1e6, 1.0, None) == pytest.approx(6.002)
     assert link.schedule(5.0, 1000, 1e6, 0.0, None) == pytest.approx(6.002)  # a lower latency: not earlier
+
+
+def test_a_streamed_message_leaves_as_its_first_byte_lands_and_departures_never_go_back() -> None:
+    link = LinkModel()
+    land = link.schedule(0.0, 1000, 1e6, 0.5, None)
+    assert (land, link.departure(land, 0.5, streamed=True)) == pytest.approx((0.501, 0.5))
+    land = link.schedule(0.0, 1000, 1e6, 0.5, None)  # starts at 0.001, when the link is free
+    assert link.departure(land, 0.5, streamed=False) == pytest.approx(0.502)
+    land = link.schedule(0.0, 1000, 1e6, 0.1, None)  # a lower latency: its first byte would land at 0.102
+    assert link.departure(land, 0.1, streamed=True) == pytest.approx(0.502)  # not before the one before left
 
 
 # --- a shaped device ----------------------------------------------------------------------------------------
@@ -218,6 +229,32 @@ def test_a_post_that_sends_one_request_itself_and_queues_the_next_keeps_its_orde
     assert (stats["sent_at_post"], stats["departed"]) == (1, 2)
     assert [off for _, off in log] == [off for off, _ in writes]
     assert log[1][0] - t0 >= (256 << 10) / 20e6 + 0.001  # the large write: no earlier than the link carried it
+
+
+def test_a_shaped_direct_write_is_copied_as_the_link_carries_it_and_completes_once_it_lands(shaped) -> None:
+    """Device memory (an RC direct write, copied from the requester's memory): 2 MiB on a 20 MB/s link with 1 ms
+    latency lands 106 ms after its post. It leaves as its first byte lands, so the responder's copy is done long
+    before that, as a NIC places a write packet by packet, but its completion waits for the landing. A flag
+    posted after it is placed after it, and no earlier than the link carried the data."""
+    size, bandwidth, latency = 2 << 20, 20e6, 0.001
+    lands = size / bandwidth + latency
+    with ShmDeviceMemory() as memory, _across(shaped, max_send_wr=64, mr_size=4 << 20, client_memory=memory,
+                                               server_memory=memory) as pair:
+        pair.client.write_buf(0, bytes(range(256)) * (size // 256))
+        _post_logged(pair, [(0, 64)])  # unshaped: the first write crosses the wire with the peer's IMPORT
+        soft.configure("softib0", nic_bandwidth=bandwidth, nic_latency_s=latency, nic_spin_s=0.0)
+        soft.device_stats("softib0", reset=True)
+        t0, _, log = _post_logged(pair, [(0, size)])
+        completed = time.monotonic() - t0
+        assert pair.server.read_buf(0, size) == pair.client.read_buf(0, size)
+        assert log[0][0] - t0 < lands - 0.05, "the data was copied only once its last byte landed"
+        assert completed >= lands, "a write completed before the link had carried it"
+
+        t0, _, log = _post_logged(pair, [(0, size), (3 << 20, 8)])
+        assert [off for _, off in log] == [0, 3 << 20]
+        assert log[1][0] - t0 >= lands, "the flag was placed before the link had carried the data"
+        stats = soft.device_stats("softib0")
+        assert stats["direct_sent"] == 3 and stats["streamed"] == 3
 
 
 def test_a_request_to_the_device_itself_is_loopback_and_never_shaped(shaped) -> None:
