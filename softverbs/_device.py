@@ -24,7 +24,7 @@ host's wake-up; with ``io_spin_s`` it first stays awake that long after its last
 
 Shaping. A device with a NIC model (`nic_bandwidth`, `nic_latency_s`, `nic_message_rate`; `softverbs._link`)
 hands each outgoing request to its departure queue with the time the model says it lands, or its first
-byte does for an RC direct write, copied as the link carries it (`LinkModel.departure`; a request to the
+byte does for a direct write, copied as the link carries it (`LinkModel.departure`; a request to the
 device itself excepted: a NIC loops it back without taking the wire); the I/O thread sends it then,
 in its loop and also between two direct placements (`send_due`), so a stream it is placing does not hold
 its own requests back. A thread that sleeps until a landing time pays the host's wake-up after it (tens of
@@ -423,7 +423,7 @@ STAT_NAMES = (
     "sent_at_post",  # shaped requests the posting thread sent itself once they landed (nic_spin_s)
     "departed",  # shaped requests the departure queue held until they landed (the I/O thread sent them)
     "departures_awaited",  # I/O thread: queued departures it waited for awake (nic_spin_s), not woken for
-    "streamed",  # shaped RC direct writes sent as their first byte landed (`LinkModel.departure`)
+    "streamed",  # shaped direct writes sent as their first byte landed (`LinkModel.departure`)
 )
 
 _LISTENER = object()
@@ -754,11 +754,11 @@ class SoftDevice:
             return False
 
     # ------------------------------------------------------------ NIC model
-    def depart(self, conn: Conn, qp: Any, desc: bytes, payloads: list[Any], nbytes: int,
+    def depart(self, conn: Conn, qp: Any, desc: bytes | Callable[[float], bytes], payloads: list[Any], nbytes: int,
                soon: list[tuple] | None = None, streamed: bool = False) -> float:
         """Send one request when the link model says it lands (any posting thread, its QP's lock held), or,
         ``streamed`` (its bytes are placed as the link carries them: `LinkModel.departure`), when its first
-        byte lands; returns its landing time.
+        byte lands; returns its landing time. ``desc`` may be made from that time (``desc(land)``).
 
         With ``soon`` (the post's own list, sent by `send_now` before the QP's lock is let go): a request that
         leaves within ``nic_spin_s`` with nothing queued ahead joins it instead of the departure queue. A
@@ -769,6 +769,8 @@ class SoftDevice:
             link = self.link
             land = link.schedule(now, nbytes, opts.nic_bandwidth, opts.nic_latency_s, opts.nic_message_rate)
             when = link.departure(land, opts.nic_latency_s, streamed)
+            if callable(desc):
+                desc = desc(land)
             if streamed:
                 self.stats["streamed"] += 1
             deps = self._departures

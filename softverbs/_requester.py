@@ -20,6 +20,7 @@ frame's responses to their QPs.
 from __future__ import annotations
 
 import errno
+import functools
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -132,6 +133,13 @@ def _payload(e: SendEntry) -> list[Any]:
         else:
             out.append(mr.read(addr, n))
     return out
+
+
+def _srd_direct_desc(dst_qpn: int, qpn: int, e: SendEntry, flags: int, mtu_code: int, length: int,
+                     ref: tuple[int, int], land: float) -> bytes:
+    """An SRD direct write's descriptor, its landing in the psn field (unused on SRD: `w.land_field`)."""
+    return w.REQ.pack(dst_qpn, qpn, e.seq, e.op, flags, mtu_code, e.imm, e.rkey, e.qkey, e.raddr, length,
+                      w.land_field(land), ref[0], ref[1])
 
 
 class QPRequester:
@@ -567,10 +575,18 @@ class QPRequester:
             if is_rd:
                 self.rd_out += 1
             if shaped and not conn.loopback:
-                land = dev.depart(conn, self, desc, pieces, length if op in data_ops else 0, soon,
-                                  streamed=ref is not None and op == w.OP_WRITE and not srd)
-                if ref is not None and op == w.OP_WRITE and not srd:
-                    e.land = land
+                if ref is None or not srd and op != w.OP_WRITE:
+                    dev.depart(conn, self, desc, pieces, length if op in data_ops else 0, soon)
+                    continue
+                # a direct write, copied as the link carries it; its completions wait for its landing: on RC
+                # here (`_rc_retire`), on SRD at the responder, told the landing in the psn field, which SRD
+                # does not use (`w.land_field`), before it reports or acknowledges the write
+                if srd:
+                    stamped = functools.partial(_srd_direct_desc, dst_qpn, qpn, e, base_flags | w.F_DIRECT, mtu_code,
+                                                length, ref)
+                    dev.depart(conn, self, stamped, pieces, length, soon, streamed=True)
+                else:
+                    e.land = dev.depart(conn, self, desc, pieces, length, soon, streamed=True)
                 continue
             descs.append(desc)
             payloads.extend(pieces)
@@ -631,7 +647,8 @@ class QPRequester:
         return _RC_WC_OPCODE[op]
 
     def _complete(self, e: SendEntry) -> None:
-        """SRD: one WR's completion, in arrival order."""
+        """SRD: one WR's completion, in arrival order (a streamed write's responder acknowledges it only once
+        it has landed)."""
         if e.signaled or e.status != OK:
             self.scq.push((e.wr_id, e.status, self._wc_opcode(e.op), 0, self.qpn, 0, 0, 0, 0, self, 1, 0,
                            False))

@@ -84,7 +84,7 @@ class Msg:
 
     __slots__ = ("qp", "conn", "seq", "op", "flags", "imm", "src_qpn", "rkey", "raddr", "length", "add",
                  "swap", "status", "mr", "recv", "data", "direct", "deferred", "rnr", "pkts_left",
-                 "reorder", "mtu", "unsolicited", "silent", "free", "order", "src", "src_off")
+                 "reorder", "mtu", "unsolicited", "silent", "free", "order", "src", "src_off", "land")
 
     def __init__(self, conn: Conn, d: tuple) -> None:
         (_dst, self.src_qpn, self.seq, self.op, self.flags, self.mtu, self.imm, self.rkey, _qkey,
@@ -106,6 +106,7 @@ class Msg:
         self.order = 0
         self.src: _direct.Imported | None = None  # a direct write's source, opened here
         self.src_off = 0
+        self.land = 0.0  # an SRD direct write's modeled landing: it is reported no earlier (`_packet_placed`)
 
 
 class QPResponder:
@@ -457,11 +458,23 @@ class QPResponder:
         if m.pkts_left:
             return
         if self.srd:
+            if m.land > time.monotonic():  # copied while the link carried it: reported once it has landed
+                dev = self.device
+                dev.post_action(lambda: dev.add_timer(m.land - time.monotonic(), lambda: self._landed(m, handler)))
+                return
             self._finish(m, handler)
             return
         pend = self.pend
         while pend and pend[0].pkts_left == 0:
             self._finish(pend.popleft(), handler)
+
+    def _landed(self, m: Msg, handler: RequestFrameHandler) -> None:
+        """I/O thread: an SRD direct write held past its placement (`_packet_placed`) has landed."""
+        with self.lock:
+            if self.state == ERR or self.closed:
+                handler.respond(m, RESP_TIMEOUT)  # as a QP in error answers what arrives
+            else:
+                self._finish(m, handler)
 
     def rx_resume(self) -> None:
         """I/O thread: receive WRs were posted; retry requests waiting for one (RNR)."""
@@ -678,6 +691,8 @@ class RequestFrameHandler:
                 qp.rx_validate(m)
                 if m.status:
                     return m
+                if m.src is not None and d[11]:
+                    m.land = w.land_from_field(d[11], time.monotonic())
                 m.reorder = True
                 if m.op in w.RECV_OPS and not qp._reserve_recv(m):
                     m.rnr = True

@@ -15,7 +15,8 @@ come back on the same connection. Many work requests share one frame, so a batch
 an ibv_wc_status value for the requester's completion. REQ `flags`: bit 0 adaptive routing (reorder
 packets), bits 1-3 the requester's rnr_retry, bit 4 the requester is an SRD QP, bit 5 a direct write: no
 payload follows, `add` names the source (an export id the responder has opened, see `softverbs._direct`)
-and `swap` the offset of the bytes in it.
+and `swap` the offset of the bytes in it. An SRD direct write from a shaped device carries its modeled landing
+in `psn` (`land_field`): it leaves as its first byte lands, and the responder reports it only once it has.
 
 Control frames carry no descriptors (`count` is their argument) and are never batched with others:
 
@@ -80,5 +81,20 @@ def frame_refusal(magic: int, kind: int, count: int, role: str) -> str | None:
     if count > MAX_DESCS_PER_FRAME:
         return f"{count} descriptors (at most {MAX_DESCS_PER_FRAME})"
     return None
+
+#: a landing time as an SRD direct write's descriptor carries it in its psn field: µs of the host's monotonic
+#: clock, modulo 2**32 (direct writes stay on one host, so both ends read the same clock)
+_LAND_WRAP = 1 << 32
+
+
+def land_field(land: float) -> int:
+    return int(land * 1e6) % _LAND_WRAP or 1  # 0 says "no landing to wait for"
+
+
+def land_from_field(field: int, now: float) -> float:
+    """The landing time ``land_field`` encoded, read against ``now`` (within 35 minutes of it)."""
+    delta = (field - int(now * 1e6) + (_LAND_WRAP >> 1)) % _LAND_WRAP - (_LAND_WRAP >> 1)
+    return now + delta / 1e6
+
 
 MASK64 = (1 << 64) - 1  # the u64 fields (add, swap, value) wrap as the hardware's 64-bit atomics do

@@ -24,7 +24,7 @@ from softverbs._device import DeviceOptions
 from softverbs._link import LinkModel
 from softverbs._responder import WRITE_RUN_MAX
 from tests.support.device_memory import ShmDeviceMemory
-from tests.support.verbs_resources import RCPair, open_provider, poll, wait_until
+from tests.support.verbs_resources import QKEY, RCPair, SRDPair, open_provider, poll, wait_until
 
 
 # --- the model's arithmetic ---------------------------------------------------------------------------------
@@ -255,6 +255,63 @@ def test_a_shaped_direct_write_is_copied_as_the_link_carries_it_and_completes_on
         assert log[1][0] - t0 >= lands, "the flag was placed before the link had carried the data"
         stats = soft.device_stats("softib0")
         assert stats["direct_sent"] == 3 and stats["streamed"] == 3
+
+
+def test_a_shaped_srd_direct_write_imm_is_reported_on_both_sides_only_once_it_lands() -> None:
+    """SRD (efa's write-with-immediate, from device memory): 2 MiB on a 20 MB/s link with 1 ms latency lands
+    106 ms after its post. It leaves as its first byte lands, so its bytes are copied early, but the
+    receiver's completion (what efa's daemon counts a piece by) and the sender's both wait for the landing,
+    told it by the descriptor."""
+    provider = open_provider("soft")
+    v = provider.v
+    size, bandwidth, latency = 2 << 20, 20e6, 0.001
+    lands = size / bandwidth + latency
+    name = f"softefa-{uuid.uuid4().hex[:6]}"
+    soft.add_device(name, "efa")
+    with ShmDeviceMemory() as memory, SRDPair(provider, "softefa0", mr_size=4 << 20, client_memory=memory) as a, \
+            SRDPair(provider, name, mr_size=4 << 20, server_memory=memory) as b:
+        e = v.enums
+        gr = v.addr.GlobalRoute(dgid=b.gid, sgid_index=0)
+        ah = v.addr.AH(a.pd, attr=v.addr.AHAttr(port_num=1, is_global=1, gr=gr))
+        log: list[float] = []
+        soft.set_placement_observer(b.ctx, lambda qpn, addr, length: log.append(time.monotonic()))
+
+        def post(op: str, n: int, imm: int = 0) -> float:
+            qp = a.client.qp
+            qp.wr_start()
+            qp.wr_id, qp.wr_flags = n, int(e.IBV_SEND_SIGNALED)
+            if op == "write":
+                qp.wr_rdma_write(b.server.mr.rkey, b.server.mr.buf)
+            else:
+                qp.wr_rdma_write_imm(b.server.mr.rkey, b.server.mr.buf, imm)
+            qp.wr_set_ud_addr(ah, b.server.qp.qp_num, QKEY)
+            qp.wr_set_sge(a.client.sge(0, n))
+            t0 = time.monotonic()
+            qp.wr_complete()
+            return t0
+
+        try:
+            a.client.write_buf(0, bytes(range(256)) * (size // 256))
+            post("write", 64)  # unshaped: the first write crosses the wire with the peer's IMPORT
+            assert poll(a.client.cq)[0].status == e.IBV_WC_SUCCESS
+            soft.configure("softefa0", nic_bandwidth=bandwidth, nic_latency_s=latency, nic_spin_s=0.0)
+            soft.device_stats("softefa0", reset=True)
+            log.clear()
+            t0 = post("write_imm", size, imm=0x01020304)
+            (recv,) = poll(b.server.cq, timeout=10)
+            received = time.monotonic() - t0
+            (sent,) = poll(a.client.cq, timeout=10)
+            completed = time.monotonic() - t0
+            assert recv.status == sent.status == e.IBV_WC_SUCCESS
+            assert b.server.read_buf(0, size) == a.client.read_buf(0, size)
+            assert log and log[-1] - t0 < lands - 0.05, "the data was copied only once its last byte landed"
+            assert received >= lands, "the receiver was told of the write before the link had carried it"
+            assert completed >= lands, "the write completed before the link had carried it"
+            assert soft.device_stats("softefa0")["streamed"] == 1
+        finally:
+            soft.set_placement_observer(b.ctx, None)
+            soft.configure("softefa0", nic_bandwidth=None, nic_latency_s=0.0, nic_spin_s=DeviceOptions().nic_spin_s)
+            ah.close()
 
 
 def test_a_request_to_the_device_itself_is_loopback_and_never_shaped(shaped) -> None:
