@@ -468,6 +468,8 @@ class SoftDevice:
         self._dep_seq = itertools.count()
         self._actions: deque[Callable[[], None]] = deque()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        # I/O thread: calls due at a modeled landing (`at_landing`), woken for as a departure is
+        self._landings: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
         self._dirty_rsp: set[Conn] = set()
         self.inbox_waiting: set[Any] = set()  # QPs whose queued responses the I/O thread could not apply yet
@@ -551,6 +553,7 @@ class SoftDevice:
         self._sel = None
         self._actions.clear()
         self._timers.clear()
+        self._landings.clear()
         self.inbox_waiting.clear()
         self._unfinished.clear()
         with self._dep_lock:
@@ -584,6 +587,12 @@ class SoftDevice:
     def add_timer(self, delay_s: float, fn: Callable[[], None]) -> None:
         """I/O thread only: call `fn` after `delay_s` seconds."""
         heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_seq), fn))
+
+    def at_landing(self, when: float, fn: Callable[[], None]) -> None:
+        """Call `fn` on the I/O thread at ``when`` (time.monotonic()), a modeled landing: a held completion
+        (`LinkModel.departure`). Any thread; the loop waits the last ``nic_spin_s`` of it awake, as for a
+        departure, so the call is not a wake-up late."""
+        self.post_action(lambda: heapq.heappush(self._landings, (when, next(self._timer_seq), fn)))
 
     def request_write(self, conn: Conn) -> None:
         self.post_action(lambda: self._want_write(conn))
@@ -644,9 +653,10 @@ class SoftDevice:
             at = None  # the earliest timer or departure, in time.monotonic() seconds
             if self._timers:
                 at = self._timers[0][0]
-            lands = None  # a departure due within nic_spin_s: waited for awake below, not on the timer
-            if self._departures:
-                due = self._departures[0][0]
+            lands = None  # a departure or landing due within nic_spin_s: waited for awake below, not on the timer
+            if self._departures or self._landings:
+                due = min(self._departures[0][0] if self._departures else math.inf,
+                          self._landings[0][0] if self._landings else math.inf)
                 if epfd >= 0:  # wake nic_spin_s early (a wake-up would land it late) and spin the rest
                     early = due - self.options.nic_spin_s
                     if early <= time.monotonic():
@@ -736,6 +746,8 @@ class SoftDevice:
                 now = time.monotonic()
                 while self._timers and self._timers[0][0] <= now:
                     heapq.heappop(self._timers)[2]()
+                while self._landings and self._landings[0][0] <= now:
+                    heapq.heappop(self._landings)[2]()
                 self.send_due()
                 self.flush_responses()
             except Exception:  # keep serving other peers; the fault is logged with its traceback

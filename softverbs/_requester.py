@@ -160,7 +160,7 @@ class QPRequester:
         self.unsig = 0
         self.tx_psn = 0
         self.tx_halted = False
-        self.retire_due = 0.0  # when `_retire_timer` runs next (0: not armed)
+        self.retire_due = 0.0  # when `_retire_landed` runs next (0: not armed)
         self.wr_list: list[SendEntry] | None = None
         self.wr_list_err = 0
         # response batches not yet applied, with the connection each came on (see `rx_responses`)
@@ -680,14 +680,13 @@ class QPRequester:
                 self.unsig = 0
 
     def _retire_at(self, when: float) -> None:
-        """Retire again at ``when`` (the I/O thread's timer), unless a retirement is due by then already."""
+        """Retire again at ``when`` (on the I/O thread), unless a retirement is due by then already."""
         if 0.0 < self.retire_due <= when:
             return
         self.retire_due = when
-        dev = self.device
-        dev.post_action(lambda: dev.add_timer(when - time.monotonic(), self._retire_timer))
+        self.device.at_landing(when, self._retire_landed)
 
-    def _retire_timer(self) -> None:
+    def _retire_landed(self) -> None:
         with self.lock:
             self.retire_due = 0.0
             if not self.closed:

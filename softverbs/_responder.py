@@ -459,8 +459,7 @@ class QPResponder:
             return
         if self.srd:
             if m.land > time.monotonic():  # copied while the link carried it: reported once it has landed
-                dev = self.device
-                dev.post_action(lambda: dev.add_timer(m.land - time.monotonic(), lambda: self._landed(m, handler)))
+                self.device.at_landing(m.land, lambda: self._landed(m, handler))
                 return
             self._finish(m, handler)
             return
