@@ -29,9 +29,10 @@ device itself excepted: a NIC loops it back without taking the wire); the I/O th
 in its loop and also between two direct placements (`send_due`), so a stream it is placing does not hold
 its own requests back. A thread that sleeps until a landing time pays the host's wake-up after it (tens of
 microseconds), which would make a modeled 2 µs link slower than an unshaped one, so the last ``nic_spin_s``
-before a landing are waited awake, GIL released: a request that lands within that of its post, with none
-queued ahead, is sent by the posting thread itself once it lands (`depart`, `send_now`), and the I/O thread
-wakes that long before a queued one lands (`_loop`). Acknowledgements and read responses are not shaped.
+before a departure are waited awake, GIL released: a request that leaves within that of its post, with none
+queued ahead, is sent by the posting thread itself at that time (`depart`, `send_now`), and the I/O thread
+wakes that long before a queued one leaves, or a held completion is due (`_loop`, `at_landing`).
+Acknowledgements and read responses are not shaped.
 """
 
 from __future__ import annotations
