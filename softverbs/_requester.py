@@ -563,10 +563,20 @@ class QPRequester:
             ref = None
             if direct and e.inline is None and (op == w.OP_WRITE or op == w.OP_WRITE_IMM):
                 ref = self._direct_ref(conn, e)
+            departs = shaped and not conn.loopback
+            # a shaped direct write is copied as the link carries it, and its completions wait for its landing:
+            # on RC here (`_rc_retire`), on SRD at the responder, told the landing in the psn field, which SRD
+            # does not use (`w.land_field`), so its descriptor is packed once that is known (`SoftDevice.depart`)
+            streamed = departs and ref is not None and (srd or op == w.OP_WRITE)
+            desc: bytes | functools.partial[bytes]
             if ref is None:
                 desc = pack(dst_qpn, qpn, e.seq, op, base_flags, mtu_code, e.imm, e.rkey, e.qkey, e.raddr, length, psn,
                             e.add, e.swap)
                 pieces = _payload(e) if op in data_ops else []
+            elif streamed and srd:
+                desc = functools.partial(_srd_direct_desc, dst_qpn, qpn, e, base_flags | w.F_DIRECT, mtu_code, length,
+                                         ref)
+                pieces = []
             else:
                 desc = pack(dst_qpn, qpn, e.seq, op, base_flags | w.F_DIRECT, mtu_code, e.imm, e.rkey, e.qkey,
                             e.raddr, length, psn, ref[0], ref[1])
@@ -574,19 +584,10 @@ class QPRequester:
             inflight[e.seq] = e
             if is_rd:
                 self.rd_out += 1
-            if shaped and not conn.loopback:
-                if ref is None or not srd and op != w.OP_WRITE:
-                    dev.depart(conn, self, desc, pieces, length if op in data_ops else 0, soon)
-                    continue
-                # a direct write, copied as the link carries it; its completions wait for its landing: on RC
-                # here (`_rc_retire`), on SRD at the responder, told the landing in the psn field, which SRD
-                # does not use (`w.land_field`), before it reports or acknowledges the write
-                if srd:
-                    stamped = functools.partial(_srd_direct_desc, dst_qpn, qpn, e, base_flags | w.F_DIRECT, mtu_code,
-                                                length, ref)
-                    dev.depart(conn, self, stamped, pieces, length, soon, streamed=True)
-                else:
-                    e.land = dev.depart(conn, self, desc, pieces, length, soon, streamed=True)
+            if departs:
+                land = dev.depart(conn, self, desc, pieces, length if op in data_ops else 0, soon, streamed=streamed)
+                if streamed and not srd:
+                    e.land = land
                 continue
             descs.append(desc)
             payloads.extend(pieces)
