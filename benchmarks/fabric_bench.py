@@ -67,6 +67,7 @@ from transportd_cli.cli_options import (  # noqa: E402
     gil_switch_us_option,
     io_spin_us_option,
     nic_spin_us_option,
+    nic_streaming_option,
 )
 
 CHUNK = 4 << 20
@@ -119,24 +120,25 @@ def registrable(buf: Any) -> Any:
 
 
 def daemon_config(nic: dict[str, float], direct_copy: bool, copy_via: str, io_spin_s: float,
-                  nic_spin_s: float | None, gil_switch_s: float = 0.0) -> dict[str, Any]:
+                  nic_spin_s: float | None, gil_switch_s: float = 0.0, nic_streaming: bool = True) -> dict[str, Any]:
     """The config overrides a benchmark's daemons run with: the soft fabric shaped by ``nic`` (NIC-model keys;
     empty: unshaped), its direct copies on or off and placed ``copy_via``, its I/O threads awake ``io_spin_s``,
     ``nic_spin_s`` (None: the default), the rail workers' GIL switch interval ``gil_switch_s`` (0: Python's),
-    and a heartbeat timeout that survives a loaded host."""
+    ``nic_streaming`` as ``softverbs.nic_streaming``, and a heartbeat timeout that survives a loaded host."""
     softverbs: dict[str, Any] = {"direct_copy": direct_copy, "direct_copy_via": copy_via, "io_spin_s": io_spin_s,
-                                 "gil_switch_interval_s": gil_switch_s, **nic}
+                                 "gil_switch_interval_s": gil_switch_s, "nic_streaming": nic_streaming, **nic}
     if nic_spin_s is not None:
         softverbs["nic_spin_s"] = nic_spin_s
     return {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
 
 
 def _cluster_config(shape: str, nic: dict[str, float] | None, copy_via: str, io_spin_s: float,
-                    nic_spin_s: float | None, gil_switch_s: float = 0.0) -> tuple[dict[str, float], dict[str, Any]]:
+                    nic_spin_s: float | None, gil_switch_s: float = 0.0,
+                    nic_streaming: bool = True) -> tuple[dict[str, float], dict[str, Any]]:
     """The NIC model of ``shape`` (``nic`` where given) and the daemons' config for a row ("wire": direct copies
     off)."""
     nic = SHAPES.get(shape, {}) if nic is None else nic
-    return nic, daemon_config(nic, shape != "wire", copy_via, io_spin_s, nic_spin_s, gil_switch_s)
+    return nic, daemon_config(nic, shape != "wire", copy_via, io_spin_s, nic_spin_s, gil_switch_s, nic_streaming)
 
 
 def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, buffers: str, sizes: list[int],
@@ -184,19 +186,20 @@ def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, 
 def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, device: int = 0,
                echo: Any = print, buffers: str = "gpu", chunk: int = CHUNK,
                nic: dict[str, float] | None = None, copy_via: str = "device",
-               latency_sizes: list[int] | None = None, io_spin_s: float = 0.0,
-               nic_spin_s: float | None = None, gil_switch_s: float = 0.0) -> dict[str, Any]:
+               latency_sizes: list[int] | None = None, io_spin_s: float = 0.0, nic_spin_s: float | None = None,
+               gil_switch_s: float = 0.0, nic_streaming: bool = True) -> dict[str, Any]:
     """One row: ``writes`` PUTs of ``chunk`` bytes, GPU to GPU (or host to host), between two ``backend``
     daemons shaped as ``shape`` ("unshaped", a key of SHAPES, or "wire": unshaped with direct copies off),
     or by ``nic`` (NIC-model keys) where given; direct copies placed ``copy_via``; the soft devices' I/O threads
     awake ``io_spin_s`` after their last event; ``nic_spin_s`` (None: the default) as
-    ``softverbs.nic_spin_s``; ``gil_switch_s`` as ``softverbs.gil_switch_interval_s``. With ``latency_sizes``,
-    instead one write at a time of each size (``latency_row``), ``writes`` a size."""
+    ``softverbs.nic_spin_s``; ``gil_switch_s`` as ``softverbs.gil_switch_interval_s``; ``nic_streaming`` as
+    ``softverbs.nic_streaming``. With ``latency_sizes``, instead one write at a time of each size
+    (``latency_row``), ``writes`` a size."""
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
     Buffer = buffer_type(buffers)  # noqa: N806
-    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s)
+    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s, nic_streaming)
     nbytes = slots * chunk
     rng = np.random.default_rng(len(backend) * 7 + len(shape))
     with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
@@ -298,7 +301,8 @@ BURST_GAP_MS = 2.0  # how long both ranks idle between two rounds of a burst (--
 def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: int, device: int = 0,
               echo: Any = print, buffers: str = "gpu", nic: dict[str, float] | None = None, copy_via: str = "device",
               io_spin_s: float = 0.0, nic_spin_s: float | None = None, post_now: bool = False,
-              gil_switch_s: float = 0.0, gap_s: float = BURST_GAP_MS / 1e3, timeout_s: float = 60.0) -> dict[str, Any]:
+              gil_switch_s: float = 0.0, gap_s: float = BURST_GAP_MS / 1e3, timeout_s: float = 60.0,
+              nic_streaming: bool = True) -> dict[str, Any]:
     """A MoE dispatch's messages both ways at once (`burst_records`), ``rounds`` times after
     ``BURST_WARMUP`` (the receivers open the allocations), ``gap_s`` apart: per flag, µs from the round's push
     to its landing (p50 / p90 / min over rounds and both ranks) beside `burst_model_us`, and every landing
@@ -309,7 +313,7 @@ def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: i
     from transportd_cli.localcluster import LocalCluster
 
     Buffer = buffer_type(buffers)  # noqa: N806
-    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s)
+    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s, nic_streaming)
     half = BURST_GROUPS_OFFSET + groups * group_bytes
     flags = groups + 2
     label = f"{backend}:{shape}:burst"
@@ -475,13 +479,14 @@ def _burst_spec(burst: str) -> tuple[int, int]:
                    "summarized per row (the stamps add a few microseconds a step)")
 @io_spin_us_option
 @nic_spin_us_option
+@nic_streaming_option
 @gil_switch_us_option
 @click.option("--gap-ms", default=None, type=FiniteFloat(min=0.0, max=1000.0),
               help="--burst: how long both ranks idle between two rounds (default 2)")
 def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, quick: bool, no_mps: bool,
          buffers: str, copy_via: str, latency: str = "", burst: str = "", post_now: bool = False,
          trace_dir: str | None = None, io_spin_us: float = 0.0, nic_spin_us: float | None = None,
-         gil_switch_us: float = 0.0, gap_ms: float | None = None) -> None:
+         gil_switch_us: float = 0.0, gap_ms: float | None = None, nic_streaming: bool = True) -> None:
     """GB/s of 4 MiB GPU -> GPU writes between two daemons, unshaped and NIC-shaped (see the module doc)."""
     from transportd_cli.mps import Mps
 
@@ -509,7 +514,8 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         os.environ["SOFTVERBS_TRACE"] = _trace.DIR = str(Path(trace_dir).resolve())  # the daemons inherit it
     nic_spin_s = None if nic_spin_us is None else nic_spin_us / 1e6
-    soft = {"io_spin_s": io_spin_us / 1e6, "nic_spin_s": nic_spin_s, "gil_switch_s": gil_switch_us / 1e6}
+    soft = {"io_spin_s": io_spin_us / 1e6, "nic_spin_s": nic_spin_s, "gil_switch_s": gil_switch_us / 1e6,
+            "nic_streaming": nic_streaming}
     mps = Mps()  # host buffers need no GPU, and --no-mps runs without
     if buffers == "gpu" and not no_mps and not mps.start():
         click.echo(mps.describe())
@@ -558,7 +564,7 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line,
                                                "io_spin_us": io_spin_us, "nic_spin_us": nic_spin_us,
-                                               "gil_switch_us": gil_switch_us,
+                                               "nic_streaming": nic_streaming, "gil_switch_us": gil_switch_us,
                                                "post_now": post_now, "gap_ms": gap_ms,
                                                **({"trace": trace, "ready_waits": waits} if trace else {})},
                                               indent=2))

@@ -137,6 +137,7 @@ from transportd_cli.cli_options import (  # noqa: E402
     gil_switch_us_option,
     io_spin_us_option,
     nic_spin_us_option,
+    nic_streaming_option,
 )
 
 #: the NIC model each backend is shaped like by default
@@ -269,6 +270,8 @@ IO_SPIN_S = 0.0
 #: the daemons' ``softverbs.nic_spin_s`` (``--nic-spin-us``) and ``proxy.poll_window_us``
 #: (``--poll-window-us``); None: their config defaults
 NIC_SPIN_S: float | None = None
+#: the daemons' ``softverbs.nic_streaming`` (``--nic-streaming/--no-nic-streaming``)
+NIC_STREAMING = True
 #: the rail workers' GIL switch interval (``--gil-switch-us``, ``softverbs.gil_switch_interval_s``); 0: Python's
 GIL_SWITCH_S = 0.0
 POLL_WINDOW_US: int | None = None
@@ -341,9 +344,10 @@ def interleaved(launches: dict[str, Callable[[], float]], reps: int, clients: li
 
 def daemon_overrides(backend: str, shape: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config the bench's daemons run with: the soft fabric shaped as ``shape``, this run's options
-    (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--gil-switch-us``, ``--poll-window-us``,
-    ``--publication``), and ``config``'s sections on top."""
-    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S)
+    (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--nic-streaming``, ``--gil-switch-us``,
+    ``--poll-window-us``, ``--publication``), and ``config``'s sections on top."""
+    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S,
+                              NIC_STREAMING)
     if POLL_WINDOW_US is not None:
         overrides["proxy"] = {"poll_window_us": POLL_WINDOW_US}
     if PUBLICATION != "auto" and backend == "efa":
@@ -1662,6 +1666,7 @@ def gpu_name() -> str | None:
                    "their rows are in (default: the op's, the first put group's experts)")
 @io_spin_us_option
 @nic_spin_us_option
+@nic_streaming_option
 @gil_switch_us_option
 @click.option("--poll-window-us", default=None, type=click.IntRange(min=0, max=1_000_000),
               help="proxy.poll_window_us (default: the config's): how long a worker waits to fill a batch before "
@@ -1673,13 +1678,14 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
          trace_dir: str | None = None, moe_experts: int | None = None, moe_tokens: int | None = None,
          moe_gemm_n: int | None = None, moe_experts_per_put: int | None = None, moe_split_experts: int | None = None,
          nic_spin_us: float | None = None, gil_switch_us: float = 0.0,
-         poll_window_us: int | None = None, dims_text: str = "") -> None:
+         poll_window_us: int | None = None, dims_text: str = "", nic_streaming: bool = True) -> None:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S, POLL_WINDOW_US
+    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S, NIC_SPIN_S, NIC_STREAMING, GIL_SWITCH_S, POLL_WINDOW_US
     PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S = programs, copy_via, flags_where, publication, io_spin_us / 1e6
     NIC_SPIN_S = None if nic_spin_us is None else nic_spin_us / 1e6
+    NIC_STREAMING = nic_streaming
     GIL_SWITCH_S = gil_switch_us / 1e6
     POLL_WINDOW_US = poll_window_us
 
@@ -1727,7 +1733,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
                                                    "mps": mps_line, "copy_via": copy_via,
                                                    "flags": flags_where, "publication": publication,
                                                    "programs": programs, "io_spin_us": io_spin_us,
-                                                   "nic_spin_us": nic_spin_us, "gil_switch_us": gil_switch_us,
+                                                   "nic_spin_us": nic_spin_us, "nic_streaming": nic_streaming,
+                                                   "gil_switch_us": gil_switch_us,
                                                    "poll_window_us": poll_window_us}, indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:

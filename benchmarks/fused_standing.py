@@ -37,8 +37,8 @@ SIZE_KEYS = ("m", "m_local", "n", "k", "heads", "seq_local", "head_dim", "tokens
 #: the settings fused_bench records beside its rows, at its defaults (its options' defaults): a call with any other
 #: measured something else, so its rows are counted apart
 CALL_DEFAULTS: dict[str, Any] = {"copy_via": "device", "flags": "device", "publication": "cuda-copy",
-                                 "programs": None, "io_spin_us": 0.0, "nic_spin_us": None, "gil_switch_us": 0.0,
-                                 "poll_window_us": None}
+                                 "programs": None, "io_spin_us": 0.0, "nic_spin_us": None, "nic_streaming": True,
+                                 "gil_switch_us": 0.0, "poll_window_us": None}
 #: the GPU of a call that does not record one, and the kernel source of one that does not record its digest
 UNRECORDED_GPU = "—"
 UNRECORDED_SOURCE = "—"

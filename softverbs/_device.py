@@ -24,8 +24,9 @@ host's wake-up; with ``io_spin_s`` it first stays awake that long after its last
 
 Shaping. A device with a NIC model (`nic_bandwidth`, `nic_latency_s`, `nic_message_rate`; `softverbs._link`)
 hands each outgoing request to its departure queue with the time the model says it lands, or its first
-byte does for a direct write, copied as the link carries it (`LinkModel.departure`; a request to the
-device itself excepted: a NIC loops it back without taking the wire); the I/O thread sends it then,
+byte does for a direct write, copied as the link carries it (`LinkModel.departure`; ``nic_streaming`` off:
+its last byte, as before a NIC placed packets here; a request to the device itself excepted: a NIC loops it
+back without taking the wire); the I/O thread sends it then,
 in its loop and also between two direct placements (`send_due`), so a stream it is placing does not hold
 its own requests back. A thread that sleeps until a landing time pays the host's wake-up after it (tens of
 microseconds), which would make a modeled 2 µs link slower than an unshaped one, so the last ``nic_spin_s``
@@ -107,6 +108,10 @@ class DeviceOptions:
     # within it of its post (none queued ahead) leaves from the posting thread, and the I/O thread wakes this
     # long before a queued one lands; 0: the I/O thread sleeps until each landing (and wakes after it)
     nic_spin_s: float = 30e-6
+    # a shaped direct write leaves as its first byte lands, copied while the link carries the rest (what follows
+    # it and its completion wait for its last byte), as a NIC places packets; False: it leaves once its last byte
+    # has landed (store and forward), so its copy adds to every landing (`LinkModel.departure`)
+    nic_streaming: bool = True
     # the reorder pool's packet for direct writes when packet_size is not set: one copy per packet
     direct_packet_size: int = 1 << 20
     # how long the I/O thread stays awake after it last had something to do, polling its sockets without
@@ -770,8 +775,9 @@ class SoftDevice:
     def depart(self, conn: Conn, qp: Any, desc: bytes | Callable[[float], bytes], payloads: list[Any], nbytes: int,
                soon: list[tuple] | None = None, streamed: bool = False) -> float:
         """Send one request when the link model says it lands (any posting thread, its QP's lock held), or,
-        ``streamed`` (its bytes are placed as the link carries them: `LinkModel.departure`), when its first
-        byte lands; returns its landing time. ``desc`` may be made from that time (``desc(land)``).
+        ``streamed`` (its bytes are placed as the link carries them: `LinkModel.departure`; unless the device's
+        ``nic_streaming`` is off), when its first byte lands; returns its landing time. ``desc`` may be made
+        from that time (``desc(land)``).
 
         With ``soon`` (the post's own list, sent by `send_now` before the QP's lock is let go): a request that
         leaves within ``nic_spin_s`` with nothing queued ahead joins it instead of the departure queue. A
@@ -781,6 +787,7 @@ class SoftDevice:
             now = time.monotonic()
             link = self.link
             land = link.schedule(now, nbytes, opts.nic_bandwidth, opts.nic_latency_s, opts.nic_message_rate)
+            streamed = streamed and opts.nic_streaming
             when = link.departure(land, opts.nic_latency_s, streamed)
             if callable(desc):
                 desc = desc(land)

@@ -353,6 +353,11 @@ class SoftverbsConfig(Section):
         "no wake-up (tens of us on a busy host) is added to the modeled latency: a request landing within it "
         "of its post, none queued ahead, is sent by the posting thread itself, and the I/O thread wakes this "
         "long before a queued one lands. 0: the I/O thread sleeps until each landing.", ge=0.0, le=0.01)] = 30e-6
+    nic_streaming: Annotated[bool, key(
+        "NIC model: a write from GPU memory leaves as its first byte lands, and the receiver copies it while the "
+        "modeled link carries the rest, as a NIC places a write packet by packet (what follows it, and its "
+        "completion, still wait for its last byte). false: store and forward, it leaves once its last byte has "
+        "landed, so its copy adds to every landing.")] = True
     io_spin_s: Annotated[float, key(
         "Seconds a soft device's I/O thread stays awake after its last event, polling its sockets instead of "
         "sleeping, so the next frame is taken without waiting for a thread wake-up (20-50 us a step on a busy "

@@ -1,7 +1,7 @@
 """Checks of command-line options the `transportd` and `transportctl` commands share: the flag combinations
 the daemons' config would refuse (refused first with the flags' own names), numbers that must be finite, and
 output files that must be writable before any work starts; and the soft fabric's timing options the
-benchmarks share (`io_spin_us_option`, `nic_spin_us_option`, `gil_switch_us_option`)."""
+benchmarks share (`io_spin_us_option`, `nic_spin_us_option`, `nic_streaming_option`, `gil_switch_us_option`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from transportd.backends import RULES, config_problems
 from transportd_cli.errors import ProgramError
 
 __all__ = ["FiniteFloat", "Program", "available_memory", "check_signal_mode", "gil_switch_us_option", "harden",
-           "io_spin_us_option", "nic_spin_us_option", "writable_output", "writable_problem"]
+           "io_spin_us_option", "nic_spin_us_option", "nic_streaming_option", "writable_output", "writable_problem"]
 
 
 class Program(click.Group):
@@ -86,6 +86,13 @@ nic_spin_us_option = click.option(
     help="softverbs.nic_spin_s in µs (default: the config's): how long before a shaped request lands a soft "
          "device waits for it awake (sent from the posting thread when it lands that soon, else the I/O thread "
          "wakes that early); 0: the I/O thread sleeps until each landing")
+
+#: ``--nic-streaming/--no-nic-streaming`` (``softverbs.nic_streaming``), as the benchmarks take it
+nic_streaming_option = click.option(
+    "--nic-streaming/--no-nic-streaming", default=True, show_default=True,
+    help="softverbs.nic_streaming: a shaped GPU write leaves as its first byte lands and is copied while the "
+         "modeled link carries the rest, as a NIC places packets; --no-nic-streaming: store and forward, it "
+         "leaves once its last byte has landed (its copy added to every landing), to compare the two")
 
 #: ``--gil-switch-us`` (``softverbs.gil_switch_interval_s`` in µs; 0: Python's own), as the benchmarks take it
 gil_switch_us_option = click.option(

@@ -69,7 +69,7 @@ def shaped() -> Any:
     soft.device_stats("softib0", reset=True)
     yield provider
     soft.configure("softib0", nic_bandwidth=None, nic_latency_s=0.0, nic_message_rate=None,
-                   nic_spin_s=DeviceOptions().nic_spin_s)
+                   nic_spin_s=DeviceOptions().nic_spin_s, nic_streaming=True)
 
 
 @contextmanager
@@ -231,30 +231,48 @@ def test_a_post_that_sends_one_request_itself_and_queues_the_next_keeps_its_orde
     assert log[1][0] - t0 >= (256 << 10) / 20e6 + 0.001  # the large write: no earlier than the link carried it
 
 
-def test_a_shaped_direct_write_is_copied_as_the_link_carries_it_and_completes_once_it_lands(shaped) -> None:
+def _shaped_direct_writes(provider: Any, streaming: bool) -> SimpleNamespace:
     """Device memory (an RC direct write, copied from the requester's memory): 2 MiB on a 20 MB/s link with 1 ms
-    latency lands 106 ms after its post. It leaves as its first byte lands, so the responder's copy is done long
-    before that, as a NIC places a write packet by packet, but its completion waits for the landing. A flag
-    posted after it is placed after it, and no earlier than the link carried the data."""
+    latency, which lands 106 ms after its post (``lands``), with softib0's ``nic_streaming`` as given; then the
+    same write with an 8-byte flag after it. ``placed`` and ``completed``: when the first write was placed and
+    when it completed, ``flag_log``: the second post's placements, all from their posts; ``stats``: softib0's."""
     size, bandwidth, latency = 2 << 20, 20e6, 0.001
-    lands = size / bandwidth + latency
-    with ShmDeviceMemory() as memory, _across(shaped, max_send_wr=64, mr_size=4 << 20, client_memory=memory,
+    with ShmDeviceMemory() as memory, _across(provider, max_send_wr=64, mr_size=4 << 20, client_memory=memory,
                                                server_memory=memory) as pair:
         pair.client.write_buf(0, bytes(range(256)) * (size // 256))
         _post_logged(pair, [(0, 64)])  # unshaped: the first write crosses the wire with the peer's IMPORT
-        soft.configure("softib0", nic_bandwidth=bandwidth, nic_latency_s=latency, nic_spin_s=0.0)
+        soft.configure("softib0", nic_bandwidth=bandwidth, nic_latency_s=latency, nic_spin_s=0.0,
+                       nic_streaming=streaming)
         soft.device_stats("softib0", reset=True)
         t0, _, log = _post_logged(pair, [(0, size)])
         completed = time.monotonic() - t0
         assert pair.server.read_buf(0, size) == pair.client.read_buf(0, size)
-        assert log[0][0] - t0 < lands - 0.05, "the data was copied only once its last byte landed"
-        assert completed >= lands, "a write completed before the link had carried it"
+        t1, _, flag_log = _post_logged(pair, [(0, size), (3 << 20, 8)])
+        return SimpleNamespace(lands=size / bandwidth + latency, placed=log[0][0] - t0, completed=completed,
+                               flag_log=[(t - t1, off) for t, off in flag_log], stats=soft.device_stats("softib0"))
 
-        t0, _, log = _post_logged(pair, [(0, size), (3 << 20, 8)])
-        assert [off for _, off in log] == [0, 3 << 20]
-        assert log[1][0] - t0 >= lands, "the flag was placed before the link had carried the data"
-        stats = soft.device_stats("softib0")
-        assert stats["direct_sent"] == 3 and stats["streamed"] == 3
+
+def test_a_shaped_direct_write_is_copied_as_the_link_carries_it_and_completes_once_it_lands(shaped) -> None:
+    """It leaves as its first byte lands, so the responder's copy is done long before its landing, as a NIC
+    places a write packet by packet, but its completion waits for the landing. A flag posted after it is placed
+    after it, and no earlier than the link carried the data."""
+    run = _shaped_direct_writes(shaped, streaming=True)
+    assert run.placed < run.lands - 0.05, "the data was copied only once its last byte landed"
+    assert run.completed >= run.lands, "a write completed before the link had carried it"
+    assert [off for _, off in run.flag_log] == [0, 3 << 20]
+    assert run.flag_log[1][0] >= run.lands, "the flag was placed before the link had carried the data"
+    assert run.stats["direct_sent"] == 3 and run.stats["streamed"] == 3
+
+
+def test_with_streaming_off_a_shaped_direct_write_is_copied_only_once_it_has_landed(shaped) -> None:
+    """``nic_streaming`` off (store and forward: a write is placed only once all of it has arrived): it leaves
+    when its last byte lands, so its copy starts no earlier than that; the order and the completion as above."""
+    run = _shaped_direct_writes(shaped, streaming=False)
+    assert run.placed >= run.lands, "the data was copied before its last byte landed"
+    assert run.completed >= run.lands
+    assert [off for _, off in run.flag_log] == [0, 3 << 20]
+    assert run.flag_log[0][0] >= run.lands and run.flag_log[1][0] >= run.lands
+    assert run.stats["direct_sent"] == 3 and run.stats["streamed"] == 0
 
 
 def test_a_shaped_srd_direct_write_imm_is_reported_on_both_sides_only_once_it_lands() -> None:

@@ -201,14 +201,16 @@ def test_latency_refuses_what_is_not_a_size_before_any_work(value: str, says: st
     assert result.exit_code == 2 and says in result.output
 
 
-def test_the_gil_switch_interval_reaches_the_daemons_config(tmp_path: Path) -> None:
+def test_the_gil_switch_interval_and_the_streaming_reach_the_daemons_config(tmp_path: Path) -> None:
     from transportd.config import load_config
     from transportd_cli.localcluster import render_toml
 
-    overrides = load_benchmark("fabric_bench").daemon_config({}, True, "device", 0.0, None, gil_switch_s=5e-5)
+    overrides = load_benchmark("fabric_bench").daemon_config({}, True, "device", 0.0, None, gil_switch_s=5e-5,
+                                                             nic_streaming=False)
     path = tmp_path / "node.toml"
     path.write_text(render_toml(overrides))
-    assert load_config(path, env={}).softverbs.gil_switch_interval_s == 5e-5
+    config = load_config(path, env={}).softverbs
+    assert (config.gil_switch_interval_s, config.nic_streaming) == (5e-5, False)
 
 
 @pytest.mark.parametrize("option", ["--io-spin-us", "--nic-spin-us", "--gil-switch-us"])
@@ -221,15 +223,17 @@ def test_the_wait_options_refuse_what_is_not_a_finite_time_in_range(option: str,
     assert result.exit_code == 2 and option in result.output
 
 
-@pytest.mark.parametrize(("args", "gap_s"), [([], 2e-3), (["--gap-ms", "20"], 20e-3)])
-def test_the_burst_rounds_are_spaced_as_asked_and_the_json_says_so(tmp_path, monkeypatch, args, gap_s) -> None:
+@pytest.mark.parametrize(("args", "gap_s", "streaming"),
+                         [([], 2e-3, True), (["--gap-ms", "20", "--no-nic-streaming"], 20e-3, False)])
+def test_the_burst_rounds_are_spaced_and_modeled_as_asked_and_the_json_says_so(tmp_path, monkeypatch, args, gap_s,
+                                                                               streaming) -> None:
     from click.testing import CliRunner
 
     bench = load_benchmark("fabric_bench")
-    seen: list[float] = []
+    seen: list[tuple[float, bool]] = []
 
     def row(backend, shape, groups, group_bytes, rounds, **kw):
-        seen.append(kw["gap_s"])
+        seen.append((kw["gap_s"], kw["nic_streaming"]))
         return {"backend": backend, "shape": shape, "burst": []}
 
     monkeypatch.setattr(bench, "burst_row", row)
@@ -237,5 +241,6 @@ def test_the_burst_rounds_are_spaced_as_asked_and_the_json_says_so(tmp_path, mon
     result = CliRunner().invoke(bench.main, ["--buffers", "host", "--rows", "ib:unshaped", "--burst", "2,4096",
                                              "--json", str(out), *args])
     assert result.exit_code == 0, result.output
-    assert seen == [pytest.approx(gap_s)]
-    assert json.loads(out.read_text())["gap_ms"] == pytest.approx(gap_s * 1e3)
+    assert seen == [(pytest.approx(gap_s), streaming)]
+    saved = json.loads(out.read_text())
+    assert (saved["gap_ms"], saved["nic_streaming"]) == (pytest.approx(gap_s * 1e3), streaming)

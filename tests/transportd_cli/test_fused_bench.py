@@ -739,9 +739,10 @@ def test_moe_gemm_work_counts_weight_passes_and_row_block_fill() -> None:
 
 
 def test_the_daemons_run_with_the_shape_the_options_and_the_rows_own_sections(tmp_path: Path, monkeypatch) -> None:
-    """--nic-spin-us, --gil-switch-us and --poll-window-us reach the daemons' config beside the NIC shape and the
-    run's other options, a row's own sections (MoE's decoupled signaling) merge in, and the JSON says what the run
-    used; without them the daemons keep their defaults (no key, or 0 for the switch interval: Python's)."""
+    """--nic-spin-us, --no-nic-streaming, --gil-switch-us and --poll-window-us reach the daemons' config beside the
+    NIC shape and the run's other options, a row's own sections (MoE's decoupled signaling) merge in, and the JSON
+    says what the run used; without them the daemons keep their defaults (no key, or 0 for the switch interval:
+    Python's, and streaming on)."""
     bench = load_benchmark("fused_bench")
     out = tmp_path / "fused.json"
     seen: list[dict[str, Any]] = []
@@ -754,20 +755,22 @@ def test_the_daemons_run_with_the_shape_the_options_and_the_rows_own_sections(tm
     monkeypatch.setattr(bench, "fused_row", row)
     result = CliRunner().invoke(bench.main, ["--json", str(out), "--kernels", "allgather_gemm", "--backends", "efa",
                                              "--quick", "--nic-spin-us", "12", "--poll-window-us", "5",
-                                             "--gil-switch-us", "50"])
+                                             "--gil-switch-us", "50", "--no-nic-streaming"])
     assert result.exit_code == 0, result.output
     config = seen[0]
     assert config["softverbs"] == {"direct_copy": True, "direct_copy_via": "device", "io_spin_s": 0.0,
                                    **bench.SHAPES["efa-200g"], "nic_spin_s": pytest.approx(12e-6),
-                                   "gil_switch_interval_s": pytest.approx(50e-6)}
+                                   "gil_switch_interval_s": pytest.approx(50e-6), "nic_streaming": False}
     assert config["proxy"] == {"poll_window_us": 5, "max_take": 64}
     assert config["signal"] == {"decoupled": True} and config["flags"] == {"publication": "cuda-copy"}
     saved = json.loads(out.read_text())
-    assert (saved["nic_spin_us"], saved["poll_window_us"], saved["gil_switch_us"]) == (12.0, 5, 50.0)
+    assert (saved["nic_spin_us"], saved["poll_window_us"], saved["gil_switch_us"], saved["nic_streaming"]) == \
+        (12.0, 5, 50.0, False)
 
     bench = load_benchmark("fused_bench")
     assert "nic_spin_s" not in bench.daemon_overrides("ib", "cx7-400g")["softverbs"]
     assert bench.daemon_overrides("ib", "cx7-400g")["softverbs"]["gil_switch_interval_s"] == 0.0  # Python's own
+    assert bench.daemon_overrides("ib", "cx7-400g")["softverbs"]["nic_streaming"] is True
     assert "proxy" not in bench.daemon_overrides("ib", "cx7-400g")
     for option, bad in (("--nic-spin-us", "nan"), ("--nic-spin-us", "-1"), ("--nic-spin-us", "2e4"),
                         ("--poll-window-us", "-1"), ("--poll-window-us", "x")):

@@ -90,7 +90,7 @@ def pyverbs_devices() -> list[str] | None:
 
 def configure_soft(options: Mapping[str, Any] | Any) -> None:
     """Apply ``[softverbs]`` settings (host, adaptive_routing, reorder_seed, the NIC model's nic_bandwidth,
-    nic_latency_s, nic_message_rate and nic_spin_s, io_spin_s; a mapping or the config dataclass) to the
+    nic_latency_s, nic_message_rate, nic_spin_s and nic_streaming, io_spin_s; a mapping or the config dataclass) to the
     default soft devices, and ``gil_switch_interval_s`` (0: left as it is) to this process. The listen host
     takes effect when a device is next opened. (``direct_copy`` and
     ``direct_copy_via`` are the rail worker's: it installs its GPU memory, which places copies one way or the
@@ -110,8 +110,9 @@ def configure_soft(options: Mapping[str, Any] | Any) -> None:
     if host:
         changes["host"] = host
         changes["advertise"] = None if host in ("0.0.0.0", "") else host
-    if get("adaptive_routing", None) is not None:
-        changes["adaptive_routing"] = bool(get("adaptive_routing"))
+    for name in ("adaptive_routing", "nic_streaming"):
+        if get(name, None) is not None:
+            changes[name] = bool(get(name))
     seed = get("reorder_seed", None)
     if seed is not None:
         changes["reorder_seed"] = None if seed < 0 else int(seed)

@@ -53,16 +53,19 @@ def test_the_nic_model_reaches_every_soft_device_and_zero_means_unshaped(cleanup
     cleanup.append("softtest-efa2")
     try:
         verbs.configure_soft({"devices": {"softtest-efa2": "efa"}, "nic_bandwidth": 25e9, "nic_latency_s": 15e-6,
-                              "nic_message_rate": 0.0, "nic_spin_s": 0.0})
+                              "nic_message_rate": 0.0, "nic_spin_s": 0.0, "nic_streaming": False})
         for name in ("softib0", "softefa0", "softtest-efa2"):
             opts = soft.device_options(name)
             assert (opts.nic_bandwidth, opts.nic_latency_s, opts.nic_message_rate) == (25e9, 15e-6, None)
-            assert opts.nic_spin_s == 0.0
+            assert opts.nic_spin_s == 0.0 and opts.nic_streaming is False
         verbs.configure_soft({"nic_bandwidth": 0.0, "nic_latency_s": 0.0})
         assert not soft.device_options("softefa0").shaped()
+        assert soft.device_options("softefa0").nic_streaming is False  # a key left out is left as it is
     finally:
         verbs.configure_soft({"nic_bandwidth": 0.0, "nic_latency_s": 0.0, "nic_message_rate": 0.0,
-                              "nic_spin_s": Config().softverbs.nic_spin_s})
+                              "nic_spin_s": Config().softverbs.nic_spin_s,
+                              "nic_streaming": Config().softverbs.nic_streaming})
+    assert soft.device_options("softib0").nic_streaming is True  # the config's default
 
 
 def test_the_gil_switch_interval_is_the_process_s_and_zero_leaves_it() -> None:
