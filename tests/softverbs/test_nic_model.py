@@ -275,11 +275,12 @@ def test_with_streaming_off_a_shaped_direct_write_is_copied_only_once_it_has_lan
     assert run.stats["direct_sent"] == 3 and run.stats["streamed"] == 0
 
 
-def test_a_shaped_srd_direct_write_imm_is_reported_on_both_sides_only_once_it_lands() -> None:
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_shaped_srd_direct_write_imm_is_reported_on_both_sides_only_once_it_lands(streaming: bool) -> None:
     """SRD (efa's write-with-immediate, from device memory): 2 MiB on a 20 MB/s link with 1 ms latency lands
     106 ms after its post. It leaves as its first byte lands, so its bytes are copied early, but the
     receiver's completion (what efa's daemon counts a piece by) and the sender's both wait for the landing,
-    told it by the descriptor."""
+    told it by the descriptor. With ``nic_streaming`` off it leaves once it has landed: copied no earlier."""
     provider = open_provider("soft")
     v = provider.v
     size, bandwidth, latency = 2 << 20, 20e6, 0.001
@@ -312,7 +313,8 @@ def test_a_shaped_srd_direct_write_imm_is_reported_on_both_sides_only_once_it_la
             a.client.write_buf(0, bytes(range(256)) * (size // 256))
             post("write", 64)  # unshaped: the first write crosses the wire with the peer's IMPORT
             assert poll(a.client.cq)[0].status == e.IBV_WC_SUCCESS
-            soft.configure("softefa0", nic_bandwidth=bandwidth, nic_latency_s=latency, nic_spin_s=0.0)
+            soft.configure("softefa0", nic_bandwidth=bandwidth, nic_latency_s=latency, nic_spin_s=0.0,
+                           nic_streaming=streaming)
             soft.device_stats("softefa0", reset=True)
             log.clear()
             t0 = post("write_imm", size, imm=0x01020304)
@@ -322,13 +324,17 @@ def test_a_shaped_srd_direct_write_imm_is_reported_on_both_sides_only_once_it_la
             completed = time.monotonic() - t0
             assert recv.status == sent.status == e.IBV_WC_SUCCESS
             assert b.server.read_buf(0, size) == a.client.read_buf(0, size)
-            assert log and log[-1] - t0 < lands - 0.05, "the data was copied only once its last byte landed"
+            if streaming:
+                assert log and log[-1] - t0 < lands - 0.05, "the data was copied only once its last byte landed"
+            else:
+                assert log and log[0] - t0 >= lands, "streaming off, the data was copied before its last byte landed"
             assert received >= lands, "the receiver was told of the write before the link had carried it"
             assert completed >= lands, "the write completed before the link had carried it"
-            assert soft.device_stats("softefa0")["streamed"] == 1
+            assert soft.device_stats("softefa0")["streamed"] == int(streaming)
         finally:
             soft.set_placement_observer(b.ctx, None)
-            soft.configure("softefa0", nic_bandwidth=None, nic_latency_s=0.0, nic_spin_s=DeviceOptions().nic_spin_s)
+            soft.configure("softefa0", nic_bandwidth=None, nic_latency_s=0.0, nic_spin_s=DeviceOptions().nic_spin_s,
+                           nic_streaming=True)
             ah.close()
 
 
