@@ -138,7 +138,8 @@ def _cluster_config(shape: str, nic: dict[str, float] | None, copy_via: str, io_
     """The NIC model of ``shape`` (``nic`` where given) and the daemons' config for a row ("wire": direct copies
     off)."""
     nic = SHAPES.get(shape, {}) if nic is None else nic
-    return nic, daemon_config(nic, shape != "wire", copy_via, io_spin_s, nic_spin_s, gil_switch_s, nic_streaming)
+    return nic, daemon_config(nic, shape != "wire", copy_via, io_spin_s, nic_spin_s, gil_switch_s=gil_switch_s,
+                              nic_streaming=nic_streaming)
 
 
 def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, buffers: str, sizes: list[int],

@@ -346,8 +346,8 @@ def daemon_overrides(backend: str, shape: str, config: dict[str, Any] | None = N
     """The config the bench's daemons run with: the soft fabric shaped as ``shape``, this run's options
     (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--nic-streaming``, ``--gil-switch-us``,
     ``--poll-window-us``, ``--publication``), and ``config``'s sections on top."""
-    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S, GIL_SWITCH_S,
-                              NIC_STREAMING)
+    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S, gil_switch_s=GIL_SWITCH_S,
+                              nic_streaming=NIC_STREAMING)
     if POLL_WINDOW_US is not None:
         overrides["proxy"] = {"poll_window_us": POLL_WINDOW_US}
     if PUBLICATION != "auto" and backend == "efa":

@@ -25,8 +25,8 @@ host's wake-up; with ``io_spin_s`` it first stays awake that long after its last
 Shaping. A device with a NIC model (`nic_bandwidth`, `nic_latency_s`, `nic_message_rate`; `softverbs._link`)
 hands each outgoing request to its departure queue with the time the model says it lands, or its first
 byte does for a direct write, copied as the link carries it (`LinkModel.departure`; ``nic_streaming`` off:
-its last byte, as before a NIC placed packets here; a request to the device itself excepted: a NIC loops it
-back without taking the wire); the I/O thread sends it then,
+its last byte, store and forward; a request to the device itself excepted: a NIC loops it back without
+taking the wire); the I/O thread sends it then,
 in its loop and also between two direct placements (`send_due`), so a stream it is placing does not hold
 its own requests back. A thread that sleeps until a landing time pays the host's wake-up after it (tens of
 microseconds), which would make a modeled 2 µs link slower than an unshaped one, so the last ``nic_spin_s``

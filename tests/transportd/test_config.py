@@ -195,6 +195,7 @@ BAD = [
     ("[softverbs]\ngil_switch_interval_s = 1.0\n", "softverbs.gil_switch_interval_s", r"must be in \[0.0, 0.1\]"),
     ("[softverbs]\nnic_message_rate = 'fast'\n", "softverbs.nic_message_rate", "expected float, got string"),
     ("[softverbs]\ndirect_copy = 1\n", "softverbs.direct_copy", "expected boolean, got integer"),
+    ("[softverbs]\nnic_streaming = 'off'\n", "softverbs.nic_streaming", "expected boolean, got string"),
     ("[softverbs]\ndirect_copy_via = 'pcie'\n", "softverbs.direct_copy_via",
      "must be one of 'device', 'host', got 'pcie'"),
     ("[softverbs]\nnic_bandwidh = 1e9\n", "softverbs.nic_bandwidh", "unknown key"),
