@@ -51,6 +51,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,27 +120,52 @@ def registrable(buf: Any) -> Any:
     return buf.array if isinstance(buf, HostBuffer) else buf
 
 
-def daemon_config(nic: dict[str, float], direct_copy: bool, copy_via: str, io_spin_s: float,
-                  nic_spin_s: float | None, gil_switch_s: float = 0.0, nic_streaming: bool = True) -> dict[str, Any]:
-    """The config overrides a benchmark's daemons run with: the soft fabric shaped by ``nic`` (NIC-model keys;
-    empty: unshaped), its direct copies on or off and placed ``copy_via``, its I/O threads awake ``io_spin_s``,
-    ``nic_spin_s`` (None: the default), the rail workers' GIL switch interval ``gil_switch_s`` (0: Python's),
-    ``nic_streaming`` as ``softverbs.nic_streaming``, and a heartbeat timeout that survives a loaded host."""
-    softverbs: dict[str, Any] = {"direct_copy": direct_copy, "direct_copy_via": copy_via, "io_spin_s": io_spin_s,
-                                 "gil_switch_interval_s": gil_switch_s, "nic_streaming": nic_streaming, **nic}
-    if nic_spin_s is not None:
-        softverbs["nic_spin_s"] = nic_spin_s
-    return {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
+@dataclass(frozen=True)
+class SoftOptions:
+    """How a benchmark's soft devices run, beside their NIC model: direct copies placed ``copy_via``
+    (``softverbs.direct_copy_via``), I/O threads awake ``io_spin_s`` after their last event, ``nic_spin_s``
+    (None: the config's default), the rail workers' GIL switch interval ``gil_switch_s`` (0: Python's), and
+    ``nic_streaming`` (``softverbs.nic_streaming``). The benchmarks' options of the same names fill it."""
+
+    copy_via: str = "device"
+    io_spin_s: float = 0.0
+    nic_spin_s: float | None = None
+    gil_switch_s: float = 0.0
+    nic_streaming: bool = True
+
+    @classmethod
+    def from_options(cls, copy_via: str = "device", io_spin_us: float = 0.0, nic_spin_us: float | None = None,
+                     gil_switch_us: float = 0.0, nic_streaming: bool = True) -> SoftOptions:
+        """From the command line's microseconds (``--io-spin-us``, ``--nic-spin-us``, ``--gil-switch-us``)."""
+        return cls(copy_via, io_spin_us / 1e6, None if nic_spin_us is None else nic_spin_us / 1e6,
+                   gil_switch_us / 1e6, nic_streaming)
+
+    def as_options(self) -> dict[str, Any]:
+        """The command line's names and units, as a results file records them."""
+        def us(s: float) -> float:
+            return round(s * 1e6, 6)  # the microseconds given, not their float's trip through seconds
+
+        return {"copy_via": self.copy_via, "io_spin_us": us(self.io_spin_s),
+                "nic_spin_us": None if self.nic_spin_s is None else us(self.nic_spin_s),
+                "gil_switch_us": us(self.gil_switch_s), "nic_streaming": self.nic_streaming}
+
+    def daemon_config(self, nic: dict[str, float], direct_copy: bool = True) -> dict[str, Any]:
+        """The config overrides the daemons run with: the soft fabric shaped by ``nic`` (NIC-model keys; empty:
+        unshaped), direct copies on or off, these options, and a heartbeat timeout that survives a loaded host."""
+        softverbs: dict[str, Any] = {"direct_copy": direct_copy, "direct_copy_via": self.copy_via,
+                                     "io_spin_s": self.io_spin_s, "gil_switch_interval_s": self.gil_switch_s,
+                                     "nic_streaming": self.nic_streaming, **nic}
+        if self.nic_spin_s is not None:
+            softverbs["nic_spin_s"] = self.nic_spin_s
+        return {"softverbs": softverbs, "peers": {"heartbeat_timeout_s": 20.0}}
 
 
-def _cluster_config(shape: str, nic: dict[str, float] | None, copy_via: str, io_spin_s: float,
-                    nic_spin_s: float | None, gil_switch_s: float = 0.0,
-                    nic_streaming: bool = True) -> tuple[dict[str, float], dict[str, Any]]:
+def _cluster_config(shape: str, nic: dict[str, float] | None,
+                    soft: SoftOptions) -> tuple[dict[str, float], dict[str, Any]]:
     """The NIC model of ``shape`` (``nic`` where given) and the daemons' config for a row ("wire": direct copies
     off)."""
     nic = SHAPES.get(shape, {}) if nic is None else nic
-    return nic, daemon_config(nic, shape != "wire", copy_via, io_spin_s, nic_spin_s, gil_switch_s=gil_switch_s,
-                              nic_streaming=nic_streaming)
+    return nic, soft.daemon_config(nic, direct_copy=shape != "wire")
 
 
 def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, buffers: str, sizes: list[int],
@@ -186,21 +212,17 @@ def latency_row(backend: str, shape: str, nic: dict[str, float], copy_via: str, 
 
 def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, device: int = 0,
                echo: Any = print, buffers: str = "gpu", chunk: int = CHUNK,
-               nic: dict[str, float] | None = None, copy_via: str = "device",
-               latency_sizes: list[int] | None = None, io_spin_s: float = 0.0, nic_spin_s: float | None = None,
-               gil_switch_s: float = 0.0, nic_streaming: bool = True) -> dict[str, Any]:
+               nic: dict[str, float] | None = None, latency_sizes: list[int] | None = None,
+               soft: SoftOptions = SoftOptions()) -> dict[str, Any]:
     """One row: ``writes`` PUTs of ``chunk`` bytes, GPU to GPU (or host to host), between two ``backend``
     daemons shaped as ``shape`` ("unshaped", a key of SHAPES, or "wire": unshaped with direct copies off),
-    or by ``nic`` (NIC-model keys) where given; direct copies placed ``copy_via``; the soft devices' I/O threads
-    awake ``io_spin_s`` after their last event; ``nic_spin_s`` (None: the default) as
-    ``softverbs.nic_spin_s``; ``gil_switch_s`` as ``softverbs.gil_switch_interval_s``; ``nic_streaming`` as
-    ``softverbs.nic_streaming``. With ``latency_sizes``, instead one write at a time of each size
-    (``latency_row``), ``writes`` a size."""
+    or by ``nic`` (NIC-model keys) where given, the soft devices run as ``soft`` says. With ``latency_sizes``,
+    instead one write at a time of each size (``latency_row``), ``writes`` a size."""
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
     Buffer = buffer_type(buffers)  # noqa: N806
-    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s, nic_streaming)
+    nic, overrides = _cluster_config(shape, nic, soft)
     nbytes = slots * chunk
     rng = np.random.default_rng(len(backend) * 7 + len(shape))
     with LocalCluster(2, backend=backend, overrides=overrides) as cluster:
@@ -227,7 +249,7 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
 
             burst(slots)  # every slot once: the receiver opens the allocation, the path is warm
             if latency_sizes:
-                return latency_row(backend, shape, nic, copy_via, buffers, latency_sizes, writes, chunk, ch,
+                return latency_row(backend, shape, nic, soft.copy_via, buffers, latency_sizes, writes, chunk, ch,
                                    r_src.id, r_dst.id, c0, c1, echo)
             before = _softverbs(c1.stats())
             c0_before = _softverbs(c0.stats()).get("link", {})
@@ -243,7 +265,7 @@ def fabric_row(backend: str, shape: str, writes: int, slots: int, reps: int, dev
                 "gbps_median": writes * chunk / statistics.median(times) / 1e9,
                 "seconds": times, "intact": intact, "direct_placed": placed,
                 "direct_placed_per_write": placed / (writes * reps),
-                "imports_opened": after.get("imports_opened"), "nic": nic or None, "copy_via": copy_via,
+                "imports_opened": after.get("imports_opened"), "nic": nic or None, "copy_via": soft.copy_via,
             }
             busy = link.get("busy_s", 0.0) - c0_before.get("busy_s", 0.0)
             if busy > 0:
@@ -300,10 +322,9 @@ BURST_GAP_MS = 2.0  # how long both ranks idle between two rounds of a burst (--
 
 
 def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: int, device: int = 0,
-              echo: Any = print, buffers: str = "gpu", nic: dict[str, float] | None = None, copy_via: str = "device",
-              io_spin_s: float = 0.0, nic_spin_s: float | None = None, post_now: bool = False,
-              gil_switch_s: float = 0.0, gap_s: float = BURST_GAP_MS / 1e3, timeout_s: float = 60.0,
-              nic_streaming: bool = True) -> dict[str, Any]:
+              echo: Any = print, buffers: str = "gpu", nic: dict[str, float] | None = None, post_now: bool = False,
+              gap_s: float = BURST_GAP_MS / 1e3, timeout_s: float = 60.0,
+              soft: SoftOptions = SoftOptions()) -> dict[str, Any]:
     """A MoE dispatch's messages both ways at once (`burst_records`), ``rounds`` times after
     ``BURST_WARMUP`` (the receivers open the allocations), ``gap_s`` apart: per flag, µs from the round's push
     to its landing (p50 / p90 / min over rounds and both ranks) beside `burst_model_us`, and every landing
@@ -314,7 +335,7 @@ def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: i
     from transportd_cli.localcluster import LocalCluster
 
     Buffer = buffer_type(buffers)  # noqa: N806
-    nic, overrides = _cluster_config(shape, nic, copy_via, io_spin_s, nic_spin_s, gil_switch_s, nic_streaming)
+    nic, overrides = _cluster_config(shape, nic, soft)
     half = BURST_GROUPS_OFFSET + groups * group_bytes
     flags = groups + 2
     label = f"{backend}:{shape}:burst"
@@ -370,7 +391,7 @@ def burst_row(backend: str, shape: str, groups: int, group_bytes: int, rounds: i
     messages = [{"message": name, "p50_us": float(np.percentile(us[:, k], 50)),
                  "p90_us": float(np.percentile(us[:, k], 90)), "min_us": float(us[:, k].min()), "model_us": model[k]}
                 for k, name in enumerate(names)]
-    row = {"backend": backend, "shape": shape, "buffers": buffers, "nic": nic or None, "copy_via": copy_via,
+    row = {"backend": backend, "shape": shape, "buffers": buffers, "nic": nic or None, "copy_via": soft.copy_via,
            "groups": groups, "group_bytes": group_bytes, "rounds": rounds, "post_now": post_now, "intact": intact,
            "burst": messages, "landed_us": np.round(landed * 1e6, 1).tolist()}
     for m in messages:
@@ -514,9 +535,7 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
 
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         os.environ["SOFTVERBS_TRACE"] = _trace.DIR = str(Path(trace_dir).resolve())  # the daemons inherit it
-    nic_spin_s = None if nic_spin_us is None else nic_spin_us / 1e6
-    soft = {"io_spin_s": io_spin_us / 1e6, "nic_spin_s": nic_spin_s, "gil_switch_s": gil_switch_us / 1e6,
-            "nic_streaming": nic_streaming}
+    soft = SoftOptions.from_options(copy_via, io_spin_us, nic_spin_us, gil_switch_us, nic_streaming)
     mps = Mps()  # host buffers need no GPU, and --no-mps runs without
     if buffers == "gpu" and not no_mps and not mps.start():
         click.echo(mps.describe())
@@ -528,15 +547,15 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
             try:
                 if burst:
                     results.append(burst_row(backend, shape or "unshaped", groups, group_bytes, writes,
-                                             echo=click.echo, buffers=buffers, copy_via=copy_via, post_now=post_now,
-                                             gap_s=gap_ms / 1e3, **soft))
+                                             echo=click.echo, buffers=buffers, post_now=post_now,
+                                             gap_s=gap_ms / 1e3, soft=soft))
                 elif latency_sizes:  # one slot the size of the largest write
                     results.append(fabric_row(backend, shape or "unshaped", n, 1, reps, echo=click.echo,
-                                              buffers=buffers, chunk=max(latency_sizes), copy_via=copy_via,
-                                              latency_sizes=latency_sizes, **soft))
+                                              buffers=buffers, chunk=max(latency_sizes),
+                                              latency_sizes=latency_sizes, soft=soft))
                 else:
                     results.append(fabric_row(backend, shape or "unshaped", n, slots, reps, echo=click.echo,
-                                              buffers=buffers, copy_via=copy_via, **soft))
+                                              buffers=buffers, soft=soft))
             except Exception as exc:  # keep what the other rows measured
                 results.append({"backend": backend, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
                 click.echo(f"  {spec}: failed: {exc}")
@@ -564,9 +583,7 @@ def main(json_path: str | None, rows: str, writes: int, slots: int, reps: int, q
     click.echo(json.dumps({"targets_met": met}, indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": results, "targets_met": met, "mps": mps_line,
-                                               "io_spin_us": io_spin_us, "nic_spin_us": nic_spin_us,
-                                               "nic_streaming": nic_streaming, "gil_switch_us": gil_switch_us,
-                                               "post_now": post_now, "gap_ms": gap_ms,
+                                               **soft.as_options(), "post_now": post_now, "gap_ms": gap_ms,
                                                **({"trace": trace, "ready_waits": waits} if trace else {})},
                                               indent=2))
 

@@ -127,7 +127,7 @@ import click
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fabric_bench import SHAPES, daemon_config  # noqa: E402
+from benchmarks.fabric_bench import SHAPES, SoftOptions  # noqa: E402
 from benchmarks.fused_standing import judge  # noqa: E402
 from gpuclient import exchange_all  # noqa: E402
 from tests.support.cuda_graphs import capture_per_rank, replay_per_rank  # noqa: E402
@@ -254,8 +254,9 @@ MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}
 QUICK_MOE = {"tokens": 32, "hidden": 1024, "topk": 4, "experts": 8}
 #: programs per rank for every fused op (``--programs``; None: the op's default, the SMs over the ranks sharing)
 PROGRAMS: int | None = None
-#: how the soft fabric places a GPU write (``--copy-via``, ``softverbs.direct_copy_via``)
-COPY_VIA = "device"
+#: how the daemons' soft devices run (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--gil-switch-us``,
+#: ``--nic-streaming/--no-nic-streaming``)
+SOFT = SoftOptions()
 #: where each rank's flag words live (``--flags``): the ops' own device flags, or a host flag file made first
 FLAGS = "device"
 FLAG_PLACEMENTS = ("device", "host")
@@ -264,16 +265,7 @@ FLAG_PLACEMENTS = ("device", "host")
 #: loopback RDMA write, which over softverbs is a whole soft-fabric round trip in Python: docs/performance.md)
 PUBLICATION = "cuda-copy"
 PUBLICATIONS = ("auto", "loopback", "cuda-copy")
-#: how long the soft devices' I/O threads stay awake after their last event (``--io-spin-us``,
-#: ``softverbs.io_spin_s``); 0: they sleep in epoll at once
-IO_SPIN_S = 0.0
-#: the daemons' ``softverbs.nic_spin_s`` (``--nic-spin-us``) and ``proxy.poll_window_us``
-#: (``--poll-window-us``); None: their config defaults
-NIC_SPIN_S: float | None = None
-#: the daemons' ``softverbs.nic_streaming`` (``--nic-streaming/--no-nic-streaming``)
-NIC_STREAMING = True
-#: the rail workers' GIL switch interval (``--gil-switch-us``, ``softverbs.gil_switch_interval_s``); 0: Python's
-GIL_SWITCH_S = 0.0
+#: the daemons' ``proxy.poll_window_us`` (``--poll-window-us``); None: the config's default
 POLL_WINDOW_US: int | None = None
 HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
 
@@ -346,8 +338,7 @@ def daemon_overrides(backend: str, shape: str, config: dict[str, Any] | None = N
     """The config the bench's daemons run with: the soft fabric shaped as ``shape``, this run's options
     (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--nic-streaming``, ``--gil-switch-us``,
     ``--poll-window-us``, ``--publication``), and ``config``'s sections on top."""
-    overrides = daemon_config(SHAPES.get(shape, {}), True, COPY_VIA, IO_SPIN_S, NIC_SPIN_S, gil_switch_s=GIL_SWITCH_S,
-                              nic_streaming=NIC_STREAMING)
+    overrides = SOFT.daemon_config(SHAPES.get(shape, {}))
     if POLL_WINDOW_US is not None:
         overrides["proxy"] = {"poll_window_us": POLL_WINDOW_US}
     if PUBLICATION != "auto" and backend == "efa":
@@ -1682,12 +1673,9 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S, NIC_SPIN_S, NIC_STREAMING, GIL_SWITCH_S, POLL_WINDOW_US
-    PROGRAMS, COPY_VIA, FLAGS, PUBLICATION, IO_SPIN_S = programs, copy_via, flags_where, publication, io_spin_us / 1e6
-    NIC_SPIN_S = None if nic_spin_us is None else nic_spin_us / 1e6
-    NIC_STREAMING = nic_streaming
-    GIL_SWITCH_S = gil_switch_us / 1e6
-    POLL_WINDOW_US = poll_window_us
+    global PROGRAMS, SOFT, FLAGS, PUBLICATION, POLL_WINDOW_US
+    PROGRAMS, FLAGS, PUBLICATION, POLL_WINDOW_US = programs, flags_where, publication, poll_window_us
+    SOFT = SoftOptions.from_options(copy_via, io_spin_us, nic_spin_us, gil_switch_us, nic_streaming)
 
     wanted = [k for k in kernels.split(",") if k]
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
@@ -1730,12 +1718,10 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             Path(timeline_path).write_text(json.dumps(raw_timelines))
         if json_path:
             Path(json_path).write_text(json.dumps({"rows": rows, "gpu": gpu_name(), "kernel_source": source,
-                                                   "mps": mps_line, "copy_via": copy_via,
+                                                   "mps": mps_line, **SOFT.as_options(),
                                                    "flags": flags_where, "publication": publication,
-                                                   "programs": programs, "io_spin_us": io_spin_us,
-                                                   "nic_spin_us": nic_spin_us, "nic_streaming": nic_streaming,
-                                                   "gil_switch_us": gil_switch_us,
-                                                   "poll_window_us": poll_window_us}, indent=2))
+                                                   "programs": programs, "poll_window_us": poll_window_us},
+                                                  indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:
         try:

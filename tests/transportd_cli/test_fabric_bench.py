@@ -113,7 +113,7 @@ def test_the_spin_decides_which_thread_sends_a_shaped_write() -> None:
     nic = {"nic_bandwidth": 100e6, "nic_latency_s": 9e-3}
     for spin in (10e-3, 8e-3, 0.0):
         row = bench.fabric_row("ib", "shaped", 4, 1, 1, buffers="host", chunk=4096, nic=nic, echo=lambda *a: None,
-                               latency_sizes=[4096], nic_spin_s=spin)
+                               latency_sizes=[4096], soft=bench.SoftOptions(nic_spin_s=spin))
         (entry,) = row["latency"]
         sent_at_post, departed, awaited = entry["sent_at_post"], entry["departed"], entry["departures_awaited"]
         if spin == 10e-3:
@@ -205,8 +205,8 @@ def test_the_gil_switch_interval_and_the_streaming_reach_the_daemons_config(tmp_
     from transportd.config import load_config
     from transportd_cli.localcluster import render_toml
 
-    overrides = load_benchmark("fabric_bench").daemon_config({}, True, "device", 0.0, None, gil_switch_s=5e-5,
-                                                             nic_streaming=False)
+    soft = load_benchmark("fabric_bench").SoftOptions.from_options(gil_switch_us=50, nic_streaming=False)
+    overrides = soft.daemon_config({})
     path = tmp_path / "node.toml"
     path.write_text(render_toml(overrides))
     config = load_config(path, env={}).softverbs
@@ -233,7 +233,7 @@ def test_the_burst_rounds_are_spaced_and_modeled_as_asked_and_the_json_says_so(t
     seen: list[tuple[float, bool]] = []
 
     def row(backend, shape, groups, group_bytes, rounds, **kw):
-        seen.append((kw["gap_s"], kw["nic_streaming"]))
+        seen.append((kw["gap_s"], kw["soft"].nic_streaming))
         return {"backend": backend, "shape": shape, "burst": []}
 
     monkeypatch.setattr(bench, "burst_row", row)
