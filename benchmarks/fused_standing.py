@@ -18,11 +18,18 @@ A row's verdict is ``judge``'s, which ``fused_bench.py`` also writes into every 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import click
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.fabric_bench import SoftOptions  # noqa: E402
 
 #: the targets of issue 25 (docs/performance.md)
 TARGET_OVERLAP = 0.8
@@ -36,9 +43,8 @@ SIZE_KEYS = ("m", "m_local", "n", "k", "heads", "seq_local", "head_dim", "tokens
 
 #: the settings fused_bench records beside its rows, at its defaults (its options' defaults): a call with any other
 #: measured something else, so its rows are counted apart
-CALL_DEFAULTS: dict[str, Any] = {"copy_via": "device", "flags": "device", "publication": "cuda-copy",
-                                 "programs": None, "io_spin_us": 0.0, "nic_spin_us": None, "nic_streaming": True,
-                                 "gil_switch_us": 0.0, "poll_window_us": None}
+CALL_DEFAULTS: dict[str, Any] = {**SoftOptions().as_options(), "flags": "device", "publication": "cuda-copy",
+                                 "programs": None, "poll_window_us": None}
 #: the GPU of a call that does not record one, and the kernel source of one that does not record its digest
 UNRECORDED_GPU = "—"
 UNRECORDED_SOURCE = "—"
