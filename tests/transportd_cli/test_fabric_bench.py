@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -211,6 +212,19 @@ def test_the_gil_switch_interval_and_the_streaming_reach_the_daemons_config(tmp_
     path.write_text(render_toml(overrides))
     config = load_config(path, env={}).softverbs
     assert (config.gil_switch_interval_s, config.nic_streaming) == (5e-5, False)
+
+
+@pytest.mark.parametrize("given", [
+    {"copy_via": "host", "io_spin_us": 7.7, "nic_spin_us": 15.3, "gil_switch_us": 50.0, "nic_streaming": False},
+    {"copy_via": "device", "io_spin_us": 0.0, "nic_spin_us": None, "gil_switch_us": 0.1, "nic_streaming": True}])
+def test_the_soft_options_record_what_the_command_line_gave(given: dict[str, Any]) -> None:
+    """A results file names the options as given, in their own units, whatever their trip through seconds."""
+    bench = load_benchmark("fabric_bench")
+    soft = bench.SoftOptions.from_options(**given)
+    assert soft.as_options() == given
+    config = soft.daemon_config({})["softverbs"]
+    assert config["io_spin_s"] == pytest.approx(given["io_spin_us"] / 1e6)
+    assert ("nic_spin_s" in config) == (given["nic_spin_us"] is not None)
 
 
 @pytest.mark.parametrize("option", ["--io-spin-us", "--nic-spin-us", "--gil-switch-us"])
