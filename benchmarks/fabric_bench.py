@@ -134,8 +134,8 @@ class SoftOptions:
     nic_streaming: bool = True
 
     @classmethod
-    def from_options(cls, copy_via: str = "device", io_spin_us: float = 0.0, nic_spin_us: float | None = None,
-                     gil_switch_us: float = 0.0, nic_streaming: bool = True) -> SoftOptions:
+    def from_options(cls, copy_via: str, io_spin_us: float, nic_spin_us: float | None, gil_switch_us: float,
+                     nic_streaming: bool) -> SoftOptions:
         """From the command line's microseconds (``--io-spin-us``, ``--nic-spin-us``, ``--gil-switch-us``)."""
         return cls(copy_via, io_spin_us / 1e6, None if nic_spin_us is None else nic_spin_us / 1e6,
                    gil_switch_us / 1e6, nic_streaming)

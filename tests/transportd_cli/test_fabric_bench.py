@@ -206,7 +206,8 @@ def test_the_gil_switch_interval_and_the_streaming_reach_the_daemons_config(tmp_
     from transportd.config import load_config
     from transportd_cli.localcluster import render_toml
 
-    soft = load_benchmark("fabric_bench").SoftOptions.from_options(gil_switch_us=50, nic_streaming=False)
+    soft = load_benchmark("fabric_bench").SoftOptions.from_options("device", 0.0, None, gil_switch_us=50,
+                                                                  nic_streaming=False)
     overrides = soft.daemon_config({})
     path = tmp_path / "node.toml"
     path.write_text(render_toml(overrides))
