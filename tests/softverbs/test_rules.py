@@ -299,7 +299,9 @@ def test_memory_accessor_serves_remote_writes_reads_and_atomics(soft) -> None:
                                                   raddr=gmr.buf + 256, add=3))
             pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_READ, pair.client.sge(128, 13), rkey=gmr.rkey,
                                                   raddr=gmr.buf + 100))
-            assert all(w.status == e.IBV_WC_SUCCESS for w in poll(pair.client.cq, 3))
+            assert [(w.wr_id, w.opcode, w.status) for w in poll(pair.client.cq, 3)] == [
+                (1, e.IBV_WC_RDMA_WRITE, e.IBV_WC_SUCCESS), (1, e.IBV_WC_FETCH_ADD, e.IBV_WC_SUCCESS),
+                (1, e.IBV_WC_RDMA_READ, e.IBV_WC_SUCCESS)]  # each op's own status, in order, named on a failure
             assert region[100:113].tobytes() == b"to the device"
             assert int(region[256:264].view(np.uint64)[0]) == 3
             assert pair.client.read_buf(128, 13) == b"to the device"
