@@ -252,22 +252,47 @@ def _moe_size(dims: dict[str, int], moe: dict[str, int]) -> dict[str, int]:
 
 MOE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 64}
 QUICK_MOE = {"tokens": 32, "hidden": 1024, "topk": 4, "experts": 8}
-#: programs per rank for every fused op (``--programs``; None: the op's default, the SMs over the ranks sharing)
-PROGRAMS: int | None = None
-#: how the daemons' soft devices run (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--gil-switch-us``,
-#: ``--nic-streaming/--no-nic-streaming``)
-SOFT = SoftOptions()
 #: where each rank's flag words live (``--flags``): the ops' own device flags, or a host flag file made first
-FLAGS = "device"
 FLAG_PLACEMENTS = ("device", "host")
 #: how an efa daemon publishes flags into GPU memory (``--publication``, ``flags.publication``): ``cuda-copy`` (word
 #: copies posted on the worker's stream, under the MPS this bench starts) or ``auto`` (here, with no GDRCopy: a
 #: loopback RDMA write, which over softverbs is a whole soft-fabric round trip in Python: docs/performance.md)
-PUBLICATION = "cuda-copy"
 PUBLICATIONS = ("auto", "loopback", "cuda-copy")
-#: the daemons' ``proxy.poll_window_us`` (``--poll-window-us``); None: the config's default
-POLL_WINDOW_US: int | None = None
 HOST_FLAG_WORDS = 1 << 16  # enough for every op's slots at every size here
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a call runs its daemons and ops, past the sizes: what the command line gave, passed to every row."""
+
+    #: the daemons' soft devices (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--gil-switch-us``,
+    #: ``--nic-streaming/--no-nic-streaming``)
+    soft: SoftOptions = field(default_factory=SoftOptions)
+    #: programs per rank for every fused op (``--programs``); None: the op's default, the SMs over the ranks sharing
+    programs: int | None = None
+    #: where each rank's flag words live (``--flags``, ``FLAG_PLACEMENTS``)
+    flags: str = "device"
+    #: how an efa daemon publishes flags into GPU memory (``--publication``, ``PUBLICATIONS``)
+    publication: str = "cuda-copy"
+    #: the daemons' ``proxy.poll_window_us`` (``--poll-window-us``); None: the config's default
+    poll_window_us: int | None = None
+
+    def daemon_config(self, backend: str, shape: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The config the bench's daemons run with: the soft fabric shaped as ``shape``, these options, and
+        ``config``'s sections on top."""
+        overrides = self.soft.daemon_config(SHAPES.get(shape, {}))
+        if self.poll_window_us is not None:
+            overrides["proxy"] = {"poll_window_us": self.poll_window_us}
+        if self.publication != "auto" and backend == "efa":
+            overrides["flags"] = {"publication": self.publication}
+        for section, values in (config or {}).items():
+            overrides[section] = {**overrides.get(section, {}), **values}
+        return overrides
+
+    def record(self) -> dict[str, Any]:
+        """The options as a call's JSON records them beside its rows (the command line's names and units)."""
+        return {**self.soft.as_options(), "flags": self.flags, "publication": self.publication,
+                "programs": self.programs, "poll_window_us": self.poll_window_us}
 
 
 @dataclass
@@ -334,31 +359,18 @@ def interleaved(launches: dict[str, Callable[[], float]], reps: int, clients: li
     return {mode: statistics.median(v) for mode, v in samples.items()}, counted_by
 
 
-def daemon_overrides(backend: str, shape: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config the bench's daemons run with: the soft fabric shaped as ``shape``, this run's options
-    (``--copy-via``, ``--io-spin-us``, ``--nic-spin-us``, ``--nic-streaming``, ``--gil-switch-us``,
-    ``--poll-window-us``, ``--publication``), and ``config``'s sections on top."""
-    overrides = SOFT.daemon_config(SHAPES.get(shape, {}))
-    if POLL_WINDOW_US is not None:
-        overrides["proxy"] = {"poll_window_us": POLL_WINDOW_US}
-    if PUBLICATION != "auto" and backend == "efa":
-        overrides["flags"] = {"publication": PUBLICATION}
-    for section, values in (config or {}).items():
-        overrides[section] = {**overrides.get(section, {}), **values}
-    return overrides
-
-
 @contextmanager
-def _sessions(backend: str, shape: str, job: str, device: int,
+def _sessions(run: RunOptions, backend: str, shape: str, job: str, device: int,
               config: dict[str, Any] | None = None) -> Iterator[tuple[list[Any], list[Any]]]:
-    """``(clients, sessions)`` of WORLD ranks joined on ``backend`` daemons shaped as ``shape``."""
+    """``(clients, sessions)`` of WORLD ranks joined on ``backend`` daemons shaped as ``shape`` and run as ``run``
+    says (``config``: sections on top of its daemon config)."""
     import gpuclient
     from transportd_cli.localcluster import LocalCluster
 
-    with LocalCluster(WORLD, backend=backend, overrides=daemon_overrides(backend, shape, config)) as cluster:
+    with LocalCluster(WORLD, backend=backend, overrides=run.daemon_config(backend, shape, config)) as cluster:
         clients = [gpuclient.connect(cluster.socket(name), timeout=60) for name in cluster.names]
         sessions = [c.join(job, rank=r, world=WORLD, device=device) for r, c in enumerate(clients)]
-        if FLAGS == "host":  # the ops take the session's flag array when it has one
+        if run.flags == "host":  # the ops take the session's flag array when it has one
             for s in sessions:
                 s.flags(HOST_FLAG_WORDS, where="host")
         try:
@@ -393,14 +405,15 @@ def _on_streams(streams: list[Any], work: Callable[[int], None]) -> None:
 
 # --- the cases ---------------------------------------------------------------------------------------------------
 def allgather_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: int, m_local: int, n: int, k: int,
-                   chunk_rows: int, group_m: int | None = None) -> Case:
-    """``C = all_gather(A) @ B`` on every rank (``group_m``: the tile order; None: the op's)."""
+                   chunk_rows: int, group_m: int | None = None, programs: int | None = None) -> Case:
+    """``C = all_gather(A) @ B`` on every rank (``group_m``: the tile order; None: the op's; ``programs``: a rank's,
+    None: the op's)."""
     import torch
 
     from gpuclient.kernels import AllGatherGemm
 
     order = {} if group_m is None else {"group_m": group_m}
-    ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=WORLD, programs=PROGRAMS, **order)
+    ops = [AllGatherGemm(s, m_local, n, k, chunk_rows=chunk_rows, share=WORLD, programs=programs, **order)
            for s in sessions]
     exchange_all(sessions, timeout=60)
     _ready(ops)
@@ -429,9 +442,10 @@ def allgather_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: in
 
 
 def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen: Any, device: int, m: int, n: int,
-                 k: int, chunk_rows: int, group_m: int | None = None) -> Case:
+                 k: int, chunk_rows: int, group_m: int | None = None, programs: int | None = None) -> Case:
     """``reduce_scatter(A_r @ B_r)`` or ``all_reduce(A_r @ B_r)`` (bf16 partials; bf16 output for all-reduce,
-    whose result travels too, fp32 for reduce-scatter; ``group_m``: the tile order, None: the op's)."""
+    whose result travels too, fp32 for reduce-scatter; ``group_m``: the tile order, None: the op's; ``programs``:
+    a rank's, None: ``SPINNING_PROGRAMS``)."""
     import torch
 
     from gpuclient.kernels import GemmAllReduce, GemmReduceScatter
@@ -440,7 +454,7 @@ def _gemm_reduce(all_reduce: bool, sessions: list[Any], streams: list[Any], gen:
     out_dtype = torch.bfloat16 if all_reduce else torch.float32
     order = {} if group_m is None else {"group_m": group_m}
     ops = [cls(s, m, n, k, chunk_rows=chunk_rows, share=WORLD, out_dtype=out_dtype,
-               programs=PROGRAMS or SPINNING_PROGRAMS, **order) for s in sessions]
+               programs=programs or SPINNING_PROGRAMS, **order) for s in sessions]
     exchange_all(sessions, timeout=60)
     _ready(ops)
     a = [_randn(gen, m, k, device=device) for _ in ops]
@@ -484,16 +498,17 @@ def gemm_all_reduce(*args: Any, **kw: Any) -> Case:
 
 
 def ring_attention(sessions: list[Any], streams: list[Any], gen: Any, device: int, heads: int, seq_local: int,
-                   head_dim: int, chunk_rows: int, tma: int = 1) -> Case:
+                   head_dim: int, chunk_rows: int, tma: int = 1, programs: int | None = None) -> Case:
     """Forward attention of each rank's queries over the whole (non-causal) sequence (``tma``: 1, the op's
-    default, loads the whole key blocks through tensor descriptors; 0, ``--ring-pointers``, through pointers)."""
+    default, loads the whole key blocks through tensor descriptors; 0, ``--ring-pointers``, through pointers;
+    ``programs``: a rank's, None: ``SPINNING_PROGRAMS``)."""
     import torch
     import torch.nn.functional as F  # noqa: N812
 
     from gpuclient.kernels import RingAttention
 
     ops = [RingAttention(s, heads, seq_local, head_dim, chunk_rows=chunk_rows, comm_programs=4, share=WORLD,
-                         programs=PROGRAMS or SPINNING_PROGRAMS, tma=bool(tma)) for s in sessions]
+                         programs=programs or SPINNING_PROGRAMS, tma=bool(tma)) for s in sessions]
     exchange_all(sessions, timeout=60)
     _ready(ops)
     q, k, v = ([_randn(gen, heads, seq_local, head_dim, device=device) for _ in ops] for _ in range(3))
@@ -773,14 +788,16 @@ def per_launch(row: dict[str, Any], counted_by: dict[str, list[Counter[str]]], r
 
 
 def fused_row(kernel: str, backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
-              echo: Callable[[str], None] = print, timeline: bool = False) -> dict[str, Any]:
-    """One row: compute, comm, fused and torch times of ``kernel`` at ``dims`` on ``backend`` shaped as ``shape``."""
+              echo: Callable[[str], None] = print, timeline: bool = False,
+              run: RunOptions = RunOptions()) -> dict[str, Any]:
+    """One row: compute, comm, fused and torch times of ``kernel`` at ``dims`` on ``backend`` shaped as ``shape``,
+    run as ``run`` says."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(5)
-    with _sessions(backend, shape, f"fused-bench-{kernel}", device) as (clients, sessions):
+    with _sessions(run, backend, shape, f"fused-bench-{kernel}", device) as (clients, sessions):
         streams = [torch.cuda.Stream(device) for _ in sessions]
-        case = CASES[kernel](sessions, streams, gen, device, **dims)
+        case = CASES[kernel](sessions, streams, gen, device, programs=run.programs, **dims)
         case.launch()  # the first fused launch, checked
         torch.cuda.synchronize()
         row: dict[str, Any] = {"kernel": kernel, "backend": backend, "shape": shape, "nic": SHAPES.get(shape, {}),
@@ -869,7 +886,8 @@ def _settle(clients: list[Any], timeout: float = 30.0) -> None:
 
 
 def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, hidden: int, topk: int, experts: int,
-            device: int = 0, echo: Callable[[str], None] = print, fp8: bool = False) -> dict[str, Any]:
+            device: int = 0, echo: Callable[[str], None] = print, fp8: bool = False,
+            run: RunOptions = RunOptions()) -> dict[str, Any]:
     """Dispatch and combine latency (both ranks at once) and what the sending daemons posted per dispatch;
     ``fp8``: the rows go as e4m3 with a scale per 128 values, and combine takes them dequantized (untimed). Each
     phase starts once the daemons have settled (``_settle``) and the counters are read outside the timed
@@ -880,7 +898,7 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
 
     config = {"signal": {"decoupled": True}} if decoupled else None
     gen = torch.Generator(device="cpu").manual_seed(7)
-    with _sessions(backend, shape, "fused-bench-moe", device, config) as (clients, sessions):
+    with _sessions(run, backend, shape, "fused-bench-moe", device, config) as (clients, sessions):
         ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, fp8=fp8) for s in sessions]
         exchange_all(sessions, timeout=60)
         for op in ops:
@@ -1010,13 +1028,14 @@ class _MoeGemm:
 
     def __init__(self, sessions: list[Any], device: int, gen: Any, tokens: int, hidden: int, topk: int,
                  experts: int, gemm_n: int, streams: list[Any] | None = None,
-                 experts_per_put: int | None = None, split_experts: int | None = None) -> None:
+                 experts_per_put: int | None = None, split_experts: int | None = None,
+                 programs: int | None = None) -> None:
         import torch
 
         from gpuclient.kernels import MoE
 
         self.ops = ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, gemm_n=gemm_n,
-                              gemm_programs=PROGRAMS or SPINNING_PROGRAMS, experts_per_put=experts_per_put,
+                              gemm_programs=programs or SPINNING_PROGRAMS, experts_per_put=experts_per_put,
                               split_experts=split_experts)
                           for s in sessions]
         exchange_all(sessions, timeout=60)
@@ -1092,12 +1111,12 @@ class _MoeGemm:
 
 def moe_dispatch_gemm(sessions: list[Any], streams: list[Any], gen: Any, device: int, tokens: int, hidden: int,
                       topk: int, experts: int, gemm_n: int, experts_per_put: int | None = None,
-                      split_experts: int | None = None) -> Case:
+                      split_experts: int | None = None, programs: int | None = None) -> Case:
     """The compute of MoE Dispatch+GEMM alone, for ``--tune`` (the fused row is ``moe_gemm_row``: its rounds
     close with an untimed combine): staged by one whole round, after which ``dispatch_gemm(communicate=False)``
     reruns the GEMM over that round's rows; its flops are counted then."""
     moe = _MoeGemm(sessions, device, gen, tokens, hidden, topk, experts, gemm_n, streams, experts_per_put,
-                   split_experts)
+                   split_experts, programs)
 
     def stage() -> None:
         moe.round()
@@ -1134,15 +1153,16 @@ def moe_gemm_work(layouts: list[Any], counts_all: list[Any], block_m: int, split
 
 
 def moe_gemm_row(backend: str, shape: str, dims: dict[str, int], reps: int, device: int = 0,
-                 echo: Callable[[str], None] = print, timeline: bool = False) -> dict[str, Any]:
+                 echo: Callable[[str], None] = print, timeline: bool = False,
+                 run: RunOptions = RunOptions()) -> dict[str, Any]:
     """MoE Dispatch+GEMM (``MoE.dispatch_gemm``): compute, comm, fused and torch times like ``fused_row``.
     Every round with communication is followed by a ``combine`` (untimed): a round must close before the next.
     ``timeline``: then one round of each mode with every rank's timeline (``moe_timeline_runs``)."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(9)
-    with _sessions(backend, shape, "fused-bench-moe-gemm", device) as (clients, sessions):
-        moe = _MoeGemm(sessions, device, gen, **dims)
+    with _sessions(run, backend, shape, "fused-bench-moe-gemm", device) as (clients, sessions):
+        moe = _MoeGemm(sessions, device, gen, programs=run.programs, **dims)
         ops, streams = moe.ops, moe.streams
         hidden, gemm_n = dims["hidden"], dims["gemm_n"]
         launch = moe.round
@@ -1351,7 +1371,7 @@ def tune_plan(kernels: list[str], sizes: dict[str, list[dict[str, int]]],
 
 def tune_session(kernel: str, backend: str, shape: str, dims: dict[str, int], tiles: list[dict[str, Any]], reps: int,
                  deadline: float, reference: bool, device: int = 0,
-                 echo: Callable[[str], None] = print) -> dict[str, Any]:
+                 echo: Callable[[str], None] = print, run: RunOptions = RunOptions()) -> dict[str, Any]:
     """Time the compute alone (``communicate=False``) of ``kernel`` at ``dims`` with each of ``tiles``, in one
     session: the case is built as ``fused_row`` builds it (its programs), the peers' data staged where the
     compute reads it, and for each tile every rank's op retiled and its compute variant preloaded (compiled
@@ -1366,9 +1386,9 @@ def tune_session(kernel: str, backend: str, shape: str, dims: dict[str, int], ti
     configs: list[dict[str, Any]] = []
     out: dict[str, Any] = {"kernel": kernel, "dims": dims, "configs": configs}
     try:
-        with _sessions(backend, shape, f"fused-tune-{kernel}", device) as (_, sessions):
+        with _sessions(run, backend, shape, f"fused-tune-{kernel}", device) as (_, sessions):
             streams = [torch.cuda.Stream(device) for _ in sessions]
-            case = CASES[kernel](sessions, streams, gen, device, **dims)
+            case = CASES[kernel](sessions, streams, gen, device, programs=run.programs, **dims)
             case.stage()
             torch.cuda.synchronize()
             out.update(flops=case.flops, params=case.params)
@@ -1492,7 +1512,8 @@ def tune_table(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list[dict[str, int]]], reps: int, tma: bool,
-         seconds: float, json_path: str | None, how: str, echo: Callable[[str], None] = print) -> dict[str, Any]:
+             seconds: float, json_path: str | None, how: str, echo: Callable[[str], None] = print,
+             run: RunOptions = RunOptions()) -> dict[str, Any]:
     """The tuning run: ``tune_plan``'s sessions in order, the JSON rewritten after each (a run cut short keeps
     what it measured), then the table."""
     deadline = time.monotonic() + seconds
@@ -1507,7 +1528,7 @@ def run_tune(kernels: list[str], backend: str, shape: str, sizes: dict[str, list
         else:
             try:
                 session = tune_session(kernel, backend, shape, dims, step["tiles"], reps, deadline,
-                                       reference=kernel not in timed, echo=echo)
+                                       reference=kernel not in timed, echo=echo, run=run)
             except Exception as exc:  # keep what the other sessions measured
                 session = {"kernel": kernel, "dims": dims, "error": f"{type(exc).__name__}: {exc}"}
                 echo(f"  tune {kernel}: failed: {exc}")
@@ -1612,7 +1633,7 @@ def gpu_name() -> str | None:
               help="each rank's flag words: in GPU memory (the ops' default; on efa the receiving daemon writes them "
                    "with a loopback RDMA write where there is no GDRCopy) or in a host flag file the kernels read "
                    "mapped (the daemon stores them)")
-@click.option("--publication", type=click.Choice(PUBLICATIONS), default=PUBLICATION, show_default=True,
+@click.option("--publication", type=click.Choice(PUBLICATIONS), default=RunOptions.publication, show_default=True,
               help="efa's flags.publication: how the receiving daemon writes flags into GPU memory (cuda-copy: word "
                    "copies on its worker's stream, not waited for; auto: a loopback RDMA write here, with no GDRCopy)")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
@@ -1664,7 +1685,7 @@ def gpu_name() -> str | None:
                    "posting a partial one")
 def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes: int | None, reps: int,
          programs: int | None, quick: bool, copy_via: str, tune: bool, tma: bool, tune_seconds: float,
-         timeline_path: str | None = None, flags_where: str = "device", publication: str = PUBLICATION,
+         timeline_path: str | None = None, flags_where: str = "device", publication: str = RunOptions.publication,
          chunk_rows: str = "", io_spin_us: float = 0.0, group_m: str = "", ring_pointers: bool = False,
          trace_dir: str | None = None, moe_experts: int | None = None, moe_tokens: int | None = None,
          moe_gemm_n: int | None = None, moe_experts_per_put: int | None = None, moe_split_experts: int | None = None,
@@ -1673,9 +1694,8 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
     """Overlap of the fused kernels on two daemons sharing this GPU (see the module doc)."""
     from transportd_cli.mps import Mps
 
-    global PROGRAMS, SOFT, FLAGS, PUBLICATION, POLL_WINDOW_US
-    PROGRAMS, FLAGS, PUBLICATION, POLL_WINDOW_US = programs, flags_where, publication, poll_window_us
-    SOFT = SoftOptions.from_options(copy_via, io_spin_us, nic_spin_us, gil_switch_us, nic_streaming)
+    run = RunOptions(SoftOptions.from_options(copy_via, io_spin_us, nic_spin_us, gil_switch_us, nic_streaming),
+                     programs, flags_where, publication, poll_window_us)
 
     wanted = [k for k in kernels.split(",") if k]
     unknown = sorted(set(wanted) - {*KERNELS, "moe", "moe_dispatch_gemm"})
@@ -1718,14 +1738,11 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             Path(timeline_path).write_text(json.dumps(raw_timelines))
         if json_path:
             Path(json_path).write_text(json.dumps({"rows": rows, "gpu": gpu_name(), "kernel_source": source,
-                                                   "mps": mps_line, **SOFT.as_options(),
-                                                   "flags": flags_where, "publication": publication,
-                                                   "programs": programs, "poll_window_us": poll_window_us},
-                                                  indent=2))
+                                                   "mps": mps_line, **run.record()}, indent=2))
 
     def attempt(what: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any, **kw: Any) -> None:
         try:
-            rows.append(fn(*args, echo=click.echo, **kw))
+            rows.append(fn(*args, echo=click.echo, run=run, **kw))
         except Exception as exc:  # keep what the other rows measured
             rows.append({**what, "error": f"{type(exc).__name__}: {exc}"})
             click.echo(f"  {what}: failed: {exc}")
@@ -1743,7 +1760,7 @@ def main(json_path: str | None, kernels: str, backends: str, shapes: str, sizes:
             # the defaults' sizes: the compute alone, on either backend
             tune_sizes = backend_sizes("ib", quick, moe_sizes)
             result = run_tune(tune_kernels, backend, shape, tune_sizes, reps, tma, tune_seconds, json_path, how,
-                              echo=click.echo)
+                              echo=click.echo, run=run)
             mps_line = mps.describe()
             if json_path:
                 Path(json_path).write_text(json.dumps({**result, "gpu": gpu_name(), "kernel_source": source,

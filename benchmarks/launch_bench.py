@@ -35,6 +35,7 @@ from benchmarks.fused_bench import (  # noqa: E402
     QUICK_MOE_GEMM_SIZES,
     QUICK_SIZES,
     WORLD,
+    RunOptions,
     _MoeGemm,
     _sessions,
     gpu_name,
@@ -70,7 +71,8 @@ def case_rows(kernel: str, backend: str, calls: int, device: int) -> list[dict[s
 
     gen = torch.Generator(device="cpu").manual_seed(5)
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
-    with _sessions(backend, BACKEND_SHAPE[backend], f"launch-bench-{kernel}", device) as (_clients, sessions):
+    with _sessions(RunOptions(), backend, BACKEND_SHAPE[backend], f"launch-bench-{kernel}",
+                   device) as (_clients, sessions):
         streams = [torch.cuda.Stream(device) for _ in sessions]
         case = CASES[kernel](sessions, streams, gen, device, **QUICK_SIZES[kernel][0])
         for i in range(calls + 1):  # one untimed launch each first: the launcher keeps its kernel there
@@ -90,7 +92,7 @@ def moe_rows(backend: str, calls: int, device: int) -> list[dict[str, Any]]:
 
     gen = torch.Generator(device="cpu").manual_seed(9)
     samples = {(call, mode): [] for call in ("dispatch", "dispatch_gemm", "combine") for mode in MODES}
-    with _sessions(backend, BACKEND_SHAPE[backend], "launch-bench-moe", device) as (_clients, sessions):
+    with _sessions(RunOptions(), backend, BACKEND_SHAPE[backend], "launch-bench-moe", device) as (_clients, sessions):
         moe = _MoeGemm(sessions, device, gen, **QUICK_MOE_GEMM_SIZES[0])
         ops = moe.ops
 
