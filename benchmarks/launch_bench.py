@@ -29,17 +29,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fused_bench import (  # noqa: E402
-    BACKEND_SHAPE,
-    CASES,
-    QUICK_MOE_GEMM_SIZES,
-    QUICK_SIZES,
-    WORLD,
-    RunOptions,
-    _MoeGemm,
-    _sessions,
-    gpu_name,
-)
+from benchmarks.fused_bench import QUICK_MOE_GEMM_SIZES, QUICK_SIZES, gpu_name  # noqa: E402
+from benchmarks.fused_cases import BACKEND_SHAPE, CASES, DEFAULT_RUN, WORLD, MoeGemmRanks, rank_sessions  # noqa: E402
 from tests.support.cuda_graphs import capture_per_rank  # noqa: E402
 
 MODES = ("launcher", "triton")
@@ -71,8 +62,8 @@ def case_rows(kernel: str, backend: str, calls: int, device: int) -> list[dict[s
 
     gen = torch.Generator(device="cpu").manual_seed(5)
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
-    with _sessions(RunOptions(), backend, BACKEND_SHAPE[backend], f"launch-bench-{kernel}",
-                   device) as (_clients, sessions):
+    with rank_sessions(DEFAULT_RUN, backend, BACKEND_SHAPE[backend], f"launch-bench-{kernel}",
+                       device) as (_clients, sessions):
         streams = [torch.cuda.Stream(device) for _ in sessions]
         case = CASES[kernel](sessions, streams, gen, device, **QUICK_SIZES[kernel][0])
         for i in range(calls + 1):  # one untimed launch each first: the launcher keeps its kernel there
@@ -92,8 +83,9 @@ def moe_rows(backend: str, calls: int, device: int) -> list[dict[str, Any]]:
 
     gen = torch.Generator(device="cpu").manual_seed(9)
     samples = {(call, mode): [] for call in ("dispatch", "dispatch_gemm", "combine") for mode in MODES}
-    with _sessions(RunOptions(), backend, BACKEND_SHAPE[backend], "launch-bench-moe", device) as (_clients, sessions):
-        moe = _MoeGemm(sessions, device, gen, **QUICK_MOE_GEMM_SIZES[0])
+    with rank_sessions(DEFAULT_RUN, backend, BACKEND_SHAPE[backend], "launch-bench-moe",
+                       device) as (_clients, sessions):
+        moe = MoeGemmRanks(sessions, device, gen, **QUICK_MOE_GEMM_SIZES[0])
         ops = moe.ops
 
         def round_of(call: str, mode: str, timed: bool) -> None:

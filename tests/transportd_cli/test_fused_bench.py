@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
+from benchmarks import fused_cases, fused_timeline, moe_latency
 from tests.support.benchmarks import load_benchmark
 
 
@@ -60,8 +59,8 @@ def test_the_table_has_a_line_per_row_and_keeps_failures() -> None:
            "2.00 (2.00) | 0.00 | 640.0 |" in lines
     assert "| 128 tok, H 7168, top-8 of 64 | ib | cx7-400g | off | fp8 | 250.0 | 300.0 | — | 2.00 (2.00) | 0.00 | " \
            "640.0 |" in lines
-    assert bench._graph_us(moe).split() == ["graphs:", "dispatch", "150.0", "us", "combine", "210.0", "us"]
-    assert bench._graph_us(fp8) == ""
+    assert moe_latency._graph_us(moe).split() == ["graphs:", "dispatch", "150.0", "us", "combine", "210.0", "us"]
+    assert moe_latency._graph_us(fp8) == ""
 
 
 def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_path: Path) -> None:
@@ -91,7 +90,7 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
     for bad in ("ring_attention=4", "allgather_gemm=0", "allgather_gemm=-2", "allgather_gemm=x", "gemm_all_reduce"):
         result = CliRunner().invoke(bench.main, ["--group-m", bad, "--kernels", "moe"])  # the GEMMs only
         assert result.exit_code == 2 and "--group-m" in result.output, (bad, result.output)
-    assert bench.parse_per_kernel("allgather_gemm=8,gemm_all_reduce=1", "--group-m", bench.GEMMS, "N") == {
+    assert bench.parse_per_kernel("allgather_gemm=8,gemm_all_reduce=1", "--group-m", fused_cases.GEMMS, "N") == {
         "allgather_gemm": 8, "gemm_all_reduce": 1}
     for bad in ("moe.tokens=8", "gemm_all_reduce.tokens=8", "gemm_all_reduce.m=0", "gemm_all_reduce.m",
                 "gemm_all_reduce=16384"):  # a kernel of KERNELS, one of its size keys, an integer >= 1
@@ -102,159 +101,6 @@ def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_pat
 
 
 # --- the tuning mode (--tune): what it times, in which order, and how it reports ------------------------------
-def test_tune_candidates_keep_what_the_ops_accept_and_name_what_they_refuse(monkeypatch) -> None:
-    pytest.importorskip("triton")  # the ops' checks live beside their kernels
-    bench = load_benchmark("fused_bench")
-    for kernel in bench.KERNELS:  # at the bench's sizes every candidate is accepted, the op's default first
-        kept, refused = bench.tune_candidates(kernel, bench.SIZES[kernel][0])
-        assert kept == bench.TUNE_TILES[kernel] and refused == []
-    assert bench.tile_label(bench.GEMM_TILES[0]) == "128x128x64 w8 s3"
-    assert bench.tile_label(bench.RING_TILES[0]) == "64x64 w4 s2"
-    # MoE Dispatch+GEMM: every candidate accepted, the op's own default first; one its op refuses is named
-    kept, refused = bench.tune_candidates("moe_dispatch_gemm", bench.MOE_GEMM_SIZES[0])
-    assert kept == bench.MOE_GEMM_TILES and refused == [] and set(bench.TUNABLE) == set(bench.CASES)
-    from gpuclient.kernels.moe import default_gemm_tiles
-    dims = bench.MOE_GEMM_SIZES[0]
-    block, warps, stages = default_gemm_tiles(dims["tokens"], dims["topk"], bench.WORLD, dims["experts"])
-    assert bench.MOE_GEMM_TILES[0] == {"block": block, "num_warps": warps, "num_stages": stages}
-    monkeypatch.setitem(bench.TUNE_TILES, "moe_dispatch_gemm",
-                        [*bench.MOE_GEMM_TILES, {"block": (64, 128, 48), "num_warps": 4, "num_stages": 3}])
-    kept, refused = bench.tune_candidates("moe_dispatch_gemm", bench.MOE_GEMM_SIZES[0])
-    assert kept == bench.MOE_GEMM_TILES and [r["label"] for r in refused] == ["64x128x48 w4 s3"]
-    assert "gemm_block must be three powers of two" in refused[0]["refused"]
-    # without --tma the descriptor tiles are left out, not refused
-    kept, refused = bench.tune_candidates("gemm_all_reduce", bench.SIZES["gemm_all_reduce"][0], tma=False)
-    assert kept and not any(t["tma"] for t in kept) and refused == []
-    # rows a tensor descriptor cannot step over: the TMA tiles refused, with the op's reason
-    kept, refused = bench.tune_candidates("allgather_gemm", {"m_local": 512, "n": 1004, "k": 1024, "chunk_rows": 64})
-    assert [r["label"] for r in refused] == [bench.tile_label(t) for t in bench.GEMM_TILES if t["tma"]]
-    assert all("needs n to be a multiple of 8" in r["refused"] for r in refused)
-    assert refused[0]["block"] == [128, 128, 64] and refused[0]["tma"] is True
-    # a shape the reduce-scatter layout refuses refuses every tile; a tile the ring layout refuses is named
-    kept, refused = bench.tune_candidates("gemm_reduce_scatter", {"m": 1025, "n": 1024, "k": 1024, "chunk_rows": 64})
-    assert kept == [] and len(refused) == len(bench.GEMM_TILES)
-    assert "do not split into 2 equal segments" in refused[0]["refused"]
-    monkeypatch.setitem(bench.TUNE_TILES, "ring_attention",
-                        [*bench.RING_TILES, {"block": (96, 64), "num_warps": 4, "num_stages": 2},
-                         {"block": (64, 64), "num_warps": 6, "num_stages": 2}])
-    kept, refused = bench.tune_candidates("ring_attention", bench.SIZES["ring_attention"][0])
-    assert kept == bench.RING_TILES
-    assert [(r["label"], r["refused"].split(" must")[0]) for r in refused] == [
-        ("96x64 w4 s2", "block (block_m, block_n)"), ("64x64 w6 s2", "num_warps")]
-
-
-def test_tune_plan_times_every_kernels_pointer_tiles_before_any_tma_tile() -> None:
-    pytest.importorskip("triton")
-    bench = load_benchmark("fused_bench")
-    plan = bench.tune_plan(list(bench.KERNELS), bench.SIZES)
-    assert [(p["kernel"], {t.get("tma", False) for t in p["tiles"]}) for p in plan] == [
-        ("allgather_gemm", {False}), ("gemm_reduce_scatter", {False}), ("gemm_all_reduce", {False}),
-        ("ring_attention", {False}),
-        ("allgather_gemm", {True}), ("gemm_reduce_scatter", {True}), ("gemm_all_reduce", {True}),
-        ("ring_attention", {True})]
-    assert all(p["dims"] == bench.SIZES[p["kernel"]][0] for p in plan)  # the larger size
-    assert plan[0]["tiles"][0] == bench.GEMM_TILES[0]  # the default first: its compile is prepare's
-    assert [p["kernel"] for p in bench.tune_plan(["ring_attention", "gemm_all_reduce"], bench.QUICK_SIZES,
-                                                 tma=False)] == ["ring_attention", "gemm_all_reduce"]
-    moe = bench.tune_plan(["moe_dispatch_gemm"], {"moe_dispatch_gemm": bench.MOE_GEMM_SIZES})
-    assert [(p["kernel"], p["dims"], len(p["tiles"])) for p in moe] == [
-        ("moe_dispatch_gemm", bench.MOE_GEMM_SIZES[0], len(bench.MOE_GEMM_TILES))]
-
-
-def _config(bench, tile: dict, **kw) -> dict:
-    return {**bench._tile_fields(tile), **kw}
-
-
-def test_tune_summary_picks_the_fastest_and_the_table_keeps_every_outcome() -> None:
-    bench = load_benchmark("fused_bench")
-    g = bench.GEMM_TILES
-    flops = 2.0e12
-    pointer = {"kernel": "gemm_reduce_scatter", "dims": {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128},
-               "flops": flops, "params": {"programs": 48}, "torch_s": 1.5e-3, "configs": [
-                   _config(bench, g[0], median_s=4e-3, tflops=500.0, max_abs_error=0.0, spills=0),
-                   _config(bench, g[2], median_s=2.5e-3, tflops=800.0, max_abs_error=0.0, spills=12),
-                   _config(bench, g[3], out_of_resources="out of resource: shared memory"),
-                   _config(bench, g[4], failed="CompilationError: x"),
-                   _config(bench, g[5], skipped="past the time budget")]}
-    tma = {"kernel": "gemm_reduce_scatter", "dims": pointer["dims"], "flops": flops, "params": {"programs": 48},
-           "configs": [_config(bench, g[6], median_s=2e-3, tflops=1000.0, max_abs_error=0.0)]}
-    ring = {"kernel": "ring_attention", "dims": {"heads": 32, "seq_local": 4096, "head_dim": 128, "chunk_rows": 8192},
-            "configs": [_config(bench, bench.RING_TILES[1], refused="num_warps must be ...")],
-            "error": "RuntimeError: channel error"}
-    summary = bench.tune_summary([pointer, ring, tma])
-    rs = summary["gemm_reduce_scatter"]
-    assert rs["default"] == "128x128x64 w8 s3" and rs["torch_s"] == 1.5e-3
-    assert rs["torch_tflops"] == pytest.approx(flops / 1.5e-3 / 1e12)
-    assert rs["best"]["label"] == "128x128x64 w8 s3 tma"
-    assert [c["label"] for c in rs["configs"]] == [bench.tile_label(t) for t in (g[0], *g[2:7])]
-    timed = {c["label"]: c for c in rs["configs"] if "median_s" in c}
-    assert timed["128x256x64 w8 s3"]["speedup_vs_default"] == pytest.approx(1.6)
-    assert timed["128x128x64 w8 s3 tma"]["vs_torch"] == pytest.approx(0.75)
-    assert summary["ring_attention"]["best"] is None and summary["ring_attention"]["torch_s"] is None
-    assert summary["ring_attention"]["errors"] == ["RuntimeError: channel error"]
-    lines = bench.tune_table(summary).splitlines()
-    size = "| gemm_reduce_scatter | m=8192 n=8192 k=4096 |"
-    assert f"{size} 128x128x64 w8 s3 | 4.000 | 500.0 | 1.00x | 0.38 | 0 | default |" in lines
-    assert f"{size} 128x256x64 w8 s3 | 2.500 | 800.0 | 1.60x | 0.60 | 0 | 12 spills |" in lines
-    assert f"{size} 128x128x64 w8 s3 tma | 2.000 | 1000.0 | 2.00x | 0.75 | 0 | **best** |" in lines
-    assert f"{size} 256x128x64 w8 s3 |  |  |  |  |  | out of resources: out of resource: shared memory |" in lines
-    assert f"{size} 128x128x128 w8 s2 |  |  |  |  |  | failed: CompilationError: x |" in lines
-    assert f"{size} 64x256x64 w4 s4 |  |  |  |  |  | skipped: past the time budget |" in lines
-    assert f"{size} torch | 1.500 | 1333.3 |  | 1.00 |  | reference |" in lines
-    ring_size = "| ring_attention | heads=32 seq_local=4096 head_dim=128 |"
-    assert f"{ring_size} 64x64 w4 s3 |  |  |  |  |  | refused: num_warps must be ... |" in lines
-    assert f"{ring_size}  |  |  |  |  |  | session failed: RuntimeError: channel error |" in lines
-
-
-def test_a_tuning_run_writes_its_json_after_every_session_and_keeps_failures(tmp_path: Path, monkeypatch) -> None:
-    pytest.importorskip("triton")
-    bench = load_benchmark("fused_bench")
-    calls = []
-
-    def session(kernel, backend, shape, dims, tiles, reps, deadline, reference, echo=print, run=None):
-        calls.append((kernel, len(tiles), reference))
-        if kernel == "gemm_all_reduce":
-            raise RuntimeError("spin bound")
-        written = json.loads(out.read_text()) if out.exists() else {"kernels": {}}
-        assert len(written["kernels"]) == len({k for k, _, _ in calls[:-1]})  # the sessions before are saved
-        configs = [{**bench._tile_fields(t), "median_s": 1e-3 * (i + 1), "tflops": 1.0} for i, t in enumerate(tiles)]
-        return {"kernel": kernel, "dims": dims, "flops": 1e9, "params": {},
-                **({"torch_s": 5e-4} if reference else {}), "configs": configs}
-
-    monkeypatch.setattr(bench, "tune_session", session)
-    out = tmp_path / "tune.json"
-    lines: list[str] = []
-    result = bench.run_tune(["allgather_gemm", "gemm_all_reduce", "ring_attention"], "ib", "cx7-400g",
-                            bench.QUICK_SIZES, 2, True, 60.0, str(out), "python benchmarks/fused_bench.py --tune",
-                            echo=lines.append)
-    g, tma = len([t for t in bench.GEMM_TILES if not t["tma"]]), len([t for t in bench.GEMM_TILES if t["tma"]])
-    ring = len([t for t in bench.RING_TILES if not t.get("tma")])
-    assert calls == [("allgather_gemm", g, True), ("gemm_all_reduce", g, True), ("ring_attention", ring, True),
-                     ("allgather_gemm", tma, False), ("gemm_all_reduce", tma, True),  # torch until one session ran
-                     ("ring_attention", len(bench.RING_TILES) - ring, False)]
-    written = json.loads(out.read_text())
-    assert written == json.loads(json.dumps(result))
-    ag = written["kernels"]["allgather_gemm"]
-    assert ag["best"]["label"] == "128x128x64 w8 s3" and ag["torch_s"] == 5e-4 and len(ag["configs"]) == g + tma
-    assert written["kernels"]["gemm_all_reduce"]["errors"] == ["RuntimeError: spin bound"] * 2
-    assert "| allgather_gemm | m_local=512 n=1024 k=1024 | 128x128x64 w8 s3 | 1.000 | 1.0 | 1.00x | 0.50 |  | " \
-           "default, **best** |" in lines[-1].splitlines()
-
-
-def test_past_the_time_budget_no_session_starts_and_every_tile_is_recorded_as_skipped(monkeypatch) -> None:
-    pytest.importorskip("triton")
-    bench = load_benchmark("fused_bench")
-
-    def session(*args, **kw):
-        raise AssertionError("no session may start past the budget")
-
-    monkeypatch.setattr(bench, "tune_session", session)
-    result = bench.run_tune(["gemm_reduce_scatter", "ring_attention"], "ib", "cx7-400g", bench.SIZES, 5, True, 0.0,
-                            None, "how", echo=lambda line: None)
-    rs = result["kernels"]["gemm_reduce_scatter"]
-    assert [c["label"] for c in rs["configs"]] == [bench.tile_label(t) for t in bench.GEMM_TILES]
-    assert all(c["skipped"] == "past the time budget" for c in rs["configs"]) and rs["best"] is None
-    assert len(result["kernels"]["ring_attention"]["configs"]) == len(bench.RING_TILES)
 
 
 def test_the_tune_flag_runs_the_tuning_on_the_first_backend_and_shape_and_saves_the_mps_line(
@@ -409,80 +255,6 @@ def test_chunk_rows_and_dims_reach_every_size_of_their_kernel_only_and_dims_wins
     assert bench.SIZES == before
 
 
-def test_a_reduce_scatter_timeline_splits_into_tiles_chunks_and_ends_and_summarizes_in_ms() -> None:
-    from gpuclient.kernels.gemm_reduce_scatter import ReduceScatterLayout
-
-    bench = load_benchmark("fused_bench")
-    # 2 segments of 2 x 2 tiles; 2 chunks a segment (3 counter sets: rs to each segment, then all-gather's)
-    lay = ReduceScatterLayout(0, 2, m=512, n=256, k=64, chunk_rows=128, block=(128, 128, 64))
-    ms = 1_000_000
-    t0 = 50 * ms
-    tiles = []
-    for t in range(lay.tiles):  # peer tiles compute 1 ms each from t0; own tiles wait 2 ms after computing
-        start = t0 + t * ms
-        own = t >= 4
-        tiles += [start, start + ms, start + 3 * ms if own else 0, start + (3 if own else 1) * ms]
-    chunks = [0, 0] * 6
-    chunks[2 * 2:2 * 2 + 4] = [t0 + 2 * ms, t0 + 2 * ms + ms // 2, t0 + 4 * ms, t0 + 5 * ms]  # segment 1's chunks
-    ends = [t0 + 10 * ms, t0 + 11 * ms, t0 + 9 * ms]
-    words = tiles + chunks + ends
-    assert len(words) == lay.timeline_words(3)
-    events = bench.rs_timeline_events(lay, 3, words)
-    # the kernel's order: the default groups both row blocks, column by column; row-major goes row by row
-    assert list(events["step"]) == [0, 0, 0, 0, 1, 1, 1, 1] and list(events["band"]) == [0, 1, 0, 1] * 2
-    row_major = bench.rs_timeline_events(replace(lay, group_m=1), 3, words)
-    assert list(row_major["band"]) == [0, 0, 1, 1] * 2
-    summary = bench.rs_timeline_summary(lay, events, t0)
-    assert summary["end_ms"] == 11.0 and summary["median_end_ms"] == 10.0
-    assert summary["peer_tiles"] == {"first_start_ms": 0.0, "last_computed_ms": 4.0, "last_end_ms": 4.0,
-                                     "compute_us_median": 1000.0}
-    assert summary["own_tiles"]["last_end_ms"] == 10.0
-    assert summary["own_waits"] == {"sum_ms": 8.0, "max_ms": 2.0, "share_over_10us": 1.0, "last_satisfied_ms": 10.0}
-    assert summary["chunks"] == {"count": 2, "first_shipped_ms": 2.5, "last_shipped_ms": 5.0, "gate_wait_ms_max": 1.0,
-                                 "shipped_ms": [2.5, 5.0]}
-
-
-def test_a_moe_gemm_timeline_summary_reads_the_peers_pushes_beside_the_arrivals() -> None:
-    """Rank 0 of two, two local experts: the peer's blocks seen 200 and 300 us after their push, the second
-    expert's tiles still running after the last arrival."""
-    from gpuclient.kernels.moe_layout import MoELayout
-
-    bench = load_benchmark("fused_bench")
-    ms, t0 = 1_000_000, 100_000_000
-    lays = [MoELayout(r, 2, 4, 8, 2, 16) for r in range(2)]
-
-    def words(sent: list, ready: list, start: list, done: list, arrived: list, ends: list) -> list[int]:
-        # [rank or source][local expert], in ms from t0 (None: never happened)
-        flat = [x for event in (sent, ready, start, done, arrived) for per in event for x in per]
-        return [0 if x is None else t0 + round(x * ms) for x in flat] + [t0 + round(x * ms) for x in ends]
-
-    rank0 = words(sent=[[None, None], [1.0, 2.0]], ready=[[None, None], [1.7, 3.3]],
-                  start=[[0.0, 0.1], [1.0, 1.1]], done=[[0.5, 0.6], [2.0, 3.5]], arrived=[[None, None], [1.6, 3.2]],
-                  ends=[3.6, 3.4, 3.5])
-    rank1 = words(sent=[[1.5, 3.0], [None, None]], ready=[[1.2, 2.4], [None, None]],
-                  start=[[1.0, 1.0], [0.2, 0.2]], done=[[1.5, 2.9], [0.4, 0.4]], arrived=[[1.1, 1.2], [None, None]],
-                  ends=[3.0, 3.0, 3.0])
-    events = [lay.split_timeline(w, 3) for lay, w in zip(lays, (rank0, rank1), strict=True)]
-    got = bench.moe_timeline_summary(lays[0], events, 0, t0)
-    assert got["end_ms"] == 3.6 and got["median_end_ms"] == 3.5
-    assert got["sent"] == {"first_ms": 1.0, "last_ms": 2.0, "count": 2}
-    assert got["arrivals"] == {"count": 2, "first_ready_ms": 1.7, "last_ready_ms": 3.3,
-                               "latency_us": {"median": 250.0, "max": 300.0}}
-    # landed 100 and 200 us after the peer pushed them: each ahead of the compute programs getting there
-    assert got["landed"] == {"first_ms": 1.6, "last_ms": 3.2, "latency_us_median": 150.0}
-    # an expert's tiles from when its rows were in: own 500 and 500 us, the peer's 300 and 200
-    assert got["compute"] == {"first_start_ms": 0.0, "last_done_ms": 3.5, "span_ms": 3.5, "expert_us_median": 400.0,
-                              "after_last_ready_ms": 0.2, "groups_after_last_ready": 1}
-    alone = [{**e, "sent": 0 * e["sent"], "ready": 0 * e["ready"], "arrived": 0 * e["arrived"]}
-             for e in events]  # the compute alone
-    assert set(bench.moe_timeline_summary(lays[1], alone, 1, t0)) == {"end_ms", "median_end_ms", "compute"}
-    # the GEMM's span fused over alone, per rank: rank 1 ran tiles from 0.2 to 2.9 ms; a mode with no tile: None
-    timeline = {"fused": [got, bench.moe_timeline_summary(lays[1], events, 1, t0)],
-                "compute": [{"compute": {"span_ms": 2.5}}, {"end_ms": 3.0}]}
-    assert bench.gemm_span_ratio(timeline) == [1.4, None]
-    assert bench.moe_timeline_summary(lays[1], events, 1, t0)["compute"]["span_ms"] == 2.7
-
-
 def test_timeline_events_go_to_their_own_file_and_the_rows_keep_the_summaries(tmp_path: Path, monkeypatch) -> None:
     bench = load_benchmark("fused_bench")
     out, raw = tmp_path / "fused.json", tmp_path / "raw.json"
@@ -513,88 +285,6 @@ def test_timeline_events_go_to_their_own_file_and_the_rows_keep_the_summaries(tm
     assert moe_events["gemm_n"] == bench.QUICK_MOE_GEMM_SIZES[0]["gemm_n"]
 
 
-@pytest.mark.multiprocess
-def test_settle_waits_until_no_rail_has_work_in_flight() -> None:
-    """``_settle`` on two real daemons over a slow modeled link: while a burst of PUTs is in a ring or on the wire
-    it gives up after its timeout, and once it returns no rail has a record in a ring or taken and not complete,
-    a work request in flight or a record waiting for its batch."""
-    from tests.support.cluster import close_ranks, join_ranks
-    from transportd_cli.localcluster import LocalCluster
-
-    bench = load_benchmark("fused_bench")
-    nbytes, puts = 1 << 16, 16  # 1 MiB at 20 MB/s: the link is busy for ~50 ms after the last push
-    overrides = {"softverbs": {"nic_bandwidth": 20e6, "nic_latency_s": 1e-3}}
-    with LocalCluster(2, backend="ib", overrides=overrides) as cluster:
-        ranks = join_ranks(cluster, "settle", nbytes=nbytes, flags=8)
-        clients = [r.client for r in ranks]
-        try:
-            sender, receiver = ranks
-            for _ in range(puts):
-                sender.channel.put(1, receiver.dst.id, 0, sender.src.id, 0, nbytes)
-            with pytest.raises(TimeoutError, match="did not settle"):
-                bench._settle(clients, timeout=0.0)
-            bench._settle(clients)
-            rails = [r for c in clients for r in c.stats()["rails"]]
-            assert rails and not any(r["inflight"] or r["pending_rows"] for r in rails)
-            rings = [ring for r in rails for ring in r["queues"]["rings"]]
-            assert rings and not any(ring["depth"] or ring["outstanding"] for ring in rings)
-            assert sum(r["commands"] for r in rails) >= puts  # the burst was taken, not lost
-            sender.channel.quiet(timeout=10)
-        finally:
-            close_ranks(ranks)
-
-
-def test_per_launch_columns_are_each_daemons_counters_over_a_phase_divided_by_its_launches() -> None:
-    bench = load_benchmark("fused_bench")
-    zero = dict.fromkeys((key for key, _, _ in bench.PER_LAUNCH), 0)
-    before = [zero, {**zero, "direct_ns": 1_000_000}]
-    middle = [{**zero, "direct_ns": 6_000_000, "flag_copies": 30}, {**zero, "direct_ns": 3_000_000}]
-    after = [{**middle[0], "link_busy_ns": 9_000_000}, middle[1]]
-    row: dict = {}
-
-    def counted(start: list[dict], end: list[dict]) -> list:  # what each daemon counted from start to end
-        return [Counter({key: e[key] - b[key] for key in b}) for b, e in zip(start, end, strict=True)]
-
-    bench.per_launch(row, {"comm": counted(before, middle), "fused": counted(middle, after)}, reps=3)
-    assert row["comm_direct_copy_ms"] == [2.0, pytest.approx(0.667)]
-    assert row["comm_flag_copies"] == [10.0, 0.0] and row["fused_flag_copies"] == [0.0, 0.0]
-    assert row["fused_link_busy_ms"] == [3.0, 0.0] and row["comm_loopback_wait_ms"] == [0.0, 0.0]
-    assert set(row) == {f"{mode}_{name}" for mode in ("comm", "fused") for _, name, _ in bench.PER_LAUNCH}
-
-
-def test_interleaved_runs_the_modes_in_turn_and_counts_only_around_the_counted_ones() -> None:
-    """Each round runs every mode once, in order, after one untimed round; the medians are per mode; the counted
-    modes' columns are what the daemons counted across their own timed launches alone (a counter that moves only
-    during ``comm`` launches lands in comm's column, none in fused's)."""
-    bench = load_benchmark("fused_bench")
-    calls: list[str] = []
-    placed = [0]
-
-    class Daemon:  # a client whose one rail counts direct copies
-        def stats(self) -> dict:
-            return {"rails": [{"softverbs": {"direct_placed": placed[0], "direct_ns": 1000 * placed[0]}}]}
-
-    def launch(mode: str, seconds: list[float]):
-        def run() -> float:
-            calls.append(mode)
-            if mode == "comm":
-                placed[0] += 4
-            return seconds[sum(1 for c in calls if c == mode) - 1]
-        return run
-
-    # the first of each: the untimed round (a compile, say)
-    times = {"compute": [90.0, 3.0, 1.0, 2.0], "comm": [90.0, 5.0, 6.0, 4.0], "fused": [90.0, 7.0, 9.0, 8.0],
-             "torch": [90.0, 1.0, 1.0, 1.0]}
-    launches = {mode: launch(mode, t) for mode, t in times.items()}
-    seconds, counted_by = bench.interleaved(launches, 3, [Daemon(), Daemon()])
-    assert calls == ["compute", "comm", "fused", "torch"] * 4
-    assert seconds == {"compute": 2.0, "comm": 5.0, "fused": 8.0, "torch": 1.0}
-    row: dict = {}
-    bench.per_launch(row, counted_by, reps=3)
-    assert row["comm_direct_copy_ms"] == [pytest.approx(0.004)] * 2  # 4 copies of 1 µs a launch, each daemon
-    assert row["fused_direct_copy_ms"] == [0.0, 0.0]
-
-
 def test_trace_needs_a_timeline_and_leaves_every_launchs_steps_in_its_directory(tmp_path: Path, monkeypatch) -> None:
     """``--trace`` without ``--timeline`` is a usage error before anything runs; with it, the daemons inherit
     ``SOFTVERBS_TRACE`` and what the timeline launches stamped lands in ``DIR/steps.json``."""
@@ -613,9 +303,9 @@ def test_trace_needs_a_timeline_and_leaves_every_launchs_steps_in_its_directory(
 
     def row(kernel, backend, shape, dims, reps, echo=print, timeline=False, run=None):
         assert timeline and os.environ["SOFTVERBS_TRACE"] == str(trace.resolve())
-        bench._trace_start(f"{kernel}:{backend}:fused")
+        fused_timeline.trace_start(f"{kernel}:{backend}:fused")
         _trace.stamp("send 1")
-        bench._trace_done()
+        fused_timeline.trace_done()
         times = {"compute_s": 2e-3, "comm_s": 2e-3, "fused_s": 3e-3, "torch_s": 1e-3}
         return bench.derive({"kernel": kernel, "backend": backend, "shape": shape, **dims, **times}, 1e9, 1 << 20)
 
@@ -627,28 +317,6 @@ def test_trace_needs_a_timeline_and_leaves_every_launchs_steps_in_its_directory(
     assert result.exit_code == 0, result.output
     (label, cycle), = json.loads((trace / "steps.json").read_text()).items()
     assert label == "gemm_reduce_scatter:ib:fused" and sorted(cycle["p0"]) == ["done", "send 1"]
-
-
-def test_gpu_timeline_words_go_onto_a_traced_cycles_clock(tmp_path: Path, monkeypatch) -> None:
-    """``on_trace_us`` puts timeline words (GPU ns) on a traced cycle's clock through ``gpu_clock``'s offset
-    (GPU minus host), its "no event" zeros as None; a cycle's start comes back from ``_trace_start`` on the
-    trace's clock, and None when not tracing."""
-    from softverbs import _trace
-    from softverbs.soft.trace import read
-
-    bench = load_benchmark("fused_bench")
-    clock = {"offset_ns": 5_000.0, "round_trip_ns": 800.0, "error_bound_ns": 400.0}
-    start = 1_000_000
-    words = [[start + 5_000 + 1_500, 0], [start + 5_000 - 2_000, start + 5_000 + 123_456]]
-    assert bench.on_trace_us(words, clock, start) == [[1.5, None], [-2.0, 123.5]]
-    monkeypatch.setattr(_trace, "DIR", None)
-    assert bench._trace_start("x") is None
-    monkeypatch.setattr(_trace, "DIR", str(tmp_path))
-    before = bench.time.monotonic_ns()
-    start = bench._trace_start("x")
-    assert before <= start <= bench.time.monotonic_ns()
-    (ns, _pid, step), = read(tmp_path)
-    assert step == "start x" and start <= ns
 
 
 def _moe_gemm_sizes_seen(bench: Any, monkeypatch: Any) -> list[dict[str, int]]:
@@ -768,7 +436,7 @@ def test_the_daemons_run_with_the_shape_the_options_and_the_rows_own_sections(tm
         (12.0, 5, 50.0, False)
 
     bench = load_benchmark("fused_bench")
-    default = bench.RunOptions().daemon_config("ib", "cx7-400g")
+    default = fused_cases.RunOptions().daemon_config("ib", "cx7-400g")
     assert "nic_spin_s" not in default["softverbs"]
     assert default["softverbs"]["gil_switch_interval_s"] == 0.0  # Python's own
     assert default["softverbs"]["nic_streaming"] is True
