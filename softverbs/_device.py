@@ -545,6 +545,9 @@ class SoftDevice:
             conns = list(self.out_conns.values()) + list(self.in_conns)
             self.out_conns.clear()
             self.in_conns.clear()
+            # the endpoints found dead go too: their ports may be handed out again, this device's next listener's
+            # among them, which it would then refuse to reach for the rest of the backoff
+            self._unreachable.clear()
         for conn in conns:
             conn.closed = True
             conn.sock.close()

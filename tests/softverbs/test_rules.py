@@ -128,6 +128,35 @@ def test_unreachable_peer_fails_with_retry_exceeded(soft) -> None:
         assert poll(pair.client.cq)[0].status == e.IBV_WC_RETRY_EXC_ERR
 
 
+def test_a_reopened_device_forgets_the_endpoints_it_could_not_reach(soft) -> None:
+    """A device refuses an endpoint it could not reach at once for ``reconnect_backoff_s``; that memory goes with
+    its connections when its last context closes. The OS hands a freed port out again, so a device reopened
+    within the backoff may listen on the very port it found dead: remembering it, the device could not reach
+    itself, and every RC request between two of its QPs failed with RETRY_EXC."""
+    import socket
+    import uuid
+
+    name = f"softib-{uuid.uuid4().hex[:6]}"
+    soft.v.soft.add_device(name, "ib", reconnect_backoff_s=60.0)  # the whole test inside one backoff
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    with RCPair(soft, name, connect=False) as pair:
+        v, e = pair.v, pair.v.enums
+        gid = v.addr.GID(v.soft.gid_for_endpoint("127.0.0.1", port))
+        pair.connect(pair.client, pair.server, ah_attr=v.addr.AHAttr(is_global=1, gr=v.addr.GlobalRoute(dgid=gid)))
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 8)))
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_RETRY_EXC_ERR
+    soft.v.soft.configure(name, port=port)  # reopened, the device listens where it found nobody
+    with RCPair(soft, name) as pair:
+        e = pair.v.enums
+        pair.client.write_buf(0, b"to myself")
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 9)))
+        assert poll(pair.client.cq)[0].status == e.IBV_WC_SUCCESS
+        assert pair.server.read_buf(0, 9) == b"to myself"
+
+
 def test_two_devices_in_one_process_talk_over_tcp(soft) -> None:
     import uuid
 
