@@ -32,10 +32,12 @@ Back-pressure between launches (flags are monotonic: launch e waits for ``e * va
 
 * staging: a receiver's last program to finish a launch signals every peer's ``release_slot + receiver``;
   launch e ships a chunk to rank j only once that flag reached ``e - 1`` (j has read launch e-1's partials).
+  The launch does not wait for those signals to complete: they carry no source buffer, and waiting would add
+  a round trip to the peer after the last tile (on a proxy channel, through both daemons).
 * result (all-reduce): program 0 signals every peer's ``ag_release_slot + rank`` when a launch starts (the
   stream has finished with the last result); launch e ships its segment to j once j's flag reached ``e``.
-* the sources: the last program to finish quiets the channel, so when the launch ends every put has read
-  ``partial`` (and ``result``'s own rows) and the next launch may overwrite them.
+* the sources: the last program to finish quiets the channel before it signals the releases, so when the
+  launch ends every put has read ``partial`` (and ``result``'s own rows) and the next launch may overwrite them.
 
 Compute: bf16 ``tl.dot`` with fp32 accumulation, like ``AllGatherGemm`` (``tma=True`` loads A and B through
 tensor descriptors, as there; a descriptor spans the whole A, so a tile past a segment's last row reads the
@@ -188,13 +190,14 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, rounds_ptr, a_ptr, b_ptr, partial
                 src = q // chunks_per_segment
                 if src != rank:
                     tpd.wait_chunk(ch, ag_plan, epoch, src, q % chunks_per_segment)
-        # the last program to finish: every own tile has read its staging (release it to the peers), and every
-        # chunk was pushed before its count, so one quiet covers all of this launch's puts; then the round is run
+        # the last program to finish: every chunk was pushed before its count, so one quiet covers all of this
+        # launch's puts (their sources may then be overwritten); every own tile has read its staging, so release
+        # it to the peers, without waiting for those signals (no source); then the round is run
         if last_to_finish(rounds_ptr):
+            tpd.quiet(ch)
             for peer in range(0, world):
                 if peer != rank:
                     tpd.signal(ch, peer, release_slot + rank, 1)
-            tpd.quiet(ch)
             tl.store(rounds_ptr, epoch)
     if TIMELINE:
         tl.store(program_ends + pid, tpd.globaltimer().to(tl.int64))
