@@ -17,7 +17,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from gpuclient.kernels import moe as m
+from gpuclient.kernels import moe_kernels as m
 from gpuclient.kernels.moe_layout import dispatch_row
 from tests.gpuclient.moe_interpreted import Buffer, bf16
 

@@ -339,7 +339,8 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
              experts_per_put: int, split_experts: int | None) -> None:
     import triton.runtime.interpreter as interp
 
-    import gpuclient.kernels.moe as m
+    import gpuclient.kernels.moe_kernels as m
+    from gpuclient.kernels.moe import _pow2
 
     patch_tensor, create_dot = interp._patch_lang_tensor, interp.InterpreterBuilder.create_dot
     cast = interp.InterpreterBuilder.cast_impl
@@ -425,7 +426,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             _b(recv_layout), *[regions[n] for n in ("counts_all", "gemm_stage", "src_stage", "send_x", "send_src")],
             lay.count_slot,
             lay.dispatch_slot, lay.expert_slot, _b(np.zeros(1, dtype=np.int64)), W=W_, E=E_, L=L_, T=T_, H=H_,
-            N=n_out, LP=m._pow2(L_), WP=m._pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            N=n_out, LP=_pow2(L_), WP=_pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             BLOCK_H=16, BLOCK_T=4,
             COPY_ROWS=copy_rows, EXPERTS_PER_PUT=lay.experts_per_put, GROUPS=lay.put_groups,
             SOURCE_ROWS=lay.source_rows, GROUP_PUT_ROWS=lay.group_put_rows, HANDLE_WORDS=lay.handle_words,
@@ -455,7 +456,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         n = tokens[rank]
         m._moe_route[(programs,)](_b(x[rank]), _b(idx[rank]), _b(me.send_x), _b(idx32), _b(stage_row),
                                   _b(me.counts_all), _b(stage_off), _b(me.send_src), rank, n, E=E_, K=K_,
-                                  KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows, BLOCK_H=16,
+                                  KP=_pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows, BLOCK_H=16,
                                   ROW=H_)
         if rnd == 2:  # the plain dispatch, on the same flags
             m._moe_dispatch[(programs,)](_b(ch), _b(rounds), rank, _b(me.counts_all), _b(stage_off),
@@ -465,7 +466,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
                                                                 "send_src")],
                                          lay.count_slot, lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_, ROW=H_,
                                          ROW_BYTES=2 * H_, COPY_ROWS=copy_rows, BLOCK_H=16, PUT_ROWS=put_rows_,
-                                         HANDLE_WORDS=lay.handle_words, LP=m._pow2(L_), WP=m._pow2(W_), BLOCK_T=4)
+                                         HANDLE_WORDS=lay.handle_words, LP=_pow2(L_), WP=_pow2(W_), BLOCK_T=4)
             # every program read the peers' counts; the last (programs run in order here) their handle words
             waited(lay.count_slot, rnd, range(programs), clear=False)
             waited(lay.dispatch_slot, rnd, [programs - 1])
@@ -519,7 +520,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
             y_send = me.recv_x.copy()
         m._moe_combine_send[(programs,)](_b(ch), rank, _b(np.ascontiguousarray(y_send)), _b(me.counts_all),
                                          _b(me.send_y), _b(me.combine_buf), regions["combine_buf"], regions["send_y"],
-                                         W=W_, E=E_, L=L_, T=T_, H=H_, EP=m._pow2(E_), COPY_ROWS=copy_rows,
+                                         W=W_, E=E_, L=L_, T=T_, H=H_, EP=_pow2(E_), COPY_ROWS=copy_rows,
                                          BLOCK_H=16, PUT_ROWS=put_rows_)
         weights = np.ascontiguousarray(data_r["w"][rank])
         m._moe_combine_reduce[(programs,)](_b(ch), _b(rounds), rank, n, _b(idx32), _b(stage_row), _b(weights),

@@ -224,7 +224,8 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
     ``max_tokens`` splits the blocks (as a block past the largest put is)."""
     from triton.runtime import interpreter
 
-    import gpuclient.kernels.moe as m
+    import gpuclient.kernels.moe_kernels as m
+    from gpuclient.kernels.moe import _pow2
 
     patch_tensor = interpreter._patch_lang_tensor
 
@@ -249,7 +250,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
     # _moe_dispatch in its two phases, each rank's in turn: every rank's sends, then every rank's finish
     dispatch_meta = {"W": W_, "E": E_, "L": L_, "T": T_, "ROW": H_, "ROW_BYTES": 2 * H_, "COPY_ROWS": copy_rows,
                      "BLOCK_H": block_h, "PUT_ROWS": put_rows_, "HANDLE_WORDS": lay0.handle_words,
-                     "LP": m._pow2(L_), "WP": m._pow2(W_), "BLOCK_T": 4}
+                     "LP": _pow2(L_), "WP": _pow2(W_), "BLOCK_T": 4}
 
     def dispatch_args(r: int, st: SimpleNamespace) -> tuple:
         return (_b(st.ch), _b(st.rounds), r, _b(st.counts_all), _b(st.stage_off), _b(st.send_x),
@@ -273,7 +274,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
         for r, st in enumerate(ranks):
             m._moe_route[(programs,)](_b(x[r]), _b(idx[r]), _b(st.send_x), _b(st.idx32), _b(st.stage_row),
                                       _b(st.counts_all), _b(st.stage_off), _b(st.send_src), r, tokens[r], E=E_,
-                                      K=K_, KP=m._pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows,
+                                      K=K_, KP=_pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows,
                                       BLOCK_H=block_h, ROW=H_)
         fabric.check_waits()
         model = dispatch_model(lays, idx)
@@ -326,7 +327,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
         for r, st in enumerate(ranks):
             m._moe_combine_send[(programs,)](_b(st.ch), r, _b(ys[r]), _b(st.counts_all), _b(st.send_y),
                                              _b(st.combine_buf), regions["combine_buf"], regions["send_y"], W=W_,
-                                             E=E_, L=L_, T=T_, H=H_, EP=m._pow2(E_), COPY_ROWS=copy_rows,
+                                             E=E_, L=L_, T=T_, H=H_, EP=_pow2(E_), COPY_ROWS=copy_rows,
                                              BLOCK_H=block_h, PUT_ROWS=put_rows_)
         fabric.check_waits()
         for r, lay in enumerate(lays):

@@ -410,7 +410,7 @@ def test_flag_slots_are_disjoint_and_the_handle_word_round_trips() -> None:
 # --- compiling (Triton, no GPU) ------------------------------------------------------------------------------------
 triton = pytest.importorskip("triton")
 
-from gpuclient.kernels import moe as moe_kernels  # noqa: E402
+from gpuclient.kernels import moe_kernels  # noqa: E402
 from tests.gpuclient.test_kernels import protocol_sites  # noqa: E402
 from tests.gpuclient.test_triton import compile_kernel  # noqa: E402
 from tests.support.interpreted import run_interpreted  # noqa: E402
