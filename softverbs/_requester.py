@@ -59,7 +59,8 @@ from ._mr import MRCore, scatter
 from .pyverbs_error import PyverbsUserError
 
 if TYPE_CHECKING:  # annotations only: the device owns the QPs and their connections
-    from ._device import Conn, SoftDevice
+    from ._conn import Conn
+    from ._device import SoftDevice
 
 # ibv_wr_opcode -> wire op
 WR_TO_OP = {0: w.OP_WRITE, 1: w.OP_WRITE_IMM, 2: w.OP_SEND, 3: w.OP_SEND_IMM, 4: w.OP_READ,

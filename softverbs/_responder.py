@@ -69,7 +69,8 @@ from ._ibv import (
 from ._mr import MRCore, scatter
 
 if TYPE_CHECKING:  # annotations only: the device owns the QPs, and a QP is both halves
-    from ._device import Conn, SoftDevice
+    from ._conn import Conn
+    from ._device import SoftDevice
     from ._qp import QPCore
 
 log = logging.getLogger("softverbs")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from softverbs import soft
-from softverbs._device import local_name
+from softverbs._conn import local_name
 from tests.support.verbs_resources import RCPair, open_provider, poll
 
 
