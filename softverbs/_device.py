@@ -264,6 +264,8 @@ class SoftDevice:
         self._unfinished.clear()
         with self._dep_lock:
             self._departures.clear()
+            # the link's schedule with them: a later request must not land behind requests that never left
+            self.link = LinkModel()
         self.port = 0
 
     # ----------------------------------------------------------- identifiers

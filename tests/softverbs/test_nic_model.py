@@ -73,13 +73,13 @@ def shaped() -> Any:
 
 
 @contextmanager
-def _across(provider: Any, **options: Any) -> Iterator[SimpleNamespace]:
-    """A client QP on softib0 (the device the tests shape) and its server on a second device: what a pair on
+def _across(provider: Any, device: str = "softib0", **options: Any) -> Iterator[SimpleNamespace]:
+    """A client QP on ``device`` (the device the tests shape) and its server on a second device: what a pair on
     one device sends is loopback, which never takes the wire and which the model leaves unshaped. Looks like
     an RCPair: ``client``, ``server``, ``send_wr`` (onto the server's MR), ``v``, and the server's ``ctx``."""
     name = f"softib-{uuid.uuid4().hex[:6]}"
     soft.add_device(name, "ib")
-    with RCPair(provider, "softib0", connect=False, **options) as a, \
+    with RCPair(provider, device, connect=False, **options) as a, \
             RCPair(provider, name, connect=False, **options) as b:
         a.connect(a.client, b.server)
         b.connect(b.server, a.client)
@@ -336,6 +336,21 @@ def test_a_shaped_srd_direct_write_imm_is_reported_on_both_sides_only_once_it_la
             soft.configure("softefa0", nic_bandwidth=None, nic_latency_s=0.0, nic_spin_s=DeviceOptions().nic_spin_s,
                            nic_streaming=True)
             ah.close()
+
+
+def test_a_reopened_device_starts_with_its_link_free(shaped) -> None:
+    """The link's schedule goes when the device's last context closes, with the requests still queued on it
+    (they never leave): a request after the reopen lands by the model's own time, not behind one that never
+    left, which would have held it to that one's landing."""
+    name = f"softib-{uuid.uuid4().hex[:6]}"
+    soft.add_device(name, "ib", nic_bandwidth=1e9, nic_latency_s=20.0)  # a write lands 20 s after its post
+    with _across(shaped, device=name) as pair:
+        e = pair.v.enums
+        pair.client.qp.post_send(pair.send_wr(e.IBV_WR_RDMA_WRITE, pair.client.sge(0, 64)))
+        assert soft.device_stats(name)["link"]["messages"] == 1  # scheduled, and still queued at the close
+    soft.configure(name, nic_latency_s=1e-3)
+    with _across(shaped, device=name) as pair:
+        assert _stream(pair, 1, 64) < 10.0  # held behind the dropped write's landing, it took 20 s
 
 
 def test_a_request_to_the_device_itself_is_loopback_and_never_shaped(shaped) -> None:
