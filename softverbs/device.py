@@ -345,12 +345,6 @@ class Context(SoftResource):
             self._cmd_fd = None
         self._dev.release()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
     @property
     def name(self) -> str:
         return self._name

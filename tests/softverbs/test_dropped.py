@@ -128,6 +128,34 @@ def test_a_dropped_context_closes_its_resources_and_releases_the_device(name: st
     assert dev.refs == refs and rkey not in dev.mrs_by_rkey
 
 
+def test_a_context_the_collector_finds_is_closed_by_the_reaper() -> None:
+    """A context goes the way every resource does: the collection that finds it may run inside a softverbs
+    call that holds a lock closing the context takes (its QPs', the device's), or on the device's I/O thread."""
+    import uuid
+
+    from softverbs.device import registry
+
+    v = open_provider("soft").v
+    name = f"softib-{uuid.uuid4().hex[:6]}"
+    v.soft.add_device(name, "ib")
+    dev = registry()[name]
+    released: list[str] = []
+    release = dev.release
+
+    def recorded() -> None:
+        released.append(threading.current_thread().name)
+        release()
+
+    dev.release = recorded  # what closing the context calls last
+    ctx = v.device.Context(name=name)
+    cycle: list = [ctx]
+    cycle.append(cycle)
+    del ctx, cycle
+    gc.collect()
+    assert wait_closed(5)
+    assert released == ["softverbs-reaper"] and dev.refs == 0
+
+
 def test_a_forked_child_closes_on_a_reaper_of_its_own() -> None:
     assert _reaped_on_a_softverbs_thread()  # the parent's reaper runs
     pid = os.fork()
