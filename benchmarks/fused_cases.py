@@ -100,7 +100,7 @@ class Case:
 
 @contextmanager
 def rank_sessions(run: RunOptions, backend: str, shape: str, job: str, device: int,
-              config: dict[str, Any] | None = None) -> Iterator[tuple[list[Any], list[Any]]]:
+                  config: dict[str, Any] | None = None) -> Iterator[tuple[list[Any], list[Any]]]:
     """``(clients, sessions)`` of WORLD ranks joined on ``backend`` daemons shaped as ``shape`` and run as ``run``
     says (``config``: sections on top of its daemon config)."""
     import gpuclient
@@ -373,7 +373,7 @@ def moe_dispatch_gemm(sessions: list[Any], streams: list[Any], gen: Any, device:
     close with an untimed combine): staged by one whole round, after which ``dispatch_gemm(communicate=False)``
     reruns the GEMM over that round's rows; its flops are counted then."""
     moe = MoeGemmRanks(sessions, device, gen, tokens, hidden, topk, experts, gemm_n, streams, experts_per_put,
-                   split_experts, programs)
+                       split_experts, programs)
 
     def stage() -> None:
         moe.round()
