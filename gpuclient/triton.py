@@ -11,6 +11,8 @@ code runs, and it does its side effects once)::
     signal(ch, peer, slot, value, op=SIGNAL_ADD, now=False)
     fence(ch, peer)
     wait(ch, slot, at_least) -> the flag value seen (>= at_least)
+    signal_peers(ch, rank, world, slot, value, op=SIGNAL_ADD)
+    wait_peers(ch, rank, world, slot, at_least)
     quiet(ch)
     status(ch) -> the channel's error word (0: every record so far accepted)
     tile_done(ch, plan, tile) -> True for the call that shipped the tile's chunk
@@ -121,10 +123,12 @@ __all__ = [
     "record_words",
     "seq_for",
     "signal",
+    "signal_peers",
     "status",
     "tile_done",
     "wait",
     "wait_chunk",
+    "wait_peers",
     "wait_range",
 ]
 
@@ -572,6 +576,29 @@ def wait(ch, slot, at_least):
     _spin_flag(flag, at_least)
     tl.debug_barrier()
     return _ld_acquire_sys_u64(flag)
+
+
+# --- every peer at once: the all-to-all handshake of the fused kernels -------------------------------------------
+#   A rank tells each peer with a flag of its own at the peer (slot + the rank) and waits for each peer's flag at
+#   home (slot + the peer), so every source's signal has a slot of its own and no two ever add to one flag.
+
+
+@triton.jit
+def signal_peers(ch, rank, world, slot, value, op: tl.constexpr = 0):
+    """:func:`signal` every peer of ``rank`` (``0 <= peer < world``, ``peer != rank``) at its flag ``slot + rank``,
+    in peer order; each covers every earlier command of this channel to that peer."""
+    for peer in range(0, world):
+        if peer != rank:
+            signal(ch, peer, slot + rank, value, op)
+
+
+@triton.jit
+def wait_peers(ch, rank, world, slot, at_least):
+    """:func:`wait` until this rank's flag ``slot + peer`` reaches ``at_least`` for every peer of ``rank``
+    (``0 <= peer < world``, ``peer != rank``), in peer order: the flags :func:`signal_peers` raises."""
+    for peer in range(0, world):
+        if peer != rank:
+            wait(ch, slot + peer, at_least)
 
 
 # --- the plan calls (plan_device.cuh: tpd::Plan and its tables) --------------------------------------------------

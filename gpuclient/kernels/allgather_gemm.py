@@ -57,9 +57,7 @@ def _allgather_gemm(ch, plan, rounds_ptr, a_ptr, b_ptr, c_ptr, done_ptr, rank, w
     if pid < COMM_PROGRAMS:
         if COMMUNICATE:
             # a peer reads our last launch's rows until it says so: wait for every peer's release first
-            for peer in range(0, world):
-                if peer != rank:
-                    tpd.wait(ch, release_slot + peer, epoch - 1)
+            tpd.wait_peers(ch, rank, world, release_slot, epoch - 1)
             # every chunk of the local shard, to every peer (the plan's sends); then local completion, so
             # the shard may be overwritten once the kernel is over
             for chunk in range(pid, chunks, COMM_PROGRAMS):
@@ -96,9 +94,7 @@ def _allgather_gemm(ch, plan, rounds_ptr, a_ptr, b_ptr, c_ptr, done_ptr, rank, w
             tl.debug_barrier()
             finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
             if (finished + 1) % compute == 0:
-                for peer in range(0, world):
-                    if peer != rank:
-                        tpd.signal(ch, peer, release_slot + rank, 1)
+                tpd.signal_peers(ch, rank, world, release_slot, 1)
     if COMMUNICATE:
         if last_to_finish(rounds_ptr):
             tl.store(rounds_ptr, epoch)

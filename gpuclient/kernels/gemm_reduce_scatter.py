@@ -95,9 +95,7 @@ def _arrive(ch, plan, counters, first_chunk, row0, rows, m_seg, chunk_rows, col_
             if TIMELINE:
                 tl.store(timeline + 2 * (first_chunk + c), tpd.globaltimer().to(tl.int64))
             if BROADCAST:
-                for peer in range(0, world):
-                    if peer != rank:
-                        tpd.wait(ch, gate_slot + peer, gate_at)
+                tpd.wait_peers(ch, rank, world, gate_slot, gate_at)
             else:
                 tpd.wait(ch, gate_slot, gate_at)
             tpd.tile_done(ch, plan, first_chunk + c)
@@ -131,9 +129,7 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, rounds_ptr, a_ptr, b_ptr, partial
         out_row0 = rank * m_seg  # the whole m x n result, our segment at our rows
         if COMMUNICATE:
             if pid == 0:  # the stream reached this launch: peers may overwrite our result's rows of theirs
-                for peer in range(0, world):
-                    if peer != rank:
-                        tpd.signal(ch, peer, ag_release_slot + rank, 1)
+                tpd.signal_peers(ch, rank, world, ag_release_slot, 1)
     else:
         out_row0 = 0  # our segment alone
     for t in range(pid, world * per_segment, programs):
@@ -195,9 +191,7 @@ def _gemm_reduce_scatter(ch, rs_plan, ag_plan, rounds_ptr, a_ptr, b_ptr, partial
         # it to the peers, without waiting for those signals (no source); then the round is run
         if last_to_finish(rounds_ptr):
             tpd.quiet(ch)
-            for peer in range(0, world):
-                if peer != rank:
-                    tpd.signal(ch, peer, release_slot + rank, 1)
+            tpd.signal_peers(ch, rank, world, release_slot, 1)
             tl.store(rounds_ptr, epoch)
     if TIMELINE:
         tl.store(program_ends + pid, tpd.globaltimer().to(tl.int64))

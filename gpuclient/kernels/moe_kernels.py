@@ -337,12 +337,8 @@ def _finish_dispatch(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, src
     """The finish phase, one program: a SIGNAL per peer (after every row and handle word of the send phase in
     the ring: it covers them all), a wait for every peer's, then the receive counts and layout and the peers'
     handle words scattered into ``recv_src``."""
-    for peer in range(0, W):
-        if peer != rank:
-            tpd.signal(ch, peer, dispatch_slot + rank, 1)
-    for peer in range(0, W):
-        if peer != rank:
-            tpd.wait(ch, dispatch_slot + peer, epoch)
+    tpd.signal_peers(ch, rank, W, dispatch_slot, 1)
+    tpd.wait_peers(ch, rank, W, dispatch_slot, epoch)
     _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W, E, L, T, BLOCK_T)
     _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W, E, L, LP, WP)
 
@@ -474,9 +470,8 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
                             now = tpd.globaltimer().to(tl.int64)
                             for j in range(g * EXPERTS_PER_PUT, tl.minimum(g * EXPERTS_PER_PUT + EXPERTS_PER_PUT, L)):
                                 tl.store(timeline + 4 * W * L + s * L + j, now)
-            for peer in range(0, W):  # the counts, for recv_layout (program 0, below) and the handle words
-                if peer != rank:
-                    tpd.wait(ch, count_slot + peer, epoch)
+            # the counts, for recv_layout (program 0, below) and the handle words
+            tpd.wait_peers(ch, rank, W, count_slot, epoch)
             # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
             # this copy is for the caller and for combine, and waits for nothing; the peers' rows reach recv_x
             # through the compute programs, from gemm_stage)
@@ -493,9 +488,7 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
             # program after its own pushes: a peer's dispatch flag may come from any of its communication
             # programs, and those wait for nothing but counts, so no program waits on one that waits on it
             if pid == COMM_PROGRAMS - 1:
-                for peer in range(0, W):
-                    if peer != rank:
-                        tpd.wait(ch, dispatch_slot + peer, epoch)
+                tpd.wait_peers(ch, rank, W, dispatch_slot, epoch)
                 _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W, E, L, T, BLOCK_T)
         if pid == 0:  # recv_count and recv_layout, from the counts (this round's once the waits above passed)
             _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W, E, L, LP, WP)
@@ -525,9 +518,7 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
                     tl.atomic_max(timeline + 3 * W * L + rank * L + local, tpd.globaltimer().to(tl.int64))
             item += tiles
         if COMMUNICATE:  # every source's counts: where each source's rows sit in each expert's packed rows
-            for peer in range(0, W):
-                if peer != rank:
-                    tpd.wait(ch, count_slot + peer, epoch)
+            tpd.wait_peers(ch, rank, W, count_slot, epoch)
         counts = tl.load(count_ptr + ss[None, :] * E + rank * L + ls[:, None], mask=inside, other=0)  # [LP, WP]
         # the step at which each source's rows are taken: our own first, then rank - 1 (whose first peer we
         # are), rank - 2, ... as each source sends to its peers in ring order; the receive rows follow it
@@ -676,12 +667,8 @@ def _moe_combine_reduce(ch, rounds_ptr, rank, tokens, idx32_ptr, row_ptr, weight
     progs = tl.num_programs(0)
     epoch = tl.load(rounds_ptr)  # the round of the dispatch before, which advanced it
     if pid == 0:  # covers every put of _moe_combine_send (earlier in the ring: stream order)
-        for peer in range(0, W):
-            if peer != rank:
-                tpd.signal(ch, peer, combine_slot + rank, 1)
-    for peer in range(0, W):
-        if peer != rank:
-            tpd.wait(ch, combine_slot + peer, epoch)
+        tpd.signal_peers(ch, rank, W, combine_slot, 1)
+    tpd.wait_peers(ch, rank, W, combine_slot, epoch)
     hs = tl.arange(0, BLOCK_H)
     for t in range(pid, tokens, progs):
         for h0 in range(0, H, BLOCK_H):

@@ -52,7 +52,16 @@ from types import SimpleNamespace
 import numpy as np
 
 from gpuclient.kernels.moe_layout import MoELayout, combine_model, dispatch_model
-from tests.gpuclient.moe_interpreted import REGIONS, Buffer, bf16, f32, planned_combine, planned_dispatch, planned_puts
+from tests.gpuclient.moe_interpreted import (
+    REGIONS,
+    Buffer,
+    bf16,
+    device_calls,
+    f32,
+    planned_combine,
+    planned_dispatch,
+    planned_puts,
+)
 from tests.gpuclient.test_moe_layout import uneven_routing
 
 #: the plain op's regions, then the fused kernel's landing rows (registered last, as ``MoE`` does)
@@ -397,7 +406,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         if clear:
             waits.clear()
 
-    m.tpd = SimpleNamespace(put=fabric.put, put_signal=fabric.put_signal, signal=fabric.signal, wait=wait)
+    m.tpd = device_calls(fabric.put, fabric.put_signal, fabric.signal, wait)
     W_, E_, L_, K_, T_, H_ = world, experts, lay.local_experts, topk, max_tokens, hidden  # noqa: N806
     me.recv_src[:] = -1
     me.send_src[:] = -1

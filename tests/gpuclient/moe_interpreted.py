@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -167,6 +168,25 @@ class Fabric:
         return mine
 
 
+def device_calls(put: Callable, put_signal: Callable, signal: Callable, wait: Callable) -> SimpleNamespace:
+    """The ``gpuclient.triton`` calls the MoE kernels make, for the interpreter: the fabric's own four, and the
+    every-peer calls built on its signal and wait, as the device's are."""
+    value = Fabric.value
+
+    def signal_peers(ch, rank, world, slot, v, op=0):  # noqa: ANN001, ANN202
+        for peer in range(value(world)):
+            if peer != value(rank):
+                signal(ch, peer, value(slot) + value(rank), v, op)
+
+    def wait_peers(ch, rank, world, slot, at_least):  # noqa: ANN001, ANN202
+        for peer in range(value(world)):
+            if peer != value(rank):
+                wait(ch, value(slot) + peer, at_least)
+
+    return SimpleNamespace(put=put, put_signal=put_signal, signal=signal, wait=wait, signal_peers=signal_peers,
+                           wait_peers=wait_peers)
+
+
 def planned_dispatch(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
     """The model's dispatch puts of ``lay.rank``, as the fabric records them: the count row to every peer, per
     block piece its rows (stage rows to the expert's receive rows), and per peer the handle words of its
@@ -241,7 +261,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
     ranks = [_rank_state(lay) for lay in lays]
     fabric = Fabric(ranks)
     fabric.max_put = max_put
-    m.tpd = SimpleNamespace(put=fabric.put, put_signal=fabric.put_signal, signal=fabric.signal, wait=fabric.wait)
+    m.tpd = device_calls(fabric.put, fabric.put_signal, fabric.signal, fabric.wait)
     lay0 = lays[0]
     W_, E_, L_, K_, T_, H_ = world, experts, lay0.local_experts, topk, max_tokens, hidden  # noqa: N806
     block_h, copy_rows, put_rows_ = 16, 2, lay0.put_rows

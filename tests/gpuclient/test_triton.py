@@ -176,6 +176,17 @@ def k_wait_chunk(ch, plan, epoch, rank, chunk, out):
 
 
 @triton.jit
+def k_signal_peers(ch, rank, world, slot):
+    tdt.signal_peers(ch, rank, world, slot, 3)
+
+
+@triton.jit
+def k_wait_peers(ch, rank, world, slot, at_least, out):
+    tdt.wait_peers(ch, rank, world, slot, at_least)
+    tl.store(out, 1)
+
+
+@triton.jit
 def k_put_once(ch):
     tdt.put(ch, 1, 2, 3, 4, 5, 6)
 
@@ -190,9 +201,12 @@ SIGS = {
     "wait_range": {"ch": "*u64", "plan": "*u64", "epoch": "u64", "rank": "i32", "byte_off": "u64", "nbytes": "u64",
                    "out": "*u32"},
     "wait_chunk": {"ch": "*u64", "plan": "*u64", "epoch": "u64", "rank": "i32", "chunk": "i32", "out": "*u32"},
+    "signal_peers": {"ch": "*u64", "rank": "i32", "world": "i32", "slot": "i32"},
+    "wait_peers": {"ch": "*u64", "rank": "i32", "world": "i32", "slot": "i32", "at_least": "u64", "out": "*u32"},
 }
 KERNELS = {"pushes": k_pushes, "put_loop": k_put_loop, "quiet": k_quiet, "status": k_status, "wait": k_wait,
-           "tile_done": k_tile_done, "wait_range": k_wait_range, "wait_chunk": k_wait_chunk}
+           "tile_done": k_tile_done, "wait_range": k_wait_range, "wait_chunk": k_wait_chunk,
+           "signal_peers": k_signal_peers, "wait_peers": k_wait_peers}
 
 
 def sim(name: str) -> Kernel:
@@ -492,6 +506,42 @@ def test_wait_spins_until_the_flag_reaches_at_least(chan, start: int, at_least: 
     assert int(out[0]) == final
     assert bool(sleeps) == (start != final)
     assert writers(k) == {0}
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 2), (2, 4), (3, 4), (0, 1)])
+def test_signal_peers_signals_every_other_rank_at_its_own_slot(chan, rank: int, world: int) -> None:
+    c = chan()
+    k = sim("signal_peers")
+    c.run(k, [c.ptr, rank, world, 5], on_sleep=no_sleep)
+    assert [cmd for _, cmd in c.commands()] == [
+        Command(Opcode.SIGNAL, peer=peer, signal_slot=5 + rank, signal_value=3) for peer in range(world)
+        if peer != rank]
+    assert writers(k) <= {0}
+
+
+def test_wait_peers_waits_for_every_peers_flag_and_never_its_own(chan) -> None:
+    c = chan()
+    rank, world, slot, at_least = 1, 4, 4, 2
+    out = np.zeros(1, np.uint32)
+    late = [slot + 3, slot + 0, slot + 2]  # the peers' flags arrive out of peer order, one a sleep
+
+    def arrive(tid: int) -> None:
+        assert tid == 0, "only thread 0 spins"
+        assert out[0] == 0, "the program went on before every peer's flag arrived"
+        if late:
+            c.flags[late.pop(0)] = at_least
+
+    k = sim("wait_peers")
+    c.run(k, [c.ptr, rank, world, slot, at_least, out.ctypes.data], out, on_sleep=arrive)
+    assert out[0] == 1 and not late  # it needed every one of them
+    assert c.flags[slot + rank] == 0  # its own slot was never waited for: it never rises
+    assert writers(k) == {0}
+
+    c.flags[slot + 2] = 0  # one peer short: the wait holds
+    out[0] = 0
+    with pytest.raises(Stuck):
+        c.run(sim("wait_peers"), [c.ptr, rank, world, slot, at_least, out.ctypes.data], out, max_steps=20_000)
+    assert out[0] == 0
 
 
 def tables(plan: ChunkPlan) -> tuple[np.ndarray, ...]:
