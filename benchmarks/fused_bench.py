@@ -71,7 +71,7 @@ seen and how long after their push, how the expert tiles kept up with the arriva
 recorded event. ``--trace DIR`` (with ``--timeline``) also has every process stamp each message's steps through
 the soft fabric during those launches (``SOFTVERBS_TRACE``; about a microsecond a step) and writes them per
 launch to ``DIR/steps.json`` (``softverbs.soft.trace.steps``); a MoE Dispatch+GEMM row then also maps the GPU's
-clock onto the trace's (``gpu_clock``: gpu_bench's ping-pong through mapped host memory, its error bound in the
+clock onto the trace's (``gpu_clock``: gpu_common's ping-pong through mapped host memory, its error bound in the
 JSON) and gives each rank's pushes and group landings in the same µs from the launch's start
 (``timeline_on_trace``), so a group's way from the GPU's push through each daemon's steps reads in one line.
 The transfers of

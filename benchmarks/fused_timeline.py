@@ -83,9 +83,9 @@ def trace_done() -> None:
 
 def gpu_clock(device: int) -> dict[str, float]:
     """How the GPU's ``%globaltimer`` (the timelines' clock) maps onto the soft fabric trace's
-    (``time.monotonic_ns``): gpu_bench's ping-pong through mapped host memory (``offset_ns``: GPU minus host;
+    (``time.monotonic_ns``): gpu_common's ping-pong through mapped host memory (``offset_ns``: GPU minus host;
     ``error_bound_ns``: half the tightest round trip)."""
-    from benchmarks.gpu_bench import Gpu, calibrate
+    from benchmarks.gpu_common import Gpu, calibrate
 
     return calibrate(Gpu(device))
 

@@ -50,6 +50,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import gpuclient  # noqa: E402
+from benchmarks.gpu_common import Gpu  # noqa: E402
+from benchmarks.gpu_flag import RateRow, put_to_flag  # noqa: E402
 from ibgda.channel_tables import build_channel  # noqa: E402
 from ibgda.device_handle import QP_STATE_DTYPE, QUEUE_PAIR_DTYPE, SignalMode  # noqa: E402
 from ibgda.queue_memory import QueueMemory  # noqa: E402
@@ -234,22 +236,13 @@ VERSUS_THREADS = (1, 32, 132 * 128)
 VERSUS_WHERES = ("pinned", "device")
 
 
-def _gpu_bench() -> Any:
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    import gpu_bench
-
-    return gpu_bench
-
-
 def versus_rows(quick: bool) -> list[Any]:
-    """The rate rows of the versus section (gpu_bench.RateRow): one thread; thread 0 of each of 32 blocks
+    """The rate rows of the versus section (gpu_flag.RateRow): one thread; thread 0 of each of 32 blocks
     (the row earlier runs measured); every thread of 132 blocks of 128 (8 of 32 in --quick). Each thread
     posts cap // threads puts, at least one."""
-    gb = _gpu_bench()
     cap = 128 if quick else VERSUS_CAP
     shapes = ((1, 1), (32, 1), (8, 32) if quick else (132, 128))
-    return [gb.RateRow(blocks=b, threads=t, per_thread=max(1, cap // (b * t))) for b, t in shapes]
+    return [RateRow(blocks=b, threads=t, per_thread=max(1, cap // (b * t))) for b, t in shapes]
 
 
 def versus_rows_table(out: dict[str, Any]) -> list[dict[str, Any]]:
@@ -323,15 +316,14 @@ def versus_summary(out: dict[str, Any]) -> dict[str, float]:
 
 def versus_proxy(quick: bool, echo: Any) -> dict[str, Any]:
     """The same kernels on the proxy path and on the IBGDA path (see ``versus`` in the module doc)."""
-    gb = _gpu_bench()
     t0 = time.monotonic()
-    gpu = gb.Gpu(0)
+    gpu = Gpu(0)
     n = 50 if quick else 200
     rows = versus_rows(quick)
     rates = {"pinned": rows, "device": [r for r in rows if r.posters == 32]}
     out: dict[str, Any] = {}
     for kind in ("ring", "ibgda"):
-        out[kind] = gb.put_to_flag(gpu, n, 4096, kind=kind, wheres=VERSUS_WHERES, rates=rates)
+        out[kind] = put_to_flag(gpu, n, 4096, kind=kind, wheres=VERSUS_WHERES, rates=rates)
         for where, r in out[kind].items():
             echo(f"versus  {kind:5s} {where:6s} put -> flag p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us "
                  "(1 thread, 4 KiB)")

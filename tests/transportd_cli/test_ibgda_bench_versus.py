@@ -4,24 +4,19 @@ against the kernel's parameters, and the table, ratios and summary from recorded
 from __future__ import annotations
 
 import re
-import sys
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
+from benchmarks import gpu_flag
 from tests.support.benchmarks import BENCHMARKS, load_benchmark
-
-
-def _load(name: str) -> Any:
-    """The loaded benchmark, once: ibgda_bench imports gpu_bench by name, one module object for both."""
-    return sys.modules.get(name) or load_benchmark(name)
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    return _load("ibgda_bench")
+    return load_benchmark("ibgda_bench")
 
 
 def test_rows_are_one_thread_32_blocks_and_every_thread_of_the_gpu(bench) -> None:
@@ -58,16 +53,15 @@ class _Driver:
 
 
 def test_command_rate_launches_put_burst_as_the_kernel_declares_it(monkeypatch) -> None:
-    gb = _load("gpu_bench")
-    monkeypatch.setattr(gb, "check", lambda result, call="": result[1] if len(result) > 1 else None)
+    monkeypatch.setattr(gpu_flag, "check", lambda result, call="": result[1] if len(result) > 1 else None)
     launches: list[tuple] = []
     waits: list[tuple] = []
     module = SimpleNamespace(function=lambda name: SimpleNamespace(
         launch=lambda grid, block, args, stream=None: launches.append((name, grid, block, args))))
     receiver = SimpleNamespace(wait=lambda slot, at_least, timeout: waits.append((slot, at_least)))
     gpu = SimpleNamespace(drv=_Driver(seconds=3.0), stream=None)
-    row = gb.RateRow(blocks=132, threads=128, per_thread=1)
-    r = gb.command_rate(gpu, module, "handle", receiver, 5, 6, row, slot=3)
+    row = gpu_flag.RateRow(blocks=132, threads=128, per_thread=1)
+    r = gpu_flag.command_rate(gpu, module, "handle", receiver, 5, 6, row, slot=3)
     # 3 s a launch against a 4 s budget: a second launch, then no third
     assert len(launches) == 2 and r["reps"] == 2 and r["seconds_all"] == pytest.approx(6.0)
     assert waits == [(3, 132), (3, 264)], "every block's signal, counted in the row's own slot"
