@@ -9,8 +9,9 @@
   against a real ring file, consumed by the daemon's RingConsumer, and real ChunkPlan tables in host memory:
   the records come out exactly as cmd_ring decodes them (seq laps and wraparound included), only thread 0
   writes, a full ring waits for credit, quiet waits for the completion position, wait for the flag (wrapping
-  counters included), tile_done ships each chunk once per round with the plan's sends, and wait_range waits
-  for exactly the chunks ChunkPlan.recv_span names.
+  counters included), tile_done ships each chunk once per round with the plan's sends, wait_range waits
+  for exactly the chunks ChunkPlan.recv_span names, signal_peers signals every other rank at its own slot and
+  wait_peers needs every peer's flag, never its own.
 - The all-gather kernel of tests/gpu/triton_allgather.py and the push benchmark compile too.
 
 CI installs Triton (.[triton]); without it these tests skip here and fail under CI.
