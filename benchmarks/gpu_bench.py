@@ -44,9 +44,9 @@ from benchmarks.gpu_common import (  # noqa: E402
     HEADER_LAST,
     PARITY,
     Gpu,
-    _library_default,
-    _pct,
     calibrate,
+    library_commit_variant,
+    percentile,
 )
 from benchmarks.gpu_flag import FLAG_WHERES, put_to_flag_child, put_to_flag_table  # noqa: E402
 from benchmarks.gpu_latency import (  # noqa: E402
@@ -86,18 +86,18 @@ def run_gpu_benchmark(quick: bool = False, echo: Any = print, mps: bool = True) 
          f"{plans['put_signal_wait_ns_per_chunk']:8.0f} ns/chunk ({plans['tiles_per_chunk']} tiles a chunk, 1 thread)")
     clock = calibrate(gpu)
     echo(f"clock: globaltimer - monotonic = {clock['offset_ns']:.0f} ns (+/- {clock['error_bound_ns']:.0f} ns)")
-    library = DEFAULT_VARIANT[_library_default()]
+    library = DEFAULT_VARIANT[library_commit_variant()]
     consumed = {}
     for variant in (library, "parity"):
         lat = commit_to_consumed(gpu, variant, n_lat, GAP_NS, clock["offset_ns"])
-        consumed[variant] = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "n": int(len(lat))}
+        consumed[variant] = {"p50_us": percentile(lat, 50), "p99_us": percentile(lat, 99), "n": int(len(lat))}
         echo(f"commit -> consumed ({variant:11s}) p50 {consumed[variant]['p50_us']:7.2f} us  "
              f"p99 {consumed[variant]['p99_us']:7.2f} us")
     lat, post_info = commit_to_posted(gpu, library, n_lat, GAP_NS, clock["offset_ns"])
-    posted = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "n": int(len(lat)), **post_info}
+    posted = {"p50_us": percentile(lat, 50), "p99_us": percentile(lat, 99), "n": int(len(lat)), **post_info}
     echo(f"commit -> posted  (proxy, {library}) p50 {posted['p50_us']:7.2f} us  p99 {posted['p99_us']:7.2f} us")
     rtt = commit_to_completion_gpu_clock(gpu, library, n_lat, GAP_NS)
-    roundtrip = {"p50_us": _pct(rtt, 50), "p99_us": _pct(rtt, 99), "n": int(len(rtt))}
+    roundtrip = {"p50_us": percentile(rtt, 50), "p99_us": percentile(rtt, 99), "n": int(len(rtt))}
     echo(f"commit -> completion seen by the kernel (GPU clock only) p50 {roundtrip['p50_us']:7.2f} us  "
          f"p99 {roundtrip['p99_us']:7.2f} us")
     sweep = roundtrip_sweep(gpu, library, iters=200 if quick else 2000)

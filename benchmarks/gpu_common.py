@@ -1,11 +1,11 @@
 """What every part of ``gpu_bench.py`` stands on: the GPU handle (``Gpu``: ``gpu_push.cu`` compiled for the
 device, a stream, the SM count), the commit variants the kernels are built in and the library's default among
-them, the benchmark's own ring files (``_ring``), and two things more than one section uses:
+them, the benchmark's own ring files (``ring_file``), and two things more than one section uses:
 
 - ``calibrate``: the GPU's %globaltimer mapped onto CLOCK_MONOTONIC by a ping-pong through mapped host memory
   (the tightest of 200 round trips; its half-width bounds the error), for the latency rows and for
   ``fused_bench.py --trace`` (``fused_timeline.py``);
-- ``_null_nic_proxy``: the compiled engine as its own null NIC, which the latency rows and the sweep drain.
+- ``null_nic_proxy``: the compiled engine as its own null NIC, which the latency rows and the sweep drain.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ PARITY = ("parity", "parity_v2", "parity_fenced")  # parity_fenced: a system-sco
 DEFAULT_VARIANT = {0: "release_sys", 1: "fence_sys", 2: "v2_release", 3: "v2_split"}
 
 
-def _pct(values: np.ndarray, q: float) -> float:
+def percentile(values: np.ndarray, q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``; NaN for none (a row that measured nothing)."""
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
@@ -68,7 +69,8 @@ class Gpu:
         return float(ms) / 1e3
 
 
-def _ring(tag: str, capacity: int) -> RingFile:
+def ring_file(tag: str, capacity: int) -> RingFile:
+    """A fresh command ring file of ``capacity`` slots, named for ``tag`` and unique to this process and moment."""
     return RingFile.create(f"tpd-gpubench-{tag}-{os.getpid()}-{time.monotonic_ns() % 10**9}", capacity)
 
 
@@ -100,7 +102,9 @@ def calibrate(gpu: Gpu, rounds: int = 200) -> dict[str, float]:
     return {"offset_ns": float(best[1]), "round_trip_ns": float(best[0]), "error_bound_ns": best[0] / 2}
 
 
-def _library_default() -> int:
+def library_commit_variant() -> int:
+    """The commit variant the installed device header builds by default (``TPD_COMMIT`` in ``ring_device.cuh``),
+    as ``DEFAULT_VARIANT``'s key."""
     text = (Path(gpuclient.get_include()) / "transportd" / "ring_device.cuh").read_text()
     for line in text.splitlines():
         if line.startswith("#define TPD_COMMIT ") and "TPD_COMMIT_" in line:
@@ -114,7 +118,7 @@ def _library_default() -> int:
 NULL_NIC_JOB = "gpubench"
 
 
-def _null_nic_proxy(peers: int = 1, poll_window_us: float = 0.0, max_take: int = 4096) -> Any:
+def null_nic_proxy(peers: int = 1, poll_window_us: float = 0.0, max_take: int = 4096) -> Any:
     """The compiled engine as its own null NIC (nothing leaves C), poll window 0 unless asked, with one job:
     rank 0 here, ranks 1..peers the peers the records go to, each on its own connection."""
     from transportd.dataplane.proxy import Proxy

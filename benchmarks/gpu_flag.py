@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 import gpuclient
-from benchmarks.gpu_common import Gpu, _pct
+from benchmarks.gpu_common import Gpu, percentile
 from gpuclient.cuda_memory import DeviceMemory, check
 
 # the child is gpu_bench.py's own command line (--put-flag-child), a fresh process each MPS setting
@@ -113,8 +113,8 @@ def put_to_flag(gpu: Gpu, n: int, nbytes: int = 4096, kind: str = "ring", wheres
             tr = np.frombuffer(t_recv.read(0, 8 * n), dtype="<u8").astype(np.int64)
             lat = (tr - ts) / 1e3
             rails = c1.stats().get("rails", [{}])
-            results[where] = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "mean_us": float(lat.mean()),
-                              "n": n, "bytes": nbytes, "wall_s": wall, "backend": backend,
+            results[where] = {"p50_us": percentile(lat, 50), "p99_us": percentile(lat, 99),
+                              "mean_us": float(lat.mean()), "n": n, "bytes": nbytes, "wall_s": wall, "backend": backend,
                               "flag_publication": rails[0].get("flag_publication") if rails else None}
             rows = (rates or {}).get(where, [])
             if len(rows) > 7:

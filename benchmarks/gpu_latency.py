@@ -2,7 +2,7 @@
 queues.
 
 commit -> posted: the proxy (``transportd.dataplane.proxy.Proxy``, the compiled engine, poll window 0) as its own
-null NIC (``gpu_common._null_nic_proxy``), which logs when each command is posted; commit -> consumed: a bare
+null NIC (``gpu_common.null_nic_proxy``), which logs when each command is posted; commit -> consumed: a bare
 consumer of the same ring, header-last (``RingConsumer``) against per-word parity (``ParityConsumer``). Both
 take the host's clock, the kernel's stamps mapped onto it by ``gpu_common.calibrate``'s offset. Because that
 offset's error bound (~1.5 µs) is as large as what is measured, also: commit -> completion seen by the kernel, a
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from benchmarks.gpu_common import NULL_NIC_JOB, PARITY, Gpu, _null_nic_proxy, _ring
+from benchmarks.gpu_common import NULL_NIC_JOB, PARITY, Gpu, null_nic_proxy, ring_file
 from cmd_ring import RingConsumer, RingFile
 from gpuclient.cuda_memory import DeviceMemory
 from gpuclient.device_channel import DeviceRing, map_ring
@@ -73,7 +73,7 @@ def _latencies(stamps: DeviceMemory, n: int, seen_ns: np.ndarray, seen_ids: np.n
 
 
 def commit_to_consumed(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: float) -> np.ndarray:
-    with _ring(f"consume-{variant}", 4096) as ring:
+    with ring_file(f"consume-{variant}", 4096) as ring:
         dev = map_ring(ring, gpu.device)
         try:
             stamps = _paced_launch(gpu, variant, dev, n, gap_ns)
@@ -107,9 +107,9 @@ def commit_to_consumed(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: f
 
 
 def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: float) -> tuple[np.ndarray, dict]:
-    proxy = _null_nic_proxy()
+    proxy = null_nic_proxy()
     proxy.log_posts(n)
-    with _ring(f"post-{variant}", 4096) as ring:
+    with ring_file(f"post-{variant}", 4096) as ring:
         proxy.add_channel(0, ring, NULL_NIC_JOB, 0, 2)
         dev = map_ring(ring, gpu.device)
         try:
@@ -131,8 +131,8 @@ def commit_to_posted(gpu: Gpu, variant: str, n: int, gap_ns: int, offset_ns: flo
 def commit_to_completion_gpu_clock(gpu: Gpu, variant: str, n: int, gap_ns: int) -> np.ndarray:
     """Round trips on the GPU's clock alone: commit until the kernel sees the proxy's completion position
     pass that record (the proxy as its own null NIC, poll window 0, driven from this thread). µs each."""
-    proxy = _null_nic_proxy()
-    with _ring(f"rtt-{variant}", 4096) as ring:
+    proxy = null_nic_proxy()
+    with ring_file(f"rtt-{variant}", 4096) as ring:
         proxy.add_channel(0, ring, NULL_NIC_JOB, 0, 2)
         dev = map_ring(ring, gpu.device)
         rtt = DeviceMemory(8 * n, gpu.device)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import numpy as np
 
 import gpuclient
-from benchmarks.gpu_common import Gpu, _ring
+from benchmarks.gpu_common import Gpu, ring_file
 from gpuclient.cuda_memory import DeviceMemory
 from gpuclient.device_channel import map_ring
 
 
 def push_cost(gpu: Gpu, variant: str, single_iters: int, agg_iters: int, threads: int = 128) -> dict[str, float]:
-    with _ring(f"push-{variant}", 1 << 14) as ring:
+    with ring_file(f"push-{variant}", 1 << 14) as ring:
         dev = map_ring(ring, gpu.device)
         out = DeviceMemory(16, gpu.device)
         try:
@@ -56,7 +56,7 @@ def push_cost(gpu: Gpu, variant: str, single_iters: int, agg_iters: int, threads
 def warp_push_cost(gpu: Gpu, single_iters: int, agg_iters: int, threads: int = 128) -> dict[str, float]:
     """The warp-cooperative push (``tpd::warp_push``, the library's commit): ns per record for one warp
     pushing 32 records per round, and records/s with every SM's ``threads`` threads pushing."""
-    with _ring("push-warp", 1 << 14) as ring:
+    with ring_file("push-warp", 1 << 14) as ring:
         dev = map_ring(ring, gpu.device)
         out = DeviceMemory(16, gpu.device)
         try:
@@ -92,7 +92,7 @@ def plan_overhead(gpu: Gpu, rounds: int, tiles_per_chunk: int = 4, chunks: int =
     tile = 4096
     plan = gpuclient.ChunkPlan.all_gather(rank=0, world=2, shard_bytes=chunks * tiles_per_chunk * tile,
                                           tile_bytes=tile, chunk_tiles=tiles_per_chunk, dst_region=1)
-    with _ring("plan", 1 << 14) as ring:
+    with ring_file("plan", 1 << 14) as ring:
         dev = map_ring(ring, gpu.device)
         flags = DeviceMemory(8 * plan.slot_count, gpu.device)
         out = DeviceMemory(24, gpu.device)
@@ -127,7 +127,7 @@ def plan_overhead(gpu: Gpu, rounds: int, tiles_per_chunk: int = 4, chunks: int =
 def pcie_read(gpu: Gpu, rounds: int = 20000) -> dict[str, float]:
     """One GPU thread's read of a word in pinned host memory, each read waited for before the next: what a
     poll of the completion word costs, and so how late one poller sees a new value (~1 round trip)."""
-    with _ring("pcie", 64) as ring:
+    with ring_file("pcie", 64) as ring:
         dev = map_ring(ring, gpu.device)
         out = DeviceMemory(24, gpu.device)
         try:

@@ -27,10 +27,10 @@ from benchmarks.gpu_common import (
     NULL_NIC_JOB,
     PARITY,
     Gpu,
-    _library_default,
-    _null_nic_proxy,
-    _pct,
-    _ring,
+    library_commit_variant,
+    null_nic_proxy,
+    percentile,
+    ring_file,
 )
 from benchmarks.gpu_push_cost import pcie_read
 from cmd_ring import RingFile
@@ -81,10 +81,10 @@ def roundtrip_sweep(gpu: Gpu, variant: str, threads: tuple[int, ...] = SWEEP_THR
         raise ValueError("per-word parity records have only the bare consumer (the engine takes header-last)")
     if push not in SWEEP_PUSHES or (push == "warp" and (wait != "thread" or variant in PARITY)):
         raise ValueError(f"push must be one of {SWEEP_PUSHES}; the warp push waits per thread, header-last only")
-    proxy = _null_nic_proxy(peers, poll_window_us, max_take) if consumer == "worker" else None
+    proxy = null_nic_proxy(peers, poll_window_us, max_take) if consumer == "worker" else None
     rows: dict[str, Any] = {}
     name = f"roundtrip_sweep_{'warppush_' if push == 'warp' else '' if wait == 'thread' else wait + 'wait_'}{variant}"
-    with _ring(f"sweep-{variant}", capacity) as ring:
+    with ring_file(f"sweep-{variant}", capacity) as ring:
         if proxy is not None:
             proxy.add_channel(0, ring, NULL_NIC_JOB, 0, peers + 1)
         dev = map_ring(ring, gpu.device)
@@ -187,9 +187,9 @@ def split_ring_sweep(gpu: Gpu, rings: int, threads: tuple[int, ...] = SWEEP_THRE
     kernel = gpu.module.function("roundtrip_sweep_rings_v2_split")
     rows: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        files = [stack.enter_context(_ring(f"split-{i}", capacity)) for i in range(rings)]
+        files = [stack.enter_context(ring_file(f"split-{i}", capacity)) for i in range(rings)]
         if consumer != "bare":
-            proxies = [_null_nic_proxy(peers) for _ in (files if consumer == "workers" else files[:1])]
+            proxies = [null_nic_proxy(peers) for _ in (files if consumer == "workers" else files[:1])]
             for i, f in enumerate(files):  # channel i of the one worker, or channel 0 of worker i
                 proxy, channel = (proxies[i], 0) if consumer == "workers" else (proxies[0], i)
                 proxy.add_channel(channel, f, NULL_NIC_JOB, 0, peers + 1)
@@ -235,9 +235,10 @@ def _sweep_row(threads: int, n: int, ns: np.ndarray, push_ns: np.ndarray, ends: 
     finished = ends[:, 1] != FAILED
     window_ns = float(ends[finished, 1].max()) - float(ends[:, 0].min()) if finished.any() else float("nan")
     return {"threads": threads, "iters": n, "round_trips": int(len(us)), "failed_threads": int((~finished).sum()),
-            "avg_us": float(us.mean()) if len(us) else float("nan"), "p50_us": _pct(us, 50),
-            "p99_us": _pct(us, 99), "max_us": float(us.max()) if len(us) else float("nan"),
-            "push_p50_us": _pct(push_us, 50), "mops": len(us) / window_ns * 1e3 if window_ns > 0 else float("nan")}
+            "avg_us": float(us.mean()) if len(us) else float("nan"), "p50_us": percentile(us, 50),
+            "p99_us": percentile(us, 99), "max_us": float(us.max()) if len(us) else float("nan"),
+            "push_p50_us": percentile(push_us, 50),
+            "mops": len(us) / window_ns * 1e3 if window_ns > 0 else float("nan")}
 
 
 def sweep_table(sweep: dict[str, Any]) -> str:
@@ -289,7 +290,7 @@ def run_sweep_only(quick: bool, threads: tuple[int, ...], iters: int, poll_windo
     polling cost without the engine, and with one poller a warp (``waits`` and ``max_takes`` narrow it). With
     ``cpu``, the worker's sweep again with its loop alone on that CPU, and the bare consumer's likewise."""
     gpu = Gpu(0)
-    library = DEFAULT_VARIANT[_library_default()]
+    library = DEFAULT_VARIANT[library_commit_variant()]
     read = pcie_read(gpu)
     echo(f"PCIe read of a host word, one thread: {read['acquire_read_ns']:.0f} ns acquire, "
          f"{read['relaxed_read_ns']:.0f} ns relaxed")
