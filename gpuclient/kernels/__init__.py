@@ -2,8 +2,9 @@
 
 Each kernel is a host object built on a joined session: it registers the buffers the kernel's peers write
 into, sizes a chunk plan (``gpuclient.ChunkPlan``) whose chunks are independent of the compute tiles, and
-compiles its Triton kernel on first use. Tensors are PyTorch's (``torch`` and ``triton`` are needed: the
-``.[triton]`` extra and a CUDA build of torch).
+compiles its Triton kernel on first use. ``torch`` and ``triton`` are needed (the ``.[triton]`` extra and a CUDA
+build of torch); operands are torch tensors or any CUDA array torch views without a copy (CuPy, through DLPack
+or ``__cuda_array_interface__``; bf16 as 16-bit integers: ``_operands``), results torch tensors.
 
     op = AllGatherGemm(session, m_local=1024, n=4096, k=8192)   # before session.exchange()
     session.exchange()

@@ -49,11 +49,6 @@ def check_rows(what: str, elements: int) -> None:
                          f"multiple of 16 bytes), got {elements}")
 
 
-def check_aligned(name: str, tensor: Any) -> None:
-    if tensor.data_ptr() % 16:
-        raise ValueError(f"tma=True needs {name} to start on a 16-byte boundary (a tensor descriptor's base)")
-
-
 class DescriptorScratch:
     """The global scratch of one op's launches (see the module doc)."""
 

@@ -29,13 +29,13 @@ import triton.language as tl
 
 from gpuclient import triton as tpd
 from gpuclient.kernels._launch import KernelLauncher, launch_stream, output
+from gpuclient.kernels._operands import operand
 from gpuclient.kernels._rounds import last_to_finish, round_words, this_round
 from gpuclient.kernels._tiles import (
     GEMM_BLOCK,
     GROUP_M,
     DescriptorScratch,
     async_proxy_fence,
-    check_aligned,
     check_group,
     check_tiles,
     gemm_operands,
@@ -221,14 +221,19 @@ class AllGatherGemm:
         import torch
 
         stream = launch_stream(stream, self.device, self._ch is not None)
+        device = self.gathered.device
+        b = operand("b", b, (self.k, self.n), (torch.bfloat16,), device, stream)
+        if out is not None:
+            out = operand("out", out, (self.world * self.m_local, self.n), (self.out_dtype,), device, stream)
+        if a_shard is not None:
+            a_shard = operand("a_shard", a_shard, (self.m_local, self.k), (torch.bfloat16,), device, stream,
+                              copied=True)
         self.prepare()
         if a_shard is not None and a_shard.data_ptr() != self.local_rows().data_ptr():
             with torch.cuda.stream(stream):  # in the launch's stream, ahead of the kernel that reads and ships it
                 self.local_rows().copy_(a_shard)
         if out is None:
-            out = output((self.world * self.m_local, self.n), self.out_dtype, self.gathered.device, stream)
-        if self.tma:
-            check_aligned("b", b)
+            out = output((self.world * self.m_local, self.n), self.out_dtype, device, stream)
         if communicate:
             self.launches += 1
         args, meta = self._args(b, out), self._meta(communicate, compute)

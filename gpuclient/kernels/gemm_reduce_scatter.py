@@ -55,12 +55,12 @@ import triton.language as tl
 
 from gpuclient import triton as tpd
 from gpuclient.kernels._launch import KernelLauncher, launch_stream, output
+from gpuclient.kernels._operands import operand
 from gpuclient.kernels._rounds import last_to_finish, round_words, this_round
 from gpuclient.kernels._tiles import (
     GEMM_BLOCK,
     GROUP_M,
     DescriptorScratch,
-    check_aligned,
     check_group,
     check_tiles,
     gemm_operands,
@@ -528,31 +528,19 @@ class GemmReduceScatter:
         self.prepare()
         return torch.zeros(self.layout.timeline_words(self.programs), dtype=torch.int64, device=self.partial.device)
 
-    def _check(self, name: str, tensor: Any, shape: tuple[int, int], dtype: Any) -> None:
-        """Refuse an operand the kernel would misread (no conversion here: a torch kernel launched between the
-        ranks' launches could load a module behind a running kernel, the hang ``preload`` avoids)."""
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(f"{name} must be {shape[0]} x {shape[1]} {dtype}, got {tuple(tensor.shape)} "
-                             f"{tensor.dtype}")
-        if not tensor.is_contiguous() or tensor.device != self.partial.device:
-            raise ValueError(f"{name} must be contiguous on {self.partial.device}, got "
-                             f"{'a strided view' if not tensor.is_contiguous() else 'a tensor'} on {tensor.device}")
-
     def _launch(self, a: Any, b: Any, out: Any, communicate: bool, compute: bool, stream: Any,
                 timeline: Any = None) -> None:
         """The launch on ``stream`` (the caller's ``launch_stream``, resolved before anything is counted)."""
         import torch
 
-        self._check("a", a, (self.m, self.k), torch.bfloat16)
-        self._check("b", b, (self.k, self.n), torch.bfloat16)
-        if self.tma:
-            check_aligned("a", a)
-            check_aligned("b", b)
+        a = operand("a", a, (self.m, self.k), (torch.bfloat16,), self.partial.device, stream)
+        b = operand("b", b, (self.k, self.n), (torch.bfloat16,), self.partial.device, stream)
         self.prepare()
         if communicate:
             self.launches += 1
         if timeline is not None:
-            self._check("timeline", timeline, (self.layout.timeline_words(self.programs),), torch.int64)
+            timeline = operand("timeline", timeline, (self.layout.timeline_words(self.programs),), (torch.int64,),
+                               self.partial.device, stream)
         args = self._args(a, b, out, timeline)
         meta = self._meta(communicate, compute, timeline is not None)
         self._scratch.launch(lambda: self._launcher(_gemm_reduce_scatter, (self.programs,), stream, args, meta))
@@ -568,7 +556,7 @@ class GemmReduceScatter:
         variant other than the default must be ``preload``-ed first where ranks share a process."""
         stream = launch_stream(stream, self.device, self._ch is not None)
         if out is not None:
-            self._check("out", out, (self.m_seg, self.n), self.out_dtype)
+            out = operand("out", out, (self.m_seg, self.n), (self.out_dtype,), self.partial.device, stream)
         else:
             out = output((self.m_seg, self.n), self.out_dtype, self.partial.device, stream)
         self._launch(a, b, out, communicate, compute, stream, timeline)

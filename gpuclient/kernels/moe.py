@@ -15,6 +15,7 @@ from typing import Any
 
 from gpuclient import triton as tpd
 from gpuclient.kernels._launch import KernelLauncher, launch_stream
+from gpuclient.kernels._operands import as_tensor, operand
 from gpuclient.kernels._rounds import round_words
 from gpuclient.kernels._tiles import check_launch, is_dot_block
 from gpuclient.kernels.moe_kernels import (
@@ -354,17 +355,9 @@ class MoE:
         return {"W": self.world, "K": self.topk, "H": self.hidden, "BLOCK_H": self.block_h,
                 "num_warps": self.num_warps}
 
-    def _check(self, name: str, tensor: Any, shape: tuple[int, ...], dtypes: tuple) -> None:
-        """Refuse what the kernels would misread or recompile for (no conversion here: a torch kernel launched
-        between the ranks' launches could load a module behind a waiting kernel; an address off 16 bytes
-        would make Triton compile, and load, another variant)."""
-        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
-            want = " or ".join(str(d) for d in dtypes)
-            raise ValueError(f"{name} must be {list(shape)} {want}, got {list(tensor.shape)} {tensor.dtype}")
-        if not tensor.is_contiguous() or tensor.device != self.recv_x.device:
-            raise ValueError(f"{name} must be contiguous on {self.recv_x.device}")
-        if tensor.numel() and tensor.data_ptr() % 16:
-            raise ValueError(f"{name} must start 16-byte aligned (Triton specializes on it)")
+    def _operand(self, name: str, obj: Any, shape: tuple[int, ...], dtypes: tuple, stream: Any) -> Any:
+        """``obj`` as the torch tensor the kernels read or write, checked (``_operands.operand``)."""
+        return operand(name, obj, shape, dtypes, self.recv_x.device, stream)
 
     # --- the API -----------------------------------------------------------------------------------------------------
     def dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None) -> tuple[Any, Any, MoEHandle]:
@@ -378,8 +371,9 @@ class MoE:
         rest is stale). It and the handle stay valid until this round's ``combine`` is launched; the
         expert computation must be ordered before it (same stream, or synchronised).
         """
-        tokens = self._check_inputs(x, topk_idx, topk_weights)
         stream = launch_stream(stream, self.device, self._ch is not None)
+        x, topk_idx, topk_weights = self._inputs(x, topk_idx, topk_weights, stream)
+        tokens = int(x.shape[0])
         self.prepare()
         self.rounds += 1
         grid = (self.programs,)
@@ -398,18 +392,19 @@ class MoE:
         H = self.hidden  # noqa: N806
         return self.recv_x[..., :H].view(torch.float8_e4m3fn), self.recv_x[..., H:].view(torch.float32)
 
-    def _check_inputs(self, x: Any, topk_idx: Any, topk_weights: Any) -> int:
+    def _inputs(self, x: Any, topk_idx: Any, topk_weights: Any, stream: Any) -> tuple[Any, Any, Any]:
+        """A dispatch's three inputs as checked torch tensors (``_operand``); ``x``'s rows are its tokens."""
         import torch
 
         if self._pending is not None:
             raise RuntimeError("combine the previous dispatch first: its buffers are still in use")
+        x = as_tensor("x", x, self.recv_x.device, stream)
         tokens = int(x.shape[0]) if x.dim() == 2 else -1
         if not 0 <= tokens <= self.max_tokens:
             raise ValueError(f"x must be [tokens <= {self.max_tokens}, {self.hidden}], got {list(x.shape)}")
-        self._check("x", x, (tokens, self.hidden), (torch.bfloat16,))
-        self._check("topk_idx", topk_idx, (tokens, self.topk), (torch.int32, torch.int64))
-        self._check("topk_weights", topk_weights, (tokens, self.topk), (torch.float32,))
-        return tokens
+        return (self._operand("x", x, (tokens, self.hidden), (torch.bfloat16,), stream),
+                self._operand("topk_idx", topk_idx, (tokens, self.topk), (torch.int32, torch.int64), stream),
+                self._operand("topk_weights", topk_weights, (tokens, self.topk), (torch.float32,), stream))
 
     def dispatch_gemm(self, x: Any, topk_idx: Any, topk_weights: Any, w: Any, *, out: Any = None,
                       stream: Any = None, communicate: bool = True, compute: bool = True,
@@ -435,16 +430,19 @@ class MoE:
         if self.gemm_n is None:
             raise RuntimeError("this MoE was built without gemm_n: dispatch_gemm has no kernel")
         L, H, N = self.local_experts, self.hidden, self.gemm_n  # noqa: N806
-        tokens = self._check_inputs(x, topk_idx, topk_weights) if communicate else 0
-        self._check("w", w, (L, H, N), (torch.bfloat16,))
-        y = self.y if out is None else out
-        self._check("out", y, tuple(self.y.shape), (self.gemm_dtype,))
+        stream = launch_stream(stream, self.device, self._ch is not None)
+        tokens = 0
+        if communicate:
+            x, topk_idx, topk_weights = self._inputs(x, topk_idx, topk_weights, stream)
+            tokens = int(x.shape[0])
+        w = self._operand("w", w, (L, H, N), (torch.bfloat16,), stream)
+        y = self._operand("out", self.y if out is None else out, tuple(self.y.shape), (self.gemm_dtype,), stream)
         if timeline is not None:
             self.prepare()
-            self._check("timeline", timeline, (self.layout.timeline_words(self.gemm_programs),), (torch.int64,))
+            timeline = self._operand("timeline", timeline, (self.layout.timeline_words(self.gemm_programs),),
+                                     (torch.int64,), stream)
         if not communicate and self.rounds == 0:
             raise RuntimeError("communicate=False reruns the GEMM of the latest round: dispatch one first")
-        stream = launch_stream(stream, self.device, self._ch is not None)
         self.prepare()
         if communicate:  # compute=False too: its rows move and its flags rise like any fused round's
             self.rounds += 1
@@ -470,11 +468,10 @@ class MoE:
 
         if handle is not self._pending:
             raise RuntimeError("combine takes the handle of the op's latest dispatch, once")
-        self._check("y", y, (*self.recv_x.shape[:2], self.hidden), (torch.bfloat16,))
-        if out is None:
-            out = self.out[:handle.tokens]
-        self._check("out", out, (handle.tokens, self.hidden), (torch.bfloat16,))
         stream = launch_stream(stream, self.device, self._ch is not None)
+        y = self._operand("y", y, (*self.recv_x.shape[:2], self.hidden), (torch.bfloat16,), stream)
+        out = self._operand("out", self.out[:handle.tokens] if out is None else out, (handle.tokens, self.hidden),
+                            (torch.bfloat16,), stream)
         grid = (self.programs,)
         self._launcher(_moe_combine_send, grid, stream, self._combine_send_args(y), self._combine_send_meta())
         self._launcher(_moe_combine_reduce, grid, stream,

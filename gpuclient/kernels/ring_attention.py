@@ -78,6 +78,7 @@ import triton.language as tl
 
 from gpuclient import triton as tpd
 from gpuclient.kernels._launch import KernelLauncher, launch_stream, output
+from gpuclient.kernels._operands import operand
 from gpuclient.kernels._rounds import last_to_finish, round_words, this_round
 from gpuclient.kernels._tiles import DescriptorScratch, async_proxy_fence, check_launch
 from gpuclient.plan import ChunkPlan
@@ -580,20 +581,6 @@ class RingAttention:
                 "COPY_BLOCK": 1024, "CAUSAL": self.causal, "COMMUNICATE": communicate and self.world > 1,
                 "COMPUTE": compute, "TMA": self.tma, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
-    def _check(self, name: str, tensor: Any, dtype: Any) -> None:
-        """Refuse an operand the kernel would misread (no conversion here: a torch kernel launched between the
-        ranks' launches could load a module behind a running kernel, the hang ``preload`` avoids)."""
-        shape = (self.heads, self.seq_local, self.head_dim)
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(f"{name} must be {' x '.join(map(str, shape))} {dtype}, got {tuple(tensor.shape)} "
-                             f"{tensor.dtype}")
-        if not tensor.is_contiguous() or tensor.device != self.kv.device:
-            raise ValueError(f"{name} must be contiguous on {self.kv.device}, got "
-                             f"{'a strided view' if not tensor.is_contiguous() else 'a tensor'} on {tensor.device}")
-        if tensor.data_ptr() % 16:
-            # Triton specializes pointers on 16-byte alignment: a misaligned one would compile (and load) anew
-            raise ValueError(f"{name} must start on a 16-byte boundary (the kernel was loaded for aligned tensors)")
-
     def __call__(self, q: Any, k: Any, v: Any, out: Any = None, *, communicate: bool = True,
                  compute: bool = True, stream: Any = None) -> Any:
         """Launch once on ``stream`` (torch's current one by default); returns the attention output of this
@@ -605,10 +592,11 @@ class RingAttention:
         import torch
 
         stream = launch_stream(stream, self.device, self._ch is not None)
-        for name, tensor in (("q", q), ("k", k), ("v", v)):
-            self._check(name, tensor, torch.bfloat16)
+        shape, device = (self.heads, self.seq_local, self.head_dim), self.kv.device
+        q, k, v = (operand(name, tensor, shape, (torch.bfloat16,), device, stream)
+                   for name, tensor in (("q", q), ("k", k), ("v", v)))
         if out is not None:
-            self._check("out", out, self.out_dtype)
+            out = operand("out", out, shape, (self.out_dtype,), device, stream)
         self.prepare()
         if out is None:
             out = output((self.heads, self.seq_local, self.head_dim), self.out_dtype, self.kv.device, stream)
