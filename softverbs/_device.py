@@ -260,6 +260,7 @@ class SoftDevice:
         self._actions.clear()
         self._timers.clear()
         self._landings.clear()
+        self._dirty_rsp.clear()  # their connections are closed: nothing of theirs is sent
         self.inbox_waiting.clear()
         self._unfinished.clear()
         with self._dep_lock:
