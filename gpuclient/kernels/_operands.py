@@ -48,7 +48,8 @@ def as_tensor(name: str, obj: Any, device: Any, stream: Any) -> Any:
 def operand(name: str, obj: Any, shape: tuple[int, ...] | None, dtypes: tuple[Any, ...], device: Any,
             stream: Any, *, copied: bool = False) -> Any:
     """``obj`` as the torch tensor a kernel reads or writes, checked: ``shape`` (None: any), one of ``dtypes``
-    (16-bit integers where bf16 is wanted are viewed as bf16), contiguous, on ``device`` and 16-byte aligned
+    (16-bit integers where bf16 is wanted are viewed as bf16), contiguous, on ``device`` (a ``torch.device``) and
+    16-byte aligned
     (Triton specializes a pointer on it: another alignment would compile, and load, another variant).
     ``copied``: torch copies the operand into the op's own buffer, so only its shape and dtype matter. Raises
     ValueError naming the operand and what it must be, TypeError for an object that is no CUDA array."""
@@ -57,14 +58,14 @@ def operand(name: str, obj: Any, shape: tuple[int, ...] | None, dtypes: tuple[An
     tensor = as_tensor(name, obj, device, stream)
     if tensor.dtype in (torch.uint16, torch.int16) and torch.bfloat16 in dtypes:
         tensor = tensor.view(torch.bfloat16)
-    if (shape is not None and tuple(tensor.shape) != tuple(shape)) or tensor.dtype not in dtypes:
+    if (shape is not None and tensor.shape != shape) or tensor.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         dims = "any shape" if shape is None else " x ".join(map(str, shape))
         raise ValueError(f"{name} must be {dims} {want}, got {' x '.join(map(str, tensor.shape))} {tensor.dtype}")
     if copied:
         return tensor
-    if tensor.device != torch.device(device):
-        raise ValueError(f"{name} must be on {torch.device(device)}, got a tensor on {tensor.device}")
+    if tensor.device != device:  # a torch.device: the ops pass their buffers' own
+        raise ValueError(f"{name} must be on {device}, got a tensor on {tensor.device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got a strided view")
     if tensor.numel() and tensor.data_ptr() % 16:

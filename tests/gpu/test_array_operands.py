@@ -81,6 +81,8 @@ def test_operand_views_the_callers_memory_and_refuses_what_a_kernel_would_misrea
         assert operand("i", cupy.zeros((4, 3), cupy.int64), (4, 3), (torch.int32, torch.int64), dev,
                        stream).dtype == torch.int64
         with pytest.raises(TypeError, match="x must be a torch tensor or a CUDA array"):
+            operand("x", [[0] * 8] * 4, (4, 8), bf16, dev, stream)
+        with pytest.raises(ValueError, match=f"x must be on {dev}, got a tensor on cpu"):  # host DLPack
             operand("x", np.zeros((4, 8), np.uint16), (4, 8), bf16, dev, stream)
         with pytest.raises(ValueError, match=r"x must be 4 x 8 torch.bfloat16, got 4 x 8 torch.float32"):
             operand("x", cupy.zeros((4, 8), cupy.float32), (4, 8), bf16, dev, stream)
