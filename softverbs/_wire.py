@@ -91,10 +91,16 @@ def land_field(land: float) -> int:
     return int(land * 1e6) % _LAND_WRAP or 1  # 0 says "no landing to wait for"
 
 
+#: the furthest ahead of its arrival a peer's landing is believed: a request the link model queues longer than
+#: this is a broken peer's field, and the responder would hold the completion (and what follows it) that long
+LAND_AHEAD_MAX_S = 10.0
+
+
 def land_from_field(field: int, now: float) -> float:
-    """The landing time ``land_field`` encoded, read against ``now`` (within 35 minutes of it)."""
+    """The landing time ``land_field`` encoded, read against ``now`` (within 35 minutes of it), at most
+    ``LAND_AHEAD_MAX_S`` ahead of ``now``."""
     delta = (field - int(now * 1e6) + (_LAND_WRAP >> 1)) % _LAND_WRAP - (_LAND_WRAP >> 1)
-    return now + delta / 1e6
+    return now + min(delta / 1e6, LAND_AHEAD_MAX_S)
 
 
 MASK64 = (1 << 64) - 1  # the u64 fields (add, swap, value) wrap as the hardware's 64-bit atomics do

@@ -354,3 +354,13 @@ def test_random_responses_cost_only_the_requests_they_answer(soft, fake_peer, ca
             assert wc.status == 0
             assert good.server.read_buf(0, ROW) == _image(i)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("now", [12.345678, float(1 << 32) / 1e6 - 0.001, 3 * float(1 << 32) / 1e6 + 5.0])
+def test_a_landing_field_reads_back_at_most_its_bound_ahead(now: float) -> None:
+    """An SRD direct write's landing (µs modulo 2**32 in its psn field) reads back across the wrap, and a field
+    further ahead than ``LAND_AHEAD_MAX_S`` (a broken peer's) holds its completion no longer than that."""
+    for ahead in (0.0, 0.000250, 0.5, -0.010):  # a shaped link's landings, and one already past
+        assert w.land_from_field(w.land_field(now + ahead), now) == pytest.approx(now + ahead, abs=2e-6)
+    for ahead in (w.LAND_AHEAD_MAX_S + 1.0, 30 * 60.0):
+        assert w.land_from_field(w.land_field(now + ahead), now) == now + w.LAND_AHEAD_MAX_S
