@@ -41,7 +41,7 @@ def as_tensor(name: str, obj: Any, device: Any, stream: Any) -> Any:
         stream.wait_stream(torch.cuda.ExternalStream(producer, device=device))
     tensor = torch.as_tensor(obj, device=device)  # with a device: a view (without one torch copies to the host)
     if tensor.numel() and tensor.data_ptr() != cai["data"][0]:
-        raise TypeError(f"{name}: torch could not view the array's memory without a copy")
+        raise TypeError(f"{name}: torch copied the array instead of viewing it (is it on another GPU than {device}?)")
     return tensor
 
 
