@@ -49,8 +49,7 @@ def operand(name: str, obj: Any, shape: tuple[int, ...] | None, dtypes: tuple[An
             stream: Any, *, copied: bool = False) -> Any:
     """``obj`` as the torch tensor a kernel reads or writes, checked: ``shape`` (None: any), one of ``dtypes``
     (16-bit integers where bf16 is wanted are viewed as bf16), contiguous, on ``device`` (a ``torch.device``) and
-    16-byte aligned
-    (Triton specializes a pointer on it: another alignment would compile, and load, another variant).
+    16-byte aligned (Triton specializes a pointer on it: another alignment would compile, and load, another variant).
     ``copied``: torch copies the operand into the op's own buffer, so only its shape and dtype matter. Raises
     ValueError naming the operand and what it must be, TypeError for an object that is no CUDA array."""
     import torch

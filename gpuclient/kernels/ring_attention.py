@@ -599,7 +599,7 @@ class RingAttention:
             out = operand("out", out, shape, (self.out_dtype,), device, stream)
         self.prepare()
         if out is None:
-            out = output((self.heads, self.seq_local, self.head_dim), self.out_dtype, self.kv.device, stream)
+            out = output(shape, self.out_dtype, device, stream)
         if communicate and self.world > 1:
             self.launches += 1
         args, meta = self._args(q, k, v, out), self._meta(communicate, compute)

@@ -27,13 +27,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from tests.gpu.test_fused_kernels import (  # noqa: E402  (needs torch)
-    _assert_sum,
-    _attention,
+    _assert_ranks_match_torch,
     _close,
     _cluster,
     _exchange,
+    _poison_owed,
     _ranks,
-    _reference,
 )
 from tests.gpu.test_moe import _expert_weights, _prepared, _routing, _seeded  # noqa: E402
 from tests.support.cuda_graphs import capture_per_rank, replay_per_rank  # noqa: E402
@@ -103,35 +102,12 @@ def test_the_fused_ops_replay_from_cuda_graphs(cuda_device, fabric: str, kind: s
             def fresh(outputs: list) -> None:
                 """New inputs in the tensors a graph reads; what the peers owe and the outputs poisoned."""
                 _random_into([t for per_rank in inputs for t in per_rank], gen)
-                for op in ops:
-                    owed = {"allgather_gemm": ["gathered"], "ring_attention": ["kv", "_acc", "_ml"]}.get(
-                        kind, ["staging", "partial"] + (["result"] if kind == "gemm_all_reduce" else []))
-                    for name in owed:
-                        getattr(op, name).fill_(NAN)
+                _poison_owed(ops, kind)
                 for out in outputs:
                     out.fill_(NAN)
 
             def check(outs: list, what: str) -> None:
-                if kind == "ring_attention":
-                    want = _attention(*[[x[i] for x in inputs] for i in range(3)], causal=True)
-                elif kind != "allgather_gemm":
-                    want, magnitude = _reference([x[0] for x in inputs], [x[1] for x in inputs])
-                for r, op in enumerate(ops):
-                    where = f"{fabric} {kind} rank {r}, {what}"
-                    assert op.channel.status()[0] == 0, (where, op.channel.status())
-                    assert torch.isfinite(outs[r]).all(), f"{where}: read before arrival (NaN)"
-                    if kind == "allgather_gemm":
-                        want = torch.cat([x[0] for x in inputs]).float() @ inputs[r][1].float()
-                        torch.testing.assert_close(outs[r], want, rtol=1e-3, atol=2e-2,
-                                                   msg=lambda s, where=where: f"{where}: {s}")
-                    elif kind == "ring_attention":
-                        torch.testing.assert_close(outs[r].cpu().double(), want[:, r * seq_local:(r + 1) * seq_local],
-                                                   rtol=1e-2, atol=1.5e-2, msg=lambda s, where=where: f"{where}: {s}")
-                    elif kind == "gemm_all_reduce":
-                        _assert_sum(outs[r], want, magnitude, where)
-                    else:
-                        rows = slice(r * m // world, (r + 1) * m // world)
-                        _assert_sum(outs[r], want[rows], magnitude[rows], where)
+                _assert_ranks_match_torch(kind, ops, outs, inputs, True, f"{fabric} {kind}, {what}")
 
             def rounds_run() -> list[int]:
                 return [int(op._rounds[0]) for op in ops]

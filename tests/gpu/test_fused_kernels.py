@@ -322,6 +322,43 @@ def _attention(q: list, k: list, v: list, causal: bool):
     return torch.nn.functional.scaled_dot_product_attention(*full, is_causal=causal)[0]
 
 
+def _poison_owed(ops: list, kind: str) -> None:
+    """NaN into what the peers owe each op of ``kind`` (and what the reductions ship from): a read before arrival
+    shows in the output."""
+    owed = {"allgather_gemm": ["gathered"], "ring_attention": ["kv", "_acc", "_ml"]}.get(
+        kind, ["staging", "partial"] + (["result"] if kind == "gemm_all_reduce" else []))
+    for op in ops:
+        for name in owed:
+            getattr(op, name).fill_(float("nan"))
+
+
+def _assert_ranks_match_torch(kind: str, ops: list, outs: list, inputs: list, causal: bool, what: str) -> None:
+    """Every rank's output of an op of ``kind`` (``inputs[r]``: rank r's operands in call order) against torch,
+    with the tolerances of the tests above, and every channel's error word 0."""
+    world = len(ops)
+    if kind == "ring_attention":
+        want = _attention(*[[x[i] for x in inputs] for i in range(3)], causal=causal)
+        seq_local = inputs[0][0].shape[1]
+    elif kind != "allgather_gemm":
+        want, magnitude = _reference([x[0] for x in inputs], [x[1] for x in inputs])
+        m = inputs[0][0].shape[0]
+    for r, op in enumerate(ops):
+        where = f"{what} rank {r}"
+        assert op.channel.status()[0] == 0, (where, op.channel.status())
+        assert torch.isfinite(outs[r]).all(), f"{where}: read before arrival (NaN)"
+        if kind == "allgather_gemm":
+            full = torch.cat([x[0] for x in inputs]).float() @ inputs[r][1].float()
+            torch.testing.assert_close(outs[r], full, rtol=1e-3, atol=2e-2, msg=lambda s, w=where: f"{w}: {s}")
+        elif kind == "ring_attention":
+            torch.testing.assert_close(outs[r].cpu().double(), want[:, r * seq_local:(r + 1) * seq_local],
+                                       rtol=1e-2, atol=1.5e-2, msg=lambda s, w=where: f"{w}: {s}")
+        elif kind == "gemm_all_reduce":
+            _assert_sum(outs[r], want, magnitude, where)
+        else:
+            rows = slice(r * m // world, (r + 1) * m // world)
+            _assert_sum(outs[r], want[rows], magnitude[rows], where)
+
+
 # tma: the whole key blocks through tensor descriptors (RingAttention's default), behind a wait then an
 # async-proxy fence for an arrived block; False: pointer loads
 @pytest.mark.parametrize(("fabric", "world", "head_dim", "causal", "out_dtype", "comm_programs", "tma"), [
