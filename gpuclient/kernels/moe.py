@@ -24,6 +24,7 @@ from gpuclient.kernels.moe_kernels import (
     _moe_dispatch,
     _moe_dispatch_gemm,
     _moe_route,
+    _moe_stage,
 )
 from gpuclient.kernels.moe_layout import MoELayout, dispatch_row
 
@@ -230,7 +231,7 @@ class MoE:
     # --- launch plumbing ------------------------------------------------------------------------------------------
     def prepare(self) -> None:
         """After the exchange, before the first call: open the channel, copy its handle to the GPU, and compile
-        and load all five kernels (the route kernel for int32 and int64 ``topk_idx``). Ranks sharing one process
+        and load all six kernels (the route kernel for int32 and int64 ``topk_idx``). Ranks sharing one process
         and GPU must all prepare before any of them calls (``gpuclient.triton.preload``)."""
         import torch
 
@@ -243,10 +244,13 @@ class MoE:
         self.programs = self._programs or max(1, min(32, sms // self.share))
         dev = self.recv_x.device
         weights = torch.zeros((self.max_tokens, self.topk), dtype=torch.float32, device=dev)
+        # the stage copies any number of programs can share: a few on each SM's side of the other kernels
+        self.stage_programs = max(1, min(-(-self.max_tokens // self.copy_rows), 4 * sms // self.share))
         for dtype in (torch.int32, torch.int64):
             idx = torch.full((self.max_tokens, self.topk), -1, dtype=dtype, device=dev)
-            tpd.preload(_moe_route, *self._route_args(self.out, idx, 0), grid=(self.programs,),  # out: bf16 like x
-                        **self._route_meta())
+            tpd.preload(_moe_route, *self._route_args(idx, 0), grid=(self.programs,), **self._route_meta())
+        tpd.preload(_moe_stage, *self._stage_args(self.out, 0), grid=(self.stage_programs,),  # out: bf16 like x
+                    **self._stage_meta())
         tpd.preload(_moe_dispatch, *self._dispatch_args(), grid=(self.programs,), **self._dispatch_meta())
         tpd.preload(_moe_combine_send, *self._combine_send_args(self.send_y), grid=(self.programs,),
                     **self._combine_send_meta())
@@ -295,14 +299,24 @@ class MoE:
         start = self.layout.timeline_start(self.gemm_programs)
         return torch.from_numpy(start).to(self.recv_x.device)
 
-    def _route_args(self, x: Any, idx: Any, tokens: int) -> tuple:
-        return (x, idx, self.send_x, self.idx32, self.stage_row, self.counts_all, self.stage_off, self.send_src,
-                self.rank, tokens)
+    def _route_args(self, idx: Any, tokens: int) -> tuple:
+        return (idx, self.idx32, self.stage_row, self.counts_all, self.stage_off, self.send_src, self.rank, tokens)
 
     def _route_meta(self) -> dict[str, Any]:
         return {"E": self.num_experts, "K": self.topk, "KP": _pow2(self.topk), "T": self.max_tokens,
-                "H": self.hidden, "BLOCK_T": min(_pow2(self.max_tokens), 256), "COPY_ROWS": self.copy_rows,
-                "BLOCK_H": self.block_h, "ROW": self.row, "FP8": self.fp8, "num_warps": self.num_warps}
+                "BLOCK_T": min(_pow2(self.max_tokens), 256), "num_warps": self.num_warps}
+
+    def _stage_args(self, x: Any, tokens: int) -> tuple:
+        return (x, self.idx32, self.stage_row, self.send_x, tokens)
+
+    def _stage_meta(self) -> dict[str, Any]:
+        return {"K": self.topk, "KP": _pow2(self.topk), "H": self.hidden, "ROW": self.row,
+                "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h, "FP8": self.fp8, "num_warps": self.num_warps}
+
+    def _route_and_stage(self, x: Any, topk_idx: Any, tokens: int, stream: Any) -> None:
+        """A dispatch's first two kernels: the routing (counts, stage rows, handle words), then the rows staged."""
+        self._launcher(_moe_route, (self.programs,), stream, self._route_args(topk_idx, tokens), self._route_meta())
+        self._launcher(_moe_stage, (self.stage_programs,), stream, self._stage_args(x, tokens), self._stage_meta())
 
     def _dispatch_args(self) -> tuple:
         r = self.regions
@@ -376,9 +390,8 @@ class MoE:
         tokens = int(x.shape[0])
         self.prepare()
         self.rounds += 1
-        grid = (self.programs,)
-        self._launcher(_moe_route, grid, stream, self._route_args(x, topk_idx, tokens), self._route_meta())
-        self._launcher(_moe_dispatch, grid, stream, self._dispatch_args(), self._dispatch_meta())
+        self._route_and_stage(x, topk_idx, tokens, stream)
+        self._launcher(_moe_dispatch, (self.programs,), stream, self._dispatch_args(), self._dispatch_meta())
         self._pending = MoEHandle(tokens, self.recv_src, self.recv_count, self.recv_layout,
                                   self.idx32[:tokens], topk_weights)
         return self.received(), self.recv_count, self._pending
@@ -446,8 +459,7 @@ class MoE:
         self.prepare()
         if communicate:  # compute=False too: its rows move and its flags rise like any fused round's
             self.rounds += 1
-            self._launcher(_moe_route, (self.programs,), stream, self._route_args(x, topk_idx, tokens),
-                           self._route_meta())
+            self._route_and_stage(x, topk_idx, tokens, stream)
         self._launcher(_moe_dispatch_gemm, (self.gemm_programs,), stream,
                        self._gemm_args(w, y, timeline),
                        self._gemm_meta(communicate, compute, timeline is not None))

@@ -1,15 +1,17 @@
 """The MoE op's device code (Triton): the kernels ``gpuclient.kernels.moe.MoE`` launches, and the protocol
 they speak with their peers. The layout math is ``gpuclient.kernels.moe_layout`` (numpy; the tests' model).
 
-Kernels, in stream order (each a small grid; all Triton, all preloaded by ``prepare``):
+Kernels, in stream order (each a small grid but the stage's; all Triton, all preloaded by ``prepare``):
 
 dispatch round e
   1. ``_moe_route``   normalise topk_idx (invalid and repeated experts become -1); per expert: where its block
                       starts in the stage (``eoff[e]``, the exclusive sum of this rank's counts over the lower
                       experts), its count, each entry's stage row ``eoff[e] + position`` (token order), the
-                      handle words; then the block's rows copied from x into the registered ``send_x``, so
-                      this rank's rows for one expert are contiguous there (expert-major, ``T*K`` rows at most;
-                      with ``fp8`` quantized on the way: H e4m3 bytes and H/128 fp32 scales a row).
+                      handle words.
+     ``_moe_stage``   token by token, over a grid of its own, x's row copied into the registered ``send_x`` at
+                      the stage row of each of its experts, so this rank's rows for one expert are contiguous
+                      there (expert-major, ``T*K`` rows at most; with ``fp8`` quantized on the way: H e4m3 bytes
+                      and H/128 fp32 scales a row).
   2. ``_moe_dispatch`` every program sends: program 0 put_signals this rank's count row to every peer
                       (``count_slot + rank``); every program waits for every peer's counts, derives where each
                       block lands (the counts for the expert of the sources before this rank in the
@@ -35,8 +37,8 @@ On efa a SIGNAL covers only the writes since the connection's previous signal: b
 before program 0's count put_signal are covered by the count flag instead, which the receiver waits for
 before the dispatch flag, so every block is covered by a flag the receiver waited for.
 
-dispatch_gemm round e (``gemm_n`` set): ``_moe_route``, then ``_moe_dispatch_gemm`` in place of 2, one
-persistent launch split by role. Its first ``comm_programs`` programs push each peer its rows at once (no wait
+dispatch_gemm round e (``gemm_n`` set): ``_moe_route`` and ``_moe_stage``, then ``_moe_dispatch_gemm`` in place
+of 2, one persistent launch split by role. Its first ``comm_programs`` programs push each peer its rows at once (no wait
 for the peers' counts: our own counts place them in our slice of the peer's ``gemm_stage``), peer by peer in
 ring order, each peer served by one program (``(step - 1) % comm_programs``), in *groups* of ``experts_per_put``
 of the peer's experts: a group's rows are one block of ``send_x`` (staged expert-major), put into our slice of
@@ -132,14 +134,11 @@ def _quantize_rows(src, dst, rows, H: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["rank", "tokens"])
-def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_ptr, send_src_ptr, rank, tokens,
-               E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
-               BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ROW: tl.constexpr,
-               FP8: tl.constexpr = False):
+def _moe_route(idx_ptr, idx32_ptr, row_ptr, count_ptr, eoff_ptr, send_src_ptr, rank, tokens, E: tl.constexpr,
+               K: tl.constexpr, KP: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     ks = tl.arange(0, KP)
-    rs = tl.arange(0, COPY_ROWS)
     # per token: the normalised expert list
     for t in range(pid, tokens, progs):
         e = tl.load(idx_ptr + t * K + ks, mask=ks < K, other=-1).to(tl.int32)
@@ -147,7 +146,7 @@ def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_p
         tl.store(idx32_ptr + t * K + ks, tl.where((e >= 0) & (e < E) & (repeat == 0), e, -1), mask=ks < K)
     # per expert: where its block starts in the stage (eoff: the valid entries naming a lower expert), the first
     # hit of each token (a repeat is not counted), each entry's stage row eoff + position (token order), the
-    # handle words, the count; then the block's rows staged from x into the registered send_x
+    # handle words, the count (the rows follow in _moe_stage, token-parallel)
     for e in range(pid, E, progs):
         start = tl.zeros((), dtype=tl.int32)
         for t0 in range(0, tokens, BLOCK_T):
@@ -171,16 +170,45 @@ def _moe_route(x_ptr, idx_ptr, send_x_ptr, idx32_ptr, row_ptr, count_ptr, eoff_p
             carry += tl.sum(took, axis=0)
         tl.store(count_ptr + rank * E + e, carry)
         tl.store(eoff_ptr + e, start)
-        tl.debug_barrier()  # the handle words, read back below by other threads of the program
-        for j in range(0, carry, COPY_ROWS):
-            inside = j + rs < carry
-            word = tl.load(send_src_ptr + e * T + j + rs, mask=inside, other=0)
-            if FP8:  # send_x holds bytes: each row its H fp8 values and H / 128 fp32 scales
-                _quantize_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
-                               send_x_ptr + tl.cast(start + j + rs, tl.int64) * ROW, inside, H, BLOCK_H)
-            else:
-                _copy_rows(x_ptr + tl.cast(word // K - rank * T, tl.int64) * H,
-                           send_x_ptr + tl.cast(start + j + rs, tl.int64) * H, inside, H, BLOCK_H)
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def _moe_stage(x_ptr, idx32_ptr, row_ptr, send_x_ptr, tokens, K: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
+               ROW: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr = False):
+    """Each token's row of x into the registered send_x at its stage row for each of its experts (``_moe_route``'s
+    ``row_ptr``, where ``idx32`` names an expert), COPY_ROWS tokens a step, the steps strided over the grid. Its own
+    kernel, after the route's: any number of programs can copy once every stage row is known, where the route
+    staged each expert's block from the one program that counted it (32 programs at most, a few rows in flight
+    each: the copy, 117 MB at 1024 tokens a rank and top-8, bounded how soon a dispatch's first put could leave).
+    bf16: a row block is read once and stored once per expert; with FP8 quantized on the way (``_quantize_rows``):
+    H e4m3 bytes and H/128 fp32 scales a row."""
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    rs = tl.arange(0, COPY_ROWS)
+    ks = tl.arange(0, KP)
+    hs = tl.arange(0, BLOCK_H)
+    for t0 in range(pid * COPY_ROWS, tokens, progs * COPY_ROWS):
+        ts = t0 + rs
+        live = ts < tokens
+        src = x_ptr + tl.cast(ts, tl.int64) * H
+        at = ts[:, None] * K + ks[None, :]
+        entry = live[:, None] & (ks[None, :] < K)
+        experts = tl.load(idx32_ptr + at, mask=entry, other=-1)  # [COPY_ROWS, KP]
+        rows = tl.load(row_ptr + at, mask=entry & (experts >= 0), other=0)
+        if FP8:  # send_x holds bytes: each row its H fp8 values and H / 128 fp32 scales
+            for k in tl.static_range(K):
+                row = tl.sum(tl.where(ks[None, :] == k, rows, 0), axis=1)
+                valid = tl.sum(tl.where(ks[None, :] == k, experts, 0), axis=1) >= 0
+                _quantize_rows(src, send_x_ptr + tl.cast(row, tl.int64) * ROW, live & valid, H, BLOCK_H)
+        else:
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + hs[None, :]
+                v = tl.load(src[:, None] + cols, mask=live[:, None] & (cols < H))
+                for k in tl.static_range(K):
+                    row = tl.sum(tl.where(ks[None, :] == k, rows, 0), axis=1)
+                    valid = tl.sum(tl.where(ks[None, :] == k, experts, 0), axis=1) >= 0
+                    dst = send_x_ptr + tl.cast(row, tl.int64) * ROW
+                    tl.store(dst[:, None] + cols, v, mask=(live & valid)[:, None] & (cols < H))
 
 
 @triton.jit
@@ -274,11 +302,11 @@ def _moe_dispatch(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, send_sr
                   T: tl.constexpr, ROW: tl.constexpr, ROW_BYTES: tl.constexpr, COPY_ROWS: tl.constexpr,
                   BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, LP: tl.constexpr,
                   WP: tl.constexpr, BLOCK_T: tl.constexpr, SEND: tl.constexpr = True, FINISH: tl.constexpr = True):
-    """dispatch after ``_moe_route``, one launch: every program sends (``_send_blocks``), then the last to finish
-    its pushes signals and receives (``_finish_dispatch``). One launch, not a send kernel and a finish kernel:
-    ranks sharing a process and GPU launch on streams that may share a hardware work queue (under MPS a
-    client has few), and a finish kernel queued behind its waiting send kernel would hold back a peer's send
-    kernel queued behind it. ``SEND`` / ``FINISH`` False leave a phase out, for a model that runs the ranks in
+    """dispatch after ``_moe_route`` and ``_moe_stage``, one launch: every program sends (``_send_blocks``), then
+    the last to finish its pushes signals and receives (``_finish_dispatch``). One launch, not a send kernel and a
+    finish kernel: ranks sharing a process and GPU launch on streams that may share a hardware work queue (under
+    MPS a client has few), and a finish kernel queued behind its waiting send kernel would hold back a peer's
+    send kernel queued behind it. ``SEND`` / ``FINISH`` False leave a phase out, for a model that runs the ranks in
     turn (the finish then one program, the last to finish: ``_rounds.last_to_finish``)."""
     epoch = this_round(rounds_ptr)
     if SEND:
@@ -312,7 +340,7 @@ def _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr,
             tpd.wait(ch, count_slot + peer, epoch)
             if peer % progs == pid:  # the handle words of the peer's experts, one put (program peer % progs)
                 _put_handles(ch, peer, rank, src_stage_region, send_src_region, L, T, HANDLE_WORDS)
-    # expert by expert, its block (stage rows eoff[e] ..., staged by _moe_route): one put to the expert's rank,
+    # expert by expert, its block (stage rows eoff[e] ..., staged by _moe_stage): one put to the expert's rank,
     # or copied for this rank (with its handle words); the pieces of expert e from program e % progs on
     for e in range(0, E):
         count = tl.load(count_ptr + rank * E + e)
@@ -434,7 +462,7 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
             # peer by peer in ring order (rank + 1 first, which takes our rows first), each peer served by one
             # program (step - 1) % COMM_PROGRAMS, the only one that pushes to it besides program 0's count
             # put_signal: group by group (EXPERTS_PER_PUT of its experts), the group's rows (stage rows from
-            # eoff[first expert], contiguous: staged expert-major by _moe_route) as one put into our slice of
+            # eoff[first expert], contiguous: staged expert-major by _moe_stage) as one put into our slice of
             # the peer's gemm_stage (piece by piece if it passes the largest put), the last a put_signal of the
             # peer's group flag (expert_slot + rank * L + group); an empty group a SIGNAL of it, so each flag
             # rises exactly once per dispatch_gemm round. Then the handle words of all the peer's experts in one
@@ -595,7 +623,7 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
                             copy = valid & (mine == 0)
                         else:  # a rerun: the latest round's rows, in recv_x
                             a_row = received
-                        # our own rows straight from their block in send_x (staged by _moe_route, an earlier
+                        # our own rows straight from their block in send_x (staged by _moe_stage, an earlier
                         # kernel)
                         a_row = tl.where(mine, send_x_ptr + tl.cast(own_start + rows - off_own, tl.int64) * H, a_row)
                         if COMMUNICATE:

@@ -1,4 +1,4 @@
-"""MoE's fp8 row quantization (``_quantize_rows``, what ``_moe_route`` stages with ``fp8=True``) in Triton's
+"""MoE's fp8 row quantization (``_quantize_rows``, what ``_moe_stage`` stages with ``fp8=True``) in Triton's
 interpreter, against numpy: run by tests/gpuclient/test_moe_layout.py with TRITON_INTERPRET=1.
 
 Rows of 384 values (three 128-value blocks): an all-zero block, a block under the scale's 1e-4 floor, a

@@ -463,10 +463,10 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         me.send_x[:] = NAN16
         me.y[:] = poison_y
         n = tokens[rank]
-        m._moe_route[(programs,)](_b(x[rank]), _b(idx[rank]), _b(me.send_x), _b(idx32), _b(stage_row),
-                                  _b(me.counts_all), _b(stage_off), _b(me.send_src), rank, n, E=E_, K=K_,
-                                  KP=_pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows, BLOCK_H=16,
-                                  ROW=H_)
+        m._moe_route[(programs,)](_b(idx[rank]), _b(idx32), _b(stage_row), _b(me.counts_all), _b(stage_off),
+                                  _b(me.send_src), rank, n, E=E_, K=K_, KP=_pow2(K_), T=T_, BLOCK_T=4)
+        m._moe_stage[(programs + 1,)](_b(x[rank]), _b(idx32), _b(stage_row), _b(me.send_x), n, K=K_, KP=_pow2(K_),
+                                      H=H_, ROW=H_, COPY_ROWS=copy_rows, BLOCK_H=16)
         if rnd == 2:  # the plain dispatch, on the same flags
             m._moe_dispatch[(programs,)](_b(ch), _b(rounds), rank, _b(me.counts_all), _b(stage_off),
                                          _b(me.send_x), _b(me.send_src), _b(me.recv_x), _b(me.recv_src),

@@ -292,10 +292,11 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             st.combine_buf[:] = bf16(np.float32(np.nan))
             st.send_x[:] = bf16(np.float32(np.nan))
         for r, st in enumerate(ranks):
-            m._moe_route[(programs,)](_b(x[r]), _b(idx[r]), _b(st.send_x), _b(st.idx32), _b(st.stage_row),
-                                      _b(st.counts_all), _b(st.stage_off), _b(st.send_src), r, tokens[r], E=E_,
-                                      K=K_, KP=_pow2(K_), T=T_, H=H_, BLOCK_T=4, COPY_ROWS=copy_rows,
-                                      BLOCK_H=block_h, ROW=H_)
+            m._moe_route[(programs,)](_b(idx[r]), _b(st.idx32), _b(st.stage_row), _b(st.counts_all),
+                                      _b(st.stage_off), _b(st.send_src), r, tokens[r], E=E_, K=K_, KP=_pow2(K_),
+                                      T=T_, BLOCK_T=4)
+            m._moe_stage[(programs + 1,)](_b(x[r]), _b(st.idx32), _b(st.stage_row), _b(st.send_x), tokens[r], K=K_,
+                                          KP=_pow2(K_), H=H_, ROW=H_, COPY_ROWS=copy_rows, BLOCK_H=block_h)
         fabric.check_waits()
         model = dispatch_model(lays, idx)
         for r, st in enumerate(ranks):  # the stage: expert-major, each row its entry's token row, bit for bit

@@ -417,10 +417,11 @@ from tests.support.interpreted import run_interpreted  # noqa: E402
 
 W, E, L, K, T, H = 2, 8, 4, 3, 100, 200
 SIGNATURES = {
-    "_moe_route": ({"x_ptr": "*bf16", "idx_ptr": "*i64", "send_x_ptr": "*bf16", "idx32_ptr": "*i32", "row_ptr": "*i32",
-                    "count_ptr": "*i32", "eoff_ptr": "*i32", "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
-                   {"E": E, "K": K, "KP": 4, "T": T, "H": H, "BLOCK_T": 128, "COPY_ROWS": 16, "BLOCK_H": 256,
-                    "ROW": H}),
+    "_moe_route": ({"idx_ptr": "*i64", "idx32_ptr": "*i32", "row_ptr": "*i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
+                    "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
+                   {"E": E, "K": K, "KP": 4, "T": T, "BLOCK_T": 128}),
+    "_moe_stage": ({"x_ptr": "*bf16", "idx32_ptr": "*i32", "row_ptr": "*i32", "send_x_ptr": "*bf16", "tokens": "i32"},
+                   {"K": K, "KP": 4, "H": H, "ROW": H, "COPY_ROWS": 16, "BLOCK_H": 256}),
     "_moe_dispatch": ({"ch": "*u64", "rounds_ptr": "*i32", "rank": "i32", "count_ptr": "*i32",
                        "eoff_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32", "recv_x_ptr": "*bf16",
                        "recv_src_ptr": "*i32", "src_stage_ptr": "*i32", "recv_count_ptr": "*i32",
@@ -458,7 +459,7 @@ SIGNATURES = {
 # piece before the last), the last piece's put_signal of the group flag, an empty group's SIGNAL of it, the
 # peer's handle-word put and the dispatch SIGNAL, in a loop over the peers that is not unrolled; per peer the
 # communication programs' count and dispatch waits, the compute programs' count wait and their group-flag wait.
-SITES = {"_moe_route": (0, 0, 0), "_moe_dispatch": (3, 2, 1), "_moe_combine_send": (0, 0, 1),
+SITES = {"_moe_route": (0, 0, 0), "_moe_stage": (0, 0, 0), "_moe_dispatch": (3, 2, 1), "_moe_combine_send": (0, 0, 1),
          "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 4, 5)}
 
 
@@ -593,14 +594,17 @@ def test_the_route_kernel_compiles_for_int32_indices_and_one_expert_per_token() 
     compiled = compile_kernel(moe_kernels._moe_route, {**signature, "idx_ptr": "*i32"},
                               {**meta, "K": 1, "KP": 1, "T": 1, "BLOCK_T": 1}, num_warps=4)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
+    signature, meta = SIGNATURES["_moe_stage"]
+    compiled = compile_kernel(moe_kernels._moe_stage, signature, {**meta, "K": 1, "KP": 1}, num_warps=4)
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_fp8_dispatch_kernels_compile_for_sm90(world: int) -> None:
-    """fp8=True: the route kernel quantizes with the hardware's saturating e4m3 conversion into byte rows; the
+    """fp8=True: the stage kernel quantizes with the hardware's saturating e4m3 conversion into byte rows; the
     dispatch kernel keeps its protocol sites (its puts are the same puts of shorter rows)."""
-    signature, meta = SIGNATURES["_moe_route"]
-    compiled = compile_kernel(moe_kernels._moe_route, {**signature, "send_x_ptr": "*u8"},
+    signature, meta = SIGNATURES["_moe_stage"]
+    compiled = compile_kernel(moe_kernels._moe_stage, {**signature, "send_x_ptr": "*u8"},
                               {**meta, "H": 256, "ROW": dispatch_row(256, True)[0], "FP8": True}, num_warps=4)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
     assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
