@@ -307,11 +307,13 @@ class MoE:
                 "BLOCK_T": min(_pow2(self.max_tokens), 256), "num_warps": self.num_warps}
 
     def _stage_args(self, x: Any, tokens: int) -> tuple:
-        return (x, self.idx32, self.stage_row, self.send_x, tokens)
+        return (x, self.idx32, self.stage_row, self.stage_off, self.send_x, self.recv_x, self.recv_src, self.rank,
+                tokens)
 
     def _stage_meta(self) -> dict[str, Any]:
-        return {"K": self.topk, "KP": _pow2(self.topk), "H": self.hidden, "ROW": self.row,
-                "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h, "FP8": self.fp8, "num_warps": self.num_warps}
+        return {"W": self.world, "L": self.local_experts, "K": self.topk, "KP": _pow2(self.topk),
+                "T": self.max_tokens, "H": self.hidden, "ROW": self.row, "COPY_ROWS": self.copy_rows,
+                "BLOCK_H": self.block_h, "FP8": self.fp8, "num_warps": self.num_warps}
 
     def _route_and_stage(self, x: Any, topk_idx: Any, tokens: int, stream: Any) -> None:
         """A dispatch's first two kernels: the routing (counts, stage rows, handle words), then the rows staged."""
@@ -320,21 +322,20 @@ class MoE:
 
     def _dispatch_args(self) -> tuple:
         r = self.regions
-        return (self._ch, self._rounds, self.rank, self.counts_all, self.stage_off, self.send_x,
-                self.send_src, self.recv_x, self.recv_src, self.src_stage, self.recv_count, self.recv_layout,
-                r["counts_all"], r["recv_x"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
-                self.layout.dispatch_slot)
+        return (self._ch, self._rounds, self.rank, self.counts_all, self.stage_off, self.recv_src, self.src_stage,
+                self.recv_count, self.recv_layout, r["counts_all"], r["recv_x"], r["src_stage"], r["send_x"],
+                r["send_src"], self.layout.count_slot, self.layout.dispatch_slot)
 
     def _dispatch_meta(self) -> dict[str, Any]:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
-                "ROW": self.row, "ROW_BYTES": self.row_bytes, "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h,
-                "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words, "LP": _pow2(self.local_experts),
-                "WP": _pow2(self.world), "BLOCK_T": self.block_t, "num_warps": self.num_warps}
+                "ROW_BYTES": self.row_bytes, "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words,
+                "LP": _pow2(self.local_experts), "WP": _pow2(self.world), "BLOCK_T": self.block_t,
+                "num_warps": self.num_warps}
 
     def _gemm_args(self, w: Any, y: Any, timeline: Any) -> tuple:
         r = self.regions
-        return (self._ch, self._rounds, self.rank, self.counts_all, self.stage_off, self.send_x, self.send_src,
-                self.recv_x, self.recv_src, self.src_stage, self.gemm_stage, w, y, self.recv_count, self.recv_layout,
+        return (self._ch, self._rounds, self.rank, self.counts_all, self.stage_off, self.recv_x, self.recv_src,
+                self.src_stage, self.gemm_stage, w, y, self.recv_count, self.recv_layout,
                 r["counts_all"], r["gemm_stage"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
                 self.layout.dispatch_slot, self.layout.expert_slot,
                 self._no_timeline if timeline is None else timeline)
@@ -344,8 +345,7 @@ class MoE:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
                 "H": self.hidden, "N": self.gemm_n, "LP": _pow2(self.local_experts), "WP": _pow2(self.world),
                 "COMM_PROGRAMS": self.comm_programs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                "BLOCK_H": self.block_h, "BLOCK_T": self.block_t, "COPY_ROWS": self.copy_rows,
-                "HANDLE_WORDS": self.layout.handle_words,
+                "BLOCK_T": self.block_t, "HANDLE_WORDS": self.layout.handle_words,
                 "EXPERTS_PER_PUT": self.layout.experts_per_put, "GROUPS": self.layout.put_groups,
                 "SOURCE_ROWS": self.layout.source_rows, "GROUP_PUT_ROWS": self.layout.group_put_rows,
                 "COMMUNICATE": communicate, "COMPUTE": compute, "TIMELINE": timeline,

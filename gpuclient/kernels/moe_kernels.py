@@ -172,16 +172,20 @@ def _moe_route(idx_ptr, idx32_ptr, row_ptr, count_ptr, eoff_ptr, send_src_ptr, r
         tl.store(eoff_ptr + e, start)
 
 
-@triton.jit(do_not_specialize=["tokens"])
-def _moe_stage(x_ptr, idx32_ptr, row_ptr, send_x_ptr, tokens, K: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
-               ROW: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr = False):
-    """Each token's row of x into the registered send_x at its stage row for each of its experts (``_moe_route``'s
-    ``row_ptr``, where ``idx32`` names an expert), COPY_ROWS tokens a step, the steps strided over the grid. Its own
-    kernel, after the route's: any number of programs can copy once every stage row is known, where the route
-    staged each expert's block from the one program that counted it (32 programs at most, a few rows in flight
-    each: the copy, 117 MB at 1024 tokens a rank and top-8, bounded how soon a dispatch's first put could leave).
-    bf16: a row block is read once and stored once per expert; with FP8 quantized on the way (``_quantize_rows``):
-    H e4m3 bytes and H/128 fp32 scales a row."""
+@triton.jit(do_not_specialize=["rank", "tokens"])
+def _moe_stage(x_ptr, idx32_ptr, row_ptr, eoff_ptr, send_x_ptr, recv_x_ptr, recv_src_ptr, rank, tokens,
+               W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, T: tl.constexpr,
+               H: tl.constexpr, ROW: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+               FP8: tl.constexpr = False):
+    """Each token's row of x to each of its experts (``_moe_route``'s ``idx32`` and ``row_ptr``), COPY_ROWS tokens
+    a step, the steps strided over the grid: for a peer's expert into the registered send_x at the entry's stage
+    row, where the puts read it; for one of this rank's own experts straight to its receive row in recv_x (its
+    own rows lead the expert's receive rows, in token order: row ``stage row - eoff[e]``), with its handle word
+    in recv_src, so no later kernel copies them there. Its own kernel, after the route's: any number of programs
+    can copy once every stage row is known, where the route staged each expert's block from the one program that
+    counted it (a few rows in flight each: at 1024 tokens a rank and top-8, 117 MB that held back every put of
+    the dispatch). bf16: a row block is read once and stored once per expert; with FP8 quantized on the way
+    (``_quantize_rows``): H e4m3 bytes and H/128 fp32 scales a row."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     rs = tl.arange(0, COPY_ROWS)
@@ -194,21 +198,37 @@ def _moe_stage(x_ptr, idx32_ptr, row_ptr, send_x_ptr, tokens, K: tl.constexpr, K
         at = ts[:, None] * K + ks[None, :]
         entry = live[:, None] & (ks[None, :] < K)
         experts = tl.load(idx32_ptr + at, mask=entry, other=-1)  # [COPY_ROWS, KP]
-        rows = tl.load(row_ptr + at, mask=entry & (experts >= 0), other=0)
-        if FP8:  # send_x holds bytes: each row its H fp8 values and H / 128 fp32 scales
+        staged = experts >= 0
+        stage_rows = tl.load(row_ptr + at, mask=staged, other=0)
+        local = experts - rank * L
+        own = staged & (local >= 0) & (local < L)
+        recv_rows = local * (W * T) + stage_rows - tl.load(eoff_ptr + experts, mask=own, other=0)
+        tl.store(recv_src_ptr + recv_rows, (rank * T + ts[:, None]) * K + ks[None, :], mask=own)
+        if FP8:  # each row its H fp8 values and H / 128 fp32 scales
             for k in tl.static_range(K):
-                row = tl.sum(tl.where(ks[None, :] == k, rows, 0), axis=1)
-                valid = tl.sum(tl.where(ks[None, :] == k, experts, 0), axis=1) >= 0
-                _quantize_rows(src, send_x_ptr + tl.cast(row, tl.int64) * ROW, live & valid, H, BLOCK_H)
+                valid, dst = _stage_target(k, ks, live, experts, own, stage_rows, recv_rows, send_x_ptr, recv_x_ptr,
+                                           ROW)
+                _quantize_rows(src, dst, valid, H, BLOCK_H)
         else:
             for h0 in range(0, H, BLOCK_H):
                 cols = h0 + hs[None, :]
                 v = tl.load(src[:, None] + cols, mask=live[:, None] & (cols < H))
                 for k in tl.static_range(K):
-                    row = tl.sum(tl.where(ks[None, :] == k, rows, 0), axis=1)
-                    valid = tl.sum(tl.where(ks[None, :] == k, experts, 0), axis=1) >= 0
-                    dst = send_x_ptr + tl.cast(row, tl.int64) * ROW
-                    tl.store(dst[:, None] + cols, v, mask=(live & valid)[:, None] & (cols < H))
+                    valid, dst = _stage_target(k, ks, live, experts, own, stage_rows, recv_rows, send_x_ptr,
+                                               recv_x_ptr, ROW)
+                    tl.store(dst[:, None] + cols, v, mask=valid[:, None] & (cols < H))
+
+
+@triton.jit
+def _stage_target(k, ks, live, experts, own, stage_rows, recv_rows, send_x_ptr, recv_x_ptr, ROW: tl.constexpr):
+    """Entry k of each token in a ``_moe_stage`` step: whether it names an expert, and its row's destination (its
+    receive row in recv_x for one of this rank's experts, else its stage row in send_x)."""
+    pick = ks[None, :] == k
+    valid = live & (tl.sum(tl.where(pick, experts, 0), axis=1) >= 0)
+    mine = tl.sum(tl.where(pick, own.to(tl.int32), 0), axis=1) > 0
+    dst = tl.where(mine, recv_x_ptr + tl.cast(tl.sum(tl.where(pick, recv_rows, 0), axis=1), tl.int64) * ROW,
+                   send_x_ptr + tl.cast(tl.sum(tl.where(pick, stage_rows, 0), axis=1), tl.int64) * ROW)
+    return valid, dst
 
 
 @triton.jit
@@ -237,19 +257,6 @@ def _source_offset(count_ptr, src, e, W: tl.constexpr, E: tl.constexpr, L: tl.co
         if _receive_place(d, s, W) < place:
             off += tl.load(count_ptr + s * E + e)
     return off
-
-
-@triton.jit
-def _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, start, row, count, first, step,
-              T: tl.constexpr, H: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """This rank's block for its own expert e: stage rows ``start ...`` and their handle words to its receive
-    rows ``row ...``, in pieces of COPY_ROWS rows, piece ``first``, ``first + step``, ... of them."""
-    rs = tl.arange(0, COPY_ROWS)
-    for j in range(first * COPY_ROWS, count, step * COPY_ROWS):
-        inside = j + rs < count
-        _copy_rows(send_x_ptr + tl.cast(start + j + rs, tl.int64) * H,
-                   recv_x_ptr + tl.cast(row + j + rs, tl.int64) * H, inside, H, BLOCK_H)
-        tl.store(recv_src_ptr + row + j + rs, tl.load(send_src_ptr + e * T + j + rs, mask=inside), mask=inside)
 
 
 @triton.jit
@@ -296,11 +303,10 @@ def _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W: tl.constex
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _moe_dispatch(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr,
-                  src_stage_ptr, recv_count_ptr, layout_ptr, count_region, recv_region, src_stage_region, send_x_region,
-                  send_src_region, count_slot, dispatch_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
-                  T: tl.constexpr, ROW: tl.constexpr, ROW_BYTES: tl.constexpr, COPY_ROWS: tl.constexpr,
-                  BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, LP: tl.constexpr,
+def _moe_dispatch(ch, rounds_ptr, rank, count_ptr, eoff_ptr, recv_src_ptr, src_stage_ptr, recv_count_ptr, layout_ptr,
+                  count_region, recv_region, src_stage_region, send_x_region, send_src_region, count_slot,
+                  dispatch_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
+                  ROW_BYTES: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, LP: tl.constexpr,
                   WP: tl.constexpr, BLOCK_T: tl.constexpr, SEND: tl.constexpr = True, FINISH: tl.constexpr = True):
     """dispatch after ``_moe_route`` and ``_moe_stage``, one launch: every program sends (``_send_blocks``), then
     the last to finish its pushes signals and receives (``_finish_dispatch``). One launch, not a send kernel and a
@@ -310,9 +316,8 @@ def _moe_dispatch(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, send_sr
     turn (the finish then one program, the last to finish: ``_rounds.last_to_finish``)."""
     epoch = this_round(rounds_ptr)
     if SEND:
-        _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr,
-                     count_region, recv_region, src_stage_region, send_x_region, send_src_region, count_slot, W, E, L,
-                     T, ROW, ROW_BYTES, COPY_ROWS, BLOCK_H, PUT_ROWS, HANDLE_WORDS)
+        _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, count_region, recv_region, src_stage_region, send_x_region,
+                     send_src_region, count_slot, W, E, L, T, ROW_BYTES, PUT_ROWS, HANDLE_WORDS)
     if FINISH:
         # every program's pushes are in the ring before the last one's SIGNALs, which cover them; then the round
         # is run
@@ -323,11 +328,11 @@ def _moe_dispatch(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, send_sr
 
 
 @triton.jit
-def _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, count_region,
-                 recv_region, src_stage_region, send_x_region, send_src_region, count_slot, W: tl.constexpr,
-                 E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, ROW: tl.constexpr, ROW_BYTES: tl.constexpr,
-                 COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr):
-    """The send phase, every program: the count row, the handle words and every remote expert's block."""
+def _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, count_region, recv_region, src_stage_region, send_x_region,
+                 send_src_region, count_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
+                 ROW_BYTES: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr):
+    """The send phase, every program: the count row, the handle words and every remote expert's block (this rank's
+    own experts' rows and handle words are in place already: ``_moe_stage`` wrote them)."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     if pid == 0:  # our count row (written by _moe_route) to every peer's copy of the count matrix
@@ -340,22 +345,17 @@ def _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr,
             tpd.wait(ch, count_slot + peer, epoch)
             if peer % progs == pid:  # the handle words of the peer's experts, one put (program peer % progs)
                 _put_handles(ch, peer, rank, src_stage_region, send_src_region, L, T, HANDLE_WORDS)
-    # expert by expert, its block (stage rows eoff[e] ..., staged by _moe_stage): one put to the expert's rank,
-    # or copied for this rank (with its handle words); the pieces of expert e from program e % progs on
+    # expert by expert, a peer's expert's block (stage rows eoff[e] ..., staged by _moe_stage): one put to the
+    # expert's rank (rows of ROW_BYTES bytes: moe_layout.dispatch_row); the pieces of expert e from program
+    # e % progs on
     for e in range(0, E):
         count = tl.load(count_ptr + rank * E + e)
-        if count > 0:
-            d = e // L
+        d = e // L
+        if count > 0 and d != rank:
             row = (e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, W, E, L)
             start = tl.load(eoff_ptr + e)
             first = (pid + progs - e % progs) % progs
-            # a staged / received row: ROW elements of ROW_BYTES bytes (moe_layout.dispatch_row)
-            if d == rank:
-                _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, start, row, count, first, progs,
-                          T, ROW, COPY_ROWS, BLOCK_H)
-            else:
-                _put_block(ch, d, recv_region, send_x_region, start, row, count, first, progs,
-                           ROW_BYTES, PUT_ROWS)
+            _put_block(ch, d, recv_region, send_x_region, start, row, count, first, progs, ROW_BYTES, PUT_ROWS)
 
 
 @triton.jit
@@ -429,13 +429,12 @@ def _last_source(c, off, r0, r1, order):
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, send_src_ptr, recv_x_ptr,
-                       recv_src_ptr, src_stage_ptr, gemm_stage_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr,
-                       count_region, gemm_stage_region, src_stage_region, send_x_region, send_src_region, count_slot,
-                       dispatch_slot, expert_slot, timeline, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
-                       T: tl.constexpr, H: tl.constexpr, N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
-                       COMM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr,
+def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, recv_x_ptr, recv_src_ptr, src_stage_ptr,
+                       gemm_stage_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, count_region, gemm_stage_region,
+                       src_stage_region, send_x_region, send_src_region, count_slot, dispatch_slot, expert_slot,
+                       timeline, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
+                       N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                        EXPERTS_PER_PUT: tl.constexpr, GROUPS: tl.constexpr, SOURCE_ROWS: tl.constexpr,
                        GROUP_PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, COMMUNICATE: tl.constexpr,
                        COMPUTE: tl.constexpr, SPLIT_EXPERTS: tl.constexpr, TIMELINE: tl.constexpr = False):
@@ -498,19 +497,10 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
                             now = tpd.globaltimer().to(tl.int64)
                             for j in range(g * EXPERTS_PER_PUT, tl.minimum(g * EXPERTS_PER_PUT + EXPERTS_PER_PUT, L)):
                                 tl.store(timeline + 4 * W * L + s * L + j, now)
-            # the counts, for recv_layout (program 0, below) and the handle words
-            tpd.wait_peers(ch, rank, W, count_slot, epoch)
-            # our own experts' blocks and handle words into recv_x and recv_src (the GEMM reads them from send_x:
-            # this copy is for the caller and for combine, and waits for nothing; the peers' rows reach recv_x
+            # the counts, for recv_layout (program 0, below) and the handle words (our own experts' rows and
+            # handle words are in recv_x and recv_src already: _moe_stage wrote them; the peers' rows reach recv_x
             # through the compute programs, from gemm_stage)
-            for local in range(0, L):
-                e = rank * L + local
-                count = tl.load(count_ptr + rank * E + e)
-                if count > 0:
-                    row = local * (W * T) + _source_offset(count_ptr, rank, e, W, E, L)
-                    _copy_own(send_x_ptr, send_src_ptr, recv_x_ptr, recv_src_ptr, e, tl.load(eoff_ptr + e), row,
-                              count, (pid + COMM_PROGRAMS - e % COMM_PROGRAMS) % COMM_PROGRAMS, COMM_PROGRAMS, T, H,
-                              COPY_ROWS, BLOCK_H)
+            tpd.wait_peers(ch, rank, W, count_slot, epoch)
             # the peers' handle words into recv_src once each peer's dispatch flag says they are placed (the
             # GEMM needs none: the handle is for the caller and for combine), by the last communication
             # program after its own pushes: a peer's dispatch flag may come from any of its communication
@@ -532,7 +522,6 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
         for local in range(0, SPLIT_EXPERTS):
             early = tl.load(count_ptr + rank * E + rank * L + local) // BLOCK_M
             tiles = early * col_blocks
-            own_start = tl.load(eoff_ptr + rank * L + local)
             j0 = (cp + progs - item % progs) % progs
             for jj in range(0, tiles - j0, progs):
                 j = j0 + jj
@@ -540,7 +529,8 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
                 if TIMELINE:
                     tl.atomic_min(timeline + 2 * W * L + rank * L + local, tpd.globaltimer().to(tl.int64))
                 if COMPUTE:
-                    _expert_tile(send_x_ptr + tl.cast(own_start + rows, tl.int64) * H, rows, rows < BLOCK_M * early,
+                    _expert_tile(recv_x_ptr + tl.cast(local * (W * T) + rows, tl.int64) * H, rows,
+                                 rows < BLOCK_M * early,
                                  w_ptr, y_ptr, local, (j // early) * BLOCK_N, W, T, H, N, BLOCK_M, BLOCK_N, BLOCK_K)
                 if TIMELINE:
                     tl.atomic_max(timeline + 3 * W * L + rank * L + local, tpd.globaltimer().to(tl.int64))
@@ -584,7 +574,6 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
                     tiles = tl.maximum(hi - lo, 0) * col_blocks
                     c_own = tl.sum(tl.where(ss == rank, c, 0), axis=0)
                     off_own = tl.sum(tl.where(ss == rank, off, 0), axis=0)
-                    own_start = tl.load(eoff_ptr + rank * L + local)  # our block of the expert in send_x
                     # this program's tiles of the group: j = j0, j0 + progs, ... (j0 rotates with item, so the
                     # groups' odd tiles fall on every program in turn). The loop starts at 0: Triton 3.6 drops a
                     # loop-carried value that only an inner loop's lower bound reads (the deal then never rotated,
@@ -623,9 +612,8 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, send_x_ptr, se
                             copy = valid & (mine == 0)
                         else:  # a rerun: the latest round's rows, in recv_x
                             a_row = received
-                        # our own rows straight from their block in send_x (staged by _moe_stage, an earlier
-                        # kernel)
-                        a_row = tl.where(mine, send_x_ptr + tl.cast(own_start + rows - off_own, tl.int64) * H, a_row)
+                        # our own rows where _moe_stage, an earlier kernel, wrote them: their receive rows in recv_x
+                        a_row = tl.where(mine, received, a_row)
                         if COMMUNICATE:
                             # the peers' rows into recv_x, column block b's tile taking columns [b * share, ...) of
                             # them: spread so, no program runs behind the others (the first column block's tiles

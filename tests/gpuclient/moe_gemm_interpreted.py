@@ -430,14 +430,12 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         fabric.fused, fabric.writers = True, {}
         before = rounds.copy()
         m._moe_dispatch_gemm[(programs,)](
-            _b(ch), _b(rounds), rank, _b(me.counts_all), _b(stage_off), _b(me.send_x), _b(me.send_src),
-            _b(me.recv_x), _b(me.recv_src), _b(me.src_stage), _b(me.gemm_stage), _b(w_mine), _b(y), _b(recv_count),
-            _b(recv_layout), *[regions[n] for n in ("counts_all", "gemm_stage", "src_stage", "send_x", "send_src")],
-            lay.count_slot,
+            _b(ch), _b(rounds), rank, _b(me.counts_all), _b(stage_off), _b(me.recv_x), _b(me.recv_src),
+            _b(me.src_stage), _b(me.gemm_stage), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout),
+            *[regions[n] for n in ("counts_all", "gemm_stage", "src_stage", "send_x", "send_src")], lay.count_slot,
             lay.dispatch_slot, lay.expert_slot, _b(np.zeros(1, dtype=np.int64)), W=W_, E=E_, L=L_, T=T_, H=H_,
             N=n_out, LP=_pow2(L_), WP=_pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            BLOCK_H=16, BLOCK_T=4,
-            COPY_ROWS=copy_rows, EXPERTS_PER_PUT=lay.experts_per_put, GROUPS=lay.put_groups,
+            BLOCK_T=4, EXPERTS_PER_PUT=lay.experts_per_put, GROUPS=lay.put_groups,
             SOURCE_ROWS=lay.source_rows, GROUP_PUT_ROWS=lay.group_put_rows, HANDLE_WORDS=lay.handle_words,
             COMMUNICATE=communicate, COMPUTE=True,
             SPLIT_EXPERTS=min(lay.experts_per_put, L_) if split_experts is None else split_experts)
@@ -465,17 +463,17 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         n = tokens[rank]
         m._moe_route[(programs,)](_b(idx[rank]), _b(idx32), _b(stage_row), _b(me.counts_all), _b(stage_off),
                                   _b(me.send_src), rank, n, E=E_, K=K_, KP=_pow2(K_), T=T_, BLOCK_T=4)
-        m._moe_stage[(programs + 1,)](_b(x[rank]), _b(idx32), _b(stage_row), _b(me.send_x), n, K=K_, KP=_pow2(K_),
+        m._moe_stage[(programs + 1,)](_b(x[rank]), _b(idx32), _b(stage_row), _b(stage_off), _b(me.send_x),
+                                      _b(me.recv_x), _b(me.recv_src), rank, n, W=W_, L=L_, K=K_, KP=_pow2(K_), T=T_,
                                       H=H_, ROW=H_, COPY_ROWS=copy_rows, BLOCK_H=16)
         if rnd == 2:  # the plain dispatch, on the same flags
             m._moe_dispatch[(programs,)](_b(ch), _b(rounds), rank, _b(me.counts_all), _b(stage_off),
-                                         _b(me.send_x), _b(me.send_src), _b(me.recv_x), _b(me.recv_src),
-                                         _b(me.src_stage), _b(recv_count), _b(recv_layout),
+                                         _b(me.recv_src), _b(me.src_stage), _b(recv_count), _b(recv_layout),
                                          *[regions[k] for k in ("counts_all", "recv_x", "src_stage", "send_x",
                                                                 "send_src")],
-                                         lay.count_slot, lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_, ROW=H_,
-                                         ROW_BYTES=2 * H_, COPY_ROWS=copy_rows, BLOCK_H=16, PUT_ROWS=put_rows_,
-                                         HANDLE_WORDS=lay.handle_words, LP=_pow2(L_), WP=_pow2(W_), BLOCK_T=4)
+                                         lay.count_slot, lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_,
+                                         ROW_BYTES=2 * H_, PUT_ROWS=put_rows_, HANDLE_WORDS=lay.handle_words,
+                                         LP=_pow2(L_), WP=_pow2(W_), BLOCK_T=4)
             # every program read the peers' counts; the last (programs run in order here) their handle words
             waited(lay.count_slot, rnd, range(programs), clear=False)
             waited(lay.dispatch_slot, rnd, [programs - 1])

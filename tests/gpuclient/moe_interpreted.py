@@ -268,14 +268,13 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
     regions = {name: i for i, name in enumerate(REGIONS)}
     scale = rng.choice([0.5, 1.0, 2.0, -1.0, 4.0], size=experts)  # exact in bf16: only the sum rounds
     # _moe_dispatch in its two phases, each rank's in turn: every rank's sends, then every rank's finish
-    dispatch_meta = {"W": W_, "E": E_, "L": L_, "T": T_, "ROW": H_, "ROW_BYTES": 2 * H_, "COPY_ROWS": copy_rows,
-                     "BLOCK_H": block_h, "PUT_ROWS": put_rows_, "HANDLE_WORDS": lay0.handle_words,
-                     "LP": _pow2(L_), "WP": _pow2(W_), "BLOCK_T": 4}
+    dispatch_meta = {"W": W_, "E": E_, "L": L_, "T": T_, "ROW_BYTES": 2 * H_, "PUT_ROWS": put_rows_,
+                     "HANDLE_WORDS": lay0.handle_words, "LP": _pow2(L_), "WP": _pow2(W_), "BLOCK_T": 4}
 
     def dispatch_args(r: int, st: SimpleNamespace) -> tuple:
-        return (_b(st.ch), _b(st.rounds), r, _b(st.counts_all), _b(st.stage_off), _b(st.send_x),
-                _b(st.send_src), _b(st.recv_x), _b(st.recv_src), _b(st.src_stage), _b(st.recv_count),
-                _b(st.recv_layout), *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
+        return (_b(st.ch), _b(st.rounds), r, _b(st.counts_all), _b(st.stage_off), _b(st.recv_src), _b(st.src_stage),
+                _b(st.recv_count), _b(st.recv_layout),
+                *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
                 lays[r].count_slot, lays[r].dispatch_slot)
 
     for rnd in range(1, 4):
@@ -295,17 +294,22 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             m._moe_route[(programs,)](_b(idx[r]), _b(st.idx32), _b(st.stage_row), _b(st.counts_all),
                                       _b(st.stage_off), _b(st.send_src), r, tokens[r], E=E_, K=K_, KP=_pow2(K_),
                                       T=T_, BLOCK_T=4)
-            m._moe_stage[(programs + 1,)](_b(x[r]), _b(st.idx32), _b(st.stage_row), _b(st.send_x), tokens[r], K=K_,
-                                          KP=_pow2(K_), H=H_, ROW=H_, COPY_ROWS=copy_rows, BLOCK_H=block_h)
+            m._moe_stage[(programs + 1,)](_b(x[r]), _b(st.idx32), _b(st.stage_row), _b(st.stage_off), _b(st.send_x),
+                                          _b(st.recv_x), _b(st.recv_src), r, tokens[r], W=W_, L=L_, K=K_,
+                                          KP=_pow2(K_), T=T_, H=H_, ROW=H_, COPY_ROWS=copy_rows, BLOCK_H=block_h)
         fabric.check_waits()
         model = dispatch_model(lays, idx)
-        for r, st in enumerate(ranks):  # the stage: expert-major, each row its entry's token row, bit for bit
-            valid = model[r]["idx"] >= 0
+        for r, st in enumerate(ranks):  # the stage: expert-major, each peer expert's row its entry's token row, bit
+            valid = model[r]["idx"] >= 0  # for bit; the rank's own experts' rows went to recv_x, not there
             assert (st.stage_row[:tokens[r]][valid] == model[r]["stage_row"][valid]).all(), (rnd, r)
             assert (st.stage_off == lays[r].stage_offsets(model[r]["counts_all"][r])).all(), (rnd, r)
+            own = model[r]["counts_all"][r]
+            own_lo = int(own[:r * L_].sum())
+            own_hi = own_lo + int(own[r * L_:(r + 1) * L_].sum())
             for i, word in enumerate(model[r]["stage_src"]):
-                if word >= 0:
+                if word >= 0 and not own_lo <= i < own_hi:
                     assert (st.send_x[i] == x[r][lays[r].decode(word)[1]]).all(), (rnd, r, i)
+            assert np.isnan(f32(st.send_x[own_lo:own_hi])).all(), (rnd, r, "own rows staged in send_x")
         for r, st in enumerate(ranks):  # ranks run in turn: deliver the count rows _moe_dispatch's program 0 puts
             for peer in ranks:
                 if peer is not st:

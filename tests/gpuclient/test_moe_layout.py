@@ -420,16 +420,16 @@ SIGNATURES = {
     "_moe_route": ({"idx_ptr": "*i64", "idx32_ptr": "*i32", "row_ptr": "*i32", "count_ptr": "*i32", "eoff_ptr": "*i32",
                     "send_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
                    {"E": E, "K": K, "KP": 4, "T": T, "BLOCK_T": 128}),
-    "_moe_stage": ({"x_ptr": "*bf16", "idx32_ptr": "*i32", "row_ptr": "*i32", "send_x_ptr": "*bf16", "tokens": "i32"},
-                   {"K": K, "KP": 4, "H": H, "ROW": H, "COPY_ROWS": 16, "BLOCK_H": 256}),
+    "_moe_stage": ({"x_ptr": "*bf16", "idx32_ptr": "*i32", "row_ptr": "*i32", "eoff_ptr": "*i32", "send_x_ptr": "*bf16",
+                    "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
+                   {"W": W, "L": L, "K": K, "KP": 4, "T": T, "H": H, "ROW": H, "COPY_ROWS": 16, "BLOCK_H": 256}),
     "_moe_dispatch": ({"ch": "*u64", "rounds_ptr": "*i32", "rank": "i32", "count_ptr": "*i32",
-                       "eoff_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32", "recv_x_ptr": "*bf16",
-                       "recv_src_ptr": "*i32", "src_stage_ptr": "*i32", "recv_count_ptr": "*i32",
+                       "eoff_ptr": "*i32", "recv_src_ptr": "*i32", "src_stage_ptr": "*i32", "recv_count_ptr": "*i32",
                        "layout_ptr": "*i32", "count_region": "i32", "recv_region": "i32", "src_stage_region": "i32",
                        "send_x_region": "i32", "send_src_region": "i32", "count_slot": "i32",
                        "dispatch_slot": "i32"},
-                      {"W": W, "E": E, "L": L, "T": T, "ROW": H, "ROW_BYTES": 2 * H, "COPY_ROWS": 16, "BLOCK_H": 256,
-                       "PUT_ROWS": T, "HANDLE_WORDS": L * T, "LP": 4, "WP": 2, "BLOCK_T": 128}),
+                      {"W": W, "E": E, "L": L, "T": T, "ROW_BYTES": 2 * H, "PUT_ROWS": T, "HANDLE_WORDS": L * T,
+                       "LP": 4, "WP": 2, "BLOCK_T": 128}),
     "_moe_combine_send": ({"ch": "*u64", "rank": "i32", "y_ptr": "*bf16", "count_ptr": "*i32", "send_y_ptr": "*bf16",
                            "comb_ptr": "*bf16", "comb_region": "i32", "send_y_region": "i32"},
                           {"W": W, "E": E, "L": L, "T": T, "H": H, "EP": E, "COPY_ROWS": 16, "BLOCK_H": 256,
@@ -439,15 +439,14 @@ SIGNATURES = {
                              "combine_slot": "i32"},
                             {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
     "_moe_dispatch_gemm": ({"ch": "*u64", "rounds_ptr": "*i32", "rank": "i32", "count_ptr": "*i32",
-                            "eoff_ptr": "*i32", "send_x_ptr": "*bf16", "send_src_ptr": "*i32",
-                            "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "src_stage_ptr": "*i32",
+                            "eoff_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "src_stage_ptr": "*i32",
                             "gemm_stage_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "recv_count_ptr": "*i32",
                             "layout_ptr": "*i32", "count_region": "i32", "gemm_stage_region": "i32",
                             "src_stage_region": "i32", "send_x_region": "i32", "send_src_region": "i32",
                             "count_slot": "i32", "dispatch_slot": "i32", "expert_slot": "i32", "timeline": "*i64"},
                            {"W": W, "E": E, "L": L, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
-                            "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_H": 256,
-                            "BLOCK_T": 128, "COPY_ROWS": 16, "EXPERTS_PER_PUT": 1, "GROUPS": 4,
+                            "COMM_PROGRAMS": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
+                            "BLOCK_T": 128, "EXPERTS_PER_PUT": 1, "GROUPS": 4,
                             "SOURCE_ROWS": T * K, "GROUP_PUT_ROWS": T * K, "HANDLE_WORDS": L * T,
                             "COMMUNICATE": True, "COMPUTE": True, "SPLIT_EXPERTS": 1}),
 }
@@ -604,15 +603,14 @@ def test_the_fp8_dispatch_kernels_compile_for_sm90(world: int) -> None:
     """fp8=True: the stage kernel quantizes with the hardware's saturating e4m3 conversion into byte rows; the
     dispatch kernel keeps its protocol sites (its puts are the same puts of shorter rows)."""
     signature, meta = SIGNATURES["_moe_stage"]
-    compiled = compile_kernel(moe_kernels._moe_stage, {**signature, "send_x_ptr": "*u8"},
+    compiled = compile_kernel(moe_kernels._moe_stage, {**signature, "send_x_ptr": "*u8", "recv_x_ptr": "*u8"},
                               {**meta, "H": 256, "ROW": dispatch_row(256, True)[0], "FP8": True}, num_warps=4)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
     assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
     signature, meta = SIGNATURES["_moe_dispatch"]
-    row, row_bytes = dispatch_row(256, True)
-    meta = {**meta, "W": world, "WP": 4, "ROW": row, "ROW_BYTES": row_bytes}
-    compiled = compile_kernel(moe_kernels._moe_dispatch, {**signature, "send_x_ptr": "*u8", "recv_x_ptr": "*u8"},
-                              meta, num_warps=4)
+    row_bytes = dispatch_row(256, True)[1]
+    meta = {**meta, "W": world, "WP": 4, "ROW_BYTES": row_bytes}
+    compiled = compile_kernel(moe_kernels._moe_dispatch, signature, meta, num_warps=4)
     pushes, waits, quiets, _ = protocol_sites(compiled.asm["ptx"])
     per_push, per_wait, other = SITES["_moe_dispatch"]
     assert (pushes, waits, quiets) == (per_push * world + other, per_wait * world, 0)
