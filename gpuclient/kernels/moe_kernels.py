@@ -8,17 +8,18 @@ dispatch round e
                       starts in the stage (``eoff[e]``, the exclusive sum of this rank's counts over the lower
                       experts), its count, each entry's stage row ``eoff[e] + position`` (token order), the
                       handle words.
-     ``_moe_stage``   token by token, over a grid of its own, x's row copied into the registered ``send_x`` at
-                      the stage row of each of its experts, so this rank's rows for one expert are contiguous
-                      there (expert-major, ``T*K`` rows at most; with ``fp8`` quantized on the way: H e4m3 bytes
-                      and H/128 fp32 scales a row).
+     ``_moe_stage``   token by token, over a grid of its own, x's row copied to each of its experts: for a
+                      peer's expert into the registered ``send_x`` at the entry's stage row, so this rank's rows
+                      for one expert are contiguous there (expert-major, ``T*K`` rows at most); for one of this
+                      rank's own experts straight to its receive row in ``recv_x``, with its handle word in
+                      ``recv_src`` (with ``fp8`` quantized on the way: H e4m3 bytes and H/128 fp32 scales a row).
   2. ``_moe_dispatch`` every program sends: program 0 put_signals this rank's count row to every peer
                       (``count_slot + rank``); every program waits for every peer's counts, derives where each
                       block lands (the counts for the expert of the sources before this rank in the
                       receiver's order: its own rows first, then its ring predecessors') and puts each
                       remote expert's block in one put (a block past the largest put, ``put_rows`` rows, goes in
                       pieces), and the handle words of each peer's experts in one put into its ``src_stage``;
-                      blocks for this rank are copied. Then the last program to finish its pushes sends one
+                      blocks for this rank are in place already. Then the last program to finish its pushes sends one
                       SIGNAL per peer (``dispatch_slot + rank``: it covers every earlier put of this channel to
                       the peer), waits for every peer's, writes the per-expert receive counts and scatters
                       each peer's staged handle words into ``recv_src``.
@@ -48,8 +49,8 @@ SIGNALs its flag. Then the peer's handle words in one put and a SIGNAL of its di
 (``dispatch_slot + rank``); the last communication program then waits for every peer's dispatch flag and
 scatters their handle words into ``recv_src`` (last, by one program: it waits on the peers' communication
 programs, which wait for nothing but the counts). The compute programs wait for the count flags, then walk
-each local expert's packed rows in (row block, column block) tiles, own rows first (read from their block in
-``send_x``: no wait), then the sources in the order they send to this rank, and before a tile of expert l
+each local expert's packed rows in (row block, column block) tiles, own rows first (read from ``recv_x``, where
+``_moe_stage`` put them: no wait), then the sources in the order they send to this rank, and before a tile of expert l
 wait for the group flag ``(s, l // experts_per_put)`` of every source s with rows in it: a tile starts once
 its own expert's group is in, not the sources' whole transfers. A peer's rows are gathered from its
 ``gemm_stage`` slice (``gemm_stage_offsets``); each tile of a row block copies a share of their columns into
