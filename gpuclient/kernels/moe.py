@@ -112,10 +112,13 @@ class MoE:
     allocated and registered here at its worst case, so a call registers and allocates nothing:
     ``recv_x`` [L, W*T, H] bf16 (a source sends an expert each token at most once), ``recv_src`` [L, W*T]
     int32, ``counts_all`` [W, E] int32 (every rank's per-expert counts), ``send_x`` [T*K, H] (this rank's
-    rows staged expert-major, one contiguous block per expert) and ``send_src`` [E, T] (put sources),
+    rows staged expert-major, one contiguous block per expert; the rows for its own experts go straight to
+    ``recv_x`` instead and their blocks stay unused) and ``send_src`` [E, T] (put sources),
     ``combine_buf`` [T*K, H] bf16 (the experts' outputs of this rank's tokens, in ``send_x``'s order) and
     ``send_y`` [L, W*T, H] (combine's put source). ``programs`` programs per kernel (default: SMs / share,
-    at most 32): every rank sharing the GPU must have its grid resident at once (``share`` of them).
+    at most 32): every rank sharing the GPU must have its grid resident at once (``share`` of them). The row
+    stage, which waits for nothing, has a program per four tokens (at hidden >= 1024), at most four per SM over
+    ``share``.
 
     ``fp8=True`` sends the rows as fp8 (e4m3) with one fp32 scale per 128 values (DeepEP's low-latency FP8
     dispatch: about half the bytes); ``hidden`` must be a multiple of 128, ``recv_x`` and ``send_x`` hold bytes
@@ -244,7 +247,8 @@ class MoE:
         self.programs = self._programs or max(1, min(32, sms // self.share))
         dev = self.recv_x.device
         weights = torch.zeros((self.max_tokens, self.topk), dtype=torch.float32, device=dev)
-        # the stage copies any number of programs can share: a few on each SM's side of the other kernels
+        # the stage waits for nothing, so its grid need not be resident at once: wide enough to keep many rows in
+        # flight (one load of four rows a step per program), small enough to share the SMs with the ranks' kernels
         self.stage_programs = max(1, min(-(-self.max_tokens // self.copy_rows), 4 * sms // self.share))
         for dtype in (torch.int32, torch.int64):
             idx = torch.full((self.max_tokens, self.topk), -1, dtype=dtype, device=dev)
