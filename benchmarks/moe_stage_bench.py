@@ -30,8 +30,10 @@ if str(ROOT) not in sys.path:
 from benchmarks.fused_cases import DEFAULT_RUN, WORLD, rank_sessions  # noqa: E402
 
 
-def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int) -> dict[str, Any]:
-    """Route and stage of ``tokens`` tokens on ``op``'s rank: µs of each (median, p90) and the stage's rate."""
+def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int,
+              route_programs: int | None = None) -> dict[str, Any]:
+    """Route and stage of ``tokens`` tokens on ``op``'s rank: µs of each (median, p90) and the stage's rate;
+    ``route_programs``: the route kernel's grid in place of the op's."""
     import torch
 
     from gpuclient.kernels.moe_kernels import _moe_route, _moe_stage
@@ -41,11 +43,12 @@ def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int) -> dict[s
     x = torch.randn(tokens, op.hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
     idx = torch.stack([torch.randperm(op.num_experts, generator=gen)[:op.topk] for _ in range(tokens)]).to(device)
     stream = torch.cuda.Stream(device)
+    route_programs = route_programs or op.programs
     events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(warmup + reps)]
     with torch.cuda.stream(stream):
         for start, routed, staged in events:
             start.record(stream)
-            op._launcher(_moe_route, (op.programs,), stream, op._route_args(idx, tokens), op._route_meta())
+            op._launcher(_moe_route, (route_programs,), stream, op._route_args(idx, tokens), op._route_meta())
             routed.record(stream)
             op._launcher(_moe_stage, (op.stage_programs,), stream, op._stage_args(x, tokens), op._stage_meta())
             staged.record(stream)
@@ -58,7 +61,7 @@ def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int) -> dict[s
     staged_bytes = tokens * (x.element_size() * op.hidden + op.topk * op.row_bytes)
     stage_p50 = statistics.median(stage_us)
     return {"tokens": tokens, "hidden": op.hidden, "topk": op.topk, "experts": op.num_experts, "world": op.world,
-            "route_programs": op.programs, "stage_programs": op.stage_programs, "reps": reps,
+            "route_programs": route_programs, "stage_programs": op.stage_programs, "reps": reps,
             "route_us_p50": statistics.median(route_us), "stage_us_p50": stage_p50,
             "route_and_stage_us_p50": statistics.median(both_us), "stage_bytes": staged_bytes,
             "route_and_stage_us_p90": statistics.quantiles(both_us, n=10)[-1] if reps >= 2 else both_us[0],
@@ -74,9 +77,11 @@ def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int) -> dict[s
 @click.option("--experts", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--reps", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0))
+@click.option("--route-programs", default=None, type=click.IntRange(min=1),
+              help="the route kernel's grid in place of the op's (its ``programs``), to compare grids")
 @click.option("--device", default=0, show_default=True)
 def main(json_path: str | None, token_counts: tuple[int, ...], hidden: int, topk: int, experts: int, reps: int,
-         warmup: int, device: int) -> None:
+         warmup: int, route_programs: int | None, device: int) -> None:
     """Route and stage alone, a row per token count (module doc)."""
     import torch
 
@@ -89,11 +94,12 @@ def main(json_path: str | None, token_counts: tuple[int, ...], hidden: int, topk
             ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD) for s in sessions]
             exchange_all(sessions, timeout=60)
             ops[0].prepare()
-            row = stage_row(ops[0], tokens, reps, warmup, seed=tokens)
+            row = stage_row(ops[0], tokens, reps, warmup, seed=tokens, route_programs=route_programs)
         rows.append(row)
         print(f"tokens {tokens:5d}  route {row['route_us_p50']:7.1f}  stage {row['stage_us_p50']:7.1f}  "
               f"both {row['route_and_stage_us_p50']:7.1f} (p90 {row['route_and_stage_us_p90']:7.1f}) µs  "
-              f"stage {row['stage_gb_per_s']:6.0f} GB/s  ({row['stage_programs']} programs)")
+              f"stage {row['stage_gb_per_s']:6.0f} GB/s  (route {row['route_programs']}, stage {row['stage_programs']} "
+              "programs)")
     result = {"gpu": torch.cuda.get_device_name(device), "rows": rows,
               "summary": {f"route_and_stage_us_{r['tokens']}": r["route_and_stage_us_p50"] for r in rows}}
     if json_path:

@@ -14,6 +14,7 @@ from tests.support.benchmarks import load_benchmark
     (["--reps", "0"], "--reps"),
     (["--warmup", "-1"], "--warmup"),
     (["--hidden", "0"], "--hidden"),
+    (["--route-programs", "0"], "--route-programs"),
 ])
 def test_bad_options_are_refused(args: list[str], option: str) -> None:
     result = CliRunner().invoke(load_benchmark("moe_stage_bench").main, args)
