@@ -134,6 +134,13 @@ def randn_bf16(gen: Any, *shape: int, device: int) -> Any:
     return torch.randn(*shape, generator=gen).to(torch.bfloat16).cuda(device)
 
 
+def uniform_topk(gen: Any, tokens: int, experts: int, topk: int, device: int) -> Any:
+    """``[tokens, topk]`` int64 expert indices on the GPU: each token's ``topk`` experts distinct and uniform."""
+    import torch
+
+    return torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).cuda(device)
+
+
 def _on_streams(streams: list[Any], work: Callable[[int], None]) -> None:
     import torch
 
@@ -303,8 +310,7 @@ class MoeGemmRanks:
         self._counts: list[list[int]] = []  # the latest round's rows per local expert (``round``)
         local = ops[0].local_experts
         self.xs = [randn_bf16(gen, tokens, hidden, device=device) for _ in ops]
-        self.idx = [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).cuda(device)
-                    for _ in ops]
+        self.idx = [uniform_topk(gen, tokens, experts, topk, device) for _ in ops]
         self.weights = [torch.rand(tokens, topk, generator=gen).cuda(device) for _ in ops]
         on_gpu = torch.Generator(device=f"cuda:{device}").manual_seed(9)  # weights of GiB: made on the GPU
         self.ws = [torch.randn(local, hidden, gemm_n, generator=on_gpu, device=f"cuda:{device}",

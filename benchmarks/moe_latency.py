@@ -9,7 +9,15 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.fabric_bench import SHAPES
-from benchmarks.fused_cases import DEFAULT_RUN, WORLD, RunOptions, check_channels, randn_bf16, rank_sessions
+from benchmarks.fused_cases import (
+    DEFAULT_RUN,
+    WORLD,
+    RunOptions,
+    check_channels,
+    randn_bf16,
+    rank_sessions,
+    uniform_topk,
+)
 from benchmarks.fused_timing import COUNTED, daemon_counters, settle
 from gpuclient import exchange_all
 from tests.support.cuda_graphs import capture_per_rank, replay_per_rank
@@ -35,8 +43,7 @@ def moe_row(backend: str, shape: str, decoupled: bool, reps: int, tokens: int, h
             op.prepare()
         streams = [torch.cuda.Stream(device) for _ in ops]
         xs = [randn_bf16(gen, tokens, hidden, device=device) for _ in ops]
-        idx = [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).cuda(device)
-               for _ in ops]
+        idx = [uniform_topk(gen, tokens, experts, topk, device) for _ in ops]
         weights = [torch.rand(tokens, topk, generator=gen).cuda(device) for _ in ops]
         torch.cuda.synchronize()
         dispatch_s, combine_s = [], []

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.fused_cases import DEFAULT_RUN, WORLD, rank_sessions  # noqa: E402
+from benchmarks.fused_cases import DEFAULT_RUN, WORLD, randn_bf16, rank_sessions, uniform_topk  # noqa: E402
 
 
 def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int,
@@ -38,10 +38,10 @@ def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int,
 
     from gpuclient.kernels.moe_kernels import _moe_route, _moe_stage
 
-    device = op.recv_x.device
+    device = op.recv_x.device.index
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(tokens, op.hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
-    idx = torch.stack([torch.randperm(op.num_experts, generator=gen)[:op.topk] for _ in range(tokens)]).to(device)
+    x = randn_bf16(gen, tokens, op.hidden, device=device)
+    idx = uniform_topk(gen, tokens, op.num_experts, op.topk, device)
     stream = torch.cuda.Stream(device)
     route_programs = route_programs or op.programs
     events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(warmup + reps)]
