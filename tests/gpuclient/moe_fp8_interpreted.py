@@ -1,5 +1,6 @@
 """MoE's fp8 row quantization (``_quantize_rows``, what ``_moe_stage`` stages with ``fp8=True``) in Triton's
-interpreter, against numpy: run by tests/gpuclient/test_moe_layout.py with TRITON_INTERPRET=1.
+interpreter, against numpy: run by tests/gpuclient/test_moe_layout.py with
+TRITON_INTERPRET=1.
 
 Rows of 384 values (three 128-value blocks): an all-zero block, a block under the scale's 1e-4 floor, a
 huge one, signs mixed; a row masked off must stay untouched. Checked: every scale is the block's largest
@@ -8,7 +9,12 @@ saturating encoding of the same float32 product the kernel forms (``value * (448
 step where the interpreter rounds a near-tie the other way, or exactly one exponent step low where rounding
 carries into the exponent: Triton 3.6's interpreter drops that carry (125.2 becomes 64, not 128). The
 hardware's cvt.rn.satfinite is checked against torch on the GPU (tests/gpu/test_moe.py). The values come
-back as ``fp8 * scale`` within one e4m3 step wherever no carry was dropped. Prints "ok".
+back as ``fp8 * scale`` within one e4m3 step wherever no carry was dropped.
+
+Then ``_moe_stage`` with FP8, after ``_moe_route``, on rank 0 of two (top-3 of 8, a repeated and an invalid entry,
+one token with no expert): every valid entry's destination (``send_x`` at its stage row for a peer's expert,
+``recv_x`` at its receive row for one of the rank's own) must hold exactly the bytes the quantization above gives
+that token's row, and every other row must stay poisoned. Prints "ok".
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import triton
 import triton.language as tl
 
 from gpuclient.kernels import moe_kernels as m
-from gpuclient.kernels.moe_layout import dispatch_row
-from tests.gpuclient.moe_interpreted import Buffer, bf16
+from gpuclient.kernels.moe_layout import MoELayout, dispatch_row
+from tests.gpuclient.moe_interpreted import Buffer, bf16, index_scalars
 
 R, H = 8, 384
 
@@ -79,7 +85,48 @@ def main() -> None:
     back = e4m3(got) * scales[:, :, None]
     bound = 2.0 ** -3 * np.abs(blocks) * (1 + 1e-6) + 2.0 ** -9 * scales[:, :, None]  # one e4m3 step
     assert (np.abs(back - blocks) <= bound)[~dropped].all()
+    check_stage()
     print("ok")
+
+
+def check_stage() -> None:
+    """``_moe_stage``'s FP8 destinations against the quantization alone (the module's docstring)."""
+    index_scalars()
+    world, experts, T, K, H = 2, 8, 6, 3, 256  # noqa: N806
+    lay = MoELayout(0, world, experts, T, K, H)
+    L, ROW = lay.local_experts, dispatch_row(H, True)[0]  # noqa: N806
+    rng = np.random.default_rng(5)
+    xb = bf16(rng.standard_normal((T, H)) * 2)
+    idx = np.stack([rng.choice(experts, size=K, replace=False) for _ in range(T)]).astype(np.int64)
+    idx[1, 2] = idx[1, 0]  # a repeat: staged once
+    idx[2, 1] = -1  # no expert in that slot
+    idx[3] = -1  # a token with no expert at all
+    alone = np.full((T, ROW), 0xA5, np.uint8)
+    _quantize[(1,)](Buffer(xb, "bfloat16"), Buffer(alone, "uint8"), T, R=8, H=H, ROW=ROW, BLOCK_H=128)
+    idx32, row = np.full((T, K), -1, np.int32), np.full((T, K), -1, np.int32)
+    counts, eoff = np.zeros((world, experts), np.int32), np.zeros(experts, np.int32)
+    send_src = np.full((experts, T), -1, np.int32)
+    send_x = np.full((lay.stage_capacity, ROW), 0xA5, np.uint8)
+    recv_x = np.full((L, lay.capacity, ROW), 0xA5, np.uint8)
+    recv_src = np.full((L, lay.capacity), -1, np.int32)
+    m._moe_route[(3,)](Buffer(idx, "int64"), Buffer(idx32, "int32"), Buffer(row, "int32"), Buffer(counts, "int32"),
+                       Buffer(eoff, "int32"), Buffer(send_src, "int32"), 0, T, E=experts, K=K, KP=4, T=T, BLOCK_T=4)
+    m._moe_stage[(2,)](Buffer(xb, "bfloat16"), Buffer(idx32, "int32"), Buffer(row, "int32"), Buffer(eoff, "int32"),
+                       Buffer(send_x, "uint8"), Buffer(recv_x, "uint8"), Buffer(recv_src, "int32"), 0, T, W=world,
+                       L=L, K=K, KP=4, T=T, H=H, ROW=ROW, COPY_ROWS=2, BLOCK_H=128, FP8=True)
+    assert (idx32 == lay.normalize(idx)).all()
+    sent, received = np.zeros(len(send_x), bool), np.zeros(recv_x.shape[:2], bool)
+    for t, k in zip(*np.nonzero(idx32 >= 0), strict=True):
+        e = int(idx32[t, k])
+        if e < L:  # this rank's own expert: its receive row (own rows lead, in token order)
+            dst, mark = recv_x[e, row[t, k] - eoff[e]], (e, row[t, k] - eoff[e])
+            received[mark] = True
+        else:
+            dst = send_x[row[t, k]]
+            sent[row[t, k]] = True
+        assert (dst == alone[t]).all(), (t, k, e)
+    assert received.sum() + sent.sum() == (idx32 >= 0).sum()  # every entry had a row of its own
+    assert (send_x[~sent] == 0xA5).all() and (recv_x[~received] == 0xA5).all(), "a row no entry names was written"
 
 
 if __name__ == "__main__":

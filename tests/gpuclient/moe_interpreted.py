@@ -238,22 +238,31 @@ def _b(arr: np.ndarray) -> Buffer:
     return Buffer(arr, kind)
 
 
+def index_scalars() -> None:
+    """Let the interpreter's scalars bound a ``range`` (a kernel's ``range(pid, tokens, progs)``): numpy 2 refuses
+    ``int()`` of its 1-element arrays. Once per process."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    if getattr(patch_tensor, "indexes_scalars", False):
+        return
+
+    def scalar_index(tensor: object, scope: object) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    scalar_index.indexes_scalars = True
+    interpreter._patch_lang_tensor = scalar_index
+
+
 def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, programs: int,
              put_rows: int | None = None) -> None:
     """Three rounds of dispatch, an expert function and combine, checked against the model; ``put_rows`` below
     ``max_tokens`` splits the blocks (as a block past the largest put is)."""
-    from triton.runtime import interpreter
-
     import gpuclient.kernels.moe_kernels as m
     from gpuclient.kernels.moe import _pow2
 
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def scalar_index(tensor: object, scope: object) -> None:  # numpy 2 refuses int() of the 1-element scalars
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = scalar_index
+    index_scalars()
     rng = np.random.default_rng(world * 10 + topk)
     max_put = (put_rows or max_tokens) * hidden * 2
     lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, slot_base=2, max_put_bytes=max_put)

@@ -618,7 +618,9 @@ def test_the_fp8_dispatch_kernels_compile_for_sm90(world: int) -> None:
 
 def test_fp8_rows_quantize_in_the_interpreter() -> None:
     """tests/gpuclient/moe_fp8_interpreted.py, with TRITON_INTERPRET=1: scales bit for bit, bytes as numpy's
-    e4m3 encoding (within the interpreter's known rounding defects), a masked row untouched."""
+    e4m3 encoding (within the interpreter's known rounding defects), a masked row untouched; then the stage
+    kernel's FP8 rows, each of a token's destinations holding the bytes its row quantizes to, no other row
+    written."""
     run = run_interpreted("tests.gpuclient.moe_fp8_interpreted")
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-4000:] + run.stderr[-8000:]
 
