@@ -1,6 +1,7 @@
 """MoE's first two kernels alone: the routing (``_moe_route``) and the rows staged (``_moe_stage``).
 
     python benchmarks/moe_stage_bench.py --json benchmarks/results/moe-stage.json [--tokens 128 --tokens 1024 ...]
+        [--route-programs 32 --route-programs 64 ...]
 
 Every dispatch (``MoE.dispatch``, ``dispatch_gemm``) starts with them, before any put can leave: the route
 kernel counts each expert's tokens and gives each (token, expert) its stage row and handle word; the stage kernel
@@ -8,9 +9,10 @@ copies each token's row to each of its experts (a peer's expert's into ``send_x`
 into ``recv_x``). This times them on one rank of a two-rank session with CUDA events around each launch on an idle
 GPU, the median of ``--reps`` after ``--warmup``, at each ``--tokens`` (top-k of ``--experts``, hidden
 ``--hidden``, each token's experts distinct and uniform). No transfer is made, so the fabric does not enter the
-numbers. ``stage_gb_per_s`` counts the bytes the stage moves (``stage_bytes``: each token's row read once and
-written once for each of its experts): against the GPU's memory bandwidth it says how far the copy is from its
-bound.
+numbers. ``--route-programs`` (repeated) launches the route kernel over each grid given in turn, a row each, on the
+same session and inputs: an alternation of grids in one process. ``stage_gb_per_s`` counts the bytes the stage moves
+(``stage_bytes``: each token's row read once and written once for each of its experts): against the GPU's memory
+bandwidth it says how far the copy is from its bound.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int,
     x = randn_bf16(gen, tokens, op.hidden, device=device)
     idx = uniform_topk(gen, tokens, op.num_experts, op.topk, device)
     stream = torch.cuda.Stream(device)
-    route_programs = route_programs or op.programs
+    route_programs = route_programs or op.route_programs
     events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(warmup + reps)]
     with torch.cuda.stream(stream):
         for start, routed, staged in events:
@@ -68,6 +70,16 @@ def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int,
             "stage_gb_per_s": staged_bytes / (stage_p50 * 1e-6) / 1e9}
 
 
+def summary(rows: list[dict[str, Any]], by_grid: bool) -> dict[str, float]:
+    """Route and stage µs (p50) per token count, and per route grid where grids were compared (the median over
+    a grid's repeated rows)."""
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        key = f"route_and_stage_us_{r['tokens']}" + (f"_route_{r['route_programs']}" if by_grid else "")
+        groups.setdefault(key, []).append(r["route_and_stage_us_p50"])
+    return {key: statistics.median(values) for key, values in groups.items()}
+
+
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the results here")
 @click.option("--tokens", "token_counts", multiple=True, default=(128, 1024, 2048), show_default=True,
@@ -77,12 +89,13 @@ def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int,
 @click.option("--experts", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--reps", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0))
-@click.option("--route-programs", default=None, type=click.IntRange(min=1),
-              help="the route kernel's grid in place of the op's (its ``programs``), to compare grids")
+@click.option("--route-programs", "route_grids", multiple=True, type=click.IntRange(min=1),
+              help="the route kernel's grid in place of the op's (``route_programs``: a program per expert); "
+                   "repeat it to compare grids, a row each in the order given, on one session per token count")
 @click.option("--device", default=0, show_default=True)
 def main(json_path: str | None, token_counts: tuple[int, ...], hidden: int, topk: int, experts: int, reps: int,
-         warmup: int, route_programs: int | None, device: int) -> None:
-    """Route and stage alone, a row per token count (module doc)."""
+         warmup: int, route_grids: tuple[int, ...], device: int) -> None:
+    """Route and stage alone, a row per token count and route grid (module doc)."""
     import torch
 
     from gpuclient import exchange_all
@@ -94,14 +107,14 @@ def main(json_path: str | None, token_counts: tuple[int, ...], hidden: int, topk
             ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD) for s in sessions]
             exchange_all(sessions, timeout=60)
             ops[0].prepare()
-            row = stage_row(ops[0], tokens, reps, warmup, seed=tokens, route_programs=route_programs)
-        rows.append(row)
-        print(f"tokens {tokens:5d}  route {row['route_us_p50']:7.1f}  stage {row['stage_us_p50']:7.1f}  "
-              f"both {row['route_and_stage_us_p50']:7.1f} (p90 {row['route_and_stage_us_p90']:7.1f}) µs  "
-              f"stage {row['stage_gb_per_s']:6.0f} GB/s  (route {row['route_programs']}, stage {row['stage_programs']} "
-              "programs)")
-    result = {"gpu": torch.cuda.get_device_name(device), "rows": rows,
-              "summary": {f"route_and_stage_us_{r['tokens']}": r["route_and_stage_us_p50"] for r in rows}}
+            for grid in route_grids or (None,):
+                row = stage_row(ops[0], tokens, reps, warmup, seed=tokens, route_programs=grid)
+                rows.append(row)
+                print(f"tokens {tokens:5d}  route {row['route_us_p50']:7.1f}  stage {row['stage_us_p50']:7.1f}  "
+                      f"both {row['route_and_stage_us_p50']:7.1f} (p90 {row['route_and_stage_us_p90']:7.1f}) µs  "
+                      f"stage {row['stage_gb_per_s']:6.0f} GB/s  (route {row['route_programs']}, "
+                      f"stage {row['stage_programs']} programs)")
+    result = {"gpu": torch.cuda.get_device_name(device), "rows": rows, "summary": summary(rows, bool(route_grids))}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")

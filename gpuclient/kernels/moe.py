@@ -118,7 +118,7 @@ class MoE:
     ``send_y`` [L, W*T, H] (combine's put source). ``programs`` programs per kernel (default: SMs / share,
     at most 32): every rank sharing the GPU must have its grid resident at once (``share`` of them). The row
     stage, which waits for nothing, has a program per four tokens (at hidden >= 1024), at most four per SM over
-    ``share``.
+    ``share``; the routing, which waits for nothing either, a program per expert (as many at most).
 
     ``fp8=True`` sends the rows as fp8 (e4m3) with one fp32 scale per 128 values (DeepEP's low-latency FP8
     dispatch: about half the bytes); ``hidden`` must be a multiple of 128, ``recv_x`` and ``send_x`` hold bytes
@@ -250,9 +250,12 @@ class MoE:
         # the stage waits for nothing, so its grid need not be resident at once: wide enough to keep many rows in
         # flight (one load of four rows a step per program), small enough to share the SMs with the ranks' kernels
         self.stage_programs = max(1, min(-(-self.max_tokens // self.copy_rows), 4 * sms // self.share))
+        # the route waits for nothing either, and each of its programs counts whole experts: one an expert, so its
+        # time is one expert's pass over topk_idx, not (E / programs) of them
+        self.route_programs = max(1, min(self.num_experts, 4 * sms // self.share))
         for dtype in (torch.int32, torch.int64):
             idx = torch.full((self.max_tokens, self.topk), -1, dtype=dtype, device=dev)
-            tpd.preload(_moe_route, *self._route_args(idx, 0), grid=(self.programs,), **self._route_meta())
+            tpd.preload(_moe_route, *self._route_args(idx, 0), grid=(self.route_programs,), **self._route_meta())
         tpd.preload(_moe_stage, *self._stage_args(self.out, 0), grid=(self.stage_programs,),  # out: bf16 like x
                     **self._stage_meta())
         tpd.preload(_moe_dispatch, *self._dispatch_args(), grid=(self.programs,), **self._dispatch_meta())
@@ -321,7 +324,8 @@ class MoE:
 
     def _route_and_stage(self, x: Any, topk_idx: Any, tokens: int, stream: Any) -> None:
         """A dispatch's first two kernels: the routing (counts, stage rows, handle words), then the rows staged."""
-        self._launcher(_moe_route, (self.programs,), stream, self._route_args(topk_idx, tokens), self._route_meta())
+        self._launcher(_moe_route, (self.route_programs,), stream, self._route_args(topk_idx, tokens),
+                       self._route_meta())
         self._launcher(_moe_stage, (self.stage_programs,), stream, self._stage_args(x, tokens), self._stage_meta())
 
     def _dispatch_args(self) -> tuple:

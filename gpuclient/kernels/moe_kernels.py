@@ -1,10 +1,12 @@
 """The MoE op's device code (Triton): the kernels ``gpuclient.kernels.moe.MoE`` launches, and the protocol
 they speak with their peers. The layout math is ``gpuclient.kernels.moe_layout`` (numpy; the tests' model).
 
-Kernels, in stream order (each a small grid but the stage's; all Triton, all preloaded by ``prepare``):
+Kernels, in stream order (each a small grid but the route's and the stage's; all Triton, all preloaded by
+``prepare``):
 
 dispatch round e
-  1. ``_moe_route``   normalise topk_idx (invalid and repeated experts become -1); per expert: where its block
+  1. ``_moe_route``   normalise topk_idx (invalid and repeated experts become -1); per expert (a program each,
+                      over a grid of its own): where its block
                       starts in the stage (``eoff[e]``, the exclusive sum of this rank's counts over the lower
                       experts), its count, each entry's stage row ``eoff[e] + position`` (token order), the
                       handle words.
@@ -116,22 +118,32 @@ def _copy_rows(src, dst, rows, H: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(src, dst, rows, H: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Row i of bf16 ``src`` to fp8 row i of ``dst`` (bytes; each a block of row pointers) where ``rows[i]``: every
-    block of 128 values scaled by 448 / its largest magnitude (e4m3's largest finite), the H fp8 bytes, then the
-    H / 128 fp32 scales (value = fp8 * scale). BLOCK_H values (a multiple of 128) a step, as [rows, groups, 128]."""
+def _quantize_block(src, rows, h0, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Columns ``h0 ... h0 + BLOCK_H`` of bf16 rows ``src`` (a block of row pointers; where ``rows[i]``) as e4m3:
+    every group of 128 values scaled by 448 / its largest magnitude (e4m3's largest finite). Returns the fp8
+    bytes [rows, BLOCK_H / 128, 128] (uint8) and the fp32 scales [rows, BLOCK_H / 128] (value = fp8 * scale),
+    for ``_store_quantized`` to store at as many destinations as the rows have. BLOCK_H a multiple of 128."""
     gs = tl.arange(0, BLOCK_H // 128)
     cs = tl.arange(0, 128)
-    for h0 in range(0, H, BLOCK_H):
-        col = h0 + gs[:, None] * 128 + cs[None, :]
-        inside = rows[:, None, None] & (col[None, :, :] < H)
-        v = tl.load(src[:, None, None] + col[None, :, :], mask=inside, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(v), axis=2), 1e-4)  # an all-zero block still gets a finite scale
-        q = (v * (448.0 / amax)[:, :, None]).to(tl.float8e4nv)
-        tl.store(dst[:, None, None] + col[None, :, :], q.to(tl.uint8, bitcast=True), mask=inside)
-        g = h0 // 128 + gs
-        tl.store((dst[:, None] + H + g[None, :] * 4).to(tl.pointer_type(tl.float32)), amax / 448.0,
-                 mask=rows[:, None] & (g[None, :] < H // 128))
+    col = h0 + gs[:, None] * 128 + cs[None, :]
+    inside = rows[:, None, None] & (col[None, :, :] < H)
+    v = tl.load(src[:, None, None] + col[None, :, :], mask=inside, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(v), axis=2), 1e-4)  # an all-zero group still gets a finite scale
+    q = (v * (448.0 / amax)[:, :, None]).to(tl.float8e4nv)
+    return q.to(tl.uint8, bitcast=True), amax / 448.0
+
+
+@triton.jit
+def _store_quantized(dst, rows, q, scale, h0, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``_quantize_block``'s bytes and scales for columns ``h0 ...`` into fp8 rows ``dst`` (bytes; a block of row
+    pointers) where ``rows[i]``: a row is its H fp8 bytes, then its H / 128 fp32 scales."""
+    gs = tl.arange(0, BLOCK_H // 128)
+    cs = tl.arange(0, 128)
+    col = h0 + gs[:, None] * 128 + cs[None, :]
+    tl.store(dst[:, None, None] + col[None, :, :], q, mask=rows[:, None, None] & (col[None, :, :] < H))
+    g = h0 // 128 + gs
+    tl.store((dst[:, None] + H + g[None, :] * 4).to(tl.pointer_type(tl.float32)), scale,
+             mask=rows[:, None] & (g[None, :] < H // 128))
 
 
 @triton.jit(do_not_specialize=["rank", "tokens"])
@@ -185,8 +197,8 @@ def _moe_stage(x_ptr, idx32_ptr, row_ptr, eoff_ptr, send_x_ptr, recv_x_ptr, recv
     in recv_src, so no later kernel copies them there. Its own kernel, after the route's: any number of programs
     can copy once every stage row is known, where the route staged each expert's block from the one program that
     counted it (a few rows in flight each: at 1024 tokens a rank and top-8, 117 MB that held back every put of
-    the dispatch). bf16: a row block is read once and stored once per expert; with FP8 quantized on the way
-    (``_quantize_rows``): H e4m3 bytes and H/128 fp32 scales a row."""
+    the dispatch). A row block is read once and stored once per expert; with FP8 quantized once on the way
+    (``_quantize_block``): H e4m3 bytes and H/128 fp32 scales a row."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     rs = tl.arange(0, COPY_ROWS)
@@ -205,11 +217,13 @@ def _moe_stage(x_ptr, idx32_ptr, row_ptr, eoff_ptr, send_x_ptr, recv_x_ptr, recv
         own = staged & (local >= 0) & (local < L)
         recv_rows = local * (W * T) + stage_rows - tl.load(eoff_ptr + experts, mask=own, other=0)
         tl.store(recv_src_ptr + recv_rows, (rank * T + ts[:, None]) * K + ks[None, :], mask=own)
-        if FP8:  # each row its H fp8 values and H / 128 fp32 scales
-            for k in tl.static_range(K):
-                valid, dst = _stage_target(k, ks, live, experts, own, stage_rows, recv_rows, send_x_ptr, recv_x_ptr,
-                                           ROW)
-                _quantize_rows(src, dst, valid, H, BLOCK_H)
+        if FP8:  # each row its H fp8 values and H / 128 fp32 scales, quantized once and stored once per expert
+            for h0 in range(0, H, BLOCK_H):
+                q, scale = _quantize_block(src, live, h0, H, BLOCK_H)
+                for k in tl.static_range(K):
+                    valid, dst = _stage_target(k, ks, live, experts, own, stage_rows, recv_rows, send_x_ptr,
+                                               recv_x_ptr, ROW)
+                    _store_quantized(dst, valid, q, scale, h0, H, BLOCK_H)
         else:
             for h0 in range(0, H, BLOCK_H):
                 cols = h0 + hs[None, :]

@@ -30,3 +30,16 @@ def test_the_stage_bench_times_route_and_stage_at_each_token_count(cuda_device, 
         assert row["route_and_stage_us_p50"] >= max(row["route_us_p50"], row["stage_us_p50"]), row
         assert row["stage_programs"] >= 1 and row["world"] == 2, row
     assert set(doc["summary"]) == {"route_and_stage_us_48", "route_and_stage_us_96"}
+
+
+def test_route_grids_compared_give_a_row_each_in_the_order_given(cuda_device, tmp_path: Path) -> None:
+    out = tmp_path / "grids.json"
+    args = ["--tokens", "64", "--hidden", "1024", "--topk", "4", "--experts", "8", "--reps", "3", "--warmup", "1",
+            "--route-programs", "2", "--route-programs", "8", "--route-programs", "2", "--device", str(cuda_device),
+            "--json", str(out)]
+    result = CliRunner().invoke(load_benchmark("moe_stage_bench").main, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert [(r["tokens"], r["route_programs"]) for r in doc["rows"]] == [(64, 2), (64, 8), (64, 2)]
+    assert all(math.isfinite(r["route_us_p50"]) and r["route_us_p50"] > 0 for r in doc["rows"]), doc["rows"]
+    assert set(doc["summary"]) == {"route_and_stage_us_64_route_2", "route_and_stage_us_64_route_8"}

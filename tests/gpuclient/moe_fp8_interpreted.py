@@ -1,5 +1,5 @@
-"""MoE's fp8 row quantization (``_quantize_rows``, what ``_moe_stage`` stages with ``fp8=True``) in Triton's
-interpreter, against numpy: run by tests/gpuclient/test_moe_layout.py with
+"""MoE's fp8 row quantization (``_quantize_block`` and ``_store_quantized``, what ``_moe_stage`` stages with
+``fp8=True``) in Triton's interpreter, against numpy: run by tests/gpuclient/test_moe_layout.py with
 TRITON_INTERPRET=1.
 
 Rows of 384 values (three 128-value blocks): an all-zero block, a block under the scale's 1e-4 floor, a
@@ -12,9 +12,10 @@ hardware's cvt.rn.satfinite is checked against torch on the GPU (tests/gpu/test_
 back as ``fp8 * scale`` within one e4m3 step wherever no carry was dropped.
 
 Then ``_moe_stage`` with FP8, after ``_moe_route``, on rank 0 of two (top-3 of 8, a repeated and an invalid entry,
-one token with no expert): every valid entry's destination (``send_x`` at its stage row for a peer's expert,
-``recv_x`` at its receive row for one of the rank's own) must hold exactly the bytes the quantization above gives
-that token's row, and every other row must stay poisoned. Prints "ok".
+one token with no expert): each row is quantized once and stored once per expert, so every valid entry's
+destination (``send_x`` at its stage row for a peer's expert, ``recv_x`` at its receive row for one of the rank's
+own) must hold exactly the bytes the quantization above gives that token's row, and every other row must stay
+poisoned. Prints "ok".
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ R, H = 8, 384
 @triton.jit
 def _quantize(src, dst, live, R: tl.constexpr, H: tl.constexpr, ROW: tl.constexpr, BLOCK_H: tl.constexpr):
     rs = tl.arange(0, R)
-    m._quantize_rows(src + rs * H, dst + rs * ROW, rs < live, H, BLOCK_H)
+    rows = rs < live
+    for h0 in range(0, H, BLOCK_H):
+        q, scale = m._quantize_block(src + rs * H, rows, h0, H, BLOCK_H)
+        m._store_quantized(dst + rs * ROW, rows, q, scale, h0, H, BLOCK_H)
 
 
 def to_e4m3(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
