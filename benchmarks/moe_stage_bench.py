@@ -10,9 +10,10 @@ into ``recv_x``). This times them on one rank of a two-rank session with CUDA ev
 GPU, the median of ``--reps`` after ``--warmup``, at each ``--tokens`` (top-k of ``--experts``, hidden
 ``--hidden``, each token's experts distinct and uniform). No transfer is made, so the fabric does not enter the
 numbers. ``--route-programs`` (repeated) launches the route kernel over each grid given in turn, a row each, on the
-same session and inputs: an alternation of grids in one process. ``stage_gb_per_s`` counts the bytes the stage moves
-(``stage_bytes``: each token's row read once and written once for each of its experts): against the GPU's memory
-bandwidth it says how far the copy is from its bound.
+same session and inputs: an alternation of grids in one process. ``--fp8`` stages FP8 rows, quantized on the way as
+``MoE(fp8=True)`` dispatches them. ``stage_gb_per_s`` counts the bytes the stage moves (``stage_bytes``: each
+token's row read once and written once for each of its experts): against the GPU's memory bandwidth it says how far
+the copy is from its bound.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ def stage_row(op: Any, tokens: int, reps: int, warmup: int, seed: int,
     route_us = [1e3 * a.elapsed_time(b) for a, b, _ in timed]
     stage_us = [1e3 * b.elapsed_time(c) for _, b, c in timed]
     both_us = [1e3 * a.elapsed_time(c) for a, _, c in timed]
-    # a token's row is read once and written once for each of its experts
+    # a token's row is read once (bf16) and written once for each of its experts (bf16, or FP8 bytes and scales)
     staged_bytes = tokens * (x.element_size() * op.hidden + op.topk * op.row_bytes)
     stage_p50 = statistics.median(stage_us)
     return {"tokens": tokens, "hidden": op.hidden, "topk": op.topk, "experts": op.num_experts, "world": op.world,
+            "fp8": op.fp8,
             "route_programs": route_programs, "stage_programs": op.stage_programs, "reps": reps,
             "route_us_p50": statistics.median(route_us), "stage_us_p50": stage_p50,
             "route_and_stage_us_p50": statistics.median(both_us), "stage_bytes": staged_bytes,
@@ -92,10 +94,13 @@ def summary(rows: list[dict[str, Any]], by_grid: bool) -> dict[str, float]:
 @click.option("--route-programs", "route_grids", multiple=True, type=click.IntRange(min=1),
               help="the route kernel's grid in place of the op's (``route_programs``: a program per expert); "
                    "repeat it to compare grids, a row each in the order given, on one session per token count")
+@click.option("--fp8", is_flag=True, help="stage FP8 rows (quantized on the way, as MoE(fp8=True) dispatches)")
 @click.option("--device", default=0, show_default=True)
 def main(json_path: str | None, token_counts: tuple[int, ...], hidden: int, topk: int, experts: int, reps: int,
-         warmup: int, route_grids: tuple[int, ...], device: int) -> None:
+         warmup: int, route_grids: tuple[int, ...], fp8: bool, device: int) -> None:
     """Route and stage alone, a row per token count and route grid (module doc)."""
+    if fp8 and hidden % 128:
+        raise click.BadParameter(f"FP8 rows need a multiple of 128, got {hidden}", param_hint="--hidden")
     import torch
 
     from gpuclient import exchange_all
@@ -104,7 +109,7 @@ def main(json_path: str | None, token_counts: tuple[int, ...], hidden: int, topk
     rows = []
     for tokens in token_counts:
         with rank_sessions(DEFAULT_RUN, "ib", "cx7-400g", "moe-stage-bench", device) as (_, sessions):
-            ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD) for s in sessions]
+            ops = [MoE(s, hidden, experts, tokens, topk, share=WORLD, fp8=fp8) for s in sessions]
             exchange_all(sessions, timeout=60)
             ops[0].prepare()
             for grid in route_grids or (None,):
@@ -112,7 +117,8 @@ def main(json_path: str | None, token_counts: tuple[int, ...], hidden: int, topk
                 rows.append(row)
                 print(f"tokens {tokens:5d}  route {row['route_us_p50']:7.1f}  stage {row['stage_us_p50']:7.1f}  "
                       f"both {row['route_and_stage_us_p50']:7.1f} (p90 {row['route_and_stage_us_p90']:7.1f}) µs  "
-                      f"stage {row['stage_gb_per_s']:6.0f} GB/s  (route {row['route_programs']}, "
+                      f"stage {row['stage_gb_per_s']:6.0f} GB/s  ({'fp8' if fp8 else 'bf16'} rows, "
+                      f"route {row['route_programs']}, "
                       f"stage {row['stage_programs']} programs)")
     result = {"gpu": torch.cuda.get_device_name(device), "rows": rows, "summary": summary(rows, bool(route_grids))}
     if json_path:

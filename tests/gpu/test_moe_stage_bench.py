@@ -43,3 +43,16 @@ def test_route_grids_compared_give_a_row_each_in_the_order_given(cuda_device, tm
     assert [(r["tokens"], r["route_programs"]) for r in doc["rows"]] == [(64, 2), (64, 8), (64, 2)]
     assert all(math.isfinite(r["route_us_p50"]) and r["route_us_p50"] > 0 for r in doc["rows"]), doc["rows"]
     assert set(doc["summary"]) == {"route_and_stage_us_64_route_2", "route_and_stage_us_64_route_8"}
+
+
+def test_fp8_rows_are_staged_and_counted_as_bytes_and_scales(cuda_device, tmp_path: Path) -> None:
+    out = tmp_path / "fp8.json"
+    hidden, topk, tokens = 1024, 4, 64
+    args = ["--tokens", str(tokens), "--hidden", str(hidden), "--topk", str(topk), "--experts", "8", "--reps", "3",
+            "--warmup", "1", "--fp8", "--device", str(cuda_device), "--json", str(out)]
+    result = CliRunner().invoke(load_benchmark("moe_stage_bench").main, args)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["fp8"] is True and math.isfinite(row["stage_us_p50"]) and row["stage_us_p50"] > 0, row
+    # each token's bf16 row read once, then per expert H fp8 bytes and H / 128 fp32 scales
+    assert row["stage_bytes"] == tokens * (2 * hidden + topk * (hidden + hidden // 32)), row

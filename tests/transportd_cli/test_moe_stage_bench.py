@@ -17,6 +17,7 @@ from tests.support.benchmarks import load_benchmark
     (["--hidden", "0"], "--hidden"),
     (["--route-programs", "0"], "--route-programs"),
     (["--route-programs", "64", "--route-programs", "x"], "--route-programs"),
+    (["--fp8", "--hidden", "200"], "--hidden"),  # FP8 rows scale 128 values at a time
 ])
 def test_bad_options_are_refused(args: list[str], option: str) -> None:
     result = CliRunner().invoke(load_benchmark("moe_stage_bench").main, args)
