@@ -118,8 +118,7 @@ def main(json_path: str | None, token_counts: tuple[int, ...], hidden: int, topk
                 print(f"tokens {tokens:5d}  route {row['route_us_p50']:7.1f}  stage {row['stage_us_p50']:7.1f}  "
                       f"both {row['route_and_stage_us_p50']:7.1f} (p90 {row['route_and_stage_us_p90']:7.1f}) µs  "
                       f"stage {row['stage_gb_per_s']:6.0f} GB/s  ({'fp8' if fp8 else 'bf16'} rows, "
-                      f"route {row['route_programs']}, "
-                      f"stage {row['stage_programs']} programs)")
+                      f"route {row['route_programs']}, stage {row['stage_programs']} programs)")
     result = {"gpu": torch.cuda.get_device_name(device), "rows": rows, "summary": summary(rows, bool(route_grids))}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -6,10 +6,9 @@ Kernels, in stream order (each a small grid but the route's and the stage's; all
 
 dispatch round e
   1. ``_moe_route``   normalise topk_idx (invalid and repeated experts become -1); per expert (a program each,
-                      over a grid of its own): where its block
-                      starts in the stage (``eoff[e]``, the exclusive sum of this rank's counts over the lower
-                      experts), its count, each entry's stage row ``eoff[e] + position`` (token order), the
-                      handle words.
+                      over a grid of its own): where its block starts in the stage (``eoff[e]``, the exclusive
+                      sum of this rank's counts over the lower experts), its count, each entry's stage row
+                      ``eoff[e] + position`` (token order), the handle words.
      ``_moe_stage``   token by token, over a grid of its own, x's row copied to each of its experts: for a
                       peer's expert into the registered ``send_x`` at the entry's stage row, so this rank's rows
                       for one expert are contiguous there (expert-major, ``T*K`` rows at most); for one of this
