@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from gpuclient.kernels import moe_kernels as m
+from gpuclient.kernels.moe import _pow2
 from gpuclient.kernels.moe_layout import MoELayout, dispatch_row
-from tests.gpuclient.moe_interpreted import Buffer, bf16, index_scalars
+from tests.gpuclient.moe_interpreted import _b, bf16, index_scalars
 
 R, H = 8, 384
 
@@ -73,7 +74,7 @@ def main() -> None:
     exact = (xb.astype(np.uint32) << 16).view(np.float32).astype(np.float64)  # the bf16 values
     out = np.full((R, dispatch_row(H, True)[0]), 0xA5, np.uint8)
     # 256 values a step: the second step's last two groups lie past H and must write nothing
-    _quantize[(1,)](Buffer(xb, "bfloat16"), Buffer(out, "uint8"), R - 1, R=R, H=H, ROW=out.shape[1], BLOCK_H=256)
+    _quantize[(1,)](_b(xb), _b(out), R - 1, R=R, H=H, ROW=out.shape[1], BLOCK_H=256)
     assert (out[R - 1] == 0xA5).all(), "a masked row was written"
     live = slice(0, R - 1)
     got = out[live, :H].reshape(R - 1, H // 128, 128)
@@ -106,18 +107,17 @@ def check_stage() -> None:
     idx[2, 1] = -1  # no expert in that slot
     idx[3] = -1  # a token with no expert at all
     alone = np.full((T, ROW), 0xA5, np.uint8)
-    _quantize[(1,)](Buffer(xb, "bfloat16"), Buffer(alone, "uint8"), T, R=8, H=H, ROW=ROW, BLOCK_H=128)
+    _quantize[(1,)](_b(xb), _b(alone), T, R=8, H=H, ROW=ROW, BLOCK_H=128)
     idx32, row = np.full((T, K), -1, np.int32), np.full((T, K), -1, np.int32)
     counts, eoff = np.zeros((world, experts), np.int32), np.zeros(experts, np.int32)
     send_src = np.full((experts, T), -1, np.int32)
     send_x = np.full((lay.stage_capacity, ROW), 0xA5, np.uint8)
     recv_x = np.full((L, lay.capacity, ROW), 0xA5, np.uint8)
     recv_src = np.full((L, lay.capacity), -1, np.int32)
-    m._moe_route[(3,)](Buffer(idx, "int64"), Buffer(idx32, "int32"), Buffer(row, "int32"), Buffer(counts, "int32"),
-                       Buffer(eoff, "int32"), Buffer(send_src, "int32"), 0, T, E=experts, K=K, KP=4, T=T, BLOCK_T=4)
-    m._moe_stage[(2,)](Buffer(xb, "bfloat16"), Buffer(idx32, "int32"), Buffer(row, "int32"), Buffer(eoff, "int32"),
-                       Buffer(send_x, "uint8"), Buffer(recv_x, "uint8"), Buffer(recv_src, "int32"), 0, T, W=world,
-                       L=L, K=K, KP=4, T=T, H=H, ROW=ROW, COPY_ROWS=2, BLOCK_H=128, FP8=True)
+    m._moe_route[(3,)](_b(idx), _b(idx32), _b(row), _b(counts), _b(eoff), _b(send_src), 0, T, E=experts, K=K,
+                       KP=_pow2(K), T=T, BLOCK_T=4)
+    m._moe_stage[(2,)](_b(xb), _b(idx32), _b(row), _b(eoff), _b(send_x), _b(recv_x), _b(recv_src), 0, T, W=world, L=L,
+                       K=K, KP=_pow2(K), T=T, H=H, ROW=ROW, COPY_ROWS=2, BLOCK_H=128, FP8=True)
     assert (idx32 == lay.normalize(idx)).all()
     sent, received = np.zeros(len(send_x), bool), np.zeros(recv_x.shape[:2], bool)
     for t, k in zip(*np.nonzero(idx32 >= 0), strict=True):

@@ -234,7 +234,7 @@ def _rank_state(lay: MoELayout) -> SimpleNamespace:
 
 def _b(arr: np.ndarray) -> Buffer:
     kind = {np.dtype(np.uint16): "bfloat16", np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
-            np.dtype(np.float32): "float32", np.dtype(np.uint64): "uint64"}[arr.dtype]
+            np.dtype(np.float32): "float32", np.dtype(np.uint64): "uint64", np.dtype(np.uint8): "uint8"}[arr.dtype]
     return Buffer(arr, kind)
 
 
