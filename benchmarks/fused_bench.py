@@ -146,7 +146,7 @@ from benchmarks.fused_standing import judge  # noqa: E402
 from benchmarks.fused_timeline import gemm_span_ratio, moe_timeline_runs, timeline_runs  # noqa: E402
 from benchmarks.fused_timing import interleaved, per_launch, time_once  # noqa: E402
 from benchmarks.fused_tune import TUNABLE, TUNE_SECONDS, run_tune  # noqa: E402
-from benchmarks.moe_latency import graph_cell, moe_row  # noqa: E402
+from benchmarks.moe_latency import graph_cell, moe_row, twin_cell  # noqa: E402
 from transportd.dataplane.gpu_memory import COPY_VIA as DIRECT_COPY_PLACEMENTS  # noqa: E402
 from transportd_cli.cli_options import (  # noqa: E402
     FiniteFloat,
@@ -410,8 +410,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     moe = [r for r in rows if r.get("kernel") == "moe"]
     if moe:
         lines += ["", "| MoE | backend | NIC model | decoupled | rows | dispatch us | combine us | from graphs: "
-                  "dispatch / combine us | signals / dest / dispatch (requested) | fences / dest / dispatch | "
-                  "writes / dest / dispatch |", "|" + "---|" * 11]
+                  "dispatch / combine us | fp8's bf16 twin, same daemons: dispatch / combine us | "
+                  "signals / dest / dispatch (requested) | fences / dest / dispatch | writes / dest / dispatch |",
+                  "|" + "---|" * 12]
         for r in moe:
             if "error" in r:
                 lines.append(f"| moe | {r['backend']} | {r['shape']} | {r.get('decoupled')} | failed: {r['error']} |")
@@ -419,7 +420,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['tokens']} tok, H {r['hidden']}, top-{r['topk']} of {r['experts']} | {r['backend']} | "
                          f"{r['shape']} | {'on' if r['decoupled'] else 'off'} | {'fp8' if r.get('fp8') else 'bf16'} | "
                          f"{r['dispatch_s'] * 1e6:.1f} | "
-                         f"{r['combine_s'] * 1e6:.1f} | {graph_cell(r)} | {r['dispatch_signals_per_dest']:.2f} "
+                         f"{r['combine_s'] * 1e6:.1f} | {graph_cell(r)} | {twin_cell(r)} | "
+                         f"{r['dispatch_signals_per_dest']:.2f} "
                          f"({r['dispatch_signals_requested_per_dest']:.2f}) | {r['dispatch_fences_per_dest']:.2f} | "
                          f"{r['dispatch_writes_per_dest']:.1f} |")
     return "\n".join(lines)

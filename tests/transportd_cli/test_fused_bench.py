@@ -44,7 +44,8 @@ def test_the_table_has_a_line_per_row_and_keeps_failures() -> None:
            "topk": 8, "experts": 64, "dispatch_s": 250e-6, "combine_s": 300e-6, "dispatch_signals_per_dest": 2.0,
            "dispatch_signals_requested_per_dest": 2.0, "dispatch_fences_per_dest": 0.0,
            "dispatch_writes_per_dest": 640.0, "dispatch_graph_s": 150e-6, "combine_graph_s": 210e-6}
-    fp8 = {**moe, "decoupled": False, "fp8": True, "dispatch_graph_s": None, "combine_graph_s": None}
+    fp8 = {**moe, "decoupled": False, "fp8": True, "dispatch_graph_s": None, "combine_graph_s": None,
+           "bf16_dispatch_s": 270e-6, "bf16_combine_s": 305e-6}
     line = bench._summary(ok, {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128})
     assert line.split() == ["gemm_reduce_scatter", "ib", "cx7-400g", "m=8192", "n=8192", "k=4096", "compute", "4.000",
                             "comm", "3.000", "fused", "5.000", "torch", "3.500", "ms", "overlap", "0.67",
@@ -54,13 +55,17 @@ def test_the_table_has_a_line_per_row_and_keeps_failures() -> None:
            "1.40x | 1.30x | 1.62x | 0.75 |" in lines  # ideal: (3 + 3.5) / max(3, 4)
     assert "| ring_attention | efa | efa-200g | heads=32 seq_local=2048 head_dim=128 | failed: RuntimeError: " \
            "channel error |" in lines
-    # the latencies from calls, then from graph replays (none for fp8, whose dequantization runs between phases)
-    assert "| 128 tok, H 7168, top-8 of 64 | ib | cx7-400g | on | bf16 | 250.0 | 300.0 | 150.0 / 210.0 | " \
+    # the latencies from calls, then from graph replays (none for fp8, whose dequantization runs between phases),
+    # then fp8's bf16 twin on the same daemons (none for a bf16 row)
+    assert "| 128 tok, H 7168, top-8 of 64 | ib | cx7-400g | on | bf16 | 250.0 | 300.0 | 150.0 / 210.0 | — | " \
            "2.00 (2.00) | 0.00 | 640.0 |" in lines
-    assert "| 128 tok, H 7168, top-8 of 64 | ib | cx7-400g | off | fp8 | 250.0 | 300.0 | — | 2.00 (2.00) | 0.00 | " \
-           "640.0 |" in lines
+    assert "| 128 tok, H 7168, top-8 of 64 | ib | cx7-400g | off | fp8 | 250.0 | 300.0 | — | 270.0 / 305.0 | " \
+           "2.00 (2.00) | 0.00 | 640.0 |" in lines
     assert moe_latency._graph_us(moe).split() == ["graphs:", "dispatch", "150.0", "us", "combine", "210.0", "us"]
     assert moe_latency._graph_us(fp8) == ""
+    assert moe_latency._twin_us(moe) == ""
+    assert moe_latency._twin_us(fp8).split() == ["bf16", "beside", "it:", "dispatch", "270.0", "us", "combine",
+                                                 "305.0", "us"]
 
 
 def test_an_unknown_kernel_or_a_bad_json_path_is_refused_before_any_work(tmp_path: Path) -> None:
