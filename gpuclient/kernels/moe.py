@@ -113,15 +113,18 @@ class MoE:
     ``recv_x`` [L, W*T, H] bf16 (a source sends an expert each token at most once), ``recv_src`` [L, W*T]
     int32, ``counts_all`` [W, E] int32 (every rank's per-expert counts), ``send_x`` [T*K, H] (this rank's
     rows staged expert-major, one contiguous block per expert; the rows for its own experts go straight to
-    ``recv_x`` instead and their blocks stay unused) and ``send_src`` [E, T] (put sources),
-    ``combine_buf`` [T*K, H] bf16 (the experts' outputs of this rank's tokens, in ``send_x``'s order) and
-    ``send_y`` [L, W*T, H] (combine's put source). ``programs`` programs per kernel (default: SMs / share,
-    at most 32): every rank sharing the GPU must have its grid resident at once (``share`` of them). The row
-    stage, which waits for nothing, has a program per four tokens (at hidden >= 1024), at most four per SM over
-    ``share``; the routing, which waits for nothing either, a program per expert (as many at most).
+    ``recv_x`` instead and their blocks stay unused) and ``send_src`` [E, T] (put sources), ``land_x``
+    [W, T*min(K, L), H] (each source's rows for this rank's experts as they land, a slice per source, packed
+    into ``recv_x`` by the dispatch kernel), ``combine_buf`` [T*K, H] bf16 (the experts' outputs of this
+    rank's tokens, in ``send_x``'s order) and ``send_y`` [L, W*T, H] (combine's put source). ``programs``
+    programs per kernel (default: SMs / share, at most 32): every rank sharing the GPU must have its grid
+    resident at once (``share`` of them). The row stage, which waits for nothing, has a program per four tokens
+    (at hidden >= 1024), at most four per SM over ``share``; the routing, which waits for nothing either, a
+    program per expert (as many at most).
 
     ``fp8=True`` sends the rows as fp8 (e4m3) with one fp32 scale per 128 values (DeepEP's low-latency FP8
-    dispatch: about half the bytes); ``hidden`` must be a multiple of 128, ``recv_x`` and ``send_x`` hold bytes
+    dispatch: about half the bytes); ``hidden`` must be a multiple of 128, ``recv_x``, ``send_x`` and ``land_x``
+    hold bytes
     ([.., H + H/32]: a row's H fp8 values, then its H/128 scales) and ``dispatch`` returns the pair
     ``(recv_x_fp8 [L, W*T, H] float8_e4m3fn, recv_scales [L, W*T, H/128] fp32)``, views of ``recv_x``, where a
     value is ``fp8 * scale``. ``combine`` is bf16 either way; ``dispatch_gemm`` is bf16 only.
@@ -132,8 +135,8 @@ class MoE:
     rows, the rest computing ``gemm_block`` = (block_m, block_n, block_k) tiles with ``gemm_warps`` warps and
     ``gemm_stages`` pipeline stages; each left out comes from :func:`default_gemm_tiles` for the rows an expert
     gets under even routing. It sends a peer the rows of ``experts_per_put`` of its experts per put and flag
-    (default :func:`default_experts_per_put`: four puts a peer) into ``gemm_stage`` [W, T*min(K, L), H] bf16,
-    allocated and registered here too. Its GEMM takes the row blocks of the first ``split_experts`` local experts
+    (default :func:`default_experts_per_put`: four puts a peer) into ``land_x``, and reads them from there. Its
+    GEMM takes the row blocks of the first ``split_experts`` local experts
     source by source, this rank's own rows first, so it starts before any peer's rows land, at the cost of
     reading such an expert's weights once per source step; every other expert's row blocks go at once, after
     all of its sources' rows are in, and read its weights once (default: the first put group's experts, the
@@ -198,12 +201,11 @@ class MoE:
         self.src_stage = torch.full((W, L, T), -1, dtype=torch.int32, device=dev)  # each source's handle words
         self.combine_buf = torch.empty((lay.stage_capacity, H), dtype=torch.bfloat16, device=dev)
         self.send_y = torch.empty((L, lay.capacity, H), dtype=torch.bfloat16, device=dev)
-        # dispatch_gemm's landing rows: each source's puts of several experts at once (MoELayout.gemm_puts)
-        self.gemm_stage = None if gemm_n is None else torch.empty((W, lay.source_rows, H), dtype=torch.bfloat16,
-                                                                  device=dev)
+        # the peers' rows as they land, a slice per source, placed by that source's counts alone (MoELayout)
+        self.land_x = torch.empty((W, lay.source_rows, self.row), dtype=row_dtype, device=dev)
         self.regions = {name: session.register(getattr(self, name)).id
                         for name in ("counts_all", "recv_x", "src_stage", "send_x", "send_src", "combine_buf",
-                                     "send_y", "gemm_stage") if getattr(self, name) is not None}
+                                     "send_y", "land_x")}
         # this rank's per-round state (not registered), allocated once: a call allocates nothing
         self.idx32 = torch.full((T, K), -1, dtype=torch.int32, device=dev)
         self.stage_row = torch.full((T, K), -1, dtype=torch.int32, device=dev)  # each entry's row in send_x
@@ -224,7 +226,7 @@ class MoE:
         self.block_h = min(_pow2(H), 1024)
         self.block_t = min(_pow2(T), 1024)  # handle words per step of the scatter into recv_src
         self.copy_rows = max(1, 4096 // self.block_h)  # rows per tile of a block copy
-        self.put_rows = lay.put_rows  # rows per put of a block: all of them unless they pass the largest put
+        self.put_rows = lay.put_rows  # rows per put of a combine block: all unless they pass the largest put
         self.channel_capacity = channel_capacity
         self.rounds = 0  # the dispatches called (a graph replay runs one uncounted): the device keeps the rounds run
         self._pending: MoEHandle | None = None
@@ -330,21 +332,22 @@ class MoE:
 
     def _dispatch_args(self) -> tuple:
         r = self.regions
-        return (self._ch, self._rounds, self.rank, self.counts_all, self.stage_off, self.recv_src, self.src_stage,
-                self.recv_count, self.recv_layout, r["counts_all"], r["recv_x"], r["src_stage"], r["send_x"],
-                r["send_src"], self.layout.count_slot, self.layout.dispatch_slot)
+        return (self._ch, self._rounds, self.rank, self.counts_all, self.stage_off, self.recv_x, self.recv_src,
+                self.src_stage, self.land_x, self.recv_count, self.recv_layout, r["counts_all"], r["land_x"],
+                r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot, self.layout.dispatch_slot)
 
     def _dispatch_meta(self) -> dict[str, Any]:
         return {"W": self.world, "E": self.num_experts, "L": self.local_experts, "T": self.max_tokens,
-                "ROW_BYTES": self.row_bytes, "PUT_ROWS": self.put_rows, "HANDLE_WORDS": self.layout.handle_words,
+                "ROW": self.row, "ROW_BYTES": self.row_bytes, "SOURCE_ROWS": self.layout.source_rows,
+                "LAND_PUT_ROWS": self.layout.land_put_rows, "HANDLE_WORDS": self.layout.handle_words,
                 "LP": _pow2(self.local_experts), "WP": _pow2(self.world), "BLOCK_T": self.block_t,
-                "num_warps": self.num_warps}
+                "COPY_ROWS": self.copy_rows, "BLOCK_H": self.block_h, "num_warps": self.num_warps}
 
     def _gemm_args(self, w: Any, y: Any, timeline: Any) -> tuple:
         r = self.regions
         return (self._ch, self._rounds, self.rank, self.counts_all, self.stage_off, self.recv_x, self.recv_src,
-                self.src_stage, self.gemm_stage, w, y, self.recv_count, self.recv_layout,
-                r["counts_all"], r["gemm_stage"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
+                self.src_stage, self.land_x, w, y, self.recv_count, self.recv_layout,
+                r["counts_all"], r["land_x"], r["src_stage"], r["send_x"], r["send_src"], self.layout.count_slot,
                 self.layout.dispatch_slot, self.layout.expert_slot,
                 self._no_timeline if timeline is None else timeline)
 

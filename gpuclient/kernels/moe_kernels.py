@@ -14,16 +14,19 @@ dispatch round e
                       for one expert are contiguous there (expert-major, ``T*K`` rows at most); for one of this
                       rank's own experts straight to its receive row in ``recv_x``, with its handle word in
                       ``recv_src`` (with ``fp8`` quantized on the way: H e4m3 bytes and H/128 fp32 scales a row).
-  2. ``_moe_dispatch`` every program sends: program 0 put_signals this rank's count row to every peer
-                      (``count_slot + rank``); every program waits for every peer's counts, derives where each
-                      block lands (the counts for the expert of the sources before this rank in the
-                      receiver's order: its own rows first, then its ring predecessors') and puts each
-                      remote expert's block in one put (a block past the largest put, ``put_rows`` rows, goes in
-                      pieces), and the handle words of each peer's experts in one put into its ``src_stage``;
-                      blocks for this rank are in place already. Then the last program to finish its pushes sends one
-                      SIGNAL per peer (``dispatch_slot + rank``: it covers every earlier put of this channel to
-                      the peer), waits for every peer's, writes the per-expert receive counts and scatters
-                      each peer's staged handle words into ``recv_src``.
+  2. ``_moe_dispatch`` program 0 sends, waiting for nothing: this rank's count row to every peer
+                      (put_signal, ``count_slot + rank``); then peer by peer this rank's rows for all of the
+                      peer's experts (one block of the stage) into this rank's slice of the peer's ``land_x``,
+                      where this rank's own counts
+                      alone place them (pieces of ``land_put_rows`` where the block passes the largest put),
+                      then the handle words of the peer's experts in one put into its ``src_stage``, then one
+                      SIGNAL (``dispatch_slot + rank``: it covers every earlier put of this channel to the
+                      peer). Blocks for this rank are in place already. Then every program waits for every
+                      peer's count and dispatch flags and packs a share of the peers' landed rows into
+                      ``recv_x`` at their receive rows (the counts for the expert of the sources before each in
+                      the receiver's order: its own rows first, then its ring predecessors'); the last to
+                      finish writes the per-expert receive counts and scatters each peer's staged handle words
+                      into ``recv_src``.
 combine round e
   3. ``_moe_combine_send``   each (local expert, source) block of y, contiguous in recv_x's layout, as one put to
                              the source's ``combine_buf`` at the source's stage rows for the expert (``eoff``
@@ -32,19 +35,20 @@ combine round e
   4. ``_moe_combine_reduce`` one SIGNAL per peer (``combine_slot + rank``), a wait for every peer's, then the
                              weighted sum in fp32 per token, entry (t, k) read from its stage row.
 
-So a dispatch pushes each peer its count row, one put per expert with rows there, one of the handle words
-and one SIGNAL, and a combine one put per (expert, source) block and one SIGNAL, whatever the number of rows.
+So a dispatch pushes each peer four records (its count row, its rows, the handle words, a SIGNAL) and a
+combine one put per (expert, source) block and one SIGNAL, whatever the number of rows. No rank waits for a
+peer's counts before it sends: the counts and the rows fly together, and only the receiver needs both.
 
-On efa a SIGNAL covers only the writes since the connection's previous signal: blocks a program pushes
-before program 0's count put_signal are covered by the count flag instead, which the receiver waits for
-before the dispatch flag, so every block is covered by a flag the receiver waited for.
+On efa a SIGNAL covers only the writes since the connection's previous signal: a peer's rows and handle words
+follow the count put_signal to it on the connection and precede its dispatch SIGNAL (one program pushes them
+all, in that order), so the dispatch flag covers them.
 
 dispatch_gemm round e (``gemm_n`` set): ``_moe_route`` and ``_moe_stage``, then ``_moe_dispatch_gemm`` in place
-of 2, one persistent launch split by role. Its first ``comm_programs`` programs push each peer its rows at once (no wait
-for the peers' counts: our own counts place them in our slice of the peer's ``gemm_stage``), peer by peer in
+of 2, one persistent launch split by role. Its first ``comm_programs`` programs push each peer its rows at once (as
+dispatch does: our own counts place them in our slice of the peer's ``land_x``), peer by peer in
 ring order, each peer served by one program (``(step - 1) % comm_programs``), in *groups* of ``experts_per_put``
 of the peer's experts: a group's rows are one block of ``send_x`` (staged expert-major), put into our slice of
-the peer's ``gemm_stage`` [W, source_rows, H] (``MoELayout.gemm_puts``: at the rows we sent its lower experts),
+the peer's ``land_x`` [W, source_rows, H] (``MoELayout.gemm_puts``: at the rows we sent its lower experts),
 the last piece a put_signal of the peer's *group flag* (``expert_slot + rank * L + group``); an empty group
 SIGNALs its flag. Then the peer's handle words in one put and a SIGNAL of its dispatch flag
 (``dispatch_slot + rank``); the last communication program then waits for every peer's dispatch flag and
@@ -54,7 +58,7 @@ each local expert's packed rows in (row block, column block) tiles, own rows fir
 ``_moe_stage`` put them: no wait), then the sources in the order they send to this rank, and before a tile of expert l
 wait for the group flag ``(s, l // experts_per_put)`` of every source s with rows in it: a tile starts once
 its own expert's group is in, not the sources' whole transfers. A peer's rows are gathered from its
-``gemm_stage`` slice (``gemm_stage_offsets``); each tile of a row block copies a share of their columns into
+``land_x`` slice (``land_offsets``); each tile of a row block copies a share of their columns into
 ``recv_x`` first, so ``recv_x`` ends as after ``dispatch``. ``y = rows @ w[l]`` (bf16 tl.dot, fp32
 accumulation) in ``recv_x``'s layout, so ``combine`` follows as after ``dispatch``. Why groups: the soft
 fabric costs ~70-135 us a message whatever its size, and a put per expert made 32 of them a peer
@@ -274,18 +278,6 @@ def _source_offset(count_ptr, src, e, W: tl.constexpr, E: tl.constexpr, L: tl.co
 
 
 @triton.jit
-def _put_block(ch, d, recv_region, send_x_region, start, row, count, first, step, ROW_BYTES: tl.constexpr,
-               PUT_ROWS: tl.constexpr):
-    """This rank's block for an expert of rank d: stage rows ``start ...`` to d's receive rows ``row ...`` (rows of
-    ROW_BYTES bytes), a put of at most PUT_ROWS rows per piece, piece ``first``, ``first + step``, ... of them
-    (one piece unless the block passes the largest put)."""
-    for j in range(first * PUT_ROWS, count, step * PUT_ROWS):
-        n = tl.minimum(count - j, PUT_ROWS)
-        tpd.put(ch, d, recv_region, tl.cast(row + j, tl.int64) * ROW_BYTES, send_x_region,
-                tl.cast(start + j, tl.int64) * ROW_BYTES, tl.cast(n, tl.int64) * ROW_BYTES)
-
-
-@triton.jit
 def _put_handles(ch, d, rank, src_stage_region, send_src_region, L: tl.constexpr, T: tl.constexpr,
                  HANDLE_WORDS: tl.constexpr):
     """The handle words of every expert of rank d (``send_src`` rows ``d * L ...``, ``L * T`` words, past the counts
@@ -317,72 +309,99 @@ def _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W: tl.constex
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _moe_dispatch(ch, rounds_ptr, rank, count_ptr, eoff_ptr, recv_src_ptr, src_stage_ptr, recv_count_ptr, layout_ptr,
-                  count_region, recv_region, src_stage_region, send_x_region, send_src_region, count_slot,
-                  dispatch_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
-                  ROW_BYTES: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, LP: tl.constexpr,
-                  WP: tl.constexpr, BLOCK_T: tl.constexpr, SEND: tl.constexpr = True, FINISH: tl.constexpr = True):
-    """dispatch after ``_moe_route`` and ``_moe_stage``, one launch: every program sends (``_send_blocks``), then
-    the last to finish its pushes signals and receives (``_finish_dispatch``). One launch, not a send kernel and a
-    finish kernel: ranks sharing a process and GPU launch on streams that may share a hardware work queue (under
-    MPS a client has few), and a finish kernel queued behind its waiting send kernel would hold back a peer's
-    send kernel queued behind it. ``SEND`` / ``FINISH`` False leave a phase out, for a model that runs the ranks in
-    turn (the finish then one program, the last to finish: ``_rounds.last_to_finish``)."""
+def _moe_dispatch(ch, rounds_ptr, rank, count_ptr, eoff_ptr, recv_x_ptr, recv_src_ptr, src_stage_ptr, land_ptr,
+                  recv_count_ptr, layout_ptr, count_region, land_region, src_stage_region, send_x_region,
+                  send_src_region, count_slot, dispatch_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+                  T: tl.constexpr, ROW: tl.constexpr, ROW_BYTES: tl.constexpr, SOURCE_ROWS: tl.constexpr,
+                  LAND_PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr,
+                  BLOCK_T: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, SEND: tl.constexpr = True,
+                  FINISH: tl.constexpr = True):
+    """dispatch after ``_moe_route`` and ``_moe_stage``, one launch: program 0 sends everything (``_send_blocks``:
+    no wait), then every program waits for every peer's count and dispatch flags and packs a share of their
+    landed rows into recv_x (``_pack_rows``); the last to finish writes the receive layout and scatters the
+    handle words. One launch, not a send kernel and a finish kernel: ranks sharing a process and GPU launch on
+    streams that may share a hardware work queue (under MPS a client has few), and a finish kernel queued behind
+    its waiting send kernel would hold back a peer's send kernel queued behind it. ``SEND`` / ``FINISH`` False
+    leave a phase out, for a model that runs the ranks in turn (the finish then one program, the last to
+    finish: ``_rounds.last_to_finish``)."""
     epoch = this_round(rounds_ptr)
     if SEND:
-        _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, count_region, recv_region, src_stage_region, send_x_region,
-                     send_src_region, count_slot, W, E, L, T, ROW_BYTES, PUT_ROWS, HANDLE_WORDS)
+        _send_blocks(ch, rank, count_ptr, eoff_ptr, count_region, land_region, src_stage_region, send_x_region,
+                     send_src_region, count_slot, dispatch_slot, W, E, L, T, ROW_BYTES, SOURCE_ROWS, LAND_PUT_ROWS,
+                     HANDLE_WORDS, LP)
     if FINISH:
-        # every program's pushes are in the ring before the last one's SIGNALs, which cover them; then the round
-        # is run
+        # a peer's rows are in once its dispatch flag is, and placed by its counts, in once its count flag is
+        tpd.wait_peers(ch, rank, W, count_slot, epoch)
+        tpd.wait_peers(ch, rank, W, dispatch_slot, epoch)
+        _pack_rows(count_ptr, land_ptr, recv_x_ptr, rank, W, E, L, T, ROW, SOURCE_ROWS, COPY_ROWS, BLOCK_H)
         if last_to_finish(rounds_ptr):
-            _finish_dispatch(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, src_stage_ptr, recv_src_ptr,
-                             dispatch_slot, W, E, L, T, LP, WP, BLOCK_T)
+            _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W, E, L, T, BLOCK_T)
+            _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W, E, L, LP, WP)
             tl.store(rounds_ptr, epoch)
 
 
 @triton.jit
-def _send_blocks(ch, epoch, rank, count_ptr, eoff_ptr, count_region, recv_region, src_stage_region, send_x_region,
-                 send_src_region, count_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr,
-                 ROW_BYTES: tl.constexpr, PUT_ROWS: tl.constexpr, HANDLE_WORDS: tl.constexpr):
-    """The send phase, every program: the count row, the handle words and every remote expert's block (this rank's
-    own experts' rows and handle words are in place already: ``_moe_stage`` wrote them)."""
-    pid = tl.program_id(0)
-    progs = tl.num_programs(0)
-    if pid == 0:  # our count row (written by _moe_route) to every peer's copy of the count matrix
+def _send_blocks(ch, rank, count_ptr, eoff_ptr, count_region, land_region, src_stage_region, send_x_region,
+                 send_src_region, count_slot, dispatch_slot, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+                 T: tl.constexpr, ROW_BYTES: tl.constexpr, SOURCE_ROWS: tl.constexpr, LAND_PUT_ROWS: tl.constexpr,
+                 HANDLE_WORDS: tl.constexpr, LP: tl.constexpr):
+    """The send phase, all of it in program 0 (a few commands a peer) and waiting for nothing: our count row to
+    every peer (put_signal), then peer by peer in ring order our rows for all of its experts, one block of the
+    stage (``_moe_stage`` staged them expert-major), into our slice of its land_x, where our own counts alone
+    place them (pieces of LAND_PUT_ROWS rows where it passes the largest put), the handle words of its experts
+    into its src_stage slice for us, and the SIGNAL of its dispatch flag, which covers them. Every rank's program
+    0 sends before any program waits, so the flags a program waits for never hang on a program of the peer's
+    that waits behind it. Our own experts' rows and handle words are in place already."""
+    if tl.program_id(0) == 0:
+        ls = tl.arange(0, LP)
         for peer in range(0, W):
             if peer != rank:
                 tpd.put_signal(ch, peer, count_region, rank * E * 4, count_region, rank * E * 4, E * 4,
                                count_slot + rank, 1)
-    for peer in range(0, W):  # every program: the counts of the sources before us at a receiver place our rows
-        if peer != rank:
-            tpd.wait(ch, count_slot + peer, epoch)
-            if peer % progs == pid:  # the handle words of the peer's experts, one put (program peer % progs)
-                _put_handles(ch, peer, rank, src_stage_region, send_src_region, L, T, HANDLE_WORDS)
-    # expert by expert, a peer's expert's block (stage rows eoff[e] ..., staged by _moe_stage): one put to the
-    # expert's rank (rows of ROW_BYTES bytes: moe_layout.dispatch_row); the pieces of expert e from program
-    # e % progs on
-    for e in range(0, E):
-        count = tl.load(count_ptr + rank * E + e)
-        d = e // L
-        if count > 0 and d != rank:
-            row = (e - d * L) * (W * T) + _source_offset(count_ptr, rank, e, W, E, L)
-            start = tl.load(eoff_ptr + e)
-            first = (pid + progs - e % progs) % progs
-            _put_block(ch, d, recv_region, send_x_region, start, row, count, first, progs, ROW_BYTES, PUT_ROWS)
+        for step in range(1, W):
+            d = (rank + step) % W
+            start = tl.load(eoff_ptr + d * L)
+            count = tl.sum(tl.load(count_ptr + rank * E + d * L + ls, mask=ls < L, other=0), axis=0)
+            for j in range(0, count, LAND_PUT_ROWS):
+                n = tl.minimum(count - j, LAND_PUT_ROWS)
+                tpd.put(ch, d, land_region, (tl.cast(rank, tl.int64) * SOURCE_ROWS + j) * ROW_BYTES, send_x_region,
+                        tl.cast(start + j, tl.int64) * ROW_BYTES, tl.cast(n, tl.int64) * ROW_BYTES)
+            _put_handles(ch, d, rank, src_stage_region, send_src_region, L, T, HANDLE_WORDS)
+            tpd.signal(ch, d, dispatch_slot + rank, 1)
 
 
 @triton.jit
-def _finish_dispatch(ch, epoch, rank, count_ptr, recv_count_ptr, layout_ptr, src_stage_ptr, recv_src_ptr, dispatch_slot,
-                     W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, LP: tl.constexpr,
-                     WP: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The finish phase, one program: a SIGNAL per peer (after every row and handle word of the send phase in
-    the ring: it covers them all), a wait for every peer's, then the receive counts and layout and the peers'
-    handle words scattered into ``recv_src``."""
-    tpd.signal_peers(ch, rank, W, dispatch_slot, 1)
-    tpd.wait_peers(ch, rank, W, dispatch_slot, epoch)
-    _scatter_handles(count_ptr, src_stage_ptr, recv_src_ptr, rank, W, E, L, T, BLOCK_T)
-    _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W, E, L, LP, WP)
+def _pack_rows(count_ptr, land_ptr, recv_x_ptr, rank, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+               T: tl.constexpr, ROW: tl.constexpr, SOURCE_ROWS: tl.constexpr, COPY_ROWS: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    """Every peer's landed rows (its land_x slice: its rows for our experts, expert by expert) into recv_x at
+    their receive rows, COPY_ROWS rows a step, the steps of each (source, expert) block dealt round-robin over
+    the programs from where the block before left off, so a few rows an expert still spread over all of them."""
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    rs = tl.arange(0, COPY_ROWS)
+    hs = tl.arange(0, BLOCK_H)
+    item = 0  # the steps dealt so far
+    for step in range(1, W):
+        s = _receive_place(rank, step, W)
+        at = tl.zeros((), dtype=tl.int32)  # where the expert's rows start in s's slice
+        for local in range(0, L):
+            c = tl.load(count_ptr + s * E + rank * L + local)
+            row0 = local * (W * T) + _source_offset(count_ptr, s, rank * L + local, W, E, L)
+            steps = tl.cdiv(c, COPY_ROWS)
+            q0 = (pid + progs - item % progs) % progs
+            for qq in range(0, steps - q0, progs):  # from 0, as _moe_dispatch_gemm's deal (Triton 3.6)
+                rows = (q0 + qq) * COPY_ROWS + rs
+                live = rows < c
+                src = land_ptr + tl.cast(s * SOURCE_ROWS + at + rows, tl.int64) * ROW
+                dst = recv_x_ptr + tl.cast(row0 + rows, tl.int64) * ROW
+                for h0 in range(0, ROW, BLOCK_H):
+                    cols = h0 + hs
+                    moved = live[:, None] & (cols[None, :] < ROW)
+                    tl.store(dst[:, None] + cols[None, :], tl.load(src[:, None] + cols[None, :], mask=moved),
+                             mask=moved)
+            item += steps
+            at += c
 
 
 @triton.jit
@@ -444,7 +463,7 @@ def _last_source(c, off, r0, r1, order):
 
 @triton.jit(do_not_specialize=["rank"])
 def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, recv_x_ptr, recv_src_ptr, src_stage_ptr,
-                       gemm_stage_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, count_region, gemm_stage_region,
+                       land_ptr, w_ptr, y_ptr, recv_count_ptr, layout_ptr, count_region, land_region,
                        src_stage_region, send_x_region, send_src_region, count_slot, dispatch_slot, expert_slot,
                        timeline, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
                        N: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
@@ -469,14 +488,14 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, recv_x_ptr, re
                     if peer != rank:
                         tpd.put_signal(ch, peer, count_region, rank * E * 4, count_region, rank * E * 4, E * 4,
                                        count_slot + rank, 1)
-            # No wait for the peers' counts first: our rows land in our own slice of each peer's gemm_stage, where
+            # No wait for the peers' counts first: our rows land in our own slice of each peer's land_x, where
             # our counts alone place them (the peers' finished reading it last round: our combine of that round
             # waited for theirs, which followed their GEMM). So the rows leave a fabric round trip sooner.
             # peer by peer in ring order (rank + 1 first, which takes our rows first), each peer served by one
             # program (step - 1) % COMM_PROGRAMS, the only one that pushes to it besides program 0's count
             # put_signal: group by group (EXPERTS_PER_PUT of its experts), the group's rows (stage rows from
             # eoff[first expert], contiguous: staged expert-major by _moe_stage) as one put into our slice of
-            # the peer's gemm_stage (piece by piece if it passes the largest put), the last a put_signal of the
+            # the peer's land_x (piece by piece if it passes the largest put), the last a put_signal of the
             # peer's group flag (expert_slot + rank * L + group); an empty group a SIGNAL of it, so each flag
             # rises exactly once per dispatch_gemm round. Then the handle words of all the peer's experts in one
             # put, and the dispatch SIGNAL to the peer, which covers them.
@@ -491,7 +510,7 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, recv_x_ptr, re
                             count += tl.load(count_ptr + rank * E + d * L + j)
                         start = tl.load(eoff_ptr + d * L + local0)
                         if count > 0:
-                            _put_block_signal(ch, d, gemm_stage_region, send_x_region, start,
+                            _put_block_signal(ch, d, land_region, send_x_region, start,
                                               rank * SOURCE_ROWS + start - peer_start, count,
                                               expert_slot + rank * L + g, H, GROUP_PUT_ROWS)
                         else:
@@ -513,7 +532,7 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, recv_x_ptr, re
                                 tl.store(timeline + 4 * W * L + s * L + j, now)
             # the counts, for recv_layout (program 0, below) and the handle words (our own experts' rows and
             # handle words are in recv_x and recv_src already: _moe_stage wrote them; the peers' rows reach recv_x
-            # through the compute programs, from gemm_stage)
+            # through the compute programs, from land_x)
             tpd.wait_peers(ch, rank, W, count_slot, epoch)
             # the peers' handle words into recv_src once each peer's dispatch flag says they are placed (the
             # GEMM needs none: the handle is for the caller and for combine), by the last communication
@@ -615,14 +634,14 @@ def _moe_dispatch_gemm(ch, rounds_ptr, rank, count_ptr, eoff_ptr, recv_x_ptr, re
                         mine = valid & (rows >= off_own) & (rows < off_own + c_own)
                         received = recv_x_ptr + tl.cast(local * (W * T) + rows, tl.int64) * H
                         if COMMUNICATE:
-                            # a peer's row from its gemm_stage slice (where its group put landed: its rows for our
+                            # a peer's row from its land_x slice (where its group put landed: its rows for our
                             # lower experts first); the row block's tiles also store it into recv_x, where dispatch
                             # would have put it, each a share of its columns (below)
                             at_source = (c > 0)[None, :] & (off[None, :] <= rows[:, None]) \
                                 & (rows[:, None] < (off + c)[None, :])  # [BLOCK_M, WP]: the row's source
                             row_source = tl.sum(tl.where(at_source, ss[None, :], 0), axis=1)
                             staged = tl.sum(tl.where(at_source, (below - off)[None, :], 0), axis=1) + rows
-                            a_row = gemm_stage_ptr + tl.cast(row_source * SOURCE_ROWS + staged, tl.int64) * H
+                            a_row = land_ptr + tl.cast(row_source * SOURCE_ROWS + staged, tl.int64) * H
                             copy = valid & (mine == 0)
                         else:  # a rerun: the latest round's rows, in recv_x
                             a_row = received

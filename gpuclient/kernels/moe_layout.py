@@ -25,22 +25,27 @@ start at 0 whatever its peers send: the fused GEMM starts on them before any pee
 Staging, expert-major (per source rank): the source's valid entries sorted by expert, then by token. Entry
 ``(t, k)`` for expert ``e`` has the *stage row* ``eoff[e] + pos[t, k]``, where ``eoff[e] = sum over e' < e
 of count[e']`` (an exclusive sum over the source's own counts): the source stages its rows there
-(``send_x``, at most ``T * K`` rows), so its rows for one expert are one contiguous block, which lands as
-one block at the expert's rank (rows ``offset[l, s] ...``). Combine is the same map backwards: the
-expert's rank puts each (local expert, source) block of its output, contiguous in the receive layout, to
-the source's ``combine_buf`` at the source's stage rows (``eoff`` from the source's count row, which every
-rank holds), and the source sums entry ``(t, k)`` from its stage row. A block longer than the largest put
-(``max_put_bytes``) goes as several puts of ``put_rows`` rows.
+(``send_x``, at most ``T * K`` rows), so its rows for one expert are one contiguous block, and its rows for
+one destination's experts too (they are consecutive).
 
-``dispatch_gemm`` sends a destination's rows in fewer, larger puts: ``experts_per_put`` of its local experts
-(a *group*: ``g = local // experts_per_put``) at a time. A source's rows for one destination are contiguous
-in its stage (its experts are consecutive), so a group's rows are one block of the stage, which lands in the
-destination's ``gemm_stage`` slice for that source (``source_rows`` rows: every row one source can send one
-rank), at the rows the source staged before the group: ``gemm_stage[s]`` holds source ``s``'s rows for the
-destination's experts packed expert by expert (:meth:`MoELayout.gemm_stage_offsets`). The GEMM reads the
-peers' rows from there and writes them into ``recv_x`` as it goes, so ``recv_x`` ends as after ``dispatch``.
-A group longer than the largest put goes in pieces of ``group_put_rows`` rows; its last piece is the
-put_signal of the group's flag.
+Landing: a source's rows for a destination travel as one block of the stage (pieces of ``land_put_rows``
+where it passes the largest put) into the destination's ``land_x`` slice for that source (``source_rows``
+rows: every row one source can send one rank), where the source's own counts alone place them: ``land_x[s]``
+holds source ``s``'s rows for the destination's experts packed expert by expert
+(:meth:`MoELayout.land_offsets`), so no source waits for another's counts before it sends. The destination
+then packs them into ``recv_x`` at the receive layout's rows, once the source's flags say they are in.
+Combine is the same map backwards without the landing: the expert's rank puts each (local expert, source)
+block of its output, contiguous in the receive layout, to the source's ``combine_buf`` at the source's stage
+rows (``eoff`` from the source's count row, which every rank holds), and the source sums entry ``(t, k)``
+from its stage row. A combine block longer than the largest put (``max_put_bytes``) goes as several puts of
+``put_rows`` rows.
+
+``dispatch_gemm`` lands the same rows in the same slices, in more puts: ``experts_per_put`` of the
+destination's local experts (a *group*: ``g = local // experts_per_put``) at a time, each group's rows one
+block of the stage at the rows the source staged before the group, so its GEMM can start on a group before
+the rest is in. The GEMM reads the peers' rows from ``land_x`` and writes them into ``recv_x`` as it goes, so
+``recv_x`` ends as after ``dispatch``. A group longer than the largest put goes in pieces of
+``group_put_rows`` rows; its last piece is the put_signal of the group's flag.
 
 Handle words: a source's ``send_src`` [E, T] holds, for each expert, the handle word of its j-th row; the
 rows of one destination's experts (``L * T`` words, past the counts too) travel in one put per destination
@@ -138,15 +143,21 @@ class MoELayout:
 
     @property
     def put_rows(self) -> int:
-        """Rows per put of a block: all of an expert's rows from one source (``T`` at most) unless they pass the
-        largest put."""
+        """Rows per put of a combine block: all of an expert's output rows for one source (``T`` at most) unless
+        they pass the largest put."""
         return min(self.max_tokens, self.max_put_bytes // self.row_bytes)
 
     @property
     def source_rows(self) -> int:
         """Rows one source can send one rank in a round (a token reaches an expert once, and at most K of them):
-        the rows of each source's slice of ``gemm_stage``."""
+        the rows of each source's slice of ``land_x``."""
         return self.max_tokens * min(self.topk, self.local_experts)
+
+    @property
+    def land_put_rows(self) -> int:
+        """Rows per put of a dispatch's block for one destination: all of them unless they pass the largest
+        put."""
+        return min(self.source_rows, self.max_put_bytes // self.row_bytes)
 
     @property
     def put_groups(self) -> int:
@@ -307,43 +318,41 @@ class MoELayout:
         return [(j, min(self.put_rows, rows - j)) for j in range(0, rows, self.put_rows)]
 
     def dispatch_puts(self, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int]]:
-        """This rank's dispatch row puts: ``(peer, expert, stage row, receive row, rows)``, the receive row
-        counted in the peer's ``recv_x`` as ``local * W * T + offset``; one per (peer, expert) block with rows,
-        split at ``put_rows``; rows for this rank are copied, not put. The handle words go apart, one put per
-        peer (:meth:`handle_puts`)."""
-        c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
-        eoff, off = self.stage_offsets(c[self.rank]), self.source_offsets(c)[self.rank]
-        puts = []
-        for e in range(self.num_experts):
-            d, local = self.owner(e)
-            if d != self.rank:
-                for j, n in self._chunks(int(c[self.rank, e])):
-                    puts.append((d, e, int(eoff[e]) + j, local * self.capacity + int(off[e]) + j, n))
-        return puts
+        """This rank's dispatch row puts: ``(peer, 0, stage row, land_x row, rows)``, the land_x row counted in the
+        peer's ``land_x`` as ``rank * source_rows + offset``; one block per peer with rows (this rank's rows for
+        all of its experts), split at ``land_put_rows``; rows for this rank are copied, not put. The handle
+        words go apart, one put per peer (:meth:`handle_puts`)."""
+        return self._land_puts(counts_all, self.local_experts, self.land_put_rows)
 
-    def gemm_stage_offsets(self, counts_all: np.ndarray) -> np.ndarray:
-        """[W, L]: where source s's rows for our local expert l start in its ``gemm_stage`` slice (the rows it sends
+    def land_offsets(self, counts_all: np.ndarray) -> np.ndarray:
+        """[W, L]: where source s's rows for our local expert l start in its ``land_x`` slice (the rows it sends
         us for our lower experts: an exclusive sum over l)."""
         c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
         mine = c[:, self.rank * self.local_experts:(self.rank + 1) * self.local_experts]
         return (np.cumsum(mine, axis=1) - mine).astype(np.int32)
 
     def gemm_puts(self, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int]]:
-        """This rank's ``dispatch_gemm`` row puts: ``(peer, group, stage row, gemm_stage row, rows)``, the second row
-        counted in the peer's ``gemm_stage`` as ``rank * source_rows + offset``; one per (peer, group) with rows,
+        """This rank's ``dispatch_gemm`` row puts: ``(peer, group, stage row, land_x row, rows)``, the second row
+        counted in the peer's ``land_x`` as ``rank * source_rows + offset``; one per (peer, group) with rows,
         split at ``group_put_rows``. A group's rows are the stage rows of its experts, one contiguous block."""
+        return self._land_puts(counts_all, self.experts_per_put, self.group_put_rows)
+
+    def _land_puts(self, counts_all: np.ndarray, experts_per_put: int,
+                   put_rows: int) -> list[tuple[int, int, int, int, int]]:
+        """The row puts of groups of ``experts_per_put`` of each peer's experts into its ``land_x`` slice for this
+        rank: ``(peer, group, stage row, land_x row, rows)``, pieces of ``put_rows``."""
         c = np.asarray(counts_all, dtype=np.int64).reshape(self.world, self.num_experts)
-        eoff, L, epp = self.stage_offsets(c[self.rank]), self.local_experts, self.experts_per_put  # noqa: N806
+        eoff, L = self.stage_offsets(c[self.rank]), self.local_experts  # noqa: N806
         puts = []
         for d in range(self.world):
             if d == self.rank:
                 continue
-            for g in range(self.put_groups):
-                first, last = d * L + g * epp, min(d * L + (g + 1) * epp, (d + 1) * L)
+            for g in range(-(-L // experts_per_put)):
+                first, last = d * L + g * experts_per_put, min(d * L + (g + 1) * experts_per_put, (d + 1) * L)
                 rows = int(c[self.rank, first:last].sum())
                 at = int(eoff[first]) - int(eoff[d * L])
-                for j in range(0, rows, self.group_put_rows):
-                    n = min(self.group_put_rows, rows - j)
+                for j in range(0, rows, put_rows):
+                    n = min(put_rows, rows - j)
                     puts.append((d, g, int(eoff[first]) + j, self.rank * self.source_rows + at + j, n))
         return puts
 
@@ -420,7 +429,7 @@ class MoELayout:
 
     def writes(self, counts_all: np.ndarray) -> dict[str, list[int]]:
         """Records this rank pushes per destination in a round (0 for itself): ``dispatch`` (the count
-        put_signal, a row put per block, or per piece of a split block, the handle-word put, the SIGNAL),
+        put_signal, the row put of its block, or one per piece of a split block, the handle-word put, the SIGNAL),
         ``dispatch_gemm`` (the count put_signal, a row put per group piece, the last of a group a put_signal of
         its flag, a SIGNAL of the flag per empty group, the handle-word put, the SIGNAL) and ``combine`` (the
         output puts, the SIGNAL)."""
@@ -482,8 +491,9 @@ def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list
     """Every rank's dispatch, from every rank's ``topk_idx``: per rank ``counts_all`` [W, E], ``recv_count`` [L],
     ``recv_layout`` [L, W, 2], ``recv_src`` [L, W*T] (-1 where no row lands), its own ``idx``, ``pos`` and
     ``stage_row`` [tokens, K], and ``stage_src`` [T*K] (the handle word of the entry each stage row holds, -1
-    past the valid entries). The rows move as the kernels move them: staged expert-major, then one block per
-    (source, expert), which must land each entry where :meth:`MoELayout.destination` says."""
+    past the valid entries). The rows move as the kernels move them: staged expert-major (a rank's own straight to
+    its receive rows), one block per (source, peer) into the peer's ``land_x`` slice, then packed by the peer,
+    which must place each entry where :meth:`MoELayout.destination` says."""
     routes = [lay.route(idx) for lay, idx in zip(layouts, topk_idx, strict=True)]
     counts_all = np.stack([r[0] for r in routes])
     out = []
@@ -493,7 +503,8 @@ def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list
                     "recv_src": np.full((lay.local_experts, lay.capacity), -1, dtype=np.int32),
                     "idx": lay.normalize(topk_idx[lay.rank]), "pos": routes[lay.rank][1],
                     "stage_row": lay.stage_rows(topk_idx[lay.rank])})
-    for src, lay in enumerate(layouts):  # what each source's route and send kernels do
+    lands = [np.full((lay.world, lay.source_rows), -1, dtype=np.int32) for lay in layouts]  # land_x, as words
+    for src, lay in enumerate(layouts):  # what each source's route, stage and send kernels do
         idx, rows = out[src]["idx"], out[src]["stage_row"]
         stage = np.full(lay.stage_capacity, -1, dtype=np.int32)
         for t, k in zip(*np.nonzero(idx >= 0), strict=True):  # staging: entry by entry, expert-major
@@ -501,20 +512,35 @@ def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list
             stage[rows[t, k]] = lay.encode(src, t, k)
         out[src]["stage_src"] = stage
         eoff, off = lay.stage_offsets(counts_all[src]), lay.source_offsets(counts_all)[src]
-        for e in range(lay.num_experts):  # one block per expert: stage rows [eoff, eoff + count) to its rank
+        for e in range(lay.num_experts):  # an own expert's block goes straight to its receive rows
             d, local = lay.owner(e)
             n = int(counts_all[src, e])
             block = stage[eoff[e]:eoff[e] + n]
             assert (block >= 0).all() and all(idx[lay.decode(w)[1:]] == e for w in block), "a block of other rows"
-            dst = out[d]["recv_src"][local, off[e]:off[e] + n]
-            assert (dst == -1).all(), "two rows landed on one slot"
-            dst[:] = block
-        # the puts cover exactly the remote blocks, and each entry lands where its destination says
-        remote = [(lay.owner(e)[0], e) for e in range(lay.num_experts) if counts_all[src, e] > 0
-                  and lay.owner(e)[0] != src]
+            if d == src:
+                out[d]["recv_src"][local, off[e]:off[e] + n] = block
+        # the puts: each peer's block, once, into the peer's land_x slice for this source
         puts = lay.dispatch_puts(counts_all)
-        assert sorted({(d, e) for d, e, *_ in puts}) == sorted(remote)
-        assert all(sum(n for d2, e2, *_, n in puts if e2 == e) == counts_all[src, e] for _, e in remote)
+        for d, _, first, to, n in puts:
+            assert d != src and to // lay.source_rows == src
+            slot = lands[d].reshape(-1)[to:to + n]
+            assert (slot == -1).all(), "two rows landed on one land_x row"
+            slot[:] = stage[first:first + n]
+        for d in range(lay.world):  # every remote row went, in pieces that add up to the peer's block
+            want = int(counts_all[src, d * lay.local_experts:(d + 1) * lay.local_experts].sum()) * (d != src)
+            assert sum(n for d2, *_, n in puts if d2 == d) == want
+    for d, lay in enumerate(layouts):  # each destination packs its peers' landed rows into the receive rows
+        at, off = lay.land_offsets(counts_all), lay.source_offsets(counts_all)
+        for local in range(lay.local_experts):
+            e = d * lay.local_experts + local
+            for s in range(lay.world):
+                if s != d:
+                    n = int(counts_all[s, e])
+                    dst = out[d]["recv_src"][local, off[s, e]:off[s, e] + n]
+                    assert (dst == -1).all(), "two rows packed on one slot"
+                    dst[:] = lands[d][s, at[s, local]:at[s, local] + n]
+    for src, lay in enumerate(layouts):  # each entry is where its destination says
+        idx = out[src]["idx"]
         for t, k in zip(*np.nonzero(idx >= 0), strict=True):
             d, local, row = lay.destination(counts_all, idx[t, k], out[src]["pos"][t, k])
             assert out[d]["recv_src"][local, row] == lay.encode(src, t, k)

@@ -152,10 +152,11 @@ def _prepared(sessions: list, hidden: int, experts: int, max_tokens: int, topk: 
 
 
 def _poison_and_dispatch(ops: list, streams: list, xs: list, idx: list, weights: list, device: int) -> list:
-    """Poison everything a peer writes and what is shipped from (NaN; 0xFF bytes in fp8 rows: NaN as e4m3 and as
-    the fp32 scales), then every rank's dispatch on its stream; the results once the GPU is idle."""
+    """Poison everything a peer writes, where its rows land and what is shipped from (NaN; 0xFF bytes in fp8
+    rows: NaN as e4m3 and as the fp32 scales), then every rank's dispatch on its stream; the results once the GPU
+    is idle."""
     for op in ops:
-        for buf in (op.recv_x, op.send_x, op.send_y, op.combine_buf, op.out):
+        for buf in (op.recv_x, op.land_x, op.send_x, op.send_y, op.combine_buf, op.out):
             buf.fill_(0xFF if buf.dtype == torch.uint8 else float("nan"))
         op.recv_src.fill_(-1)
         op.src_stage.fill_(-1)
@@ -324,7 +325,7 @@ def test_moe_dispatch_gemm_matches_a_torch_reference(cuda_device, fabric: str, o
                 idx_dev = [torch.from_numpy(i).to(dev) for i in idx]
                 w_in = [w.to(dev) for w in ws]
                 for op in ops:  # everything a peer owes, what is shipped from, and the GEMM's output: poisoned
-                    for buf in (op.recv_x, op.gemm_stage, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
+                    for buf in (op.recv_x, op.land_x, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
                         buf.fill_(nan)
                     op.recv_src.fill_(-1)
                     op.src_stage.fill_(-1)
@@ -445,7 +446,7 @@ def test_a_dispatch_gemm_timeline_orders_every_event_and_changes_nothing(cuda_de
                 x_dev, w_in = [x.to(dev) for x in xs], [w.to(dev) for w in ws]
                 idx_dev = [torch.from_numpy(i).to(dev) for i in idx]
                 for op in ops:
-                    for buf in (op.recv_x, op.gemm_stage, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
+                    for buf in (op.recv_x, op.land_x, op.send_x, op.send_y, op.combine_buf, op.out, op.y):
                         buf.fill_(float("nan"))
                 timelines = [op.gemm_timeline() for op in ops]
                 torch.cuda.synchronize(cuda_device)

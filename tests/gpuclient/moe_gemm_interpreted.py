@@ -21,13 +21,13 @@ Each rank checks its own results against the numpy model (``moe_layout``): count
 handle words and received rows exactly, ``y`` against float64 ``x @ w`` per expert within the output
 dtype's rounding (rows past the counts untouched), combine against the weighted sum, no queued put left
 uncovered by a signal at the end of a round, every put the rank made exactly the model's (a fused round:
-one per (peer, group of ``EXPERTS_PER_PUT`` experts) into the peer's ``gemm_stage``, pieces of at most the
+one per (peer, group of ``EXPERTS_PER_PUT`` experts) into the peer's ``land_x``, pieces of at most the
 group's put rows; a plain one: one per (peer, expert) block, pieces of at most ``PUT_ROWS`` rows; and one of
 the handle words of all the peer's experts; one per (expert, source) block back), the records and signals
 per destination (``2 + groups`` signals a fused round, 2 a plain one), one program of the fused kernel
 pushing each peer, every group flag at the number of fused rounds (the slots past the groups at 0), and
 every program of the plain kernels (send, finish, reduce) having waited for each peer's flag whose data it
-reads (the fused kernel's reads, in ``gemm_stage`` and ``recv_x``, are checked load by load).
+reads (the fused kernel's reads, in ``land_x`` and ``recv_x``, are checked load by load).
 
     python -m tests.gpuclient.moe_gemm_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN N PROGRAMS COMM BM BN BK OUT
         [PUT_ROWS [EXPERTS_PER_PUT [SPLIT_EXPERTS]]]
@@ -64,8 +64,8 @@ from tests.gpuclient.moe_interpreted import (
 )
 from tests.gpuclient.test_moe_layout import uneven_routing
 
-#: the plain op's regions, then the fused kernel's landing rows (registered last, as ``MoE`` does)
-FUSED_REGIONS = (*REGIONS, "gemm_stage")
+#: the op's regions, as ``MoE`` registers them (the landing rows last)
+FUSED_REGIONS = REGIONS
 
 NAN16 = 0x7FC0
 ROUNDS = 4  # 1, 3, 4 dispatch_gemm; 2 a plain dispatch
@@ -82,7 +82,7 @@ def buffers(lay: MoELayout, n_out: int, out: str) -> list[tuple[str, tuple, np.d
             ("src_stage", (W, L, T), np.dtype(np.int32)), ("send_x", (S, H), np.dtype(np.uint16)),
             ("send_src", (E, T), np.dtype(np.int32)), ("combine_buf", (S, H), np.dtype(np.uint16)),
             ("send_y", (L, lay.capacity, H), np.dtype(np.uint16)),
-            ("gemm_stage", (W, lay.source_rows, H), np.dtype(np.uint16)),
+            ("land_x", (W, lay.source_rows, H), np.dtype(np.uint16)),
             ("recv_src", (L, lay.capacity), np.dtype(np.int32)),
             ("flags", (lay.slot_base + lay.slots,), np.dtype(np.int64)),
             ("cover", (L, lay.capacity, 2), np.dtype(np.int64)),
@@ -193,7 +193,7 @@ class SharedFabric:
         self.sent[peer, slot] = self.sent.get((peer, slot), 0) + value
         row = self.lay.row_bytes
         covers = {FUSED_REGIONS.index("recv_x"): self.ranks[peer].cover.reshape(-1, 2),
-                  FUSED_REGIONS.index("gemm_stage"): self.ranks[peer].stage_cover.reshape(-1, 2)}
+                  FUSED_REGIONS.index("land_x"): self.ranks[peer].stage_cover.reshape(-1, 2)}
         for dr, do, _, _, n in self.queued[peer]:
             if dr in covers:
                 covers[dr][do // row:(do + n) // row] = (slot, self.sent[peer, slot])
@@ -220,7 +220,7 @@ class SharedFabric:
 class ReadCheck:
     """While the fused kernel runs: every load of a peer's received row or of a peer's count row must come
     after a wait, by the same program in the same launch, for the flag that covers it — whatever the timing.
-    A row of source s for local expert l (in ``gemm_stage``, or in ``recv_x``) needs its group flag
+    A row of source s for local expert l (in ``land_x``, or in ``recv_x``) needs its group flag
     ``expert_slot + s * L + l // experts_per_put`` at this round's fused epoch (the dispatch_gemm rounds so
     far), and the flag and value its sender's signal marked in the ``stage_cover`` (``cover``) table (the
     one whose group the row's put fell in); a count row of rank s, ``count_slot + s`` at the round. A wait
@@ -231,7 +231,7 @@ class ReadCheck:
         self.active, self.epoch, self.gemm_epoch = False, 0, 0
         self.waited: dict[int, dict[int, int]] = {}  # program: {slot: the most it waited for}
         self.source = np.full((lay.local_experts, lay.capacity), -1, np.int64)
-        self.staged = np.full((lay.world, lay.source_rows), -1, np.int64)  # the local expert of a gemm_stage row
+        self.staged = np.full((lay.world, lay.source_rows), -1, np.int64)  # the local expert of a land_x row
         self.loads = 0
 
     def start(self, epoch: int, gemm_epoch: int, counts_all: np.ndarray) -> None:
@@ -239,7 +239,7 @@ class ReadCheck:
         self.source[:] = -1
         self.staged[:] = -1
         _, recv_layout = self.lay.receive(counts_all)
-        at = self.lay.gemm_stage_offsets(counts_all)
+        at = self.lay.land_offsets(counts_all)
         for local in range(self.lay.local_experts):
             for s, (off, count) in enumerate(recv_layout[local]):
                 self.source[local, off:off + count] = s
@@ -262,10 +262,10 @@ class ReadCheck:
         addrs = np.asarray(addrs, dtype=np.uint64)[np.asarray(mask, dtype=bool)]
         waited = self.waited.get(pid, {})
         lay, counts = self.lay, self.me.counts_all
-        for row in self._rows_in(addrs, self.me.gemm_stage):
+        for row in self._rows_in(addrs, self.me.land_x):
             src, local = divmod(int(row), lay.source_rows)[0], int(self.staged.reshape(-1)[row])
-            assert src != self.rank, f"rank {self.rank}: read its own gemm_stage slice (its rows are in send_x)"
-            assert local >= 0, f"rank {self.rank}: read gemm_stage row {row}, past what rank {src} sent"
+            assert src != self.rank, f"rank {self.rank}: read its own land_x slice (its rows are in send_x)"
+            assert local >= 0, f"rank {self.rank}: read land_x row {row}, past what rank {src} sent"
             self._covered(pid, waited, f"staged row {row}", src, local, self.me.stage_cover.reshape(-1, 2)[row])
         for row in self._rows_in(addrs, self.me.recv_x):
             src, local = int(self.source.reshape(-1)[row]), int(row) // lay.capacity
@@ -300,18 +300,18 @@ class ReadCheck:
 
 
 def poison_early_buffers(rank: SimpleNamespace) -> None:
-    """What a peer's fused kernel fills before it waits for this rank's counts (its rows, in ``gemm_stage``, and
+    """What a peer's fused kernel fills before it waits for this rank's counts (its rows, in ``land_x``, and
     its handle words, in ``src_stage``), poisoned with nothing covered: before the ranks start, and after each
     round's dispatch kernels, before the combine that lets a peer start the next round."""
-    rank.gemm_stage[:] = NAN16
+    rank.land_x[:] = NAN16
     rank.stage_cover[:] = -1
     rank.src_stage[:] = -1
 
 
 def planned_dispatch_gemm(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
     """The model's puts of a fused round, as the fabric records them: ``planned_dispatch``'s, the rows by group
-    piece (stage rows to the peer's ``gemm_stage`` rows)."""
-    return planned_puts(lay, FUSED_REGIONS, "gemm_stage", lay.gemm_puts(counts_all))
+    piece (stage rows to the peer's ``land_x`` rows)."""
+    return planned_puts(lay, FUSED_REGIONS, "land_x", lay.gemm_puts(counts_all))
 
 
 def _b(arr: np.ndarray) -> Buffer:
@@ -431,8 +431,8 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
         before = rounds.copy()
         m._moe_dispatch_gemm[(programs,)](
             _b(ch), _b(rounds), rank, _b(me.counts_all), _b(stage_off), _b(me.recv_x), _b(me.recv_src),
-            _b(me.src_stage), _b(me.gemm_stage), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout),
-            *[regions[n] for n in ("counts_all", "gemm_stage", "src_stage", "send_x", "send_src")], lay.count_slot,
+            _b(me.src_stage), _b(me.land_x), _b(w_mine), _b(y), _b(recv_count), _b(recv_layout),
+            *[regions[n] for n in ("counts_all", "land_x", "src_stage", "send_x", "send_src")], lay.count_slot,
             lay.dispatch_slot, lay.expert_slot, _b(np.zeros(1, dtype=np.int64)), W=W_, E=E_, L=L_, T=T_, H=H_,
             N=n_out, LP=_pow2(L_), WP=_pow2(W_), COMM_PROGRAMS=comm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             BLOCK_T=4, EXPERTS_PER_PUT=lay.experts_per_put, GROUPS=lay.put_groups,
@@ -452,7 +452,7 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
     for rnd, data_r in enumerate(data["rounds"], start=1):
         me.round[0] = rnd
         tokens, idx, x = data_r["tokens"], data_r["idx"], data_r["x"]
-        # what the peers owe this round into recv_x, and our stage: poisoned (before our counts go out); gemm_stage
+        # what the peers owe this round into recv_x, and our stage: poisoned (before our counts go out); land_x
         # and src_stage were poisoned at the end of the last round (a fused round's peers fill them before our
         # counts arrive)
         me.recv_x[:] = NAN16
@@ -468,15 +468,18 @@ def run_rank(rank: int, where: Path, world: int, experts: int, max_tokens: int, 
                                       H=H_, ROW=H_, COPY_ROWS=copy_rows, BLOCK_H=16)
         if rnd == 2:  # the plain dispatch, on the same flags
             m._moe_dispatch[(programs,)](_b(ch), _b(rounds), rank, _b(me.counts_all), _b(stage_off),
-                                         _b(me.recv_src), _b(me.src_stage), _b(recv_count), _b(recv_layout),
-                                         *[regions[k] for k in ("counts_all", "recv_x", "src_stage", "send_x",
+                                         _b(me.recv_x), _b(me.recv_src), _b(me.src_stage), _b(me.land_x),
+                                         _b(recv_count), _b(recv_layout),
+                                         *[regions[k] for k in ("counts_all", "land_x", "src_stage", "send_x",
                                                                 "send_src")],
-                                         lay.count_slot, lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_,
-                                         ROW_BYTES=2 * H_, PUT_ROWS=put_rows_, HANDLE_WORDS=lay.handle_words,
-                                         LP=_pow2(L_), WP=_pow2(W_), BLOCK_T=4)
-            # every program read the peers' counts; the last (programs run in order here) their handle words
+                                         lay.count_slot, lay.dispatch_slot, W=W_, E=E_, L=L_, T=T_, ROW=H_,
+                                         ROW_BYTES=2 * H_, SOURCE_ROWS=lay.source_rows,
+                                         LAND_PUT_ROWS=lay.land_put_rows, HANDLE_WORDS=lay.handle_words,
+                                         LP=_pow2(L_), WP=_pow2(W_), BLOCK_T=4, COPY_ROWS=copy_rows, BLOCK_H=16)
+            # every program packs a share of the peers' landed rows: it waited for their counts and their
+            # dispatch flags (the last, which scatters their handle words, among them)
             waited(lay.count_slot, rnd, range(programs), clear=False)
-            waited(lay.dispatch_slot, rnd, [programs - 1])
+            waited(lay.dispatch_slot, rnd, range(programs))
             assert list(rounds) == [rnd, 0, gemm_rounds], list(rounds)
             y64 = np.einsum("lph,lhn->lpn", f32(me.recv_x).astype(np.float64), f32(w_mine).astype(np.float64))
             y = bf16(y64) if out == "bf16" else y64.astype(np.float32)

@@ -95,7 +95,7 @@ class Buffer:
         pass
 
 
-REGIONS = ("counts_all", "recv_x", "src_stage", "send_x", "send_src", "combine_buf", "send_y")
+REGIONS = ("counts_all", "recv_x", "src_stage", "send_x", "send_src", "combine_buf", "send_y", "land_x")
 
 
 class Fabric:
@@ -147,14 +147,14 @@ class Fabric:
         pid = int(interpreter.interpreter_builder.grid_idx[0])
         self.waits.append((self.rank_of(ch), self.value(slot), self.value(at_least), pid))
 
-    def check_waits(self, slot: int | None = None, epoch: int = 0, programs: int = 0) -> None:
-        """Every wait satisfied; with ``slot``, every program of every rank waited for ``slot + s`` to reach
-        ``epoch`` for every peer s."""
+    def check_waits(self, *slots: int, epoch: int = 0, programs: int = 0) -> None:
+        """Every wait satisfied; for each of ``slots``, every program of every rank waited for ``slot + s`` to
+        reach ``epoch`` for every peer s."""
         for rank, at, at_least, _ in self.waits:
             assert self.ranks[rank].flags[at] >= at_least, (rank, at, at_least, self.ranks[rank].flags)
-        if slot is not None:
-            world = len(self.ranks)
-            done = {(rank, at, pid) for rank, at, at_least, pid in self.waits if at_least >= epoch}
+        world = len(self.ranks)
+        done = {(rank, at, pid) for rank, at, at_least, pid in self.waits if at_least >= epoch}
+        for slot in slots:
             for rank in range(world):
                 for pid in range(programs):
                     missing = [s for s in range(world) if s != rank and (rank, slot + s, pid) not in done]
@@ -189,9 +189,10 @@ def device_calls(put: Callable, put_signal: Callable, signal: Callable, wait: Ca
 
 def planned_dispatch(lay: MoELayout, counts_all: np.ndarray) -> list[tuple[int, int, int, int, int, int]]:
     """The model's dispatch puts of ``lay.rank``, as the fabric records them: the count row to every peer, per
-    block piece its rows (stage rows to the expert's receive rows), and per peer the handle words of its
-    experts (send_src to the peer's src_stage slice for this rank)."""
-    return planned_puts(lay, REGIONS, "recv_x", lay.dispatch_puts(counts_all))
+    peer its rows for all of the peer's experts (stage rows to its land_x slice for this rank, in pieces of
+    ``land_put_rows``), and per peer the handle words of its experts (send_src to the peer's src_stage slice for
+    this rank)."""
+    return planned_puts(lay, REGIONS, "land_x", lay.dispatch_puts(counts_all))
 
 
 def planned_puts(lay: MoELayout, regions: tuple[str, ...], rows_to: str,
@@ -226,7 +227,8 @@ def _rank_state(lay: MoELayout) -> SimpleNamespace:
         recv_src=np.full((L, lay.capacity), -1, np.int32), src_stage=np.full((W, L, T), -1, np.int32),
         send_x=np.full((lay.stage_capacity, H), nan, np.uint16),
         send_src=np.full((E, T), -1, np.int32), combine_buf=np.full((lay.stage_capacity, H), nan, np.uint16),
-        send_y=np.zeros((L, lay.capacity, H), np.uint16), idx32=np.full((T, K), -1, np.int32),
+        send_y=np.zeros((L, lay.capacity, H), np.uint16), land_x=np.full((W, lay.source_rows, H), nan, np.uint16),
+        idx32=np.full((T, K), -1, np.int32),
         stage_row=np.full((T, K), -1, np.int32), stage_off=np.zeros(E, np.int32), recv_count=np.zeros(L, np.int32),
         recv_layout=np.zeros((L, W, 2), np.int32), out=np.zeros((T, H), np.uint16),
         rounds=np.zeros(3, np.int32))  # the op's round words (gpuclient.kernels._rounds)
@@ -277,13 +279,15 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
     regions = {name: i for i, name in enumerate(REGIONS)}
     scale = rng.choice([0.5, 1.0, 2.0, -1.0, 4.0], size=experts)  # exact in bf16: only the sum rounds
     # _moe_dispatch in its two phases, each rank's in turn: every rank's sends, then every rank's finish
-    dispatch_meta = {"W": W_, "E": E_, "L": L_, "T": T_, "ROW_BYTES": 2 * H_, "PUT_ROWS": put_rows_,
-                     "HANDLE_WORDS": lay0.handle_words, "LP": _pow2(L_), "WP": _pow2(W_), "BLOCK_T": 4}
+    dispatch_meta = {"W": W_, "E": E_, "L": L_, "T": T_, "ROW": H_, "ROW_BYTES": 2 * H_,
+                     "SOURCE_ROWS": lay0.source_rows, "LAND_PUT_ROWS": lay0.land_put_rows,
+                     "HANDLE_WORDS": lay0.handle_words, "LP": _pow2(L_), "WP": _pow2(W_), "BLOCK_T": 4,
+                     "COPY_ROWS": copy_rows, "BLOCK_H": block_h}
 
     def dispatch_args(r: int, st: SimpleNamespace) -> tuple:
-        return (_b(st.ch), _b(st.rounds), r, _b(st.counts_all), _b(st.stage_off), _b(st.recv_src), _b(st.src_stage),
-                _b(st.recv_count), _b(st.recv_layout),
-                *[regions[n] for n in ("counts_all", "recv_x", "src_stage", "send_x", "send_src")],
+        return (_b(st.ch), _b(st.rounds), r, _b(st.counts_all), _b(st.stage_off), _b(st.recv_x), _b(st.recv_src),
+                _b(st.src_stage), _b(st.land_x), _b(st.recv_count), _b(st.recv_layout),
+                *[regions[n] for n in ("counts_all", "land_x", "src_stage", "send_x", "send_src")],
                 lays[r].count_slot, lays[r].dispatch_slot)
 
     for rnd in range(1, 4):
@@ -294,8 +298,9 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
                              dtype=np.int32 if rnd % 2 else np.int64)
         x = [bf16(rng.standard_normal((n, hidden))) for n in tokens]
         w = [rng.random((n, topk)).astype(np.float32) for n in tokens]
-        for st in ranks:  # what the peers owe, and the stage: poisoned
+        for st in ranks:  # what the peers owe, where it lands, and the stage: poisoned
             st.recv_x[:] = bf16(np.float32(np.nan))
+            st.land_x[:] = bf16(np.float32(np.nan))
             st.src_stage[:] = -1
             st.combine_buf[:] = bf16(np.float32(np.nan))
             st.send_x[:] = bf16(np.float32(np.nan))
@@ -327,17 +332,19 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
         fabric.records.clear()
         for r, st in enumerate(ranks):
             m._moe_dispatch[(programs,)](*dispatch_args(r, st), **dispatch_meta, SEND=True, FINISH=False)
-        fabric.check_waits(lay0.count_slot, rnd, programs)  # every program reads the lower ranks' counts
+        assert not fabric.waits, "the send phase waits for nothing"
         # the send phase alone leaves the round where it was: only the finish, last, runs it
         assert all(list(st.rounds) == [rnd - 1, 0, 0] for st in ranks), [list(st.rounds) for st in ranks]
         for r, lay in enumerate(lays):  # the puts are the model's, offset for offset and byte for byte
             assert fabric.take(r) == planned_dispatch(lay, model[r]["counts_all"]), (rnd, r)
-        for r, st in enumerate(ranks):  # one count signal from each peer per round
+        for r, st in enumerate(ranks):  # one count signal and one dispatch signal from each peer per round
             got = st.flags - flags_before[r]
-            assert [int(got[lays[r].count_slot + s]) for s in range(world)] == [int(s != r) for s in range(world)]
+            for base in (lays[r].count_slot, lays[r].dispatch_slot):
+                assert [int(got[base + s]) for s in range(world)] == [int(s != r) for s in range(world)]
         for r, st in enumerate(ranks):
             m._moe_dispatch[(1,)](*dispatch_args(r, st), **dispatch_meta, SEND=False, FINISH=True)
-        fabric.check_waits(lay0.dispatch_slot, rnd, 1)  # the caller reads the rows once it returns
+        # the finish packs the peers' rows: it waited for their counts and their dispatch flags
+        fabric.check_waits(lay0.count_slot, lay0.dispatch_slot, epoch=rnd, programs=1)
         assert all(list(st.rounds) == [rnd, 0, 0] for st in ranks), [list(st.rounds) for st in ranks]
         for r, lay in enumerate(lays):  # records per destination: the count, a put per block, the handle words
             want_records = lay.writes(model[r]["counts_all"])["dispatch"]
@@ -371,7 +378,7 @@ def simulate(world: int, experts: int, max_tokens: int, topk: int, hidden: int, 
             m._moe_combine_reduce[(programs,)](_b(st.ch), _b(st.rounds), r, tokens[r], _b(st.idx32), _b(st.stage_row),
                                                _b(weights[r]), _b(st.combine_buf), _b(st.out), lays[r].combine_slot,
                                                W=W_, K=K_, H=H_, BLOCK_H=block_h)
-        fabric.check_waits(lay0.combine_slot, rnd, programs)  # every program reads the peers' outputs
+        fabric.check_waits(lay0.combine_slot, epoch=rnd, programs=programs)  # every program reads the outputs
         for r, lay in enumerate(lays):
             assert [fabric.records[r, d] for d in range(world)] == lay.writes(model[r]["counts_all"])["combine"]
         want = combine_model(lays, model, [f32(y).astype(np.float64) for y in ys], [a.astype(np.float64) for a in w])

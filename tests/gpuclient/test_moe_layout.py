@@ -136,9 +136,11 @@ def brute_force_stage(lay: MoELayout, topk_idx: np.ndarray) -> list[tuple[int, i
                          [(2, 8, 16, 3, 16), (3, 9, 7, 4, 2), (4, 4, 5, 1, 1), (1, 4, 6, 2, 6), (2, 6, 20, 3, 3)])
 def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int, max_tokens: int, topk: int,
                                                         put_rows: int) -> None:
-    """Staging is expert-major, each (source, expert) block lands packed at the expert's rank, the dispatch and
-    combine puts are exactly the remote blocks split at ``put_rows`` rows, and the writes per destination are
-    the count, a row put per piece, one handle-word put and the SIGNAL."""
+    """Staging is expert-major; a dispatch puts each peer one block, its rows for all of the peer's experts, into
+    the peer's land_x slice (split at ``land_put_rows``), where each expert's rows sit where ``land_offsets`` says
+    and whence they pack to the receive layout; combine puts exactly the remote (expert, source) blocks split at
+    ``put_rows`` rows; the writes per destination are the count, a row put per piece, one handle-word put and
+    the SIGNAL."""
     rng = np.random.default_rng(world + put_rows)
     hidden = 16
     lays = [MoELayout(r, world, experts, max_tokens, topk, hidden, max_put_bytes=put_rows * hidden * 2 + 1)
@@ -157,21 +159,29 @@ def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int
         assert (rows[got[src]["idx"] < 0] == -1).all()
         eoff = lay.stage_offsets(counts_all[src])
         assert eoff.tolist() == [sum(1 for t, k in stage if got[src]["idx"][t, k] < e) for e in range(experts)]
-        # dispatch: the block of expert e is its stage rows, and lands as source src's rows at the expert
+        # dispatch: the block of a peer d is this rank's stage rows for d's experts, landing in d's land_x slice for
+        # this rank, each expert's rows where land_offsets says, then packed where the receive layout says
         puts = lay.dispatch_puts(counts_all)
-        for d, e, first, dst, n in puts:
-            d_, local = lay.owner(e)
-            assert d == d_ != src and 1 <= n <= lay.put_rows
-            off = int(lay.source_offsets(counts_all)[src, e])
-            j = first - int(eoff[e])
-            assert dst == local * lay.capacity + off + j and 0 <= j and j + n <= counts_all[src, e]
-            assert [tuple(r) for r in stage[first:first + n]] == [
-                lay.decode(w)[1:] for w in got[d]["recv_src"][local, off + j:off + j + n]]
-            assert all(r[0] == src for r in want[(d, local)][off + j:off + j + n])
-        for e in range(experts):  # the chunks of a remote block tile it, in order
-            if lay.owner(e)[0] != src:
-                starts = [first for _, e2, first, _, _ in puts if e2 == e]
-                assert starts == list(range(int(eoff[e]), int(eoff[e] + counts_all[src, e]), lay.put_rows))
+        L = lay.local_experts  # noqa: N806
+        for d, group, first, dst, n in puts:
+            assert d != src and group == 0 and 1 <= n <= lay.land_put_rows
+            assert dst // lay.source_rows == src and dst % lay.source_rows + n <= lay.source_rows
+            for i in range(n):
+                s2, t, k = lay.decode(got[src]["stage_src"][first + i])
+                e = int(got[src]["idx"][t, k])
+                d_, local = lay.owner(e)
+                assert s2 == src and d_ == d
+                landed = dst % lay.source_rows + i  # its row in the slice: the expert's start there, then its place
+                pos = first + i - int(eoff[e])
+                assert landed == int(lays[d].land_offsets(counts_all)[src, local]) + pos
+                off = int(lay.source_offsets(counts_all)[src, e])
+                assert want[(d, local)][off + pos][0] == src
+                assert lay.decode(got[d]["recv_src"][local, off + pos])[1:] == (t, k)
+        for d in range(world):  # the pieces of a peer's block tile it, in order
+            if d != src:
+                rows = int(counts_all[src, d * L:(d + 1) * L].sum())
+                starts = [first for d2, _, first, _, _ in puts if d2 == d]
+                assert starts == list(range(int(eoff[d * L]), int(eoff[d * L]) + rows, lay.land_put_rows))
         # combine, this rank as the experts' rank: each block back to its source's stage rows
         for s, e, y_row, comb_row, n in lay.combine_puts(counts_all):
             local = e - src * lay.local_experts
@@ -189,16 +199,18 @@ def test_stage_rows_blocks_and_puts_against_brute_force(world: int, experts: int
                 continue
             mine = range(d * lay.local_experts, (d + 1) * lay.local_experts)
             blocks = [int(counts_all[src, e]) for e in mine if counts_all[src, e] > 0]
+            rows = sum(blocks)
             # the handle words of d's experts, all of them, to d's slice for this rank: one put unless they pass
             # the largest put
             n, step = lay.local_experts * max_tokens, lay.handle_words
             handles = [(p, at, to, k) for p, at, to, k in lay.handle_puts() if p == d]
             assert handles == [(d, d * n + j, src * n + j, min(step, n - j)) for j in range(0, n, step)]
-            assert w["dispatch"][d] == 2 + len(handles) + sum(-(-n // lay.put_rows) for n in blocks)
-            # the fused round at one expert a put (the layout's default): the same puts (the last row put of a
-            # block a put_signal of its group flag), a SIGNAL per empty block, so every flag there rises once:
+            assert w["dispatch"][d] == 2 + len(handles) + -(-rows // lay.land_put_rows)
+            # the fused round at one expert a put (the layout's default): a put per piece of each expert's block
+            # (the last a put_signal of its group flag), a SIGNAL per empty block, so every flag there rises once:
             # 2 + L signals against the plain dispatch's 2
-            assert w["dispatch_gemm"][d] == w["dispatch"][d] + lay.local_experts - len(blocks)
+            assert w["dispatch_gemm"][d] == 2 + len(handles) + lay.local_experts + sum(
+                -(-n // lay.group_put_rows) - 1 for n in blocks)
             assert lay.signals()[d] == 2 and lay.signals(gemm=True)[d] == 2 + lay.local_experts
             back = [int(counts_all[d, e]) for e in range(src * lay.local_experts, (src + 1) * lay.local_experts)
                     if counts_all[d, e] > 0]
@@ -268,8 +280,8 @@ def test_split_experts_read_their_weights_once_a_step_and_whole_ones_once() -> N
 def test_dispatch_gemm_groups_land_where_the_gemm_reads_them(world: int, experts: int, max_tokens: int, topk: int,
                                                              experts_per_put: int, put_rows: int) -> None:
     """``dispatch_gemm`` sends a destination ``experts_per_put`` experts' rows per put: each group is one block of
-    the source's stage, split at ``group_put_rows``, and lands in the destination's ``gemm_stage`` slice for the
-    source, where ``gemm_stage_offsets`` says each expert's rows are (the same rows, in the same order, as
+    the source's stage, split at ``group_put_rows``, and lands in the destination's ``land_x`` slice for the
+    source, where ``land_offsets`` says each expert's rows are (the same rows, in the same order, as
     ``dispatch`` lands in ``recv_x``). The records per destination are the count, a put per group piece (the last
     the group flag's put_signal), a SIGNAL per empty group, the handle words and the dispatch SIGNAL."""
     rng = np.random.default_rng(world * 10 + experts_per_put)
@@ -315,7 +327,7 @@ def test_dispatch_gemm_groups_land_where_the_gemm_reads_them(world: int, experts
             assert w[d] == 2 + handles + lay.put_groups + pieces - groups_with_rows
             assert signals[d] == 2 + lay.put_groups
     for d, lay in enumerate(lays):  # each peer's rows for each expert where the GEMM reads them, as dispatch lands them
-        at, (_, recv_layout) = lay.gemm_stage_offsets(counts_all), lay.receive(counts_all)
+        at, (_, recv_layout) = lay.land_offsets(counts_all), lay.receive(counts_all)
         for local in range(L):
             assert len({lay.group_slot(s, local) for s in range(world)}) == world
             assert lay.expert_slot <= lay.group_slot(world - 1, local) < lay.expert_slot + world * L
@@ -337,9 +349,9 @@ def test_the_largest_put_is_the_daemons() -> None:
 
 def test_writes_per_destination_at_deepep_low_latency_shape() -> None:
     """128 tokens a rank, top-8 of 64 experts, two ranks, uniform routing: a dispatch pushes each peer its
-    count row, one put per expert block, one of the handle words of all its experts, and a SIGNAL (about 35
-    records; 66 with a handle-word put per block, about 530 with a put per row); combine one put per block and
-    a SIGNAL."""
+    count row, one put of its rows for all of the peer's experts, one of the handle words of all its experts,
+    and a SIGNAL (4 records; 35 with a put per expert block, about 530 with a put per row); combine one put per
+    block and a SIGNAL."""
     rng = np.random.default_rng(0)
     lays = [MoELayout(r, 2, 64, 128, 8, 7168) for r in range(2)]
     idx = [np.stack([rng.permutation(64)[:8] for _ in range(128)]) for _ in range(2)]
@@ -348,7 +360,7 @@ def test_writes_per_destination_at_deepep_low_latency_shape() -> None:
         w = lay.writes(counts_all)
         blocks = int((counts_all[r, (1 - r) * 32:(2 - r) * 32] > 0).sum())
         back = int((counts_all[1 - r, r * 32:(r + 1) * 32] > 0).sum())
-        assert w["dispatch"][1 - r] == 3 + blocks <= 35 and w["combine"][1 - r] == 1 + back <= 33
+        assert blocks > 0 and w["dispatch"][1 - r] == 4 and w["combine"][1 - r] == 1 + back <= 33
 
 
 def test_the_combine_model_is_the_weighted_sum_of_each_tokens_experts() -> None:
@@ -424,12 +436,13 @@ SIGNATURES = {
                     "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "rank": "i32", "tokens": "i32"},
                    {"W": W, "L": L, "K": K, "KP": 4, "T": T, "H": H, "ROW": H, "COPY_ROWS": 16, "BLOCK_H": 256}),
     "_moe_dispatch": ({"ch": "*u64", "rounds_ptr": "*i32", "rank": "i32", "count_ptr": "*i32",
-                       "eoff_ptr": "*i32", "recv_src_ptr": "*i32", "src_stage_ptr": "*i32", "recv_count_ptr": "*i32",
-                       "layout_ptr": "*i32", "count_region": "i32", "recv_region": "i32", "src_stage_region": "i32",
-                       "send_x_region": "i32", "send_src_region": "i32", "count_slot": "i32",
-                       "dispatch_slot": "i32"},
-                      {"W": W, "E": E, "L": L, "T": T, "ROW_BYTES": 2 * H, "PUT_ROWS": T, "HANDLE_WORDS": L * T,
-                       "LP": 4, "WP": 2, "BLOCK_T": 128}),
+                       "eoff_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "src_stage_ptr": "*i32",
+                       "land_ptr": "*bf16", "recv_count_ptr": "*i32", "layout_ptr": "*i32", "count_region": "i32",
+                       "land_region": "i32", "src_stage_region": "i32", "send_x_region": "i32",
+                       "send_src_region": "i32", "count_slot": "i32", "dispatch_slot": "i32"},
+                      {"W": W, "E": E, "L": L, "T": T, "ROW": H, "ROW_BYTES": 2 * H, "SOURCE_ROWS": T * K,
+                       "LAND_PUT_ROWS": T * K, "HANDLE_WORDS": L * T, "LP": 4, "WP": 2, "BLOCK_T": 128,
+                       "COPY_ROWS": 16, "BLOCK_H": 256}),
     "_moe_combine_send": ({"ch": "*u64", "rank": "i32", "y_ptr": "*bf16", "count_ptr": "*i32", "send_y_ptr": "*bf16",
                            "comb_ptr": "*bf16", "comb_region": "i32", "send_y_region": "i32"},
                           {"W": W, "E": E, "L": L, "T": T, "H": H, "EP": E, "COPY_ROWS": 16, "BLOCK_H": 256,
@@ -440,8 +453,8 @@ SIGNATURES = {
                             {"W": W, "K": K, "H": H, "BLOCK_H": 256}),
     "_moe_dispatch_gemm": ({"ch": "*u64", "rounds_ptr": "*i32", "rank": "i32", "count_ptr": "*i32",
                             "eoff_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_src_ptr": "*i32", "src_stage_ptr": "*i32",
-                            "gemm_stage_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "recv_count_ptr": "*i32",
-                            "layout_ptr": "*i32", "count_region": "i32", "gemm_stage_region": "i32",
+                            "land_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "recv_count_ptr": "*i32",
+                            "layout_ptr": "*i32", "count_region": "i32", "land_region": "i32",
                             "src_stage_region": "i32", "send_x_region": "i32", "send_src_region": "i32",
                             "count_slot": "i32", "dispatch_slot": "i32", "expert_slot": "i32", "timeline": "*i64"},
                            {"W": W, "E": E, "L": L, "T": T, "H": H, "N": 136, "LP": 4, "WP": 2,
@@ -451,14 +464,15 @@ SIGNATURES = {
                             "COMMUNICATE": True, "COMPUTE": True, "SPLIT_EXPERTS": 1}),
 }
 # Protocol call sites: (pushes per peer, waits per peer, other pushes). The loops over peers run W times (W is
-# a constexpr: the compiler unrolls them); the dispatch: per peer the count put_signal, the count wait and the
-# peer's handle-word put, then a block's row put, then (its finish) a SIGNAL and a wait per peer; the combine: a
+# a constexpr: the compiler unrolls them); the dispatch: per peer the count put_signal, and per peer served
+# (W - 1: so 4 a peer and -3 other) its block's row put, its handle-word put and its dispatch SIGNAL; then the
+# count and dispatch waits per peer; the combine: a
 # block's put; a SIGNAL and a wait per peer. No kernel quiets: each round's round trips order the reuse of the
 # put sources (docs/kernels.md). The fused dispatch + GEMM: per peer the count put_signal; a group's row put (a
 # piece before the last), the last piece's put_signal of the group flag, an empty group's SIGNAL of it, the
 # peer's handle-word put and the dispatch SIGNAL, in a loop over the peers that is not unrolled; per peer the
 # communication programs' count and dispatch waits, the compute programs' count wait and their group-flag wait.
-SITES = {"_moe_route": (0, 0, 0), "_moe_stage": (0, 0, 0), "_moe_dispatch": (3, 2, 1), "_moe_combine_send": (0, 0, 1),
+SITES = {"_moe_route": (0, 0, 0), "_moe_stage": (0, 0, 0), "_moe_dispatch": (4, 2, -3), "_moe_combine_send": (0, 0, 1),
          "_moe_combine_reduce": (1, 1, 0), "_moe_dispatch_gemm": (1, 4, 5)}
 
 
