@@ -424,8 +424,9 @@ def _store_receive_layout(count_ptr, recv_count_ptr, layout_ptr, rank, W: tl.con
 @triton.jit
 def _put_block_signal(ch, d, recv_region, send_x_region, start, row, count, slot, H: tl.constexpr,
                       PUT_ROWS: tl.constexpr):
-    """``_put_block`` for one program, every piece in order: the last piece's put is a put_signal (ADD 1 to d's
-    ``slot``), after every other put of the block in this program's order."""
+    """A block of stage rows ``start ...`` (bf16 rows of H) to d's rows ``row ...`` of the region, in pieces of at
+    most PUT_ROWS rows, in order: the last piece's put is a put_signal (ADD 1 to d's ``slot``), after every other
+    put of the block in this program's order."""
     for j in range(0, count, PUT_ROWS):
         n = tl.minimum(count - j, PUT_ROWS)
         if j + PUT_ROWS < count:

@@ -6,9 +6,9 @@ The channel calls are replaced by :class:`Fabric`, a model that moves a put's by
 once, adds a signal to the peer's flag, and records each wait, checked once every rank has run the kernel
 (each satisfied by the signals sent, and every program of a kernel that reads what peers push waiting for
 every peer's flag: ranks take turns here, so a missing wait would still find its data), and each put,
-checked against the model's plan: one put per (peer, expert) block with rows (pieces of at most ``put_rows``
-rows) and one of the handle words of all the peer's experts, exactly the model's offsets and lengths, and the
-records per destination the model counts.
+checked against the model's plan: per peer one put of this rank's rows for all of its experts into its
+``land_x`` slice (pieces of at most ``land_put_rows`` rows) and one of the handle words of all the peer's
+experts, exactly the model's offsets and lengths, and the records per destination the model counts.
 
     python -m tests.gpuclient.moe_interpreted WORLD EXPERTS MAX_TOKENS TOPK HIDDEN PROGRAMS [PUT_ROWS]
 """
