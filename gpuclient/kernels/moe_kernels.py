@@ -349,9 +349,11 @@ def _send_blocks(ch, rank, count_ptr, eoff_ptr, count_region, land_region, src_s
     every peer (put_signal), then peer by peer in ring order our rows for all of its experts, one block of the
     stage (``_moe_stage`` staged them expert-major), into our slice of its land_x, where our own counts alone
     place them (pieces of LAND_PUT_ROWS rows where it passes the largest put), the handle words of its experts
-    into its src_stage slice for us, and the SIGNAL of its dispatch flag, which covers them. Every rank's program
-    0 sends before any program waits, so the flags a program waits for never hang on a program of the peer's
-    that waits behind it. Our own experts' rows and handle words are in place already."""
+    into its src_stage slice for us, and the SIGNAL of its dispatch flag, which covers them. Program 0 sends all
+    of it before it waits, so every flag a program waits for comes from a peer's program 0 with nothing before it
+    to wait for (a spread over programs deadlocked where programs run one after another: one waited for a flag
+    that the peer's later program sends, behind the peer's waiting first). Our own experts' rows and handle
+    words are in place already."""
     if tl.program_id(0) == 0:
         ls = tl.arange(0, LP)
         for peer in range(0, W):
