@@ -411,8 +411,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     if moe:
         lines += ["", "| MoE | backend | NIC model | decoupled | rows | dispatch us | combine us | from graphs: "
                   "dispatch / combine us | fp8's bf16 twin, same daemons: dispatch / combine us | "
-                  "signals / dest / dispatch (requested) | fences / dest / dispatch | writes / dest / dispatch |",
-                  "|" + "---|" * 12]
+                  "signals / dest / dispatch (requested) | fences / dest / dispatch | writes / dest / dispatch | "
+                  "writes / dest / combine |", "|" + "---|" * 13]
         for r in moe:
             if "error" in r:
                 lines.append(f"| moe | {r['backend']} | {r['shape']} | {r.get('decoupled')} | failed: {r['error']} |")
@@ -423,7 +423,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                          f"{r['combine_s'] * 1e6:.1f} | {graph_cell(r)} | {twin_cell(r)} | "
                          f"{r['dispatch_signals_per_dest']:.2f} "
                          f"({r['dispatch_signals_requested_per_dest']:.2f}) | {r['dispatch_fences_per_dest']:.2f} | "
-                         f"{r['dispatch_writes_per_dest']:.1f} |")
+                         f"{r['dispatch_writes_per_dest']:.1f} | {r['combine_writes_per_dest']:.1f} |")
     return "\n".join(lines)
 
 

@@ -43,7 +43,8 @@ def test_the_table_has_a_line_per_row_and_keeps_failures() -> None:
     moe = {"kernel": "moe", "backend": "ib", "shape": "cx7-400g", "decoupled": True, "tokens": 128, "hidden": 7168,
            "topk": 8, "experts": 64, "dispatch_s": 250e-6, "combine_s": 300e-6, "dispatch_signals_per_dest": 2.0,
            "dispatch_signals_requested_per_dest": 2.0, "dispatch_fences_per_dest": 0.0,
-           "dispatch_writes_per_dest": 640.0, "dispatch_graph_s": 150e-6, "combine_graph_s": 210e-6}
+           "dispatch_writes_per_dest": 640.0, "combine_writes_per_dest": 33.0, "dispatch_graph_s": 150e-6,
+           "combine_graph_s": 210e-6}
     fp8 = {**moe, "decoupled": False, "fp8": True, "dispatch_graph_s": None, "combine_graph_s": None,
            "bf16_dispatch_s": 270e-6, "bf16_combine_s": 305e-6}
     line = bench._summary(ok, {"m": 8192, "n": 8192, "k": 4096, "chunk_rows": 128})
@@ -58,9 +59,9 @@ def test_the_table_has_a_line_per_row_and_keeps_failures() -> None:
     # the latencies from calls, then from graph replays (none for fp8, whose dequantization runs between phases),
     # then fp8's bf16 twin on the same daemons (none for a bf16 row)
     assert "| 128 tok, H 7168, top-8 of 64 | ib | cx7-400g | on | bf16 | 250.0 | 300.0 | 150.0 / 210.0 | — | " \
-           "2.00 (2.00) | 0.00 | 640.0 |" in lines
+           "2.00 (2.00) | 0.00 | 640.0 | 33.0 |" in lines
     assert "| 128 tok, H 7168, top-8 of 64 | ib | cx7-400g | off | fp8 | 250.0 | 300.0 | — | 270.0 / 305.0 | " \
-           "2.00 (2.00) | 0.00 | 640.0 |" in lines
+           "2.00 (2.00) | 0.00 | 640.0 | 33.0 |" in lines
     assert moe_latency._graph_us(moe).split() == ["graphs:", "dispatch", "150.0", "us", "combine", "210.0", "us"]
     assert moe_latency._graph_us(fp8) == ""
     assert moe_latency._twin_us(moe) == ""
