@@ -518,7 +518,9 @@ def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list
             block = stage[eoff[e]:eoff[e] + n]
             assert (block >= 0).all() and all(idx[lay.decode(w)[1:]] == e for w in block), "a block of other rows"
             if d == src:
-                out[d]["recv_src"][local, off[e]:off[e] + n] = block
+                dst = out[d]["recv_src"][local, off[e]:off[e] + n]
+                assert (dst == -1).all(), "two rows landed on one slot"
+                dst[:] = block
         # the puts: each peer's block, once, into the peer's land_x slice for this source
         puts = lay.dispatch_puts(counts_all)
         for d, _, first, to, n in puts:
