@@ -487,6 +487,12 @@ class MoELayout:
         return recv_count, layout
 
 
+def _place(dst: np.ndarray, rows: np.ndarray, what: str) -> None:
+    """Write ``rows`` into ``dst``, a view whose slots must all still be empty (-1): no two rows share a slot."""
+    assert (dst == -1).all(), what
+    dst[:] = rows
+
+
 def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
     """Every rank's dispatch, from every rank's ``topk_idx``: per rank ``counts_all`` [W, E], ``recv_count`` [L],
     ``recv_layout`` [L, W, 2], ``recv_src`` [L, W*T] (-1 where no row lands), its own ``idx``, ``pos`` and
@@ -518,16 +524,12 @@ def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list
             block = stage[eoff[e]:eoff[e] + n]
             assert (block >= 0).all() and all(idx[lay.decode(w)[1:]] == e for w in block), "a block of other rows"
             if d == src:
-                dst = out[d]["recv_src"][local, off[e]:off[e] + n]
-                assert (dst == -1).all(), "two rows landed on one slot"
-                dst[:] = block
+                _place(out[d]["recv_src"][local, off[e]:off[e] + n], block, "two rows landed on one slot")
         # the puts: each peer's block, once, into the peer's land_x slice for this source
         puts = lay.dispatch_puts(counts_all)
         for d, _, first, to, n in puts:
             assert d != src and to // lay.source_rows == src
-            slot = lands[d].reshape(-1)[to:to + n]
-            assert (slot == -1).all(), "two rows landed on one land_x row"
-            slot[:] = stage[first:first + n]
+            _place(lands[d].reshape(-1)[to:to + n], stage[first:first + n], "two rows landed on one land_x row")
         for d in range(lay.world):  # every remote row went, in pieces that add up to the peer's block
             want = int(counts_all[src, d * lay.local_experts:(d + 1) * lay.local_experts].sum()) * (d != src)
             assert sum(n for d2, *_, n in puts if d2 == d) == want
@@ -538,9 +540,8 @@ def dispatch_model(layouts: list[MoELayout], topk_idx: list[np.ndarray]) -> list
             for s in range(lay.world):
                 if s != d:
                     n = int(counts_all[s, e])
-                    dst = out[d]["recv_src"][local, off[s, e]:off[s, e] + n]
-                    assert (dst == -1).all(), "two rows packed on one slot"
-                    dst[:] = lands[d][s, at[s, local]:at[s, local] + n]
+                    _place(out[d]["recv_src"][local, off[s, e]:off[s, e] + n],
+                           lands[d][s, at[s, local]:at[s, local] + n], "two rows packed on one slot")
     for src, lay in enumerate(layouts):  # each entry is where its destination says
         idx = out[src]["idx"]
         for t, k in zip(*np.nonzero(idx >= 0), strict=True):
